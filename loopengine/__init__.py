@@ -1,0 +1,58 @@
+"""loopengine: an accountable async tool loop for LLM conversations.
+
+Every guard is checked at a fixed checkpoint, every provider request is an
+attempt that is priced and recorded, and every failure either takes a bounded
+retry path or ends the conversation with a named `Outcome`.
+"""
+
+from loopengine._attribution import Attribution
+from loopengine._engine import Engine
+from loopengine._errors import (
+    ConfigError,
+    LedgerError,
+    LoopEngineError,
+    OutcomeError,
+    ProviderError,
+    ReplayMismatchError,
+)
+from loopengine._judge import Accept, Reject
+from loopengine._operation import Operation, load_operations
+from loopengine._outcome import Outcome
+from loopengine._pricing import ModelPrice, PriceBook
+from loopengine._result import AttemptsSummary, RunResult
+from loopengine._tools import Tool, tool
+from loopengine._usage import Usage
+from loopengine.guards._limits import Limits
+from loopengine.providers._cache import CachePolicy
+from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._retry import RetryPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accept",
+    "AttemptsSummary",
+    "Attribution",
+    "CachePolicy",
+    "ConfigError",
+    "Engine",
+    "FaultKind",
+    "LedgerError",
+    "Limits",
+    "LoopEngineError",
+    "ModelPrice",
+    "Operation",
+    "Outcome",
+    "OutcomeError",
+    "PriceBook",
+    "ProviderError",
+    "ProviderFault",
+    "Reject",
+    "ReplayMismatchError",
+    "RetryPolicy",
+    "RunResult",
+    "Tool",
+    "Usage",
+    "load_operations",
+    "tool",
+]

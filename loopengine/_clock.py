@@ -1,0 +1,99 @@
+"""Time, injected: the engine never reads the clock or sleeps any other way.
+
+`SystemClock` uses anyio's monotonic clock and sleep; `FakeClock` (exported
+from `loopengine.testing`) advances only when someone sleeps on it, so tests
+of retry waits and deadlines take no real time.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Protocol, runtime_checkable
+
+import anyio
+import anyio.lowlevel
+
+__all__ = ["Clock", "FakeClock", "SystemClock"]
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """What the engine needs of time."""
+
+    def now(self) -> float:
+        """Monotonic seconds; only differences are meaningful."""
+        ...
+
+    def wall(self) -> datetime:
+        """The current UTC time, for records and historical prices."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` (cancellable)."""
+        ...
+
+    def cancel_scope(self, seconds: float) -> anyio.CancelScope:
+        """A cancel scope that expires ``seconds`` from now on this clock."""
+        ...
+
+
+class SystemClock:
+    """The real clock: `anyio.current_time` and `anyio.sleep`."""
+
+    def now(self) -> float:
+        """Return anyio's monotonic time."""
+        return anyio.current_time()
+
+    def wall(self) -> datetime:
+        """Return the current UTC time."""
+        return datetime.now(UTC)
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep for real."""
+        await anyio.sleep(seconds)
+
+    def cancel_scope(self, seconds: float) -> anyio.CancelScope:
+        """`anyio.move_on_after` on the real clock."""
+        return anyio.move_on_after(seconds)
+
+
+class FakeClock:
+    """A clock that moves only when slept on or advanced, for tests.
+
+    Args:
+        start: The initial monotonic reading.
+        wall_start: The UTC time that ``start`` corresponds to.
+
+    Attributes:
+        sleeps: Every duration slept, in order.
+    """
+
+    def __init__(self, start: float = 0.0, *, wall_start: datetime | None = None) -> None:
+        self._now = start
+        self._start = start
+        self._wall_start = wall_start or datetime(2026, 1, 1, tzinfo=UTC)
+        self.sleeps: list[float] = []
+
+    def now(self) -> float:
+        """Return the fake monotonic time."""
+        return self._now
+
+    def wall(self) -> datetime:
+        """Return ``wall_start`` plus the fake time elapsed."""
+        return self._wall_start + timedelta(seconds=self._now - self._start)
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward without sleeping."""
+        self._now += seconds
+
+    def cancel_scope(self, seconds: float) -> anyio.CancelScope:
+        """A scope that never expires by itself: fake time does not pass while
+        code runs, so work under it finishes or fails on its own (scripted
+        delays beyond a timeout fail in the provider)."""
+        return anyio.CancelScope()
+
+    async def sleep(self, seconds: float) -> None:
+        """Record the wait, advance time at once, and yield to the event loop."""
+        self.sleeps.append(seconds)
+        self._now += max(0.0, seconds)
+        await anyio.lowlevel.checkpoint()

@@ -1,0 +1,268 @@
+"""`Engine`: runs operations on their published route, accountably."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import pydantic
+
+from loopengine._attribution import Attribution
+from loopengine._clock import Clock, SystemClock
+from loopengine._errors import ConfigError
+from loopengine._invocation import Invocation
+from loopengine._operation import Operation
+from loopengine._pricing import PriceBook
+from loopengine._result import RunResult
+from loopengine._run import (
+    RunSpec,
+    ToolErrorText,
+    check_unique_tools,
+    default_tool_error_text,
+    run_loop,
+)
+from loopengine._tools import Tool
+from loopengine.events import Observer
+from loopengine.guards._limits import Limits
+from loopengine.persistence._protocol import Ledger
+from loopengine.providers._base import Provider, TextCallback
+from loopengine.providers._retry import RetryPolicy
+
+__all__ = ["Engine"]
+
+Messages = str | Sequence[Mapping[str, Any]]
+System = str | Sequence[Mapping[str, Any]] | None
+
+
+class Engine:
+    """Runs conversations (`run`) and structured calls (`call`) of operations.
+
+    Args:
+        provider: The provider serving the operations' route, or a mapping of
+            route name to provider. An operation runs only on the provider
+            whose name is its ``provider``; there is no substitute (R13).
+        ledger: Where invocations and attempts are recorded (`SQLiteLedger`),
+            or None to record nothing.
+        prices: Prices and the credit exchange rate; genai-prices by default.
+        observers: Callables receiving each `loopengine.events` event.
+        clock: The time source (`loopengine.testing.FakeClock` in tests).
+        rng: The jitter source of retry waits.
+        tool_error_text: ``(tool_name, error) -> str``: what the model is told
+            when a tool handler raises (default: the exception's message, R09).
+    """
+
+    def __init__(
+        self,
+        provider: Provider | Mapping[str, Provider],
+        *,
+        ledger: Ledger | None = None,
+        prices: PriceBook | None = None,
+        observers: Iterable[Observer] = (),
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+        tool_error_text: ToolErrorText | None = None,
+    ) -> None:
+        if isinstance(provider, Mapping):
+            providers = dict(provider)
+        else:
+            providers = {getattr(provider, "name", ""): provider}
+        if not providers:
+            raise ConfigError("provider", "an engine needs at least one provider")
+        for route, item in providers.items():
+            if not isinstance(item, Provider):
+                raise ConfigError("provider", f"{item!r} is not a Provider (name and send)")
+            if item.name != route:
+                raise ConfigError("provider", f"the provider for route {route!r} is named "
+                                              f"{item.name!r}")
+        if ledger is not None and not isinstance(ledger, Ledger):
+            raise ConfigError("ledger", f"{ledger!r} does not implement the Ledger protocol")
+        if prices is not None and not isinstance(prices, PriceBook):
+            raise ConfigError("prices", f"must be a PriceBook, got {prices!r}")
+        observer_list = list(observers)
+        for i, observer in enumerate(observer_list):
+            if not callable(observer):
+                raise ConfigError(f"observers[{i}]", f"must be callable, got {observer!r}")
+        if tool_error_text is not None and not callable(tool_error_text):
+            raise ConfigError("tool_error_text", "must be callable")
+        self.providers: dict[str, Provider] = providers
+        self.ledger = ledger
+        self.prices = prices or PriceBook()
+        self.observers: list[Observer] = observer_list
+        self.clock: Clock = clock or SystemClock()
+        self.rng = rng or random.Random()
+        self.tool_error_text: ToolErrorText = tool_error_text or default_tool_error_text
+
+    def provider_for(self, operation: Operation) -> Provider:
+        """The provider of ``operation``'s published route.
+
+        Raises:
+            ConfigError: no provider of this engine serves that route (R13).
+        """
+        if not isinstance(operation, Operation):
+            raise ConfigError("operation", f"must be an Operation, got {operation!r}")
+        provider = self.providers.get(operation.provider)
+        if provider is None:
+            raise ConfigError(
+                "provider",
+                f"operation {operation.name!r} is published on route {operation.provider!r}, "
+                f"which this engine does not serve (it serves {', '.join(self.providers)}); "
+                "loopengine never substitutes another route",
+            )
+        return provider
+
+    def _invocation(
+        self,
+        kind: str,
+        operation: Operation,
+        limits: Limits | Mapping[str, object] | None,
+        retry: RetryPolicy | Mapping[str, object] | None,
+        attribution: Attribution | None,
+    ) -> Invocation:
+        provider = self.provider_for(operation)
+        run_limits = operation.limits.narrow(limits)
+        policy = operation.retry.narrow(retry)
+        if attribution is not None and not isinstance(attribution, Attribution):
+            raise ConfigError("attribution", f"must be an Attribution, got {attribution!r}")
+        if run_limits.credit_hold is not None and not self.prices.knows(
+            operation.provider, operation.model, self.clock.wall()
+        ):
+            raise ConfigError(
+                "prices",
+                f"{operation.provider}:{operation.model} has no price, so its credit_hold "
+                "cannot be enforced; add a ModelPrice to the PriceBook",
+            )
+        return Invocation(
+            kind=kind, operation=operation, provider=provider, limits=run_limits,
+            policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,
+            clock=self.clock, rng=self.rng, observers=self.observers,
+        )
+
+    async def run(
+        self,
+        operation: Operation,
+        messages: Messages,
+        *,
+        system: System = None,
+        tools: Iterable[Tool] = (),
+        output: type[pydantic.BaseModel] | None = None,
+        accept: Callable[[Any], Any] | None = None,
+        attribution: Attribution | None = None,
+        limits: Limits | Mapping[str, object] | None = None,
+        retry: RetryPolicy | Mapping[str, object] | None = None,
+        on_text: TextCallback | None = None,
+        tool_error_text: ToolErrorText | None = None,
+        final_tool: str = "final_answer",
+    ) -> RunResult:
+        """Run a conversation of ``operation`` to an outcome.
+
+        Args:
+            operation: The published operation (route, limits, policies).
+            messages: One user message, or Anthropic-shaped message dicts.
+            system: The system prompt: a string or Anthropic text blocks.
+            tools: The tools the model may call.
+            output: A pydantic model for structured mode: the model answers by
+                calling the terminal tool ``final_tool`` with this schema.
+            accept: The judge of a final answer, sync or async: returns
+                `Accept`, `Reject` or a bool. A judge that raises rejects.
+            attribution: Who the run is accounted to.
+            limits: Narrows the operation's limits for this run (never widens).
+            retry: Narrows the operation's retry policy for this run.
+            on_text: Receives streamed text deltas (streaming providers).
+            tool_error_text: Overrides the engine's hook for this run.
+            final_tool: The terminal tool's name in structured mode.
+
+        Returns:
+            The `RunResult`, whatever the outcome; it keeps the whole transcript.
+
+        Raises:
+            ConfigError: bad input, an unserved route, or an unpriced model with
+                a credit hold; raised before anything is sent.
+            LedgerError: the ledger could not record the run.
+        """
+        spec = RunSpec(
+            messages=normalize_messages(messages),
+            system=normalize_system(system),
+            tools=tuple(tools),
+            output=_check_output(output),
+            accept=_check_callable("accept", accept),
+            on_text=_check_callable("on_text", on_text),
+            tool_error_text=_check_callable("tool_error_text", tool_error_text)
+            or self.tool_error_text,
+            final_tool=final_tool,
+        )
+        if not isinstance(final_tool, str) or not final_tool:
+            raise ConfigError("final_tool", "must be a non-empty tool name")
+        check_unique_tools(spec.tools, final_tool, structured=output is not None)
+        inv = self._invocation("run", operation, limits, retry, attribution)
+        await inv.begin()
+        return await run_loop(inv, spec)
+
+
+def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
+    """One user message or a list of Anthropic-shaped messages, as our own copy.
+
+    Raises:
+        ConfigError: empty, or a message without a ``role`` of ``user`` or
+            ``assistant`` and a string or list ``content``.
+    """
+    if isinstance(messages, str):
+        if not messages:
+            raise ConfigError("messages", "must not be empty")
+        return [{"role": "user", "content": messages}]
+    if not isinstance(messages, Sequence) or not messages:
+        raise ConfigError("messages", "must be a string or a non-empty list of messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ConfigError(f"messages[{i}]", f"must be a dict, got {type(message).__name__}")
+        if message.get("role") not in ("user", "assistant"):
+            raise ConfigError(f"messages[{i}].role",
+                              f"must be 'user' or 'assistant', got {message.get('role')!r}")
+        content = message.get("content")
+        if not isinstance(content, str | list | tuple):
+            raise ConfigError(f"messages[{i}].content", "must be a string or a list of blocks")
+        if isinstance(content, list | tuple) and not all(isinstance(b, Mapping) for b in content):
+            raise ConfigError(f"messages[{i}].content", "every block must be a dict")
+        copied = copy.deepcopy(dict(message))
+        if isinstance(copied["content"], tuple):
+            copied["content"] = list(copied["content"])
+        out.append(copied)
+    return out
+
+
+def normalize_system(system: System) -> list[dict[str, Any]] | None:
+    """A system prompt string or text blocks, as a list of text blocks.
+
+    Raises:
+        ConfigError: not a string or a list of ``text`` blocks.
+    """
+    if system is None:
+        return None
+    if isinstance(system, str):
+        return [{"type": "text", "text": system}] if system else None
+    if not isinstance(system, Sequence):
+        raise ConfigError("system", "must be a string or a list of text blocks")
+    out: list[dict[str, Any]] = []
+    for i, block in enumerate(system):
+        if not isinstance(block, Mapping) or block.get("type") != "text" or not isinstance(
+            block.get("text"), str
+        ):
+            raise ConfigError(f"system[{i}]", "must be a text block {'type': 'text', 'text': ...}")
+        out.append(copy.deepcopy(dict(block)))
+    return out or None
+
+
+def _check_output(output: object) -> type[pydantic.BaseModel] | None:
+    if output is None:
+        return None
+    if isinstance(output, type) and issubclass(output, pydantic.BaseModel):
+        return output
+    raise ConfigError("output", f"must be a pydantic model class, got {output!r}")
+
+
+def _check_callable(field: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise ConfigError(field, f"must be callable, got {value!r}")
+    return value

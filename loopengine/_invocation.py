@@ -1,0 +1,415 @@
+"""One invocation's accounting: every attempt recorded, priced and reported once.
+
+`Invocation` is shared by `Engine.run` and `Engine.call`. It numbers attempts,
+writes each to the ledger before it goes on the wire and settles it after,
+prices it at its start time, keeps the totals, and emits the events. The
+run loop and the structured call decide *what* to send; this decides nothing
+about the conversation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import random
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+
+import anyio
+
+from loopengine._attribution import Attribution
+from loopengine._clock import Clock
+from loopengine._operation import Operation
+from loopengine._pricing import PriceBook, nanousd_to_usd
+from loopengine._result import AttemptsSummary
+from loopengine._usage import Usage
+from loopengine.events import (
+    AttemptSettled,
+    AttemptStarted,
+    Event,
+    GuardTripped,
+    Observer,
+    RunEnded,
+    RunStarted,
+)
+from loopengine.guards._checkpoints import GuardTrip, attempt_timeout, check_before_attempt
+from loopengine.guards._credits import turn_credits
+from loopengine.guards._deadline import Deadline
+from loopengine.guards._limits import Limits
+from loopengine.persistence._protocol import Ledger
+from loopengine.persistence._records import (
+    AttemptDispatch,
+    AttemptRecord,
+    AttemptSettle,
+    InvocationEnd,
+    InvocationStart,
+)
+from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse
+from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._retry import RetryPolicy, RetryStop, run_with_retries
+
+logger = logging.getLogger("loopengine")
+
+__all__ = ["Invocation"]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    index: int
+    started: float
+
+
+class Invocation:
+    """The accounting of one run or call (internal)."""
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        operation: Operation,
+        provider: Provider,
+        limits: Limits,
+        policy: RetryPolicy,
+        attribution: Attribution | None,
+        ledger: Ledger | None,
+        prices: PriceBook,
+        clock: Clock,
+        rng: random.Random,
+        observers: Sequence[Observer],
+    ) -> None:
+        self.id = str(uuid.uuid4())
+        self.kind = kind
+        self.operation = operation
+        self.provider = provider
+        self.limits = limits
+        self.policy = policy
+        self.attribution = attribution or Attribution()
+        self.ledger = ledger
+        self.prices = prices
+        self.clock = clock
+        self.rng = rng
+        self.observers = tuple(observers)
+        self.served_by = f"{provider.name}:{operation.model}"
+        self.started = clock.now()
+        self.deadline = Deadline.after(self.started, limits.total_time)
+        self.records: list[AttemptRecord] = []
+        self.usage = Usage()
+        self.usage_complete = True
+        self.output_tokens = 0
+        self.cost_nanousd = 0
+        self.provider_cost_nanousd = 0
+        self.unpriced = False
+        self.last_fault: ProviderFault | None = None
+        self._turn_attempts: dict[int, int] = {}
+        self._turn_charge: dict[int, int] = {}
+        self._in_flight: _InFlight | None = None
+        self._ended = False
+
+    # -- events -------------------------------------------------------------
+
+    async def emit(self, event: Event) -> None:
+        """Deliver ``event`` to every observer; an observer's failure is only logged."""
+        for observer in self.observers:
+            try:
+                maybe = observer(event)
+                if inspect.isawaitable(maybe):
+                    await maybe
+            except Exception:
+                logger.exception("observer %r failed on %s; the run goes on",
+                                  observer, type(event).__name__)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def begin(self) -> None:
+        """Record the invocation as running and announce it."""
+        at = self.clock.wall()
+        if self.ledger is not None:
+            await self.ledger.start_invocation(
+                InvocationStart(
+                    id=self.id,
+                    operation=self.operation.name,
+                    operation_version=self.operation.version,
+                    provider=self.operation.provider,
+                    model=self.operation.model,
+                    tenant=self.attribution.tenant,
+                    user_id=self.attribution.user_id,
+                    feature=self.attribution.feature,
+                    correlation_id=self.attribution.correlation_id,
+                    started_at=at,
+                )
+            )
+        await self.emit(RunStarted(
+            run_id=self.id, at=at, operation=self.operation.name,
+            operation_version=self.operation.version, provider=self.operation.provider,
+            model=self.operation.model, kind="run" if self.kind == "run" else "call",
+            tenant=self.attribution.tenant, feature=self.attribution.feature,
+        ))
+
+    async def finish(
+        self, outcome: str, *, turns: int, tool_calls: int, credits: int,
+        trip: GuardTrip | None = None,
+    ) -> None:
+        """Settle the invocation with ``outcome`` (ledger, events, log)."""
+        self._ended = True
+        at = self.clock.wall()
+        if trip is not None:
+            await self.emit(GuardTripped(
+                run_id=self.id, at=at, guard=trip.guard, observed=trip.observed,
+                limit=trip.limit, outcome=trip.outcome.value, message=trip.message,
+            ))
+        if self.ledger is not None:
+            await self.ledger.end_invocation(
+                InvocationEnd(id=self.id, ended_at=at, outcome=outcome, turns=turns,
+                              tool_calls=tool_calls, credits=credits)
+            )
+        logger.info(
+            "%s %s ended %s: operation=%s turns=%d tool_calls=%d attempts=%d "
+            "cost_nanousd=%d credits=%d",
+            self.kind, self.id, outcome, self.operation.name, turns, tool_calls,
+            len(self.records), self.cost_nanousd, credits,
+        )
+        await self.emit(RunEnded(
+            run_id=self.id, at=at, outcome=outcome, turns=turns, tool_calls=tool_calls,
+            attempts=len(self.records), usage=self.usage, cost_usd=self.cost_usd,
+            credits=credits,
+        ))
+
+    async def cancelled(self, *, turns: int, tool_calls: int, credits: int) -> None:
+        """The caller cancelled: settle the in-flight attempt ``aborted``/``external``
+        and the invocation ``cancelled``. Call inside a shielded scope."""
+        if self._in_flight is not None:
+            await self._settle(self._in_flight, None, None, external=True)
+        if not self._ended:
+            await self.finish("cancelled", turns=turns, tool_calls=tool_calls, credits=credits)
+
+    # -- attempts ----------------------------------------------------------------
+
+    async def request(
+        self,
+        *,
+        turn: int,
+        phase: str,
+        build: Callable[[float], ProviderRequest],
+        max_attempts: int | None = None,
+        policy: RetryPolicy | None = None,
+    ) -> ProviderResponse | GuardTrip | RetryStop:
+        """Send one request of ``turn`` with retries; every try is an attempt.
+
+        Args:
+            turn: The turn number the attempts belong to.
+            phase: ``turn``, ``repair``, ``continuation`` or ``fallback``.
+            build: Makes the request for a given timeout.
+            max_attempts: A lower cap than the policy's (a call's remaining budget).
+            policy: The retry policy (the invocation's by default).
+        """
+
+        async def send(_: int, wait: float) -> ProviderResponse:
+            return await self._attempt(turn, phase, build, wait)
+
+        outcome = await run_with_retries(
+            send,
+            policy=policy or self.policy,
+            clock=self.clock,
+            remaining=lambda: self.deadline.remaining(self.clock.now()),
+            before_attempt=self._before_attempt,
+            rng=self.rng,
+            max_attempts=max_attempts,
+        )
+        if isinstance(outcome, RetryStop):
+            self.last_fault = outcome.fault
+        return outcome
+
+    def _before_attempt(self) -> GuardTrip | None:
+        from loopengine.guards._checkpoints import ConversationState
+
+        state = ConversationState(turns=0, tool_calls=0, credits=0, deadline=self.deadline)
+        return check_before_attempt(state, self.limits, self.clock.now())
+
+    async def _attempt(
+        self, turn: int, phase: str, build: Callable[[float], ProviderRequest], wait: float
+    ) -> ProviderResponse:
+        now = self.clock.now()
+        timeout = attempt_timeout(self.limits, self.deadline, now)
+        capped = timeout < self.limits.attempt_timeout
+        request = build(timeout)
+        number = self._turn_attempts[turn] = self._turn_attempts.get(turn, 0) + 1
+        dispatch = AttemptDispatch(
+            invocation_id=self.id,
+            ordinal=len(self.records) + 1,
+            turn=turn,
+            attempt=number,
+            phase=phase,
+            served_by=self.served_by,
+            started_at=self.clock.wall(),
+            max_tokens=request.max_tokens,
+            timeout_ms=math.ceil(timeout * 1000),
+            wait_ms=round(wait * 1000),
+        )
+        self.records.append(AttemptRecord(dispatch=dispatch, settle=None))
+        flight = _InFlight(len(self.records) - 1, self.clock.now())
+        self._in_flight = flight
+        if self.ledger is not None:
+            await self.ledger.dispatch_attempt(dispatch)
+        await self.emit(AttemptStarted(
+            run_id=self.id, at=dispatch.started_at, ordinal=dispatch.ordinal, turn=turn,
+            attempt=number, phase=phase, served_by=self.served_by,
+            provider=self.operation.provider, model=self.operation.model,
+            max_tokens=request.max_tokens, timeout_ms=dispatch.timeout_ms,
+            wait_ms=dispatch.wait_ms,
+        ))
+        response: ProviderResponse | None = None
+        fault: ProviderFault | None = None
+        flight.started = self.clock.now()
+        try:
+            with self.clock.cancel_scope(timeout) as scope:
+                response = await self.provider.send(request)
+            if scope.cancelled_caught:
+                response = None
+                fault = ProviderFault(FaultKind.TIMEOUT, f"no response within {timeout:.3f}s")
+        except ProviderFault as raised:
+            fault = raised
+        except anyio.get_cancelled_exc_class():
+            raise  # the caller's cancellation: settled by `cancelled`, shielded
+        except Exception as error:  # a provider must raise only ProviderFault
+            fault = ProviderFault(
+                FaultKind.BAD_REQUEST,
+                f"the provider raised {type(error).__name__} instead of a ProviderFault",
+            )
+        if fault is not None and fault.kind is FaultKind.TIMEOUT and capped:
+            fault.aborted_reason = fault.aborted_reason or "deadline"
+        await self._settle(flight, response, fault, external=False)
+        if fault is not None:
+            raise fault
+        assert response is not None
+        return response
+
+    async def _settle(
+        self,
+        flight: _InFlight,
+        response: ProviderResponse | None,
+        fault: ProviderFault | None,
+        *,
+        external: bool,
+    ) -> None:
+        self._in_flight = None
+        dispatch = self.records[flight.index].dispatch
+        latency_ms = max(0, round((self.clock.now() - flight.started) * 1000))
+        if response is not None:
+            outcome, usage = "ok", response.usage
+        elif fault is not None:
+            usage = fault.usage
+            aborted = fault.kind is FaultKind.ABORTED or fault.aborted_reason == "deadline"
+            outcome = "aborted" if aborted else "error"
+        else:
+            outcome, usage = "aborted", None
+        priced = (
+            self.prices.price(self.operation.provider, self.operation.model, usage,
+                              dispatch.started_at)
+            if usage is not None else None
+        )
+        charged = outcome == "ok" and priced is not None
+        settle = AttemptSettle(
+            invocation_id=self.id,
+            ordinal=dispatch.ordinal,
+            outcome=outcome,
+            latency_ms=latency_ms,
+            fault=fault.kind.value if fault else None,
+            aborted_reason="external" if external else (
+                fault.aborted_reason if fault and outcome == "aborted" else None),
+            http_status=(response.http_status if response else
+                         fault.http_status if fault else None),
+            error_code=fault.error_code if fault else None,
+            usage=usage,
+            usage_approx=bool(fault and fault.usage_approx),
+            cost_nanousd=priced.cost_nanousd if priced else None,
+            charged=charged,
+            price_ref=priced.price_ref if priced else None,
+            response_id=response.response_id if response else (
+                fault.response_id if fault else None),
+            request_id=response.request_id if response else (
+                fault.request_id if fault else None),
+            stop_reason=response.stop_reason if response else None,
+        )
+        self.records[flight.index] = AttemptRecord(dispatch=dispatch, settle=settle)
+        if usage is None:
+            self.usage_complete = False
+        else:
+            self.usage = self.usage + usage
+            self.output_tokens += usage.output_tokens
+            if priced is None:
+                self.unpriced = True
+        if priced is not None:
+            self.provider_cost_nanousd += priced.cost_nanousd
+            if charged:
+                self.cost_nanousd += priced.cost_nanousd
+                self._turn_charge[dispatch.turn] = (
+                    self._turn_charge.get(dispatch.turn, 0) + priced.cost_nanousd
+                )
+        if self.ledger is not None:
+            await self.ledger.settle_attempt(settle)
+        logger.debug(
+            "attempt %s#%d turn=%d try=%d phase=%s served_by=%s outcome=%s fault=%s "
+            "status=%s latency_ms=%d output_tokens=%s",
+            self.id, dispatch.ordinal, dispatch.turn, dispatch.attempt, dispatch.phase,
+            self.served_by, outcome, settle.fault, settle.http_status, latency_ms,
+            usage.output_tokens if usage else None,
+        )
+        await self.emit(AttemptSettled(
+            run_id=self.id, at=self.clock.wall(), ordinal=dispatch.ordinal, turn=dispatch.turn,
+            attempt=dispatch.attempt, phase=dispatch.phase, served_by=self.served_by,
+            provider=self.operation.provider, model=self.operation.model,
+            max_tokens=dispatch.max_tokens, outcome=outcome, latency_ms=latency_ms,
+            fault=settle.fault, http_status=settle.http_status, error_code=settle.error_code,
+            aborted_reason=settle.aborted_reason, usage=usage, usage_approx=settle.usage_approx,
+            cost_usd=nanousd_to_usd(priced.cost_nanousd) if priced else None,
+            charged=charged, response_id=settle.response_id, request_id=settle.request_id,
+            stop_reason=settle.stop_reason,
+        ))
+
+    # -- accounting -----------------------------------------------------------------
+
+    def attempts_in_turn(self, turn: int) -> int:
+        """Attempts dispatched for ``turn`` so far."""
+        return self._turn_attempts.get(turn, 0)
+
+    def turn_credits(self, turn: int) -> int:
+        """The turn's charge in credits, rounded up to the quantum (R03)."""
+        return turn_credits(self._turn_charge.get(turn, 0), self.prices.credits_per_usd,
+                            self.prices.credit_quantum)
+
+    def turn_cost_usd(self, turn: int) -> Decimal:
+        """The turn's charged cost in USD."""
+        return nanousd_to_usd(self._turn_charge.get(turn, 0))
+
+    def turn_usage(self, turn: int) -> Usage:
+        """The usage of the turn's successful attempts."""
+        total = Usage()
+        for record in self.records:
+            settle = record.settle
+            if (record.dispatch.turn == turn and settle is not None and settle.outcome == "ok"
+                    and settle.usage is not None):
+                total = total + settle.usage
+        return total
+
+    @property
+    def cost_usd(self) -> Decimal:
+        """The charged cost so far."""
+        return nanousd_to_usd(self.cost_nanousd)
+
+    def summary(self) -> AttemptsSummary:
+        """The attempts made so far."""
+        count = len(self.records)
+        if self.ledger is None:
+            retained = 0
+        else:
+            retained = min(count, self.ledger.max_retained_attempts)
+        return AttemptsSummary(
+            count=count,
+            output_tokens=self.output_tokens,
+            usage_complete=self.usage_complete,
+            retained=retained,
+            incomplete=self.ledger is not None and retained < count,
+        )

@@ -1,0 +1,162 @@
+"""`Operation`: the published definition of one AI use, and the TOML catalogue."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loopengine import _validate
+from loopengine._errors import ConfigError
+from loopengine.guards._limits import Limits
+from loopengine.providers._cache import CachePolicy
+from loopengine.providers._retry import RetryPolicy
+
+__all__ = ["Operation", "load_operations"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Operation:
+    """One published AI use: its route, its ceilings and its policies.
+
+    A run of an operation may narrow its limits, never widen them, and can
+    never change its route (R13): the engine serves ``provider``/``model`` and
+    nothing else, even when that route fails.
+    """
+
+    name: str
+    """The operation's name, e.g. ``teammate.answer``; recorded on every invocation."""
+    provider: str
+    """The route: the name of the provider that serves it (``anthropic``)."""
+    model: str
+    """The model id on that route."""
+    max_output_tokens: int = 1024
+    """``max_tokens`` of each request, and the ceiling of a structured call's growth."""
+    version: str = "1"
+    """The published version; recorded with each invocation."""
+    limits: Limits = field(default_factory=Limits)
+    """The conversation's bounds."""
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    """The retry policy of each turn."""
+    cache: CachePolicy = field(default_factory=CachePolicy)
+    """Where prompt-cache markers go."""
+    model_max_output_tokens: int | None = None
+    """The model's own output limit, if known; ``max_tokens`` never exceeds it."""
+
+    def __post_init__(self) -> None:
+        _validate.text("name", self.name)
+        _validate.text("provider", self.provider)
+        _validate.text("model", self.model)
+        _validate.text("version", self.version)
+        _validate.integer("max_output_tokens", self.max_output_tokens, minimum=1)
+        _validate.integer("model_max_output_tokens", self.model_max_output_tokens, minimum=1,
+                          optional=True)
+        for name, kind in (("limits", Limits), ("retry", RetryPolicy), ("cache", CachePolicy)):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(name, f"must be a {kind.__name__}, got {getattr(self, name)!r}")
+
+    @property
+    def route(self) -> str:
+        """``provider:model``, as recorded in ``served_by``."""
+        return f"{self.provider}:{self.model}"
+
+    @property
+    def output_ceiling(self) -> int:
+        """The most ``max_tokens`` any request of this operation may ask for."""
+        if self.model_max_output_tokens is None:
+            return self.max_output_tokens
+        return min(self.max_output_tokens, self.model_max_output_tokens)
+
+    @classmethod
+    def from_mapping(cls, name: str, values: Mapping[str, Any]) -> Operation:
+        """Build an operation from a catalogue table; unknown keys are errors.
+
+        Raises:
+            ConfigError: with the field relative to the table (``limits.max_turns``).
+        """
+        known = {"version", "provider", "model", "max_output_tokens", "limits", "retry",
+                 "cache", "model_max_output_tokens"}
+        for key in values:
+            if key not in known:
+                raise ConfigError(str(key), f"is not an operation setting "
+                                             f"(known: {', '.join(sorted(known))})")
+        args: dict[str, Any] = {k: v for k, v in values.items()
+                                if k not in ("limits", "retry", "cache")}
+        if "version" in args and isinstance(args["version"], int):
+            args["version"] = str(args["version"])
+        for key, build in (("limits", Limits.from_mapping), ("retry", RetryPolicy.from_mapping),
+                           ("cache", _cache_from_mapping)):
+            if key in values:
+                table = values[key]
+                if not isinstance(table, Mapping):
+                    raise ConfigError(key, f"must be a table, got {table!r}")
+                try:
+                    args[key] = build(table)
+                except ConfigError as error:
+                    raise error.with_prefix(key) from None
+        for required in ("provider", "model"):
+            if required not in args:
+                raise ConfigError(required, "is required")
+        return cls(name=name, **args)
+
+
+def _cache_from_mapping(values: Mapping[str, Any]) -> CachePolicy:
+    known = {"system", "tools", "conversation", "ttl"}
+    for key in values:
+        if key not in known:
+            raise ConfigError(
+                str(key), f"is not a cache setting (known: {', '.join(sorted(known))})"
+            )
+    return CachePolicy(**values)
+
+
+def load_operations(path: str | Path) -> dict[str, Operation]:
+    """Read a TOML catalogue of operations: one ``[operations."<name>"]`` table each.
+
+    Example::
+
+        [operations."teammate.answer"]
+        version = "3"
+        provider = "anthropic"
+        model = "claude-sonnet-4-5"
+        max_output_tokens = 1024
+        limits = { max_turns = 6, credit_hold = 500 }
+        retry = { max_attempts = 3 }
+
+    Returns:
+        The operations by name.
+
+    Raises:
+        ConfigError: the file is missing, is not TOML, or a value is wrong. The
+            field names the operation and the key
+            (``operations.teammate.answer.limits.max_turns``) and the message
+            names the file.
+    """
+    where = Path(path)
+    try:
+        data = tomllib.loads(where.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("path", f"no operations catalogue at {where}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError("path", f"cannot read {where}: {error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError("path", f"{where} is not valid TOML: {error}") from None
+    unknown = set(data) - {"operations"}
+    if unknown:
+        raise ConfigError(sorted(unknown)[0], f"{where}: unknown top-level key; operations go "
+                                              'under [operations."<name>"]')
+    table = data.get("operations", {})
+    if not isinstance(table, Mapping):
+        raise ConfigError("operations", f"{where}: must be a table of operations")
+    operations: dict[str, Operation] = {}
+    for name, values in table.items():
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"operations.{name}", f"{where}: must be a table")
+        try:
+            operations[name] = Operation.from_mapping(name, values)
+        except ConfigError as error:
+            raise ConfigError(f"operations.{name}.{error.field}",
+                              f"{error.message} (in {where})") from None
+    return operations

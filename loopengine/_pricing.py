@@ -1,0 +1,215 @@
+"""Prices: `PriceBook` entries first, then genai-prices, at the attempt's start time.
+
+Every attempt is priced on its own (R07), with the price in force when it
+started: a `ModelPrice` with ``effective_from`` applies from that moment on,
+the latest applicable entry wins, and models the book does not list fall back
+to genai-prices' historical data for that timestamp.
+
+The Anthropic convention (``input_tokens`` excludes cache tokens) is converted
+to genai-prices' (cache tokens counted inside ``input_tokens``) here and only
+here, in `_genai_usage`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import ROUND_CEILING, Decimal
+
+from genai_prices import Usage as GenaiUsage
+
+from loopengine import _validate
+from loopengine._errors import ConfigError
+from loopengine._usage import Usage
+
+__all__ = ["ModelPrice", "PriceBook", "Priced"]
+
+_MTOK = Decimal(1_000_000)
+_NANO = Decimal(1_000_000_000)
+
+# genai-prices knows some providers under other ids.
+_GENAI_PROVIDER_IDS = {"bedrock": "aws", "vertex": "google"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelPrice:
+    """The price of one model on one route, from a moment on.
+
+    Prices are USD per million tokens, as `Decimal` (or int / numeric string;
+    floats are refused because they cannot hold a price exactly).
+    """
+
+    provider: str
+    """The route (``anthropic``...)."""
+    model: str
+    """The model id, exactly as the operation names it."""
+    input_per_mtok: Decimal
+    """Uncached input tokens."""
+    output_per_mtok: Decimal
+    """Output tokens."""
+    cache_read_per_mtok: Decimal | None = None
+    """Cache reads; defaults to the input price."""
+    cache_write_per_mtok: Decimal | None = None
+    """Five-minute cache writes; defaults to the input price."""
+    cache_write_1h_per_mtok: Decimal | None = None
+    """One-hour cache writes; defaults to the five-minute write price."""
+    effective_from: datetime | None = None
+    """The first moment (timezone-aware) the price applies; None: always."""
+
+    def __post_init__(self) -> None:
+        _validate.text("provider", self.provider)
+        _validate.text("model", self.model)
+        for name in ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok",
+                     "cache_write_per_mtok", "cache_write_1h_per_mtok"):
+            value = _validate.decimal(name, getattr(self, name), optional=name.startswith("cache"))
+            object.__setattr__(self, name, value)
+        if self.effective_from is not None and (
+            not isinstance(self.effective_from, datetime) or self.effective_from.tzinfo is None
+        ):
+            raise ConfigError("effective_from", "must be a timezone-aware datetime or None")
+
+    def cost(self, usage: Usage) -> Decimal:
+        """The USD cost of ``usage`` at this price."""
+        read = _or(self.cache_read_per_mtok, self.input_per_mtok)
+        write = _or(self.cache_write_per_mtok, self.input_per_mtok)
+        write_1h = _or(self.cache_write_1h_per_mtok, write)
+        total = (
+            usage.input_tokens * self.input_per_mtok
+            + usage.output_tokens * self.output_per_mtok
+            + usage.cache_read_tokens * read
+            + usage.cache_write_5m_tokens * write
+            + usage.cache_write_1h_tokens * write_1h
+        )
+        return total / _MTOK
+
+
+@dataclass(frozen=True, slots=True)
+class Priced:
+    """One attempt's price."""
+
+    cost_nanousd: int
+    """The cost in 1e-9 USD, rounded up."""
+    price_ref: str
+    """Where the price came from: ``book:<provider>/<model>@<from>`` or
+    ``genai-prices:<version>:<provider>/<model>``."""
+
+
+class PriceBook:
+    """Prices the engine uses, and the exchange rate to credits.
+
+    Args:
+        prices: `ModelPrice` entries; a model they do not list is priced by
+            genai-prices.
+        credits_per_usd: Credits one USD buys.
+        credit_quantum: Turn charges are rounded up to a multiple of this (>= 1).
+        fallback: Use genai-prices for models the book does not list.
+    """
+
+    def __init__(
+        self,
+        prices: Iterable[ModelPrice] = (),
+        *,
+        credits_per_usd: Decimal | int | str = Decimal("1000"),
+        credit_quantum: int = 1,
+        fallback: bool = True,
+    ) -> None:
+        self.prices: tuple[ModelPrice, ...] = tuple(prices)
+        for i, price in enumerate(self.prices):
+            if not isinstance(price, ModelPrice):
+                raise ConfigError(f"prices[{i}]", f"must be a ModelPrice, got {price!r}")
+        checked = _validate.decimal("credits_per_usd", credits_per_usd, positive=True)
+        assert checked is not None
+        self.credits_per_usd: Decimal = checked
+        self.credit_quantum: int = _validate.required_integer(
+            "credit_quantum", credit_quantum, minimum=1
+        )
+        self.fallback = _validate.boolean("fallback", fallback)
+
+    def __repr__(self) -> str:
+        return (f"PriceBook({len(self.prices)} prices, credits_per_usd={self.credits_per_usd}, "
+                f"credit_quantum={self.credit_quantum})")
+
+    def entry(self, provider: str, model: str, at: datetime) -> ModelPrice | None:
+        """The book's entry in force for ``provider``/``model`` at ``at``, if any."""
+        best: ModelPrice | None = None
+        for price in self.prices:
+            if price.provider != provider or price.model != model:
+                continue
+            if price.effective_from is not None and price.effective_from > at:
+                continue
+            if best is None or _start(price) >= _start(best):
+                best = price
+        return best
+
+    def price(self, provider: str, model: str, usage: Usage, at: datetime) -> Priced | None:
+        """Price one attempt's ``usage`` as of ``at``; None when no price is known."""
+        entry = self.entry(provider, model, at)
+        if entry is not None:
+            since = entry.effective_from.isoformat() if entry.effective_from else "always"
+            return Priced(to_nanousd(entry.cost(usage)), f"book:{provider}/{model}@{since}")
+        if not self.fallback:
+            return None
+        return _genai_price(provider, model, usage, at)
+
+    def knows(self, provider: str, model: str, at: datetime) -> bool:
+        """True when ``model`` on ``provider`` has a price at ``at``."""
+        return self.price(provider, model, Usage(), at) is not None
+
+
+def _or(value: Decimal | None, default: Decimal) -> Decimal:
+    return default if value is None else value
+
+
+def _start(price: ModelPrice) -> float:
+    return price.effective_from.timestamp() if price.effective_from else float("-inf")
+
+
+def to_nanousd(usd: Decimal) -> int:
+    """USD to integer nano-USD, rounded up (a bill never rounds in our favour)."""
+    return int((usd * _NANO).to_integral_value(rounding=ROUND_CEILING))
+
+
+def nanousd_to_usd(nanousd: int) -> Decimal:
+    """Integer nano-USD to an exact `Decimal` USD."""
+    return Decimal(nanousd) / _NANO
+
+
+def _genai_usage(usage: Usage) -> GenaiUsage:
+    """Our usage in genai-prices' convention: cache tokens *inside* input_tokens."""
+
+    return GenaiUsage(
+        input_tokens=usage.total_input_tokens,
+        output_tokens=usage.output_tokens,
+        cache_read_tokens=usage.cache_read_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
+        cache_write_1h_tokens=usage.cache_write_1h_tokens,
+        cache_write_5m_tokens=usage.cache_write_5m_tokens,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _genai_version() -> str:
+    from importlib.metadata import version
+
+    return version("genai-prices")
+
+
+def _genai_price(provider: str, model: str, usage: Usage, at: datetime) -> Priced | None:
+    import genai_prices
+
+    provider_id = _GENAI_PROVIDER_IDS.get(provider, provider)
+    try:
+        calc = genai_prices.calc_price(
+            _genai_usage(usage),
+            model,
+            provider_id=provider_id,
+            genai_request_timestamp=at,
+        )
+    except LookupError:
+        return None
+    return Priced(
+        to_nanousd(calc.total_price),
+        f"genai-prices:{_genai_version()}:{calc.provider.id}/{calc.model.id}",
+    )

@@ -1,0 +1,428 @@
+"""The tool loop of `Engine.run`, with its checkpoints in their fixed order.
+
+For each response, in this order, the first check that ends the run wins:
+
+1. terminal responses (refusal, cut-off) - R11;
+2. final answers: validated, then judged; accepted ends ``completed`` at once,
+   before any later check (R14); rejected goes back for repair (R10);
+3. the tool batch: too large for ``max_tool_batch`` or the budget left (R02);
+4. credits: accumulated rounded turn charges above the hold (R03);
+5. tools: the whole batch runs concurrently; one combined results message (R08,
+   R09, R15).
+
+Before each turn: the turn limit (R01), then the time limit (R04). See
+docs/guards.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import anyio
+import pydantic
+
+from loopengine._errors import ConfigError
+from loopengine._invocation import Invocation
+from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
+from loopengine._outcome import Outcome
+from loopengine._pricing import nanousd_to_usd
+from loopengine._result import RunResult
+from loopengine._tools import Tool, ToolInputError, describe_validation_error, render_tool_output
+from loopengine.events import ToolCallEvent, TurnStarted
+from loopengine.guards._checkpoints import (
+    ConversationState,
+    GuardTrip,
+    check_before_turn,
+    check_credits,
+    check_rejection_budget,
+    check_terminal,
+    check_tool_batch,
+)
+from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._faults import FaultKind
+from loopengine.providers._retry import RetryStop
+
+__all__ = ["MAX_CONTINUATIONS", "RunSpec", "ToolErrorText", "default_tool_error_text",
+           "run_loop"]
+
+MAX_CONTINUATIONS = 8
+"""``pause_turn`` continuations one turn may make before it ends ``incomplete``."""
+
+ToolErrorText = Callable[[str, BaseException], str]
+"""``(tool_name, error) -> text``: what the model is told when a handler raised."""
+
+
+def default_tool_error_text(tool_name: str, error: BaseException) -> str:
+    """The exception's message (its type name when it has none).
+
+    The text is shown to the model (R09): handlers should raise messages fit
+    to disclose to it, or the engine should be given another hook.
+    """
+    return str(error) or type(error).__name__
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSpec:
+    """A validated run request (internal)."""
+
+    messages: list[dict[str, Any]]
+    system: list[dict[str, Any]] | None
+    tools: tuple[Tool, ...]
+    output: type[pydantic.BaseModel] | None
+    accept: Callable[[Any], Any] | None
+    on_text: TextCallback | None
+    tool_error_text: ToolErrorText
+    final_tool: str
+
+
+@dataclass(slots=True)
+class _Answer:
+    """A response's offered final answer (or the lack of one)."""
+
+    accepted: bool
+    value: Any = None
+    feedback: str = ""
+
+
+async def run_loop(inv: Invocation, spec: RunSpec) -> RunResult:
+    """Run the conversation; return its result (raises only the caller's cancellation)."""
+    loop = _Loop(inv, spec)
+    try:
+        return await loop.run()
+    except anyio.get_cancelled_exc_class():
+        with anyio.CancelScope(shield=True):
+            await inv.cancelled(turns=loop.state.turns, tool_calls=loop.state.tool_calls,
+                                credits=loop.state.credits)
+        raise
+
+
+class _Loop:
+    def __init__(self, inv: Invocation, spec: RunSpec) -> None:
+        self.inv = inv
+        self.spec = spec
+        self.limits = inv.limits
+        self.transcript: list[dict[str, Any]] = copy.deepcopy(spec.messages)
+        self.state = ConversationState(turns=0, tool_calls=0, credits=0, deadline=inv.deadline)
+        self.tools = {t.name: t for t in spec.tools}
+        definitions = [t.definition for t in spec.tools]
+        if spec.output is not None:
+            schema = spec.output.model_json_schema()
+            schema.pop("title", None)
+            definitions.append({
+                "name": spec.final_tool,
+                "description": "Give your final answer. Call this exactly once, when you "
+                               "have the answer, with the answer as its input.",
+                "input_schema": schema,
+            })
+        self.definitions = definitions
+
+    # -- the loop ------------------------------------------------------------------
+
+    async def run(self) -> RunResult:
+        phase = "turn"
+        while True:
+            trip = check_before_turn(self.state, self.limits, self.inv.clock.now())
+            if trip is not None:
+                return await self._end(trip.outcome, trip=trip)
+            turn = self.state.turns + 1
+            self.state = replace(self.state, turns=turn)
+            await self.inv.emit(TurnStarted(run_id=self.inv.id, at=self.inv.clock.wall(),
+                                            turn=turn, phase=phase))
+            response = await self._send_turn(turn, phase)
+            self._charge(turn)
+            if isinstance(response, _Stop):
+                if not self.inv.attempts_in_turn(turn):
+                    # Time ran out between the two checks: no request, so no turn (R01).
+                    self.state = replace(self.state, turns=turn - 1)
+                return await self._stopped(response)
+
+            # 1. Terminal responses (R11).
+            trip = check_terminal(response.stop_reason)
+            if trip is not None:
+                return await self._end(trip.outcome, trip=trip)
+
+            blocks = self.transcript[-1]["content"]
+            tool_uses = [b for b in blocks if b.get("type") == "tool_use"]
+            results: list[dict[str, Any]] = []
+            feedback_message: str | None = None
+            rejected = False
+
+            # 2. Final answers (R10, R14).
+            if self.spec.output is None:
+                batch = tool_uses
+                if not tool_uses:
+                    text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+                    answer = await self._judge(text, "accept")
+                    if answer.accepted:
+                        return await self._end(Outcome.COMPLETED, answer=answer.value)
+                    rejected, feedback_message = True, answer.feedback
+            else:
+                finals = [b for b in tool_uses if b.get("name") == self.spec.final_tool]
+                batch = [b for b in tool_uses if b.get("name") != self.spec.final_tool]
+                if finals:
+                    answer = await self._structured_answer(finals[0])
+                    if answer.accepted:
+                        return await self._end(Outcome.COMPLETED, answer=answer.value)
+                    rejected = True
+                    results.append(_tool_result(finals[0], answer.feedback, error=True))
+                    batch = [*finals[1:], *batch]
+                elif not tool_uses:
+                    rejected = True
+                    feedback_message = (
+                        f"Give your answer by calling the {self.spec.final_tool} tool."
+                    )
+
+            if rejected:
+                trip = check_rejection_budget(self.state, self.limits)
+                if trip is not None:
+                    return await self._end(trip.outcome, trip=trip)
+                self.state = replace(self.state, tool_calls=self.state.tool_calls + 1)
+
+            # 3. The tool batch (R02): all of it or none of it.
+            if batch:
+                trip = check_tool_batch(self.state, self.limits, len(batch))
+                if trip is not None:
+                    return await self._end(trip.outcome, trip=trip)
+
+            # 4. Credits (R03): more than the hold stops further work.
+            trip = check_credits(self.state, self.limits)
+            if trip is not None:
+                return await self._end(trip.outcome, trip=trip)
+
+            # 5. Tools (R08, R09, R15).
+            if batch:
+                results.extend(await self._run_tools(turn, batch))
+                self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
+            if results:
+                self.transcript.append({"role": "user", "content": results})
+            elif feedback_message is not None:
+                self.transcript.append({"role": "user", "content": feedback_message})
+            phase = "repair" if rejected else "turn"
+
+    async def _send_turn(self, turn: int, phase: str) -> ProviderResponse | _Stop:
+        """The turn's request, its retries and its ``pause_turn`` continuations."""
+        response = await self.inv.request(turn=turn, phase=phase, build=self._build)
+        if not isinstance(response, ProviderResponse):
+            return _Stop(response)
+        self.transcript.append({"role": "assistant", "content": _copy_blocks(response.content)})
+        continuations = 0
+        while response.stop_reason == "pause_turn":
+            continuations += 1
+            if continuations > MAX_CONTINUATIONS:
+                return _Stop(GuardTrip(
+                    Outcome.INCOMPLETE, "stop_reason", "pause_turn", MAX_CONTINUATIONS,
+                    f"the turn paused more than {MAX_CONTINUATIONS} times",
+                ))
+            next_response = await self.inv.request(turn=turn, phase="continuation",
+                                                   build=self._build)
+            if not isinstance(next_response, ProviderResponse):
+                return _Stop(next_response)
+            self.transcript[-1]["content"].extend(_copy_blocks(next_response.content))
+            response = next_response
+        return response
+
+    def _build(self, timeout: float) -> ProviderRequest:
+        return ProviderRequest(
+            model=self.inv.operation.model,
+            max_tokens=self.inv.operation.output_ceiling,
+            messages=self.transcript,
+            system=self.spec.system,
+            tools=self.definitions,
+            timeout=timeout,
+            cache=self.inv.operation.cache,
+            on_text=self.spec.on_text,
+            metadata={"turn": self.state.turns},
+        )
+
+    def _charge(self, turn: int) -> None:
+        """Add the turn's rounded charge; the crossing turn stays billed (R03, S01)."""
+        self.state = replace(self.state, credits=self.state.credits + self.inv.turn_credits(turn))
+
+    # -- answers ----------------------------------------------------------------------
+
+    async def _structured_answer(self, block: Mapping[str, Any]) -> _Answer:
+        assert self.spec.output is not None
+        try:
+            value = self.spec.output.model_validate(block.get("input", {}))
+        except pydantic.ValidationError as error:
+            return _Answer(False, feedback="The answer does not match the required schema: "
+                                           + describe_validation_error(error))
+        return await self._judge(value, self.spec.final_tool)
+
+    async def _judge(self, value: Any, name: str) -> _Answer:
+        """Run the consumer's judge; a judge that raises is a rejection (R10)."""
+        if self.spec.accept is None:
+            return _Answer(True, value)
+        try:
+            verdict = self.spec.accept(value)
+            if inspect.isawaitable(verdict):
+                verdict = await verdict
+        except Exception as error:
+            return _Answer(False, feedback="The answer could not be checked: "
+                                           + self.spec.tool_error_text(name, error))
+        if verdict is True or isinstance(verdict, Accept):
+            return _Answer(True, value)
+        if verdict is False:
+            return _Answer(False, feedback=DEFAULT_REJECTION)
+        if isinstance(verdict, Reject):
+            return _Answer(False, feedback=verdict.feedback)
+        return _Answer(False, feedback="The answer could not be checked: "
+                       + self.spec.tool_error_text(name, TypeError(
+                           f"the judge returned {type(verdict).__name__}, not Accept or Reject")))
+
+    # -- tools --------------------------------------------------------------------------
+
+    async def _run_tools(
+        self, turn: int, batch: Sequence[Mapping[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Run the whole batch concurrently under the remaining time."""
+        inv = self.inv
+        usage = inv.turn_usage(turn)
+        spend = inv.turn_cost_usd(turn)
+        results: list[dict[str, Any] | None] = [None] * len(batch)
+
+        async def tool_event(block: Mapping[str, Any], status: str, latency: float,
+                             error: str | None = None) -> None:
+            await inv.emit(ToolCallEvent(
+                run_id=inv.id, at=inv.clock.wall(), tool_name=str(block.get("name")),
+                status=status,  # type: ignore[arg-type]
+                latency_ms=max(0, round(latency * 1000)),
+                token_cost=usage.total_input_tokens + usage.output_tokens,
+                input_tokens=usage.total_input_tokens, output_tokens=usage.output_tokens,
+                model_id=inv.operation.model, provider=inv.operation.provider,
+                spend_usd=spend, tool_use_id=str(block.get("id")), turn=turn, error=error,
+            ))
+
+        async def one(index: int, block: Mapping[str, Any]) -> None:
+            name = str(block.get("name"))
+            started = inv.clock.now()
+            await tool_event(block, "started", 0.0)
+            handler = self.tools.get(name)
+            if name == self.spec.final_tool:
+                text, failed = "Only the first final answer of a turn is considered.", "duplicate"
+            elif handler is None:
+                available = ", ".join(sorted(self.tools)) or "none"
+                text, failed = f"There is no tool named {name!r}. Available tools: {available}.", \
+                    "unknown tool"
+            else:
+                try:
+                    argument = handler.validate(block.get("input", {}))
+                except ToolInputError as error:
+                    text, failed = f"Invalid input for {name}: {error}", "invalid input"
+                else:
+                    try:
+                        value = await handler.invoke(argument)
+                    except Exception as error:
+                        text = self.spec.tool_error_text(name, error)
+                        failed = f"handler raised {type(error).__name__}"
+                    else:
+                        results[index] = _tool_result(block, render_tool_output(value))
+                        await tool_event(block, "succeeded", inv.clock.now() - started)
+                        return
+            results[index] = _tool_result(block, text, error=True)
+            await tool_event(block, "failed", inv.clock.now() - started, failed)
+
+        began = inv.clock.now()
+        with inv.clock.cancel_scope(inv.deadline.remaining(began)):
+            async with anyio.create_task_group() as group:
+                for index, block in enumerate(batch):
+                    group.start_soon(one, index, block)
+        out: list[dict[str, Any]] = []
+        for index, block in enumerate(batch):
+            result = results[index]
+            if result is None:
+                result = _tool_result(
+                    block, "The tool call did not finish before the run's time ran out.",
+                    error=True)
+                await tool_event(block, "failed", inv.clock.now() - began, "deadline")
+            out.append(result)
+        return out
+
+    # -- endings -------------------------------------------------------------------------
+
+    async def _stopped(self, stop: _Stop) -> RunResult:
+        reason = stop.reason
+        if isinstance(reason, GuardTrip):
+            return await self._end(reason.outcome, trip=reason)
+        fault = reason.fault
+        outcome = (Outcome.CREDIT_EXHAUSTED if fault.kind is FaultKind.CREDIT_EXHAUSTED
+                   else Outcome.PROVIDER_ERROR)
+        why = {
+            "permanent": "is not retried",
+            "not_retryable": "was not retried: the provider said not to",
+            "exhausted": f"persisted through {reason.attempts} attempts",
+            "deadline": "was not retried: the wait would outlast the run's time",
+        }[reason.reason]
+        detail = f"{fault.kind.value} fault {why}: {fault.message}"
+        return await self._end(outcome, fault=fault, detail=detail)
+
+    async def _end(
+        self,
+        outcome: Outcome,
+        *,
+        answer: Any = None,
+        trip: GuardTrip | None = None,
+        fault: Any = None,
+        detail: str | None = None,
+    ) -> RunResult:
+        inv = self.inv
+        await inv.finish(outcome.value, turns=self.state.turns,
+                         tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
+        if detail is None:
+            detail = trip.message if trip else "the answer was accepted"
+        return RunResult(
+            outcome=outcome,
+            answer=answer,
+            turns=self.state.turns,
+            tool_calls=self.state.tool_calls,
+            usage=inv.usage,
+            cost_usd=inv.cost_usd,
+            provider_cost_usd=nanousd_to_usd(inv.provider_cost_nanousd),
+            credits=self.state.credits,
+            attempts=inv.summary(),
+            invocation_id=inv.id,
+            messages=self.transcript,
+            trip=trip,
+            fault=fault if fault is not None else (
+                inv.last_fault if outcome in (Outcome.PROVIDER_ERROR, Outcome.CREDIT_EXHAUSTED)
+                else None),
+            unpriced=inv.unpriced,
+            detail=detail,
+            attempt_log=tuple(inv.records),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    """A turn that could not produce a response: a guard before an attempt, or a fault."""
+
+    reason: GuardTrip | RetryStop
+
+
+def _copy_blocks(content: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [copy.deepcopy(dict(b)) for b in content]
+
+
+def _tool_result(block: Mapping[str, Any], content: Any, *, error: bool = False) -> dict[str, Any]:
+    result: dict[str, Any] = {"type": "tool_result", "tool_use_id": block.get("id"),
+                              "content": content}
+    if error:
+        result["is_error"] = True
+    return result
+
+
+def check_unique_tools(tools: Sequence[Tool], final_tool: str, structured: bool) -> None:
+    """Tool names must be unique and must not take the terminal tool's name."""
+    seen: set[str] = set()
+    for i, item in enumerate(tools):
+        if not isinstance(item, Tool):
+            raise ConfigError(f"tools[{i}]", f"must be a Tool (use @loopengine.tool), got {item!r}")
+        if item.name in seen:
+            raise ConfigError(f"tools[{i}]", f"two tools are named {item.name!r}")
+        if structured and item.name == final_tool:
+            raise ConfigError(f"tools[{i}]", f"{final_tool!r} is the terminal tool's name")
+        seen.add(item.name)

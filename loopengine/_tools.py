@@ -1,0 +1,238 @@
+"""Tools: what the model may call, with the schema its input is checked against.
+
+A tool's input is validated before its handler runs; a call that fails
+validation never reaches the handler and gets a recoverable error result
+instead (R15). Sync handlers run in a worker thread, async ones on the loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, overload
+
+import anyio.to_thread
+import pydantic
+
+from loopengine._errors import ConfigError
+from loopengine._jsonschema import schema_errors
+
+__all__ = ["Tool", "ToolInputError", "tool"]
+
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+class ToolInputError(Exception):
+    """A tool call's input does not match the tool's schema (internal)."""
+
+
+class Tool:
+    """A tool the model may call.
+
+    Args:
+        name: The name the model calls it by (letters, digits, ``_``, ``-``; 1-64).
+        description: What it does, for the model.
+        input_schema: A JSON Schema for the input; the handler receives the
+            input as a dict.
+        handler: The function to run, sync or async.
+        input_model: A pydantic model for the input instead of a schema; the
+            handler receives a model instance.
+
+    Use `tool` to build one from a function's signature and docstring.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        input_schema: Mapping[str, Any] | None = None,
+        handler: Callable[..., Any] | None = None,
+        *,
+        input_model: type[pydantic.BaseModel] | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError("name", f"must match {_NAME.pattern}, got {name!r}")
+        if not isinstance(description, str):
+            raise ConfigError("description", f"must be a string, got {description!r}")
+        if handler is None or not callable(handler):
+            raise ConfigError("handler", f"tool {name!r} needs a callable handler")
+        if (input_schema is None) == (input_model is None):
+            raise ConfigError(
+                "input_schema", f"tool {name!r} needs exactly one of input_schema or input_model"
+            )
+        if input_model is not None and not (
+            isinstance(input_model, type) and issubclass(input_model, pydantic.BaseModel)
+        ):
+            raise ConfigError("input_model", f"must be a pydantic model class, got {input_model!r}")
+        if input_schema is not None and (
+            not isinstance(input_schema, Mapping) or input_schema.get("type") != "object"
+        ):
+            raise ConfigError(
+                "input_schema", f"tool {name!r}: must be a JSON Schema of type 'object'"
+            )
+        self.name = name
+        self.description = description
+        self.input_model = input_model
+        self.handler = handler
+        self.input_schema: dict[str, Any] = (
+            dict(input_schema) if input_schema is not None
+            else _model_schema(input_model)  # type: ignore[arg-type]
+        )
+        self._kwargs = False
+        self._is_async = _is_async(handler)
+
+    def __repr__(self) -> str:
+        return f"Tool({self.name!r})"
+
+    @property
+    def definition(self) -> dict[str, Any]:
+        """The tool definition sent to the model."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "input_schema": self.input_schema,
+        }
+
+    def validate(self, tool_input: object) -> Any:
+        """Check ``tool_input``; return the argument for the handler.
+
+        Raises:
+            ToolInputError: the input does not match; the message says where.
+        """
+        if self.input_model is not None:
+            try:
+                return self.input_model.model_validate(tool_input)
+            except pydantic.ValidationError as error:
+                raise ToolInputError(describe_validation_error(error)) from None
+        problems = schema_errors(self.input_schema, tool_input)
+        if problems:
+            raise ToolInputError("; ".join(problems))
+        return tool_input
+
+    async def invoke(self, argument: Any) -> Any:
+        """Run the handler with a validated argument (worker thread if sync)."""
+        if self._kwargs:
+            assert isinstance(argument, pydantic.BaseModel)
+            call = functools.partial(
+                self.handler, **{k: getattr(argument, k) for k in type(argument).model_fields}
+            )
+        else:
+            call = functools.partial(self.handler, argument)
+        if self._is_async:
+            return await call()
+        return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+
+
+def describe_validation_error(error: pydantic.ValidationError) -> str:
+    """A pydantic error as short ``field: problem`` lines, without input values."""
+    parts = []
+    for item in error.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in item["loc"]) or "input"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
+    )
+
+
+def _model_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema()
+    schema.pop("title", None)
+    schema.setdefault("properties", {})
+    return schema
+
+
+def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
+    """The description (text before ``Args:``) and per-argument descriptions."""
+    doc = inspect.getdoc(fn) or ""
+    head, _, rest = doc.partition("\nArgs:\n")
+    params: dict[str, str] = {}
+    current: str | None = None
+    for line in rest.splitlines():
+        if line and not line.startswith(" "):
+            break  # the next section (Returns:, Raises:)
+        match = re.match(r"^\s{2,8}(\*{0,2}\w+)(?:\s*\(.*?\))?:\s*(.*)$", line)
+        if match:
+            current = match.group(1).lstrip("*")
+            params[current] = match.group(2).strip()
+        elif current and line.strip():
+            params[current] += " " + line.strip()
+    return head.strip(), params
+
+
+def _from_function(
+    fn: Callable[..., Any], name: str | None, description: str | None
+) -> Tool:
+    summary, param_docs = _docstring_parts(fn)
+    fields: dict[str, Any] = {}
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ConfigError("handler", f"{fn.__name__}: *args and **kwargs cannot be tool input")
+        annotation = Any if param.annotation is param.empty else param.annotation
+        default = ... if param.default is param.empty else param.default
+        fields[param.name] = (
+            annotation,
+            pydantic.Field(default, description=param_docs.get(param.name)),
+        )
+    tool_name = name or fn.__name__
+    try:
+        model = pydantic.create_model(f"{tool_name}_input", **fields)
+        built = Tool(tool_name, description if description is not None else summary,
+                     handler=fn, input_model=model)
+    except pydantic.PydanticUserError as error:
+        raise ConfigError("handler", f"{fn.__name__}: {error}") from None
+    built._kwargs = True
+    return built
+
+
+@overload
+def tool(fn: Callable[..., Any], /) -> Tool: ...
+
+
+@overload
+def tool(
+    *, name: str | None = None, description: str | None = None
+) -> Callable[[Callable[..., Any]], Tool]: ...
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+) -> Tool | Callable[[Callable[..., Any]], Tool]:
+    """Make a `Tool` of a function: its parameters are the input schema.
+
+    The docstring's first part describes the tool to the model; a Google-style
+    ``Args:`` section describes each parameter. Use bare (``@tool``) or with
+    ``name=`` / ``description=``. The handler is called with keyword arguments.
+    """
+    if fn is not None:
+        return _from_function(fn, name, description)
+
+    def decorate(f: Callable[..., Any]) -> Tool:
+        return _from_function(f, name, description)
+
+    return decorate
+
+
+def render_tool_output(value: object) -> str | list[dict[str, Any]]:
+    """A handler's return value as tool-result content."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump_json()
+    if isinstance(value, list) and value and all(
+        isinstance(b, dict) and b.get("type") in ("text", "image", "document") for b in value
+    ):
+        return [dict(b) for b in value]
+    return json.dumps(value, default=str, ensure_ascii=False)

@@ -1,0 +1,170 @@
+"""Events: typed, frozen facts about a run, delivered to observers as they happen.
+
+An observer is any callable taking one event, sync or async, given as
+``Engine(provider, observers=[...])``. Observers are called in order, on the
+run's task; one that raises is logged and never changes the run. Events carry
+operational facts only, never message text or tool data.
+
+Order within a run: `RunStarted`; per turn `TurnStarted`, then per attempt
+`AttemptStarted` and `AttemptSettled`; `ToolCallEvent` (``started``, then
+``succeeded`` or ``failed``) for each call; `GuardTripped` when a guard ends
+the run; `RunEnded` last (also for a cancelled run, with outcome
+``cancelled``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Literal
+
+from loopengine._usage import Usage
+
+__all__ = [
+    "AttemptSettled",
+    "AttemptStarted",
+    "Event",
+    "GuardTripped",
+    "Observer",
+    "RunEnded",
+    "RunStarted",
+    "ToolCallEvent",
+    "TurnStarted",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """Fields every event has."""
+
+    run_id: str
+    """The invocation id of the run (or call)."""
+    at: datetime
+    """When it happened (UTC, from the engine's clock)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunStarted(Event):
+    """A run or structured call began."""
+
+    operation: str
+    operation_version: str
+    provider: str
+    model: str
+    kind: Literal["run", "call"]
+    tenant: str | None = None
+    feature: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnStarted(Event):
+    """A turn (one model request and its retries) is about to be sent."""
+
+    turn: int
+    phase: str
+    """``turn``, ``repair`` or ``fallback``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptStarted(Event):
+    """An attempt was recorded as dispatched and goes on the wire."""
+
+    ordinal: int
+    turn: int
+    attempt: int
+    phase: str
+    served_by: str
+    provider: str
+    model: str
+    max_tokens: int
+    timeout_ms: int
+    wait_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptSettled(Event):
+    """An attempt came back or failed."""
+
+    ordinal: int
+    turn: int
+    attempt: int
+    phase: str
+    served_by: str
+    provider: str
+    model: str
+    max_tokens: int
+    outcome: str
+    """``ok``, ``error`` or ``aborted``."""
+    latency_ms: int
+    fault: str | None
+    """The `FaultKind` value, for failed attempts."""
+    http_status: int | None
+    error_code: str | None
+    aborted_reason: str | None
+    usage: Usage | None
+    usage_approx: bool
+    cost_usd: Decimal | None
+    """This attempt's price, or None when unpriced or without usage."""
+    charged: bool
+    response_id: str | None
+    request_id: str | None
+    stop_reason: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GuardTripped(Event):
+    """A guard ended the run."""
+
+    guard: str
+    """``max_turns``, ``total_time``, ``max_tool_batch``, ``max_tool_calls``,
+    ``credit_hold`` or ``stop_reason``."""
+    observed: float | int | str
+    limit: float | int | str | None
+    outcome: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallEvent(Event):
+    """A tool call started or finished (fields after reference/003's ``tool.call``).
+
+    The accounting detail (tokens, model, provider, spend) is that of the turn
+    whose response asked for the call.
+    """
+
+    tool_name: str
+    status: Literal["started", "succeeded", "failed"]
+    latency_ms: int
+    """0 for ``started``."""
+    token_cost: int
+    """All tokens of the asking turn: input (cached included) plus output."""
+    input_tokens: int
+    """The asking turn's input tokens, cached included."""
+    output_tokens: int
+    model_id: str
+    provider: str
+    spend_usd: Decimal
+    """The asking turn's charged cost."""
+    tool_use_id: str
+    turn: int
+    error: str | None = None
+    """For ``failed``: why (unknown tool, invalid input, the handler raised)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunEnded(Event):
+    """The run ended (also when cancelled: outcome ``cancelled``)."""
+
+    outcome: str
+    turns: int
+    tool_calls: int
+    attempts: int
+    usage: Usage
+    cost_usd: Decimal
+    credits: int
+
+
+Observer = Callable[[Event], Awaitable[None] | None]
+"""An observer: any callable taking one event, sync or async."""

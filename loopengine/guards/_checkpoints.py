@@ -1,0 +1,169 @@
+"""The checkpoint functions: pure functions of the conversation state.
+
+Each returns a `GuardTrip` when the conversation must end there, or None. They
+do no I/O and read no clock: the engine passes the time in. The engine calls
+them in the fixed order of docs/guards.md; this module only decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loopengine._outcome import Outcome
+from loopengine.guards._deadline import Deadline
+from loopengine.guards._limits import Limits
+
+__all__ = [
+    "ConversationState",
+    "GuardTrip",
+    "attempt_timeout",
+    "check_before_attempt",
+    "check_before_turn",
+    "check_credits",
+    "check_rejection_budget",
+    "check_terminal",
+    "check_tool_batch",
+]
+
+TERMINAL_STOP_REASONS = {
+    "refusal": Outcome.REFUSED,
+    "max_tokens": Outcome.INCOMPLETE,
+    "model_context_window_exceeded": Outcome.INCOMPLETE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationState:
+    """What the guards see of a conversation between two checkpoints."""
+
+    turns: int
+    """Turn requests sent so far (a turn's retries and continuations are not turns)."""
+    tool_calls: int
+    """Tool budget consumed: answered tool calls plus returned rejections."""
+    credits: int
+    """Accumulated rounded turn charges."""
+    deadline: Deadline
+    """The conversation's absolute deadline."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuardTrip:
+    """A guard that ended the conversation, with what it saw."""
+
+    outcome: Outcome
+    """The outcome the conversation ends with."""
+    guard: str
+    """Which guard: ``max_turns``, ``total_time``, ``max_tool_batch``,
+    ``max_tool_calls``, ``credit_hold`` or ``stop_reason``."""
+    observed: float | int | str
+    """The value the guard observed."""
+    limit: float | int | str | None
+    """The limit it was compared with."""
+    message: str
+    """A sentence for people."""
+
+
+def check_before_turn(state: ConversationState, limits: Limits, now: float) -> GuardTrip | None:
+    """Before each turn: the turn limit (R01), then the time limit (R04)."""
+    if state.turns >= limits.max_turns:
+        return GuardTrip(
+            Outcome.TURN_LIMIT,
+            "max_turns",
+            state.turns,
+            limits.max_turns,
+            f"{state.turns} turns sent without an accepted answer (max_turns={limits.max_turns})",
+        )
+    return check_before_attempt(state, limits, now)
+
+
+def check_before_attempt(
+    state: ConversationState, limits: Limits, now: float
+) -> GuardTrip | None:
+    """Before each wire request (retries included): no request once no time remains (R04)."""
+    if state.deadline.expired(now):
+        return GuardTrip(
+            Outcome.TIME_LIMIT,
+            "total_time",
+            0.0,
+            limits.total_time,
+            f"no time remains for another request (total_time={limits.total_time})",
+        )
+    return None
+
+
+def attempt_timeout(limits: Limits, deadline: Deadline, now: float) -> float:
+    """The timeout of the next attempt: ``min(attempt_timeout, remaining)`` (R04)."""
+    return min(limits.attempt_timeout, deadline.remaining(now))
+
+
+def check_terminal(stop_reason: str | None) -> GuardTrip | None:
+    """A terminal response: a refusal or a cut-off answer ends the run (R11)."""
+    outcome = TERMINAL_STOP_REASONS.get(stop_reason or "")
+    if outcome is None:
+        return None
+    return GuardTrip(
+        outcome,
+        "stop_reason",
+        str(stop_reason),
+        None,
+        f"the response stopped with {stop_reason!r}",
+    )
+
+
+def _remaining_budget(state: ConversationState, limits: Limits) -> int | None:
+    if limits.max_tool_calls is None:
+        return None
+    return max(0, limits.max_tool_calls - state.tool_calls)
+
+
+def check_rejection_budget(state: ConversationState, limits: Limits) -> GuardTrip | None:
+    """A rejected answer needs one unit of tool budget to be returned (R10)."""
+    remaining = _remaining_budget(state, limits)
+    if remaining is not None and remaining < 1:
+        return GuardTrip(
+            Outcome.TOOL_LIMIT,
+            "max_tool_calls",
+            state.tool_calls + 1,
+            limits.max_tool_calls,
+            "the tool budget is spent, so the rejected answer cannot be returned "
+            f"for repair (max_tool_calls={limits.max_tool_calls})",
+        )
+    return None
+
+
+def check_tool_batch(
+    state: ConversationState, limits: Limits, batch_size: int
+) -> GuardTrip | None:
+    """A tool batch: larger than ``max_tool_batch``, or than the budget left (R02)."""
+    if limits.max_tool_batch is not None and batch_size > limits.max_tool_batch:
+        return GuardTrip(
+            Outcome.TOOL_BATCH_LIMIT,
+            "max_tool_batch",
+            batch_size,
+            limits.max_tool_batch,
+            f"one turn asked for {batch_size} tool calls (max_tool_batch={limits.max_tool_batch})",
+        )
+    remaining = _remaining_budget(state, limits)
+    if remaining is not None and batch_size > remaining:
+        return GuardTrip(
+            Outcome.TOOL_LIMIT,
+            "max_tool_calls",
+            state.tool_calls + batch_size,
+            limits.max_tool_calls,
+            f"{batch_size} tool calls asked for with {remaining} left in the budget "
+            f"(max_tool_calls={limits.max_tool_calls})",
+        )
+    return None
+
+
+def check_credits(state: ConversationState, limits: Limits) -> GuardTrip | None:
+    """Credits: an accumulated total *greater* than the hold ends the run (R03)."""
+    if limits.credit_hold is not None and state.credits > limits.credit_hold:
+        return GuardTrip(
+            Outcome.CREDIT_LIMIT,
+            "credit_hold",
+            state.credits,
+            limits.credit_hold,
+            f"{state.credits} credits charged, more than the hold of {limits.credit_hold}",
+        )
+    return None

@@ -1,0 +1,89 @@
+"""`Limits`: the published bounds of one operation's conversations."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+
+from loopengine import _validate
+from loopengine._errors import ConfigError
+
+__all__ = ["Limits"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """The bounds a conversation is checked against, at fixed checkpoints.
+
+    Every value is validated when the object is built; a bad value raises
+    `ConfigError` naming the field. ``None`` means unlimited where a field
+    allows it. See docs/guards.md for when each is checked.
+    """
+
+    max_turns: int = 10
+    """Turn requests (model requests, retries excluded) a conversation may send (R01). >= 1."""
+    max_tool_batch: int | None = 8
+    """Tool calls one turn may ask for; a larger batch ends the run before any runs (R02)."""
+    max_tool_calls: int | None = 32
+    """Tool budget: answered calls plus rejected answers over the whole run (R02, R08, R10)."""
+    total_time: float | None = 120.0
+    """Seconds from the run's start to its absolute deadline (R04)."""
+    attempt_timeout: float = 60.0
+    """Seconds one provider request may take; capped by the time that remains (R04)."""
+    credit_hold: int | None = None
+    """Credits the accumulated rounded turn charges may reach; more ends the run (R03)."""
+
+    def __post_init__(self) -> None:
+        _validate.integer("max_turns", self.max_turns, minimum=1)
+        _validate.integer("max_tool_batch", self.max_tool_batch, minimum=1, optional=True)
+        _validate.integer("max_tool_calls", self.max_tool_calls, minimum=0, optional=True)
+        _validate.seconds("total_time", self.total_time, optional=True)
+        _validate.seconds("attempt_timeout", self.attempt_timeout)
+        _validate.integer("credit_hold", self.credit_hold, minimum=0, optional=True)
+        # Store seconds as floats so that equal limits compare and print alike.
+        if self.total_time is not None:
+            object.__setattr__(self, "total_time", float(self.total_time))
+        object.__setattr__(self, "attempt_timeout", float(self.attempt_timeout))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, object]) -> Limits:
+        """Build `Limits` from a mapping (a TOML table, say); unknown keys are errors."""
+        names = {f.name for f in fields(cls)}
+        for key in values:
+            if key not in names:
+                raise ConfigError(str(key), f"is not a limit (known: {', '.join(sorted(names))})")
+        return cls(**values)  # type: ignore[arg-type]
+
+    def narrow(self, override: Limits | Mapping[str, object] | None) -> Limits:
+        """Return these limits narrowed by ``override``; a wider value is clamped.
+
+        A published limit is a ceiling: a caller may ask for less, never more
+        (R13). With a `Limits` object every field narrows (its defaults too);
+        with a mapping only the keys it gives. ``None`` in an override means
+        "no narrowing" for that field.
+
+        Raises:
+            ConfigError: an override value is invalid or names no limit
+                (the field is prefixed ``limits.``).
+        """
+        if override is None:
+            return self
+        try:
+            if isinstance(override, Limits):
+                given = {f.name: getattr(override, f.name) for f in fields(Limits)}
+            elif isinstance(override, Mapping):
+                given = dict(override)
+                Limits.from_mapping({k: v for k, v in given.items() if v is not None})
+            else:
+                raise ConfigError(
+                    "limits", f"must be Limits or a mapping, got {type(override).__name__}"
+                )
+        except ConfigError as error:
+            raise error if error.field == "limits" else error.with_prefix("limits") from None
+        changes: dict[str, object] = {}
+        for name, value in given.items():
+            if value is None:
+                continue
+            current = getattr(self, name)
+            changes[name] = value if current is None else min(current, value)
+        return replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,105 @@
+"""The facts a ledger stores: operational facts only, never conversation content.
+
+None of these records has a field for message text, system prompts, tool
+inputs or outputs, or keys; a ledger cannot store what it is never given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from loopengine._usage import Usage
+
+__all__ = ["AttemptDispatch", "AttemptRecord", "AttemptSettle", "InvocationEnd",
+           "InvocationStart"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InvocationStart:
+    """An invocation (one run or call) begins; its row is written as ``running``."""
+
+    id: str
+    operation: str
+    operation_version: str
+    provider: str
+    model: str
+    tenant: str | None
+    user_id: str | None
+    feature: str | None
+    correlation_id: str | None
+    started_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptDispatch:
+    """An attempt is about to go on the wire; its row is written as ``dispatched``."""
+
+    invocation_id: str
+    ordinal: int
+    """1-based dispatch order over the whole invocation."""
+    turn: int
+    attempt: int
+    """1-based dispatched try within the turn (continuations included)."""
+    phase: str
+    """``turn``, ``repair``, ``continuation`` or ``fallback``."""
+    served_by: str
+    started_at: datetime
+    max_tokens: int
+    timeout_ms: int
+    wait_ms: int
+    """Backoff slept before this attempt."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptSettle:
+    """An attempt came back (or was cut); its row is settled."""
+
+    invocation_id: str
+    ordinal: int
+    outcome: str
+    """``ok``, ``error`` or ``aborted``."""
+    latency_ms: int
+    fault: str | None = None
+    aborted_reason: str | None = None
+    http_status: int | None = None
+    error_code: str | None = None
+    usage: Usage | None = None
+    usage_approx: bool = False
+    cost_nanousd: int | None = None
+    charged: bool = False
+    price_ref: str | None = None
+    response_id: str | None = None
+    request_id: str | None = None
+    stop_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InvocationEnd:
+    """An invocation ended; its row is settled with the outcome."""
+
+    id: str
+    ended_at: datetime
+    outcome: str
+    turns: int
+    tool_calls: int
+    credits: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptRecord:
+    """One attempt, dispatched and settled: what `RunResult.attempt_log` holds."""
+
+    dispatch: AttemptDispatch
+    settle: AttemptSettle | None
+    """None while the attempt is on the wire."""
+
+    @property
+    def ordinal(self) -> int:
+        """The attempt's dispatch order in its invocation."""
+        return self.dispatch.ordinal
+
+    @property
+    def outcome(self) -> str:
+        """``dispatched`` while on the wire, then ``ok``, ``error`` or ``aborted``."""
+        return self.settle.outcome if self.settle else "dispatched"

@@ -1,0 +1,26 @@
+"""Providers: the `Provider` seam, fault classification, the shared retry loop,
+cache-marker placement, and the providers themselves."""
+
+from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._cache import MAX_CACHE_MARKERS, CachePolicy, place_cache_markers
+from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._retry import RetryPolicy, RetryStop, backoff_wait, run_with_retries
+from loopengine.providers._scripted import Reply, ScriptedProvider
+
+__all__ = [
+    "MAX_CACHE_MARKERS",
+    "CachePolicy",
+    "FaultKind",
+    "Provider",
+    "ProviderFault",
+    "ProviderRequest",
+    "ProviderResponse",
+    "Reply",
+    "RetryPolicy",
+    "RetryStop",
+    "ScriptedProvider",
+    "TextCallback",
+    "backoff_wait",
+    "place_cache_markers",
+    "run_with_retries",
+]

@@ -1,0 +1,161 @@
+"""`ScriptedProvider`: scripted replies and faults, in-process, for tests.
+
+Each `send` takes the next item of the script: a `Reply` is answered, a
+`ProviderFault` is raised, a callable is called with the request and its
+result used. Every request received is kept in ``requests`` so that tests can
+assert on exactly what the engine sent.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+from loopengine._clock import Clock, SystemClock
+from loopengine._usage import Usage
+from loopengine.providers._base import ProviderRequest, ProviderResponse
+from loopengine.providers._faults import FaultKind, ProviderFault
+
+__all__ = ["Reply", "ScriptItem", "ScriptedProvider"]
+
+DEFAULT_USAGE = Usage(input_tokens=100, output_tokens=20)
+"""The usage a scripted reply reports unless it says otherwise."""
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reply:
+    """One scripted response.
+
+    Build with `Reply.text`, `Reply.tool_calls`, `Reply.final` or directly.
+    ``usage=None`` scripts a response that reports no usage.
+    """
+
+    content: Sequence[Mapping[str, Any]]
+    """Anthropic-shaped content blocks."""
+    stop_reason: str | None = "end_turn"
+    """The stop reason to report."""
+    usage: Usage | None = DEFAULT_USAGE
+    """The usage to report, or None for none."""
+    delay: float = 0.0
+    """Seconds (on the provider's clock) before answering; beyond the request's
+    timeout the attempt fails with a ``timeout`` fault after the timeout."""
+    response_id: str | None = None
+    """The response id to report; generated when None."""
+
+    @classmethod
+    def text(
+        cls,
+        text: str,
+        *,
+        stop_reason: str = "end_turn",
+        usage: Usage | None = DEFAULT_USAGE,
+        delay: float = 0.0,
+    ) -> Reply:
+        """A text reply."""
+        return cls(content=[{"type": "text", "text": text}], stop_reason=stop_reason,
+                   usage=usage, delay=delay)
+
+    @classmethod
+    def tool_calls(
+        cls,
+        *calls: tuple[str, Mapping[str, Any]],
+        text: str | None = None,
+        usage: Usage | None = DEFAULT_USAGE,
+        delay: float = 0.0,
+    ) -> Reply:
+        """A reply asking for tools: each call is ``(name, input)``."""
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        for name, tool_input in calls:
+            content.append(
+                {"type": "tool_use", "id": f"toolu_{next(_ids):06d}", "name": name,
+                 "input": dict(tool_input)}
+            )
+        return cls(content=content, stop_reason="tool_use", usage=usage, delay=delay)
+
+    @classmethod
+    def final(
+        cls,
+        data: Mapping[str, Any],
+        *,
+        tool_name: str = "final_answer",
+        usage: Usage | None = DEFAULT_USAGE,
+    ) -> Reply:
+        """A structured-mode answer: a call of the terminal tool with ``data``."""
+        return cls.tool_calls((tool_name, data), usage=usage)
+
+
+ScriptItem = Reply | ProviderFault | Callable[[ProviderRequest], "Reply | ProviderFault"]
+"""A reply, a fault to raise, or a function of the request giving either."""
+
+
+@dataclass
+class ScriptedProvider:
+    """A provider that serves a script, in order, and records every request.
+
+    Args:
+        script: The replies and faults to serve, one per request.
+        name: The route it stands in for (an operation's ``provider``).
+        clock: The clock on which reply delays pass (a `FakeClock` in tests).
+
+    When the script runs out, further requests fail with a ``bad_request``
+    fault that says so, which ends the run with ``provider_error``.
+    """
+
+    script: Iterable[ScriptItem] = ()
+    name: str = "anthropic"
+    clock: Clock = field(default_factory=SystemClock)
+    requests: list[ProviderRequest] = field(default_factory=list, init=False)
+    """Every request received, with its own copy of the messages."""
+
+    def __post_init__(self) -> None:
+        self._items = iter(list(self.script))
+
+    def add(self, *items: ScriptItem) -> None:
+        """Append items to the script."""
+        self._items = itertools.chain(self._items, list(items))
+
+    async def send(self, request: ProviderRequest) -> ProviderResponse:
+        """Serve the next script item (see the class docstring)."""
+        self.requests.append(replace(request, messages=copy.deepcopy(list(request.messages))))
+        item = next(self._items, None)
+        if item is None:
+            raise ProviderFault(
+                FaultKind.BAD_REQUEST,
+                f"the script has no reply for request {len(self.requests)}",
+            )
+        if callable(item) and not isinstance(item, Reply | ProviderFault):
+            item = item(request)
+        if isinstance(item, ProviderFault):
+            await anyio.lowlevel.checkpoint()
+            raise item
+        if item.delay > request.timeout:
+            await self.clock.sleep(request.timeout)
+            raise ProviderFault(FaultKind.TIMEOUT, f"no response within {request.timeout:.3f}s")
+        if item.delay:
+            await self.clock.sleep(item.delay)
+        else:
+            await anyio.lowlevel.checkpoint()
+        if request.on_text is not None:
+            for block in item.content:
+                if block.get("type") == "text" and block.get("text"):
+                    maybe = request.on_text(str(block["text"]))
+                    if maybe is not None:
+                        await maybe
+        number = len(self.requests)
+        return ProviderResponse(
+            content=copy.deepcopy(list(item.content)),
+            stop_reason=item.stop_reason,
+            usage=item.usage,
+            response_id=item.response_id or f"msg_scripted_{number:04d}",
+            request_id=f"req_scripted_{number:04d}",
+            model=request.model,
+        )
+
