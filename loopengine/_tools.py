@@ -171,7 +171,13 @@ def _from_function(
 ) -> Tool:
     summary, param_docs = _docstring_parts(fn)
     fields: dict[str, Any] = {}
-    for param in inspect.signature(fn).parameters.values():
+    try:
+        # eval_str resolves string annotations (modules using postponed evaluation).
+        parameters = inspect.signature(fn, eval_str=True).parameters.values()
+    except NameError as error:
+        raise ConfigError("handler", f"{fn.__name__}: cannot resolve an annotation: {error}") \
+            from None
+    for param in parameters:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ConfigError("handler", f"{fn.__name__}: *args and **kwargs cannot be tool input")
         annotation = Any if param.annotation is param.empty else param.annotation

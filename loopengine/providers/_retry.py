@@ -180,6 +180,11 @@ async def run_with_retries(
                 return RetryStop(fault, attempt, "permanent")
             if fault.should_retry is False:
                 return RetryStop(fault, attempt, "not_retryable")
+            # An attempt cut by the deadline leaves no time: that is the time
+            # limit speaking, not the provider.
+            trip = before_attempt()
+            if trip is not None:
+                return trip
             if attempt >= cap:
                 return RetryStop(fault, attempt, "exhausted")
             if fault.retry_after is not None:
