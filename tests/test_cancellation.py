@@ -1,0 +1,118 @@
+"""The caller's cancellation propagates; it is recorded, never turned into an outcome."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import loopengine as le
+from loopengine.events import Event, RunEnded
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import ProviderRequest, ProviderResponse, Reply, ScriptedProvider
+
+from .conftest import PRICES, operation
+
+
+class Hanging:
+    """A provider whose requests never come back (until cancelled)."""
+
+    name = "anthropic"
+
+    def __init__(self) -> None:
+        self.started = anyio.Event()
+
+    async def send(self, request: ProviderRequest) -> ProviderResponse:
+        self.started.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_cancel_while_a_request_is_on_the_wire() -> None:
+    """The in-flight attempt settles aborted/external, the invocation cancelled, and the
+    cancellation reaches the caller's scope."""
+    ledger = MemoryLedger()
+    events: list[Event] = []
+    provider = Hanging()
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, observers=[events.append])
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            async def run() -> None:
+                await engine.run(operation(), "go")
+                raise AssertionError("run returned after cancellation")
+
+            group.start_soon(run)
+            await provider.started.wait()
+            scope.cancel()
+    assert scope.cancelled_caught
+    (invocation,) = ledger.invocations.values()
+    assert invocation["outcome"] == "cancelled"
+    (attempt,) = ledger.attempts.values()
+    assert (attempt["outcome"], attempt["aborted_reason"]) == ("aborted", "external")
+    assert isinstance(events[-1], RunEnded) and events[-1].outcome == "cancelled"
+
+
+async def test_cancel_while_tools_run() -> None:
+    """Cancelled during a tool handler: the invocation is cancelled, the handler stopped."""
+    entered = anyio.Event()
+    finished: list[bool] = []
+
+    @le.tool
+    async def slow(key: str) -> str:
+        """Take forever."""
+        entered.set()
+        await anyio.sleep_forever()
+        finished.append(True)
+        return key
+
+    ledger = MemoryLedger()
+    provider = ScriptedProvider([Reply.tool_calls(("slow", {"key": "k"}))])
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: engine.run(operation(), "go", tools=[slow]))
+            await entered.wait()
+            scope.cancel()
+    assert scope.cancelled_caught and finished == []
+    (invocation,) = ledger.invocations.values()
+    assert invocation["outcome"] == "cancelled"
+    assert [a["outcome"] for a in ledger.attempts.values()] == ["ok"]
+
+
+async def test_run_deadline_bounds_tool_handlers() -> None:
+    """Handlers run under the run's deadline: a slow one is cut, the run ends time_limit."""
+
+    @le.tool
+    async def slow(key: str) -> str:
+        """Take longer than the run may."""
+        await anyio.sleep(5)
+        return key
+
+    provider = ScriptedProvider([Reply.tool_calls(("slow", {"key": "k"})), Reply.text("never")])
+    engine = le.Engine(provider, prices=PRICES)
+    with anyio.fail_after(3):
+        result = await engine.run(operation(total_time=0.2), "go", tools=[slow])
+    assert result.outcome is le.Outcome.TIME_LIMIT
+    (tool_result,) = result.messages[-1]["content"]
+    assert tool_result["is_error"] is True and "time" in tool_result["content"]
+    assert len(provider.requests) == 1
+
+
+@pytest.mark.parametrize("where", ["judge", "handler"])
+async def test_exceptions_of_user_code_are_not_cancellation(where: str) -> None:
+    """A judge or handler raising is a rejection or an error result, never a crash."""
+
+    @le.tool
+    async def boom(key: str) -> str:
+        """Fail."""
+        raise KeyError(key)
+
+    def judge(answer: str) -> bool:
+        if where == "judge" and answer == "a":
+            raise ZeroDivisionError("bad judge")
+        return True
+
+    script = [Reply.tool_calls(("boom", {"key": "k"})), Reply.text("a"), Reply.text("b")]
+    engine = le.Engine(ScriptedProvider(script), prices=PRICES)
+    result = await engine.run(operation(), "go", tools=[boom], accept=judge)
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.answer == ("b" if where == "judge" else "a")

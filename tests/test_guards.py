@@ -1,0 +1,124 @@
+"""The guards as pure functions of the conversation state."""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+
+from loopengine import Limits, Outcome
+from loopengine.guards import (
+    ConversationState,
+    Deadline,
+    attempt_timeout,
+    check_before_attempt,
+    check_before_turn,
+    check_credits,
+    check_rejection_budget,
+    check_terminal,
+    check_tool_batch,
+    turn_credits,
+)
+
+
+def state(turns: int = 0, tool_calls: int = 0, credits: int = 0,
+          deadline: float = math.inf) -> ConversationState:
+    return ConversationState(turns=turns, tool_calls=tool_calls, credits=credits,
+                             deadline=Deadline(deadline))
+
+
+def test_turn_limit_trips_at_max_turns_not_before() -> None:
+    """The turn guard lets turn max_turns through and stops the next."""
+    limits = Limits(max_turns=3)
+    assert check_before_turn(state(turns=2), limits, 0.0) is None
+    trip = check_before_turn(state(turns=3), limits, 0.0)
+    assert trip is not None and trip.outcome is Outcome.TURN_LIMIT
+    assert (trip.guard, trip.observed, trip.limit) == ("max_turns", 3, 3)
+
+
+def test_turn_limit_is_checked_before_time() -> None:
+    """With both exhausted, the turn limit is reported (its checkpoint comes first)."""
+    trip = check_before_turn(state(turns=3, deadline=5.0), Limits(max_turns=3), 10.0)
+    assert trip is not None and trip.outcome is Outcome.TURN_LIMIT
+
+
+def test_time_limit_trips_when_no_time_remains() -> None:
+    """No request once the deadline is reached; a moment before, one may go."""
+    limits = Limits(total_time=10.0)
+    assert check_before_attempt(state(deadline=10.0), limits, 9.999) is None
+    trip = check_before_attempt(state(deadline=10.0), limits, 10.0)
+    assert trip is not None and trip.outcome is Outcome.TIME_LIMIT
+
+
+def test_attempt_timeout_is_the_smaller_of_limit_and_remaining() -> None:
+    """min(attempt_timeout, remaining), unbounded deadlines leaving the limit."""
+    limits = Limits(attempt_timeout=30.0)
+    assert attempt_timeout(limits, Deadline(100.0), 90.0) == 10.0
+    assert attempt_timeout(limits, Deadline(100.0), 0.0) == 30.0
+    assert attempt_timeout(limits, Deadline.after(0.0, None), 1e9) == 30.0
+
+
+def test_deadline_is_absolute_and_never_negative() -> None:
+    """Remaining time counts down from start + total_time and stops at zero."""
+    deadline = Deadline.after(5.0, 10.0)
+    assert deadline.remaining(5.0) == 10.0
+    assert deadline.remaining(20.0) == 0.0 and deadline.expired(15.0)
+
+
+def test_terminal_stop_reasons() -> None:
+    """refusal is refused; max_tokens and context overflow are incomplete; others pass."""
+    assert check_terminal("refusal").outcome is Outcome.REFUSED  # type: ignore[union-attr]
+    assert check_terminal("max_tokens").outcome is Outcome.INCOMPLETE  # type: ignore[union-attr]
+    overflow = check_terminal("model_context_window_exceeded")
+    assert overflow is not None and overflow.outcome is Outcome.INCOMPLETE
+    for fine in ("end_turn", "tool_use", "stop_sequence", None):
+        assert check_terminal(fine) is None
+
+
+def test_tool_batch_limit_before_budget() -> None:
+    """An oversized batch is a batch-limit trip even when the budget is also short."""
+    limits = Limits(max_tool_batch=2, max_tool_calls=1)
+    trip = check_tool_batch(state(), limits, 3)
+    assert trip is not None and trip.outcome is Outcome.TOOL_BATCH_LIMIT
+
+
+def test_tool_budget_allows_exactly_what_remains() -> None:
+    """A batch equal to the remaining budget runs; one more does not."""
+    limits = Limits(max_tool_calls=5)
+    assert check_tool_batch(state(tool_calls=3), limits, 2) is None
+    trip = check_tool_batch(state(tool_calls=3), limits, 3)
+    assert trip is not None and trip.outcome is Outcome.TOOL_LIMIT
+    assert (trip.observed, trip.limit) == (6, 5)
+
+
+def test_unlimited_tool_limits() -> None:
+    """None means no limit."""
+    limits = Limits(max_tool_batch=None, max_tool_calls=None)
+    assert check_tool_batch(state(tool_calls=10_000), limits, 500) is None
+    assert check_rejection_budget(state(tool_calls=10_000), limits) is None
+
+
+def test_rejection_needs_one_unit_of_budget() -> None:
+    """A rejection can be returned while one unit remains."""
+    limits = Limits(max_tool_calls=2)
+    assert check_rejection_budget(state(tool_calls=1), limits) is None
+    trip = check_rejection_budget(state(tool_calls=2), limits)
+    assert trip is not None and trip.outcome is Outcome.TOOL_LIMIT
+
+
+def test_credit_hold_is_greater_than_not_greater_or_equal() -> None:
+    """Exactly the hold continues; one credit more stops."""
+    limits = Limits(credit_hold=100)
+    assert check_credits(state(credits=100), limits) is None
+    trip = check_credits(state(credits=101), limits)
+    assert trip is not None and trip.outcome is Outcome.CREDIT_LIMIT
+    assert check_credits(state(credits=10**9), Limits()) is None
+
+
+def test_turn_credits_round_up_to_the_quantum() -> None:
+    """USD times the rate, rounded up to a multiple of the quantum; zero stays zero."""
+    assert turn_credits(0, Decimal(1000), 1) == 0
+    assert turn_credits(1, Decimal(1000), 1) == 1  # a nano-dollar still costs a credit
+    assert turn_credits(1_000_000, Decimal(1000), 1) == 1  # exactly 1 credit
+    assert turn_credits(1_000_001, Decimal(1000), 1) == 2
+    assert turn_credits(120_000, Decimal(1_000_000), 50) == 150
+    assert turn_credits(150_000, Decimal(1_000_000), 50) == 150

@@ -1,0 +1,113 @@
+"""Prices: book entries by effective date, genai-prices fallback, cache conversion."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import genai_prices
+
+import loopengine as le
+from loopengine._pricing import _genai_usage, nanousd_to_usd, to_nanousd
+from loopengine.providers import Reply
+
+from .conftest import MODEL, EngineFactory, operation
+
+JAN = datetime(2025, 1, 1, tzinfo=UTC)
+JUN = datetime(2025, 6, 1, tzinfo=UTC)
+
+
+def price(input_price: str, *, since: datetime | None = None) -> le.ModelPrice:
+    return le.ModelPrice(provider="anthropic", model="m", input_per_mtok=Decimal(input_price),
+                         output_per_mtok=Decimal(0), effective_from=since)
+
+
+def test_latest_effective_entry_wins_and_history_prices_old_attempts() -> None:
+    """An attempt is priced with the entry in force at its start time."""
+    book = le.PriceBook([price("1"), price("2", since=JAN), price("3", since=JUN)], fallback=False)
+    usage = le.Usage(input_tokens=1_000_000)
+    assert book.price("anthropic", "m", usage, datetime(2024, 5, 1, tzinfo=UTC)).cost_nanousd \
+        == 1_000_000_000  # type: ignore[union-attr]
+    assert book.price("anthropic", "m", usage, JAN).cost_nanousd == 2_000_000_000  # type: ignore[union-attr]
+    march = book.price("anthropic", "m", usage, datetime(2025, 3, 1, tzinfo=UTC))
+    assert march is not None and march.price_ref.startswith("book:anthropic/m@2025-01-01")
+    assert book.price("anthropic", "m", usage, JUN).cost_nanousd == 3_000_000_000  # type: ignore[union-attr]
+    assert book.price("anthropic", "other", usage, JUN) is None
+
+
+def test_cache_prices_default_sensibly() -> None:
+    """Cache reads/writes at their own prices; 1h writes default to the 5m price."""
+    entry = le.ModelPrice(provider="p", model="m", input_per_mtok=Decimal(3),
+                          output_per_mtok=Decimal(15), cache_read_per_mtok=Decimal("0.3"),
+                          cache_write_per_mtok=Decimal("3.75"))
+    usage = le.Usage(input_tokens=1000, output_tokens=100, cache_read_tokens=2000,
+                     cache_write_tokens=400, cache_write_1h_tokens=100)
+    expected = (1000 * 3 + 100 * 15 + 2000 * Decimal("0.3") + 400 * Decimal("3.75")) / 10**6
+    assert entry.cost(usage) == expected
+
+
+def test_anthropic_convention_converted_for_genai_prices() -> None:
+    """Anthropic's input excludes cache tokens; genai-prices counts them inside."""
+    converted = _genai_usage(le.Usage(input_tokens=1000, cache_read_tokens=200,
+                                      cache_write_tokens=300, cache_write_1h_tokens=100))
+    assert converted.input_tokens == 1500
+    assert (converted.cache_read_tokens, converted.cache_write_tokens) == (200, 300)
+    assert (converted.cache_write_1h_tokens, converted.cache_write_5m_tokens) == (100, 200)
+
+
+def test_genai_prices_fallback_prices_cache_tokens_right() -> None:
+    """The fallback agrees with genai-prices' own sums over the same usage."""
+    book = le.PriceBook()
+    usage = le.Usage(input_tokens=1000, output_tokens=500, cache_read_tokens=200,
+                     cache_write_tokens=300)
+    priced = book.price("anthropic", "claude-sonnet-4-5", usage, JUN)
+    assert priced is not None and priced.price_ref.startswith("genai-prices:")
+    # Sonnet 4.5: $3 in, $15 out, $0.30 cache read, $3.75 cache write per MTok.
+    expected = (Decimal(1000 * 3) + 500 * 15 + 200 * Decimal("0.3") + 300 * Decimal("3.75"))
+    assert priced.cost_nanousd == to_nanousd(expected / 10**6)
+    direct = genai_prices.calc_price(genai_prices.Usage(input_tokens=1500, output_tokens=500,
+                                                        cache_read_tokens=200,
+                                                        cache_write_tokens=300),
+                                     "claude-sonnet-4-5", provider_id="anthropic")
+    assert nanousd_to_usd(priced.cost_nanousd) == direct.total_price
+
+
+def test_unknown_models_are_unpriced() -> None:
+    """No entry and no genai-prices model: None, never a guess."""
+    assert le.PriceBook().price("anthropic", "no-such-model", le.Usage(), JUN) is None
+    assert not le.PriceBook().knows("nowhere", "x", JUN)
+
+
+async def test_unpriced_attempts_are_recorded_with_null_cost(make_engine: EngineFactory) -> None:
+    """Without a credit hold an unpriced model runs; its attempts have no cost."""
+    engine, _, ledger = make_engine(Reply.text("hi"), prices=le.PriceBook(fallback=False))
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.unpriced
+    assert result.cost_usd == 0 and result.credits == 0
+    (row,) = ledger.attempts.values()
+    assert row["cost_nanousd"] is None and row["price_ref"] is None and row["charged"] == 0
+
+
+async def test_attempts_priced_at_their_own_start_time() -> None:
+    """A price change during a run prices each attempt by its own start time."""
+    import random
+
+    from loopengine.persistence import MemoryLedger
+    from loopengine.providers import ScriptedProvider
+    from loopengine.testing import FakeClock
+
+    clock = FakeClock(wall_start=datetime(2025, 5, 31, 23, 59, 59, tzinfo=UTC))
+    book = le.PriceBook([le.ModelPrice(provider="anthropic", model=MODEL,
+                                       input_per_mtok=Decimal(p), output_per_mtok=Decimal(0),
+                                       effective_from=since)
+                         for p, since in (("1", None), ("2", JUN))], fallback=False)
+    provider = ScriptedProvider([
+        le.ProviderFault("overloaded", "busy", usage=le.Usage(input_tokens=1000)),
+        Reply.text("hi", usage=le.Usage(input_tokens=1000)),
+    ], clock=clock)
+    ledger = MemoryLedger()
+    engine = le.Engine(provider, ledger=ledger, prices=book, clock=clock, rng=random.Random(0))
+    await engine.run(operation(retry=le.RetryPolicy(initial_wait=2.0, max_wait=2.0)), "go")
+    assert clock.sleeps and clock.sleeps[0] >= 1.0  # the retry starts after midnight
+    costs = [row["cost_nanousd"] for row in ledger.attempts.values()]
+    assert costs == [1_000_000, 2_000_000]  # 1000 tokens at $1, then $2 per MTok
