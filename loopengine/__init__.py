@@ -15,6 +15,7 @@ from loopengine._errors import (
     ProviderError,
     ReplayMismatchError,
 )
+from loopengine._estimate import Estimate
 from loopengine._judge import Accept, Reject
 from loopengine._operation import Operation, load_operations
 from loopengine._outcome import Outcome
@@ -36,6 +37,7 @@ __all__ = [
     "CachePolicy",
     "ConfigError",
     "Engine",
+    "Estimate",
     "FaultKind",
     "LedgerError",
     "Limits",

@@ -12,6 +12,7 @@ import pydantic
 from loopengine._attribution import Attribution
 from loopengine._clock import Clock, SystemClock
 from loopengine._errors import ConfigError
+from loopengine._estimate import Estimate, estimate_run
 from loopengine._invocation import Invocation
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook
@@ -198,6 +199,40 @@ class Engine:
         inv = self._invocation("run", operation, limits, retry, attribution)
         await inv.begin()
         return await run_loop(inv, spec)
+
+    def estimate(
+        self,
+        operation: Operation,
+        messages: Messages,
+        *,
+        system: System = None,
+        tools: Iterable[Tool] = (),
+        output: type[pydantic.BaseModel] | None = None,
+        limits: Limits | Mapping[str, object] | None = None,
+    ) -> Estimate:
+        """The worst case of a run of ``operation``, before it starts: tokens, USD, credits.
+
+        Synchronous, offline: input is counted with the shipped ``cl100k_base``
+        and scaled to Claude's tokenizer; output and turns are the limits'
+        worst case; prices are this engine's, at its clock's current time. See
+        docs/observability.md for the model.
+
+        Args:
+            operation: The published operation.
+            messages: One user message, or Anthropic-shaped message dicts.
+            system: The system prompt: a string or Anthropic text blocks.
+            tools: The tools the run would offer.
+            output: The structured-mode model, whose terminal tool is counted.
+            limits: Narrows the operation's limits, as for `run`.
+
+        Raises:
+            ConfigError: bad input, as `run` would raise it.
+            LoopEngineError: the shipped tokenizer file is damaged.
+        """
+        return estimate_run(operation, normalize_messages(messages),
+                            system=normalize_system(system), tools=tools, output=output,
+                            limits=limits, prices=self.prices, at=self.clock.wall())
+
 
 
 def normalize_messages(messages: Messages) -> list[dict[str, Any]]:

@@ -47,7 +47,7 @@ from loopengine.providers._faults import FaultKind
 from loopengine.providers._retry import RetryStop
 
 __all__ = ["MAX_CONTINUATIONS", "RunSpec", "ToolErrorText", "default_tool_error_text",
-           "run_loop"]
+           "final_tool_definition", "run_loop"]
 
 MAX_CONTINUATIONS = 8
 """``pause_turn`` continuations one turn may make before it ends ``incomplete``."""
@@ -110,14 +110,7 @@ class _Loop:
         self.tools = {t.name: t for t in spec.tools}
         definitions = [t.definition for t in spec.tools]
         if spec.output is not None:
-            schema = spec.output.model_json_schema()
-            schema.pop("title", None)
-            definitions.append({
-                "name": spec.final_tool,
-                "description": "Give your final answer. Call this exactly once, when you "
-                               "have the answer, with the answer as its input.",
-                "input_schema": schema,
-            })
+            definitions.append(final_tool_definition(spec.output, spec.final_tool))
         self.definitions = definitions
 
     # -- the loop ------------------------------------------------------------------
@@ -394,6 +387,18 @@ class _Loop:
             detail=detail,
             attempt_log=tuple(inv.records),
         )
+
+
+def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[str, Any]:
+    """The terminal tool of structured mode: the model answers by calling it."""
+    schema = output.model_json_schema()
+    schema.pop("title", None)
+    return {
+        "name": name,
+        "description": "Give your final answer. Call this exactly once, when you "
+                       "have the answer, with the answer as its input.",
+        "input_schema": schema,
+    }
 
 
 @dataclass(frozen=True, slots=True)
