@@ -1,0 +1,263 @@
+"""OpenTelemetry spans from loopengine's events, after the GenAI semantic conventions.
+
+Install the extra (``pip install 'loopengine[otel]'``) and pass an observer::
+
+    from loopengine.otel import OpenTelemetryObserver
+
+    engine = Engine(provider, observers=[OpenTelemetryObserver()])
+
+Each run gives one ``invoke_agent {operation}`` span; under it, one
+``chat {model}`` span per attempt (each wire request, retries included) and
+one ``execute_tool {tool}`` span per tool call. Span times are the events'
+times. The run span is a child of whatever span is current where the run was
+started, so a run joins the caller's trace.
+
+No message content is ever put on a span: the events carry none (no prompts,
+no answers, no tool inputs or outputs), so there is nothing to opt in to.
+docs/observability.md lists every attribute.
+
+Importing `loopengine` never needs OpenTelemetry; only this module does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+try:
+    from opentelemetry import trace
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
+    from opentelemetry.util.types import AttributeValue
+except ImportError as error:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "loopengine.otel needs OpenTelemetry, which is not installed: "
+        "pip install 'loopengine[otel]'"
+    ) from error
+
+from loopengine import __version__
+from loopengine._usage import Usage
+from loopengine.events import (
+    AttemptSettled,
+    AttemptStarted,
+    Event,
+    GuardTripped,
+    RunEnded,
+    RunStarted,
+    ToolCallEvent,
+)
+
+__all__ = ["OpenTelemetryObserver", "provider_name"]
+
+# gen_ai.provider.name has well-known values; our route names map onto them.
+_PROVIDER_NAMES = {"anthropic": "anthropic", "bedrock": "aws.bedrock", "vertex": "gcp.vertex_ai"}
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def provider_name(route: str) -> str:
+    """The ``gen_ai.provider.name`` value for an operation's ``provider`` route.
+
+    ``bedrock`` is ``aws.bedrock`` and ``vertex`` is ``gcp.vertex_ai``, as the
+    conventions name them; other routes are given as they are.
+    """
+    return _PROVIDER_NAMES.get(route, route)
+
+
+def _ns(at: datetime) -> int:
+    # Integer arithmetic: a float timestamp would lose the microseconds.
+    return (at - _EPOCH) // timedelta(microseconds=1) * 1000
+
+
+@dataclass(slots=True)
+class _RunSpans:
+    span: Span
+    context: Context
+    provider: str
+    model: str
+    attempts: dict[int, Span] = field(default_factory=dict)
+    tools: dict[str, Span] = field(default_factory=dict)
+
+
+class OpenTelemetryObserver:
+    """An observer that turns a run's events into OpenTelemetry spans.
+
+    It is synchronous and cheap: each event starts, annotates or ends a span.
+    One observer can serve many concurrent runs (spans are kept by run id).
+
+    Args:
+        tracer_provider: Where spans go; the global tracer provider by default.
+    """
+
+    def __init__(self, tracer_provider: TracerProvider | None = None) -> None:
+        self._tracer = trace.get_tracer("loopengine", __version__,
+                                        tracer_provider=tracer_provider)
+        self._runs: dict[str, _RunSpans] = {}
+
+    def __call__(self, event: Event) -> None:
+        """Handle one event (the observer protocol)."""
+        if isinstance(event, RunStarted):
+            self._run_started(event)
+            return
+        run = self._runs.get(event.run_id)
+        if run is None:
+            return  # the run began before this observer saw it
+        if isinstance(event, AttemptStarted):
+            self._attempt_started(run, event)
+        elif isinstance(event, AttemptSettled):
+            self._attempt_settled(run, event)
+        elif isinstance(event, ToolCallEvent):
+            self._tool_call(run, event)
+        elif isinstance(event, GuardTripped):
+            self._guard_tripped(run, event)
+        elif isinstance(event, RunEnded):
+            self._run_ended(event)
+
+    # -- runs -------------------------------------------------------------------------
+
+    def _run_started(self, event: RunStarted) -> None:
+        provider = provider_name(event.provider)
+        attributes: dict[str, AttributeValue] = {
+            "gen_ai.operation.name": "invoke_agent",
+            "gen_ai.agent.name": event.operation,
+            "gen_ai.agent.version": event.operation_version,
+            "gen_ai.provider.name": provider,
+            "gen_ai.request.model": event.model,
+            "loopengine.run.id": event.run_id,
+            "loopengine.run.kind": event.kind,
+        }
+        if event.tenant is not None:
+            attributes["loopengine.tenant"] = event.tenant
+        if event.feature is not None:
+            attributes["loopengine.feature"] = event.feature
+        # No context argument: the span's parent is the caller's current span.
+        span = self._tracer.start_span(
+            f"invoke_agent {event.operation}", kind=SpanKind.INTERNAL,
+            attributes=attributes, start_time=_ns(event.at),
+        )
+        self._runs[event.run_id] = _RunSpans(
+            span=span, context=trace.set_span_in_context(span), provider=provider,
+            model=event.model,
+        )
+
+    def _guard_tripped(self, run: _RunSpans, event: GuardTripped) -> None:
+        attributes: dict[str, AttributeValue] = {
+            "loopengine.guard.name": event.guard,
+            "loopengine.guard.observed": event.observed,
+            "loopengine.outcome": event.outcome,
+        }
+        if event.limit is not None:
+            attributes["loopengine.guard.limit"] = event.limit
+        run.span.add_event("loopengine.guard_tripped", attributes, timestamp=_ns(event.at))
+
+    def _run_ended(self, event: RunEnded) -> None:
+        run = self._runs.pop(event.run_id)
+        # Tool or attempt spans still open (a cancelled run) end with it.
+        for span in [*run.attempts.values(), *run.tools.values()]:
+            span.set_attribute("error.type", "cancelled")
+            span.set_status(Status(StatusCode.ERROR, "the run ended first"))
+            span.end(end_time=_ns(event.at))
+        span = run.span
+        span.set_attributes({
+            "loopengine.outcome": event.outcome,
+            "loopengine.turns": event.turns,
+            "loopengine.tool_calls": event.tool_calls,
+            "loopengine.attempts": event.attempts,
+            "loopengine.cost_usd": float(event.cost_usd),
+            "loopengine.credits": event.credits,
+            **_usage_attributes(event.usage),
+        })
+        if event.outcome != "completed":
+            span.set_attribute("error.type", event.outcome)
+            span.set_status(Status(StatusCode.ERROR, f"the run ended {event.outcome}"))
+        span.end(end_time=_ns(event.at))
+
+    # -- attempts ---------------------------------------------------------------------
+
+    def _attempt_started(self, run: _RunSpans, event: AttemptStarted) -> None:
+        run.attempts[event.ordinal] = self._tracer.start_span(
+            f"chat {event.model}", context=run.context, kind=SpanKind.CLIENT,
+            start_time=_ns(event.at),
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "gen_ai.provider.name": run.provider,
+                "gen_ai.request.model": event.model,
+                "gen_ai.request.max_tokens": event.max_tokens,
+                "loopengine.run.id": event.run_id,
+                "loopengine.attempt.ordinal": event.ordinal,
+                "loopengine.attempt.turn": event.turn,
+                "loopengine.attempt.number": event.attempt,
+                "loopengine.attempt.phase": event.phase,
+                "loopengine.attempt.timeout_ms": event.timeout_ms,
+                "loopengine.attempt.wait_ms": event.wait_ms,
+            },
+        )
+
+    def _attempt_settled(self, run: _RunSpans, event: AttemptSettled) -> None:
+        span = run.attempts.pop(event.ordinal, None)
+        if span is None:
+            return
+        attributes: dict[str, AttributeValue] = {
+            "loopengine.attempt.outcome": event.outcome,
+            "loopengine.attempt.charged": event.charged,
+        }
+        if event.response_id is not None:
+            attributes["gen_ai.response.id"] = event.response_id
+        if event.stop_reason is not None:
+            attributes["gen_ai.response.finish_reasons"] = (event.stop_reason,)
+        if event.usage is not None:
+            attributes.update(_usage_attributes(event.usage))
+            attributes["loopengine.usage.approximate"] = event.usage_approx
+        if event.http_status is not None:
+            attributes["http.response.status_code"] = event.http_status
+        if event.request_id is not None:
+            attributes["loopengine.request.id"] = event.request_id
+        if event.cost_usd is not None:
+            attributes["loopengine.cost_usd"] = float(event.cost_usd)
+        if event.error_code is not None:
+            attributes["loopengine.error.code"] = event.error_code
+        if event.aborted_reason is not None:
+            attributes["loopengine.attempt.aborted_reason"] = event.aborted_reason
+        error = event.fault or ("aborted" if event.outcome == "aborted" else None)
+        if error is not None:
+            attributes["error.type"] = error
+            span.set_status(Status(StatusCode.ERROR, f"attempt {event.outcome}: {error}"))
+        span.set_attributes(attributes)
+        span.end(end_time=_ns(event.at))
+
+    # -- tools ------------------------------------------------------------------------
+
+    def _tool_call(self, run: _RunSpans, event: ToolCallEvent) -> None:
+        if event.status == "started":
+            run.tools[event.tool_use_id] = self._tracer.start_span(
+                f"execute_tool {event.tool_name}", context=run.context,
+                kind=SpanKind.INTERNAL, start_time=_ns(event.at),
+                attributes={
+                    "gen_ai.operation.name": "execute_tool",
+                    "gen_ai.tool.name": event.tool_name,
+                    "gen_ai.tool.call.id": event.tool_use_id,
+                    "gen_ai.tool.type": "function",
+                    "loopengine.run.id": event.run_id,
+                    "loopengine.attempt.turn": event.turn,
+                },
+            )
+            return
+        span = run.tools.pop(event.tool_use_id, None)
+        if span is None:
+            return
+        span.set_attribute("loopengine.tool.status", event.status)
+        if event.status == "failed":
+            span.set_attribute("error.type", event.error or "failed")
+            span.set_status(Status(StatusCode.ERROR, event.error or "the tool call failed"))
+        span.end(end_time=_ns(event.at))
+
+
+def _usage_attributes(usage: Usage) -> dict[str, AttributeValue]:
+    # The conventions count cached tokens inside gen_ai.usage.input_tokens;
+    # Usage.input_tokens (Anthropic's convention) excludes them.
+    return {
+        "gen_ai.usage.input_tokens": usage.total_input_tokens,
+        "gen_ai.usage.output_tokens": usage.output_tokens,
+        "gen_ai.usage.cache_read.input_tokens": usage.cache_read_tokens,
+        "gen_ai.usage.cache_creation.input_tokens": usage.cache_write_tokens,
+    }
