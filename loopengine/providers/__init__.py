@@ -1,6 +1,7 @@
 """Providers: the `Provider` seam, fault classification, the shared retry loop,
 cache-marker placement, and the providers themselves."""
 
+from loopengine.providers._anthropic import AnthropicProvider
 from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._cache import MAX_CACHE_MARKERS, CachePolicy, place_cache_markers
 from loopengine.providers._faults import FaultKind, ProviderFault
@@ -9,6 +10,7 @@ from loopengine.providers._scripted import Reply, ScriptedProvider
 
 __all__ = [
     "MAX_CACHE_MARKERS",
+    "AnthropicProvider",
     "CachePolicy",
     "FaultKind",
     "Provider",

@@ -1,8 +1,36 @@
 """Testing helpers for applications built on loopengine.
 
 `FakeClock` makes retry waits and deadlines instant and exact.
+`FakeAnthropicServer` is a scripted Messages API on loopback: point an
+`AnthropicProvider` (or any ``anthropic`` client) at its ``url`` and script
+replies, error statuses, dropped connections and broken streams with
+`Reply`, `ErrorReply`, `DropConnection`, `CutStream`, `StreamErrorEvent` and
+`StallStream`. The pytest fixture ``fake_anthropic_server`` (registered by the
+package's pytest plugin) gives each test a started server. See docs/testing.md.
 """
 
 from loopengine._clock import FakeClock
+from loopengine.providers._scripted import Reply
+from loopengine.testing._server import (
+    CutStream,
+    DropConnection,
+    ErrorReply,
+    FakeAnthropicServer,
+    RecordedRequest,
+    ServerItem,
+    StallStream,
+    StreamErrorEvent,
+)
 
-__all__ = ["FakeClock"]
+__all__ = [
+    "CutStream",
+    "DropConnection",
+    "ErrorReply",
+    "FakeAnthropicServer",
+    "FakeClock",
+    "RecordedRequest",
+    "Reply",
+    "ServerItem",
+    "StallStream",
+    "StreamErrorEvent",
+]

@@ -1,0 +1,713 @@
+"""`FakeAnthropicServer`: the Messages API on loopback, scripted, for tests.
+
+A real HTTP/1.1 server on 127.0.0.1 (an ephemeral port) that answers
+``POST /v1/messages`` in JSON or, when the request asks for ``"stream": true``,
+in server-sent events shaped like Anthropic's. Each request takes the next
+item of a script:
+
+* `Reply` (the same class `ScriptedProvider` serves): a message with any
+  content, stop reason and usage, after an optional delay;
+* `ErrorReply`: an error status with an Anthropic error body (or any body)
+  and any headers;
+* `DropConnection`: the connection is closed (or reset) without an answer;
+* `CutStream`: the reply's stream ends after some events, either cleanly (no
+  ``message_stop``) or by a dropped connection;
+* `StreamErrorEvent`: the reply's stream sends an ``error`` event after some
+  events, as the API does when it overloads mid-answer;
+* `StallStream`: the reply's stream goes quiet for a while after some events;
+* a callable taking the `RecordedRequest` and returning one of the above.
+
+Every request is recorded (`FakeAnthropicServer.requests`: method, path,
+lowercased headers, parsed JSON body) and the usage the server put on the
+wire is counted (`FakeAnthropicServer.usage_served`), so a test can check an
+attempt ledger against an independent witness. It uses only the standard
+library: handlers run in threads, so the server works under any event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import re
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any, Literal, Self
+
+from loopengine._usage import Usage
+from loopengine.providers._scripted import Reply
+
+__all__ = [
+    "CutStream",
+    "DropConnection",
+    "ErrorReply",
+    "FakeAnthropicServer",
+    "RecordedRequest",
+    "ServerItem",
+    "StallStream",
+    "StreamErrorEvent",
+]
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+_TYPE_STATUS = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "billing_error": 402,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "timeout_error": 504,
+    "overloaded_error": 529,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorReply:
+    """An error response: ``status`` with an Anthropic error body.
+
+    The body is ``{"type": "error", "error": {"type": ..., "message": ...}}``
+    (plus ``details.error_code`` when ``error_code`` is given) unless ``body``
+    replaces it (a dict is sent as JSON, a string as it is).
+    """
+
+    status: int
+    """The HTTP status."""
+    type: str | None = None
+    """``error.type``; derived from the status when None (529: ``overloaded_error``)."""
+    message: str = "scripted error"
+    """``error.message``."""
+    error_code: str | None = None
+    """``error.details.error_code`` (e.g. ``enforced_spend_limit_reached``), or none."""
+    body: Mapping[str, Any] | str | None = None
+    """A whole body to send instead of the Anthropic-shaped one."""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """Extra response headers (``retry-after``, ``x-should-retry``...)."""
+    delay: float = 0.0
+    """Real seconds to wait before answering."""
+
+    @classmethod
+    def overloaded(cls, **kwargs: Any) -> ErrorReply:
+        """529 ``overloaded_error``."""
+        return cls(status=529, message="Overloaded", **kwargs)
+
+    @classmethod
+    def rate_limited(cls, *, retry_after: float | None = None, **kwargs: Any) -> ErrorReply:
+        """429 ``rate_limit_error``, with a ``retry-after`` header when given."""
+        headers = dict(kwargs.pop("headers", {}))
+        if retry_after is not None:
+            headers["retry-after"] = f"{retry_after:g}"
+        return cls(status=429, message="Number of request tokens has exceeded your rate limit.",
+                   headers=headers, **kwargs)
+
+    @classmethod
+    def spend_limit(cls, **kwargs: Any) -> ErrorReply:
+        """429 whose ``error_code`` says the organisation's spend limit is reached."""
+        return cls(status=429, message="You have reached your spend limit.",
+                   error_code="enforced_spend_limit_reached", **kwargs)
+
+    @classmethod
+    def credit_balance_too_low(cls, **kwargs: Any) -> ErrorReply:
+        """Anthropic's 400 for a depleted prepaid balance."""
+        return cls(status=400, message="Your credit balance is too low to access the Anthropic "
+                   "API. Please go to Plans & Billing to upgrade or purchase credits.", **kwargs)
+
+    def error_type(self) -> str:
+        """The ``error.type`` this reply sends."""
+        if self.type is not None:
+            return self.type
+        if self.status in _STATUS_TYPES:
+            return _STATUS_TYPES[self.status]
+        return "api_error" if self.status >= 500 else "invalid_request_error"
+
+    def payload(self) -> bytes:
+        """The response body."""
+        if isinstance(self.body, str):
+            return self.body.encode()
+        if self.body is not None:
+            return json.dumps(self.body).encode()
+        error: dict[str, Any] = {"type": self.error_type(), "message": self.message}
+        if self.error_code is not None:
+            error["details"] = {"error_code": self.error_code}
+        return json.dumps({"type": "error", "error": error}).encode()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DropConnection:
+    """Close the connection without sending a response."""
+
+    reset: bool = True
+    """True sends a TCP reset; False closes the connection cleanly."""
+    delay: float = 0.0
+    """Real seconds to wait before dropping."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CutStream:
+    """Serve ``reply`` but stop after ``after`` events.
+
+    A streaming request gets the first ``after`` server-sent events of the
+    reply (so never its ``message_stop``); a non-streaming request gets its
+    status line, headers and half its body before the connection drops.
+    """
+
+    reply: Reply
+    """The reply whose stream is cut."""
+    after: int = 2
+    """Events sent before the cut."""
+    how: Literal["end", "drop"] = "end"
+    """``end``: the body ends cleanly, as when a proxy gives up; ``drop``: the
+    connection is closed mid-body."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamErrorEvent:
+    """Serve ``reply`` but send an ``error`` event after ``after`` events.
+
+    The response status is 200 (the error arrives inside the stream). A
+    non-streaming request gets the HTTP error the type stands for instead
+    (``overloaded_error``: 529).
+    """
+
+    reply: Reply
+    """The reply that is interrupted."""
+    after: int = 2
+    """Events sent before the error event."""
+    type: str = "overloaded_error"
+    """``error.type`` of the event."""
+    message: str = "Overloaded"
+    """``error.message`` of the event."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StallStream:
+    """Serve ``reply`` but go quiet for ``seconds`` after ``after`` events.
+
+    Afterwards the rest of the stream is sent (a client that gave up meanwhile
+    has closed the connection). A non-streaming request is answered after the
+    same pause.
+    """
+
+    reply: Reply
+    """The reply that stalls."""
+    after: int = 2
+    """Events sent before the pause."""
+    seconds: float = 1.0
+    """Real seconds of silence."""
+
+
+ServerItem = (
+    Reply | ErrorReply | DropConnection | CutStream | StreamErrorEvent | StallStream
+    | Callable[["RecordedRequest"], Any]
+)
+"""One script item: a response, a fault, or a function of the request giving one."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    """One request the server received."""
+
+    method: str
+    """``POST``, usually."""
+    path: str
+    """The request path, e.g. ``/v1/messages``."""
+    headers: Mapping[str, str]
+    """The request headers, keys lowercased."""
+    body: Any
+    """The parsed JSON body (None when it was not JSON)."""
+
+    @property
+    def stream(self) -> bool:
+        """Whether the request asked for a streamed response."""
+        return isinstance(self.body, Mapping) and self.body.get("stream") is True
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The ``messages`` of the body."""
+        return list(self.body.get("messages", [])) if isinstance(self.body, Mapping) else []
+
+    @property
+    def timeout(self) -> float | None:
+        """The client's request timeout in seconds, when the SDK sent one
+        (``x-stainless-timeout``)."""
+        value = self.headers.get("x-stainless-timeout")
+        try:
+            return float(value) if value is not None else None
+        except ValueError:
+            return None
+
+
+class _Drop(Exception):
+    """Raised inside a handler to abandon the connection without answering."""
+
+    def __init__(self, reset: bool) -> None:
+        super().__init__("connection dropped")
+        self.reset = reset
+
+
+class FakeAnthropicServer:
+    """A scripted Messages API on 127.0.0.1, for tests.
+
+    Use it as a context manager (or call `start` and `close`); point an
+    ``anthropic`` client at `url`::
+
+        with FakeAnthropicServer() as server:
+            server.add(Reply.text("Hello"))
+            provider = AnthropicProvider(api_key="test", base_url=server.url)
+            ...
+            assert server.requests[0].body["model"] == "claude-sonnet-4-5"
+
+    Args:
+        script: Items to serve, one per request, in order (see `add`).
+        host: The address to bind; loopback by default.
+
+    When the script runs out, requests get a 400 ``invalid_request_error``
+    saying so: a permanent fault, so a test that sends more than it scripted
+    fails clearly instead of retrying.
+    """
+
+    def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
+        self._host = host
+        self._lock = threading.Lock()
+        self._items: Iterator[ServerItem] = iter(list(script))
+        self._requests: list[RecordedRequest] = []
+        self._served: list[Usage] = []
+        self._ids = itertools.count(1)
+        self._stopping = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._httpd: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> Self:
+        """Bind an ephemeral port and serve in a background thread."""
+        if self._httpd is not None:
+            raise RuntimeError("the server is already started")
+        self._stopping.clear()
+        self._httpd = _HTTPServer((self._host, 0), _Handler, self)
+        self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                        kwargs={"poll_interval": 0.05},
+                                        name="FakeAnthropicServer", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving, drop open connections and wait for the handlers to end."""
+        httpd, thread = self._httpd, self._thread
+        if httpd is None:
+            return
+        self._stopping.set()
+        httpd.shutdown()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            # Idle keep-alive connections would otherwise hold their handler
+            # thread (and so `server_close`) until the client closes them.
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        httpd.server_close()
+        if thread is not None:
+            thread.join()
+        self._httpd = self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- the script ------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The base URL to give the client, e.g. ``http://127.0.0.1:49152``."""
+        if self._httpd is None:
+            raise RuntimeError("the server is not started")
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def add(self, *items: ServerItem) -> None:
+        """Append items to the script, served one per request in order."""
+        with self._lock:
+            self._items = itertools.chain(self._items, list(items))
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """Every request received so far, in arrival order."""
+        with self._lock:
+            return list(self._requests)
+
+    @property
+    def usage_served(self) -> Usage:
+        """The usage the server put on the wire, summed over every response.
+
+        A complete reply counts its usage; a cut or interrupted stream counts
+        what its events had reported when it stopped (the input and cache
+        tokens of ``message_start``, and the output tokens sent so far);
+        errors and dropped connections count nothing.
+        """
+        with self._lock:
+            total = Usage()
+            for usage in self._served:
+                total = total + usage
+            return total
+
+    @property
+    def responses_served(self) -> int:
+        """How many responses carried usage (complete, cut or interrupted replies)."""
+        with self._lock:
+            return len(self._served)
+
+    # -- serving (handler threads) ------------------------------------------------
+
+    def _next_item(self, request: RecordedRequest, *, consume: bool) -> tuple[int, Any]:
+        with self._lock:
+            self._requests.append(request)
+            number = len(self._requests)
+            item = next(self._items, None) if consume else None
+        return number, item
+
+    def _count(self, usage: Usage | None) -> int | None:
+        """Count ``usage`` as served; return its index (to correct it later)."""
+        if usage is None:
+            return None
+        with self._lock:
+            self._served.append(usage)
+            return len(self._served) - 1
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep, but wake at once when the server stops."""
+        if seconds > 0 and self._stopping.wait(seconds):
+            raise _Drop(reset=False)
+
+    def _handle(self, handler: _Handler) -> None:
+        length = int(handler.headers.get("content-length") or 0)
+        raw = handler.rfile.read(length) if length else b""
+        try:
+            body: Any = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        request = RecordedRequest(
+            method=handler.command,
+            path=handler.path,
+            headers={k.lower(): v for k, v in handler.headers.items()},
+            body=body,
+        )
+        served = handler.path.split("?")[0] == "/v1/messages" and handler.command == "POST"
+        number, item = self._next_item(request, consume=served)
+        if not served:
+            item = ErrorReply(status=404, message=f"{handler.command} {handler.path} is not "
+                              "served by this fake (only POST /v1/messages)")
+        if callable(item) and not isinstance(item, _ITEM_TYPES):
+            item = item(request)
+        if item is None:
+            item = ErrorReply(status=400, message=f"the script has no reply for request {number}")
+        self._serve(handler, item, request, number)
+
+    def _serve(self, handler: _Handler, item: Any, request: RecordedRequest, number: int) -> None:
+        request_id = f"req_fake_{number:04d}"
+        if isinstance(item, ErrorReply):
+            self._wait(item.delay)
+            handler.send_bytes(item.status, item.payload(), "application/json",
+                               {"request-id": request_id, **item.headers})
+            return
+        if isinstance(item, DropConnection):
+            self._wait(item.delay)
+            raise _Drop(reset=item.reset)
+        if isinstance(item, StreamErrorEvent) and not request.stream:
+            status = _TYPE_STATUS.get(item.type, 500)
+            self._serve(handler, ErrorReply(status=status, type=item.type, message=item.message),
+                        request, number)
+            return
+        if isinstance(item, Reply):
+            reply, mode, after = item, "full", 0
+        elif isinstance(item, CutStream):
+            reply, mode, after = item.reply, item.how, item.after
+        elif isinstance(item, StreamErrorEvent):
+            reply, mode, after = item.reply, "error", item.after
+        elif isinstance(item, StallStream):
+            reply, mode, after = item.reply, "stall", item.after
+        else:
+            raise TypeError(f"not a script item: {item!r}")
+        self._wait(reply.delay)
+        message = _message(reply, request, number)
+        if not request.stream:
+            payload = json.dumps(message).encode()
+            if mode == "stall":
+                self._wait(item.seconds)
+            if mode in ("end", "drop"):
+                # The status and headers promise the whole body; half arrives.
+                handler.send_head(200, "application/json", {"request-id": request_id,
+                                                            "content-length": str(len(payload))})
+                handler.write(payload[: len(payload) // 2])
+                raise _Drop(reset=False)
+            handler.send_bytes(200, payload, "application/json", {"request-id": request_id})
+            self._count(reply.usage)
+            return
+        events = _events(message, reply.usage)
+        handler.send_head(200, "text/event-stream", {"request-id": request_id,
+                                                     "transfer-encoding": "chunked",
+                                                     "cache-control": "no-cache"})
+        cut = len(events) if mode == "full" else min(after, len(events))
+        sent = events[:cut]
+        index = self._count(_usage_of(sent, reply.usage))
+        handler.write_chunk(b"".join(_sse(name, data) for name, data in sent))
+        if mode == "full":
+            handler.end_chunks()
+        elif mode == "end":
+            handler.end_chunks()
+        elif mode == "drop":
+            raise _Drop(reset=False)
+        elif mode == "error":
+            error = {"type": "error", "error": {"type": item.type, "message": item.message}}
+            handler.write_chunk(_sse("error", error))
+            handler.end_chunks()
+        else:  # stall
+            self._wait(item.seconds)
+            if handler.peer_gone():
+                raise _Drop(reset=False)
+            handler.write_chunk(b"".join(_sse(name, data) for name, data in events[cut:]))
+            handler.end_chunks()
+            if index is not None and reply.usage is not None:
+                # The client was still listening: it has seen the whole reply.
+                with self._lock:
+                    self._served[index] = reply.usage
+
+
+_ITEM_TYPES = (Reply, ErrorReply, DropConnection, CutStream, StreamErrorEvent, StallStream)
+
+
+# -- wire shapes ---------------------------------------------------------------------
+
+
+def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "cache_creation_input_tokens": usage.cache_write_tokens,
+        "cache_read_input_tokens": usage.cache_read_tokens,
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": usage.cache_write_5m_tokens,
+            "ephemeral_1h_input_tokens": usage.cache_write_1h_tokens,
+        },
+        "service_tier": "standard",
+    }
+
+
+def _message(reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
+    model = request.body.get("model") if isinstance(request.body, Mapping) else None
+    message: dict[str, Any] = {
+        "id": reply.response_id or f"msg_fake_{number:04d}",
+        "type": "message",
+        "role": "assistant",
+        "model": model or "claude-fake",
+        "content": [dict(block) for block in reply.content],
+        "stop_reason": reply.stop_reason,
+        "stop_sequence": None,
+    }
+    usage = _usage_json(reply.usage)
+    if usage is not None:
+        message["usage"] = usage
+    return message
+
+
+_WORDS = re.compile(r"\s*\S+\s*|\s+")
+
+
+def _events(message: Mapping[str, Any], usage: Usage | None) -> list[tuple[str, dict[str, Any]]]:
+    """The server-sent events of a message, as the API streams it."""
+    start = {**message, "content": [], "stop_reason": None}
+    upfront = _usage_json(usage)
+    if usage is not None and upfront is not None:
+        # The API reports input and cache tokens up front and the output
+        # tokens so far (a token or so); message_delta carries the final count.
+        start["usage"] = {**upfront, "output_tokens": min(1, usage.output_tokens)}
+    events: list[tuple[str, dict[str, Any]]] = [("message_start",
+                                                  {"type": "message_start", "message": start})]
+    for index, block in enumerate(message["content"]):
+        kind = block.get("type")
+        if kind == "text":
+            events.append(_block_start(index, {**block, "text": ""}))
+            for piece in _WORDS.findall(str(block.get("text", ""))):
+                events.append(_delta(index, {"type": "text_delta", "text": piece}))
+        elif kind in ("tool_use", "server_tool_use"):
+            events.append(_block_start(index, {**block, "input": {}}))
+            events.append(_delta(index, {"type": "input_json_delta",
+                                         "partial_json": json.dumps(block.get("input", {}))}))
+        elif kind == "thinking":
+            events.append(_block_start(index, {**block, "thinking": "", "signature": ""}))
+            events.append(_delta(index, {"type": "thinking_delta",
+                                         "thinking": block.get("thinking", "")}))
+            events.append(_delta(index, {"type": "signature_delta",
+                                         "signature": block.get("signature", "")}))
+        else:
+            events.append(_block_start(index, dict(block)))
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+    delta: dict[str, Any] = {
+        "type": "message_delta",
+        "delta": {"stop_reason": message.get("stop_reason"), "stop_sequence": None},
+        "usage": {"output_tokens": usage.output_tokens if usage else 0},
+    }
+    events.append(("message_delta", delta))
+    events.append(("message_stop", {"type": "message_stop"}))
+    return events
+
+
+def _block_start(index: int, block: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    return ("content_block_start",
+            {"type": "content_block_start", "index": index, "content_block": dict(block)})
+
+
+def _delta(index: int, delta: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    return ("content_block_delta", {"type": "content_block_delta", "index": index,
+                                    "delta": dict(delta)})
+
+
+def _sse(name: str, data: Mapping[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def _usage_of(events: Sequence[tuple[str, Mapping[str, Any]]], usage: Usage | None) -> Usage | None:
+    """The usage a client has seen after ``events``."""
+    if usage is None or not events or events[0][0] != "message_start":
+        return None
+    output = min(1, usage.output_tokens)
+    for name, data in events:
+        if name == "message_delta":
+            output = int(data["usage"]["output_tokens"])
+    return Usage(
+        input_tokens=usage.input_tokens,
+        output_tokens=output,
+        cache_read_tokens=usage.cache_read_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
+        cache_write_1h_tokens=usage.cache_write_1h_tokens,
+    )
+
+
+# -- the HTTP plumbing ---------------------------------------------------------------------
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    # Handler threads are joined on close, so a test never leaks one.
+    daemon_threads = False
+    block_on_close = True
+
+    def __init__(self, address: tuple[str, int], handler: type[_Handler],
+                 owner: FakeAnthropicServer) -> None:
+        self.owner = owner
+        super().__init__(address, handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _HTTPServer
+
+    def setup(self) -> None:
+        super().setup()
+        # Streamed events are small writes: without this, Nagle's algorithm and
+        # delayed acknowledgements add tens of milliseconds per response.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.server.owner._lock:
+            self.server.owner._connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.owner._lock:
+            self.server.owner._connections.discard(self.connection)
+        with contextlib.suppress(OSError):
+            super().finish()
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except _Drop as drop:
+            # Outside `handle_one_request`, which would flush the closed file.
+            self._drop(drop.reset)
+        except OSError:
+            # The client went away (it timed out or gave up on a stalled stream).
+            pass
+
+    def _drop(self, reset: bool) -> None:
+        with contextlib.suppress(OSError):
+            if reset:
+                # SO_LINGER with a zero timeout makes close() send a reset.
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                           struct.pack("ii", 1, 0))
+            else:
+                self.connection.shutdown(socket.SHUT_RDWR)
+        # The socket closes for real only once its file objects are closed.
+        for stream in (self.rfile, self.wfile, self.connection):
+            with contextlib.suppress(OSError):
+                stream.close()
+
+    def do_POST(self) -> None:  # noqa: N802 - the name http.server dispatches to
+        self.server.owner._handle(self)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.server.owner._handle(self)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+        """Stay quiet: tests read the recorded requests, not a log."""
+
+    def send_head(self, status: int, content_type: str, headers: Mapping[str, str]) -> None:
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+
+    def send_bytes(self, status: int, payload: bytes, content_type: str,
+                   headers: Mapping[str, str]) -> None:
+        self.send_head(status, content_type, {**headers, "content-length": str(len(payload))})
+        self.write(payload)
+
+    def peer_gone(self) -> bool:
+        """Whether the client has closed its end (a write would still succeed once)."""
+        readable, _, _ = select.select([self.connection], [], [], 0)
+        if not readable:
+            return False
+        try:
+            return bool(self.connection.recv(1, socket.MSG_PEEK) == b"")
+        except OSError:
+            return True
+
+    def write(self, data: bytes) -> None:
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def write_chunk(self, data: bytes) -> None:
+        if data:
+            self.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+    def end_chunks(self) -> None:
+        self.write(b"0\r\n\r\n")

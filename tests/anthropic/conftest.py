@@ -1,0 +1,98 @@
+"""Fixtures for the tests that go through AnthropicProvider, the real SDK and the
+loopback FakeAnthropicServer (nothing in between is faked or patched)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+import loopengine as le
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import AnthropicProvider
+from loopengine.providers._cache import count_cache_markers
+from loopengine.testing import FakeAnthropicServer, FakeClock, RecordedRequest, ServerItem
+
+from ..conftest import PRICES
+
+FAST_RETRY = le.RetryPolicy(initial_wait=0.01, max_wait=0.02)
+"""Real waits short enough for tests that run on the real clock."""
+
+STREAMING = pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+"""Run a test once with JSON responses and once with server-sent events."""
+
+
+class Harness:
+    """An engine on an AnthropicProvider pointed at one FakeAnthropicServer."""
+
+    def __init__(self, server: FakeAnthropicServer, clock: Any) -> None:
+        self.server = server
+        self.clock = clock
+        self._providers: list[AnthropicProvider] = []
+
+    def provider(self, *, stream: bool = False, **kwargs: Any) -> AnthropicProvider:
+        """A provider on the server; closed when the test ends."""
+        kwargs.setdefault("base_url", self.server.url)
+        provider = AnthropicProvider(api_key="test-key", stream=stream, **kwargs)
+        self._providers.append(provider)
+        return provider
+
+    def engine(
+        self, *script: ServerItem, stream: bool = False, provider_kwargs: Any = None,
+        **kwargs: Any,
+    ) -> tuple[le.Engine, MemoryLedger]:
+        """An engine whose provider will be served ``script``."""
+        self.server.add(*script)
+        ledger = kwargs.pop("ledger", MemoryLedger())
+        kwargs.setdefault("prices", PRICES)
+        kwargs.setdefault("clock", self.clock)
+        kwargs.setdefault("rng", random.Random(7))
+        engine = le.Engine(self.provider(stream=stream, **(provider_kwargs or {})),
+                           ledger=ledger, **kwargs)
+        return engine, ledger
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """What the server received."""
+        return self.server.requests
+
+    async def aclose(self) -> None:
+        for provider in self._providers:
+            await provider.aclose()
+
+
+@asynccontextmanager
+async def harness(server: FakeAnthropicServer, clock: Any) -> AsyncIterator[Harness]:
+    """A `Harness` whose providers are closed afterwards."""
+    h = Harness(server, clock)
+    try:
+        yield h
+    finally:
+        await h.aclose()
+
+
+@pytest.fixture
+async def wire(fake_anthropic_server: FakeAnthropicServer,
+               clock: FakeClock) -> AsyncIterator[Harness]:
+    """An engine factory on the fake server, with the fake clock."""
+    async with harness(fake_anthropic_server, clock) as h:
+        yield h
+
+
+def markers_on_the_wire(request: RecordedRequest) -> int:
+    """``cache_control`` markers in a request body."""
+    body = request.body
+    return count_cache_markers(system=body.get("system"), tools=body.get("tools", []),
+                               messages=body["messages"])
+
+
+def tool_results(request: RecordedRequest) -> list[dict[str, Any]]:
+    """The tool_result blocks of the request's last message."""
+    content = request.messages[-1]["content"]
+    return [b for b in content if isinstance(b, dict) and b.get("type") == "tool_result"]
+
+
+Factory = Callable[..., tuple[le.Engine, MemoryLedger]]
