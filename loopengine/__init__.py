@@ -6,6 +6,7 @@ retry path or ends the conversation with a named `Outcome`.
 """
 
 from loopengine._attribution import Attribution
+from loopengine._call import CallAttempts, CallResult, StructuredOutputError
 from loopengine._engine import Engine
 from loopengine._errors import (
     ConfigError,
@@ -35,6 +36,8 @@ __all__ = [
     "AttemptsSummary",
     "Attribution",
     "CachePolicy",
+    "CallAttempts",
+    "CallResult",
     "ConfigError",
     "Engine",
     "Estimate",
@@ -53,6 +56,7 @@ __all__ = [
     "ReplayMismatchError",
     "RetryPolicy",
     "RunResult",
+    "StructuredOutputError",
     "Tool",
     "Usage",
     "load_operations",

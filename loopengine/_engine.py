@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic
 
+from loopengine import _validate
 from loopengine._attribution import Attribution
+from loopengine._call import CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
 from loopengine._errors import ConfigError
 from loopengine._estimate import Estimate, estimate_run
@@ -33,6 +35,7 @@ from loopengine.providers._retry import RetryPolicy
 
 __all__ = ["Engine"]
 
+M = TypeVar("M", bound=pydantic.BaseModel)
 Messages = str | Sequence[Mapping[str, Any]]
 System = str | Sequence[Mapping[str, Any]] | None
 
@@ -200,6 +203,71 @@ class Engine:
         await inv.begin()
         return await run_loop(inv, spec)
 
+    async def call(
+        self,
+        operation: Operation,
+        messages: Messages,
+        *,
+        output: type[M],
+        system: System = None,
+        retry: RetryPolicy | Mapping[str, object] | None = None,
+        attribution: Attribution | None = None,
+        max_tokens: int | None = None,
+        limits: Limits | Mapping[str, object] | None = None,
+        prompt_fallback: bool = False,
+    ) -> CallResult[M]:
+        """Make one structured call of ``operation`` and report every request it made.
+
+        The model is forced to answer through a tool whose input schema is
+        ``output``. Invalid replies are retried with the validation error fed
+        back, truncated ones with ``max_tokens`` doubled (unless
+        ``retry.grow_max_tokens`` is false; never above the operation's
+        ceiling), transport faults as in a run. ``retry.max_attempts`` caps
+        every request of the call (1 turns retries off); a value above the
+        operation's own is clamped. See docs/structured-calls.md.
+
+        Args:
+            operation: The published operation.
+            messages: One user message, or Anthropic-shaped message dicts.
+            output: The pydantic model of the answer.
+            system: The system prompt: a string or Anthropic text blocks.
+            retry: Narrows the operation's retry policy for this call.
+            attribution: Who the call is accounted to.
+            max_tokens: The first request's ``max_tokens`` (default: the
+                operation's ``max_output_tokens``); clamped to the ceiling.
+            limits: Narrows the operation's limits (time, credit hold).
+            prompt_fallback: Make the last permitted attempt with a
+                prompt-embedded schema when native attempts failed validation.
+
+        Returns:
+            The `CallResult`: ``data``, ``usage`` (of the attempt ``data`` came
+            from) and ``attempts``.
+
+        Raises:
+            ConfigError: bad input, e.g. ``retry.max_attempts`` not an integer
+                in 1..16 (``.field == "retry.max_attempts"``).
+            ProviderError: a provider fault ended the call; ``.attempts`` says
+                how many requests it made.
+            StructuredOutputError: the attempts ran out without a valid answer.
+            OutcomeError: the call was refused, ran out of time or credits.
+        """
+        checked_output = _check_output(output)
+        if checked_output is None:
+            raise ConfigError("output", "a structured call needs an output model")
+        if max_tokens is not None:
+            _validate.integer("max_tokens", max_tokens, minimum=1)
+        _validate.boolean("prompt_fallback", prompt_fallback)
+        inv = self._invocation("call", operation, limits, retry, attribution)
+        spec = CallSpec(
+            messages=normalize_messages(messages),
+            system=normalize_system(system),
+            output=checked_output,
+            max_tokens=max_tokens or operation.max_output_tokens,
+            prompt_fallback=prompt_fallback,
+        )
+        await inv.begin()
+        return await run_call(inv, spec)
+
     def estimate(
         self,
         operation: Operation,
@@ -232,7 +300,6 @@ class Engine:
         return estimate_run(operation, normalize_messages(messages),
                             system=normalize_system(system), tools=tools, output=output,
                             limits=limits, prices=self.prices, at=self.clock.wall())
-
 
 
 def normalize_messages(messages: Messages) -> list[dict[str, Any]]:

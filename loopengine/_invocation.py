@@ -22,6 +22,7 @@ import anyio
 
 from loopengine._attribution import Attribution
 from loopengine._clock import Clock
+from loopengine._errors import LoopEngineError
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook, nanousd_to_usd
 from loopengine._result import AttemptsSummary
@@ -273,6 +274,11 @@ class Invocation:
             fault = raised
         except anyio.get_cancelled_exc_class():
             raise  # the caller's cancellation: settled by `cancelled`, shielded
+        except LoopEngineError as error:
+            # A misuse the caller must see (a replay that diverged): settle, then raise.
+            await self._settle(flight, None, ProviderFault(
+                FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}"), external=False)
+            raise
         except Exception as error:  # a provider must raise only ProviderFault
             fault = ProviderFault(
                 FaultKind.BAD_REQUEST,

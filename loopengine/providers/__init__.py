@@ -5,6 +5,7 @@ from loopengine.providers._anthropic import AnthropicProvider
 from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._cache import MAX_CACHE_MARKERS, CachePolicy, place_cache_markers
 from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._recording import RecordingProvider, ReplayProvider
 from loopengine.providers._retry import RetryPolicy, RetryStop, backoff_wait, run_with_retries
 from loopengine.providers._scripted import Reply, ScriptedProvider
 
@@ -17,6 +18,8 @@ __all__ = [
     "ProviderFault",
     "ProviderRequest",
     "ProviderResponse",
+    "RecordingProvider",
+    "ReplayProvider",
     "Reply",
     "RetryPolicy",
     "RetryStop",

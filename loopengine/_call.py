@@ -1,0 +1,297 @@
+"""`Engine.call`: one structured call, and the record of every request it made.
+
+A call asks for one structured answer. Natively the model is forced to call
+the terminal tool whose input schema is the output model. One call may make
+several provider requests, all counted in `CallAttempts` and all capped by
+``retry.max_attempts``:
+
+* transport retries (the shared retry loop, as in a run);
+* schema-violation retries: the validation error is fed back (phase ``repair``);
+* truncation retries: a reply cut at ``max_tokens`` is asked again with
+  ``max_tokens`` doubled, never above the operation's ceiling, or kept as it
+  is with ``retry.grow_max_tokens=False``;
+* optionally, a last fallback from the native mode to a prompt-embedded
+  schema (phase ``fallback``) after the native attempts failed validation.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Generic, Literal, NoReturn, TypeVar
+
+import anyio
+import pydantic
+
+from loopengine._errors import OutcomeError, ProviderError
+from loopengine._invocation import Invocation
+from loopengine._outcome import Outcome
+from loopengine._tools import describe_validation_error
+from loopengine._usage import Usage
+from loopengine.events import TurnStarted
+from loopengine.guards._checkpoints import ConversationState, GuardTrip, check_credits
+from loopengine.persistence._records import AttemptRecord
+from loopengine.providers._base import ProviderRequest, ProviderResponse
+from loopengine.providers._faults import FaultKind
+from loopengine.providers._retry import RetryStop
+
+__all__ = ["CallAttempts", "CallResult", "StructuredOutputError", "run_call"]
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+ANSWER_TOOL = "final_answer"
+
+
+@dataclass(frozen=True, slots=True)
+class CallAttempts:
+    """Every provider request one structured call made (reference/000 §A)."""
+
+    count: int
+    """Requests sent: transport, schema and truncation retries and the fallback included;
+    a request refused before it was sent is not one."""
+    output_tokens: int
+    """Output tokens summed over every attempt that reported usage."""
+    usage_complete: bool
+    """False when some attempt reported no usage (``output_tokens`` is then a floor)."""
+    structured_output: Literal["native", "prompt"]
+    """The final attempt's mode: ``native`` (a forced tool call) or ``prompt``
+    (a schema embedded in the prompt)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallResult(Generic[M]):
+    """The result of `Engine.call`."""
+
+    data: M
+    """The validated answer."""
+    usage: Usage
+    """The usage of the attempt whose output ``data`` is (§A.4)."""
+    attempts: CallAttempts
+    """Every request the call made."""
+    invocation_id: str
+    """The ledger id of the call."""
+    cost_usd: Decimal
+    """The charged cost: the successful attempts."""
+    credits: int
+    """Rounded charges of the call's requests."""
+    attempt_log: tuple[AttemptRecord, ...] = field(default=(), repr=False)
+    """Every attempt, dispatched and settled."""
+
+
+class StructuredOutputError(OutcomeError):
+    """A call's attempts ran out without a valid structured answer.
+
+    Attributes:
+        reason: ``invalid`` (the last reply failed validation) or ``truncated``
+            (it was cut at ``max_tokens``).
+        detail: The last validation error, for people.
+    """
+
+    def __init__(self, message: str, *, attempts: int, reason: str, detail: str) -> None:
+        super().__init__(message, outcome=Outcome.INCOMPLETE.value, attempts=attempts)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallSpec:
+    """A validated call request (internal)."""
+
+    messages: list[dict[str, Any]]
+    system: list[dict[str, Any]] | None
+    output: type[pydantic.BaseModel]
+    max_tokens: int
+    prompt_fallback: bool
+
+
+async def run_call(inv: Invocation, spec: CallSpec) -> CallResult[Any]:
+    """Make the call; return its result or raise an `OutcomeError` carrying ``attempts``."""
+    call = _Call(inv, spec)
+    try:
+        return await call.run()
+    except anyio.get_cancelled_exc_class():
+        with anyio.CancelScope(shield=True):
+            await inv.cancelled(turns=call.turn, tool_calls=0, credits=call.credits)
+        raise
+
+
+class _Call:
+    def __init__(self, inv: Invocation, spec: CallSpec) -> None:
+        self.inv = inv
+        self.spec = spec
+        self.turn = 0
+        self.credits = 0
+        self.messages = list(spec.messages)
+        schema = spec.output.model_json_schema()
+        schema.pop("title", None)
+        self.schema = schema
+        self.tool = {
+            "name": ANSWER_TOOL,
+            "description": "Give the answer. Its input is the answer itself.",
+            "input_schema": schema,
+        }
+
+    async def run(self) -> CallResult[Any]:
+        inv = self.inv
+        budget = inv.policy.max_attempts
+        ceiling = inv.operation.output_ceiling
+        max_tokens = min(self.spec.max_tokens, ceiling)
+        phase = "turn"
+        invalid_seen = False
+        last_reason, last_detail = "invalid", ""
+        while True:
+            remaining = budget - len(inv.records)
+            if remaining <= 0:
+                await self._finish(Outcome.INCOMPLETE)
+                raise StructuredOutputError(
+                    f"call {inv.id}: no valid answer in {len(inv.records)} attempts "
+                    f"(last: {last_reason}{': ' + last_detail if last_detail else ''})",
+                    attempts=len(inv.records), reason=last_reason, detail=last_detail,
+                )
+            trip = check_credits(self._state(), inv.limits)
+            if trip is not None:
+                await self._fail_trip(trip)
+            mode: Literal["native", "prompt"] = "native"
+            if self.spec.prompt_fallback and invalid_seen and remaining == 1:
+                mode, phase = "prompt", "fallback"
+            self.turn += 1
+            await inv.emit(TurnStarted(run_id=inv.id, at=inv.clock.wall(), turn=self.turn,
+                                       phase=phase))
+            tokens = max_tokens
+            response = await inv.request(
+                turn=self.turn, phase=phase,
+                build=functools.partial(self._build, max_tokens=tokens, mode=mode),
+                max_attempts=remaining,
+            )
+            self.credits += inv.turn_credits(self.turn)
+            if isinstance(response, GuardTrip):
+                await self._fail_trip(response)
+            if isinstance(response, RetryStop):
+                await self._fail_fault(response)
+            assert isinstance(response, ProviderResponse)
+
+            if response.stop_reason == "refusal":
+                await self._fail_trip(GuardTrip(Outcome.REFUSED, "stop_reason", "refusal", None,
+                                                "the model refused"))
+            if response.stop_reason == "model_context_window_exceeded":
+                await self._fail_trip(GuardTrip(Outcome.INCOMPLETE, "stop_reason",
+                                                str(response.stop_reason), None,
+                                                "the context window was exceeded"))
+            if response.stop_reason == "max_tokens":
+                # A cut-off reply is never parsed: ask again, with room to finish.
+                last_reason, last_detail = "truncated", f"cut at max_tokens={tokens}"
+                if inv.policy.grow_max_tokens:
+                    max_tokens = min(tokens * 2, ceiling)
+                phase = "turn" if mode == "native" else "fallback"
+                continue
+
+            data, error = self._parse(response, mode)
+            if data is not None:
+                await self._finish(Outcome.COMPLETED)
+                return CallResult(
+                    data=data,
+                    usage=response.usage or Usage(),
+                    attempts=CallAttempts(
+                        count=len(inv.records),
+                        output_tokens=inv.output_tokens,
+                        usage_complete=inv.usage_complete,
+                        structured_output=mode,
+                    ),
+                    invocation_id=inv.id,
+                    cost_usd=inv.cost_usd,
+                    credits=self.credits,
+                    attempt_log=tuple(inv.records),
+                )
+            invalid_seen = True
+            last_reason, last_detail = "invalid", error
+            self._feed_back(response, mode, error)
+            phase = "repair"
+
+    def _state(self) -> ConversationState:
+        return ConversationState(turns=self.turn, tool_calls=0, credits=self.credits,
+                                 deadline=self.inv.deadline)
+
+    def _build(self, timeout: float, *, max_tokens: int, mode: str) -> ProviderRequest:
+        if mode == "native":
+            return ProviderRequest(
+                model=self.inv.operation.model, max_tokens=max_tokens, messages=self.messages,
+                system=self.spec.system, tools=[self.tool],
+                tool_choice={"type": "tool", "name": ANSWER_TOOL}, timeout=timeout,
+                cache=self.inv.operation.cache, metadata={"turn": self.turn, "mode": mode},
+            )
+        instruction = {
+            "type": "text",
+            "text": "Reply with one JSON object and nothing else. It must match this JSON "
+                    "Schema:\n" + json.dumps(self.schema, sort_keys=True),
+        }
+        return ProviderRequest(
+            model=self.inv.operation.model, max_tokens=max_tokens, messages=self.messages,
+            system=[*(self.spec.system or []), instruction], timeout=timeout,
+            cache=self.inv.operation.cache, metadata={"turn": self.turn, "mode": mode},
+        )
+
+    def _parse(self, response: ProviderResponse, mode: str) -> tuple[Any, str]:
+        output = self.spec.output
+        if mode == "native":
+            blocks = [b for b in response.content
+                      if b.get("type") == "tool_use" and b.get("name") == ANSWER_TOOL]
+            if not blocks:
+                return None, f"the reply did not call the {ANSWER_TOOL} tool"
+            candidate: Any = blocks[0].get("input", {})
+            try:
+                return output.model_validate(candidate), ""
+            except pydantic.ValidationError as error:
+                return None, describe_validation_error(error)
+        text = "".join(b.get("text", "") for b in response.content if b.get("type") == "text")
+        snippet = _json_object(text)
+        if snippet is None:
+            return None, "the reply held no JSON object"
+        try:
+            return output.model_validate_json(snippet), ""
+        except pydantic.ValidationError as error:
+            return None, describe_validation_error(error)
+
+    def _feed_back(self, response: ProviderResponse, mode: str, error: str) -> None:
+        content = [dict(b) for b in response.content]
+        self.messages = [*self.messages, {"role": "assistant", "content": content}]
+        text = f"The answer does not match the required schema: {error}. Try again."
+        calls = [b for b in content if b.get("type") == "tool_use"]
+        if mode == "native" and calls:
+            self.messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": b.get("id"), "content": text,
+                 "is_error": True} for b in calls
+            ]})
+        else:
+            self.messages.append({"role": "user", "content": text})
+
+    async def _finish(self, outcome: Outcome, trip: GuardTrip | None = None) -> None:
+        await self.inv.finish(outcome.value, turns=self.turn, tool_calls=0, credits=self.credits,
+                              trip=trip)
+
+    async def _fail_trip(self, trip: GuardTrip) -> NoReturn:
+        await self._finish(trip.outcome, trip)
+        raise OutcomeError(f"call {self.inv.id} ended {trip.outcome.value}: {trip.message}",
+                           outcome=trip.outcome.value, attempts=len(self.inv.records))
+
+    async def _fail_fault(self, stop: RetryStop) -> NoReturn:
+        fault = stop.fault
+        outcome = (Outcome.CREDIT_EXHAUSTED if fault.kind is FaultKind.CREDIT_EXHAUSTED
+                   else Outcome.PROVIDER_ERROR)
+        await self._finish(outcome)
+        raise ProviderError(
+            f"call {self.inv.id} ended {outcome.value}: {fault.kind.value} fault after "
+            f"{len(self.inv.records)} attempts ({stop.reason}): {fault.message}",
+            fault=fault, outcome=outcome.value, attempts=len(self.inv.records),
+        )
+
+
+def _json_object(text: str) -> str | None:
+    """The outermost ``{...}`` of a reply, code fences and prose around it ignored."""
+    text = re.sub(r"```(?:json)?", "", text)
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end <= start:
+        return None
+    return text[start:end + 1]

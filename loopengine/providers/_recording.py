@@ -1,0 +1,227 @@
+"""Record a provider's answers to a JSONL file, and replay them with no network.
+
+`RecordingProvider(inner, path)` passes each request to ``inner`` and writes
+the request and what came back (the response, or the fault) as one JSON line.
+`ReplayProvider(path)` serves the recording back in order and raises
+`ReplayMismatchError` as soon as a request differs from the recorded one, so
+a replayed run or call makes the same decisions and reports the same attempts
+and outcome as the recorded one.
+
+A recording holds conversation content: the messages, the system prompt, the
+tool definitions and the replies. Treat it like the conversation itself.
+It never holds keys or headers: a `ProviderRequest` has none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio.lowlevel
+
+from loopengine._errors import ConfigError, ReplayMismatchError
+from loopengine._usage import Usage
+from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse
+from loopengine.providers._faults import ProviderFault
+
+__all__ = ["RecordingProvider", "ReplayProvider"]
+
+FORMAT = "loopengine.recording"
+VERSION = 1
+
+_FAULT_FIELDS = ("http_status", "error_code", "retry_after", "should_retry", "request_id",
+                 "response_id", "usage_approx", "aborted_reason")
+
+
+def request_body(request: ProviderRequest) -> dict[str, Any]:
+    """What identifies a request: everything sent except the time-dependent timeout."""
+    return {
+        "model": request.model,
+        "max_tokens": request.max_tokens,
+        "system": request.system,
+        "tools": list(request.tools),
+        "tool_choice": request.tool_choice,
+        "messages": list(request.messages),
+    }
+
+
+def _digest(body: Mapping[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _usage_json(usage: Usage | None) -> dict[str, int] | None:
+    if usage is None:
+        return None
+    return {
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "cache_read_tokens": usage.cache_read_tokens,
+        "cache_write_tokens": usage.cache_write_tokens,
+        "cache_write_1h_tokens": usage.cache_write_1h_tokens,
+    }
+
+
+class RecordingProvider:
+    """Wraps a provider and appends every attempt to a JSONL recording.
+
+    Args:
+        inner: The provider that really answers.
+        path: The recording file (created, or emptied if it exists).
+    """
+
+    def __init__(self, inner: Provider, path: str | Path) -> None:
+        if not isinstance(inner, Provider):
+            raise ConfigError("inner", f"{inner!r} is not a Provider")
+        self.inner = inner
+        self.path = Path(path)
+        self.path.write_text("", encoding="utf-8")
+        self._write({"format": FORMAT, "version": VERSION, "provider": inner.name})
+
+    @property
+    def name(self) -> str:
+        """The inner provider's route."""
+        return self.inner.name
+
+    def _write(self, entry: Mapping[str, Any]) -> None:
+        # One append per attempt, the file closed between them: nothing to
+        # close, and a crash loses at most the line being written.
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(json.dumps(entry, sort_keys=True, default=str) + "\n")
+
+    async def send(self, request: ProviderRequest) -> ProviderResponse:
+        """Send through the inner provider and record the request and its outcome."""
+        body = request_body(request)
+        entry: dict[str, Any] = {"request": body, "request_sha256": _digest(body)}
+        try:
+            response = await self.inner.send(request)
+        except ProviderFault as fault:
+            entry["fault"] = {
+                "kind": fault.kind.value,
+                "message": fault.message,
+                "usage": _usage_json(fault.usage),
+                **{name: getattr(fault, name) for name in _FAULT_FIELDS},
+            }
+            self._write(entry)
+            raise
+        entry["response"] = {
+            "content": list(response.content),
+            "stop_reason": response.stop_reason,
+            "usage": _usage_json(response.usage),
+            "response_id": response.response_id,
+            "request_id": response.request_id,
+            "http_status": response.http_status,
+            "model": response.model,
+        }
+        self._write(entry)
+        return response
+
+
+class ReplayProvider:
+    """Serves a recording back, in order, without any network.
+
+    Args:
+        path: A file written by `RecordingProvider`.
+        strict: Compare each request with the recorded one (default); a
+            difference raises `ReplayMismatchError`.
+
+    Raises:
+        ConfigError: the file is missing or is not a loopengine recording.
+    """
+
+    def __init__(self, path: str | Path, *, strict: bool = True) -> None:
+        self.path = Path(path)
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise ConfigError("path", f"no recording at {self.path}") from None
+        try:
+            entries = [json.loads(line) for line in lines if line.strip()]
+        except json.JSONDecodeError as error:
+            raise ConfigError("path", f"{self.path} is not a recording: {error}") from None
+        if not entries or entries[0].get("format") != FORMAT:
+            raise ConfigError("path", f"{self.path} is not a loopengine recording")
+        if entries[0].get("version") != VERSION:
+            raise ConfigError("path", f"{self.path}: recording version "
+                                      f"{entries[0].get('version')} is not {VERSION}")
+        self._name = str(entries[0]["provider"])
+        self.entries = entries[1:]
+        self.strict = strict
+        self.position = 0
+
+    @property
+    def name(self) -> str:
+        """The recorded provider's route."""
+        return self._name
+
+    @property
+    def exhausted(self) -> bool:
+        """True when every recorded attempt has been served."""
+        return self.position >= len(self.entries)
+
+    async def send(self, request: ProviderRequest) -> ProviderResponse:
+        """Serve the next recorded outcome of this request.
+
+        Raises:
+            ReplayMismatchError: the request differs from the recorded one, or
+                the recording has no more attempts.
+            ProviderFault: the recorded attempt failed.
+        """
+        await anyio.lowlevel.checkpoint()
+        if self.exhausted:
+            raise ReplayMismatchError(
+                f"{self.path}: request {self.position + 1} was not recorded "
+                f"(the recording holds {len(self.entries)})"
+            )
+        entry = self.entries[self.position]
+        self.position += 1
+        body = request_body(request)
+        if self.strict and _digest(json.loads(json.dumps(body, default=str))) != entry[
+            "request_sha256"
+        ]:
+            raise ReplayMismatchError(
+                f"{self.path}: request {self.position} differs from the recording "
+                f"({_first_difference(entry['request'], body)})"
+            )
+        if "fault" in entry:
+            recorded = dict(entry["fault"])
+            kind, message = recorded.pop("kind"), recorded.pop("message")
+            usage = recorded.pop("usage")
+            raise ProviderFault(kind, message, usage=Usage(**usage) if usage else None,
+                                **recorded)
+        recorded = entry["response"]
+        usage = recorded["usage"]
+        if request.on_text is not None:
+            for block in recorded["content"]:
+                if block.get("type") == "text" and block.get("text"):
+                    maybe = request.on_text(block["text"])
+                    if maybe is not None:
+                        await maybe
+        return ProviderResponse(
+            content=recorded["content"],
+            stop_reason=recorded["stop_reason"],
+            usage=Usage(**usage) if usage else None,
+            response_id=recorded["response_id"],
+            request_id=recorded["request_id"],
+            http_status=recorded["http_status"],
+            model=recorded["model"],
+        )
+
+
+def _first_difference(recorded: Any, sent: Any, where: str = "request") -> str:
+    """Where two JSON values first differ, for the mismatch message (no values shown)."""
+    sent = json.loads(json.dumps(sent, default=str))
+    if isinstance(recorded, dict) and isinstance(sent, dict):
+        for key in sorted(set(recorded) | set(sent)):
+            if recorded.get(key) != sent.get(key):
+                return _first_difference(recorded.get(key), sent.get(key), f"{where}.{key}")
+    if isinstance(recorded, list) and isinstance(sent, list):
+        if len(recorded) != len(sent):
+            return f"{where} has {len(sent)} items, the recording {len(recorded)}"
+        for i, (a, b) in enumerate(zip(recorded, sent, strict=True)):
+            if a != b:
+                return _first_difference(a, b, f"{where}[{i}]")
+    return f"{where} differs"
