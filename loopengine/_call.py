@@ -31,7 +31,6 @@ from loopengine._invocation import Invocation
 from loopengine._outcome import Outcome
 from loopengine._tools import describe_validation_error
 from loopengine._usage import Usage
-from loopengine.events import TurnStarted
 from loopengine.guards._checkpoints import ConversationState, GuardTrip, check_credits
 from loopengine.persistence._records import AttemptRecord
 from loopengine.providers._base import ProviderRequest, ProviderResponse
@@ -158,8 +157,6 @@ class _Call:
             if self.spec.prompt_fallback and invalid_seen and remaining == 1:
                 mode, phase = "prompt", "fallback"
             self.turn += 1
-            await inv.emit(TurnStarted(run_id=inv.id, at=inv.clock.wall(), turn=self.turn,
-                                       phase=phase))
             tokens = max_tokens
             response = await inv.request(
                 turn=self.turn, phase=phase,

@@ -35,6 +35,7 @@ from loopengine.events import (
     Observer,
     RunEnded,
     RunStarted,
+    TurnStarted,
 )
 from loopengine.guards._checkpoints import GuardTrip, attempt_timeout, check_before_attempt
 from loopengine.guards._credits import turn_credits
@@ -237,6 +238,11 @@ class Invocation:
         capped = timeout < self.limits.attempt_timeout
         request = build(timeout)
         number = self._turn_attempts[turn] = self._turn_attempts.get(turn, 0) + 1
+        if number == 1:
+            # Announced with its first dispatch, so a turn the time guard
+            # refused at its first attempt is never announced.
+            await self.emit(TurnStarted(run_id=self.id, at=self.clock.wall(), turn=turn,
+                                        phase=phase))
         dispatch = AttemptDispatch(
             invocation_id=self.id,
             ordinal=len(self.records) + 1,

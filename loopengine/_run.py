@@ -32,7 +32,7 @@ from loopengine._outcome import Outcome
 from loopengine._pricing import nanousd_to_usd
 from loopengine._result import RunResult
 from loopengine._tools import Tool, ToolInputError, describe_validation_error, render_tool_output
-from loopengine.events import ToolCallEvent, TurnStarted
+from loopengine.events import ToolCallEvent
 from loopengine.guards._checkpoints import (
     ConversationState,
     GuardTrip,
@@ -123,8 +123,6 @@ class _Loop:
                 return await self._end(trip.outcome, trip=trip)
             turn = self.state.turns + 1
             self.state = replace(self.state, turns=turn)
-            await self.inv.emit(TurnStarted(run_id=self.inv.id, at=self.inv.clock.wall(),
-                                            turn=turn, phase=phase))
             response = await self._send_turn(turn, phase)
             self._charge(turn)
             if isinstance(response, _Stop):

@@ -60,7 +60,8 @@ class RunStarted(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TurnStarted(Event):
-    """A turn (one model request and its retries) is about to be sent."""
+    """A turn's first attempt is about to be sent (a turn refused before any
+    request, for lack of time, is never announced)."""
 
     turn: int
     phase: str
