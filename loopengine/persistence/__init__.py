@@ -9,6 +9,7 @@ from loopengine.persistence._records import (
     InvocationEnd,
     InvocationStart,
 )
+from loopengine.persistence._sqlite import SQLiteLedger
 
 __all__ = [
     "DEFAULT_MAX_RETAINED_ATTEMPTS",
@@ -19,4 +20,5 @@ __all__ = [
     "InvocationStart",
     "Ledger",
     "MemoryLedger",
+    "SQLiteLedger",
 ]

@@ -1,0 +1,278 @@
+"""The ledger's SQLite schema and its migrations.
+
+The schema is versioned in the table ``loopengine_schema``: one row per
+applied migration (``version``, ``name``, ``applied_at``). A migration and its
+row are written in one ``BEGIN IMMEDIATE`` transaction, so a migration either
+happened entirely or not at all, and two processes opening a fresh file at
+once cannot both apply it (the second sees the row once it gets the lock).
+
+Migrations only add: a table or column named in DESIGN.md §7 is never renamed
+or dropped, because audit tools read them by name.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from loopengine._errors import LedgerError
+
+__all__ = [
+    "ATTEMPT_COLUMNS",
+    "INVOCATION_COLUMNS",
+    "MIGRATIONS",
+    "SCHEMA_TABLE",
+    "SCHEMA_VERSION",
+    "Migration",
+    "format_time",
+    "migrate",
+    "schema_version",
+]
+
+SCHEMA_TABLE = "loopengine_schema"
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One step of the schema's history.
+
+    Attributes:
+        version: The version the database has once this step is applied.
+        name: What the step does, in a few words (stored with it).
+        statements: The SQL statements, run in order in one transaction.
+    """
+
+    version: int
+    name: str
+    statements: Sequence[str]
+
+
+_CREATE_TABLES = (
+    """CREATE TABLE invocations (
+        id TEXT PRIMARY KEY NOT NULL,
+        operation TEXT NOT NULL,
+        operation_version TEXT NOT NULL,
+        provider TEXT NOT NULL,
+        model TEXT NOT NULL,
+        tenant TEXT,
+        user_id TEXT,
+        feature TEXT,
+        correlation_id TEXT,
+        started_at TEXT NOT NULL,
+        ended_at TEXT,
+        outcome TEXT NOT NULL DEFAULT 'running',
+        turns INTEGER NOT NULL DEFAULT 0,
+        tool_calls INTEGER NOT NULL DEFAULT 0,
+        attempt_count INTEGER NOT NULL DEFAULT 0,
+        attempts_retained INTEGER NOT NULL DEFAULT 0,
+        incomplete INTEGER NOT NULL DEFAULT 0 CHECK (incomplete IN (0, 1)),
+        input_tokens INTEGER NOT NULL DEFAULT 0,
+        output_tokens INTEGER NOT NULL DEFAULT 0,
+        cache_read_tokens INTEGER NOT NULL DEFAULT 0,
+        cache_write_tokens INTEGER NOT NULL DEFAULT 0,
+        cache_write_1h_tokens INTEGER NOT NULL DEFAULT 0,
+        cost_nanousd INTEGER NOT NULL DEFAULT 0,
+        provider_cost_nanousd INTEGER NOT NULL DEFAULT 0,
+        credits INTEGER NOT NULL DEFAULT 0
+    )""",
+    # A rowid table, not WITHOUT ROWID: rows are appended in dispatch order
+    # (a few hot pages per commit), where keying the rows by a random
+    # invocation id would scatter every commit over the whole tree; measured
+    # at twice the write throughput.
+    """CREATE TABLE attempts (
+        invocation_id TEXT NOT NULL REFERENCES invocations (id),
+        ordinal INTEGER NOT NULL,
+        turn INTEGER NOT NULL,
+        attempt INTEGER NOT NULL,
+        phase TEXT NOT NULL
+            CHECK (phase IN ('turn', 'repair', 'continuation', 'fallback')),
+        served_by TEXT NOT NULL,
+        started_at TEXT NOT NULL,
+        latency_ms INTEGER,
+        outcome TEXT NOT NULL DEFAULT 'dispatched'
+            CHECK (outcome IN ('dispatched', 'ok', 'error', 'aborted')),
+        fault TEXT,
+        aborted_reason TEXT,
+        http_status INTEGER,
+        error_code TEXT,
+        input_tokens INTEGER,
+        output_tokens INTEGER,
+        cache_read_tokens INTEGER,
+        cache_write_tokens INTEGER,
+        cache_write_1h_tokens INTEGER,
+        usage_approx INTEGER NOT NULL DEFAULT 0 CHECK (usage_approx IN (0, 1)),
+        cost_nanousd INTEGER,
+        charged INTEGER NOT NULL DEFAULT 0 CHECK (charged IN (0, 1)),
+        price_ref TEXT,
+        response_id TEXT,
+        request_id TEXT,
+        stop_reason TEXT,
+        max_tokens INTEGER NOT NULL,
+        timeout_ms INTEGER NOT NULL,
+        wait_ms INTEGER NOT NULL,
+        PRIMARY KEY (invocation_id, ordinal)
+    )""",
+)
+
+# Only invocations are indexed beyond their keys: an attempt row is written
+# twice per request on the hot path, and every index on it costs both writes,
+# while audit queries over attempts are rare and scan well.
+_AUDIT_INDEXES = (
+    "CREATE INDEX invocations_started_at ON invocations (started_at)",
+    # Partial: reconciliation looks for the few invocations still open, and
+    # this stays as small as the number of runs in flight.
+    "CREATE INDEX invocations_running ON invocations (id) WHERE outcome = 'running'",
+)
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "invocations and attempts", _CREATE_TABLES),
+    Migration(2, "invocation indexes for period and reconciliation queries", _AUDIT_INDEXES),
+)
+"""The schema's history, oldest first."""
+
+SCHEMA_VERSION = MIGRATIONS[-1].version
+"""The version this code writes and reads."""
+
+INVOCATION_COLUMNS = (
+    "id", "operation", "operation_version", "provider", "model", "tenant", "user_id",
+    "feature", "correlation_id", "started_at", "ended_at", "outcome", "turns", "tool_calls",
+    "attempt_count", "attempts_retained", "incomplete", "input_tokens", "output_tokens",
+    "cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens", "cost_nanousd",
+    "provider_cost_nanousd", "credits",
+)
+"""The columns of ``invocations``, in table order."""
+
+ATTEMPT_COLUMNS = (
+    "invocation_id", "ordinal", "turn", "attempt", "phase", "served_by", "started_at",
+    "latency_ms", "outcome", "fault", "aborted_reason", "http_status", "error_code",
+    "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
+    "cache_write_1h_tokens", "usage_approx", "cost_nanousd", "charged", "price_ref",
+    "response_id", "request_id", "stop_reason", "max_tokens", "timeout_ms", "wait_ms",
+)
+"""The columns of ``attempts``, in table order."""
+
+
+def format_time(moment: datetime) -> str:
+    """``moment`` as fixed-width ISO-8601 UTC text: ``2026-01-01T09:30:00.000000+00:00``.
+
+    Fixed width (microseconds always present, always ``+00:00``) keeps text
+    order equal to time order, so period filters are plain string
+    comparisons. A naive datetime is taken to be UTC already.
+    """
+    if moment.tzinfo is UTC:
+        return moment.isoformat(timespec="microseconds")
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    elif moment.utcoffset():
+        moment = moment.astimezone(UTC)
+    elif moment.tzinfo is not UTC:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.isoformat(timespec="microseconds")
+
+
+def schema_version(conn: sqlite3.Connection) -> int | None:
+    """The applied schema version, or None when the file is not a ledger.
+
+    Raises:
+        sqlite3.DatabaseError: the file is not a SQLite database.
+    """
+    found = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (SCHEMA_TABLE,)
+    ).fetchone()
+    if found is None:
+        return None
+    row = conn.execute(f"SELECT MAX(version) FROM {SCHEMA_TABLE}").fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
+
+
+def migrate(
+    conn: sqlite3.Connection,
+    *,
+    migrations: Sequence[Migration] = MIGRATIONS,
+    path: str = "the database",
+) -> int:
+    """Apply every migration the database lacks, each in its own transaction.
+
+    ``conn`` must be in autocommit mode (``isolation_level=None``) so that the
+    transactions here are the only ones.
+
+    Args:
+        conn: The connection to migrate.
+        migrations: The schema history (the real one unless a test says otherwise).
+        path: How to name the file in error messages.
+
+    Returns:
+        The schema version after migrating.
+
+    Raises:
+        LedgerError: the file is not a SQLite database, holds tables named like
+            the ledger's without being one, has a schema newer than this code,
+            or a migration failed (it is then rolled back entirely).
+    """
+    known = migrations[-1].version if migrations else 0
+    try:
+        version = schema_version(conn)
+        if version is None:
+            clash = conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' "
+                "AND name IN ('invocations', 'attempts')"
+            ).fetchall()
+            if clash:
+                names = ", ".join(sorted(r[0] for r in clash))
+                raise LedgerError(
+                    f"{path} is not a loopengine ledger: it has tables named {names} but no "
+                    f"{SCHEMA_TABLE} table"
+                )
+        if version is not None and version > known:
+            raise LedgerError(_newer(path, version, known))
+        if version is not None and version == known:
+            return version
+        for migration in migrations:
+            _apply(conn, migration, path)
+        version = schema_version(conn) or 0
+        if version > known:
+            raise LedgerError(_newer(path, version, known))
+        return version
+    except sqlite3.DatabaseError as error:
+        raise LedgerError(f"{path} could not be opened as a ledger: {error}") from error
+
+
+def _newer(path: str, version: int, known: int) -> str:
+    return (
+        f"{path} has ledger schema version {version}, newer than this loopengine "
+        f"understands ({known}); upgrade loopengine to use it"
+    )
+
+
+def _apply(conn: sqlite3.Connection, migration: Migration, path: str) -> None:
+    # BEGIN IMMEDIATE takes the write lock before reading the version, so the
+    # check and the migration cannot interleave with another process's.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(
+            f"CREATE TABLE IF NOT EXISTS {SCHEMA_TABLE} (version INTEGER PRIMARY KEY, "
+            "name TEXT NOT NULL, applied_at TEXT NOT NULL)"
+        )
+        row = conn.execute(
+            f"SELECT 1 FROM {SCHEMA_TABLE} WHERE version = ?", (migration.version,)
+        ).fetchone()
+        if row is None:
+            for statement in migration.statements:
+                conn.execute(statement)
+            conn.execute(
+                f"INSERT INTO {SCHEMA_TABLE} (version, name, applied_at) VALUES (?, ?, ?)",
+                (migration.version, migration.name, format_time(datetime.now(UTC))),
+            )
+        conn.execute("COMMIT")
+    except BaseException as error:
+        # BaseException: an interrupt mid-migration must not leave half a step.
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        if isinstance(error, sqlite3.Error):
+            raise LedgerError(
+                f"{path}: migration {migration.version} ({migration.name}) failed and was "
+                f"rolled back: {error}"
+            ) from error
+        raise
