@@ -294,7 +294,7 @@ class FakeAnthropicServer:
         self._lock = threading.Lock()
         self._items: Iterator[ServerItem] = iter(list(script))
         self._requests: list[RecordedRequest] = []
-        self._served: list[Usage] = []
+        self._served: list[Usage | None] = []
         self._ids = itertools.count(1)
         self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()
@@ -310,7 +310,7 @@ class FakeAnthropicServer:
         self._stopping.clear()
         self._httpd = _HTTPServer((self._host, 0), _Handler, self)
         self._thread = threading.Thread(target=self._httpd.serve_forever,
-                                        kwargs={"poll_interval": 0.05},
+                                        kwargs={"poll_interval": 0.01},
                                         name="FakeAnthropicServer", daemon=True)
         self._thread.start()
         return self
@@ -378,14 +378,15 @@ class FakeAnthropicServer:
         with self._lock:
             total = Usage()
             for usage in self._served:
-                total = total + usage
+                if usage is not None:
+                    total = total + usage
             return total
 
     @property
     def responses_served(self) -> int:
         """How many responses carried usage (complete, cut or interrupted replies)."""
         with self._lock:
-            return len(self._served)
+            return sum(1 for usage in self._served if usage is not None)
 
     # -- serving (handler threads) ------------------------------------------------
 
@@ -403,6 +404,35 @@ class FakeAnthropicServer:
         with self._lock:
             self._served.append(usage)
             return len(self._served) - 1
+
+    def _recount(self, index: int | None, usage: Usage | None) -> None:
+        if index is not None:
+            with self._lock:
+                self._served[index] = usage
+
+    def _deliver(self, handler: _Handler, usage: Usage | None, data: bytes, *,
+                 index: int | None = None) -> int | None:
+        """Write ``data``, counting ``usage`` as served first.
+
+        Counting before the write matters: the client may read the response
+        and the test check `usage_served` before this thread runs again. A
+        write that fails takes the count back.
+        """
+        if handler.peer_gone():
+            # The client gave up during a delay; a write could still succeed
+            # into the socket buffer, but nobody would read it.
+            raise _Drop(reset=False)
+        previous = self._served[index] if index is not None else None
+        if index is None:
+            index = self._count(usage)
+        else:
+            self._recount(index, usage)
+        try:
+            handler.write(data)
+        except OSError:
+            self._recount(index, previous)
+            raise
+        return index
 
     def _wait(self, seconds: float) -> None:
         """Sleep, but wake at once when the server stops."""
@@ -470,17 +500,18 @@ class FakeAnthropicServer:
                                                             "content-length": str(len(payload))})
                 handler.write(payload[: len(payload) // 2])
                 raise _Drop(reset=False)
-            handler.send_bytes(200, payload, "application/json", {"request-id": request_id})
-            self._count(reply.usage)
+            head = handler.head(200, "application/json", {
+                "request-id": request_id, "content-length": str(len(payload))})
+            self._deliver(handler, reply.usage, head + payload)
             return
         events = _events(message, reply.usage)
-        handler.send_head(200, "text/event-stream", {"request-id": request_id,
-                                                     "transfer-encoding": "chunked",
-                                                     "cache-control": "no-cache"})
+        head = handler.head(200, "text/event-stream", {"request-id": request_id,
+                                                       "transfer-encoding": "chunked",
+                                                       "cache-control": "no-cache"})
         cut = len(events) if mode == "full" else min(after, len(events))
         sent = events[:cut]
-        index = self._count(_usage_of(sent, reply.usage))
-        handler.write_chunk(b"".join(_sse(name, data) for name, data in sent))
+        index = self._deliver(handler, _usage_of(sent, reply.usage),
+                              head + _chunk(b"".join(_sse(name, data) for name, data in sent)))
         if mode == "full":
             handler.end_chunks()
         elif mode == "end":
@@ -493,14 +524,10 @@ class FakeAnthropicServer:
             handler.end_chunks()
         else:  # stall
             self._wait(item.seconds)
-            if handler.peer_gone():
-                raise _Drop(reset=False)
-            handler.write_chunk(b"".join(_sse(name, data) for name, data in events[cut:]))
+            rest = b"".join(_sse(name, data) for name, data in events[cut:])
+            # Still listening: the client sees the whole reply.
+            self._deliver(handler, reply.usage, _chunk(rest), index=index)
             handler.end_chunks()
-            if index is not None and reply.usage is not None:
-                # The client was still listening: it has seen the whole reply.
-                with self._lock:
-                    self._served[index] = reply.usage
 
 
 _ITEM_TYPES = (Reply, ErrorReply, DropConnection, CutStream, StreamErrorEvent, StallStream)
@@ -615,6 +642,12 @@ def _usage_of(events: Sequence[tuple[str, Mapping[str, Any]]], usage: Usage | No
     )
 
 
+def _chunk(data: bytes) -> bytes:
+    """``data`` as one chunk of a chunked body (nothing for no data: an empty
+    chunk would end the body)."""
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n" if data else b""
+
+
 # -- the HTTP plumbing ---------------------------------------------------------------------
 
 
@@ -679,12 +712,16 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
         """Stay quiet: tests read the recorded requests, not a log."""
 
+    def head(self, status: int, content_type: str, headers: Mapping[str, str]) -> bytes:
+        """The status line and headers, as bytes to write with the first data."""
+        lines = [f"{self.protocol_version} {status} {self.responses.get(status, ('',))[0]}",
+                 f"server: {self.version_string()}", f"date: {self.date_time_string()}",
+                 f"content-type: {content_type}"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
     def send_head(self, status: int, content_type: str, headers: Mapping[str, str]) -> None:
-        self.send_response(status)
-        self.send_header("content-type", content_type)
-        for name, value in headers.items():
-            self.send_header(name, value)
-        self.end_headers()
+        self.write(self.head(status, content_type, headers))
 
     def send_bytes(self, status: int, payload: bytes, content_type: str,
                    headers: Mapping[str, str]) -> None:
@@ -706,8 +743,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def write_chunk(self, data: bytes) -> None:
-        if data:
-            self.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.write(_chunk(data))
 
     def end_chunks(self) -> None:
         self.write(b"0\r\n\r\n")

@@ -1,0 +1,225 @@
+"""The fault table of DESIGN.md §3, row by row, on the wire.
+
+Each case scripts one fault on the FakeAnthropicServer, followed by a good
+reply, and runs a conversation through AnthropicProvider and the real SDK,
+with JSON responses and with server-sent events. A retried fault completes on
+the second request; a permanent one ends the run after the first.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import pytest
+
+import loopengine as le
+from loopengine._clock import SystemClock
+from loopengine.providers import FaultKind
+from loopengine.testing import (
+    CutStream,
+    DropConnection,
+    ErrorReply,
+    FakeAnthropicServer,
+    FakeClock,
+    Reply,
+    ServerItem,
+    StallStream,
+    StreamErrorEvent,
+)
+
+from ..conftest import operation
+from .conftest import FAST_RETRY, STREAMING, Harness, harness
+
+
+@dataclass(frozen=True)
+class Case:
+    item: ServerItem
+    kind: FaultKind
+    retried: bool
+    attempt_outcome: str = "error"
+    streaming_only: bool = False
+
+
+CREDIT_TOO_LOW = ("Your credit balance is too low to access the Anthropic API. Please go to "
+                  "Plans & Billing to upgrade or purchase credits.")
+USAGE_LIMITS = ("You have reached your specified API usage limits. You will regain access on "
+                "2026-12-01 at 00:00 UTC.")
+
+CASES = {
+    # timeout
+    "http-408": Case(ErrorReply(status=408), FaultKind.TIMEOUT, True),
+    "sdk-timeout": Case(Reply.text("late", delay=0.6), FaultKind.TIMEOUT, True),
+    # rate_limited
+    "429": Case(ErrorReply.rate_limited(), FaultKind.RATE_LIMITED, True),
+    "429-ramp-limit": Case(ErrorReply(status=429, error_code="ramp_limit_exceeded"),
+                           FaultKind.RATE_LIMITED, True),
+    # overloaded
+    "529": Case(ErrorReply.overloaded(), FaultKind.OVERLOADED, True),
+    "overloaded-error-on-500": Case(ErrorReply(status=500, type="overloaded_error"),
+                                    FaultKind.OVERLOADED, True),
+    "mid-stream-overload": Case(StreamErrorEvent(reply=Reply.text("half an answer"), after=3),
+                                FaultKind.OVERLOADED, True),
+    # server_error
+    "409": Case(ErrorReply(status=409), FaultKind.SERVER_ERROR, True),
+    "500": Case(ErrorReply(status=500), FaultKind.SERVER_ERROR, True),
+    "502": Case(ErrorReply(status=502, body="<html>bad gateway</html>"),
+                FaultKind.SERVER_ERROR, True),
+    "503": Case(ErrorReply(status=503), FaultKind.SERVER_ERROR, True),
+    "504": Case(ErrorReply(status=504), FaultKind.SERVER_ERROR, True),
+    "mid-stream-api-error": Case(
+        StreamErrorEvent(reply=Reply.text("half"), after=2, type="api_error",
+                         message="Internal server error"), FaultKind.SERVER_ERROR, True),
+    # connection
+    "reset": Case(DropConnection(), FaultKind.CONNECTION, True),
+    "closed-before-response": Case(DropConnection(reset=False), FaultKind.CONNECTION, True),
+    # aborted
+    "cut-mid-body": Case(CutStream(reply=Reply.text("a long answer"), after=3, how="drop"),
+                         FaultKind.ABORTED, True, "aborted"),
+    "stream-ends-without-message-stop": Case(
+        CutStream(reply=Reply.text("a long answer"), after=3), FaultKind.ABORTED, True,
+        "aborted", streaming_only=True),
+    "idle-stream": Case(StallStream(reply=Reply.text("a b c"), after=2, seconds=1.0),
+                        FaultKind.ABORTED, True, "aborted", streaming_only=True),
+    # bad_request
+    "400": Case(ErrorReply(status=400, message="messages: field required"),
+                FaultKind.BAD_REQUEST, False),
+    "404": Case(ErrorReply(status=404), FaultKind.BAD_REQUEST, False),
+    "413": Case(ErrorReply(status=413), FaultKind.BAD_REQUEST, False),
+    "422": Case(ErrorReply(status=422), FaultKind.BAD_REQUEST, False),
+    "mid-stream-invalid-request": Case(
+        StreamErrorEvent(reply=Reply.text("x"), after=1, type="invalid_request_error",
+                         message="bad"), FaultKind.BAD_REQUEST, False),
+    # unauthorized
+    "401": Case(ErrorReply(status=401), FaultKind.UNAUTHORIZED, False),
+    "403": Case(ErrorReply(status=403), FaultKind.UNAUTHORIZED, False),
+    # credit_exhausted, whatever the status
+    "400-credit-balance-too-low": Case(ErrorReply(status=400, message=CREDIT_TOO_LOW),
+                                       FaultKind.CREDIT_EXHAUSTED, False),
+    "400-usage-limits": Case(ErrorReply(status=400, message=USAGE_LIMITS),
+                             FaultKind.CREDIT_EXHAUSTED, False),
+    "402-billing-error": Case(ErrorReply(status=402), FaultKind.CREDIT_EXHAUSTED, False),
+    "429-spend-limit": Case(ErrorReply.spend_limit(), FaultKind.CREDIT_EXHAUSTED, False),
+    "429-contract-spend-limit": Case(
+        ErrorReply(status=429, error_code="contract_spend_limit_reached"),
+        FaultKind.CREDIT_EXHAUSTED, False),
+    "429-depleted-balance": Case(ErrorReply(status=429, message=CREDIT_TOO_LOW),
+                                 FaultKind.CREDIT_EXHAUSTED, False),
+    "429-insufficient-quota": Case(
+        ErrorReply(status=429, body={"error": {"type": "insufficient_quota", "message": "x",
+                                               "code": "insufficient_quota"}}),
+        FaultKind.CREDIT_EXHAUSTED, False),
+    # x-should-retry: false is obeyed even for a transient kind
+    "529-should-retry-false": Case(ErrorReply(status=529, headers={"x-should-retry": "false"}),
+                                   FaultKind.OVERLOADED, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@STREAMING
+async def test_fault_matrix_kind_retry_and_outcome(
+    fake_anthropic_server: FakeAnthropicServer, clock: FakeClock, name: str, stream: bool
+) -> None:
+    """Each row of the fault table: the right kind, retried or not, the right outcome."""
+    case = CASES[name]
+    if case.streaming_only and not stream:
+        pytest.skip("only a stream can end without message_stop or go idle")
+    async with harness(fake_anthropic_server, clock) as wire:
+        # A 0.3 s attempt timeout (the SDK's own, since the fake clock's never
+        # fires) and a shorter idle limit let the slow cases fail fast.
+        engine, ledger = wire.engine(case.item, Reply.text("recovered"), stream=stream,
+                                     provider_kwargs={"stream_idle_timeout": 0.15})
+        result = await engine.run(operation(attempt_timeout=0.3), "go")
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert first.fault == case.kind.value
+    assert first.outcome == case.attempt_outcome
+    if case.retried:
+        assert result.outcome is le.Outcome.COMPLETED and result.answer == "recovered"
+        assert len(wire.requests) == 2 and len(result.attempt_log) == 2
+        assert len(clock.sleeps) == 1
+    else:
+        expected = (le.Outcome.CREDIT_EXHAUSTED if case.kind is FaultKind.CREDIT_EXHAUSTED
+                    else le.Outcome.PROVIDER_ERROR)
+        assert result.outcome is expected
+        assert len(wire.requests) == 1 and len(result.attempt_log) == 1
+        assert clock.sleeps == []
+        assert result.fault is not None and result.fault.kind is case.kind
+    # The ledger row says the same as the attempt log.
+    (row, *_) = ledger.attempts.values()
+    assert (row["fault"], row["outcome"]) == (case.kind.value, case.attempt_outcome)
+
+
+@STREAMING
+async def test_connection_refused_is_retried_then_ends_provider_error(
+    fake_anthropic_server: FakeAnthropicServer, clock: FakeClock, stream: bool
+) -> None:
+    """Nothing listening: a connection fault on every attempt, three attempts, no more."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with harness(fake_anthropic_server, clock) as wire:
+        engine, _ = wire.engine(stream=stream,
+                                provider_kwargs={"base_url": f"http://127.0.0.1:{port}"})
+        result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert [a.settle.fault for a in result.attempt_log if a.settle] == ["connection"] * 3
+    assert result.fault is not None and result.fault.kind is FaultKind.CONNECTION
+    assert fake_anthropic_server.requests == []
+
+
+@STREAMING
+async def test_retry_after_headers_are_the_waits_slept(wire: Harness, clock: FakeClock,
+                                                       stream: bool) -> None:
+    """retry-after-ms wins over retry-after; retry-after in seconds is honoured."""
+    engine, _ = wire.engine(
+        ErrorReply(status=429, headers={"retry-after-ms": "1500", "retry-after": "9"}),
+        ErrorReply(status=529, headers={"retry-after": "2"}),
+        Reply.text("ok"), stream=stream,
+    )
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    assert clock.sleeps == [1.5, 2.0]
+    assert [a.dispatch.wait_ms for a in result.attempt_log] == [0, 1500, 2000]
+
+
+async def test_retry_after_beyond_the_deadline_ends_the_run(wire: Harness,
+                                                            clock: FakeClock) -> None:
+    """A retry-after longer than the time left is not slept: the run ends."""
+    engine, _ = wire.engine(ErrorReply.rate_limited(retry_after=30), Reply.text("never"))
+    result = await engine.run(operation(total_time=10.0), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert clock.sleeps == [] and len(wire.requests) == 1
+    assert "outlast" in result.detail
+
+
+@pytest.mark.realtime
+@STREAMING
+async def test_attempt_timeout_on_the_real_clock_is_a_retried_timeout(
+    fake_anthropic_server: FakeAnthropicServer, stream: bool
+) -> None:
+    """The engine's own attempt timeout cuts a slow request; the retry completes."""
+    async with harness(fake_anthropic_server, SystemClock()) as wire:
+        engine, _ = wire.engine(Reply.text("slow", delay=2.0), Reply.text("fast"),
+                                stream=stream)
+        result = await engine.run(operation(attempt_timeout=0.2, retry=FAST_RETRY), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "fast"
+    first = result.attempt_log[0].settle
+    assert first is not None and first.fault == "timeout"
+    assert first.latency_ms < 1500
+
+
+@pytest.mark.realtime
+@STREAMING
+async def test_deadline_cut_attempt_is_aborted_with_reason_deadline(
+    fake_anthropic_server: FakeAnthropicServer, stream: bool
+) -> None:
+    """An attempt still on the wire when the run's time runs out is aborted (deadline)."""
+    async with harness(fake_anthropic_server, SystemClock()) as wire:
+        engine, _ = wire.engine(Reply.text("slow", delay=2.0), stream=stream)
+        result = await engine.run(operation(total_time=0.3, retry=FAST_RETRY), "go")
+    assert result.outcome is le.Outcome.TIME_LIMIT
+    (attempt,) = result.attempt_log
+    assert attempt.settle is not None
+    assert (attempt.settle.outcome, attempt.settle.aborted_reason) == ("aborted", "deadline")
+    assert len(wire.requests) == 1

@@ -1,0 +1,292 @@
+"""AnthropicProvider's own behaviour: construction, streaming, usage, pauses and
+cancellation, through the real SDK against the loopback FakeAnthropicServer."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+import anthropic
+import anyio
+import pytest
+
+import loopengine as le
+from loopengine.providers import AnthropicProvider, FaultKind, ProviderFault, ProviderRequest
+from loopengine.testing import (
+    CutStream,
+    ErrorReply,
+    FakeAnthropicServer,
+    FakeClock,
+    Reply,
+    StallStream,
+)
+
+from ..conftest import MODEL, operation
+from .conftest import STREAMING, Harness
+
+
+def request(**kwargs: Any) -> ProviderRequest:
+    kwargs.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return ProviderRequest(model=MODEL, max_tokens=64, **kwargs)
+
+
+# -- construction ------------------------------------------------------------------
+
+
+async def test_the_sdk_never_retries_on_its_own(fake_anthropic_server: FakeAnthropicServer) -> None:
+    """A client built with retries is used with max_retries=0: one 529, one request."""
+    client = anthropic.AsyncAnthropic(api_key="k", base_url=fake_anthropic_server.url,
+                                      max_retries=5)
+    provider = AnthropicProvider(client)
+    assert provider.client.max_retries == 0
+    fake_anthropic_server.add(ErrorReply.overloaded(), Reply.text("not reached"))
+    with pytest.raises(ProviderFault) as info:
+        await provider.send(request())
+    assert info.value.kind is FaultKind.OVERLOADED
+    assert len(fake_anthropic_server.requests) == 1
+    # The caller's client is theirs: closing the provider leaves it open.
+    await provider.aclose()
+    assert not client.is_closed()
+    await client.close()
+
+
+def test_retries_in_the_sdk_are_refused() -> None:
+    """Asking the provider to build a retrying client is a configuration error."""
+    with pytest.raises(le.ConfigError) as info:
+        AnthropicProvider(api_key="k", max_retries=2)
+    assert info.value.field == "max_retries"
+
+
+def test_bad_construction_is_a_config_error() -> None:
+    """A client and keywords, a sync client, or a bad idle limit are refused."""
+    client = anthropic.AsyncAnthropic(api_key="k")
+    with pytest.raises(le.ConfigError) as info:
+        AnthropicProvider(client, api_key="other")
+    assert info.value.field == "client"
+    sync = anthropic.Anthropic(api_key="k")
+    with pytest.raises(le.ConfigError) as info:
+        AnthropicProvider(sync)  # type: ignore[arg-type]
+    assert info.value.field == "client"
+    sync.close()
+    for bad in (0, -1.0, float("nan"), "5"):
+        with pytest.raises(le.ConfigError) as info:
+            AnthropicProvider(client, stream_idle_timeout=bad)  # type: ignore[arg-type]
+        assert info.value.field == "stream_idle_timeout"
+
+
+def test_the_route_name_follows_the_client() -> None:
+    """anthropic for the first-party API, bedrock and vertex for those clients."""
+    assert AnthropicProvider(api_key="k").name == "anthropic"
+    bedrock = anthropic.AsyncAnthropicBedrock(aws_region="us-east-1", aws_access_key="a",
+                                              aws_secret_key="b")
+    assert AnthropicProvider(bedrock).name == "bedrock"
+    vertex = anthropic.AsyncAnthropicVertex(region="us-east5", project_id="p",
+                                            access_token="t")
+    assert AnthropicProvider(vertex).name == "vertex"
+
+
+async def test_served_by_names_the_route_and_model(wire: Harness) -> None:
+    """Every attempt row says anthropic:<model>."""
+    engine, ledger = wire.engine(Reply.text("hi"))
+    result = await engine.run(operation(), "go")
+    assert [a.dispatch.served_by for a in result.attempt_log] == [f"anthropic:{MODEL}"]
+
+
+# -- what goes on the wire ---------------------------------------------------------------
+
+
+@STREAMING
+async def test_the_request_body_is_the_conversation(wire: Harness, stream: bool) -> None:
+    """Model, max_tokens, system, tools and tool_choice go out; metadata does not."""
+    provider = wire.provider(stream=stream)
+    wire.server.add(Reply.text("ok"))
+    tools = [{"name": "t", "description": "d", "input_schema": {"type": "object"}}]
+    await provider.send(request(system=[{"type": "text", "text": "be brief"}], tools=tools,
+                                tool_choice={"type": "any"}, metadata={"turn": 1},
+                                timeout=12.5))
+    (sent,) = wire.requests
+    assert sent.body["model"] == MODEL and sent.body["max_tokens"] == 64
+    assert sent.body["system"] == [{"type": "text", "text": "be brief"}]
+    assert sent.body["tools"] == tools and sent.body["tool_choice"] == {"type": "any"}
+    assert "metadata" not in sent.body
+    assert sent.stream is stream
+    assert sent.timeout == 12.5
+    credentials = sent.headers.get("x-api-key", "") + sent.headers.get("authorization", "")
+    assert "test-key" in credentials
+
+
+# -- streaming ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_text_deltas_reach_on_text(wire: Harness, kind: str) -> None:
+    """Streamed text arrives delta by delta, through a sync or an async callback."""
+    seen: list[str] = []
+
+    async def async_sink(text: str) -> None:
+        await anyio.lowlevel.checkpoint()
+        seen.append(text)
+
+    sink = seen.append if kind == "sync" else async_sink
+    engine, _ = wire.engine(Reply.text("The quick brown fox"), stream=True)
+    result = await engine.run(operation(), "go", on_text=sink)
+    assert result.answer == "The quick brown fox"
+    assert seen == ["The ", "quick ", "brown ", "fox"]
+
+
+async def test_a_cut_stream_is_an_aborted_attempt_with_a_usage_floor(wire: Harness) -> None:
+    """A stream ending without message_stop is aborted, retried, and its partial usage
+    is kept as a floor that matches what the server served."""
+    usage = le.Usage(input_tokens=40, output_tokens=30, cache_read_tokens=8)
+    engine, ledger = wire.engine(CutStream(reply=Reply.text("a b c d e", usage=usage), after=4),
+                                 Reply.text("whole", usage=usage), stream=True)
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "whole"
+    cut = result.attempt_log[0].settle
+    assert cut is not None
+    assert (cut.outcome, cut.fault, cut.usage_approx) == ("aborted", "aborted", True)
+    assert cut.usage == le.Usage(input_tokens=40, output_tokens=1, cache_read_tokens=8)
+    assert cut.response_id == "msg_fake_0001" and not cut.charged
+    # The independent witness: what the ledger counted is what was served.
+    (row,) = ledger.invocations.values()
+    served = wire.server.usage_served
+    assert (row["input_tokens"], row["output_tokens"], row["cache_read_tokens"]) == (
+        served.input_tokens, served.output_tokens, served.cache_read_tokens)
+    assert served == usage + le.Usage(input_tokens=40, output_tokens=1, cache_read_tokens=8)
+
+
+async def test_an_idle_stream_is_aborted_with_reason_idle(wire: Harness) -> None:
+    """No event for stream_idle_timeout: the attempt is aborted (idle) and retried."""
+    engine, ledger = wire.engine(StallStream(reply=Reply.text("a b c"), after=2, seconds=2.0),
+                                 Reply.text("ok"), stream=True,
+                                 provider_kwargs={"stream_idle_timeout": 0.1})
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.outcome, first.aborted_reason, first.usage_approx) == ("aborted", "idle", True)
+    assert ledger.attempts[(result.invocation_id, 1)]["aborted_reason"] == "idle"
+
+
+@STREAMING
+async def test_tool_use_blocks_survive_the_round_trip(wire: Harness, stream: bool) -> None:
+    """Tool inputs streamed as JSON deltas arrive whole; the blocks go back verbatim."""
+    calls: list[dict[str, Any]] = []
+
+    @le.tool
+    async def search(query: str, limit: int = 5) -> str:
+        """Search."""
+        calls.append({"query": query, "limit": limit})
+        return "found"
+
+    engine, _ = wire.engine(Reply.tool_calls(("search", {"query": "café ☕", "limit": 2}),
+                                             text="Let me look."),
+                            Reply.text("done"), stream=stream)
+    result = await engine.run(operation(), "go", tools=[search])
+    assert calls == [{"query": "café ☕", "limit": 2}]
+    assistant = wire.requests[1].messages[1]
+    assert assistant["role"] == "assistant"
+    kinds = [(b["type"], b.get("text") or b.get("input")) for b in assistant["content"]]
+    assert kinds == [("text", "Let me look."), ("tool_use", {"query": "café ☕", "limit": 2})]
+    assert result.outcome is le.Outcome.COMPLETED
+
+
+# -- stop reasons and usage -------------------------------------------------------------------
+
+
+@STREAMING
+async def test_pause_turn_is_continued_within_the_same_turn(wire: Harness, stream: bool) -> None:
+    """pause_turn: the paused content goes back and the turn goes on (phase continuation)."""
+    paused = [{"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
+               "input": {"query": "news"}}]
+    engine, _ = wire.engine(Reply(content=paused, stop_reason="pause_turn"),
+                            Reply.text("Here is the news."), stream=stream)
+    result = await engine.run(operation(max_turns=1), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "Here is the news."
+    assert result.turns == 1
+    assert [(a.dispatch.turn, a.dispatch.phase) for a in result.attempt_log] == [
+        (1, "turn"), (1, "continuation")]
+    second = wire.requests[1].messages
+    assert second[-1]["role"] == "assistant"
+    assert second[-1]["content"][0]["id"] == "srvtoolu_1"
+
+
+@STREAMING
+async def test_cache_usage_is_mapped_and_priced_at_its_own_rates(
+    wire: Harness, stream: bool
+) -> None:
+    """Cache reads, 5-minute and 1-hour writes are counted apart from the input and
+    priced at their own prices."""
+    prices = le.PriceBook([le.ModelPrice(
+        provider="anthropic", model=MODEL, input_per_mtok=Decimal(3), output_per_mtok=Decimal(15),
+        cache_read_per_mtok=Decimal("0.3"), cache_write_per_mtok=Decimal("3.75"),
+        cache_write_1h_per_mtok=Decimal(6))], credits_per_usd=Decimal(1000))
+    usage = le.Usage(input_tokens=1000, output_tokens=100, cache_read_tokens=20_000,
+                     cache_write_tokens=3000, cache_write_1h_tokens=1000)
+    engine, ledger = wire.engine(Reply.text("ok", usage=usage), stream=stream, prices=prices)
+    result = await engine.run(operation(), "go")
+    assert result.usage == usage == wire.server.usage_served
+    expected = (Decimal(1000) * 3 + Decimal(100) * 15 + Decimal(20_000) * Decimal("0.3")
+                + Decimal(2000) * Decimal("3.75") + Decimal(1000) * 6) / Decimal(1_000_000)
+    assert result.cost_usd == expected
+    (row,) = ledger.invocations.values()
+    assert (row["input_tokens"], row["cache_read_tokens"], row["cache_write_tokens"]) == (
+        1000, 20_000, 3000)
+
+
+async def test_a_reply_without_a_message_body_is_a_server_error(wire: Harness) -> None:
+    """A 200 whose body is not a message is a retried server error."""
+    engine, _ = wire.engine(ErrorReply(status=200, body={"hello": "world"}), Reply.text("ok"))
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    first = result.attempt_log[0].settle
+    assert first is not None and (first.fault, first.error_code) == ("server_error",
+                                                                     "invalid_response")
+
+
+# -- cancellation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.realtime
+@STREAMING
+async def test_the_callers_cancellation_propagates_and_is_recorded(
+    wire: Harness, stream: bool
+) -> None:
+    """Cancelling a run mid-request raises the cancellation (no outcome); the ledger
+    records the attempt aborted (external) and the invocation cancelled."""
+    item = (StallStream(reply=Reply.text("a b c"), after=2, seconds=5.0) if stream
+            else Reply.text("slow", delay=5.0))
+    engine, ledger = wire.engine(item, stream=stream)
+    finished: list[le.RunResult] = []
+    with anyio.move_on_after(0.3) as scope:
+        finished.append(await engine.run(operation(), "go"))
+    assert scope.cancelled_caught and finished == []
+    (invocation,) = ledger.invocations.values()
+    assert invocation["outcome"] == "cancelled"
+    (attempt,) = ledger.attempts.values()
+    assert (attempt["outcome"], attempt["aborted_reason"]) == ("aborted", "external")
+
+
+async def test_cancellation_is_never_turned_into_a_fault(wire: Harness) -> None:
+    """At the provider seam, a cancelled send raises the backend's cancellation."""
+    provider = wire.provider(stream=True)
+    wire.server.add(StallStream(reply=Reply.text("a b"), after=1, seconds=5.0))
+    raised: list[BaseException] = []
+    with anyio.CancelScope() as scope:
+        scope.deadline = anyio.current_time() + 0.2
+        try:
+            await provider.send(request())
+        except BaseException as error:  # record what escaped, then let it go on
+            raised.append(error)
+            raise
+    assert scope.cancelled_caught
+    assert len(raised) == 1 and isinstance(raised[0], anyio.get_cancelled_exc_class())
+
+
+async def test_fake_clock_waits_are_not_slept_on_the_wire(wire: Harness, clock: FakeClock) -> None:
+    """With a FakeClock the retry waits of real HTTP attempts take no real time."""
+    engine, _ = wire.engine(ErrorReply.rate_limited(retry_after=60), Reply.text("ok"))
+    started = anyio.current_time()
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    assert clock.sleeps == [60.0] and anyio.current_time() - started < 5.0

@@ -1,0 +1,194 @@
+"""FakeAnthropicServer itself: what it records, what it serves, what it counts.
+
+The server is a witness for other tests, so its own behaviour is checked with
+the plain ``anthropic`` SDK (no loopengine in between) where that is enough.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+
+import anthropic
+import httpx2
+import pytest
+
+import loopengine as le
+from loopengine.testing import (
+    CutStream,
+    DropConnection,
+    ErrorReply,
+    FakeAnthropicServer,
+    RecordedRequest,
+    Reply,
+    StallStream,
+    StreamErrorEvent,
+)
+
+MODEL = "claude-sonnet-4-5"
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture
+async def client(fake_anthropic_server: FakeAnthropicServer) -> AsyncIterator[
+        anthropic.AsyncAnthropic]:
+    sdk = anthropic.AsyncAnthropic(api_key="k", base_url=fake_anthropic_server.url,
+                                   max_retries=0, http_client=httpx2.AsyncClient(verify=False))
+    yield sdk
+    await sdk.close()
+
+
+async def test_replies_are_served_in_order_and_requests_recorded(
+    fake_anthropic_server: FakeAnthropicServer, client: anthropic.AsyncAnthropic
+) -> None:
+    """Each request takes the next reply; the server keeps the body and headers."""
+    fake_anthropic_server.add(Reply.text("one"), Reply.tool_calls(("t", {"a": 1})))
+    first = await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO,
+                                         system="sys", extra_headers={"X-Trace": "abc"})
+    second = await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
+    assert first.content[0].type == "text" and first.content[0].text == "one"
+    assert first.model == MODEL and first.id == "msg_fake_0001"
+    assert second.stop_reason == "tool_use" and second.content[0].type == "tool_use"
+    recorded = fake_anthropic_server.requests
+    assert [r.path for r in recorded] == ["/v1/messages", "/v1/messages"]
+    assert recorded[0].body["system"] == "sys" and recorded[0].messages == HELLO
+    assert recorded[0].headers["x-trace"] == "abc"
+    assert recorded[0].stream is False
+
+
+async def test_a_streamed_reply_is_the_same_message(
+    fake_anthropic_server: FakeAnthropicServer, client: anthropic.AsyncAnthropic
+) -> None:
+    """The SSE form accumulates (in the SDK's own stream helper) to the JSON form."""
+    usage = le.Usage(input_tokens=7, output_tokens=9, cache_read_tokens=3,
+                     cache_write_tokens=2, cache_write_1h_tokens=1)
+    reply = Reply(content=[{"type": "thinking", "thinking": "hmm", "signature": "sig"},
+                           {"type": "text", "text": "Hi there."},
+                           {"type": "tool_use", "id": "toolu_1", "name": "t",
+                            "input": {"q": [1, 2]}}],
+                  stop_reason="tool_use", usage=usage)
+    fake_anthropic_server.add(reply, reply)
+    plain = await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
+    async with client.messages.stream(model=MODEL, max_tokens=5, messages=HELLO) as stream:
+        texts = [t async for t in stream.text_stream]
+        streamed = await stream.get_final_message()
+    assert texts == ["Hi ", "there."]
+    assert [b.to_dict() for b in streamed.content] == [b.to_dict() for b in plain.content]
+    assert streamed.stop_reason == plain.stop_reason == "tool_use"
+    assert streamed.usage.output_tokens == plain.usage.output_tokens == 9
+    assert streamed.usage.cache_read_input_tokens == 3
+    assert fake_anthropic_server.requests[1].stream is True
+    assert fake_anthropic_server.usage_served == usage + usage
+
+
+async def test_errors_carry_status_body_and_headers(
+    fake_anthropic_server: FakeAnthropicServer, client: anthropic.AsyncAnthropic
+) -> None:
+    """An ErrorReply is the SDK's typed error, with the scripted details."""
+    fake_anthropic_server.add(ErrorReply.spend_limit(headers={"retry-after": "3"}),
+                              ErrorReply(status=418, body="teapot"))
+    with pytest.raises(anthropic.RateLimitError) as info:
+        await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
+    assert info.value.error_code == "enforced_spend_limit_reached"
+    assert info.value.type == "rate_limit_error"
+    assert info.value.response.headers["retry-after"] == "3"
+    assert info.value.request_id == "req_fake_0001"
+    with pytest.raises(anthropic.APIStatusError) as raw:
+        await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
+    assert raw.value.status_code == 418 and raw.value.body == "teapot"
+    assert fake_anthropic_server.usage_served == le.Usage()
+
+
+async def test_dropped_connections_and_mid_stream_errors(
+    fake_anthropic_server: FakeAnthropicServer, client: anthropic.AsyncAnthropic
+) -> None:
+    """A drop is a connection error; a stream error event arrives after a 200."""
+    fake_anthropic_server.add(DropConnection(), DropConnection(reset=False),
+                              StreamErrorEvent(reply=Reply.text("x y"), after=2))
+    for _ in range(2):
+        with pytest.raises(anthropic.APIConnectionError):
+            await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
+    with pytest.raises(anthropic.APIStatusError) as info:
+        async with client.messages.stream(model=MODEL, max_tokens=5, messages=HELLO) as s:
+            async for _ in s:
+                pass
+    assert info.value.status_code == 200 and info.value.type == "overloaded_error"
+    # The interrupted stream had announced its input tokens and one output token.
+    assert fake_anthropic_server.usage_served == le.Usage(input_tokens=100, output_tokens=1)
+
+
+async def test_a_stream_cut_cleanly_has_no_message_stop(
+    fake_anthropic_server: FakeAnthropicServer, client: anthropic.AsyncAnthropic
+) -> None:
+    """CutStream(how="end"): the body ends without message_stop and the SDK does not
+    raise; the snapshot has no stop reason."""
+    fake_anthropic_server.add(CutStream(reply=Reply.text("a b c d"), after=4))
+    async with client.messages.stream(model=MODEL, max_tokens=5, messages=HELLO) as stream:
+        types = [event.type async for event in stream]
+    assert "message_stop" not in types and types[0] == "message_start"
+    assert stream.current_message_snapshot.stop_reason is None
+
+
+async def test_a_stall_pauses_the_stream(fake_anthropic_server: FakeAnthropicServer,
+                                         client: anthropic.AsyncAnthropic) -> None:
+    """A StallStream that the client waits out still delivers the whole reply."""
+    fake_anthropic_server.add(StallStream(reply=Reply.text("late"), after=2, seconds=0.1))
+    async with client.messages.stream(model=MODEL, max_tokens=5, messages=HELLO) as stream:
+        message = await stream.get_final_message()
+    assert message.stop_reason == "end_turn"
+    assert fake_anthropic_server.usage_served == le.Usage(input_tokens=100, output_tokens=20)
+
+
+async def test_callables_see_the_request(fake_anthropic_server: FakeAnthropicServer,
+                                         client: anthropic.AsyncAnthropic) -> None:
+    """A callable item answers from the request it receives."""
+
+    def echo(request: RecordedRequest) -> Reply:
+        return Reply.text(f"you said {request.messages[-1]['content']}")
+
+    fake_anthropic_server.add(echo)
+    message = await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
+    assert message.content[0].type == "text" and message.content[0].text == "you said hello"
+
+
+async def test_an_exhausted_script_and_unknown_paths_are_permanent_errors(
+    fake_anthropic_server: FakeAnthropicServer, client: anthropic.AsyncAnthropic
+) -> None:
+    """Past the script: 400 saying so. Other endpoints: 404, without using the script."""
+    with pytest.raises(anthropic.BadRequestError) as info:
+        await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
+    assert "no reply for request 1" in str(info.value)
+    fake_anthropic_server.add(Reply.text("kept"))
+    with pytest.raises(anthropic.NotFoundError):
+        await client.models.list()
+    message = await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
+    assert message.content[0].type == "text" and message.content[0].text == "kept"
+
+
+def test_the_server_starts_on_an_ephemeral_loopback_port_and_stops_cleanly() -> None:
+    """url is 127.0.0.1 on a port of its own; close joins every handler thread."""
+    before = threading.active_count()
+    with FakeAnthropicServer([Reply.text("x")]) as one, FakeAnthropicServer() as two:
+        assert one.url.startswith("http://127.0.0.1:") and one.url != two.url
+    assert threading.active_count() == before
+    with pytest.raises(RuntimeError):
+        _ = one.url
+    one.close()  # closing twice is harmless
+
+
+async def test_close_wakes_a_delayed_reply(client: anthropic.AsyncAnthropic) -> None:
+    """A server stopped while a reply is delayed drops it at once instead of waiting."""
+    import anyio
+
+    server = FakeAnthropicServer([Reply.text("late", delay=30.0)]).start()
+    sdk = client.with_options(base_url=server.url)
+    started = anyio.current_time()
+    async with anyio.create_task_group() as group:
+        async def call() -> None:
+            with pytest.raises(anthropic.APIConnectionError):
+                await sdk.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
+
+        group.start_soon(call)
+        await anyio.sleep(0.1)
+        await anyio.to_thread.run_sync(server.close)
+    assert anyio.current_time() - started < 5.0
