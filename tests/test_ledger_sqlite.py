@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import sqlite3
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -221,9 +222,17 @@ async def test_a_deferred_settle_is_committed_within_the_linger(tmp_path: Path) 
         await ledger.start_invocation(start())
         await ledger.dispatch_attempt(dispatch(1))
         await ledger.settle_attempt(settle(1))
-        with anyio.fail_after(5):
-            while read_db(path)[1][("inv-1", 1)]["outcome"] != "ok":
-                await anyio.sleep(0.01)
+
+        def settled_within(seconds: float) -> bool:
+            # Another reader polling the file: nothing else tells it when.
+            give_up = time.monotonic() + seconds
+            while time.monotonic() < give_up:
+                if read_db(path)[1][("inv-1", 1)]["outcome"] == "ok":
+                    return True
+                time.sleep(0.01)
+            return False
+
+        assert await anyio.to_thread.run_sync(settled_within, 5.0)
         assert read_db(path)[0]["inv-1"]["input_tokens"] == 10
 
 
@@ -352,20 +361,25 @@ async def test_canaries_never_reach_the_database_files(tmp_path: Path) -> None:
     assert result.outcome is le.Outcome.COMPLETED
     assert all(canary in wire for canary in canaries.values())
 
-    def leaked() -> list[str]:
-        found = []
-        for file in tmp_path.iterdir():
-            data = file.read_bytes()
-            found += [f"{name} in {file.name}" for name, canary in canaries.items()
-                      if canary.encode() in data or canary.encode("utf-16-le") in data]
-        return found
-
-    files = {p.name for p in tmp_path.iterdir()}
-    assert {"ledger.db", "ledger.db-wal", "ledger.db-shm"} <= files
-    assert leaked() == []
+    assert {"ledger.db", "ledger.db-wal", "ledger.db-shm"} <= files_in(tmp_path)
+    assert leaks(tmp_path, canaries) == []
     ledger.close()
-    assert leaked() == []
+    assert leaks(tmp_path, canaries) == []
     assert read_db(path)[0][result.invocation_id]["outcome"] == "completed"
+
+
+def files_in(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+def leaks(directory: Path, canaries: dict[str, str]) -> list[str]:
+    """Which canaries appear in which files of ``directory`` (UTF-8 or UTF-16)."""
+    found = []
+    for file in directory.iterdir():
+        data = file.read_bytes()
+        found += [f"{name} in {file.name}" for name, canary in canaries.items()
+                  if canary.encode() in data or canary.encode("utf-16-le") in data]
+    return found
 
 
 # -- migrations ----------------------------------------------------------------------------
