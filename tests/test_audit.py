@@ -1,0 +1,293 @@
+"""`loopengine audit`: the real command (click's runner on the real ``main``, and the
+installed script once) on ledger files written by real engine runs."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import random
+import shutil
+import sqlite3
+import subprocess
+import sys
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+import loopengine as le
+from loopengine.cli import main
+from loopengine.persistence import SQLiteLedger, _audit
+from loopengine.persistence._schema import SCHEMA_TABLE, SCHEMA_VERSION
+from loopengine.providers import FaultKind, ProviderFault, Reply, ScriptedProvider
+from loopengine.testing import FakeClock
+
+from .conftest import MODEL, operation
+from .ledger_support import judge, lookup, read_db, teammate_script
+
+HAIKU = "claude-haiku-4-5"
+PRICES = le.PriceBook(
+    [le.ModelPrice(provider="anthropic", model=MODEL, input_per_mtok=Decimal(1),
+                   output_per_mtok=Decimal(1)),
+     le.ModelPrice(provider="anthropic", model=HAIKU, input_per_mtok=Decimal(2),
+                   output_per_mtok=Decimal(2))],
+    credits_per_usd=Decimal(1_000_000),
+)
+FAST = le.RetryPolicy(initial_wait=0.001, max_wait=0.001)
+OTHER = le.Operation(name="other.op", provider="anthropic", model=HAIKU, max_output_tokens=256,
+                     retry=FAST)
+
+
+async def record(path: Path, day: str, script: list[Any], op: le.Operation,
+                 attribution: le.Attribution, **kwargs: Any) -> le.RunResult:
+    """One run, on its own fake clock starting at ``day``, recorded in ``path``."""
+    clock = FakeClock(wall_start=datetime.fromisoformat(day).replace(tzinfo=UTC))
+    with SQLiteLedger(path, max_retained_attempts=kwargs.pop("retain", 64)) as ledger:
+        engine = le.Engine(ScriptedProvider(script, clock=clock), ledger=ledger, prices=PRICES,
+                           clock=clock, rng=random.Random(3))
+        return await engine.run(op, "go", attribution=attribution, **kwargs)
+
+
+@pytest.fixture
+async def ledger_file(tmp_path: Path) -> dict[str, Any]:
+    """Three runs over two months, two tenants, two features, two operations and models."""
+    path = tmp_path / "ledger.db"
+    a = await record(path, "2026-01-10", teammate_script(), operation(retry=FAST),
+                     le.Attribution(tenant="acme", feature="help"), tools=[lookup], accept=judge)
+    b = await record(path, "2026-02-10", [Reply.text("hi")], operation(),
+                     le.Attribution(tenant="globex", feature="search"))
+    no_id = ProviderFault(FaultKind.SERVER_ERROR, "boom", http_status=500)
+    c = await record(path, "2026-02-20", [no_id, Reply.text("ok")], OTHER,
+                     le.Attribution(tenant="acme", feature="search"))
+    return {"path": path, "a": a, "b": b, "c": c}
+
+
+def cli(*args: str | Path) -> Result:
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def nano(result: le.RunResult) -> int:
+    return int(result.cost_usd * 10**9)
+
+
+# -- spend --------------------------------------------------------------------------------
+
+
+def test_spend_by_tenant_over_periods(ledger_file: dict[str, Any]) -> None:
+    """Spend per tenant sums its invocations' totals; --since/--until select by start."""
+    conn = _audit.open_ledger(ledger_file["path"])
+    a, b, c = ledger_file["a"], ledger_file["b"], ledger_file["c"]
+    rows = {r.key: r for r in _audit.spend(conn, by="tenant")}
+    assert rows["acme"].cost_nanousd == nano(a) + nano(c)
+    assert rows["acme"].invocations == 2 and rows["acme"].attempts == 6 + 2
+    assert rows["acme"].provider_cost_nanousd > rows["acme"].cost_nanousd  # the cut stream
+    assert rows["globex"].cost_nanousd == nano(b)
+    assert rows["acme"].credits == a.credits + c.credits
+    feb = {r.key: r for r in _audit.spend(conn, by="tenant",
+                                          since=_audit.parse_moment("2026-02-01"))}
+    assert feb["acme"].cost_nanousd == nano(c) and feb["acme"].invocations == 1
+    jan = {r.key: r for r in _audit.spend(conn, by="tenant",
+                                          until=_audit.parse_moment("2026-02-01"))}
+    assert set(jan) == {"acme"} and jan["acme"].cost_nanousd == nano(a)
+    conn.close()
+
+    result = cli("audit", "spend", "--db", ledger_file["path"], "--since", "2026-02-01")
+    assert result.exit_code == 0, result.output
+    assert "Spend by tenant from 2026-02-01T00:00:00.000000+00:00" in result.output
+    lines = {line.split()[0]: line.split() for line in result.output.splitlines()[3:]}
+    assert lines["acme"][7] == str(Decimal(nano(c)) / 10**9)
+    assert lines["globex"][1] == "1"
+
+
+@pytest.mark.parametrize(("by", "keys"), [
+    ("feature", {"help", "search"}),
+    ("model", {MODEL, HAIKU}),
+    ("operation", {"test.op", "other.op"}),
+])
+def test_spend_groups_by_feature_model_and_operation(
+    ledger_file: dict[str, Any], by: str, keys: set[str]
+) -> None:
+    """Each grouping gives one row per value, and the rows add up to the whole."""
+    result = cli("audit", "spend", "--db", ledger_file["path"], "--by", by, "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert {r[by] for r in rows} == keys
+    total = sum(nano(ledger_file[k]) for k in "abc")
+    assert sum(r["cost_nanousd"] for r in rows) == total
+
+
+def test_spend_refuses_a_bad_date(ledger_file: dict[str, Any]) -> None:
+    """A --since that is not a date is a usage error naming the value."""
+    result = cli("audit", "spend", "--db", ledger_file["path"], "--since", "last tuesday")
+    assert result.exit_code == 2 and "'last tuesday' is not a date" in result.output
+
+
+# -- show ---------------------------------------------------------------------------------
+
+
+def test_show_prints_the_invocation_and_its_attempts(ledger_file: dict[str, Any]) -> None:
+    """show gives every invocation column and one line per attempt, by id or a prefix."""
+    a = ledger_file["a"]
+    result = cli("audit", "show", "--db", ledger_file["path"], a.invocation_id[:8])
+    assert result.exit_code == 0, result.output
+    assert f"id                     {a.invocation_id}" in result.output
+    assert "outcome                completed" in result.output
+    attempt_lines = [line for line in result.output.splitlines()
+                     if line.split() and line.split()[0].isdigit() and len(line.split()) > 8]
+    assert [line.split()[0] for line in attempt_lines] == ["1", "2", "3", "4", "5", "6"]
+    assert "repair" in attempt_lines[5] and "aborted" in attempt_lines[2]
+
+    as_json = json.loads(cli("audit", "show", "--db", ledger_file["path"], a.invocation_id,
+                             "--json").output)
+    assert as_json["invocation"]["cost_nanousd"] == nano(a)
+    assert [x["ordinal"] for x in as_json["attempts"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_show_an_unknown_invocation_fails(ledger_file: dict[str, Any]) -> None:
+    """An id that matches nothing exits 2 and says so."""
+    result = cli("audit", "show", "--db", ledger_file["path"], "no-such-id")
+    assert result.exit_code == 2 and "no invocation no-such-id" in result.output
+
+
+# -- reconcile --------------------------------------------------------------------------------
+
+
+def test_reconcile_a_clean_ledger(ledger_file: dict[str, Any]) -> None:
+    """Engine-written totals reconcile with their rows by construction: exit 0."""
+    result = cli("audit", "reconcile", "--db", ledger_file["path"])
+    assert result.exit_code == 0, result.output
+    assert "Checked 3 invocations and 9 attempt rows." in result.output
+    assert "Everything reconciles." in result.output
+
+
+def test_reconcile_reports_a_total_that_does_not_add_up(ledger_file: dict[str, Any]) -> None:
+    """A total edited behind the ledger's back is reported with both values: exit 1."""
+    path, a = ledger_file["path"], ledger_file["a"]
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE invocations SET cost_nanousd = cost_nanousd + 1, "
+                 "output_tokens = 0 WHERE id = ?", (a.invocation_id,))
+    conn.commit()
+    conn.close()
+    result = cli("audit", "reconcile", "--db", path, "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.output)
+    assert report["ok"] is False
+    assert {(m["column"], m["recorded"]) for m in report["mismatches"]} == {
+        ("cost_nanousd", nano(a) + 1), ("output_tokens", 0)}
+    assert all(m["invocation_id"] == a.invocation_id for m in report["mismatches"])
+
+
+async def test_reconcile_lists_incomplete_records(tmp_path: Path) -> None:
+    """A run with more attempts than rows is listed as incomplete, and export says so."""
+    path = tmp_path / "ledger.db"
+    faults = [ProviderFault(FaultKind.OVERLOADED, "busy") for _ in range(2)]
+    result = await record(path, "2026-01-01", [*faults, Reply.text("ok")], operation(retry=FAST),
+                          le.Attribution(tenant="acme"), retain=2)
+    assert result.attempts.incomplete
+    outcome = cli("audit", "reconcile", "--db", path)
+    assert outcome.exit_code == 1
+    assert "Incomplete records (more attempts than rows kept, R07): 1" in outcome.output
+    assert f"{result.invocation_id}  test.op    3         2" in outcome.output
+    exported = CliRunner().invoke(main, ["audit", "export", "--db", str(path), "--format",
+                                         "jsonl"])
+    assert exported.exit_code == 0
+    assert len(exported.stdout.splitlines()) == 2
+    assert "1 invocation(s) in this export are incomplete" in exported.stderr
+
+
+# -- export --------------------------------------------------------------------------------------
+
+
+def test_export_csv_has_every_attempt_and_marks_missing_response_ids(
+    ledger_file: dict[str, Any]
+) -> None:
+    """One CSV row per attempt with its attribution; rows without a response id are
+    kept and marked."""
+    result = cli("audit", "export", "--db", ledger_file["path"], "--format", "csv")
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(io.StringIO(result.output)))
+    assert len(rows) == 9
+    assert tuple(rows[0]) == _audit.EXPORT_COLUMNS
+    missing = [r for r in rows if r["response_id_missing"] == "1"]
+    assert {(r["operation"], r["fault"], r["response_id"]) for r in missing} == {
+        ("test.op", "overloaded", ""), ("other.op", "server_error", "")}
+    assert all(r["response_id"] for r in rows if r["response_id_missing"] == "0")
+    charged = sum(Decimal(r["cost_usd"]) for r in rows if r["charged"] == "1")
+    assert charged == sum(ledger_file[k].cost_usd for k in "abc")
+    assert {r["tenant"] for r in rows} == {"acme", "globex"}
+
+
+def test_export_jsonl_over_a_period(ledger_file: dict[str, Any], tmp_path: Path) -> None:
+    """JSONL rows to a file, only the attempts started in the period."""
+    out = tmp_path / "invoice.jsonl"
+    result = cli("audit", "export", "--db", ledger_file["path"], "--format", "jsonl",
+                 "--since", "2026-02-01", "--until", "2026-02-15", "-o", out)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["tenant"], r["invocation_id"]) for r in rows] == [
+        ("globex", ledger_file["b"].invocation_id)]
+    assert rows[0]["response_id_missing"] == 0 and rows[0]["cost_usd"] == "0.00012"
+
+
+# -- files that cannot be audited ------------------------------------------------------------
+
+
+def test_files_that_are_not_ledgers_exit_2(tmp_path: Path) -> None:
+    """A missing file, a text file, a foreign database and a newer schema: exit 2 with a
+    message naming the problem."""
+    assert "no such file" in cli("audit", "reconcile", "--db", tmp_path / "nope.db").output
+    text = tmp_path / "notes.txt"
+    text.write_text("hello " * 200)
+    foreign = tmp_path / "foreign.db"
+    sqlite3.connect(foreign).execute("CREATE TABLE t (x)").connection.commit()
+    newer = tmp_path / "newer.db"
+    SQLiteLedger(newer).close()
+    conn = sqlite3.connect(newer)
+    conn.execute(f"INSERT INTO {SCHEMA_TABLE} VALUES (?, 'future', 'x')", (SCHEMA_VERSION + 1,))
+    conn.commit()
+    conn.close()
+    for path, message in [(tmp_path / "nope.db", "no such file"),
+                          (text, "is not a SQLite database"),
+                          (foreign, "is not a loopengine ledger"),
+                          (newer, "newer than this loopengine understands")]:
+        for command in (["spend"], ["show", "x"], ["reconcile"], ["export", "--format", "csv"]):
+            result = cli("audit", command[0], "--db", path, *command[1:])
+            assert result.exit_code == 2, (path, command, result.output)
+            assert message in result.output, (path, command, result.output)
+
+
+def test_audit_never_writes(ledger_file: dict[str, Any]) -> None:
+    """The database file is byte-for-byte the same after every audit command, and the
+    connection the audit uses cannot write."""
+    path = ledger_file["path"]
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    for args in (["spend"], ["show", ledger_file["a"].invocation_id], ["reconcile"],
+                 ["export", "--format", "csv"]):
+        cli("audit", args[0], "--db", path, *args[1:])
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    conn = _audit.open_ledger(path)
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        conn.execute("DELETE FROM attempts")
+    conn.close()
+
+
+@pytest.mark.slow
+def test_the_installed_script_audits_a_real_ledger(ledger_file: dict[str, Any]) -> None:
+    """The ``loopengine`` console script (as installed) runs reconcile and spend."""
+    script = shutil.which("loopengine", path=str(Path(sys.executable).parent))
+    assert script is not None
+    path = str(ledger_file["path"])
+    done = subprocess.run([script, "audit", "reconcile", "--db", path], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Everything reconciles." in done.stdout
+    spent = subprocess.run([script, "audit", "spend", "--db", path, "--by", "operation",
+                            "--json"], capture_output=True, text=True, timeout=60)
+    assert spent.returncode == 0, spent.stderr
+    assert {r["operation"] for r in json.loads(spent.stdout)} == {"test.op", "other.op"}
+    assert read_db(path)[0]  # the file still reads after the script's read-only opens
