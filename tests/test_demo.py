@@ -1,0 +1,96 @@
+"""The ledger against an independent witness (the usage FakeAnthropicServer served),
+and `loopengine demo` run as a user would."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx2
+import pytest
+from click.testing import CliRunner
+
+import loopengine as le
+from loopengine.cli import main
+from loopengine.persistence import SQLiteLedger, _audit
+from loopengine.providers import AnthropicProvider
+from loopengine.testing import CutStream, ErrorReply, FakeAnthropicServer, Reply, StreamErrorEvent
+
+from .conftest import PRICES, operation
+from .ledger_support import judge, lookup, read_db
+
+FAST = le.RetryPolicy(max_attempts=4, initial_wait=0.001, max_wait=0.002)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_ledger_sums_equal_the_usage_the_server_served(
+    tmp_path: Path, stream: bool
+) -> None:
+    """Through the real SDK, every token the fake server put on the wire (cut and
+    interrupted streams included) is in the invocation's totals and its rows."""
+    usage = le.Usage(input_tokens=300, output_tokens=40, cache_read_tokens=900,
+                     cache_write_tokens=120)
+    script = [
+        ErrorReply.overloaded(),
+        CutStream(reply=Reply.tool_calls(("lookup", {"key": "a"}), usage=usage), after=3),
+        StreamErrorEvent(reply=Reply.text("partial", usage=usage), after=3),
+        Reply.tool_calls(("lookup", {"key": "a"}), usage=usage),
+        Reply.text("draft", usage=le.Usage(350, 20, 900)),
+        Reply.text("final answer", usage=le.Usage(360, 25, 900)),
+    ]
+    path = tmp_path / "ledger.db"
+    with FakeAnthropicServer(script) as server:
+        provider = AnthropicProvider(api_key="k", base_url=server.url, stream=stream,
+                                     http_client=httpx2.AsyncClient(verify=False))
+        with SQLiteLedger(path) as ledger:
+            engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+            result = await engine.run(operation(retry=FAST), "go", tools=[lookup], accept=judge)
+        await provider.aclose()
+        served = server.usage_served
+        requests = len(server.requests)
+    assert result.outcome is le.Outcome.COMPLETED
+    invocations, attempts = read_db(path)
+    row = invocations[result.invocation_id]
+    assert row["attempt_count"] == len(attempts) == requests
+    assert served.output_tokens > 0 and served.cache_read_tokens > 0
+    for column in ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens"):
+        assert row[column] == getattr(served, column), column
+        assert sum(a[column] or 0 for a in attempts.values()) == getattr(served, column)
+    assert row["input_tokens"] == result.usage.input_tokens
+
+
+@pytest.mark.slow
+def test_demo_runs_offline_and_writes_its_ledger(tmp_path: Path) -> None:
+    """`loopengine demo` (the installed script, in an empty directory) completes after
+    an overload, two tool turns and a repair, prints the attempts and leaves a
+    ledger that reconciles."""
+    script = shutil.which("loopengine", path=str(Path(sys.executable).parent))
+    assert script is not None
+    done = subprocess.run([script, "demo"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "Outcome:  completed after 4 turns, 3 tool calls and 5 attempts" in done.stdout
+    table = [line.split() for line in done.stdout.splitlines()
+             if line[:1].isdigit() and len(line.split()) > 8]
+    assert [(r[2], r[3], r[4]) for r in table] == [
+        ("1", "turn", "error"), ("2", "turn", "ok"), ("1", "turn", "ok"), ("1", "turn", "ok"),
+        ("1", "repair", "ok")]
+    db = tmp_path / "loopengine-demo.db"
+    conn = _audit.open_ledger(db)
+    assert _audit.reconcile(conn).ok
+    (invocation,) = conn.execute("SELECT * FROM invocations").fetchall()
+    conn.close()
+    assert (invocation["outcome"], invocation["tenant"], invocation["attempt_count"]) == (
+        "completed", "demo", 5)
+    assert invocation["id"] in done.stdout
+
+
+def test_demo_live_needs_a_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--live without ANTHROPIC_API_KEY exits 2 and says what is missing, writing nothing."""
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["demo", "--live"])
+    assert result.exit_code == 2 and "ANTHROPIC_API_KEY" in result.output
+    assert not (tmp_path / "loopengine-demo.db").exists()
