@@ -1,0 +1,352 @@
+"""The per-turn cost of loopengine, side by side with a bare loop and its peers.
+
+One five-turn tool conversation (the model asks for a tool four times, then
+answers in text) runs again and again on one in-process transport: an
+``httpx2.MockTransport`` under the ``anthropic`` SDK that answers from
+prebuilt bytes, so nothing but the client-side code is measured. Each
+contender gets its own client on its own copy of that transport:
+
+* ``bare SDK loop``: a hand-written loop on ``client.messages.create`` (the floor);
+* ``loopengine``: `Engine.run` on `AnthropicProvider`, no ledger, the model
+  priced by a `PriceBook` entry (an operation's published price);
+* ``loopengine, genai-prices``: the same, priced by the genai-prices fallback;
+* ``loopengine + SQLite``: with a `SQLiteLedger` (if installed) and the entry;
+* ``pydantic-ai Agent`` and ``SDK tool_runner``: the peers a user would pick
+  instead (``pip install -e '.[bench]'``; skipped when missing).
+
+Contenders are interleaved round by round; a time is the median over the
+rounds and a ratio the median of the ratios within each round, so a slow
+moment of the machine hits all of them alike. CPU time
+is the process's (every thread: the ledger's writer included); wall time also
+holds the ledger's fsyncs (``synchronous=FULL``), so put ``--ledger-dir`` on
+the disk you mean to measure.
+
+Run::
+
+    python bench/overhead.py                # defaults: 40 conversations x 15 rounds
+    python bench/overhead.py --conversations 300 --rounds 9 --profile loopengine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import importlib.util
+import json
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx2
+
+import loopengine as le
+from loopengine.providers import AnthropicProvider
+
+MODEL = "claude-sonnet-4-5"
+QUESTION = "What are the values of keys a, b, c and d?"
+TURNS = 5
+TOOL_TURNS = TURNS - 1
+ANSWER = "The values are 1, 2, 3 and 4."
+OUTPUT_TOKENS = 30
+
+
+def usage(turn: int) -> dict[str, int]:
+    """Usage that grows turn by turn, as a real conversation's does (so no price is
+    ever computed twice for the same counts)."""
+    return {"input_tokens": 40 + 80 * turn, "output_tokens": OUTPUT_TOKENS,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 1000 * turn}
+TOOL_SCHEMA = {"type": "object", "properties": {"key": {"type": "string"}},
+               "required": ["key"]}
+
+
+def _messages() -> list[dict[str, Any]]:
+    """The model's five messages."""
+    out = []
+    for turn in range(TURNS):
+        if turn < TOOL_TURNS:
+            content: list[dict[str, Any]] = [
+                {"type": "text", "text": "Let me look that up."},
+                {"type": "tool_use", "id": f"toolu_{turn:04d}", "name": "lookup",
+                 "input": {"key": "abcd"[turn]}},
+            ]
+            stop = "tool_use"
+        else:
+            content, stop = [{"type": "text", "text": ANSWER}], "end_turn"
+        out.append({
+            "id": f"msg_{turn:04d}", "type": "message", "role": "assistant", "model": MODEL,
+            "content": content, "stop_reason": stop, "stop_sequence": None, "usage": usage(turn),
+        })
+    return out
+
+
+def _sse(message: dict[str, Any]) -> bytes:
+    """``message`` as the API streams it (for the peers that always stream)."""
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": {
+        **message, "content": [], "stop_reason": None,
+        "usage": {**message["usage"], "output_tokens": 1}}}]
+    for index, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            events.append({"type": "content_block_start", "index": index,
+                           "content_block": {"type": "text", "text": ""}})
+            events.append({"type": "content_block_delta", "index": index,
+                           "delta": {"type": "text_delta", "text": block["text"]}})
+        else:
+            events.append({"type": "content_block_start", "index": index,
+                           "content_block": {**block, "input": {}}})
+            events.append({"type": "content_block_delta", "index": index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+        events.append({"type": "content_block_stop", "index": index})
+    events.append({"type": "message_delta", "delta": {"stop_reason": message["stop_reason"],
+                                                      "stop_sequence": None},
+                   "usage": {"output_tokens": OUTPUT_TOKENS}})
+    events.append({"type": "message_stop"})
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+
+
+BODIES = [json.dumps(m).encode() for m in _messages()]
+STREAMS = [_sse(m) for m in _messages()]
+HEADERS = {"content-type": "application/json", "request-id": "req_bench"}
+SSE_HEADERS = {"content-type": "text/event-stream", "request-id": "req_bench"}
+
+
+class ScriptedTransport(httpx2.MockTransport):
+    """Answers the five turns of one conversation in order, then starts over."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+        super().__init__(self._answer)
+
+    def _answer(self, request: httpx2.Request) -> httpx2.Response:
+        turn = self.turn % TURNS
+        self.turn += 1
+        if b'"stream":true' in request.content or b'"stream": true' in request.content:
+            return httpx2.Response(200, content=STREAMS[turn], headers=SSE_HEADERS)
+        return httpx2.Response(200, content=BODIES[turn], headers=HEADERS)
+
+
+def make_client() -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(
+        api_key="bench", base_url="http://bench.invalid", max_retries=0,
+        http_client=httpx2.AsyncClient(transport=ScriptedTransport()),
+    )
+
+
+async def lookup(key: str) -> str:
+    """Look a key up."""
+    return str("abcd".index(key) + 1)
+
+
+# -- the contenders ------------------------------------------------------------------------
+
+Conversation = Callable[[], Awaitable[str]]
+
+
+@dataclass
+class Contender:
+    name: str
+    run: Conversation
+    close: Callable[[], Awaitable[None]]
+    cpu: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+
+
+async def bare_loop() -> Contender:
+    """The floor: what a careful hand-written loop on the SDK does per turn."""
+    client = make_client()
+    tools: list[Any] = [{"name": "lookup", "description": "Look a key up.",
+                         "input_schema": TOOL_SCHEMA}]
+
+    async def run() -> str:
+        messages: list[Any] = [{"role": "user", "content": QUESTION}]
+        while True:
+            response = await client.messages.create(model=MODEL, max_tokens=1024,
+                                                    messages=messages, tools=tools)
+            messages.append({"role": "assistant", "content": response.content})
+            if response.stop_reason != "tool_use":
+                return "".join(b.text for b in response.content if b.type == "text")
+            results = []
+            for block in response.content:
+                if block.type == "tool_use":
+                    results.append({"type": "tool_result", "tool_use_id": block.id,
+                                    "content": await lookup(**block.input)})  # type: ignore[arg-type]
+            messages.append({"role": "user", "content": results})
+
+    return Contender("bare SDK loop (floor)", run, client.close)
+
+
+OPERATION = le.Operation(name="bench.lookup", provider="anthropic", model=MODEL,
+                         max_output_tokens=1024, limits=le.Limits(max_turns=TURNS + 1))
+TOOL = le.tool(lookup)
+# The operation's published price (DESIGN.md §4); without it every attempt is
+# priced by genai-prices' general calculator, measured as its own row.
+PRICES = le.PriceBook([le.ModelPrice(
+    provider="anthropic", model=MODEL, input_per_mtok=Decimal(3), output_per_mtok=Decimal(15),
+    cache_read_per_mtok=Decimal("0.30"), cache_write_per_mtok=Decimal("3.75"))])
+
+
+async def loopengine_run(ledger: Any = None, name: str = "loopengine, no ledger",
+                         prices: le.PriceBook | None = PRICES) -> Contender:
+    client = make_client()
+    engine = le.Engine(AnthropicProvider(client), ledger=ledger, prices=prices)
+
+    async def run() -> str:
+        result = await engine.run(OPERATION, QUESTION, tools=[TOOL])
+        if result.outcome is not le.Outcome.COMPLETED or result.turns != TURNS:
+            raise RuntimeError(f"loopengine ended {result.outcome}: {result.detail}")
+        return str(result.answer)
+
+    async def close() -> None:
+        await client.close()
+        if ledger is not None:
+            await ledger.aclose()
+
+    return Contender(name, run, close)
+
+
+async def loopengine_sqlite(directory: Path) -> Contender | str:
+    try:
+        from loopengine.persistence import SQLiteLedger  # type: ignore[attr-defined]
+    except ImportError:
+        return "loopengine.persistence.SQLiteLedger is not available"
+    ledger = SQLiteLedger(directory / "bench-ledger.db")
+    return await loopengine_run(ledger, name="loopengine + SQLite ledger")
+
+
+async def pydantic_ai_agent() -> Contender | str:
+    if importlib.util.find_spec("pydantic_ai") is None:
+        return "pydantic-ai is not installed (pip install -e '.[bench]')"
+    from pydantic_ai import Agent
+    from pydantic_ai.models.anthropic import AnthropicModel
+    from pydantic_ai.providers.anthropic import AnthropicProvider as PydanticAnthropicProvider
+
+    client = make_client()
+    model = AnthropicModel(MODEL, provider=PydanticAnthropicProvider(anthropic_client=client))
+    agent = Agent(model, tools=[lookup])
+
+    async def run() -> str:
+        result = await agent.run(QUESTION)
+        return str(result.output)
+
+    return Contender("pydantic-ai Agent", run, client.close)
+
+
+async def sdk_tool_runner() -> Contender | str:
+    try:
+        from anthropic import beta_async_tool
+    except ImportError:
+        return "this anthropic SDK has no tool runner"
+    client = make_client()
+    tool = beta_async_tool(lookup)
+
+    async def run() -> str:
+        runner = client.beta.messages.tool_runner(
+            model=MODEL, max_tokens=1024, tools=[tool],
+            messages=[{"role": "user", "content": QUESTION}])
+        message = await runner.until_done()
+        return "".join(b.text for b in message.content if b.type == "text")
+
+    return Contender("SDK tool_runner", run, client.close)
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+async def measure(contender: Contender, conversations: int) -> None:
+    gc.collect()
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(conversations):
+        answer = await contender.run()
+        if answer != ANSWER:
+            raise RuntimeError(f"{contender.name} answered {answer!r}")
+    turns = conversations * TURNS
+    contender.cpu.append((time.process_time() - cpu) / turns)
+    contender.wall.append((time.perf_counter() - wall) / turns)
+
+
+async def main(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(dir=args.ledger_dir) as tmp:
+        built = [await bare_loop(), await loopengine_run(),
+                 await loopengine_run(name="loopengine, genai-prices", prices=le.PriceBook()),
+                 await loopengine_sqlite(Path(tmp)),
+                 await pydantic_ai_agent(), await sdk_tool_runner()]
+        contenders = [c for c in built if isinstance(c, Contender)]
+        skipped = [c for c in built if isinstance(c, str)]
+        if args.only:
+            contenders = [c for c in contenders
+                          if c.name.startswith("bare") or args.only in c.name]
+        try:
+            for contender in contenders:  # warm up: imports, caches, connection set-up
+                for _ in range(args.warmup):
+                    await contender.run()
+            if args.profile:
+                (target,) = [c for c in contenders if c.name.startswith(args.profile)]
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(args.conversations):
+                    await target.run()
+                profiler.disable()
+                pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+                return 0
+            for _ in range(args.rounds):
+                for contender in contenders:
+                    await measure(contender, args.conversations)
+        finally:
+            for contender in contenders:
+                await contender.close()
+    report(contenders, skipped, args)
+    return 0
+
+
+def ratio(values: list[float], floor: list[float]) -> float:
+    """The median over rounds of the ratio to the floor *in the same round*: a
+    busy moment of the machine slows a round's contenders alike."""
+    return statistics.median(v / f for v, f in zip(values, floor, strict=True))
+
+
+def report(contenders: list[Contender], skipped: list[str], args: argparse.Namespace) -> None:
+    floor = contenders[0]
+    print(f"loopengine {le.__version__} / anthropic {anthropic.__version__} / "
+          f"Python {platform.python_version()} on {platform.machine()}")
+    print(f"{TURNS}-turn tool conversation ({TOOL_TURNS} tool_use + 1 text) on "
+          "httpx2.MockTransport; medians of "
+          f"{args.rounds} rounds x {args.conversations} conversations")
+    print("command: python bench/overhead.py " + " ".join(sys.argv[1:]))
+    print()
+    print(f"{'':28} {'CPU/turn':>10} {'x bare':>7} {'wall/turn':>10} {'x bare':>7}")
+    for c in contenders:
+        cpu, wall = statistics.median(c.cpu), statistics.median(c.wall)
+        print(f"{c.name:28} {cpu * 1e6:8.0f}µs {ratio(c.cpu, floor.cpu):7.2f} "
+              f"{wall * 1e6:8.0f}µs {ratio(c.wall, floor.wall):7.2f}")
+    for reason in skipped:
+        print(f"skipped: {reason}")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=40,
+                        help="conversations per contender per round (default 40)")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds (default 15)")
+    parser.add_argument("--warmup", type=int, default=20,
+                        help="unmeasured conversations first (default 20)")
+    parser.add_argument("--ledger-dir", default=None,
+                        help="where the SQLite ledger file goes (default: the temp dir)")
+    parser.add_argument("--only", default=None,
+                        help="measure only contenders whose name contains this (and the floor)")
+    parser.add_argument("--profile", default=None, metavar="NAME",
+                        help="profile the contender whose name starts with NAME instead")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse())))
