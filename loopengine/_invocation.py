@@ -238,7 +238,7 @@ class Invocation:
         capped = timeout < self.limits.attempt_timeout
         request = build(timeout)
         number = self._turn_attempts[turn] = self._turn_attempts.get(turn, 0) + 1
-        if number == 1:
+        if number == 1 and self.observers:
             # Announced with its first dispatch, so a turn the time guard
             # refused at its first attempt is never announced.
             await self.emit(TurnStarted(run_id=self.id, at=self.clock.wall(), turn=turn,
@@ -260,13 +260,16 @@ class Invocation:
         self._in_flight = flight
         if self.ledger is not None:
             await self.ledger.dispatch_attempt(dispatch)
-        await self.emit(AttemptStarted(
-            run_id=self.id, at=dispatch.started_at, ordinal=dispatch.ordinal, turn=turn,
-            attempt=number, phase=phase, served_by=self.served_by,
-            provider=self.operation.provider, model=self.operation.model,
-            max_tokens=request.max_tokens, timeout_ms=dispatch.timeout_ms,
-            wait_ms=dispatch.wait_ms,
-        ))
+        if self.observers:
+            # Building an event costs about as much as the rest of the
+            # attempt's bookkeeping: skip it when nobody listens.
+            await self.emit(AttemptStarted(
+                run_id=self.id, at=dispatch.started_at, ordinal=dispatch.ordinal, turn=turn,
+                attempt=number, phase=phase, served_by=self.served_by,
+                provider=self.operation.provider, model=self.operation.model,
+                max_tokens=request.max_tokens, timeout_ms=dispatch.timeout_ms,
+                wait_ms=dispatch.wait_ms,
+            ))
         response: ProviderResponse | None = None
         fault: ProviderFault | None = None
         flight.started = self.clock.now()
@@ -369,6 +372,8 @@ class Invocation:
             self.served_by, outcome, settle.fault, settle.http_status, latency_ms,
             usage.output_tokens if usage else None,
         )
+        if not self.observers:
+            return
         await self.emit(AttemptSettled(
             run_id=self.id, at=self.clock.wall(), ordinal=dispatch.ordinal, turn=dispatch.turn,
             attempt=dispatch.attempt, phase=dispatch.phase, served_by=self.served_by,

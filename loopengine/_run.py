@@ -20,6 +20,7 @@ import copy
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -32,6 +33,7 @@ from loopengine._outcome import Outcome
 from loopengine._pricing import nanousd_to_usd
 from loopengine._result import RunResult
 from loopengine._tools import Tool, ToolInputError, describe_validation_error, render_tool_output
+from loopengine._usage import Usage
 from loopengine.events import ToolCallEvent
 from loopengine.guards._checkpoints import (
     ConversationState,
@@ -272,12 +274,15 @@ class _Loop:
     ) -> list[dict[str, Any]]:
         """Run the whole batch concurrently under the remaining time."""
         inv = self.inv
-        usage = inv.turn_usage(turn)
-        spend = inv.turn_cost_usd(turn)
+        observed = bool(inv.observers)  # events are built only for someone to see
+        usage = inv.turn_usage(turn) if observed else Usage()
+        spend = inv.turn_cost_usd(turn) if observed else Decimal(0)
         results: list[dict[str, Any] | None] = [None] * len(batch)
 
         async def tool_event(block: Mapping[str, Any], status: str, latency: float,
                              error: str | None = None) -> None:
+            if not observed:
+                return
             await inv.emit(ToolCallEvent(
                 run_id=inv.id, at=inv.clock.wall(), tool_name=str(block.get("name")),
                 status=status,  # type: ignore[arg-type]
