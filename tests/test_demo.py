@@ -3,6 +3,7 @@ and `loopengine demo` run as a user would."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -68,8 +69,9 @@ def test_demo_runs_offline_and_writes_its_ledger(tmp_path: Path) -> None:
     ledger that reconciles."""
     script = shutil.which("loopengine", path=str(Path(sys.executable).parent))
     assert script is not None
+    env = {k: v for k, v in os.environ.items() if k != "ANTHROPIC_API_KEY"}
     done = subprocess.run([script, "demo"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+                          timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "Outcome:  completed after 4 turns, 3 tool calls and 5 attempts" in done.stdout
     table = [line.split() for line in done.stdout.splitlines()
