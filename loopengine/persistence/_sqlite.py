@@ -251,10 +251,12 @@ class _Batch:
 class SQLiteLedger:
     """The attempt ledger in a SQLite file (DESIGN.md §7).
 
-    Opening creates the file if needed and migrates its schema. Use it as a
-    context manager (sync or async) or call `close` / `aclose` to flush and
-    stop its writer thread; a ledger still open when the interpreter exits is
-    flushed then.
+    Opening creates the file if needed and migrates its schema, synchronously
+    (open it at startup, not inside a busy event loop). Use it as a context
+    manager (sync or async) or call `close` / `aclose` to flush and stop its
+    writer thread; a ledger still open when the interpreter exits is flushed
+    then. Open one per process (after any fork); many concurrent runs, from
+    one or several event loops, may share it.
 
     Durability follows the `Ledger` contract: a dispatch and an invocation's
     end are on disk (``synchronous=FULL``) when the call returns; a start or a
