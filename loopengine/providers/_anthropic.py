@@ -12,10 +12,10 @@ the one place where the fault table of DESIGN.md §3 is applied:
 =====================  ===========================================================
 fault kind             from
 =====================  ===========================================================
-``credit_exhausted``   a spend-limit ``error_code`` (429 ``enforced_spend_limit_
-                       reached``...), 402 / ``billing_error``, "Your credit balance
-                       is too low", "You have reached your specified API usage
-                       limits", OpenAI-style ``insufficient_quota`` codes
+``credit_exhausted``   a spend-limit ``error_code`` (e.g. a 429 with
+                       ``enforced_spend_limit_reached``), 402 / ``billing_error``,
+                       "Your credit balance is too low", "You have reached your
+                       specified API usage limits", OpenAI-style quota codes
 ``timeout``            408, ``timeout_error`` mid-stream, the SDK's timeout
 ``rate_limited``       429 (``retry-after-ms`` / ``retry-after`` honoured)
 ``overloaded``         529, ``overloaded_error`` (also mid-stream, after a 200)
@@ -55,7 +55,13 @@ from loopengine.providers._base import ProviderRequest, ProviderResponse
 from loopengine.providers._cache import place_cache_markers
 from loopengine.providers._faults import FaultKind, ProviderFault
 
-__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "AnthropicProvider", "classify_error", "usage_from_api"]
+__all__ = [
+    "DEFAULT_STREAM_IDLE_TIMEOUT",
+    "AnthropicProvider",
+    "classify_error",
+    "retry_after",
+    "usage_from_api",
+]
 
 DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
 """Seconds a stream may go without an event before the attempt is aborted (``idle``)."""

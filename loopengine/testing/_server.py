@@ -422,10 +422,11 @@ class FakeAnthropicServer:
             # The client gave up during a delay; a write could still succeed
             # into the socket buffer, but nobody would read it.
             raise _Drop(reset=False)
-        previous = self._served[index] if index is not None else None
         if index is None:
-            index = self._count(usage)
+            previous, index = None, self._count(usage)
         else:
+            with self._lock:
+                previous = self._served[index]
             self._recount(index, usage)
         try:
             handler.write(data)

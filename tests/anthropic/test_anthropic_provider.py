@@ -74,15 +74,18 @@ def test_bad_construction_is_a_config_error() -> None:
         assert info.value.field == "stream_idle_timeout"
 
 
-def test_the_route_name_follows_the_client() -> None:
+async def test_the_route_name_follows_the_client() -> None:
     """anthropic for the first-party API, bedrock and vertex for those clients."""
-    assert AnthropicProvider(api_key="k").name == "anthropic"
+    async with AnthropicProvider(api_key="k") as first_party:
+        assert first_party.name == "anthropic"
     bedrock = anthropic.AsyncAnthropicBedrock(aws_region="us-east-1", aws_access_key="a",
                                               aws_secret_key="b")
     assert AnthropicProvider(bedrock).name == "bedrock"
     vertex = anthropic.AsyncAnthropicVertex(region="us-east5", project_id="p",
                                             access_token="t")
     assert AnthropicProvider(vertex).name == "vertex"
+    await bedrock.close()
+    await vertex.close()
 
 
 async def test_served_by_names_the_route_and_model(wire: Harness) -> None:
