@@ -22,7 +22,7 @@ import anyio
 
 from loopengine._attribution import Attribution
 from loopengine._clock import Clock
-from loopengine._errors import LoopEngineError
+from loopengine._errors import LedgerError, LoopEngineError
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook, nanousd_to_usd
 from loopengine._result import AttemptsSummary
@@ -181,11 +181,18 @@ class Invocation:
 
     async def cancelled(self, *, turns: int, tool_calls: int, credits: int) -> None:
         """The caller cancelled: settle the in-flight attempt ``aborted``/``external``
-        and the invocation ``cancelled``. Call inside a shielded scope."""
-        if self._in_flight is not None:
-            await self._settle(self._in_flight, None, None, external=True)
-        if not self._ended:
-            await self.finish("cancelled", turns=turns, tool_calls=tool_calls, credits=credits)
+        and the invocation ``cancelled``. Call inside a shielded scope.
+
+        A ledger failure here is logged, not raised: it must not replace the
+        caller's cancellation, which propagates after this returns."""
+        try:
+            if self._in_flight is not None:
+                await self._settle(self._in_flight, None, None, external=True)
+            if not self._ended:
+                await self.finish("cancelled", turns=turns, tool_calls=tool_calls,
+                                  credits=credits)
+        except LedgerError:
+            logger.exception("run %s: the ledger could not record the cancellation", self.id)
 
     # -- attempts ----------------------------------------------------------------
 

@@ -21,6 +21,9 @@ __all__ = ["MemoryLedger"]
 class MemoryLedger:
     """Keeps invocations and attempts as dicts shaped like the SQLite rows.
 
+    As strict as `SQLiteLedger`: a second dispatch or settle of one attempt,
+    and any write after the invocation ended, raise `LedgerError`.
+
     Args:
         max_retained_attempts: Attempt rows kept per invocation (R07).
 
@@ -34,6 +37,8 @@ class MemoryLedger:
     invocations: dict[str, dict[str, Any]] = field(default_factory=dict)
     attempts: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     calls: list[tuple[str, int | str]] = field(default_factory=list)
+    _dispatched: set[tuple[str, int]] = field(default_factory=set, repr=False)
+    _settled: set[tuple[str, int]] = field(default_factory=set, repr=False)
 
     async def start_invocation(self, record: InvocationStart) -> None:
         """Record the invocation as running."""
@@ -53,7 +58,12 @@ class MemoryLedger:
     async def dispatch_attempt(self, record: AttemptDispatch) -> None:
         """Count the attempt; keep its row while under the retention cap."""
         self.calls.append(("dispatch", record.ordinal))
-        inv = self._invocation(record.invocation_id)
+        inv = self._open(record.invocation_id)
+        key = (record.invocation_id, record.ordinal)
+        if key in self._dispatched:
+            raise LedgerError(f"attempt {record.ordinal} of {record.invocation_id} was already "
+                              "dispatched")
+        self._dispatched.add(key)
         inv["attempt_count"] += 1
         if inv["attempts_retained"] >= self.max_retained_attempts:
             inv["incomplete"] = 1
@@ -66,7 +76,12 @@ class MemoryLedger:
     async def settle_attempt(self, record: AttemptSettle) -> None:
         """Settle the row (if retained) and add to the invocation's totals."""
         self.calls.append(("settle", record.ordinal))
-        inv = self._invocation(record.invocation_id)
+        inv = self._open(record.invocation_id)
+        key = (record.invocation_id, record.ordinal)
+        if key not in self._dispatched or key in self._settled:
+            raise LedgerError(f"attempt {record.ordinal} of {record.invocation_id} is not "
+                              "awaiting settlement")
+        self._settled.add(key)
         usage = record.usage
         if usage is not None:
             inv["input_tokens"] += usage.input_tokens
@@ -94,12 +109,15 @@ class MemoryLedger:
     async def end_invocation(self, record: InvocationEnd) -> None:
         """Settle the invocation."""
         self.calls.append(("end", record.id))
-        inv = self._invocation(record.id)
+        inv = self._open(record.id)
         inv.update(ended_at=record.ended_at.isoformat(), outcome=record.outcome,
                    turns=record.turns, tool_calls=record.tool_calls, credits=record.credits)
 
-    def _invocation(self, invocation_id: str) -> dict[str, Any]:
-        try:
-            return self.invocations[invocation_id]
-        except KeyError:
-            raise LedgerError(f"no invocation {invocation_id}") from None
+    def _open(self, invocation_id: str) -> dict[str, Any]:
+        """The invocation's row, which must exist and not have ended."""
+        inv = self.invocations.get(invocation_id)
+        if inv is None:
+            raise LedgerError(f"no invocation {invocation_id}")
+        if inv["outcome"] != "running":
+            raise LedgerError(f"invocation {invocation_id} has already ended ({inv['outcome']})")
+        return inv
