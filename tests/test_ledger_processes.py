@@ -24,8 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:
-    # -P: the script's directory (tests/) must not shadow installed packages;
-    # tests/anthropic would hide the SDK.
+    # -P: the script's directory (tests/) must not shadow installed packages.
     return subprocess.Popen([sys.executable, "-P", str(CHILD), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
