@@ -189,7 +189,7 @@ OPERATION = le.Operation(name="bench.lookup", provider="anthropic", model=MODEL,
                          max_output_tokens=1024, limits=le.Limits(max_turns=TURNS + 1))
 TOOL = le.tool(lookup)
 # The operation's published price (DESIGN.md §4); without it every attempt is
-# priced by genai-prices' general calculator, measured as its own row.
+# priced from genai-prices' data, measured as its own row.
 PRICES = le.PriceBook([le.ModelPrice(
     provider="anthropic", model=MODEL, input_per_mtok=Decimal(3), output_per_mtok=Decimal(15),
     cache_read_per_mtok=Decimal("0.30"), cache_write_per_mtok=Decimal("3.75"))])

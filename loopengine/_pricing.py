@@ -19,6 +19,8 @@ from datetime import datetime
 from decimal import ROUND_CEILING, Decimal
 
 from genai_prices import Usage as GenaiUsage
+from genai_prices.types import ModelPrice as GenaiModelPrice
+from genai_prices.types import TieredPrices
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
@@ -196,20 +198,78 @@ def _genai_version() -> str:
     return version("genai-prices")
 
 
+# The per-token prices the fast path computes itself, and the price keys of
+# usage this library never reports (so they always price to zero).
+_TOKEN_PRICE_KEYS = frozenset(
+    {"input_mtok", "output_mtok", "cache_read_mtok", "cache_write_mtok", "cache_write_1h_mtok"}
+)
+_UNREPORTED_PRICE_KEYS = frozenset({
+    "web_searches_kcount", "storage_searches_kcount", "input_audio_mtok", "output_audio_mtok",
+    "cache_audio_read_mtok", "input_image_mtok", "output_image_mtok", "cache_image_read_mtok",
+    "input_video_mtok", "output_video_mtok", "audio_hours", "input_audio_hours",
+    "input_document_kpages", "input_annotated_document_kpages",
+})
+
+
 def _genai_price(provider: str, model: str, usage: Usage, at: datetime) -> Priced | None:
-    import genai_prices
+    from genai_prices import data_snapshot
 
     provider_id = _GENAI_PROVIDER_IDS.get(provider, provider)
     try:
-        calc = genai_prices.calc_price(
-            _genai_usage(usage),
-            model,
-            provider_id=provider_id,
-            genai_request_timestamp=at,
+        found_provider, info = data_snapshot.get_snapshot().find_provider_model(
+            model, None, provider_id, None
         )
     except LookupError:
         return None
+    model_price = info.get_prices(at)
+    cost = _token_cost(model_price, usage)
+    if cost is None:
+        cost = info.calc_price(
+            _genai_usage(usage), found_provider, genai_request_timestamp=at
+        ).total_price
     return Priced(
-        to_nanousd(calc.total_price),
-        f"genai-prices:{_genai_version()}:{calc.provider.id}/{calc.model.id}",
+        to_nanousd(cost),
+        f"genai-prices:{_genai_version()}:{found_provider.id}/{info.id}",
     )
+
+
+def _token_cost(model_price: GenaiModelPrice, usage: Usage) -> Decimal | None:
+    """genai-prices' own arithmetic for plain token prices, or None to use its calculator.
+
+    genai-prices' general calculator validates and decomposes every usage unit
+    on each call, which costs more than the rest of a turn's bookkeeping; for
+    the text-token prices a model on our routes has, the price is a sum of
+    count x price per million, each price chosen by genai-prices' "cliff" tier
+    rule (the whole request at the tier its total input exceeds). Any price
+    this does not cover, or a token kind without its own price, falls back to
+    the calculator (tests/test_pricing.py checks the two agree).
+    """
+    prices = {k: v for k, v in vars(model_price).items() if v is not None}
+    for key in prices:
+        if key not in _TOKEN_PRICE_KEYS and key not in _UNREPORTED_PRICE_KEYS:
+            return None
+    needed = (
+        ("input_mtok", usage.input_tokens),
+        ("output_mtok", usage.output_tokens),
+        ("cache_read_mtok", usage.cache_read_tokens),
+        ("cache_write_mtok", usage.cache_write_5m_tokens),
+        ("cache_write_1h_mtok", usage.cache_write_1h_tokens),
+    )
+    threshold = usage.total_input_tokens
+    total = Decimal(0)
+    for key, count in needed:
+        price = prices.get(key)
+        if price is None:
+            if count or key in ("input_mtok", "output_mtok"):
+                return None
+            continue
+        if isinstance(price, TieredPrices):
+            rate = price.base
+            for tier in reversed(price.tiers):
+                if threshold > tier.start:
+                    rate = tier.price
+                    break
+        else:
+            rate = price
+        total += rate * count / _MTOK
+    return total

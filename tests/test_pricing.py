@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from decimal import Decimal
+from typing import Any
 
 import genai_prices
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import loopengine as le
 from loopengine._pricing import _genai_usage, nanousd_to_usd, to_nanousd
@@ -111,3 +115,82 @@ async def test_attempts_priced_at_their_own_start_time() -> None:
     assert clock.sleeps and clock.sleeps[0] >= 1.0  # the retry starts after midnight
     costs = [row["cost_nanousd"] for row in ledger.attempts.values()]
     assert costs == [1_000_000, 2_000_000]  # 1000 tokens at $1, then $2 per MTok
+
+
+def _fast_models() -> list[tuple[Any, Any]]:
+    """Every genai-prices model whose current prices the fast path handles."""
+    from genai_prices import data_snapshot
+
+    from loopengine._pricing import _token_cost
+
+    found = []
+    for provider in data_snapshot.get_snapshot().providers:
+        for model in provider.models:
+            try:
+                prices = model.get_prices(JUN)
+            except LookupError:
+                continue
+            if _token_cost(prices, le.Usage()) is not None:
+                found.append((provider, model))
+    return found
+
+
+FAST_MODELS = _fast_models()
+
+
+@st.composite
+def usages(draw: st.DrawFn) -> le.Usage:
+    """Usages across the 200k-token tier, with and without cache reads and writes."""
+    writes = draw(st.sampled_from([0, 0, draw(st.integers(0, 300_000))]))
+    return le.Usage(
+        input_tokens=draw(st.integers(0, 400_000)),
+        output_tokens=draw(st.integers(0, 70_000)),
+        cache_read_tokens=draw(st.sampled_from([0, draw(st.integers(0, 300_000))])),
+        cache_write_tokens=writes,
+        cache_write_1h_tokens=draw(st.sampled_from([0, draw(st.integers(0, writes))])),
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    pick=st.sampled_from(FAST_MODELS),
+    usage=usages(),
+    at=st.datetimes(min_value=datetime(2023, 1, 1), max_value=datetime(2027, 1, 1),
+                    timezones=st.just(UTC)),
+)
+def test_token_fast_path_equals_genai_prices_calculator(
+    pick: tuple[Any, Any], usage: le.Usage, at: datetime
+) -> None:
+    """Wherever the fast path prices, it gives genai-prices' own total to the digit;
+    where it cannot (a token kind without a price of its own), it declines."""
+    from loopengine._pricing import _token_cost
+
+    provider, model = pick
+    try:
+        model_price = model.get_prices(at)
+    except LookupError:
+        return
+    full = model.calc_price(_genai_usage(usage), provider, genai_request_timestamp=at).total_price
+    fast = _token_cost(model_price, usage)
+    assert fast is None or fast == full
+
+
+def test_fast_path_covers_many_models() -> None:
+    """The equivalence test has real ground to cover."""
+    assert len(FAST_MODELS) > 200
+@pytest.mark.parametrize("model", ["claude-sonnet-4-5", "claude-haiku-4-5", "claude-opus-4-1",
+                                   "claude-3-5-haiku-20241022", "claude-sonnet-4-20250514"])
+def test_claude_models_take_the_fast_path(model: str) -> None:
+    """The models of our route are priced without the general calculator, correctly."""
+    from genai_prices import data_snapshot
+
+    from loopengine._pricing import _token_cost
+
+    provider, info = data_snapshot.get_snapshot().find_provider_model(model, None, "anthropic",
+                                                                      None)
+    usage = le.Usage(input_tokens=210_000, output_tokens=900, cache_read_tokens=7,
+                     cache_write_tokens=30, cache_write_1h_tokens=11)
+    fast = _token_cost(info.get_prices(JUN), usage)
+    assert fast is not None
+    assert fast == info.calc_price(_genai_usage(usage), provider,
+                                   genai_request_timestamp=JUN).total_price
