@@ -14,6 +14,7 @@ It never holds keys or headers: a `ProviderRequest` has none.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -54,15 +55,7 @@ def _digest(body: Mapping[str, Any]) -> str:
 
 
 def _usage_json(usage: Usage | None) -> dict[str, int] | None:
-    if usage is None:
-        return None
-    return {
-        "input_tokens": usage.input_tokens,
-        "output_tokens": usage.output_tokens,
-        "cache_read_tokens": usage.cache_read_tokens,
-        "cache_write_tokens": usage.cache_write_tokens,
-        "cache_write_1h_tokens": usage.cache_write_1h_tokens,
-    }
+    return None if usage is None else dataclasses.asdict(usage)
 
 
 class RecordingProvider:
