@@ -126,8 +126,11 @@ async def test_leg_native_versus_prompt(server: FakeAnthropicServer) -> None:
     """Native is a forced tool call; after native failures the fallback embeds the schema."""
     server.add(Reply.final({"wrong": 1}), Reply.final({"wrong": 2}),
                Reply.text('Here it is: ```json\n{"scene": "from the prompt"}\n```'))
-    result = await engine_on(server).call(op(), "Write.", output=Scene, prompt_fallback=True)
+    ledger = MemoryLedger()
+    result = await engine_on(server, ledger=ledger).call(op(), "Write.", output=Scene,
+                                                         prompt_fallback=True)
     assert result.attempts.structured_output == "prompt"
+    assert [row["phase"] for row in ledger.attempts.values()] == ["turn", "repair", "fallback"]
     assert result.data == Scene(scene="from the prompt")
     assert sent(server, "tool_choice") == [FORCED, FORCED, None]
     last = server.requests[-1].body
