@@ -22,7 +22,9 @@ temporary one by default) with WAL and ``synchronous=FULL``:
 
 An attempt is one dispatch plus its settle; each invocation also has a start
 and an end. "commits/attempt" is the ledger's own commit count divided by the
-attempts. Best and median of ``--repeat`` runs; the machine's load matters
+attempts; "CPU/attempt" is the process's CPU time (every thread: the event
+loop, the ledger's writer, the fsyncs' system time) divided by the attempts,
+a median. Best and median of ``--repeat`` runs; the machine's load matters
 (the ledger's writer shares the cores with the event loop), so compare the
 figures of one run with each other.
 """
@@ -115,9 +117,9 @@ async def invocation(ledger: SQLiteLedger, key: str, attempts: int) -> None:
 
 
 async def timed(path: Path | None, runs: int, body: Callable[[Any, int], Awaitable[None]],
-                ) -> tuple[float, int]:
-    """Seconds for ``runs`` concurrent bodies (started together), and the commits made
-    (on a `MemoryLedger` when ``path`` is None)."""
+                ) -> tuple[float, int, float]:
+    """Seconds for ``runs`` concurrent bodies (started together), the commits made
+    (on a `MemoryLedger` when ``path`` is None) and the process's CPU seconds."""
     with (SQLiteLedger(path, max_retained_attempts=1_000_000) if path is not None
           else contextlib.nullcontext(MemoryLedger(max_retained_attempts=1_000_000))) as ledger:
         gate = anyio.Event()
@@ -130,10 +132,10 @@ async def timed(path: Path | None, runs: int, body: Callable[[Any, int], Awaitab
             for n in range(runs):
                 group.start_soon(one, n)
             await anyio.sleep(0.05)  # every task parked at the gate: spawning is not timed
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             gate.set()
-        elapsed = time.perf_counter() - started
-        return elapsed, getattr(ledger, "commits", 0)
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        return elapsed, getattr(ledger, "commits", 0), cpu
 
 
 PRICES = le.PriceBook([le.ModelPrice(provider="anthropic", model="claude-sonnet-4-5",
@@ -153,11 +155,13 @@ async def engine_run(ledger: Any, n: int, attempts: int) -> None:
     assert result.attempts.count == attempts, result.detail
 
 
-def report(label: str, attempts: int, samples: list[tuple[float, int]]) -> dict[str, float]:
-    rates = [attempts / seconds for seconds, _ in samples]
-    commits = statistics.median(c for _, c in samples) / attempts
+def report(label: str, attempts: int, samples: list[tuple[float, int, float]],
+           ) -> dict[str, float]:
+    rates = [attempts / seconds for seconds, _, _ in samples]
+    commits = statistics.median(c for _, c, _ in samples) / attempts
+    cpu = statistics.median(c for _, _, c in samples) / attempts
     print(f"{label:<34} {max(rates):>10,.0f} {statistics.median(rates):>10,.0f} "
-          f"{commits:>16.3f}")
+          f"{commits:>16.3f} {cpu * 1e6:>9.0f}µs")
     return {"best": max(rates), "median": statistics.median(rates)}
 
 
@@ -175,7 +179,8 @@ def main() -> int:
         print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
         print(f"SQLite {sqlite3.sqlite_version}, Python {sys.version.split()[0]}, "
               f"{os.cpu_count()} CPUs, files in {directory}")
-        print(f"{'case':<34} {'best/s':>10} {'median/s':>10} {'commits/attempt':>16}")
+        print(f"{'case':<34} {'best/s':>10} {'median/s':>10} {'commits/attempt':>16} "
+              f"{'CPU/attempt':>11}")
         rows = [ceiling(directory, total) for _ in range(args.repeat)]
         print(f"{'ceiling: plain executemany rows':<34} {max(rows):>10,.0f} "
               f"{statistics.median(rows):>10,.0f} {'(1 commit)':>16}")

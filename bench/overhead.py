@@ -17,7 +17,8 @@ contender gets its own client on its own copy of that transport:
 Contenders are interleaved round by round; a time is the median over the
 rounds and a ratio the median of the ratios within each round, so a slow
 moment of the machine hits all of them alike. CPU time
-is the process's (every thread: the ledger's writer included); wall time also
+is the process's (every thread: the ledger's writer included, and shown
+apart as "other threads"); wall time also
 holds the ledger's fsyncs (``synchronous=FULL``), so put ``--ledger-dir`` on
 the disk you mean to measure.
 
@@ -158,6 +159,8 @@ class Contender:
     run: Conversation
     close: Callable[[], Awaitable[None]]
     cpu: list[float] = field(default_factory=list)
+    threads: list[float] = field(default_factory=list)
+    """The part of `cpu` spent outside the event loop's thread (the ledger's writer)."""
     wall: list[float] = field(default_factory=list)
 
 
@@ -264,13 +267,15 @@ async def sdk_tool_runner() -> Contender | str:
 
 async def measure(contender: Contender, conversations: int) -> None:
     gc.collect()
-    cpu, wall = time.process_time(), time.perf_counter()
+    cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
     for _ in range(conversations):
         answer = await contender.run()
         if answer != ANSWER:
             raise RuntimeError(f"{contender.name} answered {answer!r}")
     turns = conversations * TURNS
-    contender.cpu.append((time.process_time() - cpu) / turns)
+    cpu, own = time.process_time() - cpu, time.thread_time() - own
+    contender.cpu.append(cpu / turns)
+    contender.threads.append(max(0.0, cpu - own) / turns)
     contender.wall.append((time.perf_counter() - wall) / turns)
 
 
@@ -323,11 +328,15 @@ def report(contenders: list[Contender], skipped: list[str], args: argparse.Names
           f"{args.rounds} rounds x {args.conversations} conversations")
     print("command: python bench/overhead.py " + " ".join(sys.argv[1:]))
     print()
-    print(f"{'':28} {'CPU/turn':>10} {'x bare':>7} {'wall/turn':>10} {'x bare':>7}")
+    print(f"{'':28} {'CPU/turn':>10} {'x bare':>7} {'wall/turn':>10} {'x bare':>7} "
+          f"{'other threads':>14}")
     for c in contenders:
         cpu, wall = statistics.median(c.cpu), statistics.median(c.wall)
         print(f"{c.name:28} {cpu * 1e6:8.0f}µs {ratio(c.cpu, floor.cpu):7.2f} "
-              f"{wall * 1e6:8.0f}µs {ratio(c.wall, floor.wall):7.2f}")
+              f"{wall * 1e6:8.0f}µs {ratio(c.wall, floor.wall):7.2f} "
+              f"{statistics.median(c.threads) * 1e6:12.0f}µs")
+    print("other threads: the part of CPU/turn outside the event loop's thread (the "
+          "ledger's writer, its fsyncs' system time)")
     for reason in skipped:
         print(f"skipped: {reason}")
 

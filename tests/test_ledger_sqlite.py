@@ -22,6 +22,7 @@ from loopengine.persistence import (
     InvocationStart,
     SQLiteLedger,
 )
+from loopengine.persistence import _sqlite as sqlite_module
 from loopengine.persistence._schema import (
     ATTEMPT_COLUMNS,
     INVOCATION_COLUMNS,
@@ -247,6 +248,39 @@ async def test_close_commits_what_is_still_deferred(tmp_path: Path) -> None:
     invocations, attempts = read_db(path)
     assert attempts[("inv-1", 1)]["outcome"] == "ok"
     assert invocations["inv-1"]["cost_nanousd"] == 12
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()
+
+
+async def test_the_writer_checkpoints_so_the_wal_does_not_grow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the sequential path the writer checkpoints between its own commits
+    (here every 16), so the WAL is rewritten from its start instead of growing
+    by every commit; nothing written is lost."""
+    monkeypatch.setattr(sqlite_module, "_CHECKPOINT_COMMITS", 16)
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path, linger=30) as ledger:
+        for n in range(80):
+            await ledger.start_invocation(start(f"inv-{n}"))
+            for ordinal in range(1, 5):
+                await ledger.dispatch_attempt(dispatch(ordinal, f"inv-{n}"))
+                await ledger.settle_attempt(settle(ordinal, f"inv-{n}"))
+            await ledger.end_invocation(end(f"inv-{n}"))
+        assert ledger.commits == 400
+        # Every commit adds at least one page-sized frame to the WAL: grown by
+        # all 400 it would hold 400 of them; restarted every 16 commits, it
+        # never holds more than those commits' few frames each.
+        conn = sqlite3.connect(path)
+        (page,), = conn.execute("PRAGMA page_size")
+        conn.close()
+        wal = await anyio.Path(f"{path}-wal").stat()
+        assert wal.st_size < 100 * (page + 24)
+    invocations, attempts = read_db(path)
+    assert len(invocations) == 80 and len(attempts) == 320
+    assert all(r["outcome"] == "completed" and r["input_tokens"] == 40
+               for r in invocations.values())
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     conn.close()

@@ -3,18 +3,24 @@
 How it writes:
 
 * Every write goes through a queue to one writer thread that owns the
-  connection. The event loop never waits on SQLite: a call puts its record on
-  the queue and, when the write must be durable before the call returns (an
-  attempt's dispatch, an invocation's end), awaits an event that the writer
-  sets once the commit is on disk.
-* The writer drains whatever is queued into one ``BEGIN IMMEDIATE``
+  connection. The event loop never waits on SQLite: a call appends its record
+  to the queue and, when the write must be durable before the call returns
+  (an attempt's dispatch, an invocation's end), wakes the writer and awaits a
+  future that the writer completes once the commit is on disk.
+* The writer takes whatever is queued into one ``BEGIN IMMEDIATE``
   transaction, so under many concurrent runs one fsync carries the writes of
   all of them (group commit), and consecutive writes to one invocation
   collapse into one update of its row.
 * A write that may be deferred (an invocation's start, an attempt's settle)
-  waits up to ``linger`` seconds for a durable write to share its commit: a
-  sequential run costs one commit per attempt (its dispatch, which also
-  carries the previous settle) and one for its end.
+  does not wake the writer: it shares the commit of the next durable write,
+  or is committed within ``linger`` seconds (the writer looks again by itself
+  ``linger`` after each commit). A sequential run costs one commit and one
+  wake-up of the writer per attempt (its dispatch, which also carries the
+  previous settle), and one of each for its end.
+* Checkpoints keep the WAL small: every few hundred commits the writer makes
+  one itself when no durable write is waiting, so the WAL is rewritten from
+  its start instead of growing; while durable writes keep arriving, a second
+  thread makes them.
 
 The file is safe for several processes at once: WAL lets readers work during
 a write, ``BEGIN IMMEDIATE`` takes the write lock up front so the busy handler
@@ -87,6 +93,13 @@ _ADD = ("attempt_count = attempt_count + {}", "attempts_retained = attempts_reta
         "provider_cost_nanousd = provider_cost_nanousd + {}")
 _END_SET = ("ended_at", "outcome", "turns", "tool_calls", "credits")
 
+# A checkpoint is due after this many commits or writes (about 3 MiB of WAL
+# on the sequential path, like SQLite's own 1,000-page autocheckpoint). The
+# writer makes it itself after a commit that leaves no durable write waiting;
+# past four times as many, the checkpointer's thread makes it.
+_CHECKPOINT_COMMITS: Final = 256
+_CHECKPOINT_WRITES: Final = 4096
+
 # UPDATE ... FROM (3.33) lets one statement update many rows.
 _UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
 _LARGEST_CHUNK = 1024
@@ -95,7 +108,7 @@ _WIDTH = {"start": len(_INVOCATION_INSERT), "dispatch": len(_ATTEMPT_INSERT),
 
 
 class _Statements:
-    """The SQL of each write, for many rows at once.
+    """The SQL of each write, for one row or many rows at once.
 
     One statement carries all the rows of a kind because the sqlite3 module
     releases the GIL around every step: row by row (``executemany``) the
@@ -103,20 +116,28 @@ class _Statements:
     (up to the interpreter's switch interval each time), and one statement
     waits once. Statements are built for a few row counts (`_padded`), the
     rows padded with NULL keys that match nothing, so the distinct statements
-    stay prepared in the connection's cache.
+    stay prepared in the connection's cache. One row, the sequential path's
+    usual case, takes the plain statement and its own parameters as they are.
     """
 
-    def __init__(self, variable_limit: int) -> None:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        variable_limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
         chunk = 1
         while chunk * 2 <= min(_LARGEST_CHUNK, variable_limit // max(_WIDTH.values())):
             chunk *= 2
         self.largest = chunk if _UPDATE_FROM else 1
+        self.cursor = conn.cursor()
+        """The one cursor of every write (none is made per statement)."""
+        self._single = {kind: _build_sql(kind, 1) for kind in _WIDTH}
         self._cache: dict[tuple[str, int], str] = {}
 
-    def run(self, conn: sqlite3.Connection, kind: str, rows: list[tuple[Any, ...]]) -> int:
+    def run(self, kind: str, rows: list[tuple[Any, ...]]) -> int:
         """Execute ``kind`` for every row; return the number of rows changed."""
+        cursor = self.cursor
+        if len(rows) == 1:
+            return cursor.execute(self._single[kind], rows[0]).rowcount
         if self.largest == 1:
-            return conn.executemany(_build_sql(kind, 1), rows).rowcount
+            return cursor.executemany(self._single[kind], rows).rowcount
         changed = 0
         width = _WIDTH[kind]
         for start in range(0, len(rows), self.largest):
@@ -129,7 +150,7 @@ class _Statements:
             sql = self._cache.get(key)
             if sql is None:
                 sql = self._cache[key] = _build_sql(kind, size)
-            changed += conn.execute(sql, params).rowcount
+            changed += cursor.execute(sql, params).rowcount
         return changed
 
 
@@ -260,7 +281,7 @@ class SQLiteLedger:
 
     Durability follows the `Ledger` contract: a dispatch and an invocation's
     end are on disk (``synchronous=FULL``) when the call returns; a start or a
-    settle is committed with the next durable write or after ``linger``
+    settle is committed with the next durable write or within ``linger``
     seconds, whichever comes first. A write the ledger refuses (an unknown
     invocation, an attempt settled twice) raises `LedgerError` from the call
     when it is durable, else from that invocation's next durable call.
@@ -271,8 +292,8 @@ class SQLiteLedger:
             only increase ``attempt_count`` and set ``incomplete`` (R07).
         busy_timeout: Seconds to wait for another process's write lock before
             a write fails.
-        linger: Seconds a deferred write waits to share a durable write's
-            commit before it is committed on its own.
+        linger: Seconds a deferred write waits at most to share a durable
+            write's commit before it is committed on its own.
         max_batch: The most writes one transaction carries.
 
     Raises:
@@ -304,16 +325,30 @@ class SQLiteLedger:
         self._busy_timeout = float(busy_timeout)
         self._linger = float(linger)
         self._max_batch = max_batch
-        self._queue: queue.SimpleQueue[_Op] = queue.SimpleQueue()
-        # Guards `_closed` with the queue: nothing can be queued after the stop.
+        # The writes, in call order, taken by the writer all at once. A
+        # deferred write is only appended: the writer looks again by itself at
+        # the latest `linger` after its last commit. A durable write (or a
+        # deferred one while the writer sleeps with no deadline) also wakes it
+        # with a token on `_signal`, one token until the writer next takes.
+        self._ops: list[_Op] = []
+        self._urgent = False
+        """`_ops` holds a durable write (or the stop): commit without lingering."""
+        self._sleeping = False
+        """The writer waits with no deadline: a deferred write must wake it."""
+        self._signalled = False
+        """A token is on `_signal` since the writer last took `_ops`."""
+        self._signal: queue.SimpleQueue[None] = queue.SimpleQueue()
+        # Guards `_ops` and the flags with `_closed`: nothing is queued after the stop.
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
         self._live: dict[str, _Live] = {}
-        self._statements = _Statements(999)  # replaced once the connection says its limit
+        self._statements: _Statements  # made with the connection
         self._checkpointer: _Checkpointer
         self._failed: dict[str, LedgerError] = {}
         self._commits = 0
+        self._uncheckpointed = self._uncheckpointed_writes = 0
+        """Commits and writes since the last checkpoint was asked for."""
         self._writes = 0
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -407,7 +442,9 @@ class SQLiteLedger:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._queue.put((_STOP, None, None))
+                self._ops.append((_STOP, None, None))
+                self._urgent = True
+                self._wake_writer()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
         _open_ledgers.discard(self)
@@ -449,14 +486,28 @@ class SQLiteLedger:
         with self._lock:
             if self._closed:
                 raise LedgerError(f"{self.path}: the ledger is closed")
-            self._queue.put((kind, record, ticket))
+            self._ops.append((kind, record, ticket))
+            if ticket is not None:
+                self._urgent = True
+                self._wake_writer()
+            elif self._sleeping or not self._linger:
+                self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        # Called holding `_lock`.
+        if not self._signalled:
+            self._signalled = True
+            self._signal.put(None)
 
     async def _durable(self, kind: int, record: Any) -> None:
         ticket = _Ticket()
         self._put(kind, record, ticket)
         # Cancelling this wait does not cancel the write: it is queued and
         # will be committed; only the caller stops waiting for it.
-        await ticket.wait()
+        if ticket.future is not None:
+            await ticket.future
+        else:
+            await ticket.wait()
         if ticket.error is not None:
             raise ticket.error
 
@@ -487,44 +538,75 @@ class SQLiteLedger:
             self._abandon([], LedgerError(f"{self.path}: the ledger is closed"))
 
     def _write_loop(self, conn: sqlite3.Connection, pending: list[_Op]) -> None:
+        lock, signal, linger, max_batch = self._lock, self._signal, self._linger, self._max_batch
+        # Until `deadline` the writer looks at `_ops` again by itself, so a
+        # deferred write needs no wake-up: after a commit, one linger long.
         deadline: float | None = None
         while True:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                op = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                urgent = True  # the linger ran out
-            else:
-                pending.append(op)
-                urgent = op[2] is not None or op[0] == _STOP
-                while len(pending) < self._max_batch:
-                    try:
-                        op = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    pending.append(op)
-                    urgent = urgent or op[2] is not None or op[0] == _STOP
-            if urgent or len(pending) >= self._max_batch:
-                stop = any(op[0] == _STOP for op in pending)
-                batch = list(pending)
-                pending.clear()
-                self._commit(conn, batch)
-                deadline = None
+            with lock:
+                idle = not self._ops
+                self._sleeping = idle and deadline is None
+            if idle:
+                if deadline is None:
+                    signal.get()
+                else:
+                    timeout = deadline - time.monotonic()
+                    if timeout > 0:
+                        try:
+                            signal.get(timeout=timeout)
+                        except queue.Empty:
+                            pass
+            with lock:
+                taken, self._ops = self._ops, []
+                urgent = self._urgent
+                self._urgent = self._sleeping = self._signalled = False
+            pending.extend(taken)
+            if not pending:
+                if deadline is not None and time.monotonic() >= deadline:
+                    deadline = None
+                continue
+            if deadline is None:
+                # Woken from its sleep by a deferred write: hold it one linger.
+                deadline = time.monotonic() + linger
+            if urgent or len(pending) >= max_batch or time.monotonic() >= deadline:
+                stop = pending[-1][0] == _STOP  # the last write there will be
+                while pending:
+                    self._commit(conn, pending[:max_batch])
+                    del pending[:max_batch]
                 if stop:
                     return
-            elif deadline is None:
-                deadline = time.monotonic() + self._linger
+                if (self._uncheckpointed >= _CHECKPOINT_COMMITS
+                        or self._uncheckpointed_writes >= _CHECKPOINT_WRITES):
+                    if not self._urgent:
+                        self._checkpoint(conn)
+                    elif (self._uncheckpointed >= 4 * _CHECKPOINT_COMMITS
+                            or self._uncheckpointed_writes >= 4 * _CHECKPOINT_WRITES):
+                        # Durable writes keep waiting, and a checkpoint here
+                        # would hold them up: the checkpointer's thread makes it.
+                        self._uncheckpointed = self._uncheckpointed_writes = 0
+                        self._checkpointer.poke()
+                deadline = time.monotonic() + linger
+
+    def _checkpoint(self, conn: sqlite3.Connection) -> None:
+        """Copy the WAL back into the database while no caller waits on the writer.
+
+        Made between two of its own commits, the checkpoint reaches the end of
+        the WAL (unless another process's reader holds it back), so the next
+        commit starts the WAL over and rewrites it in place instead of
+        appending to an ever larger file. A second thread checkpointing while
+        commits keep coming seldom catches up with the last one.
+        """
+        self._uncheckpointed = self._uncheckpointed_writes = 0
+        try:
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error:
+            pass  # a checkpoint is an optimisation; the next one retries
 
     def _abandon(self, pending: Iterable[_Op], error: LedgerError) -> None:
         """Fail the tickets of ops that will never be written."""
-        tickets = [op[2] for op in pending if op[2] is not None]
-        while True:
-            try:
-                op = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if op[2] is not None:
-                tickets.append(op[2])
+        with self._lock:
+            taken, self._ops = self._ops, []
+        tickets = [op[2] for op in (*pending, *taken) if op[2] is not None]
         for ticket in tickets:
             ticket.error = error
         _wake_all(tickets)
@@ -553,7 +635,7 @@ class SQLiteLedger:
             # refuses an attempt of an invocation it does not know, and the
             # per-row parent lookup would cost every insert.
             migrate(conn, path=self.path)
-            self._statements = _Statements(conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
+            self._statements = _Statements(conn)
         except sqlite3.DatabaseError as error:
             conn.close()
             raise LedgerError(f"{self.path} is not a SQLite database ({error})") from error
@@ -579,11 +661,12 @@ class SQLiteLedger:
         batch = _Batch()
         began = False
         try:
-            conn.execute("BEGIN IMMEDIATE")
+            cursor = self._statements.cursor
+            cursor.execute("BEGIN IMMEDIATE")
             began = True
             self._plan(conn, batch, ops)
-            self._execute(conn, batch)
-            conn.execute("COMMIT")
+            self._execute(batch)
+            cursor.execute("COMMIT")
         except sqlite3.Error as error:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -606,9 +689,10 @@ class SQLiteLedger:
             self._finish(failed)
             return
         self._commits += 1
+        self._uncheckpointed += 1
+        self._uncheckpointed_writes += batch.planned
         self._writes += batch.planned
         self._finish(batch)
-        self._checkpointer.poke()
 
     def _finish(self, batch: _Batch) -> None:
         tickets = batch.done
@@ -678,12 +762,6 @@ class SQLiteLedger:
             raise LedgerError(f"{self.path}: invocation {invocation_id} has already ended")
         return live
 
-    def _deltas(self, batch: _Batch, invocation_id: str) -> list[int]:
-        deltas = batch.deltas.get(invocation_id)
-        if deltas is None:
-            deltas = batch.deltas[invocation_id] = [0] * _D_WIDTH
-        return deltas
-
     def _plan_start(self, batch: _Batch, r: InvocationStart) -> None:
         if r.id in self._live:
             raise LedgerError(f"{self.path}: invocation {r.id} already exists")
@@ -695,12 +773,18 @@ class SQLiteLedger:
         ))
 
     def _plan_dispatch(self, conn: sqlite3.Connection, batch: _Batch, r: AttemptDispatch) -> None:
-        live = self._touch(conn, batch, r.invocation_id)
+        live = self._live.get(r.invocation_id)
+        if live is None or live.ended:
+            live = self._touch(conn, batch, r.invocation_id)
+        else:
+            batch.touched.add(r.invocation_id)
         overflow = live.overflow
         if r.ordinal in live.unsettled or (overflow is not None and r.ordinal in overflow):
             raise LedgerError(
                 f"{self.path}: attempt {r.ordinal} of {r.invocation_id} is already dispatched")
-        deltas = self._deltas(batch, r.invocation_id)
+        deltas = batch.deltas.get(r.invocation_id)
+        if deltas is None:
+            deltas = batch.deltas[r.invocation_id] = [0] * _D_WIDTH
         deltas[_D_COUNT] += 1
         if live.retained >= self._max_retained:
             # R07: past the cap an attempt is counted, not kept.
@@ -717,7 +801,11 @@ class SQLiteLedger:
         ))
 
     def _plan_settle(self, conn: sqlite3.Connection, batch: _Batch, r: AttemptSettle) -> None:
-        live = self._touch(conn, batch, r.invocation_id)
+        live = self._live.get(r.invocation_id)
+        if live is None or live.ended:
+            live = self._touch(conn, batch, r.invocation_id)
+        else:
+            batch.touched.add(r.invocation_id)
         if r.ordinal in live.unsettled:
             live.unsettled.discard(r.ordinal)
             retained = True
@@ -729,7 +817,9 @@ class SQLiteLedger:
             raise LedgerError(
                 f"{self.path}: attempt {r.ordinal} of {r.invocation_id} was not dispatched "
                 "or is already settled")
-        deltas = self._deltas(batch, r.invocation_id)
+        deltas = batch.deltas.get(r.invocation_id)
+        if deltas is None:
+            deltas = batch.deltas[r.invocation_id] = [0] * _D_WIDTH
         usage = r.usage
         if usage is not None:
             deltas[_D_INPUT] += usage.input_tokens
@@ -768,21 +858,21 @@ class SQLiteLedger:
         batch.ends.append((format_time(r.ended_at), r.outcome, r.turns, r.tool_calls,
                            r.credits, r.id))
 
-    def _execute(self, conn: sqlite3.Connection, batch: _Batch) -> None:
+    def _execute(self, batch: _Batch) -> None:
         run = self._statements.run
         # Statement order: rows exist before they are updated.
         if batch.starts:
-            run(conn, "start", batch.starts)
+            run("start", batch.starts)
         if batch.dispatches:
-            run(conn, "dispatch", batch.dispatches)
+            run("dispatch", batch.dispatches)
         if batch.settles:
-            _expect(run(conn, "settle", batch.settles), len(batch.settles),
+            _expect(run("settle", batch.settles), len(batch.settles),
                     "dispatched attempt rows")
         if batch.deltas:
-            _expect(run(conn, "add", [(*d, i) for i, d in batch.deltas.items()]),
+            _expect(run("add", [(*d, i) for i, d in batch.deltas.items()]),
                     len(batch.deltas), "invocation rows")
         if batch.ends:
-            _expect(run(conn, "end", batch.ends), len(batch.ends), "invocation rows")
+            _expect(run("end", batch.ends), len(batch.ends), "invocation rows")
         for row in batch.ends:
             # Ended: nothing more will be written for it by the engine.
             self._live.pop(row[-1], None)
@@ -823,8 +913,14 @@ def _wake(tickets: list[_Ticket]) -> None:
             ticket.event.set()
 
 
-def _wake_all(tickets: Iterable[_Ticket]) -> None:
+def _wake_all(tickets: list[_Ticket]) -> None:
     """Complete each ticket in its own event loop, without waiting for that loop."""
+    if len(tickets) == 1 and tickets[0].loop is not None:  # the sequential path
+        try:
+            tickets[0].loop.call_soon_threadsafe(_wake, tickets)
+        except Exception:  # the loop has finished: nobody is waiting any more
+            pass
+        return
     by_loop: dict[int, tuple[_Ticket, list[_Ticket]]] = {}
     for ticket in tickets:
         loop: object = ticket.loop if ticket.loop is not None else (
@@ -848,9 +944,10 @@ def _wake_all(tickets: Iterable[_Ticket]) -> None:
 class _Checkpointer:
     """Copies the WAL back into the database file, off the writer's path.
 
-    A passive checkpoint never blocks writers or readers; it copies what no
-    reader still needs, at most every ``interval`` seconds while commits
-    keep coming. The last connection to close checkpoints what is left.
+    The writer pokes it when a checkpoint is due while durable writes are
+    queued (otherwise the writer checkpoints itself). A passive checkpoint never blocks
+    writers or readers; it copies what no reader still needs, at most every
+    ``interval`` seconds. The last connection to close checkpoints what is left.
     """
 
     def __init__(self, path: str, busy_timeout: float, interval: float = 0.1) -> None:
