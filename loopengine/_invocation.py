@@ -37,7 +37,12 @@ from loopengine.events import (
     RunStarted,
     TurnStarted,
 )
-from loopengine.guards._checkpoints import GuardTrip, attempt_timeout, check_before_attempt
+from loopengine.guards._checkpoints import (
+    ConversationState,
+    GuardTrip,
+    attempt_timeout,
+    check_before_attempt,
+)
 from loopengine.guards._credits import turn_credits
 from loopengine.guards._deadline import Deadline
 from loopengine.guards._limits import Limits
@@ -97,6 +102,9 @@ class Invocation:
         self.served_by = f"{provider.name}:{operation.model}"
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)
+        # The pre-attempt guard reads only the deadline, which never moves.
+        self._time_state = ConversationState(turns=0, tool_calls=0, credits=0,
+                                             deadline=self.deadline)
         self.records: list[AttemptRecord] = []
         self.usage = Usage()
         self.usage_complete = True
@@ -232,10 +240,7 @@ class Invocation:
         return outcome
 
     def _before_attempt(self) -> GuardTrip | None:
-        from loopengine.guards._checkpoints import ConversationState
-
-        state = ConversationState(turns=0, tool_calls=0, credits=0, deadline=self.deadline)
-        return check_before_attempt(state, self.limits, self.clock.now())
+        return check_before_attempt(self._time_state, self.limits, self.clock.now())
 
     async def _attempt(
         self, turn: int, phase: str, build: Callable[[float], ProviderRequest], wait: float

@@ -90,13 +90,6 @@ def text(field: str, value: object, *, optional: bool = False) -> str | None:
     return value
 
 
-def required_text(field: str, value: object) -> str:
-    """Like `text` but never None."""
-    checked = text(field, value)
-    assert checked is not None
-    return checked
-
-
 def decimal(
     field: str, value: object, *, optional: bool = False, positive: bool = False
 ) -> Decimal | None:

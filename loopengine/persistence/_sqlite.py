@@ -773,11 +773,7 @@ class SQLiteLedger:
         ))
 
     def _plan_dispatch(self, conn: sqlite3.Connection, batch: _Batch, r: AttemptDispatch) -> None:
-        live = self._live.get(r.invocation_id)
-        if live is None or live.ended:
-            live = self._touch(conn, batch, r.invocation_id)
-        else:
-            batch.touched.add(r.invocation_id)
+        live = self._touch(conn, batch, r.invocation_id)
         overflow = live.overflow
         if r.ordinal in live.unsettled or (overflow is not None and r.ordinal in overflow):
             raise LedgerError(
@@ -801,11 +797,7 @@ class SQLiteLedger:
         ))
 
     def _plan_settle(self, conn: sqlite3.Connection, batch: _Batch, r: AttemptSettle) -> None:
-        live = self._live.get(r.invocation_id)
-        if live is None or live.ended:
-            live = self._touch(conn, batch, r.invocation_id)
-        else:
-            batch.touched.add(r.invocation_id)
+        live = self._touch(conn, batch, r.invocation_id)
         if r.ordinal in live.unsettled:
             live.unsettled.discard(r.ordinal)
             retained = True
