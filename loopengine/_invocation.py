@@ -46,7 +46,7 @@ from loopengine.guards._checkpoints import (
 from loopengine.guards._credits import turn_credits
 from loopengine.guards._deadline import Deadline
 from loopengine.guards._limits import Limits
-from loopengine.persistence._protocol import Ledger
+from loopengine.persistence._protocol import DispatchReceipt, Ledger
 from loopengine.persistence._records import (
     AttemptDispatch,
     AttemptRecord,
@@ -117,6 +117,12 @@ class Invocation:
         self._turn_charge: dict[int, int] = {}
         self._in_flight: _InFlight | None = None
         self._ended = False
+        # When the provider awaits `before_wire`, the dispatch's commit overlaps
+        # the building of the request (see `loopengine.providers.Provider`).
+        self._begin_dispatch: Callable[[AttemptDispatch], DispatchReceipt] | None = (
+            getattr(ledger, "begin_dispatch", None)
+            if getattr(provider, "awaits_before_wire", False) is True else None
+        )
 
     # -- events -------------------------------------------------------------
 
@@ -270,7 +276,13 @@ class Invocation:
         self.records.append(AttemptRecord(dispatch=dispatch, settle=None))
         flight = _InFlight(len(self.records) - 1, self.clock.now())
         self._in_flight = flight
-        if self.ledger is not None:
+        receipt: DispatchReceipt | None = None
+        if self._begin_dispatch is not None:
+            receipt = self._begin_dispatch(dispatch)
+            # `build` made this request for this attempt alone: filling in its
+            # gate costs less than `dataclasses.replace` of a frozen instance.
+            object.__setattr__(request, "before_wire", receipt.wait)
+        elif self.ledger is not None:
             await self.ledger.dispatch_attempt(dispatch)
         if self.observers:
             # Building an event costs about as much as the rest of the
@@ -296,6 +308,10 @@ class Invocation:
         except anyio.get_cancelled_exc_class():
             raise  # the caller's cancellation: settled by `cancelled`, shielded
         except LoopEngineError as error:
+            if receipt is not None:
+                # A dispatch that could not be written raises its LedgerError
+                # here: nothing was sent and there is no row to settle.
+                await receipt.wait()
             # A misuse the caller must see (a replay that diverged): settle, then raise.
             await self._settle(flight, None, ProviderFault(
                 FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}"), external=False)
@@ -305,6 +321,10 @@ class Invocation:
                 FaultKind.BAD_REQUEST,
                 f"the provider raised {type(error).__name__} instead of a ProviderFault",
             )
+        if receipt is not None:
+            # Whether or not the provider got as far as the wire, the row must
+            # be durable (or its failure raised) before it is settled.
+            await receipt.wait()
         if fault is not None and fault.kind is FaultKind.TIMEOUT and capped:
             fault.aborted_reason = fault.aborted_reason or "deadline"
         await self._settle(flight, response, fault, external=False)

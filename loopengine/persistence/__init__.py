@@ -1,7 +1,12 @@
 """Persistence: the `Ledger` contract, its records, and the stores that implement it."""
 
 from loopengine.persistence._memory import MemoryLedger
-from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS, Ledger
+from loopengine.persistence._protocol import (
+    DEFAULT_MAX_RETAINED_ATTEMPTS,
+    DispatchReceipt,
+    EarlyDispatchLedger,
+    Ledger,
+)
 from loopengine.persistence._records import (
     AttemptDispatch,
     AttemptRecord,
@@ -16,6 +21,8 @@ __all__ = [
     "AttemptDispatch",
     "AttemptRecord",
     "AttemptSettle",
+    "DispatchReceipt",
+    "EarlyDispatchLedger",
     "InvocationEnd",
     "InvocationStart",
     "Ledger",

@@ -39,7 +39,8 @@ from __future__ import annotations
 import email.utils
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self, TypeAlias
@@ -112,6 +113,36 @@ _STATUS_KINDS = {
 }
 
 
+_BEFORE_WIRE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar(
+    "loopengine_before_wire", default=None)
+"""The `ProviderRequest.before_wire` of the request this task is sending."""
+
+_GATED: dict[type[Any], type[Any]] = {}
+
+
+def _gated(cls: type[Any]) -> type[Any]:
+    """``cls`` with its request hook extended to await `_BEFORE_WIRE`.
+
+    The SDK calls ``_prepare_request`` (the hook its Bedrock and Vertex clients
+    override to sign requests) after it has built and serialised a request and
+    immediately before handing it to the HTTP client: the last moment before
+    the wire that belongs to the client.
+    """
+    gated = _GATED.get(cls)
+    if gated is None:
+
+        async def _prepare_request(self: Any, request: httpx2.Request) -> None:
+            await super(gated, self)._prepare_request(request)  # type: ignore[arg-type]
+            before_wire = _BEFORE_WIRE.get()
+            if before_wire is not None:
+                await before_wire()
+
+        gated = _GATED[cls] = type(cls.__name__, (cls,), {
+            "_prepare_request": _prepare_request, "__module__": __name__,
+            "__doc__": cls.__doc__, "__qualname__": f"loopengine:{cls.__qualname__}"})
+    return gated
+
+
 def _route_name(client: object) -> str:
     if isinstance(client, anthropic.AsyncAnthropicBedrock):
         return "bedrock"
@@ -142,11 +173,18 @@ class AnthropicProvider:
         ConfigError: both a client and client keywords, a synchronous client,
             ``max_retries`` other than 0, or a bad ``stream_idle_timeout``.
 
+    The provider awaits each attempt's ledger write (`ProviderRequest.before_wire`)
+    in the SDK client's request hook, after the request is built and just
+    before it is handed to the HTTP client (``awaits_before_wire``).
+
     Example::
 
         provider = AnthropicProvider(api_key=key, stream=True)
         engine = loopengine.Engine(provider)
     """
+
+    awaits_before_wire: bool
+    """True: `send` awaits `ProviderRequest.before_wire` just before the wire."""
 
     def __init__(
         self,
@@ -179,6 +217,13 @@ class AnthropicProvider:
             base = client
         # A copy shares the caller's connection pool; only its retries differ.
         self._client: AsyncClient = base.with_options(max_retries=0)
+        if inspect.iscoroutinefunction(getattr(type(self._client), "_prepare_request", None)):
+            # Our own copy (never the caller's client) awaits the attempt's
+            # ledger write just before the wire; copies of it do the same.
+            self._client.__class__ = _gated(type(self._client))
+            self.awaits_before_wire = True
+        else:  # an SDK without the hook: the engine waits before `send` instead
+            self.awaits_before_wire = False
         self._name = _route_name(base)
         self._stream = stream
 
@@ -223,9 +268,13 @@ class AnthropicProvider:
             ProviderFault: the request failed; every SDK error is classified.
         """
         params = self._params(request)
-        if self._stream:
-            return await self._send_streaming(request, params)
-        return await self._send_plain(params)
+        token = _BEFORE_WIRE.set(request.before_wire)
+        try:
+            if self._stream:
+                return await self._send_streaming(request, params)
+            return await self._send_plain(params)
+        finally:
+            _BEFORE_WIRE.reset(token)
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         # Markers are placed on every request, so the wire never carries more

@@ -4,6 +4,13 @@ A provider does one wire request per `Provider.send` call and never retries
 on its own: the engine's retry loop does, so that every wire request is an
 attempt it counts, prices and records. A provider reports a failure by raising
 one `ProviderFault`; nothing else may escape it.
+
+The attempt's ledger row must be durable before the request goes on the wire.
+By default the engine waits for that before it calls `Provider.send`. A
+provider whose class sets ``awaits_before_wire = True`` instead receives the
+wait as `ProviderRequest.before_wire` and awaits it at the last moment before
+sending, so the ledger's commit overlaps the building of the request (the SDK's
+serialisation, headers, signing) instead of preceding it.
 """
 
 from __future__ import annotations
@@ -49,6 +56,12 @@ class ProviderRequest:
     """Streaming providers hand text deltas to this callback."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     """Facts about the request for providers that record (turn, phase); never sent."""
+    before_wire: Callable[[], Awaitable[None]] | None = None
+    """Given only to a provider whose ``awaits_before_wire`` is true: await it
+    immediately before the request goes on the wire. It returns once the
+    attempt's ledger row is durable; when it raises (`loopengine.LedgerError`)
+    nothing may be sent, and the error must propagate as it is, not as a
+    `ProviderFault`. Awaiting it again is harmless."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +93,9 @@ class Provider(Protocol):
         """The route this provider serves (``anthropic``, ``bedrock``...): an
         operation's ``provider`` must equal it (R13)."""
         ...
+
+    # Optional: ``awaits_before_wire = True`` on the class when `send` awaits
+    # `ProviderRequest.before_wire` just before the wire (see the module docstring).
 
     async def send(self, request: ProviderRequest) -> ProviderResponse:
         """Make one wire request within ``request.timeout``.
