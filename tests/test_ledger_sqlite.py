@@ -213,7 +213,8 @@ async def test_concurrent_runs_share_commits(tmp_path: Path) -> None:
     assert len(invocations) == 200 and len(attempts) == 600
     assert all(r["outcome"] == "completed" and r["attempt_count"] == 3
                for r in invocations.values())
-    assert commits < 600 / 5
+    # Without grouping: one commit per dispatch and per end, 800.
+    assert commits < 800 / 4
 
 
 async def test_a_deferred_settle_is_committed_within_the_linger(tmp_path: Path) -> None:

@@ -1,54 +1,63 @@
-"""`SQLiteLedger`: the attempt ledger in one SQLite file, written by one thread.
+"""`SQLiteLedger`: the attempt ledger in one SQLite file, written by one writer.
 
 How it writes:
 
-* Every write goes through a queue to one writer thread that owns the
-  connection. The event loop never waits on SQLite: a call appends its record
-  to the queue and, when the write must be durable before the call returns
-  (an attempt's dispatch, an invocation's end), wakes the writer and awaits a
-  future that the writer completes once the commit is on disk.
-* The writer takes whatever is queued into one ``BEGIN IMMEDIATE``
-  transaction, so under many concurrent runs one fsync carries the writes of
-  all of them (group commit), and consecutive writes to one invocation
-  collapse into one update of its row.
+* One writer owns the connection (`loopengine.persistence._writer`): by
+  default a child process of the ledger's own, else a thread. In a process
+  the writer holds its own interpreter lock, so its planning, statements and
+  fsyncs run beside the event loop instead of taking turns with it.
+* A call numbers its write and queues it. A write that must be durable when
+  the call returns (an attempt's dispatch, an invocation's end) is sent to
+  the writer at once, with every deferred write queued before it; the call
+  then waits until the writer reports the commit. The writer takes whatever
+  has arrived into one ``BEGIN IMMEDIATE`` transaction, so under many
+  concurrent runs one fsync carries the writes of all of them (group commit).
 * A write that may be deferred (an invocation's start, an attempt's settle)
-  does not wake the writer: it shares the commit of the next durable write,
-  or is committed within ``linger`` seconds (the writer looks again by itself
-  ``linger`` after each commit). A sequential run costs one commit and one
-  wake-up of the writer per attempt (its dispatch, which also carries the
-  previous settle), and one of each for its end.
-* Checkpoints keep the WAL small: every few hundred commits the writer makes
-  one itself when no durable write is waiting, so the WAL is rewritten from
-  its start instead of growing; while durable writes keep arriving, a second
-  thread makes them.
+  is only queued: it travels with the next durable write, or a helper thread
+  sends it within ``linger`` seconds. A sequential run costs one commit per
+  attempt (its dispatch, which also carries the previous settle) and one for
+  its end.
+* `begin_dispatch` sends a dispatch and returns at once; the engine hands the
+  wait to the provider, which awaits it just before the request goes on the
+  wire. Meanwhile the writer commits: the event loop's thread never waits on
+  SQLite, and with a writer process the commit overlaps the building of the
+  request.
+* The writer reports through a pipe (process) or directly (thread). A waiting
+  call first reads what the pipe already holds; only when its write is not
+  done yet does its event loop watch the pipe.
 
 The file is safe for several processes at once: WAL lets readers work during
 a write, ``BEGIN IMMEDIATE`` takes the write lock up front so the busy handler
 (``busy_timeout``) waits for it instead of failing a half-done transaction,
-and nothing here caches a row another process could change (invocation totals
-are updated with ``column = column + ?``).
+and nothing caches a row another process could change (invocation totals are
+updated with ``column = column + ?``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import heapq
+import logging
 import os
 import queue
+import select
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
 from loopengine._errors import LedgerError
+from loopengine.persistence import _writer
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
 from loopengine.persistence._records import (
     AttemptDispatch,
@@ -57,234 +66,44 @@ from loopengine.persistence._records import (
     InvocationStart,
 )
 from loopengine.persistence._schema import format_time, migrate
+from loopengine.persistence._writer import DISPATCH, END, FLUSH, SETTLE, START, STOP, Op
 
 __all__ = ["SQLiteLedger"]
 
-# Operation kinds on the writer's queue.
-_START: Final = 0
-_DISPATCH: Final = 1
-_SETTLE: Final = 2
-_END: Final = 3
-_FLUSH: Final = 4
-_STOP: Final = 5
-
-# Deltas of one invocation within a batch, in `_ADD` column order.
-_D_COUNT, _D_RETAINED, _D_INCOMPLETE = 0, 1, 2
-_D_INPUT, _D_OUTPUT, _D_CACHE_READ, _D_CACHE_WRITE, _D_CACHE_WRITE_1H = 3, 4, 5, 6, 7
-_D_COST, _D_PROVIDER_COST = 8, 9
-_D_WIDTH = 10
-
-_INVOCATION_INSERT = ("id", "operation", "operation_version", "provider", "model", "tenant",
-                      "user_id", "feature", "correlation_id", "started_at")
-_ATTEMPT_INSERT = ("invocation_id", "ordinal", "turn", "attempt", "phase", "served_by",
-                   "started_at", "max_tokens", "timeout_ms", "wait_ms")
-_ATTEMPT_SETTLE = ("outcome", "latency_ms", "fault", "aborted_reason", "http_status",
-                   "error_code", "input_tokens", "output_tokens", "cache_read_tokens",
-                   "cache_write_tokens", "cache_write_1h_tokens", "usage_approx",
-                   "cost_nanousd", "charged", "price_ref", "response_id", "request_id",
-                   "stop_reason")
-# Increments, never absolute values: correct whoever else wrote the row.
-_ADD = ("attempt_count = attempt_count + {}", "attempts_retained = attempts_retained + {}",
-        "incomplete = MAX(incomplete, {})", "input_tokens = input_tokens + {}",
-        "output_tokens = output_tokens + {}", "cache_read_tokens = cache_read_tokens + {}",
-        "cache_write_tokens = cache_write_tokens + {}",
-        "cache_write_1h_tokens = cache_write_1h_tokens + {}",
-        "cost_nanousd = cost_nanousd + {}",
-        "provider_cost_nanousd = provider_cost_nanousd + {}")
-_END_SET = ("ended_at", "outcome", "turns", "tool_calls", "credits")
+logger = logging.getLogger("loopengine")
 
 # A checkpoint is due after this many commits or writes (about 3 MiB of WAL
 # on the sequential path, like SQLite's own 1,000-page autocheckpoint). The
-# writer makes it itself after a commit that leaves no durable write waiting;
-# past four times as many, the checkpointer's thread makes it.
+# writer makes it itself after a commit that leaves nothing waiting; past
+# four times as many, its checkpointer thread makes it. Read when a ledger opens.
 _CHECKPOINT_COMMITS: Final = 256
 _CHECKPOINT_WRITES: Final = 4096
 
-# UPDATE ... FROM (3.33) lets one statement update many rows.
-_UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
-_LARGEST_CHUNK = 1024
-_WIDTH = {"start": len(_INVOCATION_INSERT), "dispatch": len(_ATTEMPT_INSERT),
-          "settle": len(_ATTEMPT_SETTLE) + 2, "add": len(_ADD) + 1, "end": len(_END_SET) + 1}
+_WRITER_FILE: Final = os.path.abspath(_writer.__file__)
+# How long opening waits for a writer process to say it is ready, beyond the
+# busy timeout (its first look at the file may wait for another process's lock).
+_START_TIMEOUT: Final = 30.0
 
-
-class _Statements:
-    """The SQL of each write, for one row or many rows at once.
-
-    One statement carries all the rows of a kind because the sqlite3 module
-    releases the GIL around every step: row by row (``executemany``) the
-    writer would wait for the GIL once per row while the event loop holds it
-    (up to the interpreter's switch interval each time), and one statement
-    waits once. Statements are built for a few row counts (`_padded`), the
-    rows padded with NULL keys that match nothing, so the distinct statements
-    stay prepared in the connection's cache. One row, the sequential path's
-    usual case, takes the plain statement and its own parameters as they are.
-    """
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        variable_limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-        chunk = 1
-        while chunk * 2 <= min(_LARGEST_CHUNK, variable_limit // max(_WIDTH.values())):
-            chunk *= 2
-        self.largest = chunk if _UPDATE_FROM else 1
-        self.cursor = conn.cursor()
-        """The one cursor of every write (none is made per statement)."""
-        self._single = {kind: _build_sql(kind, 1) for kind in _WIDTH}
-        self._cache: dict[tuple[str, int], str] = {}
-
-    def run(self, kind: str, rows: list[tuple[Any, ...]]) -> int:
-        """Execute ``kind`` for every row; return the number of rows changed."""
-        cursor = self.cursor
-        if len(rows) == 1:
-            return cursor.execute(self._single[kind], rows[0]).rowcount
-        if self.largest == 1:
-            return cursor.executemany(self._single[kind], rows).rowcount
-        changed = 0
-        width = _WIDTH[kind]
-        for start in range(0, len(rows), self.largest):
-            chunk = rows[start:start + self.largest]
-            size = _padded(len(chunk))
-            params = [value for row in chunk for value in row]
-            if size > len(chunk):
-                params.extend([None] * (width * (size - len(chunk))))
-            key = (kind, size)
-            sql = self._cache.get(key)
-            if sql is None:
-                sql = self._cache[key] = _build_sql(kind, size)
-            changed += cursor.execute(sql, params).rowcount
-        return changed
-
-
-def _padded(rows: int) -> int:
-    """The statement size for ``rows`` rows: four sizes per power of two (8, 10, 12,
-    14, 16, 20, 24, 28, 32...), so padding stays under a quarter and the distinct
-    statements few."""
-    if rows <= 8:
-        return rows
-    step = 1 << (rows.bit_length() - 3)
-    return -(-rows // step) * step
-
-
-def _build_sql(kind: str, rows: int) -> str:
-    """The statement writing ``rows`` rows of ``kind`` (padding rows have NULL keys)."""
-    width = _WIDTH[kind]
-    row = "(" + ", ".join("?" * width) + ")"
-    values = ", ".join([row] * rows)
-    if kind in ("start", "dispatch"):
-        table, columns = (("invocations", _INVOCATION_INSERT) if kind == "start"
-                          else ("attempts", _ATTEMPT_INSERT))
-        if rows == 1:
-            return f"INSERT INTO {table} ({', '.join(columns)}) VALUES {values}"
-        return (f"INSERT INTO {table} ({', '.join(columns)}) "
-                f"SELECT * FROM (VALUES {values}) WHERE column1 IS NOT NULL")
-    if kind == "settle":
-        if rows == 1:
-            sets = ", ".join(f"{c} = ?" for c in _ATTEMPT_SETTLE)
-            return (f"UPDATE attempts SET {sets} WHERE invocation_id = ? AND ordinal = ? "
-                    "AND outcome = 'dispatched'")
-        sets = ", ".join(f"{c} = v.column{i + 1}" for i, c in enumerate(_ATTEMPT_SETTLE))
-        return (f"UPDATE attempts SET {sets} FROM (VALUES {values}) AS v "
-                f"WHERE attempts.invocation_id = v.column{width - 1} "
-                f"AND attempts.ordinal = v.column{width} AND attempts.outcome = 'dispatched'")
-    if kind == "add":
-        if rows == 1:
-            return f"UPDATE invocations SET {', '.join(a.format('?') for a in _ADD)} WHERE id = ?"
-        sets = ", ".join(a.format(f"v.column{i + 1}") for i, a in enumerate(_ADD))
-        return (f"UPDATE invocations SET {sets} FROM (VALUES {values}) AS v "
-                f"WHERE invocations.id = v.column{width}")
-    assert kind == "end"
-    if rows == 1:
-        return f"UPDATE invocations SET {', '.join(f'{c} = ?' for c in _END_SET)} WHERE id = ?"
-    sets = ", ".join(f"{c} = v.column{i + 1}" for i, c in enumerate(_END_SET))
-    return (f"UPDATE invocations SET {sets} FROM (VALUES {values}) AS v "
-            f"WHERE invocations.id = v.column{width}")
-
-
-class _Ticket:
-    """What a caller awaits for a durable write; completed in the caller's event loop.
-
-    On asyncio (anyio's default backend) it is a bare future, woken with
-    ``call_soon_threadsafe``: a durable write is awaited once per attempt, and
-    this costs a fraction of an `anyio.Event` with its loop token. Elsewhere
-    (trio) it is an `anyio.Event`, set through anyio's loop token.
-    """
-
-    __slots__ = ("error", "event", "future", "loop", "token")
-
-    def __init__(self) -> None:
-        self.error: LedgerError | None = None
-        self.loop: asyncio.AbstractEventLoop | None
-        self.future: asyncio.Future[None] | None
-        self.event: anyio.Event | None
-        self.token: anyio.lowlevel.EventLoopToken | None
-        try:
-            self.loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.loop = self.future = None
-            self.event = anyio.Event()
-            self.token = anyio.lowlevel.current_token()
-        else:
-            self.future = self.loop.create_future()
-            self.event = self.token = None
-
-    async def wait(self) -> None:
-        if self.future is not None:
-            await self.future
-        else:
-            assert self.event is not None
-            await self.event.wait()
-
-
-_Op = tuple[int, Any, _Ticket | None]
-
-
-@dataclass(slots=True)
-class _Live:
-    """What the writer knows of an invocation it writes (writer thread only)."""
-
-    retained: int
-    unsettled: set[int] = field(default_factory=set)
-    """Retained attempts still ``dispatched``."""
-    overflow: set[int] | None = field(default_factory=set)
-    """Attempts past the retention cap not yet settled; None when unknown (an
-    invocation started by another ledger), and then any ordinal is accepted."""
-    ended: bool = False
-
-
-@dataclass(slots=True)
-class _Batch:
-    """The rows one transaction writes, grouped by statement."""
-
-    starts: list[tuple[Any, ...]] = field(default_factory=list)
-    dispatches: list[tuple[Any, ...]] = field(default_factory=list)
-    settles: list[tuple[Any, ...]] = field(default_factory=list)
-    deltas: dict[str, list[int]] = field(default_factory=dict)
-    ends: list[tuple[Any, ...]] = field(default_factory=list)
-    touched: set[str] = field(default_factory=set)
-    """Invocations whose `_Live` this batch changed (forgotten if it rolls back)."""
-    done: list[_Ticket] = field(default_factory=list)
-    """Tickets of the ops this batch carries (set when it commits)."""
-    failed: list[tuple[_Ticket, LedgerError]] = field(default_factory=list)
-    """Tickets of ops refused while planning (set whatever happens)."""
-    planned: int = 0
-    """Writes accepted into this batch."""
+WriterKind = Literal["auto", "process", "thread"]
 
 
 class SQLiteLedger:
     """The attempt ledger in a SQLite file (DESIGN.md §7).
 
-    Opening creates the file if needed and migrates its schema, synchronously
-    (open it at startup, not inside a busy event loop). Use it as a context
-    manager (sync or async) or call `close` / `aclose` to flush and stop its
-    writer thread; a ledger still open when the interpreter exits is flushed
-    then. Open one per process (after any fork); many concurrent runs, from
-    one or several event loops, may share it.
+    Opening creates the file if needed, migrates its schema and starts the
+    writer, synchronously (open it at startup, not inside a busy event loop).
+    Use it as a context manager (sync or async) or call `close` / `aclose` to
+    commit what is queued and stop the writer; a ledger still open when the
+    interpreter exits is closed then. Open one per process (after any fork);
+    many concurrent runs, from one or several event loops, may share it.
 
     Durability follows the `Ledger` contract: a dispatch and an invocation's
-    end are on disk (``synchronous=FULL``) when the call returns; a start or a
-    settle is committed with the next durable write or within ``linger``
-    seconds, whichever comes first. A write the ledger refuses (an unknown
-    invocation, an attempt settled twice) raises `LedgerError` from the call
-    when it is durable, else from that invocation's next durable call.
+    end are on disk (``synchronous=FULL``) when the call returns (or, for
+    `begin_dispatch`, when its receipt's wait returns); a start or a settle is
+    committed with the next durable write or within ``linger`` seconds,
+    whichever comes first. A write the ledger refuses (an unknown invocation,
+    an attempt settled twice) raises `LedgerError` from the call when it is
+    durable, else from that invocation's next durable call.
 
     Args:
         path: The database file.
@@ -293,12 +112,17 @@ class SQLiteLedger:
         busy_timeout: Seconds to wait for another process's write lock before
             a write fails.
         linger: Seconds a deferred write waits at most to share a durable
-            write's commit before it is committed on its own.
+            write's commit before it is committed on its own (0: never waits).
         max_batch: The most writes one transaction carries.
+        writer: ``"process"``: a child process writes (it needs a runnable
+            ``sys.executable`` and POSIX pipes); ``"thread"``: a thread of
+            this process writes; ``"auto"`` (the default): a process where
+            one can be started, else a thread.
 
     Raises:
         LedgerError: the file cannot be opened, is not a ledger, or has a
-            schema newer than this code; or an argument is invalid.
+            schema newer than this code; the writer cannot start; or an
+            argument is invalid.
     """
 
     def __init__(
@@ -309,6 +133,7 @@ class SQLiteLedger:
         busy_timeout: float = 30.0,
         linger: float = 0.5,
         max_batch: int = 20_000,
+        writer: WriterKind = "auto",
     ) -> None:
         if isinstance(max_retained_attempts, bool) or not isinstance(max_retained_attempts, int) \
                 or max_retained_attempts < 1:
@@ -319,50 +144,63 @@ class SQLiteLedger:
                 raise LedgerError(f"{name} must be a non-negative number of seconds, got {value!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise LedgerError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if writer not in ("auto", "process", "thread"):
+            raise LedgerError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
         self.path = os.fspath(path)
         """The database file."""
         self._max_retained = max_retained_attempts
         self._busy_timeout = float(busy_timeout)
         self._linger = float(linger)
-        self._max_batch = max_batch
-        # The writes, in call order, taken by the writer all at once. A
-        # deferred write is only appended: the writer looks again by itself at
-        # the latest `linger` after its last commit. A durable write (or a
-        # deferred one while the writer sleeps with no deadline) also wakes it
-        # with a token on `_signal`, one token until the writer next takes.
-        self._ops: list[_Op] = []
-        self._urgent = False
-        """`_ops` holds a durable write (or the stop): commit without lingering."""
-        self._sleeping = False
-        """The writer waits with no deadline: a deferred write must wake it."""
-        self._signalled = False
-        """A token is on `_signal` since the writer last took `_ops`."""
-        self._signal: queue.SimpleQueue[None] = queue.SimpleQueue()
-        # Guards `_ops` and the flags with `_closed`: nothing is queued after the stop.
         self._lock = threading.Lock()
-        self._closed = False
+        """Guards everything below, and the channel's sending and reading."""
         self._pid = os.getpid()
-        self._live: dict[str, _Live] = {}
-        self._statements: _Statements  # made with the connection
-        self._checkpointer: _Checkpointer
-        self._failed: dict[str, LedgerError] = {}
-        self._commits = 0
-        self._uncheckpointed = self._uncheckpointed_writes = 0
-        """Commits and writes since the last checkpoint was asked for."""
-        self._writes = 0
-        self._ready = threading.Event()
-        self._startup_error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._writer, name=f"loopengine-ledger:{self.path}", daemon=True
-        )
-        self._thread.start()
-        self._ready.wait()
-        if self._startup_error is not None:
-            self._closed = True
-            error = self._startup_error
-            if isinstance(error, LedgerError):
-                raise error
-            raise LedgerError(f"{self.path}: {error}") from error
+        self._closed = False
+        self._broken: str | None = None
+        """Why no write can be made any more (the writer is gone), or None."""
+        self._next_id = 0
+        self._deferred: list[Op] = []
+        """Deferred writes not sent yet, in call order."""
+        self._deferred_since = 0.0
+        self._done = 0
+        """Every write numbered up to this is committed (or refused)."""
+        self._refused: dict[int, str] = {}
+        """Durable writes the writer refused, by number, until their caller reads it."""
+        self._commits = self._writes = 0
+        self._waiters: list[tuple[int, int, _Waiter]] = []
+        """A heap of ``(write number, sequence, waiter)``."""
+        self._sequence = 0
+        self._readers: dict[asyncio.AbstractEventLoop, int] = {}
+        """Event loops watching the writer's pipe, with their waiters' count."""
+        self._watchers = 0
+        """Waiters on other backends: the helper thread watches the pipe for them."""
+        self._activity = False
+        self._helper_idle = False
+
+        _prepare_file(self.path, self._busy_timeout)
+        settings = _writer.Settings(self.path, max_retained_attempts, self._busy_timeout,
+                                    _CHECKPOINT_COMMITS, _CHECKPOINT_WRITES)
+        self._channel: _Channel
+        if writer != "thread" and (writer == "process" or _can_spawn()):
+            try:
+                self._channel = _ProcessChannel(self, settings, max_batch)
+            except (OSError, LedgerError) as error:
+                if writer == "process":
+                    if isinstance(error, LedgerError):
+                        raise
+                    raise LedgerError(
+                        f"{self.path}: cannot start the ledger's writer process: {error}"
+                    ) from error
+                logger.warning("%s: the ledger's writer process did not start (%s); "
+                               "writing from a thread instead", self.path, error)
+                self._channel = _ThreadChannel(self, settings, max_batch)
+        else:
+            self._channel = _ThreadChannel(self, settings, max_batch)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stopping = False
+        self._helper = threading.Thread(target=self._help, name=f"loopengine-ledger:{self.path}",
+                                        daemon=True)
+        self._helper.start()
         _open_ledgers.add(self)
 
     # -- the Ledger protocol ---------------------------------------------------------
@@ -378,7 +216,10 @@ class SQLiteLedger:
         Raises:
             LedgerError: the ledger is closed.
         """
-        self._put(_START, record, None)
+        r = record
+        self._defer([START, 0, r.id, r.operation, r.operation_version, r.provider, r.model,
+                     r.tenant, r.user_id, r.feature, r.correlation_id,
+                     format_time(r.started_at)])
 
     async def dispatch_attempt(self, record: AttemptDispatch) -> None:
         """Record an attempt as ``dispatched``; durable when this returns.
@@ -387,7 +228,18 @@ class SQLiteLedger:
             LedgerError: the row could not be written (or an earlier deferred
                 write of this invocation failed); the request must not be sent.
         """
-        await self._durable(_DISPATCH, record)
+        await self._wait(self._send(_dispatch_op(record)))
+
+    def begin_dispatch(self, record: AttemptDispatch) -> _Receipt:
+        """Send an attempt's ``dispatched`` row to the writer and return at once.
+
+        The request may go on the wire once the receipt's ``wait()`` returns;
+        it raises `LedgerError` where `dispatch_attempt` would have.
+
+        Raises:
+            LedgerError: the ledger is closed.
+        """
+        return _Receipt(self, self._send(_dispatch_op(record)))
 
     async def settle_attempt(self, record: AttemptSettle) -> None:
         """Settle an attempt and add it to the invocation's totals, in one transaction.
@@ -397,7 +249,17 @@ class SQLiteLedger:
         Raises:
             LedgerError: the ledger is closed.
         """
-        self._put(_SETTLE, record, None)
+        r = record
+        usage = r.usage
+        if usage is None:
+            tokens: tuple[int | None, ...] = (None, None, None, None, None)
+        else:
+            tokens = (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens,
+                      usage.cache_write_tokens, usage.cache_write_1h_tokens)
+        self._defer([SETTLE, 0, r.invocation_id, r.ordinal, r.outcome, r.latency_ms, r.fault,
+                     r.aborted_reason, r.http_status, r.error_code, *tokens,
+                     int(r.usage_approx), r.cost_nanousd, int(r.charged), r.price_ref,
+                     r.response_id, r.request_id, r.stop_reason])
 
     async def end_invocation(self, record: InvocationEnd) -> None:
         """Settle the invocation with its outcome; everything before is durable on return.
@@ -406,7 +268,9 @@ class SQLiteLedger:
             LedgerError: the row could not be written, or an earlier deferred
                 write of this invocation failed.
         """
-        await self._durable(_END, record)
+        r = record
+        await self._wait(self._send([END, 0, r.id, format_time(r.ended_at), r.outcome, r.turns,
+                                     r.tool_calls, r.credits]))
 
     # -- more than the protocol ------------------------------------------------------
 
@@ -416,37 +280,64 @@ class SQLiteLedger:
         Raises:
             LedgerError: the ledger is closed.
         """
-        await self._durable(_FLUSH, None)
+        await self._wait(self._send([FLUSH, 0]))
+
+    @property
+    def writer(self) -> Literal["process", "thread"]:
+        """Where the writer runs: a child ``process`` or a ``thread`` of this one."""
+        return self._channel.kind
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's id, or None when the writer is a thread."""
+        process = getattr(self._channel, "process", None)
+        return process.pid if process is not None else None
 
     @property
     def commits(self) -> int:
         """Transactions this ledger has committed (one fsync each)."""
-        return self._commits
+        with self._lock:
+            self._channel.poll()
+            return self._commits
 
     @property
     def writes(self) -> int:
         """Writes (starts, dispatches, settles, ends) this ledger has committed."""
-        return self._writes
+        with self._lock:
+            self._channel.poll()
+            return self._writes
 
     @property
     def closed(self) -> bool:
-        """True once `close` has been called (or the ledger failed to open)."""
+        """True once `close` has been called (or the writer is gone)."""
         return self._closed
 
     def close(self) -> None:
-        """Commit what is queued, stop the writer thread and close the file.
+        """Commit what is queued, stop the writer and close the file.
 
         Blocks until the writer is done; from async code prefer `aclose`.
         Closing twice is harmless.
         """
+        if os.getpid() != self._pid:
+            self._closed = True  # the process that opened it closes it
+            return
         with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._ops.append((_STOP, None, None))
-                self._urgent = True
-                self._wake_writer()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+            if self._closed and self._stopping:
+                return
+            closing = not self._closed
+            self._closed = True
+            self._stopping = True
+            if closing and self._broken is None:
+                self._next_id += 1
+                self._flush_deferred([STOP, self._next_id])
+        self._channel.join()
+        self._wake_helper()
+        self._helper.join()
+        with self._lock:
+            self._break("the ledger is closed")
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._channel.release()
         _open_ledgers.discard(self)
 
     async def aclose(self) -> None:
@@ -473,514 +364,570 @@ class SQLiteLedger:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"SQLiteLedger({self.path!r}, {state})"
+        return f"SQLiteLedger({self.path!r}, {state}, writer={self.writer!r})"
 
-    # -- the caller's side -----------------------------------------------------------
+    # -- queueing ------------------------------------------------------------------
 
-    def _put(self, kind: int, record: Any, ticket: _Ticket | None) -> None:
+    def _check_process(self) -> None:
+        # Before taking `_lock`: a fork may have copied it held.
         if os.getpid() != self._pid:
             raise LedgerError(
                 f"{self.path}: this ledger was opened in process {self._pid}; a forked "
                 "process must open its own SQLiteLedger"
             )
-        with self._lock:
-            if self._closed:
-                raise LedgerError(f"{self.path}: the ledger is closed")
-            self._ops.append((kind, record, ticket))
-            if ticket is not None:
-                self._urgent = True
-                self._wake_writer()
-            elif self._sleeping or not self._linger:
-                self._wake_writer()
 
-    def _wake_writer(self) -> None:
+    def _check(self) -> None:
         # Called holding `_lock`.
-        if not self._signalled:
-            self._signalled = True
-            self._signal.put(None)
+        if self._broken is not None:
+            raise LedgerError(f"{self.path}: {self._broken}")
+        if self._closed:
+            raise LedgerError(f"{self.path}: the ledger is closed")
 
-    async def _durable(self, kind: int, record: Any) -> None:
-        ticket = _Ticket()
-        self._put(kind, record, ticket)
-        # Cancelling this wait does not cancel the write: it is queued and
-        # will be committed; only the caller stops waiting for it.
-        if ticket.future is not None:
-            await ticket.future
-        else:
-            await ticket.wait()
-        if ticket.error is not None:
-            raise ticket.error
-
-    # -- the writer thread ---------------------------------------------------------
-
-    def _writer(self) -> None:
-        try:
-            conn = self._connect()
-        except BaseException as error:
-            self._startup_error = error
-            self._ready.set()
-            return
-        self._ready.set()
-        pending: list[_Op] = []
-        checkpointer = _Checkpointer(self.path, self._busy_timeout)
-        self._checkpointer = checkpointer
-        try:
-            self._write_loop(conn, pending)
-        except BaseException as error:
-            # A bug here must not leave callers waiting forever.
-            self._closed = True
-            failure = LedgerError(f"{self.path}: the ledger's writer failed: {error!r}")
-            self._abandon(pending, failure)
-            raise
-        finally:
-            checkpointer.stop()
-            conn.close()
-            self._abandon([], LedgerError(f"{self.path}: the ledger is closed"))
-
-    def _write_loop(self, conn: sqlite3.Connection, pending: list[_Op]) -> None:
-        lock, signal, linger, max_batch = self._lock, self._signal, self._linger, self._max_batch
-        # Until `deadline` the writer looks at `_ops` again by itself, so a
-        # deferred write needs no wake-up: after a commit, one linger long.
-        deadline: float | None = None
-        while True:
-            with lock:
-                idle = not self._ops
-                self._sleeping = idle and deadline is None
-            if idle:
-                if deadline is None:
-                    signal.get()
-                else:
-                    timeout = deadline - time.monotonic()
-                    if timeout > 0:
-                        try:
-                            signal.get(timeout=timeout)
-                        except queue.Empty:
-                            pass
-            with lock:
-                taken, self._ops = self._ops, []
-                urgent = self._urgent
-                self._urgent = self._sleeping = self._signalled = False
-            pending.extend(taken)
-            if not pending:
-                if deadline is not None and time.monotonic() >= deadline:
-                    deadline = None
-                continue
-            if deadline is None:
-                # Woken from its sleep by a deferred write: hold it one linger.
-                deadline = time.monotonic() + linger
-            if urgent or len(pending) >= max_batch or time.monotonic() >= deadline:
-                stop = pending[-1][0] == _STOP  # the last write there will be
-                while pending:
-                    self._commit(conn, pending[:max_batch])
-                    del pending[:max_batch]
-                if stop:
-                    return
-                if (self._uncheckpointed >= _CHECKPOINT_COMMITS
-                        or self._uncheckpointed_writes >= _CHECKPOINT_WRITES):
-                    if not self._urgent:
-                        self._checkpoint(conn)
-                    elif (self._uncheckpointed >= 4 * _CHECKPOINT_COMMITS
-                            or self._uncheckpointed_writes >= 4 * _CHECKPOINT_WRITES):
-                        # Durable writes keep waiting, and a checkpoint here
-                        # would hold them up: the checkpointer's thread makes it.
-                        self._uncheckpointed = self._uncheckpointed_writes = 0
-                        self._checkpointer.poke()
-                deadline = time.monotonic() + linger
-
-    def _checkpoint(self, conn: sqlite3.Connection) -> None:
-        """Copy the WAL back into the database while no caller waits on the writer.
-
-        Made between two of its own commits, the checkpoint reaches the end of
-        the WAL (unless another process's reader holds it back), so the next
-        commit starts the WAL over and rewrites it in place instead of
-        appending to an ever larger file. A second thread checkpointing while
-        commits keep coming seldom catches up with the last one.
-        """
-        self._uncheckpointed = self._uncheckpointed_writes = 0
-        try:
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-        except sqlite3.Error:
-            pass  # a checkpoint is an optimisation; the next one retries
-
-    def _abandon(self, pending: Iterable[_Op], error: LedgerError) -> None:
-        """Fail the tickets of ops that will never be written."""
+    def _defer(self, op: Op) -> None:
+        self._check_process()
         with self._lock:
-            taken, self._ops = self._ops, []
-        tickets = [op[2] for op in (*pending, *taken) if op[2] is not None]
-        for ticket in tickets:
-            ticket.error = error
-        _wake_all(tickets)
-
-    def _connect(self) -> sqlite3.Connection:
-        try:
-            conn = sqlite3.connect(self.path, timeout=self._busy_timeout, isolation_level=None,
-                                   cached_statements=512)
-        except sqlite3.Error as error:
-            raise LedgerError(f"{self.path}: cannot open the ledger: {error}") from error
-        try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
-            mode = self._journal_wal(conn)
-            if mode != "wal":
-                raise LedgerError(
-                    f"{self.path}: the ledger needs WAL journaling, and this database "
-                    f"reports journal_mode={mode} (an in-memory database cannot hold a ledger)"
-                )
-            # FULL: in WAL mode NORMAL may lose the last commits on power loss,
-            # and a billing record must not.
-            conn.execute("PRAGMA synchronous = FULL")
-            # Checkpoints run on their own thread (`_Checkpointer`): done in
-            # the writer's commit, one would stall every waiting run.
-            conn.execute("PRAGMA wal_autocheckpoint = 0")
-            # Foreign keys stay declared but unenforced: the writer already
-            # refuses an attempt of an invocation it does not know, and the
-            # per-row parent lookup would cost every insert.
-            migrate(conn, path=self.path)
-            self._statements = _Statements(conn)
-        except sqlite3.DatabaseError as error:
-            conn.close()
-            raise LedgerError(f"{self.path} is not a SQLite database ({error})") from error
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    def _journal_wal(self, conn: sqlite3.Connection) -> str:
-        # Switching a fresh file to WAL needs a lock the busy handler does not
-        # always wait for, so several processes opening one new file retry here.
-        give_up = time.monotonic() + self._busy_timeout
-        while True:
-            try:
-                return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
-            except sqlite3.OperationalError as error:
-                if "locked" not in str(error) or time.monotonic() > give_up:
-                    raise
-                time.sleep(0.01)
-
-    def _commit(self, conn: sqlite3.Connection, ops: list[_Op]) -> None:
-        """Write ``ops`` in one transaction; on a database error, each on its own."""
-        batch = _Batch()
-        began = False
-        try:
-            cursor = self._statements.cursor
-            cursor.execute("BEGIN IMMEDIATE")
-            began = True
-            self._plan(conn, batch, ops)
-            self._execute(batch)
-            cursor.execute("COMMIT")
-        except sqlite3.Error as error:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            # Forget what this batch taught the writer: the next write to
-            # those invocations reads their committed state again.
-            for invocation_id in batch.touched:
-                self._live.pop(invocation_id, None)
-            if began and len(ops) > 1:
-                # Isolate the write that failed so the others still land.
-                for op in ops:
-                    self._commit(conn, [op])
+            self._check()
+            self._next_id += 1
+            op[1] = self._next_id
+            self._activity = True
+            if not self._linger:
+                self._channel.send([op])
                 return
-            # A single write failed, or the write lock could not be had within
-            # the busy timeout (retrying each write would wait that long again).
-            failed = _Batch()
-            for op in ops:
-                failure = LedgerError(f"{self.path}: {_describe(op)} failed: {error}")
-                failure.__cause__ = error
-                self._refuse(op, failure, failed)
-            self._finish(failed)
-            return
-        self._commits += 1
-        self._uncheckpointed += 1
-        self._uncheckpointed_writes += batch.planned
-        self._writes += batch.planned
-        self._finish(batch)
+            if not self._deferred:
+                self._deferred_since = time.monotonic()
+                if self._helper_idle:
+                    self._wake_helper()
+            self._deferred.append(op)
 
-    def _finish(self, batch: _Batch) -> None:
-        tickets = batch.done
-        for ticket, error in batch.failed:
-            ticket.error = error
-            tickets.append(ticket)
-        _wake_all(tickets)
+    def _send(self, op: Op) -> int:
+        """Send a durable write, and every deferred one before it; return its number."""
+        self._check_process()
+        with self._lock:
+            self._check()
+            self._next_id += 1
+            op[1] = self._next_id
+            self._activity = True
+            self._flush_deferred(op)
+            return self._next_id
 
-    def _refuse(self, op: _Op, error: LedgerError, batch: _Batch) -> None:
-        kind, record, ticket = op
-        if ticket is not None:
-            batch.failed.append((ticket, error))
-        elif kind in (_START, _SETTLE):
-            # Nobody awaits a deferred write: its invocation's next durable
-            # call reports the failure, and nothing more is written for it.
-            self._failed.setdefault(_invocation_id(kind, record), error)
+    def _flush_deferred(self, op: Op | None = None) -> None:
+        # Called holding `_lock`.
+        ops = self._deferred
+        if op is not None:
+            ops.append(op)
+        if ops:
+            self._deferred = []
+            self._channel.send(ops)
 
-    # -- planning: check each op against what is known and turn it into rows ------
-
-    def _plan(self, conn: sqlite3.Connection, batch: _Batch, ops: list[_Op]) -> None:
-        failed = self._failed
-        for op in ops:
-            kind, record, ticket = op
-            if kind < _FLUSH:
-                try:
-                    if failed:
-                        error = failed.get(_invocation_id(kind, record))
-                        if error is not None:
-                            raise error
-                    if kind == _SETTLE:
-                        self._plan_settle(conn, batch, record)
-                    elif kind == _DISPATCH:
-                        self._plan_dispatch(conn, batch, record)
-                    elif kind == _START:
-                        self._plan_start(batch, record)
-                    else:
-                        self._plan_end(conn, batch, record)
-                except LedgerError as error:
-                    self._refuse(op, error, batch)
-                    continue
-                batch.planned += 1
-            if ticket is not None:
-                batch.done.append(ticket)
-
-    def _touch(self, conn: sqlite3.Connection, batch: _Batch, invocation_id: str) -> _Live:
-        batch.touched.add(invocation_id)
-        live = self._live.get(invocation_id)
-        if live is not None and not live.ended:
-            return live
-        if live is None:
-            # Not started by this ledger (or forgotten after a rollback): read
-            # its committed state.
-            row = conn.execute(
-                "SELECT attempts_retained, outcome FROM invocations WHERE id = ?",
-                (invocation_id,),
-            ).fetchone()
-            if row is None:
-                raise LedgerError(f"{self.path}: no invocation {invocation_id}")
-            unsettled = conn.execute(
-                "SELECT ordinal FROM attempts WHERE invocation_id = ? AND outcome = 'dispatched'",
-                (invocation_id,),
-            ).fetchall()
-            live = _Live(int(row[0]), {int(r[0]) for r in unsettled}, None,
-                         ended=row[1] != "running")
-            self._live[invocation_id] = live
-        if live.ended:
-            raise LedgerError(f"{self.path}: invocation {invocation_id} has already ended")
-        return live
-
-    def _plan_start(self, batch: _Batch, r: InvocationStart) -> None:
-        if r.id in self._live:
-            raise LedgerError(f"{self.path}: invocation {r.id} already exists")
-        batch.touched.add(r.id)
-        self._live[r.id] = _Live(0)
-        batch.starts.append((
-            r.id, r.operation, r.operation_version, r.provider, r.model, r.tenant, r.user_id,
-            r.feature, r.correlation_id, format_time(r.started_at),
-        ))
-
-    def _plan_dispatch(self, conn: sqlite3.Connection, batch: _Batch, r: AttemptDispatch) -> None:
-        live = self._touch(conn, batch, r.invocation_id)
-        overflow = live.overflow
-        if r.ordinal in live.unsettled or (overflow is not None and r.ordinal in overflow):
-            raise LedgerError(
-                f"{self.path}: attempt {r.ordinal} of {r.invocation_id} is already dispatched")
-        deltas = batch.deltas.get(r.invocation_id)
-        if deltas is None:
-            deltas = batch.deltas[r.invocation_id] = [0] * _D_WIDTH
-        deltas[_D_COUNT] += 1
-        if live.retained >= self._max_retained:
-            # R07: past the cap an attempt is counted, not kept.
-            deltas[_D_INCOMPLETE] = 1
-            if overflow is not None:
-                overflow.add(r.ordinal)
-            return
-        live.retained += 1
-        live.unsettled.add(r.ordinal)
-        deltas[_D_RETAINED] += 1
-        batch.dispatches.append((
-            r.invocation_id, r.ordinal, r.turn, r.attempt, r.phase, r.served_by,
-            format_time(r.started_at), r.max_tokens, r.timeout_ms, r.wait_ms,
-        ))
-
-    def _plan_settle(self, conn: sqlite3.Connection, batch: _Batch, r: AttemptSettle) -> None:
-        live = self._touch(conn, batch, r.invocation_id)
-        if r.ordinal in live.unsettled:
-            live.unsettled.discard(r.ordinal)
-            retained = True
-        elif live.overflow is None or r.ordinal in live.overflow:
-            if live.overflow is not None:
-                live.overflow.discard(r.ordinal)
-            retained = False
-        else:
-            raise LedgerError(
-                f"{self.path}: attempt {r.ordinal} of {r.invocation_id} was not dispatched "
-                "or is already settled")
-        deltas = batch.deltas.get(r.invocation_id)
-        if deltas is None:
-            deltas = batch.deltas[r.invocation_id] = [0] * _D_WIDTH
-        usage = r.usage
-        if usage is not None:
-            deltas[_D_INPUT] += usage.input_tokens
-            deltas[_D_OUTPUT] += usage.output_tokens
-            deltas[_D_CACHE_READ] += usage.cache_read_tokens
-            deltas[_D_CACHE_WRITE] += usage.cache_write_tokens
-            deltas[_D_CACHE_WRITE_1H] += usage.cache_write_1h_tokens
-        cost = r.cost_nanousd
-        if cost is not None:
-            # S01: every priced attempt is what the provider may bill; only
-            # the charged (successful) ones are what the run costs.
-            deltas[_D_PROVIDER_COST] += cost
-            if r.charged:
-                deltas[_D_COST] += cost
-        if not retained:
-            return
-        if usage is None:
-            batch.settles.append((
-                r.outcome, r.latency_ms, r.fault, r.aborted_reason, r.http_status, r.error_code,
-                None, None, None, None, None, int(r.usage_approx), cost, int(r.charged),
-                r.price_ref, r.response_id, r.request_id, r.stop_reason, r.invocation_id,
-                r.ordinal,
-            ))
-        else:
-            batch.settles.append((
-                r.outcome, r.latency_ms, r.fault, r.aborted_reason, r.http_status, r.error_code,
-                usage.input_tokens, usage.output_tokens, usage.cache_read_tokens,
-                usage.cache_write_tokens, usage.cache_write_1h_tokens, int(r.usage_approx),
-                cost, int(r.charged), r.price_ref, r.response_id, r.request_id, r.stop_reason,
-                r.invocation_id, r.ordinal,
-            ))
-
-    def _plan_end(self, conn: sqlite3.Connection, batch: _Batch, r: InvocationEnd) -> None:
-        live = self._touch(conn, batch, r.id)
-        live.ended = True
-        batch.ends.append((format_time(r.ended_at), r.outcome, r.turns, r.tool_calls,
-                           r.credits, r.id))
-
-    def _execute(self, batch: _Batch) -> None:
-        run = self._statements.run
-        # Statement order: rows exist before they are updated.
-        if batch.starts:
-            run("start", batch.starts)
-        if batch.dispatches:
-            run("dispatch", batch.dispatches)
-        if batch.settles:
-            _expect(run("settle", batch.settles), len(batch.settles),
-                    "dispatched attempt rows")
-        if batch.deltas:
-            _expect(run("add", [(*d, i) for i, d in batch.deltas.items()]),
-                    len(batch.deltas), "invocation rows")
-        if batch.ends:
-            _expect(run("end", batch.ends), len(batch.ends), "invocation rows")
-        for row in batch.ends:
-            # Ended: nothing more will be written for it by the engine.
-            self._live.pop(row[-1], None)
-
-
-def _expect(changed: int, count: int, what: str) -> None:
-    if changed != count:
-        # Another writer changed rows this one counted on: let the per-write
-        # path find out which write it was.
-        raise sqlite3.IntegrityError(f"expected to update {count} {what}, updated {changed}")
-
-
-def _invocation_id(kind: int, record: Any) -> str:
-    if kind in (_START, _END):
-        return str(record.id)
-    return str(record.invocation_id)
-
-
-def _describe(op: _Op) -> str:
-    kind, record, _ = op
-    if kind == _START:
-        return f"starting invocation {record.id}"
-    if kind == _DISPATCH:
-        return f"dispatching attempt {record.ordinal} of {record.invocation_id}"
-    if kind == _SETTLE:
-        return f"settling attempt {record.ordinal} of {record.invocation_id}"
-    if kind == _END:
-        return f"ending invocation {record.id}"
-    return "committing"
-
-
-def _wake(tickets: list[_Ticket]) -> None:
-    for ticket in tickets:
-        if ticket.future is not None:
-            if not ticket.future.done():  # done: its waiter was cancelled
-                ticket.future.set_result(None)
-        elif ticket.event is not None:
-            ticket.event.set()
-
-
-def _wake_all(tickets: list[_Ticket]) -> None:
-    """Complete each ticket in its own event loop, without waiting for that loop."""
-    if len(tickets) == 1 and tickets[0].loop is not None:  # the sequential path
+    def _wake_helper(self) -> None:
         try:
-            tickets[0].loop.call_soon_threadsafe(_wake, tickets)
-        except Exception:  # the loop has finished: nobody is waiting any more
-            pass
-        return
-    by_loop: dict[int, tuple[_Ticket, list[_Ticket]]] = {}
-    for ticket in tickets:
-        loop: object = ticket.loop if ticket.loop is not None else (
-            ticket.token.native_token if ticket.token is not None else None)
-        entry = by_loop.get(id(loop))
-        if entry is None:
-            by_loop[id(loop)] = (ticket, [ticket])
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already woken, or closed
+
+    # -- waiting -------------------------------------------------------------------
+
+    async def _wait(self, number: int) -> None:
+        """Return once write ``number`` is committed; raise if it was refused."""
+        if self._done < number:
+            await self._wait_for(number)
+        if self._refused:
+            with self._lock:
+                message = self._refused.pop(number, None)
+            if message is not None:
+                raise LedgerError(message)
+
+    async def _wait_for(self, number: int) -> None:
+        channel = self._channel
+        with self._lock:
+            channel.poll()
+            if self._done >= number:
+                return
+            if self._broken is not None:
+                raise LedgerError(f"{self.path}: {self._broken}")
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            waiter = _Waiter(loop)
+            self._sequence += 1
+            heapq.heappush(self._waiters, (number, self._sequence, waiter))
+            fd = channel.fileno()
+            if loop is not None:
+                count = self._readers.get(loop, 0)
+                self._readers[loop] = count + 1
+                if count == 0 and fd is not None:
+                    loop.add_reader(fd, self._readable)
+            else:
+                self._watchers += 1
+                if fd is not None:
+                    self._wake_helper()
+        try:
+            await waiter.wait()
+        finally:
+            with self._lock:
+                waiter.gone = True
+                if loop is not None:
+                    count = self._readers[loop] - 1
+                    if count:
+                        self._readers[loop] = count
+                    else:
+                        del self._readers[loop]
+                        if fd is not None:
+                            # Also once the writer is gone: its pipe at its end
+                            # would keep this loop waking up.
+                            loop.remove_reader(fd)
+                else:
+                    self._watchers -= 1
+        if self._done < number:
+            raise LedgerError(f"{self.path}: {self._broken or 'the ledger is closed'}")
+
+    def _readable(self) -> None:
+        # An event loop saw the writer's pipe readable.
+        with self._lock:
+            self._channel.poll()
+
+    def _report(self, done: int, refused: list[tuple[int, str]], commits: int,
+                writes: int) -> None:
+        """Take in what the writer reports after a commit. Called holding `_lock`."""
+        for number, message in refused:
+            self._refused[number] = message
+        self._commits, self._writes = commits, writes
+        if done > self._done:
+            self._done = done
+            self._release(done)
+
+    def _break(self, reason: str) -> None:
+        """The writer is gone: fail every waiter. Called holding `_lock`."""
+        if self._broken is None:
+            self._broken = reason
+            self._closed = True
+        # Each woken waiter stops its loop's watch of the pipe as it returns.
+        self._release(None)
+
+    def _release(self, done: int | None) -> None:
+        """Wake the waiters of writes up to ``done`` (all when None). Holding `_lock`."""
+        waiters = self._waiters
+        ready: list[_Waiter] = []
+        while waiters and (done is None or waiters[0][0] <= done):
+            waiter = heapq.heappop(waiters)[2]
+            if not waiter.gone:
+                ready.append(waiter)
+        if ready:
+            _wake_all(ready)
+
+    # -- the helper thread ------------------------------------------------------------
+
+    def _help(self) -> None:
+        """Send deferred writes once they have lingered, write what the pipe did not
+        take, and watch the writer's pipe for waiters of other event-loop backends."""
+        channel, linger = self._channel, self._linger
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+                timeout: float | None = None
+                if self._deferred:
+                    due = self._deferred_since + linger
+                    now = time.monotonic()
+                    if now >= due:
+                        self._flush_deferred()
+                        timeout = linger
+                    else:
+                        timeout = due - now
+                elif self._activity and linger:
+                    # Writes keep coming: look again after a linger instead of
+                    # being woken by the next deferred write.
+                    timeout = linger
+                self._activity = False
+                self._helper_idle = timeout is None
+                channel.poll()  # keeps the writer's pipe from filling while nobody waits
+                fd = channel.fileno()
+                readable = [self._wake_r]
+                if fd is not None and self._watchers:
+                    readable.append(fd)
+                writable = channel.blocked()
+            ready, _, _ = select.select(readable, writable, [], timeout)
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 512)
+                except OSError:
+                    pass
+            with self._lock:
+                self._helper_idle = False
+                channel.poll()
+                if writable:
+                    channel.send([])
+
+
+def _dispatch_op(r: AttemptDispatch) -> Op:
+    return [DISPATCH, 0, r.invocation_id, r.ordinal, r.turn, r.attempt, r.phase, r.served_by,
+            format_time(r.started_at), r.max_tokens, r.timeout_ms, r.wait_ms]
+
+
+class _Receipt:
+    """A dispatch sent to the writer; `wait` returns once it is durable."""
+
+    __slots__ = ("_error", "_ledger", "_number", "_waited")
+
+    def __init__(self, ledger: SQLiteLedger, number: int) -> None:
+        self._ledger = ledger
+        self._number = number
+        self._waited = False
+        self._error: LedgerError | None = None
+
+    async def wait(self) -> None:
+        """Return once the row is durable; awaiting again is harmless.
+
+        Raises:
+            LedgerError: the row could not be written.
+        """
+        if not self._waited:
+            try:
+                await self._ledger._wait(self._number)
+            except LedgerError as error:
+                self._error = error
+                self._waited = True
+                raise
+            self._waited = True
+        elif self._error is not None:
+            raise self._error
+
+
+@dataclass(slots=True)
+class _Waiter:
+    """One call waiting for its write; completed in its own event loop."""
+
+    loop: asyncio.AbstractEventLoop | None
+    future: asyncio.Future[None] | None = None
+    event: anyio.Event | None = None
+    token: Any = None
+    gone: bool = False
+    """The call stopped waiting (completed or cancelled)."""
+
+    def __post_init__(self) -> None:
+        if self.loop is not None:
+            self.future = self.loop.create_future()
         else:
-            entry[1].append(ticket)
-    for first, group in by_loop.values():
+            # Not asyncio (anyio's trio backend): an event set through the loop's token.
+            self.event = anyio.Event()
+            self.token = anyio.lowlevel.current_token()
+
+    async def wait(self) -> None:
+        if self.future is not None:
+            await self.future
+        else:
+            assert self.event is not None
+            await self.event.wait()
+
+
+def _wake(waiters: list[_Waiter]) -> None:
+    for waiter in waiters:
+        if waiter.future is not None:
+            if not waiter.future.done():  # done: its call was cancelled
+                waiter.future.set_result(None)
+        elif waiter.event is not None:
+            waiter.event.set()
+
+
+def _wake_all(waiters: list[_Waiter]) -> None:
+    """Complete each waiter in its own event loop, without waiting for that loop."""
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    groups: dict[int, list[_Waiter]] = {}
+    for waiter in waiters:
+        key = id(waiter.loop) if waiter.loop is not None else id(waiter.token.native_token)
+        groups.setdefault(key, []).append(waiter)
+    for group in groups.values():
+        first = group[0]
         try:
             if first.loop is not None:
-                first.loop.call_soon_threadsafe(_wake, group)
-            elif first.token is not None:
-                first.token.backend_class.run_sync_soon(_wake, (group,),
-                                                        first.token.native_token)
+                if first.loop is running:
+                    _wake(group)
+                else:
+                    first.loop.call_soon_threadsafe(_wake, group)
+            else:
+                first.token.backend_class.run_sync_soon(_wake, (group,), first.token.native_token)
         except Exception:  # the loop has finished: nobody is waiting any more
             pass
 
 
-class _Checkpointer:
-    """Copies the WAL back into the database file, off the writer's path.
+# -- the writer's two homes ---------------------------------------------------------------
 
-    The writer pokes it when a checkpoint is due while durable writes are
-    queued (otherwise the writer checkpoints itself). A passive checkpoint never blocks
-    writers or readers; it copies what no reader still needs, at most every
-    ``interval`` seconds. The last connection to close checkpoints what is left.
-    """
 
-    def __init__(self, path: str, busy_timeout: float, interval: float = 0.1) -> None:
-        self._path = path
-        self._busy_timeout = busy_timeout
-        self._interval = interval
-        self._wanted = threading.Event()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"loopengine-checkpoint:{path}",
+class _Channel:
+    """How writes reach the writer and its reports come back (called holding the
+    ledger's lock, but for `join` and `release`)."""
+
+    kind: Literal["process", "thread"]
+
+    def send(self, ops: list[Op]) -> None:
+        """Hand ``ops`` to the writer (never blocks)."""
+        raise NotImplementedError
+
+    def poll(self) -> None:
+        """Take in the reports that have arrived (never blocks)."""
+
+    def fileno(self) -> int | None:
+        """The pipe an event loop watches for reports, if there is one."""
+        return None
+
+    def blocked(self) -> list[int]:
+        """The pipe to wait on for room, when sent writes are held back."""
+        return []
+
+    def join(self) -> None:
+        """Wait for the writer to stop (after a STOP was sent, or its end)."""
+
+    def release(self) -> None:
+        """Close what is left once the writer has stopped."""
+
+
+class _ProcessChannel(_Channel):
+    """The writer in a child process, spoken to through two pipes."""
+
+    kind: Literal["process", "thread"] = "process"
+
+    def __init__(self, ledger: SQLiteLedger, settings: _writer.Settings,
+                 max_batch: int) -> None:
+        self._ledger = ledger
+        ops_read, ops_write = os.pipe()
+        acks_read, acks_write = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", _WRITER_FILE, str(ops_read), str(acks_write),
+                 _writer.settings_argument(settings, max_batch)],
+                pass_fds=(ops_read, acks_write), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, close_fds=True,
+            )
+        except BaseException:
+            for fd in (ops_read, ops_write, acks_read, acks_write):
+                os.close(fd)
+            raise
+        # The child's ends are the child's alone: its input ends when ours closes.
+        os.close(ops_read)
+        os.close(acks_write)
+        self._ops = ops_write
+        self._acks = acks_read
+        self._held = bytearray()
+        """Frames the pipe did not take yet (the helper thread writes them)."""
+        self._incoming = bytearray()
+        self._ended = False
+        os.set_blocking(self._ops, False)
+        try:
+            self._handshake(settings.busy_timeout + _START_TIMEOUT)
+        except BaseException:
+            self.process.kill()
+            self.process.wait()
+            self.release()
+            raise
+        os.set_blocking(self._acks, False)
+
+    def _handshake(self, timeout: float) -> None:
+        give_up = time.monotonic() + timeout
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise LedgerError(f"{self._ledger.path}: the ledger's writer process did not "
+                                  f"start within {timeout:g}s")
+            ready, _, _ = select.select([self._acks], [], [], left)
+            if not ready:
+                continue
+            data = os.read(self._acks, 1 << 16)
+            if not data:
+                code = self.process.wait()
+                raise LedgerError(f"{self._ledger.path}: the ledger's writer process exited "
+                                  f"with code {code} before it started")
+            self._incoming.extend(data)
+            frames = _writer.unframe(self._incoming)
+            if frames:
+                first = frames[0]
+                if first[0] == -1:
+                    raise LedgerError(str(first[1]))
+                return
+
+    def send(self, ops: list[Op]) -> None:
+        if ops:
+            self._held.extend(_writer.frame(ops))
+        if not self._held or self._ended:
+            return
+        try:
+            written = os.write(self._ops, self._held)
+        except BlockingIOError:
+            written = 0
+        except OSError as error:  # BrokenPipeError: the writer is gone
+            self.poll()
+            self._ledger._break(f"the ledger's writer process is gone ({error})")
+            return
+        del self._held[:written]
+        if self._held:
+            self._ledger._wake_helper()
+
+    def poll(self) -> None:
+        if self._ended:
+            return
+        while True:
+            try:
+                data = os.read(self._acks, 1 << 16)
+            except BlockingIOError:
+                break
+            if not data:
+                self._ended = True
+                break
+            self._incoming.extend(data)
+        ledger = self._ledger
+        for report in _writer.unframe(self._incoming):
+            if report[0] == -1:
+                ledger._break(str(report[1]))
+            else:
+                ledger._report(*report)
+        if self._ended:
+            code = self.process.poll()
+            ledger._break("the ledger is closed" if ledger._stopping else
+                          f"the ledger's writer process exited (code {code})")
+
+    def fileno(self) -> int | None:
+        return None if self._ended else self._acks
+
+    def blocked(self) -> list[int]:
+        return [self._ops] if self._held and not self._ended else []
+
+    def join(self) -> None:
+        # Read reports (and write what is held back) until the writer's end.
+        while True:
+            with self._ledger._lock:
+                self.send([])
+                self.poll()
+                if self._ended:
+                    break
+                writable = self.blocked()
+            select.select([self._acks], writable, [], 1.0)
+        self.process.wait()
+
+    def release(self) -> None:
+        fds = [self._ops]
+        if not self._ledger._readers:
+            # A loop still watching the pipe removes its watch by number: the
+            # number must not go to another file before. (Only a call still
+            # waiting while the ledger closes leaves it open.)
+            fds.append(self._acks)
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class _ThreadChannel(_Channel):
+    """The writer in a thread of this process."""
+
+    kind: Literal["process", "thread"] = "thread"
+
+    def __init__(self, ledger: SQLiteLedger, settings: _writer.Settings,
+                 max_batch: int) -> None:
+        self._ledger = ledger
+        self._max_batch = max_batch
+        self._ops: list[Op] = []
+        self._signalled = False
+        self._signal: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._writer = _writer.Writer(settings)
+        try:
+            self._writer.open()
+        except (sqlite3.Error, _writer.Refused) as error:
+            raise LedgerError(f"{settings.path}: cannot open the ledger: {error}") from error
+        self._thread = threading.Thread(target=self._run, name=f"loopengine-writer:{settings.path}",
                                         daemon=True)
         self._thread.start()
 
-    def poke(self) -> None:
-        """Ask for a checkpoint (cheap; many pokes make one checkpoint)."""
-        self._wanted.set()
+    def send(self, ops: list[Op]) -> None:
+        if ops:
+            self._ops.extend(ops)
+            if not self._signalled:
+                self._signalled = True
+                self._signal.put(None)
 
-    def stop(self) -> None:
-        """Stop the thread and close its connection."""
-        self._stopping.set()
-        self._wanted.set()
+    def join(self) -> None:
         self._thread.join()
 
     def _run(self) -> None:
-        try:
-            conn = sqlite3.connect(self._path, timeout=self._busy_timeout, isolation_level=None)
-        except sqlite3.Error:
-            return  # the writer's own connection reports what is wrong with the file
+        ledger, writer = self._ledger, self._writer
         try:
             while True:
-                self._wanted.wait()
-                if self._stopping.is_set():
+                self._signal.get()
+                with ledger._lock:
+                    ops, self._ops = self._ops, []
+                    self._signalled = False
+                if not ops:
+                    continue
+                refused = _writer.run_batches(writer, ops, self._max_batch)
+                with ledger._lock:
+                    ledger._report(ops[-1][1], refused, writer.commits, writer.writes)
+                if any(op[0] == STOP for op in ops):
                     return
-                self._wanted.clear()
-                try:
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                except sqlite3.Error:
-                    pass  # a checkpoint is an optimisation; the next one retries
-                if self._stopping.wait(self._interval):
-                    return
+                due = writer.checkpoint_due
+                if due:
+                    if not self._ops:
+                        writer.checkpoint(here=True)
+                    elif due == 2:
+                        writer.checkpoint(here=False)
+        except BaseException as error:
+            # A bug here must not leave callers waiting forever.
+            with ledger._lock:
+                ledger._break(f"the ledger's writer failed: {error!r}")
+            raise
         finally:
-            conn.close()
+            writer.close()
+
+
+# -- opening ------------------------------------------------------------------------------
+
+
+def _prepare_file(path: str, busy_timeout: float) -> None:
+    """Create or migrate the ledger file, checking that it can hold a ledger.
+
+    Raises:
+        LedgerError: it cannot be opened, is not a SQLite database or not a
+            ledger, cannot use WAL, or has a newer schema.
+    """
+    try:
+        conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None)
+    except sqlite3.Error as error:
+        raise LedgerError(f"{path}: cannot open the ledger: {error}") from error
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        mode = _journal_wal(conn, busy_timeout)
+        if mode != "wal":
+            raise LedgerError(
+                f"{path}: the ledger needs WAL journaling, and this database reports "
+                f"journal_mode={mode} (an in-memory database cannot hold a ledger)"
+            )
+        migrate(conn, path=path)
+    except sqlite3.DatabaseError as error:
+        raise LedgerError(f"{path} is not a SQLite database ({error})") from error
+    finally:
+        conn.close()
+
+
+def _journal_wal(conn: sqlite3.Connection, busy_timeout: float) -> str:
+    # Switching a fresh file to WAL needs a lock the busy handler does not
+    # always wait for, so several processes opening one new file retry here.
+    give_up = time.monotonic() + busy_timeout
+    while True:
+        try:
+            return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > give_up:
+                raise
+            time.sleep(0.01)
+
+
+def _can_spawn() -> bool:
+    """Whether a writer process can be started: POSIX pipes, a real interpreter
+    (not a frozen application) and the writer's source file on disk."""
+    return (os.name == "posix" and bool(sys.executable) and os.path.isfile(sys.executable)
+            and not getattr(sys, "frozen", False) and os.path.isfile(_WRITER_FILE))
 
 
 _open_ledgers: weakref.WeakSet[SQLiteLedger] = weakref.WeakSet()
@@ -988,10 +935,20 @@ _open_ledgers: weakref.WeakSet[SQLiteLedger] = weakref.WeakSet()
 
 @atexit.register
 def _close_open_ledgers() -> None:
-    # The writer is a daemon thread (it must not keep a process alive); this
-    # commits what it still holds before the interpreter stops it.
+    # Commits what is still queued before the interpreter stops.
     for ledger in list(_open_ledgers):
         try:
             ledger.close()
         except Exception:  # exiting anyway, with nobody to report to
             pass
+
+
+def _forget_in_child() -> None:
+    # A forked child must not hold the writer's pipe open: the writer stops at
+    # the end of its input, once the process that opened the ledger is gone.
+    for ledger in list(_open_ledgers):
+        ledger._channel.release()
+    _open_ledgers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
