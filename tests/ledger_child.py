@@ -1,7 +1,8 @@
 """A child process for the ledger's process tests (run as a script, not collected).
 
 ``python ledger_child.py crash DB``: start a run whose request never returns,
-print ``ON THE WIRE`` once it is sent, and wait to be killed.
+print ``ON THE WIRE`` and the ledger's writer process id once it is sent, and
+wait to be killed.
 
 ``python ledger_child.py runs DB N TAG``: open a SQLiteLedger, print ``READY``,
 wait until the file ``DB.go`` exists (so that every child writes at once),
@@ -51,15 +52,18 @@ class OnTheWire:
 
     name = "anthropic"
 
+    def __init__(self, ledger: SQLiteLedger) -> None:
+        self.ledger = ledger
+
     async def send(self, request: ProviderRequest) -> ProviderResponse:
-        print("ON THE WIRE", flush=True)
+        print("ON THE WIRE", self.ledger.writer_pid, flush=True)
         await anyio.sleep_forever()
         raise AssertionError("unreachable")
 
 
 async def crash(path: str) -> None:
     with SQLiteLedger(path) as ledger:
-        engine = le.Engine(OnTheWire(), ledger=ledger, prices=PRICES)
+        engine = le.Engine(OnTheWire(ledger), ledger=ledger, prices=PRICES)
         await engine.run(OPERATION, "go", attribution=le.Attribution(tenant="crash"))
 
 

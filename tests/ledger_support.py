@@ -4,12 +4,19 @@ scripted conversations that exercise every kind of attempt."""
 from __future__ import annotations
 
 import sqlite3
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import loopengine as le
-from loopengine.persistence import MemoryLedger, SQLiteLedger
+from loopengine.persistence import (
+    AttemptDispatch,
+    AttemptSettle,
+    InvocationEnd,
+    InvocationStart,
+    MemoryLedger,
+    SQLiteLedger,
+)
 from loopengine.providers import FaultKind, ProviderFault, Reply
 
 Rows = tuple[dict[str, dict[str, Any]], dict[tuple[str, int], dict[str, Any]]]
@@ -86,3 +93,36 @@ def teammate_script() -> list[Any]:
 def judge(answer: str) -> le.Accept | le.Reject:
     """Accept only the final answer."""
     return le.Accept() if answer == "final answer" else le.Reject("not yet")
+
+
+# -- records written to a ledger directly ---------------------------------------------
+
+NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+
+
+def start(invocation_id: str = "inv-1") -> InvocationStart:
+    return InvocationStart(id=invocation_id, operation="op", operation_version="1",
+                           provider="anthropic", model="m", tenant="t", user_id=None,
+                           feature=None, correlation_id=None, started_at=NOW)
+
+
+def dispatch(ordinal: int, invocation_id: str = "inv-1") -> AttemptDispatch:
+    return AttemptDispatch(invocation_id=invocation_id, ordinal=ordinal, turn=ordinal,
+                           attempt=1, phase="turn", served_by="anthropic:m", started_at=NOW,
+                           max_tokens=100, timeout_ms=1000, wait_ms=0)
+
+
+def settle(ordinal: int, invocation_id: str = "inv-1") -> AttemptSettle:
+    return AttemptSettle(invocation_id=invocation_id, ordinal=ordinal, outcome="ok",
+                         latency_ms=3, usage=le.Usage(10, 2), cost_nanousd=12, charged=True)
+
+
+def end(invocation_id: str = "inv-1") -> InvocationEnd:
+    return InvocationEnd(id=invocation_id, ended_at=NOW, outcome="completed", turns=1,
+                         tool_calls=0, credits=1)
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    return conn

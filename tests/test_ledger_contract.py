@@ -1,8 +1,8 @@
 """The `Ledger` contract, proved on both stores through the real engine.
 
-Every test here runs once on `MemoryLedger` (the reference semantics) and
-once on `SQLiteLedger`, and one test checks that the two keep identical rows
-for the same conversation.
+Every test here runs on `MemoryLedger` (the reference semantics) and on
+`SQLiteLedger` with each of its writers (a child process, a thread), and one
+test checks that they keep identical rows for the same conversation.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from .ledger_support import judge, lookup, overloaded, read_rows, teammate_scrip
 FAST = le.RetryPolicy(max_attempts=7, initial_wait=0.001, max_wait=0.001)
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "process", "thread"])
 def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
-    """Each ledger implementation in turn."""
+    """Each ledger implementation in turn (SQLite with each writer)."""
     if request.param == "memory":
         yield MemoryLedger()
     else:
-        with SQLiteLedger(tmp_path / "ledger.db") as sqlite_ledger:
+        with SQLiteLedger(tmp_path / "ledger.db", writer=request.param) as sqlite_ledger:
+            assert sqlite_ledger.writer == request.param
             yield sqlite_ledger
 
 
@@ -165,8 +166,10 @@ async def test_cancellation_settles_aborted_external_and_propagates(ledger: Ledg
     assert attempt["latency_ms"] is not None
 
 
-async def test_both_ledgers_keep_the_same_rows(tmp_path: Path) -> None:
-    """The same conversation leaves identical rows in MemoryLedger and SQLiteLedger."""
+@pytest.mark.parametrize("writer", ["process", "thread"])
+async def test_both_ledgers_keep_the_same_rows(tmp_path: Path, writer: Any) -> None:
+    """The same conversation leaves identical rows in MemoryLedger and SQLiteLedger
+    (with either writer)."""
     attribution = le.Attribution(tenant="acme", user_id="u1", feature="help",
                                  correlation_id="c1")
 
@@ -180,7 +183,7 @@ async def test_both_ledgers_keep_the_same_rows(tmp_path: Path) -> None:
     memory = MemoryLedger()
     await converse(memory)
     memory_rows = await read_rows(memory)
-    with SQLiteLedger(tmp_path / "ledger.db") as sqlite_ledger:
+    with SQLiteLedger(tmp_path / "ledger.db", writer=writer) as sqlite_ledger:
         await converse(sqlite_ledger)
         sqlite_rows = await read_rows(sqlite_ledger)
 

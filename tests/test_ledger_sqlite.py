@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import sqlite3
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +16,6 @@ import pytest
 
 import loopengine as le
 from loopengine.persistence import (
-    AttemptDispatch,
-    AttemptSettle,
-    InvocationEnd,
-    InvocationStart,
     SQLiteLedger,
 )
 from loopengine.persistence import _sqlite as sqlite_module
@@ -42,7 +38,18 @@ from loopengine.providers import (
 from loopengine.testing import FakeAnthropicServer, FakeClock
 
 from .conftest import PRICES, EngineFactory, operation
-from .ledger_support import judge, lookup, overloaded, read_db, teammate_script
+from .ledger_support import (
+    connect,
+    dispatch,
+    end,
+    judge,
+    lookup,
+    overloaded,
+    read_db,
+    settle,
+    start,
+    teammate_script,
+)
 
 FAST = le.RetryPolicy(max_attempts=7, initial_wait=0.001, max_wait=0.001)
 
@@ -55,37 +62,6 @@ DESIGN_ATTEMPT_COLUMNS = """invocation_id ordinal turn attempt phase served_by s
     latency_ms outcome fault aborted_reason http_status error_code input_tokens output_tokens
     cache_read_tokens cache_write_tokens usage_approx cost_nanousd charged price_ref
     response_id request_id stop_reason max_tokens timeout_ms wait_ms""".split()
-
-NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
-
-
-def start(invocation_id: str = "inv-1") -> InvocationStart:
-    return InvocationStart(id=invocation_id, operation="op", operation_version="1",
-                           provider="anthropic", model="m", tenant="t", user_id=None,
-                           feature=None, correlation_id=None, started_at=NOW)
-
-
-def dispatch(ordinal: int, invocation_id: str = "inv-1") -> AttemptDispatch:
-    return AttemptDispatch(invocation_id=invocation_id, ordinal=ordinal, turn=ordinal,
-                           attempt=1, phase="turn", served_by="anthropic:m", started_at=NOW,
-                           max_tokens=100, timeout_ms=1000, wait_ms=0)
-
-
-def settle(ordinal: int, invocation_id: str = "inv-1") -> AttemptSettle:
-    return AttemptSettle(invocation_id=invocation_id, ordinal=ordinal, outcome="ok",
-                         latency_ms=3, usage=le.Usage(10, 2), cost_nanousd=12, charged=True)
-
-
-def end(invocation_id: str = "inv-1") -> InvocationEnd:
-    return InvocationEnd(id=invocation_id, ended_at=NOW, outcome="completed", turns=1,
-                         tool_calls=0, credits=1)
-
-
-def connect(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True)
-    conn.row_factory = sqlite3.Row
-    return conn
-
 
 # -- the schema -------------------------------------------------------------------------
 

@@ -79,6 +79,11 @@ class RecordingProvider:
         """The inner provider's route."""
         return self.inner.name
 
+    @property
+    def awaits_before_wire(self) -> bool:
+        """Whether the inner provider awaits `ProviderRequest.before_wire` (passed on)."""
+        return getattr(self.inner, "awaits_before_wire", False) is True
+
     def _write(self, entry: Mapping[str, Any]) -> None:
         # One append per attempt, the file closed between them: nothing to
         # close, and a crash loses at most the line being written.

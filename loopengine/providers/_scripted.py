@@ -106,8 +106,14 @@ class ScriptedProvider:
         clock: The clock on which reply delays pass (a `FakeClock` in tests).
 
     When the script runs out, further requests fail with a ``bad_request``
-    fault that says so, which ends the run with ``provider_error``.
+    fault that says so, which ends the run with ``provider_error``. Like a
+    real provider it awaits `ProviderRequest.before_wire` before it takes a
+    request (so a request whose ledger row could not be written is never
+    recorded).
     """
+
+    awaits_before_wire = True
+    """`send` awaits `ProviderRequest.before_wire` first."""
 
     script: Iterable[ScriptItem] = ()
     name: str = "anthropic"
@@ -124,6 +130,8 @@ class ScriptedProvider:
 
     async def send(self, request: ProviderRequest) -> ProviderResponse:
         """Serve the next script item (see the class docstring)."""
+        if request.before_wire is not None:
+            await request.before_wire()
         self.requests.append(replace(request, messages=copy.deepcopy(list(request.messages))))
         item = next(self._items, None)
         if item is None:
