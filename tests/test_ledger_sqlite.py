@@ -313,7 +313,8 @@ async def test_engine_run_raises_ledger_error_and_sends_nothing(tmp_path: Path) 
 
 @pytest.mark.parametrize("bad", [
     {"max_retained_attempts": 0}, {"max_retained_attempts": True}, {"busy_timeout": -1},
-    {"linger": float("nan")}, {"max_batch": 0},
+    {"linger": float("nan")}, {"linger": float("inf")}, {"busy_timeout": 1e400},
+    {"max_batch": 0}, {"writer": "fiber"},
 ])
 def test_bad_arguments_are_refused(tmp_path: Path, bad: dict[str, Any]) -> None:
     """Invalid settings raise LedgerError before any file is touched."""

@@ -39,6 +39,7 @@ import asyncio
 import atexit
 import heapq
 import logging
+import math
 import os
 import queue
 import select
@@ -140,8 +141,10 @@ class SQLiteLedger:
             raise LedgerError(
                 f"max_retained_attempts must be a positive integer, got {max_retained_attempts!r}")
         for name, value in (("busy_timeout", busy_timeout), ("linger", linger)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise LedgerError(f"{name} must be a non-negative number of seconds, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 \
+                    or not math.isfinite(value):
+                raise LedgerError(
+                    f"{name} must be a finite non-negative number of seconds, got {value!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise LedgerError(f"max_batch must be a positive integer, got {max_batch!r}")
         if writer not in ("auto", "process", "thread"):
@@ -158,8 +161,8 @@ class SQLiteLedger:
         self._broken: str | None = None
         """Why no write can be made any more (the writer is gone), or None."""
         self._next_id = 0
-        self._deferred: list[Op] = []
-        """Deferred writes not sent yet, in call order."""
+        self._deferred = bytearray()
+        """Frames of the deferred writes not sent yet, in call order."""
         self._deferred_since = 0.0
         self._done = 0
         """Every write numbered up to this is committed (or refused)."""
@@ -175,6 +178,8 @@ class SQLiteLedger:
         """Waiters on other backends: the helper thread watches the pipe for them."""
         self._activity = False
         self._helper_idle = False
+        self._closing = threading.Event()
+        """Set once a `close` has stopped the writer; a second `close` waits for it."""
 
         _prepare_file(self.path, self._busy_timeout)
         settings = _writer.Settings(self.path, max_retained_attempts, self._busy_timeout,
@@ -296,6 +301,7 @@ class SQLiteLedger:
     @property
     def commits(self) -> int:
         """Transactions this ledger has committed (one fsync each)."""
+        self._check_process()
         with self._lock:
             self._channel.poll()
             return self._commits
@@ -303,6 +309,7 @@ class SQLiteLedger:
     @property
     def writes(self) -> int:
         """Writes (starts, dispatches, settles, ends) this ledger has committed."""
+        self._check_process()
         with self._lock:
             self._channel.poll()
             return self._writes
@@ -322,14 +329,21 @@ class SQLiteLedger:
             self._closed = True  # the process that opened it closes it
             return
         with self._lock:
-            if self._closed and self._stopping:
-                return
-            closing = not self._closed
-            self._closed = True
-            self._stopping = True
-            if closing and self._broken is None:
-                self._next_id += 1
-                self._flush_deferred([STOP, self._next_id])
+            if self._stopping:
+                second = True
+            else:
+                second = False
+                closing = not self._closed
+                self._closed = True
+                self._stopping = True
+                if closing and self._broken is None:
+                    self._next_id += 1
+                    self._send_frames(_writer.op_frame(self._next_id, _STOP_OP))
+        if second:
+            # Another thread is closing it (the user's close beside atexit's):
+            # return only once everything is committed, as that one will.
+            self._closing.wait()
+            return
         self._channel.join()
         self._wake_helper()
         self._helper.join()
@@ -339,6 +353,7 @@ class SQLiteLedger:
         os.close(self._wake_w)
         self._channel.release()
         _open_ledgers.discard(self)
+        self._closing.set()
 
     async def aclose(self) -> None:
         """`close` in a worker thread, so the event loop keeps running meanwhile."""
@@ -379,45 +394,59 @@ class SQLiteLedger:
     def _check(self) -> None:
         # Called holding `_lock`.
         if self._broken is not None:
-            raise LedgerError(f"{self.path}: {self._broken}")
+            raise LedgerError(self._broken)
         if self._closed:
             raise LedgerError(f"{self.path}: the ledger is closed")
 
+    def _encode(self, op: Op) -> bytes:
+        """The op's frame data; a value that cannot be recorded is refused here,
+        before the write is numbered, so it never holds up anyone else's."""
+        try:
+            return _writer.encode_op(op)
+        except ValueError:
+            pass
+        try:
+            # A subclass of str or int (an enum member, say) as its plain value.
+            return _writer.encode_op([_plain(value) for value in op])
+        except ValueError as error:
+            raise LedgerError(f"{self.path}: a value of this write cannot be recorded "
+                              f"({error}): {op!r}") from None
+
     def _defer(self, op: Op) -> None:
+        data = self._encode(op)
         self._check_process()
         with self._lock:
             self._check()
             self._next_id += 1
-            op[1] = self._next_id
+            frame = _writer.op_frame(self._next_id, data)
             self._activity = True
             if not self._linger:
-                self._channel.send([op])
+                self._channel.send(frame)
                 return
             if not self._deferred:
                 self._deferred_since = time.monotonic()
                 if self._helper_idle:
                     self._wake_helper()
-            self._deferred.append(op)
+            self._deferred += frame
 
     def _send(self, op: Op) -> int:
         """Send a durable write, and every deferred one before it; return its number."""
+        data = self._encode(op)
         self._check_process()
         with self._lock:
             self._check()
             self._next_id += 1
-            op[1] = self._next_id
             self._activity = True
-            self._flush_deferred(op)
+            self._send_frames(_writer.op_frame(self._next_id, data))
             return self._next_id
 
-    def _flush_deferred(self, op: Op | None = None) -> None:
-        # Called holding `_lock`.
-        ops = self._deferred
-        if op is not None:
-            ops.append(op)
-        if ops:
-            self._deferred = []
-            self._channel.send(ops)
+    def _send_frames(self, frame: bytes = b"") -> None:
+        """Send the deferred writes, then ``frame``. Called holding `_lock`."""
+        if self._deferred:
+            frame = bytes(self._deferred) + frame
+            self._deferred.clear()
+        if frame:
+            self._channel.send(frame)
 
     def _wake_helper(self) -> None:
         try:
@@ -438,30 +467,31 @@ class SQLiteLedger:
                 raise LedgerError(message)
 
     async def _wait_for(self, number: int) -> None:
+        self._check_process()
         channel = self._channel
         with self._lock:
             channel.poll()
             if self._done >= number:
                 return
             if self._broken is not None:
-                raise LedgerError(f"{self.path}: {self._broken}")
+                raise LedgerError(self._broken)
             try:
                 loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
             except RuntimeError:
                 loop = None
             waiter = _Waiter(loop)
-            self._sequence += 1
-            heapq.heappush(self._waiters, (number, self._sequence, waiter))
             fd = channel.fileno()
             if loop is not None:
                 count = self._readers.get(loop, 0)
-                self._readers[loop] = count + 1
                 if count == 0 and fd is not None:
-                    loop.add_reader(fd, self._readable)
+                    loop.add_reader(fd, self._readable)  # first: it may raise
+                self._readers[loop] = count + 1
             else:
                 self._watchers += 1
                 if fd is not None:
                     self._wake_helper()
+            self._sequence += 1
+            heapq.heappush(self._waiters, (number, self._sequence, waiter))
         try:
             await waiter.wait()
         finally:
@@ -477,10 +507,12 @@ class SQLiteLedger:
                             # Also once the writer is gone: its pipe at its end
                             # would keep this loop waking up.
                             loop.remove_reader(fd)
+                            if not self._readers:
+                                channel.unwatched()
                 else:
                     self._watchers -= 1
         if self._done < number:
-            raise LedgerError(f"{self.path}: {self._broken or 'the ledger is closed'}")
+            raise LedgerError(self._broken or f"{self.path}: the ledger is closed")
 
     def _readable(self) -> None:
         # An event loop saw the writer's pipe readable.
@@ -500,7 +532,7 @@ class SQLiteLedger:
     def _break(self, reason: str) -> None:
         """The writer is gone: fail every waiter. Called holding `_lock`."""
         if self._broken is None:
-            self._broken = reason
+            self._broken = f"{self.path}: {reason}"
             self._closed = True
         # Each woken waiter stops its loop's watch of the pipe as it returns.
         self._release(None)
@@ -521,6 +553,16 @@ class SQLiteLedger:
     def _help(self) -> None:
         """Send deferred writes once they have lingered, write what the pipe did not
         take, and watch the writer's pipe for waiters of other event-loop backends."""
+        try:
+            self._help_loop()
+        except BaseException as error:
+            # Without its helper the ledger could strand a write: say so to
+            # every caller rather than leave one waiting.
+            with self._lock:
+                self._break(f"the ledger's helper thread failed: {error!r}")
+            raise
+
+    def _help_loop(self) -> None:
         channel, linger = self._channel, self._linger
         while True:
             with self._lock:
@@ -531,7 +573,7 @@ class SQLiteLedger:
                     due = self._deferred_since + linger
                     now = time.monotonic()
                     if now >= due:
-                        self._flush_deferred()
+                        self._send_frames()
                         timeout = linger
                     else:
                         timeout = due - now
@@ -557,7 +599,21 @@ class SQLiteLedger:
                 self._helper_idle = False
                 channel.poll()
                 if writable:
-                    channel.send([])
+                    channel.send(b"")
+
+
+_STOP_OP: Final = _writer.encode_op([STOP, 0])
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as the plain type `marshal` takes (an enum member as its value)."""
+    if isinstance(value, str) and type(value) is not str:
+        return str.__str__(value)
+    if isinstance(value, int) and type(value) not in (int, bool):
+        return int(value)
+    if isinstance(value, float) and type(value) is not float:
+        return float(value)
+    return value
 
 
 def _dispatch_op(r: AttemptDispatch) -> Op:
@@ -586,11 +642,14 @@ class _Receipt:
             try:
                 await self._ledger._wait(self._number)
             except LedgerError as error:
-                self._error = error
+                # Two calls waiting at once: the refusal reaches one of them
+                # from the ledger, the other from here.
+                if self._error is None:
+                    self._error = error
                 self._waited = True
                 raise
             self._waited = True
-        elif self._error is not None:
+        if self._error is not None:
             raise self._error
 
 
@@ -663,8 +722,8 @@ class _Channel:
 
     kind: Literal["process", "thread"]
 
-    def send(self, ops: list[Op]) -> None:
-        """Hand ``ops`` to the writer (never blocks)."""
+    def send(self, frames: bytes) -> None:
+        """Hand op frames to the writer (never blocks)."""
         raise NotImplementedError
 
     def poll(self) -> None:
@@ -678,11 +737,17 @@ class _Channel:
         """The pipe to wait on for room, when sent writes are held back."""
         return []
 
+    def unwatched(self) -> None:
+        """No event loop watches `fileno` any more."""
+
     def join(self) -> None:
         """Wait for the writer to stop (after a STOP was sent, or its end)."""
 
     def release(self) -> None:
         """Close what is left once the writer has stopped."""
+
+    def forget(self) -> None:
+        """In a forked child: let go of the pipes without touching the writer."""
 
 
 class _ProcessChannel(_Channel):
@@ -715,6 +780,7 @@ class _ProcessChannel(_Channel):
         """Frames the pipe did not take yet (the helper thread writes them)."""
         self._incoming = bytearray()
         self._ended = False
+        self._released = False
         os.set_blocking(self._ops, False)
         try:
             self._handshake(settings.busy_timeout + _START_TIMEOUT)
@@ -726,42 +792,51 @@ class _ProcessChannel(_Channel):
         os.set_blocking(self._acks, False)
 
     def _handshake(self, timeout: float) -> None:
+        path = self._ledger.path
         give_up = time.monotonic() + timeout
         while True:
             left = give_up - time.monotonic()
             if left <= 0:
-                raise LedgerError(f"{self._ledger.path}: the ledger's writer process did not "
-                                  f"start within {timeout:g}s")
+                raise LedgerError(f"{path}: the ledger's writer process did not start within "
+                                  f"{timeout:g}s")
             ready, _, _ = select.select([self._acks], [], [], left)
             if not ready:
                 continue
             data = os.read(self._acks, 1 << 16)
             if not data:
                 code = self.process.wait()
-                raise LedgerError(f"{self._ledger.path}: the ledger's writer process exited "
-                                  f"with code {code} before it started")
+                raise LedgerError(f"{path}: the ledger's writer process exited with code "
+                                  f"{code} before it started")
             self._incoming.extend(data)
             frames = _writer.unframe(self._incoming)
             if frames:
                 first = frames[0]
                 if first[0] == -1:
-                    raise LedgerError(str(first[1]))
+                    raise LedgerError(f"{path}: {first[1]}")
                 return
 
-    def send(self, ops: list[Op]) -> None:
-        if ops:
-            self._held.extend(_writer.frame(ops))
-        if not self._held or self._ended:
+    def send(self, frames: bytes) -> None:
+        if self._ended:
+            return
+        if self._held:
+            self._held += frames
+            data: bytes | bytearray = self._held
+        else:
+            data = frames
+        if not data:
             return
         try:
-            written = os.write(self._ops, self._held)
+            written = os.write(self._ops, data)
         except BlockingIOError:
             written = 0
         except OSError as error:  # BrokenPipeError: the writer is gone
             self.poll()
             self._ledger._break(f"the ledger's writer process is gone ({error})")
             return
-        del self._held[:written]
+        if data is self._held:
+            del self._held[:written]
+        elif written < len(data):
+            self._held += data[written:]
         if self._held:
             self._ledger._wake_helper()
 
@@ -784,9 +859,14 @@ class _ProcessChannel(_Channel):
             else:
                 ledger._report(*report)
         if self._ended:
-            code = self.process.poll()
-            ledger._break("the ledger is closed" if ledger._stopping else
-                          f"the ledger's writer process exited (code {code})")
+            if ledger._stopping:
+                ledger._break("the ledger is closed")
+                return
+            try:  # it closed its end: it is exiting, give it a moment to finish
+                code: int | None = self.process.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                code = None
+            ledger._break(f"the ledger's writer process exited (code {code})")
 
     def fileno(self) -> int | None:
         return None if self._ended else self._acks
@@ -794,11 +874,15 @@ class _ProcessChannel(_Channel):
     def blocked(self) -> list[int]:
         return [self._ops] if self._held and not self._ended else []
 
+    def unwatched(self) -> None:
+        if self._released:
+            self._close_acks()
+
     def join(self) -> None:
         # Read reports (and write what is held back) until the writer's end.
         while True:
             with self._ledger._lock:
-                self.send([])
+                self.send(b"")
                 self.poll()
                 if self._ended:
                     break
@@ -807,21 +891,28 @@ class _ProcessChannel(_Channel):
         self.process.wait()
 
     def release(self) -> None:
-        fds = [self._ops]
+        self._released = True
+        _close(self._ops)
         if not self._ledger._readers:
-            # A loop still watching the pipe removes its watch by number: the
-            # number must not go to another file before. (Only a call still
-            # waiting while the ledger closes leaves it open.)
-            fds.append(self._acks)
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            # A loop still watching the pipe removes its watch by number when
+            # its call returns (`unwatched`): until then the number must not
+            # go to another file.
+            self._close_acks()
+
+    def _close_acks(self) -> None:
+        if self._acks >= 0:
+            _close(self._acks)
+            self._acks = -1
+
+    def forget(self) -> None:
+        self._ended = True
+        self._held.clear()
+        _close(self._ops)
+        self._close_acks()
 
 
 class _ThreadChannel(_Channel):
-    """The writer in a thread of this process."""
+    """The writer in a thread of this process (fed the same frames)."""
 
     kind: Literal["process", "thread"] = "thread"
 
@@ -829,7 +920,7 @@ class _ThreadChannel(_Channel):
                  max_batch: int) -> None:
         self._ledger = ledger
         self._max_batch = max_batch
-        self._ops: list[Op] = []
+        self._frames = bytearray()
         self._signalled = False
         self._signal: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._writer = _writer.Writer(settings)
@@ -841,9 +932,9 @@ class _ThreadChannel(_Channel):
                                         daemon=True)
         self._thread.start()
 
-    def send(self, ops: list[Op]) -> None:
-        if ops:
-            self._ops.extend(ops)
+    def send(self, frames: bytes) -> None:
+        if frames:
+            self._frames += frames
             if not self._signalled:
                 self._signalled = True
                 self._signal.put(None)
@@ -857,7 +948,7 @@ class _ThreadChannel(_Channel):
             while True:
                 self._signal.get()
                 with ledger._lock:
-                    ops, self._ops = self._ops, []
+                    ops = _writer.unframe_ops(self._frames)
                     self._signalled = False
                 if not ops:
                     continue
@@ -868,7 +959,7 @@ class _ThreadChannel(_Channel):
                     return
                 due = writer.checkpoint_due
                 if due:
-                    if not self._ops:
+                    if not self._frames:
                         writer.checkpoint(here=True)
                     elif due == 2:
                         writer.checkpoint(here=False)
@@ -879,6 +970,13 @@ class _ThreadChannel(_Channel):
             raise
         finally:
             writer.close()
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 # -- opening ------------------------------------------------------------------------------
@@ -924,9 +1022,12 @@ def _journal_wal(conn: sqlite3.Connection, busy_timeout: float) -> str:
 
 
 def _can_spawn() -> bool:
-    """Whether a writer process can be started: POSIX pipes, a real interpreter
-    (not a frozen application) and the writer's source file on disk."""
-    return (os.name == "posix" and bool(sys.executable) and os.path.isfile(sys.executable)
+    """Whether a writer process can be started: POSIX pipes, an interpreter that
+    looks like one (not a frozen application, nor a server embedding Python
+    whose executable would start the server) and the writer's file on disk."""
+    executable = sys.executable or ""
+    return (os.name == "posix" and os.path.isfile(executable)
+            and os.path.basename(executable).lower().startswith(("python", "pypy"))
             and not getattr(sys, "frozen", False) and os.path.isfile(_WRITER_FILE))
 
 
@@ -946,8 +1047,11 @@ def _close_open_ledgers() -> None:
 def _forget_in_child() -> None:
     # A forked child must not hold the writer's pipe open: the writer stops at
     # the end of its input, once the process that opened the ledger is gone.
+    # Its copy of the ledger refuses every call (`_check_process`), and gets a
+    # fresh lock in case the fork copied the old one held.
     for ledger in list(_open_ledgers):
-        ledger._channel.release()
+        ledger._lock = threading.Lock()
+        ledger._channel.forget()
     _open_ledgers.clear()
 
 

@@ -13,7 +13,10 @@ them. The writer takes whatever has arrived into one ``BEGIN IMMEDIATE``
 transaction (group commit), checks each op against what it knows of its
 invocation, and reports, after the commit, the highest op id it has finished
 and the durable ops it refused. Between processes both travel through pipes
-as frames: a 4-byte little-endian length, then `marshal` data.
+as frames of `marshal` data: an op frame is its data's length and the op's
+id (``<IQ``), then the op with 0 in place of its id (so the ledger can encode
+an op, and refuse one that cannot be encoded, before it numbers it); a
+report frame is its data's length (``<I``), then the report.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ _WIDTH = {"start": len(INVOCATION_INSERT), "dispatch": len(ATTEMPT_INSERT),
           "settle": len(ATTEMPT_SETTLE) + 2, "add": len(_ADD) + 1, "end": len(END_SET) + 1}
 
 _HEADER = struct.Struct("<I")
+_OP_HEADER = struct.Struct("<IQ")
 
 
 class Refused(Exception):
@@ -91,13 +95,13 @@ class Refused(Exception):
 
 
 def frame(value: Any) -> bytes:
-    """``value`` as one frame: its marshalled length, then the data."""
+    """``value`` as one report frame: its marshalled length, then the data."""
     data = marshal.dumps(value)
     return _HEADER.pack(len(data)) + data
 
 
 def unframe(buffer: bytearray) -> list[Any]:
-    """Take every complete frame off the front of ``buffer``."""
+    """Take every complete report frame off the front of ``buffer``."""
     values = []
     start, end = 0, len(buffer)
     while end - start >= 4:
@@ -108,6 +112,36 @@ def unframe(buffer: bytearray) -> list[Any]:
         start += 4 + size
     del buffer[:start]
     return values
+
+
+def encode_op(op: Op) -> bytes:
+    """The data of an op frame (its id is sent apart, in `op_frame`).
+
+    Raises:
+        ValueError: a field is not a plain value (text, integer, float, None).
+    """
+    return marshal.dumps(op)
+
+
+def op_frame(op_id: int, data: bytes) -> bytes:
+    """An op frame: the encoded op (`encode_op`) under its id."""
+    return _OP_HEADER.pack(len(data), op_id) + data
+
+
+def unframe_ops(buffer: bytearray) -> list[Op]:
+    """Take every complete op frame off the front of ``buffer``, ids filled in."""
+    ops = []
+    start, end, header = 0, len(buffer), _OP_HEADER.size
+    while end - start >= header:
+        size, op_id = _OP_HEADER.unpack_from(buffer, start)
+        if end - start - header < size:
+            break
+        op = marshal.loads(bytes(buffer[start + header:start + header + size]))
+        op[1] = op_id
+        ops.append(op)
+        start += header + size
+    del buffer[:start]
+    return ops
 
 
 # -- the SQL -----------------------------------------------------------------------------
@@ -326,7 +360,9 @@ class Writer:
             self._plan(batch, ops)
             self._execute(batch)
             cursor.execute("COMMIT")
-        except sqlite3.Error as error:
+        except (sqlite3.Error, OverflowError, TypeError, ValueError) as error:
+            # A database error, or a value SQLite cannot bind (an integer past
+            # 64 bits): the same path, so one bad write never sinks the others.
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             # Forget what this batch taught the writer: the next write to
@@ -634,7 +670,7 @@ def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int)
     try:
         writer.open()
     except (sqlite3.Error, Refused) as error:
-        os.write(acks_fd, frame((-1, f"{settings.path}: cannot open the ledger: {error}")))
+        os.write(acks_fd, frame((-1, f"cannot open the ledger: {error}")))
         return 1
     os.set_blocking(ops_fd, False)
     os.set_blocking(acks_fd, False)
@@ -656,7 +692,7 @@ def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int)
                     ended = True
                     break
                 buffer.extend(data)
-            ops: list[Op] = [op for batch in unframe(buffer) for op in batch]
+            ops = unframe_ops(buffer)
             if ops:
                 refused = run_batches(writer, ops, max_batch)
                 pending.extend(frame((ops[-1][1], refused, writer.commits, writer.writes)))
@@ -670,7 +706,7 @@ def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int)
                 elif writer.checkpoint_due == 2:
                     writer.checkpoint(here=False)
     except BaseException as error:  # a bug: say so rather than leave waiters hanging
-        pending.extend(frame((-1, f"{settings.path}: the ledger's writer failed: {error!r}")))
+        pending.extend(frame((-1, f"the ledger's writer failed: {error!r}")))
         raise
     finally:
         writer.close()
