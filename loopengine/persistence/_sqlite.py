@@ -157,6 +157,8 @@ class SQLiteLedger:
         self._lock = threading.Lock()
         """Guards everything below, and the channel's sending and reading."""
         self._pid = os.getpid()
+        self._forks = _forks
+        """The process's fork count when it opened: another value means a forked child."""
         self._closed = False
         self._broken: str | None = None
         """Why no write can be made any more (the writer is gone), or None."""
@@ -325,7 +327,7 @@ class SQLiteLedger:
         Blocks until the writer is done; from async code prefer `aclose`.
         Closing twice is harmless.
         """
-        if os.getpid() != self._pid:
+        if self._forks != _forks:
             self._closed = True  # the process that opened it closes it
             return
         with self._lock:
@@ -384,8 +386,9 @@ class SQLiteLedger:
     # -- queueing ------------------------------------------------------------------
 
     def _check_process(self) -> None:
-        # Before taking `_lock`: a fork may have copied it held.
-        if os.getpid() != self._pid:
+        # Before taking `_lock`: a fork may have copied it held. (A counter the
+        # fork hook moves, not `os.getpid()`: that is a system call per write.)
+        if self._forks != _forks:
             raise LedgerError(
                 f"{self.path}: this ledger was opened in process {self._pid}; a forked "
                 "process must open its own SQLiteLedger"
@@ -845,13 +848,15 @@ class _ProcessChannel(_Channel):
             return
         while True:
             try:
-                data = os.read(self._acks, 1 << 16)
+                data = os.read(self._acks, _READ_SIZE)
             except BlockingIOError:
                 break
             if not data:
                 self._ended = True
                 break
             self._incoming.extend(data)
+            if len(data) < _READ_SIZE:
+                break  # the pipe held less than asked: it is empty now
         ledger = self._ledger
         for report in _writer.unframe(self._incoming):
             if report[0] == -1:
@@ -1044,11 +1049,18 @@ def _close_open_ledgers() -> None:
             pass
 
 
+_forks = 0
+"""Forks this process has come from (moved by `_forget_in_child`)."""
+_READ_SIZE: Final = 1 << 16
+
+
 def _forget_in_child() -> None:
     # A forked child must not hold the writer's pipe open: the writer stops at
     # the end of its input, once the process that opened the ledger is gone.
     # Its copy of the ledger refuses every call (`_check_process`), and gets a
     # fresh lock in case the fork copied the old one held.
+    global _forks
+    _forks += 1
     for ledger in list(_open_ledgers):
         ledger._lock = threading.Lock()
         ledger._channel.forget()
