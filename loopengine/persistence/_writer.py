@@ -85,6 +85,7 @@ _WIDTH = {"start": len(INVOCATION_INSERT), "dispatch": len(ATTEMPT_INSERT),
 
 _HEADER = struct.Struct("<I")
 _OP_HEADER = struct.Struct("<IQ")
+_READ_SIZE = 1 << 20
 
 
 class Refused(Exception):
@@ -672,7 +673,6 @@ def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int)
     except (sqlite3.Error, Refused) as error:
         os.write(acks_fd, frame((-1, f"cannot open the ledger: {error}")))
         return 1
-    os.set_blocking(ops_fd, False)
     os.set_blocking(acks_fd, False)
     # Acks the ledger has not read yet wait here, in order, rather than block
     # the writer; it looks for room whenever it waits for ops.
@@ -682,16 +682,14 @@ def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int)
     ended = False
     try:
         while not ended:
-            select.select([ops_fd], [acks_fd] if pending else [], [])
-            while True:
-                try:
-                    data = os.read(ops_fd, 1 << 20)
-                except BlockingIOError:
-                    break
-                if not data:
+            # One blocking read returns whatever the pipe holds (a system call
+            # per wake-up); only with acks held back does it wait on both.
+            if not pending or select.select([ops_fd], [acks_fd], [])[0]:
+                data = os.read(ops_fd, _READ_SIZE)
+                if data:
+                    buffer.extend(data)
+                else:
                     ended = True
-                    break
-                buffer.extend(data)
             ops = unframe_ops(buffer)
             if ops:
                 refused = run_batches(writer, ops, max_batch)
