@@ -35,7 +35,8 @@ from loopengine.testing import FakeAnthropicServer
 from .conftest import PRICES, operation
 from .ledger_support import dispatch, end, lookup, read_db, settle, start
 
-pytestmark = pytest.mark.skipif(os.name != "posix", reason="the writer process needs POSIX")
+pytestmark = [pytest.mark.skipif(os.name != "posix", reason="the writer process needs POSIX"),
+              pytest.mark.realtime]
 
 
 def alive(pid: int) -> bool:
