@@ -43,6 +43,7 @@ import math
 import os
 import queue
 import select
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -202,8 +203,9 @@ class SQLiteLedger:
                 self._channel = _ThreadChannel(self, settings, max_batch)
         else:
             self._channel = _ThreadChannel(self, settings, max_batch)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
+        # A socket pair, not a pipe: `select` takes sockets everywhere.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
         self._stopping = False
         self._helper = threading.Thread(target=self._help, name=f"loopengine-ledger:{self.path}",
                                         daemon=True)
@@ -351,8 +353,8 @@ class SQLiteLedger:
         self._helper.join()
         with self._lock:
             self._break("the ledger is closed")
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake_r.close()
+        self._wake_w.close()
         self._channel.release()
         _open_ledgers.discard(self)
         self._closing.set()
@@ -453,7 +455,7 @@ class SQLiteLedger:
 
     def _wake_helper(self) -> None:
         try:
-            os.write(self._wake_w, b"\0")
+            self._wake_w.send(b"\0")
         except (BlockingIOError, OSError):
             pass  # already woken, or closed
 
@@ -588,14 +590,14 @@ class SQLiteLedger:
                 self._helper_idle = timeout is None
                 channel.poll()  # keeps the writer's pipe from filling while nobody waits
                 fd = channel.fileno()
-                readable = [self._wake_r]
+                readable: list[Any] = [self._wake_r]
                 if fd is not None and self._watchers:
                     readable.append(fd)
                 writable = channel.blocked()
             ready, _, _ = select.select(readable, writable, [], timeout)
             if self._wake_r in ready:
                 try:
-                    os.read(self._wake_r, 512)
+                    self._wake_r.recv(512)
                 except OSError:
                     pass
             with self._lock:
@@ -1067,4 +1069,5 @@ def _forget_in_child() -> None:
     _open_ledgers.clear()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_in_child)
