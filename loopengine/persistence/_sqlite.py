@@ -305,18 +305,19 @@ class SQLiteLedger:
     @property
     def commits(self) -> int:
         """Transactions this ledger has committed (one fsync each)."""
-        self._check_process()
-        with self._lock:
-            self._channel.poll()
-            return self._commits
+        return self._counts()[0]
 
     @property
     def writes(self) -> int:
         """Writes (starts, dispatches, settles, ends) this ledger has committed."""
+        return self._counts()[1]
+
+    def _counts(self) -> tuple[int, int]:
+        """The commits and writes the writer has reported so far."""
         self._check_process()
         with self._lock:
             self._channel.poll()
-            return self._writes
+            return self._commits, self._writes
 
     @property
     def closed(self) -> bool:
@@ -964,12 +965,7 @@ class _ThreadChannel(_Channel):
                     ledger._report(ops[-1][1], refused, writer.commits, writer.writes)
                 if any(op[0] == STOP for op in ops):
                     return
-                due = writer.checkpoint_due
-                if due:
-                    if not self._frames:
-                        writer.checkpoint(here=True)
-                    elif due == 2:
-                        writer.checkpoint(here=False)
+                writer.maybe_checkpoint(lambda: bool(self._frames))
         except BaseException as error:
             # A bug here must not leave callers waiting forever.
             with ledger._lock:

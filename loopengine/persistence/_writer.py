@@ -29,7 +29,7 @@ import sqlite3
 import struct
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -388,36 +388,33 @@ class Writer:
         self._uncheckpointed_writes += batch.planned
         return batch.refused
 
-    @property
-    def checkpoint_due(self) -> int:
-        """0: not due; 1: due; 2: overdue (four times the allowance)."""
+    def maybe_checkpoint(self, waiting: Callable[[], bool]) -> None:
+        """After a commit: copy the WAL back into the database if that is due.
+
+        ``waiting()`` tells whether writes are already waiting. When none is,
+        the checkpoint is made here, between two of the writer's own commits:
+        it reaches the end of the WAL (unless another process's reader holds
+        it back), so the next commit starts the WAL over and rewrites it in
+        place instead of appending to an ever larger file. While writes keep
+        coming it is put off, up to four times the allowance, and then left to
+        the checkpointer's thread (which seldom catches up with the last
+        commit while commits keep coming, hence the preference for here).
+        """
         s = self.settings
         commits, writes = self._uncheckpointed, self._uncheckpointed_writes
-        if commits >= 4 * s.checkpoint_commits or writes >= 4 * s.checkpoint_writes:
-            return 2
-        return 1 if commits >= s.checkpoint_commits or writes >= s.checkpoint_writes else 0
-
-    def checkpoint(self, *, here: bool) -> None:
-        """Copy the WAL back into the database.
-
-        ``here``: now, on this connection, while nothing waits on the writer.
-        Made between two of its own commits, the checkpoint reaches the end of
-        the WAL (unless another process's reader holds it back), so the next
-        commit starts the WAL over and rewrites it in place instead of
-        appending to an ever larger file. Otherwise the checkpointer's thread
-        makes it while the writer goes on (it seldom catches up with the last
-        commit while commits keep coming, so the writer prefers ``here``).
-        """
-        self._uncheckpointed = self._uncheckpointed_writes = 0
-        if not here:
+        if commits < s.checkpoint_commits and writes < s.checkpoint_writes:
+            return
+        if not waiting():
+            self._uncheckpointed = self._uncheckpointed_writes = 0
+            assert self._conn is not None
+            try:
+                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            except sqlite3.Error:
+                pass  # a checkpoint is an optimisation; the next one retries
+        elif commits >= 4 * s.checkpoint_commits or writes >= 4 * s.checkpoint_writes:
+            self._uncheckpointed = self._uncheckpointed_writes = 0
             assert self._checkpointer is not None
             self._checkpointer.poke()
-            return
-        assert self._conn is not None
-        try:
-            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-        except sqlite3.Error:
-            pass  # a checkpoint is an optimisation; the next one retries
 
     def _refuse(self, op: Op, message: str, batch: _Batch) -> None:
         kind = op[0]
@@ -697,12 +694,8 @@ def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int)
                 ended = ended or any(op[0] == STOP for op in ops)
             if pending:
                 _send_pending(acks_fd, pending)
-            if not ended and writer.checkpoint_due:
-                waiting, _, _ = select.select([ops_fd], [], [], 0)
-                if not waiting:
-                    writer.checkpoint(here=True)
-                elif writer.checkpoint_due == 2:
-                    writer.checkpoint(here=False)
+            if not ended:
+                writer.maybe_checkpoint(lambda: bool(select.select([ops_fd], [], [], 0)[0]))
     except BaseException as error:  # a bug: say so rather than leave waiters hanging
         pending.extend(frame((-1, f"the ledger's writer failed: {error!r}")))
         raise
