@@ -85,7 +85,10 @@ _WIDTH = {"start": len(INVOCATION_INSERT), "dispatch": len(ATTEMPT_INSERT),
 
 _HEADER = struct.Struct("<I")
 _OP_HEADER = struct.Struct("<IQ")
-_READ_SIZE = 1 << 20
+# What a pipe holds at most (Linux's default): a larger read would return no
+# more, and a buffer past malloc's mmap threshold costs an mmap and munmap
+# (a TLB shootdown with the checkpoint thread alive) on every wake-up.
+_READ_SIZE = 1 << 16
 
 
 class Refused(Exception):
