@@ -183,7 +183,9 @@ class Engine:
         Raises:
             ConfigError: bad input, an unserved route, or an unpriced model with
                 a credit hold; raised before anything is sent.
-            LedgerError: the ledger could not record the run.
+            LedgerError: the ledger could not record the run; it is recorded
+                ``failed`` where the ledger still can, and observers see
+                `RunEnded` with outcome ``failed``.
         """
         spec = RunSpec(
             messages=normalize_messages(messages),
@@ -250,6 +252,8 @@ class Engine:
                 how many requests it made.
             StructuredOutputError: the attempts ran out without a valid answer.
             OutcomeError: the call was refused, ran out of time or credits.
+            LedgerError: the ledger could not record the call; it is recorded
+                ``failed`` where the ledger still can.
         """
         checked_output = _check_output(output)
         if checked_output is None:

@@ -16,6 +16,7 @@ import random
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from decimal import Decimal
 
 import anyio
@@ -117,6 +118,7 @@ class Invocation:
         self._turn_charge: dict[int, int] = {}
         self._in_flight: _InFlight | None = None
         self._ended = False
+        self._announced = False
         # When the provider awaits `before_wire`, the dispatch's commit overlaps
         # the building of the request (see `loopengine.providers.Provider`).
         self._begin_dispatch: Callable[[AttemptDispatch], DispatchReceipt] | None = (
@@ -187,6 +189,15 @@ class Invocation:
             self.kind, self.id, outcome, self.operation.name, turns, tool_calls,
             len(self.records), self.cost_nanousd, credits,
         )
+        await self._announce_end(at, outcome, turns=turns, tool_calls=tool_calls,
+                                 credits=credits)
+
+    async def _announce_end(self, at: datetime, outcome: str, *, turns: int, tool_calls: int,
+                            credits: int) -> None:
+        """Emit `RunEnded`, once: an observer's run ends however the run does."""
+        if self._announced:
+            return
+        self._announced = True
         await self.emit(RunEnded(
             run_id=self.id, at=at, outcome=outcome, turns=turns, tool_calls=tool_calls,
             attempts=len(self.records), usage=self.usage, cost_usd=self.cost_usd,
@@ -207,6 +218,31 @@ class Invocation:
                                   credits=credits)
         except LedgerError:
             logger.exception("run %s: the ledger could not record the cancellation", self.id)
+        await self._announce_end(self.clock.wall(), "cancelled", turns=turns,
+                                 tool_calls=tool_calls, credits=credits)
+
+    async def failed(self, *, turns: int, tool_calls: int, credits: int) -> None:
+        """The run raised instead of reaching an outcome: record the invocation
+        ``failed`` if the ledger still can, and announce the end. Call inside a
+        shielded scope, then let the error propagate.
+
+        An attempt still in flight is not settled: the error came from writing
+        its row (or from the ledger breaking), so it has no row, or none the
+        ledger can still settle. A ledger failure here is logged, not raised:
+        it must not replace the error that ended the run."""
+        if self._in_flight is not None:
+            # It never went out (the gate before the wire is its row's write):
+            # it is not one of the run's attempts.
+            del self.records[self._in_flight.index]
+            self._in_flight = None
+        try:
+            if not self._ended:
+                await self.finish("failed", turns=turns, tool_calls=tool_calls,
+                                  credits=credits)
+        except LedgerError:
+            logger.exception("run %s: the ledger could not record its failure", self.id)
+        await self._announce_end(self.clock.wall(), "failed", turns=turns,
+                                 tool_calls=tool_calls, credits=credits)
 
     # -- attempts ----------------------------------------------------------------
 

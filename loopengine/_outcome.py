@@ -11,9 +11,10 @@ class Outcome(StrEnum):
     """How a run or call ended.
 
     A run always ends with one of the values from ``COMPLETED`` to
-    ``CREDIT_EXHAUSTED``; ``RUNNING`` and ``CANCELLED`` appear only in the
-    ledger (a run still in progress, and one the caller cancelled, whose
-    cancellation propagated instead of becoming a result).
+    ``CREDIT_EXHAUSTED``; ``RUNNING``, ``CANCELLED`` and ``FAILED`` appear
+    only in the ledger and in `loopengine.events.RunEnded` (a run still in
+    progress, one the caller cancelled, and one that raised an error: the
+    cancellation or the error propagated instead of becoming a result).
     """
 
     COMPLETED = "completed"
@@ -40,3 +41,6 @@ class Outcome(StrEnum):
     """Ledger only: the invocation has not ended (or its process died)."""
     CANCELLED = "cancelled"
     """Ledger only: the caller cancelled the run."""
+    FAILED = "failed"
+    """Ledger only: the run raised an error instead of reaching an outcome (a
+    `LedgerError`, or a provider's `LoopEngineError` such as a diverged replay)."""

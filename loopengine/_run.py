@@ -91,7 +91,11 @@ class _Answer:
 
 
 async def run_loop(inv: Invocation, spec: RunSpec) -> RunResult:
-    """Run the conversation; return its result (raises only the caller's cancellation)."""
+    """Run the conversation; return its result.
+
+    Raises the caller's cancellation, and an error that ended the run without an
+    outcome (a `LedgerError`, a provider's `LoopEngineError`), each after
+    recording the invocation ``cancelled`` or ``failed``."""
     loop = _Loop(inv, spec)
     try:
         return await loop.run()
@@ -99,6 +103,11 @@ async def run_loop(inv: Invocation, spec: RunSpec) -> RunResult:
         with anyio.CancelScope(shield=True):
             await inv.cancelled(turns=loop.state.turns, tool_calls=loop.state.tool_calls,
                                 credits=loop.state.credits)
+        raise
+    except Exception:
+        with anyio.CancelScope(shield=True):
+            await inv.failed(turns=loop.state.turns, tool_calls=loop.state.tool_calls,
+                             credits=loop.state.credits)
         raise
 
 

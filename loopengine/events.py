@@ -9,7 +9,7 @@ Order within a run: `RunStarted`; per turn `TurnStarted`, then per attempt
 `AttemptStarted` and `AttemptSettled`; `ToolCallEvent` (``started``, then
 ``succeeded`` or ``failed``) for each call; `GuardTripped` when a guard ends
 the run; `RunEnded` last (also for a cancelled run, with outcome
-``cancelled``).
+``cancelled``, and for one that raised an error, with outcome ``failed``).
 """
 
 from __future__ import annotations
@@ -156,7 +156,8 @@ class ToolCallEvent(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunEnded(Event):
-    """The run ended (also when cancelled: outcome ``cancelled``)."""
+    """The run ended (also when cancelled: outcome ``cancelled``; when it raised
+    an error instead of reaching an outcome: ``failed``)."""
 
     outcome: str
     turns: int

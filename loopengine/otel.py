@@ -152,9 +152,10 @@ class OpenTelemetryObserver:
 
     def _run_ended(self, event: RunEnded) -> None:
         run = self._runs.pop(event.run_id)
-        # Tool or attempt spans still open (a cancelled run) end with it.
+        # Tool or attempt spans still open (a cancelled or failed run) end with it.
+        cut = "failed" if event.outcome == "failed" else "cancelled"
         for span in [*run.attempts.values(), *run.tools.values()]:
-            span.set_attribute("error.type", "cancelled")
+            span.set_attribute("error.type", cut)
             span.set_status(Status(StatusCode.ERROR, "the run ended first"))
             span.end(end_time=_ns(event.at))
         span = run.span

@@ -1,0 +1,167 @@
+"""A run that raises instead of reaching an outcome (its ledger fails, its replay
+diverges) is recorded ``failed`` where the ledger still can, and its observers
+always see it end."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from pathlib import Path
+
+import pydantic
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+import loopengine as le
+from loopengine.events import Event, RunEnded, RunStarted
+from loopengine.otel import OpenTelemetryObserver
+from loopengine.persistence import AttemptDispatch, MemoryLedger, SQLiteLedger
+from loopengine.providers import (
+    RecordingProvider,
+    ReplayProvider,
+    Reply,
+    ScriptedProvider,
+)
+
+from .conftest import PRICES, operation
+
+
+class RefusingLedger(MemoryLedger):
+    """A memory ledger that cannot write the dispatch of one ordinal."""
+
+    def __init__(self, refuse: int) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    async def dispatch_attempt(self, record: AttemptDispatch) -> None:
+        if record.ordinal == self.refuse:
+            raise le.LedgerError(f"cannot write attempt {record.ordinal}")
+        await super().dispatch_attempt(record)
+
+
+@le.tool(name="lookup", description="Look a key up.")
+async def lookup(key: str) -> str:
+    return f"value of {key}"
+
+
+def script() -> list[Reply]:
+    return [Reply.tool_calls(("lookup", {"key": "a"})), Reply.text("done")]
+
+
+async def test_a_run_whose_dispatch_cannot_be_written_ends_failed() -> None:
+    """The LedgerError reaches the caller; the attempt that never went out has no
+    row and is not counted; the invocation is recorded ``failed``; observers see
+    RunEnded(failed) last."""
+    ledger = RefusingLedger(refuse=2)
+    events: list[Event] = []
+    provider = ScriptedProvider(script())
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, observers=[events.append])
+    with pytest.raises(le.LedgerError, match="cannot write attempt 2"):
+        await engine.run(operation(), "go", tools=[lookup])
+
+    assert len(provider.requests) == 1  # the second request was never sent
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["outcome"], invocation["turns"], invocation["tool_calls"],
+            invocation["attempt_count"]) == ("failed", 2, 1, 1)
+    assert [row["outcome"] for row in ledger.attempts.values()] == ["ok"]
+    assert isinstance(events[0], RunStarted)
+    ended = events[-1]
+    assert isinstance(ended, RunEnded)
+    assert (ended.outcome, ended.attempts, ended.turns) == ("failed", 1, 2)
+    assert sum(isinstance(e, RunEnded) for e in events) == 1
+
+
+async def test_a_call_whose_dispatch_cannot_be_written_ends_failed() -> None:
+    """`Engine.call` the same way: recorded ``failed``, RunEnded(failed)."""
+
+    class Answer(pydantic.BaseModel):
+        value: int
+
+    ledger = RefusingLedger(refuse=1)
+    events: list[Event] = []
+    engine = le.Engine(ScriptedProvider([Reply.final({"value": 1})]), ledger=ledger,
+                       prices=PRICES, observers=[events.append])
+    with pytest.raises(le.LedgerError):
+        await engine.call(operation(), "go", output=Answer)
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["outcome"], invocation["attempt_count"]) == ("failed", 0)
+    assert ledger.attempts == {}
+    ended = events[-1]
+    assert isinstance(ended, RunEnded) and (ended.outcome, ended.attempts) == ("failed", 0)
+
+
+async def test_a_call_that_ends_with_an_outcome_error_is_not_failed() -> None:
+    """An OutcomeError comes after its outcome was recorded: it stays that outcome."""
+
+    class Answer(pydantic.BaseModel):
+        value: int
+
+    ledger = MemoryLedger()
+    events: list[Event] = []
+    refusal = Reply.text("no", stop_reason="refusal")
+    engine = le.Engine(ScriptedProvider([refusal]), ledger=ledger, prices=PRICES,
+                       observers=[events.append])
+    with pytest.raises(le.OutcomeError):
+        await engine.call(operation(), "go", output=Answer)
+    (invocation,) = ledger.invocations.values()
+    assert invocation["outcome"] == "refused"
+    ended = [e for e in events if isinstance(e, RunEnded)]
+    assert [e.outcome for e in ended] == ["refused"]
+
+
+async def test_a_diverged_replay_ends_failed(tmp_path: Path) -> None:
+    """A provider's LoopEngineError (a replay that diverged): the attempt it ended is
+    settled, the invocation recorded ``failed``."""
+    path = tmp_path / "run.jsonl"
+    await le.Engine(RecordingProvider(ScriptedProvider([Reply.text("ok")]), path),
+                    prices=PRICES).run(operation(), "Hi")
+    ledger = MemoryLedger()
+    engine = le.Engine(ReplayProvider(path), ledger=ledger, prices=PRICES)
+    with pytest.raises(le.ReplayMismatchError):
+        await engine.run(operation(), "Something else")
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["outcome"], invocation["attempt_count"]) == ("failed", 1)
+    (attempt,) = ledger.attempts.values()
+    assert (attempt["outcome"], attempt["fault"]) == ("error", "bad_request")
+
+
+async def test_a_run_whose_sqlite_ledger_closed_mid_run_ends_for_its_observers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The SQLite ledger closed under the run: nothing more can be recorded (the
+    invocation stays ``running`` in the file, as after a crash, and the failure to
+    record is logged), yet the observers see the run end, and its OTel span ends
+    with an error instead of staying open."""
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    events: list[Event] = []
+    ledger = SQLiteLedger(tmp_path / "ledger.db")
+
+    @le.tool(name="close_ledger", description="Closes the ledger.")
+    async def close_ledger() -> str:
+        await ledger.aclose()
+        return "closed"
+
+    engine = le.Engine(
+        ScriptedProvider([Reply.tool_calls(("close_ledger", {})), Reply.text("done")]),
+        ledger=ledger, prices=PRICES,
+        observers=[OpenTelemetryObserver(tracer_provider), events.append])
+    with caplog.at_level(logging.ERROR, logger="loopengine"), \
+            pytest.raises(le.LedgerError, match="closed"):
+        await engine.run(operation(), "go", tools=[close_ledger])
+
+    assert "could not record its failure" in caplog.text
+    ended = events[-1]
+    assert isinstance(ended, RunEnded) and ended.outcome == "failed"
+    (span,) = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
+    assert span.attributes is not None and span.attributes["error.type"] == "failed"
+    assert span.status.status_code is StatusCode.ERROR
+    with sqlite3.connect(tmp_path / "ledger.db") as conn:
+        rows = conn.execute("SELECT outcome, attempt_count FROM invocations").fetchall()
+        attempts = conn.execute("SELECT ordinal, outcome FROM attempts").fetchall()
+    assert rows == [("running", 1)]
+    assert attempts == [(1, "ok")]
