@@ -27,7 +27,7 @@ import httpx2
 import pytest
 
 import loopengine as le
-from loopengine.persistence import EarlyDispatchLedger, SQLiteLedger
+from loopengine.persistence import EarlyDispatchLedger, SQLiteLedger, _writer
 from loopengine.persistence import _sqlite as sqlite_module
 from loopengine.providers import AnthropicProvider, Reply, ScriptedProvider
 from loopengine.testing import FakeAnthropicServer
@@ -168,6 +168,44 @@ async def test_a_killed_writer_fails_calls_instead_of_hanging(tmp_path: Path) ->
             await ledger.dispatch_attempt(dispatch(3))
         assert ledger.closed
     assert read_db(tmp_path / "ledger.db")[1][("inv-1", 1)]["outcome"] == "dispatched"
+
+
+def test_op_frames_out_of_sequence_are_a_corrupt_stream() -> None:
+    """Ops are numbered one by one: a header with another id than the one due (a
+    torn write) stops the reading there, keeping the good ops before it."""
+    first = _writer.op_frame(7, _writer.encode_op([_writer.FLUSH, 0]))
+    second = _writer.op_frame(8, _writer.encode_op([_writer.FLUSH, 0]))
+    buffer = bytearray(first + second[:5])
+    assert [op[1] for op in _writer.unframe_ops(buffer, 7)] == [7]
+    assert buffer == second[:5]  # a partial header waits for the rest
+    buffer += second[5:] + first
+    with pytest.raises(_writer.StreamError, match="op 7 arrived where op 9 was due") as caught:
+        _writer.unframe_ops(buffer, 8)
+    assert [op[1] for op in caught.value.ops] == [8]
+    assert buffer == first
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+async def test_a_torn_op_stream_fails_calls_instead_of_hanging(
+    tmp_path: Path, writer: Any,
+) -> None:
+    """Bytes that are not the next op (what a write torn by a signal would leave)
+    break the ledger: a call waiting behind them raises LedgerError instead of
+    waiting forever, and what was committed before stays."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path, writer=writer) as ledger:
+        await ledger.start_invocation(start())
+        await ledger.dispatch_attempt(dispatch(1))
+        with ledger._lock:
+            ledger._channel.send(b"\xff" * 40)
+        with anyio.fail_after(10), pytest.raises(le.LedgerError, match="corrupt"):
+            await ledger.dispatch_attempt(dispatch(2))
+        with pytest.raises(le.LedgerError, match="corrupt"):
+            await ledger.flush()
+    invocations, attempts = read_db(path)
+    assert list(invocations) == ["inv-1"] and list(attempts) == [("inv-1", 1)]
+    if writer == "process":
+        assert ledger.writer_pid is not None and gone_within(ledger.writer_pid, 10)
 
 
 async def test_the_writer_outlives_terminal_signals(tmp_path: Path) -> None:

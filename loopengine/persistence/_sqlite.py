@@ -929,6 +929,7 @@ class _ThreadChannel(_Channel):
         self._ledger = ledger
         self._max_batch = max_batch
         self._frames = bytearray()
+        self._next_op = 1
         self._signalled = False
         self._signal: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._writer = _writer.Writer(settings)
@@ -955,14 +956,25 @@ class _ThreadChannel(_Channel):
         try:
             while True:
                 self._signal.get()
+                corrupt: _writer.StreamError | None = None
                 with ledger._lock:
-                    ops = _writer.unframe_ops(self._frames)
+                    try:
+                        ops = _writer.unframe_ops(self._frames, self._next_op)
+                    except _writer.StreamError as error:
+                        ops, corrupt = error.ops, error
                     self._signalled = False
+                if ops:
+                    self._next_op = ops[-1][1] + 1
+                    refused = _writer.run_batches(writer, ops, self._max_batch)
+                    with ledger._lock:
+                        ledger._report(ops[-1][1], refused, writer.commits, writer.writes)
+                if corrupt is not None:
+                    # What came before is committed; what follows cannot be read.
+                    with ledger._lock:
+                        ledger._break(str(corrupt))
+                    return
                 if not ops:
                     continue
-                refused = _writer.run_batches(writer, ops, self._max_batch)
-                with ledger._lock:
-                    ledger._report(ops[-1][1], refused, writer.commits, writer.writes)
                 if any(op[0] == STOP for op in ops):
                     return
                 writer.maybe_checkpoint(lambda: bool(self._frames))

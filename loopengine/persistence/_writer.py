@@ -132,19 +132,45 @@ def op_frame(op_id: int, data: bytes) -> bytes:
     return _OP_HEADER.pack(len(data), op_id) + data
 
 
-def unframe_ops(buffer: bytearray) -> list[Op]:
-    """Take every complete op frame off the front of ``buffer``, ids filled in."""
-    ops = []
+class StreamError(Exception):
+    """The op stream lost its framing: an op's id is not the next one. Nothing
+    from there on can be trusted (a torn write would otherwise leave the writer
+    waiting for a frame that never ends).
+
+    Attributes:
+        ops: The complete ops before the break, still good to commit.
+    """
+
+    def __init__(self, message: str, ops: list[Op]) -> None:
+        super().__init__(message)
+        self.ops = ops
+
+
+def unframe_ops(buffer: bytearray, expected: int) -> list[Op]:
+    """Take every complete op frame off the front of ``buffer``, ids filled in.
+
+    Ops are numbered one by one; ``expected`` is the id of the first one due.
+
+    Raises:
+        StreamError: an op header carries another id than the one due.
+    """
+    ops: list[Op] = []
     start, end, header = 0, len(buffer), _OP_HEADER.size
-    while end - start >= header:
-        size, op_id = _OP_HEADER.unpack_from(buffer, start)
-        if end - start - header < size:
-            break
-        op = marshal.loads(bytes(buffer[start + header:start + header + size]))
-        op[1] = op_id
-        ops.append(op)
-        start += header + size
-    del buffer[:start]
+    try:
+        while end - start >= header:
+            size, op_id = _OP_HEADER.unpack_from(buffer, start)
+            if op_id != expected:
+                raise StreamError(f"the ledger's op stream is corrupt: op {op_id} arrived "
+                                  f"where op {expected} was due", ops)
+            if end - start - header < size:
+                break
+            op = marshal.loads(bytes(buffer[start + header:start + header + size]))
+            op[1] = op_id
+            ops.append(op)
+            expected += 1
+            start += header + size
+    finally:
+        del buffer[:start]
     return ops
 
 
@@ -679,7 +705,9 @@ def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int)
     pending = bytearray(frame((0, [], 0, 0)))
     _send_pending(acks_fd, pending)
     buffer = bytearray()
+    next_op = 1
     ended = False
+    code = 0
     try:
         while not ended:
             # One blocking read returns whatever the pipe holds (a system call
@@ -690,11 +718,21 @@ def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int)
                     buffer.extend(data)
                 else:
                     ended = True
-            ops = unframe_ops(buffer)
+            corrupt: StreamError | None = None
+            try:
+                ops = unframe_ops(buffer, next_op)
+            except StreamError as error:
+                ops, corrupt = error.ops, error
             if ops:
                 refused = run_batches(writer, ops, max_batch)
                 pending.extend(frame((ops[-1][1], refused, writer.commits, writer.writes)))
                 ended = ended or any(op[0] == STOP for op in ops)
+                next_op = ops[-1][1] + 1
+            if corrupt is not None:
+                # What came before is committed; what follows cannot be read.
+                pending.extend(frame((-1, str(corrupt))))
+                code = 1
+                break
             if pending:
                 _send_pending(acks_fd, pending)
             if not ended:
@@ -710,7 +748,7 @@ def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int)
                 os.write(acks_fd, pending)
             except OSError:
                 pass  # the ledger's process is gone: nobody is left to tell
-    return 0
+    return code
 
 
 def _send_pending(fd: int, pending: bytearray) -> None:
