@@ -7,11 +7,14 @@ the Anthropic adapter; R12's placement rule is proved here as a pure function.
 
 from __future__ import annotations
 
+import copy
 from decimal import Decimal
 from typing import Any
 
 import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import loopengine as le
 from loopengine.providers import (
@@ -21,7 +24,7 @@ from loopengine.providers import (
     Reply,
     place_cache_markers,
 )
-from loopengine.providers._cache import count_cache_markers
+from loopengine.providers._cache import cache_marker_problem, cache_markers, count_cache_markers
 
 from .conftest import PRICES, EngineFactory, operation
 
@@ -523,6 +526,104 @@ def test_r12_never_more_than_four_markers_whatever_is_asked() -> None:
     assert "cache_control" in out_messages[1]["content"][-1]
     # The caller's objects are untouched.
     assert all("cache_control" in b for b in system)
+
+
+
+def test_r12_markers_inside_tool_results_count_toward_the_four() -> None:
+    """Markers on the blocks inside a tool_result are the caller's too: counted,
+    capped, the latest kept first, and the caller's message left as it was."""
+    marker = {"type": "ephemeral"}
+    inner = [{"type": "text", "text": f"part {k}", "cache_control": marker} for k in range(5)]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "x",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": inner}]},
+    ]
+    policy = CachePolicy(conversation=True)
+    _, _, out = place_cache_markers(policy, system=None, tools=[], messages=messages)
+    assert count_cache_markers(system=None, tools=[], messages=out) == 4
+    result = out[-1]["content"][0]
+    assert result["cache_control"] == policy.marker  # the conversation marker
+    assert ["cache_control" in b for b in result["content"]] == [False, False, True, True, True]
+    assert all("cache_control" in b for b in inner)
+    assert "cache_control" not in messages[-1]["content"][0]
+
+
+def test_r12_no_one_hour_marker_after_a_five_minute_one() -> None:
+    """Anthropic refuses a 1h marker after a 5m one (tools, system, messages in
+    that order): a kept 1h marker after a 5m one is sent as 5m; 1h markers
+    before every 5m one stay 1h."""
+    five, hour = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
+    system = [{"type": "text", "text": "rules", "cache_control": five}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "doc", "cache_control": hour}]},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q"},
+    ]
+    tools = [{"name": "t", "description": "", "input_schema": {"type": "object"}}]
+    policy = CachePolicy(tools=True, conversation=True, ttl="1h")
+    out_system, out_tools, out_messages = place_cache_markers(
+        policy, system=system, tools=tools, messages=messages)
+    assert out_tools[-1]["cache_control"] == hour
+    assert out_system is not None and out_system[0]["cache_control"] == five
+    assert out_messages[0]["content"][0]["cache_control"] == five
+    assert out_messages[-1]["content"][-1]["cache_control"] == five
+    assert messages[0]["content"][0]["cache_control"] == hour  # the caller's, untouched
+
+
+_TTL = st.sampled_from([{"type": "ephemeral"}, {"type": "ephemeral", "ttl": "5m"},
+                        {"type": "ephemeral", "ttl": "1h"}, None])
+
+
+def _marked_block(text: str, marker: dict[str, str] | None) -> dict[str, Any]:
+    block: dict[str, Any] = {"type": "text", "text": text}
+    if marker is not None:
+        block["cache_control"] = marker
+    return block
+
+
+@settings(max_examples=300, deadline=None)
+@given(system=st.lists(_TTL, max_size=6), tools=st.lists(_TTL, max_size=4),
+       texts=st.lists(st.lists(_TTL, min_size=1, max_size=3), min_size=1, max_size=4),
+       inner=st.lists(_TTL, max_size=5),
+       policy=st.builds(CachePolicy, system=st.booleans(), tools=st.booleans(),
+                        conversation=st.booleans(), ttl=st.sampled_from(["5m", "1h"])))
+def test_r12_any_request_leaves_with_markers_the_api_accepts(
+    system: list[Any], tools: list[Any], texts: list[list[Any]], inner: list[Any],
+    policy: CachePolicy,
+) -> None:
+    """Whatever the caller marked (with any lifetimes, inside tool results too) and
+    whatever the policy asks: at most four markers, none 1h after a 5m one, every
+    kept marker one that was asked for, and the caller's objects unchanged."""
+    system_in = [_marked_block(f"s{i}", m) for i, m in enumerate(system)]
+    tools_in = [{"name": f"t{i}", "description": "", "input_schema": {"type": "object"},
+                 **({"cache_control": m} if m else {})} for i, m in enumerate(tools)]
+    messages_in: list[dict[str, Any]] = []
+    for i, markers in enumerate(texts):
+        role = "user" if i % 2 == 0 else "assistant"
+        messages_in.append({"role": role, "content": [_marked_block(f"m{i}.{j}", m)
+                                                      for j, m in enumerate(markers)]})
+    messages_in.append({"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "t0", "input": {}}]})
+    messages_in.append({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t",
+         "content": [_marked_block(f"r{k}", m) for k, m in enumerate(inner)]}]})
+    before = copy.deepcopy((system_in, tools_in, messages_in))
+    out_system, out_tools, out_messages = place_cache_markers(
+        policy, system=system_in or None, tools=tools_in, messages=messages_in)
+    body = {"system": out_system, "tools": out_tools, "messages": out_messages}
+    assert cache_marker_problem(body) is None
+    # Places asked for: the caller's, and the policy's where the caller had none
+    # (the conversation marker goes on the tool_result block, never marked here).
+    places = sum(m is not None for m in [*system, *tools, *inner, *sum(texts, [])])
+    places += int(policy.conversation)
+    places += int(policy.tools and bool(tools) and tools[-1] is None)
+    places += int(policy.system and bool(system) and system[-1] is None)
+    kept = cache_markers(system=out_system, tools=out_tools, messages=out_messages)
+    assert len(kept) == min(4, places)
+    assert (system_in, tools_in, messages_in) == before
 
 
 # -- R13 ---------------------------------------------------------------------------

@@ -17,6 +17,10 @@ item of a script:
 * `StallStream`: the reply's stream goes quiet for a while after some events;
 * a callable taking the `RecordedRequest` and returning one of the above.
 
+A request whose ``cache_control`` markers the API refuses (more than four, a
+one-hour marker after a five-minute one) gets the API's 400 without taking a
+script item.
+
 Every request is recorded (`FakeAnthropicServer.requests`: method, path,
 lowercased headers, parsed JSON body) and the usage the server put on the
 wire is counted (`FakeAnthropicServer.usage_served`), so a test can check an
@@ -41,6 +45,7 @@ from types import TracebackType
 from typing import Any, Literal, Self
 
 from loopengine._usage import Usage
+from loopengine.providers._cache import cache_marker_problem
 from loopengine.providers._scripted import Reply
 
 __all__ = [
@@ -454,10 +459,14 @@ class FakeAnthropicServer:
             body=body,
         )
         served = handler.path.split("?")[0] == "/v1/messages" and handler.command == "POST"
-        number, item = self._next_item(request, consume=served)
+        # Markers the real API refuses are refused here too, before the script.
+        problem = cache_marker_problem(body) if served else None
+        number, item = self._next_item(request, consume=served and problem is None)
         if not served:
             item = ErrorReply(status=404, message=f"{handler.command} {handler.path} is not "
                               "served by this fake (only POST /v1/messages)")
+        elif problem is not None:
+            item = ErrorReply(status=400, message=problem)
         if callable(item) and not isinstance(item, _ITEM_TYPES):
             item = item(request)
         if item is None:

@@ -15,6 +15,7 @@ import pydantic
 
 import loopengine as le
 from loopengine.providers import CachePolicy, FaultKind
+from loopengine.providers._cache import cache_marker_problem
 from loopengine.testing import ErrorReply, FakeClock, Reply
 
 from ..conftest import MODEL, PRICES, operation
@@ -244,7 +245,9 @@ async def test_r12_at_most_four_markers_on_the_wire_anthropic(
     wire: Harness, stream: bool
 ) -> None:
     """Six system markers, three message markers and every policy marker asked for:
-    the wire request carries four, chosen by the documented priority."""
+    the wire request carries four, chosen by the documented priority, and no
+    one-hour marker after a five-minute one (the server refuses that, as the API
+    does)."""
     marker = {"type": "ephemeral"}
     system = [{"type": "text", "text": f"rule {i}", "cache_control": marker} for i in range(6)]
     messages: list[dict[str, Any]] = [
@@ -263,17 +266,48 @@ async def test_r12_at_most_four_markers_on_the_wire_anthropic(
     assert markers_on_the_wire(first) == markers_on_the_wire(second) == 4
     body = first.body
     policy_marker = {"type": "ephemeral", "ttl": "1h"}
-    assert body["messages"][-1]["content"][-1]["cache_control"] == policy_marker
     assert body["tools"][-1]["cache_control"] == policy_marker
     assert body["system"][-1]["cache_control"] == policy_marker
-    # The fourth is the caller's newest remaining marker: the assistant's.
+    # The fourth is the caller's newest remaining marker: the assistant's. The
+    # conversation marker comes after that five-minute marker: it is sent as one.
     assert body["messages"][1]["content"][0]["cache_control"] == marker
+    assert body["messages"][-1]["content"][-1]["cache_control"] == marker
     # The conversation marker moved onto the newest message (the tool results),
     # and the fourth is now the caller's newest marker: q2, no longer the last one.
     sent = second.body["messages"]
-    assert sent[-1]["content"][-1]["cache_control"] == policy_marker
+    assert sent[-1]["content"][-1]["cache_control"] == marker
     assert sent[2]["content"][0]["cache_control"] == marker
     assert "cache_control" not in sent[1]["content"][0]
+    assert all(cache_marker_problem(request.body) is None for request in wire.requests)
+
+
+@STREAMING
+async def test_r12_markers_inside_tool_results_count_on_the_wire_anthropic(
+    wire: Harness, stream: bool
+) -> None:
+    """A caller's history whose tool_result blocks carry five markers of their own,
+    plus the policy's conversation marker: four reach the server, which takes the
+    request (it refuses more, as the API does)."""
+    marker = {"type": "ephemeral"}
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "look it up"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_old",
+                                           "name": "lookup", "input": {"key": "a"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_old",
+                                      "content": [{"type": "text", "text": f"part {k}",
+                                                   "cache_control": marker}
+                                                  for k in range(5)]}]},
+    ]
+    op = le.Operation(name="test.cached", provider="anthropic", model=MODEL,
+                      cache=CachePolicy(conversation=True))
+    engine, _ = wire.engine(Reply.text("done"), stream=stream)
+    result = await engine.run(op, messages)
+    assert result.outcome is le.Outcome.COMPLETED
+    (request,) = wire.requests
+    assert markers_on_the_wire(request) == 4
+    sent = request.body["messages"][-1]["content"][0]
+    assert sent["cache_control"] == marker
+    assert ["cache_control" in b for b in sent["content"]] == [False, False, True, True, True]
 
 
 @STREAMING

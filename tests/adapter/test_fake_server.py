@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anthropic
 import httpx2
@@ -97,6 +98,31 @@ async def test_errors_carry_status_body_and_headers(
         await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
     assert raw.value.status_code == 418 and raw.value.body == "teapot"
     assert fake_anthropic_server.usage_served == le.Usage()
+
+
+async def test_markers_the_api_refuses_are_refused(
+    fake_anthropic_server: FakeAnthropicServer, client: anthropic.AsyncAnthropic
+) -> None:
+    """More than four cache markers, or a one-hour marker after a five-minute one,
+    get the API's 400 before the script is touched; the request is still recorded."""
+    five, hour = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
+    fake_anthropic_server.add(Reply.text("ok"))
+    five_markers: Any = [{"type": "text", "text": f"s{i}", "cache_control": five}
+                         for i in range(5)]
+    with pytest.raises(anthropic.BadRequestError, match="maximum of 4 blocks") as many:
+        await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO,
+                                     system=five_markers)
+    assert many.value.type == "invalid_request_error"
+    late_hour: Any = [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "text", "text": "x", "cache_control": hour}]}]}]
+    with pytest.raises(anthropic.BadRequestError, match="ttl='1h'"):
+        await client.messages.create(model=MODEL, max_tokens=5, messages=late_hour,
+                                     system=five_markers[:1])
+    reply = await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO,
+                                         system=five_markers[:4])
+    assert reply.content[0].type == "text" and reply.content[0].text == "ok"
+    assert len(fake_anthropic_server.requests) == 3
 
 
 async def test_dropped_connections_and_mid_stream_errors(
