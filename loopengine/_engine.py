@@ -173,7 +173,10 @@ class Engine:
             attribution: Who the run is accounted to.
             limits: Narrows the operation's limits for this run (never widens).
             retry: Narrows the operation's retry policy for this run.
-            on_text: Receives streamed text deltas (streaming providers).
+            on_text: Receives streamed text deltas (streaming providers). A
+                failed attempt's text has already been delivered when its retry
+                starts: observers' attempt events say which attempt the text
+                belongs to (docs/observability.md).
             tool_error_text: Overrides the engine's hook for this run.
             final_tool: The terminal tool's name in structured mode.
 

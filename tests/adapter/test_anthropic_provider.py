@@ -11,6 +11,7 @@ import anyio
 import pytest
 
 import loopengine as le
+from loopengine import events
 from loopengine.providers import AnthropicProvider, FaultKind, ProviderFault, ProviderRequest
 from loopengine.testing import (
     CutStream,
@@ -175,6 +176,30 @@ async def test_text_deltas_reach_on_text(wire: Harness, kind: str) -> None:
     result = await engine.run(operation(), "go", on_text=sink)
     assert result.answer == "The quick brown fox"
     assert seen == ["The ", "quick ", "brown ", "fox"]
+
+
+async def test_text_of_a_failed_attempt_is_bracketed_by_its_attempt_events(
+    wire: Harness,
+) -> None:
+    """A stream cut after some text has already delivered it; the retry's text
+    follows. AttemptStarted and AttemptSettled bracket each attempt's deltas, so
+    a live view can drop the text of an attempt that settled other than ok."""
+    log: list[tuple[str, Any]] = []
+
+    def observe(event: events.Event) -> None:
+        if isinstance(event, events.AttemptStarted):
+            log.append(("started", event.attempt))
+        elif isinstance(event, events.AttemptSettled):
+            log.append(("settled", event.outcome))
+
+    engine, _ = wire.engine(CutStream(reply=Reply.text("Half an answer"), after=4),
+                            Reply.text("The whole answer"), stream=True,
+                            observers=[observe])
+    result = await engine.run(operation(), "go", on_text=lambda text: log.append(("text", text)))
+    assert result.answer == "The whole answer"
+    assert log == [("started", 1), ("text", "Half "), ("text", "an "), ("settled", "aborted"),
+                   ("started", 2), ("text", "The "), ("text", "whole "), ("text", "answer"),
+                   ("settled", "ok")]
 
 
 async def test_a_cut_stream_is_an_aborted_attempt_with_a_usage_floor(wire: Harness) -> None:
