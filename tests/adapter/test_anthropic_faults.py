@@ -8,8 +8,10 @@ the second request; a permanent one ends the run after the first.
 
 from __future__ import annotations
 
+import email.utils
 import socket
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -50,8 +52,16 @@ CASES = {
     # timeout
     "http-408": Case(ErrorReply(status=408), FaultKind.TIMEOUT, True),
     "sdk-timeout": Case(Reply.text("late", delay=0.6), FaultKind.TIMEOUT, True),
+    "mid-stream-timeout": Case(
+        StreamErrorEvent(reply=Reply.text("half"), after=2, type="timeout_error",
+                         message="Request timed out"), FaultKind.TIMEOUT, True,
+        streaming_only=True),
     # rate_limited
     "429": Case(ErrorReply.rate_limited(), FaultKind.RATE_LIMITED, True),
+    "mid-stream-rate-limit": Case(
+        StreamErrorEvent(reply=Reply.text("half"), after=2, type="rate_limit_error",
+                         message="Number of request tokens has exceeded your rate limit"),
+        FaultKind.RATE_LIMITED, True),
     "429-ramp-limit": Case(ErrorReply(status=429, error_code="ramp_limit_exceeded"),
                            FaultKind.RATE_LIMITED, True),
     # overloaded
@@ -99,6 +109,10 @@ CASES = {
     "400-usage-limits": Case(ErrorReply(status=400, message=USAGE_LIMITS),
                              FaultKind.CREDIT_EXHAUSTED, False),
     "402-billing-error": Case(ErrorReply(status=402), FaultKind.CREDIT_EXHAUSTED, False),
+    "mid-stream-billing-error": Case(
+        StreamErrorEvent(reply=Reply.text("half"), after=2, type="billing_error",
+                         message="Your credit balance is too low"),
+        FaultKind.CREDIT_EXHAUSTED, False),
     "429-spend-limit": Case(ErrorReply.spend_limit(), FaultKind.CREDIT_EXHAUSTED, False),
     "429-contract-spend-limit": Case(
         ErrorReply(status=429, error_code="contract_spend_limit_reached"),
@@ -186,6 +200,20 @@ async def test_retry_after_headers_are_the_waits_slept(wire: Harness, clock: Fak
     assert result.outcome is le.Outcome.COMPLETED
     assert clock.sleeps == [1.5, 2.0]
     assert [a.dispatch.wait_ms for a in result.attempt_log] == [0, 1500, 2000]
+
+
+async def test_retry_after_as_an_http_date_is_the_wait_slept(wire: Harness,
+                                                             clock: FakeClock) -> None:
+    """retry-after may be an HTTP date: the wait is the time until then."""
+    until = email.utils.format_datetime(
+        datetime.now(UTC) + timedelta(seconds=4), usegmt=True)
+    engine, _ = wire.engine(ErrorReply(status=503, headers={"retry-after": until}),
+                            Reply.text("ok"))
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    (slept,) = clock.sleeps
+    assert 2.0 <= slept <= 4.0  # the date has whole seconds; the request took a moment
+    assert result.attempt_log[1].dispatch.wait_ms == round(slept * 1000)
 
 
 async def test_retry_after_beyond_the_deadline_ends_the_run(wire: Harness,
