@@ -123,6 +123,14 @@ CASES = {
         ErrorReply(status=429, body={"error": {"type": "insufficient_quota", "message": "x",
                                                "code": "insufficient_quota"}}),
         FaultKind.CREDIT_EXHAUSTED, False),
+    "429-credit-balance-exhausted-code": Case(
+        ErrorReply(status=429, body={"error": {"type": "rate_limit_error", "message": "x",
+                                               "code": "credit_balance_exhausted"}}),
+        FaultKind.CREDIT_EXHAUSTED, False),
+    "429-spend-limit-exceeded-code": Case(
+        ErrorReply(status=429, body={"error": {"type": "rate_limit_error", "message": "x",
+                                               "code": "monthly_spend_limit_exceeded"}}),
+        FaultKind.CREDIT_EXHAUSTED, False),
     # x-should-retry: false is obeyed even for a transient kind
     "529-should-retry-false": Case(ErrorReply(status=529, headers={"x-should-retry": "false"}),
                                    FaultKind.OVERLOADED, False),
