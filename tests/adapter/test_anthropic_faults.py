@@ -178,6 +178,24 @@ async def test_fault_matrix_kind_retry_and_outcome(
 
 
 @STREAMING
+async def test_every_attempt_records_the_ids_it_was_given(wire: Harness, stream: bool) -> None:
+    """The request id of every answered attempt, and the response id of every
+    message that was started: a mid-stream fault keeps both, a success too."""
+    engine, ledger = wire.engine(StreamErrorEvent(reply=Reply.text("half an answer"), after=3),
+                                 Reply.text("ok"), stream=stream)
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    failed, ok = (a.settle for a in result.attempt_log)
+    assert failed is not None and ok is not None
+    # As JSON the overload is a plain 529: no message was started.
+    assert (failed.request_id, failed.response_id) == (
+        "req_fake_0001", "msg_fake_0001" if stream else None)
+    assert (ok.request_id, ok.response_id) == ("req_fake_0002", "msg_fake_0002")
+    rows = [(r["request_id"], r["response_id"]) for r in ledger.attempts.values()]
+    assert rows == [(failed.request_id, failed.response_id), (ok.request_id, ok.response_id)]
+
+
+@STREAMING
 async def test_connection_refused_is_retried_then_ends_provider_error(
     fake_anthropic_server: FakeAnthropicServer, clock: FakeClock, stream: bool
 ) -> None:
