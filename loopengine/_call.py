@@ -115,11 +115,12 @@ async def run_call(inv: Invocation, spec: CallSpec) -> CallResult[Any]:
         with anyio.CancelScope(shield=True):
             await inv.cancelled(turns=call.turn, tool_calls=0, credits=call.credits)
         raise
-    except Exception:
+    except Exception as error:
         # An `OutcomeError` comes after its outcome was recorded: this adds
         # nothing then. Anything else (a `LedgerError`) ends the call `failed`.
         with anyio.CancelScope(shield=True):
             await inv.failed(turns=call.turn, tool_calls=0, credits=call.credits)
+        inv.count_attempts_on(error)
         raise
 
 

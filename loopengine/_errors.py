@@ -37,7 +37,14 @@ __all__ = [
 
 
 class LoopEngineError(Exception):
-    """The root of every exception loopengine raises on purpose."""
+    """The root of every exception loopengine raises on purpose.
+
+    Attributes:
+        attempts: When a run or call raised it: how many provider requests
+            that run or call had made (None otherwise).
+    """
+
+    attempts: int | None = None
 
 
 class ConfigError(LoopEngineError, ValueError):

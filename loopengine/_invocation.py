@@ -244,6 +244,11 @@ class Invocation:
         await self._announce_end(self.clock.wall(), "failed", turns=turns,
                                  tool_calls=tool_calls, credits=credits)
 
+    def count_attempts_on(self, error: BaseException) -> None:
+        """Give a loopengine error that ends this run or call its attempt count."""
+        if isinstance(error, LoopEngineError) and error.attempts is None:
+            error.attempts = len(self.records)
+
     # -- attempts ----------------------------------------------------------------
 
     async def request(

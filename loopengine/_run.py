@@ -104,10 +104,11 @@ async def run_loop(inv: Invocation, spec: RunSpec) -> RunResult:
             await inv.cancelled(turns=loop.state.turns, tool_calls=loop.state.tool_calls,
                                 credits=loop.state.credits)
         raise
-    except Exception:
+    except Exception as error:
         with anyio.CancelScope(shield=True):
             await inv.failed(turns=loop.state.turns, tool_calls=loop.state.tool_calls,
                              credits=loop.state.credits)
+        inv.count_attempts_on(error)
         raise
 
 

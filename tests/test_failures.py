@@ -59,8 +59,9 @@ async def test_a_run_whose_dispatch_cannot_be_written_ends_failed() -> None:
     events: list[Event] = []
     provider = ScriptedProvider(script())
     engine = le.Engine(provider, ledger=ledger, prices=PRICES, observers=[events.append])
-    with pytest.raises(le.LedgerError, match="cannot write attempt 2"):
+    with pytest.raises(le.LedgerError, match="cannot write attempt 2") as raised:
         await engine.run(operation(), "go", tools=[lookup])
+    assert raised.value.attempts == 1
 
     assert len(provider.requests) == 1  # the second request was never sent
     (invocation,) = ledger.invocations.values()
@@ -84,8 +85,9 @@ async def test_a_call_whose_dispatch_cannot_be_written_ends_failed() -> None:
     events: list[Event] = []
     engine = le.Engine(ScriptedProvider([Reply.final({"value": 1})]), ledger=ledger,
                        prices=PRICES, observers=[events.append])
-    with pytest.raises(le.LedgerError):
+    with pytest.raises(le.LedgerError) as raised:
         await engine.call(operation(), "go", output=Answer)
+    assert raised.value.attempts == 0  # the call throws with its attempt count
     (invocation,) = ledger.invocations.values()
     assert (invocation["outcome"], invocation["attempt_count"]) == ("failed", 0)
     assert ledger.attempts == {}
@@ -120,8 +122,9 @@ async def test_a_diverged_replay_ends_failed(tmp_path: Path) -> None:
                     prices=PRICES).run(operation(), "Hi")
     ledger = MemoryLedger()
     engine = le.Engine(ReplayProvider(path), ledger=ledger, prices=PRICES)
-    with pytest.raises(le.ReplayMismatchError):
+    with pytest.raises(le.ReplayMismatchError) as raised:
         await engine.run(operation(), "Something else")
+    assert raised.value.attempts == 1
     (invocation,) = ledger.invocations.values()
     assert (invocation["outcome"], invocation["attempt_count"]) == ("failed", 1)
     (attempt,) = ledger.attempts.values()
