@@ -70,6 +70,26 @@ class _InFlight:
     started: float
 
 
+NOT_SENT = "not_sent"
+"""The ``error_code`` of an attempt whose timeout ran out while the ledger held
+its request back: the provider never saw it."""
+
+
+class _Gate:
+    """An attempt's `ProviderRequest.before_wire`: its row's write, remembering
+    whether the request got past it."""
+
+    __slots__ = ("_receipt", "opened")
+
+    def __init__(self, receipt: DispatchReceipt) -> None:
+        self._receipt = receipt
+        self.opened = False
+
+    async def wait(self) -> None:
+        await self._receipt.wait()
+        self.opened = True
+
+
 class Invocation:
     """The accounting of one run or call (internal)."""
 
@@ -318,11 +338,13 @@ class Invocation:
         flight = _InFlight(len(self.records) - 1, self.clock.now())
         self._in_flight = flight
         receipt: DispatchReceipt | None = None
+        gate: _Gate | None = None
         if self._begin_dispatch is not None:
             receipt = self._begin_dispatch(dispatch)
+            gate = _Gate(receipt)
             # `build` made this request for this attempt alone: filling in its
             # gate costs less than `dataclasses.replace` of a frozen instance.
-            object.__setattr__(request, "before_wire", receipt.wait)
+            object.__setattr__(request, "before_wire", gate.wait)
         elif self.ledger is not None:
             await self.ledger.dispatch_attempt(dispatch)
         if self.observers:
@@ -343,7 +365,15 @@ class Invocation:
                 response = await self.provider.send(request)
             if scope.cancelled_caught:
                 response = None
-                fault = ProviderFault(FaultKind.TIMEOUT, f"no response within {timeout:.3f}s")
+                if gate is not None and not gate.opened:
+                    # The ledger held the request back the whole time: the
+                    # row says so, since the provider never saw it.
+                    fault = ProviderFault(
+                        FaultKind.TIMEOUT, f"the ledger did not record the attempt within "
+                        f"{timeout:.3f}s; nothing was sent", error_code=NOT_SENT)
+                else:
+                    fault = ProviderFault(FaultKind.TIMEOUT,
+                                          f"no response within {timeout:.3f}s")
         except ProviderFault as raised:
             fault = raised
         except anyio.get_cancelled_exc_class():
