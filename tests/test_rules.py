@@ -8,6 +8,7 @@ the Anthropic adapter; R12's placement rule is proved here as a pure function.
 from __future__ import annotations
 
 import copy
+import json
 from decimal import Decimal
 from typing import Any
 
@@ -573,57 +574,117 @@ def test_r12_no_one_hour_marker_after_a_five_minute_one() -> None:
     assert messages[0]["content"][0]["cache_control"] == hour  # the caller's, untouched
 
 
-_TTL = st.sampled_from([{"type": "ephemeral"}, {"type": "ephemeral", "ttl": "5m"},
-                        {"type": "ephemeral", "ttl": "1h"}, None])
+_ABSENT = "absent"
+_NULL = "null"
+# No marker, an explicit null (no marker either), or a marker of some lifetime.
+_TTL = st.sampled_from([_ABSENT, _NULL, {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "5m"},
+                        {"type": "ephemeral", "ttl": "1h"}])
 
 
-def _marked_block(text: str, marker: dict[str, str] | None) -> dict[str, Any]:
-    block: dict[str, Any] = {"type": "text", "text": text}
-    if marker is not None:
+def _mark(block: dict[str, Any], marker: Any) -> dict[str, Any]:
+    if marker == _NULL:
+        block["cache_control"] = None
+    elif marker != _ABSENT:
         block["cache_control"] = marker
     return block
+
+
+def _text(text: str, marker: Any) -> dict[str, Any]:
+    return _mark({"type": "text", "text": text}, marker)
+
+
+def _asked(marker: Any) -> bool:
+    return marker not in (_ABSENT, _NULL)
 
 
 @settings(max_examples=300, deadline=None)
 @given(system=st.lists(_TTL, max_size=6), tools=st.lists(_TTL, max_size=4),
        texts=st.lists(st.lists(_TTL, min_size=1, max_size=3), min_size=1, max_size=4),
-       inner=st.lists(_TTL, max_size=5),
+       inner=st.lists(_TTL, max_size=4), deep=st.lists(_TTL, max_size=4),
+       on_result=_TTL, on_search=_TTL,
        policy=st.builds(CachePolicy, system=st.booleans(), tools=st.booleans(),
                         conversation=st.booleans(), ttl=st.sampled_from(["5m", "1h"])))
 def test_r12_any_request_leaves_with_markers_the_api_accepts(
     system: list[Any], tools: list[Any], texts: list[list[Any]], inner: list[Any],
-    policy: CachePolicy,
+    deep: list[Any], on_result: Any, on_search: Any, policy: CachePolicy,
 ) -> None:
-    """Whatever the caller marked (with any lifetimes, inside tool results too) and
-    whatever the policy asks: at most four markers, none 1h after a 5m one, every
-    kept marker one that was asked for, and the caller's objects unchanged."""
-    system_in = [_marked_block(f"s{i}", m) for i, m in enumerate(system)]
-    tools_in = [{"name": f"t{i}", "description": "", "input_schema": {"type": "object"},
-                 **({"cache_control": m} if m else {})} for i, m in enumerate(tools)]
+    """Whatever the caller marked (any lifetimes, explicit nulls, blocks nested two
+    levels down in a tool result) and whatever the policy asks: at most four
+    markers reach the wire (counted in the JSON itself), as many as were asked
+    for up to four, none 1h after a 5m one, and the caller's objects unchanged."""
+    system_in = [_text(f"s{i}", m) for i, m in enumerate(system)]
+    tools_in = [_mark({"name": f"t{i}", "description": "", "input_schema": {"type": "object"}},
+                      m) for i, m in enumerate(tools)]
     messages_in: list[dict[str, Any]] = []
     for i, markers in enumerate(texts):
         role = "user" if i % 2 == 0 else "assistant"
-        messages_in.append({"role": role, "content": [_marked_block(f"m{i}.{j}", m)
+        messages_in.append({"role": role, "content": [_text(f"m{i}.{j}", m)
                                                       for j, m in enumerate(markers)]})
     messages_in.append({"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "t0", "input": {}}]})
-    messages_in.append({"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t",
-         "content": [_marked_block(f"r{k}", m) for k, m in enumerate(inner)]}]})
+    search = _mark({"type": "search_result", "source": "s", "title": "t",
+                    "content": [_text(f"d{k}", m) for k, m in enumerate(deep)]}, on_search)
+    result = _mark({"type": "tool_result", "tool_use_id": "t",
+                    "content": [*(_text(f"r{k}", m) for k, m in enumerate(inner)), search]},
+                   on_result)
+    messages_in.append({"role": "user", "content": [result]})
     before = copy.deepcopy((system_in, tools_in, messages_in))
     out_system, out_tools, out_messages = place_cache_markers(
         policy, system=system_in or None, tools=tools_in, messages=messages_in)
     body = {"system": out_system, "tools": out_tools, "messages": out_messages}
     assert cache_marker_problem(body) is None
     # Places asked for: the caller's, and the policy's where the caller had none
-    # (the conversation marker goes on the tool_result block, never marked here).
-    places = sum(m is not None for m in [*system, *tools, *inner, *sum(texts, [])])
-    places += int(policy.conversation)
-    places += int(policy.tools and bool(tools) and tools[-1] is None)
-    places += int(policy.system and bool(system) and system[-1] is None)
-    kept = cache_markers(system=out_system, tools=out_tools, messages=out_messages)
-    assert len(kept) == min(4, places)
+    # (the conversation marker goes on the tool_result block).
+    places = sum(_asked(m) for m in [*system, *tools, *inner, *deep, on_search, on_result,
+                                     *sum(texts, [])])
+    places += int(policy.conversation and not _asked(on_result))
+    places += int(policy.tools and bool(tools) and not _asked(tools[-1]))
+    places += int(policy.system and bool(system) and not _asked(system[-1]))
+    on_the_wire = json.dumps(body).count('"cache_control": {')
+    assert on_the_wire == len(cache_markers(**body)) == min(4, places)  # type: ignore[arg-type]
     assert (system_in, tools_in, messages_in) == before
+
+
+def test_r12_markers_two_levels_down_and_in_documents_are_capped() -> None:
+    """A search result inside a tool result, and a document's own text blocks: their
+    markers count toward the four like any other."""
+    marker = {"type": "ephemeral"}
+    search = {"type": "search_result", "source": "s", "title": "t",
+              "content": [_text(f"d{k}", marker) for k in range(3)]}
+    document = {"type": "document", "source": {"type": "content", "content": [
+        _text(f"p{k}", marker) for k in range(3)]}}
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [document, {"type": "text", "text": "q"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "x",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                      "content": [search]}]},
+    ]
+    _, _, out = place_cache_markers(CachePolicy(conversation=True), system=None, tools=[],
+                                    messages=messages)
+    assert json.dumps(out).count('"cache_control": {') == 4
+    result = out[-1]["content"][0]
+    assert result["cache_control"] == marker  # the conversation marker
+    # Then the latest of the caller's: the search result's three blocks.
+    assert all("cache_control" in b for b in result["content"][0]["content"])
+    assert not any("cache_control" in b for b in out[0]["content"][0]["source"]["content"])
+    assert all("cache_control" in b for b in search["content"])  # the caller's, untouched
+
+
+def test_r12_a_null_marker_is_no_marker() -> None:
+    """``cache_control: None`` asks for nothing: it takes no place among the four and
+    does not count as a five-minute marker before a one-hour one."""
+    tools = [{"name": f"t{i}", "description": "", "input_schema": {"type": "object"},
+              "cache_control": None} for i in range(4)]
+    system = [{"type": "text", "text": "rules"}]
+    policy = CachePolicy(system=True, conversation=True, ttl="1h")
+    out_system, out_tools, out_messages = place_cache_markers(
+        policy, system=system, tools=tools, messages=[{"role": "user", "content": "q"}])
+    assert not any("cache_control" in t for t in out_tools)
+    assert out_system is not None and out_system[0]["cache_control"] == policy.marker
+    assert out_messages[0]["content"][0]["cache_control"] == policy.marker
+    assert cache_marker_problem({"tools": tools, "system": out_system,
+                                 "messages": out_messages}) is None
 
 
 # -- R13 ---------------------------------------------------------------------------

@@ -3,15 +3,17 @@
 Anthropic accepts at most four ``cache_control`` markers on one request. The
 policy asks for markers on the system prompt, the tool definitions and the
 newest message; the caller may have marked blocks of their own (content
-blocks, tool definitions, system blocks, and the blocks inside a
-``tool_result``). When more than four are asked for, markers are kept in this
-priority and the rest are dropped:
+blocks, tool definitions, system blocks, and nested blocks: those inside a
+``tool_result`` or a search result, a document's own text blocks). A
+``cache_control`` of None is no marker. When more than four are asked for,
+markers are kept in this priority and the rest are dropped:
 
 1. the conversation marker (the newest message's last cacheable block),
 2. the tool-definitions marker (the last tool),
 3. the system-prompt marker (the last system block),
 4. the caller's own markers, latest in the prompt first (messages from the
-   newest back, then system blocks from the last back, then tools).
+   newest back, then system blocks from the last back, then tools; a block
+   ends after the blocks nested in it, so its own marker comes first).
 
 Markers later in the prompt cover a longer prefix, which is why, among equals,
 the later one wins.
@@ -26,7 +28,7 @@ one would.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -72,25 +74,65 @@ class CachePolicy:
         return {"type": "ephemeral", "ttl": self.ttl}
 
 
+Path = tuple[Any, ...]
+"""Where a block sits inside one message: its index in the content, then, for
+each level down, the keys to the nested list and the index in it, e.g.
+``(2, "content", 0)`` for the first block inside the third block's content."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Slot:
-    """One place a marker could go: (part, index, block index, index of a block
-    inside that block's ``content``, as in a ``tool_result``)."""
+    """One place a marker could go: a tool, a system block, or a block of a message."""
 
     part: Literal["system", "tools", "messages"]
     index: int
-    block: int | None
-    inner: int | None = None
-
-    def prompt_order(self) -> tuple[int, int, int, int]:
-        """Where the slot sits in the prompt (tools, then system, then messages);
-        a block's own marker comes after the markers inside it."""
-        part = {"tools": 0, "system": 1, "messages": 2}[self.part]
-        inner = _END if self.inner is None else self.inner
-        return part, self.index, -1 if self.block is None else self.block, inner
+    path: Path = ()
 
 
-_END = 1 << 30
+def _children(block: Mapping[str, Any]) -> Iterator[tuple[tuple[str, ...], list[Any]]]:
+    """The lists of blocks inside ``block``: a ``tool_result``'s (or a search
+    result's) ``content``, and a document's ``source.content``."""
+    content = block.get("content")
+    if isinstance(content, list):
+        yield ("content",), content
+    source = block.get("source")
+    if isinstance(source, Mapping) and isinstance(source.get("content"), list):
+        yield ("source", "content"), source["content"]
+
+
+def _walk(blocks: Sequence[Any], prefix: Path = ()) -> Iterator[tuple[Path, Mapping[str, Any]]]:
+    """Every block, nested ones included, in prompt order: a block comes after the
+    blocks inside it (its end is where a marker on it closes the prefix)."""
+    for j, block in enumerate(blocks):
+        if not isinstance(block, Mapping):
+            continue
+        for keys, inner in _children(block):
+            yield from _walk(inner, (*prefix, j, *keys))
+        yield (*prefix, j), block
+
+
+def _edit(blocks: list[Any], path: Path) -> dict[str, Any]:
+    """The block at ``path``, copied (with every list and block above it) so that
+    changing it leaves the caller's objects alone."""
+    index, rest = path[0], path[1:]
+    node = dict(blocks[index])
+    blocks[index] = node
+    while rest:
+        keys: list[str] = []
+        while not isinstance(rest[0], int):
+            keys.append(rest[0])
+            rest = rest[1:]
+        parent = node
+        for key in keys[:-1]:
+            child = dict(parent[key])
+            parent[key] = child
+            parent = child
+        inner = list(parent[keys[-1]])
+        parent[keys[-1]] = inner
+        index, rest = rest[0], rest[1:]
+        node = dict(inner[index])
+        inner[index] = node
+    return node
 
 
 def _cacheable(block: Mapping[str, Any]) -> bool:
@@ -108,53 +150,50 @@ def place_cache_markers(
 ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
     """Return copies of ``system``, ``tools`` and ``messages`` with at most four markers.
 
-    The policy's markers and the caller's own (inside ``tool_result`` blocks
-    too) are kept in this priority while there is room: the conversation
-    marker, the tool-definitions marker, the system-prompt marker, then the
-    caller's markers latest in the prompt first. A kept one-hour marker after
-    a five-minute one is sent as a five-minute marker, as Anthropic requires.
-    The inputs are not modified. String message contents that need a marker
-    become one text block.
+    The policy's markers and the caller's own (on nested blocks too, such as
+    those inside a ``tool_result``) are kept in this priority while there is
+    room: the conversation marker, the tool-definitions marker, the
+    system-prompt marker, then the caller's markers latest in the prompt
+    first. A kept one-hour marker after a five-minute one is sent as a
+    five-minute marker, as Anthropic requires; ``cache_control: None`` is no
+    marker and is left out. The inputs are not modified. String message
+    contents that need a marker become one text block.
     """
     system_out = [dict(b) for b in system] if system is not None else None
     tools_out = [dict(t) for t in tools]
     messages_out = [dict(m) for m in messages]
 
+    # Prompt order, tools then system then messages; and the caller's markers,
+    # taken off the copies.
+    position: dict[_Slot, int] = {}
     caller: dict[_Slot, Any] = {}
-
-    def blocks_of(message: dict[str, Any]) -> list[dict[str, Any]]:
-        # Fresh blocks (and a fresh list) in place of the caller's.
-        content = message.get("content")
-        if isinstance(content, str):
-            blocks = [{"type": "text", "text": content}]
-        else:
-            blocks = [dict(b) for b in content or ()]
-        message["content"] = blocks
-        return blocks
-
-    def inner_of(block: dict[str, Any]) -> list[dict[str, Any]]:
-        inner = [dict(b) for b in block["content"]]
-        block["content"] = inner
-        return inner
-
-    # Take every existing marker off, remembering where the caller put it.
     for i, tool in enumerate(tools_out):
+        position[_Slot("tools", i)] = len(position)
         if "cache_control" in tool:
-            caller[_Slot("tools", i, None)] = tool.pop("cache_control")
+            marker = tool.pop("cache_control")
+            if marker is not None:
+                caller[_Slot("tools", i)] = marker
     for i, block in enumerate(system_out or ()):
+        position[_Slot("system", i)] = len(position)
         if "cache_control" in block:
-            caller[_Slot("system", i, None)] = block.pop("cache_control")
+            marker = block.pop("cache_control")
+            if marker is not None:
+                caller[_Slot("system", i)] = marker
     for i, message in enumerate(messages_out):
         content = message.get("content")
-        if not (isinstance(content, list) and any(_marked(b) for b in content)):
+        if isinstance(content, str):
+            position[_Slot("messages", i, (0,))] = len(position)
             continue
-        for j, block in enumerate(blocks_of(message)):
-            if "cache_control" in block:
-                caller[_Slot("messages", i, j)] = block.pop("cache_control")
-            if _marked_inside(block):
-                for k, inner in enumerate(inner_of(block)):
-                    if "cache_control" in inner:
-                        caller[_Slot("messages", i, j, k)] = inner.pop("cache_control")
+        if not isinstance(content, list):
+            continue
+        content = message["content"] = list(content)
+        for path, nested in _walk(content):
+            slot = _Slot("messages", i, path)
+            position[slot] = len(position)
+            if "cache_control" in nested:
+                marker = _edit(content, path).pop("cache_control")
+                if marker is not None:
+                    caller[slot] = marker
 
     wanted: list[tuple[_Slot, Any]] = []
     if policy.conversation and messages_out:
@@ -165,15 +204,13 @@ def place_cache_markers(
             [j for j, b in enumerate(content or ()) if isinstance(b, Mapping) and _cacheable(b)]
         )
         if candidates:
-            wanted.append((_Slot("messages", last, candidates[-1]), policy.marker))
+            wanted.append((_Slot("messages", last, (candidates[-1],)), policy.marker))
     if policy.tools and tools_out:
-        wanted.append((_Slot("tools", len(tools_out) - 1, None), policy.marker))
+        wanted.append((_Slot("tools", len(tools_out) - 1), policy.marker))
     if policy.system and system_out:
-        wanted.append((_Slot("system", len(system_out) - 1, None), policy.marker))
-
-    order = {"messages": 0, "system": 1, "tools": 2}
-    for slot in sorted(caller, key=lambda s: (order[s.part], [-n for n in s.prompt_order()[1:]])):
-        wanted.append((slot, caller[slot]))
+        wanted.append((_Slot("system", len(system_out) - 1), policy.marker))
+    # The caller's: latest in the prompt first.
+    wanted.extend(sorted(caller.items(), key=lambda item: -position[item[0]]))
 
     kept: dict[_Slot, Any] = {}
     for slot, marker in wanted:
@@ -182,8 +219,9 @@ def place_cache_markers(
         kept.setdefault(slot, marker)
 
     short_before = False
-    for slot in sorted(kept, key=_Slot.prompt_order):
-        marker = copy.deepcopy(kept[slot])
+    for slot in sorted(kept, key=position.__getitem__):
+        asked = kept[slot]
+        marker = dict(asked) if isinstance(asked, Mapping) else copy.deepcopy(asked)
         if isinstance(marker, dict):
             if short_before and marker.get("ttl") == "1h":
                 del marker["ttl"]  # the five-minute default
@@ -194,24 +232,14 @@ def place_cache_markers(
             assert system_out is not None
             system_out[slot.index]["cache_control"] = marker
         else:
-            # A fresh list of fresh blocks: the caller's message must not change.
-            blocks = blocks_of(messages_out[slot.index])
-            assert slot.block is not None
-            if slot.inner is None:
-                blocks[slot.block]["cache_control"] = marker
-            else:
-                inner_of(blocks[slot.block])[slot.inner]["cache_control"] = marker
+            message = messages_out[slot.index]
+            content = message.get("content")
+            # A fresh list: the caller's message must not change.
+            message["content"] = blocks = (
+                [{"type": "text", "text": content}] if isinstance(content, str)
+                else list(content or ()))
+            _edit(blocks, slot.path)["cache_control"] = marker
     return system_out, tools_out, messages_out
-
-
-def _marked_inside(block: Mapping[str, Any]) -> bool:
-    """Whether blocks inside ``block`` (a ``tool_result``'s content) carry markers."""
-    inner = block.get("content")
-    return isinstance(inner, list) and any(_marked(b) for b in inner)
-
-
-def _marked(block: Any) -> bool:
-    return isinstance(block, Mapping) and ("cache_control" in block or _marked_inside(block))
 
 
 def cache_markers(
@@ -220,22 +248,19 @@ def cache_markers(
     tools: Sequence[Mapping[str, Any]],
     messages: Sequence[Mapping[str, Any]],
 ) -> list[Any]:
-    """The ``cache_control`` markers of a request body, in prompt order (tools,
-    system, messages, and the blocks inside a ``tool_result`` before its own)."""
-    found = [t["cache_control"] for t in tools if "cache_control" in t]
+    """The ``cache_control`` markers of a request body in prompt order: tools,
+    system, then messages (a block after the blocks nested inside it). A
+    ``cache_control`` of None is no marker."""
+    found = [t["cache_control"] for t in tools
+             if isinstance(t, Mapping) and t.get("cache_control") is not None]
     if not isinstance(system, str):
-        found += [b["cache_control"] for b in system or () if "cache_control" in b]
+        found += [b["cache_control"] for b in system or ()
+                  if isinstance(b, Mapping) and b.get("cache_control") is not None]
     for message in messages:
-        content = message.get("content")
-        for block in content if isinstance(content, list) else ():
-            if not isinstance(block, Mapping):
-                continue
-            inner = block.get("content")
-            for nested in inner if isinstance(inner, list) else ():
-                if isinstance(nested, Mapping) and "cache_control" in nested:
-                    found.append(nested["cache_control"])
-            if "cache_control" in block:
-                found.append(block["cache_control"])
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list):
+            found += [block["cache_control"] for _, block in _walk(content)
+                      if block.get("cache_control") is not None]
     return found
 
 
