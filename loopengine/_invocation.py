@@ -165,8 +165,8 @@ class Invocation:
         """Record the invocation as running and announce it."""
         at = self.clock.wall()
         if self.ledger is not None:
-            await self.ledger.start_invocation(
-                InvocationStart(
+            try:
+                await self.ledger.start_invocation(InvocationStart(
                     id=self.id,
                     operation=self.operation.name,
                     operation_version=self.operation.version,
@@ -177,8 +177,10 @@ class Invocation:
                     feature=self.attribution.feature,
                     correlation_id=self.attribution.correlation_id,
                     started_at=at,
-                )
-            )
+                ))
+            except LoopEngineError as error:
+                self.count_attempts_on(error)  # none: nothing was sent
+                raise
         await self.emit(RunStarted(
             run_id=self.id, at=at, operation=self.operation.name,
             operation_version=self.operation.version, provider=self.operation.provider,
@@ -252,9 +254,12 @@ class Invocation:
         it must not replace the error that ended the run."""
         if self._in_flight is not None:
             # It never went out (the gate before the wire is its row's write):
-            # it is not one of the run's attempts.
-            del self.records[self._in_flight.index]
+            # it is not one of the run's attempts, and a turn it alone would
+            # have sent was not sent (R01 counts turn requests sent).
+            unsent = self.records.pop(self._in_flight.index).dispatch
             self._in_flight = None
+            if not any(r.dispatch.turn == unsent.turn for r in self.records):
+                turns = min(turns, unsent.turn - 1)
         try:
             if not self._ended:
                 await self.finish("failed", turns=turns, tool_calls=tool_calls,

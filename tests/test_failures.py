@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pydantic
 import pytest
@@ -16,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import loopengine as le
-from loopengine.events import Event, RunEnded, RunStarted
+from loopengine.events import AttemptSettled, AttemptStarted, Event, RunEnded, RunStarted
 from loopengine.otel import OpenTelemetryObserver
 from loopengine.persistence import AttemptDispatch, MemoryLedger, SQLiteLedger
 from loopengine.providers import (
@@ -25,8 +26,10 @@ from loopengine.providers import (
     Reply,
     ScriptedProvider,
 )
+from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
+from .ledger_support import overloaded
 
 
 class RefusingLedger(MemoryLedger):
@@ -65,14 +68,82 @@ async def test_a_run_whose_dispatch_cannot_be_written_ends_failed() -> None:
 
     assert len(provider.requests) == 1  # the second request was never sent
     (invocation,) = ledger.invocations.values()
+    # Turn 2's only request was never sent: one turn, as R01 counts them.
     assert (invocation["outcome"], invocation["turns"], invocation["tool_calls"],
-            invocation["attempt_count"]) == ("failed", 2, 1, 1)
+            invocation["attempt_count"]) == ("failed", 1, 1, 1)
     assert [row["outcome"] for row in ledger.attempts.values()] == ["ok"]
     assert isinstance(events[0], RunStarted)
     ended = events[-1]
     assert isinstance(ended, RunEnded)
-    assert (ended.outcome, ended.attempts, ended.turns) == ("failed", 1, 2)
+    assert (ended.outcome, ended.attempts, ended.turns) == ("failed", 1, 1)
     assert sum(isinstance(e, RunEnded) for e in events) == 1
+
+
+class RefusingEarlyLedger(MemoryLedger):
+    """Like RefusingLedger, through `begin_dispatch`: the refusal reaches the
+    provider's gate before the wire."""
+
+    def __init__(self, refuse: int) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    def begin_dispatch(self, record: AttemptDispatch) -> Any:
+        ledger = self
+
+        class Receipt:
+            async def wait(self) -> None:
+                if record.ordinal == ledger.refuse:
+                    raise le.LedgerError(f"cannot write attempt {record.ordinal}")
+                if (record.invocation_id, record.ordinal) not in ledger.attempts:
+                    await ledger.dispatch_attempt(record)
+
+        return Receipt()
+
+
+async def test_a_refusal_at_the_gate_before_the_wire_ends_failed() -> None:
+    """The provider awaits the row's write before the wire and gets the LedgerError:
+    nothing is sent; the attempt's AttemptStarted has no AttemptSettled, and
+    RunEnded(failed) does not count it."""
+    ledger = RefusingEarlyLedger(refuse=2)
+    events: list[Event] = []
+    provider = ScriptedProvider(script())
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, observers=[events.append])
+    with pytest.raises(le.LedgerError, match="cannot write attempt 2") as raised:
+        await engine.run(operation(), "go", tools=[lookup])
+    assert raised.value.attempts == 1 and len(provider.requests) == 1
+    started = [e.ordinal for e in events if isinstance(e, AttemptStarted)]
+    settled = [e.ordinal for e in events if isinstance(e, AttemptSettled)]
+    assert (started, settled) == ([1, 2], [1])
+    ended = events[-1]
+    assert isinstance(ended, RunEnded) and (ended.outcome, ended.attempts) == ("failed", 1)
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["outcome"], invocation["attempt_count"]) == ("failed", 1)
+
+
+async def test_a_retry_that_cannot_be_written_leaves_its_turn_counted() -> None:
+    """The unsent attempt was a retry: its turn did send a request, so it counts."""
+    ledger = RefusingLedger(refuse=2)
+    engine = le.Engine(ScriptedProvider([overloaded(), Reply.text("ok")]), ledger=ledger,
+                       prices=PRICES, clock=FakeClock())
+    with pytest.raises(le.LedgerError) as raised:
+        await engine.run(operation(), "go")
+    assert raised.value.attempts == 1
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["outcome"], invocation["turns"], invocation["attempt_count"]) == (
+        "failed", 1, 1)
+
+
+async def test_a_run_on_a_closed_ledger_raises_before_it_starts(tmp_path: Path) -> None:
+    """Nothing recorded, nothing announced, nothing sent: the error says so."""
+    ledger = SQLiteLedger(tmp_path / "ledger.db")
+    await ledger.aclose()
+    events: list[Event] = []
+    provider = ScriptedProvider([Reply.text("ok")])
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, observers=[events.append])
+    with pytest.raises(le.LedgerError, match="closed") as raised:
+        await engine.run(operation(), "go")
+    assert raised.value.attempts == 0
+    assert events == [] and provider.requests == []
 
 
 async def test_a_call_whose_dispatch_cannot_be_written_ends_failed() -> None:
