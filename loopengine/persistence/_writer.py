@@ -16,7 +16,10 @@ and the durable ops it refused. Between processes both travel through pipes
 as frames of `marshal` data: an op frame is its data's length and the op's
 id (``<IQ``), then the op with 0 in place of its id (so the ledger can encode
 an op, and refuse one that cannot be encoded, before it numbers it); a
-report frame is its data's length (``<I``), then the report.
+report frame is its data's length (``<I``), then the report. Op ids run
+1, 2, 3... in the order the frames are sent; the writer checks each one, so a
+stream that lost its framing stops with `StreamError` instead of waiting for
+a frame that never ends.
 """
 
 from __future__ import annotations
