@@ -111,6 +111,26 @@ def _walk(blocks: Sequence[Any], prefix: Path = ()) -> Iterator[tuple[Path, Mapp
         yield (*prefix, j), block
 
 
+def _has_marker(blocks: Sequence[Any]) -> bool:
+    """Whether any block, nested ones included, has a ``cache_control`` key."""
+    # `_children`, unrolled, with plain dicts checked first: this runs over
+    # every block of every request.
+    for block in blocks:
+        if type(block) is not dict and not isinstance(block, Mapping):
+            continue
+        if "cache_control" in block:
+            return True
+        inner = block.get("content")
+        if type(inner) is list and _has_marker(inner):
+            return True
+        source = block.get("source")
+        if source is not None and isinstance(source, Mapping):
+            inner = source.get("content")
+            if isinstance(inner, list) and _has_marker(inner):
+                return True
+    return False
+
+
 def _edit(blocks: list[Any], path: Path) -> dict[str, Any]:
     """The block at ``path``, copied (with every list and block above it) so that
     changing it leaves the caller's objects alone."""
@@ -163,33 +183,35 @@ def place_cache_markers(
     tools_out = [dict(t) for t in tools]
     messages_out = [dict(m) for m in messages]
 
-    # Prompt order, tools then system then messages; and the caller's markers,
-    # taken off the copies.
-    position: dict[_Slot, int] = {}
+    # Where each slot that matters sits in the prompt (tools, then system, then
+    # messages), and the caller's markers, taken off the copies. Only messages
+    # with a marker somewhere, and the newest one, are walked.
+    position: dict[_Slot, tuple[int, int, int]] = {}
     caller: dict[_Slot, Any] = {}
     for i, tool in enumerate(tools_out):
-        position[_Slot("tools", i)] = len(position)
+        position[_Slot("tools", i)] = (0, i, 0)
         if "cache_control" in tool:
             marker = tool.pop("cache_control")
             if marker is not None:
                 caller[_Slot("tools", i)] = marker
     for i, block in enumerate(system_out or ()):
-        position[_Slot("system", i)] = len(position)
+        position[_Slot("system", i)] = (1, i, 0)
         if "cache_control" in block:
             marker = block.pop("cache_control")
             if marker is not None:
                 caller[_Slot("system", i)] = marker
+    last = len(messages_out) - 1
     for i, message in enumerate(messages_out):
         content = message.get("content")
         if isinstance(content, str):
-            position[_Slot("messages", i, (0,))] = len(position)
+            position[_Slot("messages", i, (0,))] = (2, i, 0)
             continue
-        if not isinstance(content, list):
+        if not isinstance(content, list) or not (i == last or _has_marker(content)):
             continue
         content = message["content"] = list(content)
-        for path, nested in _walk(content):
+        for ordinal, (path, nested) in enumerate(_walk(content)):
             slot = _Slot("messages", i, path)
-            position[slot] = len(position)
+            position[slot] = (2, i, ordinal)
             if "cache_control" in nested:
                 marker = _edit(content, path).pop("cache_control")
                 if marker is not None:
@@ -197,7 +219,6 @@ def place_cache_markers(
 
     wanted: list[tuple[_Slot, Any]] = []
     if policy.conversation and messages_out:
-        last = len(messages_out) - 1
         content = messages_out[last].get("content")
         candidates = (
             [0] if isinstance(content, str) and content else
@@ -210,7 +231,7 @@ def place_cache_markers(
     if policy.system and system_out:
         wanted.append((_Slot("system", len(system_out) - 1), policy.marker))
     # The caller's: latest in the prompt first.
-    wanted.extend(sorted(caller.items(), key=lambda item: -position[item[0]]))
+    wanted.extend(sorted(caller.items(), key=lambda item: position[item[0]], reverse=True))
 
     kept: dict[_Slot, Any] = {}
     for slot, marker in wanted:
