@@ -74,10 +74,10 @@ async def test_a_timeout_at_the_ledger_gate_is_recorded_as_not_sent() -> None:
 async def test_a_timeout_after_the_gate_is_a_plain_timeout() -> None:
     """Once the row is written the request goes out: a provider that does not answer
     in time is an ordinary timeout, with no ``not_sent`` code."""
-    ledger = SlowLedger({1: 0.05})
-    # 0.05 s at the gate, then 0.19 s on the wire: the 0.2 s attempt ends on the wire.
-    engine_, provider = engine(ledger, Reply.text("late", delay=0.19), Reply.text("ok"))
-    result = await engine_.run(operation(attempt_timeout=0.2), "go",
+    ledger = SlowLedger({1: 0.02})
+    # 0.02 s at the gate, then 0.49 s on the wire: the 0.5 s attempt ends on the wire.
+    engine_, provider = engine(ledger, Reply.text("late", delay=0.49), Reply.text("ok"))
+    result = await engine_.run(operation(attempt_timeout=0.5), "go",
                                retry={"initial_wait": 0.01, "max_wait": 0.01})
     assert result.outcome is le.Outcome.COMPLETED
     assert len(provider.requests) == 2
