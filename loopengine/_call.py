@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Generic, Literal, NoReturn, TypeVar
 
-import anyio
 import pydantic
 
 from loopengine._errors import OutcomeError, ProviderError
@@ -109,19 +108,8 @@ class CallSpec:
 async def run_call(inv: Invocation, spec: CallSpec) -> CallResult[Any]:
     """Make the call; return its result or raise an `OutcomeError` carrying ``attempts``."""
     call = _Call(inv, spec)
-    try:
+    async with inv.ending(lambda: (call.turn, 0, call.credits)):
         return await call.run()
-    except anyio.get_cancelled_exc_class():
-        with anyio.CancelScope(shield=True):
-            await inv.cancelled(turns=call.turn, tool_calls=0, credits=call.credits)
-        raise
-    except Exception as error:
-        # An `OutcomeError` comes after its outcome was recorded: this adds
-        # nothing then. Anything else (a `LedgerError`) ends the call `failed`.
-        with anyio.CancelScope(shield=True):
-            await inv.failed(turns=call.turn, tool_calls=0, credits=call.credits)
-        inv.count_attempts_on(error)
-        raise
 
 
 class _Call:

@@ -9,12 +9,13 @@ about the conversation.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import random
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -226,47 +227,57 @@ class Invocation:
             credits=credits,
         ))
 
-    async def cancelled(self, *, turns: int, tool_calls: int, credits: int) -> None:
-        """The caller cancelled: settle the in-flight attempt ``aborted``/``external``
-        and the invocation ``cancelled``. Call inside a shielded scope.
+    @contextlib.asynccontextmanager
+    async def ending(self, progress: Callable[[], tuple[int, int, int]]) -> AsyncIterator[None]:
+        """Around the body of a run or call that may stop without an outcome.
 
-        A ledger failure here is logged, not raised: it must not replace the
-        caller's cancellation, which propagates after this returns."""
+        ``progress()`` gives its ``(turns, tool_calls, credits)`` so far. The
+        caller's cancellation settles the in-flight attempt ``aborted``/
+        ``external`` and the invocation ``cancelled``; any other error (a
+        `LedgerError`, a provider's `LoopEngineError`) records it ``failed`` and
+        gets its attempt count. Either way `RunEnded` is announced and the
+        exception propagates. An `OutcomeError` comes after its outcome was
+        recorded and announced: nothing is added but its count.
+        """
         try:
-            if self._in_flight is not None:
-                await self._settle(self._in_flight, None, None, external=True)
-            if not self._ended:
-                await self.finish("cancelled", turns=turns, tool_calls=tool_calls,
-                                  credits=credits)
-        except LedgerError:
-            logger.exception("run %s: the ledger could not record the cancellation", self.id)
-        await self._announce_end(self.clock.wall(), "cancelled", turns=turns,
-                                 tool_calls=tool_calls, credits=credits)
+            yield
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await self._end_without_outcome("cancelled", *progress())
+            raise
+        except Exception as error:
+            with anyio.CancelScope(shield=True):
+                await self._end_without_outcome("failed", *progress())
+            self.count_attempts_on(error)
+            raise
 
-    async def failed(self, *, turns: int, tool_calls: int, credits: int) -> None:
-        """The run raised instead of reaching an outcome: record the invocation
-        ``failed`` if the ledger still can, and announce the end. Call inside a
-        shielded scope, then let the error propagate.
+    async def _end_without_outcome(self, outcome: str, turns: int, tool_calls: int,
+                                   credits: int) -> None:
+        """Record the invocation ``cancelled`` or ``failed`` as far as the ledger
+        still can, then announce the end.
 
-        An attempt still in flight is not settled: the error came from writing
-        its row (or from the ledger breaking), so it has no row, or none the
-        ledger can still settle. A ledger failure here is logged, not raised:
-        it must not replace the error that ended the run."""
-        if self._in_flight is not None:
-            # It never went out (the gate before the wire is its row's write):
-            # it is not one of the run's attempts, and a turn it alone would
-            # have sent was not sent (R01 counts turn requests sent).
+        A cancelled run's in-flight attempt is settled ``aborted``/``external``.
+        A failed run's is not: the error came from writing its row (or from the
+        ledger breaking), so it never went out (the gate before the wire is its
+        row's write); it is not one of the run's attempts, and a turn it alone
+        would have sent was not sent (R01 counts turn requests sent). A ledger
+        failure here is logged, not raised: it must not replace the exception
+        that ended the run."""
+        if outcome == "failed" and self._in_flight is not None:
             unsent = self.records.pop(self._in_flight.index).dispatch
             self._in_flight = None
             if not any(r.dispatch.turn == unsent.turn for r in self.records):
                 turns = min(turns, unsent.turn - 1)
         try:
+            if self._in_flight is not None:
+                await self._settle(self._in_flight, None, None, external=True)
             if not self._ended:
-                await self.finish("failed", turns=turns, tool_calls=tool_calls,
+                await self.finish(outcome, turns=turns, tool_calls=tool_calls,
                                   credits=credits)
         except LedgerError:
-            logger.exception("run %s: the ledger could not record its failure", self.id)
-        await self._announce_end(self.clock.wall(), "failed", turns=turns,
+            what = "the cancellation" if outcome == "cancelled" else "its failure"
+            logger.exception("run %s: the ledger could not record %s", self.id, what)
+        await self._announce_end(self.clock.wall(), outcome, turns=turns,
                                  tool_calls=tool_calls, credits=credits)
 
     def count_attempts_on(self, error: BaseException) -> None:

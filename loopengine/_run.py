@@ -97,19 +97,9 @@ async def run_loop(inv: Invocation, spec: RunSpec) -> RunResult:
     outcome (a `LedgerError`, a provider's `LoopEngineError`), each after
     recording the invocation ``cancelled`` or ``failed``."""
     loop = _Loop(inv, spec)
-    try:
+    async with inv.ending(lambda: (loop.state.turns, loop.state.tool_calls,
+                                   loop.state.credits)):
         return await loop.run()
-    except anyio.get_cancelled_exc_class():
-        with anyio.CancelScope(shield=True):
-            await inv.cancelled(turns=loop.state.turns, tool_calls=loop.state.tool_calls,
-                                credits=loop.state.credits)
-        raise
-    except Exception as error:
-        with anyio.CancelScope(shield=True):
-            await inv.failed(turns=loop.state.turns, tool_calls=loop.state.tool_calls,
-                             credits=loop.state.credits)
-        inv.count_attempts_on(error)
-        raise
 
 
 class _Loop:
