@@ -25,7 +25,7 @@ from loopengine.providers import (
     Reply,
     place_cache_markers,
 )
-from loopengine.providers._cache import cache_marker_problem, cache_markers, count_cache_markers
+from loopengine.providers._cache import cache_marker_problem, cache_markers
 
 from .conftest import PRICES, EngineFactory, operation
 
@@ -519,7 +519,7 @@ def test_r12_never_more_than_four_markers_whatever_is_asked() -> None:
     out_system, out_tools, out_messages = place_cache_markers(
         policy, system=system, tools=tools, messages=messages
     )
-    assert count_cache_markers(system=out_system, tools=out_tools, messages=out_messages) == 4
+    assert len(cache_markers(system=out_system, tools=out_tools, messages=out_messages)) == 4
     # The documented priority: conversation, tools, system, then the caller's newest.
     assert "cache_control" in out_messages[-1]["content"][-1]
     assert "cache_control" in out_tools[-1]
@@ -544,7 +544,7 @@ def test_r12_markers_inside_tool_results_count_toward_the_four() -> None:
     ]
     policy = CachePolicy(conversation=True)
     _, _, out = place_cache_markers(policy, system=None, tools=[], messages=messages)
-    assert count_cache_markers(system=None, tools=[], messages=out) == 4
+    assert len(cache_markers(system=None, tools=[], messages=out)) == 4
     result = out[-1]["content"][0]
     assert result["cache_control"] == policy.marker  # the conversation marker
     assert ["cache_control" in b for b in result["content"]] == [False, False, True, True, True]

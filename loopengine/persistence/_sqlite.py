@@ -418,14 +418,19 @@ class SQLiteLedger:
             raise LedgerError(f"{self.path}: a value of this write cannot be recorded "
                               f"({error}): {op!r}") from None
 
+    def _numbered(self, data: bytes) -> bytes:
+        """Check the ledger is open, number the encoded op ``data`` (`_encode`)
+        and frame it. Called holding `_lock`."""
+        self._check()
+        self._next_id += 1
+        self._activity = True
+        return _writer.op_frame(self._next_id, data)
+
     def _defer(self, op: Op) -> None:
         data = self._encode(op)
         self._check_process()
         with self._lock:
-            self._check()
-            self._next_id += 1
-            frame = _writer.op_frame(self._next_id, data)
-            self._activity = True
+            frame = self._numbered(data)
             if not self._linger:
                 self._channel.send(frame)
                 return
@@ -440,10 +445,7 @@ class SQLiteLedger:
         data = self._encode(op)
         self._check_process()
         with self._lock:
-            self._check()
-            self._next_id += 1
-            self._activity = True
-            self._send_frames(_writer.op_frame(self._next_id, data))
+            self._send_frames(self._numbered(data))
             return self._next_id
 
     def _send_frames(self, frame: bytes = b"") -> None:

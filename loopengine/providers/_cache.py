@@ -243,10 +243,9 @@ def place_cache_markers(
     for slot in sorted(kept, key=position.__getitem__):
         asked = kept[slot]
         marker = dict(asked) if isinstance(asked, Mapping) else copy.deepcopy(asked)
-        if isinstance(marker, dict):
-            if short_before and marker.get("ttl") == "1h":
-                del marker["ttl"]  # the five-minute default
-            short_before = short_before or marker.get("ttl", "5m") == "5m"
+        if short_before and _ttl(marker) == "1h":
+            del marker["ttl"]  # the five-minute default
+        short_before = short_before or _ttl(marker) == "5m"
         if slot.part == "tools":
             tools_out[slot.index]["cache_control"] = marker
         elif slot.part == "system":
@@ -303,7 +302,7 @@ def cache_marker_problem(body: Any) -> str | None:
                 f"provided. Found {len(markers)}.")
     short_before = False
     for marker in markers:
-        ttl = marker.get("ttl", "5m") if isinstance(marker, Mapping) else "5m"
+        ttl = _ttl(marker)
         if ttl == "1h" and short_before:
             return ("a ttl='1h' cache_control block must not come after a ttl='5m' "
                     "cache_control block. Note that blocks are processed in the following "
@@ -312,11 +311,7 @@ def cache_marker_problem(body: Any) -> str | None:
     return None
 
 
-def count_cache_markers(
-    *,
-    system: Sequence[Mapping[str, Any]] | str | None,
-    tools: Sequence[Mapping[str, Any]],
-    messages: Sequence[Mapping[str, Any]],
-) -> int:
-    """Count the ``cache_control`` markers in a request body (for tests and checks)."""
-    return len(cache_markers(system=system, tools=tools, messages=messages))
+def _ttl(marker: Any) -> str:
+    """A marker's lifetime as the API reads it (five minutes unless it says)."""
+    return str(marker.get("ttl", "5m")) if isinstance(marker, Mapping) else "5m"
+

@@ -14,7 +14,7 @@ import pytest
 import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import AnthropicProvider
-from loopengine.providers._cache import count_cache_markers
+from loopengine.providers._cache import cache_markers
 from loopengine.testing import FakeAnthropicServer, FakeClock, RecordedRequest, ServerItem
 
 from ..conftest import PRICES
@@ -89,8 +89,8 @@ async def wire(fake_anthropic_server: FakeAnthropicServer,
 def markers_on_the_wire(request: RecordedRequest) -> int:
     """``cache_control`` markers in a request body."""
     body = request.body
-    return count_cache_markers(system=body.get("system"), tools=body.get("tools", []),
-                               messages=body["messages"])
+    return len(cache_markers(system=body.get("system"), tools=body.get("tools", []),
+                             messages=body["messages"]))
 
 
 def tool_results(request: RecordedRequest) -> list[dict[str, Any]]:
