@@ -54,7 +54,7 @@ def script() -> list[Reply]:
     return [Reply.tool_calls(("lookup", {"key": "a"})), Reply.text("done")]
 
 
-async def test_a_run_whose_dispatch_cannot_be_written_ends_failed() -> None:
+async def test_r01_a_run_whose_dispatch_cannot_be_written_ends_failed() -> None:
     """The LedgerError reaches the caller; the attempt that never went out has no
     row and is not counted; the invocation is recorded ``failed``; observers see
     RunEnded(failed) last."""
@@ -79,21 +79,15 @@ async def test_a_run_whose_dispatch_cannot_be_written_ends_failed() -> None:
     assert sum(isinstance(e, RunEnded) for e in events) == 1
 
 
-class RefusingEarlyLedger(MemoryLedger):
-    """Like RefusingLedger, through `begin_dispatch`: the refusal reaches the
-    provider's gate before the wire."""
-
-    def __init__(self, refuse: int) -> None:
-        super().__init__()
-        self.refuse = refuse
+class RefusingEarlyLedger(RefusingLedger):
+    """The same refusal through `begin_dispatch`: it reaches the provider's gate
+    before the wire."""
 
     def begin_dispatch(self, record: AttemptDispatch) -> Any:
         ledger = self
 
         class Receipt:
             async def wait(self) -> None:
-                if record.ordinal == ledger.refuse:
-                    raise le.LedgerError(f"cannot write attempt {record.ordinal}")
                 if (record.invocation_id, record.ordinal) not in ledger.attempts:
                     await ledger.dispatch_attempt(record)
 
@@ -120,7 +114,7 @@ async def test_a_refusal_at_the_gate_before_the_wire_ends_failed() -> None:
     assert (invocation["outcome"], invocation["attempt_count"]) == ("failed", 1)
 
 
-async def test_a_retry_that_cannot_be_written_leaves_its_turn_counted() -> None:
+async def test_r01_a_retry_that_cannot_be_written_leaves_its_turn_counted() -> None:
     """The unsent attempt was a retry: its turn did send a request, so it counts."""
     ledger = RefusingLedger(refuse=2)
     engine = le.Engine(ScriptedProvider([overloaded(), Reply.text("ok")]), ledger=ledger,

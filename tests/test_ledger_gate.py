@@ -53,7 +53,7 @@ def engine(ledger: MemoryLedger, *script: Any) -> tuple[le.Engine, ScriptedProvi
     return le.Engine(provider, ledger=ledger, prices=PRICES), provider
 
 
-async def test_a_timeout_at_the_ledger_gate_is_recorded_as_not_sent() -> None:
+async def test_r04_a_timeout_at_the_ledger_gate_is_recorded_as_not_sent() -> None:
     """The first row takes longer to write than the attempt may last: the request
     never reaches the provider, its row (still written) is settled as a timeout
     with error_code ``not_sent``, and the retry goes out once its row is written."""
@@ -71,7 +71,7 @@ async def test_a_timeout_at_the_ledger_gate_is_recorded_as_not_sent() -> None:
     assert (second["outcome"], second["error_code"]) == ("ok", None)
 
 
-async def test_a_timeout_after_the_gate_is_a_plain_timeout() -> None:
+async def test_r04_a_timeout_after_the_gate_is_a_plain_timeout() -> None:
     """Once the row is written the request goes out: a provider that does not answer
     in time is an ordinary timeout, with no ``not_sent`` code."""
     ledger = SlowLedger({1: 0.02})
