@@ -8,8 +8,8 @@ several provider requests, all counted in `CallAttempts` and all capped by
 * transport retries (the shared retry loop, as in a run);
 * schema-violation retries: the validation error is fed back (phase ``repair``);
 * truncation retries: a reply cut at ``max_tokens`` is asked again with
-  ``max_tokens`` doubled, never above the operation's ceiling, or kept as it
-  is with ``retry.grow_max_tokens=False``;
+  ``max_tokens`` doubled, up to the growth ceiling (`growth_ceiling`), or
+  kept as it is with ``retry.grow_max_tokens=False``;
 * optionally, a last fallback from the native mode to a prompt-embedded
   schema (phase ``fallback``) after the native attempts failed validation.
 """
@@ -27,6 +27,7 @@ import pydantic
 
 from loopengine._errors import OutcomeError, ProviderError
 from loopengine._invocation import Invocation
+from loopengine._operation import Operation
 from loopengine._outcome import Outcome
 from loopengine._tools import describe_validation_error
 from loopengine._usage import Usage
@@ -36,11 +37,27 @@ from loopengine.providers._base import ProviderRequest, ProviderResponse
 from loopengine.providers._faults import FaultKind
 from loopengine.providers._retry import RetryStop
 
-__all__ = ["CallAttempts", "CallResult", "StructuredOutputError", "run_call"]
+__all__ = ["CallAttempts", "CallResult", "StructuredOutputError", "growth_ceiling", "run_call"]
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 ANSWER_TOOL = "final_answer"
+
+GROWTH_FACTOR = 4
+"""Without a published model limit, truncation retries may grow a call's
+``max_tokens`` to this many times its first request's."""
+
+
+def growth_ceiling(operation: Operation, first_max_tokens: int) -> int:
+    """The most ``max_tokens`` a call's truncation retries may ask for (DESIGN §4).
+
+    The operation's ``model_max_output_tokens`` when it publishes one (the
+    model's own output limit), else `GROWTH_FACTOR` times the call's first
+    ``max_tokens``. Never below the first request's.
+    """
+    if operation.model_max_output_tokens is not None:
+        return max(first_max_tokens, operation.model_max_output_tokens)
+    return first_max_tokens * GROWTH_FACTOR
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +148,11 @@ class _Call:
     async def run(self) -> CallResult[Any]:
         inv = self.inv
         budget = inv.policy.max_attempts
-        ceiling = inv.operation.output_ceiling
-        max_tokens = min(self.spec.max_tokens, ceiling)
+        # The first request asks for what the caller or the operation gave,
+        # never more than the operation allows one request (R13); only a
+        # truncation retry may ask for more, up to the growth ceiling.
+        max_tokens = min(self.spec.max_tokens, inv.operation.output_ceiling)
+        ceiling = growth_ceiling(inv.operation, max_tokens)
         phase = "turn"
         invalid_seen = False
         last_reason, last_detail = "invalid", ""

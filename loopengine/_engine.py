@@ -226,8 +226,10 @@ class Engine:
         The model is forced to answer through a tool whose input schema is
         ``output``. Invalid replies are retried with the validation error fed
         back, truncated ones with ``max_tokens`` doubled (unless
-        ``retry.grow_max_tokens`` is false; never above the operation's
-        ceiling), transport faults as in a run. ``retry.max_attempts`` caps
+        ``retry.grow_max_tokens`` is false) up to the growth ceiling: the
+        operation's ``model_max_output_tokens`` when it publishes one, else
+        four times the first request's ``max_tokens``. Transport faults are
+        retried as in a run. ``retry.max_attempts`` caps
         every request of the call (1 turns retries off); a value above the
         operation's own is clamped. See docs/structured-calls.md.
 
@@ -239,7 +241,8 @@ class Engine:
             retry: Narrows the operation's retry policy for this call.
             attribution: Who the call is accounted to.
             max_tokens: The first request's ``max_tokens`` (default: the
-                operation's ``max_output_tokens``); clamped to the ceiling.
+                operation's ``max_output_tokens``); never above that, nor
+                above ``model_max_output_tokens``.
             limits: Narrows the operation's limits (time, credit hold).
             prompt_fallback: Make the last permitted attempt with a
                 prompt-embedded schema when native attempts failed validation.

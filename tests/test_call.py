@@ -150,16 +150,16 @@ async def test_leg_grow_max_tokens_false_keeps_the_budget(server: FakeAnthropicS
     assert result.attempts.count == 2
 
 
-async def test_leg_growth_never_exceeds_the_operation_ceiling(
+async def test_leg_growth_never_exceeds_the_growth_ceiling(
     server: FakeAnthropicServer,
 ) -> None:
-    """Doubling stops at the operation's max_output_tokens."""
-    server.add(witness(5000), witness(5000), witness(5000))
+    """Without a published model limit, doubling stops at four times the first max_tokens."""
+    server.add(witness(5000), witness(5000), witness(5000), witness(5000))
     with pytest.raises(le.StructuredOutputError) as info:
-        await engine_on(server).call(op(max_output_tokens=3000), "Write.", output=Scene,
-                                     max_tokens=1000)
-    assert sent(server, "max_tokens") == [1000, 2000, 3000]
-    assert info.value.attempts == 3 and info.value.reason == "truncated"
+        await engine_on(server).call(op(max_output_tokens=3000, max_attempts=4), "Write.",
+                                     output=Scene, max_tokens=1000)
+    assert sent(server, "max_tokens") == [1000, 2000, 4000, 4000]
+    assert info.value.attempts == 4 and info.value.reason == "truncated"
 
 
 async def test_leg_max_attempts_one_makes_one_request(server: FakeAnthropicServer) -> None:
