@@ -171,7 +171,9 @@ class Engine:
             accept: The judge of a final answer, sync or async: returns
                 `Accept`, `Reject` or a bool. A judge that raises rejects.
             attribution: Who the run is accounted to.
-            limits: Narrows the operation's limits for this run (never widens).
+            limits: Narrows the operation's limits for this run (never
+                widens): only the fields it names, the keys of a mapping or
+                the fields passed to the `Limits`.
             retry: Narrows the operation's retry policy for this run.
             on_text: Receives streamed text deltas (streaming providers). A
                 failed attempt's text has already been delivered when its retry

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import InitVar, dataclass, fields, replace
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
+from loopengine._named import NamedFields, named_fields, replaced_from
 
 __all__ = ["Limits"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Limits:
+class Limits(NamedFields):
     """The bounds a conversation is checked against, at fixed checkpoints.
 
     Every value is validated when the object is built; a bad value raises
     `ConfigError` naming the field. ``None`` means unlimited where a field
     allows it. See docs/guards.md for when each is checked.
+
+    Given as a run's override, a `Limits` narrows only the fields it was
+    built with: ``Limits(credit_hold=500)`` narrows the credit hold and keeps
+    every other published limit (see `narrow`).
     """
 
     max_turns: int = 10
@@ -32,8 +37,10 @@ class Limits:
     """Seconds one provider request may take; capped by the time that remains (R04)."""
     credit_hold: int | None = None
     """Credits the accumulated rounded turn charges may reach; more ends the run (R03)."""
+    _origin: InitVar[Limits | None] = replaced_from()
+    """Internal: the instance `dataclasses.replace` copies (see loopengine._named)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, _origin: Limits | None) -> None:
         _validate.integer("max_turns", self.max_turns, minimum=1)
         _validate.integer("max_tool_batch", self.max_tool_batch, minimum=1, optional=True)
         _validate.integer("max_tool_calls", self.max_tool_calls, minimum=0, optional=True)
@@ -58,9 +65,11 @@ class Limits:
         """Return these limits narrowed by ``override``; a wider value is clamped.
 
         A published limit is a ceiling: a caller may ask for less, never more
-        (R13). With a `Limits` object every field narrows (its defaults too);
-        with a mapping only the keys it gives. ``None`` in an override means
-        "no narrowing" for that field.
+        (R13). An override narrows only the fields it names: the keys of a
+        mapping, or the fields passed to the `Limits(...)` (a field left to
+        its class default is not named, so the published value stands; see
+        loopengine._named for `dataclasses.replace`). ``None`` in an override
+        means "no narrowing" for that field.
 
         Raises:
             ConfigError: an override value is invalid or names no limit
@@ -70,7 +79,7 @@ class Limits:
             return self
         try:
             if isinstance(override, Limits):
-                given = {f.name: getattr(override, f.name) for f in fields(Limits)}
+                given = {name: getattr(override, name) for name in named_fields(override)}
             elif isinstance(override, Mapping):
                 given = dict(override)
                 Limits.from_mapping({k: v for k, v in given.items() if v is not None})

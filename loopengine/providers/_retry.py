@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields
 from typing import Literal
 
 from loopengine import _validate
 from loopengine._clock import Clock
 from loopengine._errors import ConfigError
+from loopengine._named import NamedFields, named_fields, replaced_from
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.providers._base import ProviderResponse
 from loopengine.providers._faults import ProviderFault
@@ -28,11 +29,13 @@ MAX_ATTEMPTS_CEILING = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RetryPolicy:
+class RetryPolicy(NamedFields):
     """How many times, and how patiently, a failed request is tried again.
 
     Waits are in seconds. Built values are validated: ``RetryPolicy(max_attempts=17)``
-    raises `ConfigError` with ``field == "max_attempts"``.
+    raises `ConfigError` with ``field == "max_attempts"``. Given as a run's or
+    a call's override, a policy narrows only the fields it was built with
+    (see `narrow`).
     """
 
     max_attempts: int = 3
@@ -42,10 +45,12 @@ class RetryPolicy:
     max_wait: float = 8.0
     """The cap on one backoff wait (a provider's ``retry-after`` may ask for more)."""
     grow_max_tokens: bool = True
-    """`Engine.call`: double ``max_tokens`` when a reply was cut off (never above
-    the operation's ceiling); False keeps it."""
+    """`Engine.call`: double ``max_tokens`` when a reply was cut off, up to the
+    call's growth ceiling (docs/structured-calls.md); False keeps it."""
+    _origin: InitVar[RetryPolicy | None] = replaced_from()
+    """Internal: the instance `dataclasses.replace` copies (see loopengine._named)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, _origin: RetryPolicy | None) -> None:
         for f in fields(self):
             _check_field(f.name, getattr(self, f.name))
         if self.max_wait < self.initial_wait:
@@ -67,7 +72,9 @@ class RetryPolicy:
 
         The policy narrows, never widens: ``max_attempts`` above this one is
         clamped to it, ``grow_max_tokens`` can only be turned off, waits can
-        only grow. A mapping narrows only the keys it gives.
+        only grow. An override narrows only what it names: the keys of a
+        mapping, or the fields passed to the `RetryPolicy(...)`; every other
+        setting keeps this policy's value.
 
         Raises:
             ConfigError: a malformed override; the field is prefixed ``retry.``.
@@ -75,7 +82,8 @@ class RetryPolicy:
         if override is None:
             return self
         if isinstance(override, RetryPolicy):
-            given: dict[str, object] = {f.name: getattr(override, f.name) for f in fields(self)}
+            given: dict[str, object] = {name: getattr(override, name)
+                                        for name in named_fields(override)}
         elif isinstance(override, Mapping):
             given = dict(override)
             try:
