@@ -54,6 +54,9 @@ __all__ = ["MAX_CONTINUATIONS", "RunSpec", "ToolErrorText", "default_tool_error_
 MAX_CONTINUATIONS = 8
 """``pause_turn`` continuations one turn may make before it ends ``incomplete``."""
 
+ACCEPTED_TEXT = "The answer was accepted."
+"""The tool result that closes an accepted structured answer's call in ``result.messages``."""
+
 ToolErrorText = Callable[[str, BaseException], str]
 """``(tool_name, error) -> text``: what the model is told when a handler raised."""
 
@@ -108,6 +111,8 @@ class _Loop:
         self.spec = spec
         self.limits = inv.limits
         self.transcript: list[dict[str, Any]] = copy.deepcopy(spec.messages)
+        # Messages from here on are the run's own: only those are closed at the end.
+        self._given_messages = len(self.transcript)
         self.state = ConversationState(turns=0, tool_calls=0, credits=0, deadline=inv.deadline)
         self.tools = {t.name: t for t in spec.tools}
         definitions = [t.definition for t in spec.tools]
@@ -133,7 +138,7 @@ class _Loop:
                     self.state = replace(self.state, turns=turn - 1)
                 return await self._stopped(response)
 
-            # 1. Terminal responses (R11).
+            # 1. Terminal responses (R11). A cut-off reply's tool calls are never run.
             trip = check_terminal(response.stop_reason)
             if trip is not None:
                 return await self._end(trip.outcome, trip=trip)
@@ -159,7 +164,9 @@ class _Loop:
                 if finals:
                     answer = await self._structured_answer(finals[0])
                     if answer.accepted:
-                        return await self._end(Outcome.COMPLETED, answer=answer.value)
+                        return await self._end(
+                            Outcome.COMPLETED, answer=answer.value,
+                            answered=[_tool_result(finals[0], ACCEPTED_TEXT)])
                     rejected = True
                     results.append(_tool_result(finals[0], answer.feedback, error=True))
                     batch = [*finals[1:], *batch]
@@ -172,19 +179,19 @@ class _Loop:
             if rejected:
                 trip = check_rejection_budget(self.state, self.limits)
                 if trip is not None:
-                    return await self._end(trip.outcome, trip=trip)
+                    return await self._end(trip.outcome, trip=trip, answered=results)
                 self.state = replace(self.state, tool_calls=self.state.tool_calls + 1)
 
             # 3. The tool batch (R02): all of it or none of it.
             if batch:
                 trip = check_tool_batch(self.state, self.limits, len(batch))
                 if trip is not None:
-                    return await self._end(trip.outcome, trip=trip)
+                    return await self._end(trip.outcome, trip=trip, answered=results)
 
             # 4. Credits (R03): more than the hold stops further work.
             trip = check_credits(self.state, self.limits)
             if trip is not None:
-                return await self._end(trip.outcome, trip=trip)
+                return await self._end(trip.outcome, trip=trip, answered=results)
 
             # 5. Tools (R08, R09, R15).
             if batch:
@@ -364,12 +371,21 @@ class _Loop:
         trip: GuardTrip | None = None,
         fault: Any = None,
         detail: str | None = None,
+        answered: Sequence[dict[str, Any]] = (),
     ) -> RunResult:
+        """End the run with ``outcome`` and return its result.
+
+        ``answered`` holds the tool results the last response's calls already
+        have (a rejected answer's feedback, an accepted one's receipt); every
+        other call of that response is closed as not run.
+        """
         inv = self.inv
-        await inv.finish(outcome.value, turns=self.state.turns,
-                         tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
         if detail is None:
             detail = trip.message if trip else "the answer was accepted"
+        self._close_unrun_calls(answered, f"Not run: the run ended {outcome.value} before "
+                                          f"this call ran: {detail}.")
+        await inv.finish(outcome.value, turns=self.state.turns,
+                         tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
         return RunResult(
             outcome=outcome,
             answer=answer,
@@ -390,6 +406,27 @@ class _Loop:
             detail=detail,
             attempt_log=tuple(inv.records),
         )
+
+    def _close_unrun_calls(self, answered: Sequence[dict[str, Any]], why: str) -> None:
+        """Give every ``tool_use`` of the run's last response a ``tool_result``.
+
+        ``result.messages`` must be a history the caller can continue by
+        appending a user message (DESIGN §2): the API refuses a ``tool_use``
+        without a ``tool_result`` in the next message. One user message holds
+        every result, in the order of the calls, as after a turn's tools (R08).
+        """
+        if len(self.transcript) <= self._given_messages:
+            return
+        last = self.transcript[-1]
+        if last.get("role") != "assistant" or not isinstance(last.get("content"), list):
+            return
+        calls = [b for b in last["content"] if b.get("type") == "tool_use"]
+        if not calls:
+            return
+        by_id = {r.get("tool_use_id"): r for r in answered}
+        self.transcript.append({"role": "user", "content": [
+            by_id.get(b.get("id")) or _tool_result(b, why, error=True) for b in calls
+        ]})
 
 
 def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[str, Any]:

@@ -68,12 +68,16 @@ async def test_callers_messages_are_never_modified(make_engine: EngineFactory) -
 
 
 async def test_transcript_is_kept_whatever_the_outcome(make_engine: EngineFactory) -> None:
-    """A run ended by a guard still returns every message exchanged."""
+    """A run ended by a guard still returns every message exchanged, its unrun calls
+    closed by one user message of is_error results."""
     engine, _, _ = make_engine(Reply.tool_calls(("lookup", {}), ("lookup", {})))
     result = await engine.run(operation(max_tool_batch=1), "go")
     assert result.outcome is le.Outcome.TOOL_BATCH_LIMIT
-    assert [m["role"] for m in result.messages] == ["user", "assistant"]
-    assert [b["type"] for b in result.messages[-1]["content"]] == ["tool_use", "tool_use"]
+    assert [m["role"] for m in result.messages] == ["user", "assistant", "user"]
+    assert [b["type"] for b in result.messages[1]["content"]] == ["tool_use", "tool_use"]
+    closing = result.messages[-1]["content"]
+    assert [b["tool_use_id"] for b in closing] == [b["id"] for b in result.messages[1]["content"]]
+    assert all(b["is_error"] is True and b["content"].startswith("Not run") for b in closing)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

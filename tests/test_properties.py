@@ -138,18 +138,33 @@ def test_invariants_hold_for_any_script(
     assert all(n <= max_attempts for n in segments.values())
     assert {r.dispatch.turn for r in result.attempt_log} <= set(range(1, result.turns + 1))
 
-    # Handlers ran for exactly the calls that were answered: none of a refused batch.
+    # Handlers ran for exactly the calls that were answered: none of a refused batch,
+    # whose calls are closed as not run.
     answered_lookups = 0
     for asked, answered in zip(result.messages, result.messages[1:], strict=False):
         if asked["role"] == "assistant" and answered["role"] == "user" and isinstance(
             answered["content"], list
         ):
+            results = {b["tool_use_id"]: b for b in answered["content"]
+                       if b.get("type") == "tool_result"}
             answered_lookups += sum(
                 1 for b in asked["content"]
                 if b.get("type") == "tool_use" and b["name"] == "lookup"
                 and isinstance(b["input"].get("key"), str)
+                and not str(results[b["id"]]["content"]).startswith("Not run:")
             )
     assert len(handled) == answered_lookups
+
+    # The transcript can be continued: every tool_use has its tool_result next.
+    for asked, answered in zip(result.messages, result.messages[1:], strict=False):
+        if asked["role"] == "assistant":
+            uses = [b["id"] for b in asked["content"] if b.get("type") == "tool_use"]
+            given = [b["tool_use_id"] for b in answered["content"]
+                     if isinstance(b, dict) and b.get("type") == "tool_result"] \
+                if isinstance(answered["content"], list) else []
+            assert sorted(given) == sorted(uses)
+    if result.messages[-1]["role"] == "assistant":
+        assert not [b for b in result.messages[-1]["content"] if b.get("type") == "tool_use"]
 
     # The ledger reconciles with the result.
     (row,) = ledger.invocations.values()
