@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from decimal import Decimal
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -50,6 +52,8 @@ from loopengine.providers._retry import RetryStop
 
 __all__ = ["MAX_CONTINUATIONS", "RunSpec", "ToolErrorText", "default_tool_error_text",
            "final_tool_definition", "run_loop"]
+
+logger = logging.getLogger("loopengine")
 
 MAX_CONTINUATIONS = 8
 """``pause_turn`` continuations one turn may make before it ends ``incomplete``."""
@@ -254,7 +258,12 @@ class _Loop:
         return await self._judge(value, self.spec.final_tool)
 
     async def _judge(self, value: Any, name: str) -> _Answer:
-        """Run the consumer's judge; a judge that raises is a rejection (R10)."""
+        """Run the consumer's judge; a judge that raises is a rejection (R10).
+
+        A judge that raises, or returns something that is not a verdict, has a
+        bug: the answer still counts as rejected, and the bug is logged at
+        ERROR (with the traceback of what it raised) so that it is seen.
+        """
         if self.spec.accept is None:
             return _Answer(True, value)
         try:
@@ -262,6 +271,8 @@ class _Loop:
             if inspect.isawaitable(verdict):
                 verdict = await verdict
         except Exception as error:
+            logger.error("run %s: the judge raised %s; the answer counts as rejected (R10)",
+                         self.inv.id, type(error).__name__, exc_info=withheld(error))
             return _Answer(False, feedback="The answer could not be checked: "
                                            + self.spec.tool_error_text(name, error))
         if verdict is True or isinstance(verdict, Accept):
@@ -270,6 +281,8 @@ class _Loop:
             return _Answer(False, feedback=DEFAULT_REJECTION)
         if isinstance(verdict, Reject):
             return _Answer(False, feedback=verdict.feedback)
+        logger.error("run %s: the judge returned %s, not Accept, Reject or a bool; the answer "
+                     "counts as rejected (R10)", self.inv.id, type(verdict).__name__)
         return _Answer(False, feedback="The answer could not be checked: "
                        + self.spec.tool_error_text(name, TypeError(
                            f"the judge returned {type(verdict).__name__}, not Accept or Reject")))
@@ -320,6 +333,12 @@ class _Loop:
                     try:
                         value = await handler.invoke(argument)
                     except Exception as error:
+                        # Raising is how a handler reports a failure to the model
+                        # (R09), so a WARNING, not an ERROR; the traceback shows a
+                        # raise that was a bug.
+                        logger.warning("run %s: tool %s raised %s; the model gets an error "
+                                       "result (R09)", inv.id, name, type(error).__name__,
+                                       exc_info=withheld(error))
                         text = self.spec.tool_error_text(name, error)
                         failed = f"handler raised {type(error).__name__}"
                     else:
@@ -427,6 +446,35 @@ class _Loop:
         self.transcript.append({"role": "user", "content": [
             by_id.get(b.get("id")) or _tool_result(b, why, error=True) for b in calls
         ]})
+
+
+class WithheldError(Exception):
+    """Stands in, in a log record, for an exception raised by the caller's code (a
+    tool handler, a judge): same traceback, same chain, but only the type's name.
+
+    The message of such an exception may hold conversation content (a handler's
+    message is even sent to the model, R09), and logs never carry content.
+    """
+
+
+def withheld(error: BaseException) -> tuple[type[BaseException], BaseException,
+                                             TracebackType | None]:
+    """``exc_info`` for ``error`` with its message, and its chain's, withheld."""
+    return WithheldError, _withhold(error, set()), error.__traceback__
+
+
+def _withhold(error: BaseException, seen: set[int]) -> BaseException:
+    seen.add(id(error))
+    kind = type(error)
+    stand_in = WithheldError(f"{kind.__module__}.{kind.__qualname__} (message withheld)")
+    stand_in.__traceback__ = error.__traceback__
+    if error.__cause__ is not None and id(error.__cause__) not in seen:
+        stand_in.__cause__ = _withhold(error.__cause__, seen)
+    if error.__context__ is not None and id(error.__context__) not in seen:
+        stand_in.__context__ = _withhold(error.__context__, seen)
+    # Last: setting __cause__ sets it too.
+    stand_in.__suppress_context__ = error.__suppress_context__
+    return stand_in
 
 
 def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[str, Any]:
