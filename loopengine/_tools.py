@@ -2,7 +2,9 @@
 
 A tool's input is validated before its handler runs; a call that fails
 validation never reaches the handler and gets a recoverable error result
-instead (R15). Sync handlers run in a worker thread, async ones on the loop.
+instead (R15). Sync handlers run in a worker thread, async ones on the loop;
+at the run's deadline an async handler is cancelled, while a sync one's
+thread, which cannot be stopped, is abandoned to run on (docs/guards.md §2).
 """
 
 from __future__ import annotations
@@ -113,7 +115,12 @@ class Tool:
         return tool_input
 
     async def invoke(self, argument: Any) -> Any:
-        """Run the handler with a validated argument (worker thread if sync)."""
+        """Run the handler with a validated argument (worker thread if sync).
+
+        Cancelled (the run's deadline), this returns at once. A sync handler's
+        thread cannot be stopped: it is abandoned, runs the handler to its end,
+        and what it returns or raises then is discarded.
+        """
         if self._kwargs:
             assert isinstance(argument, pydantic.BaseModel)
             call = functools.partial(
