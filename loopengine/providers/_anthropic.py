@@ -21,25 +21,43 @@ fault kind             from
 ``overloaded``         529, ``overloaded_error`` (also mid-stream, after a 200)
 ``server_error``       409, 500, 502, 503, 504, other 5xx, ``api_error``, a body
                        that is not a message
-``connection``         refused, reset or closed before a response
+``connection``         refused, reset or closed before a response: a transport
+                       error (httpx2's, or an ``OSError``)
 ``aborted``            the stream or body was cut after the response began, a
                        stream that ended without ``message_stop``, an idle stream
 ``unauthorized``       401, 403
-``bad_request``        400 ``invalid_request_error``, 404, 413, 422, other 4xx
+``bad_request``        400 ``invalid_request_error``, 404, 413, 422, other 4xx;
+                       the client failing on its own state rather than on the
+                       connection (``error_code`` ``client_state``: an event
+                       loop that ended, a closed client), since such a request
+                       may have reached the server and must not be sent twice
 =====================  ===========================================================
 
 Credit exhaustion is checked first, whatever the status (R06). A server's
 ``x-should-retry`` is carried as `ProviderFault.should_retry`; the engine obeys
 ``false``. Usage that arrived before a stream broke is reported as a floor
 (``usage_approx``). The caller's cancellation is never caught here.
+
+A connection belongs to the event loop that opened it. A provider built from
+keywords keeps one SDK client per event loop that sends through it, and
+closes each as its loop shuts down, so one provider serves consecutive
+``asyncio.run`` calls (a sync web handler, a Celery task). A client (or an
+``http_client``) the caller gave is used on the first loop that sends only;
+on another loop, `AnthropicProvider.send` raises `ConfigError` before
+anything is sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import inspect
+import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+import ssl
+import threading
+import weakref
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from types import TracebackType
@@ -47,6 +65,7 @@ from typing import Any, Self, TypeAlias
 
 import anthropic
 import anyio
+import anyio.lowlevel
 import httpx2
 
 from loopengine import _validate
@@ -87,6 +106,15 @@ _CREDIT_CODES = frozenset({
 })
 _CREDIT_CODE_SUFFIXES = ("_spend_limit_reached", "_spend_limit_exceeded")
 
+# Lowercased fragments of the RuntimeErrors asyncio, anyio and trio raise for
+# a resource used on an event loop it does not belong to (or after its loop
+# ended); the SDK's own RuntimeErrors (an unexpected event order) never say so.
+_LOOP_STATE = ("event loop", "different loop", "async context")
+
+# The error code of a failure of the client's own state (an event loop that
+# ended, a closed client), not of the connection.
+_CLIENT_STATE = "client_state"
+
 _TYPE_KINDS = {
     "invalid_request_error": FaultKind.BAD_REQUEST,
     "not_found_error": FaultKind.BAD_REQUEST,
@@ -118,6 +146,13 @@ _BEFORE_WIRE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar(
 """The `ProviderRequest.before_wire` of the request this task is sending."""
 
 _GATED: dict[type[Any], type[Any]] = {}
+
+logger = logging.getLogger("loopengine")
+
+
+def _gates(cls: type[Any]) -> bool:
+    """Whether clients of ``cls`` have the request hook `_gated` extends."""
+    return inspect.iscoroutinefunction(getattr(cls, "_prepare_request", None))
 
 
 def _gated(cls: type[Any]) -> type[Any]:
@@ -153,21 +188,162 @@ def _route_name(client: object) -> str:
     return "anthropic"
 
 
+# -- event loops: a client's connections belong to the loop that opened them ---------------
+
+
+def _running_loop() -> object:
+    """The running event loop: the asyncio loop, or the native token of anyio's
+    other backend (trio's ``TrioToken``), which is as unique to its run."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return anyio.lowlevel.current_token().native_token
+
+
+def _nothing() -> None:
+    """A no-op, scheduled to ask a trio run whether it is still running."""
+
+
+def _ended(loop: object) -> bool:
+    """Whether ``loop`` has ended for good: nothing can ever run on it again."""
+    if isinstance(loop, asyncio.AbstractEventLoop):
+        return loop.is_closed()
+    try:
+        # A trio token refuses new work once its run is over (RunFinishedError).
+        loop.run_sync_soon(_nothing, idempotent=True)  # type: ignore[attr-defined]
+    except RuntimeError:
+        return True
+    return False
+
+
+def _reference(loop: object) -> Callable[[], object | None]:
+    """A reference to ``loop`` that does not keep an ended loop alive."""
+    try:
+        return weakref.ref(loop)
+    except TypeError:  # a loop class without weak references
+        return lambda: loop
+
+
+class _ClientPerLoop:
+    """One SDK client for each event loop that sends, closed as its loop shuts down.
+
+    A pooled connection belongs to the event loop that opened it: on the next
+    loop its socket is still open and a request written on it reaches the
+    server, but reading the answer fails (``RuntimeError: Event loop is
+    closed``). So each loop gets a client of its own, built from the same
+    keywords (the TLS context, which costs tens of milliseconds to load, is
+    shared; it holds no connection).
+
+    A client is closed on its own loop, as that loop shuts down: each client
+    comes with an async generator started on its loop, and the loop closes
+    the async generators still open when it shuts down (``asyncio.run``,
+    ``asyncio.Runner``, ``trio.run`` and ``anyio.run`` all do), which runs the
+    close while the loop can still run it. A loop closed without that step
+    (``loop.close()`` alone) cannot run anything again: its client is dropped
+    when another loop first sends, and its sockets are left to the garbage
+    collector.
+    """
+
+    def __init__(self, build: Callable[[], AsyncClient]) -> None:
+        self._build = build
+        self._lock = threading.Lock()
+        # Built at once, so that a bad keyword fails when the provider is
+        # built; the next loop that sends claims it.
+        self._spare: AsyncClient | None = build()
+        self._clients: dict[object, tuple[AsyncClient, AsyncGenerator[None, None]]] = {}
+
+    def current(self) -> AsyncClient:
+        """The running loop's client if it has one, else the one the next loop
+        that sends will use (a client no loop has used yet)."""
+        try:
+            entry = self._clients.get(_running_loop())
+        except RuntimeError:  # no event loop is running
+            entry = None
+        if entry is not None:
+            return entry[0]
+        with self._lock:
+            if self._spare is None:
+                self._spare = self._build()
+            return self._spare
+
+    async def get(self) -> AsyncClient:
+        """The running loop's client, built for it on its first request."""
+        loop = _running_loop()
+        entry = self._clients.get(loop)
+        if entry is not None:
+            return entry[0]
+        with self._lock:
+            client, self._spare = self._spare, None
+        if client is None:
+            client = self._build()
+        closer = self._close_with_loop(loop, client)
+        with self._lock:
+            self._clients[loop] = (client, closer)
+        self._forget_ended()
+        # Its first step registers the generator with this loop; it never
+        # suspends, so no other task can see the entry before it is armed.
+        await closer.asend(None)
+        return client
+
+    async def aclose(self) -> None:
+        """Close the running loop's client (the next request builds another)."""
+        with self._lock:
+            entry = self._clients.pop(_running_loop(), None)
+        if entry is not None:
+            await entry[1].aclose()
+        self._forget_ended()
+
+    def _forget_ended(self) -> None:
+        # Clients of loops that ended without shutting down their async
+        # generators: no loop can close them now, and keeping them would leak.
+        with self._lock:
+            for loop in [loop for loop in self._clients if _ended(loop)]:
+                del self._clients[loop]
+
+    async def _close_with_loop(self, loop: object, client: AsyncClient) -> AsyncGenerator[None]:
+        """Wait at the yield until ``loop`` shuts its async generators down (or
+        `aclose` closes this one), then close ``client`` on ``loop``."""
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._clients.get(loop, (None,))[0] is client:
+                    del self._clients[loop]
+            # trio cancels async work while it finalises async generators;
+            # closing sockets is exactly the work that must still happen.
+            with anyio.CancelScope(shield=True):
+                try:
+                    await client.close()
+                except Exception:
+                    logger.warning("could not close the Anthropic client of an event loop "
+                                   "that shut down", exc_info=True)
+
+
 class AnthropicProvider:
     """The Anthropic Messages API as a `Provider`, through the ``anthropic`` SDK.
 
     Args:
         client: An ``anthropic.AsyncAnthropic`` (or ``AsyncAnthropicBedrock``,
             ``AsyncAnthropicVertex``) client. The provider uses a copy of it
-            with ``max_retries=0`` and never closes it.
+            with ``max_retries=0`` and never closes it. Its connections belong
+            to the event loop they were opened on, so the provider uses it on
+            the first event loop that sends through it only: a request on any
+            other loop (a second ``asyncio.run``) raises `ConfigError` before
+            anything is sent.
         stream: Stream each response (server-sent events) and hand text
             deltas to the run's ``on_text`` callback.
         stream_idle_timeout: Seconds a stream may go without an event before
             the attempt is aborted with reason ``idle`` (and retried).
         **client_kwargs: Without ``client``: the keywords to build an
-            ``AsyncAnthropic`` (``api_key``, ``base_url``, ``http_client``...).
-            The provider owns that client: close it with `aclose` or
-            ``async with``.
+            ``AsyncAnthropic`` (``api_key``, ``base_url``, ``timeout``...).
+            The provider builds one client per event loop that sends through
+            it, so one provider (and one `loopengine.Engine`) serves
+            consecutive ``asyncio.run`` calls, each on a client of its own;
+            each loop's client is closed as that loop shuts down, or by
+            `aclose` on that loop. An ``http_client`` among the keywords
+            cannot be rebuilt per loop: the provider then builds one client
+            on it, usable on the first event loop that sends only (as a
+            ``client`` is), and closes it in `aclose`.
 
     Raises:
         ConfigError: both a client and client keywords, a synchronous client,
@@ -201,10 +377,24 @@ class AnthropicProvider:
                                              "request is an attempt the engine counts; set the "
                                              "operation's RetryPolicy instead")
         client_kwargs.pop("max_retries", None)
+        # Set when the provider is bound to one client of the caller's making
+        # (a client, or an http_client), which works on one event loop only.
+        self._bound: AsyncClient | None = None
+        self._bound_as = "client"
+        self._home: Callable[[], object | None] | None = None
+        self._per_loop: _ClientPerLoop | None = None
+        self._owned = False
+        self._lock = threading.Lock()
         if client is None:
-            self._owned: AsyncClient | None = anthropic.AsyncAnthropic(
-                max_retries=0, **client_kwargs)
-            base: AsyncClient = self._owned
+            self._owned = True
+            if client_kwargs.get("http_client") is not None:
+                self._bound_as = "http_client"
+                base: AsyncClient = anthropic.AsyncAnthropic(max_retries=0, **client_kwargs)
+                self._bound = self._own_copy(base)
+            else:
+                client_kwargs.pop("http_client", None)
+                self._per_loop = _ClientPerLoop(self._builder(client_kwargs))
+                base = self._per_loop.current()
         else:
             if client_kwargs:
                 raise ConfigError("client", "give a client or the keywords to build one, not "
@@ -213,19 +403,42 @@ class AnthropicProvider:
                               | anthropic.AsyncAnthropicVertex):
                 raise ConfigError("client", f"must be an async anthropic client, got "
                                             f"{type(client).__name__}")
-            self._owned = None
             base = client
-        # A copy shares the caller's connection pool; only its retries differ.
-        self._client: AsyncClient = base.with_options(max_retries=0)
-        if inspect.iscoroutinefunction(getattr(type(self._client), "_prepare_request", None)):
-            # Our own copy (never the caller's client) awaits the attempt's
-            # ledger write just before the wire; copies of it do the same.
-            self._client.__class__ = _gated(type(self._client))
-            self.awaits_before_wire = True
-        else:  # an SDK without the hook: the engine waits before `send` instead
-            self.awaits_before_wire = False
+            self._bound = self._own_copy(client)
+        self.awaits_before_wire = _gates(type(self.client))
         self._name = _route_name(base)
         self._stream = stream
+
+    @staticmethod
+    def _own_copy(base: AsyncClient) -> AsyncClient:
+        # A copy shares the caller's connection pool; only its retries differ.
+        client = base.with_options(max_retries=0)
+        if _gates(type(client)):
+            # Our own copy (never the caller's client) awaits the attempt's
+            # ledger write just before the wire; copies of it do the same.
+            client.__class__ = _gated(type(client))
+        return client
+
+    @staticmethod
+    def _builder(client_kwargs: dict[str, Any]) -> Callable[[], AsyncClient]:
+        tls: list[ssl.SSLContext] = []
+
+        def build() -> AsyncClient:
+            if not tls:
+                # The SDK's default verification (the system's certificates),
+                # loaded once for every client this provider builds.
+                tls.append(httpx2.create_ssl_context())
+            # The HTTP client the SDK would build, on the shared TLS context.
+            http_client = anthropic.DefaultAsyncHttpxClient(verify=tls[0])
+            client: AsyncClient = anthropic.AsyncAnthropic(
+                max_retries=0, http_client=http_client, **client_kwargs)
+            # Built as the SDK's own class (which alone runs the SDK's
+            # credential chain), then given the request hook.
+            if _gates(type(client)):
+                client.__class__ = _gated(type(client))
+            return client
+
+        return build
 
     @property
     def name(self) -> str:
@@ -234,8 +447,16 @@ class AnthropicProvider:
 
     @property
     def client(self) -> AsyncClient:
-        """The SDK client requests go through (``max_retries=0``)."""
-        return self._client
+        """The SDK client requests go through (``max_retries=0``).
+
+        For a provider built from keywords (without ``http_client``): the
+        running event loop's client once it has sent, else the client the
+        next event loop to send will use.
+        """
+        if self._per_loop is not None:
+            return self._per_loop.current()
+        assert self._bound is not None
+        return self._bound
 
     @property
     def streaming(self) -> bool:
@@ -243,9 +464,16 @@ class AnthropicProvider:
         return self._stream
 
     async def aclose(self) -> None:
-        """Close the client the provider built (a client passed in is left open)."""
-        if self._owned is not None:
-            await self._owned.close()
+        """Close the client the provider built for the running event loop.
+
+        A provider built from keywords closes the running loop's client (a
+        later request builds another); one built on an ``http_client`` closes
+        that client. A ``client`` passed in is left open.
+        """
+        if self._per_loop is not None:
+            await self._per_loop.aclose()
+        elif self._owned and self._bound is not None:
+            await self._bound.close()
 
     async def __aenter__(self) -> Self:
         return self
@@ -266,15 +494,40 @@ class AnthropicProvider:
 
         Raises:
             ProviderFault: the request failed; every SDK error is classified.
+            ConfigError: the client given to the provider belongs to another
+                event loop than the running one; nothing was sent.
         """
+        client = await self._per_loop.get() if self._per_loop is not None else self._on_home()
         params = self._params(request)
         token = _BEFORE_WIRE.set(request.before_wire)
         try:
             if self._stream:
-                return await self._send_streaming(request, params)
-            return await self._send_plain(params)
+                return await self._send_streaming(client, request, params)
+            return await self._send_plain(client, params)
         finally:
             _BEFORE_WIRE.reset(token)
+
+    def _on_home(self) -> AsyncClient:
+        """The bound client, if the running loop is the one it was first used on."""
+        assert self._bound is not None
+        loop = _running_loop()
+        home = self._home
+        if home is None:
+            with self._lock:
+                if self._home is None:
+                    self._home = _reference(loop)
+                home = self._home
+        first = home()
+        if first is loop:
+            return self._bound
+        state = "which has ended" if first is None or _ended(first) else "which is still open"
+        given = ("the client given to AnthropicProvider" if self._bound_as == "client"
+                 else "the http_client given to AnthropicProvider")
+        raise ConfigError(self._bound_as, f"{given} was first used on another event loop, "
+                          f"{state}: its pooled connections belong to that loop and cannot be "
+                          "used on this one, so nothing was sent. Build the provider from "
+                          "keywords without an http_client (it keeps a client per event loop), "
+                          "or give it a client made for this loop")
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         # Markers are placed on every request, so the wire never carries more
@@ -297,11 +550,11 @@ class AnthropicProvider:
             params["tool_choice"] = dict(request.tool_choice)
         return params
 
-    async def _send_plain(self, params: dict[str, Any]) -> ProviderResponse:
+    async def _send_plain(self, client: AsyncClient, params: dict[str, Any]) -> ProviderResponse:
         # The raw-response form hands over the body as JSON: the engine keeps
         # Anthropic-shaped dicts, so building the SDK's models would be wasted.
         try:
-            async with self._client.messages.with_streaming_response.create(**params) as raw:
+            async with client.messages.with_streaming_response.create(**params) as raw:
                 request_id = raw.headers.get("request-id")
                 status = raw.status_code
                 try:
@@ -327,11 +580,11 @@ class AnthropicProvider:
         )
 
     async def _send_streaming(
-        self, request: ProviderRequest, params: dict[str, Any]
+        self, client: AsyncClient, request: ProviderRequest, params: dict[str, Any]
     ) -> ProviderResponse:
         on_text = request.on_text
         try:
-            manager = self._client.messages.stream(**params)
+            manager = client.messages.stream(**params)
             stream = await manager.__aenter__()
         except (anthropic.AnthropicError, httpx2.HTTPError) as error:
             raise classify_error(error) from error
@@ -365,9 +618,21 @@ class AnthropicProvider:
                     started = True
                 elif event.type == "text":
                     if on_text is not None:
-                        maybe = on_text(event.text)
-                        if inspect.isawaitable(maybe):
-                            await maybe
+                        try:
+                            maybe = on_text(event.text)
+                            if inspect.isawaitable(maybe):
+                                await maybe
+                        except Exception as error:
+                            # The engine raises the callback's own exception to
+                            # its caller; the fault carries what was served.
+                            snapshot = stream.current_message_snapshot if started else None
+                            raise ProviderFault(
+                                FaultKind.ABORTED, "the on_text callback raised",
+                                http_status=stream.response.status_code,
+                                request_id=stream.request_id,
+                                usage=_snapshot_usage(snapshot), usage_approx=True,
+                                response_id=snapshot.id if snapshot is not None else None,
+                            ) from error
                 elif event.type == "message_stop":
                     stopped = True
         finally:
@@ -474,6 +739,18 @@ def classify_error(
         return ProviderFault(FaultKind.TIMEOUT, "the SDK's request timed out",
                              request_id=request_id, usage=usage, usage_approx=approx,
                              response_id=response_id)
+    own = _own_failure(error)
+    if own is not None:
+        # Not the connection: the request may well have reached the server
+        # (and be billed), so it is not retried, nor recorded as a
+        # connection that failed.
+        return ProviderFault(FaultKind.BAD_REQUEST,
+                             f"the client failed on its own state, not on the connection "
+                             f"({type(own).__name__}: {own}); the request may have reached "
+                             "the server, so it is not retried",
+                             error_code=_CLIENT_STATE,
+                             request_id=request_id, usage=usage, usage_approx=approx,
+                             response_id=response_id)
     if isinstance(error, anthropic.APIConnectionError):
         return ProviderFault(FaultKind.CONNECTION, f"connection failed: {_cause(error)}",
                              request_id=request_id)
@@ -492,6 +769,27 @@ def classify_error(
     # request's fault and will not improve on retry.
     return ProviderFault(FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}",
                          request_id=request_id)
+
+
+def _own_failure(error: BaseException) -> BaseException | None:
+    """The error of the client's own state behind ``error``, or None.
+
+    The SDK reports whatever its HTTP client raised as an
+    ``APIConnectionError``, but only a transport error (httpx2's, or an
+    ``OSError``) means the connection failed. Anything else is the client's
+    own state: a connection pooled on an event loop that has ended answers
+    ``RuntimeError: Event loop is closed`` after its request was written.
+    Read from a stream, such an error comes as it is.
+    """
+    if isinstance(error, anthropic.APIConnectionError):
+        cause = error.__cause__
+        if cause is None or isinstance(cause, httpx2.HTTPError | httpx2.StreamError | OSError):
+            return None
+        return cause
+    if isinstance(error, RuntimeError) and any(
+            fragment in str(error).lower() for fragment in _LOOP_STATE):
+        return error
+    return None
 
 
 def _cause(error: BaseException) -> str:

@@ -292,6 +292,11 @@ class FakeAnthropicServer:
     When the script runs out, requests get a 400 ``invalid_request_error``
     saying so: a permanent fault, so a test that sends more than it scripted
     fails clearly instead of retrying.
+
+    It takes bursts of hundreds of simultaneous connections (a listen backlog
+    of 1024). Each connection is served by a daemon thread, so a server that
+    is never closed does not keep the interpreter from exiting; `close` waits
+    for those threads to end.
     """
 
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
@@ -662,14 +667,48 @@ def _chunk(data: bytes) -> bytes:
 
 
 class _HTTPServer(ThreadingHTTPServer):
-    # Handler threads are joined on close, so a test never leaks one.
-    daemon_threads = False
-    block_on_close = True
+    # socketserver's default backlog of 5 resets connections as soon as a few
+    # dozen clients connect at once; the kernel caps this at its own limit.
+    request_queue_size = 1024
+    # A server that is never closed must not keep the interpreter from
+    # exiting: handler threads are daemons. socketserver joins only non-daemon
+    # threads, so `server_close` joins them itself, and a closed server never
+    # leaves one behind.
+    daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[_Handler],
                  owner: FakeAnthropicServer) -> None:
         self.owner = owner
+        self._handlers: set[threading.Thread] = set()
+        self._handlers_lock = threading.Lock()
         super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        thread = threading.Thread(target=self.process_request_thread,
+                                  args=(request, client_address),
+                                  name="FakeAnthropicServer handler", daemon=True)
+        with self._handlers_lock:
+            self._handlers.add(thread)
+        try:
+            thread.start()
+        except BaseException:
+            with self._handlers_lock:
+                self._handlers.discard(thread)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._handlers_lock:
+                self._handlers.discard(threading.current_thread())
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._handlers_lock:
+            handlers = list(self._handlers)
+        for thread in handlers:
+            thread.join()
 
 
 class _Handler(BaseHTTPRequestHandler):
