@@ -152,16 +152,19 @@ async def test_the_dispatched_row_is_on_disk_before_the_request_is_sent(tmp_path
     assert [r["outcome"] for r in invocations.values()] == ["completed"]
 
 
-async def test_sequential_run_costs_one_commit_per_attempt(
+async def test_sequential_run_commits_each_dispatch_each_served_settle_and_the_end(
     tmp_path: Path, make_engine: EngineFactory
 ) -> None:
-    """A run of n attempts commits n + 1 times: each dispatch (carrying the previous
-    settle, and the first one the start) and the end (carrying the last settle)."""
+    """A run of n attempts commits each dispatch (the first carrying the start),
+    each settle of what the provider served (durable before the reply is acted
+    on), and the end (carrying any settle of nothing served)."""
     with SQLiteLedger(tmp_path / "ledger.db", linger=30) as ledger:
         engine, _, _ = make_engine(*teammate_script(), ledger=ledger)
         result = await engine.run(operation(retry=FAST), "go", tools=[lookup], accept=judge)
         assert result.attempts.count == 6
-        assert ledger.commits == 7
+        served = sum(1 for r in result.attempt_log if r.settle is not None and r.settle.served)
+        assert 0 < served <= 6
+        assert ledger.commits == 6 + served + 1
         assert ledger.writes == 1 + 6 + 6 + 1
 
 
@@ -189,8 +192,9 @@ async def test_concurrent_runs_share_commits(tmp_path: Path) -> None:
     assert len(invocations) == 200 and len(attempts) == 600
     assert all(r["outcome"] == "completed" and r["attempt_count"] == 3
                for r in invocations.values())
-    # Without grouping: one commit per dispatch and per end, 800.
-    assert commits < 800 / 4
+    # Without grouping: one commit per dispatch, per served settle (the 400
+    # replies) and per end, 1,200.
+    assert commits < 1200 / 3
 
 
 async def test_a_deferred_settle_is_committed_within_the_linger(tmp_path: Path) -> None:
@@ -245,9 +249,9 @@ async def test_the_writer_checkpoints_so_the_wal_does_not_grow(
                 await ledger.dispatch_attempt(dispatch(ordinal, f"inv-{n}"))
                 await ledger.settle_attempt(settle(ordinal, f"inv-{n}"))
             await ledger.end_invocation(end(f"inv-{n}"))
-        assert ledger.commits == 400
+        assert ledger.commits == 80 * (4 + 4 + 1)  # dispatches, served settles, ends
         # Every commit adds at least one page-sized frame to the WAL: grown by
-        # all 400 it would hold 400 of them; restarted every 16 commits, it
+        # all 720 it would hold 720 of them; restarted every 16 commits, it
         # never holds more than those commits' few frames each.
         conn = sqlite3.connect(path)
         (page,), = conn.execute("PRAGMA page_size")
@@ -280,7 +284,10 @@ async def test_refused_writes_raise_ledger_error(tmp_path: Path) -> None:
         await ledger.start_invocation(start("inv-2"))
         await ledger.dispatch_attempt(dispatch(1, "inv-2"))
         await ledger.settle_attempt(settle(1, "inv-2"))
-        await ledger.settle_attempt(settle(1, "inv-2"))
+        # A settle of what the provider served is durable: refused at once, and
+        # so is every later write of its invocation.
+        with pytest.raises(le.LedgerError, match="not dispatched or is already settled"):
+            await ledger.settle_attempt(settle(1, "inv-2"))
         with pytest.raises(le.LedgerError, match="not dispatched or is already settled"):
             await ledger.end_invocation(end("inv-2"))
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx2
 import pytest
 
@@ -134,15 +135,19 @@ async def test_a_full_pipe_holds_writes_back_without_blocking(tmp_path: Path) ->
     without blocking the event loop; once it runs again every one is committed."""
     path = tmp_path / "ledger.db"
     with SQLiteLedger(path) as ledger:
-        with stopped(ledger):
-            began = time.monotonic()
-            receipts = []
-            for n in range(500):
-                await ledger.start_invocation(start(f"inv-{n}"))
-                receipts += [ledger.begin_dispatch(dispatch(o, f"inv-{n}")) for o in (1, 2, 3)]
-                await ledger.settle_attempt(settle(1, f"inv-{n}"))
-            assert time.monotonic() - began < 5.0
-            await anyio.sleep(0.05)  # the helper thread meets the full pipe too
+        async with anyio.create_task_group() as settles:
+            with stopped(ledger):
+                began = time.monotonic()
+                receipts = []
+                for n in range(500):
+                    await ledger.start_invocation(start(f"inv-{n}"))
+                    receipts += [ledger.begin_dispatch(dispatch(o, f"inv-{n}"))
+                                 for o in (1, 2, 3)]
+                    # A served settle waits for its commit: each in a task of its own.
+                    settles.start_soon(ledger.settle_attempt, settle(1, f"inv-{n}"))
+                    await anyio.lowlevel.checkpoint()
+                assert time.monotonic() - began < 5.0
+                await anyio.sleep(0.05)  # the helper thread meets the full pipe too
         for receipt in receipts:
             await receipt.wait()
         await ledger.flush()

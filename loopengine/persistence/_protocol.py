@@ -28,8 +28,11 @@ class Ledger(Protocol):
     * when `dispatch_attempt` returns, the dispatched row (and everything
       recorded before it) is durable: a process killed while the request is on
       the wire leaves an unsettled row, never a missing one;
-    * `settle_attempt` may return before its write is durable, if it becomes
-      durable no later than the next durable write;
+    * when `settle_attempt` returns, a settle that carries what the provider
+      served (`AttemptSettle.served`: a reply, usage, a response id) is
+      durable, so a process killed while the reply's tools run has lost
+      nothing the provider served; any other settle may return before it is
+      durable, if it becomes durable no later than the next durable write;
     * when `end_invocation` returns, the whole invocation is durable.
 
     After `max_retained_attempts` rows, further attempts add no rows: they

@@ -253,10 +253,13 @@ class SQLiteLedger:
     async def settle_attempt(self, record: AttemptSettle) -> None:
         """Settle an attempt and add it to the invocation's totals, in one transaction.
 
-        Committed with the next durable write (or after ``linger`` seconds).
+        A settle that carries what the provider served (`AttemptSettle.served`)
+        is durable when this returns; any other is committed with the next
+        durable write (or after ``linger`` seconds).
 
         Raises:
-            LedgerError: the ledger is closed.
+            LedgerError: the ledger is closed, or the served settle (or an
+                earlier deferred write of this invocation) could not be written.
         """
         r = record
         usage = r.usage
@@ -265,10 +268,14 @@ class SQLiteLedger:
         else:
             tokens = (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens,
                       usage.cache_write_tokens, usage.cache_write_1h_tokens)
-        self._defer([SETTLE, 0, r.invocation_id, r.ordinal, r.outcome, r.latency_ms, r.fault,
-                     r.aborted_reason, r.http_status, r.error_code, *tokens,
-                     int(r.usage_approx), r.cost_nanousd, int(r.charged), r.price_ref,
-                     r.response_id, r.request_id, r.stop_reason])
+        op = [SETTLE, 0, r.invocation_id, r.ordinal, r.outcome, r.latency_ms, r.fault,
+              r.aborted_reason, r.http_status, r.error_code, *tokens,
+              int(r.usage_approx), r.cost_nanousd, int(r.charged), r.price_ref,
+              r.response_id, r.request_id, r.stop_reason]
+        if r.served:
+            await self._wait(self._send(op))
+        else:
+            self._defer(op)
 
     async def end_invocation(self, record: InvocationEnd) -> None:
         """Settle the invocation with its outcome; everything before is durable on return.

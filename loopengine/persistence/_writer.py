@@ -36,8 +36,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-# Op kinds. START and SETTLE are deferred (nobody waits for them); the others
-# are durable: somebody waits until they are committed.
+# Op kinds. START is deferred (nobody waits for it), and so is a SETTLE of
+# nothing served; the others are durable: somebody waits until they are
+# committed.
 START: Final = 0
 DISPATCH: Final = 1
 SETTLE: Final = 2
@@ -451,10 +452,12 @@ class Writer:
     def _refuse(self, op: Op, message: str, batch: _Batch) -> None:
         kind = op[0]
         if kind in (START, SETTLE):
-            # Nobody awaits a deferred write: its invocation's next durable
-            # write reports the failure, and nothing more is written for it.
+            # A deferred write may have nobody awaiting it: its invocation's
+            # next durable write reports the failure, and nothing more is
+            # written for it.
             self._failed.setdefault(op[2], message)
-        else:
+        if kind != START:
+            # A settle of what the provider served is awaited: report it too.
             batch.refused.append((op[1], message))
 
     # -- planning: check each op against what is known and turn it into rows ------
