@@ -97,6 +97,8 @@ class Engine:
         self.clock: Clock = clock or SystemClock()
         self.rng = rng or random.Random()
         self.tool_error_text: ToolErrorText = tool_error_text or default_tool_error_text
+        # Routes (``provider:model``) whose missing price was logged: once each.
+        self._unpriced_warned: set[str] = set()
 
     def provider_for(self, operation: Operation) -> Provider:
         """The provider of ``operation``'s published route.
@@ -141,6 +143,7 @@ class Engine:
             kind=kind, operation=operation, provider=provider, limits=run_limits,
             policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,
             clock=self.clock, rng=self.rng, observers=self.observers,
+            unpriced_warned=self._unpriced_warned,
         )
 
     async def run(
@@ -207,7 +210,6 @@ class Engine:
             raise ConfigError("final_tool", "must be a non-empty tool name")
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
         inv = self._invocation("run", operation, limits, retry, attribution)
-        await inv.begin()
         return await run_loop(inv, spec)
 
     async def call(
@@ -277,7 +279,6 @@ class Engine:
             max_tokens=max_tokens or operation.max_output_tokens,
             prompt_fallback=prompt_fallback,
         )
-        await inv.begin()
         return await run_call(inv, spec)
 
     def estimate(

@@ -9,23 +9,26 @@ about the conversation.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
 import math
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 
 import anyio
+import anyio.lowlevel
 
 from loopengine._attribution import Attribution
 from loopengine._clock import Clock
 from loopengine._errors import LedgerError, LoopEngineError
 from loopengine._operation import Operation
+from loopengine._outcome import Outcome
 from loopengine._pricing import PriceBook, nanousd_to_usd
 from loopengine._result import AttemptsSummary
 from loopengine._usage import Usage
@@ -56,7 +59,7 @@ from loopengine.persistence._records import (
     InvocationEnd,
     InvocationStart,
 )
-from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse
+from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._retry import RetryPolicy, RetryStop, run_with_retries
 
@@ -69,11 +72,47 @@ __all__ = ["Invocation"]
 class _InFlight:
     index: int
     started: float
+    callback_error: Exception | None = None
+    """What the run's ``on_text`` callback raised during this attempt."""
 
 
 NOT_SENT = "not_sent"
 """The ``error_code`` of an attempt whose timeout ran out while the ledger held
 its request back: the provider never saw it."""
+
+LEDGER_GRACE = 0.2
+"""Seconds past the deadline that the ledger's writes are awaited, and the least
+an invocation's end is awaited: past them the run returns, its writes queued
+(a stalled writer cannot hold a run past its deadline, R04)."""
+
+
+async def uninterrupted(step: Callable[[], Awaitable[None]]) -> None:
+    """Run ``step`` to its end whatever cancellation arrives meanwhile, then raise
+    the cancellation, if one arrived.
+
+    An anyio shield keeps the caller's cancel scopes out. On asyncio a native
+    `asyncio.Task.cancel()` still reaches a shielded await, so there the step
+    runs in a task of its own, and this waits for it through every
+    cancellation: cleanup, once started, finishes."""
+    with anyio.CancelScope(shield=True):
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # another backend (trio): its shield holds
+            await step()
+            return
+        task = asyncio.ensure_future(step())
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError as error:
+                if task.done():
+                    raise
+                interrupted = error
+                continue
+            break
+    if interrupted is not None:
+        raise interrupted
 
 
 class _Gate:
@@ -108,6 +147,7 @@ class Invocation:
         clock: Clock,
         rng: random.Random,
         observers: Sequence[Observer],
+        unpriced_warned: set[str] | None = None,
     ) -> None:
         self.id = str(uuid.uuid4())
         self.kind = kind
@@ -140,8 +180,12 @@ class Invocation:
         self._in_flight: _InFlight | None = None
         self._ended = False
         self._announced = False
+        self._begun = False
+        self._reply_unconfirmed = False
+        self._unpriced_warned = unpriced_warned if unpriced_warned is not None else set()
         # When the provider awaits `before_wire`, the dispatch's commit overlaps
         # the building of the request (see `loopengine.providers.Provider`).
+        self._check_ready: Callable[[], None] | None = getattr(provider, "check_ready", None)
         self._begin_dispatch: Callable[[AttemptDispatch], DispatchReceipt] | None = (
             getattr(ledger, "begin_dispatch", None)
             if getattr(provider, "awaits_before_wire", False) is True else None
@@ -163,8 +207,12 @@ class Invocation:
     # -- lifecycle ------------------------------------------------------------
 
     async def begin(self) -> None:
-        """Record the invocation as running and announce it."""
+        """Record the invocation as running and announce it.
+
+        From here on the invocation is begun: whatever stops it is recorded
+        (`ending`). A ledger that refuses the start leaves nothing begun."""
         at = self.clock.wall()
+        self._begun = True
         if self.ledger is not None:
             try:
                 await self.ledger.start_invocation(InvocationStart(
@@ -180,6 +228,7 @@ class Invocation:
                     started_at=at,
                 ))
             except LoopEngineError as error:
+                self._begun = False
                 self.count_attempts_on(error)  # none: nothing was sent
                 raise
         await self.emit(RunStarted(
@@ -193,19 +242,37 @@ class Invocation:
         self, outcome: str, *, turns: int, tool_calls: int, credits: int,
         trip: GuardTrip | None = None,
     ) -> None:
-        """Settle the invocation with ``outcome`` (ledger, events, log)."""
-        self._ended = True
+        """Settle the invocation with ``outcome`` (ledger, events, log).
+
+        A cancellation that arrives before the end is written ends the
+        invocation ``cancelled`` instead (`ending`). Once the end is being
+        written it is finished, uninterrupted: a cancellation arriving then
+        propagates afterwards, and the ledger and `RunEnded` keep ``outcome``."""
         at = self.clock.wall()
         if trip is not None:
             await self.emit(GuardTripped(
                 run_id=self.id, at=at, guard=trip.guard, observed=trip.observed,
                 limit=trip.limit, outcome=trip.outcome.value, message=trip.message,
             ))
+        await anyio.lowlevel.checkpoint()  # a pending cancellation is the end
+
+        async def end() -> None:
+            await self._write_end(at, outcome, turns=turns, tool_calls=tool_calls,
+                                  credits=credits)
+
+        await uninterrupted(end)
+
+    async def _write_end(self, at: datetime, outcome: str, *, turns: int, tool_calls: int,
+                         credits: int) -> None:
+        self._ended = True
         if self.ledger is not None:
-            await self.ledger.end_invocation(
+            confirmed = await self._confirm(self.ledger.end_invocation(
                 InvocationEnd(id=self.id, ended_at=at, outcome=outcome, turns=turns,
                               tool_calls=tool_calls, credits=credits)
-            )
+            ), at_least=LEDGER_GRACE)
+            if not confirmed:
+                logger.warning("%s %s: the ledger did not confirm its end (%s) by its "
+                               "deadline; the write stays queued", self.kind, self.id, outcome)
         logger.info(
             "%s %s ended %s: operation=%s turns=%d tool_calls=%d attempts=%d "
             "cost_nanousd=%d credits=%d",
@@ -229,27 +296,44 @@ class Invocation:
 
     @contextlib.asynccontextmanager
     async def ending(self, progress: Callable[[], tuple[int, int, int]]) -> AsyncIterator[None]:
-        """Around the body of a run or call that may stop without an outcome.
+        """Begin the invocation (`begin`), around the body of a run or call that
+        may stop without an outcome.
 
         ``progress()`` gives its ``(turns, tool_calls, credits)`` so far. The
-        caller's cancellation settles the in-flight attempt ``aborted``/
-        ``external`` and the invocation ``cancelled``; any other error (a
-        `LedgerError`, a provider's `LoopEngineError`) records it ``failed`` and
-        gets its attempt count. Either way `RunEnded` is announced and the
-        exception propagates. An `OutcomeError` comes after its outcome was
-        recorded and announced: nothing is added but its count.
+        caller's cancellation, wherever it lands once the start is recorded
+        (an observer awaiting `RunStarted` included), settles the in-flight
+        attempt ``aborted``/``external`` and the invocation ``cancelled``; any
+        other error (a `LedgerError`, a provider's `LoopEngineError`, the
+        ``on_text`` callback's own exception) records it ``failed`` and gets
+        its attempt count. Either way the cleanup runs to its end (`uninterrupted`:
+        a second cancellation or a native `asyncio.Task.cancel()` waits for it),
+        `RunEnded` is announced once and the exception propagates. An
+        `OutcomeError` comes after its outcome was recorded and announced:
+        nothing is added but its count.
         """
         try:
+            await self.begin()
             yield
         except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True):
-                await self._end_without_outcome("cancelled", *progress())
+            if self._begun:
+                await self._cleanup("cancelled", progress)
             raise
         except Exception as error:
-            with anyio.CancelScope(shield=True):
-                await self._end_without_outcome("failed", *progress())
+            if self._begun:
+                await self._cleanup("failed", progress)
             self.count_attempts_on(error)
             raise
+
+    async def _cleanup(self, outcome: str, progress: Callable[[], tuple[int, int, int]]) -> None:
+        async def step() -> None:
+            await self._end_without_outcome(outcome, *progress())
+
+        try:
+            await uninterrupted(step)
+        except anyio.get_cancelled_exc_class():
+            if outcome != "cancelled":
+                raise  # a failure cancelled meanwhile: the cancellation wins
+            # cancelled again meanwhile: the cancellation being handled propagates
 
     async def _end_without_outcome(self, outcome: str, turns: int, tool_calls: int,
                                    credits: int) -> None:
@@ -263,22 +347,32 @@ class Invocation:
         would have sent was not sent (R01 counts turn requests sent). A ledger
         failure here is logged, not raised: it must not replace the exception
         that ended the run."""
-        if outcome == "failed" and self._in_flight is not None:
-            unsent = self.records.pop(self._in_flight.index).dispatch
-            self._in_flight = None
-            if not any(r.dispatch.turn == unsent.turn for r in self.records):
-                turns = min(turns, unsent.turn - 1)
+        if outcome == "failed":
+            if self._in_flight is not None:
+                self.records.pop(self._in_flight.index)
+                self._in_flight = None
+            # A turn whose request was never sent is no turn (R01).
+            turns = min(turns, max((r.dispatch.turn for r in self.records), default=0))
         try:
             if self._in_flight is not None:
                 await self._settle(self._in_flight, None, None, external=True)
             if not self._ended:
-                await self.finish(outcome, turns=turns, tool_calls=tool_calls,
-                                  credits=credits)
+                await self._write_end(self.clock.wall(), outcome, turns=turns,
+                                      tool_calls=tool_calls, credits=credits)
         except LedgerError:
             what = "the cancellation" if outcome == "cancelled" else "its failure"
             logger.exception("run %s: the ledger could not record %s", self.id, what)
         await self._announce_end(self.clock.wall(), outcome, turns=turns,
                                  tool_calls=tool_calls, credits=credits)
+
+    async def _confirm(self, write: Awaitable[None], *, at_least: float = 0.0) -> bool:
+        """Await a ledger write, no later than `LEDGER_GRACE` past the deadline
+        (and at least ``at_least`` seconds); False when it was not confirmed by
+        then (it stays queued)."""
+        limit = max(self.deadline.remaining(self.clock.now()) + LEDGER_GRACE, at_least)
+        with self.clock.cancel_scope(limit) as scope:
+            await write
+        return not scope.cancelled_caught
 
     def count_attempts_on(self, error: BaseException) -> None:
         """Give a loopengine error that ends this run or call its attempt count."""
@@ -320,6 +414,13 @@ class Invocation:
         )
         if isinstance(outcome, RetryStop):
             self.last_fault = outcome.fault
+        elif self._reply_unconfirmed:
+            # Nothing may act on a reply the ledger has not recorded (DESIGN §7),
+            # and the deadline has passed waiting for it.
+            self._reply_unconfirmed = False
+            return GuardTrip(Outcome.TIME_LIMIT, "total_time", 0.0, self.limits.total_time,
+                             "the ledger did not record the reply before the deadline "
+                             f"(total_time={self.limits.total_time})")
         return outcome
 
     def _before_attempt(self) -> GuardTrip | None:
@@ -328,6 +429,8 @@ class Invocation:
     async def _attempt(
         self, turn: int, phase: str, build: Callable[[float], ProviderRequest], wait: float
     ) -> ProviderResponse:
+        if self._check_ready is not None:
+            self._check_ready()  # raises before anything is recorded or sent
         now = self.clock.now()
         timeout = attempt_timeout(self.limits, self.deadline, now)
         capped = timeout < self.limits.attempt_timeout
@@ -355,14 +458,20 @@ class Invocation:
         self._in_flight = flight
         receipt: DispatchReceipt | None = None
         gate: _Gate | None = None
+        held_back = False
+        # `build` made this request for this attempt alone: filling in its
+        # gate and callback costs less than `dataclasses.replace` of a frozen
+        # instance.
+        if request.on_text is not None:
+            object.__setattr__(request, "on_text", _guarded_text(flight, request.on_text))
         if self._begin_dispatch is not None:
             receipt = self._begin_dispatch(dispatch)
             gate = _Gate(receipt)
-            # `build` made this request for this attempt alone: filling in its
-            # gate costs less than `dataclasses.replace` of a frozen instance.
             object.__setattr__(request, "before_wire", gate.wait)
         elif self.ledger is not None:
-            await self.ledger.dispatch_attempt(dispatch)
+            with self.clock.cancel_scope(timeout) as holding:
+                await self.ledger.dispatch_attempt(dispatch)
+            held_back = holding.cancelled_caught
         if self.observers:
             # Building an event costs about as much as the rest of the
             # attempt's bookkeeping: skip it when nobody listens.
@@ -377,6 +486,8 @@ class Invocation:
         fault: ProviderFault | None = None
         flight.started = self.clock.now()
         try:
+            if held_back:
+                raise _not_sent(timeout)
             with self.clock.cancel_scope(timeout) as scope:
                 response = await self.provider.send(request)
             if scope.cancelled_caught:
@@ -384,9 +495,7 @@ class Invocation:
                 if gate is not None and not gate.opened:
                     # The ledger held the request back the whole time: the
                     # row says so, since the provider never saw it.
-                    fault = ProviderFault(
-                        FaultKind.TIMEOUT, f"the ledger did not record the attempt within "
-                        f"{timeout:.3f}s; nothing was sent", error_code=NOT_SENT)
+                    fault = _not_sent(timeout)
                 else:
                     fault = ProviderFault(FaultKind.TIMEOUT,
                                           f"no response within {timeout:.3f}s")
@@ -395,6 +504,8 @@ class Invocation:
         except anyio.get_cancelled_exc_class():
             raise  # the caller's cancellation: settled by `cancelled`, shielded
         except LoopEngineError as error:
+            if flight.callback_error is not None:
+                await self._callback_failed(flight, receipt, response=None, fault=None)
             if receipt is not None:
                 # A dispatch that could not be written raises its LedgerError
                 # here: nothing was sent and there is no row to settle.
@@ -404,21 +515,48 @@ class Invocation:
                 FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}"), external=False)
             raise
         except Exception as error:  # a provider must raise only ProviderFault
-            fault = ProviderFault(
-                FaultKind.BAD_REQUEST,
-                f"the provider raised {type(error).__name__} instead of a ProviderFault",
-            )
-        if receipt is not None:
+            if flight.callback_error is None:
+                fault = ProviderFault(
+                    FaultKind.BAD_REQUEST,
+                    f"the provider raised {type(error).__name__} instead of a ProviderFault",
+                )
+        if flight.callback_error is not None:
+            await self._callback_failed(flight, receipt, response=response, fault=fault)
+        if receipt is not None and not (fault is not None and fault.error_code == NOT_SENT):
             # Whether or not the provider got as far as the wire, the row must
-            # be durable (or its failure raised) before it is settled.
+            # be durable (or its failure raised) before it is settled. A request
+            # held back until its timeout is settled behind its row, unwaited:
+            # the deadline holds while the ledger is stalled.
             await receipt.wait()
         if fault is not None and fault.kind is FaultKind.TIMEOUT and capped:
             fault.aborted_reason = fault.aborted_reason or "deadline"
-        await self._settle(flight, response, fault, external=False)
+        if not await self._settle(flight, response, fault, external=False):
+            self._reply_unconfirmed = response is not None
         if fault is not None:
             raise fault
         assert response is not None
         return response
+
+    async def _callback_failed(self, flight: _InFlight, receipt: DispatchReceipt | None, *,
+                               response: ProviderResponse | None,
+                               fault: ProviderFault | None) -> None:
+        """The run's ``on_text`` callback raised: settle the attempt with what the
+        server sent (``ok`` with a whole reply, else ``aborted``/``external``:
+        the caller stopped reading it, no provider fault) and raise the
+        callback's own exception to the caller."""
+        error = flight.callback_error
+        assert error is not None
+        if receipt is not None:
+            await receipt.wait()
+        usage = fault.usage if fault is not None else None
+        cut = None if response is not None else ProviderFault(
+            FaultKind.ABORTED, f"the on_text callback raised {type(error).__name__}",
+            usage=usage, usage_approx=usage is not None,
+            http_status=fault.http_status if fault else None,
+            request_id=fault.request_id if fault else None,
+            response_id=fault.response_id if fault else None)
+        await self._settle(flight, response, cut, external=response is None, fault_kind=False)
+        raise error
 
     async def _settle(
         self,
@@ -427,7 +565,11 @@ class Invocation:
         fault: ProviderFault | None,
         *,
         external: bool,
-    ) -> None:
+        fault_kind: bool = True,
+    ) -> bool:
+        """Settle the attempt in flight; False when the ledger did not confirm a
+        served settle by the deadline (`_confirm`). ``fault_kind=False``: the
+        attempt was cut by us, not by a provider fault (none is recorded)."""
         self._in_flight = None
         dispatch = self.records[flight.index].dispatch
         latency_ms = max(0, round((self.clock.now() - flight.started) * 1000))
@@ -450,7 +592,7 @@ class Invocation:
             ordinal=dispatch.ordinal,
             outcome=outcome,
             latency_ms=latency_ms,
-            fault=fault.kind.value if fault else None,
+            fault=fault.kind.value if fault and fault_kind else None,
             aborted_reason="external" if external else (
                 fault.aborted_reason if fault and outcome == "aborted" else None),
             http_status=(response.http_status if response else
@@ -475,6 +617,13 @@ class Invocation:
             self.output_tokens += usage.output_tokens
             if priced is None:
                 self.unpriced = True
+                if self.served_by not in self._unpriced_warned:
+                    self._unpriced_warned.add(self.served_by)
+                    logger.warning(
+                        "%s has no price (neither genai-prices nor the PriceBook knows "
+                        "it): its attempts are recorded with no cost and the results "
+                        "say unpriced=True; add a ModelPrice to price them",
+                        self.served_by)
         if priced is not None:
             self.provider_cost_nanousd += priced.cost_nanousd
             if charged:
@@ -482,8 +631,9 @@ class Invocation:
                 self._turn_charge[dispatch.turn] = (
                     self._turn_charge.get(dispatch.turn, 0) + priced.cost_nanousd
                 )
+        confirmed = True
         if self.ledger is not None:
-            await self.ledger.settle_attempt(settle)
+            confirmed = await self._confirm(self.ledger.settle_attempt(settle))
         logger.debug(
             "attempt %s#%d turn=%d try=%d phase=%s served_by=%s outcome=%s fault=%s "
             "status=%s latency_ms=%d output_tokens=%s",
@@ -491,19 +641,19 @@ class Invocation:
             self.served_by, outcome, settle.fault, settle.http_status, latency_ms,
             usage.output_tokens if usage else None,
         )
-        if not self.observers:
-            return
-        await self.emit(AttemptSettled(
-            run_id=self.id, at=self.clock.wall(), ordinal=dispatch.ordinal, turn=dispatch.turn,
-            attempt=dispatch.attempt, phase=dispatch.phase, served_by=self.served_by,
-            provider=self.operation.provider, model=self.operation.model,
-            max_tokens=dispatch.max_tokens, outcome=outcome, latency_ms=latency_ms,
-            fault=settle.fault, http_status=settle.http_status, error_code=settle.error_code,
-            aborted_reason=settle.aborted_reason, usage=usage, usage_approx=settle.usage_approx,
-            cost_usd=nanousd_to_usd(priced.cost_nanousd) if priced else None,
-            charged=charged, response_id=settle.response_id, request_id=settle.request_id,
-            stop_reason=settle.stop_reason,
-        ))
+        if self.observers:
+            await self.emit(AttemptSettled(
+                run_id=self.id, at=self.clock.wall(), ordinal=dispatch.ordinal, turn=dispatch.turn,
+                attempt=dispatch.attempt, phase=dispatch.phase, served_by=self.served_by,
+                provider=self.operation.provider, model=self.operation.model,
+                max_tokens=dispatch.max_tokens, outcome=outcome, latency_ms=latency_ms,
+                fault=settle.fault, http_status=settle.http_status, error_code=settle.error_code,
+                aborted_reason=settle.aborted_reason, usage=usage, usage_approx=settle.usage_approx,
+                cost_usd=nanousd_to_usd(priced.cost_nanousd) if priced else None,
+                charged=charged, response_id=settle.response_id, request_id=settle.request_id,
+                stop_reason=settle.stop_reason,
+            ))
+        return confirmed
 
     # -- accounting -----------------------------------------------------------------
 
@@ -549,3 +699,26 @@ class Invocation:
             retained=retained,
             incomplete=self.ledger is not None and retained < count,
         )
+
+
+def _not_sent(timeout: float) -> ProviderFault:
+    """The fault of a request the ledger held back until its timeout ran out."""
+    return ProviderFault(FaultKind.TIMEOUT, f"the ledger did not record the attempt within "
+                         f"{timeout:.3f}s; nothing was sent", error_code=NOT_SENT)
+
+
+def _guarded_text(flight: _InFlight, on_text: TextCallback) -> TextCallback:
+    """``on_text`` remembering what it raised: the caller's exception, not the
+    provider's fault (whatever the provider makes of it)."""
+
+    async def guarded(text: str) -> None:
+        try:
+            maybe = on_text(text)
+            if inspect.isawaitable(maybe):
+                await maybe
+        except Exception as error:
+            if flight.callback_error is None:
+                flight.callback_error = error
+            raise
+
+    return guarded

@@ -507,6 +507,16 @@ class AnthropicProvider:
         finally:
             _BEFORE_WIRE.reset(token)
 
+    def check_ready(self) -> None:
+        """Before an attempt is recorded: refuse a given client on another event loop.
+
+        Raises:
+            ConfigError: the client (or ``http_client``) given to the provider
+                was first used on another event loop than the running one.
+        """
+        if self._per_loop is None:
+            self._on_home()
+
     def _on_home(self) -> AsyncClient:
         """The bound client, if the running loop is the one it was first used on."""
         assert self._bound is not None

@@ -53,7 +53,11 @@ class ProviderRequest:
     cache: CachePolicy = field(default_factory=CachePolicy)
     """Where the provider may place cache markers."""
     on_text: TextCallback | None = None
-    """Streaming providers hand text deltas to this callback."""
+    """Streaming providers hand text deltas to this callback. When it raises, a
+    provider stops reading and raises an ``aborted`` `ProviderFault` carrying
+    what was served so far (usage, ids), or lets the exception out: either way
+    the engine settles the attempt without a fault and raises the callback's
+    own exception to the caller."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     """Facts about the request for providers that record (turn, phase); never sent."""
     before_wire: Callable[[], Awaitable[None]] | None = None
@@ -96,6 +100,12 @@ class Provider(Protocol):
 
     # Optional: ``awaits_before_wire = True`` on the class when `send` awaits
     # `ProviderRequest.before_wire` just before the wire (see the module docstring).
+    #
+    # Optional: ``check_ready(self) -> None``, called before each attempt's
+    # ledger row is written: it raises a `loopengine.LoopEngineError` (say a
+    # `ConfigError`) when the provider cannot send from here (a client bound to
+    # another event loop). Nothing is recorded for that attempt; the run fails
+    # with that error.
 
     async def send(self, request: ProviderRequest) -> ProviderResponse:
         """Make one wire request within ``request.timeout``.

@@ -84,6 +84,12 @@ class RecordingProvider:
         """Whether the inner provider awaits `ProviderRequest.before_wire` (passed on)."""
         return getattr(self.inner, "awaits_before_wire", False) is True
 
+    def check_ready(self) -> None:
+        """Ask the inner provider whether it can send from here (passed on)."""
+        check = getattr(self.inner, "check_ready", None)
+        if check is not None:
+            check()
+
     def _write(self, entry: Mapping[str, Any]) -> None:
         # One append per attempt, the file closed between them: nothing to
         # close, and a crash loses at most the line being written.
