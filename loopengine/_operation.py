@@ -33,7 +33,9 @@ class Operation:
     model: str
     """The model id on that route."""
     max_output_tokens: int = 1024
-    """``max_tokens`` of each request, and the ceiling of a structured call's growth."""
+    """``max_tokens`` of each request of a run, and of a structured call's first
+    request (its truncation retries double it up to the growth ceiling:
+    ``model_max_output_tokens``, else four times the first request)."""
     version: str = "1"
     """The published version; recorded with each invocation."""
     limits: Limits = field(default_factory=Limits)

@@ -61,7 +61,11 @@ class RunResult:
     invocation_id: str
     """The ledger id of this run."""
     messages: list[dict[str, Any]]
-    """The transcript: the given messages, every response and every tool result."""
+    """The transcript: the given messages, every response and every tool result.
+
+    Always a history to continue from: a tool call the run did not run (a
+    refused batch, a deadline) is closed with an ``is_error`` result saying
+    why, so appending a user message and calling `Engine.run` again is valid."""
     trip: GuardTrip | None = None
     """The guard that ended the run, if one did."""
     fault: ProviderFault | None = None
