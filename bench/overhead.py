@@ -23,6 +23,16 @@ is shown apart as "elsewhere". Wall time also holds the ledger's fsyncs
 (``synchronous=FULL``) where they are not overlapped with the request's
 building, so put ``--ledger-dir`` on the disk you mean to measure.
 
+The sequential cost of durability: a reply's settle is on disk before its
+tool handlers run (DESIGN.md §7), so on this path every turn costs two
+commits of the writer (its dispatch, and its reply's settle) where it cost
+one when settles rode the next dispatch. Measured with ``--conversations 20
+--rounds 7`` on the 2-core development machine (a temp-dir ledger, the
+machine busy), before and after that change: "loopengine + SQLite ledger"
+went from 1.67x to 2.17x the bare loop's CPU per turn and from 2.18x to
+2.29x its wall time per turn. Under concurrency the settles share commits
+with every other run's writes, as the dispatches do (bench/ledger.py).
+
 Run::
 
     python bench/overhead.py                # defaults: 40 conversations x 15 rounds
