@@ -8,6 +8,7 @@ not a number), because a silently coerced limit is a limit nobody set.
 from __future__ import annotations
 
 import math
+import unicodedata
 from decimal import Decimal, InvalidOperation
 
 from loopengine._errors import ConfigError
@@ -87,6 +88,37 @@ def text(field: str, value: object, *, optional: bool = False) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(field, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def identifier(field: str, value: object, *, max_length: int = 256) -> str | None:
+    """Return ``value`` if it is None or a printable, non-blank string of at most
+    ``max_length`` characters, else raise `ConfigError`.
+
+    For ids that are stored and later printed (a ledger's tenant, a correlation
+    id): "printable" is `str.isprintable`, which refuses every control
+    character (C0 with tab and newline, DEL, C1: category Cc), format
+    characters (Cf: zero-width characters, bidirectional overrides that make
+    text display in another order), line and paragraph separators (Zl, Zp),
+    spaces other than U+0020 (Zs), surrogates (Cs, which UTF-8 cannot store),
+    private-use (Co) and unassigned (Cn) code points. Letters, digits, marks
+    and symbols of every script pass. The length is counted in characters
+    (code points). The message names the first offending character by code
+    point and category, never echoing the value itself.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(field, f"must be a string, got {type(value).__name__}")
+    if len(value) > max_length:
+        raise ConfigError(field, f"must be at most {max_length} characters, got {len(value)}")
+    if not value.isprintable():
+        index, char = next((i, c) for i, c in enumerate(value) if not c.isprintable())
+        raise ConfigError(
+            field, f"must be printable: character {index} is U+{ord(char):04X} "
+                   f"(category {unicodedata.category(char)})")
+    if not value.strip():
+        raise ConfigError(field, "must not be empty or blank")
     return value
 
 
