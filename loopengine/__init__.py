@@ -5,6 +5,7 @@ attempt that is priced and recorded, and every failure either takes a bounded
 retry path or ends the conversation with a named `Outcome`.
 """
 
+from loopengine._accounts import AccountBalance, CreditAccounts
 from loopengine._attribution import Attribution
 from loopengine._call import CallAttempts, CallResult, StructuredOutputError
 from loopengine._engine import Engine
@@ -33,12 +34,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Accept",
+    "AccountBalance",
     "AttemptsSummary",
     "Attribution",
     "CachePolicy",
     "CallAttempts",
     "CallResult",
     "ConfigError",
+    "CreditAccounts",
     "Engine",
     "Estimate",
     "FaultKind",

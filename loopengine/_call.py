@@ -147,6 +147,8 @@ class _Call:
 
     async def run(self) -> CallResult[Any]:
         inv = self.inv
+        if inv.denied is not None:
+            await self._fail_trip(inv.denied)
         budget = inv.policy.max_attempts
         # The first request asks for what the caller or the operation gave,
         # never more than the operation allows one request (R13); only a

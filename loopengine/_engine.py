@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import pydantic
 
 from loopengine import _validate
+from loopengine._accounts import CreditAccounts
 from loopengine._attribution import Attribution
 from loopengine._call import CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
@@ -55,6 +57,9 @@ class Engine:
         rng: The jitter source of retry waits.
         tool_error_text: ``(tool_name, error) -> str``: what the model is told
             when a tool handler raises (default: the exception's message, R09).
+        accounts: `CreditAccounts` on this engine's ledger: each run on an
+            account reserves its credit hold before its first request and
+            settles its charge at its end (docs/accounts.md).
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class Engine:
         clock: Clock | None = None,
         rng: random.Random | None = None,
         tool_error_text: ToolErrorText | None = None,
+        accounts: CreditAccounts | None = None,
     ) -> None:
         if isinstance(provider, Mapping):
             providers = dict(provider)
@@ -90,6 +96,12 @@ class Engine:
                 raise ConfigError(f"observers[{i}]", f"must be callable, got {observer!r}")
         if tool_error_text is not None and not callable(tool_error_text):
             raise ConfigError("tool_error_text", "must be callable")
+        if accounts is not None:
+            if not isinstance(accounts, CreditAccounts):
+                raise ConfigError("accounts", f"must be CreditAccounts, got {accounts!r}")
+            if accounts.ledger is not ledger:
+                raise ConfigError("accounts", "the accounts must live on this engine's ledger")
+        self.accounts = accounts
         self.providers: dict[str, Provider] = providers
         self.ledger = ledger
         self.prices = prices or PriceBook()
@@ -131,6 +143,16 @@ class Engine:
         policy = operation.retry.narrow(retry)
         if attribution is not None and not isinstance(attribution, Attribution):
             raise ConfigError("attribution", f"must be an Attribution, got {attribution!r}")
+        account = (self.accounts.account_for(attribution or Attribution())
+                   if self.accounts is not None else None)
+        if account is not None and run_limits.credit_hold is None:
+            assert self.accounts is not None
+            if self.accounts.default_hold is None:
+                raise ConfigError(
+                    "limits.credit_hold",
+                    f"a run on account {account!r} needs a credit hold to reserve: publish "
+                    "one on the operation or give CreditAccounts(default_hold=...)")
+            run_limits = replace(run_limits, credit_hold=self.accounts.default_hold)
         if run_limits.credit_hold is not None and not self.prices.knows(
             operation.provider, operation.model, self.clock.wall()
         ):
@@ -143,7 +165,7 @@ class Engine:
             kind=kind, operation=operation, provider=provider, limits=run_limits,
             policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,
             clock=self.clock, rng=self.rng, observers=self.observers,
-            unpriced_warned=self._unpriced_warned,
+            unpriced_warned=self._unpriced_warned, accounts=self.accounts, account=account,
         )
 
     async def run(
@@ -198,7 +220,7 @@ class Engine:
         spec = RunSpec(
             messages=normalize_messages(messages),
             system=normalize_system(system),
-            tools=tuple(tools),
+            tools=check_tools(tools),
             output=_check_output(output),
             accept=_check_callable("accept", accept),
             on_text=_check_callable("on_text", on_text),
@@ -311,16 +333,25 @@ class Engine:
             LoopEngineError: the shipped tokenizer file is damaged.
         """
         return estimate_run(operation, normalize_messages(messages),
-                            system=normalize_system(system), tools=tools, output=output,
+                            system=normalize_system(system), tools=check_tools(tools),
+                            output=output,
                             limits=limits, prices=self.prices, at=self.clock.wall())
 
 
 def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
     """One user message or a list of Anthropic-shaped messages, as our own copy.
 
+    Each message is checked against the shape the installed ``anthropic`` SDK
+    declares (``anthropic.types.MessageParam``): a ``role`` of ``user`` or
+    ``assistant`` and no other keys but ``content``, a string or a list of
+    content blocks, each matching the SDK's type for its ``type``
+    (`loopengine._validate.content_block`). As the API requires, the first
+    message is the user's and only a final assistant message (a prefill) may
+    be empty. All of it is checked before anything is sent.
+
     Raises:
-        ConfigError: empty, or a message without a ``role`` of ``user`` or
-            ``assistant`` and a string or list ``content``.
+        ConfigError: the first problem found; ``.field`` is its path, e.g.
+            ``"messages[1].content[0].type"``.
     """
     if isinstance(messages, str):
         if not messages:
@@ -329,17 +360,37 @@ def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
     if not isinstance(messages, Sequence) or not messages:
         raise ConfigError("messages", "must be a string or a non-empty list of messages")
     out: list[dict[str, Any]] = []
+    last = len(messages) - 1
     for i, message in enumerate(messages):
+        field = f"messages[{i}]"
         if not isinstance(message, Mapping):
-            raise ConfigError(f"messages[{i}]", f"must be a dict, got {type(message).__name__}")
-        if message.get("role") not in ("user", "assistant"):
-            raise ConfigError(f"messages[{i}].role",
-                              f"must be 'user' or 'assistant', got {message.get('role')!r}")
+            raise ConfigError(field, f"must be a dict, got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            hint = " (give the system prompt as system=)" if role == "system" else ""
+            got = repr(role) if isinstance(role, str) and len(role) <= 40 else type(role).__name__
+            raise ConfigError(f"{field}.role", f"must be 'user' or 'assistant', got {got}{hint}")
+        if i == 0 and role != "user":
+            raise ConfigError(f"{field}.role", "the first message must be the user's, "
+                                               f"got {role!r}")
+        for key in message:
+            if key not in ("role", "content"):
+                name = key if isinstance(key, str) and key.isidentifier() else "?"
+                raise ConfigError(f"{field}.{name}",
+                                  "is not a message field (a message has role and content)")
         content = message.get("content")
-        if not isinstance(content, str | list | tuple):
-            raise ConfigError(f"messages[{i}].content", "must be a string or a list of blocks")
-        if isinstance(content, list | tuple) and not all(isinstance(b, Mapping) for b in content):
-            raise ConfigError(f"messages[{i}].content", "every block must be a dict")
+        if isinstance(content, str):
+            empty = not content
+        elif isinstance(content, list | tuple):
+            empty = not content
+            for j, block in enumerate(content):
+                _validate.content_block(f"{field}.content[{j}]", block)
+        else:
+            raise ConfigError(f"{field}.content", "must be a string or a list of content "
+                                                  f"blocks, got {type(content).__name__}")
+        if empty and not (i == last and role == "assistant"):
+            raise ConfigError(f"{field}.content", "must not be empty (only a final assistant "
+                                                  "message may be)")
         copied = copy.deepcopy(dict(message))
         if isinstance(copied["content"], tuple):
             copied["content"] = list(copied["content"])
@@ -350,8 +401,12 @@ def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
 def normalize_system(system: System) -> list[dict[str, Any]] | None:
     """A system prompt string or text blocks, as a list of text blocks.
 
+    Each block is checked against the anthropic SDK's ``TextBlockParam``
+    (``cache_control`` and ``citations`` included).
+
     Raises:
-        ConfigError: not a string or a list of ``text`` blocks.
+        ConfigError: not a string or a list of ``text`` blocks; ``.field`` is
+            the offending path, e.g. ``"system[0].cache_control.ttl"``.
     """
     if system is None:
         return None
@@ -361,12 +416,26 @@ def normalize_system(system: System) -> list[dict[str, Any]] | None:
         raise ConfigError("system", "must be a string or a list of text blocks")
     out: list[dict[str, Any]] = []
     for i, block in enumerate(system):
-        if not isinstance(block, Mapping) or block.get("type") != "text" or not isinstance(
-            block.get("text"), str
-        ):
-            raise ConfigError(f"system[{i}]", "must be a text block {'type': 'text', 'text': ...}")
+        _validate.content_block(f"system[{i}]", block, kinds=("text",))
+        assert isinstance(block, Mapping)  # content_block refused anything else
         out.append(copy.deepcopy(dict(block)))
     return out or None
+
+
+def check_tools(tools: object) -> tuple[Tool, ...]:
+    """The ``tools`` argument of `Engine.run` and `Engine.estimate`, as a tuple.
+
+    Raises:
+        ConfigError: a single `Tool` (not a list of them), a string, a
+            mapping or anything else that is not an iterable of tools; each
+            item must be a `Tool` (checked with the names, `check_unique_tools`).
+    """
+    if isinstance(tools, Tool):
+        raise ConfigError("tools", f"must be a list of tools, got the single tool "
+                                   f"{tools.name!r}: pass tools=[{tools.name}]")
+    if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Iterable):
+        raise ConfigError("tools", f"must be a list of tools, got {type(tools).__name__}")
+    return tuple(tools)
 
 
 def _check_output(output: object) -> type[pydantic.BaseModel] | None:

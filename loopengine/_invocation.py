@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import math
@@ -24,6 +25,7 @@ from decimal import Decimal
 import anyio
 import anyio.lowlevel
 
+from loopengine._accounts import CreditAccounts, Reservation, expiry
 from loopengine._attribution import Attribution
 from loopengine._clock import Clock
 from loopengine._errors import LedgerError, LoopEngineError
@@ -148,6 +150,8 @@ class Invocation:
         rng: random.Random,
         observers: Sequence[Observer],
         unpriced_warned: set[str] | None = None,
+        accounts: CreditAccounts | None = None,
+        account: str | None = None,
     ) -> None:
         self.id = str(uuid.uuid4())
         self.kind = kind
@@ -182,6 +186,11 @@ class Invocation:
         self._announced = False
         self._begun = False
         self._reply_unconfirmed = False
+        self.accounts = accounts if account is not None else None
+        self.account = account
+        self._reservation: Reservation | None = None
+        self.denied: GuardTrip | None = None
+        """Set by `begin` when the run's account had nothing to reserve."""
         self._unpriced_warned = unpriced_warned if unpriced_warned is not None else set()
         # When the provider awaits `before_wire`, the dispatch's commit overlaps
         # the building of the request (see `loopengine.providers.Provider`).
@@ -237,6 +246,42 @@ class Invocation:
             model=self.operation.model, kind="run" if self.kind == "run" else "call",
             tenant=self.attribution.tenant, feature=self.attribution.feature,
         ))
+        if self.accounts is not None:
+            await self._admit(at)
+
+    async def _admit(self, at: datetime) -> None:
+        """Reserve the run's credit hold on its account before its first request
+        (§13): less available narrows the hold; nothing available denies the run."""
+        assert self.accounts is not None and self.account is not None
+        hold = self.limits.credit_hold
+        assert hold is not None  # the engine gives every run on an account a hold
+        accounts, account = self.accounts, self.account
+        got: list[Reservation] = []
+
+        async def reserve() -> None:
+            got.append(await accounts.reserve(
+                account, self.id, hold,
+                expires_at=expiry(at, self.limits.total_time, accounts.expiry_grace),
+                credits_per_usd=self.prices.credits_per_usd,
+                credit_quantum=self.prices.credit_quantum))
+
+        if not await self._confirm(reserve()):
+            self.denied = GuardTrip(Outcome.TIME_LIMIT, "total_time", 0.0,
+                                    self.limits.total_time,
+                                    "the account's reservation was not confirmed before the "
+                                    f"deadline (total_time={self.limits.total_time})")
+            return
+        reservation = got[0]
+        if reservation.credits == 0:
+            self.denied = GuardTrip(
+                Outcome.ADMISSION_DENIED, "account", reservation.available, hold,
+                f"account {account!r} has {max(0, reservation.available)} credits available, "
+                f"nothing to reserve for this run's hold of {hold}")
+            return
+        self._reservation = reservation
+        if reservation.credits < hold:
+            # A narrowing (R13): the run may spend only what was reserved.
+            self.limits = dataclasses.replace(self.limits, credit_hold=reservation.credits)
 
     async def finish(
         self, outcome: str, *, turns: int, tool_calls: int, credits: int,
@@ -265,14 +310,19 @@ class Invocation:
     async def _write_end(self, at: datetime, outcome: str, *, turns: int, tool_calls: int,
                          credits: int) -> None:
         self._ended = True
-        if self.ledger is not None:
-            confirmed = await self._confirm(self.ledger.end_invocation(
-                InvocationEnd(id=self.id, ended_at=at, outcome=outcome, turns=turns,
-                              tool_calls=tool_calls, credits=credits)
-            ), at_least=LEDGER_GRACE)
-            if not confirmed:
-                logger.warning("%s %s: the ledger did not confirm its end (%s) by its "
-                               "deadline; the write stays queued", self.kind, self.id, outcome)
+        try:
+            if self.ledger is not None:
+                confirmed = await self._confirm(self.ledger.end_invocation(
+                    InvocationEnd(id=self.id, ended_at=at, outcome=outcome, turns=turns,
+                                  tool_calls=tool_calls, credits=credits)
+                ), at_least=LEDGER_GRACE)
+                if not confirmed:
+                    logger.warning("%s %s: the ledger did not confirm its end (%s) by its "
+                                   "deadline; the write stays queued", self.kind, self.id,
+                                   outcome)
+        finally:
+            # The account is settled however the end's write went (§13).
+            await self._settle_account(credits)
         logger.info(
             "%s %s ended %s: operation=%s turns=%d tool_calls=%d attempts=%d "
             "cost_nanousd=%d credits=%d",
@@ -364,6 +414,18 @@ class Invocation:
             logger.exception("run %s: the ledger could not record %s", self.id, what)
         await self._announce_end(self.clock.wall(), outcome, turns=turns,
                                  tool_calls=tool_calls, credits=credits)
+
+    async def _settle_account(self, credits: int) -> None:
+        """Charge the run's real credits on its account and release its hold, once."""
+        if self._reservation is None or self.accounts is None:
+            return
+        reservation, self._reservation = self._reservation, None
+        settled = await self._confirm(self.accounts.settle(reservation, credits),
+                                      at_least=LEDGER_GRACE)
+        if not settled:
+            logger.warning("%s %s: its account's settlement was not confirmed by its "
+                           "deadline; it completes later, or at the reservation's expiry",
+                           self.kind, self.id)
 
     async def _confirm(self, write: Awaitable[None], *, at_least: float = 0.0) -> bool:
         """Await a ledger write, no later than `LEDGER_GRACE` past the deadline

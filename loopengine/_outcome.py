@@ -11,7 +11,7 @@ class Outcome(StrEnum):
     """How a run or call ended.
 
     A run always ends with one of the values from ``COMPLETED`` to
-    ``CREDIT_EXHAUSTED``; ``RUNNING``, ``CANCELLED`` and ``FAILED`` appear
+    ``ADMISSION_DENIED``; ``RUNNING``, ``CANCELLED`` and ``FAILED`` appear
     only in the ledger and in `loopengine.events.RunEnded` (a run still in
     progress, one the caller cancelled, and one that raised an error: the
     cancellation or the error propagated instead of becoming a result).
@@ -37,6 +37,8 @@ class Outcome(StrEnum):
     """A provider fault that was permanent, or whose retries ran out (R05)."""
     CREDIT_EXHAUSTED = "credit_exhausted"
     """The provider account has no balance or hit its spend limit (R06)."""
+    ADMISSION_DENIED = "admission_denied"
+    """The run's credit account had nothing available to reserve: nothing was sent (§13)."""
     RUNNING = "running"
     """Ledger only: the invocation has not ended (or its process died)."""
     CANCELLED = "cancelled"

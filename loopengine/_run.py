@@ -46,6 +46,7 @@ from loopengine.guards._checkpoints import (
     check_terminal,
     check_tool_batch,
 )
+from loopengine.guards._limits import Limits
 from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._faults import FaultKind
 from loopengine.providers._retry import RetryStop
@@ -113,7 +114,6 @@ class _Loop:
     def __init__(self, inv: Invocation, spec: RunSpec) -> None:
         self.inv = inv
         self.spec = spec
-        self.limits = inv.limits
         self.transcript: list[dict[str, Any]] = copy.deepcopy(spec.messages)
         # Messages from here on are the run's own: only those are closed at the end.
         self._given_messages = len(self.transcript)
@@ -124,9 +124,16 @@ class _Loop:
             definitions.append(final_tool_definition(spec.output, spec.final_tool))
         self.definitions = definitions
 
+    @property
+    def limits(self) -> Limits:
+        """The run's limits (its admission may have narrowed the credit hold)."""
+        return self.inv.limits
+
     # -- the loop ------------------------------------------------------------------
 
     async def run(self) -> RunResult:
+        if self.inv.denied is not None:
+            return await self._end(self.inv.denied.outcome, trip=self.inv.denied)
         phase = "turn"
         while True:
             trip = check_before_turn(self.state, self.limits, self.inv.clock.now())

@@ -126,9 +126,41 @@ _AUDIT_INDEXES = (
     "CREATE INDEX invocations_running ON invocations (id) WHERE outcome = 'running'",
 )
 
+# Credit accounts (DESIGN.md §13): a balance per account, kept equal to the
+# sums of its append-only journal. A reservation's entry also carries its
+# expiry and the credit rate of its run, so that another process can settle
+# it exactly once it has expired.
+_ACCOUNTS = (
+    """CREATE TABLE accounts (
+        account TEXT PRIMARY KEY NOT NULL,
+        granted INTEGER NOT NULL DEFAULT 0,
+        spent INTEGER NOT NULL DEFAULT 0,
+        reserved INTEGER NOT NULL DEFAULT 0,
+        updated_at TEXT NOT NULL
+    )""",
+    """CREATE TABLE account_entries (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        account TEXT NOT NULL,
+        at TEXT NOT NULL,
+        kind TEXT NOT NULL
+            CHECK (kind IN ('grant', 'reserve', 'settle', 'release', 'expire')),
+        credits INTEGER NOT NULL CHECK (credits >= 0),
+        invocation_id TEXT,
+        note TEXT,
+        expires_at TEXT,
+        credits_per_usd TEXT,
+        credit_quantum INTEGER
+    )""",
+    "CREATE INDEX account_entries_invocation ON account_entries (invocation_id) "
+    "WHERE invocation_id IS NOT NULL",
+    "CREATE INDEX account_entries_reserved ON account_entries (account, expires_at) "
+    "WHERE kind = 'reserve'",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "invocations and attempts", _CREATE_TABLES),
     Migration(2, "invocation indexes for period and reconciliation queries", _AUDIT_INDEXES),
+    Migration(3, "credit accounts and their journal", _ACCOUNTS),
 )
 """The schema's history, oldest first."""
 

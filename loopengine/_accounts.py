@@ -1,0 +1,308 @@
+"""`CreditAccounts`: prepaid credit balances that admit runs (DESIGN.md §13).
+
+A run on an account reserves its credit hold before its first request and
+settles its real charge at its end. Both are one ``BEGIN IMMEDIATE``
+transaction on the ledger's own SQLite file, so the check and the
+reservation cannot interleave with another process's: the runs of every
+process on the file together never reserve more than the account has.
+
+Every change is a row of the append-only journal ``account_entries``; the
+``accounts`` row is kept equal to the journal's sums, in the same
+transaction:
+
+* ``granted`` = the ``grant`` entries;
+* ``spent`` = the ``settle`` and ``expire`` entries (real charges);
+* ``reserved`` = the ``reserve`` entries minus the ``release`` entries.
+
+A reservation carries an expiry (the run's deadline plus a grace). Whichever
+process next touches the account (an admission, a grant, a balance) settles
+an expired reservation whose run never settled (its process died): charged
+what the ledger's settled attempts of that invocation charged (its credits,
+if it ended), and released.
+
+The sqlite3 work runs in a worker thread: the event loop never waits on it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any, TypeVar
+
+import anyio.to_thread
+
+from loopengine import _validate
+from loopengine._attribution import Attribution
+from loopengine._errors import ConfigError, LedgerError
+from loopengine.guards._credits import turn_credits
+from loopengine.persistence._schema import format_time
+
+__all__ = ["AccountBalance", "CreditAccounts", "Reservation"]
+
+T = TypeVar("T")
+
+DEFAULT_EXPIRY_GRACE = 60.0
+"""Seconds past a run's deadline before its reservation may be settled by another process."""
+
+UNBOUNDED_RUN = 3600.0
+"""The deadline assumed, for expiry only, of a run without ``total_time``."""
+
+
+@dataclass(frozen=True, slots=True)
+class AccountBalance:
+    """An account's credits: ``available = granted - spent - reserved``."""
+
+    account: str
+    granted: int
+    """Every credit granted to the account."""
+    spent: int
+    """The real charges of its settled runs."""
+    reserved: int
+    """The holds of its runs in progress."""
+    available: int
+    """What a new run may still reserve."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A run's admission: what it reserved on which account (internal)."""
+
+    account: str
+    invocation_id: str
+    credits: int
+    """The hold reserved; 0 when the run was denied."""
+    available: int
+    """What the account had available before this reservation."""
+
+
+class CreditAccounts:
+    """Prepaid credit balances on a ledger's database, for `loopengine.Engine`.
+
+    Args:
+        ledger: The `SQLiteLedger` whose file holds the accounts.
+        key: ``(Attribution) -> str | None``: the account of a run (default:
+            its ``tenant``). A run whose key is None runs outside accounts.
+        default_hold: The credit hold of a run on an account whose operation
+            publishes none (a run on an account needs one).
+        expiry_grace: Seconds past a run's deadline after which another
+            process may settle its reservation (its process is taken as dead).
+
+    Raises:
+        ConfigError: a ledger that cannot hold accounts, or a bad argument.
+    """
+
+    def __init__(
+        self,
+        ledger: Any,
+        *,
+        key: Callable[[Attribution], str | None] | None = None,
+        default_hold: int | None = None,
+        expiry_grace: float = DEFAULT_EXPIRY_GRACE,
+    ) -> None:
+        path = getattr(ledger, "path", None)
+        if not isinstance(path, str) or not hasattr(ledger, "writer_pid"):
+            raise ConfigError("ledger", "credit accounts live in the ledger's database: give "
+                                        f"them a SQLiteLedger, not {ledger!r}")
+        if key is not None and not callable(key):
+            raise ConfigError("key", f"must be callable, got {key!r}")
+        _validate.integer("default_hold", default_hold, minimum=1, optional=True)
+        _validate.seconds("expiry_grace", expiry_grace, positive=False)
+        self.ledger = ledger
+        self.path: str = path
+        self.default_hold = default_hold
+        self.expiry_grace = float(expiry_grace)
+        self._key = key
+        self._busy_timeout = float(getattr(ledger, "busy_timeout", 30.0))
+
+    def __repr__(self) -> str:
+        return f"CreditAccounts({self.path!r}, default_hold={self.default_hold})"
+
+    def account_for(self, attribution: Attribution) -> str | None:
+        """The account a run with ``attribution`` is charged to (None: no account)."""
+        if self._key is None:
+            return attribution.tenant
+        account = self._key(attribution)
+        if account is not None and (not isinstance(account, str) or not account):
+            raise ConfigError("accounts.key", f"must return an account name or None, "
+                                              f"got {account!r}")
+        return account
+
+    # -- the public operations ------------------------------------------------------
+
+    async def grant(self, account: str, credits: int, note: str | None = None) -> AccountBalance:
+        """Add ``credits`` to ``account`` (created at its first grant); return its balance.
+
+        Raises:
+            ConfigError: an empty account name, or credits not a positive integer.
+            LedgerError: the database could not be written.
+        """
+        _check_account(account)
+        _validate.required_integer("credits", credits, minimum=1)
+        if note is not None and not isinstance(note, str):
+            raise ConfigError("note", f"must be text, got {note!r}")
+
+        def work(conn: sqlite3.Connection, now: str) -> AccountBalance:
+            _expire(conn, account, now)
+            _journal(conn, account, now, "grant", credits, None, note)
+            return _read(conn, account)
+
+        return await self._transaction(work)
+
+    async def balance(self, account: str) -> AccountBalance:
+        """``account``'s granted, spent, reserved and available credits (zeros if unknown).
+
+        Settles the account's expired reservations first.
+
+        Raises:
+            LedgerError: the database could not be read or written.
+        """
+        _check_account(account)
+
+        def work(conn: sqlite3.Connection, now: str) -> AccountBalance:
+            _expire(conn, account, now)
+            return _read(conn, account)
+
+        return await self._transaction(work)
+
+    # -- what the engine calls ----------------------------------------------------------
+
+    async def reserve(self, account: str, invocation_id: str, hold: int, *,
+                      expires_at: datetime, credits_per_usd: Decimal,
+                      credit_quantum: int) -> Reservation:
+        """Reserve up to ``hold`` credits for a run, in one transaction (internal).
+
+        Less available narrows the reservation to what is; nothing available
+        reserves nothing (``credits == 0``) and writes nothing.
+        """
+
+        def work(conn: sqlite3.Connection, now: str) -> Reservation:
+            _expire(conn, account, now)
+            available = _read(conn, account).available
+            amount = max(0, min(hold, available))
+            if amount:
+                _journal(conn, account, now, "reserve", amount, invocation_id, None,
+                         expires_at=format_time(expires_at), rate=str(credits_per_usd),
+                         quantum=credit_quantum)
+            return Reservation(account, invocation_id, amount, available)
+
+        return await self._transaction(work)
+
+    async def settle(self, reservation: Reservation, credits: int) -> None:
+        """Charge a run's real ``credits`` and release its reservation, in one
+        transaction; once per invocation (a second call changes nothing) (internal)."""
+
+        def work(conn: sqlite3.Connection, now: str) -> None:
+            if _released(conn, reservation.invocation_id):
+                return  # settled already (or expired by another process)
+            if credits:
+                _journal(conn, reservation.account, now, "settle", credits,
+                         reservation.invocation_id, None)
+            _journal(conn, reservation.account, now, "release", reservation.credits,
+                     reservation.invocation_id, None)
+
+        await self._transaction(work)
+
+    # -- the transaction ------------------------------------------------------------------
+
+    async def _transaction(self, work: Callable[[sqlite3.Connection, str], T]) -> T:
+        def run() -> T:
+            try:
+                conn = sqlite3.connect(self.path, timeout=self._busy_timeout,
+                                       isolation_level=None)
+            except sqlite3.Error as error:
+                raise LedgerError(f"{self.path}: cannot open the accounts: {error}") from None
+            try:
+                conn.execute("PRAGMA synchronous = FULL")
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    result = work(conn, format_time(datetime.now(UTC)))
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                return result
+            except sqlite3.Error as error:
+                raise LedgerError(f"{self.path}: the accounts could not be written: "
+                                  f"{error}") from None
+            finally:
+                conn.close()
+
+        # A cancelled wait (the caller's, or the run's deadline) stops waiting;
+        # the transaction, once begun, still ends in its thread: a reservation
+        # made after its run stopped waiting expires like a crashed run's.
+        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+
+
+def expiry(started_at: datetime, total_time: float | None, grace: float) -> datetime:
+    """When a run's reservation may be settled by another process."""
+    return started_at + timedelta(seconds=(total_time or UNBOUNDED_RUN) + grace)
+
+
+def _check_account(account: object) -> None:
+    if not isinstance(account, str) or not account:
+        raise ConfigError("account", f"must be a non-empty account name, got {account!r}")
+
+
+def _read(conn: sqlite3.Connection, account: str) -> AccountBalance:
+    row = conn.execute("SELECT granted, spent, reserved FROM accounts WHERE account = ?",
+                       (account,)).fetchone()
+    granted, spent, reserved = (int(v) for v in row) if row else (0, 0, 0)
+    return AccountBalance(account, granted, spent, reserved, granted - spent - reserved)
+
+
+_EFFECT = {"grant": ("granted", 1), "reserve": ("reserved", 1), "release": ("reserved", -1),
+           "settle": ("spent", 1), "expire": ("spent", 1)}
+
+
+def _journal(conn: sqlite3.Connection, account: str, now: str, kind: str, credits: int,
+             invocation_id: str | None, note: str | None, *, expires_at: str | None = None,
+             rate: str | None = None, quantum: int | None = None) -> None:
+    """One journal entry and its effect on the account row, in the open transaction."""
+    conn.execute(
+        "INSERT INTO account_entries (account, at, kind, credits, invocation_id, note, "
+        "expires_at, credits_per_usd, credit_quantum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (account, now, kind, credits, invocation_id, note, expires_at, rate, quantum))
+    column, sign = _EFFECT[kind]
+    conn.execute(
+        "INSERT INTO accounts (account, granted, spent, reserved, updated_at) "
+        "VALUES (?, 0, 0, 0, ?) ON CONFLICT (account) DO NOTHING", (account, now))
+    conn.execute(f"UPDATE accounts SET {column} = {column} + ?, updated_at = ? "
+                 "WHERE account = ?", (sign * credits, now, account))
+
+
+def _released(conn: sqlite3.Connection, invocation_id: str) -> bool:
+    return conn.execute("SELECT 1 FROM account_entries WHERE invocation_id = ? "
+                        "AND kind = 'release'", (invocation_id,)).fetchone() is not None
+
+
+def _expire(conn: sqlite3.Connection, account: str, now: str) -> None:
+    """Settle ``account``'s expired reservations that were never released."""
+    expired = conn.execute(
+        "SELECT r.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum "
+        "FROM account_entries r WHERE r.account = ? AND r.kind = 'reserve' "
+        "AND r.expires_at < ? AND NOT EXISTS (SELECT 1 FROM account_entries e "
+        "WHERE e.invocation_id = r.invocation_id AND e.kind = 'release')",
+        (account, now)).fetchall()
+    for invocation_id, reserved, rate, quantum in expired:
+        charge = _charged(conn, invocation_id, Decimal(rate), int(quantum))
+        if charge:
+            _journal(conn, account, now, "expire", charge, invocation_id,
+                     "settled after its reservation expired")
+        _journal(conn, account, now, "release", int(reserved), invocation_id,
+                 "released after its reservation expired")
+
+
+def _charged(conn: sqlite3.Connection, invocation_id: str, rate: Decimal, quantum: int) -> int:
+    """What the ledger says an invocation charged: its credits if it ended, else
+    the rounded turn charges of its settled, charged attempts (R03)."""
+    row = conn.execute("SELECT outcome, credits FROM invocations WHERE id = ?",
+                       (invocation_id,)).fetchone()
+    if row is not None and row[0] != "running":
+        return int(row[1])
+    turns = conn.execute(
+        "SELECT SUM(cost_nanousd) FROM attempts WHERE invocation_id = ? AND charged = 1 "
+        "AND cost_nanousd IS NOT NULL GROUP BY turn", (invocation_id,)).fetchall()
+    return sum(turn_credits(int(cost), rate, quantum) for (cost,) in turns)

@@ -1,0 +1,308 @@
+"""Credit accounts (DESIGN.md §13): a run reserves its hold on its tenant's account
+before its first request and settles its real charge at its end, exactly once,
+across processes; a crashed run's reservation is settled once it expires."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pydantic
+import pytest
+
+import loopengine as le
+from loopengine import events
+from loopengine.persistence import SQLiteLedger
+from loopengine.providers import Reply, ScriptedProvider
+
+from .conftest import PRICES, operation
+from .ledger_support import lookup, read_db
+
+CHILD = Path(__file__).with_name("accounts_child.py")
+ACME = le.Attribution(tenant="acme")
+
+
+def journal_matches(path: Path) -> None:
+    """``accounts`` equals the sums of ``account_entries``, for every account."""
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute("SELECT account, granted, spent, reserved FROM accounts").fetchall()
+        for account, granted, spent, reserved in rows:
+            sums = dict(conn.execute(
+                "SELECT kind, SUM(credits) FROM account_entries WHERE account = ? "
+                "GROUP BY kind", (account,)).fetchall())
+            assert granted == sums.get("grant", 0)
+            assert spent == sums.get("settle", 0) + sums.get("expire", 0)
+            assert reserved == sums.get("reserve", 0) - sums.get("release", 0)
+    finally:
+        conn.close()
+
+
+def engine_on(ledger: SQLiteLedger, *script: Any, **kwargs: Any) -> tuple[le.Engine,
+                                                                         ScriptedProvider]:
+    provider = ScriptedProvider(list(script))
+    accounts = kwargs.pop("accounts", None) or le.CreditAccounts(ledger)
+    return le.Engine(provider, ledger=ledger, prices=PRICES, accounts=accounts,
+                     **kwargs), provider
+
+
+async def test_grant_and_balance(tmp_path: Path) -> None:
+    """A grant adds to granted and available; an unknown account is all zeros."""
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        accounts = le.CreditAccounts(ledger)
+        assert await accounts.balance("nobody") == le.AccountBalance("nobody", 0, 0, 0, 0)
+        await accounts.grant("acme", 500, note="welcome")
+        balance = await accounts.grant("acme", 250)
+    assert balance == le.AccountBalance("acme", 750, 0, 0, 750)
+    journal_matches(tmp_path / "ledger.db")
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, "10", True])
+async def test_a_grant_must_be_a_positive_integer(tmp_path: Path, bad: Any) -> None:
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        with pytest.raises(le.ConfigError) as info:
+            await le.CreditAccounts(ledger).grant("acme", bad)
+    assert info.value.field == "credits"
+
+
+async def test_a_run_settles_its_real_charge_and_releases_its_hold(tmp_path: Path) -> None:
+    """Reserved while the run runs, then spent = its credits, reserved back to 0."""
+    path = tmp_path / "ledger.db"
+    seen: list[int] = []
+    with SQLiteLedger(path) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+
+        async def watch(event: events.Event) -> None:
+            if isinstance(event, events.AttemptStarted):
+                seen.append((await accounts.balance("acme")).reserved)
+
+        engine, _ = engine_on(ledger, Reply.tool_calls(("lookup", {"key": "a"})),
+                              Reply.text("done"), accounts=accounts, observers=[watch])
+        result = await engine.run(operation(credit_hold=500), "go", tools=[lookup],
+                                  attribution=ACME)
+        balance = await accounts.balance("acme")
+    assert result.outcome is le.Outcome.COMPLETED and result.credits == 240
+    assert seen == [500, 500]
+    assert balance == le.AccountBalance("acme", 1000, 240, 0, 760)
+    journal_matches(path)
+
+
+async def test_admission_denied_sends_nothing_and_writes_no_attempt(tmp_path: Path) -> None:
+    """Nothing available: the run ends ``admission_denied`` before any request, no
+    attempt row, the invocation recorded with that outcome, the trip announced."""
+    path = tmp_path / "ledger.db"
+    seen: list[events.Event] = []
+    with SQLiteLedger(path) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 100)
+        first, _ = engine_on(ledger, Reply.text("a"), accounts=accounts)
+        await first.run(operation(credit_hold=100), "go", attribution=ACME)  # spends 120
+        engine, provider = engine_on(ledger, Reply.text("never"), accounts=accounts,
+                                     observers=[seen.append])
+        result = await engine.run(operation(credit_hold=100), "go", attribution=ACME)
+        balance = await accounts.balance("acme")
+    assert result.outcome is le.Outcome.ADMISSION_DENIED
+    assert result.trip is not None and result.trip.guard == "account"
+    assert provider.requests == [] and result.attempts.count == 0
+    invocations, attempts = read_db(path)
+    assert invocations[result.invocation_id]["outcome"] == "admission_denied"
+    assert not [key for key in attempts if key[0] == result.invocation_id]
+    assert [type(e).__name__ for e in seen] == ["RunStarted", "GuardTripped", "RunEnded"]
+    # The first run's crossing turn is the one bounded overshoot (R03).
+    assert balance == le.AccountBalance("acme", 100, 120, 0, -20)
+    journal_matches(path)
+
+
+async def test_a_call_on_an_empty_account_raises_outcome_error(tmp_path: Path) -> None:
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        engine, provider = engine_on(ledger, Reply.text("never"))
+        with pytest.raises(le.OutcomeError) as info:
+            await engine.call(operation(credit_hold=100), "go", output=Answer,
+                              attribution=ACME)
+    assert info.value.outcome == "admission_denied" and info.value.attempts == 0
+    assert provider.requests == []
+
+
+class Answer(pydantic.BaseModel):
+    value: str
+
+
+async def test_less_available_narrows_the_hold(tmp_path: Path) -> None:
+    """150 available under a hold of 500: the run's hold is 150, and it ends
+    ``credit_limit`` at the turn that crosses it (that turn stays billed, R03)."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 150)
+        engine, provider = engine_on(
+            ledger, *[Reply.tool_calls(("lookup", {"key": str(n)})) for n in range(5)],
+            accounts=accounts)
+        result = await engine.run(operation(credit_hold=500), "go", tools=[lookup],
+                                  attribution=ACME)
+        balance = await accounts.balance("acme")
+    assert result.outcome is le.Outcome.CREDIT_LIMIT
+    assert result.trip is not None and result.trip.limit == 150
+    assert result.credits == 240 and len(provider.requests) == 2
+    assert balance == le.AccountBalance("acme", 150, 240, 0, -90)
+    journal_matches(path)
+
+
+async def test_a_run_on_an_account_needs_a_hold(tmp_path: Path) -> None:
+    """No published hold and no default_hold: a ConfigError before anything; a
+    default_hold is used when the operation publishes none."""
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        engine, provider = engine_on(ledger, Reply.text("a"))
+        with pytest.raises(le.ConfigError) as info:
+            await engine.run(operation(), "go", attribution=ACME)
+        assert info.value.field == "limits.credit_hold" and provider.requests == []
+        accounts = le.CreditAccounts(ledger, default_hold=200)
+        await accounts.grant("acme", 1000)
+        engine, _ = engine_on(ledger, Reply.text("a"), accounts=accounts)
+        seen: list[int] = []
+
+        async def watch(event: events.Event) -> None:
+            if isinstance(event, events.AttemptStarted):
+                seen.append((await accounts.balance("acme")).reserved)
+
+        engine.observers.append(watch)
+        result = await engine.run(operation(), "go", attribution=ACME)
+    assert result.outcome is le.Outcome.COMPLETED and seen == [200]
+
+
+async def test_a_run_without_an_account_key_runs_outside_accounts(tmp_path: Path) -> None:
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        engine, _ = engine_on(ledger, Reply.text("a"))
+        result = await engine.run(operation(), "go")  # no tenant: no account
+    assert result.outcome is le.Outcome.COMPLETED
+
+
+@pytest.mark.parametrize("end", ["cancelled", "failed"])
+async def test_cancelled_and_failed_runs_settle_too(tmp_path: Path, end: str) -> None:
+    """A run cancelled in its tool, or failing because its ledger was closed under
+    it, still settles what it was charged (its first turn) and releases its
+    reservation."""
+    path = tmp_path / "ledger.db"
+    ledger = SQLiteLedger(path)
+    accounts = le.CreditAccounts(ledger)
+    await accounts.grant("acme", 1000)
+
+    @le.tool
+    async def stuck() -> str:
+        """Never returns, or closes the ledger under the run."""
+        if end == "failed":
+            await ledger.aclose()
+            return "closed"
+        await anyio.sleep(30)
+        return "never"
+
+    engine, _ = engine_on(ledger, Reply.tool_calls(("stuck", {})), Reply.text("a"),
+                          accounts=accounts)
+    if end == "cancelled":
+        with anyio.move_on_after(0.3) as scope:
+            await engine.run(operation(credit_hold=500), "go", tools=[stuck],
+                             attribution=ACME)
+        assert scope.cancelled_caught
+    else:
+        with pytest.raises(le.LedgerError, match="closed"):
+            await engine.run(operation(credit_hold=500), "go", tools=[stuck],
+                             attribution=ACME)
+    balance = await accounts.balance("acme")
+    await ledger.aclose()
+    assert balance == le.AccountBalance("acme", 1000, 120, 0, 880)
+    journal_matches(path)
+
+
+async def test_settlement_happens_once(tmp_path: Path) -> None:
+    """Settling a reservation again changes nothing (idempotent)."""
+    from loopengine._accounts import Reservation
+
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        engine, _ = engine_on(ledger, Reply.text("a"), accounts=accounts)
+        result = await engine.run(operation(credit_hold=500), "go", attribution=ACME)
+        await accounts.settle(Reservation("acme", result.invocation_id, 500, 1000), 999)
+        balance = await accounts.balance("acme")
+    assert balance == le.AccountBalance("acme", 1000, 120, 0, 880)
+
+
+def spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-P", str(CHILD), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_four_processes_never_reserve_more_than_the_account_has(tmp_path: Path) -> None:
+    """An account granted exactly 30 runs' holds; 4 processes x 25 runs at once on
+    one file: exactly 30 are admitted, the other 70 end ``admission_denied`` with no
+    attempt row; spent is what the admitted runs charged, nothing stays reserved,
+    and the accounts equal their journal."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        anyio.run(le.CreditAccounts(ledger).grant, "acme", 30 * 120)
+    children = [spawn("race", str(path), "25") for _ in range(4)]
+    for child in children:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "READY"
+    path.with_name("ledger.db.go").touch()
+    outputs = [child.communicate(timeout=120) for child in children]
+    outcomes: Counter[str] = Counter()
+    for child, (out, err) in zip(children, outputs, strict=True):
+        assert child.returncode == 0, err
+        outcomes.update(out.split())
+    assert outcomes == {"completed": 30, "admission_denied": 70}
+    invocations, attempts = read_db(path)
+    admitted = {i for i, r in invocations.items() if r["outcome"] == "completed"}
+    assert {key[0] for key in attempts} == admitted
+    conn = sqlite3.connect(path)
+    (row,) = conn.execute("SELECT granted, spent, reserved FROM accounts").fetchall()
+    conn.close()
+    assert row == (3600, 3600, 0)
+    journal_matches(path)
+
+
+def test_a_crashed_runs_reservation_is_settled_at_its_charge_once_expired(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL a run mid-conversation (its tool kills its process): its reservation
+    stays until it expires; then the next touch of the account settles it at what
+    the ledger's settled attempts charged (120), and releases it."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        anyio.run(le.CreditAccounts(ledger).grant, "acme", 1000)
+    child = spawn("crash", str(path))
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, err
+
+    async def later() -> tuple[le.AccountBalance, le.AccountBalance]:
+        with SQLiteLedger(path) as ledger:
+            accounts = le.CreditAccounts(ledger, expiry_grace=0)
+            before = await accounts.balance("acme")
+            while before.reserved and time.time() < give_up:
+                await anyio.sleep(0.1)
+                before = await accounts.balance("acme")
+            return before, await accounts.balance("acme")
+
+    give_up = time.time() + 10
+    # Read at once: the run's deadline (2 s) has not passed, its hold is reserved.
+    conn = sqlite3.connect(path)
+    (reserved,) = conn.execute("SELECT reserved FROM accounts").fetchone()
+    conn.close()
+    assert reserved == 120
+    after, again = anyio.run(later)
+    assert after == le.AccountBalance("acme", 1000, 120, 0, 880)
+    assert again == after  # settled once
+    journal_matches(path)
+    conn = sqlite3.connect(path)
+    kinds = [k for (k,) in conn.execute("SELECT kind FROM account_entries ORDER BY id")]
+    conn.close()
+    assert kinds == ["grant", "reserve", "expire", "release"]
+    assert os.path.exists(path)
