@@ -49,23 +49,13 @@ anything is sent.
 
 from __future__ import annotations
 
-import asyncio
-import email.utils
 import inspect
-import logging
-import math
-import ssl
-import threading
-import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from contextvars import ContextVar
-from datetime import UTC, datetime
-from types import TracebackType
-from typing import Any, Self, TypeAlias
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any, TypeAlias
 
 import anthropic
 import anyio
-import anyio.lowlevel
 import httpx2
 
 from loopengine import _validate
@@ -73,7 +63,24 @@ from loopengine._errors import ConfigError
 from loopengine._usage import Usage
 from loopengine.providers._base import ProviderRequest, ProviderResponse
 from loopengine.providers._cache import place_cache_markers
-from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._clients import (
+    Clients,
+    SDKProvider,
+    before_wire,
+    gate,
+    gates,
+    sdk_keywords,
+    shared_tls,
+)
+from loopengine.providers._faults import (
+    FaultKind,
+    ProviderFault,
+    SDKErrors,
+    classify_sdk_error,
+    is_credit_code,
+    retry_after,
+    should_retry,
+)
 
 __all__ = [
     "DEFAULT_STREAM_IDLE_TIMEOUT",
@@ -98,22 +105,6 @@ _CREDIT_MESSAGES = (
     "credit balance is too low",
     "reached your specified api usage limits",
 )
-_CREDIT_CODES = frozenset({
-    "insufficient_quota",
-    "credit_balance_exhausted",
-    "billing_hard_limit_reached",
-    "linked_organization_billing_unavailable",
-})
-_CREDIT_CODE_SUFFIXES = ("_spend_limit_reached", "_spend_limit_exceeded")
-
-# Lowercased fragments of the RuntimeErrors asyncio, anyio and trio raise for
-# a resource used on an event loop it does not belong to (or after its loop
-# ended); the SDK's own RuntimeErrors (an unexpected event order) never say so.
-_LOOP_STATE = ("event loop", "different loop", "async context")
-
-# The error code of a failure of the client's own state (an event loop that
-# ended, a closed client), not of the connection.
-_CLIENT_STATE = "client_state"
 
 _TYPE_KINDS = {
     "invalid_request_error": FaultKind.BAD_REQUEST,
@@ -140,42 +131,9 @@ _STATUS_KINDS = {
     529: FaultKind.OVERLOADED,
 }
 
-
-_BEFORE_WIRE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar(
-    "loopengine_before_wire", default=None)
-"""The `ProviderRequest.before_wire` of the request this task is sending."""
-
-_GATED: dict[type[Any], type[Any]] = {}
-
-logger = logging.getLogger("loopengine")
-
-
-def _gates(cls: type[Any]) -> bool:
-    """Whether clients of ``cls`` have the request hook `_gated` extends."""
-    return inspect.iscoroutinefunction(getattr(cls, "_prepare_request", None))
-
-
-def _gated(cls: type[Any]) -> type[Any]:
-    """``cls`` with its request hook extended to await `_BEFORE_WIRE`.
-
-    The SDK calls ``_prepare_request`` (the hook its Bedrock and Vertex clients
-    override to sign requests) after it has built and serialised a request and
-    immediately before handing it to the HTTP client: the last moment before
-    the wire that belongs to the client.
-    """
-    gated = _GATED.get(cls)
-    if gated is None:
-
-        async def _prepare_request(self: Any, request: httpx2.Request) -> None:
-            await super(gated, self)._prepare_request(request)  # type: ignore[arg-type]
-            before_wire = _BEFORE_WIRE.get()
-            if before_wire is not None:
-                await before_wire()
-
-        gated = _GATED[cls] = type(cls.__name__, (cls,), {
-            "_prepare_request": _prepare_request, "__module__": __name__,
-            "__doc__": cls.__doc__, "__qualname__": f"loopengine:{cls.__qualname__}"})
-    return gated
+_SDK = SDKErrors(status=anthropic.APIStatusError, timeout=anthropic.APITimeoutError,
+                 connection=anthropic.APIConnectionError, base=anthropic.APIError,
+                 validation=anthropic.APIResponseValidationError)
 
 
 def _route_name(client: object) -> str:
@@ -188,138 +146,7 @@ def _route_name(client: object) -> str:
     return "anthropic"
 
 
-# -- event loops: a client's connections belong to the loop that opened them ---------------
-
-
-def _running_loop() -> object:
-    """The running event loop: the asyncio loop, or the native token of anyio's
-    other backend (trio's ``TrioToken``), which is as unique to its run."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return anyio.lowlevel.current_token().native_token
-
-
-def _nothing() -> None:
-    """A no-op, scheduled to ask a trio run whether it is still running."""
-
-
-def _ended(loop: object) -> bool:
-    """Whether ``loop`` has ended for good: nothing can ever run on it again."""
-    if isinstance(loop, asyncio.AbstractEventLoop):
-        return loop.is_closed()
-    try:
-        # A trio token refuses new work once its run is over (RunFinishedError).
-        loop.run_sync_soon(_nothing, idempotent=True)  # type: ignore[attr-defined]
-    except RuntimeError:
-        return True
-    return False
-
-
-def _reference(loop: object) -> Callable[[], object | None]:
-    """A reference to ``loop`` that does not keep an ended loop alive."""
-    try:
-        return weakref.ref(loop)
-    except TypeError:  # a loop class without weak references
-        return lambda: loop
-
-
-class _ClientPerLoop:
-    """One SDK client for each event loop that sends, closed as its loop shuts down.
-
-    A pooled connection belongs to the event loop that opened it: on the next
-    loop its socket is still open and a request written on it reaches the
-    server, but reading the answer fails (``RuntimeError: Event loop is
-    closed``). So each loop gets a client of its own, built from the same
-    keywords (the TLS context, which costs tens of milliseconds to load, is
-    shared; it holds no connection).
-
-    A client is closed on its own loop, as that loop shuts down: each client
-    comes with an async generator started on its loop, and the loop closes
-    the async generators still open when it shuts down (``asyncio.run``,
-    ``asyncio.Runner``, ``trio.run`` and ``anyio.run`` all do), which runs the
-    close while the loop can still run it. A loop closed without that step
-    (``loop.close()`` alone) cannot run anything again: its client is dropped
-    when another loop first sends, and its sockets are left to the garbage
-    collector.
-    """
-
-    def __init__(self, build: Callable[[], AsyncClient]) -> None:
-        self._build = build
-        self._lock = threading.Lock()
-        # Built at once, so that a bad keyword fails when the provider is
-        # built; the next loop that sends claims it.
-        self._spare: AsyncClient | None = build()
-        self._clients: dict[object, tuple[AsyncClient, AsyncGenerator[None, None]]] = {}
-
-    def current(self) -> AsyncClient:
-        """The running loop's client if it has one, else the one the next loop
-        that sends will use (a client no loop has used yet)."""
-        try:
-            entry = self._clients.get(_running_loop())
-        except RuntimeError:  # no event loop is running
-            entry = None
-        if entry is not None:
-            return entry[0]
-        with self._lock:
-            if self._spare is None:
-                self._spare = self._build()
-            return self._spare
-
-    async def get(self) -> AsyncClient:
-        """The running loop's client, built for it on its first request."""
-        loop = _running_loop()
-        entry = self._clients.get(loop)
-        if entry is not None:
-            return entry[0]
-        with self._lock:
-            client, self._spare = self._spare, None
-        if client is None:
-            client = self._build()
-        closer = self._close_with_loop(loop, client)
-        with self._lock:
-            self._clients[loop] = (client, closer)
-        self._forget_ended()
-        # Its first step registers the generator with this loop; it never
-        # suspends, so no other task can see the entry before it is armed.
-        await closer.asend(None)
-        return client
-
-    async def aclose(self) -> None:
-        """Close the running loop's client (the next request builds another)."""
-        with self._lock:
-            entry = self._clients.pop(_running_loop(), None)
-        if entry is not None:
-            await entry[1].aclose()
-        self._forget_ended()
-
-    def _forget_ended(self) -> None:
-        # Clients of loops that ended without shutting down their async
-        # generators: no loop can close them now, and keeping them would leak.
-        with self._lock:
-            for loop in [loop for loop in self._clients if _ended(loop)]:
-                del self._clients[loop]
-
-    async def _close_with_loop(self, loop: object, client: AsyncClient) -> AsyncGenerator[None]:
-        """Wait at the yield until ``loop`` shuts its async generators down (or
-        `aclose` closes this one), then close ``client`` on ``loop``."""
-        try:
-            yield
-        finally:
-            with self._lock:
-                if self._clients.get(loop, (None,))[0] is client:
-                    del self._clients[loop]
-            # trio cancels async work while it finalises async generators;
-            # closing sockets is exactly the work that must still happen.
-            with anyio.CancelScope(shield=True):
-                try:
-                    await client.close()
-                except Exception:
-                    logger.warning("could not close the Anthropic client of an event loop "
-                                   "that shut down", exc_info=True)
-
-
-class AnthropicProvider:
+class AnthropicProvider(SDKProvider[AsyncClient]):
     """The Anthropic Messages API as a `Provider`, through the ``anthropic`` SDK.
 
     Args:
@@ -359,9 +186,6 @@ class AnthropicProvider:
         engine = loopengine.Engine(provider)
     """
 
-    awaits_before_wire: bool
-    """True: `send` awaits `ProviderRequest.before_wire` just before the wire."""
-
     def __init__(
         self,
         client: AsyncClient | None = None,
@@ -372,71 +196,45 @@ class AnthropicProvider:
     ) -> None:
         _validate.boolean("stream", stream)
         self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
-        if client_kwargs.get("max_retries", 0) != 0:
-            raise ConfigError("max_retries", "the SDK must not retry on its own: every wire "
-                                             "request is an attempt the engine counts; set the "
-                                             "operation's RetryPolicy instead")
-        client_kwargs.pop("max_retries", None)
-        # Set when the provider is bound to one client of the caller's making
-        # (a client, or an http_client), which works on one event loop only.
-        self._bound: AsyncClient | None = None
-        self._bound_as = "client"
-        self._home: Callable[[], object | None] | None = None
-        self._per_loop: _ClientPerLoop | None = None
-        self._owned = False
-        self._lock = threading.Lock()
+        sdk_keywords(client, client_kwargs)
         if client is None:
-            self._owned = True
             if client_kwargs.get("http_client") is not None:
-                self._bound_as = "http_client"
                 base: AsyncClient = anthropic.AsyncAnthropic(max_retries=0, **client_kwargs)
-                self._bound = self._own_copy(base)
+                self._clients = Clients("AnthropicProvider", bound=self._own_copy(base),
+                                        bound_as="http_client", owned=True)
             else:
                 client_kwargs.pop("http_client", None)
-                self._per_loop = _ClientPerLoop(self._builder(client_kwargs))
-                base = self._per_loop.current()
+                self._clients = Clients("AnthropicProvider", build=self._builder(client_kwargs))
+                base = self._clients.current()
         else:
-            if client_kwargs:
-                raise ConfigError("client", "give a client or the keywords to build one, not "
-                                            f"both (got {', '.join(sorted(client_kwargs))})")
             if not isinstance(client, anthropic.AsyncAnthropic | anthropic.AsyncAnthropicBedrock
                               | anthropic.AsyncAnthropicVertex):
                 raise ConfigError("client", f"must be an async anthropic client, got "
                                             f"{type(client).__name__}")
             base = client
-            self._bound = self._own_copy(client)
-        self.awaits_before_wire = _gates(type(self.client))
+            self._clients = Clients("AnthropicProvider", bound=self._own_copy(client))
+        self.awaits_before_wire = gates(type(self.client))
         self._name = _route_name(base)
         self._stream = stream
 
     @staticmethod
     def _own_copy(base: AsyncClient) -> AsyncClient:
         # A copy shares the caller's connection pool; only its retries differ.
-        client = base.with_options(max_retries=0)
-        if _gates(type(client)):
-            # Our own copy (never the caller's client) awaits the attempt's
-            # ledger write just before the wire; copies of it do the same.
-            client.__class__ = _gated(type(client))
-        return client
+        # Our own copy (never the caller's client) awaits the attempt's ledger
+        # write just before the wire.
+        return gate(base.with_options(max_retries=0))
 
     @staticmethod
     def _builder(client_kwargs: dict[str, Any]) -> Callable[[], AsyncClient]:
-        tls: list[ssl.SSLContext] = []
+        tls = shared_tls()
 
         def build() -> AsyncClient:
-            if not tls:
-                # The SDK's default verification (the system's certificates),
-                # loaded once for every client this provider builds.
-                tls.append(httpx2.create_ssl_context())
             # The HTTP client the SDK would build, on the shared TLS context.
-            http_client = anthropic.DefaultAsyncHttpxClient(verify=tls[0])
-            client: AsyncClient = anthropic.AsyncAnthropic(
-                max_retries=0, http_client=http_client, **client_kwargs)
+            http_client = anthropic.DefaultAsyncHttpxClient(verify=tls())
             # Built as the SDK's own class (which alone runs the SDK's
             # credential chain), then given the request hook.
-            if _gates(type(client)):
-                client.__class__ = _gated(type(client))
-            return client
+            return gate(anthropic.AsyncAnthropic(max_retries=0, http_client=http_client,
+                                                 **client_kwargs))
 
         return build
 
@@ -444,47 +242,6 @@ class AnthropicProvider:
     def name(self) -> str:
         """``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry`` for those clients."""
         return self._name
-
-    @property
-    def client(self) -> AsyncClient:
-        """The SDK client requests go through (``max_retries=0``).
-
-        For a provider built from keywords (without ``http_client``): the
-        running event loop's client once it has sent, else the client the
-        next event loop to send will use.
-        """
-        if self._per_loop is not None:
-            return self._per_loop.current()
-        assert self._bound is not None
-        return self._bound
-
-    @property
-    def streaming(self) -> bool:
-        """Whether responses are streamed."""
-        return self._stream
-
-    async def aclose(self) -> None:
-        """Close the client the provider built for the running event loop.
-
-        A provider built from keywords closes the running loop's client (a
-        later request builds another); one built on an ``http_client`` closes
-        that client. A ``client`` passed in is left open.
-        """
-        if self._per_loop is not None:
-            await self._per_loop.aclose()
-        elif self._owned and self._bound is not None:
-            await self._bound.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return f"AnthropicProvider(name={self._name!r}, stream={self._stream})"
@@ -497,47 +254,12 @@ class AnthropicProvider:
             ConfigError: the client given to the provider belongs to another
                 event loop than the running one; nothing was sent.
         """
-        client = await self._per_loop.get() if self._per_loop is not None else self._on_home()
+        client = await self._clients.get()
         params = self._params(request)
-        token = _BEFORE_WIRE.set(request.before_wire)
-        try:
+        with before_wire(request.before_wire):
             if self._stream:
                 return await self._send_streaming(client, request, params)
             return await self._send_plain(client, params)
-        finally:
-            _BEFORE_WIRE.reset(token)
-
-    def check_ready(self) -> None:
-        """Before an attempt is recorded: refuse a given client on another event loop.
-
-        Raises:
-            ConfigError: the client (or ``http_client``) given to the provider
-                was first used on another event loop than the running one.
-        """
-        if self._per_loop is None:
-            self._on_home()
-
-    def _on_home(self) -> AsyncClient:
-        """The bound client, if the running loop is the one it was first used on."""
-        assert self._bound is not None
-        loop = _running_loop()
-        home = self._home
-        if home is None:
-            with self._lock:
-                if self._home is None:
-                    self._home = _reference(loop)
-                home = self._home
-        first = home()
-        if first is loop:
-            return self._bound
-        state = "which has ended" if first is None or _ended(first) else "which is still open"
-        given = ("the client given to AnthropicProvider" if self._bound_as == "client"
-                 else "the http_client given to AnthropicProvider")
-        raise ConfigError(self._bound_as, f"{given} was first used on another event loop, "
-                          f"{state}: its pooled connections belong to that loop and cannot be "
-                          "used on this one, so nothing was sent. Build the provider from "
-                          "keywords without an http_client (it keeps a client per event loop), "
-                          "or give it a client made for this loop")
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         # Markers are placed on every request, so the wire never carries more
@@ -742,71 +464,12 @@ def classify_error(
     Returns:
         The fault; it is never raised here.
     """
-    approx = usage is not None
-    if isinstance(error, anthropic.APIStatusError):
-        return _status_fault(error, usage=usage, response_id=response_id, now=now)
-    if isinstance(error, anthropic.APITimeoutError | httpx2.TimeoutException):
-        return ProviderFault(FaultKind.TIMEOUT, "the SDK's request timed out",
-                             request_id=request_id, usage=usage, usage_approx=approx,
-                             response_id=response_id)
-    own = _own_failure(error)
-    if own is not None:
-        # Not the connection: the request may well have reached the server
-        # (and be billed), so it is not retried, nor recorded as a
-        # connection that failed.
-        return ProviderFault(FaultKind.BAD_REQUEST,
-                             f"the client failed on its own state, not on the connection "
-                             f"({type(own).__name__}: {own}); the request may have reached "
-                             "the server, so it is not retried",
-                             error_code=_CLIENT_STATE,
-                             request_id=request_id, usage=usage, usage_approx=approx,
-                             response_id=response_id)
-    if isinstance(error, anthropic.APIConnectionError):
-        return ProviderFault(FaultKind.CONNECTION, f"connection failed: {_cause(error)}",
-                             request_id=request_id)
-    if isinstance(error, httpx2.HTTPError | httpx2.StreamError):
-        kind = FaultKind.ABORTED if in_body else FaultKind.CONNECTION
-        return ProviderFault(kind, f"the transport failed: {type(error).__name__}: {error}",
-                             http_status=200 if in_body else None, request_id=request_id,
-                             usage=usage, usage_approx=approx, response_id=response_id)
-    if isinstance(error, anthropic.APIResponseValidationError | ValueError | RuntimeError):
-        return ProviderFault(FaultKind.SERVER_ERROR,
-                             f"the response is not a valid message: {type(error).__name__}",
-                             http_status=getattr(error, "status_code", None),
-                             error_code="invalid_response", request_id=request_id,
-                             usage=usage, usage_approx=approx, response_id=response_id)
-    # Any other SDK error (missing credentials, a bad argument) is our
-    # request's fault and will not improve on retry.
-    return ProviderFault(FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}",
-                         request_id=request_id)
-
-
-def _own_failure(error: BaseException) -> BaseException | None:
-    """The error of the client's own state behind ``error``, or None.
-
-    The SDK reports whatever its HTTP client raised as an
-    ``APIConnectionError``, but only a transport error (httpx2's, or an
-    ``OSError``) means the connection failed. Anything else is the client's
-    own state: a connection pooled on an event loop that has ended answers
-    ``RuntimeError: Event loop is closed`` after its request was written.
-    Read from a stream, such an error comes as it is.
-    """
-    if isinstance(error, anthropic.APIConnectionError):
-        cause = error.__cause__
-        if cause is None or isinstance(cause, httpx2.HTTPError | httpx2.StreamError | OSError):
-            return None
-        return cause
-    if isinstance(error, RuntimeError) and any(
-            fragment in str(error).lower() for fragment in _LOOP_STATE):
-        return error
-    return None
-
-
-def _cause(error: BaseException) -> str:
-    cause = error.__cause__
-    if cause is None:
-        return str(error)
-    return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    return classify_sdk_error(
+        error, _SDK,
+        status_fault=lambda status: _status_fault(status, usage=usage,
+                                                  response_id=response_id, now=now),
+        request_id=request_id, in_body=in_body, usage=usage, response_id=response_id,
+    )
 
 
 def _status_fault(
@@ -823,7 +486,6 @@ def _status_fault(
     message = error.api_message or _nested(body, "error", "message") or ""
     headers = error.response.headers
     kind = _kind(status, error_type, code, message)
-    should = headers.get("x-should-retry")
     where = "mid-stream " if status == 200 else ""
     return ProviderFault(
         kind,
@@ -831,7 +493,7 @@ def _status_fault(
         http_status=status,
         error_code=code or error_type,
         retry_after=retry_after(headers, now=now),
-        should_retry=True if should == "true" else False if should == "false" else None,
+        should_retry=should_retry(headers),
         request_id=error.request_id,
         response_id=response_id,
         usage=usage,
@@ -853,7 +515,7 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
     if (
         status == 402
         or error_type == "billing_error"
-        or (code is not None and (code in _CREDIT_CODES or code.endswith(_CREDIT_CODE_SUFFIXES)))
+        or is_credit_code(code)
         or any(fragment in lowered for fragment in _CREDIT_MESSAGES)
     ):
         return FaultKind.CREDIT_EXHAUSTED
@@ -866,39 +528,3 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
     if status >= 500:
         return FaultKind.SERVER_ERROR
     return FaultKind.BAD_REQUEST
-
-
-def retry_after(headers: Mapping[str, str], *, now: datetime | None = None) -> float | None:
-    """Seconds a response asks the client to wait, or None.
-
-    ``retry-after-ms`` (milliseconds, Anthropic's) wins over ``retry-after``,
-    which is seconds or an HTTP date. Negative or unparseable values are None.
-    """
-    milliseconds = _number(headers.get("retry-after-ms"))
-    if milliseconds is not None:
-        return milliseconds / 1000.0
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    seconds = _number(value)
-    if seconds is not None:
-        return seconds
-    try:
-        at = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if at.tzinfo is None:
-        at = at.replace(tzinfo=UTC)
-    return max(0.0, (at - (now or datetime.now(UTC))).total_seconds())
-
-
-def _number(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        number = float(value)
-    except ValueError:
-        return None
-    if math.isnan(number) or math.isinf(number) or number < 0:
-        return None
-    return number

@@ -1,19 +1,42 @@
 """`FaultKind` and `ProviderFault`: every failed provider request, classified once.
 
-Each adapter maps its SDK's errors to a `ProviderFault` at exactly one place;
-from there on the engine reasons only about the `FaultKind`. See the fault
-table in docs/architecture.md (DESIGN.md §3).
+Each adapter maps its SDK's errors to a `ProviderFault` at exactly one place
+(its ``classify_error``); from there on the engine reasons only about the
+`FaultKind`. See the fault table in docs/architecture.md (DESIGN.md §3).
+
+The pieces of that mapping that do not depend on the vendor live here, once:
+the credit-exhaustion codes (R06), the ``retry-after`` / ``x-should-retry``
+headers, and `classify_sdk_error`, the skeleton both Stainless SDKs
+(``anthropic``, ``openai``) share for timeouts, connections, cut bodies and
+the client's own state; each adapter supplies only how its status errors
+(and its errors inside a stream) read.
 """
 
 from __future__ import annotations
 
+import email.utils
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
+
+import httpx2
 
 from loopengine._errors import LoopEngineError
 from loopengine._usage import Usage
 
-__all__ = ["FaultKind", "ProviderFault"]
+__all__ = [
+    "CLIENT_STATE",
+    "FaultKind",
+    "ProviderFault",
+    "SDKErrors",
+    "classify_sdk_error",
+    "is_credit_code",
+    "retry_after",
+    "should_retry",
+]
 
 
 class FaultKind(StrEnum):
@@ -124,3 +147,194 @@ class ProviderFault(LoopEngineError):
 
 def _rebuild_fault(kind: FaultKind, message: str, state: dict[str, Any]) -> ProviderFault:
     return ProviderFault(kind, message, **state)
+
+
+# -- what every adapter reads the same way ---------------------------------------------
+
+_CREDIT_CODES = frozenset({
+    "insufficient_quota",
+    "credit_balance_exhausted",
+    "billing_hard_limit_reached",
+    "billing_not_active",
+    "linked_organization_billing_unavailable",
+})
+_CREDIT_CODE_SUFFIXES = ("_spend_limit_reached", "_spend_limit_exceeded")
+
+
+def is_credit_code(code: str | None) -> bool:
+    """Whether an error ``code`` (or ``type``) says a balance is depleted or a spend
+    limit is reached: ``insufficient_quota``, ``credit_balance_exhausted``,
+    ``billing_hard_limit_reached``, ``billing_not_active``, any
+    ``*_spend_limit_reached`` / ``*_spend_limit_exceeded`` (R06)."""
+    return code is not None and (code in _CREDIT_CODES or code.endswith(_CREDIT_CODE_SUFFIXES))
+
+
+def retry_after(headers: Mapping[str, str], *, now: datetime | None = None) -> float | None:
+    """Seconds a response asks the client to wait, or None.
+
+    ``retry-after-ms`` (milliseconds) wins over ``retry-after``, which is
+    seconds or an HTTP date. Negative or unparseable values are None.
+    """
+    milliseconds = _number(headers.get("retry-after-ms"))
+    if milliseconds is not None:
+        return milliseconds / 1000.0
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    seconds = _number(value)
+    if seconds is not None:
+        return seconds
+    try:
+        at = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return max(0.0, (at - (now or datetime.now(UTC))).total_seconds())
+
+
+def _number(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    if math.isnan(number) or math.isinf(number) or number < 0:
+        return None
+    return number
+
+
+def should_retry(headers: Mapping[str, str]) -> bool | None:
+    """A server's explicit retry advice (``x-should-retry``), or None when it gave none."""
+    value = headers.get("x-should-retry")
+    return True if value == "true" else False if value == "false" else None
+
+
+CLIENT_STATE = "client_state"
+"""The error code of a failure of the client's own state (an event loop that
+ended, a closed client), not of the connection."""
+
+# Lowercased fragments of the RuntimeErrors asyncio, anyio and trio raise for
+# a resource used on an event loop it does not belong to (or after its loop
+# ended); the SDKs' own RuntimeErrors (an unexpected event order) never say so.
+_LOOP_STATE = ("event loop", "different loop", "async context")
+
+
+@dataclass(frozen=True, slots=True)
+class SDKErrors:
+    """The exception classes of one Stainless-generated SDK, and how it reads
+    the errors that carry a response."""
+
+    status: type[BaseException]
+    """``APIStatusError``: an error status (or an error event inside a stream)."""
+    timeout: type[BaseException]
+    """``APITimeoutError``: the SDK's request timeout."""
+    connection: type[BaseException]
+    """``APIConnectionError``: whatever the HTTP client raised, wrapped."""
+    base: type[BaseException]
+    """``APIError``: the root of the errors that came with (or instead of) a response."""
+    validation: type[BaseException]
+    """``APIResponseValidationError``: a body that is not what the SDK expected."""
+
+
+def classify_sdk_error(
+    error: BaseException,
+    sdk: SDKErrors,
+    *,
+    status_fault: Callable[[Any], ProviderFault],
+    api_fault: Callable[[Any], ProviderFault] | None = None,
+    request_id: str | None = None,
+    in_body: bool = False,
+    usage: Usage | None = None,
+    response_id: str | None = None,
+) -> ProviderFault:
+    """Classify what a Stainless SDK (or the HTTP transport under it) raised.
+
+    Args:
+        error: What the SDK raised.
+        sdk: Its exception classes.
+        status_fault: The adapter's reading of a status error (``sdk.status``).
+        api_fault: The adapter's reading of another ``sdk.base`` error that
+            is not a connection or validation error (an error object inside a
+            stream, which some SDKs raise without a status), or None.
+        request_id: The request id, when the response had begun.
+        in_body: The error came while the body or stream was being read, after
+            a response began: a transport failure there cuts the stream
+            (``aborted``) rather than failing to connect.
+        usage: Usage reported before the failure (a stream's floor).
+        response_id: The response id, when the stream had announced one.
+
+    Returns:
+        The fault; it is never raised here.
+    """
+    approx = usage is not None
+    if isinstance(error, sdk.status):
+        return status_fault(error)
+    if isinstance(error, sdk.timeout | httpx2.TimeoutException):
+        return ProviderFault(FaultKind.TIMEOUT, "the SDK's request timed out",
+                             request_id=request_id, usage=usage, usage_approx=approx,
+                             response_id=response_id)
+    own = _own_failure(error, sdk.connection)
+    if own is not None:
+        # Not the connection: the request may well have reached the server
+        # (and be billed), so it is not retried, nor recorded as a
+        # connection that failed.
+        return ProviderFault(FaultKind.BAD_REQUEST,
+                             f"the client failed on its own state, not on the connection "
+                             f"({type(own).__name__}: {own}); the request may have reached "
+                             "the server, so it is not retried",
+                             error_code=CLIENT_STATE,
+                             request_id=request_id, usage=usage, usage_approx=approx,
+                             response_id=response_id)
+    if isinstance(error, sdk.connection | httpx2.HTTPError | httpx2.StreamError):
+        # Some SDKs wrap a transport error read from a stream as their
+        # connection error too: after the response began, it cut the stream.
+        kind = FaultKind.ABORTED if in_body else FaultKind.CONNECTION
+        what = (f"connection failed: {_cause(error)}" if isinstance(error, sdk.connection)
+                else f"the transport failed: {type(error).__name__}: {error}")
+        return ProviderFault(kind, what, http_status=200 if in_body else None,
+                             request_id=request_id, usage=usage if in_body else None,
+                             usage_approx=approx and in_body,
+                             response_id=response_id if in_body else None)
+    if api_fault is not None and isinstance(error, sdk.base) and not isinstance(
+            error, sdk.validation):
+        return api_fault(error)
+    if isinstance(error, sdk.validation | ValueError | RuntimeError):
+        return ProviderFault(FaultKind.SERVER_ERROR,
+                             f"the response is not a valid message: {type(error).__name__}",
+                             http_status=getattr(error, "status_code", None),
+                             error_code="invalid_response", request_id=request_id,
+                             usage=usage, usage_approx=approx, response_id=response_id)
+    # Any other SDK error (missing credentials, a bad argument) is our
+    # request's fault and will not improve on retry.
+    return ProviderFault(FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}",
+                         request_id=request_id)
+
+
+def _own_failure(error: BaseException, connection: type[BaseException]) -> BaseException | None:
+    """The error of the client's own state behind ``error``, or None.
+
+    The SDK reports whatever its HTTP client raised as its ``connection``
+    error, but only a transport error (httpx2's, or an ``OSError``) means the
+    connection failed. Anything else is the client's own state: a connection
+    pooled on an event loop that has ended answers ``RuntimeError: Event loop
+    is closed`` after its request was written. Read from a stream, such an
+    error comes as it is.
+    """
+    if isinstance(error, connection):
+        cause = error.__cause__
+        if cause is None or isinstance(cause, httpx2.HTTPError | httpx2.StreamError | OSError):
+            return None
+        return cause
+    if isinstance(error, RuntimeError) and any(
+            fragment in str(error).lower() for fragment in _LOOP_STATE):
+        return error
+    return None
+
+
+def _cause(error: BaseException) -> str:
+    cause = error.__cause__
+    if cause is None:
+        return str(error)
+    return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__

@@ -26,6 +26,10 @@ lowercased headers, parsed JSON body) and the usage the server put on the
 wire is counted (`FakeAnthropicServer.usage_served`), so a test can check an
 attempt ledger against an independent witness. It uses only the standard
 library: handlers run in threads, so the server works under any event loop.
+
+The script items, the recording, the counting and the HTTP plumbing belong to
+`LoopbackServer`, which `loopengine.testing.FakeOpenAIServer` shares: only
+the path and the shapes on the wire differ between the two.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ __all__ = [
     "DropConnection",
     "ErrorReply",
     "FakeAnthropicServer",
+    "Frame",
+    "LoopbackServer",
     "RecordedRequest",
     "ServerItem",
     "StallStream",
@@ -92,11 +98,13 @@ _TYPE_STATUS = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ErrorReply:
-    """An error response: ``status`` with an Anthropic error body.
+    """An error response: ``status`` with an error body in the server's API shape.
 
-    The body is ``{"type": "error", "error": {"type": ..., "message": ...}}``
-    (plus ``details.error_code`` when ``error_code`` is given) unless ``body``
-    replaces it (a dict is sent as JSON, a string as it is).
+    `FakeAnthropicServer` sends ``{"type": "error", "error": {"type": ...,
+    "message": ...}}`` (plus ``details.error_code`` when ``error_code`` is
+    given); `loopengine.testing.FakeOpenAIServer` sends ``{"error":
+    {"message": ..., "type": ..., "param": null, "code": ...}}``. ``body``
+    replaces either (a dict is sent as JSON, a string as it is).
     """
 
     status: int
@@ -140,8 +148,15 @@ class ErrorReply:
         return cls(status=400, message="Your credit balance is too low to access the Anthropic "
                    "API. Please go to Plans & Billing to upgrade or purchase credits.", **kwargs)
 
+    @classmethod
+    def insufficient_quota(cls, **kwargs: Any) -> ErrorReply:
+        """OpenAI's 429 for a depleted quota (``insufficient_quota``), not a rate limit."""
+        return cls(status=429, type="insufficient_quota", error_code="insufficient_quota",
+                   message="You exceeded your current quota, please check your plan and "
+                   "billing details.", **kwargs)
+
     def error_type(self) -> str:
-        """The ``error.type`` this reply sends."""
+        """The ``error.type`` `FakeAnthropicServer` sends."""
         if self.type is not None:
             return self.type
         if self.status in _STATUS_TYPES:
@@ -149,7 +164,7 @@ class ErrorReply:
         return "api_error" if self.status >= 500 else "invalid_request_error"
 
     def payload(self) -> bytes:
-        """The response body."""
+        """The response body `FakeAnthropicServer` sends."""
         if isinstance(self.body, str):
             return self.body.encode()
         if self.body is not None:
@@ -273,31 +288,34 @@ class _Drop(Exception):
         self.reset = reset
 
 
-class FakeAnthropicServer:
-    """A scripted Messages API on 127.0.0.1, for tests.
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One server-sent event on the wire, and the usage a client has seen once it
+    has read this event (and every one before it), or None for none yet."""
 
-    Use it as a context manager (or call `start` and `close`); point an
-    ``anthropic`` client at `url`::
+    data: bytes
+    """The encoded event."""
+    usage: Usage | None
+    """The usage the stream has reported up to and including this event."""
 
-        with FakeAnthropicServer() as server:
-            server.add(Reply.text("Hello"))
-            provider = AnthropicProvider(api_key="test", base_url=server.url)
-            ...
-            assert server.requests[0].body["model"] == "claude-sonnet-4-5"
+
+class LoopbackServer:
+    """The HTTP machinery and the script of a scripted model API on 127.0.0.1.
+
+    A subclass says which path it serves and how a script item looks on its
+    wire (`FakeAnthropicServer`, `loopengine.testing.FakeOpenAIServer`); this
+    class serves the script, records every request and counts the usage put
+    on the wire, the same way for every vendor.
 
     Args:
         script: Items to serve, one per request, in order (see `add`).
         host: The address to bind; loopback by default.
-
-    When the script runs out, requests get a 400 ``invalid_request_error``
-    saying so: a permanent fault, so a test that sends more than it scripted
-    fails clearly instead of retrying.
-
-    It takes bursts of hundreds of simultaneous connections (a listen backlog
-    of 1024). Each connection is served by a daemon thread, so a server that
-    is never closed does not keep the interpreter from exiting; `close` waits
-    for those threads to end.
     """
+
+    path = "/"
+    """The one path the server answers (``POST``)."""
+    request_id_header = "request-id"
+    """The response header that carries the request id."""
 
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
         self._host = host
@@ -321,7 +339,7 @@ class FakeAnthropicServer:
         self._httpd = _HTTPServer((self._host, 0), _Handler, self)
         self._thread = threading.Thread(target=self._httpd.serve_forever,
                                         kwargs={"poll_interval": 0.01},
-                                        name="FakeAnthropicServer", daemon=True)
+                                        name=type(self).__name__, daemon=True)
         self._thread.start()
         return self
 
@@ -381,9 +399,9 @@ class FakeAnthropicServer:
         """The usage the server put on the wire, summed over every response.
 
         A complete reply counts its usage; a cut or interrupted stream counts
-        what its events had reported when it stopped (the input and cache
-        tokens of ``message_start``, and the output tokens sent so far);
-        errors and dropped connections count nothing.
+        what its events had reported when it stopped (for the Messages API,
+        the input and cache tokens of ``message_start`` and the output tokens
+        sent so far); errors and dropped connections count nothing.
         """
         with self._lock:
             total = Usage()
@@ -463,13 +481,13 @@ class FakeAnthropicServer:
             headers={k.lower(): v for k, v in handler.headers.items()},
             body=body,
         )
-        served = handler.path.split("?")[0] == "/v1/messages" and handler.command == "POST"
-        # Markers the real API refuses are refused here too, before the script.
-        problem = cache_marker_problem(body) if served else None
+        served = handler.path.split("?")[0] == self.path and handler.command == "POST"
+        # Requests the real API refuses are refused here too, before the script.
+        problem = self._refusal(body) if served else None
         number, item = self._next_item(request, consume=served and problem is None)
         if not served:
             item = ErrorReply(status=404, message=f"{handler.command} {handler.path} is not "
-                              "served by this fake (only POST /v1/messages)")
+                              f"served by this fake (only POST {self.path})")
         elif problem is not None:
             item = ErrorReply(status=400, message=problem)
         if callable(item) and not isinstance(item, _ITEM_TYPES):
@@ -479,18 +497,18 @@ class FakeAnthropicServer:
         self._serve(handler, item, request, number)
 
     def _serve(self, handler: _Handler, item: Any, request: RecordedRequest, number: int) -> None:
-        request_id = f"req_fake_{number:04d}"
+        ids = {self.request_id_header: f"req_fake_{number:04d}"}
         if isinstance(item, ErrorReply):
             self._wait(item.delay)
-            handler.send_bytes(item.status, item.payload(), "application/json",
-                               {"request-id": request_id, **item.headers})
+            handler.send_bytes(item.status, self._error_body(item), "application/json",
+                               {**ids, **item.headers})
             return
         if isinstance(item, DropConnection):
             self._wait(item.delay)
             raise _Drop(reset=item.reset)
         if isinstance(item, StreamErrorEvent) and not request.stream:
-            status = _TYPE_STATUS.get(item.type, 500)
-            self._serve(handler, ErrorReply(status=status, type=item.type, message=item.message),
+            self._serve(handler, ErrorReply(status=self._error_status(item.type),
+                                            type=item.type, message=item.message),
                         request, number)
             return
         if isinstance(item, Reply):
@@ -504,45 +522,126 @@ class FakeAnthropicServer:
         else:
             raise TypeError(f"not a script item: {item!r}")
         self._wait(reply.delay)
-        message = _message(reply, request, number)
+        message = self._message(reply, request, number)
         if not request.stream:
             payload = json.dumps(message).encode()
             if mode == "stall":
                 self._wait(item.seconds)
             if mode in ("end", "drop"):
                 # The status and headers promise the whole body; half arrives.
-                handler.send_head(200, "application/json", {"request-id": request_id,
+                handler.send_head(200, "application/json", {**ids,
                                                             "content-length": str(len(payload))})
                 handler.write(payload[: len(payload) // 2])
                 raise _Drop(reset=False)
             head = handler.head(200, "application/json", {
-                "request-id": request_id, "content-length": str(len(payload))})
-            self._deliver(handler, reply.usage, head + payload)
+                **ids, "content-length": str(len(payload))})
+            self._deliver(handler, self._served_usage(reply.usage), head + payload)
             return
-        events = _events(message, reply.usage)
-        head = handler.head(200, "text/event-stream", {"request-id": request_id,
-                                                       "transfer-encoding": "chunked",
+        frames = self._frames(message, reply, request)
+        head = handler.head(200, "text/event-stream", {**ids, "transfer-encoding": "chunked",
                                                        "cache-control": "no-cache"})
-        cut = len(events) if mode == "full" else min(after, len(events))
-        sent = events[:cut]
-        index = self._deliver(handler, _usage_of(sent, reply.usage),
-                              head + _chunk(b"".join(_sse(name, data) for name, data in sent)))
-        if mode == "full":
-            handler.end_chunks()
-        elif mode == "end":
+        cut = len(frames) if mode == "full" else min(after, len(frames))
+        sent = frames[:cut]
+        index = self._deliver(handler, sent[-1].usage if sent else None,
+                              head + _chunk(b"".join(frame.data for frame in sent)))
+        if mode in ("full", "end"):
             handler.end_chunks()
         elif mode == "drop":
             raise _Drop(reset=False)
         elif mode == "error":
-            error = {"type": "error", "error": {"type": item.type, "message": item.message}}
-            handler.write_chunk(_sse("error", error))
+            handler.write_chunk(self._error_event(item.type, item.message))
             handler.end_chunks()
         else:  # stall
             self._wait(item.seconds)
-            rest = b"".join(_sse(name, data) for name, data in events[cut:])
+            rest = b"".join(frame.data for frame in frames[cut:])
             # Still listening: the client sees the whole reply.
-            self._deliver(handler, reply.usage, _chunk(rest), index=index)
+            self._deliver(handler, frames[-1].usage if frames else None, _chunk(rest),
+                          index=index)
             handler.end_chunks()
+
+    # -- what a subclass says about its wire ------------------------------------------
+
+    def _refusal(self, body: Any) -> str | None:
+        """Why the real API would refuse this request body (a 400), or None."""
+        return None
+
+    def _error_body(self, item: ErrorReply) -> bytes:
+        """The body of an error response."""
+        raise NotImplementedError
+
+    def _error_status(self, error_type: str) -> int:
+        """The HTTP status a non-streaming request gets for a `StreamErrorEvent`."""
+        raise NotImplementedError
+
+    def _error_event(self, error_type: str, message: str) -> bytes:
+        """The server-sent event of an error inside a stream."""
+        raise NotImplementedError
+
+    def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
+        """The JSON body of ``reply``."""
+        raise NotImplementedError
+
+    def _frames(self, message: dict[str, Any], reply: Reply,
+                request: RecordedRequest) -> list[Frame]:
+        """The server-sent events of ``message``, in order."""
+        raise NotImplementedError
+
+    def _served_usage(self, usage: Usage | None) -> Usage | None:
+        """The usage a client reads from a whole JSON reply scripted with ``usage``."""
+        return usage
+
+
+class FakeAnthropicServer(LoopbackServer):
+    """A scripted Messages API on 127.0.0.1, for tests.
+
+    Use it as a context manager (or call `start` and `close`); point an
+    ``anthropic`` client at `url`::
+
+        with FakeAnthropicServer() as server:
+            server.add(Reply.text("Hello"))
+            provider = AnthropicProvider(api_key="test", base_url=server.url)
+            ...
+            assert server.requests[0].body["model"] == "claude-sonnet-4-5"
+
+    Args:
+        script: Items to serve, one per request, in order (see `add`).
+        host: The address to bind; loopback by default.
+
+    When the script runs out, requests get a 400 ``invalid_request_error``
+    saying so: a permanent fault, so a test that sends more than it scripted
+    fails clearly instead of retrying.
+
+    It takes bursts of hundreds of simultaneous connections (a listen backlog
+    of 1024). Each connection is served by a daemon thread, so a server that
+    is never closed does not keep the interpreter from exiting; `close` waits
+    for those threads to end.
+    """
+
+    path = "/v1/messages"
+    request_id_header = "request-id"
+
+    def _refusal(self, body: Any) -> str | None:
+        return cache_marker_problem(body)
+
+    def _error_body(self, item: ErrorReply) -> bytes:
+        return item.payload()
+
+    def _error_status(self, error_type: str) -> int:
+        return _TYPE_STATUS.get(error_type, 500)
+
+    def _error_event(self, error_type: str, message: str) -> bytes:
+        return _sse("error", {"type": "error", "error": {"type": error_type,
+                                                         "message": message}})
+
+    def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
+        return _message(reply, request, number)
+
+    def _frames(self, message: dict[str, Any], reply: Reply,
+                request: RecordedRequest) -> list[Frame]:
+        events = _events(message, reply.usage)
+        return [Frame(_sse(name, data), seen)
+                for (name, data), seen in zip(events, _usage_seen(events, reply.usage),
+                                              strict=True)]
 
 
 _ITEM_TYPES = (Reply, ErrorReply, DropConnection, CutStream, StreamErrorEvent, StallStream)
@@ -640,21 +739,25 @@ def _sse(name: str, data: Mapping[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-def _usage_of(events: Sequence[tuple[str, Mapping[str, Any]]], usage: Usage | None) -> Usage | None:
-    """The usage a client has seen after ``events``."""
+def _usage_seen(events: Sequence[tuple[str, Mapping[str, Any]]],
+                usage: Usage | None) -> list[Usage | None]:
+    """The usage a client has seen after each of ``events``: the input and cache
+    tokens of ``message_start`` and the output tokens reported so far."""
     if usage is None or not events or events[0][0] != "message_start":
-        return None
+        return [None] * len(events)
     output = min(1, usage.output_tokens)
+    seen: list[Usage | None] = []
     for name, data in events:
         if name == "message_delta":
             output = int(data["usage"]["output_tokens"])
-    return Usage(
-        input_tokens=usage.input_tokens,
-        output_tokens=output,
-        cache_read_tokens=usage.cache_read_tokens,
-        cache_write_tokens=usage.cache_write_tokens,
-        cache_write_1h_tokens=usage.cache_write_1h_tokens,
-    )
+        seen.append(Usage(
+            input_tokens=usage.input_tokens,
+            output_tokens=output,
+            cache_read_tokens=usage.cache_read_tokens,
+            cache_write_tokens=usage.cache_write_tokens,
+            cache_write_1h_tokens=usage.cache_write_1h_tokens,
+        ))
+    return seen
 
 
 def _chunk(data: bytes) -> bytes:
@@ -677,7 +780,7 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[_Handler],
-                 owner: FakeAnthropicServer) -> None:
+                 owner: LoopbackServer) -> None:
         self.owner = owner
         self._handlers: set[threading.Thread] = set()
         self._handlers_lock = threading.Lock()
@@ -686,7 +789,8 @@ class _HTTPServer(ThreadingHTTPServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         thread = threading.Thread(target=self.process_request_thread,
                                   args=(request, client_address),
-                                  name="FakeAnthropicServer handler", daemon=True)
+                                  name=f"{type(self.owner).__name__} handler",
+                                  daemon=True)
         with self._handlers_lock:
             self._handlers.add(thread)
         try:

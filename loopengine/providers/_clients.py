@@ -1,0 +1,439 @@
+"""The SDK clients a provider sends through: one per event loop, and the gate
+that awaits the attempt's ledger write just before the wire.
+
+Shared by every provider built on a Stainless-generated SDK (``anthropic``,
+``openai``): their clients have the same shape (``with_options``, an async
+``close``, the async ``_prepare_request`` hook), and the same rules hold for
+each.
+
+A connection belongs to the event loop that opened it. A provider built from
+keywords keeps one SDK client per event loop that sends through it
+(`ClientPerLoop`), and closes each as its loop shuts down, so one provider
+serves consecutive ``asyncio.run`` calls (a sync web handler, a Celery task).
+A client (or an ``http_client``) the caller gave is used on the first loop
+that sends only; on another loop, `Clients.check_ready` (and `Clients.get`)
+raise `ConfigError` before anything is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import ssl
+import threading
+import weakref
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from types import TracebackType
+from typing import Any, Generic, Protocol, Self, TypeVar
+
+import anyio
+import anyio.lowlevel
+import httpx2
+
+from loopengine._errors import ConfigError
+
+__all__ = [
+    "ClientPerLoop",
+    "Clients",
+    "SDKClient",
+    "SDKProvider",
+    "before_wire",
+    "gate",
+    "gates",
+    "running_loop",
+    "sdk_keywords",
+    "shared_tls",
+]
+
+logger = logging.getLogger("loopengine")
+
+
+class SDKClient(Protocol):
+    """What the provider needs of an SDK client it manages: a way to close it."""
+
+    async def close(self) -> None:
+        """Close the client's connections."""
+        ...
+
+
+C = TypeVar("C", bound=SDKClient)
+
+
+# -- the before-wire gate: the SDK's request hook awaits the ledger write ------------------
+
+_BEFORE_WIRE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar(
+    "loopengine_before_wire", default=None)
+"""The `ProviderRequest.before_wire` of the request this task is sending."""
+
+_GATED: dict[type[Any], type[Any]] = {}
+
+
+def gates(cls: type[Any]) -> bool:
+    """Whether clients of ``cls`` have the request hook `gate` extends."""
+    return inspect.iscoroutinefunction(getattr(cls, "_prepare_request", None))
+
+
+def _gated(cls: type[Any]) -> type[Any]:
+    """``cls`` with its request hook extended to await `_BEFORE_WIRE`.
+
+    The SDK calls ``_prepare_request`` (the hook its cloud clients override to
+    sign requests) after it has built and serialised a request and
+    immediately before handing it to the HTTP client: the last moment before
+    the wire that belongs to the client.
+    """
+    gated = _GATED.get(cls)
+    if gated is None:
+
+        async def _prepare_request(self: Any, request: httpx2.Request) -> None:
+            await super(gated, self)._prepare_request(request)  # type: ignore[arg-type]
+            wait = _BEFORE_WIRE.get()
+            if wait is not None:
+                await wait()
+
+        gated = _GATED[cls] = type(cls.__name__, (cls,), {
+            "_prepare_request": _prepare_request, "__module__": __name__,
+            "__doc__": cls.__doc__, "__qualname__": f"loopengine:{cls.__qualname__}"})
+    return gated
+
+
+def gate(client: C) -> C:
+    """Give ``client`` (one the provider owns, never the caller's) the request hook
+    that awaits the attempt's ledger write just before the wire; copies of it
+    (``with_options``) do the same. A client without the hook is left as it is."""
+    if gates(type(client)):
+        client.__class__ = _gated(type(client))
+    return client
+
+
+@contextmanager
+def before_wire(wait: Callable[[], Awaitable[None]] | None) -> Iterator[None]:
+    """While the block runs, a gated client awaits ``wait`` just before the wire."""
+    token = _BEFORE_WIRE.set(wait)
+    try:
+        yield
+    finally:
+        _BEFORE_WIRE.reset(token)
+
+
+def shared_tls() -> Callable[[], ssl.SSLContext]:
+    """A getter of one TLS context, loaded on first use and then shared.
+
+    The SDKs' default verification (the system's certificates) costs tens of
+    milliseconds to load; it holds no connection, so every client a provider
+    builds can share it.
+    """
+    tls: list[ssl.SSLContext] = []
+    lock = threading.Lock()
+
+    def get() -> ssl.SSLContext:
+        with lock:
+            if not tls:
+                tls.append(httpx2.create_ssl_context())
+            return tls[0]
+
+    return get
+
+
+# -- event loops: a client's connections belong to the loop that opened them ---------------
+
+
+def running_loop() -> object:
+    """The running event loop: the asyncio loop, or the native token of anyio's
+    other backend (trio's ``TrioToken``), which is as unique to its run."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return anyio.lowlevel.current_token().native_token
+
+
+def _nothing() -> None:
+    """A no-op, scheduled to ask a trio run whether it is still running."""
+
+
+def _ended(loop: object) -> bool:
+    """Whether ``loop`` has ended for good: nothing can ever run on it again."""
+    if isinstance(loop, asyncio.AbstractEventLoop):
+        return loop.is_closed()
+    try:
+        # A trio token refuses new work once its run is over (RunFinishedError).
+        loop.run_sync_soon(_nothing, idempotent=True)  # type: ignore[attr-defined]
+    except RuntimeError:
+        return True
+    return False
+
+
+def _reference(loop: object) -> Callable[[], object | None]:
+    """A reference to ``loop`` that does not keep an ended loop alive."""
+    try:
+        return weakref.ref(loop)
+    except TypeError:  # a loop class without weak references
+        return lambda: loop
+
+
+class ClientPerLoop(Generic[C]):
+    """One SDK client for each event loop that sends, closed as its loop shuts down.
+
+    A pooled connection belongs to the event loop that opened it: on the next
+    loop its socket is still open and a request written on it reaches the
+    server, but reading the answer fails (``RuntimeError: Event loop is
+    closed``). So each loop gets a client of its own, built from the same
+    keywords.
+
+    A client is closed on its own loop, as that loop shuts down: each client
+    comes with an async generator started on its loop, and the loop closes
+    the async generators still open when it shuts down (``asyncio.run``,
+    ``asyncio.Runner``, ``trio.run`` and ``anyio.run`` all do), which runs the
+    close while the loop can still run it. A loop closed without that step
+    (``loop.close()`` alone) cannot run anything again: its client is dropped
+    when another loop first sends, and its sockets are left to the garbage
+    collector.
+
+    Args:
+        build: Builds one client.
+        owner: The provider's name, for the log.
+    """
+
+    def __init__(self, build: Callable[[], C], owner: str) -> None:
+        self._build = build
+        self._owner = owner
+        self._lock = threading.Lock()
+        # Built at once, so that a bad keyword fails when the provider is
+        # built; the next loop that sends claims it.
+        self._spare: C | None = build()
+        self._clients: dict[object, tuple[C, AsyncGenerator[None, None]]] = {}
+
+    def current(self) -> C:
+        """The running loop's client if it has one, else the one the next loop
+        that sends will use (a client no loop has used yet)."""
+        try:
+            entry = self._clients.get(running_loop())
+        except RuntimeError:  # no event loop is running
+            entry = None
+        if entry is not None:
+            return entry[0]
+        with self._lock:
+            if self._spare is None:
+                self._spare = self._build()
+            return self._spare
+
+    async def get(self) -> C:
+        """The running loop's client, built for it on its first request."""
+        loop = running_loop()
+        entry = self._clients.get(loop)
+        if entry is not None:
+            return entry[0]
+        with self._lock:
+            client, self._spare = self._spare, None
+        if client is None:
+            client = self._build()
+        closer = self._close_with_loop(loop, client)
+        with self._lock:
+            self._clients[loop] = (client, closer)
+        self._forget_ended()
+        # Its first step registers the generator with this loop; it never
+        # suspends, so no other task can see the entry before it is armed.
+        await closer.asend(None)
+        return client
+
+    async def aclose(self) -> None:
+        """Close the running loop's client (the next request builds another)."""
+        with self._lock:
+            entry = self._clients.pop(running_loop(), None)
+        if entry is not None:
+            await entry[1].aclose()
+        self._forget_ended()
+
+    def _forget_ended(self) -> None:
+        # Clients of loops that ended without shutting down their async
+        # generators: no loop can close them now, and keeping them would leak.
+        with self._lock:
+            for loop in [loop for loop in self._clients if _ended(loop)]:
+                del self._clients[loop]
+
+    async def _close_with_loop(self, loop: object, client: C) -> AsyncGenerator[None]:
+        """Wait at the yield until ``loop`` shuts its async generators down (or
+        `aclose` closes this one), then close ``client`` on ``loop``."""
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._clients.get(loop, (None,))[0] is client:
+                    del self._clients[loop]
+            # trio cancels async work while it finalises async generators;
+            # closing sockets is exactly the work that must still happen.
+            with anyio.CancelScope(shield=True):
+                try:
+                    await client.close()
+                except Exception:
+                    logger.warning("could not close the %s client of an event loop "
+                                   "that shut down", self._owner, exc_info=True)
+
+
+class Clients(Generic[C]):
+    """Where a provider gets the SDK client for the running event loop.
+
+    Either one client per event loop, built by ``build`` (the provider owns
+    them all), or one ``bound`` client of the caller's making (a ``client``,
+    or one built on the caller's ``http_client``), usable on the first event
+    loop that sends through it only.
+
+    Args:
+        owner: The provider's class name, for messages.
+        build: Builds a client for one event loop.
+        bound: The one client to use instead.
+        bound_as: What the caller gave: ``client`` or ``http_client`` (the
+            `ConfigError`'s field).
+        owned: Whether `aclose` closes ``bound`` (it was built on the
+            caller's ``http_client``, not given whole).
+    """
+
+    def __init__(
+        self,
+        owner: str,
+        *,
+        build: Callable[[], C] | None = None,
+        bound: C | None = None,
+        bound_as: str = "client",
+        owned: bool = False,
+    ) -> None:
+        if (build is None) == (bound is None):
+            raise TypeError("give build or bound, not both")
+        self._owner = owner
+        self._per_loop = ClientPerLoop(build, owner) if build is not None else None
+        self._bound = bound
+        self._bound_as = bound_as
+        self._owned = owned
+        self._home: Callable[[], object | None] | None = None
+        self._lock = threading.Lock()
+
+    def current(self) -> C:
+        """The running loop's client once it has sent, else the one the next
+        event loop to send will use (the bound client, if there is one)."""
+        if self._per_loop is not None:
+            return self._per_loop.current()
+        assert self._bound is not None
+        return self._bound
+
+    async def get(self) -> C:
+        """The client to send through on the running event loop.
+
+        Raises:
+            ConfigError: the bound client belongs to another event loop.
+        """
+        if self._per_loop is not None:
+            return await self._per_loop.get()
+        return self._on_home()
+
+    def check_ready(self) -> None:
+        """Refuse a bound client on another event loop than its first.
+
+        Raises:
+            ConfigError: the client (or ``http_client``) given to the provider
+                was first used on another event loop than the running one.
+        """
+        if self._per_loop is None:
+            self._on_home()
+
+    async def aclose(self) -> None:
+        """Close the running loop's client, or the bound client the provider built."""
+        if self._per_loop is not None:
+            await self._per_loop.aclose()
+        elif self._owned and self._bound is not None:
+            await self._bound.close()
+
+    def _on_home(self) -> C:
+        """The bound client, if the running loop is the one it was first used on."""
+        assert self._bound is not None
+        loop = running_loop()
+        home = self._home
+        if home is None:
+            with self._lock:
+                if self._home is None:
+                    self._home = _reference(loop)
+                home = self._home
+        first = home()
+        if first is loop:
+            return self._bound
+        state = "which has ended" if first is None or _ended(first) else "which is still open"
+        raise ConfigError(self._bound_as, f"the {self._bound_as} given to {self._owner} was "
+                          f"first used on another event loop, {state}: its pooled connections "
+                          "belong to that loop and cannot be used on this one, so nothing was "
+                          "sent. Build the provider from keywords without an http_client (it "
+                          "keeps a client per event loop), or give it a client made for this "
+                          "loop")
+
+
+def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
+    """Check a provider's client keywords, in place: ``max_retries`` may only be
+    0 (and is dropped: the provider always sets it), and a ``client`` comes
+    without keywords.
+
+    Raises:
+        ConfigError: ``max_retries`` other than 0, or both a client and keywords.
+    """
+    if client_kwargs.get("max_retries", 0) != 0:
+        raise ConfigError("max_retries", "the SDK must not retry on its own: every wire "
+                                         "request is an attempt the engine counts; set the "
+                                         "operation's RetryPolicy instead")
+    client_kwargs.pop("max_retries", None)
+    if client is not None and client_kwargs:
+        raise ConfigError("client", "give a client or the keywords to build one, not "
+                                    f"both (got {', '.join(sorted(client_kwargs))})")
+
+
+class SDKProvider(Generic[C]):
+    """What every provider on a managed SDK client shares: the client of the
+    running event loop, the check before an attempt is recorded, and closing.
+
+    A subclass sets ``_clients`` (and ``awaits_before_wire``) in its
+    ``__init__``.
+    """
+
+    _clients: Clients[C]
+
+    awaits_before_wire: bool
+    """True: `send` awaits `ProviderRequest.before_wire` just before the wire
+    (in the SDK client's request hook, after the request is built and just
+    before it is handed to the HTTP client)."""
+
+    @property
+    def client(self) -> C:
+        """The SDK client requests go through (``max_retries=0``).
+
+        For a provider built from keywords (without ``http_client``): the
+        running event loop's client once it has sent, else the client the
+        next event loop to send will use.
+        """
+        return self._clients.current()
+
+    def check_ready(self) -> None:
+        """Before an attempt is recorded: refuse a given client on another event loop.
+
+        Raises:
+            ConfigError: the client (or ``http_client``) given to the provider
+                was first used on another event loop than the running one.
+        """
+        self._clients.check_ready()
+
+    async def aclose(self) -> None:
+        """Close the client the provider built for the running event loop.
+
+        A provider built from keywords closes the running loop's client (a
+        later request builds another); one built on an ``http_client`` closes
+        that client. A ``client`` passed in is left open.
+        """
+        await self._clients.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
