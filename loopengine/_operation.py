@@ -14,7 +14,13 @@ from loopengine.guards._limits import Limits
 from loopengine.providers._cache import CachePolicy
 from loopengine.providers._retry import RetryPolicy
 
-__all__ = ["Operation", "load_operations"]
+__all__ = ["DEFAULT_WRAP_UP_TEXT", "Operation", "load_operations"]
+
+DEFAULT_WRAP_UP_TEXT = (
+    "This is your last turn: tools are no longer available. Give your best final "
+    "answer now from what you have gathered so far."
+)
+"""The wrap-up instruction an operation uses unless it publishes its own."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,12 +52,15 @@ class Operation:
     """Where prompt-cache markers go."""
     model_max_output_tokens: int | None = None
     """The model's own output limit, if known; ``max_tokens`` never exceeds it."""
+    wrap_up_text: str = DEFAULT_WRAP_UP_TEXT
+    """What a wrap-up turn (``Limits(wrap_up=True)``) adds to the conversation."""
 
     def __post_init__(self) -> None:
         _validate.text("name", self.name)
         _validate.text("provider", self.provider)
         _validate.text("model", self.model)
         _validate.text("version", self.version)
+        _validate.text("wrap_up_text", self.wrap_up_text)
         _validate.integer("max_output_tokens", self.max_output_tokens, minimum=1)
         _validate.integer("model_max_output_tokens", self.model_max_output_tokens, minimum=1,
                           optional=True)
@@ -79,7 +88,7 @@ class Operation:
             ConfigError: with the field relative to the table (``limits.max_turns``).
         """
         known = {"version", "provider", "model", "max_output_tokens", "limits", "retry",
-                 "cache", "model_max_output_tokens"}
+                 "cache", "model_max_output_tokens", "wrap_up_text"}
         for key in values:
             if key not in known:
                 raise ConfigError(str(key), f"is not an operation setting "

@@ -123,6 +123,8 @@ class _Loop:
         if spec.output is not None:
             definitions.append(final_tool_definition(spec.output, spec.final_tool))
         self.definitions = definitions
+        self.wrapping: str | None = None
+        """Why the turn being sent is a wrap-up turn (``turns``, ``budget``), or None."""
 
     @property
     def limits(self) -> Limits:
@@ -141,6 +143,10 @@ class _Loop:
                 return await self._end(trip.outcome, trip=trip)
             turn = self.state.turns + 1
             self.state = replace(self.state, turns=turn)
+            self.wrapping = self._wrap_up_due(turn)
+            if self.wrapping is not None:
+                phase = "wrap_up"
+                self._add_wrap_up_text()
             response = await self._send_turn(turn, phase)
             self._charge(turn)
             if isinstance(response, _Stop):
@@ -159,6 +165,13 @@ class _Loop:
             results: list[dict[str, Any]] = []
             feedback_message: str | None = None
             rejected = False
+
+            # A wrap-up turn that still asks for tools at the turn limit runs none.
+            if self.wrapping == "turns" and [
+                    b for b in tool_uses if b.get("name") != self.spec.final_tool]:
+                trip = check_before_turn(self.state, self.limits, self.inv.clock.now())
+                assert trip is not None
+                return await self._end(trip.outcome, trip=trip)
 
             # 2. Final answers (R10, R14).
             if self.spec.output is None:
@@ -236,6 +249,38 @@ class _Loop:
             response = next_response
         return response
 
+    def _wrap_up_due(self, turn: int) -> str | None:
+        """Whether this turn wraps up (DESIGN.md §12): the last turn ``max_turns``
+        permits, or the tool budget spent; None when ``wrap_up`` is off."""
+        limits = self.limits
+        if not limits.wrap_up:
+            return None
+        if turn >= limits.max_turns:
+            return "turns"
+        if limits.max_tool_calls is not None and self.state.tool_calls >= limits.max_tool_calls:
+            return "budget"
+        return None
+
+    def _add_wrap_up_text(self) -> None:
+        """Append the operation's wrap-up instruction to the newest user message."""
+        text = {"type": "text", "text": self.inv.operation.wrap_up_text}
+        last = self.transcript[-1]
+        if last.get("role") != "user":
+            self.transcript.append({"role": "user", "content": [text]})
+        elif isinstance(last["content"], str):
+            last["content"] = [{"type": "text", "text": last["content"]}, text]
+        else:
+            last["content"].append(text)
+
+    def _tool_choice(self) -> dict[str, Any] | None:
+        """A wrap-up turn disables the tools (the definitions stay, so the
+        transcript stays valid); in structured mode it forces the answer tool."""
+        if self.wrapping is None:
+            return None
+        if self.spec.output is not None:
+            return {"type": "tool", "name": self.spec.final_tool}
+        return {"type": "none"}
+
     def _build(self, timeout: float) -> ProviderRequest:
         return ProviderRequest(
             model=self.inv.operation.model,
@@ -243,6 +288,7 @@ class _Loop:
             messages=self.transcript,
             system=self.spec.system,
             tools=self.definitions,
+            tool_choice=self._tool_choice(),
             timeout=timeout,
             cache=self.inv.operation.cache,
             on_text=self.spec.on_text,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import sqlite3
 import time
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -451,3 +452,34 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     conn.close()
     with pytest.raises(le.LedgerError, match="newer than this loopengine"):
         SQLiteLedger(path)
+
+
+async def test_migration_4_keeps_every_attempt_row_and_allows_the_wrap_up_phase(
+    tmp_path: Path,
+) -> None:
+    """A version-3 ledger with rows: rebuilding ``attempts`` for the ``wrap_up``
+    phase keeps every row and column as it was."""
+    from loopengine.persistence._schema import MIGRATIONS, migrate
+
+    path = tmp_path / "ledger.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    migrate(conn, migrations=MIGRATIONS[:3])
+    conn.execute("INSERT INTO invocations (id, operation, operation_version, provider, model, "
+                 "started_at) VALUES ('inv-1', 'op', '1', 'anthropic', 'm', '2026-01-01')")
+    conn.execute("INSERT INTO attempts (invocation_id, ordinal, turn, attempt, phase, "
+                 "served_by, started_at, outcome, input_tokens, response_id, max_tokens, "
+                 "timeout_ms, wait_ms) VALUES ('inv-1', 1, 1, 1, 'repair', 'anthropic:m', "
+                 "'2026-01-01', 'ok', 7, 'msg_1', 64, 1000, 0)")
+    before = conn.execute("SELECT * FROM attempts").fetchall()
+    conn.close()
+    with SQLiteLedger(path) as ledger:
+        await ledger.start_invocation(start("inv-2"))
+        await ledger.dispatch_attempt(replace(dispatch(1, "inv-2"), phase="wrap_up"))
+        await ledger.end_invocation(end("inv-2"))
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT MAX(version) FROM loopengine_schema").fetchone()[0] == 4
+    assert conn.execute("SELECT * FROM attempts WHERE invocation_id = 'inv-1'").fetchall() \
+        == before
+    assert conn.execute("SELECT phase FROM attempts WHERE invocation_id = 'inv-2'").fetchall() \
+        == [("wrap_up",)]
+    conn.close()

@@ -37,6 +37,11 @@ class Limits(NamedFields):
     """Seconds one provider request may take; capped by the time that remains (R04)."""
     credit_hold: int | None = None
     """Credits the accumulated rounded turn charges may reach; more ends the run (R03)."""
+    wrap_up: bool = False
+    """Send the last turn that ``max_turns`` permits (or a turn once the tool budget
+    is spent) with tools disabled and `Operation.wrap_up_text`, so the model
+    answers from what it gathered (DESIGN.md §12). An override can turn it off,
+    never on against a published off (a narrowing, R13)."""
     _origin: InitVar[Limits | None] = replaced_from()
     """Internal: the instance `dataclasses.replace` copies (see loopengine._named)."""
 
@@ -47,6 +52,7 @@ class Limits(NamedFields):
         _validate.seconds("total_time", self.total_time, optional=True)
         _validate.seconds("attempt_timeout", self.attempt_timeout)
         _validate.integer("credit_hold", self.credit_hold, minimum=0, optional=True)
+        _validate.boolean("wrap_up", self.wrap_up)
         # Store seconds as floats so that equal limits compare and print alike.
         if self.total_time is not None:
             object.__setattr__(self, "total_time", float(self.total_time))
@@ -94,5 +100,7 @@ class Limits(NamedFields):
             if value is None:
                 continue
             current = getattr(self, name)
+            # For ``wrap_up`` the smaller of two bools is their "and": an
+            # override turns it off, never on.
             changes[name] = value if current is None else min(current, value)
         return replace(self, **changes)  # type: ignore[arg-type]

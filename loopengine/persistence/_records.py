@@ -42,7 +42,7 @@ class AttemptDispatch:
     attempt: int
     """1-based dispatched try within the turn (continuations included)."""
     phase: str
-    """``turn``, ``repair``, ``continuation`` or ``fallback``."""
+    """``turn``, ``repair``, ``continuation``, ``fallback`` or ``wrap_up``."""
     served_by: str
     started_at: datetime
     max_tokens: int

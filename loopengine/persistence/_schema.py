@@ -157,10 +157,22 @@ _ACCOUNTS = (
     "WHERE kind = 'reserve'",
 )
 
+# A wrap-up turn's attempts (DESIGN.md §12) have the phase ``wrap_up``. SQLite
+# cannot change a CHECK constraint in place: the table is rebuilt, same name,
+# same columns in the same order, same rows.
+_WRAP_UP_PHASE = (
+    _CREATE_TABLES[1].replace("CREATE TABLE attempts (", "CREATE TABLE attempts_rebuilt (")
+    .replace("'continuation', 'fallback')", "'continuation', 'fallback', 'wrap_up')"),
+    "INSERT INTO attempts_rebuilt SELECT * FROM attempts",
+    "DROP TABLE attempts",
+    "ALTER TABLE attempts_rebuilt RENAME TO attempts",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "invocations and attempts", _CREATE_TABLES),
     Migration(2, "invocation indexes for period and reconciliation queries", _AUDIT_INDEXES),
     Migration(3, "credit accounts and their journal", _ACCOUNTS),
+    Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
 )
 """The schema's history, oldest first."""
 
