@@ -23,6 +23,7 @@ from loopengine._operation import Operation, load_operations
 from loopengine._outcome import Outcome
 from loopengine._pricing import ModelPrice, PriceBook
 from loopengine._result import AttemptsSummary, RunResult
+from loopengine._stream import RunStream
 from loopengine._tools import Tool, tool
 from loopengine._usage import Usage
 from loopengine.guards._limits import Limits
@@ -59,6 +60,7 @@ __all__ = [
     "ReplayMismatchError",
     "RetryPolicy",
     "RunResult",
+    "RunStream",
     "StructuredOutputError",
     "Tool",
     "Usage",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,8 +29,9 @@ from loopengine._run import (
     default_tool_error_text,
     run_loop,
 )
+from loopengine._stream import RunStream, stream_run
 from loopengine._tools import Tool
-from loopengine.events import Observer
+from loopengine.events import Observer, TextDelta
 from loopengine.guards._limits import Limits
 from loopengine.persistence._protocol import Ledger
 from loopengine.providers._base import Provider, TextCallback
@@ -40,6 +42,11 @@ __all__ = ["Engine"]
 M = TypeVar("M", bound=pydantic.BaseModel)
 Messages = str | Sequence[Mapping[str, Any]]
 System = str | Sequence[Mapping[str, Any]] | None
+
+
+_RUN_KEYWORDS = frozenset({"system", "tools", "output", "accept", "attribution", "limits",
+                           "retry", "on_text", "tool_error_text", "final_tool"})
+"""The keywords of `Engine.run` after its operation and messages."""
 
 
 class Engine:
@@ -137,6 +144,9 @@ class Engine:
         limits: Limits | Mapping[str, object] | None,
         retry: RetryPolicy | Mapping[str, object] | None,
         attribution: Attribution | None,
+        *,
+        observers: Sequence[Observer] = (),
+        text_sink: Callable[[TextDelta], None] | None = None,
     ) -> Invocation:
         provider = self.provider_for(operation)
         run_limits = operation.limits.narrow(limits)
@@ -164,7 +174,8 @@ class Engine:
         return Invocation(
             kind=kind, operation=operation, provider=provider, limits=run_limits,
             policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,
-            clock=self.clock, rng=self.rng, observers=self.observers,
+            clock=self.clock, rng=self.rng, observers=[*self.observers, *observers],
+            text_sink=text_sink,
             unpriced_warned=self._unpriced_warned, accounts=self.accounts, account=account,
         )
 
@@ -217,6 +228,31 @@ class Engine:
                 ``failed`` where the ledger still can, and observers see
                 `RunEnded` with outcome ``failed``.
         """
+        inv, spec = self._prepare_run(
+            operation, messages, system=system, tools=tools, output=output, accept=accept,
+            attribution=attribution, limits=limits, retry=retry, on_text=on_text,
+            tool_error_text=tool_error_text, final_tool=final_tool)
+        return await run_loop(inv, spec)
+
+    def _prepare_run(
+        self,
+        operation: Operation,
+        messages: Messages,
+        *,
+        system: System = None,
+        tools: Iterable[Tool] = (),
+        output: type[pydantic.BaseModel] | None = None,
+        accept: Callable[[Any], Any] | None = None,
+        attribution: Attribution | None = None,
+        limits: Limits | Mapping[str, object] | None = None,
+        retry: RetryPolicy | Mapping[str, object] | None = None,
+        on_text: TextCallback | None = None,
+        tool_error_text: ToolErrorText | None = None,
+        final_tool: str = "final_answer",
+        observers: Sequence[Observer] = (),
+        text_sink: Callable[[TextDelta], None] | None = None,
+    ) -> tuple[Invocation, RunSpec]:
+        """Check a run's input and build its invocation (nothing is sent or recorded)."""
         spec = RunSpec(
             messages=normalize_messages(messages),
             system=normalize_system(system),
@@ -231,8 +267,43 @@ class Engine:
         if not isinstance(final_tool, str) or not final_tool:
             raise ConfigError("final_tool", "must be a non-empty tool name")
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
-        inv = self._invocation("run", operation, limits, retry, attribution)
-        return await run_loop(inv, spec)
+        inv = self._invocation("run", operation, limits, retry, attribution,
+                               observers=observers, text_sink=text_sink)
+        return inv, spec
+
+    def stream(
+        self, operation: Operation, messages: Messages, **run_kwargs: Any
+    ) -> contextlib.AbstractAsyncContextManager[RunStream]:
+        """Run a conversation as `run` does, yielding its events as they happen.
+
+        Example::
+
+            async with engine.stream(operation, "Plan my week", tools=tools) as run:
+                async for event in run:
+                    if isinstance(event, loopengine.events.TextDelta):
+                        print(event.text, end="")
+            result = run.result
+
+        ``run_kwargs`` are `run`'s keywords. The iteration yields the events
+        observers get (`RunStarted` ... `RunEnded`) and, from a streaming
+        provider, a `loopengine.events.TextDelta` for each piece of text (a
+        retried attempt's text has its own ``attempt``). ``run.result`` is the
+        `RunResult` once the iteration has ended. Leaving the ``async with``
+        early (a ``break``) cancels the run, recorded ``cancelled``.
+
+        Raises:
+            ConfigError: bad input, at ``async with``, before anything is sent.
+        """
+        unknown = set(run_kwargs) - _RUN_KEYWORDS
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], "is not an argument of Engine.run")
+
+        def prepare(observers: Sequence[Observer], text_sink: Callable[[TextDelta], None],
+                    ) -> tuple[Invocation, RunSpec]:
+            return self._prepare_run(operation, messages, observers=observers,
+                                     text_sink=text_sink, **run_kwargs)
+
+        return stream_run(prepare)
 
     async def call(
         self,
@@ -416,8 +487,9 @@ def normalize_system(system: System) -> list[dict[str, Any]] | None:
         raise ConfigError("system", "must be a string or a list of text blocks")
     out: list[dict[str, Any]] = []
     for i, block in enumerate(system):
+        if not isinstance(block, Mapping) or block.get("type") != "text":
+            raise ConfigError(f"system[{i}]", "must be a text block {'type': 'text', 'text': ...}")
         _validate.content_block(f"system[{i}]", block, kinds=("text",))
-        assert isinstance(block, Mapping)  # content_block refused anything else
         out.append(copy.deepcopy(dict(block)))
     return out or None
 

@@ -42,6 +42,7 @@ from loopengine.events import (
     Observer,
     RunEnded,
     RunStarted,
+    TextDelta,
     TurnStarted,
 )
 from loopengine.guards._checkpoints import (
@@ -152,6 +153,7 @@ class Invocation:
         unpriced_warned: set[str] | None = None,
         accounts: CreditAccounts | None = None,
         account: str | None = None,
+        text_sink: Callable[[TextDelta], None] | None = None,
     ) -> None:
         self.id = str(uuid.uuid4())
         self.kind = kind
@@ -189,6 +191,8 @@ class Invocation:
         self.accounts = accounts if account is not None else None
         self.account = account
         self._reservation: Reservation | None = None
+        self.text_sink = text_sink
+        """Where streamed text goes as `TextDelta` (`Engine.stream`), or None."""
         self.denied: GuardTrip | None = None
         """Set by `begin` when the run's account had nothing to reserve."""
         self._unpriced_warned = unpriced_warned if unpriced_warned is not None else set()
@@ -415,6 +419,18 @@ class Invocation:
         await self._announce_end(self.clock.wall(), outcome, turns=turns,
                                  tool_calls=tool_calls, credits=credits)
 
+    def _delta(self, turn: int, attempt: int, ordinal: int) -> Callable[[str], None] | None:
+        """The attempt's text as `TextDelta` events to the stream, if there is one."""
+        sink = self.text_sink
+        if sink is None:
+            return None
+
+        def deliver(text: str) -> None:
+            sink(TextDelta(run_id=self.id, at=self.clock.wall(), turn=turn, attempt=attempt,
+                           ordinal=ordinal, text=text))
+
+        return deliver
+
     async def _settle_account(self, credits: int) -> None:
         """Charge the run's real credits on its account and release its hold, once."""
         if self._reservation is None or self.accounts is None:
@@ -524,8 +540,9 @@ class Invocation:
         # `build` made this request for this attempt alone: filling in its
         # gate and callback costs less than `dataclasses.replace` of a frozen
         # instance.
-        if request.on_text is not None:
-            object.__setattr__(request, "on_text", _guarded_text(flight, request.on_text))
+        if request.on_text is not None or self.text_sink is not None:
+            object.__setattr__(request, "on_text", _guarded_text(
+                flight, request.on_text, self._delta(turn, number, dispatch.ordinal)))
         if self._begin_dispatch is not None:
             receipt = self._begin_dispatch(dispatch)
             gate = _Gate(receipt)
@@ -769,11 +786,17 @@ def _not_sent(timeout: float) -> ProviderFault:
                          f"{timeout:.3f}s; nothing was sent", error_code=NOT_SENT)
 
 
-def _guarded_text(flight: _InFlight, on_text: TextCallback) -> TextCallback:
-    """``on_text`` remembering what it raised: the caller's exception, not the
-    provider's fault (whatever the provider makes of it)."""
+def _guarded_text(flight: _InFlight, on_text: TextCallback | None,
+                  delta: Callable[[str], None] | None) -> TextCallback:
+    """``on_text`` (and the run's stream of deltas) remembering what the callback
+    raised: the caller's exception, not the provider's fault (whatever the
+    provider makes of it)."""
 
     async def guarded(text: str) -> None:
+        if delta is not None:
+            delta(text)
+        if on_text is None:
+            return
         try:
             maybe = on_text(text)
             if inspect.isawaitable(maybe):

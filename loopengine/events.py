@@ -30,6 +30,7 @@ __all__ = [
     "Observer",
     "RunEnded",
     "RunStarted",
+    "TextDelta",
     "ToolCallEvent",
     "TurnStarted",
 ]
@@ -166,6 +167,22 @@ class RunEnded(Event):
     usage: Usage
     cost_usd: Decimal
     credits: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TextDelta(Event):
+    """A piece of streamed answer text, for `loopengine.Engine.stream` only.
+
+    It carries conversation text, so observers never get it (they see
+    operational facts only). A retried attempt streams its own text from the
+    start: tell the attempts apart by ``attempt`` (or ``ordinal``)."""
+
+    turn: int
+    attempt: int
+    """The try within the turn, as in `AttemptStarted`."""
+    ordinal: int
+    """The attempt's dispatch order in the run, as in the ledger."""
+    text: str
 
 
 Observer = Callable[[Event], Awaitable[None] | None]

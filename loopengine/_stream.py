@@ -1,0 +1,109 @@
+"""`Engine.stream`: a run's events, text deltas included, as an async iterator.
+
+The run goes on in a task of its own; every event its observers get, and a
+`TextDelta` for each piece of streamed text (never given to observers), is
+put on an unbounded in-memory stream that the caller iterates. The iteration
+ends when the run ends; ``run.result`` is then its `RunResult`. Leaving the
+``async with`` before the end (a ``break``, an exception) cancels the run,
+which is recorded ``cancelled`` as any cancelled run is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Self
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from loopengine._errors import LoopEngineError
+from loopengine._invocation import Invocation
+from loopengine._result import RunResult
+from loopengine._run import RunSpec, run_loop
+from loopengine.events import Event, Observer, TextDelta
+
+__all__ = ["RunStream", "stream_run"]
+
+Prepare = Callable[[Sequence[Observer], Callable[[TextDelta], None]], tuple[Invocation, RunSpec]]
+
+
+class RunStream:
+    """The events of one run, in order, from `loopengine.Engine.stream`.
+
+    ``async for event in run`` yields `loopengine.events` events (`TextDelta`
+    among them) until the run ends; an error that ended the run without an
+    outcome (a `LedgerError`, say) is raised from the iteration once its
+    events are consumed.
+    """
+
+    def __init__(self, receive: MemoryObjectReceiveStream[Event], run_id: str) -> None:
+        self._receive = receive
+        self.run_id = run_id
+        """The run's invocation id (as in the ledger and every event)."""
+        self._result: RunResult | None = None
+        self._error: BaseException | None = None
+        self._raised = False
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Event:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            if self._error is not None and not self._raised:
+                self._raised = True
+                raise self._error from None
+            raise StopAsyncIteration from None
+
+    @property
+    def result(self) -> RunResult:
+        """The run's `RunResult`, once its events are consumed.
+
+        Raises:
+            LoopEngineError: the run has not ended yet.
+            Exception: the error that ended the run without an outcome.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            raise LoopEngineError("the run has not ended: iterate its events to the end first")
+        return self._result
+
+
+@contextlib.asynccontextmanager
+async def stream_run(prepare: Prepare) -> AsyncIterator[RunStream]:
+    """Run the invocation ``prepare`` builds, streaming its events (internal)."""
+    send, receive = anyio.create_memory_object_stream[Event](math.inf)
+
+    def deliver(event: Event) -> None:
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            send.send_nowait(event)
+
+    try:
+        inv, spec = prepare((deliver,), deliver)
+    except BaseException:
+        send.close()
+        receive.close()
+        raise
+    handle = RunStream(receive, inv.id)
+
+    async def run() -> None:
+        with send:
+            try:
+                handle._result = await run_loop(inv, spec)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception as error:
+                handle._error = error
+
+    with receive:
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            try:
+                yield handle
+            finally:
+                # Left before the end: the run is cancelled (and recorded so).
+                group.cancel_scope.cancel()
