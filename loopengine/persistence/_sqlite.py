@@ -150,7 +150,7 @@ class SQLiteLedger:
             raise LedgerError(f"max_batch must be a positive integer, got {max_batch!r}")
         if writer not in ("auto", "process", "thread"):
             raise LedgerError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
-        self.path = os.fspath(path)
+        self.path = _ledger_path(path)
         """The database file."""
         self._max_retained = max_retained_attempts
         self._busy_timeout = float(busy_timeout)
@@ -1006,13 +1006,68 @@ def _close(fd: int) -> None:
 # -- opening ------------------------------------------------------------------------------
 
 
+def _ledger_path(path: str | os.PathLike[str]) -> str:
+    """The ledger's file path as text, refused here when SQLite could not hold a ledger in it.
+
+    Raises:
+        LedgerError: not a path, an empty path, a NUL byte, or ``:memory:``.
+    """
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise LedgerError(f"path must be a str or an os.PathLike of str, got {path!r}") from None
+    if not isinstance(text, str):
+        raise LedgerError(f"path must be a str or an os.PathLike of str, got {path!r}")
+    if not text:
+        raise LedgerError(
+            "the ledger needs a file path, and the path is empty (SQLite would open a private "
+            "temporary database, deleted when it closes, that no other process can read)")
+    if "\0" in text:
+        raise LedgerError(f"{text!r} cannot be a ledger file: the path contains a NUL byte")
+    if text == ":memory:":
+        raise LedgerError(":memory: is an in-memory database, which cannot hold a ledger: the "
+                          "ledger needs WAL journaling, in a file other processes can open")
+    return text
+
+
+def _create_private(path: str) -> None:
+    """Create ``path`` empty and readable by its owner only, unless it exists already.
+
+    SQLite creates a new database's -wal and -shm with the database file's
+    permission bits (and forces them past the umask), so they are 0600 too.
+    An existing file keeps the mode its owner gave it.
+
+    Raises:
+        LedgerError: the file cannot be created (a missing directory, no permission).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        return
+    except OSError as error:
+        raise LedgerError(
+            f"{path}: cannot open the ledger: cannot create the file "
+            f"({error.strerror or error})") from error
+    try:
+        if hasattr(os, "fchmod"):
+            # The umask can only take bits away, but one such as 0o277 would
+            # take the owner's write bit too.
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def _prepare_file(path: str, busy_timeout: float) -> None:
     """Create or migrate the ledger file, checking that it can hold a ledger.
 
+    A new file is created 0600 (`_create_private`) before SQLite opens it.
+
     Raises:
-        LedgerError: it cannot be opened, is not a SQLite database or not a
-            ledger, cannot use WAL, or has a newer schema.
+        LedgerError: it cannot be created or opened, is not a SQLite database
+            or not a ledger, cannot use WAL, or has a newer schema.
     """
+    _create_private(path)
     try:
         conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None)
     except sqlite3.Error as error:
@@ -1023,11 +1078,15 @@ def _prepare_file(path: str, busy_timeout: float) -> None:
         if mode != "wal":
             raise LedgerError(
                 f"{path}: the ledger needs WAL journaling, and this database reports "
-                f"journal_mode={mode} (an in-memory database cannot hold a ledger)"
+                f"journal_mode={mode}"
             )
         migrate(conn, path=path)
     except sqlite3.DatabaseError as error:
         raise LedgerError(f"{path} is not a SQLite database ({error})") from error
+    except (TypeError, ValueError) as error:
+        # A hand-made schema table whose version is not an integer.
+        raise LedgerError(f"{path} is not a loopengine ledger: its schema version cannot be "
+                          f"read ({error})") from error
     finally:
         conn.close()
 
