@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, overload
@@ -23,6 +24,8 @@ from loopengine._errors import ConfigError
 from loopengine._jsonschema import schema_errors
 
 __all__ = ["Tool", "ToolInputError", "tool"]
+
+logger = logging.getLogger("loopengine")
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -59,6 +62,11 @@ class Tool:
             raise ConfigError("name", f"must match {_NAME.pattern}, got {name!r}")
         if not isinstance(description, str):
             raise ConfigError("description", f"must be a string, got {description!r}")
+        if not description.strip():
+            # Not an error (the API accepts it), but the model then has only the
+            # name and the schema to go on: said once, when the tool is defined.
+            logger.warning("tool %s has no description: the model sees only its name and "
+                           "input schema (give a docstring or description=)", name)
         if handler is None or not callable(handler):
             raise ConfigError("handler", f"tool {name!r} needs a callable handler")
         if (input_schema is None) == (input_model is None):
@@ -176,30 +184,43 @@ def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
 def _from_function(
     fn: Callable[..., Any], name: str | None, description: str | None
 ) -> Tool:
-    summary, param_docs = _docstring_parts(fn)
+    if not callable(fn):
+        raise ConfigError("handler", f"a tool needs a function, got {type(fn).__name__}")
+    # A functools.partial has neither a name nor a docstring of its own (its
+    # __doc__ is the partial class's): both come from the function it wraps.
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    label = getattr(inner, "__name__", None)
+    if not isinstance(label, str):
+        if name is None:
+            raise ConfigError("name", f"a {type(fn).__name__} object has no __name__ to name "
+                                      "the tool by: give tool(name=...)")
+        label = name
+    summary, param_docs = _docstring_parts(inner)
     fields: dict[str, Any] = {}
     try:
         # eval_str resolves string annotations (modules using postponed evaluation).
         parameters = inspect.signature(fn, eval_str=True).parameters.values()
     except NameError as error:
-        raise ConfigError("handler", f"{fn.__name__}: cannot resolve an annotation: {error}") \
+        raise ConfigError("handler", f"{label}: cannot resolve an annotation: {error}") \
             from None
     for param in parameters:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise ConfigError("handler", f"{fn.__name__}: *args and **kwargs cannot be tool input")
+            raise ConfigError("handler", f"{label}: *args and **kwargs cannot be tool input")
         annotation = Any if param.annotation is param.empty else param.annotation
         default = ... if param.default is param.empty else param.default
         fields[param.name] = (
             annotation,
             pydantic.Field(default, description=param_docs.get(param.name)),
         )
-    tool_name = name or fn.__name__
+    tool_name = name or label
     try:
         model = pydantic.create_model(f"{tool_name}_input", **fields)
         built = Tool(tool_name, description if description is not None else summary,
                      handler=fn, input_model=model)
     except pydantic.PydanticUserError as error:
-        raise ConfigError("handler", f"{fn.__name__}: {error}") from None
+        raise ConfigError("handler", f"{label}: {error}") from None
     built._kwargs = True
     return built
 

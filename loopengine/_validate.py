@@ -7,9 +7,16 @@ not a number), because a silently coerced limit is a limit nobody set.
 
 from __future__ import annotations
 
+import functools
 import math
+import typing
 import unicodedata
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import pydantic
+import typing_extensions
 
 from loopengine._errors import ConfigError
 
@@ -146,3 +153,260 @@ def decimal(
         bound = "positive" if positive else "non-negative"
         raise ConfigError(field, f"must be {bound}, got {value!r}")
     return number
+
+
+# -- Anthropic message shapes --------------------------------------------------------
+#
+# Messages are checked against the types the installed ``anthropic`` SDK declares
+# for them (``anthropic.types.MessageParam`` and the content-block TypedDicts it
+# names), so that a malformed block is a `ConfigError` naming its path before
+# anything is sent, instead of a 400 after an attempt row. Validating the whole
+# ``MessageParam`` union with one pydantic ``TypeAdapter`` is not usable: it takes
+# seconds to build, tries every one of ~17 block types on each block (so a bad
+# block gets dozens of errors, one per union member), and its ``Iterable`` fields
+# are only validated when iterated. Instead each block is dispatched on its
+# ``type`` to an adapter of that one TypedDict (built on first use, a few
+# milliseconds each), validated strictly (no coercion: ``"yes"`` is not a bool),
+# and its lazily validated iterables are drained. Extra keys are not refused:
+# the SDK's TypedDicts do not say the API refuses them, and blocks the API
+# returned carry response-only fields that it accepts back.
+
+
+class _NestedError(Exception):
+    """A lazily validated iterable failed: where it is and what it held."""
+
+    def __init__(self, path: tuple[str | int, ...], given: object,
+                 error: pydantic.ValidationError) -> None:
+        super().__init__(path)
+        self.path, self.given, self.error = path, given, error
+
+
+def _literal_values(hint: object) -> list[str]:
+    if typing.get_origin(hint) is typing.Literal:
+        return [v for v in typing.get_args(hint) if isinstance(v, str)]
+    return [v for arg in typing.get_args(hint) for v in _literal_values(arg)]
+
+
+@functools.cache
+def _block_types() -> dict[str, object]:
+    """Each block ``type`` the SDK declares for message content, to its type."""
+    from anthropic.types import MessageParam  # the SDK's own declaration
+
+    found: dict[str, object] = {}
+    seen: set[int] = set()
+
+    def visit(hint: object) -> None:
+        if id(hint) in seen:
+            return
+        seen.add(id(hint))
+        if typing_extensions.is_typeddict(hint):
+            hints = typing_extensions.get_type_hints(hint, include_extras=True)
+            for value in _literal_values(hints.get("type")):
+                found.setdefault(value, hint)
+            return
+        if isinstance(hint, type) and issubclass(hint, pydantic.BaseModel):
+            # The response blocks the SDK also accepts back (message content
+            # may be ``ContentBlock`` models); TypedDicts of the same type win.
+            type_field = hint.model_fields.get("type")
+            if type_field is not None:
+                for value in _literal_values(type_field.annotation):
+                    found.setdefault(value, hint)
+            return
+        for arg in typing.get_args(hint):
+            visit(arg)
+
+    members = typing.get_args(MessageParam) or (MessageParam,)
+    for member in members:
+        hints = typing_extensions.get_type_hints(member, include_extras=True)
+        if "user" in _literal_values(hints.get("role")):
+            visit(hints.get("content"))
+    for member in members:  # assistant content, when it differs
+        visit(typing_extensions.get_type_hints(member, include_extras=True).get("content"))
+    return found
+
+
+@functools.cache
+def _block_adapter(kind: str) -> pydantic.TypeAdapter[Any] | None:
+    global _LAZY, _CONTAINERS
+    declared: Any = _block_types().get(kind)
+    if declared is None:
+        return None
+    if _LAZY is None:
+        _LAZY = type(pydantic.TypeAdapter(Iterable[int]).validate_python(()))
+        _CONTAINERS = frozenset({dict, list, _LAZY})
+    return pydantic.TypeAdapter(declared)
+
+
+def block_types() -> list[str]:
+    """The content block types the installed anthropic SDK declares, sorted."""
+    return sorted(_block_types())
+
+
+def content_block(field: str, block: object, *, kinds: Iterable[str] | None = None) -> None:
+    """Check one content block against the anthropic SDK's type for its ``type``.
+
+    Args:
+        field: The block's path, e.g. ``"messages[1].content[0]"``.
+        block: The block.
+        kinds: The block types allowed here (default: every type the SDK
+            declares for message content).
+
+    Raises:
+        ConfigError: the block is not a dict, has no known ``type``, or does
+            not match its type; ``.field`` is the offending path, e.g.
+            ``"messages[1].content[0].source.data"``.
+    """
+    if not isinstance(block, Mapping):
+        raise ConfigError(field, f"must be a dict (a content block), got {type(block).__name__}")
+    kind = block.get("type")
+    if kind is None:
+        raise ConfigError(f"{field}.type", "is required (every content block has a type)")
+    if not isinstance(kind, str):
+        raise ConfigError(f"{field}.type", f"must be a string, got {type(kind).__name__}")
+    adapter = _block_adapter(kind) if kinds is None or kind in kinds else None
+    if adapter is None:
+        if kinds is None:
+            import anthropic
+
+            where = f"the installed anthropic SDK ({anthropic.__version__}) declares"
+        else:
+            where = "allowed here"
+        allowed = block_types() if kinds is None else sorted(kinds)
+        raise ConfigError(f"{field}.type", f"{_short(kind)} is not a block type {where}; "
+                                           f"expected one of {', '.join(allowed)}")
+    try:
+        _drain(adapter.validate_python(block, strict=True), block, ())
+    except pydantic.ValidationError as error:
+        path, message = _problem(error, block)
+    except _NestedError as nested:
+        inner, message = _problem(nested.error, nested.given)
+        path = nested.path + inner
+    else:
+        return
+    raise ConfigError(field + _render(path), message)
+
+
+def _drain(checked: object, given: object, path: tuple[str | int, ...]) -> None:
+    """Iterate what pydantic left lazy (``Iterable`` fields), so it is validated.
+
+    Only containers are walked (the exact types pydantic returns, checked by
+    type for speed); a value passed through unvalidated (``object`` fields,
+    e.g. a tool call's input) is the caller's own object and holds nothing lazy.
+    """
+    kind = type(checked)
+    if kind is dict:
+        assert isinstance(checked, dict)
+        mapping = given if isinstance(given, Mapping) else {}
+        for key, value in checked.items():
+            if type(value) in _CONTAINERS:
+                inner = mapping.get(key)
+                if value is not inner:
+                    _drain(value, inner, (*path, key))
+    elif kind is list:
+        assert isinstance(checked, list)
+        for index, value in enumerate(checked):
+            if type(value) in _CONTAINERS:
+                _drain(value, _item(given, index), (*path, index))
+    elif kind is _LAZY:
+        assert isinstance(checked, Iterator)
+        try:
+            for index, value in enumerate(checked):
+                if type(value) in _CONTAINERS:
+                    _drain(value, _item(given, index), (*path, index))
+        except pydantic.ValidationError as error:
+            raise _NestedError(path, given, error) from None
+
+
+# The type pydantic validates ``Iterable`` fields into, which it leaves lazy;
+# learnt with the first block adapter (building a TypeAdapter at import would
+# cost every importer pydantic's schema warm-up).
+_LAZY: type | None = None
+_CONTAINERS: frozenset[type] = frozenset({dict, list})
+
+
+def _item(given: object, index: int) -> object:
+    if isinstance(given, Sequence) and not isinstance(given, str | bytes) and index < len(given):
+        return given[index]
+    return None
+
+
+def _problem(error: pydantic.ValidationError, given: object) -> tuple[tuple[str | int, ...], str]:
+    """The one problem to report: its path in ``given`` and what is wrong.
+
+    Union members show up in pydantic's locations as extra segments (the
+    member's class name): they are dropped from the path. Members whose own
+    ``type`` does not match the input's are left out, so an image source
+    ``{"type": "url"}`` without ``url`` is told about ``url``, not about the
+    base64 member's ``data``; when no member's ``type`` matches, that is the
+    problem.
+    """
+    located = []
+    for item in error.errors(include_url=False, include_input=False):
+        path, tags = _locate(item["loc"], item["type"], given)
+        located.append((path, tags, item))
+    mismatched = [tags for path, tags, item in located
+                  if item["type"] == "literal_error" and path[-1:] == ("type",)]
+    eligible = [(path, item) for path, tags, item in located
+                if not any(tags[:len(m)] == m for m in mismatched)]
+    if not eligible:
+        first = next(path for path, tags, item in located
+                     if item["type"] == "literal_error" and path[-1:] == ("type",))
+        expected = []
+        for path, _, item in located:
+            if path == first and item["type"] == "literal_error":
+                wanted = str((item.get("ctx") or {}).get("expected", ""))
+                if wanted and wanted not in expected:
+                    expected.append(wanted)
+        got = _at(given, first)
+        return first, f"must be one of {', '.join(expected)}, got {_short(got)}"
+    where = eligible[0][0]
+    messages: list[str] = []
+    for path, item in eligible:
+        text = "is required" if item["type"] == "missing" else _lower_first(str(item["msg"]))
+        if path == where and text not in messages:
+            messages.append(text)
+    return where, " or ".join(messages)
+
+
+def _locate(
+    loc: tuple[str | int, ...], kind: str, given: object
+) -> tuple[tuple[str | int, ...], tuple[tuple[int, str | int], ...]]:
+    """Split a pydantic location into the path in ``given`` and union-member tags."""
+    path: list[str | int] = []
+    tags: list[tuple[int, str | int]] = []
+    value = given
+    for i, segment in enumerate(loc):
+        if isinstance(segment, int) and isinstance(value, Sequence) and not isinstance(
+            value, str | bytes
+        ) and 0 <= segment < len(value):
+            path.append(segment)
+            value = value[segment]
+        elif isinstance(segment, str) and isinstance(value, Mapping) and segment in value:
+            path.append(segment)
+            value = value[segment]
+        elif isinstance(segment, str) and i == len(loc) - 1 and kind == "missing":
+            path.append(segment)
+        else:
+            tags.append((len(path), segment))
+    return tuple(path), tuple(tags)
+
+
+def _at(given: object, path: tuple[str | int, ...]) -> object:
+    for segment in path:
+        given = given[segment] if isinstance(given, Mapping | Sequence) else None  # type: ignore[index]
+    return given
+
+
+def _render(path: tuple[str | int, ...]) -> str:
+    return "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in path)
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def _short(value: object) -> str:
+    # Input values are caller content: show only short strings, never the rest.
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else repr(value[:40] + "...")
+    return f"a {type(value).__name__}"
