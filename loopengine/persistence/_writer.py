@@ -5,18 +5,21 @@ be, in a thread). In a process the writer holds its own interpreter lock: its
 planning, its statements and its fsyncs run beside the event loop instead of
 taking turns with it, and an attempt's commit overlaps the building of its
 request. The child runs this file by path (``python -I -S _writer.py ...``)
-without importing loopengine, so it uses the standard library only.
+without importing loopengine, so it uses the standard library only (and the
+planner, ``_planner.py`` beside it, loaded by its path).
 
-The writes arrive as *ops*: flat lists ``[kind, op_id, *fields]`` of plain
-values (text, integers, None), numbered by the ledger in the order it queued
-them. The writer takes whatever has arrived into one ``BEGIN IMMEDIATE``
-transaction (group commit), checks each op against what it knows of its
-invocation, and reports, after the commit, the highest op id it has finished
-and the durable ops it refused. Between processes both travel through pipes
-as frames of `marshal` data: an op frame is its data's length and the op's
-id (``<IQ``), then the op with 0 in place of its id (so the ledger can encode
-an op, and refuse one that cannot be encoded, before it numbers it); a
-report frame is its data's length (``<I``), then the report. Op ids run
+The writes arrive as *ops* (`_planner`): flat lists ``[kind, op_id, *fields]``
+of plain values (text, integers, None), numbered by the ledger in the order it
+queued them. The writer takes whatever has arrived into one ``BEGIN IMMEDIATE``
+transaction (group commit), has the planner check each op against what it
+knows of its invocation (the ledger's rules are the planner's, shared with
+`PostgresLedger`; this file supplies SQLite's statements), and reports,
+after the commit, the highest op id it has finished and the durable ops it
+refused. Between processes both travel through pipes as frames of `marshal`
+data: an op frame is its data's length and the op's id (``<IQ``), then the op
+with 0 in place of its id (so the ledger can encode an op, and refuse one that
+cannot be encoded, before it numbers it); a report frame is its data's length
+(``<I``), then the report. Op ids run
 1, 2, 3... in the order the frames are sent; the writer checks each one, so a
 stream that lost its framing stops with `StreamError` instead of waiting for
 a frame that never ends.
@@ -33,53 +36,39 @@ import struct
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-# Op kinds. START is deferred (nobody waits for it), and so is a SETTLE of
-# nothing served; the others are durable: somebody waits until they are
-# committed.
-START: Final = 0
-DISPATCH: Final = 1
-SETTLE: Final = 2
-END: Final = 3
-FLUSH: Final = 4
-STOP: Final = 5
+if TYPE_CHECKING or __package__:
+    from loopengine.persistence import _planner
+else:
+    # Run by path as the ledger's writer process (`main`), where loopengine is
+    # not importable: load the planner beside this file by its path.
+    import importlib.util
 
-Op = list[Any]
-"""``[kind, op_id, *fields]``; the fields of each kind are listed below."""
+    def _load_sibling(name: str) -> Any:
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        return module
 
-# (START, op_id, id, operation, operation_version, provider, model, tenant,
-#  user_id, feature, correlation_id, started_at)
-INVOCATION_INSERT: Final = ("id", "operation", "operation_version", "provider", "model",
-                            "tenant", "user_id", "feature", "correlation_id", "started_at")
-# (DISPATCH, op_id, invocation_id, ordinal, turn, attempt, phase, served_by,
-#  started_at, max_tokens, timeout_ms, wait_ms)
-ATTEMPT_INSERT: Final = ("invocation_id", "ordinal", "turn", "attempt", "phase", "served_by",
-                         "started_at", "max_tokens", "timeout_ms", "wait_ms")
-# (SETTLE, op_id, invocation_id, ordinal, *ATTEMPT_SETTLE): the five token
-# counts are None when the attempt reported no usage.
-ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "http_status",
-                         "error_code", "input_tokens", "output_tokens", "cache_read_tokens",
-                         "cache_write_tokens", "cache_write_1h_tokens", "usage_approx",
-                         "cost_nanousd", "charged", "price_ref", "response_id", "request_id",
-                         "stop_reason")
-# (END, op_id, id, *END_SET)
-END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits")
-# (FLUSH, op_id) and (STOP, op_id) carry nothing.
+    _planner = _load_sibling("_planner")
+
+# The ops, their kinds and fields, and the rules they are written under are
+# the planner's (shared with every store); this file supplies SQLite's
+# statements, its transaction and the child process.
+START, DISPATCH, SETTLE, END, FLUSH, STOP = (_planner.START, _planner.DISPATCH, _planner.SETTLE,
+                                             _planner.END, _planner.FLUSH, _planner.STOP)
+Op = _planner.Op
+Refused = _planner.Refused
+INVOCATION_INSERT, ATTEMPT_INSERT = _planner.INVOCATION_INSERT, _planner.ATTEMPT_INSERT
+ATTEMPT_SETTLE, END_SET = _planner.ATTEMPT_SETTLE, _planner.END_SET
 
 # Increments, never absolute values: correct whoever else wrote the row.
-_ADD = ("attempt_count = attempt_count + {}", "attempts_retained = attempts_retained + {}",
-        "incomplete = MAX(incomplete, {})", "input_tokens = input_tokens + {}",
-        "output_tokens = output_tokens + {}", "cache_read_tokens = cache_read_tokens + {}",
-        "cache_write_tokens = cache_write_tokens + {}",
-        "cache_write_1h_tokens = cache_write_1h_tokens + {}",
-        "cost_nanousd = cost_nanousd + {}",
-        "provider_cost_nanousd = provider_cost_nanousd + {}")
-# Deltas of one invocation within a batch, in `_ADD` order.
-_D_COUNT, _D_RETAINED, _D_INCOMPLETE = 0, 1, 2
-_D_INPUT, _D_COST, _D_PROVIDER_COST = 3, 8, 9
-_D_WIDTH = 10
+_ADD = tuple(f"{c} = MAX({c}, {{}})" if n == _planner.INCOMPLETE else f"{c} = {c} + {{}}"
+             for n, c in enumerate(_planner.DELTA_COLUMNS))
 
 # UPDATE ... FROM (3.33) lets one statement update many rows.
 _UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
@@ -93,10 +82,6 @@ _OP_HEADER = struct.Struct("<IQ")
 # more, and a buffer past malloc's mmap threshold costs an mmap and munmap
 # (a TLB shootdown with the checkpoint thread alive) on every wake-up.
 _READ_SIZE = 1 << 16
-
-
-class Refused(Exception):
-    """A write the writer will not make (its message says why)."""
 
 
 # -- frames ----------------------------------------------------------------------------
@@ -276,36 +261,6 @@ def _build_sql(kind: str, rows: int) -> str:
 # -- the writer ------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Live:
-    """What the writer knows of an invocation it writes."""
-
-    retained: int
-    unsettled: set[int] = field(default_factory=set)
-    """Retained attempts still ``dispatched``."""
-    overflow: set[int] | None = field(default_factory=set)
-    """Attempts past the retention cap not yet settled; None when unknown (an
-    invocation started by another ledger), and then any ordinal is accepted."""
-    ended: bool = False
-
-
-@dataclass(slots=True)
-class _Batch:
-    """The rows one transaction writes, grouped by statement."""
-
-    starts: list[Sequence[Any]] = field(default_factory=list)
-    dispatches: list[Sequence[Any]] = field(default_factory=list)
-    settles: list[Sequence[Any]] = field(default_factory=list)
-    deltas: dict[str, list[int]] = field(default_factory=dict)
-    ends: list[Sequence[Any]] = field(default_factory=list)
-    touched: set[str] = field(default_factory=set)
-    """Invocations whose `_Live` this batch changed (forgotten if it rolls back)."""
-    refused: list[tuple[int, str]] = field(default_factory=list)
-    """Durable ops refused while planning: ``(op_id, message)``."""
-    planned: int = 0
-    """Writes accepted into this batch."""
-
-
 @dataclass(frozen=True, slots=True)
 class Settings:
     """How the writer behaves (sent to a child process as a tuple)."""
@@ -320,27 +275,37 @@ class Settings:
 
 
 class Writer:
-    """The connection and the bookkeeping that turns ops into rows.
+    """The connection that turns ops into rows: SQLite's `_planner.Store`.
 
     Not thread-safe: one thread (of the ledger's process, or of its child)
     calls it. `open` raises `sqlite3.Error` or `Refused`; `commit` never raises
     for a write it refuses: it reports it.
     """
 
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error, OverflowError, TypeError,
+                                               ValueError)
+    """A database error, or a value SQLite cannot bind (an integer past 64 bits):
+    the same path, so one bad write never sinks the others."""
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.path = settings.path
-        self.commits = 0
-        """Transactions committed (one fsync each)."""
-        self.writes = 0
-        """Ops committed (starts, dispatches, settles, ends)."""
-        self._live: dict[str, _Live] = {}
-        self._failed: dict[str, str] = {}
-        """Invocations whose deferred write was refused: their next writes are too."""
+        self.name = settings.path
+        self._planner = _planner.Planner(self, settings.max_retained)
         self._uncheckpointed = self._uncheckpointed_writes = 0
         self._conn: sqlite3.Connection | None = None
         self._statements: _Statements | None = None
         self._checkpointer: _Checkpointer | None = None
+
+    @property
+    def commits(self) -> int:
+        """Transactions committed (one fsync each)."""
+        return self._planner.commits
+
+    @property
+    def writes(self) -> int:
+        """Ops committed (starts, dispatches, settles, ends)."""
+        return self._planner.writes
 
     def open(self) -> None:
         """Connect with the ledger's settings (the schema is already current)."""
@@ -383,43 +348,52 @@ class Writer:
         Returns:
             The durable ops refused, as ``(op_id, message)``.
         """
-        conn, statements = self._conn, self._statements
-        assert conn is not None and statements is not None
-        batch = _Batch()
-        began = False
-        try:
-            cursor = statements.cursor
-            cursor.execute("BEGIN IMMEDIATE")
-            began = True
-            self._plan(batch, ops)
-            self._execute(batch)
-            cursor.execute("COMMIT")
-        except (sqlite3.Error, OverflowError, TypeError, ValueError) as error:
-            # A database error, or a value SQLite cannot bind (an integer past
-            # 64 bits): the same path, so one bad write never sinks the others.
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            # Forget what this batch taught the writer: the next write to
-            # those invocations reads their committed state again.
-            for invocation_id in batch.touched:
-                self._live.pop(invocation_id, None)
-            if began and len(ops) > 1:
-                # Isolate the write that failed so the others still land.
-                refused: list[tuple[int, str]] = []
-                for op in ops:
-                    refused += self.commit([op])
-                return refused
-            # A single write failed, or the write lock could not be had within
-            # the busy timeout (retrying each write would wait that long again).
-            failed = _Batch()
-            for op in ops:
-                self._refuse(op, f"{self.path}: {_describe(op)} failed: {error}", failed)
-            return failed.refused
-        self.commits += 1
-        self.writes += batch.planned
-        self._uncheckpointed += 1
-        self._uncheckpointed_writes += batch.planned
-        return batch.refused
+        commits, writes = self.commits, self.writes
+        refused = self._planner.commit(ops)
+        self._uncheckpointed += self.commits - commits
+        self._uncheckpointed_writes += self.writes - writes
+        return refused
+
+    # -- the store the planner writes through -----------------------------------------
+
+    def begin(self) -> None:
+        """``BEGIN IMMEDIATE``: the write lock up front, so the busy handler applies."""
+        assert self._statements is not None
+        self._statements.cursor.execute("BEGIN IMMEDIATE")
+
+    def load(self, invocation_id: str) -> _planner.Known | None:
+        """The committed state of an invocation another ledger started (or forgotten)."""
+        assert self._conn is not None
+        row = self._conn.execute(
+            "SELECT attempts_retained, outcome FROM invocations WHERE id = ?", (invocation_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        unsettled = self._conn.execute(
+            "SELECT ordinal FROM attempts WHERE invocation_id = ? AND outcome = 'dispatched'",
+            (invocation_id,),
+        ).fetchall()
+        return _planner.Known(int(row[0]), row[1] != "running", [int(r[0]) for r in unsettled])
+
+    def execute(self, batch: _planner.Batch) -> None:
+        """Write the batch, each kind of row in one statement."""
+        assert self._statements is not None
+        _planner.execute(batch, self._statements.run)
+
+    def finish(self) -> None:
+        """``COMMIT`` (``synchronous=FULL``: on disk when it returns)."""
+        assert self._statements is not None
+        self._statements.cursor.execute("COMMIT")
+
+    def abort(self) -> None:
+        """Roll back the transaction, if one is open."""
+        assert self._conn is not None
+        if self._conn.in_transaction:
+            self._conn.execute("ROLLBACK")
+
+    def isolates(self, error: BaseException) -> bool:
+        """Every failure inside the transaction is worth retrying write by write."""
+        return True
 
     def maybe_checkpoint(self, waiting: Callable[[], bool]) -> None:
         """After a commit: copy the WAL back into the database if that is due.
@@ -448,179 +422,6 @@ class Writer:
             self._uncheckpointed = self._uncheckpointed_writes = 0
             assert self._checkpointer is not None
             self._checkpointer.poke()
-
-    def _refuse(self, op: Op, message: str, batch: _Batch) -> None:
-        kind = op[0]
-        if kind in (START, SETTLE):
-            # A deferred write may have nobody awaiting it: its invocation's
-            # next durable write reports the failure, and nothing more is
-            # written for it.
-            self._failed.setdefault(op[2], message)
-        if kind != START:
-            # A settle of what the provider served is awaited: report it too.
-            batch.refused.append((op[1], message))
-
-    # -- planning: check each op against what is known and turn it into rows ------
-
-    def _plan(self, batch: _Batch, ops: Sequence[Op]) -> None:
-        failed = self._failed
-        for op in ops:
-            kind = op[0]
-            if kind >= FLUSH:
-                continue
-            try:
-                if failed:
-                    message = failed.get(op[2])
-                    if message is not None:
-                        raise Refused(message)
-                if kind == SETTLE:
-                    self._plan_settle(batch, op)
-                elif kind == DISPATCH:
-                    self._plan_dispatch(batch, op)
-                elif kind == START:
-                    self._plan_start(batch, op)
-                else:
-                    self._plan_end(batch, op)
-            except Refused as refusal:
-                self._refuse(op, str(refusal), batch)
-                continue
-            batch.planned += 1
-
-    def _touch(self, batch: _Batch, invocation_id: str) -> _Live:
-        batch.touched.add(invocation_id)
-        live = self._live.get(invocation_id)
-        if live is not None and not live.ended:
-            return live
-        if live is None:
-            # Not started by this ledger (or forgotten after a rollback): read
-            # its committed state.
-            assert self._conn is not None
-            row = self._conn.execute(
-                "SELECT attempts_retained, outcome FROM invocations WHERE id = ?",
-                (invocation_id,),
-            ).fetchone()
-            if row is None:
-                raise Refused(f"{self.path}: no invocation {invocation_id}")
-            unsettled = self._conn.execute(
-                "SELECT ordinal FROM attempts WHERE invocation_id = ? AND outcome = 'dispatched'",
-                (invocation_id,),
-            ).fetchall()
-            live = _Live(int(row[0]), {int(r[0]) for r in unsettled}, None,
-                         ended=row[1] != "running")
-            self._live[invocation_id] = live
-        if live.ended:
-            raise Refused(f"{self.path}: invocation {invocation_id} has already ended")
-        return live
-
-    def _plan_start(self, batch: _Batch, op: Op) -> None:
-        invocation_id = op[2]
-        if invocation_id in self._live:
-            raise Refused(f"{self.path}: invocation {invocation_id} already exists")
-        batch.touched.add(invocation_id)
-        self._live[invocation_id] = _Live(0)
-        batch.starts.append(op[2:])
-
-    def _deltas(self, batch: _Batch, invocation_id: str) -> list[int]:
-        deltas = batch.deltas.get(invocation_id)
-        if deltas is None:
-            deltas = batch.deltas[invocation_id] = [0] * _D_WIDTH
-        return deltas
-
-    def _plan_dispatch(self, batch: _Batch, op: Op) -> None:
-        invocation_id, ordinal = op[2], op[3]
-        live = self._touch(batch, invocation_id)
-        overflow = live.overflow
-        if ordinal in live.unsettled or (overflow is not None and ordinal in overflow):
-            raise Refused(
-                f"{self.path}: attempt {ordinal} of {invocation_id} is already dispatched")
-        deltas = self._deltas(batch, invocation_id)
-        deltas[_D_COUNT] += 1
-        if live.retained >= self.settings.max_retained:
-            # R07: past the cap an attempt is counted, not kept.
-            deltas[_D_INCOMPLETE] = 1
-            if overflow is not None:
-                overflow.add(ordinal)
-            return
-        live.retained += 1
-        live.unsettled.add(ordinal)
-        deltas[_D_RETAINED] += 1
-        batch.dispatches.append(op[2:])
-
-    def _plan_settle(self, batch: _Batch, op: Op) -> None:
-        invocation_id, ordinal = op[2], op[3]
-        live = self._touch(batch, invocation_id)
-        if ordinal in live.unsettled:
-            live.unsettled.discard(ordinal)
-            retained = True
-        elif live.overflow is None or ordinal in live.overflow:
-            if live.overflow is not None:
-                live.overflow.discard(ordinal)
-            retained = False
-        else:
-            raise Refused(
-                f"{self.path}: attempt {ordinal} of {invocation_id} was not dispatched "
-                "or is already settled")
-        deltas = self._deltas(batch, invocation_id)
-        # op[4:] is ATTEMPT_SETTLE: tokens at 10..14, cost at 16, charged at 17.
-        if op[10] is not None:
-            for index in range(5):
-                deltas[_D_INPUT + index] += op[10 + index]
-        cost = op[16]
-        if cost is not None:
-            # S01: every priced attempt is what the provider may bill; only
-            # the charged (successful) ones are what the run costs.
-            deltas[_D_PROVIDER_COST] += cost
-            if op[17]:
-                deltas[_D_COST] += cost
-        if retained:
-            batch.settles.append((*op[4:], invocation_id, ordinal))
-
-    def _plan_end(self, batch: _Batch, op: Op) -> None:
-        invocation_id = op[2]
-        live = self._touch(batch, invocation_id)
-        live.ended = True
-        batch.ends.append((*op[3:], invocation_id))
-
-    def _execute(self, batch: _Batch) -> None:
-        statements = self._statements
-        assert statements is not None
-        run = statements.run
-        # Statement order: rows exist before they are updated.
-        if batch.starts:
-            run("start", batch.starts)
-        if batch.dispatches:
-            run("dispatch", batch.dispatches)
-        if batch.settles:
-            _expect(run("settle", batch.settles), len(batch.settles),
-                    "dispatched attempt rows")
-        if batch.deltas:
-            _expect(run("add", [(*d, i) for i, d in batch.deltas.items()]),
-                    len(batch.deltas), "invocation rows")
-        if batch.ends:
-            _expect(run("end", batch.ends), len(batch.ends), "invocation rows")
-        for row in batch.ends:
-            # Ended: nothing more will be written for it by the engine.
-            self._live.pop(row[-1], None)
-
-
-def _expect(changed: int, count: int, what: str) -> None:
-    if changed != count:
-        # Another writer changed rows this one counted on: let the per-write
-        # path find out which write it was.
-        raise sqlite3.IntegrityError(f"expected to update {count} {what}, updated {changed}")
-
-
-def _describe(op: Op) -> str:
-    kind = op[0]
-    if kind == START:
-        return f"starting invocation {op[2]}"
-    if kind == DISPATCH:
-        return f"dispatching attempt {op[3]} of {op[2]}"
-    if kind == SETTLE:
-        return f"settling attempt {op[3]} of {op[2]}"
-    if kind == END:
-        return f"ending invocation {op[2]}"
-    return "committing"
 
 
 class _Checkpointer:

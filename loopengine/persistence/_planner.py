@@ -1,0 +1,418 @@
+"""The ledger's rules, written once for every store that keeps them in rows.
+
+A store's writer hands its queued writes (*ops*) to a `Planner`, which checks
+each one against what it knows of its invocation and turns the accepted ones
+into rows (a `Batch`); the store supplies only its statements and its
+transaction (`Store`). The rules live here and nowhere else:
+
+* an invocation is started once, and nothing is written for it once it has
+  ended or for one that was never started;
+* an attempt is dispatched once and settled once;
+* the first ``max_retained`` attempts of an invocation get a row; later ones
+  only increase ``attempt_count`` and set ``incomplete`` (R07);
+* each settle adds its usage and cost to the invocation's totals as
+  increments (``column = column + ...``, never an absolute value, so the row
+  stays right whoever else writes it); every priced attempt counts towards
+  ``provider_cost_nanousd``, only the charged ones towards ``cost_nanousd``
+  (S01);
+* a deferred write that is refused (nobody may be awaiting it) refuses the
+  invocation's next writes too, so its failure reaches a caller;
+* one transaction carries a whole batch; when a write in it fails, the writes
+  are retried one by one so one bad write never sinks the others.
+
+`SQLiteLedger`'s writer runs this file in a child process that imports
+nothing of loopengine (``python -I -S``): it uses the standard library only.
+
+Ops are flat lists ``[kind, op_id, *fields]`` of plain values (text,
+integers, None); the fields of each kind are listed below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+# Op kinds. START is deferred (nobody waits for it), and so is a SETTLE of
+# nothing served; the others are durable: somebody waits until they are
+# committed.
+START: Final = 0
+DISPATCH: Final = 1
+SETTLE: Final = 2
+END: Final = 3
+FLUSH: Final = 4
+STOP: Final = 5
+
+Op = list[Any]
+"""``[kind, op_id, *fields]``; the fields of each kind are listed below."""
+
+# (START, op_id, id, operation, operation_version, provider, model, tenant,
+#  user_id, feature, correlation_id, started_at)
+INVOCATION_INSERT: Final = ("id", "operation", "operation_version", "provider", "model",
+                            "tenant", "user_id", "feature", "correlation_id", "started_at")
+# (DISPATCH, op_id, invocation_id, ordinal, turn, attempt, phase, served_by,
+#  started_at, max_tokens, timeout_ms, wait_ms)
+ATTEMPT_INSERT: Final = ("invocation_id", "ordinal", "turn", "attempt", "phase", "served_by",
+                         "started_at", "max_tokens", "timeout_ms", "wait_ms")
+# (SETTLE, op_id, invocation_id, ordinal, *ATTEMPT_SETTLE): the five token
+# counts are None when the attempt reported no usage.
+ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "http_status",
+                         "error_code", "input_tokens", "output_tokens", "cache_read_tokens",
+                         "cache_write_tokens", "cache_write_1h_tokens", "usage_approx",
+                         "cost_nanousd", "charged", "price_ref", "response_id", "request_id",
+                         "stop_reason")
+# (END, op_id, id, *END_SET)
+END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits")
+# (FLUSH, op_id) and (STOP, op_id) carry nothing.
+
+DELTA_COLUMNS: Final = ("attempt_count", "attempts_retained", "incomplete", "input_tokens",
+                        "output_tokens", "cache_read_tokens", "cache_write_tokens",
+                        "cache_write_1h_tokens", "cost_nanousd", "provider_cost_nanousd")
+"""The invocation totals a batch changes, in the order of a `Batch.delta_rows` row.
+Each is added to, never overwritten; ``incomplete`` is raised to at least its
+value (a store writes it with its ``MAX``)."""
+INCOMPLETE: Final = DELTA_COLUMNS.index("incomplete")
+_D_COUNT, _D_RETAINED, _D_INCOMPLETE = 0, 1, INCOMPLETE
+_D_INPUT, _D_COST, _D_PROVIDER_COST = 3, 8, 9
+
+# Where a SETTLE op carries its facts (op[4:] is ATTEMPT_SETTLE).
+_S_TOKENS: Final = 4 + ATTEMPT_SETTLE.index("input_tokens")
+_S_COST: Final = 4 + ATTEMPT_SETTLE.index("cost_nanousd")
+_S_CHARGED: Final = 4 + ATTEMPT_SETTLE.index("charged")
+
+
+class Refused(Exception):
+    """A write the ledger will not make (its message says why)."""
+
+
+class Mismatch(Exception):
+    """A statement changed other rows than planned: another writer changed rows this
+    one counted on. The batch is retried write by write to find which one."""
+
+
+def expect(changed: int, count: int, what: str) -> None:
+    """Check that a statement planned for ``count`` rows changed that many.
+
+    Raises:
+        Mismatch: it changed another number.
+    """
+    if changed != count:
+        raise Mismatch(f"expected to update {count} {what}, updated {changed}")
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    """An invocation's committed state, as a store reads it."""
+
+    retained: int
+    """Its ``attempts_retained``."""
+    ended: bool
+    """Its ``outcome`` is no longer ``running``."""
+    unsettled: Sequence[int]
+    """The ordinals of its rows still ``dispatched``."""
+
+
+class Store(Protocol):
+    """What a store supplies to the planner: its transaction and its statements.
+
+    ``begin``, ``load``, ``execute`` and ``finish`` raise one of ``errors`` when
+    the database fails them; the planner then calls ``abort``.
+    """
+
+    name: str
+    """How the store is named in messages (a file's path, a server)."""
+    errors: tuple[type[BaseException], ...]
+    """The exceptions that mean a database or a value failed, not a bug."""
+
+    def begin(self) -> None:
+        """Open the transaction (taking the write lock, if the store has one)."""
+        ...
+
+    def load(self, invocation_id: str) -> Known | None:
+        """The committed state of an invocation this planner has not written, or None
+        when there is no such invocation."""
+        ...
+
+    def execute(self, batch: Batch) -> None:
+        """Write the batch's rows (in the transaction ``begin`` opened)."""
+        ...
+
+    def finish(self) -> None:
+        """Commit the transaction, durably."""
+        ...
+
+    def abort(self) -> None:
+        """Roll back whatever is open (never raises)."""
+        ...
+
+    def isolates(self, error: BaseException) -> bool:
+        """Whether ``error``, raised once the transaction began, is worth retrying
+        write by write (False when nothing more can be written now, such as a
+        lost connection)."""
+        ...
+
+
+@dataclass(slots=True)
+class _Live:
+    """What the planner knows of an invocation it writes."""
+
+    retained: int
+    unsettled: set[int] = field(default_factory=set)
+    """Retained attempts still ``dispatched``."""
+    overflow: set[int] | None = field(default_factory=set)
+    """Attempts past the retention cap not yet settled; None when unknown (an
+    invocation started by another ledger), and then any ordinal is accepted."""
+    ended: bool = False
+
+
+@dataclass(slots=True)
+class Batch:
+    """The rows one transaction writes, grouped by statement (each row in the
+    order of its statement's columns)."""
+
+    starts: list[Sequence[Any]] = field(default_factory=list)
+    """`INVOCATION_INSERT` rows."""
+    dispatches: list[Sequence[Any]] = field(default_factory=list)
+    """`ATTEMPT_INSERT` rows."""
+    settles: list[Sequence[Any]] = field(default_factory=list)
+    """`ATTEMPT_SETTLE` values, then ``invocation_id`` and ``ordinal``."""
+    deltas: dict[str, list[int]] = field(default_factory=dict)
+    """Each invocation's changes to its totals, in `DELTA_COLUMNS` order."""
+    ends: list[Sequence[Any]] = field(default_factory=list)
+    """`END_SET` values, then ``id``."""
+    touched: set[str] = field(default_factory=set)
+    """Invocations whose `_Live` this batch changed (forgotten if it rolls back)."""
+    refused: list[tuple[int, str]] = field(default_factory=list)
+    """Durable ops refused while planning: ``(op_id, message)``."""
+    planned: int = 0
+    """Writes accepted into this batch."""
+
+    def delta_rows(self) -> list[Sequence[Any]]:
+        """The `deltas` as rows: the `DELTA_COLUMNS` values, then the invocation's id."""
+        return [(*d, i) for i, d in self.deltas.items()]
+
+
+def describe(op: Op) -> str:
+    """What ``op`` does, for a message."""
+    kind = op[0]
+    if kind == START:
+        return f"starting invocation {op[2]}"
+    if kind == DISPATCH:
+        return f"dispatching attempt {op[3]} of {op[2]}"
+    if kind == SETTLE:
+        return f"settling attempt {op[3]} of {op[2]}"
+    if kind == END:
+        return f"ending invocation {op[2]}"
+    return "committing"
+
+
+class Planner:
+    """Turns ops into rows under the ledger's rules, and commits them through a store.
+
+    Not thread-safe: the store's one writer calls it.
+
+    Args:
+        store: Where the rows go.
+        max_retained: Attempt rows kept per invocation (R07).
+    """
+
+    def __init__(self, store: Store, max_retained: int) -> None:
+        self.store = store
+        self.max_retained = max_retained
+        self.commits = 0
+        """Transactions committed."""
+        self.writes = 0
+        """Ops committed (starts, dispatches, settles, ends)."""
+        self._live: dict[str, _Live] = {}
+        self._failed: dict[str, str] = {}
+        """Invocations whose deferred write was refused: their next writes are too."""
+
+    def commit(self, ops: Sequence[Op]) -> list[tuple[int, str]]:
+        """Write ``ops`` in one transaction (when a write fails, each on its own).
+
+        Returns:
+            The durable ops refused, as ``(op_id, message)``.
+        """
+        store = self.store
+        batch = Batch()
+        began = False
+        errors: tuple[type[BaseException], ...] = (*store.errors, Mismatch)
+        try:
+            store.begin()
+            began = True
+            self._plan(batch, ops)
+            store.execute(batch)
+            store.finish()
+        except errors as error:
+            store.abort()
+            # Forget what this batch taught the planner: the next write to
+            # those invocations reads their committed state again.
+            for invocation_id in batch.touched:
+                self._live.pop(invocation_id, None)
+            if began and len(ops) > 1 and store.isolates(error):
+                # Isolate the write that failed so the others still land.
+                refused: list[tuple[int, str]] = []
+                for op in ops:
+                    refused += self.commit([op])
+                return refused
+            # A single write failed, or no transaction could be had (the write
+            # lock within the busy timeout, a connection): retrying each write
+            # would fail or wait as long again.
+            failed = Batch()
+            for op in ops:
+                self._refuse(op, f"{store.name}: {describe(op)} failed: {error}", failed)
+            return failed.refused
+        for row in batch.ends:
+            # Ended: nothing more will be written for it by the engine.
+            self._live.pop(row[-1], None)
+        self.commits += 1
+        self.writes += batch.planned
+        return batch.refused
+
+    def _refuse(self, op: Op, message: str, batch: Batch) -> None:
+        kind = op[0]
+        if kind in (START, SETTLE):
+            # A deferred write may have nobody awaiting it: its invocation's
+            # next durable write reports the failure, and nothing more is
+            # written for it.
+            self._failed.setdefault(op[2], message)
+        if kind != START:
+            # A settle of what the provider served is awaited: report it too.
+            batch.refused.append((op[1], message))
+
+    # -- planning: check each op against what is known and turn it into rows ------
+
+    def _plan(self, batch: Batch, ops: Sequence[Op]) -> None:
+        failed = self._failed
+        for op in ops:
+            kind = op[0]
+            if kind >= FLUSH:
+                continue
+            try:
+                if failed:
+                    message = failed.get(op[2])
+                    if message is not None:
+                        raise Refused(message)
+                if kind == SETTLE:
+                    self._plan_settle(batch, op)
+                elif kind == DISPATCH:
+                    self._plan_dispatch(batch, op)
+                elif kind == START:
+                    self._plan_start(batch, op)
+                else:
+                    self._plan_end(batch, op)
+            except Refused as refusal:
+                self._refuse(op, str(refusal), batch)
+                continue
+            batch.planned += 1
+
+    def _touch(self, batch: Batch, invocation_id: str) -> _Live:
+        batch.touched.add(invocation_id)
+        live = self._live.get(invocation_id)
+        if live is not None and not live.ended:
+            return live
+        if live is None:
+            # Not started by this planner (or forgotten after a rollback): read
+            # its committed state.
+            known = self.store.load(invocation_id)
+            if known is None:
+                raise Refused(f"{self.store.name}: no invocation {invocation_id}")
+            live = _Live(known.retained, set(known.unsettled), None, ended=known.ended)
+            self._live[invocation_id] = live
+        if live.ended:
+            raise Refused(f"{self.store.name}: invocation {invocation_id} has already ended")
+        return live
+
+    def _plan_start(self, batch: Batch, op: Op) -> None:
+        invocation_id = op[2]
+        if invocation_id in self._live:
+            raise Refused(f"{self.store.name}: invocation {invocation_id} already exists")
+        batch.touched.add(invocation_id)
+        self._live[invocation_id] = _Live(0)
+        batch.starts.append(op[2:])
+
+    def _deltas(self, batch: Batch, invocation_id: str) -> list[int]:
+        deltas = batch.deltas.get(invocation_id)
+        if deltas is None:
+            deltas = batch.deltas[invocation_id] = [0] * len(DELTA_COLUMNS)
+        return deltas
+
+    def _plan_dispatch(self, batch: Batch, op: Op) -> None:
+        invocation_id, ordinal = op[2], op[3]
+        live = self._touch(batch, invocation_id)
+        overflow = live.overflow
+        if ordinal in live.unsettled or (overflow is not None and ordinal in overflow):
+            raise Refused(
+                f"{self.store.name}: attempt {ordinal} of {invocation_id} is already dispatched")
+        deltas = self._deltas(batch, invocation_id)
+        deltas[_D_COUNT] += 1
+        if live.retained >= self.max_retained:
+            # R07: past the cap an attempt is counted, not kept.
+            deltas[_D_INCOMPLETE] = 1
+            if overflow is not None:
+                overflow.add(ordinal)
+            return
+        live.retained += 1
+        live.unsettled.add(ordinal)
+        deltas[_D_RETAINED] += 1
+        batch.dispatches.append(op[2:])
+
+    def _plan_settle(self, batch: Batch, op: Op) -> None:
+        invocation_id, ordinal = op[2], op[3]
+        live = self._touch(batch, invocation_id)
+        if ordinal in live.unsettled:
+            live.unsettled.discard(ordinal)
+            retained = True
+        elif live.overflow is None or ordinal in live.overflow:
+            if live.overflow is not None:
+                live.overflow.discard(ordinal)
+            retained = False
+        else:
+            raise Refused(
+                f"{self.store.name}: attempt {ordinal} of {invocation_id} was not dispatched "
+                "or is already settled")
+        deltas = self._deltas(batch, invocation_id)
+        if op[_S_TOKENS] is not None:
+            for index in range(5):
+                deltas[_D_INPUT + index] += op[_S_TOKENS + index]
+        cost = op[_S_COST]
+        if cost is not None:
+            # S01: every priced attempt is what the provider may bill; only
+            # the charged (successful) ones are what the run costs.
+            deltas[_D_PROVIDER_COST] += cost
+            if op[_S_CHARGED]:
+                deltas[_D_COST] += cost
+        if retained:
+            batch.settles.append((*op[4:], invocation_id, ordinal))
+
+    def _plan_end(self, batch: Batch, op: Op) -> None:
+        invocation_id = op[2]
+        live = self._touch(batch, invocation_id)
+        live.ended = True
+        batch.ends.append((*op[3:], invocation_id))
+
+
+Execute = Callable[[str, list[Sequence[Any]]], int]
+"""``(kind, rows) -> rows changed``: one of a store's statements run for many rows."""
+
+
+def execute(batch: Batch, run: Execute) -> None:
+    """Write ``batch`` with a store's statements, in the order that keeps rows
+    existing before they are updated, checking each update's row count.
+
+    The statement kinds are ``start``, ``dispatch``, ``settle``, ``add`` (the
+    `Batch.delta_rows`) and ``end``.
+
+    Raises:
+        Mismatch: an update changed another number of rows than planned.
+    """
+    if batch.starts:
+        run("start", batch.starts)
+    if batch.dispatches:
+        run("dispatch", batch.dispatches)
+    if batch.settles:
+        expect(run("settle", batch.settles), len(batch.settles), "dispatched attempt rows")
+    if batch.deltas:
+        expect(run("add", batch.delta_rows()), len(batch.deltas), "invocation rows")
+    if batch.ends:
+        expect(run("end", batch.ends), len(batch.ends), "invocation rows")
