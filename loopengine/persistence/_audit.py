@@ -1,31 +1,44 @@
 """The auditor's questions, asked of a ledger file opened read-only.
 
 `loopengine audit` is a thin shell over these functions: spend over a period
-grouped by tenant, feature, model or operation; one invocation with its
-attempts; the reconciliation of attempt rows against invocation totals; and
-the per-attempt invoice export. Everything here only reads.
+grouped by tenant, feature, model, operation, user or correlation id; one
+invocation with its attempts; the reconciliation of attempt rows against
+invocation totals; and the per-attempt invoice export. Everything here only
+reads, and opens a file it may not write (another user's, a read-only copy).
+
+An attempt is *unpriced* when it reported tokens but has no cost: no price
+source knew its model. Its tokens are in the totals, its cost in none of them,
+so every answer here names such attempts instead of showing a quiet $0.
+
+Values are checked as they are read: a value of a type the ledger never
+stores (a BLOB, text or a real number in an integer column, NULL in a NOT NULL
+one) raises `LedgerError` naming its row and column, instead of a wrong total
+or a crash. `show` alone returns what is stored, whatever it is: it is how an
+auditor looks at a damaged record.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sqlite3
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
-
-import sqlite_utils
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._schema import (
     ATTEMPT_COLUMNS,
     INVOCATION_COLUMNS,
+    MIGRATIONS,
+    SCHEMA_TABLE,
     SCHEMA_VERSION,
     format_time,
-    schema_version,
 )
 
 __all__ = [
@@ -34,17 +47,22 @@ __all__ = [
     "Mismatch",
     "Reconciliation",
     "SpendRow",
+    "describe_value",
     "export_rows",
+    "format_duration",
     "incomplete_in_export",
+    "is_unpriced",
     "open_ledger",
+    "parse_duration",
     "parse_moment",
     "reconcile",
     "show",
     "spend",
 ]
 
-Grouping = Literal["tenant", "feature", "model", "operation"]
-GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation")
+Grouping = Literal["tenant", "feature", "model", "operation", "user_id", "correlation_id"]
+GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "user_id",
+                                   "correlation_id")
 """What `spend` can group by."""
 
 _NANO = Decimal(1_000_000_000)
@@ -53,17 +71,46 @@ _NANO = Decimal(1_000_000_000)
 _SUMMED = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
            "cache_write_1h_tokens")
 
+# The tokens an attempt was served (cache_write_1h_tokens is a part of
+# cache_write_tokens, so it is not added again).
+_TOKEN_COLUMNS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
+
+
+def _tokens_sql(alias: str) -> str:
+    return " + ".join(f"COALESCE({alias}.{c}, 0)" for c in _TOKEN_COLUMNS)
+
+
+def _unpriced_sql(alias: str) -> str:
+    return f"({alias}.cost_nanousd IS NULL AND ({_tokens_sql(alias)}) > 0)"
+
+
 EXPORT_COLUMNS: tuple[str, ...] = (
     *ATTEMPT_COLUMNS[:2], "tenant", "user_id", "feature", "correlation_id", "operation",
     "operation_version", "provider", "model", *ATTEMPT_COLUMNS[2:], "cost_usd",
-    "response_id_missing",
+    "response_id_missing", "unpriced",
 )
 """The columns of an invoice export row: the attempt, who it is accounted to,
-its cost in USD, and whether it lacks a response id."""
+its cost in USD, whether it lacks a response id, and whether it is unpriced
+(tokens served, no cost)."""
+
+# The joined invocation columns of an export row: NULL for an attempt row
+# whose invocation row is missing, whatever the invocation table requires.
+_EXPORT_JOINED = ("tenant", "user_id", "feature", "correlation_id", "operation",
+                  "operation_version", "provider", "model")
+
+
+# -- opening -------------------------------------------------------------------------------
 
 
 def open_ledger(path: str | os.PathLike[str]) -> sqlite3.Connection:
     """Open a ledger file read-only, after checking that it is one this code reads.
+
+    The file is opened with SQLite's ``mode=ro``, so nothing is written to it,
+    and it is never created. A file this user cannot write (another user's
+    file, a read-only directory or medium) whose write-ahead log is absent is
+    opened ``immutable=1``: SQLite then reads it without the shared-memory
+    index it could not create. When a write-ahead log is present and cannot be
+    read that way, the error says so.
 
     Args:
         path: The database file.
@@ -72,40 +119,214 @@ def open_ledger(path: str | os.PathLike[str]) -> sqlite3.Connection:
         A read-only connection whose rows are `sqlite3.Row`.
 
     Raises:
-        LedgerError: the file does not exist, is not a SQLite database, is not a
-            loopengine ledger, or has a schema newer than this code.
+        LedgerError: the path is not a readable file, the file is not a SQLite
+            database or not a loopengine ledger, has a schema newer than this
+            code, or cannot be read by this user (the message says why).
     """
-    file = Path(path)
-    if not file.exists():
-        raise LedgerError(f"{file}: no such file")
-    if not file.is_file():
-        raise LedgerError(f"{file}: not a file")
-    # mode=ro: an audit never writes, whatever it is asked.
-    conn = sqlite3.connect(file.resolve().as_uri() + "?mode=ro", uri=True)
+    file = _existing_file(path)
+    uri, wal_blocks = _read_only_uri(file)
     try:
-        try:
-            version = schema_version(conn)
-        except sqlite3.DatabaseError as error:
-            raise LedgerError(f"{file} is not a SQLite database ({error})") from error
-        if version is None:
-            raise LedgerError(f"{file} is not a loopengine ledger (it has no "
-                              "loopengine_schema table)")
-        if version > SCHEMA_VERSION:
-            raise LedgerError(
-                f"{file} has ledger schema version {version}, newer than this loopengine "
-                f"understands ({SCHEMA_VERSION}); upgrade loopengine to read it")
-        db = sqlite_utils.Database(conn, recursive_triggers=False, execute_plugins=False)
-        for table, wanted in (("invocations", INVOCATION_COLUMNS), ("attempts", ATTEMPT_COLUMNS)):
-            have = set(db.table(table).columns_dict) if db.table(table).exists() else set()
-            missing = [c for c in wanted if c not in have]
-            if missing:
-                raise LedgerError(f"{file} is not a loopengine ledger: table {table} lacks "
-                                  f"{', '.join(missing)}")
+        conn = sqlite3.connect(uri, uri=True)
+    except sqlite3.Error as error:  # pragma: no cover - connect defers opening the file
+        raise LedgerError(f"{file} cannot be opened: {error}") from error
+    try:
+        _check_ledger(conn, file, wal_blocks)
     except BaseException:
         conn.close()
         raise
     conn.row_factory = sqlite3.Row
     return conn
+
+
+def _existing_file(path: str | os.PathLike[str]) -> Path:
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise LedgerError(f"a ledger path must be a str or a path, got {path!r}") from None
+    if not isinstance(text, str):
+        raise LedgerError(f"a ledger path must be a str or a path, got {path!r}")
+    if not text:
+        raise LedgerError("no ledger file given (the path is empty)")
+    if "\0" in text:
+        raise LedgerError(f"{text!r} cannot be a ledger file: the path contains a NUL byte")
+    file = Path(text)
+    try:
+        status = file.stat()
+    except FileNotFoundError:
+        raise LedgerError(f"{file}: no such file") from None
+    except OSError as error:
+        raise LedgerError(f"{file}: cannot be read: {error.strerror or error}") from None
+    if stat.S_ISDIR(status.st_mode):
+        raise LedgerError(f"{file}: not a file (it is a directory)")
+    if not stat.S_ISREG(status.st_mode):
+        # A FIFO or a device would block SQLite or be read as garbage.
+        raise LedgerError(f"{file}: not a file (not a regular file)")
+    if not os.access(file, os.R_OK):
+        raise LedgerError(f"{file}: this user cannot read it (permission denied)")
+    return file
+
+
+def _read_only_uri(file: Path) -> tuple[str, str | None]:
+    """The URI to open ``file`` with, and why a write-ahead log may block reading it."""
+    real = file.resolve()
+    uri = real.as_uri() + "?mode=ro"
+    if os.access(real, os.W_OK) and os.access(real.parent, os.W_OK):
+        # This user could write the file: SQLite's ordinary read-only opening
+        # (with its locks, so a writer may be working meanwhile) works.
+        return uri, None
+    wal, shm = Path(f"{real}-wal"), Path(f"{real}-shm")
+    try:
+        wal_size: int | None = wal.stat().st_size
+    except FileNotFoundError:
+        wal_size = None
+    except OSError:
+        wal_size = -1
+    if wal_size is None or (wal_size == 0 and not os.path.lexists(shm)):
+        # No write-ahead log (or an empty one that no writer has open, for a
+        # writer keeps its -shm beside it): everything committed is in the
+        # file itself, and immutable=1 reads it without creating -wal/-shm.
+        return uri + "&immutable=1", None
+    why = (f"it has a write-ahead log ({wal.name}: a process is writing the ledger, or "
+           "one stopped before it was checkpointed), and reading that log needs its "
+           f"shared-memory index ({shm.name}), which this user can neither open nor create "
+           f"in {real.parent}. Audit it as a user who can write that directory, once every "
+           "process writing it has closed it, or from a copy its owner makes with "
+           "`sqlite3 LEDGER \".backup COPY\"`")
+    return uri, why
+
+
+def _check_ledger(conn: sqlite3.Connection, file: Path, wal_blocks: str | None) -> None:
+    # A hand-made file cannot make reading it run SQL functions of its choosing.
+    conn.execute("PRAGMA trusted_schema = OFF")
+    try:
+        kinds = {str(name): str(kind) for name, kind in conn.execute(
+            "SELECT name, type FROM sqlite_master WHERE type IN ('table', 'view')")}
+    except sqlite3.Error as error:
+        code = getattr(error, "sqlite_errorname", "")
+        if code in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
+            raise LedgerError(f"{file} is not a SQLite database ({error})") from None
+        if wal_blocks is not None:
+            raise LedgerError(f"{file} cannot be read by this user: {wal_blocks}") from None
+        raise LedgerError(f"{file} cannot be read: {error}") from None
+    try:
+        version = _schema_version(conn, file, kinds.get(SCHEMA_TABLE))
+        if version > SCHEMA_VERSION:
+            raise LedgerError(
+                f"{file} has ledger schema version {version}, newer than this loopengine "
+                f"understands ({SCHEMA_VERSION}); upgrade loopengine to read it")
+        for table, wanted in (("invocations", INVOCATION_COLUMNS),
+                              ("attempts", ATTEMPT_COLUMNS)):
+            kind = kinds.get(table)
+            if kind != "table":
+                what = f"it has no {table} table" if kind is None else \
+                    f"{table} is a {kind}, not a table"
+                raise LedgerError(f"{file} is not a loopengine ledger: {what}")
+            have = {str(row[1]) for row in conn.execute(f"PRAGMA table_info({table})")}
+            missing = [c for c in wanted if c not in have]
+            if missing:
+                raise LedgerError(f"{file} is not a loopengine ledger: table {table} lacks "
+                                  f"{', '.join(missing)}")
+    except sqlite3.Error as error:
+        raise LedgerError(f"{file} is not a loopengine ledger ({error})") from None
+
+
+def _schema_version(conn: sqlite3.Connection, file: Path, kind: str | None) -> int:
+    if kind is None:
+        raise LedgerError(f"{file} is not a loopengine ledger (it has no {SCHEMA_TABLE} "
+                          "table)")
+    if kind != "table":
+        raise LedgerError(f"{file} is not a loopengine ledger: {SCHEMA_TABLE} is a {kind}, "
+                          "not a table")
+    bad = conn.execute(f"SELECT version FROM {SCHEMA_TABLE} "
+                       "WHERE typeof(version) NOT IN ('integer', 'null') LIMIT 1").fetchone()
+    if bad is not None:
+        raise LedgerError(f"{file} is not a loopengine ledger: its {SCHEMA_TABLE} table holds "
+                          f"the version {describe_value(bad[0])}, not an integer")
+    row = conn.execute(f"SELECT MAX(version) FROM {SCHEMA_TABLE}").fetchone()
+    return int(row[0]) if row[0] is not None else 0
+
+
+# -- values --------------------------------------------------------------------------------
+
+
+def describe_value(value: object) -> str:
+    """A stored value as error messages name it: its SQLite type and a short repr."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bytes):
+        shown = value[:16].hex().upper()
+        return f"a BLOB (X'{shown}{'…' if len(value) > 16 else ''}')"
+    if isinstance(value, float):
+        return f"a real number ({value!r})"
+    if isinstance(value, int):
+        return f"an integer ({value})"
+    text = repr(value)
+    return f"text ({text[:40]}{'…' if len(text) > 40 else ''})"
+
+
+@functools.cache
+def _declared() -> dict[str, dict[str, tuple[type, bool]]]:
+    """Each ledger column's Python type and whether it is NOT NULL, from the schema."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        for migration in MIGRATIONS:
+            for statement in migration.statements:
+                conn.execute(statement)
+        types: dict[str, type] = {"INTEGER": int, "TEXT": str}
+        return {table: {str(r[1]): (types.get(str(r[2]).upper(), object), bool(r[3]))
+                        for r in conn.execute(f"PRAGMA table_info({table})")}
+                for table in ("invocations", "attempts")}
+    finally:
+        conn.close()
+
+
+def _check(table: str, row: Any, columns: tuple[str, ...], where: Callable[[Any], str],
+           *, nullable: bool = False) -> None:
+    """Raise `LedgerError` when a column of ``row`` holds what the ledger never stores."""
+    declared = _declared()[table]
+    for column in columns:
+        kind, not_null = declared[column]
+        value = row[column]
+        if value is None:
+            if not_null and not nullable:
+                raise _bad(where(row), column, value, kind)
+        elif not isinstance(value, kind):
+            raise _bad(where(row), column, value, kind)
+
+
+def _bad(where: str, column: str, value: object, kind: type) -> LedgerError:
+    wanted = "an integer" if kind is int else "text"
+    return LedgerError(f"{where}: {column} holds {describe_value(value)} where a ledger "
+                       f"stores {wanted}; this file was not written by loopengine as it is")
+
+
+def _where_invocation(row: Any) -> str:
+    return f"invocation {_short(row['id'])}"
+
+
+def _where_attempt(row: Any) -> str:
+    return f"attempt {_short(row['invocation_id'])} #{_short(row['ordinal'])}"
+
+
+def _short(value: object) -> str:
+    if isinstance(value, int):
+        return str(value)
+    return value if isinstance(value, str) and len(value) <= 80 and value.isprintable() \
+        else describe_value(value)
+
+
+def is_unpriced(attempt: Mapping[str, Any]) -> bool:
+    """Whether an attempt row reported tokens but carries no cost (no price knew it)."""
+    if attempt.get("cost_nanousd") is not None:
+        return False
+    return any(isinstance(attempt.get(c), int) and attempt[c] > 0 for c in _TOKEN_COLUMNS)
+
+
+def _tokens(attempt: Mapping[str, Any]) -> int:
+    return sum(v for c in _TOKEN_COLUMNS if isinstance(v := attempt.get(c), int))
+
+
+# -- periods and durations -----------------------------------------------------------------
 
 
 def parse_moment(text: str) -> str:
@@ -114,15 +335,52 @@ def parse_moment(text: str) -> str:
     ``2026-03-01`` means midnight UTC; a time without an offset is UTC.
 
     Raises:
-        ValueError: ``text`` is neither.
+        ValueError: ``text`` is neither, or is outside the years 1 to 9999 once
+            converted to UTC.
     """
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
         raise ValueError(f"{text!r} is not a date (YYYY-MM-DD) or an ISO-8601 time") from None
-    if len(text) == 10:
-        moment = datetime.combine(date.fromisoformat(text), datetime.min.time(), UTC)
-    return format_time(moment)
+    try:
+        # A date alone parses as naive midnight, which format_time takes as UTC.
+        return format_time(moment)
+    except OverflowError:
+        raise ValueError(f"{text!r} is outside the years 1 to 9999 once converted to "
+                         "UTC") from None
+
+
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"(?:[0-9]+(?:\.[0-9]+)?[smhdw])+", re.ASCII)
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhdw])", re.ASCII)
+
+
+def parse_duration(text: str) -> timedelta:
+    """A duration such as ``90s``, ``30m``, ``2h``, ``1d``, ``1w`` or ``1h30m``.
+
+    Raises:
+        ValueError: ``text`` is not one, or is longer than `datetime.timedelta` holds.
+    """
+    if not _DURATION.fullmatch(text):
+        raise ValueError(f"{text!r} is not a duration such as 90s, 30m, 2h, 1d or 1h30m")
+    seconds = sum(Decimal(number) * _UNIT_SECONDS[unit]
+                  for number, unit in _DURATION_PART.findall(text))
+    if seconds > Decimal(timedelta.max.days) * 86400:
+        raise ValueError(f"{text!r} is too long a duration")
+    return timedelta(seconds=float(seconds))
+
+
+def format_duration(span: timedelta) -> str:
+    """A duration as `parse_duration` reads it (``1d2h30m``, ``45s``, ``0s``)."""
+    seconds = span.total_seconds()
+    parts = []
+    for unit in ("d", "h", "m"):
+        count, seconds = divmod(seconds, _UNIT_SECONDS[unit])
+        if count:
+            parts.append(f"{int(count)}{unit}")
+    if seconds or not parts:
+        parts.append(f"{seconds:g}s")
+    return "".join(parts)
 
 
 def _period(column: str, since: str | None, until: str | None) -> tuple[str, list[str]]:
@@ -136,12 +394,15 @@ def _period(column: str, since: str | None, until: str | None) -> tuple[str, lis
     return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
 
 
+# -- spend ---------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
 class SpendRow:
     """Spend of one group over a period (invocations by their start time)."""
 
     key: str | None
-    """The tenant, feature, model or operation (None when it was not set)."""
+    """The tenant, feature, model, operation, user or correlation id (None when not set)."""
     invocations: int
     """Invocations started in the period."""
     attempts: int
@@ -160,6 +421,10 @@ class SpendRow:
     """Every priced attempt: what the provider may bill."""
     credits: int
     """Credits charged."""
+    unpriced_attempts: int = 0
+    """Attempt rows that served tokens without a price: their cost is in neither total."""
+    unpriced_tokens: int = 0
+    """The tokens those attempts served (input, output, cache read and write)."""
 
     @property
     def cost_usd(self) -> Decimal:
@@ -170,6 +435,11 @@ class SpendRow:
     def provider_cost_usd(self) -> Decimal:
         """``provider_cost_nanousd`` in USD, exactly."""
         return Decimal(self.provider_cost_nanousd) / _NANO
+
+
+_SPEND_SUMS = ("invocations", "attempt_count", "input_tokens", "output_tokens",
+               "cache_read_tokens", "cache_write_tokens", "cost_nanousd",
+               "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens")
 
 
 def spend(
@@ -183,34 +453,57 @@ def spend(
 
     The totals come from the invocation rows, which count every attempt even
     past the retention cap (R07), so they are complete where rows are not.
+    The unpriced counts come from the attempt rows kept.
 
     Args:
         conn: From `open_ledger`.
-        by: ``tenant``, ``feature``, ``model`` or ``operation``.
+        by: One of `GROUPINGS`.
         since: Inclusive lower bound (`parse_moment` text), or None.
         until: Exclusive upper bound, or None.
 
     Raises:
         ValueError: ``by`` is not one of `GROUPINGS`.
+        LedgerError: the rows hold values a ledger never stores.
     """
     if by not in GROUPINGS:
         raise ValueError(f"cannot group by {by!r}; choose one of {', '.join(GROUPINGS)}")
-    where, params = _period("started_at", since, until)
+    where, params = _period("i.started_at", since, until)
+    # Correlated through the attempts' primary key, so the cost follows the
+    # period's invocations, not the whole table.
+    unpriced = f"FROM attempts AS a WHERE a.invocation_id = i.id AND {_unpriced_sql('a')}"
     sql = (
-        f"SELECT {by} AS key, COUNT(*), SUM(attempt_count), SUM(input_tokens), "
-        "SUM(output_tokens), SUM(cache_read_tokens), SUM(cache_write_tokens), "
-        f"SUM(cost_nanousd), SUM(provider_cost_nanousd), SUM(credits) FROM invocations{where} "
-        f"GROUP BY {by} ORDER BY SUM(cost_nanousd) DESC, key"
+        f"SELECT i.{by} AS key, COUNT(*), SUM(i.attempt_count), SUM(i.input_tokens), "
+        "SUM(i.output_tokens), SUM(i.cache_read_tokens), SUM(i.cache_write_tokens), "
+        "SUM(i.cost_nanousd), SUM(i.provider_cost_nanousd), SUM(i.credits), "
+        f"SUM((SELECT COUNT(*) {unpriced})), SUM((SELECT SUM({_tokens_sql('a')}) {unpriced})) "
+        f"FROM invocations AS i{where} GROUP BY i.{by} ORDER BY SUM(i.cost_nanousd) DESC, key"
     )
-    return [SpendRow(row[0], *(int(v or 0) for v in tuple(row)[1:]))
-            for row in conn.execute(sql, params)]
+    rows = []
+    for row in conn.execute(sql, params):
+        key, sums = row[0], tuple(row)[1:]
+        if key is not None and not isinstance(key, str):
+            raise LedgerError(f"invocations hold a {by} that is {describe_value(key)}, where a "
+                              "ledger stores text; this file was not written by loopengine "
+                              "as it is")
+        for name, value in zip(_SPEND_SUMS, sums, strict=True):
+            if value is not None and not isinstance(value, int):
+                # SUM is a real number when any value it adds is not an integer.
+                raise LedgerError(f"invocations of {by} {_short(key)} hold a {name} that is "
+                                  "not an integer; this file was not written by loopengine "
+                                  "as it is")
+        rows.append(SpendRow(key, *(v or 0 for v in sums)))
+    return rows
+
+
+# -- show ----------------------------------------------------------------------------------
 
 
 def show(conn: sqlite3.Connection, invocation_id: str) -> tuple[dict[str, Any],
                                                                 list[dict[str, Any]]]:
-    """One invocation and its attempt rows in ordinal order.
+    """One invocation and its attempt rows in ordinal order, as stored.
 
-    ``invocation_id`` may be a unique prefix of the id.
+    ``invocation_id`` may be a unique prefix of the id. Each attempt also
+    carries ``unpriced`` (`is_unpriced`).
 
     Raises:
         LookupError: no invocation matches, or a prefix matches several.
@@ -228,7 +521,12 @@ def show(conn: sqlite3.Connection, invocation_id: str) -> tuple[dict[str, Any],
     invocation = dict(rows[0])
     attempts = [dict(r) for r in conn.execute(
         "SELECT * FROM attempts WHERE invocation_id = ? ORDER BY ordinal", (invocation["id"],))]
+    for attempt in attempts:
+        attempt["unpriced"] = is_unpriced(attempt)
     return invocation, attempts
+
+
+# -- reconcile -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,22 +554,53 @@ class Reconciliation:
     mismatches: list[Mismatch] = field(default_factory=list)
     """Totals that do not equal their rows' sums."""
     unsettled: list[dict[str, Any]] = field(default_factory=list)
-    """Attempt rows still ``dispatched``: in flight, or their process died."""
+    """Attempt rows still ``dispatched``: in flight, or their process died (with
+    ``older_than``: only those dispatched within it)."""
     incomplete: list[dict[str, Any]] = field(default_factory=list)
     """Invocations with more attempts than rows (R07): their sums cannot be checked."""
     running: list[dict[str, Any]] = field(default_factory=list)
-    """Invocations not ended: still running, or their process died."""
+    """Invocations not ended: still running, or their process died (with
+    ``older_than``: only those started within it)."""
     orphans: list[dict[str, Any]] = field(default_factory=list)
     """Attempt rows whose invocation row is missing."""
+    unpriced: list[dict[str, Any]] = field(default_factory=list)
+    """Attempt rows that served tokens without a price: their cost is in no total."""
+    abandoned: list[dict[str, Any]] = field(default_factory=list)
+    """Invocations not ended that started more than ``older_than`` ago: their
+    process died (each with ``dispatched``, its attempts left unsettled)."""
+    abandoned_attempts: list[dict[str, Any]] = field(default_factory=list)
+    """Attempt rows still ``dispatched`` more than ``older_than`` after they were
+    sent: their usage is unknown (the provider may have served and billed them)."""
+    older_than: timedelta | None = None
+    """The age past which an open record counts as abandoned, or None (every
+    open record then needs a look)."""
 
     @property
     def ok(self) -> bool:
-        """True when every total reconciles and nothing is open or incomplete."""
-        return not (self.mismatches or self.unsettled or self.incomplete or self.running
-                    or self.orphans)
+        """True when every total reconciles and nothing needs a look.
+
+        Mismatches, incomplete records, orphan rows, unpriced attempts and
+        abandoned records need one. Open records need one too unless
+        ``older_than`` was given: they are then in flight.
+        """
+        if self.mismatches or self.incomplete or self.orphans or self.unpriced \
+                or self.abandoned or self.abandoned_attempts:
+            return False
+        return self.older_than is not None or not (self.unsettled or self.running)
 
 
-def reconcile(conn: sqlite3.Connection) -> Reconciliation:
+# The invocation columns reconcile reads, checked before they are compared.
+_RECONCILED = ("id", "operation", "started_at", "outcome", "attempt_count",
+               "attempts_retained", "incomplete", *_SUMMED, "cost_nanousd",
+               "provider_cost_nanousd")
+
+
+def reconcile(
+    conn: sqlite3.Connection,
+    *,
+    older_than: timedelta | None = None,
+    now: datetime | None = None,
+) -> Reconciliation:
     """Check every invocation's totals against its attempt rows.
 
     For an invocation whose rows are complete (``incomplete = 0``) each token
@@ -279,22 +608,50 @@ def reconcile(conn: sqlite3.Connection) -> Reconciliation:
     charged rows, ``provider_cost_nanousd`` the sum over every priced row, and
     ``attempt_count`` and ``attempts_retained`` the number of rows. A charged
     row must be an ``ok`` one (S01). Rows still ``dispatched``, invocations
-    still ``running`` and incomplete invocations are listed.
+    still ``running``, incomplete invocations and unpriced attempts are listed.
+
+    Args:
+        conn: From `open_ledger`.
+        older_than: An invocation still ``running`` that started longer ago,
+            and an attempt still ``dispatched`` that was sent longer ago, are
+            listed as abandoned; younger ones are in flight and do not make the
+            result not `ok`. None: every open record is listed as open and
+            needs a look.
+        now: The time ``older_than`` counts back from (now, by default).
+
+    Raises:
+        LedgerError: the rows hold values a ledger never stores.
     """
+    cutoff: str | None = None
+    if older_than is not None:
+        moment = now or datetime.now(UTC)
+        try:
+            cutoff = format_time(moment - older_than)
+        except OverflowError:  # further back than year 1: nothing is older
+            cutoff = format_time(datetime.min)
     sums = ", ".join(f"COALESCE(SUM(a.{c}), 0) AS sum_{c}" for c in _SUMMED)
     rows = conn.execute(
         f"SELECT i.*, COUNT(a.ordinal) AS row_count, {sums}, "
         "COALESCE(SUM(CASE WHEN a.charged = 1 THEN a.cost_nanousd END), 0) AS sum_cost, "
         "COALESCE(SUM(a.cost_nanousd), 0) AS sum_provider_cost, "
-        "COALESCE(SUM(a.charged = 1 AND a.outcome != 'ok'), 0) AS charged_not_ok "
+        "COALESCE(SUM(a.charged = 1 AND a.outcome != 'ok'), 0) AS charged_not_ok, "
+        "COALESCE(SUM(a.outcome = 'dispatched'), 0) AS dispatched "
         "FROM invocations AS i LEFT JOIN attempts AS a ON a.invocation_id = i.id "
         "GROUP BY i.id ORDER BY i.started_at, i.id"
     ).fetchall()
     mismatches: list[Mismatch] = []
     incomplete: list[dict[str, Any]] = []
     running: list[dict[str, Any]] = []
+    abandoned: list[dict[str, Any]] = []
     attempts = 0
     for row in rows:
+        _check("invocations", row, _RECONCILED, _where_invocation)
+        for name in ("row_count", *(f"sum_{c}" for c in _SUMMED), "sum_cost",
+                     "sum_provider_cost", "charged_not_ok", "dispatched"):
+            if not isinstance(row[name], int):
+                raise LedgerError(f"the attempt rows of {_where_invocation(row)} hold values "
+                                  f"that are not integers ({name}); this file was not "
+                                  "written by loopengine as it is")
         inv = row["id"]
         attempts += row["row_count"]
 
@@ -305,7 +662,10 @@ def reconcile(conn: sqlite3.Connection) -> Reconciliation:
         differs("attempts_retained", row["attempts_retained"], row["row_count"])
         differs("charged", 0, row["charged_not_ok"])
         if row["outcome"] == "running":
-            running.append(_brief(row))
+            if cutoff is not None and row["started_at"] < cutoff:
+                abandoned.append(_brief(row))
+            else:
+                running.append(_brief(row))
         if row["incomplete"]:
             incomplete.append(_brief(row))
             if row["attempt_count"] <= row["attempts_retained"]:
@@ -317,20 +677,41 @@ def reconcile(conn: sqlite3.Connection) -> Reconciliation:
             differs(column, row[column], row[f"sum_{column}"])
         differs("cost_nanousd", row["cost_nanousd"], row["sum_cost"])
         differs("provider_cost_nanousd", row["provider_cost_nanousd"], row["sum_provider_cost"])
-    unsettled = [dict(r) for r in conn.execute(
-        "SELECT invocation_id, ordinal, turn, attempt, phase, served_by, started_at "
-        "FROM attempts WHERE outcome = 'dispatched' ORDER BY started_at, invocation_id, ordinal")]
+    unsettled: list[dict[str, Any]] = []
+    abandoned_attempts: list[dict[str, Any]] = []
+    for r in conn.execute(
+            "SELECT invocation_id, ordinal, turn, attempt, phase, served_by, started_at "
+            "FROM attempts WHERE outcome = 'dispatched' "
+            "ORDER BY started_at, invocation_id, ordinal"):
+        attempt = dict(r)
+        _check("attempts", attempt, tuple(attempt), _where_attempt)
+        old = cutoff is not None and attempt["started_at"] < cutoff
+        (abandoned_attempts if old else unsettled).append(attempt)
+    unpriced = []
+    for r in conn.execute(
+            "SELECT invocation_id, ordinal, served_by, started_at, outcome, "
+            f"{', '.join(_TOKEN_COLUMNS)} FROM attempts AS a WHERE {_unpriced_sql('a')} "
+            "ORDER BY started_at, invocation_id, ordinal"):
+        attempt = dict(r)
+        _check("attempts", attempt, tuple(attempt), _where_attempt)
+        attempt["tokens"] = _tokens(attempt)
+        unpriced.append(attempt)
     orphans = [dict(r) for r in conn.execute(
         "SELECT invocation_id, ordinal FROM attempts WHERE invocation_id NOT IN "
         "(SELECT id FROM invocations) ORDER BY invocation_id, ordinal")]
     return Reconciliation(invocations=len(rows), attempts=attempts + len(orphans),
                           mismatches=mismatches, unsettled=unsettled, incomplete=incomplete,
-                          running=running, orphans=orphans)
+                          running=running, orphans=orphans, unpriced=unpriced,
+                          abandoned=abandoned, abandoned_attempts=abandoned_attempts,
+                          older_than=older_than)
 
 
 def _brief(row: sqlite3.Row) -> dict[str, Any]:
     return {k: row[k] for k in ("id", "operation", "tenant", "started_at", "outcome",
-                                "attempt_count", "attempts_retained")}
+                                "attempt_count", "attempts_retained", "dispatched")}
+
+
+# -- export --------------------------------------------------------------------------------
 
 
 def export_rows(
@@ -339,8 +720,13 @@ def export_rows(
     """Every attempt row started in ``[since, until)``, for an invoice.
 
     Each row carries who it is accounted to, its cost in USD (exact decimal
-    text, None when unpriced), and ``response_id_missing`` (1 when the
-    provider gave no response id: such rows are marked, never dropped).
+    text, None when it has no cost), ``response_id_missing`` (1 when the
+    provider gave no response id: such rows are marked, never dropped) and
+    ``unpriced`` (1 when it served tokens without a price).
+
+    Raises:
+        LedgerError: a row holds a value a ledger never stores (raised when
+            that row is reached).
     """
     where, params = _period("a.started_at", since, until)
     columns = ", ".join(f"a.{c}" for c in ATTEMPT_COLUMNS)
@@ -350,9 +736,12 @@ def export_rows(
            "ORDER BY a.started_at, a.invocation_id, a.ordinal")
     for row in conn.execute(sql, params):
         record = dict(row)
+        _check("attempts", record, ATTEMPT_COLUMNS, _where_attempt)
+        _check("invocations", record, _EXPORT_JOINED, _where_attempt, nullable=True)
         cost = record["cost_nanousd"]
         record["cost_usd"] = None if cost is None else str(Decimal(cost) / _NANO)
         record["response_id_missing"] = int(not record["response_id"])
+        record["unpriced"] = int(is_unpriced(record))
         yield {column: record[column] for column in EXPORT_COLUMNS}
 
 
