@@ -106,11 +106,13 @@ def open_ledger(path: str | os.PathLike[str]) -> sqlite3.Connection:
     """Open a ledger file read-only, after checking that it is one this code reads.
 
     The file is opened with SQLite's ``mode=ro``, so nothing is written to it,
-    and it is never created. A file this user cannot write (another user's
-    file, a read-only directory or medium) whose write-ahead log is absent is
-    opened ``immutable=1``: SQLite then reads it without the shared-memory
-    index it could not create. When a write-ahead log is present and cannot be
-    read that way, the error says so.
+    and it is never created. A user who may write the file and its directory
+    reads it with SQLite's locks (SQLite may leave an empty -wal and -shm
+    beside it, as any reader does). A file this user cannot write (another
+    user's file, a read-only directory or medium) whose write-ahead log is
+    absent is opened ``immutable=1``: SQLite then reads it without the
+    shared-memory index it could not create. When a write-ahead log is
+    present and cannot be read, the error says why and what to do.
 
     Args:
         path: The database file.
