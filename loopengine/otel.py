@@ -12,6 +12,12 @@ one ``execute_tool {tool}`` span per tool call. Span times are the events'
 times. The run span is a child of whatever span is current where the run was
 started, so a run joins the caller's trace.
 
+Give the observer the engine's providers to have ``server.address`` and
+``server.port`` (read from each provider's SDK client's ``base_url``)::
+
+    provider = AnthropicProvider(api_key=...)
+    engine = Engine(provider, observers=[OpenTelemetryObserver(providers=[provider])])
+
 No message content is ever put on a span: the events carry none (no prompts,
 no answers, no tool inputs or outputs), so there is nothing to opt in to.
 docs/observability.md lists every attribute.
@@ -21,12 +27,16 @@ Importing `loopengine` never needs OpenTelemetry; only this module does.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from urllib.parse import urlsplit
 
 try:
     from opentelemetry import trace
     from opentelemetry.context import Context
+    from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
+    from opentelemetry.semconv.attributes.server_attributes import SERVER_ADDRESS, SERVER_PORT
     from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
     from opentelemetry.util.types import AttributeValue
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
@@ -46,11 +56,28 @@ from loopengine.events import (
     RunStarted,
     ToolCallEvent,
 )
+from loopengine.providers._base import Provider
 
 __all__ = ["OpenTelemetryObserver", "provider_name"]
 
 # gen_ai.provider.name has well-known values; our route names map onto them.
 _PROVIDER_NAMES = {"anthropic": "anthropic", "bedrock": "aws.bedrock", "vertex": "gcp.vertex_ai"}
+
+# The GenAI names are spelled out rather than imported: the conventions'
+# package keeps them in an unstable module that has already moved once (they
+# now live in the separate GenAI conventions), while the stable ones above
+# (error.type, server.*) are imported. tests/test_otel_conventions.py checks
+# every name used here against the package.
+GEN_AI_CONVERSATION_ID = "gen_ai.conversation.id"
+GEN_AI_OUTPUT_TYPE = "gen_ai.output.type"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+
+# error.type of a failed tool call: the event's reason when it is one of these
+# fixed ones, the exception's class for a handler that raised, else _OTHER
+# (the conventions' fallback), so a span never carries free text.
+_TOOL_ERRORS = frozenset({"unknown tool", "invalid input", "deadline", "duplicate"})
+_OTHER = "_OTHER"
+_DEFAULT_PORTS = {"https": 443, "http": 80}
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -69,12 +96,54 @@ def _ns(at: datetime) -> int:
     return (at - _EPOCH) // timedelta(microseconds=1) * 1000
 
 
+def _tool_error_type(error: str | None) -> str:
+    """The low-cardinality ``error.type`` of a failed tool call's ``error``.
+
+    ``unknown tool``, ``invalid input``, ``deadline`` and ``duplicate`` are
+    kept; ``handler raised ValueError`` gives the exception's class name
+    (``ValueError``); anything else is ``_OTHER``.
+    """
+    if error in _TOOL_ERRORS:
+        assert error is not None
+        return error
+    if error is not None and error.startswith("handler raised "):
+        name = error.removeprefix("handler raised ")
+        if name.isidentifier():
+            return name
+    return _OTHER
+
+
+def _server_attributes(provider: object) -> dict[str, AttributeValue]:
+    """``server.address`` and ``server.port`` of a provider's SDK client, if it has one.
+
+    Read defensively from ``provider.client.base_url`` (the ``anthropic`` and
+    ``openai`` clients have one); the port is the URL's, else the scheme's
+    default. A provider without a client (`ScriptedProvider`) gives nothing.
+    """
+    try:
+        base_url = getattr(getattr(provider, "client", None), "base_url", None)
+        if base_url is None:
+            return {}
+        parts = urlsplit(str(base_url))
+        host, port = parts.hostname, parts.port or _DEFAULT_PORTS.get(parts.scheme)
+    except Exception:  # a provider's property must never break tracing
+        return {}
+    if not host:
+        return {}
+    attributes: dict[str, AttributeValue] = {SERVER_ADDRESS: host}
+    if port is not None:
+        attributes[SERVER_PORT] = port
+    return attributes
+
+
 @dataclass(slots=True)
 class _RunSpans:
     span: Span
     context: Context
     provider: str
     model: str
+    common: dict[str, AttributeValue]
+    """Attributes every span of the run carries (conversation id, output type)."""
     attempts: dict[int, Span] = field(default_factory=dict)
     tools: dict[str, Span] = field(default_factory=dict)
 
@@ -87,12 +156,30 @@ class OpenTelemetryObserver:
 
     Args:
         tracer_provider: Where spans go; the global tracer provider by default.
+        providers: The engine's providers (one, a list, or the mapping of
+            route to provider given to `Engine`), to put ``server.address``
+            and ``server.port`` on each attempt span of their route. Read once,
+            here; a provider without an SDK client adds nothing.
     """
 
-    def __init__(self, tracer_provider: TracerProvider | None = None) -> None:
+    def __init__(
+        self,
+        tracer_provider: TracerProvider | None = None,
+        *,
+        providers: Provider | Iterable[Provider] | Mapping[str, Provider] | None = None,
+    ) -> None:
         self._tracer = trace.get_tracer("loopengine", __version__,
                                         tracer_provider=tracer_provider)
         self._runs: dict[str, _RunSpans] = {}
+        if providers is None:
+            routes: dict[str, object] = {}
+        elif isinstance(providers, Mapping):
+            routes = dict(providers)
+        elif isinstance(providers, Provider):
+            routes = {providers.name: providers}
+        else:
+            routes = {getattr(p, "name", ""): p for p in providers}
+        self._servers = {route: _server_attributes(p) for route, p in routes.items()}
 
     def __call__(self, event: Event) -> None:
         """Handle one event (the observer protocol)."""
@@ -130,6 +217,17 @@ class OpenTelemetryObserver:
             attributes["loopengine.tenant"] = event.tenant
         if event.feature is not None:
             attributes["loopengine.feature"] = event.feature
+        common: dict[str, AttributeValue] = {}
+        # The conventions want the application's own conversation id, never a
+        # minted one ("a new UUID ... SHOULD NOT be used"): the attribution's
+        # correlation id, when the event carries one; the run id stays
+        # loopengine.run.id.
+        conversation = getattr(event, "correlation_id", None)
+        if isinstance(conversation, str):
+            common[GEN_AI_CONVERSATION_ID] = conversation
+        if event.kind == "call":
+            common[GEN_AI_OUTPUT_TYPE] = "json"  # a structured call asks for JSON
+        attributes.update(common)
         # No context argument: the span's parent is the caller's current span.
         span = self._tracer.start_span(
             f"invoke_agent {event.operation}", kind=SpanKind.INTERNAL,
@@ -137,7 +235,7 @@ class OpenTelemetryObserver:
         )
         self._runs[event.run_id] = _RunSpans(
             span=span, context=trace.set_span_in_context(span), provider=provider,
-            model=event.model,
+            model=event.model, common=common,
         )
 
     def _guard_tripped(self, run: _RunSpans, event: GuardTripped) -> None:
@@ -155,7 +253,7 @@ class OpenTelemetryObserver:
         # Tool or attempt spans still open (a cancelled or failed run) end with it.
         cut = "failed" if event.outcome == "failed" else "cancelled"
         for span in [*run.attempts.values(), *run.tools.values()]:
-            span.set_attribute("error.type", cut)
+            span.set_attribute(ERROR_TYPE, cut)
             span.set_status(Status(StatusCode.ERROR, "the run ended first"))
             span.end(end_time=_ns(event.at))
         span = run.span
@@ -169,7 +267,7 @@ class OpenTelemetryObserver:
             **_usage_attributes(event.usage),
         })
         if event.outcome != "completed":
-            span.set_attribute("error.type", event.outcome)
+            span.set_attribute(ERROR_TYPE, event.outcome)
             span.set_status(Status(StatusCode.ERROR, f"the run ended {event.outcome}"))
         span.end(end_time=_ns(event.at))
 
@@ -191,6 +289,8 @@ class OpenTelemetryObserver:
                 "loopengine.attempt.phase": event.phase,
                 "loopengine.attempt.timeout_ms": event.timeout_ms,
                 "loopengine.attempt.wait_ms": event.wait_ms,
+                **self._servers.get(event.provider, {}),
+                **run.common,
             },
         )
 
@@ -204,6 +304,10 @@ class OpenTelemetryObserver:
         }
         if event.response_id is not None:
             attributes["gen_ai.response.id"] = event.response_id
+        # The model the provider says answered, when the event carries it.
+        response_model = getattr(event, "response_model", None)
+        if isinstance(response_model, str):
+            attributes[GEN_AI_RESPONSE_MODEL] = response_model
         if event.stop_reason is not None:
             attributes["gen_ai.response.finish_reasons"] = (event.stop_reason,)
         if event.usage is not None:
@@ -221,7 +325,7 @@ class OpenTelemetryObserver:
             attributes["loopengine.attempt.aborted_reason"] = event.aborted_reason
         error = event.fault or ("aborted" if event.outcome == "aborted" else None)
         if error is not None:
-            attributes["error.type"] = error
+            attributes[ERROR_TYPE] = error
             span.set_status(Status(StatusCode.ERROR, f"attempt {event.outcome}: {error}"))
         span.set_attributes(attributes)
         span.end(end_time=_ns(event.at))
@@ -240,6 +344,7 @@ class OpenTelemetryObserver:
                     "gen_ai.tool.type": "function",
                     "loopengine.run.id": event.run_id,
                     "loopengine.attempt.turn": event.turn,
+                    **run.common,
                 },
             )
             return
@@ -248,8 +353,9 @@ class OpenTelemetryObserver:
             return
         span.set_attribute("loopengine.tool.status", event.status)
         if event.status == "failed":
-            span.set_attribute("error.type", event.error or "failed")
-            span.set_status(Status(StatusCode.ERROR, event.error or "the tool call failed"))
+            kind = _tool_error_type(event.error)
+            span.set_attribute(ERROR_TYPE, kind)
+            span.set_status(Status(StatusCode.ERROR, f"the tool call failed: {kind}"))
         span.end(end_time=_ns(event.at))
 
 

@@ -1,0 +1,357 @@
+"""The OpenTelemetry spans are complete and every name is a semantic convention
+(issue 13, item 8): gen_ai.response.model, server.address / server.port,
+gen_ai.conversation.id, gen_ai.output.type, and a low-cardinality error.type,
+each checked against the `opentelemetry-semantic-conventions` package."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import warnings
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from decimal import Decimal
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit
+
+import pydantic
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes
+from opentelemetry.semconv.attributes import (
+    error_attributes,
+    http_attributes,
+    server_attributes,
+)
+
+import loopengine as le
+from loopengine import events, otel
+from loopengine.otel import OpenTelemetryObserver
+from loopengine.providers import (
+    AnthropicProvider,
+    FaultKind,
+    ProviderFault,
+    Reply,
+    ScriptedProvider,
+)
+from loopengine.testing import FakeAnthropicServer, FakeClock
+from loopengine.testing import Reply as WireReply
+
+MODEL = "claude-otel-conventions"
+START = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+PRICES = le.PriceBook([le.ModelPrice(provider="anthropic", model=MODEL,
+                                     input_per_mtok=Decimal(3), output_per_mtok=Decimal(15))])
+OPERATION = le.Operation(name="otel.conventions", provider="anthropic", model=MODEL,
+                         max_output_tokens=300)
+
+
+class Scene(pydantic.BaseModel):
+    scene: str
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    yield exporter
+    exporter.clear()
+
+
+@pytest.fixture
+def tracer_provider(exporter: InMemorySpanExporter) -> TracerProvider:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider
+
+
+def attrs(span: ReadableSpan) -> dict[str, Any]:
+    return dict(span.attributes or {})
+
+
+def named(spans: tuple[ReadableSpan, ...], prefix: str) -> list[ReadableSpan]:
+    return [s for s in spans if s.name.startswith(prefix)]
+
+
+def declared(*modules: ModuleType) -> set[str]:
+    """Every attribute name the conventions' modules declare (their UPPER_CASE strings)."""
+    return {value for module in modules for name, value in vars(module).items()
+            if name.isupper() and isinstance(value, str)}
+
+
+def values(enum_name: str) -> set[str]:
+    # The GenAI enums are marked deprecated in this package (the GenAI
+    # conventions moved to their own repository); reading them warns.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return {member.value for member in getattr(gen_ai_attributes, enum_name)}
+
+
+def boom_tool() -> le.Tool:
+    @le.tool(name="boom", description="Always fails.")
+    async def boom(key: str) -> str:
+        raise ValueError(f"free text the span must not carry: {key} 12345")
+
+    return boom
+
+
+async def traced(tracer_provider: TracerProvider, **kwargs: Any) -> tuple[TracerProvider, str]:
+    """A run with a retried fault, a failing tool, an unknown tool and a guard trip."""
+    clock = FakeClock(wall_start=START)
+    provider = ScriptedProvider([
+        ProviderFault(FaultKind.OVERLOADED, "busy", http_status=529),
+        Reply.tool_calls(("boom", {"key": "k"}), ("missing", {})),
+        Reply.tool_calls(("boom", {"key": "k"})),
+    ], clock=clock)
+    engine = le.Engine(provider, prices=PRICES, clock=clock, rng=random.Random(3),
+                       observers=[OpenTelemetryObserver(tracer_provider)])
+    result = await engine.run(OPERATION, "q", tools=[boom_tool()], limits={"max_turns": 2},
+                              **kwargs)
+    assert result.outcome is le.Outcome.TURN_LIMIT
+    return tracer_provider, result.invocation_id
+
+
+async def test_every_attribute_name_is_a_semantic_convention_or_loopengines_own(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """Each attribute on any span (and span event) is either declared by the
+    opentelemetry-semantic-conventions package or in the loopengine.* namespace."""
+    await traced(tracer_provider)
+    with FakeAnthropicServer([WireReply.text("hi")]) as server:
+        async with AnthropicProvider(api_key="test", base_url=server.url) as provider:
+            engine = le.Engine(provider, prices=PRICES, observers=[
+                OpenTelemetryObserver(tracer_provider, providers=[provider])])
+            await engine.run(OPERATION, "q")
+    known = declared(gen_ai_attributes, error_attributes, server_attributes, http_attributes)
+    names = set()
+    for span in exporter.get_finished_spans():
+        names |= set(attrs(span))
+        for event in span.events:
+            names |= set(dict(event.attributes or {}))
+    foreign = {n for n in names if not n.startswith("loopengine.")}
+    assert {"server.address", "server.port", "error.type"} <= foreign
+    assert foreign <= known, foreign - known
+
+
+def test_the_names_spelled_out_in_otel_are_the_conventions_own() -> None:
+    """The GenAI names otel.py spells out equal the package's constants, and the
+    stable ones it imports are what the issue names."""
+    assert otel.GEN_AI_CONVERSATION_ID == gen_ai_attributes.GEN_AI_CONVERSATION_ID
+    assert otel.GEN_AI_OUTPUT_TYPE == gen_ai_attributes.GEN_AI_OUTPUT_TYPE
+    assert otel.GEN_AI_RESPONSE_MODEL == gen_ai_attributes.GEN_AI_RESPONSE_MODEL
+    assert (otel.ERROR_TYPE, otel.SERVER_ADDRESS, otel.SERVER_PORT) == (
+        "error.type", "server.address", "server.port")
+
+
+async def test_well_known_values_are_the_conventions_values(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """gen_ai.operation.name, gen_ai.provider.name and gen_ai.output.type take values the
+    conventions list."""
+    clock = FakeClock(wall_start=START)
+    engine = le.Engine(ScriptedProvider([Reply.final({"scene": "s"})], clock=clock),
+                       prices=PRICES, clock=clock, observers=[OpenTelemetryObserver(
+                           tracer_provider)])
+    await engine.call(OPERATION, "Write.", output=Scene)
+    await traced(tracer_provider)
+    spans = exporter.get_finished_spans()
+    assert {attrs(s)["gen_ai.operation.name"] for s in spans} <= values(
+        "GenAiOperationNameValues")
+    assert {attrs(s)["gen_ai.provider.name"] for s in spans if "gen_ai.provider.name" in
+            attrs(s)} <= values("GenAiProviderNameValues")
+    assert {attrs(s)[otel.GEN_AI_OUTPUT_TYPE] for s in spans if otel.GEN_AI_OUTPUT_TYPE in
+            attrs(s)} == {"json"} <= values("GenAiOutputTypeValues")
+    assert {otel.provider_name(r) for r in ("anthropic", "bedrock", "vertex")} <= values(
+        "GenAiProviderNameValues")
+
+
+async def test_attempt_spans_carry_the_server_address_and_port_of_the_base_url(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """With the providers given, each chat span says which server it went to (the SDK
+    client's base_url); the in-process run span does not."""
+    with FakeAnthropicServer([WireReply.text("hi")]) as server:
+        url = urlsplit(server.url)
+        async with AnthropicProvider(api_key="test", base_url=server.url) as provider:
+            engine = le.Engine(provider, prices=PRICES, observers=[
+                OpenTelemetryObserver(tracer_provider, providers=[provider])])
+            await engine.run(OPERATION, "q")
+    spans = exporter.get_finished_spans()
+    (chat,) = named(spans, "chat ")
+    assert (attrs(chat)["server.address"], attrs(chat)["server.port"]) == (url.hostname, url.port)
+    (run,) = named(spans, "invoke_agent ")
+    assert "server.address" not in attrs(run)
+
+
+def test_a_base_url_without_a_port_gives_the_schemes_default() -> None:
+    """https://host is port 443; a mapping of routes is read per route; a provider with no
+    SDK client (ScriptedProvider) adds nothing."""
+    provider = AnthropicProvider(api_key="test", base_url="https://api.example.test")
+    assert otel._server_attributes(provider) == {"server.address": "api.example.test",
+                                                 "server.port": 443}
+    plain = AnthropicProvider(api_key="test", base_url="http://10.0.0.7")
+    observer = OpenTelemetryObserver(providers={"anthropic": provider, "anthropic-eu": plain})
+    assert observer._servers == {
+        "anthropic": {"server.address": "api.example.test", "server.port": 443},
+        "anthropic-eu": {"server.address": "10.0.0.7", "server.port": 80},
+    }
+    assert otel._server_attributes(ScriptedProvider([])) == {}
+    assert OpenTelemetryObserver(providers=ScriptedProvider([]))._servers == {"anthropic": {}}
+
+
+async def test_a_structured_calls_spans_say_json_and_a_runs_say_nothing(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """gen_ai.output.type is json on a structured call's run and chat spans; a run's spans
+    leave it unset (its events do not say whether it answers text or a tool call)."""
+    clock = FakeClock(wall_start=START)
+    engine = le.Engine(ScriptedProvider([Reply.final({"scene": "s"}), Reply.text("t")],
+                                        clock=clock),
+                       prices=PRICES, clock=clock,
+                       observers=[OpenTelemetryObserver(tracer_provider)])
+    called = await engine.call(OPERATION, "Write.", output=Scene)
+    ran = await engine.run(OPERATION, "Say something.")
+    spans = exporter.get_finished_spans()
+    by_run: dict[str, list[str | None]] = {}
+    for span in spans:
+        by_run.setdefault(attrs(span)["loopengine.run.id"], []).append(
+            attrs(span).get(otel.GEN_AI_OUTPUT_TYPE))
+    assert by_run[called.invocation_id] == ["json", "json"]  # chat and invoke_agent
+    assert by_run[ran.invocation_id] == [None, None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RunStartedWithConversation(events.RunStarted):
+    """RunStarted as it reads once it carries the attribution's correlation id."""
+
+    correlation_id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SettledWithModel(events.AttemptSettled):
+    """AttemptSettled as it reads once it carries the response's model."""
+
+    response_model: str | None = None
+
+
+def started(**extra: Any) -> dict[str, Any]:
+    return dict(run_id="run-1", at=START, operation="op", operation_version="1",
+                provider="anthropic", model=MODEL, kind="run", **extra)
+
+
+def settled(**extra: Any) -> dict[str, Any]:
+    return dict(run_id="run-1", at=START, ordinal=1, turn=1, attempt=1, phase="turn",
+                served_by=f"anthropic:{MODEL}", provider="anthropic", model=MODEL,
+                max_tokens=10, outcome="ok", latency_ms=5, fault=None, http_status=200,
+                error_code=None, aborted_reason=None, usage=None, usage_approx=False,
+                cost_usd=None, charged=True, response_id="msg_1", request_id=None,
+                stop_reason="end_turn", **extra)
+
+
+def ended() -> events.RunEnded:
+    return events.RunEnded(run_id="run-1", at=START, outcome="completed", turns=1,
+                           tool_calls=0, attempts=1, usage=le.Usage(), cost_usd=Decimal(0),
+                           credits=0)
+
+
+def attempt_started() -> events.AttemptStarted:
+    return events.AttemptStarted(run_id="run-1", at=START, ordinal=1, turn=1, attempt=1,
+                                 phase="turn", served_by=f"anthropic:{MODEL}",
+                                 provider="anthropic", model=MODEL, max_tokens=10,
+                                 timeout_ms=1000, wait_ms=0)
+
+
+def tool_call(status: str) -> events.ToolCallEvent:
+    return events.ToolCallEvent(
+        run_id="run-1", at=START, tool_name="t", status=status,  # type: ignore[arg-type]
+        latency_ms=0, token_cost=0, input_tokens=0, output_tokens=0, model_id=MODEL,
+        provider="anthropic", spend_usd=Decimal(0), tool_use_id="tu1", turn=1)
+
+
+def test_the_conversation_id_is_the_callers_correlation_id_on_every_span(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """gen_ai.conversation.id is the attribution's correlation id (the application's own
+    conversation or request id), on the run, chat and tool spans alike."""
+    observer = OpenTelemetryObserver(tracer_provider)
+    for event in [RunStartedWithConversation(**started(correlation_id="conv-42")),
+                  attempt_started(), SettledWithModel(**settled()),
+                  tool_call("started"), tool_call("succeeded"), ended()]:
+        observer(event)
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 3
+    assert {attrs(s)[otel.GEN_AI_CONVERSATION_ID] for s in spans} == {"conv-42"}
+
+
+async def test_the_run_id_is_never_minted_into_a_conversation_id(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """The conventions: "a new UUID ... SHOULD NOT be used as a fallback". A run without a
+    correlation id has no gen_ai.conversation.id; its id stays loopengine.run.id."""
+    _, run_id = await traced(tracer_provider)
+    spans = exporter.get_finished_spans()
+    assert all(otel.GEN_AI_CONVERSATION_ID not in attrs(s) for s in spans)
+    assert {attrs(s)["loopengine.run.id"] for s in spans} == {run_id}
+    observer = OpenTelemetryObserver(tracer_provider)
+    observer(RunStartedWithConversation(**started(correlation_id=None)))
+    observer(ended())
+    assert all(otel.GEN_AI_CONVERSATION_ID not in attrs(s)
+               for s in exporter.get_finished_spans())
+
+
+def test_the_response_model_is_the_one_the_provider_named(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """gen_ai.response.model is the model the response says served it (an alias resolves
+    to a snapshot), set when the attempt settles; without one it is left unset."""
+    observer = OpenTelemetryObserver(tracer_provider)
+    observer(events.RunStarted(**started()))
+    observer(attempt_started())
+    observer(SettledWithModel(**settled(response_model=f"{MODEL}-20260301")))
+    observer(ended())
+    (chat,) = named(exporter.get_finished_spans(), "chat ")
+    assert attrs(chat)[otel.GEN_AI_RESPONSE_MODEL] == f"{MODEL}-20260301"
+    assert attrs(chat)["gen_ai.request.model"] == MODEL
+    exporter.clear()
+    observer(events.RunStarted(**started()))
+    observer(attempt_started())
+    observer(events.AttemptSettled(**settled()))
+    observer(ended())
+    (chat,) = named(exporter.get_finished_spans(), "chat ")
+    assert otel.GEN_AI_RESPONSE_MODEL not in attrs(chat)
+
+
+async def test_error_type_is_low_cardinality_never_free_text(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """error.type is the outcome (run), the fault kind (attempt), or for a tool the fixed
+    reason or the raised exception's class: never the exception's message."""
+    await traced(tracer_provider)
+    spans = exporter.get_finished_spans()
+    types = {s.name: attrs(s).get("error.type") for s in spans if "error.type" in attrs(s)}
+    assert types[f"invoke_agent {OPERATION.name}"] == "turn_limit"
+    assert types[f"chat {MODEL}"] == "overloaded"
+    assert {attrs(s).get("error.type") for s in named(spans, "execute_tool boom")} == {
+        "ValueError"}
+    (missing,) = named(spans, "execute_tool missing")
+    assert attrs(missing)["error.type"] == "unknown tool"
+    for span in spans:
+        texts = [*attrs(span).values(), span.status.description or ""]
+        assert all("12345" not in str(t) for t in texts)
+    allowed = ({o.value for o in le.Outcome} | {k.value for k in FaultKind}
+               | {"unknown tool", "invalid input", "deadline", "duplicate", "aborted",
+                  "ValueError"})
+    assert set(types.values()) <= allowed
+
+
+@pytest.mark.parametrize(("error", "kind"), [
+    ("unknown tool", "unknown tool"), ("invalid input", "invalid input"),
+    ("deadline", "deadline"), ("duplicate", "duplicate"),
+    ("handler raised KeyError", "KeyError"),
+    ("handler raised not a class name!", "_OTHER"),
+    ("the handler said: disk /home/sam full", "_OTHER"), (None, "_OTHER"),
+])
+def test_tool_errors_map_onto_a_closed_set(error: str | None, kind: str) -> None:
+    """A tool error the observer does not know becomes _OTHER (the conventions' fallback)."""
+    assert otel._tool_error_type(error) == kind
