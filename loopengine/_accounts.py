@@ -37,7 +37,8 @@ import anyio.to_thread
 from loopengine import _validate
 from loopengine._attribution import Attribution
 from loopengine._errors import ConfigError, LedgerError
-from loopengine.guards._credits import turn_credits
+from loopengine.persistence import _account_store as store
+from loopengine.persistence._account_store import AccountBalance
 from loopengine.persistence._schema import format_time
 
 __all__ = ["AccountBalance", "CreditAccounts", "Reservation"]
@@ -49,21 +50,6 @@ DEFAULT_EXPIRY_GRACE = 60.0
 
 UNBOUNDED_RUN = 3600.0
 """The deadline assumed, for expiry only, of a run without ``total_time``."""
-
-
-@dataclass(frozen=True, slots=True)
-class AccountBalance:
-    """An account's credits: ``available = granted - spent - reserved``."""
-
-    account: str
-    granted: int
-    """Every credit granted to the account."""
-    spent: int
-    """The real charges of its settled runs."""
-    reserved: int
-    """The holds of its runs in progress."""
-    available: int
-    """What a new run may still reserve."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +131,9 @@ class CreditAccounts:
             raise ConfigError("note", f"must be text, got {note!r}")
 
         def work(conn: sqlite3.Connection, now: str) -> AccountBalance:
-            _expire(conn, account, now)
-            _journal(conn, account, now, "grant", credits, None, note)
-            return _read(conn, account)
+            store.expire(conn, account, now)
+            store.journal(conn, account, now, "grant", credits, None, note)
+            return store.read(conn, account)
 
         return await self._transaction(work)
 
@@ -162,8 +148,8 @@ class CreditAccounts:
         _check_account(account)
 
         def work(conn: sqlite3.Connection, now: str) -> AccountBalance:
-            _expire(conn, account, now)
-            return _read(conn, account)
+            store.expire(conn, account, now)
+            return store.read(conn, account)
 
         return await self._transaction(work)
 
@@ -179,11 +165,11 @@ class CreditAccounts:
         """
 
         def work(conn: sqlite3.Connection, now: str) -> Reservation:
-            _expire(conn, account, now)
-            available = _read(conn, account).available
+            store.expire(conn, account, now)
+            available = store.read(conn, account).available
             amount = max(0, min(hold, available))
             if amount:
-                _journal(conn, account, now, "reserve", amount, invocation_id, None,
+                store.journal(conn, account, now, "reserve", amount, invocation_id, None,
                          expires_at=format_time(expires_at), rate=str(credits_per_usd),
                          quantum=credit_quantum)
             return Reservation(account, invocation_id, amount, available)
@@ -195,12 +181,12 @@ class CreditAccounts:
         transaction; once per invocation (a second call changes nothing) (internal)."""
 
         def work(conn: sqlite3.Connection, now: str) -> None:
-            if _released(conn, reservation.invocation_id):
+            if store.released(conn, reservation.invocation_id):
                 return  # settled already (or expired by another process)
             if credits:
-                _journal(conn, reservation.account, now, "settle", credits,
+                store.journal(conn, reservation.account, now, "settle", credits,
                          reservation.invocation_id, None)
-            _journal(conn, reservation.account, now, "release", reservation.credits,
+            store.journal(conn, reservation.account, now, "release", reservation.credits,
                      reservation.invocation_id, None)
 
         await self._transaction(work)
@@ -244,65 +230,3 @@ def expiry(started_at: datetime, total_time: float | None, grace: float) -> date
 def _check_account(account: object) -> None:
     if not isinstance(account, str) or not account:
         raise ConfigError("account", f"must be a non-empty account name, got {account!r}")
-
-
-def _read(conn: sqlite3.Connection, account: str) -> AccountBalance:
-    row = conn.execute("SELECT granted, spent, reserved FROM accounts WHERE account = ?",
-                       (account,)).fetchone()
-    granted, spent, reserved = (int(v) for v in row) if row else (0, 0, 0)
-    return AccountBalance(account, granted, spent, reserved, granted - spent - reserved)
-
-
-_EFFECT = {"grant": ("granted", 1), "reserve": ("reserved", 1), "release": ("reserved", -1),
-           "settle": ("spent", 1), "expire": ("spent", 1)}
-
-
-def _journal(conn: sqlite3.Connection, account: str, now: str, kind: str, credits: int,
-             invocation_id: str | None, note: str | None, *, expires_at: str | None = None,
-             rate: str | None = None, quantum: int | None = None) -> None:
-    """One journal entry and its effect on the account row, in the open transaction."""
-    conn.execute(
-        "INSERT INTO account_entries (account, at, kind, credits, invocation_id, note, "
-        "expires_at, credits_per_usd, credit_quantum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (account, now, kind, credits, invocation_id, note, expires_at, rate, quantum))
-    column, sign = _EFFECT[kind]
-    conn.execute(
-        "INSERT INTO accounts (account, granted, spent, reserved, updated_at) "
-        "VALUES (?, 0, 0, 0, ?) ON CONFLICT (account) DO NOTHING", (account, now))
-    conn.execute(f"UPDATE accounts SET {column} = {column} + ?, updated_at = ? "
-                 "WHERE account = ?", (sign * credits, now, account))
-
-
-def _released(conn: sqlite3.Connection, invocation_id: str) -> bool:
-    return conn.execute("SELECT 1 FROM account_entries WHERE invocation_id = ? "
-                        "AND kind = 'release'", (invocation_id,)).fetchone() is not None
-
-
-def _expire(conn: sqlite3.Connection, account: str, now: str) -> None:
-    """Settle ``account``'s expired reservations that were never released."""
-    expired = conn.execute(
-        "SELECT r.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum "
-        "FROM account_entries r WHERE r.account = ? AND r.kind = 'reserve' "
-        "AND r.expires_at < ? AND NOT EXISTS (SELECT 1 FROM account_entries e "
-        "WHERE e.invocation_id = r.invocation_id AND e.kind = 'release')",
-        (account, now)).fetchall()
-    for invocation_id, reserved, rate, quantum in expired:
-        charge = _charged(conn, invocation_id, Decimal(rate), int(quantum))
-        if charge:
-            _journal(conn, account, now, "expire", charge, invocation_id,
-                     "settled after its reservation expired")
-        _journal(conn, account, now, "release", int(reserved), invocation_id,
-                 "released after its reservation expired")
-
-
-def _charged(conn: sqlite3.Connection, invocation_id: str, rate: Decimal, quantum: int) -> int:
-    """What the ledger says an invocation charged: its credits if it ended, else
-    the rounded turn charges of its settled, charged attempts (R03)."""
-    row = conn.execute("SELECT outcome, credits FROM invocations WHERE id = ?",
-                       (invocation_id,)).fetchone()
-    if row is not None and row[0] != "running":
-        return int(row[1])
-    turns = conn.execute(
-        "SELECT SUM(cost_nanousd) FROM attempts WHERE invocation_id = ? AND charged = 1 "
-        "AND cost_nanousd IS NOT NULL GROUP BY turn", (invocation_id,)).fetchall()
-    return sum(turn_credits(int(cost), rate, quantum) for (cost,) in turns)

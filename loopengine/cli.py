@@ -355,7 +355,8 @@ def reconcile(db: Path, older_than: timedelta | None, as_json: bool) -> None:
                      "unsettled": result.unsettled, "incomplete": result.incomplete,
                      "running": result.running, "orphans": result.orphans,
                      "unpriced": result.unpriced, "abandoned": result.abandoned,
-                     "abandoned_attempts": result.abandoned_attempts})
+                     "abandoned_attempts": result.abandoned_attempts,
+                     "accounts": [vars_of(m) for m in result.accounts]})
     else:
         _print_reconciliation(result)
     if not result.ok:
@@ -403,6 +404,11 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
         ("Attempt rows without an invocation row",
          [[o["invocation_id"], o["ordinal"]] for o in result.orphans],
          ["invocation", "ordinal"]),
+        ("Credit accounts that do not equal their journal, or runs charged other than "
+         "their credits",
+         [[m.account, m.column, m.invocation_id or "", m.recorded, m.computed]
+          for m in result.accounts],
+         ["account", "column", "invocation", "recorded", "journal or run says"]),
     ]
     for title, rows, headers in sections:
         if rows:
@@ -421,7 +427,9 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
                 (len(result.abandoned), "abandoned invocation", "abandoned invocations"),
                 (len(result.abandoned_attempts), "abandoned attempt", "abandoned attempts"),
                 (len(result.orphans), "attempt row without its invocation",
-                 "attempt rows without their invocation")]
+                 "attempt rows without their invocation"),
+                (len(result.accounts), "account figure that does not add up",
+                 "account figures that do not add up")]
     if result.older_than is None:
         problems += [(len(result.running), "invocation still running",
                       "invocations still running"),
@@ -429,6 +437,25 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
                       "attempts still dispatched")]
     named = [f"{n} {one if n == 1 else many}" for n, one, many in problems if n]
     click.echo(f"\nThe ledger does not reconcile: {', '.join(named)}.")
+
+
+@audit.command()
+@_DB
+@_JSON
+@_audit_command
+def accounts(db: Path, as_json: bool) -> None:
+    """Each credit account's granted, spent, reserved and available credits."""
+    with _ledger(db) as conn:
+        rows = _audit.accounts(conn)
+    if as_json:
+        _print_json([vars_of(r) for r in rows])
+        return
+    if not rows:
+        click.echo("No credit accounts.")
+        return
+    click.echo(_table(["account", "granted", "spent", "reserved", "available", "updated_at"],
+                      [[r.account, r.granted, r.spent, r.reserved, r.available, r.updated_at]
+                       for r in rows]))
 
 
 def vars_of(item: Any) -> dict[str, Any]:

@@ -305,4 +305,63 @@ def test_a_crashed_runs_reservation_is_settled_at_its_charge_once_expired(
     kinds = [k for (k,) in conn.execute("SELECT kind FROM account_entries ORDER BY id")]
     conn.close()
     assert kinds == ["grant", "reserve", "expire", "release"]
+    # The expired run's charge equals what its settled attempts charged.
+    checked = audit("reconcile", "--db", str(path), "--json")
+    assert '"accounts": []' in checked.output
     assert os.path.exists(path)
+
+
+def audit(*args: str) -> Any:
+    from click.testing import CliRunner
+
+    from loopengine.cli import main
+
+    return CliRunner().invoke(main, ["audit", *args])
+
+
+async def test_audit_accounts_lists_balances_and_reconcile_checks_them(tmp_path: Path) -> None:
+    """`audit accounts` lists granted, spent, reserved and available; `reconcile`
+    passes while the accounts equal their journal and their runs' credits, and
+    fails, naming the account, once a balance is altered by hand."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        await accounts.grant("zenith", 50)
+        engine, _ = engine_on(ledger, Reply.tool_calls(("lookup", {"key": "a"})),
+                              Reply.text("a"), accounts=accounts)
+        await engine.run(operation(credit_hold=500), "go", tools=[lookup], attribution=ACME)
+    listed = audit("accounts", "--db", str(path))
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.splitlines()
+    assert lines[0].split()[:5] == ["account", "granted", "spent", "reserved", "available"]
+    assert lines[2].split()[:5] == ["acme", "1000", "240", "0", "760"]
+    assert lines[3].split()[:5] == ["zenith", "50", "0", "0", "50"]
+    as_json = audit("accounts", "--db", str(path), "--json")
+    assert '"available": 760' in as_json.output
+    assert audit("reconcile", "--db", str(path)).exit_code == 0
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE accounts SET spent = spent + 5 WHERE account = 'acme'")
+    conn.commit()
+    conn.close()
+    broken = audit("reconcile", "--db", str(path))
+    assert broken.exit_code == 1
+    assert "Credit accounts that do not equal" in broken.output and "acme" in broken.output
+    assert "1 account figure that does not add up" in broken.output
+
+
+async def test_reconcile_checks_a_runs_charge_against_its_credits(tmp_path: Path) -> None:
+    """A settle entry that does not equal the run's credits is named with the run."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        engine, _ = engine_on(ledger, Reply.text("a"), accounts=accounts)
+        result = await engine.run(operation(credit_hold=500), "go", attribution=ACME)
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE invocations SET credits = credits + 1")
+    conn.commit()
+    conn.close()
+    broken = audit("reconcile", "--db", str(path), "--json")
+    assert broken.exit_code == 1
+    assert result.invocation_id in broken.output and '"column": "charged"' in broken.output

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loopengine._errors import LedgerError
+from loopengine.persistence import _account_store
 from loopengine.persistence._schema import (
     ATTEMPT_COLUMNS,
     INVOCATION_COLUMNS,
@@ -44,6 +45,8 @@ from loopengine.persistence._schema import (
 __all__ = [
     "EXPORT_COLUMNS",
     "GROUPINGS",
+    "AccountMismatch",
+    "AccountRow",
     "Mismatch",
     "Reconciliation",
     "SpendRow",
@@ -576,6 +579,9 @@ class Reconciliation:
     older_than: timedelta | None = None
     """The age past which an open record counts as abandoned, or None (every
     open record then needs a look)."""
+    accounts: list[AccountMismatch] = field(default_factory=list)
+    """Credit accounts whose balances do not equal their journal, or whose runs'
+    charges do not equal those runs' credits (DESIGN.md §13)."""
 
     @property
     def ok(self) -> bool:
@@ -586,7 +592,7 @@ class Reconciliation:
         ``older_than`` was given: they are then in flight.
         """
         if self.mismatches or self.incomplete or self.orphans or self.unpriced \
-                or self.abandoned or self.abandoned_attempts:
+                or self.abandoned or self.abandoned_attempts or self.accounts:
             return False
         return self.older_than is not None or not (self.unsettled or self.running)
 
@@ -705,7 +711,87 @@ def reconcile(
                           mismatches=mismatches, unsettled=unsettled, incomplete=incomplete,
                           running=running, orphans=orphans, unpriced=unpriced,
                           abandoned=abandoned, abandoned_attempts=abandoned_attempts,
-                          older_than=older_than)
+                          older_than=older_than, accounts=reconcile_accounts(conn))
+
+
+# -- credit accounts ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AccountRow:
+    """One credit account's balance, as `audit accounts` lists it."""
+
+    account: str
+    granted: int
+    spent: int
+    reserved: int
+    available: int
+    """``granted - spent - reserved``."""
+    updated_at: str
+
+
+@dataclass(frozen=True, slots=True)
+class AccountMismatch:
+    """An account balance that its journal (or its runs' credits) does not match."""
+
+    account: str
+    column: str
+    """``granted``, ``spent`` or ``reserved`` against the journal; ``charged``
+    for one run's settled charge against that run's credits."""
+    recorded: int
+    computed: int
+    invocation_id: str | None = None
+    """For ``charged``: the run."""
+
+
+def _has_accounts(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                        "AND name = 'accounts'").fetchone() is not None
+
+
+def accounts(conn: sqlite3.Connection) -> list[AccountRow]:
+    """Every credit account's granted, spent, reserved and available credits
+    (none in a ledger older than the accounts)."""
+    if not _has_accounts(conn):
+        return []
+    out = []
+    for row in conn.execute("SELECT account, granted, spent, reserved, updated_at "
+                            "FROM accounts ORDER BY account"):
+        values = tuple(row)
+        if not all(isinstance(v, int) for v in values[1:4]):
+            raise LedgerError(f"account {describe_value(values[0])} holds values that are "
+                              "not integers; this file was not written by loopengine as it is")
+        out.append(AccountRow(str(values[0]), values[1], values[2], values[3],
+                              values[1] - values[2] - values[3], str(values[4])))
+    return out
+
+
+def reconcile_accounts(conn: sqlite3.Connection) -> list[AccountMismatch]:
+    """Check each account against its journal, and each settled run's charge
+    against that run's credits (its recorded credits once it ended; for a run
+    whose process died, what its settled attempts charged)."""
+    if not _has_accounts(conn):
+        return []
+    found: list[AccountMismatch] = []
+    sums = ", ".join(f"COALESCE({sql}, 0)" for sql in _account_store.JOURNAL_SUMS.values())
+    for row in accounts(conn):
+        computed = conn.execute(f"SELECT {sums} FROM account_entries WHERE account = ?",
+                                (row.account,)).fetchone()
+        for column, value in zip(_account_store.JOURNAL_SUMS, computed, strict=True):
+            recorded = getattr(row, column)
+            if recorded != value:
+                found.append(AccountMismatch(row.account, column, recorded, int(value)))
+    for account, invocation_id, charged, rate, quantum in conn.execute(
+            "SELECT e.account, e.invocation_id, SUM(e.credits), r.credits_per_usd, "
+            "r.credit_quantum FROM account_entries AS e JOIN account_entries AS r "
+            "ON r.invocation_id = e.invocation_id AND r.kind = 'reserve' "
+            "WHERE e.kind IN ('settle', 'expire') GROUP BY e.account, e.invocation_id "
+            "ORDER BY e.account, e.invocation_id"):
+        expected = _account_store.charged(conn, invocation_id, Decimal(rate), int(quantum))
+        if charged != expected:
+            found.append(AccountMismatch(account, "charged", int(charged), expected,
+                                         invocation_id))
+    return found
 
 
 def _brief(row: sqlite3.Row) -> dict[str, Any]:

@@ -1,0 +1,102 @@
+"""The SQL of credit accounts on a ledger's SQLite file (DESIGN.md §13).
+
+Shared by `loopengine.CreditAccounts` (admission and settlement) and the audit
+(``loopengine audit accounts``, ``reconcile``): one reading of the journal.
+Every function works inside a transaction its caller holds.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from decimal import Decimal
+
+from loopengine.guards._credits import turn_credits
+
+__all__ = ["AccountBalance", "JOURNAL_SUMS", "charged", "expire", "journal", "read",
+           "released"]
+
+JOURNAL_SUMS = {
+    "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
+    "spent": "SUM(CASE WHEN kind IN ('settle', 'expire') THEN credits ELSE 0 END)",
+    "reserved": "SUM(CASE kind WHEN 'reserve' THEN credits WHEN 'release' THEN -credits "
+                "ELSE 0 END)",
+}
+"""What each column of ``accounts`` is, as a sum over ``account_entries``."""
+
+
+@dataclass(frozen=True, slots=True)
+class AccountBalance:
+    """An account's credits: ``available = granted - spent - reserved``."""
+
+    account: str
+    granted: int
+    """Every credit granted to the account."""
+    spent: int
+    """The real charges of its settled runs."""
+    reserved: int
+    """The holds of its runs in progress."""
+    available: int
+    """What a new run may still reserve."""
+
+
+def read(conn: sqlite3.Connection, account: str) -> AccountBalance:
+    row = conn.execute("SELECT granted, spent, reserved FROM accounts WHERE account = ?",
+                       (account,)).fetchone()
+    granted, spent, reserved = (int(v) for v in row) if row else (0, 0, 0)
+    return AccountBalance(account, granted, spent, reserved, granted - spent - reserved)
+
+
+_EFFECT = {"grant": ("granted", 1), "reserve": ("reserved", 1), "release": ("reserved", -1),
+           "settle": ("spent", 1), "expire": ("spent", 1)}
+
+
+def journal(conn: sqlite3.Connection, account: str, now: str, kind: str, credits: int,
+             invocation_id: str | None, note: str | None, *, expires_at: str | None = None,
+             rate: str | None = None, quantum: int | None = None) -> None:
+    """One journal entry and its effect on the account row, in the open transaction."""
+    conn.execute(
+        "INSERT INTO account_entries (account, at, kind, credits, invocation_id, note, "
+        "expires_at, credits_per_usd, credit_quantum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (account, now, kind, credits, invocation_id, note, expires_at, rate, quantum))
+    column, sign = _EFFECT[kind]
+    conn.execute(
+        "INSERT INTO accounts (account, granted, spent, reserved, updated_at) "
+        "VALUES (?, 0, 0, 0, ?) ON CONFLICT (account) DO NOTHING", (account, now))
+    conn.execute(f"UPDATE accounts SET {column} = {column} + ?, updated_at = ? "
+                 "WHERE account = ?", (sign * credits, now, account))
+
+
+def released(conn: sqlite3.Connection, invocation_id: str) -> bool:
+    return conn.execute("SELECT 1 FROM account_entries WHERE invocation_id = ? "
+                        "AND kind = 'release'", (invocation_id,)).fetchone() is not None
+
+
+def expire(conn: sqlite3.Connection, account: str, now: str) -> None:
+    """Settle ``account``'s expired reservations that were never released."""
+    expired = conn.execute(
+        "SELECT r.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum "
+        "FROM account_entries r WHERE r.account = ? AND r.kind = 'reserve' "
+        "AND r.expires_at < ? AND NOT EXISTS (SELECT 1 FROM account_entries e "
+        "WHERE e.invocation_id = r.invocation_id AND e.kind = 'release')",
+        (account, now)).fetchall()
+    for invocation_id, reserved, rate, quantum in expired:
+        charge = charged(conn, invocation_id, Decimal(rate), int(quantum))
+        if charge:
+            journal(conn, account, now, "expire", charge, invocation_id,
+                     "settled after its reservation expired")
+        journal(conn, account, now, "release", int(reserved), invocation_id,
+                 "released after its reservation expired")
+
+
+def charged(conn: sqlite3.Connection, invocation_id: str, rate: Decimal, quantum: int) -> int:
+    """What the ledger says an invocation charged: its credits if it ended, else
+    the rounded turn charges of its settled, charged attempts (R03)."""
+    row = conn.execute("SELECT outcome, credits FROM invocations WHERE id = ?",
+                       (invocation_id,)).fetchone()
+    if row is not None and row[0] != "running":
+        return int(row[1])
+    turns = conn.execute(
+        "SELECT SUM(cost_nanousd) FROM attempts WHERE invocation_id = ? AND charged = 1 "
+        "AND cost_nanousd IS NOT NULL GROUP BY turn", (invocation_id,)).fetchall()
+    return sum(turn_credits(int(cost), rate, quantum) for (cost,) in turns)
