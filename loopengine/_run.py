@@ -123,6 +123,8 @@ class _Loop:
         if spec.output is not None:
             definitions.append(final_tool_definition(spec.output, spec.final_tool))
         self.definitions = definitions
+        self.answered_calls: dict[str, int] = {}
+        """Calls of each tool that ran its handler (or were let through to it)."""
         self.wrapping: str | None = None
         """Why the turn being sent is a wrap-up turn (``turns``, ``budget``), or None."""
 
@@ -351,6 +353,17 @@ class _Loop:
         usage = inv.turn_usage(turn) if observed else Usage()
         spend = inv.turn_cost_usd(turn) if observed else Decimal(0)
         results: list[dict[str, Any] | None] = [None] * len(batch)
+        # A tool's max_calls, counted in the batch's order (the calls then run at once).
+        capped: set[int] = set()
+        for index, block in enumerate(batch):
+            known = self.tools.get(str(block.get("name")))
+            if known is None or known.max_calls is None:
+                continue
+            count = self.answered_calls.get(known.name, 0)
+            if count >= known.max_calls:
+                capped.add(index)
+            else:
+                self.answered_calls[known.name] = count + 1
 
         async def tool_event(block: Mapping[str, Any], status: str, latency: float,
                              error: str | None = None) -> None:
@@ -377,6 +390,10 @@ class _Loop:
                 available = ", ".join(sorted(self.tools)) or "none"
                 text, failed = f"There is no tool named {name!r}. Available tools: {available}.", \
                     "unknown tool"
+            elif index in capped:
+                text = (f"{name} may be called at most {handler.max_calls} times in this run; "
+                        "this call was not run.")
+                failed = "max_calls"
             else:
                 try:
                     argument = handler.validate(block.get("input", {}))
@@ -384,7 +401,17 @@ class _Loop:
                     text, failed = f"Invalid input for {name}: {error}", "invalid input"
                 else:
                     try:
-                        value = await handler.invoke(argument)
+                        if handler.timeout is None:
+                            value = await handler.invoke(argument)
+                        else:
+                            with inv.clock.cancel_scope(handler.timeout) as limit:
+                                value = await handler.invoke(argument)
+                            if limit.cancelled_caught:
+                                raise _ToolTimeout(handler.timeout)
+                    except _ToolTimeout as late:
+                        text = (f"{name} did not finish within its timeout of "
+                                f"{late.seconds:g}s; its result is not known.")
+                        failed = "timeout"
                     except Exception as error:
                         # Raising is how a handler reports a failure to the model
                         # (R09), so a WARNING, not an ERROR; the traceback shows a
@@ -540,6 +567,14 @@ def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[s
                        "have the answer, with the answer as its input.",
         "input_schema": schema,
     }
+
+
+class _ToolTimeout(Exception):
+    """A call ran past its tool's ``timeout`` (internal)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.seconds = seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from typing import Any, overload
 import anyio.to_thread
 import pydantic
 
+from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine._jsonschema import schema_errors
 
@@ -45,6 +46,12 @@ class Tool:
         handler: The function to run, sync or async.
         input_model: A pydantic model for the input instead of a schema; the
             handler receives a model instance.
+        max_calls: The most calls of this tool one run answers by running the
+            handler; a later call gets an ``is_error`` result naming the cap,
+            without running it (it still uses a unit of tool budget, R08).
+        timeout: Seconds one call may take (within the run's deadline): past
+            it an async handler is cancelled, a sync one's thread is abandoned
+            (it cannot be stopped), and the call gets an ``is_error`` result.
 
     Use `tool` to build one from a function's signature and docstring.
     """
@@ -57,7 +64,15 @@ class Tool:
         handler: Callable[..., Any] | None = None,
         *,
         input_model: type[pydantic.BaseModel] | None = None,
+        max_calls: int | None = None,
+        timeout: float | None = None,
     ) -> None:
+        _validate.integer("max_calls", max_calls, minimum=0, optional=True)
+        _validate.seconds("timeout", timeout, optional=True)
+        self.max_calls = max_calls
+        """Calls of this tool one run answers by running its handler (None: no cap)."""
+        self.timeout = None if timeout is None else float(timeout)
+        """Seconds one call may run (None: only the run's deadline)."""
         if not isinstance(name, str) or not _NAME.match(name):
             raise ConfigError("name", f"must match {_NAME.pattern}, got {name!r}")
         if not isinstance(description, str):
@@ -182,7 +197,8 @@ def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
 
 
 def _from_function(
-    fn: Callable[..., Any], name: str | None, description: str | None
+    fn: Callable[..., Any], name: str | None, description: str | None,
+    max_calls: int | None = None, timeout: float | None = None,
 ) -> Tool:
     if not callable(fn):
         raise ConfigError("handler", f"a tool needs a function, got {type(fn).__name__}")
@@ -218,7 +234,7 @@ def _from_function(
     try:
         model = pydantic.create_model(f"{tool_name}_input", **fields)
         built = Tool(tool_name, description if description is not None else summary,
-                     handler=fn, input_model=model)
+                     handler=fn, input_model=model, max_calls=max_calls, timeout=timeout)
     except pydantic.PydanticUserError as error:
         raise ConfigError("handler", f"{label}: {error}") from None
     built._kwargs = True
@@ -231,7 +247,8 @@ def tool(fn: Callable[..., Any], /) -> Tool: ...
 
 @overload
 def tool(
-    *, name: str | None = None, description: str | None = None
+    *, name: str | None = None, description: str | None = None,
+    max_calls: int | None = None, timeout: float | None = None,
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 
 
@@ -241,18 +258,21 @@ def tool(
     *,
     name: str | None = None,
     description: str | None = None,
+    max_calls: int | None = None,
+    timeout: float | None = None,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Make a `Tool` of a function: its parameters are the input schema.
 
     The docstring's first part describes the tool to the model; a Google-style
     ``Args:`` section describes each parameter. Use bare (``@tool``) or with
-    ``name=`` / ``description=``. The handler is called with keyword arguments.
+    ``name=``, ``description=``, ``max_calls=`` and ``timeout=`` (see `Tool`).
+    The handler is called with keyword arguments.
     """
     if fn is not None:
-        return _from_function(fn, name, description)
+        return _from_function(fn, name, description, max_calls, timeout)
 
     def decorate(f: Callable[..., Any]) -> Tool:
-        return _from_function(f, name, description)
+        return _from_function(f, name, description, max_calls, timeout)
 
     return decorate
 

@@ -1,0 +1,115 @@
+"""Per-tool caps and timeouts (DESIGN.md §12): a call past its tool's
+``max_calls``, or running past its ``timeout``, gets a recoverable ``is_error``
+result and the run goes on within its budgets (R08). Through AnthropicProvider,
+the real SDK and the loopback server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+
+import loopengine as le
+from loopengine import events
+from loopengine._clock import SystemClock
+from loopengine.testing import FakeAnthropicServer, Reply
+
+from ..conftest import operation
+from .conftest import Harness, harness, tool_results
+
+
+async def test_max_calls_answers_the_first_calls_and_refuses_the_rest(wire: Harness) -> None:
+    """``max_calls=1`` and three calls over two turns: the handler runs once, the
+    other two get error results naming the cap, each uses a unit of budget, and
+    the run completes."""
+    ran: list[str] = []
+    seen: list[events.Event] = []
+
+    @le.tool(max_calls=1)
+    def probe(key: str) -> str:
+        """Look a key up."""
+        ran.append(key)
+        return key.upper()
+
+    engine, _ = wire.engine(Reply.tool_calls(("probe", {"key": "a"}), ("probe", {"key": "b"})),
+                            Reply.tool_calls(("probe", {"key": "c"})), Reply.text("done"),
+                            observers=[seen.append])
+    result = await engine.run(operation(), "go", tools=[probe])
+    assert result.outcome is le.Outcome.COMPLETED and result.tool_calls == 3
+    assert ran == ["a"]
+    first, second = tool_results(wire.requests[1]), tool_results(wire.requests[2])
+    assert [r.get("is_error", False) for r in first] == [False, True]
+    assert "at most 1 times" in first[1]["content"]
+    assert second[0]["is_error"] and "at most 1 times" in second[0]["content"]
+    failed = [e for e in seen if isinstance(e, events.ToolCallEvent) and e.status == "failed"]
+    assert [e.error for e in failed] == ["max_calls", "max_calls"]
+
+
+async def test_max_calls_zero_never_runs_the_handler(wire: Harness) -> None:
+    @le.tool(max_calls=0)
+    def never(key: str) -> str:
+        """Never runs."""
+        raise AssertionError("ran")
+
+    engine, _ = wire.engine(Reply.tool_calls(("never", {"key": "a"})), Reply.text("ok"))
+    result = await engine.run(operation(), "go", tools=[never])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert tool_results(wire.requests[1])[0]["is_error"]
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_handler_past_its_timeout_gets_an_error_result(
+    fake_anthropic_server: FakeAnthropicServer, kind: str
+) -> None:
+    """A handler that runs past ``timeout=0.2``: the async one is cancelled, the
+    sync one's thread abandoned (it finishes later, unseen); the call's result is
+    an error naming the timeout and the run completes at once."""
+    finished = threading.Event()
+
+    async def slow_async(key: str) -> str:
+        """Take too long."""
+        await anyio.sleep(10)
+        return "late"
+
+    def slow_sync(key: str) -> str:
+        """Take too long, in a thread."""
+        time.sleep(1.0)
+        finished.set()
+        return "late"
+
+    handler = le.tool(slow_async if kind == "async" else slow_sync, name="slow", timeout=0.2)
+    seen: list[events.Event] = []
+    async with harness(fake_anthropic_server, SystemClock()) as wire:
+        engine, _ = wire.engine(Reply.tool_calls(("slow", {"key": "a"})), Reply.text("ok"),
+                                observers=[seen.append])
+        began = time.monotonic()
+        result = await engine.run(operation(), "go", tools=[handler])
+        elapsed = time.monotonic() - began
+        (timed_out,) = tool_results(wire.requests[1])
+    assert result.outcome is le.Outcome.COMPLETED and result.tool_calls == 1
+    assert elapsed < 0.9
+    assert timed_out["is_error"] and "timeout of 0.2s" in timed_out["content"]
+    failed = [e for e in seen if isinstance(e, events.ToolCallEvent) and e.status == "failed"]
+    assert [e.error for e in failed] == ["timeout"]
+    if kind == "sync":
+        assert not finished.is_set()
+        assert finished.wait(5)  # the abandoned thread ran on to its end
+
+
+def test_caps_and_timeouts_are_validated() -> None:
+    def handler(key: str) -> str:
+        """A handler."""
+        return key
+
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(le.ConfigError) as info:
+            le.tool(handler, max_calls=bad)  # type: ignore[call-overload]
+        assert info.value.field == "max_calls"
+    for bad_timeout in (0, -1, float("nan"), "1"):
+        with pytest.raises(le.ConfigError) as info:
+            le.tool(handler, timeout=bad_timeout)  # type: ignore[call-overload]
+        assert info.value.field == "timeout"
+    built = le.tool(handler, max_calls=3, timeout=2)
+    assert (built.max_calls, built.timeout) == (3, 2.0)
