@@ -66,7 +66,6 @@ from loopengine.providers._cache import place_cache_markers
 from loopengine.providers._clients import (
     Clients,
     SDKProvider,
-    before_wire,
     gate,
     gates,
     sdk_keywords,
@@ -242,24 +241,6 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
     def name(self) -> str:
         """``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry`` for those clients."""
         return self._name
-
-    def __repr__(self) -> str:
-        return f"AnthropicProvider(name={self._name!r}, stream={self._stream})"
-
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
-        """Make one Messages request within ``request.timeout``.
-
-        Raises:
-            ProviderFault: the request failed; every SDK error is classified.
-            ConfigError: the client given to the provider belongs to another
-                event loop than the running one; nothing was sent.
-        """
-        client = await self._clients.get()
-        params = self._params(request)
-        with before_wire(request.before_wire):
-            if self._stream:
-                return await self._send_streaming(client, request, params)
-            return await self._send_plain(client, params)
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         # Markers are placed on every request, so the wire never carries more

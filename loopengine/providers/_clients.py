@@ -34,6 +34,7 @@ import anyio.lowlevel
 import httpx2
 
 from loopengine._errors import ConfigError
+from loopengine.providers._base import ProviderRequest, ProviderResponse
 
 __all__ = [
     "ClientPerLoop",
@@ -393,6 +394,8 @@ class SDKProvider(Generic[C]):
     """
 
     _clients: Clients[C]
+    _name: str
+    _stream: bool
 
     awaits_before_wire: bool
     """True: `send` awaits `ProviderRequest.before_wire` just before the wire
@@ -417,6 +420,43 @@ class SDKProvider(Generic[C]):
                 was first used on another event loop than the running one.
         """
         self._clients.check_ready()
+
+    @property
+    def streaming(self) -> bool:
+        """Whether responses are streamed."""
+        return self._stream
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"
+
+    async def send(self, request: ProviderRequest) -> ProviderResponse:
+        """Make one request within ``request.timeout``.
+
+        Raises:
+            ProviderFault: the request failed; every SDK error is classified.
+            ConfigError: the client given to the provider belongs to another
+                event loop than the running one; nothing was sent.
+        """
+        client = await self._clients.get()
+        params = self._params(request)
+        with before_wire(request.before_wire):
+            if self._stream:
+                return await self._send_streaming(client, request, params)
+            return await self._send_plain(client, params)
+
+    def _params(self, request: ProviderRequest) -> dict[str, Any]:
+        """The SDK call's keyword arguments for ``request``."""
+        raise NotImplementedError
+
+    async def _send_plain(self, client: C, params: dict[str, Any]) -> ProviderResponse:
+        """One request whose response is read as JSON."""
+        raise NotImplementedError
+
+    async def _send_streaming(
+        self, client: C, request: ProviderRequest, params: dict[str, Any]
+    ) -> ProviderResponse:
+        """One streamed request, its text deltas handed to ``request.on_text``."""
+        raise NotImplementedError
 
     async def aclose(self) -> None:
         """Close the client the provider built for the running event loop.

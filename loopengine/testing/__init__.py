@@ -5,12 +5,16 @@
 `AnthropicProvider` (or any ``anthropic`` client) at its ``url`` and script
 replies, error statuses, dropped connections and broken streams with
 `Reply`, `ErrorReply`, `DropConnection`, `CutStream`, `StreamErrorEvent` and
-`StallStream`. The pytest fixture ``fake_anthropic_server`` (registered by the
-package's pytest plugin) gives each test a started server. See docs/testing.md.
+`StallStream`. `FakeOpenAIServer` is the same for the Chat Completions API,
+for `OpenAIProvider` (or any ``openai`` client), from the same script items.
+The pytest fixtures ``fake_anthropic_server`` and ``fake_openai_server``
+(registered by the package's pytest plugin) give each test a started server.
+See docs/testing.md.
 """
 
 from loopengine._clock import FakeClock
 from loopengine.providers._scripted import Reply
+from loopengine.testing._openai_server import FakeOpenAIServer
 from loopengine.testing._server import (
     CutStream,
     DropConnection,
@@ -28,6 +32,7 @@ __all__ = [
     "ErrorReply",
     "FakeAnthropicServer",
     "FakeClock",
+    "FakeOpenAIServer",
     "RecordedRequest",
     "Reply",
     "ServerItem",

@@ -272,8 +272,9 @@ class RecordedRequest:
     @property
     def timeout(self) -> float | None:
         """The client's request timeout in seconds, when the SDK sent one
-        (``x-stainless-timeout``)."""
-        value = self.headers.get("x-stainless-timeout")
+        (``x-stainless-timeout``; the ``openai`` SDK's ``x-stainless-read-timeout``)."""
+        value = self.headers.get("x-stainless-timeout", self.headers.get(
+            "x-stainless-read-timeout"))
         try:
             return float(value) if value is not None else None
         except ValueError:
@@ -481,7 +482,7 @@ class LoopbackServer:
             headers={k.lower(): v for k, v in handler.headers.items()},
             body=body,
         )
-        served = handler.path.split("?")[0] == self.path and handler.command == "POST"
+        served = self._serves(handler.path.split("?")[0]) and handler.command == "POST"
         # Requests the real API refuses are refused here too, before the script.
         problem = self._refusal(body) if served else None
         number, item = self._next_item(request, consume=served and problem is None)
@@ -560,6 +561,10 @@ class LoopbackServer:
             handler.end_chunks()
 
     # -- what a subclass says about its wire ------------------------------------------
+
+    def _serves(self, path: str) -> bool:
+        """Whether ``path`` (without its query) is the API's."""
+        return path == self.path
 
     def _refusal(self, body: Any) -> str | None:
         """Why the real API would refuse this request body (a 400), or None."""

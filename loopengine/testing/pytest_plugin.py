@@ -1,4 +1,5 @@
-"""The pytest plugin of loopengine: a ``fake_anthropic_server`` fixture.
+"""The pytest plugin of loopengine: the ``fake_anthropic_server`` and
+``fake_openai_server`` fixtures.
 
 Installed with the package (entry point ``pytest11``), so any test suite that
 has loopengine installed can ask for the fixture by name::
@@ -6,6 +7,11 @@ has loopengine installed can ask for the fixture by name::
     async def test_answers(fake_anthropic_server):
         fake_anthropic_server.add(Reply.text("Hello"))
         provider = AnthropicProvider(api_key="test", base_url=fake_anthropic_server.url)
+        ...
+
+    async def test_answers_on_openai(fake_openai_server):
+        fake_openai_server.add(Reply.text("Hello"))
+        provider = OpenAIProvider(api_key="test", base_url=fake_openai_server.base_url)
         ...
 """
 
@@ -15,13 +21,21 @@ from collections.abc import Iterator
 
 import pytest
 
+from loopengine.testing._openai_server import FakeOpenAIServer
 from loopengine.testing._server import FakeAnthropicServer
 
-__all__ = ["fake_anthropic_server"]
+__all__ = ["fake_anthropic_server", "fake_openai_server"]
 
 
 @pytest.fixture
 def fake_anthropic_server() -> Iterator[FakeAnthropicServer]:
     """A started `FakeAnthropicServer` with an empty script, closed after the test."""
     with FakeAnthropicServer() as server:
+        yield server
+
+
+@pytest.fixture
+def fake_openai_server() -> Iterator[FakeOpenAIServer]:
+    """A started `FakeOpenAIServer` with an empty script, closed after the test."""
+    with FakeOpenAIServer() as server:
         yield server

@@ -1,0 +1,278 @@
+"""`FakeOpenAIServer`: the Chat Completions API on loopback, scripted, for tests.
+
+A real HTTP/1.1 server on 127.0.0.1 that answers ``POST
+/v1/chat/completions`` (and Azure's ``/openai/deployments/{name}/chat/completions``)
+in JSON or, when the request asks for ``"stream": true``, in server-sent
+``chat.completion.chunk`` events ending with ``data: [DONE]``. It takes the
+same script items as `FakeAnthropicServer` (it is the same `LoopbackServer`),
+rendered in the Chat Completions shapes:
+
+* `Reply`: its text blocks are the message's ``content``, its ``tool_use``
+  blocks its ``tool_calls`` (an ``input`` given as a string is sent as the
+  arguments verbatim, to script malformed arguments); its stop reason is the
+  ``finish_reason`` (``end_turn`` -> ``stop``, ``tool_use`` -> ``tool_calls``,
+  ``max_tokens`` -> ``length``, ``refusal`` -> ``content_filter``, any other
+  value as it is); its usage is ``prompt_tokens`` (uncached input, cache
+  reads and cache writes, which the API cannot tell apart from uncached
+  input), ``prompt_tokens_details.cached_tokens`` (the cache reads) and
+  ``completion_tokens``. A stream carries the usage in a last chunk only when
+  the request asked for it (``stream_options.include_usage``), as the API does;
+* `ErrorReply`: ``{"error": {"message", "type", "param", "code"}}`` with its
+  status and headers (``type`` derived from the status when not given,
+  ``code`` from ``error_code``), or its own ``body``;
+* `StreamErrorEvent`: an ``{"error": {...}}`` event inside the stream after
+  some chunks (a non-streaming request gets the status its type stands for);
+* `CutStream`, `StallStream`, `DropConnection`, delays, callables: as for
+  `FakeAnthropicServer`. A stream is chunks, then (if asked) the usage chunk,
+  then ``[DONE]``: cutting it ``after`` the chunks of the answer leaves out
+  the usage; cutting earlier leaves out the ``finish_reason`` too.
+
+A request whose ``messages`` the API refuses (a ``tool`` message that
+answers no call of the assistant message before it, an assistant's call left
+without its ``tool`` message) gets the API's 400 without taking a script
+item. Requests are recorded and the usage served is counted as by
+`FakeAnthropicServer`: `usage_served` is the usage a client reads, in the
+engine's convention (cache reads apart from the uncached input).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from loopengine._usage import Usage
+from loopengine.providers._scripted import Reply
+from loopengine.testing._server import ErrorReply, Frame, LoopbackServer, RecordedRequest
+
+__all__ = ["FakeOpenAIServer", "transcript_problem"]
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "requests",
+}
+
+_TYPE_STATUS = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "insufficient_quota": 429,
+    "requests": 429,
+    "tokens": 429,
+    "rate_limit_error": 429,
+    "overloaded_error": 503,
+    "timeout": 408,
+}
+
+_FINISH_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "tool_use": "tool_calls",
+    "max_tokens": "length",
+    "refusal": "content_filter",
+}
+
+_WORDS = re.compile(r"\s*\S+\s*|\s+")
+_AZURE_PATH = re.compile(r"/openai/deployments/[^/]+/chat/completions")
+
+
+class FakeOpenAIServer(LoopbackServer):
+    """A scripted Chat Completions API on 127.0.0.1, for tests.
+
+    Use it as a context manager (or call `start` and `close`); point an
+    ``openai`` client at `base_url`::
+
+        with FakeOpenAIServer() as server:
+            server.add(Reply.text("Hello"))
+            provider = OpenAIProvider(api_key="test", base_url=server.base_url)
+            ...
+            assert server.requests[0].body["model"] == "gpt-4o-mini"
+
+    Args:
+        script: Items to serve, one per request, in order (see `add`).
+        host: The address to bind; loopback by default.
+
+    When the script runs out, requests get a 400 ``invalid_request_error``
+    saying so: a permanent fault, so a test that sends more than it scripted
+    fails clearly instead of retrying.
+    """
+
+    path = "/v1/chat/completions"
+    request_id_header = "x-request-id"
+
+    @property
+    def base_url(self) -> str:
+        """The ``base_url`` to give an ``openai`` client: `url` with ``/v1``."""
+        return f"{self.url}/v1"
+
+    def _serves(self, path: str) -> bool:
+        # Azure's form of the same endpoint names the deployment in the path.
+        return path == self.path or _AZURE_PATH.fullmatch(path) is not None
+
+    def _refusal(self, body: Any) -> str | None:
+        return transcript_problem(body)
+
+    def _error_body(self, item: ErrorReply) -> bytes:
+        if isinstance(item.body, str):
+            return item.body.encode()
+        if item.body is not None:
+            return json.dumps(item.body).encode()
+        return json.dumps({"error": _error(item.status, item.type, item.message,
+                                           item.error_code)}).encode()
+
+    def _error_status(self, error_type: str) -> int:
+        return _TYPE_STATUS.get(error_type, 500)
+
+    def _error_event(self, error_type: str, message: str) -> bytes:
+        return _data({"error": {"message": message, "type": error_type, "param": None,
+                                "code": None}})
+
+    def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
+        model = request.body.get("model") if isinstance(request.body, Mapping) else None
+        texts = [str(b.get("text", "")) for b in reply.content if b.get("type") == "text"]
+        calls = [{"id": b.get("id"), "type": "function",
+                  "function": {"name": b.get("name"), "arguments": _arguments(b.get("input"))}}
+                 for b in reply.content if b.get("type") == "tool_use"]
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None,
+                                   "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        completion: dict[str, Any] = {
+            "id": reply.response_id or f"chatcmpl-fake-{number:04d}",
+            "object": "chat.completion",
+            "created": 1_700_000_000 + number,
+            "model": model or "gpt-fake",
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": _finish_reason(reply.stop_reason)}],
+            "system_fingerprint": None,
+        }
+        usage = _usage_json(reply.usage)
+        if usage is not None:
+            completion["usage"] = usage
+        return completion
+
+    def _frames(self, message: dict[str, Any], reply: Reply,
+                request: RecordedRequest) -> list[Frame]:
+        head = {key: message[key] for key in ("id", "created", "model", "system_fingerprint")}
+        choice = message["choices"][0]
+        answer = choice["message"]
+
+        def chunk(delta: Mapping[str, Any], finish: str | None = None) -> bytes:
+            return _data({**head, "object": "chat.completion.chunk",
+                          "choices": [{"index": 0, "delta": dict(delta), "logprobs": None,
+                                       "finish_reason": finish}]})
+
+        frames = [chunk({"role": "assistant", "content": ""})]
+        for piece in _WORDS.findall(answer["content"] or ""):
+            frames.append(chunk({"content": piece}))
+        for index, call in enumerate(answer.get("tool_calls", ())):
+            function = call["function"]
+            frames.append(chunk({"tool_calls": [{
+                "index": index, "id": call["id"], "type": "function",
+                "function": {"name": function["name"], "arguments": ""}}]}))
+            arguments = function["arguments"]
+            # In two pieces, as the API streams them: the client joins them.
+            for part in (arguments[: len(arguments) // 2], arguments[len(arguments) // 2:]):
+                if part:
+                    frames.append(chunk({"tool_calls": [{"index": index,
+                                                         "function": {"arguments": part}}]}))
+        frames.append(chunk({}, choice["finish_reason"]))
+        out = [Frame(data, None) for data in frames]
+        served: Usage | None = None
+        options = request.body.get("stream_options") if isinstance(request.body, Mapping) \
+            else None
+        if isinstance(options, Mapping) and options.get("include_usage") is True \
+                and "usage" in message:
+            served = self._served_usage(reply.usage)
+            out.append(Frame(_data({**head, "object": "chat.completion.chunk", "choices": [],
+                                    "usage": message["usage"]}), served))
+        out.append(Frame(b"data: [DONE]\n\n", served))
+        return out
+
+    def _served_usage(self, usage: Usage | None) -> Usage | None:
+        if usage is None:
+            return None
+        # Cache writes have no field of their own: they are uncached prompt tokens.
+        return Usage(input_tokens=usage.input_tokens + usage.cache_write_tokens,
+                     output_tokens=usage.output_tokens,
+                     cache_read_tokens=usage.cache_read_tokens)
+
+
+def _error(status: int, error_type: str | None, message: str,
+           code: str | None) -> dict[str, Any]:
+    kind = error_type or _STATUS_TYPES.get(status) or (
+        "server_error" if status >= 500 else "invalid_request_error")
+    return {"message": message, "type": kind, "param": None, "code": code}
+
+
+def _finish_reason(stop_reason: str | None) -> str | None:
+    if stop_reason is None:
+        return None
+    return _FINISH_REASONS.get(stop_reason, stop_reason)
+
+
+def _arguments(tool_input: Any) -> str:
+    return tool_input if isinstance(tool_input, str) else json.dumps(tool_input or {})
+
+
+def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    prompt = usage.total_input_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": usage.output_tokens,
+        "total_tokens": prompt + usage.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cache_read_tokens,
+                                  "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                      "accepted_prediction_tokens": 0,
+                                      "rejected_prediction_tokens": 0},
+    }
+
+
+def _data(payload: Mapping[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def transcript_problem(body: Any) -> str | None:
+    """Why the Chat Completions API would refuse ``body``'s ``messages``, or None.
+
+    Each assistant message's ``tool_calls`` must be answered, one ``tool``
+    message per call id, by the messages right after it, and a ``tool``
+    message must answer a call of that assistant message.
+    """
+    if not isinstance(body, Mapping):
+        return "the body is not a JSON object"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "messages: a non-empty array is required"
+    pending: list[str] = []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, Mapping) else None
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id not in pending:
+                return (f"messages[{index}]: a message with role 'tool' must be a response to "
+                        f"a preceding message with 'tool_calls' (tool_call_id {call_id!r})")
+            pending.remove(call_id)
+            continue
+        if pending:
+            return (f"messages[{index}]: an assistant message with 'tool_calls' must be "
+                    f"followed by tool messages responding to each 'tool_call_id' "
+                    f"(missing: {', '.join(pending)})")
+        if role not in ("system", "developer", "user", "assistant"):
+            return f"messages[{index}]: unknown role {role!r}"
+        if role == "assistant":
+            pending = [str(call.get("id")) for call in message.get("tool_calls") or ()]
+    if pending:
+        return ("messages: an assistant message with 'tool_calls' must be followed by tool "
+                f"messages responding to each 'tool_call_id' (missing: {', '.join(pending)})")
+    return None

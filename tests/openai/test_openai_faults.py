@@ -1,0 +1,244 @@
+"""The fault table of DESIGN.md §14, row by row, on the wire.
+
+Each case scripts one fault on the FakeOpenAIServer, followed by a good reply,
+and runs a conversation through OpenAIProvider and the real ``openai`` SDK,
+with JSON responses and with server-sent events. A retried fault completes on
+the second request; a permanent one ends the run after the first.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import socket
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+import loopengine as le
+from loopengine.providers import FaultKind
+from loopengine.testing import (
+    CutStream,
+    DropConnection,
+    ErrorReply,
+    FakeClock,
+    FakeOpenAIServer,
+    Reply,
+    StallStream,
+    StreamErrorEvent,
+)
+
+from ..adapter.conftest import STREAMING
+from ..adapter.test_anthropic_faults import Case
+from .conftest import OpenAIHarness, openai_operation
+
+
+def quota(status: int, error_type: str, code: str | None) -> ErrorReply:
+    """An OpenAI error body with this type and code."""
+    return ErrorReply(status=status, body={"error": {"message": "x", "type": error_type,
+                                                     "param": None, "code": code}})
+
+
+CASES = {
+    # credit_exhausted (R06), by type or by code, whatever the status
+    "429-insufficient-quota": Case(ErrorReply.insufficient_quota(), FaultKind.CREDIT_EXHAUSTED,
+                                   False),
+    "429-insufficient-quota-type-only": Case(quota(429, "insufficient_quota", None),
+                                             FaultKind.CREDIT_EXHAUSTED, False),
+    "429-insufficient-quota-code-only": Case(quota(429, "requests", "insufficient_quota"),
+                                             FaultKind.CREDIT_EXHAUSTED, False),
+    "429-billing-hard-limit": Case(quota(429, "requests", "billing_hard_limit_reached"),
+                                   FaultKind.CREDIT_EXHAUSTED, False),
+    "403-billing-not-active": Case(quota(403, "invalid_request_error", "billing_not_active"),
+                                   FaultKind.CREDIT_EXHAUSTED, False),
+    "429-credit-balance-exhausted": Case(quota(429, "requests", "credit_balance_exhausted"),
+                                         FaultKind.CREDIT_EXHAUSTED, False),
+    "429-monthly-spend-limit-exceeded": Case(
+        quota(429, "requests", "monthly_spend_limit_exceeded"), FaultKind.CREDIT_EXHAUSTED,
+        False),
+    "402-insufficient-credits": Case(ErrorReply(status=402, message="Insufficient credits"),
+                                     FaultKind.CREDIT_EXHAUSTED, False),
+    "mid-stream-insufficient-quota": Case(
+        StreamErrorEvent(reply=Reply.text("half"), after=2, type="insufficient_quota",
+                         message="quota"), FaultKind.CREDIT_EXHAUSTED, False),
+    # rate_limited
+    "429": Case(ErrorReply.rate_limited(), FaultKind.RATE_LIMITED, True),
+    "429-tokens": Case(quota(429, "tokens", "rate_limit_exceeded"), FaultKind.RATE_LIMITED,
+                       True),
+    "mid-stream-rate-limit": Case(
+        StreamErrorEvent(reply=Reply.text("half"), after=2, type="requests",
+                         message="Rate limit reached"), FaultKind.RATE_LIMITED, True),
+    # timeout
+    "408": Case(ErrorReply(status=408), FaultKind.TIMEOUT, True),
+    "sdk-timeout": Case(Reply.text("late", delay=0.6), FaultKind.TIMEOUT, True),
+    # server_error
+    "409": Case(ErrorReply(status=409), FaultKind.SERVER_ERROR, True),
+    "500": Case(ErrorReply(status=500), FaultKind.SERVER_ERROR, True),
+    "502-html": Case(ErrorReply(status=502, body="<html>bad gateway</html>"),
+                     FaultKind.SERVER_ERROR, True),
+    "503": Case(ErrorReply(status=503), FaultKind.SERVER_ERROR, True),
+    "504": Case(ErrorReply(status=504), FaultKind.SERVER_ERROR, True),
+    "mid-stream-server-error": Case(
+        StreamErrorEvent(reply=Reply.text("half an answer"), after=3, type="server_error",
+                         message="The server had an error"), FaultKind.SERVER_ERROR, True),
+    "200-not-a-completion": Case(lambda request: ErrorReply(status=200, body={"object": "x"}),
+                                 FaultKind.SERVER_ERROR, True),
+    # connection
+    "reset": Case(DropConnection(), FaultKind.CONNECTION, True),
+    "closed-before-response": Case(DropConnection(reset=False), FaultKind.CONNECTION, True),
+    # aborted
+    "cut-mid-body": Case(CutStream(reply=Reply.text("a long answer"), after=3, how="drop"),
+                         FaultKind.ABORTED, True, "aborted"),
+    "stream-ends-before-finish-reason": Case(
+        CutStream(reply=Reply.text("a long answer"), after=3), FaultKind.ABORTED, True,
+        "aborted", streaming_only=True),
+    # "a long answer" is 4 chunks and the finish chunk: cut before the usage chunk.
+    "stream-ends-before-usage-chunk": Case(
+        CutStream(reply=Reply.text("a long answer"), after=5), FaultKind.ABORTED, True,
+        "aborted", streaming_only=True),
+    "idle-stream": Case(StallStream(reply=Reply.text("a b c"), after=2, seconds=1.0),
+                        FaultKind.ABORTED, True, "aborted", streaming_only=True),
+    # bad_request
+    "400": Case(ErrorReply(status=400, message="messages: field required"),
+                FaultKind.BAD_REQUEST, False),
+    "404": Case(ErrorReply(status=404, message="The model does not exist"),
+                FaultKind.BAD_REQUEST, False),
+    "413": Case(ErrorReply(status=413), FaultKind.BAD_REQUEST, False),
+    "422": Case(ErrorReply(status=422), FaultKind.BAD_REQUEST, False),
+    "mid-stream-invalid-request": Case(
+        StreamErrorEvent(reply=Reply.text("x"), after=1, type="invalid_request_error",
+                         message="bad"), FaultKind.BAD_REQUEST, False),
+    # unauthorized
+    "401": Case(ErrorReply(status=401, error_code="invalid_api_key"), FaultKind.UNAUTHORIZED,
+                False),
+    "403": Case(ErrorReply(status=403), FaultKind.UNAUTHORIZED, False),
+    # x-should-retry: false is obeyed even for a transient kind
+    "503-should-retry-false": Case(ErrorReply(status=503, headers={"x-should-retry": "false"}),
+                                   FaultKind.SERVER_ERROR, False),
+}
+
+# Only a stream can end early or go idle: those rows run once. A JSON body
+# answering a stream request is a stream without chunks (aborted, above).
+JSON_ONLY = {"200-not-a-completion"}
+MATRIX = [
+    pytest.param(name, stream, id=f"{'sse' if stream else 'json'}-{name}")
+    for name in sorted(CASES) for stream in (False, True)
+    if (stream or not CASES[name].streaming_only) and not (stream and name in JSON_ONLY)
+]
+
+
+@pytest.mark.parametrize(("name", "stream"), MATRIX)
+async def test_fault_matrix_kind_retry_and_outcome_openai(
+    wire: OpenAIHarness, name: str, stream: bool
+) -> None:
+    """Each row of §14's fault table: the right kind, retried or not, the right outcome."""
+    case = CASES[name]
+    # A 0.3 s attempt timeout (the SDK's own, since the fake clock's never
+    # fires) and a shorter idle limit let the slow cases fail fast.
+    engine, ledger = wire.engine(case.item, Reply.text("recovered"), stream=stream,
+                                 provider_kwargs={"stream_idle_timeout": 0.15})
+    result = await engine.run(openai_operation(attempt_timeout=0.3), "go")
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert first.fault == case.kind.value
+    assert first.outcome == case.attempt_outcome
+    clock: FakeClock = wire.clock
+    if case.retried:
+        assert result.outcome is le.Outcome.COMPLETED and result.answer == "recovered"
+        assert len(wire.requests) == 2 and len(result.attempt_log) == 2
+        assert len(clock.sleeps) == 1
+    else:
+        expected = (le.Outcome.CREDIT_EXHAUSTED if case.kind is FaultKind.CREDIT_EXHAUSTED
+                    else le.Outcome.PROVIDER_ERROR)
+        assert result.outcome is expected
+        assert len(wire.requests) == 1 and len(result.attempt_log) == 1
+        assert clock.sleeps == []
+        assert result.fault is not None and result.fault.kind is case.kind
+    (row, *_) = ledger.attempts.values()
+    assert (row["fault"], row["outcome"]) == (case.kind.value, case.attempt_outcome)
+
+
+@STREAMING
+async def test_a_stream_cut_before_its_usage_chunk_has_unknown_usage_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Cut after the answer but before the usage chunk: the attempt is aborted with
+    no usage (the run's usage is incomplete), and retried; the server counted none."""
+    reply = Reply.text("a long answer", usage=le.Usage(input_tokens=50, output_tokens=5))
+    engine, ledger = wire.engine(CutStream(reply=reply, after=5), Reply.text("ok"),
+                                 stream=True)
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    aborted = result.attempt_log[0].settle
+    assert aborted is not None and (aborted.outcome, aborted.usage) == ("aborted", None)
+    assert aborted.response_id == "chatcmpl-fake-0001" and aborted.request_id == "req_fake_0001"
+    assert result.attempts.usage_complete is False
+    assert wire.server.usage_served == result.usage == le.Usage(input_tokens=100,
+                                                                output_tokens=20)
+
+
+@STREAMING
+async def test_every_attempt_records_the_ids_it_was_given_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """The x-request-id of every answered attempt and the completion id of every
+    completion that began: a mid-stream fault keeps both, a success too."""
+    engine, ledger = wire.engine(
+        StreamErrorEvent(reply=Reply.text("half an answer"), after=3, type="server_error"),
+        Reply.text("ok"), stream=stream)
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    failed, ok = (a.settle for a in result.attempt_log)
+    assert failed is not None and ok is not None
+    assert (failed.request_id, failed.response_id) == (
+        "req_fake_0001", "chatcmpl-fake-0001" if stream else None)
+    assert (ok.request_id, ok.response_id) == ("req_fake_0002", "chatcmpl-fake-0002")
+    rows = [(r["request_id"], r["response_id"]) for r in ledger.attempts.values()]
+    assert rows == [(failed.request_id, failed.response_id), (ok.request_id, ok.response_id)]
+
+
+@STREAMING
+async def test_connection_refused_is_retried_then_ends_provider_error_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Nothing listening: a connection fault on every attempt, three attempts, no more."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine, _ = wire.engine(stream=stream,
+                            provider_kwargs={"base_url": f"http://127.0.0.1:{port}/v1"})
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert [a.settle.fault for a in result.attempt_log if a.settle] == ["connection"] * 3
+    assert wire.requests == []
+
+
+@STREAMING
+async def test_retry_after_headers_are_the_waits_slept_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """retry-after-ms wins over retry-after; retry-after in seconds and as an HTTP
+    date is honoured."""
+    until = email.utils.format_datetime(datetime.now(UTC) + timedelta(seconds=4), usegmt=True)
+    engine, _ = wire.engine(
+        ErrorReply(status=429, headers={"retry-after-ms": "1500", "retry-after": "9"}),
+        ErrorReply(status=503, headers={"retry-after": "2"}),
+        ErrorReply(status=500, headers={"retry-after": until}),
+        Reply.text("ok"), stream=stream,
+    )
+    result = await engine.run(openai_operation(retry=le.RetryPolicy(max_attempts=4)), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    first, second, third = wire.clock.sleeps
+    assert (first, second) == (1.5, 2.0) and 2.0 <= third <= 4.0
+    assert [a.dispatch.wait_ms for a in result.attempt_log][:3] == [0, 1500, 2000]
+
+
+async def test_a_fake_server_without_the_extra_path_is_a_bad_request_openai(
+    fake_openai_server: FakeOpenAIServer, wire: OpenAIHarness
+) -> None:
+    """A base_url without /v1 reaches a path the server does not serve: a 404, not retried."""
+    engine, _ = wire.engine(Reply.text("never"),
+                            provider_kwargs={"base_url": fake_openai_server.url})
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert result.fault is not None and result.fault.http_status == 404
+    assert len(wire.requests) == 1

@@ -1,0 +1,428 @@
+"""OpenAIProvider itself: translation at the boundary both ways, its settings, its
+clients on event loops, usage and prices, and streaming to on_text; through the
+real ``openai`` SDK and FakeOpenAIServer wherever a wire is involved."""
+
+from __future__ import annotations
+
+import asyncio
+from decimal import Decimal
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import httpx2
+import openai
+import pydantic
+import pytest
+
+import loopengine as le
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import FaultKind, OpenAIProvider, ProviderFault
+from loopengine.providers._openai import (
+    chat_messages,
+    chat_tool_choice,
+    chat_tools,
+    classify_error,
+    content_from_message,
+    stop_reason,
+    usage_from_api,
+)
+from loopengine.testing import FakeOpenAIServer, Reply
+
+from ..adapter.test_event_loops import assert_nothing_left_open, run_on_trio
+from .conftest import MODEL, PRICES, OpenAIHarness, openai_operation
+
+# -- translation: the engine's transcript -> Chat Completions -------------------------
+
+
+def test_system_blocks_become_one_system_message() -> None:
+    """Anthropic system text blocks (with their cache markers) become one system message."""
+    system = [{"type": "text", "text": "one", "cache_control": {"type": "ephemeral"}},
+              {"type": "text", "text": "two"}]
+    assert chat_messages(system, [{"role": "user", "content": "hi"}]) == [
+        {"role": "system", "content": "one\n\ntwo"}, {"role": "user", "content": "hi"}]
+
+
+def test_a_tool_turn_becomes_tool_calls_and_one_tool_message_per_result() -> None:
+    """tool_use blocks become the assistant's tool_calls; each tool_result a tool
+    message, before the user's own text; an is_error result reads as an error."""
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hmm", "signature": "s"},
+            {"type": "text", "text": "Looking."},
+            {"type": "tool_use", "id": "c1", "name": "lookup", "input": {"key": "a"}},
+            {"type": "tool_use", "id": "c2", "name": "lookup", "input": '{"key": '}]},
+        {"role": "user", "content": [
+            {"type": "text", "text": "and hurry"},
+            {"type": "tool_result", "tool_use_id": "c1",
+             "content": [{"type": "text", "text": "value"}]},
+            {"type": "tool_result", "tool_use_id": "c2", "content": "bad input",
+             "is_error": True}]},
+    ]
+    assert chat_messages(None, messages) == [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "Looking.", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "lookup", "arguments": '{"key": "a"}'}},
+            {"id": "c2", "type": "function",
+             "function": {"name": "lookup", "arguments": '{"key": '}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "value"},
+        {"role": "tool", "tool_call_id": "c2", "content": "Error: bad input"},
+        {"role": "user", "content": "and hurry"},
+    ]
+
+
+def test_images_become_image_url_parts() -> None:
+    """A base64 image and a URL image become image_url parts beside the text."""
+    content = [{"type": "text", "text": "what is this?"},
+               {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": "AAAA"}},
+               {"type": "image", "source": {"type": "url", "url": "https://x.test/a.png"}}]
+    (message,) = chat_messages(None, [{"role": "user", "content": content}])
+    assert message["content"] == [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": [{"type": "document", "source": {}}]},
+    {"role": "assistant", "content": [{"type": "server_tool_use", "id": "s", "name": "web"}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
+                                  "content": [{"type": "image", "source": {}}]}]},
+], ids=["document", "server-tool", "image-in-tool-result"])
+def test_a_block_without_an_equivalent_is_a_bad_request_not_sent(
+    message: dict[str, Any],
+) -> None:
+    """A block Chat Completions cannot carry is a permanent bad_request fault."""
+    with pytest.raises(ProviderFault) as info:
+        chat_messages(None, [message])
+    assert info.value.kind is FaultKind.BAD_REQUEST
+    assert info.value.error_code == "untranslatable"
+
+
+def test_tools_and_tool_choice_translate() -> None:
+    """Tool definitions become function tools with their schema as parameters;
+    tool_choice auto / none / any / a named tool become auto / none / required /
+    that function."""
+    schema = {"type": "object", "properties": {"key": {"type": "string"}}}
+    assert chat_tools([{"name": "lookup", "description": "Look up.", "input_schema": schema}]) \
+        == [{"type": "function", "function": {"name": "lookup", "description": "Look up.",
+                                               "parameters": schema}}]
+    assert [chat_tool_choice(c) for c in (None, {"type": "auto"}, {"type": "none"},
+                                          {"type": "any"})] == [None, "auto", "none",
+                                                                "required"]
+    assert chat_tool_choice({"type": "tool", "name": "final_answer"}) == {
+        "type": "function", "function": {"name": "final_answer"}}
+
+
+# -- translation: the reply -> content blocks -------------------------------------------
+
+
+def test_a_reply_becomes_text_and_tool_use_blocks() -> None:
+    """Text, then one tool_use per call with parsed arguments; empty arguments are {}
+    and arguments that are not a JSON object stay the string the model sent."""
+    message = {"content": "Let me look.", "tool_calls": [
+        {"id": "c1", "function": {"name": "lookup", "arguments": '{"key": "a"}'}},
+        {"id": "c2", "function": {"name": "now", "arguments": ""}},
+        {"id": "c3", "function": {"name": "lookup", "arguments": "[1, 2]"}},
+        {"id": "c4", "function": {"name": "lookup", "arguments": "{oops"}}]}
+    content, stop = content_from_message(message, "tool_calls")
+    assert stop == "tool_use"
+    assert content == [
+        {"type": "text", "text": "Let me look."},
+        {"type": "tool_use", "id": "c1", "name": "lookup", "input": {"key": "a"}},
+        {"type": "tool_use", "id": "c2", "name": "now", "input": {}},
+        {"type": "tool_use", "id": "c3", "name": "lookup", "input": "[1, 2]"},
+        {"type": "tool_use", "id": "c4", "name": "lookup", "input": "{oops"}]
+
+
+def test_finish_reasons_become_stop_reasons_and_a_refusal_refuses() -> None:
+    """stop, tool_calls, length, content_filter map to end_turn, tool_use,
+    max_tokens, refusal; a message refusal is a refusal whatever the finish reason."""
+    assert [stop_reason(r) for r in ("stop", "tool_calls", "length", "content_filter",
+                                     "eos", None)] == [
+        "end_turn", "tool_use", "max_tokens", "refusal", "eos", None]
+    content, stop = content_from_message({"content": None, "refusal": "I can't help."},
+                                         "stop")
+    assert (content, stop) == ([{"type": "text", "text": "I can't help."}], "refusal")
+
+
+def test_usage_takes_the_cached_tokens_out_of_the_prompt() -> None:
+    """prompt_tokens includes cached_tokens: input is the difference, the cached part
+    is the cache read; reasoning tokens stay inside completion_tokens."""
+    raw = {"prompt_tokens": 3000, "completion_tokens": 700, "total_tokens": 3700,
+           "prompt_tokens_details": {"cached_tokens": 2048},
+           "completion_tokens_details": {"reasoning_tokens": 500}}
+    assert usage_from_api(raw) == le.Usage(input_tokens=952, output_tokens=700,
+                                           cache_read_tokens=2048)
+    assert usage_from_api({"prompt_tokens": 10, "completion_tokens": None}) == le.Usage(
+        input_tokens=10)
+    assert usage_from_api(None) is None
+
+
+async def test_usage_with_cached_tokens_is_priced_by_genai_prices(wire: OpenAIHarness) -> None:
+    """gpt-4o at genai-prices' published rates ($2.50 input, $1.25 cached input, $10
+    output per million tokens): 1000 uncached + 2000 cached + 500 output cost $0.01."""
+    usage = le.Usage(input_tokens=1000, cache_read_tokens=2000, output_tokens=500)
+    engine, ledger = wire.engine(Reply.text("hi", usage=usage), prices=le.PriceBook())
+    op = le.Operation(name="t", provider="openai", model="gpt-4o")
+    result = await engine.run(op, "go")
+    assert result.usage == usage and wire.server.usage_served == usage
+    assert (wire.requests[0].body["model"], result.cost_usd) == ("gpt-4o", Decimal("0.01"))
+    (row,) = ledger.attempts.values()
+    assert row["price_ref"].startswith("genai-prices:") and row["price_ref"].endswith(
+        "openai/gpt-4o")
+
+
+async def test_a_model_no_price_source_knows_is_unpriced(wire: OpenAIHarness) -> None:
+    """A compatible server's local model (no price anywhere) is recorded unpriced."""
+    engine, ledger = wire.engine(Reply.text("hi"), prices=le.PriceBook())
+    result = await engine.run(le.Operation(name="t", provider="openai", model="llama3.1:8b"),
+                              "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.unpriced
+    (row,) = ledger.attempts.values()
+    assert (row["cost_nanousd"], row["served_by"]) == (None, "openai:llama3.1:8b")
+
+
+# -- the request on the wire ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_the_request_carries_the_operation_and_nothing_invented(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Model, max_completion_tokens, the messages, the key; streams ask for usage."""
+    engine, _ = wire.engine(Reply.text("ok"), stream=stream)
+    await engine.run(openai_operation(), "hi", system="be brief")
+    (sent,) = wire.requests
+    assert sent.path == "/v1/chat/completions"
+    assert sent.body["model"] == MODEL and sent.body["max_completion_tokens"] == 512
+    assert sent.messages == [{"role": "system", "content": "be brief"},
+                             {"role": "user", "content": "hi"}]
+    assert "tools" not in sent.body and "tool_choice" not in sent.body
+    assert sent.stream is stream
+    assert (sent.body.get("stream_options") == {"include_usage": True}) is stream
+    assert sent.headers["authorization"] == "Bearer test-key"
+
+
+class City(pydantic.BaseModel):
+    name: str
+
+
+async def test_a_structured_call_forces_its_answer_function(wire: OpenAIHarness) -> None:
+    """Engine.call forces the answer tool: tool_choice names that function."""
+    engine, _ = wire.engine(Reply.tool_calls(("final_answer", {"name": "Oslo"})))
+    result = await engine.call(openai_operation(), "capital of Norway?", output=City)
+    assert result.data == City(name="Oslo")
+    (sent,) = wire.requests
+    (tool,) = sent.body["tools"]
+    assert sent.body["tool_choice"] == {"type": "function",
+                                        "function": {"name": tool["function"]["name"]}}
+
+
+# -- streaming --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_text_deltas_reach_on_text_openai(wire: OpenAIHarness, kind: str) -> None:
+    """Streamed text arrives delta by delta, through a sync or an async callback."""
+    seen: list[str] = []
+
+    async def async_sink(text: str) -> None:
+        await anyio.lowlevel.checkpoint()
+        seen.append(text)
+
+    sink = seen.append if kind == "sync" else async_sink
+    engine, _ = wire.engine(Reply.text("The quick brown fox"), stream=True)
+    result = await engine.run(openai_operation(), "go", on_text=sink)
+    assert result.answer == "The quick brown fox"
+    assert seen == ["The ", "quick ", "brown ", "fox"]
+
+
+class CallbackBroke(Exception):
+    """The caller's own bug."""
+
+
+async def test_an_on_text_callback_that_raises_reaches_the_caller_and_is_no_fault_openai(
+    wire: OpenAIHarness,
+) -> None:
+    """``on_text`` raises: the provider stops reading and raises an aborted fault with
+    the ids so far, from the callback's error; the caller gets the callback's own
+    exception, nothing is retried, the attempt carries no fault."""
+
+    def on_text(text: str) -> None:
+        raise CallbackBroke(f"cannot show {text!r}")
+
+    ledger = MemoryLedger()
+    engine, _ = wire.engine(Reply.text("hello there"), Reply.text("not asked for"),
+                            stream=True, ledger=ledger)
+    with pytest.raises(CallbackBroke, match="cannot show"):
+        await engine.run(openai_operation(), "go", on_text=on_text)
+    (attempt,) = ledger.attempts.values()
+    assert attempt["fault"] is None
+    assert (attempt["outcome"], attempt["aborted_reason"]) == ("aborted", "external")
+    assert attempt["request_id"] == "req_fake_0001"
+    assert [r["outcome"] for r in ledger.invocations.values()] == ["failed"]
+    assert len(wire.requests) == 1
+
+
+async def test_the_callbacks_fault_carries_the_ids_and_its_cause(
+    fake_openai_server: FakeOpenAIServer,
+) -> None:
+    """At the seam: the aborted fault names the request and the completion, and is
+    raised from the callback's exception."""
+    fake_openai_server.add(Reply.text("hello there"))
+    provider = OpenAIProvider(api_key="k", base_url=fake_openai_server.base_url, stream=True,
+                              http_client=httpx2.AsyncClient(verify=False))
+    broke = CallbackBroke("no")
+
+    def on_text(text: str) -> None:
+        raise broke
+
+    request = le.providers.ProviderRequest(model=MODEL, max_tokens=16,
+                                           messages=[{"role": "user", "content": "hi"}],
+                                           on_text=on_text)
+    with pytest.raises(ProviderFault) as info:
+        await provider.send(request)
+    await provider.aclose()
+    fault = info.value
+    assert fault.kind is FaultKind.ABORTED and fault.__cause__ is broke
+    assert (fault.request_id, fault.response_id) == ("req_fake_0001", "chatcmpl-fake-0001")
+
+
+# -- settings -------------------------------------------------------------------------
+
+
+def test_settings_the_provider_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_retries other than 0, a client and keywords, a sync client, missing
+    credentials: each a ConfigError naming the field."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(le.ConfigError) as info:
+        OpenAIProvider(api_key="k", max_retries=2)
+    assert info.value.field == "max_retries"
+    client = openai.AsyncOpenAI(api_key="k")
+    with pytest.raises(le.ConfigError) as info:
+        OpenAIProvider(client, api_key="k")
+    assert info.value.field == "client"
+    with pytest.raises(le.ConfigError) as info:
+        OpenAIProvider(openai.OpenAI(api_key="k"))  # type: ignore[arg-type]
+    assert info.value.field == "client"
+    with pytest.raises(le.ConfigError, match="api_key") as info:
+        OpenAIProvider()
+    assert info.value.field == "client"
+    with pytest.raises(le.ConfigError) as info:
+        OpenAIProvider(api_key="k", route="")
+    assert info.value.field == "route"
+
+
+def test_routes_and_vendors() -> None:
+    """The route defaults to the vendor (openai, azure for an Azure client, built or
+    given); a named route is the provider's name; the SDK never retries."""
+    plain = OpenAIProvider(api_key="k")
+    azure = OpenAIProvider(api_key="k", azure_endpoint="https://x.openai.azure.com",
+                           api_version="2024-10-21")
+    given = OpenAIProvider(openai.AsyncAzureOpenAI(api_key="k", api_version="2024-10-21",
+                                                   azure_endpoint="https://y.openai.azure.com"))
+    named = OpenAIProvider(api_key="k", route="openai-eu")
+    assert [(p.name, p.vendor) for p in (plain, azure, given, named)] == [
+        ("openai", "openai"), ("azure", "azure"), ("azure", "azure"), ("openai-eu", "openai")]
+    assert isinstance(azure.client, openai.AsyncAzureOpenAI)
+    assert all(p.client.max_retries == 0 for p in (plain, azure, given, named))
+    assert all(p.awaits_before_wire for p in (plain, azure, given, named))
+
+
+async def test_an_azure_route_is_recorded_azure(fake_openai_server: FakeOpenAIServer) -> None:
+    """An Azure client's attempts are served_by azure:<deployment>, priced under azure."""
+    fake_openai_server.add(Reply.text("hi"))
+    client = openai.AsyncAzureOpenAI(api_key="k", api_version="2024-10-21",
+                                     base_url=f"{fake_openai_server.url}/openai",
+                                     http_client=httpx2.AsyncClient(verify=False))
+    provider = OpenAIProvider(client)
+    ledger = MemoryLedger()
+    engine = le.Engine(provider, ledger=ledger)
+    result = await engine.run(le.Operation(name="t", provider="azure", model="gpt-4o"), "go")
+    await client.close()
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    (row,) = ledger.attempts.values()
+    assert row["served_by"] == "azure:gpt-4o" and row["cost_nanousd"] is not None
+
+
+# -- event loops ----------------------------------------------------------------------
+
+
+def test_one_provider_serves_consecutive_event_loops_each_on_its_own_client(
+    fake_openai_server: FakeOpenAIServer,
+) -> None:
+    """asyncio, trio, asyncio on one engine built from keywords: each run completes
+    on its first attempt, on a client of its loop, closed as that loop shuts down."""
+    fake_openai_server.add(*(Reply.text(f"answer {n}") for n in range(3)))
+    provider = OpenAIProvider(api_key="k", base_url=fake_openai_server.base_url)
+    engine = le.Engine(provider, prices=PRICES)
+    used: list[Any] = []
+
+    async def one() -> le.RunResult:
+        result = await engine.run(openai_operation(), "hi")
+        used.append(provider.client)
+        return result
+
+    results = [asyncio.run(one()), run_on_trio(one), asyncio.run(one())]
+    assert [(r.outcome, r.attempts.count) for r in results] == [(le.Outcome.COMPLETED, 1)] * 3
+    assert len({id(c) for c in used}) == 3
+    assert all(c.is_closed() for c in used)
+    assert_nothing_left_open()
+
+
+def test_a_given_client_is_refused_on_another_event_loop_before_anything_is_sent(
+    fake_openai_server: FakeOpenAIServer,
+) -> None:
+    """A client the caller gave works on its first loop; on another the run raises
+    ConfigError naming it, recording no attempt, and the server receives nothing."""
+    fake_openai_server.add(Reply.text("one"), Reply.text("two"))
+    client = openai.AsyncOpenAI(api_key="k", base_url=fake_openai_server.base_url,
+                                http_client=httpx2.AsyncClient(verify=False))
+    ledger = MemoryLedger()
+    engine = le.Engine(OpenAIProvider(client), ledger=ledger, prices=PRICES)
+    with asyncio.Runner() as first:
+        assert first.run(engine.run(openai_operation(), "hi")).outcome is le.Outcome.COMPLETED
+        with pytest.raises(le.ConfigError, match="OpenAIProvider was first used on another "
+                                                 "event loop, which is still open") as info:
+            asyncio.run(engine.run(openai_operation(), "on another loop"))
+        assert info.value.field == "client"
+        first.run(client.close())
+    assert len(fake_openai_server.requests) == 1
+    assert [row["outcome"] for row in ledger.attempts.values()] == ["ok"]
+    assert_nothing_left_open()
+
+
+# -- classification at the seam -------------------------------------------------------
+
+
+async def test_a_ledger_error_at_the_gate_is_not_a_fault(
+    fake_openai_server: FakeOpenAIServer,
+) -> None:
+    """The before-wire wait raising (the ledger could not record the attempt) is let
+    out as it is, and nothing reaches the server."""
+    fake_openai_server.add(Reply.text("never"))
+    provider = OpenAIProvider(api_key="k", base_url=fake_openai_server.base_url,
+                              http_client=httpx2.AsyncClient(verify=False))
+
+    async def refuse() -> None:
+        raise le.LedgerError("disk full")
+
+    for stream in (False, True):
+        request = le.providers.ProviderRequest(
+            model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "hi"}],
+            before_wire=refuse)
+        provider._stream = stream
+        with pytest.raises(le.LedgerError, match="disk full"):
+            await provider.send(request)
+    await provider.aclose()
+    assert fake_openai_server.requests == []
+
+
+def test_a_plain_sdk_error_is_a_bad_request() -> None:
+    """An SDK error with no response (a bad argument) is not retried."""
+    fault = classify_error(openai.OpenAIError("The api_key client option must be set"))
+    assert fault.kind is FaultKind.BAD_REQUEST and not fault.retryable

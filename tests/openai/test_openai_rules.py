@@ -1,0 +1,413 @@
+"""Every rule (R01-R15) and scenario (S01, S02) through OpenAIProvider -> the real
+``openai`` SDK -> FakeOpenAIServer on loopback.
+
+The scenarios are the Anthropic adapter tests' (tests/adapter/test_anthropic_rules.py:
+the same scripts of `Reply` items, tools and limits); the assertions are on
+what the Chat Completions server received: one ``tool`` message per call in
+one request, ``is_error`` results the model reads as errors, no attempt
+timeout above the remaining time. Every test runs with JSON responses and with
+server-sent events.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+import loopengine as le
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import CachePolicy, FaultKind
+from loopengine.testing import ErrorReply, FakeClock, Reply
+
+from ..adapter.conftest import STREAMING
+from ..adapter.test_anthropic_rules import Answer, Counter, lookup, quantum_prices
+from .conftest import MODEL, PRICES, OpenAIHarness, calls_asked, openai_operation, tool_messages
+
+FAST = le.RetryPolicy(max_attempts=4, initial_wait=0.001, max_wait=0.002)
+
+
+def prices_with_quantum(quantum: int) -> le.PriceBook:
+    """`PRICES`, with turn charges rounded up to ``quantum`` credits."""
+    anthropic_book = quantum_prices(quantum)
+    return le.PriceBook(PRICES.prices, credits_per_usd=anthropic_book.credits_per_usd,
+                        credit_quantum=anthropic_book.credit_quantum)
+
+
+@STREAMING
+async def test_r01_turn_limit_after_exactly_max_turns_requests_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Without an accepted answer the run ends turn_limit after max_turns wire requests."""
+    counter = Counter()
+    engine, _ = wire.engine(*[Reply.tool_calls(lookup()) for _ in range(6)], stream=stream)
+    result = await engine.run(openai_operation(max_turns=3), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.TURN_LIMIT
+    assert len(wire.requests) == 3 == result.turns
+    assert len(counter.calls) == 3
+
+
+@STREAMING
+async def test_r02_oversized_parallel_batch_runs_no_handler_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Three parallel tool calls are one batch: over max_tool_batch, the run ends with
+    no handler run and nothing more sent."""
+    counter = Counter()
+    engine, _ = wire.engine(Reply.tool_calls(lookup("a"), lookup("b"), lookup("c")),
+                            Reply.text("never"), stream=stream)
+    result = await engine.run(openai_operation(max_tool_batch=2), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.TOOL_BATCH_LIMIT
+    assert counter.calls == [] and result.tool_calls == 0
+    assert len(wire.requests) == 1
+
+
+@STREAMING
+async def test_r03_credit_hold_greater_than_ends_exactly_continues_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Turns of 120 credits round to 150: 150 and 300 continue under a hold of 300,
+    the third turn crosses it, stops further work and stays billed."""
+    counter = Counter()
+    engine, ledger = wire.engine(*[Reply.tool_calls(lookup(str(i))) for i in range(5)],
+                                 stream=stream, prices=prices_with_quantum(50))
+    result = await engine.run(openai_operation(credit_hold=300), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.CREDIT_LIMIT
+    assert len(wire.requests) == 3
+    assert result.credits == 450
+    assert counter.calls == ["0", "1"]
+    (row,) = ledger.invocations.values()
+    assert row["credits"] == 450
+    assert wire.server.usage_served == result.usage == le.Usage(input_tokens=300,
+                                                                output_tokens=60)
+
+
+@STREAMING
+async def test_r04_no_attempt_timeout_above_the_remaining_time_openai(
+    wire: OpenAIHarness, clock: FakeClock, stream: bool
+) -> None:
+    """Each wire request's timeout is min(attempt_timeout, remaining); none is sent
+    once no time remains."""
+    counter = Counter(before=lambda _: clock.advance(5.0))  # each tool call takes 5 s
+    engine, _ = wire.engine(Reply.tool_calls(lookup()), Reply.tool_calls(lookup()),
+                            Reply.text("never sent"), stream=stream)
+    result = await engine.run(openai_operation(total_time=10.0, attempt_timeout=6.0), "go",
+                              tools=[counter.tool])
+    assert result.outcome is le.Outcome.TIME_LIMIT
+    # The SDK hands the per-request timeout to the server as x-stainless-read-timeout.
+    assert [r.timeout for r in wire.requests] == [6.0, 5.0]
+    assert [a.dispatch.timeout_ms for a in result.attempt_log] == [6000, 5000]
+
+
+@STREAMING
+async def test_r05_transient_faults_retry_with_growing_waits_openai(
+    wire: OpenAIHarness, clock: FakeClock, stream: bool
+) -> None:
+    """503s are retried with growing waits, three attempts by default; the SDK itself
+    never retries (max_retries=0: each attempt is one request)."""
+    engine, _ = wire.engine(*[ErrorReply(status=503) for _ in range(4)], stream=stream)
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert len(wire.requests) == 3
+    assert [r.headers["x-stainless-retry-count"] for r in wire.requests] == ["0", "0", "0"]
+    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
+    assert result.fault is not None and result.fault.kind is FaultKind.SERVER_ERROR
+
+
+@STREAMING
+async def test_r05_malformed_or_unauthorized_requests_are_not_retried_openai(
+    wire: OpenAIHarness, clock: FakeClock, stream: bool
+) -> None:
+    """A 400, a 422 and a 401 are each sent once."""
+    for status in (400, 422, 401):
+        engine, _ = wire.engine(ErrorReply(status=status), stream=stream)
+        result = await engine.run(openai_operation(), "go")
+        assert result.outcome is le.Outcome.PROVIDER_ERROR
+        assert result.fault is not None and result.fault.http_status == status
+        assert len(result.attempt_log) == 1
+    assert len(wire.requests) == 3
+    assert clock.sleeps == []
+
+
+@STREAMING
+async def test_r06_insufficient_quota_is_credit_exhausted_not_retried_openai(
+    wire: OpenAIHarness, clock: FakeClock, stream: bool
+) -> None:
+    """OpenAI's 429 insufficient_quota ends credit_exhausted after one request."""
+    engine, _ = wire.engine(ErrorReply.insufficient_quota(), Reply.text("never"), stream=stream)
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.CREDIT_EXHAUSTED
+    assert len(wire.requests) == 1 and clock.sleeps == []
+    assert result.fault is not None
+    assert (result.fault.http_status, result.fault.error_code) == (429, "insufficient_quota")
+
+
+@STREAMING
+async def test_r07_attempts_record_turn_retry_usage_timing_and_price_and_cap_rows_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Each attempt is a row with its turn, try, usage, timing, ids and own price;
+    past the retained rows, attempts are counted and the record marked incomplete."""
+    counter = Counter()
+    ledger = MemoryLedger(max_retained_attempts=3)
+    engine, _ = wire.engine(
+        ErrorReply(status=500), Reply.tool_calls(lookup("a")),
+        ErrorReply(status=429), Reply.text("done", usage=le.Usage(input_tokens=300,
+                                                                  output_tokens=10,
+                                                                  cache_read_tokens=200)),
+        stream=stream, ledger=ledger)
+    result = await engine.run(openai_operation(retry=FAST), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert (result.attempts.count, result.attempts.retained, result.attempts.incomplete) == (
+        4, 3, True)
+    rows = sorted(ledger.attempts.values(), key=lambda r: r["ordinal"])
+    assert [(r["turn"], r["attempt"], r["outcome"], r["fault"]) for r in rows] == [
+        (1, 1, "error", "server_error"), (1, 2, "ok", None), (2, 1, "error", "rate_limited")]
+    assert [r["request_id"] for r in rows] == ["req_fake_0001", "req_fake_0002",
+                                               "req_fake_0003"]
+    assert rows[1]["response_id"] == "chatcmpl-fake-0002"
+    assert [r["cost_nanousd"] for r in rows] == [None, 120_000, None]
+    assert all(r["served_by"] == f"openai:{MODEL}" and r["latency_ms"] is not None
+               for r in rows)
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["attempt_count"], invocation["incomplete"]) == (4, 1)
+    # The fourth attempt has no row, but its usage (cached tokens apart) is in the totals.
+    assert (invocation["input_tokens"], invocation["cache_read_tokens"],
+            invocation["output_tokens"]) == (400, 200, 30)
+    assert invocation["cost_nanousd"] == 120_000 + 510_000
+
+
+@STREAMING
+async def test_r08_one_tool_message_per_call_in_one_request_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Three parallel calls: the next request answers each with one tool message,
+    right after the assistant's tool_calls, in order; each consumed tool budget."""
+    counter = Counter()
+    engine, _ = wire.engine(Reply.tool_calls(lookup("a"), lookup("b"), lookup("c")),
+                            Reply.text("done"), stream=stream)
+    result = await engine.run(openai_operation(), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.COMPLETED and result.tool_calls == 3
+    sent = wire.requests[1]
+    assert [m["role"] for m in sent.messages] == ["user", "assistant", "tool", "tool", "tool"]
+    asked = calls_asked(sent)
+    assert [c["input"] for c in asked] == [{"key": "a"}, {"key": "b"}, {"key": "c"}]
+    answers = tool_messages(sent)
+    assert [m["tool_call_id"] for m in answers] == [c["id"] for c in asked]
+    assert [m["content"] for m in answers] == ["value of a", "value of b", "value of c"]
+
+
+@STREAMING
+async def test_r09_handler_error_reaches_the_model_as_an_error_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """A raising handler's message reaches the model in its tool message, marked as an
+    error (Chat Completions has no is_error flag)."""
+
+    @le.tool
+    async def explode(key: str) -> str:
+        """Always fails."""
+        raise RuntimeError(f"no such key: {key}")
+
+    engine, _ = wire.engine(Reply.tool_calls(("explode", {"key": "x"})), Reply.text("sorry"),
+                            stream=stream)
+    result = await engine.run(openai_operation(), "go", tools=[explode])
+    assert result.outcome is le.Outcome.COMPLETED
+    (error,) = tool_messages(wire.requests[1])
+    assert error["content"] == "Error: no such key: x"
+
+
+@STREAMING
+async def test_r10_rejected_answer_feedback_is_an_error_result_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Structured mode: the terminal tool is a function; the judge's feedback goes back
+    as an error tool message and consumes one unit of tool budget; the repair completes."""
+    engine, _ = wire.engine(Reply.final({"city": "Paris", "population": 1}),
+                            Reply.final({"city": "Paris", "population": 2_100_000}),
+                            stream=stream)
+    result = await engine.run(
+        openai_operation(), "go", output=Answer,
+        accept=lambda a: le.Accept() if a.population > 1000 else le.Reject("too small"),
+    )
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.answer == Answer(city="Paris", population=2_100_000)
+    assert result.tool_calls == 1
+    (feedback,) = tool_messages(wire.requests[1])
+    assert feedback["content"] == "Error: too small"
+    (tool,) = wire.requests[0].body["tools"]
+    assert tool["type"] == "function" and tool["function"]["name"] == "final_answer"
+    assert tool["function"]["parameters"]["required"] == ["city", "population"]
+    assert [a.dispatch.phase for a in result.attempt_log] == ["turn", "repair"]
+
+
+@STREAMING
+async def test_r11_content_filter_is_refused_and_length_is_incomplete_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """finish_reason content_filter (and a refusal) is sent once and ends refused;
+    length is a cut-off answer, never accepted."""
+    engine, _ = wire.engine(Reply.text("I can't", stop_reason="content_filter"), stream=stream)
+    refused = await engine.run(openai_operation(), "go")
+    assert refused.outcome is le.Outcome.REFUSED and len(wire.requests) == 1
+    assert refused.attempt_log[0].settle.stop_reason == "refusal"  # type: ignore[union-attr]
+    engine, _ = wire.engine(Reply.text("Paris is the cap", stop_reason="length"), stream=stream)
+    cut = await engine.run(openai_operation(), "go", accept=lambda _: True)
+    assert cut.outcome is le.Outcome.INCOMPLETE and cut.answer is None
+    assert len(wire.requests) == 2
+
+
+@STREAMING
+async def test_r12_cache_markers_never_reach_the_chat_completions_wire_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """However many markers the caller and the policy ask for, the request carries
+    none (the API caches prompt prefixes on its own): never more than four."""
+    marker = {"type": "ephemeral"}
+    system = [{"type": "text", "text": f"rule {i}", "cache_control": marker} for i in range(6)]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "q1", "cache_control": marker}]},
+        {"role": "assistant",
+         "content": [{"type": "text", "text": "a1", "cache_control": marker}]},
+        {"role": "user", "content": [{"type": "text", "text": "q2", "cache_control": marker}]},
+    ]
+    counter = Counter()
+    op = le.Operation(name="test.cached", provider="openai", model=MODEL,
+                      cache=CachePolicy(system=True, tools=True, conversation=True))
+    engine, _ = wire.engine(Reply.tool_calls(lookup()), Reply.text("done"), stream=stream)
+    result = await engine.run(op, messages, system=system, tools=[counter.tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    for request in wire.requests:
+        assert "cache_control" not in repr(request.body)
+    assert wire.requests[0].messages[:4] == [
+        {"role": "system", "content": "\n\n".join(f"rule {i}" for i in range(6))},
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"}]
+
+
+@STREAMING
+async def test_r13_failures_never_switch_model_or_route_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Every retry goes to the published model on the same route, recorded openai:<model>."""
+    engine, _ = wire.engine(*[ErrorReply(status=500) for _ in range(3)], stream=stream)
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert {r.body["model"] for r in wire.requests} == {MODEL}
+    assert {a.dispatch.served_by for a in result.attempt_log} == {f"openai:{MODEL}"}
+    other = le.Operation(name="x", provider="anthropic", model=MODEL)
+    try:
+        await engine.run(other, "go")
+    except le.ConfigError as error:
+        assert error.field == "provider"
+    else:  # pragma: no cover - the assertion below explains the failure
+        raise AssertionError("an anthropic operation ran on the openai provider")
+    assert len(wire.requests) == 3
+
+
+@STREAMING
+async def test_r14_accepted_answer_wins_over_tool_and_credit_checks_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """An accepted final answer completes before the batch and credit checks."""
+    counter = Counter()
+    engine, _ = wire.engine(
+        Reply.tool_calls(("final_answer", {"city": "Oslo", "population": 700_000}),
+                         lookup("a"), lookup("b")),
+        stream=stream, prices=prices_with_quantum(50),
+    )
+    result = await engine.run(openai_operation(credit_hold=10, max_tool_batch=1,
+                                               max_tool_calls=0),
+                              "go", tools=[counter.tool], output=Answer)
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.answer == Answer(city="Oslo", population=700_000)
+    assert result.tool_calls == 0 and counter.calls == []
+    assert len(wire.requests) == 1 and result.credits == 150
+
+
+@STREAMING
+async def test_r15_missing_handler_is_a_recoverable_error_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """A call to an unknown tool gets an error tool message and the run carries on."""
+    counter = Counter()
+    engine, _ = wire.engine(Reply.tool_calls(("translate", {"text": "hi"})),
+                            Reply.tool_calls(lookup("x")), Reply.text("done"), stream=stream)
+    result = await engine.run(openai_operation(), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    (error,) = tool_messages(wire.requests[1])
+    assert error["content"].startswith("Error: ") and "translate" in error["content"]
+    (ok,) = tool_messages(wire.requests[2])
+    assert ok["content"] == "value of x"
+    assert len(wire.requests) == 3 and counter.calls == ["x"]
+
+
+@STREAMING
+async def test_r15_malformed_arguments_are_a_recoverable_error_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Arguments that are not a JSON object give an error tool message (no handler runs
+    on them); the model repairs the call and the run completes."""
+    counter = Counter()
+    broken = Reply(content=[{"type": "tool_use", "id": "call_bad", "name": "lookup",
+                             "input": '{"key": "a"'}], stop_reason="tool_use")
+    engine, _ = wire.engine(broken, Reply.tool_calls(lookup("a")), Reply.text("done"),
+                            stream=stream)
+    result = await engine.run(openai_operation(), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    second = wire.requests[1]
+    # The call goes back as the model sent it, answered by an error.
+    (call,) = [m for m in second.messages if m["role"] == "assistant"][0]["tool_calls"]
+    assert call["function"]["arguments"] == '{"key": "a"'
+    (error,) = tool_messages(second)
+    assert error["tool_call_id"] == "call_bad"
+    assert error["content"].startswith("Error: Invalid input for lookup")
+    assert counter.calls == ["a"] and result.tool_calls == 2
+
+
+@STREAMING
+async def test_s01_failure_then_success_charges_the_success_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """Both attempts are recorded; the successful one's usage (what the server
+    served) determines the charge."""
+    engine, ledger = wire.engine(
+        ErrorReply(status=503),
+        Reply.text("hello", usage=le.Usage(input_tokens=100, output_tokens=20)),
+        stream=stream,
+    )
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "hello"
+    first, second = result.attempt_log
+    assert first.settle is not None and second.settle is not None
+    assert (first.settle.outcome, first.settle.fault, first.settle.http_status) == (
+        "error", "server_error", 503)
+    assert (second.settle.outcome, second.settle.charged) == ("ok", True)
+    assert first.settle.request_id == "req_fake_0001"
+    assert second.settle.response_id == "chatcmpl-fake-0002"
+    assert wire.server.usage_served == result.usage == le.Usage(input_tokens=100,
+                                                                output_tokens=20)
+    assert result.cost_usd == Decimal("0.00012") and result.credits == 120
+    (row,) = ledger.invocations.values()
+    assert (row["attempt_count"], row["input_tokens"], row["output_tokens"],
+            row["cost_nanousd"]) == (2, 100, 20, 120_000)
+
+
+@STREAMING
+async def test_s02_repaired_answer_completes_within_remaining_controls_openai(
+    wire: OpenAIHarness, stream: bool
+) -> None:
+    """The first answer is rejected (its feedback reaches the model as a user
+    message); the repaired one is accepted within the remaining turns and budget."""
+    engine, _ = wire.engine(Reply.text("42"), Reply.text("forty-two"), Reply.text("never"),
+                            stream=stream)
+    result = await engine.run(
+        openai_operation(max_turns=2, max_tool_calls=1), "go",
+        accept=lambda a: le.Accept() if a.isalpha() or "-" in a else le.Reject("in words"),
+    )
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.answer == "forty-two"
+    assert result.turns == 2 and result.tool_calls == 1
+    assert len(wire.requests) == 2
+    assert wire.requests[1].messages == [
+        {"role": "user", "content": "go"}, {"role": "assistant", "content": "42"},
+        {"role": "user", "content": "in words"}]
