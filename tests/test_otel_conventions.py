@@ -340,14 +340,15 @@ async def test_error_type_is_low_cardinality_never_free_text(
         texts = [*attrs(span).values(), span.status.description or ""]
         assert all("12345" not in str(t) for t in texts)
     allowed = ({o.value for o in le.Outcome} | {k.value for k in FaultKind}
-               | {"unknown tool", "invalid input", "deadline", "duplicate", "aborted",
-                  "ValueError"})
+               | {"unknown tool", "invalid input", "deadline", "duplicate", "max_calls",
+                  "timeout", "aborted", "ValueError"})
     assert set(types.values()) <= allowed
 
 
 @pytest.mark.parametrize(("error", "kind"), [
     ("unknown tool", "unknown tool"), ("invalid input", "invalid input"),
-    ("deadline", "deadline"), ("duplicate", "duplicate"),
+    ("deadline", "deadline"), ("duplicate", "duplicate"), ("max_calls", "max_calls"),
+    ("timeout", "timeout"),
     ("handler raised KeyError", "KeyError"),
     ("handler raised not a class name!", "_OTHER"),
     ("the handler said: disk /home/sam full", "_OTHER"), (None, "_OTHER"),
