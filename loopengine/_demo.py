@@ -1,17 +1,24 @@
 """`loopengine demo`: one teammate conversation, end to end, with its ledger.
 
-Offline (the default), a loopback `FakeAnthropicServer` plays the model
-through the real ``anthropic`` SDK: its first request is overloaded (and
-retried), then it asks for two tools in two turns, offers an answer the judge
-rejects, and repairs it. With ``live=True`` the same conversation goes to the
-real Messages API. Either way every attempt lands in a SQLite ledger, which
-is read back to print the attempts.
+Offline (the default), a loopback fake of the provider's API plays the model
+through its real SDK: `FakeAnthropicServer` and the ``anthropic`` SDK, or,
+with ``provider="openai"``, `FakeOpenAIServer` and the ``openai`` SDK (the
+extra ``openai``). Its first request fails with an overload (and is retried),
+then it asks for two tools in two turns, offers an answer the judge rejects,
+and repairs it. With ``live=True`` the same conversation goes to the real
+API. Either way every attempt lands in a SQLite ledger, which is read back
+to print the attempts.
+
+The demo prints through the callables it is given (``echo``, and
+``attempts_table`` to render the attempt rows), so it depends on no command
+line: ``loopengine.cli`` calls it, never the other way round.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +28,7 @@ import loopengine as le
 from loopengine._usage import Usage
 from loopengine.persistence import SQLiteLedger, _audit
 
-__all__ = ["DemoUnavailable", "demo_script", "run_demo"]
+__all__ = ["PROVIDERS", "DemoUnavailable", "demo_script", "run_demo"]
 
 HELP_LINK = "https://help.example.com/reset-password"
 
@@ -36,8 +43,30 @@ SYSTEM = ("You are the product's support teammate. Use the tools to look things 
 QUESTION = "How do I reset my password? My account is sam@example.com."
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Vendor:
+    """What differs between the demo's providers."""
+
+    operation: le.Operation
+    key: str
+    api: str
+    sdk: str
+
+
+PROVIDERS = {
+    "anthropic": _Vendor(OPERATION, "ANTHROPIC_API_KEY", "the Messages API", "anthropic"),
+    "openai": _Vendor(dataclasses.replace(OPERATION, provider="openai", model="gpt-4o-mini"),
+                      "OPENAI_API_KEY", "the Chat Completions API", "openai"),
+}
+"""The providers the demo runs on, by name."""
+
+AttemptsTable = Callable[[Sequence[dict[str, Any]]], str]
+"""Renders attempt rows (as `loopengine.persistence._audit.show` reads them) as text."""
+
+
 class DemoUnavailable(Exception):
-    """The demo cannot run as asked (``--live`` without ``ANTHROPIC_API_KEY``)."""
+    """The demo cannot run as asked (``--live`` without the API key, an unknown
+    provider, the ``openai`` extra missing)."""
 
 
 @le.tool
@@ -68,12 +97,16 @@ def judge(answer: str) -> le.Accept | le.Reject:
     return le.Reject(f"Link the help article ({HELP_LINK}) so the user can follow the steps.")
 
 
-def demo_script() -> list[Any]:
-    """What the fake server answers, request by request."""
+def demo_script(provider: str = "anthropic") -> list[Any]:
+    """What the fake server answers, request by request: an overload (Anthropic's
+    529, a 503 on Chat Completions, which has no overload status of its own),
+    two tool turns, a rejected answer and its repair."""
     from loopengine.testing import ErrorReply, Reply
 
+    overload = ErrorReply.overloaded() if provider == "anthropic" else ErrorReply(
+        status=503, message="The server is overloaded or not ready yet.")
     return [
-        ErrorReply.overloaded(),
+        overload,
         Reply.tool_calls(("search_docs", {"query": "reset password"}),
                          text="Let me check the documentation.",
                          usage=Usage(input_tokens=412, output_tokens=38, cache_write_tokens=1210)),
@@ -90,27 +123,48 @@ def demo_script() -> list[Any]:
 
 
 def run_demo(
-    db: Path, *, live: bool = False, echo: Callable[[str], object] = print
+    db: Path,
+    *,
+    attempts_table: AttemptsTable,
+    provider: str = "anthropic",
+    live: bool = False,
+    echo: Callable[[str], object] = print,
 ) -> le.RunResult:
     """Run the demo conversation, record it in ``db`` and print what happened.
 
+    Args:
+        db: The SQLite ledger to write.
+        attempts_table: Renders the attempt rows read back from ``db``.
+        provider: ``anthropic`` or ``openai``.
+        live: Talk to the real API (its key in the environment) instead of
+            the loopback fake.
+        echo: Prints one line.
+
     Raises:
-        DemoUnavailable: ``live`` without ``ANTHROPIC_API_KEY``.
+        DemoUnavailable: an unknown provider, ``live`` without the provider's
+            API key, or ``openai`` without the ``openai`` extra.
         LedgerError: ``db`` cannot hold a ledger.
     """
-    if live and not os.environ.get("ANTHROPIC_API_KEY"):
-        raise DemoUnavailable("--live talks to the real Anthropic API: set ANTHROPIC_API_KEY")
-    result: le.RunResult = anyio.run(_converse, db, live)
+    vendor = PROVIDERS.get(provider)
+    if vendor is None:
+        raise DemoUnavailable(f"no demo provider {provider!r} (known: {', '.join(PROVIDERS)})")
+    if live and not os.environ.get(vendor.key):
+        raise DemoUnavailable(f"--live talks to the real {vendor.api}: set {vendor.key}")
+    if provider == "openai":
+        try:
+            import openai  # noqa: F401 - only whether it is installed
+        except ImportError:
+            raise DemoUnavailable("--provider openai needs the openai SDK: "
+                                  "pip install 'loopengine[openai]'") from None
+    result: le.RunResult = anyio.run(_converse, db, provider, live)
     # Read the attempts back from the file: what is printed is what was recorded.
     conn = _audit.open_ledger(db)
     try:
         invocation, attempts = _audit.show(conn, result.invocation_id)
     finally:
         conn.close()
-    from loopengine.cli import attempts_table
-
-    where = "the real Anthropic API" if live else "a loopback fake of the Messages API"
-    echo(f"Ran {OPERATION.name} against {where}, through the anthropic SDK.")
+    where = f"the real {vendor.api}" if live else f"a loopback fake of {vendor.api}"
+    echo(f"Ran {vendor.operation.name} against {where}, through the {vendor.sdk} SDK.")
     echo(f"Question: {QUESTION}")
     echo(f"Outcome:  {result.outcome.value} after {result.turns} turns, {result.tool_calls} "
          f"tool calls and {result.attempts.count} attempts")
@@ -127,31 +181,40 @@ def run_demo(
     return result
 
 
-async def _converse(db: Path, live: bool) -> le.RunResult:
-    from loopengine.providers import AnthropicProvider
+async def _converse(db: Path, provider: str, live: bool) -> le.RunResult:
+    import httpx2
 
+    from loopengine.providers import AnthropicProvider, OpenAIProvider
+    from loopengine.testing import FakeAnthropicServer, FakeOpenAIServer
+
+    vendor = PROVIDERS[provider]
     with SQLiteLedger(db) as ledger:
         if live:
-            async with AnthropicProvider(api_key=os.environ["ANTHROPIC_API_KEY"]) as provider:
-                return await _run(provider, ledger)
-        import httpx2
-
-        from loopengine.testing import FakeAnthropicServer
-
-        with FakeAnthropicServer(demo_script()) as server:
+            key = os.environ[vendor.key]
+            live_provider = (AnthropicProvider(api_key=key) if provider == "anthropic"
+                             else OpenAIProvider(api_key=key))
+            async with live_provider:
+                return await _run(live_provider, vendor.operation, ledger)
+        server = (FakeAnthropicServer if provider == "anthropic" else FakeOpenAIServer)(
+            demo_script(provider))
+        with server:
             # Plain HTTP on loopback: a client that loads no certificates.
             client = httpx2.AsyncClient(verify=False)
             try:
-                async with AnthropicProvider(api_key="demo-key", base_url=server.url,
-                                             http_client=client) as provider:
-                    return await _run(provider, ledger)
+                fake: Any = (
+                    AnthropicProvider(api_key="demo-key", base_url=server.url,
+                                      http_client=client) if provider == "anthropic"
+                    else OpenAIProvider(api_key="demo-key", base_url=f"{server.url}/v1",
+                                        http_client=client))
+                async with fake:
+                    return await _run(fake, vendor.operation, ledger)
             finally:
                 await client.aclose()
 
 
-async def _run(provider: Any, ledger: SQLiteLedger) -> le.RunResult:
+async def _run(provider: Any, operation: le.Operation, ledger: SQLiteLedger) -> le.RunResult:
     engine = le.Engine(provider, ledger=ledger)
     return await engine.run(
-        OPERATION, QUESTION, system=SYSTEM, tools=[search_docs, lookup_account], accept=judge,
+        operation, QUESTION, system=SYSTEM, tools=[search_docs, lookup_account], accept=judge,
         attribution=le.Attribution(tenant="demo", feature="help-center", user_id="sam"),
     )

@@ -506,21 +506,26 @@ def export(db: Path, fmt: str, since: str | None, until: str | None, output: IO[
 
 
 @main.command()
+@click.option("--provider", "provider", type=click.Choice(["anthropic", "openai"]),
+              default="anthropic", show_default=True,
+              help="Whose API the demo speaks: Anthropic's Messages API, or OpenAI's Chat "
+                   "Completions (needs the openai extra).")
 @click.option("--live", is_flag=True,
-              help="Talk to the real Anthropic API (needs ANTHROPIC_API_KEY) instead of the "
-                   "built-in fake server.")
+              help="Talk to the real API (needs ANTHROPIC_API_KEY, or OPENAI_API_KEY with "
+                   "--provider openai) instead of the built-in fake server.")
 @click.option("--db", "db", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("loopengine-demo.db"), show_default=True,
               help="Where to write the demo's ledger.")
-def demo(live: bool, db: Path) -> None:
+def demo(provider: str, live: bool, db: Path) -> None:
     """Run a short teammate conversation end to end and show its ledger.
 
-    Offline by default: a loopback fake of the Messages API serves an overload
+    Offline by default: a loopback fake of the provider's API serves an overload
     (retried), two tool turns, an answer the judge rejects, and its repair.
     """
     from loopengine._demo import DemoUnavailable, run_demo
 
     try:
-        run_demo(db, live=live, echo=click.echo)
+        run_demo(db, attempts_table=attempts_table, provider=provider, live=live,
+                 echo=click.echo)
     except (LedgerError, DemoUnavailable) as error:
         raise _CannotRun(str(error)) from None
