@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -13,6 +13,8 @@ import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import ScriptedProvider
 from loopengine.testing import FakeClock
+
+from .postgres_support import PostgresServer, start_server
 
 MODEL = "claude-sonnet-4-5"
 
@@ -53,3 +55,14 @@ def make_engine(clock: FakeClock) -> EngineFactory:
         return engine, provider, ledger
 
     return make
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A throwaway PostgreSQL server for the whole session (skips without the
+    binaries; fails instead under LOOPENGINE_REQUIRE_POSTGRES=1)."""
+    server = start_server()
+    try:
+        yield server
+    finally:
+        server.stop()

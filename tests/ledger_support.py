@@ -15,6 +15,7 @@ from loopengine.persistence import (
     InvocationEnd,
     InvocationStart,
     MemoryLedger,
+    PostgresLedger,
     SQLiteLedger,
 )
 from loopengine.providers import FaultKind, ProviderFault, Reply
@@ -45,10 +46,15 @@ def read_memory(ledger: MemoryLedger) -> Rows:
 
 
 async def read_rows(ledger: Any) -> Rows:
-    """The rows of a MemoryLedger or (flushed first) an SQLiteLedger."""
+    """The rows of a MemoryLedger or (flushed first) an SQLiteLedger or PostgresLedger."""
     if isinstance(ledger, SQLiteLedger):
         await ledger.flush()
         return read_db(ledger.path)
+    if isinstance(ledger, PostgresLedger):
+        from .postgres_support import read_postgres
+
+        await ledger.flush()
+        return read_postgres(ledger)
     return read_memory(ledger)
 
 

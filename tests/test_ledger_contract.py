@@ -1,8 +1,9 @@
-"""The `Ledger` contract, proved on both stores through the real engine.
+"""The `Ledger` contract, proved on every store through the real engine.
 
-Every test here runs on `MemoryLedger` (the reference semantics) and on
-`SQLiteLedger` with each of its writers (a child process, a thread), and one
-test checks that they keep identical rows for the same conversation.
+Every test here runs on `MemoryLedger` (the reference semantics), on
+`SQLiteLedger` with each of its writers (a child process, a thread) and on
+`PostgresLedger` against a real server, and one test checks that they keep
+identical rows for the same conversation.
 """
 
 from __future__ import annotations
@@ -16,25 +17,39 @@ import anyio
 import pytest
 
 import loopengine as le
-from loopengine.persistence import Ledger, MemoryLedger, SQLiteLedger
+from loopengine.persistence import Ledger, MemoryLedger, PostgresLedger, SQLiteLedger
 from loopengine.providers import ProviderRequest, ProviderResponse, Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, EngineFactory, operation
 from .ledger_support import judge, lookup, overloaded, read_rows, teammate_script
+from .postgres_support import PostgresServer, fresh_schema
 
 FAST = le.RetryPolicy(max_attempts=7, initial_wait=0.001, max_wait=0.001)
 
 
-@pytest.fixture(params=["memory", "process", "thread"])
+STORES = ["memory", "process", "thread", "postgres"]
+
+
+def open_store(request: pytest.FixtureRequest, store: str, tmp_path: Path) -> Ledger:
+    """A new, empty ledger of ``store`` (closed by the test's teardown)."""
+    if store == "memory":
+        return MemoryLedger()
+    if store == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        postgres = PostgresLedger(server.dsn(), schema=fresh_schema())
+        request.addfinalizer(postgres.close)
+        return postgres
+    sqlite_ledger = SQLiteLedger(tmp_path / "ledger.db", writer=store)  # type: ignore[arg-type]
+    request.addfinalizer(sqlite_ledger.close)
+    assert sqlite_ledger.writer == store
+    return sqlite_ledger
+
+
+@pytest.fixture(params=STORES)
 def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
-    """Each ledger implementation in turn (SQLite with each writer)."""
-    if request.param == "memory":
-        yield MemoryLedger()
-    else:
-        with SQLiteLedger(tmp_path / "ledger.db", writer=request.param) as sqlite_ledger:
-            assert sqlite_ledger.writer == request.param
-            yield sqlite_ledger
+    """Each ledger implementation in turn (SQLite with each writer, PostgreSQL)."""
+    yield open_store(request, request.param, tmp_path)
 
 
 async def test_r07_seventy_attempts_keep_sixty_four_rows(
@@ -166,10 +181,12 @@ async def test_cancellation_settles_aborted_external_and_propagates(ledger: Ledg
     assert attempt["latency_ms"] is not None
 
 
-@pytest.mark.parametrize("writer", ["process", "thread"])
-async def test_both_ledgers_keep_the_same_rows(tmp_path: Path, writer: Any) -> None:
-    """The same conversation leaves identical rows in MemoryLedger and SQLiteLedger
-    (with either writer)."""
+@pytest.mark.parametrize("store", STORES[1:])
+async def test_every_store_keeps_the_same_rows(
+    request: pytest.FixtureRequest, tmp_path: Path, store: str
+) -> None:
+    """The same conversation leaves identical rows in MemoryLedger and in SQLiteLedger
+    (with either writer) and PostgresLedger."""
     attribution = le.Attribution(tenant="acme", user_id="u1", feature="help",
                                  correlation_id="c1")
 
@@ -183,9 +200,9 @@ async def test_both_ledgers_keep_the_same_rows(tmp_path: Path, writer: Any) -> N
     memory = MemoryLedger()
     await converse(memory)
     memory_rows = await read_rows(memory)
-    with SQLiteLedger(tmp_path / "ledger.db", writer=writer) as sqlite_ledger:
-        await converse(sqlite_ledger)
-        sqlite_rows = await read_rows(sqlite_ledger)
+    other = open_store(request, store, tmp_path)
+    await converse(other)
+    other_rows = await read_rows(other)
 
     def comparable(rows: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         invocations, attempts = rows
@@ -195,8 +212,8 @@ async def test_both_ledgers_keep_the_same_rows(tmp_path: Path, writer: Any) -> N
                  for _, r in sorted(attempts.items())])
 
     memory_inv, memory_att = comparable(memory_rows)
-    sqlite_inv, sqlite_att = comparable(sqlite_rows)
-    # The SQLite rows may carry more columns than the reference; none may differ.
-    assert len(sqlite_att) == len(memory_att) == 6
-    for mem, sql in zip([*memory_inv, *memory_att], [*sqlite_inv, *sqlite_att], strict=True):
-        assert {k: sql.get(k) for k in mem} == mem
+    other_inv, other_att = comparable(other_rows)
+    # A store's rows may carry more columns than the reference; none may differ.
+    assert len(other_att) == len(memory_att) == 6
+    for mem, row in zip([*memory_inv, *memory_att], [*other_inv, *other_att], strict=True):
+        assert {k: row.get(k) for k in mem} == mem

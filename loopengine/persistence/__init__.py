@@ -1,6 +1,7 @@
 """Persistence: the `Ledger` contract, its records, and the stores that implement it."""
 
 from loopengine.persistence._memory import MemoryLedger
+from loopengine.persistence._postgres import PostgresLedger
 from loopengine.persistence._protocol import (
     DEFAULT_MAX_RETAINED_ATTEMPTS,
     DispatchReceipt,
@@ -27,5 +28,6 @@ __all__ = [
     "InvocationStart",
     "Ledger",
     "MemoryLedger",
+    "PostgresLedger",
     "SQLiteLedger",
 ]

@@ -396,23 +396,30 @@ Execute = Callable[[str, list[Sequence[Any]]], int]
 """``(kind, rows) -> rows changed``: one of a store's statements run for many rows."""
 
 
-def execute(batch: Batch, run: Execute) -> None:
-    """Write ``batch`` with a store's statements, in the order that keeps rows
-    existing before they are updated, checking each update's row count.
+def statements(batch: Batch) -> list[tuple[str, list[Sequence[Any]], str | None]]:
+    """The statements that write ``batch``, in the order that keeps rows existing
+    before they are updated: ``(kind, rows, what)``, where an update must change
+    exactly one ``what`` per row (`expect`) and an insert has None.
 
-    The statement kinds are ``start``, ``dispatch``, ``settle``, ``add`` (the
+    The kinds are ``start``, ``dispatch``, ``settle``, ``add`` (the
     `Batch.delta_rows`) and ``end``.
+    """
+    planned: list[tuple[str, list[Sequence[Any]], str | None]] = [
+        ("start", batch.starts, None), ("dispatch", batch.dispatches, None),
+        ("settle", batch.settles, "dispatched attempt rows"),
+        ("add", batch.delta_rows(), "invocation rows"), ("end", batch.ends, "invocation rows"),
+    ]
+    return [statement for statement in planned if statement[1]]
+
+
+def execute(batch: Batch, run: Execute) -> None:
+    """Write ``batch`` with a store's statements (`statements`), one at a time,
+    checking each update's row count.
 
     Raises:
         Mismatch: an update changed another number of rows than planned.
     """
-    if batch.starts:
-        run("start", batch.starts)
-    if batch.dispatches:
-        run("dispatch", batch.dispatches)
-    if batch.settles:
-        expect(run("settle", batch.settles), len(batch.settles), "dispatched attempt rows")
-    if batch.deltas:
-        expect(run("add", batch.delta_rows()), len(batch.deltas), "invocation rows")
-    if batch.ends:
-        expect(run("end", batch.ends), len(batch.ends), "invocation rows")
+    for kind, rows, what in statements(batch):
+        changed = run(kind, rows)
+        if what is not None:
+            expect(changed, len(rows), what)

@@ -1,0 +1,262 @@
+"""The ledger's PostgreSQL schema and its migrations.
+
+The same tables and column names as the SQLite schema (`_schema`), in the
+same order, with PostgreSQL's types (DESIGN.md §7b): ``text`` for ids and
+names, ``bigint`` for counts, tokens, nano-USD and credits, ``smallint`` 0/1
+for flags (so the audit's ``SUM(...)`` queries read both stores alike) and
+``timestamptz`` for times.
+
+The version lives in ``loopengine_schema`` as on SQLite. Each migration is one
+transaction that first takes a transaction-scoped advisory lock
+(``pg_advisory_xact_lock``) keyed by the schema the tables live in: however
+many processes and hosts open a fresh database at the same moment, one of
+them applies each step and the others find its row once the lock is theirs.
+The lock goes with the transaction, so a process killed mid-migration leaves
+neither a half-applied step nor a held lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import psycopg
+
+from loopengine._errors import LedgerError
+from loopengine.persistence._schema import SCHEMA_TABLE, Migration, _newer
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "column_type", "migrate", "schema_version"]
+
+_CREATE_TABLES = (
+    """CREATE TABLE invocations (
+        id text PRIMARY KEY,
+        operation text NOT NULL,
+        operation_version text NOT NULL,
+        provider text NOT NULL,
+        model text NOT NULL,
+        tenant text,
+        user_id text,
+        feature text,
+        correlation_id text,
+        started_at timestamptz NOT NULL,
+        ended_at timestamptz,
+        outcome text NOT NULL DEFAULT 'running',
+        turns bigint NOT NULL DEFAULT 0,
+        tool_calls bigint NOT NULL DEFAULT 0,
+        attempt_count bigint NOT NULL DEFAULT 0,
+        attempts_retained bigint NOT NULL DEFAULT 0,
+        incomplete smallint NOT NULL DEFAULT 0 CHECK (incomplete IN (0, 1)),
+        input_tokens bigint NOT NULL DEFAULT 0,
+        output_tokens bigint NOT NULL DEFAULT 0,
+        cache_read_tokens bigint NOT NULL DEFAULT 0,
+        cache_write_tokens bigint NOT NULL DEFAULT 0,
+        cache_write_1h_tokens bigint NOT NULL DEFAULT 0,
+        cost_nanousd bigint NOT NULL DEFAULT 0,
+        provider_cost_nanousd bigint NOT NULL DEFAULT 0,
+        credits bigint NOT NULL DEFAULT 0
+    )""",
+    """CREATE TABLE attempts (
+        invocation_id text NOT NULL REFERENCES invocations (id),
+        ordinal bigint NOT NULL,
+        turn bigint NOT NULL,
+        attempt bigint NOT NULL,
+        phase text NOT NULL
+            CHECK (phase IN ('turn', 'repair', 'continuation', 'fallback')),
+        served_by text NOT NULL,
+        started_at timestamptz NOT NULL,
+        latency_ms bigint,
+        outcome text NOT NULL DEFAULT 'dispatched'
+            CHECK (outcome IN ('dispatched', 'ok', 'error', 'aborted')),
+        fault text,
+        aborted_reason text,
+        http_status bigint,
+        error_code text,
+        input_tokens bigint,
+        output_tokens bigint,
+        cache_read_tokens bigint,
+        cache_write_tokens bigint,
+        cache_write_1h_tokens bigint,
+        usage_approx smallint NOT NULL DEFAULT 0 CHECK (usage_approx IN (0, 1)),
+        cost_nanousd bigint,
+        charged smallint NOT NULL DEFAULT 0 CHECK (charged IN (0, 1)),
+        price_ref text,
+        response_id text,
+        request_id text,
+        stop_reason text,
+        max_tokens bigint NOT NULL,
+        timeout_ms bigint NOT NULL,
+        wait_ms bigint NOT NULL,
+        PRIMARY KEY (invocation_id, ordinal)
+    )""",
+)
+
+_AUDIT_INDEXES = (
+    "CREATE INDEX invocations_started_at ON invocations (started_at)",
+    "CREATE INDEX invocations_running ON invocations (id) WHERE outcome = 'running'",
+)
+
+_ACCOUNTS = (
+    """CREATE TABLE accounts (
+        account text PRIMARY KEY,
+        granted bigint NOT NULL DEFAULT 0,
+        spent bigint NOT NULL DEFAULT 0,
+        reserved bigint NOT NULL DEFAULT 0,
+        updated_at timestamptz NOT NULL
+    )""",
+    """CREATE TABLE account_entries (
+        id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        account text NOT NULL,
+        at timestamptz NOT NULL,
+        kind text NOT NULL
+            CHECK (kind IN ('grant', 'reserve', 'settle', 'release', 'expire')),
+        credits bigint NOT NULL CHECK (credits >= 0),
+        invocation_id text,
+        note text,
+        expires_at timestamptz,
+        credits_per_usd text,
+        credit_quantum bigint
+    )""",
+    "CREATE INDEX account_entries_invocation ON account_entries (invocation_id) "
+    "WHERE invocation_id IS NOT NULL",
+    "CREATE INDEX account_entries_reserved ON account_entries (account, expires_at) "
+    "WHERE kind = 'reserve'",
+)
+
+# A wrap-up turn's attempts (DESIGN.md §12) have the phase ``wrap_up``: where
+# SQLite rebuilds the table, PostgreSQL replaces the constraint.
+_WRAP_UP_PHASE = (
+    "ALTER TABLE attempts DROP CONSTRAINT attempts_phase_check, ADD CONSTRAINT "
+    "attempts_phase_check CHECK (phase IN ('turn', 'repair', 'continuation', 'fallback', "
+    "'wrap_up'))",
+)
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "invocations and attempts", _CREATE_TABLES),
+    Migration(2, "invocation indexes for period and reconciliation queries", _AUDIT_INDEXES),
+    Migration(3, "credit accounts and their journal", _ACCOUNTS),
+    Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
+)
+"""The schema's history, oldest first: the SQLite history's steps, step for step."""
+
+SCHEMA_VERSION = MIGRATIONS[-1].version
+"""The version this code writes and reads."""
+
+_TEXT: Final = frozenset((
+    "id", "invocation_id", "operation", "operation_version", "provider", "model", "tenant",
+    "user_id", "feature", "correlation_id", "outcome", "phase", "served_by", "fault",
+    "aborted_reason", "error_code", "price_ref", "response_id", "request_id", "stop_reason",
+))
+_FLAGS: Final = frozenset(("incomplete", "usage_approx", "charged"))
+_TIMES: Final = frozenset(("started_at", "ended_at"))
+
+# Two keys for the advisory lock: this constant ("le" "dg" in ASCII) and the
+# schema's name hashed, so that ledgers in other schemas migrate independently.
+_LOCK_CLASS: Final = 0x6C65_6467
+
+
+def column_type(column: str) -> str:
+    """The PostgreSQL type of a column of ``invocations`` or ``attempts``."""
+    if column in _TEXT:
+        return "text"
+    if column in _FLAGS:
+        return "smallint"
+    if column in _TIMES:
+        return "timestamptz"
+    return "bigint"
+
+
+def schema_version(conn: psycopg.Connection[tuple[object, ...]]) -> int | None:
+    """The applied schema version in the connection's current schema, or None when
+    it holds no ledger."""
+    found = conn.execute(
+        "SELECT 1 FROM pg_tables WHERE schemaname = current_schema() AND tablename = %s",
+        (SCHEMA_TABLE,),
+    ).fetchone()
+    if found is None:
+        return None
+    row = conn.execute(f"SELECT MAX(version) FROM {SCHEMA_TABLE}").fetchone()
+    return int(str(row[0])) if row and row[0] is not None else 0
+
+
+def migrate(
+    conn: psycopg.Connection[tuple[object, ...]],
+    *,
+    schema: str | None,
+    name: str,
+    migrations: Sequence[Migration] = MIGRATIONS,
+) -> int:
+    """Create the schema if needed and apply every migration it lacks, each in one
+    transaction under the advisory lock.
+
+    ``conn`` must be idle, not in autocommit mode, with its ``search_path`` naming
+    ``schema`` when one is given (the tables go in its current schema).
+
+    Args:
+        conn: The connection to migrate with.
+        schema: The schema to create if it is missing (None: the current one).
+        name: How to name the database in error messages.
+        migrations: The schema history (the real one unless a test says otherwise).
+
+    Returns:
+        The schema version after migrating.
+
+    Raises:
+        LedgerError: the schema holds tables named like the ledger's without being
+            one, or a schema newer than this code, or a migration failed (it is
+            then rolled back entirely).
+        psycopg.Error: the server failed otherwise (the connection was lost).
+    """
+    known = migrations[-1].version if migrations else 0
+    with conn.transaction():
+        version = schema_version(conn)
+    if version is not None and version > known:
+        raise LedgerError(_newer(name, version, known))
+    if version == known:
+        return version
+    for migration in migrations:
+        version = _apply(conn, migration, schema, name)
+        if version > known:
+            raise LedgerError(_newer(name, version, known))
+    return version if version is not None else 0
+
+
+def _apply(conn: psycopg.Connection[tuple[object, ...]], migration: Migration,
+           schema: str | None, name: str) -> int:
+    """Apply one step unless it is there already; return the version after it."""
+    try:
+        with conn.transaction():
+            if schema is not None:
+                conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                             (_LOCK_CLASS, schema))
+                conn.execute(psycopg.sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                    psycopg.sql.Identifier(schema)))
+            else:
+                conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(current_schema()))",
+                             (_LOCK_CLASS,))
+            version = schema_version(conn)
+            if version is None:
+                clash = conn.execute(
+                    "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() "
+                    "AND tablename IN ('invocations', 'attempts') ORDER BY tablename"
+                ).fetchall()
+                if clash:
+                    names = ", ".join(str(r[0]) for r in clash)
+                    raise LedgerError(
+                        f"{name} is not a loopengine ledger: it has tables named {names} but "
+                        f"no {SCHEMA_TABLE} table")
+                conn.execute(f"CREATE TABLE {SCHEMA_TABLE} (version integer PRIMARY KEY, "
+                             "name text NOT NULL, applied_at timestamptz NOT NULL)")
+                version = 0
+            if version >= migration.version:
+                return version
+            for statement in migration.statements:
+                conn.execute(statement)
+            conn.execute(
+                f"INSERT INTO {SCHEMA_TABLE} (version, name, applied_at) "
+                "VALUES (%s, %s, now())", (migration.version, migration.name))
+            return migration.version
+    except psycopg.DatabaseError as error:
+        if isinstance(error, psycopg.OperationalError):
+            raise  # the connection, not the step: the caller says so
+        raise LedgerError(f"{name}: migration {migration.version} ({migration.name}) failed "
+                          f"and was rolled back: {error}") from error

@@ -1,0 +1,450 @@
+"""`PostgresLedger` itself, against a real server the suite starts: its schema and
+migrations, when its writes are committed, group commit, what it refuses, a
+lost connection, and the event loops it serves.
+
+The `Ledger` contract (R07, S01, cancellation, identical rows) runs on it in
+tests/test_ledger_contract.py; several processes writing one database are in
+tests/test_ledger_postgres_processes.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx2
+import pytest
+
+import loopengine as le
+from loopengine.persistence import AttemptSettle, PostgresLedger, SQLiteLedger
+from loopengine.persistence import _postgres_schema as pg_schema
+from loopengine.persistence._postgres import APPLICATION_NAME
+from loopengine.persistence._schema import (
+    ATTEMPT_COLUMNS,
+    INVOCATION_COLUMNS,
+    MIGRATIONS,
+    SCHEMA_TABLE,
+    SCHEMA_VERSION,
+    Migration,
+)
+from loopengine.providers import AnthropicProvider, Reply, ScriptedProvider
+from loopengine.testing import FakeAnthropicServer, FakeClock
+
+from .conftest import PRICES, EngineFactory, operation
+from .ledger_support import (
+    dispatch,
+    end,
+    judge,
+    lookup,
+    overloaded,
+    read_rows,
+    settle,
+    start,
+    teammate_script,
+)
+from .postgres_support import PostgresServer, fresh_schema, read_postgres, require_module
+
+psycopg = require_module("psycopg")
+
+FAST = le.RetryPolicy(max_attempts=7, initial_wait=0.001, max_wait=0.001)
+
+Factory = Callable[..., PostgresLedger]
+
+
+@pytest.fixture
+def make_ledger(postgres_server: PostgresServer) -> Iterator[Factory]:
+    """``make_ledger(**kwargs)``: a PostgresLedger on a schema of its own (unless
+    ``schema=`` says otherwise), closed after the test."""
+    made: list[PostgresLedger] = []
+
+    def make(**kwargs: Any) -> PostgresLedger:
+        kwargs.setdefault("schema", fresh_schema())
+        ledger = PostgresLedger(kwargs.pop("dsn", postgres_server.dsn()), **kwargs)
+        made.append(ledger)
+        return ledger
+
+    yield make
+    for ledger in made:
+        ledger.close()
+
+
+def query(ledger: PostgresLedger, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+    """Rows of ``sql`` run on another connection, in the ledger's schema."""
+    with psycopg.connect(ledger.dsn, autocommit=True) as conn:
+        if ledger.schema is not None:
+            conn.execute(psycopg.sql.SQL("SET search_path = {}").format(
+                psycopg.sql.Identifier(ledger.schema)))
+        cursor = conn.execute(sql, params)  # type: ignore[arg-type]
+        return cursor.fetchall() if cursor.description else []
+
+
+# -- the schema and its migrations ---------------------------------------------------------
+
+
+async def test_schema_matches_sqlite_with_postgres_types(
+    make_ledger: Factory, tmp_path: Path
+) -> None:
+    """The tables, their columns and their order are SQLite's (credit accounts too);
+    ids are text, counts, tokens and money bigint, flags smallint, times timestamptz;
+    everything lives in the ledger's schema and the schema is at the current version."""
+    ledger = make_ledger()
+    await ledger.open()
+    columns: dict[str, dict[str, str]] = {}
+    for table, column, kind in query(
+            ledger, "SELECT table_name, column_name, data_type FROM information_schema.columns "
+            "WHERE table_schema = %s ORDER BY table_name, ordinal_position", ledger.schema):
+        columns.setdefault(table, {})[column] = kind
+    assert tuple(columns["invocations"]) == INVOCATION_COLUMNS
+    assert tuple(columns["attempts"]) == ATTEMPT_COLUMNS
+    SQLiteLedger(tmp_path / "ledger.db").close()
+    conn = sqlite3.connect(tmp_path / "ledger.db")
+    for table in ("accounts", "account_entries", SCHEMA_TABLE):
+        sqlite_columns = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+        assert list(columns[table]) == sqlite_columns, table
+    conn.close()
+    invocations, attempts = columns["invocations"], columns["attempts"]
+    assert invocations["id"] == attempts["invocation_id"] == "text"
+    for column in ("cost_nanousd", "provider_cost_nanousd", "credits", "input_tokens",
+                   "attempt_count"):
+        assert invocations[column] == "bigint", column
+    assert attempts["cost_nanousd"] == attempts["output_tokens"] == "bigint"
+    assert invocations["incomplete"] == attempts["charged"] == attempts["usage_approx"] \
+        == "smallint"
+    assert invocations["started_at"] == invocations["ended_at"] == attempts["started_at"] \
+        == "timestamp with time zone"
+    assert columns["accounts"]["spent"] == columns["account_entries"]["credits"] == "bigint"
+    assert query(ledger, f"SELECT MAX(version) FROM {SCHEMA_TABLE}") == [(SCHEMA_VERSION,)]
+    assert query(ledger, "SELECT to_regclass('public.invocations')") == [(None,)]
+
+
+def test_the_postgres_history_follows_the_sqlite_one() -> None:
+    """Every SQLite migration has its PostgreSQL step, of the same version and name,
+    so both stores always have the same tables and columns."""
+    assert [(m.version, m.name) for m in pg_schema.MIGRATIONS] == [
+        (m.version, m.name) for m in MIGRATIONS]
+
+
+async def test_ten_ledgers_opening_a_fresh_database_at_once_migrate_it_once(
+    postgres_server: PostgresServer, make_ledger: Factory
+) -> None:
+    """Ten ledgers (each its own connection, as ten processes would) open one new
+    database at the same moment: every one opens, each migration is applied once
+    (the advisory lock), and the tables are in the database's current schema."""
+    dsn = postgres_server.create_database()
+    ledgers = [make_ledger(dsn=dsn, schema=None) for _ in range(10)]
+    async with anyio.create_task_group() as group:
+        for ledger in ledgers:
+            group.start_soon(ledger.open)
+    rows = query(ledgers[0], f"SELECT version FROM {SCHEMA_TABLE} ORDER BY version")
+    assert rows == [(m.version,) for m in pg_schema.MIGRATIONS]
+    assert query(ledgers[0], "SELECT to_regclass('public.invocations')::text") == [
+        ("invocations",)]
+    # And they all write.
+    for n, ledger in enumerate(ledgers):
+        await ledger.start_invocation(start(f"inv-{n}"))
+        await ledger.end_invocation(end(f"inv-{n}"))
+    assert query(ledgers[0], "SELECT count(*) FROM invocations") == [(10,)]
+
+
+async def test_a_newer_schema_is_refused(make_ledger: Factory) -> None:
+    """A schema migrated by a newer loopengine is refused with LedgerError, and the
+    refused ledger writes nothing."""
+    first = make_ledger()
+    await first.open()
+    query(first, f"INSERT INTO {SCHEMA_TABLE} VALUES (99, 'from the future', now())")
+    newer = make_ledger(schema=first.schema)
+    with pytest.raises(le.LedgerError, match="schema version 99, newer than this loopengine"):
+        await newer.open()
+    with pytest.raises(le.LedgerError, match="newer"):
+        await newer.start_invocation(start())
+    assert query(first, "SELECT count(*) FROM invocations") == [(0,)]
+
+
+async def test_tables_that_are_not_a_ledger_are_refused(
+    postgres_server: PostgresServer, make_ledger: Factory
+) -> None:
+    """A schema holding an unrelated ``invocations`` table is not taken for a ledger."""
+    schema = fresh_schema()
+    with postgres_server.connect() as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(f"CREATE TABLE {schema}.invocations (id int)")
+    with pytest.raises(le.LedgerError, match="is not a loopengine ledger"):
+        await make_ledger(schema=schema).open()
+
+
+def test_a_failing_migration_is_rolled_back_whole(postgres_server: PostgresServer) -> None:
+    """A step that fails half-way leaves neither its first statement nor its row."""
+    schema = fresh_schema()
+    step = SCHEMA_VERSION + 1
+    broken = (*pg_schema.MIGRATIONS,
+              Migration(step, "half a step", ("CREATE TABLE extra (a int)", "NOT SQL")))
+    with postgres_server.connect(autocommit=False) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(f"SET search_path = {schema}")
+        conn.commit()
+        with pytest.raises(le.LedgerError, match=rf"migration {step} \(half a step\) failed"):
+            pg_schema.migrate(conn, schema=schema, name="test", migrations=broken)
+        assert conn.execute("SELECT to_regclass('extra')").fetchone() == (None,)
+        assert pg_schema.schema_version(conn) == SCHEMA_VERSION
+        conn.rollback()
+
+
+# -- construction and opening ---------------------------------------------------------------
+
+
+def test_constructing_does_no_io_and_a_bad_server_is_a_ledger_error(tmp_path: Path) -> None:
+    """A ledger on a server that is not there constructs; opening it raises LedgerError
+    naming the server, never its password."""
+    ledger = PostgresLedger(f"host={tmp_path} port=1 user=u password=s3cret dbname=d",
+                            connect_timeout=2)
+    assert "not opened" in repr(ledger) and "s3cret" not in repr(ledger)
+
+    async def main() -> None:
+        with pytest.raises(le.LedgerError, match="cannot connect") as caught:
+            await ledger.open()
+        assert "s3cret" not in str(caught.value) and str(tmp_path) in str(caught.value)
+
+    anyio.run(main)
+    ledger.close()
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_retained_attempts": 0}, {"max_retained_attempts": True}, {"linger": -1},
+    {"linger": float("nan")}, {"connect_timeout": float("inf")}, {"max_batch": 0},
+    {"schema": ""}, {"dsn": "host='unterminated"},
+])
+def test_bad_arguments_are_refused(bad: dict[str, Any]) -> None:
+    """Invalid settings raise LedgerError at construction."""
+    dsn = bad.pop("dsn", "host=/nowhere dbname=d")
+    with pytest.raises(le.LedgerError):
+        PostgresLedger(dsn, **bad)
+
+
+# -- when writes are committed --------------------------------------------------------------
+
+
+async def test_the_row_is_committed_when_the_request_reaches_the_server(
+    make_ledger: Factory,
+) -> None:
+    """Through the SDK (the dispatch overlapped with building the request): when each
+    request reaches the loopback server, another connection already sees its row as
+    dispatched and the previous reply settled; the ledger's tokens equal the server's."""
+    ledger = make_ledger(linger=30)
+    seen: list[list[tuple[Any, ...]]] = []
+
+    def witness(reply: Reply) -> Any:
+        def look(request: Any) -> Reply:
+            seen.append(query(ledger, "SELECT ordinal, outcome FROM attempts ORDER BY ordinal"))
+            return reply
+        return look
+
+    with FakeAnthropicServer([witness(Reply.tool_calls(("lookup", {"key": "a"}))),
+                              witness(Reply.text("done"))]) as server:
+        provider = AnthropicProvider(api_key="k", base_url=server.url,
+                                     http_client=httpx2.AsyncClient())
+        assert provider.awaits_before_wire
+        engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+        result = await engine.run(operation(), "go", tools=[lookup])
+        await provider.aclose()
+        served = server.usage_served
+    assert result.outcome is le.Outcome.COMPLETED
+    assert seen == [[(1, "dispatched")], [(1, "ok"), (2, "dispatched")]]
+    invocations, _ = await read_rows(ledger)
+    (row,) = invocations.values()
+    assert (row["input_tokens"], row["output_tokens"]) == (served.input_tokens,
+                                                           served.output_tokens)
+
+
+async def test_sequential_run_commits_each_dispatch_each_served_settle_and_the_end(
+    make_ledger: Factory, make_engine: EngineFactory
+) -> None:
+    """A run of n attempts commits each dispatch (the first carrying the start), each
+    served settle and the end (carrying any settle of nothing served)."""
+    ledger = make_ledger(linger=30)
+    engine, _, _ = make_engine(*teammate_script(), ledger=ledger)
+    result = await engine.run(operation(retry=FAST), "go", tools=[lookup], accept=judge)
+    served = sum(1 for r in result.attempt_log if r.settle is not None and r.settle.served)
+    assert result.attempts.count == 6 and 0 < served <= 6
+    assert ledger.commits == 6 + served + 1
+    assert ledger.writes == 1 + 6 + 6 + 1
+
+
+async def test_concurrent_runs_share_commits(make_ledger: Factory) -> None:
+    """200 runs at once: far fewer commits than writes, every row complete."""
+    ledger = make_ledger()
+    clock = FakeClock()
+
+    async def one(n: int) -> None:
+        provider = ScriptedProvider(
+            [overloaded(), Reply.tool_calls(("lookup", {"key": str(n)})), Reply.text("a")],
+            clock=clock)
+        engine = le.Engine(provider, ledger=ledger, prices=PRICES, clock=clock,
+                           rng=random.Random(n))
+        result = await engine.run(operation(retry=FAST), "go", tools=[lookup])
+        assert result.outcome is le.Outcome.COMPLETED
+
+    async with anyio.create_task_group() as group:
+        for n in range(200):
+            group.start_soon(one, n)
+    invocations, attempts = await read_rows(ledger)
+    assert len(invocations) == 200 and len(attempts) == 600
+    assert all(r["outcome"] == "completed" and r["attempt_count"] == 3
+               for r in invocations.values())
+    # Without grouping: one commit per dispatch, per served settle and per end, 1,200.
+    assert ledger.commits < 1200 / 3
+
+
+async def test_a_deferred_settle_is_committed_within_the_linger(make_ledger: Factory) -> None:
+    """With no later durable write, a settle of nothing served still lands after ``linger``."""
+    ledger = make_ledger(linger=0.05)
+    await ledger.start_invocation(start())
+    await ledger.dispatch_attempt(dispatch(1))
+    await ledger.settle_attempt(AttemptSettle(
+        invocation_id="inv-1", ordinal=1, outcome="error", latency_ms=1, http_status=529))
+
+    def settled_within(seconds: float) -> bool:
+        give_up = time.monotonic() + seconds
+        while time.monotonic() < give_up:
+            if query(ledger, "SELECT outcome FROM attempts") == [("error",)]:
+                return True
+            time.sleep(0.01)
+        return False
+
+    assert await anyio.to_thread.run_sync(settled_within, 5.0)
+
+
+async def test_close_commits_what_is_still_deferred(make_ledger: Factory) -> None:
+    """Leaving the context manager commits every queued write; the ledger is closed."""
+    async with make_ledger(linger=30) as ledger:
+        await ledger.start_invocation(start())
+        await ledger.dispatch_attempt(dispatch(1))
+        await ledger.settle_attempt(AttemptSettle(
+            invocation_id="inv-1", ordinal=1, outcome="error", latency_ms=1))
+    assert ledger.closed
+    assert query(ledger, "SELECT outcome FROM attempts") == [("error",)]
+    with pytest.raises(le.LedgerError, match="closed"):
+        await ledger.start_invocation(start("late"))
+
+
+# -- what the ledger refuses -----------------------------------------------------------------
+
+
+async def test_refused_writes_raise_ledger_error(make_ledger: Factory) -> None:
+    """An unknown invocation, an attempt settled twice, or a write after the end raise
+    LedgerError; the refused writes add nothing and other invocations go on."""
+    ledger = make_ledger()
+    with pytest.raises(le.LedgerError, match="no invocation ghost"):
+        await ledger.dispatch_attempt(dispatch(1, "ghost"))
+    await ledger.start_invocation(start())
+    await ledger.dispatch_attempt(dispatch(1))
+    await ledger.settle_attempt(settle(1))
+    with pytest.raises(le.LedgerError, match="not dispatched or is already settled"):
+        await ledger.settle_attempt(settle(1))
+    await ledger.start_invocation(start("inv-2"))
+    await ledger.end_invocation(end("inv-2"))
+    with pytest.raises(le.LedgerError, match="already ended"):
+        await ledger.dispatch_attempt(dispatch(1, "inv-2"))
+    # A value no bigint holds fails its own write alone, in the same batch as others.
+    await ledger.start_invocation(start("inv-3"))
+    with pytest.raises(le.LedgerError, match="bigint out of range"):
+        await ledger.dispatch_attempt(replace(dispatch(1, "inv-3"), max_tokens=2**70))
+    await ledger.dispatch_attempt(dispatch(1, "inv-3"))
+    assert query(ledger, "SELECT id, input_tokens, attempt_count, outcome FROM invocations "
+                         "ORDER BY id") == [("inv-1", 10, 1, "running"),
+                                            ("inv-2", 0, 0, "completed"),
+                                            ("inv-3", 0, 1, "running")]
+
+
+async def test_a_ledger_continues_an_invocation_another_one_started(
+    make_ledger: Factory,
+) -> None:
+    """A second ledger (another process) settling and ending an invocation the first
+    started reads its committed state: totals add up, nothing is counted twice."""
+    first = make_ledger(max_retained_attempts=2)
+    second = make_ledger(schema=first.schema, max_retained_attempts=2)
+    await first.start_invocation(start())
+    for ordinal in (1, 2, 3):
+        await first.dispatch_attempt(dispatch(ordinal))
+    for ordinal in (1, 2, 3):
+        await second.settle_attempt(settle(ordinal))
+    # The first still takes attempt 1 for unsettled; the row says otherwise, and the
+    # settle is refused without adding to the totals.
+    with pytest.raises(le.LedgerError, match="expected to update 1 dispatched attempt rows"):
+        await first.settle_attempt(settle(1))
+    third = make_ledger(schema=first.schema, max_retained_attempts=2)
+    await third.end_invocation(end())
+    assert query(first, "SELECT attempt_count, attempts_retained, incomplete, input_tokens, "
+                        "cost_nanousd, outcome FROM invocations") == [(3, 2, 1, 30, 36,
+                                                                        "completed")]
+
+
+# -- a lost connection ------------------------------------------------------------------------
+
+
+async def test_a_lost_connection_refuses_the_next_request_and_the_next_run_succeeds(
+    postgres_server: PostgresServer, make_ledger: Factory, make_engine: EngineFactory
+) -> None:
+    """The ledger's connection is killed (pg_terminate_backend) while a tool runs: the
+    next dispatch fails with LedgerError, so its request is never sent; the run raises
+    it; the pool gives the next run a fresh connection and it completes."""
+    ledger = make_ledger()
+    killed: list[int] = []
+
+    @le.tool
+    async def kill(key: str) -> str:
+        """Terminate the ledger's connections."""
+        killed.append(await anyio.to_thread.run_sync(postgres_server.terminate,
+                                                     APPLICATION_NAME))
+        return "killed"
+
+    engine, provider, _ = make_engine(Reply.tool_calls(("kill", {"key": "k"})),
+                                      Reply.text("never sent"), ledger=ledger)
+    with pytest.raises(le.LedgerError, match="dispatching attempt 2 of .* failed"):
+        await engine.run(operation(), "go", tools=[kill])
+    assert killed and killed[0] >= 1
+    assert len(provider.requests) == 1
+    invocations, attempts = await read_rows(ledger)
+    (first,) = invocations.values()
+    assert [(a["ordinal"], a["outcome"]) for a in attempts.values()] == [(1, "ok")]
+    assert first["outcome"] == "failed" and first["input_tokens"] > 0
+
+    engine, provider, _ = make_engine(Reply.text("fine"), ledger=ledger)
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    invocations, _ = await read_rows(ledger)
+    assert invocations[result.invocation_id]["outcome"] == "completed"
+
+
+# -- the event loops it serves ------------------------------------------------------------------
+
+
+def test_one_ledger_serves_consecutive_event_loops_and_trio(make_ledger: Factory) -> None:
+    """The writer is a thread of its own: one ledger serves two consecutive
+    ``asyncio.run`` calls and anyio's trio backend, fifty concurrent runs on each."""
+    ledger = make_ledger()
+
+    async def runs() -> None:
+        async def one(n: int) -> None:
+            provider = ScriptedProvider([Reply.tool_calls(("lookup", {"key": str(n)})),
+                                         Reply.text("a")])
+            engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+            result = await engine.run(operation(), "go", tools=[lookup])
+            assert result.outcome is le.Outcome.COMPLETED
+
+        async with anyio.create_task_group() as group:
+            for n in range(50):
+                group.start_soon(one, n)
+
+    asyncio.run(runs())
+    asyncio.run(runs())
+    anyio.run(runs, backend="trio")
+    invocations, attempts = read_postgres(ledger)
+    assert len(invocations) == 150 and len(attempts) == 300
+    assert all(r["outcome"] == "completed" for r in invocations.values())
