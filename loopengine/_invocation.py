@@ -249,6 +249,7 @@ class Invocation:
             operation_version=self.operation.version, provider=self.operation.provider,
             model=self.operation.model, kind="run" if self.kind == "run" else "call",
             tenant=self.attribution.tenant, feature=self.attribution.feature,
+            correlation_id=self.attribution.correlation_id,
         ))
         if self.accounts is not None:
             await self._admit(at)
@@ -731,6 +732,7 @@ class Invocation:
                 cost_usd=nanousd_to_usd(priced.cost_nanousd) if priced else None,
                 charged=charged, response_id=settle.response_id, request_id=settle.request_id,
                 stop_reason=settle.stop_reason,
+                response_model=response.model if response is not None else None,
             ))
         return confirmed
 

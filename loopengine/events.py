@@ -57,6 +57,8 @@ class RunStarted(Event):
     kind: Literal["run", "call"]
     tenant: str | None = None
     feature: str | None = None
+    correlation_id: str | None = None
+    """The caller's correlation id (`loopengine.Attribution`), if it gave one."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,6 +115,8 @@ class AttemptSettled(Event):
     response_id: str | None
     request_id: str | None
     stop_reason: str | None
+    response_model: str | None = None
+    """The model the provider says served the reply, when it says."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

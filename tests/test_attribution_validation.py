@@ -1,5 +1,5 @@
 """`Attribution` refuses values that could attack whoever reads the ledger: control,
-format and separator characters, and unbounded length (issue 13, item 5)."""
+format and separator characters, and unbounded length."""
 
 from __future__ import annotations
 

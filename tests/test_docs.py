@@ -1,5 +1,5 @@
 """Every ```python block of README.md and docs/*.md runs, so the documentation cannot
-drift from the code (issue 13, item 9).
+drift from the code.
 
 How the blocks run:
 

@@ -1,4 +1,4 @@
-"""Bad input is caught before a request is opened (issue 13, item 7): messages and
+"""Bad input is caught before a request is opened: messages and
 system blocks are checked against the shapes the `anthropic` SDK declares, tools
 against what `Engine.run` and `le.tool` accept; each gets a ConfigError naming the
 field, and nothing is sent or recorded."""

@@ -1,5 +1,5 @@
-"""The OpenTelemetry spans are complete and every name is a semantic convention
-(issue 13, item 8): gen_ai.response.model, server.address / server.port,
+"""The OpenTelemetry spans are complete and every name is a semantic convention:
+gen_ai.response.model, server.address / server.port,
 gen_ai.conversation.id, gen_ai.output.type, and a low-cardinality error.type,
 each checked against the `opentelemetry-semantic-conventions` package."""
 
