@@ -45,7 +45,8 @@ import anyio.to_thread
 
 from loopengine._errors import LedgerError
 from loopengine.persistence import _planner
-from loopengine.persistence._planner import DISPATCH, END, FLUSH, SETTLE, START, Op
+from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
+from loopengine.persistence._planner import FLUSH, Op
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
 from loopengine.persistence._records import (
     AttemptDispatch,
@@ -53,7 +54,6 @@ from loopengine.persistence._records import (
     InvocationEnd,
     InvocationStart,
 )
-from loopengine.persistence._schema import format_time
 from loopengine.persistence._sqlite import _Waiter, _wake_all
 
 if TYPE_CHECKING:
@@ -300,11 +300,8 @@ class PostgresLedger:
         Raises:
             LedgerError: the ledger cannot be opened, or is closed.
         """
-        r = record
         await self.open()
-        self._queue_op([START, 0, r.id, r.operation, r.operation_version, r.provider, r.model,
-                        r.tenant, r.user_id, r.feature, r.correlation_id,
-                        format_time(r.started_at)], durable=False)
+        self._queue_op(start_op(record), durable=False)
 
     async def dispatch_attempt(self, record: AttemptDispatch) -> None:
         """Record an attempt as ``dispatched``; committed when this returns.
@@ -314,7 +311,7 @@ class PostgresLedger:
                 write of this invocation failed); the request must not be sent.
         """
         await self.open()
-        await self._wait(self._queue_op(_dispatch_op(record), durable=True))
+        await self._wait(self._queue_op(dispatch_op(record), durable=True))
 
     def begin_dispatch(self, record: AttemptDispatch) -> _Receipt:
         """Queue an attempt's ``dispatched`` row and return at once.
@@ -328,7 +325,7 @@ class PostgresLedger:
         if not self._opened:
             # Nothing has opened it yet: the receipt's wait opens it, then writes.
             return _Receipt(self, None, record)
-        return _Receipt(self, self._queue_op(_dispatch_op(record), durable=True), None)
+        return _Receipt(self, self._queue_op(dispatch_op(record), durable=True), None)
 
     async def settle_attempt(self, record: AttemptSettle) -> None:
         """Settle an attempt and add it to the invocation's totals, in one transaction.
@@ -341,19 +338,9 @@ class PostgresLedger:
             LedgerError: the ledger is closed, or the served settle (or an
                 earlier deferred write of this invocation) could not be written.
         """
-        r = record
-        usage = r.usage
-        if usage is None:
-            tokens: tuple[int | None, ...] = (None, None, None, None, None)
-        else:
-            tokens = (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens,
-                      usage.cache_write_tokens, usage.cache_write_1h_tokens)
-        op = [SETTLE, 0, r.invocation_id, r.ordinal, r.outcome, r.latency_ms, r.fault,
-              r.aborted_reason, r.http_status, r.error_code, *tokens,
-              int(r.usage_approx), r.cost_nanousd, int(r.charged), r.price_ref,
-              r.response_id, r.request_id, r.stop_reason]
+        op = settle_op(record)
         await self.open()
-        if r.served:
+        if record.served:
             await self._wait(self._queue_op(op, durable=True))
         else:
             self._queue_op(op, durable=False)
@@ -365,10 +352,8 @@ class PostgresLedger:
             LedgerError: the row could not be written, or an earlier deferred
                 write of this invocation failed.
         """
-        r = record
         await self.open()
-        await self._wait(self._queue_op([END, 0, r.id, format_time(r.ended_at), r.outcome,
-                                         r.turns, r.tool_calls, r.credits], durable=True))
+        await self._wait(self._queue_op(end_op(record), durable=True))
 
     # -- more than the protocol ------------------------------------------------------
 
@@ -683,11 +668,6 @@ def _describe_server(params: dict[str, Any], schema: str | None) -> str:
     return f"postgresql ledger {where}/{dbname}" + (f" (schema {schema})" if schema else "")
 
 
-def _dispatch_op(r: AttemptDispatch) -> Op:
-    return [DISPATCH, 0, r.invocation_id, r.ordinal, r.turn, r.attempt, r.phase, r.served_by,
-            format_time(r.started_at), r.max_tokens, r.timeout_ms, r.wait_ms]
-
-
 class _Receipt:
     """A dispatch queued for the writer; `wait` returns once it is committed."""
 
@@ -712,7 +692,7 @@ class _Receipt:
                 if self._number is None:
                     assert self._record is not None
                     await self._ledger.open()
-                    self._number = self._ledger._queue_op(_dispatch_op(self._record),
+                    self._number = self._ledger._queue_op(dispatch_op(self._record),
                                                           durable=True)
                 await self._ledger._wait(self._number)
             except LedgerError as error:

@@ -60,6 +60,7 @@ import anyio.to_thread
 
 from loopengine._errors import LedgerError
 from loopengine.persistence import _writer
+from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
 from loopengine.persistence._records import (
     AttemptDispatch,
@@ -67,8 +68,8 @@ from loopengine.persistence._records import (
     InvocationEnd,
     InvocationStart,
 )
-from loopengine.persistence._schema import format_time, migrate
-from loopengine.persistence._writer import DISPATCH, END, FLUSH, SETTLE, START, STOP, Op
+from loopengine.persistence._schema import migrate
+from loopengine.persistence._writer import FLUSH, STOP, Op
 
 __all__ = ["SQLiteLedger"]
 
@@ -225,10 +226,7 @@ class SQLiteLedger:
         Raises:
             LedgerError: the ledger is closed.
         """
-        r = record
-        self._defer([START, 0, r.id, r.operation, r.operation_version, r.provider, r.model,
-                     r.tenant, r.user_id, r.feature, r.correlation_id,
-                     format_time(r.started_at)])
+        self._defer(start_op(record))
 
     async def dispatch_attempt(self, record: AttemptDispatch) -> None:
         """Record an attempt as ``dispatched``; durable when this returns.
@@ -237,7 +235,7 @@ class SQLiteLedger:
             LedgerError: the row could not be written (or an earlier deferred
                 write of this invocation failed); the request must not be sent.
         """
-        await self._wait(self._send(_dispatch_op(record)))
+        await self._wait(self._send(dispatch_op(record)))
 
     def begin_dispatch(self, record: AttemptDispatch) -> _Receipt:
         """Send an attempt's ``dispatched`` row to the writer and return at once.
@@ -248,7 +246,7 @@ class SQLiteLedger:
         Raises:
             LedgerError: the ledger is closed.
         """
-        return _Receipt(self, self._send(_dispatch_op(record)))
+        return _Receipt(self, self._send(dispatch_op(record)))
 
     async def settle_attempt(self, record: AttemptSettle) -> None:
         """Settle an attempt and add it to the invocation's totals, in one transaction.
@@ -261,18 +259,8 @@ class SQLiteLedger:
             LedgerError: the ledger is closed, or the served settle (or an
                 earlier deferred write of this invocation) could not be written.
         """
-        r = record
-        usage = r.usage
-        if usage is None:
-            tokens: tuple[int | None, ...] = (None, None, None, None, None)
-        else:
-            tokens = (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens,
-                      usage.cache_write_tokens, usage.cache_write_1h_tokens)
-        op = [SETTLE, 0, r.invocation_id, r.ordinal, r.outcome, r.latency_ms, r.fault,
-              r.aborted_reason, r.http_status, r.error_code, *tokens,
-              int(r.usage_approx), r.cost_nanousd, int(r.charged), r.price_ref,
-              r.response_id, r.request_id, r.stop_reason]
-        if r.served:
+        op = settle_op(record)
+        if record.served:
             await self._wait(self._send(op))
         else:
             self._defer(op)
@@ -284,9 +272,7 @@ class SQLiteLedger:
             LedgerError: the row could not be written, or an earlier deferred
                 write of this invocation failed.
         """
-        r = record
-        await self._wait(self._send([END, 0, r.id, format_time(r.ended_at), r.outcome, r.turns,
-                                     r.tool_calls, r.credits]))
+        await self._wait(self._send(end_op(record)))
 
     # -- more than the protocol ------------------------------------------------------
 
@@ -629,11 +615,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and type(value) is not float:
         return float(value)
     return value
-
-
-def _dispatch_op(r: AttemptDispatch) -> Op:
-    return [DISPATCH, 0, r.invocation_id, r.ordinal, r.turn, r.attempt, r.phase, r.served_by,
-            format_time(r.started_at), r.max_tokens, r.timeout_ms, r.wait_ms]
 
 
 class _Receipt:
