@@ -225,20 +225,35 @@ async def test_a_structured_call_forces_its_answer_function(wire: OpenAIHarness)
 # -- streaming --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
-async def test_text_deltas_reach_on_text_openai(wire: OpenAIHarness, kind: str) -> None:
-    """Streamed text arrives delta by delta, through a sync or an async callback."""
+async def test_streamed_text_reaches_on_text_and_streamed_calls_are_joined(
+    wire: OpenAIHarness,
+) -> None:
+    """Text deltas reach an async on_text as they arrive; tool calls streamed in
+    pieces (arguments split across chunks) become whole tool_use blocks, one batch."""
     seen: list[str] = []
 
-    async def async_sink(text: str) -> None:
+    async def sink(text: str) -> None:
         await anyio.lowlevel.checkpoint()
         seen.append(text)
 
-    sink = seen.append if kind == "sync" else async_sink
-    engine, _ = wire.engine(Reply.text("The quick brown fox"), stream=True)
-    result = await engine.run(openai_operation(), "go", on_text=sink)
+    calls = Reply.tool_calls(("lookup", {"key": "a"}), ("lookup", {"key": "b"}),
+                             text="Looking both up.")
+    engine, _ = wire.engine(calls, Reply.text("The quick brown fox"), stream=True)
+    answered: list[str] = []
+
+    @le.tool
+    async def lookup(key: str) -> str:
+        """Look a key up."""
+        answered.append(key)
+        return key.upper()
+
+    result = await engine.run(openai_operation(), "go", tools=[lookup], on_text=sink)
     assert result.answer == "The quick brown fox"
-    assert seen == ["The ", "quick ", "brown ", "fox"]
+    assert seen == ["Looking ", "both ", "up.", "The ", "quick ", "brown ", "fox"]
+    assert answered == ["a", "b"] and result.tool_calls == 2
+    assistant = result.messages[1]["content"]
+    assert [(b["type"], b.get("input")) for b in assistant] == [
+        ("text", None), ("tool_use", {"key": "a"}), ("tool_use", {"key": "b"})]
 
 
 class CallbackBroke(Exception):

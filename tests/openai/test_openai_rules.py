@@ -1,8 +1,8 @@
 """Every rule (R01-R15) and scenario (S01, S02) through OpenAIProvider -> the real
 ``openai`` SDK -> FakeOpenAIServer on loopback.
 
-The scenarios are the Anthropic adapter tests' (tests/adapter/test_anthropic_rules.py:
-the same scripts of `Reply` items, tools and limits); the assertions are on
+The scenarios are tests/rule_scenarios.py's, shared with the Anthropic adapter's
+tests (the same scripts of `Reply` items, tools and limits); each test adds
 what the Chat Completions server received: one ``tool`` message per call in
 one request, ``is_error`` results the model reads as errors, no attempt
 timeout above the remaining time. Every test runs with JSON responses and with
@@ -11,7 +11,6 @@ server-sent events.
 
 from __future__ import annotations
 
-from decimal import Decimal
 from typing import Any
 
 import loopengine as le
@@ -19,18 +18,15 @@ from loopengine.persistence import MemoryLedger
 from loopengine.providers import CachePolicy, FaultKind
 from loopengine.testing import ErrorReply, FakeClock, Reply
 
+from .. import rule_scenarios as scenarios
 from ..adapter.conftest import STREAMING
-from ..adapter.test_anthropic_rules import Answer, Counter, lookup, quantum_prices
+from ..rule_scenarios import Counter, lookup
 from .conftest import MODEL, PRICES, OpenAIHarness, calls_asked, openai_operation, tool_messages
 
+ROUTE = scenarios.Route(operation=openai_operation, prices=PRICES)
+"""The OpenAI route of the shared scenarios (tests/rule_scenarios.py)."""
+
 FAST = le.RetryPolicy(max_attempts=4, initial_wait=0.001, max_wait=0.002)
-
-
-def prices_with_quantum(quantum: int) -> le.PriceBook:
-    """`PRICES`, with turn charges rounded up to ``quantum`` credits."""
-    anthropic_book = quantum_prices(quantum)
-    return le.PriceBook(PRICES.prices, credits_per_usd=anthropic_book.credits_per_usd,
-                        credit_quantum=anthropic_book.credit_quantum)
 
 
 @STREAMING
@@ -38,12 +34,7 @@ async def test_r01_turn_limit_after_exactly_max_turns_requests_openai(
     wire: OpenAIHarness, stream: bool
 ) -> None:
     """Without an accepted answer the run ends turn_limit after max_turns wire requests."""
-    counter = Counter()
-    engine, _ = wire.engine(*[Reply.tool_calls(lookup()) for _ in range(6)], stream=stream)
-    result = await engine.run(openai_operation(max_turns=3), "go", tools=[counter.tool])
-    assert result.outcome is le.Outcome.TURN_LIMIT
-    assert len(wire.requests) == 3 == result.turns
-    assert len(counter.calls) == 3
+    await scenarios.r01_turn_limit(wire, ROUTE, stream)
 
 
 @STREAMING
@@ -52,13 +43,8 @@ async def test_r02_oversized_parallel_batch_runs_no_handler_openai(
 ) -> None:
     """Three parallel tool calls are one batch: over max_tool_batch, the run ends with
     no handler run and nothing more sent."""
-    counter = Counter()
-    engine, _ = wire.engine(Reply.tool_calls(lookup("a"), lookup("b"), lookup("c")),
-                            Reply.text("never"), stream=stream)
-    result = await engine.run(openai_operation(max_tool_batch=2), "go", tools=[counter.tool])
-    assert result.outcome is le.Outcome.TOOL_BATCH_LIMIT
-    assert counter.calls == [] and result.tool_calls == 0
-    assert len(wire.requests) == 1
+    await scenarios.r02_oversized_batch(wire, ROUTE, stream)
+    assert len(wire.requests[0].body["tools"]) == 1
 
 
 @STREAMING
@@ -67,18 +53,7 @@ async def test_r03_credit_hold_greater_than_ends_exactly_continues_openai(
 ) -> None:
     """Turns of 120 credits round to 150: 150 and 300 continue under a hold of 300,
     the third turn crosses it, stops further work and stays billed."""
-    counter = Counter()
-    engine, ledger = wire.engine(*[Reply.tool_calls(lookup(str(i))) for i in range(5)],
-                                 stream=stream, prices=prices_with_quantum(50))
-    result = await engine.run(openai_operation(credit_hold=300), "go", tools=[counter.tool])
-    assert result.outcome is le.Outcome.CREDIT_LIMIT
-    assert len(wire.requests) == 3
-    assert result.credits == 450
-    assert counter.calls == ["0", "1"]
-    (row,) = ledger.invocations.values()
-    assert row["credits"] == 450
-    assert wire.server.usage_served == result.usage == le.Usage(input_tokens=300,
-                                                                output_tokens=60)
+    await scenarios.r03_credit_hold(wire, ROUTE, stream)
 
 
 @STREAMING
@@ -87,15 +62,9 @@ async def test_r04_no_attempt_timeout_above_the_remaining_time_openai(
 ) -> None:
     """Each wire request's timeout is min(attempt_timeout, remaining); none is sent
     once no time remains."""
-    counter = Counter(before=lambda _: clock.advance(5.0))  # each tool call takes 5 s
-    engine, _ = wire.engine(Reply.tool_calls(lookup()), Reply.tool_calls(lookup()),
-                            Reply.text("never sent"), stream=stream)
-    result = await engine.run(openai_operation(total_time=10.0, attempt_timeout=6.0), "go",
-                              tools=[counter.tool])
-    assert result.outcome is le.Outcome.TIME_LIMIT
-    # The SDK hands the per-request timeout to the server as x-stainless-read-timeout.
-    assert [r.timeout for r in wire.requests] == [6.0, 5.0]
-    assert [a.dispatch.timeout_ms for a in result.attempt_log] == [6000, 5000]
+    await scenarios.r04_attempt_timeouts(wire, ROUTE, clock, stream)
+    # The openai SDK sends it as x-stainless-read-timeout.
+    assert [r.headers["x-stainless-read-timeout"] for r in wire.requests] == ["6.0", "5.0"]
 
 
 @STREAMING
@@ -182,11 +151,7 @@ async def test_r08_one_tool_message_per_call_in_one_request_openai(
 ) -> None:
     """Three parallel calls: the next request answers each with one tool message,
     right after the assistant's tool_calls, in order; each consumed tool budget."""
-    counter = Counter()
-    engine, _ = wire.engine(Reply.tool_calls(lookup("a"), lookup("b"), lookup("c")),
-                            Reply.text("done"), stream=stream)
-    result = await engine.run(openai_operation(), "go", tools=[counter.tool])
-    assert result.outcome is le.Outcome.COMPLETED and result.tool_calls == 3
+    await scenarios.r08_one_results_message(wire, ROUTE, stream)
     sent = wire.requests[1]
     assert [m["role"] for m in sent.messages] == ["user", "assistant", "tool", "tool", "tool"]
     asked = calls_asked(sent)
@@ -202,16 +167,7 @@ async def test_r09_handler_error_reaches_the_model_as_an_error_openai(
 ) -> None:
     """A raising handler's message reaches the model in its tool message, marked as an
     error (Chat Completions has no is_error flag)."""
-
-    @le.tool
-    async def explode(key: str) -> str:
-        """Always fails."""
-        raise RuntimeError(f"no such key: {key}")
-
-    engine, _ = wire.engine(Reply.tool_calls(("explode", {"key": "x"})), Reply.text("sorry"),
-                            stream=stream)
-    result = await engine.run(openai_operation(), "go", tools=[explode])
-    assert result.outcome is le.Outcome.COMPLETED
+    await scenarios.r09_handler_error(wire, ROUTE, stream)
     (error,) = tool_messages(wire.requests[1])
     assert error["content"] == "Error: no such key: x"
 
@@ -222,22 +178,12 @@ async def test_r10_rejected_answer_feedback_is_an_error_result_openai(
 ) -> None:
     """Structured mode: the terminal tool is a function; the judge's feedback goes back
     as an error tool message and consumes one unit of tool budget; the repair completes."""
-    engine, _ = wire.engine(Reply.final({"city": "Paris", "population": 1}),
-                            Reply.final({"city": "Paris", "population": 2_100_000}),
-                            stream=stream)
-    result = await engine.run(
-        openai_operation(), "go", output=Answer,
-        accept=lambda a: le.Accept() if a.population > 1000 else le.Reject("too small"),
-    )
-    assert result.outcome is le.Outcome.COMPLETED
-    assert result.answer == Answer(city="Paris", population=2_100_000)
-    assert result.tool_calls == 1
+    await scenarios.r10_rejected_answer(wire, ROUTE, stream)
     (feedback,) = tool_messages(wire.requests[1])
     assert feedback["content"] == "Error: too small"
     (tool,) = wire.requests[0].body["tools"]
     assert tool["type"] == "function" and tool["function"]["name"] == "final_answer"
     assert tool["function"]["parameters"]["required"] == ["city", "population"]
-    assert [a.dispatch.phase for a in result.attempt_log] == ["turn", "repair"]
 
 
 @STREAMING
@@ -246,14 +192,17 @@ async def test_r11_content_filter_is_refused_and_length_is_incomplete_openai(
 ) -> None:
     """finish_reason content_filter (and a refusal) is sent once and ends refused;
     length is a cut-off answer, never accepted."""
-    engine, _ = wire.engine(Reply.text("I can't", stop_reason="content_filter"), stream=stream)
+    await scenarios.r11_refusal_and_cutoff(wire, ROUTE, stream)
+    # The fake sent the Chat Completions finish reasons for those stop reasons.
+    engine, _ = wire.engine(Reply.text("I can't", stop_reason="content_filter"),
+                            Reply.text("Paris is the cap", stop_reason="length"),
+                            stream=stream)
     refused = await engine.run(openai_operation(), "go")
-    assert refused.outcome is le.Outcome.REFUSED and len(wire.requests) == 1
+    assert refused.outcome is le.Outcome.REFUSED
     assert refused.attempt_log[0].settle.stop_reason == "refusal"  # type: ignore[union-attr]
-    engine, _ = wire.engine(Reply.text("Paris is the cap", stop_reason="length"), stream=stream)
     cut = await engine.run(openai_operation(), "go", accept=lambda _: True)
     assert cut.outcome is le.Outcome.INCOMPLETE and cut.answer is None
-    assert len(wire.requests) == 2
+    assert len(wire.requests) == 5
 
 
 @STREAMING
@@ -289,19 +238,8 @@ async def test_r13_failures_never_switch_model_or_route_openai(
     wire: OpenAIHarness, stream: bool
 ) -> None:
     """Every retry goes to the published model on the same route, recorded openai:<model>."""
-    engine, _ = wire.engine(*[ErrorReply(status=500) for _ in range(3)], stream=stream)
-    result = await engine.run(openai_operation(), "go")
-    assert result.outcome is le.Outcome.PROVIDER_ERROR
-    assert {r.body["model"] for r in wire.requests} == {MODEL}
+    result = await scenarios.r13_no_substitute(wire, ROUTE, stream, other_route="anthropic")
     assert {a.dispatch.served_by for a in result.attempt_log} == {f"openai:{MODEL}"}
-    other = le.Operation(name="x", provider="anthropic", model=MODEL)
-    try:
-        await engine.run(other, "go")
-    except le.ConfigError as error:
-        assert error.field == "provider"
-    else:  # pragma: no cover - the assertion below explains the failure
-        raise AssertionError("an anthropic operation ran on the openai provider")
-    assert len(wire.requests) == 3
 
 
 @STREAMING
@@ -309,19 +247,7 @@ async def test_r14_accepted_answer_wins_over_tool_and_credit_checks_openai(
     wire: OpenAIHarness, stream: bool
 ) -> None:
     """An accepted final answer completes before the batch and credit checks."""
-    counter = Counter()
-    engine, _ = wire.engine(
-        Reply.tool_calls(("final_answer", {"city": "Oslo", "population": 700_000}),
-                         lookup("a"), lookup("b")),
-        stream=stream, prices=prices_with_quantum(50),
-    )
-    result = await engine.run(openai_operation(credit_hold=10, max_tool_batch=1,
-                                               max_tool_calls=0),
-                              "go", tools=[counter.tool], output=Answer)
-    assert result.outcome is le.Outcome.COMPLETED
-    assert result.answer == Answer(city="Oslo", population=700_000)
-    assert result.tool_calls == 0 and counter.calls == []
-    assert len(wire.requests) == 1 and result.credits == 150
+    await scenarios.r14_accepted_answer_wins(wire, ROUTE, stream)
 
 
 @STREAMING
@@ -329,16 +255,11 @@ async def test_r15_missing_handler_is_a_recoverable_error_openai(
     wire: OpenAIHarness, stream: bool
 ) -> None:
     """A call to an unknown tool gets an error tool message and the run carries on."""
-    counter = Counter()
-    engine, _ = wire.engine(Reply.tool_calls(("translate", {"text": "hi"})),
-                            Reply.tool_calls(lookup("x")), Reply.text("done"), stream=stream)
-    result = await engine.run(openai_operation(), "go", tools=[counter.tool])
-    assert result.outcome is le.Outcome.COMPLETED
+    await scenarios.r15_missing_handler(wire, ROUTE, stream)
     (error,) = tool_messages(wire.requests[1])
     assert error["content"].startswith("Error: ") and "translate" in error["content"]
     (ok,) = tool_messages(wire.requests[2])
     assert ok["content"] == "value of x"
-    assert len(wire.requests) == 3 and counter.calls == ["x"]
 
 
 @STREAMING
@@ -370,26 +291,12 @@ async def test_s01_failure_then_success_charges_the_success_openai(
 ) -> None:
     """Both attempts are recorded; the successful one's usage (what the server
     served) determines the charge."""
-    engine, ledger = wire.engine(
-        ErrorReply(status=503),
-        Reply.text("hello", usage=le.Usage(input_tokens=100, output_tokens=20)),
-        stream=stream,
-    )
-    result = await engine.run(openai_operation(), "go")
-    assert result.outcome is le.Outcome.COMPLETED and result.answer == "hello"
+    result, _ = await scenarios.s01_charge_the_success(wire, ROUTE, stream,
+                                                       ErrorReply(status=503))
     first, second = result.attempt_log
     assert first.settle is not None and second.settle is not None
-    assert (first.settle.outcome, first.settle.fault, first.settle.http_status) == (
-        "error", "server_error", 503)
-    assert (second.settle.outcome, second.settle.charged) == ("ok", True)
-    assert first.settle.request_id == "req_fake_0001"
+    assert (first.settle.fault, first.settle.http_status) == ("server_error", 503)
     assert second.settle.response_id == "chatcmpl-fake-0002"
-    assert wire.server.usage_served == result.usage == le.Usage(input_tokens=100,
-                                                                output_tokens=20)
-    assert result.cost_usd == Decimal("0.00012") and result.credits == 120
-    (row,) = ledger.invocations.values()
-    assert (row["attempt_count"], row["input_tokens"], row["output_tokens"],
-            row["cost_nanousd"]) == (2, 100, 20, 120_000)
 
 
 @STREAMING
