@@ -220,13 +220,13 @@ class OpenTelemetryObserver:
         if event.feature is not None:
             attributes["loopengine.feature"] = event.feature
         common: dict[str, AttributeValue] = {}
-        # The conventions want the application's own conversation id, never a
-        # minted one ("a new UUID ... SHOULD NOT be used"): the attribution's
-        # correlation id, when the event carries one; the run id stays
-        # loopengine.run.id.
+        # The conventions want the application's own conversation id, not one
+        # minted for telemetry: the attribution's correlation id when the
+        # caller gave one (it spans the runs of one chat), else the invocation
+        # id, the run's durable id in the ledger (never a new UUID).
         conversation = getattr(event, "correlation_id", None)
-        if isinstance(conversation, str):
-            common[GEN_AI_CONVERSATION_ID] = conversation
+        common[GEN_AI_CONVERSATION_ID] = (conversation if isinstance(conversation, str)
+                                          else event.run_id)
         if event.kind == "call":
             common[GEN_AI_OUTPUT_TYPE] = "json"  # a structured call asks for JSON
         attributes.update(common)

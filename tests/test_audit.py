@@ -291,3 +291,19 @@ def test_the_installed_script_audits_a_real_ledger(ledger_file: dict[str, Any]) 
     assert spent.returncode == 0, spent.stderr
     assert {r["operation"] for r in json.loads(spent.stdout)} == {"test.op", "other.op"}
     assert read_db(path)[0]  # the file still reads after the script's read-only opens
+
+
+async def test_the_audit_queries_have_a_public_home(tmp_path: Path) -> None:
+    """`loopengine.audit` is what the CLI prints, for use from Python."""
+    from loopengine import audit
+    from loopengine.persistence import SQLiteLedger
+
+    path = tmp_path / "ledger.db"
+    SQLiteLedger(path).close()
+    conn = audit.open_ledger(path)
+    try:
+        report = audit.reconcile(conn)
+        assert report.ok and report.invocations == 0
+        assert audit.accounts(conn) == [] and audit.spend(conn, by="tenant") == []
+    finally:
+        conn.close()

@@ -124,6 +124,7 @@ async def test_run_span_attributes(
         "gen_ai.provider.name": "anthropic",
         "gen_ai.request.model": MODEL,
         "loopengine.run.id": result.invocation_id,
+        "gen_ai.conversation.id": result.invocation_id,
         "loopengine.run.kind": "run",
         "loopengine.outcome": "completed",
         "loopengine.turns": 2,

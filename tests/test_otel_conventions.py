@@ -284,20 +284,15 @@ def test_the_conversation_id_is_the_callers_correlation_id_on_every_span(
     assert {attrs(s)[otel.GEN_AI_CONVERSATION_ID] for s in spans} == {"conv-42"}
 
 
-async def test_the_run_id_is_never_minted_into_a_conversation_id(
+async def test_without_a_correlation_id_the_conversation_id_is_the_invocation_id(
     tracer_provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:
-    """The conventions: "a new UUID ... SHOULD NOT be used as a fallback". A run without a
-    correlation id has no gen_ai.conversation.id; its id stays loopengine.run.id."""
+    """No correlation id: gen_ai.conversation.id is the invocation id, the run's
+    durable id in the ledger (no id is minted for telemetry)."""
     _, run_id = await traced(tracer_provider)
     spans = exporter.get_finished_spans()
-    assert all(otel.GEN_AI_CONVERSATION_ID not in attrs(s) for s in spans)
+    assert {attrs(s)[otel.GEN_AI_CONVERSATION_ID] for s in spans} == {run_id}
     assert {attrs(s)["loopengine.run.id"] for s in spans} == {run_id}
-    observer = OpenTelemetryObserver(tracer_provider)
-    observer(RunStartedWithConversation(**started(correlation_id=None)))
-    observer(ended())
-    assert all(otel.GEN_AI_CONVERSATION_ID not in attrs(s)
-               for s in exporter.get_finished_spans())
 
 
 def test_the_response_model_is_the_one_the_provider_named(
