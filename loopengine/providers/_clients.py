@@ -389,8 +389,11 @@ class SDKProvider(Generic[C]):
     """What every provider on a managed SDK client shares: the client of the
     running event loop, the check before an attempt is recorded, and closing.
 
-    A subclass sets ``_clients`` (and ``awaits_before_wire``) in its
-    ``__init__``.
+    A subclass sets ``_clients``, ``_name``, ``_stream`` and
+    ``awaits_before_wire`` in its ``__init__``, and supplies ``_params``,
+    ``_send_plain`` and ``_send_streaming``: `send` is the same for every
+    such provider (the running loop's client, then the request inside the
+    before-wire gate).
     """
 
     _clients: Clients[C]
