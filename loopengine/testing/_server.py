@@ -888,8 +888,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def peer_gone(self) -> bool:
         """Whether the client has closed its end (a write would still succeed once)."""
-        readable, _, _ = select.select([self.connection], [], [], 0)
-        if not readable:
+        # poll, not select: select cannot watch a descriptor past 1023, and a
+        # server under a few thousand connections has those.
+        poller = select.poll()
+        poller.register(self.connection, select.POLLIN)
+        if not poller.poll(0):
             return False
         try:
             return bool(self.connection.recv(1, socket.MSG_PEEK) == b"")
