@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import CachePolicy, FaultKind
@@ -318,3 +320,24 @@ async def test_s02_repaired_answer_completes_within_remaining_controls_openai(
     assert wire.requests[1].messages == [
         {"role": "user", "content": "go"}, {"role": "assistant", "content": "42"},
         {"role": "user", "content": "in words"}]
+
+
+@pytest.mark.xfail(strict=True, raises=le.ConfigError,
+                   reason="the engine's message check wants a tool_use input to be an object, "
+                          "and the transcript keeps malformed arguments as the string the model "
+                          "sent; needs a vendor-neutral rule in the engine (see docs/providers.md)")
+async def test_r15_a_history_with_malformed_arguments_can_be_continued_openai(
+    wire: OpenAIHarness,
+) -> None:
+    """result.messages of a run whose model sent malformed arguments is a history the
+    caller can continue (DESIGN §2)."""
+    counter = Counter()
+    broken = Reply(content=[{"type": "tool_use", "id": "call_bad", "name": "lookup",
+                             "input": "{oops"}], stop_reason="tool_use")
+    engine, _ = wire.engine(broken, Reply.text("done"), Reply.text("again"))
+    first = await engine.run(openai_operation(), "go", tools=[counter.tool])
+    assert first.outcome is le.Outcome.COMPLETED
+    again = await engine.run(openai_operation(), [*first.messages,
+                                                  {"role": "user", "content": "more"}],
+                             tools=[counter.tool])
+    assert again.outcome is le.Outcome.COMPLETED
