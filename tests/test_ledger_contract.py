@@ -11,13 +11,14 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
 
 import loopengine as le
 from loopengine.persistence import Ledger, MemoryLedger, PostgresLedger, SQLiteLedger
+from loopengine.persistence._sqlite import WriterKind
 from loopengine.providers import ProviderRequest, ProviderResponse, Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
@@ -27,8 +28,8 @@ from .postgres_support import PostgresServer, fresh_schema
 
 FAST = le.RetryPolicy(max_attempts=7, initial_wait=0.001, max_wait=0.001)
 
-
 STORES = ["memory", "process", "thread", "postgres"]
+"""MemoryLedger, SQLiteLedger with each writer, PostgresLedger."""
 
 
 def open_store(request: pytest.FixtureRequest, store: str, tmp_path: Path) -> Ledger:
@@ -40,7 +41,7 @@ def open_store(request: pytest.FixtureRequest, store: str, tmp_path: Path) -> Le
         postgres = PostgresLedger(server.dsn(), schema=fresh_schema())
         request.addfinalizer(postgres.close)
         return postgres
-    sqlite_ledger = SQLiteLedger(tmp_path / "ledger.db", writer=store)  # type: ignore[arg-type]
+    sqlite_ledger = SQLiteLedger(tmp_path / "ledger.db", writer=cast(WriterKind, store))
     request.addfinalizer(sqlite_ledger.close)
     assert sqlite_ledger.writer == store
     return sqlite_ledger
