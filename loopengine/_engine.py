@@ -34,7 +34,7 @@ from loopengine._tools import Tool
 from loopengine.events import Observer, TextDelta
 from loopengine.guards._limits import Limits
 from loopengine.persistence._protocol import Ledger
-from loopengine.providers._base import Provider, TextCallback
+from loopengine.providers._base import Provider, TextCallback, vendor_of
 from loopengine.providers._retry import RetryPolicy
 
 __all__ = ["Engine"]
@@ -163,12 +163,13 @@ class Engine:
                     f"a run on account {account!r} needs a credit hold to reserve: publish "
                     "one on the operation or give CreditAccounts(default_hold=...)")
             run_limits = replace(run_limits, credit_hold=self.accounts.default_hold)
+        vendor = vendor_of(provider)
         if run_limits.credit_hold is not None and not self.prices.knows(
-            operation.provider, operation.model, self.clock.wall()
+            vendor, operation.model, self.clock.wall()
         ):
             raise ConfigError(
                 "prices",
-                f"{operation.provider}:{operation.model} has no price, so its credit_hold "
+                f"{vendor}:{operation.model} has no price, so its credit_hold "
                 "cannot be enforced; add a ModelPrice to the PriceBook",
             )
         return Invocation(
@@ -406,7 +407,8 @@ class Engine:
         return estimate_run(operation, normalize_messages(messages),
                             system=normalize_system(system), tools=check_tools(tools),
                             output=output,
-                            limits=limits, prices=self.prices, at=self.clock.wall())
+                            limits=limits, prices=self.prices, at=self.clock.wall(),
+                            vendor=vendor_of(self.provider_for(operation)))
 
 
 def normalize_messages(messages: Messages) -> list[dict[str, Any]]:

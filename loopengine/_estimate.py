@@ -128,6 +128,7 @@ def estimate_run(
     prices: PriceBook,
     at: datetime,
     final_tool: str = "final_answer",
+    vendor: str | None = None,
 ) -> Estimate:
     """The worst case of a run (see the module docstring for the model).
 
@@ -142,6 +143,8 @@ def estimate_run(
         prices: The price book to price with.
         at: The moment to take prices for.
         final_tool: The terminal tool's name in structured mode.
+        vendor: Whose prices apply (the route's provider's vendor; default:
+            the operation's route name).
 
     Raises:
         ConfigError: bad input, as `Engine.run` would raise it.
@@ -172,7 +175,7 @@ def estimate_run(
     price_ref: str | None = None
     for turn_input in turn_inputs:
         priced = prices.price(
-            operation.provider, operation.model,
+            vendor or operation.provider, operation.model,
             Usage(input_tokens=turn_input, output_tokens=per_turn_output), at,
         )
         if priced is None:

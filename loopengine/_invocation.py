@@ -62,7 +62,13 @@ from loopengine.persistence._records import (
     InvocationEnd,
     InvocationStart,
 )
-from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._base import (
+    Provider,
+    ProviderRequest,
+    ProviderResponse,
+    TextCallback,
+    vendor_of,
+)
 from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._retry import RetryPolicy, RetryStop, run_with_retries
 
@@ -167,7 +173,9 @@ class Invocation:
         self.clock = clock
         self.rng = rng
         self.observers = tuple(observers)
-        self.served_by = f"{provider.name}:{operation.model}"
+        self.vendor = vendor_of(provider)
+        """Whose API serves the route: what ``served_by`` and prices name."""
+        self.served_by = f"{self.vendor}:{operation.model}"
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)
         # The pre-attempt guard reads only the deadline, which never moves.
@@ -662,7 +670,7 @@ class Invocation:
         else:
             outcome, usage = "aborted", None
         priced = (
-            self.prices.price(self.operation.provider, self.operation.model, usage,
+            self.prices.price(self.vendor, self.operation.model, usage,
                               dispatch.started_at)
             if usage is not None else None
         )

@@ -160,6 +160,10 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             deltas to the run's ``on_text`` callback.
         stream_idle_timeout: Seconds a stream may go without an event before
             the attempt is aborted with reason ``idle`` (and retried).
+        route: The route this provider serves (an operation's ``provider``),
+            when one engine serves several of one vendor: two keys, two
+            regions, a streaming and a plain client. Default: the vendor
+            name. ``served_by`` and prices keep the vendor (``anthropic:<model>``).
         **client_kwargs: Without ``client``: the keywords to build an
             ``AsyncAnthropic`` (``api_key``, ``base_url``, ``timeout``...).
             The provider builds one client per event loop that sends through
@@ -191,9 +195,12 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         *,
         stream: bool = False,
         stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
+        route: str | None = None,
         **client_kwargs: Any,
     ) -> None:
         _validate.boolean("stream", stream)
+        if route is not None:
+            _validate.text("route", route)
         self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
         sdk_keywords(client, client_kwargs)
         if client is None:
@@ -213,7 +220,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             base = client
             self._clients = Clients("AnthropicProvider", bound=self._own_copy(client))
         self.awaits_before_wire = gates(type(self.client))
-        self._name = _route_name(base)
+        self._vendor = _route_name(base)
+        self._name = route if route is not None else self._vendor
         self._stream = stream
 
     @staticmethod
@@ -239,8 +247,14 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
 
     @property
     def name(self) -> str:
-        """``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry`` for those clients."""
+        """The route: the vendor (`vendor`) unless ``route`` named another."""
         return self._name
+
+    @property
+    def vendor(self) -> str:
+        """Whose API the requests reach: ``anthropic``, or ``bedrock`` / ``vertex``
+        / ``foundry`` for those clients. ``served_by`` and prices name it."""
+        return self._vendor
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         # Markers are placed on every request, so the wire never carries more

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 from loopengine._usage import Usage
 from loopengine.providers._cache import CachePolicy
 
-__all__ = ["Provider", "ProviderRequest", "ProviderResponse", "TextCallback"]
+__all__ = ["Provider", "ProviderRequest", "ProviderResponse", "TextCallback", "vendor_of"]
 
 TextCallback = Callable[[str], Awaitable[None] | None]
 """Receives streamed text deltas, sync or async."""
@@ -114,3 +114,11 @@ class Provider(Protocol):
             ProviderFault: the request failed; nothing else may escape.
         """
         ...
+
+
+def vendor_of(provider: Provider) -> str:
+    """Whose API ``provider`` reaches: its ``vendor`` when it names one (a provider
+    serving a named route), else its route ``name``. ``served_by`` and prices
+    name the vendor, so two routes of one vendor are priced and recorded alike."""
+    vendor = getattr(provider, "vendor", None)
+    return vendor if isinstance(vendor, str) and vendor else provider.name
