@@ -23,7 +23,12 @@ import httpx2
 import pytest
 
 import loopengine as le
-from loopengine.persistence import AttemptSettle, PostgresLedger, SQLiteLedger
+from loopengine.persistence import (
+    AttemptSettle,
+    EarlyDispatchLedger,
+    PostgresLedger,
+    SQLiteLedger,
+)
 from loopengine.persistence import _postgres_schema as pg_schema
 from loopengine.persistence._postgres import APPLICATION_NAME
 from loopengine.persistence._schema import (
@@ -260,6 +265,21 @@ async def test_the_row_is_committed_when_the_request_reaches_the_server(
     (row,) = invocations.values()
     assert (row["input_tokens"], row["output_tokens"]) == (served.input_tokens,
                                                            served.output_tokens)
+
+
+async def test_begin_dispatch_is_the_first_use_of_a_ledger(make_ledger: Factory) -> None:
+    """An EarlyDispatchLedger: a receipt taken before anything opened the ledger opens
+    it when awaited, and returns once the row is committed."""
+    first = make_ledger()
+    await first.start_invocation(start())
+    await first.flush()
+    second = make_ledger(schema=first.schema)
+    assert isinstance(second, EarlyDispatchLedger)
+    receipt = second.begin_dispatch(dispatch(1))
+    assert "not opened" in repr(second)
+    await receipt.wait()
+    await receipt.wait()  # harmless
+    assert query(first, "SELECT ordinal, outcome FROM attempts") == [(1, "dispatched")]
 
 
 async def test_sequential_run_commits_each_dispatch_each_served_settle_and_the_end(
