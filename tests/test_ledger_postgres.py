@@ -373,7 +373,7 @@ async def test_refused_writes_raise_ledger_error(make_ledger: Factory) -> None:
         await ledger.dispatch_attempt(dispatch(1, "inv-2"))
     # A value no bigint holds fails its own write alone, in the same batch as others.
     await ledger.start_invocation(start("inv-3"))
-    with pytest.raises(le.LedgerError, match="bigint out of range"):
+    with pytest.raises(le.LedgerError, match="out of range for type bigint"):
         await ledger.dispatch_attempt(replace(dispatch(1, "inv-3"), max_tokens=2**70))
     await ledger.dispatch_attempt(dispatch(1, "inv-3"))
     assert query(ledger, "SELECT id, input_tokens, attempt_count, outcome FROM invocations "
