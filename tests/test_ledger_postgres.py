@@ -282,6 +282,44 @@ async def test_begin_dispatch_is_the_first_use_of_a_ledger(make_ledger: Factory)
     assert query(first, "SELECT ordinal, outcome FROM attempts") == [(1, "dispatched")]
 
 
+async def test_a_reply_is_committed_before_its_tools_run(
+    make_ledger: Factory, make_engine: EngineFactory
+) -> None:
+    """While the reply's tool runs, another connection already sees the attempt
+    settled with the usage the provider served (DESIGN.md §7)."""
+    ledger = make_ledger(linger=30)
+    seen: list[list[tuple[Any, ...]]] = []
+
+    @le.tool
+    async def look(key: str) -> str:
+        """Look at the ledger from outside."""
+        seen.append(await anyio.to_thread.run_sync(
+            query, ledger, "SELECT ordinal, outcome, input_tokens FROM attempts"))
+        return "seen"
+
+    engine, _, _ = make_engine(Reply.tool_calls(("look", {"key": "k"}), usage=le.Usage(77, 5)),
+                               Reply.text("done"), ledger=ledger)
+    result = await engine.run(operation(), "go", tools=[look])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert seen == [[(1, "ok", 77)]]
+
+
+async def test_a_schema_name_is_an_identifier_not_sql(
+    postgres_server: PostgresServer, make_ledger: Factory
+) -> None:
+    """Any schema name works, quoted as an identifier: one with spaces, quotes and
+    capitals holds the tables, and nothing else is created."""
+    ledger = make_ledger(schema='Ledger "q"; DROP TABLE x -- 1')
+    await ledger.start_invocation(start())
+    await ledger.end_invocation(end())
+    with postgres_server.connect() as conn:
+        rows = conn.execute("SELECT table_name FROM information_schema.tables "
+                            "WHERE table_schema = %s ORDER BY 1", (ledger.schema,)).fetchall()
+    assert [r[0] for r in rows] == ["account_entries", "accounts", "attempts", "invocations",
+                                    SCHEMA_TABLE]
+    assert read_postgres(ledger)[0]["inv-1"]["outcome"] == "completed"
+
+
 async def test_sequential_run_commits_each_dispatch_each_served_settle_and_the_end(
     make_ledger: Factory, make_engine: EngineFactory
 ) -> None:
