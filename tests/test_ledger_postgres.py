@@ -10,6 +10,7 @@ tests/test_ledger_postgres_processes.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sqlite3
 import time
@@ -478,6 +479,39 @@ async def test_a_lost_connection_refuses_the_next_request_and_the_next_run_succe
     assert result.outcome is le.Outcome.COMPLETED
     invocations, _ = await read_rows(ledger)
     assert invocations[result.invocation_id]["outcome"] == "completed"
+
+
+def test_a_ledger_made_before_a_fork_is_opened_by_the_child_that_uses_it(
+    make_ledger: Factory,
+) -> None:
+    """Constructing does no I/O, so a ledger made before a fork (at import, in a
+    pre-forking server) works in the child that first uses it; one opened before
+    the fork raises LedgerError in the child instead of sharing its connection."""
+    unopened, opened = make_ledger(), make_ledger()
+    anyio.run(opened.open)
+
+    async def write(ledger: PostgresLedger) -> None:
+        await ledger.start_invocation(start())
+        await ledger.end_invocation(end())
+
+    def in_child(ledger: PostgresLedger) -> int:
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status, never return
+            code = 3
+            try:
+                anyio.run(write, ledger)
+                code = 0
+            except le.LedgerError as error:
+                code = 1 if "a forked process must open its own" in str(error) else 2
+            finally:
+                os._exit(code)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    assert in_child(unopened) == 0
+    assert in_child(opened) == 1
+    assert query(opened, "SELECT outcome FROM invocations") == []
+    assert query(unopened, "SELECT outcome FROM invocations") == [("completed",)]
+    assert "not opened" in repr(unopened)  # the parent's copy is still unopened
 
 
 # -- the event loops it serves ------------------------------------------------------------------

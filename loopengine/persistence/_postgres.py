@@ -157,6 +157,7 @@ class PostgresLedger:
         """Wakes the writer: a durable write queued, the ledger closing."""
         self._opening = threading.Lock()
         self._pid = os.getpid()
+        """The process that opened it (set again by `open`)."""
         self._opened = False
         self._closed = False
         self._stopping = False
@@ -203,6 +204,10 @@ class PostgresLedger:
             import psycopg_pool
 
             from loopengine.persistence import _postgres_schema
+
+            # A ledger made before a fork and first used after it is the
+            # child's: its process is the one that opens it.
+            self._pid = os.getpid()
 
             # The migration's own connection, outside the pool, so that a server
             # that cannot be reached is reported with its own words.
@@ -387,7 +392,7 @@ class PostgresLedger:
 
     def _queue_op(self, op: Op, *, durable: bool) -> int:
         """Number ``op`` and queue it (waking the writer for a durable one)."""
-        if os.getpid() != self._pid:
+        if self._opened and os.getpid() != self._pid:
             raise LedgerError(f"{self.name}: this ledger was opened in process {self._pid}; "
                               "a forked process must open its own PostgresLedger")
         with self._lock:
