@@ -344,7 +344,8 @@ def _audit_args(draw: st.DrawFn, db: str) -> list[str]:
     return args
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_arguments_exit_0_1_or_2_without_a_traceback(
     healthy: dict[str, Any], data: st.DataObject
@@ -435,7 +436,8 @@ def _write_bad_file(where: Path, kind: str, spec: Any, healthy: bytes) -> Path:
     return path
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_hand_made_bad_files_exit_0_1_or_2_without_a_traceback(
     healthy: dict[str, Any], data: st.DataObject
