@@ -263,6 +263,11 @@ def content_block(field: str, block: object, *, kinds: Iterable[str] | None = No
         raise ConfigError(f"{field}.type", "is required (every content block has a type)")
     if not isinstance(kind, str):
         raise ConfigError(f"{field}.type", f"must be a string, got {type(kind).__name__}")
+    if kind == "tool_use" and isinstance(block.get("input"), str):
+        # A model's malformed arguments, kept as the string it sent (R15): the
+        # run answered them as invalid input, so a history holding them stays
+        # one to continue from; the rest of the block must still be well-formed.
+        block = {**block, "input": {}}
     adapter = _block_adapter(kind) if kinds is None or kind in kinds else None
     if adapter is None:
         if kinds is None:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import CachePolicy, FaultKind
@@ -322,10 +320,6 @@ async def test_s02_repaired_answer_completes_within_remaining_controls_openai(
         {"role": "user", "content": "in words"}]
 
 
-@pytest.mark.xfail(strict=True, raises=le.ConfigError,
-                   reason="the engine's message check wants a tool_use input to be an object, "
-                          "and the transcript keeps malformed arguments as the string the model "
-                          "sent; needs a vendor-neutral rule in the engine (see docs/providers.md)")
 async def test_r15_a_history_with_malformed_arguments_can_be_continued_openai(
     wire: OpenAIHarness,
 ) -> None:
