@@ -61,7 +61,8 @@ from loopengine.providers._base import Provider
 __all__ = ["OpenTelemetryObserver", "provider_name"]
 
 # gen_ai.provider.name has well-known values; our route names map onto them.
-_PROVIDER_NAMES = {"anthropic": "anthropic", "bedrock": "aws.bedrock", "vertex": "gcp.vertex_ai"}
+_PROVIDER_NAMES = {"anthropic": "anthropic", "bedrock": "aws.bedrock", "vertex": "gcp.vertex_ai",
+                   "openai": "openai", "azure": "azure.ai.openai"}
 
 # The GenAI names are spelled out rather than imported: the conventions'
 # package keeps them in an unstable module that has already moved once (they

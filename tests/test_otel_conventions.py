@@ -162,8 +162,8 @@ async def test_well_known_values_are_the_conventions_values(
             attrs(s)} <= values("GenAiProviderNameValues")
     assert {attrs(s)[otel.GEN_AI_OUTPUT_TYPE] for s in spans if otel.GEN_AI_OUTPUT_TYPE in
             attrs(s)} == {"json"} <= values("GenAiOutputTypeValues")
-    assert {otel.provider_name(r) for r in ("anthropic", "bedrock", "vertex")} <= values(
-        "GenAiProviderNameValues")
+    assert {otel.provider_name(r) for r in ("anthropic", "bedrock", "vertex", "openai",
+                                             "azure")} <= values("GenAiProviderNameValues")
 
 
 async def test_attempt_spans_carry_the_server_address_and_port_of_the_base_url(
