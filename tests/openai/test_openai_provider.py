@@ -441,3 +441,20 @@ def test_a_plain_sdk_error_is_a_bad_request() -> None:
     """An SDK error with no response (a bad argument) is not retried."""
     fault = classify_error(openai.OpenAIError("The api_key client option must be set"))
     assert fault.kind is FaultKind.BAD_REQUEST and not fault.retryable
+
+
+async def test_engine_stream_yields_the_text_deltas_of_a_streamed_reply(
+    wire: OpenAIHarness,
+) -> None:
+    """`Engine.stream` through OpenAIProvider(stream=True): the deltas make the answer."""
+    from loopengine import events
+    from loopengine.testing import Reply
+
+    from .conftest import openai_operation
+
+    engine, _ = wire.engine(Reply.text("streamed through chat completions"), stream=True)
+    async with engine.stream(openai_operation(), "go") as run:
+        deltas = [e for e in [event async for event in run] if isinstance(e, events.TextDelta)]
+    assert run.result.outcome is le.Outcome.COMPLETED
+    assert "".join(d.text for d in deltas) == "streamed through chat completions"
+    assert {(d.turn, d.attempt) for d in deltas} == {(1, 1)}
