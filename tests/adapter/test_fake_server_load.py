@@ -104,3 +104,47 @@ def test_a_server_never_closed_does_not_keep_the_process_from_exiting(tmp_path: 
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "served"
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.realtime
+@pytest.mark.slow
+def test_2000_concurrent_runs_complete_without_a_connection_fault() -> None:
+    """2,000 runs at once on one engine against a FakeAnthropicServer in its own
+    process: every run completes on its first attempt, none is a connection
+    fault, and the server saw exactly 2,000 requests and served what the ledger
+    recorded."""
+    runs = 2000
+    child = subprocess.Popen(
+        [sys.executable, "-P", str(Path(__file__).with_name("fake_server_child.py")), str(runs)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        url = child.stdout.readline().strip()
+        ledger = MemoryLedger()
+        results: list[le.RunResult] = []
+
+        async def main() -> None:
+            async with AnthropicProvider(api_key="test-key", base_url=url) as provider:
+                engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+
+                async def one(n: int) -> None:
+                    results.append(await engine.run(operation(), f"question {n}"))
+
+                with anyio.fail_after(50):
+                    async with anyio.create_task_group() as group:
+                        for n in range(runs):
+                            group.start_soon(one, n)
+
+        anyio.run(main)
+        out, _ = child.communicate("", timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert len(results) == runs
+    assert all(r.outcome is le.Outcome.COMPLETED for r in results)
+    assert [row["fault"] for row in ledger.attempts.values() if row["outcome"] != "ok"] == []
+    assert {row["attempt"] for row in ledger.attempts.values()} == {1}
+    served_requests, served_input = (int(v) for v in out.split())
+    assert served_requests == len(ledger.attempts) == runs
+    assert served_input == sum(row["input_tokens"] for row in ledger.attempts.values())
