@@ -33,6 +33,7 @@ import click
 
 from loopengine._errors import LedgerError
 from loopengine.persistence import _audit
+from loopengine.persistence._audit_postgres import display_name
 
 __all__ = ["attempts_table", "main", "printable", "vars_of"]
 
@@ -119,8 +120,9 @@ def audit() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
-_DB = click.option("--db", "db", required=True, type=click.Path(dir_okay=False, path_type=Path),
-                   help="The ledger's SQLite file (read, never written or created).")
+_DB = click.option("--db", "db", required=True, type=str,
+                   help="The ledger: a SQLite file (read, never written or created) or a "
+                        "postgresql:// URL (read in one read-only snapshot).")
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
@@ -154,7 +156,7 @@ def _audit_command(command: _F) -> _F:
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
-        db = kwargs.get("db")
+        db = display_name(kwargs.get("db"))
         try:
             return command(*args, **kwargs)
         except click.FileError as error:  # the output file, opened at its first write
@@ -185,12 +187,12 @@ def _audit_command(command: _F) -> _F:
 
 
 @contextmanager
-def _ledger(path: Path) -> Iterator[sqlite3.Connection]:
+def _ledger(path: str) -> Iterator[sqlite3.Connection]:
     conn = _audit.open_ledger(path)
     try:
         yield conn
     except LedgerError as error:  # a row that holds what a ledger never stores
-        raise LedgerError(f"{path}: {error}") from None
+        raise LedgerError(f"{display_name(path)}: {error}") from None
     finally:
         conn.close()
 
@@ -227,7 +229,7 @@ def _plural(count: int, word: str) -> str:
 @_UNTIL
 @_JSON
 @_audit_command
-def spend(db: Path, by: _audit.Grouping, since: str | None, until: str | None,
+def spend(db: str, by: _audit.Grouping, since: str | None, until: str | None,
           as_json: bool) -> None:
     """Spend per tenant, feature, model, operation, user_id or correlation_id, over
     invocations started in a period.
@@ -302,7 +304,7 @@ def attempts_table(attempts: Sequence[dict[str, Any]]) -> str:
 @click.argument("invocation_id")
 @_JSON
 @_audit_command
-def show(db: Path, invocation_id: str, as_json: bool) -> None:
+def show(db: str, invocation_id: str, as_json: bool) -> None:
     """One invocation (by id, or a unique start of it) and its attempts, as stored."""
     with _ledger(db) as conn:
         try:
@@ -340,7 +342,7 @@ def show(db: Path, invocation_id: str, as_json: bool) -> None:
                    "as abandoned; younger open runs are in flight and do not fail the check.")
 @_JSON
 @_audit_command
-def reconcile(db: Path, older_than: timedelta | None, as_json: bool) -> None:
+def reconcile(db: str, older_than: timedelta | None, as_json: bool) -> None:
     """Check attempt rows against invocation totals; list unsettled attempts, incomplete
     records, unpriced attempts and invocations still running or abandoned. Exits 1 when
     anything needs a look."""
@@ -443,7 +445,7 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
 @_DB
 @_JSON
 @_audit_command
-def accounts(db: Path, as_json: bool) -> None:
+def accounts(db: str, as_json: bool) -> None:
     """Each credit account's granted, spent, reserved and available credits."""
     with _ledger(db) as conn:
         rows = _audit.accounts(conn)
@@ -473,7 +475,7 @@ def vars_of(item: Any) -> dict[str, Any]:
 @click.option("--output", "-o", type=click.File("w", encoding="utf-8", lazy=True),
               default="-", help="Where to write (standard output by default).")
 @_audit_command
-def export(db: Path, fmt: str, since: str | None, until: str | None, output: IO[str]) -> None:
+def export(db: str, fmt: str, since: str | None, until: str | None, output: IO[str]) -> None:
     """One row per attempt, for an invoice. Rows without a response id are marked
     (response_id_missing = 1), never dropped; unpriced attempts are marked
     (unpriced = 1)."""

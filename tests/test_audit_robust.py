@@ -621,13 +621,12 @@ def test_a_write_ahead_log_that_cannot_be_read_is_explained(
 def test_a_file_this_user_cannot_read_says_permission_denied(
     healthy: dict[str, Any], warmed: None, shared_dir: Path
 ) -> None:
-    """Root's 0600 ledger, audited as nobody: exit 2, saying it is not readable (the
-    command line says so before the Python API's own check would)."""
+    """Root's 0600 ledger, audited as nobody: exit 2, saying it is not readable."""
     path = copy_of(healthy, shared_dir)
     os.chmod(path, 0o600)
     result = as_nobody("audit", "spend", "--db", path)
     assert result["exit_code"] == 2, result
-    assert f"File '{path}' is not readable" in result["stderr"]
+    assert f"{path}: this user cannot read it (permission denied)" in result["stderr"]
     assert "Traceback" not in result["stderr"]
     opened = as_nobody_open(path)
     assert opened == f"LedgerError: {path}: this user cannot read it (permission denied)"

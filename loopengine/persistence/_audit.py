@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loopengine._errors import LedgerError
-from loopengine.persistence import _account_store
+from loopengine.persistence import _account_store, _audit_postgres
 from loopengine.persistence._schema import (
     ATTEMPT_COLUMNS,
     INVOCATION_COLUMNS,
@@ -117,8 +117,12 @@ def open_ledger(path: str | os.PathLike[str]) -> sqlite3.Connection:
     shared-memory index it could not create. When a write-ahead log is
     present and cannot be read, the error says why and what to do.
 
+    A ``postgresql://`` URL instead of a path reads a PostgreSQL ledger: its
+    rows are copied, in one read-only snapshot, into an in-memory SQLite
+    database that the same queries read (loopengine.persistence._audit_postgres).
+
     Args:
-        path: The database file.
+        path: The database file, or a ``postgresql://`` URL.
 
     Returns:
         A read-only connection whose rows are `sqlite3.Row`.
@@ -128,6 +132,8 @@ def open_ledger(path: str | os.PathLike[str]) -> sqlite3.Connection:
             database or not a loopengine ledger, has a schema newer than this
             code, or cannot be read by this user (the message says why).
     """
+    if _audit_postgres.is_postgres_url(path):
+        return _audit_postgres.snapshot(str(path))
     file = _existing_file(path)
     uri, wal_blocks = _read_only_uri(file)
     try:

@@ -1,0 +1,80 @@
+"""`loopengine audit ... --db postgresql://...` answers what it answers on SQLite:
+the same runs recorded in a PostgresLedger and in a SQLiteLedger give the same
+spend, reconciliation and export, from the same queries."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner
+
+import loopengine as le
+from loopengine.cli import main
+from loopengine.persistence import PostgresLedger, SQLiteLedger
+from loopengine.providers import Reply, ScriptedProvider
+
+from .conftest import PRICES, operation
+from .ledger_support import lookup, overloaded
+from .postgres_support import PostgresServer
+
+
+def url_of(server: PostgresServer, dbname: str) -> str:
+    return (f"postgresql:///{dbname}?host={server.directory}&port=5432"
+            f"&user={server.user}")
+
+
+def audit(*args: str) -> Any:
+    return CliRunner().invoke(main, ["audit", *args])
+
+
+async def record(ledger: Any) -> list[le.RunResult]:
+    """The same three runs, on any ledger."""
+    results = []
+    for n, tenant in enumerate(["acme", "acme", "zenith"]):
+        provider = ScriptedProvider([overloaded(), Reply.tool_calls(("lookup", {"key": "k"})),
+                                     Reply.text("done")])
+        engine = le.Engine(provider, ledger=ledger, prices=PRICES, rng=random.Random(n))
+        results.append(await engine.run(operation(), "go", tools=[lookup],
+                                        attribution=le.Attribution(tenant=tenant)))
+    return results
+
+
+async def test_the_audit_answers_the_same_on_postgresql_and_sqlite(
+    postgres_server: PostgresServer, tmp_path: Path
+) -> None:
+    dsn = postgres_server.create_database()
+    dbname = dsn.rsplit("dbname=", 1)[1]
+    async with PostgresLedger(dsn) as pg:
+        pg_runs = await record(pg)
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as lite:
+        await record(lite)
+    url = url_of(postgres_server, dbname)
+    for command in (["spend", "--by", "tenant"], ["spend", "--by", "model", "--json"],
+                    ["reconcile"], ["reconcile", "--older-than", "1h"]):
+        on_pg, on_sqlite = audit(*command, "--db", url), audit(*command, "--db", str(path))
+        assert on_pg.exit_code == on_sqlite.exit_code == 0, (command, on_pg.output)
+        assert on_pg.output == on_sqlite.output, command
+    shown = audit("show", pg_runs[0].invocation_id, "--db", url, "--json")
+    assert shown.exit_code == 0, shown.output
+    record_ = json.loads(shown.output)
+    assert record_["invocation"]["id"] == pg_runs[0].invocation_id
+    assert [a["outcome"] for a in record_["attempts"]] == ["error", "ok", "ok"]
+    assert record_["invocation"]["started_at"].endswith("+00:00")
+    exported = audit("export", "--format", "jsonl", "--db", url)
+    lines = [json.loads(line) for line in exported.output.splitlines()]
+    assert exported.exit_code == 0 and len(lines) == 9
+
+
+def test_a_bad_postgresql_url_is_one_line_and_exit_2(postgres_server: PostgresServer) -> None:
+    """An unreachable server, or a database without a ledger: exit 2, one line, and
+    never the password."""
+    unreachable = audit("spend", "--db", "postgresql://me:s3cret@127.0.0.1:1/nothing")
+    assert unreachable.exit_code == 2
+    assert "cannot connect" in unreachable.output and "s3cret" not in unreachable.output
+    empty = postgres_server.create_database().rsplit("dbname=", 1)[1]
+    no_ledger = audit("reconcile", "--db", url_of(postgres_server, empty))
+    assert no_ledger.exit_code == 2 and "holds no loopengine ledger" in no_ledger.output
