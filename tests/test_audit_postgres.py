@@ -78,3 +78,19 @@ def test_a_bad_postgresql_url_is_one_line_and_exit_2(postgres_server: PostgresSe
     empty = postgres_server.create_database().rsplit("dbname=", 1)[1]
     no_ledger = audit("reconcile", "--db", url_of(postgres_server, empty))
     assert no_ledger.exit_code == 2 and "holds no loopengine ledger" in no_ledger.output
+
+
+async def test_a_ledger_in_its_own_schema_is_audited_through_the_urls_search_path(
+    postgres_server: PostgresServer,
+) -> None:
+    from .postgres_support import fresh_schema
+
+    dsn = postgres_server.create_database()
+    dbname = dsn.rsplit("dbname=", 1)[1]
+    schema = fresh_schema()
+    async with PostgresLedger(dsn, schema=schema) as pg:
+        await record(pg)
+    url = url_of(postgres_server, dbname) + f"&options=-csearch_path%3D{schema}"
+    result = audit("spend", "--by", "tenant", "--db", url, "--json")
+    assert result.exit_code == 0, result.output
+    assert {row["tenant"] for row in json.loads(result.output)} == {"acme", "zenith"}
