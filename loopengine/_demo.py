@@ -27,6 +27,7 @@ import anyio
 import loopengine as le
 from loopengine._usage import Usage
 from loopengine.persistence import SQLiteLedger, _audit
+from loopengine.persistence._audit_postgres import display_name, is_postgres_url
 
 __all__ = ["PROVIDERS", "DemoUnavailable", "demo_script", "run_demo"]
 
@@ -123,7 +124,7 @@ def demo_script(provider: str = "anthropic") -> list[Any]:
 
 
 def run_demo(
-    db: Path,
+    db: Path | str,
     *,
     attempts_table: AttemptsTable,
     provider: str = "anthropic",
@@ -133,7 +134,8 @@ def run_demo(
     """Run the demo conversation, record it in ``db`` and print what happened.
 
     Args:
-        db: The SQLite ledger to write.
+        db: The SQLite ledger to write, or a ``postgresql://`` URL (a
+            `PostgresLedger`, with the ``postgres`` extra).
         attempts_table: Renders the attempt rows read back from ``db``.
         provider: ``anthropic`` or ``openai``.
         live: Talk to the real API (its key in the environment) instead of
@@ -172,23 +174,34 @@ def run_demo(
     echo(f"Charged:  USD {result.cost_usd} ({result.credits} credits); the provider may bill "
          f"USD {result.provider_cost_usd}")
     echo("")
-    echo(f"Attempts recorded in {db}:")
+    shown = display_name(db)
+    echo(f"Attempts recorded in {shown}:")
     echo(attempts_table(attempts))
     echo("")
     echo(f"Invocation {invocation['id']} ({invocation['outcome']}). Look closer with:")
-    echo(f"  loopengine audit show --db {db} {invocation['id']}")
-    echo(f"  loopengine audit reconcile --db {db}")
+    where = "'<the same URL>'" if is_postgres_url(db) else str(db)
+    echo(f"  loopengine audit show --db {where} {invocation['id']}")
+    echo(f"  loopengine audit reconcile --db {where}")
     return result
 
 
-async def _converse(db: Path, provider: str, live: bool) -> le.RunResult:
+def _ledger(db: Path | str) -> Any:
+    """The demo's ledger: a SQLite file, or a PostgreSQL ledger for a URL."""
+    if is_postgres_url(db):
+        from loopengine.persistence import PostgresLedger
+
+        return PostgresLedger(str(db))
+    return SQLiteLedger(db)
+
+
+async def _converse(db: Path | str, provider: str, live: bool) -> le.RunResult:
     import httpx2
 
     from loopengine.providers import AnthropicProvider, OpenAIProvider
     from loopengine.testing import FakeAnthropicServer, FakeOpenAIServer
 
     vendor = PROVIDERS[provider]
-    with SQLiteLedger(db) as ledger:
+    async with _ledger(db) as ledger:
         if live:
             key = os.environ[vendor.key]
             live_provider = (AnthropicProvider(api_key=key) if provider == "anthropic"
@@ -212,7 +225,7 @@ async def _converse(db: Path, provider: str, live: bool) -> le.RunResult:
                 await client.aclose()
 
 
-async def _run(provider: Any, operation: le.Operation, ledger: SQLiteLedger) -> le.RunResult:
+async def _run(provider: Any, operation: le.Operation, ledger: Any) -> le.RunResult:
     engine = le.Engine(provider, ledger=ledger)
     return await engine.run(
         operation, QUESTION, system=SYSTEM, tools=[search_docs, lookup_account], accept=judge,

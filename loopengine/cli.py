@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from decimal import Decimal
-from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import click
@@ -515,10 +514,10 @@ def export(db: str, fmt: str, since: str | None, until: str | None, output: IO[s
 @click.option("--live", is_flag=True,
               help="Talk to the real API (needs ANTHROPIC_API_KEY, or OPENAI_API_KEY with "
                    "--provider openai) instead of the built-in fake server.")
-@click.option("--db", "db", type=click.Path(dir_okay=False, path_type=Path),
-              default=Path("loopengine-demo.db"), show_default=True,
-              help="Where to write the demo's ledger.")
-def demo(provider: str, live: bool, db: Path) -> None:
+@click.option("--db", "db", type=str, default="loopengine-demo.db", show_default=True,
+              help="Where to write the demo's ledger: a SQLite file, or a postgresql:// URL "
+                   "(needs the postgres extra).")
+def demo(provider: str, live: bool, db: str) -> None:
     """Run a short teammate conversation end to end and show its ledger.
 
     Offline by default: a loopback fake of the provider's API serves an overload

@@ -94,3 +94,18 @@ async def test_a_ledger_in_its_own_schema_is_audited_through_the_urls_search_pat
     result = audit("spend", "--by", "tenant", "--db", url, "--json")
     assert result.exit_code == 0, result.output
     assert {row["tenant"] for row in json.loads(result.output)} == {"acme", "zenith"}
+
+
+def test_the_demo_writes_to_postgresql_and_reconcile_reads_it(
+    postgres_server: PostgresServer,
+) -> None:
+    """`loopengine demo --db postgresql://...` records its run in PostgreSQL, and
+    `audit reconcile` on the same URL finds everything reconciled."""
+    dbname = postgres_server.create_database().rsplit("dbname=", 1)[1]
+    url = url_of(postgres_server, dbname)
+    ran = CliRunner().invoke(main, ["demo", "--db", url])
+    assert ran.exit_code == 0, ran.output
+    assert "Outcome:  completed" in ran.output and "Attempts recorded in postgresql" in ran.output
+    checked = audit("reconcile", "--db", url)
+    assert checked.exit_code == 0, checked.output
+    assert "Checked 1 invocations" in checked.output and "Everything reconciles." in checked.output
