@@ -89,15 +89,20 @@ class CreditAccounts:
         expiry_grace: float = DEFAULT_EXPIRY_GRACE,
     ) -> None:
         path = getattr(ledger, "path", None)
-        if not isinstance(path, str) or not hasattr(ledger, "writer_pid"):
+        dsn = getattr(ledger, "dsn", None)
+        if isinstance(dsn, str) and hasattr(ledger, "_configure"):
+            path = getattr(ledger, "name", "the PostgreSQL ledger")
+        elif not isinstance(path, str) or not hasattr(ledger, "writer_pid"):
             raise ConfigError("ledger", "credit accounts live in the ledger's database: give "
-                                        f"them a SQLiteLedger, not {ledger!r}")
+                                        f"them a SQLiteLedger or a PostgresLedger, not {ledger!r}")
+        self._postgres = isinstance(dsn, str)
         if key is not None and not callable(key):
             raise ConfigError("key", f"must be callable, got {key!r}")
         _validate.integer("default_hold", default_hold, minimum=1, optional=True)
         _validate.seconds("expiry_grace", expiry_grace, positive=False)
         self.ledger = ledger
-        self.path: str = path
+        self.path: str = str(path)
+        """The SQLite file, or the PostgreSQL server's name (never a password)."""
         self.default_hold = default_hold
         self.expiry_grace = float(expiry_grace)
         self._key = key
@@ -130,7 +135,8 @@ class CreditAccounts:
         if note is not None and not isinstance(note, str):
             raise ConfigError("note", f"must be text, got {note!r}")
 
-        def work(conn: sqlite3.Connection, now: str) -> AccountBalance:
+        def work(conn: Any, now: str) -> AccountBalance:
+            store.lock(conn, account)
             store.expire(conn, account, now)
             store.journal(conn, account, now, "grant", credits, None, note)
             return store.read(conn, account)
@@ -147,7 +153,8 @@ class CreditAccounts:
         """
         _check_account(account)
 
-        def work(conn: sqlite3.Connection, now: str) -> AccountBalance:
+        def work(conn: Any, now: str) -> AccountBalance:
+            store.lock(conn, account)
             store.expire(conn, account, now)
             return store.read(conn, account)
 
@@ -164,7 +171,8 @@ class CreditAccounts:
         reserves nothing (``credits == 0``) and writes nothing.
         """
 
-        def work(conn: sqlite3.Connection, now: str) -> Reservation:
+        def work(conn: Any, now: str) -> Reservation:
+            store.lock(conn, account)
             store.expire(conn, account, now)
             available = store.read(conn, account).available
             amount = max(0, min(hold, available))
@@ -180,7 +188,8 @@ class CreditAccounts:
         """Charge a run's real ``credits`` and release its reservation, in one
         transaction; once per invocation (a second call changes nothing) (internal)."""
 
-        def work(conn: sqlite3.Connection, now: str) -> None:
+        def work(conn: Any, now: str) -> None:
+            store.lock(conn, reservation.account)
             if store.released(conn, reservation.invocation_id):
                 return  # settled already (or expired by another process)
             if credits:
@@ -193,7 +202,12 @@ class CreditAccounts:
 
     # -- the transaction ------------------------------------------------------------------
 
-    async def _transaction(self, work: Callable[[sqlite3.Connection, str], T]) -> T:
+    async def _transaction(self, work: Callable[[Any, str], T]) -> T:
+        if self._postgres:
+            await self.ledger.open()  # its schema, accounts included, is current
+            return await anyio.to_thread.run_sync(self._postgres_transaction, work,
+                                                  abandon_on_cancel=True)
+
         def run() -> T:
             try:
                 conn = sqlite3.connect(self.path, timeout=self._busy_timeout,
@@ -220,6 +234,38 @@ class CreditAccounts:
         # the transaction, once begun, still ends in its thread: a reservation
         # made after its run stopped waiting expires like a crashed run's.
         return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+
+    def _postgres_transaction(self, work: Callable[[Any, str], T]) -> T:
+        """``work`` in one transaction on a connection of the PostgresLedger's own
+        server and schema (its row locks serialize one account across hosts)."""
+        import psycopg
+
+        ledger = self.ledger
+        try:
+            conn = psycopg.connect(ledger.dsn, **ledger._connect_args())
+        except psycopg.Error as error:
+            raise LedgerError(f"{self.path}: cannot open the accounts: {error}") from None
+        try:
+            ledger._configure(conn)
+            with conn.transaction():
+                return work(_PostgresConnection(conn), format_time(datetime.now(UTC)))
+        except psycopg.Error as error:
+            raise LedgerError(f"{self.path}: the accounts could not be written: "
+                              f"{error}") from None
+        finally:
+            conn.close()
+
+
+class _PostgresConnection:
+    """A psycopg connection as the account SQL expects it (``?`` parameters)."""
+
+    locks_rows = True
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def execute(self, statement: str, parameters: tuple[Any, ...] = ()) -> Any:
+        return self._conn.execute(statement.replace("?", "%s"), parameters)
 
 
 def expiry(started_at: datetime, total_time: float | None, grace: float) -> datetime:

@@ -4,6 +4,9 @@
 print ``READY``, wait for ``DB.go``, make N concurrent runs on account
 ``acme`` (hold 120, each charged 120) and print one line per run: its outcome.
 
+``python accounts_child.py race-pg DSN N``: the same race on a PostgresLedger
+(the DSN's database already holds the ledger and the grant).
+
 ``python accounts_child.py crash DB``: a run on account ``acme`` whose tool
 handler SIGKILLs the process after the first reply (charged 120).
 """
@@ -15,6 +18,7 @@ import signal
 import sys
 import time
 from decimal import Decimal
+from typing import Any
 
 import anyio
 
@@ -29,7 +33,7 @@ PRICES = le.PriceBook(
 )
 OPERATION = le.Operation(name="child.op", provider="anthropic", model="claude-sonnet-4-5",
                          max_output_tokens=256,
-                         limits=le.Limits(credit_hold=120, total_time=2.0))
+                         limits=le.Limits(credit_hold=120, total_time=60.0))
 ACME = le.Attribution(tenant="acme")
 
 
@@ -40,14 +44,15 @@ def die() -> str:
     return "unreachable"
 
 
-async def race(ledger: SQLiteLedger, count: int) -> None:
-    with ledger:
+async def race(ledger: Any, count: int) -> None:
+    async with ledger:
         accounts = le.CreditAccounts(ledger)
         outcomes: list[str] = []
 
         async def one() -> None:
             engine = le.Engine(ScriptedProvider([Reply.text("answer")]), ledger=ledger,
                                prices=PRICES, accounts=accounts)
+            # The published 60 s: admissions queue on the account under the race.
             result = await engine.run(OPERATION, "go", attribution=ACME)
             outcomes.append(result.outcome.value)
 
@@ -63,13 +68,22 @@ async def crash(path: str) -> None:
         accounts = le.CreditAccounts(ledger, expiry_grace=0)
         engine = le.Engine(ScriptedProvider([Reply.tool_calls(("die", {})), Reply.text("no")]),
                            ledger=ledger, prices=PRICES, accounts=accounts)
-        await engine.run(OPERATION, "go", tools=[die], attribution=ACME)
+        # A short deadline: its reservation expires two seconds after the start.
+        await engine.run(OPERATION, "go", tools=[die], attribution=ACME,
+                         limits=le.Limits(total_time=2.0))
 
 
 if __name__ == "__main__":
     mode, db = sys.argv[1], sys.argv[2]
     if mode == "crash":
         anyio.run(crash, db)
+    elif mode == "race-pg":
+        from loopengine.persistence import PostgresLedger
+
+        print("READY", flush=True)
+        while not os.path.exists(sys.argv[4]):
+            time.sleep(0.005)
+        anyio.run(race, PostgresLedger(db), int(sys.argv[3]))
     else:
         opened = SQLiteLedger(db)
         print("READY", flush=True)

@@ -1,4 +1,7 @@
-"""The SQL of credit accounts on a ledger's SQLite file (DESIGN.md §13).
+"""The SQL of credit accounts on a ledger's database (DESIGN.md §13).
+
+Written for SQLite's ``?`` parameters; a PostgreSQL connection is given
+through an adapter that spells them ``%s`` and sets ``locks_rows``.
 
 Shared by `loopengine.CreditAccounts` (admission and settlement) and the audit
 (``loopengine audit accounts``, ``reconcile``): one reading of the journal.
@@ -7,13 +10,13 @@ Every function works inside a transaction its caller holds.
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 from loopengine.guards._credits import turn_credits
 
-__all__ = ["AccountBalance", "JOURNAL_SUMS", "charged", "expire", "journal", "read",
+__all__ = ["AccountBalance", "JOURNAL_SUMS", "charged", "expire", "journal", "lock", "read",
            "released"]
 
 JOURNAL_SUMS = {
@@ -40,7 +43,15 @@ class AccountBalance:
     """What a new run may still reserve."""
 
 
-def read(conn: sqlite3.Connection, account: str) -> AccountBalance:
+def lock(conn: Any, account: str) -> None:
+    """Hold ``account``'s row for the rest of the transaction, where the store
+    needs it: PostgreSQL's row lock serializes the transactions of one account
+    across hosts; SQLite's ``BEGIN IMMEDIATE`` already holds the whole file."""
+    if getattr(conn, "locks_rows", False):
+        conn.execute("SELECT 1 FROM accounts WHERE account = ? FOR UPDATE", (account,))
+
+
+def read(conn: Any, account: str) -> AccountBalance:
     row = conn.execute("SELECT granted, spent, reserved FROM accounts WHERE account = ?",
                        (account,)).fetchone()
     granted, spent, reserved = (int(v) for v in row) if row else (0, 0, 0)
@@ -51,7 +62,7 @@ _EFFECT = {"grant": ("granted", 1), "reserve": ("reserved", 1), "release": ("res
            "settle": ("spent", 1), "expire": ("spent", 1)}
 
 
-def journal(conn: sqlite3.Connection, account: str, now: str, kind: str, credits: int,
+def journal(conn: Any, account: str, now: str, kind: str, credits: int,
              invocation_id: str | None, note: str | None, *, expires_at: str | None = None,
              rate: str | None = None, quantum: int | None = None) -> None:
     """One journal entry and its effect on the account row, in the open transaction."""
@@ -67,12 +78,12 @@ def journal(conn: sqlite3.Connection, account: str, now: str, kind: str, credits
                  "WHERE account = ?", (sign * credits, now, account))
 
 
-def released(conn: sqlite3.Connection, invocation_id: str) -> bool:
+def released(conn: Any, invocation_id: str) -> bool:
     return conn.execute("SELECT 1 FROM account_entries WHERE invocation_id = ? "
                         "AND kind = 'release'", (invocation_id,)).fetchone() is not None
 
 
-def expire(conn: sqlite3.Connection, account: str, now: str) -> None:
+def expire(conn: Any, account: str, now: str) -> None:
     """Settle ``account``'s expired reservations that were never released."""
     expired = conn.execute(
         "SELECT r.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum "
@@ -89,7 +100,7 @@ def expire(conn: sqlite3.Connection, account: str, now: str) -> None:
                  "released after its reservation expired")
 
 
-def charged(conn: sqlite3.Connection, invocation_id: str, rate: Decimal, quantum: int) -> int:
+def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
     """What the ledger says an invocation charged: its credits if it ended, else
     the rounded turn charges of its settled, charged attempts (R03)."""
     row = conn.execute("SELECT outcome, credits FROM invocations WHERE id = ?",
