@@ -1,10 +1,11 @@
 """`CreditAccounts`: prepaid credit balances that admit runs (DESIGN.md §13).
 
 A run on an account reserves its credit hold before its first request and
-settles its real charge at its end. Both are one ``BEGIN IMMEDIATE``
-transaction on the ledger's own SQLite file, so the check and the
-reservation cannot interleave with another process's: the runs of every
-process on the file together never reserve more than the account has.
+settles its real charge at its end. Both are one transaction on the ledger's
+own database (``BEGIN IMMEDIATE`` on a SQLite file; on PostgreSQL one that
+first takes the account's row lock), so the check and the reservation cannot
+interleave with another process's: the runs of every process (and host)
+together never reserve more than the account has.
 
 Every change is a row of the append-only journal ``account_entries``; the
 ``accounts`` row is kept equal to the journal's sums, in the same
@@ -68,7 +69,8 @@ class CreditAccounts:
     """Prepaid credit balances on a ledger's database, for `loopengine.Engine`.
 
     Args:
-        ledger: The `SQLiteLedger` whose file holds the accounts.
+        ledger: The `SQLiteLedger` (or `PostgresLedger`) whose database holds
+            the accounts.
         key: ``(Attribution) -> str | None``: the account of a run (default:
             its ``tenant``). A run whose key is None runs outside accounts.
         default_hold: The credit hold of a run on an account whose operation
