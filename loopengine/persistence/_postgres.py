@@ -56,7 +56,8 @@ from loopengine.persistence._records import (
     InvocationEnd,
     InvocationStart,
 )
-from loopengine.persistence._sqlite import _Waiter, _wake_all
+from loopengine.persistence._waiting import Waiter as _Waiter
+from loopengine.persistence._waiting import release
 
 if TYPE_CHECKING:
     import psycopg
@@ -460,14 +461,7 @@ class PostgresLedger:
 
     def _release(self, done: int | None) -> None:
         """Wake the waiters of writes up to ``done`` (all when None). Holding `_lock`."""
-        waiters = self._waiters
-        ready: list[_Waiter] = []
-        while waiters and (done is None or waiters[0][0] <= done):
-            waiter = heapq.heappop(waiters)[2]
-            if not waiter.gone:
-                ready.append(waiter)
-        if ready:
-            _wake_all(ready)
+        release(self._waiters, done)
 
     # -- the writer thread -------------------------------------------------------------
 

@@ -50,7 +50,6 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Literal
 
@@ -69,6 +68,8 @@ from loopengine.persistence._records import (
     InvocationStart,
 )
 from loopengine.persistence._schema import migrate
+from loopengine.persistence._waiting import Waiter as _Waiter
+from loopengine.persistence._waiting import release
 from loopengine.persistence._writer import FLUSH, STOP, Op
 
 __all__ = ["SQLiteLedger"]
@@ -540,14 +541,7 @@ class SQLiteLedger:
 
     def _release(self, done: int | None) -> None:
         """Wake the waiters of writes up to ``done`` (all when None). Holding `_lock`."""
-        waiters = self._waiters
-        ready: list[_Waiter] = []
-        while waiters and (done is None or waiters[0][0] <= done):
-            waiter = heapq.heappop(waiters)[2]
-            if not waiter.gone:
-                ready.append(waiter)
-        if ready:
-            _wake_all(ready)
+        release(self._waiters, done)
 
     # -- the helper thread ------------------------------------------------------------
 
@@ -647,66 +641,6 @@ class _Receipt:
             self._waited = True
         if self._error is not None:
             raise self._error
-
-
-@dataclass(slots=True)
-class _Waiter:
-    """One call waiting for its write; completed in its own event loop."""
-
-    loop: asyncio.AbstractEventLoop | None
-    future: asyncio.Future[None] | None = None
-    event: anyio.Event | None = None
-    token: Any = None
-    gone: bool = False
-    """The call stopped waiting (completed or cancelled)."""
-
-    def __post_init__(self) -> None:
-        if self.loop is not None:
-            self.future = self.loop.create_future()
-        else:
-            # Not asyncio (anyio's trio backend): an event set through the loop's token.
-            self.event = anyio.Event()
-            self.token = anyio.lowlevel.current_token()
-
-    async def wait(self) -> None:
-        if self.future is not None:
-            await self.future
-        else:
-            assert self.event is not None
-            await self.event.wait()
-
-
-def _wake(waiters: list[_Waiter]) -> None:
-    for waiter in waiters:
-        if waiter.future is not None:
-            if not waiter.future.done():  # done: its call was cancelled
-                waiter.future.set_result(None)
-        elif waiter.event is not None:
-            waiter.event.set()
-
-
-def _wake_all(waiters: list[_Waiter]) -> None:
-    """Complete each waiter in its own event loop, without waiting for that loop."""
-    try:
-        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    groups: dict[int, list[_Waiter]] = {}
-    for waiter in waiters:
-        key = id(waiter.loop) if waiter.loop is not None else id(waiter.token.native_token)
-        groups.setdefault(key, []).append(waiter)
-    for group in groups.values():
-        first = group[0]
-        try:
-            if first.loop is not None:
-                if first.loop is running:
-                    _wake(group)
-                else:
-                    first.loop.call_soon_threadsafe(_wake, group)
-            else:
-                first.token.backend_class.run_sync_soon(_wake, (group,), first.token.native_token)
-        except Exception:  # the loop has finished: nobody is waiting any more
-            pass
 
 
 # -- the writer's two homes ---------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""Calls waiting for their ledger writes to be committed, woken in their own loops.
+
+Shared by `SQLiteLedger` and `PostgresLedger`: a call that must wait for a
+durable write parks a `Waiter` in a heap keyed by the write's number; the
+store's writer, on whatever thread it runs, calls `release` once writes up to
+a number are committed (or all of them when it breaks), and each waiter is
+completed in its own event loop (asyncio's, or trio's through its token)
+without the writer waiting for that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+__all__ = ["Waiter", "release", "wake_all"]
+
+
+@dataclass(slots=True)
+class Waiter:
+    """One call waiting for its write; completed in its own event loop."""
+
+    loop: asyncio.AbstractEventLoop | None
+    future: asyncio.Future[None] | None = None
+    event: anyio.Event | None = None
+    token: Any = None
+    gone: bool = False
+    """The call stopped waiting (completed or cancelled)."""
+
+    def __post_init__(self) -> None:
+        if self.loop is not None:
+            self.future = self.loop.create_future()
+        else:
+            # Not asyncio (anyio's trio backend): an event set through the loop's token.
+            self.event = anyio.Event()
+            self.token = anyio.lowlevel.current_token()
+
+    async def wait(self) -> None:
+        if self.future is not None:
+            await self.future
+        else:
+            assert self.event is not None
+            await self.event.wait()
+
+
+def _wake(waiters: list[Waiter]) -> None:
+    for waiter in waiters:
+        if waiter.future is not None:
+            if not waiter.future.done():  # done: its call was cancelled
+                waiter.future.set_result(None)
+        elif waiter.event is not None:
+            waiter.event.set()
+
+
+def wake_all(waiters: list[Waiter]) -> None:
+    """Complete each waiter in its own event loop, without waiting for that loop."""
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    groups: dict[int, list[Waiter]] = {}
+    for waiter in waiters:
+        key = id(waiter.loop) if waiter.loop is not None else id(waiter.token.native_token)
+        groups.setdefault(key, []).append(waiter)
+    for group in groups.values():
+        first = group[0]
+        try:
+            if first.loop is not None:
+                if first.loop is running:
+                    _wake(group)
+                else:
+                    first.loop.call_soon_threadsafe(_wake, group)
+            else:
+                first.token.backend_class.run_sync_soon(_wake, (group,), first.token.native_token)
+        except Exception:  # the loop has finished: nobody is waiting any more
+            pass
+
+
+
+def release(waiters: list[tuple[int, int, Waiter]], done: int | None) -> None:
+    """Pop and wake the waiters of writes numbered up to ``done`` (every one when
+    None); a waiter whose call stopped waiting is dropped. Called holding the
+    store's lock."""
+    ready: list[Waiter] = []
+    while waiters and (done is None or waiters[0][0] <= done):
+        waiter = heapq.heappop(waiters)[2]
+        if not waiter.gone:
+            ready.append(waiter)
+    if ready:
+        wake_all(ready)
