@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import heapq
 import itertools
 import json
@@ -56,8 +57,8 @@ from loopengine.persistence._records import (
     InvocationEnd,
     InvocationStart,
 )
+from loopengine.persistence._waiting import Receipt, release
 from loopengine.persistence._waiting import Waiter as _Waiter
-from loopengine.persistence._waiting import release
 
 if TYPE_CHECKING:
     import psycopg
@@ -321,7 +322,7 @@ class PostgresLedger:
         await self.open()
         await self._wait(self._queue_op(dispatch_op(record), durable=True))
 
-    def begin_dispatch(self, record: AttemptDispatch) -> _Receipt:
+    def begin_dispatch(self, record: AttemptDispatch) -> Receipt:
         """Queue an attempt's ``dispatched`` row and return at once.
 
         The request may go on the wire once the receipt's ``wait()`` returns;
@@ -332,8 +333,9 @@ class PostgresLedger:
         """
         if not self._opened:
             # Nothing has opened it yet: the receipt's wait opens it, then writes.
-            return _Receipt(self, None, record)
-        return _Receipt(self, self._queue_op(dispatch_op(record), durable=True), None)
+            return Receipt(functools.partial(self.dispatch_attempt, record))
+        return Receipt(functools.partial(
+            self._wait, self._queue_op(dispatch_op(record), durable=True)))
 
     async def settle_attempt(self, record: AttemptSettle) -> None:
         """Settle an attempt and add it to the invocation's totals, in one transaction.
@@ -671,45 +673,6 @@ def _describe_server(params: dict[str, Any], schema: str | None) -> str:
     if port:
         where += f":{port}"
     return f"postgresql ledger {where}/{dbname}" + (f" (schema {schema})" if schema else "")
-
-
-class _Receipt:
-    """A dispatch queued for the writer; `wait` returns once it is committed."""
-
-    __slots__ = ("_error", "_ledger", "_number", "_record", "_waited")
-
-    def __init__(self, ledger: PostgresLedger, number: int | None,
-                 record: AttemptDispatch | None) -> None:
-        self._ledger = ledger
-        self._number = number
-        self._record = record
-        self._waited = False
-        self._error: LedgerError | None = None
-
-    async def wait(self) -> None:
-        """Return once the row is committed; awaiting again is harmless.
-
-        Raises:
-            LedgerError: the row could not be written.
-        """
-        if not self._waited:
-            try:
-                if self._number is None:
-                    assert self._record is not None
-                    await self._ledger.open()
-                    self._number = self._ledger._queue_op(dispatch_op(self._record),
-                                                          durable=True)
-                await self._ledger._wait(self._number)
-            except LedgerError as error:
-                # Two calls waiting at once: the refusal reaches one of them
-                # from the ledger, the other from here.
-                if self._error is None:
-                    self._error = error
-                self._waited = True
-                raise
-            self._waited = True
-        if self._error is not None:
-            raise self._error
 
 
 _open_ledgers: weakref.WeakSet[PostgresLedger] = weakref.WeakSet()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import heapq
 import logging
 import math
@@ -68,8 +69,8 @@ from loopengine.persistence._records import (
     InvocationStart,
 )
 from loopengine.persistence._schema import migrate
+from loopengine.persistence._waiting import Receipt, release
 from loopengine.persistence._waiting import Waiter as _Waiter
-from loopengine.persistence._waiting import release
 from loopengine.persistence._writer import FLUSH, STOP, Op
 
 __all__ = ["SQLiteLedger"]
@@ -238,7 +239,7 @@ class SQLiteLedger:
         """
         await self._wait(self._send(dispatch_op(record)))
 
-    def begin_dispatch(self, record: AttemptDispatch) -> _Receipt:
+    def begin_dispatch(self, record: AttemptDispatch) -> Receipt:
         """Send an attempt's ``dispatched`` row to the writer and return at once.
 
         The request may go on the wire once the receipt's ``wait()`` returns;
@@ -247,7 +248,7 @@ class SQLiteLedger:
         Raises:
             LedgerError: the ledger is closed.
         """
-        return _Receipt(self, self._send(dispatch_op(record)))
+        return Receipt(functools.partial(self._wait, self._send(dispatch_op(record))))
 
     async def settle_attempt(self, record: AttemptSettle) -> None:
         """Settle an attempt and add it to the invocation's totals, in one transaction.
@@ -609,38 +610,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and type(value) is not float:
         return float(value)
     return value
-
-
-class _Receipt:
-    """A dispatch sent to the writer; `wait` returns once it is durable."""
-
-    __slots__ = ("_error", "_ledger", "_number", "_waited")
-
-    def __init__(self, ledger: SQLiteLedger, number: int) -> None:
-        self._ledger = ledger
-        self._number = number
-        self._waited = False
-        self._error: LedgerError | None = None
-
-    async def wait(self) -> None:
-        """Return once the row is durable; awaiting again is harmless.
-
-        Raises:
-            LedgerError: the row could not be written.
-        """
-        if not self._waited:
-            try:
-                await self._ledger._wait(self._number)
-            except LedgerError as error:
-                # Two calls waiting at once: the refusal reaches one of them
-                # from the ledger, the other from here.
-                if self._error is None:
-                    self._error = error
-                self._waited = True
-                raise
-            self._waited = True
-        if self._error is not None:
-            raise self._error
 
 
 # -- the writer's two homes ---------------------------------------------------------------
