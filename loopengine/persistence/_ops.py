@@ -8,6 +8,10 @@ place of the 0 when it queues it. Times become fixed-width ISO-8601 UTC text
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
+from loopengine._errors import LedgerError
 from loopengine.persistence._planner import DISPATCH, END, SETTLE, START, Op
 from loopengine.persistence._records import (
     AttemptDispatch,
@@ -17,7 +21,7 @@ from loopengine.persistence._records import (
 )
 from loopengine.persistence._schema import format_time
 
-__all__ = ["dispatch_op", "end_op", "settle_op", "start_op"]
+__all__ = ["check_arguments", "dispatch_op", "end_op", "settle_op", "start_op"]
 
 
 def start_op(r: InvocationStart) -> Op:
@@ -49,3 +53,24 @@ def settle_op(r: AttemptSettle) -> Op:
 def end_op(r: InvocationEnd) -> Op:
     """The END op of an invocation."""
     return [END, 0, r.id, format_time(r.ended_at), r.outcome, r.turns, r.tool_calls, r.credits]
+
+
+def check_arguments(*, max_retained_attempts: object, max_batch: object,
+                    seconds: Mapping[str, object]) -> None:
+    """The arguments every store takes: a positive retention cap and batch size,
+    and finite non-negative seconds (each named in ``seconds``).
+
+    Raises:
+        LedgerError: the first argument that is not so.
+    """
+    if isinstance(max_retained_attempts, bool) or not isinstance(max_retained_attempts, int) \
+            or max_retained_attempts < 1:
+        raise LedgerError(
+            f"max_retained_attempts must be a positive integer, got {max_retained_attempts!r}")
+    for label, value in seconds.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 \
+                or not math.isfinite(value):
+            raise LedgerError(
+                f"{label} must be a finite non-negative number of seconds, got {value!r}")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise LedgerError(f"max_batch must be a positive integer, got {max_batch!r}")

@@ -48,7 +48,7 @@ import anyio.to_thread
 
 from loopengine._errors import LedgerError
 from loopengine.persistence import _planner
-from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
+from loopengine.persistence._ops import check_arguments, dispatch_op, end_op, settle_op, start_op
 from loopengine.persistence._planner import FLUSH, Op
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
 from loopengine.persistence._records import (
@@ -122,17 +122,8 @@ class PostgresLedger:
             raise LedgerError(f"dsn must be a connection string, got {type(dsn).__name__}")
         if schema is not None and (not isinstance(schema, str) or not schema):
             raise LedgerError(f"schema must be a non-empty name or None, got {schema!r}")
-        if isinstance(max_retained_attempts, bool) or not isinstance(max_retained_attempts, int) \
-                or max_retained_attempts < 1:
-            raise LedgerError(
-                f"max_retained_attempts must be a positive integer, got {max_retained_attempts!r}")
-        for label, value in (("linger", linger), ("connect_timeout", connect_timeout)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 \
-                    or not math.isfinite(value):
-                raise LedgerError(
-                    f"{label} must be a finite non-negative number of seconds, got {value!r}")
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise LedgerError(f"max_batch must be a positive integer, got {max_batch!r}")
+        check_arguments(max_retained_attempts=max_retained_attempts, max_batch=max_batch,
+                        seconds={"linger": linger, "connect_timeout": connect_timeout})
         try:
             import psycopg
             import psycopg_pool  # noqa: F401  # only checked for here

@@ -40,7 +40,6 @@ import atexit
 import functools
 import heapq
 import logging
-import math
 import os
 import queue
 import select
@@ -60,7 +59,7 @@ import anyio.to_thread
 
 from loopengine._errors import LedgerError
 from loopengine.persistence import _writer
-from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
+from loopengine.persistence._ops import check_arguments, dispatch_op, end_op, settle_op, start_op
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
 from loopengine.persistence._records import (
     AttemptDispatch,
@@ -140,17 +139,8 @@ class SQLiteLedger:
         max_batch: int = 20_000,
         writer: WriterKind = "auto",
     ) -> None:
-        if isinstance(max_retained_attempts, bool) or not isinstance(max_retained_attempts, int) \
-                or max_retained_attempts < 1:
-            raise LedgerError(
-                f"max_retained_attempts must be a positive integer, got {max_retained_attempts!r}")
-        for name, value in (("busy_timeout", busy_timeout), ("linger", linger)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 \
-                    or not math.isfinite(value):
-                raise LedgerError(
-                    f"{name} must be a finite non-negative number of seconds, got {value!r}")
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise LedgerError(f"max_batch must be a positive integer, got {max_batch!r}")
+        check_arguments(max_retained_attempts=max_retained_attempts, max_batch=max_batch,
+                        seconds={"busy_timeout": busy_timeout, "linger": linger})
         if writer not in ("auto", "process", "thread"):
             raise LedgerError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
         self.path = _ledger_path(path)
