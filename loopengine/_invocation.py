@@ -257,7 +257,7 @@ class Invocation:
             operation_version=self.operation.version, provider=self.operation.provider,
             model=self.operation.model, kind="run" if self.kind == "run" else "call",
             tenant=self.attribution.tenant, feature=self.attribution.feature,
-            correlation_id=self.attribution.correlation_id,
+            correlation_id=self.attribution.correlation_id, vendor=self.vendor,
         ))
         if self.accounts is not None:
             await self._admit(at)

@@ -59,6 +59,9 @@ class RunStarted(Event):
     feature: str | None = None
     correlation_id: str | None = None
     """The caller's correlation id (`loopengine.Attribution`), if it gave one."""
+    vendor: str | None = None
+    """Whose API serves the route (``anthropic`` for a route named
+    ``anthropic-eu``): what ``served_by`` and prices name."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

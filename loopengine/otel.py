@@ -206,7 +206,9 @@ class OpenTelemetryObserver:
     # -- runs -------------------------------------------------------------------------
 
     def _run_started(self, event: RunStarted) -> None:
-        provider = provider_name(event.provider)
+        # The vendor, not a named route's own name (anthropic-eu is anthropic).
+        vendor = getattr(event, "vendor", None)
+        provider = provider_name(vendor if isinstance(vendor, str) else event.provider)
         attributes: dict[str, AttributeValue] = {
             "gen_ai.operation.name": "invoke_agent",
             "gen_ai.agent.name": event.operation,

@@ -71,3 +71,28 @@ async def test_an_operation_never_moves_to_another_route_of_its_vendor(
         with pytest.raises(le.ConfigError, match="never substitutes"):
             await engine.run(le.Operation(name="a", provider="anthropic", model=MODEL), "hi")
     assert fake_anthropic_server.requests == []
+
+
+async def test_a_named_routes_spans_name_the_vendor(
+    fake_anthropic_server: FakeAnthropicServer,
+) -> None:
+    """OpenTelemetry's gen_ai.provider.name is the vendor (``anthropic``) on a run of
+    the route ``anthropic-eu``."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from loopengine.otel import OpenTelemetryObserver
+
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    fake_anthropic_server.add(Reply.text("hi"))
+    async with AnthropicProvider(api_key="k", base_url=fake_anthropic_server.url,
+                                 route="anthropic-eu") as provider:
+        engine = le.Engine(provider, prices=PRICES,
+                           observers=[OpenTelemetryObserver(tracer_provider)])
+        await engine.run(le.Operation(name="a.eu", provider="anthropic-eu", model=MODEL), "hi")
+    spans = exporter.get_finished_spans()
+    assert spans and {(s.attributes or {})["gen_ai.provider.name"] for s in spans} == {
+        "anthropic"}
