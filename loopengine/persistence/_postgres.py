@@ -57,7 +57,7 @@ from loopengine.persistence._records import (
     InvocationEnd,
     InvocationStart,
 )
-from loopengine.persistence._waiting import Receipt, release
+from loopengine.persistence._waiting import CommitWaits, Receipt, release
 from loopengine.persistence._waiting import Waiter as _Waiter
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ APPLICATION_NAME: Final = "loopengine-ledger"
 """The ``application_name`` of the ledger's connections (seen in ``pg_stat_activity``)."""
 
 
-class PostgresLedger:
+class PostgresLedger(CommitWaits):
     """The attempt ledger on a PostgreSQL server (DESIGN.md §7b).
 
     Constructing it does no I/O: it connects, creates and migrates its schema
@@ -406,16 +406,6 @@ class PostgresLedger:
             elif len(self._queue) == 1:
                 self._wakeup.notify()  # the writer times the linger from here
             return self._next_id
-
-    async def _wait(self, number: int) -> None:
-        """Return once write ``number`` is committed; raise if it was refused."""
-        if self._done < number:
-            await self._wait_for(number)
-        if self._refused:
-            with self._lock:
-                message = self._refused.pop(number, None)
-            if message is not None:
-                raise LedgerError(message)
 
     async def _wait_for(self, number: int) -> None:
         with self._lock:

@@ -68,7 +68,7 @@ from loopengine.persistence._records import (
     InvocationStart,
 )
 from loopengine.persistence._schema import migrate
-from loopengine.persistence._waiting import Receipt, release
+from loopengine.persistence._waiting import CommitWaits, Receipt, release
 from loopengine.persistence._waiting import Waiter as _Waiter
 from loopengine.persistence._writer import FLUSH, STOP, Op
 
@@ -91,7 +91,7 @@ _START_TIMEOUT: Final = 30.0
 WriterKind = Literal["auto", "process", "thread"]
 
 
-class SQLiteLedger:
+class SQLiteLedger(CommitWaits):
     """The attempt ledger in a SQLite file (DESIGN.md §7).
 
     Opening creates the file if needed, migrates its schema and starts the
@@ -448,16 +448,6 @@ class SQLiteLedger:
             pass  # already woken, or closed
 
     # -- waiting -------------------------------------------------------------------
-
-    async def _wait(self, number: int) -> None:
-        """Return once write ``number`` is committed; raise if it was refused."""
-        if self._done < number:
-            await self._wait_for(number)
-        if self._refused:
-            with self._lock:
-                message = self._refused.pop(number, None)
-            if message is not None:
-                raise LedgerError(message)
 
     async def _wait_for(self, number: int) -> None:
         self._check_process()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ import anyio.lowlevel
 
 from loopengine._errors import LedgerError
 
-__all__ = ["Receipt", "Waiter", "release", "wake_all"]
+__all__ = ["CommitWaits", "Receipt", "Waiter", "release", "wake_all"]
 
 
 @dataclass(slots=True)
@@ -128,3 +129,27 @@ class Receipt:
             self._waited = True
         if self._error is not None:
             raise self._error
+
+
+class CommitWaits:
+    """What a store's calls wait on: the highest write committed (``_done``) and
+    the refused ones (``_refused``), both guarded by ``_lock``. A store supplies
+    `_wait_for`, which parks a `Waiter` until write ``number`` is done."""
+
+    _done: int
+    _refused: dict[int, str]
+    _lock: threading.Lock | threading.RLock
+
+    async def _wait_for(self, number: int) -> None:
+        raise NotImplementedError
+
+    async def _wait(self, number: int) -> None:
+        """Return once write ``number`` is committed; raise if it was refused."""
+        if self._done < number:
+            await self._wait_for(number)
+        if self._refused:
+            with self._lock:
+                message = self._refused.pop(number, None)
+            if message is not None:
+                raise LedgerError(message)
+
