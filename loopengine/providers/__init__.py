@@ -1,6 +1,7 @@
 """Providers: the `Provider` seam, fault classification, the shared retry loop,
 cache-marker placement, and the providers themselves: `AnthropicProvider`,
-`OpenAIProvider` (extra ``openai``) and `ScriptedProvider`."""
+`OpenAIProvider` (extra ``openai``) and `ScriptedProvider`, and the
+`PooledTransport` their clients send through."""
 
 from loopengine.providers._anthropic import AnthropicProvider
 from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse, TextCallback
@@ -10,6 +11,7 @@ from loopengine.providers._openai import OpenAIProvider
 from loopengine.providers._recording import RecordingProvider, ReplayProvider
 from loopengine.providers._retry import RetryPolicy, RetryStop, backoff_wait, run_with_retries
 from loopengine.providers._scripted import Reply, ScriptedProvider
+from loopengine.providers._transport import PooledTransport
 
 __all__ = [
     "MAX_CACHE_MARKERS",
@@ -17,6 +19,7 @@ __all__ = [
     "CachePolicy",
     "FaultKind",
     "OpenAIProvider",
+    "PooledTransport",
     "Provider",
     "ProviderFault",
     "ProviderRequest",

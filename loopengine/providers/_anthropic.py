@@ -68,8 +68,12 @@ from loopengine.providers._clients import (
     SDKProvider,
     gate,
     gates,
+    http_client,
     sdk_keywords,
     shared_tls,
+)
+from loopengine.providers._clients import (
+    max_connections as max_connections_of,
 )
 from loopengine.providers._faults import (
     FaultKind,
@@ -164,6 +168,17 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             when one engine serves several of one vendor: two keys, two
             regions, a streaming and a plain client. Default: the vendor
             name. ``served_by`` and prices keep the vendor (``anthropic:<model>``).
+        max_connections: Without ``client`` or ``http_client``: the most
+            connections the provider's client (of each event loop) opens;
+            default 1,000, the SDK's own. A request in flight holds a
+            connection (HTTP/1.1), so a process with more conversations
+            waiting on the model at once raises it, and its open-file limit
+            with it. The client is the SDK's default one (timeout, redirects,
+            TCP keep-alive) on `PooledTransport`, whose pool does the same
+            work per request however many are in flight, every connection
+            kept alive between turns; where the environment configures a
+            proxy, the SDK's own transport with the same limits
+            (docs/performance.md).
         **client_kwargs: Without ``client``: the keywords to build an
             ``AsyncAnthropic`` (``api_key``, ``base_url``, ``timeout``...).
             The provider builds one client per event loop that sends through
@@ -177,7 +192,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
 
     Raises:
         ConfigError: both a client and client keywords, a synchronous client,
-            ``max_retries`` other than 0, or a bad ``stream_idle_timeout``.
+            ``max_retries`` other than 0, a bad ``stream_idle_timeout``, or a
+            ``max_connections`` that is not a positive integer or comes with
+            a ``client`` or ``http_client``.
 
     The provider awaits each attempt's ledger write (`ProviderRequest.before_wire`)
     in the SDK client's request hook, after the request is built and just
@@ -196,12 +213,14 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         stream: bool = False,
         stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
         route: str | None = None,
+        max_connections: int | None = None,
         **client_kwargs: Any,
     ) -> None:
         _validate.boolean("stream", stream)
         if route is not None:
             _validate.text("route", route)
         self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
+        connections = max_connections_of(max_connections, client, client_kwargs)
         sdk_keywords(client, client_kwargs)
         if client is None:
             if client_kwargs.get("http_client") is not None:
@@ -210,7 +229,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                                         bound_as="http_client", owned=True)
             else:
                 client_kwargs.pop("http_client", None)
-                self._clients = Clients("AnthropicProvider", build=self._builder(client_kwargs))
+                self._clients = Clients("AnthropicProvider",
+                                        build=self._builder(client_kwargs, connections))
                 base = self._clients.current()
         else:
             if not isinstance(client, anthropic.AsyncAnthropic | anthropic.AsyncAnthropicBedrock
@@ -232,16 +252,16 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         return gate(base.with_options(max_retries=0))
 
     @staticmethod
-    def _builder(client_kwargs: dict[str, Any]) -> Callable[[], AsyncClient]:
+    def _builder(client_kwargs: dict[str, Any], connections: int) -> Callable[[], AsyncClient]:
         tls = shared_tls()
 
         def build() -> AsyncClient:
-            # The HTTP client the SDK would build, on the shared TLS context.
-            http_client = anthropic.DefaultAsyncHttpxClient(verify=tls())
             # Built as the SDK's own class (which alone runs the SDK's
             # credential chain), then given the request hook.
-            return gate(anthropic.AsyncAnthropic(max_retries=0, http_client=http_client,
-                                                 **client_kwargs))
+            return gate(anthropic.AsyncAnthropic(
+                max_retries=0, http_client=http_client(tls(), connections,
+                                                       anthropic.DefaultAsyncHttpxClient),
+                **client_kwargs))
 
         return build
 

@@ -33,10 +33,13 @@ import anyio
 import anyio.lowlevel
 import httpx2
 
+from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine.providers._base import ProviderRequest, ProviderResponse
+from loopengine.providers._transport import flat_http_client
 
 __all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
     "ClientPerLoop",
     "Clients",
     "SDKClient",
@@ -44,6 +47,8 @@ __all__ = [
     "before_wire",
     "gate",
     "gates",
+    "http_client",
+    "max_connections",
     "running_loop",
     "sdk_keywords",
     "shared_tls",
@@ -365,6 +370,52 @@ class Clients(Generic[C]):
                           "sent. Build the provider from keywords without an http_client (it "
                           "keeps a client per event loop), or give it a client made for this "
                           "loop")
+
+
+DEFAULT_MAX_CONNECTIONS = 1000
+"""The connections a provider's own client opens at most (the SDKs' own limit).
+
+Over HTTP/1.1 a request in flight holds a connection of its own: beyond this
+many at once, requests wait in the pool (the wait counts against the attempt's
+timeout). A process serving more conversations at once raises it (and its
+open-file limit with it)."""
+
+
+def max_connections(value: int | None, client: object | None,
+                    client_kwargs: dict[str, Any]) -> int:
+    """A provider's ``max_connections``: the default when not given.
+
+    Raises:
+        ConfigError: not a positive integer, or given with a ``client`` or an
+            ``http_client`` (whose pool is the caller's).
+    """
+    if value is None:
+        return DEFAULT_MAX_CONNECTIONS
+    _validate.integer("max_connections", value, minimum=1)
+    if client is not None or client_kwargs.get("http_client") is not None:
+        given = "client" if client is not None else "http_client"
+        raise ConfigError("max_connections", f"applies to the client the provider builds; "
+                                             f"the {given} given brings its own connection pool")
+    return value
+
+
+def http_client(verify: ssl.SSLContext, connections: int,
+                sdk_default: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
+    """The HTTP client a provider builds for one event loop.
+
+    The SDK's default client (its timeout, redirects, TCP keep-alive) on a
+    `PooledTransport`, whose pool does the same work per request however many
+    are in flight (httpcore's walks every connection and queued request, see
+    ``_transport.py``); up to ``connections`` connections, all of them kept
+    alive between requests (a conversation's next turn reuses one instead of
+    opening another). Where the environment configures a proxy, the SDK's own
+    client (``sdk_default``), which speaks to proxies, with the same limits.
+    """
+    limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
+    client = flat_http_client(verify, limits=limits)
+    if client is None:
+        client = sdk_default(verify=verify, limits=limits)
+    return client
 
 
 def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:

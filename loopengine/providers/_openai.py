@@ -83,8 +83,12 @@ from loopengine.providers._clients import (
     SDKProvider,
     gate,
     gates,
+    http_client,
     sdk_keywords,
     shared_tls,
+)
+from loopengine.providers._clients import (
+    max_connections as max_connections_of,
 )
 from loopengine.providers._faults import (
     FaultKind,
@@ -202,6 +206,17 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             for an Azure client.
         stream_idle_timeout: Seconds a stream may go without a chunk before
             the attempt is aborted with reason ``idle`` (and retried).
+        max_connections: Without ``client`` or ``http_client``: the most
+            connections the provider's client (of each event loop) opens;
+            default 1,000, the SDK's own. A request in flight holds a
+            connection (HTTP/1.1), so a process with more conversations
+            waiting on the model at once raises it, and its open-file limit
+            with it. The client is the SDK's default one (timeout, redirects,
+            TCP keep-alive) on `PooledTransport`, whose pool does the same
+            work per request however many are in flight, every connection
+            kept alive between turns; where the environment configures a
+            proxy, the SDK's own transport with the same limits
+            (docs/performance.md).
         **client_kwargs: Without ``client``: the keywords to build an
             ``AsyncOpenAI`` (``api_key``, ``base_url``, ``organization``...),
             or an ``AsyncAzureOpenAI`` when they include an Azure keyword
@@ -215,7 +230,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         ConfigError: both a client and client keywords, a client that is not
             an async ``openai`` client, ``max_retries`` other than 0,
             keywords the SDK refuses, a bad ``route`` or
-            ``stream_idle_timeout``.
+            ``stream_idle_timeout``, or a ``max_connections`` that is not a
+            positive integer or comes with a ``client`` or ``http_client``.
         ImportError: the ``openai`` extra is not installed.
 
     The attempt's ``served_by`` is ``<route>:<model>`` and its price is looked
@@ -238,6 +254,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         stream: bool = False,
         route: str | None = None,
         stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
+        max_connections: int | None = None,
         **client_kwargs: Any,
     ) -> None:
         _validate.boolean("stream", stream)
@@ -245,6 +262,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         if route is not None:
             _validate.text("route", route)
         sdk = _import_openai()
+        connections = max_connections_of(max_connections, client, client_kwargs)
         sdk_keywords(client, client_kwargs)
         try:
             if client is None:
@@ -257,7 +275,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                 else:
                     client_kwargs.pop("http_client", None)
                     self._clients = Clients("OpenAIProvider",
-                                            build=self._builder(sdk_class, client_kwargs))
+                                            build=self._builder(sdk_class, client_kwargs,
+                                                                connections))
             else:
                 if not isinstance(client, sdk.AsyncOpenAI):
                     raise ConfigError("client", "must be an async openai client (AsyncOpenAI "
@@ -282,16 +301,16 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         return gate(base.with_options(max_retries=0))
 
     @staticmethod
-    def _builder(sdk_class: Any, client_kwargs: dict[str, Any]) -> Callable[[],
-                                                                          openai.AsyncOpenAI]:
+    def _builder(sdk_class: Any, client_kwargs: dict[str, Any],
+                 connections: int) -> Callable[[], openai.AsyncOpenAI]:
         sdk = _import_openai()
         tls = shared_tls()
 
         def build() -> openai.AsyncOpenAI:
-            # The HTTP client the SDK would build, on the shared TLS context.
-            http_client = sdk.DefaultAsyncHttpxClient(verify=tls())
-            built: openai.AsyncOpenAI = gate(sdk_class(max_retries=0, http_client=http_client,
-                                                       **client_kwargs))
+            built: openai.AsyncOpenAI = gate(sdk_class(
+                max_retries=0, http_client=http_client(tls(), connections,
+                                                       sdk.DefaultAsyncHttpxClient),
+                **client_kwargs))
             return built
 
         return build

@@ -167,6 +167,16 @@ class FlatPool:
     # -- introspection -----------------------------------------------------------------
 
     @property
+    def max_connections(self) -> int:
+        """The most connections open at once (``sys.maxsize``: no limit)."""
+        return self._max_connections
+
+    @property
+    def max_keepalive_connections(self) -> int:
+        """The most idle connections kept open."""
+        return self._max_keepalive
+
+    @property
     def connections(self) -> list[httpcore2.AsyncConnectionInterface]:
         """The connections the pool holds (idle, busy or connecting); a copy."""
         return list(self._origins)
