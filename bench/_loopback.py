@@ -1,0 +1,196 @@
+"""A fast loopback model server for bench/concurrency.py, run in a process of its own.
+
+``python bench/_loopback.py [--delay S] [--prompt K] [--seed N]`` listens on 127.0.0.1 (a
+free port), prints ``http://127.0.0.1:<port>``, and serves both wire formats
+until standard input ends; then it prints one JSON line of what it did
+(requests, most connections open at once, its own CPU seconds and wall
+seconds).
+
+It answers the five-turn tool conversation of bench/overhead.py: the model
+asks for the ``lookup`` tool four times, then answers in text. Which turn a
+request is on is read off its body by counting the tool results it carries
+(``"tool_use_id"`` for the Messages API, ``"tool_call_id"`` for Chat
+Completions), so the server keeps no state per conversation and any number
+of conversations share it. Every reply is prebuilt bytes.
+
+It is an ``asyncio.Protocol`` (no HTTP framework): HTTP/1.1 with keep-alive,
+``Content-Length`` bodies, no pipelining needed. ``--delay S`` holds each
+reply for a time drawn uniformly from [S/2, 3S/2] (a model's latency, so
+that conversations wait on the wire as they do in production, and their
+replies arrive spread out rather than in lock-step); the first ``--prompt K``
+requests are answered at once (a client's warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from typing import Any
+
+MODEL = "claude-sonnet-4-5"
+OPENAI_MODEL = "gpt-4.1-mini"
+TURNS = 5
+TOOL_TURNS = TURNS - 1
+ANSWER = "The values are 1, 2, 3 and 4."
+OUTPUT_TOKENS = 30
+
+
+def usage(turn: int) -> dict[str, int]:
+    """Usage that grows turn by turn, as a real conversation's does."""
+    return {"input_tokens": 40 + 80 * turn, "output_tokens": OUTPUT_TOKENS,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+
+
+def anthropic_bodies() -> list[bytes]:
+    """The five Messages API replies, turn by turn."""
+    out = []
+    for turn in range(TURNS):
+        if turn < TOOL_TURNS:
+            content: list[dict[str, Any]] = [
+                {"type": "text", "text": "Let me look that up."},
+                {"type": "tool_use", "id": f"toolu_{turn:04d}", "name": "lookup",
+                 "input": {"key": "abcd"[turn]}}]
+            stop = "tool_use"
+        else:
+            content, stop = [{"type": "text", "text": ANSWER}], "end_turn"
+        out.append(json.dumps({
+            "id": f"msg_{turn:04d}", "type": "message", "role": "assistant", "model": MODEL,
+            "content": content, "stop_reason": stop, "stop_sequence": None,
+            "usage": usage(turn)}).encode())
+    return out
+
+
+def openai_bodies() -> list[bytes]:
+    """The five Chat Completions replies, turn by turn."""
+    out = []
+    for turn in range(TURNS):
+        message: dict[str, Any] = {"role": "assistant", "refusal": None}
+        if turn < TOOL_TURNS:
+            message["content"] = "Let me look that up."
+            message["tool_calls"] = [{
+                "id": f"call_{turn:04d}", "type": "function",
+                "function": {"name": "lookup", "arguments": json.dumps({"key": "abcd"[turn]})}}]
+            finish = "tool_calls"
+        else:
+            message["content"], finish = ANSWER, "stop"
+        counts = usage(turn)
+        out.append(json.dumps({
+            "id": f"chatcmpl-{turn:04d}", "object": "chat.completion", "created": 1700000000,
+            "model": OPENAI_MODEL, "choices": [{"index": 0, "message": message,
+                                                "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": counts["input_tokens"], "completion_tokens": OUTPUT_TOKENS,
+                      "total_tokens": counts["input_tokens"] + OUTPUT_TOKENS}}).encode())
+    return out
+
+
+def _response(body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"request-id: req_bench\r\nx-request-id: req_bench\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+ANTHROPIC = [_response(b) for b in anthropic_bodies()]
+OPENAI = [_response(b) for b in openai_bodies()]
+NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+
+
+class Stats:
+    """What the server did, for its closing line."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.open = 0
+        self.most_open = 0
+        self.connections = 0
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: parse requests off the buffer, answer each."""
+
+    def __init__(self, stats: Stats, delay: float, prompt: int, rng: random.Random) -> None:
+        self.stats = stats
+        self.prompt = prompt
+        self.delay = delay
+        self.rng = rng
+        self.buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.stats.connections += 1
+        self.stats.open += 1
+        self.stats.most_open = max(self.stats.most_open, self.stats.open)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stats.open -= 1
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(self.buffer[:end]).lower()
+            at = head.find(b"content-length:")
+            length = 0
+            if at >= 0:
+                stop = head.find(b"\r\n", at)
+                length = int(head[at + 15:stop if stop >= 0 else len(head)])
+            if len(self.buffer) < end + 4 + length:
+                return
+            body = bytes(self.buffer[end + 4:end + 4 + length])
+            del self.buffer[:end + 4 + length]
+            self.answer(head[:head.find(b"\r\n")], body)
+
+    def answer(self, line: bytes, body: bytes) -> None:
+        self.stats.requests += 1
+        if b"/chat/completions" in line:
+            reply = OPENAI[min(body.count(b'"tool_call_id"'), TOOL_TURNS)]
+        elif b"/v1/messages" in line:
+            reply = ANTHROPIC[min(body.count(b'"tool_use_id"'), TOOL_TURNS)]
+        else:
+            reply = NOT_FOUND
+        if self.delay > 0 and self.stats.requests > self.prompt:
+            self.loop.call_later(self.delay * (0.5 + self.rng.random()), self.write, reply)
+        else:
+            self.write(reply)
+
+    def write(self, reply: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(reply)
+
+
+async def serve(delay: float, prompt: int, seed: int) -> None:
+    stats = Stats()
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: Connection(stats, delay, prompt, rng), "127.0.0.1", 0,
+                                      backlog=16384)
+    port = server.sockets[0].getsockname()[1]
+    print(f"http://127.0.0.1:{port}", flush=True)
+    cpu, wall = time.process_time(), time.perf_counter()
+    await loop.run_in_executor(None, sys.stdin.read)
+    server.close()
+    print(json.dumps({"requests": stats.requests, "connections": stats.connections,
+                      "most_open": stats.most_open, "cpu": time.process_time() - cpu,
+                      "wall": time.perf_counter() - wall}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--prompt", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    asyncio.run(serve(args.delay, args.prompt, args.seed))
+
+
+if __name__ == "__main__":
+    main()

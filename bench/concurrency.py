@@ -1,0 +1,526 @@
+"""Thousands of conversations in one process: CPU per turn, event-loop lag, memory.
+
+N five-turn tool conversations (the model asks for a tool four times, then
+answers in text) run on one event loop to their answers, through the real
+``anthropic`` (or ``openai``) SDK, against a loopback server in a process of
+its own (bench/_loopback.py: prebuilt replies, no framework), so the server's
+CPU is not the event loop's. The server holds each reply for a model's
+latency, N/``--rate`` seconds (±50%), and the conversations start evenly
+over that time, as users arrive: from then on all N are in flight at once,
+almost all of the time waiting on a reply, and between them they ask for
+``--rate`` turns a second (default 250). A fixed rate keeps the event loop
+equally busy at every N, so what grows with N is the cost of N conversations
+in flight, not the load. Contenders:
+
+* ``bare``: a hand-written loop on ``client.messages.create`` (the floor);
+* ``loopengine``: `Engine.run` on an `AnthropicProvider`, no ledger;
+* ``sqlite``: the same with a `SQLiteLedger` (its writer's CPU counted);
+* ``openai-bare`` and ``openai``: the same two on Chat Completions, through
+  the ``openai`` SDK and `OpenAIProvider`.
+
+Every contender sends through the same kind of client (``--transport``):
+``default`` is the client an `AnthropicProvider` / `OpenAIProvider` builds
+from keywords (the bare loops take the provider's own client, so the floor
+has the same client settings); ``sdk`` is the SDK's own default
+(``httpx2`` with its connection pool); ``aiohttp`` the SDK's
+``DefaultAioHttpClient`` (its ``aiohttp`` extra, if installed).
+
+Each measurement runs in a fresh process (so peak RSS is its own), after a
+warm-up of a few conversations. It reports:
+
+* wall time, and CPU per turn: the process's (every thread) plus the ledger
+  writer's process, over the N conversations;
+* event-loop lag: a ticker task sleeps 5 ms again and again and records how
+  late it wakes (p50, p99, max), which is how long the loop was busy with
+  something else;
+* the collector's longest pause (``gc max``, from ``gc.callbacks``): a full
+  collection walks every object the process tracks, so it grows with N;
+* memory: peak resident memory over the run (sampled by the ticker) minus
+  the resident memory before the conversations started, per conversation.
+  Every conversation spends most of its life waiting on its reply, so this is
+  the memory of an idle-waiting conversation;
+* the server's own CPU share of the wall time (``server busy``): well under
+  100% shows the server was never the bottleneck.
+
+Rounds interleave contenders (their order rotated each round); a figure is
+the median over rounds, and a ratio the median of the ratios to the bare loop
+at the same N within each round, so a slow moment of this noisy machine hits
+all contenders alike.
+
+Run::
+
+    python bench/concurrency.py                       # N = 100, 1,000, 5,000; 3 rounds
+    python bench/concurrency.py --full                # and 10,000
+    python bench/concurrency.py -n 1000 --contenders bare,loopengine --rounds 5 --freeze
+    python bench/concurrency.py -n 1000 --profile loopengine   # cProfile of one run
+    python bench/concurrency.py -n 1000 --memory loopengine    # what holds the memory
+
+A measurement takes about 6 N/rate seconds (a reply delay to start them all,
+five to run them), so the default run takes most of an hour; ``-n`` and
+``--contenders`` pick what to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import cProfile
+import gc
+import json
+import os
+import pstats
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _cpu import process_cpu  # noqa: E402
+from _loopback import ANSWER, MODEL, OPENAI_MODEL, TURNS  # noqa: E402
+
+QUESTION = "What are the values of keys a, b, c and d?"
+TICK = 0.005
+RATE = 250.0
+PROFILE = Path(tempfile.gettempdir()) / "loopengine-concurrency.prof"
+WARM_UP = 20
+CONTENDERS = ["bare", "loopengine", "sqlite", "openai-bare", "openai"]
+FLOOR = {"bare": "bare", "loopengine": "bare", "sqlite": "bare",
+         "openai-bare": "openai-bare", "openai": "openai-bare"}
+TOOL_SCHEMA = {"type": "object", "properties": {"key": {"type": "string"}},
+               "required": ["key"]}
+
+
+async def lookup(key: str) -> str:
+    """Look a key up."""
+    return str("abcd".index(key) + 1)
+
+
+# -- the contenders (in the measuring process) --------------------------------------------------
+
+
+@dataclass
+class Contender:
+    run: Callable[[], Awaitable[str]]
+    close: Callable[[], Awaitable[None]]
+    other_cpu: Callable[[], float] = lambda: 0.0
+
+
+def connections(n: int) -> int:
+    """Connections a client may open: one per conversation in flight (HTTP/1.1)."""
+    return max(1000, n)
+
+
+def sdk_http_client(sdk: Any, transport: str, n: int) -> Any:
+    """The SDK's own default client or its aiohttp one, with room for N connections."""
+    import httpx2
+
+    limits = httpx2.Limits(max_connections=connections(n),
+                           max_keepalive_connections=connections(n))
+    if transport == "aiohttp":
+        return sdk.DefaultAioHttpClient(limits=limits)
+    return sdk.DefaultAsyncHttpxClient(limits=limits)
+
+
+def anthropic_client(url: str, transport: str, n: int) -> Any:
+    """The SDK client the contenders on the Messages API send through."""
+    import anthropic
+
+    from loopengine.providers import AnthropicProvider
+
+    if transport == "default":
+        return AnthropicProvider(api_key="bench", base_url=url,
+                                 max_connections=connections(n)).client
+    return anthropic.AsyncAnthropic(api_key="bench", base_url=url, max_retries=0,
+                                    http_client=sdk_http_client(anthropic, transport, n))
+
+
+def openai_client(url: str, transport: str, n: int) -> Any:
+    """The SDK client the contenders on Chat Completions send through."""
+    import openai
+
+    from loopengine.providers import OpenAIProvider
+
+    if transport == "default":
+        return OpenAIProvider(api_key="bench", base_url=url + "/v1",
+                              max_connections=connections(n)).client
+    return openai.AsyncOpenAI(api_key="bench", base_url=url + "/v1", max_retries=0,
+                              http_client=sdk_http_client(openai, transport, n))
+
+
+def bare_anthropic(url: str, transport: str, n: int) -> Contender:
+    """The floor: what a careful hand-written loop on the SDK does per turn."""
+    client = anthropic_client(url, transport, n)
+    tools: list[Any] = [{"name": "lookup", "description": "Look a key up.",
+                         "input_schema": TOOL_SCHEMA}]
+
+    async def run() -> str:
+        messages: list[Any] = [{"role": "user", "content": QUESTION}]
+        while True:
+            response = await client.messages.create(model=MODEL, max_tokens=1024,
+                                                    messages=messages, tools=tools)
+            messages.append({"role": "assistant", "content": response.content})
+            if response.stop_reason != "tool_use":
+                return "".join(b.text for b in response.content if b.type == "text")
+            results = []
+            for block in response.content:
+                if block.type == "tool_use":
+                    results.append({"type": "tool_result", "tool_use_id": block.id,
+                                    "content": await lookup(**block.input)})
+            messages.append({"role": "user", "content": results})
+
+    return Contender(run, client.close)
+
+
+def bare_openai(url: str, transport: str, n: int) -> Contender:
+    """The floor on Chat Completions."""
+    client = openai_client(url, transport, n)
+    tools: list[Any] = [{"type": "function", "function": {
+        "name": "lookup", "description": "Look a key up.", "parameters": TOOL_SCHEMA}}]
+
+    async def run() -> str:
+        messages: list[Any] = [{"role": "user", "content": QUESTION}]
+        while True:
+            response = await client.chat.completions.create(
+                model=OPENAI_MODEL, max_completion_tokens=1024, messages=messages, tools=tools)
+            message = response.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if response.choices[0].finish_reason != "tool_calls":
+                return message.content or ""
+            for call in message.tool_calls or ():
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": await lookup(**json.loads(call.function.arguments))})
+
+    return Contender(run, client.close)
+
+
+def engine_contender(url: str, transport: str, n: int, vendor: str,
+                     ledger_dir: Path | None) -> Contender:
+    """`Engine.run` on the vendor's provider, with or without a SQLite ledger."""
+    import loopengine as le
+    from loopengine.providers import AnthropicProvider, OpenAIProvider
+
+    provider: Any
+    if vendor == "anthropic":
+        provider = (AnthropicProvider(api_key="bench", base_url=url,
+                                      max_connections=connections(n))
+                    if transport == "default"
+                    else AnthropicProvider(anthropic_client(url, transport, n)))
+        model = MODEL
+    else:
+        provider = (OpenAIProvider(api_key="bench", base_url=url + "/v1",
+                                   max_connections=connections(n))
+                    if transport == "default"
+                    else OpenAIProvider(openai_client(url, transport, n)))
+        model = OPENAI_MODEL
+    operation = le.Operation(name="bench.lookup", provider=vendor, model=model,
+                             max_output_tokens=1024,
+                             limits=le.Limits(max_turns=TURNS + 1, total_time=None,
+                                              attempt_timeout=600.0))
+    prices = le.PriceBook([le.ModelPrice(
+        provider=vendor, model=model, input_per_mtok=Decimal(3), output_per_mtok=Decimal(15),
+        cache_read_per_mtok=Decimal("0.30"), cache_write_per_mtok=Decimal("3.75"))])
+    ledger: Any = None
+    if ledger_dir is not None:
+        from loopengine.persistence import SQLiteLedger
+
+        ledger = SQLiteLedger(ledger_dir / "bench-concurrency.db")
+    engine = le.Engine(provider, ledger=ledger, prices=prices)
+    tool = le.tool(lookup)
+
+    async def run() -> str:
+        result = await engine.run(operation, QUESTION, tools=[tool])
+        if result.outcome is not le.Outcome.COMPLETED or result.turns != TURNS:
+            raise RuntimeError(f"loopengine ended {result.outcome}: {result.detail}")
+        return str(result.answer)
+
+    async def close() -> None:
+        await provider.aclose()
+        if ledger is not None:
+            await ledger.aclose()
+
+    pid = getattr(ledger, "writer_pid", None)
+    return Contender(run, close, other_cpu=lambda: process_cpu(pid))
+
+
+def build(name: str, url: str, transport: str, n: int, ledger_dir: Path) -> Contender:
+    if name == "bare":
+        return bare_anthropic(url, transport, n)
+    if name == "openai-bare":
+        return bare_openai(url, transport, n)
+    if name == "loopengine":
+        return engine_contender(url, transport, n, "anthropic", None)
+    if name == "sqlite":
+        return engine_contender(url, transport, n, "anthropic", ledger_dir)
+    if name == "openai":
+        return engine_contender(url, transport, n, "openai", None)
+    raise SystemExit(f"unknown contender {name!r}")
+
+
+# -- one measurement (a process of its own) ----------------------------------------------------
+
+
+def rss() -> int:
+    """This process's resident memory now, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_one(name: str, n: int, transport: str, rate: float, freeze: bool = False,
+                profile: bool = False, memory: bool = False) -> dict[str, Any]:
+    """One measurement: its own server, then the N conversations on one event loop."""
+    server = subprocess.Popen([sys.executable, str(HERE / "_loopback.py"), "--delay",
+                               str(n / rate), "--prompt", str(WARM_UP * TURNS)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    try:
+        url = server.stdout.readline().strip()
+        result = asyncio.run(conversations(url, name, n, transport, rate, freeze, profile,
+                                           memory))
+        served = json.loads(server.communicate("", timeout=60)[0].strip().splitlines()[-1])
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    result.update(server_busy=served["cpu"] / max(served["wall"], 1e-9),
+                  server_requests=served["requests"], server_most_open=served["most_open"])
+    return result
+
+
+async def conversations(url: str, name: str, n: int, transport: str, rate: float,
+                        freeze: bool, profile: bool, memory: bool) -> dict[str, Any]:
+    delay = n / rate
+    with tempfile.TemporaryDirectory(prefix="loopengine-bench-") as ledger_dir:
+        contender = build(name, url, transport, n, Path(ledger_dir))
+        # The server answers these at once.
+        if set(await asyncio.gather(*(contender.run() for _ in range(WARM_UP)))) != {ANSWER}:
+            raise RuntimeError(f"{name} answered wrongly")
+        gc.collect()
+        if freeze:
+            # What a server does once it has started: what it holds for good
+            # (modules, the SDK's types) leaves the collector's full passes.
+            gc.freeze()
+        lags: list[float] = []
+        late: list[tuple[float, float]] = []
+        pauses: list[float] = []
+        collecting = [0.0]
+
+        gc_spans: list[tuple[float, float, int]] = []
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                collecting[0] = time.perf_counter()
+            else:
+                pauses.append(time.perf_counter() - collecting[0])
+                gc_spans.append((collecting[0], time.perf_counter(), info["generation"]))
+
+        gc.callbacks.append(on_gc)
+        if memory:
+            tracemalloc.start()
+        peak = base = rss()
+        running = True
+        snapshot: list[tracemalloc.Snapshot] = []
+        tracked: collections.Counter[str] = collections.Counter()
+        if memory:
+            gc.freeze()  # what is tracked before the conversations start, for the count
+
+        async def ticker() -> None:
+            nonlocal peak
+            ticks = 0
+            began = time.perf_counter()
+            while running:
+                expected = time.perf_counter() + TICK
+                await asyncio.sleep(TICK)
+                lags.append(max(0.0, time.perf_counter() - expected))
+                if lags[-1] > 0.02:
+                    late.append((expected, time.perf_counter()))
+                ticks += 1
+                if ticks % 10 == 0:
+                    peak = max(peak, rss())
+                if memory and not snapshot and time.perf_counter() - began > delay * 1.5:
+                    # Every conversation has started and is waiting on a reply.
+                    snapshot.append(tracemalloc.take_snapshot())
+                    tracked.update(type(o).__qualname__ for o in gc.get_objects())
+
+        async def conversation(start: float) -> None:
+            await asyncio.sleep(start)
+            answer = await contender.run()
+            if answer != ANSWER:
+                raise RuntimeError(f"{name} answered {answer!r}")
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(TICK * 2)
+        profiler = cProfile.Profile() if profile else None
+        other = contender.other_cpu()
+        cpu, wall = time.process_time(), time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        # Users arrive evenly over one reply's delay: from then on the N
+        # conversations ask for `rate` turns a second between them.
+        await asyncio.gather(*(conversation(i * delay / n) for i in range(n)))
+        if profiler is not None:
+            profiler.disable()
+        wall = time.perf_counter() - wall
+        cpu = time.process_time() - cpu + contender.other_cpu() - other
+        peak = max(peak, rss())
+        running = False
+        await tick
+        gc.callbacks.remove(on_gc)
+        await contender.close()
+    if profiler is not None:
+        profiler.dump_stats(PROFILE)
+        print(f"the whole profile is in {PROFILE}", file=sys.stderr)
+        stats = pstats.Stats(profiler, stream=sys.stderr)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+    if snapshot:
+        print(f"\nobjects the collector tracks, per conversation: {tracked.total() / n:.0f}",
+              file=sys.stderr)
+        for kind, count in tracked.most_common(25):
+            print(f"{count / n:>8.1f}  {kind}", file=sys.stderr)
+        total = sum(stat.size for stat in snapshot[0].statistics("filename"))
+        print(f"traced memory held at the peak, per conversation: {total / n:.0f} B",
+              file=sys.stderr)
+        for group in ("filename", "lineno"):
+            print(f"\nmemory held at the peak, by {group}, per conversation:", file=sys.stderr)
+            for stat in snapshot[0].statistics(group)[:25]:
+                print(f"{stat.size / n:>9.0f} B  {stat.count / n:>6.1f} blocks  "
+                      f"{stat.traceback}", file=sys.stderr)
+    if os.environ.get("BENCH_LATE"):
+        for start, end in late:
+            in_gc = sum(min(end, b) - max(start, a) for a, b, _ in gc_spans
+                        if b > start and a < end)
+            gens = [g for a, b, g in gc_spans if b > start and a < end]
+            print(f"late {end - start:.3f}s gc {in_gc:.3f}s gens {gens}", file=sys.stderr)
+    lags.sort()
+    return {
+        "name": name, "n": n, "wall": wall, "cpu_per_turn": cpu / (n * TURNS),
+        "busy": cpu / wall,
+        "lag_p50": lags[len(lags) // 2], "lag_p99": lags[min(len(lags) - 1, len(lags) * 99 // 100)],
+        "lag_max": lags[-1], "gc_max": max(pauses, default=0.0),
+        "rss_per_conversation": (peak - base) / n,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+# -- the rounds (the parent process) -----------------------------------------------------------
+
+
+def spawn(name: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--one", name, "-n", str(n),
+               "--transport", args.transport, "--rate", str(args.rate)] + (
+                   ["--freeze"] if args.freeze else [])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} at N={n} failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = (n + WARM_UP) * TURNS
+    if result["server_requests"] != expected:
+        raise SystemExit(f"{name} at N={n}: the server saw {result['server_requests']} "
+                         f"requests, not {expected}")
+    return result
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
+           args: argparse.Namespace) -> None:
+    print(f"\n{len(results) // max(1, len(names) * len(sizes))} rounds, transport "
+          f"{args.transport!r}, {args.rate:g} turns/s asked (each reply held N/rate s ±50%), "
+          f"{'gc.freeze() after warm-up, ' if args.freeze else ''}"
+          f"python {sys.version.split()[0]}, {os.cpu_count()} cores")
+    head = (f"{'contender':<12} {'N':>6} {'wall s':>7} {'CPU/turn ms':>11} {'x floor':>7} "
+            f"{'lag p50':>8} {'p99':>7} {'max ms':>8} {'gc max':>7} {'KB/conv':>8} "
+            f"{'server':>7}")
+    print(head)
+    print("-" * len(head))
+    for n in sizes:
+        for name in names:
+            mine = [r for r in results if r["name"] == name and r["n"] == n]
+            if not mine:
+                continue
+            ratios = []
+            for r in mine:
+                floor = [f for f in results if f["name"] == FLOOR[name] and f["n"] == n
+                         and f["round"] == r["round"]]
+                if floor:
+                    ratios.append(r["cpu_per_turn"] / floor[0]["cpu_per_turn"])
+            print(f"{name:<12} {n:>6} {median([r['wall'] for r in mine]):>7.2f} "
+                  f"{median([r['cpu_per_turn'] for r in mine]) * 1000:>11.3f} "
+                  f"{median(ratios):>6.2f}x "
+                  f"{median([r['lag_p50'] for r in mine]) * 1000:>8.1f} "
+                  f"{median([r['lag_p99'] for r in mine]) * 1000:>7.1f} "
+                  f"{median([r['lag_max'] for r in mine]) * 1000:>8.1f} "
+                  f"{median([r['gc_max'] for r in mine]) * 1000:>7.1f} "
+                  f"{median([r['rss_per_conversation'] for r in mine]) / 1024:>8.1f} "
+                  f"{median([r['server_busy'] for r in mine]) * 100:>6.0f}%")
+    print("\nlag: how late a 5 ms ticker woke; KB/conv: peak RSS over the run minus RSS "
+          "before it, per conversation;\nserver: the loopback server's CPU share of its wall "
+          "time (under 100%: it was never the bottleneck).")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", type=int, action="append", help="conversations at once "
+                        "(repeatable; default 100, 1000, 5000, and 10000 with --full)")
+    parser.add_argument("--full", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--transport", choices=["default", "sdk", "aiohttp"], default="default")
+    parser.add_argument("--rate", type=float, default=RATE,
+                        help="turns per second the N conversations ask for (default "
+                             f"{RATE:g}): each reply is held N/rate seconds (±50%%)")
+    parser.add_argument("--freeze", action="store_true",
+                        help="gc.freeze() after the warm-up, as a server does once started")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", metavar="CONTENDER",
+                        help="run CONTENDER once at the first N under cProfile")
+    parser.add_argument("--memory", metavar="CONTENDER",
+                        help="run CONTENDER once at the first N and show what holds its "
+                             "memory while every conversation waits (tracemalloc)")
+    args = parser.parse_args(argv)
+    sizes = args.n or ([100, 1000, 5000] + ([10000] if args.full else []))
+    if args.one or args.profile or args.memory:
+        result = measure_one(args.one or args.profile or args.memory, sizes[0],
+                             args.transport, args.rate, freeze=args.freeze,
+                             profile=bool(args.profile), memory=bool(args.memory))
+        print(json.dumps(result))
+        return 0
+    names = [c for c in args.contenders.split(",") if c]
+    for name in names:
+        if name not in CONTENDERS:
+            parser.error(f"unknown contender {name!r} (known: {', '.join(CONTENDERS)})")
+    results: list[dict[str, Any]] = []
+    for round_ in range(args.rounds):
+        for n in sizes:
+            order = names[round_ % len(names):] + names[:round_ % len(names)]
+            for name in order:
+                result = spawn(name, n, args)
+                result["round"] = round_
+                results.append(result)
+                print(f"round {round_ + 1} N={n:<6} {name:<12} CPU/turn "
+                      f"{result['cpu_per_turn'] * 1000:.3f} ms, lag max "
+                      f"{result['lag_max'] * 1000:.0f} ms, {result['wall']:.1f} s",
+                      file=sys.stderr, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    report(results, names, sizes, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
