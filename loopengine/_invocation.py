@@ -142,6 +142,17 @@ class _Gate:
 class Invocation:
     """The accounting of one run or call (internal)."""
 
+    # Slots: thousands are alive at once in a busy process.
+    __slots__ = (
+        "_announced", "_begin_dispatch", "_begun", "_check_ready", "_ended", "_in_flight",
+        "_reply_unconfirmed", "_reservation", "_time_state", "_turn_attempts", "_turn_charge",
+        "_unpriced_warned", "account", "accounts", "attribution", "clock", "cost_nanousd",
+        "deadline", "denied", "id", "kind", "last_fault", "ledger", "limits", "observers",
+        "operation", "output_tokens", "policy", "prices", "provider", "provider_cost_nanousd",
+        "records", "rng", "served_by", "started", "text_sink", "unpriced", "usage",
+        "usage_complete", "vendor",
+    )
+
     def __init__(
         self,
         *,

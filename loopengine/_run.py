@@ -111,6 +111,9 @@ async def run_loop(inv: Invocation, spec: RunSpec) -> RunResult:
 
 
 class _Loop:
+    __slots__ = ("_given_messages", "answered_calls", "definitions", "inv", "spec", "state",
+                 "tools", "transcript", "wrapping")
+
     def __init__(self, inv: Invocation, spec: RunSpec) -> None:
         self.inv = inv
         self.spec = spec
