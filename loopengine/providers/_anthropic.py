@@ -252,15 +252,18 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         return gate(base.with_options(max_retries=0))
 
     @staticmethod
-    def _builder(client_kwargs: dict[str, Any], connections: int) -> Callable[[], AsyncClient]:
+    def _builder(client_kwargs: dict[str, Any],
+                 connections: int) -> Callable[[bool], AsyncClient]:
         tls = shared_tls()
 
-        def build() -> AsyncClient:
+        def build(on_asyncio: bool) -> AsyncClient:
             # Built as the SDK's own class (which alone runs the SDK's
             # credential chain), then given the request hook.
             return gate(anthropic.AsyncAnthropic(
-                max_retries=0, http_client=http_client(tls(), connections,
-                                                       anthropic.DefaultAsyncHttpxClient),
+                max_retries=0, http_client=http_client(
+                    tls(), connections, on_asyncio=on_asyncio,
+                    sdk_default=anthropic.DefaultAsyncHttpxClient,
+                    sdk_aiohttp=anthropic.DefaultAioHttpClient),
                 **client_kwargs))
 
         return build

@@ -18,6 +18,8 @@ raise `ConfigError` before anything is sent.
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.util
 import inspect
 import logging
 import ssl
@@ -36,7 +38,7 @@ import httpx2
 from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine.providers._base import ProviderRequest, ProviderResponse
-from loopengine.providers._transport import flat_http_client
+from loopengine.providers._transport import flat_http_client, proxy_configured
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
@@ -186,7 +188,8 @@ class ClientPerLoop(Generic[C]):
     loop its socket is still open and a request written on it reaches the
     server, but reading the answer fails (``RuntimeError: Event loop is
     closed``). So each loop gets a client of its own, built from the same
-    keywords.
+    keywords, for its kind of loop (``build(True)`` for asyncio, whose client
+    may use an asyncio-only transport, ``build(False)`` for trio).
 
     A client is closed on its own loop, as that loop shuts down: each client
     comes with an async generator started on its loop, and the loop closes
@@ -198,22 +201,23 @@ class ClientPerLoop(Generic[C]):
     collector.
 
     Args:
-        build: Builds one client.
+        build: Builds one client, for an asyncio loop (True) or another (False).
         owner: The provider's name, for the log.
     """
 
-    def __init__(self, build: Callable[[], C], owner: str) -> None:
+    def __init__(self, build: Callable[[bool], C], owner: str) -> None:
         self._build = build
         self._owner = owner
         self._lock = threading.Lock()
-        # Built at once, so that a bad keyword fails when the provider is
-        # built; the next loop that sends claims it.
-        self._spare: C | None = build()
+        # Built at once (for asyncio, the usual loop), so that a bad keyword
+        # fails when the provider is built; the next loop that sends claims it.
+        self._spare: C | None = build(True)
+        self._spare_asyncio = True
         self._clients: dict[object, tuple[C, AsyncGenerator[None, None]]] = {}
 
     def current(self) -> C:
         """The running loop's client if it has one, else the one the next loop
-        that sends will use (a client no loop has used yet)."""
+        that sends will use (a client no loop has used yet, built for asyncio)."""
         try:
             entry = self._clients.get(running_loop())
         except RuntimeError:  # no event loop is running
@@ -222,7 +226,7 @@ class ClientPerLoop(Generic[C]):
             return entry[0]
         with self._lock:
             if self._spare is None:
-                self._spare = self._build()
+                self._spare, self._spare_asyncio = self._build(True), True
             return self._spare
 
     async def get(self) -> C:
@@ -231,10 +235,15 @@ class ClientPerLoop(Generic[C]):
         entry = self._clients.get(loop)
         if entry is not None:
             return entry[0]
+        on_asyncio = isinstance(loop, asyncio.AbstractEventLoop)
         with self._lock:
-            client, self._spare = self._spare, None
+            client: C | None = None
+            if self._spare is not None and self._spare_asyncio == on_asyncio:
+                client, self._spare = self._spare, None
         if client is None:
-            client = self._build()
+            # No spare of this loop's kind: a spare of the other kind stays
+            # for the next loop of that kind (it has opened nothing).
+            client = self._build(on_asyncio)
         closer = self._close_with_loop(loop, client)
         with self._lock:
             self._clients[loop] = (client, closer)
@@ -288,7 +297,8 @@ class Clients(Generic[C]):
 
     Args:
         owner: The provider's class name, for messages.
-        build: Builds a client for one event loop.
+        build: Builds a client for one event loop: an asyncio loop (True) or
+            another (False).
         bound: The one client to use instead.
         bound_as: What the caller gave: ``client`` or ``http_client`` (the
             `ConfigError`'s field).
@@ -300,7 +310,7 @@ class Clients(Generic[C]):
         self,
         owner: str,
         *,
-        build: Callable[[], C] | None = None,
+        build: Callable[[bool], C] | None = None,
         bound: C | None = None,
         bound_as: str = "client",
         owned: bool = False,
@@ -399,22 +409,36 @@ def max_connections(value: int | None, client: object | None,
     return value
 
 
-def http_client(verify: ssl.SSLContext, connections: int,
-                sdk_default: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
+@functools.cache
+def _aiohttp_installed() -> bool:
+    """Whether ``aiohttp`` (a dependency, installed unless told otherwise) is there."""
+    return importlib.util.find_spec("aiohttp") is not None
+
+
+def http_client(verify: ssl.SSLContext, connections: int, *, on_asyncio: bool,
+                sdk_default: Callable[..., httpx2.AsyncClient],
+                sdk_aiohttp: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
     """The HTTP client a provider builds for one event loop.
 
-    The SDK's default client (its timeout, redirects, TCP keep-alive) on a
-    `PooledTransport`, whose pool does the same work per request however many
-    are in flight (httpcore's walks every connection and queued request, see
-    ``_transport.py``); up to ``connections`` connections, all of them kept
-    alive between requests (a conversation's next turn reuses one instead of
-    opening another). Where the environment configures a proxy, the SDK's own
-    client (``sdk_default``), which speaks to proxies, with the same limits.
+    On asyncio, the SDK's own aiohttp client (``DefaultAioHttpClient``): the
+    cheapest per turn of the transports measured (docs/performance.md). On
+    another loop (trio, which aiohttp does not run on), or without
+    ``aiohttp`` installed, the SDK's default
+    client (its timeout, redirects, TCP keep-alive) on a `PooledTransport`,
+    whose pool does the same work per request however many are in flight
+    (httpcore's walks every connection and queued request each time). Either
+    opens up to ``connections`` connections and keeps them alive between
+    requests, so a conversation's next turn reuses one. Where the
+    environment configures a proxy (which neither of those speaks to), the
+    SDK's default client with the same limits.
     """
     limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
+    if proxy_configured():
+        return sdk_default(verify=verify, limits=limits)
+    if on_asyncio and _aiohttp_installed():
+        return sdk_aiohttp(verify=verify, limits=limits)
     client = flat_http_client(verify, limits=limits)
-    if client is None:
-        client = sdk_default(verify=verify, limits=limits)
+    assert client is not None  # None only with a proxy configured
     return client
 
 

@@ -302,14 +302,16 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
 
     @staticmethod
     def _builder(sdk_class: Any, client_kwargs: dict[str, Any],
-                 connections: int) -> Callable[[], openai.AsyncOpenAI]:
+                 connections: int) -> Callable[[bool], openai.AsyncOpenAI]:
         sdk = _import_openai()
         tls = shared_tls()
 
-        def build() -> openai.AsyncOpenAI:
+        def build(on_asyncio: bool) -> openai.AsyncOpenAI:
             built: openai.AsyncOpenAI = gate(sdk_class(
-                max_retries=0, http_client=http_client(tls(), connections,
-                                                       sdk.DefaultAsyncHttpxClient),
+                max_retries=0, http_client=http_client(
+                    tls(), connections, on_asyncio=on_asyncio,
+                    sdk_default=sdk.DefaultAsyncHttpxClient,
+                    sdk_aiohttp=sdk.DefaultAioHttpClient),
                 **client_kwargs))
             return built
 

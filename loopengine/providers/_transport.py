@@ -54,7 +54,8 @@ import anyio.lowlevel
 import httpcore2
 import httpx2
 
-__all__ = ["SDK_LIMITS", "SDK_TIMEOUT", "FlatPool", "PooledTransport", "flat_http_client"]
+__all__ = ["SDK_LIMITS", "SDK_TIMEOUT", "FlatPool", "PooledTransport", "flat_http_client",
+           "proxy_configured"]
 
 _Key = tuple[bytes, bytes, int]
 """An origin as a dict key: ``httpcore2.Origin`` defines ``__eq__`` without ``__hash__``."""
@@ -616,7 +617,7 @@ def _tcp_keepalive() -> list[httpcore2.SOCKET_OPTION]:
     return options
 
 
-def _proxy_configured() -> bool:
+def proxy_configured() -> bool:
     """Whether the environment sends http(s) through a proxy, as httpx2 reads it."""
     proxies = urllib.request.getproxies()
     return any(proxies.get(scheme) for scheme in ("http", "https", "all"))
@@ -647,7 +648,7 @@ def flat_http_client(
         settings): the transport does not speak to proxies, so the caller
         should build the SDK's default client instead.
     """
-    if _proxy_configured():
+    if proxy_configured():
         return None
     transport = PooledTransport(verify=verify, limits=limits, socket_options=_tcp_keepalive())
     return httpx2.AsyncClient(transport=transport, timeout=timeout, follow_redirects=True)

@@ -1,5 +1,6 @@
-"""The client a provider builds from keywords: the flat pool, its limits, and the
-``max_connections`` keyword, on both SDK providers."""
+"""The client a provider builds from keywords: the SDK's aiohttp client on asyncio,
+the flat pool on trio, the SDK's own transport behind a proxy, each with the
+``max_connections`` limit, on both SDK providers."""
 
 from __future__ import annotations
 
@@ -20,25 +21,60 @@ PROVIDERS = pytest.mark.parametrize("make", [
 ], ids=["anthropic", "openai"])
 
 
-def http_of(provider: Any) -> httpx2.AsyncClient:
-    """The httpx2 client under the provider's SDK client."""
-    client = provider.client._client
+def http_of(provider_or_client: Any) -> httpx2.AsyncClient:
+    """The httpx2 client under a provider's SDK client (or under an SDK client)."""
+    sdk = getattr(provider_or_client, "client", provider_or_client)
+    client = sdk._client
     assert isinstance(client, httpx2.AsyncClient)
     return client
 
 
+def transport_on(provider: Any, backend: str) -> Any:
+    """The transport of the client ``provider`` sends through on a loop of ``backend``."""
+    seen: list[Any] = []
+
+    async def main() -> None:
+        seen.append(http_of(await provider._clients.get())._transport)
+        await provider.aclose()
+
+    anyio.run(main, backend=backend)
+    return seen[0]
+
+
 @PROVIDERS
-def test_a_keyword_built_client_sends_through_the_flat_pool(make: Any) -> None:
-    transport = http_of(make())._transport
+def test_on_asyncio_a_keyword_built_client_sends_through_the_sdks_aiohttp_client(
+        make: Any) -> None:
+    transport = transport_on(make(), "asyncio")
+    assert type(transport).__name__ == "AiohttpTransport"
+    assert transport.limits.max_connections == DEFAULT_MAX_CONNECTIONS == 1000
+
+
+@PROVIDERS
+def test_on_trio_a_keyword_built_client_sends_through_the_flat_pool(make: Any) -> None:
+    transport = transport_on(make(), "trio")
     assert isinstance(transport, PooledTransport)
-    assert transport.pool.max_connections == DEFAULT_MAX_CONNECTIONS == 1000
+    assert transport.pool.max_connections == DEFAULT_MAX_CONNECTIONS
     assert transport.pool.max_keepalive_connections == DEFAULT_MAX_CONNECTIONS
 
 
 @PROVIDERS
-def test_max_connections_sets_the_pool_limit_and_keeps_every_connection_alive(make: Any) -> None:
-    pool = http_of(make(max_connections=5000))._transport.pool  # type: ignore[attr-defined]
+def test_max_connections_sets_the_limit_on_both_loops_and_keeps_every_connection_alive(
+        make: Any) -> None:
+    provider = make(max_connections=5000)
+    assert transport_on(provider, "asyncio").limits.max_connections == 5000
+    pool = transport_on(provider, "trio").pool
     assert (pool.max_connections, pool.max_keepalive_connections) == (5000, 5000)
+
+
+@PROVIDERS
+def test_one_provider_keeps_the_asyncio_client_it_built_first_for_asyncio(make: Any) -> None:
+    """The client built with the provider (for asyncio) is not spent on a trio run:
+    trio gets a flat-pool client of its own, and the next asyncio run the first."""
+    provider = make()
+    spare = provider.client
+    assert isinstance(transport_on(provider, "trio"), PooledTransport)
+    assert provider.client is spare
+    assert transport_on(provider, "asyncio") is http_of(spare)._transport
 
 
 @PROVIDERS
@@ -48,6 +84,7 @@ def test_a_configured_proxy_falls_back_to_the_sdk_transport_with_the_same_limits
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     client = http_of(make(max_connections=7))
     assert not isinstance(client._transport, PooledTransport)
+    assert type(client._transport).__name__ == "AsyncHTTPTransport"
     # The SDK's own client mounts its proxy transports; each has our limits.
     pools = [t._pool for t in client._mounts.values() if t is not None]  # type: ignore[attr-defined]
     assert pools and all(p._max_connections == 7 for p in pools)
@@ -75,7 +112,9 @@ def test_max_connections_with_a_client_or_http_client_is_refused() -> None:
         OpenAIProvider(api_key="k", http_client=httpx2.AsyncClient(), max_connections=10)
 
 
-def test_runs_beyond_max_connections_wait_for_a_connection_and_all_complete() -> None:
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_runs_beyond_max_connections_wait_for_a_connection_and_all_complete(
+        backend: str) -> None:
     """Twelve runs at once on a provider limited to three connections: every run
     completes on its first attempt, over at most three connections."""
     script = [Reply.text(f"answer {n}") for n in range(12)]
@@ -94,10 +133,13 @@ def test_runs_beyond_max_connections_wait_for_a_connection_and_all_complete() ->
                 async with anyio.create_task_group() as group:
                     for n in range(12):
                         group.start_soon(one, n)
-                pool = http_of(provider)._transport.pool  # type: ignore[attr-defined]
-                assert len(pool.connections) <= 3
+                transport: Any = http_of(provider)._transport
+                if backend == "trio":
+                    assert len(transport.pool.connections) <= 3
+                else:
+                    assert transport.client.connector.limit == 3
 
-        anyio.run(main)
+        anyio.run(main, backend=backend)
         assert len(server.requests) == 12
     assert [r.outcome for r in results] == [le.Outcome.COMPLETED] * 12
     assert all(r.attempts.count == 1 for r in results)
