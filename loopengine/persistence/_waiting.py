@@ -52,8 +52,23 @@ class Waiter:
             await self.event.wait()
 
 
-def _wake(waiters: list[Waiter]) -> None:
-    for waiter in waiters:
+WAKE_BATCH = 16
+"""Waiters woken per pass of an asyncio loop. One commit can release hundreds
+of runs at once; each then builds its next request or reads its reply, a few
+milliseconds of work. Woken all at once, they would all run in one pass of the
+loop, and every other task (a health check, a stream's next chunk) would wait
+for all of them; woken a batch per pass, the loop gets to its other work
+between batches, and the runs go on in the order they were committed."""
+
+
+def _wake(waiters: list[Waiter], start: int = 0) -> None:
+    end = len(waiters)
+    first = waiters[start] if start < end else None
+    if first is not None and first.loop is not None and end - start > WAKE_BATCH:
+        end = start + WAKE_BATCH
+        # The rest once the runs woken now have had their pass.
+        first.loop.call_soon(_wake, waiters, end)
+    for waiter in waiters[start:end]:
         if waiter.future is not None:
             if not waiter.future.done():  # done: its call was cancelled
                 waiter.future.set_result(None)
