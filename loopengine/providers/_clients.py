@@ -486,7 +486,7 @@ class SDKProvider(Generic[C]):
 
         For a provider built from keywords (without ``http_client``): the
         running event loop's client once it has sent, else the client the
-        next event loop to send will use.
+        next asyncio loop to send will use (a trio loop builds its own).
         """
         return self._clients.current()
 
