@@ -414,7 +414,7 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
               file=sys.stderr)
         for group in ("filename", "lineno"):
             print(f"\nmemory held at the peak, by {group}, per conversation:", file=sys.stderr)
-            for stat in snapshot[0].statistics(group)[:25]:
+            for stat in snapshot[0].statistics(group)[:40]:
                 print(f"{stat.size / n:>9.0f} B  {stat.count / n:>6.1f} blocks  "
                       f"{stat.traceback}", file=sys.stderr)
     if os.environ.get("BENCH_LATE"):
