@@ -211,12 +211,12 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             default 1,000, the SDK's own. A request in flight holds a
             connection (HTTP/1.1), so a process with more conversations
             waiting on the model at once raises it, and its open-file limit
-            with it. The client is the SDK's default one (timeout, redirects,
-            TCP keep-alive) on `PooledTransport`, whose pool does the same
-            work per request however many are in flight, every connection
-            kept alive between turns; where the environment configures a
-            proxy, the SDK's own transport with the same limits
-            (docs/performance.md).
+            with it. Every connection is kept alive between turns. The
+            client is the SDK's aiohttp one on asyncio, and on trio the
+            SDK's httpx one on `PooledTransport` (whose pool does the same
+            work per request however many are in flight); where the
+            environment configures a proxy, the SDK's own httpx client with
+            the same limits (docs/performance.md).
         **client_kwargs: Without ``client``: the keywords to build an
             ``AsyncOpenAI`` (``api_key``, ``base_url``, ``organization``...),
             or an ``AsyncAzureOpenAI`` when they include an Azure keyword
