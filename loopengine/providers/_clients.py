@@ -254,11 +254,21 @@ class ClientPerLoop(Generic[C]):
         return client
 
     async def aclose(self) -> None:
-        """Close the running loop's client (the next request builds another)."""
+        """Close the running loop's client, and the spare one no loop has claimed
+        (`current` hands it out, and code may have sent through it directly);
+        the next request builds another."""
         with self._lock:
             entry = self._clients.pop(running_loop(), None)
+            spare, self._spare = self._spare, None
         if entry is not None:
             await entry[1].aclose()
+        if spare is not None:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await spare.close()
+                except Exception:
+                    logger.warning("could not close the %s spare client", self._owner,
+                                   exc_info=True)
         self._forget_ended()
 
     def _forget_ended(self) -> None:
@@ -539,9 +549,10 @@ class SDKProvider(Generic[C]):
     async def aclose(self) -> None:
         """Close the client the provider built for the running event loop.
 
-        A provider built from keywords closes the running loop's client (a
-        later request builds another); one built on an ``http_client`` closes
-        that client. A ``client`` passed in is left open.
+        A provider built from keywords closes the running loop's client, and
+        the one `client` gives before any loop has sent (a later request
+        builds another); one built on an ``http_client`` closes that client.
+        A ``client`` passed in is left open.
         """
         await self._clients.aclose()
 

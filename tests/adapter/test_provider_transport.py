@@ -4,6 +4,7 @@ the flat pool on trio, the SDK's own transport behind a proxy, each with the
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import anyio
@@ -34,8 +35,8 @@ def transport_on(provider: Any, backend: str) -> Any:
     seen: list[Any] = []
 
     async def main() -> None:
+        # The loop's client is closed as the loop shuts down.
         seen.append(http_of(await provider._clients.get())._transport)
-        await provider.aclose()
 
     anyio.run(main, backend=backend)
     return seen[0]
@@ -143,3 +144,31 @@ def test_runs_beyond_max_connections_wait_for_a_connection_and_all_complete(
         assert len(server.requests) == 12
     assert [r.outcome for r in results] == [le.Outcome.COMPLETED] * 12
     assert all(r.attempts.count == 1 for r in results)
+
+
+def test_aclose_closes_the_spare_client_code_sent_through_directly() -> None:
+    """``provider.client`` outside a run is the spare client no loop has claimed;
+    a request sent through it directly opens its connections, and `aclose`
+    closes them (aiohttp warns about a session left open); the provider then
+    serves the next run on a client of its own."""
+    operation = le.Operation(name="t.spare", provider="anthropic", model="claude-sonnet-4-5")
+    with FakeAnthropicServer([Reply.text("direct"), Reply.text("run")]) as server:
+        provider = AnthropicProvider(api_key="k", base_url=server.url)
+        spare = provider.client
+
+        async def direct() -> str:
+            message = await spare.messages.create(
+                model="claude-sonnet-4-5", max_tokens=10,
+                messages=[{"role": "user", "content": "hi"}])
+            await provider.aclose()
+            return message.content[0].text  # type: ignore[union-attr]
+
+        assert asyncio.run(direct()) == "direct"
+        assert spare.is_closed()
+
+        async def run() -> le.RunResult:
+            return await le.Engine(provider).run(operation, "hi")
+
+        result = asyncio.run(run())
+        assert result.outcome is le.Outcome.COMPLETED and result.answer == "run"
+        assert provider.client is not spare
