@@ -210,9 +210,9 @@ class ClientPerLoop(Generic[C]):
         self._owner = owner
         self._lock = threading.Lock()
         # Built at once (for asyncio, the usual loop), so that a bad keyword
-        # fails when the provider is built; the next loop that sends claims it.
+        # fails when the provider is built; the next asyncio loop that sends
+        # claims it. The spare is always an asyncio loop's client.
         self._spare: C | None = build(True)
-        self._spare_asyncio = True
         self._clients: dict[object, tuple[C, AsyncGenerator[None, None]]] = {}
 
     def current(self) -> C:
@@ -226,7 +226,7 @@ class ClientPerLoop(Generic[C]):
             return entry[0]
         with self._lock:
             if self._spare is None:
-                self._spare, self._spare_asyncio = self._build(True), True
+                self._spare = self._build(True)
             return self._spare
 
     async def get(self) -> C:
@@ -238,11 +238,11 @@ class ClientPerLoop(Generic[C]):
         on_asyncio = isinstance(loop, asyncio.AbstractEventLoop)
         with self._lock:
             client: C | None = None
-            if self._spare is not None and self._spare_asyncio == on_asyncio:
+            if on_asyncio:
                 client, self._spare = self._spare, None
         if client is None:
-            # No spare of this loop's kind: a spare of the other kind stays
-            # for the next loop of that kind (it has opened nothing).
+            # No spare left, or a trio loop: the asyncio spare (which has
+            # opened nothing) stays for the next asyncio loop.
             client = self._build(on_asyncio)
         closer = self._close_with_loop(loop, client)
         with self._lock:
