@@ -6,8 +6,8 @@ until standard input ends; then it prints one JSON line of what it did
 (requests, most connections open at once, its own CPU seconds and wall
 seconds).
 
-It answers the five-turn tool conversation of bench/overhead.py: the model
-asks for the ``lookup`` tool four times, then answers in text. Which turn a
+It answers the five-turn tool conversation of bench/_conversation.py: the
+model asks for the ``lookup`` tool four times, then answers in text. Which turn a
 request is on is read off its body by counting the tool results it carries
 (``"tool_use_id"`` for the Messages API, ``"tool_call_id"`` for Chat
 Completions), so the server keeps no state per conversation and any number
@@ -29,39 +29,25 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-MODEL = "claude-sonnet-4-5"
-OPENAI_MODEL = "gpt-4.1-mini"
-TURNS = 5
-TOOL_TURNS = TURNS - 1
-ANSWER = "The values are 1, 2, 3 and 4."
-OUTPUT_TOKENS = 30
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def usage(turn: int) -> dict[str, int]:
-    """Usage that grows turn by turn, as a real conversation's does."""
-    return {"input_tokens": 40 + 80 * turn, "output_tokens": OUTPUT_TOKENS,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+from _conversation import (  # noqa: E402
+    ANSWER,
+    OPENAI_MODEL,
+    OUTPUT_TOKENS,
+    TOOL_TURNS,
+    TURNS,
+    messages,
+    usage,
+)
 
 
 def anthropic_bodies() -> list[bytes]:
     """The five Messages API replies, turn by turn."""
-    out = []
-    for turn in range(TURNS):
-        if turn < TOOL_TURNS:
-            content: list[dict[str, Any]] = [
-                {"type": "text", "text": "Let me look that up."},
-                {"type": "tool_use", "id": f"toolu_{turn:04d}", "name": "lookup",
-                 "input": {"key": "abcd"[turn]}}]
-            stop = "tool_use"
-        else:
-            content, stop = [{"type": "text", "text": ANSWER}], "end_turn"
-        out.append(json.dumps({
-            "id": f"msg_{turn:04d}", "type": "message", "role": "assistant", "model": MODEL,
-            "content": content, "stop_reason": stop, "stop_sequence": None,
-            "usage": usage(turn)}).encode())
-    return out
+    return [json.dumps(m).encode() for m in messages()]
 
 
 def openai_bodies() -> list[bytes]:

@@ -88,10 +88,18 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _conversation import (  # noqa: E402
+    ANSWER,
+    MODEL,
+    OPENAI_MODEL,
+    QUESTION,
+    TOOL_SCHEMA,
+    TURNS,
+    bare_run,
+    lookup,
+)
 from _cpu import process_cpu  # noqa: E402
-from _loopback import ANSWER, MODEL, OPENAI_MODEL, TURNS  # noqa: E402
 
-QUESTION = "What are the values of keys a, b, c and d?"
 TICK = 0.005
 RATE = 250.0
 PROFILE = Path(tempfile.gettempdir()) / "loopengine-concurrency.prof"
@@ -99,15 +107,6 @@ WARM_UP = 20
 CONTENDERS = ["bare", "loopengine", "sqlite", "openai-bare", "openai"]
 FLOOR = {"bare": "bare", "loopengine": "bare", "sqlite": "bare",
          "openai-bare": "openai-bare", "openai": "openai-bare"}
-TOOL_SCHEMA = {"type": "object", "properties": {"key": {"type": "string"}},
-               "required": ["key"]}
-
-
-async def lookup(key: str) -> str:
-    """Look a key up."""
-    return str("abcd".index(key) + 1)
-
-
 # -- the contenders (in the measuring process) --------------------------------------------------
 
 
@@ -182,23 +181,9 @@ def openai_client(url: str, transport: str, n: int) -> Any:
 def bare_anthropic(url: str, transport: str, n: int) -> Contender:
     """The floor: what a careful hand-written loop on the SDK does per turn."""
     client = anthropic_client(url, transport, n)
-    tools: list[Any] = [{"name": "lookup", "description": "Look a key up.",
-                         "input_schema": TOOL_SCHEMA}]
 
     async def run() -> str:
-        messages: list[Any] = [{"role": "user", "content": QUESTION}]
-        while True:
-            response = await client.messages.create(model=MODEL, max_tokens=1024,
-                                                    messages=messages, tools=tools)
-            messages.append({"role": "assistant", "content": response.content})
-            if response.stop_reason != "tool_use":
-                return "".join(b.text for b in response.content if b.type == "text")
-            results = []
-            for block in response.content:
-                if block.type == "tool_use":
-                    results.append({"type": "tool_result", "tool_use_id": block.id,
-                                    "content": await lookup(**block.input)})
-            messages.append({"role": "user", "content": results})
+        return await bare_run(client)
 
     return Contender(run, client.close)
 
@@ -332,18 +317,14 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
             # (modules, the SDK's types) leaves the collector's full passes.
             gc.freeze()
         lags: list[float] = []
-        late: list[tuple[float, float]] = []
         pauses: list[float] = []
         collecting = [0.0]
-
-        gc_spans: list[tuple[float, float, int]] = []
 
         def on_gc(phase: str, info: dict[str, int]) -> None:
             if phase == "start":
                 collecting[0] = time.perf_counter()
             else:
                 pauses.append(time.perf_counter() - collecting[0])
-                gc_spans.append((collecting[0], time.perf_counter(), info["generation"]))
 
         gc.callbacks.append(on_gc)
         if memory:
@@ -363,8 +344,6 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
                 expected = time.perf_counter() + TICK
                 await asyncio.sleep(TICK)
                 lags.append(max(0.0, time.perf_counter() - expected))
-                if lags[-1] > 0.02:
-                    late.append((expected, time.perf_counter()))
                 ticks += 1
                 if ticks % 10 == 0:
                     peak = max(peak, rss())
@@ -417,12 +396,6 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
             for stat in snapshot[0].statistics(group)[:40]:
                 print(f"{stat.size / n:>9.0f} B  {stat.count / n:>6.1f} blocks  "
                       f"{stat.traceback}", file=sys.stderr)
-    if os.environ.get("BENCH_LATE"):
-        for start, end in late:
-            in_gc = sum(min(end, b) - max(start, a) for a, b, _ in gc_spans
-                        if b > start and a < end)
-            gens = [g for a, b, g in gc_spans if b > start and a < end]
-            print(f"late {end - start:.3f}s gc {in_gc:.3f}s gens {gens}", file=sys.stderr)
     lags.sort()
     return {
         "name": name, "n": n, "wall": wall, "cpu_per_turn": cpu / (n * TURNS),

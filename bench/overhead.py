@@ -61,46 +61,21 @@ from typing import Any
 
 import anthropic
 import httpx2
+from _conversation import (
+    ANSWER,
+    MODEL,
+    OUTPUT_TOKENS,
+    QUESTION,
+    TOOL_TURNS,
+    TURNS,
+    bare_run,
+    lookup,
+    messages,
+)
 from _cpu import process_cpu
 
 import loopengine as le
 from loopengine.providers import AnthropicProvider
-
-MODEL = "claude-sonnet-4-5"
-QUESTION = "What are the values of keys a, b, c and d?"
-TURNS = 5
-TOOL_TURNS = TURNS - 1
-ANSWER = "The values are 1, 2, 3 and 4."
-OUTPUT_TOKENS = 30
-
-
-def usage(turn: int) -> dict[str, int]:
-    """Usage that grows turn by turn, as a real conversation's does (so no price is
-    ever computed twice for the same counts)."""
-    return {"input_tokens": 40 + 80 * turn, "output_tokens": OUTPUT_TOKENS,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 1000 * turn}
-TOOL_SCHEMA = {"type": "object", "properties": {"key": {"type": "string"}},
-               "required": ["key"]}
-
-
-def _messages() -> list[dict[str, Any]]:
-    """The model's five messages."""
-    out = []
-    for turn in range(TURNS):
-        if turn < TOOL_TURNS:
-            content: list[dict[str, Any]] = [
-                {"type": "text", "text": "Let me look that up."},
-                {"type": "tool_use", "id": f"toolu_{turn:04d}", "name": "lookup",
-                 "input": {"key": "abcd"[turn]}},
-            ]
-            stop = "tool_use"
-        else:
-            content, stop = [{"type": "text", "text": ANSWER}], "end_turn"
-        out.append({
-            "id": f"msg_{turn:04d}", "type": "message", "role": "assistant", "model": MODEL,
-            "content": content, "stop_reason": stop, "stop_sequence": None, "usage": usage(turn),
-        })
-    return out
 
 
 def _sse(message: dict[str, Any]) -> bytes:
@@ -127,8 +102,8 @@ def _sse(message: dict[str, Any]) -> bytes:
     return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
 
 
-BODIES = [json.dumps(m).encode() for m in _messages()]
-STREAMS = [_sse(m) for m in _messages()]
+BODIES = [json.dumps(m).encode() for m in messages()]
+STREAMS = [_sse(m) for m in messages()]
 HEADERS = {"content-type": "application/json", "request-id": "req_bench"}
 SSE_HEADERS = {"content-type": "text/event-stream", "request-id": "req_bench"}
 
@@ -155,11 +130,6 @@ def make_client() -> anthropic.AsyncAnthropic:
     )
 
 
-async def lookup(key: str) -> str:
-    """Look a key up."""
-    return str("abcd".index(key) + 1)
-
-
 # -- the contenders ------------------------------------------------------------------------
 
 Conversation = Callable[[], Awaitable[str]]
@@ -181,23 +151,9 @@ class Contender:
 async def bare_loop() -> Contender:
     """The floor: what a careful hand-written loop on the SDK does per turn."""
     client = make_client()
-    tools: list[Any] = [{"name": "lookup", "description": "Look a key up.",
-                         "input_schema": TOOL_SCHEMA}]
 
     async def run() -> str:
-        messages: list[Any] = [{"role": "user", "content": QUESTION}]
-        while True:
-            response = await client.messages.create(model=MODEL, max_tokens=1024,
-                                                    messages=messages, tools=tools)
-            messages.append({"role": "assistant", "content": response.content})
-            if response.stop_reason != "tool_use":
-                return "".join(b.text for b in response.content if b.type == "text")
-            results = []
-            for block in response.content:
-                if block.type == "tool_use":
-                    results.append({"type": "tool_result", "tool_use_id": block.id,
-                                    "content": await lookup(**block.input)})  # type: ignore[arg-type]
-            messages.append({"role": "user", "content": results})
+        return await bare_run(client)
 
     return Contender("bare SDK loop (floor)", run, client.close)
 
