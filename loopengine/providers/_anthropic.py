@@ -262,8 +262,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             return gate(anthropic.AsyncAnthropic(
                 max_retries=0, http_client=http_client(
                     tls(), connections, on_asyncio=on_asyncio,
-                    sdk_default=anthropic.DefaultAsyncHttpxClient,
-                    sdk_aiohttp=anthropic.DefaultAioHttpClient),
+                    sdk_default=anthropic.DefaultAsyncHttpxClient),
                 **client_kwargs))
 
         return build

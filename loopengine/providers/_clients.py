@@ -426,12 +426,16 @@ def _aiohttp_installed() -> bool:
 
 
 def http_client(verify: ssl.SSLContext, connections: int, *, on_asyncio: bool,
-                sdk_default: Callable[..., httpx2.AsyncClient],
-                sdk_aiohttp: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
+                sdk_default: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
     """The HTTP client a provider builds for one event loop.
 
-    On asyncio, the SDK's own aiohttp client (``DefaultAioHttpClient``): the
-    cheapest per turn of the transports measured (docs/performance.md). On
+    On asyncio, the ``anthropic`` SDK's aiohttp client (``DefaultAioHttpClient``,
+    an ``httpx2`` client, which the ``openai`` SDK takes as well): the cheapest
+    per turn of the transports measured (docs/performance.md). It is the
+    ``anthropic`` one for both SDKs because the ``openai`` SDK's copy of that
+    transport maps every aiohttp connection error to a connect *timeout* (a
+    refused or reset connection would be classified ``timeout``), where the
+    ``anthropic`` copy maps them to ``httpx2.ConnectError``. On
     another loop (trio, which aiohttp does not run on), or without
     ``aiohttp`` installed, the SDK's default
     client (its timeout, redirects, TCP keep-alive) on a `PooledTransport`,
@@ -446,7 +450,11 @@ def http_client(verify: ssl.SSLContext, connections: int, *, on_asyncio: bool,
     if proxy_configured():
         return sdk_default(verify=verify, limits=limits)
     if on_asyncio and _aiohttp_installed():
-        return sdk_aiohttp(verify=verify, limits=limits)
+        import anthropic
+
+        aiohttp_client: httpx2.AsyncClient = anthropic.DefaultAioHttpClient(
+            verify=verify, limits=limits)
+        return aiohttp_client
     client = flat_http_client(verify, limits=limits)
     assert client is not None  # None only with a proxy configured
     return client

@@ -212,8 +212,9 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             connection (HTTP/1.1), so a process with more conversations
             waiting on the model at once raises it, and its open-file limit
             with it. Every connection is kept alive between turns. The
-            client is the SDK's aiohttp one on asyncio, and on trio the
-            SDK's httpx one on `PooledTransport` (whose pool does the same
+            client is on asyncio the aiohttp one of the ``anthropic`` SDK
+            (whose transport classifies connection errors as such), and on
+            trio the SDK's httpx one on `PooledTransport` (whose pool does the same
             work per request however many are in flight); where the
             environment configures a proxy, the SDK's own httpx client with
             the same limits (docs/performance.md).
@@ -310,8 +311,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             built: openai.AsyncOpenAI = gate(sdk_class(
                 max_retries=0, http_client=http_client(
                     tls(), connections, on_asyncio=on_asyncio,
-                    sdk_default=sdk.DefaultAsyncHttpxClient,
-                    sdk_aiohttp=sdk.DefaultAioHttpClient),
+                    sdk_default=sdk.DefaultAsyncHttpxClient),
                 **client_kwargs))
             return built
 

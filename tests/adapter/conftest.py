@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx2
 import pytest
 
 import loopengine as le
@@ -37,9 +36,8 @@ class Harness:
     def provider(self, *, stream: bool = False, **kwargs: Any) -> AnthropicProvider:
         """A provider on the server; closed when the test ends."""
         kwargs.setdefault("base_url", self.server.url)
-        # The loopback server speaks plain HTTP: a client without certificate
-        # loading builds in a millisecond instead of tens.
-        kwargs.setdefault("http_client", httpx2.AsyncClient(verify=False))
+        # Built from keywords, as a user builds it: the requests go through the
+        # client a provider makes itself (on asyncio, the SDK's aiohttp one).
         provider = AnthropicProvider(api_key="test-key", stream=stream, **kwargs)
         self._providers.append(provider)
         return provider

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from decimal import Decimal
 from typing import Any
 
-import httpx2
 import pytest
 
 import loopengine as le
@@ -45,8 +44,8 @@ class OpenAIHarness(Harness):
     def provider(self, *, stream: bool = False, **kwargs: Any) -> OpenAIProvider:  # type: ignore[override]
         """A provider on the server; closed when the test ends."""
         kwargs.setdefault("base_url", self.server.base_url)
-        # Plain HTTP on loopback: a client that loads no certificates.
-        kwargs.setdefault("http_client", httpx2.AsyncClient(verify=False))
+        # Built from keywords, as a user builds it: the requests go through the
+        # client a provider makes itself (on asyncio, the SDK's aiohttp one).
         provider = OpenAIProvider(api_key="test-key", stream=stream, **kwargs)
         self._providers.append(provider)  # type: ignore[arg-type]
         return provider
