@@ -477,7 +477,7 @@ class _Checkpointer:
 # -- the child process ----------------------------------------------------------------
 
 
-def run_batches(writer: Writer, ops: list[Op], max_batch: int) -> list[tuple[int, str]]:
+def run_batches(writer: Any, ops: list[Op], max_batch: int) -> list[tuple[int, str]]:
     """Commit ``ops`` in transactions of at most ``max_batch``; return the refused
     durable ops."""
     refused: list[tuple[int, str]] = []
@@ -486,26 +486,41 @@ def run_batches(writer: Writer, ops: list[Op], max_batch: int) -> list[tuple[int
     return refused
 
 
-def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int) -> int:
-    """The child process: read op frames, commit them, answer with ack frames.
-
-    An ack is ``(done_through, refused, commits, writes)`` after each commit;
-    the first one, ``(0, [], 0, 0)``, says the writer is open. A failure to
-    open (or any later failure of the writer itself) is one frame
-    ``(-1, message)`` before the process exits. The writer stops after a STOP
-    op or at the end of its input (the ledger's process ended, however it
-    ended), having committed everything it received.
-    """
-    # Terminal signals go to the whole process group: the writer outlives
-    # them so that the ledger can still commit and stop it in order.
+def ignore_terminal_signals() -> None:
+    """Terminal signals go to the whole process group: a writer process outlives
+    them so that the ledger can still commit and stop it in order."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+
+
+def refuse_to_start(acks_fd: int, message: str) -> int:
+    """Say why the writer could not open (one ``(-1, message)`` frame); the exit code."""
+    os.write(acks_fd, frame((-1, message)))
+    return 1
+
+
+def serve_process(settings: Settings, max_batch: int, ops_fd: int, acks_fd: int) -> int:
+    """The child process of `SQLiteLedger`: open the file's writer, then `serve`."""
+    ignore_terminal_signals()
     writer = Writer(settings)
     try:
         writer.open()
     except (sqlite3.Error, Refused) as error:
-        os.write(acks_fd, frame((-1, f"cannot open the ledger: {error}")))
-        return 1
+        return refuse_to_start(acks_fd, f"cannot open the ledger: {error}")
+    return serve(writer, max_batch, ops_fd, acks_fd)
+
+
+def serve(writer: Any, max_batch: int, ops_fd: int, acks_fd: int) -> int:
+    """A writer process's loop, for any store's writer (opened already): read op
+    frames, commit them, answer with ack frames.
+
+    An ack is ``(done_through, refused, commits, writes)`` after each commit;
+    the first one, ``(0, [], 0, 0)``, says the writer is open. A failure to
+    open (`refuse_to_start`, or any later failure of the writer itself) is one
+    frame ``(-1, message)`` before the process exits. The writer stops after a
+    STOP op or at the end of its input (the ledger's process ended, however
+    it ended), having committed everything it received.
+    """
     os.set_blocking(acks_fd, False)
     # Acks the ledger has not read yet wait here, in order, rather than block
     # the writer; it looks for room whenever it waits for ops.
