@@ -18,7 +18,7 @@ import pytest
 
 import loopengine as le
 from loopengine.persistence import Ledger, MemoryLedger, PostgresLedger, SQLiteLedger
-from loopengine.persistence._sqlite import WriterKind
+from loopengine.persistence._piped import WriterKind
 from loopengine.providers import ProviderRequest, ProviderResponse, Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
@@ -28,17 +28,18 @@ from .postgres_support import PostgresServer, fresh_schema
 
 FAST = le.RetryPolicy(max_attempts=7, initial_wait=0.001, max_wait=0.001)
 
-STORES = ["memory", "process", "thread", "postgres"]
-"""MemoryLedger, SQLiteLedger with each writer, PostgresLedger."""
+STORES = ["memory", "process", "thread", "postgres", "postgres-thread"]
+"""MemoryLedger, SQLiteLedger with each writer, PostgresLedger with each writer."""
 
 
 def open_store(request: pytest.FixtureRequest, store: str, tmp_path: Path) -> Ledger:
     """A new, empty ledger of ``store`` (closed by the test's teardown)."""
     if store == "memory":
         return MemoryLedger()
-    if store == "postgres":
+    if store.startswith("postgres"):
         server: PostgresServer = request.getfixturevalue("postgres_server")
-        postgres = PostgresLedger(server.dsn(), schema=fresh_schema())
+        kind: WriterKind = "thread" if store == "postgres-thread" else "process"
+        postgres = PostgresLedger(server.dsn(), schema=fresh_schema(), writer=kind)
         request.addfinalizer(postgres.close)
         return postgres
     sqlite_ledger = SQLiteLedger(tmp_path / "ledger.db", writer=cast(WriterKind, store))
@@ -49,7 +50,7 @@ def open_store(request: pytest.FixtureRequest, store: str, tmp_path: Path) -> Le
 
 @pytest.fixture(params=STORES)
 def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
-    """Each ledger implementation in turn (SQLite with each writer, PostgreSQL)."""
+    """Each ledger implementation in turn (SQLite and PostgreSQL with each writer)."""
     yield open_store(request, request.param, tmp_path)
 
 

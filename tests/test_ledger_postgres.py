@@ -233,6 +233,67 @@ def test_bad_arguments_are_refused(bad: dict[str, Any]) -> None:
         PostgresLedger(dsn, **bad)
 
 
+async def test_invocation_rows_have_room_on_their_pages_for_their_updates(
+    make_ledger: Factory,
+) -> None:
+    """Migration 5: invocations keep half of each page free (fillfactor 50), so the
+    two updates of an invocation's totals per attempt can stay on its page
+    (heap-only: no index entry each); attempts, updated once each, stay packed."""
+    ledger = make_ledger()
+    await ledger.open()
+    assert query(ledger, "SELECT relname, reloptions FROM pg_class WHERE oid IN "
+                 "('invocations'::regclass, 'attempts'::regclass) ORDER BY relname") == [
+        ("attempts", None), ("invocations", ["fillfactor=50"])]
+
+
+def test_the_writer_is_a_child_process_that_is_never_given_the_password_on_its_command_line(
+    postgres_server: PostgresServer, make_ledger: Factory,
+) -> None:
+    """By default the ledger's writer is a child process (its own interpreter lock,
+    beside the event loop); its settings, the connection string with its password
+    among them, reach it through a pipe, never on its command line."""
+    ledger = make_ledger(dsn=postgres_server.dsn() + " password=s3cret-pw")
+    assert ledger.writer is None and ledger.writer_pid is None  # not started yet
+
+    async def main() -> None:
+        await ledger.start_invocation(start())
+        await ledger.end_invocation(end())
+
+    anyio.run(main)
+    pid = ledger.writer_pid
+    assert ledger.writer == "process" and pid is not None and pid != os.getpid()
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert any(arg.endswith(b"_postgres_writer.py") for arg in argv)
+    assert b"s3cret-pw" not in b" ".join(argv)
+    assert query(ledger, "SELECT outcome FROM invocations") == [("completed",)]
+
+
+def test_a_writer_process_that_cannot_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    make_ledger: Factory,
+) -> None:
+    """A writer process that exits before it is ready: ``writer="process"`` raises
+    LedgerError when the ledger opens; the default falls back to a thread (which
+    writes the same rows) and says so in the log."""
+    from loopengine.persistence import _postgres
+
+    broken = tmp_path / "broken_writer.py"
+    broken.write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.setattr(_postgres, "_WRITER_FILE", str(broken))
+    strict, fallback = make_ledger(writer="process"), make_ledger()
+
+    async def main() -> None:
+        with pytest.raises(le.LedgerError, match="exited with code 3"):
+            await strict.open()
+        await fallback.start_invocation(start())
+        await fallback.end_invocation(end())
+
+    anyio.run(main)
+    assert fallback.writer == "thread" and fallback.writer_pid is None
+    assert "writing from a thread instead" in caplog.text
+    assert query(fallback, "SELECT outcome FROM invocations") == [("completed",)]
+
+
 # -- when writes are committed --------------------------------------------------------------
 
 

@@ -477,7 +477,8 @@ async def test_migration_4_keeps_every_attempt_row_and_allows_the_wrap_up_phase(
         await ledger.dispatch_attempt(replace(dispatch(1, "inv-2"), phase="wrap_up"))
         await ledger.end_invocation(end("inv-2"))
     conn = sqlite3.connect(path)
-    assert conn.execute("SELECT MAX(version) FROM loopengine_schema").fetchone()[0] == 4
+    version = conn.execute("SELECT MAX(version) FROM loopengine_schema").fetchone()[0]
+    assert version == SCHEMA_VERSION
     assert conn.execute("SELECT * FROM attempts WHERE invocation_id = 'inv-1'").fetchall() \
         == before
     assert conn.execute("SELECT phase FROM attempts WHERE invocation_id = 'inv-2'").fetchall() \

@@ -130,11 +130,21 @@ _WRAP_UP_PHASE = (
     "'wrap_up'))",
 )
 
+# Every attempt updates its invocation's totals twice (its dispatch, its
+# settle). PostgreSQL writes each update as a new version of the row; with
+# room on the row's page it is a heap-only tuple (HOT: no index touched, the
+# old version pruned in place), and without it the row moves and all three
+# indexes of invocations get a new entry. A half-full page keeps that room
+# (measured: the totals' update cost 36-43 µs per attempt at the default
+# fillfactor of 100, 15-20 µs at 50). Pages written before keep their layout.
+_INVOCATION_ROOM = ("ALTER TABLE invocations SET (fillfactor = 50)",)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "invocations and attempts", _CREATE_TABLES),
     Migration(2, "invocation indexes for period and reconciliation queries", _AUDIT_INDEXES),
     Migration(3, "credit accounts and their journal", _ACCOUNTS),
     Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
+    Migration(5, "room beside each invocation row for its updates", _INVOCATION_ROOM),
 )
 """The schema's history, oldest first: the SQLite history's steps, step for step."""
 

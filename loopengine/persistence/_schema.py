@@ -173,6 +173,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "invocation indexes for period and reconciliation queries", _AUDIT_INDEXES),
     Migration(3, "credit accounts and their journal", _ACCOUNTS),
     Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
+    # PostgreSQL leaves room on each invocation's page for the new versions of
+    # its row (_postgres_schema); SQLite updates rows in place: nothing to do.
+    Migration(5, "room beside each invocation row for its updates", ()),
 )
 """The schema's history, oldest first."""
 
