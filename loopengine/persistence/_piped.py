@@ -471,7 +471,10 @@ class PipedLedger(CommitWaits):
         self._check_process()
         channel = self._channel
         with self._lock:
-            channel.poll()
+            # The pipe is not read here: the write was sent a moment ago, so its
+            # report is seldom there yet, and a read that finds nothing is a
+            # system call per wait. What is there wakes the loop's watch of the
+            # pipe at once (it reports readiness, not changes).
             if self._done >= number:
                 return
             if self._broken is not None:

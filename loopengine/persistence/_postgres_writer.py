@@ -31,18 +31,11 @@ if TYPE_CHECKING or __package__:
     from loopengine.persistence import _planner, _writer
 else:
     # Run by path as the ledger's writer process (`main`), where loopengine may
-    # not be importable: load the writer's loop (and with it the planner) by path.
-    import importlib.util
+    # not be importable: the writer's loop beside this file, found last on the
+    # path (so nothing installed is shadowed), loads the planner by its path.
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+    import _writer
 
-    def _load_sibling(name: str) -> Any:
-        spec = importlib.util.spec_from_file_location(
-            name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-        return module
-
-    _writer = _load_sibling("_writer")
     _planner = _writer._planner
 
 if TYPE_CHECKING:
