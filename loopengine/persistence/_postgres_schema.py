@@ -1,7 +1,8 @@
 """The ledger's PostgreSQL schema and its migrations.
 
-The same tables and column names as the SQLite schema (`_schema`), in the
-same order, with PostgreSQL's types (DESIGN.md §7b): ``text`` for ids and
+The same tables, column names, constraints and indexes as the SQLite schema:
+the very statements of `_schema` (`_schema.TABLES`), rendered with
+PostgreSQL's types (DESIGN.md §7b, `POSTGRES_TYPES`): ``text`` for ids and
 names, ``bigint`` for counts, tokens, nano-USD and credits, ``smallint`` 0/1
 for flags (so the audit's ``SUM(...)`` queries read both stores alike) and
 ``timestamptz`` for times.
@@ -17,110 +18,31 @@ neither a half-applied step nor a held lock.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Final
 
 import psycopg
 
 from loopengine._errors import LedgerError
-from loopengine.persistence._schema import SCHEMA_TABLE, Migration, _newer
+from loopengine.persistence._schema import (
+    ACCOUNT_TABLES,
+    AUDIT_INDEXES,
+    SCHEMA_TABLE,
+    TABLES,
+    Migration,
+    _newer,
+    render,
+)
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "column_type", "migrate", "schema_version"]
 
-_CREATE_TABLES = (
-    """CREATE TABLE invocations (
-        id text PRIMARY KEY,
-        operation text NOT NULL,
-        operation_version text NOT NULL,
-        provider text NOT NULL,
-        model text NOT NULL,
-        tenant text,
-        user_id text,
-        feature text,
-        correlation_id text,
-        started_at timestamptz NOT NULL,
-        ended_at timestamptz,
-        outcome text NOT NULL DEFAULT 'running',
-        turns bigint NOT NULL DEFAULT 0,
-        tool_calls bigint NOT NULL DEFAULT 0,
-        attempt_count bigint NOT NULL DEFAULT 0,
-        attempts_retained bigint NOT NULL DEFAULT 0,
-        incomplete smallint NOT NULL DEFAULT 0 CHECK (incomplete IN (0, 1)),
-        input_tokens bigint NOT NULL DEFAULT 0,
-        output_tokens bigint NOT NULL DEFAULT 0,
-        cache_read_tokens bigint NOT NULL DEFAULT 0,
-        cache_write_tokens bigint NOT NULL DEFAULT 0,
-        cache_write_1h_tokens bigint NOT NULL DEFAULT 0,
-        cost_nanousd bigint NOT NULL DEFAULT 0,
-        provider_cost_nanousd bigint NOT NULL DEFAULT 0,
-        credits bigint NOT NULL DEFAULT 0
-    )""",
-    """CREATE TABLE attempts (
-        invocation_id text NOT NULL REFERENCES invocations (id),
-        ordinal bigint NOT NULL,
-        turn bigint NOT NULL,
-        attempt bigint NOT NULL,
-        phase text NOT NULL
-            CHECK (phase IN ('turn', 'repair', 'continuation', 'fallback')),
-        served_by text NOT NULL,
-        started_at timestamptz NOT NULL,
-        latency_ms bigint,
-        outcome text NOT NULL DEFAULT 'dispatched'
-            CHECK (outcome IN ('dispatched', 'ok', 'error', 'aborted')),
-        fault text,
-        aborted_reason text,
-        http_status bigint,
-        error_code text,
-        input_tokens bigint,
-        output_tokens bigint,
-        cache_read_tokens bigint,
-        cache_write_tokens bigint,
-        cache_write_1h_tokens bigint,
-        usage_approx smallint NOT NULL DEFAULT 0 CHECK (usage_approx IN (0, 1)),
-        cost_nanousd bigint,
-        charged smallint NOT NULL DEFAULT 0 CHECK (charged IN (0, 1)),
-        price_ref text,
-        response_id text,
-        request_id text,
-        stop_reason text,
-        max_tokens bigint NOT NULL,
-        timeout_ms bigint NOT NULL,
-        wait_ms bigint NOT NULL,
-        PRIMARY KEY (invocation_id, ordinal)
-    )""",
-)
+POSTGRES_TYPES: Final = {"INTEGER": "bigint", "FLAG": "smallint", "TIME": "timestamptz",
+                         "SERIAL": "bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY"}
+"""PostgreSQL's spelling of the tables' types (`_schema.render`)."""
 
-_AUDIT_INDEXES = (
-    "CREATE INDEX invocations_started_at ON invocations (started_at)",
-    "CREATE INDEX invocations_running ON invocations (id) WHERE outcome = 'running'",
-)
-
-_ACCOUNTS = (
-    """CREATE TABLE accounts (
-        account text PRIMARY KEY,
-        granted bigint NOT NULL DEFAULT 0,
-        spent bigint NOT NULL DEFAULT 0,
-        reserved bigint NOT NULL DEFAULT 0,
-        updated_at timestamptz NOT NULL
-    )""",
-    """CREATE TABLE account_entries (
-        id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-        account text NOT NULL,
-        at timestamptz NOT NULL,
-        kind text NOT NULL
-            CHECK (kind IN ('grant', 'reserve', 'settle', 'release', 'expire')),
-        credits bigint NOT NULL CHECK (credits >= 0),
-        invocation_id text,
-        note text,
-        expires_at timestamptz,
-        credits_per_usd text,
-        credit_quantum bigint
-    )""",
-    "CREATE INDEX account_entries_invocation ON account_entries (invocation_id) "
-    "WHERE invocation_id IS NOT NULL",
-    "CREATE INDEX account_entries_reserved ON account_entries (account, expires_at) "
-    "WHERE kind = 'reserve'",
-)
+_CREATE_TABLES = render(TABLES, POSTGRES_TYPES)
+_ACCOUNTS = render(ACCOUNT_TABLES, POSTGRES_TYPES)
 
 # A wrap-up turn's attempts (DESIGN.md §12) have the phase ``wrap_up``: where
 # SQLite rebuilds the table, PostgreSQL replaces the constraint.
@@ -141,7 +63,7 @@ _INVOCATION_ROOM = ("ALTER TABLE invocations SET (fillfactor = 50)",)
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "invocations and attempts", _CREATE_TABLES),
-    Migration(2, "invocation indexes for period and reconciliation queries", _AUDIT_INDEXES),
+    Migration(2, "invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
     Migration(3, "credit accounts and their journal", _ACCOUNTS),
     Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
     Migration(5, "room beside each invocation row for its updates", _INVOCATION_ROOM),
@@ -151,13 +73,10 @@ MIGRATIONS: tuple[Migration, ...] = (
 SCHEMA_VERSION = MIGRATIONS[-1].version
 """The version this code writes and reads."""
 
-_TEXT: Final = frozenset((
-    "id", "invocation_id", "operation", "operation_version", "provider", "model", "tenant",
-    "user_id", "feature", "correlation_id", "outcome", "phase", "served_by", "fault",
-    "aborted_reason", "error_code", "price_ref", "response_id", "request_id", "stop_reason",
-))
-_FLAGS: Final = frozenset(("incomplete", "usage_approx", "charged"))
-_TIMES: Final = frozenset(("started_at", "ended_at"))
+_COLUMN_KINDS: Final = {
+    column: kind for statement in TABLES
+    for column, kind in re.findall(r"^\s+(\w+) (TEXT|\{\w+\})", statement, re.MULTILINE)}
+"""Each column of ``invocations`` and ``attempts``: ``TEXT`` or its type's placeholder."""
 
 # Two keys for the advisory lock: this constant ("le" "dg" in ASCII) and the
 # schema's name hashed, so that ledgers in other schemas migrate independently.
@@ -166,13 +85,8 @@ _LOCK_CLASS: Final = 0x6C65_6467
 
 def column_type(column: str) -> str:
     """The PostgreSQL type of a column of ``invocations`` or ``attempts``."""
-    if column in _TEXT:
-        return "text"
-    if column in _FLAGS:
-        return "smallint"
-    if column in _TIMES:
-        return "timestamptz"
-    return "bigint"
+    kind = _COLUMN_KINDS[column]
+    return "text" if kind == "TEXT" else POSTGRES_TYPES[kind.strip("{}")]
 
 
 def schema_version(conn: psycopg.Connection[tuple[object, ...]]) -> int | None:

@@ -13,9 +13,10 @@ or dropped, because audit tools read them by name.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Final
 
 from loopengine._errors import LedgerError
 
@@ -49,7 +50,11 @@ class Migration:
     statements: Sequence[str]
 
 
-_CREATE_TABLES = (
+# The tables, written once for both stores: each column's type is a
+# placeholder that `render` fills with the dialect's type (`SQLITE_TYPES`
+# here; PostgreSQL's in _postgres_schema), so both stores have the same
+# tables, columns, constraints and indexes.
+TABLES = (
     """CREATE TABLE invocations (
         id TEXT PRIMARY KEY NOT NULL,
         operation TEXT NOT NULL,
@@ -60,22 +65,22 @@ _CREATE_TABLES = (
         user_id TEXT,
         feature TEXT,
         correlation_id TEXT,
-        started_at TEXT NOT NULL,
-        ended_at TEXT,
+        started_at {TIME} NOT NULL,
+        ended_at {TIME},
         outcome TEXT NOT NULL DEFAULT 'running',
-        turns INTEGER NOT NULL DEFAULT 0,
-        tool_calls INTEGER NOT NULL DEFAULT 0,
-        attempt_count INTEGER NOT NULL DEFAULT 0,
-        attempts_retained INTEGER NOT NULL DEFAULT 0,
-        incomplete INTEGER NOT NULL DEFAULT 0 CHECK (incomplete IN (0, 1)),
-        input_tokens INTEGER NOT NULL DEFAULT 0,
-        output_tokens INTEGER NOT NULL DEFAULT 0,
-        cache_read_tokens INTEGER NOT NULL DEFAULT 0,
-        cache_write_tokens INTEGER NOT NULL DEFAULT 0,
-        cache_write_1h_tokens INTEGER NOT NULL DEFAULT 0,
-        cost_nanousd INTEGER NOT NULL DEFAULT 0,
-        provider_cost_nanousd INTEGER NOT NULL DEFAULT 0,
-        credits INTEGER NOT NULL DEFAULT 0
+        turns {INTEGER} NOT NULL DEFAULT 0,
+        tool_calls {INTEGER} NOT NULL DEFAULT 0,
+        attempt_count {INTEGER} NOT NULL DEFAULT 0,
+        attempts_retained {INTEGER} NOT NULL DEFAULT 0,
+        incomplete {FLAG} NOT NULL DEFAULT 0 CHECK (incomplete IN (0, 1)),
+        input_tokens {INTEGER} NOT NULL DEFAULT 0,
+        output_tokens {INTEGER} NOT NULL DEFAULT 0,
+        cache_read_tokens {INTEGER} NOT NULL DEFAULT 0,
+        cache_write_tokens {INTEGER} NOT NULL DEFAULT 0,
+        cache_write_1h_tokens {INTEGER} NOT NULL DEFAULT 0,
+        cost_nanousd {INTEGER} NOT NULL DEFAULT 0,
+        provider_cost_nanousd {INTEGER} NOT NULL DEFAULT 0,
+        credits {INTEGER} NOT NULL DEFAULT 0
     )""",
     # A rowid table, not WITHOUT ROWID: rows are appended in dispatch order
     # (a few hot pages per commit), where keying the rows by a random
@@ -83,35 +88,35 @@ _CREATE_TABLES = (
     # at twice the write throughput.
     """CREATE TABLE attempts (
         invocation_id TEXT NOT NULL REFERENCES invocations (id),
-        ordinal INTEGER NOT NULL,
-        turn INTEGER NOT NULL,
-        attempt INTEGER NOT NULL,
+        ordinal {INTEGER} NOT NULL,
+        turn {INTEGER} NOT NULL,
+        attempt {INTEGER} NOT NULL,
         phase TEXT NOT NULL
             CHECK (phase IN ('turn', 'repair', 'continuation', 'fallback')),
         served_by TEXT NOT NULL,
-        started_at TEXT NOT NULL,
-        latency_ms INTEGER,
+        started_at {TIME} NOT NULL,
+        latency_ms {INTEGER},
         outcome TEXT NOT NULL DEFAULT 'dispatched'
             CHECK (outcome IN ('dispatched', 'ok', 'error', 'aborted')),
         fault TEXT,
         aborted_reason TEXT,
-        http_status INTEGER,
+        http_status {INTEGER},
         error_code TEXT,
-        input_tokens INTEGER,
-        output_tokens INTEGER,
-        cache_read_tokens INTEGER,
-        cache_write_tokens INTEGER,
-        cache_write_1h_tokens INTEGER,
-        usage_approx INTEGER NOT NULL DEFAULT 0 CHECK (usage_approx IN (0, 1)),
-        cost_nanousd INTEGER,
-        charged INTEGER NOT NULL DEFAULT 0 CHECK (charged IN (0, 1)),
+        input_tokens {INTEGER},
+        output_tokens {INTEGER},
+        cache_read_tokens {INTEGER},
+        cache_write_tokens {INTEGER},
+        cache_write_1h_tokens {INTEGER},
+        usage_approx {FLAG} NOT NULL DEFAULT 0 CHECK (usage_approx IN (0, 1)),
+        cost_nanousd {INTEGER},
+        charged {FLAG} NOT NULL DEFAULT 0 CHECK (charged IN (0, 1)),
         price_ref TEXT,
         response_id TEXT,
         request_id TEXT,
         stop_reason TEXT,
-        max_tokens INTEGER NOT NULL,
-        timeout_ms INTEGER NOT NULL,
-        wait_ms INTEGER NOT NULL,
+        max_tokens {INTEGER} NOT NULL,
+        timeout_ms {INTEGER} NOT NULL,
+        wait_ms {INTEGER} NOT NULL,
         PRIMARY KEY (invocation_id, ordinal)
     )""",
 )
@@ -119,7 +124,7 @@ _CREATE_TABLES = (
 # Only invocations are indexed beyond their keys: an attempt row is written
 # twice per request on the hot path, and every index on it costs both writes,
 # while audit queries over attempts are rare and scan well.
-_AUDIT_INDEXES = (
+AUDIT_INDEXES = (
     "CREATE INDEX invocations_started_at ON invocations (started_at)",
     # Partial: reconciliation looks for the few invocations still open, and
     # this stays as small as the number of runs in flight.
@@ -130,32 +135,48 @@ _AUDIT_INDEXES = (
 # sums of its append-only journal. A reservation's entry also carries its
 # expiry and the credit rate of its run, so that another process can settle
 # it exactly once it has expired.
-_ACCOUNTS = (
+ACCOUNT_TABLES = (
     """CREATE TABLE accounts (
         account TEXT PRIMARY KEY NOT NULL,
-        granted INTEGER NOT NULL DEFAULT 0,
-        spent INTEGER NOT NULL DEFAULT 0,
-        reserved INTEGER NOT NULL DEFAULT 0,
-        updated_at TEXT NOT NULL
+        granted {INTEGER} NOT NULL DEFAULT 0,
+        spent {INTEGER} NOT NULL DEFAULT 0,
+        reserved {INTEGER} NOT NULL DEFAULT 0,
+        updated_at {TIME} NOT NULL
     )""",
     """CREATE TABLE account_entries (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        id {SERIAL},
         account TEXT NOT NULL,
-        at TEXT NOT NULL,
+        at {TIME} NOT NULL,
         kind TEXT NOT NULL
             CHECK (kind IN ('grant', 'reserve', 'settle', 'release', 'expire')),
-        credits INTEGER NOT NULL CHECK (credits >= 0),
+        credits {INTEGER} NOT NULL CHECK (credits >= 0),
         invocation_id TEXT,
         note TEXT,
-        expires_at TEXT,
+        expires_at {TIME},
         credits_per_usd TEXT,
-        credit_quantum INTEGER
+        credit_quantum {INTEGER}
     )""",
     "CREATE INDEX account_entries_invocation ON account_entries (invocation_id) "
     "WHERE invocation_id IS NOT NULL",
     "CREATE INDEX account_entries_reserved ON account_entries (account, expires_at) "
     "WHERE kind = 'reserve'",
 )
+
+
+SQLITE_TYPES: Final = {"INTEGER": "INTEGER", "FLAG": "INTEGER", "TIME": "TEXT",
+                       "SERIAL": "INTEGER PRIMARY KEY AUTOINCREMENT"}
+"""SQLite's spelling of the tables' types: integers, 0/1 flags, times as ISO-8601
+text, and an id the table numbers itself."""
+
+
+def render(statements: Sequence[str], types: Mapping[str, str]) -> tuple[str, ...]:
+    """``statements`` with each type placeholder (``{INTEGER}``, ``{FLAG}``,
+    ``{TIME}``, ``{SERIAL}``) spelled as ``types`` says."""
+    return tuple(statement.format_map(types) for statement in statements)
+
+
+_CREATE_TABLES = render(TABLES, SQLITE_TYPES)
+_ACCOUNTS = render(ACCOUNT_TABLES, SQLITE_TYPES)
 
 # A wrap-up turn's attempts (DESIGN.md §12) have the phase ``wrap_up``. SQLite
 # cannot change a CHECK constraint in place: the table is rebuilt, same name,
@@ -170,7 +191,7 @@ _WRAP_UP_PHASE = (
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "invocations and attempts", _CREATE_TABLES),
-    Migration(2, "invocation indexes for period and reconciliation queries", _AUDIT_INDEXES),
+    Migration(2, "invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
     Migration(3, "credit accounts and their journal", _ACCOUNTS),
     Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
     # PostgreSQL leaves room on each invocation's page for the new versions of
