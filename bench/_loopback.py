@@ -18,7 +18,12 @@ It is an ``asyncio.Protocol`` (no HTTP framework): HTTP/1.1 with keep-alive,
 reply for a time drawn uniformly from [S/2, 3S/2] (a model's latency, so
 that conversations wait on the wire as they do in production, and their
 replies arrive spread out rather than in lock-step); the first ``--prompt K``
-requests are answered at once (a client's warm-up).
+requests are answered at once (a client's warm-up), and with ``--hold-turn T``
+so are the requests of every turn before turn T (counted from 0), so that
+the held conversations wait on a reply with a transcript of T turns.
+``GET /held`` answers with the number of replies held at that moment (the
+requests the server has read whole and not answered yet): a client that sees
+N there knows its N conversations are all waiting on the server.
 """
 
 from __future__ import annotations
@@ -92,14 +97,17 @@ class Stats:
         self.open = 0
         self.most_open = 0
         self.connections = 0
+        self.held = 0
 
 
 class Connection(asyncio.Protocol):
     """One client connection: parse requests off the buffer, answer each."""
 
-    def __init__(self, stats: Stats, delay: float, prompt: int, rng: random.Random) -> None:
+    def __init__(self, stats: Stats, delay: float, prompt: int, rng: random.Random,
+                 hold_turn: int = 0) -> None:
         self.stats = stats
         self.prompt = prompt
+        self.hold_turn = hold_turn
         self.delay = delay
         self.rng = rng
         self.buffer = bytearray()
@@ -136,29 +144,42 @@ class Connection(asyncio.Protocol):
             self.answer(head[:head.find(b"\r\n")], body)
 
     def answer(self, line: bytes, body: bytes) -> None:
+        if line.startswith(b"get /held "):
+            held = str(self.stats.held).encode()
+            self.write(b"HTTP/1.1 200 OK\r\ncontent-length: " + str(len(held)).encode()
+                       + b"\r\n\r\n" + held)
+            return
         self.stats.requests += 1
+        turn = 0
         if b"/chat/completions" in line:
-            reply = OPENAI[min(body.count(b'"tool_call_id"'), TOOL_TURNS)]
+            turn = min(body.count(b'"tool_call_id"'), TOOL_TURNS)
+            reply = OPENAI[turn]
         elif b"/v1/messages" in line:
-            reply = ANTHROPIC[min(body.count(b'"tool_use_id"'), TOOL_TURNS)]
+            turn = min(body.count(b'"tool_use_id"'), TOOL_TURNS)
+            reply = ANTHROPIC[turn]
         else:
             reply = NOT_FOUND
-        if self.delay > 0 and self.stats.requests > self.prompt:
-            self.loop.call_later(self.delay * (0.5 + self.rng.random()), self.write, reply)
+        if self.delay > 0 and self.stats.requests > self.prompt and turn >= self.hold_turn:
+            self.stats.held += 1
+            self.loop.call_later(self.delay * (0.5 + self.rng.random()), self.release, reply)
         else:
             self.write(reply)
+
+    def release(self, reply: bytes) -> None:
+        self.stats.held -= 1
+        self.write(reply)
 
     def write(self, reply: bytes) -> None:
         if self.transport is not None:
             self.transport.write(reply)
 
 
-async def serve(delay: float, prompt: int, seed: int) -> None:
+async def serve(delay: float, prompt: int, seed: int, hold_turn: int = 0) -> None:
     stats = Stats()
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Connection(stats, delay, prompt, rng), "127.0.0.1", 0,
-                                      backlog=16384)
+    server = await loop.create_server(lambda: Connection(stats, delay, prompt, rng, hold_turn),
+                                      "127.0.0.1", 0, backlog=16384)
     port = server.sockets[0].getsockname()[1]
     print(f"http://127.0.0.1:{port}", flush=True)
     cpu, wall = time.process_time(), time.perf_counter()
@@ -174,8 +195,9 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--prompt", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hold-turn", type=int, default=0)
     args = parser.parse_args()
-    asyncio.run(serve(args.delay, args.prompt, args.seed))
+    asyncio.run(serve(args.delay, args.prompt, args.seed, args.hold_turn))
 
 
 if __name__ == "__main__":

@@ -407,6 +407,132 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
     }
 
 
+# -- deterministic counts: N conversations held waiting ----------------------------------------
+
+
+async def held_replies(url: str) -> int:
+    """How many replies the loopback server holds now (``GET /held``)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /held HTTP/1.1\r\nhost: bench\r\ncontent-length: 0\r\n\r\n")
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    held = int(await reader.readexactly(length))
+    writer.close()
+    await writer.wait_closed()
+    return held
+
+
+def full_collection() -> float:
+    """Seconds one full collection takes now."""
+    began = time.perf_counter()
+    gc.collect()
+    return time.perf_counter() - began
+
+
+def count_one(name: str, n: int, transport: str, hold_turn: int) -> dict[str, Any]:
+    """Hold N conversations waiting on the reply of turn ``hold_turn`` (the server
+    answers the turns before it at once), then count what they hold."""
+    server = subprocess.Popen([sys.executable, str(HERE / "_loopback.py"), "--delay", "3600",
+                               "--prompt", str(WARM_UP * TURNS), "--hold-turn",
+                               str(hold_turn)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    try:
+        url = server.stdout.readline().strip()
+        result = asyncio.run(held_counts(url, name, n, transport))
+        server.communicate("", timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    return result
+
+
+async def held_counts(url: str, name: str, n: int, transport: str) -> dict[str, Any]:
+    gc.collect()
+    imported = len(gc.get_objects())
+    with tempfile.TemporaryDirectory(prefix="loopengine-bench-") as ledger_dir:
+        contender = build(name, url, transport, n, Path(ledger_dir))
+        if set(await asyncio.gather(*(contender.run() for _ in range(WARM_UP)))) != {ANSWER}:
+            raise RuntimeError(f"{name} answered wrongly")
+        gc.collect()
+        warm = len(gc.get_objects())
+        warm_gc = min(full_collection() for _ in range(7))
+        # From here on gc.get_objects() lists only what the conversations add.
+        gc.freeze()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        tasks: list[asyncio.Task[str]] = []
+        while len(tasks) < n:
+            # Started a few at a time, as users arrive: a thousand connects at
+            # once can outlast the client's connect timeout on a busy machine.
+            tasks += [asyncio.create_task(contender.run())
+                      for _ in range(min(50, n - len(tasks)))]
+            while await held_replies(url) < len(tasks):
+                ended = [task for task in tasks if task.done()]
+                if ended:  # a conversation that is not waiting would never be counted
+                    raise RuntimeError(f"{len(ended)} conversations ended while the others "
+                                       f"were starting: {ended[0].exception()!r}")
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # every request written, every task at its await
+        gc.collect()
+        objects = gc.get_objects()
+        traced = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        kinds = collections.Counter(type(o).__qualname__ for o in objects)
+        tracked = len(objects)
+        del objects
+        # The pause of a full collection over everything (imports included),
+        # the least of a few: the machine's noise only ever adds to it.
+        gc.unfreeze()
+        full = min(full_collection() for _ in range(7))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await contender.close()
+    return {"name": name, "n": n, "imported": imported, "warm": warm, "warm_gc": warm_gc,
+            "tracked": tracked / n, "bytes": traced / n, "gc": full,
+            "kinds": {kind: count / n for kind, count in kinds.most_common(60)}}
+
+
+def count_report(results: list[dict[str, Any]], names: list[str], n: int,
+                 hold_turn: int) -> None:
+    print(f"\n{n} conversations held waiting on the reply of turn {hold_turn + 1}; "
+          f"medians of {len(results) // max(1, len(names))} processes each, python "
+          f"{sys.version.split()[0]}")
+    head = (f"{'contender':<12} {'tracked/conv':>12} {'x floor':>7} {'bytes/conv':>10} "
+            f"{'x floor':>7} {'imported':>9} {'warm':>9} {'gc warm':>8} {'gc held':>8} "
+            f"{'us/conv':>8}")
+    print(head)
+    print("-" * len(head))
+    for name in names:
+        mine = [r for r in results if r["name"] == name]
+        floor = [r for r in results if r["name"] == FLOOR[name]]
+        tracked, traced = (median([r[key] for r in mine]) for key in ("tracked", "bytes"))
+        print(f"{name:<12} {tracked:>12.1f} "
+              f"{tracked / median([r['tracked'] for r in floor]):>6.2f}x {traced:>10.0f} "
+              f"{traced / median([r['bytes'] for r in floor]):>6.2f}x "
+              f"{median([r['imported'] for r in mine]):>9.0f} "
+              f"{median([r['warm'] for r in mine]):>9.0f} "
+              f"{median([r['warm_gc'] for r in mine]) * 1000:>6.1f}ms "
+              f"{median([r['gc'] for r in mine]) * 1000:>6.1f}ms "
+              f"{median([(r['gc'] - r['warm_gc']) / n for r in mine]) * 1e6:>8.1f}")
+    print("\ntracked: objects the collector tracks, per waiting conversation; bytes: "
+          "tracemalloc's, per waiting conversation;\nimported / warm: objects the "
+          "collector tracks after the imports / after the warm-up, before the N start;\n"
+          "gc warm / held: a full collection's pause after the warm-up / with the N "
+          "waiting (least of 7); us/conv: their difference per conversation.")
+    print("\nper conversation, by type (the last round):")
+    last = {r["name"]: r["kinds"] for r in results}
+    kinds = sorted({k for name in names for k in last[name]},
+                   key=lambda k: -max(last[name].get(k, 0.0) for name in names))
+    print(f"{'type':<40}" + "".join(f"{name:>12}" for name in names))
+    for kind in kinds[:40]:
+        print(f"{kind[:40]:<40}"
+              + "".join(f"{last[name].get(kind, 0.0):>12.1f}" for name in names))
+
+
 # -- the rounds (the parent process) -----------------------------------------------------------
 
 
@@ -487,8 +613,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", metavar="CONTENDER",
                         help="run CONTENDER once at the first N and show what holds its "
                              "memory while every conversation waits (tracemalloc)")
+    parser.add_argument("--count", action="store_true",
+                        help="deterministic counts instead of timings: in a fresh process "
+                             "per contender and round, N conversations held waiting on a "
+                             "reply; prints the objects the collector tracks and the bytes "
+                             "tracemalloc sees, per waiting conversation")
+    parser.add_argument("--hold-turn", type=int, default=2,
+                        help="with --count: the turn (from 0) whose reply is held (default "
+                             "2, mid-conversation); the turns before it are answered at once")
     args = parser.parse_args(argv)
     sizes = args.n or ([100, 1000, 5000] + ([10000] if args.full else []))
+    if args.one and args.count:
+        print(json.dumps(count_one(args.one, sizes[0], args.transport, args.hold_turn)))
+        return 0
     if args.one or args.profile or args.memory:
         result = measure_one(args.one or args.profile or args.memory, sizes[0],
                              args.transport, args.rate, freeze=args.freeze,
@@ -499,6 +636,27 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name not in CONTENDERS:
             parser.error(f"unknown contender {name!r} (known: {', '.join(CONTENDERS)})")
+    if args.count:
+        names = [*dict.fromkeys([FLOOR[name] for name in names] + names)]
+        counted: list[dict[str, Any]] = []
+        for round_ in range(args.rounds):
+            order = names[round_ % len(names):] + names[:round_ % len(names)]
+            for name in order:
+                command = [sys.executable, str(Path(__file__).resolve()), "--one", name,
+                           "--count", "-n", str(sizes[0]), "--transport", args.transport,
+                           "--hold-turn", str(args.hold_turn)]
+                done = subprocess.run(command, capture_output=True, text=True,
+                                      timeout=args.timeout)
+                if done.returncode != 0:
+                    raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
+                counted.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(f"round {round_ + 1} {name:<12} {counted[-1]['tracked']:.1f} tracked, "
+                      f"{counted[-1]['bytes']:.0f} B per conversation", file=sys.stderr,
+                      flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(counted, indent=1))
+        count_report(counted, names, sizes[0], args.hold_turn)
+        return 0
     results: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         for n in sizes:
