@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
+from typing import cast
 
 import anyio
 import anyio.lowlevel
@@ -54,7 +55,7 @@ from loopengine.guards._checkpoints import (
 from loopengine.guards._credits import turn_credits
 from loopengine.guards._deadline import Deadline
 from loopengine.guards._limits import Limits
-from loopengine.persistence._protocol import DispatchReceipt, Ledger
+from loopengine.persistence._protocol import DispatchReceipt, EarlyDispatchLedger, Ledger
 from loopengine.persistence._records import (
     AttemptDispatch,
     AttemptRecord,
@@ -70,7 +71,7 @@ from loopengine.providers._base import (
     vendor_of,
 )
 from loopengine.providers._faults import FaultKind, ProviderFault
-from loopengine.providers._retry import RetryPolicy, RetryStop, run_with_retries
+from loopengine.providers._retry import RetryPolicy, RetryStop, after_fault
 
 logger = logging.getLogger("loopengine")
 
@@ -84,6 +85,9 @@ class _InFlight:
     callback_error: Exception | None = None
     """What the run's ``on_text`` callback raised during this attempt."""
 
+
+_NOBODY = Attribution()
+"""The attribution of a run given none (frozen: one instance serves them all)."""
 
 NOT_SENT = "not_sent"
 """The ``error_code`` of an attempt whose timeout ran out while the ledger held
@@ -178,7 +182,7 @@ class Invocation:
         self.provider = provider
         self.limits = limits
         self.policy = policy
-        self.attribution = attribution or Attribution()
+        self.attribution = attribution or _NOBODY
         self.ledger = ledger
         self.prices = prices
         self.clock = clock
@@ -217,11 +221,12 @@ class Invocation:
         self._unpriced_warned = unpriced_warned if unpriced_warned is not None else set()
         # When the provider awaits `before_wire`, the dispatch's commit overlaps
         # the building of the request (see `loopengine.providers.Provider`).
-        self._check_ready: Callable[[], None] | None = getattr(provider, "check_ready", None)
-        self._begin_dispatch: Callable[[AttemptDispatch], DispatchReceipt] | None = (
-            getattr(ledger, "begin_dispatch", None)
-            if getattr(provider, "awaits_before_wire", False) is True else None
-        )
+        # Flags, not the bound methods themselves: an invocation lives as long
+        # as its run, and each bound method is one more object the collector
+        # walks for every conversation in flight.
+        self._check_ready = callable(getattr(provider, "check_ready", None))
+        self._begin_dispatch = (callable(getattr(ledger, "begin_dispatch", None))
+                                and getattr(provider, "awaits_before_wire", False) is True)
 
     # -- events -------------------------------------------------------------
 
@@ -389,14 +394,30 @@ class Invocation:
             await self.begin()
             yield
         except anyio.get_cancelled_exc_class():
-            if self._begun:
-                await self._cleanup("cancelled", progress)
+            await self.cancelled(progress)
             raise
         except Exception as error:
-            if self._begun:
-                await self._cleanup("failed", progress)
-            self.count_attempts_on(error)
+            await self.failed(error, progress)
             raise
+
+    async def cancelled(self, progress: Callable[[], tuple[int, int, int]]) -> None:
+        """The caller's cancellation reached the body of `ending`: record the
+        invocation ``cancelled`` if it was begun; the caller then re-raises.
+
+        `ending`'s handler, for a body that cannot be written in an ``async
+        with`` (the run loop keeps it in its own frame, see `loopengine._run`).
+        """
+        if self._begun:
+            await self._cleanup("cancelled", progress)
+
+    async def failed(self, error: Exception,
+                     progress: Callable[[], tuple[int, int, int]]) -> None:
+        """``error`` stopped the body of `ending`: record the invocation
+        ``failed`` if it was begun and give ``error`` its attempt count; the
+        caller then re-raises."""
+        if self._begun:
+            await self._cleanup("failed", progress)
+        self.count_attempts_on(error)
 
     async def _cleanup(self, outcome: str, progress: Callable[[], tuple[int, int, int]]) -> None:
         async def step() -> None:
@@ -498,18 +519,31 @@ class Invocation:
             policy: The retry policy (the invocation's by default).
         """
 
-        async def send(_: int, wait: float) -> ProviderResponse:
-            return await self._attempt(turn, phase, build, wait)
-
-        outcome = await run_with_retries(
-            send,
-            policy=policy or self.policy,
-            clock=self.clock,
-            remaining=lambda: self.deadline.remaining(self.clock.now()),
-            before_attempt=self._before_attempt,
-            rng=self.rng,
-            max_attempts=max_attempts,
-        )
+        # `run_with_retries`, inlined: a conversation holds this frame for as
+        # long as it waits on the model, and thousands wait at once.
+        policy = policy or self.policy
+        cap = policy.max_attempts if max_attempts is None else max_attempts
+        wait = 0.0
+        attempt = 0
+        outcome: ProviderResponse | GuardTrip | RetryStop
+        while True:
+            trip = self._before_attempt()
+            if trip is not None:
+                outcome = trip
+                break
+            attempt += 1
+            try:
+                outcome = await self._attempt(turn, phase, build, wait)
+                break
+            except ProviderFault as fault:
+                after = after_fault(fault, attempt, cap, policy=policy, rng=self.rng,
+                                    before_attempt=self._before_attempt,
+                                    remaining=self._remaining)
+                if isinstance(after, GuardTrip | RetryStop):
+                    outcome = after
+                    break
+                wait = after
+            await self.clock.sleep(wait)
         if isinstance(outcome, RetryStop):
             self.last_fault = outcome.fault
         elif self._reply_unconfirmed:
@@ -521,14 +555,19 @@ class Invocation:
                              f"(total_time={self.limits.total_time})")
         return outcome
 
+    def _remaining(self) -> float:
+        return self.deadline.remaining(self.clock.now())
+
     def _before_attempt(self) -> GuardTrip | None:
         return check_before_attempt(self._time_state, self.limits, self.clock.now())
 
     async def _attempt(
         self, turn: int, phase: str, build: Callable[[float], ProviderRequest], wait: float
     ) -> ProviderResponse:
-        if self._check_ready is not None:
-            self._check_ready()  # raises before anything is recorded or sent
+        if self._check_ready:
+            # Raises before anything is recorded or sent (an optional method of
+            # the Provider protocol, so unknown to its type).
+            self.provider.check_ready()  # type: ignore[attr-defined]
         now = self.clock.now()
         timeout = attempt_timeout(self.limits, self.deadline, now)
         capped = timeout < self.limits.attempt_timeout
@@ -563,8 +602,8 @@ class Invocation:
         if request.on_text is not None or self.text_sink is not None:
             object.__setattr__(request, "on_text", _guarded_text(
                 flight, request.on_text, self._delta(turn, number, dispatch.ordinal)))
-        if self._begin_dispatch is not None:
-            receipt = self._begin_dispatch(dispatch)
+        if self._begin_dispatch:
+            receipt = cast(EarlyDispatchLedger, self.ledger).begin_dispatch(dispatch)
             gate = _Gate(receipt)
             object.__setattr__(request, "before_wire", gate.wait)
         elif self.ledger is not None:

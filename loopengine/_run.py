@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from types import TracebackType
@@ -98,16 +98,15 @@ class _Answer:
     feedback: str = ""
 
 
-async def run_loop(inv: Invocation, spec: RunSpec) -> RunResult:
+def run_loop(inv: Invocation, spec: RunSpec) -> Coroutine[Any, Any, RunResult]:
     """Run the conversation; return its result.
 
     Raises the caller's cancellation, and an error that ended the run without an
     outcome (a `LedgerError`, a provider's `LoopEngineError`), each after
     recording the invocation ``cancelled`` or ``failed``."""
-    loop = _Loop(inv, spec)
-    async with inv.ending(lambda: (loop.state.turns, loop.state.tool_calls,
-                                   loop.state.credits)):
-        return await loop.run()
+    # The loop's own coroutine, not one awaiting it: a waiting conversation
+    # holds every frame between `Engine.run` and the SDK.
+    return _Loop(inv, spec).run()
 
 
 class _Loop:
@@ -139,120 +138,152 @@ class _Loop:
     # -- the loop ------------------------------------------------------------------
 
     async def run(self) -> RunResult:
-        if self.inv.denied is not None:
-            return await self._end(self.inv.denied.outcome, trip=self.inv.denied)
-        phase = "turn"
-        while True:
+        """Run the conversation to its outcome.
+
+        `Invocation.ending` written out in this frame rather than entered with
+        ``async with`` (an async generator and its context manager): a waiting
+        conversation holds every frame and object between `Engine.run` and
+        the SDK, and thousands wait at once."""
+        inv = self.inv
+        try:
+            await inv.begin()
+            if inv.denied is not None:
+                return await self._end(inv.denied.outcome, trip=inv.denied)
+            phase = "turn"
+            while True:
+                trip = check_before_turn(self.state, self.limits, inv.clock.now())
+                if trip is not None:
+                    return await self._end(trip.outcome, trip=trip)
+                turn = self.state.turns + 1
+                self.state = replace(self.state, turns=turn)
+                self.wrapping = self._wrap_up_due(turn)
+                if self.wrapping is not None:
+                    phase = "wrap_up"
+                    self._add_wrap_up_text()
+                # The turn's request, its retries and its pause_turn continuations.
+                reply = await inv.request(turn=turn, phase=phase, build=self._build)
+                if isinstance(reply, ProviderResponse):
+                    self.transcript.append({"role": "assistant",
+                                            "content": _copy_blocks(reply.content)})
+                    if reply.stop_reason == "pause_turn":
+                        reply = await self._continue_turn(turn)
+                self._charge(turn)
+                if not isinstance(reply, ProviderResponse):
+                    if not inv.attempts_in_turn(turn):
+                        # Time ran out between the two checks: no request, so no turn (R01).
+                        self.state = replace(self.state, turns=turn - 1)
+                    return await self._stopped(reply)
+                stop_reason = reply.stop_reason
+                # The transcript has its own copy: the next turn's wait must not
+                # keep this reply alive.
+                del reply
+                step = await self._review(turn, stop_reason)
+                if isinstance(step, RunResult):
+                    return step
+                phase = step
+        except anyio.get_cancelled_exc_class():
+            await inv.cancelled(self._progress)
+            raise
+        except Exception as error:
+            await inv.failed(error, self._progress)
+            raise
+
+    def _progress(self) -> tuple[int, int, int]:
+        return self.state.turns, self.state.tool_calls, self.state.credits
+
+    async def _review(self, turn: int, stop_reason: str | None) -> RunResult | str:
+        """The checkpoints of the turn's reply (the newest transcript message), in
+        their order: the run's result when one ends it, else the next turn's
+        phase (``turn`` or ``repair``)."""
+        # 1. Terminal responses (R11). A cut-off reply's tool calls are never run.
+        trip = check_terminal(stop_reason)
+        if trip is not None:
+            return await self._end(trip.outcome, trip=trip)
+
+        blocks = self.transcript[-1]["content"]
+        tool_uses = [b for b in blocks if b.get("type") == "tool_use"]
+        results: list[dict[str, Any]] = []
+        feedback_message: str | None = None
+        rejected = False
+
+        # A wrap-up turn that still asks for tools at the turn limit runs none.
+        if self.wrapping == "turns" and [
+                b for b in tool_uses if b.get("name") != self.spec.final_tool]:
             trip = check_before_turn(self.state, self.limits, self.inv.clock.now())
+            assert trip is not None
+            return await self._end(trip.outcome, trip=trip)
+
+        # 2. Final answers (R10, R14).
+        if self.spec.output is None:
+            batch = tool_uses
+            if not tool_uses:
+                text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+                answer = await self._judge(text, "accept")
+                if answer.accepted:
+                    return await self._end(Outcome.COMPLETED, answer=answer.value)
+                rejected, feedback_message = True, answer.feedback
+        else:
+            finals = [b for b in tool_uses if b.get("name") == self.spec.final_tool]
+            batch = [b for b in tool_uses if b.get("name") != self.spec.final_tool]
+            if finals:
+                answer = await self._structured_answer(finals[0])
+                if answer.accepted:
+                    return await self._end(
+                        Outcome.COMPLETED, answer=answer.value,
+                        answered=[_tool_result(finals[0], ACCEPTED_TEXT)])
+                rejected = True
+                results.append(_tool_result(finals[0], answer.feedback, error=True))
+                batch = [*finals[1:], *batch]
+            elif not tool_uses:
+                rejected = True
+                feedback_message = (
+                    f"Give your answer by calling the {self.spec.final_tool} tool."
+                )
+
+        if rejected:
+            trip = check_rejection_budget(self.state, self.limits)
             if trip is not None:
-                return await self._end(trip.outcome, trip=trip)
-            turn = self.state.turns + 1
-            self.state = replace(self.state, turns=turn)
-            self.wrapping = self._wrap_up_due(turn)
-            if self.wrapping is not None:
-                phase = "wrap_up"
-                self._add_wrap_up_text()
-            response = await self._send_turn(turn, phase)
-            self._charge(turn)
-            if isinstance(response, _Stop):
-                if not self.inv.attempts_in_turn(turn):
-                    # Time ran out between the two checks: no request, so no turn (R01).
-                    self.state = replace(self.state, turns=turn - 1)
-                return await self._stopped(response)
+                return await self._end(trip.outcome, trip=trip, answered=results)
+            self.state = replace(self.state, tool_calls=self.state.tool_calls + 1)
 
-            # 1. Terminal responses (R11). A cut-off reply's tool calls are never run.
-            trip = check_terminal(response.stop_reason)
-            if trip is not None:
-                return await self._end(trip.outcome, trip=trip)
-
-            blocks = self.transcript[-1]["content"]
-            tool_uses = [b for b in blocks if b.get("type") == "tool_use"]
-            results: list[dict[str, Any]] = []
-            feedback_message: str | None = None
-            rejected = False
-
-            # A wrap-up turn that still asks for tools at the turn limit runs none.
-            if self.wrapping == "turns" and [
-                    b for b in tool_uses if b.get("name") != self.spec.final_tool]:
-                trip = check_before_turn(self.state, self.limits, self.inv.clock.now())
-                assert trip is not None
-                return await self._end(trip.outcome, trip=trip)
-
-            # 2. Final answers (R10, R14).
-            if self.spec.output is None:
-                batch = tool_uses
-                if not tool_uses:
-                    text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
-                    answer = await self._judge(text, "accept")
-                    if answer.accepted:
-                        return await self._end(Outcome.COMPLETED, answer=answer.value)
-                    rejected, feedback_message = True, answer.feedback
-            else:
-                finals = [b for b in tool_uses if b.get("name") == self.spec.final_tool]
-                batch = [b for b in tool_uses if b.get("name") != self.spec.final_tool]
-                if finals:
-                    answer = await self._structured_answer(finals[0])
-                    if answer.accepted:
-                        return await self._end(
-                            Outcome.COMPLETED, answer=answer.value,
-                            answered=[_tool_result(finals[0], ACCEPTED_TEXT)])
-                    rejected = True
-                    results.append(_tool_result(finals[0], answer.feedback, error=True))
-                    batch = [*finals[1:], *batch]
-                elif not tool_uses:
-                    rejected = True
-                    feedback_message = (
-                        f"Give your answer by calling the {self.spec.final_tool} tool."
-                    )
-
-            if rejected:
-                trip = check_rejection_budget(self.state, self.limits)
-                if trip is not None:
-                    return await self._end(trip.outcome, trip=trip, answered=results)
-                self.state = replace(self.state, tool_calls=self.state.tool_calls + 1)
-
-            # 3. The tool batch (R02): all of it or none of it.
-            if batch:
-                trip = check_tool_batch(self.state, self.limits, len(batch))
-                if trip is not None:
-                    return await self._end(trip.outcome, trip=trip, answered=results)
-
-            # 4. Credits (R03): more than the hold stops further work.
-            trip = check_credits(self.state, self.limits)
+        # 3. The tool batch (R02): all of it or none of it.
+        if batch:
+            trip = check_tool_batch(self.state, self.limits, len(batch))
             if trip is not None:
                 return await self._end(trip.outcome, trip=trip, answered=results)
 
-            # 5. Tools (R08, R09, R15).
-            if batch:
-                results.extend(await self._run_tools(turn, batch))
-                self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
-            if results:
-                self.transcript.append({"role": "user", "content": results})
-            elif feedback_message is not None:
-                self.transcript.append({"role": "user", "content": feedback_message})
-            phase = "repair" if rejected else "turn"
+        # 4. Credits (R03): more than the hold stops further work.
+        trip = check_credits(self.state, self.limits)
+        if trip is not None:
+            return await self._end(trip.outcome, trip=trip, answered=results)
 
-    async def _send_turn(self, turn: int, phase: str) -> ProviderResponse | _Stop:
-        """The turn's request, its retries and its ``pause_turn`` continuations."""
-        response = await self.inv.request(turn=turn, phase=phase, build=self._build)
-        if not isinstance(response, ProviderResponse):
-            return _Stop(response)
-        self.transcript.append({"role": "assistant", "content": _copy_blocks(response.content)})
+        # 5. Tools (R08, R09, R15).
+        if batch:
+            results.extend(await self._run_tools(turn, batch))
+            self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
+        if results:
+            self.transcript.append({"role": "user", "content": results})
+        elif feedback_message is not None:
+            self.transcript.append({"role": "user", "content": feedback_message})
+        return "repair" if rejected else "turn"
+
+    async def _continue_turn(self, turn: int) -> ProviderResponse | GuardTrip | RetryStop:
+        """The turn paused (``pause_turn``): send its continuations, each one's
+        blocks added to the turn's message, until a reply does not pause."""
         continuations = 0
-        while response.stop_reason == "pause_turn":
+        while True:
             continuations += 1
             if continuations > MAX_CONTINUATIONS:
-                return _Stop(GuardTrip(
+                return GuardTrip(
                     Outcome.INCOMPLETE, "stop_reason", "pause_turn", MAX_CONTINUATIONS,
                     f"the turn paused more than {MAX_CONTINUATIONS} times",
-                ))
-            next_response = await self.inv.request(turn=turn, phase="continuation",
-                                                   build=self._build)
-            if not isinstance(next_response, ProviderResponse):
-                return _Stop(next_response)
-            self.transcript[-1]["content"].extend(_copy_blocks(next_response.content))
-            response = next_response
-        return response
+                )
+            reply = await self.inv.request(turn=turn, phase="continuation", build=self._build)
+            if not isinstance(reply, ProviderResponse):
+                return reply
+            self.transcript[-1]["content"].extend(_copy_blocks(reply.content))
+            if reply.stop_reason != "pause_turn":
+                return reply
 
     def _wrap_up_due(self, turn: int) -> str | None:
         """Whether this turn wraps up (DESIGN.md §12): the last turn ``max_turns``
@@ -449,8 +480,7 @@ class _Loop:
 
     # -- endings -------------------------------------------------------------------------
 
-    async def _stopped(self, stop: _Stop) -> RunResult:
-        reason = stop.reason
+    async def _stopped(self, reason: GuardTrip | RetryStop) -> RunResult:
         if isinstance(reason, GuardTrip):
             return await self._end(reason.outcome, trip=reason)
         fault = reason.fault
@@ -578,13 +608,6 @@ class _ToolTimeout(Exception):
     def __init__(self, seconds: float) -> None:
         super().__init__(seconds)
         self.seconds = seconds
-
-
-@dataclass(frozen=True, slots=True)
-class _Stop:
-    """A turn that could not produce a response: a guard before an attempt, or a fault."""
-
-    reason: GuardTrip | RetryStop
 
 
 def _copy_blocks(content: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -25,8 +25,7 @@ import logging
 import ssl
 import threading
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Generic, Protocol, Self, TypeVar
@@ -46,7 +45,6 @@ __all__ = [
     "Clients",
     "SDKClient",
     "SDKProvider",
-    "before_wire",
     "gate",
     "gates",
     "http_client",
@@ -114,16 +112,6 @@ def gate(client: C) -> C:
     if gates(type(client)):
         client.__class__ = _gated(type(client))
     return client
-
-
-@contextmanager
-def before_wire(wait: Callable[[], Awaitable[None]] | None) -> Iterator[None]:
-    """While the block runs, a gated client awaits ``wait`` just before the wire."""
-    token = _BEFORE_WIRE.set(wait)
-    try:
-        yield
-    finally:
-        _BEFORE_WIRE.reset(token)
 
 
 def shared_tls() -> Callable[[], ssl.SSLContext]:
@@ -535,10 +523,21 @@ class SDKProvider(Generic[C]):
         """
         client = await self._clients.get()
         params = self._params(request)
-        with before_wire(request.before_wire):
+        # While the request is sent, a gated client awaits its `before_wire`
+        # just before the wire. Written out rather than as a context manager,
+        # and the variable left alone when there is no gate to set or to
+        # hide: setting it copies the task's context, and a generator, its
+        # context manager, a token and that copy would stay alive for as long
+        # as the reply is awaited.
+        wait = request.before_wire
+        token = None if wait is None and _BEFORE_WIRE.get() is None else _BEFORE_WIRE.set(wait)
+        try:
             if self._stream:
                 return await self._send_streaming(client, request, params)
             return await self._send_plain(client, params)
+        finally:
+            if token is not None:
+                _BEFORE_WIRE.reset(token)
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         """The SDK call's keyword arguments for ``request``."""

@@ -22,7 +22,8 @@ from loopengine.guards._checkpoints import GuardTrip
 from loopengine.providers._base import ProviderResponse
 from loopengine.providers._faults import ProviderFault
 
-__all__ = ["MAX_ATTEMPTS_CEILING", "RetryPolicy", "RetryStop", "backoff_wait", "run_with_retries"]
+__all__ = ["MAX_ATTEMPTS_CEILING", "RetryPolicy", "RetryStop", "after_fault", "backoff_wait",
+           "run_with_retries"]
 
 MAX_ATTEMPTS_CEILING = 16
 """No policy may allow more than this many attempts."""
@@ -184,21 +185,56 @@ async def run_with_retries(
         try:
             return await send(attempt, wait)
         except ProviderFault as fault:
-            if not fault.kind.retryable:
-                return RetryStop(fault, attempt, "permanent")
-            if fault.should_retry is False:
-                return RetryStop(fault, attempt, "not_retryable")
-            # An attempt cut by the deadline leaves no time: that is the time
-            # limit speaking, not the provider.
-            trip = before_attempt()
-            if trip is not None:
-                return trip
-            if attempt >= cap:
-                return RetryStop(fault, attempt, "exhausted")
-            if fault.retry_after is not None:
-                wait = max(0.0, fault.retry_after)
-            else:
-                wait = backoff_wait(policy, attempt, rng)
-            if wait >= remaining():
-                return RetryStop(fault, attempt, "deadline")
+            after = after_fault(fault, attempt, cap, policy=policy, rng=rng,
+                                before_attempt=before_attempt, remaining=remaining)
+            if isinstance(after, GuardTrip | RetryStop):
+                return after
+            wait = after
             await clock.sleep(wait)
+
+
+def after_fault(
+    fault: ProviderFault,
+    attempt: int,
+    cap: int,
+    *,
+    policy: RetryPolicy,
+    rng: random.Random,
+    before_attempt: Callable[[], GuardTrip | None],
+    remaining: Callable[[], float],
+) -> GuardTrip | RetryStop | float:
+    """What follows attempt number ``attempt`` that raised ``fault``: a stop, the
+    pre-attempt guard's trip, or the seconds to wait before the next attempt.
+
+    The decisions of `run_with_retries`, in its order. The engine's requests
+    (``Invocation.request``) make them in a loop of their own, which calls
+    the attempt directly: a conversation waiting on its reply then holds two
+    coroutines fewer (this loop's and the ``send`` closure's).
+
+    Args:
+        fault: What the attempt raised.
+        attempt: The attempt's number in this loop (1 = the first).
+        cap: The most attempts the loop may make.
+        policy: Waits.
+        rng: Jitter source.
+        before_attempt: The pre-attempt guard (no request once no time remains).
+        remaining: Seconds left before the run's deadline.
+    """
+    if not fault.kind.retryable:
+        return RetryStop(fault, attempt, "permanent")
+    if fault.should_retry is False:
+        return RetryStop(fault, attempt, "not_retryable")
+    # An attempt cut by the deadline leaves no time: that is the time
+    # limit speaking, not the provider.
+    trip = before_attempt()
+    if trip is not None:
+        return trip
+    if attempt >= cap:
+        return RetryStop(fault, attempt, "exhausted")
+    if fault.retry_after is not None:
+        wait = max(0.0, fault.retry_after)
+    else:
+        wait = backoff_wait(policy, attempt, rng)
+    if wait >= remaining():
+        return RetryStop(fault, attempt, "deadline")
+    return wait
