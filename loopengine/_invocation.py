@@ -149,7 +149,7 @@ class Invocation:
     # Slots: thousands are alive at once in a busy process.
     __slots__ = (
         "_announced", "_begin_dispatch", "_begun", "_check_ready", "_ended", "_in_flight",
-        "_reply_unconfirmed", "_reservation", "_time_state", "_turn_attempts", "_turn_charge",
+        "_reply_unconfirmed", "_reservation", "_turn_attempts", "_turn_charge",
         "_unpriced_warned", "account", "accounts", "attribution", "clock", "cost_nanousd",
         "deadline", "denied", "id", "kind", "last_fault", "ledger", "limits", "observers",
         "operation", "output_tokens", "policy", "prices", "provider", "provider_cost_nanousd",
@@ -193,9 +193,6 @@ class Invocation:
         self.served_by = f"{self.vendor}:{operation.model}"
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)
-        # The pre-attempt guard reads only the deadline, which never moves.
-        self._time_state = ConversationState(turns=0, tool_calls=0, credits=0,
-                                             deadline=self.deadline)
         self.records: list[AttemptRecord] = []
         self.usage = Usage()
         self.usage_complete = True
@@ -559,7 +556,11 @@ class Invocation:
         return self.deadline.remaining(self.clock.now())
 
     def _before_attempt(self) -> GuardTrip | None:
-        return check_before_attempt(self._time_state, self.limits, self.clock.now())
+        # The pre-attempt guard reads only the deadline, which never moves: its
+        # state is built for the check rather than kept for the whole run.
+        return check_before_attempt(
+            ConversationState(turns=0, tool_calls=0, credits=0, deadline=self.deadline),
+            self.limits, self.clock.now())
 
     async def _attempt(
         self, turn: int, phase: str, build: Callable[[float], ProviderRequest], wait: float

@@ -116,7 +116,9 @@ class _Loop:
     def __init__(self, inv: Invocation, spec: RunSpec) -> None:
         self.inv = inv
         self.spec = spec
-        self.transcript: list[dict[str, Any]] = copy.deepcopy(spec.messages)
+        # `normalize_messages` made them the run's own copy, used once: the
+        # transcript grows from it (no second copy to hold for the run).
+        self.transcript: list[dict[str, Any]] = spec.messages
         # Messages from here on are the run's own: only those are closed at the end.
         self._given_messages = len(self.transcript)
         self.state = ConversationState(turns=0, tool_calls=0, credits=0, deadline=inv.deadline)

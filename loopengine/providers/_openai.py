@@ -332,7 +332,37 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
 
     async def _send_plain(self, client: openai.AsyncOpenAI,
                           params: dict[str, Any]) -> ProviderResponse:
-        return await _send_plain(client, params)
+        # The raw-response form hands over the body as JSON: the engine keeps
+        # Anthropic-shaped dicts, so building the SDK's models would be wasted.
+        try:
+            async with client.chat.completions.with_streaming_response.create(**params) as raw:
+                request_id = raw.headers.get("x-request-id")
+                status = raw.status_code
+                try:
+                    body = await raw.json()
+                except _failures() as error:
+                    raise classify_error(error, request_id=request_id, in_body=True) from error
+                except ValueError:
+                    body = None
+        except _failures() as error:
+            raise classify_error(error) from error
+        choice = _first_choice(body)
+        message = choice.get("message") if choice is not None else None
+        if choice is None or not isinstance(message, Mapping) or not isinstance(body, Mapping):
+            raise ProviderFault(FaultKind.SERVER_ERROR,
+                                "the response body is not a chat completion",
+                                http_status=status, error_code="invalid_response",
+                                request_id=request_id)
+        content, stop = content_from_message(message, choice.get("finish_reason"))
+        return ProviderResponse(
+            content=content,
+            stop_reason=stop,
+            usage=usage_from_api(body.get("usage")),
+            response_id=_text(body.get("id")),
+            request_id=request_id,
+            http_status=status,
+            model=_text(body.get("model")),
+        )
 
     async def _send_streaming(
         self, client: openai.AsyncOpenAI, request: ProviderRequest, params: dict[str, Any]
@@ -393,39 +423,6 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,
                                 response_id=reply.response_id, request_id=request_id,
                                 http_status=response.status_code, model=reply.model)
-
-
-async def _send_plain(client: openai.AsyncOpenAI, params: dict[str, Any]) -> ProviderResponse:
-    # The raw-response form hands over the body as JSON: the engine keeps
-    # Anthropic-shaped dicts, so building the SDK's models would be wasted.
-    try:
-        async with client.chat.completions.with_streaming_response.create(**params) as raw:
-            request_id = raw.headers.get("x-request-id")
-            status = raw.status_code
-            try:
-                body = await raw.json()
-            except _failures() as error:
-                raise classify_error(error, request_id=request_id, in_body=True) from error
-            except ValueError:
-                body = None
-    except _failures() as error:
-        raise classify_error(error) from error
-    choice = _first_choice(body)
-    message = choice.get("message") if choice is not None else None
-    if choice is None or not isinstance(message, Mapping) or not isinstance(body, Mapping):
-        raise ProviderFault(FaultKind.SERVER_ERROR, "the response body is not a chat completion",
-                            http_status=status, error_code="invalid_response",
-                            request_id=request_id)
-    content, stop = content_from_message(message, choice.get("finish_reason"))
-    return ProviderResponse(
-        content=content,
-        stop_reason=stop,
-        usage=usage_from_api(body.get("usage")),
-        response_id=_text(body.get("id")),
-        request_id=request_id,
-        http_status=status,
-        model=_text(body.get("model")),
-    )
 
 
 def _first_choice(body: object) -> Mapping[str, Any] | None:
