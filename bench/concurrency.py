@@ -36,7 +36,9 @@ warm-up of a few conversations. It reports:
   late it wakes (p50, p99, max), which is how long the loop was busy with
   something else;
 * the collector's longest pause (``gc max``, from ``gc.callbacks``): a full
-  collection walks every object the process tracks, so it grows with N;
+  collection walks every object the process tracks, so it grows with N; and
+  how many full collections the run made (``full``) and their median pause
+  (``full p50``): the longest of more pauses is longer on a noisy machine;
 * memory: peak resident memory over the run (sampled by the ticker) minus
   the resident memory before the conversations started, per conversation.
   Every conversation spends most of its life waiting on its reply, so this is
@@ -318,6 +320,7 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
             gc.freeze()
         lags: list[float] = []
         pauses: list[float] = []
+        full: list[float] = []
         collecting = [0.0]
 
         def on_gc(phase: str, info: dict[str, int]) -> None:
@@ -325,6 +328,8 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
                 collecting[0] = time.perf_counter()
             else:
                 pauses.append(time.perf_counter() - collecting[0])
+                if info["generation"] == 2:
+                    full.append(pauses[-1])
 
         gc.callbacks.append(on_gc)
         if memory:
@@ -402,6 +407,7 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
         "busy": cpu / wall,
         "lag_p50": lags[len(lags) // 2], "lag_p99": lags[min(len(lags) - 1, len(lags) * 99 // 100)],
         "lag_max": lags[-1], "gc_max": max(pauses, default=0.0),
+        "gc_full": len(full), "gc_full_p50": statistics.median(full) if full else 0.0,
         "rss_per_conversation": (peak - base) / n,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
@@ -562,7 +568,8 @@ def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
           f"{'gc.freeze() after warm-up, ' if args.freeze else ''}"
           f"python {sys.version.split()[0]}, {os.cpu_count()} cores")
     head = (f"{'contender':<12} {'N':>6} {'wall s':>7} {'CPU/turn ms':>11} {'x floor':>7} "
-            f"{'lag p50':>8} {'p99':>7} {'max ms':>8} {'gc max':>7} {'KB/conv':>8} "
+            f"{'lag p50':>8} {'p99':>7} {'max ms':>8} {'gc max':>7} {'full':>5} {'full p50':>8} "
+            f"{'KB/conv':>8} "
             f"{'server':>7}")
     print(head)
     print("-" * len(head))
@@ -584,6 +591,8 @@ def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
                   f"{median([r['lag_p99'] for r in mine]) * 1000:>7.1f} "
                   f"{median([r['lag_max'] for r in mine]) * 1000:>8.1f} "
                   f"{median([r['gc_max'] for r in mine]) * 1000:>7.1f} "
+                  f"{median([r.get('gc_full', 0) for r in mine]):>5.1f} "
+                  f"{median([r.get('gc_full_p50', 0.0) for r in mine]) * 1000:>8.1f} "
                   f"{median([r['rss_per_conversation'] for r in mine]) / 1024:>8.1f} "
                   f"{median([r['server_busy'] for r in mine]) * 100:>6.0f}%")
     print("\nlag: how late a 5 ms ticker woke; KB/conv: peak RSS over the run minus RSS "
