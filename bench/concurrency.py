@@ -58,6 +58,13 @@ Run::
     python bench/concurrency.py -n 1000 --contenders bare,loopengine --rounds 5 --freeze
     python bench/concurrency.py -n 1000 --profile loopengine   # cProfile of one run
     python bench/concurrency.py -n 1000 --memory loopengine    # what holds the memory
+    python bench/concurrency.py --count -n 1000 --contenders bare,loopengine  # deterministic
+
+``--count`` times nothing: in a fresh process per contender and round, it
+holds N conversations waiting on the reply of turn ``--hold-turn`` (default
+the third) and prints, per waiting conversation, the objects the collector
+tracks, the bytes tracemalloc sees, and by type; with the pause of one full
+collection before and after.
 
 A measurement takes about 6 N/rate seconds (a reply delay to start them all,
 five to run them), so the default run takes most of an hour; ``-n`` and
