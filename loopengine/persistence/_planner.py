@@ -112,6 +112,40 @@ class Known:
     """The ordinals of its rows still ``dispatched``."""
 
 
+KNOWN_QUERIES: Final = (
+    "SELECT attempts_retained, outcome FROM invocations WHERE id = {}",
+    "SELECT ordinal FROM attempts WHERE invocation_id = {} AND outcome = 'dispatched'",
+)
+"""What `read_known` asks, ``{}`` standing for the store's parameter marker."""
+
+
+def read_known(rows: Callable[[str], Sequence[Sequence[Any]]]) -> Known | None:
+    """An invocation's committed state (`Store.load`), read through ``rows(sql)``,
+    which runs one of `KNOWN_QUERIES` for that invocation and returns its rows."""
+    found = rows(KNOWN_QUERIES[0])
+    if not found:
+        return None
+    retained, outcome = found[0]
+    unsettled = rows(KNOWN_QUERIES[1])
+    return Known(int(retained), outcome != "running", [int(r[0]) for r in unsettled])
+
+
+class Counted:
+    """What a store's writer reports of its planner's work (both writers' base)."""
+
+    _planner: Planner
+
+    @property
+    def commits(self) -> int:
+        """Transactions committed."""
+        return self._planner.commits
+
+    @property
+    def writes(self) -> int:
+        """Ops committed (starts, dispatches, settles, ends)."""
+        return self._planner.writes
+
+
 class Store(Protocol):
     """What a store supplies to the planner: its transaction and its statements.
 

@@ -76,7 +76,7 @@ class Settings:
         return cls(*marshal.loads(data))
 
 
-class PostgresWriter:
+class PostgresWriter(_planner.Counted):
     """The writer: a `_planner.Store` on one pooled connection, and what
     `_writer.serve` drives (`commit`, `maybe_checkpoint`, `close`).
 
@@ -97,16 +97,6 @@ class PostgresWriter:
         self._sql = settings.statements
         self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[tuple[Any, ...]]] | None = None
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
-
-    @property
-    def commits(self) -> int:
-        """Transactions committed."""
-        return self._planner.commits
-
-    @property
-    def writes(self) -> int:
-        """Ops committed (starts, dispatches, settles, ends)."""
-        return self._planner.writes
 
     def open(self) -> None:
         """Start the pool (its connections open in the background)."""
@@ -153,17 +143,10 @@ class PostgresWriter:
 
     def load(self, invocation_id: str) -> _planner.Known | None:
         """The committed state of an invocation another ledger started (or forgotten)."""
-        assert self._conn is not None
-        row = self._conn.execute(
-            "SELECT attempts_retained, outcome FROM invocations WHERE id = %s", (invocation_id,),
-        ).fetchone()
-        if row is None:
-            return None
-        unsettled = self._conn.execute(
-            "SELECT ordinal FROM attempts WHERE invocation_id = %s AND outcome = 'dispatched'",
-            (invocation_id,),
-        ).fetchall()
-        return _planner.Known(int(row[0]), row[1] != "running", [int(r[0]) for r in unsettled])
+        conn = self._conn
+        assert conn is not None
+        return _planner.read_known(
+            lambda sql: conn.execute(sql.format("%s"), (invocation_id,)).fetchall())
 
     def execute(self, batch: _planner.Batch) -> None:
         """Write the batch, each kind of row in one statement, all of them in one

@@ -274,7 +274,7 @@ class Settings:
     """...or this many writes, whichever comes first."""
 
 
-class Writer:
+class Writer(_planner.Counted):
     """The connection that turns ops into rows: SQLite's `_planner.Store`.
 
     Not thread-safe: one thread (of the ledger's process, or of its child)
@@ -296,16 +296,6 @@ class Writer:
         self._conn: sqlite3.Connection | None = None
         self._statements: _Statements | None = None
         self._checkpointer: _Checkpointer | None = None
-
-    @property
-    def commits(self) -> int:
-        """Transactions committed (one fsync each)."""
-        return self._planner.commits
-
-    @property
-    def writes(self) -> int:
-        """Ops committed (starts, dispatches, settles, ends)."""
-        return self._planner.writes
 
     def open(self) -> None:
         """Connect with the ledger's settings (the schema is already current)."""
@@ -363,17 +353,10 @@ class Writer:
 
     def load(self, invocation_id: str) -> _planner.Known | None:
         """The committed state of an invocation another ledger started (or forgotten)."""
-        assert self._conn is not None
-        row = self._conn.execute(
-            "SELECT attempts_retained, outcome FROM invocations WHERE id = ?", (invocation_id,),
-        ).fetchone()
-        if row is None:
-            return None
-        unsettled = self._conn.execute(
-            "SELECT ordinal FROM attempts WHERE invocation_id = ? AND outcome = 'dispatched'",
-            (invocation_id,),
-        ).fetchall()
-        return _planner.Known(int(row[0]), row[1] != "running", [int(r[0]) for r in unsettled])
+        conn = self._conn
+        assert conn is not None
+        return _planner.read_known(
+            lambda sql: conn.execute(sql.format("?"), (invocation_id,)).fetchall())
 
     def execute(self, batch: _planner.Batch) -> None:
         """Write the batch, each kind of row in one statement."""
