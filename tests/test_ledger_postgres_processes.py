@@ -20,9 +20,10 @@ pytestmark = pytest.mark.slow
 def test_four_processes_write_one_database(
     postgres_server: PostgresServer, tmp_path: Path
 ) -> None:
-    """4 processes x 50 concurrent runs (each with a retried overload) on one new
-    schema: no lost, duplicated or unsettled row, no deadlock, every invocation's
-    totals equal its attempts' sums, and the tokens equal what the providers served."""
+    """4 processes x 50 concurrent runs through the SDK (each with a retried
+    overload) on one new schema: no lost, duplicated or unsettled row, no
+    deadlock, every invocation's totals equal its attempts' sums, and the tokens
+    equal what each process's FakeAnthropicServer put on the wire."""
     schema, go = fresh_schema(), tmp_path / "go"
     # -P: the script's directory (tests/) must not shadow installed packages.
     children = [subprocess.Popen([sys.executable, "-P", str(CHILD), postgres_server.dsn(),
