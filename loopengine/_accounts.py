@@ -40,6 +40,8 @@ from loopengine._attribution import Attribution
 from loopengine._errors import ConfigError, LedgerError
 from loopengine.persistence import _account_store as store
 from loopengine.persistence._account_store import AccountBalance
+from loopengine.persistence._postgres import PostgresLedger
+from loopengine.persistence._postgres import connect as connect_postgres
 from loopengine.persistence._schema import format_time
 
 __all__ = ["AccountBalance", "CreditAccounts", "Reservation"]
@@ -91,13 +93,12 @@ class CreditAccounts:
         expiry_grace: float = DEFAULT_EXPIRY_GRACE,
     ) -> None:
         path = getattr(ledger, "path", None)
-        dsn = getattr(ledger, "dsn", None)
-        if isinstance(dsn, str) and hasattr(ledger, "_configure"):
-            path = getattr(ledger, "name", "the PostgreSQL ledger")
+        if isinstance(ledger, PostgresLedger):
+            path = ledger.name
         elif not isinstance(path, str) or not hasattr(ledger, "writer_pid"):
             raise ConfigError("ledger", "credit accounts live in the ledger's database: give "
                                         f"them a SQLiteLedger or a PostgresLedger, not {ledger!r}")
-        self._postgres = isinstance(dsn, str)
+        self._postgres = isinstance(ledger, PostgresLedger)
         if key is not None and not callable(key):
             raise ConfigError("key", f"must be callable, got {key!r}")
         _validate.integer("default_hold", default_hold, minimum=1, optional=True)
@@ -242,13 +243,11 @@ class CreditAccounts:
         server and schema (its row locks serialize one account across hosts)."""
         import psycopg
 
-        ledger = self.ledger
         try:
-            conn = psycopg.connect(ledger.dsn, **ledger._connect_args())
+            conn = connect_postgres(self.ledger)
         except psycopg.Error as error:
             raise LedgerError(f"{self.path}: cannot open the accounts: {error}") from None
         try:
-            ledger._configure(conn)
             with conn.transaction():
                 return work(_PostgresConnection(conn), format_time(datetime.now(UTC)))
         except psycopg.Error as error:

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     import psycopg
     from psycopg import sql
 
-__all__ = ["APPLICATION_NAME", "PostgresLedger"]
+__all__ = ["APPLICATION_NAME", "PostgresLedger", "connect"]
 
 _WRITER_FILE: Final = os.path.abspath(_postgres_writer.__file__)
 
@@ -173,11 +173,10 @@ class PostgresLedger(PipedLedger):
             # The migration's own connection, outside the writer, so that a
             # server that cannot be reached is reported with its own words.
             try:
-                conn = psycopg.connect(self.dsn, **self._connect_args())
+                conn = connect(self)
             except psycopg.Error as error:
                 raise LedgerError(f"{self.name}: cannot connect: {error}") from error
             try:
-                self._configure(conn)
                 _postgres_schema.migrate(conn, schema=self.schema, name=self.name)
             except psycopg.Error as error:
                 raise LedgerError(f"{self.name}: cannot open the ledger: {error}") from error
@@ -233,6 +232,25 @@ class PostgresLedger(PipedLedger):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._opened else "not opened"
         return f"PostgresLedger({self.name!r}, {state})"
+
+
+def connect(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
+    """A new connection to ``ledger``'s server, set up as the writer's are
+    (durable commits, UTC, the ledger's schema), for this package's other users
+    of the server (the migration, the credit accounts) to use and close.
+
+    Raises:
+        psycopg.Error: the server cannot be reached, or refused a setting.
+    """
+    import psycopg
+
+    conn = psycopg.connect(ledger.dsn, **ledger._connect_args())
+    try:
+        ledger._configure(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 def _thread_writer(settings: _postgres_writer.Settings) -> PostgresWriter:
