@@ -14,7 +14,6 @@ from loopengine._errors import (
     LedgerError,
     LoopEngineError,
     OutcomeError,
-    ProviderError,
     ReplayMismatchError,
 )
 from loopengine._estimate import Estimate
@@ -28,7 +27,7 @@ from loopengine._tools import Tool, tool
 from loopengine._usage import Usage
 from loopengine.guards._limits import Limits
 from loopengine.providers._cache import CachePolicy
-from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._faults import FaultKind, ProviderError, ProviderFault
 from loopengine.providers._retry import RetryPolicy
 
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ from typing import Any, Generic, Literal, NoReturn, TypeVar
 
 import pydantic
 
-from loopengine._errors import OutcomeError, ProviderError
+from loopengine._errors import OutcomeError
 from loopengine._invocation import Invocation
 from loopengine._operation import Operation
 from loopengine._outcome import Outcome
@@ -34,7 +34,7 @@ from loopengine._usage import Usage
 from loopengine.guards._checkpoints import ConversationState, GuardTrip, check_credits
 from loopengine.persistence._records import AttemptRecord
 from loopengine.providers._base import ProviderRequest, ProviderResponse
-from loopengine.providers._faults import FaultKind
+from loopengine.providers._faults import FaultKind, ProviderError
 from loopengine.providers._retry import RetryStop
 
 __all__ = ["CallAttempts", "CallResult", "StructuredOutputError", "growth_ceiling", "run_call"]

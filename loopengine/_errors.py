@@ -12,7 +12,9 @@ Every exception the library raises on purpose derives from `LoopEngineError`:
     caller asked for an exception (`RunResult.raise_for_outcome()`,
     `Engine.call`). Carries `.outcome` and `.attempts`.
     * ProviderError: the ending was a provider fault (`provider_error`,
-      `credit_exhausted`); carries the `ProviderFault` as `.fault`.
+      `credit_exhausted`); carries the `ProviderFault` as `.fault`. Defined
+      beside `ProviderFault` (`providers._faults`), so that this module
+      imports nothing of the library's.
   * ReplayMismatchError: a replayed request differs from the recording.
 
 The caller's own cancellation is never turned into any of these: it
@@ -21,17 +23,13 @@ propagates as the async backend's cancellation exception.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from loopengine.providers._faults import ProviderFault
+from typing import Any
 
 __all__ = [
     "ConfigError",
     "LedgerError",
     "LoopEngineError",
     "OutcomeError",
-    "ProviderError",
     "ReplayMismatchError",
 ]
 
@@ -94,26 +92,6 @@ class OutcomeError(LoopEngineError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.args, self.__dict__))
-
-
-class ProviderError(OutcomeError):
-    """A run or call ended because of a provider fault.
-
-    Attributes:
-        fault: The `ProviderFault` of the last attempt.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        fault: ProviderFault,
-        outcome: str,
-        attempts: int,
-        result: Any = None,
-    ) -> None:
-        super().__init__(message, outcome=outcome, attempts=attempts, result=result)
-        self.fault = fault
 
 
 class ReplayMismatchError(LoopEngineError):

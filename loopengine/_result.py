@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from loopengine._errors import OutcomeError, ProviderError
+from loopengine._errors import OutcomeError
 from loopengine._outcome import Outcome
 from loopengine._usage import Usage
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import AttemptRecord
-from loopengine.providers._faults import ProviderFault
+from loopengine.providers._faults import ProviderError, ProviderFault
 
 __all__ = ["AttemptsSummary", "RunResult"]
 
