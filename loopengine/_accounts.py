@@ -41,7 +41,8 @@ from loopengine._errors import ConfigError, LedgerError
 from loopengine.persistence import _account_store as store
 from loopengine.persistence._account_store import AccountBalance
 from loopengine.persistence._postgres import PostgresLedger
-from loopengine.persistence._postgres import connect as connect_postgres
+from loopengine.persistence._postgres import borrow as borrow_postgres
+from loopengine.persistence._postgres import give_back as give_back_postgres
 from loopengine.persistence._schema import format_time
 
 __all__ = ["AccountBalance", "CreditAccounts", "Reservation"]
@@ -244,17 +245,20 @@ class CreditAccounts:
         import psycopg
 
         try:
-            conn = connect_postgres(self.ledger)
+            conn = borrow_postgres(self.ledger)
         except psycopg.Error as error:
             raise LedgerError(f"{self.path}: cannot open the accounts: {error}") from None
+        reusable = False
         try:
             with conn.transaction():
-                return work(_PostgresConnection(conn), format_time(datetime.now(UTC)))
+                result = work(_PostgresConnection(conn), format_time(datetime.now(UTC)))
+            reusable = True
+            return result
         except psycopg.Error as error:
             raise LedgerError(f"{self.path}: the accounts could not be written: "
                               f"{error}") from None
         finally:
-            conn.close()
+            give_back_postgres(self.ledger, conn, reusable=reusable)
 
 
 class _PostgresConnection:

@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     import psycopg
     from psycopg import sql
 
-__all__ = ["APPLICATION_NAME", "PostgresLedger", "connect"]
+__all__ = ["ACCOUNTS_APPLICATION_NAME", "APPLICATION_NAME", "PostgresLedger", "borrow", "connect",
+           "give_back"]
 
 _WRITER_FILE: Final = os.path.abspath(_postgres_writer.__file__)
 
@@ -143,6 +144,10 @@ class PostgresLedger(PipedLedger):
         self._opening = threading.Lock()
         """Held while opening and closing: one of them at a time."""
         self._opened = False
+        self._idle: list[psycopg.Connection[tuple[Any, ...]]] = []
+        """Connections `borrow` keeps between transactions (this process's)."""
+        self._idle_pid = os.getpid()
+        self._idle_lock = threading.Lock()
 
     # -- opening and closing ------------------------------------------------------------
 
@@ -224,6 +229,12 @@ class PostgresLedger(PipedLedger):
         # after it finds the ledger closed.
         with self._opening:
             super().close()
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+            mine = self._idle_pid == os.getpid()
+        if mine:  # a forked child leaves its parent's connections alone
+            for conn in idle:
+                conn.close()
 
     async def __aenter__(self) -> PostgresLedger:
         await self.open()
@@ -234,7 +245,13 @@ class PostgresLedger(PipedLedger):
         return f"PostgresLedger({self.name!r}, {state})"
 
 
-def connect(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
+ACCOUNTS_APPLICATION_NAME: Final = "loopengine-accounts"
+"""How the credit accounts' connections (`borrow`) show in ``pg_stat_activity``;
+the writer's and the migration's show as `APPLICATION_NAME`."""
+
+
+def connect(ledger: PostgresLedger, *,
+            application_name: str = APPLICATION_NAME) -> psycopg.Connection[tuple[Any, ...]]:
     """A new connection to ``ledger``'s server, set up as the writer's are
     (durable commits, UTC, the ledger's schema), for this package's other users
     of the server (the migration, the credit accounts) to use and close.
@@ -244,13 +261,77 @@ def connect(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
     """
     import psycopg
 
-    conn = psycopg.connect(ledger.dsn, **ledger._connect_args())
+    conn = psycopg.connect(ledger.dsn, **{**ledger._connect_args(),
+                                          "application_name": application_name})
     try:
         ledger._configure(conn)
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+IDLE_KEPT: Final = 2
+"""Connections `borrow` keeps open between transactions, per ledger."""
+
+
+def borrow(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
+    """A connection to ``ledger``'s server, set up as `connect` sets one up, for
+    one transaction of this package's other users of the server (the credit
+    accounts), in any thread; `give_back` it once done.
+
+    Opening a connection costs the server a new backend process and both sides
+    several milliseconds, which an admission would pay twice per run: so the
+    connection is one kept from an earlier transaction when one of them still
+    answers (checked with an empty query), else a new one.
+
+    Raises:
+        psycopg.Error: no connection could be made.
+    """
+    conn = _take_idle(ledger)
+    if conn is None:
+        conn = connect(ledger, application_name=ACCOUNTS_APPLICATION_NAME)
+    return conn
+
+
+def give_back(ledger: PostgresLedger, conn: psycopg.Connection[tuple[Any, ...]], *,
+              reusable: bool) -> None:
+    """Keep a `borrow` ed connection for the next transaction (up to `IDLE_KEPT`),
+    if ``reusable`` (its transaction ended without an error), idle, and the
+    ledger is not closed; else close it."""
+    from psycopg import pq
+
+    if reusable and not conn.closed:
+        with ledger._idle_lock:
+            if (not ledger._closed and ledger._idle_pid == os.getpid()
+                    and len(ledger._idle) < IDLE_KEPT
+                    and conn.info.transaction_status == pq.TransactionStatus.IDLE):
+                ledger._idle.append(conn)
+                return
+    conn.close()
+
+
+def _take_idle(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]] | None:
+    from psycopg import pq
+    from psycopg_pool import ConnectionPool
+
+    while True:
+        with ledger._idle_lock:
+            if ledger._idle_pid != os.getpid():
+                # A forked child: those are its parent's sessions, not to be
+                # used or closed here.
+                ledger._idle, ledger._idle_pid = [], os.getpid()
+            if not ledger._idle:
+                return None
+            conn = ledger._idle.pop()
+        try:
+            if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+                raise ValueError("not idle")
+            ConnectionPool.check_connection(conn)
+        except Exception:  # gone (the server restarted, the session was ended)
+            conn.close()
+            continue
+        return conn
 
 
 def _thread_writer(settings: _postgres_writer.Settings) -> PostgresWriter:
