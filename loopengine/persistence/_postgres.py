@@ -144,10 +144,8 @@ class PostgresLedger(PipedLedger):
         self._opening = threading.Lock()
         """Held while opening and closing: one of them at a time."""
         self._opened = False
-        self._idle: list[psycopg.Connection[tuple[Any, ...]]] = []
-        """Connections `borrow` keeps between transactions (this process's)."""
-        self._idle_pid = os.getpid()
-        self._idle_lock = threading.Lock()
+        self._kept = _KeptConnections()
+        """Connections `borrow` keeps between transactions."""
 
     # -- opening and closing ------------------------------------------------------------
 
@@ -229,12 +227,7 @@ class PostgresLedger(PipedLedger):
         # after it finds the ledger closed.
         with self._opening:
             super().close()
-        with self._idle_lock:
-            idle, self._idle = self._idle, []
-            mine = self._idle_pid == os.getpid()
-        if mine:  # a forked child leaves its parent's connections alone
-            for conn in idle:
-                conn.close()
+        self._kept.close()
 
     async def __aenter__(self) -> PostgresLedger:
         await self.open()
@@ -288,7 +281,7 @@ def borrow(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
     Raises:
         psycopg.Error: no connection could be made.
     """
-    conn = _take_idle(ledger)
+    conn = ledger._kept.take()
     if conn is None:
         conn = connect(ledger, application_name=ACCOUNTS_APPLICATION_NAME)
     return conn
@@ -299,39 +292,68 @@ def give_back(ledger: PostgresLedger, conn: psycopg.Connection[tuple[Any, ...]],
     """Keep a `borrow` ed connection for the next transaction (up to `IDLE_KEPT`),
     if ``reusable`` (its transaction ended without an error), idle, and the
     ledger is not closed; else close it."""
-    from psycopg import pq
-
-    if reusable and not conn.closed:
-        with ledger._idle_lock:
-            if (not ledger._closed and ledger._idle_pid == os.getpid()
-                    and len(ledger._idle) < IDLE_KEPT
-                    and conn.info.transaction_status == pq.TransactionStatus.IDLE):
-                ledger._idle.append(conn)
-                return
-    conn.close()
+    if not (reusable and ledger._kept.keep(conn)):
+        conn.close()
 
 
-def _take_idle(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]] | None:
-    from psycopg import pq
-    from psycopg_pool import ConnectionPool
+class _KeptConnections:
+    """The idle connections of one process, shared by its threads: a forked
+    child starts with none (its parent's sessions are neither used nor closed
+    there)."""
 
-    while True:
-        with ledger._idle_lock:
-            if ledger._idle_pid != os.getpid():
-                # A forked child: those are its parent's sessions, not to be
-                # used or closed here.
-                ledger._idle, ledger._idle_pid = [], os.getpid()
-            if not ledger._idle:
-                return None
-            conn = ledger._idle.pop()
-        try:
-            if conn.info.transaction_status != pq.TransactionStatus.IDLE:
-                raise ValueError("not idle")
-            ConnectionPool.check_connection(conn)
-        except Exception:  # gone (the server restarted, the session was ended)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[psycopg.Connection[tuple[Any, ...]]] = []
+        self._pid = os.getpid()
+        self._closed = False
+
+    def _mine(self) -> list[psycopg.Connection[tuple[Any, ...]]]:
+        # Called holding `_lock`.
+        if self._pid != os.getpid():
+            self._idle, self._pid = [], os.getpid()
+        return self._idle
+
+    def take(self) -> psycopg.Connection[tuple[Any, ...]] | None:
+        """A kept connection that still answers, or None; dead ones are closed."""
+        from psycopg import pq
+        from psycopg_pool import ConnectionPool
+
+        while True:
+            with self._lock:
+                idle = self._mine()
+                if not idle:
+                    return None
+                conn = idle.pop()
+            try:
+                if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+                    raise ValueError("not idle")
+                ConnectionPool.check_connection(conn)
+            except Exception:  # gone (the server restarted, the session was ended)
+                conn.close()
+                continue
+            return conn
+
+    def keep(self, conn: psycopg.Connection[tuple[Any, ...]]) -> bool:
+        """Keep ``conn`` if it is open and idle, there is room and `close` has not
+        been called; say whether it was kept."""
+        from psycopg import pq
+
+        if conn.closed or conn.info.transaction_status != pq.TransactionStatus.IDLE:
+            return False
+        with self._lock:
+            idle = self._mine()
+            if self._closed or len(idle) >= IDLE_KEPT:
+                return False
+            idle.append(conn)
+            return True
+
+    def close(self) -> None:
+        """Close this process's kept connections, and keep none from now on."""
+        with self._lock:
+            idle, self._idle = self._mine(), []
+            self._closed = True
+        for conn in idle:
             conn.close()
-            continue
-        return conn
 
 
 def _thread_writer(settings: _postgres_writer.Settings) -> PostgresWriter:
