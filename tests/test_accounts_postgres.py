@@ -93,6 +93,12 @@ def test_four_processes_never_reserve_more_than_the_account_has_on_postgresql(
     assert audit("accounts", "--db", url_of(postgres_server, dbname)).exit_code == 0
 
 
+def _database(postgres_server: PostgresServer) -> tuple[str, str]:
+    """A new empty database: its connection string and its name."""
+    dsn = postgres_server.create_database()
+    return dsn, dsn.rsplit("dbname=", 1)[1]
+
+
 def _accounts_sessions(postgres_server: PostgresServer, dbname: str) -> list[tuple[int, Any]]:
     """The live sessions of the credit accounts on ``dbname``: (pid, backend_start)."""
     with postgres_server.connect() as conn:
@@ -120,8 +126,7 @@ async def test_admissions_keep_their_connection_and_replace_one_the_server_ended
     """Opening a connection costs the server a backend process: twenty transactions
     one after another run on one session, kept open between them; a kept session
     the server ended is replaced, not reported; closing the ledger ends it."""
-    dsn = postgres_server.create_database()
-    dbname = dsn.rsplit("dbname=", 1)[1]
+    dsn, dbname = _database(postgres_server)
     async with PostgresLedger(dsn) as ledger:
         accounts = le.CreditAccounts(ledger)
         await accounts.grant("acme", 1_000)
@@ -147,8 +152,7 @@ async def test_a_failed_transaction_does_not_keep_its_connection(
     """A transaction that failed (here: the accounts' tables are gone) closes its
     connection instead of keeping it; once the tables are back, the next
     transaction opens a new one and succeeds."""
-    dsn = postgres_server.create_database()
-    dbname = dsn.rsplit("dbname=", 1)[1]
+    dsn, dbname = _database(postgres_server)
     async with PostgresLedger(dsn) as ledger:
         accounts = le.CreditAccounts(ledger)
         await accounts.grant("acme", 5)
