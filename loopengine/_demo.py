@@ -157,7 +157,7 @@ def run_demo(
             import openai  # noqa: F401 - only whether it is installed
         except ImportError:
             raise DemoUnavailable("--provider openai needs the openai SDK: "
-                                  "pip install 'loopengine[openai]'") from None
+                                  "pip install 'loopengine-core[openai]'") from None
     result: le.RunResult = anyio.run(_converse, db, provider, live)
     # Read the attempts back from the file: what is printed is what was recorded.
     conn = _audit.open_ledger(db)

@@ -104,7 +104,7 @@ class _CannotRun(click.ClickException):
 
 
 @click.group()
-@click.version_option(package_name="loopengine")
+@click.version_option(package_name="loopengine-core")
 def main() -> None:
     """loopengine: an accountable async tool loop for LLM conversations."""
 

@@ -1,6 +1,6 @@
 """OpenTelemetry spans from loopengine's events, after the GenAI semantic conventions.
 
-Install the extra (``pip install 'loopengine[otel]'``) and pass an observer::
+Install the extra (``pip install 'loopengine-core[otel]'``) and pass an observer::
 
     from loopengine.otel import OpenTelemetryObserver
 
@@ -42,7 +42,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
         "loopengine.otel needs OpenTelemetry, which is not installed: "
-        "pip install 'loopengine[otel]'"
+        "pip install 'loopengine-core[otel]'"
     ) from error
 
 from loopengine import __version__

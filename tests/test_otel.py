@@ -307,4 +307,4 @@ def test_otel_module_says_how_to_install_the_extra() -> None:
     done = subprocess.run([sys.executable, "-c", MISSING_OTEL], capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0, done.stderr
-    assert "pip install 'loopengine[otel]'" in done.stdout
+    assert "pip install 'loopengine-core[otel]'" in done.stdout

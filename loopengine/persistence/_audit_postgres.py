@@ -67,7 +67,7 @@ def snapshot(dsn: str) -> sqlite3.Connection:
         import psycopg
     except ImportError:
         raise LedgerError("auditing a PostgreSQL ledger needs psycopg 3: "
-                          "pip install 'loopengine[postgres]'") from None
+                          "pip install 'loopengine-core[postgres]'") from None
     from loopengine.persistence._postgres import _describe_server
 
     try:

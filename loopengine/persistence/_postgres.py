@@ -126,7 +126,7 @@ class PostgresLedger(PipedLedger):
             import psycopg_pool  # noqa: F401  # only checked for here
         except ImportError as error:
             raise LedgerError("PostgresLedger needs psycopg 3 and psycopg-pool: "
-                              "pip install 'loopengine[postgres]'") from error
+                              "pip install 'loopengine-core[postgres]'") from error
         try:
             params = psycopg.conninfo.conninfo_to_dict(dsn)
         except psycopg.ProgrammingError as error:

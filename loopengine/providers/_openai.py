@@ -58,7 +58,7 @@ fault kind             from
                        own state (``client_state``)
 =====================  ===========================================================
 
-The ``openai`` SDK is the extra ``openai`` (``pip install 'loopengine[openai]'``):
+The ``openai`` SDK is the extra ``openai`` (``pip install 'loopengine-core[openai]'``):
 this module imports it only when a provider is built.
 """
 
@@ -163,7 +163,7 @@ def _import_openai() -> Any:
         import openai
     except ImportError as error:  # pragma: no cover - the dev install has the extra
         raise ImportError("OpenAIProvider needs the openai SDK, which is not installed: "
-                          "pip install 'loopengine[openai]'") from error
+                          "pip install 'loopengine-core[openai]'") from error
     return openai
 
 
