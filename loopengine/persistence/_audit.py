@@ -1,10 +1,11 @@
-"""The auditor's questions, asked of a ledger file opened read-only.
+"""The auditor's questions, asked of a ledger opened read-only (`open_ledger`).
 
-`loopengine audit` is a thin shell over these functions: spend over a period
-grouped by tenant, feature, model, operation, user or correlation id; one
-invocation with its attempts; the reconciliation of attempt rows against
-invocation totals; and the per-attempt invoice export. Everything here only
-reads, and opens a file it may not write (another user's, a read-only copy).
+`loopengine audit` is a thin shell over these functions: the invocations of a
+period (`runs`); spend over a period grouped by tenant, feature, model,
+operation, user or correlation id; one invocation with its attempts; the
+reconciliation of attempt rows against invocation totals; and the per-attempt
+invoice export. Everything here only reads. The SQL is written once: it runs
+unchanged on SQLite and, through `PostgresReader`, on PostgreSQL.
 
 An attempt is *unpriced* when it reported tokens but has no cost: no price
 source knew its model. Its tokens are in the totals, its cost in none of them,
@@ -20,27 +21,23 @@ auditor looks at a damaged record.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import sqlite3
-import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 from loopengine._errors import LedgerError
-from loopengine.persistence import _account_store, _audit_postgres
-from loopengine.persistence._schema import (
-    ATTEMPT_COLUMNS,
-    INVOCATION_COLUMNS,
-    MIGRATIONS,
-    SCHEMA_TABLE,
-    SCHEMA_VERSION,
-    format_time,
+from loopengine.persistence import _account_store
+from loopengine.persistence._audit_open import (
+    AuditConnection,
+    describe_value,
+    has_table,
+    open_ledger,
 )
+from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_time
 
 __all__ = [
     "EXPORT_COLUMNS",
@@ -49,7 +46,9 @@ __all__ = [
     "AccountRow",
     "Mismatch",
     "Reconciliation",
+    "RunRow",
     "SpendRow",
+    "Where",
     "describe_value",
     "export_rows",
     "format_duration",
@@ -59,6 +58,7 @@ __all__ = [
     "parse_duration",
     "parse_moment",
     "reconcile",
+    "runs",
     "show",
     "spend",
 ]
@@ -102,177 +102,7 @@ _EXPORT_JOINED = ("tenant", "user_id", "feature", "correlation_id", "operation",
                   "operation_version", "provider", "model")
 
 
-# -- opening -------------------------------------------------------------------------------
-
-
-def open_ledger(path: str | os.PathLike[str]) -> sqlite3.Connection:
-    """Open a ledger file read-only, after checking that it is one this code reads.
-
-    The file is opened with SQLite's ``mode=ro``, so nothing is written to it,
-    and it is never created. A user who may write the file and its directory
-    reads it with SQLite's locks (SQLite may leave an empty -wal and -shm
-    beside it, as any reader does). A file this user cannot write (another
-    user's file, a read-only directory or medium) whose write-ahead log is
-    absent is opened ``immutable=1``: SQLite then reads it without the
-    shared-memory index it could not create. When a write-ahead log is
-    present and cannot be read, the error says why and what to do.
-
-    A ``postgresql://`` URL instead of a path reads a PostgreSQL ledger: its
-    rows are copied, in one read-only snapshot, into an in-memory SQLite
-    database that the same queries read (loopengine.persistence._audit_postgres).
-
-    Args:
-        path: The database file, or a ``postgresql://`` URL.
-
-    Returns:
-        A read-only connection whose rows are `sqlite3.Row`.
-
-    Raises:
-        LedgerError: the path is not a readable file, the file is not a SQLite
-            database or not a loopengine ledger, has a schema newer than this
-            code, or cannot be read by this user (the message says why).
-    """
-    if _audit_postgres.is_postgres_url(path):
-        return _audit_postgres.snapshot(str(path))
-    file = _existing_file(path)
-    uri, wal_blocks = _read_only_uri(file)
-    try:
-        conn = sqlite3.connect(uri, uri=True)
-    except sqlite3.Error as error:  # pragma: no cover - connect defers opening the file
-        raise LedgerError(f"{file} cannot be opened: {error}") from error
-    try:
-        _check_ledger(conn, file, wal_blocks)
-    except BaseException:
-        conn.close()
-        raise
-    conn.row_factory = sqlite3.Row
-    return conn
-
-
-def _existing_file(path: str | os.PathLike[str]) -> Path:
-    try:
-        text = os.fspath(path)
-    except TypeError:
-        raise LedgerError(f"a ledger path must be a str or a path, got {path!r}") from None
-    if not isinstance(text, str):
-        raise LedgerError(f"a ledger path must be a str or a path, got {path!r}")
-    if not text:
-        raise LedgerError("no ledger file given (the path is empty)")
-    if "\0" in text:
-        raise LedgerError(f"{text!r} cannot be a ledger file: the path contains a NUL byte")
-    file = Path(text)
-    try:
-        status = file.stat()
-    except FileNotFoundError:
-        raise LedgerError(f"{file}: no such file") from None
-    except OSError as error:
-        raise LedgerError(f"{file}: cannot be read: {error.strerror or error}") from None
-    if stat.S_ISDIR(status.st_mode):
-        raise LedgerError(f"{file}: not a file (it is a directory)")
-    if not stat.S_ISREG(status.st_mode):
-        # A FIFO or a device would block SQLite or be read as garbage.
-        raise LedgerError(f"{file}: not a file (not a regular file)")
-    if not os.access(file, os.R_OK):
-        raise LedgerError(f"{file}: this user cannot read it (permission denied)")
-    return file
-
-
-def _read_only_uri(file: Path) -> tuple[str, str | None]:
-    """The URI to open ``file`` with, and why a write-ahead log may block reading it."""
-    real = file.resolve()
-    uri = real.as_uri() + "?mode=ro"
-    if os.access(real, os.W_OK) and os.access(real.parent, os.W_OK):
-        # This user could write the file: SQLite's ordinary read-only opening
-        # (with its locks, so a writer may be working meanwhile) works.
-        return uri, None
-    wal, shm = Path(f"{real}-wal"), Path(f"{real}-shm")
-    try:
-        wal_size: int | None = wal.stat().st_size
-    except FileNotFoundError:
-        wal_size = None
-    except OSError:
-        wal_size = -1
-    if wal_size is None or (wal_size == 0 and not os.path.lexists(shm)):
-        # No write-ahead log (or an empty one that no writer has open, for a
-        # writer keeps its -shm beside it): everything committed is in the
-        # file itself, and immutable=1 reads it without creating -wal/-shm.
-        return uri + "&immutable=1", None
-    why = (f"it has a write-ahead log ({wal.name}: a process is writing the ledger, or "
-           "one stopped before it was checkpointed), and reading that log needs its "
-           f"shared-memory index ({shm.name}), which this user can neither open nor create "
-           f"in {real.parent}. Audit it as a user who can write that directory, once every "
-           "process writing it has closed it, or from a copy its owner makes with "
-           "`sqlite3 LEDGER \".backup COPY\"`")
-    return uri, why
-
-
-def _check_ledger(conn: sqlite3.Connection, file: Path, wal_blocks: str | None) -> None:
-    # A hand-made file cannot make reading it run SQL functions of its choosing.
-    conn.execute("PRAGMA trusted_schema = OFF")
-    try:
-        kinds = {str(name): str(kind) for name, kind in conn.execute(
-            "SELECT name, type FROM sqlite_master WHERE type IN ('table', 'view')")}
-    except sqlite3.Error as error:
-        code = getattr(error, "sqlite_errorname", "")
-        if code in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
-            raise LedgerError(f"{file} is not a SQLite database ({error})") from None
-        if wal_blocks is not None:
-            raise LedgerError(f"{file} cannot be read by this user: {wal_blocks}") from None
-        raise LedgerError(f"{file} cannot be read: {error}") from None
-    try:
-        version = _schema_version(conn, file, kinds.get(SCHEMA_TABLE))
-        if version > SCHEMA_VERSION:
-            raise LedgerError(
-                f"{file} has ledger schema version {version}, newer than this loopengine "
-                f"understands ({SCHEMA_VERSION}); upgrade loopengine to read it")
-        for table, wanted in (("invocations", INVOCATION_COLUMNS),
-                              ("attempts", ATTEMPT_COLUMNS)):
-            kind = kinds.get(table)
-            if kind != "table":
-                what = f"it has no {table} table" if kind is None else \
-                    f"{table} is a {kind}, not a table"
-                raise LedgerError(f"{file} is not a loopengine ledger: {what}")
-            have = {str(row[1]) for row in conn.execute(f"PRAGMA table_info({table})")}
-            missing = [c for c in wanted if c not in have]
-            if missing:
-                raise LedgerError(f"{file} is not a loopengine ledger: table {table} lacks "
-                                  f"{', '.join(missing)}")
-    except sqlite3.Error as error:
-        raise LedgerError(f"{file} is not a loopengine ledger ({error})") from None
-
-
-def _schema_version(conn: sqlite3.Connection, file: Path, kind: str | None) -> int:
-    if kind is None:
-        raise LedgerError(f"{file} is not a loopengine ledger (it has no {SCHEMA_TABLE} "
-                          "table)")
-    if kind != "table":
-        raise LedgerError(f"{file} is not a loopengine ledger: {SCHEMA_TABLE} is a {kind}, "
-                          "not a table")
-    bad = conn.execute(f"SELECT version FROM {SCHEMA_TABLE} "
-                       "WHERE typeof(version) NOT IN ('integer', 'null') LIMIT 1").fetchone()
-    if bad is not None:
-        raise LedgerError(f"{file} is not a loopengine ledger: its {SCHEMA_TABLE} table holds "
-                          f"the version {describe_value(bad[0])}, not an integer")
-    row = conn.execute(f"SELECT MAX(version) FROM {SCHEMA_TABLE}").fetchone()
-    return int(row[0]) if row[0] is not None else 0
-
-
 # -- values --------------------------------------------------------------------------------
-
-
-def describe_value(value: object) -> str:
-    """A stored value as error messages name it: its SQLite type and a short repr."""
-    if value is None:
-        return "NULL"
-    if isinstance(value, bytes):
-        shown = value[:16].hex().upper()
-        return f"a BLOB (X'{shown}{'…' if len(value) > 16 else ''}')"
-    if isinstance(value, float):
-        return f"a real number ({value!r})"
-    if isinstance(value, int):
-        return f"an integer ({value})"
-    text = repr(value)
-    return f"text ({text[:40]}{'…' if len(text) > 40 else ''})"
 
 
 @functools.cache
@@ -394,15 +224,92 @@ def format_duration(span: timedelta) -> str:
     return "".join(parts)
 
 
-def _period(column: str, since: str | None, until: str | None) -> tuple[str, list[str]]:
+class Where(TypedDict, total=False):
+    """Which records a query reads; every filter given must hold."""
+
+    since: str | None
+    """From this time (`parse_moment` text, inclusive)."""
+    until: str | None
+    """Before this time (exclusive)."""
+    tenant: str | None
+    """The invocation's tenant."""
+    feature: str | None
+    """The invocation's feature."""
+    outcome: str | None
+    """The invocation's outcome (``running`` while it runs)."""
+
+
+def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str, list[str]]:
+    """The SQL condition (`` WHERE ...`` or `` AND ...`` when ``joined``) and its
+    parameters: the period on ``time_column``, the rest on the invocation ``i``."""
+    tests = ((f"{time_column} >= ?", "since"), (f"{time_column} < ?", "until"),
+             ("i.tenant = ?", "tenant"), ("i.feature = ?", "feature"),
+             ("i.outcome = ?", "outcome"))
     clauses, params = [], []
-    if since is not None:
-        clauses.append(f"{column} >= ?")
-        params.append(since)
-    if until is not None:
-        clauses.append(f"{column} < ?")
-        params.append(until)
-    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
+    for clause, key in tests:
+        value = where.get(key)
+        if value is not None:
+            clauses.append(clause)
+            params.append(value)
+    if not clauses:
+        return "", []
+    return (" AND " if joined else " WHERE ") + " AND ".join(clauses), params
+
+
+# -- runs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    """One invocation, as `audit runs` lists it."""
+
+    id: str
+    """The invocation id (what `show` takes)."""
+    started_at: str
+    """When it started (ISO-8601 UTC)."""
+    tenant: str | None
+    feature: str | None
+    operation: str
+    outcome: str
+    """Its outcome, or ``running``."""
+    attempt_count: int
+    """Its attempts, retained or not."""
+    cost_nanousd: int
+    """Charged cost (S01)."""
+    credits: int
+
+    @property
+    def cost_usd(self) -> Decimal:
+        """``cost_nanousd`` in USD, exactly."""
+        return Decimal(self.cost_nanousd) / _NANO
+
+
+_RUN_COLUMNS = ("id", "started_at", "tenant", "feature", "operation", "outcome",
+                "attempt_count", "cost_nanousd", "credits")
+
+
+def runs(conn: AuditConnection, *, limit: int | None = None,
+         **where: Unpack[Where]) -> list[RunRow]:
+    """The invocations started in the period that match ``where``, newest first.
+
+    Args:
+        conn: From `open_ledger`.
+        limit: At most this many (the newest), or None for all.
+        **where: The filters (`Where`).
+
+    Raises:
+        LedgerError: the rows hold values a ledger never stores.
+    """
+    clause, params = _where("i.started_at", where)
+    sql = (f"SELECT {', '.join(f'i.{c}' for c in _RUN_COLUMNS)} FROM invocations AS i"
+           f"{clause} ORDER BY i.started_at DESC, i.id DESC")
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
+    found = []
+    for row in conn.execute(sql, params):
+        _check("invocations", row, _RUN_COLUMNS, _where_invocation)
+        found.append(RunRow(*row))
+    return found
 
 
 # -- spend ---------------------------------------------------------------------------------
@@ -453,14 +360,10 @@ _SPEND_SUMS = ("invocations", "attempt_count", "input_tokens", "output_tokens",
                "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens")
 
 
-def spend(
-    conn: sqlite3.Connection,
-    *,
-    by: Grouping = "tenant",
-    since: str | None = None,
-    until: str | None = None,
-) -> list[SpendRow]:
-    """Spend grouped by ``by``, over invocations started in ``[since, until)``.
+def spend(conn: AuditConnection, *, by: Grouping = "tenant",
+          **where: Unpack[Where]) -> list[SpendRow]:
+    """Spend grouped by ``by``, over invocations started in the period that
+    match ``where``.
 
     The totals come from the invocation rows, which count every attempt even
     past the retention cap (R07), so they are complete where rows are not.
@@ -469,8 +372,7 @@ def spend(
     Args:
         conn: From `open_ledger`.
         by: One of `GROUPINGS`.
-        since: Inclusive lower bound (`parse_moment` text), or None.
-        until: Exclusive upper bound, or None.
+        **where: The filters (`Where`).
 
     Raises:
         ValueError: ``by`` is not one of `GROUPINGS`.
@@ -478,7 +380,7 @@ def spend(
     """
     if by not in GROUPINGS:
         raise ValueError(f"cannot group by {by!r}; choose one of {', '.join(GROUPINGS)}")
-    where, params = _period("i.started_at", since, until)
+    clause, params = _where("i.started_at", where)
     # Correlated through the attempts' primary key, so the cost follows the
     # period's invocations, not the whole table.
     unpriced = f"FROM attempts AS a WHERE a.invocation_id = i.id AND {_unpriced_sql('a')}"
@@ -487,7 +389,9 @@ def spend(
         "SUM(i.output_tokens), SUM(i.cache_read_tokens), SUM(i.cache_write_tokens), "
         "SUM(i.cost_nanousd), SUM(i.provider_cost_nanousd), SUM(i.credits), "
         f"SUM((SELECT COUNT(*) {unpriced})), SUM((SELECT SUM({_tokens_sql('a')}) {unpriced})) "
-        f"FROM invocations AS i{where} GROUP BY i.{by} ORDER BY SUM(i.cost_nanousd) DESC, key"
+        f"FROM invocations AS i{clause} GROUP BY i.{by} "
+        # NULL (no tenant) first on both stores, as SQLite sorts it.
+        f"ORDER BY SUM(i.cost_nanousd) DESC, i.{by} IS NOT NULL, i.{by}"
     )
     rows = []
     for row in conn.execute(sql, params):
@@ -509,7 +413,7 @@ def spend(
 # -- show ----------------------------------------------------------------------------------
 
 
-def show(conn: sqlite3.Connection, invocation_id: str) -> tuple[dict[str, Any],
+def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
                                                                 list[dict[str, Any]]]:
     """One invocation and its attempt rows in ordinal order, as stored.
 
@@ -610,7 +514,7 @@ _RECONCILED = ("id", "operation", "started_at", "outcome", "attempt_count",
 
 
 def reconcile(
-    conn: sqlite3.Connection,
+    conn: AuditConnection,
     *,
     older_than: timedelta | None = None,
     now: datetime | None = None,
@@ -648,8 +552,9 @@ def reconcile(
         f"SELECT i.*, COUNT(a.ordinal) AS row_count, {sums}, "
         "COALESCE(SUM(CASE WHEN a.charged = 1 THEN a.cost_nanousd END), 0) AS sum_cost, "
         "COALESCE(SUM(a.cost_nanousd), 0) AS sum_provider_cost, "
-        "COALESCE(SUM(a.charged = 1 AND a.outcome != 'ok'), 0) AS charged_not_ok, "
-        "COALESCE(SUM(a.outcome = 'dispatched'), 0) AS dispatched "
+        "COALESCE(SUM(CASE WHEN a.charged = 1 AND a.outcome != 'ok' THEN 1 ELSE 0 END), 0) "
+        "AS charged_not_ok, "
+        "COALESCE(SUM(CASE WHEN a.outcome = 'dispatched' THEN 1 ELSE 0 END), 0) AS dispatched "
         "FROM invocations AS i LEFT JOIN attempts AS a ON a.invocation_id = i.id "
         "GROUP BY i.id ORDER BY i.started_at, i.id"
     ).fetchall()
@@ -750,15 +655,10 @@ class AccountMismatch:
     """For ``charged``: the run."""
 
 
-def _has_accounts(conn: sqlite3.Connection) -> bool:
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
-                        "AND name = 'accounts'").fetchone() is not None
-
-
-def accounts(conn: sqlite3.Connection) -> list[AccountRow]:
+def accounts(conn: AuditConnection) -> list[AccountRow]:
     """Every credit account's granted, spent, reserved and available credits
     (none in a ledger older than the accounts)."""
-    if not _has_accounts(conn):
+    if not has_table(conn, "accounts"):
         return []
     out = []
     for row in conn.execute("SELECT account, granted, spent, reserved, updated_at "
@@ -772,11 +672,11 @@ def accounts(conn: sqlite3.Connection) -> list[AccountRow]:
     return out
 
 
-def reconcile_accounts(conn: sqlite3.Connection) -> list[AccountMismatch]:
+def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
     """Check each account against its journal, and each settled run's charge
     against that run's credits (its recorded credits once it ended; for a run
     whose process died, what its settled attempts charged)."""
-    if not _has_accounts(conn):
+    if not has_table(conn, "accounts"):
         return []
     found: list[AccountMismatch] = []
     sums = ", ".join(f"COALESCE({sql}, 0)" for sql in _account_store.JOURNAL_SUMS.values())
@@ -788,8 +688,8 @@ def reconcile_accounts(conn: sqlite3.Connection) -> list[AccountMismatch]:
             if recorded != value:
                 found.append(AccountMismatch(row.account, column, recorded, int(value)))
     for account, invocation_id, charged, rate, quantum in conn.execute(
-            "SELECT e.account, e.invocation_id, SUM(e.credits), r.credits_per_usd, "
-            "r.credit_quantum FROM account_entries AS e JOIN account_entries AS r "
+            "SELECT e.account, e.invocation_id, SUM(e.credits), MAX(r.credits_per_usd), "
+            "MAX(r.credit_quantum) FROM account_entries AS e JOIN account_entries AS r "
             "ON r.invocation_id = e.invocation_id AND r.kind = 'reserve' "
             "WHERE e.kind IN ('settle', 'expire') GROUP BY e.account, e.invocation_id "
             "ORDER BY e.account, e.invocation_id"):
@@ -800,7 +700,7 @@ def reconcile_accounts(conn: sqlite3.Connection) -> list[AccountMismatch]:
     return found
 
 
-def _brief(row: sqlite3.Row) -> dict[str, Any]:
+def _brief(row: Any) -> dict[str, Any]:
     return {k: row[k] for k in ("id", "operation", "tenant", "started_at", "outcome",
                                 "attempt_count", "attempts_retained", "dispatched")}
 
@@ -808,10 +708,9 @@ def _brief(row: sqlite3.Row) -> dict[str, Any]:
 # -- export --------------------------------------------------------------------------------
 
 
-def export_rows(
-    conn: sqlite3.Connection, *, since: str | None = None, until: str | None = None
-) -> Iterator[dict[str, Any]]:
-    """Every attempt row started in ``[since, until)``, for an invoice.
+def export_rows(conn: AuditConnection, **where: Unpack[Where]) -> Iterator[dict[str, Any]]:
+    """Every attempt row started in the period whose invocation matches
+    ``where`` (`Where`), for an invoice.
 
     Each row carries who it is accounted to, its cost in USD (exact decimal
     text, None when it has no cost), ``response_id_missing`` (1 when the
@@ -822,11 +721,11 @@ def export_rows(
         LedgerError: a row holds a value a ledger never stores (raised when
             that row is reached).
     """
-    where, params = _period("a.started_at", since, until)
+    clause, params = _where("a.started_at", where)
     columns = ", ".join(f"a.{c}" for c in ATTEMPT_COLUMNS)
     sql = (f"SELECT {columns}, i.tenant, i.user_id, i.feature, i.correlation_id, i.operation, "
            "i.operation_version, i.provider, i.model FROM attempts AS a "
-           f"LEFT JOIN invocations AS i ON i.id = a.invocation_id{where} "
+           f"LEFT JOIN invocations AS i ON i.id = a.invocation_id{clause} "
            "ORDER BY a.started_at, a.invocation_id, a.ordinal")
     for row in conn.execute(sql, params):
         record = dict(row)
@@ -839,11 +738,10 @@ def export_rows(
         yield {column: record[column] for column in EXPORT_COLUMNS}
 
 
-def incomplete_in_export(
-    conn: sqlite3.Connection, *, since: str | None = None, until: str | None = None
-) -> int:
-    """How many invocations with attempts in the period have fewer rows than attempts."""
-    where, params = _period("a.started_at", since, until)
+def incomplete_in_export(conn: AuditConnection, **where: Unpack[Where]) -> int:
+    """How many invocations in an export (`export_rows` with the same filters)
+    have fewer rows than attempts."""
+    clause, params = _where("a.started_at", where, joined=True)
     sql = ("SELECT COUNT(DISTINCT a.invocation_id) FROM attempts AS a JOIN invocations AS i "
-           f"ON i.id = a.invocation_id{where}{' AND' if where else ' WHERE'} i.incomplete = 1")
+           f"ON i.id = a.invocation_id WHERE i.incomplete = 1{clause}")
     return int(conn.execute(sql, params).fetchone()[0])

@@ -1,37 +1,27 @@
-"""The audit of a PostgreSQL ledger: one consistent snapshot, read by the same
-queries as a SQLite file.
+"""Reading a PostgreSQL ledger for the audit: the same queries as on SQLite,
+run on the server in one read-only snapshot.
 
-``loopengine audit ... --db postgresql://...`` copies the ledger's rows, in one
-``REPEATABLE READ, READ ONLY`` transaction (a snapshot no concurrent write
-changes), into an in-memory SQLite database built by the SQLite schema's own
-migrations, with times as the ledger's ISO-8601 UTC text. Every audit query
-then runs unchanged on it, so both stores give the same answers from one set
-of queries. The copy holds the whole ledger: for a very large one, audit a
-replica or an export of the period.
+``loopengine audit ... --db postgresql://...`` opens one connection and one
+``REPEATABLE READ, READ ONLY`` transaction, so every query of a command sees
+the same snapshot whatever is written meanwhile. `PostgresReader` speaks the
+audit's side of the ``sqlite3`` interface: ``execute(sql, parameters)`` with
+``?`` placeholders, rows read by position or by column name, and values as the
+SQLite ledger stores them (times as ISO-8601 UTC text, sums as integers), so
+the queries in loopengine.persistence._audit are written once for both stores.
+psycopg is imported only when a PostgreSQL ledger is opened.
 """
 
 from __future__ import annotations
 
-import sqlite3
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from loopengine._errors import LedgerError
-from loopengine.persistence._schema import (
-    ATTEMPT_COLUMNS,
-    INVOCATION_COLUMNS,
-    SCHEMA_VERSION,
-    format_time,
-    migrate,
-)
+from loopengine.persistence._schema import SCHEMA_VERSION, format_time
 
-__all__ = ["display_name", "is_postgres_url", "snapshot"]
-
-_ACCOUNT_COLUMNS = ("account", "granted", "spent", "reserved", "updated_at")
-_ENTRY_COLUMNS = ("id", "account", "at", "kind", "credits", "invocation_id", "note",
-                  "expires_at", "credits_per_usd", "credit_quantum")
-_TABLES = (("invocations", INVOCATION_COLUMNS), ("attempts", ATTEMPT_COLUMNS),
-           ("accounts", _ACCOUNT_COLUMNS), ("account_entries", _ENTRY_COLUMNS))
+__all__ = ["PostgresReader", "display_name", "is_postgres_url"]
 
 
 def is_postgres_url(db: object) -> bool:
@@ -53,74 +43,129 @@ def display_name(db: object) -> str:
         return "the PostgreSQL ledger"
 
 
-def snapshot(dsn: str) -> sqlite3.Connection:
-    """The ledger at ``dsn``, copied into an in-memory SQLite database.
+class _Row:
+    """One result row, read as `sqlite3.Row` reads: by position, by column name,
+    unpacked, or turned into a dict."""
 
-    Returns:
-        A connection whose rows are `sqlite3.Row`, as `open_ledger` returns.
+    __slots__ = ("_index", "_values")
 
-    Raises:
-        LedgerError: psycopg is not installed, the server cannot be reached, the
-            database holds no ledger or one newer than this code.
-    """
-    try:
-        import psycopg
-    except ImportError:
-        raise LedgerError("auditing a PostgreSQL ledger needs psycopg 3: "
-                          "pip install 'loopengine-core[postgres]'") from None
-    from loopengine.persistence._postgres import _describe_server
+    def __init__(self, values: tuple[Any, ...], index: dict[str, int]) -> None:
+        self._values = values
+        self._index = index
 
-    try:
-        name = _describe_server(psycopg.conninfo.conninfo_to_dict(dsn), None)
-    except psycopg.ProgrammingError as error:
-        raise LedgerError(f"--db is not a PostgreSQL connection URL: {error}") from None
-    try:
-        pg = psycopg.connect(dsn, connect_timeout=10, application_name="loopengine-audit")
-    except psycopg.Error as error:
-        raise LedgerError(f"{name}: cannot connect: {error}") from None
-    memory = sqlite3.connect(":memory:", isolation_level=None)
-    try:
-        pg.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        version = _version(pg)
-        if version is None:
-            raise LedgerError(f"{name} holds no loopengine ledger (no loopengine_schema table)")
-        if version > SCHEMA_VERSION:
-            raise LedgerError(f"{name} has ledger schema version {version}, newer than this "
-                              f"loopengine understands ({SCHEMA_VERSION}); upgrade loopengine")
-        migrate(memory, path=name)
-        for table, columns in _TABLES:
-            if version < 3 and table.startswith("account"):
-                continue
-            rows = pg.execute(f"SELECT {', '.join(columns)} FROM {table}").fetchall()
-            memory.execute("BEGIN")
-            memory.executemany(
-                f"INSERT INTO {table} ({', '.join(columns)}) "
-                f"VALUES ({', '.join('?' * len(columns))})",
-                [tuple(_plain(value) for value in row) for row in rows])
-            memory.execute("COMMIT")
-        pg.rollback()
-    except psycopg.Error as error:
-        memory.close()
-        raise LedgerError(f"{name}: cannot read the ledger: {error}") from None
-    except BaseException:
-        memory.close()
-        raise
-    finally:
-        pg.close()
-    memory.row_factory = sqlite3.Row
-    return memory
+    def __getitem__(self, key: int | str) -> Any:
+        return self._values[self._index[key] if isinstance(key, str) else key]
 
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._values)
 
-def _version(pg: Any) -> int | None:
-    found = pg.execute("SELECT to_regclass('loopengine_schema')").fetchone()
-    if found is None or found[0] is None:
-        return None
-    row = pg.execute("SELECT MAX(version) FROM loopengine_schema").fetchone()
-    return int(row[0]) if row and row[0] is not None else 0
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def keys(self) -> list[str]:
+        """The column names, in order."""
+        return list(self._index)
 
 
 def _plain(value: Any) -> Any:
-    """A PostgreSQL value as the SQLite ledger stores it (times as ISO text)."""
+    """A PostgreSQL value as the SQLite ledger holds it: times as the ledger's
+    ISO text, and a whole ``numeric`` (what ``SUM(bigint)`` returns) as an int."""
     if isinstance(value, datetime):
         return format_time(value)
+    if isinstance(value, Decimal) and value == value.to_integral_value():
+        return int(value)
     return value
+
+
+def _row_factory(cursor: Any) -> Callable[[Sequence[Any]], _Row]:
+    index = {column.name: i for i, column in enumerate(cursor.description or ())}
+
+    def make(values: Sequence[Any]) -> _Row:
+        return _Row(tuple(_plain(v) for v in values), index)
+
+    return make
+
+
+class PostgresReader:
+    """A PostgreSQL ledger opened for the audit (`open`): one connection, one
+    read-only snapshot, closed with `close`."""
+
+    def __init__(self, connection: Any, name: str) -> None:
+        self._pg = connection
+        self.name = name
+        """How messages name the server (no password)."""
+
+    @classmethod
+    def open(cls, dsn: str, *, schema: str | None = None) -> PostgresReader:
+        """Connect to ``dsn`` and begin the snapshot, after checking that the
+        database (in ``schema``, or on the server's ``search_path``) holds a
+        ledger this code reads.
+
+        Raises:
+            LedgerError: psycopg is not installed, ``dsn`` is not a connection
+                URL, the server cannot be reached, or the database holds no
+                ledger or one newer than this code.
+        """
+        try:
+            import psycopg
+            from psycopg import sql
+        except ImportError:
+            raise LedgerError("auditing a PostgreSQL ledger needs psycopg 3: "
+                              "pip install 'loopengine-core[postgres]'") from None
+        from loopengine.persistence._postgres import _describe_server
+
+        try:
+            name = _describe_server(psycopg.conninfo.conninfo_to_dict(dsn), schema)
+        except psycopg.ProgrammingError as error:
+            raise LedgerError(f"--db is not a PostgreSQL connection URL: {error}") from None
+        try:
+            pg = psycopg.connect(dsn, connect_timeout=10, application_name="loopengine-audit")
+        except psycopg.Error as error:
+            raise LedgerError(f"{name}: cannot connect: {error}") from None
+        reader = cls(pg, name)
+        try:
+            pg.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            if schema is not None:
+                pg.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+            if not reader.has_table("loopengine_schema"):
+                where = f" in schema {schema}" if schema is not None else ""
+                raise LedgerError(f"{name} holds no loopengine ledger{where} (no "
+                                  "loopengine_schema table)")
+            row = reader.execute("SELECT MAX(version) FROM loopengine_schema").fetchone()
+            version = int(row[0]) if row and row[0] is not None else 0
+            if version > SCHEMA_VERSION:
+                raise LedgerError(f"{name} has ledger schema version {version}, newer than "
+                                  f"this loopengine understands ({SCHEMA_VERSION}); upgrade "
+                                  "loopengine")
+        except BaseException:
+            pg.close()
+            raise
+        return reader
+
+    def execute(self, query: str, parameters: Sequence[Any] = ()) -> Any:
+        """Run one of the audit's queries (``?`` placeholders) in the snapshot.
+
+        Returns:
+            A cursor: iterate it, or ``fetchone()`` / ``fetchall()``.
+
+        Raises:
+            LedgerError: the server refused or failed the query.
+        """
+        import psycopg
+
+        # psycopg's placeholders are %s, so a literal % is written %%.
+        text = query.replace("%", "%%").replace("?", "%s")
+        try:
+            cursor = self._pg.cursor(row_factory=_row_factory)
+            return cursor.execute(text, tuple(parameters))
+        except psycopg.Error as error:
+            raise LedgerError(f"{self.name}: cannot read the ledger: {error}") from None
+
+    def has_table(self, name: str) -> bool:
+        """Whether ``name`` is a table on the snapshot's search path."""
+        row = self.execute("SELECT to_regclass(?) IS NOT NULL", (name,)).fetchone()
+        return bool(row[0])
+
+    def close(self) -> None:
+        """End the snapshot and close the connection."""
+        self._pg.close()
