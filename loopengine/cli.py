@@ -1,42 +1,30 @@
 """The ``loopengine`` command: ``audit`` answers an auditor's questions from a
-ledger file (read-only), ``demo`` runs a short conversation end to end.
+ledger (read-only), ``demo`` runs a short conversation end to end.
 
-Exit status: 0 on success; 1 when ``audit reconcile`` finds something that
-needs a look (a total that does not add up, an unpriced attempt, an open or
-abandoned record); 2 when the command cannot run (a bad option, a missing
-file, a file that is not a ledger or that this user cannot read, a value a
-ledger never stores), with a one-line message on standard error.
+Exit status: 0 on success (also when the reader of the output goes away, as
+``| head`` does); 1 when ``audit reconcile`` finds something that needs a
+look (a total that does not add up, an unpriced attempt, an open or abandoned
+record); 2 when the command cannot run (a bad option, a missing file, a file
+that is not a ledger or that this user cannot read, a value a ledger never
+stores), with a one-line message on standard error.
 
 Stored values never reach the terminal raw: table output shows control and
 other non-printable characters as escapes (``\\x1b``, ``\\u202e``), the CSV
 export also neutralises cells that a spreadsheet would run as formulas, and
 JSON output escapes them the JSON way, keeping every value exact.
+
+This module imports only click: each subcommand imports what it needs when
+it runs (the audit's commands live in loopengine._audit_cli), so
+``loopengine --help`` starts fast.
 """
 
 from __future__ import annotations
 
-import csv
-import functools
-import io
-import json
-import os
-import sqlite3
-import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from datetime import timedelta
-from decimal import Decimal
-from typing import IO, Any, TypeVar
+import importlib
 
 import click
 
-from loopengine._errors import LedgerError
-from loopengine.persistence import _audit
-from loopengine.persistence._audit_postgres import display_name
-
-__all__ = ["attempts_table", "main", "printable", "vars_of"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
+__all__ = ["CannotRun", "main", "printable"]
 
 
 def printable(text: str) -> str:
@@ -60,40 +48,7 @@ def printable(text: str) -> str:
     return "".join(out)
 
 
-def _blob(value: bytes) -> str:
-    # The SQL literal of a BLOB: loopengine never stores one, a hand-made file may.
-    return f"X'{value.hex().upper()}'"
-
-
-def _cell(value: Any) -> str:
-    """A stored value as a table cell."""
-    if value is None:
-        return ""
-    if isinstance(value, bytes):
-        return _blob(value)
-    return printable(str(value))
-
-
-_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
-
-
-def _csv_cell(value: Any) -> Any:
-    """A stored value as a CSV cell: formulas neutralised, then control characters escaped."""
-    if not isinstance(value, str):
-        return value
-    if value.startswith(_FORMULA_STARTS):
-        # OWASP's advice: a leading quote makes every spreadsheet read the cell as text.
-        value = "'" + value
-    return printable(value)
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return _blob(value)
-    return str(value)
-
-
-class _CannotRun(click.ClickException):
+class CannotRun(click.ClickException):
     """The command could not do its work (exit status 2, like a usage error)."""
 
     exit_code = 2
@@ -103,407 +58,45 @@ class _CannotRun(click.ClickException):
         super().__init__(printable(message))
 
 
+class _LazyGroup(click.Group):
+    """A group whose subcommands are attributes of ``module``, imported only when
+    the group is used (``loopengine --help`` does not import them)."""
+
+    def __init__(self, *args: object, module: str, commands: tuple[str, ...],
+                 **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # click's own keywords
+        self._module = module
+        self._names = commands
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(self._names)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self._names:
+            return None
+        command = getattr(importlib.import_module(self._module), cmd_name)
+        assert isinstance(command, click.Command)
+        return command
+
+
 @click.group()
 @click.version_option(package_name="loopengine-core")
 def main() -> None:
     """loopengine: an accountable async tool loop for LLM conversations."""
 
 
-@main.group()
+@main.group(cls=_LazyGroup, module="loopengine._audit_cli",
+            commands=("accounts", "export", "reconcile", "runs", "show", "spend"))
 def audit() -> None:
-    """Read a ledger file (opened read-only): spend, one invocation, reconciliation,
-    an invoice export."""
+    """Read a ledger (a SQLite file opened read-only, or a postgresql:// URL): the
+    runs of a period, spend, one invocation, reconciliation, an invoice export."""
+    import io
+    import sys
+
     # A character the terminal's encoding lacks is printed as an escape, not a crash.
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
-
-
-_DB = click.option("--db", "db", required=True, type=str,
-                   help="The ledger: a SQLite file (read, never written or created) or a "
-                        "postgresql:// URL (read in one read-only snapshot).")
-_JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-
-
-def _moment(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        return _audit.parse_moment(value)
-    except ValueError as error:
-        raise click.BadParameter(printable(str(error))) from None
-
-
-def _duration(ctx: click.Context, param: click.Parameter,
-              value: str | None) -> timedelta | None:
-    if value is None:
-        return None
-    try:
-        return _audit.parse_duration(value)
-    except ValueError as error:
-        raise click.BadParameter(printable(str(error))) from None
-
-
-_SINCE = click.option("--since", callback=_moment, metavar="DATE",
-                      help="From this date or ISO-8601 time (inclusive, UTC).")
-_UNTIL = click.option("--until", callback=_moment, metavar="DATE",
-                      help="Before this date or ISO-8601 time (exclusive, UTC).")
-
-
-def _audit_command(command: _F) -> _F:
-    """Turn whatever stops an audit command into exit status 2 and a one-line message."""
-
-    @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        db = display_name(kwargs.get("db"))
-        try:
-            return command(*args, **kwargs)
-        except click.FileError as error:  # the output file, opened at its first write
-            raise _CannotRun(error.format_message()) from None
-        except click.ClickException:
-            raise
-        except LedgerError as error:
-            raise _CannotRun(str(error)) from None
-        except sqlite3.Error as error:
-            raise _CannotRun(f"{db}: {error}") from None
-        except BrokenPipeError:
-            # The reader went away (`| head`): nothing more can be shown, and
-            # Python must not complain again when it flushes at exit.
-            try:
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-                os.close(devnull)
-            except (OSError, ValueError):  # not a file descriptor (a test runner's stream)
-                pass
-            raise _CannotRun("the output was closed before it was complete") from None
-        except OSError as error:
-            raise _CannotRun(f"cannot write the output: {error}") from None
-        except Exception as error:  # the promise is no traceback, whatever the file holds
-            raise _CannotRun(f"{db}: cannot be audited ({type(error).__name__}: {error}); "
-                             "this is a bug in loopengine, please report it") from None
-
-    return run  # type: ignore[return-value]  # functools.wraps keeps the signature
-
-
-@contextmanager
-def _ledger(path: str) -> Iterator[sqlite3.Connection]:
-    conn = _audit.open_ledger(path)
-    try:
-        yield conn
-    except LedgerError as error:  # a row that holds what a ledger never stores
-        raise LedgerError(f"{display_name(path)}: {error}") from None
-    finally:
-        conn.close()
-
-
-def _usd(nanousd: Any) -> str:
-    if isinstance(nanousd, int):
-        return str(Decimal(nanousd) / Decimal(1_000_000_000))
-    return _cell(nanousd)
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-              for r in cells]
-    return "\n".join(lines)
-
-
-def _print_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, default=_json_default))
-
-
-def _plural(count: int, word: str) -> str:
-    return f"{count} {word}{'' if count == 1 else 's'}"
-
-
-@audit.command()
-@_DB
-@click.option("--by", type=click.Choice(_audit.GROUPINGS), default="tenant", show_default=True,
-              help="What to group the spend by.")
-@_SINCE
-@_UNTIL
-@_JSON
-@_audit_command
-def spend(db: str, by: _audit.Grouping, since: str | None, until: str | None,
-          as_json: bool) -> None:
-    """Spend per tenant, feature, model, operation, user_id or correlation_id, over
-    invocations started in a period.
-
-    Charged cost counts successful attempts only; provider cost counts every
-    attempt that reported usage (what the provider may bill). Unpriced
-    attempts (tokens served, no price known) are counted apart: their cost is
-    in neither.
-    """
-    with _ledger(db) as conn:
-        rows = _audit.spend(conn, by=by, since=since, until=until)
-    if as_json:
-        _print_json([{by: r.key, "invocations": r.invocations, "attempts": r.attempts,
-                      "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
-                      "cache_read_tokens": r.cache_read_tokens,
-                      "cache_write_tokens": r.cache_write_tokens,
-                      "cost_nanousd": r.cost_nanousd, "cost_usd": str(r.cost_usd),
-                      "provider_cost_nanousd": r.provider_cost_nanousd,
-                      "provider_cost_usd": str(r.provider_cost_usd), "credits": r.credits,
-                      "unpriced_attempts": r.unpriced_attempts,
-                      "unpriced_tokens": r.unpriced_tokens}
-                     for r in rows])
-        return
-    period = f" from {since or 'the start'} until {until or 'now'}"
-    if not rows:
-        click.echo(f"No invocations{period}.")
-        return
-    click.echo(f"Spend by {by}{period}:")
-    click.echo(_table(
-        [by, "invocations", "attempts", "input", "output", "cache read", "cache write",
-         "charged USD", "provider USD", "credits", "unpriced", "unpriced tokens"],
-        [[r.key if r.key is not None else "(none)", r.invocations, r.attempts, r.input_tokens,
-          r.output_tokens, r.cache_read_tokens, r.cache_write_tokens, _usd(r.cost_nanousd),
-          _usd(r.provider_cost_nanousd), r.credits, r.unpriced_attempts, r.unpriced_tokens]
-         for r in rows]))
-    unpriced = sum(r.unpriced_attempts for r in rows)
-    if unpriced:
-        tokens = sum(r.unpriced_tokens for r in rows)
-        click.echo(f"\n{_plural(unpriced, 'attempt')} ({_plural(tokens, 'token')}) had no "
-                   "price: their cost is in no USD column above. `loopengine audit "
-                   "reconcile` lists them.")
-
-
-_ATTEMPT_TABLE = ("ordinal", "turn", "attempt", "phase", "outcome", "fault", "http_status",
-                  "latency_ms", "input_tokens", "output_tokens", "cache_read_tokens",
-                  "cache_write_tokens", "cache_write_1h_tokens", "cost_usd", "charged",
-                  "price_ref", "response_id")
-
-
-def attempts_table(attempts: Sequence[dict[str, Any]]) -> str:
-    """The attempt rows as the text table ``show`` and ``demo`` print.
-
-    Every column an attempt's cost follows from is there: its tokens (cache
-    reads and writes included) and the price it was priced with. An attempt
-    that served tokens without a price shows ``unpriced`` as its cost.
-    """
-    rows = []
-    for a in attempts:
-        outcome = _cell(a["outcome"]) + (f"/{_cell(a['aborted_reason'])}"
-                                         if a.get("aborted_reason") else "")
-        cost = "unpriced" if _audit.is_unpriced(a) else _usd(a["cost_nanousd"])
-        rows.append([a["ordinal"], a["turn"], a["attempt"], a["phase"], outcome, a["fault"],
-                     a["http_status"], a["latency_ms"], a["input_tokens"], a["output_tokens"],
-                     a["cache_read_tokens"], a["cache_write_tokens"],
-                     a["cache_write_1h_tokens"], cost, "yes" if a["charged"] else "no",
-                     a["price_ref"], a["response_id"] or "(none)"])
-    return _table(_ATTEMPT_TABLE, rows)
-
-
-@audit.command()
-@_DB
-@click.argument("invocation_id")
-@_JSON
-@_audit_command
-def show(db: str, invocation_id: str, as_json: bool) -> None:
-    """One invocation (by id, or a unique start of it) and its attempts, as stored."""
-    with _ledger(db) as conn:
-        try:
-            invocation, attempts = _audit.show(conn, invocation_id)
-        except LookupError as error:
-            raise _CannotRun(str(error).strip("'\"")) from None
-        except UnicodeEncodeError:
-            raise _CannotRun(f"{invocation_id!r} is not an invocation id (it is not "
-                             "valid text)") from None
-    if as_json:
-        _print_json({"invocation": invocation, "attempts": attempts})
-        return
-    width = max(len(k) for k in invocation)
-    for key, value in invocation.items():
-        shown = f"{_cell(value)} (USD {_usd(value)})" if key in (
-            "cost_nanousd", "provider_cost_nanousd") else _cell(value)
-        click.echo(f"{key.ljust(width)}  {shown}".rstrip())
-    click.echo("")
-    if invocation["incomplete"]:
-        click.echo(f"{_cell(invocation['attempt_count'])} attempts, "
-                   f"{_cell(invocation['attempts_retained'])} rows retained: the record is "
-                   "incomplete (later attempts are counted in the totals, without rows).")
-    unpriced = [a for a in attempts if a["unpriced"]]
-    if unpriced:
-        click.echo(f"{_plural(len(unpriced), 'attempt')} served tokens without a price "
-                   f"(ordinal {', '.join(_cell(a['ordinal']) for a in unpriced)}): the costs "
-                   "above do not include them.")
-    click.echo(attempts_table(attempts) if attempts else "No attempt rows.")
-
-
-@audit.command()
-@_DB
-@click.option("--older-than", "older_than", callback=_duration, metavar="DURATION",
-              help="A run still open after this long (90s, 30m, 2h, 1d, 1h30m) is reported "
-                   "as abandoned; younger open runs are in flight and do not fail the check.")
-@_JSON
-@_audit_command
-def reconcile(db: str, older_than: timedelta | None, as_json: bool) -> None:
-    """Check attempt rows against invocation totals; list unsettled attempts, incomplete
-    records, unpriced attempts and invocations still running or abandoned. Exits 1 when
-    anything needs a look."""
-    with _ledger(db) as conn:
-        result = _audit.reconcile(conn, older_than=older_than)
-    if as_json:
-        _print_json({"ok": result.ok, "invocations": result.invocations,
-                     "attempts": result.attempts,
-                     "older_than_seconds": (None if older_than is None
-                                            else older_than.total_seconds()),
-                     "mismatches": [vars_of(m) for m in result.mismatches],
-                     "unsettled": result.unsettled, "incomplete": result.incomplete,
-                     "running": result.running, "orphans": result.orphans,
-                     "unpriced": result.unpriced, "abandoned": result.abandoned,
-                     "abandoned_attempts": result.abandoned_attempts,
-                     "accounts": [vars_of(m) for m in result.accounts]})
-    else:
-        _print_reconciliation(result)
-    if not result.ok:
-        sys.exit(1)
-
-
-def _print_reconciliation(result: _audit.Reconciliation) -> None:
-    age = None if result.older_than is None else _audit.format_duration(result.older_than)
-    click.echo(f"Checked {result.invocations} invocations and {result.attempts} attempt rows.")
-    unsettled_title, running_title = (
-        ("Attempts still dispatched (in flight, or their process died)",
-         "Invocations still running (or their process died)") if age is None else
-        (f"Attempts in flight (dispatched less than {age} ago)",
-         f"Invocations in flight (started less than {age} ago)"))
-    attempt_headers = ["invocation", "ordinal", "turn", "attempt", "phase", "started_at"]
-    run_headers = ["invocation", "operation", "tenant", "started_at"]
-    sections: list[tuple[str, list[list[Any]], list[str]]] = [
-        ("Totals that do not equal their attempt rows",
-         [[m.invocation_id, m.column, m.recorded, m.computed] for m in result.mismatches],
-         ["invocation", "column", "recorded", "rows add up to"]),
-        (f"Attempts abandoned (dispatched more than {age} ago and never settled: their "
-         "usage is unknown, the provider may have billed them)",
-         [[u["invocation_id"], u["ordinal"], u["turn"], u["attempt"], u["phase"],
-           u["started_at"]] for u in result.abandoned_attempts], attempt_headers),
-        (unsettled_title,
-         [[u["invocation_id"], u["ordinal"], u["turn"], u["attempt"], u["phase"],
-           u["started_at"]] for u in result.unsettled], attempt_headers),
-        ("Unpriced attempts (tokens served, no price: their cost is in no total)",
-         [[u["invocation_id"], u["ordinal"], u["served_by"], u["outcome"], u["started_at"],
-           u["input_tokens"], u["output_tokens"], u["cache_read_tokens"],
-           u["cache_write_tokens"]] for u in result.unpriced],
-         ["invocation", "ordinal", "served_by", "outcome", "started_at", "input", "output",
-          "cache read", "cache write"]),
-        ("Incomplete records (more attempts than rows kept, R07)",
-         [[i["id"], i["operation"], i["attempt_count"], i["attempts_retained"]]
-          for i in result.incomplete],
-         ["invocation", "operation", "attempts", "rows"]),
-        (f"Invocations abandoned (started more than {age} ago and never ended: their "
-         "process died)",
-         [[i["id"], i["operation"], i["tenant"], i["started_at"], i["dispatched"]]
-          for i in result.abandoned], [*run_headers, "unsettled attempts"]),
-        (running_title,
-         [[i["id"], i["operation"], i["tenant"], i["started_at"]] for i in result.running],
-         run_headers),
-        ("Attempt rows without an invocation row",
-         [[o["invocation_id"], o["ordinal"]] for o in result.orphans],
-         ["invocation", "ordinal"]),
-        ("Credit accounts that do not equal their journal, or runs charged other than "
-         "their credits",
-         [[m.account, m.column, m.invocation_id or "", m.recorded, m.computed]
-          for m in result.accounts],
-         ["account", "column", "invocation", "recorded", "journal or run says"]),
-    ]
-    for title, rows, headers in sections:
-        if rows:
-            click.echo(f"\n{title}: {len(rows)}")
-            click.echo(_table(headers, rows))
-    if result.ok:
-        flying = len(result.running) + len(result.unsettled)
-        click.echo("\nEverything reconciles." + (
-            f" In flight, younger than {age}: {_plural(len(result.running), 'invocation')}, "
-            f"{_plural(len(result.unsettled), 'attempt')}." if flying else ""))
-        return
-    problems = [(len(result.mismatches), "total that does not add up",
-                 "totals that do not add up"),
-                (len(result.unpriced), "unpriced attempt", "unpriced attempts"),
-                (len(result.incomplete), "incomplete record", "incomplete records"),
-                (len(result.abandoned), "abandoned invocation", "abandoned invocations"),
-                (len(result.abandoned_attempts), "abandoned attempt", "abandoned attempts"),
-                (len(result.orphans), "attempt row without its invocation",
-                 "attempt rows without their invocation"),
-                (len(result.accounts), "account figure that does not add up",
-                 "account figures that do not add up")]
-    if result.older_than is None:
-        problems += [(len(result.running), "invocation still running",
-                      "invocations still running"),
-                     (len(result.unsettled), "attempt still dispatched",
-                      "attempts still dispatched")]
-    named = [f"{n} {one if n == 1 else many}" for n, one, many in problems if n]
-    click.echo(f"\nThe ledger does not reconcile: {', '.join(named)}.")
-
-
-@audit.command()
-@_DB
-@_JSON
-@_audit_command
-def accounts(db: str, as_json: bool) -> None:
-    """Each credit account's granted, spent, reserved and available credits."""
-    with _ledger(db) as conn:
-        rows = _audit.accounts(conn)
-    if as_json:
-        _print_json([vars_of(r) for r in rows])
-        return
-    if not rows:
-        click.echo("No credit accounts.")
-        return
-    click.echo(_table(["account", "granted", "spent", "reserved", "available", "updated_at"],
-                      [[r.account, r.granted, r.spent, r.reserved, r.available, r.updated_at]
-                       for r in rows]))
-
-
-def vars_of(item: Any) -> dict[str, Any]:
-    """A slotted dataclass as a dict."""
-    return {name: getattr(item, name) for name in item.__slots__}
-
-
-@audit.command()
-@_DB
-@click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"]), required=True,
-              help="CSV with a header row (for spreadsheets: formulas neutralised, control "
-                   "characters escaped), or one JSON object per line (every value exact).")
-@_SINCE
-@_UNTIL
-@click.option("--output", "-o", type=click.File("w", encoding="utf-8", lazy=True),
-              default="-", help="Where to write (standard output by default).")
-@_audit_command
-def export(db: str, fmt: str, since: str | None, until: str | None, output: IO[str]) -> None:
-    """One row per attempt, for an invoice. Rows without a response id are marked
-    (response_id_missing = 1), never dropped; unpriced attempts are marked
-    (unpriced = 1)."""
-    with _ledger(db) as conn:
-        rows = _audit.export_rows(conn, since=since, until=until)
-        write: Callable[[dict[str, Any]], object]
-        if fmt == "csv":
-            writer = csv.DictWriter(output, fieldnames=_audit.EXPORT_COLUMNS, lineterminator="\n")
-            writer.writeheader()
-
-            def write(row: dict[str, Any]) -> None:
-                writer.writerow({k: (v if k == "cost_usd" else _csv_cell(v))
-                                 for k, v in row.items()})
-        else:
-            def write(row: dict[str, Any]) -> None:
-                output.write(json.dumps(row) + "\n")
-        unpriced = 0
-        for row in rows:
-            write(row)
-            unpriced += row["unpriced"]
-        incomplete = _audit.incomplete_in_export(conn, since=since, until=until)
-    if incomplete:
-        click.echo(f"note: {incomplete} invocation(s) in this export are incomplete (R07): "
-                   "they made more attempts than the rows exported; their totals are in "
-                   "`loopengine audit spend`.", err=True)
-    if unpriced:
-        click.echo(f"note: {_plural(unpriced, 'attempt')} in this export served tokens "
-                   "without a price (unpriced = 1): their cost_usd is empty, not zero.",
-                   err=True)
 
 
 @main.command()
@@ -523,10 +116,12 @@ def demo(provider: str, live: bool, db: str) -> None:
     Offline by default: a loopback fake of the provider's API serves an overload
     (retried), two tool turns, an answer the judge rejects, and its repair.
     """
+    from loopengine._audit_cli import attempts_table
     from loopengine._demo import DemoUnavailable, run_demo
+    from loopengine._errors import LedgerError
 
     try:
         run_demo(db, attempts_table=attempts_table, provider=provider, live=live,
                  echo=click.echo)
     except (LedgerError, DemoUnavailable) as error:
-        raise _CannotRun(str(error)) from None
+        raise CannotRun(str(error)) from None

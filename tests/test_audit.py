@@ -29,6 +29,7 @@ from loopengine.testing import FakeClock
 
 from .conftest import MODEL, operation
 from .ledger_support import judge, lookup, read_db, teammate_script
+from .test_audit_robust import table
 
 HAIKU = "claude-haiku-4-5"
 PRICES = le.PriceBook(
@@ -197,7 +198,7 @@ async def test_reconcile_lists_incomplete_records(tmp_path: Path) -> None:
                                          "jsonl"])
     assert exported.exit_code == 0
     assert len(exported.stdout.splitlines()) == 2
-    assert "1 invocation(s) in this export are incomplete" in exported.stderr
+    assert "1 invocation in this export is incomplete" in exported.stderr
 
 
 # -- export --------------------------------------------------------------------------------------
@@ -307,3 +308,121 @@ async def test_the_audit_queries_have_a_public_home(tmp_path: Path) -> None:
         assert audit.accounts(conn) == [] and audit.spend(conn, by="tenant") == []
     finally:
         conn.close()
+
+
+# -- runs, filters, totals, pipes ------------------------------------------------------------
+
+
+def test_runs_lists_invocations_newest_first_with_a_totals_row(
+    ledger_file: dict[str, Any],
+) -> None:
+    """`audit runs` prints each invocation's id (what `show` takes), start, tenant,
+    feature, operation, outcome, attempts and cost, newest first, then their totals."""
+    a, b, c = ledger_file["a"], ledger_file["b"], ledger_file["c"]
+    result = cli("audit", "runs", "--db", ledger_file["path"])
+    assert result.exit_code == 0, result.output
+    rows = table(result.output, "id")
+    assert [r["id"] for r in rows] == [c.invocation_id, b.invocation_id, a.invocation_id]
+    assert [(r["tenant"], r["feature"], r["operation"]) for r in rows] == [
+        ("acme", "search", "other.op"), ("globex", "search", "test.op"),
+        ("acme", "help", "test.op")]
+    assert rows[2]["started_at"].startswith("2026-01-10")
+    assert [r["outcome"] for r in rows] == ["completed"] * 3
+    assert [int(r["attempts"]) for r in rows] == [2, 1, 6]
+    assert rows[1]["charged USD"] == str(Decimal(nano(b)) / 10**9)
+    (total,) = table(result.output, "id", total=True)
+    assert total["id"] == "total: 3 invocations" and total["attempts"] == "9"
+    assert Decimal(total["charged USD"]) == Decimal(nano(a) + nano(b) + nano(c)) / 10**9
+    assert int(total["credits"]) == a.credits + b.credits + c.credits
+    shown = cli("audit", "show", "--db", ledger_file["path"], rows[0]["id"])
+    assert shown.exit_code == 0 and c.invocation_id in shown.output
+
+
+def test_runs_filters_by_tenant_feature_outcome_period_and_limit(
+    ledger_file: dict[str, Any],
+) -> None:
+    """Every filter narrows the list; --limit keeps the newest and says more exist."""
+    a, b, c = ledger_file["a"], ledger_file["b"], ledger_file["c"]
+    path = ledger_file["path"]
+
+    def ids(*args: str) -> list[str]:
+        result = cli("audit", "runs", "--db", path, "--json", *args)
+        assert result.exit_code == 0, result.output
+        return [row["id"] for row in json.loads(result.output)]
+
+    assert ids("--tenant", "acme") == [c.invocation_id, a.invocation_id]
+    assert ids("--feature", "search") == [c.invocation_id, b.invocation_id]
+    assert ids("--tenant", "acme", "--feature", "search") == [c.invocation_id]
+    assert ids("--since", "2026-02-01", "--until", "2026-02-15") == [b.invocation_id]
+    assert ids("--outcome", "completed") == [c.invocation_id, b.invocation_id,
+                                             a.invocation_id]
+    assert ids("--outcome", "running") == []
+    assert ids("--limit", "2") == [c.invocation_id, b.invocation_id]
+    limited = cli("audit", "runs", "--db", path, "--limit", "1")
+    assert "The newest 1 shown; --limit N or --all shows more." in limited.output
+    none = cli("audit", "runs", "--db", path, "--tenant", "initech")
+    assert none.exit_code == 0 and none.output == "No invocations from the start until now.\n"
+    bad = cli("audit", "runs", "--db", path, "--outcome", "fine")
+    assert bad.exit_code == 2 and "'fine' is not one of" in bad.output
+
+
+def test_spend_and_accounts_end_with_a_totals_row(ledger_file: dict[str, Any]) -> None:
+    """The totals row of `spend` adds up its columns."""
+    a, b, c = ledger_file["a"], ledger_file["b"], ledger_file["c"]
+    result = cli("audit", "spend", "--db", ledger_file["path"], "--by", "feature")
+    assert result.exit_code == 0, result.output
+    rows = table(result.output, "feature")
+    (total,) = table(result.output, "feature", total=True)
+    assert {r["feature"] for r in rows} == {"help", "search"}
+    assert total["feature"] == "total" and total["invocations"] == "3"
+    assert total["attempts"] == str(sum(int(r["attempts"]) for r in rows)) == "9"
+    assert Decimal(total["charged USD"]) == Decimal(nano(a) + nano(b) + nano(c)) / 10**9
+    acme = cli("audit", "spend", "--db", ledger_file["path"], "--tenant", "acme", "--json")
+    assert [row["tenant"] for row in json.loads(acme.output)] == ["acme"]
+
+
+def test_export_filters_like_runs_and_writes_csv_by_default(
+    ledger_file: dict[str, Any],
+) -> None:
+    """`export` takes the same filters; without --format it writes CSV."""
+    c = ledger_file["c"]
+    result = CliRunner().invoke(main, ["audit", "export", "--db", str(ledger_file["path"]),
+                                       "--tenant", "acme", "--feature", "search"])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert {r["invocation_id"] for r in rows} == {c.invocation_id} and len(rows) == 2
+    assert {r["tenant"] for r in rows} == {"acme"}
+
+
+def test_output_into_a_closed_pipe_is_a_quiet_exit_0(ledger_file: dict[str, Any]) -> None:
+    """A reader that goes away (`| head`) ends the command quietly, as it ends any filter."""
+    script = Path(sys.executable).with_name("loopengine")
+    for command in (["runs"], ["export", "--format", "jsonl"], ["show", ledger_file["a"]
+                                                                .invocation_id]):
+        child = subprocess.Popen([str(script), "audit", *command, "--db",
+                                  str(ledger_file["path"])],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.close()  # before the command writes: its first write meets no reader
+        assert child.wait(timeout=60) == 0, command
+        assert child.stderr.read() == b"", command
+        child.stderr.close()
+
+
+async def test_reconcile_counts_in_the_singular_and_the_plural(
+    tmp_path: Path, ledger_file: dict[str, Any]
+) -> None:
+    """One invocation is "1 invocation", three are "3 invocations"."""
+    assert "Checked 3 invocations and 9 attempt rows." in cli(
+        "audit", "reconcile", "--db", ledger_file["path"]).output
+    one = tmp_path / "one.db"
+    await record(one, "2026-01-01", [Reply.text("ok")], operation(), le.Attribution())
+    assert "Checked 1 invocation and 1 attempt row." in cli("audit", "reconcile", "--db",
+                                                            one).output
+
+
+def test_schema_is_for_postgresql_only(ledger_file: dict[str, Any]) -> None:
+    """--schema on a SQLite file is a one-line refusal (exit 2)."""
+    result = cli("audit", "runs", "--db", ledger_file["path"], "--schema", "billing")
+    assert result.exit_code == 2
+    assert "--schema names a PostgreSQL schema; a SQLite ledger has none" in result.output

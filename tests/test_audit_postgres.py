@@ -80,9 +80,11 @@ def test_a_bad_postgresql_url_is_one_line_and_exit_2(postgres_server: PostgresSe
     assert no_ledger.exit_code == 2 and "holds no loopengine ledger" in no_ledger.output
 
 
-async def test_a_ledger_in_its_own_schema_is_audited_through_the_urls_search_path(
+async def test_a_ledger_in_its_own_schema_is_audited_with_schema(
     postgres_server: PostgresServer,
 ) -> None:
+    """--schema names the ledger's schema (the URL's search_path works too); without
+    it the database's default search path holds no ledger, and the message says so."""
     from .postgres_support import fresh_schema
 
     dsn = postgres_server.create_database()
@@ -90,10 +92,42 @@ async def test_a_ledger_in_its_own_schema_is_audited_through_the_urls_search_pat
     schema = fresh_schema()
     async with PostgresLedger(dsn, schema=schema) as pg:
         await record(pg)
-    url = url_of(postgres_server, dbname) + f"&options=-csearch_path%3D{schema}"
-    result = audit("spend", "--by", "tenant", "--db", url, "--json")
-    assert result.exit_code == 0, result.output
-    assert {row["tenant"] for row in json.loads(result.output)} == {"acme", "zenith"}
+    url = url_of(postgres_server, dbname)
+    for args in (["--schema", schema], ["--db", url + f"&options=-csearch_path%3D{schema}"]):
+        result = audit("spend", "--by", "tenant", "--db", url, "--json", *args)
+        assert result.exit_code == 0, result.output
+        assert {row["tenant"] for row in json.loads(result.output)} == {"acme", "zenith"}
+    runs = audit("runs", "--db", url, "--schema", schema, "--tenant", "acme", "--json")
+    assert [row["tenant"] for row in json.loads(runs.output)] == ["acme", "acme"]
+    missing = audit("runs", "--db", url, "--schema", schema + "_x")
+    assert missing.exit_code == 2
+    assert f"holds no loopengine ledger in schema {schema}_x" in missing.output
+
+
+async def test_runs_and_filters_answer_the_same_on_postgresql_and_sqlite(
+    postgres_server: PostgresServer, tmp_path: Path
+) -> None:
+    """`runs`, its filters and totals, and the filtered export, read on the server."""
+    dsn = postgres_server.create_database()
+    async with PostgresLedger(dsn) as pg:
+        pg_runs = await record(pg)
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as lite:
+        await record(lite)
+    url = url_of(postgres_server, dsn.rsplit("dbname=", 1)[1])
+    for command in (["runs"], ["runs", "--tenant", "zenith"], ["runs", "--outcome", "running"],
+                    ["spend", "--tenant", "acme"], ["accounts"]):
+        on_pg, on_sqlite = audit(*command, "--db", url), audit(*command, "--db", str(path))
+        assert on_pg.exit_code == on_sqlite.exit_code == 0, (command, on_pg.output)
+        # The ids differ between the two stores; everything else is the same.
+        assert on_pg.output.count("\n") == on_sqlite.output.count("\n"), command
+    listed = json.loads(audit("runs", "--db", url, "--json", "--limit", "1").output)
+    assert [row["id"] for row in listed] == [pg_runs[-1].invocation_id]
+    assert listed[0]["attempt_count"] == 3 and listed[0]["started_at"].endswith("+00:00")
+    total = audit("runs", "--db", url).output.splitlines()[-1]
+    assert total.startswith("total: 3 invocations") and " 9 " in total
+    exported = audit("export", "--db", url, "--tenant", "zenith")
+    assert exported.exit_code == 0 and len(exported.output.splitlines()) == 1 + 3
 
 
 def test_the_demo_writes_to_postgresql_and_reconcile_reads_it(
@@ -108,4 +142,5 @@ def test_the_demo_writes_to_postgresql_and_reconcile_reads_it(
     assert "Outcome:  completed" in ran.output and "Attempts recorded in postgresql" in ran.output
     checked = audit("reconcile", "--db", url)
     assert checked.exit_code == 0, checked.output
-    assert "Checked 1 invocations" in checked.output and "Everything reconciles." in checked.output
+    assert "Checked 1 invocation and " in checked.output
+    assert "Everything reconciles." in checked.output

@@ -111,8 +111,9 @@ def op(model: str) -> le.Operation:
     return le.Operation(name="test.op", provider="anthropic", model=model, max_output_tokens=256)
 
 
-def table(output: str, first_header: str) -> list[dict[str, str]]:
-    """The rows of the text table whose header starts with ``first_header``, by column."""
+def table(output: str, first_header: str, *, total: bool = False) -> list[dict[str, str]]:
+    """The rows of the text table whose header starts with ``first_header``, by column
+    (with ``total``: its totals row, alone)."""
     lines = output.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith(first_header + " "))
     header, dashes = lines[at], lines[at + 1]
@@ -125,6 +126,11 @@ def table(output: str, first_header: str) -> list[dict[str, str]]:
     for line in lines[at + 2:]:
         if not line.strip():
             break
+        if line == dashes:  # the rule above the totals row
+            rows = [] if total else rows
+            if not total:
+                break
+            continue
         rows.append({n: line[a:b].strip() for n, (a, b) in zip(names, spans, strict=True)})
     return rows
 

@@ -245,10 +245,11 @@ def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str
     tests = ((f"{time_column} >= ?", "since"), (f"{time_column} < ?", "until"),
              ("i.tenant = ?", "tenant"), ("i.feature = ?", "feature"),
              ("i.outcome = ?", "outcome"))
-    clauses, params = [], []
+    clauses: list[str] = []
+    params: list[str] = []
     for clause, key in tests:
         value = where.get(key)
-        if value is not None:
+        if isinstance(value, str):
             clauses.append(clause)
             params.append(value)
     if not clauses:

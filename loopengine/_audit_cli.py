@@ -1,0 +1,540 @@
+"""The commands of ``loopengine audit`` (loopengine.cli imports this module only
+when ``audit`` runs): a thin shell over loopengine.persistence._audit that
+filters, prints tables with totals, and exports."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import os
+import sqlite3
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from decimal import Decimal
+from typing import IO, Any, TypeVar
+
+import click
+
+from loopengine._errors import LedgerError
+from loopengine._outcome import Outcome
+from loopengine.cli import CannotRun, printable
+from loopengine.persistence import _audit
+from loopengine.persistence._audit_open import AuditConnection
+from loopengine.persistence._audit_postgres import display_name
+
+__all__ = ["accounts", "attempts_table", "export", "reconcile", "runs", "show", "spend",
+           "vars_of"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _blob(value: bytes) -> str:
+    # The SQL literal of a BLOB: loopengine never stores one, a hand-made file may.
+    return f"X'{value.hex().upper()}'"
+
+
+def _cell(value: Any) -> str:
+    """A stored value as a table cell."""
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return _blob(value)
+    return printable(str(value))
+
+
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_cell(value: Any) -> Any:
+    """A stored value as a CSV cell: formulas neutralised, then control characters escaped."""
+    if not isinstance(value, str):
+        return value
+    if value.startswith(_FORMULA_STARTS):
+        # OWASP's advice: a leading quote makes every spreadsheet read the cell as text.
+        value = "'" + value
+    return printable(value)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return _blob(value)
+    return str(value)
+
+
+def _ledger_options(command: _F) -> _F:
+    """``--db`` and ``--schema``: which ledger a command reads."""
+    command = click.option(
+        "--schema", "schema", metavar="NAME",
+        help="PostgreSQL: the schema the ledger is in (default: the server's search_path)."
+    )(command)
+    return click.option(
+        "--db", "db", required=True, type=str,
+        help="The ledger: a SQLite file (read, never written or created) or a "
+             "postgresql:// URL (read in one read-only snapshot).")(command)
+
+
+_JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+def _moment(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return _audit.parse_moment(value)
+    except ValueError as error:
+        raise click.BadParameter(printable(str(error))) from None
+
+
+def _duration(ctx: click.Context, param: click.Parameter,
+              value: str | None) -> timedelta | None:
+    if value is None:
+        return None
+    try:
+        return _audit.parse_duration(value)
+    except ValueError as error:
+        raise click.BadParameter(printable(str(error))) from None
+
+
+def _filters(what: str) -> Callable[[_F], _F]:
+    """``--since``, ``--until``, ``--tenant``, ``--feature`` and ``--outcome``
+    (the keys of `_audit.Where`), the period applying to ``what``'s start."""
+
+    def add(command: _F) -> _F:
+        options = [
+            click.option("--since", callback=_moment, metavar="DATE",
+                         help=f"{what} started from this date or ISO-8601 time (inclusive, "
+                              "UTC)."),
+            click.option("--until", callback=_moment, metavar="DATE",
+                         help=f"{what} started before this date or ISO-8601 time "
+                              "(exclusive, UTC)."),
+            click.option("--tenant", metavar="TENANT", help="Only this tenant's invocations."),
+            click.option("--feature", metavar="FEATURE",
+                         help="Only this feature's invocations."),
+            click.option("--outcome", type=click.Choice([*(o.value for o in Outcome), "running"]),
+                         help="Only invocations that ended so (running: not ended)."),
+        ]
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return add
+
+
+def _audit_command(command: _F) -> _F:
+    """Turn whatever stops an audit command into exit status 2 and a one-line message,
+    and a reader that went away (``| head``) into a quiet exit 0."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        db = display_name(kwargs.get("db"))
+        try:
+            result = command(*args, **kwargs)
+            # Flushed here, not at exit, so a closed pipe is caught below.
+            sys.stdout.flush()
+            return result
+        except click.FileError as error:  # the output file, opened at its first write
+            raise CannotRun(error.format_message()) from None
+        except click.ClickException:
+            raise
+        except LedgerError as error:
+            raise CannotRun(str(error)) from None
+        except sqlite3.Error as error:
+            raise CannotRun(f"{db}: {error}") from None
+        except BrokenPipeError:
+            # The reader took what it wanted (`| head`): as for any Unix filter,
+            # that is no error. Python must not complain when it flushes at exit.
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            except (OSError, ValueError):  # not a file descriptor (a test runner's stream)
+                pass
+            sys.exit(0)
+        except OSError as error:
+            raise CannotRun(f"cannot write the output: {error}") from None
+        except Exception as error:  # the promise is no traceback, whatever the file holds
+            raise CannotRun(f"{db}: cannot be audited ({type(error).__name__}: {error}); "
+                            "this is a bug in loopengine, please report it") from None
+
+    return run  # type: ignore[return-value]  # functools.wraps keeps the signature
+
+
+@contextmanager
+def _ledger(path: str, schema: str | None) -> Iterator[AuditConnection]:
+    conn = _audit.open_ledger(path, schema=schema)
+    try:
+        yield conn
+    except LedgerError as error:  # a row that holds what a ledger never stores
+        raise LedgerError(f"{display_name(path)}: {error}") from None
+    finally:
+        conn.close()
+
+
+def _usd(nanousd: Any) -> str:
+    if isinstance(nanousd, int):
+        return str(Decimal(nanousd) / Decimal(1_000_000_000))
+    return _cell(nanousd)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+           total: Sequence[Any] | None = None) -> str:
+    """A text table; ``total`` is a last row under a rule, when there are rows."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    totals = [[_cell(v) for v in total]] if total is not None and rows else []
+    widths = [max([len(h), *(len(r[i]) for r in [*cells, *totals])])
+              for i, h in enumerate(headers)]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *map(line, cells),
+                      *(x for t in totals for x in (rule, line(t)))])
+
+
+def _print_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, default=_json_default))
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def _period(since: str | None, until: str | None) -> str:
+    return f" from {since or 'the start'} until {until or 'now'}"
+
+
+@click.command()
+@_ledger_options
+@_filters("Invocations")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Show at most this many, the newest first.")
+@click.option("--all", "every", is_flag=True, help="Show every match (no --limit).")
+@_JSON
+@_audit_command
+def runs(db: str, schema: str | None, limit: int, every: bool, as_json: bool,
+         **where: Any) -> None:
+    """The invocations started in a period, newest first: their ids (what `show`
+    takes), start, tenant, feature, operation, outcome, attempts and cost."""
+    with _ledger(db, schema) as conn:
+        rows = _audit.runs(conn, limit=None if every else limit, **where)
+    if as_json:
+        _print_json([{**vars_of(r), "cost_usd": str(r.cost_usd)} for r in rows])
+        return
+    if not rows:
+        click.echo(f"No invocations{_period(where['since'], where['until'])}.")
+        return
+    click.echo(_table(
+        ["id", "started_at", "tenant", "feature", "operation", "outcome", "attempts",
+         "charged USD", "credits"],
+        [[r.id, r.started_at, r.tenant, r.feature, r.operation, r.outcome, r.attempt_count,
+          _usd(r.cost_nanousd), r.credits] for r in rows],
+        total=[f"total: {_plural(len(rows), 'invocation')}", "", "", "", "", "",
+               sum(r.attempt_count for r in rows), _usd(sum(r.cost_nanousd for r in rows)),
+               sum(r.credits for r in rows)]))
+    if not every and len(rows) == limit:
+        click.echo(f"\nThe newest {limit} shown; --limit N or --all shows more.")
+
+
+@click.command()
+@_ledger_options
+@click.option("--by", type=click.Choice(_audit.GROUPINGS), default="tenant", show_default=True,
+              help="What to group the spend by.")
+@_filters("Invocations")
+@_JSON
+@_audit_command
+def spend(db: str, schema: str | None, by: _audit.Grouping, as_json: bool,
+          **where: Any) -> None:
+    """Spend per tenant, feature, model, operation, user_id or correlation_id, over
+    invocations started in a period, with their total.
+
+    Charged cost counts successful attempts only; provider cost counts every
+    attempt that reported usage (what the provider may bill). Unpriced
+    attempts (tokens served, no price known) are counted apart: their cost is
+    in neither.
+    """
+    with _ledger(db, schema) as conn:
+        rows = _audit.spend(conn, by=by, **where)
+    if as_json:
+        _print_json([{by: r.key, "invocations": r.invocations, "attempts": r.attempts,
+                      "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
+                      "cache_read_tokens": r.cache_read_tokens,
+                      "cache_write_tokens": r.cache_write_tokens,
+                      "cost_nanousd": r.cost_nanousd, "cost_usd": str(r.cost_usd),
+                      "provider_cost_nanousd": r.provider_cost_nanousd,
+                      "provider_cost_usd": str(r.provider_cost_usd), "credits": r.credits,
+                      "unpriced_attempts": r.unpriced_attempts,
+                      "unpriced_tokens": r.unpriced_tokens}
+                     for r in rows])
+        return
+    period = _period(where["since"], where["until"])
+    if not rows:
+        click.echo(f"No invocations{period}.")
+        return
+    click.echo(f"Spend by {by}{period}:")
+    sums = [sum(getattr(r, name) for r in rows) for name in _SPEND_FIGURES]
+    click.echo(_table(
+        [by, "invocations", "attempts", "input", "output", "cache read", "cache write",
+         "charged USD", "provider USD", "credits", "unpriced", "unpriced tokens"],
+        [[r.key if r.key is not None else "(none)",
+          *_spend_cells([getattr(r, name) for name in _SPEND_FIGURES])] for r in rows],
+        total=["total", *_spend_cells(sums)]))
+    unpriced, tokens = sums[-2], sums[-1]
+    if unpriced:
+        click.echo(f"\n{_plural(unpriced, 'attempt')} ({_plural(tokens, 'token')}) had no "
+                   "price: their cost is in no USD column above. `loopengine audit "
+                   "reconcile` lists them.")
+
+
+_SPEND_FIGURES = ("invocations", "attempts", "input_tokens", "output_tokens",
+                  "cache_read_tokens", "cache_write_tokens", "cost_nanousd",
+                  "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens")
+
+
+def _spend_cells(figures: list[int]) -> list[Any]:
+    """`_SPEND_FIGURES` as table cells: the two costs in USD."""
+    return [_usd(v) if name.endswith("nanousd") else v
+            for name, v in zip(_SPEND_FIGURES, figures, strict=True)]
+
+
+_ATTEMPT_TABLE = ("ordinal", "turn", "attempt", "phase", "outcome", "fault", "http_status",
+                  "latency_ms", "input_tokens", "output_tokens", "cache_read_tokens",
+                  "cache_write_tokens", "cache_write_1h_tokens", "cost_usd", "charged",
+                  "price_ref", "response_id")
+
+
+def attempts_table(attempts: Sequence[dict[str, Any]]) -> str:
+    """The attempt rows as the text table ``show`` and ``demo`` print.
+
+    Every column an attempt's cost follows from is there: its tokens (cache
+    reads and writes included) and the price it was priced with. An attempt
+    that served tokens without a price shows ``unpriced`` as its cost.
+    """
+    rows = []
+    for a in attempts:
+        outcome = _cell(a["outcome"]) + (f"/{_cell(a['aborted_reason'])}"
+                                         if a.get("aborted_reason") else "")
+        cost = "unpriced" if _audit.is_unpriced(a) else _usd(a["cost_nanousd"])
+        rows.append([a["ordinal"], a["turn"], a["attempt"], a["phase"], outcome, a["fault"],
+                     a["http_status"], a["latency_ms"], a["input_tokens"], a["output_tokens"],
+                     a["cache_read_tokens"], a["cache_write_tokens"],
+                     a["cache_write_1h_tokens"], cost, "yes" if a["charged"] else "no",
+                     a["price_ref"], a["response_id"] or "(none)"])
+    return _table(_ATTEMPT_TABLE, rows)
+
+
+@click.command()
+@_ledger_options
+@click.argument("invocation_id")
+@_JSON
+@_audit_command
+def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None:
+    """One invocation (by id, or a unique start of it) and its attempts, as stored."""
+    with _ledger(db, schema) as conn:
+        try:
+            invocation, attempts = _audit.show(conn, invocation_id)
+        except LookupError as error:
+            raise CannotRun(str(error).strip("'\"")) from None
+        except UnicodeEncodeError:
+            raise CannotRun(f"{invocation_id!r} is not an invocation id (it is not "
+                             "valid text)") from None
+    if as_json:
+        _print_json({"invocation": invocation, "attempts": attempts})
+        return
+    width = max(len(k) for k in invocation)
+    for key, value in invocation.items():
+        shown = f"{_cell(value)} (USD {_usd(value)})" if key in (
+            "cost_nanousd", "provider_cost_nanousd") else _cell(value)
+        click.echo(f"{key.ljust(width)}  {shown}".rstrip())
+    click.echo("")
+    if invocation["incomplete"]:
+        click.echo(f"{_cell(invocation['attempt_count'])} attempts, "
+                   f"{_cell(invocation['attempts_retained'])} rows retained: the record is "
+                   "incomplete (later attempts are counted in the totals, without rows).")
+    unpriced = [a for a in attempts if a["unpriced"]]
+    if unpriced:
+        click.echo(f"{_plural(len(unpriced), 'attempt')} served tokens without a price "
+                   f"(ordinal {', '.join(_cell(a['ordinal']) for a in unpriced)}): the costs "
+                   "above do not include them.")
+    click.echo(attempts_table(attempts) if attempts else "No attempt rows.")
+
+
+@click.command()
+@_ledger_options
+@click.option("--older-than", "older_than", callback=_duration, metavar="DURATION",
+              help="A run still open after this long (90s, 30m, 2h, 1d, 1h30m) is reported "
+                   "as abandoned; younger open runs are in flight and do not fail the check.")
+@_JSON
+@_audit_command
+def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json: bool) -> None:
+    """Check attempt rows against invocation totals; list unsettled attempts, incomplete
+    records, unpriced attempts and invocations still running or abandoned. Exits 1 when
+    anything needs a look."""
+    with _ledger(db, schema) as conn:
+        result = _audit.reconcile(conn, older_than=older_than)
+    if as_json:
+        _print_json({"ok": result.ok, "invocations": result.invocations,
+                     "attempts": result.attempts,
+                     "older_than_seconds": (None if older_than is None
+                                            else older_than.total_seconds()),
+                     "mismatches": [vars_of(m) for m in result.mismatches],
+                     "unsettled": result.unsettled, "incomplete": result.incomplete,
+                     "running": result.running, "orphans": result.orphans,
+                     "unpriced": result.unpriced, "abandoned": result.abandoned,
+                     "abandoned_attempts": result.abandoned_attempts,
+                     "accounts": [vars_of(m) for m in result.accounts]})
+    else:
+        _print_reconciliation(result)
+    if not result.ok:
+        sys.exit(1)
+
+
+def _print_reconciliation(result: _audit.Reconciliation) -> None:
+    age = None if result.older_than is None else _audit.format_duration(result.older_than)
+    click.echo(f"Checked {_plural(result.invocations, 'invocation')} and "
+               f"{_plural(result.attempts, 'attempt row')}.")
+    unsettled_title, running_title = (
+        ("Attempts still dispatched (in flight, or their process died)",
+         "Invocations still running (or their process died)") if age is None else
+        (f"Attempts in flight (dispatched less than {age} ago)",
+         f"Invocations in flight (started less than {age} ago)"))
+    attempt_headers = ["invocation", "ordinal", "turn", "attempt", "phase", "started_at"]
+    run_headers = ["invocation", "operation", "tenant", "started_at"]
+    sections: list[tuple[str, list[list[Any]], list[str]]] = [
+        ("Totals that do not equal their attempt rows",
+         [[m.invocation_id, m.column, m.recorded, m.computed] for m in result.mismatches],
+         ["invocation", "column", "recorded", "rows add up to"]),
+        (f"Attempts abandoned (dispatched more than {age} ago and never settled: their "
+         "usage is unknown, the provider may have billed them)",
+         [[u["invocation_id"], u["ordinal"], u["turn"], u["attempt"], u["phase"],
+           u["started_at"]] for u in result.abandoned_attempts], attempt_headers),
+        (unsettled_title,
+         [[u["invocation_id"], u["ordinal"], u["turn"], u["attempt"], u["phase"],
+           u["started_at"]] for u in result.unsettled], attempt_headers),
+        ("Unpriced attempts (tokens served, no price: their cost is in no total)",
+         [[u["invocation_id"], u["ordinal"], u["served_by"], u["outcome"], u["started_at"],
+           u["input_tokens"], u["output_tokens"], u["cache_read_tokens"],
+           u["cache_write_tokens"]] for u in result.unpriced],
+         ["invocation", "ordinal", "served_by", "outcome", "started_at", "input", "output",
+          "cache read", "cache write"]),
+        ("Incomplete records (more attempts than rows kept, R07)",
+         [[i["id"], i["operation"], i["attempt_count"], i["attempts_retained"]]
+          for i in result.incomplete],
+         ["invocation", "operation", "attempts", "rows"]),
+        (f"Invocations abandoned (started more than {age} ago and never ended: their "
+         "process died)",
+         [[i["id"], i["operation"], i["tenant"], i["started_at"], i["dispatched"]]
+          for i in result.abandoned], [*run_headers, "unsettled attempts"]),
+        (running_title,
+         [[i["id"], i["operation"], i["tenant"], i["started_at"]] for i in result.running],
+         run_headers),
+        ("Attempt rows without an invocation row",
+         [[o["invocation_id"], o["ordinal"]] for o in result.orphans],
+         ["invocation", "ordinal"]),
+        ("Credit accounts that do not equal their journal, or runs charged other than "
+         "their credits",
+         [[m.account, m.column, m.invocation_id or "", m.recorded, m.computed]
+          for m in result.accounts],
+         ["account", "column", "invocation", "recorded", "journal or run says"]),
+    ]
+    for title, rows, headers in sections:
+        if rows:
+            click.echo(f"\n{title}: {len(rows)}")
+            click.echo(_table(headers, rows))
+    if result.ok:
+        flying = len(result.running) + len(result.unsettled)
+        click.echo("\nEverything reconciles." + (
+            f" In flight, younger than {age}: {_plural(len(result.running), 'invocation')}, "
+            f"{_plural(len(result.unsettled), 'attempt')}." if flying else ""))
+        return
+    problems = [(len(result.mismatches), "total that does not add up",
+                 "totals that do not add up"),
+                (len(result.unpriced), "unpriced attempt", "unpriced attempts"),
+                (len(result.incomplete), "incomplete record", "incomplete records"),
+                (len(result.abandoned), "abandoned invocation", "abandoned invocations"),
+                (len(result.abandoned_attempts), "abandoned attempt", "abandoned attempts"),
+                (len(result.orphans), "attempt row without its invocation",
+                 "attempt rows without their invocation"),
+                (len(result.accounts), "account figure that does not add up",
+                 "account figures that do not add up")]
+    if result.older_than is None:
+        problems += [(len(result.running), "invocation still running",
+                      "invocations still running"),
+                     (len(result.unsettled), "attempt still dispatched",
+                      "attempts still dispatched")]
+    named = [f"{n} {one if n == 1 else many}" for n, one, many in problems if n]
+    click.echo(f"\nThe ledger does not reconcile: {', '.join(named)}.")
+
+
+@click.command()
+@_ledger_options
+@_JSON
+@_audit_command
+def accounts(db: str, schema: str | None, as_json: bool) -> None:
+    """Each credit account's granted, spent, reserved and available credits."""
+    with _ledger(db, schema) as conn:
+        rows = _audit.accounts(conn)
+    if as_json:
+        _print_json([vars_of(r) for r in rows])
+        return
+    if not rows:
+        click.echo("No credit accounts.")
+        return
+    click.echo(_table(["account", "granted", "spent", "reserved", "available", "updated_at"],
+                      [[r.account, r.granted, r.spent, r.reserved, r.available, r.updated_at]
+                       for r in rows],
+                      total=["total", *(sum(getattr(r, k) for r in rows)
+                                        for k in ("granted", "spent", "reserved", "available")),
+                             ""]))
+
+
+def vars_of(item: Any) -> dict[str, Any]:
+    """A slotted dataclass as a dict."""
+    return {name: getattr(item, name) for name in item.__slots__}
+
+
+@click.command()
+@_ledger_options
+@click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"]), default="csv",
+              show_default=True,
+              help="CSV with a header row (for spreadsheets: formulas neutralised, control "
+                   "characters escaped), or one JSON object per line (every value exact).")
+@_filters("Attempts")
+@click.option("--output", "-o", type=click.File("w", encoding="utf-8", lazy=True),
+              default="-", help="Where to write (standard output by default).")
+@_audit_command
+def export(db: str, schema: str | None, fmt: str, output: IO[str], **where: Any) -> None:
+    """One row per attempt, for an invoice. Rows without a response id are marked
+    (response_id_missing = 1), never dropped; unpriced attempts are marked
+    (unpriced = 1). The period is the attempts' start; the other filters are
+    their invocations'."""
+    with _ledger(db, schema) as conn:
+        rows = _audit.export_rows(conn, **where)
+        write: Callable[[dict[str, Any]], object]
+        if fmt == "csv":
+            writer = csv.DictWriter(output, fieldnames=_audit.EXPORT_COLUMNS, lineterminator="\n")
+            writer.writeheader()
+
+            def write(row: dict[str, Any]) -> None:
+                writer.writerow({k: (v if k == "cost_usd" else _csv_cell(v))
+                                 for k, v in row.items()})
+        else:
+            def write(row: dict[str, Any]) -> None:
+                output.write(json.dumps(row) + "\n")
+        unpriced = 0
+        for row in rows:
+            write(row)
+            unpriced += row["unpriced"]
+        incomplete = _audit.incomplete_in_export(conn, **where)
+    if incomplete:
+        click.echo(f"note: {_plural(incomplete, 'invocation')} in this export "
+                   f"{'is' if incomplete == 1 else 'are'} incomplete (R07): they made more "
+                   "attempts than the rows exported; their totals are in "
+                   "`loopengine audit spend`.", err=True)
+    if unpriced:
+        click.echo(f"note: {_plural(unpriced, 'attempt')} in this export served tokens "
+                   "without a price (unpriced = 1): their cost_usd is empty, not zero.",
+                   err=True)
