@@ -8,11 +8,12 @@ import csv
 import functools
 import json
 import os
+import re
 import sqlite3
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import IO, Any, TypeVar
 
@@ -24,9 +25,10 @@ from loopengine.cli import CannotRun, printable
 from loopengine.persistence import _audit
 from loopengine.persistence._audit_open import AuditConnection
 from loopengine.persistence._audit_postgres import display_name
+from loopengine.persistence._schema import format_time
 
-__all__ = ["accounts", "attempts_table", "export", "reconcile", "runs", "show", "spend",
-           "vars_of"]
+__all__ = ["accounts", "attempts_table", "export", "format_duration", "parse_duration",
+           "parse_moment", "reconcile", "runs", "show", "spend", "vars_of"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -79,11 +81,67 @@ def _ledger_options(command: _F) -> _F:
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
+def parse_moment(text: str) -> str:
+    """A date or ISO-8601 time as the ledger's UTC text, for period filters.
+
+    ``2026-03-01`` means midnight UTC; a time without an offset is UTC.
+
+    Raises:
+        ValueError: ``text`` is neither, or is outside the years 1 to 9999 once
+            converted to UTC.
+    """
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a date (YYYY-MM-DD) or an ISO-8601 time") from None
+    try:
+        # A date alone parses as naive midnight, which format_time takes as UTC.
+        return format_time(moment)
+    except OverflowError:
+        raise ValueError(f"{text!r} is outside the years 1 to 9999 once converted to "
+                         "UTC") from None
+
+
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"(?:[0-9]+(?:\.[0-9]+)?[smhdw])+", re.ASCII)
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhdw])", re.ASCII)
+
+
+def parse_duration(text: str) -> timedelta:
+    """A duration such as ``90s``, ``30m``, ``2h``, ``1d``, ``1w`` or ``1h30m``.
+
+    Raises:
+        ValueError: ``text`` is not one, or is longer than `datetime.timedelta` holds.
+    """
+    if not _DURATION.fullmatch(text):
+        raise ValueError(f"{text!r} is not a duration such as 90s, 30m, 2h, 1d or 1h30m")
+    seconds = sum(Decimal(number) * _UNIT_SECONDS[unit]
+                  for number, unit in _DURATION_PART.findall(text))
+    if seconds > Decimal(timedelta.max.days) * 86400:
+        raise ValueError(f"{text!r} is too long a duration")
+    return timedelta(seconds=float(seconds))
+
+
+def format_duration(span: timedelta) -> str:
+    """A duration as `parse_duration` reads it (``1d2h30m``, ``45s``, ``0s``)."""
+    seconds = span.total_seconds()
+    parts = []
+    for unit in ("d", "h", "m"):
+        count, seconds = divmod(seconds, _UNIT_SECONDS[unit])
+        if count:
+            parts.append(f"{int(count)}{unit}")
+    if seconds or not parts:
+        parts.append(f"{seconds:g}s")
+    return "".join(parts)
+
+
+
+
 def _moment(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
     try:
-        return _audit.parse_moment(value)
+        return parse_moment(value)
     except ValueError as error:
         raise click.BadParameter(printable(str(error))) from None
 
@@ -93,7 +151,7 @@ def _duration(ctx: click.Context, param: click.Parameter,
     if value is None:
         return None
     try:
-        return _audit.parse_duration(value)
+        return parse_duration(value)
     except ValueError as error:
         raise click.BadParameter(printable(str(error))) from None
 
@@ -393,7 +451,7 @@ def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json
 
 
 def _print_reconciliation(result: _audit.Reconciliation) -> None:
-    age = None if result.older_than is None else _audit.format_duration(result.older_than)
+    age = None if result.older_than is None else format_duration(result.older_than)
     click.echo(f"Checked {_plural(result.invocations, 'invocation')} and "
                f"{_plural(result.attempts, 'attempt row')}.")
     unsettled_title, running_title = (

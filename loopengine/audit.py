@@ -1,7 +1,8 @@
 """The audit's queries, for use from Python: what ``loopengine audit`` prints.
 
-Each function takes a connection from `open_ledger` (read-only; it works on a
-ledger the caller cannot write) and raises `loopengine.LedgerError` where the
+Each function takes a connection from `open_ledger` (a SQLite file opened
+read-only, even one the caller cannot write, or a ``postgresql://`` URL read
+in one snapshot) and raises `loopengine.LedgerError` where the
 command exits 2. See docs/ledger.md.
 
 Example::
@@ -20,11 +21,14 @@ from loopengine.persistence._audit import (
     AccountRow,
     Mismatch,
     Reconciliation,
+    RunRow,
     SpendRow,
+    Where,
     accounts,
     export_rows,
     open_ledger,
     reconcile,
+    runs,
     show,
     spend,
 )
@@ -36,11 +40,14 @@ __all__ = [
     "AccountRow",
     "Mismatch",
     "Reconciliation",
+    "RunRow",
     "SpendRow",
+    "Where",
     "accounts",
     "export_rows",
     "open_ledger",
     "reconcile",
+    "runs",
     "show",
     "spend",
 ]

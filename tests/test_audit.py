@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import loopengine as le
+from loopengine import _audit_cli
 from loopengine.cli import main
 from loopengine.persistence import SQLiteLedger, _audit
 from loopengine.persistence._schema import SCHEMA_TABLE, SCHEMA_VERSION
@@ -90,10 +91,10 @@ def test_spend_by_tenant_over_periods(ledger_file: dict[str, Any]) -> None:
     assert rows["globex"].cost_nanousd == nano(b)
     assert rows["acme"].credits == a.credits + c.credits
     feb = {r.key: r for r in _audit.spend(conn, by="tenant",
-                                          since=_audit.parse_moment("2026-02-01"))}
+                                          since=_audit_cli.parse_moment("2026-02-01"))}
     assert feb["acme"].cost_nanousd == nano(c) and feb["acme"].invocations == 1
     jan = {r.key: r for r in _audit.spend(conn, by="tenant",
-                                          until=_audit.parse_moment("2026-02-01"))}
+                                          until=_audit_cli.parse_moment("2026-02-01"))}
     assert set(jan) == {"acme"} and jan["acme"].cost_nanousd == nano(a)
     conn.close()
 

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import loopengine as le
+from loopengine import _audit_cli
 from loopengine.cli import main, printable
 from loopengine.persistence import AttemptDispatch, InvocationStart, SQLiteLedger, _audit
 from loopengine.persistence._schema import SCHEMA_TABLE
@@ -793,9 +794,9 @@ def test_reconcile_older_than_refuses_what_is_not_a_duration(
                                                ("1h30m", 5400), ("1.5h", 5400)])
 def test_durations_parse(text: str, seconds: int) -> None:
     """The units a reconcile threshold takes, and their sums."""
-    span = _audit.parse_duration(text)
+    span = _audit_cli.parse_duration(text)
     assert span.total_seconds() == seconds
-    assert _audit.parse_duration(_audit.format_duration(span)) == span
+    assert _audit_cli.parse_duration(_audit_cli.format_duration(span)) == span
 
 
 def test_show_prints_the_cache_columns_an_attempts_cost_follows_from(scratch: Path) -> None:

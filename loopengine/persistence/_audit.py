@@ -21,47 +21,31 @@ auditor looks at a damaged record.
 from __future__ import annotations
 
 import functools
-import re
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import Any, Literal, TypedDict, Unpack
+from typing import Any, Literal, Unpack
 
+from loopengine._audit_records import (
+    AccountMismatch,
+    AccountRow,
+    Mismatch,
+    Reconciliation,
+    RunRow,
+    SpendRow,
+    Where,
+)
 from loopengine._errors import LedgerError
 from loopengine.persistence import _account_store
-from loopengine.persistence._audit_open import (
-    AuditConnection,
-    describe_value,
-    has_table,
-    open_ledger,
-)
+from loopengine.persistence._audit_open import AuditConnection, describe_value, has_table
+from loopengine.persistence._audit_open import open_ledger as open_ledger
 from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_time
 
-__all__ = [
-    "EXPORT_COLUMNS",
-    "GROUPINGS",
-    "AccountMismatch",
-    "AccountRow",
-    "Mismatch",
-    "Reconciliation",
-    "RunRow",
-    "SpendRow",
-    "Where",
-    "describe_value",
-    "export_rows",
-    "format_duration",
-    "incomplete_in_export",
-    "is_unpriced",
-    "open_ledger",
-    "parse_duration",
-    "parse_moment",
-    "reconcile",
-    "runs",
-    "show",
-    "spend",
-]
+__all__ = ["EXPORT_COLUMNS", "GROUPINGS", "AccountMismatch", "AccountRow", "Mismatch",
+           "Reconciliation", "RunRow", "SpendRow", "Where", "describe_value", "export_rows",
+           "incomplete_in_export", "is_unpriced", "open_ledger", "reconcile", "runs", "show",
+           "spend"]
 
 Grouping = Literal["tenant", "feature", "model", "operation", "user_id", "correlation_id"]
 GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "user_id",
@@ -167,76 +151,7 @@ def _tokens(attempt: Mapping[str, Any]) -> int:
     return sum(v for c in _TOKEN_COLUMNS if isinstance(v := attempt.get(c), int))
 
 
-# -- periods and durations -----------------------------------------------------------------
-
-
-def parse_moment(text: str) -> str:
-    """A date or ISO-8601 time as the ledger's UTC text, for period filters.
-
-    ``2026-03-01`` means midnight UTC; a time without an offset is UTC.
-
-    Raises:
-        ValueError: ``text`` is neither, or is outside the years 1 to 9999 once
-            converted to UTC.
-    """
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a date (YYYY-MM-DD) or an ISO-8601 time") from None
-    try:
-        # A date alone parses as naive midnight, which format_time takes as UTC.
-        return format_time(moment)
-    except OverflowError:
-        raise ValueError(f"{text!r} is outside the years 1 to 9999 once converted to "
-                         "UTC") from None
-
-
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-_DURATION = re.compile(r"(?:[0-9]+(?:\.[0-9]+)?[smhdw])+", re.ASCII)
-_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhdw])", re.ASCII)
-
-
-def parse_duration(text: str) -> timedelta:
-    """A duration such as ``90s``, ``30m``, ``2h``, ``1d``, ``1w`` or ``1h30m``.
-
-    Raises:
-        ValueError: ``text`` is not one, or is longer than `datetime.timedelta` holds.
-    """
-    if not _DURATION.fullmatch(text):
-        raise ValueError(f"{text!r} is not a duration such as 90s, 30m, 2h, 1d or 1h30m")
-    seconds = sum(Decimal(number) * _UNIT_SECONDS[unit]
-                  for number, unit in _DURATION_PART.findall(text))
-    if seconds > Decimal(timedelta.max.days) * 86400:
-        raise ValueError(f"{text!r} is too long a duration")
-    return timedelta(seconds=float(seconds))
-
-
-def format_duration(span: timedelta) -> str:
-    """A duration as `parse_duration` reads it (``1d2h30m``, ``45s``, ``0s``)."""
-    seconds = span.total_seconds()
-    parts = []
-    for unit in ("d", "h", "m"):
-        count, seconds = divmod(seconds, _UNIT_SECONDS[unit])
-        if count:
-            parts.append(f"{int(count)}{unit}")
-    if seconds or not parts:
-        parts.append(f"{seconds:g}s")
-    return "".join(parts)
-
-
-class Where(TypedDict, total=False):
-    """Which records a query reads; every filter given must hold."""
-
-    since: str | None
-    """From this time (`parse_moment` text, inclusive)."""
-    until: str | None
-    """Before this time (exclusive)."""
-    tenant: str | None
-    """The invocation's tenant."""
-    feature: str | None
-    """The invocation's feature."""
-    outcome: str | None
-    """The invocation's outcome (``running`` while it runs)."""
+# -- filters -----------------------------------------------------------------------------
 
 
 def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str, list[str]]:
@@ -258,31 +173,6 @@ def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str
 
 
 # -- runs ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RunRow:
-    """One invocation, as `audit runs` lists it."""
-
-    id: str
-    """The invocation id (what `show` takes)."""
-    started_at: str
-    """When it started (ISO-8601 UTC)."""
-    tenant: str | None
-    feature: str | None
-    operation: str
-    outcome: str
-    """Its outcome, or ``running``."""
-    attempt_count: int
-    """Its attempts, retained or not."""
-    cost_nanousd: int
-    """Charged cost (S01)."""
-    credits: int
-
-    @property
-    def cost_usd(self) -> Decimal:
-        """``cost_nanousd`` in USD, exactly."""
-        return Decimal(self.cost_nanousd) / _NANO
 
 
 _RUN_COLUMNS = ("id", "started_at", "tenant", "feature", "operation", "outcome",
@@ -314,46 +204,6 @@ def runs(conn: AuditConnection, *, limit: int | None = None,
 
 
 # -- spend ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SpendRow:
-    """Spend of one group over a period (invocations by their start time)."""
-
-    key: str | None
-    """The tenant, feature, model, operation, user or correlation id (None when not set)."""
-    invocations: int
-    """Invocations started in the period."""
-    attempts: int
-    """Their attempts (``attempt_count``: retained or not)."""
-    input_tokens: int
-    """Uncached input tokens served."""
-    output_tokens: int
-    """Output tokens served."""
-    cache_read_tokens: int
-    """Cache-read tokens served."""
-    cache_write_tokens: int
-    """Cache-write tokens served."""
-    cost_nanousd: int
-    """Charged cost: successful attempts only (S01)."""
-    provider_cost_nanousd: int
-    """Every priced attempt: what the provider may bill."""
-    credits: int
-    """Credits charged."""
-    unpriced_attempts: int = 0
-    """Attempt rows that served tokens without a price: their cost is in neither total."""
-    unpriced_tokens: int = 0
-    """The tokens those attempts served (input, output, cache read and write)."""
-
-    @property
-    def cost_usd(self) -> Decimal:
-        """``cost_nanousd`` in USD, exactly."""
-        return Decimal(self.cost_nanousd) / _NANO
-
-    @property
-    def provider_cost_usd(self) -> Decimal:
-        """``provider_cost_nanousd`` in USD, exactly."""
-        return Decimal(self.provider_cost_nanousd) / _NANO
 
 
 _SPEND_SUMS = ("invocations", "attempt_count", "input_tokens", "output_tokens",
@@ -443,69 +293,6 @@ def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
 
 
 # -- reconcile -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Mismatch:
-    """An invocation total that its attempt rows do not add up to."""
-
-    invocation_id: str
-    """The invocation."""
-    column: str
-    """The total that differs (or ``charged`` for a charged attempt that was not ok)."""
-    recorded: int
-    """What the invocation row says."""
-    computed: int
-    """What its attempt rows add up to."""
-
-
-@dataclass(frozen=True, slots=True)
-class Reconciliation:
-    """The result of `reconcile`; `ok` when nothing needs a look."""
-
-    invocations: int
-    """Invocations checked."""
-    attempts: int
-    """Attempt rows checked."""
-    mismatches: list[Mismatch] = field(default_factory=list)
-    """Totals that do not equal their rows' sums."""
-    unsettled: list[dict[str, Any]] = field(default_factory=list)
-    """Attempt rows still ``dispatched``: in flight, or their process died (with
-    ``older_than``: only those dispatched within it)."""
-    incomplete: list[dict[str, Any]] = field(default_factory=list)
-    """Invocations with more attempts than rows (R07): their sums cannot be checked."""
-    running: list[dict[str, Any]] = field(default_factory=list)
-    """Invocations not ended: still running, or their process died (with
-    ``older_than``: only those started within it)."""
-    orphans: list[dict[str, Any]] = field(default_factory=list)
-    """Attempt rows whose invocation row is missing."""
-    unpriced: list[dict[str, Any]] = field(default_factory=list)
-    """Attempt rows that served tokens without a price: their cost is in no total."""
-    abandoned: list[dict[str, Any]] = field(default_factory=list)
-    """Invocations not ended that started more than ``older_than`` ago: their
-    process died (each with ``dispatched``, its attempts left unsettled)."""
-    abandoned_attempts: list[dict[str, Any]] = field(default_factory=list)
-    """Attempt rows still ``dispatched`` more than ``older_than`` after they were
-    sent: their usage is unknown (the provider may have served and billed them)."""
-    older_than: timedelta | None = None
-    """The age past which an open record counts as abandoned, or None (every
-    open record then needs a look)."""
-    accounts: list[AccountMismatch] = field(default_factory=list)
-    """Credit accounts whose balances do not equal their journal, or whose runs'
-    charges do not equal those runs' credits (DESIGN.md §13)."""
-
-    @property
-    def ok(self) -> bool:
-        """True when every total reconciles and nothing needs a look.
-
-        Mismatches, incomplete records, orphan rows, unpriced attempts and
-        abandoned records need one. Open records need one too unless
-        ``older_than`` was given: they are then in flight.
-        """
-        if self.mismatches or self.incomplete or self.orphans or self.unpriced \
-                or self.abandoned or self.abandoned_attempts or self.accounts:
-            return False
-        return self.older_than is not None or not (self.unsettled or self.running)
 
 
 # The invocation columns reconcile reads, checked before they are compared.
@@ -627,33 +414,6 @@ def reconcile(
 
 
 # -- credit accounts ---------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class AccountRow:
-    """One credit account's balance, as `audit accounts` lists it."""
-
-    account: str
-    granted: int
-    spent: int
-    reserved: int
-    available: int
-    """``granted - spent - reserved``."""
-    updated_at: str
-
-
-@dataclass(frozen=True, slots=True)
-class AccountMismatch:
-    """An account balance that its journal (or its runs' credits) does not match."""
-
-    account: str
-    column: str
-    """``granted``, ``spent`` or ``reserved`` against the journal; ``charged``
-    for one run's settled charge against that run's credits."""
-    recorded: int
-    computed: int
-    invocation_id: str | None = None
-    """For ``charged``: the run."""
 
 
 def accounts(conn: AuditConnection) -> list[AccountRow]:
