@@ -29,6 +29,7 @@ from loopengine._run import (
     default_tool_error_text,
     run_loop,
 )
+from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
 from loopengine._tools import Tool
 from loopengine.events import Observer, TextDelta
@@ -374,6 +375,25 @@ class Engine:
             prompt_fallback=prompt_fallback,
         )
         return await run_call(inv, spec)
+
+    run_sync = sync_method(run)
+    call_sync = sync_method(call)
+
+    @classmethod
+    def from_model(cls, model: str | Operation, **engine_options: Any) -> Engine:
+        """An engine for ``model`` (``"anthropic:claude-sonnet-4-5"``,
+        ``"openai:gpt-4o"``, or an operation built from one), its provider built
+        from the environment as the vendor's SDK reads it (``ANTHROPIC_API_KEY``
+        and ``ANTHROPIC_BASE_URL``, ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL``).
+
+        Args:
+            model: ``"vendor:model"`` or an `Operation`: the vendor picks the provider.
+            **engine_options: `Engine`'s keywords (``ledger=``, ``prices=``, ...).
+
+        Raises:
+            ConfigError: an unknown vendor, or its API key variable is not set.
+        """
+        return engine_from_model(cls, model, **engine_options)
 
     def estimate(
         self,

@@ -81,6 +81,20 @@ class Operation:
         return min(self.max_output_tokens, self.model_max_output_tokens)
 
     @classmethod
+    def from_model(cls, model: str, **fields: Any) -> Operation:
+        """The default operation of ``"vendor:model"`` (``"anthropic:claude-sonnet-4-5"``):
+        named after it, on the route ``vendor``, with ``max_output_tokens=4096`` and
+        the default `Limits`, `RetryPolicy` and `CachePolicy`; ``fields`` override any
+        of them (``limits=le.Limits(max_turns=4)``).
+
+        Raises:
+            ConfigError: ``model`` is not ``"vendor:model"`` of a known vendor.
+        """
+        from loopengine._short import operation_from_model
+
+        return operation_from_model(model, **fields)
+
+    @classmethod
     def from_mapping(cls, name: str, values: Mapping[str, Any]) -> Operation:
         """Build an operation from a catalogue table; unknown keys are errors.
 

@@ -6,6 +6,8 @@ How the blocks run:
 * The blocks of one file run in order in one namespace, as a reader would type
   them: a later block may use what an earlier one defined.
 * Top-level ``await`` is allowed (the examples are written for an async caller).
+  A block that calls a blocking ``*_sync`` method runs in a thread of its own,
+  as a plain script would: no event loop is running there.
 * A function a block defines named ``test_*`` is called as pytest would call it,
   with the fixtures ``fake_anthropic_server`` (a started `FakeAnthropicServer`
   with an empty script) and ``tmp_path``.
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import loopengine as le
@@ -47,6 +50,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ANSWER = "You can reset your password from the Settings page."
 
 _FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
+_BLOCKING = re.compile(r"\.(run|call)_sync\(")
 _NO_RUN = re.compile(r"<!--\s*no-run:\s*(?P<why>[^>]*?)\s*-->\s*\Z")
 
 
@@ -181,7 +185,10 @@ async def test_every_python_block_runs(
         try:
             code = compile(block.source, block.where, "exec",
                            flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-            outcome = eval(code, namespace)  # the docs' own examples, nothing else
+            if _BLOCKING.search(block.source):
+                outcome = await anyio.to_thread.run_sync(eval, code, namespace)
+            else:
+                outcome = eval(code, namespace)  # the docs' own examples, nothing else
             if inspect.isawaitable(outcome):
                 await outcome
             for name in sorted(set(namespace) - before):

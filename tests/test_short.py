@@ -1,0 +1,168 @@
+"""The short path (DESIGN §20): a model string builds the provider and a default
+operation, and ``run_sync`` / ``call_sync`` run from code without an event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pydantic
+import pytest
+import trio
+
+import loopengine as le
+from loopengine.providers import AnthropicProvider, OpenAIProvider
+from loopengine.testing import FakeAnthropicServer, FakeOpenAIServer, Reply
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_short_example() -> str:
+    """The README's five-line agent, exactly as printed."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    (block,) = [b for b in blocks if "Engine.from_model" in b and "run_sync" in b]
+    return block
+
+
+def test_the_readmes_five_line_agent_runs_as_printed() -> None:
+    """The example runs in a fresh interpreter, its key and base URL from the
+    environment, against a fake Messages API that calls both tools."""
+    source = readme_short_example()
+    with FakeAnthropicServer() as server:
+        server.add(Reply.tool_calls(("add", {"a": 4, "b": 5})),
+                   Reply.tool_calls(("multiply", {"a": 3, "b": 9})),
+                   Reply.text("3 * (4 + 5) = 27"))
+        env = {**os.environ, "ANTHROPIC_API_KEY": "sk-ant-test",
+               "ANTHROPIC_BASE_URL": server.url}
+        done = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True,
+                              text=True, timeout=120, check=False)
+        requests = server.requests
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "completed 3 * (4 + 5) = 27\n"
+    assert [r.body["model"] for r in requests] == ["claude-sonnet-4-5"] * 3
+    assert {t["name"] for t in requests[0].body["tools"]} == {"add", "multiply"}
+    results = [block for message in requests[2].body["messages"]
+               if isinstance(message["content"], list)
+               for block in message["content"] if block.get("type") == "tool_result"]
+    assert [str(r["content"]) for r in results] == ["9.0", "27.0"]
+    sent = requests[0].headers
+    assert "sk-ant-test" in (sent.get("x-api-key") or sent.get("authorization", ""))
+
+
+def test_operation_from_model_fills_in_the_defaults_and_takes_overrides() -> None:
+    """The default operation is named after the model string; keywords override."""
+    op = le.Operation.from_model("anthropic:claude-sonnet-4-5")
+    assert (op.name, op.provider, op.model) == ("anthropic:claude-sonnet-4-5", "anthropic",
+                                                "claude-sonnet-4-5")
+    assert op.max_output_tokens == 4096 and op.limits == le.Limits()
+    assert op.retry == le.RetryPolicy()
+    short = le.Operation.from_model("openai:gpt-4o", name="support.answer",
+                                    limits=le.Limits(max_turns=4))
+    assert (short.name, short.provider, short.model) == ("support.answer", "openai", "gpt-4o")
+    assert short.limits.max_turns == 4
+
+
+@pytest.mark.parametrize(("model", "says"), [
+    ("claude-sonnet-4-5", "must be 'vendor:model'"),
+    ("mistral:large", "'mistral' is not a vendor"),
+    ("anthropic:", "names no model"),
+    (42, "must be 'vendor:model'"),
+])
+def test_a_bad_model_string_is_a_config_error(model: object, says: str) -> None:
+    """The message says what a model string is."""
+    with pytest.raises(le.ConfigError, match=says) as caught:
+        le.Operation.from_model(model)  # type: ignore[arg-type]  # the wrong type on purpose
+    assert caught.value.field == "model"
+
+
+def test_a_missing_key_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the vendor's key variable, the engine is refused before any request."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(le.ConfigError, match="OPENAI_API_KEY is not set"):
+        le.Engine.from_model("openai:gpt-4o")
+
+
+def test_from_model_builds_the_vendors_provider(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's one provider is the vendor's, on the operation's route."""
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "k")
+    monkeypatch.setenv("OPENAI_API_KEY", "k")
+    anthropic = le.Engine.from_model("anthropic:claude-sonnet-4-5")
+    assert isinstance(anthropic.providers["anthropic"], AnthropicProvider)
+    openai = le.Engine.from_model(le.Operation.from_model("openai:gpt-4o"))
+    assert isinstance(openai.providers["openai"], OpenAIProvider)
+
+
+class Verdict(pydantic.BaseModel):
+    ok: bool
+
+
+def test_call_sync_on_openai_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``call_sync`` takes ``call``'s arguments; the OpenAI key and base URL come
+    from OPENAI_API_KEY and OPENAI_BASE_URL."""
+    with FakeOpenAIServer() as server:
+        server.add(lambda request: Reply.tool_calls(
+            (request.body["tool_choice"]["function"]["name"], {"ok": True})))
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        op = le.Operation.from_model("openai:gpt-4o")
+        result = le.Engine.from_model(op).call_sync(op, "Is it fine?", output=Verdict)
+        assert result.data == Verdict(ok=True)
+        assert server.requests[0].headers["authorization"] == "Bearer sk-test"
+
+
+def test_run_sync_twice_each_on_its_own_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One engine serves successive blocking calls (a sync handler, per request)."""
+    with FakeAnthropicServer() as server:
+        server.add(Reply.text("one"), Reply.text("two"))
+        monkeypatch.setenv("ANTHROPIC_API_KEY", "k")
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", server.url)
+        op = le.Operation.from_model("anthropic:claude-haiku-4-5")
+        engine = le.Engine.from_model(op)
+        assert [engine.run_sync(op, "go").answer for _ in range(2)] == ["one", "two"]
+
+
+async def test_run_sync_inside_a_running_asyncio_loop_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside a running loop the blocking call would stall it: ConfigError, nothing sent
+    (and no coroutine left un-awaited)."""
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "k")
+    op = le.Operation.from_model("anthropic:claude-sonnet-4-5")
+    engine = le.Engine.from_model(op)
+    with pytest.raises(le.ConfigError, match="inside a running asyncio event loop") as caught:
+        engine.run_sync(op, "go")
+    assert caught.value.field == "run_sync"
+    assert "await engine.run(...)" in str(caught.value)
+    with pytest.raises(le.ConfigError, match="call_sync"):
+        engine.call_sync(op, "go", output=Verdict)
+    await asyncio.sleep(0)
+
+
+def test_run_sync_inside_trio_is_refused_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal holds on trio's loop as on asyncio's."""
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "k")
+    op = le.Operation.from_model("anthropic:claude-sonnet-4-5")
+    engine = le.Engine.from_model(op)
+
+    async def inside() -> str:
+        try:
+            engine.run_sync(op, "go")
+        except le.ConfigError as error:
+            return str(error)
+        return "not refused"
+
+    assert "inside a running trio event loop" in trio.run(inside)
+
+
+def test_the_sync_methods_say_what_they_are() -> None:
+    """Their names and help are their own, not the async method's."""
+    assert le.Engine.run_sync.__name__ == "run_sync"
+    assert "private event loop" in (le.Engine.call_sync.__doc__ or "")
+    assert json.dumps(sorted(n for n in dir(le.Engine) if n.endswith("_sync"))) == \
+        '["call_sync", "run_sync"]'
