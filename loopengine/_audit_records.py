@@ -22,7 +22,8 @@ class Where(TypedDict, total=False):
     """Which records a query reads; every filter given must hold."""
 
     since: str | None
-    """From this time (`parse_moment` text, inclusive)."""
+    """From this time (inclusive): ISO-8601 text with its offset, as the ledger
+    stores times (``2026-03-01T00:00:00.000000+00:00``)."""
     until: str | None
     """Before this time (exclusive)."""
     tenant: str | None
@@ -149,7 +150,7 @@ class Reconciliation:
     open record then needs a look)."""
     accounts: list[AccountMismatch] = field(default_factory=list)
     """Credit accounts whose balances do not equal their journal, or whose runs'
-    charges do not equal those runs' credits (DESIGN.md §13)."""
+    charges do not equal those runs' credits (docs/accounts.md)."""
 
     @property
     def ok(self) -> bool:

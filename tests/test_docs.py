@@ -6,8 +6,11 @@ How the blocks run:
 * The blocks of one file run in order in one namespace, as a reader would type
   them: a later block may use what an earlier one defined.
 * Top-level ``await`` is allowed (the examples are written for an async caller).
-  A block that calls a blocking ``*_sync`` method runs in a thread of its own,
-  as a plain script would: no event loop is running there.
+  A block that calls a blocking ``*_sync`` method or ``asyncio.run`` (a whole
+  program) runs in a thread of its own, as a plain script would: no event
+  loop is running there.
+* docs/rules.md's blocks are whole programs: they start from an empty
+  namespace, with none of the names below.
 * A function a block defines named ``test_*`` is called as pytest would call it,
   with the fixtures ``fake_anthropic_server`` (a started `FakeAnthropicServer`
   with an empty script) and ``tmp_path``.
@@ -47,10 +50,13 @@ from loopengine.testing import FakeAnthropicServer, RecordedRequest, Reply
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
+COMPLETE = {"rules.md"}
+"""Pages whose examples are complete programs, run without the prelude's names."""
+
 ANSWER = "You can reset your password from the Settings page."
 
 _FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
-_BLOCKING = re.compile(r"\.(run|call)_sync\(")
+_BLOCKING = re.compile(r"\.(run|call)_sync\(|asyncio\.run\(")
 _NO_RUN = re.compile(r"<!--\s*no-run:\s*(?P<why>[^>]*?)\s*-->\s*\Z")
 
 
@@ -175,7 +181,8 @@ async def test_every_python_block_runs(
     path: Path, docs_server: FakeAnthropicServer, tmp_path: Path
 ) -> None:
     """Each ```python block of the file runs (its test functions too), in order."""
-    namespace = prelude(docs_server, path)
+    namespace = ({"__name__": "docs_rules"} if path.name in COMPLETE
+                 else prelude(docs_server, path))
     called = []
     for block in python_blocks(path):
         if block.skip is not None:
