@@ -182,6 +182,7 @@ def run_demo(
     where = "'<the same URL>'" if is_postgres_url(db) else str(db)
     echo(f"  loopengine audit show --db {where} {invocation['id']}")
     echo(f"  loopengine audit reconcile --db {where}")
+    echo(f"  loopengine audit runs --db {where}      # every run in the ledger, newest first")
     return result
 
 

@@ -87,6 +87,11 @@ def test_demo_runs_offline_and_writes_its_ledger(tmp_path: Path) -> None:
     assert (invocation["outcome"], invocation["tenant"], invocation["attempt_count"]) == (
         "completed", "demo", 5)
     assert invocation["id"] in done.stdout
+    # The commands it suggests run as printed, and `runs` lists the demo's run.
+    assert "  loopengine audit runs --db loopengine-demo.db" in done.stdout
+    listed = subprocess.run([script, "audit", "runs", "--db", "loopengine-demo.db"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and invocation["id"] in listed.stdout
 
 
 def test_demo_live_needs_a_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
