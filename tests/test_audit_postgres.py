@@ -64,6 +64,8 @@ async def test_the_audit_answers_the_same_on_postgresql_and_sqlite(
     assert record_["invocation"]["id"] == pg_runs[0].invocation_id
     assert [a["outcome"] for a in record_["attempts"]] == ["error", "ok", "ok"]
     assert record_["invocation"]["started_at"].endswith("+00:00")
+    by_prefix = audit("show", pg_runs[1].invocation_id[:13], "--db", url, "--json")
+    assert json.loads(by_prefix.output)["invocation"]["id"] == pg_runs[1].invocation_id
     exported = audit("export", "--format", "jsonl", "--db", url)
     lines = [json.loads(line) for line in exported.output.splitlines()]
     assert exported.exit_code == 0 and len(lines) == 9
@@ -144,3 +146,14 @@ def test_the_demo_writes_to_postgresql_and_reconcile_reads_it(
     assert checked.exit_code == 0, checked.output
     assert "Checked 1 invocation and " in checked.output
     assert "Everything reconciles." in checked.output
+
+
+def test_a_strange_schema_name_is_one_line_and_exit_2(postgres_server: PostgresServer) -> None:
+    """A schema name is quoted as an identifier: a name with quotes, spaces or a NUL
+    finds no ledger or is refused, in one line (exit 2), never as SQL."""
+    url = url_of(postgres_server, postgres_server.create_database().rsplit("dbname=", 1)[1])
+    for schema in ('x"; DROP TABLE invocations; --', "a b", "nul\0here"):
+        result = audit("runs", "--db", url, "--schema", schema)
+        assert result.exit_code == 2, (schema, result.output)
+        assert "bug in loopengine" not in result.output
+        assert len(result.output.strip().splitlines()) == 1

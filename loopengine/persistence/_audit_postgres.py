@@ -124,9 +124,10 @@ class PostgresReader:
             raise LedgerError(f"{name}: cannot connect: {error}") from None
         reader = cls(pg, name)
         try:
-            pg.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             if schema is not None:
-                pg.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+                reader.execute(sql.SQL("SET LOCAL search_path TO {}")
+                               .format(sql.Identifier(schema)).as_string(pg))
             if not reader.has_table("loopengine_schema"):
                 where = f" in schema {schema}" if schema is not None else ""
                 raise LedgerError(f"{name} holds no loopengine ledger{where} (no "
@@ -158,7 +159,7 @@ class PostgresReader:
         try:
             cursor = self._pg.cursor(row_factory=_row_factory)
             return cursor.execute(text, tuple(parameters))
-        except psycopg.Error as error:
+        except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
             raise LedgerError(f"{self.name}: cannot read the ledger: {error}") from None
 
     def has_table(self, name: str) -> bool:
