@@ -103,13 +103,13 @@ def audit() -> None:
 @click.option("--provider", "provider", type=click.Choice(["anthropic", "openai"]),
               default="anthropic", show_default=True,
               help="Whose API the demo speaks: Anthropic's Messages API, or OpenAI's Chat "
-                   "Completions (needs the openai extra).")
+                   "Completions (needs the openai extra: pip install 'loopengine-core[openai]').")
 @click.option("--live", is_flag=True,
               help="Talk to the real API (needs ANTHROPIC_API_KEY, or OPENAI_API_KEY with "
                    "--provider openai) instead of the built-in fake server.")
 @click.option("--db", "db", type=str, default="loopengine-demo.db", show_default=True,
               help="Where to write the demo's ledger: a SQLite file, or a postgresql:// URL "
-                   "(needs the postgres extra).")
+                   "(needs the postgres extra: pip install 'loopengine-core[postgres]').")
 def demo(provider: str, live: bool, db: str) -> None:
     """Run a short teammate conversation end to end and show its ledger.
 
