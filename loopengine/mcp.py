@@ -63,6 +63,9 @@ logger = logging.getLogger("loopengine")
 CONNECT_TIMEOUT = 30.0
 """Seconds to start (or reach) a server and list its tools when it has no ``timeout``."""
 
+_REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
+"""JSON-RPC error codes that blame the request, not the session it came on."""
+
 _IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 """The image media types a tool result block may carry."""
 
@@ -71,8 +74,9 @@ class MCPServerError(LoopEngineError):
     """An MCP server could not be started, reached or listed, or a call lost it.
 
     Raised by ``async with server:`` when the server does not start or list
-    its tools, and by a tool's handler when the connection fails during a
-    call (the model then gets an ``is_error`` result saying so).
+    its tools (the message names the server), and by a tool's handler when
+    the connection fails during a call: the model then gets an ``is_error``
+    result saying so, which does not name the server's command or URL.
     """
 
 
@@ -92,7 +96,6 @@ class _Session:
         self.error: BaseException | None = None
         self.ready = anyio.Event()
         self.stop = anyio.Event()
-        self.closed = anyio.Event()
         self.scope = anyio.CancelScope()
         self.users = 0
         self.retired = False
@@ -308,15 +311,15 @@ class MCPServer:
             if not session.ready.is_set():
                 session.error = error
             else:
-                logger.warning("MCP server %s: closing its session failed: %s", self.label,
-                               _describe(error))
+                # Usually a server already gone: nothing is left to do.
+                logger.info("MCP server %s: closing its session failed: %s", self.label,
+                            _describe(error))
         finally:
             self._sessions.discard(session)
             session.retired = True
             if session.error is None and session.client is None:
                 session.error = MCPServerError("the connection was cancelled")
             session.ready.set()
-            session.closed.set()
 
     async def _current(self) -> _Session:
         """The session a call should use, connected; a new one if the last was lost."""
@@ -367,7 +370,7 @@ class MCPServer:
             session = await self._current()
         except Exception as error:
             raise MCPServerError(
-                f"MCP server {self.label} could not be reached: {_describe(error)}") from error
+                f"the MCP server could not be reached: {_describe(error)}") from error
         assert session.client is not None
         session.users += 1
         kept = False
@@ -376,16 +379,15 @@ class MCPServer:
             kept = True
         except MCPError as error:
             if error.code == mcp_types.CONNECTION_CLOSED:
-                raise MCPServerError(
-                    f"MCP server {self.label} closed the connection during the call; the "
-                    "result is not known") from error
-            # The server answered with a JSON-RPC error: the session is sound.
-            kept = True
+                raise MCPServerError("the MCP server closed the connection during the call; "
+                                     "the result is not known") from error
+            # An error about the request itself leaves the session sound; any
+            # other (an internal error, a terminated session) may not have.
+            kept = error.code in _REQUEST_ERRORS
             raise MCPToolError(f"{name}: {error.message}") from error
         except Exception as error:
-            raise MCPServerError(
-                f"MCP server {self.label} failed during the call ({_describe(error)}); the "
-                "result is not known") from error
+            raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
+                                 "the result is not known") from error
         finally:
             session.users -= 1
             if not kept:
@@ -422,6 +424,9 @@ async def _list_tools(client: Client) -> list[mcp_types.Tool]:
 
 
 def _describe(error: BaseException) -> str:
+    """The error's message; a task group's one error rather than the group."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
     return str(error) or type(error).__name__
 
 

@@ -2,7 +2,8 @@
 
 Run as ``python server.py stdio``, ``python server.py http [PORT]`` (prints
 the port it listens on, 127.0.0.1, then serves ``/mcp``) or ``python
-server.py exit`` (a server that exits before it answers anything).
+server.py exit`` (a server that exits before it answers anything) or ``python
+server.py mute`` (one that runs but never answers).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 import anyio
 import mcp_types
@@ -89,5 +91,7 @@ if __name__ == "__main__":
         server.run("stdio")
     elif mode == "http":
         serve_http(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    elif mode == "mute":
+        threading.Event().wait()  # started, but never answers
     else:
         sys.exit(3)

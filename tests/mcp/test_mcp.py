@@ -231,6 +231,28 @@ async def test_a_server_that_exits_at_start_is_a_clear_error() -> None:
         _ = server.tools
 
 
+async def test_a_server_that_never_answers_at_start_times_out() -> None:
+    """A server that starts but never answers fails ``async with`` at its timeout."""
+    began = time.monotonic()
+    with pytest.raises(MCPServerError, match="did not connect within 2s"):
+        async with MCPServer.stdio(sys.executable, [SCRIPT, "mute"], timeout=2):
+            pass
+    assert time.monotonic() - began < 15
+
+
+async def test_tools_used_after_the_block_give_an_error_result(anthropic: Harness) -> None:
+    """A tool kept past ``async with`` is answered with an error, not a hang."""
+    async with script_server() as test:
+        tools = test.tools
+    engine, _ = anthropic.engine(Reply.tool_calls(("echo", {"text": "late"})),
+                                 Reply.text("done"))
+    result = await engine.run(operation(), "go", tools=tools)
+    assert result.outcome is le.Outcome.COMPLETED
+    (late,) = tool_results(anthropic.requests[1])
+    assert late["is_error"] is True
+    assert content_text(late) == "the MCP server could not be reached: it is closed"
+
+
 async def test_an_http_server_killed_mid_call_then_restarted(
     http_server: HttpServer, anthropic: Harness,
 ) -> None:
