@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import logging
 import os
 import sys
 import time
@@ -22,10 +23,11 @@ from mcp import Client, StdioServerParameters
 
 import loopengine as le
 from loopengine.mcp import MCPServer, MCPServerError
+from loopengine.providers import ScriptedProvider
 from loopengine.testing import RecordedRequest, Reply
 
 from ..adapter.conftest import Harness, tool_results
-from ..conftest import operation
+from ..conftest import PRICES, operation
 from ..openai.conftest import OpenAIHarness, openai_operation, tool_messages
 from .conftest import SCRIPT, HttpServer, script_server, time_server
 
@@ -166,10 +168,11 @@ async def test_max_calls_and_the_tool_budget_apply(anthropic: Harness) -> None:
 
 
 async def test_a_server_killed_mid_call_gives_an_error_and_the_next_call_reconnects(
-    anthropic: Harness,
+    anthropic: Harness, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The call in flight gets an is_error result at once; the next call opens a new
     session (a new process) and is answered."""
+    caplog.set_level(logging.INFO, logger="loopengine")
     async with script_server(timeout=5) as test:
         engine, _ = anthropic.engine(
             Reply.tool_calls(("pid", {})), Reply.tool_calls(("crash", {})),
@@ -182,6 +185,7 @@ async def test_a_server_killed_mid_call_gives_an_error_and_the_next_call_reconne
     assert crashed["is_error"] is True
     assert "closed the connection during the call" in content_text(crashed)
     assert int(content_text(first)) != int(content_text(second))
+    assert caplog.text.count("opening a new session") == 1
     with pytest.raises(ProcessLookupError):
         os.kill(int(content_text(first)), 0)
 
@@ -280,7 +284,7 @@ async def test_an_http_server_killed_mid_call_then_restarted(
 
 
 async def test_200_concurrent_runs_share_one_http_server(
-    http_server: HttpServer, anthropic: Harness,
+    http_server: HttpServer, anthropic: Harness, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """One MCPServer, one session, 200 runs calling it at once: every call is answered
     with its own run's input."""
@@ -292,6 +296,7 @@ async def test_200_concurrent_runs_share_one_http_server(
         (result,) = [b for b in last if b.get("type") == "tool_result"]
         return Reply.text(f"heard {content_text(result)}")
 
+    caplog.set_level(logging.INFO, logger="loopengine")
     async with MCPServer.http(http_server.url, allow={"echo"}, timeout=30) as test:
         engine, _ = anthropic.engine(*[respond] * 400)
         outcomes: dict[int, le.RunResult] = {}
@@ -306,6 +311,7 @@ async def test_200_concurrent_runs_share_one_http_server(
                     group.start_soon(one, n)
         took = time.monotonic() - began
     assert len(outcomes) == 200
+    assert "opening a new session" not in caplog.text  # one session served them all
     assert all(r.outcome is le.Outcome.COMPLETED for r in outcomes.values())
     assert sorted(r.answer for r in outcomes.values()) == sorted(
         f"heard run-{n}" for n in range(200))
@@ -321,6 +327,23 @@ async def test_closing_after_a_cancelled_call_stops_the_process() -> None:
             await tools["hang"].invoke({})
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_run_on_trio_calls_the_time_server() -> None:
+    """The session and its calls work on trio as on asyncio (the SDK is on anyio)."""
+
+    async def main() -> le.RunResult:
+        provider = ScriptedProvider([
+            Reply.tool_calls(("get_current_time", {"timezone": "Europe/Berlin"})),
+            Reply.text("done")])
+        async with time_server(timeout=10) as server:
+            result = await le.Engine(provider, prices=PRICES).run(
+                operation(), "go", tools=server.tools)
+        (answer,) = provider.requests[1].messages[-1]["content"]
+        assert json.loads(answer["content"])["timezone"] == "Europe/Berlin"
+        return result
+
+    assert anyio.run(main, backend="trio").outcome is le.Outcome.COMPLETED
 
 
 def test_the_module_exports_exactly_its_public_names() -> None:
