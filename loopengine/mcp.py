@@ -249,7 +249,8 @@ class MCPServer:
                 assert session.client is not None
                 listed = await _list_tools(session.client)
             except Exception as error:
-                raise MCPServerError(f"MCP server {self.label}: {_describe(error)}") from error
+                raise MCPServerError(f"MCP server {self.label} did not start or list its "
+                                     f"tools: {_describe(error)}") from error
             self._tools = self._build_tools(listed)
         except BaseException:
             await self._close()

@@ -18,7 +18,7 @@ import threading
 import anyio
 import mcp_types
 import uvicorn
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 # A 1x1 transparent PNG.
@@ -49,6 +49,28 @@ def picture() -> list[mcp_types.TextContent | mcp_types.ImageContent]:
 
 
 @server.tool()
+def kinds() -> mcp_types.CallToolResult:
+    """One of each other kind of content."""
+    pdf = base64.b64encode(b"%PDF-1.4 tiny").decode()
+    return mcp_types.CallToolResult(content=[
+        mcp_types.AudioContent(data=base64.b64encode(b"RIFF0000").decode(),
+                               mime_type="audio/wav"),
+        mcp_types.ResourceLink(uri="file:///notes.txt", name="notes", description="the notes"),
+        mcp_types.EmbeddedResource(resource=mcp_types.TextResourceContents(
+            uri="file:///a.txt", text="embedded text")),
+        mcp_types.EmbeddedResource(resource=mcp_types.BlobResourceContents(
+            uri="file:///a.pdf", blob=pdf, mime_type="application/pdf")),
+        mcp_types.ImageContent(data=base64.b64encode(b"BM12").decode(), mime_type="image/bmp"),
+    ])
+
+
+@server.tool()
+def structured() -> mcp_types.CallToolResult:
+    """Structured content and nothing else."""
+    return mcp_types.CallToolResult(content=[], structured_content={"total": 3, "unit": "kg"})
+
+
+@server.tool()
 def fail(message: str) -> str:
     """Fail with the message."""
     raise ToolError(message)
@@ -72,6 +94,13 @@ def crash() -> str:
 def pid() -> int:
     """This server's process id."""
     return os.getpid()
+
+
+@server.tool()
+def header(name: str, ctx: Context) -> str:
+    """The value of one header of this call's HTTP request (empty over stdio)."""
+    request = ctx.request_context.request
+    return "" if request is None else str(request.headers.get(name, ""))
 
 
 def serve_http(port: int) -> None:

@@ -111,6 +111,14 @@ async def test_prefix_and_allow_list(http_server: HttpServer, anthropic: Harness
         content_text(unknown)
 
 
+async def test_http_headers_go_with_every_call(http_server: HttpServer) -> None:
+    """``headers=`` reach the server on each call (an Authorization header, say)."""
+    async with MCPServer.http(http_server.url, headers={"Authorization": "Bearer t0k3n"},
+                              allow={"header"}) as server:
+        (header,) = server.tools
+        assert await header.invoke({"name": "authorization"}) == "Bearer t0k3n"
+
+
 async def test_an_allow_list_naming_a_missing_tool_is_a_config_error() -> None:
     """A typo in ``allow`` is caught at ``async with``, not at the model's first call."""
     with pytest.raises(le.ConfigError, match="has no tool nope"):
@@ -146,6 +154,28 @@ async def test_images_and_structured_content_map_to_blocks(anthropic: Harness) -
     assert text == {"type": "text", "text": "a dot"}
     assert image["type"] == "image" and image["source"]["media_type"] == "image/png"
     assert total["content"] == "2"
+
+
+async def test_other_content_kinds_map_to_documents_or_described_text(
+    anthropic: Harness,
+) -> None:
+    """A PDF becomes a document block, embedded text its text; audio, links and images
+    the API cannot show become text saying what they were; structured content alone
+    becomes its JSON."""
+    async with script_server() as test:
+        engine, _ = anthropic.engine(Reply.tool_calls(("kinds", {}), ("structured", {})),
+                                     Reply.text("ok"))
+        result = await engine.run(operation(), "go", tools=test.tools)
+    assert result.outcome is le.Outcome.COMPLETED
+    kinds, structured = tool_results(anthropic.requests[1])
+    audio, link, text, pdf, bmp = kinds["content"]
+    assert audio == {"type": "text", "text": "[audio: audio/wav, 8 bytes, not shown]"}
+    assert link == {"type": "text",
+                    "text": "[resource link file:///notes.txt (notes): the notes]"}
+    assert text == {"type": "text", "text": "embedded text"}
+    assert pdf["type"] == "document" and pdf["source"]["media_type"] == "application/pdf"
+    assert bmp == {"type": "text", "text": "[image: image/bmp, 4 bytes, not shown]"}
+    assert json.loads(structured["content"]) == {"total": 3, "unit": "kg"}
 
 
 async def test_max_calls_and_the_tool_budget_apply(anthropic: Harness) -> None:
