@@ -348,13 +348,17 @@ async def test_200_concurrent_runs_share_one_http_server(
     print(f"200 concurrent runs on one MCP HTTP server: {took:.2f}s")
 
 
-async def test_closing_after_a_cancelled_call_stops_the_process() -> None:
-    """A run cancelled mid-call, then the server closed: its process is gone."""
+async def test_closing_after_a_run_cancelled_mid_call_stops_the_process(
+    anthropic: Harness,
+) -> None:
+    """A run cancelled while its call hangs on the server, then the server closed: the
+    run's cancellation propagates, and the server's process is gone."""
     async with script_server() as test:
-        tools = by_name(test)
-        pid = int(await tools["pid"].invoke({}))
-        with anyio.move_on_after(1):
-            await tools["hang"].invoke({})
+        pid = int(await by_name(test)["pid"].invoke({}))
+        engine, _ = anthropic.engine(Reply.tool_calls(("hang", {})), Reply.text("never"))
+        with anyio.move_on_after(1) as scope:
+            await engine.run(operation(), "go", tools=test.tools)
+        assert scope.cancelled_caught
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
