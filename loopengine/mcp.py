@@ -61,7 +61,8 @@ __all__ = ["CONNECT_TIMEOUT", "MCPServer", "MCPServerError", "MCPToolError"]
 logger = logging.getLogger("loopengine")
 
 CONNECT_TIMEOUT = 30.0
-"""Seconds to start (or reach) a server and list its tools when it has no ``timeout``."""
+"""Seconds to start (or reach) a server and open a session, by default: a
+process start is slower than a call (``connect_timeout=``)."""
 
 _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
 """JSON-RPC error codes that blame the request, not the session it came on."""
@@ -122,8 +123,10 @@ class MCPServer:
         label: How errors and logs name the server.
         prefix: Put before every tool name (two servers with one tool name).
         allow: Only these of the server's tool names become tools (None: all).
-        timeout: Seconds each call may take (the tools' ``timeout``); also
-            the bound on connecting and listing (else `CONNECT_TIMEOUT`).
+        timeout: Seconds each call may take (the tools' ``timeout``).
+        connect_timeout: Seconds to start or reach the server and open a
+            session (at ``async with``, and when a call opens a new one: that
+            call's own timeout still bounds it), and to list its tools.
     """
 
     def __init__(
@@ -134,8 +137,10 @@ class MCPServer:
         prefix: str | None = None,
         allow: Collection[str] | None = None,
         timeout: float | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         _validate.seconds("timeout", timeout, optional=True)
+        _validate.seconds("connect_timeout", connect_timeout)
         if prefix is not None and not isinstance(prefix, str):
             raise ConfigError("prefix", f"must be a string, got {prefix!r}")
         if isinstance(allow, str):
@@ -149,6 +154,8 @@ class MCPServer:
         """The server's tool names to give as tools (None: all)."""
         self.timeout = None if timeout is None else float(timeout)
         """Seconds each call may take (None: only the run's deadline)."""
+        self.connect_timeout = float(connect_timeout)
+        """Seconds to start or reach the server and open a session."""
         self._tools: tuple[Tool, ...] | None = None
         self._group: anyio.abc.TaskGroup | None = None
         self._session: _Session | None = None
@@ -167,6 +174,7 @@ class MCPServer:
         prefix: str | None = None,
         allow: Collection[str] | None = None,
         timeout: float | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
     ) -> MCPServer:
         """A server the SDK starts as a subprocess and talks to over its stdin/stdout.
 
@@ -179,6 +187,7 @@ class MCPServer:
             prefix: See `MCPServer`.
             allow: See `MCPServer`.
             timeout: See `MCPServer`.
+            connect_timeout: See `MCPServer`.
         """
         if isinstance(args, str):
             raise ConfigError("args", "must be a sequence of arguments, not one string")
@@ -189,7 +198,7 @@ class MCPServer:
             return stdio_client(parameters)
 
         return cls(transport, label=" ".join([command, *args]), prefix=prefix, allow=allow,
-                   timeout=timeout)
+                   timeout=timeout, connect_timeout=connect_timeout)
 
     @classmethod
     def http(
@@ -200,6 +209,7 @@ class MCPServer:
         prefix: str | None = None,
         allow: Collection[str] | None = None,
         timeout: float | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
     ) -> MCPServer:
         """A server reached over streamable HTTP at ``url`` (e.g. ``http://host/mcp``).
 
@@ -209,13 +219,15 @@ class MCPServer:
             prefix: See `MCPServer`.
             allow: See `MCPServer`.
             timeout: See `MCPServer`.
+            connect_timeout: See `MCPServer`.
         """
         fixed = dict(headers or {})
 
         def transport() -> AbstractAsyncContextManager[Any]:
             return _http_transport(url, fixed)
 
-        return cls(transport, label=url, prefix=prefix, allow=allow, timeout=timeout)
+        return cls(transport, label=url, prefix=prefix, allow=allow, timeout=timeout,
+                   connect_timeout=connect_timeout)
 
     def __repr__(self) -> str:
         return f"MCPServer({self.label!r})"
@@ -233,8 +245,8 @@ class MCPServer:
         """Connect, list the server's tools and build `tools`.
 
         Raises:
-            MCPServerError: the server did not start, answer or list its tools
-                within the timeout.
+            MCPServerError: the server did not start or answer within
+                ``connect_timeout``, or did not list its tools.
             ConfigError: a listed tool's name (with the prefix) is not a valid
                 tool name, or ``allow`` names a tool the server does not have.
         """
@@ -247,7 +259,8 @@ class MCPServer:
             try:
                 session = await self._current()
                 assert session.client is not None
-                listed = await _list_tools(session.client)
+                with anyio.fail_after(self.connect_timeout):
+                    listed = await _list_tools(session.client)
             except Exception as error:
                 raise MCPServerError(f"MCP server {self.label} did not start or list its "
                                      f"tools: {_describe(error)}") from error
@@ -286,7 +299,7 @@ class MCPServer:
 
     async def _connected(self, session: _Session) -> None:
         """Wait until ``session`` is connected; raise what connecting raised."""
-        seconds = self.timeout or CONNECT_TIMEOUT
+        seconds = self.connect_timeout
         # The wait is bounded here, not in the holding task: a scope around
         # entering the client would have to close before the client's own.
         with anyio.move_on_after(seconds):
