@@ -252,7 +252,7 @@ async def test_a_hanging_tool_without_a_timeout_ends_at_the_run_deadline(
     async with script_server() as test:
         engine, _ = openai.engine(Reply.tool_calls(("hang", {})), Reply.text("never sent"))
         began = time.monotonic()
-        result = await engine.run(openai_operation(total_time=3), "go", tools=test.tools)
+        result = await engine.run(openai_operation(total_time=4), "go", tools=test.tools)
         took = time.monotonic() - began
     assert result.outcome is le.Outcome.TIME_LIMIT
     assert len(openai.requests) == 1
