@@ -1,0 +1,505 @@
+"""Tools from MCP servers, as `loopengine.Tool` objects (extra ``mcp``).
+
+`MCPServer` connects to a server over stdio (a command it starts) or
+streamable HTTP, lists its tools and gives each as a `Tool` whose handler
+calls the server. The engine treats them as any tool: the run's tool budget,
+the tool's ``max_calls`` and ``timeout`` and the run's deadline all apply to
+a call, which this module does not re-implement.
+
+What a call's result becomes (docs/tools.md):
+
+* an MCP result with ``isError`` -> the handler raises `MCPToolError` with the
+  result's text, so the model gets an ``is_error`` result (through the
+  engine's ``tool_error_text`` hook, as any handler's error);
+* text -> text blocks; PNG, JPEG, GIF and WebP images -> image blocks; an
+  embedded PDF -> a document block; structured content -> its JSON as a text
+  block when the result has no other content (the protocol has a server
+  mirror it as text otherwise); audio, other binary data and resource links
+  -> a text block describing them;
+* a dead server, a closed connection or a protocol failure -> the handler
+  raises `MCPServerError` (an ``is_error`` result for that call), and the
+  next call opens a new session, once; a call the engine cancels (its tool's
+  timeout, the run's deadline, a cancelled run) leaves the session suspect of
+  hanging, so the next call opens a new one too, while calls still running on
+  the old session finish there.
+
+One `MCPServer` serves any number of concurrent runs over one session.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import anyio.abc
+
+from loopengine import _validate
+from loopengine._errors import ConfigError, LoopEngineError
+from loopengine._tools import Tool
+
+try:
+    import httpx2
+    import mcp_types
+    from mcp import Client, MCPError, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+    from mcp.client.streamable_http import streamable_http_client
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "loopengine.mcp needs the official MCP SDK: pip install 'loopengine[mcp]'"
+    ) from error
+
+__all__ = ["CONNECT_TIMEOUT", "MCPServer", "MCPServerError", "MCPToolError"]
+
+logger = logging.getLogger("loopengine")
+
+CONNECT_TIMEOUT = 30.0
+"""Seconds to start (or reach) a server and open a session, by default: a
+process start is slower than a call (``connect_timeout=``)."""
+
+_REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
+"""JSON-RPC error codes that blame the request, not the session it came on."""
+
+_IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
+"""The image media types a tool result block may carry."""
+
+
+class MCPServerError(LoopEngineError):
+    """An MCP server could not be started, reached or listed, or a call lost it.
+
+    Raised by ``async with server:`` when the server does not start or list
+    its tools (the message names the server), and by a tool's handler when
+    the connection fails during a call: the model then gets an ``is_error``
+    result saying so, which does not name the server's command or URL.
+    """
+
+
+class MCPToolError(LoopEngineError):
+    """An MCP tool answered with ``isError``; the message is the result's text."""
+
+
+class _Session:
+    """One connection to the server, held open by a task of the server's task group.
+
+    Calls count themselves in ``users``; a retired session takes no new calls
+    and closes when its last call ends.
+    """
+
+    def __init__(self) -> None:
+        self.client: Client | None = None
+        self.error: BaseException | None = None
+        self.ready = anyio.Event()
+        self.stop = anyio.Event()
+        self.scope = anyio.CancelScope()
+        self.users = 0
+        self.retired = False
+
+    def retire(self) -> None:
+        self.retired = True
+        if self.users == 0:
+            self.stop.set()
+
+
+class MCPServer:
+    """An MCP server's tools, as `Tool` objects for `Engine.run`.
+
+    Build one with `MCPServer.stdio` or `MCPServer.http`; ``async with
+    server:`` connects and lists the tools, and `tools` holds them until the
+    block ends (which closes the connection, or stops the process). A tool's
+    name, description and input schema are the server's own; calls go to the
+    server under its session, shared by every run that uses the tools.
+
+    Args:
+        transport: A function returning a new MCP transport (the SDK's
+            ``(read, write)`` stream pair as an async context manager) each
+            time a session is opened.
+        label: How errors and logs name the server.
+        prefix: Put before every tool name (two servers with one tool name).
+        allow: Only these of the server's tool names become tools (None: all).
+        timeout: Seconds each call may take (the tools' ``timeout``).
+        connect_timeout: Seconds to start or reach the server and open a
+            session (at ``async with``, and when a call opens a new one: that
+            call's own timeout still bounds it), and to list its tools.
+    """
+
+    def __init__(
+        self,
+        transport: Callable[[], AbstractAsyncContextManager[Any]],
+        *,
+        label: str,
+        prefix: str | None = None,
+        allow: Collection[str] | None = None,
+        timeout: float | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
+        _validate.seconds("timeout", timeout, optional=True)
+        _validate.seconds("connect_timeout", connect_timeout)
+        if prefix is not None and not isinstance(prefix, str):
+            raise ConfigError("prefix", f"must be a string, got {prefix!r}")
+        if isinstance(allow, str):
+            raise ConfigError("allow", "must be a collection of tool names, not one string")
+        self._transport = transport
+        self.label = label
+        """How errors and logs name the server (its command or URL)."""
+        self.prefix = prefix or ""
+        """Put before every tool name."""
+        self.allow: frozenset[str] | None = None if allow is None else frozenset(allow)
+        """The server's tool names to give as tools (None: all)."""
+        self.timeout = None if timeout is None else float(timeout)
+        """Seconds each call may take (None: only the run's deadline)."""
+        self.connect_timeout = float(connect_timeout)
+        """Seconds to start or reach the server and open a session."""
+        self._tools: tuple[Tool, ...] | None = None
+        self._group: anyio.abc.TaskGroup | None = None
+        self._session: _Session | None = None
+        self._sessions: set[_Session] = set()
+        """Every session not yet closed: the current one and retired ones still in use."""
+        self._lock = anyio.Lock()
+
+    @classmethod
+    def stdio(
+        cls,
+        command: str,
+        args: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        prefix: str | None = None,
+        allow: Collection[str] | None = None,
+        timeout: float | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> MCPServer:
+        """A server the SDK starts as a subprocess and talks to over its stdin/stdout.
+
+        Args:
+            command: The executable.
+            args: Its arguments.
+            env: Environment variables, over the SDK's safe defaults (``PATH``,
+                ``HOME``...): the server does not inherit the whole environment.
+            cwd: Its working directory.
+            prefix: See `MCPServer`.
+            allow: See `MCPServer`.
+            timeout: See `MCPServer`.
+            connect_timeout: See `MCPServer`.
+        """
+        if isinstance(args, str):
+            raise ConfigError("args", "must be a sequence of arguments, not one string")
+        parameters = StdioServerParameters(
+            command=command, args=list(args), env=None if env is None else dict(env), cwd=cwd)
+
+        def transport() -> AbstractAsyncContextManager[Any]:
+            return stdio_client(parameters)
+
+        return cls(transport, label=" ".join([command, *args]), prefix=prefix, allow=allow,
+                   timeout=timeout, connect_timeout=connect_timeout)
+
+    @classmethod
+    def http(
+        cls,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        prefix: str | None = None,
+        allow: Collection[str] | None = None,
+        timeout: float | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> MCPServer:
+        """A server reached over streamable HTTP at ``url`` (e.g. ``http://host/mcp``).
+
+        Args:
+            url: The server's MCP endpoint.
+            headers: Sent with every request (an ``Authorization`` header...).
+            prefix: See `MCPServer`.
+            allow: See `MCPServer`.
+            timeout: See `MCPServer`.
+            connect_timeout: See `MCPServer`.
+        """
+        fixed = dict(headers or {})
+
+        def transport() -> AbstractAsyncContextManager[Any]:
+            return _http_transport(url, fixed)
+
+        return cls(transport, label=url, prefix=prefix, allow=allow, timeout=timeout,
+                   connect_timeout=connect_timeout)
+
+    def __repr__(self) -> str:
+        return f"MCPServer({self.label!r})"
+
+    @property
+    def tools(self) -> tuple[Tool, ...]:
+        """The server's tools (inside ``async with server:``)."""
+        if self._tools is None:
+            raise RuntimeError(f"{self!r}: use the tools inside `async with server:`")
+        return self._tools
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        """Connect, list the server's tools and build `tools`.
+
+        Raises:
+            MCPServerError: the server did not start or answer within
+                ``connect_timeout``, or did not list its tools.
+            ConfigError: a listed tool's name (with the prefix) is not a valid
+                tool name, or ``allow`` names a tool the server does not have.
+        """
+        if self._group is not None:
+            raise RuntimeError(f"{self!r} is already open")
+        group = anyio.create_task_group()
+        await group.__aenter__()
+        self._group = group
+        try:
+            try:
+                session = await self._current()
+                assert session.client is not None
+                with anyio.fail_after(self.connect_timeout):
+                    listed = await _list_tools(session.client)
+            except Exception as error:
+                raise MCPServerError(f"MCP server {self.label} did not start or list its "
+                                     f"tools: {_describe(error)}") from error
+            self._tools = self._build_tools(listed)
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Close the session (stop the server's process) and forget the tools."""
+        await self._close()
+
+    async def _close(self) -> None:
+        group, self._group, self._tools = self._group, None, None
+        self._session = None
+        if group is None:
+            return
+        for session in self._sessions:
+            session.stop.set()
+        # The caller's exception is not the group's: its tasks end on their
+        # own once stopped (or by the caller's cancellation, which reaches them).
+        await group.__aexit__(None, None, None)
+
+    def _start(self) -> _Session:
+        """A new session, connecting in the server's task group."""
+        assert self._group is not None
+        session = _Session()
+        self._session = session
+        self._sessions.add(session)
+        self._group.start_soon(self._hold, session)
+        return session
+
+    async def _connected(self, session: _Session) -> None:
+        """Wait until ``session`` is connected; raise what connecting raised."""
+        seconds = self.connect_timeout
+        # The wait is bounded here, not in the holding task: a scope around
+        # entering the client would have to close before the client's own.
+        with anyio.move_on_after(seconds):
+            await session.ready.wait()
+        if not session.ready.is_set():
+            session.error = TimeoutError(f"did not connect within {seconds:g}s")
+            session.scope.cancel()
+            session.retire()
+        if session.error is not None:
+            raise session.error
+
+    async def _hold(self, session: _Session) -> None:
+        """Hold one session open until it is stopped (runs in the server's task group)."""
+        try:
+            with session.scope:
+                async with Client(self._transport(), cache=None) as client:
+                    session.client = client
+                    session.ready.set()
+                    await session.stop.wait()
+        except Exception as error:
+            # Never let a failing connection reach the task group: it would
+            # cancel the caller's `async with server:` block.
+            if not session.ready.is_set():
+                session.error = error
+            else:
+                # Usually a server already gone: nothing is left to do.
+                logger.info("MCP server %s: closing its session failed: %s", self.label,
+                            _describe(error))
+        finally:
+            self._sessions.discard(session)
+            session.retired = True
+            if session.error is None and session.client is None:
+                session.error = MCPServerError("the connection was cancelled")
+            session.ready.set()
+
+    async def _current(self) -> _Session:
+        """The session a call should use, connected; a new one if the last was lost."""
+        session = self._session
+        if session is None or session.retired:
+            async with self._lock:
+                if self._group is None:
+                    raise MCPServerError("it is closed")
+                session = self._session
+                if session is None or session.retired:
+                    if session is not None:
+                        logger.info("MCP server %s: opening a new session", self.label)
+                    session = self._start()
+        await self._connected(session)
+        return session
+
+    # -- tools --------------------------------------------------------------------------
+
+    def _build_tools(self, listed: Sequence[mcp_types.Tool]) -> tuple[Tool, ...]:
+        names = {item.name for item in listed}
+        if self.allow is not None and not self.allow <= names:
+            missing = ", ".join(sorted(self.allow - names))
+            raise ConfigError("allow", f"MCP server {self.label} has no tool {missing} "
+                                       f"(it has: {', '.join(sorted(names)) or 'none'})")
+        tools = []
+        for item in listed:
+            if self.allow is not None and item.name not in self.allow:
+                continue
+            name = self.prefix + item.name
+            try:
+                tools.append(Tool(name, item.description or "", dict(item.input_schema),
+                                  self._handler(item.name), timeout=self.timeout))
+            except ConfigError as error:
+                raise ConfigError(error.field, f"MCP server {self.label}, tool {item.name!r}: "
+                                  f"{error}; leave it out with allow=") from None
+        return tuple(tools)
+
+    def _handler(self, name: str) -> Callable[[dict[str, Any]], Any]:
+        async def call(arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
+            return await self._call(name, arguments)
+
+        call.__name__ = name
+        call.__qualname__ = f"MCPServer.{name}"
+        return call
+
+    async def _call(self, name: str, arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
+        try:
+            session = await self._current()
+        except Exception as error:
+            raise MCPServerError(
+                f"the MCP server could not be reached: {_describe(error)}") from error
+        assert session.client is not None
+        session.users += 1
+        kept = False
+        try:
+            result = await session.client.call_tool(name, arguments)
+            kept = True
+        except MCPError as error:
+            if error.code == mcp_types.CONNECTION_CLOSED:
+                raise MCPServerError("the MCP server closed the connection during the call; "
+                                     "the result is not known") from error
+            # An error about the request itself leaves the session sound; any
+            # other (an internal error, a terminated session) may not have.
+            kept = error.code in _REQUEST_ERRORS
+            raise MCPToolError(f"{name}: {error.message}") from error
+        except Exception as error:
+            raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
+                                 "the result is not known") from error
+        finally:
+            session.users -= 1
+            if not kept:
+                # Lost, or cancelled before an answer (a hung server looks the
+                # same from here): the next call opens a new session.
+                session.retire()
+            elif session.retired and session.users == 0:
+                session.stop.set()
+        if result.is_error:
+            raise MCPToolError(_result_text(result) or f"{name} failed")
+        return _content(result)
+
+
+@asynccontextmanager
+async def _http_transport(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
+    """The SDK's streamable HTTP transport on an HTTP client with ``headers``."""
+    # The SDK's own defaults: 30 s to connect or write, 300 s to read a stream.
+    timeout = httpx2.Timeout(30.0, read=300.0)
+    async with httpx2.AsyncClient(headers=headers, timeout=timeout) as http, \
+            streamable_http_client(url, http_client=http) as streams:
+        yield streams
+
+
+async def _list_tools(client: Client) -> list[mcp_types.Tool]:
+    """Every page of the server's tool listing."""
+    tools: list[mcp_types.Tool] = []
+    cursor: str | None = None
+    while True:
+        page = await client.list_tools(cursor=cursor)
+        tools.extend(page.tools)
+        cursor = page.next_cursor
+        if cursor is None:
+            return tools
+
+
+def _describe(error: BaseException) -> str:
+    """The error's message; a task group's one error rather than the group."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return str(error) or type(error).__name__
+
+
+def _content(result: mcp_types.CallToolResult) -> str | list[dict[str, Any]]:
+    """An MCP tool result as tool-result content: one text, or Anthropic blocks."""
+    blocks = [_block(item) for item in result.content]
+    # The protocol asks a server to mirror its structured content in a text
+    # block; only when the content is empty is the structured value all there is.
+    if not blocks and result.structured_content is not None:
+        blocks.append({"type": "text", "text": json.dumps(
+            result.structured_content, ensure_ascii=False, default=str)})
+    if not blocks:
+        return ""
+    if len(blocks) == 1 and blocks[0]["type"] == "text":
+        return str(blocks[0]["text"])
+    return blocks
+
+
+def _result_text(result: mcp_types.CallToolResult) -> str:
+    content = _content(result)
+    if isinstance(content, str):
+        return content
+    return "\n\n".join(str(b["text"]) if b["type"] == "text" else f"[{b['type']}]"
+                       for b in content)
+
+
+def _block(item: Any) -> dict[str, Any]:
+    """One MCP content item as an Anthropic content block."""
+    if isinstance(item, mcp_types.TextContent):
+        return {"type": "text", "text": item.text}
+    if isinstance(item, mcp_types.ImageContent):
+        if item.mime_type in _IMAGE_TYPES:
+            return {"type": "image", "source": {"type": "base64", "media_type": item.mime_type,
+                                                "data": item.data}}
+        return _binary_note("image", item.mime_type, item.data)
+    if isinstance(item, mcp_types.AudioContent):
+        return _binary_note("audio", item.mime_type, item.data)
+    if isinstance(item, mcp_types.ResourceLink):
+        described = f": {item.description}" if item.description else ""
+        return {"type": "text", "text": f"[resource link {item.uri} ({item.name}){described}]"}
+    if isinstance(item, mcp_types.EmbeddedResource):
+        resource = item.resource
+        if isinstance(resource, mcp_types.TextResourceContents):
+            return {"type": "text", "text": resource.text}
+        mime = resource.mime_type or "application/octet-stream"
+        if mime in _IMAGE_TYPES:
+            return {"type": "image", "source": {"type": "base64", "media_type": mime,
+                                                "data": resource.blob}}
+        if mime == "application/pdf":
+            return {"type": "document", "source": {"type": "base64", "media_type": mime,
+                                                   "data": resource.blob}}
+        return _binary_note(f"resource {resource.uri}", mime, resource.blob)
+    return {"type": "text", "text": f"[{getattr(item, 'type', type(item).__name__)} content]"}
+
+
+def _binary_note(what: str, mime: str, data: str) -> dict[str, Any]:
+    """A text block standing for binary content a tool result cannot carry."""
+    try:
+        size = f"{len(base64.b64decode(data, validate=True))} bytes"
+    except (binascii.Error, ValueError):
+        size = "undecodable base64"
+    return {"type": "text", "text": f"[{what}: {mime}, {size}, not shown]"}

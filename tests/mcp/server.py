@@ -1,0 +1,126 @@
+"""An MCP server built with the ``mcp`` SDK's own `MCPServer` class, for the tests.
+
+Run as ``python server.py stdio``, ``python server.py http [PORT]`` (prints
+the port it listens on, 127.0.0.1, then serves ``/mcp``) or ``python
+server.py exit`` (a server that exits before it answers anything) or ``python
+server.py mute`` (one that runs but never answers).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import sys
+import threading
+
+import anyio
+import mcp_types
+import uvicorn
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+# A 1x1 transparent PNG.
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+)
+
+server = MCPServer("loopengine-test")
+
+
+@server.tool()
+def echo(text: str) -> str:
+    """Say the text back."""
+    return text
+
+
+@server.tool()
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@server.tool()
+def picture() -> list[mcp_types.TextContent | mcp_types.ImageContent]:
+    """A caption and a tiny PNG."""
+    return [mcp_types.TextContent(text="a dot"),
+            mcp_types.ImageContent(data=base64.b64encode(PNG).decode(), mime_type="image/png")]
+
+
+@server.tool()
+def kinds() -> mcp_types.CallToolResult:
+    """One of each other kind of content."""
+    pdf = base64.b64encode(b"%PDF-1.4 tiny").decode()
+    return mcp_types.CallToolResult(content=[
+        mcp_types.AudioContent(data=base64.b64encode(b"RIFF0000").decode(),
+                               mime_type="audio/wav"),
+        mcp_types.ResourceLink(uri="file:///notes.txt", name="notes", description="the notes"),
+        mcp_types.EmbeddedResource(resource=mcp_types.TextResourceContents(
+            uri="file:///a.txt", text="embedded text")),
+        mcp_types.EmbeddedResource(resource=mcp_types.BlobResourceContents(
+            uri="file:///a.pdf", blob=pdf, mime_type="application/pdf")),
+        mcp_types.ImageContent(data=base64.b64encode(b"BM12").decode(), mime_type="image/bmp"),
+    ])
+
+
+@server.tool()
+def structured() -> mcp_types.CallToolResult:
+    """Structured content and nothing else."""
+    return mcp_types.CallToolResult(content=[], structured_content={"total": 3, "unit": "kg"})
+
+
+@server.tool()
+def fail(message: str) -> str:
+    """Fail with the message."""
+    raise ToolError(message)
+
+
+@server.tool()
+async def hang() -> str:
+    """Never answer."""
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+@server.tool()
+def crash() -> str:
+    """Kill this server's own process in the middle of the call."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable")
+
+
+@server.tool()
+def pid() -> int:
+    """This server's process id."""
+    return os.getpid()
+
+
+@server.tool()
+def header(name: str, ctx: Context) -> str:
+    """The value of one header of this call's HTTP request (empty over stdio)."""
+    request = ctx.request_context.request
+    return "" if request is None else str(request.headers.get(name, ""))
+
+
+def serve_http(port: int) -> None:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # A restarted server takes the port back at once (tests/mcp's reconnection).
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(512)
+    print(listener.getsockname()[1], flush=True)
+    config = uvicorn.Config(server.streamable_http_app(), log_level="warning")
+    anyio.run(lambda: uvicorn.Server(config).serve(sockets=[listener]))
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "stdio":
+        server.run("stdio")
+    elif mode == "http":
+        serve_http(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    elif mode == "mute":
+        threading.Event().wait()  # started, but never answers
+    else:
+        sys.exit(3)
