@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -464,10 +463,7 @@ def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
         if empty and not (i == last and role == "assistant"):
             raise ConfigError(f"{field}.content", "must not be empty (only a final assistant "
                                                   "message may be)")
-        copied = copy.deepcopy(dict(message))
-        if isinstance(copied["content"], tuple):
-            copied["content"] = list(copied["content"])
-        out.append(copied)
+        out.append(_validate.json_copy(field, message))
     return out
 
 
@@ -484,7 +480,8 @@ def normalize_system(system: System) -> list[dict[str, Any]] | None:
     if system is None:
         return None
     if isinstance(system, str):
-        return [{"type": "text", "text": system}] if system else None
+        return [{"type": "text", "text": _validate.json_copy("system", system)}] if system \
+            else None
     if not isinstance(system, Sequence):
         raise ConfigError("system", "must be a string or a list of text blocks")
     out: list[dict[str, Any]] = []
@@ -492,7 +489,7 @@ def normalize_system(system: System) -> list[dict[str, Any]] | None:
         if not isinstance(block, Mapping) or block.get("type") != "text":
             raise ConfigError(f"system[{i}]", "must be a text block {'type': 'text', 'text': ...}")
         _validate.content_block(f"system[{i}]", block, kinds=("text",))
-        out.append(copy.deepcopy(dict(block)))
+        out.append(_validate.json_copy(f"system[{i}]", block))
     return out or None
 
 

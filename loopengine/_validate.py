@@ -95,6 +95,7 @@ def text(field: str, value: object, *, optional: bool = False) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(field, f"must be a non-empty string, got {value!r}")
+    _utf8(field, value)
     return value
 
 
@@ -153,6 +154,105 @@ def decimal(
         bound = "positive" if positive else "non-negative"
         raise ConfigError(field, f"must be {bound}, got {value!r}")
     return number
+
+
+# -- what JSON can carry ------------------------------------------------------------
+#
+# A request is sent as UTF-8 JSON. A value that passed every other check but
+# cannot be encoded (a lone surrogate, a NaN, a key that is not a string, a
+# nesting deeper than the encoders recurse) would fail inside the provider's
+# SDK after the attempt's ledger row was written, recording a request that
+# never went on the wire. So everything the caller gives for a request is
+# proven encodable here, while it is copied.
+
+MAX_JSON_DEPTH = 128
+"""The deepest nesting of lists and objects accepted in a request's content.
+
+The SDKs and the JSON encoders recurse once (or more) per level; far below
+the interpreter's recursion limit, far above any tool input or schema seen.
+"""
+
+# The longest int `json` encodes: `int.__str__` refuses more digits
+# (`sys.get_int_max_str_digits`, 4,300 by default); checked by bit length.
+_INT_BITS = 14_000
+
+
+def json_copy(field: str, value: object) -> Any:
+    """A copy of ``value`` made of plain JSON types, proven encodable as UTF-8 JSON.
+
+    Mappings become dicts and tuples lists; strings, finite floats, ints,
+    bools and None are kept.
+
+    Args:
+        field: The value's path, e.g. ``"messages[2]"``; problems are named
+            below it (``"messages[2].content[0].text"``).
+        value: The value to copy.
+
+    Raises:
+        ConfigError: a string holds a lone surrogate (UTF-8 cannot encode it),
+            a float is not finite, a mapping key is not a string, a value is
+            not a JSON type, or the nesting is deeper than `MAX_JSON_DEPTH`.
+            The message never echoes the value.
+    """
+    return _json_copy(field, value, 0)
+
+
+def _json_copy(field: str, value: object, depth: int) -> Any:
+    kind = type(value)
+    if kind is str:
+        assert isinstance(value, str)
+        if not value.isascii():
+            _utf8(field, value)
+        return value
+    if kind is dict or isinstance(value, Mapping):
+        assert isinstance(value, Mapping)
+        if depth >= MAX_JSON_DEPTH:
+            raise ConfigError(field, f"is nested more than {MAX_JSON_DEPTH} levels deep")
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise ConfigError(field, f"has a key that is not a string (a "
+                                         f"{type(key).__name__}): JSON keys are strings")
+            if not key.isascii():
+                _utf8(f"{field} key", key)
+            out[key] = _json_copy(f"{field}.{key}", item, depth + 1)
+        return out
+    if kind is list or kind is tuple:
+        assert isinstance(value, list | tuple)
+        if depth >= MAX_JSON_DEPTH:
+            raise ConfigError(field, f"is nested more than {MAX_JSON_DEPTH} levels deep")
+        return [_json_copy(f"{field}[{i}]", item, depth + 1) for i, item in enumerate(value)]
+    if value is None or kind is bool:
+        return value
+    if kind is int:
+        assert isinstance(value, int)
+        if value.bit_length() > _INT_BITS:
+            raise ConfigError(field, f"is an integer too long to encode "
+                                     f"({value.bit_length()} bits)")
+        return value
+    if kind is float:
+        assert isinstance(value, float)
+        if not math.isfinite(value):
+            raise ConfigError(field, f"must be a finite number (JSON has no {value!r})")
+        return value
+    # Subclasses (a StrEnum, an IntEnum) encode as their base value: kept as it.
+    # (``str.__str__``, not ``str()``: a mixed-in ``Enum`` prints its name.)
+    if isinstance(value, str):
+        return _json_copy(field, str.__str__(value), depth)
+    if isinstance(value, int | float):
+        return _json_copy(field, (float if isinstance(value, float) else int)(value), depth)
+    raise ConfigError(field, f"must be a JSON value (a string, number, bool, None, list "
+                             f"or dict), got a {kind.__name__}")
+
+
+def _utf8(field: str, value: str) -> None:
+    """Raise `ConfigError` if ``value`` holds a lone surrogate (not encodable as UTF-8)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ConfigError(field, f"must be valid Unicode: character {error.start} is a "
+                                 f"lone surrogate U+{ord(value[error.start]):04X}, which "
+                                 "UTF-8 cannot encode") from None
 
 
 # -- Anthropic message shapes --------------------------------------------------------
