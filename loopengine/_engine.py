@@ -88,23 +88,27 @@ class Engine:
             raise ConfigError("provider", "an engine needs at least one provider")
         for route, item in providers.items():
             if not isinstance(item, Provider):
-                raise ConfigError("provider", f"{item!r} is not a Provider (name and send)")
+                raise ConfigError("provider", f"{_validate.shown(item)} is not a Provider "
+                                              "(name and send)")
             if item.name != route:
                 raise ConfigError("provider", f"the provider for route {route!r} is named "
                                               f"{item.name!r}")
         if ledger is not None and not isinstance(ledger, Ledger):
-            raise ConfigError("ledger", f"{ledger!r} does not implement the Ledger protocol")
+            raise ConfigError("ledger", f"{_validate.shown(ledger)} does not implement "
+                                        "the Ledger protocol")
         if prices is not None and not isinstance(prices, PriceBook):
-            raise ConfigError("prices", f"must be a PriceBook, got {prices!r}")
-        observer_list = list(observers)
+            raise ConfigError("prices", f"must be a PriceBook, got {_validate.shown(prices)}")
+        observer_list = _validate.items("observers", observers)
         for i, observer in enumerate(observer_list):
             if not callable(observer):
-                raise ConfigError(f"observers[{i}]", f"must be callable, got {observer!r}")
+                raise ConfigError(f"observers[{i}]",
+                                  f"must be callable, got {_validate.shown(observer)}")
         if tool_error_text is not None and not callable(tool_error_text):
             raise ConfigError("tool_error_text", "must be callable")
         if accounts is not None:
             if not isinstance(accounts, CreditAccounts):
-                raise ConfigError("accounts", f"must be CreditAccounts, got {accounts!r}")
+                raise ConfigError("accounts",
+                                  f"must be CreditAccounts, got {_validate.shown(accounts)}")
             if accounts.ledger is not ledger:
                 raise ConfigError("accounts", "the accounts must live on this engine's ledger")
         self.accounts = accounts
@@ -125,7 +129,8 @@ class Engine:
             ConfigError: no provider of this engine serves that route (R13).
         """
         if not isinstance(operation, Operation):
-            raise ConfigError("operation", f"must be an Operation, got {operation!r}")
+            raise ConfigError("operation",
+                              f"must be an Operation, got {_validate.shown(operation)}")
         provider = self.providers.get(operation.provider)
         if provider is None:
             raise ConfigError(
@@ -151,7 +156,8 @@ class Engine:
         run_limits = operation.limits.narrow(limits)
         policy = operation.retry.narrow(retry)
         if attribution is not None and not isinstance(attribution, Attribution):
-            raise ConfigError("attribution", f"must be an Attribution, got {attribution!r}")
+            raise ConfigError("attribution",
+                              f"must be an Attribution, got {_validate.shown(attribution)}")
         account = (self.accounts.account_for(attribution or Attribution())
                    if self.accounts is not None else None)
         if account is not None and run_limits.credit_hold is None:
@@ -506,7 +512,12 @@ def check_tools(tools: object) -> tuple[Tool, ...]:
                                    f"{tools.name!r}: pass tools=[{tools.name}]")
     if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Iterable):
         raise ConfigError("tools", f"must be a list of tools, got {type(tools).__name__}")
-    return tuple(tools)
+    checked = tuple(tools)
+    for i, item in enumerate(checked):
+        if not isinstance(item, Tool):
+            raise ConfigError(f"tools[{i}]", "must be a Tool (use @loopengine.tool), "
+                                             f"got {_validate.shown(item)}")
+    return checked
 
 
 def _check_output(output: object) -> type[pydantic.BaseModel] | None:
@@ -514,10 +525,10 @@ def _check_output(output: object) -> type[pydantic.BaseModel] | None:
         return None
     if isinstance(output, type) and issubclass(output, pydantic.BaseModel):
         return output
-    raise ConfigError("output", f"must be a pydantic model class, got {output!r}")
+    raise ConfigError("output", f"must be a pydantic model class, got {_validate.shown(output)}")
 
 
 def _check_callable(field: str, value: Any) -> Any:
     if value is not None and not callable(value):
-        raise ConfigError(field, f"must be callable, got {value!r}")
+        raise ConfigError(field, f"must be callable, got {_validate.shown(value)}")
     return value

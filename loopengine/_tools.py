@@ -74,9 +74,10 @@ class Tool:
         self.timeout = None if timeout is None else float(timeout)
         """Seconds one call may run (None: only the run's deadline)."""
         if not isinstance(name, str) or not _NAME.match(name):
-            raise ConfigError("name", f"must match {_NAME.pattern}, got {name!r}")
+            raise ConfigError("name", f"must match {_NAME.pattern}, got {_validate.shown(name)}")
         if not isinstance(description, str):
-            raise ConfigError("description", f"must be a string, got {description!r}")
+            raise ConfigError("description",
+                              f"must be a string, got {_validate.shown(description)}")
         _validate.json_copy("description", description)  # sent as JSON: no lone surrogate
         if not description.strip():
             # Not an error (the API accepts it), but the model then has only the
@@ -92,7 +93,8 @@ class Tool:
         if input_model is not None and not (
             isinstance(input_model, type) and issubclass(input_model, pydantic.BaseModel)
         ):
-            raise ConfigError("input_model", f"must be a pydantic model class, got {input_model!r}")
+            raise ConfigError("input_model", "must be a pydantic model class, "
+                                             f"got {_validate.shown(input_model)}")
         if input_schema is not None and (
             not isinstance(input_schema, Mapping) or input_schema.get("type") != "object"
         ):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import reprlib
 import typing
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -19,6 +20,33 @@ import pydantic
 import typing_extensions
 
 from loopengine._errors import ConfigError
+
+_SHOWN = reprlib.Repr()
+# (set after construction: Repr takes these as keywords only from Python 3.12)
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 2, 40, 40, 40
+_SHOWN.maxlist = _SHOWN.maxdict = _SHOWN.maxtuple = _SHOWN.maxset = 4
+
+
+def shown(value: object) -> str:
+    """``value`` as an error message shows it: a short repr, whatever it is.
+
+    A plain ``{shown(value)}`` of caller input can recurse without end (a
+    5,000-deep list raises ``RecursionError``), raise (a ``__repr__`` that
+    fails) or print megabytes; this is bounded in depth and length and never
+    raises.
+    """
+    try:
+        return _SHOWN.repr(value)
+    except Exception:  # a broken __repr__ of the caller's object
+        return f"a {type(value).__name__}"
+
+
+MAX_INTEGER = 2**63 - 1
+"""The largest integer a setting may hold: a ledger column is a signed 64-bit int."""
+
+MAX_DECIMAL_EXPONENT = 15
+"""A price or rate is below 10**16: larger is a typo, and far larger would overflow
+`decimal` arithmetic when an attempt is priced, mid-run."""
 
 
 def integer(
@@ -35,11 +63,14 @@ def integer(
             return None
         raise ConfigError(field, "is required (got None)")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(field, f"must be an integer, got {value!r}")
+        raise ConfigError(field, f"must be an integer, got {shown(value)}")
+    if maximum is None or maximum > MAX_INTEGER:
+        # Every count is stored in a signed 64-bit column, on both stores.
+        maximum = MAX_INTEGER
     if minimum is not None and value < minimum:
-        raise ConfigError(field, f"must be at least {minimum}, got {value!r}")
+        raise ConfigError(field, f"must be at least {minimum}, got {shown(value)}")
     if maximum is not None and value > maximum:
-        raise ConfigError(field, f"must be at most {maximum}, got {value!r}")
+        raise ConfigError(field, f"must be at most {maximum}, got {shown(value)}")
     return value
 
 
@@ -65,13 +96,17 @@ def seconds(
             return None
         raise ConfigError(field, "is required (got None)")
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(field, f"must be a number of seconds, got {value!r}")
-    number = float(value)
+        raise ConfigError(field, f"must be a number of seconds, got {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        raise ConfigError(field, f"must be a finite number of seconds, got {shown(value)}") \
+            from None
     if math.isnan(number) or math.isinf(number):
-        raise ConfigError(field, f"must be a finite number of seconds, got {value!r}")
+        raise ConfigError(field, f"must be a finite number of seconds, got {shown(value)}")
     if number < 0 or (positive and number == 0):
         bound = "greater than 0" if positive else "at least 0"
-        raise ConfigError(field, f"must be {bound}, got {value!r}")
+        raise ConfigError(field, f"must be {bound}, got {shown(value)}")
     return number
 
 
@@ -82,10 +117,23 @@ def required_seconds(field: str, value: object, *, positive: bool = True) -> flo
     return checked
 
 
+def items(field: str, value: object) -> list[Any]:
+    """The items of a sequence argument (a list, a tuple, any iterable but text
+    or a mapping), as a list; what they are is the caller's check.
+
+    Raises:
+        ConfigError: None, a string, a mapping, or something that cannot be
+            iterated (``PriceBook(prices=None)``, ``Engine(observers=None)``).
+    """
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise ConfigError(field, f"must be a list, got {shown(value)}")
+    return list(value)
+
+
 def boolean(field: str, value: object) -> bool:
     """Return ``value`` if it is a bool, else raise `ConfigError`."""
     if not isinstance(value, bool):
-        raise ConfigError(field, f"must be true or false, got {value!r}")
+        raise ConfigError(field, f"must be true or false, got {shown(value)}")
     return value
 
 
@@ -94,7 +142,7 @@ def text(field: str, value: object, *, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(field, f"must be a non-empty string, got {value!r}")
+        raise ConfigError(field, f"must be a non-empty string, got {shown(value)}")
     _utf8(field, value)
     return value
 
@@ -143,16 +191,23 @@ def decimal(
             return None
         raise ConfigError(field, "is required (got None)")
     if isinstance(value, bool) or isinstance(value, float):
-        raise ConfigError(field, f"must be a Decimal, an int or a numeric string, got {value!r}")
+        raise ConfigError(field, "must be a Decimal, an int or a numeric string, "
+                                 f"got {shown(value)}")
+    if not isinstance(value, Decimal | int | str):
+        raise ConfigError(field, "must be a Decimal, an int or a numeric string, "
+                                 f"got {shown(value)}")
     try:
-        number = value if isinstance(value, Decimal) else Decimal(str(value))
+        number = value if isinstance(value, Decimal) else Decimal(value)
     except (InvalidOperation, ValueError):
-        raise ConfigError(field, f"must be a decimal number, got {value!r}") from None
+        raise ConfigError(field, f"must be a decimal number, got {shown(value)}") from None
     if not number.is_finite():
-        raise ConfigError(field, f"must be finite, got {value!r}")
+        raise ConfigError(field, f"must be finite, got {shown(value)}")
+    if number and number.adjusted() > MAX_DECIMAL_EXPONENT:
+        raise ConfigError(field, f"must be below 10**{MAX_DECIMAL_EXPONENT + 1}, "
+                                 f"got {shown(value)}")
     if number < 0 or (positive and number == 0):
         bound = "positive" if positive else "non-negative"
-        raise ConfigError(field, f"must be {bound}, got {value!r}")
+        raise ConfigError(field, f"must be {bound}, got {shown(value)}")
     return number
 
 
@@ -233,7 +288,7 @@ def _json_copy(field: str, value: object, depth: int) -> Any:
     if kind is float:
         assert isinstance(value, float)
         if not math.isfinite(value):
-            raise ConfigError(field, f"must be a finite number (JSON has no {value!r})")
+            raise ConfigError(field, f"must be a finite number (JSON has no {shown(value)})")
         return value
     # Subclasses (a StrEnum, an IntEnum) encode as their base value: kept as it.
     # (``str.__str__``, not ``str()``: a mixed-in ``Enum`` prints its name.)
