@@ -325,6 +325,19 @@ def _utf8(field: str, value: str) -> None:
 # and its lazily validated iterables are drained. Extra keys are not refused:
 # the SDK's TypedDicts do not say the API refuses them, and blocks the API
 # returned carry response-only fields that it accepts back.
+#
+# Only the block types the engine itself reads (text, tool calls and their
+# results) or that callers write by hand (images, documents, search results)
+# are checked so. Every other block (thinking, server tools and their results,
+# MCP, compaction, fallback, container uploads, and types no SDK knows yet)
+# comes from the API and goes back to it as it came: the SDK's types trail
+# the API (an advisor's ``server_tool_use`` fails its ``name`` literal), so it
+# is carried through unchanged, its ``type`` a string, its content only
+# proven encodable (`json_copy`).
+
+CHECKED_KINDS = frozenset({"text", "image", "document", "search_result", "tool_use",
+                           "tool_result"})
+"""The block types checked against the SDK's declaration; others are carried through."""
 
 
 class _NestedError(Exception):
@@ -403,21 +416,24 @@ def content_block(field: str, block: object, *, kinds: Iterable[str] | None = No
     Args:
         field: The block's path, e.g. ``"messages[1].content[0]"``.
         block: The block.
-        kinds: The block types allowed here (default: every type the SDK
-            declares for message content).
+        kinds: The block types allowed here (default: any type; those in
+            `CHECKED_KINDS` are checked, the rest carried through).
 
     Raises:
-        ConfigError: the block is not a dict, has no known ``type``, or does
-            not match its type; ``.field`` is the offending path, e.g.
-            ``"messages[1].content[0].source.data"``.
+        ConfigError: the block is not a dict, has no ``type`` string, is not
+            of a type allowed here, or does not match its type; ``.field`` is
+            the offending path, e.g. ``"messages[1].content[0].source.data"``.
     """
     if not isinstance(block, Mapping):
         raise ConfigError(field, f"must be a dict (a content block), got {type(block).__name__}")
     kind = block.get("type")
     if kind is None:
         raise ConfigError(f"{field}.type", "is required (every content block has a type)")
-    if not isinstance(kind, str):
-        raise ConfigError(f"{field}.type", f"must be a string, got {type(kind).__name__}")
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(f"{field}.type",
+                          f"must be a non-empty string, got {_short(kind)}")
+    if kinds is None and kind not in CHECKED_KINDS:
+        return  # a block the engine does not read: carried through as it came
     if kind == "tool_use" and isinstance(block.get("input"), str):
         # A model's malformed arguments, kept as the string it sent (R15): the
         # run answered them as invalid input, so a history holding them stays
@@ -425,15 +441,9 @@ def content_block(field: str, block: object, *, kinds: Iterable[str] | None = No
         block = {**block, "input": {}}
     adapter = _block_adapter(kind) if kinds is None or kind in kinds else None
     if adapter is None:
-        if kinds is None:
-            import anthropic
-
-            where = f"the installed anthropic SDK ({anthropic.__version__}) declares"
-        else:
-            where = "allowed here"
-        allowed = block_types() if kinds is None else sorted(kinds)
-        raise ConfigError(f"{field}.type", f"{_short(kind)} is not a block type {where}; "
-                                           f"expected one of {', '.join(allowed)}")
+        allowed = sorted(kinds if kinds is not None else CHECKED_KINDS)
+        raise ConfigError(f"{field}.type", f"{_short(kind)} is not a block type allowed "
+                                           f"here; expected one of {', '.join(allowed)}")
     try:
         _drain(adapter.validate_python(block, strict=True), block, ())
     except pydantic.ValidationError as error:

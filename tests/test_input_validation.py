@@ -15,7 +15,7 @@ import pytest
 
 import loopengine as le
 from loopengine import _validate
-from loopengine._engine import normalize_messages
+from loopengine._engine import normalize_messages, normalize_system
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import AnthropicProvider, Reply, ScriptedProvider
 from loopengine.testing import FakeAnthropicServer
@@ -45,7 +45,8 @@ TOOL_TURN = [
 BAD_MESSAGES = [
     # the issue's example: a content block without a type
     ([user("q"), assistant([{"text": "no type"}])], "messages[1].content[0].type"),
-    ([user([{"type": "txet", "text": "x"}])], "messages[0].content[0].type"),
+    ([user([{"type": "", "text": "x"}])], "messages[0].content[0].type"),
+    ([user([{"type": 3, "text": "x"}])], "messages[0].content[0].type"),
     ([user([{"type": "text"}])], "messages[0].content[0].text"),
     ([user([{"type": "text", "text": 3}])], "messages[0].content[0].text"),
     ([user([{"type": "image", "source": {"type": "url"}}])],
@@ -182,12 +183,15 @@ async def test_a_transcript_the_api_returned_can_be_continued() -> None:
 
 
 def test_a_bad_block_message_never_echoes_long_content() -> None:
-    """An unknown type is shown only when short; the error lists the types the SDK knows."""
+    """A type not allowed here is shown only when short; the error lists the allowed ones."""
     with pytest.raises(le.ConfigError) as caught:
-        normalize_messages([user([{"type": "x" * 1000, "text": "secret"}])])
+        normalize_system([{"type": "text", "text": "ok"}, {"type": "x" * 1000, "text": "secret"}])
+    with pytest.raises(le.ConfigError) as caught:
+        _validate.content_block("system[1]", {"type": "x" * 1000, "text": "secret"},
+                                kinds=("text",))
     assert "x" * 100 not in str(caught.value)
     assert "secret" not in str(caught.value)
-    assert "tool_result" in str(caught.value)  # one of the types the SDK declares
+    assert "expected one of text" in str(caught.value)
 
 
 def test_the_block_types_come_from_the_installed_sdk() -> None:
