@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import timeit
 from typing import Any
 
@@ -202,8 +203,9 @@ def test_the_block_types_come_from_the_installed_sdk() -> None:
 
 def test_a_50_message_transcript_validates_well_under_a_millisecond() -> None:
     """The check runs on every run: 50 messages (75 blocks, tool results included)
-    validate in a fraction of a millisecond (best of several, so load does not count;
-    the bound is generous: about 0.3 ms measured)."""
+    validate in a fraction of a millisecond of CPU (this process's CPU time, best of
+    several, so other processes' load does not count; the bound is generous: about
+    0.3 ms measured)."""
     messages: list[dict[str, Any]] = [user("first question")]
     for i in range(24):
         messages.append(assistant([
@@ -221,7 +223,7 @@ def test_a_50_message_transcript_validates_well_under_a_millisecond() -> None:
                     _validate.content_block(f"messages[{i}].content[{j}]", block)
 
     check()  # builds the adapters once
-    best = min(timeit.repeat(check, number=20, repeat=5)) / 20
+    best = min(timeit.repeat(check, number=20, repeat=5, timer=time.process_time)) / 20
     assert best < 0.003
 
 
