@@ -247,14 +247,16 @@ async def test_retry_after_headers_are_the_waits_slept(wire: Harness, clock: Fak
 async def test_retry_after_as_an_http_date_is_the_wait_slept(wire: Harness,
                                                              clock: FakeClock) -> None:
     """retry-after may be an HTTP date: the wait is the time until then."""
+    # A minute ahead, so that a busy machine's delay before the reply is read
+    # cannot eat the wait: the date has whole seconds and the check allows 10 s.
     until = email.utils.format_datetime(
-        datetime.now(UTC) + timedelta(seconds=4), usegmt=True)
+        datetime.now(UTC) + timedelta(seconds=60), usegmt=True)
     engine, _ = wire.engine(ErrorReply(status=503, headers={"retry-after": until}),
                             Reply.text("ok"))
     result = await engine.run(operation(), "go")
     assert result.outcome is le.Outcome.COMPLETED
     (slept,) = clock.sleeps
-    assert 2.0 <= slept <= 4.0  # the date has whole seconds; the request took a moment
+    assert 50.0 <= slept <= 60.0
     assert result.attempt_log[1].dispatch.wait_ms == round(slept * 1000)
 
 
