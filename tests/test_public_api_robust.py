@@ -96,7 +96,7 @@ CONSTRUCTORS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     "Attribution": (le.Attribution, {"tenant": "t", "user_id": None, "feature": None,
                                      "correlation_id": None}),
     "Engine": (lambda provider, **kw: le.Engine(provider, **kw),
-               {"provider": ScriptedProvider([]), "ledger": None, "prices": None,
+               {"provider": ScriptedProvider([Reply.text("ok")]), "ledger": None, "prices": None,
                 "observers": (), "clock": None, "rng": None, "tool_error_text": None,
                 "accounts": None}),
 }
@@ -134,10 +134,17 @@ def _quiet_tool_warnings(caplog: pytest.LogCaptureFixture) -> None:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_a_public_constructor_raises_only_config_errors(name: str, data: st.DataObject) -> None:
-    """Any junk in any argument of a public constructor is a ConfigError (or is fine)."""
+    """Any junk in any argument of a public constructor is a ConfigError (or is fine);
+    an engine built from it then runs to an outcome: nothing bad was let through."""
     build, valid = CONSTRUCTORS[name]
     arguments = spoiled(data, valid, SPOILABLE[name])
-    only_config_errors(lambda: build(**arguments))
+
+    def build_and_use() -> None:
+        built = build(**arguments)
+        if isinstance(built, le.Engine):
+            anyio.run(lambda: built.run(OPERATION, "hi"))
+
+    only_config_errors(build_and_use)
 
 
 RUN_VALID: dict[str, Any] = {
