@@ -29,7 +29,7 @@ from loopengine._run import (
     run_loop,
 )
 from loopengine._stream import RunStream, stream_run
-from loopengine._tools import Tool
+from loopengine._tools import Tool, check_tool_name
 from loopengine.events import Observer, TextDelta
 from loopengine.guards._limits import Limits
 from loopengine.persistence._protocol import Ledger
@@ -275,8 +275,7 @@ class Engine:
             or self.tool_error_text,
             final_tool=final_tool,
         )
-        if not isinstance(final_tool, str) or not final_tool:
-            raise ConfigError("final_tool", "must be a non-empty tool name")
+        check_tool_name("final_tool", final_tool)
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
         inv = self._invocation("run", operation, limits, retry, attribution,
                                observers=observers, text_sink=text_sink)

@@ -24,11 +24,22 @@ from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine._jsonschema import check_schema, schema_errors
 
-__all__ = ["Tool", "ToolInputError", "tool"]
+__all__ = ["Tool", "ToolInputError", "check_tool_name", "tool"]
 
 logger = logging.getLogger("loopengine")
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def check_tool_name(field: str, name: object) -> str:
+    """Return ``name`` if the API accepts it as a tool name, else raise `ConfigError`.
+
+    A name is 1-64 letters, digits, ``_`` or ``-``, the whole string (a
+    trailing newline is not allowed, as ``re.match`` with ``$`` would let it).
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(field, f"must match {_NAME.pattern}, got {_validate.shown(name)}")
+    return name
 
 
 class ToolInputError(Exception):
@@ -73,8 +84,7 @@ class Tool:
         """Calls of this tool one run answers by running its handler (None: no cap)."""
         self.timeout = None if timeout is None else float(timeout)
         """Seconds one call may run (None: only the run's deadline)."""
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise ConfigError("name", f"must match {_NAME.pattern}, got {_validate.shown(name)}")
+        check_tool_name("name", name)
         if not isinstance(description, str):
             raise ConfigError("description",
                               f"must be a string, got {_validate.shown(description)}")

@@ -44,7 +44,7 @@ class Answer(pydantic.BaseModel):
     x: int = 1
 
 
-PRICE = le.ModelPrice(provider="scripted", model="m", input_per_mtok=Decimal(1),
+PRICE = le.ModelPrice(provider="anthropic", model="m", input_per_mtok=Decimal(1),
                       output_per_mtok=Decimal(2))
 TOOL = le.Tool("lookup", "Look up.", {"type": "object"}, handler)
 
@@ -68,7 +68,7 @@ JUNK = st.one_of(
                      {"nope": 1}, le.Attribution(tenant="t"), iter([1, 2])]),
 )
 
-OPERATION = le.Operation(name="robust", provider="scripted", model="m", max_output_tokens=16)
+OPERATION = le.Operation(name="robust", provider="anthropic", model="m", max_output_tokens=16)
 
 # Each public constructor: how to call it, the valid arguments, the fields to spoil.
 CONSTRUCTORS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
@@ -180,6 +180,19 @@ def test_run_and_call_keywords_raise_only_config_errors(
         await chosen(operation, messages, **arguments)
 
     only_config_errors(lambda: anyio.run(go))
+
+
+@pytest.mark.parametrize(("method", "valid"), [("run", RUN_VALID), ("call", CALL_VALID)])
+def test_the_valid_arguments_run(method: str, valid: dict[str, Any]) -> None:
+    """The base the property spoils is itself valid: a run and a call complete."""
+
+    async def go() -> Any:
+        arguments = dict(valid)
+        operation, messages = arguments.pop("operation"), arguments.pop("messages")
+        return await getattr(engine(), method)(operation, messages, **arguments)
+
+    result = anyio.run(go)
+    assert result.invocation_id
 
 
 @pytest.mark.parametrize(("build", "field"), [

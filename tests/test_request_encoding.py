@@ -20,7 +20,7 @@ from loopengine._engine import normalize_messages
 from loopengine._jsonschema import schema_errors
 from loopengine._tools import render_tool_output
 from loopengine.persistence import MemoryLedger, SQLiteLedger
-from loopengine.providers import AnthropicProvider
+from loopengine.providers import AnthropicProvider, Reply, ScriptedProvider
 from loopengine.testing import FakeAnthropicServer
 from loopengine.testing import Reply as WireReply
 
@@ -212,6 +212,24 @@ def test_a_recursive_schema_through_properties_is_a_tree_and_passes() -> None:
     for _ in range(2000):
         nested = {"child": nested}
     assert any("nested too deep" in line for line in schema_errors(schema, nested))
+
+
+@pytest.mark.parametrize("name", ["final\ud800", "final answer", "answer\n", "", "x" * 65])
+async def test_a_terminal_tool_name_the_api_would_refuse_is_a_config_error(name: str) -> None:
+    """``final_tool`` becomes a tool's name on the wire: it follows the tool-name rule."""
+    ledger = MemoryLedger()
+    engine = le.Engine(ScriptedProvider([Reply.final({"text": "x"})]), ledger=ledger)
+    with pytest.raises(le.ConfigError) as caught:
+        await engine.run(OPERATION, "q", output=Answer, final_tool=name)
+    assert caught.value.field == "final_tool"
+    assert ledger.invocations == {}
+
+
+def test_a_tool_name_with_a_trailing_newline_is_refused() -> None:
+    """The whole name must match (``$`` alone would let ``"name\\n"`` through)."""
+    with pytest.raises(le.ConfigError) as caught:
+        le.Tool("lookup\n", "d", {"type": "object"}, _noop)
+    assert caught.value.field == "name"
 
 
 def test_an_operation_whose_model_name_cannot_be_sent_is_refused() -> None:
