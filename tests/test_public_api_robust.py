@@ -68,6 +68,23 @@ JUNK = st.one_of(
                      {"nope": 1}, le.Attribution(tenant="t"), iter([1, 2])]),
 )
 
+BLOCKS = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": JUNK}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": JUNK, "name": JUNK,
+                           "input": JUNK}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.just("t1"),
+                           "content": JUNK}),
+    st.fixed_dictionaries({"type": st.one_of(JUNK, st.just("compaction")), "content": JUNK}),
+    JUNK,
+)
+MESSAGES = st.lists(st.fixed_dictionaries({
+    "role": st.sampled_from(["user", "assistant"]),
+    "content": st.one_of(JUNK, st.lists(BLOCKS, max_size=3))}), min_size=1, max_size=3)
+"""Histories shaped like messages with junk where the values go."""
+VALUES = {"messages": st.one_of(JUNK, MESSAGES), "system": st.one_of(
+    JUNK, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": JUNK}),
+                   max_size=2))}
+
 OPERATION = le.Operation(name="robust", provider="anthropic", model="m", max_output_tokens=16)
 
 # Each public constructor: how to call it, the valid arguments, the fields to spoil.
@@ -110,7 +127,7 @@ SPOILABLE = {name: [f for f in valid if (name, f) != ("CachePolicy", "ttl")]
 def spoiled(data: st.DataObject, valid: dict[str, Any], fields: list[str]) -> dict[str, Any]:
     """The valid arguments with one or more of them replaced by junk."""
     chosen = data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True))
-    return {**valid, **{f: data.draw(JUNK, label=f) for f in chosen}}
+    return {**valid, **{f: data.draw(VALUES.get(f, JUNK), label=f) for f in chosen}}
 
 
 def only_config_errors(call: Callable[[], Any]) -> None:
