@@ -249,65 +249,100 @@ def json_copy(field: str, value: object) -> Any:
             not a JSON type, or the nesting is deeper than `MAX_JSON_DEPTH`.
             The message never echoes the value.
     """
-    return _json_copy(field, value, 0)
+    try:
+        return _json_copy(value, 0)
+    except _NotJSON as problem:
+        # The path is assembled only for the one value refused: the copy of
+        # every value that passes builds no field names.
+        raise ConfigError(field + "".join(reversed(problem.path)), problem.message) from None
 
 
-def _json_copy(field: str, value: object, depth: int) -> Any:
+class _NotJSON(Exception):
+    """A value JSON cannot carry; ``path`` grows (innermost first) as it unwinds."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = [path] if path else []
+
+
+def _json_copy(value: object, depth: int) -> Any:
     kind = type(value)
     if kind is str:
         assert isinstance(value, str)
         if not value.isascii():
-            _utf8(field, value)
+            _utf8_problem(value)
         return value
     if kind is dict or isinstance(value, Mapping):
         assert isinstance(value, Mapping)
         if depth >= MAX_JSON_DEPTH:
-            raise ConfigError(field, f"is nested more than {MAX_JSON_DEPTH} levels deep")
+            raise _NotJSON(f"is nested more than {MAX_JSON_DEPTH} levels deep")
         out: dict[str, Any] = {}
         for key, item in value.items():
             if type(key) is not str:
-                raise ConfigError(field, f"has a key that is not a string (a "
-                                         f"{type(key).__name__}): JSON keys are strings")
+                raise _NotJSON(f"has a key that is not a string (a {type(key).__name__}): "
+                               "JSON keys are strings")
             if not key.isascii():
-                _utf8(f"{field} key", key)
-            out[key] = _json_copy(f"{field}.{key}", item, depth + 1)
+                try:
+                    _utf8_problem(key)
+                except _NotJSON as problem:
+                    problem.path.append(" key")
+                    raise
+            try:
+                out[key] = _json_copy(item, depth + 1)
+            except _NotJSON as problem:
+                problem.path.append(f".{key}")
+                raise
         return out
     if kind is list or kind is tuple:
         assert isinstance(value, list | tuple)
         if depth >= MAX_JSON_DEPTH:
-            raise ConfigError(field, f"is nested more than {MAX_JSON_DEPTH} levels deep")
-        return [_json_copy(f"{field}[{i}]", item, depth + 1) for i, item in enumerate(value)]
+            raise _NotJSON(f"is nested more than {MAX_JSON_DEPTH} levels deep")
+        copied = []
+        for index, item in enumerate(value):
+            try:
+                copied.append(_json_copy(item, depth + 1))
+            except _NotJSON as problem:
+                problem.path.append(f"[{index}]")
+                raise
+        return copied
     if value is None or kind is bool:
         return value
     if kind is int:
         assert isinstance(value, int)
         if value.bit_length() > _INT_BITS:
-            raise ConfigError(field, f"is an integer too long to encode "
-                                     f"({value.bit_length()} bits)")
+            raise _NotJSON(f"is an integer too long to encode ({value.bit_length()} bits)")
         return value
     if kind is float:
         assert isinstance(value, float)
         if not math.isfinite(value):
-            raise ConfigError(field, f"must be a finite number (JSON has no {shown(value)})")
+            raise _NotJSON(f"must be a finite number (JSON has no {shown(value)})")
         return value
     # Subclasses (a StrEnum, an IntEnum) encode as their base value: kept as it.
     # (``str.__str__``, not ``str()``: a mixed-in ``Enum`` prints its name.)
     if isinstance(value, str):
-        return _json_copy(field, str.__str__(value), depth)
+        return _json_copy(str.__str__(value), depth)
     if isinstance(value, int | float):
-        return _json_copy(field, (float if isinstance(value, float) else int)(value), depth)
-    raise ConfigError(field, f"must be a JSON value (a string, number, bool, None, list "
-                             f"or dict), got a {kind.__name__}")
+        return _json_copy((float if isinstance(value, float) else int)(value), depth)
+    raise _NotJSON("must be a JSON value (a string, number, bool, None, list or dict), "
+                   f"got a {kind.__name__}")
+
+
+def _utf8_problem(value: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _NotJSON(f"must be valid Unicode: character {error.start} is a lone "
+                       f"surrogate U+{ord(value[error.start]):04X}, which UTF-8 cannot "
+                       "encode") from None
 
 
 def _utf8(field: str, value: str) -> None:
     """Raise `ConfigError` if ``value`` holds a lone surrogate (not encodable as UTF-8)."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ConfigError(field, f"must be valid Unicode: character {error.start} is a "
-                                 f"lone surrogate U+{ord(value[error.start]):04X}, which "
-                                 "UTF-8 cannot encode") from None
+        _utf8_problem(value)
+    except _NotJSON as problem:
+        raise ConfigError(field, problem.message) from None
 
 
 # -- Anthropic message shapes --------------------------------------------------------
