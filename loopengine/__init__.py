@@ -17,6 +17,7 @@ from loopengine._errors import (
     ProviderError,
     ReplayMismatchError,
     StructuredOutputError,
+    ToolInputError,
 )
 from loopengine._estimate import Estimate
 from loopengine._judge import Accept, Reject
@@ -64,6 +65,7 @@ __all__ = [
     "RunStream",
     "StructuredOutputError",
     "Tool",
+    "ToolInputError",
     "Usage",
     "load_operations",
     "tool",

@@ -10,6 +10,7 @@ Every exception the library raises on purpose derives from `LoopEngineError`:
     * ProviderError
     * StructuredOutputError
   * ReplayMismatchError
+  * ToolInputError
 
 What each means:
 
@@ -32,6 +33,9 @@ What each means:
 - `StructuredOutputError`: a structured call's attempts ran out without a
   valid answer; ``.reason`` is ``invalid`` or ``truncated``.
 - `ReplayMismatchError`: a replayed request differs from the recording.
+- `ToolInputError`: a tool call's input does not match the tool's schema
+  (`Tool.validate`). In a run it never reaches the caller: the model gets a
+  recoverable error result instead (R15).
 
 The caller's own cancellation is never turned into any of these: it
 propagates as the async backend's cancellation exception.
@@ -56,6 +60,7 @@ __all__ = [
     "ProviderError",
     "ReplayMismatchError",
     "StructuredOutputError",
+    "ToolInputError",
 ]
 
 
@@ -185,6 +190,10 @@ class StructuredOutputError(OutcomeError):
 
 class ReplayMismatchError(LoopEngineError):
     """A request sent to a `ReplayProvider` differs from the recorded one."""
+
+
+class ToolInputError(LoopEngineError):
+    """A tool call's input does not match the tool's schema; the message says where."""
 
 
 def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:

@@ -21,7 +21,7 @@ import anyio.to_thread
 import pydantic
 
 from loopengine import _validate
-from loopengine._errors import ConfigError
+from loopengine._errors import ConfigError, ToolInputError
 from loopengine._jsonschema import check_schema, schema_errors
 
 __all__ = ["Tool", "ToolInputError", "check_tool_name", "tool"]
@@ -40,10 +40,6 @@ def check_tool_name(field: str, name: object) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ConfigError(field, f"must match {_NAME.pattern}, got {_validate.shown(name)}")
     return name
-
-
-class ToolInputError(Exception):
-    """A tool call's input does not match the tool's schema (internal)."""
 
 
 class Tool:

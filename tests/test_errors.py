@@ -106,6 +106,7 @@ def _examples() -> list[BaseException]:
         le.ProviderError("x", fault=fault, outcome="provider_error", attempts=3),
         le.StructuredOutputError("no answer", attempts=4, reason="truncated", detail="cut"),
         le.ReplayMismatchError("request 2 differs"),
+        le.ToolInputError("input.key: is required"),
     ]
 
 
