@@ -5,6 +5,7 @@ of it), never a TypeError, a RecursionError or an OverflowError (hypothesis)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -99,7 +100,12 @@ CONSTRUCTORS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     "RetryPolicy": (le.RetryPolicy, {"max_attempts": 3, "initial_wait": 0.5, "max_wait": 8.0,
                                      "grow_max_tokens": True}),
     "CachePolicy": (le.CachePolicy, {"system": True, "tools": True, "conversation": True}),
-    "Tool": (le.Tool, {"name": "t", "description": "d", "input_schema": {"type": "object"},
+    "Tool": (le.Tool, {"name": "t", "description": "d",
+                       "input_schema": {"type": "object", "properties": {
+                           "a": {"type": "integer", "minimum": 0},
+                           "b": {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/n"}]}},
+                           "required": ["a"], "$defs": {"n": {"type": "array",
+                                                              "items": {"$ref": "#/$defs/n"}}}},
                        "handler": handler, "max_calls": None, "timeout": None}),
     "tool": (lambda fn, **kw: le.tool(fn, **kw),
              {"fn": handler, "name": None, "description": None, "max_calls": None,
@@ -156,10 +162,17 @@ def test_a_public_constructor_raises_only_config_errors(name: str, data: st.Data
     build, valid = CONSTRUCTORS[name]
     arguments = spoiled(data, valid, SPOILABLE[name])
 
+    tool_input = data.draw(JUNK, label="tool input")
+
     def build_and_use() -> None:
         built = build(**arguments)
         if isinstance(built, le.Engine):
             anyio.run(lambda: built.run(OPERATION, "hi"))
+        if isinstance(built, le.Tool):
+            # Whatever a model sends is checked against the schema the tool kept:
+            # a ToolInputError (answered to the model) or the handler's argument.
+            with contextlib.suppress(le.ToolInputError):
+                built.validate(tool_input)
 
     only_config_errors(build_and_use)
 
