@@ -490,8 +490,9 @@ def normalize_system(system: System) -> list[dict[str, Any]] | None:
     if system is None:
         return None
     if isinstance(system, str):
-        return [{"type": "text", "text": _validate.json_copy("system", system)}] if system \
-            else None
+        if not system:
+            return None
+        return [{"type": "text", "text": _validate.json_copy("system", system)}]
     if not isinstance(system, Sequence):
         raise ConfigError("system", "must be a string or a list of text blocks")
     out: list[dict[str, Any]] = []
