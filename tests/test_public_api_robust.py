@@ -57,17 +57,26 @@ SCALARS = st.one_of(
     st.binary(max_size=4), st.datetimes(), st.datetimes(timezones=st.just(UTC)),
     st.sampled_from(["", " ", "5m", "1h", "1e999999", "NaN", "3"]),
 )
-JUNK = st.one_of(
+SPECIAL = [deep(3000), BrokenRepr(), object(), object, 3j, frozenset({1}), handler, Answer,
+           le.Limits(), le.RetryPolicy(), PRICE, TOOL, [PRICE], [TOOL], (TOOL, TOOL),
+           {"max_turns": 2}, {"max_turns": deep(3000)}, {"nope": 1}, le.Attribution(tenant="t"),
+           iter([1, 2])]
+"""Values no strategy draws: deep, unprintable, of the library's own types. Chosen by
+index (hypothesis would print a 3,000-deep list in a strategy's repr)."""
+
+
+def special(values: list[Any]) -> st.SearchStrategy[Any]:
+    return st.integers(0, len(values) - 1).map(values.__getitem__)
+
+
+PLAIN = st.one_of(
     SCALARS,
     st.recursive(SCALARS, lambda inner: st.one_of(
         st.lists(inner, max_size=3), st.tuples(inner),
         st.dictionaries(st.one_of(st.text(max_size=4), st.integers()), inner, max_size=3)),
         max_leaves=6),
-    st.sampled_from([deep(3000), BrokenRepr(), object(), object, 3j, frozenset({1}),
-                     handler, Answer, le.Limits(), le.RetryPolicy(), PRICE, TOOL, [PRICE],
-                     [TOOL], (TOOL, TOOL), {"max_turns": 2}, {"max_turns": deep(3000)},
-                     {"nope": 1}, le.Attribution(tenant="t"), iter([1, 2])]),
 )
+JUNK = st.one_of(PLAIN, special(SPECIAL))
 
 BLOCKS = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": JUNK}),
@@ -82,9 +91,13 @@ MESSAGES = st.lists(st.fixed_dictionaries({
     "role": st.sampled_from(["user", "assistant"]),
     "content": st.one_of(JUNK, st.lists(BLOCKS, max_size=3))}), min_size=1, max_size=3)
 """Histories shaped like messages with junk where the values go."""
+NOT_CALLABLE = st.one_of(PLAIN, special([v for v in SPECIAL if not callable(v)]))
+"""For the callback keywords: a callable there is the caller's own code, whose
+exceptions are its own (an ``on_text`` that raises reaches the caller, by design)."""
 VALUES = {"messages": st.one_of(JUNK, MESSAGES), "system": st.one_of(
     JUNK, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": JUNK}),
-                   max_size=2))}
+                   max_size=2)),
+    "accept": NOT_CALLABLE, "on_text": NOT_CALLABLE, "tool_error_text": NOT_CALLABLE}
 
 OPERATION = le.Operation(name="robust", provider="anthropic", model="m", max_output_tokens=16)
 
