@@ -232,6 +232,20 @@ def test_a_tool_name_with_a_trailing_newline_is_refused() -> None:
     assert caught.value.field == "name"
 
 
+async def test_a_rejection_whose_feedback_cannot_be_sent_becomes_the_generic_one() -> None:
+    """``Reject`` feedback goes to the model: a lone surrogate in it is a ConfigError
+    inside the judge, which rejects; the repair turn is sent with encodable text."""
+    with pytest.raises(le.ConfigError) as caught:
+        le.Reject(LONE)
+    assert caught.value.field == "feedback"
+    with FakeAnthropicServer([WireReply.text("first"), WireReply.text("second")]) as server:
+        async with AnthropicProvider(api_key="test", base_url=server.url) as provider:
+            engine = le.Engine(provider)
+            result = await engine.run(
+                OPERATION, "q", accept=lambda answer: answer == "second" or le.Reject(LONE))
+    assert result.outcome is le.Outcome.COMPLETED and len(server.requests) == 2
+
+
 def test_an_operation_whose_model_name_cannot_be_sent_is_refused() -> None:
     """The model name goes on the wire: a lone surrogate in it is a ConfigError."""
     with pytest.raises(le.ConfigError) as caught:
