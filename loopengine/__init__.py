@@ -7,14 +7,17 @@ retry path or ends the conversation with a named `Outcome`.
 
 from loopengine._accounts import AccountBalance, CreditAccounts
 from loopengine._attribution import Attribution
-from loopengine._call import CallAttempts, CallResult, StructuredOutputError
+from loopengine._call import CallAttempts, CallResult
 from loopengine._engine import Engine
 from loopengine._errors import (
     ConfigError,
     LedgerError,
     LoopEngineError,
     OutcomeError,
+    ProviderError,
     ReplayMismatchError,
+    StructuredOutputError,
+    ToolInputError,
 )
 from loopengine._estimate import Estimate
 from loopengine._judge import Accept, Reject
@@ -27,7 +30,7 @@ from loopengine._tools import Tool, tool
 from loopengine._usage import Usage
 from loopengine.guards._limits import Limits
 from loopengine.providers._cache import CachePolicy
-from loopengine.providers._faults import FaultKind, ProviderError, ProviderFault
+from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._retry import RetryPolicy
 
 __version__ = "0.1.0"
@@ -62,6 +65,7 @@ __all__ = [
     "RunStream",
     "StructuredOutputError",
     "Tool",
+    "ToolInputError",
     "Usage",
     "load_operations",
     "tool",

@@ -25,7 +25,7 @@ from typing import Any, Generic, Literal, NoReturn, TypeVar
 
 import pydantic
 
-from loopengine._errors import OutcomeError
+from loopengine._errors import OutcomeError, StructuredOutputError
 from loopengine._invocation import Invocation
 from loopengine._operation import Operation
 from loopengine._outcome import Outcome
@@ -94,21 +94,6 @@ class CallResult(Generic[M]):
     """Rounded charges of the call's requests."""
     attempt_log: tuple[AttemptRecord, ...] = field(default=(), repr=False)
     """Every attempt, dispatched and settled."""
-
-
-class StructuredOutputError(OutcomeError):
-    """A call's attempts ran out without a valid structured answer.
-
-    Attributes:
-        reason: ``invalid`` (the last reply failed validation) or ``truncated``
-            (it was cut at ``max_tokens``).
-        detail: The last validation error, for people.
-    """
-
-    def __init__(self, message: str, *, attempts: int, reason: str, detail: str) -> None:
-        super().__init__(message, outcome=Outcome.INCOMPLETE.value, attempts=attempts)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -31,7 +30,7 @@ from loopengine._run import (
 )
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
-from loopengine._tools import Tool
+from loopengine._tools import Tool, check_tool_name
 from loopengine.events import Observer, TextDelta
 from loopengine.guards._limits import Limits
 from loopengine.persistence._protocol import Ledger
@@ -90,23 +89,32 @@ class Engine:
             raise ConfigError("provider", "an engine needs at least one provider")
         for route, item in providers.items():
             if not isinstance(item, Provider):
-                raise ConfigError("provider", f"{item!r} is not a Provider (name and send)")
+                raise ConfigError("provider", f"{_validate.shown(item)} is not a Provider "
+                                              "(name and send)")
             if item.name != route:
                 raise ConfigError("provider", f"the provider for route {route!r} is named "
                                               f"{item.name!r}")
         if ledger is not None and not isinstance(ledger, Ledger):
-            raise ConfigError("ledger", f"{ledger!r} does not implement the Ledger protocol")
+            raise ConfigError("ledger", f"{_validate.shown(ledger)} does not implement "
+                                        "the Ledger protocol")
         if prices is not None and not isinstance(prices, PriceBook):
-            raise ConfigError("prices", f"must be a PriceBook, got {prices!r}")
-        observer_list = list(observers)
+            raise ConfigError("prices", f"must be a PriceBook, got {_validate.shown(prices)}")
+        observer_list = _validate.items("observers", observers)
         for i, observer in enumerate(observer_list):
             if not callable(observer):
-                raise ConfigError(f"observers[{i}]", f"must be callable, got {observer!r}")
+                raise ConfigError(f"observers[{i}]",
+                                  f"must be callable, got {_validate.shown(observer)}")
         if tool_error_text is not None and not callable(tool_error_text):
             raise ConfigError("tool_error_text", "must be callable")
+        if clock is not None and not isinstance(clock, Clock):
+            raise ConfigError("clock", "must be a Clock (now, wall, sleep, cancel_scope), "
+                                       f"got {_validate.shown(clock)}")
+        if rng is not None and not isinstance(rng, random.Random):
+            raise ConfigError("rng", f"must be a random.Random, got {_validate.shown(rng)}")
         if accounts is not None:
             if not isinstance(accounts, CreditAccounts):
-                raise ConfigError("accounts", f"must be CreditAccounts, got {accounts!r}")
+                raise ConfigError("accounts",
+                                  f"must be CreditAccounts, got {_validate.shown(accounts)}")
             if accounts.ledger is not ledger:
                 raise ConfigError("accounts", "the accounts must live on this engine's ledger")
         self.accounts = accounts
@@ -127,7 +135,8 @@ class Engine:
             ConfigError: no provider of this engine serves that route (R13).
         """
         if not isinstance(operation, Operation):
-            raise ConfigError("operation", f"must be an Operation, got {operation!r}")
+            raise ConfigError("operation",
+                              f"must be an Operation, got {_validate.shown(operation)}")
         provider = self.providers.get(operation.provider)
         if provider is None:
             raise ConfigError(
@@ -153,7 +162,8 @@ class Engine:
         run_limits = operation.limits.narrow(limits)
         policy = operation.retry.narrow(retry)
         if attribution is not None and not isinstance(attribution, Attribution):
-            raise ConfigError("attribution", f"must be an Attribution, got {attribution!r}")
+            raise ConfigError("attribution",
+                              f"must be an Attribution, got {_validate.shown(attribution)}")
         account = (self.accounts.account_for(attribution or Attribution())
                    if self.accounts is not None else None)
         if account is not None and run_limits.credit_hold is None:
@@ -266,8 +276,7 @@ class Engine:
             or self.tool_error_text,
             final_tool=final_tool,
         )
-        if not isinstance(final_tool, str) or not final_tool:
-            raise ConfigError("final_tool", "must be a non-empty tool name")
+        check_tool_name("final_tool", final_tool)
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
         inv = self._invocation("run", operation, limits, retry, attribution,
                                observers=observers, text_sink=text_sink)
@@ -484,10 +493,7 @@ def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
         if empty and not (i == last and role == "assistant"):
             raise ConfigError(f"{field}.content", "must not be empty (only a final assistant "
                                                   "message may be)")
-        copied = copy.deepcopy(dict(message))
-        if isinstance(copied["content"], tuple):
-            copied["content"] = list(copied["content"])
-        out.append(copied)
+        out.append(_validate.json_copy(field, message))
     return out
 
 
@@ -504,7 +510,9 @@ def normalize_system(system: System) -> list[dict[str, Any]] | None:
     if system is None:
         return None
     if isinstance(system, str):
-        return [{"type": "text", "text": system}] if system else None
+        if not system:
+            return None
+        return [{"type": "text", "text": _validate.json_copy("system", system)}]
     if not isinstance(system, Sequence):
         raise ConfigError("system", "must be a string or a list of text blocks")
     out: list[dict[str, Any]] = []
@@ -512,7 +520,7 @@ def normalize_system(system: System) -> list[dict[str, Any]] | None:
         if not isinstance(block, Mapping) or block.get("type") != "text":
             raise ConfigError(f"system[{i}]", "must be a text block {'type': 'text', 'text': ...}")
         _validate.content_block(f"system[{i}]", block, kinds=("text",))
-        out.append(copy.deepcopy(dict(block)))
+        out.append(_validate.json_copy(f"system[{i}]", block))
     return out or None
 
 
@@ -529,7 +537,12 @@ def check_tools(tools: object) -> tuple[Tool, ...]:
                                    f"{tools.name!r}: pass tools=[{tools.name}]")
     if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Iterable):
         raise ConfigError("tools", f"must be a list of tools, got {type(tools).__name__}")
-    return tuple(tools)
+    checked = tuple(tools)
+    for i, item in enumerate(checked):
+        if not isinstance(item, Tool):
+            raise ConfigError(f"tools[{i}]", "must be a Tool (use @loopengine.tool), "
+                                             f"got {_validate.shown(item)}")
+    return checked
 
 
 def _check_output(output: object) -> type[pydantic.BaseModel] | None:
@@ -537,10 +550,10 @@ def _check_output(output: object) -> type[pydantic.BaseModel] | None:
         return None
     if isinstance(output, type) and issubclass(output, pydantic.BaseModel):
         return output
-    raise ConfigError("output", f"must be a pydantic model class, got {output!r}")
+    raise ConfigError("output", f"must be a pydantic model class, got {_validate.shown(output)}")
 
 
 def _check_callable(field: str, value: Any) -> Any:
     if value is not None and not callable(value):
-        raise ConfigError(field, f"must be callable, got {value!r}")
+        raise ConfigError(field, f"must be callable, got {_validate.shown(value)}")
     return value

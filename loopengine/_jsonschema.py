@@ -8,6 +8,13 @@ of JSON Schema that tool definitions use: ``type`` (one or a list),
 ``oneOf`` / ``allOf`` / ``not`` and local ``$ref`` into ``$defs`` or
 ``definitions``. Keywords outside the subset (``format``, ``pattern``...) are
 annotations here: they are not enforced.
+
+`check_schema` refuses, when the tool is defined, a schema whose enforced
+keywords have the wrong shape (``properties`` that is not an object of
+schemas, ``required`` that is not a list of names...), so that checking an
+input later can rely on them. A ``$ref`` loop (``{"$ref": "#"}``) or an input
+nested deeper than `MAX_DEPTH` ends the check with an error line, never a
+``RecursionError``.
 """
 
 from __future__ import annotations
@@ -16,7 +23,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["schema_errors"]
+from loopengine._errors import ConfigError
+
+__all__ = ["MAX_DEPTH", "check_schema", "schema_errors"]
+
+MAX_DEPTH = 256
+"""How many nested schema checks one input may take (``$ref`` hops included)."""
+
+_SCHEMA_KEYWORDS = ("items", "additionalProperties", "not")
+_SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
 
 _TYPES: dict[str, Any] = {
     "object": lambda v: isinstance(v, dict),
@@ -38,6 +56,110 @@ def schema_errors(schema: Mapping[str, Any], value: Any) -> list[str]:
     return errors
 
 
+def check_schema(field: str, schema: object) -> None:
+    """Check that the keywords `schema_errors` enforces have the shapes it reads,
+    and that no ``$ref`` loops back to itself without descending into the input.
+
+    Args:
+        field: The schema's path, e.g. ``"input_schema"``.
+        schema: A JSON Schema (a mapping or a bool).
+
+    Raises:
+        ConfigError: ``.field`` is the offending keyword's path, e.g.
+            ``"input_schema.properties.limit.minimum"``.
+    """
+    _check_shape(field, schema, 0)
+    if isinstance(schema, Mapping):
+        _check_loops(field, schema)
+
+
+def _check_loops(field: str, root: Mapping[str, Any]) -> None:
+    """Refuse a cycle of ``$ref`` / ``allOf`` / ``anyOf`` / ``oneOf`` / ``not``:
+    those apply another schema to the same value, so a cycle of them never ends
+    (``{"$ref": "#"}``); a cycle through ``properties`` or ``items`` descends
+    into the input and ends with it (a tree of nodes)."""
+    done: set[int] = set()
+    stack: set[int] = set()
+
+    def same_value(node: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        found: list[object] = [node.get("not")]
+        if isinstance(node.get("$ref"), str):
+            found.append(_resolve(root, node["$ref"]))
+        for key in ("allOf", "anyOf", "oneOf"):
+            found.extend(node.get(key, ()))
+        return [n for n in found if isinstance(n, Mapping)]
+
+    def visit(node: Mapping[str, Any]) -> None:
+        if id(node) in done:
+            return
+        if id(node) in stack:
+            raise ConfigError(field, "has a $ref loop that never descends into the input "
+                                     "(a schema that applies itself to the same value)")
+        stack.add(id(node))
+        for child in same_value(node):
+            visit(child)
+        stack.discard(id(node))
+        done.add(id(node))
+
+    def every(node: object) -> list[Mapping[str, Any]]:
+        if not isinstance(node, Mapping):
+            return []
+        nodes = [node]
+        for key in (*_SCHEMA_KEYWORDS, *_SCHEMA_LISTS, *_SCHEMA_MAPS):
+            value = node.get(key)
+            children = (value.values() if isinstance(value, Mapping) and key in _SCHEMA_MAPS
+                        else value if isinstance(value, list) else [value])
+            for child in children:
+                nodes.extend(every(child))
+        return nodes
+
+    for node in every(root):
+        visit(node)
+
+
+def _check_shape(field: str, schema: object, depth: int) -> None:
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, Mapping):
+        raise ConfigError(field, f"must be a JSON Schema (an object or a bool), got a "
+                                 f"{type(schema).__name__}")
+    if depth > MAX_DEPTH:
+        raise ConfigError(field, f"is nested more than {MAX_DEPTH} levels deep")
+    kind = schema.get("type")
+    if kind is not None and not (isinstance(kind, str) or (
+            isinstance(kind, list) and all(isinstance(k, str) for k in kind))):
+        raise ConfigError(f"{field}.type", "must be a type name or a list of them")
+    for key in _SCHEMA_KEYWORDS:
+        if key in schema:
+            _check_shape(f"{field}.{key}", schema[key], depth + 1)
+    for key in _SCHEMA_LISTS:
+        if key in schema:
+            if not isinstance(schema[key], list):
+                raise ConfigError(f"{field}.{key}", "must be a list of schemas")
+            for i, sub in enumerate(schema[key]):
+                _check_shape(f"{field}.{key}[{i}]", sub, depth + 1)
+    for key in _SCHEMA_MAPS:
+        if key in schema:
+            if not isinstance(schema[key], Mapping):
+                raise ConfigError(f"{field}.{key}", "must be an object of schemas")
+            for name, sub in schema[key].items():
+                _check_shape(f"{field}.{key}.{name}", sub, depth + 1)
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ConfigError(f"{field}.required", "must be a list of property names")
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        raise ConfigError(f"{field}.enum", "must be a list of values")
+    if "$ref" in schema and not isinstance(schema["$ref"], str):
+        raise ConfigError(f"{field}.$ref", "must be a string")
+    for key in _NUMBERS:
+        if key in schema and (isinstance(schema[key], bool)
+                              or not isinstance(schema[key], int | float)):
+            raise ConfigError(f"{field}.{key}", "must be a number")
+    for key in _COUNTS:
+        if key in schema and (isinstance(schema[key], bool) or not isinstance(schema[key], int)):
+            raise ConfigError(f"{field}.{key}", "must be an integer")
+
+
 def _resolve(root: Mapping[str, Any], ref: str) -> Mapping[str, Any]:
     if not ref.startswith("#/"):
         return {}
@@ -52,7 +174,7 @@ def _resolve(root: Mapping[str, Any], ref: str) -> Mapping[str, Any]:
 
 def _check(
     schema: Mapping[str, Any] | bool, value: Any, path: str, root: Mapping[str, Any],
-    errors: list[str],
+    errors: list[str], depth: int = 0,
 ) -> None:
     if schema is True or schema == {}:
         return
@@ -60,8 +182,13 @@ def _check(
         errors.append(f"{path}: no value is allowed here")
         return
     assert isinstance(schema, Mapping)
+    if depth > MAX_DEPTH:
+        # A ``$ref`` loop or an input nested without end: stop, do not recurse on.
+        errors.append(f"{path}: nested too deep to check (more than {MAX_DEPTH} levels)")
+        return
+    deeper = depth + 1
     if "$ref" in schema:
-        _check(_resolve(root, str(schema["$ref"])), value, path, root, errors)
+        _check(_resolve(root, str(schema["$ref"])), value, path, root, errors, deeper)
 
     kind = schema.get("type")
     if kind is not None:
@@ -98,11 +225,11 @@ def _check(
         extra = schema.get("additionalProperties", True)
         for name, item in value.items():
             if name in properties:
-                _check(properties[name], item, f"{path}.{name}", root, errors)
+                _check(properties[name], item, f"{path}.{name}", root, errors, deeper)
             elif extra is False:
                 errors.append(f"{path}.{name}: is not an allowed property")
             elif isinstance(extra, Mapping):
-                _check(extra, item, f"{path}.{name}", root, errors)
+                _check(extra, item, f"{path}.{name}", root, errors, deeper)
 
     if isinstance(value, list):
         if "minItems" in schema and len(value) < schema["minItems"]:
@@ -112,26 +239,29 @@ def _check(
         prefix = schema.get("prefixItems", [])
         for i, item in enumerate(value):
             if i < len(prefix):
-                _check(prefix[i], item, f"{path}[{i}]", root, errors)
+                _check(prefix[i], item, f"{path}[{i}]", root, errors, deeper)
             elif "items" in schema:
-                _check(schema["items"], item, f"{path}[{i}]", root, errors)
+                _check(schema["items"], item, f"{path}[{i}]", root, errors, deeper)
 
     for sub in schema.get("allOf", ()):
-        _check(sub, value, path, root, errors)
+        _check(sub, value, path, root, errors, deeper)
     if "anyOf" in schema and not any(
-        not schema_errors_from(sub, value, root) for sub in schema["anyOf"]
+        not schema_errors_from(sub, value, root, deeper) for sub in schema["anyOf"]
     ):
         errors.append(f"{path}: matches none of the allowed shapes")
     if "oneOf" in schema:
-        matches = sum(1 for sub in schema["oneOf"] if not schema_errors_from(sub, value, root))
+        matches = sum(1 for sub in schema["oneOf"]
+                      if not schema_errors_from(sub, value, root, deeper))
         if matches != 1:
             errors.append(f"{path}: must match exactly one allowed shape (matched {matches})")
-    if "not" in schema and not schema_errors_from(schema["not"], value, root):
+    if "not" in schema and not schema_errors_from(schema["not"], value, root, deeper):
         errors.append(f"{path}: matches a shape that is not allowed")
 
 
-def schema_errors_from(schema: Any, value: Any, root: Mapping[str, Any]) -> list[str]:
+def schema_errors_from(
+    schema: Any, value: Any, root: Mapping[str, Any], depth: int = 0
+) -> list[str]:
     """`schema_errors` for a sub-schema whose ``$ref`` resolve against ``root``."""
     errors: list[str] = []
-    _check(schema, value, "input", root, errors)
+    _check(schema, value, "input", root, errors, depth)
     return errors

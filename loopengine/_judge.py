@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loopengine import _validate
 from loopengine._errors import ConfigError
 
 __all__ = ["Accept", "Reject", "Verdict"]
@@ -27,6 +28,9 @@ class Reject:
     def __post_init__(self) -> None:
         if not isinstance(self.feedback, str) or not self.feedback.strip():
             raise ConfigError("feedback", "a rejection needs non-empty feedback for the model")
+        # It goes to the model in the next request: refused here if JSON cannot
+        # carry it, so that request can be sent (a judge that raises rejects).
+        _validate.json_copy("feedback", self.feedback)
 
 
 Verdict = Accept | Reject | bool

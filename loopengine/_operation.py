@@ -66,7 +66,8 @@ class Operation:
                           optional=True)
         for name, kind in (("limits", Limits), ("retry", RetryPolicy), ("cache", CachePolicy)):
             if not isinstance(getattr(self, name), kind):
-                raise ConfigError(name, f"must be a {kind.__name__}, got {getattr(self, name)!r}")
+                raise ConfigError(name, f"must be a {kind.__name__}, "
+                                        f"got {_validate.shown(getattr(self, name))}")
 
     @property
     def route(self) -> str:
@@ -116,7 +117,7 @@ class Operation:
             if key in values:
                 table = values[key]
                 if not isinstance(table, Mapping):
-                    raise ConfigError(key, f"must be a table, got {table!r}")
+                    raise ConfigError(key, f"must be a table, got {_validate.shown(table)}")
                 try:
                     args[key] = build(table)
                 except ConfigError as error:

@@ -117,10 +117,11 @@ class PriceBook:
         credit_quantum: int = 1,
         fallback: bool = True,
     ) -> None:
-        self.prices: tuple[ModelPrice, ...] = tuple(prices)
+        self.prices: tuple[ModelPrice, ...] = tuple(_validate.items("prices", prices))
         for i, price in enumerate(self.prices):
             if not isinstance(price, ModelPrice):
-                raise ConfigError(f"prices[{i}]", f"must be a ModelPrice, got {price!r}")
+                raise ConfigError(f"prices[{i}]",
+                                  f"must be a ModelPrice, got {_validate.shown(price)}")
         checked = _validate.decimal("credits_per_usd", credits_per_usd, positive=True)
         assert checked is not None
         self.credits_per_usd: Decimal = checked

@@ -21,18 +21,25 @@ import anyio.to_thread
 import pydantic
 
 from loopengine import _validate
-from loopengine._errors import ConfigError
-from loopengine._jsonschema import schema_errors
+from loopengine._errors import ConfigError, ToolInputError
+from loopengine._jsonschema import check_schema, schema_errors
 
-__all__ = ["Tool", "ToolInputError", "tool"]
+__all__ = ["Tool", "ToolInputError", "check_tool_name", "tool"]
 
 logger = logging.getLogger("loopengine")
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
-class ToolInputError(Exception):
-    """A tool call's input does not match the tool's schema (internal)."""
+def check_tool_name(field: str, name: object) -> str:
+    """Return ``name`` if the API accepts it as a tool name, else raise `ConfigError`.
+
+    A name is 1-64 letters, digits, ``_`` or ``-``, the whole string (a
+    trailing newline is not allowed, as ``re.match`` with ``$`` would let it).
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(field, f"must match {_NAME.pattern}, got {_validate.shown(name)}")
+    return name
 
 
 class Tool:
@@ -73,10 +80,11 @@ class Tool:
         """Calls of this tool one run answers by running its handler (None: no cap)."""
         self.timeout = None if timeout is None else float(timeout)
         """Seconds one call may run (None: only the run's deadline)."""
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise ConfigError("name", f"must match {_NAME.pattern}, got {name!r}")
+        check_tool_name("name", name)
         if not isinstance(description, str):
-            raise ConfigError("description", f"must be a string, got {description!r}")
+            raise ConfigError("description",
+                              f"must be a string, got {_validate.shown(description)}")
+        _validate.json_copy("description", description)  # sent as JSON: no lone surrogate
         if not description.strip():
             # Not an error (the API accepts it), but the model then has only the
             # name and the schema to go on: said once, when the tool is defined.
@@ -91,7 +99,8 @@ class Tool:
         if input_model is not None and not (
             isinstance(input_model, type) and issubclass(input_model, pydantic.BaseModel)
         ):
-            raise ConfigError("input_model", f"must be a pydantic model class, got {input_model!r}")
+            raise ConfigError("input_model", "must be a pydantic model class, "
+                                             f"got {_validate.shown(input_model)}")
         if input_schema is not None and (
             not isinstance(input_schema, Mapping) or input_schema.get("type") != "object"
         ):
@@ -102,10 +111,12 @@ class Tool:
         self.description = description
         self.input_model = input_model
         self.handler = handler
-        self.input_schema: dict[str, Any] = (
-            dict(input_schema) if input_schema is not None
-            else _model_schema(input_model)  # type: ignore[arg-type]
-        )
+        # Our own copy, proven to encode as JSON and to have the shape the
+        # input check reads, so a bad schema is refused here, not mid-run.
+        self.input_schema: dict[str, Any] = _validate.json_copy(
+            "input_schema", input_schema if input_schema is not None
+            else _model_schema(input_model))  # type: ignore[arg-type]
+        check_schema("input_schema", self.input_schema)
         self._kwargs = False
         self._is_async = _is_async(handler)
 
@@ -278,9 +289,14 @@ def tool(
 
 
 def render_tool_output(value: object) -> str | list[dict[str, Any]]:
-    """A handler's return value as tool-result content."""
+    """A handler's return value as tool-result content, always encodable as JSON.
+
+    A lone surrogate in what a handler returned (UTF-8 cannot encode it) is
+    replaced by U+FFFD: the result goes back to the model in the next request,
+    which could not be sent otherwise.
+    """
     if isinstance(value, str):
-        return value
+        return _encodable_text(value)
     if value is None:
         return ""
     if isinstance(value, pydantic.BaseModel):
@@ -288,5 +304,29 @@ def render_tool_output(value: object) -> str | list[dict[str, Any]]:
     if isinstance(value, list) and value and all(
         isinstance(b, dict) and b.get("type") in ("text", "image", "document") for b in value
     ):
-        return [dict(b) for b in value]
-    return json.dumps(value, default=str, ensure_ascii=False)
+        try:
+            return [_validate.json_copy("result", _encodable(b)) for b in value]
+        except ConfigError:
+            pass  # not JSON (a NaN, an object, too deep): sent as text below
+    return _encodable_text(json.dumps(value, default=str, ensure_ascii=False))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _encodable_text(text: str) -> str:
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def _encodable(value: object, depth: int = 0) -> object:
+    """``value`` with every string made encodable (`_encodable_text`); the depth
+    is capped by `loopengine._validate.json_copy`, which refuses deeper values."""
+    if isinstance(value, str):
+        return _encodable_text(value)
+    if depth > _validate.MAX_JSON_DEPTH:
+        return value
+    if isinstance(value, dict):
+        return {k: _encodable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encodable(v, depth + 1) for v in value]
+    return value

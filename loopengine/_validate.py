@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import reprlib
 import typing
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -19,6 +20,33 @@ import pydantic
 import typing_extensions
 
 from loopengine._errors import ConfigError
+
+_SHOWN = reprlib.Repr()
+# (set after construction: Repr takes these as keywords only from Python 3.12)
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 2, 40, 40, 40
+_SHOWN.maxlist = _SHOWN.maxdict = _SHOWN.maxtuple = _SHOWN.maxset = 4
+
+
+def shown(value: object) -> str:
+    """``value`` as an error message shows it: a short repr, whatever it is.
+
+    A plain ``{shown(value)}`` of caller input can recurse without end (a
+    5,000-deep list raises ``RecursionError``), raise (a ``__repr__`` that
+    fails) or print megabytes; this is bounded in depth and length and never
+    raises.
+    """
+    try:
+        return _SHOWN.repr(value)
+    except Exception:  # a broken __repr__ of the caller's object
+        return f"a {type(value).__name__}"
+
+
+MAX_INTEGER = 2**63 - 1
+"""The largest integer a setting may hold: a ledger column is a signed 64-bit int."""
+
+MAX_DECIMAL_EXPONENT = 15
+"""A price or rate is below 10**16: larger is a typo, and far larger would overflow
+`decimal` arithmetic when an attempt is priced, mid-run."""
 
 
 def integer(
@@ -35,11 +63,14 @@ def integer(
             return None
         raise ConfigError(field, "is required (got None)")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(field, f"must be an integer, got {value!r}")
+        raise ConfigError(field, f"must be an integer, got {shown(value)}")
+    if maximum is None or maximum > MAX_INTEGER:
+        # Every count is stored in a signed 64-bit column, on both stores.
+        maximum = MAX_INTEGER
     if minimum is not None and value < minimum:
-        raise ConfigError(field, f"must be at least {minimum}, got {value!r}")
+        raise ConfigError(field, f"must be at least {minimum}, got {shown(value)}")
     if maximum is not None and value > maximum:
-        raise ConfigError(field, f"must be at most {maximum}, got {value!r}")
+        raise ConfigError(field, f"must be at most {maximum}, got {shown(value)}")
     return value
 
 
@@ -65,13 +96,17 @@ def seconds(
             return None
         raise ConfigError(field, "is required (got None)")
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(field, f"must be a number of seconds, got {value!r}")
-    number = float(value)
+        raise ConfigError(field, f"must be a number of seconds, got {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        raise ConfigError(field, f"must be a finite number of seconds, got {shown(value)}") \
+            from None
     if math.isnan(number) or math.isinf(number):
-        raise ConfigError(field, f"must be a finite number of seconds, got {value!r}")
+        raise ConfigError(field, f"must be a finite number of seconds, got {shown(value)}")
     if number < 0 or (positive and number == 0):
         bound = "greater than 0" if positive else "at least 0"
-        raise ConfigError(field, f"must be {bound}, got {value!r}")
+        raise ConfigError(field, f"must be {bound}, got {shown(value)}")
     return number
 
 
@@ -82,10 +117,23 @@ def required_seconds(field: str, value: object, *, positive: bool = True) -> flo
     return checked
 
 
+def items(field: str, value: object) -> list[Any]:
+    """The items of a sequence argument (a list, a tuple, any iterable but text
+    or a mapping), as a list; what they are is the caller's check.
+
+    Raises:
+        ConfigError: None, a string, a mapping, or something that cannot be
+            iterated (``PriceBook(prices=None)``, ``Engine(observers=None)``).
+    """
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise ConfigError(field, f"must be a list, got {shown(value)}")
+    return list(value)
+
+
 def boolean(field: str, value: object) -> bool:
     """Return ``value`` if it is a bool, else raise `ConfigError`."""
     if not isinstance(value, bool):
-        raise ConfigError(field, f"must be true or false, got {value!r}")
+        raise ConfigError(field, f"must be true or false, got {shown(value)}")
     return value
 
 
@@ -94,7 +142,8 @@ def text(field: str, value: object, *, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(field, f"must be a non-empty string, got {value!r}")
+        raise ConfigError(field, f"must be a non-empty string, got {shown(value)}")
+    _utf8(field, value)
     return value
 
 
@@ -142,17 +191,158 @@ def decimal(
             return None
         raise ConfigError(field, "is required (got None)")
     if isinstance(value, bool) or isinstance(value, float):
-        raise ConfigError(field, f"must be a Decimal, an int or a numeric string, got {value!r}")
+        raise ConfigError(field, "must be a Decimal, an int or a numeric string, "
+                                 f"got {shown(value)}")
+    if not isinstance(value, Decimal | int | str):
+        raise ConfigError(field, "must be a Decimal, an int or a numeric string, "
+                                 f"got {shown(value)}")
     try:
-        number = value if isinstance(value, Decimal) else Decimal(str(value))
+        number = value if isinstance(value, Decimal) else Decimal(value)
     except (InvalidOperation, ValueError):
-        raise ConfigError(field, f"must be a decimal number, got {value!r}") from None
+        raise ConfigError(field, f"must be a decimal number, got {shown(value)}") from None
     if not number.is_finite():
-        raise ConfigError(field, f"must be finite, got {value!r}")
+        raise ConfigError(field, f"must be finite, got {shown(value)}")
+    if number and number.adjusted() > MAX_DECIMAL_EXPONENT:
+        raise ConfigError(field, f"must be below 10**{MAX_DECIMAL_EXPONENT + 1}, "
+                                 f"got {shown(value)}")
     if number < 0 or (positive and number == 0):
         bound = "positive" if positive else "non-negative"
-        raise ConfigError(field, f"must be {bound}, got {value!r}")
+        raise ConfigError(field, f"must be {bound}, got {shown(value)}")
     return number
+
+
+# -- what JSON can carry ------------------------------------------------------------
+#
+# A request is sent as UTF-8 JSON. A value that passed every other check but
+# cannot be encoded (a lone surrogate, a NaN, a key that is not a string, a
+# nesting deeper than the encoders recurse) would fail inside the provider's
+# SDK after the attempt's ledger row was written, recording a request that
+# never went on the wire. So everything the caller gives for a request is
+# proven encodable here, while it is copied.
+
+MAX_JSON_DEPTH = 128
+"""The deepest nesting of lists and objects accepted in a request's content.
+
+The SDKs and the JSON encoders recurse once (or more) per level; far below
+the interpreter's recursion limit, far above any tool input or schema seen.
+"""
+
+# The longest int `json` encodes: `int.__str__` refuses more digits
+# (`sys.get_int_max_str_digits`, 4,300 by default); checked by bit length.
+_INT_BITS = 14_000
+
+
+def json_copy(field: str, value: object) -> Any:
+    """A copy of ``value`` made of plain JSON types, proven encodable as UTF-8 JSON.
+
+    Mappings become dicts and tuples lists; strings, finite floats, ints,
+    bools and None are kept.
+
+    Args:
+        field: The value's path, e.g. ``"messages[2]"``; problems are named
+            below it (``"messages[2].content[0].text"``).
+        value: The value to copy.
+
+    Raises:
+        ConfigError: a string holds a lone surrogate (UTF-8 cannot encode it),
+            a float is not finite, a mapping key is not a string, a value is
+            not a JSON type, or the nesting is deeper than `MAX_JSON_DEPTH`.
+            The message never echoes the value.
+    """
+    try:
+        return _json_copy(value, 0)
+    except _NotJSON as problem:
+        # The path is assembled only for the one value refused: the copy of
+        # every value that passes builds no field names.
+        raise ConfigError(field + "".join(reversed(problem.path)), problem.message) from None
+
+
+class _NotJSON(Exception):
+    """A value JSON cannot carry; ``path`` grows (innermost first) as it unwinds."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = [path] if path else []
+
+
+def _json_copy(value: object, depth: int) -> Any:
+    kind = type(value)
+    if kind is str:
+        assert isinstance(value, str)
+        if not value.isascii():
+            _utf8_problem(value)
+        return value
+    if kind is dict or isinstance(value, Mapping):
+        assert isinstance(value, Mapping)
+        if depth >= MAX_JSON_DEPTH:
+            raise _NotJSON(f"is nested more than {MAX_JSON_DEPTH} levels deep")
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _NotJSON(f"has a key that is not a string (a {type(key).__name__}): "
+                               "JSON keys are strings")
+            if not key.isascii():
+                try:
+                    _utf8_problem(key)
+                except _NotJSON as problem:
+                    problem.path.append(" key")
+                    raise
+            try:
+                out[key] = _json_copy(item, depth + 1)
+            except _NotJSON as problem:
+                problem.path.append(f".{key}")
+                raise
+        return out
+    if kind is list or kind is tuple:
+        assert isinstance(value, list | tuple)
+        if depth >= MAX_JSON_DEPTH:
+            raise _NotJSON(f"is nested more than {MAX_JSON_DEPTH} levels deep")
+        copied = []
+        for index, item in enumerate(value):
+            try:
+                copied.append(_json_copy(item, depth + 1))
+            except _NotJSON as problem:
+                problem.path.append(f"[{index}]")
+                raise
+        return copied
+    if value is None or kind is bool:
+        return value
+    if kind is int:
+        assert isinstance(value, int)
+        if value.bit_length() > _INT_BITS:
+            raise _NotJSON(f"is an integer too long to encode ({value.bit_length()} bits)")
+        return value
+    if kind is float:
+        assert isinstance(value, float)
+        if not math.isfinite(value):
+            raise _NotJSON(f"must be a finite number (JSON has no {shown(value)})")
+        return value
+    # Subclasses (a StrEnum, an IntEnum) encode as their base value: kept as it.
+    # (``str.__str__``, not ``str()``: a mixed-in ``Enum`` prints its name.)
+    if isinstance(value, str):
+        return _json_copy(str.__str__(value), depth)
+    if isinstance(value, int | float):
+        return _json_copy((float if isinstance(value, float) else int)(value), depth)
+    raise _NotJSON("must be a JSON value (a string, number, bool, None, list or dict), "
+                   f"got a {kind.__name__}")
+
+
+def _utf8_problem(value: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _NotJSON(f"must be valid Unicode: character {error.start} is a lone "
+                       f"surrogate U+{ord(value[error.start]):04X}, which UTF-8 cannot "
+                       "encode") from None
+
+
+def _utf8(field: str, value: str) -> None:
+    """Raise `ConfigError` if ``value`` holds a lone surrogate (not encodable as UTF-8)."""
+    try:
+        _utf8_problem(value)
+    except _NotJSON as problem:
+        raise ConfigError(field, problem.message) from None
 
 
 # -- Anthropic message shapes --------------------------------------------------------
@@ -170,6 +360,19 @@ def decimal(
 # and its lazily validated iterables are drained. Extra keys are not refused:
 # the SDK's TypedDicts do not say the API refuses them, and blocks the API
 # returned carry response-only fields that it accepts back.
+#
+# Only the block types the engine itself reads (text, tool calls and their
+# results) or that callers write by hand (images, documents, search results)
+# are checked so. Every other block (thinking, server tools and their results,
+# MCP, compaction, fallback, container uploads, and types no SDK knows yet)
+# comes from the API and goes back to it as it came: the SDK's types trail
+# the API (an advisor's ``server_tool_use`` fails its ``name`` literal), so it
+# is carried through unchanged, its ``type`` a string, its content only
+# proven encodable (`json_copy`).
+
+CHECKED_KINDS = frozenset({"text", "image", "document", "search_result", "tool_use",
+                           "tool_result"})
+"""The block types checked against the SDK's declaration; others are carried through."""
 
 
 class _NestedError(Exception):
@@ -248,21 +451,24 @@ def content_block(field: str, block: object, *, kinds: Iterable[str] | None = No
     Args:
         field: The block's path, e.g. ``"messages[1].content[0]"``.
         block: The block.
-        kinds: The block types allowed here (default: every type the SDK
-            declares for message content).
+        kinds: The block types allowed here (default: any type; those in
+            `CHECKED_KINDS` are checked, the rest carried through).
 
     Raises:
-        ConfigError: the block is not a dict, has no known ``type``, or does
-            not match its type; ``.field`` is the offending path, e.g.
-            ``"messages[1].content[0].source.data"``.
+        ConfigError: the block is not a dict, has no ``type`` string, is not
+            of a type allowed here, or does not match its type; ``.field`` is
+            the offending path, e.g. ``"messages[1].content[0].source.data"``.
     """
     if not isinstance(block, Mapping):
         raise ConfigError(field, f"must be a dict (a content block), got {type(block).__name__}")
     kind = block.get("type")
     if kind is None:
         raise ConfigError(f"{field}.type", "is required (every content block has a type)")
-    if not isinstance(kind, str):
-        raise ConfigError(f"{field}.type", f"must be a string, got {type(kind).__name__}")
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(f"{field}.type",
+                          f"must be a non-empty string, got {_short(kind)}")
+    if kinds is None and kind not in CHECKED_KINDS:
+        return  # a block the engine does not read: carried through as it came
     if kind == "tool_use" and isinstance(block.get("input"), str):
         # A model's malformed arguments, kept as the string it sent (R15): the
         # run answered them as invalid input, so a history holding them stays
@@ -270,15 +476,9 @@ def content_block(field: str, block: object, *, kinds: Iterable[str] | None = No
         block = {**block, "input": {}}
     adapter = _block_adapter(kind) if kinds is None or kind in kinds else None
     if adapter is None:
-        if kinds is None:
-            import anthropic
-
-            where = f"the installed anthropic SDK ({anthropic.__version__}) declares"
-        else:
-            where = "allowed here"
-        allowed = block_types() if kinds is None else sorted(kinds)
-        raise ConfigError(f"{field}.type", f"{_short(kind)} is not a block type {where}; "
-                                           f"expected one of {', '.join(allowed)}")
+        allowed = sorted(kinds if kinds is not None else CHECKED_KINDS)
+        raise ConfigError(f"{field}.type", f"{_short(kind)} is not a block type allowed "
+                                           f"here; expected one of {', '.join(allowed)}")
     try:
         _drain(adapter.validate_python(block, strict=True), block, ())
     except pydantic.ValidationError as error:

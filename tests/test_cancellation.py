@@ -83,14 +83,16 @@ async def test_run_deadline_bounds_tool_handlers() -> None:
 
     @le.tool
     async def slow(key: str) -> str:
-        """Take longer than the run may."""
-        await anyio.sleep(5)
+        """Never finish by itself."""
+        await anyio.sleep(3600)
         return key
 
     provider = ScriptedProvider([Reply.tool_calls(("slow", {"key": "k"})), Reply.text("never")])
     engine = le.Engine(provider, prices=PRICES)
-    with anyio.fail_after(3):
-        result = await engine.run(operation(total_time=0.2), "go", tools=[slow])
+    # The handler never ends: only the deadline does. A second of it leaves a
+    # busy machine time to make the request before the handler starts.
+    with anyio.fail_after(30):
+        result = await engine.run(operation(total_time=1.0), "go", tools=[slow])
     assert result.outcome is le.Outcome.TIME_LIMIT
     (tool_result,) = result.messages[-1]["content"]
     assert tool_result["is_error"] is True and "time" in tool_result["content"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx2
 
-from loopengine._errors import LoopEngineError, OutcomeError
+from loopengine._errors import LoopEngineError, ProviderError
 from loopengine._usage import Usage
 
 __all__ = [
@@ -144,26 +144,6 @@ class ProviderFault(LoopEngineError):
     def __repr__(self) -> str:
         status = f", http_status={self.http_status}" if self.http_status is not None else ""
         return f"ProviderFault({self.kind.value!r}, {self.message!r}{status})"
-
-
-class ProviderError(OutcomeError):
-    """A run or call ended because of a provider fault.
-
-    Attributes:
-        fault: The `ProviderFault` of the last attempt.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        fault: ProviderFault,
-        outcome: str,
-        attempts: int,
-        result: Any = None,
-    ) -> None:
-        super().__init__(message, outcome=outcome, attempts=attempts, result=result)
-        self.fault = fault
 
 
 def _rebuild_fault(kind: FaultKind, message: str, state: dict[str, Any]) -> ProviderFault:

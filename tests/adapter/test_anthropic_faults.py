@@ -41,6 +41,17 @@ class Case:
     retried: bool
     attempt_outcome: str = "error"
     streaming_only: bool = False
+    attempt_timeout: float = 60.0
+    """The run's attempt timeout: short only where the case is a timeout."""
+    idle_timeout: float = 60.0
+    """The provider's stream idle limit: short only where the case is an idle stream."""
+
+
+NEVER = 3600.0
+"""Seconds a server stays silent in the timeout cases: it never answers within
+the test (the server's wait ends when it closes), so the timeout fires however
+slow the machine is. The timeout itself is a second, not less: the retry's good
+reply must still arrive within it on a busy machine."""
 
 
 CREDIT_TOO_LOW = ("Your credit balance is too low to access the Anthropic API. Please go to "
@@ -51,7 +62,8 @@ USAGE_LIMITS = ("You have reached your specified API usage limits. You will rega
 CASES = {
     # timeout
     "http-408": Case(ErrorReply(status=408), FaultKind.TIMEOUT, True),
-    "sdk-timeout": Case(Reply.text("late", delay=0.6), FaultKind.TIMEOUT, True),
+    "sdk-timeout": Case(Reply.text("late", delay=NEVER), FaultKind.TIMEOUT, True,
+                        attempt_timeout=1.0),
     "mid-stream-timeout": Case(
         StreamErrorEvent(reply=Reply.text("half"), after=2, type="timeout_error",
                          message="Request timed out"), FaultKind.TIMEOUT, True,
@@ -89,8 +101,9 @@ CASES = {
     "stream-ends-without-message-stop": Case(
         CutStream(reply=Reply.text("a long answer"), after=3), FaultKind.ABORTED, True,
         "aborted", streaming_only=True),
-    "idle-stream": Case(StallStream(reply=Reply.text("a b c"), after=2, seconds=1.0),
-                        FaultKind.ABORTED, True, "aborted", streaming_only=True),
+    "idle-stream": Case(StallStream(reply=Reply.text("a b c"), after=2, seconds=NEVER),
+                        FaultKind.ABORTED, True, "aborted", streaming_only=True,
+                        idle_timeout=1.0),
     # bad_request
     "400": Case(ErrorReply(status=400, message="messages: field required"),
                 FaultKind.BAD_REQUEST, False),
@@ -152,11 +165,14 @@ async def test_fault_matrix_kind_retry_and_outcome(
     """Each row of the fault table: the right kind, retried or not, the right outcome."""
     case = CASES[name]
     async with harness(fake_anthropic_server, clock) as wire:
-        # A 0.3 s attempt timeout (the SDK's own, since the fake clock's never
-        # fires) and a shorter idle limit let the slow cases fail fast.
+        # Only the timeout cases have a short (real) timeout, against a server
+        # that never answers: the SDK's own for the attempt (the fake clock's
+        # never fires) or the provider's idle limit. Every other case has a
+        # minute, so a busy machine cannot turn its fault into a timeout.
         engine, ledger = wire.engine(case.item, Reply.text("recovered"), stream=stream,
-                                     provider_kwargs={"stream_idle_timeout": 0.15})
-        result = await engine.run(operation(attempt_timeout=0.3), "go")
+                                     provider_kwargs={"stream_idle_timeout":
+                                                      case.idle_timeout})
+        result = await engine.run(operation(attempt_timeout=case.attempt_timeout), "go")
     first = result.attempt_log[0].settle
     assert first is not None
     assert first.fault == case.kind.value
@@ -231,14 +247,16 @@ async def test_retry_after_headers_are_the_waits_slept(wire: Harness, clock: Fak
 async def test_retry_after_as_an_http_date_is_the_wait_slept(wire: Harness,
                                                              clock: FakeClock) -> None:
     """retry-after may be an HTTP date: the wait is the time until then."""
+    # A minute ahead, so that a busy machine's delay before the reply is read
+    # cannot eat the wait: the date has whole seconds and the check allows 10 s.
     until = email.utils.format_datetime(
-        datetime.now(UTC) + timedelta(seconds=4), usegmt=True)
+        datetime.now(UTC) + timedelta(seconds=60), usegmt=True)
     engine, _ = wire.engine(ErrorReply(status=503, headers={"retry-after": until}),
                             Reply.text("ok"))
     result = await engine.run(operation(), "go")
     assert result.outcome is le.Outcome.COMPLETED
     (slept,) = clock.sleeps
-    assert 2.0 <= slept <= 4.0  # the date has whole seconds; the request took a moment
+    assert 50.0 <= slept <= 60.0
     assert result.attempt_log[1].dispatch.wait_ms == round(slept * 1000)
 
 
@@ -257,15 +275,20 @@ async def test_retry_after_beyond_the_deadline_ends_the_run(wire: Harness,
 async def test_attempt_timeout_on_the_real_clock_is_a_retried_timeout(
     fake_anthropic_server: FakeAnthropicServer, stream: bool
 ) -> None:
-    """The engine's own attempt timeout cuts a slow request; the retry completes."""
+    """The engine's own attempt timeout cuts a request the server never answers, and
+    the attempt is retried: both attempts time out, each after the timeout."""
     async with harness(fake_anthropic_server, SystemClock()) as wire:
-        engine, _ = wire.engine(Reply.text("slow", delay=2.0), Reply.text("fast"),
-                                stream=stream)
-        result = await engine.run(operation(attempt_timeout=0.2, retry=FAST_RETRY), "go")
-    assert result.outcome is le.Outcome.COMPLETED and result.answer == "fast"
-    first = result.attempt_log[0].settle
-    assert first is not None and first.fault == "timeout"
-    assert first.latency_ms < 1500
+        engine, _ = wire.engine(Reply.text("never", delay=NEVER),
+                                Reply.text("never", delay=NEVER), stream=stream)
+        result = await engine.run(
+            operation(attempt_timeout=0.2, retry=le.RetryPolicy(max_attempts=2,
+                                                                initial_wait=0, max_wait=0)),
+            "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert len(result.attempt_log) == 2 and len(wire.requests) == 2
+    for attempt in result.attempt_log:
+        assert attempt.settle is not None and attempt.settle.fault == "timeout"
+        assert attempt.settle.latency_ms >= 150  # cut by the timeout, not before it
 
 
 @pytest.mark.realtime
@@ -273,10 +296,11 @@ async def test_attempt_timeout_on_the_real_clock_is_a_retried_timeout(
 async def test_deadline_cut_attempt_is_aborted_with_reason_deadline(
     fake_anthropic_server: FakeAnthropicServer, stream: bool
 ) -> None:
-    """An attempt still on the wire when the run's time runs out is aborted (deadline)."""
+    """An attempt still on the wire when the run's time runs out is aborted (deadline).
+    The server never answers; the run has a second to send its request first."""
     async with harness(fake_anthropic_server, SystemClock()) as wire:
-        engine, _ = wire.engine(Reply.text("slow", delay=2.0), stream=stream)
-        result = await engine.run(operation(total_time=0.3, retry=FAST_RETRY), "go")
+        engine, _ = wire.engine(Reply.text("never", delay=NEVER), stream=stream)
+        result = await engine.run(operation(total_time=1.0, retry=FAST_RETRY), "go")
     assert result.outcome is le.Outcome.TIME_LIMIT
     (attempt,) = result.attempt_log
     assert attempt.settle is not None

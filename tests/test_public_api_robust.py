@@ -1,0 +1,271 @@
+"""Bad input never escapes as a bare Python error: whatever is passed to the public
+constructors and to `Engine.run` / `Engine.call`, the only exception that comes out
+is a `ConfigError` with a `.field` (or, from a run or call that started, an outcome
+of it), never a TypeError, a RecursionError or an OverflowError (hypothesis)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import anyio
+import pydantic
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import loopengine as le
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import Reply, ScriptedProvider
+
+
+def deep(levels: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+class BrokenRepr:
+    """An object whose repr raises (an error message must not call it blindly)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+async def handler(**_: Any) -> str:
+    return "ok"
+
+
+class Answer(pydantic.BaseModel):
+    x: int = 1
+
+
+PRICE = le.ModelPrice(provider="anthropic", model="m", input_per_mtok=Decimal(1),
+                      output_per_mtok=Decimal(2))
+TOOL = le.Tool("lookup", "Look up.", {"type": "object"}, handler)
+
+SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(min_value=2**60),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.decimals(allow_nan=True, allow_infinity=True),
+    st.text(st.characters(blacklist_categories=()), max_size=8),  # lone surrogates too
+    st.binary(max_size=4), st.datetimes(), st.datetimes(timezones=st.just(UTC)),
+    st.sampled_from(["", " ", "5m", "1h", "1e999999", "NaN", "3"]),
+)
+SPECIAL = [deep(3000), BrokenRepr(), object(), object, 3j, frozenset({1}), handler, Answer,
+           le.Limits(), le.RetryPolicy(), PRICE, TOOL, [PRICE], [TOOL], (TOOL, TOOL),
+           {"max_turns": 2}, {"max_turns": deep(3000)}, {"nope": 1}, le.Attribution(tenant="t"),
+           iter([1, 2])]
+"""Values no strategy draws: deep, unprintable, of the library's own types. Chosen by
+index (hypothesis would print a 3,000-deep list in a strategy's repr)."""
+
+
+def special(values: list[Any]) -> st.SearchStrategy[Any]:
+    return st.integers(0, len(values) - 1).map(values.__getitem__)
+
+
+PLAIN = st.one_of(
+    SCALARS,
+    st.recursive(SCALARS, lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.tuples(inner),
+        st.dictionaries(st.one_of(st.text(max_size=4), st.integers()), inner, max_size=3)),
+        max_leaves=6),
+)
+JUNK = st.one_of(PLAIN, special(SPECIAL))
+
+BLOCKS = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": JUNK}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": JUNK, "name": JUNK,
+                           "input": JUNK}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.just("t1"),
+                           "content": JUNK}),
+    st.fixed_dictionaries({"type": st.one_of(JUNK, st.just("compaction")), "content": JUNK}),
+    JUNK,
+)
+MESSAGES = st.lists(st.fixed_dictionaries({
+    "role": st.sampled_from(["user", "assistant"]),
+    "content": st.one_of(JUNK, st.lists(BLOCKS, max_size=3))}), min_size=1, max_size=3)
+"""Histories shaped like messages with junk where the values go."""
+NOT_CALLABLE = st.one_of(PLAIN, special([v for v in SPECIAL if not callable(v)]))
+"""For the callback keywords: a callable there is the caller's own code, whose
+exceptions are its own (an ``on_text`` that raises reaches the caller, by design)."""
+VALUES = {"messages": st.one_of(JUNK, MESSAGES), "system": st.one_of(
+    JUNK, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": JUNK}),
+                   max_size=2)),
+    "accept": NOT_CALLABLE, "on_text": NOT_CALLABLE, "tool_error_text": NOT_CALLABLE}
+
+OPERATION = le.Operation(name="robust", provider="anthropic", model="m", max_output_tokens=16)
+
+# Each public constructor: how to call it, the valid arguments, the fields to spoil.
+CONSTRUCTORS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
+    "Operation": (le.Operation, {"name": "n", "provider": "p", "model": "m",
+                                 "max_output_tokens": 16, "version": "1", "limits": le.Limits(),
+                                 "retry": le.RetryPolicy(), "cache": le.CachePolicy(),
+                                 "model_max_output_tokens": None, "wrap_up_text": "Wrap up."}),
+    "Limits": (le.Limits, {"max_turns": 3, "max_tool_batch": None, "max_tool_calls": None,
+                           "total_time": None, "attempt_timeout": 60.0, "credit_hold": None,
+                           "wrap_up": False}),
+    "RetryPolicy": (le.RetryPolicy, {"max_attempts": 3, "initial_wait": 0.5, "max_wait": 8.0,
+                                     "grow_max_tokens": True}),
+    "CachePolicy": (le.CachePolicy, {"system": True, "tools": True, "conversation": True}),
+    "Tool": (le.Tool, {"name": "t", "description": "d",
+                       "input_schema": {"type": "object", "properties": {
+                           "a": {"type": "integer", "minimum": 0},
+                           "b": {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/n"}]}},
+                           "required": ["a"], "$defs": {"n": {"type": "array",
+                                                              "items": {"$ref": "#/$defs/n"}}}},
+                       "handler": handler, "max_calls": None, "timeout": None}),
+    "tool": (lambda fn, **kw: le.tool(fn, **kw),
+             {"fn": handler, "name": None, "description": None, "max_calls": None,
+              "timeout": None}),
+    "PriceBook": (le.PriceBook, {"prices": [PRICE], "credits_per_usd": Decimal(1000),
+                                 "credit_quantum": 1, "fallback": True}),
+    "ModelPrice": (le.ModelPrice, {"provider": "p", "model": "m", "input_per_mtok": 1,
+                                   "output_per_mtok": 2, "cache_read_per_mtok": None,
+                                   "cache_write_per_mtok": None, "cache_write_1h_per_mtok": None,
+                                   "effective_from": None}),
+    "Attribution": (le.Attribution, {"tenant": "t", "user_id": None, "feature": None,
+                                     "correlation_id": None}),
+    "Engine": (lambda provider, **kw: le.Engine(provider, **kw),
+               {"provider": ScriptedProvider([Reply.text("ok")]), "ledger": None, "prices": None,
+                "observers": (), "clock": None, "rng": None, "tool_error_text": None,
+                "accounts": None}),
+}
+
+# The CachePolicy's ttl is checked in providers/_cache.py with a plain repr, which a
+# 3,000-deep list defeats: kept out until that check shows its value safely.
+SPOILABLE = {name: [f for f in valid if (name, f) != ("CachePolicy", "ttl")]
+             for name, (_, valid) in CONSTRUCTORS.items()}
+
+
+def spoiled(data: st.DataObject, valid: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    """The valid arguments with one or more of them replaced by junk."""
+    chosen = data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True))
+    return {**valid, **{f: data.draw(VALUES.get(f, JUNK), label=f) for f in chosen}}
+
+
+def only_config_errors(call: Callable[[], Any]) -> None:
+    """Run ``call``: success, or a ConfigError naming a field, nothing else."""
+    try:
+        call()
+    except le.ConfigError as error:
+        assert isinstance(error.field, str) and error.field
+        assert str(error)
+    except le.OutcomeError:
+        pass  # a call that started and ended without an answer: an outcome, not bad input
+
+
+@pytest.fixture(autouse=True)
+def _quiet_tool_warnings(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="loopengine")
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRUCTORS))
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_public_constructor_raises_only_config_errors(name: str, data: st.DataObject) -> None:
+    """Any junk in any argument of a public constructor is a ConfigError (or is fine);
+    an engine built from it then runs to an outcome: nothing bad was let through."""
+    build, valid = CONSTRUCTORS[name]
+    arguments = spoiled(data, valid, SPOILABLE[name])
+
+    tool_input = data.draw(JUNK, label="tool input")
+
+    def build_and_use() -> None:
+        built = build(**arguments)
+        if isinstance(built, le.Engine):
+            anyio.run(lambda: built.run(OPERATION, "hi"))
+        if isinstance(built, le.Tool):
+            # Whatever a model sends is checked against the schema the tool kept:
+            # a ToolInputError (answered to the model) or the handler's argument.
+            with contextlib.suppress(le.ToolInputError):
+                built.validate(tool_input)
+
+    only_config_errors(build_and_use)
+
+
+RUN_VALID: dict[str, Any] = {
+    "operation": OPERATION, "messages": "hi", "system": None, "tools": (), "output": None,
+    "accept": None, "attribution": None, "limits": None, "retry": None, "on_text": None,
+    "tool_error_text": None, "final_tool": "final_answer"}
+CALL_VALID: dict[str, Any] = {
+    "operation": OPERATION, "messages": "hi", "output": Answer, "system": None, "retry": None,
+    "attribution": None, "max_tokens": None, "limits": None, "prompt_fallback": False}
+
+
+def engine() -> le.Engine:
+    provider = ScriptedProvider([Reply.final({"x": 1}), Reply.text("done"),
+                                 Reply.final({"x": 1})])
+    return le.Engine(provider, ledger=MemoryLedger(),
+                     prices=le.PriceBook([PRICE], fallback=False))
+
+
+@pytest.mark.parametrize(("method", "valid"), [("run", RUN_VALID), ("call", CALL_VALID)])
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_run_and_call_keywords_raise_only_config_errors(
+    method: str, valid: dict[str, Any], data: st.DataObject
+) -> None:
+    """Any junk in the operation, the messages or any keyword of run / call is a
+    ConfigError; nothing else escapes (a run's outcome is a value)."""
+    arguments = spoiled(data, valid, list(valid))
+
+    async def go() -> None:
+        chosen = getattr(engine(), method)
+        operation, messages = arguments.pop("operation"), arguments.pop("messages")
+        await chosen(operation, messages, **arguments)
+
+    only_config_errors(lambda: anyio.run(go))
+
+
+@pytest.mark.parametrize(("method", "valid"), [("run", RUN_VALID), ("call", CALL_VALID)])
+def test_the_valid_arguments_run(method: str, valid: dict[str, Any]) -> None:
+    """The base the property spoils is itself valid: a run and a call complete."""
+
+    async def go() -> Any:
+        arguments = dict(valid)
+        operation, messages = arguments.pop("operation"), arguments.pop("messages")
+        return await getattr(engine(), method)(operation, messages, **arguments)
+
+    result = anyio.run(go)
+    assert result.invocation_id
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: le.PriceBook(prices=None), "prices"),  # type: ignore[arg-type]
+    (lambda: le.Engine(ScriptedProvider([]), observers=None), "observers"),  # type: ignore[arg-type]
+    (lambda: le.PriceBook(credits_per_usd=deep(3000)), "credits_per_usd"),  # type: ignore[arg-type]
+    (lambda: le.Limits(max_turns=deep(3000)), "max_turns"),  # type: ignore[arg-type]
+    (lambda: le.Limits(total_time=10**400), "total_time"),
+    (lambda: le.Limits(credit_hold=2**63), "credit_hold"),
+    (lambda: le.ModelPrice(provider="p", model="m", input_per_mtok="1e999999",
+                           output_per_mtok=1), "input_per_mtok"),
+    (lambda: le.Attribution(tenant=BrokenRepr()), "attribution.tenant"),  # type: ignore[arg-type]
+    (lambda: le.Operation(name="n", provider="p", model="m",
+                          limits=BrokenRepr()), "limits"),  # type: ignore[arg-type]
+    (lambda: le.Tool("t", "d", {"type": "object"}, handler, timeout=10**400), "timeout"),
+    (lambda: le.ModelPrice(provider="p", model="m", input_per_mtok=1, output_per_mtok=1,
+                           effective_from=datetime(2025, 1, 1)), "effective_from"),
+])
+def test_the_cases_found_are_config_errors_naming_the_field(
+    build: Callable[[], Any], field: str
+) -> None:
+    """The shapes that once escaped as TypeError, RecursionError or OverflowError."""
+    with pytest.raises(le.ConfigError) as caught:
+        build()
+    assert caught.value.field == field
+
+
+async def test_a_tools_list_holding_junk_names_the_item() -> None:
+    """``tools=[tool, 3000-deep list]`` names ``tools[1]`` without printing the list."""
+    with pytest.raises(le.ConfigError) as caught:
+        await engine().run(OPERATION, "hi", tools=[TOOL, deep(3000)])
+    assert caught.value.field == "tools[1]"
+    assert len(str(caught.value)) < 200
