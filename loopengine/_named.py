@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Self, cast
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["NamedFields", "named_fields", "replaced_from"]
+__all__ = ["NamedFields", "given_values", "named_fields", "replaced_from"]
 
 _ORIGIN = "_origin"
 """The init-only pseudo-field through which `dataclasses.replace` hands over the
@@ -68,6 +68,12 @@ class NamedFields:
 def named_fields(instance: NamedFields) -> frozenset[str]:
     """The fields ``instance`` was given (see the module docstring)."""
     return instance._named
+
+
+def given_values(instance: NamedFields) -> dict[str, object]:
+    """The fields ``instance`` was given, with their values: all that an override
+    built from it changes (every other field keeps the published value)."""
+    return {name: getattr(instance, name) for name in instance._named}
 
 
 def replaced_from() -> Any:

@@ -7,7 +7,7 @@ from dataclasses import InitVar, dataclass, fields, replace
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
-from loopengine._named import NamedFields, named_fields, replaced_from
+from loopengine._named import NamedFields, given_values, replaced_from
 
 __all__ = ["Limits"]
 
@@ -85,7 +85,7 @@ class Limits(NamedFields):
             return self
         try:
             if isinstance(override, Limits):
-                given = {name: getattr(override, name) for name in named_fields(override)}
+                given = given_values(override)
             elif isinstance(override, Mapping):
                 given = dict(override)
                 Limits.from_mapping({k: v for k, v in given.items() if v is not None})

@@ -17,7 +17,7 @@ from typing import Literal
 from loopengine import _validate
 from loopengine._clock import Clock
 from loopengine._errors import ConfigError
-from loopengine._named import NamedFields, named_fields, replaced_from
+from loopengine._named import NamedFields, given_values, replaced_from
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.providers._base import ProviderResponse
 from loopengine.providers._faults import ProviderFault
@@ -83,8 +83,7 @@ class RetryPolicy(NamedFields):
         if override is None:
             return self
         if isinstance(override, RetryPolicy):
-            given: dict[str, object] = {name: getattr(override, name)
-                                        for name in named_fields(override)}
+            given: dict[str, object] = given_values(override)
         elif isinstance(override, Mapping):
             given = dict(override)
             try:

@@ -18,15 +18,15 @@ import pytest
 import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import FaultKind, OpenAIProvider, ProviderFault
-from loopengine.providers._openai import (
+from loopengine.providers._openai_chat import (
     chat_messages,
     chat_tool_choice,
     chat_tools,
-    classify_error,
     content_from_message,
     stop_reason,
     usage_from_api,
 )
+from loopengine.providers._openai_faults import classify_error
 from loopengine.testing import FakeOpenAIServer, Reply
 
 from ..adapter.test_event_loops import assert_nothing_left_open, run_on_trio
