@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import cast
 
 import anyio
 import anyio.lowlevel
@@ -55,7 +54,7 @@ from loopengine.guards._checkpoints import (
 from loopengine.guards._credits import turn_credits
 from loopengine.guards._deadline import Deadline
 from loopengine.guards._limits import Limits
-from loopengine.persistence._protocol import DispatchReceipt, EarlyDispatchLedger, Ledger
+from loopengine.persistence._protocol import Ledger
 from loopengine.persistence._records import (
     AttemptDispatch,
     AttemptRecord,
@@ -88,10 +87,6 @@ class _InFlight:
 
 _NOBODY = Attribution()
 """The attribution of a run given none (frozen: one instance serves them all)."""
-
-NOT_SENT = "not_sent"
-"""The ``error_code`` of an attempt whose timeout ran out while the ledger held
-its request back: the provider never saw it."""
 
 LEDGER_GRACE = 0.2
 """Seconds past the deadline that the ledger's writes are awaited, and the least
@@ -128,27 +123,12 @@ async def uninterrupted(step: Callable[[], Awaitable[None]]) -> None:
         raise interrupted
 
 
-class _Gate:
-    """An attempt's `ProviderRequest.before_wire`: its row's write, remembering
-    whether the request got past it."""
-
-    __slots__ = ("_receipt", "opened")
-
-    def __init__(self, receipt: DispatchReceipt) -> None:
-        self._receipt = receipt
-        self.opened = False
-
-    async def wait(self) -> None:
-        await self._receipt.wait()
-        self.opened = True
-
-
 class Invocation:
     """The accounting of one run or call (internal)."""
 
     # Slots: thousands are alive at once in a busy process.
     __slots__ = (
-        "_announced", "_begin_dispatch", "_begun", "_check_ready", "_ended", "_in_flight",
+        "_announced", "_begun", "_ended", "_in_flight",
         "_reply_unconfirmed", "_reservation", "_turn_attempts", "_turn_charge",
         "_unpriced_warned", "account", "accounts", "attribution", "clock", "cost_nanousd",
         "deadline", "denied", "id", "kind", "last_fault", "ledger", "limits", "observers",
@@ -216,14 +196,6 @@ class Invocation:
         self.denied: GuardTrip | None = None
         """Set by `begin` when the run's account had nothing to reserve."""
         self._unpriced_warned = unpriced_warned if unpriced_warned is not None else set()
-        # When the provider awaits `before_wire`, the dispatch's commit overlaps
-        # the building of the request (see `loopengine.providers.Provider`).
-        # Flags, not the bound methods themselves: an invocation lives as long
-        # as its run, and each bound method is one more object the collector
-        # walks for every conversation in flight.
-        self._check_ready = callable(getattr(provider, "check_ready", None))
-        self._begin_dispatch = (callable(getattr(ledger, "begin_dispatch", None))
-                                and getattr(provider, "awaits_before_wire", False) is True)
 
     # -- events -------------------------------------------------------------
 
@@ -434,8 +406,8 @@ class Invocation:
 
         A cancelled run's in-flight attempt is settled ``aborted``/``external``.
         A failed run's is not: the error came from writing its row (or from the
-        ledger breaking), so it never went out (the gate before the wire is its
-        row's write); it is not one of the run's attempts, and a turn it alone
+        ledger breaking), so it never went out (a request is sent only once its
+        row is written); it is not one of the run's attempts, and a turn it alone
         would have sent was not sent (R01 counts turn requests sent). A ledger
         failure here is logged, not raised: it must not replace the exception
         that ended the run."""
@@ -505,8 +477,12 @@ class Invocation:
         build: Callable[[float], ProviderRequest],
         max_attempts: int | None = None,
         policy: RetryPolicy | None = None,
+        on_text: TextCallback | None = None,
     ) -> ProviderResponse | GuardTrip | RetryStop:
         """Send one request of ``turn`` with retries; every try is an attempt.
+
+        The engine's one retry loop: each fault's next step (a stop, the time
+        guard's trip, or a wait) is decided by `after_fault`.
 
         Args:
             turn: The turn number the attempts belong to.
@@ -514,10 +490,10 @@ class Invocation:
             build: Makes the request for a given timeout.
             max_attempts: A lower cap than the policy's (a call's remaining budget).
             policy: The retry policy (the invocation's by default).
+            on_text: The run's callback for streamed text.
         """
-
-        # `run_with_retries`, inlined: a conversation holds this frame for as
-        # long as it waits on the model, and thousands wait at once.
+        # Written out in this frame (no closure per attempt): a conversation
+        # holds it for as long as it waits on the model, and thousands wait at once.
         policy = policy or self.policy
         cap = policy.max_attempts if max_attempts is None else max_attempts
         wait = 0.0
@@ -530,7 +506,7 @@ class Invocation:
                 break
             attempt += 1
             try:
-                outcome = await self._attempt(turn, phase, build, wait)
+                outcome = await self._attempt(turn, phase, build, wait, on_text)
                 break
             except ProviderFault as fault:
                 after = after_fault(fault, attempt, cap, policy=policy, rng=self.rng,
@@ -563,12 +539,13 @@ class Invocation:
             self.limits, self.clock.now())
 
     async def _attempt(
-        self, turn: int, phase: str, build: Callable[[float], ProviderRequest], wait: float
-    ) -> ProviderResponse:
-        if self._check_ready:
-            # Raises before anything is recorded or sent (an optional method of
-            # the Provider protocol, so unknown to its type).
-            self.provider.check_ready()  # type: ignore[attr-defined]
+        self, turn: int, phase: str, build: Callable[[float], ProviderRequest], wait: float,
+        on_text: TextCallback | None,
+    ) -> ProviderResponse | GuardTrip:
+        """One attempt, one way: its dispatch is written and awaited, then the
+        request is sent, then the attempt is settled."""
+        # Raises before anything is recorded or sent.
+        self.provider.check_ready()
         now = self.clock.now()
         timeout = attempt_timeout(self.limits, self.deadline, now)
         capped = timeout < self.limits.attempt_timeout
@@ -592,25 +569,16 @@ class Invocation:
             wait_ms=round(wait * 1000),
         )
         self.records.append(AttemptRecord(dispatch=dispatch, settle=None))
-        flight = _InFlight(len(self.records) - 1, self.clock.now())
+        flight = _InFlight(len(self.records) - 1, now)
         self._in_flight = flight
-        receipt: DispatchReceipt | None = None
-        gate: _Gate | None = None
-        held_back = False
-        # `build` made this request for this attempt alone: filling in its
-        # gate and callback costs less than `dataclasses.replace` of a frozen
-        # instance.
-        if request.on_text is not None or self.text_sink is not None:
-            object.__setattr__(request, "on_text", _guarded_text(
-                flight, request.on_text, self._delta(turn, number, dispatch.ordinal)))
-        if self._begin_dispatch:
-            receipt = cast(EarlyDispatchLedger, self.ledger).begin_dispatch(dispatch)
-            gate = _Gate(receipt)
-            object.__setattr__(request, "before_wire", gate.wait)
-        elif self.ledger is not None:
-            with self.clock.cancel_scope(timeout) as holding:
-                await self.ledger.dispatch_attempt(dispatch)
-            held_back = holding.cancelled_caught
+        if self.ledger is not None and not await self._confirm(
+                self.ledger.dispatch_attempt(dispatch)):
+            # The row was not durable by the deadline: nothing may be sent. The
+            # attempt is settled behind its queued row, and the run ends.
+            await self._settle(flight, None, None, external=False, cut_by_deadline=True)
+            return GuardTrip(Outcome.TIME_LIMIT, "total_time", 0.0, self.limits.total_time,
+                             "the ledger did not record the attempt before the deadline "
+                             f"(total_time={self.limits.total_time}); nothing was sent")
         if self.observers:
             # Building an event costs about as much as the rest of the
             # attempt's bookkeeping: skip it when nobody listens.
@@ -621,34 +589,27 @@ class Invocation:
                 max_tokens=request.max_tokens, timeout_ms=dispatch.timeout_ms,
                 wait_ms=dispatch.wait_ms,
             ))
+        text: TextCallback | None = None
+        if on_text is not None or self.text_sink is not None:
+            text = _guarded_text(flight, on_text, self._delta(turn, number, dispatch.ordinal))
         response: ProviderResponse | None = None
         fault: ProviderFault | None = None
         flight.started = self.clock.now()
+        # The attempt's time runs from its start: what its row's write took is spent.
+        left = max(0.0, timeout - (flight.started - now))
         try:
-            if held_back:
-                raise _not_sent(timeout)
-            with self.clock.cancel_scope(timeout) as scope:
-                response = await self.provider.send(request)
+            with self.clock.cancel_scope(left) as scope:
+                response = await self.provider.send(request, on_text=text)
             if scope.cancelled_caught:
                 response = None
-                if gate is not None and not gate.opened:
-                    # The ledger held the request back the whole time: the
-                    # row says so, since the provider never saw it.
-                    fault = _not_sent(timeout)
-                else:
-                    fault = ProviderFault(FaultKind.TIMEOUT,
-                                          f"no response within {timeout:.3f}s")
+                fault = ProviderFault(FaultKind.TIMEOUT, f"no response within {timeout:.3f}s")
         except ProviderFault as raised:
             fault = raised
         except anyio.get_cancelled_exc_class():
             raise  # the caller's cancellation: settled by `cancelled`, shielded
         except LoopEngineError as error:
             if flight.callback_error is not None:
-                await self._callback_failed(flight, receipt, response=None, fault=None)
-            if receipt is not None:
-                # A dispatch that could not be written raises its LedgerError
-                # here: nothing was sent and there is no row to settle.
-                await receipt.wait()
+                await self._callback_failed(flight, response=None, fault=None)
             # A misuse the caller must see (a replay that diverged): settle, then raise.
             await self._settle(flight, None, ProviderFault(
                 FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}"), external=False)
@@ -660,24 +621,17 @@ class Invocation:
                     f"the provider raised {type(error).__name__} instead of a ProviderFault",
                 )
         if flight.callback_error is not None:
-            await self._callback_failed(flight, receipt, response=response, fault=fault)
-        if receipt is not None and not (fault is not None and fault.error_code == NOT_SENT):
-            # Whether or not the provider got as far as the wire, the row must
-            # be durable (or its failure raised) before it is settled. A request
-            # held back until its timeout is settled behind its row, unwaited:
-            # the deadline holds while the ledger is stalled.
-            await receipt.wait()
-        if fault is not None and fault.kind is FaultKind.TIMEOUT and capped:
-            fault.aborted_reason = fault.aborted_reason or "deadline"
-        if not await self._settle(flight, response, fault, external=False):
+            await self._callback_failed(flight, response=response, fault=fault)
+        # A timeout cut short by the run's deadline is the deadline's doing.
+        cut = fault is not None and fault.kind is FaultKind.TIMEOUT and capped
+        if not await self._settle(flight, response, fault, external=False, cut_by_deadline=cut):
             self._reply_unconfirmed = response is not None
         if fault is not None:
             raise fault
         assert response is not None
         return response
 
-    async def _callback_failed(self, flight: _InFlight, receipt: DispatchReceipt | None, *,
-                               response: ProviderResponse | None,
+    async def _callback_failed(self, flight: _InFlight, *, response: ProviderResponse | None,
                                fault: ProviderFault | None) -> None:
         """The run's ``on_text`` callback raised: settle the attempt with what the
         server sent (``ok`` with a whole reply, else ``aborted``/``external``:
@@ -685,8 +639,6 @@ class Invocation:
         callback's own exception to the caller."""
         error = flight.callback_error
         assert error is not None
-        if receipt is not None:
-            await receipt.wait()
         usage = fault.usage if fault is not None else None
         cut = None if response is not None else ProviderFault(
             FaultKind.ABORTED, f"the on_text callback raised {type(error).__name__}",
@@ -705,21 +657,29 @@ class Invocation:
         *,
         external: bool,
         fault_kind: bool = True,
+        cut_by_deadline: bool = False,
     ) -> bool:
         """Settle the attempt in flight; False when the ledger did not confirm a
         served settle by the deadline (`_confirm`). ``fault_kind=False``: the
-        attempt was cut by us, not by a provider fault (none is recorded)."""
+        attempt was cut by us, not by a provider fault (none is recorded).
+        ``cut_by_deadline``: the run's deadline ended it (``aborted``/``deadline``)."""
         self._in_flight = None
         dispatch = self.records[flight.index].dispatch
         latency_ms = max(0, round((self.clock.now() - flight.started) * 1000))
+        reason: str | None = None
         if response is not None:
             outcome, usage = "ok", response.usage
         elif fault is not None:
             usage = fault.usage
-            aborted = fault.kind is FaultKind.ABORTED or fault.aborted_reason == "deadline"
+            aborted = fault.kind is FaultKind.ABORTED or cut_by_deadline
             outcome = "aborted" if aborted else "error"
         else:
             outcome, usage = "aborted", None
+        if external:
+            reason = "external"
+        elif outcome == "aborted":
+            reason = (fault.aborted_reason if fault is not None else None) or (
+                "deadline" if cut_by_deadline else None)
         priced = (
             self.prices.price(self.vendor, self.operation.model, usage,
                               dispatch.started_at)
@@ -732,8 +692,7 @@ class Invocation:
             outcome=outcome,
             latency_ms=latency_ms,
             fault=fault.kind.value if fault and fault_kind else None,
-            aborted_reason="external" if external else (
-                fault.aborted_reason if fault and outcome == "aborted" else None),
+            aborted_reason=reason,
             http_status=(response.http_status if response else
                          fault.http_status if fault else None),
             error_code=fault.error_code if fault else None,
@@ -839,12 +798,6 @@ class Invocation:
             retained=retained,
             incomplete=self.ledger is not None and retained < count,
         )
-
-
-def _not_sent(timeout: float) -> ProviderFault:
-    """The fault of a request the ledger held back until its timeout ran out."""
-    return ProviderFault(FaultKind.TIMEOUT, f"the ledger did not record the attempt within "
-                         f"{timeout:.3f}s; nothing was sent", error_code=NOT_SENT)
 
 
 def _guarded_text(flight: _InFlight, on_text: TextCallback | None,

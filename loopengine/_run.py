@@ -163,7 +163,8 @@ class _Loop:
                     phase = "wrap_up"
                     self._add_wrap_up_text()
                 # The turn's request, its retries and its pause_turn continuations.
-                reply = await inv.request(turn=turn, phase=phase, build=self._build)
+                reply = await inv.request(turn=turn, phase=phase, build=self._build,
+                                          on_text=self.spec.on_text)
                 if isinstance(reply, ProviderResponse):
                     self.transcript.append({"role": "assistant",
                                             "content": _copy_blocks(reply.content)})
@@ -280,7 +281,8 @@ class _Loop:
                     Outcome.INCOMPLETE, "stop_reason", "pause_turn", MAX_CONTINUATIONS,
                     f"the turn paused more than {MAX_CONTINUATIONS} times",
                 )
-            reply = await self.inv.request(turn=turn, phase="continuation", build=self._build)
+            reply = await self.inv.request(turn=turn, phase="continuation", build=self._build,
+                                           on_text=self.spec.on_text)
             if not isinstance(reply, ProviderResponse):
                 return reply
             self.transcript[-1]["content"].extend(_copy_blocks(reply.content))
@@ -329,7 +331,6 @@ class _Loop:
             tool_choice=self._tool_choice(),
             timeout=timeout,
             cache=self.inv.operation.cache,
-            on_text=self.spec.on_text,
             metadata={"turn": self.state.turns},
         )
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import sqlite3
 from pathlib import Path
-from typing import Any
 
 import pydantic
 import pytest
@@ -17,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import loopengine as le
-from loopengine.events import AttemptSettled, AttemptStarted, Event, RunEnded, RunStarted
+from loopengine.events import Event, RunEnded, RunStarted
 from loopengine.otel import OpenTelemetryObserver
 from loopengine.persistence import AttemptDispatch, MemoryLedger, SQLiteLedger
 from loopengine.providers import (
@@ -77,41 +76,6 @@ async def test_r01_a_run_whose_dispatch_cannot_be_written_ends_failed() -> None:
     assert isinstance(ended, RunEnded)
     assert (ended.outcome, ended.attempts, ended.turns) == ("failed", 1, 1)
     assert sum(isinstance(e, RunEnded) for e in events) == 1
-
-
-class RefusingEarlyLedger(RefusingLedger):
-    """The same refusal through `begin_dispatch`: it reaches the provider's gate
-    before the wire."""
-
-    def begin_dispatch(self, record: AttemptDispatch) -> Any:
-        ledger = self
-
-        class Receipt:
-            async def wait(self) -> None:
-                if (record.invocation_id, record.ordinal) not in ledger.attempts:
-                    await ledger.dispatch_attempt(record)
-
-        return Receipt()
-
-
-async def test_a_refusal_at_the_gate_before_the_wire_ends_failed() -> None:
-    """The provider awaits the row's write before the wire and gets the LedgerError:
-    nothing is sent; the attempt's AttemptStarted has no AttemptSettled, and
-    RunEnded(failed) does not count it."""
-    ledger = RefusingEarlyLedger(refuse=2)
-    events: list[Event] = []
-    provider = ScriptedProvider(script())
-    engine = le.Engine(provider, ledger=ledger, prices=PRICES, observers=[events.append])
-    with pytest.raises(le.LedgerError, match="cannot write attempt 2") as raised:
-        await engine.run(operation(), "go", tools=[lookup])
-    assert raised.value.attempts == 1 and len(provider.requests) == 1
-    started = [e.ordinal for e in events if isinstance(e, AttemptStarted)]
-    settled = [e.ordinal for e in events if isinstance(e, AttemptSettled)]
-    assert (started, settled) == ([1, 2], [1])
-    ended = events[-1]
-    assert isinstance(ended, RunEnded) and (ended.outcome, ended.attempts) == ("failed", 1)
-    (invocation,) = ledger.invocations.values()
-    assert (invocation["outcome"], invocation["attempt_count"]) == ("failed", 1)
 
 
 async def test_r01_a_retry_that_cannot_be_written_leaves_its_turn_counted() -> None:

@@ -61,13 +61,11 @@ import httpx2
 from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest, ProviderResponse
+from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._cache import place_cache_markers
 from loopengine.providers._clients import (
     Clients,
     SDKProvider,
-    gate,
-    gates,
     http_client,
     sdk_keywords,
     shared_tls,
@@ -174,11 +172,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             connection (HTTP/1.1), so a process with more conversations
             waiting on the model at once raises it, and its open-file limit
             with it. Every connection is kept alive between turns. The
-            client is the SDK's aiohttp one on asyncio, and on trio the
-            SDK's httpx one on `PooledTransport` (whose pool does the same
-            work per request however many are in flight); where the
-            environment configures a proxy, the SDK's own httpx client with
-            the same limits (docs/performance.md).
+            client is the SDK's aiohttp one on asyncio, and the SDK's own
+            httpx one on trio or where the environment configures a proxy
+            (docs/performance.md).
         **client_kwargs: Without ``client``: the keywords to build an
             ``AsyncAnthropic`` (``api_key``, ``base_url``, ``timeout``...).
             The provider builds one client per event loop that sends through
@@ -195,10 +191,6 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             ``max_retries`` other than 0, a bad ``stream_idle_timeout``, or a
             ``max_connections`` that is not a positive integer or comes with
             a ``client`` or ``http_client``.
-
-    The provider awaits each attempt's ledger write (`ProviderRequest.before_wire`)
-    in the SDK client's request hook, after the request is built and just
-    before it is handed to the HTTP client (``awaits_before_wire``).
 
     Example::
 
@@ -239,7 +231,6 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                                             f"{type(client).__name__}")
             base = client
             self._clients = Clients("AnthropicProvider", bound=self._own_copy(client))
-        self.awaits_before_wire = gates(type(self.client))
         self._vendor = _route_name(base)
         self._name = route if route is not None else self._vendor
         self._stream = stream
@@ -247,9 +238,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
     @staticmethod
     def _own_copy(base: AsyncClient) -> AsyncClient:
         # A copy shares the caller's connection pool; only its retries differ.
-        # Our own copy (never the caller's client) awaits the attempt's ledger
-        # write just before the wire.
-        return gate(base.with_options(max_retries=0))
+        return base.with_options(max_retries=0)
 
     @staticmethod
     def _builder(client_kwargs: dict[str, Any],
@@ -257,26 +246,18 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         tls = shared_tls()
 
         def build(on_asyncio: bool) -> AsyncClient:
-            # Built as the SDK's own class (which alone runs the SDK's
-            # credential chain), then given the request hook.
-            return gate(anthropic.AsyncAnthropic(
+            return anthropic.AsyncAnthropic(
                 max_retries=0, http_client=http_client(
                     tls(), connections, on_asyncio=on_asyncio,
                     sdk_default=anthropic.DefaultAsyncHttpxClient),
-                **client_kwargs))
+                **client_kwargs)
 
         return build
 
-    @property
-    def name(self) -> str:
-        """The route: the vendor (`vendor`) unless ``route`` named another."""
-        return self._name
-
-    @property
-    def vendor(self) -> str:
-        """Whose API the requests reach: ``anthropic``, or ``bedrock`` / ``vertex``
-        / ``foundry`` for those clients. ``served_by`` and prices name it."""
-        return self._vendor
+    features = frozenset({"thinking", "server_tools", "betas", "context_management"})
+    """The Messages API's optional request features (DESIGN §15). The vendor
+    (`vendor`) is ``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry``
+    for those clients."""
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         # Markers are placed on every request, so the wire never carries more
@@ -329,9 +310,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         )
 
     async def _send_streaming(
-        self, client: AsyncClient, request: ProviderRequest, params: dict[str, Any]
+        self, client: AsyncClient, params: dict[str, Any], on_text: TextCallback | None
     ) -> ProviderResponse:
-        on_text = request.on_text
         try:
             manager = client.messages.stream(**params)
             stream = await manager.__aenter__()

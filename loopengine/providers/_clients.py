@@ -1,5 +1,4 @@
-"""The SDK clients a provider sends through: one per event loop, and the gate
-that awaits the attempt's ledger write just before the wire.
+"""The SDK clients a provider sends through: one per event loop.
 
 Shared by every provider built on a Stainless-generated SDK (``anthropic``,
 ``openai``): their clients have the same shape (``with_options``, an async
@@ -20,13 +19,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.util
-import inspect
 import logging
 import ssl
 import threading
+import urllib.request
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextvars import ContextVar
+from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
 from typing import Any, Generic, Protocol, Self, TypeVar
 
@@ -36,8 +34,7 @@ import httpx2
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
-from loopengine.providers._base import ProviderRequest, ProviderResponse
-from loopengine.providers._transport import flat_http_client, proxy_configured
+from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
@@ -45,8 +42,6 @@ __all__ = [
     "Clients",
     "SDKClient",
     "SDKProvider",
-    "gate",
-    "gates",
     "http_client",
     "max_connections",
     "running_loop",
@@ -66,52 +61,6 @@ class SDKClient(Protocol):
 
 
 C = TypeVar("C", bound=SDKClient)
-
-
-# -- the before-wire gate: the SDK's request hook awaits the ledger write ------------------
-
-_BEFORE_WIRE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar(
-    "loopengine_before_wire", default=None)
-"""The `ProviderRequest.before_wire` of the request this task is sending."""
-
-_GATED: dict[type[Any], type[Any]] = {}
-
-
-def gates(cls: type[Any]) -> bool:
-    """Whether clients of ``cls`` have the request hook `gate` extends."""
-    return inspect.iscoroutinefunction(getattr(cls, "_prepare_request", None))
-
-
-def _gated(cls: type[Any]) -> type[Any]:
-    """``cls`` with its request hook extended to await `_BEFORE_WIRE`.
-
-    The SDK calls ``_prepare_request`` (the hook its cloud clients override to
-    sign requests) after it has built and serialised a request and
-    immediately before handing it to the HTTP client: the last moment before
-    the wire that belongs to the client.
-    """
-    gated = _GATED.get(cls)
-    if gated is None:
-
-        async def _prepare_request(self: Any, request: httpx2.Request) -> None:
-            await super(gated, self)._prepare_request(request)  # type: ignore[arg-type]
-            wait = _BEFORE_WIRE.get()
-            if wait is not None:
-                await wait()
-
-        gated = _GATED[cls] = type(cls.__name__, (cls,), {
-            "_prepare_request": _prepare_request, "__module__": __name__,
-            "__doc__": cls.__doc__, "__qualname__": f"loopengine:{cls.__qualname__}"})
-    return gated
-
-
-def gate(client: C) -> C:
-    """Give ``client`` (one the provider owns, never the caller's) the request hook
-    that awaits the attempt's ledger write just before the wire; copies of it
-    (``with_options``) do the same. A client without the hook is left as it is."""
-    if gates(type(client)):
-        client.__class__ = _gated(type(client))
-    return client
 
 
 def shared_tls() -> Callable[[], ssl.SSLContext]:
@@ -413,6 +362,12 @@ def _aiohttp_installed() -> bool:
     return importlib.util.find_spec("aiohttp") is not None
 
 
+def _proxy_configured() -> bool:
+    """Whether the environment sends http(s) through a proxy, as httpx2 reads it."""
+    proxies = urllib.request.getproxies()
+    return any(proxies.get(scheme) for scheme in ("http", "https", "all"))
+
+
 def http_client(verify: ssl.SSLContext, connections: int, *, on_asyncio: bool,
                 sdk_default: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
     """The HTTP client a provider builds for one event loop.
@@ -423,29 +378,21 @@ def http_client(verify: ssl.SSLContext, connections: int, *, on_asyncio: bool,
     ``anthropic`` one for both SDKs because the ``openai`` SDK's copy of that
     transport maps every aiohttp connection error to a connect *timeout* (a
     refused or reset connection would be classified ``timeout``), where the
-    ``anthropic`` copy maps them to ``httpx2.ConnectError``. On
-    another loop (trio, which aiohttp does not run on), or without
-    ``aiohttp`` installed, the SDK's default
-    client (its timeout, redirects, TCP keep-alive) on a `PooledTransport`,
-    whose pool does the same work per request however many are in flight
-    (httpcore's walks every connection and queued request each time). Either
-    opens up to ``connections`` connections and keeps them alive between
-    requests, so a conversation's next turn reuses one. Where the
-    environment configures a proxy (which neither of those speaks to), the
-    SDK's default client with the same limits.
+    ``anthropic`` copy maps them to ``httpx2.ConnectError``. On another loop
+    (trio, which aiohttp does not run on), without ``aiohttp`` installed, or
+    where the environment configures a proxy (which aiohttp is not given),
+    the SDK's default httpx client (its timeout, redirects, TCP keep-alive).
+    Either opens up to ``connections`` connections and keeps them alive
+    between requests, so a conversation's next turn reuses one.
     """
     limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
-    if proxy_configured():
-        return sdk_default(verify=verify, limits=limits)
-    if on_asyncio and _aiohttp_installed():
+    if on_asyncio and _aiohttp_installed() and not _proxy_configured():
         import anthropic
 
         aiohttp_client: httpx2.AsyncClient = anthropic.DefaultAioHttpClient(
             verify=verify, limits=limits)
         return aiohttp_client
-    client = flat_http_client(verify, limits=limits)
-    assert client is not None  # None only with a proxy configured
-    return client
+    return sdk_default(verify=verify, limits=limits)
 
 
 def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
@@ -470,21 +417,16 @@ class SDKProvider(Generic[C]):
     """What every provider on a managed SDK client shares: the client of the
     running event loop, the check before an attempt is recorded, and closing.
 
-    A subclass sets ``_clients``, ``_name``, ``_stream`` and
-    ``awaits_before_wire`` in its ``__init__``, and supplies ``_params``,
+    A subclass sets ``_clients``, ``_name``, ``_vendor`` and ``_stream`` in
+    its ``__init__``, declares its ``features``, and supplies ``_params``,
     ``_send_plain`` and ``_send_streaming``: `send` is the same for every
-    such provider (the running loop's client, then the request inside the
-    before-wire gate).
+    such provider (the running loop's client, then the request).
     """
 
     _clients: Clients[C]
     _name: str
+    _vendor: str
     _stream: bool
-
-    awaits_before_wire: bool
-    """True: `send` awaits `ProviderRequest.before_wire` just before the wire
-    (in the SDK client's request hook, after the request is built and just
-    before it is handed to the HTTP client)."""
 
     @property
     def client(self) -> C:
@@ -506,14 +448,25 @@ class SDKProvider(Generic[C]):
         self._clients.check_ready()
 
     @property
+    def name(self) -> str:
+        """The route: the vendor (`vendor`) unless ``route`` named another."""
+        return self._name
+
+    @property
+    def vendor(self) -> str:
+        """Whose API the requests reach; ``served_by`` and prices name it."""
+        return self._vendor
+
+    @property
     def streaming(self) -> bool:
-        """Whether responses are streamed."""
+        """Whether responses are streamed, their text handed to ``on_text``."""
         return self._stream
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"
 
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
         """Make one request within ``request.timeout``.
 
         Raises:
@@ -523,21 +476,9 @@ class SDKProvider(Generic[C]):
         """
         client = await self._clients.get()
         params = self._params(request)
-        # While the request is sent, a gated client awaits its `before_wire`
-        # just before the wire. Written out rather than as a context manager,
-        # and the variable left alone when there is no gate to set or to
-        # hide: setting it copies the task's context, and a generator, its
-        # context manager, a token and that copy would stay alive for as long
-        # as the reply is awaited.
-        wait = request.before_wire
-        token = None if wait is None and _BEFORE_WIRE.get() is None else _BEFORE_WIRE.set(wait)
-        try:
-            if self._stream:
-                return await self._send_streaming(client, request, params)
-            return await self._send_plain(client, params)
-        finally:
-            if token is not None:
-                _BEFORE_WIRE.reset(token)
+        if self._stream:
+            return await self._send_streaming(client, params, on_text)
+        return await self._send_plain(client, params)
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         """The SDK call's keyword arguments for ``request``."""
@@ -548,9 +489,9 @@ class SDKProvider(Generic[C]):
         raise NotImplementedError
 
     async def _send_streaming(
-        self, client: C, request: ProviderRequest, params: dict[str, Any]
+        self, client: C, params: dict[str, Any], on_text: TextCallback | None
     ) -> ProviderResponse:
-        """One streamed request, its text deltas handed to ``request.on_text``."""
+        """One streamed request, its text deltas handed to ``on_text``."""
         raise NotImplementedError
 
     async def aclose(self) -> None:

@@ -27,12 +27,10 @@ import anyio
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
-from loopengine.providers._base import ProviderRequest, ProviderResponse
+from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._clients import (
     Clients,
     SDKProvider,
-    gate,
-    gates,
     http_client,
     sdk_keywords,
     shared_tls,
@@ -92,11 +90,9 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             waiting on the model at once raises it, and its open-file limit
             with it. Every connection is kept alive between turns. The
             client is on asyncio the aiohttp one of the ``anthropic`` SDK
-            (whose transport classifies connection errors as such), and on
-            trio the SDK's httpx one on `PooledTransport` (whose pool does the same
-            work per request however many are in flight); where the
-            environment configures a proxy, the SDK's own httpx client with
-            the same limits (docs/performance.md).
+            (whose transport classifies connection errors as such), and the
+            SDK's own httpx one on trio or where the environment configures
+            a proxy (docs/performance.md).
         **client_kwargs: Without ``client``: the keywords to build an
             ``AsyncOpenAI`` (``api_key``, ``base_url``, ``organization``...),
             or an ``AsyncAzureOpenAI`` when they include an Azure keyword
@@ -168,7 +164,6 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             # so when the client is built, before anything is sent.
             raise ConfigError("client", f"the openai SDK refused the client settings: "
                                         f"{error}") from None
-        self.awaits_before_wire = gates(type(self.client))
         self._vendor = "azure" if isinstance(self.client, sdk.AsyncAzureOpenAI) else "openai"
         self._name = route if route is not None else self._vendor
         self._stream = stream
@@ -176,9 +171,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
     @staticmethod
     def _own_copy(base: openai.AsyncOpenAI) -> openai.AsyncOpenAI:
         # A copy shares the caller's connection pool; only its retries differ.
-        # Our own copy (never the caller's client) awaits the attempt's ledger
-        # write just before the wire.
-        return gate(base.with_options(max_retries=0))
+        return base.with_options(max_retries=0)
 
     @staticmethod
     def _builder(sdk_class: Any, client_kwargs: dict[str, Any],
@@ -187,24 +180,18 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         tls = shared_tls()
 
         def build(on_asyncio: bool) -> openai.AsyncOpenAI:
-            built: openai.AsyncOpenAI = gate(sdk_class(
+            built: openai.AsyncOpenAI = sdk_class(
                 max_retries=0, http_client=http_client(
                     tls(), connections, on_asyncio=on_asyncio,
                     sdk_default=sdk.DefaultAsyncHttpxClient),
-                **client_kwargs))
+                **client_kwargs)
             return built
 
         return build
 
-    @property
-    def name(self) -> str:
-        """The route: ``openai`` (``azure`` for an Azure client) unless ``route`` named another."""
-        return self._name
-
-    @property
-    def vendor(self) -> str:
-        """Whose API the requests reach: ``openai``, or ``azure`` for an Azure client."""
-        return self._vendor
+    features = frozenset({"reasoning_effort", "service_tier"})
+    """The Chat Completions API's optional request features (DESIGN §15). The
+    vendor (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         return chat_params(request, stream=self._stream)
@@ -244,7 +231,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         )
 
     async def _send_streaming(
-        self, client: openai.AsyncOpenAI, request: ProviderRequest, params: dict[str, Any]
+        self, client: openai.AsyncOpenAI, params: dict[str, Any], on_text: TextCallback | None
     ) -> ProviderResponse:
         try:
             stream: Any = await client.chat.completions.create(**params)
@@ -271,9 +258,9 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                         request_id=request_id, usage=reply.usage,
                         usage_approx=reply.usage is not None, response_id=reply.response_id)
                 text = reply.add(chunk)
-                if text and request.on_text is not None:
+                if text and on_text is not None:
                     try:
-                        maybe = request.on_text(text)
+                        maybe = on_text(text)
                         if inspect.isawaitable(maybe):
                             await maybe
                     except Exception as error:

@@ -89,8 +89,7 @@ def import_openai() -> Any:
 @functools.cache
 def failures() -> tuple[type[BaseException], ...]:
     """What the SDK raises for a request that failed: its own errors and the
-    transport's (never the caller's cancellation, nor the `LedgerError` of the
-    before-wire gate, which propagate as they are)."""
+    transport's (never the caller's cancellation, which propagates as it is)."""
     return (import_openai().OpenAIError, httpx2.HTTPError, httpx2.StreamError)
 
 
