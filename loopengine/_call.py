@@ -25,8 +25,10 @@ from typing import Any, Generic, Literal, NoReturn, TypeVar
 
 import pydantic
 
+from loopengine._attempt import request
 from loopengine._errors import OutcomeError
 from loopengine._invocation import Invocation
+from loopengine._lifecycle import ending, finish
 from loopengine._operation import Operation
 from loopengine._outcome import Outcome
 from loopengine._tools import describe_validation_error
@@ -125,7 +127,7 @@ class CallSpec:
 async def run_call(inv: Invocation, spec: CallSpec) -> CallResult[Any]:
     """Make the call; return its result or raise an `OutcomeError` carrying ``attempts``."""
     call = _Call(inv, spec)
-    async with inv.ending(lambda: (call.turn, 0, call.credits)):
+    async with ending(inv, lambda: (call.turn, 0, call.credits)):
         return await call.run()
 
 
@@ -175,7 +177,7 @@ class _Call:
                 mode, phase = "prompt", "fallback"
             self.turn += 1
             tokens = max_tokens
-            response = await inv.request(
+            response = await request(inv, 
                 turn=self.turn, phase=phase,
                 build=functools.partial(self._build, max_tokens=tokens, mode=mode),
                 max_attempts=remaining,
@@ -282,7 +284,7 @@ class _Call:
             self.messages.append({"role": "user", "content": text})
 
     async def _finish(self, outcome: Outcome, trip: GuardTrip | None = None) -> None:
-        await self.inv.finish(outcome.value, turns=self.turn, tool_calls=0, credits=self.credits,
+        await finish(self.inv, outcome.value, turns=self.turn, tool_calls=0, credits=self.credits,
                               trip=trip)
 
     async def _fail_trip(self, trip: GuardTrip) -> NoReturn:

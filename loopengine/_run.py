@@ -28,9 +28,11 @@ from typing import Any
 import anyio
 import pydantic
 
+from loopengine._attempt import request
 from loopengine._errors import ConfigError
 from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
+from loopengine._lifecycle import begin, cancelled, failed, finish
 from loopengine._outcome import Outcome
 from loopengine._pricing import nanousd_to_usd
 from loopengine._result import RunResult
@@ -142,13 +144,13 @@ class _Loop:
     async def run(self) -> RunResult:
         """Run the conversation to its outcome.
 
-        `Invocation.ending` written out in this frame rather than entered with
+        `loopengine._lifecycle.ending` written out in this frame rather than entered with
         ``async with`` (an async generator and its context manager): a waiting
         conversation holds every frame and object between `Engine.run` and
         the SDK, and thousands wait at once."""
         inv = self.inv
         try:
-            await inv.begin()
+            await begin(inv)
             if inv.denied is not None:
                 return await self._end(inv.denied.outcome, trip=inv.denied)
             phase = "turn"
@@ -163,7 +165,7 @@ class _Loop:
                     phase = "wrap_up"
                     self._add_wrap_up_text()
                 # The turn's request, its retries and its pause_turn continuations.
-                reply = await inv.request(turn=turn, phase=phase, build=self._build,
+                reply = await request(inv, turn=turn, phase=phase, build=self._build,
                                           on_text=self.spec.on_text)
                 if isinstance(reply, ProviderResponse):
                     self.transcript.append({"role": "assistant",
@@ -185,10 +187,10 @@ class _Loop:
                     return step
                 phase = step
         except anyio.get_cancelled_exc_class():
-            await inv.cancelled(self._progress)
+            await cancelled(inv, self._progress)
             raise
         except Exception as error:
-            await inv.failed(error, self._progress)
+            await failed(inv, error, self._progress)
             raise
 
     def _progress(self) -> tuple[int, int, int]:
@@ -281,7 +283,7 @@ class _Loop:
                     Outcome.INCOMPLETE, "stop_reason", "pause_turn", MAX_CONTINUATIONS,
                     f"the turn paused more than {MAX_CONTINUATIONS} times",
                 )
-            reply = await self.inv.request(turn=turn, phase="continuation", build=self._build,
+            reply = await request(self.inv, turn=turn, phase="continuation", build=self._build,
                                            on_text=self.spec.on_text)
             if not isinstance(reply, ProviderResponse):
                 return reply
@@ -519,7 +521,7 @@ class _Loop:
             detail = trip.message if trip else "the answer was accepted"
         self._close_unrun_calls(answered, f"Not run: the run ended {outcome.value} before "
                                           f"this call ran: {detail}.")
-        await inv.finish(outcome.value, turns=self.state.turns,
+        await finish(inv, outcome.value, turns=self.state.turns,
                          tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
         return RunResult(
             outcome=outcome,

@@ -19,10 +19,12 @@ __all__ = [
     "attempt_timeout",
     "check_before_attempt",
     "check_before_turn",
+    "check_admission",
     "check_credits",
     "check_rejection_budget",
     "check_terminal",
     "check_tool_batch",
+    "unconfirmed_by_deadline",
 ]
 
 TERMINAL_STOP_REASONS = {
@@ -94,6 +96,36 @@ def check_before_attempt(
 def attempt_timeout(limits: Limits, deadline: Deadline, now: float) -> float:
     """The timeout of the next attempt: ``min(attempt_timeout, remaining)`` (R04)."""
     return min(limits.attempt_timeout, deadline.remaining(now))
+
+
+def unconfirmed_by_deadline(limits: Limits, what: str) -> GuardTrip:
+    """The time limit, when the ledger (or the account) did not confirm ``what``
+    (the attempt, the reply, the reservation) before the deadline: nothing may
+    be sent, or act on a reply, that is not recorded (R04)."""
+    return GuardTrip(
+        Outcome.TIME_LIMIT,
+        "total_time",
+        0.0,
+        limits.total_time,
+        f"the ledger did not record {what} before the deadline "
+        f"(total_time={limits.total_time})",
+    )
+
+
+def check_admission(account: str, reserved: int, available: int, hold: int
+                    ) -> GuardTrip | None:
+    """Admission (DESIGN §13): a run whose account had nothing to reserve for its
+    hold is denied before any request; a partial reservation narrows the hold."""
+    if reserved > 0:
+        return None
+    return GuardTrip(
+        Outcome.ADMISSION_DENIED,
+        "account",
+        available,
+        hold,
+        f"account {account!r} has {max(0, available)} credits available, "
+        f"nothing to reserve for this run's hold of {hold}",
+    )
 
 
 def check_terminal(stop_reason: str | None) -> GuardTrip | None:
