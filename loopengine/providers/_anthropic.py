@@ -49,13 +49,11 @@ anything is sent.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeAlias
 
 import anthropic
-import anyio
 import httpx2
 
 from loopengine import _validate
@@ -67,6 +65,7 @@ from loopengine.providers._clients import (
     Clients,
     SDKProvider,
     http_client,
+    read_stream,
     sdk_keywords,
     shared_tls,
 )
@@ -317,68 +316,39 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             stream = await manager.__aenter__()
         except (anthropic.AnthropicError, httpx2.HTTPError) as error:
             raise classify_error(error) from error
-        started = stopped = False
-        try:
-            while True:
-                with anyio.move_on_after(self._idle) as idle:
-                    try:
-                        event = await stream.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    except (anthropic.AnthropicError, httpx2.HTTPError, ValueError,
-                            RuntimeError) as error:
-                        snapshot = stream.current_message_snapshot if started else None
-                        raise classify_error(
-                            error, request_id=stream.request_id, in_body=True,
-                            usage=_snapshot_usage(snapshot),
-                            response_id=snapshot.id if snapshot is not None else None,
-                        ) from error
-                if idle.cancelled_caught:
-                    snapshot = stream.current_message_snapshot if started else None
-                    raise ProviderFault(
-                        FaultKind.ABORTED,
-                        f"the stream sent no event for {self._idle:g}s",
-                        http_status=stream.response.status_code, aborted_reason="idle",
-                        request_id=stream.request_id, usage=_snapshot_usage(snapshot),
-                        usage_approx=True,
-                        response_id=snapshot.id if snapshot is not None else None,
-                    )
-                if event.type == "message_start":
-                    started = True
-                elif event.type == "text":
-                    if on_text is not None:
-                        try:
-                            maybe = on_text(event.text)
-                            if inspect.isawaitable(maybe):
-                                await maybe
-                        except Exception as error:
-                            # The engine raises the callback's own exception to
-                            # its caller; the fault carries what was served.
-                            snapshot = stream.current_message_snapshot if started else None
-                            raise ProviderFault(
-                                FaultKind.ABORTED, "the on_text callback raised",
-                                http_status=stream.response.status_code,
-                                request_id=stream.request_id,
-                                usage=_snapshot_usage(snapshot), usage_approx=True,
-                                response_id=snapshot.id if snapshot is not None else None,
-                            ) from error
-                elif event.type == "message_stop":
-                    stopped = True
-        finally:
-            # Closing releases the connection; it must happen even while the
-            # caller's cancellation (or the attempt timeout) unwinds us.
-            with anyio.CancelScope(shield=True):
-                await stream.close()
-        snapshot = stream.current_message_snapshot if started else None
-        if not stopped:
-            # The SDK returns quietly from a stream cut short; its message has
-            # whatever arrived, so its usage is only a floor.
-            raise ProviderFault(
-                FaultKind.ABORTED, "the stream ended before message_stop",
-                http_status=stream.response.status_code, request_id=stream.request_id,
+        seen: set[str] = set()
+
+        def take(event: Any) -> str | None:
+            seen.add(event.type)
+            return event.text if event.type == "text" else None
+
+        def served() -> Any:
+            # The message so far, once the stream has announced one.
+            return stream.current_message_snapshot if "message_start" in seen else None
+
+        def cut(message: str, reason: str | None) -> ProviderFault:
+            # A stream cut short reports what had arrived: its usage is a floor.
+            snapshot = served()
+            return ProviderFault(
+                FaultKind.ABORTED, message, http_status=stream.response.status_code,
+                aborted_reason=reason, request_id=stream.request_id,
                 usage=_snapshot_usage(snapshot), usage_approx=True,
-                response_id=snapshot.id if snapshot is not None else None,
-            )
+                response_id=snapshot.id if snapshot is not None else None)
+
+        def failed(error: BaseException) -> ProviderFault:
+            snapshot = served()
+            return classify_error(error, request_id=stream.request_id, in_body=True,
+                                  usage=_snapshot_usage(snapshot),
+                                  response_id=snapshot.id if snapshot is not None else None)
+
+        await read_stream(
+            stream, idle=self._idle, take=take, failed=failed, cut=cut, on_text=on_text,
+            failures=(anthropic.AnthropicError, httpx2.HTTPError, ValueError, RuntimeError),
+            close=stream.close)
+        if "message_stop" not in seen:
+            # The SDK returns quietly from a stream cut short.
+            raise cut("the stream ended before message_stop", None)
+        snapshot = served()
         assert snapshot is not None
         return ProviderResponse(
             content=[block.to_dict() for block in snapshot.content],

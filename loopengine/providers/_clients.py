@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.util
+import inspect
 import logging
 import ssl
 import threading
 import urllib.request
 import weakref
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any, Generic, Protocol, Self, TypeVar
 
@@ -35,6 +36,7 @@ import httpx2
 from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._faults import ProviderFault
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
@@ -44,6 +46,7 @@ __all__ = [
     "SDKProvider",
     "http_client",
     "max_connections",
+    "read_stream",
     "running_loop",
     "sdk_keywords",
     "shared_tls",
@@ -61,6 +64,7 @@ class SDKClient(Protocol):
 
 
 C = TypeVar("C", bound=SDKClient)
+E = TypeVar("E")
 
 
 def shared_tls() -> Callable[[], ssl.SSLContext]:
@@ -393,6 +397,53 @@ def http_client(verify: ssl.SSLContext, connections: int, *, on_asyncio: bool,
             verify=verify, limits=limits)
         return aiohttp_client
     return sdk_default(verify=verify, limits=limits)
+
+
+async def read_stream(
+    events: AsyncIterator[E],
+    *,
+    idle: float,
+    failures: tuple[type[BaseException], ...],
+    failed: Callable[[BaseException], ProviderFault],
+    cut: Callable[[str, str | None], ProviderFault],
+    take: Callable[[E], str | None],
+    on_text: TextCallback | None,
+    close: Callable[[], Awaitable[None]],
+) -> None:
+    """Read a streamed reply to its end, the same way for every SDK provider.
+
+    Each event goes to ``take``, which returns its text, if any, for
+    ``on_text``. A stream quiet for ``idle`` seconds is cut (``cut(message,
+    "idle")``); an error among ``failures`` while reading is classified by
+    ``failed``; an ``on_text`` that raises stops the reading with
+    ``cut(message, None)`` raised from its exception (the engine raises the
+    callback's own exception to its caller; the fault carries what was
+    served). ``close`` runs however the reading ends: it releases the
+    connection, even while the caller's cancellation (or the attempt
+    timeout) unwinds.
+    """
+    try:
+        while True:
+            with anyio.move_on_after(idle) as quiet:
+                try:
+                    event = await events.__anext__()
+                except StopAsyncIteration:
+                    return
+                except failures as error:
+                    raise failed(error) from error
+            if quiet.cancelled_caught:
+                raise cut(f"the stream sent nothing for {idle:g}s", "idle")
+            text = take(event)
+            if text and on_text is not None:
+                try:
+                    maybe = on_text(text)
+                    if inspect.isawaitable(maybe):
+                        await maybe
+                except Exception as error:
+                    raise cut("the on_text callback raised", None) from error
+    finally:
+        with anyio.CancelScope(shield=True):
+            await close()
 
 
 def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:

@@ -19,11 +19,8 @@ this module imports it only when a provider is built.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
-
-import anyio
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
@@ -32,6 +29,7 @@ from loopengine.providers._clients import (
     Clients,
     SDKProvider,
     http_client,
+    read_stream,
     sdk_keywords,
     shared_tls,
 )
@@ -240,51 +238,24 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         reply = StreamedCompletion()
         response = stream.response
         request_id = response.headers.get("x-request-id")
-        try:
-            while True:
-                with anyio.move_on_after(self._idle) as idle:
-                    try:
-                        chunk = await stream.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    except read_failures() as error:
-                        raise classify_error(error, request_id=request_id, in_body=True,
-                                             usage=reply.usage,
-                                             response_id=reply.response_id) from error
-                if idle.cancelled_caught:
-                    raise ProviderFault(
-                        FaultKind.ABORTED, f"the stream sent no chunk for {self._idle:g}s",
-                        http_status=response.status_code, aborted_reason="idle",
-                        request_id=request_id, usage=reply.usage,
-                        usage_approx=reply.usage is not None, response_id=reply.response_id)
-                text = reply.add(chunk)
-                if text and on_text is not None:
-                    try:
-                        maybe = on_text(text)
-                        if inspect.isawaitable(maybe):
-                            await maybe
-                    except Exception as error:
-                        # The engine raises the callback's own exception to its
-                        # caller; the fault carries what was served.
-                        raise ProviderFault(
-                            FaultKind.ABORTED, "the on_text callback raised",
-                            http_status=response.status_code, request_id=request_id,
-                            usage=reply.usage, usage_approx=reply.usage is not None,
-                            response_id=reply.response_id) from error
-        finally:
-            # Closing releases the connection; it must happen even while the
-            # caller's cancellation (or the attempt timeout) unwinds us.
-            with anyio.CancelScope(shield=True):
-                await stream.close()
+
+        def cut(message: str, reason: str | None) -> ProviderFault:
+            return ProviderFault(
+                FaultKind.ABORTED, message, http_status=response.status_code,
+                aborted_reason=reason, request_id=request_id, usage=reply.usage,
+                usage_approx=reply.usage is not None, response_id=reply.response_id)
+
+        await read_stream(
+            stream, idle=self._idle, failures=read_failures(), take=reply.add,
+            failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
+                                                usage=reply.usage,
+                                                response_id=reply.response_id),
+            cut=cut, on_text=on_text, close=stream.close)
         missing = ("its finish_reason" if reply.finish_reason is None
                    else "its usage chunk" if reply.usage is None else None)
         if missing is not None:
             # The SDK returns quietly from a stream cut short.
-            raise ProviderFault(
-                FaultKind.ABORTED, f"the stream ended before {missing}",
-                http_status=response.status_code, request_id=request_id,
-                usage=reply.usage, usage_approx=reply.usage is not None,
-                response_id=reply.response_id)
+            raise cut(f"the stream ended before {missing}", None)
         content, stop = reply.content()
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,
                                 response_id=reply.response_id, request_id=request_id,
