@@ -49,7 +49,7 @@ anything is sent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, TypeAlias
 
@@ -57,21 +57,10 @@ import anthropic
 import httpx2
 
 from loopengine import _validate
-from loopengine._errors import ConfigError
 from loopengine._usage import Usage
 from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._cache import place_cache_markers
-from loopengine.providers._clients import (
-    Clients,
-    SDKProvider,
-    http_client,
-    read_stream,
-    sdk_keywords,
-    shared_tls,
-)
-from loopengine.providers._clients import (
-    max_connections as max_connections_of,
-)
+from loopengine.providers._clients import SDKProvider, provider_clients, read_stream
 from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
@@ -211,47 +200,14 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         if route is not None:
             _validate.text("route", route)
         self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
-        connections = max_connections_of(max_connections, client, client_kwargs)
-        sdk_keywords(client, client_kwargs)
-        if client is None:
-            if client_kwargs.get("http_client") is not None:
-                base: AsyncClient = anthropic.AsyncAnthropic(max_retries=0, **client_kwargs)
-                self._clients = Clients("AnthropicProvider", bound=self._own_copy(base),
-                                        bound_as="http_client", owned=True)
-            else:
-                client_kwargs.pop("http_client", None)
-                self._clients = Clients("AnthropicProvider",
-                                        build=self._builder(client_kwargs, connections))
-                base = self._clients.current()
-        else:
-            if not isinstance(client, anthropic.AsyncAnthropic | anthropic.AsyncAnthropicBedrock
-                              | anthropic.AsyncAnthropicVertex):
-                raise ConfigError("client", f"must be an async anthropic client, got "
-                                            f"{type(client).__name__}")
-            base = client
-            self._clients = Clients("AnthropicProvider", bound=self._own_copy(client))
-        self._vendor = _route_name(base)
+        self._clients = provider_clients(
+            "AnthropicProvider", client, client_kwargs, max_connections=max_connections,
+            accepts=(anthropic.AsyncAnthropic, anthropic.AsyncAnthropicBedrock,
+                     anthropic.AsyncAnthropicVertex),
+            build=anthropic.AsyncAnthropic, sdk_default=anthropic.DefaultAsyncHttpxClient)
+        self._vendor = _route_name(self.client)
         self._name = route if route is not None else self._vendor
         self._stream = stream
-
-    @staticmethod
-    def _own_copy(base: AsyncClient) -> AsyncClient:
-        # A copy shares the caller's connection pool; only its retries differ.
-        return base.with_options(max_retries=0)
-
-    @staticmethod
-    def _builder(client_kwargs: dict[str, Any],
-                 connections: int) -> Callable[[bool], AsyncClient]:
-        tls = shared_tls()
-
-        def build(on_asyncio: bool) -> AsyncClient:
-            return anthropic.AsyncAnthropic(
-                max_retries=0, http_client=http_client(
-                    tls(), connections, on_asyncio=on_asyncio,
-                    sdk_default=anthropic.DefaultAsyncHttpxClient),
-                **client_kwargs)
-
-        return build
 
     features = frozenset({"thinking", "server_tools", "betas", "context_management"})
     """The Messages API's optional request features (DESIGN §15). The vendor

@@ -27,7 +27,7 @@ import urllib.request
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from types import TracebackType
-from typing import Any, Generic, Protocol, Self, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar, cast
 
 import anyio
 import anyio.lowlevel
@@ -45,11 +45,10 @@ __all__ = [
     "SDKClient",
     "SDKProvider",
     "http_client",
-    "max_connections",
+    "provider_clients",
     "read_stream",
     "running_loop",
     "sdk_keywords",
-    "shared_tls",
 ]
 
 logger = logging.getLogger("loopengine")
@@ -67,7 +66,7 @@ C = TypeVar("C", bound=SDKClient)
 E = TypeVar("E")
 
 
-def shared_tls() -> Callable[[], ssl.SSLContext]:
+def _shared_tls() -> Callable[[], ssl.SSLContext]:
     """A getter of one TLS context, loaded on first use and then shared.
 
     The SDKs' default verification (the system's certificates) costs tens of
@@ -342,7 +341,7 @@ timeout). A process serving more conversations at once raises it (and its
 open-file limit with it)."""
 
 
-def max_connections(value: int | None, client: object | None,
+def _max_connections(value: int | None, client: object | None,
                     client_kwargs: dict[str, Any]) -> int:
     """A provider's ``max_connections``: the default when not given.
 
@@ -462,6 +461,60 @@ def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
     if client is not None and client_kwargs:
         raise ConfigError("client", "give a client or the keywords to build one, not "
                                     f"both (got {', '.join(sorted(client_kwargs))})")
+
+
+def provider_clients(
+    owner: str,
+    client: C | None,
+    client_kwargs: dict[str, Any],
+    *,
+    max_connections: int | None,
+    accepts: type[Any] | tuple[type[Any], ...],
+    build: Callable[..., C],
+    sdk_default: Callable[..., httpx2.AsyncClient],
+) -> Clients[C]:
+    """Where a provider gets its SDK clients, from its arguments.
+
+    A ``client`` is used through a copy with ``max_retries=0`` (sharing its
+    connection pool), on its first event loop only. Keywords with an
+    ``http_client`` build one client on it, likewise bound, closed by the
+    provider. Other keywords build one client per event loop (`http_client`).
+
+    Args:
+        owner: The provider's class name, for messages.
+        client: The caller's SDK client, or None.
+        client_kwargs: The keywords to build one (checked by `sdk_keywords`).
+        max_connections: The provider's ``max_connections``.
+        accepts: The SDK client classes ``client`` may be.
+        build: The SDK client class to build from the keywords.
+        sdk_default: The SDK's default httpx client class.
+
+    Raises:
+        ConfigError: a bad ``max_connections``, ``max_retries`` other than 0,
+            both a client and keywords, or a client that is not ``accepts``.
+    """
+    connections = _max_connections(max_connections, client, client_kwargs)
+    sdk_keywords(client, client_kwargs)
+    if client is not None:
+        if not isinstance(client, accepts):
+            names = " or ".join(kind.__name__ for kind in (
+                accepts if isinstance(accepts, tuple) else (accepts,)))
+            raise ConfigError("client", f"must be an async SDK client ({names}), got "
+                                        f"{type(client).__name__}")
+        copy: C = cast(Any, client).with_options(max_retries=0)
+        return Clients(owner, bound=copy)
+    if client_kwargs.get("http_client") is not None:
+        return Clients(owner, bound=build(max_retries=0, **client_kwargs),
+                       bound_as="http_client", owned=True)
+    client_kwargs.pop("http_client", None)
+    tls = _shared_tls()
+
+    def per_loop(on_asyncio: bool) -> C:
+        return build(max_retries=0, http_client=http_client(
+            tls(), connections, on_asyncio=on_asyncio, sdk_default=sdk_default),
+            **client_kwargs)
+
+    return Clients(owner, build=per_loop)
 
 
 class SDKProvider(Generic[C]):

@@ -19,23 +19,13 @@ this module imports it only when a provider is built.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
-from loopengine.providers._clients import (
-    Clients,
-    SDKProvider,
-    http_client,
-    read_stream,
-    sdk_keywords,
-    shared_tls,
-)
-from loopengine.providers._clients import (
-    max_connections as max_connections_of,
-)
+from loopengine.providers._clients import SDKProvider, provider_clients, read_stream
 from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._openai_chat import (
     StreamedCompletion,
@@ -136,27 +126,12 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         if route is not None:
             _validate.text("route", route)
         sdk = import_openai()
-        connections = max_connections_of(max_connections, client, client_kwargs)
-        sdk_keywords(client, client_kwargs)
+        azure = bool(_AZURE_KEYWORDS & client_kwargs.keys())
         try:
-            if client is None:
-                azure = bool(_AZURE_KEYWORDS & client_kwargs.keys())
-                sdk_class = sdk.AsyncAzureOpenAI if azure else sdk.AsyncOpenAI
-                if client_kwargs.get("http_client") is not None:
-                    built = sdk_class(max_retries=0, **client_kwargs)
-                    self._clients = Clients("OpenAIProvider", bound=self._own_copy(built),
-                                            bound_as="http_client", owned=True)
-                else:
-                    client_kwargs.pop("http_client", None)
-                    self._clients = Clients("OpenAIProvider",
-                                            build=self._builder(sdk_class, client_kwargs,
-                                                                connections))
-            else:
-                if not isinstance(client, sdk.AsyncOpenAI):
-                    raise ConfigError("client", "must be an async openai client (AsyncOpenAI "
-                                                f"or AsyncAzureOpenAI), got "
-                                                f"{type(client).__name__}")
-                self._clients = Clients("OpenAIProvider", bound=self._own_copy(client))
+            self._clients = provider_clients(
+                "OpenAIProvider", client, client_kwargs, max_connections=max_connections,
+                accepts=sdk.AsyncOpenAI, sdk_default=sdk.DefaultAsyncHttpxClient,
+                build=sdk.AsyncAzureOpenAI if azure else sdk.AsyncOpenAI)
         except sdk.OpenAIError as error:
             # Missing credentials, contradictory Azure settings: the SDK says
             # so when the client is built, before anything is sent.
@@ -165,27 +140,6 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         self._vendor = "azure" if isinstance(self.client, sdk.AsyncAzureOpenAI) else "openai"
         self._name = route if route is not None else self._vendor
         self._stream = stream
-
-    @staticmethod
-    def _own_copy(base: openai.AsyncOpenAI) -> openai.AsyncOpenAI:
-        # A copy shares the caller's connection pool; only its retries differ.
-        return base.with_options(max_retries=0)
-
-    @staticmethod
-    def _builder(sdk_class: Any, client_kwargs: dict[str, Any],
-                 connections: int) -> Callable[[bool], openai.AsyncOpenAI]:
-        sdk = import_openai()
-        tls = shared_tls()
-
-        def build(on_asyncio: bool) -> openai.AsyncOpenAI:
-            built: openai.AsyncOpenAI = sdk_class(
-                max_retries=0, http_client=http_client(
-                    tls(), connections, on_asyncio=on_asyncio,
-                    sdk_default=sdk.DefaultAsyncHttpxClient),
-                **client_kwargs)
-            return built
-
-        return build
 
     features = frozenset({"reasoning_effort", "service_tier"})
     """The Chat Completions API's optional request features (DESIGN §15). The
