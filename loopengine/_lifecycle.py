@@ -46,9 +46,10 @@ async def uninterrupted(step: Callable[[], Awaitable[None]]) -> None:
     runs in a task of its own, and this waits for it through every
     cancellation: cleanup, once started, finishes."""
     with anyio.CancelScope(shield=True):
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # another backend (trio): its shield holds
+        # The running backend as anyio sees it: a trio run started from a thread
+        # that also runs an asyncio loop is trio's, whose shield holds.
+        if not isinstance(anyio.lowlevel.current_token().native_token,
+                          asyncio.AbstractEventLoop):
             await step()
             return
         task = asyncio.ensure_future(step())

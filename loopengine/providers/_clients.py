@@ -89,12 +89,14 @@ def _shared_tls() -> Callable[[], ssl.SSLContext]:
 
 
 def running_loop() -> object:
-    """The running event loop: the asyncio loop, or the native token of anyio's
-    other backend (trio's ``TrioToken``), which is as unique to its run."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return anyio.lowlevel.current_token().native_token
+    """The running event loop, as anyio sees it: the asyncio loop, or the native
+    token of anyio's other backend (trio's ``TrioToken``), which is as unique
+    to its run (and right for a trio run started from an asyncio loop's thread).
+
+    Raises:
+        RuntimeError: no event loop is running (anyio's ``NoEventLoopError``).
+    """
+    return anyio.lowlevel.current_token().native_token
 
 
 def _nothing() -> None:
