@@ -2,16 +2,15 @@
 
 Shared by every provider built on a Stainless-generated SDK (``anthropic``,
 ``openai``): their clients have the same shape (``with_options``, an async
-``close``, the async ``_prepare_request`` hook), and the same rules hold for
-each.
+``close``), and the same rules hold for each.
 
 A connection belongs to the event loop that opened it. A provider built from
 keywords keeps one SDK client per event loop that sends through it
 (`ClientPerLoop`), and closes each as its loop shuts down, so one provider
 serves consecutive ``asyncio.run`` calls (a sync web handler, a Celery task).
 A client (or an ``http_client``) the caller gave is used on the first loop
-that sends only; on another loop, `Clients.check_ready` (and `Clients.get`)
-raise `ConfigError` before anything is sent.
+that sends only (`BoundClient`); on another loop, its ``check_ready`` (and
+``get``) raise `ConfigError` before anything is sent.
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ from loopengine.providers._faults import ProviderFault
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
+    "BoundClient",
     "ClientPerLoop",
-    "Clients",
     "SDKClient",
     "SDKProvider",
     "http_client",
@@ -143,11 +142,11 @@ class ClientPerLoop(Generic[C]):
     collector.
 
     Args:
-        build: Builds one client, for an asyncio loop (True) or another (False).
         owner: The provider's name, for the log.
+        build: Builds one client, for an asyncio loop (True) or another (False).
     """
 
-    def __init__(self, build: Callable[[bool], C], owner: str) -> None:
+    def __init__(self, owner: str, build: Callable[[bool], C]) -> None:
         self._build = build
         self._owner = owner
         self._lock = threading.Lock()
@@ -170,6 +169,9 @@ class ClientPerLoop(Generic[C]):
             if self._spare is None:
                 self._spare = self._build(True)
             return self._spare
+
+    def check_ready(self) -> None:
+        """Always ready: a loop that has no client yet gets one."""
 
     async def get(self) -> C:
         """The running loop's client, built for it on its first request."""
@@ -239,82 +241,57 @@ class ClientPerLoop(Generic[C]):
                                    "that shut down", self._owner, exc_info=True)
 
 
-class Clients(Generic[C]):
-    """Where a provider gets the SDK client for the running event loop.
-
-    Either one client per event loop, built by ``build`` (the provider owns
-    them all), or one ``bound`` client of the caller's making (a ``client``,
-    or one built on the caller's ``http_client``), usable on the first event
-    loop that sends through it only.
+class BoundClient(Generic[C]):
+    """One client of the caller's making (a ``client``, or one built on the
+    caller's ``http_client``), usable on the first event loop that sends
+    through it only: its pooled connections belong to that loop.
 
     Args:
         owner: The provider's class name, for messages.
-        build: Builds a client for one event loop: an asyncio loop (True) or
-            another (False).
-        bound: The one client to use instead.
-        bound_as: What the caller gave: ``client`` or ``http_client`` (the
+        client: The client.
+        given_as: What the caller gave: ``client`` or ``http_client`` (the
             `ConfigError`'s field).
-        owned: Whether `aclose` closes ``bound`` (it was built on the
-            caller's ``http_client``, not given whole).
+        owned: Whether `aclose` closes it (built on the caller's
+            ``http_client``, not given whole).
     """
 
-    def __init__(
-        self,
-        owner: str,
-        *,
-        build: Callable[[bool], C] | None = None,
-        bound: C | None = None,
-        bound_as: str = "client",
-        owned: bool = False,
-    ) -> None:
-        if (build is None) == (bound is None):
-            raise TypeError("give build or bound, not both")
+    def __init__(self, owner: str, client: C, *, given_as: str = "client",
+                 owned: bool = False) -> None:
         self._owner = owner
-        self._per_loop = ClientPerLoop(build, owner) if build is not None else None
-        self._bound = bound
-        self._bound_as = bound_as
+        self._bound = client
+        self._bound_as = given_as
         self._owned = owned
         self._home: Callable[[], object | None] | None = None
         self._lock = threading.Lock()
 
     def current(self) -> C:
-        """The running loop's client once it has sent, else the one the next
-        event loop to send will use (the bound client, if there is one)."""
-        if self._per_loop is not None:
-            return self._per_loop.current()
-        assert self._bound is not None
+        """The client."""
         return self._bound
 
     async def get(self) -> C:
-        """The client to send through on the running event loop.
+        """The client, on the event loop it was first used on.
 
         Raises:
-            ConfigError: the bound client belongs to another event loop.
+            ConfigError: the client belongs to another event loop.
         """
-        if self._per_loop is not None:
-            return await self._per_loop.get()
         return self._on_home()
 
     def check_ready(self) -> None:
-        """Refuse a bound client on another event loop than its first.
+        """Refuse the client on another event loop than its first.
 
         Raises:
             ConfigError: the client (or ``http_client``) given to the provider
                 was first used on another event loop than the running one.
         """
-        if self._per_loop is None:
-            self._on_home()
+        self._on_home()
 
     async def aclose(self) -> None:
-        """Close the running loop's client, or the bound client the provider built."""
-        if self._per_loop is not None:
-            await self._per_loop.aclose()
-        elif self._owned and self._bound is not None:
+        """Close the client if the provider built it."""
+        if self._owned:
             await self._bound.close()
 
     def _on_home(self) -> C:
         """The bound client, if the running loop is the one it was first used on."""
-        assert self._bound is not None
         loop = running_loop()
         home = self._home
         if home is None:
@@ -474,7 +451,7 @@ def provider_clients(
     accepts: type[Any] | tuple[type[Any], ...],
     build: Callable[..., C],
     sdk_default: Callable[..., httpx2.AsyncClient],
-) -> Clients[C]:
+) -> ClientPerLoop[C] | BoundClient[C]:
     """Where a provider gets its SDK clients, from its arguments.
 
     A ``client`` is used through a copy with ``max_retries=0`` (sharing its
@@ -504,10 +481,10 @@ def provider_clients(
             raise ConfigError("client", f"must be an async SDK client ({names}), got "
                                         f"{type(client).__name__}")
         copy: C = cast(Any, client).with_options(max_retries=0)
-        return Clients(owner, bound=copy)
+        return BoundClient(owner, copy)
     if client_kwargs.get("http_client") is not None:
-        return Clients(owner, bound=build(max_retries=0, **client_kwargs),
-                       bound_as="http_client", owned=True)
+        return BoundClient(owner, build(max_retries=0, **client_kwargs),
+                           given_as="http_client", owned=True)
     client_kwargs.pop("http_client", None)
     tls = _shared_tls()
 
@@ -516,7 +493,7 @@ def provider_clients(
             tls(), connections, on_asyncio=on_asyncio, sdk_default=sdk_default),
             **client_kwargs)
 
-    return Clients(owner, build=per_loop)
+    return ClientPerLoop(owner, per_loop)
 
 
 class SDKProvider(Generic[C]):
@@ -529,7 +506,7 @@ class SDKProvider(Generic[C]):
     such provider (the running loop's client, then the request).
     """
 
-    _clients: Clients[C]
+    _clients: ClientPerLoop[C] | BoundClient[C]
     _name: str
     _vendor: str
     _stream: bool
