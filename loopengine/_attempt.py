@@ -123,12 +123,7 @@ async def attempt(
     inv.records.append(AttemptRecord(dispatch=dispatch, settle=None))
     flight = InFlight(len(inv.records) - 1, now)
     inv.in_flight = flight
-    if inv.ledger is not None and not await inv.confirm(
-            inv.ledger.dispatch_attempt(dispatch)):
-        # The row was not durable by the deadline: nothing may be sent. The
-        # attempt is settled behind its queued row, and the run ends.
-        await settle(inv, flight, None, None, external=False, cut_by_deadline=True)
-        return unconfirmed_by_deadline(inv.limits, "the attempt (nothing was sent)")
+    durable = inv.ledger is None or await inv.confirm(inv.ledger.dispatch_attempt(dispatch))
     if inv.observers:
         # Building an event costs about as much as the rest of the
         # attempt's bookkeeping: skip it when nobody listens.
@@ -136,9 +131,14 @@ async def attempt(
             run_id=inv.id, at=dispatch.started_at, ordinal=dispatch.ordinal, turn=turn,
             attempt=number, phase=phase, served_by=inv.served_by,
             provider=inv.operation.provider, model=inv.operation.model,
-            max_tokens=request.max_tokens, timeout_ms=dispatch.timeout_ms,
+            max_tokens=dispatch.max_tokens, timeout_ms=dispatch.timeout_ms,
             wait_ms=dispatch.wait_ms,
         ))
+    if not durable:
+        # The row was not durable by the deadline: nothing may be sent. The
+        # attempt is settled behind its queued row, and the run ends.
+        await settle(inv, flight, None, None, external=False, cut_by_deadline=True)
+        return unconfirmed_by_deadline(inv.limits, "the attempt (nothing was sent)")
     text: TextCallback | None = None
     if on_text is not None or inv.text_sink is not None:
         text = _guarded_text(flight, on_text, _delta(inv, turn, number, dispatch.ordinal))

@@ -8,6 +8,7 @@ import logging
 import sqlite3
 from pathlib import Path
 
+import anyio
 import pydantic
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -16,7 +17,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import loopengine as le
-from loopengine.events import Event, RunEnded, RunStarted
+from loopengine._invocation import LEDGER_GRACE
+from loopengine.events import AttemptSettled, AttemptStarted, Event, RunEnded, RunStarted
 from loopengine.otel import OpenTelemetryObserver
 from loopengine.persistence import AttemptDispatch, MemoryLedger, SQLiteLedger
 from loopengine.providers import (
@@ -197,3 +199,42 @@ async def test_a_run_whose_sqlite_ledger_closed_mid_run_ends_for_its_observers(
         attempts = conn.execute("SELECT ordinal, outcome FROM attempts").fetchall()
     assert rows == [("running", 1)]
     assert attempts == [(1, "ok")]
+
+
+class UnconfirmedLedger(MemoryLedger):
+    """Keeps each attempt's row but never confirms its dispatch (a stalled writer)."""
+
+    async def dispatch_attempt(self, record: AttemptDispatch) -> None:
+        await super().dispatch_attempt(record)
+        await anyio.Event().wait()
+
+
+def test_r04_a_dispatch_not_confirmed_by_the_deadline_sends_nothing() -> None:
+    """On trio's MockClock: a row the ledger does not confirm is awaited until the
+    run's deadline plus the ledger's grace; nothing is sent, the attempt is settled
+    ``aborted``/``deadline`` (with its AttemptStarted), and the run ends
+    ``time_limit``."""
+    import trio
+    import trio.testing
+
+    ledger = UnconfirmedLedger()
+    events: list[Event] = []
+    provider = ScriptedProvider([Reply.text("never sent")])
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, observers=[events.append])
+    seen: list[tuple[le.RunResult, float]] = []
+
+    async def main() -> None:
+        began = anyio.current_time()
+        result = await engine.run(operation(total_time=2.0), "go")
+        seen.append((result, anyio.current_time() - began))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    ((result, took),) = seen
+    assert result.outcome is le.Outcome.TIME_LIMIT and provider.requests == []
+    assert took == pytest.approx(2.0 + LEDGER_GRACE)
+    (row,) = ledger.attempts.values()
+    assert (row["outcome"], row["aborted_reason"], row["http_status"]) == (
+        "aborted", "deadline", None)
+    started = [e.ordinal for e in events if isinstance(e, AttemptStarted)]
+    settled = [e.ordinal for e in events if isinstance(e, AttemptSettled)]
+    assert started == settled == [1]
