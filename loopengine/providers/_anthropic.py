@@ -38,13 +38,7 @@ Credit exhaustion is checked first, whatever the status (R06). A server's
 ``false``. Usage that arrived before a stream broke is reported as a floor
 (``usage_approx``). The caller's cancellation is never caught here.
 
-A connection belongs to the event loop that opened it. A provider built from
-keywords keeps one SDK client per event loop that sends through it, and
-closes each as its loop shuts down, so one provider serves consecutive
-``asyncio.run`` calls (a sync web handler, a Celery task). A client (or an
-``http_client``) the caller gave is used on the first loop that sends only;
-on another loop, `AnthropicProvider.send` raises `ConfigError` before
-anything is sent.
+Its SDK clients, one per event loop, come from ``_clients.py``.
 """
 
 from __future__ import annotations
@@ -372,21 +366,9 @@ def classify_error(
     response_id: str | None = None,
     now: datetime | None = None,
 ) -> ProviderFault:
-    """Classify an SDK or transport error as one `ProviderFault` (DESIGN.md §3).
-
-    Args:
-        error: What the SDK (or the HTTP transport under it) raised.
-        request_id: The request id, when the response had begun.
-        in_body: The error came while the body or stream was being read, after
-            a response began: a transport failure there cuts the stream
-            (``aborted``) rather than failing to connect.
-        usage: Usage reported before the failure (a stream's floor).
-        response_id: The message id, when the stream had announced one.
-        now: The current time, for ``retry-after`` given as an HTTP date.
-
-    Returns:
-        The fault; it is never raised here.
-    """
+    """Classify an SDK or transport error as one `ProviderFault` (DESIGN.md §3);
+    never raised here. The arguments are `classify_sdk_error`'s, and ``now``
+    dates a ``retry-after`` given as an HTTP date."""
     return classify_sdk_error(
         error, _SDK,
         status_fault=lambda status: _status_fault(status, usage=usage,

@@ -119,21 +119,9 @@ def classify_error(
     response_id: str | None = None,
     now: datetime | None = None,
 ) -> ProviderFault:
-    """Classify an ``openai`` SDK or transport error as one `ProviderFault` (DESIGN.md §14).
-
-    Args:
-        error: What the SDK (or the HTTP transport under it) raised.
-        request_id: The request id, when the response had begun.
-        in_body: The error came while the body or stream was being read,
-            after a response began: a transport failure there cuts the stream
-            (``aborted``).
-        usage: Usage reported before the failure.
-        response_id: The completion id, when the stream had announced one.
-        now: The current time, for ``retry-after`` given as an HTTP date.
-
-    Returns:
-        The fault; it is never raised here.
-    """
+    """Classify an ``openai`` SDK or transport error as one `ProviderFault`
+    (DESIGN.md §14); never raised here. The arguments are `classify_sdk_error`'s,
+    and ``now`` dates a ``retry-after`` given as an HTTP date."""
     return classify_sdk_error(
         error, _sdk(),
         status_fault=lambda status: _status_fault(status, usage=usage, response_id=response_id,

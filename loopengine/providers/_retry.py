@@ -17,7 +17,7 @@ from typing import Literal
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
-from loopengine._named import NamedFields, given_values, replaced_from
+from loopengine._named import NamedFields, given, replaced_from
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.providers._faults import ProviderFault
 
@@ -80,26 +80,15 @@ class RetryPolicy(NamedFields):
         """
         if override is None:
             return self
-        if isinstance(override, RetryPolicy):
-            given: dict[str, object] = given_values(override)
-        elif isinstance(override, Mapping):
-            given = dict(override)
-            try:
-                _check_mapping(given)
-            except ConfigError as error:
-                raise error.with_prefix("retry") from None
-        else:
-            raise ConfigError(
-                "retry", f"must be RetryPolicy or a mapping, got {type(override).__name__}"
-            )
-        max_attempts = int(given.get("max_attempts", self.max_attempts))  # type: ignore[call-overload]
-        max_wait = max(self.max_wait, float(given.get("max_wait", self.max_wait)))  # type: ignore[arg-type]
-        initial = max(self.initial_wait, float(given.get("initial_wait", 0.0)))  # type: ignore[arg-type]
+        named = given(override, RetryPolicy, field="retry", check=_check_mapping)
+        max_attempts = int(named.get("max_attempts", self.max_attempts))  # type: ignore[call-overload]
+        max_wait = max(self.max_wait, float(named.get("max_wait", self.max_wait)))  # type: ignore[arg-type]
+        initial = max(self.initial_wait, float(named.get("initial_wait", 0.0)))  # type: ignore[arg-type]
         return RetryPolicy(
             max_attempts=min(self.max_attempts, max_attempts),
             initial_wait=min(initial, max_wait),
             max_wait=max_wait,
-            grow_max_tokens=self.grow_max_tokens and given.get("grow_max_tokens") is not False,
+            grow_max_tokens=self.grow_max_tokens and named.get("grow_max_tokens") is not False,
         )
 
 
