@@ -27,7 +27,7 @@ from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCa
 from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._retry import RetryPolicy, RetryStop, after_fault
 
-__all__ = ["attempt", "request", "settle"]
+__all__ = ["attempt", "request", "settle", "settle_cut"]
 
 logger = logging.getLogger("loopengine")
 
@@ -93,13 +93,13 @@ async def request(
 async def attempt(
     inv: Invocation, turn: int, phase: str, build: Callable[[float], ProviderRequest], wait: float,
     on_text: TextCallback | None,
-) -> ProviderResponse | GuardTrip:
+) -> ProviderResponse:
     """One attempt, one way: its dispatch is written and awaited, then the
     request is sent, then the attempt is settled."""
     # Raises before anything is recorded or sent.
     inv.provider.check_ready()
     now = inv.clock.now()
-    timeout = attempt_timeout(inv.limits, inv.deadline, now)
+    timeout = attempt_timeout(inv.limits, inv.deadline, now, inv.clock.effective_deadline())
     capped = timeout < inv.limits.attempt_timeout
     request = build(timeout)
     number = inv.turn_attempts[turn] = inv.turn_attempts.get(turn, 0) + 1
@@ -123,22 +123,16 @@ async def attempt(
     inv.records.append(AttemptRecord(dispatch=dispatch, settle=None))
     flight = InFlight(len(inv.records) - 1, now)
     inv.in_flight = flight
-    durable = inv.ledger is None or await inv.confirm(inv.ledger.dispatch_attempt(dispatch))
+    if inv.ledger is not None:
+        # Durable before anything is sent. The wait is bounded by the run's
+        # deadline, the scope around the run: past it, nothing is sent and the
+        # attempt is settled by `settle_cut`.
+        await inv.ledger.dispatch_attempt(dispatch)
     if inv.observers:
         # Building an event costs about as much as the rest of the
         # attempt's bookkeeping: skip it when nobody listens.
-        await inv.emit(AttemptStarted(
-            run_id=inv.id, at=dispatch.started_at, ordinal=dispatch.ordinal, turn=turn,
-            attempt=number, phase=phase, served_by=inv.served_by,
-            provider=inv.operation.provider, model=inv.operation.model,
-            max_tokens=dispatch.max_tokens, timeout_ms=dispatch.timeout_ms,
-            wait_ms=dispatch.wait_ms,
-        ))
-    if not durable:
-        # The row was not durable by the deadline: nothing may be sent. The
-        # attempt is settled behind its queued row, and the run ends.
-        await settle(inv, flight, None, None, external=False, cut_by_deadline=True)
-        return unconfirmed_by_deadline(inv.limits, "the attempt (nothing was sent)")
+        flight.announced = True
+        await _announce(inv, dispatch)
     text: TextCallback | None = None
     if on_text is not None or inv.text_sink is not None:
         text = _guarded_text(flight, on_text, _delta(inv, turn, number, dispatch.ordinal))
@@ -147,7 +141,10 @@ async def attempt(
     flight.started = inv.clock.now()
     # The attempt's time runs from its start: what its row's write took is spent.
     left = max(0.0, timeout - (flight.started - now))
+    flight.sent = True
     try:
+        # Cut at the run's deadline by the scope around the run (`settle_cut`
+        # settles it then), or sooner by its own timeout.
         with inv.clock.cancel_scope(left) as scope:
             response = await inv.provider.send(request, on_text=text)
         if scope.cancelled_caught:
@@ -156,7 +153,9 @@ async def attempt(
     except ProviderFault as raised:
         fault = raised
     except anyio.get_cancelled_exc_class():
-        raise  # the caller's cancellation: settled by `cancelled`, shielded
+        # The caller's cancellation (settled by `cancelled`, shielded), or the
+        # run's deadline (settled by `settle_cut`).
+        raise
     except LoopEngineError as error:
         if flight.callback_error is not None:
             await _callback_failed(inv, flight, response=None, fault=None)
@@ -180,6 +179,59 @@ async def attempt(
         raise fault
     assert response is not None
     return response
+
+
+async def _report(inv: Invocation, settle: AttemptSettle, dispatch: AttemptDispatch,
+                  response: ProviderResponse | None) -> None:
+    """Log the settled attempt and emit its `AttemptSettled`."""
+    usage, outcome, latency_ms = settle.usage, settle.outcome, settle.latency_ms
+    charged = settle.charged
+    logger.debug(
+        "attempt %s#%d turn=%d try=%d phase=%s served_by=%s outcome=%s fault=%s "
+        "status=%s latency_ms=%d output_tokens=%s",
+        inv.id, dispatch.ordinal, dispatch.turn, dispatch.attempt, dispatch.phase,
+        inv.served_by, outcome, settle.fault, settle.http_status, latency_ms,
+        usage.output_tokens if usage else None,
+    )
+    if inv.observers:
+        await inv.emit(AttemptSettled(
+            run_id=inv.id, at=inv.clock.wall(), ordinal=dispatch.ordinal, turn=dispatch.turn,
+            attempt=dispatch.attempt, phase=dispatch.phase, served_by=inv.served_by,
+            provider=inv.operation.provider, model=inv.operation.model,
+            max_tokens=dispatch.max_tokens, outcome=outcome, latency_ms=latency_ms,
+            fault=settle.fault, http_status=settle.http_status, error_code=settle.error_code,
+            aborted_reason=settle.aborted_reason, usage=usage, usage_approx=settle.usage_approx,
+            cost_usd=(nanousd_to_usd(settle.cost_nanousd)
+                      if settle.cost_nanousd is not None else None),
+            charged=charged, response_id=settle.response_id, request_id=settle.request_id,
+            stop_reason=settle.stop_reason,
+            response_model=response.model if response is not None else None,
+        ))
+
+
+async def _announce(inv: Invocation, dispatch: AttemptDispatch) -> None:
+    """Emit the attempt's `AttemptStarted`."""
+    await inv.emit(AttemptStarted(
+        run_id=inv.id, at=dispatch.started_at, ordinal=dispatch.ordinal, turn=dispatch.turn,
+        attempt=dispatch.attempt, phase=dispatch.phase, served_by=inv.served_by,
+        provider=inv.operation.provider, model=inv.operation.model,
+        max_tokens=dispatch.max_tokens, timeout_ms=dispatch.timeout_ms,
+        wait_ms=dispatch.wait_ms,
+    ))
+
+
+async def settle_cut(inv: Invocation) -> None:
+    """The run's deadline passed: settle the attempt it cut, if one was in flight,
+    ``aborted`` with reason ``deadline`` (with a ``timeout`` fault once its
+    request was sent; with none while it waited for its row: nothing was sent)."""
+    flight = inv.in_flight
+    if flight is None:
+        return
+    if not flight.announced and inv.observers:
+        # Its row is queued: observers see it start, then settle.
+        await _announce(inv, inv.records[flight.index].dispatch)
+    fault = ProviderFault(FaultKind.TIMEOUT, "the run's deadline passed") if flight.sent else None
+    await settle(inv, flight, None, fault, external=False, cut_by_deadline=True)
 
 
 async def _callback_failed(inv: Invocation, flight: InFlight, *, response: ProviderResponse | None,
@@ -281,29 +333,14 @@ async def settle(
             inv.turn_charge[dispatch.turn] = (
                 inv.turn_charge.get(dispatch.turn, 0) + priced.cost_nanousd
             )
-    confirmed = True
-    if inv.ledger is not None:
-        confirmed = await inv.confirm(inv.ledger.settle_attempt(settle))
-    logger.debug(
-        "attempt %s#%d turn=%d try=%d phase=%s served_by=%s outcome=%s fault=%s "
-        "status=%s latency_ms=%d output_tokens=%s",
-        inv.id, dispatch.ordinal, dispatch.turn, dispatch.attempt, dispatch.phase,
-        inv.served_by, outcome, settle.fault, settle.http_status, latency_ms,
-        usage.output_tokens if usage else None,
-    )
-    if inv.observers:
-        await inv.emit(AttemptSettled(
-            run_id=inv.id, at=inv.clock.wall(), ordinal=dispatch.ordinal, turn=dispatch.turn,
-            attempt=dispatch.attempt, phase=dispatch.phase, served_by=inv.served_by,
-            provider=inv.operation.provider, model=inv.operation.model,
-            max_tokens=dispatch.max_tokens, outcome=outcome, latency_ms=latency_ms,
-            fault=settle.fault, http_status=settle.http_status, error_code=settle.error_code,
-            aborted_reason=settle.aborted_reason, usage=usage, usage_approx=settle.usage_approx,
-            cost_usd=nanousd_to_usd(priced.cost_nanousd) if priced else None,
-            charged=charged, response_id=settle.response_id, request_id=settle.request_id,
-            stop_reason=settle.stop_reason,
-            response_model=response.model if response is not None else None,
-        ))
+    confirmed = False
+    try:
+        confirmed = inv.ledger is None or await inv.confirm(inv.ledger.settle_attempt(settle))
+    finally:
+        # Reported even when the run's deadline (or the caller) cut the wait for
+        # the settle's write: it stays queued, and observers pair every start.
+        with anyio.CancelScope(shield=True):
+            await _report(inv, settle, dispatch, response)
     return confirmed
 
 

@@ -25,7 +25,7 @@ from typing import Any, Generic, Literal, NoReturn, TypeVar
 
 import pydantic
 
-from loopengine._attempt import request
+from loopengine._attempt import request, settle_cut
 from loopengine._errors import OutcomeError
 from loopengine._invocation import Invocation
 from loopengine._lifecycle import ending, finish
@@ -33,7 +33,12 @@ from loopengine._operation import Operation
 from loopengine._outcome import Outcome
 from loopengine._tools import describe_validation_error
 from loopengine._usage import Usage
-from loopengine.guards._checkpoints import ConversationState, GuardTrip, check_credits
+from loopengine.guards._checkpoints import (
+    ConversationState,
+    GuardTrip,
+    check_before_attempt,
+    check_credits,
+)
 from loopengine.persistence._records import AttemptRecord
 from loopengine.providers._base import ProviderRequest, ProviderResponse
 from loopengine.providers._faults import FaultKind, ProviderError
@@ -128,7 +133,18 @@ async def run_call(inv: Invocation, spec: CallSpec) -> CallResult[Any]:
     """Make the call; return its result or raise an `OutcomeError` carrying ``attempts``."""
     call = _Call(inv, spec)
     async with ending(inv, lambda: (call.turn, 0, call.credits)):
-        return await call.run()
+        # The call's one deadline: every wait inside ends at it.
+        with inv.clock.deadline_scope(inv.deadline.at):
+            return await call.run()
+        # The deadline cut a wait: settle the attempt it cut, and end time_limit.
+        await settle_cut(inv)
+        if call.turn > call.charged:
+            call.credits += inv.turn_credits(call.turn)  # what it was served is billed
+        if call.turn and not inv.attempts_in_turn(call.turn):
+            call.turn -= 1  # cut before the turn's request: no turn
+        trip = check_before_attempt(call._state(), inv.limits, inv.clock.now())
+        assert trip is not None  # the deadline has passed
+        await call._fail_trip(trip)
 
 
 class _Call:
@@ -137,6 +153,8 @@ class _Call:
         self.spec = spec
         self.turn = 0
         self.credits = 0
+        self.charged = 0
+        """The last turn whose charge is in the credits."""
         self.messages = list(spec.messages)
         schema = spec.output.model_json_schema()
         schema.pop("title", None)
@@ -177,12 +195,13 @@ class _Call:
                 mode, phase = "prompt", "fallback"
             self.turn += 1
             tokens = max_tokens
-            response = await request(inv, 
-                turn=self.turn, phase=phase,
+            response = await request(
+                inv, turn=self.turn, phase=phase,
                 build=functools.partial(self._build, max_tokens=tokens, mode=mode),
                 max_attempts=remaining,
             )
             self.credits += inv.turn_credits(self.turn)
+            self.charged = self.turn
             if isinstance(response, GuardTrip):
                 await self._fail_trip(response)
             if isinstance(response, RetryStop):

@@ -51,6 +51,10 @@ class InFlight:
 
     index: int
     started: float
+    announced: bool = False
+    """Whether its `AttemptStarted` was emitted."""
+    sent: bool = False
+    """Whether the request was handed to the provider (its row was durable)."""
     callback_error: Exception | None = None
     """What the run's ``on_text`` callback raised during this attempt."""
 

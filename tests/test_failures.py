@@ -17,7 +17,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import loopengine as le
-from loopengine._invocation import LEDGER_GRACE
 from loopengine.events import AttemptSettled, AttemptStarted, Event, RunEnded, RunStarted
 from loopengine.otel import OpenTelemetryObserver
 from loopengine.persistence import AttemptDispatch, MemoryLedger, SQLiteLedger
@@ -231,7 +230,7 @@ def test_r04_a_dispatch_not_confirmed_by_the_deadline_sends_nothing() -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     ((result, took),) = seen
     assert result.outcome is le.Outcome.TIME_LIMIT and provider.requests == []
-    assert took == pytest.approx(2.0 + LEDGER_GRACE)
+    assert took == pytest.approx(2.0)
     (row,) = ledger.attempts.values()
     assert (row["outcome"], row["aborted_reason"], row["http_status"]) == (
         "aborted", "deadline", None)

@@ -7,6 +7,7 @@ them in the fixed order of docs/guards.md; this module only decides.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from loopengine._outcome import Outcome
@@ -93,9 +94,12 @@ def check_before_attempt(
     return None
 
 
-def attempt_timeout(limits: Limits, deadline: Deadline, now: float) -> float:
-    """The timeout of the next attempt: ``min(attempt_timeout, remaining)`` (R04)."""
-    return min(limits.attempt_timeout, deadline.remaining(now))
+def attempt_timeout(limits: Limits, deadline: Deadline, now: float,
+                    effective: float = math.inf) -> float:
+    """The timeout of the next attempt: ``min(attempt_timeout, remaining)`` (R04),
+    where the time remaining ends at the run's deadline or at ``effective``, the
+    earliest deadline around the run (the caller's own), whichever comes first."""
+    return max(0.0, min(limits.attempt_timeout, deadline.remaining(now), effective - now))
 
 
 def unconfirmed_by_deadline(limits: Limits, what: str) -> GuardTrip:
