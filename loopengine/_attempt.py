@@ -21,7 +21,7 @@ from loopengine._errors import LoopEngineError
 from loopengine._invocation import InFlight, Invocation
 from loopengine._pricing import nanousd_to_usd
 from loopengine.events import AttemptSettled, AttemptStarted, TextDelta, TurnStarted
-from loopengine.guards._checkpoints import GuardTrip, attempt_timeout, unconfirmed_by_deadline
+from loopengine.guards._checkpoints import GuardTrip, attempt_timeout
 from loopengine.persistence._records import AttemptDispatch, AttemptRecord, AttemptSettle
 from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._faults import FaultKind, ProviderFault
@@ -82,11 +82,6 @@ async def request(
         await inv.clock.sleep(wait)
     if isinstance(outcome, RetryStop):
         inv.last_fault = outcome.fault
-    elif inv.reply_unconfirmed:
-        # Nothing may act on a reply the ledger has not recorded (DESIGN §7),
-        # and the deadline has passed waiting for it.
-        inv.reply_unconfirmed = False
-        return unconfirmed_by_deadline(inv.limits, "the reply")
     return outcome
 
 
@@ -173,8 +168,9 @@ async def attempt(
         await _callback_failed(inv, flight, response=response, fault=fault)
     # A timeout cut short by the run's deadline is the deadline's doing.
     cut = fault is not None and fault.kind is FaultKind.TIMEOUT and capped
-    if not await settle(inv, flight, response, fault, external=False, cut_by_deadline=cut):
-        inv.reply_unconfirmed = response is not None
+    # Nothing acts on a reply before its settle is durable (DESIGN §7): a
+    # deadline that passes while it is written ends the run instead.
+    await settle(inv, flight, response, fault, external=False, cut_by_deadline=cut)
     if fault is not None:
         raise fault
     assert response is not None
@@ -262,9 +258,9 @@ async def settle(
     external: bool,
     fault_kind: bool = True,
     cut_by_deadline: bool = False,
-) -> bool:
-    """Settle the attempt in flight; False when the ledger did not confirm a
-    served settle by the deadline (`_confirm`). ``fault_kind=False``: the
+) -> None:
+    """Settle the attempt in flight and report it; a write the ledger does not
+    confirm in time (`Invocation.confirm`) stays queued. ``fault_kind=False``: the
     attempt was cut by us, not by a provider fault (none is recorded).
     ``cut_by_deadline``: the run's deadline ended it (``aborted``/``deadline``)."""
     inv.in_flight = None
@@ -333,15 +329,14 @@ async def settle(
             inv.turn_charge[dispatch.turn] = (
                 inv.turn_charge.get(dispatch.turn, 0) + priced.cost_nanousd
             )
-    confirmed = False
     try:
-        confirmed = inv.ledger is None or await inv.confirm(inv.ledger.settle_attempt(settle))
+        if inv.ledger is not None:
+            await inv.confirm(inv.ledger.settle_attempt(settle))
     finally:
         # Reported even when the run's deadline (or the caller) cut the wait for
         # the settle's write: it stays queued, and observers pair every start.
         with anyio.CancelScope(shield=True):
             await _report(inv, settle, dispatch, response)
-    return confirmed
 
 
 def _delta(inv: Invocation, turn: int, attempt: int, ordinal: int) -> Callable[[str], None] | None:

@@ -76,7 +76,7 @@ class Invocation:
         "account", "accounts", "announced", "attribution", "begun", "clock", "cost_nanousd",
         "deadline", "denied", "ended", "id", "in_flight", "kind", "last_fault", "ledger",
         "limits", "observers", "operation", "output_tokens", "policy", "prices", "provider",
-        "provider_cost_nanousd", "records", "reply_unconfirmed", "reservation", "rng",
+        "provider_cost_nanousd", "records", "reservation", "rng",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor",
     )
@@ -130,7 +130,6 @@ class Invocation:
         self.ended = False
         self.announced = False
         self.begun = False
-        self.reply_unconfirmed = False
         self.accounts = accounts if account is not None else None
         self.account = account
         self.reservation: Reservation | None = None
