@@ -52,16 +52,22 @@ import httpx2
 
 from loopengine import _validate
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._base import (
+    ProviderRequest,
+    ProviderResponse,
+    TextCallback,
+    text_or_none,
+    token_count,
+)
 from loopengine.providers._cache import place_cache_markers
 from loopengine.providers._clients import SDKProvider, provider_clients, read_stream
 from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
-    classify_sdk_error,
     is_credit_code,
     retry_after,
+    sdk_classifier,
     should_retry,
 )
 
@@ -252,10 +258,10 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             content=body["content"],
             stop_reason=body.get("stop_reason"),
             usage=usage_from_api(body.get("usage")),
-            response_id=_text(body.get("id")),
+            response_id=text_or_none(body.get("id")),
             request_id=request_id,
             http_status=status,
-            model=_text(body.get("model")),
+            model=text_or_none(body.get("model")),
         )
 
     async def _send_streaming(
@@ -317,16 +323,6 @@ def _snapshot_usage(snapshot: Any) -> Usage | None:
     return usage_from_api(snapshot.usage.to_dict())
 
 
-def _text(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _count(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return 0
-    return value
-
-
 def usage_from_api(raw: object) -> Usage | None:
     """Map an Anthropic ``usage`` object (a dict) to `Usage`.
 
@@ -337,44 +333,24 @@ def usage_from_api(raw: object) -> Usage | None:
     """
     if not isinstance(raw, Mapping):
         return None
-    write = _count(raw.get("cache_creation_input_tokens"))
+    write = token_count(raw.get("cache_creation_input_tokens"))
     creation = raw.get("cache_creation")
     one_hour = 0
     if isinstance(creation, Mapping):
-        five_minutes = _count(creation.get("ephemeral_5m_input_tokens"))
-        one_hour = _count(creation.get("ephemeral_1h_input_tokens"))
+        five_minutes = token_count(creation.get("ephemeral_5m_input_tokens"))
+        one_hour = token_count(creation.get("ephemeral_1h_input_tokens"))
         if write == 0:
             write = five_minutes + one_hour
     return Usage(
-        input_tokens=_count(raw.get("input_tokens")),
-        output_tokens=_count(raw.get("output_tokens")),
-        cache_read_tokens=_count(raw.get("cache_read_input_tokens")),
+        input_tokens=token_count(raw.get("input_tokens")),
+        output_tokens=token_count(raw.get("output_tokens")),
+        cache_read_tokens=token_count(raw.get("cache_read_input_tokens")),
         cache_write_tokens=write,
         cache_write_1h_tokens=min(one_hour, write),
     )
 
 
 # -- classification: the one place SDK errors become faults ---------------------------------
-
-
-def classify_error(
-    error: BaseException,
-    *,
-    request_id: str | None = None,
-    in_body: bool = False,
-    usage: Usage | None = None,
-    response_id: str | None = None,
-    now: datetime | None = None,
-) -> ProviderFault:
-    """Classify an SDK or transport error as one `ProviderFault` (DESIGN.md §3);
-    never raised here. The arguments are `classify_sdk_error`'s, and ``now``
-    dates a ``retry-after`` given as an HTTP date."""
-    return classify_sdk_error(
-        error, _SDK,
-        status_fault=lambda status: _status_fault(status, usage=usage,
-                                                  response_id=response_id, now=now),
-        request_id=request_id, in_body=in_body, usage=usage, response_id=response_id,
-    )
 
 
 def _status_fault(
@@ -433,3 +409,7 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
     if status >= 500:
         return FaultKind.SERVER_ERROR
     return FaultKind.BAD_REQUEST
+
+
+classify_error = sdk_classifier(lambda: _SDK, _status_fault)
+"""Classify an SDK or transport error as one `ProviderFault` (DESIGN.md §3)."""

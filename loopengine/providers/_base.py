@@ -26,7 +26,7 @@ from loopengine._usage import Usage
 from loopengine.providers._cache import CachePolicy
 
 __all__ = ["FEATURES", "Provider", "ProviderRequest", "ProviderResponse", "TextCallback",
-           "vendor_of"]
+           "text_or_none", "token_count", "vendor_of"]
 
 TextCallback = Callable[[str], Awaitable[None] | None]
 """Receives streamed text deltas, sync or async."""
@@ -145,3 +145,16 @@ class Provider(Protocol):
 def vendor_of(provider: Provider) -> str:
     """Whose API ``provider`` reaches (its declared `Provider.vendor`)."""
     return provider.vendor
+
+
+def text_or_none(value: object) -> str | None:
+    """``value`` when it is a string, else None: a field of a provider's JSON."""
+    return value if isinstance(value, str) else None
+
+
+def token_count(value: object) -> int:
+    """``value`` when it is a count (a non-negative integer), else 0: a usage
+    field of a provider's JSON, missing or null."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return 0
+    return value

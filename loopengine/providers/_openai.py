@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
-from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._base import (
+    ProviderRequest,
+    ProviderResponse,
+    TextCallback,
+    text_or_none,
+)
 from loopengine.providers._clients import SDKProvider, provider_clients, read_stream
 from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._openai_chat import (
@@ -32,7 +37,6 @@ from loopengine.providers._openai_chat import (
     chat_params,
     content_from_message,
     first_choice,
-    text_or_none,
     usage_from_api,
 )
 from loopengine.providers._openai_faults import (

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest
+from loopengine.providers._base import ProviderRequest, text_or_none, token_count
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "content_from_message",
     "first_choice",
     "stop_reason",
-    "text_or_none",
     "usage_from_api",
 ]
 
@@ -342,17 +341,6 @@ def stop_reason(finish_reason: object) -> str | None:
     return _FINISH_REASONS.get(finish_reason, finish_reason)
 
 
-def text_or_none(value: object) -> str | None:
-    """``value`` when it is a string, else None."""
-    return value if isinstance(value, str) else None
-
-
-def _count(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return 0
-    return value
-
-
 def usage_from_api(raw: object) -> Usage | None:
     """Map a Chat Completions ``usage`` object (a dict) to `Usage`.
 
@@ -364,9 +352,10 @@ def usage_from_api(raw: object) -> Usage | None:
     """
     if not isinstance(raw, Mapping):
         return None
-    prompt = _count(raw.get("prompt_tokens"))
+    prompt = token_count(raw.get("prompt_tokens"))
     details = raw.get("prompt_tokens_details")
-    cached = min(prompt, _count(details.get("cached_tokens"))) if isinstance(
+    cached = min(prompt, token_count(details.get("cached_tokens"))) if isinstance(
         details, Mapping) else 0
-    return Usage(input_tokens=prompt - cached, output_tokens=_count(raw.get("completion_tokens")),
+    return Usage(input_tokens=prompt - cached,
+                 output_tokens=token_count(raw.get("completion_tokens")),
                  cache_read_tokens=cached)

@@ -37,16 +37,16 @@ from typing import Any
 import httpx2
 
 from loopengine._usage import Usage
+from loopengine.providers._base import text_or_none as _text
 from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
-    classify_sdk_error,
     is_credit_code,
     retry_after,
+    sdk_classifier,
     should_retry,
 )
-from loopengine.providers._openai_chat import text_or_none as _text
 
 __all__ = ["classify_error", "failures", "import_openai", "read_failures"]
 
@@ -108,30 +108,6 @@ def _sdk() -> SDKErrors:
                      validation=openai.APIResponseValidationError)
 
 
-
-
-def classify_error(
-    error: BaseException,
-    *,
-    request_id: str | None = None,
-    in_body: bool = False,
-    usage: Usage | None = None,
-    response_id: str | None = None,
-    now: datetime | None = None,
-) -> ProviderFault:
-    """Classify an ``openai`` SDK or transport error as one `ProviderFault`
-    (DESIGN.md §14); never raised here. The arguments are `classify_sdk_error`'s,
-    and ``now`` dates a ``retry-after`` given as an HTTP date."""
-    return classify_sdk_error(
-        error, _sdk(),
-        status_fault=lambda status: _status_fault(status, usage=usage, response_id=response_id,
-                                                  now=now),
-        api_fault=lambda api: _stream_fault(api, request_id=request_id, usage=usage,
-                                            response_id=response_id),
-        request_id=request_id, in_body=in_body, usage=usage, response_id=response_id,
-    )
-
-
 def _error_fields(error: Any) -> tuple[str | None, str | None, str]:
     """``(type, code, message)`` of an SDK error, from its attributes or its body."""
     body = error.body if isinstance(error.body, Mapping) else {}
@@ -188,3 +164,7 @@ def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
     if status >= 500:
         return FaultKind.SERVER_ERROR
     return FaultKind.BAD_REQUEST
+
+
+classify_error = sdk_classifier(_sdk, _status_fault, _stream_fault)
+"""Classify an ``openai`` SDK or transport error as one `ProviderFault` (DESIGN.md §14)."""
