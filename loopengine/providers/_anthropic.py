@@ -66,9 +66,9 @@ from loopengine.providers._faults import (
     ProviderFault,
     SDKErrors,
     is_credit_code,
+    response_fault,
     retry_after,
     sdk_classifier,
-    should_retry,
 )
 
 __all__ = [
@@ -365,21 +365,9 @@ def _status_fault(
     error_type = error.type or _nested(body, "error", "type")
     code = error.error_code or _nested(body, "error", "code")
     message = error.api_message or _nested(body, "error", "message") or ""
-    headers = error.response.headers
-    kind = _kind(status, error_type, code, message)
-    where = "mid-stream " if status == 200 else ""
-    return ProviderFault(
-        kind,
-        f"HTTP {status} {where}{error_type or 'error'}: {message}".rstrip(": "),
-        http_status=status,
-        error_code=code or error_type,
-        retry_after=retry_after(headers, now=now),
-        should_retry=should_retry(headers),
-        request_id=error.request_id,
-        response_id=response_id,
-        usage=usage,
-        usage_approx=usage is not None,
-    )
+    return response_fault(_kind(status, error_type, code, message), error,
+                          error_type=error_type, code=code, message=message, usage=usage,
+                          response_id=response_id, now=now)
 
 
 def _nested(body: object, *keys: str) -> str | None:

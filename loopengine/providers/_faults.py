@@ -35,6 +35,7 @@ __all__ = [
     "Classifier",
     "SDKErrors",
     "classify_sdk_error",
+    "response_fault",
     "sdk_classifier",
     "is_credit_code",
     "retry_after",
@@ -333,6 +334,30 @@ def classify_sdk_error(
     # request's fault and will not improve on retry.
     return ProviderFault(FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}",
                          request_id=request_id)
+
+
+def response_fault(
+    kind: FaultKind, error: Any, *, error_type: str | None, code: str | None, message: str,
+    usage: Usage | None, response_id: str | None, now: datetime | None,
+) -> ProviderFault:
+    """The fault of an error response (an SDK's status error, ``error``) that its
+    adapter read as ``kind``, ``error_type``, ``code`` and ``message``: its status,
+    request id and ``retry-after`` / ``x-should-retry`` headers kept."""
+    status: int = error.status_code
+    headers = error.response.headers
+    where = "mid-stream " if status == 200 else ""
+    return ProviderFault(
+        kind,
+        f"HTTP {status} {where}{error_type or 'error'}: {message}".rstrip(": "),
+        http_status=status,
+        error_code=code or error_type,
+        retry_after=retry_after(headers, now=now),
+        should_retry=should_retry(headers),
+        request_id=error.request_id,
+        response_id=response_id,
+        usage=usage,
+        usage_approx=usage is not None,
+    )
 
 
 class Classifier(Protocol):

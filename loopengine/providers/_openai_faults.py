@@ -43,9 +43,8 @@ from loopengine.providers._faults import (
     ProviderFault,
     SDKErrors,
     is_credit_code,
-    retry_after,
+    response_fault,
     sdk_classifier,
-    should_retry,
 )
 
 __all__ = ["classify_error", "failures", "import_openai", "read_failures"]
@@ -120,21 +119,10 @@ def _error_fields(error: Any) -> tuple[str | None, str | None, str]:
 def _status_fault(
     error: Any, *, usage: Usage | None, response_id: str | None, now: datetime | None
 ) -> ProviderFault:
-    status: int = error.status_code
     error_type, code, message = _error_fields(error)
-    headers = error.response.headers
-    return ProviderFault(
-        _kind(status, error_type, code),
-        f"HTTP {status} {error_type or 'error'}: {message}".rstrip(": "),
-        http_status=status,
-        error_code=code or error_type,
-        retry_after=retry_after(headers, now=now),
-        should_retry=should_retry(headers),
-        request_id=error.request_id,
-        response_id=response_id,
-        usage=usage,
-        usage_approx=usage is not None,
-    )
+    return response_fault(_kind(error.status_code, error_type, code), error,
+                          error_type=error_type, code=code, message=message, usage=usage,
+                          response_id=response_id, now=now)
 
 
 def _stream_fault(
