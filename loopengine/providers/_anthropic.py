@@ -60,7 +60,6 @@ from loopengine.providers._base import (
     token_count,
 )
 from loopengine.providers._cache import place_cache_markers
-from loopengine.providers._clients import SDKProvider, provider_clients, read_stream
 from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
@@ -70,6 +69,7 @@ from loopengine.providers._faults import (
     retry_after,
     sdk_classifier,
 )
+from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
 
 __all__ = [
     "DEFAULT_STREAM_IDLE_TIMEOUT",

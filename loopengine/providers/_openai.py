@@ -30,7 +30,6 @@ from loopengine.providers._base import (
     TextCallback,
     text_or_none,
 )
-from loopengine.providers._clients import SDKProvider, provider_clients, read_stream
 from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._openai_chat import (
     StreamedCompletion,
@@ -45,6 +44,7 @@ from loopengine.providers._openai_faults import (
     import_openai,
     read_failures,
 )
+from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
 
 if TYPE_CHECKING:
     import openai
