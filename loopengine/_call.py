@@ -142,8 +142,9 @@ async def run_call(inv: Invocation, spec: CallSpec) -> CallResult[Any]:
             call.credits += inv.turn_credits(call.turn)  # what it was served is billed
         if call.turn and not inv.attempts_in_turn(call.turn):
             call.turn -= 1  # cut before the turn's request: no turn
-        trip = check_before_attempt(call._state(), inv.limits, inv.clock.now())
-        assert trip is not None  # the deadline has passed
+        # Read at the deadline, which the scope says has come.
+        trip = check_before_attempt(call._state(), inv.limits, inv.deadline.at)
+        assert trip is not None
         await call._fail_trip(trip)
 
 

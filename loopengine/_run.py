@@ -218,8 +218,9 @@ class _Loop:
         if turn and not inv.attempts_in_turn(turn):
             # Cut before the turn's first request: no request, so no turn (R01).
             self.state = replace(self.state, turns=turn - 1)
-        trip = check_before_attempt(self.state, self.limits, inv.clock.now())
-        assert trip is not None  # the deadline has passed
+        # Read at the deadline, which the scope says has come.
+        trip = check_before_attempt(self.state, self.limits, inv.deadline.at)
+        assert trip is not None
         return await self._end(trip.outcome, trip=trip)
 
     def _progress(self) -> tuple[int, int, int]:
