@@ -63,9 +63,11 @@ _NOBODY = Attribution()
 """The attribution of a run given none (frozen: one instance serves them all)."""
 
 LEDGER_GRACE = 0.2
-"""Seconds past the deadline that the ledger's writes are awaited, and the least
-an invocation's end is awaited: past them the run returns, its writes queued
-(a stalled writer cannot hold a run past its deadline, R04)."""
+"""Seconds past the deadline that the writes settling a run are awaited (a cut
+attempt's settle, the end, the account's settlement; inside the run its
+deadline scope ends every wait), and the least an end is awaited: past them
+the run returns, its writes queued (a stalled writer cannot hold a run past
+its deadline, R04)."""
 
 
 class Invocation:
@@ -152,8 +154,9 @@ class Invocation:
 
     async def confirm(self, write: Awaitable[None], *, at_least: float = 0.0) -> bool:
         """Await a ledger write, no later than `LEDGER_GRACE` past the deadline
-        (and at least ``at_least`` seconds); False when it was not confirmed by
-        then (it stays queued)."""
+        (and at least ``at_least`` seconds): the bound of the writes made
+        outside the run's deadline scope (its settling, a call's admission);
+        False when it was not confirmed by then (it stays queued)."""
         limit = max(self.deadline.remaining(self.clock.now()) + LEDGER_GRACE, at_least)
         with self.clock.cancel_scope(limit) as scope:
             await write
