@@ -22,8 +22,8 @@ Every contender sends through the same kind of client (``--transport``):
 ``default`` is the client an `AnthropicProvider` / `OpenAIProvider` builds
 from keywords (the bare loops take the provider's own client, so the floor
 has the same client settings): on asyncio, the SDK's aiohttp client;
-``flat`` is the SDK's httpx client on `PooledTransport` (what a provider
-built from keywords uses on trio); ``sdk`` is the SDK's own default
+``sdk`` is the SDK's own default (what a provider built from keywords uses
+on trio)
 (``httpx2`` with httpcore's connection pool, its limits but for room for N
 connections); ``aiohttp`` the SDK's ``DefaultAioHttpClient`` given directly.
 
@@ -143,18 +143,6 @@ def sdk_http_client(sdk: Any, transport: str, n: int) -> Any:
         max_connections=connections(n), max_keepalive_connections=100))
 
 
-def flat_client(n: int) -> Any:
-    """The SDK's httpx client on `PooledTransport`, room for N connections, all kept."""
-    import httpx2
-
-    from loopengine.providers import PooledTransport
-
-    limits = httpx2.Limits(max_connections=connections(n),
-                           max_keepalive_connections=connections(n))
-    return httpx2.AsyncClient(transport=PooledTransport(limits=limits),
-                              timeout=httpx2.Timeout(600, connect=5.0), follow_redirects=True)
-
-
 def anthropic_client(url: str, transport: str, n: int) -> Any:
     """The SDK client the contenders on the Messages API send through."""
     import anthropic
@@ -164,9 +152,6 @@ def anthropic_client(url: str, transport: str, n: int) -> Any:
     if transport == "default":
         return AnthropicProvider(api_key="bench", base_url=url,
                                  max_connections=connections(n)).client
-    if transport == "flat":
-        return anthropic.AsyncAnthropic(api_key="bench", base_url=url, max_retries=0,
-                                        http_client=flat_client(n))
     return anthropic.AsyncAnthropic(api_key="bench", base_url=url, max_retries=0,
                                     http_client=sdk_http_client(anthropic, transport, n))
 
@@ -180,9 +165,6 @@ def openai_client(url: str, transport: str, n: int) -> Any:
     if transport == "default":
         return OpenAIProvider(api_key="bench", base_url=url + "/v1",
                               max_connections=connections(n)).client
-    if transport == "flat":
-        return openai.AsyncOpenAI(api_key="bench", base_url=url + "/v1", max_retries=0,
-                                  http_client=flat_client(n))
     return openai.AsyncOpenAI(api_key="bench", base_url=url + "/v1", max_retries=0,
                               http_client=sdk_http_client(openai, transport, n))
 
@@ -614,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
-    parser.add_argument("--transport", choices=["default", "flat", "sdk", "aiohttp"],
+    parser.add_argument("--transport", choices=["default", "sdk", "aiohttp"],
                         default="default")
     parser.add_argument("--rate", type=float, default=RATE,
                         help="turns per second the N conversations ask for (default "

@@ -20,8 +20,8 @@ moment of the machine hits all of them alike. CPU time is the process's
 (every thread) plus the ledger's writer process (read from
 ``/proc/<pid>/task/*/schedstat``); the part outside the event loop's thread
 is shown apart as "elsewhere". Wall time also holds the ledger's fsyncs
-(``synchronous=FULL``) where they are not overlapped with the request's
-building, so put ``--ledger-dir`` on the disk you mean to measure.
+(``synchronous=FULL``), each dispatch awaited before its request is
+built, so put ``--ledger-dir`` on the disk you mean to measure.
 
 The sequential cost of durability: a reply's settle is on disk before its
 tool handlers run (DESIGN.md §7), so on this path every turn costs two

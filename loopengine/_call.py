@@ -25,13 +25,20 @@ from typing import Any, Generic, Literal, NoReturn, TypeVar
 
 import pydantic
 
+from loopengine._attempt import request, settle_cut
 from loopengine._errors import OutcomeError, StructuredOutputError
 from loopengine._invocation import Invocation
+from loopengine._lifecycle import ending, finish
 from loopengine._operation import Operation
 from loopengine._outcome import Outcome
 from loopengine._tools import describe_validation_error
 from loopengine._usage import Usage
-from loopengine.guards._checkpoints import ConversationState, GuardTrip, check_credits
+from loopengine.guards._checkpoints import (
+    ConversationState,
+    GuardTrip,
+    check_before_attempt,
+    check_credits,
+)
 from loopengine.persistence._records import AttemptRecord
 from loopengine.providers._base import ProviderRequest, ProviderResponse
 from loopengine.providers._faults import FaultKind, ProviderError
@@ -110,8 +117,20 @@ class CallSpec:
 async def run_call(inv: Invocation, spec: CallSpec) -> CallResult[Any]:
     """Make the call; return its result or raise an `OutcomeError` carrying ``attempts``."""
     call = _Call(inv, spec)
-    async with inv.ending(lambda: (call.turn, 0, call.credits)):
-        return await call.run()
+    async with ending(inv, lambda: (call.turn, 0, call.credits)):
+        # The call's one deadline: every wait inside ends at it.
+        with inv.clock.deadline_scope(inv.deadline.at):
+            return await call.run()
+        # The deadline cut a wait: settle the attempt it cut, and end time_limit.
+        await settle_cut(inv)
+        if call.turn > call.charged:
+            call.credits += inv.turn_credits(call.turn)  # what it was served is billed
+        if call.turn and not inv.attempts_in_turn(call.turn):
+            call.turn -= 1  # cut before the turn's request: no turn
+        # Read at the deadline, which the scope says has come.
+        trip = check_before_attempt(call._state(), inv.limits, inv.deadline.at)
+        assert trip is not None
+        await call._fail_trip(trip)
 
 
 class _Call:
@@ -120,6 +139,8 @@ class _Call:
         self.spec = spec
         self.turn = 0
         self.credits = 0
+        self.charged = 0
+        """The last turn whose charge is in the credits."""
         self.messages = list(spec.messages)
         schema = spec.output.model_json_schema()
         schema.pop("title", None)
@@ -160,12 +181,13 @@ class _Call:
                 mode, phase = "prompt", "fallback"
             self.turn += 1
             tokens = max_tokens
-            response = await inv.request(
-                turn=self.turn, phase=phase,
+            response = await request(
+                inv, turn=self.turn, phase=phase,
                 build=functools.partial(self._build, max_tokens=tokens, mode=mode),
                 max_attempts=remaining,
             )
             self.credits += inv.turn_credits(self.turn)
+            self.charged = self.turn
             if isinstance(response, GuardTrip):
                 await self._fail_trip(response)
             if isinstance(response, RetryStop):
@@ -267,7 +289,7 @@ class _Call:
             self.messages.append({"role": "user", "content": text})
 
     async def _finish(self, outcome: Outcome, trip: GuardTrip | None = None) -> None:
-        await self.inv.finish(outcome.value, turns=self.turn, tool_calls=0, credits=self.credits,
+        await finish(self.inv, outcome.value, turns=self.turn, tool_calls=0, credits=self.credits,
                               trip=trip)
 
     async def _fail_trip(self, trip: GuardTrip) -> NoReturn:

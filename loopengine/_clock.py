@@ -1,12 +1,14 @@
 """Time, injected: the engine never reads the clock or sleeps any other way.
 
-`SystemClock` uses anyio's monotonic clock and sleep; `FakeClock` (exported
-from `loopengine.testing`) advances only when someone sleeps on it, so tests
-of retry waits and deadlines take no real time.
+`SystemClock` uses anyio's monotonic clock, sleep and cancel scopes (so on
+trio's ``MockClock`` it is the mock time); `FakeClock` (exported from
+`loopengine.testing`) advances only when someone sleeps on it, so tests of
+retry waits and deadlines take no real time.
 """
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, runtime_checkable
 
@@ -36,6 +38,15 @@ class Clock(Protocol):
         """A cancel scope that expires ``seconds`` from now on this clock."""
         ...
 
+    def deadline_scope(self, at: float) -> anyio.CancelScope:
+        """A cancel scope that expires at ``at`` (a reading of `now`): a run's deadline."""
+        ...
+
+    def effective_deadline(self) -> float:
+        """The earliest deadline of the cancel scopes around the caller, on this
+        clock (infinite when none has one)."""
+        ...
+
 
 class SystemClock:
     """The real clock: `anyio.current_time` and `anyio.sleep`."""
@@ -55,6 +66,14 @@ class SystemClock:
     def cancel_scope(self, seconds: float) -> anyio.CancelScope:
         """`anyio.move_on_after` on the real clock."""
         return anyio.move_on_after(seconds)
+
+    def deadline_scope(self, at: float) -> anyio.CancelScope:
+        """`anyio.CancelScope` with ``deadline=at``."""
+        return anyio.CancelScope(deadline=at)
+
+    def effective_deadline(self) -> float:
+        """`anyio.current_effective_deadline`: the caller's own deadlines count too."""
+        return anyio.current_effective_deadline()
 
 
 class FakeClock:
@@ -91,6 +110,15 @@ class FakeClock:
         code runs, so work under it finishes or fails on its own (scripted
         delays beyond a timeout fail in the provider)."""
         return anyio.CancelScope()
+
+    def deadline_scope(self, at: float) -> anyio.CancelScope:
+        """A scope that never expires by itself, as `cancel_scope`: on fake time the
+        engine's checkpoints end a run at its deadline."""
+        return anyio.CancelScope()
+
+    def effective_deadline(self) -> float:
+        """Infinite: no scope expires on fake time."""
+        return math.inf
 
     async def sleep(self, seconds: float) -> None:
         """Record the wait, advance time at once, and yield to the event loop."""

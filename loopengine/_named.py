@@ -21,13 +21,16 @@ and `dataclasses.fields` does not list them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Self, cast
+
+from loopengine._errors import ConfigError
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["NamedFields", "named_fields", "replaced_from"]
+__all__ = ["NamedFields", "given", "given_values", "named_fields", "replaced_from"]
 
 _ORIGIN = "_origin"
 """The init-only pseudo-field through which `dataclasses.replace` hands over the
@@ -68,6 +71,33 @@ class NamedFields:
 def named_fields(instance: NamedFields) -> frozenset[str]:
     """The fields ``instance`` was given (see the module docstring)."""
     return instance._named
+
+
+def given_values(instance: NamedFields) -> dict[str, object]:
+    """The fields ``instance`` was given, with their values: all that an override
+    built from it changes (every other field keeps the published value)."""
+    return {name: getattr(instance, name) for name in instance._named}
+
+
+def given(override: object, cls: type[NamedFields], *, field: str,
+          check: Callable[[Mapping[str, object]], object]) -> dict[str, object]:
+    """The values an override of ``cls`` names, and only those: the fields given to
+    ``cls(...)`` (`given_values`), or the keys of a mapping (checked by ``check``).
+
+    Raises:
+        ConfigError: neither an instance nor a mapping (field ``field``), or a
+            mapping ``check`` refuses (its field prefixed ``field.``).
+    """
+    if isinstance(override, cls):
+        return given_values(override)
+    if not isinstance(override, Mapping):
+        raise ConfigError(field, f"must be {cls.__name__} or a mapping, got "
+                                 f"{type(override).__name__}")
+    try:
+        check(override)
+    except ConfigError as error:
+        raise error.with_prefix(field) from None
+    return dict(override)
 
 
 def replaced_from() -> Any:

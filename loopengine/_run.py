@@ -28,9 +28,11 @@ from typing import Any
 import anyio
 import pydantic
 
+from loopengine._attempt import request, settle_cut
 from loopengine._errors import ConfigError
 from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
+from loopengine._lifecycle import begin, cancelled, failed, finish
 from loopengine._outcome import Outcome
 from loopengine._pricing import nanousd_to_usd
 from loopengine._result import RunResult
@@ -40,6 +42,7 @@ from loopengine.events import ToolCallEvent
 from loopengine.guards._checkpoints import (
     ConversationState,
     GuardTrip,
+    check_before_attempt,
     check_before_turn,
     check_credits,
     check_rejection_budget,
@@ -110,8 +113,8 @@ def run_loop(inv: Invocation, spec: RunSpec) -> Coroutine[Any, Any, RunResult]:
 
 
 class _Loop:
-    __slots__ = ("_given_messages", "answered_calls", "definitions", "inv", "spec", "state",
-                 "tools", "transcript", "wrapping")
+    __slots__ = ("_given_messages", "answered_calls", "charged", "cut_results", "definitions",
+                 "inv", "spec", "state", "tools", "transcript", "wrapping")
 
     def __init__(self, inv: Invocation, spec: RunSpec) -> None:
         self.inv = inv
@@ -129,6 +132,10 @@ class _Loop:
         self.definitions = definitions
         self.answered_calls: dict[str, int] = {}
         """Calls of each tool that ran its handler (or were let through to it)."""
+        self.charged = 0
+        """The last turn whose charge is in the credits."""
+        self.cut_results: tuple[list[dict[str, Any]], int] | None = None
+        """A tool batch's results when the run's deadline cut it, and its size."""
         self.wrapping: str | None = None
         """Why the turn being sent is a wrap-up turn (``turns``, ``budget``), or None."""
 
@@ -142,53 +149,79 @@ class _Loop:
     async def run(self) -> RunResult:
         """Run the conversation to its outcome.
 
-        `Invocation.ending` written out in this frame rather than entered with
+        `loopengine._lifecycle.ending` written out in this frame rather than entered with
         ``async with`` (an async generator and its context manager): a waiting
         conversation holds every frame and object between `Engine.run` and
         the SDK, and thousands wait at once."""
         inv = self.inv
         try:
-            await inv.begin()
-            if inv.denied is not None:
-                return await self._end(inv.denied.outcome, trip=inv.denied)
-            phase = "turn"
-            while True:
-                trip = check_before_turn(self.state, self.limits, inv.clock.now())
-                if trip is not None:
-                    return await self._end(trip.outcome, trip=trip)
-                turn = self.state.turns + 1
-                self.state = replace(self.state, turns=turn)
-                self.wrapping = self._wrap_up_due(turn)
-                if self.wrapping is not None:
-                    phase = "wrap_up"
-                    self._add_wrap_up_text()
-                # The turn's request, its retries and its pause_turn continuations.
-                reply = await inv.request(turn=turn, phase=phase, build=self._build)
-                if isinstance(reply, ProviderResponse):
-                    self.transcript.append({"role": "assistant",
-                                            "content": _copy_blocks(reply.content)})
-                    if reply.stop_reason == "pause_turn":
-                        reply = await self._continue_turn(turn)
-                self._charge(turn)
-                if not isinstance(reply, ProviderResponse):
-                    if not inv.attempts_in_turn(turn):
-                        # Time ran out between the two checks: no request, so no turn (R01).
-                        self.state = replace(self.state, turns=turn - 1)
-                    return await self._stopped(reply)
-                stop_reason = reply.stop_reason
-                # The transcript has its own copy: the next turn's wait must not
-                # keep this reply alive.
-                del reply
-                step = await self._review(turn, stop_reason)
-                if isinstance(step, RunResult):
-                    return step
-                phase = step
+            # The run's one deadline: every wait inside ends at it (a wait that
+            # passes it is cut here, and `_deadline_passed` ends the run).
+            with inv.clock.deadline_scope(inv.deadline.at):
+                await begin(inv)
+                if inv.denied is not None:
+                    return await self._end(inv.denied.outcome, trip=inv.denied)
+                phase = "turn"
+                while True:
+                    trip = check_before_turn(self.state, self.limits, inv.clock.now())
+                    if trip is not None:
+                        return await self._end(trip.outcome, trip=trip)
+                    turn = self.state.turns + 1
+                    self.state = replace(self.state, turns=turn)
+                    self.wrapping = self._wrap_up_due(turn)
+                    if self.wrapping is not None:
+                        phase = "wrap_up"
+                        self._add_wrap_up_text()
+                    # The turn's request, its retries and its pause_turn continuations.
+                    reply = await request(inv, turn=turn, phase=phase, build=self._build,
+                                          on_text=self.spec.on_text)
+                    if isinstance(reply, ProviderResponse):
+                        self.transcript.append({"role": "assistant",
+                                                "content": _copy_blocks(reply.content)})
+                        if reply.stop_reason == "pause_turn":
+                            reply = await self._continue_turn(turn)
+                    self._charge(turn)
+                    if not isinstance(reply, ProviderResponse):
+                        if not inv.attempts_in_turn(turn):
+                            # Time ran out between the two checks: no request, so no turn (R01).
+                            self.state = replace(self.state, turns=turn - 1)
+                        return await self._stopped(reply)
+                    stop_reason = reply.stop_reason
+                    # The transcript has its own copy: the next turn's wait must not
+                    # keep this reply alive.
+                    del reply
+                    step = await self._review(turn, stop_reason)
+                    if isinstance(step, RunResult):
+                        return step
+                    phase = step
+            return await self._deadline_passed()
         except anyio.get_cancelled_exc_class():
-            await inv.cancelled(self._progress)
+            await cancelled(inv, self._progress)
             raise
         except Exception as error:
-            await inv.failed(error, self._progress)
+            await failed(inv, error, self._progress)
             raise
+
+    async def _deadline_passed(self) -> RunResult:
+        """The run's deadline cut a wait (an attempt, its row's write, the tools,
+        an observer, the judge): settle what it cut and end ``time_limit`` (R04)."""
+        inv = self.inv
+        await settle_cut(inv)
+        turn = self.state.turns
+        if turn > self.charged:
+            self._charge(turn)  # what the cut turn was served is billed (R03)
+        if self.cut_results is not None:
+            # The batch's results, the cut calls' among them (`_run_tools`).
+            results, batch = self.cut_results
+            self.transcript.append({"role": "user", "content": results})
+            self.state = replace(self.state, tool_calls=self.state.tool_calls + batch)
+        if turn and not inv.attempts_in_turn(turn):
+            # Cut before the turn's first request: no request, so no turn (R01).
+            self.state = replace(self.state, turns=turn - 1)
+        # Read at the deadline, which the scope says has come.
+        trip = check_before_attempt(self.state, self.limits, inv.deadline.at)
+        assert trip is not None
+        return await self._end(trip.outcome, trip=trip)
 
     def _progress(self) -> tuple[int, int, int]:
         return self.state.turns, self.state.tool_calls, self.state.credits
@@ -261,7 +294,7 @@ class _Loop:
 
         # 5. Tools (R08, R09, R15).
         if batch:
-            results.extend(await self._run_tools(turn, batch))
+            await self._run_tools(turn, batch, results)
             self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
         if results:
             self.transcript.append({"role": "user", "content": results})
@@ -280,7 +313,8 @@ class _Loop:
                     Outcome.INCOMPLETE, "stop_reason", "pause_turn", MAX_CONTINUATIONS,
                     f"the turn paused more than {MAX_CONTINUATIONS} times",
                 )
-            reply = await self.inv.request(turn=turn, phase="continuation", build=self._build)
+            reply = await request(self.inv, turn=turn, phase="continuation", build=self._build,
+                                           on_text=self.spec.on_text)
             if not isinstance(reply, ProviderResponse):
                 return reply
             self.transcript[-1]["content"].extend(_copy_blocks(reply.content))
@@ -329,12 +363,12 @@ class _Loop:
             tool_choice=self._tool_choice(),
             timeout=timeout,
             cache=self.inv.operation.cache,
-            on_text=self.spec.on_text,
             metadata={"turn": self.state.turns},
         )
 
     def _charge(self, turn: int) -> None:
         """Add the turn's rounded charge; the crossing turn stays billed (R03, S01)."""
+        self.charged = turn
         self.state = replace(self.state, credits=self.state.credits + self.inv.turn_credits(turn))
 
     # -- answers ----------------------------------------------------------------------
@@ -381,9 +415,10 @@ class _Loop:
     # -- tools --------------------------------------------------------------------------
 
     async def _run_tools(
-        self, turn: int, batch: Sequence[Mapping[str, Any]]
-    ) -> list[dict[str, Any]]:
-        """Run the whole batch concurrently under the remaining time."""
+        self, turn: int, batch: Sequence[Mapping[str, Any]], out: list[dict[str, Any]]
+    ) -> None:
+        """Run the whole batch concurrently, within the run's deadline; add their
+        results to ``out``. A call the deadline cut gets an error result."""
         inv = self.inv
         observed = bool(inv.observers)  # events are built only for someone to see
         usage = inv.turn_usage(turn) if observed else Usage()
@@ -464,21 +499,31 @@ class _Loop:
             results[index] = _tool_result(block, text, error=True)
             await tool_event(block, "failed", inv.clock.now() - started, failed)
 
+        async def collect() -> None:
+            for index, block in enumerate(batch):
+                result = results[index]
+                if result is None:
+                    result = _tool_result(
+                        block, "The tool call did not finish before the run's time ran out.",
+                        error=True)
+                    await tool_event(block, "failed", inv.clock.now() - began, "deadline")
+                out.append(result)
+
         began = inv.clock.now()
-        with inv.clock.cancel_scope(inv.deadline.remaining(began)):
+        try:
             async with anyio.create_task_group() as group:
                 for index, block in enumerate(batch):
                     group.start_soon(one, index, block)
-        out: list[dict[str, Any]] = []
-        for index, block in enumerate(batch):
-            result = results[index]
-            if result is None:
-                result = _tool_result(
-                    block, "The tool call did not finish before the run's time ran out.",
-                    error=True)
-                await tool_event(block, "failed", inv.clock.now() - began, "deadline")
-            out.append(result)
-        return out
+        except anyio.get_cancelled_exc_class():
+            if inv.deadline.remaining(inv.clock.now()) > 0:
+                raise  # the caller's cancellation
+            # The run's deadline: the calls it cut get error results, which
+            # `_deadline_passed` adds to the transcript.
+            with anyio.CancelScope(shield=True):
+                await collect()
+            self.cut_results = (out, len(batch))
+            raise
+        await collect()
 
     # -- endings -------------------------------------------------------------------------
 
@@ -518,7 +563,7 @@ class _Loop:
             detail = trip.message if trip else "the answer was accepted"
         self._close_unrun_calls(answered, f"Not run: the run ended {outcome.value} before "
                                           f"this call ran: {detail}.")
-        await inv.finish(outcome.value, turns=self.state.turns,
+        await finish(inv, outcome.value, turns=self.state.turns,
                          tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
         return RunResult(
             outcome=outcome,

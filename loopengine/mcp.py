@@ -53,7 +53,7 @@ try:
     from mcp.client.streamable_http import streamable_http_client
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "loopengine.mcp needs the official MCP SDK: pip install 'loopengine[mcp]'"
+        "loopengine.mcp needs the official MCP SDK: pip install 'loopengine-core[mcp]'"
     ) from error
 
 __all__ = ["CONNECT_TIMEOUT", "MCPServer", "MCPServerError", "MCPToolError"]

@@ -24,11 +24,13 @@ import loopengine as le
 from loopengine.persistence import SQLiteLedger
 from loopengine.providers import (
     FaultKind,
+    Provider,
     ProviderFault,
     ProviderRequest,
     ProviderResponse,
     Reply,
     ScriptedProvider,
+    TextCallback,
 )
 
 PRICES = le.PriceBook(
@@ -47,7 +49,7 @@ async def lookup(key: str) -> str:
     return key.upper()
 
 
-class OnTheWire:
+class OnTheWire(Provider):
     """A provider whose request never comes back."""
 
     name = "anthropic"
@@ -55,7 +57,8 @@ class OnTheWire:
     def __init__(self, ledger: SQLiteLedger) -> None:
         self.ledger = ledger
 
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
         print("ON THE WIRE", self.ledger.writer_pid, flush=True)
         await anyio.sleep_forever()
         raise AssertionError("unreachable")

@@ -8,12 +8,19 @@ import pytest
 import loopengine as le
 from loopengine.events import Event, RunEnded
 from loopengine.persistence import MemoryLedger
-from loopengine.providers import ProviderRequest, ProviderResponse, Reply, ScriptedProvider
+from loopengine.providers import (
+    Provider,
+    ProviderRequest,
+    ProviderResponse,
+    Reply,
+    ScriptedProvider,
+    TextCallback,
+)
 
 from .conftest import PRICES, operation
 
 
-class Hanging:
+class Hanging(Provider):
     """A provider whose requests never come back (until cancelled)."""
 
     name = "anthropic"
@@ -21,7 +28,8 @@ class Hanging:
     def __init__(self) -> None:
         self.started = anyio.Event()
 
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
         self.started.set()
         await anyio.sleep_forever()
         raise AssertionError("unreachable")

@@ -17,7 +17,12 @@ from types import CoroutineType
 from typing import Any
 
 import loopengine as le
-from loopengine.providers import ProviderRequest, ProviderResponse
+from loopengine.providers import (
+    Provider,
+    ProviderRequest,
+    ProviderResponse,
+    TextCallback,
+)
 
 HELD = 50
 """Conversations held waiting at once: one-off objects are shared among them."""
@@ -36,7 +41,7 @@ before, and an async generator: the run loop's entry, its ``ending`` context
 manager, its turn, and the retry loop with its ``send`` closure."""
 
 
-class HoldingProvider:
+class HoldingProvider(Provider):
     """Answers every turn before `HELD_TURN` with a tool call at once; holds the
     request of that turn until `release` is set."""
 
@@ -48,7 +53,8 @@ class HoldingProvider:
         self.expected = 0
         self.all_held = asyncio.Event()
 
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
         turn = request.metadata["turn"]
         if turn == HELD_TURN:
             self.held += 1

@@ -21,6 +21,9 @@ CONTRACT = {
     "loopengine.testing": {"FakeClock"},
 }
 
+LAZY = {"loopengine.providers": {"AnthropicProvider", "OpenAIProvider"}}
+"""Names a package imports on first use (with their SDK), so not yet in its namespace."""
+
 
 @pytest.mark.parametrize("name", sorted(CONTRACT))
 def test_all_is_exactly_the_public_names(name: str) -> None:
@@ -30,7 +33,7 @@ def test_all_is_exactly_the_public_names(name: str) -> None:
         attr for attr, value in vars(module).items()
         if not attr.startswith("_") and not isinstance(value, types.ModuleType)
         and not (name == "loopengine" and attr == "annotations")
-    }
+    } | LAZY.get(name, set())
     assert set(module.__all__) == public
     assert len(module.__all__) == len(set(module.__all__))
     assert CONTRACT[name] <= set(module.__all__)

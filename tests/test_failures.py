@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import sqlite3
 from pathlib import Path
-from typing import Any
 
+import anyio
 import pydantic
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -77,41 +77,6 @@ async def test_r01_a_run_whose_dispatch_cannot_be_written_ends_failed() -> None:
     assert isinstance(ended, RunEnded)
     assert (ended.outcome, ended.attempts, ended.turns) == ("failed", 1, 1)
     assert sum(isinstance(e, RunEnded) for e in events) == 1
-
-
-class RefusingEarlyLedger(RefusingLedger):
-    """The same refusal through `begin_dispatch`: it reaches the provider's gate
-    before the wire."""
-
-    def begin_dispatch(self, record: AttemptDispatch) -> Any:
-        ledger = self
-
-        class Receipt:
-            async def wait(self) -> None:
-                if (record.invocation_id, record.ordinal) not in ledger.attempts:
-                    await ledger.dispatch_attempt(record)
-
-        return Receipt()
-
-
-async def test_a_refusal_at_the_gate_before_the_wire_ends_failed() -> None:
-    """The provider awaits the row's write before the wire and gets the LedgerError:
-    nothing is sent; the attempt's AttemptStarted has no AttemptSettled, and
-    RunEnded(failed) does not count it."""
-    ledger = RefusingEarlyLedger(refuse=2)
-    events: list[Event] = []
-    provider = ScriptedProvider(script())
-    engine = le.Engine(provider, ledger=ledger, prices=PRICES, observers=[events.append])
-    with pytest.raises(le.LedgerError, match="cannot write attempt 2") as raised:
-        await engine.run(operation(), "go", tools=[lookup])
-    assert raised.value.attempts == 1 and len(provider.requests) == 1
-    started = [e.ordinal for e in events if isinstance(e, AttemptStarted)]
-    settled = [e.ordinal for e in events if isinstance(e, AttemptSettled)]
-    assert (started, settled) == ([1, 2], [1])
-    ended = events[-1]
-    assert isinstance(ended, RunEnded) and (ended.outcome, ended.attempts) == ("failed", 1)
-    (invocation,) = ledger.invocations.values()
-    assert (invocation["outcome"], invocation["attempt_count"]) == ("failed", 1)
 
 
 async def test_r01_a_retry_that_cannot_be_written_leaves_its_turn_counted() -> None:
@@ -233,3 +198,42 @@ async def test_a_run_whose_sqlite_ledger_closed_mid_run_ends_for_its_observers(
         attempts = conn.execute("SELECT ordinal, outcome FROM attempts").fetchall()
     assert rows == [("running", 1)]
     assert attempts == [(1, "ok")]
+
+
+class UnconfirmedLedger(MemoryLedger):
+    """Keeps each attempt's row but never confirms its dispatch (a stalled writer)."""
+
+    async def dispatch_attempt(self, record: AttemptDispatch) -> None:
+        await super().dispatch_attempt(record)
+        await anyio.Event().wait()
+
+
+def test_r04_a_dispatch_not_confirmed_by_the_deadline_sends_nothing() -> None:
+    """On trio's MockClock: a row the ledger does not confirm is awaited until the
+    run's deadline plus the ledger's grace; nothing is sent, the attempt is settled
+    ``aborted``/``deadline`` (with its AttemptStarted), and the run ends
+    ``time_limit``."""
+    import trio
+    import trio.testing
+
+    ledger = UnconfirmedLedger()
+    events: list[Event] = []
+    provider = ScriptedProvider([Reply.text("never sent")])
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, observers=[events.append])
+    seen: list[tuple[le.RunResult, float]] = []
+
+    async def main() -> None:
+        began = anyio.current_time()
+        result = await engine.run(operation(total_time=2.0), "go")
+        seen.append((result, anyio.current_time() - began))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    ((result, took),) = seen
+    assert result.outcome is le.Outcome.TIME_LIMIT and provider.requests == []
+    assert took == pytest.approx(2.0)
+    (row,) = ledger.attempts.values()
+    assert (row["outcome"], row["aborted_reason"], row["http_status"]) == (
+        "aborted", "deadline", None)
+    started = [e.ordinal for e in events if isinstance(e, AttemptStarted)]
+    settled = [e.ordinal for e in events if isinstance(e, AttemptSettled)]
+    assert started == settled == [1]

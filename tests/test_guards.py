@@ -10,6 +10,7 @@ from loopengine.guards import (
     ConversationState,
     Deadline,
     attempt_timeout,
+    check_admission,
     check_before_attempt,
     check_before_turn,
     check_credits,
@@ -17,6 +18,7 @@ from loopengine.guards import (
     check_terminal,
     check_tool_batch,
     turn_credits,
+    unconfirmed_by_deadline,
 )
 
 
@@ -122,3 +124,22 @@ def test_turn_credits_round_up_to_the_quantum() -> None:
     assert turn_credits(1_000_001, Decimal(1000), 1) == 2
     assert turn_credits(120_000, Decimal(1_000_000), 50) == 150
     assert turn_credits(150_000, Decimal(1_000_000), 50) == 150
+
+
+def test_r04_a_write_not_confirmed_by_the_deadline_is_the_time_limit() -> None:
+    """What the ledger did not record before the deadline ends the run ``time_limit``,
+    naming what was not recorded and the limit."""
+    trip = unconfirmed_by_deadline(Limits(total_time=5.0), "the attempt")
+    assert (trip.outcome, trip.guard, trip.limit) == (Outcome.TIME_LIMIT, "total_time", 5.0)
+    assert "did not record the attempt before the deadline" in trip.message
+
+
+def test_admission_denies_only_a_run_with_nothing_reserved() -> None:
+    """Nothing reserved denies the run (``admission_denied``, the balance observed);
+    any reservation, even less than the hold, admits it (a narrowing)."""
+    trip = check_admission("acme", 0, -1, 50)
+    assert trip is not None
+    assert (trip.outcome, trip.guard, trip.observed, trip.limit) == (
+        Outcome.ADMISSION_DENIED, "account", -1, 50)
+    assert "0 credits available" in trip.message
+    assert check_admission("acme", 10, 10, 50) is None

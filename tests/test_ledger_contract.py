@@ -19,7 +19,14 @@ import pytest
 import loopengine as le
 from loopengine.persistence import Ledger, MemoryLedger, PostgresLedger, SQLiteLedger
 from loopengine.persistence._piped import WriterKind
-from loopengine.providers import ProviderRequest, ProviderResponse, Reply, ScriptedProvider
+from loopengine.providers import (
+    Provider,
+    ProviderRequest,
+    ProviderResponse,
+    Reply,
+    ScriptedProvider,
+    TextCallback,
+)
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, EngineFactory, operation
@@ -145,7 +152,7 @@ async def test_a_pre_wire_refusal_writes_no_attempt_row(
     assert (row["outcome"], row["attempt_count"], row["turns"]) == ("time_limit", 1, 1)
 
 
-class Hanging:
+class Hanging(Provider):
     """A provider whose request never comes back (until cancelled)."""
 
     name = "anthropic"
@@ -153,7 +160,8 @@ class Hanging:
     def __init__(self) -> None:
         self.on_the_wire = anyio.Event()
 
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
         self.on_the_wire.set()
         await anyio.sleep_forever()
         raise AssertionError("unreachable")

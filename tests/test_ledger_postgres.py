@@ -300,7 +300,7 @@ def test_a_writer_process_that_cannot_start(
 async def test_the_row_is_committed_when_the_request_reaches_the_server(
     make_ledger: Factory,
 ) -> None:
-    """Through the SDK (the dispatch overlapped with building the request): when each
+    """Through the SDK: when each
     request reaches the loopback server, another connection already sees its row as
     dispatched and the previous reply settled; the ledger's tokens equal the server's."""
     ledger = make_ledger(linger=30)
@@ -316,7 +316,6 @@ async def test_the_row_is_committed_when_the_request_reaches_the_server(
                               witness(Reply.text("done"))]) as server:
         provider = AnthropicProvider(api_key="k", base_url=server.url,
                                      http_client=httpx2.AsyncClient())
-        assert provider.awaits_before_wire
         engine = le.Engine(provider, ledger=ledger, prices=PRICES)
         result = await engine.run(operation(), "go", tools=[lookup])
         await provider.aclose()

@@ -31,10 +31,12 @@ from loopengine.persistence._schema import (
 )
 from loopengine.providers import (
     AnthropicProvider,
+    Provider,
     ProviderRequest,
     ProviderResponse,
     Reply,
     ScriptedProvider,
+    TextCallback,
 )
 from loopengine.testing import FakeAnthropicServer, FakeClock
 
@@ -114,7 +116,7 @@ async def test_times_are_iso_utc_text_and_money_is_integer(
 # -- durability and commits ----------------------------------------------------------
 
 
-class Witness:
+class Witness(Provider):
     """A provider that looks at the database file while its request is on the wire."""
 
     name = "anthropic"
@@ -123,7 +125,8 @@ class Witness:
         self.path = path
         self.seen: list[tuple[str, list[tuple[int, str]]]] = []
 
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
         conn = connect(self.path)
         (outcome,), = conn.execute("SELECT outcome FROM invocations")
         rows = [(r["ordinal"], r["outcome"]) for r in

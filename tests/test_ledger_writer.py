@@ -289,7 +289,6 @@ async def test_the_row_is_on_disk_when_the_request_reaches_the_server(tmp_path: 
             SQLiteLedger(path, linger=30) as ledger:
         provider = AnthropicProvider(api_key="k", base_url=server.url,
                                      http_client=httpx2.AsyncClient())
-        assert provider.awaits_before_wire
         engine = le.Engine(provider, ledger=ledger, prices=PRICES)
         result = await engine.run(operation(), "go", tools=[lookup])
         await provider.aclose()

@@ -1,48 +1,37 @@
-"""The shared retry loop, without real sleeping."""
+"""The engine's one retry loop, without real sleeping: each test runs a
+conversation on a `FakeClock` against a scripted provider."""
 
 from __future__ import annotations
 
-import math
 import random
+from typing import Any
 
 import pytest
 
 import loopengine as le
-from loopengine.guards import GuardTrip
+from loopengine.persistence import MemoryLedger
 from loopengine.providers import (
     FaultKind,
     ProviderFault,
-    ProviderResponse,
-    RetryStop,
+    Reply,
+    ScriptedProvider,
     backoff_wait,
-    run_with_retries,
 )
 from loopengine.testing import FakeClock
 
-OK = ProviderResponse(content=[{"type": "text", "text": "ok"}], stop_reason="end_turn")
+from .conftest import PRICES, operation
 
 
-def sender(*outcomes: ProviderFault | ProviderResponse):  # type: ignore[no-untyped-def]
-    calls: list[tuple[int, float]] = []
-    items = iter(outcomes)
-
-    async def send(attempt: int, wait: float) -> ProviderResponse:
-        calls.append((attempt, wait))
-        item = next(items)
-        if isinstance(item, ProviderFault):
-            raise item
-        return item
-
-    return send, calls
-
-
-async def run(send, clock: FakeClock, *, remaining: float = math.inf,  # type: ignore[no-untyped-def]
-              policy: le.RetryPolicy | None = None, max_attempts: int | None = None):
-    return await run_with_retries(
-        send, policy=policy or le.RetryPolicy(), clock=clock,
-        remaining=lambda: remaining, before_attempt=lambda: None, rng=random.Random(1),
-        max_attempts=max_attempts,
-    )
+async def run(*script: Any, clock: FakeClock, **run_kwargs: Any,
+              ) -> tuple[le.RunResult, ScriptedProvider, MemoryLedger]:
+    """One run of the test operation through the engine's retry loop."""
+    limits = run_kwargs.pop("limits", {})
+    provider = ScriptedProvider(list(script), clock=clock)
+    ledger = MemoryLedger()
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, clock=clock,
+                       rng=random.Random(1))
+    result = await engine.run(operation(**limits), "go", **run_kwargs)
+    return result, provider, ledger
 
 
 def test_backoff_doubles_with_jitter_in_the_upper_half() -> None:
@@ -54,54 +43,58 @@ def test_backoff_doubles_with_jitter_in_the_upper_half() -> None:
             assert base / 2 <= backoff_wait(policy, retry, rng) <= base
 
 
-async def test_the_wait_slept_is_reported_to_the_next_attempt() -> None:
-    """Each attempt learns the backoff slept before it."""
+async def test_the_wait_slept_is_recorded_on_the_next_attempt() -> None:
+    """Each attempt's row holds the backoff slept before it."""
     clock = FakeClock()
-    send, calls = sender(ProviderFault("overloaded", "x"), ProviderFault("timeout", "y"), OK)
-    assert await run(send, clock) is OK
-    assert [c[0] for c in calls] == [1, 2, 3]
-    assert calls[0][1] == 0.0 and [c[1] for c in calls[1:]] == clock.sleeps
+    result, provider, ledger = await run(
+        ProviderFault("overloaded", "x"), ProviderFault("timeout", "y"), Reply.text("ok"),
+        clock=clock)
+    assert result.outcome is le.Outcome.COMPLETED and len(provider.requests) == 3
+    waits = [row["wait_ms"] for row in ledger.attempts.values()]
+    assert waits == [0, *(round(wait * 1000) for wait in clock.sleeps)]
 
 
 async def test_exhaustion_and_explicit_caps() -> None:
-    """The policy's cap, or a lower explicit one, bounds the attempts."""
+    """The policy's cap, or a lower one given for the run, bounds the attempts."""
     clock = FakeClock()
-    send, calls = sender(*[ProviderFault("server_error", "x") for _ in range(5)])
-    stop = await run(send, clock, max_attempts=2)
-    assert isinstance(stop, RetryStop) and stop.reason == "exhausted" and stop.attempts == 2
-    assert len(calls) == 2
+    result, provider, _ = await run(*[ProviderFault("server_error", "x") for _ in range(5)],
+                                    clock=clock, retry={"max_attempts": 2})
+    assert result.outcome is le.Outcome.PROVIDER_ERROR and "2 attempts" in result.detail
+    assert len(provider.requests) == 2
 
 
 @pytest.mark.parametrize("kind", ["bad_request", "unauthorized", "credit_exhausted"])
 async def test_permanent_kinds_stop_at_once(kind: str) -> None:
     """Permanent faults and credit exhaustion are never retried."""
     clock = FakeClock()
-    send, calls = sender(ProviderFault(kind, "no"), OK)
-    stop = await run(send, clock)
-    assert isinstance(stop, RetryStop) and stop.reason == "permanent"
-    assert len(calls) == 1 and clock.sleeps == []
+    result, provider, _ = await run(ProviderFault(kind, "no"), Reply.text("ok"), clock=clock)
+    assert result.outcome in (le.Outcome.PROVIDER_ERROR, le.Outcome.CREDIT_EXHAUSTED)
+    assert len(provider.requests) == 1 and clock.sleeps == []
 
 
 async def test_a_wait_longer_than_the_time_left_is_not_slept() -> None:
     """The loop gives up rather than sleep past the deadline."""
     clock = FakeClock()
-    send, _ = sender(ProviderFault("rate_limited", "x", retry_after=5.0), OK)
-    stop = await run(send, clock, remaining=4.0)
-    assert isinstance(stop, RetryStop) and stop.reason == "deadline"
-    assert clock.sleeps == []
+    result, provider, _ = await run(
+        ProviderFault("rate_limited", "x", retry_after=5.0), Reply.text("ok"), clock=clock,
+        limits={"total_time": 4.0})
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert "the wait would outlast the run's time" in result.detail
+    assert len(provider.requests) == 1 and clock.sleeps == []
 
 
-async def test_guard_before_each_attempt() -> None:
-    """The pre-attempt guard is consulted before every attempt, retries included."""
+async def test_the_time_guard_is_asked_before_each_attempt() -> None:
+    """The pre-attempt guard is consulted before every attempt, retries included:
+    a fault that arrives once no time remains ends the run at the time limit."""
     clock = FakeClock()
-    send, calls = sender(ProviderFault("overloaded", "x"), OK)
-    trip = GuardTrip(le.Outcome.TIME_LIMIT, "total_time", 0.0, 1.0, "out of time")
-    checks = iter([None, trip])
-    result = await run_with_retries(
-        send, policy=le.RetryPolicy(), clock=clock, remaining=lambda: math.inf,
-        before_attempt=lambda: next(checks), rng=random.Random(1),
-    )
-    assert result is trip and len(calls) == 1
+
+    def late(request: Any) -> ProviderFault:
+        clock.advance(10.0)  # the attempt took the run's whole time
+        return ProviderFault("overloaded", "x")
+
+    result, provider, _ = await run(late, Reply.text("ok"), clock=clock,
+                                    limits={"total_time": 5.0})
+    assert result.outcome is le.Outcome.TIME_LIMIT and len(provider.requests) == 1
 
 
 def test_fault_kind_table() -> None:

@@ -335,27 +335,28 @@ async def test_r08_one_combined_tool_results_message(make_engine: EngineFactory)
 
 
 async def test_r08_handlers_of_a_batch_run_concurrently(make_engine: EngineFactory) -> None:
-    """The handlers of one batch overlap: both are inside before either leaves."""
+    """The handlers of one batch overlap: each waits inside until both are inside
+    (run one after the other, the first would wait for ever)."""
     import anyio
 
-    inside = 0
-    peak = 0
+    inside: list[str] = []
+    both = anyio.Event()
 
     @le.tool
     async def wait(key: str) -> str:
-        """Wait a moment."""
-        nonlocal inside, peak
-        inside += 1
-        peak = max(peak, inside)
-        await anyio.sleep(0.01)
-        inside -= 1
+        """Wait for the other call of the batch."""
+        inside.append(key)
+        if len(inside) == 2:
+            both.set()
+        with anyio.fail_after(30):  # a bound for a broken engine, never reached
+            await both.wait()
         return key
 
     engine, _, _ = make_engine(Reply.tool_calls(("wait", {"key": "a"}), ("wait", {"key": "b"})),
                                Reply.text("done"))
     result = await engine.run(operation(), "go", tools=[wait])
     assert result.outcome is le.Outcome.COMPLETED
-    assert peak == 2
+    assert sorted(inside) == ["a", "b"]
 
 
 # -- R09 ---------------------------------------------------------------------------

@@ -4,12 +4,14 @@ from loopengine.guards._checkpoints import (
     ConversationState,
     GuardTrip,
     attempt_timeout,
+    check_admission,
     check_before_attempt,
     check_before_turn,
     check_credits,
     check_rejection_budget,
     check_terminal,
     check_tool_batch,
+    unconfirmed_by_deadline,
 )
 from loopengine.guards._credits import turn_credits
 from loopengine.guards._deadline import Deadline
@@ -22,10 +24,12 @@ __all__ = [
     "Limits",
     "attempt_timeout",
     "check_before_attempt",
+    "check_admission",
     "check_before_turn",
     "check_credits",
     "check_rejection_budget",
     "check_terminal",
     "check_tool_batch",
     "turn_credits",
+    "unconfirmed_by_deadline",
 ]

@@ -7,6 +7,7 @@ them in the fixed order of docs/guards.md; this module only decides.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from loopengine._outcome import Outcome
@@ -19,10 +20,12 @@ __all__ = [
     "attempt_timeout",
     "check_before_attempt",
     "check_before_turn",
+    "check_admission",
     "check_credits",
     "check_rejection_budget",
     "check_terminal",
     "check_tool_batch",
+    "unconfirmed_by_deadline",
 ]
 
 TERMINAL_STOP_REASONS = {
@@ -91,9 +94,42 @@ def check_before_attempt(
     return None
 
 
-def attempt_timeout(limits: Limits, deadline: Deadline, now: float) -> float:
-    """The timeout of the next attempt: ``min(attempt_timeout, remaining)`` (R04)."""
-    return min(limits.attempt_timeout, deadline.remaining(now))
+def attempt_timeout(limits: Limits, deadline: Deadline, now: float,
+                    effective: float = math.inf) -> float:
+    """The timeout of the next attempt: ``min(attempt_timeout, remaining)`` (R04),
+    where the time remaining ends at the run's deadline or at ``effective``, the
+    earliest deadline around the run (the caller's own), whichever comes first."""
+    return max(0.0, min(limits.attempt_timeout, deadline.remaining(now), effective - now))
+
+
+def unconfirmed_by_deadline(limits: Limits, what: str) -> GuardTrip:
+    """The time limit, when the ledger (or the account) did not confirm ``what``
+    (the attempt, the reply, the reservation) before the deadline: nothing may
+    be sent, or act on a reply, that is not recorded (R04)."""
+    return GuardTrip(
+        Outcome.TIME_LIMIT,
+        "total_time",
+        0.0,
+        limits.total_time,
+        f"the ledger did not record {what} before the deadline "
+        f"(total_time={limits.total_time})",
+    )
+
+
+def check_admission(account: str, reserved: int, available: int, hold: int
+                    ) -> GuardTrip | None:
+    """Admission (DESIGN §13): a run whose account had nothing to reserve for its
+    hold is denied before any request; a partial reservation narrows the hold."""
+    if reserved > 0:
+        return None
+    return GuardTrip(
+        Outcome.ADMISSION_DENIED,
+        "account",
+        available,
+        hold,
+        f"account {account!r} has {max(0, available)} credits available, "
+        f"nothing to reserve for this run's hold of {hold}",
+    )
 
 
 def check_terminal(stop_reason: str | None) -> GuardTrip | None:

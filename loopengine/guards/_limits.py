@@ -7,7 +7,7 @@ from dataclasses import InitVar, dataclass, fields, replace
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
-from loopengine._named import NamedFields, named_fields, replaced_from
+from loopengine._named import NamedFields, given, replaced_from
 
 __all__ = ["Limits"]
 
@@ -83,20 +83,10 @@ class Limits(NamedFields):
         """
         if override is None:
             return self
-        try:
-            if isinstance(override, Limits):
-                given = {name: getattr(override, name) for name in named_fields(override)}
-            elif isinstance(override, Mapping):
-                given = dict(override)
-                Limits.from_mapping({k: v for k, v in given.items() if v is not None})
-            else:
-                raise ConfigError(
-                    "limits", f"must be Limits or a mapping, got {type(override).__name__}"
-                )
-        except ConfigError as error:
-            raise error if error.field == "limits" else error.with_prefix("limits") from None
+        named = given(override, Limits, field="limits", check=lambda values: Limits.from_mapping(
+            {key: value for key, value in values.items() if value is not None}))
         changes: dict[str, object] = {}
-        for name, value in given.items():
+        for name, value in named.items():
             if value is None:
                 continue
             current = getattr(self, name)

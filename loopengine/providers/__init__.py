@@ -1,25 +1,37 @@
-"""Providers: the `Provider` seam, fault classification, the shared retry loop,
+"""Providers: the `Provider` seam, fault classification, the retry policy,
 cache-marker placement, and the providers themselves: `AnthropicProvider`,
-`OpenAIProvider` (extra ``openai``) and `ScriptedProvider`, and the
-`PooledTransport` their clients send through."""
+`OpenAIProvider` (extra ``openai``) and `ScriptedProvider`.
 
-from loopengine.providers._anthropic import AnthropicProvider
-from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse, TextCallback
+`AnthropicProvider` and `OpenAIProvider` are imported on first use, with
+their SDKs: ``import loopengine`` imports no provider SDK.
+"""
+
+import typing
+
+from loopengine.providers._base import (
+    FEATURES,
+    Provider,
+    ProviderRequest,
+    ProviderResponse,
+    TextCallback,
+)
 from loopengine.providers._cache import MAX_CACHE_MARKERS, CachePolicy, place_cache_markers
 from loopengine.providers._faults import FaultKind, ProviderFault
-from loopengine.providers._openai import OpenAIProvider
 from loopengine.providers._recording import RecordingProvider, ReplayProvider
-from loopengine.providers._retry import RetryPolicy, RetryStop, backoff_wait, run_with_retries
+from loopengine.providers._retry import RetryPolicy, RetryStop, backoff_wait
 from loopengine.providers._scripted import Reply, ScriptedProvider
-from loopengine.providers._transport import PooledTransport
+
+if typing.TYPE_CHECKING:
+    from loopengine.providers._anthropic import AnthropicProvider
+    from loopengine.providers._openai import OpenAIProvider
 
 __all__ = [
+    "FEATURES",
     "MAX_CACHE_MARKERS",
     "AnthropicProvider",
     "CachePolicy",
     "FaultKind",
     "OpenAIProvider",
-    "PooledTransport",
     "Provider",
     "ProviderFault",
     "ProviderRequest",
@@ -33,5 +45,18 @@ __all__ = [
     "TextCallback",
     "backoff_wait",
     "place_cache_markers",
-    "run_with_retries",
 ]
+
+
+def __getattr__(name: str) -> typing.Any:
+    # The SDK-backed providers load with their SDK (seconds of imports), so
+    # only when a program names one.
+    if name == "AnthropicProvider":
+        from loopengine.providers._anthropic import AnthropicProvider
+
+        return AnthropicProvider
+    if name == "OpenAIProvider":
+        from loopengine.providers._openai import OpenAIProvider
+
+        return OpenAIProvider
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

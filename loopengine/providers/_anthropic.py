@@ -38,52 +38,38 @@ Credit exhaustion is checked first, whatever the status (R06). A server's
 ``false``. Usage that arrived before a stream broke is reported as a floor
 (``usage_approx``). The caller's cancellation is never caught here.
 
-A connection belongs to the event loop that opened it. A provider built from
-keywords keeps one SDK client per event loop that sends through it, and
-closes each as its loop shuts down, so one provider serves consecutive
-``asyncio.run`` calls (a sync web handler, a Celery task). A client (or an
-``http_client``) the caller gave is used on the first loop that sends only;
-on another loop, `AnthropicProvider.send` raises `ConfigError` before
-anything is sent.
+Its SDK clients, one per event loop, come from ``_clients.py``.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, TypeAlias
 
 import anthropic
-import anyio
 import httpx2
 
 from loopengine import _validate
-from loopengine._errors import ConfigError
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest, ProviderResponse
+from loopengine.providers._base import (
+    ProviderRequest,
+    ProviderResponse,
+    TextCallback,
+    text_or_none,
+    token_count,
+)
 from loopengine.providers._cache import place_cache_markers
-from loopengine.providers._clients import (
-    Clients,
-    SDKProvider,
-    gate,
-    gates,
-    http_client,
-    sdk_keywords,
-    shared_tls,
-)
-from loopengine.providers._clients import (
-    max_connections as max_connections_of,
-)
 from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
-    classify_sdk_error,
     is_credit_code,
+    response_fault,
     retry_after,
-    should_retry,
+    sdk_classifier,
 )
+from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
 
 __all__ = [
     "DEFAULT_STREAM_IDLE_TIMEOUT",
@@ -174,11 +160,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             connection (HTTP/1.1), so a process with more conversations
             waiting on the model at once raises it, and its open-file limit
             with it. Every connection is kept alive between turns. The
-            client is the SDK's aiohttp one on asyncio, and on trio the
-            SDK's httpx one on `PooledTransport` (whose pool does the same
-            work per request however many are in flight); where the
-            environment configures a proxy, the SDK's own httpx client with
-            the same limits (docs/performance.md).
+            client is the SDK's aiohttp one on asyncio, and the SDK's own
+            httpx one on trio or where the environment configures a proxy
+            (docs/performance.md).
         **client_kwargs: Without ``client``: the keywords to build an
             ``AsyncAnthropic`` (``api_key``, ``base_url``, ``timeout``...).
             The provider builds one client per event loop that sends through
@@ -195,10 +179,6 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             ``max_retries`` other than 0, a bad ``stream_idle_timeout``, or a
             ``max_connections`` that is not a positive integer or comes with
             a ``client`` or ``http_client``.
-
-    The provider awaits each attempt's ledger write (`ProviderRequest.before_wire`)
-    in the SDK client's request hook, after the request is built and just
-    before it is handed to the HTTP client (``awaits_before_wire``).
 
     Example::
 
@@ -220,63 +200,19 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         if route is not None:
             _validate.text("route", route)
         self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
-        connections = max_connections_of(max_connections, client, client_kwargs)
-        sdk_keywords(client, client_kwargs)
-        if client is None:
-            if client_kwargs.get("http_client") is not None:
-                base: AsyncClient = anthropic.AsyncAnthropic(max_retries=0, **client_kwargs)
-                self._clients = Clients("AnthropicProvider", bound=self._own_copy(base),
-                                        bound_as="http_client", owned=True)
-            else:
-                client_kwargs.pop("http_client", None)
-                self._clients = Clients("AnthropicProvider",
-                                        build=self._builder(client_kwargs, connections))
-                base = self._clients.current()
-        else:
-            if not isinstance(client, anthropic.AsyncAnthropic | anthropic.AsyncAnthropicBedrock
-                              | anthropic.AsyncAnthropicVertex):
-                raise ConfigError("client", f"must be an async anthropic client, got "
-                                            f"{type(client).__name__}")
-            base = client
-            self._clients = Clients("AnthropicProvider", bound=self._own_copy(client))
-        self.awaits_before_wire = gates(type(self.client))
-        self._vendor = _route_name(base)
+        self._clients = provider_clients(
+            "AnthropicProvider", client, client_kwargs, max_connections=max_connections,
+            accepts=(anthropic.AsyncAnthropic, anthropic.AsyncAnthropicBedrock,
+                     anthropic.AsyncAnthropicVertex),
+            build=anthropic.AsyncAnthropic, sdk_default=anthropic.DefaultAsyncHttpxClient)
+        self._vendor = _route_name(self.client)
         self._name = route if route is not None else self._vendor
         self._stream = stream
 
-    @staticmethod
-    def _own_copy(base: AsyncClient) -> AsyncClient:
-        # A copy shares the caller's connection pool; only its retries differ.
-        # Our own copy (never the caller's client) awaits the attempt's ledger
-        # write just before the wire.
-        return gate(base.with_options(max_retries=0))
-
-    @staticmethod
-    def _builder(client_kwargs: dict[str, Any],
-                 connections: int) -> Callable[[bool], AsyncClient]:
-        tls = shared_tls()
-
-        def build(on_asyncio: bool) -> AsyncClient:
-            # Built as the SDK's own class (which alone runs the SDK's
-            # credential chain), then given the request hook.
-            return gate(anthropic.AsyncAnthropic(
-                max_retries=0, http_client=http_client(
-                    tls(), connections, on_asyncio=on_asyncio,
-                    sdk_default=anthropic.DefaultAsyncHttpxClient),
-                **client_kwargs))
-
-        return build
-
-    @property
-    def name(self) -> str:
-        """The route: the vendor (`vendor`) unless ``route`` named another."""
-        return self._name
-
-    @property
-    def vendor(self) -> str:
-        """Whose API the requests reach: ``anthropic``, or ``bedrock`` / ``vertex``
-        / ``foundry`` for those clients. ``served_by`` and prices name it."""
-        return self._vendor
+    features = frozenset({"thinking", "server_tools", "betas", "context_management"})
+    """The Messages API's optional request features (DESIGN §15). The vendor
+    (`vendor`) is ``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry``
+    for those clients."""
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         # Markers are placed on every request, so the wire never carries more
@@ -322,83 +258,53 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             content=body["content"],
             stop_reason=body.get("stop_reason"),
             usage=usage_from_api(body.get("usage")),
-            response_id=_text(body.get("id")),
+            response_id=text_or_none(body.get("id")),
             request_id=request_id,
             http_status=status,
-            model=_text(body.get("model")),
+            model=text_or_none(body.get("model")),
         )
 
     async def _send_streaming(
-        self, client: AsyncClient, request: ProviderRequest, params: dict[str, Any]
+        self, client: AsyncClient, params: dict[str, Any], on_text: TextCallback | None
     ) -> ProviderResponse:
-        on_text = request.on_text
         try:
             manager = client.messages.stream(**params)
             stream = await manager.__aenter__()
         except (anthropic.AnthropicError, httpx2.HTTPError) as error:
             raise classify_error(error) from error
-        started = stopped = False
-        try:
-            while True:
-                with anyio.move_on_after(self._idle) as idle:
-                    try:
-                        event = await stream.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    except (anthropic.AnthropicError, httpx2.HTTPError, ValueError,
-                            RuntimeError) as error:
-                        snapshot = stream.current_message_snapshot if started else None
-                        raise classify_error(
-                            error, request_id=stream.request_id, in_body=True,
-                            usage=_snapshot_usage(snapshot),
-                            response_id=snapshot.id if snapshot is not None else None,
-                        ) from error
-                if idle.cancelled_caught:
-                    snapshot = stream.current_message_snapshot if started else None
-                    raise ProviderFault(
-                        FaultKind.ABORTED,
-                        f"the stream sent no event for {self._idle:g}s",
-                        http_status=stream.response.status_code, aborted_reason="idle",
-                        request_id=stream.request_id, usage=_snapshot_usage(snapshot),
-                        usage_approx=True,
-                        response_id=snapshot.id if snapshot is not None else None,
-                    )
-                if event.type == "message_start":
-                    started = True
-                elif event.type == "text":
-                    if on_text is not None:
-                        try:
-                            maybe = on_text(event.text)
-                            if inspect.isawaitable(maybe):
-                                await maybe
-                        except Exception as error:
-                            # The engine raises the callback's own exception to
-                            # its caller; the fault carries what was served.
-                            snapshot = stream.current_message_snapshot if started else None
-                            raise ProviderFault(
-                                FaultKind.ABORTED, "the on_text callback raised",
-                                http_status=stream.response.status_code,
-                                request_id=stream.request_id,
-                                usage=_snapshot_usage(snapshot), usage_approx=True,
-                                response_id=snapshot.id if snapshot is not None else None,
-                            ) from error
-                elif event.type == "message_stop":
-                    stopped = True
-        finally:
-            # Closing releases the connection; it must happen even while the
-            # caller's cancellation (or the attempt timeout) unwinds us.
-            with anyio.CancelScope(shield=True):
-                await stream.close()
-        snapshot = stream.current_message_snapshot if started else None
-        if not stopped:
-            # The SDK returns quietly from a stream cut short; its message has
-            # whatever arrived, so its usage is only a floor.
-            raise ProviderFault(
-                FaultKind.ABORTED, "the stream ended before message_stop",
-                http_status=stream.response.status_code, request_id=stream.request_id,
+        seen: set[str] = set()
+
+        def take(event: Any) -> str | None:
+            seen.add(event.type)
+            return event.text if event.type == "text" else None
+
+        def served() -> Any:
+            # The message so far, once the stream has announced one.
+            return stream.current_message_snapshot if "message_start" in seen else None
+
+        def cut(message: str, reason: str | None) -> ProviderFault:
+            # A stream cut short reports what had arrived: its usage is a floor.
+            snapshot = served()
+            return ProviderFault(
+                FaultKind.ABORTED, message, http_status=stream.response.status_code,
+                aborted_reason=reason, request_id=stream.request_id,
                 usage=_snapshot_usage(snapshot), usage_approx=True,
-                response_id=snapshot.id if snapshot is not None else None,
-            )
+                response_id=snapshot.id if snapshot is not None else None)
+
+        def failed(error: BaseException) -> ProviderFault:
+            snapshot = served()
+            return classify_error(error, request_id=stream.request_id, in_body=True,
+                                  usage=_snapshot_usage(snapshot),
+                                  response_id=snapshot.id if snapshot is not None else None)
+
+        await read_stream(
+            stream, idle=self._idle, take=take, failed=failed, cut=cut, on_text=on_text,
+            failures=(anthropic.AnthropicError, httpx2.HTTPError, ValueError, RuntimeError),
+            close=stream.close)
+        if "message_stop" not in seen:
+            # The SDK returns quietly from a stream cut short.
+            raise cut("the stream ended before message_stop", None)
+        snapshot = served()
         assert snapshot is not None
         return ProviderResponse(
             content=[block.to_dict() for block in snapshot.content],
@@ -417,16 +323,6 @@ def _snapshot_usage(snapshot: Any) -> Usage | None:
     return usage_from_api(snapshot.usage.to_dict())
 
 
-def _text(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _count(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return 0
-    return value
-
-
 def usage_from_api(raw: object) -> Usage | None:
     """Map an Anthropic ``usage`` object (a dict) to `Usage`.
 
@@ -437,56 +333,24 @@ def usage_from_api(raw: object) -> Usage | None:
     """
     if not isinstance(raw, Mapping):
         return None
-    write = _count(raw.get("cache_creation_input_tokens"))
+    write = token_count(raw.get("cache_creation_input_tokens"))
     creation = raw.get("cache_creation")
     one_hour = 0
     if isinstance(creation, Mapping):
-        five_minutes = _count(creation.get("ephemeral_5m_input_tokens"))
-        one_hour = _count(creation.get("ephemeral_1h_input_tokens"))
+        five_minutes = token_count(creation.get("ephemeral_5m_input_tokens"))
+        one_hour = token_count(creation.get("ephemeral_1h_input_tokens"))
         if write == 0:
             write = five_minutes + one_hour
     return Usage(
-        input_tokens=_count(raw.get("input_tokens")),
-        output_tokens=_count(raw.get("output_tokens")),
-        cache_read_tokens=_count(raw.get("cache_read_input_tokens")),
+        input_tokens=token_count(raw.get("input_tokens")),
+        output_tokens=token_count(raw.get("output_tokens")),
+        cache_read_tokens=token_count(raw.get("cache_read_input_tokens")),
         cache_write_tokens=write,
         cache_write_1h_tokens=min(one_hour, write),
     )
 
 
 # -- classification: the one place SDK errors become faults ---------------------------------
-
-
-def classify_error(
-    error: BaseException,
-    *,
-    request_id: str | None = None,
-    in_body: bool = False,
-    usage: Usage | None = None,
-    response_id: str | None = None,
-    now: datetime | None = None,
-) -> ProviderFault:
-    """Classify an SDK or transport error as one `ProviderFault` (DESIGN.md §3).
-
-    Args:
-        error: What the SDK (or the HTTP transport under it) raised.
-        request_id: The request id, when the response had begun.
-        in_body: The error came while the body or stream was being read, after
-            a response began: a transport failure there cuts the stream
-            (``aborted``) rather than failing to connect.
-        usage: Usage reported before the failure (a stream's floor).
-        response_id: The message id, when the stream had announced one.
-        now: The current time, for ``retry-after`` given as an HTTP date.
-
-    Returns:
-        The fault; it is never raised here.
-    """
-    return classify_sdk_error(
-        error, _SDK,
-        status_fault=lambda status: _status_fault(status, usage=usage,
-                                                  response_id=response_id, now=now),
-        request_id=request_id, in_body=in_body, usage=usage, response_id=response_id,
-    )
 
 
 def _status_fault(
@@ -501,21 +365,9 @@ def _status_fault(
     error_type = error.type or _nested(body, "error", "type")
     code = error.error_code or _nested(body, "error", "code")
     message = error.api_message or _nested(body, "error", "message") or ""
-    headers = error.response.headers
-    kind = _kind(status, error_type, code, message)
-    where = "mid-stream " if status == 200 else ""
-    return ProviderFault(
-        kind,
-        f"HTTP {status} {where}{error_type or 'error'}: {message}".rstrip(": "),
-        http_status=status,
-        error_code=code or error_type,
-        retry_after=retry_after(headers, now=now),
-        should_retry=should_retry(headers),
-        request_id=error.request_id,
-        response_id=response_id,
-        usage=usage,
-        usage_approx=usage is not None,
-    )
+    return response_fault(_kind(status, error_type, code, message), error,
+                          error_type=error_type, code=code, message=message, usage=usage,
+                          response_id=response_id, now=now)
 
 
 def _nested(body: object, *keys: str) -> str | None:
@@ -545,3 +397,7 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
     if status >= 500:
         return FaultKind.SERVER_ERROR
     return FaultKind.BAD_REQUEST
+
+
+classify_error = sdk_classifier(lambda: _SDK, _status_fault)
+"""Classify an SDK or transport error as one `ProviderFault` (DESIGN.md §3)."""

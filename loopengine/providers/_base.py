@@ -5,12 +5,15 @@ on its own: the engine's retry loop does, so that every wire request is an
 attempt it counts, prices and records. A provider reports a failure by raising
 one `ProviderFault`; nothing else may escape it.
 
-The attempt's ledger row must be durable before the request goes on the wire.
-By default the engine waits for that before it calls `Provider.send`. A
-provider whose class sets ``awaits_before_wire = True`` instead receives the
-wait as `ProviderRequest.before_wire` and awaits it at the last moment before
-sending, so the ledger's commit overlaps the building of the request (the SDK's
-serialisation, headers, signing) instead of preceding it.
+The flow is one way: the engine writes the attempt's ledger row and awaits it,
+then calls `Provider.send`, then settles the attempt. A provider never sees an
+attempt whose row is not durable.
+
+A provider declares what it can do (`Provider.vendor`, `Provider.streaming`,
+`Provider.features`, `Provider.check_ready`); the engine reads the
+declarations, never guesses. A provider of one's own subclasses `Provider`
+and inherits the plain defaults (its vendor is its route, it does not stream,
+it sends no optional feature, it is always ready).
 """
 
 from __future__ import annotations
@@ -22,10 +25,16 @@ from typing import Any, Protocol, runtime_checkable
 from loopengine._usage import Usage
 from loopengine.providers._cache import CachePolicy
 
-__all__ = ["Provider", "ProviderRequest", "ProviderResponse", "TextCallback", "vendor_of"]
+__all__ = ["FEATURES", "Provider", "ProviderRequest", "ProviderResponse", "TextCallback",
+           "text_or_none", "token_count", "vendor_of"]
 
 TextCallback = Callable[[str], Awaitable[None] | None]
 """Receives streamed text deltas, sync or async."""
+
+FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",
+                      "reasoning_effort", "service_tier"})
+"""The optional request features an operation may publish (DESIGN §15); a provider
+names those it can send in `Provider.features`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,20 +61,8 @@ class ProviderRequest:
     """Seconds this request may take, already capped at the run's remaining time."""
     cache: CachePolicy = field(default_factory=CachePolicy)
     """Where the provider may place cache markers."""
-    on_text: TextCallback | None = None
-    """Streaming providers hand text deltas to this callback. When it raises, a
-    provider stops reading and raises an ``aborted`` `ProviderFault` carrying
-    what was served so far (usage, ids), or lets the exception out: either way
-    the engine settles the attempt without a fault and raises the callback's
-    own exception to the caller."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     """Facts about the request for providers that record (turn, phase); never sent."""
-    before_wire: Callable[[], Awaitable[None]] | None = None
-    """Given only to a provider whose ``awaits_before_wire`` is true: await it
-    immediately before the request goes on the wire. It returns once the
-    attempt's ledger row is durable; when it raises (`loopengine.LedgerError`)
-    nothing may be sent, and the error must propagate as it is, not as a
-    `ProviderFault`. Awaiting it again is harmless."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,7 +87,11 @@ class ProviderResponse:
 
 @runtime_checkable
 class Provider(Protocol):
-    """The seam between the engine and a model API."""
+    """The seam between the engine and a model API, and what it declares it can do.
+
+    `name` and `send` are what every provider writes; the declarations have
+    plain defaults, inherited by a provider that subclasses `Provider`.
+    """
 
     @property
     def name(self) -> str:
@@ -98,17 +99,42 @@ class Provider(Protocol):
         operation's ``provider`` must equal it (R13)."""
         ...
 
-    # Optional: ``awaits_before_wire = True`` on the class when `send` awaits
-    # `ProviderRequest.before_wire` just before the wire (see the module docstring).
-    #
-    # Optional: ``check_ready(self) -> None``, called before each attempt's
-    # ledger row is written: it raises a `loopengine.LoopEngineError` (say a
-    # `ConfigError`) when the provider cannot send from here (a client bound to
-    # another event loop). Nothing is recorded for that attempt; the run fails
-    # with that error.
+    @property
+    def vendor(self) -> str:
+        """Whose API the requests reach; ``served_by`` and prices name it, so two
+        routes of one vendor are priced and recorded alike. Default: `name`."""
+        return self.name
 
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
+    @property
+    def streaming(self) -> bool:
+        """Whether `send` hands text to its ``on_text`` as it arrives. Default: False."""
+        return False
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The optional request features (of `FEATURES`) it can send; an operation
+        that publishes another is refused before anything is recorded. Default: none."""
+        return frozenset()
+
+    def check_ready(self) -> None:
+        """Called before each attempt's ledger row is written: raise a
+        `loopengine.LoopEngineError` (say a `ConfigError`) when the provider
+        cannot send from here (a client bound to another event loop). Nothing
+        is recorded for that attempt; the run fails with that error. Default:
+        always ready."""
+
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
         """Make one wire request within ``request.timeout``.
+
+        Args:
+            request: What to send.
+            on_text: A streaming provider hands text deltas to it. When it
+                raises, the provider stops reading and raises an ``aborted``
+                `ProviderFault` carrying what was served so far (usage, ids),
+                or lets the exception out: either way the engine settles the
+                attempt without a fault and raises the callback's own
+                exception to the caller.
 
         Raises:
             ProviderFault: the request failed; nothing else may escape.
@@ -117,8 +143,18 @@ class Provider(Protocol):
 
 
 def vendor_of(provider: Provider) -> str:
-    """Whose API ``provider`` reaches: its ``vendor`` when it names one (a provider
-    serving a named route), else its route ``name``. ``served_by`` and prices
-    name the vendor, so two routes of one vendor are priced and recorded alike."""
-    vendor = getattr(provider, "vendor", None)
-    return vendor if isinstance(vendor, str) and vendor else provider.name
+    """Whose API ``provider`` reaches (its declared `Provider.vendor`)."""
+    return provider.vendor
+
+
+def text_or_none(value: object) -> str | None:
+    """``value`` when it is a string, else None: a field of a provider's JSON."""
+    return value if isinstance(value, str) else None
+
+
+def token_count(value: object) -> int:
+    """``value`` when it is a count (a non-negative integer), else 0: a usage
+    field of a provider's JSON, missing or null."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return 0
+    return value

@@ -1,18 +1,16 @@
-"""The SDK clients a provider sends through: one per event loop, and the gate
-that awaits the attempt's ledger write just before the wire.
+"""The SDK clients a provider sends through: one per event loop.
 
 Shared by every provider built on a Stainless-generated SDK (``anthropic``,
 ``openai``): their clients have the same shape (``with_options``, an async
-``close``, the async ``_prepare_request`` hook), and the same rules hold for
-each.
+``close``), and the same rules hold for each.
 
 A connection belongs to the event loop that opened it. A provider built from
 keywords keeps one SDK client per event loop that sends through it
 (`ClientPerLoop`), and closes each as its loop shuts down, so one provider
 serves consecutive ``asyncio.run`` calls (a sync web handler, a Celery task).
 A client (or an ``http_client``) the caller gave is used on the first loop
-that sends only; on another loop, `Clients.check_ready` (and `Clients.get`)
-raise `ConfigError` before anything is sent.
+that sends only (`BoundClient`); on another loop, its ``check_ready`` (and
+``get``) raise `ConfigError` before anything is sent.
 """
 
 from __future__ import annotations
@@ -20,15 +18,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.util
-import inspect
 import logging
 import ssl
 import threading
+import urllib.request
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextvars import ContextVar
-from types import TracebackType
-from typing import Any, Generic, Protocol, Self, TypeVar
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -36,21 +32,16 @@ import httpx2
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
-from loopengine.providers._base import ProviderRequest, ProviderResponse
-from loopengine.providers._transport import flat_http_client, proxy_configured
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
+    "BoundClient",
+    "C",
     "ClientPerLoop",
-    "Clients",
     "SDKClient",
-    "SDKProvider",
-    "gate",
-    "gates",
+    "connection_limit",
     "http_client",
-    "max_connections",
     "running_loop",
-    "sdk_keywords",
     "shared_tls",
 ]
 
@@ -66,52 +57,6 @@ class SDKClient(Protocol):
 
 
 C = TypeVar("C", bound=SDKClient)
-
-
-# -- the before-wire gate: the SDK's request hook awaits the ledger write ------------------
-
-_BEFORE_WIRE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar(
-    "loopengine_before_wire", default=None)
-"""The `ProviderRequest.before_wire` of the request this task is sending."""
-
-_GATED: dict[type[Any], type[Any]] = {}
-
-
-def gates(cls: type[Any]) -> bool:
-    """Whether clients of ``cls`` have the request hook `gate` extends."""
-    return inspect.iscoroutinefunction(getattr(cls, "_prepare_request", None))
-
-
-def _gated(cls: type[Any]) -> type[Any]:
-    """``cls`` with its request hook extended to await `_BEFORE_WIRE`.
-
-    The SDK calls ``_prepare_request`` (the hook its cloud clients override to
-    sign requests) after it has built and serialised a request and
-    immediately before handing it to the HTTP client: the last moment before
-    the wire that belongs to the client.
-    """
-    gated = _GATED.get(cls)
-    if gated is None:
-
-        async def _prepare_request(self: Any, request: httpx2.Request) -> None:
-            await super(gated, self)._prepare_request(request)  # type: ignore[arg-type]
-            wait = _BEFORE_WIRE.get()
-            if wait is not None:
-                await wait()
-
-        gated = _GATED[cls] = type(cls.__name__, (cls,), {
-            "_prepare_request": _prepare_request, "__module__": __name__,
-            "__doc__": cls.__doc__, "__qualname__": f"loopengine:{cls.__qualname__}"})
-    return gated
-
-
-def gate(client: C) -> C:
-    """Give ``client`` (one the provider owns, never the caller's) the request hook
-    that awaits the attempt's ledger write just before the wire; copies of it
-    (``with_options``) do the same. A client without the hook is left as it is."""
-    if gates(type(client)):
-        client.__class__ = _gated(type(client))
-    return client
 
 
 def shared_tls() -> Callable[[], ssl.SSLContext]:
@@ -137,12 +82,14 @@ def shared_tls() -> Callable[[], ssl.SSLContext]:
 
 
 def running_loop() -> object:
-    """The running event loop: the asyncio loop, or the native token of anyio's
-    other backend (trio's ``TrioToken``), which is as unique to its run."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return anyio.lowlevel.current_token().native_token
+    """The running event loop, as anyio sees it: the asyncio loop, or the native
+    token of anyio's other backend (trio's ``TrioToken``), which is as unique
+    to its run (and right for a trio run started from an asyncio loop's thread).
+
+    Raises:
+        RuntimeError: no event loop is running (anyio's ``NoEventLoopError``).
+    """
+    return anyio.lowlevel.current_token().native_token
 
 
 def _nothing() -> None:
@@ -189,11 +136,11 @@ class ClientPerLoop(Generic[C]):
     collector.
 
     Args:
-        build: Builds one client, for an asyncio loop (True) or another (False).
         owner: The provider's name, for the log.
+        build: Builds one client, for an asyncio loop (True) or another (False).
     """
 
-    def __init__(self, build: Callable[[bool], C], owner: str) -> None:
+    def __init__(self, owner: str, build: Callable[[bool], C]) -> None:
         self._build = build
         self._owner = owner
         self._lock = threading.Lock()
@@ -216,6 +163,9 @@ class ClientPerLoop(Generic[C]):
             if self._spare is None:
                 self._spare = self._build(True)
             return self._spare
+
+    def check_ready(self) -> None:
+        """Always ready: a loop that has no client yet gets one."""
 
     async def get(self) -> C:
         """The running loop's client, built for it on its first request."""
@@ -285,82 +235,57 @@ class ClientPerLoop(Generic[C]):
                                    "that shut down", self._owner, exc_info=True)
 
 
-class Clients(Generic[C]):
-    """Where a provider gets the SDK client for the running event loop.
-
-    Either one client per event loop, built by ``build`` (the provider owns
-    them all), or one ``bound`` client of the caller's making (a ``client``,
-    or one built on the caller's ``http_client``), usable on the first event
-    loop that sends through it only.
+class BoundClient(Generic[C]):
+    """One client of the caller's making (a ``client``, or one built on the
+    caller's ``http_client``), usable on the first event loop that sends
+    through it only: its pooled connections belong to that loop.
 
     Args:
         owner: The provider's class name, for messages.
-        build: Builds a client for one event loop: an asyncio loop (True) or
-            another (False).
-        bound: The one client to use instead.
-        bound_as: What the caller gave: ``client`` or ``http_client`` (the
+        client: The client.
+        given_as: What the caller gave: ``client`` or ``http_client`` (the
             `ConfigError`'s field).
-        owned: Whether `aclose` closes ``bound`` (it was built on the
-            caller's ``http_client``, not given whole).
+        owned: Whether `aclose` closes it (built on the caller's
+            ``http_client``, not given whole).
     """
 
-    def __init__(
-        self,
-        owner: str,
-        *,
-        build: Callable[[bool], C] | None = None,
-        bound: C | None = None,
-        bound_as: str = "client",
-        owned: bool = False,
-    ) -> None:
-        if (build is None) == (bound is None):
-            raise TypeError("give build or bound, not both")
+    def __init__(self, owner: str, client: C, *, given_as: str = "client",
+                 owned: bool = False) -> None:
         self._owner = owner
-        self._per_loop = ClientPerLoop(build, owner) if build is not None else None
-        self._bound = bound
-        self._bound_as = bound_as
+        self._bound = client
+        self._bound_as = given_as
         self._owned = owned
         self._home: Callable[[], object | None] | None = None
         self._lock = threading.Lock()
 
     def current(self) -> C:
-        """The running loop's client once it has sent, else the one the next
-        event loop to send will use (the bound client, if there is one)."""
-        if self._per_loop is not None:
-            return self._per_loop.current()
-        assert self._bound is not None
+        """The client."""
         return self._bound
 
     async def get(self) -> C:
-        """The client to send through on the running event loop.
+        """The client, on the event loop it was first used on.
 
         Raises:
-            ConfigError: the bound client belongs to another event loop.
+            ConfigError: the client belongs to another event loop.
         """
-        if self._per_loop is not None:
-            return await self._per_loop.get()
         return self._on_home()
 
     def check_ready(self) -> None:
-        """Refuse a bound client on another event loop than its first.
+        """Refuse the client on another event loop than its first.
 
         Raises:
             ConfigError: the client (or ``http_client``) given to the provider
                 was first used on another event loop than the running one.
         """
-        if self._per_loop is None:
-            self._on_home()
+        self._on_home()
 
     async def aclose(self) -> None:
-        """Close the running loop's client, or the bound client the provider built."""
-        if self._per_loop is not None:
-            await self._per_loop.aclose()
-        elif self._owned and self._bound is not None:
+        """Close the client if the provider built it."""
+        if self._owned:
             await self._bound.close()
 
     def _on_home(self) -> C:
         """The bound client, if the running loop is the one it was first used on."""
-        assert self._bound is not None
         loop = running_loop()
         home = self._home
         if home is None:
@@ -389,7 +314,7 @@ timeout). A process serving more conversations at once raises it (and its
 open-file limit with it)."""
 
 
-def max_connections(value: int | None, client: object | None,
+def connection_limit(value: int | None, client: object | None,
                     client_kwargs: dict[str, Any]) -> int:
     """A provider's ``max_connections``: the default when not given.
 
@@ -413,6 +338,12 @@ def _aiohttp_installed() -> bool:
     return importlib.util.find_spec("aiohttp") is not None
 
 
+def _proxy_configured() -> bool:
+    """Whether the environment sends http(s) through a proxy, as httpx2 reads it."""
+    proxies = urllib.request.getproxies()
+    return any(proxies.get(scheme) for scheme in ("http", "https", "all"))
+
+
 def http_client(verify: ssl.SSLContext, connections: int, *, on_asyncio: bool,
                 sdk_default: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
     """The HTTP client a provider builds for one event loop.
@@ -423,153 +354,18 @@ def http_client(verify: ssl.SSLContext, connections: int, *, on_asyncio: bool,
     ``anthropic`` one for both SDKs because the ``openai`` SDK's copy of that
     transport maps every aiohttp connection error to a connect *timeout* (a
     refused or reset connection would be classified ``timeout``), where the
-    ``anthropic`` copy maps them to ``httpx2.ConnectError``. On
-    another loop (trio, which aiohttp does not run on), or without
-    ``aiohttp`` installed, the SDK's default
-    client (its timeout, redirects, TCP keep-alive) on a `PooledTransport`,
-    whose pool does the same work per request however many are in flight
-    (httpcore's walks every connection and queued request each time). Either
-    opens up to ``connections`` connections and keeps them alive between
-    requests, so a conversation's next turn reuses one. Where the
-    environment configures a proxy (which neither of those speaks to), the
-    SDK's default client with the same limits.
+    ``anthropic`` copy maps them to ``httpx2.ConnectError``. On another loop
+    (trio, which aiohttp does not run on), without ``aiohttp`` installed, or
+    where the environment configures a proxy (which aiohttp is not given),
+    the SDK's default httpx client (its timeout, redirects, TCP keep-alive).
+    Either opens up to ``connections`` connections and keeps them alive
+    between requests, so a conversation's next turn reuses one.
     """
     limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
-    if proxy_configured():
-        return sdk_default(verify=verify, limits=limits)
-    if on_asyncio and _aiohttp_installed():
+    if on_asyncio and _aiohttp_installed() and not _proxy_configured():
         import anthropic
 
         aiohttp_client: httpx2.AsyncClient = anthropic.DefaultAioHttpClient(
             verify=verify, limits=limits)
         return aiohttp_client
-    client = flat_http_client(verify, limits=limits)
-    assert client is not None  # None only with a proxy configured
-    return client
-
-
-def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
-    """Check a provider's client keywords, in place: ``max_retries`` may only be
-    0 (and is dropped: the provider always sets it), and a ``client`` comes
-    without keywords.
-
-    Raises:
-        ConfigError: ``max_retries`` other than 0, or both a client and keywords.
-    """
-    if client_kwargs.get("max_retries", 0) != 0:
-        raise ConfigError("max_retries", "the SDK must not retry on its own: every wire "
-                                         "request is an attempt the engine counts; set the "
-                                         "operation's RetryPolicy instead")
-    client_kwargs.pop("max_retries", None)
-    if client is not None and client_kwargs:
-        raise ConfigError("client", "give a client or the keywords to build one, not "
-                                    f"both (got {', '.join(sorted(client_kwargs))})")
-
-
-class SDKProvider(Generic[C]):
-    """What every provider on a managed SDK client shares: the client of the
-    running event loop, the check before an attempt is recorded, and closing.
-
-    A subclass sets ``_clients``, ``_name``, ``_stream`` and
-    ``awaits_before_wire`` in its ``__init__``, and supplies ``_params``,
-    ``_send_plain`` and ``_send_streaming``: `send` is the same for every
-    such provider (the running loop's client, then the request inside the
-    before-wire gate).
-    """
-
-    _clients: Clients[C]
-    _name: str
-    _stream: bool
-
-    awaits_before_wire: bool
-    """True: `send` awaits `ProviderRequest.before_wire` just before the wire
-    (in the SDK client's request hook, after the request is built and just
-    before it is handed to the HTTP client)."""
-
-    @property
-    def client(self) -> C:
-        """The SDK client requests go through (``max_retries=0``).
-
-        For a provider built from keywords (without ``http_client``): the
-        running event loop's client once it has sent, else the client the
-        next asyncio loop to send will use (a trio loop builds its own).
-        """
-        return self._clients.current()
-
-    def check_ready(self) -> None:
-        """Before an attempt is recorded: refuse a given client on another event loop.
-
-        Raises:
-            ConfigError: the client (or ``http_client``) given to the provider
-                was first used on another event loop than the running one.
-        """
-        self._clients.check_ready()
-
-    @property
-    def streaming(self) -> bool:
-        """Whether responses are streamed."""
-        return self._stream
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"
-
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
-        """Make one request within ``request.timeout``.
-
-        Raises:
-            ProviderFault: the request failed; every SDK error is classified.
-            ConfigError: the client given to the provider belongs to another
-                event loop than the running one; nothing was sent.
-        """
-        client = await self._clients.get()
-        params = self._params(request)
-        # While the request is sent, a gated client awaits its `before_wire`
-        # just before the wire. Written out rather than as a context manager,
-        # and the variable left alone when there is no gate to set or to
-        # hide: setting it copies the task's context, and a generator, its
-        # context manager, a token and that copy would stay alive for as long
-        # as the reply is awaited.
-        wait = request.before_wire
-        token = None if wait is None and _BEFORE_WIRE.get() is None else _BEFORE_WIRE.set(wait)
-        try:
-            if self._stream:
-                return await self._send_streaming(client, request, params)
-            return await self._send_plain(client, params)
-        finally:
-            if token is not None:
-                _BEFORE_WIRE.reset(token)
-
-    def _params(self, request: ProviderRequest) -> dict[str, Any]:
-        """The SDK call's keyword arguments for ``request``."""
-        raise NotImplementedError
-
-    async def _send_plain(self, client: C, params: dict[str, Any]) -> ProviderResponse:
-        """One request whose response is read as JSON."""
-        raise NotImplementedError
-
-    async def _send_streaming(
-        self, client: C, request: ProviderRequest, params: dict[str, Any]
-    ) -> ProviderResponse:
-        """One streamed request, its text deltas handed to ``request.on_text``."""
-        raise NotImplementedError
-
-    async def aclose(self) -> None:
-        """Close the client the provider built for the running event loop.
-
-        A provider built from keywords closes the running loop's client, and
-        the one `client` gives before any loop has sent (a later request
-        builds another); one built on an ``http_client`` closes that client.
-        A ``client`` passed in is left open.
-        """
-        await self._clients.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+    return sdk_default(verify=verify, limits=limits)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import httpx2
 
@@ -32,8 +32,11 @@ __all__ = [
     "FaultKind",
     "ProviderError",
     "ProviderFault",
+    "Classifier",
     "SDKErrors",
     "classify_sdk_error",
+    "response_fault",
+    "sdk_classifier",
     "is_credit_code",
     "retry_after",
     "should_retry",
@@ -311,6 +314,71 @@ def classify_sdk_error(
     # request's fault and will not improve on retry.
     return ProviderFault(FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}",
                          request_id=request_id)
+
+
+def response_fault(
+    kind: FaultKind, error: Any, *, error_type: str | None, code: str | None, message: str,
+    usage: Usage | None, response_id: str | None, now: datetime | None,
+) -> ProviderFault:
+    """The fault of an error response (an SDK's status error, ``error``) that its
+    adapter read as ``kind``, ``error_type``, ``code`` and ``message``: its status,
+    request id and ``retry-after`` / ``x-should-retry`` headers kept."""
+    status: int = error.status_code
+    headers = error.response.headers
+    where = "mid-stream " if status == 200 else ""
+    return ProviderFault(
+        kind,
+        f"HTTP {status} {where}{error_type or 'error'}: {message}".rstrip(": "),
+        http_status=status,
+        error_code=code or error_type,
+        retry_after=retry_after(headers, now=now),
+        should_retry=should_retry(headers),
+        request_id=error.request_id,
+        response_id=response_id,
+        usage=usage,
+        usage_approx=usage is not None,
+    )
+
+
+class Classifier(Protocol):
+    """An adapter's ``classify_error``: what its SDK (or the HTTP transport under
+    it) raised, as one `ProviderFault`; never raised there. The arguments are
+    `classify_sdk_error`'s, and ``now`` dates a ``retry-after`` given as an HTTP
+    date."""
+
+    def __call__(self, error: BaseException, *, request_id: str | None = None,
+                 in_body: bool = False, usage: Usage | None = None,
+                 response_id: str | None = None, now: datetime | None = None,
+                 ) -> ProviderFault:
+        """Classify ``error``."""
+        ...
+
+
+def sdk_classifier(
+    sdk: Callable[[], SDKErrors],
+    status_fault: Callable[..., ProviderFault],
+    api_fault: Callable[..., ProviderFault] | None = None,
+) -> Classifier:
+    """The ``classify_error`` of an adapter on a Stainless SDK: `classify_sdk_error`
+    with the adapter's exception classes (``sdk()``, read on first use) and its
+    readings of a status error (``status_fault(error, usage=, response_id=,
+    now=)``) and of an error inside a stream (``api_fault(error, request_id=,
+    usage=, response_id=)``)."""
+
+    def classify_error(error: BaseException, *, request_id: str | None = None,
+                       in_body: bool = False, usage: Usage | None = None,
+                       response_id: str | None = None, now: datetime | None = None,
+                       ) -> ProviderFault:
+        return classify_sdk_error(
+            error, sdk(),
+            status_fault=lambda status: status_fault(status, usage=usage,
+                                                      response_id=response_id, now=now),
+            api_fault=None if api_fault is None else lambda api: api_fault(
+                api, request_id=request_id, usage=usage, response_id=response_id),
+            request_id=request_id, in_body=in_body, usage=usage, response_id=response_id,
+        )
+
+    return classify_error
 
 
 def _own_failure(error: BaseException, connection: type[BaseException]) -> BaseException | None:

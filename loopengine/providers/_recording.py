@@ -25,7 +25,13 @@ import anyio.lowlevel
 
 from loopengine._errors import ConfigError, ReplayMismatchError
 from loopengine._usage import Usage
-from loopengine.providers._base import Provider, ProviderRequest, ProviderResponse
+from loopengine.providers._base import (
+    FEATURES,
+    Provider,
+    ProviderRequest,
+    ProviderResponse,
+    TextCallback,
+)
 from loopengine.providers._faults import ProviderFault
 
 __all__ = ["RecordingProvider", "ReplayProvider"]
@@ -80,15 +86,23 @@ class RecordingProvider:
         return self.inner.name
 
     @property
-    def awaits_before_wire(self) -> bool:
-        """Whether the inner provider awaits `ProviderRequest.before_wire` (passed on)."""
-        return getattr(self.inner, "awaits_before_wire", False) is True
+    def vendor(self) -> str:
+        """The inner provider's vendor."""
+        return self.inner.vendor
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the inner provider streams."""
+        return self.inner.streaming
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The inner provider's request features."""
+        return self.inner.features
 
     def check_ready(self) -> None:
         """Ask the inner provider whether it can send from here (passed on)."""
-        check = getattr(self.inner, "check_ready", None)
-        if check is not None:
-            check()
+        self.inner.check_ready()
 
     def _write(self, entry: Mapping[str, Any]) -> None:
         # One append per attempt, the file closed between them: nothing to
@@ -96,12 +110,13 @@ class RecordingProvider:
         with self.path.open("a", encoding="utf-8") as file:
             file.write(json.dumps(entry, sort_keys=True, default=str) + "\n")
 
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
         """Send through the inner provider and record the request and its outcome."""
         body = request_body(request)
         entry: dict[str, Any] = {"request": body, "request_sha256": _digest(body)}
         try:
-            response = await self.inner.send(request)
+            response = await self.inner.send(request, on_text=on_text)
         except ProviderFault as fault:
             entry["fault"] = {
                 "kind": fault.kind.value,
@@ -162,11 +177,25 @@ class ReplayProvider:
         return self._name
 
     @property
+    def vendor(self) -> str:
+        """The recorded provider's route (a recording keeps no vendor)."""
+        return self._name
+
+    streaming = True
+    """A recorded reply's text blocks go to ``on_text``, one call each."""
+    features = FEATURES
+    """A recording answers whatever was recorded."""
+
+    def check_ready(self) -> None:
+        """Always ready: a recording needs no connection."""
+
+    @property
     def exhausted(self) -> bool:
         """True when every recorded attempt has been served."""
         return self.position >= len(self.entries)
 
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
         """Serve the next recorded outcome of this request.
 
         Raises:
@@ -198,10 +227,10 @@ class ReplayProvider:
                                 **recorded)
         recorded = entry["response"]
         usage = recorded["usage"]
-        if request.on_text is not None:
+        if on_text is not None:
             for block in recorded["content"]:
                 if block.get("type") == "text" and block.get("text"):
-                    maybe = request.on_text(block["text"])
+                    maybe = on_text(block["text"])
                     if maybe is not None:
                         await maybe
         return ProviderResponse(

@@ -1,6 +1,7 @@
-"""`RetryPolicy` and the one retry loop every provider shares (R05, R06, R13).
+"""`RetryPolicy` and the retry decisions every provider shares (R05, R06, R13).
 
-The loop retries only retryable faults, waits with exponential backoff and
+The engine's retry loop (one, for every provider) asks `after_fault` what
+follows a fault. It retries only retryable faults, waits with exponential backoff and
 jitter capped at ``max_wait`` (or what the provider's ``retry-after`` asked),
 never sleeps a wait that would outlast the deadline, obeys ``x-should-retry:
 false``, and never switches to another model or provider: the one it was
@@ -10,20 +11,17 @@ given is the published route.
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, fields
 from typing import Literal
 
 from loopengine import _validate
-from loopengine._clock import Clock
 from loopengine._errors import ConfigError
-from loopengine._named import NamedFields, named_fields, replaced_from
+from loopengine._named import NamedFields, given, replaced_from
 from loopengine.guards._checkpoints import GuardTrip
-from loopengine.providers._base import ProviderResponse
 from loopengine.providers._faults import ProviderFault
 
-__all__ = ["MAX_ATTEMPTS_CEILING", "RetryPolicy", "RetryStop", "after_fault", "backoff_wait",
-           "run_with_retries"]
+__all__ = ["MAX_ATTEMPTS_CEILING", "RetryPolicy", "RetryStop", "after_fault", "backoff_wait"]
 
 MAX_ATTEMPTS_CEILING = 16
 """No policy may allow more than this many attempts."""
@@ -82,27 +80,15 @@ class RetryPolicy(NamedFields):
         """
         if override is None:
             return self
-        if isinstance(override, RetryPolicy):
-            given: dict[str, object] = {name: getattr(override, name)
-                                        for name in named_fields(override)}
-        elif isinstance(override, Mapping):
-            given = dict(override)
-            try:
-                _check_mapping(given)
-            except ConfigError as error:
-                raise error.with_prefix("retry") from None
-        else:
-            raise ConfigError(
-                "retry", f"must be RetryPolicy or a mapping, got {type(override).__name__}"
-            )
-        max_attempts = int(given.get("max_attempts", self.max_attempts))  # type: ignore[call-overload]
-        max_wait = max(self.max_wait, float(given.get("max_wait", self.max_wait)))  # type: ignore[arg-type]
-        initial = max(self.initial_wait, float(given.get("initial_wait", 0.0)))  # type: ignore[arg-type]
+        named = given(override, RetryPolicy, field="retry", check=_check_mapping)
+        max_attempts = int(named.get("max_attempts", self.max_attempts))  # type: ignore[call-overload]
+        max_wait = max(self.max_wait, float(named.get("max_wait", self.max_wait)))  # type: ignore[arg-type]
+        initial = max(self.initial_wait, float(named.get("initial_wait", 0.0)))  # type: ignore[arg-type]
         return RetryPolicy(
             max_attempts=min(self.max_attempts, max_attempts),
             initial_wait=min(initial, max_wait),
             max_wait=max_wait,
-            grow_max_tokens=self.grow_max_tokens and given.get("grow_max_tokens") is not False,
+            grow_max_tokens=self.grow_max_tokens and named.get("grow_max_tokens") is not False,
         )
 
 
@@ -149,50 +135,6 @@ class RetryStop:
     ``deadline``: the wait would outlast the run's time."""
 
 
-SendAttempt = Callable[[int, float], Awaitable[ProviderResponse]]
-"""``send(attempt_number, wait_slept_before)``: one wire request, or raises ProviderFault."""
-
-
-async def run_with_retries(
-    send: SendAttempt,
-    *,
-    policy: RetryPolicy,
-    clock: Clock,
-    remaining: Callable[[], float],
-    before_attempt: Callable[[], GuardTrip | None],
-    rng: random.Random,
-    max_attempts: int | None = None,
-) -> ProviderResponse | GuardTrip | RetryStop:
-    """Send until a response, a guard trip before an attempt, or a stop.
-
-    Args:
-        send: Makes one attempt; raises `ProviderFault` on failure.
-        policy: Waits and the default attempt cap.
-        clock: Where waits are slept.
-        remaining: Seconds left before the run's deadline.
-        before_attempt: The pre-attempt guard (no request once no time remains).
-        rng: Jitter source (seeded in tests).
-        max_attempts: Overrides ``policy.max_attempts`` (a call's remaining budget).
-    """
-    cap = policy.max_attempts if max_attempts is None else max_attempts
-    wait = 0.0
-    attempt = 0
-    while True:
-        trip = before_attempt()
-        if trip is not None:
-            return trip
-        attempt += 1
-        try:
-            return await send(attempt, wait)
-        except ProviderFault as fault:
-            after = after_fault(fault, attempt, cap, policy=policy, rng=rng,
-                                before_attempt=before_attempt, remaining=remaining)
-            if isinstance(after, GuardTrip | RetryStop):
-                return after
-            wait = after
-            await clock.sleep(wait)
-
-
 def after_fault(
     fault: ProviderFault,
     attempt: int,
@@ -206,10 +148,7 @@ def after_fault(
     """What follows attempt number ``attempt`` that raised ``fault``: a stop, the
     pre-attempt guard's trip, or the seconds to wait before the next attempt.
 
-    The decisions of `run_with_retries`, in its order. The engine's requests
-    (``Invocation.request``) make them in a loop of their own, which calls
-    the attempt directly: a conversation waiting on its reply then holds two
-    coroutines fewer (this loop's and the ``send`` closure's).
+    The decisions of the engine's one retry loop, in their order.
 
     Args:
         fault: What the attempt raised.

@@ -19,7 +19,7 @@ import anyio.lowlevel
 
 from loopengine._clock import Clock, SystemClock
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest, ProviderResponse
+from loopengine.providers._base import FEATURES, ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = ["Reply", "ScriptItem", "ScriptedProvider"]
@@ -106,14 +106,16 @@ class ScriptedProvider:
         clock: The clock on which reply delays pass (a `FakeClock` in tests).
 
     When the script runs out, further requests fail with a ``bad_request``
-    fault that says so, which ends the run with ``provider_error``. Like a
-    real provider it awaits `ProviderRequest.before_wire` before it takes a
-    request (so a request whose ledger row could not be written is never
-    recorded).
+    fault that says so, which ends the run with ``provider_error``. A reply's
+    text blocks are handed whole to ``on_text`` (it streams, a block at a
+    time), and it can send every optional request feature (a script answers
+    anything).
     """
 
-    awaits_before_wire = True
-    """`send` awaits `ProviderRequest.before_wire` first."""
+    streaming = True
+    """A reply's text blocks go to ``on_text``, one call each."""
+    features = FEATURES
+    """A script answers any request."""
 
     script: Iterable[ScriptItem] = ()
     name: str = "anthropic"
@@ -128,10 +130,17 @@ class ScriptedProvider:
         """Append items to the script."""
         self._items = itertools.chain(self._items, list(items))
 
-    async def send(self, request: ProviderRequest) -> ProviderResponse:
+    @property
+    def vendor(self) -> str:
+        """The route it stands in for (`name`)."""
+        return self.name
+
+    def check_ready(self) -> None:
+        """Always ready: a script needs no connection."""
+
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
         """Serve the next script item (see the class docstring)."""
-        if request.before_wire is not None:
-            await request.before_wire()
         self.requests.append(replace(request, messages=copy.deepcopy(list(request.messages))))
         item = next(self._items, None)
         if item is None:
@@ -151,10 +160,10 @@ class ScriptedProvider:
             await self.clock.sleep(item.delay)
         else:
             await anyio.lowlevel.checkpoint()
-        if request.on_text is not None:
+        if on_text is not None:
             for block in item.content:
                 if block.get("type") == "text" and block.get("text"):
-                    maybe = request.on_text(str(block["text"]))
+                    maybe = on_text(str(block["text"]))
                     if maybe is not None:
                         await maybe
         number = len(self.requests)

@@ -14,17 +14,17 @@ See docs/testing.md.
 
 from loopengine._clock import FakeClock
 from loopengine.providers._scripted import Reply
-from loopengine.testing._openai_server import FakeOpenAIServer
-from loopengine.testing._server import (
+from loopengine.testing._anthropic_server import FakeAnthropicServer
+from loopengine.testing._loopback import (
     CutStream,
     DropConnection,
     ErrorReply,
-    FakeAnthropicServer,
     RecordedRequest,
     ServerItem,
     StallStream,
     StreamErrorEvent,
 )
+from loopengine.testing._openai_server import FakeOpenAIServer
 
 __all__ = [
     "CutStream",

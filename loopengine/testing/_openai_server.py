@@ -44,7 +44,7 @@ from typing import Any
 
 from loopengine._usage import Usage
 from loopengine.providers._scripted import Reply
-from loopengine.testing._server import ErrorReply, Frame, LoopbackServer, RecordedRequest
+from loopengine.testing._loopback import ErrorReply, Frame, LoopbackServer, RecordedRequest
 
 __all__ = ["FakeOpenAIServer", "transcript_problem"]
 

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from loopengine.testing._anthropic_server import FakeAnthropicServer
 from loopengine.testing._openai_server import FakeOpenAIServer
-from loopengine.testing._server import FakeAnthropicServer
 
 __all__ = ["fake_anthropic_server", "fake_openai_server"]
 

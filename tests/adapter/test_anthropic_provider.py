@@ -52,43 +52,18 @@ async def test_the_sdk_never_retries_on_its_own(fake_anthropic_server: FakeAnthr
 
 
 @STREAMING
-async def test_before_wire_is_awaited_after_the_request_is_built(
-    wire: Harness, stream: bool
-) -> None:
-    """The provider awaits `before_wire` once per request, when the SDK has built it
-    and before anything reaches the server; the caller's client keeps its class."""
-    wire.server.add(Reply.text("hello"))
+async def test_the_provider_declares_what_it_can_do(wire: Harness, stream: bool) -> None:
+    """Its vendor, whether it streams, its request features and its readiness are
+    declarations the engine reads; the caller's client keeps its class."""
     provider = wire.provider(stream=stream)
-    seen: list[int] = []
-
-    async def before_wire() -> None:
-        seen.append(len(wire.requests))
-
-    response = await provider.send(request(before_wire=before_wire))
-    assert response.stop_reason == "end_turn" and provider.awaits_before_wire
-    assert seen == [0] and len(wire.requests) == 1
+    assert isinstance(provider, le.providers.Provider)
+    assert (provider.vendor, provider.streaming) == ("anthropic", stream)
+    assert "thinking" in provider.features and "service_tier" not in provider.features
+    provider.check_ready()
     client = anthropic.AsyncAnthropic(api_key="k", base_url=wire.server.url)
-    gated = AnthropicProvider(client)
+    AnthropicProvider(client)
     assert type(client) is anthropic.AsyncAnthropic
-    assert isinstance(gated.client, anthropic.AsyncAnthropic) and gated.awaits_before_wire
     await client.close()
-
-
-@STREAMING
-async def test_a_failing_before_wire_sends_nothing_and_is_not_a_fault(
-    wire: Harness, stream: bool
-) -> None:
-    """When `before_wire` raises (the ledger could not record the attempt), the error
-    propagates as it is, not as a ProviderFault, and the server receives nothing."""
-    wire.server.add(Reply.text("never"))
-    provider = wire.provider(stream=stream)
-
-    async def before_wire() -> None:
-        raise le.LedgerError("the row could not be written")
-
-    with pytest.raises(le.LedgerError, match="could not be written"):
-        await provider.send(request(before_wire=before_wire))
-    assert wire.requests == []
 
 
 def test_retries_in_the_sdk_are_refused() -> None:

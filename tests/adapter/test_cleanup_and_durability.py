@@ -212,7 +212,9 @@ async def test_r04_a_stalled_ledger_writer_ends_the_run_at_its_deadline(
     row = invocations[result.invocation_id]
     assert row["outcome"] == "time_limit"
     (attempt,) = [a for key, a in attempts.items() if key[0] == result.invocation_id]
-    assert (attempt["outcome"], attempt["error_code"]) == ("aborted", "not_sent")
+    # Nothing was sent: the deadline cut the attempt while its row was queued.
+    assert (attempt["outcome"], attempt["aborted_reason"], attempt["http_status"]) == (
+        "aborted", "deadline", None)
 
 
 # -- usage served before tools run is durable -----------------------------------------

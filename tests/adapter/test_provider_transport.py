@@ -1,5 +1,5 @@
 """The client a provider builds from keywords: the SDK's aiohttp client on asyncio,
-the flat pool on trio, the SDK's own transport behind a proxy, each with the
+the SDK's own httpx client on trio and behind a proxy, each with the
 ``max_connections`` limit, on both SDK providers."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import httpx2
 import pytest
 
 import loopengine as le
-from loopengine.providers import AnthropicProvider, OpenAIProvider, PooledTransport
+from loopengine.providers import AnthropicProvider, OpenAIProvider
 from loopengine.providers._clients import DEFAULT_MAX_CONNECTIONS
 from loopengine.testing import FakeAnthropicServer, Reply
 
@@ -51,11 +51,11 @@ def test_on_asyncio_a_keyword_built_client_sends_through_the_sdks_aiohttp_client
 
 
 @PROVIDERS
-def test_on_trio_a_keyword_built_client_sends_through_the_flat_pool(make: Any) -> None:
+def test_on_trio_a_keyword_built_client_sends_through_the_sdks_httpx_client(make: Any) -> None:
     transport = transport_on(make(), "trio")
-    assert isinstance(transport, PooledTransport)
-    assert transport.pool.max_connections == DEFAULT_MAX_CONNECTIONS
-    assert transport.pool.max_keepalive_connections == DEFAULT_MAX_CONNECTIONS
+    assert type(transport).__name__ == "AsyncHTTPTransport"
+    assert transport._pool._max_connections == DEFAULT_MAX_CONNECTIONS
+    assert transport._pool._max_keepalive_connections == DEFAULT_MAX_CONNECTIONS
 
 
 @PROVIDERS
@@ -63,17 +63,17 @@ def test_max_connections_sets_the_limit_on_both_loops_and_keeps_every_connection
         make: Any) -> None:
     provider = make(max_connections=5000)
     assert transport_on(provider, "asyncio").limits.max_connections == 5000
-    pool = transport_on(provider, "trio").pool
-    assert (pool.max_connections, pool.max_keepalive_connections) == (5000, 5000)
+    pool = transport_on(provider, "trio")._pool
+    assert (pool._max_connections, pool._max_keepalive_connections) == (5000, 5000)
 
 
 @PROVIDERS
 def test_one_provider_keeps_the_asyncio_client_it_built_first_for_asyncio(make: Any) -> None:
     """The client built with the provider (for asyncio) is not spent on a trio run:
-    trio gets a flat-pool client of its own, and the next asyncio run the first."""
+    trio gets an httpx client of its own, and the next asyncio run the first."""
     provider = make()
     spare = provider.client
-    assert isinstance(transport_on(provider, "trio"), PooledTransport)
+    assert type(transport_on(provider, "trio")).__name__ == "AsyncHTTPTransport"
     assert provider.client is spare
     assert transport_on(provider, "asyncio") is http_of(spare)._transport
 
@@ -84,7 +84,6 @@ def test_a_configured_proxy_falls_back_to_the_sdk_transport_with_the_same_limits
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     client = http_of(make(max_connections=7))
-    assert not isinstance(client._transport, PooledTransport)
     assert type(client._transport).__name__ == "AsyncHTTPTransport"
     # The SDK's own client mounts its proxy transports; each has our limits.
     pools = [t._pool for t in client._mounts.values() if t is not None]  # type: ignore[attr-defined]
@@ -136,7 +135,7 @@ def test_runs_beyond_max_connections_wait_for_a_connection_and_all_complete(
                         group.start_soon(one, n)
                 transport: Any = http_of(provider)._transport
                 if backend == "trio":
-                    assert len(transport.pool.connections) <= 3
+                    assert len(transport._pool.connections) <= 3
                 else:
                     assert transport.client.connector.limit == 3
 

@@ -6,18 +6,19 @@ the real SDK and the loopback server."""
 from __future__ import annotations
 
 import threading
-import time
 
 import anyio
 import pytest
+import trio
+import trio.testing
 
 import loopengine as le
 from loopengine import events
-from loopengine._clock import SystemClock
-from loopengine.testing import FakeAnthropicServer, Reply
+from loopengine.providers import ScriptedProvider
+from loopengine.testing import Reply
 
-from ..conftest import operation
-from .conftest import Harness, harness, tool_results
+from ..conftest import PRICES, operation
+from .conftest import Harness, tool_results
 
 
 async def test_max_calls_answers_the_first_calls_and_refuses_the_rest(wire: Harness) -> None:
@@ -60,13 +61,12 @@ async def test_max_calls_zero_never_runs_the_handler(wire: Harness) -> None:
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
-async def test_a_handler_past_its_timeout_gets_an_error_result(
-    fake_anthropic_server: FakeAnthropicServer, kind: str
-) -> None:
+def test_a_handler_past_its_timeout_gets_an_error_result(kind: str) -> None:
     """A handler that runs past ``timeout=0.2``: the async one is cancelled, the
     sync one's thread abandoned (it finishes later, unseen); the call's result is
-    an error naming the timeout and the run completes at once."""
-    finished = threading.Event()
+    an error naming the timeout and the run completes 0.2 s after it began. On
+    trio's MockClock, in process: the time is exact and nothing sleeps for real."""
+    finished, release = threading.Event(), threading.Event()
 
     async def slow_async(key: str) -> str:
         """Take too long."""
@@ -74,28 +74,34 @@ async def test_a_handler_past_its_timeout_gets_an_error_result(
         return "late"
 
     def slow_sync(key: str) -> str:
-        """Take too long, in a thread."""
-        time.sleep(1.0)
+        """Take too long, in a thread: until the test releases it."""
+        release.wait(30)
         finished.set()
         return "late"
 
     handler = le.tool(slow_async if kind == "async" else slow_sync, name="slow", timeout=0.2)
     seen: list[events.Event] = []
-    async with harness(fake_anthropic_server, SystemClock()) as wire:
-        engine, _ = wire.engine(Reply.tool_calls(("slow", {"key": "a"})), Reply.text("ok"),
-                                observers=[seen.append])
-        began = time.monotonic()
+    provider = ScriptedProvider([Reply.tool_calls(("slow", {"key": "a"})), Reply.text("ok")])
+    engine = le.Engine(provider, prices=PRICES, observers=[seen.append])
+    outcome: list[tuple[le.RunResult, float]] = []
+
+    async def main() -> None:
+        began = anyio.current_time()
         result = await engine.run(operation(), "go", tools=[handler])
-        elapsed = time.monotonic() - began
-        (timed_out,) = tool_results(wire.requests[1])
+        outcome.append((result, anyio.current_time() - began))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    ((result, elapsed),) = outcome
+    (timed_out,) = provider.requests[1].messages[-1]["content"]
     assert result.outcome is le.Outcome.COMPLETED and result.tool_calls == 1
-    assert elapsed < 0.9
+    assert elapsed == pytest.approx(0.2)
     assert timed_out["is_error"] and "timeout of 0.2s" in timed_out["content"]
     failed = [e for e in seen if isinstance(e, events.ToolCallEvent) and e.status == "failed"]
     assert [e.error for e in failed] == ["timeout"]
     if kind == "sync":
         assert not finished.is_set()
-        assert finished.wait(5)  # the abandoned thread ran on to its end
+        release.set()
+        assert finished.wait(30)  # the abandoned thread runs on to its end
 
 
 def test_caps_and_timeouts_are_validated() -> None:

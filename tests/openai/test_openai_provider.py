@@ -18,15 +18,15 @@ import pytest
 import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import FaultKind, OpenAIProvider, ProviderFault
-from loopengine.providers._openai import (
+from loopengine.providers._openai_chat import (
     chat_messages,
     chat_tool_choice,
     chat_tools,
-    classify_error,
     content_from_message,
     stop_reason,
     usage_from_api,
 )
+from loopengine.providers._openai_faults import classify_error
 from loopengine.testing import FakeOpenAIServer, Reply
 
 from ..adapter.test_event_loops import assert_nothing_left_open, run_on_trio
@@ -297,10 +297,9 @@ async def test_the_callbacks_fault_carries_the_ids_and_its_cause(
         raise broke
 
     request = le.providers.ProviderRequest(model=MODEL, max_tokens=16,
-                                           messages=[{"role": "user", "content": "hi"}],
-                                           on_text=on_text)
+                                           messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(ProviderFault) as info:
-        await provider.send(request)
+        await provider.send(request, on_text=on_text)
     await provider.aclose()
     fault = info.value
     assert fault.kind is FaultKind.ABORTED and fault.__cause__ is broke
@@ -345,7 +344,8 @@ def test_routes_and_vendors() -> None:
         ("openai", "openai"), ("azure", "azure"), ("azure", "azure"), ("openai-eu", "openai")]
     assert isinstance(azure.client, openai.AsyncAzureOpenAI)
     assert all(p.client.max_retries == 0 for p in (plain, azure, given, named))
-    assert all(p.awaits_before_wire for p in (plain, azure, given, named))
+    assert all(p.features == {"reasoning_effort", "service_tier"} and not p.streaming
+               for p in (plain, azure, given, named))
 
 
 async def test_an_azure_route_is_recorded_azure(fake_openai_server: FakeOpenAIServer) -> None:
@@ -412,29 +412,6 @@ def test_a_given_client_is_refused_on_another_event_loop_before_anything_is_sent
 
 
 # -- classification at the seam -------------------------------------------------------
-
-
-async def test_a_ledger_error_at_the_gate_is_not_a_fault(
-    fake_openai_server: FakeOpenAIServer,
-) -> None:
-    """The before-wire wait raising (the ledger could not record the attempt) is let
-    out as it is, and nothing reaches the server."""
-    fake_openai_server.add(Reply.text("never"))
-    provider = OpenAIProvider(api_key="k", base_url=fake_openai_server.base_url,
-                              http_client=httpx2.AsyncClient(verify=False))
-
-    async def refuse() -> None:
-        raise le.LedgerError("disk full")
-
-    for stream in (False, True):
-        request = le.providers.ProviderRequest(
-            model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "hi"}],
-            before_wire=refuse)
-        provider._stream = stream
-        with pytest.raises(le.LedgerError, match="disk full"):
-            await provider.send(request)
-    await provider.aclose()
-    assert fake_openai_server.requests == []
 
 
 def test_a_plain_sdk_error_is_a_bad_request() -> None:

@@ -1,35 +1,30 @@
-"""`FakeAnthropicServer`: the Messages API on loopback, scripted, for tests.
+"""The machinery of a scripted model API on loopback: script items, recording,
+usage counting and the HTTP plumbing.
 
-A real HTTP/1.1 server on 127.0.0.1 (an ephemeral port) that answers
-``POST /v1/messages`` in JSON or, when the request asks for ``"stream": true``,
-in server-sent events shaped like Anthropic's. Each request takes the next
-item of a script:
+`LoopbackServer` is a real HTTP/1.1 server on 127.0.0.1 (an ephemeral port)
+that answers one path. Each request takes the next item of a script:
 
 * `Reply` (the same class `ScriptedProvider` serves): a message with any
   content, stop reason and usage, after an optional delay;
-* `ErrorReply`: an error status with an Anthropic error body (or any body)
-  and any headers;
+* `ErrorReply`: an error status with an error body (or any body) and any
+  headers;
 * `DropConnection`: the connection is closed (or reset) without an answer;
-* `CutStream`: the reply's stream ends after some events, either cleanly (no
-  ``message_stop``) or by a dropped connection;
-* `StreamErrorEvent`: the reply's stream sends an ``error`` event after some
-  events, as the API does when it overloads mid-answer;
+* `CutStream`: the reply's stream ends after some events, either cleanly or
+  by a dropped connection;
+* `StreamErrorEvent`: the reply's stream sends an error event after some
+  events, as an API does when it overloads mid-answer;
 * `StallStream`: the reply's stream goes quiet for a while after some events;
 * a callable taking the `RecordedRequest` and returning one of the above.
 
-A request whose ``cache_control`` markers the API refuses (more than four, a
-one-hour marker after a five-minute one) gets the API's 400 without taking a
-script item.
-
-Every request is recorded (`FakeAnthropicServer.requests`: method, path,
+Every request is recorded (`LoopbackServer.requests`: method, path,
 lowercased headers, parsed JSON body) and the usage the server put on the
-wire is counted (`FakeAnthropicServer.usage_served`), so a test can check an
+wire is counted (`LoopbackServer.usage_served`), so a test can check an
 attempt ledger against an independent witness. It uses only the standard
 library: handlers run in threads, so the server works under any event loop.
 
-The script items, the recording, the counting and the HTTP plumbing belong to
-`LoopbackServer`, which `loopengine.testing.FakeOpenAIServer` shares: only
-the path and the shapes on the wire differ between the two.
+A subclass gives the path and the shapes on the wire:
+`loopengine.testing.FakeAnthropicServer` (Messages API) and
+`loopengine.testing.FakeOpenAIServer` (Chat Completions).
 """
 
 from __future__ import annotations
@@ -37,26 +32,23 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import re
 import select
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any, Literal, Self
 
 from loopengine._usage import Usage
-from loopengine.providers._cache import cache_marker_problem
 from loopengine.providers._scripted import Reply
 
 __all__ = [
     "CutStream",
     "DropConnection",
     "ErrorReply",
-    "FakeAnthropicServer",
     "Frame",
     "LoopbackServer",
     "RecordedRequest",
@@ -81,18 +73,6 @@ _STATUS_TYPES = {
     503: "api_error",
     504: "timeout_error",
     529: "overloaded_error",
-}
-
-_TYPE_STATUS = {
-    "invalid_request_error": 400,
-    "authentication_error": 401,
-    "billing_error": 402,
-    "permission_error": 403,
-    "not_found_error": 404,
-    "rate_limit_error": 429,
-    "api_error": 500,
-    "timeout_error": 504,
-    "overloaded_error": 529,
 }
 
 
@@ -596,173 +576,7 @@ class LoopbackServer:
         return usage
 
 
-class FakeAnthropicServer(LoopbackServer):
-    """A scripted Messages API on 127.0.0.1, for tests.
-
-    Use it as a context manager (or call `start` and `close`); point an
-    ``anthropic`` client at `url`::
-
-        with FakeAnthropicServer() as server:
-            server.add(Reply.text("Hello"))
-            provider = AnthropicProvider(api_key="test", base_url=server.url)
-            ...
-            assert server.requests[0].body["model"] == "claude-sonnet-4-5"
-
-    Args:
-        script: Items to serve, one per request, in order (see `add`).
-        host: The address to bind; loopback by default.
-
-    When the script runs out, requests get a 400 ``invalid_request_error``
-    saying so: a permanent fault, so a test that sends more than it scripted
-    fails clearly instead of retrying.
-
-    It takes bursts of hundreds of simultaneous connections (a listen backlog
-    of 1024). Each connection is served by a daemon thread, so a server that
-    is never closed does not keep the interpreter from exiting; `close` waits
-    for those threads to end.
-    """
-
-    path = "/v1/messages"
-    request_id_header = "request-id"
-
-    def _refusal(self, body: Any) -> str | None:
-        return cache_marker_problem(body)
-
-    def _error_body(self, item: ErrorReply) -> bytes:
-        return item.payload()
-
-    def _error_status(self, error_type: str) -> int:
-        return _TYPE_STATUS.get(error_type, 500)
-
-    def _error_event(self, error_type: str, message: str) -> bytes:
-        return _sse("error", {"type": "error", "error": {"type": error_type,
-                                                         "message": message}})
-
-    def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
-        return _message(reply, request, number)
-
-    def _frames(self, message: dict[str, Any], reply: Reply,
-                request: RecordedRequest) -> list[Frame]:
-        events = _events(message, reply.usage)
-        return [Frame(_sse(name, data), seen)
-                for (name, data), seen in zip(events, _usage_seen(events, reply.usage),
-                                              strict=True)]
-
-
 _ITEM_TYPES = (Reply, ErrorReply, DropConnection, CutStream, StreamErrorEvent, StallStream)
-
-
-# -- wire shapes ---------------------------------------------------------------------
-
-
-def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
-    if usage is None:
-        return None
-    return {
-        "input_tokens": usage.input_tokens,
-        "output_tokens": usage.output_tokens,
-        "cache_creation_input_tokens": usage.cache_write_tokens,
-        "cache_read_input_tokens": usage.cache_read_tokens,
-        "cache_creation": {
-            "ephemeral_5m_input_tokens": usage.cache_write_5m_tokens,
-            "ephemeral_1h_input_tokens": usage.cache_write_1h_tokens,
-        },
-        "service_tier": "standard",
-    }
-
-
-def _message(reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
-    model = request.body.get("model") if isinstance(request.body, Mapping) else None
-    message: dict[str, Any] = {
-        "id": reply.response_id or f"msg_fake_{number:04d}",
-        "type": "message",
-        "role": "assistant",
-        "model": model or "claude-fake",
-        "content": [dict(block) for block in reply.content],
-        "stop_reason": reply.stop_reason,
-        "stop_sequence": None,
-    }
-    usage = _usage_json(reply.usage)
-    if usage is not None:
-        message["usage"] = usage
-    return message
-
-
-_WORDS = re.compile(r"\s*\S+\s*|\s+")
-
-
-def _events(message: Mapping[str, Any], usage: Usage | None) -> list[tuple[str, dict[str, Any]]]:
-    """The server-sent events of a message, as the API streams it."""
-    start = {**message, "content": [], "stop_reason": None}
-    upfront = _usage_json(usage)
-    if usage is not None and upfront is not None:
-        # The API reports input and cache tokens up front and the output
-        # tokens so far (a token or so); message_delta carries the final count.
-        start["usage"] = {**upfront, "output_tokens": min(1, usage.output_tokens)}
-    events: list[tuple[str, dict[str, Any]]] = [("message_start",
-                                                  {"type": "message_start", "message": start})]
-    for index, block in enumerate(message["content"]):
-        kind = block.get("type")
-        if kind == "text":
-            events.append(_block_start(index, {**block, "text": ""}))
-            for piece in _WORDS.findall(str(block.get("text", ""))):
-                events.append(_delta(index, {"type": "text_delta", "text": piece}))
-        elif kind in ("tool_use", "server_tool_use"):
-            events.append(_block_start(index, {**block, "input": {}}))
-            events.append(_delta(index, {"type": "input_json_delta",
-                                         "partial_json": json.dumps(block.get("input", {}))}))
-        elif kind == "thinking":
-            events.append(_block_start(index, {**block, "thinking": "", "signature": ""}))
-            events.append(_delta(index, {"type": "thinking_delta",
-                                         "thinking": block.get("thinking", "")}))
-            events.append(_delta(index, {"type": "signature_delta",
-                                         "signature": block.get("signature", "")}))
-        else:
-            events.append(_block_start(index, dict(block)))
-        events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
-    delta: dict[str, Any] = {
-        "type": "message_delta",
-        "delta": {"stop_reason": message.get("stop_reason"), "stop_sequence": None},
-        "usage": {"output_tokens": usage.output_tokens if usage else 0},
-    }
-    events.append(("message_delta", delta))
-    events.append(("message_stop", {"type": "message_stop"}))
-    return events
-
-
-def _block_start(index: int, block: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    return ("content_block_start",
-            {"type": "content_block_start", "index": index, "content_block": dict(block)})
-
-
-def _delta(index: int, delta: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    return ("content_block_delta", {"type": "content_block_delta", "index": index,
-                                    "delta": dict(delta)})
-
-
-def _sse(name: str, data: Mapping[str, Any]) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
-
-
-def _usage_seen(events: Sequence[tuple[str, Mapping[str, Any]]],
-                usage: Usage | None) -> list[Usage | None]:
-    """The usage a client has seen after each of ``events``: the input and cache
-    tokens of ``message_start`` and the output tokens reported so far."""
-    if usage is None or not events or events[0][0] != "message_start":
-        return [None] * len(events)
-    output = min(1, usage.output_tokens)
-    seen: list[Usage | None] = []
-    for name, data in events:
-        if name == "message_delta":
-            output = int(data["usage"]["output_tokens"])
-        seen.append(Usage(
-            input_tokens=usage.input_tokens,
-            output_tokens=output,
-            cache_read_tokens=usage.cache_read_tokens,
-            cache_write_tokens=usage.cache_write_tokens,
-            cache_write_1h_tokens=usage.cache_write_1h_tokens,
-        ))
-    return seen
 
 
 def _chunk(data: bytes) -> bytes:

@@ -1,0 +1,62 @@
+"""Admission and settlement of a run's credit account (DESIGN §13).
+
+Before its first request a run on an account reserves its credit hold
+(`admit`); at its end the real charge is settled and the hold released, once
+(`settle_account`). Both are awaited no later than the run's deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import datetime
+
+from loopengine._accounts import Reservation, expiry
+from loopengine._invocation import LEDGER_GRACE, Invocation
+from loopengine.guards._checkpoints import check_admission, unconfirmed_by_deadline
+
+__all__ = ["admit", "settle_account"]
+
+logger = logging.getLogger("loopengine")
+
+
+async def admit(inv: Invocation, at: datetime) -> None:
+    """Reserve the run's credit hold on its account before its first request
+    (§13): less available narrows the hold; nothing available denies the run."""
+    assert inv.accounts is not None and inv.account is not None
+    hold = inv.limits.credit_hold
+    assert hold is not None  # the engine gives every run on an account a hold
+    accounts, account = inv.accounts, inv.account
+    got: list[Reservation] = []
+
+    async def reserve() -> None:
+        got.append(await accounts.reserve(
+            account, inv.id, hold,
+            expires_at=expiry(at, inv.limits.total_time, accounts.expiry_grace),
+            credits_per_usd=inv.prices.credits_per_usd,
+            credit_quantum=inv.prices.credit_quantum))
+
+    if not await inv.confirm(reserve()):
+        inv.denied = unconfirmed_by_deadline(inv.limits, "the account's reservation")
+        return
+    reservation = got[0]
+    inv.denied = check_admission(account, reservation.credits, reservation.available, hold)
+    if inv.denied is not None:
+        return
+    inv.reservation = reservation
+    if reservation.credits < hold:
+        # A narrowing (R13): the run may spend only what was reserved.
+        inv.limits = dataclasses.replace(inv.limits, credit_hold=reservation.credits)
+
+
+async def settle_account(inv: Invocation, credits: int) -> None:
+    """Charge the run's real credits on its account and release its hold, once."""
+    if inv.reservation is None or inv.accounts is None:
+        return
+    reservation, inv.reservation = inv.reservation, None
+    settled = await inv.confirm(inv.accounts.settle(reservation, credits),
+                                  at_least=LEDGER_GRACE)
+    if not settled:
+        logger.warning("%s %s: its account's settlement was not confirmed by its "
+                       "deadline; it completes later, or at the reservation's expiry",
+                       inv.kind, inv.id)

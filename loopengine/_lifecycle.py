@@ -1,0 +1,259 @@
+"""The lifecycle of a run or call: its start, its end, and the cleanup nothing
+interrupts.
+
+`begin` records the invocation running and admits it on its account;
+`finish` records its outcome; `ending` (or `cancelled` / `failed`, for a body
+that keeps the handling in its own frame) records a run that stopped
+without an outcome, ``cancelled`` or ``failed``. Once begun, an invocation
+is always ended: the cleanup runs to its end through any cancellation
+(`uninterrupted`), `RunEnded` is announced once, and the exception
+propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
+
+import anyio
+import anyio.lowlevel
+
+from loopengine._admission import admit, settle_account
+from loopengine._attempt import settle
+from loopengine._errors import LedgerError, LoopEngineError
+from loopengine._invocation import LEDGER_GRACE, Invocation
+from loopengine.events import GuardTripped, RunEnded, RunStarted
+from loopengine.guards._checkpoints import GuardTrip
+from loopengine.persistence._records import InvocationEnd, InvocationStart
+
+__all__ = ["begin", "cancelled", "ending", "failed", "finish", "uninterrupted"]
+
+logger = logging.getLogger("loopengine")
+
+Progress = Callable[[], tuple[int, int, int]]
+"""Gives a run's ``(turns, tool_calls, credits)`` so far."""
+
+
+async def uninterrupted(step: Callable[[], Awaitable[None]]) -> None:
+    """Run ``step`` to its end whatever cancellation arrives meanwhile, then raise
+    the cancellation, if one arrived.
+
+    An anyio shield keeps the caller's cancel scopes out. On asyncio a native
+    `asyncio.Task.cancel()` still reaches a shielded await, so there the step
+    runs in a task of its own, and this waits for it through every
+    cancellation: cleanup, once started, finishes."""
+    with anyio.CancelScope(shield=True):
+        # The running backend as anyio sees it: a trio run started from a thread
+        # that also runs an asyncio loop is trio's, whose shield holds.
+        if not isinstance(anyio.lowlevel.current_token().native_token,
+                          asyncio.AbstractEventLoop):
+            await step()
+            return
+        task = asyncio.ensure_future(step())
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError as error:
+                if task.done():
+                    raise
+                interrupted = error
+                continue
+            break
+    if interrupted is not None:
+        raise interrupted
+
+
+async def begin(inv: Invocation) -> None:
+    """Record the invocation as running and announce it.
+
+    From here on the invocation is begun: whatever stops it is recorded
+    (`ending`). A ledger that refuses the start leaves nothing begun."""
+    at = inv.clock.wall()
+    inv.begun = True
+    if inv.ledger is not None:
+        try:
+            await inv.ledger.start_invocation(InvocationStart(
+                id=inv.id,
+                operation=inv.operation.name,
+                operation_version=inv.operation.version,
+                provider=inv.operation.provider,
+                model=inv.operation.model,
+                tenant=inv.attribution.tenant,
+                user_id=inv.attribution.user_id,
+                feature=inv.attribution.feature,
+                correlation_id=inv.attribution.correlation_id,
+                started_at=at,
+            ))
+        except LoopEngineError as error:
+            inv.begun = False
+            inv.count_attempts_on(error)  # none: nothing was sent
+            raise
+    await inv.emit(RunStarted(
+        run_id=inv.id, at=at, operation=inv.operation.name,
+        operation_version=inv.operation.version, provider=inv.operation.provider,
+        model=inv.operation.model, kind="run" if inv.kind == "run" else "call",
+        tenant=inv.attribution.tenant, feature=inv.attribution.feature,
+        correlation_id=inv.attribution.correlation_id, vendor=inv.vendor,
+    ))
+    if inv.accounts is not None:
+        await admit(inv, at)
+
+
+async def finish(
+    inv: Invocation, outcome: str, *, turns: int, tool_calls: int, credits: int,
+    trip: GuardTrip | None = None,
+) -> None:
+    """Settle the invocation with ``outcome`` (ledger, events, log).
+
+    A cancellation that arrives before the end is written ends the
+    invocation ``cancelled`` instead (`ending`). Once the end is being
+    written it is finished, uninterrupted: a cancellation arriving then
+    propagates afterwards, and the ledger and `RunEnded` keep ``outcome``."""
+    at = inv.clock.wall()
+    if trip is not None:
+        await inv.emit(GuardTripped(
+            run_id=inv.id, at=at, guard=trip.guard, observed=trip.observed,
+            limit=trip.limit, outcome=trip.outcome.value, message=trip.message,
+        ))
+    await anyio.lowlevel.checkpoint()  # a pending cancellation is the end
+
+    async def end() -> None:
+        await _write_end(inv, at, outcome, turns=turns, tool_calls=tool_calls,
+                              credits=credits)
+
+    await uninterrupted(end)
+
+
+async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int, tool_calls: int,
+                     credits: int) -> None:
+    inv.ended = True
+    try:
+        if inv.ledger is not None:
+            confirmed = await inv.confirm(inv.ledger.end_invocation(
+                InvocationEnd(id=inv.id, ended_at=at, outcome=outcome, turns=turns,
+                              tool_calls=tool_calls, credits=credits)
+            ), at_least=LEDGER_GRACE)
+            if not confirmed:
+                logger.warning("%s %s: the ledger did not confirm its end (%s) by its "
+                               "deadline; the write stays queued", inv.kind, inv.id,
+                               outcome)
+    finally:
+        # The account is settled however the end's write went (§13).
+        await settle_account(inv, credits)
+    logger.info(
+        "%s %s ended %s: operation=%s turns=%d tool_calls=%d attempts=%d "
+        "cost_nanousd=%d credits=%d",
+        inv.kind, inv.id, outcome, inv.operation.name, turns, tool_calls,
+        len(inv.records), inv.cost_nanousd, credits,
+    )
+    await _announce_end(inv, at, outcome, turns=turns, tool_calls=tool_calls,
+                             credits=credits)
+
+
+async def _announce_end(inv: Invocation, at: datetime, outcome: str, *, turns: int, tool_calls: int,
+                        credits: int) -> None:
+    """Emit `RunEnded`, once: an observer's run ends however the run does."""
+    if inv.announced:
+        return
+    inv.announced = True
+    await inv.emit(RunEnded(
+        run_id=inv.id, at=at, outcome=outcome, turns=turns, tool_calls=tool_calls,
+        attempts=len(inv.records), usage=inv.usage, cost_usd=inv.cost_usd,
+        credits=credits,
+    ))
+
+
+@contextlib.asynccontextmanager
+async def ending(inv: Invocation, progress: Progress) -> AsyncIterator[None]:
+    """Begin the invocation (`begin`), around the body of a run or call that
+    may stop without an outcome.
+
+    ``progress()`` gives its ``(turns, tool_calls, credits)`` so far. The
+    caller's cancellation, wherever it lands once the start is recorded
+    (an observer awaiting `RunStarted` included), settles the in-flight
+    attempt ``aborted``/``external`` and the invocation ``cancelled``; any
+    other error (a `LedgerError`, a provider's `LoopEngineError`, the
+    ``on_text`` callback's own exception) records it ``failed`` and gets
+    its attempt count. Either way the cleanup runs to its end (`uninterrupted`:
+    a second cancellation or a native `asyncio.Task.cancel()` waits for it),
+    `RunEnded` is announced once and the exception propagates. An
+    `OutcomeError` comes after its outcome was recorded and announced:
+    nothing is added but its count.
+    """
+    try:
+        await begin(inv)
+        yield
+    except anyio.get_cancelled_exc_class():
+        await cancelled(inv, progress)
+        raise
+    except Exception as error:
+        await failed(inv, error, progress)
+        raise
+
+
+async def cancelled(inv: Invocation, progress: Progress) -> None:
+    """The caller's cancellation reached the body of `ending`: record the
+    invocation ``cancelled`` if it was begun; the caller then re-raises.
+
+    `ending`'s handler, for a body that cannot be written in an ``async
+    with`` (the run loop keeps it in its own frame, see `loopengine._run`).
+    """
+    if inv.begun:
+        await _cleanup(inv, "cancelled", progress)
+
+
+async def failed(inv: Invocation, error: Exception,
+                 progress: Progress) -> None:
+    """``error`` stopped the body of `ending`: record the invocation
+    ``failed`` if it was begun and give ``error`` its attempt count; the
+    caller then re-raises."""
+    if inv.begun:
+        await _cleanup(inv, "failed", progress)
+    inv.count_attempts_on(error)
+
+
+async def _cleanup(inv: Invocation, outcome: str, progress: Progress) -> None:
+    async def step() -> None:
+        await _end_without_outcome(inv, outcome, *progress())
+
+    try:
+        await uninterrupted(step)
+    except anyio.get_cancelled_exc_class():
+        if outcome != "cancelled":
+            raise  # a failure cancelled meanwhile: the cancellation wins
+        # cancelled again meanwhile: the cancellation being handled propagates
+
+
+async def _end_without_outcome(inv: Invocation, outcome: str, turns: int, tool_calls: int,
+                               credits: int) -> None:
+    """Record the invocation ``cancelled`` or ``failed`` as far as the ledger
+    still can, then announce the end.
+
+    A cancelled run's in-flight attempt is settled ``aborted``/``external``.
+    A failed run's is not: the error came from writing its row (or from the
+    ledger breaking), so it never went out (a request is sent only once its
+    row is written); it is not one of the run's attempts, and a turn it alone
+    would have sent was not sent (R01 counts turn requests sent). A ledger
+    failure here is logged, not raised: it must not replace the exception
+    that ended the run."""
+    if outcome == "failed":
+        if inv.in_flight is not None:
+            inv.records.pop(inv.in_flight.index)
+            inv.in_flight = None
+        # A turn whose request was never sent is no turn (R01).
+        turns = min(turns, max((r.dispatch.turn for r in inv.records), default=0))
+    try:
+        if inv.in_flight is not None:
+            await settle(inv, inv.in_flight, None, None, external=True)
+        if not inv.ended:
+            await _write_end(inv, inv.clock.wall(), outcome, turns=turns,
+                                  tool_calls=tool_calls, credits=credits)
+    except LedgerError:
+        what = "the cancellation" if outcome == "cancelled" else "its failure"
+        logger.exception("run %s: the ledger could not record %s", inv.id, what)
+    await _announce_end(inv, inv.clock.wall(), outcome, turns=turns,
+                             tool_calls=tool_calls, credits=credits)

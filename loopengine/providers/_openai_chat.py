@@ -1,0 +1,361 @@
+"""Chat Completions <-> the engine's Anthropic shapes, for `OpenAIProvider`.
+
+The engine's transcript stays Anthropic-shaped; this module translates at
+its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
+`content_from_message`):
+
+* ``system`` blocks become one ``system`` message; a user message's
+  ``tool_result`` blocks become one ``tool`` message each, in order (an
+  ``is_error`` result's text starts with ``Error:``, so the model reads it as
+  a failure); ``tool_use`` blocks become the assistant's ``tool_calls``;
+  ``thinking`` blocks and ``cache_control`` markers have no equivalent and
+  are dropped (OpenAI caches prompt prefixes on its own);
+* tools become ``function`` tools with the JSON schema as ``parameters``;
+  ``tool_choice`` ``auto`` / ``none`` / ``any`` / a named tool become
+  ``auto`` / ``none`` / ``required`` / that function;
+* the reply's text and ``refusal`` become text blocks, its tool calls
+  ``tool_use`` blocks, all of one turn in one batch. Arguments that are not
+  a JSON object are kept as the string the model sent: the tool's input
+  validation then gives the model a recoverable error result (R15).
+
+``finish_reason`` becomes the engine's stop reason: ``stop`` -> ``end_turn``,
+``tool_calls`` -> ``tool_use``, ``length`` -> ``max_tokens`` (``incomplete``),
+``content_filter`` (or a ``refusal``) -> ``refusal`` (``refused``). Usage:
+``prompt_tokens`` includes ``prompt_tokens_details.cached_tokens``, so the
+uncached input is the difference and the cached part is the cache read;
+reasoning tokens are inside ``completion_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from loopengine._usage import Usage
+from loopengine.providers._base import ProviderRequest, text_or_none, token_count
+from loopengine.providers._faults import FaultKind, ProviderFault
+
+__all__ = [
+    "StreamedCompletion",
+    "chat_messages",
+    "chat_params",
+    "chat_tool_choice",
+    "chat_tools",
+    "content_from_message",
+    "first_choice",
+    "stop_reason",
+    "usage_from_api",
+]
+
+_FINISH_REASONS = {
+    "stop": "end_turn",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "length": "max_tokens",
+    "content_filter": "refusal",
+}
+
+# Error types (and codes) that tell what went wrong when there is no status
+# to read: an error object inside a stream that began with a 200.
+
+
+def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
+    """The SDK call's keyword arguments for ``request`` (streamed or not)."""
+    params: dict[str, Any] = {
+        "model": request.model,
+        "messages": chat_messages(request.system, request.messages),
+        "max_completion_tokens": request.max_tokens,
+        "timeout": request.timeout,
+    }
+    if request.tools:
+        params["tools"] = chat_tools(request.tools)
+        choice = chat_tool_choice(request.tool_choice)
+        if choice is not None:
+            params["tool_choice"] = choice
+        if request.tool_choice is not None and request.tool_choice.get(
+                "disable_parallel_tool_use") is True:
+            params["parallel_tool_calls"] = False
+    if stream:
+        params["stream"] = True
+        params["stream_options"] = {"include_usage": True}
+    return params
+
+
+def first_choice(body: object) -> Mapping[str, Any] | None:
+    """The first choice of a completion body, or None when it has none."""
+    if not isinstance(body, Mapping):
+        return None
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+        return None
+    return choices[0]
+
+
+class StreamedCompletion:
+    """A streamed completion, put together chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.response_id: str | None = None
+        self.model: str | None = None
+        self.text: list[str] = []
+        self.refusal: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    def add(self, chunk: Any) -> str:
+        """Take one chunk; return its text delta."""
+        if self.response_id is None:
+            self.response_id = text_or_none(getattr(chunk, "id", None))
+            self.model = text_or_none(getattr(chunk, "model", None))
+        if getattr(chunk, "usage", None) is not None:
+            self.usage = usage_from_api(chunk.usage.to_dict())
+        text = ""
+        for choice in getattr(chunk, "choices", None) or ():
+            if getattr(choice, "index", 0) != 0:
+                continue
+            delta = choice.delta
+            if delta is not None:
+                if delta.content:
+                    text += delta.content
+                if delta.refusal:
+                    self.refusal.append(delta.refusal)
+                for call in delta.tool_calls or ():
+                    entry = self.calls.setdefault(call.index,
+                                                  {"id": None, "name": "", "arguments": []})
+                    if call.id:
+                        entry["id"] = call.id
+                    if call.function is not None:
+                        if call.function.name:
+                            entry["name"] += call.function.name
+                        if call.function.arguments:
+                            entry["arguments"].append(call.function.arguments)
+            if choice.finish_reason is not None:
+                self.finish_reason = choice.finish_reason
+        if text:
+            self.text.append(text)
+        return text
+
+    def content(self) -> tuple[list[dict[str, Any]], str | None]:
+        """The reply's content blocks and stop reason."""
+        message: dict[str, Any] = {
+            "content": "".join(self.text) or None,
+            "refusal": "".join(self.refusal) or None,
+            "tool_calls": [
+                {"id": call["id"], "type": "function",
+                 "function": {"name": call["name"], "arguments": "".join(call["arguments"])}}
+                for _, call in sorted(self.calls.items())
+            ],
+        }
+        return content_from_message(message, self.finish_reason)
+
+
+
+
+def _untranslatable(what: str) -> ProviderFault:
+    return ProviderFault(FaultKind.BAD_REQUEST,
+                         f"{what} has no Chat Completions equivalent, so the request was not "
+                         "sent", error_code="untranslatable")
+
+
+def chat_messages(
+    system: Sequence[Mapping[str, Any]] | None, messages: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The Chat Completions ``messages`` for an Anthropic ``system`` and ``messages``.
+
+    Raises:
+        ProviderFault: ``bad_request`` (``untranslatable``) for a block that
+            has no Chat Completions equivalent (a document, a server tool).
+    """
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": "\n\n".join(
+            str(block.get("text", "")) for block in system)})
+    for message in messages:
+        role = message.get("role")
+        content = message.get("content")
+        if role == "assistant":
+            out.append(_assistant_message(content))
+        elif role == "user":
+            out.extend(_user_messages(content))
+        else:
+            raise _untranslatable(f"a message with role {role!r}")
+    return out
+
+
+def _assistant_message(content: Any) -> dict[str, Any]:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in content or ():
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(str(block.get("text", "")))
+        elif kind == "tool_use":
+            tool_input = block.get("input", {})
+            # Arguments the model sent malformed are sent back as they came.
+            arguments = tool_input if isinstance(tool_input, str) else json.dumps(tool_input)
+            calls.append({"id": block.get("id"), "type": "function",
+                          "function": {"name": block.get("name"), "arguments": arguments}})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # another vendor's reasoning: nothing to send it as
+        else:
+            raise _untranslatable(f"an assistant {kind!r} block")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    if calls:
+        message["tool_calls"] = calls
+    elif message["content"] is None:
+        message["content"] = ""
+    return message
+
+
+def _user_messages(content: Any) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    # The API wants each tool call's result right after the assistant's calls,
+    # so the results go first and the rest of the user's message after them.
+    results: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for block in content or ():
+        kind = block.get("type")
+        if kind == "tool_result":
+            text = _result_text(block.get("content"))
+            if block.get("is_error") is True:
+                text = f"Error: {text}"
+            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                            "content": text})
+        elif kind == "text":
+            parts.append({"type": "text", "text": str(block.get("text", ""))})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block)}})
+        else:
+            raise _untranslatable(f"a user {kind!r} block")
+    if parts:
+        if all(part["type"] == "text" for part in parts):
+            results.append({"role": "user",
+                            "content": "\n\n".join(part["text"] for part in parts)})
+        else:
+            results.append({"role": "user", "content": parts})
+    return results
+
+
+def _result_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for block in content:
+        if not isinstance(block, Mapping) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
+            raise _untranslatable(f"a {kind!r} block inside a tool result")
+        texts.append(str(block.get("text", "")))
+    return "\n\n".join(texts)
+
+
+def _image_url(block: Mapping[str, Any]) -> str:
+    source = block.get("source")
+    if isinstance(source, Mapping):
+        if source.get("type") == "base64":
+            return f"data:{source.get('media_type')};base64,{source.get('data')}"
+        if source.get("type") == "url":
+            return str(source.get("url"))
+    raise _untranslatable("an image that is neither base64 data nor a URL")
+
+
+def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Chat Completions ``function`` tools for Anthropic tool definitions."""
+    out = []
+    for tool in tools:
+        function: dict[str, Any] = {"name": tool.get("name"),
+                                    "parameters": tool.get("input_schema") or {"type": "object"}}
+        if tool.get("description"):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
+    """The Chat Completions ``tool_choice`` for an Anthropic one (None: the default)."""
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "auto":
+        return "auto"
+    if kind == "none":
+        return "none"
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise _untranslatable(f"tool_choice {kind!r}")
+
+
+def content_from_message(
+    message: Mapping[str, Any], finish_reason: object
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Anthropic content blocks and stop reason for a Chat Completions ``message``.
+
+    A ``refusal`` is text whose stop reason is ``refusal``; each tool call is
+    a ``tool_use`` block whose ``input`` is the parsed arguments, or the
+    arguments as sent when they are not a JSON object (the loop's input
+    validation then answers the model with an error result, R15).
+    """
+    content: list[dict[str, Any]] = []
+    text = message.get("content")
+    if isinstance(text, str) and text:
+        content.append({"type": "text", "text": text})
+    refusal = message.get("refusal")
+    if isinstance(refusal, str) and refusal:
+        content.append({"type": "text", "text": refusal})
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
+                        "input": _arguments(function.get("arguments"))})
+    stop = stop_reason(finish_reason)
+    if isinstance(refusal, str) and refusal:
+        stop = "refusal"
+    return content, stop
+
+
+def _arguments(raw: object) -> Any:
+    if raw is None or raw == "":
+        return {}
+    if not isinstance(raw, str):
+        return raw
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return raw
+    return parsed if isinstance(parsed, dict) else raw
+
+
+def stop_reason(finish_reason: object) -> str | None:
+    """The engine's stop reason for a ``finish_reason``: ``stop`` -> ``end_turn``,
+    ``tool_calls`` -> ``tool_use``, ``length`` -> ``max_tokens``,
+    ``content_filter`` -> ``refusal``; another value is kept as it is."""
+    if not isinstance(finish_reason, str):
+        return None
+    return _FINISH_REASONS.get(finish_reason, finish_reason)
+
+
+def usage_from_api(raw: object) -> Usage | None:
+    """Map a Chat Completions ``usage`` object (a dict) to `Usage`.
+
+    ``prompt_tokens`` counts the cached tokens too: ``input_tokens`` is
+    ``prompt_tokens - prompt_tokens_details.cached_tokens`` and
+    ``cache_read_tokens`` the cached ones; ``output_tokens`` is
+    ``completion_tokens``, reasoning tokens included. Missing or null counts
+    are 0; a missing usage object is None.
+    """
+    if not isinstance(raw, Mapping):
+        return None
+    prompt = token_count(raw.get("prompt_tokens"))
+    details = raw.get("prompt_tokens_details")
+    cached = min(prompt, token_count(details.get("cached_tokens"))) if isinstance(
+        details, Mapping) else 0
+    return Usage(input_tokens=prompt - cached,
+                 output_tokens=token_count(raw.get("completion_tokens")),
+                 cache_read_tokens=cached)

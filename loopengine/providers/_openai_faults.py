@@ -1,0 +1,158 @@
+"""The faults of `OpenAIProvider`: every ``openai`` SDK (and transport) error
+becomes one `ProviderFault` here, and only here.
+
+
+=====================  ===========================================================
+fault kind             from
+=====================  ===========================================================
+``credit_exhausted``   ``insufficient_quota`` (as ``type`` or ``code``),
+                       ``billing_hard_limit_reached``, ``billing_not_active``,
+                       ``credit_balance_exhausted``, ``*_spend_limit_exceeded``,
+                       whatever the status; 402
+``rate_limited``       any other 429 (``retry-after-ms`` / ``retry-after`` honoured)
+``timeout``            408, the SDK's timeout
+``server_error``       409, 5xx, an error object inside a stream, a body that is
+                       not a completion
+``connection``         refused, reset or closed before a response
+``aborted``            the body or stream cut after the response began, a stream
+                       that ended before its ``finish_reason`` or its usage
+                       chunk, an idle stream
+``unauthorized``       401, 403
+``bad_request``        400, 404, 413, 422, other 4xx; a transcript block that has
+                       no Chat Completions equivalent; the client failing on its
+                       own state (``client_state``)
+=====================  ===========================================================
+
+The ``openai`` SDK is imported on first use (`import_openai`), never when
+``loopengine`` is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import httpx2
+
+from loopengine._usage import Usage
+from loopengine.providers._base import text_or_none as _text
+from loopengine.providers._faults import (
+    FaultKind,
+    ProviderFault,
+    SDKErrors,
+    is_credit_code,
+    response_fault,
+    sdk_classifier,
+)
+
+__all__ = ["classify_error", "failures", "import_openai", "read_failures"]
+
+_TYPE_KINDS = {
+    "invalid_request_error": FaultKind.BAD_REQUEST,
+    "authentication_error": FaultKind.UNAUTHORIZED,
+    "permission_error": FaultKind.UNAUTHORIZED,
+    "rate_limit_error": FaultKind.RATE_LIMITED,
+    "rate_limit_exceeded": FaultKind.RATE_LIMITED,
+    "requests": FaultKind.RATE_LIMITED,
+    "tokens": FaultKind.RATE_LIMITED,
+    "timeout": FaultKind.TIMEOUT,
+    "timeout_error": FaultKind.TIMEOUT,
+    "overloaded_error": FaultKind.OVERLOADED,
+    "server_error": FaultKind.SERVER_ERROR,
+    "api_error": FaultKind.SERVER_ERROR,
+}
+
+_STATUS_KINDS = {
+    401: FaultKind.UNAUTHORIZED,
+    402: FaultKind.CREDIT_EXHAUSTED,
+    403: FaultKind.UNAUTHORIZED,
+    408: FaultKind.TIMEOUT,
+    # A conflict is transient: the SDK itself would retry it.
+    409: FaultKind.SERVER_ERROR,
+    429: FaultKind.RATE_LIMITED,
+}
+
+
+def import_openai() -> Any:
+    """The ``openai`` module, imported on first use."""
+    try:
+        import openai
+    except ImportError as error:  # pragma: no cover - the dev install has the extra
+        raise ImportError("OpenAIProvider needs the openai SDK, which is not installed: "
+                          "pip install 'loopengine-core[openai]'") from error
+    return openai
+
+
+@functools.cache
+def failures() -> tuple[type[BaseException], ...]:
+    """What the SDK raises for a request that failed: its own errors and the
+    transport's (never the caller's cancellation, which propagates as it is)."""
+    return (import_openai().OpenAIError, httpx2.HTTPError, httpx2.StreamError)
+
+
+@functools.cache
+def read_failures() -> tuple[type[BaseException], ...]:
+    """What reading a stream may raise: `_failures`, and the SDK's own
+    ``ValueError`` / ``RuntimeError`` for a body that is not a stream of chunks."""
+    return (*failures(), ValueError, RuntimeError)
+
+
+@functools.cache
+def _sdk() -> SDKErrors:
+    openai = import_openai()
+    return SDKErrors(status=openai.APIStatusError, timeout=openai.APITimeoutError,
+                     connection=openai.APIConnectionError, base=openai.APIError,
+                     validation=openai.APIResponseValidationError)
+
+
+def _error_fields(error: Any) -> tuple[str | None, str | None, str]:
+    """``(type, code, message)`` of an SDK error, from its attributes or its body."""
+    body = error.body if isinstance(error.body, Mapping) else {}
+    error_type = _text(getattr(error, "type", None)) or _text(body.get("type"))
+    code = _text(getattr(error, "code", None)) or _text(body.get("code"))
+    message = _text(body.get("message")) or _text(getattr(error, "message", None)) or ""
+    return error_type, code, message
+
+
+def _status_fault(
+    error: Any, *, usage: Usage | None, response_id: str | None, now: datetime | None
+) -> ProviderFault:
+    error_type, code, message = _error_fields(error)
+    return response_fault(_kind(error.status_code, error_type, code), error,
+                          error_type=error_type, code=code, message=message, usage=usage,
+                          response_id=response_id, now=now)
+
+
+def _stream_fault(
+    error: Any, *, request_id: str | None, usage: Usage | None, response_id: str | None
+) -> ProviderFault:
+    """An error object inside a stream: the SDK raises it without a status."""
+    error_type, code, message = _error_fields(error)
+    return ProviderFault(
+        _kind(200, error_type, code),
+        f"HTTP 200 mid-stream {error_type or 'error'}: {message}".rstrip(": "),
+        http_status=200, error_code=code or error_type, request_id=request_id,
+        response_id=response_id, usage=usage, usage_approx=usage is not None,
+    )
+
+
+def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
+    """The fault kind of an error response (or of an error inside a stream, status 200)."""
+    if is_credit_code(code) or is_credit_code(error_type):
+        return FaultKind.CREDIT_EXHAUSTED
+    if status == 200 or (status >= 500 and error_type == "overloaded_error"):
+        # After a 200 only the error's type (or code) tells what went wrong;
+        # an unknown one is the server's failure.
+        return _TYPE_KINDS.get(code or "", _TYPE_KINDS.get(error_type or "",
+                                                           FaultKind.SERVER_ERROR))
+    if status in _STATUS_KINDS:
+        return _STATUS_KINDS[status]
+    if status >= 500:
+        return FaultKind.SERVER_ERROR
+    return FaultKind.BAD_REQUEST
+
+
+classify_error = sdk_classifier(_sdk, _status_fault, _stream_fault)
+"""Classify an ``openai`` SDK or transport error as one `ProviderFault` (DESIGN.md §14)."""

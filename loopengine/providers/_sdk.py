@@ -1,0 +1,255 @@
+"""What every provider on a Stainless SDK (``anthropic``, ``openai``) shares:
+`SDKProvider` (its `send`, its declarations, closing), `provider_clients`
+(its clients from its arguments) and `read_stream` (reading a streamed reply).
+
+The clients themselves, one per event loop or one bound to its first loop,
+are ``_clients.py``'s.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar, cast
+
+import anyio
+import httpx2
+
+from loopengine._errors import ConfigError
+from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._clients import (
+    BoundClient,
+    C,
+    ClientPerLoop,
+    connection_limit,
+    http_client,
+    shared_tls,
+)
+from loopengine.providers._faults import ProviderFault
+
+__all__ = ["SDKProvider", "provider_clients", "read_stream", "sdk_keywords"]
+
+E = TypeVar("E")
+
+
+async def read_stream(
+    events: AsyncIterator[E],
+    *,
+    idle: float,
+    failures: tuple[type[BaseException], ...],
+    failed: Callable[[BaseException], ProviderFault],
+    cut: Callable[[str, str | None], ProviderFault],
+    take: Callable[[E], str | None],
+    on_text: TextCallback | None,
+    close: Callable[[], Awaitable[None]],
+) -> None:
+    """Read a streamed reply to its end, the same way for every SDK provider.
+
+    Each event goes to ``take``, which returns its text, if any, for
+    ``on_text``. A stream quiet for ``idle`` seconds is cut (``cut(message,
+    "idle")``); an error among ``failures`` while reading is classified by
+    ``failed``; an ``on_text`` that raises stops the reading with
+    ``cut(message, None)`` raised from its exception (the engine raises the
+    callback's own exception to its caller; the fault carries what was
+    served). ``close`` runs however the reading ends: it releases the
+    connection, even while the caller's cancellation (or the attempt
+    timeout) unwinds.
+    """
+    try:
+        while True:
+            with anyio.move_on_after(idle) as quiet:
+                try:
+                    event = await events.__anext__()
+                except StopAsyncIteration:
+                    return
+                except failures as error:
+                    raise failed(error) from error
+            if quiet.cancelled_caught:
+                raise cut(f"the stream sent nothing for {idle:g}s", "idle")
+            text = take(event)
+            if text and on_text is not None:
+                try:
+                    maybe = on_text(text)
+                    if inspect.isawaitable(maybe):
+                        await maybe
+                except Exception as error:
+                    raise cut("the on_text callback raised", None) from error
+    finally:
+        with anyio.CancelScope(shield=True):
+            await close()
+
+
+def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
+    """Check a provider's client keywords, in place: ``max_retries`` may only be
+    0 (and is dropped: the provider always sets it), and a ``client`` comes
+    without keywords.
+
+    Raises:
+        ConfigError: ``max_retries`` other than 0, or both a client and keywords.
+    """
+    if client_kwargs.get("max_retries", 0) != 0:
+        raise ConfigError("max_retries", "the SDK must not retry on its own: every wire "
+                                         "request is an attempt the engine counts; set the "
+                                         "operation's RetryPolicy instead")
+    client_kwargs.pop("max_retries", None)
+    if client is not None and client_kwargs:
+        raise ConfigError("client", "give a client or the keywords to build one, not "
+                                    f"both (got {', '.join(sorted(client_kwargs))})")
+
+
+def provider_clients(
+    owner: str,
+    client: C | None,
+    client_kwargs: dict[str, Any],
+    *,
+    max_connections: int | None,
+    accepts: type[Any] | tuple[type[Any], ...],
+    build: Callable[..., C],
+    sdk_default: Callable[..., httpx2.AsyncClient],
+) -> ClientPerLoop[C] | BoundClient[C]:
+    """Where a provider gets its SDK clients, from its arguments.
+
+    A ``client`` is used through a copy with ``max_retries=0`` (sharing its
+    connection pool), on its first event loop only. Keywords with an
+    ``http_client`` build one client on it, likewise bound, closed by the
+    provider. Other keywords build one client per event loop (`http_client`).
+
+    Args:
+        owner: The provider's class name, for messages.
+        client: The caller's SDK client, or None.
+        client_kwargs: The keywords to build one (checked by `sdk_keywords`).
+        max_connections: The provider's ``max_connections``.
+        accepts: The SDK client classes ``client`` may be.
+        build: The SDK client class to build from the keywords.
+        sdk_default: The SDK's default httpx client class.
+
+    Raises:
+        ConfigError: a bad ``max_connections``, ``max_retries`` other than 0,
+            both a client and keywords, or a client that is not ``accepts``.
+    """
+    connections = connection_limit(max_connections, client, client_kwargs)
+    sdk_keywords(client, client_kwargs)
+    if client is not None:
+        if not isinstance(client, accepts):
+            names = " or ".join(kind.__name__ for kind in (
+                accepts if isinstance(accepts, tuple) else (accepts,)))
+            raise ConfigError("client", f"must be an async SDK client ({names}), got "
+                                        f"{type(client).__name__}")
+        copy: C = cast(Any, client).with_options(max_retries=0)
+        return BoundClient(owner, copy)
+    if client_kwargs.get("http_client") is not None:
+        return BoundClient(owner, build(max_retries=0, **client_kwargs),
+                           given_as="http_client", owned=True)
+    client_kwargs.pop("http_client", None)
+    tls = shared_tls()
+
+    def per_loop(on_asyncio: bool) -> C:
+        return build(max_retries=0, http_client=http_client(
+            tls(), connections, on_asyncio=on_asyncio, sdk_default=sdk_default),
+            **client_kwargs)
+
+    return ClientPerLoop(owner, per_loop)
+
+
+class SDKProvider(Generic[C]):
+    """What every provider on a managed SDK client shares: the client of the
+    running event loop, the check before an attempt is recorded, and closing.
+
+    A subclass sets ``_clients``, ``_name``, ``_vendor`` and ``_stream`` in
+    its ``__init__``, declares its ``features``, and supplies ``_params``,
+    ``_send_plain`` and ``_send_streaming``: `send` is the same for every
+    such provider (the running loop's client, then the request).
+    """
+
+    _clients: ClientPerLoop[C] | BoundClient[C]
+    _name: str
+    _vendor: str
+    _stream: bool
+
+    @property
+    def client(self) -> C:
+        """The SDK client requests go through (``max_retries=0``).
+
+        For a provider built from keywords (without ``http_client``): the
+        running event loop's client once it has sent, else the client the
+        next asyncio loop to send will use (a trio loop builds its own).
+        """
+        return self._clients.current()
+
+    def check_ready(self) -> None:
+        """Before an attempt is recorded: refuse a given client on another event loop.
+
+        Raises:
+            ConfigError: the client (or ``http_client``) given to the provider
+                was first used on another event loop than the running one.
+        """
+        self._clients.check_ready()
+
+    @property
+    def name(self) -> str:
+        """The route: the vendor (`vendor`) unless ``route`` named another."""
+        return self._name
+
+    @property
+    def vendor(self) -> str:
+        """Whose API the requests reach; ``served_by`` and prices name it."""
+        return self._vendor
+
+    @property
+    def streaming(self) -> bool:
+        """Whether responses are streamed, their text handed to ``on_text``."""
+        return self._stream
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"
+
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
+        """Make one request within ``request.timeout``.
+
+        Raises:
+            ProviderFault: the request failed; every SDK error is classified.
+            ConfigError: the client given to the provider belongs to another
+                event loop than the running one; nothing was sent.
+        """
+        client = await self._clients.get()
+        params = self._params(request)
+        if self._stream:
+            return await self._send_streaming(client, params, on_text)
+        return await self._send_plain(client, params)
+
+    def _params(self, request: ProviderRequest) -> dict[str, Any]:
+        """The SDK call's keyword arguments for ``request``."""
+        raise NotImplementedError
+
+    async def _send_plain(self, client: C, params: dict[str, Any]) -> ProviderResponse:
+        """One request whose response is read as JSON."""
+        raise NotImplementedError
+
+    async def _send_streaming(
+        self, client: C, params: dict[str, Any], on_text: TextCallback | None
+    ) -> ProviderResponse:
+        """One streamed request, its text deltas handed to ``on_text``."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Close the client the provider built for the running event loop.
+
+        A provider built from keywords closes the running loop's client, and
+        the one `client` gives before any loop has sent (a later request
+        builds another); one built on an ``http_client`` closes that client.
+        A ``client`` passed in is left open.
+        """
+        await self._clients.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

@@ -1,0 +1,34 @@
+"""Importing loopengine, and running its CLI, imports no provider SDK: the SDKs
+load when a provider is built (DESIGN §20)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+SDKS = ("anthropic", "openai")
+
+PROGRAM = """
+import json, sys
+import loopengine, loopengine.guards, loopengine.persistence, loopengine.providers
+import loopengine.testing, loopengine.cli
+from click.testing import CliRunner
+assert CliRunner().invoke(loopengine.cli.main, ["--help"]).exit_code == 0
+before = sorted(m for m in sys.modules if m.split(".")[0] in {sdks})
+from loopengine.providers import AnthropicProvider
+AnthropicProvider(api_key="k")
+after = sorted(m for m in sys.modules if m.split(".")[0] in {sdks})
+print(json.dumps([before, after]))
+""".format(sdks=repr(set(SDKS)))
+
+
+def test_import_loopengine_and_its_cli_load_no_provider_sdk() -> None:
+    """In a fresh interpreter, ``import loopengine`` (every subpackage) and
+    ``loopengine --help`` leave no ``anthropic`` or ``openai`` module loaded;
+    building an `AnthropicProvider` loads its SDK."""
+    done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
+                          timeout=120, check=True)
+    before, after = json.loads(done.stdout)
+    assert before == []
+    assert "anthropic" in after
