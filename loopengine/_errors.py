@@ -11,6 +11,8 @@ Every exception the library raises on purpose derives from `LoopEngineError`:
     * StructuredOutputError
   * ReplayMismatchError
   * ToolInputError
+  * MCPServerError
+  * MCPToolError
 
 What each means:
 
@@ -37,6 +39,11 @@ What each means:
   (`Tool.validate`). In a run it never reaches the caller: the model gets a
   recoverable error result instead (R15).
 
+- `MCPServerError`: an MCP server (`loopengine.mcp`) could not be started,
+  reached or listed, or a call lost it.
+- `MCPToolError`: an MCP tool answered with ``isError``. In a run it never
+  reaches the caller: the model gets an ``is_error`` result instead.
+
 The caller's own cancellation is never turned into any of these: it
 propagates as the async backend's cancellation exception.
 
@@ -56,6 +63,8 @@ __all__ = [
     "ConfigError",
     "LedgerError",
     "LoopEngineError",
+    "MCPServerError",
+    "MCPToolError",
     "OutcomeError",
     "ProviderError",
     "ReplayMismatchError",
@@ -194,6 +203,20 @@ class ReplayMismatchError(LoopEngineError):
 
 class ToolInputError(LoopEngineError):
     """A tool call's input does not match the tool's schema; the message says where."""
+
+
+class MCPServerError(LoopEngineError):
+    """An MCP server could not be started, reached or listed, or a call lost it.
+
+    Raised by ``async with server:`` when the server does not start or list
+    its tools (the message names the server), and by a tool's handler when
+    the connection fails during a call: the model then gets an ``is_error``
+    result saying so, which does not name the server's command or URL.
+    """
+
+
+class MCPToolError(LoopEngineError):
+    """An MCP tool answered with ``isError``; the message is the result's text."""
 
 
 def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:

@@ -42,7 +42,7 @@ import anyio
 import anyio.abc
 
 from loopengine import _validate
-from loopengine._errors import ConfigError, LoopEngineError
+from loopengine._errors import ConfigError, MCPServerError, MCPToolError
 from loopengine._tools import Tool
 
 try:
@@ -69,20 +69,6 @@ _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUN
 
 _IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 """The image media types a tool result block may carry."""
-
-
-class MCPServerError(LoopEngineError):
-    """An MCP server could not be started, reached or listed, or a call lost it.
-
-    Raised by ``async with server:`` when the server does not start or list
-    its tools (the message names the server), and by a tool's handler when
-    the connection fails during a call: the model then gets an ``is_error``
-    result saying so, which does not name the server's command or URL.
-    """
-
-
-class MCPToolError(LoopEngineError):
-    """An MCP tool answered with ``isError``; the message is the result's text."""
 
 
 class _Session:

@@ -107,6 +107,8 @@ def _examples() -> list[BaseException]:
         le.StructuredOutputError("no answer", attempts=4, reason="truncated", detail="cut"),
         le.ReplayMismatchError("request 2 differs"),
         le.ToolInputError("input.key: is required"),
+        le.MCPServerError("the server did not start"),
+        le.MCPToolError("no such city"),
     ]
 
 

@@ -19,6 +19,7 @@ CONTRACT = {
                              "RetryPolicy", "CachePolicy"},
     "loopengine.persistence": {"Ledger", "MemoryLedger"},
     "loopengine.testing": {"FakeClock"},
+    "loopengine.mcp": {"MCPServer", "MCPServerError", "MCPToolError"},
 }
 
 LAZY = {"loopengine.providers": {"AnthropicProvider", "OpenAIProvider"}}
