@@ -19,7 +19,6 @@ CONTRACT = {
                              "RetryPolicy", "CachePolicy"},
     "loopengine.persistence": {"Ledger", "MemoryLedger"},
     "loopengine.testing": {"FakeClock"},
-    "loopengine.mcp": {"MCPServer", "MCPServerError", "MCPToolError"},
 }
 
 LAZY = {"loopengine.providers": {"AnthropicProvider", "OpenAIProvider"}}
