@@ -391,7 +391,10 @@ def test_the_module_exports_exactly_its_public_names() -> None:
     public = {name for name, value in vars(module).items()
               if not name.startswith("_") and not inspect.ismodule(value)
               and getattr(value, "__module__", "loopengine.mcp") == "loopengine.mcp"}
-    assert set(module.__all__) == public - {"annotations", "logger"}
+    # Its errors are the error tree's (loopengine._errors), re-exported here.
+    assert set(module.__all__) == public - {"annotations", "logger"} | {
+        "MCPServerError", "MCPToolError"}
+    assert module.MCPServerError is le.MCPServerError
     for name in module.__all__:
         value = getattr(module, name)
         if inspect.isclass(value):
