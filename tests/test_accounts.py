@@ -9,8 +9,8 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import loopengine as le
 from loopengine import events
 from loopengine.persistence import SQLiteLedger
 from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
 from .ledger_support import lookup, read_db
@@ -283,15 +284,12 @@ def test_a_crashed_runs_reservation_is_settled_at_its_charge_once_expired(
     assert child.returncode == -signal.SIGKILL, err
 
     async def later() -> tuple[le.AccountBalance, le.AccountBalance]:
+        # An hour on: the run's deadline (2 s) and its grace (0) have passed.
+        clock = FakeClock(wall_start=datetime.now(UTC) + timedelta(hours=1))
         with SQLiteLedger(path) as ledger:
-            accounts = le.CreditAccounts(ledger, expiry_grace=0)
-            before = await accounts.balance("acme")
-            while before.reserved and time.time() < give_up:
-                await anyio.sleep(0.1)
-                before = await accounts.balance("acme")
-            return before, await accounts.balance("acme")
+            accounts = le.CreditAccounts(ledger, expiry_grace=0, clock=clock)
+            return await accounts.balance("acme"), await accounts.balance("acme")
 
-    give_up = time.time() + 10
     # Read at once: the run's deadline (2 s) has not passed, its hold is reserved.
     conn = sqlite3.connect(path)
     (reserved,) = conn.execute("SELECT reserved FROM accounts").fetchone()

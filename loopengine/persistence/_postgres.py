@@ -2,18 +2,15 @@
 
 How it writes:
 
-* The calls, the queue and the group commit are `PipedLedger`'s (`_piped`),
-  the ones `SQLiteLedger` writes through, and the ledger's rules are the
-  planner's (`_planner`); this file renders PostgreSQL's statements, and
-  `_postgres_writer` runs them.
-* One writer, by default a child process of the ledger's own (else a
-  thread), owns a connection from a psycopg pool. It takes everything queued
-  into one transaction, one statement per kind of row for all of them (their
-  rows as one JSON parameter) in one round trip, and commits with
+* The calls, the queue and the group commit are `ThreadedLedger`'s
+  (`_threaded`), the ones `SQLiteLedger` writes through, and the ledger's
+  rules are the planner's (`_planner`); this file renders PostgreSQL's
+  statements, and `_postgres_writer` runs them.
+* The writer thread owns one connection. It takes everything queued into one
+  transaction, one statement per kind of row for all of them (their rows as
+  one JSON parameter) in one round trip, and commits with
   ``synchronous_commit`` on: under many concurrent runs one round trip and
-  one WAL flush carry the writes of all of them (group commit). The calls
-  wait for the commit on their own event loops; the event loop never waits
-  on the server outside an ``await``.
+  one WAL flush carry the writes of all of them (group commit).
 * Many processes and hosts write one database: each invocation's rows are
   written by the ledger that started it, totals are increments
   (``column = column + ...``), and nothing is cached that another process
@@ -21,35 +18,32 @@ How it writes:
   on each other's rows.
 * A lost connection fails the writes of the batch it carried with
   `LedgerError` (so a dispatch that was not committed is never sent), and the
-  next batch takes a fresh connection from the pool, checked first.
+  next batch connects again.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
 from collections.abc import Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio.to_thread
 
-from loopengine._errors import LedgerError
+from loopengine._errors import ConfigError, LedgerError
 from loopengine.persistence import _planner, _postgres_writer
 from loopengine.persistence._ops import check_arguments
-from loopengine.persistence._piped import _START_TIMEOUT, PipedLedger, WriterKind, WriterProcess
 from loopengine.persistence._postgres_writer import APPLICATION_NAME, PostgresWriter
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
+from loopengine.persistence._threaded import ThreadedLedger
 
 if TYPE_CHECKING:
     import psycopg
     from psycopg import sql
 
-__all__ = ["ACCOUNTS_APPLICATION_NAME", "APPLICATION_NAME", "PostgresLedger", "borrow", "connect",
-           "give_back"]
-
-_WRITER_FILE: Final = os.path.abspath(_postgres_writer.__file__)
+__all__ = ["APPLICATION_NAME", "PostgresLedger", "connect"]
 
 # Every statement the writer runs finds its rows by key (an invocation's id,
 # an attempt's invocation and ordinal). The planner does not know how many
@@ -61,25 +55,27 @@ _WRITER_FILE: Final = os.path.abspath(_postgres_writer.__file__)
 _WRITER_PLANS: Final = "SET enable_seqscan = off"
 
 
-class PostgresLedger(PipedLedger):
+class PostgresLedger(ThreadedLedger):
     """The attempt ledger on a PostgreSQL server (DESIGN.md §7b).
 
     Constructing it does no I/O: it connects, creates and migrates its schema
     (once, however many processes start at the same moment) and starts its
-    writer on first use or on `open`. Use it as an async context manager, or
-    call `aclose` (or `close`) to commit what is queued and let go of the
-    server; a ledger still open when the interpreter exits is closed then.
-    Many concurrent runs, from one or several event loops (asyncio or trio),
-    may share one ledger; open one per process.
+    writer thread on first use or on `open`. Use it as an async context
+    manager (``async with``), as a plain one (``with``: it opens at once,
+    blocking, as `SQLiteLedger` does), or call `aclose` (or `close`) to commit
+    what is queued and let go of the server; a ledger still open when the
+    interpreter exits is closed then. Many concurrent runs, from one or
+    several event loops (asyncio or trio), may share one ledger; open one per
+    process (a forked copy refuses every call).
 
     Durability follows the `Ledger` contract, with ``synchronous_commit`` on
     for every connection: a dispatch, a served settle and an invocation's end
-    are committed when the call returns (for `begin_dispatch`, when its
-    receipt's wait returns); a start or an unserved settle is committed with
-    the next durable write or within ``linger`` seconds. A write the ledger
-    refuses (an unknown or ended invocation, an attempt settled twice) or
-    cannot make (the connection was lost) raises `LedgerError` from the call
-    when it is durable, else from that invocation's next durable call.
+    are committed when the call returns; a start or an unserved settle is
+    committed with the next durable write or within ``linger`` seconds. A
+    write the ledger refuses (an unknown or ended invocation, an attempt
+    settled twice) or cannot make (the connection was lost) raises
+    `LedgerError` from the call when it is durable, else from that
+    invocation's next durable call.
 
     Args:
         dsn: A libpq connection string or ``postgresql://`` URL.
@@ -92,14 +88,10 @@ class PostgresLedger(PipedLedger):
         max_batch: The most writes one transaction carries.
         connect_timeout: Seconds to wait for a connection (opening, and after
             one was lost) before the writes waiting on it fail.
-        writer: ``"process"``: a child process writes (it needs a runnable
-            ``sys.executable`` that can import psycopg, and POSIX pipes);
-            ``"thread"``: a thread of this process writes; ``"auto"`` (the
-            default): a process where one can be started, else a thread.
 
     Raises:
-        LedgerError: an argument is invalid, or psycopg is not installed (the
-            ``postgres`` extra).
+        ConfigError: an argument is invalid (``.field`` names it).
+        LedgerError: psycopg is not installed (the ``postgres`` extra).
     """
 
     def __init__(
@@ -111,41 +103,32 @@ class PostgresLedger(PipedLedger):
         linger: float = 0.5,
         max_batch: int = 20_000,
         connect_timeout: float = 30.0,
-        writer: WriterKind = "auto",
     ) -> None:
         if not isinstance(dsn, str):
-            raise LedgerError(f"dsn must be a connection string, got {type(dsn).__name__}")
+            raise ConfigError("dsn", f"must be a connection string, got {type(dsn).__name__}")
         if schema is not None and (not isinstance(schema, str) or not schema):
-            raise LedgerError(f"schema must be a non-empty name or None, got {schema!r}")
+            raise ConfigError("schema", f"must be a non-empty name or None, got {schema!r}")
         check_arguments(max_retained_attempts=max_retained_attempts, max_batch=max_batch,
                         seconds={"linger": linger, "connect_timeout": connect_timeout})
-        if writer not in ("auto", "process", "thread"):
-            raise LedgerError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
         try:
             import psycopg
-            import psycopg_pool  # noqa: F401  # only checked for here
         except ImportError as error:
-            raise LedgerError("PostgresLedger needs psycopg 3 and psycopg-pool: "
+            raise LedgerError("PostgresLedger needs psycopg 3: "
                               "pip install 'loopengine[postgres]'") from error
         try:
             params = psycopg.conninfo.conninfo_to_dict(dsn)
         except psycopg.ProgrammingError as error:
-            raise LedgerError(f"dsn is not a PostgreSQL connection string: {error}") from None
+            raise ConfigError("dsn", f"is not a PostgreSQL connection string: {error}") from None
         self.dsn = dsn
         """The connection string (it may hold a password: it is never printed)."""
         self.schema = schema
         """The schema of the tables, or None for the connection's current one."""
         self.name = _describe_server(params, schema)
         """The server, database and schema, for messages (never the password)."""
-        self._setup(self.name, max_retained_attempts, linger)
-        self._max_batch = max_batch
+        self._setup(self.name, max_retained_attempts, linger, max_batch)
         self._connect_timeout = float(connect_timeout)
-        self._writer_kind: WriterKind = writer
         self._opening = threading.Lock()
         """Held while opening and closing: one of them at a time."""
-        self._opened = False
-        self._kept = _KeptConnections()
-        """Connections `borrow` keeps between transactions."""
 
     # -- opening and closing ------------------------------------------------------------
 
@@ -154,10 +137,10 @@ class PostgresLedger(PipedLedger):
 
         Raises:
             LedgerError: the server cannot be reached, the schema holds tables
-                that are not a ledger's or is newer than this code, the writer
-                cannot start, or the ledger is closed.
+                that are not a ledger's or is newer than this code, or the
+                ledger is closed.
         """
-        if not self._opened:
+        if self._writer is None:
             await anyio.to_thread.run_sync(self._open_now)
 
     async def _open(self) -> None:
@@ -167,7 +150,7 @@ class PostgresLedger(PipedLedger):
         with self._opening:
             if self._closed:
                 raise LedgerError(f"{self.name}: the ledger is closed")
-            if self._opened:
+            if self._writer is not None:
                 return
             import psycopg
 
@@ -185,17 +168,22 @@ class PostgresLedger(PipedLedger):
                 raise LedgerError(f"{self.name}: cannot open the ledger: {error}") from error
             finally:
                 conn.close()
-            settings = _postgres_writer.Settings(
-                self.dsn, self.name, self._max_retained, self._max_batch,
-                self._connect_timeout, self._connect_args(),
-                [*(statement.as_string() for statement in self._setup_statements()),
-                 _WRITER_PLANS],
-                {kind: _statement(kind).as_string() for kind in _KINDS})
-            self._start(self._writer_kind, WriterProcess(
-                _WRITER_FILE, site=True, secret=settings.encode(),
-                timeout=self._connect_timeout + _START_TIMEOUT),
-                functools.partial(_thread_writer, settings), self._max_batch)
-            self._opened = True
+            self._pid = os.getpid()  # a ledger made before a fork opens in the child
+            self._start(self._new_writer())
+
+    def _new_writer(self) -> PostgresWriter:
+        import psycopg
+
+        writer = PostgresWriter(_postgres_writer.Settings(
+            self.dsn, self.name, self._max_retained, self._connect_args(),
+            [*(statement.as_string() for statement in self._setup_statements()),
+             _WRITER_PLANS],
+            {kind: _statement(kind).as_string() for kind in _KINDS}))
+        try:
+            writer.open()
+        except psycopg.Error as error:
+            raise LedgerError(f"{self.name}: cannot connect: {error}") from error
+        return writer
 
     def _connect_args(self) -> dict[str, Any]:
         return {"application_name": APPLICATION_NAME,
@@ -211,156 +199,57 @@ class PostgresLedger(PipedLedger):
             settings.append(sql.SQL("SET search_path = {}").format(sql.Identifier(self.schema)))
         return settings
 
-    def _configure(self, conn: psycopg.Connection[tuple[Any, ...]]) -> None:
-        """Apply `_setup_statements` to ``conn`` (and commit)."""
-        for statement in self._setup_statements():
-            conn.execute(statement)
-        conn.commit()
-
     def close(self) -> None:
         """Commit what is queued, stop the writer and let go of the server.
 
         Blocks until the writer is done; from async code prefer `aclose`.
         Closing twice is harmless.
         """
+        if self._pid != os.getpid():
+            super().close()  # a forked copy (`_opening` may have been copied held)
+            return
         # Holding `_opening`: a close waits for an open under way, and an open
         # after it finds the ledger closed.
         with self._opening:
             super().close()
-        self._kept.close()
+
+    def __enter__(self) -> PostgresLedger:
+        self._open_now()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     async def __aenter__(self) -> PostgresLedger:
         await self.open()
         return self
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open" if self._opened else "not opened"
+        state = "closed" if self._closed else "open" if self._writer else "not opened"
         return f"PostgresLedger({self.name!r}, {state})"
 
 
-ACCOUNTS_APPLICATION_NAME: Final = "loopengine-accounts"
-"""How the credit accounts' connections (`borrow`) show in ``pg_stat_activity``;
-the writer's and the migration's show as `APPLICATION_NAME`."""
-
-
-def connect(ledger: PostgresLedger, *,
-            application_name: str = APPLICATION_NAME) -> psycopg.Connection[tuple[Any, ...]]:
-    """A new connection to ``ledger``'s server, set up as the writer's are
-    (durable commits, UTC, the ledger's schema), for this package's other users
-    of the server (the migration, the credit accounts) to use and close.
+def connect(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
+    """A new connection to ``ledger``'s server, set up as the writer's is (durable
+    commits, UTC, the ledger's schema), for the migration to use and close.
 
     Raises:
         psycopg.Error: the server cannot be reached, or refused a setting.
     """
     import psycopg
 
-    conn = psycopg.connect(ledger.dsn, **{**ledger._connect_args(),
-                                          "application_name": application_name})
+    conn = psycopg.connect(ledger.dsn, **ledger._connect_args())
     try:
-        ledger._configure(conn)
+        for statement in ledger._setup_statements():
+            conn.execute(statement)
+        conn.commit()
     except BaseException:
         conn.close()
         raise
     return conn
-
-
-IDLE_KEPT: Final = 2
-"""Connections `borrow` keeps open between transactions, per ledger."""
-
-
-def borrow(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
-    """A connection to ``ledger``'s server, set up as `connect` sets one up, for
-    one transaction of this package's other users of the server (the credit
-    accounts), in any thread; `give_back` it once done.
-
-    Opening a connection costs the server a new backend process and both sides
-    several milliseconds, which an admission would pay twice per run: so the
-    connection is one kept from an earlier transaction when one of them still
-    answers (checked with an empty query), else a new one.
-
-    Raises:
-        psycopg.Error: no connection could be made.
-    """
-    conn = ledger._kept.take()
-    if conn is None:
-        conn = connect(ledger, application_name=ACCOUNTS_APPLICATION_NAME)
-    return conn
-
-
-def give_back(ledger: PostgresLedger, conn: psycopg.Connection[tuple[Any, ...]], *,
-              reusable: bool) -> None:
-    """Keep a `borrow` ed connection for the next transaction (up to `IDLE_KEPT`),
-    if ``reusable`` (its transaction ended without an error), idle, and the
-    ledger is not closed; else close it."""
-    if not (reusable and ledger._kept.keep(conn)):
-        conn.close()
-
-
-class _KeptConnections:
-    """The idle connections of one process, shared by its threads: a forked
-    child starts with none (its parent's sessions are neither used nor closed
-    there)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: list[psycopg.Connection[tuple[Any, ...]]] = []
-        self._pid = os.getpid()
-        self._closed = False
-
-    def _mine(self) -> list[psycopg.Connection[tuple[Any, ...]]]:
-        # Called holding `_lock`.
-        if self._pid != os.getpid():
-            self._idle, self._pid = [], os.getpid()
-        return self._idle
-
-    def take(self) -> psycopg.Connection[tuple[Any, ...]] | None:
-        """A kept connection that still answers, or None; dead ones are closed."""
-        from psycopg import pq
-        from psycopg_pool import ConnectionPool
-
-        while True:
-            with self._lock:
-                idle = self._mine()
-                if not idle:
-                    return None
-                conn = idle.pop()
-            try:
-                if conn.info.transaction_status != pq.TransactionStatus.IDLE:
-                    raise ValueError("not idle")
-                ConnectionPool.check_connection(conn)
-            except Exception:  # gone (the server restarted, the session was ended)
-                conn.close()
-                continue
-            return conn
-
-    def keep(self, conn: psycopg.Connection[tuple[Any, ...]]) -> bool:
-        """Keep ``conn`` if it is open and idle, there is room and `close` has not
-        been called; say whether it was kept."""
-        from psycopg import pq
-
-        if conn.closed or conn.info.transaction_status != pq.TransactionStatus.IDLE:
-            return False
-        with self._lock:
-            idle = self._mine()
-            if self._closed or len(idle) >= IDLE_KEPT:
-                return False
-            idle.append(conn)
-            return True
-
-    def close(self) -> None:
-        """Close this process's kept connections, and keep none from now on."""
-        with self._lock:
-            idle, self._idle = self._mine(), []
-            self._closed = True
-        for conn in idle:
-            conn.close()
-
-
-def _thread_writer(settings: _postgres_writer.Settings) -> PostgresWriter:
-    """The writer of a ledger that writes from a thread, opened."""
-    writer = PostgresWriter(settings)
-    writer.open()
-    return writer
 
 
 _KINDS: Final = ("start", "dispatch", "settle", "add", "end")
