@@ -21,7 +21,7 @@ import loopengine as le
 from loopengine.persistence import (
     SQLiteLedger,
 )
-from loopengine.persistence import _sqlite as sqlite_module
+from loopengine.persistence import _writer as writer_module
 from loopengine.persistence._schema import (
     ATTEMPT_COLUMNS,
     INVOCATION_COLUMNS,
@@ -243,7 +243,7 @@ async def test_the_writer_checkpoints_so_the_wal_does_not_grow(
     """On the sequential path the writer checkpoints between its own commits
     (here every 16), so the WAL is rewritten from its start instead of growing
     by every commit; nothing written is lost."""
-    monkeypatch.setattr(sqlite_module, "_CHECKPOINT_COMMITS", 16)
+    monkeypatch.setattr(writer_module, "CHECKPOINT_COMMITS", 16)
     path = tmp_path / "ledger.db"
     with SQLiteLedger(path, linger=30) as ledger:
         for n in range(80):

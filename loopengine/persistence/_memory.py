@@ -49,17 +49,13 @@ class MemoryLedger:
         calls: Every call made to the ledger, in order, as ``(method, ordinal or id)``.
     """
 
-    name = "memory ledger"
-    errors: tuple[type[BaseException], ...] = (KeyError,)
-    """A row inserted twice (a primary key's violation, on the other stores)."""
-
     def __init__(self, max_retained_attempts: int = DEFAULT_MAX_RETAINED_ATTEMPTS) -> None:
         check_arguments(max_retained_attempts=max_retained_attempts, max_batch=1, seconds={})
         self.max_retained_attempts = max_retained_attempts
-        self.invocations: dict[str, dict[str, Any]] = {}
-        self.attempts: dict[tuple[str, int], dict[str, Any]] = {}
+        self._rows = _Rows(max_retained_attempts)
+        self.invocations = self._rows.invocations
+        self.attempts = self._rows.attempts
         self.calls: list[tuple[str, int | str]] = []
-        self._planner = _planner.Planner(self, max_retained_attempts)
 
     def __repr__(self) -> str:
         return f"MemoryLedger({len(self.invocations)} invocations)"
@@ -85,13 +81,24 @@ class MemoryLedger:
         self._commit(end_op(record))
 
     def _commit(self, op: _planner.Op) -> None:
-        for _, message in self._planner.commit([op]):
+        for _, message in self._rows.commit([op]):
             raise LedgerError(message)
 
-    # -- the store the planner writes through -----------------------------------------
+
+class _Rows(_planner.Store):
+    """The dicts as the planner's store: each write applied whole, or refused
+    before it starts."""
+
+    errors = (KeyError,)
+    """A row inserted twice (a primary key's violation, on the other stores)."""
+
+    def __init__(self, max_retained: int) -> None:
+        super().__init__("memory ledger", max_retained)
+        self.invocations: dict[str, dict[str, Any]] = {}
+        self.attempts: dict[tuple[str, int], dict[str, Any]] = {}
 
     def begin(self) -> None:
-        """Nothing to open: each write is applied whole or refused before it starts."""
+        """Nothing to open."""
 
     def finish(self) -> None:
         """Nothing to commit."""

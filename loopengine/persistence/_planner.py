@@ -20,9 +20,6 @@ transaction (`Store`). The rules live here and nowhere else:
 * one transaction carries a whole batch; when a write in it fails, the writes
   are retried one by one so one bad write never sinks the others.
 
-`SQLiteLedger`'s writer runs this file in a child process that imports
-nothing of loopengine (``python -I -S``): it uses the standard library only.
-
 Ops are flat lists ``[kind, op_id, *fields]`` of plain values (text,
 integers, None); the fields of each kind are listed below.
 """
@@ -31,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 # Op kinds. START is deferred (nobody waits for it), and so is a SETTLE of
 # nothing served; the others are durable: somebody waits until they are
@@ -130,60 +127,66 @@ def read_known(rows: Callable[[str], Sequence[Sequence[Any]]]) -> Known | None:
     return Known(int(retained), outcome != "running", [int(r[0]) for r in unsettled])
 
 
-class Counted:
-    """What a store's writer reports of its planner's work (both writers' base)."""
+class Store:
+    """What a store supplies to the planner, and the planner it writes under: its
+    transaction and its statements (a subclass supplies every method but `commit`).
 
-    _planner: Planner
+    ``begin``, ``load``, ``execute`` and ``finish`` raise one of ``errors`` when
+    the database fails them; the planner then calls ``abort``.
+
+    Args:
+        name: How the store is named in messages (a file's path, a server).
+        max_retained: Attempt rows kept per invocation (R07).
+    """
+
+    errors: tuple[type[BaseException], ...] = ()
+    """The exceptions that mean a database or a value failed, not a bug."""
+
+    def __init__(self, name: str, max_retained: int) -> None:
+        self.name = name
+        self.planner = Planner(self, max_retained)
 
     @property
     def commits(self) -> int:
         """Transactions committed."""
-        return self._planner.commits
+        return self.planner.commits
 
     @property
     def writes(self) -> int:
         """Ops committed (starts, dispatches, settles, ends)."""
-        return self._planner.writes
+        return self.planner.writes
 
-
-class Store(Protocol):
-    """What a store supplies to the planner: its transaction and its statements.
-
-    ``begin``, ``load``, ``execute`` and ``finish`` raise one of ``errors`` when
-    the database fails them; the planner then calls ``abort``.
-    """
-
-    name: str
-    """How the store is named in messages (a file's path, a server)."""
-    errors: tuple[type[BaseException], ...]
-    """The exceptions that mean a database or a value failed, not a bug."""
+    def commit(self, ops: Sequence[Op]) -> list[tuple[int, str]]:
+        """Write ``ops`` in one transaction (when a write fails, each on its own);
+        return the durable ops refused, as ``(op_id, message)``."""
+        return self.planner.commit(ops)
 
     def begin(self) -> None:
         """Open the transaction (taking the write lock, if the store has one)."""
-        ...
+        raise NotImplementedError
 
     def load(self, invocation_id: str) -> Known | None:
         """The committed state of an invocation this planner has not written, or None
         when there is no such invocation."""
-        ...
+        raise NotImplementedError
 
     def execute(self, batch: Batch) -> None:
         """Write the batch's rows (in the transaction ``begin`` opened)."""
-        ...
+        raise NotImplementedError
 
     def finish(self) -> None:
         """Commit the transaction, durably."""
-        ...
+        raise NotImplementedError
 
     def abort(self) -> None:
         """Roll back whatever is open (never raises)."""
-        ...
+        raise NotImplementedError
 
     def isolates(self, error: BaseException) -> bool:
         """Whether ``error``, raised once the transaction began, is worth retrying
         write by write (False when nothing more can be written now, such as a
         lost connection)."""
-        ...
+        raise NotImplementedError
 
 
 @dataclass(slots=True)

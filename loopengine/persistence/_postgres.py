@@ -5,7 +5,7 @@ How it writes:
 * The calls, the queue and the group commit are `ThreadedLedger`'s
   (`_threaded`), the ones `SQLiteLedger` writes through, and the ledger's
   rules are the planner's (`_planner`); this file renders PostgreSQL's
-  statements, and `_postgres_writer` runs them.
+  statements and runs them on the writer's connection (`PostgresWriter`).
 * The writer thread owns one connection. It takes everything queued into one
   transaction, one statement per kind of row for all of them (their rows as
   one JSON parameter) in one round trip, and commits with
@@ -23,6 +23,7 @@ How it writes:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -33,17 +34,19 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio.to_thread
 
 from loopengine._errors import ConfigError, LedgerError
-from loopengine.persistence import _planner, _postgres_writer
+from loopengine.persistence import _planner
 from loopengine.persistence._ops import check_arguments
-from loopengine.persistence._postgres_writer import APPLICATION_NAME, PostgresWriter
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
-from loopengine.persistence._threaded import ThreadedLedger
+from loopengine.persistence._threaded import Call, ThreadedLedger, Writer
 
 if TYPE_CHECKING:
     import psycopg
     from psycopg import sql
 
 __all__ = ["APPLICATION_NAME", "PostgresLedger", "connect"]
+
+APPLICATION_NAME: Final = "loopengine-ledger"
+"""The ``application_name`` of the ledger's connections (seen in ``pg_stat_activity``)."""
 
 # Every statement the writer runs finds its rows by key (an invocation's id,
 # an attempt's invocation and ordinal). The planner does not know how many
@@ -174,13 +177,9 @@ class PostgresLedger(ThreadedLedger):
     def _new_writer(self) -> PostgresWriter:
         import psycopg
 
-        writer = PostgresWriter(_postgres_writer.Settings(
-            self.dsn, self.name, self._max_retained, self._connect_args(),
-            [*(statement.as_string() for statement in self._setup_statements()),
-             _WRITER_PLANS],
-            {kind: _statement(kind).as_string() for kind in _KINDS}))
+        writer = PostgresWriter(self)
         try:
-            writer.open()
+            writer.begin()
         except psycopg.Error as error:
             raise LedgerError(f"{self.name}: cannot connect: {error}") from error
         return writer
@@ -250,6 +249,129 @@ def connect(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
         conn.close()
         raise
     return conn
+
+
+class PostgresWriter(Writer):
+    """The writer: a `_planner.Store` on one connection of its own, running the
+    statements its ledger rendered (`_statement`): each kind of row for the
+    whole batch in one statement, all of them in one round trip (a pipeline),
+    then the commit.
+
+    A lost connection fails the batch it carried and is closed; the next
+    batch connects again.
+    """
+
+    def __init__(self, ledger: PostgresLedger) -> None:
+        import psycopg
+
+        super().__init__(ledger.name, ledger.max_retained_attempts)
+        self.errors = (psycopg.Error, OverflowError, TypeError, ValueError)
+        self._ledger = ledger
+        self._sql = {kind: _statement(kind).as_string() for kind in _KINDS}
+        self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
+
+    def run_calls(self, calls: Sequence[Call]) -> None:
+        """`Writer.run_calls`, once an empty query shows the session still answers
+        (else on a new one): a connection the server ended while idle is
+        replaced rather than reported, as a transaction of many steps is not
+        retried."""
+        import psycopg
+
+        if self._conn is not None:
+            try:
+                self._conn.execute("")
+            except psycopg.Error:
+                self.close()
+        super().run_calls(calls)
+
+    def forget(self) -> None:
+        """In a forked child: point the copied socket at nothing, so that freeing
+        the copy never ends the parent's session (libpq says goodbye on close)."""
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.closed:
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, conn.fileno())
+            os.close(null)
+
+    def close(self) -> None:
+        """Close the connection."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    # -- the store the planner writes through -----------------------------------------
+
+    def begin(self) -> None:
+        """Make sure of a connection: the one held, else a new one (`connect`, with
+        `_WRITER_PLANS`)."""
+        conn = self._conn
+        if conn is not None and (conn.closed or conn.broken):
+            self.close()
+        if self._conn is None:
+            conn = connect(self._ledger)
+            try:
+                conn.execute(_WRITER_PLANS)
+                conn.commit()
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+
+    def load(self, invocation_id: str) -> _planner.Known | None:
+        """The committed state of an invocation another ledger started (or forgotten)."""
+        conn = self._conn
+        assert conn is not None
+        return _planner.read_known(
+            lambda sql: conn.execute(sql.format("%s"), (invocation_id,)).fetchall())
+
+    def execute(self, batch: _planner.Batch) -> None:
+        """Write the batch, each kind of row in one statement, all of them in one
+        round trip (a pipeline), then check what each update changed."""
+        conn = self._conn
+        assert conn is not None
+        planned = _planner.statements(batch)
+        with conn.pipeline() as pipeline:
+            cursors = [conn.execute(self._sql[kind], (rows_json(rows),))
+                       for kind, rows, _ in planned]
+            pipeline.sync()
+        for cursor, (_, rows, what) in zip(cursors, planned, strict=True):
+            if what is not None:
+                _planner.expect(cursor.rowcount, len(rows), what)
+
+    def finish(self) -> None:
+        """Commit (``synchronous_commit`` on: durable when it returns)."""
+        assert self._conn is not None
+        self._conn.commit()
+
+    def abort(self) -> None:
+        """Roll back; a connection that is lost (or will not roll back) is closed,
+        and the next batch connects again."""
+        import psycopg
+
+        conn = self._conn
+        if conn is None:
+            return
+        if not conn.broken and not conn.closed:
+            try:
+                conn.rollback()
+                return
+            except psycopg.Error:
+                pass
+        self.close()
+
+    def isolates(self, error: BaseException) -> bool:
+        """A write that failed is worth retrying alone, unless the connection is gone
+        (then nothing more can be written on it)."""
+        conn = self._conn
+        return conn is not None and not conn.broken and not conn.closed
+
+
+def rows_json(rows: Sequence[Sequence[Any]]) -> str:
+    """``rows`` as the JSON the statements read (`_statement`). A value JSON cannot
+    carry (NaN, an object) raises here, and one its column refuses (an integer
+    past 64 bits, a NUL in text) fails its statement: either way the write
+    fails alone once the planner retries the batch write by write."""
+    return json.dumps(rows, separators=(",", ":"), allow_nan=False)
 
 
 _KINDS: Final = ("start", "dispatch", "settle", "add", "end")

@@ -23,7 +23,6 @@ import sqlite3
 import stat
 import time
 from types import TracebackType
-from typing import Final
 
 from loopengine._errors import ConfigError, LedgerError
 from loopengine.persistence import _writer
@@ -34,14 +33,6 @@ from loopengine.persistence._schema import migrate
 from loopengine.persistence._threaded import ThreadedLedger
 
 __all__ = ["SQLiteLedger"]
-
-# A checkpoint is due after this many commits or writes (about 3 MiB of WAL
-# on the sequential path, like SQLite's own 1,000-page autocheckpoint). The
-# writer makes it itself after a commit that leaves nothing waiting; past
-# four times as many, its checkpointer thread makes it. Read when a ledger opens.
-_CHECKPOINT_COMMITS: Final = 256
-_CHECKPOINT_WRITES: Final = 4096
-
 
 class SQLiteLedger(ThreadedLedger):
     """The attempt ledger in a SQLite file (DESIGN.md §7).
@@ -99,9 +90,7 @@ class SQLiteLedger(ThreadedLedger):
         self._start(self._new_writer())
 
     def _new_writer(self) -> _writer.Writer:
-        writer = _writer.Writer(_writer.Settings(self.path, self._max_retained,
-                                                 self.busy_timeout, _CHECKPOINT_COMMITS,
-                                                 _CHECKPOINT_WRITES))
+        writer = _writer.Writer(self.path, self._max_retained, self.busy_timeout)
         try:
             writer.open()
         except (sqlite3.Error, Refused) as error:

@@ -2,7 +2,7 @@
 
 Shared by `SQLiteLedger` and `PostgresLedger`; each supplies its writer (a
 `_planner.Store` under the shared `Planner`, in `_writer` and
-`_postgres_writer`), opened, to `ThreadedLedger._start`.
+`_postgres`), opened, to `ThreadedLedger._start`.
 
 How it writes (aiosqlite's shape, plus batching):
 
@@ -41,13 +41,13 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio.to_thread
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
-from loopengine.persistence._planner import FLUSH, Op
+from loopengine.persistence._planner import FLUSH, Op, Store
 from loopengine.persistence._records import (
     AttemptDispatch,
     AttemptSettle,
@@ -56,7 +56,7 @@ from loopengine.persistence._records import (
 )
 from loopengine.persistence._waiting import Waiter, release, wake_all
 
-__all__ = ["Call", "ThreadedLedger", "Writer", "run_calls"]
+__all__ = ["Call", "ThreadedLedger", "Writer"]
 
 T = TypeVar("T")
 
@@ -79,41 +79,53 @@ class Call:
         self.error: BaseException | None = None
 
 
-class Writer(Protocol):
-    """What the thread drives: a store's connection under the planner
-    (`_writer.Writer`, `_postgres_writer.PostgresWriter`)."""
+class Writer(Store):
+    """A store's connection as the writer thread drives it: the planner's `Store`
+    (whose transaction also carries the other callers' transactions,
+    `run_calls`), its housekeeping and its end (`_writer.Writer`,
+    `_postgres.PostgresWriter`). Not thread-safe: the thread calls it."""
 
-    @property
-    def commits(self) -> int:
-        """Transactions committed."""
-        ...
-
-    @property
-    def writes(self) -> int:
-        """Ops committed."""
-        ...
-
-    def commit(self, ops: Sequence[Op]) -> list[tuple[int, str]]:
-        """Write ``ops`` in one transaction; return the durable ops refused."""
-        ...
+    _conn: Any = None
+    """The connection (once `Store.begin` has made sure of one)."""
 
     def run_calls(self, calls: Sequence[Call]) -> None:
-        """Run each call in a transaction of its own on the connection, setting its
-        ``result`` or ``error``."""
-        ...
+        """Run ``calls`` on the connection, each in a savepoint of one transaction
+        (one commit for all of them, as a batch of ops shares one): a call that
+        raises is rolled back alone; a transaction that cannot begin or commit
+        fails every call. A database error becomes the call's `LedgerError`."""
+
+        def fail(call: Call, error: BaseException) -> None:
+            call.result = None
+            call.error = (LedgerError(f"{self.name}: {call.failure}: {error}")
+                          if isinstance(error, self.errors) else error)
+
+        try:
+            self.begin()
+            for call in calls:
+                self._conn.execute("SAVEPOINT loopengine_call")
+                try:
+                    call.result = call.work(self._conn)
+                except Exception as error:
+                    self._conn.execute("ROLLBACK TO SAVEPOINT loopengine_call")
+                    fail(call, error)
+                self._conn.execute("RELEASE SAVEPOINT loopengine_call")
+            self.finish()
+        except self.errors as error:
+            self.abort()
+            for call in calls:
+                if call.error is None:
+                    fail(call, error)
 
     def maybe_checkpoint(self, waiting: Callable[[], bool]) -> None:
         """After a commit: housekeeping that is due (``waiting()``: writes wait)."""
-        ...
 
     def forget(self) -> None:
         """In a forked child: let go of the connection without touching the
         parent's session."""
-        ...
 
     def close(self) -> None:
         """Let go of the database."""
-        ...
+        raise NotImplementedError
 
 
 class ThreadedLedger:
@@ -467,46 +479,6 @@ class ThreadedLedger:
         for call in calls:
             call.error = LedgerError(self._broken)
         wake_all([call.waiter for call in calls])
-
-
-class _Store(Protocol):
-    name: str
-    errors: tuple[type[BaseException], ...]
-
-    def begin(self) -> None: ...
-    def finish(self) -> None: ...
-    def abort(self) -> None: ...
-
-
-def run_calls(store: _Store, connection: Callable[[], Any], calls: Sequence[Call]) -> None:
-    """Run ``calls`` on ``connection()`` (the store's, once it began), each in a
-    savepoint of one transaction of ``store`` (one commit for all of them, as
-    a batch of ops shares one): a call that
-    raises is rolled back alone; a transaction that cannot begin or commit
-    fails every call. A database error becomes the call's `LedgerError`."""
-
-    def fail(call: Call, error: BaseException) -> None:
-        call.result = None
-        call.error = (LedgerError(f"{store.name}: {call.failure}: {error}")
-                      if isinstance(error, store.errors) else error)
-
-    try:
-        store.begin()
-        conn = connection()
-        for call in calls:
-            conn.execute("SAVEPOINT loopengine_call")
-            try:
-                call.result = call.work(conn)
-            except Exception as error:
-                conn.execute("ROLLBACK TO SAVEPOINT loopengine_call")
-                fail(call, error)
-            conn.execute("RELEASE SAVEPOINT loopengine_call")
-        store.finish()
-    except store.errors as error:
-        store.abort()
-        for call in calls:
-            if call.error is None:
-                fail(call, error)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

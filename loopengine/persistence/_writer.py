@@ -14,12 +14,11 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from loopengine.persistence import _planner
-from loopengine.persistence._planner import Op, Refused
-from loopengine.persistence._threaded import Call, run_calls
+from loopengine.persistence._planner import Refused
+from loopengine.persistence._threaded import Writer as _Writer
 
 INVOCATION_INSERT, ATTEMPT_INSERT = _planner.INVOCATION_INSERT, _planner.ATTEMPT_INSERT
 ATTEMPT_SETTLE, END_SET = _planner.ATTEMPT_SETTLE, _planner.END_SET
@@ -132,26 +131,24 @@ def _build_sql(kind: str, rows: int) -> str:
 
 # -- the writer ------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """How the writer behaves."""
-
-    path: str
-    max_retained: int
-    busy_timeout: float
-    checkpoint_commits: int
-    """A checkpoint is due after this many commits..."""
-    checkpoint_writes: int
-    """...or this many writes, whichever comes first."""
+# A checkpoint is due after this many commits or writes (about 3 MiB of WAL
+# on the sequential path, like SQLite's own 1,000-page autocheckpoint). The
+# writer makes it itself after a commit that leaves nothing waiting; past
+# four times as many, its checkpointer thread makes it.
+CHECKPOINT_COMMITS: Final = 256
+CHECKPOINT_WRITES: Final = 4096
 
 
-class Writer(_planner.Counted):
+class Writer(_Writer):
     """The connection that turns ops into rows: SQLite's `_planner.Store`.
 
-    Not thread-safe: the ledger's writer thread calls it. `open` raises
-    `sqlite3.Error` or `Refused`; `commit` never raises for a write it
-    refuses: it reports it.
+    `open` raises `sqlite3.Error` or `Refused`; `commit` never raises for a
+    write it refuses: it reports it.
+
+    Args:
+        path: The ledger's file (its schema already current).
+        max_retained: Attempt rows kept per invocation (R07).
+        busy_timeout: Seconds to wait for another process's write lock.
     """
 
     errors: tuple[type[BaseException], ...] = (sqlite3.Error, OverflowError, TypeError,
@@ -159,31 +156,30 @@ class Writer(_planner.Counted):
     """A database error, or a value SQLite cannot bind (an integer past 64 bits):
     the same path, so one bad write never sinks the others."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.path = settings.path
-        self.name = settings.path
-        self._planner = _planner.Planner(self, settings.max_retained)
-        self._uncheckpointed = self._uncheckpointed_writes = 0
+    def __init__(self, path: str, max_retained: int, busy_timeout: float) -> None:
+        super().__init__(path, max_retained)
+        self._busy_timeout = busy_timeout
+        self._checkpoint = (CHECKPOINT_COMMITS, CHECKPOINT_WRITES)  # read when it opens
+        self._checkpointed = (0, 0)
+        """The commits and writes counted at the last checkpoint."""
         self._conn: sqlite3.Connection | None = None
         self._statements: _Statements | None = None
         self._checkpointer: _Checkpointer | None = None
 
     def open(self) -> None:
         """Connect with the ledger's settings (the schema is already current)."""
-        s = self.settings
-        conn = sqlite3.connect(s.path, timeout=s.busy_timeout, isolation_level=None,
+        conn = sqlite3.connect(self.name, timeout=self._busy_timeout, isolation_level=None,
                                cached_statements=512, check_same_thread=False)
         try:
-            conn.execute(f"PRAGMA busy_timeout = {int(s.busy_timeout * 1000)}")
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
             mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0])
             if mode != "wal":
-                raise Refused(f"{s.path}: the ledger needs WAL journaling, and this "
+                raise Refused(f"{self.name}: the ledger needs WAL journaling, and this "
                               f"database reports journal_mode={mode}")
             # FULL: in WAL mode NORMAL may lose the last commits on power loss,
             # and a billing record must not.
             conn.execute("PRAGMA synchronous = FULL")
-            # Checkpoints are made between commits (`checkpoint`), never inside one.
+            # Checkpoints are made between commits (`maybe_checkpoint`), never inside one.
             conn.execute("PRAGMA wal_autocheckpoint = 0")
             # Foreign keys stay declared but unenforced: the writer already
             # refuses an attempt of an invocation it does not know, and the
@@ -193,14 +189,7 @@ class Writer(_planner.Counted):
             conn.close()
             raise
         self._conn = conn
-        self._checkpointer = _Checkpointer(s.path, s.busy_timeout)
-
-    def run_calls(self, calls: Sequence[Call]) -> None:
-        """Run each call on the connection, in one ``BEGIN IMMEDIATE`` transaction."""
-        run_calls(self, lambda: self._conn, calls)
-
-    def forget(self) -> None:
-        """In a forked child: nothing to let go of that the parent would miss."""
+        self._checkpointer = _Checkpointer(self.name, self._busy_timeout)
 
     def close(self) -> None:
         """Stop the checkpointer and close the connection (it checkpoints what is left)."""
@@ -208,20 +197,6 @@ class Writer(_planner.Counted):
             self._checkpointer.stop()
         if self._conn is not None:
             self._conn.close()
-
-    # -- committing ---------------------------------------------------------------------
-
-    def commit(self, ops: Sequence[Op]) -> list[tuple[int, str]]:
-        """Write ``ops`` in one transaction (on a database error, each on its own).
-
-        Returns:
-            The durable ops refused, as ``(op_id, message)``.
-        """
-        commits, writes = self.commits, self.writes
-        refused = self._planner.commit(ops)
-        self._uncheckpointed += self.commits - commits
-        self._uncheckpointed_writes += self.writes - writes
-        return refused
 
     # -- the store the planner writes through -----------------------------------------
 
@@ -269,19 +244,20 @@ class Writer(_planner.Counted):
         the checkpointer's thread (which seldom catches up with the last
         commit while commits keep coming, hence the preference for here).
         """
-        s = self.settings
-        commits, writes = self._uncheckpointed, self._uncheckpointed_writes
-        if commits < s.checkpoint_commits and writes < s.checkpoint_writes:
+        commits = self.commits - self._checkpointed[0]
+        writes = self.writes - self._checkpointed[1]
+        every_commits, every_writes = self._checkpoint
+        if commits < every_commits and writes < every_writes:
             return
         if not waiting():
-            self._uncheckpointed = self._uncheckpointed_writes = 0
+            self._checkpointed = (self.commits, self.writes)
             assert self._conn is not None
             try:
                 self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
             except sqlite3.Error:
                 pass  # a checkpoint is an optimisation; the next one retries
-        elif commits >= 4 * s.checkpoint_commits or writes >= 4 * s.checkpoint_writes:
-            self._uncheckpointed = self._uncheckpointed_writes = 0
+        elif commits >= 4 * every_commits or writes >= 4 * every_writes:
+            self._checkpointed = (self.commits, self.writes)
             assert self._checkpointer is not None
             self._checkpointer.poke()
 
