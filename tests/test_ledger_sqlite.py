@@ -493,18 +493,30 @@ async def test_migration_4_keeps_every_attempt_row_and_allows_the_wrap_up_phase(
 # -- a new ledger file is its owner's only, however its path is reached ---------------------
 
 
-def _modes(directory: Path) -> dict[str, int]:
-    return {p.name: stat.S_IMODE(p.lstat().st_mode) for p in directory.iterdir()
-            if not p.is_symlink()}
+def _new_ledger_modes(path: Path, umask: int) -> dict[str, int]:
+    """The modes of the files in the directory of ``path``'s target (links left
+    out) once a new ledger, opened at ``path`` under ``umask``, has written."""
+    old = os.umask(umask)
+    try:
+        ledger = SQLiteLedger(path)
+    finally:
+        os.umask(old)
+    async def write() -> None:
+        await ledger.start_invocation(start())
+        await ledger.dispatch_attempt(dispatch(1))
+
+    with ledger:
+        anyio.run(write)
+        directory = path.resolve().parent
+        return {p.name: stat.S_IMODE(p.lstat().st_mode) for p in directory.iterdir()
+                if not p.is_symlink()}
 
 
-async def _record(ledger: SQLiteLedger) -> None:
-    await ledger.start_invocation(start())
-    await ledger.dispatch_attempt(dispatch(1))
+PRIVATE = {"ledger.db": 0o600, "ledger.db-wal": 0o600, "ledger.db-shm": 0o600}
 
 
 @pytest.mark.parametrize("beside", [True, False])
-async def test_a_ledger_created_through_a_symbolic_link_is_0600(
+def test_a_ledger_created_through_a_symbolic_link_is_0600(
     tmp_path: Path, beside: bool,
 ) -> None:
     """A path that is a dangling symbolic link (to a file not created yet, beside it
@@ -512,22 +524,13 @@ async def test_a_ledger_created_through_a_symbolic_link_is_0600(
     and -shm, under a permissive umask."""
     where = tmp_path / "real"
     where.mkdir()
-    real = where / "ledger.db"
     link = (where if beside else tmp_path) / "link.db"
-    link.symlink_to(real)
-    old = os.umask(0o000)
-    try:
-        ledger = SQLiteLedger(link)
-    finally:
-        os.umask(old)
-    with ledger:
-        await _record(ledger)
-        modes = _modes(where)
-    assert modes == {"ledger.db": 0o600, "ledger.db-wal": 0o600, "ledger.db-shm": 0o600}
+    link.symlink_to(where / "ledger.db")
+    assert _new_ledger_modes(link, 0o000) == PRIVATE
     assert link.is_symlink()
 
 
-async def test_a_ledger_in_a_group_writable_directory_is_0600_with_its_leftovers(
+def test_a_ledger_in_a_group_writable_directory_is_0600_with_its_leftovers(
     tmp_path: Path,
 ) -> None:
     """In a group-writable (shared) directory, a new ledger is 0600, and a -wal and
@@ -538,12 +541,4 @@ async def test_a_ledger_in_a_group_writable_directory_is_0600_with_its_leftovers
     for leftover in ("ledger.db-wal", "ledger.db-shm"):
         (shared / leftover).write_bytes(b"")
         (shared / leftover).chmod(0o666)
-    old = os.umask(0o002)
-    try:
-        ledger = SQLiteLedger(shared / "ledger.db")
-    finally:
-        os.umask(old)
-    with ledger:
-        await _record(ledger)
-        modes = _modes(shared)
-    assert modes == {"ledger.db": 0o600, "ledger.db-wal": 0o600, "ledger.db-shm": 0o600}
+    assert _new_ledger_modes(shared / "ledger.db", 0o002) == PRIVATE

@@ -38,7 +38,6 @@ DISPATCH: Final = 1
 SETTLE: Final = 2
 END: Final = 3
 FLUSH: Final = 4
-STOP: Final = 5
 
 Op = list[Any]
 """``[kind, op_id, *fields]``; the fields of each kind are listed below."""
@@ -60,7 +59,7 @@ ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "ht
                          "stop_reason")
 # (END, op_id, id, *END_SET)
 END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits")
-# (FLUSH, op_id) and (STOP, op_id) carry nothing.
+# (FLUSH, op_id) carries nothing: it only waits for what was queued before it.
 
 DELTA_COLUMNS: Final = ("attempt_count", "attempts_retained", "incomplete", "input_tokens",
                         "output_tokens", "cache_read_tokens", "cache_write_tokens",

@@ -1,24 +1,15 @@
 """`PostgresLedger`: the attempt ledger on a PostgreSQL server, for runs on many hosts.
 
-How it writes:
-
-* The calls, the queue and the group commit are `ThreadedLedger`'s
-  (`_threaded`), the ones `SQLiteLedger` writes through, and the ledger's
-  rules are the planner's (`_planner`); this file renders PostgreSQL's
-  statements and runs them on the writer's connection (`PostgresWriter`).
-* The writer thread owns one connection. It takes everything queued into one
-  transaction, one statement per kind of row for all of them (their rows as
-  one JSON parameter) in one round trip, and commits with
-  ``synchronous_commit`` on: under many concurrent runs one round trip and
-  one WAL flush carry the writes of all of them (group commit).
-* Many processes and hosts write one database: each invocation's rows are
-  written by the ledger that started it, totals are increments
-  (``column = column + ...``), and nothing is cached that another process
-  could change, so nothing is lost or counted twice and no two writers wait
-  on each other's rows.
-* A lost connection fails the writes of the batch it carried with
-  `LedgerError` (so a dispatch that was not committed is never sent), and the
-  next batch connects again.
+The calls, the queue and the group commit are `ThreadedLedger`'s, the rules
+the planner's; this file renders PostgreSQL's statements and runs them on
+the writer thread's one connection (`PostgresWriter`): a batch's rows of
+each kind in one statement (one JSON parameter), all of them in one round
+trip, then a commit with ``synchronous_commit`` on. Many processes and hosts
+write one database: each invocation's rows are written by the ledger that
+started it, totals are increments (``column = column + ...``) and nothing is
+cached that another process could change. A lost connection fails the
+writes of the batch it carried with `LedgerError` (a dispatch not committed
+is never sent), and the next batch connects again.
 """
 
 from __future__ import annotations
@@ -28,7 +19,6 @@ import math
 import os
 import threading
 from collections.abc import Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio.to_thread
@@ -212,20 +202,6 @@ class PostgresLedger(ThreadedLedger):
         with self._opening:
             super().close()
 
-    def __enter__(self) -> PostgresLedger:
-        self._open_now()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> PostgresLedger:
-        await self.open()
-        return self
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._writer else "not opened"
         return f"PostgresLedger({self.name!r}, {state})"
@@ -265,6 +241,7 @@ class PostgresWriter(Writer):
         import psycopg
 
         super().__init__(ledger.name, ledger.max_retained_attempts)
+        self.marker = "%s"
         self.errors = (psycopg.Error, OverflowError, TypeError, ValueError)
         self._ledger = ledger
         self._sql = {kind: _statement(kind).as_string() for kind in _KINDS}
@@ -316,13 +293,6 @@ class PostgresWriter(Writer):
                 conn.close()
                 raise
             self._conn = conn
-
-    def load(self, invocation_id: str) -> _planner.Known | None:
-        """The committed state of an invocation another ledger started (or forgotten)."""
-        conn = self._conn
-        assert conn is not None
-        return _planner.read_known(
-            lambda sql: conn.execute(sql.format("%s"), (invocation_id,)).fetchall())
 
     def execute(self, batch: _planner.Batch) -> None:
         """Write the batch, each kind of row in one statement, all of them in one

@@ -1,19 +1,13 @@
 """`SQLiteLedger`: the attempt ledger in one SQLite file, written by one writer thread.
 
-How it writes: the calls, the queue and the group commit are
-`ThreadedLedger`'s (`_threaded`); its thread owns the file's one write
-connection (`_writer.Writer`) and takes whatever has queued into one
-``BEGIN IMMEDIATE`` transaction, so under many concurrent runs one fsync
-carries the writes of all of them. The sqlite3 module releases the
-interpreter lock while it steps and syncs, so the event loop runs meanwhile.
-A sequential run costs one commit per attempt (its dispatch, which also
-carries the previous settle) and one for its end.
-
-The file is safe for several processes at once: WAL lets readers work during
-a write, ``BEGIN IMMEDIATE`` takes the write lock up front so the busy handler
-(``busy_timeout``) waits for it instead of failing a half-done transaction,
-and nothing caches a row another process could change (invocation totals are
-updated with ``column = column + ?``).
+The calls, the queue and the group commit are `ThreadedLedger`'s; the
+thread's connection is `_writer.Writer`, which takes whatever has queued
+into one ``BEGIN IMMEDIATE`` transaction (sqlite3 lets go of the interpreter
+lock while it steps and syncs). A sequential run costs one commit per
+attempt (its dispatch, which also carries the previous settle) and one for
+its end. Several processes may share the file: WAL lets readers work during
+a write, ``BEGIN IMMEDIATE`` lets the busy handler wait for another
+process's lock, and totals are updated with ``column = column + ?``.
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ import os
 import sqlite3
 import stat
 import time
-from types import TracebackType
 
 from loopengine._errors import ConfigError, LedgerError
 from loopengine.persistence import _writer
@@ -96,18 +89,6 @@ class SQLiteLedger(ThreadedLedger):
         except (sqlite3.Error, Refused) as error:
             raise LedgerError(f"{self.path}: cannot open the ledger: {error}") from error
         return writer
-
-    def __enter__(self) -> SQLiteLedger:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> SQLiteLedger:
-        return self
 
     def __repr__(self) -> str:
         return f"SQLiteLedger({self.path!r}, {'closed' if self._closed else 'open'})"

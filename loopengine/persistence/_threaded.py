@@ -1,32 +1,25 @@
 """The front of a ledger whose one writer thread commits what its calls queue.
 
-Shared by `SQLiteLedger` and `PostgresLedger`; each supplies its writer (a
-`_planner.Store` under the shared `Planner`, in `_writer` and
-`_postgres`), opened, to `ThreadedLedger._start`.
+Shared by `SQLiteLedger` and `PostgresLedger`, each of which hands its opened
+`Writer` (a `_planner.Store`) to `ThreadedLedger._start`. As aiosqlite's
+connection thread, plus batching:
 
-How it writes (aiosqlite's shape, plus batching):
+* A call numbers its write (an op, a plain list: `_ops`) and queues it. A
+  durable one (a dispatch, a served settle, an end) is handed to the thread
+  at once, with every deferred one queued before it, and the call waits for
+  its commit; a deferred one (a start, a settle of nothing served) travels
+  with the next durable write, or is committed once it has waited ``linger``
+  seconds.
+* The thread takes whatever has queued into one transaction: writes queue
+  while the previous commit runs (group commit). It wakes each waiting call
+  on the call's own event loop (`_waiting`).
+* Between batches it runs the other transactions of the database (the
+  credit accounts'), on the same connection.
 
-* One thread per ledger owns its connection. A call numbers its write (an
-  op, a plain list: `_ops`) and queues it. A write that must be durable when
-  the call returns (an attempt's dispatch, a served settle, an invocation's
-  end) is queued for the thread at once, with every deferred write queued
-  before it; the call then waits until the thread reports the commit.
-* The thread takes whatever has queued into one transaction. Writes queue
-  while the previous commit runs, so under many concurrent runs one commit
-  carries the writes of all of them (group commit).
-* A write that may be deferred (an invocation's start, a settle of nothing
-  served) is only queued: it travels with the next durable write, or the
-  thread commits it once it has waited ``linger`` seconds.
-* A waiting call is woken on its own event loop (`_waiting`); the event
-  loop's thread never waits on the database.
-* Between batches the thread runs the other transactions of the ledger's
-  database (the credit accounts'), each a callable given the connection, on
-  the same connection: one database path per store.
-
-A forked child's copy of a ledger refuses every call (the thread and the
-connection are the parent's). A ledger still open when the interpreter exits
-is closed then, committing what is queued. A kill of the whole process loses
-the writes queued but not committed: an unsettled row, never a missing one.
+A forked child's copy refuses every call; a ledger still open at interpreter
+exit is closed then, committing what is queued. A kill of the whole process
+loses the writes queued but not committed: an unsettled row, never a
+missing one.
 """
 
 from __future__ import annotations
@@ -41,13 +34,13 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import anyio.to_thread
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
-from loopengine.persistence._planner import FLUSH, Op, Store
+from loopengine.persistence._planner import FLUSH, Known, Op, Store, read_known
 from loopengine.persistence._records import (
     AttemptDispatch,
     AttemptSettle,
@@ -87,6 +80,14 @@ class Writer(Store):
 
     _conn: Any = None
     """The connection (once `Store.begin` has made sure of one)."""
+    marker = "?"
+    """The connection's parameter marker."""
+
+    def load(self, invocation_id: str) -> Known | None:
+        """The committed state of an invocation another ledger started (or forgotten)."""
+        conn = self._conn
+        return read_known(
+            lambda sql: conn.execute(sql.format(self.marker), (invocation_id,)).fetchall())
 
     def run_calls(self, calls: Sequence[Call]) -> None:
         """Run ``calls`` on the connection, each in a savepoint of one transaction
@@ -295,6 +296,23 @@ class ThreadedLedger:
         """`close` in a worker thread, so the event loop keeps running meanwhile."""
         await anyio.to_thread.run_sync(self.close)
 
+    def _open_now(self) -> None:
+        """Start the writer now, blocking, if the store starts it on first use."""
+
+    def __enter__(self) -> Self:
+        self._open_now()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        await self._open()
+        return self
+
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
@@ -305,8 +323,10 @@ class ThreadedLedger:
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():
-            raise LedgerError(
-                f"{self._label}: this ledger was opened in process {self._pid}; a forked "
+            raise LedgerError(self._forked())
+
+    def _forked(self) -> str:
+        return (f"{self._label}: this ledger was opened in process {self._pid}; a forked "
                 f"process must open its own {type(self).__name__}")
 
     def _check(self) -> None:
@@ -510,8 +530,7 @@ def _forget_in_child() -> None:
         ledger._wake = threading.Condition(ledger._lock)
         ledger._waiters, ledger._calls, ledger._ready, ledger._deferred = [], [], [], []
         ledger._closed = True
-        ledger._broken = (f"{ledger._label}: this ledger was opened in process {ledger._pid}; "
-                          f"a forked process must open its own {type(ledger).__name__}")
+        ledger._broken = ledger._forked()
         if ledger._writer is not None:
             ledger._writer.forget()
     _open_ledgers.clear()

@@ -205,13 +205,6 @@ class Writer(_Writer):
         assert self._statements is not None
         self._statements.cursor.execute("BEGIN IMMEDIATE")
 
-    def load(self, invocation_id: str) -> _planner.Known | None:
-        """The committed state of an invocation another ledger started (or forgotten)."""
-        conn = self._conn
-        assert conn is not None
-        return _planner.read_known(
-            lambda sql: conn.execute(sql.format("?"), (invocation_id,)).fetchall())
-
     def execute(self, batch: _planner.Batch) -> None:
         """Write the batch, each kind of row in one statement."""
         assert self._statements is not None
