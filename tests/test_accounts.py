@@ -74,6 +74,23 @@ async def test_a_grant_must_be_a_positive_integer(tmp_path: Path, bad: Any) -> N
     assert info.value.field == "credits"
 
 
+@pytest.mark.parametrize(("bad", "field"), [
+    ({"ledger": le.persistence.MemoryLedger()}, "ledger"), ({"key": "tenant"}, "key"),
+    ({"default_hold": 0}, "default_hold"), ({"expiry_grace": float("nan")}, "expiry_grace"),
+    ({"clock": "now"}, "clock"),
+])
+def test_a_bad_argument_is_a_config_error_naming_it(
+    tmp_path: Path, bad: dict[str, Any], field: str,
+) -> None:
+    """Every constructor argument of CreditAccounts is checked: a ConfigError whose
+    field names the argument, never a LedgerError."""
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        arguments: dict[str, Any] = {"ledger": ledger, **bad}
+        with pytest.raises(le.ConfigError) as info:
+            le.CreditAccounts(**arguments)
+    assert info.value.field == field
+
+
 async def test_a_run_settles_its_real_charge_and_releases_its_hold(tmp_path: Path) -> None:
     """Reserved while the run runs, then spent = its credits, reserved back to 0."""
     path = tmp_path / "ledger.db"
