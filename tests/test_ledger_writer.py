@@ -26,7 +26,7 @@ import httpx2
 import pytest
 
 import loopengine as le
-from loopengine.persistence import SQLiteLedger
+from loopengine.persistence import SQLiteLedger, _writer
 from loopengine.providers import AnthropicProvider, Reply, ScriptedProvider
 from loopengine.testing import FakeAnthropicServer
 
@@ -97,27 +97,51 @@ async def test_writes_queued_during_a_commit_share_the_next_one(tmp_path: Path) 
     assert len(invocations) == 200 and len(attempts) == 200
 
 
-async def test_a_failed_writer_fails_calls_instead_of_hanging(
+async def test_a_writer_that_fails_once_is_restarted_and_its_batch_replayed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A bug in the writer thread: the call waiting for it and every later call raise
-    LedgerError saying the writer failed; what was committed before stays."""
+    """A bug in the writer (an unexpected exception): the thread replaces it by a new
+    one on the same file and replays the batch, so the call waiting for it returns
+    as if nothing happened; the row is written once and the ledger stays open."""
     with SQLiteLedger(tmp_path / "ledger.db") as ledger:
         await ledger.start_invocation(start())
         await ledger.dispatch_attempt(dispatch(1))
         writer = ledger._writer
         assert writer is not None
+        commits = ledger.commits
 
         def broken(ops: Any) -> Any:
             raise RuntimeError("a bug")
 
         monkeypatch.setattr(writer, "commit", broken)
-        with anyio.fail_after(10), pytest.raises(le.LedgerError, match="writer failed"):
+        with anyio.fail_after(10):
             await ledger.dispatch_attempt(dispatch(2))
-        with pytest.raises(le.LedgerError, match="writer failed"):
-            await ledger.dispatch_attempt(dispatch(3))
-        assert ledger.closed
-    assert list(read_db(tmp_path / "ledger.db")[1]) == [("inv-1", 1)]
+        assert ledger._writer is not writer and not ledger.closed
+        assert ledger.commits == commits + 1  # the counts survive the restart
+        await ledger.dispatch_attempt(dispatch(3))
+    assert list(read_db(tmp_path / "ledger.db")[1]) == [("inv-1", 1), ("inv-1", 2), ("inv-1", 3)]
+
+
+async def test_a_writer_that_keeps_failing_refuses_the_batch_and_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug that the restarted writer hits again: the waiting call raises LedgerError
+    saying the writer failed (never waits forever), and once the bug is gone the
+    ledger writes again; what was committed before stays."""
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        await ledger.start_invocation(start())
+        await ledger.dispatch_attempt(dispatch(1))
+
+        def broken(self: Any, ops: Any) -> Any:
+            raise RuntimeError("a bug")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(_writer.Writer, "commit", broken)
+            with anyio.fail_after(10), pytest.raises(le.LedgerError, match="writer failed"):
+                await ledger.dispatch_attempt(dispatch(2))
+        assert not ledger.closed
+        await ledger.dispatch_attempt(dispatch(3))
+    assert list(read_db(tmp_path / "ledger.db")[1]) == [("inv-1", 1), ("inv-1", 3)]
 
 
 def test_a_forked_process_cannot_use_the_ledger(tmp_path: Path) -> None:
@@ -165,7 +189,7 @@ def test_a_ledger_left_open_commits_at_interpreter_exit(tmp_path: Path) -> None:
     path = tmp_path / "ledger.db"
     script = (
         "import anyio, sys\n"
-        "from loopengine.persistence import SQLiteLedger\n"
+        "from loopengine.persistence import SQLiteLedger, _writer\n"
         "from tests.ledger_support import start\n"
         "ledger = SQLiteLedger(sys.argv[1], linger=30)\n"
         "anyio.run(ledger.start_invocation, start())\n"
@@ -205,25 +229,41 @@ async def test_the_row_is_on_disk_when_the_request_reaches_the_server(tmp_path: 
     assert seen == [[(1, "dispatched")], [(1, "ok"), (2, "dispatched")]]
 
 
-async def test_a_dispatch_that_cannot_be_written_sends_nothing(tmp_path: Path) -> None:
-    """Another connection holds the write lock past the busy timeout: the run raises
-    LedgerError and the server receives no request at all."""
+async def test_a_dispatch_held_by_a_locked_file_sends_nothing_until_it_is_written(
+    tmp_path: Path,
+) -> None:
+    """Another connection holds the write lock past the busy timeout (many times
+    over): the dispatch waits in the writer, retried, and the server receives no
+    request meanwhile; once the lock is released the row is written and the run
+    completes with one request."""
     path = tmp_path / "ledger.db"
-    with FakeAnthropicServer([Reply.text("never")]) as server, \
-            SQLiteLedger(path, busy_timeout=0.2) as ledger:
+    with FakeAnthropicServer([Reply.text("fine")]) as server, \
+            SQLiteLedger(path, busy_timeout=0.02) as ledger:
         blocker = sqlite3.connect(path, isolation_level=None)
         blocker.execute("BEGIN IMMEDIATE")
         provider = AnthropicProvider(api_key="k", base_url=server.url,
                                      http_client=httpx2.AsyncClient())
         engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+        results: list[le.RunResult] = []
+
+        async def run() -> None:
+            results.append(await engine.run(operation(), "go"))
+
         try:
-            with pytest.raises(le.LedgerError, match="locked"):
-                await engine.run(operation(), "go")
+            async with anyio.create_task_group() as group:
+                group.start_soon(run)
+                await anyio.wait_all_tasks_blocked()  # the run waits for its dispatch
+                await anyio.to_thread.run_sync(threading.Event().wait, 0.2)
+                assert server.requests == []
+                assert read_db(path) == ({}, {})
+                blocker.execute("ROLLBACK")
         finally:
-            blocker.execute("ROLLBACK")
             blocker.close()
             await provider.aclose()
-        assert server.requests == []
+        assert [r.outcome for r in results] == [le.Outcome.COMPLETED]
+        assert len(server.requests) == 1
+    invocations, attempts = read_db(path)
+    assert [a["outcome"] for a in attempts.values()] == ["ok"]
 
 
 def test_runs_on_trio_share_the_ledger(tmp_path: Path) -> None:

@@ -81,6 +81,34 @@ class Refused(Exception):
     """A write the ledger will not make (its message says why)."""
 
 
+class Lost(Exception):
+    """The store could not be reached during a transaction (a lost connection, a
+    lock held past the busy timeout): nothing in it is refused, its writes wait
+    for the store to come back (`ThreadedLedger`), and whether it committed is
+    decided then (`Store.committed`).
+
+    Args:
+        batch: What the transaction wrote (what `Store.committed` looks for);
+            None for a transaction of other callers (`_threaded.Call`).
+        ops: The transaction's ops.
+        error: The store's error.
+        uncertain: The connection was lost during the commit itself, so the
+            transaction may have committed; otherwise it certainly did not.
+    """
+
+    def __init__(self, batch: Batch | None, ops: Sequence[Op], error: BaseException, *,
+                 uncertain: bool) -> None:
+        super().__init__(str(error))
+        self.batch = batch
+        self.ops = list(ops)
+        self.error = error
+        self.uncertain = uncertain
+        self.rest: list[Op] = []
+        """Ops of the same call to `Planner.commit` not yet tried (after ``ops``)."""
+        self.refused: list[tuple[int, str]] = []
+        """Durable ops that call already refused, before ``ops``."""
+
+
 class Mismatch(Exception):
     """A statement changed other rows than planned: another writer changed rows this
     one counted on. The batch is retried write by write to find which one."""
@@ -187,6 +215,12 @@ class Store:
         lost connection)."""
         raise NotImplementedError
 
+    def lost(self, error: BaseException) -> bool:
+        """Whether ``error`` means the store cannot be reached for now (a lost
+        connection, a lock held too long): the writes wait and are replayed
+        (`Lost`) instead of being refused. Called before `abort`."""
+        return False
+
 
 @dataclass(slots=True)
 class _Live:
@@ -268,42 +302,65 @@ class Planner:
 
         Returns:
             The durable ops refused, as ``(op_id, message)``.
+
+        Raises:
+            Lost: the store could not be reached; the ops from ``Lost.ops`` on
+                are neither committed nor refused yet.
         """
         store = self.store
         batch = Batch()
-        began = False
+        began = committing = False
         errors: tuple[type[BaseException], ...] = (*store.errors, Mismatch)
         try:
             store.begin()
             began = True
             self._plan(batch, ops)
             store.execute(batch)
+            committing = True
             store.finish()
         except errors as error:
+            lost = store.lost(error)
             store.abort()
             # Forget what this batch taught the planner: the next write to
             # those invocations reads their committed state again.
             for invocation_id in batch.touched:
                 self._live.pop(invocation_id, None)
+            if lost:
+                raise Lost(batch, ops, error, uncertain=committing) from error
             if began and len(ops) > 1 and store.isolates(error):
                 # Isolate the write that failed so the others still land.
                 refused: list[tuple[int, str]] = []
-                for op in ops:
-                    refused += self.commit([op])
+                for index, op in enumerate(ops):
+                    try:
+                        refused += self.commit([op])
+                    except Lost as lost_alone:
+                        lost_alone.refused[:0] = refused
+                        lost_alone.rest += ops[index + 1:]
+                        raise
                 return refused
-            # A single write failed, or no transaction could be had (the write
-            # lock within the busy timeout, a connection): retrying each write
-            # would fail or wait as long again.
-            failed = Batch()
-            for op in ops:
-                self._refuse(op, f"{store.name}: {describe(op)} failed: {error}", failed)
-            return failed.refused
+            # A single write failed, or the transaction could not begin:
+            # retrying each write would fail again.
+            reason = str(error)
+            return self.refuse(ops, lambda op: f"{store.name}: {describe(op)} failed: {reason}")
+        return self.committed(batch)
+
+    def committed(self, batch: Batch) -> list[tuple[int, str]]:
+        """Count ``batch`` as committed (also one whose commit was lost, found
+        committed on reconnection); return the durable ops it refused."""
         for row in batch.ends:
             # Ended: nothing more will be written for it by the engine.
             self._live.pop(row[-1], None)
         self.commits += 1
         self.writes += batch.planned
         return batch.refused
+
+    def refuse(self, ops: Sequence[Op], why: Callable[[Op], str]) -> list[tuple[int, str]]:
+        """Refuse ``ops``, each with the message ``why(op)``; return the durable ones
+        refused, as ``(op_id, message)``."""
+        failed = Batch()
+        for op in ops:
+            self._refuse(op, why(op), failed)
+        return failed.refused
 
     def _refuse(self, op: Op, message: str, batch: Batch) -> None:
         kind = op[0]

@@ -7,9 +7,9 @@ each kind in one statement (one JSON parameter), all of them in one round
 trip, then a commit with ``synchronous_commit`` on. Many processes and hosts
 write one database: each invocation's rows are written by the ledger that
 started it, totals are increments (``column = column + ...``) and nothing is
-cached that another process could change. A lost connection fails the
-writes of the batch it carried with `LedgerError` (a dispatch not committed
-is never sent), and the next batch connects again.
+cached that another process could change. A lost connection is connected
+again, and what it carried replayed once it is known not to have committed
+(`ThreadedLedger`, `PostgresWriter.committed`; docs/ledger.md).
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ class PostgresLedger(ThreadedLedger):
         """The schema of the tables, or None for the connection's current one."""
         self.name = _describe_server(params, schema)
         """The server, database and schema, for messages (never the password)."""
-        self._setup(self.name, max_retained_attempts, linger, max_batch)
+        self._setup(self.name, max_retained_attempts, linger, max_batch,
+                    give_up=float(connect_timeout))
         self._connect_timeout = float(connect_timeout)
         self._opening = threading.Lock()
         """Held while opening and closing: one of them at a time."""
@@ -246,6 +247,8 @@ class PostgresWriter(Writer):
         self._ledger = ledger
         self._sql = {kind: _statement(kind).as_string() for kind in _KINDS}
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
+        self._xid: int | None = None
+        """The open transaction's id (`committed` asks the server about it)."""
 
     def run_calls(self, calls: Sequence[Call]) -> None:
         """`Writer.run_calls`, once an empty query shows the session still answers
@@ -300,10 +303,18 @@ class PostgresWriter(Writer):
         conn = self._conn
         assert conn is not None
         planned = _planner.statements(batch)
+        self._xid = None
+        if not planned:
+            return
         with conn.pipeline() as pipeline:
+            # The transaction's id, in the same round trip: should the
+            # connection be lost during the commit, it tells whether it committed.
+            xid = conn.execute("SELECT txid_current()")
             cursors = [conn.execute(self._sql[kind], (rows_json(rows),))
                        for kind, rows, _ in planned]
             pipeline.sync()
+        row = xid.fetchone()
+        self._xid = int(row[0]) if row else None
         for cursor, (_, rows, what) in zip(cursors, planned, strict=True):
             if what is not None:
                 _planner.expect(cursor.rowcount, len(rows), what)
@@ -328,6 +339,52 @@ class PostgresWriter(Writer):
             except psycopg.Error:
                 pass
         self.close()
+
+    def mark(self) -> None:
+        """Note the transaction's id (`committed`)."""
+        assert self._conn is not None
+        row = self._conn.execute("SELECT txid_current()").fetchone()
+        self._xid = int(row[0]) if row else None
+
+    def lost(self, error: BaseException) -> bool:
+        """The server cannot be reached on this connection: it is gone (a
+        terminated session, a restart, a network failure), the server is
+        shutting down or starting, or it is a standby that cannot take writes
+        (a failover under way). The connection is closed, to connect anew."""
+        import psycopg
+
+        conn = self._conn
+        if conn is None:  # connecting failed
+            return isinstance(error, psycopg.OperationalError)
+        state = getattr(error, "sqlstate", None) or ""
+        if not (conn.broken or conn.closed or state.startswith(("08", "57"))
+                or state == "25006"):
+            return False
+        self.close()
+        return True
+
+    def committed(self, lost: _planner.Lost) -> bool | None:
+        """Whether the transaction lost during its commit committed, as the server
+        says of its id (``txid_status``): ``in progress`` (the old session is
+        still finishing) is asked again later; an id the server has never seen
+        (a standby promoted without it) did not; one too old to know is read
+        from the batch's rows (`Writer.evidence`)."""
+        import psycopg
+
+        xid = self._xid
+        conn = self._conn
+        assert conn is not None
+        if xid is not None:
+            try:
+                row = conn.execute("SELECT txid_status(%s)", (xid,)).fetchone()
+            except psycopg.errors.InvalidParameterValue:
+                return False  # "in the future": this server never had it
+            status = row[0] if row else None
+            if status == "in progress":
+                return None
+            if status is not None:
+                return bool(status == "committed")
+        return self.evidence(lost.batch)
 
     def isolates(self, error: BaseException) -> bool:
         """A write that failed is worth retrying alone, unless the connection is gone

@@ -76,7 +76,8 @@ class SQLiteLedger(ThreadedLedger):
                         seconds={"busy_timeout": busy_timeout, "linger": linger})
         self.path = _ledger_path(path)
         """The database file."""
-        self._setup(self.path, max_retained_attempts, linger, max_batch)
+        self._setup(self.path, max_retained_attempts, linger, max_batch,
+                    give_up=float(busy_timeout))
         self.busy_timeout = float(busy_timeout)
         """Seconds a write waits for another process's write lock."""
         _prepare_file(self.path, self.busy_timeout)

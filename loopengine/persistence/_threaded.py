@@ -28,19 +28,30 @@ import asyncio
 import atexit
 import heapq
 import logging
+import math
 import os
+import random
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Final, Self, TypeVar
 
 import anyio.to_thread
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
-from loopengine.persistence._planner import FLUSH, Known, Op, Store, read_known
+from loopengine.persistence._planner import (
+    FLUSH,
+    Batch,
+    Known,
+    Lost,
+    Op,
+    Refused,
+    Store,
+    read_known,
+)
 from loopengine.persistence._records import (
     AttemptDispatch,
     AttemptSettle,
@@ -93,16 +104,25 @@ class Writer(Store):
         """Run ``calls`` on the connection, each in a savepoint of one transaction
         (one commit for all of them, as a batch of ops shares one): a call that
         raises is rolled back alone; a transaction that cannot begin or commit
-        fails every call. A database error becomes the call's `LedgerError`."""
+        fails every call. A database error becomes the call's `LedgerError`.
+
+        Raises:
+            Lost: the database could not be reached (`Store.lost`); no call is
+                failed for it, and they run again once it can
+                (`ThreadedLedger`), unless the transaction committed.
+        """
 
         def fail(call: Call, error: BaseException) -> None:
             call.result = None
             call.error = (LedgerError(f"{self.name}: {call.failure}: {error}")
                           if isinstance(error, self.errors) else error)
 
+        committing = False
         try:
             self.begin()
+            self.mark()
             for call in calls:
+                call.result = call.error = None
                 self._conn.execute("SAVEPOINT loopengine_call")
                 try:
                     call.result = call.work(self._conn)
@@ -110,12 +130,73 @@ class Writer(Store):
                     self._conn.execute("ROLLBACK TO SAVEPOINT loopengine_call")
                     fail(call, error)
                 self._conn.execute("RELEASE SAVEPOINT loopengine_call")
+            committing = True
             self.finish()
         except self.errors as error:
+            lost = self.lost(error)
             self.abort()
+            if lost:
+                raise Lost(None, [], error, uncertain=committing) from error
             for call in calls:
                 if call.error is None:
                     fail(call, error)
+
+    def mark(self) -> None:
+        """In a transaction just begun: note what tells, once the connection is
+        back, whether it committed (`committed`)."""
+
+    def reconnect(self) -> None:
+        """Make sure of a connection again after `Store.lost` (raises one of
+        ``errors`` while the database still cannot be reached)."""
+        self.begin()
+        self.abort()
+
+    def committed(self, lost: Lost) -> bool | None:
+        """Whether the transaction of ``lost``, whose commit was under way when the
+        connection was lost, committed: read on the new connection. None: not
+        known yet (the old session may still be committing), ask again later.
+
+        Raises:
+            Refused: it cannot be known; the writes must not be replayed blindly.
+        """
+        return False
+
+    def evidence(self, batch: Batch | None) -> bool:
+        """Whether ``batch`` committed, read from its rows: its transaction wrote
+        them all or none, so one row it inserted (or settled, or ended) that is
+        there (or settled, or ended) says it did.
+
+        Raises:
+            Refused: the batch changed only totals, which no row tells apart,
+                or it is a transaction of other callers (None).
+        """
+        unknown = Refused(f"{self.name}: the connection was lost while a transaction "
+                          "committed, and whether it did cannot be read back")
+        if batch is None:
+            raise unknown
+        if not (batch.starts or batch.dispatches or batch.settles or batch.deltas
+                or batch.ends):
+            return True  # it wrote nothing: committed or not, the same
+        conn, marker = self._conn, self.marker
+        if batch.starts:
+            found = conn.execute(f"SELECT 1 FROM invocations WHERE id = {marker}",
+                                 (batch.starts[0][0],)).fetchall()
+            return bool(found)
+        elif batch.dispatches:
+            row = batch.dispatches[0]
+            found = conn.execute(f"SELECT 1 FROM attempts WHERE invocation_id = {marker} "
+                                 f"AND ordinal = {marker}", (row[0], row[1])).fetchall()
+            return bool(found)
+        elif batch.settles:
+            row = batch.settles[0]
+            found = conn.execute(f"SELECT outcome FROM attempts WHERE invocation_id = {marker} "
+                                 f"AND ordinal = {marker}", (row[-2], row[-1])).fetchall()
+            return bool(found) and found[0][0] != "dispatched"
+        elif batch.ends:
+            found = conn.execute(f"SELECT outcome FROM invocations WHERE id = {marker}",
+                                 (batch.ends[0][-1],)).fetchall()
+            return bool(found) and found[0][0] != "running"
+        raise unknown
 
     def maybe_checkpoint(self, waiting: Callable[[], bool]) -> None:
         """After a commit: housekeeping that is due (``waiting()``: writes wait)."""
@@ -139,8 +220,16 @@ class ThreadedLedger:
     _label: str
     """How the ledger is named in messages (its file, its server)."""
 
-    def _setup(self, label: str, max_retained: int, linger: float, max_batch: int) -> None:
+    def _setup(self, label: str, max_retained: int, linger: float, max_batch: int,
+               give_up: float) -> None:
         self._label = label
+        self._give_up = give_up
+        """Seconds a `close` waits for a database that cannot be reached."""
+        self._close_requested = threading.Event()
+        """Set by `close`: a wait for the database ends, to give up by the deadline."""
+        self._give_up_at = math.inf
+        """When the writes still waiting for the database are given up (`close`)."""
+        self._reconnects = 0
         self._max_retained = max_retained
         self._linger = float(linger)
         self._max_batch = max_batch
@@ -260,6 +349,12 @@ class ThreadedLedger:
         return self._writer.writes if self._writer is not None else 0
 
     @property
+    def reconnects(self) -> int:
+        """Times the writer found the database again after losing it (a connection
+        lost, a lock held past the busy timeout) and replayed what was waiting."""
+        return self._reconnects
+
+    @property
     def closed(self) -> bool:
         """True once `close` has been called (or the writer is gone)."""
         return self._closed
@@ -277,7 +372,10 @@ class ThreadedLedger:
         with self._lock:
             first, self._closing = not self._closing, True
             self._closed = True
+            if first:
+                self._give_up_at = time.monotonic() + self._give_up
             self._wake.notify()
+        self._close_requested.set()
         if not first:
             # Another thread is closing it (the user's close beside atexit's):
             # return only once everything is committed, as that one will.
@@ -440,8 +538,6 @@ class ThreadedLedger:
     # -- the thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        writer = self._writer
-        assert writer is not None
         try:
             while True:
                 with self._lock:
@@ -451,7 +547,7 @@ class ThreadedLedger:
                 done = 0
                 refused: list[tuple[int, str]] = []
                 for start in range(0, len(ops), self._max_batch):
-                    refused += writer.commit(ops[start:start + self._max_batch])
+                    refused += self._commit(ops[start:start + self._max_batch])
                     done = ops[min(start + self._max_batch, len(ops)) - 1][1]
                 if done:
                     with self._lock:
@@ -459,8 +555,10 @@ class ThreadedLedger:
                         self._done = done
                         release(self._waiters, done)
                 if calls:
-                    writer.run_calls(calls)
+                    self._run_calls(calls)
                     wake_all([call.waiter for call in calls if not call.waiter.gone])
+                writer = self._writer
+                assert writer is not None
                 writer.maybe_checkpoint(lambda: bool(self._ready or self._calls))
         except BaseException as error:
             # A bug here must not leave callers waiting forever: each is told.
@@ -470,7 +568,124 @@ class ThreadedLedger:
                 raise
             logger.error("%s: the ledger's writer failed", self._label, exc_info=True)
         finally:
-            writer.close()
+            if self._writer is not None:
+                self._writer.close()
+
+    def _commit(self, ops: list[Op]) -> list[tuple[int, str]]:
+        """Commit ``ops`` (one batch), however long the database stays away: a
+        transaction lost with its connection is replayed once the database is
+        back, unless it committed after all (`_recover`). Returns the durable
+        ops refused."""
+        refused: list[tuple[int, str]] = []
+        pending = ops
+        restarted = False
+        while pending:
+            writer = self._writer
+            assert writer is not None
+            try:
+                return refused + writer.commit(pending)
+            except Lost as lost:
+                refused += lost.refused
+                try:
+                    committed = self._recover(lost, len(lost.ops) + len(lost.rest))
+                except Refused as refusal:
+                    return refused + self._give_up_ops(lost.ops + lost.rest, str(refusal))
+                pending = lost.rest if committed else lost.ops + lost.rest
+                if committed and lost.batch is not None:
+                    refused += writer.planner.committed(lost.batch)
+            except Exception as error:
+                # A bug, not the database: the writer is replaced (its
+                # transaction rolled back) and the batch replayed once.
+                if restarted:
+                    return refused + self._give_up_ops(
+                        pending, f"{self._label}: the ledger's writer failed: {error!r}")
+                logger.error("%s: the ledger's writer failed; restarting it and replaying "
+                             "%d writes", self._label, len(pending), exc_info=True)
+                self._restart()
+                restarted = True
+        return refused
+
+    def _run_calls(self, calls: list[Call]) -> None:
+        """Run ``calls`` in one transaction, however long the database stays away:
+        run again once it is back, unless that transaction committed after all."""
+        while True:
+            writer = self._writer
+            assert writer is not None
+            try:
+                writer.run_calls(calls)
+                return
+            except Lost as lost:
+                try:
+                    if self._recover(lost, len(calls)):
+                        return
+                except Refused as refusal:
+                    for call in calls:
+                        call.result, call.error = None, LedgerError(
+                            f"{refusal}: {call.failure}")
+                    return
+
+    def _restart(self) -> None:
+        """Replace the writer by a new one on the same database (its counts kept)."""
+        old = self._writer
+        assert old is not None
+        try:
+            old.abort()
+        finally:
+            old.close()
+        new = self._new_writer()
+        new.planner.commits, new.planner.writes = old.commits, old.writes
+        self._writer = new
+
+    def _recover(self, lost: Lost, waiting: int) -> bool:
+        """Wait for the database to come back after ``lost`` (retrying with a
+        bounded, jittered backoff) and tell whether the lost transaction
+        committed after all (only a lost commit may have).
+
+        Raises:
+            Refused: the ledger was closed and the database did not come back
+                within its ``give_up`` seconds, or whether the transaction
+                committed cannot be known.
+        """
+        writer = self._writer
+        assert writer is not None
+        since = time.monotonic()
+        logger.warning("%s: the database cannot be reached (%s); %d writes wait, retrying",
+                       self._label, lost.error, waiting)
+        delay = 0.0
+        while True:
+            if self._close_requested.wait(delay * random.uniform(0.5, 1.0)) and \
+                    time.monotonic() >= self._give_up_at:
+                raise Refused(f"{self._label}: the database could not be reached within "
+                              f"{self._give_up:g}s of closing the ledger ({lost.error})")
+            delay = min(max(2 * delay, _FIRST_RETRY), _LONGEST_RETRY)
+            try:
+                writer.reconnect()
+                committed = writer.committed(lost) if lost.uncertain else False
+            except writer.errors as error:
+                if not writer.lost(error):
+                    writer.abort()
+                    raise Refused(f"{self._label}: after the connection was lost, whether "
+                                  f"its last transaction committed cannot be read: {error}"
+                                  ) from error
+                writer.abort()
+                lost.error = error
+                continue
+            writer.abort()
+            if committed is None:
+                continue
+            self._reconnects += 1
+            logger.warning("%s: the database is back after %.1fs; the lost transaction "
+                           "%s; %d writes go on", self._label, time.monotonic() - since,
+                           "had committed" if committed else "is replayed", waiting)
+            return committed
+
+    def _give_up_ops(self, ops: list[Op], message: str) -> list[tuple[int, str]]:
+        """Refuse ``ops`` (the writer could not make them), logged: the durable
+        ones, returned, raise ``message`` to their callers."""
+        logger.error("%s; %d writes are not recorded", message, len(ops))
+        writer = self._writer
+        assert writer is not None
+        return writer.planner.refuse(ops, lambda op: message)
 
     def _take(self) -> tuple[list[Op] | None, list[Call]]:
         """What the thread does next: the ops and calls to run, once some are due,
@@ -499,6 +714,14 @@ class ThreadedLedger:
         for call in calls:
             call.error = LedgerError(self._broken)
         wake_all([call.waiter for call in calls])
+
+
+_FIRST_RETRY: Final = 0.05
+"""Seconds before the second attempt to reach a database that was lost (the
+first is at once: a terminated session is replaced by the next connection)."""
+_LONGEST_RETRY: Final = 1.0
+"""The longest wait between two attempts (each wait is jittered down by up to
+half, so many processes that lost one server do not all return at once)."""
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

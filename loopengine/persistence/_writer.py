@@ -225,6 +225,13 @@ class Writer(_Writer):
         """Every failure inside the transaction is worth retrying write by write."""
         return True
 
+    def lost(self, error: BaseException) -> bool:
+        """Another process held the write lock past the busy timeout: the writes
+        wait and are tried again (a failed ``COMMIT`` leaves nothing committed,
+        so `committed` is always False here)."""
+        return isinstance(error, sqlite3.OperationalError) and any(
+            word in str(error) for word in ("locked", "busy"))
+
     def maybe_checkpoint(self, waiting: Callable[[], bool]) -> None:
         """After a commit: copy the WAL back into the database if that is due.
 
