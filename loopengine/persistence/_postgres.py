@@ -47,6 +47,11 @@ APPLICATION_NAME: Final = "loopengine-ledger"
 # own connections only, a scan is the last resort.
 _WRITER_PLANS: Final = "SET enable_seqscan = off"
 
+_UNAVAILABLE: Final = ("08", "53", "57", "58")
+"""SQLSTATE classes that mean the server cannot serve for now, whatever is asked
+(the connection, its resources, an operator's intervention, the system), so
+the writes wait for it instead of failing (`PostgresWriter.lost`)."""
+
 
 class PostgresLedger(ThreadedLedger):
     """The attempt ledger on a PostgreSQL server (DESIGN.md §7b).
@@ -349,16 +354,20 @@ class PostgresWriter(Writer):
     def lost(self, error: BaseException) -> bool:
         """The server cannot be reached on this connection: it is gone (a
         terminated session, a restart, a network failure), the server is
-        shutting down or starting, or it is a standby that cannot take writes
-        (a failover under way). The connection is closed, to connect anew."""
+        shutting down, starting or out of resources (`_UNAVAILABLE`), or it is a
+        standby that cannot take writes (a failover under way). The connection
+        is closed, to connect anew."""
         import psycopg
 
         conn = self._conn
         if conn is None:  # connecting failed
             return isinstance(error, psycopg.OperationalError)
-        state = getattr(error, "sqlstate", None) or ""
-        if not (conn.broken or conn.closed or state.startswith(("08", "57"))
-                or state == "25006"):
+        state = getattr(error, "sqlstate", None)
+        if not (conn.broken or conn.closed or state == "25006"
+                or (state or "").startswith(_UNAVAILABLE)
+                # libpq's own error about the session (no SQLSTATE), such as
+                # "cannot exit pipeline mode while busy" as it goes
+                or (state is None and isinstance(error, psycopg.OperationalError))):
             return False
         self.close()
         return True

@@ -653,10 +653,16 @@ class ThreadedLedger:
                        self._label, lost.error, waiting)
         delay = 0.0
         while True:
-            if self._close_requested.wait(delay * random.uniform(0.5, 1.0)) and \
-                    time.monotonic() >= self._give_up_at:
-                raise Refused(f"{self._label}: the database could not be reached within "
-                              f"{self._give_up:g}s of closing the ledger ({lost.error})")
+            pause = delay * random.uniform(0.5, 1.0)
+            if self._close_requested.is_set():
+                # Closing: give up at `_give_up_at`, and not before.
+                left = self._give_up_at - time.monotonic()
+                if left <= 0:
+                    raise Refused(f"{self._label}: the database could not be reached within "
+                                  f"{self._give_up:g}s of closing the ledger ({lost.error})")
+                time.sleep(min(pause, left))
+            else:
+                self._close_requested.wait(pause)
             delay = min(max(2 * delay, _FIRST_RETRY), _LONGEST_RETRY)
             try:
                 writer.reconnect()
