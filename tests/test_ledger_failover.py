@@ -214,3 +214,45 @@ def test_closing_while_the_server_is_down_gives_up_after_connect_timeout(
     closing.join(60)
     assert not closing.is_alive()
     assert "could not be reached within 1s of closing the ledger" in caplog.text
+
+
+async def test_a_reply_served_while_the_database_is_away_is_recorded_when_it_returns(
+    own_server: PostgresServer,
+) -> None:
+    """The database stops accepting the ledger's connections while the provider
+    answers: the run cannot record the reply by its deadline and ends
+    ``time_limit``, but the settle and the end stay queued and are written once
+    the database is back, so the served usage is in the ledger and the
+    invocation is not left running."""
+    dsn = own_server.create_database()
+    dbname = dsn.rsplit("dbname=", 1)[1]
+
+    def away(request: RecordedRequest) -> Any:
+        # The ledger's session ends and no new one is let in, before the reply.
+        with own_server.connect() as conn:
+            conn.execute(f"ALTER DATABASE {dbname} ALLOW_CONNECTIONS false")
+        terminate(own_server)
+        return Reply.text("served", usage=le.Usage(123, 45))
+
+    operation = le.Operation(name="away.op", provider="anthropic", model="claude-sonnet-4-5",
+                             max_output_tokens=64, limits=le.Limits(total_time=1.0))
+    with FakeAnthropicServer([away]) as server:
+        provider = AnthropicProvider(api_key="k", base_url=server.url)
+        async with PostgresLedger(dsn) as ledger:
+            engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+            result = await engine.run(operation, "go")
+            assert result.outcome is le.Outcome.TIME_LIMIT
+            assert "did not record the reply" in result.detail
+            await provider.aclose()
+            with own_server.connect() as conn:
+                conn.execute(f"ALTER DATABASE {dbname} ALLOW_CONNECTIONS true")
+            with anyio.fail_after(60):
+                await ledger.flush()
+        served = server.usage_served
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        attempts = conn.execute("SELECT outcome, input_tokens, output_tokens FROM attempts"
+                                ).fetchall()
+        invocations = conn.execute("SELECT outcome, input_tokens FROM invocations").fetchall()
+    assert attempts == [("ok", served.input_tokens, served.output_tokens)] == [("ok", 123, 45)]
+    assert len(invocations) == 1 and invocations[0][0] != "running"
+    assert invocations[0][1] == 123
