@@ -71,9 +71,11 @@ class PostgresLedger(ThreadedLedger):
     are committed when the call returns; a start or an unserved settle is
     committed with the next durable write or within ``linger`` seconds. A
     write the ledger refuses (an unknown or ended invocation, an attempt
-    settled twice) or cannot make (the connection was lost) raises
-    `LedgerError` from the call when it is durable, else from that
-    invocation's next durable call.
+    settled twice) raises `LedgerError` from the call when it is durable,
+    else from that invocation's next durable call. A lost connection (a
+    terminated session, a restart, a failover) refuses nothing: the writer
+    connects again and replays what it carried, unless it had committed
+    (docs/ledger.md, "A lost connection").
 
     Args:
         dsn: A libpq connection string or ``postgresql://`` URL.
@@ -84,8 +86,9 @@ class PostgresLedger(ThreadedLedger):
         linger: Seconds a deferred write waits at most to share a durable
             write's commit before it is committed on its own (0: never waits).
         max_batch: The most writes one transaction carries.
-        connect_timeout: Seconds to wait for a connection (opening, and after
-            one was lost) before the writes waiting on it fail.
+        connect_timeout: Seconds each try to connect waits; also how long
+            `close` waits for a server that cannot be reached before it gives
+            up on the writes still queued.
 
     Raises:
         ConfigError: an argument is invalid (``.field`` names it).
@@ -239,8 +242,9 @@ class PostgresWriter(Writer):
     whole batch in one statement, all of them in one round trip (a pipeline),
     then the commit.
 
-    A lost connection fails the batch it carried and is closed; the next
-    batch connects again.
+    A lost connection is closed (`lost`); the writer thread connects again
+    and asks whether a transaction lost during its commit committed
+    (`committed`) before it replays it.
     """
 
     def __init__(self, ledger: PostgresLedger) -> None:

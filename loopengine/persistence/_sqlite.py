@@ -51,8 +51,9 @@ class SQLiteLedger(ThreadedLedger):
             only (0600), with its -wal and -shm, also through a symbolic link.
         max_retained_attempts: Attempt rows kept per invocation; later attempts
             only increase ``attempt_count`` and set ``incomplete`` (R07).
-        busy_timeout: Seconds to wait for another process's write lock before
-            a write fails.
+        busy_timeout: Seconds each try waits for another process's write lock
+            (past it the writer tries again, and the writes wait); also how
+            long `close` waits for it before it gives up on the writes queued.
         linger: Seconds a deferred write waits at most to share a durable
             write's commit before it is committed on its own (0: never waits).
         max_batch: The most writes one transaction carries.
@@ -79,7 +80,7 @@ class SQLiteLedger(ThreadedLedger):
         self._setup(self.path, max_retained_attempts, linger, max_batch,
                     give_up=float(busy_timeout))
         self.busy_timeout = float(busy_timeout)
-        """Seconds a write waits for another process's write lock."""
+        """Seconds each try of a write waits for another process's write lock."""
         _prepare_file(self.path, self.busy_timeout)
         self._start(self._new_writer())
 

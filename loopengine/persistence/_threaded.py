@@ -15,6 +15,12 @@ connection thread, plus batching:
   on the call's own event loop (`_waiting`).
 * Between batches it runs the other transactions of the database (the
   credit accounts'), on the same connection.
+* A database it cannot reach (a lost connection, a lock held past the busy
+  timeout: `Store.lost`) refuses nothing: the thread tries again with a
+  bounded, jittered backoff, asks whether a transaction lost during its
+  commit committed (`Writer.committed`), and replays it if not. A close
+  gives up on it after ``give_up`` seconds. An unexpected exception
+  replaces the writer and replays its batch once.
 
 A forked child's copy refuses every call; a ledger still open at interpreter
 exit is closed then, committing what is queued. A kill of the whole process
