@@ -51,6 +51,9 @@ _UNAVAILABLE: Final = ("08", "53", "57", "58")
 """SQLSTATE classes that mean the server cannot serve for now, whatever is asked
 (the connection, its resources, an operator's intervention, the system), so
 the writes wait for it instead of failing (`PostgresWriter.lost`)."""
+_CANCELED: Final = "57014"
+"""A statement cancelled (a ``statement_timeout``): the same write would be
+cancelled again, so it fails instead of waiting."""
 
 
 class PostgresLedger(ThreadedLedger):
@@ -368,7 +371,7 @@ class PostgresWriter(Writer):
             return isinstance(error, psycopg.OperationalError)
         state = getattr(error, "sqlstate", None)
         if not (conn.broken or conn.closed or state == "25006"
-                or (state or "").startswith(_UNAVAILABLE)
+                or ((state or "").startswith(_UNAVAILABLE) and state != _CANCELED)
                 # libpq's own error about the session (no SQLSTATE), such as
                 # "cannot exit pipeline mode while busy" as it goes
                 or (state is None and isinstance(error, psycopg.OperationalError))):

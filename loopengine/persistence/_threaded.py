@@ -673,6 +673,9 @@ class ThreadedLedger:
             try:
                 writer.reconnect()
                 committed = writer.committed(lost) if lost.uncertain else False
+            except Refused:
+                writer.abort()
+                raise
             except writer.errors as error:
                 if not writer.lost(error):
                     writer.abort()
