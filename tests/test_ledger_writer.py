@@ -341,3 +341,26 @@ async def test_a_second_close_waits_for_the_first(tmp_path: Path) -> None:
     for closer in closers:
         await anyio.to_thread.run_sync(closer.join)
     assert [list(committed) for committed in seen] == [["inv-1"], ["inv-1"]]
+
+
+def test_closing_while_the_file_stays_locked_gives_up_after_busy_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another connection keeps the write lock: `close` waits about busy_timeout for
+    it, then gives up on what is queued with a logged error instead of hanging,
+    and the rows stay as they were."""
+    path = tmp_path / "ledger.db"
+    ledger = SQLiteLedger(path, busy_timeout=0.05, linger=0)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        anyio.run(ledger.start_invocation, start())
+        closing = threading.Thread(target=ledger.close)
+        closing.start()
+        closing.join(60)
+        assert not closing.is_alive()
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert "could not be reached within 0.05s of closing the ledger" in caplog.text
+    assert read_db(path) == ({}, {})
