@@ -18,7 +18,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio.to_thread
@@ -51,6 +51,15 @@ _UNAVAILABLE: Final = ("08", "53", "57", "58")
 """SQLSTATE classes that mean the server cannot serve for now, whatever is asked
 (the connection, its resources, an operator's intervention, the system), so
 the writes wait for it instead of failing (`PostgresWriter.lost`)."""
+_TCP_CHECKS: Final[dict[str, Callable[[float], int]]] = {
+    "keepalives": lambda timeout: 1,
+    "keepalives_idle": lambda timeout: max(1, math.ceil(timeout / 3)),
+    "keepalives_interval": lambda timeout: max(1, math.ceil(timeout / 9)),
+    "keepalives_count": lambda timeout: 3,
+    "tcp_user_timeout": lambda timeout: max(1000, math.ceil(timeout * 1000)),
+}
+"""libpq's TCP settings of the ledger's connections, from ``connect_timeout``
+(ignored on a Unix socket)."""
 _CANCELED: Final = "57014"
 """A statement cancelled (a ``statement_timeout``): the same write would be
 cancelled again, so it fails instead of waiting."""
@@ -132,6 +141,7 @@ class PostgresLedger(ThreadedLedger):
         self._setup(self.name, max_retained_attempts, linger, max_batch,
                     give_up=float(connect_timeout))
         self._connect_timeout = float(connect_timeout)
+        self._params = params
         self._opening = threading.Lock()
         """Held while opening and closing: one of them at a time."""
 
@@ -187,8 +197,17 @@ class PostgresLedger(ThreadedLedger):
         return writer
 
     def _connect_args(self) -> dict[str, Any]:
-        return {"application_name": APPLICATION_NAME,
-                "connect_timeout": max(1, math.ceil(self._connect_timeout))}
+        args: dict[str, Any] = {"application_name": APPLICATION_NAME,
+                                "connect_timeout": max(1, math.ceil(self._connect_timeout))}
+        # A server that vanished from the network without closing the session
+        # (a failover's old address, a dropped route) would hold a statement
+        # until the system's TCP timeout, many minutes: TCP keepalives and a
+        # bound on unacknowledged data find it within about connect_timeout,
+        # so the writer reconnects. The DSN's own settings win.
+        for name, value in _TCP_CHECKS.items():
+            if name not in self._params:
+                args[name] = value(self._connect_timeout)
+        return args
 
     def _setup_statements(self) -> list[sql.SQL | sql.Composed]:
         """Settings of every connection: durable commits, UTC, the ledger's schema."""
