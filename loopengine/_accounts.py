@@ -21,29 +21,29 @@ an expired reservation whose run never settled (its process died): charged
 what the ledger's settled attempts of that invocation charged (its credits,
 if it ended), and released.
 
-The sqlite3 work runs in a worker thread: the event loop never waits on it.
+Each transaction runs on the ledger's own connection, in its writer thread,
+between two batches of the ledger's writes (`ThreadedLedger._transact`): the
+event loop never waits on the database, and no connection is opened per
+transaction.
 """
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any, TypeVar
 
-import anyio.to_thread
-
 from loopengine import _validate
 from loopengine._attribution import Attribution
-from loopengine._errors import ConfigError, LedgerError
+from loopengine._clock import Clock, SystemClock
+from loopengine._errors import ConfigError
 from loopengine.persistence import _account_store as store
 from loopengine.persistence._account_store import AccountBalance
 from loopengine.persistence._postgres import PostgresLedger
-from loopengine.persistence._postgres import borrow as borrow_postgres
-from loopengine.persistence._postgres import give_back as give_back_postgres
 from loopengine.persistence._schema import format_time
+from loopengine.persistence._sqlite import SQLiteLedger
 
 __all__ = ["AccountBalance", "CreditAccounts", "Reservation"]
 
@@ -80,6 +80,9 @@ class CreditAccounts:
             publishes none (a run on an account needs one).
         expiry_grace: Seconds past a run's deadline after which another
             process may settle its reservation (its process is taken as dead).
+        clock: Where the current time comes from (its `Clock.wall`), for the
+            journal's times and the expiry of reservations; default the
+            system's.
 
     Raises:
         ConfigError: a ledger that cannot hold accounts, or a bad argument.
@@ -92,11 +95,13 @@ class CreditAccounts:
         key: Callable[[Attribution], str | None] | None = None,
         default_hold: int | None = None,
         expiry_grace: float = DEFAULT_EXPIRY_GRACE,
+        clock: Clock | None = None,
     ) -> None:
-        path = getattr(ledger, "path", None)
         if isinstance(ledger, PostgresLedger):
             path = ledger.name
-        elif not isinstance(path, str) or not hasattr(ledger, "writer_pid"):
+        elif isinstance(ledger, SQLiteLedger):
+            path = ledger.path
+        else:
             raise ConfigError("ledger", "credit accounts live in the ledger's database: give "
                                         f"them a SQLiteLedger or a PostgresLedger, not {ledger!r}")
         self._postgres = isinstance(ledger, PostgresLedger)
@@ -104,13 +109,15 @@ class CreditAccounts:
             raise ConfigError("key", f"must be callable, got {key!r}")
         _validate.integer("default_hold", default_hold, minimum=1, optional=True)
         _validate.seconds("expiry_grace", expiry_grace, positive=False)
-        self.ledger = ledger
-        self.path: str = str(path)
+        if clock is not None and not isinstance(clock, Clock):
+            raise ConfigError("clock", f"must be a loopengine Clock, got {clock!r}")
+        self.ledger: SQLiteLedger | PostgresLedger = ledger
+        self.path: str = path
         """The SQLite file, or the PostgreSQL server's name (never a password)."""
         self.default_hold = default_hold
         self.expiry_grace = float(expiry_grace)
         self._key = key
-        self._busy_timeout = float(getattr(ledger, "busy_timeout", 30.0))
+        self._clock: Clock = clock or SystemClock()
 
     def __repr__(self) -> str:
         return f"CreditAccounts({self.path!r}, default_hold={self.default_hold})"
@@ -207,58 +214,22 @@ class CreditAccounts:
     # -- the transaction ------------------------------------------------------------------
 
     async def _transaction(self, work: Callable[[Any, str], T]) -> T:
+        """``work(connection, now)`` in one transaction on the ledger's own connection
+        (``BEGIN IMMEDIATE`` on SQLite; on PostgreSQL its row locks serialize one
+        account across hosts).
+
+        A cancelled wait (the caller's, or the run's deadline) stops waiting;
+        the transaction, once queued, still ends in the writer's thread: a
+        reservation made after its run stopped waiting expires like a crashed
+        run's.
+        """
+        now = format_time(self._clock.wall())
         if self._postgres:
-            await self.ledger.open()  # its schema, accounts included, is current
-            return await anyio.to_thread.run_sync(self._postgres_transaction, work,
-                                                  abandon_on_cancel=True)
-
-        def run() -> T:
-            try:
-                conn = sqlite3.connect(self.path, timeout=self._busy_timeout,
-                                       isolation_level=None)
-            except sqlite3.Error as error:
-                raise LedgerError(f"{self.path}: cannot open the accounts: {error}") from None
-            try:
-                conn.execute("PRAGMA synchronous = FULL")
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    result = work(conn, format_time(datetime.now(UTC)))
-                    conn.execute("COMMIT")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-                return result
-            except sqlite3.Error as error:
-                raise LedgerError(f"{self.path}: the accounts could not be written: "
-                                  f"{error}") from None
-            finally:
-                conn.close()
-
-        # A cancelled wait (the caller's, or the run's deadline) stops waiting;
-        # the transaction, once begun, still ends in its thread: a reservation
-        # made after its run stopped waiting expires like a crashed run's.
-        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
-
-    def _postgres_transaction(self, work: Callable[[Any, str], T]) -> T:
-        """``work`` in one transaction on a connection of the PostgresLedger's own
-        server and schema (its row locks serialize one account across hosts)."""
-        import psycopg
-
-        try:
-            conn = borrow_postgres(self.ledger)
-        except psycopg.Error as error:
-            raise LedgerError(f"{self.path}: cannot open the accounts: {error}") from None
-        reusable = False
-        try:
-            with conn.transaction():
-                result = work(_PostgresConnection(conn), format_time(datetime.now(UTC)))
-            reusable = True
-            return result
-        except psycopg.Error as error:
-            raise LedgerError(f"{self.path}: the accounts could not be written: "
-                              f"{error}") from None
-        finally:
-            give_back_postgres(self.ledger, conn, reusable=reusable)
+            return await self.ledger._transact(
+                lambda conn: work(_PostgresConnection(conn), now),
+                "the accounts could not be written")
+        return await self.ledger._transact(lambda conn: work(conn, now),
+                                           "the accounts could not be written")
 
 
 class _PostgresConnection:

@@ -59,7 +59,7 @@ class OnTheWire(Provider):
 
     async def send(self, request: ProviderRequest, *,
                    on_text: TextCallback | None = None) -> ProviderResponse:
-        print("ON THE WIRE", self.ledger.writer_pid, flush=True)
+        print("ON THE WIRE", flush=True)
         await anyio.sleep_forever()
         raise AssertionError("unreachable")
 

@@ -9,8 +9,8 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import loopengine as le
 from loopengine import events
 from loopengine.persistence import SQLiteLedger
 from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
 from .ledger_support import lookup, read_db
@@ -71,6 +72,23 @@ async def test_a_grant_must_be_a_positive_integer(tmp_path: Path, bad: Any) -> N
         with pytest.raises(le.ConfigError) as info:
             await le.CreditAccounts(ledger).grant("acme", bad)
     assert info.value.field == "credits"
+
+
+@pytest.mark.parametrize(("bad", "field"), [
+    ({"ledger": le.persistence.MemoryLedger()}, "ledger"), ({"key": "tenant"}, "key"),
+    ({"default_hold": 0}, "default_hold"), ({"expiry_grace": float("nan")}, "expiry_grace"),
+    ({"clock": "now"}, "clock"),
+])
+def test_a_bad_argument_is_a_config_error_naming_it(
+    tmp_path: Path, bad: dict[str, Any], field: str,
+) -> None:
+    """Every constructor argument of CreditAccounts is checked: a ConfigError whose
+    field names the argument, never a LedgerError."""
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        arguments: dict[str, Any] = {"ledger": ledger, **bad}
+        with pytest.raises(le.ConfigError) as info:
+            le.CreditAccounts(**arguments)
+    assert info.value.field == field
 
 
 async def test_a_run_settles_its_real_charge_and_releases_its_hold(tmp_path: Path) -> None:
@@ -283,15 +301,12 @@ def test_a_crashed_runs_reservation_is_settled_at_its_charge_once_expired(
     assert child.returncode == -signal.SIGKILL, err
 
     async def later() -> tuple[le.AccountBalance, le.AccountBalance]:
+        # An hour on: the run's deadline (2 s) and its grace (0) have passed.
+        clock = FakeClock(wall_start=datetime.now(UTC) + timedelta(hours=1))
         with SQLiteLedger(path) as ledger:
-            accounts = le.CreditAccounts(ledger, expiry_grace=0)
-            before = await accounts.balance("acme")
-            while before.reserved and time.time() < give_up:
-                await anyio.sleep(0.1)
-                before = await accounts.balance("acme")
-            return before, await accounts.balance("acme")
+            accounts = le.CreditAccounts(ledger, expiry_grace=0, clock=clock)
+            return await accounts.balance("acme"), await accounts.balance("acme")
 
-    give_up = time.time() + 10
     # Read at once: the run's deadline (2 s) has not passed, its hold is reserved.
     conn = sqlite3.connect(path)
     (reserved,) = conn.execute("SELECT reserved FROM accounts").fetchone()

@@ -17,7 +17,7 @@ import pytest
 
 import loopengine as le
 from loopengine.persistence import PostgresLedger
-from loopengine.persistence._postgres import ACCOUNTS_APPLICATION_NAME
+from loopengine.persistence._postgres import APPLICATION_NAME
 from loopengine.providers import Reply, ScriptedProvider
 
 from .conftest import PRICES, operation
@@ -99,64 +99,65 @@ def _database(postgres_server: PostgresServer) -> tuple[str, str]:
     return dsn, dsn.rsplit("dbname=", 1)[1]
 
 
-def _accounts_sessions(postgres_server: PostgresServer, dbname: str) -> list[tuple[int, Any]]:
-    """The live sessions of the credit accounts on ``dbname``: (pid, backend_start)."""
+def _ledger_sessions(postgres_server: PostgresServer, dbname: str) -> list[tuple[int, Any]]:
+    """The live sessions of the ledger on ``dbname``: (pid, backend_start)."""
     with postgres_server.connect() as conn:
         return conn.execute(
             "SELECT pid, backend_start FROM pg_stat_activity "
             "WHERE application_name = %s AND datname = %s ORDER BY pid",
-            (ACCOUNTS_APPLICATION_NAME, dbname)).fetchall()
+            (APPLICATION_NAME, dbname)).fetchall()
 
 
 def _settled_sessions(postgres_server: PostgresServer, dbname: str,
-                     count: int) -> list[tuple[int, Any]]:
-    """`_accounts_sessions` once there are ``count`` of them: a backend whose client
+                      count: int) -> list[tuple[int, Any]]:
+    """`_ledger_sessions` once there are ``count`` of them: a backend whose client
     closed, or that was terminated, leaves the list a moment later."""
     give_up = time.monotonic() + 10
     while True:
-        sessions = _accounts_sessions(postgres_server, dbname)
+        sessions = _ledger_sessions(postgres_server, dbname)
         if len(sessions) == count or time.monotonic() > give_up:
             return sessions
         time.sleep(0.02)
 
 
-async def test_admissions_keep_their_connection_and_replace_one_the_server_ended(
+async def test_accounts_run_on_the_ledgers_own_session(
     postgres_server: PostgresServer,
 ) -> None:
-    """Opening a connection costs the server a backend process: twenty transactions
-    one after another run on one session, kept open between them; a kept session
-    the server ended is replaced, not reported; closing the ledger ends it."""
+    """Opening a connection costs the server a backend process: the accounts'
+    transactions run on the ledger writer's one session, beside its writes; a
+    session the server ended is replaced, not reported; closing the ledger ends it."""
     dsn, dbname = _database(postgres_server)
     async with PostgresLedger(dsn) as ledger:
         accounts = le.CreditAccounts(ledger)
         await accounts.grant("acme", 1_000)
-        first = _accounts_sessions(postgres_server, dbname)
-        for _ in range(10):
-            await accounts.grant("acme", 1)
-            await accounts.balance("acme")
+        first = _ledger_sessions(postgres_server, dbname)
+        async with anyio.create_task_group() as group:
+            for _ in range(10):
+                group.start_soon(accounts.grant, "acme", 1)
+                group.start_soon(accounts.balance, "acme")
         assert len(first) == 1
-        assert _accounts_sessions(postgres_server, dbname) == first
+        assert _ledger_sessions(postgres_server, dbname) == first
 
-        assert postgres_server.terminate(ACCOUNTS_APPLICATION_NAME) == 1
+        assert postgres_server.terminate(APPLICATION_NAME) == 1
         assert _settled_sessions(postgres_server, dbname, 0) == []
         balance = await accounts.balance("acme")  # the ended session is not used
         assert balance.granted == 1_010
-        replaced = _accounts_sessions(postgres_server, dbname)
+        replaced = _ledger_sessions(postgres_server, dbname)
         assert len(replaced) == 1 and replaced != first
     assert _settled_sessions(postgres_server, dbname, 0) == []
 
 
-async def test_a_failed_transaction_does_not_keep_its_connection(
+async def test_a_failed_transaction_fails_alone(
     postgres_server: PostgresServer,
 ) -> None:
-    """A transaction that failed (here: the accounts' tables are gone) closes its
-    connection instead of keeping it; once the tables are back, the next
-    transaction opens a new one and succeeds."""
+    """A transaction that failed (here: the accounts' tables are gone) raises
+    LedgerError and is rolled back; once the tables are back, the next one
+    succeeds on the same session."""
     dsn, dbname = _database(postgres_server)
     async with PostgresLedger(dsn) as ledger:
         accounts = le.CreditAccounts(ledger)
         await accounts.grant("acme", 5)
-        first = _accounts_sessions(postgres_server, dbname)
+        first = _ledger_sessions(postgres_server, dbname)
         import psycopg
 
         with psycopg.connect(dsn, autocommit=True) as pg:
@@ -164,9 +165,7 @@ async def test_a_failed_transaction_does_not_keep_its_connection(
             try:
                 with pytest.raises(le.LedgerError, match="the accounts could not be written"):
                     await accounts.balance("acme")
-                assert _settled_sessions(postgres_server, dbname, 0) == []
             finally:
                 pg.execute("ALTER TABLE accounts_away RENAME TO accounts")
         assert (await accounts.balance("acme")).granted == 5
-        assert len(_accounts_sessions(postgres_server, dbname)) == 1
-        assert _accounts_sessions(postgres_server, dbname) != first
+        assert _ledger_sessions(postgres_server, dbname) == first

@@ -222,7 +222,7 @@ def test_a_text_schema_version_is_a_ledger_error_when_opening_to_write(
          f"CREATE TABLE {SCHEMA_TABLE} (version, name, applied_at)",
          f"INSERT INTO {SCHEMA_TABLE} VALUES ('two', 'x', 'y')")
     with pytest.raises(le.LedgerError, match="schema version"):
-        SQLiteLedger(path, writer="thread")
+        SQLiteLedger(path)
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv"])
@@ -977,9 +977,9 @@ def test_an_existing_ledgers_mode_is_left_alone(scratch: Path) -> None:
     assert modes == {"ledger.db": 0o640, "ledger.db-wal": 0o640, "ledger.db-shm": 0o640}
 
 
-def test_a_path_with_a_nul_byte_is_a_ledger_error(scratch: Path) -> None:
-    """Not a raw ValueError, and no file is created."""
-    with pytest.raises(le.LedgerError, match="contains a NUL byte"):
+def test_a_path_with_a_nul_byte_is_a_config_error(scratch: Path) -> None:
+    """A bad argument (ConfigError naming ``path``), and no file is created."""
+    with pytest.raises(le.ConfigError, match="contains a NUL byte"):
         SQLiteLedger(f"{scratch}/led\0ger.db")
     assert list(scratch.iterdir()) == []
 
@@ -987,18 +987,19 @@ def test_a_path_with_a_nul_byte_is_a_ledger_error(scratch: Path) -> None:
 def test_an_empty_path_is_called_empty_not_in_memory() -> None:
     """SQLite would open a private temporary file for '': the message says the path is
     empty, and ':memory:' is still named an in-memory database."""
-    with pytest.raises(le.LedgerError) as empty:
+    with pytest.raises(le.ConfigError) as empty:
         SQLiteLedger("")
     assert "path is empty" in str(empty.value) and "in-memory" not in str(empty.value)
-    with pytest.raises(le.LedgerError, match="in-memory database.*WAL"):
+    with pytest.raises(le.ConfigError, match="in-memory database.*WAL"):
         SQLiteLedger(":memory:")
 
 
 @pytest.mark.parametrize("path", [42, b"ledger.db", None])
-def test_a_path_that_is_not_text_is_a_ledger_error(path: Any) -> None:
+def test_a_path_that_is_not_text_is_a_config_error(path: Any) -> None:
     """The path must be a str or an os.PathLike of str."""
-    with pytest.raises(le.LedgerError, match="path must be a str"):
+    with pytest.raises(le.ConfigError, match="path: must be a str") as caught:
         SQLiteLedger(path)
+    assert caught.value.field == "path"
 
 
 def test_a_ledger_in_a_missing_directory_says_it_cannot_create_it(scratch: Path) -> None:

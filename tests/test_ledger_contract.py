@@ -1,9 +1,9 @@
 """The `Ledger` contract, proved on every store through the real engine.
 
-Every test here runs on `MemoryLedger` (the reference semantics), on
-`SQLiteLedger` with each of its writers (a child process, a thread) and on
-`PostgresLedger` against a real server, and one test checks that they keep
-identical rows for the same conversation.
+Every test here runs on `MemoryLedger`, on `SQLiteLedger` and on
+`PostgresLedger` against a real server (the same rules, the planner's, on
+each), and one test checks that they keep identical rows for the same
+conversation.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import anyio
 import pytest
 
 import loopengine as le
 from loopengine.persistence import Ledger, MemoryLedger, PostgresLedger, SQLiteLedger
-from loopengine.persistence._piped import WriterKind
 from loopengine.providers import (
     Provider,
     ProviderRequest,
@@ -35,29 +34,27 @@ from .postgres_support import PostgresServer, fresh_schema
 
 FAST = le.RetryPolicy(max_attempts=7, initial_wait=0.001, max_wait=0.001)
 
-STORES = ["memory", "process", "thread", "postgres", "postgres-thread"]
-"""MemoryLedger, SQLiteLedger with each writer, PostgresLedger with each writer."""
+STORES = ["memory", "sqlite", "postgres"]
+"""MemoryLedger, SQLiteLedger, PostgresLedger."""
 
 
 def open_store(request: pytest.FixtureRequest, store: str, tmp_path: Path) -> Ledger:
     """A new, empty ledger of ``store`` (closed by the test's teardown)."""
     if store == "memory":
         return MemoryLedger()
-    if store.startswith("postgres"):
+    if store == "postgres":
         server: PostgresServer = request.getfixturevalue("postgres_server")
-        kind: WriterKind = "thread" if store == "postgres-thread" else "process"
-        postgres = PostgresLedger(server.dsn(), schema=fresh_schema(), writer=kind)
+        postgres = PostgresLedger(server.dsn(), schema=fresh_schema())
         request.addfinalizer(postgres.close)
         return postgres
-    sqlite_ledger = SQLiteLedger(tmp_path / "ledger.db", writer=cast(WriterKind, store))
+    sqlite_ledger = SQLiteLedger(tmp_path / "ledger.db")
     request.addfinalizer(sqlite_ledger.close)
-    assert sqlite_ledger.writer == store
     return sqlite_ledger
 
 
 @pytest.fixture(params=STORES)
 def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
-    """Each ledger implementation in turn (SQLite and PostgreSQL with each writer)."""
+    """Each ledger implementation in turn."""
     yield open_store(request, request.param, tmp_path)
 
 
@@ -196,7 +193,7 @@ async def test_every_store_keeps_the_same_rows(
     request: pytest.FixtureRequest, tmp_path: Path, store: str
 ) -> None:
     """The same conversation leaves identical rows in MemoryLedger and in SQLiteLedger
-    (with either writer) and PostgresLedger."""
+    and PostgresLedger."""
     attribution = le.Attribution(tenant="acme", user_id="u1", feature="help",
                                  correlation_id="c1")
 

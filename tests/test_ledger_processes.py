@@ -8,7 +8,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,6 @@ CHILD = Path(__file__).with_name("ledger_child.py")
 pytestmark = pytest.mark.slow
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not exited (a zombie has)."""
-    try:
-        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return status != "Z"
-
-
 def spawn(*args: str) -> subprocess.Popen[str]:
     # -P: the script's directory (tests/) must not shadow installed packages.
     return subprocess.Popen([sys.executable, "-P", str(CHILD), *args], stdout=subprocess.PIPE,
@@ -41,15 +31,13 @@ def spawn(*args: str) -> subprocess.Popen[str]:
 
 def test_a_process_killed_mid_request_leaves_a_dispatched_row(tmp_path: Path) -> None:
     """SIGKILL while the request is on the wire: the attempt row is there, dispatched,
-    the invocation running; the ledger's writer process ends with its input; the file
-    is intact and `audit reconcile` reports both."""
+    the invocation running; the file is intact and `audit reconcile` reports both."""
     path = tmp_path / "ledger.db"
     child = spawn("crash", str(path))
     try:
         assert child.stdout is not None
         line = child.stdout.readline()
-        assert line.startswith("ON THE WIRE "), child.stderr.read() if child.stderr else line
-        writer = int(line.split()[-1])
+        assert line.startswith("ON THE WIRE"), child.stderr.read() if child.stderr else line
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.wait(timeout=30)
@@ -58,10 +46,6 @@ def test_a_process_killed_mid_request_leaves_a_dispatched_row(tmp_path: Path) ->
         if child.stderr:
             child.stderr.close()
     assert child.returncode == -signal.SIGKILL
-    give_up = time.monotonic() + 10
-    while _running(writer) and time.monotonic() < give_up:
-        time.sleep(0.01)  # it commits what it had, then exits (an orphan by then)
-    assert not _running(writer)
 
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

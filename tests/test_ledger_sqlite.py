@@ -3,8 +3,10 @@ what it refuses, what it never stores, and its migrations."""
 
 from __future__ import annotations
 
+import os
 import random
 import sqlite3
+import stat
 import time
 from dataclasses import replace
 from datetime import datetime
@@ -19,7 +21,7 @@ import loopengine as le
 from loopengine.persistence import (
     SQLiteLedger,
 )
-from loopengine.persistence import _sqlite as sqlite_module
+from loopengine.persistence import _writer as writer_module
 from loopengine.persistence._schema import (
     ATTEMPT_COLUMNS,
     INVOCATION_COLUMNS,
@@ -244,7 +246,7 @@ async def test_the_writer_checkpoints_so_the_wal_does_not_grow(
     """On the sequential path the writer checkpoints between its own commits
     (here every 16), so the WAL is rewritten from its start instead of growing
     by every commit; nothing written is lost."""
-    monkeypatch.setattr(sqlite_module, "_CHECKPOINT_COMMITS", 16)
+    monkeypatch.setattr(writer_module, "CHECKPOINT_COMMITS", 16)
     path = tmp_path / "ledger.db"
     with SQLiteLedger(path, linger=30) as ledger:
         for n in range(80):
@@ -325,18 +327,20 @@ async def test_engine_run_raises_ledger_error_and_sends_nothing(tmp_path: Path) 
 @pytest.mark.parametrize("bad", [
     {"max_retained_attempts": 0}, {"max_retained_attempts": True}, {"busy_timeout": -1},
     {"linger": float("nan")}, {"linger": float("inf")}, {"busy_timeout": 1e400},
-    {"max_batch": 0}, {"writer": "fiber"},
+    {"max_batch": 0},
 ])
 def test_bad_arguments_are_refused(tmp_path: Path, bad: dict[str, Any]) -> None:
-    """Invalid settings raise LedgerError before any file is touched."""
-    with pytest.raises(le.LedgerError):
+    """Invalid settings raise ConfigError naming the argument, before any file is touched."""
+    with pytest.raises(le.ConfigError) as caught:
         SQLiteLedger(tmp_path / "ledger.db", **bad)
+    assert caught.value.field == next(iter(bad))
     assert not (tmp_path / "ledger.db").exists()
 
 
 def test_files_that_are_not_ledgers_are_refused(tmp_path: Path) -> None:
     """A non-SQLite file, a database with foreign tables of the ledger's names, an
-    in-memory database and a missing directory raise LedgerError saying what is wrong."""
+    in-memory database (a bad argument: ConfigError) and a missing directory raise
+    LedgerError saying what is wrong."""
     text = tmp_path / "notes.txt"
     text.write_text("not a database at all, but long enough to have a header" * 20)
     with pytest.raises(le.LedgerError, match="not a SQLite database"):
@@ -348,7 +352,7 @@ def test_files_that_are_not_ledgers_are_refused(tmp_path: Path) -> None:
     conn.close()
     with pytest.raises(le.LedgerError, match="not a loopengine ledger"):
         SQLiteLedger(foreign)
-    with pytest.raises(le.LedgerError, match="WAL"):
+    with pytest.raises(le.ConfigError, match="WAL"):
         SQLiteLedger(":memory:")
     with pytest.raises(le.LedgerError, match="cannot open"):
         SQLiteLedger(tmp_path / "missing" / "ledger.db")
@@ -487,3 +491,57 @@ async def test_migration_4_keeps_every_attempt_row_and_allows_the_wrap_up_phase(
     assert conn.execute("SELECT phase FROM attempts WHERE invocation_id = 'inv-2'").fetchall() \
         == [("wrap_up",)]
     conn.close()
+
+
+# -- a new ledger file is its owner's only, however its path is reached ---------------------
+
+
+def _new_ledger_modes(path: Path, umask: int) -> dict[str, int]:
+    """The modes of the files in the directory of ``path``'s target (links left
+    out) once a new ledger, opened at ``path`` under ``umask``, has written."""
+    old = os.umask(umask)
+    try:
+        ledger = SQLiteLedger(path)
+    finally:
+        os.umask(old)
+    async def write() -> None:
+        await ledger.start_invocation(start())
+        await ledger.dispatch_attempt(dispatch(1))
+
+    with ledger:
+        anyio.run(write)
+        directory = path.resolve().parent
+        return {p.name: stat.S_IMODE(p.lstat().st_mode) for p in directory.iterdir()
+                if not p.is_symlink()}
+
+
+PRIVATE = {"ledger.db": 0o600, "ledger.db-wal": 0o600, "ledger.db-shm": 0o600}
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_a_ledger_created_through_a_symbolic_link_is_0600(
+    tmp_path: Path, beside: bool,
+) -> None:
+    """A path that is a dangling symbolic link (to a file not created yet, beside it
+    or in another directory) gets the link's target created 0600, with its -wal
+    and -shm, under a permissive umask."""
+    where = tmp_path / "real"
+    where.mkdir()
+    link = (where if beside else tmp_path) / "link.db"
+    link.symlink_to(where / "ledger.db")
+    assert _new_ledger_modes(link, 0o000) == PRIVATE
+    assert link.is_symlink()
+
+
+def test_a_ledger_in_a_group_writable_directory_is_0600_with_its_leftovers(
+    tmp_path: Path,
+) -> None:
+    """In a group-writable (shared) directory, a new ledger is 0600, and a -wal and
+    -shm left there under its name with wider modes are made 0600 too."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o2775)
+    for leftover in ("ledger.db-wal", "ledger.db-shm"):
+        (shared / leftover).write_bytes(b"")
+        (shared / leftover).chmod(0o666)
+    assert _new_ledger_modes(shared / "ledger.db", 0o002) == PRIVATE

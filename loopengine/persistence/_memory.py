@@ -1,11 +1,18 @@
-"""`MemoryLedger`: the `Ledger` contract in memory, for tests and embedding."""
+"""`MemoryLedger`: the `Ledger` contract in memory, for tests and embedding.
+
+Its rules are the planner's (`_planner`), the ones every store keeps: this
+file supplies only dicts shaped like the tables' rows as the planner's
+`Store`. Each call commits its write at once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 from typing import Any
 
 from loopengine._errors import LedgerError
+from loopengine.persistence import _planner
+from loopengine.persistence._ops import check_arguments, dispatch_op, end_op, settle_op, start_op
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
 from loopengine.persistence._records import (
     AttemptDispatch,
@@ -13,111 +20,137 @@ from loopengine.persistence._records import (
     InvocationEnd,
     InvocationStart,
 )
+from loopengine.persistence._schema import ATTEMPT_COLUMNS, INVOCATION_COLUMNS
 
 __all__ = ["MemoryLedger"]
 
+_NEW_INVOCATION = {**dict.fromkeys(INVOCATION_COLUMNS, 0), "ended_at": None,
+                   "outcome": "running"}
+_NEW_ATTEMPT = {**dict.fromkeys(ATTEMPT_COLUMNS), "outcome": "dispatched"}
 
-@dataclass
+
 class MemoryLedger:
     """Keeps invocations and attempts as dicts shaped like the SQLite rows.
 
-    As strict as `SQLiteLedger`: a second dispatch or settle of one attempt,
-    and any write after the invocation ended, raise `LedgerError`.
+    As strict as `SQLiteLedger`, by the same rules: a second dispatch or
+    settle of one attempt, and any write after the invocation ended, raise
+    `LedgerError` (a refused start, as on every store, from the invocation's
+    next call).
 
     Args:
         max_retained_attempts: Attempt rows kept per invocation (R07).
 
+    Raises:
+        ConfigError: ``max_retained_attempts`` is not a positive integer.
+
     Attributes:
         invocations: Invocation rows by id.
         attempts: Attempt rows by ``(invocation_id, ordinal)``.
-        calls: Every call made to the ledger, in order, as ``(method, ordinal)``.
+        calls: Every call made to the ledger, in order, as ``(method, ordinal or id)``.
     """
 
-    max_retained_attempts: int = DEFAULT_MAX_RETAINED_ATTEMPTS
-    invocations: dict[str, dict[str, Any]] = field(default_factory=dict)
-    attempts: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
-    calls: list[tuple[str, int | str]] = field(default_factory=list)
-    _dispatched: set[tuple[str, int]] = field(default_factory=set, repr=False)
-    _settled: set[tuple[str, int]] = field(default_factory=set, repr=False)
+    def __init__(self, max_retained_attempts: int = DEFAULT_MAX_RETAINED_ATTEMPTS) -> None:
+        check_arguments(max_retained_attempts=max_retained_attempts, max_batch=1, seconds={})
+        self.max_retained_attempts = max_retained_attempts
+        self._rows = _Rows(max_retained_attempts)
+        self.invocations = self._rows.invocations
+        self.attempts = self._rows.attempts
+        self.calls: list[tuple[str, int | str]] = []
+
+    def __repr__(self) -> str:
+        return f"MemoryLedger({len(self.invocations)} invocations)"
 
     async def start_invocation(self, record: InvocationStart) -> None:
         """Record the invocation as running."""
         self.calls.append(("start", record.id))
-        if record.id in self.invocations:
-            raise LedgerError(f"invocation {record.id} already exists")
-        self.invocations[record.id] = {
-            **{k: getattr(record, k) for k in record.__dataclass_fields__},
-            "started_at": record.started_at.isoformat(),
-            "ended_at": None, "outcome": "running", "turns": 0, "tool_calls": 0,
-            "attempt_count": 0, "attempts_retained": 0, "incomplete": 0,
-            "input_tokens": 0, "output_tokens": 0, "cache_read_tokens": 0,
-            "cache_write_tokens": 0, "cost_nanousd": 0, "provider_cost_nanousd": 0,
-            "credits": 0,
-        }
+        self._commit(start_op(record))
 
     async def dispatch_attempt(self, record: AttemptDispatch) -> None:
         """Count the attempt; keep its row while under the retention cap."""
         self.calls.append(("dispatch", record.ordinal))
-        inv = self._open(record.invocation_id)
-        key = (record.invocation_id, record.ordinal)
-        if key in self._dispatched:
-            raise LedgerError(f"attempt {record.ordinal} of {record.invocation_id} was already "
-                              "dispatched")
-        self._dispatched.add(key)
-        inv["attempt_count"] += 1
-        if inv["attempts_retained"] >= self.max_retained_attempts:
-            inv["incomplete"] = 1
-            return
-        inv["attempts_retained"] += 1
-        row = {k: getattr(record, k) for k in record.__dataclass_fields__}
-        row.update(started_at=record.started_at.isoformat(), outcome="dispatched")
-        self.attempts[(record.invocation_id, record.ordinal)] = row
+        self._commit(dispatch_op(record))
 
     async def settle_attempt(self, record: AttemptSettle) -> None:
         """Settle the row (if retained) and add to the invocation's totals."""
         self.calls.append(("settle", record.ordinal))
-        inv = self._open(record.invocation_id)
-        key = (record.invocation_id, record.ordinal)
-        if key not in self._dispatched or key in self._settled:
-            raise LedgerError(f"attempt {record.ordinal} of {record.invocation_id} is not "
-                              "awaiting settlement")
-        self._settled.add(key)
-        usage = record.usage
-        if usage is not None:
-            inv["input_tokens"] += usage.input_tokens
-            inv["output_tokens"] += usage.output_tokens
-            inv["cache_read_tokens"] += usage.cache_read_tokens
-            inv["cache_write_tokens"] += usage.cache_write_tokens
-        if record.cost_nanousd is not None:
-            inv["provider_cost_nanousd"] += record.cost_nanousd
-            if record.charged:
-                inv["cost_nanousd"] += record.cost_nanousd
-        row = self.attempts.get((record.invocation_id, record.ordinal))
-        if row is None:
-            return
-        settled = replace(record, usage=None)
-        row.update({k: getattr(settled, k) for k in settled.__dataclass_fields__
-                    if k not in ("usage", "invocation_id", "ordinal")})
-        row.update(
-            input_tokens=usage.input_tokens if usage else None,
-            output_tokens=usage.output_tokens if usage else None,
-            cache_read_tokens=usage.cache_read_tokens if usage else None,
-            cache_write_tokens=usage.cache_write_tokens if usage else None,
-            usage_approx=int(record.usage_approx), charged=int(record.charged),
-        )
+        self._commit(settle_op(record))
 
     async def end_invocation(self, record: InvocationEnd) -> None:
         """Settle the invocation."""
         self.calls.append(("end", record.id))
-        inv = self._open(record.id)
-        inv.update(ended_at=record.ended_at.isoformat(), outcome=record.outcome,
-                   turns=record.turns, tool_calls=record.tool_calls, credits=record.credits)
+        self._commit(end_op(record))
 
-    def _open(self, invocation_id: str) -> dict[str, Any]:
-        """The invocation's row, which must exist and not have ended."""
-        inv = self.invocations.get(invocation_id)
-        if inv is None:
-            raise LedgerError(f"no invocation {invocation_id}")
-        if inv["outcome"] != "running":
-            raise LedgerError(f"invocation {invocation_id} has already ended ({inv['outcome']})")
-        return inv
+    def _commit(self, op: _planner.Op) -> None:
+        for _, message in self._rows.commit([op]):
+            raise LedgerError(message)
+
+
+class _Rows(_planner.Store):
+    """The dicts as the planner's store: each write applied whole, or refused
+    before it starts."""
+
+    errors = (KeyError,)
+    """A row inserted twice (a primary key's violation, on the other stores)."""
+
+    def __init__(self, max_retained: int) -> None:
+        super().__init__("memory ledger", max_retained)
+        self.invocations: dict[str, dict[str, Any]] = {}
+        self.attempts: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def begin(self) -> None:
+        """Nothing to open."""
+
+    def finish(self) -> None:
+        """Nothing to commit."""
+
+    def abort(self) -> None:
+        """Nothing to roll back."""
+
+    def isolates(self, error: BaseException) -> bool:
+        """One write at a time: nothing to isolate."""
+        return False
+
+    def load(self, invocation_id: str) -> _planner.Known | None:
+        """An invocation's state, from its rows."""
+        row = self.invocations.get(invocation_id)
+        if row is None:
+            return None
+        unsettled = [ordinal for (owner, ordinal), attempt in self.attempts.items()
+                     if owner == invocation_id and attempt["outcome"] == "dispatched"]
+        return _planner.Known(row["attempts_retained"], row["outcome"] != "running", unsettled)
+
+    def execute(self, batch: _planner.Batch) -> None:
+        """Apply the batch's rows to the dicts."""
+        _planner.execute(batch, self._run)
+
+    def _run(self, kind: str, rows: list[Sequence[Any]]) -> int:
+        changed = 0
+        for row in rows:
+            if kind in ("start", "dispatch"):
+                # A row inserted twice fails as a primary key would.
+                table: dict[Any, dict[str, Any]]
+                if kind == "start":
+                    table, key, new = self.invocations, row[0], _NEW_INVOCATION
+                    columns = _planner.INVOCATION_INSERT
+                else:
+                    table, key, new = self.attempts, (row[0], row[1]), _NEW_ATTEMPT
+                    columns = _planner.ATTEMPT_INSERT
+                if key in table:
+                    raise KeyError(f"{key!r} already exists")
+                table[key] = {**new, **dict(zip(columns, row, strict=True))}
+            elif kind == "settle":
+                attempt = self.attempts.get((row[-2], row[-1]))
+                if attempt is not None and attempt["outcome"] == "dispatched":
+                    attempt.update(zip(_planner.ATTEMPT_SETTLE, row[:-2], strict=True))
+                    changed += 1
+            elif kind == "add":
+                invocation = self.invocations[row[-1]]
+                for n, column in enumerate(_planner.DELTA_COLUMNS):
+                    invocation[column] = (max(invocation[column], row[n])
+                                          if n == _planner.INCOMPLETE
+                                          else invocation[column] + row[n])
+                changed += 1
+            else:
+                self.invocations[row[-1]].update(zip(_planner.END_SET, row[:-1], strict=True))
+                changed += 1
+        return changed

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from loopengine._errors import LedgerError
+from loopengine._errors import ConfigError
 from loopengine.persistence._planner import DISPATCH, END, SETTLE, START, Op
 from loopengine.persistence._records import (
     AttemptDispatch,
@@ -61,16 +61,16 @@ def check_arguments(*, max_retained_attempts: object, max_batch: object,
     and finite non-negative seconds (each named in ``seconds``).
 
     Raises:
-        LedgerError: the first argument that is not so.
+        ConfigError: the first argument that is not so (``.field`` names it).
     """
     if isinstance(max_retained_attempts, bool) or not isinstance(max_retained_attempts, int) \
             or max_retained_attempts < 1:
-        raise LedgerError(
-            f"max_retained_attempts must be a positive integer, got {max_retained_attempts!r}")
+        raise ConfigError("max_retained_attempts",
+                          f"must be a positive integer, got {max_retained_attempts!r}")
     for label, value in seconds.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 \
                 or not math.isfinite(value):
-            raise LedgerError(
-                f"{label} must be a finite non-negative number of seconds, got {value!r}")
+            raise ConfigError(label,
+                              f"must be a finite non-negative number of seconds, got {value!r}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise LedgerError(f"max_batch must be a positive integer, got {max_batch!r}")
+        raise ConfigError("max_batch", f"must be a positive integer, got {max_batch!r}")

@@ -20,9 +20,6 @@ transaction (`Store`). The rules live here and nowhere else:
 * one transaction carries a whole batch; when a write in it fails, the writes
   are retried one by one so one bad write never sinks the others.
 
-`SQLiteLedger`'s writer runs this file in a child process that imports
-nothing of loopengine (``python -I -S``): it uses the standard library only.
-
 Ops are flat lists ``[kind, op_id, *fields]`` of plain values (text,
 integers, None); the fields of each kind are listed below.
 """
@@ -31,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 # Op kinds. START is deferred (nobody waits for it), and so is a SETTLE of
 # nothing served; the others are durable: somebody waits until they are
@@ -41,7 +38,6 @@ DISPATCH: Final = 1
 SETTLE: Final = 2
 END: Final = 3
 FLUSH: Final = 4
-STOP: Final = 5
 
 Op = list[Any]
 """``[kind, op_id, *fields]``; the fields of each kind are listed below."""
@@ -63,7 +59,7 @@ ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "ht
                          "stop_reason")
 # (END, op_id, id, *END_SET)
 END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits")
-# (FLUSH, op_id) and (STOP, op_id) carry nothing.
+# (FLUSH, op_id) carries nothing: it only waits for what was queued before it.
 
 DELTA_COLUMNS: Final = ("attempt_count", "attempts_retained", "incomplete", "input_tokens",
                         "output_tokens", "cache_read_tokens", "cache_write_tokens",
@@ -83,6 +79,34 @@ _S_CHARGED: Final = 4 + ATTEMPT_SETTLE.index("charged")
 
 class Refused(Exception):
     """A write the ledger will not make (its message says why)."""
+
+
+class Lost(Exception):
+    """The store could not be reached during a transaction (a lost connection, a
+    lock held past the busy timeout): nothing in it is refused, its writes wait
+    for the store to come back (`ThreadedLedger`), and whether it committed is
+    decided then (`Store.committed`).
+
+    Args:
+        batch: What the transaction wrote (what `Store.committed` looks for);
+            None for a transaction of other callers (`_threaded.Call`).
+        ops: The transaction's ops.
+        error: The store's error.
+        uncertain: The connection was lost during the commit itself, so the
+            transaction may have committed; otherwise it certainly did not.
+    """
+
+    def __init__(self, batch: Batch | None, ops: Sequence[Op], error: BaseException, *,
+                 uncertain: bool) -> None:
+        super().__init__(str(error))
+        self.batch = batch
+        self.ops = list(ops)
+        self.error = error
+        self.uncertain = uncertain
+        self.rest: list[Op] = []
+        """Ops of the same call to `Planner.commit` not yet tried (after ``ops``)."""
+        self.refused: list[tuple[int, str]] = []
+        """Durable ops that call already refused, before ``ops``."""
 
 
 class Mismatch(Exception):
@@ -130,60 +154,72 @@ def read_known(rows: Callable[[str], Sequence[Sequence[Any]]]) -> Known | None:
     return Known(int(retained), outcome != "running", [int(r[0]) for r in unsettled])
 
 
-class Counted:
-    """What a store's writer reports of its planner's work (both writers' base)."""
+class Store:
+    """What a store supplies to the planner, and the planner it writes under: its
+    transaction and its statements (a subclass supplies every method but `commit`).
 
-    _planner: Planner
+    ``begin``, ``load``, ``execute`` and ``finish`` raise one of ``errors`` when
+    the database fails them; the planner then calls ``abort``.
+
+    Args:
+        name: How the store is named in messages (a file's path, a server).
+        max_retained: Attempt rows kept per invocation (R07).
+    """
+
+    errors: tuple[type[BaseException], ...] = ()
+    """The exceptions that mean a database or a value failed, not a bug."""
+
+    def __init__(self, name: str, max_retained: int) -> None:
+        self.name = name
+        self.planner = Planner(self, max_retained)
 
     @property
     def commits(self) -> int:
         """Transactions committed."""
-        return self._planner.commits
+        return self.planner.commits
 
     @property
     def writes(self) -> int:
         """Ops committed (starts, dispatches, settles, ends)."""
-        return self._planner.writes
+        return self.planner.writes
 
-
-class Store(Protocol):
-    """What a store supplies to the planner: its transaction and its statements.
-
-    ``begin``, ``load``, ``execute`` and ``finish`` raise one of ``errors`` when
-    the database fails them; the planner then calls ``abort``.
-    """
-
-    name: str
-    """How the store is named in messages (a file's path, a server)."""
-    errors: tuple[type[BaseException], ...]
-    """The exceptions that mean a database or a value failed, not a bug."""
+    def commit(self, ops: Sequence[Op]) -> list[tuple[int, str]]:
+        """Write ``ops`` in one transaction (when a write fails, each on its own);
+        return the durable ops refused, as ``(op_id, message)``."""
+        return self.planner.commit(ops)
 
     def begin(self) -> None:
         """Open the transaction (taking the write lock, if the store has one)."""
-        ...
+        raise NotImplementedError
 
     def load(self, invocation_id: str) -> Known | None:
         """The committed state of an invocation this planner has not written, or None
         when there is no such invocation."""
-        ...
+        raise NotImplementedError
 
     def execute(self, batch: Batch) -> None:
         """Write the batch's rows (in the transaction ``begin`` opened)."""
-        ...
+        raise NotImplementedError
 
     def finish(self) -> None:
         """Commit the transaction, durably."""
-        ...
+        raise NotImplementedError
 
     def abort(self) -> None:
         """Roll back whatever is open (never raises)."""
-        ...
+        raise NotImplementedError
 
     def isolates(self, error: BaseException) -> bool:
         """Whether ``error``, raised once the transaction began, is worth retrying
         write by write (False when nothing more can be written now, such as a
         lost connection)."""
-        ...
+        raise NotImplementedError
+
+    def lost(self, error: BaseException) -> bool:
+        """Whether ``error`` means the store cannot be reached for now (a lost
+        connection, a lock held too long): the writes wait and are replayed
+        (`Lost`) instead of being refused. Called before `abort`."""
+        return False
 
 
 @dataclass(slots=True)
@@ -266,42 +302,65 @@ class Planner:
 
         Returns:
             The durable ops refused, as ``(op_id, message)``.
+
+        Raises:
+            Lost: the store could not be reached; the ops from ``Lost.ops`` on
+                are neither committed nor refused yet.
         """
         store = self.store
         batch = Batch()
-        began = False
+        began = committing = False
         errors: tuple[type[BaseException], ...] = (*store.errors, Mismatch)
         try:
             store.begin()
             began = True
             self._plan(batch, ops)
             store.execute(batch)
+            committing = True
             store.finish()
         except errors as error:
+            lost = store.lost(error)
             store.abort()
             # Forget what this batch taught the planner: the next write to
             # those invocations reads their committed state again.
             for invocation_id in batch.touched:
                 self._live.pop(invocation_id, None)
+            if lost:
+                raise Lost(batch, ops, error, uncertain=committing) from error
             if began and len(ops) > 1 and store.isolates(error):
                 # Isolate the write that failed so the others still land.
                 refused: list[tuple[int, str]] = []
-                for op in ops:
-                    refused += self.commit([op])
+                for index, op in enumerate(ops):
+                    try:
+                        refused += self.commit([op])
+                    except Lost as lost_alone:
+                        lost_alone.refused[:0] = refused
+                        lost_alone.rest += ops[index + 1:]
+                        raise
                 return refused
-            # A single write failed, or no transaction could be had (the write
-            # lock within the busy timeout, a connection): retrying each write
-            # would fail or wait as long again.
-            failed = Batch()
-            for op in ops:
-                self._refuse(op, f"{store.name}: {describe(op)} failed: {error}", failed)
-            return failed.refused
+            # A single write failed, or the transaction could not begin:
+            # retrying each write would fail again.
+            reason = str(error)
+            return self.refuse(ops, lambda op: f"{store.name}: {describe(op)} failed: {reason}")
+        return self.committed(batch)
+
+    def committed(self, batch: Batch) -> list[tuple[int, str]]:
+        """Count ``batch`` as committed (also one whose commit was lost, found
+        committed on reconnection); return the durable ops it refused."""
         for row in batch.ends:
             # Ended: nothing more will be written for it by the engine.
             self._live.pop(row[-1], None)
         self.commits += 1
         self.writes += batch.planned
         return batch.refused
+
+    def refuse(self, ops: Sequence[Op], why: Callable[[Op], str]) -> list[tuple[int, str]]:
+        """Refuse ``ops``, each with the message ``why(op)``; return the durable ones
+        refused, as ``(op_id, message)``."""
+        failed = Batch()
+        for op in ops:
+            self._refuse(op, why(op), failed)
+        return failed.refused
 
     def _refuse(self, op: Op, message: str, batch: Batch) -> None:
         kind = op[0]

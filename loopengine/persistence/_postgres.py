@@ -1,55 +1,42 @@
 """`PostgresLedger`: the attempt ledger on a PostgreSQL server, for runs on many hosts.
 
-How it writes:
-
-* The calls, the queue and the group commit are `PipedLedger`'s (`_piped`),
-  the ones `SQLiteLedger` writes through, and the ledger's rules are the
-  planner's (`_planner`); this file renders PostgreSQL's statements, and
-  `_postgres_writer` runs them.
-* One writer, by default a child process of the ledger's own (else a
-  thread), owns a connection from a psycopg pool. It takes everything queued
-  into one transaction, one statement per kind of row for all of them (their
-  rows as one JSON parameter) in one round trip, and commits with
-  ``synchronous_commit`` on: under many concurrent runs one round trip and
-  one WAL flush carry the writes of all of them (group commit). The calls
-  wait for the commit on their own event loops; the event loop never waits
-  on the server outside an ``await``.
-* Many processes and hosts write one database: each invocation's rows are
-  written by the ledger that started it, totals are increments
-  (``column = column + ...``), and nothing is cached that another process
-  could change, so nothing is lost or counted twice and no two writers wait
-  on each other's rows.
-* A lost connection fails the writes of the batch it carried with
-  `LedgerError` (so a dispatch that was not committed is never sent), and the
-  next batch takes a fresh connection from the pool, checked first.
+The calls, the queue and the group commit are `ThreadedLedger`'s, the rules
+the planner's; this file renders PostgreSQL's statements and runs them on
+the writer thread's one connection (`PostgresWriter`): a batch's rows of
+each kind in one statement (one JSON parameter), all of them in one round
+trip, then a commit with ``synchronous_commit`` on. Many processes and hosts
+write one database: each invocation's rows are written by the ledger that
+started it, totals are increments (``column = column + ...``) and nothing is
+cached that another process could change. A lost connection is connected
+again, and what it carried replayed once it is known not to have committed
+(`ThreadedLedger`, `PostgresWriter.committed`; docs/ledger.md).
 """
 
 from __future__ import annotations
 
-import functools
+import json
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio.to_thread
 
-from loopengine._errors import LedgerError
-from loopengine.persistence import _planner, _postgres_writer
+from loopengine._errors import ConfigError, LedgerError
+from loopengine.persistence import _planner
 from loopengine.persistence._ops import check_arguments
-from loopengine.persistence._piped import _START_TIMEOUT, PipedLedger, WriterKind, WriterProcess
-from loopengine.persistence._postgres_writer import APPLICATION_NAME, PostgresWriter
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
+from loopengine.persistence._threaded import Call, ThreadedLedger, Writer
 
 if TYPE_CHECKING:
     import psycopg
     from psycopg import sql
 
-__all__ = ["ACCOUNTS_APPLICATION_NAME", "APPLICATION_NAME", "PostgresLedger", "borrow", "connect",
-           "give_back"]
+__all__ = ["APPLICATION_NAME", "PostgresLedger", "connect"]
 
-_WRITER_FILE: Final = os.path.abspath(_postgres_writer.__file__)
+APPLICATION_NAME: Final = "loopengine-ledger"
+"""The ``application_name`` of the ledger's connections (seen in ``pg_stat_activity``)."""
 
 # Every statement the writer runs finds its rows by key (an invocation's id,
 # an attempt's invocation and ordinal). The planner does not know how many
@@ -60,26 +47,47 @@ _WRITER_FILE: Final = os.path.abspath(_postgres_writer.__file__)
 # own connections only, a scan is the last resort.
 _WRITER_PLANS: Final = "SET enable_seqscan = off"
 
+_UNAVAILABLE: Final = ("08", "53", "57", "58")
+"""SQLSTATE classes that mean the server cannot serve for now, whatever is asked
+(the connection, its resources, an operator's intervention, the system), so
+the writes wait for it instead of failing (`PostgresWriter.lost`)."""
+_TCP_CHECKS: Final[dict[str, Callable[[float], int]]] = {
+    "keepalives": lambda timeout: 1,
+    "keepalives_idle": lambda timeout: max(1, math.ceil(timeout / 3)),
+    "keepalives_interval": lambda timeout: max(1, math.ceil(timeout / 9)),
+    "keepalives_count": lambda timeout: 3,
+    "tcp_user_timeout": lambda timeout: max(1000, math.ceil(timeout * 1000)),
+}
+"""libpq's TCP settings of the ledger's connections, from ``connect_timeout``
+(ignored on a Unix socket)."""
+_CANCELED: Final = "57014"
+"""A statement cancelled (a ``statement_timeout``): the same write would be
+cancelled again, so it fails instead of waiting."""
 
-class PostgresLedger(PipedLedger):
+
+class PostgresLedger(ThreadedLedger):
     """The attempt ledger on a PostgreSQL server (DESIGN.md §7b).
 
     Constructing it does no I/O: it connects, creates and migrates its schema
     (once, however many processes start at the same moment) and starts its
-    writer on first use or on `open`. Use it as an async context manager, or
-    call `aclose` (or `close`) to commit what is queued and let go of the
-    server; a ledger still open when the interpreter exits is closed then.
-    Many concurrent runs, from one or several event loops (asyncio or trio),
-    may share one ledger; open one per process.
+    writer thread on first use or on `open`. Use it as an async context
+    manager (``async with``), as a plain one (``with``: it opens at once,
+    blocking, as `SQLiteLedger` does), or call `aclose` (or `close`) to commit
+    what is queued and let go of the server; a ledger still open when the
+    interpreter exits is closed then. Many concurrent runs, from one or
+    several event loops (asyncio or trio), may share one ledger; open one per
+    process (a forked copy refuses every call).
 
     Durability follows the `Ledger` contract, with ``synchronous_commit`` on
     for every connection: a dispatch, a served settle and an invocation's end
-    are committed when the call returns (for `begin_dispatch`, when its
-    receipt's wait returns); a start or an unserved settle is committed with
-    the next durable write or within ``linger`` seconds. A write the ledger
-    refuses (an unknown or ended invocation, an attempt settled twice) or
-    cannot make (the connection was lost) raises `LedgerError` from the call
-    when it is durable, else from that invocation's next durable call.
+    are committed when the call returns; a start or an unserved settle is
+    committed with the next durable write or within ``linger`` seconds. A
+    write the ledger refuses (an unknown or ended invocation, an attempt
+    settled twice) raises `LedgerError` from the call when it is durable,
+    else from that invocation's next durable call. A lost connection (a
+    terminated session, a restart, a failover) refuses nothing: the writer
+    connects again and replays what it carried, unless it had committed
+    (docs/ledger.md, "A lost connection").
 
     Args:
         dsn: A libpq connection string or ``postgresql://`` URL.
@@ -90,16 +98,13 @@ class PostgresLedger(PipedLedger):
         linger: Seconds a deferred write waits at most to share a durable
             write's commit before it is committed on its own (0: never waits).
         max_batch: The most writes one transaction carries.
-        connect_timeout: Seconds to wait for a connection (opening, and after
-            one was lost) before the writes waiting on it fail.
-        writer: ``"process"``: a child process writes (it needs a runnable
-            ``sys.executable`` that can import psycopg, and POSIX pipes);
-            ``"thread"``: a thread of this process writes; ``"auto"`` (the
-            default): a process where one can be started, else a thread.
+        connect_timeout: Seconds each try to connect waits; also how long
+            `close` waits for a server that cannot be reached before it gives
+            up on the writes still queued.
 
     Raises:
-        LedgerError: an argument is invalid, or psycopg is not installed (the
-            ``postgres`` extra).
+        ConfigError: an argument is invalid (``.field`` names it).
+        LedgerError: psycopg is not installed (the ``postgres`` extra).
     """
 
     def __init__(
@@ -111,41 +116,34 @@ class PostgresLedger(PipedLedger):
         linger: float = 0.5,
         max_batch: int = 20_000,
         connect_timeout: float = 30.0,
-        writer: WriterKind = "auto",
     ) -> None:
         if not isinstance(dsn, str):
-            raise LedgerError(f"dsn must be a connection string, got {type(dsn).__name__}")
+            raise ConfigError("dsn", f"must be a connection string, got {type(dsn).__name__}")
         if schema is not None and (not isinstance(schema, str) or not schema):
-            raise LedgerError(f"schema must be a non-empty name or None, got {schema!r}")
+            raise ConfigError("schema", f"must be a non-empty name or None, got {schema!r}")
         check_arguments(max_retained_attempts=max_retained_attempts, max_batch=max_batch,
                         seconds={"linger": linger, "connect_timeout": connect_timeout})
-        if writer not in ("auto", "process", "thread"):
-            raise LedgerError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
         try:
             import psycopg
-            import psycopg_pool  # noqa: F401  # only checked for here
         except ImportError as error:
-            raise LedgerError("PostgresLedger needs psycopg 3 and psycopg-pool: "
+            raise LedgerError("PostgresLedger needs psycopg 3: "
                               "pip install 'loopengine-core[postgres]'") from error
         try:
             params = psycopg.conninfo.conninfo_to_dict(dsn)
         except psycopg.ProgrammingError as error:
-            raise LedgerError(f"dsn is not a PostgreSQL connection string: {error}") from None
+            raise ConfigError("dsn", f"is not a PostgreSQL connection string: {error}") from None
         self.dsn = dsn
         """The connection string (it may hold a password: it is never printed)."""
         self.schema = schema
         """The schema of the tables, or None for the connection's current one."""
         self.name = _describe_server(params, schema)
         """The server, database and schema, for messages (never the password)."""
-        self._setup(self.name, max_retained_attempts, linger)
-        self._max_batch = max_batch
+        self._setup(self.name, max_retained_attempts, linger, max_batch,
+                    give_up=float(connect_timeout))
         self._connect_timeout = float(connect_timeout)
-        self._writer_kind: WriterKind = writer
+        self._params = params
         self._opening = threading.Lock()
         """Held while opening and closing: one of them at a time."""
-        self._opened = False
-        self._kept = _KeptConnections()
-        """Connections `borrow` keeps between transactions."""
 
     # -- opening and closing ------------------------------------------------------------
 
@@ -154,10 +152,10 @@ class PostgresLedger(PipedLedger):
 
         Raises:
             LedgerError: the server cannot be reached, the schema holds tables
-                that are not a ledger's or is newer than this code, the writer
-                cannot start, or the ledger is closed.
+                that are not a ledger's or is newer than this code, or the
+                ledger is closed.
         """
-        if not self._opened:
+        if self._writer is None:
             await anyio.to_thread.run_sync(self._open_now)
 
     async def _open(self) -> None:
@@ -167,7 +165,7 @@ class PostgresLedger(PipedLedger):
         with self._opening:
             if self._closed:
                 raise LedgerError(f"{self.name}: the ledger is closed")
-            if self._opened:
+            if self._writer is not None:
                 return
             import psycopg
 
@@ -185,21 +183,31 @@ class PostgresLedger(PipedLedger):
                 raise LedgerError(f"{self.name}: cannot open the ledger: {error}") from error
             finally:
                 conn.close()
-            settings = _postgres_writer.Settings(
-                self.dsn, self.name, self._max_retained, self._max_batch,
-                self._connect_timeout, self._connect_args(),
-                [*(statement.as_string() for statement in self._setup_statements()),
-                 _WRITER_PLANS],
-                {kind: _statement(kind).as_string() for kind in _KINDS})
-            self._start(self._writer_kind, WriterProcess(
-                _WRITER_FILE, site=True, secret=settings.encode(),
-                timeout=self._connect_timeout + _START_TIMEOUT),
-                functools.partial(_thread_writer, settings), self._max_batch)
-            self._opened = True
+            self._pid = os.getpid()  # a ledger made before a fork opens in the child
+            self._start(self._new_writer())
+
+    def _new_writer(self) -> PostgresWriter:
+        import psycopg
+
+        writer = PostgresWriter(self)
+        try:
+            writer.begin()
+        except psycopg.Error as error:
+            raise LedgerError(f"{self.name}: cannot connect: {error}") from error
+        return writer
 
     def _connect_args(self) -> dict[str, Any]:
-        return {"application_name": APPLICATION_NAME,
-                "connect_timeout": max(1, math.ceil(self._connect_timeout))}
+        args: dict[str, Any] = {"application_name": APPLICATION_NAME,
+                                "connect_timeout": max(1, math.ceil(self._connect_timeout))}
+        # A server that vanished from the network without closing the session
+        # (a failover's old address, a dropped route) would hold a statement
+        # until the system's TCP timeout, many minutes: TCP keepalives and a
+        # bound on unacknowledged data find it within about connect_timeout,
+        # so the writer reconnects. The DSN's own settings win.
+        for name, value in _TCP_CHECKS.items():
+            if name not in self._params:
+                args[name] = value(self._connect_timeout)
+        return args
 
     def _setup_statements(self) -> list[sql.SQL | sql.Composed]:
         """Settings of every connection: durable commits, UTC, the ledger's schema."""
@@ -211,156 +219,221 @@ class PostgresLedger(PipedLedger):
             settings.append(sql.SQL("SET search_path = {}").format(sql.Identifier(self.schema)))
         return settings
 
-    def _configure(self, conn: psycopg.Connection[tuple[Any, ...]]) -> None:
-        """Apply `_setup_statements` to ``conn`` (and commit)."""
-        for statement in self._setup_statements():
-            conn.execute(statement)
-        conn.commit()
-
     def close(self) -> None:
         """Commit what is queued, stop the writer and let go of the server.
 
         Blocks until the writer is done; from async code prefer `aclose`.
         Closing twice is harmless.
         """
+        if self._pid != os.getpid():
+            super().close()  # a forked copy (`_opening` may have been copied held)
+            return
         # Holding `_opening`: a close waits for an open under way, and an open
         # after it finds the ledger closed.
         with self._opening:
             super().close()
-        self._kept.close()
-
-    async def __aenter__(self) -> PostgresLedger:
-        await self.open()
-        return self
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open" if self._opened else "not opened"
+        state = "closed" if self._closed else "open" if self._writer else "not opened"
         return f"PostgresLedger({self.name!r}, {state})"
 
 
-ACCOUNTS_APPLICATION_NAME: Final = "loopengine-accounts"
-"""How the credit accounts' connections (`borrow`) show in ``pg_stat_activity``;
-the writer's and the migration's show as `APPLICATION_NAME`."""
-
-
-def connect(ledger: PostgresLedger, *,
-            application_name: str = APPLICATION_NAME) -> psycopg.Connection[tuple[Any, ...]]:
-    """A new connection to ``ledger``'s server, set up as the writer's are
-    (durable commits, UTC, the ledger's schema), for this package's other users
-    of the server (the migration, the credit accounts) to use and close.
+def connect(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
+    """A new connection to ``ledger``'s server, set up as the writer's is (durable
+    commits, UTC, the ledger's schema), for the migration to use and close.
 
     Raises:
         psycopg.Error: the server cannot be reached, or refused a setting.
     """
     import psycopg
 
-    conn = psycopg.connect(ledger.dsn, **{**ledger._connect_args(),
-                                          "application_name": application_name})
+    conn = psycopg.connect(ledger.dsn, **ledger._connect_args())
     try:
-        ledger._configure(conn)
+        for statement in ledger._setup_statements():
+            conn.execute(statement)
+        conn.commit()
     except BaseException:
         conn.close()
         raise
     return conn
 
 
-IDLE_KEPT: Final = 2
-"""Connections `borrow` keeps open between transactions, per ledger."""
+class PostgresWriter(Writer):
+    """The writer: a `_planner.Store` on one connection of its own, running the
+    statements its ledger rendered (`_statement`): each kind of row for the
+    whole batch in one statement, all of them in one round trip (a pipeline),
+    then the commit.
 
-
-def borrow(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
-    """A connection to ``ledger``'s server, set up as `connect` sets one up, for
-    one transaction of this package's other users of the server (the credit
-    accounts), in any thread; `give_back` it once done.
-
-    Opening a connection costs the server a new backend process and both sides
-    several milliseconds, which an admission would pay twice per run: so the
-    connection is one kept from an earlier transaction when one of them still
-    answers (checked with an empty query), else a new one.
-
-    Raises:
-        psycopg.Error: no connection could be made.
+    A lost connection is closed (`lost`); the writer thread connects again
+    and asks whether a transaction lost during its commit committed
+    (`committed`) before it replays it.
     """
-    conn = ledger._kept.take()
-    if conn is None:
-        conn = connect(ledger, application_name=ACCOUNTS_APPLICATION_NAME)
-    return conn
 
+    def __init__(self, ledger: PostgresLedger) -> None:
+        import psycopg
 
-def give_back(ledger: PostgresLedger, conn: psycopg.Connection[tuple[Any, ...]], *,
-              reusable: bool) -> None:
-    """Keep a `borrow` ed connection for the next transaction (up to `IDLE_KEPT`),
-    if ``reusable`` (its transaction ended without an error), idle, and the
-    ledger is not closed; else close it."""
-    if not (reusable and ledger._kept.keep(conn)):
-        conn.close()
+        super().__init__(ledger.name, ledger.max_retained_attempts)
+        self.marker = "%s"
+        self.errors = (psycopg.Error, OverflowError, TypeError, ValueError)
+        self._ledger = ledger
+        self._sql = {kind: _statement(kind).as_string() for kind in _KINDS}
+        self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
+        self._xid: int | None = None
+        """The open transaction's id (`committed` asks the server about it)."""
 
+    def run_calls(self, calls: Sequence[Call]) -> None:
+        """`Writer.run_calls`, once an empty query shows the session still answers
+        (else on a new one): a connection the server ended while idle is
+        replaced rather than reported, as a transaction of many steps is not
+        retried."""
+        import psycopg
 
-class _KeptConnections:
-    """The idle connections of one process, shared by its threads: a forked
-    child starts with none (its parent's sessions are neither used nor closed
-    there)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: list[psycopg.Connection[tuple[Any, ...]]] = []
-        self._pid = os.getpid()
-        self._closed = False
-
-    def _mine(self) -> list[psycopg.Connection[tuple[Any, ...]]]:
-        # Called holding `_lock`.
-        if self._pid != os.getpid():
-            self._idle, self._pid = [], os.getpid()
-        return self._idle
-
-    def take(self) -> psycopg.Connection[tuple[Any, ...]] | None:
-        """A kept connection that still answers, or None; dead ones are closed."""
-        from psycopg import pq
-        from psycopg_pool import ConnectionPool
-
-        while True:
-            with self._lock:
-                idle = self._mine()
-                if not idle:
-                    return None
-                conn = idle.pop()
+        if self._conn is not None:
             try:
-                if conn.info.transaction_status != pq.TransactionStatus.IDLE:
-                    raise ValueError("not idle")
-                ConnectionPool.check_connection(conn)
-            except Exception:  # gone (the server restarted, the session was ended)
-                conn.close()
-                continue
-            return conn
+                self._conn.execute("")
+            except psycopg.Error:
+                self.close()
+        super().run_calls(calls)
 
-    def keep(self, conn: psycopg.Connection[tuple[Any, ...]]) -> bool:
-        """Keep ``conn`` if it is open and idle, there is room and `close` has not
-        been called; say whether it was kept."""
-        from psycopg import pq
-
-        if conn.closed or conn.info.transaction_status != pq.TransactionStatus.IDLE:
-            return False
-        with self._lock:
-            idle = self._mine()
-            if self._closed or len(idle) >= IDLE_KEPT:
-                return False
-            idle.append(conn)
-            return True
+    def forget(self) -> None:
+        """In a forked child: point the copied socket at nothing, so that freeing
+        the copy never ends the parent's session (libpq says goodbye on close)."""
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.closed:
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, conn.fileno())
+            os.close(null)
 
     def close(self) -> None:
-        """Close this process's kept connections, and keep none from now on."""
-        with self._lock:
-            idle, self._idle = self._mine(), []
-            self._closed = True
-        for conn in idle:
+        """Close the connection."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
             conn.close()
 
+    # -- the store the planner writes through -----------------------------------------
 
-def _thread_writer(settings: _postgres_writer.Settings) -> PostgresWriter:
-    """The writer of a ledger that writes from a thread, opened."""
-    writer = PostgresWriter(settings)
-    writer.open()
-    return writer
+    def begin(self) -> None:
+        """Make sure of a connection: the one held, else a new one (`connect`, with
+        `_WRITER_PLANS`)."""
+        conn = self._conn
+        if conn is not None and (conn.closed or conn.broken):
+            self.close()
+        if self._conn is None:
+            conn = connect(self._ledger)
+            try:
+                conn.execute(_WRITER_PLANS)
+                conn.commit()
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+
+    def execute(self, batch: _planner.Batch) -> None:
+        """Write the batch, each kind of row in one statement, all of them in one
+        round trip (a pipeline), then check what each update changed."""
+        conn = self._conn
+        assert conn is not None
+        planned = _planner.statements(batch)
+        self._xid = None
+        if not planned:
+            return
+        with conn.pipeline() as pipeline:
+            # The transaction's id, in the same round trip: should the
+            # connection be lost during the commit, it tells whether it committed.
+            xid = conn.execute("SELECT txid_current()")
+            cursors = [conn.execute(self._sql[kind], (rows_json(rows),))
+                       for kind, rows, _ in planned]
+            pipeline.sync()
+        row = xid.fetchone()
+        self._xid = int(row[0]) if row else None
+        for cursor, (_, rows, what) in zip(cursors, planned, strict=True):
+            if what is not None:
+                _planner.expect(cursor.rowcount, len(rows), what)
+
+    def finish(self) -> None:
+        """Commit (``synchronous_commit`` on: durable when it returns)."""
+        assert self._conn is not None
+        self._conn.commit()
+
+    def abort(self) -> None:
+        """Roll back; a connection that is lost (or will not roll back) is closed,
+        and the next batch connects again."""
+        import psycopg
+
+        conn = self._conn
+        if conn is None:
+            return
+        if not conn.broken and not conn.closed:
+            try:
+                conn.rollback()
+                return
+            except psycopg.Error:
+                pass
+        self.close()
+
+    def mark(self) -> None:
+        """Note the transaction's id (`committed`)."""
+        assert self._conn is not None
+        row = self._conn.execute("SELECT txid_current()").fetchone()
+        self._xid = int(row[0]) if row else None
+
+    def lost(self, error: BaseException) -> bool:
+        """The server cannot be reached on this connection: it is gone (a
+        terminated session, a restart, a network failure), the server is
+        shutting down, starting or out of resources (`_UNAVAILABLE`), or it is a
+        standby that cannot take writes (a failover under way). The connection
+        is closed, to connect anew."""
+        import psycopg
+
+        conn = self._conn
+        if conn is None:  # connecting failed
+            return isinstance(error, psycopg.OperationalError)
+        state = getattr(error, "sqlstate", None)
+        if not (conn.broken or conn.closed or state == "25006"
+                or ((state or "").startswith(_UNAVAILABLE) and state != _CANCELED)
+                # libpq's own error about the session (no SQLSTATE), such as
+                # "cannot exit pipeline mode while busy" as it goes
+                or (state is None and isinstance(error, psycopg.OperationalError))):
+            return False
+        self.close()
+        return True
+
+    def committed(self, lost: _planner.Lost) -> bool | None:
+        """Whether the transaction lost during its commit committed, as the server
+        says of its id (``txid_status``): ``in progress`` (the old session is
+        still finishing) is asked again later; an id the server has never seen
+        (a standby promoted without it) did not; one too old to know is read
+        from the batch's rows (`Writer.evidence`)."""
+        import psycopg
+
+        xid = self._xid
+        conn = self._conn
+        assert conn is not None
+        if xid is not None:
+            try:
+                row = conn.execute("SELECT txid_status(%s)", (xid,)).fetchone()
+            except psycopg.errors.InvalidParameterValue:
+                return False  # "in the future": this server never had it
+            status = row[0] if row else None
+            if status == "in progress":
+                return None
+            if status is not None:
+                return bool(status == "committed")
+        return self.evidence(lost.batch)
+
+    def isolates(self, error: BaseException) -> bool:
+        """A write that failed is worth retrying alone, unless the connection is gone
+        (then nothing more can be written on it)."""
+        conn = self._conn
+        return conn is not None and not conn.broken and not conn.closed
+
+
+def rows_json(rows: Sequence[Sequence[Any]]) -> str:
+    """``rows`` as the JSON the statements read (`_statement`). A value JSON cannot
+    carry (NaN, an object) raises here, and one its column refuses (an integer
+    past 64 bits, a NUL in text) fails its statement: either way the write
+    fails alone once the planner retries the batch write by write."""
+    return json.dumps(rows, separators=(",", ":"), allow_nan=False)
 
 
 _KINDS: Final = ("start", "dispatch", "settle", "add", "end")

@@ -1,85 +1,67 @@
-"""`SQLiteLedger`: the attempt ledger in one SQLite file, written by one writer.
+"""`SQLiteLedger`: the attempt ledger in one SQLite file, written by one writer thread.
 
-How it writes: the calls, the queue and the group commit are `PipedLedger`'s
-(`_piped`); the writer that owns the file's one write connection is
-`_writer.Writer`, by default in a child process of the ledger's own
-(``python -I -S _writer.py``), else in a thread. It takes whatever has
-arrived into one ``BEGIN IMMEDIATE`` transaction, so under many concurrent
-runs one fsync carries the writes of all of them. A sequential run costs one
-commit per attempt (its dispatch, which also carries the previous settle)
-and one for its end.
-
-The file is safe for several processes at once: WAL lets readers work during
-a write, ``BEGIN IMMEDIATE`` takes the write lock up front so the busy handler
-(``busy_timeout``) waits for it instead of failing a half-done transaction,
-and nothing caches a row another process could change (invocation totals are
-updated with ``column = column + ?``).
+The calls, the queue and the group commit are `ThreadedLedger`'s; the
+thread's connection is `_writer.Writer`, which takes whatever has queued
+into one ``BEGIN IMMEDIATE`` transaction (sqlite3 lets go of the interpreter
+lock while it steps and syncs). A sequential run costs one commit per
+attempt (its dispatch, which also carries the previous settle) and one for
+its end. Several processes may share the file: WAL lets readers work during
+a write, ``BEGIN IMMEDIATE`` lets the busy handler wait for another
+process's lock, and totals are updated with ``column = column + ?``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sqlite3
+import stat
 import time
-from types import TracebackType
-from typing import Final, Literal
 
-from loopengine._errors import LedgerError
+from loopengine._errors import ConfigError, LedgerError
 from loopengine.persistence import _writer
 from loopengine.persistence._ops import check_arguments
-from loopengine.persistence._piped import _START_TIMEOUT, PipedLedger, WriterKind, WriterProcess
+from loopengine.persistence._planner import Refused
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
 from loopengine.persistence._schema import migrate
+from loopengine.persistence._threaded import ThreadedLedger
 
 __all__ = ["SQLiteLedger"]
 
-# A checkpoint is due after this many commits or writes (about 3 MiB of WAL
-# on the sequential path, like SQLite's own 1,000-page autocheckpoint). The
-# writer makes it itself after a commit that leaves nothing waiting; past
-# four times as many, its checkpointer thread makes it. Read when a ledger opens.
-_CHECKPOINT_COMMITS: Final = 256
-_CHECKPOINT_WRITES: Final = 4096
-
-_WRITER_FILE: Final = os.path.abspath(_writer.__file__)
-
-
-class SQLiteLedger(PipedLedger):
+class SQLiteLedger(ThreadedLedger):
     """The attempt ledger in a SQLite file (DESIGN.md §7).
 
     Opening creates the file if needed, migrates its schema and starts the
-    writer, synchronously (open it at startup, not inside a busy event loop).
-    Use it as a context manager (sync or async) or call `close` / `aclose` to
-    commit what is queued and stop the writer; a ledger still open when the
-    interpreter exits is closed then. Open one per process (after any fork);
-    many concurrent runs, from one or several event loops, may share it.
+    writer thread, synchronously (open it at startup, not inside a busy event
+    loop). Use it as a context manager (sync or async) or call `close` /
+    `aclose` to commit what is queued and stop the writer; a ledger still
+    open when the interpreter exits is closed then. Open one per process
+    (after any fork: a forked copy refuses every call); many concurrent runs,
+    from one or several event loops, may share it.
 
-    Durability follows the `Ledger` contract: a dispatch and an invocation's
-    end are on disk (``synchronous=FULL``) when the call returns (or, for
-    `begin_dispatch`, when its receipt's wait returns); a start or a settle is
-    committed with the next durable write or within ``linger`` seconds,
-    whichever comes first. A write the ledger refuses (an unknown invocation,
-    an attempt settled twice) raises `LedgerError` from the call when it is
-    durable, else from that invocation's next durable call.
+    Durability follows the `Ledger` contract: a dispatch, a served settle and
+    an invocation's end are on disk (``synchronous=FULL``) when the call
+    returns; a start or an unserved settle is committed with the next durable
+    write or within ``linger`` seconds, whichever comes first. A write the
+    ledger refuses (an unknown invocation, an attempt settled twice) raises
+    `LedgerError` from the call when it is durable, else from that
+    invocation's next durable call.
 
     Args:
-        path: The database file.
+        path: The database file. A new one is created readable by its owner
+            only (0600), with its -wal and -shm, also through a symbolic link.
         max_retained_attempts: Attempt rows kept per invocation; later attempts
             only increase ``attempt_count`` and set ``incomplete`` (R07).
-        busy_timeout: Seconds to wait for another process's write lock before
-            a write fails.
+        busy_timeout: Seconds each try waits for another process's write lock
+            (past it the writer tries again, and the writes wait); also how
+            long `close` waits for it before it gives up on the writes queued.
         linger: Seconds a deferred write waits at most to share a durable
             write's commit before it is committed on its own (0: never waits).
         max_batch: The most writes one transaction carries.
-        writer: ``"process"``: a child process writes (it needs a runnable
-            ``sys.executable`` and POSIX pipes); ``"thread"``: a thread of
-            this process writes; ``"auto"`` (the default): a process where
-            one can be started, else a thread.
 
     Raises:
-        LedgerError: the file cannot be opened, is not a ledger, or has a
-            schema newer than this code; the writer cannot start; or an
-            argument is invalid.
+        ConfigError: an argument is invalid (``.field`` names it).
+        LedgerError: the file cannot be created or opened, is not a ledger, or
+            has a schema newer than this code.
     """
 
     def __init__(
@@ -90,54 +72,28 @@ class SQLiteLedger(PipedLedger):
         busy_timeout: float = 30.0,
         linger: float = 0.5,
         max_batch: int = 20_000,
-        writer: WriterKind = "auto",
     ) -> None:
         check_arguments(max_retained_attempts=max_retained_attempts, max_batch=max_batch,
                         seconds={"busy_timeout": busy_timeout, "linger": linger})
-        if writer not in ("auto", "process", "thread"):
-            raise LedgerError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
         self.path = _ledger_path(path)
         """The database file."""
-        self._setup(self.path, max_retained_attempts, linger)
-        self._busy_timeout = float(busy_timeout)
-        _prepare_file(self.path, self._busy_timeout)
-        settings = _writer.Settings(self.path, max_retained_attempts, self._busy_timeout,
-                                    _CHECKPOINT_COMMITS, _CHECKPOINT_WRITES)
-        self._start(writer, WriterProcess(
-            _WRITER_FILE, [_writer.settings_argument(settings, max_batch)],
-            timeout=self._busy_timeout + _START_TIMEOUT),
-            functools.partial(_thread_writer, settings), max_batch)
+        self._setup(self.path, max_retained_attempts, linger, max_batch,
+                    give_up=float(busy_timeout))
+        self.busy_timeout = float(busy_timeout)
+        """Seconds each try of a write waits for another process's write lock."""
+        _prepare_file(self.path, self.busy_timeout)
+        self._start(self._new_writer())
 
-    @property
-    def writer(self) -> Literal["process", "thread"]:
-        """Where the writer runs: a child ``process`` or a ``thread`` of this one."""
-        return self._channel.kind or "thread"
-
-    def __enter__(self) -> SQLiteLedger:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> SQLiteLedger:
-        return self
+    def _new_writer(self) -> _writer.Writer:
+        writer = _writer.Writer(self.path, self._max_retained, self.busy_timeout)
+        try:
+            writer.open()
+        except (sqlite3.Error, Refused) as error:
+            raise LedgerError(f"{self.path}: cannot open the ledger: {error}") from error
+        return writer
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        return f"SQLiteLedger({self.path!r}, {state}, writer={self.writer!r})"
-
-
-def _thread_writer(settings: _writer.Settings) -> _writer.Writer:
-    """The writer of a ledger that writes from a thread, opened."""
-    writer = _writer.Writer(settings)
-    try:
-        writer.open()
-    except (sqlite3.Error, _writer.Refused) as error:
-        raise LedgerError(f"{settings.path}: cannot open the ledger: {error}") from error
-    return writer
+        return f"SQLiteLedger({self.path!r}, {'closed' if self._closed else 'open'})"
 
 
 # -- opening ------------------------------------------------------------------------------
@@ -147,41 +103,46 @@ def _ledger_path(path: str | os.PathLike[str]) -> str:
     """The ledger's file path as text, refused here when SQLite could not hold a ledger in it.
 
     Raises:
-        LedgerError: not a path, an empty path, a NUL byte, or ``:memory:``.
+        ConfigError: not a path, an empty path, a NUL byte, or ``:memory:``.
     """
     try:
         text = os.fspath(path)
     except TypeError:
-        raise LedgerError(f"path must be a str or an os.PathLike of str, got {path!r}") from None
+        raise ConfigError("path",
+                          f"must be a str or an os.PathLike of str, got {path!r}") from None
     if not isinstance(text, str):
-        raise LedgerError(f"path must be a str or an os.PathLike of str, got {path!r}")
+        raise ConfigError("path", f"must be a str or an os.PathLike of str, got {path!r}")
     if not text:
-        raise LedgerError(
-            "the ledger needs a file path, and the path is empty (SQLite would open a private "
-            "temporary database, deleted when it closes, that no other process can read)")
+        raise ConfigError(
+            "path", "the ledger needs a file path, and the path is empty (SQLite would open a "
+            "private temporary database, deleted when it closes, that no other process can read)")
     if "\0" in text:
-        raise LedgerError(f"{text!r} cannot be a ledger file: the path contains a NUL byte")
+        raise ConfigError("path", f"{text!r} cannot be a ledger file: the path contains a NUL "
+                                  "byte")
     if text == ":memory:":
-        raise LedgerError(":memory: is an in-memory database, which cannot hold a ledger: the "
-                          "ledger needs WAL journaling, in a file other processes can open")
+        raise ConfigError("path", ":memory: is an in-memory database, which cannot hold a "
+                          "ledger: the ledger needs WAL journaling, in a file other processes "
+                          "can open")
     return text
 
 
-def _create_private(path: str) -> None:
-    """Create ``path`` empty and readable by its owner only, unless it exists already.
+def _create_private(path: str) -> bool:
+    """Create ``path`` empty and readable by its owner only, unless it exists
+    already; say whether it was created.
 
-    SQLite creates a new database's -wal and -shm with the database file's
-    permission bits (and forces them past the umask), so they are 0600 too.
-    An existing file keeps the mode its owner gave it.
+    A symbolic link (dangling or not) is followed, so the file created is its
+    target, 0600 like any other. An existing file keeps the mode its owner
+    gave it.
 
     Raises:
         LedgerError: the file cannot be created (a missing directory, no permission).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags, 0o600)
+        # O_EXCL refuses any link, dangling or not: create the link's target.
+        fd = os.open(os.path.realpath(path), flags, 0o600)
     except FileExistsError:
-        return
+        return False
     except OSError as error:
         raise LedgerError(
             f"{path}: cannot open the ledger: cannot create the file "
@@ -193,18 +154,44 @@ def _create_private(path: str) -> None:
             os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
+    return True
+
+
+def _private_companions(path: str) -> None:
+    """Make a new ledger's -wal and -shm its owner's only, as the file is.
+
+    SQLite creates them with the database file's mode, but it reuses files
+    left at those names (a deleted ledger's, or another user's in a shared
+    directory), whatever their mode and owner.
+
+    Raises:
+        LedgerError: one of them belongs to another user.
+    """
+    real = os.path.realpath(path)
+    for companion in (real + "-wal", real + "-shm"):
+        try:
+            status = os.stat(companion)
+        except FileNotFoundError:
+            continue
+        if hasattr(os, "geteuid") and status.st_uid != os.geteuid():
+            raise LedgerError(
+                f"{path}: refusing to open a new ledger: {companion} belongs to another user "
+                f"(uid {status.st_uid}), who could read or change it")
+        if stat.S_IMODE(status.st_mode) & 0o077:
+            os.chmod(companion, 0o600)
 
 
 def _prepare_file(path: str, busy_timeout: float) -> None:
     """Create or migrate the ledger file, checking that it can hold a ledger.
 
-    A new file is created 0600 (`_create_private`) before SQLite opens it.
+    A new file is created 0600 (`_create_private`) before SQLite opens it,
+    and its -wal and -shm are made so once SQLite has them open.
 
     Raises:
         LedgerError: it cannot be created or opened, is not a SQLite database
             or not a ledger, cannot use WAL, or has a newer schema.
     """
-    _create_private(path)
+    created = _create_private(path)
     try:
         conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None)
     except sqlite3.Error as error:
@@ -218,6 +205,8 @@ def _prepare_file(path: str, busy_timeout: float) -> None:
                 f"journal_mode={mode}"
             )
         migrate(conn, path=path)
+        if created:
+            _private_companions(path)
     except sqlite3.DatabaseError as error:
         raise LedgerError(f"{path} is not a SQLite database ({error})") from error
     except (TypeError, ValueError) as error:

@@ -1,18 +1,17 @@
 """Calls waiting for their ledger writes to be committed, woken in their own loops.
 
-Shared by `SQLiteLedger` and `PostgresLedger`: a call that must wait for a
-durable write parks a `Waiter` in a heap keyed by the write's number; the
-store's writer, on whatever thread it runs, calls `release` once writes up to
-a number are committed (or all of them when it breaks), and each waiter is
-completed in its own event loop (asyncio's, or trio's through its token)
-without the writer waiting for that loop.
+Shared by `SQLiteLedger` and `PostgresLedger` (`_threaded`): a call that must
+wait for a durable write parks a `Waiter` in a heap keyed by the write's
+number; the writer thread calls `release` once writes up to a number are
+committed (or all of them when it breaks), and each waiter is completed in
+its own event loop (asyncio's, or trio's through its token) without the
+writer waiting for that loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ import anyio.lowlevel
 
 from loopengine._errors import LedgerError
 
-__all__ = ["CommitWaits", "Receipt", "Waiter", "release", "wake_all"]
+__all__ = ["Receipt", "Waiter", "release", "wake_all"]
 
 
 @dataclass(slots=True)
@@ -100,7 +99,6 @@ def wake_all(waiters: list[Waiter]) -> None:
             pass
 
 
-
 def release(waiters: list[tuple[int, int, Waiter]], done: int | None) -> None:
     """Pop and wake the waiters of writes numbered up to ``done`` (every one when
     None); a waiter whose call stopped waiting is dropped. Called holding the
@@ -144,27 +142,3 @@ class Receipt:
             self._waited = True
         if self._error is not None:
             raise self._error
-
-
-class CommitWaits:
-    """What a store's calls wait on: the highest write committed (``_done``) and
-    the refused ones (``_refused``), both guarded by ``_lock``. A store supplies
-    `_wait_for`, which parks a `Waiter` until write ``number`` is done."""
-
-    _done: int
-    _refused: dict[int, str]
-    _lock: threading.Lock | threading.RLock
-
-    async def _wait_for(self, number: int) -> None:
-        raise NotImplementedError
-
-    async def _wait(self, number: int) -> None:
-        """Return once write ``number`` is committed; raise if it was refused."""
-        if self._done < number:
-            await self._wait_for(number)
-        if self._refused:
-            with self._lock:
-                message = self._refused.pop(number, None)
-            if message is not None:
-                raise LedgerError(message)
-
