@@ -30,8 +30,8 @@ connections); ``aiohttp`` the SDK's ``DefaultAioHttpClient`` given directly.
 Each measurement runs in a fresh process (so peak RSS is its own), after a
 warm-up of a few conversations. It reports:
 
-* wall time, and CPU per turn: the process's (every thread) plus the ledger
-  writer's process, over the N conversations;
+* wall time, and CPU per turn: the process's (every thread, the ledger's
+  writer thread included), over the N conversations;
 * event-loop lag: a ticker task sleeps 5 ms again and again and records how
   late it wakes (p50, p99, max), which is how long the loop was busy with
   something else;
@@ -107,7 +107,6 @@ from _conversation import (  # noqa: E402
     bare_run,
     lookup,
 )
-from _cpu import process_cpu  # noqa: E402
 
 TICK = 0.005
 RATE = 250.0
@@ -123,7 +122,6 @@ FLOOR = {"bare": "bare", "loopengine": "bare", "sqlite": "bare",
 class Contender:
     run: Callable[[], Awaitable[str]]
     close: Callable[[], Awaitable[None]]
-    other_cpu: Callable[[], float] = lambda: 0.0
 
 
 def connections(n: int) -> int:
@@ -246,8 +244,7 @@ def engine_contender(url: str, transport: str, n: int, vendor: str,
         if ledger is not None:
             await ledger.aclose()
 
-    pid = getattr(ledger, "writer_pid", None)
-    return Contender(run, close, other_cpu=lambda: process_cpu(pid))
+    return Contender(run, close)
 
 
 def build(name: str, url: str, transport: str, n: int, ledger_dir: Path) -> Contender:
@@ -355,7 +352,6 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(TICK * 2)
         profiler = cProfile.Profile() if profile else None
-        other = contender.other_cpu()
         cpu, wall = time.process_time(), time.perf_counter()
         if profiler is not None:
             profiler.enable()
@@ -365,7 +361,7 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
         if profiler is not None:
             profiler.disable()
         wall = time.perf_counter() - wall
-        cpu = time.process_time() - cpu + contender.other_cpu() - other
+        cpu = time.process_time() - cpu
         peak = max(peak, rss())
         running = False
         await tick

@@ -17,9 +17,8 @@ contender gets its own client on its own copy of that transport:
 Contenders are interleaved round by round; a time is the median over the
 rounds and a ratio the median of the ratios within each round, so a slow
 moment of the machine hits all of them alike. CPU time is the process's
-(every thread) plus the ledger's writer process (read from
-``/proc/<pid>/task/*/schedstat``); the part outside the event loop's thread
-is shown apart as "elsewhere". Wall time also holds the ledger's fsyncs
+(every thread, the ledger's writer thread included); the part outside the
+event loop's thread is shown apart as "elsewhere". Wall time also holds the ledger's fsyncs
 (``synchronous=FULL``), each dispatch awaited before its request is
 built, so put ``--ledger-dir`` on the disk you mean to measure.
 
@@ -72,7 +71,6 @@ from _conversation import (
     lookup,
     messages,
 )
-from _cpu import process_cpu
 
 import loopengine as le
 from loopengine.providers import AnthropicProvider
@@ -140,8 +138,6 @@ class Contender:
     name: str
     run: Conversation
     close: Callable[[], Awaitable[None]]
-    other_cpu: Callable[[], float] = lambda: 0.0
-    """CPU seconds spent so far by processes of its own (the ledger's writer)."""
     cpu: list[float] = field(default_factory=list)
     threads: list[float] = field(default_factory=list)
     """The part of `cpu` spent outside the event loop's thread (the ledger's writer)."""
@@ -184,8 +180,7 @@ async def loopengine_run(ledger: Any = None, name: str = "loopengine, no ledger"
         if ledger is not None:
             await ledger.aclose()
 
-    pid = getattr(ledger, "writer_pid", None)
-    return Contender(name, run, close, other_cpu=lambda: process_cpu(pid))
+    return Contender(name, run, close)
 
 
 
@@ -239,7 +234,6 @@ async def sdk_tool_runner() -> Contender | str:
 
 async def measure(contender: Contender, conversations: int) -> None:
     gc.collect()
-    other = contender.other_cpu()
     cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
     for _ in range(conversations):
         answer = await contender.run()
@@ -248,7 +242,6 @@ async def measure(contender: Contender, conversations: int) -> None:
     turns = conversations * TURNS
     cpu, own = time.process_time() - cpu, time.thread_time() - own
     wall = time.perf_counter() - wall
-    cpu += contender.other_cpu() - other
     contender.cpu.append(cpu / turns)
     contender.threads.append(max(0.0, cpu - own) / turns)
     contender.wall.append(wall / turns)
@@ -311,7 +304,7 @@ def report(contenders: list[Contender], skipped: list[str], args: argparse.Names
               f"{wall * 1e6:8.0f}µs {ratio(c.wall, floor.wall):7.2f} "
               f"{statistics.median(c.threads) * 1e6:8.0f}µs")
     print("elsewhere: the part of CPU/turn outside the event loop's thread (the ledger's "
-          "writer process and threads, its fsyncs' system time)")
+          "writer thread, its fsyncs' system time)")
     for reason in skipped:
         print(f"skipped: {reason}")
 

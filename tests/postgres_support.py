@@ -126,9 +126,8 @@ def start_server() -> PostgresServer:
     """initdb and start a server in a fresh directory (skips or fails when it cannot)."""
     try:
         import psycopg  # noqa: F401
-        import psycopg_pool  # noqa: F401
     except ImportError:
-        unavailable("psycopg and psycopg-pool are not installed (the postgres extra)")
+        unavailable("psycopg is not installed (the postgres extra)")
     binaries = _binaries()
     if binaries is None:
         unavailable("no PostgreSQL server binaries (initdb, pg_ctl, postgres) found under "

@@ -4,8 +4,6 @@ from loopengine.persistence._memory import MemoryLedger
 from loopengine.persistence._postgres import PostgresLedger
 from loopengine.persistence._protocol import (
     DEFAULT_MAX_RETAINED_ATTEMPTS,
-    DispatchReceipt,
-    EarlyDispatchLedger,
     Ledger,
 )
 from loopengine.persistence._records import (
@@ -22,8 +20,6 @@ __all__ = [
     "AttemptDispatch",
     "AttemptRecord",
     "AttemptSettle",
-    "DispatchReceipt",
-    "EarlyDispatchLedger",
     "InvocationEnd",
     "InvocationStart",
     "Ledger",

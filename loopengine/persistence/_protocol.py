@@ -11,7 +11,7 @@ from loopengine.persistence._records import (
     InvocationStart,
 )
 
-__all__ = ["DEFAULT_MAX_RETAINED_ATTEMPTS", "DispatchReceipt", "EarlyDispatchLedger", "Ledger"]
+__all__ = ["DEFAULT_MAX_RETAINED_ATTEMPTS", "Ledger"]
 
 DEFAULT_MAX_RETAINED_ATTEMPTS = 64
 """Attempt rows kept per invocation; later attempts only count (R07)."""
@@ -60,32 +60,4 @@ class Ledger(Protocol):
 
     async def end_invocation(self, record: InvocationEnd) -> None:
         """Settle the invocation with its outcome, durably."""
-        ...
-
-
-@runtime_checkable
-class DispatchReceipt(Protocol):
-    """A dispatch write that has been queued but may not be durable yet."""
-
-    async def wait(self) -> None:
-        """Return once the dispatched row is durable; awaiting again is harmless.
-
-        Raises:
-            LedgerError: the row could not be written; the request must not be sent.
-        """
-        ...
-
-
-@runtime_checkable
-class EarlyDispatchLedger(Ledger, Protocol):
-    """A ledger that can start an attempt's durable write without waiting for it.
-
-    The engine uses `begin_dispatch` instead of `Ledger.dispatch_attempt` when
-    the provider awaits `ProviderRequest.before_wire`: the row is committed
-    while the provider builds the request, and the request still goes on the
-    wire only once the row is durable.
-    """
-
-    def begin_dispatch(self, record: AttemptDispatch) -> DispatchReceipt:
-        """Queue the dispatched row's durable write and return at once."""
         ...

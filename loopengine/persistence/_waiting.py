@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 
-from loopengine._errors import LedgerError
-
-__all__ = ["Receipt", "Waiter", "release", "wake_all"]
+__all__ = ["Waiter", "release", "wake_all"]
 
 
 @dataclass(slots=True)
@@ -111,34 +108,3 @@ def release(waiters: list[tuple[int, int, Waiter]], done: int | None) -> None:
     if ready:
         wake_all(ready)
 
-
-class Receipt:
-    """A durable write sent to a store's writer (a dispatch from `begin_dispatch`);
-    `wait` returns once it is committed."""
-
-    __slots__ = ("_error", "_wait", "_waited")
-
-    def __init__(self, wait: Callable[[], Awaitable[None]]) -> None:
-        self._wait = wait
-        self._waited = False
-        self._error: LedgerError | None = None
-
-    async def wait(self) -> None:
-        """Return once the row is durable; awaiting again is harmless.
-
-        Raises:
-            LedgerError: the row could not be written.
-        """
-        if not self._waited:
-            try:
-                await self._wait()
-            except LedgerError as error:
-                # Two calls waiting at once: the refusal reaches one of them
-                # from the ledger, the other from here.
-                if self._error is None:
-                    self._error = error
-                self._waited = True
-                raise
-            self._waited = True
-        if self._error is not None:
-            raise self._error
