@@ -173,6 +173,15 @@ class Engine:
                 f"{vendor}:{operation.model} has no price, so its credit_hold "
                 "cannot be enforced; add a ModelPrice to the PriceBook",
             )
+        if run_limits.credit_hold is not None:
+            unpriced = self.prices.unpriced_features(
+                vendor, operation.model, operation.features, self.clock.wall())
+            if unpriced:
+                raise ConfigError(
+                    "prices",
+                    f"operation {operation.name!r} enables features without a price, so its "
+                    f"credit_hold cannot be enforced: {'; '.join(unpriced)}",
+                )
         return Invocation(
             kind=kind, operation=operation, provider=provider, limits=run_limits,
             policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,
@@ -224,8 +233,9 @@ class Engine:
             The `RunResult`, whatever the outcome; it keeps the whole transcript.
 
         Raises:
-            ConfigError: bad input, an unserved route, or an unpriced model with
-                a credit hold; raised before anything is sent.
+            ConfigError: bad input, an unserved route, or an unpriced model (or
+                enabled feature, docs/pricing.md) with a credit hold; raised
+                before anything is sent.
             LedgerError: the ledger could not record the run; it is recorded
                 ``failed`` where the ledger still can, and observers see
                 `RunEnded` with outcome ``failed``.
