@@ -1,0 +1,175 @@
+"""Prices for the whole usage vector (DESIGN §15): per-request fees, iterations at
+their own models, OpenAI cache writes, and what cannot be priced.
+
+Every expected price is computed here from the vendors' published rates, written
+out below, and compared to the nano-USD exactly.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+
+import loopengine as le
+from loopengine._features import Features
+from loopengine._pricing import to_nanousd
+
+AT = datetime(2026, 11, 1, tzinfo=UTC)
+MTOK = Decimal(1_000_000)
+
+# Claude Sonnet 4.5 and 4.6: $3 / $15 per MTok in / out; cache writes 1.25x input
+# ($3.75), one-hour writes 2x ($6), cache reads 0.1x ($0.30).
+SONNET_IN, SONNET_OUT = Decimal(3), Decimal(15)
+SONNET_WRITE, SONNET_WRITE_1H, SONNET_READ = Decimal("3.75"), Decimal(6), Decimal("0.30")
+# Claude Opus 4.6: $5 / $25 per MTok.
+OPUS_IN, OPUS_OUT = Decimal(5), Decimal(25)
+# Anthropic web search: $10 per 1,000 searches. Web fetch: no charge beyond tokens.
+SEARCH_PER_K = Decimal(10)
+# OpenAI gpt-5.6-sol (below its 272k tier): $4 in, $5 cache write, $0.40 cache read,
+# $20 out per MTok.
+SOL_IN, SOL_WRITE, SOL_READ, SOL_OUT = Decimal(4), Decimal(5), Decimal("0.40"), Decimal(20)
+
+GENAI = le.PriceBook()
+
+
+def usd(tokens: int, rate: Decimal) -> Decimal:
+    return tokens * rate / MTOK
+
+
+def test_a_reply_with_ten_web_searches_is_charged_the_fee() -> None:
+    """The pause_turn case: 10 searches are $0.10 on top of the tokens."""
+    usage = le.Usage(input_tokens=2_679, output_tokens=412, cache_read_tokens=1_500,
+                     web_search_requests=10)
+    priced = GENAI.price("anthropic", "claude-sonnet-4-5", usage, AT)
+    fee = 10 * SEARCH_PER_K / 1000
+    tokens = usd(2_679, SONNET_IN) + usd(412, SONNET_OUT) + usd(1_500, SONNET_READ)
+    assert priced is not None
+    assert priced.fee_nanousd == to_nanousd(fee) == 100_000_000
+    assert priced.cost_nanousd == to_nanousd(tokens + fee)
+
+
+def test_a_compaction_reply_is_billed_every_iteration() -> None:
+    """Top level 220 in / 8 out; the compaction pass 55,196 in / 125 out is billed too,
+    at the requested model."""
+    usage = le.Usage.from_iterations((
+        le.UsageIteration(type="compaction", input_tokens=55_196, output_tokens=125),
+        le.UsageIteration(type="message", input_tokens=220, output_tokens=8),
+    ))
+    priced = GENAI.price("anthropic", "claude-sonnet-4-5", usage, AT)
+    expected = usd(55_196 + 220, SONNET_IN) + usd(125 + 8, SONNET_OUT)
+    assert priced is not None and priced.fee_nanousd == 0
+    assert priced.cost_nanousd == to_nanousd(expected)
+    top_level_only = usd(220, SONNET_IN) + usd(8, SONNET_OUT)
+    assert priced.cost_nanousd > 200 * to_nanousd(top_level_only)
+
+
+def test_an_advisor_iteration_is_priced_at_the_advisor_model() -> None:
+    """The advisor docs' reply: executor iterations at Sonnet 4.6 rates, the advisor's
+    at Opus 4.6 rates; the price names both sources."""
+    usage = le.Usage.from_iterations((
+        le.UsageIteration(type="message", input_tokens=412, output_tokens=89),
+        le.UsageIteration(type="advisor_message", model="claude-opus-4-6", input_tokens=823,
+                          output_tokens=1_612),
+        le.UsageIteration(type="message", input_tokens=1_348, cache_read_tokens=412,
+                          output_tokens=442),
+    ))
+    priced = GENAI.price("anthropic", "claude-sonnet-4-6", usage, AT)
+    executor = usd(412 + 1_348, SONNET_IN) + usd(412, SONNET_READ) + usd(89 + 442, SONNET_OUT)
+    advisor = usd(823, OPUS_IN) + usd(1_612, OPUS_OUT)
+    assert priced is not None
+    assert priced.cost_nanousd == to_nanousd(executor + advisor)
+    assert "anthropic/claude-sonnet-4-6" in priced.price_ref
+    assert "anthropic/claude-opus-4-6" in priced.price_ref
+
+
+def test_an_iteration_on_a_model_without_a_price_leaves_the_attempt_unpriced() -> None:
+    """Never a silent zero for the part nobody can price."""
+    usage = le.Usage.from_iterations((
+        le.UsageIteration(type="message", input_tokens=10, output_tokens=1),
+        le.UsageIteration(type="advisor_message", model="no-such-model", input_tokens=5),
+    ))
+    assert GENAI.price("anthropic", "claude-sonnet-4-5", usage, AT) is None
+
+
+def test_openai_cache_writes_are_priced_as_writes() -> None:
+    """``prompt_tokens`` 10,000 of which 2,000 cached and 4,000 written: the written
+    tokens cost the write rate, not the input rate."""
+    usage = le.Usage(input_tokens=10_000 - 2_000 - 4_000, cache_read_tokens=2_000,
+                     cache_write_tokens=4_000, output_tokens=300)
+    priced = GENAI.price("openai", "gpt-5.6-sol", usage, AT)
+    expected = (usd(4_000, SOL_IN) + usd(2_000, SOL_READ) + usd(4_000, SOL_WRITE)
+                + usd(300, SOL_OUT))
+    as_plain_input = usd(8_000, SOL_IN) + usd(2_000, SOL_READ) + usd(300, SOL_OUT)
+    assert priced is not None
+    assert priced.cost_nanousd == to_nanousd(expected) > to_nanousd(as_plain_input)
+
+
+def test_a_book_entry_prices_fees_from_its_own_fields() -> None:
+    """web_search_per_k / web_fetch_per_k; Anthropic's web fetch is free by default."""
+    entry = le.ModelPrice(provider="anthropic", model="m", input_per_mtok=SONNET_IN,
+                          output_per_mtok=SONNET_OUT, web_search_per_k=SEARCH_PER_K)
+    book = le.PriceBook([entry], fallback=False)
+    usage = le.Usage(input_tokens=1_000, output_tokens=10, web_search_requests=3,
+                     web_fetch_requests=7)
+    priced = book.price("anthropic", "m", usage, AT)
+    fee = 3 * SEARCH_PER_K / 1000
+    assert priced is not None and priced.fee_nanousd == to_nanousd(fee) == 30_000_000
+    assert priced.cost_nanousd == to_nanousd(usd(1_000, SONNET_IN) + usd(10, SONNET_OUT) + fee)
+    charged = le.ModelPrice(provider="anthropic", model="m", input_per_mtok=SONNET_IN,
+                            output_per_mtok=SONNET_OUT, web_search_per_k=SEARCH_PER_K,
+                            web_fetch_per_k=Decimal("0.5"))
+    priced = le.PriceBook([charged]).price("anthropic", "m", usage, AT)
+    assert priced is not None and priced.fee_nanousd == to_nanousd(fee + 7 * Decimal("0.5") / 1000)
+
+
+def test_a_fee_nobody_knows_leaves_the_attempt_unpriced() -> None:
+    """A book entry without a web search fee; web fetch on a vendor that documents none."""
+    entry = le.ModelPrice(provider="openai", model="m", input_per_mtok=SONNET_IN,
+                          output_per_mtok=SONNET_OUT)
+    book = le.PriceBook([entry], fallback=False)
+    assert book.price("openai", "m", le.Usage(input_tokens=1), AT) is not None
+    assert book.price("openai", "m", le.Usage(input_tokens=1, web_search_requests=1), AT) is None
+    assert book.price("openai", "m", le.Usage(input_tokens=1, web_fetch_requests=1), AT) is None
+    assert GENAI.price("openai", "gpt-5", le.Usage(web_fetch_requests=1), AT) is None
+    assert GENAI.fees("openai", "gpt-5", AT) == (SEARCH_PER_K, None)
+    assert GENAI.fees("anthropic", "claude-sonnet-4-5", AT) == (SEARCH_PER_K, Decimal(0))
+
+
+def test_model_price_refuses_a_float_fee() -> None:
+    """Fees are exact, like token prices."""
+    with pytest.raises(le.ConfigError) as caught:
+        le.ModelPrice(provider="p", model="m", input_per_mtok=1, output_per_mtok=1,
+                      web_search_per_k=10.0)  # type: ignore[arg-type]
+    assert caught.value.field == "web_search_per_k"
+
+
+def test_which_features_can_be_priced() -> None:
+    """Token-billed features always; fees when known; code execution and unknown
+    tool types never; an advisor when its model has a price."""
+    tools = (
+        le.ServerTool(type="web_search_20250305", name="web_search", max_uses=5),
+        le.ServerTool(type="web_fetch_20250910", name="web_fetch"),
+        le.ServerTool(type="advisor_20260301", name="advisor",
+                      params={"model": "claude-opus-4-6"}),
+        le.ServerTool(type="memory_20250818", name="memory"),
+    )
+    features = Features(thinking=le.Thinking(budget_tokens=2048), server_tools=tools,
+                        betas=("compact-2026-01-12",),
+                        context_management={"edits": [{"type": "compact_20260112"}]})
+    assert GENAI.unpriced_features("anthropic", "claude-sonnet-4-6", features, AT) == ()
+    unpriced = GENAI.unpriced_features("anthropic", "claude-sonnet-4-6", Features(server_tools=(
+        le.ServerTool(type="code_execution_20250825", name="code_execution"),
+        le.ServerTool(type="future_tool_20990101", name="future"),
+        le.ServerTool(type="advisor_20260301", name="advisor"),
+    ), service_tier="priority"), AT)
+    assert len(unpriced) == 4
+    assert "container time" in unpriced[0] and "unknown server tool type" in unpriced[1]
+    assert "advisor model None" in unpriced[2] and "service_tier" in unpriced[3]
+    book = le.PriceBook([le.ModelPrice(provider="anthropic", model="m", input_per_mtok=1,
+                                       output_per_mtok=1)], fallback=False)
+    assert book.unpriced_features("anthropic", "m", Features(server_tools=tools), AT) == (
+        "server tool 'web_search' (web_search_20250305): no web search fee",
+        "server tool 'advisor' (advisor_20260301): advisor model 'claude-opus-4-6' has no price",
+    )
