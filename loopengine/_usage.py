@@ -19,12 +19,19 @@ _TOKENS: Final = (
     "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
     "cache_write_1h_tokens",
 )
-_COUNTS: Final = ("web_search_requests", "web_fetch_requests", "reasoning_tokens")
+_COUNTS: Final = _TOKENS + ("web_search_requests", "web_fetch_requests", "reasoning_tokens")
 
 
-def _check_tokens(usage: Usage | UsageIteration) -> None:
-    for name in _TOKENS:
-        _validate.integer(name, getattr(usage, name), minimum=0)
+def _check_counts(usage: Usage | UsageIteration, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(usage, name)
+        # The common case inline (a usage is built per attempt); `_validate`
+        # words the error. ``type() is int`` also refuses bools.
+        if type(value) is not int or value < 0:
+            _validate.integer(name, value, minimum=0)
+
+
+def _check_cache_split(usage: Usage | UsageIteration) -> None:
     if usage.cache_write_1h_tokens > usage.cache_write_tokens:
         raise ConfigError(
             "cache_write_1h_tokens",
@@ -64,7 +71,8 @@ class UsageIteration:
     def __post_init__(self) -> None:
         _validate.text("type", self.type)
         _validate.text("model", self.model, optional=True)
-        _check_tokens(self)
+        _check_counts(self, _TOKENS)
+        _check_cache_split(self)
 
     @property
     def cache_write_5m_tokens(self) -> int:
@@ -131,9 +139,8 @@ class Usage:
     the reply reported none. The token fields are their sums."""
 
     def __post_init__(self) -> None:
-        _check_tokens(self)
-        for name in _COUNTS:
-            _validate.integer(name, getattr(self, name), minimum=0)
+        _check_counts(self, _COUNTS)
+        _check_cache_split(self)
         if self.reasoning_tokens > self.output_tokens:
             raise ConfigError("reasoning_tokens", "cannot exceed output_tokens "
                               f"({self.reasoning_tokens} > {self.output_tokens})")
@@ -196,14 +203,15 @@ class Usage:
             return NotImplemented
         iterations = (self._as_iterations() + other._as_iterations()
                       if self.iterations or other.iterations else ())
+        # Positional: this runs once per attempt, and keywords cost more.
         return Usage(
-            input_tokens=self.input_tokens + other.input_tokens,
-            output_tokens=self.output_tokens + other.output_tokens,
-            cache_read_tokens=self.cache_read_tokens + other.cache_read_tokens,
-            cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
-            cache_write_1h_tokens=self.cache_write_1h_tokens + other.cache_write_1h_tokens,
-            web_search_requests=self.web_search_requests + other.web_search_requests,
-            web_fetch_requests=self.web_fetch_requests + other.web_fetch_requests,
-            reasoning_tokens=self.reasoning_tokens + other.reasoning_tokens,
-            iterations=iterations,
+            self.input_tokens + other.input_tokens,
+            self.output_tokens + other.output_tokens,
+            self.cache_read_tokens + other.cache_read_tokens,
+            self.cache_write_tokens + other.cache_write_tokens,
+            self.cache_write_1h_tokens + other.cache_write_1h_tokens,
+            self.web_search_requests + other.web_search_requests,
+            self.web_fetch_requests + other.web_fetch_requests,
+            self.reasoning_tokens + other.reasoning_tokens,
+            iterations,
         )
