@@ -14,7 +14,10 @@ import pytest
 
 import loopengine as le
 from loopengine._features import Features
-from loopengine._pricing import to_nanousd
+from loopengine._pricing import nanousd_to_usd, to_nanousd
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import FakeClock
 
 AT = datetime(2026, 11, 1, tzinfo=UTC)
 MTOK = Decimal(1_000_000)
@@ -173,3 +176,47 @@ def test_which_features_can_be_priced() -> None:
         "server tool 'web_search' (web_search_20250305): no web search fee",
         "server tool 'advisor' (advisor_20260301): advisor model 'claude-opus-4-6' has no price",
     )
+
+
+async def test_the_ledger_charges_fees_and_every_iteration() -> None:
+    """A run of an operation with web search, thinking and compaction: two replies, the
+    first with 10 searches and a compaction pass, the second advised by Opus 4.6. The
+    ledger's attempts and the run's cost equal the bill computed from the rates."""
+    first = le.Usage.from_iterations((
+        le.UsageIteration(type="compaction", input_tokens=55_196, output_tokens=125),
+        le.UsageIteration(type="message", input_tokens=220, output_tokens=8),
+    ), web_search_requests=10)
+    second = le.Usage.from_iterations((
+        le.UsageIteration(type="message", input_tokens=412, output_tokens=89),
+        le.UsageIteration(type="advisor_message", model="claude-opus-4-6", input_tokens=823,
+                          output_tokens=1_612),
+    ))
+    clock = FakeClock(wall_start=AT)
+    provider = ScriptedProvider([Reply.tool_calls(("lookup", {"q": "x"}), usage=first),
+                                 Reply.text("done", usage=second)], clock=clock)
+    ledger = MemoryLedger()
+    engine = le.Engine(provider, ledger=ledger, prices=le.PriceBook(), clock=clock)
+
+    @le.tool
+    async def lookup(q: str) -> str:
+        """Look something up."""
+        return "found"
+
+    published = le.Operation(
+        name="research", provider="anthropic", model="claude-sonnet-4-6",
+        thinking=le.Thinking(budget_tokens=2048),
+        server_tools=(le.ServerTool(type="web_search_20250305", name="web_search",
+                                    max_uses=10),),
+        betas=("compact-2026-01-12",), context_management={"edits": [{"type": "compact_20260112"}]},
+        limits=le.Limits(credit_hold=10**9))
+    result = await engine.run(published, "go", tools=[lookup])
+    assert result.outcome is le.Outcome.COMPLETED
+    bill_1 = (usd(55_196 + 220, SONNET_IN) + usd(125 + 8, SONNET_OUT)
+              + 10 * SEARCH_PER_K / 1000)
+    bill_2 = usd(412, SONNET_IN) + usd(89, SONNET_OUT) + usd(823, OPUS_IN) + usd(1_612, OPUS_OUT)
+    costs = [row["cost_nanousd"] for row in ledger.attempts.values()]
+    assert costs == [to_nanousd(bill_1), to_nanousd(bill_2)]
+    assert result.cost_usd == nanousd_to_usd(to_nanousd(bill_1) + to_nanousd(bill_2))
+    assert result.usage.web_search_requests == 10
+    assert result.usage.input_tokens == 55_196 + 220 + 412 + 823
+    assert len(result.usage.iterations) == 4
