@@ -29,8 +29,8 @@ part, rounded up on its own (so it never exceeds the total).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import ROUND_CEILING, Decimal
 from typing import TYPE_CHECKING, Any, Final
@@ -46,11 +46,15 @@ from loopengine._usage import Usage
 if TYPE_CHECKING:
     from loopengine._features import Features
 
-__all__ = ["DOCUMENTED_FEES", "ModelPrice", "PriceBook", "Priced"]
+__all__ = ["DOCUMENTED_FEES", "STANDARD_TIERS", "ModelPrice", "PriceBook", "Priced"]
 
 _MTOK = Decimal(1_000_000)
 _NANO = Decimal(1_000_000_000)
 _K = Decimal(1000)
+
+STANDARD_TIERS: Final = frozenset({"auto", "default", "standard"})
+"""Service tiers priced at a model's list rates (OpenAI ``default``, Anthropic
+``standard``; ``auto`` is a request's, resolved to the project's tier)."""
 
 DOCUMENTED_FEES: Final = {("anthropic", "web_fetch"): Decimal(0)}
 """Per-1,000-request fees a vendor documents that genai-prices does not carry,
@@ -96,6 +100,11 @@ class ModelPrice:
     web_fetch_per_k: Decimal | None = None
     """USD per 1,000 web fetches; None: the vendor's documented fee
     (`DOCUMENTED_FEES`: Anthropic charges none), else unpriced."""
+    service_tier_multipliers: Mapping[str, Decimal] = field(default_factory=dict)
+    """Token-price multipliers by the service tier a reply reports, e.g.
+    ``{"flex": Decimal("0.5"), "priority": Decimal(2)}``; standard tiers
+    (`STANDARD_TIERS`) are 1, and a tier not listed leaves the attempt unpriced.
+    Fees are not multiplied."""
 
     def __post_init__(self) -> None:
         _validate.text("provider", self.provider)
@@ -106,10 +115,24 @@ class ModelPrice:
             value = _validate.decimal(name, getattr(self, name),
                                       optional=not name.endswith("put_per_mtok"))
             object.__setattr__(self, name, value)
+        if not isinstance(self.service_tier_multipliers, Mapping):
+            raise ConfigError("service_tier_multipliers", "must be a mapping of tier to Decimal")
+        multipliers: dict[str, Decimal] = {}
+        for tier, value in self.service_tier_multipliers.items():
+            _validate.text("service_tier_multipliers", tier)
+            checked = _validate.decimal(f"service_tier_multipliers.{tier}", value, positive=True)
+            assert checked is not None
+            multipliers[tier] = checked
+        object.__setattr__(self, "service_tier_multipliers", multipliers)
         if self.effective_from is not None and (
             not isinstance(self.effective_from, datetime) or self.effective_from.tzinfo is None
         ):
             raise ConfigError("effective_from", "must be a timezone-aware datetime or None")
+
+    def __hash__(self) -> int:
+        # The multipliers are a dict; leaving them out keeps equal prices' hashes equal.
+        return hash((self.provider, self.model, self.input_per_mtok, self.output_per_mtok,
+                     self.effective_from))
 
     def cost(self, usage: Usage) -> Decimal:
         """The USD cost of ``usage``'s tokens at this price (iterations and fees are
@@ -196,7 +219,8 @@ class PriceBook:
             total = Decimal(0)
             refs: list[str] = []
             for iteration in usage.iterations:
-                part = self._tokens(provider, iteration.model or model, iteration.tokens(), at)
+                part = self._tokens(provider, iteration.model or model, iteration.tokens(), at,
+                                    usage.service_tier)
                 if part is None:
                     return None
                 total += part[0]
@@ -204,7 +228,7 @@ class PriceBook:
                     refs.append(part[1])
             tokens: tuple[Decimal, str] | None = (total, "; ".join(refs))
         else:
-            tokens = self._tokens(provider, model, usage, at)
+            tokens = self._tokens(provider, model, usage, at, usage.service_tier)
         if tokens is None:
             return None
         if not (usage.web_search_requests or usage.web_fetch_requests):
@@ -247,8 +271,7 @@ class PriceBook:
         ``computer_``, ``tool_search_tool_`` types), or, for an advisor, when
         the model its ``params`` name has a price. Code execution is billed by
         container time, which no reply reports, and any other type is unknown:
-        both are unpriceable. An OpenAI ``service_tier`` other than ``auto`` or
-        ``default`` changes the rates, which this book does not model.
+        both are unpriceable. A ``service_tier`` needs its rates (`knows_tier`).
         """
         missing: list[str] = []
         search, fetch = self.fees(provider, model, at)
@@ -268,20 +291,38 @@ class PriceBook:
                 missing.append(f"{label}: container time is billed outside the reply")
             elif not tool.type.startswith(_TOKEN_ONLY_TOOLS):
                 missing.append(f"{label}: unknown server tool type")
-        if features.service_tier not in (None, "auto", "default"):
-            missing.append(f"service_tier {features.service_tier!r}: its rates are not modelled")
+        if not self.knows_tier(provider, model, features.service_tier, at):
+            missing.append(f"service_tier {features.service_tier!r}: no rates for that tier")
         return tuple(missing)
 
-    def _tokens(self, provider: str, model: str, usage: Usage,
-                at: datetime) -> tuple[Decimal, str] | None:
-        """The USD cost of ``usage``'s tokens (iterations ignored) at ``model``."""
+    def knows_tier(self, provider: str, model: str, tier: str | None, at: datetime) -> bool:
+        """True when ``model``'s tokens can be priced on service tier ``tier`` at ``at``:
+        a standard tier (None, ``auto``, ``default``, ``standard``), a tier the book
+        entry has a multiplier for, or, for models the book does not list, a tier
+        genai-prices has rates for."""
+        if tier is None or tier in STANDARD_TIERS:
+            return True
+        entry = self.entry(provider, model, at)
+        if entry is not None:
+            return tier in entry.service_tier_multipliers
+        return self.fallback and _genai_tier(provider, model, tier, at)
+
+    def _tokens(self, provider: str, model: str, usage: Usage, at: datetime,
+                tier: str | None) -> tuple[Decimal, str] | None:
+        """The USD cost of ``usage``'s tokens (iterations ignored) at ``model`` on ``tier``."""
         entry = self.entry(provider, model, at)
         if entry is not None:
             since = entry.effective_from.isoformat() if entry.effective_from else "always"
-            return entry.cost(usage), f"book:{provider}/{model}@{since}"
+            cost = entry.cost(usage)
+            if tier is not None and tier not in STANDARD_TIERS:
+                multiplier = entry.service_tier_multipliers.get(tier)
+                if multiplier is None:
+                    return None
+                cost *= multiplier
+            return cost, f"book:{provider}/{model}@{since}"
         if not self.fallback:
             return None
-        return _genai_tokens(provider, model, usage, at)
+        return _genai_tokens(provider, model, usage, at, tier)
 
     def _fee(self, provider: str, model: str, usage: Usage, at: datetime) -> Decimal | None:
         search, fetch = self.fees(provider, model, at)
@@ -357,19 +398,37 @@ def _genai_model(provider: str, model: str) -> tuple[Any, Any] | None:
         return None
 
 
-def _genai_tokens(provider: str, model: str, usage: Usage,
-                  at: datetime) -> tuple[Decimal, str] | None:
+def _genai_tokens(provider: str, model: str, usage: Usage, at: datetime,
+                  tier: str | None) -> tuple[Decimal, str] | None:
     found = _genai_model(provider, model)
     if found is None:
         return None
     found_provider, info = found
-    model_price = info.get_prices(at)
+    context = None
+    if tier is not None and tier not in STANDARD_TIERS:
+        if not _genai_tier(provider, model, tier, at):
+            return None
+        context = {"service_tier": tier}
+    model_price = info.get_prices(at, context)
     cost = _token_cost(model_price, usage)
     if cost is None:
         cost = info.calc_price(
-            _genai_usage(usage), found_provider, genai_request_timestamp=at
+            _genai_usage(usage), found_provider, genai_request_timestamp=at,
+            price_context=context,
         ).total_price
     return cost, f"genai-prices:{_genai_version()}:{found_provider.id}/{info.id}"
+
+
+def _genai_tier(provider: str, model: str, tier: str, at: datetime) -> bool:
+    """True when genai-prices has rates of its own for ``tier`` on ``model`` at ``at``."""
+    found = _genai_model(provider, model)
+    if found is None:
+        return False
+    return any(
+        variant.when == {"service_tier": tier}
+        and (variant.constraint is None or variant.constraint.active(at))
+        for variant in found[1].price_variants or ()
+    )
 
 
 def _genai_fees(provider: str, model: str, at: datetime) -> tuple[Decimal | None, None]:

@@ -113,7 +113,8 @@ class Usage:
     Adding two usages sums every field. If either has iterations, the sum's
     iterations are both lists, one without iterations counting as a single
     ``message`` iteration of its tokens (when it has any), so that the token
-    fields stay the sums of the iterations.
+    fields stay the sums of the iterations. The sum's ``service_tier`` is the
+    one its parts reported, None if they differ.
     """
 
     input_tokens: int = 0
@@ -137,10 +138,17 @@ class Usage:
     iterations: tuple[UsageIteration, ...] = ()
     """Each sampling iteration's tokens (Anthropic ``usage.iterations``); empty when
     the reply reported none. The token fields are their sums."""
+    service_tier: str | None = None
+    """The service tier that served the request, as the reply reports it (OpenAI
+    ``service_tier``, Anthropic ``usage.service_tier``); None: not reported.
+    Tokens are priced at that tier's rates (docs/pricing.md). A sum keeps the
+    tier its parts reported, or None if they reported different tiers."""
 
     def __post_init__(self) -> None:
         _check_counts(self, _COUNTS)
         _check_cache_split(self)
+        if self.service_tier is not None:
+            _validate.text("service_tier", self.service_tier)
         if self.reasoning_tokens > self.output_tokens:
             raise ConfigError("reasoning_tokens", "cannot exceed output_tokens "
                               f"({self.reasoning_tokens} > {self.output_tokens})")
@@ -169,13 +177,14 @@ class Usage:
         web_search_requests: int = 0,
         web_fetch_requests: int = 0,
         reasoning_tokens: int = 0,
+        service_tier: str | None = None,
     ) -> Usage:
         """The usage of a reply that reported ``iterations``: its tokens are their sums."""
         iterations = tuple(iterations)
         sums = {name: sum(getattr(i, name) for i in iterations) for name in _TOKENS}
         return cls(**sums, web_search_requests=web_search_requests,
                    web_fetch_requests=web_fetch_requests, reasoning_tokens=reasoning_tokens,
-                   iterations=iterations)
+                   iterations=iterations, service_tier=service_tier)
 
     @property
     def total_input_tokens(self) -> int:
@@ -214,4 +223,12 @@ class Usage:
             self.web_fetch_requests + other.web_fetch_requests,
             self.reasoning_tokens + other.reasoning_tokens,
             iterations,
+            _sum_tier(self.service_tier, other.service_tier),
         )
+
+
+def _sum_tier(a: str | None, b: str | None) -> str | None:
+    """The tier of a sum: the one reported (by both, or by either), None if they differ."""
+    if a is None or a == b:
+        return b
+    return a if b is None else None

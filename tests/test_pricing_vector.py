@@ -220,3 +220,66 @@ async def test_the_ledger_charges_fees_and_every_iteration() -> None:
     assert result.usage.web_search_requests == 10
     assert result.usage.input_tokens == 55_196 + 220 + 412 + 823
     assert len(result.usage.iterations) == 4
+
+
+# OpenAI gpt-5 (genai-prices, from 2026-10-12): default $1.25 / $10 per MTok in / out;
+# flex $0.625 / $5; priority $2.50 / $20.
+GPT5_IN, GPT5_OUT = Decimal("1.25"), Decimal(10)
+GPT5_FLEX_IN, GPT5_FLEX_OUT = Decimal("0.625"), Decimal(5)
+GPT5_PRIORITY_IN, GPT5_PRIORITY_OUT = Decimal("2.50"), Decimal(20)
+
+
+@pytest.mark.parametrize(("tier", "rate_in", "rate_out"), [
+    (None, GPT5_IN, GPT5_OUT), ("default", GPT5_IN, GPT5_OUT),
+    ("flex", GPT5_FLEX_IN, GPT5_FLEX_OUT), ("priority", GPT5_PRIORITY_IN, GPT5_PRIORITY_OUT),
+])
+def test_tokens_are_priced_at_the_tier_that_served_them(
+    tier: str | None, rate_in: Decimal, rate_out: Decimal
+) -> None:
+    """The tier the reply reports selects genai-prices' rates for it."""
+    usage = le.Usage(input_tokens=10_000, output_tokens=2_000, service_tier=tier)
+    priced = GENAI.price("openai", "gpt-5", usage, AT)
+    assert priced is not None
+    assert priced.cost_nanousd == to_nanousd(usd(10_000, rate_in) + usd(2_000, rate_out))
+
+
+def test_a_tier_without_rates_leaves_the_attempt_unpriced() -> None:
+    """genai-prices has no ``scale`` rates for gpt-5 and no Anthropic priority rates."""
+    assert GENAI.price("openai", "gpt-5", le.Usage(input_tokens=1, service_tier="scale"),
+                       AT) is None
+    assert GENAI.price("anthropic", "claude-sonnet-4-5",
+                       le.Usage(input_tokens=1, service_tier="priority"), AT) is None
+    assert GENAI.price("anthropic", "claude-sonnet-4-5",
+                       le.Usage(input_tokens=1, service_tier="standard"), AT) is not None
+
+
+def test_a_book_entry_multiplies_tokens_by_its_tier_multiplier() -> None:
+    """Tokens at 2x on priority; the web search fee is not multiplied."""
+    entry = le.ModelPrice(provider="openai", model="m", input_per_mtok=GPT5_IN,
+                          output_per_mtok=GPT5_OUT, web_search_per_k=SEARCH_PER_K,
+                          service_tier_multipliers={"priority": 2, "flex": "0.5"})
+    book = le.PriceBook([entry], fallback=False)
+    usage = le.Usage(input_tokens=10_000, output_tokens=2_000, web_search_requests=1,
+                     service_tier="priority")
+    priced = book.price("openai", "m", usage, AT)
+    fee = SEARCH_PER_K / 1000
+    assert priced is not None and priced.fee_nanousd == to_nanousd(fee)
+    assert priced.cost_nanousd == to_nanousd(2 * (usd(10_000, GPT5_IN) + usd(2_000, GPT5_OUT))
+                                             + fee)
+    assert book.price("openai", "m", le.Usage(input_tokens=1, service_tier="scale"), AT) is None
+    assert book.knows_tier("openai", "m", "flex", AT)
+    assert not book.knows_tier("openai", "m", "scale", AT)
+    assert hash(entry) == hash(le.ModelPrice(
+        provider="openai", model="m", input_per_mtok=GPT5_IN, output_per_mtok=GPT5_OUT,
+        web_search_per_k=SEARCH_PER_K, service_tier_multipliers={"priority": 2, "flex": "0.5"}))
+    with pytest.raises(le.ConfigError) as caught:
+        le.ModelPrice(provider="p", model="m", input_per_mtok=1, output_per_mtok=1,
+                      service_tier_multipliers={"flex": 0.5})  # type: ignore[dict-item]
+    assert caught.value.field == "service_tier_multipliers.flex"
+
+
+def test_a_published_tier_is_priceable_only_with_its_rates() -> None:
+    """flex on gpt-5 has genai-prices rates; scale has none, and is refused."""
+    assert GENAI.unpriced_features("openai", "gpt-5", Features(service_tier="flex"), AT) == ()
+    assert GENAI.unpriced_features("openai", "gpt-5", Features(service_tier="scale"), AT) == (
+        "service_tier 'scale': no rates for that tier",)

@@ -95,3 +95,14 @@ def test_usage_stays_cheap() -> None:
     assert not hasattr(usage, "__dict__") and not hasattr(COMPACTION, "__dict__")
     with pytest.raises(AttributeError):
         usage.input_tokens = 2  # type: ignore[misc]
+
+
+def test_service_tier_is_kept_through_sums_while_the_parts_agree() -> None:
+    """The tier reported by the parts (or by either), None when they differ."""
+    flex = le.Usage(input_tokens=1, service_tier="flex")
+    assert (le.Usage() + flex).service_tier == "flex"
+    assert (flex + flex).service_tier == "flex"
+    assert (flex + le.Usage(service_tier="priority")).service_tier is None
+    with pytest.raises(le.ConfigError) as caught:
+        le.Usage(service_tier="")
+    assert caught.value.field == "service_tier"
