@@ -18,6 +18,7 @@ from loopengine._call import CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
 from loopengine._errors import ConfigError
 from loopengine._estimate import Estimate, estimate_run
+from loopengine._features import check_server_tool_names
 from loopengine._invocation import Invocation
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook
@@ -281,6 +282,8 @@ class Engine:
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
         inv = self._invocation("run", operation, limits, retry, attribution,
                                observers=observers, text_sink=text_sink)
+        check_server_tool_names(operation.server_tools, {
+            *(t.name for t in spec.tools), *((final_tool,) if output is not None else ())})
         return inv, spec
 
     def stream(

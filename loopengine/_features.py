@@ -27,6 +27,8 @@ __all__ = [
     "Features",
     "ServerTool",
     "Thinking",
+    "check_features",
+    "check_server_tool_names",
     "narrow_features",
 ]
 
@@ -190,6 +192,19 @@ def check_features(features: Any) -> None:
                            _json_object("context_management", features.context_management))
     _choice("reasoning_effort", features.reasoning_effort, REASONING_EFFORTS)
     _choice("service_tier", features.service_tier, SERVICE_TIERS)
+
+
+def check_server_tool_names(server_tools: Sequence[ServerTool], names: set[str]) -> None:
+    """Refuse a server tool named like one of a run's own tools (``names``): the
+    model calls tools by name, so the two would be indistinguishable.
+
+    Raises:
+        ConfigError: on ``server_tools[i].name``.
+    """
+    for i, tool in enumerate(server_tools):
+        if tool.name in names:
+            raise ConfigError(f"server_tools[{i}].name",
+                              f"{tool.name!r} is also the name of one of the run's tools")
 
 
 def narrow_features(published: Features, requested: Mapping[str, Any] | None) -> Features:

@@ -263,3 +263,30 @@ async def test_web_search_with_a_fee_is_held_and_charged(make_engine: EngineFact
     # 10 searches at $10 per 1,000 = $0.10; 1,000 in at $3/MTok + 100 out at $15/MTok.
     [row] = ledger.attempts.values()
     assert row["cost_nanousd"] == 100_000_000 + 3_000_000 + 1_500_000
+
+
+async def test_a_server_tool_cannot_share_a_name_with_the_runs_tools(
+    make_engine: EngineFactory,
+) -> None:
+    """The model calls tools by name: a client tool or the terminal tool named like a
+    server tool is refused before anything is sent."""
+    import pydantic
+
+    engine, provider, ledger = make_engine(Reply.text("hi"))
+
+    @le.tool
+    async def web_search(query: str) -> str:
+        """Search."""
+        return "x"
+
+    class Answer(pydantic.BaseModel):
+        text: str
+
+    with pytest.raises(le.ConfigError) as caught:
+        await engine.run(op(server_tools=(FETCH, SEARCH)), "go", tools=[web_search])
+    assert caught.value.field == "server_tools[1].name"
+    answer_tool = le.ServerTool(type="web_fetch_20250910", name="final_answer")
+    with pytest.raises(le.ConfigError) as caught:
+        await engine.run(op(server_tools=(answer_tool,)), "go", output=Answer)
+    assert caught.value.field == "server_tools[0].name"
+    assert provider.requests == [] and ledger.invocations == {}
