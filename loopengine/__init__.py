@@ -22,6 +22,7 @@ from loopengine._errors import (
     ToolInputError,
 )
 from loopengine._estimate import Estimate
+from loopengine._features import ServerTool, Thinking
 from loopengine._judge import Accept, Reject
 from loopengine._operation import Operation, load_operations
 from loopengine._outcome import Outcome
@@ -29,7 +30,7 @@ from loopengine._pricing import ModelPrice, PriceBook
 from loopengine._result import AttemptsSummary, RunResult
 from loopengine._stream import RunStream
 from loopengine._tools import Tool, tool
-from loopengine._usage import Usage
+from loopengine._usage import Usage, UsageIteration
 from loopengine.guards._limits import Limits
 from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
@@ -67,10 +68,13 @@ __all__ = [
     "RetryPolicy",
     "RunResult",
     "RunStream",
+    "ServerTool",
     "StructuredOutputError",
+    "Thinking",
     "Tool",
     "ToolInputError",
     "Usage",
+    "UsageIteration",
     "load_operations",
     "tool",
 ]

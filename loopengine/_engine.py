@@ -17,6 +17,7 @@ from loopengine._call import CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
 from loopengine._errors import ConfigError
 from loopengine._estimate import Estimate, estimate_run
+from loopengine._features import check_server_tool_names
 from loopengine._invocation import Invocation
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook
@@ -183,6 +184,15 @@ class Engine:
                 f"{vendor}:{operation.model} has no price, so its credit_hold "
                 "cannot be enforced; add a ModelPrice to the PriceBook",
             )
+        if run_limits.credit_hold is not None:
+            unpriced = self.prices.unpriced_features(
+                vendor, operation.model, operation.features, self.clock.wall())
+            if unpriced:
+                raise ConfigError(
+                    "prices",
+                    f"operation {operation.name!r} enables features without a price, so its "
+                    f"credit_hold cannot be enforced: {'; '.join(unpriced)}",
+                )
         return Invocation(
             kind=kind, operation=operation, provider=provider, limits=run_limits,
             policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,
@@ -234,8 +244,9 @@ class Engine:
             The `RunResult`, whatever the outcome; it keeps the whole transcript.
 
         Raises:
-            ConfigError: bad input, an unserved route, or an unpriced model with
-                a credit hold; raised before anything is sent.
+            ConfigError: bad input, an unserved route, or an unpriced model (or
+                enabled feature, docs/pricing.md) with a credit hold; raised
+                before anything is sent.
             LedgerError: the ledger could not record the run; it is recorded
                 ``failed`` where the ledger still can, and observers see
                 `RunEnded` with outcome ``failed``.
@@ -280,6 +291,8 @@ class Engine:
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
         inv = self._invocation("run", operation, limits, retry, attribution,
                                observers=observers, text_sink=text_sink)
+        check_server_tool_names(operation.server_tools, {
+            *(t.name for t in spec.tools), *((final_tool,) if output is not None else ())})
         return inv, spec
 
     def stream(

@@ -12,11 +12,17 @@ worst case the operation's limits allow:
   ``input_k = input_1 + (k - 1) * max_output_tokens``;
 * each turn is priced on its own, at the engine's current time, as uncached
   input and output (no cache discount is assumed), and rounded up to the credit
-  quantum before it accumulates, as real turn charges are (R03).
+  quantum before it accumulates, as real turn charges are (R03);
+* each turn uses every server tool the operation publishes up to its
+  ``max_uses`` and pays its per-request fee (web search, web fetch) that
+  many times. A tool with a fee and no ``max_uses`` has no worst case: the
+  estimate then has no cost (``cost_usd`` and ``credits`` are None, as for an
+  unpriced model, and ``unbounded_tools`` names it).
 
 What the estimate cannot know is left out and said so: tool results and judge
 feedback added during the run (their size depends on the tools), retries (a
-failed attempt is never charged, S01), and cache-write premiums.
+failed attempt is never charged, S01), cache-write premiums, and the tokens
+of compaction passes and advisor calls.
 
 It is synchronous and does no I/O beyond reading the tokenizer file once per
 process.
@@ -111,6 +117,12 @@ class Estimate:
     credits: int | None
     """Worst-case credits, each turn rounded up to the credit quantum before it
     accumulates; None when the model has no price."""
+    fee_usd: Decimal | None
+    """The part of ``cost_usd`` that is server-tool fees (every turn using each
+    tool ``max_uses`` times); None when ``cost_usd`` is."""
+    unbounded_tools: tuple[str, ...]
+    """Server tools with a per-request fee and no ``max_uses``: while any is
+    listed the worst case is unbounded and ``cost_usd`` is None."""
     price_ref: str | None
     """Where the price came from (as in the ledger's ``price_ref``), or None."""
     priced_at: datetime
@@ -170,20 +182,25 @@ def estimate_run(
     turns = run_limits.max_turns
     turn_inputs = tuple(first + k * per_turn_output for k in range(turns))
 
+    route = vendor or operation.provider
+    searches, fetches, unbounded = _server_tool_uses(operation, prices, route, at)
     cost_nanousd: int | None = 0
+    fee_nanousd: int | None = 0
     credits: int | None = 0
     price_ref: str | None = None
     for turn_input in turn_inputs:
-        priced = prices.price(
-            vendor or operation.provider, operation.model,
-            Usage(input_tokens=turn_input, output_tokens=per_turn_output), at,
+        priced = None if unbounded else prices.price(
+            route, operation.model,
+            Usage(input_tokens=turn_input, output_tokens=per_turn_output,
+                  web_search_requests=searches, web_fetch_requests=fetches), at,
         )
         if priced is None:
-            cost_nanousd = credits = price_ref = None
+            cost_nanousd = fee_nanousd = credits = price_ref = None
             break
-        assert cost_nanousd is not None and credits is not None
+        assert cost_nanousd is not None and credits is not None and fee_nanousd is not None
         price_ref = price_ref or priced.price_ref
         cost_nanousd += priced.cost_nanousd
+        fee_nanousd += priced.fee_nanousd
         credits += turn_credits(priced.cost_nanousd, prices.credits_per_usd,
                                 prices.credit_quantum)
 
@@ -201,9 +218,36 @@ def estimate_run(
         total_input_tokens=sum(turn_inputs),
         cost_usd=None if cost_nanousd is None else nanousd_to_usd(cost_nanousd),
         credits=credits,
+        fee_usd=None if fee_nanousd is None else nanousd_to_usd(fee_nanousd),
+        unbounded_tools=unbounded,
         price_ref=price_ref,
         priced_at=at,
     )
+
+
+def _server_tool_uses(
+    operation: Operation, prices: PriceBook, route: str, at: datetime
+) -> tuple[int, int, tuple[str, ...]]:
+    """The most web searches and web fetches one turn may run, and the fee-bearing
+    tools without a ``max_uses`` (a zero fee needs no bound)."""
+    search_fee, fetch_fee = prices.fees(route, operation.model, at)
+    searches = fetches = 0
+    unbounded: list[str] = []
+    for tool in operation.server_tools:
+        if tool.type.startswith("web_search_"):
+            fee = search_fee
+        elif tool.type.startswith("web_fetch_"):
+            fee = fetch_fee
+        else:
+            continue
+        if tool.max_uses is None:
+            if fee != 0:
+                unbounded.append(tool.name)
+        elif tool.type.startswith("web_search_"):
+            searches += tool.max_uses
+        else:
+            fetches += tool.max_uses
+    return searches, fetches, tuple(unbounded)
 
 
 def count_input(

@@ -10,6 +10,7 @@ from typing import Any
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
+from loopengine._features import Features, ServerTool, Thinking, check_features
 from loopengine.guards._limits import Limits
 from loopengine.providers._cache import CachePolicy
 from loopengine.providers._retry import RetryPolicy
@@ -54,6 +55,21 @@ class Operation:
     """The model's own output limit, if known; ``max_tokens`` never exceeds it."""
     wrap_up_text: str = DEFAULT_WRAP_UP_TEXT
     """What a wrap-up turn (``Limits(wrap_up=True)``) adds to the conversation."""
+    thinking: Thinking | None = None
+    """Anthropic extended thinking (a budget, or adaptive with an effort); None: off."""
+    server_tools: tuple[ServerTool, ...] = ()
+    """Tools the provider runs itself (web search, web fetch, code execution...),
+    each with its ``max_uses``; their per-request fees are priced (docs/pricing.md)."""
+    betas: tuple[str, ...] = ()
+    """Anthropic beta headers the requests send (``anthropic-beta``)."""
+    context_management: Mapping[str, Any] | None = None
+    """Anthropic's ``context_management`` object (compaction, context editing), sent
+    as given; it must be a JSON object."""
+    reasoning_effort: str | None = None
+    """OpenAI's ``reasoning_effort`` (``none`` ... ``xhigh``); None: the API's default."""
+    service_tier: str | None = None
+    """OpenAI's ``service_tier`` (``auto``, ``default``, ``flex``, ``scale``,
+    ``priority``); None: the API's default. It changes the price."""
 
     def __post_init__(self) -> None:
         _validate.text("name", self.name)
@@ -68,11 +84,25 @@ class Operation:
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(name, f"must be a {kind.__name__}, "
                                         f"got {_validate.shown(getattr(self, name))}")
+        check_features(self)
+
+    def __hash__(self) -> int:
+        # ``context_management`` is a mapping; hash the operation by its features' hash.
+        return hash((self.name, self.version, self.route, self.features))
 
     @property
     def route(self) -> str:
         """``provider:model``, as recorded in ``served_by``."""
         return f"{self.provider}:{self.model}"
+
+    @property
+    def features(self) -> Features:
+        """The request features this operation publishes (part of its route, R13)."""
+        return Features(
+            thinking=self.thinking, server_tools=self.server_tools, betas=self.betas,
+            context_management=self.context_management,
+            reasoning_effort=self.reasoning_effort, service_tier=self.service_tier,
+        )
 
     @property
     def output_ceiling(self) -> int:
@@ -103,7 +133,9 @@ class Operation:
             ConfigError: with the field relative to the table (``limits.max_turns``).
         """
         known = {"version", "provider", "model", "max_output_tokens", "limits", "retry",
-                 "cache", "model_max_output_tokens", "wrap_up_text"}
+                 "cache", "model_max_output_tokens", "wrap_up_text", "thinking",
+                 "server_tools", "betas", "context_management", "reasoning_effort",
+                 "service_tier"}
         for key in values:
             if key not in known:
                 raise ConfigError(str(key), f"is not an operation setting "
@@ -122,10 +154,36 @@ class Operation:
                     args[key] = build(table)
                 except ConfigError as error:
                     raise error.with_prefix(key) from None
+        if "thinking" in values:
+            table = values["thinking"]
+            if not isinstance(table, Mapping):
+                raise ConfigError("thinking", f"must be a table, got {table!r}")
+            try:
+                args["thinking"] = Thinking.from_mapping(table)
+            except ConfigError as error:
+                raise error.with_prefix("thinking") from None
+        if "server_tools" in values:
+            args["server_tools"] = _server_tools_from_list(values["server_tools"])
+        if isinstance(args.get("betas"), list):
+            args["betas"] = tuple(args["betas"])
         for required in ("provider", "model"):
             if required not in args:
                 raise ConfigError(required, "is required")
         return cls(name=name, **args)
+
+
+def _server_tools_from_list(values: object) -> tuple[ServerTool, ...]:
+    if not isinstance(values, list):
+        raise ConfigError("server_tools", f"must be an array of tables, got {values!r}")
+    tools = []
+    for i, table in enumerate(values):
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"server_tools[{i}]", f"must be a table, got {table!r}")
+        try:
+            tools.append(ServerTool.from_mapping(table))
+        except ConfigError as error:
+            raise error.with_prefix(f"server_tools[{i}]") from None
+    return tuple(tools)
 
 
 def _cache_from_mapping(values: Mapping[str, Any]) -> CachePolicy:
@@ -150,6 +208,15 @@ def load_operations(path: str | Path) -> dict[str, Operation]:
         max_output_tokens = 1024
         limits = { max_turns = 6, credit_hold = 500 }
         retry = { max_attempts = 3 }
+        thinking = { budget_tokens = 2048 }
+        betas = ["compact-2026-01-12"]
+        context_management = { edits = [{ type = "compact_20260112" }] }
+
+        [[operations."teammate.answer".server_tools]]
+        type = "web_search_20250305"
+        name = "web_search"
+        max_uses = 5
+        params = { allowed_domains = ["example.com"] }
 
     Returns:
         The operations by name.

@@ -8,15 +8,32 @@ to genai-prices' historical data for that timestamp.
 The Anthropic convention (``input_tokens`` excludes cache tokens) is converted
 to genai-prices' (cache tokens counted inside ``input_tokens``) here and only
 here, in `_genai_usage`.
+
+An attempt's price is its tokens plus its per-request fees:
+
+* tokens: when the reply reported sampling ``iterations`` (compaction, an
+  advisor, a server tool loop), each iteration is priced on its own at its own
+  model (an advisor iteration at the advisor model's rates, with that
+  iteration's own long-context tier) and the parts are summed; otherwise the
+  usage's tokens at the attempt's model.
+* fees: ``web_search_requests`` and ``web_fetch_requests`` times the fee per
+  1,000 at the attempt's model: a `ModelPrice`'s ``web_search_per_k`` /
+  ``web_fetch_per_k``, else genai-prices' ``web_searches_kcount``, else a fee
+  the vendor documents and genai-prices does not carry (`DOCUMENTED_FEES`).
+  A fee nobody knows makes the attempt unpriced (never a silent zero).
+
+The sum is rounded up to a nano-USD once; `Priced.fee_nanousd` is the fee
+part, rounded up on its own (so it never exceeds the total).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import ROUND_CEILING, Decimal
+from typing import TYPE_CHECKING, Any, Final
 
 from genai_prices import Usage as GenaiUsage
 from genai_prices.types import ModelPrice as GenaiModelPrice
@@ -26,10 +43,28 @@ from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine._usage import Usage
 
-__all__ = ["ModelPrice", "PriceBook", "Priced"]
+if TYPE_CHECKING:
+    from loopengine._features import Features
+
+__all__ = ["DOCUMENTED_FEES", "STANDARD_TIERS", "ModelPrice", "PriceBook", "Priced"]
 
 _MTOK = Decimal(1_000_000)
 _NANO = Decimal(1_000_000_000)
+_K = Decimal(1000)
+
+STANDARD_TIERS: Final = frozenset({"auto", "default", "standard"})
+"""Service tiers priced at a model's list rates (OpenAI ``default``, Anthropic
+``standard``; ``auto`` is a request's, resolved to the project's tier)."""
+
+DOCUMENTED_FEES: Final = {("anthropic", "web_fetch"): Decimal(0)}
+"""Per-1,000-request fees a vendor documents that genai-prices does not carry,
+by ``(vendor, unit)``: Anthropic's web fetch has "no additional charges beyond
+standard token costs"."""
+
+# Server tool types (by prefix) billed only through the tokens they add:
+# Anthropic-defined tools the client runs, and tool search.
+_TOKEN_ONLY_TOOLS: Final = ("bash_", "text_editor_", "memory_", "computer_",
+                            "tool_search_tool_")
 
 # genai-prices knows some providers under other ids.
 _GENAI_PROVIDER_IDS = {"bedrock": "aws", "vertex": "google"}
@@ -59,21 +94,49 @@ class ModelPrice:
     """One-hour cache writes; defaults to the five-minute write price."""
     effective_from: datetime | None = None
     """The first moment (timezone-aware) the price applies; None: always."""
+    web_search_per_k: Decimal | None = None
+    """USD per 1,000 web searches (Anthropic and OpenAI: $10); None: this entry
+    does not price web searches, and a reply that ran any is unpriced."""
+    web_fetch_per_k: Decimal | None = None
+    """USD per 1,000 web fetches; None: the vendor's documented fee
+    (`DOCUMENTED_FEES`: Anthropic charges none), else unpriced."""
+    service_tier_multipliers: Mapping[str, Decimal] = field(default_factory=dict)
+    """Token-price multipliers by the service tier a reply reports, e.g.
+    ``{"flex": Decimal("0.5"), "priority": Decimal(2)}``; standard tiers
+    (`STANDARD_TIERS`) are 1, and a tier not listed leaves the attempt unpriced.
+    Fees are not multiplied."""
 
     def __post_init__(self) -> None:
         _validate.text("provider", self.provider)
         _validate.text("model", self.model)
         for name in ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok",
-                     "cache_write_per_mtok", "cache_write_1h_per_mtok"):
-            value = _validate.decimal(name, getattr(self, name), optional=name.startswith("cache"))
+                     "cache_write_per_mtok", "cache_write_1h_per_mtok", "web_search_per_k",
+                     "web_fetch_per_k"):
+            value = _validate.decimal(name, getattr(self, name),
+                                      optional=not name.endswith("put_per_mtok"))
             object.__setattr__(self, name, value)
+        if not isinstance(self.service_tier_multipliers, Mapping):
+            raise ConfigError("service_tier_multipliers", "must be a mapping of tier to Decimal")
+        multipliers: dict[str, Decimal] = {}
+        for tier, value in self.service_tier_multipliers.items():
+            _validate.text("service_tier_multipliers", tier)
+            checked = _validate.decimal(f"service_tier_multipliers.{tier}", value, positive=True)
+            assert checked is not None
+            multipliers[tier] = checked
+        object.__setattr__(self, "service_tier_multipliers", multipliers)
         if self.effective_from is not None and (
             not isinstance(self.effective_from, datetime) or self.effective_from.tzinfo is None
         ):
             raise ConfigError("effective_from", "must be a timezone-aware datetime or None")
 
+    def __hash__(self) -> int:
+        # The multipliers are a dict; leaving them out keeps equal prices' hashes equal.
+        return hash((self.provider, self.model, self.input_per_mtok, self.output_per_mtok,
+                     self.effective_from))
+
     def cost(self, usage: Usage) -> Decimal:
-        """The USD cost of ``usage`` at this price."""
+        """The USD cost of ``usage``'s tokens at this price (iterations and fees are
+        priced by `PriceBook.price`)."""
         read = _or(self.cache_read_per_mtok, self.input_per_mtok)
         write = _or(self.cache_write_per_mtok, self.input_per_mtok)
         write_1h = _or(self.cache_write_1h_per_mtok, write)
@@ -92,10 +155,14 @@ class Priced:
     """One attempt's price."""
 
     cost_nanousd: int
-    """The cost in 1e-9 USD, rounded up."""
+    """The whole cost (tokens and fees) in 1e-9 USD, rounded up."""
     price_ref: str
     """Where the price came from: ``book:<provider>/<model>@<from>`` or
-    ``genai-prices:<version>:<provider>/<model>``."""
+    ``genai-prices:<version>:<provider>/<model>``; iterations on other models
+    add their own, joined by ``"; "``."""
+    fee_nanousd: int = 0
+    """The part of ``cost_nanousd`` that is per-request fees (web searches,
+    web fetches) rather than tokens, rounded up."""
 
 
 class PriceBook:
@@ -147,18 +214,127 @@ class PriceBook:
         return best
 
     def price(self, provider: str, model: str, usage: Usage, at: datetime) -> Priced | None:
-        """Price one attempt's ``usage`` as of ``at``; None when no price is known."""
-        entry = self.entry(provider, model, at)
-        if entry is not None:
-            since = entry.effective_from.isoformat() if entry.effective_from else "always"
-            return Priced(to_nanousd(entry.cost(usage)), f"book:{provider}/{model}@{since}")
-        if not self.fallback:
+        """Price one attempt's ``usage`` as of ``at`` (see the module docstring);
+        None when a price it needs (a model's, an iteration model's, a fee) is unknown."""
+        if usage.iterations:
+            total = Decimal(0)
+            refs: list[str] = []
+            for iteration in usage.iterations:
+                part = self._tokens(provider, iteration.model or model, iteration.tokens(), at,
+                                    usage.service_tier)
+                if part is None:
+                    return None
+                total += part[0]
+                if part[1] not in refs:
+                    refs.append(part[1])
+            tokens: tuple[Decimal, str] | None = (total, "; ".join(refs))
+        else:
+            tokens = self._tokens(provider, model, usage, at, usage.service_tier)
+        if tokens is None:
             return None
-        return _genai_price(provider, model, usage, at)
+        if not (usage.web_search_requests or usage.web_fetch_requests):
+            return Priced(to_nanousd(tokens[0]), tokens[1])
+        fee = self._fee(provider, model, usage, at)
+        if fee is None:
+            return None
+        return Priced(to_nanousd(tokens[0] + fee), tokens[1], to_nanousd(fee))
 
     def knows(self, provider: str, model: str, at: datetime) -> bool:
         """True when ``model`` on ``provider`` has a price at ``at``."""
         return self.price(provider, model, Usage(), at) is not None
+
+    def fees(
+        self, provider: str, model: str, at: datetime
+    ) -> tuple[Decimal | None, Decimal | None]:
+        """``(web search, web fetch)`` fees in USD per 1,000 requests at ``model``'s
+        price in force at ``at``; None where nobody knows the fee."""
+        entry = self.entry(provider, model, at)
+        if entry is not None:
+            search, fetch = entry.web_search_per_k, entry.web_fetch_per_k
+        elif self.fallback:
+            search, fetch = _genai_fees(provider, model, at)
+        else:
+            return None, None
+        if fetch is None:
+            fetch = DOCUMENTED_FEES.get((provider, "web_fetch"))
+        return search, fetch
+
+    def unpriced_features(self, provider: str, model: str, features: Features,
+                          at: datetime) -> tuple[str, ...]:
+        """The enabled features of an operation this book cannot price at ``at``
+        (empty: all of them can be). The engine refuses a ``credit_hold`` on an
+        operation with any, as on an unpriced model.
+
+        Thinking, betas, context management (compaction is billed as tokens of
+        the same model) and reasoning effort are billed as tokens. A server
+        tool is priceable when its fee is known (web search, web fetch), when
+        it is billed only as tokens (``bash_``, ``text_editor_``, ``memory_``,
+        ``computer_``, ``tool_search_tool_`` types), or, for an advisor, when
+        the model its ``params`` name has a price. Code execution is billed by
+        container time, which no reply reports, and any other type is unknown:
+        both are unpriceable. A ``service_tier`` needs its rates (`knows_tier`).
+        """
+        missing: list[str] = []
+        search, fetch = self.fees(provider, model, at)
+        for tool in features.server_tools:
+            label = f"server tool {tool.name!r} ({tool.type})"
+            if tool.type.startswith("web_search_"):
+                if search is None:
+                    missing.append(f"{label}: no web search fee")
+            elif tool.type.startswith("web_fetch_"):
+                if fetch is None:
+                    missing.append(f"{label}: no web fetch fee")
+            elif tool.type.startswith("advisor_"):
+                advisor = tool.params.get("model")
+                if not isinstance(advisor, str) or not self.knows(provider, advisor, at):
+                    missing.append(f"{label}: advisor model {advisor!r} has no price")
+            elif tool.type.startswith("code_execution_"):
+                missing.append(f"{label}: container time is billed outside the reply")
+            elif not tool.type.startswith(_TOKEN_ONLY_TOOLS):
+                missing.append(f"{label}: unknown server tool type")
+        if not self.knows_tier(provider, model, features.service_tier, at):
+            missing.append(f"service_tier {features.service_tier!r}: no rates for that tier")
+        return tuple(missing)
+
+    def knows_tier(self, provider: str, model: str, tier: str | None, at: datetime) -> bool:
+        """True when ``model``'s tokens can be priced on service tier ``tier`` at ``at``:
+        a standard tier (None, ``auto``, ``default``, ``standard``), a tier the book
+        entry has a multiplier for, or, for models the book does not list, a tier
+        genai-prices has rates for."""
+        if tier is None or tier in STANDARD_TIERS:
+            return True
+        entry = self.entry(provider, model, at)
+        if entry is not None:
+            return tier in entry.service_tier_multipliers
+        return self.fallback and _genai_tier(provider, model, tier, at)
+
+    def _tokens(self, provider: str, model: str, usage: Usage, at: datetime,
+                tier: str | None) -> tuple[Decimal, str] | None:
+        """The USD cost of ``usage``'s tokens (iterations ignored) at ``model`` on ``tier``."""
+        entry = self.entry(provider, model, at)
+        if entry is not None:
+            since = entry.effective_from.isoformat() if entry.effective_from else "always"
+            cost = entry.cost(usage)
+            if tier is not None and tier not in STANDARD_TIERS:
+                multiplier = entry.service_tier_multipliers.get(tier)
+                if multiplier is None:
+                    return None
+                cost *= multiplier
+            return cost, f"book:{provider}/{model}@{since}"
+        if not self.fallback:
+            return None
+        return _genai_tokens(provider, model, usage, at, tier)
+
+    def _fee(self, provider: str, model: str, usage: Usage, at: datetime) -> Decimal | None:
+        search, fetch = self.fees(provider, model, at)
+        total = Decimal(0)
+        for count, rate in ((usage.web_search_requests, search),
+                            (usage.web_fetch_requests, fetch)):
+            if count:
+                if rate is None:
+                    return None
+                total += count * rate / _K
+        return total
 
 
 def _or(value: Decimal | None, default: Decimal) -> Decimal:
@@ -200,7 +376,8 @@ def _genai_version() -> str:
 
 
 # The per-token prices the fast path computes itself, and the price keys of
-# usage this library never reports (so they always price to zero).
+# units it does not price as tokens: web searches (a fee, priced by
+# `_genai_fees`) and usage this library never reports (always zero).
 _TOKEN_PRICE_KEYS = frozenset(
     {"input_mtok", "output_mtok", "cache_read_mtok", "cache_write_mtok", "cache_write_1h_mtok"}
 )
@@ -212,26 +389,59 @@ _UNREPORTED_PRICE_KEYS = frozenset({
 })
 
 
-def _genai_price(provider: str, model: str, usage: Usage, at: datetime) -> Priced | None:
+def _genai_model(provider: str, model: str) -> tuple[Any, Any] | None:
     from genai_prices import data_snapshot
 
     provider_id = _GENAI_PROVIDER_IDS.get(provider, provider)
     try:
-        found_provider, info = data_snapshot.get_snapshot().find_provider_model(
-            model, None, provider_id, None
-        )
+        return data_snapshot.get_snapshot().find_provider_model(model, None, provider_id, None)
     except LookupError:
         return None
-    model_price = info.get_prices(at)
+
+
+def _genai_tokens(provider: str, model: str, usage: Usage, at: datetime,
+                  tier: str | None) -> tuple[Decimal, str] | None:
+    found = _genai_model(provider, model)
+    if found is None:
+        return None
+    found_provider, info = found
+    context = None
+    if tier is not None and tier not in STANDARD_TIERS:
+        if not _genai_tier(provider, model, tier, at):
+            return None
+        context = {"service_tier": tier}
+    model_price = info.get_prices(at, context)
     cost = _token_cost(model_price, usage)
     if cost is None:
         cost = info.calc_price(
-            _genai_usage(usage), found_provider, genai_request_timestamp=at
+            _genai_usage(usage), found_provider, genai_request_timestamp=at,
+            price_context=context,
         ).total_price
-    return Priced(
-        to_nanousd(cost),
-        f"genai-prices:{_genai_version()}:{found_provider.id}/{info.id}",
+    return cost, f"genai-prices:{_genai_version()}:{found_provider.id}/{info.id}"
+
+
+def _genai_tier(provider: str, model: str, tier: str, at: datetime) -> bool:
+    """True when genai-prices has rates of its own for ``tier`` on ``model`` at ``at``."""
+    found = _genai_model(provider, model)
+    if found is None:
+        return False
+    return any(
+        variant.when == {"service_tier": tier}
+        and (variant.constraint is None or variant.constraint.active(at))
+        for variant in found[1].price_variants or ()
     )
+
+
+def _genai_fees(provider: str, model: str, at: datetime) -> tuple[Decimal | None, None]:
+    """genai-prices' web search fee per 1,000 for ``model`` (it has no web fetch unit)."""
+    found = _genai_model(provider, model)
+    if found is None:
+        return None, None
+    rate = getattr(found[1].get_prices(at), "web_searches_kcount", None)
+    if isinstance(rate, TieredPrices):
+        # Tiers follow a request's input tokens; no search fee varies with them.
+        rate = rate.base
+    return rate, None
 
 
 def _token_cost(model_price: GenaiModelPrice, usage: Usage) -> Decimal | None:

@@ -1,25 +1,62 @@
-"""`Usage`: the tokens one or more provider requests reported."""
+"""`Usage`: what one or more provider requests served, all of it.
+
+A `Usage` is created for every attempt, on the hot path: it is a slotted,
+frozen dataclass whose common case (no iterations) costs no more than the
+token counts it holds.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
 
-__all__ = ["Usage"]
+__all__ = ["Usage", "UsageIteration"]
+
+_TOKENS: Final = (
+    "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
+    "cache_write_1h_tokens",
+)
+_COUNTS: Final = _TOKENS + ("web_search_requests", "web_fetch_requests", "reasoning_tokens")
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """Token usage, in the Anthropic convention.
+def _check_counts(usage: Usage | UsageIteration, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(usage, name)
+        # The common case inline (a usage is built per attempt); `_validate`
+        # words the error. ``type() is int`` also refuses bools.
+        if type(value) is not int or value < 0:
+            _validate.integer(name, value, minimum=0)
 
-    ``input_tokens`` counts only the uncached input: cache reads and cache
-    writes are counted separately and are not part of it. (OpenTelemetry's
-    ``gen_ai.usage.input_tokens`` and genai-prices count them inside the input;
-    `total_input_tokens` gives that figure.)
+
+def _check_cache_split(usage: Usage | UsageIteration) -> None:
+    if usage.cache_write_1h_tokens > usage.cache_write_tokens:
+        raise ConfigError(
+            "cache_write_1h_tokens",
+            f"cannot exceed cache_write_tokens ({usage.cache_write_1h_tokens} > "
+            f"{usage.cache_write_tokens})",
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UsageIteration:
+    """One sampling iteration inside one request (Anthropic's ``usage.iterations``).
+
+    A request with server-side compaction, an advisor or a server tool loop
+    samples more than once; each entry reports its own tokens, in the same
+    convention as `Usage` (``input_tokens`` without cache tokens).
     """
 
+    type: str
+    """The iteration's type as the API reports it: ``message`` (the requested model
+    sampling), ``compaction`` (the summarising pass, on the requested model),
+    ``advisor_message`` (the advisor, on its own model), ``fallback_message``, or
+    any other type the API adds (carried through)."""
+    model: str | None = None
+    """The model that served it when it differs from the attempt's (an advisor's);
+    None: the attempt's model. Each iteration is priced at its own model."""
     input_tokens: int = 0
     """Uncached input tokens."""
     output_tokens: int = 0
@@ -32,20 +69,122 @@ class Usage:
     """The part of ``cache_write_tokens`` written with the one-hour lifetime."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "input_tokens",
-            "output_tokens",
-            "cache_read_tokens",
-            "cache_write_tokens",
-            "cache_write_1h_tokens",
-        ):
-            _validate.integer(name, getattr(self, name), minimum=0)
-        if self.cache_write_1h_tokens > self.cache_write_tokens:
-            raise ConfigError(
-                "cache_write_1h_tokens",
-                f"cannot exceed cache_write_tokens ({self.cache_write_1h_tokens} > "
-                f"{self.cache_write_tokens})",
-            )
+        _validate.text("type", self.type)
+        _validate.text("model", self.model, optional=True)
+        _check_counts(self, _TOKENS)
+        _check_cache_split(self)
+
+    @property
+    def cache_write_5m_tokens(self) -> int:
+        """The part of ``cache_write_tokens`` written with the five-minute lifetime."""
+        return self.cache_write_tokens - self.cache_write_1h_tokens
+
+    def tokens(self) -> Usage:
+        """This iteration's tokens as a `Usage` without iterations (to price it)."""
+        return Usage(
+            input_tokens=self.input_tokens, output_tokens=self.output_tokens,
+            cache_read_tokens=self.cache_read_tokens,
+            cache_write_tokens=self.cache_write_tokens,
+            cache_write_1h_tokens=self.cache_write_1h_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a provider served, in the Anthropic convention.
+
+    ``input_tokens`` counts only the uncached input: cache reads and cache
+    writes are counted separately and are not part of it. (OpenTelemetry's
+    ``gen_ai.usage.input_tokens`` and genai-prices count them inside the input;
+    `total_input_tokens` gives that figure.) OpenAI's ``prompt_tokens`` holds
+    cached and written tokens: ``input_tokens = prompt_tokens - cached_tokens -
+    cache_write_tokens``.
+
+    The token fields are what was billed. When the request sampled more than
+    once (``iterations`` is not empty) they are the sums over its iterations,
+    and each iteration is priced at its own model. Anthropic's top-level
+    ``usage`` is not that sum: its ``input_tokens``/``output_tokens`` leave out
+    ``compaction`` and ``advisor_message`` iterations, and its input counts only
+    the first executor iteration, while every iteration is billed. So when a
+    reply has ``usage.iterations``, build its `Usage` with `from_iterations`
+    and ignore the top-level token counts; without iterations the top level
+    is the bill.
+
+    Adding two usages sums every field. If either has iterations, the sum's
+    iterations are both lists, one without iterations counting as a single
+    ``message`` iteration of its tokens (when it has any), so that the token
+    fields stay the sums of the iterations. The sum's ``service_tier`` is the
+    one its parts reported, None if they differ.
+    """
+
+    input_tokens: int = 0
+    """Uncached input tokens."""
+    output_tokens: int = 0
+    """Output tokens (reasoning and thinking tokens included)."""
+    cache_read_tokens: int = 0
+    """Input tokens read from the prompt cache."""
+    cache_write_tokens: int = 0
+    """Input tokens written to the prompt cache (all lifetimes)."""
+    cache_write_1h_tokens: int = 0
+    """The part of ``cache_write_tokens`` written with the one-hour lifetime."""
+    web_search_requests: int = 0
+    """Web searches the provider ran (Anthropic ``server_tool_use.web_search_requests``,
+    OpenAI web search calls); each is billed a fee."""
+    web_fetch_requests: int = 0
+    """Web fetches the provider ran (``server_tool_use.web_fetch_requests``)."""
+    reasoning_tokens: int = 0
+    """The part of ``output_tokens`` spent reasoning, where the provider reports it
+    (OpenAI ``completion_tokens_details.reasoning_tokens``); noted, priced as output."""
+    iterations: tuple[UsageIteration, ...] = ()
+    """Each sampling iteration's tokens (Anthropic ``usage.iterations``); empty when
+    the reply reported none. The token fields are their sums."""
+    service_tier: str | None = None
+    """The service tier that served the request, as the reply reports it (OpenAI
+    ``service_tier``, Anthropic ``usage.service_tier``); None: not reported.
+    Tokens are priced at that tier's rates (docs/pricing.md). A sum keeps the
+    tier its parts reported, or None if they reported different tiers."""
+
+    def __post_init__(self) -> None:
+        _check_counts(self, _COUNTS)
+        _check_cache_split(self)
+        if self.service_tier is not None:
+            _validate.text("service_tier", self.service_tier)
+        if self.reasoning_tokens > self.output_tokens:
+            raise ConfigError("reasoning_tokens", "cannot exceed output_tokens "
+                              f"({self.reasoning_tokens} > {self.output_tokens})")
+        if self.iterations:
+            self._check_iterations()
+
+    def _check_iterations(self) -> None:
+        if not isinstance(self.iterations, tuple):
+            raise ConfigError("iterations", "must be a tuple of UsageIteration")
+        for i, iteration in enumerate(self.iterations):
+            if not isinstance(iteration, UsageIteration):
+                raise ConfigError(f"iterations[{i}]", f"must be a UsageIteration, got "
+                                                      f"{iteration!r}")
+        for name in _TOKENS:
+            total = sum(getattr(iteration, name) for iteration in self.iterations)
+            if getattr(self, name) != total:
+                raise ConfigError(name, f"must be the sum over iterations ({total}), got "
+                                        f"{getattr(self, name)}; build it with "
+                                        "Usage.from_iterations")
+
+    @classmethod
+    def from_iterations(
+        cls,
+        iterations: tuple[UsageIteration, ...],
+        *,
+        web_search_requests: int = 0,
+        web_fetch_requests: int = 0,
+        reasoning_tokens: int = 0,
+        service_tier: str | None = None,
+    ) -> Usage:
+        """The usage of a reply that reported ``iterations``: its tokens are their sums."""
+        iterations = tuple(iterations)
+        sums = {name: sum(getattr(i, name) for i in iterations) for name in _TOKENS}
+        return cls(**sums, web_search_requests=web_search_requests,
+                   web_fetch_requests=web_fetch_requests, reasoning_tokens=reasoning_tokens,
+                   iterations=iterations, service_tier=service_tier)
 
     @property
     def total_input_tokens(self) -> int:
@@ -57,13 +196,39 @@ class Usage:
         """The part of ``cache_write_tokens`` written with the five-minute lifetime."""
         return self.cache_write_tokens - self.cache_write_1h_tokens
 
+    def _as_iterations(self) -> tuple[UsageIteration, ...]:
+        if self.iterations:
+            return self.iterations
+        if not (self.input_tokens or self.output_tokens or self.cache_read_tokens
+                or self.cache_write_tokens):
+            return ()
+        return (UsageIteration(
+            type="message", input_tokens=self.input_tokens, output_tokens=self.output_tokens,
+            cache_read_tokens=self.cache_read_tokens, cache_write_tokens=self.cache_write_tokens,
+            cache_write_1h_tokens=self.cache_write_1h_tokens),)
+
     def __add__(self, other: Usage) -> Usage:
         if not isinstance(other, Usage):
             return NotImplemented
+        iterations = (self._as_iterations() + other._as_iterations()
+                      if self.iterations or other.iterations else ())
+        # Positional: this runs once per attempt, and keywords cost more.
         return Usage(
-            input_tokens=self.input_tokens + other.input_tokens,
-            output_tokens=self.output_tokens + other.output_tokens,
-            cache_read_tokens=self.cache_read_tokens + other.cache_read_tokens,
-            cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
-            cache_write_1h_tokens=self.cache_write_1h_tokens + other.cache_write_1h_tokens,
+            self.input_tokens + other.input_tokens,
+            self.output_tokens + other.output_tokens,
+            self.cache_read_tokens + other.cache_read_tokens,
+            self.cache_write_tokens + other.cache_write_tokens,
+            self.cache_write_1h_tokens + other.cache_write_1h_tokens,
+            self.web_search_requests + other.web_search_requests,
+            self.web_fetch_requests + other.web_fetch_requests,
+            self.reasoning_tokens + other.reasoning_tokens,
+            iterations,
+            _sum_tier(self.service_tier, other.service_tier),
         )
+
+
+def _sum_tier(a: str | None, b: str | None) -> str | None:
+    """The tier of a sum: the one reported (by both, or by either), None if they differ."""
+    if a is None or a == b:
+        return b
+    return a if b is None else None

@@ -320,3 +320,42 @@ def test_bad_input_is_a_config_error() -> None:
     with pytest.raises(le.ConfigError) as raised:
         engine().estimate("op", "hi")  # type: ignore[arg-type]
     assert raised.value.field == "operation"
+
+
+SEARCH_PER_K = Decimal(10)
+"""Anthropic web search: $10 per 1,000 searches (a fee per request)."""
+
+
+def test_server_tool_fees_count_at_their_worst_case() -> None:
+    """Every turn may search ``max_uses`` times: 3 turns x (5 + 2) searches at
+    $10 per 1,000 on top of the tokens; free web fetches add nothing."""
+    book = le.PriceBook([le.ModelPrice(provider="anthropic", model=MODEL,
+                                       input_per_mtok=Decimal(3), output_per_mtok=Decimal(15),
+                                       web_search_per_k=SEARCH_PER_K)],
+                        credits_per_usd=Decimal(1000))
+    tools = (le.ServerTool(type="web_search_20250305", name="web_search", max_uses=5),
+             le.ServerTool(type="web_search_20260209", name="news_search", max_uses=2),
+             le.ServerTool(type="web_fetch_20250910", name="web_fetch"))
+    searching = le.Operation(name="estimate.test", provider="anthropic", model=MODEL,
+                             max_output_tokens=100, limits=le.Limits(max_turns=3),
+                             server_tools=tools)
+    estimate = engine(book).estimate(searching, "hello world")
+    fee = 3 * (5 + 2) * SEARCH_PER_K / 1000
+    # The tokens as in test_worst_case_arithmetic_by_hand: $0.005463.
+    assert estimate.fee_usd == fee == Decimal("0.21")
+    assert estimate.cost_usd == Decimal("0.005463") + fee
+    # Per turn: 1.521 + 70 -> 72, 1.821 + 70 -> 72, 2.121 + 70 -> 73 credits.
+    assert estimate.credits == 217
+    assert estimate.unbounded_tools == ()
+    plain = engine(book).estimate(operation(max_turns=3, max_output_tokens=100), "hello world")
+    assert plain.fee_usd == 0 and plain.cost_usd == Decimal("0.005463")
+
+
+def test_a_fee_without_max_uses_has_no_worst_case() -> None:
+    """A web search tool without max_uses: the estimate names it and gives no cost."""
+    unbounded = le.Operation(name="estimate.test", provider="anthropic", model=MODEL,
+                             server_tools=(le.ServerTool(type="web_search_20250305",
+                                                         name="web_search"),))
+    estimate = engine().estimate(unbounded, "hello world")
+    assert estimate.unbounded_tools == ("web_search",)
+    assert (estimate.cost_usd, estimate.fee_usd, estimate.credits) == (None, None, None)
