@@ -146,8 +146,12 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             the first event loop that sends through it only: a request on any
             other loop (a second ``asyncio.run``) raises `ConfigError` before
             anything is sent.
-        stream: Stream each response (server-sent events) and hand text
-            deltas to the run's ``on_text`` callback.
+        stream: Stream every response (server-sent events), also when
+            nobody reads its text: a stream shows a stalled reply
+            (``stream_idle_timeout``) and suits long outputs. Whatever it
+            says, a request whose run reads the text (``on_text``,
+            `loopengine.Engine.stream`) is streamed, its text deltas handed
+            over as they arrive (docs/observability.md).
         stream_idle_timeout: Seconds a stream may go without an event before
             the attempt is aborted with reason ``idle`` (and retried).
         route: The route this provider serves (an operation's ``provider``),
@@ -182,7 +186,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
 
     Example::
 
-        provider = AnthropicProvider(api_key=key, stream=True)
+        provider = AnthropicProvider(api_key=key)
         engine = loopengine.Engine(provider)
     """
 
@@ -214,7 +218,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
     (`vendor`) is ``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry``
     for those clients."""
 
-    def _params(self, request: ProviderRequest) -> dict[str, Any]:
+    def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
+        # The SDK's stream() call asks for the stream itself.
         # Markers are placed on every request, so the wire never carries more
         # than four whatever the caller marked (R12).
         system, tools, messages = place_cache_markers(

@@ -68,8 +68,11 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             closes it; it is used on the first event loop that sends through
             it only: a request on any other loop raises `ConfigError` before
             anything is sent.
-        stream: Stream each response (``stream_options={"include_usage":
-            true}``) and hand text deltas to the run's ``on_text`` callback.
+        stream: Stream every response (``stream_options={"include_usage":
+            true}``), also when nobody reads its text. Whatever it says, a
+            request whose run reads the text (``on_text``,
+            `loopengine.Engine.stream`) is streamed, its text deltas handed
+            over as they arrive (docs/observability.md).
         route: The route this provider serves: an operation's ``provider``
             must name it (R13). Default: the vendor, ``openai``, or ``azure``
             for an Azure client.
@@ -109,7 +112,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
 
     Example::
 
-        provider = OpenAIProvider(api_key=key, stream=True)
+        provider = OpenAIProvider(api_key=key)
         engine = loopengine.Engine(provider)
         op = loopengine.Operation(name="help.answer", provider="openai",
                                   model="gpt-4o-mini")
@@ -149,8 +152,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
     """The Chat Completions API's optional request features (DESIGN §15). The
     vendor (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
 
-    def _params(self, request: ProviderRequest) -> dict[str, Any]:
-        return chat_params(request, stream=self._stream)
+    def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
+        return chat_params(request, stream=stream)
 
     async def _send_plain(self, client: openai.AsyncOpenAI,
                           params: dict[str, Any]) -> ProviderResponse:

@@ -256,6 +256,29 @@ async def test_streamed_text_reaches_on_text_and_streamed_calls_are_joined(
         ("text", None), ("tool_use", {"key": "a"}), ("tool_use", {"key": "b"})]
 
 
+async def test_a_run_that_reads_the_text_streams_on_a_plain_provider_openai(
+    wire: OpenAIHarness,
+) -> None:
+    """An OpenAIProvider built without ``stream=True`` streams (usage included) the
+    requests of a run that reads the text (on_text, engine.stream), and reads the
+    others whole."""
+    engine, ledger = wire.engine(Reply.text("The quick brown fox"),
+                                 Reply.text("Slow and steady"), Reply.text("Plain"))
+    seen: list[str] = []
+    result = await engine.run(openai_operation(), "go", on_text=seen.append)
+    assert (result.answer, seen) == ("The quick brown fox", ["The ", "quick ", "brown ", "fox"])
+    async with engine.stream(openai_operation(), "go") as run:
+        deltas = [(event.attempt, event.text) async for event in run
+                  if isinstance(event, le.events.TextDelta)]
+    assert run.result.answer == "Slow and steady" and run.result.attempts.usage_complete
+    assert deltas == [(1, "Slow "), (1, "and "), (1, "steady")]
+    assert (await engine.run(openai_operation(), "go")).answer == "Plain"
+    assert [(r.body.get("stream"), r.body.get("stream_options")) for r in wire.requests] == [
+        (True, {"include_usage": True}), (True, {"include_usage": True}), (None, None)]
+    assert all(row["outcome"] == "ok" and row["output_tokens"] is not None
+               for row in ledger.attempts.values())
+
+
 class CallbackBroke(Exception):
     """The caller's own bug."""
 
@@ -344,7 +367,7 @@ def test_routes_and_vendors() -> None:
         ("openai", "openai"), ("azure", "azure"), ("azure", "azure"), ("openai-eu", "openai")]
     assert isinstance(azure.client, openai.AsyncAzureOpenAI)
     assert all(p.client.max_retries == 0 for p in (plain, azure, given, named))
-    assert all(p.features == {"reasoning_effort", "service_tier"} and not p.streaming
+    assert all(p.features == {"reasoning_effort", "service_tier"} and p.streaming
                for p in (plain, azure, given, named))
 
 
