@@ -27,7 +27,7 @@ from loopengine.providers._openai_chat import (
     usage_from_api,
 )
 from loopengine.providers._openai_faults import classify_error
-from loopengine.testing import FakeOpenAIServer, Reply
+from loopengine.testing import CutStream, FakeOpenAIServer, Reply
 
 from ..adapter.test_event_loops import assert_nothing_left_open, run_on_trio
 from .conftest import MODEL, PRICES, OpenAIHarness, openai_operation
@@ -277,6 +277,59 @@ async def test_a_run_that_reads_the_text_streams_on_a_plain_provider_openai(
         (True, {"include_usage": True}), (True, {"include_usage": True}), (None, None)]
     assert all(row["outcome"] == "ok" and row["output_tokens"] is not None
                for row in ledger.attempts.values())
+
+
+async def test_a_stream_without_its_usage_chunk_is_aborted_unless_usage_is_optional(
+    wire: OpenAIHarness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that sends no usage in streams (finish_reason and [DONE], no usage
+    chunk): by default each attempt is aborted and retried to the policy's end;
+    with ``stream_usage="optional"`` the one attempt is ok, its usage unknown: no
+    tokens and no cost in its ledger row, usage_complete false, a warning."""
+    wire.server.stream_usage = False
+    engine, ledger = wire.engine(*[Reply.text("Whole answer")] * 3, stream=True)
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert [(row["outcome"], row["fault"]) for row in ledger.attempts.values()] == [
+        ("aborted", "aborted")] * 3
+    assert wire.server.requests[0].body["stream_options"] == {"include_usage": True}
+
+    engine, ledger = wire.engine(Reply.text("Whole answer"), stream=True,
+                                 provider_kwargs={"stream_usage": "optional"})
+    with caplog.at_level("WARNING", logger="loopengine"):
+        result = await engine.run(openai_operation(), "go")
+    assert (result.outcome, result.answer) == (le.Outcome.COMPLETED, "Whole answer")
+    assert not result.attempts.usage_complete and result.usage == le.Usage()
+    (row,) = ledger.attempts.values()
+    assert (row["outcome"], row["fault"], row["charged"]) == ("ok", None, 0)
+    assert [row[key] for key in ("input_tokens", "output_tokens", "cost_nanousd")] == [
+        None, None, None]
+    assert row["response_id"] is not None and row["stop_reason"] == "end_turn"
+    assert "without its usage chunk" in caplog.text
+    # The server kept its word: no usage went on the wire.
+    assert wire.server.usage_served == le.Usage()
+
+
+async def test_optional_stream_usage_still_refuses_a_stream_cut_before_its_end(
+    wire: OpenAIHarness,
+) -> None:
+    """With ``stream_usage="optional"`` a stream that ends before its finish_reason
+    is still aborted and retried; a stream that carries its usage is priced."""
+    engine, ledger = wire.engine(CutStream(reply=Reply.text("a b c d e"), after=3),
+                                 Reply.text("whole"), stream=True,
+                                 provider_kwargs={"stream_usage": "optional"})
+    result = await engine.run(openai_operation(), "go")
+    assert (result.answer, result.attempts.usage_complete) == ("whole", False)
+    rows = list(ledger.attempts.values())
+    assert [row["outcome"] for row in rows] == ["aborted", "ok"]
+    assert rows[1]["output_tokens"] == 20 and rows[1]["cost_nanousd"] is not None
+
+
+def test_stream_usage_takes_required_or_optional() -> None:
+    """Any other stream_usage is a ConfigError naming it."""
+    with pytest.raises(le.ConfigError) as info:
+        OpenAIProvider(api_key="k", stream_usage="sometimes")  # type: ignore[arg-type]
+    assert info.value.field == "stream_usage"
 
 
 class CallbackBroke(Exception):
