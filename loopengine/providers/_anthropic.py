@@ -7,7 +7,7 @@ prices and records. Each request carries the engine's attempt timeout, which
 the engine has already capped at the run's remaining time (R04).
 
 Every SDK (and transport) error becomes one `ProviderFault` in `classify_error`,
-the one place where the fault table of DESIGN.md §3 is applied:
+the one place where the fault table of docs/architecture.md is applied:
 
 =====================  ===========================================================
 fault kind             from
@@ -214,7 +214,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         self._stream = stream
 
     features = frozenset({"thinking", "server_tools", "betas", "context_management"})
-    """The Messages API's optional request features (DESIGN §15). The vendor
+    """The Messages API's optional request features (docs/providers.md). The vendor
     (`vendor`) is ``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry``
     for those clients."""
 
@@ -405,4 +405,4 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
 
 
 classify_error = sdk_classifier(lambda: _SDK, _status_fault)
-"""Classify an SDK or transport error as one `ProviderFault` (DESIGN.md §3)."""
+"""Classify an SDK or transport error as one `ProviderFault` (the table in docs/architecture.md)."""

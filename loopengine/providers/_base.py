@@ -33,7 +33,7 @@ TextCallback = Callable[[str], Awaitable[None] | None]
 
 FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",
                       "reasoning_effort", "service_tier"})
-"""The optional request features an operation may publish (DESIGN §15); a provider
+"""The optional request features an operation may publish (docs/providers.md); a provider
 names those it can send in `Provider.features`."""
 
 

@@ -169,7 +169,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         self._stream = stream
 
     features = frozenset({"reasoning_effort", "service_tier"})
-    """The Chat Completions API's optional request features (DESIGN §15). The
+    """The Chat Completions API's optional request features (docs/providers.md). The
     vendor (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
 
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
