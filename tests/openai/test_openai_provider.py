@@ -5,7 +5,9 @@ real ``openai`` SDK and FakeOpenAIServer wherever a wire is involved."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -16,7 +18,7 @@ import pydantic
 import pytest
 
 import loopengine as le
-from loopengine.persistence import MemoryLedger
+from loopengine.persistence import MemoryLedger, SQLiteLedger
 from loopengine.providers import FaultKind, OpenAIProvider, ProviderFault
 from loopengine.providers._openai_chat import (
     chat_messages,
@@ -280,7 +282,7 @@ async def test_a_run_that_reads_the_text_streams_on_a_plain_provider_openai(
 
 
 async def test_a_stream_without_its_usage_chunk_is_aborted_unless_usage_is_optional(
-    wire: OpenAIHarness, caplog: pytest.LogCaptureFixture,
+    wire: OpenAIHarness, caplog: pytest.LogCaptureFixture, tmp_path: Path,
 ) -> None:
     """A server that sends no usage in streams (finish_reason and [DONE], no usage
     chunk): by default each attempt is aborted and retried to the policy's end;
@@ -294,17 +296,19 @@ async def test_a_stream_without_its_usage_chunk_is_aborted_unless_usage_is_optio
         ("aborted", "aborted")] * 3
     assert wire.server.requests[0].body["stream_options"] == {"include_usage": True}
 
-    engine, ledger = wire.engine(Reply.text("Whole answer"), stream=True,
-                                 provider_kwargs={"stream_usage": "optional"})
-    with caplog.at_level("WARNING", logger="loopengine"):
-        result = await engine.run(openai_operation(), "go")
+    with SQLiteLedger(tmp_path / "ledger.db") as sqlite_ledger:
+        engine, _ = wire.engine(Reply.text("Whole answer"), stream=True, ledger=sqlite_ledger,
+                                provider_kwargs={"stream_usage": "optional"})
+        with caplog.at_level("WARNING", logger="loopengine"):
+            result = await engine.run(openai_operation(), "go")
     assert (result.outcome, result.answer) == (le.Outcome.COMPLETED, "Whole answer")
     assert not result.attempts.usage_complete and result.usage == le.Usage()
-    (row,) = ledger.attempts.values()
-    assert (row["outcome"], row["fault"], row["charged"]) == ("ok", None, 0)
-    assert [row[key] for key in ("input_tokens", "output_tokens", "cost_nanousd")] == [
-        None, None, None]
-    assert row["response_id"] is not None and row["stop_reason"] == "end_turn"
+    with sqlite3.connect(tmp_path / "ledger.db") as db:
+        (row,) = db.execute(
+            "SELECT outcome, fault, charged, input_tokens, output_tokens, cost_nanousd, "
+            "response_id, stop_reason FROM attempts").fetchall()
+    assert row[:6] == ("ok", None, 0, None, None, None)
+    assert row[6] is not None and row[7] == "end_turn"
     assert "without its usage chunk" in caplog.text
     # The server kept its word: no usage went on the wire.
     assert wire.server.usage_served == le.Usage()
