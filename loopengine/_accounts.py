@@ -1,4 +1,4 @@
-"""`CreditAccounts`: prepaid credit balances that admit runs (DESIGN.md §13).
+"""`CreditAccounts`: prepaid credit balances that admit runs (docs/accounts.md).
 
 A run on an account reserves its credit hold before its first request and
 settles its real charge at its end. Both are one transaction on the ledger's

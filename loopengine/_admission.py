@@ -1,4 +1,4 @@
-"""Admission and settlement of a run's credit account (DESIGN §13).
+"""Admission and settlement of a run's credit account (docs/accounts.md).
 
 Before its first request a run on an account reserves its credit hold
 (`admit`); at its end the real charge is settled and the hold released, once

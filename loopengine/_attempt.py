@@ -168,7 +168,7 @@ async def attempt(
         await _callback_failed(inv, flight, response=response, fault=fault)
     # A timeout cut short by the run's deadline is the deadline's doing.
     cut = fault is not None and fault.kind is FaultKind.TIMEOUT and capped
-    # Nothing acts on a reply before its settle is durable (DESIGN §7): a
+    # Nothing acts on a reply before its settle is durable (docs/ledger.md): a
     # deadline that passes while it is written ends the run instead.
     await settle(inv, flight, response, fault, external=False, cut_by_deadline=cut)
     if fault is not None:

@@ -56,7 +56,7 @@ GROWTH_FACTOR = 4
 
 
 def growth_ceiling(operation: Operation, first_max_tokens: int) -> int:
-    """The most ``max_tokens`` a call's truncation retries may ask for (DESIGN §4).
+    """The most ``max_tokens`` a call's truncation retries may ask for (docs/structured-calls.md).
 
     The operation's ``model_max_output_tokens`` when it publishes one (the
     model's own output limit), else `GROWTH_FACTOR` times the call's first

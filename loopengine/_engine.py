@@ -233,7 +233,9 @@ class Engine:
                 widens): only the fields it names, the keys of a mapping or
                 the fields passed to the `Limits`.
             retry: Narrows the operation's retry policy for this run.
-            on_text: Receives streamed text deltas (streaming providers). A
+            on_text: Receives the text deltas as they arrive: each request
+                of the run is streamed (a provider that cannot stream is a
+                `ConfigError`, before anything is recorded). A
                 failed attempt's text has already been delivered when its retry
                 starts: observers' attempt events say which attempt the text
                 belongs to (docs/observability.md).
@@ -244,9 +246,10 @@ class Engine:
             The `RunResult`, whatever the outcome; it keeps the whole transcript.
 
         Raises:
-            ConfigError: bad input, an unserved route, or an unpriced model (or
-                enabled feature, docs/pricing.md) with a credit hold; raised
-                before anything is sent.
+            ConfigError: bad input, an unserved route, ``on_text`` on a
+                provider that cannot stream, or an unpriced model (or
+                enabled feature, docs/pricing.md) with a credit hold;
+                raised before anything is sent.
             LedgerError: the ledger could not record the run; it is recorded
                 ``failed`` where the ledger still can, and observers see
                 `RunEnded` with outcome ``failed``.
@@ -293,6 +296,15 @@ class Engine:
                                observers=observers, text_sink=text_sink)
         check_server_tool_names(operation.server_tools, {
             *(t.name for t in spec.tools), *((final_tool,) if output is not None else ())})
+        if (spec.on_text is not None or text_sink is not None) and not inv.provider.streaming:
+            # Silence would look like a model that said nothing (docs/observability.md).
+            wants = "on_text" if text_sink is None else "Engine.stream"
+            raise ConfigError(
+                wants,
+                f"route {operation.provider!r} is served by {type(inv.provider).__name__}, "
+                f"which cannot stream (its streaming is False), so {wants} would get no "
+                "text: serve the route with a provider that streams, or make yours "
+                "stream (streaming True, send hands on_text the text)")
         return inv, spec
 
     def stream(
@@ -309,14 +321,16 @@ class Engine:
             result = run.result
 
         ``run_kwargs`` are `run`'s keywords. The iteration yields the events
-        observers get (`RunStarted` ... `RunEnded`) and, from a streaming
-        provider, a `loopengine.events.TextDelta` for each piece of text (a
+        observers get (`RunStarted` ... `RunEnded`) and a
+        `loopengine.events.TextDelta` for each piece of text: each request of
+        the run is streamed, whatever the provider's ``stream`` setting (a
         retried attempt's text has its own ``attempt``). ``run.result`` is the
         `RunResult` once the iteration has ended. Leaving the ``async with``
         early (a ``break``) cancels the run, recorded ``cancelled``.
 
         Raises:
-            ConfigError: bad input, at ``async with``, before anything is sent.
+            ConfigError: bad input, or a provider that cannot stream, at
+                ``async with``, before anything is sent.
         """
         unknown = set(run_kwargs) - _RUN_KEYWORDS
         if unknown:

@@ -1,6 +1,6 @@
 """Configuration objects that remember which fields their caller named.
 
-An override narrows only what it names (DESIGN §4): ``Limits(credit_hold=10)``
+An override narrows only what it names (docs/guards.md): ``Limits(credit_hold=10)``
 says nothing about ``max_turns``, although the object holds a value for it
 (the class default). `NamedFields` is the base of the frozen dataclasses that
 serve as overrides (`Limits`, `RetryPolicy`); `named_fields` tells which

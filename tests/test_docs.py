@@ -9,25 +9,20 @@ How the blocks run:
   A block that calls a blocking ``*_sync`` method or ``asyncio.run`` (a whole
   program) runs in a thread of its own, as a plain script would: no event
   loop is running there.
-* docs/rules.md's blocks are whole programs: they start from an empty
-  namespace, with none of the names below.
+* Every page is a whole program: its blocks start from an empty namespace,
+  and define (or import) every name they use, as a reader's script would.
 * A function a block defines named ``test_*`` is called as pytest would call it,
   with the fixtures ``fake_anthropic_server`` (a started `FakeAnthropicServer`
   with an empty script) and ``tmp_path``.
-* Each file starts from the names its examples take for granted, the things a
-  reader already has: ``le`` (``import loopengine as le``), ``provider`` (an
-  `AnthropicProvider`), ``op`` or ``operation`` (an `Operation` with a credit
-  hold), ``engine`` (an `Engine` on that provider), ``messages`` (a user
-  message) and ``tools`` (none); and the placeholders a page leaves to the
-  reader's own code (docs/testing.md's ``orders``, docs/observability.md's
-  ``show`` and ``show_tool``). ``provider`` talks to a
-  loopback `FakeAnthropicServer`, which is also ``ANTHROPIC_BASE_URL``, so a
-  block's own ``AnthropicProvider(api_key=...)`` reaches it too; it answers a
-  forced tool call with input built from the tool's schema and anything else
-  with a text answer about resetting a password (the docs' running example).
+* The environment is a reader's with a key: ``ANTHROPIC_API_KEY`` is set and
+  ``ANTHROPIC_BASE_URL`` points at a loopback `FakeAnthropicServer`, so a
+  block's ``AnthropicProvider()`` (or ``Engine.from_model``) reaches it; it
+  answers a forced tool call with input built from the tool's schema and
+  anything else with a text answer about resetting a password (the docs'
+  running example).
 * The working directory is a fresh temporary one (blocks write ``ledger.db``).
 * A block that cannot run here is preceded by an HTML comment saying why:
-  ``<!-- no-run: needs a real API key -->``. None does today.
+  ``<!-- no-run: needs a PostgreSQL server -->`` (docs/ledger.md's one).
 """
 
 from __future__ import annotations
@@ -43,15 +38,10 @@ from typing import Any
 import anyio
 import pytest
 
-import loopengine as le
-from loopengine.providers import AnthropicProvider
 from loopengine.testing import FakeAnthropicServer, RecordedRequest, Reply
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-COMPLETE = {"rules.md"}
-"""Pages whose examples are complete programs, run without the prelude's names."""
 
 ANSWER = "You can reset your password from the Settings page."
 
@@ -118,42 +108,6 @@ def docs_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Fak
         yield server
 
 
-class _Orders:
-    """docs/testing.md's ``orders``: the feature's own code, which the doc leaves to you."""
-
-    @staticmethod
-    async def status(order_id: str) -> str:
-        return f"{order_id} has shipped"
-
-
-def _show(*parts: object) -> None:
-    """docs/observability.md's ``show`` and ``show_tool``: the reader's own display."""
-
-
-PLACEHOLDERS: dict[str, dict[str, Any]] = {
-    "testing.md": {"orders": _Orders},
-    "observability.md": {"show": _show, "show_tool": _show},
-}
-
-
-def prelude(server: FakeAnthropicServer, path: Path) -> dict[str, Any]:
-    provider = AnthropicProvider(api_key="test", base_url=server.url)
-    operation = le.Operation(name="docs.example", provider="anthropic",
-                             model="claude-sonnet-4-5", max_output_tokens=1024,
-                             limits=le.Limits(credit_hold=500))
-    return {
-        "__name__": f"docs_{path.stem.replace('-', '_')}",
-        "le": le,
-        "provider": provider,
-        "op": operation,
-        "operation": operation,
-        "engine": le.Engine(provider),
-        "messages": "How do I reset my password?",
-        "tools": [],
-        **PLACEHOLDERS.get(path.name, {}),
-    }
-
-
 async def call_test(function: Any, tmp_path: Path) -> None:
     """Call a test function a block defined, with the fixtures it names."""
     arguments: dict[str, Any] = {}
@@ -181,8 +135,7 @@ async def test_every_python_block_runs(
     path: Path, docs_server: FakeAnthropicServer, tmp_path: Path
 ) -> None:
     """Each ```python block of the file runs (its test functions too), in order."""
-    namespace = ({"__name__": "docs_rules"} if path.name in COMPLETE
-                 else prelude(docs_server, path))
+    namespace: dict[str, Any] = {"__name__": f"docs_{path.stem.replace('-', '_')}"}
     called = []
     for block in python_blocks(path):
         if block.skip is not None:

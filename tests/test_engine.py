@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 import loopengine as le
+from loopengine.persistence import MemoryLedger
 from loopengine.providers import Reply, ScriptedProvider
 
 from .conftest import PRICES, EngineFactory, operation
@@ -93,6 +94,48 @@ async def test_on_text_receives_streamed_text(make_engine: EngineFactory,
     result = await engine.run(operation(), "go",
                               on_text=async_cb if asynchronous else seen.append)
     assert result.outcome is le.Outcome.COMPLETED and seen == ["Hello there"]
+
+
+async def test_the_scripted_provider_streams_to_engine_stream(make_engine: EngineFactory) -> None:
+    """engine.stream on the scripted provider yields its reply's text as a TextDelta."""
+    engine, _, _ = make_engine(Reply.text("Hello there"))
+    async with engine.stream(operation(), "go") as run:
+        deltas = [event.text async for event in run if isinstance(event, le.events.TextDelta)]
+    assert deltas == ["Hello there"] and run.result.answer == "Hello there"
+
+
+class Plain(le.providers.Provider):
+    """A provider of one's own that does not stream (the protocol's default)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    @property
+    def name(self) -> str:
+        return "anthropic"
+
+    async def send(self, request: le.providers.ProviderRequest, *,
+                   on_text: le.providers.TextCallback | None = None,
+                   ) -> le.providers.ProviderResponse:
+        self.sent += 1
+        return le.providers.ProviderResponse(content=[{"type": "text", "text": "hi"}],
+                                             stop_reason="end_turn")
+
+
+async def test_reading_the_text_of_a_provider_that_cannot_stream_is_refused() -> None:
+    """on_text or engine.stream on a provider whose streaming is False is a ConfigError
+    saying how to stream, before anything is sent or recorded; without them it runs."""
+    provider, ledger = Plain(), MemoryLedger()
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+    with pytest.raises(le.ConfigError, match="cannot stream") as info:
+        await engine.run(operation(), "go", on_text=print)
+    assert info.value.field == "on_text"
+    with pytest.raises(le.ConfigError, match="provider that streams") as info:
+        async with engine.stream(operation(), "go"):
+            pass
+    assert info.value.field == "Engine.stream"
+    assert provider.sent == 0 and ledger.invocations == {}
+    assert (await engine.run(operation(), "go")).answer == "hi"
 
 
 async def test_pause_turn_is_continued_within_the_turn(make_engine: EngineFactory) -> None:

@@ -141,5 +141,8 @@ def test_admission_denies_only_a_run_with_nothing_reserved() -> None:
     assert trip is not None
     assert (trip.outcome, trip.guard, trip.observed, trip.limit) == (
         Outcome.ADMISSION_DENIED, "account", -1, 50)
-    assert "0 credits available" in trip.message
+    # The balance's own figure, as `audit accounts` shows it.
+    assert "has -1 credits available (overdrawn)" in trip.message
+    empty = check_admission("acme", 0, 0, 50)
+    assert empty is not None and "has 0 credits available, nothing" in empty.message
     assert check_admission("acme", 10, 10, 50) is None

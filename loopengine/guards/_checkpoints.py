@@ -118,7 +118,7 @@ def unconfirmed_by_deadline(limits: Limits, what: str) -> GuardTrip:
 
 def check_admission(account: str, reserved: int, available: int, hold: int
                     ) -> GuardTrip | None:
-    """Admission (DESIGN §13): a run whose account had nothing to reserve for its
+    """Admission (docs/accounts.md): a run whose account had nothing to reserve for its
     hold is denied before any request; a partial reservation narrows the hold."""
     if reserved > 0:
         return None
@@ -127,7 +127,10 @@ def check_admission(account: str, reserved: int, available: int, hold: int
         "account",
         available,
         hold,
-        f"account {account!r} has {max(0, available)} credits available, "
+        # The figure `audit accounts` and `balance` show: an account a run's
+        # crossing turn overdrew stays below zero until granted more.
+        f"account {account!r} has {available} credits available"
+        f"{' (overdrawn)' if available < 0 else ''}, "
         f"nothing to reserve for this run's hold of {hold}",
     )
 

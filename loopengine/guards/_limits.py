@@ -40,7 +40,7 @@ class Limits(NamedFields):
     wrap_up: bool = False
     """Send the last turn that ``max_turns`` permits (or a turn once the tool budget
     is spent) with tools disabled and `Operation.wrap_up_text`, so the model
-    answers from what it gathered (DESIGN.md §12). An override can turn it off,
+    answers from what it gathered (docs/guards.md). An override can turn it off,
     never on against a published off (a narrowing, R13)."""
     _origin: InitVar[Limits | None] = replaced_from()
     """Internal: the instance `dataclasses.replace` copies (see loopengine._named)."""

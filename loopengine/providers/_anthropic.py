@@ -7,7 +7,7 @@ prices and records. Each request carries the engine's attempt timeout, which
 the engine has already capped at the run's remaining time (R04).
 
 Every SDK (and transport) error becomes one `ProviderFault` in `classify_error`,
-the one place where the fault table of DESIGN.md §3 is applied:
+the one place where the fault table of docs/architecture.md is applied:
 
 =====================  ===========================================================
 fault kind             from
@@ -146,8 +146,12 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             the first event loop that sends through it only: a request on any
             other loop (a second ``asyncio.run``) raises `ConfigError` before
             anything is sent.
-        stream: Stream each response (server-sent events) and hand text
-            deltas to the run's ``on_text`` callback.
+        stream: Stream every response (server-sent events), also when
+            nobody reads its text: a stream shows a stalled reply
+            (``stream_idle_timeout``) and suits long outputs. Whatever it
+            says, a request whose run reads the text (``on_text``,
+            `loopengine.Engine.stream`) is streamed, its text deltas handed
+            over as they arrive (docs/observability.md).
         stream_idle_timeout: Seconds a stream may go without an event before
             the attempt is aborted with reason ``idle`` (and retried).
         route: The route this provider serves (an operation's ``provider``),
@@ -182,7 +186,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
 
     Example::
 
-        provider = AnthropicProvider(api_key=key, stream=True)
+        provider = AnthropicProvider(api_key=key)
         engine = loopengine.Engine(provider)
     """
 
@@ -210,11 +214,12 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         self._stream = stream
 
     features = frozenset({"thinking", "server_tools", "betas", "context_management"})
-    """The Messages API's optional request features (DESIGN §15). The vendor
+    """The Messages API's optional request features (docs/providers.md). The vendor
     (`vendor`) is ``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry``
     for those clients."""
 
-    def _params(self, request: ProviderRequest) -> dict[str, Any]:
+    def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
+        # The SDK's stream() call asks for the stream itself.
         # Markers are placed on every request, so the wire never carries more
         # than four whatever the caller marked (R12).
         system, tools, messages = place_cache_markers(
@@ -400,4 +405,4 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
 
 
 classify_error = sdk_classifier(lambda: _SDK, _status_fault)
-"""Classify an SDK or transport error as one `ProviderFault` (DESIGN.md §3)."""
+"""Classify an SDK or transport error as one `ProviderFault` (the table in docs/architecture.md)."""

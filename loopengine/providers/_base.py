@@ -33,7 +33,7 @@ TextCallback = Callable[[str], Awaitable[None] | None]
 
 FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",
                       "reasoning_effort", "service_tier"})
-"""The optional request features an operation may publish (DESIGN §15); a provider
+"""The optional request features an operation may publish (docs/providers.md); a provider
 names those it can send in `Provider.features`."""
 
 
@@ -107,7 +107,11 @@ class Provider(Protocol):
 
     @property
     def streaming(self) -> bool:
-        """Whether `send` hands text to its ``on_text`` as it arrives. Default: False."""
+        """Whether it can stream: given an ``on_text``, `send` streams that
+        request and hands it the text as it arrives. A run that reads the
+        text (``on_text``, `loopengine.Engine.stream`) on a provider that
+        cannot is refused with a `loopengine.ConfigError` before anything
+        is recorded. Default: False."""
         return False
 
     @property
@@ -129,7 +133,10 @@ class Provider(Protocol):
 
         Args:
             request: What to send.
-            on_text: A streaming provider hands text deltas to it. When it
+            on_text: Given only when the run reads the text: a streaming
+                provider streams this request and hands it the text deltas
+                as they arrive (None: nobody reads them, the provider may
+                read the reply whole). When it
                 raises, the provider stops reading and raises an ``aborted``
                 `ProviderFault` carrying what was served so far (usage, ids),
                 or lets the exception out: either way the engine settles the

@@ -2,7 +2,7 @@
 
 Each adapter maps its SDK's errors to a `ProviderFault` at exactly one place
 (its ``classify_error``); from there on the engine reasons only about the
-`FaultKind`. See the fault table in docs/architecture.md (DESIGN.md §3).
+`FaultKind`. See the fault table in docs/architecture.md.
 
 The pieces of that mapping that do not depend on the vendor live here, once:
 the credit-exhaustion codes (R06), the ``retry-after`` / ``x-should-retry``

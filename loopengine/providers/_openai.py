@@ -19,8 +19,9 @@ this module imports it only when a provider is built.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
@@ -49,7 +50,12 @@ from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
 if TYPE_CHECKING:
     import openai
 
-__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "OpenAIProvider"]
+logger = logging.getLogger("loopengine")
+
+__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "OpenAIProvider", "StreamUsage"]
+
+StreamUsage = Literal["required", "optional"]
+"""Whether a stream must end with its usage chunk (`OpenAIProvider`'s ``stream_usage``)."""
 
 DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
 """Seconds a stream may go without a chunk before the attempt is aborted (``idle``)."""
@@ -68,13 +74,24 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             closes it; it is used on the first event loop that sends through
             it only: a request on any other loop raises `ConfigError` before
             anything is sent.
-        stream: Stream each response (``stream_options={"include_usage":
-            true}``) and hand text deltas to the run's ``on_text`` callback.
+        stream: Stream every response (``stream_options={"include_usage":
+            true}``), also when nobody reads its text. Whatever it says, a
+            request whose run reads the text (``on_text``,
+            `loopengine.Engine.stream`) is streamed, its text deltas handed
+            over as they arrive (docs/observability.md).
         route: The route this provider serves: an operation's ``provider``
             must name it (R13). Default: the vendor, ``openai``, or ``azure``
             for an Azure client.
         stream_idle_timeout: Seconds a stream may go without a chunk before
             the attempt is aborted with reason ``idle`` (and retried).
+        stream_usage: ``"required"`` (default): a stream that ends without
+            its usage chunk is an ``aborted`` attempt, retried. ``"optional"``,
+            for a compatible server that sends no usage in streams (older
+            vLLM, llama.cpp, some gateways): a stream that ends after its
+            ``finish_reason`` without a usage chunk is accepted, the attempt
+            ``ok`` with its usage unknown (no tokens and no cost in the
+            ledger, ``usage_complete`` false in the result, a warning logged
+            once per provider).
         max_connections: Without ``client`` or ``http_client``: the most
             connections the provider's client (of each event loop) opens;
             default 1,000, the SDK's own. A request in flight holds a
@@ -97,8 +114,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
     Raises:
         ConfigError: both a client and client keywords, a client that is not
             an async ``openai`` client, ``max_retries`` other than 0,
-            keywords the SDK refuses, a bad ``route`` or
-            ``stream_idle_timeout``, or a ``max_connections`` that is not a
+            keywords the SDK refuses, a bad ``route``, ``stream_idle_timeout``
+            or ``stream_usage``, or a ``max_connections`` that is not a
             positive integer or comes with a ``client`` or ``http_client``.
         ImportError: the ``openai`` extra is not installed.
 
@@ -109,7 +126,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
 
     Example::
 
-        provider = OpenAIProvider(api_key=key, stream=True)
+        provider = OpenAIProvider(api_key=key)
         engine = loopengine.Engine(provider)
         op = loopengine.Operation(name="help.answer", provider="openai",
                                   model="gpt-4o-mini")
@@ -122,10 +139,16 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         stream: bool = False,
         route: str | None = None,
         stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
+        stream_usage: StreamUsage = "required",
         max_connections: int | None = None,
         **client_kwargs: Any,
     ) -> None:
         _validate.boolean("stream", stream)
+        if stream_usage not in ("required", "optional"):
+            raise ConfigError("stream_usage", f'must be "required" or "optional", got '
+                                              f"{_validate.shown(stream_usage)}")
+        self._usage_required = stream_usage == "required"
+        self._usage_warned = False
         self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
         if route is not None:
             _validate.text("route", route)
@@ -146,11 +169,11 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         self._stream = stream
 
     features = frozenset({"reasoning_effort", "service_tier"})
-    """The Chat Completions API's optional request features (DESIGN §15). The
+    """The Chat Completions API's optional request features (docs/providers.md). The
     vendor (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
 
-    def _params(self, request: ProviderRequest) -> dict[str, Any]:
-        return chat_params(request, stream=self._stream)
+    def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
+        return chat_params(request, stream=stream)
 
     async def _send_plain(self, client: openai.AsyncOpenAI,
                           params: dict[str, Any]) -> ProviderResponse:
@@ -210,10 +233,19 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                                                 response_id=reply.response_id),
             cut=cut, on_text=on_text, close=stream.close)
         missing = ("its finish_reason" if reply.finish_reason is None
-                   else "its usage chunk" if reply.usage is None else None)
+                   else "its usage chunk" if reply.usage is None and self._usage_required
+                   else None)
         if missing is not None:
             # The SDK returns quietly from a stream cut short.
             raise cut(f"the stream ended before {missing}", None)
+        if reply.usage is None and not self._usage_warned:
+            # The reply is whole (its finish_reason came after its last
+            # content); only its usage is unknown, as the caller allowed.
+            self._usage_warned = True
+            logger.warning(
+                "route %s: a stream ended without its usage chunk (stream_usage="
+                "'optional'): its attempt is recorded ok with unknown usage and no cost, "
+                "and the result says usage_complete=False", self._name)
         content, stop = reply.content()
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,
                                 response_id=reply.response_id, request_id=request_id,

@@ -155,4 +155,5 @@ def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
 
 
 classify_error = sdk_classifier(_sdk, _status_fault, _stream_fault)
-"""Classify an ``openai`` SDK or transport error as one `ProviderFault` (DESIGN.md §14)."""
+"""Classify an ``openai`` SDK or transport error as one `ProviderFault` (the table
+in docs/providers.md)."""

@@ -159,7 +159,8 @@ class SDKProvider(Generic[C]):
     A subclass sets ``_clients``, ``_name``, ``_vendor`` and ``_stream`` in
     its ``__init__``, declares its ``features``, and supplies ``_params``,
     ``_send_plain`` and ``_send_streaming``: `send` is the same for every
-    such provider (the running loop's client, then the request).
+    such provider (the running loop's client, then the request, streamed
+    when its caller reads the text or the provider was built to stream).
     """
 
     _clients: ClientPerLoop[C] | BoundClient[C]
@@ -198,8 +199,9 @@ class SDKProvider(Generic[C]):
 
     @property
     def streaming(self) -> bool:
-        """Whether responses are streamed, their text handed to ``on_text``."""
-        return self._stream
+        """True: a request whose caller reads the text (``on_text``) is streamed,
+        whatever ``stream`` says."""
+        return True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"
@@ -208,19 +210,24 @@ class SDKProvider(Generic[C]):
                    on_text: TextCallback | None = None) -> ProviderResponse:
         """Make one request within ``request.timeout``.
 
+        It is streamed when ``on_text`` is given (the caller reads the text
+        as it arrives) or the provider was built with ``stream=True``; else
+        its response is read whole, as JSON.
+
         Raises:
             ProviderFault: the request failed; every SDK error is classified.
             ConfigError: the client given to the provider belongs to another
                 event loop than the running one; nothing was sent.
         """
         client = await self._clients.get()
-        params = self._params(request)
-        if self._stream:
+        stream = self._stream or on_text is not None
+        params = self._params(request, stream=stream)
+        if stream:
             return await self._send_streaming(client, params, on_text)
         return await self._send_plain(client, params)
 
-    def _params(self, request: ProviderRequest) -> dict[str, Any]:
-        """The SDK call's keyword arguments for ``request``."""
+    def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
+        """The SDK call's keyword arguments for ``request``, streamed or not."""
         raise NotImplementedError
 
     async def _send_plain(self, client: C, params: dict[str, Any]) -> ProviderResponse:

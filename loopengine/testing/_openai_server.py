@@ -16,7 +16,8 @@ rendered in the Chat Completions shapes:
   reads and cache writes, which the API cannot tell apart from uncached
   input), ``prompt_tokens_details.cached_tokens`` (the cache reads) and
   ``completion_tokens``. A stream carries the usage in a last chunk only when
-  the request asked for it (``stream_options.include_usage``), as the API does;
+  the request asked for it (``stream_options.include_usage``), as the API does,
+  and never when the server is built with ``stream_usage=False``;
 * `ErrorReply`: ``{"error": {"message", "type", "param", "code"}}`` with its
   status and headers (``type`` derived from the status when not given,
   ``code`` from ``error_code``), or its own ``body``;
@@ -39,12 +40,18 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from loopengine._usage import Usage
 from loopengine.providers._scripted import Reply
-from loopengine.testing._loopback import ErrorReply, Frame, LoopbackServer, RecordedRequest
+from loopengine.testing._loopback import (
+    ErrorReply,
+    Frame,
+    LoopbackServer,
+    RecordedRequest,
+    ServerItem,
+)
 
 __all__ = ["FakeOpenAIServer", "transcript_problem"]
 
@@ -98,6 +105,10 @@ class FakeOpenAIServer(LoopbackServer):
     Args:
         script: Items to serve, one per request, in order (see `add`).
         host: The address to bind; loopback by default.
+        stream_usage: False: streams never carry the usage chunk, whatever
+            the request asks, as some compatible servers do (older vLLM,
+            llama.cpp, some gateways); the stream still ends with its
+            ``finish_reason`` and ``[DONE]``.
 
     When the script runs out, requests get a 400 ``invalid_request_error``
     saying so: a permanent fault, so a test that sends more than it scripted
@@ -106,6 +117,12 @@ class FakeOpenAIServer(LoopbackServer):
 
     path = "/v1/chat/completions"
     request_id_header = "x-request-id"
+
+    def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1",
+                 stream_usage: bool = True) -> None:
+        super().__init__(script, host=host)
+        self.stream_usage = stream_usage
+        """Whether a stream that asks for its usage chunk gets it."""
 
     @property
     def base_url(self) -> str:
@@ -189,7 +206,7 @@ class FakeOpenAIServer(LoopbackServer):
         options = request.body.get("stream_options") if isinstance(request.body, Mapping) \
             else None
         if isinstance(options, Mapping) and options.get("include_usage") is True \
-                and "usage" in message:
+                and "usage" in message and self.stream_usage:
             served = self._served_usage(reply.usage)
             out.append(Frame(_data({**head, "object": "chat.completion.chunk", "choices": [],
                                     "usage": message["usage"]}), served))

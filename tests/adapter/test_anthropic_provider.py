@@ -53,11 +53,12 @@ async def test_the_sdk_never_retries_on_its_own(fake_anthropic_server: FakeAnthr
 
 @STREAMING
 async def test_the_provider_declares_what_it_can_do(wire: Harness, stream: bool) -> None:
-    """Its vendor, whether it streams, its request features and its readiness are
-    declarations the engine reads; the caller's client keeps its class."""
+    """Its vendor, that it can stream (whatever ``stream`` says), its request
+    features and its readiness are declarations the engine reads; the caller's
+    client keeps its class."""
     provider = wire.provider(stream=stream)
     assert isinstance(provider, le.providers.Provider)
-    assert (provider.vendor, provider.streaming) == ("anthropic", stream)
+    assert (provider.vendor, provider.streaming) == ("anthropic", True)
     assert "thinking" in provider.features and "service_tier" not in provider.features
     provider.check_ready()
     client = anthropic.AsyncAnthropic(api_key="k", base_url=wire.server.url)
@@ -151,6 +152,24 @@ async def test_text_deltas_reach_on_text(wire: Harness, kind: str) -> None:
     result = await engine.run(operation(), "go", on_text=sink)
     assert result.answer == "The quick brown fox"
     assert seen == ["The ", "quick ", "brown ", "fox"]
+
+
+async def test_a_run_that_reads_the_text_streams_on_a_plain_provider(wire: Harness) -> None:
+    """A provider built without ``stream=True`` streams the requests of a run that
+    reads the text (on_text, engine.stream), and reads the others whole."""
+    engine, _ = wire.engine(Reply.text("The quick brown fox"), Reply.text("Slow and steady"),
+                            Reply.text("Plain"))
+    seen: list[str] = []
+    result = await engine.run(operation(), "go", on_text=seen.append)
+    assert (result.answer, seen) == ("The quick brown fox", ["The ", "quick ", "brown ", "fox"])
+    async with engine.stream(operation(), "go") as run:
+        deltas = [(event.attempt, event.text) async for event in run
+                  if isinstance(event, events.TextDelta)]
+    assert run.result.answer == "Slow and steady"
+    assert deltas == [(1, "Slow "), (1, "and "), (1, "steady")]
+    assert (await engine.run(operation(), "go")).answer == "Plain"
+    # The independent witness: what went on the wire.
+    assert [request.body.get("stream") for request in wire.requests] == [True, True, None]
 
 
 async def test_text_of_a_failed_attempt_is_bracketed_by_its_attempt_events(

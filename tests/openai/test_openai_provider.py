@@ -5,7 +5,9 @@ real ``openai`` SDK and FakeOpenAIServer wherever a wire is involved."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -16,7 +18,7 @@ import pydantic
 import pytest
 
 import loopengine as le
-from loopengine.persistence import MemoryLedger
+from loopengine.persistence import MemoryLedger, SQLiteLedger
 from loopengine.providers import FaultKind, OpenAIProvider, ProviderFault
 from loopengine.providers._openai_chat import (
     chat_messages,
@@ -27,7 +29,7 @@ from loopengine.providers._openai_chat import (
     usage_from_api,
 )
 from loopengine.providers._openai_faults import classify_error
-from loopengine.testing import FakeOpenAIServer, Reply
+from loopengine.testing import CutStream, FakeOpenAIServer, Reply
 
 from ..adapter.test_event_loops import assert_nothing_left_open, run_on_trio
 from .conftest import MODEL, PRICES, OpenAIHarness, openai_operation
@@ -256,6 +258,84 @@ async def test_streamed_text_reaches_on_text_and_streamed_calls_are_joined(
         ("text", None), ("tool_use", {"key": "a"}), ("tool_use", {"key": "b"})]
 
 
+async def test_a_run_that_reads_the_text_streams_on_a_plain_provider_openai(
+    wire: OpenAIHarness,
+) -> None:
+    """An OpenAIProvider built without ``stream=True`` streams (usage included) the
+    requests of a run that reads the text (on_text, engine.stream), and reads the
+    others whole."""
+    engine, ledger = wire.engine(Reply.text("The quick brown fox"),
+                                 Reply.text("Slow and steady"), Reply.text("Plain"))
+    seen: list[str] = []
+    result = await engine.run(openai_operation(), "go", on_text=seen.append)
+    assert (result.answer, seen) == ("The quick brown fox", ["The ", "quick ", "brown ", "fox"])
+    async with engine.stream(openai_operation(), "go") as run:
+        deltas = [(event.attempt, event.text) async for event in run
+                  if isinstance(event, le.events.TextDelta)]
+    assert run.result.answer == "Slow and steady" and run.result.attempts.usage_complete
+    assert deltas == [(1, "Slow "), (1, "and "), (1, "steady")]
+    assert (await engine.run(openai_operation(), "go")).answer == "Plain"
+    assert [(r.body.get("stream"), r.body.get("stream_options")) for r in wire.requests] == [
+        (True, {"include_usage": True}), (True, {"include_usage": True}), (None, None)]
+    assert all(row["outcome"] == "ok" and row["output_tokens"] is not None
+               for row in ledger.attempts.values())
+
+
+async def test_a_stream_without_its_usage_chunk_is_aborted_unless_usage_is_optional(
+    wire: OpenAIHarness, caplog: pytest.LogCaptureFixture, tmp_path: Path,
+) -> None:
+    """A server that sends no usage in streams (finish_reason and [DONE], no usage
+    chunk): by default each attempt is aborted and retried to the policy's end;
+    with ``stream_usage="optional"`` the one attempt is ok, its usage unknown: no
+    tokens and no cost in its ledger row, usage_complete false, a warning."""
+    wire.server.stream_usage = False
+    engine, ledger = wire.engine(*[Reply.text("Whole answer")] * 3, stream=True)
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert [(row["outcome"], row["fault"]) for row in ledger.attempts.values()] == [
+        ("aborted", "aborted")] * 3
+    assert wire.server.requests[0].body["stream_options"] == {"include_usage": True}
+
+    with SQLiteLedger(tmp_path / "ledger.db") as sqlite_ledger:
+        engine, _ = wire.engine(Reply.text("Whole answer"), stream=True, ledger=sqlite_ledger,
+                                provider_kwargs={"stream_usage": "optional"})
+        with caplog.at_level("WARNING", logger="loopengine"):
+            result = await engine.run(openai_operation(), "go")
+    assert (result.outcome, result.answer) == (le.Outcome.COMPLETED, "Whole answer")
+    assert not result.attempts.usage_complete and result.usage == le.Usage()
+    with sqlite3.connect(tmp_path / "ledger.db") as db:
+        (row,) = db.execute(
+            "SELECT outcome, fault, charged, input_tokens, output_tokens, cost_nanousd, "
+            "response_id, stop_reason FROM attempts").fetchall()
+    assert row[:6] == ("ok", None, 0, None, None, None)
+    assert row[6] is not None and row[7] == "end_turn"
+    assert "without its usage chunk" in caplog.text
+    # The server kept its word: no usage went on the wire.
+    assert wire.server.usage_served == le.Usage()
+
+
+async def test_optional_stream_usage_still_refuses_a_stream_cut_before_its_end(
+    wire: OpenAIHarness,
+) -> None:
+    """With ``stream_usage="optional"`` a stream that ends before its finish_reason
+    is still aborted and retried; a stream that carries its usage is priced."""
+    engine, ledger = wire.engine(CutStream(reply=Reply.text("a b c d e"), after=3),
+                                 Reply.text("whole"), stream=True,
+                                 provider_kwargs={"stream_usage": "optional"})
+    result = await engine.run(openai_operation(), "go")
+    assert (result.answer, result.attempts.usage_complete) == ("whole", False)
+    rows = list(ledger.attempts.values())
+    assert [row["outcome"] for row in rows] == ["aborted", "ok"]
+    assert rows[1]["output_tokens"] == 20 and rows[1]["cost_nanousd"] is not None
+
+
+def test_stream_usage_takes_required_or_optional() -> None:
+    """Any other stream_usage is a ConfigError naming it."""
+    with pytest.raises(le.ConfigError) as info:
+        OpenAIProvider(api_key="k", stream_usage="sometimes")  # type: ignore[arg-type]
+    assert info.value.field == "stream_usage"
+
+
 class CallbackBroke(Exception):
     """The caller's own bug."""
 
@@ -344,7 +424,7 @@ def test_routes_and_vendors() -> None:
         ("openai", "openai"), ("azure", "azure"), ("azure", "azure"), ("openai-eu", "openai")]
     assert isinstance(azure.client, openai.AsyncAzureOpenAI)
     assert all(p.client.max_retries == 0 for p in (plain, azure, given, named))
-    assert all(p.features == {"reasoning_effort", "service_tier"} and not p.streaming
+    assert all(p.features == {"reasoning_effort", "service_tier"} and p.streaming
                for p in (plain, azure, given, named))
 
 
