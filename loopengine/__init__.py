@@ -8,6 +8,8 @@ retry path or ends the conversation with a named `Outcome`.
 from loopengine._accounts import AccountBalance, CreditAccounts
 from loopengine._attribution import Attribution
 from loopengine._call import CallAttempts, CallResult
+from loopengine._context import ToolContext
+from loopengine._delegate import agent_tool
 from loopengine._engine import Engine
 from loopengine._errors import (
     ConfigError,
@@ -69,8 +71,10 @@ __all__ = [
     "RunStream",
     "StructuredOutputError",
     "Tool",
+    "ToolContext",
     "ToolInputError",
     "Usage",
+    "agent_tool",
     "load_operations",
     "tool",
 ]

@@ -280,6 +280,7 @@ class Engine:
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
         inv = self._invocation("run", operation, limits, retry, attribution,
                                observers=observers, text_sink=text_sink)
+        inv.engine = self  # where its tools' delegated runs start (ToolContext.run)
         return inv, spec
 
     def stream(
