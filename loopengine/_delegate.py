@@ -20,6 +20,7 @@ import pydantic
 
 from loopengine import _validate
 from loopengine._context import DEFAULT_MAX_DEPTH, ToolContext
+from loopengine._engine import Engine, check_tools
 from loopengine._errors import ConfigError
 from loopengine._invocation import Invocation
 from loopengine._operation import Operation
@@ -54,8 +55,6 @@ async def run_child(
     run_kwargs: dict[str, Any],
 ) -> RunResult:
     """Run a child of ``parent`` (`ToolContext.run`)."""
-    from loopengine._engine import Engine  # the engine module imports the loop
-
     _validate.integer("max_depth", max_depth, minimum=0)
     engine = engine if engine is not None else parent.engine
     if not isinstance(engine, Engine):
@@ -122,8 +121,6 @@ def agent_tool(
     Raises:
         ConfigError: a bad argument.
     """
-    from loopengine._engine import Engine, check_tools
-
     if not isinstance(engine, Engine):
         raise ConfigError("engine", f"must be an Engine, got {_validate.shown(engine)}")
     if not isinstance(operation, Operation):
