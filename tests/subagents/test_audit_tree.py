@@ -117,3 +117,53 @@ async def test_reconcile_checks_a_root_s_charge_against_its_tree(recorded: Recor
     assert json.loads(failed.output)["accounts"] == [{
         "account": "acme", "column": "charged", "recorded": 240, "computed": 360,
         "invocation_id": recorded.parent.invocation_id}]
+
+
+def test_a_ledger_older_than_delegation_is_audited_as_a_ledger_of_roots(
+    tmp_path: Path,
+) -> None:
+    """A version-5 file (no parent_invocation_id) is read, not refused: no children,
+    a roll-up that changes nothing, and a reconciliation of its accounts."""
+    from loopengine.persistence._schema import MIGRATIONS, migrate
+
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    migrate(conn, migrations=MIGRATIONS[:5])
+    conn.execute("INSERT INTO invocations (id, operation, operation_version, provider, model, "
+                 "tenant, started_at, outcome, credits) VALUES ('old-1', 'op', '1', "
+                 "'anthropic', 'm', 'acme', '2026-01-01T00:00:00.000000+00:00', "
+                 "'completed', 7)")
+    conn.close()
+    shown = audit("show", "old-1", "--db", str(path), "--json")
+    assert shown.exit_code == 0 and json.loads(shown.output)["children"] == []
+    rolled = audit("spend", "--roll-up", "--json", "--db", str(path))
+    assert rolled.exit_code == 0, rolled.output
+    assert [(r["tenant"], r["credits"]) for r in json.loads(rolled.output)] == [("acme", 7)]
+    assert audit("reconcile", "--db", str(path)).exit_code == 0
+
+
+async def test_an_expired_root_reservation_is_charged_its_whole_tree(tmp_path: Path) -> None:
+    """A root whose process died: once its reservation expires, the next touch of the
+    account charges what the ledger says its tree charged (an ended child's credits
+    with the root's own), and releases the hold."""
+    from datetime import UTC, datetime, timedelta
+    from decimal import Decimal
+
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        await accounts.reserve("acme", "root", 300,
+                               expires_at=datetime.now(UTC) - timedelta(seconds=1),
+                               credits_per_usd=Decimal(1_000_000), credit_quantum=1)
+        conn = sqlite3.connect(path)
+        conn.executemany(
+            "INSERT INTO invocations (id, operation, operation_version, provider, model, "
+            "tenant, started_at, outcome, credits, parent_invocation_id) VALUES "
+            "(?, 'op', '1', 'anthropic', 'm', 'acme', '2026-01-01', ?, ?, ?)",
+            [("root", "running", 0, None), ("child", "completed", 50, "root"),
+             ("grandchild", "credit_limit", 25, "child")])
+        conn.commit()
+        conn.close()
+        balance = await accounts.balance("acme")
+    assert (balance.spent, balance.reserved) == (75, 0)

@@ -194,3 +194,24 @@ async def test_a_handler_gets_its_call_s_context(route: Route) -> None:
     assert ctx.invocation_id == result.invocation_id and ctx.attribution == ACME
     assert ctx.call_id and ctx.deadline == pytest.approx(route.wire.clock.now() + 30, abs=30)
     assert len(ctx.idempotency_key) == 64 and ctx.idempotency_key == seen[0].idempotency_key
+
+
+async def test_an_input_model_s_fields_reach_the_child_as_json(route: Route) -> None:
+    """With input_model, the model fills its fields and the child gets them as JSON text."""
+    import pydantic
+
+    class Question(pydantic.BaseModel):
+        topic: str
+        depth: int
+
+    engine, _ = route.wire.engine(
+        Reply.tool_calls(("ask", {"topic": "passwords", "depth": 2})),
+        Reply.text("child answer"), Reply.text("parent answer"))
+    ask = le.agent_tool(engine, route.named("child.op"), name="ask",
+                        description="Asks.", input_model=Question)
+    assert set(ask.input_schema["properties"]) == {"topic", "depth"}
+    result = await engine.run(route.named("parent.op"), "go", tools=[ask])
+    assert result.answer == "parent answer"
+    assert '{"topic":"passwords","depth":2}' in str(route.wire.requests[1].messages[0])
+    [answered] = last_results(result.messages[:3])
+    assert answered["content"] == "child answer" and not answered.get("is_error")
