@@ -8,6 +8,8 @@ retry path or ends the conversation with a named `Outcome`.
 from loopengine._accounts import AccountBalance, CreditAccounts
 from loopengine._attribution import Attribution
 from loopengine._call import CallAttempts, CallResult
+from loopengine._context import ToolContext
+from loopengine._delegate import agent_tool
 from loopengine._engine import Engine
 from loopengine._errors import (
     ConfigError,
@@ -72,9 +74,11 @@ __all__ = [
     "StructuredOutputError",
     "Thinking",
     "Tool",
+    "ToolContext",
     "ToolInputError",
     "Usage",
     "UsageIteration",
+    "agent_tool",
     "load_operations",
     "tool",
 ]

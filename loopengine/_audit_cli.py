@@ -301,10 +301,13 @@ def runs(db: str, schema: str | None, limit: int, every: bool, as_json: bool,
 @_ledger_options
 @click.option("--by", type=click.Choice(_audit.GROUPINGS), default="tenant", show_default=True,
               help="What to group the spend by.")
+@click.option("--roll-up", "roll_up", is_flag=True,
+              help="Count each tree of delegated runs (sub-agents) as its root: their "
+                   "totals are added to the root's, grouped and filtered by the root's.")
 @_filters("Invocations")
 @_JSON
 @_audit_command
-def spend(db: str, schema: str | None, by: _audit.Grouping, as_json: bool,
+def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_json: bool,
           **where: Any) -> None:
     """Spend per tenant, feature, model, operation, user_id or correlation_id, over
     invocations started in a period, with their total.
@@ -315,7 +318,7 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, as_json: bool,
     in neither.
     """
     with _ledger(db, schema) as conn:
-        rows = _audit.spend(conn, by=by, **where)
+        rows = _audit.spend(conn, by=by, roll_up=roll_up, **where)
     if as_json:
         _print_json([{by: r.key, "invocations": r.invocations, "attempts": r.attempts,
                       "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
@@ -332,7 +335,8 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, as_json: bool,
     if not rows:
         click.echo(f"No invocations{period}.")
         return
-    click.echo(f"Spend by {by}{period}:")
+    rolled = ", delegated runs rolled up into their roots" if roll_up else ""
+    click.echo(f"Spend by {by}{period}{rolled}:")
     sums = [sum(getattr(r, name) for r in rows) for name in _SPEND_FIGURES]
     click.echo(_table(
         [by, "invocations", "attempts", "input", "output", "cache read", "cache write",
@@ -399,8 +403,9 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
         except UnicodeEncodeError:
             raise CannotRun(f"{invocation_id!r} is not an invocation id (it is not "
                              "valid text)") from None
+        children = _audit.children(conn, invocation["id"])
     if as_json:
-        _print_json({"invocation": invocation, "attempts": attempts})
+        _print_json({"invocation": invocation, "attempts": attempts, "children": children})
         return
     width = max(len(k) for k in invocation)
     for key, value in invocation.items():
@@ -418,6 +423,17 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
                    f"(ordinal {', '.join(_cell(a['ordinal']) for a in unpriced)}): the costs "
                    "above do not include them.")
     click.echo(attempts_table(attempts) if attempts else "No attempt rows.")
+    if children:
+        click.echo(f"\nDelegated runs (sub-agents): {len(children)}")
+        click.echo(_table(
+            ["id", "operation", "outcome", "turns", "attempts", "charged USD", "credits",
+             "with theirs"],
+            [[c["id"], c["operation"], c["outcome"], c["turns"], c["attempt_count"],
+              _usd(c["cost_nanousd"]), c["credits"], c["tree_credits"]] for c in children],
+            total=["total", "", "", "", sum(c["attempt_count"] for c in children),
+                   _usd(sum(c["cost_nanousd"] for c in children)),
+                   sum(c["credits"] for c in children),
+                   sum(c["tree_credits"] for c in children)]))
 
 
 @click.command()

@@ -305,6 +305,7 @@ class Engine:
                 f"which cannot stream (its streaming is False), so {wants} would get no "
                 "text: serve the route with a provider that streams, or make yours "
                 "stream (streaming True, send hands on_text the text)")
+        inv.engine = self  # where its tools' delegated runs start (ToolContext.run)
         return inv, spec
 
     def stream(

@@ -76,7 +76,8 @@ class Invocation:
     # Slots: thousands are alive at once in a busy process.
     __slots__ = (
         "account", "accounts", "announced", "attribution", "begun", "clock", "cost_nanousd",
-        "deadline", "denied", "ended", "id", "in_flight", "kind", "last_fault", "ledger",
+        "credits", "deadline", "denied", "depth", "descendant_credits", "engine", "ended", "id",
+        "in_flight", "kind", "last_fault", "ledger", "parent",
         "limits", "observers", "operation", "output_tokens", "policy", "prices", "provider",
         "provider_cost_nanousd", "records", "reservation", "rng",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
@@ -140,6 +141,39 @@ class Invocation:
         self.denied: GuardTrip | None = None
         """Set by `begin` when the run's account had nothing to reserve."""
         self.unpriced_warned = unpriced_warned if unpriced_warned is not None else set()
+        self.credits = 0
+        """Its own turns' credits so far (R03): what its ledger row records."""
+        self.descendant_credits = 0
+        """The credits of the runs it delegated to, theirs included, as they are spent."""
+        self.parent: Invocation | None = None
+        """The run whose tool started this one (a sub-agent, DESIGN §17), or None."""
+        self.depth = 0
+        """How deep it is nested: 0 for a root, 1 for its children, ..."""
+        self.engine: object = None
+        """The `Engine` running it: where ``ToolContext.run`` starts a child by default."""
+
+    def add_credits(self, credits: int) -> None:
+        """Charge a turn's ``credits`` to this run and to every run above it, as they
+        are spent: an ancestor's hold counts its descendants' credits (DESIGN §17)."""
+        self.credits += credits
+        ancestor = self.parent
+        while ancestor is not None:
+            ancestor.descendant_credits += credits
+            ancestor = ancestor.parent
+
+    @property
+    def tree_credits(self) -> int:
+        """Its own credits plus its descendants': what its account is charged."""
+        return self.credits + self.descendant_credits
+
+    def credit_tree(self) -> list[tuple[int | None, int]]:
+        """``(credit_hold, tree_credits)`` of this run and each of its ancestors."""
+        tree: list[tuple[int | None, int]] = []
+        node: Invocation | None = self
+        while node is not None:
+            tree.append((node.limits.credit_hold, node.tree_credits))
+            node = node.parent
+        return tree
 
     async def emit(self, event: Event) -> None:
         """Deliver ``event`` to every observer; an observer's failure is only logged."""

@@ -87,6 +87,7 @@ async def begin(inv: Invocation) -> None:
                 feature=inv.attribution.feature,
                 correlation_id=inv.attribution.correlation_id,
                 started_at=at,
+                parent_invocation_id=inv.parent.id if inv.parent is not None else None,
             ))
         except LoopEngineError as error:
             inv.begun = False
@@ -142,8 +143,10 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
                                "deadline; the write stays queued", inv.kind, inv.id,
                                outcome)
     finally:
-        # The account is settled however the end's write went (§13).
-        await settle_account(inv, credits)
+        # The account is settled however the end's write went (§13), once for a
+        # tree of delegated runs: the root is charged its descendants' credits
+        # too (a child holds no reservation of its own, §17).
+        await settle_account(inv, credits + inv.descendant_credits)
     logger.info(
         "%s %s ended %s: operation=%s turns=%d tool_calls=%d attempts=%d "
         "cost_nanousd=%d credits=%d",

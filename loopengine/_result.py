@@ -55,7 +55,7 @@ class RunResult:
     provider_cost_usd: Decimal
     """The cost of every attempt that reported usage: what the provider may bill."""
     credits: int
-    """Accumulated rounded turn charges (R03)."""
+    """Accumulated rounded turn charges (R03) of this run's own turns."""
     attempts: AttemptsSummary
     """The wire requests made."""
     invocation_id: str
@@ -74,6 +74,9 @@ class RunResult:
     """True when some attempt could not be priced (its cost is not in ``cost_usd``)."""
     detail: str = ""
     """Why the run ended, in a sentence."""
+    credits_total: int = 0
+    """``credits`` plus those of the runs it delegated to (sub-agents, theirs
+    included): what its hold counted and its account is charged (DESIGN §17)."""
     attempt_log: tuple[AttemptRecord, ...] = field(default=(), repr=False)
     """Every attempt, dispatched and settled, in order."""
 

@@ -29,6 +29,7 @@ import anyio
 import pydantic
 
 from loopengine._attempt import request, settle_cut
+from loopengine._context import context_for
 from loopengine._errors import ConfigError
 from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
@@ -45,6 +46,7 @@ from loopengine.guards._checkpoints import (
     check_before_attempt,
     check_before_turn,
     check_credits,
+    check_delegated_credits,
     check_rejection_budget,
     check_terminal,
     check_tool_batch,
@@ -163,7 +165,9 @@ class _Loop:
                     return await self._end(inv.denied.outcome, trip=inv.denied)
                 phase = "turn"
                 while True:
-                    trip = check_before_turn(self.state, self.limits, inv.clock.now())
+                    # The tree's credits too: a tool batch's delegated runs spent (§17).
+                    trip = (check_before_turn(self.state, self.limits, inv.clock.now())
+                            or check_delegated_credits(inv.credit_tree()))
                     if trip is not None:
                         return await self._end(trip.outcome, trip=trip)
                     turn = self.state.turns + 1
@@ -369,7 +373,9 @@ class _Loop:
     def _charge(self, turn: int) -> None:
         """Add the turn's rounded charge; the crossing turn stays billed (R03, S01)."""
         self.charged = turn
-        self.state = replace(self.state, credits=self.state.credits + self.inv.turn_credits(turn))
+        credits = self.inv.turn_credits(turn)
+        self.inv.add_credits(credits)  # and to the runs above, for their holds (§17)
+        self.state = replace(self.state, credits=self.state.credits + credits)
 
     # -- answers ----------------------------------------------------------------------
 
@@ -471,12 +477,14 @@ class _Loop:
                 except ToolInputError as error:
                     text, failed = f"Invalid input for {name}: {error}", "invalid input"
                 else:
+                    context = (None if handler.context_parameter is None
+                               else context_for(inv, str(block.get("id"))))
                     try:
                         if handler.timeout is None:
-                            value = await handler.invoke(argument)
+                            value = await handler.invoke(argument, context)
                         else:
                             with inv.clock.cancel_scope(handler.timeout) as limit:
-                                value = await handler.invoke(argument)
+                                value = await handler.invoke(argument, context)
                             if limit.cancelled_caught:
                                 raise _ToolTimeout(handler.timeout)
                     except _ToolTimeout as late:
@@ -574,6 +582,7 @@ class _Loop:
             cost_usd=inv.cost_usd,
             provider_cost_usd=nanousd_to_usd(inv.provider_cost_nanousd),
             credits=self.state.credits,
+            credits_total=self.state.credits + inv.descendant_credits,
             attempts=inv.summary(),
             invocation_id=inv.id,
             messages=self.transcript,

@@ -21,6 +21,7 @@ import anyio.to_thread
 import pydantic
 
 from loopengine import _validate
+from loopengine._context import ToolContext
 from loopengine._errors import ConfigError, ToolInputError
 from loopengine._jsonschema import check_schema, schema_errors
 
@@ -119,6 +120,9 @@ class Tool:
         check_schema("input_schema", self.input_schema)
         self._kwargs = False
         self._is_async = _is_async(handler)
+        self.context_parameter = _context_parameter(handler)
+        """The handler's parameter annotated `ToolContext` (given the call's
+        context, never shown to the model), or None."""
 
     def __repr__(self) -> str:
         return f"Tool({self.name!r})"
@@ -148,20 +152,22 @@ class Tool:
             raise ToolInputError("; ".join(problems))
         return tool_input
 
-    async def invoke(self, argument: Any) -> Any:
-        """Run the handler with a validated argument (worker thread if sync).
+    async def invoke(self, argument: Any, context: ToolContext | None = None) -> Any:
+        """Run the handler with a validated argument (worker thread if sync), and
+        ``context`` as its `ToolContext` parameter when it declares one.
 
         Cancelled (the run's deadline), this returns at once. A sync handler's
         thread cannot be stopped: it is abandoned, runs the handler to its end,
         and what it returns or raises then is discarded.
         """
+        extra = {} if self.context_parameter is None else {self.context_parameter: context}
         if self._kwargs:
             assert isinstance(argument, pydantic.BaseModel)
             call = functools.partial(
-                self.handler, **{k: getattr(argument, k) for k in type(argument).model_fields}
-            )
+                self.handler, **{k: getattr(argument, k) for k in type(argument).model_fields},
+                **extra)
         else:
-            call = functools.partial(self.handler, argument)
+            call = functools.partial(self.handler, argument, **extra)
         if self._is_async:
             return await call()
         return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
@@ -180,6 +186,18 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
     )
+
+
+def _context_parameter(handler: Callable[..., Any]) -> str | None:
+    """The name of ``handler``'s parameter annotated `ToolContext`, if it has one."""
+    try:
+        parameters = inspect.signature(handler, eval_str=True).parameters.values()
+    except (NameError, TypeError, ValueError):
+        return None  # no signature to read (a builtin), or one naming no context
+    for param in parameters:
+        if param.annotation is ToolContext:
+            return param.name
+    return None
 
 
 def _model_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
@@ -233,6 +251,8 @@ def _from_function(
         raise ConfigError("handler", f"{label}: cannot resolve an annotation: {error}") \
             from None
     for param in parameters:
+        if param.annotation is ToolContext:
+            continue  # given by the engine, never by the model
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ConfigError("handler", f"{label}: *args and **kwargs cannot be tool input")
         annotation = Any if param.annotation is param.empty else param.annotation

@@ -14,6 +14,7 @@ from loopengine.guards import (
     check_before_attempt,
     check_before_turn,
     check_credits,
+    check_delegated_credits,
     check_rejection_budget,
     check_terminal,
     check_tool_batch,
@@ -114,6 +115,16 @@ def test_credit_hold_is_greater_than_not_greater_or_equal() -> None:
     trip = check_credits(state(credits=101), limits)
     assert trip is not None and trip.outcome is Outcome.CREDIT_LIMIT
     assert check_credits(state(credits=10**9), Limits()) is None
+
+
+def test_a_tree_past_any_ancestor_s_hold_stops_before_the_next_turn() -> None:
+    """Each (hold, own plus descendants' credits) of a run and its ancestors: exactly
+    a hold continues, one credit past any of them ends credit_limit, naming it."""
+    assert check_delegated_credits([(60, 60), (100, 100), (None, 10**9)]) is None
+    trip = check_delegated_credits([(60, 50), (100, 140)])
+    assert trip is not None and trip.outcome is Outcome.CREDIT_LIMIT
+    assert (trip.observed, trip.limit) == (140, 100)
+    assert check_delegated_credits([]) is None
 
 
 def test_turn_credits_round_up_to_the_quantum() -> None:

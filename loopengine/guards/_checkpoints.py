@@ -8,6 +8,7 @@ them in the fixed order of docs/guards.md; this module only decides.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loopengine._outcome import Outcome
@@ -22,6 +23,7 @@ __all__ = [
     "check_before_turn",
     "check_admission",
     "check_credits",
+    "check_delegated_credits",
     "check_rejection_budget",
     "check_terminal",
     "check_tool_batch",
@@ -205,4 +207,23 @@ def check_credits(state: ConversationState, limits: Limits) -> GuardTrip | None:
             limits.credit_hold,
             f"{state.credits} credits charged, more than the hold of {limits.credit_hold}",
         )
+    return None
+
+
+def check_delegated_credits(tree: Sequence[tuple[int | None, int]]) -> GuardTrip | None:
+    """Before a turn, in a tree of delegated runs (sub-agents, DESIGN §17): each
+    ``(credit_hold, credits)`` of the run and of its ancestors, ``credits``
+    counting that run's own turns plus its descendants'. One past its hold
+    ends the run ``credit_limit`` without sending (R03: the tree passes a hold
+    by the crossing turns only)."""
+    for hold, credits in tree:
+        if hold is not None and credits > hold:
+            return GuardTrip(
+                Outcome.CREDIT_LIMIT,
+                "credit_hold",
+                credits,
+                hold,
+                f"{credits} credits charged by a run and the runs it delegated to, more "
+                f"than its hold of {hold}",
+            )
     return None

@@ -16,7 +16,7 @@ from typing import Any
 
 from loopengine.guards._credits import turn_credits
 
-__all__ = ["AccountBalance", "JOURNAL_SUMS", "charged", "expire", "journal", "lock", "read",
+__all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "charged", "expire", "journal", "lock", "read",
            "released"]
 
 JOURNAL_SUMS = {
@@ -100,9 +100,27 @@ def expire(conn: Any, account: str, now: str) -> None:
                  "released after its reservation expired")
 
 
-def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
-    """What the ledger says an invocation charged: its credits if it ended, else
-    the rounded turn charges of its settled, charged attempts (R03)."""
+TREE = ("WITH RECURSIVE tree (id) AS (SELECT CAST(? AS TEXT) UNION ALL "
+        "SELECT i.id FROM invocations AS i JOIN tree AS t ON i.parent_invocation_id = t.id) ")
+"""The ids of a run and of every run it delegated to, theirs included (a sub-agent's
+tree, DESIGN §17): a common table expression taking the root's id."""
+
+
+def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int, *,
+            tree: bool = True) -> int:
+    """What the ledger says a run charged its account: for it and each run it
+    delegated to (its tree, which one reservation pays for; ``tree=False`` on a
+    ledger older than delegation), its credits if it ended, else the rounded
+    turn charges of its settled, charged attempts (R03)."""
+    if tree:
+        ids = [str(r[0]) for r in conn.execute(f"{TREE}SELECT id FROM tree",
+                                               (invocation_id,)).fetchall()]
+    else:
+        ids = [invocation_id]
+    return sum(_own_charge(conn, member, rate, quantum) for member in ids)
+
+
+def _own_charge(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
     row = conn.execute("SELECT outcome, credits FROM invocations WHERE id = ?",
                        (invocation_id,)).fetchone()
     if row is not None and row[0] != "running":

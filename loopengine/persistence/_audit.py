@@ -38,14 +38,19 @@ from loopengine._audit_records import (
 )
 from loopengine._errors import LedgerError
 from loopengine.persistence import _account_store
-from loopengine.persistence._audit_open import AuditConnection, describe_value, has_table
+from loopengine.persistence._audit_open import (
+    AuditConnection,
+    describe_value,
+    has_column,
+    has_table,
+)
 from loopengine.persistence._audit_open import open_ledger as open_ledger
 from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_time
 
 __all__ = ["EXPORT_COLUMNS", "GROUPINGS", "AccountMismatch", "AccountRow", "Mismatch",
-           "Reconciliation", "RunRow", "SpendRow", "Where", "describe_value", "export_rows",
-           "incomplete_in_export", "is_unpriced", "open_ledger", "reconcile", "runs", "show",
-           "spend"]
+           "Reconciliation", "RunRow", "SpendRow", "Where", "children", "describe_value",
+           "export_rows", "incomplete_in_export", "is_unpriced", "open_ledger", "reconcile",
+           "runs", "show", "spend"]
 
 Grouping = Literal["tenant", "feature", "model", "operation", "user_id", "correlation_id"]
 GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "user_id",
@@ -151,6 +156,14 @@ def _tokens(attempt: Mapping[str, Any]) -> int:
     return sum(v for c in _TOKEN_COLUMNS if isinstance(v := attempt.get(c), int))
 
 
+def _parent(conn: AuditConnection, alias: str) -> str:
+    """The SQL of ``alias``'s parent invocation id: NULL on a ledger older than
+    delegated runs (DESIGN §17), where every invocation is a root."""
+    if has_column(conn, "invocations", "parent_invocation_id"):
+        return f"{alias}.parent_invocation_id"
+    return "NULL"
+
+
 # -- filters -----------------------------------------------------------------------------
 
 
@@ -211,10 +224,15 @@ _SPEND_SUMS = ("invocations", "attempt_count", "input_tokens", "output_tokens",
                "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens")
 
 
-def spend(conn: AuditConnection, *, by: Grouping = "tenant",
+def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = False,
           **where: Unpack[Where]) -> list[SpendRow]:
     """Spend grouped by ``by``, over invocations started in the period that
     match ``where``.
+
+    With ``roll_up``, each tree of delegated runs (sub-agents, DESIGN §17)
+    counts as its root: its descendants' totals are added to the root's, the
+    root's ``by`` and start (and ``where``) place the whole tree, and
+    ``invocations`` counts roots.
 
     The totals come from the invocation rows, which count every attempt even
     past the retention cap (R07), so they are complete where rows are not.
@@ -232,17 +250,28 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant",
     if by not in GROUPINGS:
         raise ValueError(f"cannot group by {by!r}; choose one of {', '.join(GROUPINGS)}")
     clause, params = _where("i.started_at", where)
+    if roll_up:
+        # ``i`` is each tree's root (grouped and filtered), ``m`` each of its members.
+        source = (f"WITH RECURSIVE roots (id, root) AS (SELECT id, id FROM invocations AS i "
+                  f"WHERE {_parent(conn, 'i')} IS NULL UNION ALL SELECT i.id, r.root FROM "
+                  f"invocations AS i JOIN roots AS r ON {_parent(conn, 'i')} = r.id) ",
+                  "FROM roots AS r JOIN invocations AS m ON m.id = r.id "
+                  "JOIN invocations AS i ON i.id = r.root")
+        count, m = "COUNT(DISTINCT i.id)", "m"
+    else:
+        source, count, m = ("", "FROM invocations AS i"), "COUNT(*)", "i"
     # Correlated through the attempts' primary key, so the cost follows the
     # period's invocations, not the whole table.
-    unpriced = f"FROM attempts AS a WHERE a.invocation_id = i.id AND {_unpriced_sql('a')}"
+    unpriced = f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND {_unpriced_sql('a')}"
     sql = (
-        f"SELECT i.{by} AS key, COUNT(*), SUM(i.attempt_count), SUM(i.input_tokens), "
-        "SUM(i.output_tokens), SUM(i.cache_read_tokens), SUM(i.cache_write_tokens), "
-        "SUM(i.cost_nanousd), SUM(i.provider_cost_nanousd), SUM(i.credits), "
+        f"{source[0]}SELECT i.{by} AS key, {count}, SUM({m}.attempt_count), "
+        f"SUM({m}.input_tokens), SUM({m}.output_tokens), SUM({m}.cache_read_tokens), "
+        f"SUM({m}.cache_write_tokens), SUM({m}.cost_nanousd), "
+        f"SUM({m}.provider_cost_nanousd), SUM({m}.credits), "
         f"SUM((SELECT COUNT(*) {unpriced})), SUM((SELECT SUM({_tokens_sql('a')}) {unpriced})) "
-        f"FROM invocations AS i{clause} GROUP BY i.{by} "
+        f"{source[1]}{clause} GROUP BY i.{by} "
         # NULL (no tenant) first on both stores, as SQLite sorts it.
-        f"ORDER BY SUM(i.cost_nanousd) DESC, i.{by} IS NOT NULL, i.{by}"
+        f"ORDER BY SUM({m}.cost_nanousd) DESC, i.{by} IS NOT NULL, i.{by}"
     )
     rows = []
     for row in conn.execute(sql, params):
@@ -290,6 +319,35 @@ def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
     for attempt in attempts:
         attempt["unpriced"] = is_unpriced(attempt)
     return invocation, attempts
+
+
+_CHILD_COLUMNS = ("id", "operation", "started_at", "outcome", "turns", "attempt_count",
+                  "cost_nanousd", "credits")
+
+
+def children(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
+    """The runs ``invocation_id`` delegated to (its sub-agents, DESIGN §17), in the
+    order they started: each with its own turns, attempts, cost and credits, and
+    ``tree_credits``, its credits plus its own descendants'. Empty on a ledger
+    older than delegated runs.
+
+    Raises:
+        LedgerError: the rows hold values a ledger never stores.
+    """
+    if not has_column(conn, "invocations", "parent_invocation_id"):
+        return []
+    found = []
+    for row in conn.execute(
+            f"SELECT {', '.join(_CHILD_COLUMNS)} FROM invocations "
+            "WHERE parent_invocation_id = ? ORDER BY started_at, id", (invocation_id,)):
+        _check("invocations", row, _CHILD_COLUMNS, _where_invocation)
+        child = dict(row)
+        total = conn.execute(f"{_account_store.TREE}SELECT SUM(i.credits) FROM tree "
+                             "JOIN invocations AS i ON i.id = tree.id",
+                             (child["id"],)).fetchone()[0]
+        child["tree_credits"] = int(total or 0)
+        found.append(child)
+    return found
 
 
 # -- reconcile -----------------------------------------------------------------------------
@@ -439,6 +497,8 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
     whose process died, what its settled attempts charged)."""
     if not has_table(conn, "accounts"):
         return []
+    # A root's reservation pays for its tree of delegated runs (DESIGN §17).
+    tree = has_column(conn, "invocations", "parent_invocation_id")
     found: list[AccountMismatch] = []
     sums = ", ".join(f"COALESCE({sql}, 0)" for sql in _account_store.JOURNAL_SUMS.values())
     for row in accounts(conn):
@@ -454,7 +514,8 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
             "ON r.invocation_id = e.invocation_id AND r.kind = 'reserve' "
             "WHERE e.kind IN ('settle', 'expire') GROUP BY e.account, e.invocation_id "
             "ORDER BY e.account, e.invocation_id"):
-        expected = _account_store.charged(conn, invocation_id, Decimal(rate), int(quantum))
+        expected = _account_store.charged(conn, invocation_id, Decimal(rate), int(quantum),
+                                          tree=tree)
         if charged != expected:
             found.append(AccountMismatch(account, "charged", int(charged), expected,
                                          invocation_id))

@@ -23,7 +23,7 @@ from loopengine.persistence._schema import (
     SCHEMA_VERSION,
 )
 
-__all__ = ["AuditConnection", "describe_value", "has_table", "open_ledger"]
+__all__ = ["AuditConnection", "describe_value", "has_column", "has_table", "open_ledger"]
 
 AuditConnection: TypeAlias = sqlite3.Connection | PostgresReader
 """What `open_ledger` returns and every audit query reads."""
@@ -153,7 +153,10 @@ def _check_ledger(conn: sqlite3.Connection, file: Path, wal_blocks: str | None) 
             raise LedgerError(
                 f"{file} has ledger schema version {version}, newer than this loopengine "
                 f"understands ({SCHEMA_VERSION}); upgrade loopengine to read it")
-        for table, wanted in (("invocations", INVOCATION_COLUMNS),
+        # A ledger older than delegated runs lacks parent_invocation_id: read
+        # as a ledger of roots (`has_column`).
+        invocation_columns = tuple(c for c in INVOCATION_COLUMNS if c != "parent_invocation_id")
+        for table, wanted in (("invocations", invocation_columns),
                               ("attempts", ATTEMPT_COLUMNS)):
             kind = kinds.get(table)
             if kind != "table":
@@ -202,6 +205,14 @@ def describe_value(value: object) -> str:
         return f"an integer ({value})"
     text = repr(value)
     return f"text ({text[:40]}{'…' if len(text) > 40 else ''})"
+
+
+def has_column(conn: AuditConnection, table: str, column: str) -> bool:
+    """Whether ``table`` has ``column`` (an older ledger lacks the later ones)."""
+    if isinstance(conn, sqlite3.Connection):
+        return any(str(row[1]) == column
+                   for row in conn.execute(f"PRAGMA table_info({table})"))
+    return conn.has_column(table, column)
 
 
 def has_table(conn: AuditConnection, name: str) -> bool:

@@ -167,6 +167,13 @@ class PostgresReader:
         row = self.execute("SELECT to_regclass(?) IS NOT NULL", (name,)).fetchone()
         return bool(row[0])
 
+    def has_column(self, table: str, column: str) -> bool:
+        """Whether ``table`` (on the snapshot's search path) has ``column``."""
+        row = self.execute("SELECT 1 FROM information_schema.columns WHERE table_schema = "
+                           "current_schema() AND table_name = ? AND column_name = ?",
+                           (table, column)).fetchone()
+        return row is not None
+
     def close(self) -> None:
         """End the snapshot and close the connection."""
         self._pg.close()

@@ -27,7 +27,8 @@ __all__ = ["check_arguments", "dispatch_op", "end_op", "settle_op", "start_op"]
 def start_op(r: InvocationStart) -> Op:
     """The START op of an invocation."""
     return [START, 0, r.id, r.operation, r.operation_version, r.provider, r.model, r.tenant,
-            r.user_id, r.feature, r.correlation_id, format_time(r.started_at)]
+            r.user_id, r.feature, r.correlation_id, format_time(r.started_at),
+            r.parent_invocation_id]
 
 
 def dispatch_op(r: AttemptDispatch) -> Op:

@@ -43,9 +43,10 @@ Op = list[Any]
 """``[kind, op_id, *fields]``; the fields of each kind are listed below."""
 
 # (START, op_id, id, operation, operation_version, provider, model, tenant,
-#  user_id, feature, correlation_id, started_at)
+#  user_id, feature, correlation_id, started_at, parent_invocation_id)
 INVOCATION_INSERT: Final = ("id", "operation", "operation_version", "provider", "model",
-                            "tenant", "user_id", "feature", "correlation_id", "started_at")
+                            "tenant", "user_id", "feature", "correlation_id", "started_at",
+                            "parent_invocation_id")
 # (DISPATCH, op_id, invocation_id, ordinal, turn, attempt, phase, served_by,
 #  started_at, max_tokens, timeout_ms, wait_ms)
 ATTEMPT_INSERT: Final = ("invocation_id", "ordinal", "turn", "attempt", "phase", "served_by",

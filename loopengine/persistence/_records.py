@@ -29,6 +29,8 @@ class InvocationStart:
     feature: str | None
     correlation_id: str | None
     started_at: datetime
+    parent_invocation_id: str | None = None
+    """The invocation whose tool started this one (a sub-agent), or None for a root."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -24,6 +24,7 @@ __all__ = [
     "ATTEMPT_COLUMNS",
     "INVOCATION_COLUMNS",
     "MIGRATIONS",
+    "PARENT_COLUMN",
     "SCHEMA_TABLE",
     "SCHEMA_VERSION",
     "Migration",
@@ -176,6 +177,15 @@ def render(statements: Sequence[str], types: Mapping[str, str]) -> tuple[str, ..
 
 
 _CREATE_TABLES = render(TABLES, SQLITE_TYPES)
+
+# A delegated run (a sub-agent, DESIGN.md §17) names the run that started it;
+# NULL for a root. The same statements on both stores (plain text type); the
+# partial index finds a run's children and stays as small as the delegations.
+PARENT_COLUMN = (
+    "ALTER TABLE invocations ADD COLUMN parent_invocation_id TEXT",
+    "CREATE INDEX invocations_parent ON invocations (parent_invocation_id) "
+    "WHERE parent_invocation_id IS NOT NULL",
+)
 _ACCOUNTS = render(ACCOUNT_TABLES, SQLITE_TYPES)
 
 # A wrap-up turn's attempts (DESIGN.md §12) have the phase ``wrap_up``. SQLite
@@ -197,6 +207,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     # PostgreSQL leaves room on each invocation's page for the new versions of
     # its row (_postgres_schema); SQLite updates rows in place: nothing to do.
     Migration(5, "room beside each invocation row for its updates", ()),
+    Migration(6, "the parent of a delegated run", PARENT_COLUMN),
 )
 """The schema's history, oldest first."""
 
@@ -208,7 +219,7 @@ INVOCATION_COLUMNS = (
     "feature", "correlation_id", "started_at", "ended_at", "outcome", "turns", "tool_calls",
     "attempt_count", "attempts_retained", "incomplete", "input_tokens", "output_tokens",
     "cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens", "cost_nanousd",
-    "provider_cost_nanousd", "credits",
+    "provider_cost_nanousd", "credits", "parent_invocation_id",
 )
 """The columns of ``invocations``, in table order."""
 

@@ -1,0 +1,96 @@
+"""`ToolContext`: what a tool handler may know of the run that called it.
+
+A handler that declares a parameter annotated `ToolContext` receives one per
+call; the parameter is not part of the tool's input schema, so the model never
+sees it. Through it a handler knows its run (``invocation_id``), its call
+(``call_id``), who the run is accounted to, the run's deadline, a key stable
+for the call, and can start a delegated run inside the run's budgets
+(`ToolContext.run`, DESIGN §17).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from loopengine._attribution import Attribution
+
+if TYPE_CHECKING:
+    from loopengine._invocation import Invocation
+    from loopengine._operation import Operation
+    from loopengine._result import RunResult
+
+__all__ = ["DEFAULT_MAX_DEPTH", "ToolContext"]
+
+DEFAULT_MAX_DEPTH = 3
+"""How deep delegated runs may nest by default: a root's children are at depth 1."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolContext:
+    """The run and call a tool handler serves (DESIGN §16, §17).
+
+    Declare a handler parameter annotated ``loopengine.ToolContext`` to receive it.
+    """
+
+    invocation_id: str
+    """The ledger id of the run that called the tool."""
+    call_id: str
+    """The model's id of this tool call."""
+    attribution: Attribution
+    """Who the run is accounted to."""
+    deadline: float
+    """The run's absolute deadline on the engine's clock (``inf`` without one)."""
+    _invocation: Invocation = field(repr=False)
+
+    @property
+    def idempotency_key(self) -> str:
+        """A key derived from the run and the call: the same for this call however
+        often it is made, different for every other call (hex SHA-256)."""
+        return hashlib.sha256(f"{self.invocation_id}\x00{self.call_id}".encode()).hexdigest()
+
+    async def run(
+        self,
+        operation: Operation,
+        messages: str | Sequence[Any],
+        *,
+        engine: Any = None,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+        **run_kwargs: Any,
+    ) -> RunResult:
+        """Run a delegated conversation (a sub-agent) inside this run's budgets.
+
+        The child is its own invocation, recorded with ``parent_invocation_id``
+        and this run's attribution. Its credit hold is narrowed to what this
+        run's hold has left (this run's credits and its other delegated runs'
+        counted), its deadline to this run's; it takes no admission of its own:
+        its credits are charged to this run's account reservation, settled once
+        when the root run ends. Its result is returned whatever its outcome.
+
+        Args:
+            operation: The child's operation (its limits, narrowed as above).
+            messages: Its first user message, or message dicts, as for `Engine.run`.
+            engine: The `Engine` to run it on (this run's by default); it should
+                record on this run's ledger.
+            max_depth: How deep delegated runs may nest; a child past it is not run.
+            **run_kwargs: `Engine.run`'s keywords (``tools``, ``system``,
+                ``output``, ``accept``, ``limits``, ...), but not ``attribution``.
+
+        Raises:
+            ConfigError: the child would nest past ``max_depth`` (nothing is
+                sent), ``attribution`` was given, or its input is bad. Raised in a
+                handler, it becomes that call's ``is_error`` result.
+        """
+        # Imported here: the delegation runs the tool loop, which builds contexts.
+        from loopengine._delegate import run_child
+
+        return await run_child(self._invocation, operation, messages, engine=engine,
+                               max_depth=max_depth, run_kwargs=run_kwargs)
+
+
+def context_for(inv: Invocation, call_id: str) -> ToolContext:
+    """The context of call ``call_id`` of run ``inv``."""
+    return ToolContext(invocation_id=inv.id, call_id=call_id, attribution=inv.attribution,
+                       deadline=inv.deadline.at, _invocation=inv)

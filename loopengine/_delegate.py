@@ -1,0 +1,151 @@
+"""Delegated runs (sub-agents, DESIGN §17): a tool whose handler runs another
+conversation, charged to the calling run's budgets.
+
+A child run is narrowed to what its parent has left: its credit hold to the
+parent's hold minus the credits the parent's tree has spent, its deadline to
+the parent's. It is its own invocation (``parent_invocation_id``) with the
+parent's attribution, and it reserves nothing on the account: each of its
+turns' credits is added to every ancestor as it is spent
+(`Invocation.add_credits`), so the ancestors' holds see it before their next
+turn (`check_delegated_credits`) and the root settles the whole tree once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+import pydantic
+
+from loopengine import _validate
+from loopengine._context import DEFAULT_MAX_DEPTH, ToolContext
+from loopengine._engine import Engine, check_tools
+from loopengine._errors import ConfigError
+from loopengine._invocation import Invocation
+from loopengine._operation import Operation
+from loopengine._outcome import Outcome
+from loopengine._result import RunResult
+from loopengine._run import run_loop
+from loopengine._tools import Tool
+from loopengine.guards._deadline import Deadline
+from loopengine.guards._limits import Limits
+
+__all__ = ["LIMIT_OUTCOMES", "agent_tool", "run_child"]
+
+LIMIT_OUTCOMES = frozenset({Outcome.CREDIT_LIMIT, Outcome.TIME_LIMIT, Outcome.TURN_LIMIT,
+                            Outcome.TOOL_LIMIT, Outcome.TOOL_BATCH_LIMIT})
+"""The outcomes a delegated run ends on a limit with."""
+
+_TASK_SCHEMA = {
+    "type": "object",
+    "properties": {"task": {"type": "string", "description": "The task, in full: the "
+                                                              "delegate sees nothing else."}},
+    "required": ["task"],
+}
+
+
+async def run_child(
+    parent: Invocation,
+    operation: Operation,
+    messages: str | Sequence[Any],
+    *,
+    engine: Any,
+    max_depth: int,
+    run_kwargs: dict[str, Any],
+) -> RunResult:
+    """Run a child of ``parent`` (`ToolContext.run`)."""
+    _validate.integer("max_depth", max_depth, minimum=0)
+    engine = engine if engine is not None else parent.engine
+    if not isinstance(engine, Engine):
+        raise ConfigError("engine", f"must be an Engine, got {_validate.shown(engine)}")
+    if "attribution" in run_kwargs:
+        raise ConfigError("attribution", "a delegated run is accounted to its parent's "
+                                         "attribution")
+    depth = parent.depth + 1
+    if depth > max_depth:
+        raise ConfigError("max_depth", f"this delegated run would be nested {depth} deep, "
+                                       f"past max_depth={max_depth}; it was not run")
+    limits = operation.limits.narrow(run_kwargs.pop("limits", None))
+    narrowed: dict[str, object] = {}
+    hold = parent.limits.credit_hold
+    if hold is not None:
+        narrowed["credit_hold"] = max(0, hold - parent.tree_credits)
+    remaining = parent.remaining()
+    if remaining != float("inf"):
+        narrowed["total_time"] = remaining
+    limits = limits.narrow(narrowed)
+    inv, spec = engine._prepare_run(
+        operation, messages, attribution=parent.attribution,
+        limits={f.name: getattr(limits, f.name) for f in fields(Limits)}, **run_kwargs)
+    inv.parent = parent
+    inv.depth = depth
+    # No admission of its own: its spend is part of the root's reservation.
+    inv.accounts = None
+    inv.account = None
+    inv.deadline = Deadline(min(inv.deadline.at, parent.deadline.at))
+    return await run_loop(inv, spec)
+
+
+def agent_tool(
+    engine: Any,
+    operation: Operation,
+    *,
+    name: str,
+    description: str,
+    tools: Sequence[Tool] = (),
+    input_model: type[pydantic.BaseModel] | None = None,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+) -> Tool:
+    """A tool whose handler runs a delegated conversation of ``operation`` (a sub-agent).
+
+    The model calls it with ``{"task": "..."}`` (or ``input_model``'s fields,
+    given to the child as JSON text); the child's accepted answer is the
+    tool's output. The child runs on ``engine`` with ``tools``, inside the
+    calling run's budgets (`ToolContext.run`): its credits count towards the
+    caller's hold and account reservation, its deadline is the caller's. A
+    child that ends on a limit (``credit_limit``, ``time_limit``,
+    ``turn_limit``, ...) or any other way but ``completed`` gives the calling
+    model an ``is_error`` result naming its outcome; one past ``max_depth``
+    is not run.
+
+    Args:
+        engine: The `Engine` the child runs on (on the caller's ledger).
+        operation: The child's operation.
+        name: The tool's name.
+        description: What the delegate does, for the calling model.
+        tools: The child's tools.
+        input_model: A pydantic model of the tool's input instead of ``task``.
+        max_depth: How deep delegated runs may nest (the root's children are at 1).
+
+    Raises:
+        ConfigError: a bad argument.
+    """
+    if not isinstance(engine, Engine):
+        raise ConfigError("engine", f"must be an Engine, got {_validate.shown(engine)}")
+    if not isinstance(operation, Operation):
+        raise ConfigError("operation", f"must be an Operation, got {_validate.shown(operation)}")
+    engine.provider_for(operation)  # an unserved route is refused now, not mid-run
+    child_tools = check_tools(tools)
+    _validate.integer("max_depth", max_depth, minimum=0)
+
+    async def delegate(argument: Any, ctx: ToolContext) -> Any:
+        if isinstance(argument, pydantic.BaseModel):
+            task = argument.model_dump_json()
+        else:
+            task = str(argument["task"])
+        result = await ctx.run(operation, task, engine=engine, tools=child_tools,
+                               max_depth=max_depth)
+        if result.outcome is not Outcome.COMPLETED:
+            kind = "limit" if result.outcome in LIMIT_OUTCOMES else "outcome"
+            raise DelegationStopped(f"{name} ended {result.outcome.value} (a {kind}) without "
+                                    f"an answer: {result.detail}")
+        return result.answer
+
+    return Tool(name, description, None if input_model is not None else _TASK_SCHEMA,
+                delegate, input_model=input_model)
+
+
+class DelegationStopped(Exception):
+    """A delegated run ended without an answer; its message, naming the outcome,
+    is the calling model's ``is_error`` result."""

@@ -1,0 +1,217 @@
+"""Sub-agents (DESIGN §17): a tool whose handler runs a child conversation inside the
+calling run's budgets: its credit hold, its deadline, its account reservation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import loopengine as le
+from loopengine import audit
+from loopengine.persistence import SQLiteLedger
+from loopengine.testing import Reply
+
+from .conftest import Route
+
+ACME = le.Attribution(tenant="acme", feature="research")
+
+
+def spend(credits: int) -> le.Usage:
+    """A reply's usage worth ``credits`` on the tests' prices (one credit per token)."""
+    return le.Usage(input_tokens=credits - 10, output_tokens=10)
+
+
+@le.tool
+def lookup(key: str) -> str:
+    """Look a key up."""
+    return key.upper()
+
+
+def last_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool results of a transcript's last message."""
+    return [b for b in messages[-1]["content"] if b.get("type") == "tool_result"]
+
+
+async def test_a_child_is_held_to_what_its_parent_has_left_and_the_account_settles_the_tree(
+    route: Route, tmp_path: Path,
+) -> None:
+    """Parent hold 100, child that would spend 300: the child stops at the 60 its
+    parent had left (its crossing turn billed, R03), the parent ends credit_limit
+    without another turn, credits_total is 40 + 100, each row keeps its own, one
+    reservation is settled once with the tree's 140, and the audit reconciles."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        engine, _ = route.wire.engine(
+            Reply.tool_calls(("researcher", {"task": "dig"}), usage=spend(40)),
+            # The child: six turns of 50 would be 300.
+            *[Reply.tool_calls(("lookup", {"key": str(i)}), usage=spend(50)) for i in range(6)],
+            ledger=ledger, accounts=accounts)
+        researcher = le.agent_tool(engine, route.named("child.op", credit_hold=300),
+                                   name="researcher", description="Researches a task.",
+                                   tools=[lookup])
+        result = await engine.run(route.named("parent.op", credit_hold=100), "go",
+                                  tools=[researcher], attribution=ACME)
+        balance = await accounts.balance("acme")
+    assert result.outcome is le.Outcome.CREDIT_LIMIT
+    assert (result.credits, result.credits_total) == (40, 140)
+    assert len(route.wire.requests) == 3  # parent, then the child's two turns; no more
+    [refusal] = last_results(result.messages)
+    assert refusal["is_error"] and "credit_limit" in str(refusal["content"])
+    conn = audit.open_ledger(path)
+    try:
+        rows = {r["operation"]: dict(r) for r in conn.execute(
+            "SELECT id, operation, outcome, credits, turns, parent_invocation_id, tenant, "
+            "feature FROM invocations")}
+        entries = [tuple(r) for r in conn.execute(
+            "SELECT kind, credits, invocation_id FROM account_entries WHERE kind != 'grant' "
+            "ORDER BY id")]
+        report = audit.reconcile(conn)
+    finally:
+        conn.close()
+    parent, child = rows["parent.op"], rows["child.op"]
+    assert (parent["credits"], parent["parent_invocation_id"]) == (40, None)
+    assert (child["outcome"], child["credits"], child["turns"]) == ("credit_limit", 100, 2)
+    assert child["parent_invocation_id"] == parent["id"] == result.invocation_id
+    assert (child["tenant"], child["feature"]) == ("acme", "research")
+    assert entries == [("reserve", 100, parent["id"]), ("settle", 140, parent["id"]),
+                       ("release", 100, parent["id"])]
+    assert (balance.spent, balance.reserved, balance.available) == (140, 0, 860)
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("limit", ["turn_limit", "time_limit"])
+async def test_a_child_ending_on_a_limit_is_an_error_result_and_the_parent_goes_on(
+    route: Route, limit: str,
+) -> None:
+    """A child that runs out of turns or time gives the parent's model an is_error
+    result naming the limit; the parent's next turn answers."""
+    clock = route.wire.clock
+
+    @le.tool
+    async def slow(key: str) -> str:
+        """Takes a minute."""
+        await clock.sleep(60)
+        return key
+
+    child_limits: dict[str, Any] = ({"max_turns": 1} if limit == "turn_limit"
+                                    else {"total_time": 5.0})
+    engine, ledger = route.wire.engine(
+        Reply.tool_calls(("helper", {"task": "try"})),
+        Reply.tool_calls(("slow", {"key": "a"})),
+        Reply.text("done without help"))
+    helper = le.agent_tool(engine, route.named("child.op", **child_limits), name="helper",
+                           description="Helps.", tools=[slow])
+    result = await engine.run(route.named("parent.op"), "go", tools=[helper])
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "done without help"
+    [answered] = last_results(result.messages[:3])
+    assert answered["is_error"] and limit in answered["content"]
+    assert limit in str(route.wire.requests[2].messages[-1])  # what the model was sent
+    child = next(r for r in ledger.invocations.values() if r["operation"] == "child.op")
+    assert child["outcome"] == limit and child["parent_invocation_id"] == result.invocation_id
+
+
+async def test_nesting_past_max_depth_is_an_error_result_and_sends_nothing(
+    route: Route,
+) -> None:
+    """max_depth=1: the child may run, its own delegate (depth 2) is refused with an
+    is_error result, and no request is sent for it."""
+    engine, ledger = route.wire.engine(
+        Reply.tool_calls(("outer", {"task": "a"})),      # parent
+        Reply.tool_calls(("inner", {"task": "b"})),      # child, depth 1
+        Reply.text("child gave up on nesting"),          # child
+        Reply.text("all done"))                          # parent
+    inner = le.agent_tool(engine, route.named("grandchild.op"), name="inner",
+                          description="Nested.", max_depth=1)
+    outer = le.agent_tool(engine, route.named("child.op"), name="outer",
+                          description="Delegates.", tools=[inner], max_depth=1)
+    result = await engine.run(route.named("parent.op"), "go", tools=[outer])
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "all done"
+    assert len(route.wire.requests) == 4
+    assert "max_depth=1" in str(route.wire.requests[2].messages[-1])
+    assert sorted(r["operation"] for r in ledger.invocations.values()) == ["child.op",
+                                                                          "parent.op"]
+
+
+async def test_cancelling_the_parent_cancels_the_child_and_records_both_cancelled(
+    route: Route,
+) -> None:
+    """The caller cancels while the child's tool runs: the child and the parent are
+    both recorded cancelled, and the cancellation propagates."""
+    started = anyio.Event()
+
+    @le.tool
+    async def forever(key: str) -> str:
+        """Never returns."""
+        started.set()
+        await anyio.sleep_forever()
+        return key
+
+    engine, ledger = route.wire.engine(
+        Reply.tool_calls(("helper", {"task": "wait"})),
+        Reply.tool_calls(("forever", {"key": "a"})))
+    helper = le.agent_tool(engine, route.named("child.op"), name="helper",
+                           description="Waits.", tools=[forever])
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: engine.run(route.named("parent.op"), "go", tools=[helper]))
+        await started.wait()
+        group.cancel_scope.cancel()
+    outcomes = {r["operation"]: r["outcome"] for r in ledger.invocations.values()}
+    assert outcomes == {"parent.op": "cancelled", "child.op": "cancelled"}
+
+
+def test_the_context_parameter_is_not_shown_to_the_model() -> None:
+    """A handler's le.ToolContext parameter is left out of the tool's input schema."""
+
+    @le.tool
+    async def who(key: str, ctx: le.ToolContext) -> str:
+        """Says who called."""
+        return ctx.invocation_id
+
+    assert list(who.input_schema["properties"]) == ["key"]
+    assert who.context_parameter == "ctx"
+
+
+async def test_a_handler_gets_its_call_s_context(route: Route) -> None:
+    """ctx carries the run's id, the call's id, the attribution, the deadline and a
+    key stable for the call."""
+    seen: list[le.ToolContext] = []
+
+    @le.tool
+    def who(key: str, ctx: le.ToolContext) -> str:
+        """Says who called."""
+        seen.append(ctx)
+        return ctx.idempotency_key
+
+    engine, _ = route.wire.engine(Reply.tool_calls(("who", {"key": "a"})), Reply.text("ok"))
+    result = await engine.run(route.named("parent.op", total_time=30.0), "go", tools=[who],
+                              attribution=ACME)
+    [ctx] = seen
+    assert ctx.invocation_id == result.invocation_id and ctx.attribution == ACME
+    assert ctx.call_id and ctx.deadline == pytest.approx(route.wire.clock.now() + 30, abs=30)
+    assert len(ctx.idempotency_key) == 64 and ctx.idempotency_key == seen[0].idempotency_key
+
+
+async def test_an_input_model_s_fields_reach_the_child_as_json(route: Route) -> None:
+    """With input_model, the model fills its fields and the child gets them as JSON text."""
+    import pydantic
+
+    class Question(pydantic.BaseModel):
+        topic: str
+        depth: int
+
+    engine, _ = route.wire.engine(
+        Reply.tool_calls(("ask", {"topic": "passwords", "depth": 2})),
+        Reply.text("child answer"), Reply.text("parent answer"))
+    ask = le.agent_tool(engine, route.named("child.op"), name="ask",
+                        description="Asks.", input_model=Question)
+    assert set(ask.input_schema["properties"]) == {"topic", "depth"}
+    result = await engine.run(route.named("parent.op"), "go", tools=[ask])
+    assert result.answer == "parent answer"
+    assert '{"topic":"passwords","depth":2}' in str(route.wire.requests[1].messages[0])
+    [answered] = last_results(result.messages[:3])
+    assert answered["content"] == "child answer" and not answered.get("is_error")
