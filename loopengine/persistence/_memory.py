@@ -129,6 +129,7 @@ class _Rows(_planner.Store):
             if kind in ("start", "dispatch"):
                 # A row inserted twice fails as a primary key would.
                 table: dict[Any, dict[str, Any]]
+                columns: tuple[str, ...]
                 if kind == "start":
                     table, key, new = self.invocations, row[0], _NEW_INVOCATION
                     columns = _planner.INVOCATION_INSERT
