@@ -35,15 +35,14 @@ from datetime import datetime
 from decimal import ROUND_CEILING, Decimal
 from typing import TYPE_CHECKING, Any, Final
 
-from genai_prices import Usage as GenaiUsage
-from genai_prices.types import ModelPrice as GenaiModelPrice
-from genai_prices.types import TieredPrices
-
 from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine._usage import Usage
 
 if TYPE_CHECKING:
+    from genai_prices import Usage as GenaiUsage
+    from genai_prices.types import ModelPrice as GenaiModelPrice
+
     from loopengine._features import Features
 
 __all__ = ["DOCUMENTED_FEES", "STANDARD_TIERS", "ModelPrice", "PriceBook", "Priced"]
@@ -337,6 +336,17 @@ class PriceBook:
         return total
 
 
+@functools.cache
+def _genai() -> tuple[type[GenaiUsage], type[Any]]:
+    """genai-prices' usage and tiered-price classes, imported on first use: the
+    package loads its whole price snapshot (about 0.1 s), which `import
+    loopengine` and the CLI's ``--help`` should not pay for."""
+    from genai_prices import Usage as genai_usage
+    from genai_prices.types import TieredPrices
+
+    return genai_usage, TieredPrices
+
+
 def _or(value: Decimal | None, default: Decimal) -> Decimal:
     return default if value is None else value
 
@@ -358,7 +368,7 @@ def nanousd_to_usd(nanousd: int) -> Decimal:
 def _genai_usage(usage: Usage) -> GenaiUsage:
     """Our usage in genai-prices' convention: cache tokens *inside* input_tokens."""
 
-    return GenaiUsage(
+    return _genai()[0](
         input_tokens=usage.total_input_tokens,
         output_tokens=usage.output_tokens,
         cache_read_tokens=usage.cache_read_tokens,
@@ -438,7 +448,7 @@ def _genai_fees(provider: str, model: str, at: datetime) -> tuple[Decimal | None
     if found is None:
         return None, None
     rate = getattr(found[1].get_prices(at), "web_searches_kcount", None)
-    if isinstance(rate, TieredPrices):
+    if isinstance(rate, _genai()[1]):
         # Tiers follow a request's input tokens; no search fee varies with them.
         rate = rate.base
     return rate, None
@@ -474,7 +484,7 @@ def _token_cost(model_price: GenaiModelPrice, usage: Usage) -> Decimal | None:
             if count or key in ("input_mtok", "output_mtok"):
                 return None
             continue
-        if isinstance(price, TieredPrices):
+        if isinstance(price, _genai()[1]):
             rate = price.base
             for tier in reversed(price.tiers):
                 if threshold > tier.start:

@@ -32,3 +32,18 @@ def test_import_loopengine_and_its_cli_load_no_provider_sdk() -> None:
     before, after = json.loads(done.stdout)
     assert before == []
     assert "anthropic" in after
+
+
+def test_import_loopengine_loads_no_price_snapshot() -> None:
+    """genai-prices (its whole price snapshot, about 0.1 s) loads when an attempt
+    is first priced, not at ``import loopengine``; pricing then works."""
+    program = (
+        "import sys, loopengine as le\n"
+        "before = 'genai_prices' in sys.modules\n"
+        "from datetime import datetime, timezone\n"
+        "priced = le.PriceBook().price('anthropic', 'claude-sonnet-4-5', le.Usage(1000, 100),\n"
+        "                              datetime(2026, 1, 1, tzinfo=timezone.utc))\n"
+        "print(before, priced is not None and priced.cost_nanousd > 0)\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.split() == ["False", "True"]
