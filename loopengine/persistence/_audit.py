@@ -454,6 +454,8 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
             "ON r.invocation_id = e.invocation_id AND r.kind = 'reserve' "
             "WHERE e.kind IN ('settle', 'expire') GROUP BY e.account, e.invocation_id "
             "ORDER BY e.account, e.invocation_id"):
+        if not _account_store.released(conn, invocation_id):
+            continue  # a resumed run in progress: its earlier segments' settlement is partial
         expected = _account_store.charged(conn, invocation_id, Decimal(rate), int(quantum))
         if charged != expected:
             found.append(AccountMismatch(account, "charged", int(charged), expected,

@@ -96,6 +96,29 @@ class InvocationEnd:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class InvocationProgress:
+    """An invocation's committed progress, as a ledger reads it back: what a
+    resumed run enforces its budgets from (never from the state it was given)."""
+
+    outcome: str
+    """``running``, ``paused``, or how it ended."""
+    ended_at: datetime | None
+    """When it ended, or paused (None while running)."""
+    turns: int
+    """Turns recorded at its last pause or end."""
+    tool_calls: int
+    """Tool budget consumed, recorded at its last pause or end."""
+    credits: int
+    """Credits charged, recorded at its last pause or end."""
+    attempt_count: int
+    """Attempts dispatched (every one, past the retention cap too)."""
+    cost_nanousd: int
+    """The charged cost of its settled attempts."""
+    provider_cost_nanousd: int
+    """The cost of every priced attempt."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AttemptRecord:
     """One attempt, dispatched and settled: what `RunResult.attempt_log` holds."""
 
