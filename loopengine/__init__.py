@@ -27,6 +27,7 @@ from loopengine._operation import Operation, load_operations
 from loopengine._outcome import Outcome
 from loopengine._pricing import ModelPrice, PriceBook
 from loopengine._result import AttemptsSummary, RunResult
+from loopengine._runstate import Approve, Deny, PendingCall, RunState, Supply
 from loopengine._stream import RunStream
 from loopengine._tools import Tool, tool
 from loopengine._usage import Usage
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Accept",
     "AccountBalance",
+    "Approve",
     "AttemptsSummary",
     "Attribution",
     "CachePolicy",
@@ -47,6 +49,7 @@ __all__ = [
     "CallResult",
     "ConfigError",
     "CreditAccounts",
+    "Deny",
     "Engine",
     "Estimate",
     "FaultKind",
@@ -59,6 +62,7 @@ __all__ = [
     "Operation",
     "Outcome",
     "OutcomeError",
+    "PendingCall",
     "PriceBook",
     "ProviderError",
     "ProviderFault",
@@ -66,8 +70,10 @@ __all__ = [
     "ReplayMismatchError",
     "RetryPolicy",
     "RunResult",
+    "RunState",
     "RunStream",
     "StructuredOutputError",
+    "Supply",
     "Tool",
     "ToolInputError",
     "Usage",

@@ -75,10 +75,11 @@ class Invocation:
 
     # Slots: thousands are alive at once in a busy process.
     __slots__ = (
-        "account", "accounts", "announced", "attribution", "begun", "clock", "cost_nanousd",
+        "account", "accounts", "announced", "asked_limits", "attribution", "base_attempts",
+        "begun", "clock", "cost_nanousd",
         "deadline", "denied", "ended", "id", "in_flight", "kind", "last_fault", "ledger",
-        "limits", "observers", "operation", "output_tokens", "policy", "prices", "provider",
-        "provider_cost_nanousd", "records", "reservation", "rng",
+        "limits", "observers", "operation", "output_tokens", "paused_seconds", "policy", "prices",
+        "provider", "provider_cost_nanousd", "records", "reservation", "rng",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor",
     )
@@ -106,6 +107,8 @@ class Invocation:
         self.operation = operation
         self.provider = provider
         self.limits = limits
+        self.asked_limits = limits
+        """The limits before admission narrowed them (what a resume asks again)."""
         self.policy = policy
         self.attribution = attribution or _NOBODY
         self.ledger = ledger
@@ -119,6 +122,10 @@ class Invocation:
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)
         self.records: list[AttemptRecord] = []
+        self.base_attempts = 0
+        """Attempts of the invocation's earlier segments (a resumed run's ordinals continue)."""
+        self.paused_seconds = 0.0
+        """How long a resumed run waited paused."""
         self.usage = Usage()
         self.usage_complete = True
         self.output_tokens = 0
@@ -207,7 +214,7 @@ class Invocation:
 
     def summary(self) -> AttemptsSummary:
         """The attempts made so far."""
-        count = len(self.records)
+        count = self.base_attempts + len(self.records)
         if self.ledger is None:
             retained = 0
         else:

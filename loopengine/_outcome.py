@@ -11,10 +11,11 @@ class Outcome(StrEnum):
     """How a run or call ended.
 
     A run always ends with one of the values from ``COMPLETED`` to
-    ``ADMISSION_DENIED``, or stops ``PAUSED`` until it is resumed; ``RUNNING``, ``CANCELLED`` and ``FAILED`` appear
-    only in the ledger and in `loopengine.events.RunEnded` (a run still in
-    progress, one the caller cancelled, and one that raised an error: the
-    cancellation or the error propagated instead of becoming a result).
+    ``ADMISSION_DENIED``, or stops ``PAUSED`` until it is resumed;
+    ``RUNNING``, ``CANCELLED`` and ``FAILED`` appear only in the ledger and
+    in `loopengine.events.RunEnded` (a run still in progress, one the caller
+    cancelled, and one that raised an error: the cancellation or the error
+    propagated instead of becoming a result).
     """
 
     COMPLETED = "completed"

@@ -8,6 +8,7 @@ from typing import Any
 
 from loopengine._errors import OutcomeError
 from loopengine._outcome import Outcome
+from loopengine._runstate import PendingCall, RunState
 from loopengine._usage import Usage
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import AttemptRecord
@@ -75,7 +76,13 @@ class RunResult:
     detail: str = ""
     """Why the run ended, in a sentence."""
     attempt_log: tuple[AttemptRecord, ...] = field(default=(), repr=False)
-    """Every attempt, dispatched and settled, in order."""
+    """Every attempt of this running segment, dispatched and settled, in order."""
+    pending: tuple[PendingCall, ...] = ()
+    """For ``paused``: the tool calls that wait for a decision (`Engine.resume`)."""
+    state: RunState | None = field(default=None, repr=False)
+    """For ``paused`` (and a resume denied admission): what `Engine.resume`
+    continues from. It holds the transcript: store it where conversation text
+    may be kept."""
 
     @property
     def completed(self) -> bool:

@@ -10,6 +10,10 @@ Order within a run: `RunStarted`; per turn `TurnStarted`, then per attempt
 ``succeeded`` or ``failed``) for each call; `GuardTripped` when a guard ends
 the run; `RunEnded` last (also for a cancelled run, with outcome
 ``cancelled``, and for one that raised an error, with outcome ``failed``).
+
+A run that pauses for approval (docs/pause-and-resume.md) ends its running
+segment with `RunPaused` instead of `RunEnded`; its resume begins the next
+segment with `RunResumed` instead of `RunStarted`, with the same ``run_id``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ __all__ = [
     "GuardTripped",
     "Observer",
     "RunEnded",
+    "RunPaused",
+    "RunResumed",
     "RunStarted",
     "TextDelta",
     "ToolCallEvent",
@@ -174,6 +180,56 @@ class RunEnded(Event):
     usage: Usage
     cost_usd: Decimal
     credits: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunPaused(Event):
+    """The run paused: tool calls of its last reply wait for decisions
+    (`loopengine.RunResult.pending`); nothing runs until `Engine.resume`.
+    Emitted once per pause, in place of `RunEnded`."""
+
+    turns: int
+    """Turns sent so far (every segment)."""
+    tool_calls: int
+    """Tool budget consumed so far."""
+    attempts: int
+    """Attempts made so far."""
+    usage: Usage
+    """Usage of this segment's attempts."""
+    cost_usd: Decimal
+    """The charged cost so far."""
+    credits: int
+    """Credits charged so far (settled on the account at the pause)."""
+    pending: int
+    """Tool calls waiting for a decision."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResumed(Event):
+    """A paused run was resumed (`Engine.resume`): the same invocation begins
+    its next running segment. Emitted once per resume, in place of `RunStarted`."""
+
+    operation: str
+    operation_version: str
+    provider: str
+    model: str
+    kind: Literal["run", "call"] = "run"
+    tenant: str | None = None
+    feature: str | None = None
+    correlation_id: str | None = None
+    """The caller's correlation id (`loopengine.Attribution`), if it gave one."""
+    vendor: str | None = None
+    """Whose API serves the route, as in `RunStarted`."""
+    paused_seconds: float = 0.0
+    """How long the run waited (wall time between its pause and this resume)."""
+    turns: int = 0
+    """Turns sent before the pause (from the ledger when the run has one)."""
+    tool_calls: int = 0
+    """Tool budget consumed before the pause."""
+    attempts: int = 0
+    """Attempts made before the pause."""
+    credits: int = 0
+    """Credits charged before the pause."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -85,10 +85,12 @@ class AttemptSettle:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InvocationEnd:
-    """An invocation ended; its row is settled with the outcome."""
+    """An invocation ended; its row is settled with the outcome. A pause is
+    recorded so too (outcome ``paused``), and a resume (``running``, with no
+    ``ended_at``): neither ends it."""
 
     id: str
-    ended_at: datetime
+    ended_at: datetime | None
     outcome: str
     turns: int
     tool_calls: int
