@@ -24,8 +24,7 @@ from loopengine.providers import AnthropicProvider, OpenAIProvider, Provider
 MODELS = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-4o-mini"}
 
 
-async def main(vendor: str, db: str, url: str, state_file: str, decided: str,
-               log: str) -> None:
+async def main(vendor: str, db: str, url: str, state: bytes, decided: str, log: str) -> None:
     @le.tool(approval=True)
     def send(to: str) -> str:
         """Send the message to someone."""
@@ -45,7 +44,7 @@ async def main(vendor: str, db: str, url: str, state_file: str, decided: str,
                           else OpenAIProvider(api_key="test-key", base_url=url))
     with SQLiteLedger(db) as ledger:
         engine = le.Engine(provider, ledger=ledger, prices=prices)
-        result = await engine.resume(Path(state_file).read_bytes(), decisions=decisions,
+        result = await engine.resume(state, decisions=decisions,
                                      tools=[send])
     await provider.aclose()  # type: ignore[attr-defined]
     print(json.dumps({"outcome": result.outcome.value, "invocation_id": result.invocation_id,
@@ -55,4 +54,5 @@ async def main(vendor: str, db: str, url: str, state_file: str, decided: str,
 
 
 if __name__ == "__main__":
-    anyio.run(main, *sys.argv[1:])
+    vendor, db, url, state_file, decided, log = sys.argv[1:]
+    anyio.run(main, vendor, db, url, Path(state_file).read_bytes(), decided, log)

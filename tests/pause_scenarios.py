@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import loopengine as le
@@ -79,11 +79,11 @@ async def approval_round_trip_in_another_process(
     state_file = tmp_path / "state.json"
     state_file.write_bytes(paused.state.dumps())
     decisions = json.dumps({paused.pending[0].id: ["approve"]})
-    child = subprocess.run(
+    child = await anyio.run_process(
         [sys.executable, "-m", "tests.pause_child", vendor, str(path), url, str(state_file),
-         decisions, str(log)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert child.returncode == 0, child.stderr
-    done = json.loads(child.stdout.strip().splitlines()[-1])
+         decisions, str(log)], check=False, cwd=ROOT)
+    assert child.returncode == 0, child.stderr.decode()
+    done = json.loads(child.stdout.decode().strip().splitlines()[-1])
     assert done == {"outcome": "completed", "invocation_id": paused.invocation_id,
                     "turns": 2, "tool_calls": 1, "attempts": 2, "credits": 240,
                     "answer": "It is sent."}
