@@ -78,6 +78,7 @@ async def approval_round_trip_in_another_process(
 
     state_file = tmp_path / "state.json"
     state_file.write_bytes(paused.state.dumps())
+    assert b"test-key" not in paused.state.dumps()  # the provider's key stays out
     decisions = json.dumps({paused.pending[0].id: ["approve"]})
     child = await anyio.run_process(
         [sys.executable, "-m", "tests.pause_child", vendor, str(path), url, str(state_file),
