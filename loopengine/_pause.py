@@ -181,7 +181,7 @@ async def resume_begin(inv: Invocation, conversation: ConversationState) -> None
     await inv.emit(RunResumed(
         run_id=inv.id, at=at, operation=inv.operation.name,
         operation_version=inv.operation.version, provider=inv.operation.provider,
-        model=inv.operation.model, tenant=inv.attribution.tenant,
+        model=inv.operation.model, kind="run", tenant=inv.attribution.tenant,
         feature=inv.attribution.feature, correlation_id=inv.attribution.correlation_id,
         vendor=inv.vendor, paused_seconds=inv.paused_seconds, turns=conversation.turns,
         tool_calls=conversation.tool_calls, attempts=inv.base_attempts,

@@ -35,6 +35,7 @@ __all__ = [
     "RunEnded",
     "RunPaused",
     "RunResumed",
+    "RunSegment",
     "RunStarted",
     "TextDelta",
     "ToolCallEvent",
@@ -53,8 +54,9 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunStarted(Event):
-    """A run or structured call began."""
+class RunSegment(Event):
+    """The fields of an event that begins a running segment of an invocation
+    (`RunStarted`, `RunResumed`)."""
 
     operation: str
     operation_version: str
@@ -68,6 +70,11 @@ class RunStarted(Event):
     vendor: str | None = None
     """Whose API serves the route (``anthropic`` for a route named
     ``anthropic-eu``): what ``served_by`` and prices name."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunStarted(RunSegment):
+    """A run or structured call began."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,21 +212,10 @@ class RunPaused(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunResumed(Event):
+class RunResumed(RunSegment):
     """A paused run was resumed (`Engine.resume`): the same invocation begins
     its next running segment. Emitted once per resume, in place of `RunStarted`."""
 
-    operation: str
-    operation_version: str
-    provider: str
-    model: str
-    kind: Literal["run", "call"] = "run"
-    tenant: str | None = None
-    feature: str | None = None
-    correlation_id: str | None = None
-    """The caller's correlation id (`loopengine.Attribution`), if it gave one."""
-    vendor: str | None = None
-    """Whose API serves the route, as in `RunStarted`."""
     paused_seconds: float = 0.0
     """How long the run waited (wall time between its pause and this resume)."""
     turns: int = 0

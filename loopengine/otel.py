@@ -59,7 +59,7 @@ from loopengine.events import (
     RunEnded,
     RunPaused,
     RunResumed,
-    RunStarted,
+    RunSegment,
     ToolCallEvent,
 )
 from loopengine.providers._base import Provider
@@ -194,7 +194,7 @@ class OpenTelemetryObserver:
 
     def __call__(self, event: Event) -> None:
         """Handle one event (the observer protocol)."""
-        if isinstance(event, RunStarted | RunResumed):
+        if isinstance(event, RunSegment):
             self._run_started(event)
             return
         run = self._runs.get(event.run_id)
@@ -213,7 +213,7 @@ class OpenTelemetryObserver:
 
     # -- runs -------------------------------------------------------------------------
 
-    def _run_started(self, event: RunStarted | RunResumed) -> None:
+    def _run_started(self, event: RunSegment) -> None:
         # The vendor, not a named route's own name (anthropic-eu is anthropic).
         vendor = getattr(event, "vendor", None)
         provider = provider_name(vendor if isinstance(vendor, str) else event.provider)

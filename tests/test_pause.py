@@ -232,3 +232,35 @@ def test_resume_sync_resumes_from_plain_code(make_engine: EngineFactory) -> None
     result = engine.resume_sync(paused.state, decisions={paused.pending[0].id: le.Approve()},
                                 tools=[sender.tool])
     assert result.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+
+
+async def test_a_paused_run_gives_one_span_per_running_segment_linked(
+        make_engine: EngineFactory) -> None:
+    """The OpenTelemetry observer ends the run span at the pause (not an error) and
+    starts the resumed segment's span, linked to the first."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from loopengine.otel import OpenTelemetryObserver
+
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    engine, _, _, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a")), Reply.text("done"),
+        observers=[OpenTelemetryObserver(tracer_provider)])
+    assert paused.state is not None
+    await engine.resume(paused.state, decisions={paused.pending[0].id: le.Approve()},
+                        tools=[sender.tool])
+    runs = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
+    assert len(runs) == 2
+    first, second = runs
+    assert first.attributes is not None and second.attributes is not None
+    assert first.attributes["loopengine.outcome"] == "paused"
+    assert first.status.status_code is not StatusCode.ERROR
+    assert second.attributes["loopengine.run.resumed"] is True
+    assert second.attributes["loopengine.outcome"] == "completed"
+    assert first.attributes["loopengine.run.id"] == second.attributes["loopengine.run.id"]
+    assert [link.context.span_id for link in second.links] == [first.context.span_id]

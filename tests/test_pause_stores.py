@@ -62,20 +62,26 @@ async def test_a_paused_invocation_takes_writes_and_reads_back_its_progress(
     assert await ledger.read_progress("no-such-invocation") is None
 
 
+async def paused_on_account(store: Any, clock: FakeClock, sender: Sender, granted: int,
+                            ) -> tuple[le.Engine, ScriptedProvider, le.CreditAccounts,
+                                       le.RunResult]:
+    """A run on account ``acme`` (granted ``granted``, hold 500), paused on ``send``."""
+    accounts = le.CreditAccounts(store)
+    await accounts.grant("acme", granted)
+    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
+    engine = le.Engine(provider, ledger=store, clock=clock, prices=PRICES, accounts=accounts)
+    paused = await engine.run(operation(credit_hold=500), "go", tools=[sender.tool],
+                              attribution=le.Attribution(tenant="acme"))
+    return engine, provider, accounts, paused
+
+
 async def test_accounts_across_a_pause_on_postgres(postgres_server: PostgresServer,
                                                    clock: FakeClock) -> None:
     """On PostgreSQL too: the pause settles 120 and releases the hold; the resume
     reserves what the hold leaves; the run ends with 240 spent and nothing held."""
     sender = Sender()
     async with PostgresLedger(postgres_server.dsn(), schema=fresh_schema()) as store:
-        accounts = le.CreditAccounts(store)
-        await accounts.grant("acme", 1000)
-        provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")],
-                                    clock=clock)
-        engine = le.Engine(provider, ledger=store, clock=clock, prices=PRICES,
-                           accounts=accounts)
-        paused = await engine.run(operation(credit_hold=500), "go", tools=[sender.tool],
-                                  attribution=le.Attribution(tenant="acme"))
+        engine, provider, accounts, paused = await paused_on_account(store, clock, sender, 1000)
         assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 120, 0, 880)
         assert paused.state is not None
         done = await engine.resume(paused.state, decisions={paused.pending[0].id: le.Approve()},
@@ -90,14 +96,7 @@ async def test_a_resume_its_account_cannot_admit_keeps_the_state(tmp_path: Path,
     kept, the invocation paused again; after a grant the same state resumes."""
     sender = Sender()
     with SQLiteLedger(tmp_path / "ledger.db") as store:
-        accounts = le.CreditAccounts(store)
-        await accounts.grant("acme", 150)
-        provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")],
-                                    clock=clock)
-        engine = le.Engine(provider, ledger=store, clock=clock, prices=PRICES,
-                           accounts=accounts)
-        paused = await engine.run(operation(credit_hold=500), "go", tools=[sender.tool],
-                                  attribution=le.Attribution(tenant="acme"))
+        engine, provider, accounts, paused = await paused_on_account(store, clock, sender, 150)
         assert paused.state is not None
         # Another run spends what is left.
         other = await accounts.reserve("acme", "someone-else", 30, expires_at=datetime.max,
