@@ -254,6 +254,7 @@ class Engine:
         state: RunState | bytes | str,
         *,
         decisions: Mapping[str, Decision] | None = None,
+        operation: Operation | None = None,
         tools: Iterable[Tool] = (),
         output: type[pydantic.BaseModel] | None = None,
         accept: Callable[[Any], Any] | None = None,
@@ -277,6 +278,10 @@ class Engine:
         Args:
             state: The `RunState`, or its `RunState.dumps` bytes.
             decisions: One decision per pending call, by call id.
+            operation: The published operation to resume under, when the
+                state is not trusted: its limits are then the ceiling (the
+                state's limits only narrow them). Default: the operation the
+                state carries. It must have the same name.
             tools: The run's tools, as given to `run`.
             output: The run's output model, as given to `run`.
             accept: The judge of a final answer.
@@ -299,12 +304,17 @@ class Engine:
         if not isinstance(state, RunState):
             raise ConfigError("state", f"must be a RunState, got {_validate.shown(state)}")
         decided = check_decisions(state.pending, decisions)
+        if operation is None:
+            operation = state.operation
+        elif not isinstance(operation, Operation) or operation.name != state.operation.name:
+            raise ConfigError("operation", f"must be the run's operation, "
+                                           f"{state.operation.name!r}")
         if (output is not None) != state.structured:
             raise ConfigError("output", "must be the output model the run was started with"
                                         if state.structured else
                                         "the run was started without one")
         inv, spec = self._prepare_run(
-            state.operation, state.messages[:max(1, state.given)], system=state.system,
+            operation, state.messages[:max(1, state.given)], system=state.system,
             tools=tools, output=output, accept=accept, attribution=state.attribution,
             limits=state.limits, retry=state.retry, on_text=on_text,
             tool_error_text=tool_error_text, final_tool=state.final_tool)
