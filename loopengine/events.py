@@ -37,6 +37,7 @@ __all__ = [
     "RunResumed",
     "RunSegment",
     "RunStarted",
+    "RunTotals",
     "TextDelta",
     "ToolCallEvent",
     "TurnStarted",
@@ -176,37 +177,38 @@ class ToolCallEvent(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunEnded(Event):
+class RunTotals(Event):
+    """The fields of an event that ends a running segment of an invocation
+    (`RunEnded`, `RunPaused`): the invocation's totals so far."""
+
+    turns: int
+    """Turns sent (every segment)."""
+    tool_calls: int
+    """Tool budget consumed."""
+    attempts: int
+    """Attempts made."""
+    usage: Usage
+    """Usage of the attempts that reported it."""
+    cost_usd: Decimal
+    """The charged cost."""
+    credits: int
+    """Credits charged (a pause settles them on the account)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunEnded(RunTotals):
     """The run ended (also when cancelled: outcome ``cancelled``; when it raised
     an error instead of reaching an outcome: ``failed``)."""
 
     outcome: str
-    turns: int
-    tool_calls: int
-    attempts: int
-    usage: Usage
-    cost_usd: Decimal
-    credits: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunPaused(Event):
+class RunPaused(RunTotals):
     """The run paused: tool calls of its last reply wait for decisions
     (`loopengine.RunResult.pending`); nothing runs until `Engine.resume`.
     Emitted once per pause, in place of `RunEnded`."""
 
-    turns: int
-    """Turns sent so far (every segment)."""
-    tool_calls: int
-    """Tool budget consumed so far."""
-    attempts: int
-    """Attempts made so far."""
-    usage: Usage
-    """Usage of this segment's attempts."""
-    cost_usd: Decimal
-    """The charged cost so far."""
-    credits: int
-    """Credits charged so far (settled on the account at the pause)."""
     pending: int
     """Tool calls waiting for a decision."""
 

@@ -57,9 +57,9 @@ from loopengine.events import (
     Event,
     GuardTripped,
     RunEnded,
-    RunPaused,
     RunResumed,
     RunSegment,
+    RunTotals,
     ToolCallEvent,
 )
 from loopengine.providers._base import Provider
@@ -208,7 +208,7 @@ class OpenTelemetryObserver:
             self._tool_call(run, event)
         elif isinstance(event, GuardTripped):
             self._guard_tripped(run, event)
-        elif isinstance(event, RunEnded | RunPaused):
+        elif isinstance(event, RunTotals):
             self._run_ended(event)
 
     # -- runs -------------------------------------------------------------------------
@@ -267,7 +267,7 @@ class OpenTelemetryObserver:
             attributes["loopengine.guard.limit"] = event.limit
         run.span.add_event("loopengine.guard_tripped", attributes, timestamp=_ns(event.at))
 
-    def _run_ended(self, event: RunEnded | RunPaused) -> None:
+    def _run_ended(self, event: RunTotals) -> None:
         run = self._runs.pop(event.run_id)
         outcome = event.outcome if isinstance(event, RunEnded) else "paused"
         # Tool or attempt spans still open (a cancelled or failed run) end with it.
