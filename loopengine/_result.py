@@ -66,7 +66,9 @@ class RunResult:
 
     Always a history to continue from: a tool call the run did not run (a
     refused batch, a deadline) is closed with an ``is_error`` result saying
-    why, so appending a user message and calling `Engine.run` again is valid."""
+    why, so appending a user message and calling `Engine.run` again is valid.
+    A ``paused`` run's last reply still waits for its calls' results: continue
+    it with `Engine.resume`."""
     trip: GuardTrip | None = None
     """The guard that ended the run, if one did."""
     fault: ProviderFault | None = None
