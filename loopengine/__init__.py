@@ -30,6 +30,7 @@ from loopengine._operation import Operation, load_operations
 from loopengine._outcome import Outcome
 from loopengine._pricing import ModelPrice, PriceBook
 from loopengine._result import AttemptsSummary, RunResult
+from loopengine._runstate import Approve, Deny, PendingCall, RunState, Supply
 from loopengine._stream import RunStream
 from loopengine._tools import Tool, tool
 from loopengine._usage import Usage, UsageIteration
@@ -43,6 +44,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Accept",
     "AccountBalance",
+    "Approve",
     "AttemptsSummary",
     "Attribution",
     "CachePolicy",
@@ -50,6 +52,7 @@ __all__ = [
     "CallResult",
     "ConfigError",
     "CreditAccounts",
+    "Deny",
     "Engine",
     "Estimate",
     "FaultKind",
@@ -62,6 +65,7 @@ __all__ = [
     "Operation",
     "Outcome",
     "OutcomeError",
+    "PendingCall",
     "PriceBook",
     "ProviderError",
     "ProviderFault",
@@ -69,10 +73,12 @@ __all__ = [
     "ReplayMismatchError",
     "RetryPolicy",
     "RunResult",
+    "RunState",
     "RunStream",
     "ServerTool",
     "StructuredOutputError",
     "Thinking",
+    "Supply",
     "Tool",
     "ToolContext",
     "ToolInputError",

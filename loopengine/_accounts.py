@@ -196,15 +196,18 @@ class CreditAccounts:
         return await self._transaction(work)
 
     async def settle(self, reservation: Reservation, credits: int) -> None:
-        """Charge a run's real ``credits`` and release its reservation, in one
-        transaction; once per invocation (a second call changes nothing) (internal)."""
+        """Charge a run's real ``credits`` (its total so far) and release its
+        reservation, in one transaction; once per reservation (a second call
+        changes nothing) (internal). A resumed run's earlier segments were
+        settled when it paused: only what it charged since is added."""
 
         def work(conn: Any, now: str) -> None:
             store.lock(conn, reservation.account)
             if store.released(conn, reservation.invocation_id):
                 return  # settled already (or expired by another process)
-            if credits:
-                store.journal(conn, reservation.account, now, "settle", credits,
+            charge = credits - store.settled(conn, reservation.invocation_id)
+            if charge > 0:
+                store.journal(conn, reservation.account, now, "settle", charge,
                          reservation.invocation_id, None)
             store.journal(conn, reservation.account, now, "release", reservation.credits,
                      reservation.invocation_id, None)

@@ -20,12 +20,15 @@ __all__ = ["admit", "settle_account"]
 logger = logging.getLogger("loopengine")
 
 
-async def admit(inv: Invocation, at: datetime) -> None:
+async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
     """Reserve the run's credit hold on its account before its first request
-    (§13): less available narrows the hold; nothing available denies the run."""
+    (§13): less available narrows the hold; nothing available denies the run.
+
+    A resumed run has ``spent`` credits already settled (at its pause): it
+    reserves only what its hold leaves."""
     assert inv.accounts is not None and inv.account is not None
-    hold = inv.limits.credit_hold
-    assert hold is not None  # the engine gives every run on an account a hold
+    assert inv.limits.credit_hold is not None  # every run on an account has a hold
+    hold = max(0, inv.limits.credit_hold - spent)
     accounts, account = inv.accounts, inv.account
     got: list[Reservation] = []
 
@@ -46,7 +49,7 @@ async def admit(inv: Invocation, at: datetime) -> None:
     inv.reservation = reservation
     if reservation.credits < hold:
         # A narrowing (R13): the run may spend only what was reserved.
-        inv.limits = dataclasses.replace(inv.limits, credit_hold=reservation.credits)
+        inv.limits = dataclasses.replace(inv.limits, credit_hold=spent + reservation.credits)
 
 
 async def settle_account(inv: Invocation, credits: int) -> None:

@@ -105,7 +105,7 @@ async def attempt(
                                    phase=phase))
     dispatch = AttemptDispatch(
         invocation_id=inv.id,
-        ordinal=len(inv.records) + 1,
+        ordinal=inv.base_attempts + len(inv.records) + 1,
         turn=turn,
         attempt=number,
         phase=phase,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -27,8 +28,10 @@ from loopengine._run import (
     ToolErrorText,
     check_unique_tools,
     default_tool_error_text,
+    resume_loop,
     run_loop,
 )
+from loopengine._runstate import Decision, RunState, check_decisions
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
 from loopengine._tools import Tool, check_tool_name
@@ -260,6 +263,79 @@ class Engine:
             tool_error_text=tool_error_text, final_tool=final_tool)
         return await run_loop(inv, spec)
 
+    async def resume(
+        self,
+        state: RunState | bytes | str,
+        *,
+        decisions: Mapping[str, Decision] | None = None,
+        operation: Operation | None = None,
+        tools: Iterable[Tool] = (),
+        output: type[pydantic.BaseModel] | None = None,
+        accept: Callable[[Any], Any] | None = None,
+        on_text: TextCallback | None = None,
+        tool_error_text: ToolErrorText | None = None,
+    ) -> RunResult:
+        """Resume a paused run (``result.state`` of a ``paused`` result) as the
+        same invocation (docs/pause-and-resume.md).
+
+        The pending calls are decided first: an `Approve` runs the call, a
+        `Deny` gives the model an ``is_error`` result with its reason, a
+        `Supply` gives it the supplied text; each uses a unit of tool budget
+        (R08). Then the loop goes on. Tools and judges are code, so they are
+        passed again. With a ledger, the budgets enforced (turns, tool calls,
+        credits) and the attempt ordinals continue from the ledger's rows for
+        the invocation, whatever the state says; without one, the state is
+        trusted. A run on an account reserves its credits again: when nothing
+        is available the result is ``admission_denied`` with the state kept
+        (``result.state``) for a later resume.
+
+        Args:
+            state: The `RunState`, or its `RunState.dumps` bytes.
+            decisions: One decision per pending call, by call id.
+            operation: The published operation to resume under, when the
+                state is not trusted: its limits are then the ceiling (the
+                state's limits only narrow them). Default: the operation the
+                state carries. It must have the same name.
+            tools: The run's tools, as given to `run`.
+            output: The run's output model, as given to `run`.
+            accept: The judge of a final answer.
+            on_text: Receives streamed text deltas.
+            tool_error_text: Overrides the engine's hook for this run.
+
+        Returns:
+            The `RunResult`; it may be ``paused`` again.
+
+        Raises:
+            ConfigError: before anything is sent: a state that does not load,
+                a pending call without a decision or a decision for no pending
+                call, an output model other than the run's, an invocation the
+                ledger does not hold paused, or a pause longer than
+                ``Limits.pause_timeout`` (the invocation is then ended
+                ``time_limit``).
+        """
+        if isinstance(state, bytes | str):
+            state = RunState.loads(state)
+        if not isinstance(state, RunState):
+            raise ConfigError("state", f"must be a RunState, got {_validate.shown(state)}")
+        decided = check_decisions(state.pending, decisions)
+        if operation is None:
+            operation = state.operation
+        elif not isinstance(operation, Operation) or operation.name != state.operation.name:
+            raise ConfigError("operation", f"must be the run's operation, "
+                                           f"{state.operation.name!r}")
+        if (output is not None) != state.structured:
+            raise ConfigError("output", "must be the output model the run was started with"
+                                        if state.structured else
+                                        "the run was started without one")
+        inv, spec = self._prepare_run(
+            operation, state.messages[:max(1, state.given)], system=state.system,
+            tools=tools, output=output, accept=accept, attribution=state.attribution,
+            limits=state.limits, retry=state.retry, on_text=on_text,
+            tool_error_text=tool_error_text, final_tool=state.final_tool)
+        # The transcript as it paused: its last reply's calls still wait for results.
+        spec = replace(spec, messages=copy.deepcopy(state.messages))
+        return await resume_loop(inv, spec, state, decided)
+
     def _prepare_run(
         self,
         operation: Operation,
@@ -414,6 +490,7 @@ class Engine:
         return await run_call(inv, spec)
 
     run_sync = sync_method(run)
+    resume_sync = sync_method(resume)
     call_sync = sync_method(call)
 
     @classmethod

@@ -75,11 +75,12 @@ class Invocation:
 
     # Slots: thousands are alive at once in a busy process.
     __slots__ = (
-        "account", "accounts", "announced", "attribution", "begun", "clock", "cost_nanousd",
-        "credits", "deadline", "denied", "depth", "descendant_credits", "engine", "ended", "id",
-        "in_flight", "kind", "last_fault", "ledger", "parent",
-        "limits", "observers", "operation", "output_tokens", "policy", "prices", "provider",
-        "provider_cost_nanousd", "records", "reservation", "rng",
+        "account", "accounts", "announced", "asked_limits", "attribution", "base_attempts",
+        "begun", "clock", "cost_nanousd", "credits", "deadline", "denied", "depth",
+        "descendant_credits", "ended", "engine", "id", "in_flight", "kind", "last_fault",
+        "ledger", "limits", "observers", "operation", "output_tokens", "parent",
+        "paused_seconds", "policy", "prices", "provider", "provider_cost_nanousd", "records",
+        "reservation", "rng",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor",
     )
@@ -107,6 +108,8 @@ class Invocation:
         self.operation = operation
         self.provider = provider
         self.limits = limits
+        self.asked_limits = limits
+        """The limits before admission narrowed them (what a resume asks again)."""
         self.policy = policy
         self.attribution = attribution or _NOBODY
         self.ledger = ledger
@@ -120,6 +123,10 @@ class Invocation:
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)
         self.records: list[AttemptRecord] = []
+        self.base_attempts = 0
+        """Attempts of the invocation's earlier segments (a resumed run's ordinals continue)."""
+        self.paused_seconds = 0.0
+        """How long a resumed run waited paused."""
         self.usage = Usage()
         self.usage_complete = True
         self.output_tokens = 0
@@ -241,7 +248,7 @@ class Invocation:
 
     def summary(self) -> AttemptsSummary:
         """The attempts made so far."""
-        count = len(self.records)
+        count = self.base_attempts + len(self.records)
         if self.ledger is None:
             retained = 0
         else:

@@ -151,7 +151,7 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
         "%s %s ended %s: operation=%s turns=%d tool_calls=%d attempts=%d "
         "cost_nanousd=%d credits=%d",
         inv.kind, inv.id, outcome, inv.operation.name, turns, tool_calls,
-        len(inv.records), inv.cost_nanousd, credits,
+        inv.base_attempts + len(inv.records), inv.cost_nanousd, credits,
     )
     await _announce_end(inv, at, outcome, turns=turns, tool_calls=tool_calls,
                              credits=credits)
@@ -165,7 +165,7 @@ async def _announce_end(inv: Invocation, at: datetime, outcome: str, *, turns: i
     inv.announced = True
     await inv.emit(RunEnded(
         run_id=inv.id, at=at, outcome=outcome, turns=turns, tool_calls=tool_calls,
-        attempts=len(inv.records), usage=inv.usage, cost_usd=inv.cost_usd,
+        attempts=inv.base_attempts + len(inv.records), usage=inv.usage, cost_usd=inv.cost_usd,
         credits=credits,
     ))
 

@@ -11,10 +11,11 @@ class Outcome(StrEnum):
     """How a run or call ended.
 
     A run always ends with one of the values from ``COMPLETED`` to
-    ``ADMISSION_DENIED``; ``RUNNING``, ``CANCELLED`` and ``FAILED`` appear
-    only in the ledger and in `loopengine.events.RunEnded` (a run still in
-    progress, one the caller cancelled, and one that raised an error: the
-    cancellation or the error propagated instead of becoming a result).
+    ``ADMISSION_DENIED``, or stops ``PAUSED`` until it is resumed;
+    ``RUNNING``, ``CANCELLED`` and ``FAILED`` appear only in the ledger and
+    in `loopengine.events.RunEnded` (a run still in progress, one the caller
+    cancelled, and one that raised an error: the cancellation or the error
+    propagated instead of becoming a result).
     """
 
     COMPLETED = "completed"
@@ -39,6 +40,9 @@ class Outcome(StrEnum):
     """The provider account has no balance or hit its spend limit (R06)."""
     ADMISSION_DENIED = "admission_denied"
     """The run's credit account had nothing available to reserve: nothing was sent (§13)."""
+    PAUSED = "paused"
+    """The run waits for decisions on its pending tool calls (``result.pending``);
+    `Engine.resume` continues it as the same invocation (docs/pause-and-resume.md)."""
     RUNNING = "running"
     """Ledger only: the invocation has not ended (or its process died)."""
     CANCELLED = "cancelled"

@@ -8,6 +8,7 @@ from typing import Any
 
 from loopengine._errors import OutcomeError
 from loopengine._outcome import Outcome
+from loopengine._runstate import PendingCall, RunState
 from loopengine._usage import Usage
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import AttemptRecord
@@ -65,7 +66,9 @@ class RunResult:
 
     Always a history to continue from: a tool call the run did not run (a
     refused batch, a deadline) is closed with an ``is_error`` result saying
-    why, so appending a user message and calling `Engine.run` again is valid."""
+    why, so appending a user message and calling `Engine.run` again is valid.
+    A ``paused`` run's last reply still waits for its calls' results: continue
+    it with `Engine.resume`."""
     trip: GuardTrip | None = None
     """The guard that ended the run, if one did."""
     fault: ProviderFault | None = None
@@ -78,7 +81,13 @@ class RunResult:
     """``credits`` plus those of the runs it delegated to (sub-agents, theirs
     included): what its hold counted and its account is charged (DESIGN §17)."""
     attempt_log: tuple[AttemptRecord, ...] = field(default=(), repr=False)
-    """Every attempt, dispatched and settled, in order."""
+    """Every attempt of this running segment, dispatched and settled, in order."""
+    pending: tuple[PendingCall, ...] = ()
+    """For ``paused``: the tool calls that wait for a decision (`Engine.resume`)."""
+    state: RunState | None = field(default=None, repr=False)
+    """For ``paused`` (and a resume denied admission): what `Engine.resume`
+    continues from. It holds the transcript: store it where conversation text
+    may be kept."""
 
     @property
     def completed(self) -> bool:

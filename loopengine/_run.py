@@ -35,8 +35,17 @@ from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
 from loopengine._lifecycle import begin, cancelled, failed, finish
 from loopengine._outcome import Outcome
+from loopengine._pause import (
+    decided_results,
+    pause,
+    pending_approvals,
+    prepare_resume,
+    progress_of,
+    resume_begin,
+)
 from loopengine._pricing import nanousd_to_usd
 from loopengine._result import RunResult
+from loopengine._runstate import Decision, PendingCall, RunState
 from loopengine._tools import Tool, ToolInputError, describe_validation_error, render_tool_output
 from loopengine._usage import Usage
 from loopengine.events import ToolCallEvent
@@ -57,7 +66,7 @@ from loopengine.providers._faults import FaultKind
 from loopengine.providers._retry import RetryStop
 
 __all__ = ["MAX_CONTINUATIONS", "RunSpec", "ToolErrorText", "default_tool_error_text",
-           "final_tool_definition", "run_loop"]
+           "final_tool_definition", "resume_loop", "run_loop"]
 
 logger = logging.getLogger("loopengine")
 
@@ -114,13 +123,34 @@ def run_loop(inv: Invocation, spec: RunSpec) -> Coroutine[Any, Any, RunResult]:
     return _Loop(inv, spec).run()
 
 
+async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
+                      decisions: Mapping[str, Decision]) -> RunResult:
+    """Resume the paused run of ``state`` (`loopengine._pause`): decide its pending
+    batch, then go on as `run_loop` does, as the same invocation.
+
+    Raises:
+        ConfigError: the run cannot resume (not paused, its pause timed out),
+            before anything is sent.
+    """
+    conversation = await prepare_resume(inv, state)
+    loop = _Loop(inv, spec, resumed=(state, decisions))
+    loop.state = conversation
+    loop.charged = conversation.turns  # the paused turn's charge is in its credits
+    loop.answered_calls = dict(state.answered_calls)
+    loop._given_messages = state.given
+    return await loop.run()
+
+
 class _Loop:
     __slots__ = ("_given_messages", "answered_calls", "charged", "cut_results", "definitions",
-                 "inv", "spec", "state", "tools", "transcript", "wrapping")
+                 "inv", "resumed", "spec", "state", "tools", "transcript", "wrapping")
 
-    def __init__(self, inv: Invocation, spec: RunSpec) -> None:
+    def __init__(self, inv: Invocation, spec: RunSpec,
+                 resumed: tuple[RunState, Mapping[str, Decision]] | None = None) -> None:
         self.inv = inv
         self.spec = spec
+        self.resumed = resumed
+        """The paused run this loop resumes, and the decisions on its pending calls."""
         # `normalize_messages` made them the run's own copy, used once: the
         # transcript grows from it (no second copy to hold for the run).
         self.transcript: list[dict[str, Any]] = spec.messages
@@ -160,10 +190,18 @@ class _Loop:
             # The run's one deadline: every wait inside ends at it (a wait that
             # passes it is cut here, and `_deadline_passed` ends the run).
             with inv.clock.deadline_scope(inv.deadline.at):
-                await begin(inv)
+                if self.resumed is None:
+                    await begin(inv)
+                else:
+                    await resume_begin(inv, self.state)
                 if inv.denied is not None:
+                    if self.resumed is not None:
+                        return await self._pause(self.resumed[0].pending, outcome=Outcome(
+                            inv.denied.outcome), detail=inv.denied.message)
                     return await self._end(inv.denied.outcome, trip=inv.denied)
                 phase = "turn"
+                if self.resumed is not None:
+                    phase = await self._decided_batch(*self.resumed)
                 while True:
                     # The tree's credits too: a tool batch's delegated runs spent (§17).
                     trip = (check_before_turn(self.state, self.limits, inv.clock.now())
@@ -296,15 +334,65 @@ class _Loop:
         if trip is not None:
             return await self._end(trip.outcome, trip=trip, answered=results)
 
-        # 5. Tools (R08, R09, R15).
+        # 5. Tools (R08, R09, R15); a call that needs approval pauses the whole
+        # batch before any of its handlers runs (§16).
+        pending = pending_approvals(batch, self.tools, self.inv.id)
+        if pending:
+            return await self._pause(pending, batch=batch, results=results, repair=rejected)
+        return await self._answer_batch(turn, batch, results, feedback_message, rejected)
+
+    async def _answer_batch(
+        self, turn: int, batch: Sequence[Mapping[str, Any]], results: list[dict[str, Any]],
+        feedback_message: str | None, rejected: bool,
+        decided: Mapping[str, tuple[str, bool]] | None = None,
+    ) -> str:
+        """Run the batch, add its results (or the feedback) to the transcript;
+        return the next turn's phase."""
         if batch:
-            await self._run_tools(turn, batch, results)
+            await self._run_tools(turn, batch, results, decided)
             self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
         if results:
             self.transcript.append({"role": "user", "content": results})
         elif feedback_message is not None:
             self.transcript.append({"role": "user", "content": feedback_message})
         return "repair" if rejected else "turn"
+
+    async def _decided_batch(self, state: RunState, decisions: Mapping[str, Decision]) -> str:
+        """A resumed run's paused batch: approved calls run, denied and supplied
+        ones get their decision's result; each uses tool budget (R08)."""
+        calls = {str(b.get("id")): b for b in self.transcript[-1]["content"]
+                 if b.get("type") == "tool_use"}
+        batch = [calls[call_id] for call_id in state.batch if call_id in calls]
+        return await self._answer_batch(self.state.turns, batch, list(state.results), None,
+                                        state.repair, decided_results(decisions))
+
+    async def _pause(self, pending: tuple[PendingCall, ...], *,
+                     batch: Sequence[Mapping[str, Any]] | None = None,
+                     results: list[dict[str, Any]] | None = None, repair: bool = False,
+                     outcome: Outcome = Outcome.PAUSED, detail: str | None = None) -> RunResult:
+        """Pause the run before its batch runs (or, for a resume its account did
+        not admit, pause it again with the same batch)."""
+        inv = self.inv
+        if self.resumed is not None and batch is None:
+            before = self.resumed[0]
+            batch_ids, results, repair = before.batch, before.results, before.repair
+        else:
+            assert batch is not None and results is not None
+            batch_ids = tuple(str(b.get("id")) for b in batch)
+        state = RunState(
+            invocation_id=inv.id, operation=inv.operation, limits=inv.asked_limits,
+            retry=inv.policy, attribution=inv.attribution, system=self.spec.system,
+            messages=self.transcript, given=self._given_messages,
+            final_tool=self.spec.final_tool, structured=self.spec.output is not None,
+            pending=pending, batch=batch_ids, results=results, repair=repair,
+            answered_calls=dict(self.answered_calls), progress=progress_of(inv, self.state),
+            paused_at=inv.clock.wall())
+        await pause(inv, state)
+        if detail is None:
+            detail = (f"{len(pending)} tool call(s) wait for approval: "
+                      f"{', '.join(call.tool for call in pending)}")
+        return self._result(outcome, detail=detail, trip=inv.denied, pending=pending,
+                            state=state)
 
     async def _continue_turn(self, turn: int) -> ProviderResponse | GuardTrip | RetryStop:
         """The turn paused (``pause_turn``): send its continuations, each one's
@@ -421,10 +509,14 @@ class _Loop:
     # -- tools --------------------------------------------------------------------------
 
     async def _run_tools(
-        self, turn: int, batch: Sequence[Mapping[str, Any]], out: list[dict[str, Any]]
+        self, turn: int, batch: Sequence[Mapping[str, Any]], out: list[dict[str, Any]],
+        decided: Mapping[str, tuple[str, bool]] | None = None,
     ) -> None:
         """Run the whole batch concurrently, within the run's deadline; add their
-        results to ``out``. A call the deadline cut gets an error result."""
+        results to ``out``. A call the deadline cut gets an error result; a call
+        in ``decided`` (denied or supplied on resume: ``(text, is_error)``) gets
+        that result and runs nothing."""
+        decided = decided or {}
         inv = self.inv
         observed = bool(inv.observers)  # events are built only for someone to see
         usage = inv.turn_usage(turn) if observed else Usage()
@@ -434,7 +526,7 @@ class _Loop:
         capped: set[int] = set()
         for index, block in enumerate(batch):
             known = self.tools.get(str(block.get("name")))
-            if known is None or known.max_calls is None:
+            if known is None or known.max_calls is None or str(block.get("id")) in decided:
                 continue
             count = self.answered_calls.get(known.name, 0)
             if count >= known.max_calls:
@@ -461,7 +553,15 @@ class _Loop:
             started = inv.clock.now()
             await tool_event(block, "started", 0.0)
             handler = self.tools.get(name)
-            if name == self.spec.final_tool:
+            given = decided.get(str(block.get("id")))
+            if given is not None:
+                text, denied = given
+                if not denied:
+                    results[index] = _tool_result(block, text)
+                    await tool_event(block, "succeeded", 0.0)
+                    return
+                failed = "denied"
+            elif name == self.spec.final_tool:
                 text, failed = "Only the first final answer of a turn is considered.", "duplicate"
             elif handler is None:
                 available = ", ".join(sorted(self.tools)) or "none"
@@ -573,6 +673,13 @@ class _Loop:
                                           f"this call ran: {detail}.")
         await finish(inv, outcome.value, turns=self.state.turns,
                          tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
+        return self._result(outcome, answer=answer, trip=trip, fault=fault, detail=detail)
+
+    def _result(self, outcome: Outcome, *, detail: str, answer: Any = None,
+                trip: GuardTrip | None = None, fault: Any = None,
+                pending: tuple[PendingCall, ...] = (), state: RunState | None = None,
+                ) -> RunResult:
+        inv = self.inv
         return RunResult(
             outcome=outcome,
             answer=answer,
@@ -593,6 +700,8 @@ class _Loop:
             unpriced=inv.unpriced,
             detail=detail,
             attempt_log=tuple(inv.records),
+            pending=pending,
+            state=state,
         )
 
     def _close_unrun_calls(self, answered: Sequence[dict[str, Any]], why: str) -> None:

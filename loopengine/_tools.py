@@ -60,6 +60,13 @@ class Tool:
         timeout: Seconds one call may take (within the run's deadline): past
             it an async handler is cancelled, a sync one's thread is abandoned
             (it cannot be stopped), and the call gets an ``is_error`` result.
+        approval: Whether a call needs a person's approval before it runs:
+            True, False, or ``(call) -> bool`` deciding per call (``call`` is
+            the `PendingCall` that would be listed). A batch holding such a
+            call pauses the run before any of its handlers runs
+            (docs/pause-and-resume.md).
+        idempotent: Whether running a call twice does no harm (declared by
+            the tool's author).
 
     Use `tool` to build one from a function's signature and docstring.
     """
@@ -74,9 +81,19 @@ class Tool:
         input_model: type[pydantic.BaseModel] | None = None,
         max_calls: int | None = None,
         timeout: float | None = None,
+        approval: bool | Callable[[Any], bool] = False,
+        idempotent: bool = False,
     ) -> None:
         _validate.integer("max_calls", max_calls, minimum=0, optional=True)
         _validate.seconds("timeout", timeout, optional=True)
+        if not isinstance(approval, bool) and not callable(approval):
+            raise ConfigError("approval", "must be a bool or a callable (call) -> bool, "
+                                          f"got {_validate.shown(approval)}")
+        _validate.boolean("idempotent", idempotent)
+        self.approval = approval
+        """Whether (or, as a callable, which) calls need approval before they run."""
+        self.idempotent = idempotent
+        """Whether running a call twice does no harm."""
         self.max_calls = max_calls
         """Calls of this tool one run answers by running its handler (None: no cap)."""
         self.timeout = None if timeout is None else float(timeout)
@@ -228,6 +245,7 @@ def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
 def _from_function(
     fn: Callable[..., Any], name: str | None, description: str | None,
     max_calls: int | None = None, timeout: float | None = None,
+    approval: bool | Callable[[Any], bool] = False, idempotent: bool = False,
 ) -> Tool:
     if not callable(fn):
         raise ConfigError("handler", f"a tool needs a function, got {type(fn).__name__}")
@@ -265,7 +283,8 @@ def _from_function(
     try:
         model = pydantic.create_model(f"{tool_name}_input", **fields)
         built = Tool(tool_name, description if description is not None else summary,
-                     handler=fn, input_model=model, max_calls=max_calls, timeout=timeout)
+                     handler=fn, input_model=model, max_calls=max_calls, timeout=timeout,
+                     approval=approval, idempotent=idempotent)
     except pydantic.PydanticUserError as error:
         raise ConfigError("handler", f"{label}: {error}") from None
     built._kwargs = True
@@ -280,6 +299,7 @@ def tool(fn: Callable[..., Any], /) -> Tool: ...
 def tool(
     *, name: str | None = None, description: str | None = None,
     max_calls: int | None = None, timeout: float | None = None,
+    approval: bool | Callable[[Any], bool] = False, idempotent: bool = False,
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 
 
@@ -291,19 +311,22 @@ def tool(
     description: str | None = None,
     max_calls: int | None = None,
     timeout: float | None = None,
+    approval: bool | Callable[[Any], bool] = False,
+    idempotent: bool = False,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Make a `Tool` of a function: its parameters are the input schema.
 
     The docstring's first part describes the tool to the model; a Google-style
     ``Args:`` section describes each parameter. Use bare (``@tool``) or with
-    ``name=``, ``description=``, ``max_calls=`` and ``timeout=`` (see `Tool`).
+    ``name=``, ``description=``, ``max_calls=``, ``timeout=``, ``approval=`` and
+    ``idempotent=`` (see `Tool`).
     The handler is called with keyword arguments.
     """
     if fn is not None:
-        return _from_function(fn, name, description, max_calls, timeout)
+        return _from_function(fn, name, description, max_calls, timeout, approval, idempotent)
 
     def decorate(f: Callable[..., Any]) -> Tool:
-        return _from_function(f, name, description, max_calls, timeout)
+        return _from_function(f, name, description, max_calls, timeout, approval, idempotent)
 
     return decorate
 

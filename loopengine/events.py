@@ -10,6 +10,10 @@ Order within a run: `RunStarted`; per turn `TurnStarted`, then per attempt
 ``succeeded`` or ``failed``) for each call; `GuardTripped` when a guard ends
 the run; `RunEnded` last (also for a cancelled run, with outcome
 ``cancelled``, and for one that raised an error, with outcome ``failed``).
+
+A run that pauses for approval (docs/pause-and-resume.md) ends its running
+segment with `RunPaused` instead of `RunEnded`; its resume begins the next
+segment with `RunResumed` instead of `RunStarted`, with the same ``run_id``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,11 @@ __all__ = [
     "GuardTripped",
     "Observer",
     "RunEnded",
+    "RunPaused",
+    "RunResumed",
+    "RunSegment",
     "RunStarted",
+    "RunTotals",
     "TextDelta",
     "ToolCallEvent",
     "TurnStarted",
@@ -47,8 +55,9 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunStarted(Event):
-    """A run or structured call began."""
+class RunSegment(Event):
+    """The fields of an event that begins a running segment of an invocation
+    (`RunStarted`, `RunResumed`)."""
 
     operation: str
     operation_version: str
@@ -62,6 +71,11 @@ class RunStarted(Event):
     vendor: str | None = None
     """Whose API serves the route (``anthropic`` for a route named
     ``anthropic-eu``): what ``served_by`` and prices name."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunStarted(RunSegment):
+    """A run or structured call began."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,17 +177,57 @@ class ToolCallEvent(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunEnded(Event):
+class RunTotals(Event):
+    """The fields of an event that ends a running segment of an invocation
+    (`RunEnded`, `RunPaused`): the invocation's totals so far."""
+
+    turns: int
+    """Turns sent (every segment)."""
+    tool_calls: int
+    """Tool budget consumed."""
+    attempts: int
+    """Attempts made."""
+    usage: Usage
+    """Usage of the attempts that reported it."""
+    cost_usd: Decimal
+    """The charged cost."""
+    credits: int
+    """Credits charged (a pause settles them on the account)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunEnded(RunTotals):
     """The run ended (also when cancelled: outcome ``cancelled``; when it raised
     an error instead of reaching an outcome: ``failed``)."""
 
     outcome: str
-    turns: int
-    tool_calls: int
-    attempts: int
-    usage: Usage
-    cost_usd: Decimal
-    credits: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunPaused(RunTotals):
+    """The run paused: tool calls of its last reply wait for decisions
+    (`loopengine.RunResult.pending`); nothing runs until `Engine.resume`.
+    Emitted once per pause, in place of `RunEnded`."""
+
+    pending: int
+    """Tool calls waiting for a decision."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResumed(RunSegment):
+    """A paused run was resumed (`Engine.resume`): the same invocation begins
+    its next running segment. Emitted once per resume, in place of `RunStarted`."""
+
+    paused_seconds: float = 0.0
+    """How long the run waited (wall time between its pause and this resume)."""
+    turns: int = 0
+    """Turns sent before the pause (from the ledger when the run has one)."""
+    tool_calls: int = 0
+    """Tool budget consumed before the pause."""
+    attempts: int = 0
+    """Attempts made before the pause."""
+    credits: int = 0
+    """Credits charged before the pause."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,7 +10,11 @@ Each run gives one ``invoke_agent {operation}`` span; under it, one
 ``chat {model}`` span per attempt (each wire request, retries included) and
 one ``execute_tool {tool}`` span per tool call. Span times are the events'
 times. The run span is a child of whatever span is current where the run was
-started, so a run joins the caller's trace.
+started, so a run joins the caller's trace. A run that pauses for approval
+gives one run span per running segment: the span ends at `RunPaused`
+(``loopengine.outcome`` ``paused``, not an error) and its resume starts a new
+one at `RunResumed`, with the same ``loopengine.run.id``, linked to the
+segment before when this observer saw it.
 
 Give the observer the engine's providers to have ``server.address`` and
 ``server.port`` (read from each provider's SDK client's ``base_url``)::
@@ -53,7 +57,9 @@ from loopengine.events import (
     Event,
     GuardTripped,
     RunEnded,
-    RunStarted,
+    RunResumed,
+    RunSegment,
+    RunTotals,
     ToolCallEvent,
 )
 from loopengine.providers._base import Provider
@@ -174,6 +180,8 @@ class OpenTelemetryObserver:
         self._tracer = trace.get_tracer("loopengine", __version__,
                                         tracer_provider=tracer_provider)
         self._runs: dict[str, _RunSpans] = {}
+        self._paused: dict[str, trace.SpanContext] = {}
+        """The last span of each paused run this observer saw, to link its resume to."""
         if providers is None:
             routes: dict[str, object] = {}
         elif isinstance(providers, Mapping):
@@ -186,7 +194,7 @@ class OpenTelemetryObserver:
 
     def __call__(self, event: Event) -> None:
         """Handle one event (the observer protocol)."""
-        if isinstance(event, RunStarted):
+        if isinstance(event, RunSegment):
             self._run_started(event)
             return
         run = self._runs.get(event.run_id)
@@ -200,12 +208,12 @@ class OpenTelemetryObserver:
             self._tool_call(run, event)
         elif isinstance(event, GuardTripped):
             self._guard_tripped(run, event)
-        elif isinstance(event, RunEnded):
+        elif isinstance(event, RunTotals):
             self._run_ended(event)
 
     # -- runs -------------------------------------------------------------------------
 
-    def _run_started(self, event: RunStarted) -> None:
+    def _run_started(self, event: RunSegment) -> None:
         # The vendor, not a named route's own name (anthropic-eu is anthropic).
         vendor = getattr(event, "vendor", None)
         provider = provider_name(vendor if isinstance(vendor, str) else event.provider)
@@ -233,10 +241,16 @@ class OpenTelemetryObserver:
         if event.kind == "call":
             common[GEN_AI_OUTPUT_TYPE] = "json"  # a structured call asks for JSON
         attributes.update(common)
+        links = []
+        if isinstance(event, RunResumed):
+            attributes["loopengine.run.resumed"] = True
+            before = self._paused.pop(event.run_id, None)
+            if before is not None:
+                links.append(trace.Link(before))
         # No context argument: the span's parent is the caller's current span.
         span = self._tracer.start_span(
             f"invoke_agent {event.operation}", kind=SpanKind.INTERNAL,
-            attributes=attributes, start_time=_ns(event.at),
+            attributes=attributes, start_time=_ns(event.at), links=links,
         )
         self._runs[event.run_id] = _RunSpans(
             span=span, context=trace.set_span_in_context(span), provider=provider,
@@ -253,17 +267,18 @@ class OpenTelemetryObserver:
             attributes["loopengine.guard.limit"] = event.limit
         run.span.add_event("loopengine.guard_tripped", attributes, timestamp=_ns(event.at))
 
-    def _run_ended(self, event: RunEnded) -> None:
+    def _run_ended(self, event: RunTotals) -> None:
         run = self._runs.pop(event.run_id)
+        outcome = event.outcome if isinstance(event, RunEnded) else "paused"
         # Tool or attempt spans still open (a cancelled or failed run) end with it.
-        cut = "failed" if event.outcome == "failed" else "cancelled"
+        cut = "failed" if outcome == "failed" else "cancelled"
         for span in [*run.attempts.values(), *run.tools.values()]:
             span.set_attribute(ERROR_TYPE, cut)
             span.set_status(Status(StatusCode.ERROR, "the run ended first"))
             span.end(end_time=_ns(event.at))
         span = run.span
         span.set_attributes({
-            "loopengine.outcome": event.outcome,
+            "loopengine.outcome": outcome,
             "loopengine.turns": event.turns,
             "loopengine.tool_calls": event.tool_calls,
             "loopengine.attempts": event.attempts,
@@ -271,9 +286,11 @@ class OpenTelemetryObserver:
             "loopengine.credits": event.credits,
             **_usage_attributes(event.usage),
         })
-        if event.outcome != "completed":
-            span.set_attribute(ERROR_TYPE, event.outcome)
-            span.set_status(Status(StatusCode.ERROR, f"the run ended {event.outcome}"))
+        if outcome == "paused":
+            self._paused[event.run_id] = span.get_span_context()
+        elif outcome != "completed":
+            span.set_attribute(ERROR_TYPE, outcome)
+            span.set_status(Status(StatusCode.ERROR, f"the run ended {outcome}"))
         span.end(end_time=_ns(event.at))
 
     # -- attempts ---------------------------------------------------------------------

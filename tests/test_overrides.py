@@ -46,7 +46,7 @@ def test_named_fields_take_no_part_in_equality_repr_or_hash() -> None:
     assert named == unnamed and repr(named) == repr(unnamed) and hash(named) == hash(unnamed)
     assert [f.name for f in dataclasses.fields(le.Limits)] == [
         "max_turns", "max_tool_batch", "max_tool_calls", "total_time", "attempt_timeout",
-        "credit_hold", "wrap_up"]
+        "credit_hold", "wrap_up", "pause_timeout"]
 
 
 def test_from_mapping_names_the_mapping_keys() -> None:

@@ -165,4 +165,4 @@ def test_the_sync_methods_say_what_they_are() -> None:
     assert le.Engine.run_sync.__name__ == "run_sync"
     assert "private event loop" in (le.Engine.call_sync.__doc__ or "")
     assert json.dumps(sorted(n for n in dir(le.Engine) if n.endswith("_sync"))) == \
-        '["call_sync", "run_sync"]'
+        '["call_sync", "resume_sync", "run_sync"]'

@@ -42,6 +42,10 @@ class Limits(NamedFields):
     is spent) with tools disabled and `Operation.wrap_up_text`, so the model
     answers from what it gathered (docs/guards.md). An override can turn it off,
     never on against a published off (a narrowing, R13)."""
+    pause_timeout: float | None = None
+    """Seconds a paused run may wait for its resume (None: no limit); past it a
+    resume is refused and the invocation ends ``time_limit``
+    (docs/pause-and-resume.md)."""
     _origin: InitVar[Limits | None] = replaced_from()
     """Internal: the instance `dataclasses.replace` copies (see loopengine._named)."""
 
@@ -53,10 +57,13 @@ class Limits(NamedFields):
         _validate.seconds("attempt_timeout", self.attempt_timeout)
         _validate.integer("credit_hold", self.credit_hold, minimum=0, optional=True)
         _validate.boolean("wrap_up", self.wrap_up)
+        _validate.seconds("pause_timeout", self.pause_timeout, optional=True)
         # Store seconds as floats so that equal limits compare and print alike.
         if self.total_time is not None:
             object.__setattr__(self, "total_time", float(self.total_time))
         object.__setattr__(self, "attempt_timeout", float(self.attempt_timeout))
+        if self.pause_timeout is not None:
+            object.__setattr__(self, "pause_timeout", float(self.pause_timeout))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, object]) -> Limits:

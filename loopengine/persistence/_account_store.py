@@ -17,7 +17,7 @@ from typing import Any
 from loopengine.guards._credits import turn_credits
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "charged", "expire", "journal", "lock", "read",
-           "released"]
+           "released", "settled"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -79,8 +79,22 @@ def journal(conn: Any, account: str, now: str, kind: str, credits: int,
 
 
 def released(conn: Any, invocation_id: str) -> bool:
-    return conn.execute("SELECT 1 FROM account_entries WHERE invocation_id = ? "
-                        "AND kind = 'release'", (invocation_id,)).fetchone() is not None
+    """Whether every reservation of the invocation was released (a paused run
+    released one, and its resume reserves again: one per running segment)."""
+    reserves, releases = conn.execute(
+        "SELECT COALESCE(SUM(CASE WHEN kind = 'reserve' THEN 1 ELSE 0 END), 0), "
+        "COALESCE(SUM(CASE WHEN kind = 'release' THEN 1 ELSE 0 END), 0) "
+        "FROM account_entries WHERE invocation_id = ?", (invocation_id,)).fetchone()
+    return int(releases) >= int(reserves)
+
+
+def settled(conn: Any, invocation_id: str) -> int:
+    """The credits already charged to the invocation (its earlier segments,
+    settled when it paused): a settlement charges only what comes on top."""
+    row = conn.execute("SELECT COALESCE(SUM(credits), 0) FROM account_entries "
+                       "WHERE invocation_id = ? AND kind IN ('settle', 'expire')",
+                       (invocation_id,)).fetchone()
+    return int(row[0])
 
 
 def expire(conn: Any, account: str, now: str) -> None:
@@ -88,12 +102,15 @@ def expire(conn: Any, account: str, now: str) -> None:
     expired = conn.execute(
         "SELECT r.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum "
         "FROM account_entries r WHERE r.account = ? AND r.kind = 'reserve' "
-        "AND r.expires_at < ? AND NOT EXISTS (SELECT 1 FROM account_entries e "
-        "WHERE e.invocation_id = r.invocation_id AND e.kind = 'release')",
+        "AND r.expires_at < ? AND (SELECT COUNT(*) FROM account_entries e "
+        "WHERE e.invocation_id = r.invocation_id AND e.kind = 'release') < "
+        "(SELECT COUNT(*) FROM account_entries e WHERE e.invocation_id = r.invocation_id "
+        "AND e.kind = 'reserve' AND e.id <= r.id)",
         (account, now)).fetchall()
     for invocation_id, reserved, rate, quantum in expired:
-        charge = charged(conn, invocation_id, Decimal(rate), int(quantum))
-        if charge:
+        charge = (charged(conn, invocation_id, Decimal(rate), int(quantum))
+                  - settled(conn, invocation_id))
+        if charge > 0:
             journal(conn, account, now, "expire", charge, invocation_id,
                      "settled after its reservation expired")
         journal(conn, account, now, "release", int(reserved), invocation_id,
@@ -121,6 +138,7 @@ def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int, *,
 
 
 def _own_charge(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
+    """One run's charge: its credits once it ended (or paused), else its settled turns'."""
     row = conn.execute("SELECT outcome, credits FROM invocations WHERE id = ?",
                        (invocation_id,)).fetchone()
     if row is not None and row[0] != "running":

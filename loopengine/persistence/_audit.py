@@ -509,11 +509,16 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
             if recorded != value:
                 found.append(AccountMismatch(row.account, column, recorded, int(value)))
     for account, invocation_id, charged, rate, quantum in conn.execute(
-            "SELECT e.account, e.invocation_id, SUM(e.credits), MAX(r.credits_per_usd), "
-            "MAX(r.credit_quantum) FROM account_entries AS e JOIN account_entries AS r "
-            "ON r.invocation_id = e.invocation_id AND r.kind = 'reserve' "
+            # One row of rates per invocation: a resumed run reserved once per segment.
+            "SELECT e.account, e.invocation_id, SUM(e.credits), MAX(r.rate), MAX(r.quantum) "
+            "FROM account_entries AS e JOIN (SELECT invocation_id, "
+            "MAX(credits_per_usd) AS rate, MAX(credit_quantum) AS quantum "
+            "FROM account_entries WHERE kind = 'reserve' GROUP BY invocation_id) AS r "
+            "ON r.invocation_id = e.invocation_id "
             "WHERE e.kind IN ('settle', 'expire') GROUP BY e.account, e.invocation_id "
             "ORDER BY e.account, e.invocation_id"):
+        if not _account_store.released(conn, invocation_id):
+            continue  # a resumed run in progress: its earlier segments' settlement is partial
         expected = _account_store.charged(conn, invocation_id, Decimal(rate), int(quantum),
                                           tree=tree)
         if charged != expected:

@@ -18,6 +18,7 @@ from loopengine.persistence._records import (
     AttemptDispatch,
     AttemptSettle,
     InvocationEnd,
+    InvocationProgress,
     InvocationStart,
 )
 from loopengine.persistence._schema import ATTEMPT_COLUMNS, INVOCATION_COLUMNS
@@ -80,6 +81,14 @@ class MemoryLedger:
         self.calls.append(("end", record.id))
         self._commit(end_op(record))
 
+    async def read_progress(self, invocation_id: str) -> InvocationProgress | None:
+        """The invocation's committed progress (`_planner.read_progress`), or None."""
+        row = self.invocations.get(invocation_id)
+        if row is None:
+            return None
+        return _planner.read_progress(
+            lambda sql: [[row[column] for column in _planner.PROGRESS_COLUMNS]])
+
     def _commit(self, op: _planner.Op) -> None:
         for _, message in self._rows.commit([op]):
             raise LedgerError(message)
@@ -117,7 +126,8 @@ class _Rows(_planner.Store):
             return None
         unsettled = [ordinal for (owner, ordinal), attempt in self.attempts.items()
                      if owner == invocation_id and attempt["outcome"] == "dispatched"]
-        return _planner.Known(row["attempts_retained"], row["outcome"] != "running", unsettled)
+        return _planner.Known(row["attempts_retained"],
+                              row["outcome"] not in _planner.OPEN_OUTCOMES, unsettled)
 
     def execute(self, batch: _planner.Batch) -> None:
         """Apply the batch's rows to the dicts."""

@@ -53,7 +53,8 @@ def settle_op(r: AttemptSettle) -> Op:
 
 def end_op(r: InvocationEnd) -> Op:
     """The END op of an invocation."""
-    return [END, 0, r.id, format_time(r.ended_at), r.outcome, r.turns, r.tool_calls, r.credits]
+    ended_at = None if r.ended_at is None else format_time(r.ended_at)
+    return [END, 0, r.id, ended_at, r.outcome, r.turns, r.tool_calls, r.credits]
 
 
 def check_arguments(*, max_retained_attempts: object, max_batch: object,

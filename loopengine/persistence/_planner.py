@@ -6,7 +6,9 @@ into rows (a `Batch`); the store supplies only its statements and its
 transaction (`Store`). The rules live here and nowhere else:
 
 * an invocation is started once, and nothing is written for it once it has
-  ended or for one that was never started;
+  ended or for one that was never started; an end whose outcome is
+  ``paused`` (or ``running``: a paused invocation resumed) does not end it
+  (`OPEN_OUTCOMES`), so a paused invocation takes further writes;
 * an attempt is dispatched once and settled once;
 * the first ``max_retained`` attempts of an invocation get a row; later ones
   only increase ``attempt_count`` and set ``incomplete`` (R07);
@@ -28,7 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Final
+
+from loopengine.persistence._records import InvocationProgress
 
 # Op kinds. START is deferred (nobody waits for it), and so is a SETTLE of
 # nothing served; the others are durable: somebody waits until they are
@@ -125,6 +130,10 @@ def expect(changed: int, count: int, what: str) -> None:
         raise Mismatch(f"expected to update {count} {what}, updated {changed}")
 
 
+OPEN_OUTCOMES: Final = ("running", "paused")
+"""Outcomes of an invocation that has not ended: it still takes writes."""
+
+
 @dataclass(frozen=True, slots=True)
 class Known:
     """An invocation's committed state, as a store reads it."""
@@ -132,7 +141,7 @@ class Known:
     retained: int
     """Its ``attempts_retained``."""
     ended: bool
-    """Its ``outcome`` is no longer ``running``."""
+    """Its ``outcome`` is none of `OPEN_OUTCOMES`."""
     unsettled: Sequence[int]
     """The ordinals of its rows still ``dispatched``."""
 
@@ -152,7 +161,30 @@ def read_known(rows: Callable[[str], Sequence[Sequence[Any]]]) -> Known | None:
         return None
     retained, outcome = found[0]
     unsettled = rows(KNOWN_QUERIES[1])
-    return Known(int(retained), outcome != "running", [int(r[0]) for r in unsettled])
+    return Known(int(retained), outcome not in OPEN_OUTCOMES, [int(r[0]) for r in unsettled])
+
+
+PROGRESS_COLUMNS: Final = ("outcome", "ended_at", "turns", "tool_calls", "credits",
+                           "attempt_count", "cost_nanousd", "provider_cost_nanousd")
+"""The ``invocations`` columns `read_progress` reads, in its order."""
+PROGRESS_QUERY: Final = (f"SELECT {', '.join(PROGRESS_COLUMNS)} FROM invocations "
+                         "WHERE id = {}")
+"""What `read_progress` asks, ``{}`` standing for the store's parameter marker."""
+
+
+def read_progress(rows: Callable[[str], Sequence[Sequence[Any]]]) -> InvocationProgress | None:
+    """An invocation's committed progress (what a resume enforces its budgets
+    from), read through ``rows(sql)``, which runs `PROGRESS_QUERY` for it."""
+    found = rows(PROGRESS_QUERY)
+    if not found:
+        return None
+    outcome, ended_at, turns, tool_calls, credits, attempts, cost, provider_cost = found[0]
+    if isinstance(ended_at, str):
+        ended_at = datetime.fromisoformat(ended_at)
+    return InvocationProgress(
+        outcome=str(outcome), ended_at=ended_at, turns=int(turns), tool_calls=int(tool_calls),
+        credits=int(credits), attempt_count=int(attempts), cost_nanousd=int(cost),
+        provider_cost_nanousd=int(provider_cost))
 
 
 class Store:
@@ -482,7 +514,8 @@ class Planner:
     def _plan_end(self, batch: Batch, op: Op) -> None:
         invocation_id = op[2]
         live = self._touch(batch, invocation_id)
-        live.ended = True
+        # A pause (or a resume) changes the outcome without ending it.
+        live.ended = op[4] not in OPEN_OUTCOMES
         batch.ends.append((*op[3:], invocation_id))
 
 

@@ -107,6 +107,8 @@ class PostgresLedger(ThreadedLedger):
         LedgerError: psycopg is not installed (the ``postgres`` extra).
     """
 
+    _marker = "%s"  # psycopg's parameter marker, for `read_progress`
+
     def __init__(
         self,
         dsn: str,

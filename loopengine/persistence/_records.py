@@ -87,14 +87,39 @@ class AttemptSettle:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InvocationEnd:
-    """An invocation ended; its row is settled with the outcome."""
+    """An invocation ended; its row is settled with the outcome. A pause is
+    recorded so too (outcome ``paused``), and a resume (``running``, with no
+    ``ended_at``): neither ends it."""
 
     id: str
-    ended_at: datetime
+    ended_at: datetime | None
     outcome: str
     turns: int
     tool_calls: int
     credits: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InvocationProgress:
+    """An invocation's committed progress, as a ledger reads it back: what a
+    resumed run enforces its budgets from (never from the state it was given)."""
+
+    outcome: str
+    """``running``, ``paused``, or how it ended."""
+    ended_at: datetime | None
+    """When it ended, or paused (None while running)."""
+    turns: int
+    """Turns recorded at its last pause or end."""
+    tool_calls: int
+    """Tool budget consumed, recorded at its last pause or end."""
+    credits: int
+    """Credits charged, recorded at its last pause or end."""
+    attempt_count: int
+    """Attempts dispatched (every one, past the retention cap too)."""
+    cost_nanousd: int
+    """The charged cost of its settled attempts."""
+    provider_cost_nanousd: int
+    """The cost of every priced attempt."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -57,11 +57,13 @@ from loopengine.persistence._planner import (
     Refused,
     Store,
     read_known,
+    read_progress,
 )
 from loopengine.persistence._records import (
     AttemptDispatch,
     AttemptSettle,
     InvocationEnd,
+    InvocationProgress,
     InvocationStart,
 )
 from loopengine.persistence._waiting import Waiter, release, wake_all
@@ -201,7 +203,8 @@ class Writer(Store):
         elif batch.ends:
             found = conn.execute(f"SELECT outcome FROM invocations WHERE id = {marker}",
                                  (batch.ends[0][-1],)).fetchall()
-            return bool(found) and found[0][0] != "running"
+            # The outcome it wrote (a resume writes ``running`` back).
+            return bool(found) and found[0][0] == batch.ends[0][1]
         raise unknown
 
     def maybe_checkpoint(self, waiting: Callable[[], bool]) -> None:
@@ -225,6 +228,8 @@ class ThreadedLedger:
 
     _label: str
     """How the ledger is named in messages (its file, its server)."""
+    _marker = "?"
+    """Its connection's parameter marker (the writer's `Writer.marker`)."""
 
     def _setup(self, label: str, max_retained: int, linger: float, max_batch: int,
                give_up: float) -> None:
@@ -333,6 +338,21 @@ class ThreadedLedger:
         await self._durable(end_op(record))
 
     # -- more than the protocol ------------------------------------------------------
+
+    async def read_progress(self, invocation_id: str) -> InvocationProgress | None:
+        """The invocation's committed progress (what a resume enforces its
+        budgets from), or None when the ledger has no such invocation.
+
+        Raises:
+            LedgerError: the database could not be read.
+        """
+        marker = self._marker
+
+        def work(conn: Any) -> InvocationProgress | None:
+            return read_progress(lambda sql: conn.execute(sql.format(marker),
+                                                          (invocation_id,)).fetchall())
+
+        return await self._transact(work, "the invocation could not be read")
 
     async def flush(self) -> None:
         """Wait until every write queued so far is committed.

@@ -1,0 +1,191 @@
+"""Pausing a run for approval, and resuming it as the same invocation (DESIGN §16).
+
+A batch that passed checkpoints 1-4 and holds a call whose tool asks for
+approval (`pending_approvals`) runs none of its handlers: the run pauses
+(`pause`): the ledger records the invocation ``paused`` (not ended), its
+account settles what it spent and releases the rest of its reservation, and
+`RunPaused` is emitted. `prepare_resume` carries a paused invocation into a
+new running segment: its budgets come from the ledger's rows (never from the
+state the caller hands back), its deadline from the running time it had
+left, and a pause that outlasted ``Limits.pause_timeout`` ends it
+``time_limit``. `resume_begin` records it ``running`` again, emits
+`RunResumed` and reserves its credits again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from loopengine._admission import admit, settle_account
+from loopengine._errors import ConfigError
+from loopengine._invocation import LEDGER_GRACE, Invocation
+from loopengine._lifecycle import uninterrupted
+from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
+from loopengine._tools import Tool
+from loopengine._usage import Usage
+from loopengine.events import RunPaused, RunResumed
+from loopengine.guards._checkpoints import ConversationState
+from loopengine.guards._deadline import Deadline
+from loopengine.persistence._records import InvocationEnd, InvocationProgress
+
+__all__ = ["decided_results", "pause", "pending_approvals", "prepare_resume", "resume_begin"]
+
+logger = logging.getLogger("loopengine")
+
+
+def pending_approvals(batch: Sequence[Mapping[str, Any]], tools: Mapping[str, Tool],
+                      run_id: str) -> tuple[PendingCall, ...]:
+    """The calls of ``batch`` whose tool asks for approval (none: the batch runs).
+
+    A tool's ``approval`` callable that raises counts as asking: a call is
+    never run because its check failed."""
+    pending: list[PendingCall] = []
+    for block in batch:
+        tool = tools.get(str(block.get("name")))
+        if tool is None or tool.approval is False:
+            continue
+        call = PendingCall(str(block.get("id")), tool.name, block.get("input", {}), "approval")
+        needs = True
+        if callable(tool.approval):
+            try:
+                needs = bool(tool.approval(call))
+            except Exception:
+                logger.exception("run %s: the approval check of tool %s raised; the call "
+                                 "waits for approval", run_id, tool.name)
+        if needs:
+            pending.append(call)
+    return tuple(pending)
+
+
+def decided_results(decisions: Mapping[str, Decision]) -> dict[str, tuple[str, bool]]:
+    """The results that decisions give without running a handler: ``{call_id:
+    (text, is_error)}`` for each denied or supplied call (approved ones run)."""
+    out: dict[str, tuple[str, bool]] = {}
+    for call_id, decision in decisions.items():
+        if isinstance(decision, Approve):
+            continue
+        if isinstance(decision, Deny):
+            out[call_id] = (f"Not run: the call was denied: {decision.reason}", True)
+        else:
+            out[call_id] = (decision.text, False)
+    return out
+
+
+async def pause(inv: Invocation, state: RunState) -> None:
+    """Record the run ``paused``, settle its account for what it spent and
+    release the rest of its hold, and emit `RunPaused`; nothing interrupts it."""
+    at = inv.clock.wall()
+    progress = state.progress
+
+    async def step() -> None:
+        # Like an end, but the invocation stays open: its next segment goes on.
+        inv.ended = inv.announced = True
+        try:
+            if inv.ledger is not None:
+                confirmed = await inv.confirm(inv.ledger.end_invocation(InvocationEnd(
+                    id=inv.id, ended_at=at, outcome="paused", turns=progress.turns,
+                    tool_calls=progress.tool_calls, credits=progress.credits,
+                )), at_least=LEDGER_GRACE)
+                if not confirmed:
+                    logger.warning("run %s: the ledger did not confirm its pause by its "
+                                   "deadline; the write stays queued", inv.id)
+        finally:
+            await settle_account(inv, progress.credits)
+        logger.info("run %s paused: operation=%s turns=%d tool_calls=%d attempts=%d "
+                    "credits=%d pending=%d", inv.id, inv.operation.name, progress.turns,
+                    progress.tool_calls, progress.attempts, progress.credits,
+                    len(state.pending))
+        await inv.emit(RunPaused(
+            run_id=inv.id, at=at, turns=progress.turns, tool_calls=progress.tool_calls,
+            attempts=progress.attempts, usage=inv.usage, cost_usd=inv.cost_usd,
+            credits=progress.credits, pending=len(state.pending)))
+
+    await uninterrupted(step)
+
+
+def progress_of(inv: Invocation, conversation: ConversationState) -> Progress:
+    """The run's progress now, for its state."""
+    return Progress(
+        turns=conversation.turns, tool_calls=conversation.tool_calls,
+        credits=conversation.credits, attempts=inv.base_attempts + len(inv.records),
+        cost_nanousd=inv.cost_nanousd, provider_cost_nanousd=inv.provider_cost_nanousd,
+        usage=inv.usage, running_seconds=inv.clock.now() - inv.started)
+
+
+async def prepare_resume(inv: Invocation, state: RunState) -> ConversationState:
+    """Make ``inv`` the next segment of the paused invocation of ``state``;
+    return the conversation's counts to go on from.
+
+    With a ledger, the counts (turns, tool calls, credits, attempts, cost)
+    and the time of the pause are its rows', whatever the state says; without
+    one, the state is trusted.
+
+    Raises:
+        ConfigError: the ledger has no such invocation, or it is not paused,
+            or the pause outlasted ``Limits.pause_timeout`` (the invocation is
+            then ended ``time_limit``).
+    """
+    inv.id = state.invocation_id
+    saved = state.progress
+    progress = InvocationProgress(
+        outcome="paused", ended_at=state.paused_at, turns=saved.turns,
+        tool_calls=saved.tool_calls, credits=saved.credits, attempt_count=saved.attempts,
+        cost_nanousd=saved.cost_nanousd, provider_cost_nanousd=saved.provider_cost_nanousd)
+    if inv.ledger is not None:
+        read = getattr(inv.ledger, "read_progress", None)
+        if read is None:
+            raise ConfigError("ledger", f"{inv.ledger!r} cannot read an invocation back "
+                                        "(read_progress), so it cannot resume a run")
+        found: InvocationProgress | None = await read(state.invocation_id)
+        if found is None:
+            raise ConfigError("state", f"the ledger has no invocation {state.invocation_id}")
+        if found.outcome != "paused":
+            raise ConfigError("state", f"invocation {state.invocation_id} is not paused: "
+                                       f"it is {found.outcome}")
+        progress = found
+    now = inv.clock.wall()
+    timeout = inv.limits.pause_timeout
+    paused_at = progress.ended_at or state.paused_at
+    waited = (now - paused_at).total_seconds()
+    if timeout is not None and waited > timeout:
+        if inv.ledger is not None:
+            await inv.ledger.end_invocation(InvocationEnd(
+                id=inv.id, ended_at=now, outcome="time_limit", turns=progress.turns,
+                tool_calls=progress.tool_calls, credits=progress.credits))
+        raise ConfigError("state", f"run {inv.id} waited {waited:g}s paused, longer than its "
+                                   f"pause_timeout of {timeout:g}s; it ended time_limit")
+    inv.base_attempts = progress.attempt_count
+    inv.cost_nanousd = progress.cost_nanousd
+    inv.provider_cost_nanousd = progress.provider_cost_nanousd
+    inv.usage = saved.usage if isinstance(saved.usage, Usage) else Usage()
+    inv.output_tokens = inv.usage.output_tokens
+    inv.paused_seconds = max(0.0, waited)
+    # total_time counts running time only: the deadline is what was left.
+    inv.started = inv.clock.now() - saved.running_seconds
+    inv.deadline = Deadline.after(inv.started, inv.limits.total_time)
+    return ConversationState(turns=progress.turns, tool_calls=progress.tool_calls,
+                             credits=progress.credits, deadline=inv.deadline)
+
+
+async def resume_begin(inv: Invocation, conversation: ConversationState) -> None:
+    """Record the paused invocation ``running`` again, emit `RunResumed`, and
+    reserve its credit hold again (admission may narrow it, or deny the run)."""
+    at = inv.clock.wall()
+    inv.begun = True
+    if inv.ledger is not None:
+        await inv.ledger.end_invocation(InvocationEnd(
+            id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
+            tool_calls=conversation.tool_calls, credits=conversation.credits))
+    await inv.emit(RunResumed(
+        run_id=inv.id, at=at, operation=inv.operation.name,
+        operation_version=inv.operation.version, provider=inv.operation.provider,
+        model=inv.operation.model, kind="run", tenant=inv.attribution.tenant,
+        feature=inv.attribution.feature, correlation_id=inv.attribution.correlation_id,
+        vendor=inv.vendor, paused_seconds=inv.paused_seconds, turns=conversation.turns,
+        tool_calls=conversation.tool_calls, attempts=inv.base_attempts,
+        credits=conversation.credits))
+    if inv.accounts is not None:
+        # The hold left: the credits charged before the pause were settled then.
+        await admit(inv, at, spent=conversation.credits)

@@ -1,0 +1,264 @@
+"""What a paused run hands back: its pending calls, the decisions on them, and
+its `RunState` (DESIGN.md §16, docs/pause-and-resume.md).
+
+A `RunState` is data, not code: the transcript, the operation and limits the
+run was admitted under, who it is accounted to, and the progress a resume
+needs. Tools, judges and the output model are code: the caller passes them
+to `Engine.resume` again. It never holds keys or providers. It is encoded as
+versioned JSON (`RunState.dumps`), so another process, or another host, can
+resume the run; `RunState.loads` refuses anything it did not write.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from typing import Any, Literal
+
+from loopengine._attribution import Attribution
+from loopengine._errors import ConfigError
+from loopengine._operation import Operation
+from loopengine._usage import Usage
+from loopengine.guards._limits import Limits
+from loopengine.providers._retry import RetryPolicy
+
+__all__ = ["Approve", "Decision", "Deny", "PendingCall", "RunState", "Supply"]
+
+FORMAT = "loopengine.run_state"
+"""The ``format`` every encoded state carries."""
+VERSION = 1
+"""The encoding this code writes and reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCall:
+    """A tool call of a paused run that waits for a decision."""
+
+    id: str
+    """The call's id (``tool_use`` id): the key of `Engine.resume`'s ``decisions``."""
+    tool: str
+    """The tool's name."""
+    input: Any
+    """The input the model gave, as it gave it (not yet validated)."""
+    reason: Literal["approval", "in_doubt"] = "approval"
+    """Why it waits: its tool asks for approval (``approval``), or, after a
+    crash, it may have run (``in_doubt``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Approve:
+    """Run the call."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deny:
+    """Do not run the call: the model gets an ``is_error`` result with ``reason``."""
+
+    reason: str = "The call was denied."
+    """What the model is told."""
+
+
+@dataclass(frozen=True, slots=True)
+class Supply:
+    """Do not run the call: the model gets ``text`` as its result."""
+
+    text: str
+    """The tool output the model is given."""
+
+
+Decision = Approve | Deny | Supply
+"""A decision on one pending call."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Progress:
+    """What a paused run had done (internal). A resume with a ledger enforces
+    the ledger's counts, not these."""
+
+    turns: int
+    tool_calls: int
+    credits: int
+    attempts: int
+    cost_nanousd: int
+    provider_cost_nanousd: int
+    usage: Usage
+    running_seconds: float
+    """Time the run ran before its pause (``total_time`` counts only this)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunState:
+    """A paused run, enough to resume it anywhere (`Engine.resume`).
+
+    Encode it with `dumps`, decode it with `loads`; ``invocation_id`` names
+    the run in the ledger. It holds the conversation (the transcript), so
+    store it where conversation text may be kept.
+    """
+
+    invocation_id: str
+    """The run's invocation id: the same in every segment."""
+    operation: Operation
+    """The operation the run was started with."""
+    limits: Limits
+    """The run's limits as asked (before its account's admission narrowed them)."""
+    retry: RetryPolicy
+    """The run's retry policy."""
+    attribution: Attribution
+    """Who the run is accounted to."""
+    system: list[dict[str, Any]] | None
+    """The system prompt blocks."""
+    messages: list[dict[str, Any]]
+    """The transcript up to the paused reply (its calls have no results yet)."""
+    given: int
+    """How many of ``messages`` the caller gave at the start."""
+    final_tool: str
+    """The terminal tool's name (structured mode)."""
+    structured: bool
+    """Whether the run was started with an ``output`` model."""
+    pending: tuple[PendingCall, ...]
+    """The calls waiting for a decision."""
+    batch: tuple[str, ...]
+    """The ids of every call of the paused batch, in order (the pending ones among them)."""
+    results: list[dict[str, Any]]
+    """Tool results the paused reply already has (a rejected answer's feedback)."""
+    repair: bool
+    """Whether the next turn is a repair turn."""
+    answered_calls: dict[str, int]
+    """Calls of each tool that ran its handler (for ``max_calls``)."""
+    progress: Progress
+    """Counts at the pause (a ledger's rows win over them)."""
+    paused_at: datetime
+    """When the run paused (UTC)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Room for later versions' fields (kept, not read)."""
+
+    def dumps(self) -> bytes:
+        """The state as versioned JSON bytes (no keys, no code)."""
+        operation = self.operation
+        return json.dumps({
+            "format": FORMAT,
+            "version": VERSION,
+            "invocation_id": self.invocation_id,
+            "operation": {
+                "name": operation.name, "version": operation.version,
+                "provider": operation.provider, "model": operation.model,
+                "max_output_tokens": operation.max_output_tokens,
+                "model_max_output_tokens": operation.model_max_output_tokens,
+                "wrap_up_text": operation.wrap_up_text,
+                "limits": _fields(operation.limits), "retry": _fields(operation.retry),
+                "cache": _fields(operation.cache),
+            },
+            "limits": _fields(self.limits),
+            "retry": _fields(self.retry),
+            "attribution": _fields(self.attribution),
+            "system": self.system,
+            "messages": self.messages,
+            "given": self.given,
+            "final_tool": self.final_tool,
+            "structured": self.structured,
+            "pending": [[p.id, p.tool, p.input, p.reason] for p in self.pending],
+            "batch": list(self.batch),
+            "results": self.results,
+            "repair": self.repair,
+            "answered_calls": self.answered_calls,
+            "progress": {**{f.name: getattr(self.progress, f.name)
+                            for f in fields(self.progress) if f.name != "usage"},
+                         "usage": _fields(self.progress.usage)},
+            "paused_at": self.paused_at.isoformat(),
+            "extra": self.extra,
+        }, ensure_ascii=False, separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, data: bytes | str) -> RunState:
+        """Decode a state `dumps` wrote.
+
+        Raises:
+            ConfigError: ``data`` is not a state this version of loopengine
+                wrote (not JSON, another format, a newer version, a missing
+                or mistyped field).
+        """
+        try:
+            raw = json.loads(data)
+        except (ValueError, TypeError) as error:
+            raise ConfigError("state", f"is not a loopengine run state: {error}") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ConfigError("state", "is not a loopengine run state")
+        if raw.get("version") != VERSION:
+            raise ConfigError("state", f"has version {raw.get('version')!r}; this loopengine "
+                                       f"reads version {VERSION}")
+        try:
+            op = dict(raw["operation"])
+            name = op.pop("name")
+            progress = dict(raw["progress"])
+            usage = Usage(**progress.pop("usage"))
+            state = cls(
+                invocation_id=_text(raw["invocation_id"]),
+                operation=Operation.from_mapping(_text(name), op),
+                limits=Limits.from_mapping(raw["limits"]),
+                retry=RetryPolicy.from_mapping(raw["retry"]),
+                attribution=Attribution(**raw["attribution"]),
+                system=raw["system"],
+                messages=_list(raw["messages"]),
+                given=int(raw["given"]),
+                final_tool=_text(raw["final_tool"]),
+                structured=bool(raw["structured"]),
+                pending=tuple(PendingCall(_text(i), _text(t), v, r)
+                              for i, t, v, r in raw["pending"]),
+                batch=tuple(_text(i) for i in raw["batch"]),
+                results=_list(raw["results"]),
+                repair=bool(raw["repair"]),
+                answered_calls={_text(k): int(v) for k, v in raw["answered_calls"].items()},
+                progress=Progress(usage=usage, **progress),
+                paused_at=datetime.fromisoformat(raw["paused_at"]),
+                extra=dict(raw.get("extra") or {}),
+            )
+        except ConfigError as error:
+            raise ConfigError("state", f"holds a bad value: {error}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ConfigError("state", f"is damaged ({type(error).__name__}: {error})") \
+                from None
+        for call in state.pending:
+            if call.reason not in ("approval", "in_doubt"):
+                raise ConfigError("state", f"pending call {call.id} has reason {call.reason!r}")
+        return state
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    return {f.name: getattr(value, f.name) for f in fields(value)}
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected text, got {type(value).__name__}")
+    return value
+
+
+def _list(value: object) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {type(value).__name__}")
+    return value
+
+
+def check_decisions(pending: tuple[PendingCall, ...],
+                    decisions: Mapping[str, Decision] | None) -> dict[str, Decision]:
+    """The decisions for ``pending``, each call decided and nothing else.
+
+    Raises:
+        ConfigError: a pending call without a decision, a decision for a call
+            that is not pending, or a value that is not a decision.
+    """
+    given = dict(decisions or {})
+    ids = {call.id for call in pending}
+    for key, value in given.items():
+        if key not in ids:
+            raise ConfigError(f"decisions[{key!r}]", "names no pending call of this run "
+                                                    f"(pending: {', '.join(sorted(ids))})")
+        if not isinstance(value, Approve | Deny | Supply):
+            raise ConfigError(f"decisions[{key!r}]", "must be Approve(), Deny(reason) or "
+                                                    f"Supply(text), got {value!r}")
+    missing = [call.id for call in pending if call.id not in given]
+    if missing:
+        raise ConfigError("decisions", f"no decision for pending call(s) {', '.join(missing)}")
+    return given

@@ -1,0 +1,58 @@
+"""A child process that resumes a paused run (run as a script, not collected).
+
+``python -m tests.pause_child VENDOR DB URL STATE DECISIONS LOG``: load the
+`RunState` in the file STATE, resume it through VENDOR's provider (``anthropic``
+or ``openai``) against the fake server at URL, with the SQLiteLedger DB, the
+decisions given as JSON (``{call_id: ["approve"] | ["deny", why] |
+["supply", text]}``), and the tool ``send`` (approval needed), which appends
+its input to the file LOG. Prints the result's facts as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from decimal import Decimal
+from pathlib import Path
+
+import anyio
+
+import loopengine as le
+from loopengine.persistence import SQLiteLedger
+from loopengine.providers import AnthropicProvider, OpenAIProvider, Provider
+
+MODELS = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-4o-mini"}
+
+
+async def main(vendor: str, db: str, url: str, state: bytes, decided: str, log: str) -> None:
+    @le.tool(approval=True)
+    def send(to: str) -> str:
+        """Send the message to someone."""
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(to + "\n")
+        return f"sent to {to}"
+
+    decisions: dict[str, le.Approve | le.Deny | le.Supply] = {}
+    for call_id, (kind, *rest) in json.loads(decided).items():
+        decisions[call_id] = {"approve": le.Approve, "deny": le.Deny,
+                              "supply": le.Supply}[kind](*rest)
+    prices = le.PriceBook([le.ModelPrice(provider=vendor, model=MODELS[vendor],
+                                         input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))],
+                          credits_per_usd=Decimal(1_000_000))
+    provider: Provider = (AnthropicProvider(api_key="test-key", base_url=url)
+                          if vendor == "anthropic"
+                          else OpenAIProvider(api_key="test-key", base_url=url))
+    with SQLiteLedger(db) as ledger:
+        engine = le.Engine(provider, ledger=ledger, prices=prices)
+        result = await engine.resume(state, decisions=decisions,
+                                     tools=[send])
+    await provider.aclose()  # type: ignore[attr-defined]
+    print(json.dumps({"outcome": result.outcome.value, "invocation_id": result.invocation_id,
+                      "turns": result.turns, "tool_calls": result.tool_calls,
+                      "attempts": result.attempts.count, "credits": result.credits,
+                      "answer": result.answer}))
+
+
+if __name__ == "__main__":
+    vendor, db, url, state_file, decided, log = sys.argv[1:]
+    anyio.run(main, vendor, db, url, Path(state_file).read_bytes(), decided, log)

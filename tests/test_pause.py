@@ -1,0 +1,292 @@
+"""Pause and resume, the loop's logic on the scripted provider (DESIGN §16).
+
+The same rules through both shipped providers' wires: tests/pause_scenarios.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+import loopengine as le
+from loopengine import events
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import Reply
+from loopengine.testing import FakeClock
+
+from .conftest import EngineFactory, operation
+from .pause_scenarios import Sender, send, tool_result_blocks
+from .rule_scenarios import Counter, lookup
+
+
+async def paused_run(make_engine: EngineFactory, *script: Any, tools: Any = None,
+                     **kwargs: Any) -> tuple[le.Engine, Any, MemoryLedger, le.RunResult, Sender]:
+    sender = Sender()
+    engine, provider, ledger = make_engine(*script, **kwargs)
+    result = await engine.run(operation(), "go", tools=tools or [sender.tool])
+    return engine, provider, ledger, result, sender
+
+
+async def test_a_call_that_needs_approval_pauses_its_whole_batch(
+        make_engine: EngineFactory) -> None:
+    """No handler of the batch runs, the one without approval neither; only the
+    call that needs approval is pending; the ledger says paused."""
+    sender, counter = Sender(), Counter()
+    engine, provider, ledger = make_engine(Reply.tool_calls(lookup("a"), send("bob")))
+    result = await engine.run(operation(), "go", tools=[sender.tool, counter.tool])
+    assert result.outcome is le.Outcome.PAUSED
+    assert sender.sent == [] and counter.calls == []
+    assert [c.tool for c in result.pending] == ["send"]
+    assert result.state is not None and result.state.batch == tuple(
+        b["id"] for b in result.messages[-1]["content"] if b["type"] == "tool_use")
+    assert ledger.invocations[result.invocation_id]["outcome"] == "paused"
+    assert result.tool_calls == 0 and result.turns == 1
+
+
+async def test_an_approval_callable_decides_per_call(make_engine: EngineFactory) -> None:
+    """``approval=callable`` asks only for the calls it says; others run at once."""
+    sent: list[str] = []
+
+    @le.tool(approval=lambda call: call.input["to"] != "me")
+    def mail(to: str) -> str:
+        """Mail someone."""
+        sent.append(to)
+        return "ok"
+
+    engine, _, _ = make_engine(Reply.tool_calls(("mail", {"to": "me"})),
+                               Reply.tool_calls(("mail", {"to": "boss"})), Reply.text("done"))
+    result = await engine.run(operation(), "go", tools=[mail])
+    assert result.outcome is le.Outcome.PAUSED and sent == ["me"]
+    assert [c.input for c in result.pending] == [{"to": "boss"}]
+
+
+async def test_r02_refuses_a_batch_before_it_could_pause(make_engine: EngineFactory) -> None:
+    """An oversized batch ends tool_batch_limit as before: checkpoint 3 comes first."""
+    sender = Sender()
+    engine, _, _ = make_engine(Reply.tool_calls(send("a"), send("b"), send("c")))
+    result = await engine.run(operation(max_tool_batch=2), "go", tools=[sender.tool])
+    assert result.outcome is le.Outcome.TOOL_BATCH_LIMIT
+    assert result.pending == () and result.state is None and sender.sent == []
+
+
+async def test_resume_runs_approved_denies_and_supplies_each_using_tool_budget(
+        make_engine: EngineFactory) -> None:
+    """Approve runs the handler, Deny gives is_error with the reason, Supply gives
+    the text; three units of tool budget; the loop goes on."""
+    engine, provider, _, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a"), send("b"), send("c")), Reply.text("done"))
+    a, b, c = (call.id for call in paused.pending)
+    assert paused.state is not None
+    result = await engine.resume(paused.state, decisions={
+        a: le.Approve(), b: le.Deny("not b"), c: le.Supply("pretend c")}, tools=[sender.tool])
+    assert result.outcome is le.Outcome.COMPLETED and result.tool_calls == 3
+    assert sender.sent == ["a"]
+    results = {r["tool_use_id"]: r for r in tool_result_blocks(result.messages)}
+    assert results[a]["content"] == "sent to a" and "is_error" not in results[a]
+    assert results[b]["is_error"] is True and "not b" in results[b]["content"]
+    assert results[c]["content"] == "pretend c" and "is_error" not in results[c]
+    # The resumed request carries the three results, in the calls' order.
+    assert [r["tool_use_id"] for r in provider.requests[-1].messages[-1]["content"]] == [a, b, c]
+
+
+@pytest.mark.parametrize("decisions", [{}, {"toolu_nope": le.Approve()}, "extra"])
+async def test_a_missing_or_unknown_decision_is_a_config_error_before_anything_is_sent(
+        make_engine: EngineFactory, decisions: Any) -> None:
+    """Every pending call needs a decision, and a decision must name a pending call."""
+    engine, provider, ledger, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a")), Reply.text("done"))
+    assert paused.state is not None
+    if decisions == "extra":
+        decisions = {paused.pending[0].id: le.Approve(), "toolu_other": le.Deny()}
+    with pytest.raises(le.ConfigError):
+        await engine.resume(paused.state, decisions=decisions, tools=[sender.tool])
+    assert len(provider.requests) == 1 and sender.sent == []
+    assert ledger.invocations[paused.invocation_id]["outcome"] == "paused"
+
+
+async def test_a_resume_is_the_same_invocation_with_dense_ordinals(
+        make_engine: EngineFactory) -> None:
+    """Same id; attempt ordinals continue; turns, tool calls, credits and cost go on."""
+    engine, _, ledger, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a")), Reply.tool_calls(send("b")),
+        Reply.text("done"))
+    assert paused.state is not None
+    second = await engine.resume(paused.state, decisions={paused.pending[0].id: le.Approve()},
+                                 tools=[sender.tool])
+    assert second.outcome is le.Outcome.PAUSED and second.invocation_id == paused.invocation_id
+    assert second.state is not None
+    third = await engine.resume(second.state.dumps(),
+                                decisions={second.pending[0].id: le.Approve()},
+                                tools=[sender.tool])
+    assert third.outcome is le.Outcome.COMPLETED
+    assert (third.turns, third.tool_calls, third.credits, third.attempts.count) == (3, 2, 360, 3)
+    assert third.cost_usd == paused.cost_usd * 3
+    assert sorted(o for (_, o) in ledger.attempts) == [1, 2, 3]
+    assert ledger.invocations[paused.invocation_id]["outcome"] == "completed"
+    assert [r.dispatch.ordinal for r in third.attempt_log] == [3]
+
+
+async def test_without_a_ledger_a_resume_trusts_the_state(make_engine: EngineFactory) -> None:
+    """No ledger to read back: the state's counts are the budgets (documented)."""
+    sender = Sender()
+    engine, provider, _ = make_engine(
+        Reply.tool_calls(lookup("a")), Reply.tool_calls(send("b")),
+        *[Reply.tool_calls(lookup("c")) for _ in range(5)], ledger=None)
+    counter = Counter()
+    paused = await engine.run(operation(max_turns=3), "go", tools=[sender.tool, counter.tool])
+    assert paused.state is not None and paused.turns == 2
+    edited = json.loads(paused.state.dumps())
+    edited["progress"]["turns"] = 0
+    result = await engine.resume(le.RunState.loads(json.dumps(edited)),
+                                 decisions={paused.pending[0].id: le.Approve()},
+                                 tools=[sender.tool, counter.tool])
+    assert result.outcome is le.Outcome.TURN_LIMIT and result.turns == 3
+    assert len(provider.requests) == 5  # the edit bought two turns: nothing to check it against
+
+
+async def test_total_time_counts_running_time_only(make_engine: EngineFactory,
+                                                    clock: FakeClock) -> None:
+    """A pause longer than total_time does not use it up: the resumed run has the
+    time it had left."""
+    sender = Sender()
+    engine, _, _ = make_engine(Reply.tool_calls(send("a"), delay=4.0), Reply.text("done"))
+    paused = await engine.run(operation(total_time=10.0), "go", tools=[sender.tool])
+    assert paused.state is not None and paused.state.progress.running_seconds == 4.0
+    clock.advance(3600)
+    result = await engine.resume(paused.state, decisions={paused.pending[0].id: le.Approve()},
+                                 tools=[sender.tool])
+    assert result.outcome is le.Outcome.COMPLETED
+
+
+async def test_a_pause_within_pause_timeout_resumes(make_engine: EngineFactory,
+                                                    clock: FakeClock) -> None:
+    """Exactly pause_timeout seconds paused still resumes."""
+    sender = Sender()
+    engine, provider, _ = make_engine(Reply.tool_calls(send("a")), Reply.text("done"))
+    paused = await engine.run(operation(pause_timeout=60), "go", tools=[sender.tool])
+    clock.advance(60)
+    assert paused.state is not None
+    result = await engine.resume(paused.state, decisions={paused.pending[0].id: le.Approve()},
+                                 tools=[sender.tool])
+    assert result.outcome is le.Outcome.COMPLETED
+
+
+async def test_run_paused_and_run_resumed_are_emitted_once_each(
+        make_engine: EngineFactory) -> None:
+    """RunStarted, RunPaused (no RunEnded), then RunResumed and RunEnded."""
+    seen: list[events.Event] = []
+    engine, _, _, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a")), Reply.text("done"), observers=[seen.append])
+    assert paused.state is not None
+    await engine.resume(paused.state, decisions={paused.pending[0].id: le.Approve()},
+                        tools=[sender.tool])
+    lifecycle = [e for e in seen if isinstance(
+        e, events.RunStarted | events.RunPaused | events.RunResumed | events.RunEnded)]
+    assert [type(e).__name__ for e in lifecycle] == [
+        "RunStarted", "RunPaused", "RunResumed", "RunEnded"]
+    assert all(e.run_id == paused.invocation_id for e in lifecycle)
+    pause, resume, end = lifecycle[1:]
+    assert isinstance(pause, events.RunPaused) and pause.pending == 1 and pause.turns == 1
+    assert isinstance(resume, events.RunResumed) and resume.turns == 1 and resume.attempts == 1
+    assert isinstance(end, events.RunEnded) and end.attempts == 2
+
+
+async def test_a_state_that_is_not_ours_is_a_config_error() -> None:
+    """Garbage, another format, a newer version or a damaged field never loads."""
+    for data in (b"\x00\xff", b"[]", b'{"format": "x"}',
+                 b'{"format": "loopengine.run_state", "version": 99}',
+                 b'{"format": "loopengine.run_state", "version": 1}'):
+        with pytest.raises(le.ConfigError):
+            le.RunState.loads(data)
+
+
+async def test_a_state_round_trips_through_dumps_and_loads(make_engine: EngineFactory) -> None:
+    """loads(dumps(state)) is the same state."""
+    _, _, _, paused, _ = await paused_run(make_engine, Reply.tool_calls(send("a")))
+    assert paused.state is not None
+    data = paused.state.dumps()
+    assert le.RunState.loads(data) == paused.state
+
+
+async def test_resuming_a_run_that_is_not_paused_is_a_config_error(
+        make_engine: EngineFactory) -> None:
+    """A state resumed twice: the second resume finds the invocation ended."""
+    engine, provider, _, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a")), Reply.text("done"), Reply.text("again"))
+    assert paused.state is not None
+    decisions = {paused.pending[0].id: le.Approve()}
+    await engine.resume(paused.state, decisions=decisions, tools=[sender.tool])
+    with pytest.raises(le.ConfigError, match="not paused"):
+        await engine.resume(paused.state, decisions=decisions, tools=[sender.tool])
+    assert sender.sent == ["a"] and len(provider.requests) == 2
+
+
+def test_resume_sync_resumes_from_plain_code(make_engine: EngineFactory) -> None:
+    """`Engine.resume_sync` is resume for code without an event loop."""
+    sender = Sender()
+    engine, _, _ = make_engine(Reply.tool_calls(send("a")), Reply.text("done"))
+    paused = engine.run_sync(operation(), "go", tools=[sender.tool])
+    assert paused.state is not None
+    result = engine.resume_sync(paused.state, decisions={paused.pending[0].id: le.Approve()},
+                                tools=[sender.tool])
+    assert result.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+
+
+async def test_a_paused_run_gives_one_span_per_running_segment_linked(
+        make_engine: EngineFactory) -> None:
+    """The OpenTelemetry observer ends the run span at the pause (not an error) and
+    starts the resumed segment's span, linked to the first."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from loopengine.otel import OpenTelemetryObserver
+
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    engine, _, _, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a")), Reply.text("done"),
+        observers=[OpenTelemetryObserver(tracer_provider)])
+    assert paused.state is not None
+    await engine.resume(paused.state, decisions={paused.pending[0].id: le.Approve()},
+                        tools=[sender.tool])
+    runs = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
+    assert len(runs) == 2
+    first, second = runs
+    assert first.attributes is not None and second.attributes is not None
+    assert first.attributes["loopengine.outcome"] == "paused"
+    assert first.status.status_code is not StatusCode.ERROR
+    assert second.attributes["loopengine.run.resumed"] is True
+    assert second.attributes["loopengine.outcome"] == "completed"
+    assert first.attributes["loopengine.run.id"] == second.attributes["loopengine.run.id"]
+    assert [link.context.span_id for link in second.links] == [first.context.span_id]
+
+
+async def test_a_published_operation_caps_the_limits_of_an_edited_state(
+        make_engine: EngineFactory) -> None:
+    """``resume(operation=...)``: the published limits are the ceiling, whatever
+    limits the state carries; another operation is refused."""
+    counter = Counter()
+    sender = Sender()
+    engine, provider, _ = make_engine(Reply.tool_calls(send("a")),
+                                      *[Reply.tool_calls(lookup("c")) for _ in range(6)])
+    published = operation(max_turns=3)
+    paused = await engine.run(published, "go", tools=[sender.tool, counter.tool])
+    assert paused.state is not None
+    edited = json.loads(paused.state.dumps())
+    edited["operation"]["limits"]["max_turns"] = 50
+    edited["limits"]["max_turns"] = 50
+    state = le.RunState.loads(json.dumps(edited))
+    decisions = {paused.pending[0].id: le.Approve()}
+    with pytest.raises(le.ConfigError, match="operation"):
+        await engine.resume(state, decisions=decisions, operation=le.Operation(
+            name="another", provider="anthropic", model="claude-sonnet-4-5"),
+            tools=[sender.tool, counter.tool])
+    result = await engine.resume(state, decisions=decisions, operation=published,
+                                 tools=[sender.tool, counter.tool])
+    assert result.outcome is le.Outcome.TURN_LIMIT and result.turns == 3
+    assert len(provider.requests) == 3

@@ -1,0 +1,116 @@
+"""A paused invocation on every ledger store (memory, SQLite, PostgreSQL): the
+planner takes its further writes, `read_progress` gives its budgets back, and
+its account settles per running segment (DESIGN §16)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import loopengine as le
+from loopengine.persistence import MemoryLedger, PostgresLedger, SQLiteLedger
+from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import FakeClock
+
+from .conftest import PRICES, operation
+from .pause_scenarios import Sender, send
+from .postgres_support import PostgresServer, fresh_schema
+
+STORES = ["memory", "sqlite", "postgres"]
+
+
+@pytest.fixture(params=STORES)
+async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """Each store in turn (PostgreSQL on the session's throwaway server)."""
+    if request.param == "memory":
+        yield MemoryLedger()
+    elif request.param == "sqlite":
+        with SQLiteLedger(tmp_path / "ledger.db") as store:
+            yield store
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        async with PostgresLedger(server.dsn(), schema=fresh_schema()) as store:
+            yield store
+
+
+async def test_a_paused_invocation_takes_writes_and_reads_back_its_progress(
+        ledger: Any, clock: FakeClock) -> None:
+    """Paused: read_progress says paused, with its turns, credits, attempts and the
+    time it paused; resumed to its end: completed, ordinals dense."""
+    sender = Sender()
+    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                       rng=random.Random(7))
+    paused = await engine.run(operation(), "go", tools=[sender.tool])
+    assert paused.state is not None
+    progress = await ledger.read_progress(paused.invocation_id)
+    assert (progress.outcome, progress.turns, progress.tool_calls, progress.credits,
+            progress.attempt_count) == ("paused", 1, 0, 120, 1)
+    assert isinstance(progress.ended_at, datetime)
+    assert progress.ended_at == paused.state.paused_at
+    done = await engine.resume(paused.state, decisions={paused.pending[0].id: le.Approve()},
+                               tools=[sender.tool])
+    assert done.outcome is le.Outcome.COMPLETED
+    progress = await ledger.read_progress(paused.invocation_id)
+    assert (progress.outcome, progress.turns, progress.tool_calls, progress.credits,
+            progress.attempt_count) == ("completed", 2, 1, 240, 2)
+    assert await ledger.read_progress("no-such-invocation") is None
+
+
+async def paused_on_account(store: Any, clock: FakeClock, sender: Sender, granted: int,
+                            ) -> tuple[le.Engine, ScriptedProvider, le.CreditAccounts,
+                                       le.RunResult]:
+    """A run on account ``acme`` (granted ``granted``, hold 500), paused on ``send``."""
+    accounts = le.CreditAccounts(store)
+    await accounts.grant("acme", granted)
+    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
+    engine = le.Engine(provider, ledger=store, clock=clock, prices=PRICES, accounts=accounts)
+    paused = await engine.run(operation(credit_hold=500), "go", tools=[sender.tool],
+                              attribution=le.Attribution(tenant="acme"))
+    return engine, provider, accounts, paused
+
+
+async def test_accounts_across_a_pause_on_postgres(postgres_server: PostgresServer,
+                                                   clock: FakeClock) -> None:
+    """On PostgreSQL too: the pause settles 120 and releases the hold; the resume
+    reserves what the hold leaves; the run ends with 240 spent and nothing held."""
+    sender = Sender()
+    async with PostgresLedger(postgres_server.dsn(), schema=fresh_schema()) as store:
+        engine, provider, accounts, paused = await paused_on_account(store, clock, sender, 1000)
+        assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 120, 0, 880)
+        assert paused.state is not None
+        done = await engine.resume(paused.state, decisions={paused.pending[0].id: le.Approve()},
+                                   tools=[sender.tool])
+        assert done.outcome is le.Outcome.COMPLETED
+        assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 240, 0, 760)
+
+
+async def test_a_resume_its_account_cannot_admit_keeps_the_state(tmp_path: Path,
+                                                                  clock: FakeClock) -> None:
+    """Nothing available at the resume: admission_denied, nothing sent, the state
+    kept, the invocation paused again; after a grant the same state resumes."""
+    sender = Sender()
+    with SQLiteLedger(tmp_path / "ledger.db") as store:
+        engine, provider, accounts, paused = await paused_on_account(store, clock, sender, 150)
+        assert paused.state is not None
+        # Another run spends what is left.
+        other = await accounts.reserve("acme", "someone-else", 30, expires_at=datetime.max,
+                                       credits_per_usd=PRICES.credits_per_usd,
+                                       credit_quantum=PRICES.credit_quantum)
+        assert other.credits == 30
+        decisions = {paused.pending[0].id: le.Approve()}
+        denied = await engine.resume(paused.state, decisions=decisions, tools=[sender.tool])
+        assert denied.outcome is le.Outcome.ADMISSION_DENIED
+        assert denied.state is not None and denied.pending == paused.pending
+        assert sender.sent == [] and len(provider.requests) == 1
+        assert (await store.read_progress(paused.invocation_id)).outcome == "paused"
+        await accounts.grant("acme", 1000)
+        done = await engine.resume(denied.state.dumps(), decisions=decisions,
+                                   tools=[sender.tool])
+        assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+        assert done.invocation_id == paused.invocation_id
