@@ -20,7 +20,7 @@ from typing import Any, Literal
 from loopengine._attribution import Attribution
 from loopengine._errors import ConfigError
 from loopengine._operation import Operation
-from loopengine._usage import Usage
+from loopengine._usage import Usage, UsageIteration
 from loopengine.guards._limits import Limits
 from loopengine.providers._retry import RetryPolicy
 
@@ -165,7 +165,7 @@ class RunState:
             "answered_calls": self.answered_calls,
             "progress": {**{f.name: getattr(self.progress, f.name)
                             for f in fields(self.progress) if f.name != "usage"},
-                         "usage": _fields(self.progress.usage)},
+                         "usage": _usage_fields(self.progress.usage)},
             "paused_at": self.paused_at.isoformat(),
             "extra": self.extra,
         }, ensure_ascii=False, separators=(",", ":")).encode()
@@ -192,7 +192,7 @@ class RunState:
             op = dict(raw["operation"])
             name = op.pop("name")
             progress = dict(raw["progress"])
-            usage = Usage(**progress.pop("usage"))
+            usage = _usage_from(progress.pop("usage"))
             state = cls(
                 invocation_id=_text(raw["invocation_id"]),
                 operation=Operation.from_mapping(_text(name), op),
@@ -227,6 +227,17 @@ class RunState:
 
 def _fields(value: Any) -> dict[str, Any]:
     return {f.name: getattr(value, f.name) for f in fields(value)}
+
+
+def _usage_fields(usage: Usage) -> dict[str, Any]:
+    """``usage`` as JSON values, its iterations included."""
+    return {**_fields(usage), "iterations": [_fields(i) for i in usage.iterations]}
+
+
+def _usage_from(data: dict[str, Any]) -> Usage:
+    """The `Usage` `_usage_fields` wrote."""
+    iterations = tuple(UsageIteration(**i) for i in data.pop("iterations", ()))
+    return Usage(**data, iterations=iterations)
 
 
 def _text(value: object) -> str:

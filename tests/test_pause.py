@@ -290,3 +290,22 @@ async def test_a_published_operation_caps_the_limits_of_an_edited_state(
                                  tools=[sender.tool, counter.tool])
     assert result.outcome is le.Outcome.TURN_LIMIT and result.turns == 3
     assert len(provider.requests) == 3
+
+
+
+async def test_a_state_keeps_the_usage_iterations_of_its_progress(
+        make_engine: EngineFactory) -> None:
+    """A paused run's usage keeps its per-iteration tokens (compaction, advisor)
+    through `dumps` and `loads`, so a resumed run's totals carry them on."""
+    from dataclasses import replace
+
+    _, _, _, paused, _ = await paused_run(make_engine, Reply.tool_calls(send("a")))
+    assert paused.state is not None
+    usage = le.Usage.from_iterations((
+        le.UsageIteration(type="compaction", input_tokens=55_196, output_tokens=125),
+        le.UsageIteration(type="message", input_tokens=220, output_tokens=8),
+    ))
+    state = replace(paused.state, progress=replace(paused.state.progress, usage=usage))
+    again = le.RunState.loads(state.dumps())
+    assert again.progress.usage == usage
+    assert again.progress.usage.iterations[0].type == "compaction"
