@@ -179,7 +179,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         return ProviderResponse(
             content=content,
             stop_reason=stop,
-            usage=usage_from_api(body.get("usage")),
+            usage=usage_from_api(body.get("usage"), body.get("service_tier")),
             response_id=text_or_none(body.get("id")),
             request_id=request_id,
             http_status=status,
