@@ -24,6 +24,7 @@ from loopengine._accounts import CreditAccounts, Reservation
 from loopengine._attribution import Attribution
 from loopengine._clock import Clock
 from loopengine._errors import LoopEngineError
+from loopengine._features import Features
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook, nanousd_to_usd
 from loopengine._result import AttemptsSummary
@@ -76,7 +77,8 @@ class Invocation:
     # Slots: thousands are alive at once in a busy process.
     __slots__ = (
         "account", "accounts", "announced", "attribution", "begun", "clock", "cost_nanousd",
-        "deadline", "denied", "ended", "id", "in_flight", "kind", "last_fault", "ledger",
+        "deadline", "denied", "ended", "features", "id", "in_flight", "kind", "last_fault",
+        "ledger",
         "limits", "observers", "operation", "output_tokens", "policy", "prices", "provider",
         "provider_cost_nanousd", "records", "reservation", "rng",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
@@ -100,10 +102,13 @@ class Invocation:
         accounts: CreditAccounts | None = None,
         account: str | None = None,
         text_sink: Callable[[TextDelta], None] | None = None,
+        features: Features | None = None,
     ) -> None:
         self.id = str(uuid.uuid4())
         self.kind = kind
         self.operation = operation
+        self.features = features if features is not None else operation.features
+        """The request features of this run: the operation's, narrowed (R13)."""
         self.provider = provider
         self.limits = limits
         self.policy = policy

@@ -211,15 +211,22 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         self._stream = stream
 
     features = frozenset({"thinking", "server_tools", "betas", "context_management"})
-    """The Messages API's optional request features (DESIGN §15). The vendor
+    """The Messages API's optional request features (DESIGN §15), sent as the API
+    takes them: ``thinking`` (``{"type": "enabled", "budget_tokens": N}``, or
+    ``{"type": "adaptive"}`` with ``output_config.effort``), server tools as
+    definitions in ``tools`` (before the run's own), betas as the
+    ``anthropic-beta`` header, ``context_management`` in the body. The vendor
     (`vendor`) is ``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry``
     for those clients."""
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
+        features = request.features
+        # Server tools go first: a marker on the last tool then caches them too.
         # Markers are placed on every request, so the wire never carries more
         # than four whatever the caller marked (R12).
         system, tools, messages = place_cache_markers(
-            request.cache, system=request.system, tools=request.tools,
+            request.cache, system=request.system,
+            tools=[*(tool.definition for tool in features.server_tools), *request.tools],
             messages=request.messages,
         )
         params: dict[str, Any] = {
@@ -234,6 +241,20 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             params["tools"] = tools
         if request.tool_choice is not None:
             params["tool_choice"] = dict(request.tool_choice)
+        thinking = features.thinking
+        if thinking is not None:
+            if thinking.adaptive:
+                params["thinking"] = {"type": "adaptive"}
+                if thinking.effort is not None:
+                    params["output_config"] = {"effort": thinking.effort}
+            else:
+                params["thinking"] = {"type": "enabled", "budget_tokens": thinking.budget_tokens}
+        if features.betas:
+            # The SDK's non-beta resource sends the header as given.
+            params["extra_headers"] = {"anthropic-beta": ",".join(features.betas)}
+        if features.context_management is not None:
+            # Not a parameter of the SDK's non-beta resource: sent in the body as is.
+            params["extra_body"] = {"context_management": dict(features.context_management)}
         return params
 
     async def _send_plain(self, client: AsyncClient, params: dict[str, Any]) -> ProviderResponse:

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from loopengine._features import Features
 from loopengine._pricing import STANDARD_TIERS
 from loopengine._usage import Usage
 from loopengine.providers._cache import CachePolicy
@@ -64,6 +65,10 @@ class ProviderRequest:
     """Where the provider may place cache markers."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     """Facts about the request for providers that record (turn, phase); never sent."""
+    features: Features = field(default_factory=Features)
+    """The run's request features (the operation's, narrowed): thinking, server
+    tools, betas... The engine has checked that the provider declares each one
+    it enables (`Provider.features`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

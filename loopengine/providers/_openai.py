@@ -146,8 +146,11 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         self._stream = stream
 
     features = frozenset({"reasoning_effort", "service_tier"})
-    """The Chat Completions API's optional request features (DESIGN §15). The
-    vendor (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
+    """The Chat Completions API's optional request features (DESIGN §15), sent as
+    ``reasoning_effort`` and ``service_tier``; an operation enabling another
+    (thinking, server tools, betas, context management: the Messages API's)
+    is refused by the engine before anything is recorded. The vendor
+    (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
 
     def _params(self, request: ProviderRequest) -> dict[str, Any]:
         return chat_params(request, stream=self._stream)

@@ -76,6 +76,10 @@ def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         if request.tool_choice is not None and request.tool_choice.get(
                 "disable_parallel_tool_use") is True:
             params["parallel_tool_calls"] = False
+    if request.features.reasoning_effort is not None:
+        params["reasoning_effort"] = request.features.reasoning_effort
+    if request.features.service_tier is not None:
+        params["service_tier"] = request.features.service_tier
     if stream:
         params["stream"] = True
         params["stream_options"] = {"include_usage": True}

@@ -168,6 +168,14 @@ async def test_web_search_thinking_and_compaction_are_billed_to_the_nano_dollar(
     assert result.usage.web_search_requests == 10
     assert len(result.usage.iterations) == 4
     assert wire.server.usage_served == result.usage
+    # The features went on the wire as the Messages API takes them.
+    sent = wire.requests[0]
+    assert sent.body["thinking"] == {"type": "enabled", "budget_tokens": 2048}
+    assert sent.body["tools"][0] == {"type": "web_search_20250305", "name": "web_search",
+                                     "max_uses": 10}
+    assert [t["name"] for t in sent.body["tools"]] == ["web_search", "lookup"]
+    assert sent.body["context_management"] == {"edits": [{"type": "compact_20260112"}]}
+    assert sent.headers["anthropic-beta"] == "compact-2026-01-12"
 
 
 @STREAMING
