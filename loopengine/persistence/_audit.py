@@ -54,9 +54,11 @@ GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "u
 
 _NANO = Decimal(1_000_000_000)
 
-# Token and money columns that an invocation total must equal over its rows.
+# Usage columns that an invocation total must equal over its rows (the fee,
+# like the cost, over its charged rows only).
 _SUMMED = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
-           "cache_write_1h_tokens")
+           "cache_write_1h_tokens", "web_search_requests", "web_fetch_requests",
+           "reasoning_tokens", "iterations")
 
 # The tokens an attempt was served (cache_write_1h_tokens is a part of
 # cache_write_tokens, so it is not added again).
@@ -69,6 +71,12 @@ def _tokens_sql(alias: str) -> str:
 
 def _unpriced_sql(alias: str) -> str:
     return f"({alias}.cost_nanousd IS NULL AND ({_tokens_sql(alias)}) > 0)"
+
+
+def _usage_unknown_sql(alias: str) -> str:
+    """An attempt the server answered (a response id) whose usage is unknown."""
+    return (f"({alias}.response_id IS NOT NULL AND {alias}.input_tokens IS NULL "
+            f"AND {alias}.outcome != 'dispatched')")
 
 
 EXPORT_COLUMNS: tuple[str, ...] = (
@@ -208,7 +216,9 @@ def runs(conn: AuditConnection, *, limit: int | None = None,
 
 _SPEND_SUMS = ("invocations", "attempt_count", "input_tokens", "output_tokens",
                "cache_read_tokens", "cache_write_tokens", "cost_nanousd",
-               "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens")
+               "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens",
+               "web_search_requests", "web_fetch_requests", "reasoning_tokens", "iterations",
+               "fee_nanousd", "usage_unknown")
 
 
 def spend(conn: AuditConnection, *, by: Grouping = "tenant",
@@ -218,7 +228,7 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant",
 
     The totals come from the invocation rows, which count every attempt even
     past the retention cap (R07), so they are complete where rows are not.
-    The unpriced counts come from the attempt rows kept.
+    The unpriced and usage-unknown counts come from the attempt rows kept.
 
     Args:
         conn: From `open_ledger`.
@@ -235,11 +245,15 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant",
     # Correlated through the attempts' primary key, so the cost follows the
     # period's invocations, not the whole table.
     unpriced = f"FROM attempts AS a WHERE a.invocation_id = i.id AND {_unpriced_sql('a')}"
+    unknown = ("FROM attempts AS a WHERE a.invocation_id = i.id AND "
+               f"{_usage_unknown_sql('a')}")
     sql = (
         f"SELECT i.{by} AS key, COUNT(*), SUM(i.attempt_count), SUM(i.input_tokens), "
         "SUM(i.output_tokens), SUM(i.cache_read_tokens), SUM(i.cache_write_tokens), "
         "SUM(i.cost_nanousd), SUM(i.provider_cost_nanousd), SUM(i.credits), "
-        f"SUM((SELECT COUNT(*) {unpriced})), SUM((SELECT SUM({_tokens_sql('a')}) {unpriced})) "
+        f"SUM((SELECT COUNT(*) {unpriced})), SUM((SELECT SUM({_tokens_sql('a')}) {unpriced})), "
+        "SUM(i.web_search_requests), SUM(i.web_fetch_requests), SUM(i.reasoning_tokens), "
+        f"SUM(i.iterations), SUM(i.fee_nanousd), SUM((SELECT COUNT(*) {unknown})) "
         f"FROM invocations AS i{clause} GROUP BY i.{by} "
         # NULL (no tenant) first on both stores, as SQLite sorts it.
         f"ORDER BY SUM(i.cost_nanousd) DESC, i.{by} IS NOT NULL, i.{by}"
@@ -298,7 +312,7 @@ def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
 # The invocation columns reconcile reads, checked before they are compared.
 _RECONCILED = ("id", "operation", "started_at", "outcome", "attempt_count",
                "attempts_retained", "incomplete", *_SUMMED, "cost_nanousd",
-               "provider_cost_nanousd")
+               "provider_cost_nanousd", "fee_nanousd")
 
 
 def reconcile(
@@ -312,9 +326,12 @@ def reconcile(
     For an invocation whose rows are complete (``incomplete = 0``) each token
     total must equal the sum over its rows, ``cost_nanousd`` the sum over its
     charged rows, ``provider_cost_nanousd`` the sum over every priced row, and
-    ``attempt_count`` and ``attempts_retained`` the number of rows. A charged
-    row must be an ``ok`` one (S01). Rows still ``dispatched``, invocations
-    still ``running``, incomplete invocations and unpriced attempts are listed.
+    ``attempt_count`` and ``attempts_retained`` the number of rows; so must
+    each usage count (server tool requests, reasoning tokens, iterations),
+    and ``fee_nanousd`` the sum over its charged rows. A charged row must be
+    an ``ok`` one (S01). Rows still ``dispatched``, invocations still
+    ``running``, incomplete invocations, unpriced attempts and attempts the
+    server answered whose usage is unknown ("usage unknown") are listed.
 
     Args:
         conn: From `open_ledger`.
@@ -340,6 +357,7 @@ def reconcile(
         f"SELECT i.*, COUNT(a.ordinal) AS row_count, {sums}, "
         "COALESCE(SUM(CASE WHEN a.charged = 1 THEN a.cost_nanousd END), 0) AS sum_cost, "
         "COALESCE(SUM(a.cost_nanousd), 0) AS sum_provider_cost, "
+        "COALESCE(SUM(CASE WHEN a.charged = 1 THEN a.fee_nanousd END), 0) AS sum_fee, "
         "COALESCE(SUM(CASE WHEN a.charged = 1 AND a.outcome != 'ok' THEN 1 ELSE 0 END), 0) "
         "AS charged_not_ok, "
         "COALESCE(SUM(CASE WHEN a.outcome = 'dispatched' THEN 1 ELSE 0 END), 0) AS dispatched "
@@ -354,7 +372,7 @@ def reconcile(
     for row in rows:
         _check("invocations", row, _RECONCILED, _where_invocation)
         for name in ("row_count", *(f"sum_{c}" for c in _SUMMED), "sum_cost",
-                     "sum_provider_cost", "charged_not_ok", "dispatched"):
+                     "sum_provider_cost", "sum_fee", "charged_not_ok", "dispatched"):
             if not isinstance(row[name], int):
                 raise LedgerError(f"the attempt rows of {_where_invocation(row)} hold values "
                                   f"that are not integers ({name}); this file was not "
@@ -384,6 +402,7 @@ def reconcile(
             differs(column, row[column], row[f"sum_{column}"])
         differs("cost_nanousd", row["cost_nanousd"], row["sum_cost"])
         differs("provider_cost_nanousd", row["provider_cost_nanousd"], row["sum_provider_cost"])
+        differs("fee_nanousd", row["fee_nanousd"], row["sum_fee"])
     unsettled: list[dict[str, Any]] = []
     abandoned_attempts: list[dict[str, Any]] = []
     for r in conn.execute(
@@ -403,6 +422,14 @@ def reconcile(
         _check("attempts", attempt, tuple(attempt), _where_attempt)
         attempt["tokens"] = _tokens(attempt)
         unpriced.append(attempt)
+    usage_unknown = []
+    for r in conn.execute(
+            "SELECT invocation_id, ordinal, served_by, started_at, outcome, response_id "
+            f"FROM attempts AS a WHERE {_usage_unknown_sql('a')} "
+            "ORDER BY started_at, invocation_id, ordinal"):
+        attempt = dict(r)
+        _check("attempts", attempt, tuple(attempt), _where_attempt)
+        usage_unknown.append(attempt)
     orphans = [dict(r) for r in conn.execute(
         "SELECT invocation_id, ordinal FROM attempts WHERE invocation_id NOT IN "
         "(SELECT id FROM invocations) ORDER BY invocation_id, ordinal")]
@@ -410,7 +437,8 @@ def reconcile(
                           mismatches=mismatches, unsettled=unsettled, incomplete=incomplete,
                           running=running, orphans=orphans, unpriced=unpriced,
                           abandoned=abandoned, abandoned_attempts=abandoned_attempts,
-                          older_than=older_than, accounts=reconcile_accounts(conn))
+                          older_than=older_than, accounts=reconcile_accounts(conn),
+                          usage_unknown=usage_unknown)
 
 
 # -- credit accounts ---------------------------------------------------------------

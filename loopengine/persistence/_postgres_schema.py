@@ -30,6 +30,7 @@ from loopengine.persistence._schema import (
     AUDIT_INDEXES,
     SCHEMA_TABLE,
     TABLES,
+    USAGE_VECTOR,
     Migration,
     _newer,
     render,
@@ -67,6 +68,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(3, "credit accounts and their journal", _ACCOUNTS),
     Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
     Migration(5, "room beside each invocation row for its updates", _INVOCATION_ROOM),
+    Migration(6, "the usage vector: server tool requests, reasoning, iterations, fees",
+              render(USAGE_VECTOR, POSTGRES_TYPES)),
 )
 """The schema's history, oldest first: the SQLite history's steps, step for step."""
 
@@ -74,9 +77,13 @@ SCHEMA_VERSION = MIGRATIONS[-1].version
 """The version this code writes and reads."""
 
 _COLUMN_KINDS: Final = {
-    column: kind for statement in TABLES
-    for column, kind in re.findall(r"^\s+(\w+) (TEXT|\{\w+\})", statement, re.MULTILINE)}
-"""Each column of ``invocations`` and ``attempts``: ``TEXT`` or its type's placeholder."""
+    **{column: kind for statement in TABLES
+       for column, kind in re.findall(r"^\s+(\w+) (TEXT|\{\w+\})", statement, re.MULTILINE)},
+    **{column: kind for statement in USAGE_VECTOR
+       for column, kind in re.findall(r"ADD COLUMN (\w+) (TEXT|\{\w+\})", statement)},
+}
+"""Each column of ``invocations`` and ``attempts`` (those its migrations add too):
+``TEXT`` or its type's placeholder."""
 
 # Two keys for the advisory lock: this constant ("le" "dg" in ASCII) and the
 # schema's name hashed, so that ledgers in other schemas migrate independently.
