@@ -43,6 +43,7 @@ Its SDK clients, one per event loop, come from ``_clients.py``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, TypeAlias, TypedDict
@@ -297,10 +298,16 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         seen: set[str] = set()
         late: dict[str, Any] = {}
 
+        inputs: dict[int, list[str]] = {}
+
         def take(event: Any) -> str | None:
             seen.add(event.type)
             if event.type == "message_delta":
                 late.update(event.usage.to_dict())
+            elif event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                block = stream.current_message_snapshot.content[event.index]
+                if block.type not in _SDK_INPUTS:
+                    inputs.setdefault(event.index, []).append(event.delta.partial_json)
             return event.text if event.type == "text" else None
 
         def served() -> Any:
@@ -332,7 +339,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         snapshot = served()
         assert snapshot is not None
         return ProviderResponse(
-            content=[block.to_dict() for block in snapshot.content],
+            content=_with_inputs([block.to_dict() for block in snapshot.content], inputs),
             stop_reason=snapshot.stop_reason,
             usage=_snapshot_usage(snapshot, late),
             response_id=snapshot.id,
@@ -340,6 +347,24 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             http_status=stream.response.status_code,
             model=snapshot.model,
         )
+
+
+# The blocks whose streamed ``input`` the SDK's accumulator fills itself; the
+# provider joins the ``input_json_delta`` of any other (``mcp_tool_use``...).
+_SDK_INPUTS = frozenset({"tool_use", "server_tool_use"})
+
+
+def _with_inputs(content: list[dict[str, Any]],
+                 inputs: Mapping[int, list[str]]) -> list[dict[str, Any]]:
+    """``content`` with the streamed ``input`` of the blocks the SDK does not fill;
+    an input that is not JSON is kept as the text sent (as a tool call's is)."""
+    for index, parts in inputs.items():
+        text = "".join(parts)
+        try:
+            content[index]["input"] = json.loads(text) if text else {}
+        except ValueError:
+            content[index]["input"] = text
+    return content
 
 
 def _snapshot_usage(snapshot: Any, late: Mapping[str, Any] | None = None) -> Usage | None:

@@ -45,6 +45,7 @@ __all__ = [
     "content_from_message",
     "first_choice",
     "stop_reason",
+    "text_of",
     "usage_from_api",
 ]
 
@@ -125,7 +126,7 @@ class StreamedCompletion:
             delta = choice.delta
             if delta is not None:
                 if delta.content:
-                    text += delta.content
+                    text += text_of(delta.content)
                 if delta.refusal:
                     self.refusal.append(delta.refusal)
                 for call in delta.tool_calls or ():
@@ -300,6 +301,21 @@ def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] |
     raise _untranslatable(f"tool_choice {kind!r}")
 
 
+def text_of(content: object) -> str:
+    """The text of a message's (or a delta's) ``content``: a string, or, from
+    compatible servers, a list of parts (Mistral's ``{"type": "text", "text":
+    ...}`` beside its ``{"type": "thinking", ...}``), whose text parts are
+    joined; thinking has no place in the engine's transcript and is dropped,
+    as an Anthropic ``thinking`` block is when sent (the translation table)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    return "".join(part["text"] for part in content
+                   if isinstance(part, Mapping) and part.get("type") == "text"
+                   and isinstance(part.get("text"), str))
+
+
 def content_from_message(
     message: Mapping[str, Any], finish_reason: object
 ) -> tuple[list[dict[str, Any]], str | None]:
@@ -311,8 +327,8 @@ def content_from_message(
     validation then answers the model with an error result, R15).
     """
     content: list[dict[str, Any]] = []
-    text = message.get("content")
-    if isinstance(text, str) and text:
+    text = text_of(message.get("content"))
+    if text:
         content.append({"type": "text", "text": text})
     refusal = message.get("refusal")
     if isinstance(refusal, str) and refusal:

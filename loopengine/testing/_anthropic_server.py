@@ -173,7 +173,7 @@ def _events(message: Mapping[str, Any], usage: Usage | None) -> list[tuple[str, 
             events.append(_block_start(index, {**block, "text": ""}))
             for piece in _WORDS.findall(str(block.get("text", ""))):
                 events.append(_delta(index, {"type": "text_delta", "text": piece}))
-        elif kind in ("tool_use", "server_tool_use"):
+        elif kind in ("tool_use", "server_tool_use", "mcp_tool_use"):
             events.append(_block_start(index, {**block, "input": {}}))
             events.append(_delta(index, {"type": "input_json_delta",
                                          "partial_json": json.dumps(block.get("input", {}))}))

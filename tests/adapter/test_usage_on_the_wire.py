@@ -236,3 +236,20 @@ async def test_openai_a_flex_reply_is_priced_at_the_flex_rates(
     (row,) = ledger.attempts.values()
     assert row["cost_nanousd"] == to_nanousd((usd(10_000, Decimal(2)) + usd(1_000, Decimal(8)))
                                              / 2)
+
+
+@STREAMING
+async def test_an_mcp_tool_use_keeps_its_input(wire: Harness, stream: bool) -> None:
+    """A streamed ``mcp_tool_use`` block's input arrives as ``input_json_delta``
+    events, which the SDK's accumulator leaves out for that type: the provider
+    joins them, so the block in ``result.messages`` has its input either way."""
+    called = {"type": "mcp_tool_use", "id": "mcptoolu_01", "name": "echo",
+              "server_name": "tools", "input": {"text": "hi", "n": 2}}
+    answered = {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_01", "is_error": False,
+                "content": [{"type": "text", "text": "hi hi"}]}
+    engine, _ = wire.engine(
+        Reply(content=[called, answered, {"type": "text", "text": "done"}]), stream=stream)
+    result = await engine.run(le.Operation(name="ask", provider="anthropic",
+                                           model="claude-sonnet-4-6"), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.messages[-1]["content"][0] == called
