@@ -413,23 +413,10 @@ def reconcile(
         _check("attempts", attempt, tuple(attempt), _where_attempt)
         old = cutoff is not None and attempt["started_at"] < cutoff
         (abandoned_attempts if old else unsettled).append(attempt)
-    unpriced = []
-    for r in conn.execute(
-            "SELECT invocation_id, ordinal, served_by, started_at, outcome, "
-            f"{', '.join(_TOKEN_COLUMNS)} FROM attempts AS a WHERE {_unpriced_sql('a')} "
-            "ORDER BY started_at, invocation_id, ordinal"):
-        attempt = dict(r)
-        _check("attempts", attempt, tuple(attempt), _where_attempt)
+    unpriced = _flagged(conn, _TOKEN_COLUMNS, _unpriced_sql("a"))
+    for attempt in unpriced:
         attempt["tokens"] = _tokens(attempt)
-        unpriced.append(attempt)
-    usage_unknown = []
-    for r in conn.execute(
-            "SELECT invocation_id, ordinal, served_by, started_at, outcome, response_id "
-            f"FROM attempts AS a WHERE {_usage_unknown_sql('a')} "
-            "ORDER BY started_at, invocation_id, ordinal"):
-        attempt = dict(r)
-        _check("attempts", attempt, tuple(attempt), _where_attempt)
-        usage_unknown.append(attempt)
+    usage_unknown = _flagged(conn, ("response_id",), _usage_unknown_sql("a"))
     orphans = [dict(r) for r in conn.execute(
         "SELECT invocation_id, ordinal FROM attempts WHERE invocation_id NOT IN "
         "(SELECT id FROM invocations) ORDER BY invocation_id, ordinal")]
@@ -439,6 +426,21 @@ def reconcile(
                           abandoned=abandoned, abandoned_attempts=abandoned_attempts,
                           older_than=older_than, accounts=reconcile_accounts(conn),
                           usage_unknown=usage_unknown)
+
+
+def _flagged(conn: AuditConnection, columns: tuple[str, ...],
+             condition: str) -> list[dict[str, Any]]:
+    """The attempt rows (``a``) meeting ``condition``, in time order, with their
+    key, ``served_by``, ``started_at``, ``outcome`` and ``columns``; checked."""
+    found = []
+    for r in conn.execute(
+            "SELECT invocation_id, ordinal, served_by, started_at, outcome, "
+            f"{', '.join(columns)} FROM attempts AS a WHERE {condition} "
+            "ORDER BY started_at, invocation_id, ordinal"):
+        attempt = dict(r)
+        _check("attempts", attempt, tuple(attempt), _where_attempt)
+        found.append(attempt)
+    return found
 
 
 # -- credit accounts ---------------------------------------------------------------
