@@ -55,6 +55,10 @@ _RUN_KEYWORDS = frozenset({"system", "tools", "output", "accept", "attribution",
 """The keywords of `Engine.run` after its operation and messages."""
 
 
+_NO_FEATURES = Features()
+"""The features of a run that enables none."""
+
+
 def _check_sendable(provider: Provider, operation: Operation, features: Features) -> None:
     """Refuse a run whose request features its provider cannot send (its declared
     `Provider.features`), before anything is recorded.
@@ -184,6 +188,10 @@ class Engine:
         run_limits = operation.limits.narrow(limits)
         policy = operation.retry.narrow(retry)
         run_features = narrow_features(operation.features, features)
+        if run_features == _NO_FEATURES:
+            # The common case shares one value: thousands of invocations alive
+            # at once hold no object of their own for it.
+            run_features = _NO_FEATURES
         _check_sendable(provider, operation, run_features)
         if attribution is not None and not isinstance(attribution, Attribution):
             raise ConfigError("attribution",
