@@ -299,6 +299,7 @@ async def settle(
         usage=usage,
         usage_approx=bool(fault and fault.usage_approx),
         cost_nanousd=priced.cost_nanousd if priced else None,
+        fee_nanousd=priced.fee_nanousd if priced else None,
         charged=charged,
         price_ref=priced.price_ref if priced else None,
         response_id=response.response_id if response else (

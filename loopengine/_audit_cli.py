@@ -328,7 +328,11 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
                       "provider_cost_nanousd": r.provider_cost_nanousd,
                       "provider_cost_usd": str(r.provider_cost_usd), "credits": r.credits,
                       "unpriced_attempts": r.unpriced_attempts,
-                      "unpriced_tokens": r.unpriced_tokens}
+                      "unpriced_tokens": r.unpriced_tokens,
+                      "web_search_requests": r.web_search_requests,
+                      "web_fetch_requests": r.web_fetch_requests,
+                      "reasoning_tokens": r.reasoning_tokens, "iterations": r.iterations,
+                      "fee_nanousd": r.fee_nanousd, "usage_unknown": r.usage_unknown}
                      for r in rows])
         return
     period = _period(where["since"], where["until"])
@@ -340,32 +344,42 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
     sums = [sum(getattr(r, name) for r in rows) for name in _SPEND_FIGURES]
     click.echo(_table(
         [by, "invocations", "attempts", "input", "output", "cache read", "cache write",
-         "charged USD", "provider USD", "credits", "unpriced", "unpriced tokens"],
+         "charged USD", "provider USD", "credits", "unpriced", "unpriced tokens",
+         "web searches", "web fetches", "reasoning", "iterations", "fees USD",
+         "usage unknown"],
         [[r.key if r.key is not None else "(none)",
           *_spend_cells([getattr(r, name) for name in _SPEND_FIGURES])] for r in rows],
         total=["total", *_spend_cells(sums)]))
-    unpriced, tokens = sums[-2], sums[-1]
+    total = dict(zip(_SPEND_FIGURES, sums, strict=True))
+    unpriced, tokens = total["unpriced_attempts"], total["unpriced_tokens"]
     if unpriced:
         click.echo(f"\n{_plural(unpriced, 'attempt')} ({_plural(tokens, 'token')}) had no "
                    "price: their cost is in no USD column above. `loopengine audit "
                    "reconcile` lists them.")
+    if total["usage_unknown"]:
+        click.echo(f"\n{_plural(total['usage_unknown'], 'attempt')} answered by the server "
+                   "(a response id) reported no usage: what they served is in no column "
+                   "above. `loopengine audit reconcile` lists them.")
 
 
 _SPEND_FIGURES = ("invocations", "attempts", "input_tokens", "output_tokens",
                   "cache_read_tokens", "cache_write_tokens", "cost_nanousd",
-                  "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens")
+                  "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens",
+                  "web_search_requests", "web_fetch_requests", "reasoning_tokens",
+                  "iterations", "fee_nanousd", "usage_unknown")
 
 
 def _spend_cells(figures: list[int]) -> list[Any]:
-    """`_SPEND_FIGURES` as table cells: the two costs in USD."""
+    """`_SPEND_FIGURES` as table cells: the costs and the fees in USD."""
     return [_usd(v) if name.endswith("nanousd") else v
             for name, v in zip(_SPEND_FIGURES, figures, strict=True)]
 
 
 _ATTEMPT_TABLE = ("ordinal", "turn", "attempt", "phase", "outcome", "fault", "http_status",
                   "latency_ms", "input_tokens", "output_tokens", "cache_read_tokens",
-                  "cache_write_tokens", "cache_write_1h_tokens", "cost_usd", "charged",
-                  "price_ref", "response_id")
+                  "cache_write_tokens", "cache_write_1h_tokens", "web_search_requests",
+                  "web_fetch_requests", "reasoning_tokens", "iterations", "cost_usd",
+                  "fee_usd", "charged", "price_ref", "response_id")
 
 
 def attempts_table(attempts: Sequence[dict[str, Any]]) -> str:
@@ -383,7 +397,10 @@ def attempts_table(attempts: Sequence[dict[str, Any]]) -> str:
         rows.append([a["ordinal"], a["turn"], a["attempt"], a["phase"], outcome, a["fault"],
                      a["http_status"], a["latency_ms"], a["input_tokens"], a["output_tokens"],
                      a["cache_read_tokens"], a["cache_write_tokens"],
-                     a["cache_write_1h_tokens"], cost, "yes" if a["charged"] else "no",
+                     a["cache_write_1h_tokens"], a.get("web_search_requests"),
+                     a.get("web_fetch_requests"), a.get("reasoning_tokens"),
+                     a.get("iterations"), cost, _usd(a.get("fee_nanousd")),
+                     "yes" if a["charged"] else "no",
                      a["price_ref"], a["response_id"] or "(none)"])
     return _table(_ATTEMPT_TABLE, rows)
 
@@ -410,7 +427,7 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
     width = max(len(k) for k in invocation)
     for key, value in invocation.items():
         shown = f"{_cell(value)} (USD {_usd(value)})" if key in (
-            "cost_nanousd", "provider_cost_nanousd") else _cell(value)
+            "cost_nanousd", "provider_cost_nanousd", "fee_nanousd") else _cell(value)
         click.echo(f"{key.ljust(width)}  {shown}".rstrip())
     click.echo("")
     if invocation["incomplete"]:
@@ -445,8 +462,8 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
 @_audit_command
 def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json: bool) -> None:
     """Check attempt rows against invocation totals; list unsettled attempts, incomplete
-    records, unpriced attempts and invocations still running or abandoned. Exits 1 when
-    anything needs a look."""
+    records, unpriced attempts, attempts the server answered whose usage is unknown and
+    invocations still running or abandoned. Exits 1 when anything needs a look."""
     with _ledger(db, schema) as conn:
         result = _audit.reconcile(conn, older_than=older_than)
     if as_json:
@@ -459,7 +476,8 @@ def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json
                      "running": result.running, "orphans": result.orphans,
                      "unpriced": result.unpriced, "abandoned": result.abandoned,
                      "abandoned_attempts": result.abandoned_attempts,
-                     "accounts": [vars_of(m) for m in result.accounts]})
+                     "accounts": [vars_of(m) for m in result.accounts],
+                     "usage_unknown": result.usage_unknown})
     else:
         _print_reconciliation(result)
     if not result.ok:
@@ -494,6 +512,11 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
            u["cache_write_tokens"]] for u in result.unpriced],
          ["invocation", "ordinal", "served_by", "outcome", "started_at", "input", "output",
           "cache read", "cache write"]),
+        ("Usage unknown (answered by the server, a response id, but no usage: the "
+         "provider may bill what they served)",
+         [[u["invocation_id"], u["ordinal"], u["served_by"], u["outcome"], u["started_at"],
+           u["response_id"]] for u in result.usage_unknown],
+         ["invocation", "ordinal", "served_by", "outcome", "started_at", "response_id"]),
         ("Incomplete records (more attempts than rows kept, R07)",
          [[i["id"], i["operation"], i["attempt_count"], i["attempts_retained"]]
           for i in result.incomplete],
@@ -527,6 +550,8 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
     problems = [(len(result.mismatches), "total that does not add up",
                  "totals that do not add up"),
                 (len(result.unpriced), "unpriced attempt", "unpriced attempts"),
+                (len(result.usage_unknown), "attempt with usage unknown",
+                 "attempts with usage unknown"),
                 (len(result.incomplete), "incomplete record", "incomplete records"),
                 (len(result.abandoned), "abandoned invocation", "abandoned invocations"),
                 (len(result.abandoned_attempts), "abandoned attempt", "abandoned attempts"),

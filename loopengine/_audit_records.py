@@ -89,6 +89,19 @@ class SpendRow:
     """Attempt rows that served tokens without a price: their cost is in neither total."""
     unpriced_tokens: int = 0
     """The tokens those attempts served (input, output, cache read and write)."""
+    web_search_requests: int = 0
+    """Web searches the provider ran (each billed a fee)."""
+    web_fetch_requests: int = 0
+    """Web fetches the provider ran."""
+    reasoning_tokens: int = 0
+    """The part of ``output_tokens`` spent reasoning, where reported."""
+    iterations: int = 0
+    """Sampling iterations reported inside requests (compaction, advisor...)."""
+    fee_nanousd: int = 0
+    """The part of ``cost_nanousd`` that is per-request fees rather than tokens."""
+    usage_unknown: int = 0
+    """Attempt rows the server answered (a response id) whose usage is unknown:
+    what they served is in no total, never a silent $0."""
 
     @property
     def cost_usd(self) -> Decimal:
@@ -151,6 +164,9 @@ class Reconciliation:
     accounts: list[AccountMismatch] = field(default_factory=list)
     """Credit accounts whose balances do not equal their journal, or whose runs'
     charges do not equal those runs' credits (docs/accounts.md)."""
+    usage_unknown: list[dict[str, Any]] = field(default_factory=list)
+    """Settled attempt rows the server answered (a response id) whose usage is
+    unknown: the provider may bill what they served, and no total holds it."""
 
     @property
     def ok(self) -> bool:
@@ -161,7 +177,8 @@ class Reconciliation:
         ``older_than`` was given: they are then in flight.
         """
         if self.mismatches or self.incomplete or self.orphans or self.unpriced \
-                or self.abandoned or self.abandoned_attempts or self.accounts:
+                or self.abandoned or self.abandoned_attempts or self.accounts \
+                or self.usage_unknown:
             return False
         return self.older_than is not None or not (self.unsettled or self.running)
 

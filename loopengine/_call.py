@@ -242,6 +242,7 @@ class _Call:
                 system=self.spec.system, tools=[self.tool],
                 tool_choice={"type": "tool", "name": ANSWER_TOOL}, timeout=timeout,
                 cache=self.inv.operation.cache, metadata={"turn": self.turn, "mode": mode},
+                features=self.inv.features,
             )
         instruction = {
             "type": "text",
@@ -252,6 +253,7 @@ class _Call:
             model=self.inv.operation.model, max_tokens=max_tokens, messages=self.messages,
             system=[*(self.spec.system or []), instruction], timeout=timeout,
             cache=self.inv.operation.cache, metadata={"turn": self.turn, "mode": mode},
+            features=self.inv.features,
         )
 
     def _parse(self, response: ProviderResponse, mode: str) -> tuple[Any, str]:

@@ -18,7 +18,12 @@ from loopengine._call import CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
 from loopengine._errors import ConfigError
 from loopengine._estimate import Estimate, estimate_run
-from loopengine._features import check_server_tool_names
+from loopengine._features import (
+    Features,
+    check_server_tool_names,
+    enabled_features,
+    narrow_features,
+)
 from loopengine._invocation import Invocation
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook
@@ -49,8 +54,27 @@ System = str | Sequence[Mapping[str, Any]] | None
 
 
 _RUN_KEYWORDS = frozenset({"system", "tools", "output", "accept", "attribution", "limits",
-                           "retry", "on_text", "tool_error_text", "final_tool"})
+                           "retry", "features", "on_text", "tool_error_text", "final_tool"})
 """The keywords of `Engine.run` after its operation and messages."""
+
+
+_NO_FEATURES = Features()
+"""The features of a run that enables none."""
+
+
+def _check_sendable(provider: Provider, operation: Operation, features: Features) -> None:
+    """Refuse a run whose request features its provider cannot send (its declared
+    `Provider.features`), before anything is recorded.
+
+    Raises:
+        ConfigError: on the first such feature.
+    """
+    for name in enabled_features(features):
+        if name not in provider.features:
+            raise ConfigError(
+                name, f"operation {operation.name!r} enables {name}, which the "
+                      f"{vendor_of(provider)} provider of route {operation.provider!r} cannot "
+                      f"send (it sends: {', '.join(sorted(provider.features)) or 'none'})")
 
 
 class Engine:
@@ -161,10 +185,17 @@ class Engine:
         *,
         observers: Sequence[Observer] = (),
         text_sink: Callable[[TextDelta], None] | None = None,
+        features: Mapping[str, Any] | None = None,
     ) -> Invocation:
         provider = self.provider_for(operation)
         run_limits = operation.limits.narrow(limits)
         policy = operation.retry.narrow(retry)
+        run_features = narrow_features(operation.features, features)
+        if run_features == _NO_FEATURES:
+            # The common case shares one value: thousands of invocations alive
+            # at once hold no object of their own for it.
+            run_features = _NO_FEATURES
+        _check_sendable(provider, operation, run_features)
         if attribution is not None and not isinstance(attribution, Attribution):
             raise ConfigError("attribution",
                               f"must be an Attribution, got {_validate.shown(attribution)}")
@@ -189,7 +220,7 @@ class Engine:
             )
         if run_limits.credit_hold is not None:
             unpriced = self.prices.unpriced_features(
-                vendor, operation.model, operation.features, self.clock.wall())
+                vendor, operation.model, run_features, self.clock.wall())
             if unpriced:
                 raise ConfigError(
                     "prices",
@@ -200,7 +231,7 @@ class Engine:
             kind=kind, operation=operation, provider=provider, limits=run_limits,
             policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,
             clock=self.clock, rng=self.rng, observers=[*self.observers, *observers],
-            text_sink=text_sink,
+            text_sink=text_sink, features=run_features,
             unpriced_warned=self._unpriced_warned, accounts=self.accounts, account=account,
         )
 
@@ -216,6 +247,7 @@ class Engine:
         attribution: Attribution | None = None,
         limits: Limits | Mapping[str, object] | None = None,
         retry: RetryPolicy | Mapping[str, object] | None = None,
+        features: Mapping[str, Any] | None = None,
         on_text: TextCallback | None = None,
         tool_error_text: ToolErrorText | None = None,
         final_tool: str = "final_answer",
@@ -236,6 +268,11 @@ class Engine:
                 widens): only the fields it names, the keys of a mapping or
                 the fields passed to the `Limits`.
             retry: Narrows the operation's retry policy for this run.
+            features: Narrows the operation's request features for this run
+                (never widens, never adds one): a mapping naming only what it
+                narrows, e.g. ``{"server_tools": (le.ServerTool(type=...,
+                name="web_search", max_uses=2),), "thinking": None}``
+                (docs/pricing.md).
             on_text: Receives the text deltas as they arrive: each request
                 of the run is streamed (a provider that cannot stream is a
                 `ConfigError`, before anything is recorded). A
@@ -259,7 +296,8 @@ class Engine:
         """
         inv, spec = self._prepare_run(
             operation, messages, system=system, tools=tools, output=output, accept=accept,
-            attribution=attribution, limits=limits, retry=retry, on_text=on_text,
+            attribution=attribution, limits=limits, retry=retry, features=features,
+            on_text=on_text,
             tool_error_text=tool_error_text, final_tool=final_tool)
         return await run_loop(inv, spec)
 
@@ -348,6 +386,7 @@ class Engine:
         attribution: Attribution | None = None,
         limits: Limits | Mapping[str, object] | None = None,
         retry: RetryPolicy | Mapping[str, object] | None = None,
+        features: Mapping[str, Any] | None = None,
         on_text: TextCallback | None = None,
         tool_error_text: ToolErrorText | None = None,
         final_tool: str = "final_answer",
@@ -368,9 +407,9 @@ class Engine:
         )
         check_tool_name("final_tool", final_tool)
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
-        inv = self._invocation("run", operation, limits, retry, attribution,
+        inv = self._invocation("run", operation, limits, retry, attribution, features=features,
                                observers=observers, text_sink=text_sink)
-        check_server_tool_names(operation.server_tools, {
+        check_server_tool_names(inv.features.server_tools, {
             *(t.name for t in spec.tools), *((final_tool,) if output is not None else ())})
         if (spec.on_text is not None or text_sink is not None) and not inv.provider.streaming:
             # Silence would look like a model that said nothing (docs/observability.md).

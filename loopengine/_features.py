@@ -29,6 +29,7 @@ __all__ = [
     "Thinking",
     "check_features",
     "check_server_tool_names",
+    "enabled_features",
     "narrow_features",
 ]
 
@@ -192,6 +193,12 @@ def check_features(features: Any) -> None:
                            _json_object("context_management", features.context_management))
     _choice("reasoning_effort", features.reasoning_effort, REASONING_EFFORTS)
     _choice("service_tier", features.service_tier, SERVICE_TIERS)
+
+
+def enabled_features(features: Features) -> tuple[str, ...]:
+    """The names of the features ``features`` enables (of ``Features``' fields, in
+    their order): what a provider must be able to send (`Provider.features`)."""
+    return tuple(name for name in Features.__dataclass_fields__ if getattr(features, name))
 
 
 def check_server_tool_names(server_tools: Sequence[ServerTool], names: set[str]) -> None:

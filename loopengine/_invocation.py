@@ -24,6 +24,7 @@ from loopengine._accounts import CreditAccounts, Reservation
 from loopengine._attribution import Attribution
 from loopengine._clock import Clock
 from loopengine._errors import LoopEngineError
+from loopengine._features import Features
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook, nanousd_to_usd
 from loopengine._result import AttemptsSummary
@@ -77,8 +78,8 @@ class Invocation:
     __slots__ = (
         "account", "accounts", "announced", "asked_limits", "attribution", "base_attempts",
         "begun", "clock", "cost_nanousd", "credits", "deadline", "denied", "depth",
-        "descendant_credits", "ended", "engine", "id", "in_flight", "kind", "last_fault",
-        "ledger", "limits", "observers", "operation", "output_tokens", "parent",
+        "descendant_credits", "ended", "engine", "features", "id", "in_flight", "kind",
+        "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
         "paused_seconds", "policy", "prices", "provider", "provider_cost_nanousd", "records",
         "reservation", "rng",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
@@ -102,10 +103,13 @@ class Invocation:
         accounts: CreditAccounts | None = None,
         account: str | None = None,
         text_sink: Callable[[TextDelta], None] | None = None,
+        features: Features | None = None,
     ) -> None:
         self.id = str(uuid.uuid4())
         self.kind = kind
         self.operation = operation
+        self.features = features if features is not None else operation.features
+        """The request features of this run: the operation's, narrowed (R13)."""
         self.provider = provider
         self.limits = limits
         self.asked_limits = limits

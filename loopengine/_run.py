@@ -456,6 +456,7 @@ class _Loop:
             timeout=timeout,
             cache=self.inv.operation.cache,
             metadata={"turn": self.state.turns},
+            features=self.inv.features,
         )
 
     def _charge(self, turn: int) -> None:

@@ -486,8 +486,10 @@ async def test_migration_4_keeps_every_attempt_row_and_allows_the_wrap_up_phase(
     conn = sqlite3.connect(path)
     version = conn.execute("SELECT MAX(version) FROM loopengine_schema").fetchone()[0]
     assert version == SCHEMA_VERSION
-    assert conn.execute("SELECT * FROM attempts WHERE invocation_id = 'inv-1'").fetchall() \
-        == before
+    after = conn.execute("SELECT * FROM attempts WHERE invocation_id = 'inv-1'").fetchall()
+    # Later migrations add columns at the end (the usage vector): NULL on old rows.
+    assert [row[:len(before[0])] for row in after] == before
+    assert after[0][len(before[0]):] == (None,) * (len(after[0]) - len(before[0]))
     assert conn.execute("SELECT phase FROM attempts WHERE invocation_id = 'inv-2'").fetchall() \
         == [("wrap_up",)]
     conn.close()

@@ -59,9 +59,11 @@ GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "u
 
 _NANO = Decimal(1_000_000_000)
 
-# Token and money columns that an invocation total must equal over its rows.
+# Usage columns that an invocation total must equal over its rows (the fee,
+# like the cost, over its charged rows only).
 _SUMMED = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
-           "cache_write_1h_tokens")
+           "cache_write_1h_tokens", "web_search_requests", "web_fetch_requests",
+           "reasoning_tokens", "iterations")
 
 # The tokens an attempt was served (cache_write_1h_tokens is a part of
 # cache_write_tokens, so it is not added again).
@@ -74,6 +76,12 @@ def _tokens_sql(alias: str) -> str:
 
 def _unpriced_sql(alias: str) -> str:
     return f"({alias}.cost_nanousd IS NULL AND ({_tokens_sql(alias)}) > 0)"
+
+
+def _usage_unknown_sql(alias: str) -> str:
+    """An attempt the server answered (a response id) whose usage is unknown."""
+    return (f"({alias}.response_id IS NOT NULL AND {alias}.input_tokens IS NULL "
+            f"AND {alias}.outcome != 'dispatched')")
 
 
 EXPORT_COLUMNS: tuple[str, ...] = (
@@ -221,7 +229,9 @@ def runs(conn: AuditConnection, *, limit: int | None = None,
 
 _SPEND_SUMS = ("invocations", "attempt_count", "input_tokens", "output_tokens",
                "cache_read_tokens", "cache_write_tokens", "cost_nanousd",
-               "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens")
+               "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens",
+               "web_search_requests", "web_fetch_requests", "reasoning_tokens", "iterations",
+               "fee_nanousd", "usage_unknown")
 
 
 def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = False,
@@ -236,7 +246,7 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
 
     The totals come from the invocation rows, which count every attempt even
     past the retention cap (R07), so they are complete where rows are not.
-    The unpriced counts come from the attempt rows kept.
+    The unpriced and usage-unknown counts come from the attempt rows kept.
 
     Args:
         conn: From `open_ledger`.
@@ -263,12 +273,16 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
     # Correlated through the attempts' primary key, so the cost follows the
     # period's invocations, not the whole table.
     unpriced = f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND {_unpriced_sql('a')}"
+    unknown = (f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND "
+               f"{_usage_unknown_sql('a')}")
     sql = (
         f"{source[0]}SELECT i.{by} AS key, {count}, SUM({m}.attempt_count), "
         f"SUM({m}.input_tokens), SUM({m}.output_tokens), SUM({m}.cache_read_tokens), "
         f"SUM({m}.cache_write_tokens), SUM({m}.cost_nanousd), "
         f"SUM({m}.provider_cost_nanousd), SUM({m}.credits), "
-        f"SUM((SELECT COUNT(*) {unpriced})), SUM((SELECT SUM({_tokens_sql('a')}) {unpriced})) "
+        f"SUM((SELECT COUNT(*) {unpriced})), SUM((SELECT SUM({_tokens_sql('a')}) {unpriced})), "
+        f"SUM({m}.web_search_requests), SUM({m}.web_fetch_requests), SUM({m}.reasoning_tokens), "
+        f"SUM({m}.iterations), SUM({m}.fee_nanousd), SUM((SELECT COUNT(*) {unknown})) "
         f"{source[1]}{clause} GROUP BY i.{by} "
         # NULL (no tenant) first on both stores, as SQLite sorts it.
         f"ORDER BY SUM({m}.cost_nanousd) DESC, i.{by} IS NOT NULL, i.{by}"
@@ -356,7 +370,7 @@ def children(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
 # The invocation columns reconcile reads, checked before they are compared.
 _RECONCILED = ("id", "operation", "started_at", "outcome", "attempt_count",
                "attempts_retained", "incomplete", *_SUMMED, "cost_nanousd",
-               "provider_cost_nanousd")
+               "provider_cost_nanousd", "fee_nanousd")
 
 
 def reconcile(
@@ -370,9 +384,12 @@ def reconcile(
     For an invocation whose rows are complete (``incomplete = 0``) each token
     total must equal the sum over its rows, ``cost_nanousd`` the sum over its
     charged rows, ``provider_cost_nanousd`` the sum over every priced row, and
-    ``attempt_count`` and ``attempts_retained`` the number of rows. A charged
-    row must be an ``ok`` one (S01). Rows still ``dispatched``, invocations
-    still ``running``, incomplete invocations and unpriced attempts are listed.
+    ``attempt_count`` and ``attempts_retained`` the number of rows; so must
+    each usage count (server tool requests, reasoning tokens, iterations),
+    and ``fee_nanousd`` the sum over its charged rows. A charged row must be
+    an ``ok`` one (S01). Rows still ``dispatched``, invocations still
+    ``running``, incomplete invocations, unpriced attempts and attempts the
+    server answered whose usage is unknown ("usage unknown") are listed.
 
     Args:
         conn: From `open_ledger`.
@@ -398,6 +415,7 @@ def reconcile(
         f"SELECT i.*, COUNT(a.ordinal) AS row_count, {sums}, "
         "COALESCE(SUM(CASE WHEN a.charged = 1 THEN a.cost_nanousd END), 0) AS sum_cost, "
         "COALESCE(SUM(a.cost_nanousd), 0) AS sum_provider_cost, "
+        "COALESCE(SUM(CASE WHEN a.charged = 1 THEN a.fee_nanousd END), 0) AS sum_fee, "
         "COALESCE(SUM(CASE WHEN a.charged = 1 AND a.outcome != 'ok' THEN 1 ELSE 0 END), 0) "
         "AS charged_not_ok, "
         "COALESCE(SUM(CASE WHEN a.outcome = 'dispatched' THEN 1 ELSE 0 END), 0) AS dispatched "
@@ -412,7 +430,7 @@ def reconcile(
     for row in rows:
         _check("invocations", row, _RECONCILED, _where_invocation)
         for name in ("row_count", *(f"sum_{c}" for c in _SUMMED), "sum_cost",
-                     "sum_provider_cost", "charged_not_ok", "dispatched"):
+                     "sum_provider_cost", "sum_fee", "charged_not_ok", "dispatched"):
             if not isinstance(row[name], int):
                 raise LedgerError(f"the attempt rows of {_where_invocation(row)} hold values "
                                   f"that are not integers ({name}); this file was not "
@@ -442,6 +460,7 @@ def reconcile(
             differs(column, row[column], row[f"sum_{column}"])
         differs("cost_nanousd", row["cost_nanousd"], row["sum_cost"])
         differs("provider_cost_nanousd", row["provider_cost_nanousd"], row["sum_provider_cost"])
+        differs("fee_nanousd", row["fee_nanousd"], row["sum_fee"])
     unsettled: list[dict[str, Any]] = []
     abandoned_attempts: list[dict[str, Any]] = []
     for r in conn.execute(
@@ -452,15 +471,10 @@ def reconcile(
         _check("attempts", attempt, tuple(attempt), _where_attempt)
         old = cutoff is not None and attempt["started_at"] < cutoff
         (abandoned_attempts if old else unsettled).append(attempt)
-    unpriced = []
-    for r in conn.execute(
-            "SELECT invocation_id, ordinal, served_by, started_at, outcome, "
-            f"{', '.join(_TOKEN_COLUMNS)} FROM attempts AS a WHERE {_unpriced_sql('a')} "
-            "ORDER BY started_at, invocation_id, ordinal"):
-        attempt = dict(r)
-        _check("attempts", attempt, tuple(attempt), _where_attempt)
+    unpriced = _flagged(conn, _TOKEN_COLUMNS, _unpriced_sql("a"))
+    for attempt in unpriced:
         attempt["tokens"] = _tokens(attempt)
-        unpriced.append(attempt)
+    usage_unknown = _flagged(conn, ("response_id",), _usage_unknown_sql("a"))
     orphans = [dict(r) for r in conn.execute(
         "SELECT invocation_id, ordinal FROM attempts WHERE invocation_id NOT IN "
         "(SELECT id FROM invocations) ORDER BY invocation_id, ordinal")]
@@ -468,7 +482,23 @@ def reconcile(
                           mismatches=mismatches, unsettled=unsettled, incomplete=incomplete,
                           running=running, orphans=orphans, unpriced=unpriced,
                           abandoned=abandoned, abandoned_attempts=abandoned_attempts,
-                          older_than=older_than, accounts=reconcile_accounts(conn))
+                          older_than=older_than, accounts=reconcile_accounts(conn),
+                          usage_unknown=usage_unknown)
+
+
+def _flagged(conn: AuditConnection, columns: tuple[str, ...],
+             condition: str) -> list[dict[str, Any]]:
+    """The attempt rows (``a``) meeting ``condition``, in time order, with their
+    key, ``served_by``, ``started_at``, ``outcome`` and ``columns``; checked."""
+    found = []
+    for r in conn.execute(
+            "SELECT invocation_id, ordinal, served_by, started_at, outcome, "
+            f"{', '.join(columns)} FROM attempts AS a WHERE {condition} "
+            "ORDER BY started_at, invocation_id, ordinal"):
+        attempt = dict(r)
+        _check("attempts", attempt, tuple(attempt), _where_attempt)
+        found.append(attempt)
+    return found
 
 
 # -- credit accounts ---------------------------------------------------------------

@@ -38,17 +38,22 @@ def dispatch_op(r: AttemptDispatch) -> Op:
 
 
 def settle_op(r: AttemptSettle) -> Op:
-    """The SETTLE op of an attempt (its five token counts None without usage)."""
+    """The SETTLE op of an attempt (its token and usage counts None without usage)."""
     usage = r.usage
     if usage is None:
         tokens: tuple[int | None, ...] = (None, None, None, None, None)
+        counts: tuple[int | None, ...] = (None, None, None, None)
     else:
         tokens = (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens,
                   usage.cache_write_tokens, usage.cache_write_1h_tokens)
+        counts = (usage.web_search_requests, usage.web_fetch_requests, usage.reasoning_tokens,
+                  len(usage.iterations))
     return [SETTLE, 0, r.invocation_id, r.ordinal, r.outcome, r.latency_ms, r.fault,
             r.aborted_reason, r.http_status, r.error_code, *tokens, int(r.usage_approx),
             r.cost_nanousd, int(r.charged), r.price_ref, r.response_id, r.request_id,
-            r.stop_reason]
+            r.stop_reason, *counts,
+            # A priced attempt has a fee part, 0 when it ran no paid request.
+            r.fee_nanousd if r.fee_nanousd is not None or r.cost_nanousd is None else 0]
 
 
 def end_op(r: InvocationEnd) -> Op:

@@ -12,7 +12,8 @@ transaction (`Store`). The rules live here and nowhere else:
 * an attempt is dispatched once and settled once;
 * the first ``max_retained`` attempts of an invocation get a row; later ones
   only increase ``attempt_count`` and set ``incomplete`` (R07);
-* each settle adds its usage and cost to the invocation's totals as
+* each settle adds its usage (tokens, server tool requests, reasoning
+  tokens, iterations) and cost to the invocation's totals as
   increments (``column = column + ...``, never an absolute value, so the row
   stays right whoever else writes it); every priced attempt counts towards
   ``provider_cost_nanousd``, only the charged ones towards ``cost_nanousd``
@@ -57,30 +58,38 @@ INVOCATION_INSERT: Final = ("id", "operation", "operation_version", "provider", 
 ATTEMPT_INSERT: Final = ("invocation_id", "ordinal", "turn", "attempt", "phase", "served_by",
                          "started_at", "max_tokens", "timeout_ms", "wait_ms")
 # (SETTLE, op_id, invocation_id, ordinal, *ATTEMPT_SETTLE): the five token
-# counts are None when the attempt reported no usage.
+# counts and the four usage counts (server tool requests, reasoning tokens,
+# iterations) are None when the attempt reported no usage; the fee is None
+# when it was not priced.
 ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "http_status",
                          "error_code", "input_tokens", "output_tokens", "cache_read_tokens",
                          "cache_write_tokens", "cache_write_1h_tokens", "usage_approx",
                          "cost_nanousd", "charged", "price_ref", "response_id", "request_id",
-                         "stop_reason")
+                         "stop_reason", "web_search_requests", "web_fetch_requests",
+                         "reasoning_tokens", "iterations", "fee_nanousd")
 # (END, op_id, id, *END_SET)
 END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits")
 # (FLUSH, op_id) carries nothing: it only waits for what was queued before it.
 
 DELTA_COLUMNS: Final = ("attempt_count", "attempts_retained", "incomplete", "input_tokens",
                         "output_tokens", "cache_read_tokens", "cache_write_tokens",
-                        "cache_write_1h_tokens", "cost_nanousd", "provider_cost_nanousd")
+                        "cache_write_1h_tokens", "cost_nanousd", "provider_cost_nanousd",
+                        "web_search_requests", "web_fetch_requests", "reasoning_tokens",
+                        "iterations", "fee_nanousd")
 """The invocation totals a batch changes, in the order of a `Batch.delta_rows` row.
 Each is added to, never overwritten; ``incomplete`` is raised to at least its
 value (a store writes it with its ``MAX``)."""
 INCOMPLETE: Final = DELTA_COLUMNS.index("incomplete")
 _D_COUNT, _D_RETAINED, _D_INCOMPLETE = 0, 1, INCOMPLETE
 _D_INPUT, _D_COST, _D_PROVIDER_COST = 3, 8, 9
+_D_COUNTS, _D_FEE = 10, 14
 
 # Where a SETTLE op carries its facts (op[4:] is ATTEMPT_SETTLE).
 _S_TOKENS: Final = 4 + ATTEMPT_SETTLE.index("input_tokens")
 _S_COST: Final = 4 + ATTEMPT_SETTLE.index("cost_nanousd")
 _S_CHARGED: Final = 4 + ATTEMPT_SETTLE.index("charged")
+_S_COUNTS: Final = 4 + ATTEMPT_SETTLE.index("web_search_requests")
+_S_FEE: Final = 4 + ATTEMPT_SETTLE.index("fee_nanousd")
 
 
 class Refused(Exception):
@@ -501,13 +510,17 @@ class Planner:
         if op[_S_TOKENS] is not None:
             for index in range(5):
                 deltas[_D_INPUT + index] += op[_S_TOKENS + index]
+            for index in range(4):
+                deltas[_D_COUNTS + index] += op[_S_COUNTS + index]
         cost = op[_S_COST]
         if cost is not None:
             # S01: every priced attempt is what the provider may bill; only
-            # the charged (successful) ones are what the run costs.
+            # the charged (successful) ones are what the run costs, and their
+            # fees the part of that cost that is fees.
             deltas[_D_PROVIDER_COST] += cost
             if op[_S_CHARGED]:
                 deltas[_D_COST] += cost
+                deltas[_D_FEE] += op[_S_FEE]
         if retained:
             batch.settles.append((*op[4:], invocation_id, ordinal))
 

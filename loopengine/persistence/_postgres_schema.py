@@ -31,6 +31,7 @@ from loopengine.persistence._schema import (
     PARENT_COLUMN,
     SCHEMA_TABLE,
     TABLES,
+    USAGE_VECTOR,
     Migration,
     _newer,
     render,
@@ -69,6 +70,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
     Migration(5, "room beside each invocation row for its updates", _INVOCATION_ROOM),
     Migration(6, "the parent of a delegated run", PARENT_COLUMN),
+    Migration(7, "the usage vector: server tool requests, reasoning, iterations, fees",
+              render(USAGE_VECTOR, POSTGRES_TYPES)),
 )
 """The schema's history, oldest first: the SQLite history's steps, step for step."""
 
@@ -76,7 +79,7 @@ SCHEMA_VERSION = MIGRATIONS[-1].version
 """The version this code writes and reads."""
 
 _COLUMN_KINDS: Final = {
-    column: kind for statement in (*TABLES, *PARENT_COLUMN)
+    column: kind for statement in (*TABLES, *PARENT_COLUMN, *USAGE_VECTOR)
     for column, kind in re.findall(r"(?:^\s+|ADD COLUMN )(\w+) (TEXT|\{\w+\})", statement,
                                    re.MULTILINE)}
 """Each column of ``invocations`` and ``attempts`` (those the later migrations add

@@ -69,6 +69,9 @@ class AttemptSettle:
     usage: Usage | None = None
     usage_approx: bool = False
     cost_nanousd: int | None = None
+    fee_nanousd: int | None = None
+    """The part of ``cost_nanousd`` that is per-request fees (web searches...); None
+    when the attempt was not priced."""
     charged: bool = False
     price_ref: str | None = None
     response_id: str | None = None

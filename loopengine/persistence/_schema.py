@@ -27,6 +27,7 @@ __all__ = [
     "PARENT_COLUMN",
     "SCHEMA_TABLE",
     "SCHEMA_VERSION",
+    "USAGE_COLUMNS",
     "Migration",
     "format_time",
     "migrate",
@@ -199,6 +200,21 @@ _WRAP_UP_PHASE = (
     "ALTER TABLE attempts_rebuilt RENAME TO attempts",
 )
 
+# The whole usage vector (DESIGN.md §15): server tool requests, reasoning
+# tokens, sampling iterations and the fee part of the cost. An attempt's are
+# NULL when it reported no usage (the fee: when it was not priced), as its
+# tokens are; an invocation's are totals, 0 until an attempt adds to them.
+USAGE_COLUMNS: Final = ("web_search_requests", "web_fetch_requests", "reasoning_tokens",
+                        "iterations", "fee_nanousd")
+"""The usage vector's columns, on both ``attempts`` and ``invocations``, in table order."""
+
+USAGE_VECTOR = (
+    *(f"ALTER TABLE attempts ADD COLUMN {column} {{INTEGER}}" for column in USAGE_COLUMNS),
+    *(f"ALTER TABLE invocations ADD COLUMN {column} {{INTEGER}} NOT NULL DEFAULT 0"
+      for column in USAGE_COLUMNS),
+)
+"""The statements of the usage vector's migration, rendered for each store."""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "invocations and attempts", _CREATE_TABLES),
     Migration(2, "invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
@@ -208,6 +224,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     # its row (_postgres_schema); SQLite updates rows in place: nothing to do.
     Migration(5, "room beside each invocation row for its updates", ()),
     Migration(6, "the parent of a delegated run", PARENT_COLUMN),
+    Migration(7, "the usage vector: server tool requests, reasoning, iterations, fees",
+              render(USAGE_VECTOR, SQLITE_TYPES)),
 )
 """The schema's history, oldest first."""
 
@@ -219,7 +237,7 @@ INVOCATION_COLUMNS = (
     "feature", "correlation_id", "started_at", "ended_at", "outcome", "turns", "tool_calls",
     "attempt_count", "attempts_retained", "incomplete", "input_tokens", "output_tokens",
     "cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens", "cost_nanousd",
-    "provider_cost_nanousd", "credits", "parent_invocation_id",
+    "provider_cost_nanousd", "credits", "parent_invocation_id", *USAGE_COLUMNS,
 )
 """The columns of ``invocations``, in table order."""
 
@@ -229,6 +247,7 @@ ATTEMPT_COLUMNS = (
     "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
     "cache_write_1h_tokens", "usage_approx", "cost_nanousd", "charged", "price_ref",
     "response_id", "request_id", "stop_reason", "max_tokens", "timeout_ms", "wait_ms",
+    *USAGE_COLUMNS,
 )
 """The columns of ``attempts``, in table order."""
 

@@ -43,19 +43,21 @@ Its SDK clients, one per event loop, come from ``_clients.py``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypedDict
 
 import anthropic
 import httpx2
 
 from loopengine import _validate
-from loopengine._usage import Usage
+from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._base import (
     ProviderRequest,
     ProviderResponse,
     TextCallback,
+    priced_tier,
     text_or_none,
     token_count,
 )
@@ -214,16 +216,23 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         self._stream = stream
 
     features = frozenset({"thinking", "server_tools", "betas", "context_management"})
-    """The Messages API's optional request features (docs/providers.md). The vendor
+    """The Messages API's optional request features (docs/providers.md), sent as the API
+    takes them: ``thinking`` (``{"type": "enabled", "budget_tokens": N}``, or
+    ``{"type": "adaptive"}`` with ``output_config.effort``), server tools as
+    definitions in ``tools`` (before the run's own), betas as the
+    ``anthropic-beta`` header, ``context_management`` in the body. The vendor
     (`vendor`) is ``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry``
     for those clients."""
 
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         # The SDK's stream() call asks for the stream itself.
+        features = request.features
+        # Server tools go first: a marker on the last tool then caches them too.
         # Markers are placed on every request, so the wire never carries more
         # than four whatever the caller marked (R12).
         system, tools, messages = place_cache_markers(
-            request.cache, system=request.system, tools=request.tools,
+            request.cache, system=request.system,
+            tools=[*(tool.definition for tool in features.server_tools), *request.tools],
             messages=request.messages,
         )
         params: dict[str, Any] = {
@@ -238,6 +247,20 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             params["tools"] = tools
         if request.tool_choice is not None:
             params["tool_choice"] = dict(request.tool_choice)
+        thinking = features.thinking
+        if thinking is not None:
+            if thinking.adaptive:
+                params["thinking"] = {"type": "adaptive"}
+                if thinking.effort is not None:
+                    params["output_config"] = {"effort": thinking.effort}
+            else:
+                params["thinking"] = {"type": "enabled", "budget_tokens": thinking.budget_tokens}
+        if features.betas:
+            # The SDK's non-beta resource sends the header as given.
+            params["extra_headers"] = {"anthropic-beta": ",".join(features.betas)}
+        if features.context_management is not None:
+            # Not a parameter of the SDK's non-beta resource: sent in the body as is.
+            params["extra_body"] = {"context_management": dict(features.context_management)}
         return params
 
     async def _send_plain(self, client: AsyncClient, params: dict[str, Any]) -> ProviderResponse:
@@ -262,7 +285,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         return ProviderResponse(
             content=body["content"],
             stop_reason=body.get("stop_reason"),
-            usage=usage_from_api(body.get("usage")),
+            usage=usage_from_api(body.get("usage"), model=text_or_none(body.get("model"))),
             response_id=text_or_none(body.get("id")),
             request_id=request_id,
             http_status=status,
@@ -278,9 +301,18 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         except (anthropic.AnthropicError, httpx2.HTTPError) as error:
             raise classify_error(error) from error
         seen: set[str] = set()
+        late: dict[str, Any] = {}
+
+        inputs: dict[int, list[str]] = {}
 
         def take(event: Any) -> str | None:
             seen.add(event.type)
+            if event.type == "message_delta":
+                late.update(event.usage.to_dict())
+            elif event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                block = stream.current_message_snapshot.content[event.index]
+                if block.type not in _SDK_INPUTS:
+                    inputs.setdefault(event.index, []).append(event.delta.partial_json)
             return event.text if event.type == "text" else None
 
         def served() -> Any:
@@ -293,13 +325,13 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             return ProviderFault(
                 FaultKind.ABORTED, message, http_status=stream.response.status_code,
                 aborted_reason=reason, request_id=stream.request_id,
-                usage=_snapshot_usage(snapshot), usage_approx=True,
+                usage=_snapshot_usage(snapshot, late), usage_approx=True,
                 response_id=snapshot.id if snapshot is not None else None)
 
         def failed(error: BaseException) -> ProviderFault:
             snapshot = served()
             return classify_error(error, request_id=stream.request_id, in_body=True,
-                                  usage=_snapshot_usage(snapshot),
+                                  usage=_snapshot_usage(snapshot, late),
                                   response_id=snapshot.id if snapshot is not None else None)
 
         await read_stream(
@@ -312,9 +344,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         snapshot = served()
         assert snapshot is not None
         return ProviderResponse(
-            content=[block.to_dict() for block in snapshot.content],
+            content=_with_inputs([block.to_dict() for block in snapshot.content], inputs),
             stop_reason=snapshot.stop_reason,
-            usage=_snapshot_usage(snapshot),
+            usage=_snapshot_usage(snapshot, late),
             response_id=snapshot.id,
             request_id=stream.request_id,
             http_status=stream.response.status_code,
@@ -322,22 +354,48 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         )
 
 
-def _snapshot_usage(snapshot: Any) -> Usage | None:
+# The blocks whose streamed ``input`` the SDK's accumulator fills itself; the
+# provider joins the ``input_json_delta`` of any other (``mcp_tool_use``...).
+_SDK_INPUTS = frozenset({"tool_use", "server_tool_use"})
+
+
+def _with_inputs(content: list[dict[str, Any]],
+                 inputs: Mapping[int, list[str]]) -> list[dict[str, Any]]:
+    """``content`` with the streamed ``input`` of the blocks the SDK does not fill;
+    an input that is not JSON is kept as the text sent (as a tool call's is)."""
+    for index, parts in inputs.items():
+        text = "".join(parts)
+        try:
+            content[index]["input"] = json.loads(text) if text else {}
+        except ValueError:
+            content[index]["input"] = text
+    return content
+
+
+def _snapshot_usage(snapshot: Any, late: Mapping[str, Any] | None = None) -> Usage | None:
+    """The usage of a streamed message so far. ``late`` is the last
+    ``message_delta``'s usage: the SDK's accumulator folds its counts into the
+    snapshot but drops what it does not model (``iterations``), so keys the
+    snapshot lacks are taken from it."""
     if snapshot is None or getattr(snapshot, "usage", None) is None:
         return None
-    return usage_from_api(snapshot.usage.to_dict())
+    raw = snapshot.usage.to_dict()
+    for key, value in (late or {}).items():
+        if raw.get(key) is None:
+            raw[key] = value
+    return usage_from_api(raw, model=snapshot.model)
 
 
-def usage_from_api(raw: object) -> Usage | None:
-    """Map an Anthropic ``usage`` object (a dict) to `Usage`.
+class _Tokens(TypedDict):
+    input_tokens: int
+    output_tokens: int
+    cache_read_tokens: int
+    cache_write_tokens: int
+    cache_write_1h_tokens: int
 
-    ``input_tokens`` stays the uncached input (Anthropic's convention);
-    ``cache_creation_input_tokens`` is the cache write, of which
-    ``cache_creation.ephemeral_1h_input_tokens`` is the one-hour part. Missing
-    or null counts are 0; a missing usage object is None.
-    """
-    if not isinstance(raw, Mapping):
-        return None
+
+def _tokens(raw: Mapping[str, Any]) -> _Tokens:
+    """The token counts of a ``usage`` object or of one of its ``iterations``."""
     write = token_count(raw.get("cache_creation_input_tokens"))
     creation = raw.get("cache_creation")
     one_hour = 0
@@ -346,13 +404,54 @@ def usage_from_api(raw: object) -> Usage | None:
         one_hour = token_count(creation.get("ephemeral_1h_input_tokens"))
         if write == 0:
             write = five_minutes + one_hour
-    return Usage(
-        input_tokens=token_count(raw.get("input_tokens")),
-        output_tokens=token_count(raw.get("output_tokens")),
-        cache_read_tokens=token_count(raw.get("cache_read_input_tokens")),
-        cache_write_tokens=write,
-        cache_write_1h_tokens=min(one_hour, write),
-    )
+    return {
+        "input_tokens": token_count(raw.get("input_tokens")),
+        "output_tokens": token_count(raw.get("output_tokens")),
+        "cache_read_tokens": token_count(raw.get("cache_read_input_tokens")),
+        "cache_write_tokens": write,
+        "cache_write_1h_tokens": min(one_hour, write),
+    }
+
+
+def usage_from_api(raw: object, *, model: str | None = None) -> Usage | None:
+    """Map an Anthropic ``usage`` object (a dict) to `Usage`, all of it.
+
+    ``input_tokens`` stays the uncached input (Anthropic's convention);
+    ``cache_creation_input_tokens`` is the cache write, of which
+    ``cache_creation.ephemeral_1h_input_tokens`` is the one-hour part.
+    ``server_tool_use.web_search_requests`` / ``web_fetch_requests`` are the
+    server tool requests (each billed a fee) and ``service_tier`` the tier
+    that served the request (kept when it changes the price, `priced_tier`).
+
+    When the reply reports ``iterations`` (compaction, an advisor, a server
+    tool loop) the top-level token counts are not the bill (they leave out
+    compaction and advisor iterations): the usage is built from the
+    iterations (`Usage.from_iterations`), each keeping its ``model`` when it
+    differs from ``model`` (the one that served the reply), so that it is
+    priced at its own model. Missing or null counts are 0; a missing usage
+    object is None.
+    """
+    if not isinstance(raw, Mapping):
+        return None
+    server = raw.get("server_tool_use")
+    searches = fetches = 0
+    if isinstance(server, Mapping):
+        searches = token_count(server.get("web_search_requests"))
+        fetches = token_count(server.get("web_fetch_requests"))
+    tier = priced_tier(raw.get("service_tier"))
+    iterations = raw.get("iterations")
+    if isinstance(iterations, list) and iterations:
+        return Usage.from_iterations(
+            tuple(_iteration(entry, model) for entry in iterations if isinstance(entry, Mapping)),
+            web_search_requests=searches, web_fetch_requests=fetches, service_tier=tier)
+    return Usage(**_tokens(raw), web_search_requests=searches, web_fetch_requests=fetches,
+                 service_tier=tier)
+
+
+def _iteration(raw: Mapping[str, Any], model: str | None) -> UsageIteration:
+    own = text_or_none(raw.get("model"))
+    return UsageIteration(type=text_or_none(raw.get("type")) or "message",
+                          model=own if own and own != model else None, **_tokens(raw))
 
 
 # -- classification: the one place SDK errors become faults ---------------------------------

@@ -22,11 +22,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from loopengine._features import Features
+from loopengine._pricing import STANDARD_TIERS
 from loopengine._usage import Usage
 from loopengine.providers._cache import CachePolicy
 
 __all__ = ["FEATURES", "Provider", "ProviderRequest", "ProviderResponse", "TextCallback",
-           "text_or_none", "token_count", "vendor_of"]
+           "priced_tier", "text_or_none", "token_count", "vendor_of"]
 
 TextCallback = Callable[[str], Awaitable[None] | None]
 """Receives streamed text deltas, sync or async."""
@@ -63,6 +65,10 @@ class ProviderRequest:
     """Where the provider may place cache markers."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     """Facts about the request for providers that record (turn, phase); never sent."""
+    features: Features = field(default_factory=Features)
+    """The run's request features (the operation's, narrowed): thinking, server
+    tools, betas... The engine has checked that the provider declares each one
+    it enables (`Provider.features`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,4 +170,14 @@ def token_count(value: object) -> int:
     field of a provider's JSON, missing or null."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return 0
+    return value
+
+
+def priced_tier(value: object) -> str | None:
+    """The service tier a reply reports, as `Usage.service_tier` keeps it: None
+    for a standard tier (Anthropic ``standard``, OpenAI ``default``), which
+    every reply names and which is priced at the list rates, so that only a
+    tier that changes the price (``flex``, ``priority``, ``batch``...) is kept."""
+    if not isinstance(value, str) or not value or value in STANDARD_TIERS:
+        return None
     return value

@@ -169,8 +169,11 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         self._stream = stream
 
     features = frozenset({"reasoning_effort", "service_tier"})
-    """The Chat Completions API's optional request features (docs/providers.md). The
-    vendor (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
+    """The Chat Completions API's optional request features (docs/providers.md), sent as
+    ``reasoning_effort`` and ``service_tier``; an operation enabling another
+    (thinking, server tools, betas, context management: the Messages API's)
+    is refused by the engine before anything is recorded. The vendor
+    (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
 
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         return chat_params(request, stream=stream)
@@ -202,7 +205,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         return ProviderResponse(
             content=content,
             stop_reason=stop,
-            usage=usage_from_api(body.get("usage")),
+            usage=usage_from_api(body.get("usage"), body.get("service_tier")),
             response_id=text_or_none(body.get("id")),
             request_id=request_id,
             http_status=status,

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest, text_or_none, token_count
+from loopengine.providers._base import ProviderRequest, priced_tier, text_or_none, token_count
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "content_from_message",
     "first_choice",
     "stop_reason",
+    "text_of",
     "usage_from_api",
 ]
 
@@ -76,6 +77,10 @@ def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         if request.tool_choice is not None and request.tool_choice.get(
                 "disable_parallel_tool_use") is True:
             params["parallel_tool_calls"] = False
+    if request.features.reasoning_effort is not None:
+        params["reasoning_effort"] = request.features.reasoning_effort
+    if request.features.service_tier is not None:
+        params["service_tier"] = request.features.service_tier
     if stream:
         params["stream"] = True
         params["stream_options"] = {"include_usage": True}
@@ -103,14 +108,17 @@ class StreamedCompletion:
         self.calls: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
+        self.service_tier: object = None
 
     def add(self, chunk: Any) -> str:
         """Take one chunk; return its text delta."""
         if self.response_id is None:
             self.response_id = text_or_none(getattr(chunk, "id", None))
             self.model = text_or_none(getattr(chunk, "model", None))
+        # Every chunk names the tier; the usage chunk may come last.
+        self.service_tier = getattr(chunk, "service_tier", None) or self.service_tier
         if getattr(chunk, "usage", None) is not None:
-            self.usage = usage_from_api(chunk.usage.to_dict())
+            self.usage = usage_from_api(chunk.usage.to_dict(), self.service_tier)
         text = ""
         for choice in getattr(chunk, "choices", None) or ():
             if getattr(choice, "index", 0) != 0:
@@ -118,7 +126,7 @@ class StreamedCompletion:
             delta = choice.delta
             if delta is not None:
                 if delta.content:
-                    text += delta.content
+                    text += text_of(delta.content)
                 if delta.refusal:
                     self.refusal.append(delta.refusal)
                 for call in delta.tool_calls or ():
@@ -293,6 +301,21 @@ def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] |
     raise _untranslatable(f"tool_choice {kind!r}")
 
 
+def text_of(content: object) -> str:
+    """The text of a message's (or a delta's) ``content``: a string, or, from
+    compatible servers, a list of parts (Mistral's ``{"type": "text", "text":
+    ...}`` beside its ``{"type": "thinking", ...}``), whose text parts are
+    joined; thinking has no place in the engine's transcript and is dropped,
+    as an Anthropic ``thinking`` block is when sent (the translation table)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    return "".join(part["text"] for part in content
+                   if isinstance(part, Mapping) and part.get("type") == "text"
+                   and isinstance(part.get("text"), str))
+
+
 def content_from_message(
     message: Mapping[str, Any], finish_reason: object
 ) -> tuple[list[dict[str, Any]], str | None]:
@@ -304,8 +327,8 @@ def content_from_message(
     validation then answers the model with an error result, R15).
     """
     content: list[dict[str, Any]] = []
-    text = message.get("content")
-    if isinstance(text, str) and text:
+    text = text_of(message.get("content"))
+    if text:
         content.append({"type": "text", "text": text})
     refusal = message.get("refusal")
     if isinstance(refusal, str) and refusal:
@@ -341,21 +364,31 @@ def stop_reason(finish_reason: object) -> str | None:
     return _FINISH_REASONS.get(finish_reason, finish_reason)
 
 
-def usage_from_api(raw: object) -> Usage | None:
+def usage_from_api(raw: object, service_tier: object = None) -> Usage | None:
     """Map a Chat Completions ``usage`` object (a dict) to `Usage`.
 
-    ``prompt_tokens`` counts the cached tokens too: ``input_tokens`` is
-    ``prompt_tokens - prompt_tokens_details.cached_tokens`` and
-    ``cache_read_tokens`` the cached ones; ``output_tokens`` is
-    ``completion_tokens``, reasoning tokens included. Missing or null counts
-    are 0; a missing usage object is None.
+    ``prompt_tokens`` counts the cached and the cache-written tokens too:
+    ``input_tokens`` is ``prompt_tokens - prompt_tokens_details.cached_tokens -
+    prompt_tokens_details.cache_write_tokens``, ``cache_read_tokens`` the
+    cached ones and ``cache_write_tokens`` the written ones; ``output_tokens``
+    is ``completion_tokens``, of which
+    ``completion_tokens_details.reasoning_tokens`` are ``reasoning_tokens``.
+    ``service_tier`` is the completion's own (a top-level field, not the
+    usage's), kept when it changes the price (`priced_tier`). Missing or null
+    counts are 0; a missing usage object is None.
     """
     if not isinstance(raw, Mapping):
         return None
     prompt = token_count(raw.get("prompt_tokens"))
+    output = token_count(raw.get("completion_tokens"))
     details = raw.get("prompt_tokens_details")
-    cached = min(prompt, token_count(details.get("cached_tokens"))) if isinstance(
-        details, Mapping) else 0
-    return Usage(input_tokens=prompt - cached,
-                 output_tokens=token_count(raw.get("completion_tokens")),
-                 cache_read_tokens=cached)
+    cached = written = 0
+    if isinstance(details, Mapping):
+        cached = min(prompt, token_count(details.get("cached_tokens")))
+        written = min(prompt - cached, token_count(details.get("cache_write_tokens")))
+    completion = raw.get("completion_tokens_details")
+    reasoning = min(output, token_count(completion.get("reasoning_tokens"))) if isinstance(
+        completion, Mapping) else 0
+    return Usage(input_tokens=prompt - cached - written, output_tokens=output,
+                 cache_read_tokens=cached, cache_write_tokens=written,
+                 reasoning_tokens=reasoning, service_tier=priced_tier(service_tier))

@@ -11,8 +11,10 @@ fault kind             from
                        whatever the status; 402
 ``rate_limited``       any other 429 (``retry-after-ms`` / ``retry-after`` honoured)
 ``timeout``            408, the SDK's timeout
-``server_error``       409, 5xx, an error object inside a stream, a body that is
-                       not a completion
+``server_error``       409, 5xx, a body that is not a completion; an error
+                       object inside a stream whose type and code name no
+                       other kind (it is otherwise read as in an error body:
+                       an ``invalid_request_error`` is ``bad_request``)
 ``connection``         refused, reset or closed before a response
 ``aborted``            the body or stream cut after the response began, a stream
                        that ended before its ``finish_reason`` or its usage

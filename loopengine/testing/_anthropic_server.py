@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from loopengine._usage import Usage
+from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._cache import cache_marker_problem
 from loopengine.providers._scripted import Reply
 from loopengine.testing._loopback import ErrorReply, Frame, LoopbackServer, RecordedRequest
@@ -95,9 +95,7 @@ class FakeAnthropicServer(LoopbackServer):
 # -- wire shapes ---------------------------------------------------------------------
 
 
-def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
-    if usage is None:
-        return None
+def _tokens_json(usage: Usage | UsageIteration) -> dict[str, Any]:
     return {
         "input_tokens": usage.input_tokens,
         "output_tokens": usage.output_tokens,
@@ -107,8 +105,34 @@ def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
             "ephemeral_5m_input_tokens": usage.cache_write_5m_tokens,
             "ephemeral_1h_input_tokens": usage.cache_write_1h_tokens,
         },
-        "service_tier": "standard",
     }
+
+
+def _top(usage: Usage) -> Usage:
+    """The tokens the API puts at the top level of ``usage``: with iterations,
+    the ``message`` iterations only."""
+    if not usage.iterations:
+        return usage
+    return sum((i.tokens() for i in usage.iterations if i.type == "message"), Usage())
+
+
+def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
+    """``usage`` as the API reports it. With iterations, the top level is what
+    the API puts there: the ``message`` iterations only (compaction and
+    advisor passes are billed but appear only in ``iterations``), so a client
+    that reads the top level under-counts, as it would against the API."""
+    if usage is None:
+        return None
+    body = _tokens_json(_top(usage))
+    if usage.web_search_requests or usage.web_fetch_requests:
+        body["server_tool_use"] = {"web_search_requests": usage.web_search_requests,
+                                   "web_fetch_requests": usage.web_fetch_requests}
+    body["service_tier"] = usage.service_tier or "standard"
+    if usage.iterations:
+        body["iterations"] = [
+            {**_tokens_json(i), "type": i.type, **({"model": i.model} if i.model else {})}
+            for i in usage.iterations]
+    return body
 
 
 def _message(reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
@@ -138,7 +162,9 @@ def _events(message: Mapping[str, Any], usage: Usage | None) -> list[tuple[str, 
     if usage is not None and upfront is not None:
         # The API reports input and cache tokens up front and the output
         # tokens so far (a token or so); message_delta carries the final count.
-        start["usage"] = {**upfront, "output_tokens": min(1, usage.output_tokens)}
+        start["usage"] = {**{k: v for k, v in upfront.items()
+                             if k not in ("iterations", "server_tool_use")},
+                          "output_tokens": min(1, usage.output_tokens)}
     events: list[tuple[str, dict[str, Any]]] = [("message_start",
                                                   {"type": "message_start", "message": start})]
     for index, block in enumerate(message["content"]):
@@ -147,7 +173,7 @@ def _events(message: Mapping[str, Any], usage: Usage | None) -> list[tuple[str, 
             events.append(_block_start(index, {**block, "text": ""}))
             for piece in _WORDS.findall(str(block.get("text", ""))):
                 events.append(_delta(index, {"type": "text_delta", "text": piece}))
-        elif kind in ("tool_use", "server_tool_use"):
+        elif kind in ("tool_use", "server_tool_use", "mcp_tool_use"):
             events.append(_block_start(index, {**block, "input": {}}))
             events.append(_delta(index, {"type": "input_json_delta",
                                          "partial_json": json.dumps(block.get("input", {}))}))
@@ -163,11 +189,25 @@ def _events(message: Mapping[str, Any], usage: Usage | None) -> list[tuple[str, 
     delta: dict[str, Any] = {
         "type": "message_delta",
         "delta": {"stop_reason": message.get("stop_reason"), "stop_sequence": None},
-        "usage": {"output_tokens": usage.output_tokens if usage else 0},
+        "usage": _delta_usage(usage),
     }
     events.append(("message_delta", delta))
     events.append(("message_stop", {"type": "message_stop"}))
     return events
+
+
+def _delta_usage(usage: Usage | None) -> dict[str, Any]:
+    """A ``message_delta``'s usage: the final output count and, as the API
+    sends them there, the server tool counts and the iterations."""
+    whole = _usage_json(usage)
+    if whole is None:
+        return {"output_tokens": 0}
+    body = {"output_tokens": whole["output_tokens"]}
+    for key in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+                "server_tool_use", "iterations"):
+        if key in whole and (key != "input_tokens" or "iterations" in whole):
+            body[key] = whole[key]
+    return body
 
 
 def _block_start(index: int, block: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -191,15 +231,20 @@ def _usage_seen(events: Sequence[tuple[str, Mapping[str, Any]]],
     if usage is None or not events or events[0][0] != "message_start":
         return [None] * len(events)
     output = min(1, usage.output_tokens)
+    top = _top(usage)
     seen: list[Usage | None] = []
+    whole = False
     for name, data in events:
         if name == "message_delta":
             output = int(data["usage"]["output_tokens"])
-        seen.append(Usage(
-            input_tokens=usage.input_tokens,
+            # The rest of the vector (iterations, server tool use) arrives here.
+            whole = True
+        seen.append(usage if whole else Usage(
+            input_tokens=top.input_tokens,
             output_tokens=output,
-            cache_read_tokens=usage.cache_read_tokens,
-            cache_write_tokens=usage.cache_write_tokens,
-            cache_write_1h_tokens=usage.cache_write_1h_tokens,
+            cache_read_tokens=top.cache_read_tokens,
+            cache_write_tokens=top.cache_write_tokens,
+            cache_write_1h_tokens=top.cache_write_1h_tokens,
+            service_tier=usage.service_tier,
         ))
     return seen

@@ -13,11 +13,13 @@ rendered in the Chat Completions shapes:
   ``finish_reason`` (``end_turn`` -> ``stop``, ``tool_use`` -> ``tool_calls``,
   ``max_tokens`` -> ``length``, ``refusal`` -> ``content_filter``, any other
   value as it is); its usage is ``prompt_tokens`` (uncached input, cache
-  reads and cache writes, which the API cannot tell apart from uncached
-  input), ``prompt_tokens_details.cached_tokens`` (the cache reads) and
-  ``completion_tokens``. A stream carries the usage in a last chunk only when
-  the request asked for it (``stream_options.include_usage``), as the API does,
-  and never when the server is built with ``stream_usage=False``;
+  reads and cache writes), ``prompt_tokens_details.cached_tokens`` (the cache
+  reads) and ``cache_write_tokens`` (the writes), ``completion_tokens`` and
+  ``completion_tokens_details.reasoning_tokens``; the usage's
+  ``service_tier`` is the completion's (``default`` when it has none). A
+  stream carries the usage in a last chunk only when the request asked for
+  it (``stream_options.include_usage``), as the API does, and never when the
+  server is built with ``stream_usage=False``;
 * `ErrorReply`: ``{"error": {"message", "type", "param", "code"}}`` with its
   status and headers (``type`` derived from the status when not given,
   ``code`` from ``error_code``), or its own ``body``;
@@ -44,6 +46,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from loopengine._usage import Usage
+from loopengine.providers._base import priced_tier
 from loopengine.providers._scripted import Reply
 from loopengine.testing._loopback import (
     ErrorReply,
@@ -169,6 +172,7 @@ class FakeOpenAIServer(LoopbackServer):
             "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": _finish_reason(reply.stop_reason)}],
             "system_fingerprint": None,
+            "service_tier": (reply.usage.service_tier if reply.usage else None) or "default",
         }
         usage = _usage_json(reply.usage)
         if usage is not None:
@@ -177,7 +181,8 @@ class FakeOpenAIServer(LoopbackServer):
 
     def _frames(self, message: dict[str, Any], reply: Reply,
                 request: RecordedRequest) -> list[Frame]:
-        head = {key: message[key] for key in ("id", "created", "model", "system_fingerprint")}
+        head = {key: message[key] for key in ("id", "created", "model", "system_fingerprint",
+                                               "service_tier")}
         choice = message["choices"][0]
         answer = choice["message"]
 
@@ -216,10 +221,13 @@ class FakeOpenAIServer(LoopbackServer):
     def _served_usage(self, usage: Usage | None) -> Usage | None:
         if usage is None:
             return None
-        # Cache writes have no field of their own: they are uncached prompt tokens.
-        return Usage(input_tokens=usage.input_tokens + usage.cache_write_tokens,
-                     output_tokens=usage.output_tokens,
-                     cache_read_tokens=usage.cache_read_tokens)
+        # Chat Completions has no one-hour cache writes, nor iterations or server
+        # tool counts; a standard tier is not kept (`priced_tier`).
+        return Usage(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
+                     cache_read_tokens=usage.cache_read_tokens,
+                     cache_write_tokens=usage.cache_write_tokens,
+                     reasoning_tokens=usage.reasoning_tokens,
+                     service_tier=priced_tier(usage.service_tier))
 
 
 def _error(status: int, error_type: str | None, message: str,
@@ -248,8 +256,10 @@ def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
         "completion_tokens": usage.output_tokens,
         "total_tokens": prompt + usage.output_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cache_read_tokens,
+                                  "cache_write_tokens": usage.cache_write_tokens,
                                   "audio_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens,
+                                      "audio_tokens": 0,
                                       "accepted_prediction_tokens": 0,
                                       "rejected_prediction_tokens": 0},
     }

@@ -153,12 +153,19 @@ def test_finish_reasons_become_stop_reasons_and_a_refusal_refuses() -> None:
 
 def test_usage_takes_the_cached_tokens_out_of_the_prompt() -> None:
     """prompt_tokens includes cached_tokens: input is the difference, the cached part
-    is the cache read; reasoning tokens stay inside completion_tokens."""
+    is the cache read; reasoning tokens stay inside completion_tokens (and are noted);
+    cache writes are taken out too, and only a tier that changes the price is kept."""
     raw = {"prompt_tokens": 3000, "completion_tokens": 700, "total_tokens": 3700,
            "prompt_tokens_details": {"cached_tokens": 2048},
            "completion_tokens_details": {"reasoning_tokens": 500}}
     assert usage_from_api(raw) == le.Usage(input_tokens=952, output_tokens=700,
-                                           cache_read_tokens=2048)
+                                           cache_read_tokens=2048, reasoning_tokens=500)
+    written = {"prompt_tokens": 5000, "completion_tokens": 10,
+               "prompt_tokens_details": {"cached_tokens": 1000, "cache_write_tokens": 3000}}
+    assert usage_from_api(written, "flex") == le.Usage(
+        input_tokens=1000, output_tokens=10, cache_read_tokens=1000, cache_write_tokens=3000,
+        service_tier="flex")
+    assert usage_from_api(written, "default") == usage_from_api(written)
     assert usage_from_api({"prompt_tokens": 10, "completion_tokens": None}) == le.Usage(
         input_tokens=10)
     assert usage_from_api(None) is None

@@ -1,0 +1,141 @@
+"""Request features on the wire: what each provider sends, what a run narrows, and
+what a provider that cannot send a feature refuses before anything is recorded."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pydantic
+import pytest
+
+import loopengine as le
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import OpenAIProvider, Reply
+from loopengine.testing import FakeClock, FakeOpenAIServer
+
+from .conftest import STREAMING, Harness
+
+SEARCH = le.ServerTool(type="web_search_20250305", name="web_search", max_uses=5,
+                       params={"allowed_domains": ["example.com"]})
+FETCH = le.ServerTool(type="web_fetch_20250910", name="web_fetch", max_uses=3)
+
+
+def research(**features: Any) -> le.Operation:
+    """An Anthropic operation publishing ``features``."""
+    return le.Operation(name="research", provider="anthropic", model="claude-sonnet-4-5",
+                        **features)
+
+
+@STREAMING
+async def test_a_run_narrows_the_published_features(wire: Harness, stream: bool) -> None:
+    """A run may drop a tool, lower a max_uses, lower the thinking budget and drop a
+    beta: the request carries exactly the narrowed features."""
+    engine, _ = wire.engine(Reply.text("ok"), stream=stream)
+    published = research(thinking=le.Thinking(budget_tokens=4096), server_tools=(SEARCH, FETCH),
+                         betas=("compact-2026-01-12", "other-2026-01-01"))
+    narrowed = {
+        "server_tools": (le.ServerTool(type="web_search_20250305", name="web_search",
+                                       max_uses=2, params={"allowed_domains": ["example.com"]}),),
+        "thinking": le.Thinking(budget_tokens=1024),
+        "betas": ("other-2026-01-01",),
+    }
+    result = await engine.run(published, "go", features=narrowed)
+    assert result.outcome is le.Outcome.COMPLETED
+    body = wire.requests[0].body
+    assert body["tools"] == [{"type": "web_search_20250305", "name": "web_search", "max_uses": 2,
+                              "allowed_domains": ["example.com"]}]
+    assert body["thinking"] == {"type": "enabled", "budget_tokens": 1024}
+    assert wire.requests[0].headers["anthropic-beta"] == "other-2026-01-01"
+    assert "context_management" not in body
+
+
+async def test_adaptive_thinking_sends_its_effort(wire: Harness) -> None:
+    """Adaptive thinking is ``{"type": "adaptive"}``, its effort in ``output_config``;
+    an operation without features sends none of the fields."""
+    engine, _ = wire.engine(Reply.text("ok"), Reply.text("ok"))
+    await engine.run(research(thinking=le.Thinking(adaptive=True, effort="medium")), "go")
+    await engine.run(research(), "go")
+    first, plain = (r.body for r in wire.requests)
+    assert (first["thinking"], first["output_config"]) == ({"type": "adaptive"},
+                                                           {"effort": "medium"})
+    assert not {"thinking", "output_config", "tools", "context_management"} & set(plain)
+    assert "anthropic-beta" not in wire.requests[1].headers
+
+
+async def test_widening_a_feature_is_refused_before_anything_is_recorded(wire: Harness) -> None:
+    """A raised max_uses or an unpublished tool is a ConfigError naming the field;
+    no row is written and nothing is sent."""
+    engine, ledger = wire.engine(Reply.text("ok"))
+    published = research(server_tools=(SEARCH,))
+    with pytest.raises(le.ConfigError) as raised:
+        await engine.run(published, "go", features={"server_tools": (
+            le.ServerTool(type="web_search_20250305", name="web_search", max_uses=9,
+                          params={"allowed_domains": ["example.com"]}),)})
+    assert raised.value.field == "server_tools[0].max_uses"
+    with pytest.raises(le.ConfigError) as raised:
+        await engine.run(published, "go", features={"server_tools": (FETCH,)})
+    assert raised.value.field == "server_tools[0].name"
+    assert (ledger.invocations, wire.requests) == ({}, [])
+
+
+@pytest.fixture
+async def openai_wire(fake_openai_server: FakeOpenAIServer) -> AsyncIterator[
+        tuple[FakeOpenAIServer, le.Engine, MemoryLedger]]:
+    provider = OpenAIProvider(api_key="test-key", base_url=fake_openai_server.base_url)
+    ledger = MemoryLedger()
+    try:
+        yield fake_openai_server, le.Engine(provider, ledger=ledger, clock=FakeClock()), ledger
+    finally:
+        await provider.aclose()
+
+
+async def test_openai_sends_reasoning_effort_and_service_tier(
+    openai_wire: tuple[FakeOpenAIServer, le.Engine, MemoryLedger],
+) -> None:
+    """reasoning_effort and service_tier are Chat Completions parameters; a run may
+    lower the effort."""
+    server, engine, _ = openai_wire
+    server.add(Reply.text("ok"), Reply.text("ok"))
+    published = le.Operation(name="ask", provider="openai", model="gpt-5",
+                             reasoning_effort="high", service_tier="flex")
+    await engine.run(published, "go")
+    await engine.run(published, "go", features={"reasoning_effort": "low"})
+    assert [(r.body["reasoning_effort"], r.body["service_tier"]) for r in server.requests] == [
+        ("high", "flex"), ("low", "flex")]
+
+
+@pytest.mark.parametrize(("feature", "value"), [
+    ("thinking", le.Thinking(budget_tokens=2048)),
+    ("server_tools", (SEARCH,)),
+    ("betas", ("compact-2026-01-12",)),
+    ("context_management", {"edits": [{"type": "compact_20260112"}]}),
+])
+async def test_openai_refuses_the_messages_api_features(
+    openai_wire: tuple[FakeOpenAIServer, le.Engine, MemoryLedger], feature: str, value: Any,
+) -> None:
+    """An OpenAI operation enabling an Anthropic-only feature is refused with a
+    ConfigError naming it, before any row is written or anything is sent."""
+    server, engine, ledger = openai_wire
+    server.add(Reply.text("ok"))
+    operation = le.Operation(name="ask", provider="openai", model="gpt-5", **{feature: value})
+    with pytest.raises(le.ConfigError) as raised:
+        await engine.run(operation, "go")
+    assert raised.value.field == feature
+    assert "cannot send" in str(raised.value)
+    with pytest.raises(le.ConfigError):
+        await engine.call(operation, "go", output=_Answer)
+    assert (ledger.invocations, server.requests) == ({}, [])
+
+
+async def test_anthropic_refuses_the_chat_completions_features(wire: Harness) -> None:
+    """And the other way round: reasoning_effort on an Anthropic route is refused."""
+    engine, ledger = wire.engine(Reply.text("ok"))
+    with pytest.raises(le.ConfigError) as raised:
+        await engine.run(research(reasoning_effort="low"), "go")
+    assert raised.value.field == "reasoning_effort"
+    assert (ledger.invocations, wire.requests) == ({}, [])
+
+
+class _Answer(pydantic.BaseModel):
+    answer: str
