@@ -21,12 +21,22 @@ from loopengine.persistence._schema import (
     INVOCATION_COLUMNS,
     SCHEMA_TABLE,
     SCHEMA_VERSION,
+    USAGE_COLUMNS,
 )
 
 __all__ = ["AuditConnection", "describe_value", "has_column", "has_table", "open_ledger"]
 
 AuditConnection: TypeAlias = sqlite3.Connection | PostgresReader
 """What `open_ledger` returns and every audit query reads."""
+
+_LATER_COLUMNS: dict[str, dict[str, str]] = {
+    "invocations": {"parent_invocation_id": "NULL", **dict.fromkeys(USAGE_COLUMNS, "0")},
+    "attempts": dict.fromkeys(USAGE_COLUMNS, "NULL"),
+}
+"""Columns later migrations added, and what an older ledger reads for them: a
+ledger of roots (no parent), invocations that counted none of the usage
+vector, attempts whose usage was not read whole (NULL, as the migration
+leaves them)."""
 
 
 def open_ledger(path: str | os.PathLike[str], *, schema: str | None = None) -> AuditConnection:
@@ -153,10 +163,10 @@ def _check_ledger(conn: sqlite3.Connection, file: Path, wal_blocks: str | None) 
             raise LedgerError(
                 f"{file} has ledger schema version {version}, newer than this loopengine "
                 f"understands ({SCHEMA_VERSION}); upgrade loopengine to read it")
-        # A ledger older than delegated runs lacks parent_invocation_id: read
-        # as a ledger of roots (`has_column`).
-        invocation_columns = tuple(c for c in INVOCATION_COLUMNS if c != "parent_invocation_id")
-        for table, wanted in (("invocations", invocation_columns),
+        # A ledger older than the later migrations lacks their columns: it is
+        # read through a temporary view of each table that supplies them (the
+        # file itself is never written), so every query reads one schema.
+        for table, wanted in (("invocations", INVOCATION_COLUMNS),
                               ("attempts", ATTEMPT_COLUMNS)):
             kind = kinds.get(table)
             if kind != "table":
@@ -164,10 +174,15 @@ def _check_ledger(conn: sqlite3.Connection, file: Path, wal_blocks: str | None) 
                     f"{table} is a {kind}, not a table"
                 raise LedgerError(f"{file} is not a loopengine ledger: {what}")
             have = {str(row[1]) for row in conn.execute(f"PRAGMA table_info({table})")}
-            missing = [c for c in wanted if c not in have]
+            later = _LATER_COLUMNS[table]
+            missing = [c for c in wanted if c not in have and c not in later]
             if missing:
                 raise LedgerError(f"{file} is not a loopengine ledger: table {table} lacks "
                                   f"{', '.join(missing)}")
+            supplied = [f"{value} AS {c}" for c, value in later.items() if c not in have]
+            if supplied:
+                conn.execute(f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(supplied)} "
+                             f"FROM main.{table}")
     except sqlite3.Error as error:
         raise LedgerError(f"{file} is not a loopengine ledger ({error})") from None
 
