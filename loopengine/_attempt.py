@@ -27,9 +27,19 @@ from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCa
 from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._retry import RetryPolicy, RetryStop, after_fault
 
-__all__ = ["attempt", "request", "settle", "settle_cut"]
+__all__ = ["Unsent", "attempt", "request", "settle", "settle_cut"]
 
 logger = logging.getLogger("loopengine")
+
+
+class Unsent(Exception):
+    """A request the provider refused before the wire (`Provider.check_request`):
+    no row was written, nothing was sent, the turn gained no attempt."""
+
+    def __init__(self, fault: ProviderFault) -> None:
+        super().__init__(str(fault))
+        self.fault = fault
+        """The provider's refusal."""
 
 
 async def request(
@@ -71,6 +81,10 @@ async def request(
         try:
             outcome = await attempt(inv, turn, phase, build, wait, on_text)
             break
+        except Unsent as unsent:
+            # Never sent, so not an attempt; the same request would be refused again.
+            outcome = RetryStop(unsent.fault, tries - 1, "permanent")
+            break
         except ProviderFault as fault:
             after = after_fault(fault, tries, cap, policy=policy, rng=inv.rng,
                                 before_attempt=inv.before_attempt,
@@ -90,13 +104,22 @@ async def attempt(
     on_text: TextCallback | None,
 ) -> ProviderResponse:
     """One attempt, one way: its dispatch is written and awaited, then the
-    request is sent, then the attempt is settled."""
+    request is sent, then the attempt is settled.
+
+    Raises:
+        Unsent: the provider refused the request before its row was written
+            (`Provider.check_request`): nothing was recorded or sent.
+    """
     # Raises before anything is recorded or sent.
     inv.provider.check_ready()
     now = inv.clock.now()
     timeout = attempt_timeout(inv.limits, inv.deadline, now, inv.clock.effective_deadline())
     capped = timeout < inv.limits.attempt_timeout
     request = build(timeout)
+    try:
+        inv.provider.check_request(request)
+    except ProviderFault as refused:
+        raise Unsent(refused) from refused
     number = inv.turn_attempts[turn] = inv.turn_attempts.get(turn, 0) + 1
     if number == 1 and inv.observers:
         # Announced with its first dispatch, so a turn the time guard

@@ -188,6 +188,11 @@ class _Call:
             )
             self.credits += inv.turn_credits(self.turn)
             self.charged = self.turn
+            if not isinstance(response, ProviderResponse) and not inv.attempts_in_turn(
+                    self.turn):
+                # Refused before its request was sent (a guard, the provider's
+                # `check_request`): no request, so no turn (R01).
+                self.turn = self.charged = self.turn - 1
             if isinstance(response, GuardTrip):
                 await self._fail_trip(response)
             if isinstance(response, RetryStop):

@@ -225,7 +225,8 @@ class _Loop:
                     self._charge(turn)
                     if not isinstance(reply, ProviderResponse):
                         if not inv.attempts_in_turn(turn):
-                            # Time ran out between the two checks: no request, so no turn (R01).
+                            # Time ran out between the two checks, or the provider refused
+                            # the request before the wire: no request, so no turn (R01).
                             self.state = replace(self.state, turns=turn - 1)
                         return await self._stopped(reply)
                     stop_reason = reply.stop_reason

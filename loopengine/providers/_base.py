@@ -10,10 +10,11 @@ then calls `Provider.send`, then settles the attempt. A provider never sees an
 attempt whose row is not durable.
 
 A provider declares what it can do (`Provider.vendor`, `Provider.streaming`,
-`Provider.features`, `Provider.check_ready`); the engine reads the
-declarations, never guesses. A provider of one's own subclasses `Provider`
-and inherits the plain defaults (its vendor is its route, it does not stream,
-it sends no optional feature, it is always ready).
+`Provider.features`, `Provider.check_ready`, `Provider.check_request`); the
+engine reads the declarations, never guesses. A provider of one's own
+subclasses `Provider` and inherits the plain defaults (its vendor is its
+route, it does not stream, it sends no optional feature, it is always ready,
+it can send any request).
 """
 
 from __future__ import annotations
@@ -132,6 +133,16 @@ class Provider(Protocol):
         cannot send from here (a client bound to another event loop). Nothing
         is recorded for that attempt; the run fails with that error. Default:
         always ready."""
+
+    def check_request(self, request: ProviderRequest) -> None:
+        """Called with each attempt's request before its ledger row is written:
+        raise a `loopengine.providers.ProviderFault` (``bad_request``, say with
+        ``error_code`` ``untranslatable``) for a request this provider could
+        not put on the wire (a block its API has no equivalent for). Cheap and
+        pure: it reads the request, sends nothing. Nothing is recorded for
+        that attempt, it is not retried (the same request would fail the same
+        way) and the run ends ``provider_error`` with that fault. Default:
+        every request can be sent."""
 
     async def send(self, request: ProviderRequest, *,
                    on_text: TextCallback | None = None) -> ProviderResponse:

@@ -35,6 +35,7 @@ from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._openai_chat import (
     StreamedCompletion,
     chat_params,
+    check_translatable,
     content_from_message,
     first_choice,
     usage_from_api,
@@ -174,6 +175,17 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
     (thinking, server tools, betas, context management: the Messages API's)
     is refused by the engine before anything is recorded. The vendor
     (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
+
+    def check_request(self, request: ProviderRequest) -> None:
+        """Before an attempt is recorded: refuse a request the Chat Completions
+        API has no equivalent for (an image or a document inside a tool
+        result, a document, a server tool block...), by the translation's own
+        rules, without translating it.
+
+        Raises:
+            ProviderFault: ``bad_request``, ``error_code`` ``untranslatable``.
+        """
+        check_translatable(request)
 
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         return chat_params(request, stream=stream)

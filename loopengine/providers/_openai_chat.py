@@ -42,6 +42,7 @@ __all__ = [
     "chat_params",
     "chat_tool_choice",
     "chat_tools",
+    "check_translatable",
     "content_from_message",
     "first_choice",
     "stop_reason",
@@ -167,6 +168,83 @@ def _untranslatable(what: str) -> ProviderFault:
                          "sent", error_code="untranslatable")
 
 
+# What the translation can send, checked in one place: `check_translatable`
+# (before the attempt is recorded) and the translation itself (in `send`)
+# ask the same questions below, so they cannot disagree.
+
+_ASSISTANT_SENT = frozenset({"text", "tool_use"})
+_ASSISTANT_DROPPED = frozenset({"thinking", "redacted_thinking"})
+_USER_SENT = frozenset({"tool_result", "text", "image"})
+
+
+def _role(message: Mapping[str, Any]) -> str:
+    """The message's role, when the translation has one for it."""
+    role = message.get("role")
+    if role not in ("assistant", "user"):
+        raise _untranslatable(f"a message with role {role!r}")
+    return str(role)
+
+
+def _assistant_kind(block: Mapping[str, Any]) -> str:
+    """An assistant block's kind: sent (``text``, ``tool_use``) or dropped
+    (another vendor's reasoning, nothing to send it as)."""
+    kind = block.get("type")
+    if kind not in _ASSISTANT_SENT and kind not in _ASSISTANT_DROPPED:
+        raise _untranslatable(f"an assistant {kind!r} block")
+    return str(kind)
+
+
+def _user_kind(block: Mapping[str, Any]) -> str:
+    """A user block's kind, once what it holds is known to translate: a tool
+    result of text only, an image of base64 data or a URL."""
+    kind = block.get("type")
+    if kind not in _USER_SENT:
+        raise _untranslatable(f"a user {kind!r} block")
+    if kind == "tool_result":
+        _result_blocks(block.get("content"))
+    elif kind == "image":
+        _image_source(block)
+    return str(kind)
+
+
+def _result_blocks(content: Any) -> Sequence[Mapping[str, Any]]:
+    """A tool result's blocks (none for a string or no content): text only,
+    since a ``tool`` message carries nothing else."""
+    if content is None or isinstance(content, str):
+        return ()
+    for block in content:
+        if not isinstance(block, Mapping) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
+            raise _untranslatable(f"a {kind!r} block inside a tool result")
+    return content  # type: ignore[no-any-return]
+
+
+def _image_source(block: Mapping[str, Any]) -> Mapping[str, Any]:
+    source = block.get("source")
+    if isinstance(source, Mapping) and source.get("type") in ("base64", "url"):
+        return source
+    raise _untranslatable("an image that is neither base64 data nor a URL")
+
+
+def check_translatable(request: ProviderRequest) -> None:
+    """Raise what `chat_params` would raise for ``request``, without translating it.
+
+    Raises:
+        ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role
+            or a ``tool_choice`` that has no Chat Completions equivalent.
+    """
+    for message in request.messages:
+        role = _role(message)
+        content = message.get("content")
+        if isinstance(content, str):
+            continue
+        kind_of = _assistant_kind if role == "assistant" else _user_kind
+        for block in content or ():
+            kind_of(block)
+    if request.tools:
+        chat_tool_choice(request.tool_choice)
+
+
 def chat_messages(
     system: Sequence[Mapping[str, Any]] | None, messages: Sequence[Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -181,14 +259,11 @@ def chat_messages(
         out.append({"role": "system", "content": "\n\n".join(
             str(block.get("text", "")) for block in system)})
     for message in messages:
-        role = message.get("role")
         content = message.get("content")
-        if role == "assistant":
+        if _role(message) == "assistant":
             out.append(_assistant_message(content))
-        elif role == "user":
-            out.extend(_user_messages(content))
         else:
-            raise _untranslatable(f"a message with role {role!r}")
+            out.extend(_user_messages(content))
     return out
 
 
@@ -198,7 +273,7 @@ def _assistant_message(content: Any) -> dict[str, Any]:
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     for block in content or ():
-        kind = block.get("type")
+        kind = _assistant_kind(block)
         if kind == "text":
             texts.append(str(block.get("text", "")))
         elif kind == "tool_use":
@@ -207,10 +282,6 @@ def _assistant_message(content: Any) -> dict[str, Any]:
             arguments = tool_input if isinstance(tool_input, str) else json.dumps(tool_input)
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": arguments}})
-        elif kind in ("thinking", "redacted_thinking"):
-            continue  # another vendor's reasoning: nothing to send it as
-        else:
-            raise _untranslatable(f"an assistant {kind!r} block")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
         message["tool_calls"] = calls
@@ -227,7 +298,7 @@ def _user_messages(content: Any) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for block in content or ():
-        kind = block.get("type")
+        kind = _user_kind(block)
         if kind == "tool_result":
             text = _result_text(block.get("content"))
             if block.get("is_error") is True:
@@ -236,10 +307,8 @@ def _user_messages(content: Any) -> list[dict[str, Any]]:
                             "content": text})
         elif kind == "text":
             parts.append({"type": "text", "text": str(block.get("text", ""))})
-        elif kind == "image":
-            parts.append({"type": "image_url", "image_url": {"url": _image_url(block)}})
         else:
-            raise _untranslatable(f"a user {kind!r} block")
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block)}})
     if parts:
         if all(part["type"] == "text" for part in parts):
             results.append({"role": "user",
@@ -250,27 +319,16 @@ def _user_messages(content: Any) -> list[dict[str, Any]]:
 
 
 def _result_text(content: Any) -> str:
-    if content is None:
-        return ""
     if isinstance(content, str):
         return content
-    texts = []
-    for block in content:
-        if not isinstance(block, Mapping) or block.get("type") != "text":
-            kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
-            raise _untranslatable(f"a {kind!r} block inside a tool result")
-        texts.append(str(block.get("text", "")))
-    return "\n\n".join(texts)
+    return "\n\n".join(str(block.get("text", "")) for block in _result_blocks(content))
 
 
 def _image_url(block: Mapping[str, Any]) -> str:
-    source = block.get("source")
-    if isinstance(source, Mapping):
-        if source.get("type") == "base64":
-            return f"data:{source.get('media_type')};base64,{source.get('data')}"
-        if source.get("type") == "url":
-            return str(source.get("url"))
-    raise _untranslatable("an image that is neither base64 data nor a URL")
+    source = _image_source(block)
+    if source.get("type") == "base64":
+        return f"data:{source.get('media_type')};base64,{source.get('data')}"
+    return str(source.get("url"))
 
 
 def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -104,6 +104,10 @@ class RecordingProvider:
         """Ask the inner provider whether it can send from here (passed on)."""
         self.inner.check_ready()
 
+    def check_request(self, request: ProviderRequest) -> None:
+        """Ask the inner provider whether it can send ``request`` (passed on)."""
+        self.inner.check_request(request)
+
     def _write(self, entry: Mapping[str, Any]) -> None:
         # One append per attempt, the file closed between them: nothing to
         # close, and a crash loses at most the line being written.
@@ -188,6 +192,9 @@ class ReplayProvider:
 
     def check_ready(self) -> None:
         """Always ready: a recording needs no connection."""
+
+    def check_request(self, request: ProviderRequest) -> None:
+        """Any request: a recording answers whatever was recorded."""
 
     @property
     def exhausted(self) -> bool:

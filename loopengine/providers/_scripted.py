@@ -138,6 +138,9 @@ class ScriptedProvider:
     def check_ready(self) -> None:
         """Always ready: a script needs no connection."""
 
+    def check_request(self, request: ProviderRequest) -> None:
+        """Any request: a script answers whatever it is sent."""
+
     async def send(self, request: ProviderRequest, *,
                    on_text: TextCallback | None = None) -> ProviderResponse:
         """Serve the next script item (see the class docstring)."""

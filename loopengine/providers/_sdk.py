@@ -187,6 +187,11 @@ class SDKProvider(Generic[C]):
         """
         self._clients.check_ready()
 
+    def check_request(self, request: ProviderRequest) -> None:
+        """Before an attempt is recorded: refuse what the API cannot be sent.
+        Default: any request (the Messages API takes the engine's shapes as
+        they are)."""
+
     @property
     def name(self) -> str:
         """The route: the vendor (`vendor`) unless ``route`` named another."""

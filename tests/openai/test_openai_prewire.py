@@ -1,0 +1,145 @@
+"""A request OpenAIProvider cannot translate is refused before its attempt is
+recorded (`Provider.check_request`): no row, nothing on the wire, not retried,
+no turn; through the real ``openai`` SDK, FakeOpenAIServer and a SQLite ledger."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+
+import loopengine as le
+from loopengine.persistence import SQLiteLedger
+from loopengine.providers import FaultKind, ProviderFault
+from loopengine.providers._base import ProviderRequest
+from loopengine.providers._openai_chat import chat_messages, check_translatable
+from loopengine.testing import Reply
+
+from .conftest import OpenAIHarness, openai_operation
+
+PNG = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                    "data": "iVBORw0KGgo="}}]
+
+
+async def test_a_tool_result_image_ends_the_run_before_its_request_is_recorded(
+    wire: OpenAIHarness, tmp_path: Path,
+) -> None:
+    """A tool answers with an image, which a Chat Completions tool message cannot
+    carry: the next turn's request is refused before its row is written. The run
+    ends provider_error with the untranslatable fault; the server got only the
+    first turn's request; the ledger has that turn's row alone, and one turn."""
+
+    @le.tool
+    async def snapshot() -> list[dict[str, Any]]:
+        """Take a screenshot."""
+        return PNG
+
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        engine, _ = wire.engine(Reply.tool_calls(("snapshot", {})), Reply.text("unused"),
+                                ledger=ledger)
+        result = await engine.run(openai_operation(), "look", tools=[snapshot])
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert result.fault is not None
+    assert (result.fault.kind, result.fault.error_code) == (FaultKind.BAD_REQUEST,
+                                                            "untranslatable")
+    assert "inside a tool result" in result.fault.message
+    assert (result.turns, result.tool_calls) == (1, 1)
+    assert len(wire.server.requests) == 1
+    assert [(r.dispatch.turn, r.settle and r.settle.outcome) for r in result.attempt_log] == [
+        (1, "ok")]
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT turn, attempt, outcome FROM attempts").fetchall()
+        invocation = db.execute(
+            "SELECT outcome, turns, tool_calls, attempt_count FROM invocations").fetchone()
+    assert rows == [(1, 1, "ok")]
+    assert invocation == ("provider_error", 1, 1, 1)
+
+
+async def test_a_refused_first_request_is_no_turn_and_no_attempt(
+    wire: OpenAIHarness, tmp_path: Path,
+) -> None:
+    """Refused at its very first request (a document in the prompt), a run
+    sends nothing, records no attempt and counts no turn (R01)."""
+    prompt = [{"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                              "data": "notes"}}]
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        engine, _ = wire.engine(Reply.text("unused"), ledger=ledger)
+        result = await engine.run(openai_operation(), [{"role": "user", "content": prompt}])
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert result.fault is not None and result.fault.error_code == "untranslatable"
+    assert result.turns == 0 and result.attempt_log == ()
+    assert wire.server.requests == []
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM attempts").fetchone() == (0,)
+        assert db.execute("SELECT outcome, turns, attempt_count FROM invocations").fetchone() \
+            == ("provider_error", 0, 0)
+
+
+class Summary(pydantic.BaseModel):
+    """A call's output."""
+
+    text: str
+
+
+async def test_a_call_refused_before_the_wire_records_no_attempt_and_no_turn(
+    wire: OpenAIHarness, tmp_path: Path,
+) -> None:
+    """`Engine.call` alike: a ProviderError carrying the untranslatable fault and
+    no attempt; the ledger's invocation ended provider_error with no turn."""
+    prompt = [{"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                              "data": "notes"}}]
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        engine, _ = wire.engine(Reply.text("unused"), ledger=ledger)
+        with pytest.raises(le.ProviderError) as info:
+            await engine.call(openai_operation(), [{"role": "user", "content": prompt}],
+                              output=Summary)
+    assert info.value.fault is not None and info.value.fault.error_code == "untranslatable"
+    assert info.value.attempts == 0
+    assert wire.server.requests == []
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM attempts").fetchone() == (0,)
+        assert db.execute("SELECT outcome, turns, attempt_count FROM invocations").fetchone() \
+            == ("provider_error", 0, 0)
+
+
+def test_the_check_and_the_translation_refuse_alike() -> None:
+    """`check_translatable` refuses exactly what the translation refuses, with the
+    same fault, and passes what it sends."""
+    messages: list[list[dict[str, Any]]] = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "user", "content": [{"type": "text", "text": "hi"}, *PNG]}],
+        [{"role": "assistant", "content": [{"type": "thinking", "thinking": "t"},
+                                           {"type": "tool_use", "id": "c", "name": "f",
+                                            "input": {}}]},
+         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
+                                       "content": [{"type": "text", "text": "ok"}]}]}],
+        [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
+                                       "content": PNG}]}],
+        [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}],
+        [{"role": "user", "content": [{"type": "document", "source": {}}]}],
+        [{"role": "assistant", "content": [{"type": "server_tool_use", "id": "s"}]}],
+        [{"role": "system", "content": "x"}],
+    ]
+    refused = []
+    for shape in messages:
+        request = ProviderRequest(model="m", max_tokens=1, messages=shape)
+        try:
+            chat_messages(None, shape)
+            translated = None
+        except ProviderFault as fault:
+            translated = fault.message
+        try:
+            check_translatable(request)
+            checked = None
+        except ProviderFault as fault:
+            assert (fault.kind, fault.error_code) == (FaultKind.BAD_REQUEST, "untranslatable")
+            checked = fault.message
+        assert checked == translated
+        refused.append(checked is not None)
+    assert refused == [False, False, False, True, True, True, True, True]
