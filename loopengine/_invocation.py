@@ -82,8 +82,8 @@ class Invocation:
         "begun", "clock", "cost_nanousd", "credits", "deadline", "denied", "depth",
         "descendant_credits", "ended", "engine", "features", "id", "in_flight", "kind",
         "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
-        "paused_seconds", "permit", "policy", "prices", "provider", "provider_cost_nanousd", "records",
-        "reservation", "rng",
+        "paused_seconds", "permit", "policy", "prices", "provider", "provider_cost_nanousd",
+        "records", "reservation", "rng",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor",
     )
