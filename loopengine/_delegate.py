@@ -8,6 +8,8 @@ parent's attribution, and it reserves nothing on the account: each of its
 turns' credits is added to every ancestor as it is spent
 (`Invocation.add_credits`), so the ancestors' holds see it before their next
 turn (`check_delegated_credits`) and the root settles the whole tree once.
+Under a hold, one turn at a time is in flight in the tree (its crossing
+permit, `needs_crossing_permit`), so the tree crosses each hold once at most.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
+import anyio
+
 from loopengine._accounts import CreditAccounts, Reservation
 from loopengine._attribution import Attribution
 from loopengine._clock import Clock
@@ -80,8 +82,8 @@ class Invocation:
         "begun", "clock", "cost_nanousd", "credits", "deadline", "denied", "depth",
         "descendant_credits", "ended", "engine", "features", "id", "in_flight", "kind",
         "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
-        "paused_seconds", "policy", "prices", "provider", "provider_cost_nanousd", "records",
-        "reservation", "rng",
+        "paused_seconds", "permit", "policy", "prices", "provider", "provider_cost_nanousd",
+        "records", "reservation", "rng",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor",
     )
@@ -162,6 +164,8 @@ class Invocation:
         """How deep it is nested: 0 for a root, 1 for its children, ..."""
         self.engine: object = None
         """The `Engine` running it: where ``ToolContext.run`` starts a child by default."""
+        self.permit: anyio.Lock | None = None
+        """A root's crossing permit, shared by its tree (`crossing_permit`)."""
 
     def add_credits(self, credits: int) -> None:
         """Charge a turn's ``credits`` to this run and to every run above it, as they
@@ -171,6 +175,17 @@ class Invocation:
         while ancestor is not None:
             ancestor.descendant_credits += credits
             ancestor = ancestor.parent
+
+    def crossing_permit(self) -> anyio.Lock:
+        """The crossing permit of this run's tree, kept by its root (made on first
+        use, inside the run): the turn holding it is the only one in flight in
+        the tree that may cross a hold (`needs_crossing_permit`)."""
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        if root.permit is None:
+            root.permit = anyio.Lock()
+        return root.permit
 
     @property
     def tree_credits(self) -> int:

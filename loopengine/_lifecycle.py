@@ -99,6 +99,7 @@ async def begin(inv: Invocation) -> None:
         model=inv.operation.model, kind="run" if inv.kind == "run" else "call",
         tenant=inv.attribution.tenant, feature=inv.attribution.feature,
         correlation_id=inv.attribution.correlation_id, vendor=inv.vendor,
+        parent_invocation_id=inv.parent.id if inv.parent is not None else None,
     ))
     if inv.accounts is not None:
         await admit(inv, at)

@@ -59,6 +59,7 @@ from loopengine.guards._checkpoints import (
     check_rejection_budget,
     check_terminal,
     check_tool_batch,
+    needs_crossing_permit,
 )
 from loopengine.guards._limits import Limits
 from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
@@ -143,7 +144,7 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
 
 class _Loop:
     __slots__ = ("_given_messages", "answered_calls", "charged", "cut_results", "definitions",
-                 "inv", "resumed", "spec", "state", "tools", "transcript", "wrapping")
+                 "inv", "permit", "resumed", "spec", "state", "tools", "transcript", "wrapping")
 
     def __init__(self, inv: Invocation, spec: RunSpec,
                  resumed: tuple[RunState, Mapping[str, Decision]] | None = None) -> None:
@@ -170,6 +171,8 @@ class _Loop:
         """A tool batch's results when the run's deadline cut it, and its size."""
         self.wrapping: str | None = None
         """Why the turn being sent is a wrap-up turn (``turns``, ``budget``), or None."""
+        self.permit: anyio.Lock | None = None
+        """The tree's crossing permit while this run's turn holds it (§17)."""
 
     @property
     def limits(self) -> Limits:
@@ -203,10 +206,14 @@ class _Loop:
                 if self.resumed is not None:
                     phase = await self._decided_batch(*self.resumed)
                 while True:
-                    # The tree's credits too: a tool batch's delegated runs spent (§17).
-                    trip = (check_before_turn(self.state, self.limits, inv.clock.now())
-                            or check_delegated_credits(inv.credit_tree()))
+                    trip = check_before_turn(self.state, self.limits, inv.clock.now())
+                    if trip is None:
+                        await self._take_permit()
+                        # The tree's credits too, read once no other turn that may
+                        # cross is in flight: a tool batch's delegated runs spent (§17).
+                        trip = check_delegated_credits(inv.credit_tree())
                     if trip is not None:
+                        self._release_permit()
                         return await self._end(trip.outcome, trip=trip)
                     turn = self.state.turns + 1
                     self.state = replace(self.state, turns=turn)
@@ -239,9 +246,11 @@ class _Loop:
                     phase = step
             return await self._deadline_passed()
         except anyio.get_cancelled_exc_class():
+            self._release_permit()
             await cancelled(inv, self._progress)
             raise
         except Exception as error:
+            self._release_permit()
             await failed(inv, error, self._progress)
             raise
 
@@ -461,11 +470,32 @@ class _Loop:
         )
 
     def _charge(self, turn: int) -> None:
-        """Add the turn's rounded charge; the crossing turn stays billed (R03, S01)."""
+        """Add the turn's rounded charge; the crossing turn stays billed (R03, S01).
+        The tree's holds now see it: the turn gives up the crossing permit."""
         self.charged = turn
         credits = self.inv.turn_credits(turn)
         self.inv.add_credits(credits)  # and to the runs above, for their holds (§17)
         self.state = replace(self.state, credits=self.state.credits + credits)
+        self._release_permit()
+
+    async def _take_permit(self) -> None:
+        """Before a turn under a credit hold: take the tree's crossing permit, so the
+        turn is the only one in flight in the tree that may cross a hold (§17).
+        Held by nobody (a run alone in its tree), it is taken without waiting."""
+        if not needs_crossing_permit(self.inv.credit_tree()):
+            return
+        permit = self.inv.crossing_permit()
+        try:
+            permit.acquire_nowait()
+        except anyio.WouldBlock:
+            await permit.acquire()
+        self.permit = permit
+
+    def _release_permit(self) -> None:
+        """Give the crossing permit back, when this run holds it."""
+        if self.permit is not None:
+            self.permit.release()
+            self.permit = None
 
     # -- answers ----------------------------------------------------------------------
 

@@ -77,6 +77,9 @@ class RunSegment(Event):
 class RunStarted(RunSegment):
     """A run or structured call began."""
 
+    parent_invocation_id: str | None = None
+    """The run whose tool started this one (a delegated run, DESIGN §17), or None."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TurnStarted(Event):

@@ -59,6 +59,7 @@ from loopengine.events import (
     RunEnded,
     RunResumed,
     RunSegment,
+    RunStarted,
     RunTotals,
     ToolCallEvent,
 )
@@ -242,14 +243,22 @@ class OpenTelemetryObserver:
             common[GEN_AI_OUTPUT_TYPE] = "json"  # a structured call asks for JSON
         attributes.update(common)
         links = []
+        context: Context | None = None
         if isinstance(event, RunResumed):
             attributes["loopengine.run.resumed"] = True
             before = self._paused.pop(event.run_id, None)
             if before is not None:
                 links.append(trace.Link(before))
-        # No context argument: the span's parent is the caller's current span.
+        elif isinstance(event, RunStarted) and event.parent_invocation_id is not None:
+            attributes["loopengine.run.parent_id"] = event.parent_invocation_id
+            # A delegated run's span is its parent run's child, when this
+            # observer sees the parent (the tool's handler has no current span).
+            parent = self._runs.get(event.parent_invocation_id)
+            if parent is not None:
+                context = parent.context
+        # Without a context: the span's parent is the caller's current span.
         span = self._tracer.start_span(
-            f"invoke_agent {event.operation}", kind=SpanKind.INTERNAL,
+            f"invoke_agent {event.operation}", context=context, kind=SpanKind.INTERNAL,
             attributes=attributes, start_time=_ns(event.at), links=links,
         )
         self._runs[event.run_id] = _RunSpans(

@@ -18,6 +18,7 @@ from loopengine.guards import (
     check_rejection_budget,
     check_terminal,
     check_tool_batch,
+    needs_crossing_permit,
     turn_credits,
     unconfirmed_by_deadline,
 )
@@ -125,6 +126,15 @@ def test_a_tree_past_any_ancestor_s_hold_stops_before_the_next_turn() -> None:
     assert trip is not None and trip.outcome is Outcome.CREDIT_LIMIT
     assert (trip.observed, trip.limit) == (140, 100)
     assert check_delegated_credits([]) is None
+
+
+def test_a_turn_under_any_hold_in_its_tree_needs_the_crossing_permit() -> None:
+    """A hold on the run or any run above it: the turn may cross it, so it needs the
+    permit; with no hold anywhere above, nothing can be crossed."""
+    assert needs_crossing_permit([(None, 0), (100, 10)])
+    assert needs_crossing_permit([(90, 0)])
+    assert not needs_crossing_permit([(None, 0), (None, 10**9)])
+    assert not needs_crossing_permit([])
 
 
 def test_turn_credits_round_up_to_the_quantum() -> None:

@@ -262,6 +262,36 @@ async def test_run_span_joins_the_callers_trace(
     assert run.parent.span_id == parent.get_span_context().span_id
 
 
+async def test_a_delegated_run_s_span_is_its_parent_run_s_child(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """RunStarted names a delegated run's parent, and its span is the parent run's
+    span's child, in the parent's trace, with loopengine.run.parent_id."""
+    clock = FakeClock(wall_start=START)
+    seen: list[events.Event] = []
+    engine = le.Engine(ScriptedProvider([
+        Reply.tool_calls(("helper", {"task": "look"})), Reply.text("found"),
+        Reply.text("done")], clock=clock), prices=PRICES, clock=clock,
+        observers=[OpenTelemetryObserver(tracer_provider), seen.append])
+    child_op = le.Operation(name="otel.child", provider="anthropic", model=MODEL,
+                            max_output_tokens=300)
+    helper = le.agent_tool(engine, child_op, name="helper", description="Looks.")
+    result = await engine.run(OPERATION, "go", tools=[helper])
+    assert result.completed
+    started = {e.operation: e for e in seen if isinstance(e, events.RunStarted)}
+    assert started["otel.test"].parent_invocation_id is None
+    child_id = started["otel.child"].run_id
+    assert started["otel.child"].parent_invocation_id == result.invocation_id != child_id
+    spans = exporter.get_finished_spans()
+    (parent,) = by_name(spans, "invoke_agent otel.test")
+    (child,) = by_name(spans, "invoke_agent otel.child")
+    assert child.parent is not None and child.parent.span_id == parent.context.span_id
+    assert child.context.trace_id == parent.context.trace_id
+    assert child.attributes is not None and parent.attributes is not None
+    assert child.attributes["loopengine.run.parent_id"] == result.invocation_id
+    assert "loopengine.run.parent_id" not in parent.attributes
+
+
 def test_provider_names_follow_the_conventions() -> None:
     """Routes map onto the well-known gen_ai.provider.name values."""
     assert [provider_name(r) for r in ("anthropic", "bedrock", "vertex", "other")] == [

@@ -12,6 +12,7 @@ from loopengine.guards._checkpoints import (
     check_rejection_budget,
     check_terminal,
     check_tool_batch,
+    needs_crossing_permit,
     unconfirmed_by_deadline,
 )
 from loopengine.guards._credits import turn_credits
@@ -32,6 +33,7 @@ __all__ = [
     "check_rejection_budget",
     "check_terminal",
     "check_tool_batch",
+    "needs_crossing_permit",
     "turn_credits",
     "unconfirmed_by_deadline",
 ]

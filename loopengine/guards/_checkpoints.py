@@ -27,6 +27,7 @@ __all__ = [
     "check_rejection_budget",
     "check_terminal",
     "check_tool_batch",
+    "needs_crossing_permit",
     "unconfirmed_by_deadline",
 ]
 
@@ -227,3 +228,16 @@ def check_delegated_credits(tree: Sequence[tuple[int | None, int]]) -> GuardTrip
                 f"than its hold of {hold}",
             )
     return None
+
+
+def needs_crossing_permit(tree: Sequence[tuple[int | None, int]]) -> bool:
+    """Whether a turn must hold its tree's crossing permit from its send until its
+    charge is added (DESIGN §17): whenever a hold is set on the run or above it.
+
+    ``tree`` is `check_delegated_credits`'s. A turn's charge is not known until
+    its reply, so any turn under a hold may be the one that crosses it. With
+    one such turn in flight at a time in a tree, and the holds checked once
+    the permit is held, every turn starts with each hold above it not passed:
+    the whole tree passes each hold by its one crossing turn at most (R03).
+    """
+    return any(hold is not None for hold, _ in tree)
