@@ -63,6 +63,7 @@ from loopengine.providers._base import (
 )
 from loopengine.providers._cache import place_cache_markers
 from loopengine.providers._faults import (
+    STATUS_KINDS,
     FaultKind,
     ProviderFault,
     SDKErrors,
@@ -111,16 +112,7 @@ _TYPE_KINDS = {
     "conflict_error": FaultKind.SERVER_ERROR,
 }
 
-_STATUS_KINDS = {
-    401: FaultKind.UNAUTHORIZED,
-    402: FaultKind.CREDIT_EXHAUSTED,
-    403: FaultKind.UNAUTHORIZED,
-    408: FaultKind.TIMEOUT,
-    # 409 is Anthropic's lock timeout: transient, the SDK itself would retry it.
-    409: FaultKind.SERVER_ERROR,
-    429: FaultKind.RATE_LIMITED,
-    529: FaultKind.OVERLOADED,
-}
+_STATUS_KINDS = {**STATUS_KINDS, 529: FaultKind.OVERLOADED}
 
 _SDK = SDKErrors(status=anthropic.APIStatusError, timeout=anthropic.APITimeoutError,
                  connection=anthropic.APIConnectionError, base=anthropic.APIError,

@@ -34,6 +34,7 @@ __all__ = [
     "ProviderFault",
     "Classifier",
     "SDKErrors",
+    "STATUS_KINDS",
     "classify_sdk_error",
     "response_fault",
     "sdk_classifier",
@@ -163,6 +164,20 @@ _CREDIT_CODES = frozenset({
     "linked_organization_billing_unavailable",
 })
 _CREDIT_CODE_SUFFIXES = ("_spend_limit_reached", "_spend_limit_exceeded")
+
+
+STATUS_KINDS: dict[int, FaultKind] = {
+    401: FaultKind.UNAUTHORIZED,
+    402: FaultKind.CREDIT_EXHAUSTED,
+    403: FaultKind.UNAUTHORIZED,
+    408: FaultKind.TIMEOUT,
+    # A conflict is transient (Anthropic's lock timeout): the SDKs themselves
+    # would retry it.
+    409: FaultKind.SERVER_ERROR,
+    429: FaultKind.RATE_LIMITED,
+}
+"""The fault of an HTTP status whose body names no more specific one, for every
+adapter (an adapter adds its vendor's own statuses, e.g. Anthropic's 529)."""
 
 
 def is_credit_code(code: str | None) -> bool:

@@ -41,6 +41,7 @@ import httpx2
 from loopengine._usage import Usage
 from loopengine.providers._base import text_or_none as _text
 from loopengine.providers._faults import (
+    STATUS_KINDS,
     FaultKind,
     ProviderFault,
     SDKErrors,
@@ -64,16 +65,6 @@ _TYPE_KINDS = {
     "overloaded_error": FaultKind.OVERLOADED,
     "server_error": FaultKind.SERVER_ERROR,
     "api_error": FaultKind.SERVER_ERROR,
-}
-
-_STATUS_KINDS = {
-    401: FaultKind.UNAUTHORIZED,
-    402: FaultKind.CREDIT_EXHAUSTED,
-    403: FaultKind.UNAUTHORIZED,
-    408: FaultKind.TIMEOUT,
-    # A conflict is transient: the SDK itself would retry it.
-    409: FaultKind.SERVER_ERROR,
-    429: FaultKind.RATE_LIMITED,
 }
 
 
@@ -149,8 +140,8 @@ def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
         # an unknown one is the server's failure.
         return _TYPE_KINDS.get(code or "", _TYPE_KINDS.get(error_type or "",
                                                            FaultKind.SERVER_ERROR))
-    if status in _STATUS_KINDS:
-        return _STATUS_KINDS[status]
+    if status in STATUS_KINDS:
+        return STATUS_KINDS[status]
     if status >= 500:
         return FaultKind.SERVER_ERROR
     return FaultKind.BAD_REQUEST
