@@ -47,3 +47,19 @@ def test_import_loopengine_loads_no_price_snapshot() -> None:
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                           timeout=120, check=True)
     assert done.stdout.split() == ["False", "True"]
+
+
+def test_import_loopengine_and_cli_help_load_no_engine() -> None:
+    """``import loopengine`` and ``loopengine --help`` load neither the engine nor
+    pydantic: the public names load on first use, so a script's start and the
+    CLI's help stay quick; using a name loads it."""
+    program = (
+        "import sys, loopengine, loopengine.cli\n"
+        "from click.testing import CliRunner\n"
+        "assert CliRunner().invoke(loopengine.cli.main, ['--help']).exit_code == 0\n"
+        "before = sorted(m for m in ('pydantic', 'loopengine._engine') if m in sys.modules)\n"
+        "loopengine.Engine\n"
+        "print(before, 'loopengine._engine' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.split() == ["[]", "True"]
