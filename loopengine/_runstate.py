@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, Literal
 
+from loopengine import _validate
 from loopengine._attribution import Attribution
 from loopengine._errors import ConfigError
 from loopengine._operation import Operation
@@ -59,6 +60,9 @@ class Deny:
     reason: str = "The call was denied."
     """What the model is told."""
 
+    def __post_init__(self) -> None:
+        _validate.text("reason", self.reason)
+
 
 @dataclass(frozen=True, slots=True)
 class Supply:
@@ -66,6 +70,12 @@ class Supply:
 
     text: str
     """The tool output the model is given."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise ConfigError("text", f"must be text, got {_validate.shown(self.text)}")
+        if self.text:
+            _validate.text("text", self.text)  # sendable: no lone surrogate
 
 
 Decision = Approve | Deny | Supply

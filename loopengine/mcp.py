@@ -71,6 +71,18 @@ _IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 """The image media types a tool result block may carry."""
 
 
+def _string_mapping(field: str, value: object) -> None:
+    """Check that ``value`` is None or a mapping of text to text (an environment,
+    headers), else raise `ConfigError` naming ``field``."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise ConfigError(field, f"must be a mapping of text to text, got {_validate.shown(value)}")
+    for key, item in value.items():
+        if not isinstance(key, str) or not isinstance(item, str):
+            raise ConfigError(f"{field}[{key!r}]", "keys and values must be text")
+
+
 class _Session:
     """One connection to the server, held open by a task of the server's task group.
 
@@ -175,8 +187,15 @@ class MCPServer:
             timeout: See `MCPServer`.
             connect_timeout: See `MCPServer`.
         """
-        if isinstance(args, str):
-            raise ConfigError("args", "must be a sequence of arguments, not one string")
+        _validate.text("command", command)
+        if isinstance(args, str) or not isinstance(args, Sequence):
+            raise ConfigError("args", "must be a sequence of arguments, not "
+                                      f"{_validate.shown(args)}")
+        for n, arg in enumerate(args):
+            _validate.text(f"args[{n}]", arg)
+        _string_mapping("env", env)
+        if cwd is not None and not isinstance(cwd, str | Path):
+            raise ConfigError("cwd", f"must be a path, got {_validate.shown(cwd)}")
         parameters = StdioServerParameters(
             command=command, args=list(args), env=None if env is None else dict(env), cwd=cwd)
 
@@ -207,6 +226,10 @@ class MCPServer:
             timeout: See `MCPServer`.
             connect_timeout: See `MCPServer`.
         """
+        _validate.text("url", url)
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError("url", f"must be an http:// or https:// URL, got {url!r}")
+        _string_mapping("headers", headers)
         fixed = dict(headers or {})
 
         def transport() -> AbstractAsyncContextManager[Any]:

@@ -309,3 +309,11 @@ async def test_a_state_keeps_the_usage_iterations_of_its_progress(
     again = le.RunState.loads(state.dumps())
     assert again.progress.usage == usage
     assert again.progress.usage.iterations[0].type == "compaction"
+
+
+@pytest.mark.parametrize("build", [lambda: le.Deny(None), lambda: le.Deny(""),
+                                   lambda: le.Supply(5), lambda: le.Supply("\ud800")])
+def test_a_bad_decision_is_a_config_error(build: Any) -> None:
+    """A decision that could not be sent to the model is refused when it is made."""
+    with pytest.raises(le.ConfigError):
+        build()

@@ -399,3 +399,19 @@ def test_the_module_exports_exactly_its_public_names() -> None:
         value = getattr(module, name)
         if inspect.isclass(value):
             assert (value.__doc__ or "").strip(), name
+
+
+@pytest.mark.parametrize("build", [
+    lambda: MCPServer.stdio(None),  # type: ignore[arg-type]
+    lambda: MCPServer.stdio("python", [1]),  # type: ignore[list-item]
+    lambda: MCPServer.stdio("python", env={"A": 1}),  # type: ignore[dict-item]
+    lambda: MCPServer.http(5),  # type: ignore[arg-type]
+    lambda: MCPServer.http("ftp://example.invalid/mcp"),
+    lambda: MCPServer.http("http://127.0.0.1:1/mcp", headers=[("a", "b")]),  # type: ignore[arg-type]
+])
+def test_a_bad_server_argument_is_a_config_error(build: Any) -> None:
+    """A server's bad arguments are a ConfigError naming the argument, never the
+    SDK's own validation error."""
+    with pytest.raises(le.ConfigError) as raised:
+        build()
+    assert raised.value.field
