@@ -69,7 +69,7 @@ class Thinking:
                 raise ConfigError("budget_tokens", "adaptive thinking takes no budget_tokens")
             if self.effort is not None and self.effort not in THINKING_EFFORTS:
                 raise ConfigError("effort", f"must be one of {', '.join(THINKING_EFFORTS)}, "
-                                            f"got {self.effort!r}")
+                                            f"got {_validate.shown(self.effort)}")
             return
         if self.effort is not None:
             raise ConfigError("effort", "only adaptive thinking takes an effort")
@@ -170,21 +170,27 @@ def check_features(features: Any) -> None:
     """
     thinking = features.thinking
     if thinking is not None and not isinstance(thinking, Thinking):
-        raise ConfigError("thinking", f"must be a Thinking or None, got {thinking!r}")
+        raise ConfigError(
+            "thinking",
+            f"must be a Thinking or None, got {_validate.shown(thinking)}")
     tools = features.server_tools
     if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
-        raise ConfigError("server_tools", f"must be a sequence of ServerTool, got {tools!r}")
+        raise ConfigError(
+            "server_tools",
+            f"must be a sequence of ServerTool, got {_validate.shown(tools)}")
     names: set[str] = set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, ServerTool):
-            raise ConfigError(f"server_tools[{i}]", f"must be a ServerTool, got {tool!r}")
+            raise ConfigError(
+                f"server_tools[{i}]",
+                f"must be a ServerTool, got {_validate.shown(tool)}")
         if tool.name in names:
             raise ConfigError(f"server_tools[{i}].name", f"{tool.name!r} is given twice")
         names.add(tool.name)
     object.__setattr__(features, "server_tools", tuple(tools))
     betas = features.betas
     if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence):
-        raise ConfigError("betas", f"must be a sequence of strings, got {betas!r}")
+        raise ConfigError("betas", f"must be a sequence of strings, got {_validate.shown(betas)}")
     for i, beta in enumerate(betas):
         _validate.text(f"betas[{i}]", beta)
     object.__setattr__(features, "betas", tuple(betas))
@@ -304,22 +310,28 @@ def _narrow_order(
     if asked is None:
         if none_is_lowest:
             return
-        raise ConfigError(field_name, f"must be given (published: {published!r})")
+        raise ConfigError(field_name, f"must be given (published: {_validate.shown(published)})")
     if published is None:
         raise ConfigError(field_name, "is not published by the operation")
     if order.index(asked) > order.index(published):
-        raise ConfigError(field_name, f"{asked!r} is above the published {published!r}")
+        raise ConfigError(
+            field_name,
+            f"{_validate.shown(asked)} is above the published {_validate.shown(published)}")
 
 
 def _choice(field_name: str, value: object, allowed: Sequence[str]) -> None:
     if value is not None and value not in allowed:
-        raise ConfigError(field_name, f"must be one of {', '.join(allowed)} or None, got {value!r}")
+        raise ConfigError(
+            field_name,
+            f"must be one of {', '.join(allowed)} or None, got {_validate.shown(value)}")
 
 
 def _json_object(field_name: str, value: object) -> dict[str, Any]:
     """A deep copy of ``value`` if it is a JSON object (string keys, JSON values)."""
     if not isinstance(value, Mapping):
-        raise ConfigError(field_name, f"must be a JSON object (a mapping), got {value!r}")
+        raise ConfigError(
+            field_name,
+            f"must be a JSON object (a mapping), got {_validate.shown(value)}")
     try:
         copied = json.loads(json.dumps(dict(value), allow_nan=False))
     except (TypeError, ValueError) as error:

@@ -196,8 +196,9 @@ class RunState:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ConfigError("state", "is not a loopengine run state")
         if raw.get("version") != VERSION:
-            raise ConfigError("state", f"has version {raw.get('version')!r}; this loopengine "
-                                       f"reads version {VERSION}")
+            version = _validate.shown(raw.get("version"))
+            raise ConfigError("state", f"has version {version}; this loopengine reads "
+                                       f"version {VERSION}")
         try:
             op = dict(raw["operation"])
             name = op.pop("name")
@@ -278,7 +279,7 @@ def check_decisions(pending: tuple[PendingCall, ...],
                                                     f"(pending: {', '.join(sorted(ids))})")
         if not isinstance(value, Approve | Deny | Supply):
             raise ConfigError(f"decisions[{key!r}]", "must be Approve(), Deny(reason) or "
-                                                    f"Supply(text), got {value!r}")
+                                                    f"Supply(text), got {_validate.shown(value)}")
     missing = [call.id for call in pending if call.id not in given]
     if missing:
         raise ConfigError("decisions", f"no decision for pending call(s) {', '.join(missing)}")

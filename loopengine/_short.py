@@ -19,6 +19,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
+from loopengine import _validate
 from loopengine._errors import ConfigError
 
 if TYPE_CHECKING:
@@ -49,13 +50,13 @@ def parse_model(model: object) -> tuple[str, str]:
     """
     if not isinstance(model, str) or ":" not in model:
         raise ConfigError("model", f"must be 'vendor:model' (for example "
-                                   f"'anthropic:claude-sonnet-4-5'), got {model!r}")
+                                   f"'anthropic:claude-sonnet-4-5'), got {_validate.shown(model)}")
     vendor, _, name = model.partition(":")
     if vendor not in VENDORS:
         raise ConfigError("model", f"{vendor!r} is not a vendor this library speaks to; "
                                    f"use one of {', '.join(map(repr, VENDORS))}")
     if not name.strip():
-        raise ConfigError("model", f"{model!r} names no model after the vendor")
+        raise ConfigError("model", f"{_validate.shown(model)} names no model after the vendor")
     return vendor, name
 
 

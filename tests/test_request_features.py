@@ -290,3 +290,21 @@ async def test_a_server_tool_cannot_share_a_name_with_the_runs_tools(
         await engine.run(op(server_tools=(answer_tool,)), "go", output=Answer)
     assert caught.value.field == "server_tools[0].name"
     assert provider.requests == [] and ledger.invocations == {}
+
+
+def test_a_deep_bad_feature_value_is_a_config_error_with_a_bounded_message() -> None:
+    """A caller's bad value, however deeply nested, is named in a bounded message:
+    the error is a ConfigError, never a RecursionError from its repr."""
+    deep: list[object] = []
+    inner = deep
+    for _ in range(3000):
+        inner.append([])
+        inner = inner[0]  # type: ignore[assignment]
+    for build in (lambda: le.Thinking(adaptive=True, effort=deep),  # type: ignore[arg-type]
+                  lambda: le.Operation(name="a", provider="anthropic", model="m",
+                                       max_output_tokens=1, thinking=deep),  # type: ignore[arg-type]
+                  lambda: le.Operation(name="a", provider="anthropic", model="m",
+                                       max_output_tokens=1, server_tools=deep)):  # type: ignore[arg-type]
+        with pytest.raises(le.ConfigError) as raised:
+            build()
+        assert len(str(raised.value)) < 500
