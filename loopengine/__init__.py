@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from loopengine.guards._limits import Limits
     from loopengine.providers._cache import CachePolicy
     from loopengine.providers._faults import FaultKind, ProviderFault
+    from loopengine.providers._gemini import GeminiProvider
     from loopengine.providers._retry import RetryPolicy
 
 __version__ = "0.1.0"
@@ -64,6 +65,7 @@ __all__ = [
     "Engine",
     "Estimate",
     "FaultKind",
+    "GeminiProvider",
     "LedgerError",
     "Limits",
     "LoopEngineError",
@@ -112,6 +114,7 @@ _EXPORTS: dict[str, str] = {
     "Engine": "loopengine._engine",
     "Estimate": "loopengine._estimate",
     "FaultKind": "loopengine.providers._faults",
+    "GeminiProvider": "loopengine.providers._gemini",
     "LedgerError": "loopengine._errors",
     "Limits": "loopengine.guards._limits",
     "LoopEngineError": "loopengine._errors",

@@ -1,6 +1,7 @@
 """Providers: the `Provider` seam, fault classification, the retry policy,
 cache-marker placement, and the providers themselves: `AnthropicProvider`,
-`OpenAIProvider` (extra ``openai``) and `ScriptedProvider`.
+`OpenAIProvider` (extra ``openai``), `GeminiProvider` (extra ``gemini``) and
+`ScriptedProvider`.
 
 `AnthropicProvider` and `OpenAIProvider` are imported on first use, with
 their SDKs: ``import loopengine`` imports no provider SDK.
@@ -23,6 +24,7 @@ from loopengine.providers._scripted import Reply, ScriptedProvider
 
 if typing.TYPE_CHECKING:
     from loopengine.providers._anthropic import AnthropicProvider
+    from loopengine.providers._gemini import GeminiProvider
     from loopengine.providers._openai import OpenAIProvider
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "AnthropicProvider",
     "CachePolicy",
     "FaultKind",
+    "GeminiProvider",
     "OpenAIProvider",
     "Provider",
     "ProviderFault",
@@ -59,4 +62,8 @@ def __getattr__(name: str) -> typing.Any:
         from loopengine.providers._openai import OpenAIProvider
 
         return OpenAIProvider
+    if name == "GeminiProvider":
+        from loopengine.providers._gemini import GeminiProvider
+
+        return GeminiProvider
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,8 @@
 replies, error statuses, dropped connections and broken streams with
 `Reply`, `ErrorReply`, `DropConnection`, `CutStream`, `StreamErrorEvent` and
 `StallStream`. `FakeOpenAIServer` is the same for the Chat Completions API,
-for `OpenAIProvider` (or any ``openai`` client), from the same script items.
+for `OpenAIProvider` (or any ``openai`` client), from the same script items,
+and `FakeGeminiServer` for the Gemini API and `GeminiProvider`.
 The pytest fixtures ``fake_anthropic_server`` and ``fake_openai_server``
 (registered by the package's pytest plugin) give each test a started server.
 See docs/testing.md.
@@ -15,6 +16,7 @@ See docs/testing.md.
 from loopengine._clock import FakeClock
 from loopengine.providers._scripted import Reply
 from loopengine.testing._anthropic_server import FakeAnthropicServer
+from loopengine.testing._gemini_server import FakeGeminiServer
 from loopengine.testing._loopback import (
     CutStream,
     DropConnection,
@@ -32,6 +34,7 @@ __all__ = [
     "ErrorReply",
     "FakeAnthropicServer",
     "FakeClock",
+    "FakeGeminiServer",
     "FakeOpenAIServer",
     "RecordedRequest",
     "Reply",

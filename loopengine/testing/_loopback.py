@@ -252,9 +252,10 @@ class RecordedRequest:
     @property
     def timeout(self) -> float | None:
         """The client's request timeout in seconds, when the SDK sent one
-        (``x-stainless-timeout``; the ``openai`` SDK's ``x-stainless-read-timeout``)."""
+        (``x-stainless-timeout``; the ``openai`` SDK's ``x-stainless-read-timeout``;
+        the ``google-genai`` SDK's ``x-server-timeout``, whole seconds rounded up)."""
         value = self.headers.get("x-stainless-timeout", self.headers.get(
-            "x-stainless-read-timeout"))
+            "x-stainless-read-timeout", self.headers.get("x-server-timeout")))
         try:
             return float(value) if value is not None else None
         except ValueError:
@@ -295,8 +296,8 @@ class LoopbackServer:
 
     path = "/"
     """The one path the server answers (``POST``)."""
-    request_id_header = "request-id"
-    """The response header that carries the request id."""
+    request_id_header: str | None = "request-id"
+    """The response header that carries the request id (None: the API sends none)."""
 
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
         self._host = host
@@ -478,7 +479,8 @@ class LoopbackServer:
         self._serve(handler, item, request, number)
 
     def _serve(self, handler: _Handler, item: Any, request: RecordedRequest, number: int) -> None:
-        ids = {self.request_id_header: f"req_fake_{number:04d}"}
+        ids = ({self.request_id_header: f"req_fake_{number:04d}"}
+               if self.request_id_header else {})
         if isinstance(item, ErrorReply):
             self._wait(item.delay)
             handler.send_bytes(item.status, self._error_body(item), "application/json",
@@ -487,7 +489,8 @@ class LoopbackServer:
         if isinstance(item, DropConnection):
             self._wait(item.delay)
             raise _Drop(reset=item.reset)
-        if isinstance(item, StreamErrorEvent) and not request.stream:
+        streamed = self._streamed(request)
+        if isinstance(item, StreamErrorEvent) and not streamed:
             self._serve(handler, ErrorReply(status=self._error_status(item.type),
                                             type=item.type, message=item.message),
                         request, number)
@@ -504,7 +507,7 @@ class LoopbackServer:
             raise TypeError(f"not a script item: {item!r}")
         self._wait(reply.delay)
         message = self._message(reply, request, number)
-        if not request.stream:
+        if not streamed:
             payload = json.dumps(message).encode()
             if mode == "stall":
                 self._wait(item.seconds)
@@ -549,6 +552,11 @@ class LoopbackServer:
     def _refusal(self, body: Any) -> str | None:
         """Why the real API would refuse this request body (a 400), or None."""
         return None
+
+    def _streamed(self, request: RecordedRequest) -> bool:
+        """Whether ``request`` asked for a streamed reply (default: its body's
+        ``"stream": true``)."""
+        return request.stream
 
     def _error_body(self, item: ErrorReply) -> bytes:
         """The body of an error response."""

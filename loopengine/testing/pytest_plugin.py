@@ -1,5 +1,5 @@
-"""The pytest plugin of loopengine: the ``fake_anthropic_server`` and
-``fake_openai_server`` fixtures.
+"""The pytest plugin of loopengine: the ``fake_anthropic_server``,
+``fake_openai_server`` and ``fake_gemini_server`` fixtures.
 
 Installed with the package (entry point ``pytest11``), so any test suite that
 has loopengine installed can ask for the fixture by name::
@@ -22,9 +22,10 @@ from collections.abc import Iterator
 import pytest
 
 from loopengine.testing._anthropic_server import FakeAnthropicServer
+from loopengine.testing._gemini_server import FakeGeminiServer
 from loopengine.testing._openai_server import FakeOpenAIServer
 
-__all__ = ["fake_anthropic_server", "fake_openai_server"]
+__all__ = ["fake_anthropic_server", "fake_gemini_server", "fake_openai_server"]
 
 
 @pytest.fixture
@@ -38,4 +39,11 @@ def fake_anthropic_server() -> Iterator[FakeAnthropicServer]:
 def fake_openai_server() -> Iterator[FakeOpenAIServer]:
     """A started `FakeOpenAIServer` with an empty script, closed after the test."""
     with FakeOpenAIServer() as server:
+        yield server
+
+
+@pytest.fixture
+def fake_gemini_server() -> Iterator[FakeGeminiServer]:
+    """A started `FakeGeminiServer` with an empty script, closed after the test."""
+    with FakeGeminiServer() as server:
         yield server

@@ -1,0 +1,292 @@
+"""`GeminiProvider`: the Gemini API through the official ``google-genai`` SDK.
+
+One `send` is one wire request (``models/{model}:generateContent``, or
+``:streamGenerateContent?alt=sse``), in the Gemini Developer API mode (an API
+key) or the Vertex AI mode (a ``genai.Client(vertexai=True, ...)`` passed
+in). The SDK never retries on its own: every request carries the HTTP
+options ``retry_options={"attempts": 1}`` (which also turns off the SDK's
+silent retry of a failed aiohttp connection) and the engine's attempt timeout
+(already capped at the run's remaining time, R04), and the SDK's own loops
+(automatic function calling, automatic continuation) are off. The event-loop
+rules are `AnthropicProvider`'s, from the same code (``_clients.py``): a
+client per event loop when built from keywords, a client given by the caller
+bound to its first loop.
+
+Its request goes through ``_gemini_contents.py`` (the translation) and every
+SDK error becomes a fault in ``_gemini_faults.py``'s `classify_error`.
+
+The ``google-genai`` SDK is the extra ``gemini`` (``pip install
+'loopengine-core[gemini]'``): this module imports it only when a provider is
+built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import httpx2
+
+from loopengine import _validate
+from loopengine._errors import ConfigError
+from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._clients import (
+    BoundClient,
+    ClientPerLoop,
+    connection_limit,
+    http_client,
+    shared_tls,
+)
+from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._gemini_contents import (
+    StreamedReply,
+    check_translatable,
+    gemini_config,
+    gemini_contents,
+)
+from loopengine.providers._gemini_faults import (
+    classify_error,
+    failures,
+    import_genai,
+    read_failures,
+)
+from loopengine.providers._sdk import SDKProvider, read_stream
+
+if TYPE_CHECKING:
+    from google import genai
+
+__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "GeminiProvider"]
+
+DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
+"""Seconds a stream may go without a chunk before the attempt is aborted (``idle``)."""
+
+# HTTP options the provider sets itself: a client of the caller's making comes
+# as ``client`` instead (it is then bound to its first event loop).
+_OWN_OPTIONS = ("httpx_async_client", "httpx_client", "aiohttp_client", "async_client_args")
+
+
+class _Session:
+    """One ``genai.Client`` and what closing it takes: the async HTTP client
+    the provider built for it (the SDK leaves a client it was given open)."""
+
+    def __init__(self, client: genai.Client, owned: tuple[Any, ...] = ()) -> None:
+        self.client = client
+        self._owned = owned
+
+    async def close(self) -> None:
+        """Close the HTTP clients the provider built for this session."""
+        for http in self._owned:
+            if isinstance(http, httpx2.AsyncClient):
+                await http.aclose()
+            else:
+                http.close()
+
+
+class GeminiProvider(SDKProvider[_Session]):
+    """The Gemini API as a `Provider`, through the ``google-genai`` SDK.
+
+    Args:
+        client: A ``google.genai.Client``: the Vertex AI mode
+            (``genai.Client(vertexai=True, project=..., location=...)``) or any
+            client of the caller's making. It is used on the first event loop
+            that sends through it only (a request on another loop raises
+            `ConfigError` before anything is sent) and never closed; each
+            request turns its retries off.
+        stream: Stream every response (``streamGenerateContent?alt=sse``), also
+            when nobody reads its text. Whatever it says, a request whose run
+            reads the text (``on_text``, `loopengine.Engine.stream`) is streamed.
+        route: The route this provider serves (an operation's ``provider``).
+            Default: ``gemini``, or ``google-vertex`` for a Vertex AI client.
+        stream_idle_timeout: Seconds a stream may go without a chunk before
+            the attempt is aborted with reason ``idle`` (and retried).
+        max_connections: Without ``client``: the most connections the
+            provider's HTTP client (of each event loop) opens; default 1,000.
+        **client_kwargs: Without ``client``: the keywords to build a
+            ``genai.Client`` (``api_key``, ``http_options``...). Without
+            ``api_key`` the SDK reads ``GOOGLE_API_KEY``, then
+            ``GEMINI_API_KEY``. ``http_options`` may set ``base_url``,
+            ``api_version`` and ``headers``; its ``retry_options`` may only
+            make one attempt, and the HTTP clients are the provider's (one
+            per event loop, built as `AnthropicProvider` builds them).
+
+    Raises:
+        ConfigError: both a client and keywords, a client that is not a
+            ``genai.Client``, retries asked of the SDK, HTTP clients among the
+            ``http_options``, keywords the SDK refuses (no API key), a bad
+            ``route``, ``stream_idle_timeout`` or ``max_connections``.
+        ImportError: the ``gemini`` extra is not installed.
+
+    The attempt's ``served_by`` is ``google:<model>`` (``google-vertex:<model>``
+    for a Vertex AI client) and its price is genai-prices' ``google`` one.
+
+    Example::
+
+        provider = GeminiProvider(api_key=key)
+        engine = loopengine.Engine(provider)
+        op = loopengine.Operation(name="help.answer", provider="gemini",
+                                  model="gemini-2.5-flash")
+    """
+
+    def __init__(
+        self,
+        client: genai.Client | None = None,
+        *,
+        stream: bool = False,
+        route: str | None = None,
+        stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
+        max_connections: int | None = None,
+        **client_kwargs: Any,
+    ) -> None:
+        _validate.boolean("stream", stream)
+        if route is not None:
+            _validate.text("route", route)
+        self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
+        genai = import_genai()
+        connections = connection_limit(max_connections, client, client_kwargs)
+        if client is not None:
+            if client_kwargs:
+                raise ConfigError("client", "give a client or the keywords to build one, not "
+                                            f"both (got {', '.join(sorted(client_kwargs))})")
+            if not isinstance(client, genai.Client):
+                raise ConfigError("client", f"must be a google.genai.Client, got "
+                                            f"{type(client).__name__}")
+            self._clients: ClientPerLoop[_Session] | BoundClient[_Session] = BoundClient(
+                "GeminiProvider", _Session(client))
+        else:
+            options = _http_options(client_kwargs.pop("http_options", None))
+            tls = shared_tls()
+
+            def build(on_asyncio: bool) -> _Session:
+                http = http_client(tls(), connections, on_asyncio=on_asyncio,
+                                   sdk_default=httpx2.AsyncClient)
+                # The SDK builds a sync client too unless given one; this one
+                # shares the TLS context and is never used.
+                plain = httpx2.Client(verify=tls())
+                try:
+                    built = genai.Client(**client_kwargs, http_options={
+                        **options, "httpx_async_client": http, "httpx_client": plain})
+                except (ValueError, TypeError) as error:
+                    plain.close()
+                    raise ConfigError("client", f"the google-genai SDK refused the client "
+                                                f"settings: {error}") from None
+                return _Session(built, (http, plain))
+
+            self._clients = ClientPerLoop("GeminiProvider", build)
+        vertex = bool(self.client.client.vertexai)
+        self._vendor = "google-vertex" if vertex else "google"
+        self._name = route if route is not None else "google-vertex" if vertex else "gemini"
+        self._stream = stream
+
+    features = frozenset({"thinking"})
+    """The Gemini API's optional request features (docs/providers.md): ``thinking``,
+    sent as ``thinkingConfig.thinkingBudget`` (``-1``, dynamic, for an adaptive
+    `loopengine.Thinking`). The vendor (`vendor`) is ``google``, or
+    ``google-vertex`` for a Vertex AI client."""
+
+    def check_request(self, request: ProviderRequest) -> None:
+        """Before an attempt is recorded: refuse a request the Gemini API has no
+        equivalent for (an image given by URL, a document that is not base64
+        data, a server tool block...), by the translation's own rules.
+
+        Raises:
+            ProviderFault: ``bad_request``, ``error_code`` ``untranslatable``.
+        """
+        check_translatable(request)
+
+    def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
+        from pydantic import ValidationError
+
+        types = import_genai().types
+        # At least a millisecond: the SDK takes whole milliseconds.
+        timeout_ms = max(1, int(request.timeout * 1000))
+        try:
+            return {
+                "model": request.model,
+                "contents": [types.Content.model_validate(content)
+                             for content in gemini_contents(request.messages)],
+                "config": types.GenerateContentConfig.model_validate(
+                    gemini_config(request, timeout_ms)),
+            }
+        except ValidationError as error:
+            raise ProviderFault(FaultKind.BAD_REQUEST, f"the google-genai SDK refused the "
+                                f"request: {error.error_count()} invalid field(s)",
+                                error_code="untranslatable") from None
+
+    async def _send_plain(self, client: _Session, params: dict[str, Any]) -> ProviderResponse:
+        try:
+            response = await client.client.aio.models.generate_content(**params)
+        except read_failures() as error:
+            raise classify_error(error) from error
+        reply = StreamedReply()
+        reply.add(response)
+        return self._response(reply)
+
+    async def _send_streaming(
+        self, client: _Session, params: dict[str, Any], on_text: TextCallback | None
+    ) -> ProviderResponse:
+        try:
+            stream = await client.client.aio.models.generate_content_stream(**params)
+        except failures() as error:
+            raise classify_error(error) from error
+        reply = StreamedReply()
+
+        def cut(message: str, reason: str | None) -> ProviderFault:
+            return ProviderFault(FaultKind.ABORTED, message, http_status=200,
+                                 aborted_reason=reason, usage=reply.usage,
+                                 usage_approx=reply.usage is not None,
+                                 response_id=reply.response_id)
+
+        async def close() -> None:
+            # The SDK's stream is an async generator (typed as an iterator):
+            # closing it closes the response and releases the connection.
+            closing = getattr(stream, "aclose", None)
+            if closing is not None:
+                await closing()
+
+        await read_stream(
+            stream, idle=self._idle, failures=read_failures(), take=reply.add,
+            failed=lambda error: classify_error(error, in_body=True, usage=reply.usage,
+                                                response_id=reply.response_id),
+            cut=cut, on_text=on_text, close=close)
+        if reply.finish_reason is None and reply.block_reason is None:
+            # The SDK returns quietly from a stream cut short.
+            raise cut("the stream ended before its finishReason", None)
+        return self._response(reply)
+
+    @staticmethod
+    def _response(reply: StreamedReply) -> ProviderResponse:
+        content, stop = reply.content()
+        return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,
+                                response_id=reply.response_id, http_status=200,
+                                model=reply.model)
+
+
+def _http_options(given: object) -> dict[str, Any]:
+    """The caller's ``http_options`` as a dict, checked: retries off, no HTTP clients.
+
+    Raises:
+        ConfigError: retries asked of the SDK, or HTTP clients among them.
+    """
+    if given is None:
+        options: dict[str, Any] = {}
+    elif isinstance(given, Mapping):
+        options = dict(given)
+    elif hasattr(given, "model_dump"):
+        options = {k: v for k, v in given.model_dump().items() if v is not None}
+    else:
+        raise ConfigError("http_options", f"must be a mapping or google.genai.types."
+                                          f"HttpOptions, got {type(given).__name__}")
+    own = [name for name in _OWN_OPTIONS if options.get(name) is not None]
+    if own:
+        raise ConfigError("http_options", f"{', '.join(own)}: the provider builds its HTTP "
+                                          "clients (one per event loop); to send through "
+                                          "your own, pass a genai.Client as client")
+    retries = options.get("retry_options")
+    attempts = (retries.get("attempts") if isinstance(retries, Mapping)
+                else getattr(retries, "attempts", None))
+    if retries is not None and attempts not in (0, 1):
+        raise ConfigError("http_options", "retry_options: the SDK must not retry on its own: "
+                                          "every wire request is an attempt the engine "
+                                          "counts; set the operation's RetryPolicy instead")
+    options["retry_options"] = {"attempts": 1}
+    return options

@@ -1,0 +1,402 @@
+"""Gemini ``contents`` <-> the engine's Anthropic shapes, for `GeminiProvider`.
+
+The engine's transcript stays Anthropic-shaped; this module translates at
+its boundary, both ways:
+
+* ``system`` blocks become the ``systemInstruction``; user text becomes
+  ``text`` parts, base64 images and PDFs ``inlineData`` parts; each
+  ``tool_result`` becomes a ``functionResponse`` part (``{"result": text}``,
+  or ``{"error": text}`` for an ``is_error`` result) named after the call it
+  answers, placed first in its ``user`` content; ``tool_use`` blocks become
+  the model's ``functionCall`` parts (with their ids); ``cache_control``
+  markers have no equivalent and are dropped (Gemini caches implicitly);
+* thought signatures: a part the API sent with a ``thoughtSignature`` is kept
+  as a ``thinking`` block just before the part's own block (``thinking`` empty,
+  ``signature`` the signature in base64), and a thought summary (a part with
+  ``thought: true``) as a ``thinking`` block with its text. Sent back, a
+  signature block's signature goes on the next part of the same message (on
+  an empty text part when none follows), so every signature returns on the
+  part it came with, as the API requires across turns;
+* a malformed function call (finish reason ``MALFORMED_FUNCTION_CALL`` or
+  ``UNEXPECTED_TOOL_CALL``) becomes a ``tool_use`` block whose ``input`` is
+  the API's ``finishMessage`` (a string, so the loop's input check gives the
+  model a recoverable error result, R15, within the budgets); sent back, the
+  call is the model's text and its result the user's text, since there is no
+  function call to answer;
+* tools become one ``functionDeclarations`` tool with each JSON schema as
+  ``parametersJsonSchema``; ``tool_choice`` ``auto`` / ``none`` / ``any`` / a
+  named tool become the ``functionCallingConfig`` modes ``AUTO`` / ``NONE`` /
+  ``ANY`` / ``ANY`` limited to that name.
+
+``finishReason`` becomes the engine's stop reason: ``STOP`` -> ``end_turn``
+(``tool_use`` when the reply calls functions), ``MAX_TOKENS`` and
+``CONTINUATION`` -> ``max_tokens`` (``incomplete``), ``SAFETY``,
+``PROHIBITED_CONTENT``, ``BLOCKLIST``, ``SPII``, ``RECITATION``,
+``IMAGE_SAFETY``, ``IMAGE_PROHIBITED_CONTENT``, ``MODEL_ARMOR`` and a prompt
+blocked by ``promptFeedback.blockReason`` -> ``refusal`` (``refused``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from loopengine._usage import Usage
+from loopengine.providers._base import ProviderRequest, text_or_none, token_count
+from loopengine.providers._faults import FaultKind, ProviderFault
+
+__all__ = [
+    "MALFORMED_CALL",
+    "REFUSED",
+    "StreamedReply",
+    "check_translatable",
+    "gemini_config",
+    "gemini_contents",
+    "reply_content",
+    "usage_from_api",
+]
+
+REFUSED = frozenset({"SAFETY", "PROHIBITED_CONTENT", "BLOCKLIST", "SPII", "RECITATION",
+                     "IMAGE_SAFETY", "IMAGE_PROHIBITED_CONTENT", "MODEL_ARMOR"})
+"""Finish reasons that mean the answer was withheld: the run ends ``refused``."""
+
+MALFORMED_CALL = frozenset({"MALFORMED_FUNCTION_CALL", "UNEXPECTED_TOOL_CALL"})
+"""Finish reasons of a function call the API could not hand over: the model is told."""
+
+_CUT = frozenset({"MAX_TOKENS", "CONTINUATION"})
+
+_ids = itertools.count(1)
+_CALLED = re.compile(r"([A-Za-z_][\w.-]*)\s*\(")
+
+
+def _untranslatable(what: str) -> ProviderFault:
+    return ProviderFault(FaultKind.BAD_REQUEST,
+                         f"{what} has no Gemini equivalent, so the request was not sent",
+                         error_code="untranslatable")
+
+
+# -- the request ------------------------------------------------------------------------
+
+_ASSISTANT = frozenset({"text", "tool_use", "thinking", "redacted_thinking"})
+_USER = frozenset({"text", "image", "document", "tool_result"})
+
+
+def _inline(block: Mapping[str, Any]) -> dict[str, Any]:
+    """An image or document of base64 data as an ``inline_data`` part."""
+    source = block.get("source")
+    if not isinstance(source, Mapping) or source.get("type") != "base64":
+        raise _untranslatable(f"a {block.get('type')!r} block that is not base64 data")
+    try:
+        data = base64.b64decode(str(source.get("data", "")), validate=True)
+    except (binascii.Error, ValueError):
+        raise _untranslatable(f"a {block.get('type')!r} block whose data is not base64") \
+            from None
+    return {"inline_data": {"mime_type": str(source.get("media_type")), "data": data}}
+
+
+def _signature(value: object) -> bytes | None:
+    """A thought signature kept in base64 (standard or URL-safe), as bytes."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return base64.b64decode(value.replace("-", "+").replace("_", "/"), validate=True)
+    except (binascii.Error, ValueError):
+        raise _untranslatable("a thinking block whose signature is not base64") from None
+
+
+def _result_text(block: Mapping[str, Any]) -> str:
+    content = block.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if not isinstance(part, Mapping) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise _untranslatable(f"a {kind!r} block inside a tool result")
+        texts.append(str(part.get("text", "")))
+    return "\n\n".join(texts)
+
+
+def check_translatable(request: ProviderRequest) -> None:
+    """Raise what `gemini_contents` would raise for ``request``, by translating it.
+
+    Raises:
+        ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role or
+            a ``tool_choice`` that has no Gemini equivalent.
+    """
+    gemini_contents(request.messages)
+    if request.tools:
+        _tool_config(request.tool_choice)
+
+
+def gemini_contents(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The ``contents`` (SDK dicts, snake_case) for Anthropic ``messages``.
+
+    Raises:
+        ProviderFault: ``bad_request`` (``untranslatable``) for what has no
+            Gemini equivalent (a URL image, a server tool block...).
+    """
+    names: dict[str, str] = {}
+    malformed: set[str] = set()
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message.get("role")
+        content = message.get("content")
+        if role == "assistant":
+            parts = _model_parts(content, names, malformed)
+            if parts:
+                out.append({"role": "model", "parts": parts})
+        elif role == "user":
+            out.append({"role": "user", "parts": _user_parts(content, names, malformed)})
+        else:
+            raise _untranslatable(f"a message with role {role!r}")
+    return out
+
+
+def _model_parts(content: Any, names: dict[str, str], malformed: set[str]) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"text": content}] if content else []
+    parts: list[dict[str, Any]] = []
+    pending: bytes | None = None
+    for block in content or ():
+        kind = block.get("type")
+        if kind not in _ASSISTANT:
+            raise _untranslatable(f"an assistant {kind!r} block")
+        part: dict[str, Any]
+        if kind == "redacted_thinking":
+            continue  # another vendor's reasoning: nothing to send it as
+        if kind == "thinking":
+            thought = str(block.get("thinking") or "")
+            signature = _signature(block.get("signature"))
+            if not thought:
+                pending = signature or pending
+                continue
+            part = {"text": thought, "thought": True}
+            if signature is not None:
+                part["thought_signature"] = signature
+            parts.append(part)
+            continue
+        if kind == "text":
+            part = {"text": str(block.get("text", ""))}
+        else:
+            call_id = str(block.get("id"))
+            names[call_id] = str(block.get("name"))
+            tool_input = block.get("input")
+            if isinstance(tool_input, Mapping):
+                part = {"function_call": {"id": call_id, "name": str(block.get("name")),
+                                          "args": dict(tool_input)}}
+            else:
+                # A call the API could not parse: the model's own (malformed) text.
+                malformed.add(call_id)
+                part = {"text": str(tool_input)}
+        if pending is not None:
+            part["thought_signature"] = pending
+            pending = None
+        parts.append(part)
+    if pending is not None:
+        parts.append({"text": "", "thought_signature": pending})
+    return parts
+
+
+def _user_parts(content: Any, names: Mapping[str, str],
+                malformed: set[str]) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"text": content}]
+    responses: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for block in content or ():
+        kind = block.get("type")
+        if kind not in _USER:
+            raise _untranslatable(f"a user {kind!r} block")
+        if kind == "tool_result":
+            call_id = str(block.get("tool_use_id"))
+            text = _result_text(block)
+            if call_id in malformed:
+                parts.append({"text": f"Your function call could not be parsed and was not "
+                                      f"run: {text}"})
+                continue
+            key = "error" if block.get("is_error") is True else "result"
+            responses.append({"function_response": {
+                "id": call_id, "name": names.get(call_id, ""), "response": {key: text}}})
+        elif kind == "text":
+            parts.append({"text": str(block.get("text", ""))})
+        else:
+            parts.append(_inline(block))
+    return [*responses, *parts] or [{"text": ""}]
+
+
+def _tool_config(choice: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "auto":
+        return {"function_calling_config": {"mode": "AUTO"}}
+    if kind == "none":
+        return {"function_calling_config": {"mode": "NONE"}}
+    if kind == "any":
+        return {"function_calling_config": {"mode": "ANY"}}
+    if kind == "tool":
+        return {"function_calling_config": {"mode": "ANY",
+                                            "allowed_function_names": [choice.get("name")]}}
+    raise _untranslatable(f"tool_choice {kind!r}")
+
+
+def gemini_config(request: ProviderRequest, timeout_ms: int) -> dict[str, Any]:
+    """The ``GenerateContentConfig`` (SDK dict) of ``request``: its output cap,
+    system instruction, tools, thinking, and the per-request HTTP options (the
+    attempt's timeout; the SDK's retries off); the SDK's own loops (automatic
+    function calling, automatic continuation) off, so one call is one request."""
+    config: dict[str, Any] = {
+        "max_output_tokens": request.max_tokens,
+        "automatic_function_calling": {"disable": True},
+        "automatic_continuation": False,
+        "http_options": {"timeout": timeout_ms, "retry_options": {"attempts": 1}},
+    }
+    if request.system:
+        config["system_instruction"] = {"parts": [{"text": str(block.get("text", ""))}
+                                                  for block in request.system]}
+    if request.tools:
+        declarations = []
+        for tool in request.tools:
+            declaration: dict[str, Any] = {
+                "name": tool.get("name"),
+                "parameters_json_schema": tool.get("input_schema") or {"type": "object"}}
+            if tool.get("description"):
+                declaration["description"] = tool["description"]
+            declarations.append(declaration)
+        config["tools"] = [{"function_declarations": declarations}]
+        tool_config = _tool_config(request.tool_choice)
+        if tool_config is not None:
+            config["tool_config"] = tool_config
+    thinking = request.features.thinking
+    if thinking is not None:
+        config["thinking_config"] = {
+            "thinking_budget": -1 if thinking.adaptive else thinking.budget_tokens}
+    return config
+
+
+# -- the reply -----------------------------------------------------------------------------
+
+
+def _encoded(signature: object) -> str | None:
+    if isinstance(signature, bytes) and signature:
+        return base64.b64encode(signature).decode("ascii")
+    return None
+
+
+class StreamedReply:
+    """A reply put together from its parts, whole (one response) or chunk by chunk
+    (a stream: text parts are joined, the last chunk's usage and finish reason
+    kept)."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self.finish_reason: str | None = None
+        self.finish_message: str | None = None
+        self.block_reason: str | None = None
+        self.usage: Usage | None = None
+        self.response_id: str | None = None
+        self.model: str | None = None
+        self._joinable = False
+
+    def add(self, response: Any) -> str:
+        """Take one response (or stream chunk) of the SDK; return its text."""
+        self.response_id = self.response_id or text_or_none(response.response_id)
+        self.model = self.model or text_or_none(response.model_version)
+        if response.usage_metadata is not None:
+            # Streamed usage is cumulative: each chunk's counts replace the last.
+            self.usage = usage_from_api(response.usage_metadata)
+        feedback = response.prompt_feedback
+        if feedback is not None and feedback.block_reason is not None:
+            self.block_reason = _name(feedback.block_reason)
+        text = ""
+        for candidate in (response.candidates or ())[:1]:
+            if candidate.finish_reason is not None:
+                self.finish_reason = _name(candidate.finish_reason)
+                self.finish_message = candidate.finish_message
+            parts = candidate.content.parts if candidate.content is not None else None
+            for part in parts or ():
+                text += self._part(part)
+        return text
+
+    def _part(self, part: Any) -> str:
+        signature = _encoded(part.thought_signature)
+        if part.thought:
+            self.blocks.append({"type": "thinking", "thinking": part.text or "",
+                                "signature": signature or ""})
+            self._joinable = False
+            return ""
+        if signature is not None:
+            self.blocks.append({"type": "thinking", "thinking": "", "signature": signature})
+            self._joinable = False
+        if part.function_call is not None:
+            call = part.function_call
+            self.blocks.append({"type": "tool_use", "id": call.id or f"call_{next(_ids):06d}",
+                                "name": call.name or "", "input": dict(call.args or {})})
+            self._joinable = False
+            return ""
+        if part.text:
+            if self._joinable:
+                self.blocks[-1]["text"] += part.text
+            else:
+                self.blocks.append({"type": "text", "text": part.text})
+                self._joinable = True
+            return str(part.text)
+        return ""
+
+    def content(self) -> tuple[list[dict[str, Any]], str | None]:
+        """The reply's content blocks and the engine's stop reason."""
+        return reply_content(self.blocks, self.finish_reason, self.finish_message,
+                             self.block_reason)
+
+
+def _name(value: Any) -> str:
+    """An SDK enum's (or a string's) value."""
+    return str(getattr(value, "value", value))
+
+
+def reply_content(blocks: list[dict[str, Any]], finish_reason: str | None,
+                  finish_message: str | None,
+                  block_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """A reply's content blocks and stop reason (the table in the module docstring)."""
+    if block_reason is not None and finish_reason is None:
+        return blocks, "refusal"
+    if finish_reason in MALFORMED_CALL:
+        said = finish_message or "the function call could not be parsed"
+        called = _CALLED.search(said.partition(":")[2] or said)
+        name = called.group(1).rpartition(".")[2] if called is not None else ""
+        blocks = [*blocks, {"type": "tool_use", "id": f"call_{next(_ids):06d}",
+                            "name": name, "input": said}]
+        return blocks, "tool_use"
+    if finish_reason is None:
+        return blocks, None
+    if finish_reason in REFUSED:
+        return blocks, "refusal"
+    if finish_reason in _CUT:
+        return blocks, "max_tokens"
+    if finish_reason == "STOP":
+        calls = any(block["type"] == "tool_use" for block in blocks)
+        return blocks, "tool_use" if calls else "end_turn"
+    return blocks, finish_reason
+
+
+def usage_from_api(raw: Any) -> Usage:
+    """Map Gemini's ``usageMetadata`` (the SDK's object) to `Usage`.
+
+    ``promptTokenCount`` counts the cached tokens too, and the prompt of
+    server-side tool use comes apart: ``input_tokens = promptTokenCount +
+    toolUsePromptTokenCount - cachedContentTokenCount``, ``cache_read_tokens =
+    cachedContentTokenCount``; the thinking is billed as output:
+    ``output_tokens = candidatesTokenCount + thoughtsTokenCount``, of which
+    ``thoughtsTokenCount`` are ``reasoning_tokens``. Missing counts are 0.
+    """
+    prompt = token_count(raw.prompt_token_count) + token_count(raw.tool_use_prompt_token_count)
+    cached = min(prompt, token_count(raw.cached_content_token_count))
+    thoughts = token_count(raw.thoughts_token_count)
+    output = token_count(raw.candidates_token_count) + thoughts
+    return Usage(input_tokens=prompt - cached, output_tokens=output,
+                 cache_read_tokens=cached, reasoning_tokens=thoughts)

@@ -1,0 +1,215 @@
+"""The faults of `GeminiProvider`: every ``google-genai`` SDK (and transport) error
+becomes one `ProviderFault` here, and only here.
+
+The SDK raises one error class for every error response (``errors.APIError``,
+with ``ClientError`` for 4xx and ``ServerError`` for 5xx); it carries the
+HTTP status (``code``), the API's canonical ``status`` (``RESOURCE_EXHAUSTED``,
+``PERMISSION_DENIED``...), the ``message`` and the whole error body
+(``details``), whose ``error.details`` list holds the typed details this
+module reads: ``google.rpc.RetryInfo`` (``retryDelay``) and
+``google.rpc.ErrorInfo`` (``reason``).
+
+=====================  ===========================================================
+fault kind             from
+=====================  ===========================================================
+``credit_exhausted``   an ``ErrorInfo`` whose ``reason`` is ``BILLING_DISABLED``
+                       (a 403 ``PERMISSION_DENIED``), or a ``message`` saying the
+                       prepayment credits are depleted ("Your prepayment credits
+                       are depleted...", a 429 ``RESOURCE_EXHAUSTED``), whatever
+                       the status; 402
+``rate_limited``       any other 429 ``RESOURCE_EXHAUSTED`` (a per-minute or
+                       per-day quota), waiting the ``RetryInfo.retryDelay`` it
+                       names (else ``retry-after``)
+``overloaded``         503 ``UNAVAILABLE`` whose message says the model is
+                       overloaded
+``server_error``       500 ``INTERNAL``, other 503s, 502, 504 and other 5xx, 409;
+                       a body that is not a response
+``timeout``            408, 504 ``DEADLINE_EXCEEDED``, the transport's timeout
+``connection``         refused, reset or closed before a response
+``aborted``            the stream cut after the response began, a stream that
+                       ended before its ``finishReason``, an idle stream
+``unauthorized``       401 ``UNAUTHENTICATED``, 403 ``PERMISSION_DENIED`` (other
+                       reasons)
+``bad_request``        400 ``INVALID_ARGUMENT`` / ``FAILED_PRECONDITION``, 404,
+                       other 4xx; a request the SDK refuses to build; the client
+                       failing on its own state (``client_state``)
+=====================  ===========================================================
+
+An error inside a stream (``data: {"error": {...}}`` after a 200) is read the
+same way from its ``code`` and ``status``. The ``google-genai`` SDK is
+imported on first use (`import_genai`), never when ``loopengine`` is.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import httpx2
+
+from loopengine._usage import Usage
+from loopengine.providers._base import text_or_none as _text
+from loopengine.providers._faults import (
+    STATUS_KINDS,
+    FaultKind,
+    ProviderFault,
+    SDKErrors,
+    classify_sdk_error,
+    retry_after,
+    should_retry,
+)
+
+__all__ = ["BILLING_REASONS", "classify_error", "failures", "import_genai", "read_failures"]
+
+BILLING_REASONS = frozenset({"BILLING_DISABLED"})
+"""``ErrorInfo.reason`` values that say the project cannot be billed: permanent."""
+
+# Lowercased fragments of the message of depleted prepaid credits.
+_CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted")
+
+_STATUS_NAMES = {
+    "INVALID_ARGUMENT": FaultKind.BAD_REQUEST,
+    "FAILED_PRECONDITION": FaultKind.BAD_REQUEST,
+    "OUT_OF_RANGE": FaultKind.BAD_REQUEST,
+    "NOT_FOUND": FaultKind.BAD_REQUEST,
+    "UNAUTHENTICATED": FaultKind.UNAUTHORIZED,
+    "PERMISSION_DENIED": FaultKind.UNAUTHORIZED,
+    "RESOURCE_EXHAUSTED": FaultKind.RATE_LIMITED,
+    "DEADLINE_EXCEEDED": FaultKind.TIMEOUT,
+    "UNAVAILABLE": FaultKind.SERVER_ERROR,
+    "INTERNAL": FaultKind.SERVER_ERROR,
+    "ABORTED": FaultKind.SERVER_ERROR,
+}
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
+
+
+def import_genai() -> Any:
+    """The ``google.genai`` module, imported on first use."""
+    try:
+        from google import genai
+    except ImportError as error:  # pragma: no cover - the dev install has the extra
+        raise ImportError("GeminiProvider needs the google-genai SDK, which is not "
+                          "installed: pip install 'loopengine-core[gemini]'") from error
+    return genai
+
+
+@functools.cache
+def failures() -> tuple[type[BaseException], ...]:
+    """What the SDK raises for a request that failed: its error responses and the
+    transport's errors (never the caller's cancellation, which propagates)."""
+    from google.genai import errors
+
+    return (errors.APIError, httpx2.HTTPError, httpx2.StreamError)
+
+
+@functools.cache
+def read_failures() -> tuple[type[BaseException], ...]:
+    """What reading a reply may raise: `failures`, and ``ValueError`` /
+    ``RuntimeError`` for a body that is not a response (a JSON or validation error)."""
+    return (*failures(), ValueError, RuntimeError)
+
+
+@functools.cache
+def _sdk() -> SDKErrors:
+    from google.genai import errors
+
+    # The SDK has no timeout or connection class of its own: the transport's
+    # (httpx2) errors come through as they are.
+    return SDKErrors(status=errors.APIError, timeout=httpx2.TimeoutException,
+                     connection=httpx2.TransportError, base=errors.APIError,
+                     validation=errors.UnknownApiResponseError)
+
+
+def _details(error: Any) -> list[Mapping[str, Any]]:
+    """The typed ``error.details`` of an error body."""
+    body = error.details if isinstance(error.details, Mapping) else {}
+    inner = body.get("error", body)
+    details = inner.get("details") if isinstance(inner, Mapping) else None
+    return [d for d in details if isinstance(d, Mapping)] if isinstance(details, list) else []
+
+
+def _detail(details: list[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
+    for detail in details:
+        if str(detail.get("@type", "")).endswith(f"google.rpc.{kind}"):
+            return detail
+    return None
+
+
+def _retry_delay(details: list[Mapping[str, Any]]) -> float | None:
+    """``RetryInfo.retryDelay`` (a duration such as ``"45s"`` or ``"1.5s"``) in seconds."""
+    info = _detail(details, "RetryInfo")
+    delay = _text(info.get("retryDelay")) if info is not None else None
+    match = _DURATION.match(delay) if delay is not None else None
+    return float(match.group(1)) if match is not None else None
+
+
+def error_kind(code: int, status: str | None, message: str,
+               details: list[Mapping[str, Any]]) -> tuple[FaultKind, str | None]:
+    """The fault kind of a Gemini error and the code to record (its ``ErrorInfo``
+    reason, else its canonical status)."""
+    info = _detail(details, "ErrorInfo")
+    reason = _text(info.get("reason")) if info is not None else None
+    lowered = message.lower()
+    if code == 402 or reason in BILLING_REASONS or any(
+            fragment in lowered for fragment in _CREDIT_MESSAGES):
+        return FaultKind.CREDIT_EXHAUSTED, reason or status
+    if code == 503 and "overloaded" in lowered:
+        return FaultKind.OVERLOADED, reason or status
+    if code in (0, 200):
+        # An error inside a stream: only its status tells what went wrong.
+        return _STATUS_NAMES.get(status or "", FaultKind.SERVER_ERROR), reason or status
+    if code in STATUS_KINDS:
+        return STATUS_KINDS[code], reason or status
+    if code == 504:
+        return FaultKind.TIMEOUT, reason or status
+    if code >= 500:
+        return FaultKind.SERVER_ERROR, reason or status
+    return FaultKind.BAD_REQUEST, reason or status
+
+
+def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
+                  now: datetime | None, in_stream: bool = False) -> ProviderFault:
+    response = getattr(error, "response", None)
+    headers = getattr(response, "headers", None) or {}
+    http_status = getattr(response, "status_code", None)
+    code = int(error.code) if isinstance(error.code, int) else 0
+    message = _text(error.message) or ""
+    details = _details(error)
+    # An error event inside a stream comes with its own code; the response was a 200.
+    kind, recorded = error_kind(code, _text(error.status), message, details)
+    http_status = 200 if in_stream else code or http_status
+    delay = _retry_delay(details)
+    if delay is None and isinstance(headers, Mapping):
+        delay = retry_after({k.lower(): v for k, v in headers.items()}, now=now)
+    where = "mid-stream " if http_status == 200 else ""
+    return ProviderFault(
+        kind,
+        f"HTTP {http_status} {where}{error.status or 'error'}: {message}".rstrip(": "),
+        http_status=http_status,
+        error_code=recorded,
+        retry_after=delay,
+        should_retry=should_retry({k.lower(): v for k, v in headers.items()})
+        if isinstance(headers, Mapping) else None,
+        response_id=response_id,
+        usage=usage,
+        usage_approx=usage is not None,
+    )
+
+
+def classify_error(error: BaseException, *, request_id: str | None = None,
+                   in_body: bool = False, usage: Usage | None = None,
+                   response_id: str | None = None, now: datetime | None = None,
+                   ) -> ProviderFault:
+    """Classify a ``google-genai`` SDK or transport error as one `ProviderFault` (the
+    table above). ``in_body``: the error came while a reply was being read."""
+    return classify_sdk_error(
+        error, _sdk(),
+        status_fault=lambda status: _status_fault(status, usage=usage,
+                                                  response_id=response_id, now=now,
+                                                  in_stream=in_body),
+        request_id=request_id, in_body=in_body, usage=usage, response_id=response_id)
+
