@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-SDKS = ("anthropic", "openai")
+SDKS = ("anthropic", "openai", "google")
 
 PROGRAM = """
 import json, sys
@@ -25,7 +25,8 @@ print(json.dumps([before, after]))
 
 def test_import_loopengine_and_its_cli_load_no_provider_sdk() -> None:
     """In a fresh interpreter, ``import loopengine`` (every subpackage) and
-    ``loopengine --help`` leave no ``anthropic`` or ``openai`` module loaded;
+    ``loopengine --help`` leave no ``anthropic``, ``openai`` or ``google`` (the
+    ``google-genai`` SDK) module loaded;
     building an `AnthropicProvider` loads its SDK."""
     done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
                           timeout=120, check=True)

@@ -22,7 +22,7 @@ built.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx2
@@ -80,6 +80,23 @@ class _Session:
                 await http.aclose()
             else:
                 http.close()
+
+
+class _Chunks:
+    """A stream whose first chunk was read already: that chunk, then the rest."""
+
+    def __init__(self, first: Any, rest: AsyncIterator[Any]) -> None:
+        self._first = first
+        self._rest = rest
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._rest.__anext__()
 
 
 class GeminiProvider(SDKProvider[_Session]):
@@ -226,6 +243,11 @@ class GeminiProvider(SDKProvider[_Session]):
     ) -> ProviderResponse:
         try:
             stream = await client.client.aio.models.generate_content_stream(**params)
+            # The SDK sends the request when the stream is first read: an error
+            # status (or a refused connection) comes with the first chunk.
+            first: Any = await stream.__anext__()
+        except StopAsyncIteration:
+            first = None
         except failures() as error:
             raise classify_error(error) from error
         reply = StreamedReply()
@@ -244,7 +266,7 @@ class GeminiProvider(SDKProvider[_Session]):
                 await closing()
 
         await read_stream(
-            stream, idle=self._idle, failures=read_failures(), take=reply.add,
+            _Chunks(first, stream), idle=self._idle, failures=read_failures(), take=reply.add,
             failed=lambda error: classify_error(error, in_body=True, usage=reply.usage,
                                                 response_id=reply.response_id),
             cut=cut, on_text=on_text, close=close)

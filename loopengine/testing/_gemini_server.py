@@ -17,7 +17,8 @@ google/models/{model}`` (``v1beta1`` or ``v1``). It takes the same script items 
   the part it stands for (its own, or, when its text is empty, the next part
   of the reply; an empty text part at the end when none follows). Its stop
   reason is the ``finishReason``: ``end_turn`` and ``tool_use`` -> ``STOP``,
-  ``max_tokens`` -> ``MAX_TOKENS``, ``refusal`` -> ``SAFETY``, any other value
+  ``max_tokens`` and ``model_context_window_exceeded`` -> ``MAX_TOKENS``,
+  ``refusal`` -> ``SAFETY``, any other value
   as it is (``PROHIBITED_CONTENT``, ``RECITATION``...). A stop reason
   ``MALFORMED_FUNCTION_CALL`` (or ``UNEXPECTED_TOOL_CALL``) sends a candidate
   without content whose ``finishMessage`` is ``"Malformed function call: "``
@@ -89,6 +90,9 @@ _FINISH_REASONS = {
     "stop_sequence": "STOP",
     "tool_use": "STOP",
     "max_tokens": "MAX_TOKENS",
+    # Gemini has no finish reason of its own for an answer that filled the
+    # context window: it stops at MAX_TOKENS.
+    "model_context_window_exceeded": "MAX_TOKENS",
     "refusal": "SAFETY",
 }
 
