@@ -24,8 +24,10 @@ fault kind             from
                        overloaded
 ``server_error``       500 ``INTERNAL``, other 503s, 502, 504 and other 5xx, 409;
                        a body that is not a response
-``timeout``            408, 504 ``DEADLINE_EXCEEDED``, the transport's timeout
-``connection``         refused, reset or closed before a response
+``timeout``            408, ``DEADLINE_EXCEEDED`` inside a stream, the transport's
+                       timeout
+``connection``         refused, reset or closed before a response; a whole (JSON)
+                       response cut short (the SDK reads it in one call)
 ``aborted``            the stream cut after the response began, a stream that
                        ended before its ``finishReason``, an idle stream
 ``unauthorized``       401 ``UNAUTHENTICATED``, 403 ``PERMISSION_DENIED`` (other
@@ -113,14 +115,17 @@ def read_failures() -> tuple[type[BaseException], ...]:
     return (*failures(), ValueError, RuntimeError)
 
 
+class _NeverRaised(Exception):
+    """Stands for the connection error class the SDK does not have: it wraps no
+    transport error, so httpx2's come through as they are (and are read as such)."""
+
+
 @functools.cache
 def _sdk() -> SDKErrors:
     from google.genai import errors
 
-    # The SDK has no timeout or connection class of its own: the transport's
-    # (httpx2) errors come through as they are.
     return SDKErrors(status=errors.APIError, timeout=httpx2.TimeoutException,
-                     connection=httpx2.TransportError, base=errors.APIError,
+                     connection=_NeverRaised, base=errors.APIError,
                      validation=errors.UnknownApiResponseError)
 
 
@@ -164,8 +169,6 @@ def error_kind(code: int, status: str | None, message: str,
         return _STATUS_NAMES.get(status or "", FaultKind.SERVER_ERROR), reason or status
     if code in STATUS_KINDS:
         return STATUS_KINDS[code], reason or status
-    if code == 504:
-        return FaultKind.TIMEOUT, reason or status
     if code >= 500:
         return FaultKind.SERVER_ERROR, reason or status
     return FaultKind.BAD_REQUEST, reason or status
