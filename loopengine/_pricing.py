@@ -66,7 +66,7 @@ _TOKEN_ONLY_TOOLS: Final = ("bash_", "text_editor_", "memory_", "computer_",
                             "tool_search_tool_")
 
 # genai-prices knows some providers under other ids.
-_GENAI_PROVIDER_IDS = {"bedrock": "aws", "vertex": "google"}
+_GENAI_PROVIDER_IDS = {"bedrock": "aws", "vertex": "google", "google-vertex": "google"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

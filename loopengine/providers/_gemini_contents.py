@@ -19,10 +19,11 @@ its boundary, both ways:
   part it came with, as the API requires across turns;
 * a malformed function call (finish reason ``MALFORMED_FUNCTION_CALL`` or
   ``UNEXPECTED_TOOL_CALL``) becomes a ``tool_use`` block whose ``input`` is
-  the API's ``finishMessage`` (a string, so the loop's input check gives the
-  model a recoverable error result, R15, within the budgets); sent back, the
-  call is the model's text and its result the user's text, since there is no
-  function call to answer;
+  the API's ``finishMessage`` when the SDK hands it over (Vertex AI), else a
+  placeholder: a string, so the loop's input check gives it a recoverable
+  error result (R15) that uses a unit of the tool budget. Sent back, the call
+  is the model's text and its result the user's text (`MALFORMED_FEEDBACK`),
+  since there is no function call to answer;
 * tools become one ``functionDeclarations`` tool with each JSON schema as
   ``parametersJsonSchema``; ``tool_choice`` ``auto`` / ``none`` / ``any`` / a
   named tool become the ``functionCallingConfig`` modes ``AUTO`` / ``NONE`` /
@@ -51,6 +52,8 @@ from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = [
     "MALFORMED_CALL",
+    "MALFORMED_FEEDBACK",
+    "MALFORMED_PLACEHOLDER",
     "REFUSED",
     "StreamedReply",
     "check_translatable",
@@ -66,6 +69,14 @@ REFUSED = frozenset({"SAFETY", "PROHIBITED_CONTENT", "BLOCKLIST", "SPII", "RECIT
 
 MALFORMED_CALL = frozenset({"MALFORMED_FUNCTION_CALL", "UNEXPECTED_TOOL_CALL"})
 """Finish reasons of a function call the API could not hand over: the model is told."""
+
+MALFORMED_FEEDBACK = ("Your last function call could not be parsed, so it was not run. Call "
+                      "the function again with valid arguments.")
+"""What the model is told, as the user's text, of a malformed function call."""
+
+MALFORMED_PLACEHOLDER = "(a function call that could not be parsed)"
+"""The model's turn of a malformed function call when the API's ``finishMessage``
+did not come through (the SDK drops it in the Gemini Developer API mode)."""
 
 _CUT = frozenset({"MAX_TOKENS", "CONTINUATION"})
 
@@ -216,8 +227,7 @@ def _user_parts(content: Any, names: Mapping[str, str],
             call_id = str(block.get("tool_use_id"))
             text = _result_text(block)
             if call_id in malformed:
-                parts.append({"text": f"Your function call could not be parsed and was not "
-                                      f"run: {text}"})
+                parts.append({"text": MALFORMED_FEEDBACK})
                 continue
             key = "error" if block.get("is_error") is True else "result"
             responses.append({"function_response": {
@@ -366,7 +376,7 @@ def reply_content(blocks: list[dict[str, Any]], finish_reason: str | None,
     if block_reason is not None and finish_reason is None:
         return blocks, "refusal"
     if finish_reason in MALFORMED_CALL:
-        said = finish_message or "the function call could not be parsed"
+        said = finish_message or MALFORMED_PLACEHOLDER
         called = _CALLED.search(said.partition(":")[2] or said)
         name = called.group(1).rpartition(".")[2] if called is not None else ""
         blocks = [*blocks, {"type": "tool_use", "id": f"call_{next(_ids):06d}",

@@ -6,7 +6,8 @@ version) in JSON and
 ``:streamGenerateContent?alt=sse`` in server-sent events (each event a whole
 ``GenerateContentResponse``, its ``usageMetadata`` cumulative), and the same
 methods under Vertex AI's ``/v1beta1/projects/{p}/locations/{l}/publishers/
-google/models/{model}`` (``v1beta1`` or ``v1``). It takes the same script items as
+google/models/{model}`` (``v1beta1`` or ``v1``; without the project and
+location in Vertex AI's express mode). It takes the same script items as
 `FakeAnthropicServer` (it is the same `LoopbackServer`), in Gemini's shapes
 (camelCase, as the API sends them):
 
@@ -99,8 +100,8 @@ _FINISH_REASONS = {
 _MALFORMED = frozenset({"MALFORMED_FUNCTION_CALL", "UNEXPECTED_TOOL_CALL"})
 _WORDS = re.compile(r"\s*\S+\s*|\s+")
 _PATH = re.compile(r"/v1(?:beta)?/models/[^/:]+:(generateContent|streamGenerateContent)"
-                   r"|/v1(?:beta1)?/projects/[^/]+/locations/[^/]+/publishers/google/models/"
-                   r"[^/:]+:(generateContent|streamGenerateContent)")
+                   r"|/v1(?:beta1)?/(?:projects/[^/]+/locations/[^/]+/)?publishers/google/"
+                   r"models/[^/:]+:(generateContent|streamGenerateContent)")
 
 
 class FakeGeminiServer(LoopbackServer):
