@@ -256,7 +256,8 @@ async def test_a_malformed_function_call_tells_the_model_and_goes_on(
     """MALFORMED_FUNCTION_CALL: the model is told (as text: there is no call to
     answer) and repairs it; the malformed call used one unit of tool budget."""
     counter = Counter()
-    malformed = Reply.text("print(default_api.lookup(key='a'", stop_reason="MALFORMED_FUNCTION_CALL")
+    malformed = Reply.text("print(default_api.lookup(key='a'",
+                           stop_reason="MALFORMED_FUNCTION_CALL")
     engine, _ = wire.engine(malformed, Reply.tool_calls(lookup("a")), Reply.text("done"),
                             stream=stream)
     result = await engine.run(gemini_operation(), "go", tools=[counter.tool])
