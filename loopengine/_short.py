@@ -7,8 +7,9 @@ its defaults filled in: an `Operation` named after the model, on the route
 ``max_output_tokens``. ``Engine.from_model(...)`` builds the vendor's
 provider from the environment, exactly as the vendor's SDK reads it
 (``ANTHROPIC_API_KEY`` and ``ANTHROPIC_BASE_URL``; ``OPENAI_API_KEY`` and
-``OPENAI_BASE_URL``). The provider's module, and so its SDK, is imported
-only then.
+``OPENAI_BASE_URL``; ``GOOGLE_API_KEY`` or ``GEMINI_API_KEY`` and
+``GOOGLE_GEMINI_BASE_URL`` for ``"gemini:<model>"``, on the route ``gemini``).
+The provider's module, and so its SDK, is imported only then.
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ if TYPE_CHECKING:
 __all__ = ["VENDORS", "engine_from_model", "operation_from_model", "parse_model",
            "provider_for_vendor", "run_privately", "sync_method"]
 
-VENDORS: dict[str, str] = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_KEY"}
+VENDORS: dict[str, str] = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_KEY",
+                           "gemini": "GEMINI_API_KEY"}
 """The vendors a model string may name, and the variable holding each one's key."""
+
+_ALSO_KEYS: dict[str, tuple[str, ...]] = {"gemini": ("GOOGLE_API_KEY",)}
+"""Other variables a vendor's SDK reads its key from (google-genai reads
+``GOOGLE_API_KEY`` first, then ``GEMINI_API_KEY``)."""
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 """The ``max_output_tokens`` of an operation built from a model string: room for
@@ -80,13 +86,19 @@ def provider_for_vendor(vendor: str, **options: Any) -> Provider:
     if vendor not in VENDORS:
         raise ConfigError("model", f"{vendor!r} is not a vendor this library speaks to")
     key = VENDORS[vendor]
-    if not options.get("api_key") and not os.environ.get(key):
-        raise ConfigError("model", f"{key} is not set: export it (or pass api_key=...) to "
+    others = _ALSO_KEYS.get(vendor, ())
+    if not options.get("api_key") and not any(os.environ.get(name) for name in (key, *others)):
+        named = " or ".join((key, *others))
+        raise ConfigError("model", f"{named} is not set: export it (or pass api_key=...) to "
                                    f"reach {vendor}'s API")
     if vendor == "anthropic":
         from loopengine.providers import AnthropicProvider
 
         return AnthropicProvider(**options)
+    if vendor == "gemini":
+        from loopengine.providers import GeminiProvider
+
+        return GeminiProvider(**options)
     from loopengine.providers import OpenAIProvider
 
     return OpenAIProvider(**options)

@@ -365,3 +365,23 @@ def test_without_a_key_the_sdk_refuses_the_settings(monkeypatch: pytest.MonkeyPa
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(le.ConfigError, match="API key"):
         GeminiProvider()
+
+
+def test_a_gemini_model_string_runs_from_the_environment(
+    fake_gemini_server: FakeGeminiServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``"gemini:<model>"`` builds a GeminiProvider on the route ``gemini``, its key
+    and base URL read from the environment as the SDK reads them."""
+    for name in ("GOOGLE_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI", "GOOGLE_GENAI_USE_ENTERPRISE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GEMINI_API_KEY", "env-key")
+    monkeypatch.setenv("GOOGLE_GEMINI_BASE_URL", fake_gemini_server.url)
+    fake_gemini_server.add(Reply.text("hi from the environment"))
+    op = le.Operation.from_model(f"gemini:{MODEL}")
+    assert (op.provider, op.model) == ("gemini", MODEL)
+    result = le.Engine.from_model(op).run_sync(op, "hello")
+    assert result.answer == "hi from the environment"
+    assert fake_gemini_server.requests[0].headers["x-goog-api-key"] == "env-key"
+    monkeypatch.delenv("GEMINI_API_KEY")
+    with pytest.raises(le.ConfigError, match="GEMINI_API_KEY or GOOGLE_API_KEY is not set"):
+        le.Engine.from_model(f"gemini:{MODEL}")
