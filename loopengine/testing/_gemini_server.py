@@ -177,10 +177,9 @@ class FakeGeminiServer(LoopbackServer):
         return contents_problem(body)
 
     def _error_body(self, item: ErrorReply) -> bytes:
-        if isinstance(item.body, str):
-            return item.body.encode()
-        if item.body is not None:
-            return json.dumps(item.body).encode()
+        given = item.given_body()
+        if given is not None:
+            return given
         return json.dumps({"error": _error(item.status, item.type, item.message,
                                            item.error_code)}).encode()
 

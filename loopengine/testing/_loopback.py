@@ -143,12 +143,20 @@ class ErrorReply:
             return _STATUS_TYPES[self.status]
         return "api_error" if self.status >= 500 else "invalid_request_error"
 
-    def payload(self) -> bytes:
-        """The response body `FakeAnthropicServer` sends."""
+    def given_body(self) -> bytes | None:
+        """``body`` as the bytes to send (a dict as JSON, a string as it is), or None
+        when the server's own error shape is to be sent."""
         if isinstance(self.body, str):
             return self.body.encode()
         if self.body is not None:
             return json.dumps(self.body).encode()
+        return None
+
+    def payload(self) -> bytes:
+        """The response body `FakeAnthropicServer` sends."""
+        given = self.given_body()
+        if given is not None:
+            return given
         error: dict[str, Any] = {"type": self.error_type(), "message": self.message}
         if self.error_code is not None:
             error["details"] = {"error_code": self.error_code}
