@@ -385,3 +385,24 @@ def test_a_gemini_model_string_runs_from_the_environment(
     monkeypatch.delenv("GEMINI_API_KEY")
     with pytest.raises(le.ConfigError, match="GEMINI_API_KEY or GOOGLE_API_KEY is not set"):
         le.Engine.from_model(f"gemini:{MODEL}")
+
+
+def test_a_provider_built_from_keywords_runs_on_trio(
+    fake_gemini_server: FakeGeminiServer,
+) -> None:
+    """On trio the provider's client for that loop sends through httpx (aiohttp runs
+    on asyncio only), JSON and streamed."""
+    import trio
+
+    fake_gemini_server.add(Reply.text("hello trio"), Reply.text("streamed trio"))
+    provider = GeminiProvider(api_key="k", http_options={"base_url": fake_gemini_server.url})
+
+    async def main() -> list[Any]:
+        engine = le.Engine(provider)
+        deltas: list[str] = []
+        plain = await engine.run(gemini_operation(), "go")
+        streamed = await engine.run(gemini_operation(), "go", on_text=deltas.append)
+        await provider.aclose()
+        return [plain.answer, streamed.answer, "".join(deltas)]
+
+    assert trio.run(main) == ["hello trio", "streamed trio", "streamed trio"]
