@@ -5,6 +5,7 @@ the provider's own settings."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from decimal import Decimal
 from typing import Any
@@ -406,3 +407,27 @@ def test_a_provider_built_from_keywords_runs_on_trio(
         return [plain.answer, streamed.answer, "".join(deltas)]
 
     assert trio.run(main) == ["hello trio", "streamed trio", "streamed trio"]
+
+
+def test_a_given_client_is_bound_to_its_first_event_loop(
+    fake_gemini_server: FakeGeminiServer,
+) -> None:
+    """A genai.Client passed in serves the first event loop that sends through it;
+    another loop gets a ConfigError before anything is recorded or sent."""
+    import httpx2
+
+    fake_gemini_server.add(Reply.text("first"), Reply.text("never"))
+    http = httpx2.AsyncClient()
+    client = genai.Client(api_key="k", http_options={"base_url": fake_gemini_server.url,
+                                                     "httpx_async_client": http})
+    engine = le.Engine(GeminiProvider(client))
+
+    async def first() -> Any:
+        result = await engine.run(gemini_operation(), "go")
+        await http.aclose()  # the caller's client, closed on its own loop
+        return result.answer
+
+    assert asyncio.run(first()) == "first"
+    with pytest.raises(le.ConfigError) as caught:
+        engine.run_sync(gemini_operation(), "go")
+    assert caught.value.field == "client" and len(fake_gemini_server.requests) == 1
