@@ -46,7 +46,6 @@ from loopengine.providers._gemini_contents import (
 )
 from loopengine.providers._gemini_faults import (
     classify_error,
-    failures,
     import_genai,
     read_failures,
 )
@@ -197,8 +196,8 @@ class GeminiProvider(SDKProvider[_Session]):
     features = frozenset({"thinking"})
     """The Gemini API's optional request features (docs/providers.md): ``thinking``,
     sent as ``thinkingConfig.thinkingBudget`` (``-1``, dynamic, for an adaptive
-    `loopengine.Thinking`). The vendor (`vendor`) is ``google``, or
-    ``google-vertex`` for a Vertex AI client."""
+    `loopengine.Thinking`; its ``effort`` as ``thinkingLevel``). The vendor
+    (`vendor`) is ``google``, or ``google-vertex`` for a Vertex AI client."""
 
     def check_request(self, request: ProviderRequest) -> None:
         """Before an attempt is recorded: refuse a request the Gemini API has no
@@ -248,7 +247,7 @@ class GeminiProvider(SDKProvider[_Session]):
             first: Any = await stream.__anext__()
         except StopAsyncIteration:
             first = None
-        except failures() as error:
+        except read_failures() as error:
             raise classify_error(error) from error
         reply = StreamedReply()
 

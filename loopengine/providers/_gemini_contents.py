@@ -284,8 +284,12 @@ def gemini_config(request: ProviderRequest, timeout_ms: int) -> dict[str, Any]:
             config["tool_config"] = tool_config
     thinking = request.features.thinking
     if thinking is not None:
-        config["thinking_config"] = {
-            "thinking_budget": -1 if thinking.adaptive else thinking.budget_tokens}
+        if thinking.adaptive and thinking.effort is not None:
+            config["thinking_config"] = {"thinking_level": thinking.effort.upper()}
+        else:
+            # -1: the model decides how much to think (dynamic thinking).
+            config["thinking_config"] = {
+                "thinking_budget": -1 if thinking.adaptive else thinking.budget_tokens}
     return config
 
 

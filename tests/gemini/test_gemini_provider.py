@@ -127,6 +127,21 @@ async def test_request_shape_system_tools_choice_thinking_and_output_cap(
     assert set(body) == {"contents", "systemInstruction", "tools", "generationConfig"}
 
 
+@pytest.mark.parametrize(("thinking", "sent"), [
+    (le.Thinking(adaptive=True), {"thinking_budget": -1}),
+    (le.Thinking(adaptive=True, effort="low"), {"thinking_level": "LOW"}),
+])
+async def test_adaptive_thinking_is_dynamic_or_a_thinking_level(
+    wire: GeminiHarness, thinking: le.Thinking, sent: dict[str, Any]
+) -> None:
+    """Adaptive thinking lets the model decide (a budget of -1), or sends its effort
+    as the thinkingLevel."""
+    engine, _ = wire.engine(Reply.text("done"))
+    op = le.Operation(name="t", provider="gemini", model=MODEL, thinking=thinking)
+    assert (await engine.run(op, "go")).outcome is le.Outcome.COMPLETED
+    assert wire.requests[0].body["generationConfig"]["thinkingConfig"] == sent
+
+
 async def test_structured_mode_forces_a_function_call(wire: GeminiHarness) -> None:
     """A structured call's tool_choice becomes mode ANY limited to the terminal tool."""
     from ..rule_scenarios import Answer
