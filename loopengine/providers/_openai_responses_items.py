@@ -55,7 +55,7 @@ __all__ = [
     "StreamedResponse",
     "check_translatable",
     "content_from_response",
-    "is_web_search",
+    "WEB_SEARCH_TYPES",
     "responses_input",
     "responses_params",
     "stop_reason",
@@ -71,10 +71,9 @@ _DROPPED = frozenset({"thinking", "redacted_thinking"})
 _USER_SENT = frozenset({"tool_result", "text", "image"})
 
 
-def is_web_search(tool_type: str) -> bool:
-    """Whether a server tool ``type`` is one of the Responses API's web search tools
-    (``web_search``, ``web_search_2025_08_26``, ``web_search_preview``...)."""
-    return tool_type == "web_search" or tool_type.startswith(("web_search_2", "web_search_preview"))
+WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search_preview",
+                              "web_search_preview_2025_03_11"})
+"""The Responses API's web search tool types: the server tools this route sends."""
 
 
 @functools.cache
@@ -115,7 +114,7 @@ def _user_kind(block: Mapping[str, Any]) -> str:
 
 def _check_server_tools(request: ProviderRequest) -> None:
     for tool in request.features.server_tools:
-        if not is_web_search(tool.type):
+        if tool.type not in WEB_SEARCH_TYPES:
             raise untranslatable(f"server tool {tool.name!r} of type {tool.type!r} (only the "
                                  "web search tools are sent)", API)
 
