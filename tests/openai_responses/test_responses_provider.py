@@ -274,3 +274,21 @@ def test_routes_vendors_and_features() -> None:
     with pytest.raises(le.ConfigError) as caught:
         OpenAIResponsesProvider(api_key="k", max_retries=2)
     assert caught.value.field == "max_retries"
+
+
+def test_a_model_string_names_the_responses_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"openai-responses:<model>" builds an operation on that route and its engine an
+    OpenAIResponsesProvider serving it, from OPENAI_API_KEY and OPENAI_BASE_URL;
+    the attempt is served_by openai:<model>."""
+    from loopengine.testing import FakeOpenAIServer
+
+    with FakeOpenAIServer([Reply.text("fine")]) as server:
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        op = le.Operation.from_model("openai-responses:gpt-5")
+        assert (op.provider, op.model) == ("openai-responses", "gpt-5")
+        engine = le.Engine.from_model(op)
+        assert isinstance(engine.providers["openai-responses"], OpenAIResponsesProvider)
+        result = engine.run_sync(op, "ok?")
+        assert result.answer == "fine" and server.requests[0].path == "/v1/responses"
+        assert result.attempt_log[0].dispatch.served_by == "openai:gpt-5"
