@@ -339,3 +339,34 @@ async def r07_openai_attempt_rows(wire: Wire, route: Route, stream: bool,
     assert (invocation["input_tokens"], invocation["cache_read_tokens"],
             invocation["output_tokens"]) == (400, 200, 30)
     assert invocation["cost_nanousd"] == 120_000 + 510_000
+
+
+async def r15_malformed_arguments(wire: Wire, route: Route, stream: bool) -> le.RunResult:
+    """Arguments that are not a JSON object (the call ``call_bad``) are answered by an
+    error result, no handler runs on them; the model repairs the call and the run
+    completes."""
+    counter = Counter()
+    broken = Reply(content=[{"type": "tool_use", "id": "call_bad", "name": "lookup",
+                             "input": '{"key": "a"'}], stop_reason="tool_use")
+    engine, _ = wire.engine(broken, Reply.tool_calls(lookup("a")), Reply.text("done"),
+                            stream=stream)
+    result = await engine.run(route.operation(), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert counter.calls == ["a"] and result.tool_calls == 2
+    return result
+
+
+async def s02_repaired_text_answer(wire: Wire, route: Route, stream: bool) -> le.RunResult:
+    """The first answer ("42") is rejected ("in words"); the repaired one is accepted
+    within the remaining turns and budget, after exactly two requests."""
+    engine, _ = wire.engine(Reply.text("42"), Reply.text("forty-two"), Reply.text("never"),
+                            stream=stream)
+    result = await engine.run(
+        route.operation(max_turns=2, max_tool_calls=1), "go",
+        accept=lambda a: le.Accept() if a.isalpha() or "-" in a else le.Reject("in words"),
+    )
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.answer == "forty-two"
+    assert result.turns == 2 and result.tool_calls == 1
+    assert len(wire.requests) == 2
+    return result

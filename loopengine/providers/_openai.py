@@ -20,7 +20,8 @@ this module imports it only when a provider is built.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
 from loopengine import _validate
@@ -54,7 +55,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("loopengine")
 
-__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "OpenAIProvider", "StreamUsage", "openai_clients"]
+__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "OpenAIProvider", "StreamUsage", "json_body",
+           "openai_clients"]
 
 StreamUsage = Literal["required", "optional"]
 """Whether a stream must end with its usage chunk (`OpenAIProvider`'s ``stream_usage``)."""
@@ -93,6 +95,32 @@ def openai_clients(
                                     f"{error}") from None
     vendor = "azure" if isinstance(clients.current(), sdk.AsyncAzureOpenAI) else "openai"
     return clients, vendor
+
+
+async def json_body(
+    create: Callable[..., AbstractAsyncContextManager[Any]], params: dict[str, Any]
+) -> tuple[object, str | None, int]:
+    """One request through an SDK method's raw-response form (``create`` of
+    ``with_streaming_response``): its body as JSON (None when it is not JSON),
+    its request id and its status. The raw form hands over the body as JSON:
+    the engine keeps dicts, so building the SDK's models would be wasted.
+
+    Raises:
+        ProviderFault: the request failed (`classify_error`).
+    """
+    try:
+        async with create(**params) as raw:
+            request_id: str | None = raw.headers.get("x-request-id")
+            status: int = raw.status_code
+            try:
+                body = await raw.json()
+            except failures() as error:
+                raise classify_error(error, request_id=request_id, in_body=True) from error
+            except ValueError:
+                body = None
+    except failures() as error:
+        raise classify_error(error) from error
+    return body, request_id, status
 
 
 class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
@@ -210,20 +238,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
 
     async def _send_plain(self, client: openai.AsyncOpenAI,
                           params: dict[str, Any]) -> ProviderResponse:
-        # The raw-response form hands over the body as JSON: the engine keeps
-        # Anthropic-shaped dicts, so building the SDK's models would be wasted.
-        try:
-            async with client.chat.completions.with_streaming_response.create(**params) as raw:
-                request_id = raw.headers.get("x-request-id")
-                status = raw.status_code
-                try:
-                    body = await raw.json()
-                except failures() as error:
-                    raise classify_error(error, request_id=request_id, in_body=True) from error
-                except ValueError:
-                    body = None
-        except failures() as error:
-            raise classify_error(error) from error
+        body, request_id, status = await json_body(
+            client.chat.completions.with_streaming_response.create, params)
         choice = first_choice(body)
         message = choice.get("message") if choice is not None else None
         if choice is None or not isinstance(message, Mapping) or not isinstance(body, Mapping):

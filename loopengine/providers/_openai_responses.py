@@ -29,7 +29,11 @@ from loopengine.providers._base import (
     text_or_none,
 )
 from loopengine.providers._faults import FaultKind, ProviderFault
-from loopengine.providers._openai import DEFAULT_STREAM_IDLE_TIMEOUT, openai_clients
+from loopengine.providers._openai import (
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    json_body,
+    openai_clients,
+)
 from loopengine.providers._openai_faults import (
     classify_error,
     event_fault,
@@ -125,19 +129,8 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
 
     async def _send_plain(self, client: openai.AsyncOpenAI,
                           params: dict[str, Any]) -> ProviderResponse:
-        # The body as JSON, as for Chat Completions: the engine keeps dicts.
-        try:
-            async with client.responses.with_streaming_response.create(**params) as raw:
-                request_id = raw.headers.get("x-request-id")
-                status = raw.status_code
-                try:
-                    body = await raw.json()
-                except failures() as error:
-                    raise classify_error(error, request_id=request_id, in_body=True) from error
-                except ValueError:
-                    body = None
-        except failures() as error:
-            raise classify_error(error) from error
+        body, request_id, status = await json_body(
+            client.responses.with_streaming_response.create, params)
         if not isinstance(body, Mapping) or not isinstance(body.get("output"), list):
             raise ProviderFault(FaultKind.SERVER_ERROR, "the response body is not a response",
                                 http_status=status, error_code="invalid_response",

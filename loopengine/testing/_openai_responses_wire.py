@@ -131,16 +131,17 @@ def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
             "total_tokens": total + usage.output_tokens}
 
 
-def served_usage(usage: Usage | None) -> Usage | None:
-    """The usage a client reads from a response scripted with ``usage``: no
-    one-hour cache writes nor iterations; a standard tier is not kept."""
+def served_usage(usage: Usage | None, *, web_searches: bool = True) -> Usage | None:
+    """The usage a client of either OpenAI API reads from a reply scripted with
+    ``usage``: no one-hour cache writes nor iterations, web searches only where
+    the API reports them (``web_searches``); a standard tier is not kept."""
     if usage is None:
         return None
     return Usage(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
                  cache_read_tokens=usage.cache_read_tokens,
                  cache_write_tokens=usage.cache_write_tokens,
                  reasoning_tokens=usage.reasoning_tokens,
-                 web_search_requests=usage.web_search_requests,
+                 web_search_requests=usage.web_search_requests if web_searches else 0,
                  service_tier=priced_tier(usage.service_tier))
 
 

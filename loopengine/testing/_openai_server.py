@@ -49,7 +49,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from loopengine._usage import Usage
-from loopengine.providers._base import priced_tier
 from loopengine.providers._scripted import Reply
 from loopengine.testing import _openai_responses_wire as responses
 from loopengine.testing._loopback import (
@@ -233,17 +232,8 @@ class FakeOpenAIServer(LoopbackServer):
         return out
 
     def _served_usage(self, usage: Usage | None, request: RecordedRequest) -> Usage | None:
-        if _is_responses(request):
-            return responses.served_usage(usage)
-        if usage is None:
-            return None
-        # Chat Completions has no one-hour cache writes, nor iterations or server
-        # tool counts; a standard tier is not kept (`priced_tier`).
-        return Usage(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
-                     cache_read_tokens=usage.cache_read_tokens,
-                     cache_write_tokens=usage.cache_write_tokens,
-                     reasoning_tokens=usage.reasoning_tokens,
-                     service_tier=priced_tier(usage.service_tier))
+        # Chat Completions reports no web searches; the Responses API does.
+        return responses.served_usage(usage, web_searches=_is_responses(request))
 
 
 def _is_responses(request: RecordedRequest) -> bool:

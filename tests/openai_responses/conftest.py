@@ -25,13 +25,7 @@ __all__ = ["MODEL", "PRICES", "ResponsesHarness", "function_outputs", "items",
 class ResponsesHarness(OpenAIHarness):
     """An engine on an OpenAIResponsesProvider pointed at one FakeOpenAIServer."""
 
-    def provider(self, *, stream: bool = False,  # type: ignore[override]
-                 **kwargs: Any) -> OpenAIResponsesProvider:
-        """A provider on the server; closed when the test ends."""
-        kwargs.setdefault("base_url", self.server.base_url)  # type: ignore[attr-defined]
-        provider = OpenAIResponsesProvider(api_key="test-key", stream=stream, **kwargs)
-        self._providers.append(provider)  # type: ignore[arg-type]
-        return provider
+    provider_class = OpenAIResponsesProvider
 
 
 @pytest.fixture

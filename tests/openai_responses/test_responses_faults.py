@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 import loopengine as le
-from loopengine.testing import CutStream, ErrorReply, FakeClock, RecordedRequest, Reply
+from loopengine.testing import CutStream, ErrorReply, RecordedRequest, Reply
 
 from ..adapter.conftest import STREAMING
-from ..openai.test_openai_faults import CASES, MATRIX
+from ..openai.test_openai_faults import MATRIX, run_case
 from .conftest import ResponsesHarness, openai_operation
 
 
@@ -27,22 +27,7 @@ async def test_fault_matrix_kind_retry_and_outcome_responses(
 ) -> None:
     """Each row of the OpenAI fault table: the right kind, retried or not, the right
     outcome, through responses.create."""
-    case = CASES[name]
-    engine, ledger = wire.engine(case.item, Reply.text("recovered"), stream=stream,
-                                 provider_kwargs={"stream_idle_timeout": case.idle_timeout})
-    result = await engine.run(openai_operation(attempt_timeout=case.attempt_timeout), "go")
-    first = result.attempt_log[0].settle
-    assert first is not None
-    assert (first.fault, first.outcome) == (case.kind.value, case.attempt_outcome)
-    clock: FakeClock = wire.clock
-    if case.retried:
-        assert result.outcome is le.Outcome.COMPLETED and result.answer == "recovered"
-        assert len(wire.requests) == 2 and len(clock.sleeps) == 1
-    else:
-        assert result.outcome is (le.Outcome.CREDIT_EXHAUSTED
-                                  if case.kind.value == "credit_exhausted"
-                                  else le.Outcome.PROVIDER_ERROR)
-        assert len(wire.requests) == 1 and clock.sleeps == []
+    await run_case(wire, name, stream)
     assert all(r.path == "/v1/responses" for r in wire.requests)
 
 

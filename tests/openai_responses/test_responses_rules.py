@@ -234,20 +234,13 @@ async def test_r15_malformed_arguments_are_a_recoverable_error_responses(
 ) -> None:
     """Arguments that are not a JSON object give an error output (no handler runs on
     them); the model repairs the call and the run completes."""
-    counter = Counter()
-    broken = Reply(content=[{"type": "tool_use", "id": "call_bad", "name": "lookup",
-                             "input": '{"key": "a"'}], stop_reason="tool_use")
-    engine, _ = wire.engine(broken, Reply.tool_calls(lookup("a")), Reply.text("done"),
-                            stream=stream)
-    result = await engine.run(openai_operation(), "go", tools=[counter.tool])
-    assert result.outcome is le.Outcome.COMPLETED
+    await scenarios.r15_malformed_arguments(wire, ROUTE, stream)
     second = wire.requests[1]
     (call,) = calls_sent(second)
     assert (call["call_id"], call["arguments"]) == ("call_bad", '{"key": "a"')
     (error,) = function_outputs(second)
     assert error["call_id"] == "call_bad"
     assert error["output"].startswith("Error: Invalid input for lookup")
-    assert counter.calls == ["a"] and result.tool_calls == 2
 
 
 @STREAMING
@@ -270,16 +263,7 @@ async def test_s02_repaired_answer_completes_within_remaining_controls_responses
 ) -> None:
     """The first answer is rejected (its feedback reaches the model as a user
     message); the repaired one is accepted within the remaining turns and budget."""
-    engine, _ = wire.engine(Reply.text("42"), Reply.text("forty-two"), Reply.text("never"),
-                            stream=stream)
-    result = await engine.run(
-        openai_operation(max_turns=2, max_tool_calls=1), "go",
-        accept=lambda a: le.Accept() if a.isalpha() or "-" in a else le.Reject("in words"),
-    )
-    assert result.outcome is le.Outcome.COMPLETED
-    assert result.answer == "forty-two"
-    assert result.turns == 2 and result.tool_calls == 1
-    assert len(wire.requests) == 2
+    await scenarios.s02_repaired_text_answer(wire, ROUTE, stream)
     assert items(wire.requests[1]) == [
         {"role": "user", "content": "go"}, {"role": "assistant", "content": "42"},
         {"role": "user", "content": "in words"}]
