@@ -29,7 +29,7 @@ reasoning tokens are inside ``completion_tokens``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from loopengine._usage import Usage
@@ -54,6 +54,7 @@ __all__ = [
     "stop_reason",
     "text_of",
     "untranslatable",
+    "user_turn",
     "usage_from_api",
 ]
 
@@ -300,28 +301,50 @@ def _assistant_message(content: Any) -> dict[str, Any]:
 
 
 def _user_messages(content: Any) -> list[dict[str, Any]]:
+    return user_turn(
+        content, _user_kind,
+        result=lambda block: {"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                              "content": result_text(block)},
+        text_part=lambda text: {"type": "text", "text": text},
+        image_part=lambda block: {"type": "image_url", "image_url": {"url": image_url(block)}})
+
+
+def user_turn(
+    content: Any,
+    kind_of: Callable[[Mapping[str, Any]], str],
+    *,
+    result: Callable[[Mapping[str, Any]], dict[str, Any]],
+    text_part: Callable[[str], dict[str, Any]],
+    image_part: Callable[[Mapping[str, Any]], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """A user message as either OpenAI API takes it: its tool results first (each
+    ``result(block)``, in order: the APIs want each call's result right after
+    the assistant's calls), then the rest of the message as one ``user``
+    message, a plain string when it is all text, else its parts
+    (``text_part``, ``image_part``). ``kind_of`` checks each block and names
+    its kind (``tool_result``, ``text``, ``image``)."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    # The API wants each tool call's result right after the assistant's calls,
-    # so the results go first and the rest of the user's message after them.
-    results: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
+    texts: list[str | None] = []
     parts: list[dict[str, Any]] = []
     for block in content or ():
-        kind = _user_kind(block)
+        kind = kind_of(block)
         if kind == "tool_result":
-            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": result_text(block)})
+            out.append(result(block))
         elif kind == "text":
-            parts.append({"type": "text", "text": str(block.get("text", ""))})
+            text = str(block.get("text", ""))
+            texts.append(text)
+            parts.append(text_part(text))
         else:
-            parts.append({"type": "image_url", "image_url": {"url": image_url(block)}})
+            texts.append(None)
+            parts.append(image_part(block))
     if parts:
-        if all(part["type"] == "text" for part in parts):
-            results.append({"role": "user",
-                            "content": "\n\n".join(part["text"] for part in parts)})
+        if all(text is not None for text in texts):
+            out.append({"role": "user", "content": "\n\n".join(t or "" for t in texts)})
         else:
-            results.append({"role": "user", "content": parts})
-    return results
+            out.append({"role": "user", "content": parts})
+    return out
 
 
 def result_text(block: Mapping[str, Any], api: str = "Chat Completions") -> str:

@@ -48,6 +48,7 @@ from loopengine.providers._openai_chat import (
     openai_usage,
     result_text,
     untranslatable,
+    user_turn,
 )
 
 __all__ = [
@@ -259,29 +260,14 @@ def _assistant_items(content: Any) -> list[dict[str, Any]]:
 
 
 def _user_items(content: Any) -> list[dict[str, Any]]:
-    if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    # Each call's output comes right after the calls; the rest of the user's
-    # message after them, as in the transcript.
-    items: list[dict[str, Any]] = []
-    parts: list[dict[str, Any]] = []
-    for block in content or ():
-        kind = _user_kind(block)
-        if kind == "tool_result":
-            items.append({"type": "function_call_output", "call_id": block.get("tool_use_id"),
-                          "output": result_text(block, API)})
-        elif kind == "text":
-            parts.append({"type": "input_text", "text": str(block.get("text", ""))})
-        else:
-            parts.append({"type": "input_image", "image_url": image_url(block, API),
-                          "detail": "auto"})
-    if parts:
-        if all(part["type"] == "input_text" for part in parts):
-            items.append({"role": "user",
-                          "content": "\n\n".join(part["text"] for part in parts)})
-        else:
-            items.append({"role": "user", "content": parts})
-    return items
+    return user_turn(
+        content, _user_kind,
+        result=lambda block: {"type": "function_call_output",
+                              "call_id": block.get("tool_use_id"),
+                              "output": result_text(block, API)},
+        text_part=lambda text: {"type": "input_text", "text": text},
+        image_part=lambda block: {"type": "input_image", "image_url": image_url(block, API),
+                                  "detail": "auto"})
 
 
 # -- the reply ---------------------------------------------------------------------------
