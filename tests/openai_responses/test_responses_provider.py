@@ -292,3 +292,45 @@ def test_a_model_string_names_the_responses_route(monkeypatch: pytest.MonkeyPatc
         result = engine.run_sync(op, "ok?")
         assert result.answer == "fine" and server.requests[0].path == "/v1/responses"
         assert result.attempt_log[0].dispatch.served_by == "openai:gpt-5"
+
+
+def test_the_translation_of_a_transcript_and_its_tools() -> None:
+    """User text and images are one user message of parts after the function
+    outputs; an error result is marked; tool_choice any is required and a single
+    call per turn turns parallel calls off; the named function is top-level."""
+    from loopengine.providers._openai_responses_items import responses_params
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBOR"}}
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": "c1", "name": "lookup",
+                                           "input": {"key": "a"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "c1", "is_error": True,
+             "content": [{"type": "text", "text": "not found"}]},
+            {"type": "text", "text": "see this"}, image]},
+    ]
+    tool = {"name": "lookup", "description": "Look a key up.",
+            "input_schema": {"type": "object", "properties": {"key": {"type": "string"}}}}
+    params = responses_params(ProviderRequest(
+        model="gpt-5", max_tokens=100, messages=messages, tools=[tool],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True}), stream=False)
+    assert params["input"] == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Let me look."},
+        {"type": "function_call", "call_id": "c1", "name": "lookup",
+         "arguments": '{"key": "a"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "Error: not found"},
+        {"role": "user", "content": [
+            {"type": "input_text", "text": "see this"},
+            {"type": "input_image", "image_url": "data:image/png;base64,iVBOR",
+             "detail": "auto"}]},
+    ]
+    assert (params["tool_choice"], params["parallel_tool_calls"]) == ("required", False)
+    named = responses_params(ProviderRequest(
+        model="gpt-5", max_tokens=100, messages=messages[:1], tools=[tool],
+        tool_choice={"type": "tool", "name": "lookup"}), stream=True)
+    assert named["tool_choice"] == {"type": "function", "name": "lookup"}
+    assert named["stream"] is True
