@@ -334,3 +334,20 @@ def test_the_translation_of_a_transcript_and_its_tools() -> None:
         tool_choice={"type": "tool", "name": "lookup"}), stream=True)
     assert named["tool_choice"] == {"type": "function", "name": "lookup"}
     assert named["stream"] is True
+
+
+async def test_engine_stream_yields_the_text_deltas_and_a_retry_is_told_apart(
+    wire: ResponsesHarness,
+) -> None:
+    """`Engine.stream` on a plain provider streams each request; a stream cut before
+    its final event is retried and its deltas carry attempt 1, the answer's 2."""
+    from loopengine import events
+    from loopengine.testing import CutStream
+
+    engine, _ = wire.engine(CutStream(reply=Reply.text("lost words here"), after=5),
+                            Reply.text("streamed through responses"))
+    async with engine.stream(openai_operation(), "go") as run:
+        deltas = [e for e in [event async for event in run] if isinstance(e, events.TextDelta)]
+    assert run.result.outcome is le.Outcome.COMPLETED
+    assert "".join(d.text for d in deltas if d.attempt == 2) == "streamed through responses"
+    assert {(d.turn, d.attempt) for d in deltas} == {(1, 1), (1, 2)}
