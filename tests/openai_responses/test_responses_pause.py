@@ -6,13 +6,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loopengine.testing import FakeClock
+from loopengine.testing import FakeClock, FakeOpenAIServer
 
 from .. import pause_scenarios as scenarios
 from .. import rule_scenarios
 from .conftest import PRICES, ResponsesHarness, function_outputs, openai_operation
 
 ROUTE = rule_scenarios.Route(operation=openai_operation, prices=PRICES)
+
+
+async def test_approval_round_trip_resumes_in_another_process_responses(
+        wire: ResponsesHarness, fake_openai_server: FakeOpenAIServer, tmp_path: Path) -> None:
+    """Paused here, resumed by another process on the same SQLite ledger file."""
+    await scenarios.approval_round_trip_in_another_process(
+        wire, ROUTE, tmp_path, "openai-responses", fake_openai_server.base_url)
+    assert all(r.path == "/v1/responses" for r in fake_openai_server.requests)
 
 
 async def test_denied_call_the_model_recovers_from_responses(wire: ResponsesHarness) -> None:
