@@ -139,13 +139,15 @@ def _stream_fault(
 
 
 def event_fault(
-    error: object, *, request_id: str | None, usage: Usage | None, response_id: str | None
+    error: object, *, request_id: str | None, usage: Usage | None, response_id: str | None,
+    usage_approx: bool | None = None,
 ) -> ProviderFault:
     """The fault of an error object that came after a 200: inside a Chat
     Completions stream, a Responses ``error`` event, or the ``error`` of a
     response whose status is ``failed`` (``response.failed``, or such a JSON
     body). Only its type or code tell what went wrong; an unknown one is the
-    server's failure (retried)."""
+    server's failure (retried). ``usage`` is a floor (``usage_approx``, by
+    default whenever there is one) unless it is a failed response's own."""
     fields = error if isinstance(error, Mapping) else {}
     error_type, code = _text(fields.get("type")), _text(fields.get("code"))
     message = _text(fields.get("message")) or ""
@@ -153,7 +155,8 @@ def event_fault(
         _kind(200, error_type, code),
         f"HTTP 200 mid-stream {code or error_type or 'error'}: {message}".rstrip(": "),
         http_status=200, error_code=code or error_type, request_id=request_id,
-        response_id=response_id, usage=usage, usage_approx=usage is not None,
+        response_id=response_id, usage=usage,
+        usage_approx=usage is not None if usage_approx is None else usage_approx,
     )
 
 

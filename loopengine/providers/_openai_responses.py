@@ -182,8 +182,9 @@ def _finished(body: Mapping[str, Any], *, request_id: str | None,
     response_id = text_or_none(body.get("id"))
     status = body.get("status")
     if status == "failed":
+        # A failed response reports what it used, whole: billed, not a floor.
         raise event_fault(body.get("error"), request_id=request_id, usage=usage,
-                          response_id=response_id)
+                          response_id=response_id, usage_approx=False)
     if status not in ("completed", "incomplete"):
         raise ProviderFault(FaultKind.SERVER_ERROR, f"the response ended with status "
                                                     f"{_validate.shown(status)}",

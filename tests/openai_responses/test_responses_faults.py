@@ -127,3 +127,29 @@ async def test_a_body_that_is_not_a_response_is_a_server_error(wire: ResponsesHa
     assert result.outcome is le.Outcome.COMPLETED
     first = result.attempt_log[0].settle
     assert first is not None and first.fault == "server_error"
+
+
+@STREAMING
+async def test_a_failed_response_keeps_the_usage_it_reports_whole(
+    wire: ResponsesHarness, stream: bool
+) -> None:
+    """A failed response that reports usage: the attempt records it (what the provider
+    may bill), not as a floor, and does not charge it (S01)."""
+    usage = {"input_tokens": 40, "output_tokens": 5,
+             "input_tokens_details": {"cached_tokens": 10},
+             "output_tokens_details": {"reasoning_tokens": 0}}
+    body = _failed_body("server_error", usage=usage)
+
+    def answer(request: RecordedRequest) -> ErrorReply:
+        if request.stream:
+            return ErrorReply(status=200, body=_sse(
+                {"type": "response.failed", "sequence_number": 0, "response": body}))
+        return ErrorReply(status=200, body=body)
+
+    engine, ledger = wire.engine(answer, Reply.text("ok"), stream=stream)
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert first.usage == le.Usage(input_tokens=30, cache_read_tokens=10, output_tokens=5)
+    assert (first.usage_approx, first.charged, first.outcome) == (False, False, "error")
