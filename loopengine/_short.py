@@ -7,8 +7,9 @@ its defaults filled in: an `Operation` named after the model, on the route
 ``max_output_tokens``. ``Engine.from_model(...)`` builds the vendor's
 provider from the environment, exactly as the vendor's SDK reads it
 (``ANTHROPIC_API_KEY`` and ``ANTHROPIC_BASE_URL``; ``OPENAI_API_KEY`` and
-``OPENAI_BASE_URL``). The provider's module, and so its SDK, is imported
-only then.
+``OPENAI_BASE_URL``; ``"openai-responses:gpt-5"`` is the same vendor through
+its Responses API). The provider's module, and so its SDK, is imported only
+then.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ if TYPE_CHECKING:
 __all__ = ["VENDORS", "engine_from_model", "operation_from_model", "parse_model",
            "provider_for_vendor", "run_privately", "sync_method"]
 
-VENDORS: dict[str, str] = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_KEY"}
-"""The vendors a model string may name, and the variable holding each one's key."""
+VENDORS: dict[str, str] = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_KEY",
+                           "openai-responses": "OPENAI_API_KEY"}
+"""The routes a model string may name, and the variable holding each one's key:
+``openai-responses`` is OpenAI's Responses API (`OpenAIResponsesProvider` on that
+route; its vendor, in ``served_by`` and prices, stays ``openai``)."""
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 """The ``max_output_tokens`` of an operation built from a model string: room for
@@ -87,6 +91,10 @@ def provider_for_vendor(vendor: str, **options: Any) -> Provider:
         from loopengine.providers import AnthropicProvider
 
         return AnthropicProvider(**options)
+    if vendor == "openai-responses":
+        from loopengine.providers import OpenAIResponsesProvider
+
+        return OpenAIResponsesProvider(route=vendor, **options)
     from loopengine.providers import OpenAIProvider
 
     return OpenAIProvider(**options)

@@ -1,6 +1,7 @@
 """Providers: the `Provider` seam, fault classification, the retry policy,
 cache-marker placement, and the providers themselves: `AnthropicProvider`,
-`OpenAIProvider` (extra ``openai``) and `ScriptedProvider`.
+`OpenAIProvider` and `OpenAIResponsesProvider` (extra ``openai``) and
+`ScriptedProvider`.
 
 `AnthropicProvider` and `OpenAIProvider` are imported on first use, with
 their SDKs: ``import loopengine`` imports no provider SDK.
@@ -24,6 +25,7 @@ from loopengine.providers._scripted import Reply, ScriptedProvider
 if typing.TYPE_CHECKING:
     from loopengine.providers._anthropic import AnthropicProvider
     from loopengine.providers._openai import OpenAIProvider
+    from loopengine.providers._openai_responses import OpenAIResponsesProvider
 
 __all__ = [
     "FEATURES",
@@ -32,6 +34,7 @@ __all__ = [
     "CachePolicy",
     "FaultKind",
     "OpenAIProvider",
+    "OpenAIResponsesProvider",
     "Provider",
     "ProviderFault",
     "ProviderRequest",
@@ -59,4 +62,8 @@ def __getattr__(name: str) -> typing.Any:
         from loopengine.providers._openai import OpenAIProvider
 
         return OpenAIProvider
+    if name == "OpenAIResponsesProvider":
+        from loopengine.providers._openai_responses import OpenAIResponsesProvider
+
+        return OpenAIResponsesProvider
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import email.utils
 import socket
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -128,11 +129,9 @@ MATRIX = [
 ]
 
 
-@pytest.mark.parametrize(("name", "stream"), MATRIX)
-async def test_fault_matrix_kind_retry_and_outcome_openai(
-    wire: OpenAIHarness, name: str, stream: bool
-) -> None:
-    """Each row of §14's fault table: the right kind, retried or not, the right outcome."""
+async def run_case(wire: OpenAIHarness, name: str, stream: bool) -> Any:
+    """Run the fault case ``name`` on ``wire``'s provider and check its row of the
+    table: the right kind, retried or not, the right outcome. Returns the ledger."""
     case = CASES[name]
     # Only the timeout cases have a short (real) timeout, against a server that
     # never answers (see the Anthropic table); every other case has a minute.
@@ -155,6 +154,16 @@ async def test_fault_matrix_kind_retry_and_outcome_openai(
         assert len(wire.requests) == 1 and len(result.attempt_log) == 1
         assert clock.sleeps == []
         assert result.fault is not None and result.fault.kind is case.kind
+    return ledger
+
+
+@pytest.mark.parametrize(("name", "stream"), MATRIX)
+async def test_fault_matrix_kind_retry_and_outcome_openai(
+    wire: OpenAIHarness, name: str, stream: bool
+) -> None:
+    """Each row of §14's fault table: the right kind, retried or not, the right outcome."""
+    ledger = await run_case(wire, name, stream)
+    case = CASES[name]
     (row, *_) = ledger.attempts.values()
     assert (row["fault"], row["outcome"]) == (case.kind.value, case.attempt_outcome)
 
