@@ -14,7 +14,9 @@ in flight, not the load. Contenders:
 
 * ``bare``: a hand-written loop on ``client.messages.create`` (the floor);
 * ``loopengine``: `Engine.run` on an `AnthropicProvider`, no ledger;
-* ``sqlite``: the same with a `SQLiteLedger` (its writer's CPU counted);
+* ``sqlite``: the same with a `SQLiteLedger` (its writer thread's CPU counted);
+* ``postgres``: the same with a `PostgresLedger` on ``--postgres DSN`` (its
+  writer thread's CPU counted; the server's is not: it is another process);
 * ``openai-bare`` and ``openai``: the same two on Chat Completions, through
   the ``openai`` SDK and `OpenAIProvider`.
 
@@ -31,7 +33,8 @@ Each measurement runs in a fresh process (so peak RSS is its own), after a
 warm-up of a few conversations. It reports:
 
 * wall time, and CPU per turn: the process's (every thread, the ledger's
-  writer thread included), over the N conversations;
+  writer thread included, and any child process but the loopback server),
+  over the N conversations;
 * event-loop lag: a ticker task sleeps 5 ms again and again and records how
   late it wakes (p50, p99, max), which is how long the loop was busy with
   something else;
@@ -44,7 +47,11 @@ warm-up of a few conversations. It reports:
   Every conversation spends most of its life waiting on its reply, so this is
   the memory of an idle-waiting conversation;
 * the server's own CPU share of the wall time (``server busy``): well under
-  100% shows the server was never the bottleneck.
+  100% shows the server was never the bottleneck;
+* with a ledger, the wait for a durable write: how long each
+  ``dispatch_attempt`` (the row written before the request goes out) and
+  each ``settle_attempt`` (the reply written before anything acts on it) kept
+  its conversation waiting, p50 and p99 over every turn of the run.
 
 Rounds interleave contenders (their order rotated each round); a figure is
 the median over rounds, and a ratio the median of the ratios to the bare loop
@@ -55,6 +62,8 @@ Run::
 
     python bench/concurrency.py                       # N = 100, 1,000, 5,000; 3 rounds
     python bench/concurrency.py --full                # and 10,000
+    python bench/concurrency.py -n 1000 --contenders bare,sqlite,postgres \
+        --postgres "host=/tmp/pg user=postgres dbname=postgres"   # the ledgers
     python bench/concurrency.py -n 1000 --contenders bare,loopengine --rounds 5 --freeze
     python bench/concurrency.py -n 1000 --profile loopengine   # cProfile of one run
     python bench/concurrency.py -n 1000 --memory loopengine    # what holds the memory
@@ -76,6 +85,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import cProfile
 import gc
 import json
@@ -88,7 +98,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -112,8 +122,8 @@ TICK = 0.005
 RATE = 250.0
 PROFILE = Path(tempfile.gettempdir()) / "loopengine-concurrency.prof"
 WARM_UP = 20
-CONTENDERS = ["bare", "loopengine", "sqlite", "openai-bare", "openai"]
-FLOOR = {"bare": "bare", "loopengine": "bare", "sqlite": "bare",
+CONTENDERS = ["bare", "loopengine", "sqlite", "postgres", "openai-bare", "openai"]
+FLOOR = {"bare": "bare", "loopengine": "bare", "sqlite": "bare", "postgres": "bare",
          "openai-bare": "openai-bare", "openai": "openai-bare"}
 # -- the contenders (in the measuring process) --------------------------------------------------
 
@@ -122,6 +132,37 @@ FLOOR = {"bare": "bare", "loopengine": "bare", "sqlite": "bare",
 class Contender:
     run: Callable[[], Awaitable[str]]
     close: Callable[[], Awaitable[None]]
+    waits: dict[str, list[float]] | None = None
+    """With a ledger: seconds each durable write kept a conversation waiting."""
+
+
+class TimedLedger:
+    """The ledger the engine is given, timing the durable writes it awaits.
+
+    Everything else is the wrapped ledger's own (attribute lookups fall
+    through to it); the two timed calls are the ones a turn waits on.
+    """
+
+    def __init__(self, ledger: Any) -> None:
+        self._ledger = ledger
+        self.waits: dict[str, list[float]] = {"dispatch": [], "settle": []}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ledger, name)
+
+    @property
+    def max_retained_attempts(self) -> int:
+        return int(self._ledger.max_retained_attempts)
+
+    async def dispatch_attempt(self, record: Any) -> None:
+        began = time.perf_counter()
+        await self._ledger.dispatch_attempt(record)
+        self.waits["dispatch"].append(time.perf_counter() - began)
+
+    async def settle_attempt(self, record: Any) -> None:
+        began = time.perf_counter()
+        await self._ledger.settle_attempt(record)
+        self.waits["settle"].append(time.perf_counter() - began)
 
 
 def connections(n: int) -> int:
@@ -200,8 +241,9 @@ def bare_openai(url: str, transport: str, n: int) -> Contender:
 
 
 def engine_contender(url: str, transport: str, n: int, vendor: str,
-                     ledger_dir: Path | None) -> Contender:
-    """`Engine.run` on the vendor's provider, with or without a SQLite ledger."""
+                     ledger_dir: Path | None, postgres: str | None = None) -> Contender:
+    """`Engine.run` on the vendor's provider, with a SQLite ledger in
+    ``ledger_dir``, a PostgreSQL ledger on the DSN ``postgres``, or none."""
     import loopengine as le
     from loopengine.providers import AnthropicProvider, OpenAIProvider
 
@@ -226,11 +268,16 @@ def engine_contender(url: str, transport: str, n: int, vendor: str,
         provider=vendor, model=model, input_per_mtok=Decimal(3), output_per_mtok=Decimal(15),
         cache_read_per_mtok=Decimal("0.30"), cache_write_per_mtok=Decimal("3.75"))])
     ledger: Any = None
-    if ledger_dir is not None:
+    if postgres is not None:
+        from loopengine.persistence import PostgresLedger
+
+        ledger = PostgresLedger(postgres)
+    elif ledger_dir is not None:
         from loopengine.persistence import SQLiteLedger
 
         ledger = SQLiteLedger(ledger_dir / "bench-concurrency.db")
-    engine = le.Engine(provider, ledger=ledger, prices=prices)
+    timed = TimedLedger(ledger) if ledger is not None else None
+    engine = le.Engine(provider, ledger=timed, prices=prices)
     tool = le.tool(lookup)
 
     async def run() -> str:
@@ -244,10 +291,11 @@ def engine_contender(url: str, transport: str, n: int, vendor: str,
         if ledger is not None:
             await ledger.aclose()
 
-    return Contender(run, close)
+    return Contender(run, close, timed.waits if timed is not None else None)
 
 
-def build(name: str, url: str, transport: str, n: int, ledger_dir: Path) -> Contender:
+def build(name: str, url: str, transport: str, n: int, ledger_dir: Path,
+          postgres: str | None = None) -> Contender:
     if name == "bare":
         return bare_anthropic(url, transport, n)
     if name == "openai-bare":
@@ -256,6 +304,10 @@ def build(name: str, url: str, transport: str, n: int, ledger_dir: Path) -> Cont
         return engine_contender(url, transport, n, "anthropic", None)
     if name == "sqlite":
         return engine_contender(url, transport, n, "anthropic", ledger_dir)
+    if name == "postgres":
+        if postgres is None:
+            raise SystemExit("the postgres contender needs --postgres DSN")
+        return engine_contender(url, transport, n, "anthropic", None, postgres)
     if name == "openai":
         return engine_contender(url, transport, n, "openai", None)
     raise SystemExit(f"unknown contender {name!r}")
@@ -264,14 +316,54 @@ def build(name: str, url: str, transport: str, n: int, ledger_dir: Path) -> Cont
 # -- one measurement (a process of its own) ----------------------------------------------------
 
 
+def helpers_cpu() -> float:
+    """CPU seconds so far of this process's child processes other than the
+    loopback server: a ledger that writes from a process of its own (older
+    versions did) has its CPU counted with the conversations'."""
+    total = 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                if b"_loopback.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # it ended
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
 def rss() -> int:
     """This process's resident memory now, in bytes."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@contextlib.contextmanager
+def fresh_database(dsn: str | None) -> Iterator[str | None]:
+    """A database of its own on the server at ``dsn`` for one measurement
+    (dropped after), so every round starts from empty tables as SQLite's does."""
+    if dsn is None:
+        yield None
+        return
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    name = f"loopengine_bench_{os.getpid()}"
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {name}")
+        admin.execute(f"CREATE DATABASE {name}")
+    try:
+        yield make_conninfo(dsn, dbname=name)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
 def measure_one(name: str, n: int, transport: str, rate: float, freeze: bool = False,
-                profile: bool = False, memory: bool = False) -> dict[str, Any]:
+                profile: bool = False, memory: bool = False,
+                postgres: str | None = None) -> dict[str, Any]:
     """One measurement: its own server, then the N conversations on one event loop."""
     server = subprocess.Popen([sys.executable, str(HERE / "_loopback.py"), "--delay",
                                str(n / rate), "--prompt", str(WARM_UP * TURNS)],
@@ -279,8 +371,9 @@ def measure_one(name: str, n: int, transport: str, rate: float, freeze: bool = F
     assert server.stdout is not None
     try:
         url = server.stdout.readline().strip()
-        result = asyncio.run(conversations(url, name, n, transport, rate, freeze, profile,
-                                           memory))
+        with fresh_database(postgres if name == "postgres" else None) as dsn:
+            result = asyncio.run(conversations(url, name, n, transport, rate, freeze,
+                                               profile, memory, dsn))
         served = json.loads(server.communicate("", timeout=60)[0].strip().splitlines()[-1])
     finally:
         if server.poll() is None:
@@ -292,13 +385,17 @@ def measure_one(name: str, n: int, transport: str, rate: float, freeze: bool = F
 
 
 async def conversations(url: str, name: str, n: int, transport: str, rate: float,
-                        freeze: bool, profile: bool, memory: bool) -> dict[str, Any]:
+                        freeze: bool, profile: bool, memory: bool,
+                        postgres: str | None = None) -> dict[str, Any]:
     delay = n / rate
     with tempfile.TemporaryDirectory(prefix="loopengine-bench-") as ledger_dir:
-        contender = build(name, url, transport, n, Path(ledger_dir))
+        contender = build(name, url, transport, n, Path(ledger_dir), postgres)
         # The server answers these at once.
         if set(await asyncio.gather(*(contender.run() for _ in range(WARM_UP)))) != {ANSWER}:
             raise RuntimeError(f"{name} answered wrongly")
+        if contender.waits is not None:
+            for waits in contender.waits.values():
+                waits.clear()  # the warm-up's writes are not the run's
         gc.collect()
         if freeze:
             # What a server does once it has started: what it holds for good
@@ -352,7 +449,7 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(TICK * 2)
         profiler = cProfile.Profile() if profile else None
-        cpu, wall = time.process_time(), time.perf_counter()
+        cpu, wall = time.process_time() + helpers_cpu(), time.perf_counter()
         if profiler is not None:
             profiler.enable()
         # Users arrive evenly over one reply's delay: from then on the N
@@ -361,7 +458,7 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
         if profiler is not None:
             profiler.disable()
         wall = time.perf_counter() - wall
-        cpu = time.process_time() - cpu
+        cpu = time.process_time() + helpers_cpu() - cpu
         peak = max(peak, rss())
         running = False
         await tick
@@ -387,7 +484,15 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
                 print(f"{stat.size / n:>9.0f} B  {stat.count / n:>6.1f} blocks  "
                       f"{stat.traceback}", file=sys.stderr)
     lags.sort()
+    durable: dict[str, float] = {}
+    for kind, waits in (contender.waits or {}).items():
+        if not waits:
+            continue  # a ledger that writes some other way (an older one's early dispatch)
+        waits.sort()
+        durable[f"{kind}_p50"] = waits[len(waits) // 2]
+        durable[f"{kind}_p99"] = waits[min(len(waits) - 1, len(waits) * 99 // 100)]
     return {
+        **durable,
         "name": name, "n": n, "wall": wall, "cpu_per_turn": cpu / (n * TURNS),
         "busy": cpu / wall,
         "lag_p50": lags[len(lags) // 2], "lag_p99": lags[min(len(lags) - 1, len(lags) * 99 // 100)],
@@ -530,7 +635,8 @@ def count_report(results: list[dict[str, Any]], names: list[str], n: int,
 def spawn(name: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--one", name, "-n", str(n),
                "--transport", args.transport, "--rate", str(args.rate)] + (
-                   ["--freeze"] if args.freeze else [])
+                   ["--freeze"] if args.freeze else []) + (
+                   ["--postgres", args.postgres] if args.postgres else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         raise SystemExit(f"{name} at N={n} failed:\n{done.stderr[-4000:]}")
@@ -580,6 +686,21 @@ def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
                   f"{median([r.get('gc_full_p50', 0.0) for r in mine]) * 1000:>8.1f} "
                   f"{median([r['rss_per_conversation'] for r in mine]) / 1024:>8.1f} "
                   f"{median([r['server_busy'] for r in mine]) * 100:>6.0f}%")
+    timed = [name for name in names if any("dispatch_p50" in r for r in results
+                                            if r["name"] == name)]
+    if timed:
+        print(f"\n{'durable writes':<12} {'N':>6} {'dispatch p50':>12} {'p99 ms':>7} "
+              f"{'settle p50':>10} {'p99 ms':>7}")
+        for n in sizes:
+            for name in timed:
+                mine = [r for r in results if r["name"] == name and r["n"] == n
+                        and "dispatch_p50" in r]
+                if mine:
+                    print(f"{name:<12} {n:>6} "
+                          f"{median([r['dispatch_p50'] for r in mine]) * 1000:>12.2f} "
+                          f"{median([r['dispatch_p99'] for r in mine]) * 1000:>7.2f} "
+                          f"{median([r['settle_p50'] for r in mine]) * 1000:>10.2f} "
+                          f"{median([r['settle_p99'] for r in mine]) * 1000:>7.2f}")
     print("\nlag: how late a 5 ms ticker woke; KB/conv: peak RSS over the run minus RSS "
           "before it, per conversation;\nserver: the loopback server's CPU share of its wall "
           "time (under 100%: it was never the bottleneck).")
@@ -591,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(repeatable; default 100, 1000, 5000, and 10000 with --full)")
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--contenders", help="comma-separated (default: every one; "
+                        "postgres only with --postgres)")
     parser.add_argument("--transport", choices=["default", "sdk", "aiohttp"],
                         default="default")
     parser.add_argument("--rate", type=float, default=RATE,
@@ -600,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--freeze", action="store_true",
                         help="gc.freeze() after the warm-up, as a server does once started")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--postgres", metavar="DSN",
+                        help="the server the postgres contender writes to (each "
+                             "measurement in a database of its own, dropped after)")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--profile", metavar="CONTENDER",
@@ -623,10 +748,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.one or args.profile or args.memory:
         result = measure_one(args.one or args.profile or args.memory, sizes[0],
                              args.transport, args.rate, freeze=args.freeze,
-                             profile=bool(args.profile), memory=bool(args.memory))
+                             profile=bool(args.profile), memory=bool(args.memory),
+                             postgres=args.postgres)
         print(json.dumps(result))
         return 0
-    names = [c for c in args.contenders.split(",") if c]
+    names = ([c for c in args.contenders.split(",") if c] if args.contenders else
+             [c for c in CONTENDERS if c != "postgres" or args.postgres])
+    if "postgres" in names and not args.postgres:
+        parser.error("the postgres contender needs --postgres DSN")
     for name in names:
         if name not in CONTENDERS:
             parser.error(f"unknown contender {name!r} (known: {', '.join(CONTENDERS)})")

@@ -11,6 +11,8 @@ contender gets its own client on its own copy of that transport:
   priced by a `PriceBook` entry (an operation's published price);
 * ``loopengine, genai-prices``: the same, priced by the genai-prices fallback;
 * ``loopengine + SQLite``: with a `SQLiteLedger` (if installed) and the entry;
+* ``loopengine + PostgreSQL``: with a `PostgresLedger` on ``--postgres DSN``
+  (only when given; the server's own CPU is another process's, not counted);
 * ``pydantic-ai Agent`` and ``SDK tool_runner``: the peers a user would pick
   instead (``pip install -e '.[bench]'``; skipped when missing).
 
@@ -193,6 +195,14 @@ async def loopengine_sqlite(directory: Path) -> Contender | str:
     return await loopengine_run(ledger, name="loopengine + SQLite ledger")
 
 
+async def loopengine_postgres(dsn: str | None) -> Contender | str:
+    if dsn is None:
+        return "loopengine + PostgreSQL: no --postgres DSN given"
+    from loopengine.persistence import PostgresLedger
+
+    return await loopengine_run(PostgresLedger(dsn), name="loopengine + PostgreSQL ledger")
+
+
 async def pydantic_ai_agent() -> Contender | str:
     if importlib.util.find_spec("pydantic_ai") is None:
         return "pydantic-ai is not installed (pip install -e '.[bench]')"
@@ -251,7 +261,7 @@ async def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=args.ledger_dir) as tmp:
         built = [await bare_loop(), await loopengine_run(),
                  await loopengine_run(name="loopengine, genai-prices", prices=le.PriceBook()),
-                 await loopengine_sqlite(Path(tmp)),
+                 await loopengine_sqlite(Path(tmp)), await loopengine_postgres(args.postgres),
                  await pydantic_ai_agent(), await sdk_tool_runner()]
         contenders = [c for c in built if isinstance(c, Contender)]
         skipped = [c for c in built if isinstance(c, str)]
@@ -296,11 +306,11 @@ def report(contenders: list[Contender], skipped: list[str], args: argparse.Names
           f"{args.rounds} rounds x {args.conversations} conversations")
     print("command: python bench/overhead.py " + " ".join(sys.argv[1:]))
     print()
-    print(f"{'':28} {'CPU/turn':>10} {'x bare':>7} {'wall/turn':>10} {'x bare':>7} "
+    print(f"{'':32} {'CPU/turn':>10} {'x bare':>7} {'wall/turn':>10} {'x bare':>7} "
           f"{'elsewhere':>10}")
     for c in contenders:
         cpu, wall = statistics.median(c.cpu), statistics.median(c.wall)
-        print(f"{c.name:28} {cpu * 1e6:8.0f}µs {ratio(c.cpu, floor.cpu):7.2f} "
+        print(f"{c.name:32} {cpu * 1e6:8.0f}µs {ratio(c.cpu, floor.cpu):7.2f} "
               f"{wall * 1e6:8.0f}µs {ratio(c.wall, floor.wall):7.2f} "
               f"{statistics.median(c.threads) * 1e6:8.0f}µs")
     print("elsewhere: the part of CPU/turn outside the event loop's thread (the ledger's "
@@ -318,6 +328,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="unmeasured conversations first (default 20)")
     parser.add_argument("--ledger-dir", default=None,
                         help="where the SQLite ledger file goes (default: the temp dir)")
+    parser.add_argument("--postgres", default=None, metavar="DSN",
+                        help="also measure a PostgresLedger on this server")
     parser.add_argument("--only", default=None,
                         help="measure only contenders whose name contains this (and the floor)")
     parser.add_argument("--profile", default=None, metavar="NAME",

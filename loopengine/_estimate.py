@@ -40,6 +40,7 @@ from typing import Any
 import pydantic
 
 from loopengine._errors import ConfigError
+from loopengine._features import is_web_search
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook, nanousd_to_usd
 from loopengine._run import check_unique_tools, final_tool_definition
@@ -234,7 +235,7 @@ def _server_tool_uses(
     searches = fetches = 0
     unbounded: list[str] = []
     for tool in operation.server_tools:
-        if tool.type.startswith("web_search_"):
+        if is_web_search(tool.type):
             fee = search_fee
         elif tool.type.startswith("web_fetch_"):
             fee = fetch_fee
@@ -243,7 +244,7 @@ def _server_tool_uses(
         if tool.max_uses is None:
             if fee != 0:
                 unbounded.append(tool.name)
-        elif tool.type.startswith("web_search_"):
+        elif is_web_search(tool.type):
             searches += tool.max_uses
         else:
             fetches += tool.max_uses

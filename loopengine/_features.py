@@ -30,6 +30,7 @@ __all__ = [
     "check_features",
     "check_server_tool_names",
     "enabled_features",
+    "is_web_search",
     "narrow_features",
 ]
 
@@ -205,6 +206,13 @@ def enabled_features(features: Features) -> tuple[str, ...]:
     """The names of the features ``features`` enables (of ``Features``' fields, in
     their order): what a provider must be able to send (`Provider.features`)."""
     return tuple(name for name in Features.__dataclass_fields__ if getattr(features, name))
+
+
+def is_web_search(tool_type: str) -> bool:
+    """Whether a server tool ``type`` is a web search, billed per search: Anthropic's
+    versioned ``web_search_...`` types and the Responses API's ``web_search``
+    (and ``web_search_preview``...)."""
+    return tool_type == "web_search" or tool_type.startswith("web_search_")
 
 
 def check_server_tool_names(server_tools: Sequence[ServerTool], names: set[str]) -> None:

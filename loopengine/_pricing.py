@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
+from loopengine._features import is_web_search
 from loopengine._usage import Usage
 
 if TYPE_CHECKING:
@@ -277,7 +278,7 @@ class PriceBook:
         search, fetch = self.fees(provider, model, at)
         for tool in features.server_tools:
             label = f"server tool {tool.name!r} ({tool.type})"
-            if tool.type.startswith("web_search_"):
+            if is_web_search(tool.type):
                 if search is None:
                     missing.append(f"{label}: no web search fee")
             elif tool.type.startswith("web_fetch_"):

@@ -7,7 +7,8 @@ its defaults filled in: an `Operation` named after the model, on the route
 ``max_output_tokens``. ``Engine.from_model(...)`` builds the vendor's
 provider from the environment, exactly as the vendor's SDK reads it
 (``ANTHROPIC_API_KEY`` and ``ANTHROPIC_BASE_URL``; ``OPENAI_API_KEY`` and
-``OPENAI_BASE_URL``; ``GOOGLE_API_KEY`` or ``GEMINI_API_KEY`` and
+``OPENAI_BASE_URL``; ``"openai-responses:gpt-5"`` is the same vendor through
+its Responses API; ``GOOGLE_API_KEY`` or ``GEMINI_API_KEY`` and
 ``GOOGLE_GEMINI_BASE_URL`` for ``"gemini:<model>"``, on the route ``gemini``).
 The provider's module, and so its SDK, is imported only then.
 """
@@ -31,8 +32,11 @@ __all__ = ["VENDORS", "engine_from_model", "operation_from_model", "parse_model"
            "provider_for_vendor", "run_privately", "sync_method"]
 
 VENDORS: dict[str, str] = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_KEY",
-                           "gemini": "GEMINI_API_KEY"}
-"""The vendors a model string may name, and the variable holding each one's key."""
+                           "openai-responses": "OPENAI_API_KEY", "gemini": "GEMINI_API_KEY"}
+"""The routes a model string may name, and the variable holding each one's key:
+``openai-responses`` is OpenAI's Responses API (`OpenAIResponsesProvider` on that
+route; its vendor, in ``served_by`` and prices, stays ``openai``); ``gemini`` is
+the Gemini API (`GeminiProvider`; its vendor is ``google``)."""
 
 _ALSO_KEYS: dict[str, tuple[str, ...]] = {"gemini": ("GOOGLE_API_KEY",)}
 """Other variables a vendor's SDK reads its key from (google-genai reads
@@ -95,6 +99,10 @@ def provider_for_vendor(vendor: str, **options: Any) -> Provider:
         from loopengine.providers import AnthropicProvider
 
         return AnthropicProvider(**options)
+    if vendor == "openai-responses":
+        from loopengine.providers import OpenAIResponsesProvider
+
+        return OpenAIResponsesProvider(route=vendor, **options)
     if vendor == "gemini":
         from loopengine.providers import GeminiProvider
 

@@ -1,11 +1,12 @@
 """A child process that resumes a paused run (run as a script, not collected).
 
 ``python -m tests.pause_child VENDOR DB URL STATE DECISIONS LOG``: load the
-`RunState` in the file STATE, resume it through VENDOR's provider (``anthropic``
-or ``openai``) against the fake server at URL, with the SQLiteLedger DB, the
-decisions given as JSON (``{call_id: ["approve"] | ["deny", why] |
-["supply", text]}``), and the tool ``send`` (approval needed), which appends
-its input to the file LOG. Prints the result's facts as one JSON line.
+`RunState` in the file STATE, resume it through VENDOR's provider (``anthropic``,
+``openai``, or ``openai-responses`` for OpenAI's Responses API) against the
+fake server at URL, with the SQLiteLedger DB, the decisions given as JSON
+(``{call_id: ["approve"] | ["deny", why] | ["supply", text]}``), and the tool
+``send`` (approval needed), which appends its input to the file LOG. Prints
+the result's facts as one JSON line.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ import anyio
 
 import loopengine as le
 from loopengine.persistence import SQLiteLedger
-from loopengine.providers import AnthropicProvider, OpenAIProvider, Provider
+from loopengine.providers import (
+    AnthropicProvider,
+    OpenAIProvider,
+    OpenAIResponsesProvider,
+    Provider,
+)
 
-MODELS = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-4o-mini"}
+MODELS = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-4o-mini",
+          "openai-responses": "gpt-4o-mini"}
 
 
 async def main(vendor: str, db: str, url: str, state: bytes, decided: str, log: str) -> None:
@@ -36,11 +43,15 @@ async def main(vendor: str, db: str, url: str, state: bytes, decided: str, log: 
     for call_id, (kind, *rest) in json.loads(decided).items():
         decisions[call_id] = {"approve": le.Approve, "deny": le.Deny,
                               "supply": le.Supply}[kind](*rest)
-    prices = le.PriceBook([le.ModelPrice(provider=vendor, model=MODELS[vendor],
+    # The Responses API is OpenAI's: its attempts are priced as the vendor's.
+    prices = le.PriceBook([le.ModelPrice(provider=vendor.removesuffix("-responses"),
+                                         model=MODELS[vendor],
                                          input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))],
                           credits_per_usd=Decimal(1_000_000))
     provider: Provider = (AnthropicProvider(api_key="test-key", base_url=url)
                           if vendor == "anthropic"
+                          else OpenAIResponsesProvider(api_key="test-key", base_url=url)
+                          if vendor == "openai-responses"
                           else OpenAIProvider(api_key="test-key", base_url=url))
     with SQLiteLedger(db) as ledger:
         engine = le.Engine(provider, ledger=ledger, prices=prices)

@@ -262,3 +262,147 @@ async def s01_charge_the_success(wire: Wire, route: Route, stream: bool,
     assert (row["attempt_count"], row["input_tokens"], row["output_tokens"],
             row["cost_nanousd"]) == (2, 100, 20, 120_000)
     return result, ledger
+
+
+async def r05_transient_retried(wire: Wire, route: Route, clock: FakeClock,
+                                stream: bool) -> le.RunResult:
+    """503s are retried with growing waits, three attempts by default."""
+    from loopengine.testing import ErrorReply
+
+    engine, _ = wire.engine(*[ErrorReply(status=503) for _ in range(4)], stream=stream)
+    result = await engine.run(route.operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert len(wire.requests) == 3
+    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
+    assert result.fault is not None and result.fault.kind.value == "server_error"
+    return result
+
+
+async def r05_permanent_not_retried(wire: Wire, route: Route, clock: FakeClock,
+                                    stream: bool) -> None:
+    """A 400, a 422 and a 401 are each sent once."""
+    from loopengine.testing import ErrorReply
+
+    for status in (400, 422, 401):
+        engine, _ = wire.engine(ErrorReply(status=status), stream=stream)
+        result = await engine.run(route.operation(), "go")
+        assert result.outcome is le.Outcome.PROVIDER_ERROR
+        assert result.fault is not None and result.fault.http_status == status
+        assert len(result.attempt_log) == 1
+    assert len(wire.requests) == 3
+    assert clock.sleeps == []
+
+
+async def r06_openai_insufficient_quota(wire: Wire, route: Route, clock: FakeClock,
+                                        stream: bool) -> None:
+    """OpenAI's 429 insufficient_quota ends credit_exhausted after one request."""
+    from loopengine.testing import ErrorReply
+
+    engine, _ = wire.engine(ErrorReply.insufficient_quota(), Reply.text("never"), stream=stream)
+    result = await engine.run(route.operation(), "go")
+    assert result.outcome is le.Outcome.CREDIT_EXHAUSTED
+    assert len(wire.requests) == 1 and clock.sleeps == []
+    assert result.fault is not None
+    assert (result.fault.http_status, result.fault.error_code) == (429, "insufficient_quota")
+
+
+async def r07_openai_attempt_rows(wire: Wire, route: Route, stream: bool,
+                                  response_id: str) -> None:
+    """Each attempt is a row with its turn, try, usage, timing, ids and own price;
+    past the retained rows, attempts are counted and the record marked incomplete.
+    ``response_id`` is the id the route's fake gives its second response."""
+    from loopengine.persistence import MemoryLedger
+    from loopengine.testing import ErrorReply
+
+    counter = Counter()
+    ledger = MemoryLedger(max_retained_attempts=3)
+    engine, _ = wire.engine(
+        ErrorReply(status=500), Reply.tool_calls(lookup("a")),
+        ErrorReply(status=429), Reply.text("done", usage=le.Usage(input_tokens=300,
+                                                                  output_tokens=10,
+                                                                  cache_read_tokens=200)),
+        stream=stream, ledger=ledger)
+    fast = le.RetryPolicy(max_attempts=4, initial_wait=0.001, max_wait=0.002)
+    result = await engine.run(route.operation(retry=fast), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert (result.attempts.count, result.attempts.retained, result.attempts.incomplete) == (
+        4, 3, True)
+    rows = sorted(ledger.attempts.values(), key=lambda r: r["ordinal"])
+    assert [(r["turn"], r["attempt"], r["outcome"], r["fault"]) for r in rows] == [
+        (1, 1, "error", "server_error"), (1, 2, "ok", None), (2, 1, "error", "rate_limited")]
+    assert [r["request_id"] for r in rows] == ["req_fake_0001", "req_fake_0002",
+                                               "req_fake_0003"]
+    assert rows[1]["response_id"] == response_id
+    assert [r["cost_nanousd"] for r in rows] == [None, 120_000, None]
+    op = route.operation()
+    assert all(r["served_by"] == f"openai:{op.model}" and r["latency_ms"] is not None
+               for r in rows)
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["attempt_count"], invocation["incomplete"]) == (4, 1)
+    # The fourth attempt has no row, but its usage (cached tokens apart) is in the totals.
+    assert (invocation["input_tokens"], invocation["cache_read_tokens"],
+            invocation["output_tokens"]) == (400, 200, 30)
+    assert invocation["cost_nanousd"] == 120_000 + 510_000
+
+
+async def r15_malformed_arguments(wire: Wire, route: Route, stream: bool) -> le.RunResult:
+    """Arguments that are not a JSON object (the call ``call_bad``) are answered by an
+    error result, no handler runs on them; the model repairs the call and the run
+    completes."""
+    counter = Counter()
+    broken = Reply(content=[{"type": "tool_use", "id": "call_bad", "name": "lookup",
+                             "input": '{"key": "a"'}], stop_reason="tool_use")
+    engine, _ = wire.engine(broken, Reply.tool_calls(lookup("a")), Reply.text("done"),
+                            stream=stream)
+    result = await engine.run(route.operation(), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert counter.calls == ["a"] and result.tool_calls == 2
+    return result
+
+
+async def s02_repaired_text_answer(wire: Wire, route: Route, stream: bool) -> le.RunResult:
+    """The first answer ("42") is rejected ("in words"); the repaired one is accepted
+    within the remaining turns and budget, after exactly two requests."""
+    engine, _ = wire.engine(Reply.text("42"), Reply.text("forty-two"), Reply.text("never"),
+                            stream=stream)
+    result = await engine.run(
+        route.operation(max_turns=2, max_tool_calls=1), "go",
+        accept=lambda a: le.Accept() if a.isalpha() or "-" in a else le.Reject("in words"),
+    )
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.answer == "forty-two"
+    assert result.turns == 2 and result.tool_calls == 1
+    assert len(wire.requests) == 2
+    return result
+
+
+async def fault_case(wire: Wire, route: Route, case: Any, stream: bool) -> Any:
+    """Run one row of a fault table (``case``: tests/adapter/test_anthropic_faults.py's
+    `Case`) on ``wire``'s provider, followed by a good reply, and check it: the right
+    kind, retried or not, the right outcome. Returns the ledger."""
+    from loopengine.providers import FaultKind
+
+    # Only the timeout cases have a short (real) timeout, against a server that
+    # never answers (see the Anthropic table); every other case has a minute.
+    engine, ledger = wire.engine(case.item, Reply.text("recovered"), stream=stream,
+                                 provider_kwargs={"stream_idle_timeout": case.idle_timeout})
+    result = await engine.run(route.operation(attempt_timeout=case.attempt_timeout), "go")
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert first.fault == case.kind.value
+    assert first.outcome == case.attempt_outcome
+    clock: FakeClock = wire.clock
+    if case.retried:
+        assert result.outcome is le.Outcome.COMPLETED and result.answer == "recovered"
+        assert len(wire.requests) == 2 and len(result.attempt_log) == 2
+        assert len(clock.sleeps) == 1
+    else:
+        expected = (le.Outcome.CREDIT_EXHAUSTED if case.kind is FaultKind.CREDIT_EXHAUSTED
+                    else le.Outcome.PROVIDER_ERROR)
+        assert result.outcome is expected
+        assert len(wire.requests) == 1 and len(result.attempt_log) == 1
+        assert clock.sleeps == []
+        assert result.fault is not None and result.fault.kind is case.kind
+    (row, *_) = ledger.attempts.values()
+    assert (row["fault"], row["outcome"]) == (case.kind.value, case.attempt_outcome)
+    return ledger

@@ -21,7 +21,8 @@ CONTRACT = {
     "loopengine.testing": {"FakeClock"},
 }
 
-LAZY = {"loopengine.providers": {"AnthropicProvider", "GeminiProvider", "OpenAIProvider"}}
+LAZY = {"loopengine.providers": {"AnthropicProvider", "GeminiProvider", "OpenAIProvider",
+                                   "OpenAIResponsesProvider"}}
 """Names a package imports on first use (with their SDK), so not yet in its namespace."""
 
 

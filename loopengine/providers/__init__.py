@@ -1,6 +1,7 @@
 """Providers: the `Provider` seam, fault classification, the retry policy,
 cache-marker placement, and the providers themselves: `AnthropicProvider`,
-`OpenAIProvider` (extra ``openai``), `GeminiProvider` (extra ``gemini``) and
+`OpenAIProvider` and `OpenAIResponsesProvider` (extra ``openai``),
+`GeminiProvider` (extra ``gemini``) and
 `ScriptedProvider`.
 
 `AnthropicProvider` and `OpenAIProvider` are imported on first use, with
@@ -26,6 +27,7 @@ if typing.TYPE_CHECKING:
     from loopengine.providers._anthropic import AnthropicProvider
     from loopengine.providers._gemini import GeminiProvider
     from loopengine.providers._openai import OpenAIProvider
+    from loopengine.providers._openai_responses import OpenAIResponsesProvider
 
 __all__ = [
     "FEATURES",
@@ -35,6 +37,7 @@ __all__ = [
     "FaultKind",
     "GeminiProvider",
     "OpenAIProvider",
+    "OpenAIResponsesProvider",
     "Provider",
     "ProviderFault",
     "ProviderRequest",
@@ -62,6 +65,10 @@ def __getattr__(name: str) -> typing.Any:
         from loopengine.providers._openai import OpenAIProvider
 
         return OpenAIProvider
+    if name == "OpenAIResponsesProvider":
+        from loopengine.providers._openai_responses import OpenAIResponsesProvider
+
+        return OpenAIResponsesProvider
     if name == "GeminiProvider":
         from loopengine.providers._gemini import GeminiProvider
 

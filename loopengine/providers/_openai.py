@@ -20,7 +20,8 @@ this module imports it only when a provider is built.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
 from loopengine import _validate
@@ -31,6 +32,7 @@ from loopengine.providers._base import (
     TextCallback,
     text_or_none,
 )
+from loopengine.providers._clients import BoundClient, ClientPerLoop
 from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._openai_chat import (
     StreamedCompletion,
@@ -53,7 +55,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("loopengine")
 
-__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "OpenAIProvider", "StreamUsage"]
+__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "OpenAIProvider", "StreamUsage", "json_body",
+           "openai_clients"]
 
 StreamUsage = Literal["required", "optional"]
 """Whether a stream must end with its usage chunk (`OpenAIProvider`'s ``stream_usage``)."""
@@ -64,6 +67,60 @@ DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
 # Keywords that only an Azure client takes: given them, the provider builds one.
 _AZURE_KEYWORDS = frozenset({"azure_endpoint", "azure_deployment", "api_version",
                              "azure_ad_token", "azure_ad_token_provider"})
+
+
+def openai_clients(
+    owner: str, client: openai.AsyncOpenAI | None, client_kwargs: dict[str, Any],
+    max_connections: int | None,
+) -> tuple[ClientPerLoop[openai.AsyncOpenAI] | BoundClient[openai.AsyncOpenAI], str]:
+    """The clients of a provider on the ``openai`` SDK (`provider_clients`), and its
+    vendor: ``azure`` for an Azure client (given, or built because the keywords
+    name an Azure setting), else ``openai``.
+
+    Raises:
+        ConfigError: what `provider_clients` refuses, or client settings the
+            SDK refuses (missing credentials, contradictory Azure settings).
+    """
+    sdk = import_openai()
+    azure = bool(_AZURE_KEYWORDS & client_kwargs.keys())
+    try:
+        clients: ClientPerLoop[Any] | BoundClient[Any] = provider_clients(
+            owner, client, client_kwargs, max_connections=max_connections,
+            accepts=sdk.AsyncOpenAI, sdk_default=sdk.DefaultAsyncHttpxClient,
+            build=sdk.AsyncAzureOpenAI if azure else sdk.AsyncOpenAI)
+    except sdk.OpenAIError as error:
+        # Missing credentials, contradictory Azure settings: the SDK says
+        # so when the client is built, before anything is sent.
+        raise ConfigError("client", f"the openai SDK refused the client settings: "
+                                    f"{error}") from None
+    vendor = "azure" if isinstance(clients.current(), sdk.AsyncAzureOpenAI) else "openai"
+    return clients, vendor
+
+
+async def json_body(
+    create: Callable[..., AbstractAsyncContextManager[Any]], params: dict[str, Any]
+) -> tuple[object, str | None, int]:
+    """One request through an SDK method's raw-response form (``create`` of
+    ``with_streaming_response``): its body as JSON (None when it is not JSON),
+    its request id and its status. The raw form hands over the body as JSON:
+    the engine keeps dicts, so building the SDK's models would be wasted.
+
+    Raises:
+        ProviderFault: the request failed (`classify_error`).
+    """
+    try:
+        async with create(**params) as raw:
+            request_id: str | None = raw.headers.get("x-request-id")
+            status: int = raw.status_code
+            try:
+                body = await raw.json()
+            except failures() as error:
+                raise classify_error(error, request_id=request_id, in_body=True) from error
+            except ValueError:
+                body = None
+    except failures() as error:
+        raise classify_error(error) from error
+    return body, request_id, status
 
 
 class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
@@ -153,19 +210,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
         if route is not None:
             _validate.text("route", route)
-        sdk = import_openai()
-        azure = bool(_AZURE_KEYWORDS & client_kwargs.keys())
-        try:
-            self._clients = provider_clients(
-                "OpenAIProvider", client, client_kwargs, max_connections=max_connections,
-                accepts=sdk.AsyncOpenAI, sdk_default=sdk.DefaultAsyncHttpxClient,
-                build=sdk.AsyncAzureOpenAI if azure else sdk.AsyncOpenAI)
-        except sdk.OpenAIError as error:
-            # Missing credentials, contradictory Azure settings: the SDK says
-            # so when the client is built, before anything is sent.
-            raise ConfigError("client", f"the openai SDK refused the client settings: "
-                                        f"{error}") from None
-        self._vendor = "azure" if isinstance(self.client, sdk.AsyncAzureOpenAI) else "openai"
+        self._clients, self._vendor = openai_clients("OpenAIProvider", client, client_kwargs,
+                                                     max_connections)
         self._name = route if route is not None else self._vendor
         self._stream = stream
 
@@ -192,20 +238,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
 
     async def _send_plain(self, client: openai.AsyncOpenAI,
                           params: dict[str, Any]) -> ProviderResponse:
-        # The raw-response form hands over the body as JSON: the engine keeps
-        # Anthropic-shaped dicts, so building the SDK's models would be wasted.
-        try:
-            async with client.chat.completions.with_streaming_response.create(**params) as raw:
-                request_id = raw.headers.get("x-request-id")
-                status = raw.status_code
-                try:
-                    body = await raw.json()
-                except failures() as error:
-                    raise classify_error(error, request_id=request_id, in_body=True) from error
-                except ValueError:
-                    body = None
-        except failures() as error:
-            raise classify_error(error) from error
+        body, request_id, status = await json_body(
+            client.chat.completions.with_streaming_response.create, params)
         choice = first_choice(body)
         message = choice.get("message") if choice is not None else None
         if choice is None or not isinstance(message, Mapping) or not isinstance(body, Mapping):

@@ -29,7 +29,7 @@ reasoning tokens are inside ``completion_tokens``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from loopengine._usage import Usage
@@ -38,6 +38,7 @@ from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = [
     "StreamedCompletion",
+    "arguments",
     "chat_messages",
     "chat_params",
     "chat_tool_choice",
@@ -45,8 +46,15 @@ __all__ = [
     "check_translatable",
     "content_from_message",
     "first_choice",
+    "image_source",
+    "image_url",
+    "openai_usage",
+    "result_blocks",
+    "result_text",
     "stop_reason",
     "text_of",
+    "untranslatable",
+    "user_turn",
     "usage_from_api",
 ]
 
@@ -162,9 +170,10 @@ class StreamedCompletion:
 
 
 
-def _untranslatable(what: str) -> ProviderFault:
+def untranslatable(what: str, api: str = "Chat Completions") -> ProviderFault:
+    """The fault of a request holding ``what``, which ``api`` has no equivalent for."""
     return ProviderFault(FaultKind.BAD_REQUEST,
-                         f"{what} has no Chat Completions equivalent, so the request was not "
+                         f"{what} has no {api} equivalent, so the request was not "
                          "sent", error_code="untranslatable")
 
 
@@ -173,7 +182,7 @@ def _untranslatable(what: str) -> ProviderFault:
 # ask the same questions below, so they cannot disagree.
 
 _ASSISTANT_SENT = frozenset({"text", "tool_use"})
-_ASSISTANT_DROPPED = frozenset({"thinking", "redacted_thinking"})
+_ASSISTANT_DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning"})
 _USER_SENT = frozenset({"tool_result", "text", "image"})
 
 
@@ -181,7 +190,7 @@ def _role(message: Mapping[str, Any]) -> str:
     """The message's role, when the translation has one for it."""
     role = message.get("role")
     if role not in ("assistant", "user"):
-        raise _untranslatable(f"a message with role {role!r}")
+        raise untranslatable(f"a message with role {role!r}")
     return str(role)
 
 
@@ -190,7 +199,7 @@ def _assistant_kind(block: Mapping[str, Any]) -> str:
     (another vendor's reasoning, nothing to send it as)."""
     kind = block.get("type")
     if kind not in _ASSISTANT_SENT and kind not in _ASSISTANT_DROPPED:
-        raise _untranslatable(f"an assistant {kind!r} block")
+        raise untranslatable(f"an assistant {kind!r} block")
     return str(kind)
 
 
@@ -199,31 +208,32 @@ def _user_kind(block: Mapping[str, Any]) -> str:
     result of text only, an image of base64 data or a URL."""
     kind = block.get("type")
     if kind not in _USER_SENT:
-        raise _untranslatable(f"a user {kind!r} block")
+        raise untranslatable(f"a user {kind!r} block")
     if kind == "tool_result":
-        _result_blocks(block.get("content"))
+        result_blocks(block.get("content"))
     elif kind == "image":
-        _image_source(block)
+        image_source(block)
     return str(kind)
 
 
-def _result_blocks(content: Any) -> Sequence[Mapping[str, Any]]:
+def result_blocks(content: Any, api: str = "Chat Completions") -> Sequence[Mapping[str, Any]]:
     """A tool result's blocks (none for a string or no content): text only,
-    since a ``tool`` message carries nothing else."""
+    since a ``tool`` message (a ``function_call_output``) carries nothing else."""
     if content is None or isinstance(content, str):
         return ()
     for block in content:
         if not isinstance(block, Mapping) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
-            raise _untranslatable(f"a {kind!r} block inside a tool result")
+            raise untranslatable(f"a {kind!r} block inside a tool result", api)
     return content  # type: ignore[no-any-return]
 
 
-def _image_source(block: Mapping[str, Any]) -> Mapping[str, Any]:
+def image_source(block: Mapping[str, Any], api: str = "Chat Completions") -> Mapping[str, Any]:
+    """An image block's source, when it is base64 data or a URL."""
     source = block.get("source")
     if isinstance(source, Mapping) and source.get("type") in ("base64", "url"):
         return source
-    raise _untranslatable("an image that is neither base64 data nor a URL")
+    raise untranslatable("an image that is neither base64 data nor a URL", api)
 
 
 def check_translatable(request: ProviderRequest) -> None:
@@ -291,41 +301,66 @@ def _assistant_message(content: Any) -> dict[str, Any]:
 
 
 def _user_messages(content: Any) -> list[dict[str, Any]]:
+    return user_turn(
+        content, _user_kind,
+        result=lambda block: {"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                              "content": result_text(block)},
+        text_part=lambda text: {"type": "text", "text": text},
+        image_part=lambda block: {"type": "image_url", "image_url": {"url": image_url(block)}})
+
+
+def user_turn(
+    content: Any,
+    kind_of: Callable[[Mapping[str, Any]], str],
+    *,
+    result: Callable[[Mapping[str, Any]], dict[str, Any]],
+    text_part: Callable[[str], dict[str, Any]],
+    image_part: Callable[[Mapping[str, Any]], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """A user message as either OpenAI API takes it: its tool results first (each
+    ``result(block)``, in order: the APIs want each call's result right after
+    the assistant's calls), then the rest of the message as one ``user``
+    message, a plain string when it is all text, else its parts
+    (``text_part``, ``image_part``). ``kind_of`` checks each block and names
+    its kind (``tool_result``, ``text``, ``image``)."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    # The API wants each tool call's result right after the assistant's calls,
-    # so the results go first and the rest of the user's message after them.
-    results: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
+    texts: list[str | None] = []
     parts: list[dict[str, Any]] = []
     for block in content or ():
-        kind = _user_kind(block)
+        kind = kind_of(block)
         if kind == "tool_result":
-            text = _result_text(block.get("content"))
-            if block.get("is_error") is True:
-                text = f"Error: {text}"
-            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": text})
+            out.append(result(block))
         elif kind == "text":
-            parts.append({"type": "text", "text": str(block.get("text", ""))})
+            text = str(block.get("text", ""))
+            texts.append(text)
+            parts.append(text_part(text))
         else:
-            parts.append({"type": "image_url", "image_url": {"url": _image_url(block)}})
+            texts.append(None)
+            parts.append(image_part(block))
     if parts:
-        if all(part["type"] == "text" for part in parts):
-            results.append({"role": "user",
-                            "content": "\n\n".join(part["text"] for part in parts)})
+        if all(text is not None for text in texts):
+            out.append({"role": "user", "content": "\n\n".join(t or "" for t in texts)})
         else:
-            results.append({"role": "user", "content": parts})
-    return results
+            out.append({"role": "user", "content": parts})
+    return out
 
 
-def _result_text(content: Any) -> str:
+def result_text(block: Mapping[str, Any], api: str = "Chat Completions") -> str:
+    """A ``tool_result`` block's text, ``Error: ``-prefixed when it is an error
+    (neither API has an error flag, so the model reads it as a failure)."""
+    content = block.get("content")
     if isinstance(content, str):
-        return content
-    return "\n\n".join(str(block.get("text", "")) for block in _result_blocks(content))
+        text = content
+    else:
+        text = "\n\n".join(str(part.get("text", "")) for part in result_blocks(content, api))
+    return f"Error: {text}" if block.get("is_error") is True else text
 
 
-def _image_url(block: Mapping[str, Any]) -> str:
-    source = _image_source(block)
+def image_url(block: Mapping[str, Any], api: str = "Chat Completions") -> str:
+    """An image block as the URL both APIs take (a ``data:`` URL for base64 data)."""
+    source = image_source(block, api)
     if source.get("type") == "base64":
         return f"data:{source.get('media_type')};base64,{source.get('data')}"
     return str(source.get("url"))
@@ -356,7 +391,7 @@ def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] |
         return "required"
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise _untranslatable(f"tool_choice {kind!r}")
+    raise untranslatable(f"tool_choice {kind!r}")
 
 
 def text_of(content: object) -> str:
@@ -394,14 +429,16 @@ def content_from_message(
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
-                        "input": _arguments(function.get("arguments"))})
+                        "input": arguments(function.get("arguments"))})
     stop = stop_reason(finish_reason)
     if isinstance(refusal, str) and refusal:
         stop = "refusal"
     return content, stop
 
 
-def _arguments(raw: object) -> Any:
+def arguments(raw: object) -> Any:
+    """A call's ``arguments`` as a tool input: the parsed JSON object, else the
+    string as the model sent it (the loop answers it as invalid input, R15)."""
     if raw is None or raw == "":
         return {}
     if not isinstance(raw, str):
@@ -437,16 +474,30 @@ def usage_from_api(raw: object, service_tier: object = None) -> Usage | None:
     """
     if not isinstance(raw, Mapping):
         return None
-    prompt = token_count(raw.get("prompt_tokens"))
-    output = token_count(raw.get("completion_tokens"))
-    details = raw.get("prompt_tokens_details")
-    cached = written = 0
-    if isinstance(details, Mapping):
-        cached = min(prompt, token_count(details.get("cached_tokens")))
-        written = min(prompt - cached, token_count(details.get("cache_write_tokens")))
     completion = raw.get("completion_tokens_details")
-    reasoning = min(output, token_count(completion.get("reasoning_tokens"))) if isinstance(
-        completion, Mapping) else 0
+    return openai_usage(raw.get("prompt_tokens"), raw.get("prompt_tokens_details"),
+                        raw.get("completion_tokens"),
+                        completion.get("reasoning_tokens") if isinstance(completion, Mapping)
+                        else 0, service_tier)
+
+
+def openai_usage(prompt_tokens: object, prompt_details: object, output_tokens: object,
+                 reasoning_tokens: object, service_tier: object = None, *,
+                 web_search_requests: int = 0) -> Usage:
+    """The `Usage` of OpenAI's counts, for both of its APIs (Chat Completions'
+    ``prompt_tokens`` / ``prompt_tokens_details`` / ``completion_tokens``, the
+    Responses API's ``input_tokens`` / ``input_tokens_details`` /
+    ``output_tokens``): the prompt count holds the cached and the cache-written
+    tokens, so the uncached input is what is left of it. Missing or null counts
+    are 0; no part exceeds its whole."""
+    prompt = token_count(prompt_tokens)
+    output = token_count(output_tokens)
+    cached = written = 0
+    if isinstance(prompt_details, Mapping):
+        cached = min(prompt, token_count(prompt_details.get("cached_tokens")))
+        written = min(prompt - cached, token_count(prompt_details.get("cache_write_tokens")))
     return Usage(input_tokens=prompt - cached - written, output_tokens=output,
                  cache_read_tokens=cached, cache_write_tokens=written,
-                 reasoning_tokens=reasoning, service_tier=priced_tier(service_tier))
+                 reasoning_tokens=min(output, token_count(reasoning_tokens)),
+                 web_search_requests=web_search_requests,
+                 service_tier=priced_tier(service_tier))

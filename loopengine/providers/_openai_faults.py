@@ -50,7 +50,7 @@ from loopengine.providers._faults import (
     sdk_classifier,
 )
 
-__all__ = ["classify_error", "failures", "import_openai", "read_failures"]
+__all__ = ["classify_error", "event_fault", "failures", "import_openai", "read_failures"]
 
 _TYPE_KINDS = {
     "invalid_request_error": FaultKind.BAD_REQUEST,
@@ -65,7 +65,18 @@ _TYPE_KINDS = {
     "overloaded_error": FaultKind.OVERLOADED,
     "server_error": FaultKind.SERVER_ERROR,
     "api_error": FaultKind.SERVER_ERROR,
+    # The Responses API's codes of a response that failed after a 200
+    # (``response.failed``): the request's own content is not retried.
+    "context_length_exceeded": FaultKind.BAD_REQUEST,
+    "invalid_prompt": FaultKind.BAD_REQUEST,
+    "data_residency_mismatch": FaultKind.BAD_REQUEST,
+    "bio_policy": FaultKind.BAD_REQUEST,
+    "misalignment_policy_violation": FaultKind.BAD_REQUEST,
+    "vector_store_timeout": FaultKind.TIMEOUT,
 }
+# Its image codes (``invalid_image``, ``image_too_large``...) are the request's too.
+_REQUEST_CODE_PREFIXES = ("invalid_image", "invalid_base64_image", "image_", "empty_image",
+                          "failed_to_download_image", "unsupported_image")
 
 
 def import_openai() -> Any:
@@ -123,11 +134,29 @@ def _stream_fault(
 ) -> ProviderFault:
     """An error object inside a stream: the SDK raises it without a status."""
     error_type, code, message = _error_fields(error)
+    return event_fault({"type": error_type, "code": code, "message": message},
+                       request_id=request_id, usage=usage, response_id=response_id)
+
+
+def event_fault(
+    error: object, *, request_id: str | None, usage: Usage | None, response_id: str | None,
+    usage_approx: bool | None = None,
+) -> ProviderFault:
+    """The fault of an error object that came after a 200: inside a Chat
+    Completions stream, a Responses ``error`` event, or the ``error`` of a
+    response whose status is ``failed`` (``response.failed``, or such a JSON
+    body). Only its type or code tell what went wrong; an unknown one is the
+    server's failure (retried). ``usage`` is a floor (``usage_approx``, by
+    default whenever there is one) unless it is a failed response's own."""
+    fields = error if isinstance(error, Mapping) else {}
+    error_type, code = _text(fields.get("type")), _text(fields.get("code"))
+    message = _text(fields.get("message")) or ""
     return ProviderFault(
         _kind(200, error_type, code),
-        f"HTTP 200 mid-stream {error_type or 'error'}: {message}".rstrip(": "),
+        f"HTTP 200 mid-stream {code or error_type or 'error'}: {message}".rstrip(": "),
         http_status=200, error_code=code or error_type, request_id=request_id,
-        response_id=response_id, usage=usage, usage_approx=usage is not None,
+        response_id=response_id, usage=usage,
+        usage_approx=usage is not None if usage_approx is None else usage_approx,
     )
 
 
@@ -138,6 +167,8 @@ def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
     if status == 200 or (status >= 500 and error_type == "overloaded_error"):
         # After a 200 only the error's type (or code) tells what went wrong;
         # an unknown one is the server's failure.
+        if code is not None and code.startswith(_REQUEST_CODE_PREFIXES):
+            return FaultKind.BAD_REQUEST
         return _TYPE_KINDS.get(code or "", _TYPE_KINDS.get(error_type or "",
                                                            FaultKind.SERVER_ERROR))
     if status in STATUS_KINDS:

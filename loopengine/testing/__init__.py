@@ -5,9 +5,10 @@
 `AnthropicProvider` (or any ``anthropic`` client) at its ``url`` and script
 replies, error statuses, dropped connections and broken streams with
 `Reply`, `ErrorReply`, `DropConnection`, `CutStream`, `StreamErrorEvent` and
-`StallStream`. `FakeOpenAIServer` is the same for the Chat Completions API,
-for `OpenAIProvider` (or any ``openai`` client), from the same script items,
-and `FakeGeminiServer` for the Gemini API and `GeminiProvider`.
+`StallStream`. `FakeOpenAIServer` is the same for the Chat Completions API
+and the Responses API (``/v1/responses``), for `OpenAIProvider` and
+`OpenAIResponsesProvider` (or any ``openai`` client), from the same script
+items, and `FakeGeminiServer` for the Gemini API and `GeminiProvider`.
 The pytest fixtures ``fake_anthropic_server`` and ``fake_openai_server``
 (registered by the package's pytest plugin) give each test a started server.
 See docs/testing.md.

@@ -77,7 +77,7 @@ class FakeAnthropicServer(LoopbackServer):
     def _error_status(self, error_type: str) -> int:
         return _TYPE_STATUS.get(error_type, 500)
 
-    def _error_event(self, error_type: str, message: str) -> bytes:
+    def _error_event(self, error_type: str, message: str, request: RecordedRequest) -> bytes:
         return _sse("error", {"type": "error", "error": {"type": error_type,
                                                          "message": message}})
 

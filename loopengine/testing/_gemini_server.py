@@ -186,7 +186,7 @@ class FakeGeminiServer(LoopbackServer):
     def _error_status(self, error_type: str) -> int:
         return _TYPE_STATUS.get(error_type, 500)
 
-    def _error_event(self, error_type: str, message: str) -> bytes:
+    def _error_event(self, error_type: str, message: str, request: RecordedRequest) -> bytes:
         status = self._error_status(error_type)
         return _data({"error": _error(status, None if error_type == "overloaded_error"
                                       else error_type, message, None)})
@@ -223,7 +223,7 @@ class FakeGeminiServer(LoopbackServer):
         candidates = message.get("candidates")
         if not candidates or "content" not in candidates[0]:
             # A blocked prompt or a malformed call: one event, as the API sends it.
-            return [Frame(_data(message), self._served_usage(reply.usage))]
+            return [Frame(_data(message), self._served_usage(reply.usage, request))]
         candidate = candidates[0]
         pieces: list[dict[str, Any]] = []
         for part in candidate["content"]["parts"]:
@@ -247,7 +247,7 @@ class FakeGeminiServer(LoopbackServer):
             frames.append(Frame(_data(body), _read_usage(share)))
         return frames
 
-    def _served_usage(self, usage: Usage | None) -> Usage | None:
+    def _served_usage(self, usage: Usage | None, request: RecordedRequest) -> Usage | None:
         return _read_usage(_usage_json(usage, blocked=False))
 
 

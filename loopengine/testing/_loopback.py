@@ -527,7 +527,7 @@ class LoopbackServer:
                 raise _Drop(reset=False)
             head = handler.head(200, "application/json", {
                 **ids, "content-length": str(len(payload))})
-            self._deliver(handler, self._served_usage(reply.usage), head + payload)
+            self._deliver(handler, self._served_usage(reply.usage, request), head + payload)
             return
         frames = self._frames(message, reply, request)
         head = handler.head(200, "text/event-stream", {**ids, "transfer-encoding": "chunked",
@@ -541,7 +541,7 @@ class LoopbackServer:
         elif mode == "drop":
             raise _Drop(reset=False)
         elif mode == "error":
-            handler.write_chunk(self._error_event(item.type, item.message))
+            handler.write_chunk(self._error_event(item.type, item.message, request))
             handler.end_chunks()
         else:  # stall
             self._wait(item.seconds)
@@ -574,8 +574,8 @@ class LoopbackServer:
         """The HTTP status a non-streaming request gets for a `StreamErrorEvent`."""
         raise NotImplementedError
 
-    def _error_event(self, error_type: str, message: str) -> bytes:
-        """The server-sent event of an error inside a stream."""
+    def _error_event(self, error_type: str, message: str, request: RecordedRequest) -> bytes:
+        """The server-sent event of an error inside the stream answering ``request``."""
         raise NotImplementedError
 
     def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
@@ -587,8 +587,9 @@ class LoopbackServer:
         """The server-sent events of ``message``, in order."""
         raise NotImplementedError
 
-    def _served_usage(self, usage: Usage | None) -> Usage | None:
-        """The usage a client reads from a whole JSON reply scripted with ``usage``."""
+    def _served_usage(self, usage: Usage | None, request: RecordedRequest) -> Usage | None:
+        """The usage a client reads from a whole JSON reply scripted with ``usage``
+        (answering ``request``)."""
         return usage
 
 

@@ -1,9 +1,12 @@
-"""`FakeOpenAIServer`: the Chat Completions API on loopback, scripted, for tests.
+"""`FakeOpenAIServer`: the Chat Completions and Responses APIs on loopback,
+scripted, for tests.
 
 A real HTTP/1.1 server on 127.0.0.1 that answers ``POST
 /v1/chat/completions`` (and Azure's ``/openai/deployments/{name}/chat/completions``)
 in JSON or, when the request asks for ``"stream": true``, in server-sent
-``chat.completion.chunk`` events ending with ``data: [DONE]``. It takes the
+``chat.completion.chunk`` events ending with ``data: [DONE]``; and ``POST
+/v1/responses`` in the Responses API's shapes and events, from the same
+script (``_openai_responses_wire.py`` says how a `Reply` looks there). It takes the
 same script items as `FakeAnthropicServer` (it is the same `LoopbackServer`),
 rendered in the Chat Completions shapes:
 
@@ -46,8 +49,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from loopengine._usage import Usage
-from loopengine.providers._base import priced_tier
 from loopengine.providers._scripted import Reply
+from loopengine.testing import _openai_responses_wire as responses
 from loopengine.testing._loopback import (
     ErrorReply,
     Frame,
@@ -94,7 +97,7 @@ _AZURE_PATH = re.compile(r"/openai/deployments/[^/]+/chat/completions")
 
 
 class FakeOpenAIServer(LoopbackServer):
-    """A scripted Chat Completions API on 127.0.0.1, for tests.
+    """A scripted Chat Completions (and Responses) API on 127.0.0.1, for tests.
 
     Use it as a context manager (or call `start` and `close`); point an
     ``openai`` client at `base_url`::
@@ -134,9 +137,13 @@ class FakeOpenAIServer(LoopbackServer):
 
     def _serves(self, path: str) -> bool:
         # Azure's form of the same endpoint names the deployment in the path.
-        return path == self.path or _AZURE_PATH.fullmatch(path) is not None
+        return (path in (self.path, responses.PATH)
+                or _AZURE_PATH.fullmatch(path) is not None)
 
     def _refusal(self, body: Any) -> str | None:
+        # Only a Responses request has an ``input``.
+        if isinstance(body, Mapping) and "input" in body:
+            return responses.input_problem(body)
         return transcript_problem(body)
 
     def _error_body(self, item: ErrorReply) -> bytes:
@@ -150,11 +157,15 @@ class FakeOpenAIServer(LoopbackServer):
     def _error_status(self, error_type: str) -> int:
         return _TYPE_STATUS.get(error_type, 500)
 
-    def _error_event(self, error_type: str, message: str) -> bytes:
+    def _error_event(self, error_type: str, message: str, request: RecordedRequest) -> bytes:
+        if _is_responses(request):
+            return responses.error_event(error_type, message)
         return _data({"error": {"message": message, "type": error_type, "param": None,
                                 "code": None}})
 
     def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
+        if _is_responses(request):
+            return responses.response_body(reply, request, number)
         model = request.body.get("model") if isinstance(request.body, Mapping) else None
         texts = [str(b.get("text", "")) for b in reply.content if b.get("type") == "text"]
         calls = [{"id": b.get("id"), "type": "function",
@@ -181,6 +192,8 @@ class FakeOpenAIServer(LoopbackServer):
 
     def _frames(self, message: dict[str, Any], reply: Reply,
                 request: RecordedRequest) -> list[Frame]:
+        if _is_responses(request):
+            return responses.response_frames(message, reply)
         head = {key: message[key] for key in ("id", "created", "model", "system_fingerprint",
                                                "service_tier")}
         choice = message["choices"][0]
@@ -212,22 +225,19 @@ class FakeOpenAIServer(LoopbackServer):
             else None
         if isinstance(options, Mapping) and options.get("include_usage") is True \
                 and "usage" in message and self.stream_usage:
-            served = self._served_usage(reply.usage)
+            served = self._served_usage(reply.usage, request)
             out.append(Frame(_data({**head, "object": "chat.completion.chunk", "choices": [],
                                     "usage": message["usage"]}), served))
         out.append(Frame(b"data: [DONE]\n\n", served))
         return out
 
-    def _served_usage(self, usage: Usage | None) -> Usage | None:
-        if usage is None:
-            return None
-        # Chat Completions has no one-hour cache writes, nor iterations or server
-        # tool counts; a standard tier is not kept (`priced_tier`).
-        return Usage(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
-                     cache_read_tokens=usage.cache_read_tokens,
-                     cache_write_tokens=usage.cache_write_tokens,
-                     reasoning_tokens=usage.reasoning_tokens,
-                     service_tier=priced_tier(usage.service_tier))
+    def _served_usage(self, usage: Usage | None, request: RecordedRequest) -> Usage | None:
+        # Chat Completions reports no web searches; the Responses API does.
+        return responses.served_usage(usage, web_searches=_is_responses(request))
+
+
+def _is_responses(request: RecordedRequest) -> bool:
+    return request.path.split("?")[0] == responses.PATH
 
 
 def _error(status: int, error_type: str | None, message: str,

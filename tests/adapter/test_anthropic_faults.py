@@ -30,8 +30,10 @@ from loopengine.testing import (
     StreamErrorEvent,
 )
 
+from .. import rule_scenarios as scenarios
 from ..conftest import operation
 from .conftest import FAST_RETRY, STREAMING, Harness, harness
+from .test_anthropic_rules import ROUTE
 
 
 @dataclass(frozen=True)
@@ -163,34 +165,12 @@ async def test_fault_matrix_kind_retry_and_outcome(
     fake_anthropic_server: FakeAnthropicServer, clock: FakeClock, name: str, stream: bool
 ) -> None:
     """Each row of the fault table: the right kind, retried or not, the right outcome."""
-    case = CASES[name]
+    # The timeout cases have a short (real) timeout, against a server that never
+    # answers: the SDK's own for the attempt (the fake clock's never fires) or
+    # the provider's idle limit. Every other case has a minute, so a busy
+    # machine cannot turn its fault into a timeout.
     async with harness(fake_anthropic_server, clock) as wire:
-        # Only the timeout cases have a short (real) timeout, against a server
-        # that never answers: the SDK's own for the attempt (the fake clock's
-        # never fires) or the provider's idle limit. Every other case has a
-        # minute, so a busy machine cannot turn its fault into a timeout.
-        engine, ledger = wire.engine(case.item, Reply.text("recovered"), stream=stream,
-                                     provider_kwargs={"stream_idle_timeout":
-                                                      case.idle_timeout})
-        result = await engine.run(operation(attempt_timeout=case.attempt_timeout), "go")
-    first = result.attempt_log[0].settle
-    assert first is not None
-    assert first.fault == case.kind.value
-    assert first.outcome == case.attempt_outcome
-    if case.retried:
-        assert result.outcome is le.Outcome.COMPLETED and result.answer == "recovered"
-        assert len(wire.requests) == 2 and len(result.attempt_log) == 2
-        assert len(clock.sleeps) == 1
-    else:
-        expected = (le.Outcome.CREDIT_EXHAUSTED if case.kind is FaultKind.CREDIT_EXHAUSTED
-                    else le.Outcome.PROVIDER_ERROR)
-        assert result.outcome is expected
-        assert len(wire.requests) == 1 and len(result.attempt_log) == 1
-        assert clock.sleeps == []
-        assert result.fault is not None and result.fault.kind is case.kind
-    # The ledger row says the same as the attempt log.
-    (row, *_) = ledger.attempts.values()
-    assert (row["fault"], row["outcome"]) == (case.kind.value, case.attempt_outcome)
+        await scenarios.fault_case(wire, ROUTE, CASES[name], stream)
 
 
 @STREAMING

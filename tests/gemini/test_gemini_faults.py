@@ -18,16 +18,17 @@ from loopengine.testing import (
     CutStream,
     DropConnection,
     ErrorReply,
-    FakeClock,
     FakeGeminiServer,
     Reply,
     StallStream,
     StreamErrorEvent,
 )
 
+from .. import rule_scenarios as scenarios
 from ..adapter.conftest import STREAMING
 from ..adapter.test_anthropic_faults import NEVER, Case
 from .conftest import GeminiHarness, gemini_operation
+from .test_gemini_rules import ROUTE
 
 
 def error(status: int, name: str, message: str = "x", reason: str | None = None) -> ErrorReply:
@@ -126,28 +127,7 @@ async def test_fault_matrix_kind_retry_and_outcome_gemini(
 ) -> None:
     """Each Gemini row of the fault table: the right kind, retried or not, the right
     outcome; every attempt is one request (the SDK never retries)."""
-    case = CASES[name]
-    engine, ledger = wire.engine(case.item, Reply.text("recovered"), stream=stream,
-                                 provider_kwargs={"stream_idle_timeout": case.idle_timeout})
-    result = await engine.run(gemini_operation(attempt_timeout=case.attempt_timeout), "go")
-    first = result.attempt_log[0].settle
-    assert first is not None
-    assert first.fault == case.kind.value
-    assert first.outcome == case.attempt_outcome
-    clock: FakeClock = wire.clock
-    if case.retried:
-        assert result.outcome is le.Outcome.COMPLETED and result.answer == "recovered"
-        assert len(wire.requests) == 2 and len(result.attempt_log) == 2
-        assert len(clock.sleeps) == 1
-    else:
-        expected = (le.Outcome.CREDIT_EXHAUSTED if case.kind is FaultKind.CREDIT_EXHAUSTED
-                    else le.Outcome.PROVIDER_ERROR)
-        assert result.outcome is expected
-        assert len(wire.requests) == 1 and len(result.attempt_log) == 1
-        assert clock.sleeps == []
-        assert result.fault is not None and result.fault.kind is case.kind
-    (row, *_) = ledger.attempts.values()
-    assert (row["fault"], row["outcome"]) == (case.kind.value, case.attempt_outcome)
+    await scenarios.fault_case(wire, ROUTE, CASES[name], stream)
 
 
 @STREAMING

@@ -14,7 +14,7 @@ from typing import Any
 
 import loopengine as le
 from loopengine.persistence import MemoryLedger
-from loopengine.providers import CachePolicy, FaultKind
+from loopengine.providers import CachePolicy
 from loopengine.testing import ErrorReply, FakeClock, Reply
 
 from .. import rule_scenarios as scenarios
@@ -85,27 +85,19 @@ async def test_r05_transient_faults_retry_with_growing_waits_gemini(
 ) -> None:
     """503s are retried with growing waits, three attempts by default; the SDK itself
     never retries (each attempt is one request)."""
-    engine, _ = wire.engine(*[ErrorReply(status=503) for _ in range(4)], stream=stream)
-    result = await engine.run(gemini_operation(), "go")
-    assert result.outcome is le.Outcome.PROVIDER_ERROR
-    assert len(wire.requests) == 3 == len(result.attempt_log)
-    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
-    assert result.fault is not None and result.fault.kind is FaultKind.SERVER_ERROR
+    result = await scenarios.r05_transient_retried(wire, ROUTE, clock, stream)
+    assert len(result.attempt_log) == 3
+    assert all(a.settle is not None and a.settle.http_status == 503
+               for a in result.attempt_log)
 
 
 @STREAMING
 async def test_r05_malformed_or_unauthorized_requests_are_not_retried_gemini(
     wire: GeminiHarness, clock: FakeClock, stream: bool
 ) -> None:
-    """A 400 INVALID_ARGUMENT, a 404 and a 401 are each sent once."""
-    for status in (400, 404, 401):
-        engine, _ = wire.engine(ErrorReply(status=status), stream=stream)
-        result = await engine.run(gemini_operation(), "go")
-        assert result.outcome is le.Outcome.PROVIDER_ERROR
-        assert result.fault is not None and result.fault.http_status == status
-        assert len(result.attempt_log) == 1
-    assert len(wire.requests) == 3
-    assert clock.sleeps == []
+    """A 400 INVALID_ARGUMENT, a 422 and a 401 UNAUTHENTICATED are each sent once."""
+    await scenarios.r05_permanent_not_retried(wire, ROUTE, clock, stream)
+    assert [r.headers["x-goog-api-key"] for r in wire.requests] == ["test-key"] * 3
 
 
 @STREAMING
@@ -314,16 +306,7 @@ async def test_s02_repaired_answer_completes_within_remaining_controls_gemini(
 ) -> None:
     """The first answer is rejected (its feedback reaches the model as user text);
     the repaired one is accepted within the remaining turns and budget."""
-    engine, _ = wire.engine(Reply.text("42"), Reply.text("forty-two"), Reply.text("never"),
-                            stream=stream)
-    result = await engine.run(
-        gemini_operation(max_turns=2, max_tool_calls=1), "go",
-        accept=lambda a: le.Accept() if a.isalpha() or "-" in a else le.Reject("in words"),
-    )
-    assert result.outcome is le.Outcome.COMPLETED
-    assert result.answer == "forty-two"
-    assert result.turns == 2 and result.tool_calls == 1
-    assert len(wire.requests) == 2
+    await scenarios.s02_repaired_text_answer(wire, ROUTE, stream)
     assert contents(wire.requests[1]) == [
         {"role": "user", "parts": [{"text": "go"}]},
         {"role": "model", "parts": [{"text": "42"}]},

@@ -41,12 +41,16 @@ def openai_operation(**limits: Any) -> le.Operation:
 class OpenAIHarness(Harness):
     """An engine on an OpenAIProvider pointed at one FakeOpenAIServer."""
 
-    def provider(self, *, stream: bool = False, **kwargs: Any) -> OpenAIProvider:  # type: ignore[override]
+    provider_class: Any = OpenAIProvider
+    """The provider class built on the server (the Responses route's harness
+    builds `OpenAIResponsesProvider`)."""
+
+    def provider(self, *, stream: bool = False, **kwargs: Any) -> Any:
         """A provider on the server; closed when the test ends."""
         kwargs.setdefault("base_url", self.server.base_url)
         # Built from keywords, as a user builds it: the requests go through the
         # client a provider makes itself (on asyncio, the SDK's aiohttp one).
-        provider = OpenAIProvider(api_key="test-key", stream=stream, **kwargs)
+        provider = self.provider_class(api_key="test-key", stream=stream, **kwargs)
         self._providers.append(provider)  # type: ignore[arg-type]
         return provider
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import email.utils
 import socket
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -20,16 +21,17 @@ from loopengine.testing import (
     CutStream,
     DropConnection,
     ErrorReply,
-    FakeClock,
     FakeOpenAIServer,
     Reply,
     StallStream,
     StreamErrorEvent,
 )
 
+from .. import rule_scenarios as scenarios
 from ..adapter.conftest import STREAMING
 from ..adapter.test_anthropic_faults import NEVER, Case
 from .conftest import OpenAIHarness, openai_operation
+from .test_openai_rules import ROUTE
 
 
 def quota(status: int, error_type: str, code: str | None) -> ErrorReply:
@@ -128,35 +130,18 @@ MATRIX = [
 ]
 
 
+async def run_case(wire: OpenAIHarness, name: str, stream: bool) -> Any:
+    """Run the fault case ``name`` on ``wire``'s provider and check its row of the
+    table: the right kind, retried or not, the right outcome. Returns the ledger."""
+    return await scenarios.fault_case(wire, ROUTE, CASES[name], stream)
+
+
 @pytest.mark.parametrize(("name", "stream"), MATRIX)
 async def test_fault_matrix_kind_retry_and_outcome_openai(
     wire: OpenAIHarness, name: str, stream: bool
 ) -> None:
     """Each row of §14's fault table: the right kind, retried or not, the right outcome."""
-    case = CASES[name]
-    # Only the timeout cases have a short (real) timeout, against a server that
-    # never answers (see the Anthropic table); every other case has a minute.
-    engine, ledger = wire.engine(case.item, Reply.text("recovered"), stream=stream,
-                                 provider_kwargs={"stream_idle_timeout": case.idle_timeout})
-    result = await engine.run(openai_operation(attempt_timeout=case.attempt_timeout), "go")
-    first = result.attempt_log[0].settle
-    assert first is not None
-    assert first.fault == case.kind.value
-    assert first.outcome == case.attempt_outcome
-    clock: FakeClock = wire.clock
-    if case.retried:
-        assert result.outcome is le.Outcome.COMPLETED and result.answer == "recovered"
-        assert len(wire.requests) == 2 and len(result.attempt_log) == 2
-        assert len(clock.sleeps) == 1
-    else:
-        expected = (le.Outcome.CREDIT_EXHAUSTED if case.kind is FaultKind.CREDIT_EXHAUSTED
-                    else le.Outcome.PROVIDER_ERROR)
-        assert result.outcome is expected
-        assert len(wire.requests) == 1 and len(result.attempt_log) == 1
-        assert clock.sleeps == []
-        assert result.fault is not None and result.fault.kind is case.kind
-    (row, *_) = ledger.attempts.values()
-    assert (row["fault"], row["outcome"]) == (case.kind.value, case.attempt_outcome)
+    await run_case(wire, name, stream)
 
 
 @STREAMING

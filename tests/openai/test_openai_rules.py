@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import loopengine as le
-from loopengine.persistence import MemoryLedger
-from loopengine.providers import CachePolicy, FaultKind
+from loopengine.providers import CachePolicy
 from loopengine.testing import ErrorReply, FakeClock, Reply
 
 from .. import rule_scenarios as scenarios
@@ -26,7 +25,6 @@ from .conftest import MODEL, PRICES, OpenAIHarness, calls_asked, openai_operatio
 ROUTE = scenarios.Route(operation=openai_operation, prices=PRICES)
 """The OpenAI route of the shared scenarios (tests/rule_scenarios.py)."""
 
-FAST = le.RetryPolicy(max_attempts=4, initial_wait=0.001, max_wait=0.002)
 
 
 @STREAMING
@@ -73,13 +71,8 @@ async def test_r05_transient_faults_retry_with_growing_waits_openai(
 ) -> None:
     """503s are retried with growing waits, three attempts by default; the SDK itself
     never retries (max_retries=0: each attempt is one request)."""
-    engine, _ = wire.engine(*[ErrorReply(status=503) for _ in range(4)], stream=stream)
-    result = await engine.run(openai_operation(), "go")
-    assert result.outcome is le.Outcome.PROVIDER_ERROR
-    assert len(wire.requests) == 3
+    await scenarios.r05_transient_retried(wire, ROUTE, clock, stream)
     assert [r.headers["x-stainless-retry-count"] for r in wire.requests] == ["0", "0", "0"]
-    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
-    assert result.fault is not None and result.fault.kind is FaultKind.SERVER_ERROR
 
 
 @STREAMING
@@ -87,14 +80,7 @@ async def test_r05_malformed_or_unauthorized_requests_are_not_retried_openai(
     wire: OpenAIHarness, clock: FakeClock, stream: bool
 ) -> None:
     """A 400, a 422 and a 401 are each sent once."""
-    for status in (400, 422, 401):
-        engine, _ = wire.engine(ErrorReply(status=status), stream=stream)
-        result = await engine.run(openai_operation(), "go")
-        assert result.outcome is le.Outcome.PROVIDER_ERROR
-        assert result.fault is not None and result.fault.http_status == status
-        assert len(result.attempt_log) == 1
-    assert len(wire.requests) == 3
-    assert clock.sleeps == []
+    await scenarios.r05_permanent_not_retried(wire, ROUTE, clock, stream)
 
 
 @STREAMING
@@ -102,12 +88,7 @@ async def test_r06_insufficient_quota_is_credit_exhausted_not_retried_openai(
     wire: OpenAIHarness, clock: FakeClock, stream: bool
 ) -> None:
     """OpenAI's 429 insufficient_quota ends credit_exhausted after one request."""
-    engine, _ = wire.engine(ErrorReply.insufficient_quota(), Reply.text("never"), stream=stream)
-    result = await engine.run(openai_operation(), "go")
-    assert result.outcome is le.Outcome.CREDIT_EXHAUSTED
-    assert len(wire.requests) == 1 and clock.sleeps == []
-    assert result.fault is not None
-    assert (result.fault.http_status, result.fault.error_code) == (429, "insufficient_quota")
+    await scenarios.r06_openai_insufficient_quota(wire, ROUTE, clock, stream)
 
 
 @STREAMING
@@ -116,33 +97,7 @@ async def test_r07_attempts_record_turn_retry_usage_timing_and_price_and_cap_row
 ) -> None:
     """Each attempt is a row with its turn, try, usage, timing, ids and own price;
     past the retained rows, attempts are counted and the record marked incomplete."""
-    counter = Counter()
-    ledger = MemoryLedger(max_retained_attempts=3)
-    engine, _ = wire.engine(
-        ErrorReply(status=500), Reply.tool_calls(lookup("a")),
-        ErrorReply(status=429), Reply.text("done", usage=le.Usage(input_tokens=300,
-                                                                  output_tokens=10,
-                                                                  cache_read_tokens=200)),
-        stream=stream, ledger=ledger)
-    result = await engine.run(openai_operation(retry=FAST), "go", tools=[counter.tool])
-    assert result.outcome is le.Outcome.COMPLETED
-    assert (result.attempts.count, result.attempts.retained, result.attempts.incomplete) == (
-        4, 3, True)
-    rows = sorted(ledger.attempts.values(), key=lambda r: r["ordinal"])
-    assert [(r["turn"], r["attempt"], r["outcome"], r["fault"]) for r in rows] == [
-        (1, 1, "error", "server_error"), (1, 2, "ok", None), (2, 1, "error", "rate_limited")]
-    assert [r["request_id"] for r in rows] == ["req_fake_0001", "req_fake_0002",
-                                               "req_fake_0003"]
-    assert rows[1]["response_id"] == "chatcmpl-fake-0002"
-    assert [r["cost_nanousd"] for r in rows] == [None, 120_000, None]
-    assert all(r["served_by"] == f"openai:{MODEL}" and r["latency_ms"] is not None
-               for r in rows)
-    (invocation,) = ledger.invocations.values()
-    assert (invocation["attempt_count"], invocation["incomplete"]) == (4, 1)
-    # The fourth attempt has no row, but its usage (cached tokens apart) is in the totals.
-    assert (invocation["input_tokens"], invocation["cache_read_tokens"],
-            invocation["output_tokens"]) == (400, 200, 30)
-    assert invocation["cost_nanousd"] == 120_000 + 510_000
+    await scenarios.r07_openai_attempt_rows(wire, ROUTE, stream, "chatcmpl-fake-0002")
 
 
 @STREAMING
@@ -268,13 +223,7 @@ async def test_r15_malformed_arguments_are_a_recoverable_error_openai(
 ) -> None:
     """Arguments that are not a JSON object give an error tool message (no handler runs
     on them); the model repairs the call and the run completes."""
-    counter = Counter()
-    broken = Reply(content=[{"type": "tool_use", "id": "call_bad", "name": "lookup",
-                             "input": '{"key": "a"'}], stop_reason="tool_use")
-    engine, _ = wire.engine(broken, Reply.tool_calls(lookup("a")), Reply.text("done"),
-                            stream=stream)
-    result = await engine.run(openai_operation(), "go", tools=[counter.tool])
-    assert result.outcome is le.Outcome.COMPLETED
+    await scenarios.r15_malformed_arguments(wire, ROUTE, stream)
     second = wire.requests[1]
     # The call goes back as the model sent it, answered by an error.
     (call,) = [m for m in second.messages if m["role"] == "assistant"][0]["tool_calls"]
@@ -282,7 +231,6 @@ async def test_r15_malformed_arguments_are_a_recoverable_error_openai(
     (error,) = tool_messages(second)
     assert error["tool_call_id"] == "call_bad"
     assert error["content"].startswith("Error: Invalid input for lookup")
-    assert counter.calls == ["a"] and result.tool_calls == 2
 
 
 @STREAMING
@@ -305,16 +253,7 @@ async def test_s02_repaired_answer_completes_within_remaining_controls_openai(
 ) -> None:
     """The first answer is rejected (its feedback reaches the model as a user
     message); the repaired one is accepted within the remaining turns and budget."""
-    engine, _ = wire.engine(Reply.text("42"), Reply.text("forty-two"), Reply.text("never"),
-                            stream=stream)
-    result = await engine.run(
-        openai_operation(max_turns=2, max_tool_calls=1), "go",
-        accept=lambda a: le.Accept() if a.isalpha() or "-" in a else le.Reject("in words"),
-    )
-    assert result.outcome is le.Outcome.COMPLETED
-    assert result.answer == "forty-two"
-    assert result.turns == 2 and result.tool_calls == 1
-    assert len(wire.requests) == 2
+    await scenarios.s02_repaired_text_answer(wire, ROUTE, stream)
     assert wire.requests[1].messages == [
         {"role": "user", "content": "go"}, {"role": "assistant", "content": "42"},
         {"role": "user", "content": "in words"}]

@@ -1,0 +1,385 @@
+"""Responses API items <-> the engine's Anthropic shapes, for `OpenAIResponsesProvider`.
+
+The engine's transcript stays Anthropic-shaped; this module translates at its
+boundary, both ways (`responses_params`, `content_from_response`,
+`StreamedResponse`):
+
+* ``system`` blocks become ``instructions``; a user message's ``tool_result``
+  blocks become ``function_call_output`` items (an ``is_error`` result's
+  text starts with ``Error:``), its text and images one ``user`` message;
+  an assistant's text becomes an ``assistant`` message and its ``tool_use``
+  blocks ``function_call`` items, in the order of its blocks; tools become
+  ``function`` tools (``strict`` false: the engine validates the input);
+  ``cache_control`` markers and another vendor's ``thinking`` have no
+  equivalent and are dropped.
+* A reply's ``output_text`` and ``refusal`` parts become text blocks, its
+  ``function_call`` items ``tool_use`` blocks (the ``call_id`` is the block's
+  ``id``). Every other output item (a ``reasoning`` item, a
+  ``web_search_call``...) is kept in the transcript as a block of its own
+  type, as the API sent it, and goes back as the same item on the next
+  request: a ``reasoning`` item with its ``encrypted_content`` (``store`` is
+  false, so the server keeps nothing to refer to), or not at all without it.
+* The status becomes the engine's stop reason: ``completed`` -> ``end_turn``
+  (``tool_use`` with function calls, ``refusal`` with a refusal part);
+  ``incomplete`` -> ``max_tokens`` (``incomplete``: a cut-off answer is never
+  accepted, whatever the reason) or, for ``content_filter``, ``refusal``.
+* Usage: ``input_tokens`` holds ``input_tokens_details.cached_tokens`` and
+  ``cache_write_tokens``, as Chat Completions' ``prompt_tokens`` does
+  (`openai_usage`); ``output_tokens_details.reasoning_tokens`` is inside
+  ``output_tokens``; web searches are ``tool_usage.web_search.num_requests``,
+  or, in a reply without ``tool_usage``, its ``web_search_call`` items that
+  searched.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from loopengine._usage import Usage
+from loopengine.providers._base import ProviderRequest, text_or_none, token_count
+from loopengine.providers._faults import ProviderFault
+from loopengine.providers._openai_chat import (
+    arguments,
+    chat_tool_choice,
+    image_url,
+    openai_usage,
+    result_text,
+    untranslatable,
+    user_turn,
+)
+
+__all__ = [
+    "ENCRYPTED_REASONING",
+    "StreamedResponse",
+    "check_translatable",
+    "content_from_response",
+    "WEB_SEARCH_TYPES",
+    "responses_input",
+    "responses_params",
+    "stop_reason",
+    "usage_from_response",
+]
+
+API = "Responses API"
+
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+"""The ``include`` value that asks for reasoning items' ``encrypted_content``."""
+
+_DROPPED = frozenset({"thinking", "redacted_thinking"})
+_USER_SENT = frozenset({"tool_result", "text", "image"})
+
+
+WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search_preview",
+                              "web_search_preview_2025_03_11"})
+"""The Responses API's web search tool types: the server tools this route sends."""
+
+
+@functools.cache
+def _anthropic_kinds() -> frozenset[str]:
+    """The block types the Messages API declares: in an assistant message, any
+    other type came from a Responses reply (an output item) and goes back as it is."""
+    from loopengine._validate import _block_types
+
+    return frozenset(_block_types())
+
+
+def _role(message: Mapping[str, Any]) -> str:
+    role = message.get("role")
+    if role not in ("assistant", "user"):
+        raise untranslatable(f"a message with role {role!r}", API)
+    return str(role)
+
+
+def _assistant_kind(block: Mapping[str, Any]) -> str:
+    """``text``, ``tool_use``, dropped (``thinking``), or an output item's type;
+    a Messages API block the Responses API cannot take is refused."""
+    kind = str(block.get("type"))
+    if kind in ("text", "tool_use") or kind in _DROPPED or kind not in _anthropic_kinds():
+        return kind
+    raise untranslatable(f"an assistant {kind!r} block", API)
+
+
+def _user_kind(block: Mapping[str, Any]) -> str:
+    kind = block.get("type")
+    if kind not in _USER_SENT:
+        raise untranslatable(f"a user {kind!r} block", API)
+    if kind == "tool_result":
+        result_text(block, API)
+    elif kind == "image":
+        image_url(block, API)
+    return str(kind)
+
+
+def _check_server_tools(request: ProviderRequest) -> None:
+    for tool in request.features.server_tools:
+        if tool.type not in WEB_SEARCH_TYPES:
+            raise untranslatable(f"server tool {tool.name!r} of type {tool.type!r} (only the "
+                                 "web search tools are sent)", API)
+
+
+def check_translatable(request: ProviderRequest) -> None:
+    """Raise what `responses_params` would raise for ``request``, without translating it.
+
+    Raises:
+        ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role,
+            a ``tool_choice`` or a server tool the Responses API has no
+            equivalent for.
+    """
+    for message in request.messages:
+        role = _role(message)
+        content = message.get("content")
+        if isinstance(content, str):
+            continue
+        kind_of = _assistant_kind if role == "assistant" else _user_kind
+        for block in content or ():
+            kind_of(block)
+    if request.tools:
+        _tool_choice(request.tool_choice)
+    _check_server_tools(request)
+
+
+def responses_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
+    """The SDK call's keyword arguments for ``request`` (streamed or not).
+
+    ``store`` is false and no ``previous_response_id`` is sent: every request
+    carries the whole transcript, reasoning included.
+    """
+    params: dict[str, Any] = {
+        "model": request.model,
+        "input": responses_input(request.messages),
+        "max_output_tokens": request.max_tokens,
+        "store": False,
+        "timeout": request.timeout,
+    }
+    if request.system:
+        params["instructions"] = "\n\n".join(str(block.get("text", ""))
+                                             for block in request.system)
+    tools: list[dict[str, Any]] = [_function_tool(tool) for tool in request.tools]
+    if request.tools:
+        choice = _tool_choice(request.tool_choice)
+        if choice is not None:
+            params["tool_choice"] = choice
+        if request.tool_choice is not None and request.tool_choice.get(
+                "disable_parallel_tool_use") is True:
+            params["parallel_tool_calls"] = False
+    features = request.features
+    _check_server_tools(request)
+    for server_tool in features.server_tools:
+        tools.append({"type": server_tool.type, **json.loads(json.dumps(
+            dict(server_tool.params)))})
+    uses = [tool.max_uses for tool in features.server_tools]
+    if uses and all(use is not None for use in uses):
+        # The API caps built-in tool calls per response, across its tools: the
+        # sum keeps each tool's published worst case (the estimate's) a bound.
+        params["max_tool_calls"] = sum(use for use in uses if use is not None)
+    if tools:
+        params["tools"] = tools
+    if features.reasoning_effort is not None:
+        params["reasoning"] = {"effort": features.reasoning_effort}
+        params["include"] = [ENCRYPTED_REASONING]
+    if features.service_tier is not None:
+        params["service_tier"] = features.service_tier
+    if stream:
+        params["stream"] = True
+    return params
+
+
+def _function_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "function", "name": tool.get("name"),
+                           "parameters": tool.get("input_schema") or {"type": "object"},
+                           "strict": False}
+    if tool.get("description"):
+        out["description"] = tool["description"]
+    return out
+
+
+def _tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
+    try:
+        chosen = chat_tool_choice(choice)
+    except ProviderFault:
+        raise untranslatable(f"tool_choice {choice.get('type') if choice else None!r}",
+                             API) from None
+    if isinstance(chosen, dict):
+        # The Responses API names the function at the top level.
+        return {"type": "function", "name": chosen["function"]["name"]}
+    return chosen
+
+
+def responses_input(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The Responses ``input`` items of Anthropic-shaped ``messages``.
+
+    Raises:
+        ProviderFault: ``bad_request`` (``untranslatable``) for a block that has
+            no Responses equivalent (a document, a Messages API server tool).
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        content = message.get("content")
+        if _role(message) == "assistant":
+            out.extend(_assistant_items(content))
+        else:
+            out.extend(_user_items(content))
+    return out
+
+
+def _assistant_items(content: Any) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"role": "assistant", "content": content}] if content else []
+    items: list[dict[str, Any]] = []
+    texts: list[str] = []
+
+    def flush() -> None:
+        if texts:
+            items.append({"role": "assistant", "content": "".join(texts)})
+            texts.clear()
+
+    for block in content or ():
+        kind = _assistant_kind(block)
+        if kind == "text":
+            texts.append(str(block.get("text", "")))
+            continue
+        flush()
+        if kind == "tool_use":
+            tool_input = block.get("input", {})
+            # Arguments the model sent malformed are sent back as they came.
+            sent = tool_input if isinstance(tool_input, str) else json.dumps(tool_input)
+            items.append({"type": "function_call", "call_id": block.get("id"),
+                          "name": block.get("name"), "arguments": sent})
+        elif kind == "reasoning":
+            if block.get("encrypted_content"):
+                items.append({"type": "reasoning", "id": block.get("id"),
+                              "summary": list(block.get("summary") or ()),
+                              "encrypted_content": block["encrypted_content"]})
+        elif kind not in _DROPPED:
+            items.append(dict(block))
+    flush()
+    return items
+
+
+def _user_items(content: Any) -> list[dict[str, Any]]:
+    return user_turn(
+        content, _user_kind,
+        result=lambda block: {"type": "function_call_output",
+                              "call_id": block.get("tool_use_id"),
+                              "output": result_text(block, API)},
+        text_part=lambda text: {"type": "input_text", "text": text},
+        image_part=lambda block: {"type": "input_image", "image_url": image_url(block, API),
+                                  "detail": "auto"})
+
+
+# -- the reply ---------------------------------------------------------------------------
+
+
+def content_from_response(response: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """Anthropic content blocks and the stop reason of a Responses ``response`` (a
+    dict whose status is ``completed`` or ``incomplete``)."""
+    content: list[dict[str, Any]] = []
+    calls = refused = False
+    for item in response.get("output") or ():
+        if not isinstance(item, Mapping):
+            continue
+        kind = item.get("type")
+        if kind == "message":
+            for part in item.get("content") or ():
+                if not isinstance(part, Mapping):
+                    continue
+                if part.get("type") == "output_text" and part.get("text"):
+                    content.append({"type": "text", "text": str(part["text"])})
+                elif part.get("type") == "refusal" and part.get("refusal"):
+                    content.append({"type": "text", "text": str(part["refusal"])})
+                    refused = True
+        elif kind == "function_call":
+            calls = True
+            content.append({"type": "tool_use", "id": item.get("call_id"),
+                            "name": item.get("name"), "input": arguments(item.get("arguments"))})
+        elif isinstance(kind, str) and kind:
+            content.append(dict(item))
+    return content, stop_reason(response, calls=calls, refused=refused)
+
+
+def stop_reason(response: Mapping[str, Any], *, calls: bool, refused: bool) -> str:
+    """The engine's stop reason of a finished response."""
+    if response.get("status") == "incomplete":
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, Mapping) else None
+        return "refusal" if reason == "content_filter" else "max_tokens"
+    if refused:
+        return "refusal"
+    return "tool_use" if calls else "end_turn"
+
+
+def usage_from_response(response: Mapping[str, Any]) -> Usage | None:
+    """The `Usage` of a Responses ``response`` (a dict), None when it reports none."""
+    raw = response.get("usage")
+    if not isinstance(raw, Mapping):
+        return None
+    details = raw.get("output_tokens_details")
+    return openai_usage(raw.get("input_tokens"), raw.get("input_tokens_details"),
+                        raw.get("output_tokens"),
+                        details.get("reasoning_tokens") if isinstance(details, Mapping) else 0,
+                        response.get("service_tier"),
+                        web_search_requests=_web_searches(response))
+
+
+def _web_searches(response: Mapping[str, Any]) -> int:
+    tool_usage = response.get("tool_usage")
+    if isinstance(tool_usage, Mapping):
+        search = tool_usage.get("web_search")
+        if isinstance(search, Mapping):
+            return token_count(search.get("num_requests"))
+    count = 0
+    for item in response.get("output") or ():
+        if isinstance(item, Mapping) and item.get("type") == "web_search_call":
+            action = item.get("action")
+            # Opening a page or finding in it is not a billed search.
+            kind = action.get("type") if isinstance(action, Mapping) else None
+            count += kind in (None, "search")
+    return count
+
+
+class StreamedResponse:
+    """A streamed response, put together event by event."""
+
+    def __init__(self) -> None:
+        self.response_id: str | None = None
+        self.model: str | None = None
+        self.items: dict[int, dict[str, Any]] = {}
+        self.final: dict[str, Any] | None = None
+        """The response of ``response.completed`` / ``response.incomplete`` /
+        ``response.failed``: the stream's end."""
+        self.error: dict[str, Any] | None = None
+        """An ``error`` event's fields, when the stream sent one."""
+
+    def add(self, event: Any) -> str:
+        """Take one event; return its text delta."""
+        kind = getattr(event, "type", None)
+        if kind == "response.output_text.delta":
+            return str(getattr(event, "delta", "") or "")
+        if kind in ("response.created", "response.in_progress"):
+            response = getattr(event, "response", None)
+            self.response_id = self.response_id or text_or_none(getattr(response, "id", None))
+            self.model = self.model or text_or_none(getattr(response, "model", None))
+        elif kind == "response.output_item.done":
+            item = getattr(event, "item", None)
+            if item is not None:
+                self.items[int(getattr(event, "output_index", len(self.items)))] = \
+                    item.to_dict()
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            self.final = event.response.to_dict()
+            self.response_id = text_or_none(self.final.get("id")) or self.response_id
+            self.model = text_or_none(self.final.get("model")) or self.model
+        elif kind == "error":
+            self.error = {"code": getattr(event, "code", None),
+                          "message": getattr(event, "message", None)}
+        return ""
+
+    def response(self) -> dict[str, Any]:
+        """The finished response: the final event's, its output assembled from the
+        items the stream finished when the final event carries none."""
+        assert self.final is not None
+        if not self.final.get("output") and self.items:
+            return {**self.final, "output": [self.items[i] for i in sorted(self.items)]}
+        return self.final
