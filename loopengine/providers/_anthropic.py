@@ -304,6 +304,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 accepts=(anthropic.AsyncAnthropic, anthropic.AsyncAnthropicBedrock,
                          anthropic.AsyncAnthropicVertex),
                 build=build, sdk_default=anthropic.DefaultAsyncHttpxClient)
+        except ConfigError:
+            raise
         except ValueError as error:
             if build is anthropic.AsyncAnthropic:
                 raise
