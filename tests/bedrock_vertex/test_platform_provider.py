@@ -215,3 +215,28 @@ def test_the_fakes_serve_only_their_platforms_paths() -> None:
             response = httpx2.post(f"{server.url}/v1/messages", json={"model": "m"})
             assert response.status_code == 404
             assert server.requests[0].path == "/v1/messages"
+
+
+async def test_spans_name_the_platform_as_the_conventions_do(
+    wire: PlatformHarness, platform: Platform,
+) -> None:
+    """OpenTelemetry's gen_ai.provider.name is aws.bedrock / gcp.vertex_ai for a run
+    of the platform, whatever its route is called."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from loopengine.otel import OpenTelemetryObserver
+
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    wire.server.add(Reply.text("hi"))
+    engine = le.Engine(wire.provider(route="platform-eu"), prices=platform.prices,
+                       observers=[OpenTelemetryObserver(tracer_provider)])
+    await engine.run(le.Operation(name="eu", provider="platform-eu", model=platform.model),
+                     "hi")
+    expected = {"bedrock": "aws.bedrock", "vertex": "gcp.vertex_ai"}[platform.name]
+    spans = exporter.get_finished_spans()
+    assert spans and {(s.attributes or {})["gen_ai.provider.name"] for s in spans} == {
+        expected}
