@@ -9,7 +9,7 @@ import pytest
 
 import loopengine as le
 from loopengine.providers import FaultKind
-from loopengine.testing import ErrorReply, Reply, StreamErrorEvent
+from loopengine.testing import CutStream, DropConnection, ErrorReply, Reply, StreamErrorEvent
 
 from ..adapter.conftest import STREAMING
 from .conftest import BEDROCK, VERTEX, PlatformHarness
@@ -152,3 +152,32 @@ async def test_the_models_mid_stream_overload_is_retried_on_both_platforms(
     first = result.attempt_log[0].settle
     assert first is not None and first.fault in ("overloaded", "server_error")
     assert len(wire.requests) == 2
+
+
+@pytest.mark.parametrize("how", ["end", "drop"])
+async def test_a_cut_stream_is_aborted_with_its_usage_as_a_floor(
+    wire: PlatformHarness, how: str
+) -> None:
+    """A stream (Bedrock's event stream, Vertex's server-sent events) that stops
+    before message_stop, cleanly or by a dropped connection, is an aborted
+    attempt carrying the usage it had reported; it is retried."""
+    engine, _ = wire.engine(
+        CutStream(reply=Reply.text("a long answer cut short",
+                                   usage=le.Usage(input_tokens=100, output_tokens=20)),
+                  after=3, how=how),
+        Reply.text("whole"), stream=True)
+    result = await engine.run(wire.platform.operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "whole"
+    first = result.attempt_log[0].settle
+    assert first is not None and first.fault == "aborted"
+    assert first.usage is not None and first.usage.input_tokens == 100 and first.usage_approx
+    assert first.response_id == "msg_fake_0001"
+
+
+async def test_a_dropped_connection_is_a_connection_fault(wire: PlatformHarness) -> None:
+    """A connection reset before any response is a connection fault, retried."""
+    engine, _ = wire.engine(DropConnection(), Reply.text("after the drop"))
+    result = await engine.run(wire.platform.operation(), "go")
+    assert result.answer == "after the drop"
+    first = result.attempt_log[0].settle
+    assert first is not None and first.fault == "connection"

@@ -240,3 +240,30 @@ async def test_spans_name_the_platform_as_the_conventions_do(
     spans = exporter.get_finished_spans()
     assert spans and {(s.attributes or {})["gen_ai.provider.name"] for s in spans} == {
         expected}
+
+
+@pytest.mark.parametrize("platform", [VERTEX], ids=["vertex"])
+async def test_vertex_web_search_is_priced_by_a_book_entry_only(
+    wire: PlatformHarness,
+) -> None:
+    """genai-prices has no Vertex web search fee for the model: a credit_hold run
+    with web search is refused until a PriceBook entry gives one, which then
+    prices the searches as fees."""
+    search = le.Operation(name="s", provider="google-vertex", model=VERTEX.model,
+                          limits=le.Limits(credit_hold=100_000),
+                          server_tools=(le.ServerTool(type="web_search_20250305",
+                                                      name="web_search", max_uses=2),))
+    with pytest.raises(le.ConfigError) as info:
+        await le.Engine(wire.provider()).run(search, "go")
+    assert info.value.field == "prices" and wire.requests == []
+    book = le.PriceBook([le.ModelPrice(provider="google-vertex", model=VERTEX.model,
+                                       input_per_mtok=3, output_per_mtok=15,
+                                       web_search_per_k=10)])
+    ledger = MemoryLedger()
+    wire.server.add(Reply.text("found", usage=le.Usage(input_tokens=100, output_tokens=20,
+                                                      web_search_requests=2)))
+    result = await le.Engine(wire.provider(), prices=book, ledger=ledger).run(search, "go")
+    assert result.answer == "found"
+    (attempt,) = ledger.attempts.values()
+    assert (attempt["fee_nanousd"], attempt["cost_nanousd"]) == (
+        20_000_000, 20_000_000 + 300_000 + 300_000)
