@@ -33,6 +33,14 @@ fault kind             from
                        may have reached the server and must not be sent twice
 =====================  ===========================================================
 
+The platforms answer in their own shapes as well, read at the same place:
+Bedrock names its exception in ``x-amzn-errortype`` (or, inside an event
+stream, in an exception frame the SDK hands over as an error event), Vertex
+gives Google's ``error.status`` and reasons; `_PLATFORM_KINDS` maps them
+onto the same kinds (``ThrottlingException`` and ``RESOURCE_EXHAUSTED`` are
+``rate_limited``, ``ServiceUnavailableException`` ``overloaded``, a Google
+reason ``BILLING_DISABLED`` ``credit_exhausted``...; docs/providers.md).
+
 Credit exhaustion is checked first, whatever the status (R06). A server's
 ``x-should-retry`` is carried as `ProviderFault.should_retry`; the engine obeys
 ``false``. Usage that arrived before a stream broke is reported as a floor
@@ -165,27 +173,18 @@ _ALL_FEATURES = frozenset({"thinking", "server_tools", "betas", "context_managem
 # billed through their tokens only (the client runs them; tool search)
 # everywhere, and web search on Vertex. Anthropic's hosted tools (web fetch,
 # code execution, and web search on Bedrock) are not served there.
-_CLIENT_TOOLS = TOKEN_ONLY_TOOLS
 _PLATFORM_FEATURES = {
     BEDROCK: frozenset({"thinking", "betas", "context_management",
-                        *(f"server_tools:{prefix}" for prefix in _CLIENT_TOOLS)}),
+                        *(f"server_tools:{prefix}" for prefix in TOKEN_ONLY_TOOLS)}),
     VERTEX: frozenset({"thinking", "betas", "context_management",
-                       *(f"server_tools:{prefix}" for prefix in (*_CLIENT_TOOLS, "web_search_"))}),
+                       *(f"server_tools:{prefix}"
+                         for prefix in (*TOKEN_ONLY_TOOLS, "web_search_"))}),
 }
 
 # What each platform's client needs installed beyond the SDK: botocore decodes
 # Bedrock's event streams (and, with boto3, signs requests); google-auth finds
 # and refreshes Vertex credentials unless an access token is given.
 _EXTRAS = {BEDROCK: ("bedrock", "botocore"), VERTEX: ("vertex", "google.auth")}
-
-
-def _route_name_of(build: type[Any]) -> str:
-    """The vendor of the clients ``build`` makes."""
-    if issubclass(build, anthropic.AsyncAnthropicBedrock):
-        return BEDROCK
-    if issubclass(build, anthropic.AsyncAnthropicVertex):
-        return VERTEX
-    return "anthropic"
 
 
 def _require_extra(vendor: str, given: object) -> None:
@@ -210,13 +209,13 @@ def _require_extra(vendor: str, given: object) -> None:
                                     f"pip install 'loopengine-core[{extra}]'")
 
 
-def _route_name(client: object) -> str:
-    if isinstance(client, anthropic.AsyncAnthropicBedrock):
-        return BEDROCK
-    if isinstance(client, anthropic.AsyncAnthropicVertex):
-        return VERTEX
-    if isinstance(client, anthropic.AsyncAnthropicFoundry):
-        return "foundry"
+def _vendor_of(kind: type[Any]) -> str:
+    """The vendor of an SDK client class: the platform it reaches."""
+    for client, vendor in ((anthropic.AsyncAnthropicBedrock, BEDROCK),
+                           (anthropic.AsyncAnthropicVertex, VERTEX),
+                           (anthropic.AsyncAnthropicFoundry, "foundry")):
+        if issubclass(kind, client):
+            return vendor
     return "anthropic"
 
 
@@ -296,7 +295,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         if route is not None:
             _validate.text("route", route)
         self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
-        vendor = _route_name(client) if client is not None else _route_name_of(build)
+        vendor = _vendor_of(type(client) if client is not None else build)
         _require_extra(vendor, client if client is not None else client_kwargs)
         try:
             self._clients = provider_clients(
