@@ -18,7 +18,8 @@ from typing import Any
 import pydantic
 
 import loopengine as le
-from loopengine.testing import FakeClock, Reply
+from loopengine.persistence import MemoryLedger
+from loopengine.testing import ErrorReply, FakeClock, Reply
 
 
 @dataclass(frozen=True)
@@ -260,3 +261,41 @@ async def s01_charge_the_success(wire: Wire, route: Route, stream: bool,
     assert (row["attempt_count"], row["input_tokens"], row["output_tokens"],
             row["cost_nanousd"]) == (2, 100, 20, 120_000)
     return result, ledger
+
+
+async def r07_attempt_rows(wire: Wire, route: Route, stream: bool, transient: Any,
+                           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each attempt is a row with its turn, try, usage, timing, ids and own price;
+    past the retained rows, attempts are counted and the record marked incomplete.
+    Returns the retained attempt rows, in order, and the invocation row."""
+    counter = Counter()
+    ledger = MemoryLedger(max_retained_attempts=3)
+    engine, _ = wire.engine(
+        transient, Reply.tool_calls(lookup("a")),
+        ErrorReply(status=429), Reply.text("done", usage=le.Usage(input_tokens=300,
+                                                                  output_tokens=10,
+                                                                  cache_read_tokens=200)),
+        stream=stream, ledger=ledger)
+    fast = le.RetryPolicy(max_attempts=4, initial_wait=0.001, max_wait=0.002)
+    op = route.operation(retry=fast)
+    result = await engine.run(op, "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert (result.attempts.count, result.attempts.retained, result.attempts.incomplete) == (
+        4, 3, True)
+    rows = sorted(ledger.attempts.values(), key=lambda r: r["ordinal"])
+    assert [(r["turn"], r["attempt"], r["outcome"]) for r in rows] == [
+        (1, 1, "error"), (1, 2, "ok"), (2, 1, "error")]
+    assert rows[2]["fault"] == "rate_limited"
+    assert [r["request_id"] for r in rows] == ["req_fake_0001", "req_fake_0002",
+                                               "req_fake_0003"]
+    assert [r["cost_nanousd"] for r in rows] == [None, 120_000, None]
+    assert all(r["served_by"] == f"{op.provider}:{op.model}"
+               and r["latency_ms"] is not None for r in rows)
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["attempt_count"], invocation["incomplete"]) == (4, 1)
+    assert invocation["provider"] == op.provider
+    # The fourth attempt has no row, but its usage (cached tokens apart) is in the totals.
+    assert (invocation["input_tokens"], invocation["cache_read_tokens"],
+            invocation["output_tokens"]) == (400, 200, 30)
+    assert invocation["cost_nanousd"] == 120_000 + 510_000
+    return rows, invocation

@@ -104,6 +104,17 @@ async def test_r06_depleted_balance_is_credit_exhausted_not_retried_anthropic(
 
 
 @STREAMING
+async def test_r07_attempts_record_turn_retry_usage_timing_and_price_and_cap_rows_anthropic(
+    wire: Harness, stream: bool
+) -> None:
+    """Each attempt is a row with its turn, try, usage, timing, ids and own price;
+    past the retained rows, attempts are counted and the record marked incomplete."""
+    rows, _ = await scenarios.r07_attempt_rows(wire, ROUTE, stream, ErrorReply.overloaded())
+    assert (rows[0]["fault"], rows[0]["http_status"]) == ("overloaded", 529)
+    assert rows[1]["response_id"] == "msg_fake_0002"
+
+
+@STREAMING
 async def test_r08_one_user_message_holds_every_tool_result_anthropic(
     wire: Harness, stream: bool
 ) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import loopengine as le
-from loopengine.persistence import MemoryLedger
 from loopengine.providers import CachePolicy, FaultKind
 from loopengine.testing import ErrorReply, FakeClock, Reply
 
@@ -25,8 +24,6 @@ from .conftest import MODEL, PRICES, OpenAIHarness, calls_asked, openai_operatio
 
 ROUTE = scenarios.Route(operation=openai_operation, prices=PRICES)
 """The OpenAI route of the shared scenarios (tests/rule_scenarios.py)."""
-
-FAST = le.RetryPolicy(max_attempts=4, initial_wait=0.001, max_wait=0.002)
 
 
 @STREAMING
@@ -116,33 +113,9 @@ async def test_r07_attempts_record_turn_retry_usage_timing_and_price_and_cap_row
 ) -> None:
     """Each attempt is a row with its turn, try, usage, timing, ids and own price;
     past the retained rows, attempts are counted and the record marked incomplete."""
-    counter = Counter()
-    ledger = MemoryLedger(max_retained_attempts=3)
-    engine, _ = wire.engine(
-        ErrorReply(status=500), Reply.tool_calls(lookup("a")),
-        ErrorReply(status=429), Reply.text("done", usage=le.Usage(input_tokens=300,
-                                                                  output_tokens=10,
-                                                                  cache_read_tokens=200)),
-        stream=stream, ledger=ledger)
-    result = await engine.run(openai_operation(retry=FAST), "go", tools=[counter.tool])
-    assert result.outcome is le.Outcome.COMPLETED
-    assert (result.attempts.count, result.attempts.retained, result.attempts.incomplete) == (
-        4, 3, True)
-    rows = sorted(ledger.attempts.values(), key=lambda r: r["ordinal"])
-    assert [(r["turn"], r["attempt"], r["outcome"], r["fault"]) for r in rows] == [
-        (1, 1, "error", "server_error"), (1, 2, "ok", None), (2, 1, "error", "rate_limited")]
-    assert [r["request_id"] for r in rows] == ["req_fake_0001", "req_fake_0002",
-                                               "req_fake_0003"]
+    rows, _ = await scenarios.r07_attempt_rows(wire, ROUTE, stream, ErrorReply(status=500))
+    assert rows[0]["fault"] == "server_error"
     assert rows[1]["response_id"] == "chatcmpl-fake-0002"
-    assert [r["cost_nanousd"] for r in rows] == [None, 120_000, None]
-    assert all(r["served_by"] == f"openai:{MODEL}" and r["latency_ms"] is not None
-               for r in rows)
-    (invocation,) = ledger.invocations.values()
-    assert (invocation["attempt_count"], invocation["incomplete"]) == (4, 1)
-    # The fourth attempt has no row, but its usage (cached tokens apart) is in the totals.
-    assert (invocation["input_tokens"], invocation["cache_read_tokens"],
-            invocation["output_tokens"]) == (400, 200, 30)
-    assert invocation["cost_nanousd"] == 120_000 + 510_000
 
 
 @STREAMING
