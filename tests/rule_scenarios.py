@@ -299,3 +299,18 @@ async def r07_attempt_rows(wire: Wire, route: Route, stream: bool, transient: An
             invocation["output_tokens"]) == (400, 200, 30)
     assert invocation["cost_nanousd"] == 120_000 + 510_000
     return rows, invocation
+
+
+async def r05_transient_retries(wire: Wire, route: Route, clock: FakeClock, stream: bool,
+                                transient: Any) -> le.RunResult:
+    """A transient fault is retried with growing waits, three attempts by default;
+    the SDK itself never retries (max_retries=0: each attempt is one request, as
+    the Stainless SDKs' ``x-stainless-retry-count`` shows)."""
+    engine, _ = wire.engine(*[transient for _ in range(4)], stream=stream)
+    result = await engine.run(route.operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert len(wire.requests) == 3
+    assert [r.headers["x-stainless-retry-count"] for r in wire.requests] == ["0", "0", "0"]
+    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
+    assert result.fault is not None and result.fault.retryable
+    return result

@@ -64,13 +64,8 @@ async def test_r05_transient_faults_retry_with_growing_waits_anthropic(
     wire: Harness, clock: FakeClock, stream: bool
 ) -> None:
     """Overloads are retried with growing waits, three attempts by default."""
-    engine, _ = wire.engine(*[ErrorReply.overloaded() for _ in range(4)], stream=stream)
-    result = await engine.run(operation(), "go")
-    assert result.outcome is le.Outcome.PROVIDER_ERROR
-    assert len(wire.requests) == 3
-    # max_retries=0: the SDK itself never retried; each attempt is one request.
-    assert [r.headers["x-stainless-retry-count"] for r in wire.requests] == ["0", "0", "0"]
-    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
+    result = await scenarios.r05_transient_retries(wire, ROUTE, clock, stream,
+                                                   ErrorReply.overloaded())
     assert result.fault is not None and result.fault.kind is FaultKind.OVERLOADED
 
 

@@ -65,12 +65,8 @@ async def test_r05_transient_faults_retry_with_growing_waits_platform(
     """The platform's overload (Bedrock's ServiceUnavailableException, the model's 529
     relayed by Vertex) is retried with growing waits, three attempts by default;
     the SDK itself never retries."""
-    engine, _ = wire.engine(*[platform.transient() for _ in range(4)], stream=stream)
-    result = await engine.run(platform.operation(), "go")
-    assert result.outcome is le.Outcome.PROVIDER_ERROR
-    assert len(wire.requests) == 3
-    assert [r.headers["x-stainless-retry-count"] for r in wire.requests] == ["0", "0", "0"]
-    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
+    result = await scenarios.r05_transient_retries(wire, platform.scenario_route, clock,
+                                                   stream, platform.transient())
     assert result.fault is not None and result.fault.kind is FaultKind.OVERLOADED
 
 

@@ -70,12 +70,8 @@ async def test_r05_transient_faults_retry_with_growing_waits_openai(
 ) -> None:
     """503s are retried with growing waits, three attempts by default; the SDK itself
     never retries (max_retries=0: each attempt is one request)."""
-    engine, _ = wire.engine(*[ErrorReply(status=503) for _ in range(4)], stream=stream)
-    result = await engine.run(openai_operation(), "go")
-    assert result.outcome is le.Outcome.PROVIDER_ERROR
-    assert len(wire.requests) == 3
-    assert [r.headers["x-stainless-retry-count"] for r in wire.requests] == ["0", "0", "0"]
-    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
+    result = await scenarios.r05_transient_retries(wire, ROUTE, clock, stream,
+                                                   ErrorReply(status=503))
     assert result.fault is not None and result.fault.kind is FaultKind.SERVER_ERROR
 
 
