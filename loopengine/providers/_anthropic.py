@@ -184,7 +184,8 @@ _PLATFORM_FEATURES = {
 # What each platform's client needs installed beyond the SDK: botocore decodes
 # Bedrock's event streams (and, with boto3, signs requests); google-auth finds
 # and refreshes Vertex credentials unless an access token is given.
-_EXTRAS = {BEDROCK: ("bedrock", "botocore"), VERTEX: ("vertex", "google.auth")}
+_EXTRAS = {BEDROCK: ("bedrock", "botocore", "botocore"),
+           VERTEX: ("vertex", "google.auth", "google-auth")}
 
 
 def _require_extra(vendor: str, given: object) -> None:
@@ -198,14 +199,14 @@ def _require_extra(vendor: str, given: object) -> None:
     """
     if vendor not in _EXTRAS:
         return
-    extra, module = _EXTRAS[vendor]
+    extra, module, package = _EXTRAS[vendor]
     if vendor == VERTEX:
         held = given if isinstance(given, dict) else vars(given)
         if held.get("access_token") is not None or held.get("credentials") is not None:
             return
     top = module.split(".")[0]
     if importlib.util.find_spec(top) is None or importlib.util.find_spec(module) is None:
-        raise ConfigError("client", f"Claude on {vendor} needs {top}: "
+        raise ConfigError("client", f"Claude on {vendor} needs {package}: "
                                     f"pip install 'loopengine-core[{extra}]'")
 
 

@@ -267,3 +267,37 @@ async def test_vertex_web_search_is_priced_by_a_book_entry_only(
     (attempt,) = ledger.attempts.values()
     assert (attempt["fee_nanousd"], attempt["cost_nanousd"]) == (
         20_000_000, 20_000_000 + 300_000 + 300_000)
+
+
+def test_a_missing_platform_package_is_named_when_the_provider_is_built() -> None:
+    """Without botocore (or, lacking a token, google-auth) the provider refuses to be
+    built, naming the extra to install; Vertex with an access token needs nothing.
+    Run in a child interpreter where those packages cannot be imported."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent('''
+        import sys
+        for name in ("botocore", "boto3", "google"):
+            sys.modules[name] = None  # "import name" now fails, as when not installed
+        import loopengine as le
+        from loopengine.providers import AnthropicProvider
+        for build, keywords in (
+                (AnthropicProvider.bedrock, dict(aws_region="us-east-1", api_key="k")),
+                (AnthropicProvider.vertex, dict(region="global", project_id="p"))):
+            try:
+                build(**keywords)
+            except le.ConfigError as error:
+                print(error.field, "|", str(error))
+        AnthropicProvider.vertex(region="global", project_id="p", access_token="t")
+        print("token ok")
+    ''')
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.splitlines() == [
+        "client | client: Claude on aws-bedrock needs botocore: "
+        "pip install 'loopengine-core[bedrock]'",
+        "client | client: Claude on google-vertex needs google-auth: "
+        "pip install 'loopengine-core[vertex]'",
+        "token ok"]
