@@ -112,7 +112,7 @@ class FakeBedrockServer(FakeAnthropicServer):
     ``type`` when it names one (``throttlingException``), else Bedrock's for
     the Messages API type (``overloaded_error`` is a
     ``modelStreamErrorException``). The recorded request's body carries no
-    ``model``: Bedrock takes it in the path (`model_of`).
+    ``model``: Bedrock takes it in the path.
     """
 
     path = "/model/{model}/invoke"
@@ -181,8 +181,7 @@ class FakeVertexServer(FakeAnthropicServer):
     ``PERMISSION_DENIED``...) is sent in Google's shape, its ``error_code``
     as the reason of a ``google.rpc.ErrorInfo`` detail (``BILLING_DISABLED``);
     any other is the Messages API's error, as Vertex relays the model's. The
-    recorded request's body carries no ``model``: Vertex takes it in the path
-    (`model_of`).
+    recorded request's body carries no ``model``: Vertex takes it in the path.
     """
 
     path = ("/v1/projects/{project}/locations/{region}/publishers/anthropic/models/"
