@@ -301,3 +301,15 @@ def test_a_missing_platform_package_is_named_when_the_provider_is_built() -> Non
         "client | client: Claude on google-vertex needs google-auth: "
         "pip install 'loopengine-core[vertex]'",
         "token ok"]
+
+
+@pytest.mark.parametrize("platform", [BEDROCK], ids=["bedrock"])
+async def test_a_bedrock_api_key_is_sent_as_a_bearer_token(wire: PlatformHarness) -> None:
+    """With a Bedrock API key the request is not signed: the key is the bearer token."""
+    wire.server.add(Reply.text("keyed"))
+    provider = AnthropicProvider.bedrock(base_url=wire.server.url, aws_region="us-east-1",
+                                         api_key="bedrock-api-key")
+    async with provider:
+        result = await le.Engine(provider).run(BEDROCK.operation(), "go")
+    assert result.answer == "keyed"
+    assert wire.requests[0].headers["authorization"] == "Bearer bedrock-api-key"
