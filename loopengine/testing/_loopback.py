@@ -297,6 +297,8 @@ class LoopbackServer:
     """The one path the server answers (``POST``)."""
     request_id_header = "request-id"
     """The response header that carries the request id."""
+    stream_content_type = "text/event-stream"
+    """The content type of a streamed response."""
 
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
         self._host = host
@@ -482,12 +484,13 @@ class LoopbackServer:
         if isinstance(item, ErrorReply):
             self._wait(item.delay)
             handler.send_bytes(item.status, self._error_body(item), "application/json",
-                               {**ids, **item.headers})
+                               {**ids, **self._error_headers(item), **item.headers})
             return
         if isinstance(item, DropConnection):
             self._wait(item.delay)
             raise _Drop(reset=item.reset)
-        if isinstance(item, StreamErrorEvent) and not request.stream:
+        streamed = self._streamed(request)
+        if isinstance(item, StreamErrorEvent) and not streamed:
             self._serve(handler, ErrorReply(status=self._error_status(item.type),
                                             type=item.type, message=item.message),
                         request, number)
@@ -504,7 +507,7 @@ class LoopbackServer:
             raise TypeError(f"not a script item: {item!r}")
         self._wait(reply.delay)
         message = self._message(reply, request, number)
-        if not request.stream:
+        if not streamed:
             payload = json.dumps(message).encode()
             if mode == "stall":
                 self._wait(item.seconds)
@@ -519,7 +522,8 @@ class LoopbackServer:
             self._deliver(handler, self._served_usage(reply.usage, request), head + payload)
             return
         frames = self._frames(message, reply, request)
-        head = handler.head(200, "text/event-stream", {**ids, "transfer-encoding": "chunked",
+        head = handler.head(200, self.stream_content_type, {**ids,
+                                                            "transfer-encoding": "chunked",
                                                        "cache-control": "no-cache"})
         cut = len(frames) if mode == "full" else min(after, len(frames))
         sent = frames[:cut]
@@ -549,6 +553,15 @@ class LoopbackServer:
     def _refusal(self, body: Any) -> str | None:
         """Why the real API would refuse this request body (a 400), or None."""
         return None
+
+    def _streamed(self, request: RecordedRequest) -> bool:
+        """Whether ``request`` asked for a streamed response (default: its body's
+        ``"stream": true``)."""
+        return request.stream
+
+    def _error_headers(self, item: ErrorReply) -> dict[str, str]:
+        """Headers an error response carries besides the request id and the item's own."""
+        return {}
 
     def _error_body(self, item: ErrorReply) -> bytes:
         """The body of an error response."""
