@@ -64,12 +64,29 @@ _NO_FEATURES = Features()
 
 def _check_sendable(provider: Provider, operation: Operation, features: Features) -> None:
     """Refuse a run whose request features its provider cannot send (its declared
-    `Provider.features`), before anything is recorded.
+    `Provider.features`), before anything is recorded. A provider that sends
+    only some server tools declares ``server_tools:<type prefix>`` for each
+    kind instead of ``server_tools``.
 
     Raises:
         ConfigError: on the first such feature.
     """
     for name in enabled_features(features):
+        if name == "server_tools" and name not in provider.features:
+            # A provider that sends some server tools only names their type
+            # prefixes (``server_tools:web_search_``).
+            kinds = tuple(entry.removeprefix("server_tools:") for entry in provider.features
+                          if entry.startswith("server_tools:"))
+            if kinds:
+                for i, tool in enumerate(features.server_tools):
+                    if not tool.type.startswith(kinds):
+                        raise ConfigError(
+                            f"server_tools[{i}].type",
+                            f"operation {operation.name!r} enables the server tool "
+                            f"{tool.type!r}, which the {vendor_of(provider)} provider of route "
+                            f"{operation.provider!r} cannot send (it sends server tools of "
+                            f"the types {', '.join(f'{k}*' for k in kinds)})")
+                continue
         if name not in provider.features:
             raise ConfigError(
                 name, f"operation {operation.name!r} enables {name}, which the "

@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 
     from loopengine._features import Features
 
-__all__ = ["DOCUMENTED_FEES", "STANDARD_TIERS", "ModelPrice", "PriceBook", "Priced"]
+__all__ = ["DOCUMENTED_FEES", "STANDARD_TIERS", "TOKEN_ONLY_TOOLS", "ModelPrice", "PriceBook",
+           "Priced"]
 
 _MTOK = Decimal(1_000_000)
 _NANO = Decimal(1_000_000_000)
@@ -61,13 +62,14 @@ DOCUMENTED_FEES: Final = {("anthropic", "web_fetch"): Decimal(0)}
 by ``(vendor, unit)``: Anthropic's web fetch has "no additional charges beyond
 standard token costs"."""
 
-# Server tool types (by prefix) billed only through the tokens they add:
-# Anthropic-defined tools the client runs, and tool search.
-_TOKEN_ONLY_TOOLS: Final = ("bash_", "text_editor_", "memory_", "computer_",
+TOKEN_ONLY_TOOLS: Final = ("bash_", "text_editor_", "memory_", "computer_",
                             "tool_search_tool_")
+"""Server tool types (by prefix) billed only through the tokens they add:
+Anthropic-defined tools the client runs, and tool search."""
 
 # genai-prices knows some providers under other ids.
-_GENAI_PROVIDER_IDS = {"bedrock": "aws", "vertex": "google", "google-vertex": "google"}
+_GENAI_PROVIDER_IDS = {"bedrock": "aws", "vertex": "google", "aws-bedrock": "aws",
+                       "google-vertex": "google"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -290,7 +292,7 @@ class PriceBook:
                     missing.append(f"{label}: advisor model {advisor!r} has no price")
             elif tool.type.startswith("code_execution_"):
                 missing.append(f"{label}: container time is billed outside the reply")
-            elif not tool.type.startswith(_TOKEN_ONLY_TOOLS):
+            elif not tool.type.startswith(TOKEN_ONLY_TOOLS):
                 missing.append(f"{label}: unknown server tool type")
         if not self.knows_tier(provider, model, features.service_tier, at):
             missing.append(f"service_tier {features.service_tier!r}: no rates for that tier")

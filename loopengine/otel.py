@@ -69,6 +69,7 @@ __all__ = ["OpenTelemetryObserver", "provider_name"]
 
 # gen_ai.provider.name has well-known values; our route names map onto them.
 _PROVIDER_NAMES = {"anthropic": "anthropic", "bedrock": "aws.bedrock", "vertex": "gcp.vertex_ai",
+                   "aws-bedrock": "aws.bedrock", "google-vertex": "gcp.vertex_ai",
                    "openai": "openai", "azure": "azure.ai.openai"}
 
 # The GenAI names are spelled out rather than imported: the conventions'
@@ -94,7 +95,8 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 def provider_name(route: str) -> str:
     """The ``gen_ai.provider.name`` value for an operation's ``provider`` route.
 
-    ``bedrock`` is ``aws.bedrock`` and ``vertex`` is ``gcp.vertex_ai``, as the
+    ``aws-bedrock`` (or ``bedrock``) is ``aws.bedrock`` and ``google-vertex``
+    (or ``vertex``) is ``gcp.vertex_ai``, as the
     conventions name them; other routes are given as they are.
     """
     return _PROVIDER_NAMES.get(route, route)

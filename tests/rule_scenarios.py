@@ -18,7 +18,8 @@ from typing import Any
 import pydantic
 
 import loopengine as le
-from loopengine.testing import FakeClock, Reply
+from loopengine.persistence import MemoryLedger
+from loopengine.testing import ErrorReply, FakeClock, Reply
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,8 @@ class Route:
     """The test operation on this route, limits as keywords."""
     prices: le.PriceBook
     """One USD per million tokens in and out, one credit per micro-dollar."""
-    sent_model: Callable[[Any], str] = lambda request: str(request.body["model"])
-    """The model a recorded request asked for (in its body, or its path)."""
+    model_of: Callable[[Any], str | None] = lambda request: request.body["model"]
+    """The model a recorded request names (Bedrock, Vertex and Gemini name it in the path)."""
     request_ids: bool = True
     """Whether the API sends a request id header (Gemini's does not)."""
 
@@ -198,7 +199,7 @@ async def r13_no_substitute(wire: Wire, route: Route, stream: bool,
     op = route.operation()
     result = await engine.run(op, "go")
     assert result.outcome is le.Outcome.PROVIDER_ERROR
-    assert {route.sent_model(r) for r in wire.requests} == {op.model}
+    assert {route.model_of(r) for r in wire.requests} == {op.model}
     assert {a.dispatch.served_by for a in result.attempt_log} == {f"{op.provider}:{op.model}"}
     other = le.Operation(name="x", provider=other_route, model=op.model)
     try:
@@ -264,25 +265,9 @@ async def s01_charge_the_success(wire: Wire, route: Route, stream: bool,
     return result, ledger
 
 
-async def r05_transient_retried(wire: Wire, route: Route, clock: FakeClock,
-                                stream: bool) -> le.RunResult:
-    """503s are retried with growing waits, three attempts by default."""
-    from loopengine.testing import ErrorReply
-
-    engine, _ = wire.engine(*[ErrorReply(status=503) for _ in range(4)], stream=stream)
-    result = await engine.run(route.operation(), "go")
-    assert result.outcome is le.Outcome.PROVIDER_ERROR
-    assert len(wire.requests) == 3
-    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
-    assert result.fault is not None and result.fault.kind.value == "server_error"
-    return result
-
-
 async def r05_permanent_not_retried(wire: Wire, route: Route, clock: FakeClock,
                                     stream: bool) -> None:
     """A 400, a 422 and a 401 are each sent once."""
-    from loopengine.testing import ErrorReply
-
     for status in (400, 422, 401):
         engine, _ = wire.engine(ErrorReply(status=status), stream=stream)
         result = await engine.run(route.operation(), "go")
@@ -296,8 +281,6 @@ async def r05_permanent_not_retried(wire: Wire, route: Route, clock: FakeClock,
 async def r06_openai_insufficient_quota(wire: Wire, route: Route, clock: FakeClock,
                                         stream: bool) -> None:
     """OpenAI's 429 insufficient_quota ends credit_exhausted after one request."""
-    from loopengine.testing import ErrorReply
-
     engine, _ = wire.engine(ErrorReply.insufficient_quota(), Reply.text("never"), stream=stream)
     result = await engine.run(route.operation(), "go")
     assert result.outcome is le.Outcome.CREDIT_EXHAUSTED
@@ -306,43 +289,74 @@ async def r06_openai_insufficient_quota(wire: Wire, route: Route, clock: FakeClo
     assert (result.fault.http_status, result.fault.error_code) == (429, "insufficient_quota")
 
 
-async def r07_openai_attempt_rows(wire: Wire, route: Route, stream: bool,
-                                  response_id: str) -> None:
+async def r07_attempt_rows(wire: Wire, route: Route, stream: bool, transient: Any,
+                           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Each attempt is a row with its turn, try, usage, timing, ids and own price;
     past the retained rows, attempts are counted and the record marked incomplete.
-    ``response_id`` is the id the route's fake gives its second response."""
-    from loopengine.persistence import MemoryLedger
-    from loopengine.testing import ErrorReply
-
+    Returns the retained attempt rows, in order, and the invocation row."""
     counter = Counter()
     ledger = MemoryLedger(max_retained_attempts=3)
     engine, _ = wire.engine(
-        ErrorReply(status=500), Reply.tool_calls(lookup("a")),
+        transient, Reply.tool_calls(lookup("a")),
         ErrorReply(status=429), Reply.text("done", usage=le.Usage(input_tokens=300,
                                                                   output_tokens=10,
                                                                   cache_read_tokens=200)),
         stream=stream, ledger=ledger)
     fast = le.RetryPolicy(max_attempts=4, initial_wait=0.001, max_wait=0.002)
-    result = await engine.run(route.operation(retry=fast), "go", tools=[counter.tool])
+    op = route.operation(retry=fast)
+    result = await engine.run(op, "go", tools=[counter.tool])
     assert result.outcome is le.Outcome.COMPLETED
     assert (result.attempts.count, result.attempts.retained, result.attempts.incomplete) == (
         4, 3, True)
     rows = sorted(ledger.attempts.values(), key=lambda r: r["ordinal"])
-    assert [(r["turn"], r["attempt"], r["outcome"], r["fault"]) for r in rows] == [
-        (1, 1, "error", "server_error"), (1, 2, "ok", None), (2, 1, "error", "rate_limited")]
+    assert [(r["turn"], r["attempt"], r["outcome"]) for r in rows] == [
+        (1, 1, "error"), (1, 2, "ok"), (2, 1, "error")]
+    assert rows[2]["fault"] == "rate_limited"
     assert [r["request_id"] for r in rows] == ["req_fake_0001", "req_fake_0002",
                                                "req_fake_0003"]
-    assert rows[1]["response_id"] == response_id
     assert [r["cost_nanousd"] for r in rows] == [None, 120_000, None]
-    op = route.operation()
-    assert all(r["served_by"] == f"openai:{op.model}" and r["latency_ms"] is not None
-               for r in rows)
+    assert all(r["served_by"] == f"{op.provider}:{op.model}"
+               and r["latency_ms"] is not None for r in rows)
     (invocation,) = ledger.invocations.values()
     assert (invocation["attempt_count"], invocation["incomplete"]) == (4, 1)
+    assert invocation["provider"] == op.provider
     # The fourth attempt has no row, but its usage (cached tokens apart) is in the totals.
     assert (invocation["input_tokens"], invocation["cache_read_tokens"],
             invocation["output_tokens"]) == (400, 200, 30)
     assert invocation["cost_nanousd"] == 120_000 + 510_000
+    return rows, invocation
+
+
+async def r05_transient_retries(wire: Wire, route: Route, clock: FakeClock, stream: bool,
+                                transient: Any) -> le.RunResult:
+    """A transient fault is retried with growing waits, three attempts by default;
+    the SDK itself never retries (max_retries=0: each attempt is one request, as
+    the Stainless SDKs' ``x-stainless-retry-count`` shows)."""
+    engine, _ = wire.engine(*[transient for _ in range(4)], stream=stream)
+    result = await engine.run(route.operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert len(wire.requests) == 3
+    assert [r.headers["x-stainless-retry-count"] for r in wire.requests] == ["0", "0", "0"]
+    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
+    assert result.fault is not None and result.fault.retryable
+    return result
+
+
+async def r05_transient_retried(wire: Wire, route: Route, clock: FakeClock,
+                                stream: bool) -> le.RunResult:
+    """503s are retried with growing waits, three attempts by default, as server errors."""
+    result = await r05_transient_retries(wire, route, clock, stream, ErrorReply(status=503))
+    assert result.fault is not None and result.fault.kind.value == "server_error"
+    return result
+
+
+async def r07_openai_attempt_rows(wire: Wire, route: Route, stream: bool,
+                                  response_id: str) -> None:
+    """`r07_attempt_rows` after a 500: ``response_id`` is the id the route's fake
+    gives its second response."""
+    rows, _ = await r07_attempt_rows(wire, route, stream, ErrorReply(status=500))
+    assert rows[0]["fault"] == "server_error"
+    assert rows[1]["response_id"] == response_id
 
 
 async def r15_malformed_arguments(wire: Wire, route: Route, stream: bool) -> le.RunResult:

@@ -33,6 +33,14 @@ fault kind             from
                        may have reached the server and must not be sent twice
 =====================  ===========================================================
 
+The platforms answer in their own shapes as well, read at the same place:
+Bedrock names its exception in ``x-amzn-errortype`` (or, inside an event
+stream, in an exception frame the SDK hands over as an error event), Vertex
+gives Google's ``error.status`` and reasons; `_PLATFORM_KINDS` maps them
+onto the same kinds (``ThrottlingException`` and ``RESOURCE_EXHAUSTED`` are
+``rate_limited``, ``ServiceUnavailableException`` ``overloaded``, a Google
+reason ``BILLING_DISABLED`` ``credit_exhausted``...; docs/providers.md).
+
 Credit exhaustion is checked first, whatever the status (R06). A server's
 ``x-should-retry`` is carried as `ProviderFault.should_retry`; the engine obeys
 ``false``. Usage that arrived before a stream broke is reported as a floor
@@ -43,6 +51,7 @@ Its SDK clients, one per event loop, come from ``_clients.py``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Mapping
 from datetime import datetime
@@ -52,6 +61,8 @@ import anthropic
 import httpx2
 
 from loopengine import _validate
+from loopengine._errors import ConfigError
+from loopengine._pricing import TOKEN_ONLY_TOOLS
 from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._base import (
     ProviderRequest,
@@ -114,18 +125,98 @@ _TYPE_KINDS = {
 
 _STATUS_KINDS = {**STATUS_KINDS, 529: FaultKind.OVERLOADED}
 
+# Bedrock's exceptions (lowercased: an HTTP error names them in
+# ``x-amzn-errortype`` as ``ThrottlingException``, an exception frame inside
+# an event stream as ``throttlingException``) and Vertex's Google statuses.
+_PLATFORM_KINDS = {
+    "throttlingexception": FaultKind.RATE_LIMITED,
+    "servicequotaexceededexception": FaultKind.RATE_LIMITED,
+    "serviceunavailableexception": FaultKind.OVERLOADED,
+    "modelnotreadyexception": FaultKind.SERVER_ERROR,
+    "internalserverexception": FaultKind.SERVER_ERROR,
+    "modelstreamerrorexception": FaultKind.SERVER_ERROR,
+    "modelerrorexception": FaultKind.SERVER_ERROR,
+    "modeltimeoutexception": FaultKind.TIMEOUT,
+    "validationexception": FaultKind.BAD_REQUEST,
+    "resourcenotfoundexception": FaultKind.BAD_REQUEST,
+    "accessdeniedexception": FaultKind.UNAUTHORIZED,
+    "unrecognizedclientexception": FaultKind.UNAUTHORIZED,
+    "invalidsignatureexception": FaultKind.UNAUTHORIZED,
+    "expiredtokenexception": FaultKind.UNAUTHORIZED,
+    "resource_exhausted": FaultKind.RATE_LIMITED,
+    "permission_denied": FaultKind.UNAUTHORIZED,
+    "unauthenticated": FaultKind.UNAUTHORIZED,
+    "invalid_argument": FaultKind.BAD_REQUEST,
+    "failed_precondition": FaultKind.BAD_REQUEST,
+    "not_found": FaultKind.BAD_REQUEST,
+    "deadline_exceeded": FaultKind.TIMEOUT,
+    "unavailable": FaultKind.SERVER_ERROR,
+    "internal": FaultKind.SERVER_ERROR,
+}
+
+# Google's reasons (``google.rpc.ErrorInfo``) for a project that cannot be billed.
+_CREDIT_REASONS = frozenset({"BILLING_DISABLED"})
+
 _SDK = SDKErrors(status=anthropic.APIStatusError, timeout=anthropic.APITimeoutError,
                  connection=anthropic.APIConnectionError, base=anthropic.APIError,
                  validation=anthropic.APIResponseValidationError)
 
 
-def _route_name(client: object) -> str:
-    if isinstance(client, anthropic.AsyncAnthropicBedrock):
-        return "bedrock"
-    if isinstance(client, anthropic.AsyncAnthropicVertex):
-        return "vertex"
-    if isinstance(client, anthropic.AsyncAnthropicFoundry):
-        return "foundry"
+BEDROCK = "aws-bedrock"
+"""The vendor (and default route) of a provider on an ``AsyncAnthropicBedrock`` client."""
+VERTEX = "google-vertex"
+"""The vendor (and default route) of a provider on an ``AsyncAnthropicVertex`` client."""
+
+_ALL_FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management"})
+
+# The Anthropic-defined tools a platform takes (by type prefix): the ones
+# billed through their tokens only (the client runs them; tool search)
+# everywhere, and web search on Vertex. Anthropic's hosted tools (web fetch,
+# code execution, and web search on Bedrock) are not served there.
+_PLATFORM_FEATURES = {
+    BEDROCK: frozenset({"thinking", "betas", "context_management",
+                        *(f"server_tools:{prefix}" for prefix in TOKEN_ONLY_TOOLS)}),
+    VERTEX: frozenset({"thinking", "betas", "context_management",
+                       *(f"server_tools:{prefix}"
+                         for prefix in (*TOKEN_ONLY_TOOLS, "web_search_"))}),
+}
+
+# What each platform's client needs installed beyond the SDK: botocore decodes
+# Bedrock's event streams (and, with boto3, signs requests); google-auth finds
+# and refreshes Vertex credentials unless an access token is given.
+_EXTRAS = {BEDROCK: ("bedrock", "botocore", "botocore"),
+           VERTEX: ("vertex", "google.auth", "google-auth")}
+
+
+def _require_extra(vendor: str, given: object) -> None:
+    """Refuse a platform provider whose client would fail on its first request for
+    want of a package: botocore for Bedrock (it decodes the event streams, and
+    signs with boto3), google-auth for Vertex without an ``access_token`` or
+    ``credentials``.
+
+    Raises:
+        ConfigError: the package is not installed.
+    """
+    if vendor not in _EXTRAS:
+        return
+    extra, module, package = _EXTRAS[vendor]
+    if vendor == VERTEX:
+        held = given if isinstance(given, dict) else vars(given)
+        if held.get("access_token") is not None or held.get("credentials") is not None:
+            return
+    top = module.split(".")[0]
+    if importlib.util.find_spec(top) is None or importlib.util.find_spec(module) is None:
+        raise ConfigError("client", f"Claude on {vendor} needs {package}: "
+                                    f"pip install 'loopengine-core[{extra}]'")
+
+
+def _vendor_of(kind: type[Any]) -> str:
+    """The vendor of an SDK client class: the platform it reaches."""
+    for client, vendor in ((anthropic.AsyncAnthropicBedrock, BEDROCK),
+                           (anthropic.AsyncAnthropicVertex, VERTEX),
+                           (anthropic.AsyncAnthropicFoundry, "foundry")):
+        if issubclass(kind, client):
+            return vendor
     return "anthropic"
 
 
@@ -194,27 +285,133 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         max_connections: int | None = None,
         **client_kwargs: Any,
     ) -> None:
+        self._setup(client, client_kwargs, anthropic.AsyncAnthropic, stream=stream,
+                    stream_idle_timeout=stream_idle_timeout, route=route,
+                    max_connections=max_connections)
+
+    def _setup(self, client: AsyncClient | None, client_kwargs: dict[str, Any],
+               build: type[AsyncClient], *, stream: bool, stream_idle_timeout: float,
+               route: str | None, max_connections: int | None) -> None:
         _validate.boolean("stream", stream)
         if route is not None:
             _validate.text("route", route)
         self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
-        self._clients = provider_clients(
-            "AnthropicProvider", client, client_kwargs, max_connections=max_connections,
-            accepts=(anthropic.AsyncAnthropic, anthropic.AsyncAnthropicBedrock,
-                     anthropic.AsyncAnthropicVertex),
-            build=anthropic.AsyncAnthropic, sdk_default=anthropic.DefaultAsyncHttpxClient)
-        self._vendor = _route_name(self.client)
+        vendor = _vendor_of(type(client) if client is not None else build)
+        _require_extra(vendor, client if client is not None else client_kwargs)
+        try:
+            self._clients = provider_clients(
+                "AnthropicProvider", client, client_kwargs, max_connections=max_connections,
+                accepts=(anthropic.AsyncAnthropic, anthropic.AsyncAnthropicBedrock,
+                         anthropic.AsyncAnthropicVertex),
+                build=build, sdk_default=anthropic.DefaultAsyncHttpxClient)
+        except ConfigError:
+            raise
+        except ValueError as error:
+            if build is anthropic.AsyncAnthropic:
+                raise
+            # The platform clients refuse a missing region or mixed credentials.
+            raise ConfigError("client", f"{build.__name__}: {error}") from error
+        self._vendor = vendor
         self._name = route if route is not None else self._vendor
         self._stream = stream
 
-    features = frozenset({"thinking", "server_tools", "betas", "context_management"})
-    """The Messages API's optional request features (docs/providers.md), sent as the API
-    takes them: ``thinking`` (``{"type": "enabled", "budget_tokens": N}``, or
-    ``{"type": "adaptive"}`` with ``output_config.effort``), server tools as
-    definitions in ``tools`` (before the run's own), betas as the
-    ``anthropic-beta`` header, ``context_management`` in the body. The vendor
-    (`vendor`) is ``anthropic``, or ``bedrock`` / ``vertex`` / ``foundry``
-    for those clients."""
+    @classmethod
+    def bedrock(
+        cls,
+        *,
+        stream: bool = False,
+        stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
+        route: str | None = None,
+        max_connections: int | None = None,
+        **client_kwargs: Any,
+    ) -> AnthropicProvider:
+        """Claude on Amazon Bedrock: a provider on ``anthropic.AsyncAnthropicBedrock``
+        clients (extra ``bedrock``), one per event loop, as a provider built
+        from keywords keeps them.
+
+        Its vendor and default route are ``aws-bedrock``; an operation's
+        ``model`` is the Bedrock model id or inference profile
+        (``global.anthropic.claude-sonnet-4-5-20250929-v1:0``,
+        ``us.anthropic...``), which also picks its price (docs/providers.md).
+
+        Args:
+            stream: As for the constructor.
+            stream_idle_timeout: As for the constructor.
+            route: The route, when not ``aws-bedrock``.
+            max_connections: As for the constructor.
+            **client_kwargs: ``AsyncAnthropicBedrock``'s keywords: ``aws_region``
+                (else ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` or the profile's),
+                ``aws_access_key``, ``aws_secret_key``, ``aws_session_token``,
+                ``aws_profile`` (else boto3's credential chain), or ``api_key``
+                (a Bedrock API key, else ``AWS_BEARER_TOKEN_BEDROCK``),
+                ``base_url``, ``timeout``...
+
+        Raises:
+            ConfigError: ``botocore`` is not installed (``pip install
+                'loopengine-core[bedrock]'``), no region is known, both an API
+                key and AWS credentials, or the constructor's reasons.
+        """
+        provider = cls.__new__(cls)
+        provider._setup(None, client_kwargs, anthropic.AsyncAnthropicBedrock, stream=stream,
+                        stream_idle_timeout=stream_idle_timeout, route=route,
+                        max_connections=max_connections)
+        return provider
+
+    @classmethod
+    def vertex(
+        cls,
+        *,
+        stream: bool = False,
+        stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
+        route: str | None = None,
+        max_connections: int | None = None,
+        **client_kwargs: Any,
+    ) -> AnthropicProvider:
+        """Claude on Google Vertex AI: a provider on ``anthropic.AsyncAnthropicVertex``
+        clients (extra ``vertex``), one per event loop, as a provider built
+        from keywords keeps them.
+
+        Its vendor and default route are ``google-vertex``; an operation's
+        ``model`` is the Vertex model id (``claude-sonnet-4-5@20250929``).
+
+        Args:
+            stream: As for the constructor.
+            stream_idle_timeout: As for the constructor.
+            route: The route, when not ``google-vertex``.
+            max_connections: As for the constructor.
+            **client_kwargs: ``AsyncAnthropicVertex``'s keywords: ``region``
+                (``global``, ``us-east5``...; else ``CLOUD_ML_REGION``),
+                ``project_id`` (else ``ANTHROPIC_VERTEX_PROJECT_ID`` or the
+                credentials' project), ``access_token`` or ``credentials``
+                (else Application Default Credentials), ``base_url``,
+                ``timeout``...
+
+        Raises:
+            ConfigError: neither an ``access_token`` nor ``credentials`` while
+                ``google-auth`` is not installed (``pip install
+                'loopengine-core[vertex]'``), no region, or the constructor's
+                reasons.
+        """
+        provider = cls.__new__(cls)
+        provider._setup(None, client_kwargs, anthropic.AsyncAnthropicVertex, stream=stream,
+                        stream_idle_timeout=stream_idle_timeout, route=route,
+                        max_connections=max_connections)
+        return provider
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The Messages API's optional request features (docs/providers.md), sent as
+        the API takes them: ``thinking`` (``{"type": "enabled", "budget_tokens":
+        N}``, or ``{"type": "adaptive"}`` with ``output_config.effort``), server
+        tools as definitions in ``tools`` (before the run's own), betas as the
+        ``anthropic-beta`` header (the Bedrock client moves them into the
+        body's ``anthropic_beta``), ``context_management`` in the body. On
+        Bedrock and Vertex, ``server_tools:<type prefix>`` entries name the
+        Anthropic-defined tools the platform serves (the ones the client runs,
+        and web search on Vertex): an operation with any other server tool is
+        refused before anything is recorded. The vendor (`vendor`) is
+        ``anthropic``, ``aws-bedrock``, ``google-vertex`` or ``foundry``."""
+        return _PLATFORM_FEATURES.get(self._vendor, _ALL_FEATURES)
 
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         # The SDK's stream() call asks for the stream itself.
@@ -260,7 +457,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         # Anthropic-shaped dicts, so building the SDK's models would be wasted.
         try:
             async with client.messages.with_streaming_response.create(**params) as raw:
-                request_id = raw.headers.get("request-id")
+                request_id = _request_id(raw.headers)
                 status = raw.status_code
                 try:
                     body = await raw.json()
@@ -316,14 +513,14 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             snapshot = served()
             return ProviderFault(
                 FaultKind.ABORTED, message, http_status=stream.response.status_code,
-                aborted_reason=reason, request_id=stream.request_id,
+                aborted_reason=reason, request_id=_request_id(stream.response.headers),
                 usage=_snapshot_usage(snapshot, late), usage_approx=True,
                 response_id=snapshot.id if snapshot is not None else None)
 
         def failed(error: BaseException) -> ProviderFault:
             snapshot = served()
-            return classify_error(error, request_id=stream.request_id, in_body=True,
-                                  usage=_snapshot_usage(snapshot, late),
+            return classify_error(error, request_id=_request_id(stream.response.headers),
+                                  in_body=True, usage=_snapshot_usage(snapshot, late),
                                   response_id=snapshot.id if snapshot is not None else None)
 
         await read_stream(
@@ -340,7 +537,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             stop_reason=snapshot.stop_reason,
             usage=_snapshot_usage(snapshot, late),
             response_id=snapshot.id,
-            request_id=stream.request_id,
+            request_id=_request_id(stream.response.headers),
             http_status=stream.response.status_code,
             model=snapshot.model,
         )
@@ -461,9 +658,48 @@ def _status_fault(
     error_type = error.type or _nested(body, "error", "type")
     code = error.error_code or _nested(body, "error", "code")
     message = error.api_message or _nested(body, "error", "message") or ""
-    return response_fault(_kind(status, error_type, code, message), error,
-                          error_type=error_type, code=code, message=message, usage=usage,
-                          response_id=response_id, now=now)
+    platform, reason, platform_message = _platform_error(error.response.headers, body)
+    message = message or platform_message
+    kind = _kind(status, error_type or platform, code or reason, message)
+    fault = response_fault(kind, error, error_type=error_type or platform, code=code or reason,
+                           message=message, usage=usage, response_id=response_id, now=now)
+    fault.request_id = _request_id(error.response.headers)
+    return fault
+
+
+def _request_id(headers: Mapping[str, str]) -> str | None:
+    """A response's request id: Anthropic's ``request-id`` (Vertex relays it),
+    else Bedrock's ``x-amzn-requestid``."""
+    return headers.get("request-id") or headers.get("x-amzn-requestid")
+
+
+def _platform_error(headers: Mapping[str, str],
+                    body: object) -> tuple[str | None, str | None, str]:
+    """What a Bedrock or Vertex error response says in its own shape: its error
+    name, a reason, and its message.
+
+    Bedrock names the exception in ``x-amzn-errortype``
+    (``ThrottlingException:http://internal.amazon.com/coral/...``) or the
+    body's ``__type``, with ``{"message": ...}`` as the body. Vertex answers
+    in Google's shape, ``{"error": {"code": 429, "status":
+    "RESOURCE_EXHAUSTED", "message": ..., "details": [{"reason": ...}]}}``
+    (sometimes inside a one-element list), when the error is Google's rather
+    than the model's (an Anthropic-shaped body is read as usual).
+    """
+    if isinstance(body, list) and len(body) == 1:
+        body = body[0]
+    amazon = headers.get("x-amzn-errortype") or (
+        _nested(body, "__type") if isinstance(body, Mapping) else None)
+    if amazon:
+        name = amazon.split(":")[0].rsplit("#", 1)[-1]
+        return name, None, _nested(body, "message") or _nested(body, "Message") or ""
+    google = _nested(body, "error", "status")
+    if google:
+        details = body.get("error", {}).get("details") if isinstance(body, Mapping) else None
+        reasons = [d.get("reason") for d in details or () if isinstance(d, Mapping)]
+        reason = next((r for r in reasons if isinstance(r, str)), None)
+        return google, reason, _nested(body, "error", "message") or ""
+    return None, None, ""
 
 
 def _nested(body: object, *keys: str) -> str | None:
@@ -475,15 +711,24 @@ def _nested(body: object, *keys: str) -> str | None:
 
 
 def _kind(status: int, error_type: str | None, code: str | None, message: str) -> FaultKind:
-    """The fault kind of an error response (or of a mid-stream error event, status 200)."""
+    """The fault kind of an error response (or of a mid-stream error event, status 200).
+
+    ``error_type`` is Anthropic's ``error.type``, else a platform's own error
+    name (Bedrock's exception, Vertex's Google status), ``code`` the error
+    code or a Google reason.
+    """
     lowered = message.lower()
     if (
         status == 402
         or error_type == "billing_error"
         or is_credit_code(code)
+        or code in _CREDIT_REASONS
         or any(fragment in lowered for fragment in _CREDIT_MESSAGES)
     ):
         return FaultKind.CREDIT_EXHAUSTED
+    platform = _PLATFORM_KINDS.get((error_type or "").lower())
+    if platform is not None:
+        return platform
     if status == 200 or (status >= 500 and error_type == "overloaded_error"):
         # After a 200 only the event's type tells what went wrong; an unknown
         # type mid-stream is the server's failure.

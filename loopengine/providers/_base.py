@@ -102,7 +102,7 @@ class Provider(Protocol):
 
     @property
     def name(self) -> str:
-        """The route this provider serves (``anthropic``, ``bedrock``...): an
+        """The route this provider serves (``anthropic``, ``aws-bedrock``...): an
         operation's ``provider`` must equal it (R13)."""
         ...
 
@@ -124,7 +124,10 @@ class Provider(Protocol):
     @property
     def features(self) -> frozenset[str]:
         """The optional request features (of `FEATURES`) it can send; an operation
-        that publishes another is refused before anything is recorded. Default: none."""
+        that publishes another is refused before anything is recorded. A
+        provider that sends only some server tools names each kind it sends
+        as ``server_tools:<type prefix>`` (``server_tools:web_search_``)
+        instead of ``server_tools``. Default: none."""
         return frozenset()
 
     def check_ready(self) -> None:

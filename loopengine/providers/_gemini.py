@@ -112,7 +112,8 @@ class GeminiProvider(SDKProvider[_Session]):
             when nobody reads its text. Whatever it says, a request whose run
             reads the text (``on_text``, `loopengine.Engine.stream`) is streamed.
         route: The route this provider serves (an operation's ``provider``).
-            Default: ``gemini``, or ``google-vertex`` for a Vertex AI client.
+            Default: ``gemini``, or ``gemini-vertex`` for a Vertex AI client (apart
+            from Claude's ``google-vertex`` route, so one engine can hold both).
         stream_idle_timeout: Seconds a stream may go without a chunk before
             the attempt is aborted with reason ``idle`` (and retried).
         max_connections: Without ``client``: the most connections the
@@ -190,7 +191,7 @@ class GeminiProvider(SDKProvider[_Session]):
             self._clients = ClientPerLoop("GeminiProvider", build)
         vertex = bool(self.client.client.vertexai)
         self._vendor = "google-vertex" if vertex else "google"
-        self._name = route if route is not None else "google-vertex" if vertex else "gemini"
+        self._name = route if route is not None else "gemini-vertex" if vertex else "gemini"
         self._stream = stream
 
     features = frozenset({"thinking"})

@@ -9,6 +9,9 @@ replies, error statuses, dropped connections and broken streams with
 and the Responses API (``/v1/responses``), for `OpenAIProvider` and
 `OpenAIResponsesProvider` (or any ``openai`` client), from the same script
 items, and `FakeGeminiServer` for the Gemini API and `GeminiProvider`.
+`FakeBedrockServer` and `FakeVertexServer` serve the Messages API as Amazon
+Bedrock (event-stream framing) and Google Vertex AI do, for
+`AnthropicProvider.bedrock` and `AnthropicProvider.vertex`.
 The pytest fixtures ``fake_anthropic_server`` and ``fake_openai_server``
 (registered by the package's pytest plugin) give each test a started server.
 See docs/testing.md.
@@ -28,15 +31,18 @@ from loopengine.testing._loopback import (
     StreamErrorEvent,
 )
 from loopengine.testing._openai_server import FakeOpenAIServer
+from loopengine.testing._platform_servers import FakeBedrockServer, FakeVertexServer
 
 __all__ = [
     "CutStream",
     "DropConnection",
     "ErrorReply",
     "FakeAnthropicServer",
+    "FakeBedrockServer",
     "FakeClock",
     "FakeGeminiServer",
     "FakeOpenAIServer",
+    "FakeVertexServer",
     "RecordedRequest",
     "Reply",
     "ServerItem",

@@ -82,14 +82,23 @@ class FakeAnthropicServer(LoopbackServer):
                                                          "message": message}})
 
     def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
-        return _message(reply, request, number)
+        return _message(reply, self._model(request), number)
 
     def _frames(self, message: dict[str, Any], reply: Reply,
                 request: RecordedRequest) -> list[Frame]:
         events = _events(message, reply.usage)
-        return [Frame(_sse(name, data), seen)
+        return [Frame(self._event(name, data), seen)
                 for (name, data), seen in zip(events, _usage_seen(events, reply.usage),
                                               strict=True)]
+
+    def _model(self, request: RecordedRequest) -> str | None:
+        """The model a request names (the body's ``model``)."""
+        model = request.body.get("model") if isinstance(request.body, Mapping) else None
+        return model if isinstance(model, str) else None
+
+    def _event(self, name: str, data: Mapping[str, Any]) -> bytes:
+        """One event of a streamed message on the wire (a server-sent event)."""
+        return _sse(name, data)
 
 
 # -- wire shapes ---------------------------------------------------------------------
@@ -135,8 +144,7 @@ def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
     return body
 
 
-def _message(reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
-    model = request.body.get("model") if isinstance(request.body, Mapping) else None
+def _message(reply: Reply, model: str | None, number: int) -> dict[str, Any]:
     message: dict[str, Any] = {
         "id": reply.response_id or f"msg_fake_{number:04d}",
         "type": "message",

@@ -306,6 +306,8 @@ class LoopbackServer:
     """The one path the server answers (``POST``)."""
     request_id_header: str | None = "request-id"
     """The response header that carries the request id (None: the API sends none)."""
+    stream_content_type = "text/event-stream"
+    """The content type of a streamed response."""
 
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
         self._host = host
@@ -492,7 +494,7 @@ class LoopbackServer:
         if isinstance(item, ErrorReply):
             self._wait(item.delay)
             handler.send_bytes(item.status, self._error_body(item), "application/json",
-                               {**ids, **item.headers})
+                               {**ids, **self._error_headers(item), **item.headers})
             return
         if isinstance(item, DropConnection):
             self._wait(item.delay)
@@ -530,7 +532,8 @@ class LoopbackServer:
             self._deliver(handler, self._served_usage(reply.usage, request), head + payload)
             return
         frames = self._frames(message, reply, request)
-        head = handler.head(200, "text/event-stream", {**ids, "transfer-encoding": "chunked",
+        head = handler.head(200, self.stream_content_type, {**ids,
+                                                            "transfer-encoding": "chunked",
                                                        "cache-control": "no-cache"})
         cut = len(frames) if mode == "full" else min(after, len(frames))
         sent = frames[:cut]
@@ -562,9 +565,13 @@ class LoopbackServer:
         return None
 
     def _streamed(self, request: RecordedRequest) -> bool:
-        """Whether ``request`` asked for a streamed reply (default: its body's
+        """Whether ``request`` asked for a streamed response (default: its body's
         ``"stream": true``)."""
         return request.stream
+
+    def _error_headers(self, item: ErrorReply) -> dict[str, str]:
+        """Headers an error response carries besides the request id and the item's own."""
+        return {}
 
     def _error_body(self, item: ErrorReply) -> bytes:
         """The body of an error response."""

@@ -92,15 +92,15 @@ def test_bad_construction_is_a_config_error() -> None:
 
 
 async def test_the_route_name_follows_the_client() -> None:
-    """anthropic for the first-party API, bedrock and vertex for those clients."""
+    """anthropic for the first-party API, aws-bedrock and google-vertex for those clients."""
     async with AnthropicProvider(api_key="k") as first_party:
         assert first_party.name == "anthropic"
     bedrock = anthropic.AsyncAnthropicBedrock(aws_region="us-east-1", aws_access_key="a",
                                               aws_secret_key="b")
-    assert AnthropicProvider(bedrock).name == "bedrock"
+    assert AnthropicProvider(bedrock).name == "aws-bedrock"
     vertex = anthropic.AsyncAnthropicVertex(region="us-east5", project_id="p",
                                             access_token="t")
-    assert AnthropicProvider(vertex).name == "vertex"
+    assert AnthropicProvider(vertex).name == "google-vertex"
     await bedrock.close()
     await vertex.close()
 

@@ -64,13 +64,8 @@ async def test_r05_transient_faults_retry_with_growing_waits_anthropic(
     wire: Harness, clock: FakeClock, stream: bool
 ) -> None:
     """Overloads are retried with growing waits, three attempts by default."""
-    engine, _ = wire.engine(*[ErrorReply.overloaded() for _ in range(4)], stream=stream)
-    result = await engine.run(operation(), "go")
-    assert result.outcome is le.Outcome.PROVIDER_ERROR
-    assert len(wire.requests) == 3
-    # max_retries=0: the SDK itself never retried; each attempt is one request.
-    assert [r.headers["x-stainless-retry-count"] for r in wire.requests] == ["0", "0", "0"]
-    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
+    result = await scenarios.r05_transient_retries(wire, ROUTE, clock, stream,
+                                                   ErrorReply.overloaded())
     assert result.fault is not None and result.fault.kind is FaultKind.OVERLOADED
 
 
@@ -101,6 +96,17 @@ async def test_r06_depleted_balance_is_credit_exhausted_not_retried_anthropic(
     assert result.fault is not None
     assert (result.fault.http_status, result.fault.error_code) == (
         429, "enforced_spend_limit_reached")
+
+
+@STREAMING
+async def test_r07_attempts_record_turn_retry_usage_timing_and_price_and_cap_rows_anthropic(
+    wire: Harness, stream: bool
+) -> None:
+    """Each attempt is a row with its turn, try, usage, timing, ids and own price;
+    past the retained rows, attempts are counted and the record marked incomplete."""
+    rows, _ = await scenarios.r07_attempt_rows(wire, ROUTE, stream, ErrorReply.overloaded())
+    assert (rows[0]["fault"], rows[0]["http_status"]) == ("overloaded", 529)
+    assert rows[1]["response_id"] == "msg_fake_0002"
 
 
 @STREAMING

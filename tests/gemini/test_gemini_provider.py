@@ -310,8 +310,9 @@ async def test_a_vertex_client_is_served_as_google_vertex_without_sdk_retries(
     fake_gemini_server: FakeGeminiServer, stream: bool
 ) -> None:
     """A genai.Client in Vertex AI mode (passed in) reaches the project's model path
-    with its credentials; its route and served_by are google-vertex, priced as
-    google; a 503 is one attempt of the engine's, never retried by the SDK."""
+    with its credentials; its route is gemini-vertex and its served_by
+    google-vertex, priced as google; a 503 is one attempt of the engine's, never
+    retried by the SDK."""
     client = genai.Client(vertexai=True, project="proj", location="us-central1",
                           credentials=Credentials(token="vertex-token"),
                           http_options={"base_url": fake_gemini_server.url})
@@ -319,12 +320,12 @@ async def test_a_vertex_client_is_served_as_google_vertex_without_sdk_retries(
                            Reply.text("hi", usage=le.Usage(input_tokens=1000,
                                                            output_tokens=100)))
     provider = GeminiProvider(client, stream=stream)
-    assert (provider.name, provider.vendor) == ("google-vertex", "google-vertex")
+    assert (provider.name, provider.vendor) == ("gemini-vertex", "google-vertex")
     ledger = MemoryLedger()
     engine = le.Engine(provider, ledger=ledger)
     fast = le.RetryPolicy(initial_wait=0.001, max_wait=0.002)
     try:
-        result = await engine.run(le.Operation(name="v", provider="google-vertex",
+        result = await engine.run(le.Operation(name="v", provider="gemini-vertex",
                                                model=MODEL, retry=fast), "go")
     finally:
         await client.aio.aclose()

@@ -14,7 +14,7 @@ from typing import Any
 
 import loopengine as le
 from loopengine.persistence import MemoryLedger
-from loopengine.providers import CachePolicy
+from loopengine.providers import CachePolicy, FaultKind
 from loopengine.testing import ErrorReply, FakeClock, Reply
 
 from .. import rule_scenarios as scenarios
@@ -31,7 +31,7 @@ from .conftest import (
     model_in_path,
 )
 
-ROUTE = scenarios.Route(operation=gemini_operation, prices=PRICES, sent_model=model_in_path,
+ROUTE = scenarios.Route(operation=gemini_operation, prices=PRICES, model_of=model_in_path,
                         request_ids=False)
 """The Gemini route of the shared scenarios (tests/rule_scenarios.py)."""
 
@@ -85,10 +85,14 @@ async def test_r05_transient_faults_retry_with_growing_waits_gemini(
 ) -> None:
     """503s are retried with growing waits, three attempts by default; the SDK itself
     never retries (each attempt is one request)."""
-    result = await scenarios.r05_transient_retried(wire, ROUTE, clock, stream)
-    assert len(result.attempt_log) == 3
-    assert all(a.settle is not None and a.settle.http_status == 503
-               for a in result.attempt_log)
+    # (The shared scenario reads the Stainless SDKs' retry-count header, which
+    # the google-genai SDK does not send.)
+    engine, _ = wire.engine(*[ErrorReply(status=503) for _ in range(4)], stream=stream)
+    result = await engine.run(gemini_operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert len(wire.requests) == 3 == len(result.attempt_log)
+    assert len(clock.sleeps) == 2 and clock.sleeps[0] < clock.sleeps[1]
+    assert result.fault is not None and result.fault.kind is FaultKind.SERVER_ERROR
 
 
 @STREAMING

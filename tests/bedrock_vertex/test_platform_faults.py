@@ -1,0 +1,183 @@
+"""Bedrock's and Vertex's errors, as their endpoints send them, classified at the
+one place (AnthropicProvider's classify_error) into docs/architecture.md's fault
+table: through the SDK's platform clients and the loopback fakes, in error
+responses and inside streams."""
+
+from __future__ import annotations
+
+import pytest
+
+import loopengine as le
+from loopengine.providers import FaultKind
+from loopengine.testing import CutStream, DropConnection, ErrorReply, Reply, StreamErrorEvent
+
+from ..adapter.conftest import STREAMING
+from .conftest import BEDROCK, VERTEX, PlatformHarness
+
+TWO = le.RetryPolicy(max_attempts=2, initial_wait=0.001, max_wait=0.002)
+
+BEDROCK_ERRORS = [
+    (429, "ThrottlingException", FaultKind.RATE_LIMITED),
+    (400, "ServiceQuotaExceededException", FaultKind.RATE_LIMITED),
+    (503, "ServiceUnavailableException", FaultKind.OVERLOADED),
+    (429, "ModelNotReadyException", FaultKind.SERVER_ERROR),
+    (500, "InternalServerException", FaultKind.SERVER_ERROR),
+    (424, "ModelErrorException", FaultKind.SERVER_ERROR),
+    (408, "ModelTimeoutException", FaultKind.TIMEOUT),
+    (400, "ValidationException", FaultKind.BAD_REQUEST),
+    (404, "ResourceNotFoundException", FaultKind.BAD_REQUEST),
+    (403, "AccessDeniedException", FaultKind.UNAUTHORIZED),
+    (403, "UnrecognizedClientException", FaultKind.UNAUTHORIZED),
+]
+
+VERTEX_ERRORS = [
+    (429, "RESOURCE_EXHAUSTED", FaultKind.RATE_LIMITED),
+    (403, "PERMISSION_DENIED", FaultKind.UNAUTHORIZED),
+    (401, "UNAUTHENTICATED", FaultKind.UNAUTHORIZED),
+    (400, "INVALID_ARGUMENT", FaultKind.BAD_REQUEST),
+    (404, "NOT_FOUND", FaultKind.BAD_REQUEST),
+    (503, "UNAVAILABLE", FaultKind.SERVER_ERROR),
+    (504, "DEADLINE_EXCEEDED", FaultKind.TIMEOUT),
+]
+
+
+async def _first_fault(wire: PlatformHarness, item: object, *, stream: bool) -> le.RunResult:
+    """Run with two attempts: a retried fault is followed by the scripted answer."""
+    engine, _ = wire.engine(item, Reply.text("recovered"), stream=stream)
+    return await engine.run(wire.platform.operation(retry=TWO), "go")
+
+
+def _check(result: le.RunResult, wire: PlatformHarness, status: int, name: str,
+           kind: FaultKind) -> None:
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.fault, first.http_status, first.error_code) == (kind.value, status, name)
+    if kind.retryable:
+        assert result.outcome is le.Outcome.COMPLETED and result.answer == "recovered"
+        assert len(wire.requests) == 2
+    else:
+        assert result.outcome is le.Outcome.PROVIDER_ERROR and len(wire.requests) == 1
+
+
+@pytest.mark.parametrize("platform", [BEDROCK], ids=["bedrock"])
+@pytest.mark.parametrize(("status", "name", "kind"), BEDROCK_ERRORS,
+                         ids=[name for _, name, _ in BEDROCK_ERRORS])
+@STREAMING
+async def test_bedrock_exceptions_by_x_amzn_errortype(
+    wire: PlatformHarness, status: int, name: str, kind: FaultKind, stream: bool
+) -> None:
+    """Each Bedrock exception (named in x-amzn-errortype, the body only
+    {"message": ...}) is its fault kind; the transient ones are retried."""
+    item = ErrorReply(status=status, type=name, message=f"{name} from the fake")
+    result = await _first_fault(wire, item, stream=stream)
+    _check(result, wire, status, name, kind)
+    assert wire.requests[0].path.endswith("/invoke-with-response-stream" if stream
+                                          else "/invoke")
+
+
+@pytest.mark.parametrize("platform", [VERTEX], ids=["vertex"])
+@pytest.mark.parametrize(("status", "name", "kind"), VERTEX_ERRORS,
+                         ids=[name for _, name, _ in VERTEX_ERRORS])
+@STREAMING
+async def test_vertex_google_errors_by_status(
+    wire: PlatformHarness, status: int, name: str, kind: FaultKind, stream: bool
+) -> None:
+    """Each Google error status Vertex answers with ({"error": {"code", "status",
+    "message"}}) is its fault kind; the transient ones are retried."""
+    item = ErrorReply(status=status, type=name, message=f"{name} from the fake")
+    result = await _first_fault(wire, item, stream=stream)
+    _check(result, wire, status, name, kind)
+
+
+@pytest.mark.parametrize("platform", [VERTEX], ids=["vertex"])
+@STREAMING
+async def test_vertex_relays_the_models_overload_and_rate_limit(
+    wire: PlatformHarness, stream: bool
+) -> None:
+    """A Messages API error Vertex relays (529 overloaded_error, 429
+    rate_limit_error with retry-after) reads as it does from Anthropic."""
+    engine, _ = wire.engine(ErrorReply.overloaded(), ErrorReply.rate_limited(retry_after=2),
+                            Reply.text("ok"), stream=stream)
+    result = await engine.run(wire.platform.operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    first, second, _ = (a.settle for a in result.attempt_log)
+    assert first is not None and second is not None
+    assert (first.fault, first.http_status) == ("overloaded", 529)
+    assert (second.fault, second.http_status) == ("rate_limited", 429)
+    assert wire.clock.sleeps[-1] == 2.0
+
+
+@pytest.mark.parametrize("platform", [BEDROCK], ids=["bedrock"])
+@pytest.mark.parametrize(("frame", "kind"), [
+    ("throttlingException", FaultKind.RATE_LIMITED),
+    ("serviceUnavailableException", FaultKind.OVERLOADED),
+    ("modelStreamErrorException", FaultKind.SERVER_ERROR),
+    ("internalServerException", FaultKind.SERVER_ERROR),
+    ("modelTimeoutException", FaultKind.TIMEOUT),
+    ("validationException", FaultKind.BAD_REQUEST),
+])
+async def test_bedrock_exception_frames_inside_a_stream(
+    wire: PlatformHarness, frame: str, kind: FaultKind
+) -> None:
+    """An exception frame after some chunks of the event stream (status 200) is
+    classified by its :exception-type; the usage seen before it is a floor."""
+    engine, _ = wire.engine(
+        StreamErrorEvent(reply=Reply.text("one two three four",
+                                          usage=le.Usage(input_tokens=100, output_tokens=20)),
+                         after=3, type=frame, message="interrupted"),
+        Reply.text("recovered"), stream=True)
+    result = await engine.run(wire.platform.operation(retry=TWO), "go")
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.fault, first.http_status, first.error_code) == (kind.value, 200, frame)
+    assert first.response_id == "msg_fake_0001"
+    assert first.usage is not None and first.usage.input_tokens == 100 and first.usage_approx
+    if kind.retryable:
+        assert result.outcome is le.Outcome.COMPLETED and len(wire.requests) == 2
+    else:
+        assert result.outcome is le.Outcome.PROVIDER_ERROR and len(wire.requests) == 1
+
+
+@STREAMING
+async def test_the_models_mid_stream_overload_is_retried_on_both_platforms(
+    wire: PlatformHarness, stream: bool
+) -> None:
+    """The model overloading mid-answer (Bedrock: a modelStreamErrorException frame;
+    Vertex: the Messages API's error event) is retried; a JSON request gets the
+    platform's overload status instead, also retried."""
+    engine, _ = wire.engine(StreamErrorEvent(reply=Reply.text("partial answer")),
+                            Reply.text("whole answer"), stream=stream)
+    result = await engine.run(wire.platform.operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "whole answer"
+    first = result.attempt_log[0].settle
+    assert first is not None and first.fault in ("overloaded", "server_error")
+    assert len(wire.requests) == 2
+
+
+@pytest.mark.parametrize("how", ["end", "drop"])
+async def test_a_cut_stream_is_aborted_with_its_usage_as_a_floor(
+    wire: PlatformHarness, how: str
+) -> None:
+    """A stream (Bedrock's event stream, Vertex's server-sent events) that stops
+    before message_stop, cleanly or by a dropped connection, is an aborted
+    attempt carrying the usage it had reported; it is retried."""
+    engine, _ = wire.engine(
+        CutStream(reply=Reply.text("a long answer cut short",
+                                   usage=le.Usage(input_tokens=100, output_tokens=20)),
+                  after=3, how=how),
+        Reply.text("whole"), stream=True)
+    result = await engine.run(wire.platform.operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "whole"
+    first = result.attempt_log[0].settle
+    assert first is not None and first.fault == "aborted"
+    assert first.usage is not None and first.usage.input_tokens == 100 and first.usage_approx
+    assert first.response_id == "msg_fake_0001"
+
+
+async def test_a_dropped_connection_is_a_connection_fault(wire: PlatformHarness) -> None:
+    """A connection reset before any response is a connection fault, retried."""
+    engine, _ = wire.engine(DropConnection(), Reply.text("after the drop"))
+    result = await engine.run(wire.platform.operation(), "go")
+    assert result.answer == "after the drop"
+    first = result.attempt_log[0].settle
+    assert first is not None and first.fault == "connection"
