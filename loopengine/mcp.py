@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeAlias
 
 import anyio
 import anyio.abc
@@ -69,6 +69,57 @@ _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUN
 
 _IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 """The image media types a tool result block may carry."""
+
+
+# What ``approval=`` takes: one setting for every tool of the server (a bool, or
+# a callable deciding per call), the names of the tools that need approval, or a
+# mapping of tool name to its own setting (tools it does not name need none).
+_Approval: TypeAlias = (
+    "bool | Callable[[Any], bool] | Collection[str] | Mapping[str, bool | Callable[[Any], bool]]"
+)
+# What ``idempotent=`` takes: the same, without callables.
+_Idempotent: TypeAlias = "bool | Collection[str] | Mapping[str, bool]"
+
+
+def _per_tool(field: str, value: object, *, calls: bool) -> object:
+    """Check an ``approval=`` or ``idempotent=`` setting (``calls``: a callable is a
+    setting too); return it, a set of names as a frozenset, a mapping as a dict."""
+    def setting(where: str, item: object) -> None:
+        if isinstance(item, bool) or (calls and callable(item)):
+            return
+        wanted = "a bool or a callable (call) -> bool" if calls else "a bool"
+        raise ConfigError(where, f"must be {wanted}, got {_validate.shown(item)}")
+
+    if isinstance(value, bool) or (calls and callable(value) and not isinstance(value, type)):
+        return value
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(field, f"tool names must be text, got {_validate.shown(key)}")
+            setting(f"{field}[{key!r}]", item)
+        return dict(value)
+    if isinstance(value, str) or not isinstance(value, Collection):
+        raise ConfigError(field, "must be a bool, a collection of tool names or a mapping "
+                                 f"of tool name to setting, got {_validate.shown(value)}")
+    for key in value:
+        if not isinstance(key, str):
+            raise ConfigError(field, f"tool names must be text, got {_validate.shown(key)}")
+    return frozenset(value)
+
+
+def _setting_for(value: object, name: str) -> Any:
+    """The setting ``_per_tool`` checked, for the server's tool ``name``."""
+    if isinstance(value, frozenset):
+        return name in value
+    if isinstance(value, dict):
+        return value.get(name, False)
+    return value
+
+
+def _named(value: object) -> frozenset[str]:
+    """The tool names an ``approval=`` or ``idempotent=`` setting names (none for one
+    setting of every tool)."""
+    return frozenset(value) if isinstance(value, frozenset | dict) else frozenset()
 
 
 def _string_mapping(field: str, value: object) -> None:
@@ -125,6 +176,14 @@ class MCPServer:
         connect_timeout: Seconds to start or reach the server and open a
             session (at ``async with``, and when a call opens a new one: that
             call's own timeout still bounds it), and to list its tools.
+        approval: Which calls need a person's approval before they run (the
+            tools' ``approval``, docs/pause-and-resume.md): True or False for
+            every tool, a callable ``(call) -> bool`` deciding per call, the
+            server's names of the tools that need it, or a mapping of those
+            names to True, False or a callable.
+        idempotent: Which tools may run twice without harm (the tools'
+            ``idempotent``): True or False for every tool, the names of the
+            idempotent ones, or a mapping of name to bool.
     """
 
     def __init__(
@@ -136,8 +195,14 @@ class MCPServer:
         allow: Collection[str] | None = None,
         timeout: float | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        approval: _Approval = False,
+        idempotent: _Idempotent = False,
     ) -> None:
         _validate.seconds("timeout", timeout, optional=True)
+        self.approval: object = _per_tool("approval", approval, calls=True)
+        """Which calls need approval (see `MCPServer`)."""
+        self.idempotent: object = _per_tool("idempotent", idempotent, calls=False)
+        """Which tools are idempotent (see `MCPServer`)."""
         _validate.seconds("connect_timeout", connect_timeout)
         if prefix is not None and not isinstance(prefix, str):
             raise ConfigError("prefix", f"must be a string, got {prefix!r}")
@@ -173,6 +238,8 @@ class MCPServer:
         allow: Collection[str] | None = None,
         timeout: float | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        approval: _Approval = False,
+        idempotent: _Idempotent = False,
     ) -> MCPServer:
         """A server the SDK starts as a subprocess and talks to over its stdin/stdout.
 
@@ -186,6 +253,8 @@ class MCPServer:
             allow: See `MCPServer`.
             timeout: See `MCPServer`.
             connect_timeout: See `MCPServer`.
+            approval: See `MCPServer`.
+            idempotent: See `MCPServer`.
         """
         _validate.text("command", command)
         if isinstance(args, str) or not isinstance(args, Sequence):
@@ -203,7 +272,8 @@ class MCPServer:
             return stdio_client(parameters)
 
         return cls(transport, label=" ".join([command, *args]), prefix=prefix, allow=allow,
-                   timeout=timeout, connect_timeout=connect_timeout)
+                   timeout=timeout, connect_timeout=connect_timeout, approval=approval,
+                   idempotent=idempotent)
 
     @classmethod
     def http(
@@ -215,6 +285,8 @@ class MCPServer:
         allow: Collection[str] | None = None,
         timeout: float | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        approval: _Approval = False,
+        idempotent: _Idempotent = False,
     ) -> MCPServer:
         """A server reached over streamable HTTP at ``url`` (e.g. ``http://host/mcp``).
 
@@ -225,6 +297,8 @@ class MCPServer:
             allow: See `MCPServer`.
             timeout: See `MCPServer`.
             connect_timeout: See `MCPServer`.
+            approval: See `MCPServer`.
+            idempotent: See `MCPServer`.
         """
         _validate.text("url", url)
         if not url.startswith(("http://", "https://")):
@@ -236,7 +310,7 @@ class MCPServer:
             return _http_transport(url, fixed)
 
         return cls(transport, label=url, prefix=prefix, allow=allow, timeout=timeout,
-                   connect_timeout=connect_timeout)
+                   connect_timeout=connect_timeout, approval=approval, idempotent=idempotent)
 
     def __repr__(self) -> str:
         return f"MCPServer({self.label!r})"
@@ -363,10 +437,13 @@ class MCPServer:
 
     def _build_tools(self, listed: Sequence[mcp_types.Tool]) -> tuple[Tool, ...]:
         names = {item.name for item in listed}
-        if self.allow is not None and not self.allow <= names:
-            missing = ", ".join(sorted(self.allow - names))
-            raise ConfigError("allow", f"MCP server {self.label} has no tool {missing} "
-                                       f"(it has: {', '.join(sorted(names)) or 'none'})")
+        for field, named in (("allow", self.allow or frozenset()),
+                             ("approval", _named(self.approval)),
+                             ("idempotent", _named(self.idempotent))):
+            if not named <= names:
+                missing = ", ".join(sorted(named - names))
+                raise ConfigError(field, f"MCP server {self.label} has no tool {missing} "
+                                         f"(it has: {', '.join(sorted(names)) or 'none'})")
         tools = []
         for item in listed:
             if self.allow is not None and item.name not in self.allow:
@@ -374,7 +451,9 @@ class MCPServer:
             name = self.prefix + item.name
             try:
                 tools.append(Tool(name, item.description or "", dict(item.input_schema),
-                                  self._handler(item.name), timeout=self.timeout))
+                                  self._handler(item.name), timeout=self.timeout,
+                                  approval=_setting_for(self.approval, item.name),
+                                  idempotent=_setting_for(self.idempotent, item.name)))
             except ConfigError as error:
                 raise ConfigError(error.field, f"MCP server {self.label}, tool {item.name!r}: "
                                   f"{error}; leave it out with allow=") from None
