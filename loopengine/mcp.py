@@ -28,8 +28,6 @@ One `MCPServer` serves any number of concurrent runs over one session.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
@@ -586,8 +584,4 @@ def _block(item: Any) -> dict[str, Any]:
 
 def _binary_note(what: str, mime: str, data: str) -> dict[str, Any]:
     """A text block standing for binary content a tool result cannot carry."""
-    try:
-        size = f"{len(base64.b64decode(data, validate=True))} bytes"
-    except (binascii.Error, ValueError):
-        size = "undecodable base64"
-    return {"type": "text", "text": f"[{what}: {mime}, {size}, not shown]"}
+    return {"type": "text", "text": _validate.binary_note(what, mime, data)}

@@ -178,9 +178,9 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
 
     def check_request(self, request: ProviderRequest) -> None:
         """Before an attempt is recorded: refuse a request the Chat Completions
-        API has no equivalent for (an image or a document inside a tool
-        result, a document, a server tool block...), by the translation's own
-        rules, without translating it.
+        API has no equivalent for (a document, a server tool block, a block
+        inside a tool result other than text, an image or a document...), by
+        the translation's own rules, without translating it.
 
         Raises:
             ProviderFault: ``bad_request``, ``error_code`` ``untranslatable``.

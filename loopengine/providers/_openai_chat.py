@@ -7,9 +7,11 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
 * ``system`` blocks become one ``system`` message; a user message's
   ``tool_result`` blocks become one ``tool`` message each, in order (an
   ``is_error`` result's text starts with ``Error:``, so the model reads it as
-  a failure); ``tool_use`` blocks become the assistant's ``tool_calls``;
-  ``thinking`` blocks and ``cache_control`` markers have no equivalent and
-  are dropped (OpenAI caches prompt prefixes on its own);
+  a failure; an image or a document in it, which a ``tool`` message cannot
+  carry, becomes a note saying what it was, ``[image: image/png, 68 bytes,
+  not shown]``, beside the result's text); ``tool_use`` blocks become the
+  assistant's ``tool_calls``; ``thinking`` blocks and ``cache_control``
+  markers have no equivalent and are dropped (OpenAI caches prompt prefixes on its own);
 * tools become ``function`` tools with the JSON schema as ``parameters``;
   ``tool_choice`` ``auto`` / ``none`` / ``any`` / a named tool become
   ``auto`` / ``none`` / ``required`` / that function;
@@ -32,6 +34,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from loopengine import _validate
 from loopengine._usage import Usage
 from loopengine.providers._base import ProviderRequest, priced_tier, text_or_none, token_count
 from loopengine.providers._faults import FaultKind, ProviderFault
@@ -207,13 +210,17 @@ def _user_kind(block: Mapping[str, Any]) -> str:
     return str(kind)
 
 
+_RESULT_SENT = frozenset({"text", "image", "document"})
+
+
 def _result_blocks(content: Any) -> Sequence[Mapping[str, Any]]:
-    """A tool result's blocks (none for a string or no content): text only,
-    since a ``tool`` message carries nothing else."""
+    """A tool result's blocks (none for a string or no content): text, and images
+    and documents, which a ``tool`` message carries as text saying what they
+    were (`_result_text`)."""
     if content is None or isinstance(content, str):
         return ()
     for block in content:
-        if not isinstance(block, Mapping) or block.get("type") != "text":
+        if not isinstance(block, Mapping) or block.get("type") not in _RESULT_SENT:
             kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
             raise _untranslatable(f"a {kind!r} block inside a tool result")
     return content  # type: ignore[no-any-return]
@@ -321,7 +328,26 @@ def _user_messages(content: Any) -> list[dict[str, Any]]:
 def _result_text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    return "\n\n".join(str(block.get("text", "")) for block in _result_blocks(content))
+    return "\n\n".join(_result_part(block) for block in _result_blocks(content))
+
+
+def _result_part(block: Mapping[str, Any]) -> str:
+    """One block of a tool result as the text of a ``tool`` message: a text block's
+    text; for an image or a document, which a ``tool`` message cannot carry, a
+    note the model can read (``[image: image/png, 68 bytes, not shown]``), or a
+    text document's own text."""
+    kind = block.get("type")
+    if kind == "text":
+        return str(block.get("text", ""))
+    source = block.get("source")
+    source = source if isinstance(source, Mapping) else {}
+    if source.get("type") == "base64":
+        return _validate.binary_note(str(kind), source.get("media_type"), source.get("data"))
+    if kind == "document" and source.get("type") == "text":
+        return str(source.get("data", ""))
+    if source.get("type") == "url":
+        return f"[{kind}: {source.get('url')}, not shown]"
+    return f"[{kind}, not shown]"
 
 
 def _image_url(block: Mapping[str, Any]) -> str:
