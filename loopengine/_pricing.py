@@ -43,9 +43,10 @@ if TYPE_CHECKING:
     from genai_prices import Usage as GenaiUsage
     from genai_prices.types import ModelPrice as GenaiModelPrice
 
-    from loopengine._features import Features
+    from loopengine._features import Features, ServerTool
 
-__all__ = ["DOCUMENTED_FEES", "STANDARD_TIERS", "ModelPrice", "PriceBook", "Priced"]
+__all__ = ["DOCUMENTED_FEES", "STANDARD_TIERS", "ModelPrice", "PriceBook", "Priced",
+           "TurnFees"]
 
 _MTOK = Decimal(1_000_000)
 _NANO = Decimal(1_000_000_000)
@@ -164,6 +165,20 @@ class Priced:
     web fetches) rather than tokens, rounded up."""
 
 
+@dataclass(frozen=True, slots=True)
+class TurnFees:
+    """The worst case of one turn's server-tool fees (`PriceBook.turn_fees`)."""
+
+    web_search_requests: int
+    """The most web searches one turn may run: the web search tools' ``max_uses``."""
+    web_fetch_requests: int
+    """The most web fetches one turn may run."""
+    unbounded: tuple[str, ...]
+    """Tools with a fee and no ``max_uses``: while any is listed there is no worst case."""
+    usd: Decimal | None
+    """Those requests' fees in USD; None when a fee is unknown or a tool unbounded."""
+
+
 class PriceBook:
     """Prices the engine uses, and the exchange rate to credits.
 
@@ -257,6 +272,33 @@ class PriceBook:
         if fetch is None:
             fetch = DOCUMENTED_FEES.get((provider, "web_fetch"))
         return search, fetch
+
+    def turn_fees(self, provider: str, model: str, server_tools: Iterable[ServerTool],
+                  at: datetime) -> TurnFees:
+        """The worst case of one turn's fees at ``model``'s price in force at ``at``:
+        every web search and web fetch tool used ``max_uses`` times. A tool with a
+        fee and no ``max_uses`` has no worst case (listed in ``unbounded``); one
+        whose fee is zero needs no bound."""
+        search_fee, fetch_fee = self.fees(provider, model, at)
+        searches = fetches = 0
+        unbounded: list[str] = []
+        for tool in server_tools:
+            if tool.type.startswith("web_search_"):
+                fee = search_fee
+            elif tool.type.startswith("web_fetch_"):
+                fee = fetch_fee
+            else:
+                continue
+            if tool.max_uses is None:
+                if fee != 0:
+                    unbounded.append(tool.name)
+            elif tool.type.startswith("web_search_"):
+                searches += tool.max_uses
+            else:
+                fetches += tool.max_uses
+        usd = None if unbounded else self._fee(
+            provider, model, Usage(web_search_requests=searches, web_fetch_requests=fetches), at)
+        return TurnFees(searches, fetches, tuple(unbounded), usd)
 
     def unpriced_features(self, provider: str, model: str, features: Features,
                           at: datetime) -> tuple[str, ...]:
