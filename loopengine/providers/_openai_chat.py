@@ -113,16 +113,27 @@ class StreamedCompletion:
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.service_tier: object = None
+        self.error: object = None
+        """The ``error`` object of an error chunk, once one came (the stream failed)."""
+        self.error_usage = False
+        """Whether that error chunk carried the usage itself (OpenRouter does)."""
 
     def add(self, chunk: Any) -> str:
-        """Take one chunk; return its text delta."""
+        """Take one chunk; return its text delta. An error chunk (``{"error": ...}``,
+        with the usage and id some servers add) is kept in `error`."""
         if self.response_id is None:
             self.response_id = text_or_none(getattr(chunk, "id", None))
             self.model = text_or_none(getattr(chunk, "model", None))
         # Every chunk names the tier; the usage chunk may come last.
         self.service_tier = getattr(chunk, "service_tier", None) or self.service_tier
-        if getattr(chunk, "usage", None) is not None:
-            self.usage = usage_from_api(chunk.usage.to_dict(), self.service_tier)
+        usage = getattr(chunk, "usage", None)
+        if usage is not None:
+            self.usage = usage_from_api(usage if isinstance(usage, Mapping) else usage.to_dict(),
+                                        self.service_tier)
+        error = getattr(chunk, "error", None)
+        if error:
+            self.error = error
+            self.error_usage = usage is not None and self.usage is not None
         text = ""
         for choice in getattr(chunk, "choices", None) or ():
             if getattr(choice, "index", 0) != 0:

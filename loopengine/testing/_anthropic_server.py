@@ -81,6 +81,12 @@ class FakeAnthropicServer(LoopbackServer):
         return _sse("error", {"type": "error", "error": {"type": error_type,
                                                          "message": message}})
 
+    def _raw_event(self, data: Mapping[str, Any] | str) -> bytes:
+        # The Messages API names each event: a raw payload is sent as an error event.
+        if isinstance(data, str):
+            return f"event: error\ndata: {data}\n\n".encode()
+        return _sse("error", data)
+
     def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
         return _message(reply, request, number)
 
