@@ -4,7 +4,10 @@
 streamable HTTP, lists its tools and gives each as a `Tool` whose handler
 calls the server. The engine treats them as any tool: the run's tool budget,
 the tool's ``max_calls`` and ``timeout`` and the run's deadline all apply to
-a call, which this module does not re-implement.
+a call, which this module does not re-implement; so does approval: the
+server's ``approval=`` and ``idempotent=`` (for every tool, by name, or per
+call) become each tool's own, and a call that needs approval pauses the run
+before it reaches the server.
 
 What a call's result becomes (docs/tools.md):
 
