@@ -175,18 +175,22 @@ class CreditAccounts:
 
     async def reserve(self, account: str, invocation_id: str, hold: int, *,
                       expires_at: datetime, credits_per_usd: Decimal,
-                      credit_quantum: int) -> Reservation:
-        """Reserve up to ``hold`` credits for a run, in one transaction (internal).
+                      credit_quantum: int, margin: int = 0) -> Reservation:
+        """Reserve up to ``hold + margin`` credits for a run, in one transaction
+        (internal); ``margin`` is the worst case of its crossing turn's server-tool
+        fees.
 
         Less available narrows the reservation to what is; nothing available
-        reserves nothing (``credits == 0``) and writes nothing.
+        past the margin reserves nothing (``credits == 0``) and writes nothing.
         """
 
         def work(conn: Any, now: str) -> Reservation:
             store.lock(conn, account)
             store.expire(conn, account, now)
             available = store.read(conn, account).available
-            amount = max(0, min(hold, available))
+            amount = max(0, min(hold + margin, available))
+            if amount <= margin:
+                amount = 0  # nothing left for the hold itself
             if amount:
                 store.journal(conn, account, now, "reserve", amount, invocation_id, None,
                          expires_at=format_time(expires_at), rate=str(credits_per_usd),

@@ -13,22 +13,41 @@ from datetime import datetime
 
 from loopengine._accounts import Reservation, expiry
 from loopengine._invocation import LEDGER_GRACE, Invocation
+from loopengine._pricing import to_nanousd
 from loopengine.guards._checkpoints import check_admission, unconfirmed_by_deadline
+from loopengine.guards._credits import turn_credits
 
-__all__ = ["admit", "settle_account"]
+__all__ = ["admit", "fee_margin", "settle_account"]
 
 logger = logging.getLogger("loopengine")
 
 
+def fee_margin(inv: Invocation, at: datetime) -> int:
+    """The credits of the worst case of one turn's server-tool fees (every web
+    search and web fetch tool used ``max_uses`` times), reserved on top of the
+    hold: the turn that crosses the hold may run them all (R03)."""
+    if not inv.features.server_tools:
+        return 0
+    fees = inv.prices.turn_fees(inv.vendor, inv.operation.model, inv.features.server_tools,
+                                at)
+    # The engine refuses an account run with an unbounded or unpriced fee.
+    assert fees.usd is not None
+    return turn_credits(to_nanousd(fees.usd), inv.prices.credits_per_usd,
+                        inv.prices.credit_quantum)
+
+
 async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
     """Reserve the run's credit hold on its account before its first request
-    (§13): less available narrows the hold; nothing available denies the run.
+    (§13), with the worst case of one turn's server-tool fees on top
+    (`fee_margin`): less available narrows the hold; nothing available for the
+    hold past that margin denies the run.
 
     A resumed run has ``spent`` credits already settled (at its pause): it
     reserves only what its hold leaves."""
     assert inv.accounts is not None and inv.account is not None
     assert inv.limits.credit_hold is not None  # every run on an account has a hold
     hold = max(0, inv.limits.credit_hold - spent)
+    margin = fee_margin(inv, at)
     accounts, account = inv.accounts, inv.account
     got: list[Reservation] = []
 
@@ -37,19 +56,21 @@ async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
             account, inv.id, hold,
             expires_at=expiry(at, inv.limits.total_time, accounts.expiry_grace),
             credits_per_usd=inv.prices.credits_per_usd,
-            credit_quantum=inv.prices.credit_quantum))
+            credit_quantum=inv.prices.credit_quantum, margin=margin))
 
     if not await inv.confirm(reserve()):
         inv.denied = unconfirmed_by_deadline(inv.limits, "the account's reservation")
         return
     reservation = got[0]
-    inv.denied = check_admission(account, reservation.credits, reservation.available, hold)
+    inv.denied = check_admission(account, reservation.credits, reservation.available, hold,
+                                 fees=margin)
     if inv.denied is not None:
         return
     inv.reservation = reservation
-    if reservation.credits < hold:
+    held = reservation.credits - margin
+    if held < hold:
         # A narrowing (R13): the run may spend only what was reserved.
-        inv.limits = dataclasses.replace(inv.limits, credit_hold=spent + reservation.credits)
+        inv.limits = dataclasses.replace(inv.limits, credit_hold=spent + held)
 
 
 async def settle_account(inv: Invocation, credits: int) -> None:

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from loopengine._attribution import Attribution
+from loopengine._errors import ConfigError
 
 if TYPE_CHECKING:
     from loopengine._invocation import Invocation
     from loopengine._operation import Operation
     from loopengine._result import RunResult
 
-__all__ = ["DEFAULT_MAX_DEPTH", "ToolContext"]
+__all__ = ["DEFAULT_MAX_DEPTH", "ToolContext", "check_same_ledger"]
 
 DEFAULT_MAX_DEPTH = 3
 """How deep delegated runs may nest by default: a root's children are at depth 1."""
@@ -88,6 +89,25 @@ class ToolContext:
 
         return await run_child(self._invocation, operation, messages, engine=engine,
                                max_depth=max_depth, run_kwargs=run_kwargs)
+
+
+def check_same_ledger(field: str, child: object, parent: object, what: str) -> None:
+    """Refuse a delegated run recording on another ledger than its parent's.
+
+    A child's row names its parent (``parent_invocation_id``) and the root
+    settles the whole tree from the ledger's rows: a tree split over two
+    ledgers (or half unrecorded) cannot be audited, rolled up or reconciled.
+
+    Raises:
+        ConfigError: ``child`` is not the very ledger object ``parent`` is
+            (both None is the same: nothing is recorded); names both.
+    """
+    if child is not parent:
+        # Two ledgers alike (two empty MemoryLedgers) are still two objects.
+        other = " (another object)" if repr(child) == repr(parent) else ""
+        raise ConfigError(field, f"{what} records on {child!r}{other}, but the calling run "
+                                 f"on {parent!r}: a delegated run must record on its "
+                                 "parent's ledger (give its Engine the same ledger object)")
 
 
 def context_for(inv: Invocation, call_id: str) -> ToolContext:

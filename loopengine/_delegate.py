@@ -21,7 +21,7 @@ from typing import Any
 import pydantic
 
 from loopengine import _validate
-from loopengine._context import DEFAULT_MAX_DEPTH, ToolContext
+from loopengine._context import DEFAULT_MAX_DEPTH, ToolContext, check_same_ledger
 from loopengine._engine import Engine, check_tools
 from loopengine._errors import ConfigError
 from loopengine._invocation import Invocation
@@ -61,6 +61,7 @@ async def run_child(
     engine = engine if engine is not None else parent.engine
     if not isinstance(engine, Engine):
         raise ConfigError("engine", f"must be an Engine, got {_validate.shown(engine)}")
+    check_same_ledger("engine", engine.ledger, parent.ledger, "the delegated run's engine")
     if "attribution" in run_kwargs:
         raise ConfigError("attribution", "a delegated run is accounted to its parent's "
                                          "attribution")
@@ -112,7 +113,10 @@ def agent_tool(
     is not run.
 
     Args:
-        engine: The `Engine` the child runs on (on the caller's ledger).
+        engine: The `Engine` the child runs on. It must record on the calling
+            run's ledger (the same ledger object, or both none): a run given
+            this tool on another ledger is refused with a `ConfigError`
+            naming both, before anything is sent.
         operation: The child's operation.
         name: The tool's name.
         description: What the delegate does, for the calling model.
@@ -144,8 +148,10 @@ def agent_tool(
                                     f"an answer: {result.detail}")
         return result.answer
 
-    return Tool(name, description, None if input_model is not None else _TASK_SCHEMA,
-                delegate, input_model=input_model)
+    built = Tool(name, description, None if input_model is not None else _TASK_SCHEMA,
+                 delegate, input_model=input_model)
+    built.delegates_to = engine  # its ledger is checked against the calling run's at run start
+    return built
 
 
 class DelegationStopped(Exception):

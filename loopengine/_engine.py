@@ -16,6 +16,7 @@ from loopengine._accounts import CreditAccounts
 from loopengine._attribution import Attribution
 from loopengine._call import CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
+from loopengine._context import check_same_ledger
 from loopengine._errors import ConfigError
 from loopengine._estimate import Estimate, estimate_run
 from loopengine._features import (
@@ -244,6 +245,15 @@ class Engine:
                     f"operation {operation.name!r} enables features without a price, so its "
                     f"credit_hold cannot be enforced: {'; '.join(unpriced)}",
                 )
+        if account is not None and run_features.server_tools:
+            unbounded = self.prices.turn_fees(vendor, operation.model, run_features.server_tools,
+                                              self.clock.wall()).unbounded
+            if unbounded:
+                raise ConfigError(
+                    "server_tools",
+                    f"a run on account {account!r} reserves the worst case of a turn's "
+                    f"server-tool fees, and {', '.join(unbounded)} has a fee and no max_uses: "
+                    "publish one (or lower it for the run with features=)")
         return Invocation(
             kind=kind, operation=operation, provider=provider, limits=run_limits,
             policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,
@@ -424,6 +434,11 @@ class Engine:
         )
         check_tool_name("final_tool", final_tool)
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
+        for tool in spec.tools:
+            if tool.delegates_to is not None:
+                check_same_ledger("tools", tool.delegates_to.ledger, self.ledger,
+                                  f"tool {tool.name!r} runs its delegated run on an engine "
+                                  "that")
         inv = self._invocation("run", operation, limits, retry, attribution, features=features,
                                observers=observers, text_sink=text_sink)
         check_server_tool_names(inv.features.server_tools, {

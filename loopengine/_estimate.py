@@ -40,7 +40,6 @@ from typing import Any
 import pydantic
 
 from loopengine._errors import ConfigError
-from loopengine._features import is_web_search
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook, nanousd_to_usd
 from loopengine._run import check_unique_tools, final_tool_definition
@@ -184,7 +183,9 @@ def estimate_run(
     turn_inputs = tuple(first + k * per_turn_output for k in range(turns))
 
     route = vendor or operation.provider
-    searches, fetches, unbounded = _server_tool_uses(operation, prices, route, at)
+    fees = prices.turn_fees(route, operation.model, operation.server_tools, at)
+    searches, fetches, unbounded = (fees.web_search_requests, fees.web_fetch_requests,
+                                    fees.unbounded)
     cost_nanousd: int | None = 0
     fee_nanousd: int | None = 0
     credits: int | None = 0
@@ -224,31 +225,6 @@ def estimate_run(
         price_ref=price_ref,
         priced_at=at,
     )
-
-
-def _server_tool_uses(
-    operation: Operation, prices: PriceBook, route: str, at: datetime
-) -> tuple[int, int, tuple[str, ...]]:
-    """The most web searches and web fetches one turn may run, and the fee-bearing
-    tools without a ``max_uses`` (a zero fee needs no bound)."""
-    search_fee, fetch_fee = prices.fees(route, operation.model, at)
-    searches = fetches = 0
-    unbounded: list[str] = []
-    for tool in operation.server_tools:
-        if is_web_search(tool.type):
-            fee = search_fee
-        elif tool.type.startswith("web_fetch_"):
-            fee = fetch_fee
-        else:
-            continue
-        if tool.max_uses is None:
-            if fee != 0:
-                unbounded.append(tool.name)
-        elif is_web_search(tool.type):
-            searches += tool.max_uses
-        else:
-            fetches += tool.max_uses
-    return searches, fetches, tuple(unbounded)
 
 
 def count_input(

@@ -100,7 +100,8 @@ class ServerTool:
     """The tool's name in the conversation, e.g. ``web_search``; unique per operation."""
     max_uses: int | None = None
     """The most times one request may use it (>= 1); None: the API's default.
-    The worst case of its fees is counted from it (`Engine.estimate`)."""
+    The worst case of its fees is counted from it (`Engine.estimate`, and an
+    account's reservation)."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Further keys of the tool's definition, passed through as given
     (``allowed_domains``, ``user_location``, an advisor's ``model``...): a JSON object."""

@@ -44,10 +44,11 @@ if TYPE_CHECKING:
     from genai_prices import Usage as GenaiUsage
     from genai_prices.types import ModelPrice as GenaiModelPrice
 
-    from loopengine._features import Features
+    from loopengine._features import Features, ServerTool
 
-__all__ = ["DOCUMENTED_FEES", "STANDARD_TIERS", "TOKEN_ONLY_TOOLS", "ModelPrice", "PriceBook",
-           "Priced"]
+__all__ = ["DOCUMENTED_FEES", "DOCUMENTED_GEO_MULTIPLIERS", "STANDARD_GEOS",
+           "STANDARD_SPEEDS", "STANDARD_TIERS", "TOKEN_ONLY_TOOLS", "ModelPrice", "PriceBook",
+           "Priced", "TurnFees"]
 
 _MTOK = Decimal(1_000_000)
 _NANO = Decimal(1_000_000_000)
@@ -56,6 +57,17 @@ _K = Decimal(1000)
 STANDARD_TIERS: Final = frozenset({"auto", "default", "standard"})
 """Service tiers priced at a model's list rates (OpenAI ``default``, Anthropic
 ``standard``; ``auto`` is a request's, resolved to the project's tier)."""
+
+STANDARD_GEOS: Final = frozenset({"global"})
+"""Inference geos priced at a model's list rates (Anthropic's default ``global``)."""
+
+STANDARD_SPEEDS: Final = frozenset({"standard"})
+"""Inference speeds priced at a model's list rates (Anthropic ``standard``)."""
+
+DOCUMENTED_GEO_MULTIPLIERS: Final = {("anthropic", "us"): Decimal("1.1")}
+"""Token-price multipliers by ``(vendor, inference_geo)`` that a vendor documents
+and genai-prices does not carry: Anthropic's US-only inference (``inference_geo:
+"us"``, on the models that accept it) is 1.1x every token price."""
 
 DOCUMENTED_FEES: Final = {("anthropic", "web_fetch"): Decimal(0)}
 """Per-1,000-request fees a vendor documents that genai-prices does not carry,
@@ -107,6 +119,14 @@ class ModelPrice:
     ``{"flex": Decimal("0.5"), "priority": Decimal(2)}``; standard tiers
     (`STANDARD_TIERS`) are 1, and a tier not listed leaves the attempt unpriced.
     Fees are not multiplied."""
+    inference_geo_multipliers: Mapping[str, Decimal] = field(default_factory=dict)
+    """Token-price multipliers by the ``inference_geo`` a reply reports, e.g.
+    ``{"us": Decimal("1.1")}`` (Anthropic's US-only inference); ``global`` is 1,
+    and a geo not listed leaves the attempt unpriced. Fees are not multiplied."""
+    speed_multipliers: Mapping[str, Decimal] = field(default_factory=dict)
+    """Token-price multipliers by the ``speed`` a reply reports, e.g. ``{"fast":
+    Decimal(6)}`` (Anthropic's fast mode); ``standard`` is 1, and a speed not
+    listed leaves the attempt unpriced. Fees are not multiplied."""
 
     def __post_init__(self) -> None:
         _validate.text("provider", self.provider)
@@ -117,19 +137,32 @@ class ModelPrice:
             value = _validate.decimal(name, getattr(self, name),
                                       optional=not name.endswith("put_per_mtok"))
             object.__setattr__(self, name, value)
-        if not isinstance(self.service_tier_multipliers, Mapping):
-            raise ConfigError("service_tier_multipliers", "must be a mapping of tier to Decimal")
-        multipliers: dict[str, Decimal] = {}
-        for tier, value in self.service_tier_multipliers.items():
-            _validate.text("service_tier_multipliers", tier)
-            checked = _validate.decimal(f"service_tier_multipliers.{tier}", value, positive=True)
-            assert checked is not None
-            multipliers[tier] = checked
-        object.__setattr__(self, "service_tier_multipliers", multipliers)
+        for name in ("service_tier_multipliers", "inference_geo_multipliers",
+                     "speed_multipliers"):
+            object.__setattr__(self, name, _multipliers(name, getattr(self, name)))
         if self.effective_from is not None and (
             not isinstance(self.effective_from, datetime) or self.effective_from.tzinfo is None
         ):
             raise ConfigError("effective_from", "must be a timezone-aware datetime or None")
+
+    def multiplier(self, served: Usage) -> Decimal | None:
+        """The product of the multipliers of what ``served`` reports (its service
+        tier, inference geo and speed; standard ones are 1), or None when one
+        is not listed."""
+        total = Decimal(1)
+        if served.service_tier is None and served.inference_geo is None and served.speed is None:
+            return total  # the common case: list rates
+        for value, standard, listed in (
+            (served.service_tier, STANDARD_TIERS, self.service_tier_multipliers),
+            (served.inference_geo, STANDARD_GEOS, self.inference_geo_multipliers),
+            (served.speed, STANDARD_SPEEDS, self.speed_multipliers),
+        ):
+            if value is not None and value not in standard:
+                factor = listed.get(value)
+                if factor is None:
+                    return None
+                total *= factor
+        return total
 
     def __hash__(self) -> int:
         # The multipliers are a dict; leaving them out keeps equal prices' hashes equal.
@@ -165,6 +198,20 @@ class Priced:
     fee_nanousd: int = 0
     """The part of ``cost_nanousd`` that is per-request fees (web searches,
     web fetches) rather than tokens, rounded up."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFees:
+    """The worst case of one turn's server-tool fees (`PriceBook.turn_fees`)."""
+
+    web_search_requests: int
+    """The most web searches one turn may run: the web search tools' ``max_uses``."""
+    web_fetch_requests: int
+    """The most web fetches one turn may run."""
+    unbounded: tuple[str, ...]
+    """Tools with a fee and no ``max_uses``: while any is listed there is no worst case."""
+    usd: Decimal | None
+    """Those requests' fees in USD; None when a fee is unknown or a tool unbounded."""
 
 
 class PriceBook:
@@ -223,7 +270,7 @@ class PriceBook:
             refs: list[str] = []
             for iteration in usage.iterations:
                 part = self._tokens(provider, iteration.model or model, iteration.tokens(), at,
-                                    usage.service_tier)
+                                    usage)
                 if part is None:
                     return None
                 total += part[0]
@@ -231,7 +278,7 @@ class PriceBook:
                     refs.append(part[1])
             tokens: tuple[Decimal, str] | None = (total, "; ".join(refs))
         else:
-            tokens = self._tokens(provider, model, usage, at, usage.service_tier)
+            tokens = self._tokens(provider, model, usage, at, usage)
         if tokens is None:
             return None
         if not (usage.web_search_requests or usage.web_fetch_requests):
@@ -260,6 +307,33 @@ class PriceBook:
         if fetch is None:
             fetch = DOCUMENTED_FEES.get((provider, "web_fetch"))
         return search, fetch
+
+    def turn_fees(self, provider: str, model: str, server_tools: Iterable[ServerTool],
+                  at: datetime) -> TurnFees:
+        """The worst case of one turn's fees at ``model``'s price in force at ``at``:
+        every web search and web fetch tool used ``max_uses`` times. A tool with a
+        fee and no ``max_uses`` has no worst case (listed in ``unbounded``); one
+        whose fee is zero needs no bound."""
+        search_fee, fetch_fee = self.fees(provider, model, at)
+        searches = fetches = 0
+        unbounded: list[str] = []
+        for tool in server_tools:
+            if is_web_search(tool.type):
+                fee = search_fee
+            elif tool.type.startswith("web_fetch_"):
+                fee = fetch_fee
+            else:
+                continue
+            if tool.max_uses is None:
+                if fee != 0:
+                    unbounded.append(tool.name)
+            elif is_web_search(tool.type):
+                searches += tool.max_uses
+            else:
+                fetches += tool.max_uses
+        usd = None if unbounded else self._fee(
+            provider, model, Usage(web_search_requests=searches, web_fetch_requests=fetches), at)
+        return TurnFees(searches, fetches, tuple(unbounded), usd)
 
     def unpriced_features(self, provider: str, model: str, features: Features,
                           at: datetime) -> tuple[str, ...]:
@@ -311,21 +385,22 @@ class PriceBook:
         return self.fallback and _genai_tier(provider, model, tier, at)
 
     def _tokens(self, provider: str, model: str, usage: Usage, at: datetime,
-                tier: str | None) -> tuple[Decimal, str] | None:
-        """The USD cost of ``usage``'s tokens (iterations ignored) at ``model`` on ``tier``."""
+                served: Usage) -> tuple[Decimal, str] | None:
+        """The USD cost of ``usage``'s tokens (iterations ignored) at ``model``, at
+        the rates of the tier, geo and speed ``served`` reports."""
         entry = self.entry(provider, model, at)
         if entry is not None:
             since = entry.effective_from.isoformat() if entry.effective_from else "always"
+            multiplier = entry.multiplier(served)
+            if multiplier is None:
+                return None
             cost = entry.cost(usage)
-            if tier is not None and tier not in STANDARD_TIERS:
-                multiplier = entry.service_tier_multipliers.get(tier)
-                if multiplier is None:
-                    return None
+            if multiplier != 1:
                 cost *= multiplier
             return cost, f"book:{provider}/{model}@{since}"
         if not self.fallback:
             return None
-        return _genai_tokens(provider, model, usage, at, tier)
+        return _genai_tokens(provider, model, usage, at, served)
 
     def _fee(self, provider: str, model: str, usage: Usage, at: datetime) -> Decimal | None:
         search, fetch = self.fees(provider, model, at)
@@ -348,6 +423,19 @@ def _genai() -> tuple[type[GenaiUsage], type[Any]]:
     from genai_prices.types import TieredPrices
 
     return genai_usage, TieredPrices
+
+
+def _multipliers(field: str, value: object) -> dict[str, Decimal]:
+    """A checked copy of a `ModelPrice` multiplier mapping (name -> positive Decimal)."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(field, "must be a mapping of name to Decimal")
+    multipliers: dict[str, Decimal] = {}
+    for name, factor in value.items():
+        _validate.text(field, name)
+        checked = _validate.decimal(f"{field}.{name}", factor, positive=True)
+        assert checked is not None
+        multipliers[name] = checked
+    return multipliers
 
 
 def _or(value: Decimal | None, default: Decimal) -> Decimal:
@@ -413,16 +501,31 @@ def _genai_model(provider: str, model: str) -> tuple[Any, Any] | None:
 
 
 def _genai_tokens(provider: str, model: str, usage: Usage, at: datetime,
-                  tier: str | None) -> tuple[Decimal, str] | None:
+                  served: Usage) -> tuple[Decimal, str] | None:
     found = _genai_model(provider, model)
     if found is None:
         return None
     found_provider, info = found
-    context = None
-    if tier is not None and tier not in STANDARD_TIERS:
-        if not _genai_tier(provider, model, tier, at):
+    context: dict[str, str] = {}
+    for key, value, standard in (("service_tier", served.service_tier, STANDARD_TIERS),
+                                 ("speed", served.speed, STANDARD_SPEEDS)):
+        if value is not None and value not in standard:
+            if not _genai_variant(provider, model, key, value, at):
+                return None
+            context[key] = value
+    geo = Decimal(1)
+    if served.inference_geo is not None and served.inference_geo not in STANDARD_GEOS:
+        documented = DOCUMENTED_GEO_MULTIPLIERS.get((provider, served.inference_geo))
+        if documented is None:
             return None
-        context = {"service_tier": tier}
+        geo = documented
+    found_cost = _genai_context_tokens(found_provider, info, usage, at, context or None)
+    return found_cost * geo, f"genai-prices:{_genai_version()}:{found_provider.id}/{info.id}"
+
+
+def _genai_context_tokens(found_provider: Any, info: Any, usage: Usage, at: datetime,
+                          context: dict[str, str] | None) -> Decimal:
+    """genai-prices' cost of ``usage``'s tokens on ``info`` at ``at``, in ``context``."""
     model_price = info.get_prices(at, context)
     cost = _token_cost(model_price, usage)
     if cost is None:
@@ -430,16 +533,22 @@ def _genai_tokens(provider: str, model: str, usage: Usage, at: datetime,
             _genai_usage(usage), found_provider, genai_request_timestamp=at,
             price_context=context,
         ).total_price
-    return cost, f"genai-prices:{_genai_version()}:{found_provider.id}/{info.id}"
+    return Decimal(cost)
 
 
 def _genai_tier(provider: str, model: str, tier: str, at: datetime) -> bool:
     """True when genai-prices has rates of its own for ``tier`` on ``model`` at ``at``."""
+    return _genai_variant(provider, model, "service_tier", tier, at)
+
+
+def _genai_variant(provider: str, model: str, key: str, value: str, at: datetime) -> bool:
+    """True when genai-prices has rates of its own for ``key`` = ``value`` (a service
+    tier, a speed) on ``model`` at ``at``."""
     found = _genai_model(provider, model)
     if found is None:
         return False
     return any(
-        variant.when == {"service_tier": tier}
+        variant.when == {key: value}
         and (variant.constraint is None or variant.constraint.active(at))
         for variant in found[1].price_variants or ()
     )

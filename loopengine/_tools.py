@@ -137,6 +137,10 @@ class Tool:
         check_schema("input_schema", self.input_schema)
         self._kwargs = False
         self._is_async = _is_async(handler)
+        self.delegates_to: Any = None
+        """The `Engine` this tool's handler runs a delegated conversation on
+        (`loopengine.agent_tool`), or None: a run given the tool checks that it
+        records on the run's own ledger."""
         self.context_parameter = _context_parameter(handler)
         """The handler's parameter annotated `ToolContext` (given the call's
         context, never shown to the model), or None."""

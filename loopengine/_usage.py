@@ -143,12 +143,22 @@ class Usage:
     ``service_tier``, Anthropic ``usage.service_tier``); None: not reported.
     Tokens are priced at that tier's rates (docs/pricing.md). A sum keeps the
     tier its parts reported, or None if they reported different tiers."""
+    inference_geo: str | None = None
+    """Where inference ran when that changes the price (Anthropic
+    ``usage.inference_geo``: ``us``); None for the default ``global``, or not
+    reported. Kept in a sum as ``service_tier`` is."""
+    speed: str | None = None
+    """The inference speed when it changes the price (Anthropic ``usage.speed``:
+    ``fast``); None for ``standard``, or not reported. Kept in a sum as
+    ``service_tier`` is."""
 
     def __post_init__(self) -> None:
         _check_counts(self, _COUNTS)
         _check_cache_split(self)
-        if self.service_tier is not None:
-            _validate.text("service_tier", self.service_tier)
+        if self.service_tier is not None or self.inference_geo is not None \
+                or self.speed is not None:
+            for name in ("service_tier", "inference_geo", "speed"):
+                _validate.text(name, getattr(self, name), optional=True)
         if self.reasoning_tokens > self.output_tokens:
             raise ConfigError("reasoning_tokens", "cannot exceed output_tokens "
                               f"({self.reasoning_tokens} > {self.output_tokens})")
@@ -178,13 +188,16 @@ class Usage:
         web_fetch_requests: int = 0,
         reasoning_tokens: int = 0,
         service_tier: str | None = None,
+        inference_geo: str | None = None,
+        speed: str | None = None,
     ) -> Usage:
         """The usage of a reply that reported ``iterations``: its tokens are their sums."""
         iterations = tuple(iterations)
         sums = {name: sum(getattr(i, name) for i in iterations) for name in _TOKENS}
         return cls(**sums, web_search_requests=web_search_requests,
                    web_fetch_requests=web_fetch_requests, reasoning_tokens=reasoning_tokens,
-                   iterations=iterations, service_tier=service_tier)
+                   iterations=iterations, service_tier=service_tier,
+                   inference_geo=inference_geo, speed=speed)
 
     @property
     def total_input_tokens(self) -> int:
@@ -224,6 +237,8 @@ class Usage:
             self.reasoning_tokens + other.reasoning_tokens,
             iterations,
             _sum_tier(self.service_tier, other.service_tier),
+            _sum_tier(self.inference_geo, other.inference_geo),
+            _sum_tier(self.speed, other.speed),
         )
 
 

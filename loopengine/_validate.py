@@ -7,6 +7,8 @@ not a number), because a silently coerced limit is a limit nobody set.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import math
 import reprlib
@@ -615,3 +617,14 @@ def _short(value: object) -> str:
     if isinstance(value, str):
         return repr(value) if len(value) <= 40 else repr(value[:40] + "...")
     return f"a {type(value).__name__}"
+
+
+def binary_note(what: str, mime: object, data: object) -> str:
+    """The text standing for binary content a message cannot carry, read by the
+    model in its place: ``[image: image/png, 68 bytes, not shown]`` (the size
+    decoded from ``data``'s base64, or ``undecodable base64``)."""
+    try:
+        size = f"{len(base64.b64decode(str(data), validate=True))} bytes"
+    except (binascii.Error, ValueError):
+        size = "undecodable base64"
+    return f"[{what}: {mime}, {size}, not shown]"

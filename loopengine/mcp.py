@@ -4,7 +4,10 @@
 streamable HTTP, lists its tools and gives each as a `Tool` whose handler
 calls the server. The engine treats them as any tool: the run's tool budget,
 the tool's ``max_calls`` and ``timeout`` and the run's deadline all apply to
-a call, which this module does not re-implement.
+a call, which this module does not re-implement; so does approval: the
+server's ``approval=`` and ``idempotent=`` (for every tool, by name, or per
+call) become each tool's own, and a call that needs approval pauses the run
+before it reaches the server.
 
 What a call's result becomes (docs/tools.md):
 
@@ -28,15 +31,13 @@ One `MCPServer` serves any number of concurrent runs over one session.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeAlias
 
 import anyio
 import anyio.abc
@@ -69,6 +70,57 @@ _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUN
 
 _IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 """The image media types a tool result block may carry."""
+
+
+# What ``approval=`` takes: one setting for every tool of the server (a bool, or
+# a callable deciding per call), the names of the tools that need approval, or a
+# mapping of tool name to its own setting (tools it does not name need none).
+_Approval: TypeAlias = (
+    "bool | Callable[[Any], bool] | Collection[str] | Mapping[str, bool | Callable[[Any], bool]]"
+)
+# What ``idempotent=`` takes: the same, without callables.
+_Idempotent: TypeAlias = "bool | Collection[str] | Mapping[str, bool]"
+
+
+def _per_tool(field: str, value: object, *, calls: bool) -> object:
+    """Check an ``approval=`` or ``idempotent=`` setting (``calls``: a callable is a
+    setting too); return it, a set of names as a frozenset, a mapping as a dict."""
+    def setting(where: str, item: object) -> None:
+        if isinstance(item, bool) or (calls and callable(item)):
+            return
+        wanted = "a bool or a callable (call) -> bool" if calls else "a bool"
+        raise ConfigError(where, f"must be {wanted}, got {_validate.shown(item)}")
+
+    if isinstance(value, bool) or (calls and callable(value) and not isinstance(value, type)):
+        return value
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(field, f"tool names must be text, got {_validate.shown(key)}")
+            setting(f"{field}[{key!r}]", item)
+        return dict(value)
+    if isinstance(value, str) or not isinstance(value, Collection):
+        raise ConfigError(field, "must be a bool, a collection of tool names or a mapping "
+                                 f"of tool name to setting, got {_validate.shown(value)}")
+    for key in value:
+        if not isinstance(key, str):
+            raise ConfigError(field, f"tool names must be text, got {_validate.shown(key)}")
+    return frozenset(value)
+
+
+def _setting_for(value: object, name: str) -> Any:
+    """The setting ``_per_tool`` checked, for the server's tool ``name``."""
+    if isinstance(value, frozenset):
+        return name in value
+    if isinstance(value, dict):
+        return value.get(name, False)
+    return value
+
+
+def _named(value: object) -> frozenset[str]:
+    """The tool names an ``approval=`` or ``idempotent=`` setting names (none for one
+    setting of every tool)."""
+    return frozenset(value) if isinstance(value, frozenset | dict) else frozenset()
 
 
 def _string_mapping(field: str, value: object) -> None:
@@ -125,6 +177,14 @@ class MCPServer:
         connect_timeout: Seconds to start or reach the server and open a
             session (at ``async with``, and when a call opens a new one: that
             call's own timeout still bounds it), and to list its tools.
+        approval: Which calls need a person's approval before they run (the
+            tools' ``approval``, docs/pause-and-resume.md): True or False for
+            every tool, a callable ``(call) -> bool`` deciding per call, the
+            server's names of the tools that need it, or a mapping of those
+            names to True, False or a callable.
+        idempotent: Which tools may run twice without harm (the tools'
+            ``idempotent``): True or False for every tool, the names of the
+            idempotent ones, or a mapping of name to bool.
     """
 
     def __init__(
@@ -136,8 +196,14 @@ class MCPServer:
         allow: Collection[str] | None = None,
         timeout: float | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        approval: _Approval = False,
+        idempotent: _Idempotent = False,
     ) -> None:
         _validate.seconds("timeout", timeout, optional=True)
+        self.approval: object = _per_tool("approval", approval, calls=True)
+        """Which calls need approval (see `MCPServer`)."""
+        self.idempotent: object = _per_tool("idempotent", idempotent, calls=False)
+        """Which tools are idempotent (see `MCPServer`)."""
         _validate.seconds("connect_timeout", connect_timeout)
         if prefix is not None and not isinstance(prefix, str):
             raise ConfigError("prefix", f"must be a string, got {prefix!r}")
@@ -173,6 +239,8 @@ class MCPServer:
         allow: Collection[str] | None = None,
         timeout: float | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        approval: _Approval = False,
+        idempotent: _Idempotent = False,
     ) -> MCPServer:
         """A server the SDK starts as a subprocess and talks to over its stdin/stdout.
 
@@ -186,6 +254,8 @@ class MCPServer:
             allow: See `MCPServer`.
             timeout: See `MCPServer`.
             connect_timeout: See `MCPServer`.
+            approval: See `MCPServer`.
+            idempotent: See `MCPServer`.
         """
         _validate.text("command", command)
         if isinstance(args, str) or not isinstance(args, Sequence):
@@ -203,7 +273,8 @@ class MCPServer:
             return stdio_client(parameters)
 
         return cls(transport, label=" ".join([command, *args]), prefix=prefix, allow=allow,
-                   timeout=timeout, connect_timeout=connect_timeout)
+                   timeout=timeout, connect_timeout=connect_timeout, approval=approval,
+                   idempotent=idempotent)
 
     @classmethod
     def http(
@@ -215,6 +286,8 @@ class MCPServer:
         allow: Collection[str] | None = None,
         timeout: float | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        approval: _Approval = False,
+        idempotent: _Idempotent = False,
     ) -> MCPServer:
         """A server reached over streamable HTTP at ``url`` (e.g. ``http://host/mcp``).
 
@@ -225,6 +298,8 @@ class MCPServer:
             allow: See `MCPServer`.
             timeout: See `MCPServer`.
             connect_timeout: See `MCPServer`.
+            approval: See `MCPServer`.
+            idempotent: See `MCPServer`.
         """
         _validate.text("url", url)
         if not url.startswith(("http://", "https://")):
@@ -236,7 +311,7 @@ class MCPServer:
             return _http_transport(url, fixed)
 
         return cls(transport, label=url, prefix=prefix, allow=allow, timeout=timeout,
-                   connect_timeout=connect_timeout)
+                   connect_timeout=connect_timeout, approval=approval, idempotent=idempotent)
 
     def __repr__(self) -> str:
         return f"MCPServer({self.label!r})"
@@ -363,10 +438,13 @@ class MCPServer:
 
     def _build_tools(self, listed: Sequence[mcp_types.Tool]) -> tuple[Tool, ...]:
         names = {item.name for item in listed}
-        if self.allow is not None and not self.allow <= names:
-            missing = ", ".join(sorted(self.allow - names))
-            raise ConfigError("allow", f"MCP server {self.label} has no tool {missing} "
-                                       f"(it has: {', '.join(sorted(names)) or 'none'})")
+        for field, named in (("allow", self.allow or frozenset()),
+                             ("approval", _named(self.approval)),
+                             ("idempotent", _named(self.idempotent))):
+            if not named <= names:
+                missing = ", ".join(sorted(named - names))
+                raise ConfigError(field, f"MCP server {self.label} has no tool {missing} "
+                                         f"(it has: {', '.join(sorted(names)) or 'none'})")
         tools = []
         for item in listed:
             if self.allow is not None and item.name not in self.allow:
@@ -374,7 +452,9 @@ class MCPServer:
             name = self.prefix + item.name
             try:
                 tools.append(Tool(name, item.description or "", dict(item.input_schema),
-                                  self._handler(item.name), timeout=self.timeout))
+                                  self._handler(item.name), timeout=self.timeout,
+                                  approval=_setting_for(self.approval, item.name),
+                                  idempotent=_setting_for(self.idempotent, item.name)))
             except ConfigError as error:
                 raise ConfigError(error.field, f"MCP server {self.label}, tool {item.name!r}: "
                                   f"{error}; leave it out with allow=") from None
@@ -507,8 +587,4 @@ def _block(item: Any) -> dict[str, Any]:
 
 def _binary_note(what: str, mime: str, data: str) -> dict[str, Any]:
     """A text block standing for binary content a tool result cannot carry."""
-    try:
-        size = f"{len(base64.b64decode(data, validate=True))} bytes"
-    except (binascii.Error, ValueError):
-        size = "undecodable base64"
-    return {"type": "text", "text": f"[{what}: {mime}, {size}, not shown]"}
+    return {"type": "text", "text": _validate.binary_note(what, mime, data)}

@@ -119,10 +119,11 @@ def unconfirmed_by_deadline(limits: Limits, what: str) -> GuardTrip:
     )
 
 
-def check_admission(account: str, reserved: int, available: int, hold: int
-                    ) -> GuardTrip | None:
+def check_admission(account: str, reserved: int, available: int, hold: int,
+                    fees: int = 0) -> GuardTrip | None:
     """Admission (docs/accounts.md): a run whose account had nothing to reserve for its
-    hold is denied before any request; a partial reservation narrows the hold."""
+    hold (past ``fees``, the worst case of one turn's server-tool fees, reserved
+    on top) is denied before any request; a partial reservation narrows the hold."""
     if reserved > 0:
         return None
     return GuardTrip(
@@ -134,7 +135,8 @@ def check_admission(account: str, reserved: int, available: int, hold: int
         # crossing turn overdrew stays below zero until granted more.
         f"account {account!r} has {available} credits available"
         f"{' (overdrawn)' if available < 0 else ''}, "
-        f"nothing to reserve for this run's hold of {hold}",
+        f"nothing to reserve for this run's hold of {hold}"
+        + (f" past the worst case of a turn's server-tool fees ({fees})" if fees else ""),
     )
 
 

@@ -68,6 +68,8 @@ from loopengine.providers._base import (
     ProviderRequest,
     ProviderResponse,
     TextCallback,
+    priced_geo,
+    priced_speed,
     priced_tier,
     text_or_none,
     token_count,
@@ -609,8 +611,10 @@ def usage_from_api(raw: object, *, model: str | None = None) -> Usage | None:
     ``cache_creation_input_tokens`` is the cache write, of which
     ``cache_creation.ephemeral_1h_input_tokens`` is the one-hour part.
     ``server_tool_use.web_search_requests`` / ``web_fetch_requests`` are the
-    server tool requests (each billed a fee) and ``service_tier`` the tier
-    that served the request (kept when it changes the price, `priced_tier`).
+    server tool requests (each billed a fee), ``service_tier`` the tier that
+    served the request, ``inference_geo`` where it ran and ``speed`` how fast,
+    each kept when it changes the price (`priced_tier`, `priced_geo`,
+    `priced_speed`: ``priority``, ``us``, ``fast``).
 
     When the reply reports ``iterations`` (compaction, an advisor, a server
     tool loop) the top-level token counts are not the bill (they leave out
@@ -628,13 +632,16 @@ def usage_from_api(raw: object, *, model: str | None = None) -> Usage | None:
         searches = token_count(server.get("web_search_requests"))
         fetches = token_count(server.get("web_fetch_requests"))
     tier = priced_tier(raw.get("service_tier"))
+    geo = priced_geo(raw.get("inference_geo"))
+    speed = priced_speed(raw.get("speed"))
     iterations = raw.get("iterations")
     if isinstance(iterations, list) and iterations:
         return Usage.from_iterations(
             tuple(_iteration(entry, model) for entry in iterations if isinstance(entry, Mapping)),
-            web_search_requests=searches, web_fetch_requests=fetches, service_tier=tier)
+            web_search_requests=searches, web_fetch_requests=fetches, service_tier=tier,
+            inference_geo=geo, speed=speed)
     return Usage(**_tokens(raw), web_search_requests=searches, web_fetch_requests=fetches,
-                 service_tier=tier)
+                 service_tier=tier, inference_geo=geo, speed=speed)
 
 
 def _iteration(raw: Mapping[str, Any], model: str | None) -> UsageIteration:

@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from loopengine._features import Features
-from loopengine._pricing import STANDARD_TIERS
+from loopengine._pricing import STANDARD_GEOS, STANDARD_SPEEDS, STANDARD_TIERS
 from loopengine._usage import Usage
 from loopengine.providers._cache import CachePolicy
 
 __all__ = ["FEATURES", "Provider", "ProviderRequest", "ProviderResponse", "TextCallback",
-           "priced_tier", "text_or_none", "token_count", "vendor_of"]
+           "priced_geo", "priced_speed", "priced_tier", "text_or_none", "token_count",
+           "vendor_of"]
 
 TextCallback = Callable[[str], Awaitable[None] | None]
 """Receives streamed text deltas, sync or async."""
@@ -192,6 +193,22 @@ def priced_tier(value: object) -> str | None:
     for a standard tier (Anthropic ``standard``, OpenAI ``default``), which
     every reply names and which is priced at the list rates, so that only a
     tier that changes the price (``flex``, ``priority``, ``batch``...) is kept."""
-    if not isinstance(value, str) or not value or value in STANDARD_TIERS:
+    return _priced(value, STANDARD_TIERS)
+
+
+def priced_geo(value: object) -> str | None:
+    """The ``inference_geo`` a reply reports, as `Usage.inference_geo` keeps it:
+    None for the default ``global`` (list rates), else the geo (``us``)."""
+    return _priced(value, STANDARD_GEOS)
+
+
+def priced_speed(value: object) -> str | None:
+    """The ``speed`` a reply reports, as `Usage.speed` keeps it: None for
+    ``standard`` (list rates), else the speed (``fast``)."""
+    return _priced(value, STANDARD_SPEEDS)
+
+
+def _priced(value: object, standard: frozenset[str]) -> str | None:
+    if not isinstance(value, str) or not value or value in standard:
         return None
     return value

@@ -224,9 +224,9 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
 
     def check_request(self, request: ProviderRequest) -> None:
         """Before an attempt is recorded: refuse a request the Chat Completions
-        API has no equivalent for (an image or a document inside a tool
-        result, a document, a server tool block...), by the translation's own
-        rules, without translating it.
+        API has no equivalent for (a document, a server tool block, a block
+        inside a tool result other than text, an image or a document...), by
+        the translation's own rules, without translating it.
 
         Raises:
             ProviderFault: ``bad_request``, ``error_code`` ``untranslatable``.
@@ -261,13 +261,41 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
     async def _send_streaming(
         self, client: openai.AsyncOpenAI, params: dict[str, Any], on_text: TextCallback | None
     ) -> ProviderResponse:
+        sdk = import_openai()
+        body = dict(params)
+        timeout = body.pop("timeout")
         try:
-            stream: Any = await client.chat.completions.create(**params)
+            # `chat.completions.create(stream=True)` as the SDK sends it, but in its
+            # "events" stream mode: an error object inside the stream comes as a
+            # chunk instead of an exception, so the usage and the id the same
+            # chunk may carry (OpenRouter sends ``{"error": ..., "usage": ...}``)
+            # are not lost. The chunk is then raised as the SDK raises it.
+            stream: Any = await client.post(
+                "/chat/completions", body=body, cast_to=sdk.types.chat.ChatCompletion,
+                stream=True, stream_cls=sdk.AsyncStream[sdk.types.chat.ChatCompletionChunk],
+                options={"timeout": timeout, "stream_mode": "events"})
         except failures() as error:
             raise classify_error(error) from error
         reply = StreamedCompletion()
         response = stream.response
         request_id = response.headers.get("x-request-id")
+
+        def take(chunk: Any) -> str:
+            text = reply.add(chunk)
+            if reply.error is not None:
+                error = reply.error
+                message = error.get("message") if isinstance(error, Mapping) else None
+                fault = classify_error(
+                    sdk.APIError(message if isinstance(message, str) and message
+                                 else "An error occurred during streaming",
+                                 request=response.request, body=error),
+                    request_id=request_id, in_body=True, usage=reply.usage,
+                    response_id=reply.response_id)
+                if reply.error_usage:
+                    # The server's own count for the request, not a floor.
+                    fault.usage_approx = False
+                raise fault
+            return text
 
         def cut(message: str, reason: str | None) -> ProviderFault:
             return ProviderFault(
@@ -276,7 +304,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                 usage_approx=reply.usage is not None, response_id=reply.response_id)
 
         await read_stream(
-            stream, idle=self._idle, failures=read_failures(), take=reply.add,
+            stream, idle=self._idle, failures=read_failures(), take=take,
             failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
                                                 usage=reply.usage,
                                                 response_id=reply.response_id),

@@ -7,9 +7,11 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
 * ``system`` blocks become one ``system`` message; a user message's
   ``tool_result`` blocks become one ``tool`` message each, in order (an
   ``is_error`` result's text starts with ``Error:``, so the model reads it as
-  a failure); ``tool_use`` blocks become the assistant's ``tool_calls``;
-  ``thinking`` blocks and ``cache_control`` markers have no equivalent and
-  are dropped (OpenAI caches prompt prefixes on its own);
+  a failure; an image or a document in it, which a ``tool`` message cannot
+  carry, becomes a note saying what it was, ``[image: image/png, 68 bytes,
+  not shown]``, beside the result's text); ``tool_use`` blocks become the
+  assistant's ``tool_calls``; ``thinking`` blocks and ``cache_control``
+  markers have no equivalent and are dropped (OpenAI caches prompt prefixes on its own);
 * tools become ``function`` tools with the JSON schema as ``parameters``;
   ``tool_choice`` ``auto`` / ``none`` / ``any`` / a named tool become
   ``auto`` / ``none`` / ``required`` / that function;
@@ -32,6 +34,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from loopengine import _validate
 from loopengine._usage import Usage
 from loopengine.providers._base import ProviderRequest, priced_tier, text_or_none, token_count
 from loopengine.providers._faults import FaultKind, ProviderFault
@@ -118,16 +121,27 @@ class StreamedCompletion:
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.service_tier: object = None
+        self.error: object = None
+        """The ``error`` object of an error chunk, once one came (the stream failed)."""
+        self.error_usage = False
+        """Whether that error chunk carried the usage itself (OpenRouter does)."""
 
     def add(self, chunk: Any) -> str:
-        """Take one chunk; return its text delta."""
+        """Take one chunk; return its text delta. An error chunk (``{"error": ...}``,
+        with the usage and id some servers add) is kept in `error`."""
         if self.response_id is None:
             self.response_id = text_or_none(getattr(chunk, "id", None))
             self.model = text_or_none(getattr(chunk, "model", None))
         # Every chunk names the tier; the usage chunk may come last.
         self.service_tier = getattr(chunk, "service_tier", None) or self.service_tier
-        if getattr(chunk, "usage", None) is not None:
-            self.usage = usage_from_api(chunk.usage.to_dict(), self.service_tier)
+        usage = getattr(chunk, "usage", None)
+        if usage is not None:
+            self.usage = usage_from_api(usage if isinstance(usage, Mapping) else usage.to_dict(),
+                                        self.service_tier)
+        error = getattr(chunk, "error", None)
+        if error:
+            self.error = error
+            self.error_usage = usage is not None and self.usage is not None
         text = ""
         for choice in getattr(chunk, "choices", None) or ():
             if getattr(choice, "index", 0) != 0:
@@ -216,13 +230,17 @@ def _user_kind(block: Mapping[str, Any]) -> str:
     return str(kind)
 
 
+_RESULT_SENT = frozenset({"text", "image", "document"})
+
+
 def result_blocks(content: Any, api: str = "Chat Completions") -> Sequence[Mapping[str, Any]]:
-    """A tool result's blocks (none for a string or no content): text only,
-    since a ``tool`` message (a ``function_call_output``) carries nothing else."""
+    """A tool result's blocks (none for a string or no content): text, and images
+    and documents, which a ``tool`` message (a ``function_call_output``) carries
+    as text saying what they were (`result_text`)."""
     if content is None or isinstance(content, str):
         return ()
     for block in content:
-        if not isinstance(block, Mapping) or block.get("type") != "text":
+        if not isinstance(block, Mapping) or block.get("type") not in _RESULT_SENT:
             kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
             raise untranslatable(f"a {kind!r} block inside a tool result", api)
     return content  # type: ignore[no-any-return]
@@ -354,8 +372,27 @@ def result_text(block: Mapping[str, Any], api: str = "Chat Completions") -> str:
     if isinstance(content, str):
         text = content
     else:
-        text = "\n\n".join(str(part.get("text", "")) for part in result_blocks(content, api))
+        text = "\n\n".join(_result_part(part) for part in result_blocks(content, api))
     return f"Error: {text}" if block.get("is_error") is True else text
+
+
+def _result_part(block: Mapping[str, Any]) -> str:
+    """One block of a tool result as the text of a ``tool`` message: a text block's
+    text; for an image or a document, which a ``tool`` message cannot carry, a
+    note the model can read (``[image: image/png, 68 bytes, not shown]``), or a
+    text document's own text."""
+    kind = block.get("type")
+    if kind == "text":
+        return str(block.get("text", ""))
+    source = block.get("source")
+    source = source if isinstance(source, Mapping) else {}
+    if source.get("type") == "base64":
+        return _validate.binary_note(str(kind), source.get("media_type"), source.get("data"))
+    if kind == "document" and source.get("type") == "text":
+        return str(source.get("data", ""))
+    if source.get("type") == "url":
+        return f"[{kind}: {source.get('url')}, not shown]"
+    return f"[{kind}, not shown]"
 
 
 def image_url(block: Mapping[str, Any], api: str = "Chat Completions") -> str:

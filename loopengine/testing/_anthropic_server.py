@@ -81,6 +81,12 @@ class FakeAnthropicServer(LoopbackServer):
         return _sse("error", {"type": "error", "error": {"type": error_type,
                                                          "message": message}})
 
+    def _raw_event(self, data: Mapping[str, Any] | str) -> bytes:
+        # The Messages API names each event: a raw payload is sent as an error event.
+        if isinstance(data, str):
+            return f"event: error\ndata: {data}\n\n".encode()
+        return _sse("error", data)
+
     def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
         return _message(reply, self._model(request), number)
 
@@ -137,6 +143,9 @@ def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
         body["server_tool_use"] = {"web_search_requests": usage.web_search_requests,
                                    "web_fetch_requests": usage.web_fetch_requests}
     body["service_tier"] = usage.service_tier or "standard"
+    # Every reply names where and how fast it ran, as the API's usage does.
+    body["inference_geo"] = usage.inference_geo or "global"
+    body["speed"] = usage.speed or "standard"
     if usage.iterations:
         body["iterations"] = [
             {**_tokens_json(i), "type": i.type, **({"model": i.model} if i.model else {})}
@@ -254,5 +263,7 @@ def _usage_seen(events: Sequence[tuple[str, Mapping[str, Any]]],
             cache_write_tokens=top.cache_write_tokens,
             cache_write_1h_tokens=top.cache_write_1h_tokens,
             service_tier=usage.service_tier,
+            inference_geo=usage.inference_geo,
+            speed=usage.speed,
         ))
     return seen

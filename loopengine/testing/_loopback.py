@@ -208,6 +208,14 @@ class StreamErrorEvent:
     """``error.type`` of the event."""
     message: str = "Overloaded"
     """``error.message`` of the event."""
+    data: Mapping[str, Any] | str | None = None
+    """The event's payload as sent (a dict as JSON, a string as it is) instead of
+    the server's error shape: an error chunk that also carries ``usage`` and an
+    ``id``, as OpenRouter sends it. A non-streaming request still gets the HTTP
+    error ``type`` stands for."""
+    usage: Usage | None = None
+    """The usage ``data`` reports, in the engine's convention: counted as served
+    (`LoopbackServer.usage_served`) in place of what the events before it showed."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -544,7 +552,11 @@ class LoopbackServer:
         elif mode == "drop":
             raise _Drop(reset=False)
         elif mode == "error":
-            handler.write_chunk(self._error_event(item.type, item.message, request))
+            if item.data is None:
+                handler.write_chunk(self._error_event(item.type, item.message, request))
+            else:
+                self._deliver(handler, item.usage, _chunk(self._raw_event(item.data)),
+                              index=index)
             handler.end_chunks()
         else:  # stall
             self._wait(item.seconds)
@@ -584,6 +596,11 @@ class LoopbackServer:
     def _error_event(self, error_type: str, message: str, request: RecordedRequest) -> bytes:
         """The server-sent event of an error inside the stream answering ``request``."""
         raise NotImplementedError
+
+    def _raw_event(self, data: Mapping[str, Any] | str) -> bytes:
+        """A server-sent event of ``data`` as given (`StreamErrorEvent.data`)."""
+        text = data if isinstance(data, str) else json.dumps(data)
+        return f"data: {text}\n\n".encode()
 
     def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
         """The JSON body of ``reply``."""

@@ -28,6 +28,8 @@ rendered in the Chat Completions shapes:
   ``code`` from ``error_code``), or its own ``body``;
 * `StreamErrorEvent`: an ``{"error": {...}}`` event inside the stream after
   some chunks (a non-streaming request gets the status its type stands for);
+  its ``data`` is sent as the event instead when given (an error chunk that
+  carries ``usage`` and an ``id``, as OpenRouter sends it);
 * `CutStream`, `StallStream`, `DropConnection`, delays, callables: as for
   `FakeAnthropicServer`. A stream is chunks, then (if asked) the usage chunk,
   then ``[DONE]``: cutting it ``after`` the chunks of the answer leaves out

@@ -156,6 +156,19 @@ async def test_images_and_structured_content_map_to_blocks(anthropic: Harness) -
     assert total["content"] == "2"
 
 
+async def test_an_image_result_on_the_openai_route_is_a_note_beside_its_text(
+    openai: OpenAIHarness,
+) -> None:
+    """Chat Completions tool messages carry text only: the MCP result's caption is
+    kept and its PNG becomes a note naming its type and size; the run completes."""
+    async with script_server(allow={"picture"}) as test:
+        engine, _ = openai.engine(Reply.tool_calls(("picture", {})), Reply.text("A dot."))
+        result = await engine.run(openai_operation(), "go", tools=test.tools)
+    assert result.outcome is le.Outcome.COMPLETED
+    (answer,) = tool_messages(openai.requests[1])
+    assert answer["content"] == "a dot\n\n[image: image/png, 70 bytes, not shown]"
+
+
 async def test_other_content_kinds_map_to_documents_or_described_text(
     anthropic: Harness,
 ) -> None:

@@ -24,39 +24,38 @@ PNG = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                     "data": "iVBORw0KGgo="}}]
 
 
-async def test_a_tool_result_image_ends_the_run_before_its_request_is_recorded(
+async def test_a_tool_result_image_reaches_the_model_as_a_note_beside_its_text(
     wire: OpenAIHarness, tmp_path: Path,
 ) -> None:
-    """A tool answers with an image, which a Chat Completions tool message cannot
-    carry: the next turn's request is refused before its row is written. The run
-    ends provider_error with the untranslatable fault; the server got only the
-    first turn's request; the ledger has that turn's row alone, and one turn."""
+    """A tool answers with text and an image, which a Chat Completions tool message
+    cannot carry: the tool message holds the text and a note the model can read
+    in the image's place (its media type and size); the run completes, both turns
+    recorded."""
 
     @le.tool
     async def snapshot() -> list[dict[str, Any]]:
         """Take a screenshot."""
-        return PNG
+        return [{"type": "text", "text": "the login page"}, *PNG,
+                {"type": "image", "source": {"type": "url", "url": "https://x.test/b.png"}}]
 
     path = tmp_path / "ledger.db"
     with SQLiteLedger(path) as ledger:
-        engine, _ = wire.engine(Reply.tool_calls(("snapshot", {})), Reply.text("unused"),
-                                ledger=ledger)
+        engine, _ = wire.engine(Reply.tool_calls(("snapshot", {})),
+                                Reply.text("It shows the login page."), ledger=ledger)
         result = await engine.run(openai_operation(), "look", tools=[snapshot])
-    assert result.outcome is le.Outcome.PROVIDER_ERROR
-    assert result.fault is not None
-    assert (result.fault.kind, result.fault.error_code) == (FaultKind.BAD_REQUEST,
-                                                            "untranslatable")
-    assert "inside a tool result" in result.fault.message
-    assert (result.turns, result.tool_calls) == (1, 1)
-    assert len(wire.server.requests) == 1
-    assert [(r.dispatch.turn, r.settle and r.settle.outcome) for r in result.attempt_log] == [
-        (1, "ok")]
+    assert result.outcome is le.Outcome.COMPLETED
+    (tool_message,) = [m for m in wire.server.requests[1].body["messages"]
+                       if m["role"] == "tool"]
+    assert tool_message["content"] == (
+        "the login page\n\n[image: image/png, 8 bytes, not shown]\n\n"
+        "[image: https://x.test/b.png, not shown]")
+    # The transcript keeps the image itself: another route could show it.
+    (kept,) = [b for m in result.messages if isinstance(m["content"], list)
+               for b in m["content"] if b.get("type") == "tool_result"]
+    assert kept["content"][1] == PNG[0]
     with sqlite3.connect(path) as db:
         rows = db.execute("SELECT turn, attempt, outcome FROM attempts").fetchall()
-        invocation = db.execute(
-            "SELECT outcome, turns, tool_calls, attempt_count FROM invocations").fetchone()
-    assert rows == [(1, 1, "ok")]
-    assert invocation == ("provider_error", 1, 1, 1)
+    assert rows == [(1, 1, "ok"), (2, 1, "ok")]
 
 
 async def test_a_refused_first_request_is_no_turn_and_no_attempt(
@@ -121,6 +120,8 @@ def test_the_check_and_the_translation_refuse_alike() -> None:
                                        "content": [{"type": "text", "text": "ok"}]}]}],
         [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
                                        "content": PNG}]}],
+        [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
+                                       "content": [{"type": "search_result"}]}]}],
         [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}],
         [{"role": "user", "content": [{"type": "document", "source": {}}]}],
         [{"role": "assistant", "content": [{"type": "server_tool_use", "id": "s"}]}],
@@ -142,4 +143,4 @@ def test_the_check_and_the_translation_refuse_alike() -> None:
             checked = fault.message
         assert checked == translated
         refused.append(checked is not None)
-    assert refused == [False, False, False, True, True, True, True, True]
+    assert refused == [False, False, False, False, True, True, True, True, True]

@@ -92,8 +92,8 @@ def test_images_become_image_url_parts() -> None:
     {"role": "user", "content": [{"type": "document", "source": {}}]},
     {"role": "assistant", "content": [{"type": "server_tool_use", "id": "s", "name": "web"}]},
     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
-                                  "content": [{"type": "image", "source": {}}]}]},
-], ids=["document", "server-tool", "image-in-tool-result"])
+                                  "content": [{"type": "search_result", "source": "s"}]}]},
+], ids=["document", "server-tool", "search-result-in-tool-result"])
 def test_a_block_without_an_equivalent_is_a_bad_request_not_sent(
     message: dict[str, Any],
 ) -> None:

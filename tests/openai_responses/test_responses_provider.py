@@ -231,9 +231,10 @@ async def test_the_request_carries_the_operation_and_nothing_invented(
 
 
 def test_blocks_and_server_tools_without_an_equivalent_are_refused_before_the_wire() -> None:
-    """A document, an image inside a tool result, a Messages API server tool block and
-    a server tool other than web search are bad requests (untranslatable); another
-    vendor's thinking is dropped."""
+    """A document, a Messages API server tool block and a server tool other than web
+    search are bad requests (untranslatable); an image inside a tool result is sent
+    as a note the model can read, as on the Chat route; another vendor's thinking
+    is dropped."""
     provider = OpenAIResponsesProvider(api_key="k", base_url="http://127.0.0.1:9/v1")
 
     def request(messages: list[dict[str, Any]], **features: Any) -> ProviderRequest:
@@ -243,8 +244,6 @@ def test_blocks_and_server_tools_without_an_equivalent_are_refused_before_the_wi
     bad = [
         [{"role": "user", "content": [{"type": "document", "source": {
             "type": "text", "media_type": "text/plain", "data": "x"}}]}],
-        [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-            {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]}],
         [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
             {"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}]}],
     ]
@@ -253,6 +252,11 @@ def test_blocks_and_server_tools_without_an_equivalent_are_refused_before_the_wi
             provider.check_request(request(messages))
         assert caught.value.error_code == "untranslatable"
         assert "Responses API" in caught.value.message
+    image_result = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                  "content": [{"type": "image", "source": {
+                                                      "type": "url",
+                                                      "url": "https://x/y.png"}}]}]}]
+    provider.check_request(request(image_result))  # sent as "[image: https://x/y.png, ...]"
     code = le.ServerTool(type="code_execution_20250825", name="code")
     with pytest.raises(ProviderFault, match="only the web search tools"):
         provider.check_request(request([{"role": "user", "content": "q"}],

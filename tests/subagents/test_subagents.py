@@ -11,7 +11,7 @@ import pytest
 
 import loopengine as le
 from loopengine import audit
-from loopengine.persistence import SQLiteLedger
+from loopengine.persistence import MemoryLedger, SQLiteLedger
 from loopengine.testing import Reply
 
 from .conftest import Route
@@ -215,3 +215,54 @@ async def test_an_input_model_s_fields_reach_the_child_as_json(route: Route) -> 
     assert '{"topic":"passwords","depth":2}' in str(route.wire.requests[1].messages[0])
     [answered] = last_results(result.messages[:3])
     assert answered["content"] == "child answer" and not answered.get("is_error")
+
+
+async def test_an_agent_tool_on_another_ledger_is_refused_at_run_start(
+    route: Route, tmp_path: Path,
+) -> None:
+    """agent_tool's engine records on another ledger than the run given the tool: the
+    run is refused before anything is recorded or sent, naming both ledgers (the
+    tree's rows could not be audited, rolled up or reconciled)."""
+    engine, ledger = route.wire.engine()
+    with SQLiteLedger(tmp_path / "other.db") as other:
+        elsewhere = le.Engine(engine.providers, ledger=other, prices=engine.prices)
+        helper = le.agent_tool(elsewhere, route.named("child.op"), name="helper",
+                               description="Helps.")
+        assert helper.delegates_to is elsewhere
+        with pytest.raises(le.ConfigError) as raised:
+            await engine.run(route.named("parent.op"), "go", tools=[helper])
+    assert raised.value.field == "tools"
+    assert "SQLiteLedger(" in str(raised.value) and "MemoryLedger(" in str(raised.value)
+    assert ledger.invocations == {} and route.wire.requests == []
+    # An engine recording nothing is no better: its child rows would be missing.
+    unrecorded = le.agent_tool(le.Engine(engine.providers, prices=engine.prices),
+                               route.named("child.op"), name="helper", description="Helps.")
+    with pytest.raises(le.ConfigError, match="parent's ledger"):
+        await engine.run(route.named("parent.op"), "go", tools=[unrecorded])
+
+
+async def test_ctx_run_on_another_ledger_is_an_error_result_and_sends_nothing(
+    route: Route,
+) -> None:
+    """A handler's ctx.run(engine=...) on another ledger is refused at that call, before
+    the child is recorded or sent: the call gets an is_error result naming both
+    ledgers and the parent goes on."""
+    engine, ledger = route.wire.engine(
+        Reply.tool_calls(("delegate", {"task": "x"})), Reply.text("done alone"))
+    other = MemoryLedger()
+    elsewhere = le.Engine(engine.providers, ledger=other, prices=engine.prices)
+
+    @le.tool
+    async def delegate(task: str, ctx: le.ToolContext) -> str:
+        """Delegates the task."""
+        result = await ctx.run(route.named("child.op"), task, engine=elsewhere)
+        return str(result.answer)
+
+    result = await engine.run(route.named("parent.op"), "go", tools=[delegate])
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "done alone"
+    [refused] = last_results(result.messages[:3])
+    assert refused["is_error"]
+    assert "records on MemoryLedger(0 invocations), but the calling run on MemoryLedger(1 " \
+        in str(refused["content"])
+    assert len(route.wire.requests) == 2 and other.invocations == {}
+    assert [r["operation"] for r in ledger.invocations.values()] == ["parent.op"]
