@@ -447,3 +447,24 @@ def test_a_given_client_is_bound_to_its_first_event_loop(
     with pytest.raises(le.ConfigError) as caught:
         engine.run_sync(gemini_operation(), "go")
     assert caught.value.field == "client" and len(fake_gemini_server.requests) == 1
+
+
+async def test_an_image_in_a_tool_result_is_refused_before_the_wire(
+    wire: GeminiHarness,
+) -> None:
+    """A function response carries text here: a tool result holding an image is
+    refused before anything is recorded or sent (untranslatable)."""
+    image = base64.b64encode(b"\x89PNG fake").decode()
+    messages = [
+        {"role": "user", "content": "draw"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "lookup",
+                                           "input": {"key": "a"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": image}}]}]},
+    ]
+    engine, ledger = wire.engine(Reply.text("never"))
+    result = await engine.run(gemini_operation(), messages, tools=[Counter().tool])
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert result.fault is not None and result.fault.error_code == "untranslatable"
+    assert wire.requests == [] and ledger.attempts == {}
