@@ -26,10 +26,11 @@ from typing import Any, Protocol, runtime_checkable
 from loopengine._features import Features
 from loopengine._pricing import STANDARD_GEOS, STANDARD_SPEEDS, STANDARD_TIERS
 from loopengine._usage import Usage
+from loopengine._validate import binary_note
 from loopengine.providers._cache import CachePolicy
 
 __all__ = ["FEATURES", "Provider", "ProviderRequest", "ProviderResponse", "TextCallback",
-           "priced_geo", "priced_speed", "priced_tier", "text_or_none", "token_count",
+           "media_note", "priced_geo", "priced_speed", "priced_tier", "text_or_none", "token_count",
            "vendor_of"]
 
 TextCallback = Callable[[str], Awaitable[None] | None]
@@ -173,6 +174,23 @@ class Provider(Protocol):
 def vendor_of(provider: Provider) -> str:
     """Whose API ``provider`` reaches (its declared `Provider.vendor`)."""
     return provider.vendor
+
+
+def media_note(block: Mapping[str, Any]) -> str:
+    """What stands, as text, for an image or document block a message cannot carry
+    (a tool result's, on a route whose tool results are text): a note the model
+    can read, naming what it was (``[image: image/png, 68 bytes, not shown]``,
+    ``[image: <url>, not shown]``), or a text document's own text."""
+    kind = block.get("type")
+    source = block.get("source")
+    source = source if isinstance(source, Mapping) else {}
+    if source.get("type") == "base64":
+        return binary_note(str(kind), source.get("media_type"), source.get("data"))
+    if kind == "document" and source.get("type") == "text":
+        return str(source.get("data", ""))
+    if source.get("type") == "url":
+        return f"[{kind}: {source.get('url')}, not shown]"
+    return f"[{kind}, not shown]"
 
 
 def text_or_none(value: object) -> str | None:

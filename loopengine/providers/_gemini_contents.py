@@ -7,7 +7,9 @@ its boundary, both ways:
   ``text`` parts, base64 images and PDFs ``inlineData`` parts; each
   ``tool_result`` becomes a ``functionResponse`` part (``{"result": text}``,
   or ``{"error": text}`` for an ``is_error`` result) named after the call it
-  answers, placed first in its ``user`` content; ``tool_use`` blocks become
+  answers, placed first in its ``user`` content, its base64 images and
+  documents the function response's own ``parts`` (``inlineData``) and any
+  other image or document the note the model reads in its place; ``tool_use`` blocks become
   the model's ``functionCall`` parts (with their ids); ``cache_control``
   markers have no equivalent and are dropped (Gemini caches implicitly);
 * thought signatures: a part the API sent with a ``thoughtSignature`` is kept
@@ -47,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest, text_or_none, token_count
+from loopengine.providers._base import ProviderRequest, media_note, text_or_none, token_count
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = [
@@ -94,6 +96,7 @@ def _untranslatable(what: str) -> ProviderFault:
 
 _ASSISTANT = frozenset({"text", "tool_use", "thinking", "redacted_thinking"})
 _USER = frozenset({"text", "image", "document", "tool_result"})
+_RESULT = frozenset({"text", "image", "document"})
 
 
 def _inline(block: Mapping[str, Any]) -> dict[str, Any]:
@@ -119,17 +122,29 @@ def _signature(value: object) -> bytes | None:
         raise _untranslatable("a thinking block whose signature is not base64") from None
 
 
-def _result_text(block: Mapping[str, Any]) -> str:
+def _result(block: Mapping[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """A ``tool_result``'s text and its media: the text of its text blocks (and of
+    text documents), and each base64 image or document as a ``FunctionResponse``
+    part (``inline_data``) beside the JSON ``response``. An image or document the
+    API cannot take there (a URL) is the note `media_note` makes for it, read in
+    its place."""
     content = block.get("content")
     if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
+        return content or "", []
+    texts: list[str] = []
+    media: list[dict[str, Any]] = []
     for part in content:
-        if not isinstance(part, Mapping) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind not in _RESULT:
             raise _untranslatable(f"a {kind!r} block inside a tool result")
-        texts.append(str(part.get("text", "")))
-    return "\n\n".join(texts)
+        source = part.get("source")
+        if kind == "text":
+            texts.append(str(part.get("text", "")))
+        elif isinstance(source, Mapping) and source.get("type") == "base64":
+            media.append(_inline(part))
+        else:
+            texts.append(media_note(part))
+    return "\n\n".join(texts), media
 
 
 def check_translatable(request: ProviderRequest) -> None:
@@ -225,13 +240,16 @@ def _user_parts(content: Any, names: Mapping[str, str],
             raise _untranslatable(f"a user {kind!r} block")
         if kind == "tool_result":
             call_id = str(block.get("tool_use_id"))
-            text = _result_text(block)
+            text, media = _result(block)
             if call_id in malformed:
                 parts.append({"text": MALFORMED_FEEDBACK})
                 continue
             key = "error" if block.get("is_error") is True else "result"
-            responses.append({"function_response": {
-                "id": call_id, "name": names.get(call_id, ""), "response": {key: text}}})
+            response: dict[str, Any] = {"id": call_id, "name": names.get(call_id, ""),
+                                        "response": {key: text}}
+            if media:
+                response["parts"] = media
+            responses.append({"function_response": response})
         elif kind == "text":
             parts.append({"text": str(block.get("text", ""))})
         else:

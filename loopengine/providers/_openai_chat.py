@@ -34,9 +34,14 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from loopengine import _validate
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest, priced_tier, text_or_none, token_count
+from loopengine.providers._base import (
+    ProviderRequest,
+    media_note,
+    priced_tier,
+    text_or_none,
+    token_count,
+)
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = [
@@ -378,21 +383,11 @@ def result_text(block: Mapping[str, Any], api: str = "Chat Completions") -> str:
 
 def _result_part(block: Mapping[str, Any]) -> str:
     """One block of a tool result as the text of a ``tool`` message: a text block's
-    text; for an image or a document, which a ``tool`` message cannot carry, a
-    note the model can read (``[image: image/png, 68 bytes, not shown]``), or a
-    text document's own text."""
-    kind = block.get("type")
-    if kind == "text":
+    text; for an image or a document, which a ``tool`` message cannot carry, the
+    note the model reads in its place (`media_note`)."""
+    if block.get("type") == "text":
         return str(block.get("text", ""))
-    source = block.get("source")
-    source = source if isinstance(source, Mapping) else {}
-    if source.get("type") == "base64":
-        return _validate.binary_note(str(kind), source.get("media_type"), source.get("data"))
-    if kind == "document" and source.get("type") == "text":
-        return str(source.get("data", ""))
-    if source.get("type") == "url":
-        return f"[{kind}: {source.get('url')}, not shown]"
-    return f"[{kind}, not shown]"
+    return media_note(block)
 
 
 def image_url(block: Mapping[str, Any], api: str = "Chat Completions") -> str:

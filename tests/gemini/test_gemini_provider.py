@@ -449,19 +449,58 @@ def test_a_given_client_is_bound_to_its_first_event_loop(
     assert caught.value.field == "client" and len(fake_gemini_server.requests) == 1
 
 
-async def test_an_image_in_a_tool_result_is_refused_before_the_wire(
+@STREAMING
+async def test_a_tool_result_image_and_pdf_reach_the_model_in_the_function_response(
+    wire: GeminiHarness, stream: bool
+) -> None:
+    """A tool answers with text, an image, a PDF and an image by URL: the
+    functionResponse carries the text as its JSON ``response`` and the base64
+    media as its own ``parts`` (inlineData, the bytes as sent); the URL image,
+    which the API cannot take there, is the note the other text routes send."""
+    png, pdf = b"\x89PNG\r\n\x1a\nfake", b"%PDF-1.4 fake"
+
+    @le.tool
+    async def snapshot() -> list[dict[str, Any]]:
+        """Take a screenshot."""
+        return [{"type": "text", "text": "the login page"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(png).decode()}},
+                {"type": "document", "source": {"type": "base64",
+                                                "media_type": "application/pdf",
+                                                "data": base64.b64encode(pdf).decode()}},
+                {"type": "image", "source": {"type": "url", "url": "https://x.test/b.png"}}]
+
+    engine, ledger = wire.engine(Reply.tool_calls(("snapshot", {})),
+                                 Reply.text("It shows the login page."), stream=stream)
+    result = await engine.run(gemini_operation(), "look", tools=[snapshot])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.answer == "It shows the login page."
+    (response,) = function_responses(wire.requests[1])
+    assert response["name"] == "snapshot"
+    assert response["response"] == {
+        "result": "the login page\n\n[image: https://x.test/b.png, not shown]"}
+    # The SDK sends a function response's inner keys as given in the Developer
+    # API mode (proto field names, which the API's JSON reads as the camelCase
+    # ones), and in camelCase in the Vertex AI mode.
+    blobs = [p.get("inlineData") or p["inline_data"] for p in response["parts"]]
+    assert [(b.get("mimeType") or b["mime_type"], base64.b64decode(b["data"]))
+            for b in blobs] == [("image/png", png), ("application/pdf", pdf)]
+    assert [a["outcome"] for a in ledger.attempts.values()] == ["ok", "ok"]
+
+
+async def test_a_block_of_another_kind_in_a_tool_result_is_refused_before_the_wire(
     wire: GeminiHarness,
 ) -> None:
-    """A function response carries text here: a tool result holding an image is
-    refused before anything is recorded or sent (untranslatable)."""
-    image = base64.b64encode(b"\x89PNG fake").decode()
+    """A tool result may hold text, images and documents; anything else in it (a
+    server tool's block) has no Gemini equivalent: refused before anything is
+    recorded or sent (untranslatable)."""
     messages = [
-        {"role": "user", "content": "draw"},
+        {"role": "user", "content": "search"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "lookup",
                                            "input": {"key": "a"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": image}}]}]},
+            {"type": "search_result", "source": "https://x.test", "title": "x",
+             "content": [{"type": "text", "text": "found"}]}]}]},
     ]
     engine, ledger = wire.engine(Reply.text("never"))
     result = await engine.run(gemini_operation(), messages, tools=[Counter().tool])
