@@ -39,7 +39,9 @@ stream, in an exception frame the SDK hands over as an error event), Vertex
 gives Google's ``error.status`` and reasons; `_PLATFORM_KINDS` maps them
 onto the same kinds (``ThrottlingException`` and ``RESOURCE_EXHAUSTED`` are
 ``rate_limited``, ``ServiceUnavailableException`` ``overloaded``, a Google
-reason ``BILLING_DISABLED`` ``credit_exhausted``...; docs/providers.md).
+reason ``BILLING_DISABLED`` ``credit_exhausted``...; docs/providers.md). A
+Google error's ``google.rpc.RetryInfo.retryDelay`` is the wait, as on the
+Gemini route (`retry_info_delay`), winning over a ``retry-after`` header.
 
 Credit exhaustion is checked first, whatever the status (R06). A server's
 ``x-should-retry`` is carried as `ProviderFault.should_retry`; the engine obeys
@@ -80,9 +82,11 @@ from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
+    google_details,
     is_credit_code,
     response_fault,
     retry_after,
+    retry_info_delay,
     sdk_classifier,
 )
 from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
@@ -671,6 +675,11 @@ def _status_fault(
     fault = response_fault(kind, error, error_type=error_type or platform, code=code or reason,
                            message=message, usage=usage, response_id=response_id, now=now)
     fault.request_id = _request_id(error.response.headers)
+    # Vertex's own errors (a quota's RESOURCE_EXHAUSTED) name their wait in a
+    # google.rpc.RetryInfo detail, as Gemini's do: it wins over retry-after.
+    delay = retry_info_delay(google_details(body))
+    if delay is not None:
+        fault.retry_after = delay
     return fault
 
 
@@ -693,6 +702,7 @@ def _platform_error(headers: Mapping[str, str],
     (sometimes inside a one-element list), when the error is Google's rather
     than the model's (an Anthropic-shaped body is read as usual).
     """
+    details = google_details(body)
     if isinstance(body, list) and len(body) == 1:
         body = body[0]
     amazon = headers.get("x-amzn-errortype") or (
@@ -702,8 +712,7 @@ def _platform_error(headers: Mapping[str, str],
         return name, None, _nested(body, "message") or _nested(body, "Message") or ""
     google = _nested(body, "error", "status")
     if google:
-        details = body.get("error", {}).get("details") if isinstance(body, Mapping) else None
-        reasons = [d.get("reason") for d in details or () if isinstance(d, Mapping)]
+        reasons = [d.get("reason") for d in details]
         reason = next((r for r in reasons if isinstance(r, str)), None)
         return google, reason, _nested(body, "error", "message") or ""
     return None, None, ""

@@ -6,9 +6,11 @@ Each adapter maps its SDK's errors to a `ProviderFault` at exactly one place
 
 The pieces of that mapping that do not depend on the vendor live here, once:
 the credit-exhaustion codes (R06), the ``retry-after`` / ``x-should-retry``
-headers, and `classify_sdk_error`, the skeleton both Stainless SDKs
-(``anthropic``, ``openai``) share for timeouts, connections, cut bodies and
-the client's own state; each adapter supplies only how its status errors
+headers, the details of Google's error shape (``google.rpc.RetryInfo``'s
+``retryDelay``, read for Gemini and for Claude on Vertex AI alike), and
+`classify_sdk_error`, the skeleton both Stainless SDKs (``anthropic``,
+``openai``) share for timeouts, connections, cut bodies and the client's own
+state; each adapter supplies only how its status errors
 (and its errors inside a stream) read.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import email.utils
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -36,10 +39,13 @@ __all__ = [
     "SDKErrors",
     "STATUS_KINDS",
     "classify_sdk_error",
+    "google_detail",
+    "google_details",
     "response_fault",
     "sdk_classifier",
     "is_credit_code",
     "retry_after",
+    "retry_info_delay",
     "should_retry",
 ]
 
@@ -210,6 +216,40 @@ def retry_after(headers: Mapping[str, str], *, now: datetime | None = None) -> f
     if at.tzinfo is None:
         at = at.replace(tzinfo=UTC)
     return max(0.0, (at - (now or datetime.now(UTC))).total_seconds())
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
+
+
+def google_details(body: object) -> list[Mapping[str, Any]]:
+    """The typed ``error.details`` of an error body in Google's shape (``{"error":
+    {"code", "message", "status", "details": [...]}}``, sometimes inside a
+    one-element list), as the Gemini API and Vertex AI send it; none for
+    another body."""
+    if isinstance(body, list) and len(body) == 1:
+        body = body[0]
+    inner = body.get("error", body) if isinstance(body, Mapping) else None
+    details = inner.get("details") if isinstance(inner, Mapping) else None
+    return [d for d in details if isinstance(d, Mapping)] if isinstance(details, list) else []
+
+
+def google_detail(details: list[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
+    """The first of ``details`` whose ``@type`` is ``google.rpc.<kind>``
+    (``ErrorInfo``, ``RetryInfo``...), or None."""
+    for detail in details:
+        if str(detail.get("@type", "")).endswith(f"google.rpc.{kind}"):
+            return detail
+    return None
+
+
+def retry_info_delay(details: list[Mapping[str, Any]]) -> float | None:
+    """The wait a Google error asks for: its ``google.rpc.RetryInfo`` detail's
+    ``retryDelay`` (a duration such as ``"45s"`` or ``"1.5s"``) in seconds, or
+    None when it has none (or an unreadable one)."""
+    info = google_detail(details, "RetryInfo")
+    delay = info.get("retryDelay") if info is not None else None
+    match = _DURATION.match(delay) if isinstance(delay, str) else None
+    return float(match.group(1)) if match is not None else None
 
 
 def _number(value: str | None) -> float | None:

@@ -45,7 +45,6 @@ imported on first use (`import_genai`), never when ``loopengine`` is.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -60,7 +59,10 @@ from loopengine.providers._faults import (
     ProviderFault,
     SDKErrors,
     classify_sdk_error,
+    google_detail,
+    google_details,
     retry_after,
+    retry_info_delay,
     should_retry,
 )
 
@@ -85,9 +87,6 @@ _STATUS_NAMES = {
     "INTERNAL": FaultKind.SERVER_ERROR,
     "ABORTED": FaultKind.SERVER_ERROR,
 }
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
-
 
 def import_genai() -> Any:
     """The ``google.genai`` module, imported on first use."""
@@ -129,34 +128,11 @@ def _sdk() -> SDKErrors:
                      validation=errors.UnknownApiResponseError)
 
 
-def _details(error: Any) -> list[Mapping[str, Any]]:
-    """The typed ``error.details`` of an error body."""
-    body = error.details if isinstance(error.details, Mapping) else {}
-    inner = body.get("error", body)
-    details = inner.get("details") if isinstance(inner, Mapping) else None
-    return [d for d in details if isinstance(d, Mapping)] if isinstance(details, list) else []
-
-
-def _detail(details: list[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
-    for detail in details:
-        if str(detail.get("@type", "")).endswith(f"google.rpc.{kind}"):
-            return detail
-    return None
-
-
-def _retry_delay(details: list[Mapping[str, Any]]) -> float | None:
-    """``RetryInfo.retryDelay`` (a duration such as ``"45s"`` or ``"1.5s"``) in seconds."""
-    info = _detail(details, "RetryInfo")
-    delay = _text(info.get("retryDelay")) if info is not None else None
-    match = _DURATION.match(delay) if delay is not None else None
-    return float(match.group(1)) if match is not None else None
-
-
 def error_kind(code: int, status: str | None, message: str,
                details: list[Mapping[str, Any]]) -> tuple[FaultKind, str | None]:
     """The fault kind of a Gemini error and the code to record (its ``ErrorInfo``
     reason, else its canonical status)."""
-    info = _detail(details, "ErrorInfo")
+    info = google_detail(details, "ErrorInfo")
     reason = _text(info.get("reason")) if info is not None else None
     lowered = message.lower()
     if code == 402 or reason in BILLING_REASONS or any(
@@ -181,11 +157,11 @@ def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
     http_status = getattr(response, "status_code", None)
     code = int(error.code) if isinstance(error.code, int) else 0
     message = _text(error.message) or ""
-    details = _details(error)
+    details = google_details(error.details)
     # An error event inside a stream comes with its own code; the response was a 200.
     kind, recorded = error_kind(code, _text(error.status), message, details)
     http_status = 200 if in_stream else code or http_status
-    delay = _retry_delay(details)
+    delay = retry_info_delay(details)
     if delay is None and isinstance(headers, Mapping):
         delay = retry_after({k.lower(): v for k, v in headers.items()}, now=now)
     where = "mid-stream " if http_status == 200 else ""

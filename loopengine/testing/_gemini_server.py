@@ -58,6 +58,7 @@ from typing import Any
 
 from loopengine._usage import Usage
 from loopengine.providers._scripted import Reply
+from loopengine.testing._google_errors import google_error
 from loopengine.testing._loopback import ErrorReply, Frame, LoopbackServer, RecordedRequest
 
 __all__ = ["FakeGeminiServer", "contents_problem", "signature_of"]
@@ -134,17 +135,13 @@ class FakeGeminiServer(LoopbackServer):
     def quota_exceeded(retry_delay: str = "45s", **kwargs: Any) -> ErrorReply:
         """The API's 429 ``RESOURCE_EXHAUSTED`` for a per-minute quota, with its
         ``QuotaFailure`` and its ``RetryInfo.retryDelay``."""
-        return ErrorReply(status=429, body={"error": {
-            "code": 429, "status": "RESOURCE_EXHAUSTED",
-            "message": "You exceeded your current quota, please check your plan and billing "
-                       "details.",
-            "details": [
-                {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": [{
-                    "quotaMetric": "generativelanguage.googleapis.com/"
-                                   "generate_content_paid_tier_input_token_count",
-                    "quotaId": "GenerateContentPaidTierInputTokensPerModelPerMinute"}]},
-                {"@type": "type.googleapis.com/google.rpc.RetryInfo",
-                 "retryDelay": retry_delay}]}}, **kwargs)
+        return ErrorReply(status=429, body={"error": google_error(
+            429, "RESOURCE_EXHAUSTED",
+            "You exceeded your current quota, please check your plan and billing details.",
+            quota=("generativelanguage.googleapis.com/"
+                   "generate_content_paid_tier_input_token_count",
+                   "GenerateContentPaidTierInputTokensPerModelPerMinute"),
+            retry_delay=retry_delay)}, **kwargs)
 
     @staticmethod
     def billing_disabled(**kwargs: Any) -> ErrorReply:
@@ -256,14 +253,8 @@ def _model_of(path: str) -> str:
 
 
 def _error(status: int, name: str | None, message: str, reason: str | None) -> dict[str, Any]:
-    error: dict[str, Any] = {
-        "code": status, "message": message,
-        "status": name or _STATUS_NAMES.get(status) or (
-            "INTERNAL" if status >= 500 else "INVALID_ARGUMENT")}
-    if reason is not None:
-        error["details"] = [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
-                             "reason": reason, "domain": "googleapis.com"}]
-    return error
+    return google_error(status, name or _STATUS_NAMES.get(status) or (
+        "INTERNAL" if status >= 500 else "INVALID_ARGUMENT"), message, reason=reason)
 
 
 def _parts(content: Any) -> list[dict[str, Any]]:

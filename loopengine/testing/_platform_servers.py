@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from loopengine.testing._anthropic_server import FakeAnthropicServer
+from loopengine.testing._google_errors import google_error
 from loopengine.testing._loopback import ErrorReply, RecordedRequest
 
 __all__ = ["FakeBedrockServer", "FakeVertexServer", "event_stream_message", "model_of"]
@@ -180,12 +181,27 @@ class FakeVertexServer(FakeAnthropicServer):
     ``type`` is a Google status (``RESOURCE_EXHAUSTED``,
     ``PERMISSION_DENIED``...) is sent in Google's shape, its ``error_code``
     as the reason of a ``google.rpc.ErrorInfo`` detail (``BILLING_DISABLED``);
-    any other is the Messages API's error, as Vertex relays the model's. The
+    any other is the Messages API's error, as Vertex relays the model's.
+    `quota_exceeded` is Vertex's quota 429 with its ``RetryInfo`` detail. The
     recorded request's body carries no ``model``: Vertex takes it in the path.
     """
 
     path = ("/v1/projects/{project}/locations/{region}/publishers/anthropic/models/"
             "{model}:rawPredict")
+
+    @staticmethod
+    def quota_exceeded(retry_delay: str = "45s", **kwargs: Any) -> ErrorReply:
+        """Vertex AI's own 429 ``RESOURCE_EXHAUSTED`` for a per-minute quota of a
+        base model, with its ``QuotaFailure`` and its ``RetryInfo.retryDelay``."""
+        return ErrorReply(status=429, body={"error": google_error(
+            429, "RESOURCE_EXHAUSTED",
+            "Quota exceeded for aiplatform.googleapis.com/"
+            "online_prediction_input_tokens_per_minute_per_base_model with base model: "
+            "anthropic-claude-sonnet-4-5. Please submit a quota increase request.",
+            quota=("aiplatform.googleapis.com/"
+                   "online_prediction_input_tokens_per_minute_per_base_model",
+                   "OnlinePredictionInputTokensPerMinutePerProjectPerBaseModel"),
+            retry_delay=retry_delay)}, **kwargs)
 
     @property
     def base_url(self) -> str:
@@ -202,11 +218,8 @@ class FakeVertexServer(FakeAnthropicServer):
         status = item.type
         if item.body is not None or status is None or not status.isupper():
             return super()._error_body(item)
-        error: dict[str, Any] = {"code": item.status, "message": item.message, "status": status}
-        if item.error_code is not None:
-            error["details"] = [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
-                                 "reason": item.error_code, "domain": "googleapis.com"}]
-        return json.dumps({"error": error}).encode()
+        return json.dumps({"error": google_error(item.status, status, item.message,
+                                                 reason=item.error_code)}).encode()
 
 
 def model_of(request: RecordedRequest) -> str | None:

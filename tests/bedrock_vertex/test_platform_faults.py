@@ -9,7 +9,14 @@ import pytest
 
 import loopengine as le
 from loopengine.providers import FaultKind
-from loopengine.testing import CutStream, DropConnection, ErrorReply, Reply, StreamErrorEvent
+from loopengine.testing import (
+    CutStream,
+    DropConnection,
+    ErrorReply,
+    FakeVertexServer,
+    Reply,
+    StreamErrorEvent,
+)
 
 from ..adapter.conftest import STREAMING
 from .conftest import BEDROCK, VERTEX, PlatformHarness
@@ -105,6 +112,34 @@ async def test_vertex_relays_the_models_overload_and_rate_limit(
     assert (first.fault, first.http_status) == ("overloaded", 529)
     assert (second.fault, second.http_status) == ("rate_limited", 429)
     assert wire.clock.sleeps[-1] == 2.0
+
+
+@pytest.mark.parametrize("platform", [VERTEX], ids=["vertex"])
+@STREAMING
+async def test_vertex_quota_retry_info_delay_is_the_wait_slept(
+    wire: PlatformHarness, stream: bool
+) -> None:
+    """Vertex's own quota 429 names its wait in a google.rpc.RetryInfo detail, read
+    as on the Gemini route: its retryDelay is slept (winning over retry-after)."""
+    quota = FakeVertexServer.quota_exceeded("7.5s", headers={"retry-after": "1"})
+    engine, _ = wire.engine(quota, Reply.text("ok"), stream=stream)
+    result = await engine.run(wire.platform.operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "ok"
+    assert wire.clock.sleeps == [7.5] and len(wire.requests) == 2
+    first = result.attempt_log[0].settle
+    assert first is not None and (first.fault, first.http_status, first.error_code) == (
+        "rate_limited", 429, "RESOURCE_EXHAUSTED")
+
+
+@pytest.mark.parametrize("platform", [VERTEX], ids=["vertex"])
+async def test_vertex_retry_info_beyond_the_deadline_ends_the_run(
+    wire: PlatformHarness,
+) -> None:
+    """A per-day quota's long retryDelay is not slept past the run's deadline (R04)."""
+    engine, _ = wire.engine(FakeVertexServer.quota_exceeded("3600s"), Reply.text("never"))
+    result = await engine.run(wire.platform.operation(total_time=60.0), "go")
+    assert result.outcome is not le.Outcome.COMPLETED
+    assert len(wire.requests) == 1 and wire.clock.sleeps == []
 
 
 @pytest.mark.parametrize("platform", [BEDROCK], ids=["bedrock"])
