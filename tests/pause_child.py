@@ -2,8 +2,9 @@
 
 ``python -m tests.pause_child VENDOR DB URL STATE DECISIONS LOG``: load the
 `RunState` in the file STATE, resume it through VENDOR's provider (``anthropic``,
-``openai``, or ``openai-responses`` for OpenAI's Responses API) against the
-fake server at URL, with the SQLiteLedger DB, the decisions given as JSON
+``openai``, ``openai-responses`` for OpenAI's Responses API, ``gemini``, or
+Claude on ``aws-bedrock`` / ``google-vertex``) against the fake server at URL,
+with the SQLiteLedger DB, the decisions given as JSON
 (``{call_id: ["approve"] | ["deny", why] | ["supply", text]}``), and the tool
 ``send`` (approval needed), which appends its input to the file LOG. Prints
 the result's facts as one JSON line.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
@@ -22,13 +24,31 @@ import loopengine as le
 from loopengine.persistence import SQLiteLedger
 from loopengine.providers import (
     AnthropicProvider,
+    GeminiProvider,
     OpenAIProvider,
     OpenAIResponsesProvider,
     Provider,
 )
 
 MODELS = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-4o-mini",
-          "openai-responses": "gpt-4o-mini"}
+          "openai-responses": "gpt-4o-mini", "gemini": "gemini-2.5-flash",
+          "aws-bedrock": "us.anthropic.claude-sonnet-4-5-20250929-v1:0",
+          "google-vertex": "claude-sonnet-4-5@20250929"}
+
+# The routes whose attempts are priced as another vendor's.
+PRICED_AS = {"openai-responses": "openai", "gemini": "google"}
+
+# The providers built otherwise than on an API key and a base_url: as the
+# route's tests build them (tests/gemini, tests/bedrock_vertex).
+BUILT: dict[str, Callable[[str], Provider]] = {
+    "gemini": lambda url: GeminiProvider(api_key="test-key", http_options={"base_url": url}),
+    "aws-bedrock": lambda url: AnthropicProvider.bedrock(
+        base_url=url, aws_region="us-east-1", aws_access_key="AKIDEXAMPLE",
+        aws_secret_key="secret"),
+    "google-vertex": lambda url: AnthropicProvider.vertex(
+        base_url=url, region="us-east5", project_id="test-project",
+        access_token="test-token"),
+}
 
 
 async def main(vendor: str, db: str, url: str, state: bytes, decided: str, log: str) -> None:
@@ -43,12 +63,13 @@ async def main(vendor: str, db: str, url: str, state: bytes, decided: str, log: 
     for call_id, (kind, *rest) in json.loads(decided).items():
         decisions[call_id] = {"approve": le.Approve, "deny": le.Deny,
                               "supply": le.Supply}[kind](*rest)
-    # The Responses API is OpenAI's: its attempts are priced as the vendor's.
-    prices = le.PriceBook([le.ModelPrice(provider=vendor.removesuffix("-responses"),
+    # The Responses API is OpenAI's, Gemini Google's: attempts are priced as the vendor's.
+    prices = le.PriceBook([le.ModelPrice(provider=PRICED_AS.get(vendor, vendor),
                                          model=MODELS[vendor],
                                          input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))],
                           credits_per_usd=Decimal(1_000_000))
-    provider: Provider = (AnthropicProvider(api_key="test-key", base_url=url)
+    provider: Provider = (BUILT[vendor](url) if vendor in BUILT
+                          else AnthropicProvider(api_key="test-key", base_url=url)
                           if vendor == "anthropic"
                           else OpenAIResponsesProvider(api_key="test-key", base_url=url)
                           if vendor == "openai-responses"

@@ -1,5 +1,7 @@
-"""Pause and resume scenarios, defined once and run through each shipped provider
-(tests/adapter/test_anthropic_pause.py, tests/openai/test_openai_pause.py).
+"""Pause and resume scenarios, defined once and run through each shipped route
+(tests/adapter/test_anthropic_pause.py, tests/openai/test_openai_pause.py,
+tests/openai_responses/test_responses_pause.py, tests/gemini/test_gemini_pause.py,
+tests/bedrock_vertex/test_platform_pause.py).
 
 Each scenario scripts the provider's loopback fake, pauses a run on a tool that
 needs approval, resumes it, and asserts what holds whatever the vendor: the

@@ -18,6 +18,7 @@ import loopengine as le
 from loopengine.providers import GeminiProvider
 from loopengine.testing import FakeClock, FakeGeminiServer, RecordedRequest
 
+from .. import rule_scenarios
 from ..adapter.conftest import Harness
 from ..conftest import operation
 
@@ -41,6 +42,12 @@ def gemini_operation(**limits: Any) -> le.Operation:
 def model_in_path(request: RecordedRequest) -> str:
     """The model a Gemini request names: in its path, not its body."""
     return request.path.split("?")[0].rpartition("/models/")[2].partition(":")[0]
+
+
+ROUTE = rule_scenarios.Route(operation=gemini_operation, prices=PRICES,
+                             model_of=model_in_path, request_ids=False)
+"""The Gemini route of the shared scenarios (tests/rule_scenarios.py,
+tests/pause_scenarios.py)."""
 
 
 class GeminiHarness(Harness):

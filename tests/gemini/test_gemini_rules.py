@@ -22,7 +22,7 @@ from ..adapter.conftest import STREAMING
 from ..rule_scenarios import Counter, lookup
 from .conftest import (
     MODEL,
-    PRICES,
+    ROUTE,
     GeminiHarness,
     contents,
     function_calls,
@@ -30,10 +30,6 @@ from .conftest import (
     gemini_operation,
     model_in_path,
 )
-
-ROUTE = scenarios.Route(operation=gemini_operation, prices=PRICES, model_of=model_in_path,
-                        request_ids=False)
-"""The Gemini route of the shared scenarios (tests/rule_scenarios.py)."""
 
 FAST = le.RetryPolicy(max_attempts=4, initial_wait=0.001, max_wait=0.002)
 
