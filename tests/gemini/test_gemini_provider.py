@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 from decimal import Decimal
 from typing import Any
 
@@ -449,6 +450,42 @@ def test_a_given_client_is_bound_to_its_first_event_loop(
     assert caught.value.field == "client" and len(fake_gemini_server.requests) == 1
 
 
+PNG, PDF = b"\x89PNG\r\n\x1a\nfake", b"%PDF-1.4 fake"
+
+
+@le.tool
+async def snapshot() -> list[dict[str, Any]]:
+    """Take a screenshot."""
+    return [{"type": "text", "text": "the login page"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(PNG).decode()}},
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                            "data": base64.b64encode(PDF).decode()}},
+            {"type": "image", "source": {"type": "url", "url": "https://x.test/b.png"}}]
+
+
+def camel(value: Any) -> Any:
+    """``value`` with its keys in camelCase, as the API reads either spelling."""
+    if isinstance(value, dict):
+        return {re.sub(r"_(\w)", lambda m: m.group(1).upper(), k): camel(v)
+                for k, v in value.items()}
+    return [camel(v) for v in value] if isinstance(value, list) else value
+
+
+def check_snapshot_response(response: dict[str, Any]) -> None:
+    """The `snapshot` result as a functionResponse: its text (and the URL image's
+    note) as the JSON ``response``, the PNG and the PDF as its ``parts``. The SDK
+    sends a function response's keys as given (proto field names, snake_case,
+    which the API's JSON reads as it reads camelCase), but for those it writes
+    itself in the Vertex AI mode (``inlineData``)."""
+    assert response["name"] == "snapshot"
+    assert response["response"] == {
+        "result": "the login page\n\n[image: https://x.test/b.png, not shown]"}
+    parts = camel(response["parts"])
+    assert [(p["inlineData"]["mimeType"], base64.b64decode(p["inlineData"]["data"]))
+            for p in parts] == [("image/png", PNG), ("application/pdf", PDF)]
+
+
 @STREAMING
 async def test_a_tool_result_image_and_pdf_reach_the_model_in_the_function_response(
     wire: GeminiHarness, stream: bool
@@ -457,35 +494,36 @@ async def test_a_tool_result_image_and_pdf_reach_the_model_in_the_function_respo
     functionResponse carries the text as its JSON ``response`` and the base64
     media as its own ``parts`` (inlineData, the bytes as sent); the URL image,
     which the API cannot take there, is the note the other text routes send."""
-    png, pdf = b"\x89PNG\r\n\x1a\nfake", b"%PDF-1.4 fake"
-
-    @le.tool
-    async def snapshot() -> list[dict[str, Any]]:
-        """Take a screenshot."""
-        return [{"type": "text", "text": "the login page"},
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                             "data": base64.b64encode(png).decode()}},
-                {"type": "document", "source": {"type": "base64",
-                                                "media_type": "application/pdf",
-                                                "data": base64.b64encode(pdf).decode()}},
-                {"type": "image", "source": {"type": "url", "url": "https://x.test/b.png"}}]
-
     engine, ledger = wire.engine(Reply.tool_calls(("snapshot", {})),
                                  Reply.text("It shows the login page."), stream=stream)
     result = await engine.run(gemini_operation(), "look", tools=[snapshot])
     assert result.outcome is le.Outcome.COMPLETED
     assert result.answer == "It shows the login page."
     (response,) = function_responses(wire.requests[1])
-    assert response["name"] == "snapshot"
-    assert response["response"] == {
-        "result": "the login page\n\n[image: https://x.test/b.png, not shown]"}
-    # The SDK sends a function response's inner keys as given in the Developer
-    # API mode (proto field names, which the API's JSON reads as the camelCase
-    # ones), and in camelCase in the Vertex AI mode.
-    blobs = [p.get("inlineData") or p["inline_data"] for p in response["parts"]]
-    assert [(b.get("mimeType") or b["mime_type"], base64.b64decode(b["data"]))
-            for b in blobs] == [("image/png", png), ("application/pdf", pdf)]
+    check_snapshot_response(response)
     assert [a["outcome"] for a in ledger.attempts.values()] == ["ok", "ok"]
+
+
+@pytest.mark.filterwarnings("ignore:Inheritance class AiohttpClientSession:DeprecationWarning")
+async def test_a_tool_result_image_reaches_the_model_in_the_vertex_ai_mode_too(
+    fake_gemini_server: FakeGeminiServer,
+) -> None:
+    """In the Vertex AI mode the SDK writes the function response's media parts
+    itself (camelCase): the same image and PDF reach the model."""
+    client = genai.Client(vertexai=True, project="proj", location="us-central1",
+                          credentials=Credentials(token="vertex-token"),
+                          http_options={"base_url": fake_gemini_server.url})
+    fake_gemini_server.add(Reply.tool_calls(("snapshot", {})), Reply.text("seen"))
+    provider = GeminiProvider(client)
+    try:
+        result = await le.Engine(provider).run(
+            le.Operation(name="v", provider="gemini-vertex", model=MODEL), "look",
+            tools=[snapshot])
+    finally:
+        await client.aio.aclose()
+    assert result.answer == "seen"
+    (response,) = function_responses(fake_gemini_server.requests[1])
+    check_snapshot_response(response)
 
 
 async def test_a_block_of_another_kind_in_a_tool_result_is_refused_before_the_wire(
