@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         OutcomeError,
         ProviderError,
         ReplayMismatchError,
+        RunBusyError,
         StructuredOutputError,
         ToolInputError,
     )
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from loopengine._pricing import ModelPrice, PriceBook
     from loopengine._result import AttemptsSummary, RunResult
     from loopengine._runstate import Approve, Deny, PendingCall, RunState, Supply
+    from loopengine._runstore import RunStore
     from loopengine._stream import RunStream
     from loopengine._tools import Tool, tool
     from loopengine._usage import Usage, UsageIteration
@@ -80,8 +82,10 @@ __all__ = [
     "Reject",
     "ReplayMismatchError",
     "RetryPolicy",
+    "RunBusyError",
     "RunResult",
     "RunState",
+    "RunStore",
     "RunStream",
     "ServerTool",
     "StructuredOutputError",
@@ -128,8 +132,10 @@ _EXPORTS: dict[str, str] = {
     "Reject": "loopengine._judge",
     "ReplayMismatchError": "loopengine._errors",
     "RetryPolicy": "loopengine.providers._retry",
+    "RunBusyError": "loopengine._errors",
     "RunResult": "loopengine._result",
     "RunState": "loopengine._runstate",
+    "RunStore": "loopengine._runstore",
     "RunStream": "loopengine._stream",
     "ServerTool": "loopengine._features",
     "StructuredOutputError": "loopengine._errors",

@@ -7,6 +7,7 @@ import copy
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import pydantic
@@ -36,7 +37,8 @@ from loopengine._run import (
     resume_loop,
     run_loop,
 )
-from loopengine._runstate import Decision, RunState, check_decisions
+from loopengine._runstate import Decision, PendingCall, RunState, check_decisions
+from loopengine._runstore import UNBOUNDED_RUN, RunStore, StoredRun, new_owner
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
 from loopengine._tools import Tool, check_tool_name
@@ -95,6 +97,11 @@ class Engine:
         accounts: `CreditAccounts` on this engine's ledger: each run on an
             account reserves its credit hold before its first request and
             settles its charge at its end (docs/accounts.md).
+        run_store: A `RunStore` on this engine's ledger: each run holds a
+            lease and checkpoints its state there, each tool call is recorded
+            ``started`` before its handler runs, and ``resume(invocation_id)``
+            resumes a paused run or recovers one whose process died
+            (docs/pause-and-resume.md).
     """
 
     def __init__(
@@ -108,6 +115,7 @@ class Engine:
         rng: random.Random | None = None,
         tool_error_text: ToolErrorText | None = None,
         accounts: CreditAccounts | None = None,
+        run_store: RunStore | None = None,
     ) -> None:
         if isinstance(provider, Mapping):
             providers = dict(provider)
@@ -145,6 +153,13 @@ class Engine:
                                   f"must be CreditAccounts, got {_validate.shown(accounts)}")
             if accounts.ledger is not ledger:
                 raise ConfigError("accounts", "the accounts must live on this engine's ledger")
+        if run_store is not None:
+            if not isinstance(run_store, RunStore):
+                raise ConfigError("run_store",
+                                  f"must be a RunStore, got {_validate.shown(run_store)}")
+            if run_store.ledger is not ledger:
+                raise ConfigError("run_store", "the run store must live on this engine's ledger")
+        self.run_store = run_store
         self.accounts = accounts
         self.providers: dict[str, Provider] = providers
         self.ledger = ledger
@@ -312,6 +327,7 @@ class Engine:
         accept: Callable[[Any], Any] | None = None,
         on_text: TextCallback | None = None,
         tool_error_text: ToolErrorText | None = None,
+        force: bool = False,
     ) -> RunResult:
         """Resume a paused run (``result.state`` of a ``paused`` result) as the
         same invocation (docs/pause-and-resume.md).
@@ -327,8 +343,19 @@ class Engine:
         is available the result is ``admission_denied`` with the state kept
         (``result.state``) for a later resume.
 
+        With a `RunStore` (``Engine(run_store=...)``), ``state`` may be the
+        run's invocation id: its state is read from the store. That also
+        recovers a run whose process died (its lease expired, or ``force``):
+        an attempt it left unsettled stays as the ledger has it and the turn
+        is sent again; a call it left ``started`` is in doubt: run again if
+        its tool is ``idempotent``, else the run returns ``paused`` with the
+        call in ``result.pending`` (reason ``in_doubt``) for a decision. Of
+        two resumes of one run, one proceeds and the other raises
+        `RunBusyError` before anything is sent.
+
         Args:
-            state: The `RunState`, or its `RunState.dumps` bytes.
+            state: The `RunState`, its `RunState.dumps` bytes, or (with a run
+                store) the run's invocation id.
             decisions: One decision per pending call, by call id.
             operation: The published operation to resume under, when the
                 state is not trusted: its limits are then the ceiling (the
@@ -339,6 +366,8 @@ class Engine:
             accept: The judge of a final answer.
             on_text: Receives streamed text deltas.
             tool_error_text: Overrides the engine's hook for this run.
+            force: Take the run over even though its lease has not expired
+                (its process is known to be dead).
 
         Returns:
             The `RunResult`; it may be ``paused`` again.
@@ -349,13 +378,35 @@ class Engine:
                 call, an output model other than the run's, an invocation the
                 ledger does not hold paused, or a pause longer than
                 ``Limits.pause_timeout`` (the invocation is then ended
-                ``time_limit``).
+                ``time_limit``), or an invocation id the run store does not
+                hold.
+            RunBusyError: another resume holds the run, or its process's
+                lease has not expired; nothing was sent or recorded.
         """
+        _validate.boolean("force", force)
+        stored: StoredRun | None = None
+        if isinstance(state, str) and not state.lstrip().startswith("{"):
+            if self.run_store is None:
+                raise ConfigError("state", "resuming a run by its invocation id needs "
+                                           "Engine(run_store=...)")
+            stored = await self.run_store.load(state)
+            if stored is None:
+                raise ConfigError("state", f"the run store holds no run {state[:80]!r} "
+                                           "(it ended, or never ran with a run store)")
+            state = stored.state
         if isinstance(state, bytes | str):
             state = RunState.loads(state)
         if not isinstance(state, RunState):
             raise ConfigError("state", f"must be a RunState, got {_validate.shown(state)}")
-        decided = check_decisions(state.pending, decisions)
+        if self.run_store is not None and stored is None:
+            stored = await self.run_store.load(state.invocation_id)
+        # A stored run that is not paused was running when its process died.
+        recovering = stored is not None and stored.paused_at is None
+        if recovering and not state.pending:
+            assert self.run_store is not None
+            state = replace(state, pending=await self._in_doubt(state, tools))
+        undecided = recovering and bool(state.pending) and not decisions
+        decided = {} if undecided else check_decisions(state.pending, decisions)
         if operation is None:
             operation = state.operation
         elif not isinstance(operation, Operation) or operation.name != state.operation.name:
@@ -372,7 +423,48 @@ class Engine:
             tool_error_text=tool_error_text, final_tool=state.final_tool)
         # The transcript as it paused: its last reply's calls still wait for results.
         spec = replace(spec, messages=copy.deepcopy(state.messages))
-        return await resume_loop(inv, spec, state, decided)
+        if stored is not None:
+            assert self.run_store is not None
+            # Taken before anything is sent or recorded: of two resumes, one.
+            inv.lease_owner = new_owner()
+            left = state.limits.total_time
+            if left is not None:
+                left = max(0.0, left - state.progress.running_seconds)
+            await self.run_store.claim(
+                state.invocation_id, inv.lease_owner, version=stored.version,
+                expires_at=self.clock.wall() + timedelta(
+                    seconds=(left if left is not None else UNBOUNDED_RUN)
+                    + self.run_store.lease_grace),
+                now=self.clock.wall(), force=force)
+        return await resume_loop(inv, spec, state, decided, recovering=recovering,
+                                 undecided=undecided)
+
+    async def _in_doubt(self, state: RunState, tools: Iterable[Tool]) -> tuple[PendingCall, ...]:
+        """The calls of a recovered run's batch that may have run: recorded
+        ``started`` (or ``in_doubt``) without an end, and not of an
+        ``idempotent`` tool (those run again)."""
+        assert self.run_store is not None
+        if not state.batch:
+            return ()
+        statuses = await self.run_store.tool_calls(state.invocation_id)
+        done = {str(r.get("tool_use_id")) for r in state.results}
+        last = state.messages[-1] if state.messages else {}
+        blocks = {str(b.get("id")): b for b in last.get("content") or ()
+                  if isinstance(b, Mapping) and b.get("type") == "tool_use"}
+        by_name = {t.name: t for t in check_tools(tools)}
+        pending = []
+        for call_id in state.batch:
+            block = blocks.get(call_id)
+            if block is None or call_id in done:
+                continue
+            if statuses.get(call_id) not in ("started", "in_doubt"):
+                continue
+            tool = by_name.get(str(block.get("name")))
+            if tool is not None and tool.idempotent:
+                continue
+            pending.append(PendingCall(call_id, str(block.get("name")),
+                                       block.get("input", {}), "in_doubt"))
+        return tuple(pending)
 
     def _prepare_run(
         self,
@@ -421,6 +513,7 @@ class Engine:
                 "text: serve the route with a provider that streams, or make yours "
                 "stream (streaming True, send hands on_text the text)")
         inv.engine = self  # where its tools' delegated runs start (ToolContext.run)
+        inv.run_store = self.run_store
         return inv, spec
 
     def stream(
