@@ -27,6 +27,7 @@ from loopengine._features import (
 )
 from loopengine._invocation import Invocation
 from loopengine._operation import Operation
+from loopengine._pause import pending_approvals
 from loopengine._pricing import PriceBook
 from loopengine._result import RunResult
 from loopengine._run import (
@@ -440,9 +441,10 @@ class Engine:
                                  undecided=undecided)
 
     async def _in_doubt(self, state: RunState, tools: Iterable[Tool]) -> tuple[PendingCall, ...]:
-        """The calls of a recovered run's batch that may have run: recorded
-        ``started`` (or ``in_doubt``) without an end, and not of an
-        ``idempotent`` tool (those run again)."""
+        """The calls of a recovered run's batch that wait for a decision: those
+        that may have run (recorded ``started`` or ``in_doubt`` without an
+        end, not of an ``idempotent`` tool: those run again), and those not
+        run yet whose tool asks for approval (not approved yet)."""
         assert self.run_store is not None
         if not state.batch:
             return ()
@@ -452,19 +454,23 @@ class Engine:
         blocks = {str(b.get("id")): b for b in last.get("content") or ()
                   if isinstance(b, Mapping) and b.get("type") == "tool_use"}
         by_name = {t.name: t for t in check_tools(tools)}
-        pending = []
+        pending: list[PendingCall] = []
+        waiting: list[Mapping[str, Any]] = []
         for call_id in state.batch:
             block = blocks.get(call_id)
             if block is None or call_id in done:
                 continue
-            if statuses.get(call_id) not in ("started", "in_doubt"):
+            status = statuses.get(call_id)
+            if status not in ("started", "in_doubt"):
+                if status != "approved":
+                    waiting.append(block)  # not run yet: it may still need approval
                 continue
             tool = by_name.get(str(block.get("name")))
             if tool is not None and tool.idempotent:
                 continue
             pending.append(PendingCall(call_id, str(block.get("name")),
                                        block.get("input", {}), "in_doubt"))
-        return tuple(pending)
+        return (*pending, *pending_approvals(waiting, by_name, state.invocation_id))
 
     def _prepare_run(
         self,

@@ -148,7 +148,8 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
         found: InvocationProgress | None = await read(state.invocation_id)
         if found is None:
             raise ConfigError("state", f"the ledger has no invocation {state.invocation_id}")
-        if found.outcome != ("running" if recovering else "paused"):
+        # A recovered run's process may have died as it paused.
+        if found.outcome not in (("running", "paused") if recovering else ("paused",)):
             raise ConfigError("state", f"invocation {state.invocation_id} is not paused: "
                                        f"it is {found.outcome}")
         progress = found

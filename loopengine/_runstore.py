@@ -29,6 +29,7 @@ import os
 import socket
 import sqlite3
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -79,6 +80,11 @@ CallMark = tuple[str, int, str, str]
 """``(call_id, turn, tool, status)``: a tool call's new status."""
 
 
+_MEMORY: weakref.WeakKeyDictionary[MemoryLedger, sqlite3.Connection] = \
+    weakref.WeakKeyDictionary()
+"""The run store tables of each `MemoryLedger`."""
+
+
 def new_owner() -> str:
     """A lease owner id: this host, this process, and a part unique to the segment."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
@@ -127,11 +133,15 @@ class RunStore:
         self.lease_grace = float(lease_grace)
         self._memory: sqlite3.Connection | None = None
         if isinstance(ledger, MemoryLedger):
-            # The same tables and statements, in this process's memory.
-            self._memory = sqlite3.connect(":memory:", isolation_level=None,
-                                           check_same_thread=False)
-            for statement in render(RUN_TABLES, SQLITE_TYPES):
-                self._memory.execute(statement)
+            # The same tables and statements, in this process's memory, one
+            # database per ledger (every store on it shares it).
+            self._memory = _MEMORY.get(ledger)
+            if self._memory is None:
+                self._memory = sqlite3.connect(":memory:", isolation_level=None,
+                                               check_same_thread=False)
+                for statement in render(RUN_TABLES, SQLITE_TYPES):
+                    self._memory.execute(statement)
+                _MEMORY[ledger] = self._memory
 
     def __repr__(self) -> str:
         return f"RunStore({self.ledger!r})"

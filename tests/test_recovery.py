@@ -1,0 +1,295 @@
+"""The run store on every ledger store (memory, SQLite, PostgreSQL): checkpoints,
+leases, in-doubt calls and resumes by invocation id (DESIGN §16).
+
+A process that dies is stood in for, here, by a handler raising a
+`BaseException` no run catches (`Crash`): nothing after it runs, as after a
+kill. tests/test_recovery_processes.py kills real processes.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import loopengine as le
+from loopengine import events
+from loopengine.persistence import MemoryLedger, PostgresLedger, SQLiteLedger
+from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import FakeClock
+
+from .conftest import PRICES, operation
+from .pause_scenarios import Sender, send
+from .postgres_support import PostgresServer, fresh_schema
+
+STORES = ["memory", "sqlite", "postgres"]
+
+
+class Crash(BaseException):
+    """Stands in for the death of the process (nothing catches it)."""
+
+
+@pytest.fixture(params=STORES)
+async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """Each store in turn (PostgreSQL on the session's throwaway server)."""
+    if request.param == "memory":
+        yield MemoryLedger()
+    elif request.param == "sqlite":
+        with SQLiteLedger(tmp_path / "ledger.db") as store:
+            yield store
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        async with PostgresLedger(server.dsn(), schema=fresh_schema()) as store:
+            yield store
+
+
+class Charger:
+    """``charge`` (not idempotent) and ``lookup`` (idempotent): each records its
+    runs; ``crash_on`` makes the next run of that tool die mid-handler."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, str]] = []
+        self.keys: list[str] = []
+        self.crash_on: str | None = None
+
+        @le.tool
+        def charge(card: str, ctx: le.ToolContext) -> str:
+            """Charge a card."""
+            self.runs.append(("charge", card))
+            self.keys.append(ctx.idempotency_key)
+            if self.crash_on == "charge":
+                self.crash_on = None
+                raise Crash
+            return f"charged {card}"
+
+        @le.tool(idempotent=True)
+        def lookup(card: str) -> str:
+            """Look a card up."""
+            self.runs.append(("lookup", card))
+            if self.crash_on == "lookup":
+                self.crash_on = None
+                raise Crash
+            return f"{card} is valid"
+
+        self.tools = [charge, lookup]
+
+
+def engine_on(ledger: Any, clock: FakeClock, *script: Reply,
+              **kwargs: Any) -> tuple[le.Engine, ScriptedProvider, le.RunStore]:
+    provider = ScriptedProvider(list(script), clock=clock)
+    store = le.RunStore(ledger)
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                       rng=random.Random(3), run_store=store, **kwargs)
+    return engine, provider, store
+
+
+async def crashed(engine: le.Engine, charger: Charger) -> None:
+    with pytest.raises(BaseException) as caught:
+        await engine.run(operation(total_time=600.0), "pay", tools=charger.tools)
+    assert caught.group_contains(Crash) if isinstance(caught.value, BaseExceptionGroup) \
+        else isinstance(caught.value, Crash)
+
+
+async def the_run_id(store: le.RunStore, ledger: Any) -> str:
+    """The one invocation of the ledger (the crashed run returned nothing)."""
+    ids = await invocation_ids(ledger)
+    assert len(ids) == 1
+    return ids[0]
+
+
+async def invocation_ids(ledger: Any) -> list[str]:
+    if isinstance(ledger, MemoryLedger):
+        return list(ledger.invocations)
+    if isinstance(ledger, SQLiteLedger):
+        await ledger.flush()
+        with sqlite3.connect(ledger.path) as conn:
+            return [r[0] for r in conn.execute("SELECT id FROM invocations")]
+    return [r[0] for r in await ledger._transact(
+        lambda conn: conn.execute("SELECT id FROM invocations").fetchall(), "read")]
+
+
+async def test_an_ended_run_leaves_no_state_and_each_call_its_status(
+        ledger: Any, clock: FakeClock) -> None:
+    """The run store keeps a run only while it has not ended; its calls' statuses stay."""
+    charger = Charger()
+    engine, _, store = engine_on(ledger, clock, Reply.tool_calls(("charge", {"card": "4242"}),
+                                                                  ("lookup", {"card": "1"})),
+                                 Reply.text("done"))
+    result = await engine.run(operation(), "pay", tools=charger.tools)
+    assert result.outcome is le.Outcome.COMPLETED
+    assert await store.load(result.invocation_id) is None
+    statuses = await store.tool_calls(result.invocation_id)
+    assert sorted(statuses.values()) == ["succeeded", "succeeded"]
+
+
+async def test_a_paused_run_resumes_by_its_invocation_id_alone(
+        ledger: Any, clock: FakeClock) -> None:
+    """Paused: its state is in the store; `resume(invocation_id)` needs nothing else."""
+    sender = Sender()
+    engine, provider, store = engine_on(ledger, clock, Reply.tool_calls(send("a")),
+                                        Reply.text("done"))
+    paused = await engine.run(operation(), "go", tools=[sender.tool])
+    assert paused.outcome is le.Outcome.PAUSED
+    stored = await store.load(paused.invocation_id)
+    assert stored is not None and stored.paused_at is not None and stored.lease_owner is None
+    assert (await store.tool_calls(paused.invocation_id)) == {paused.pending[0].id: "requested"}
+    done = await engine.resume(paused.invocation_id, tools=[sender.tool],
+                               decisions={paused.pending[0].id: le.Approve()})
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+    assert done.invocation_id == paused.invocation_id
+    assert await store.load(paused.invocation_id) is None
+    with pytest.raises(le.ConfigError, match="holds no run"):
+        await engine.resume(paused.invocation_id, tools=[sender.tool])
+
+
+async def test_a_second_resume_of_a_paused_run_is_busy(ledger: Any, clock: FakeClock) -> None:
+    """Once a resume has taken the run, another resume of the same stored
+    version raises RunBusyError and sends nothing."""
+    sender = Sender()
+    engine, provider, store = engine_on(ledger, clock, Reply.tool_calls(send("a")),
+                                        Reply.text("done"))
+    paused = await engine.run(operation(), "go", tools=[sender.tool])
+    stored = await store.load(paused.invocation_id)
+    assert stored is not None
+    await store.claim(paused.invocation_id, "someone-else", version=stored.version,
+                      expires_at=clock.wall() + timedelta(hours=1), now=clock.wall(),
+                      force=False)
+    sent = len(provider.requests)
+    with pytest.raises(le.RunBusyError):
+        await engine.resume(paused.state or b"", tools=[sender.tool],
+                            decisions={paused.pending[0].id: le.Approve()})
+    assert len(provider.requests) == sent and sender.sent == []
+
+
+async def test_a_non_idempotent_call_cut_by_a_crash_is_in_doubt_never_run_again(
+        ledger: Any, clock: FakeClock) -> None:
+    """Killed in charge's handler: the lease holds off a resume until it expires
+    (or force); the resume pauses with the call in doubt, and Supply gives its
+    output without running it again."""
+    charger = Charger()
+    charger.crash_on = "charge"
+    engine, provider, store = engine_on(
+        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"})), Reply.text("done"))
+    await crashed(engine, charger)
+    run_id = await the_run_id(store, ledger)
+    assert list((await store.tool_calls(run_id)).values()) == ["started"]
+    with pytest.raises(le.RunBusyError, match="lease"):
+        await engine.resume(run_id, tools=charger.tools)
+    clock.advance(600.0 + 61.0)  # past its deadline and the lease's grace
+    paused = await engine.resume(run_id, tools=charger.tools)
+    assert paused.outcome is le.Outcome.PAUSED
+    assert [(p.tool, p.reason) for p in paused.pending] == [("charge", "in_doubt")]
+    assert list((await store.tool_calls(run_id)).values()) == ["in_doubt"]
+    done = await engine.resume(run_id, tools=charger.tools,
+                               decisions={paused.pending[0].id: le.Supply("charged 4242")})
+    assert done.outcome is le.Outcome.COMPLETED
+    assert charger.runs == [("charge", "4242")]  # once, never again
+    assert list((await store.tool_calls(run_id)).values()) == ["supplied"]
+    progress = await ledger.read_progress(run_id)
+    assert progress.attempt_count == 2 == len(provider.requests)
+
+
+async def test_approving_an_in_doubt_call_runs_it_again_with_the_same_key(
+        ledger: Any, clock: FakeClock) -> None:
+    """Approve() on an in-doubt call runs it again; its idempotency key is the same."""
+    charger = Charger()
+    charger.crash_on = "charge"
+    engine, _, store = engine_on(
+        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"})), Reply.text("done"))
+    await crashed(engine, charger)
+    run_id = await the_run_id(store, ledger)
+    paused = await engine.resume(run_id, tools=charger.tools, force=True)
+    assert paused.outcome is le.Outcome.PAUSED
+    done = await engine.resume(run_id, tools=charger.tools,
+                               decisions={paused.pending[0].id: le.Approve()})
+    assert done.outcome is le.Outcome.COMPLETED
+    assert charger.runs == [("charge", "4242"), ("charge", "4242")]
+    assert charger.keys[0] == charger.keys[1]
+
+
+async def test_an_idempotent_call_cut_by_a_crash_runs_again_and_finished_calls_do_not(
+        ledger: Any, clock: FakeClock) -> None:
+    """Killed in lookup's handler (the second turn): charge, which had finished,
+    keeps its result; lookup (idempotent) runs again; one resume completes it."""
+    charger = Charger()
+    engine, provider, store = engine_on(
+        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"})),
+        Reply.tool_calls(("lookup", {"card": "1"})), Reply.text("done"))
+
+    charger.crash_on = "lookup"  # the second turn's call
+    original = charger.tools[1]
+    await crashed(engine, charger)
+    run_id = await the_run_id(store, ledger)
+    done = await engine.resume(run_id, tools=charger.tools, force=True)
+    assert done.outcome is le.Outcome.COMPLETED, done.detail
+    assert charger.runs == [("charge", "4242"), ("lookup", "1"), ("lookup", "1")]
+    assert done.tool_calls == 2
+    assert original.idempotent
+    progress = await ledger.read_progress(run_id)
+    assert progress.attempt_count == len(provider.requests) == 3
+    assert (progress.turns, progress.tool_calls) == (3, 2)
+
+
+async def test_a_crash_between_turns_sends_the_turn_again(ledger: Any, clock: FakeClock) -> None:
+    """Killed after the batch's checkpoint: the next turn is sent as a new
+    attempt, ordinals dense; no call runs again."""
+    charger = Charger()
+
+    def crash_observer(event: object) -> None:
+        if isinstance(event, events.AttemptStarted) and event.ordinal == 2:
+            raise Crash
+
+    engine, provider, store = engine_on(
+        ledger, clock, Reply.tool_calls(("lookup", {"card": "1"})), Reply.text("done"),
+        observers=[crash_observer])
+    with pytest.raises(BaseException):
+        await engine.run(operation(total_time=600.0), "pay", tools=charger.tools)
+    run_id = await the_run_id(store, ledger)
+    engine2, provider2, _ = engine_on(ledger, clock, Reply.text("done"))
+    done = await engine2.resume(run_id, tools=charger.tools, force=True)
+    assert done.outcome is le.Outcome.COMPLETED
+    assert charger.runs == [("lookup", "1")]
+    progress = await ledger.read_progress(run_id)
+    assert progress.turns == 2 and progress.tool_calls == 1
+    # The attempt the crash cut stays dispatched (it was never sent here); the
+    # turn went again as attempt 3.
+    assert progress.attempt_count == 3 == len(provider.requests) + len(provider2.requests) + 1
+
+
+async def test_a_resume_refused_for_its_pause_timeout_emits_run_ended(
+        ledger: Any, clock: FakeClock) -> None:
+    """Past pause_timeout: ConfigError, the ledger says time_limit, observers get
+    RunEnded(time_limit), and the store forgets the run."""
+    sender = Sender()
+    seen: list[object] = []
+    engine, _, store = engine_on(ledger, clock, Reply.tool_calls(send("a")),
+                                 Reply.text("done"), observers=[seen.append])
+    paused = await engine.run(operation(pause_timeout=60.0), "go", tools=[sender.tool])
+    clock.advance(61.0)
+    with pytest.raises(le.ConfigError, match="pause_timeout"):
+        await engine.resume(paused.invocation_id, tools=[sender.tool],
+                            decisions={paused.pending[0].id: le.Approve()})
+    ended = [e for e in seen if isinstance(e, events.RunEnded)]
+    assert [e.outcome for e in ended] == ["time_limit"]
+    assert (await ledger.read_progress(paused.invocation_id)).outcome == "time_limit"
+    assert await store.load(paused.invocation_id) is None
+    assert sender.sent == []
+
+
+async def test_an_engine_refuses_a_run_store_of_another_ledger(clock: FakeClock) -> None:
+    """The store must be on the engine's ledger; resume by id needs a store."""
+    with pytest.raises(le.ConfigError, match="run_store"):
+        le.Engine(ScriptedProvider([]), ledger=MemoryLedger(),
+                  run_store=le.RunStore(MemoryLedger()))
+    with pytest.raises(le.ConfigError, match="RunStore"):
+        le.Engine(ScriptedProvider([]), ledger=MemoryLedger(), run_store="x")  # type: ignore[arg-type]
+    with pytest.raises(le.ConfigError, match="ledger"):
+        le.RunStore(object())
+    engine = le.Engine(ScriptedProvider([]), ledger=MemoryLedger())
+    with pytest.raises(le.ConfigError, match="run_store"):
+        await engine.resume("some-invocation-id")
