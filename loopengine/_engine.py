@@ -401,6 +401,8 @@ class Engine:
             raise ConfigError("state", f"must be a RunState, got {_validate.shown(state)}")
         if self.run_store is not None and stored is None:
             stored = await self.run_store.load(state.invocation_id)
+        if stored is not None:
+            stored.check_free(self.clock.wall(), force)
         # A stored run that is not paused was running when its process died.
         recovering = stored is not None and stored.paused_at is None
         if recovering and not state.pending:

@@ -478,6 +478,11 @@ class _Loop:
             return
         if inv.lease_owner is None:
             inv.lease_owner = new_owner()
+        if create:
+            # The invocation's row first: a store never holds a run its ledger lacks.
+            flush = getattr(inv.ledger, "flush", None)
+            if flush is not None:
+                await flush()
         await store.checkpoint(
             inv.id, inv.lease_owner, now=inv.clock.wall(),
             state=None if state is None else state.dumps(),

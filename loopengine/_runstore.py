@@ -75,6 +75,19 @@ class StoredRun:
     paused_at: datetime | None
     """When it paused (None while it runs)."""
 
+    def check_free(self, now: datetime, force: bool) -> None:
+        """Raise unless a resume may take the run now: it is paused, or the
+        lease of the process running it has expired, or ``force``.
+
+        Raises:
+            RunBusyError: it runs under a lease that has not expired.
+        """
+        lease = self.lease_expires_at
+        if self.paused_at is None and not force and lease is not None and lease > now:
+            raise RunBusyError(self.invocation_id, self.lease_owner,
+                               f"its lease runs until {format_time(lease)}; resume it "
+                               "then, or with force=True if its process is dead")
+
 
 CallMark = tuple[str, int, str, str]
 """``(call_id, turn, tool, status)``: a tool call's new status."""
@@ -190,9 +203,9 @@ class RunStore:
         """Take the run for a resume: a compare-and-set on its ``version`` (internal).
 
         Raises:
-            RunBusyError: another resume took it since it was read, or it runs
-                under a lease that has not expired (and ``force`` is false).
-            ConfigError: the store holds no such run.
+            RunBusyError: another resume took it since it was read (and may
+                have ended it), or it runs under a lease that has not expired
+                (and ``force`` is false).
         """
 
         def work(conn: Any) -> None:
@@ -201,16 +214,13 @@ class RunStore:
                 "SELECT version, lease_owner, lease_expires_at, paused_at FROM run_states "
                 f"WHERE invocation_id = ?{lock}", (invocation_id,)).fetchone()
             if row is None:
-                raise ConfigError("invocation_id", f"the run store holds no run "
-                                                   f"{invocation_id} (it ended)")
+                # It was there when read: another resume took it, and ended it.
+                raise RunBusyError(invocation_id, None, "another resume took it and ended it")
             found, holder, expires, paused = row
             if int(found) != version:
                 raise RunBusyError(invocation_id, holder, "another resume took it")
-            lease = _time(expires)
-            if paused is None and not force and lease is not None and lease > now:
-                raise RunBusyError(invocation_id, holder,
-                                   f"its lease runs until {format_time(lease)}; resume it "
-                                   "then, or with force=True if its process is dead")
+            StoredRun(invocation_id, b"", int(found), holder, _time(expires),
+                      _time(paused)).check_free(now, force)
             changed = conn.execute(
                 "UPDATE run_states SET version = version + 1, lease_owner = ?, "
                 "lease_expires_at = ?, paused_at = NULL, updated_at = ? "

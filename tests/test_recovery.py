@@ -247,7 +247,7 @@ async def test_a_crash_between_turns_sends_the_turn_again(ledger: Any, clock: Fa
     engine, provider, store = engine_on(
         ledger, clock, Reply.tool_calls(("lookup", {"card": "1"})), Reply.text("done"),
         observers=[crash_observer])
-    with pytest.raises(BaseException):
+    with pytest.raises(Crash):
         await engine.run(operation(total_time=600.0), "pay", tools=charger.tools)
     run_id = await the_run_id(store, ledger)
     engine2, provider2, _ = engine_on(ledger, clock, Reply.text("done"))
