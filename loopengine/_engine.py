@@ -148,18 +148,15 @@ class Engine:
                                        f"got {_validate.shown(clock)}")
         if rng is not None and not isinstance(rng, random.Random):
             raise ConfigError("rng", f"must be a random.Random, got {_validate.shown(rng)}")
-        if accounts is not None:
-            if not isinstance(accounts, CreditAccounts):
-                raise ConfigError("accounts",
-                                  f"must be CreditAccounts, got {_validate.shown(accounts)}")
-            if accounts.ledger is not ledger:
-                raise ConfigError("accounts", "the accounts must live on this engine's ledger")
-        if run_store is not None:
-            if not isinstance(run_store, RunStore):
-                raise ConfigError("run_store",
-                                  f"must be a RunStore, got {_validate.shown(run_store)}")
-            if run_store.ledger is not ledger:
-                raise ConfigError("run_store", "the run store must live on this engine's ledger")
+        for field, value, kind, name in (
+                ("accounts", accounts, CreditAccounts, "the accounts"),
+                ("run_store", run_store, RunStore, "the run store")):
+            if value is None:
+                continue
+            if not isinstance(value, kind):
+                raise ConfigError(field, f"must be {kind.__name__}, got {_validate.shown(value)}")
+            if value.ledger is not ledger:
+                raise ConfigError(field, f"{name} must live on this engine's ledger")
         self.run_store = run_store
         self.accounts = accounts
         self.providers: dict[str, Provider] = providers

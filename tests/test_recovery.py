@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import sqlite3
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,33 +18,22 @@ import pytest
 
 import loopengine as le
 from loopengine import events
-from loopengine.persistence import MemoryLedger, PostgresLedger, SQLiteLedger
+from loopengine.persistence import MemoryLedger, SQLiteLedger
 from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
 from .pause_scenarios import Sender, send
-from .postgres_support import PostgresServer, fresh_schema
-
-STORES = ["memory", "sqlite", "postgres"]
 
 
 class Crash(BaseException):
     """Stands in for the death of the process (nothing catches it)."""
 
 
-@pytest.fixture(params=STORES)
-async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    """Each store in turn (PostgreSQL on the session's throwaway server)."""
-    if request.param == "memory":
-        yield MemoryLedger()
-    elif request.param == "sqlite":
-        with SQLiteLedger(tmp_path / "ledger.db") as store:
-            yield store
-    else:
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        async with PostgresLedger(server.dsn(), schema=fresh_schema()) as store:
-            yield store
+@pytest.fixture
+def ledger(each_ledger: Any) -> Any:
+    """Each store in turn (`each_ledger`)."""
+    return each_ledger
 
 
 class Charger:
@@ -293,3 +281,43 @@ async def test_an_engine_refuses_a_run_store_of_another_ledger(clock: FakeClock)
     engine = le.Engine(ScriptedProvider([]), ledger=MemoryLedger())
     with pytest.raises(le.ConfigError, match="run_store"):
         await engine.resume("some-invocation-id")
+
+
+async def test_an_admission_denied_resume_does_not_restart_the_pause_clock(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """A resume its account cannot admit stays the same pause: its state and the
+    ledger keep the first pause's time, so pause_timeout counts from it."""
+    sender = Sender()
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 120)  # the first turn spends it all
+        provider = ScriptedProvider([Reply.tool_calls(send("a"))], clock=clock)
+        engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                           accounts=accounts)
+        paused = await engine.run(operation(credit_hold=500, pause_timeout=60.0), "go",
+                                  tools=[sender.tool], attribution=le.Attribution(tenant="acme"))
+        assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+        first = paused.state.paused_at
+        clock.advance(40.0)
+        denied = await engine.resume(paused.state, tools=[sender.tool],
+                                     decisions={paused.pending[0].id: le.Approve()})
+        assert denied.outcome is le.Outcome.ADMISSION_DENIED and denied.state is not None
+        assert denied.state.paused_at == first
+        assert (await ledger.read_progress(paused.invocation_id)).ended_at == first
+        clock.advance(30.0)  # 70s since the pause, past a 60s pause_timeout
+        with pytest.raises(le.ConfigError, match="pause_timeout"):
+            await engine.resume(denied.state, tools=[sender.tool],
+                                decisions={paused.pending[0].id: le.Approve()})
+        assert sender.sent == []
+
+
+async def test_a_sqlite_ledger_with_a_run_store_stays_readable_by_its_owner_only(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """The transcript lives in the ledger file: it stays 0600."""
+    sender = Sender()
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        engine, _, store = engine_on(ledger, clock, Reply.tool_calls(send("a")))
+        paused = await engine.run(operation(), "go", tools=[sender.tool])
+        assert await store.load(paused.invocation_id) is not None
+    assert path.stat().st_mode & 0o777 == 0o600
