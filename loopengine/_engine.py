@@ -400,8 +400,12 @@ class Engine:
             stored = await self.run_store.load(state.invocation_id)
         if stored is not None:
             stored.check_free(self.clock.wall(), force)
-        # A stored run that is not paused was running when its process died.
+        # A stored run that is not paused was running when its process died:
+        # its last checkpoint is newer than any state the caller holds.
         recovering = stored is not None and stored.paused_at is None
+        if recovering:
+            assert stored is not None
+            state = RunState.loads(stored.state)
         if recovering and not state.pending:
             assert self.run_store is not None
             state = replace(state, pending=await self._in_doubt(state, tools))

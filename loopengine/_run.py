@@ -211,8 +211,9 @@ class _Loop:
                             inv.denied.outcome), detail=inv.denied.message)
                     return await self._end(inv.denied.outcome, trip=inv.denied)
                 # The run's lease and first checkpoint (a resume renews its lease).
-                await self._checkpoint(None if self.resumed else self._snapshot(),
-                                       create=self.resumed is None)
+                if inv.run_store is not None:
+                    await self._checkpoint(None if self.resumed else self._snapshot(),
+                                           create=self.resumed is None)
                 phase = "turn"
                 if self.resumed is not None:
                     phase = await self._decided_batch(*self.resumed)
@@ -668,7 +669,17 @@ class _Loop:
                 spend_usd=spend, tool_use_id=str(block.get("id")), turn=turn, error=error,
             ))
 
+        taken_over: list[RunBusyError] = []
+
         async def one(index: int, block: Mapping[str, Any]) -> None:
+            try:
+                await answered(index, block)
+            except RunBusyError as error:
+                # Another process took the run over: no further handler runs here.
+                taken_over.append(error)
+                group.cancel_scope.cancel()
+
+        async def answered(index: int, block: Mapping[str, Any]) -> None:
             await answer(index, block)
             if inv.run_store is None:
                 return
@@ -765,6 +776,8 @@ class _Loop:
             async with anyio.create_task_group() as group:
                 for index, block in enumerate(batch):
                     group.start_soon(one, index, block)
+            if taken_over:
+                raise taken_over[0]
         except anyio.get_cancelled_exc_class():
             if inv.deadline.remaining(inv.clock.now()) > 0:
                 raise  # the caller's cancellation

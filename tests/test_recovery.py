@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import loopengine as le
@@ -321,3 +322,44 @@ async def test_a_sqlite_ledger_with_a_run_store_stays_readable_by_its_owner_only
         paused = await engine.run(operation(), "go", tools=[sender.tool])
         assert await store.load(paused.invocation_id) is not None
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+async def test_a_process_whose_run_was_taken_over_gets_run_busy_and_records_nothing(
+        ledger: Any, clock: FakeClock) -> None:
+    """Run A is slow in charge's handler; B takes the run over (force) and finds
+    the call in doubt. When A's handler returns, A's next checkpoint raises
+    RunBusyError: A records nothing, and the run stays B's (paused)."""
+    entered, release = anyio.Event(), anyio.Event()
+    run_ids: list[str] = []
+
+    @le.tool
+    async def charge(card: str, ctx: le.ToolContext) -> str:
+        """Charge a card."""
+        run_ids.append(ctx.invocation_id)
+        entered.set()
+        await release.wait()
+        return f"charged {card}"
+
+    engine, provider, store = engine_on(
+        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"})), Reply.text("done"))
+    outcome: list[BaseException] = []
+
+    async def process_a() -> None:
+        try:
+            await engine.run(operation(total_time=600.0), "pay", tools=[charge])
+        except le.RunBusyError as error:
+            outcome.append(error)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(process_a)
+        await entered.wait()
+        taken = await engine.resume(run_ids[0], tools=[charge], force=True)
+        assert taken.outcome is le.Outcome.PAUSED
+        assert [p.reason for p in taken.pending] == ["in_doubt"]
+        release.set()
+    assert len(outcome) == 1 and isinstance(outcome[0], le.RunBusyError)
+    assert (await ledger.read_progress(run_ids[0])).outcome == "paused"
+    stored = await store.load(run_ids[0])
+    assert stored is not None and stored.paused_at is not None
+    assert list((await store.tool_calls(run_ids[0])).values()) == ["in_doubt"]
+    assert len(provider.requests) == 1
