@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from loopengine._pricing import ModelPrice, PriceBook
     from loopengine._result import AttemptsSummary, RunResult
     from loopengine._runstate import Approve, Deny, PendingCall, RunState, Supply
-    from loopengine._runstore import RunStore
+    from loopengine._runstore import RunStore, StoredRun
     from loopengine._stream import RunStream
     from loopengine._tools import Tool, tool
     from loopengine._usage import Usage, UsageIteration
@@ -88,6 +88,7 @@ __all__ = [
     "RunStore",
     "RunStream",
     "ServerTool",
+    "StoredRun",
     "StructuredOutputError",
     "Thinking",
     "Supply",
@@ -138,6 +139,7 @@ _EXPORTS: dict[str, str] = {
     "RunStore": "loopengine._runstore",
     "RunStream": "loopengine._stream",
     "ServerTool": "loopengine._features",
+    "StoredRun": "loopengine._runstore",
     "StructuredOutputError": "loopengine._errors",
     "Supply": "loopengine._runstate",
     "Thinking": "loopengine._features",

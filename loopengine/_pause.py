@@ -22,7 +22,7 @@ from typing import Any
 from loopengine._admission import admit, settle_account
 from loopengine._errors import ConfigError
 from loopengine._invocation import LEDGER_GRACE, Invocation
-from loopengine._lifecycle import end_paused, uninterrupted
+from loopengine._lifecycle import end_paused, forget_run, uninterrupted
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
 from loopengine._tools import Tool
 from loopengine._usage import Usage
@@ -150,6 +150,9 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
             raise ConfigError("state", f"the ledger has no invocation {state.invocation_id}")
         # A recovered run's process may have died as it paused.
         if found.outcome not in (("running", "paused") if recovering else ("paused",)):
+            if recovering:
+                # It ended, and its process died before it forgot its state.
+                await forget_run(inv)
             raise ConfigError("state", f"invocation {state.invocation_id} is not paused: "
                                        f"it is {found.outcome}")
         progress = found

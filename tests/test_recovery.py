@@ -363,3 +363,30 @@ async def test_a_process_whose_run_was_taken_over_gets_run_busy_and_records_noth
     assert stored is not None and stored.paused_at is not None
     assert list((await store.tool_calls(run_ids[0])).values()) == ["in_doubt"]
     assert len(provider.requests) == 1
+
+
+async def test_a_stale_state_of_an_ended_run_is_forgotten_by_the_resume_that_finds_it(
+        ledger: Any, clock: FakeClock) -> None:
+    """The run ended, but its process died before deleting its stored state: a
+    resume says it ended (ConfigError) and the store forgets it."""
+    saved: list[bytes] = []
+
+    @le.tool(idempotent=True)
+    async def lookup(card: str, ctx: le.ToolContext) -> str:
+        """Look a card up."""
+        stored = await store.load(ctx.invocation_id)
+        assert stored is not None
+        saved.append(stored.state)
+        return "valid"
+
+    engine, _, store = engine_on(ledger, clock, Reply.tool_calls(("lookup", {"card": "1"})),
+                                 Reply.text("done"))
+    done = await engine.run(operation(), "pay", tools=[lookup])
+    assert done.outcome is le.Outcome.COMPLETED
+    assert await store.load(done.invocation_id) is None
+    # Put back what a kill between the end and the deletion would have left.
+    await store.checkpoint(done.invocation_id, "dead-process", now=clock.wall(),
+                           state=saved[0], expires_at=clock.wall(), create=True)
+    with pytest.raises(le.ConfigError, match="completed"):
+        await engine.resume(done.invocation_id, tools=[lookup])
+    assert await store.load(done.invocation_id) is None
