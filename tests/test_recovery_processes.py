@@ -295,9 +295,10 @@ async def test_two_processes_resuming_one_run_never_both_proceed(
     finally:
         await provider.aclose()  # type: ignore[attr-defined]
     assert {r.outcome for r in runs} == {le.Outcome.PAUSED}
-    # The winner's next reply comes after a moment: the run is still held when
-    # the other resume arrives, however late the scheduler lets it start.
-    server.add(*[Reply.text("Sent.", delay=0.5) for _ in range(RACES)])
+    # The winner's next reply comes two seconds later: the run is still held
+    # when the other resume arrives, however late a loaded machine lets it
+    # start (25 pairs share its cores).
+    server.add(*[Reply.text("Sent.", delay=2.0) for _ in range(RACES)])
     for batch in range(0, RACES, RACE_BATCH):
         go = tmp_path / f"go{batch}"
         pairs = [[forker.send(op="resume", vendor="anthropic", url=server.url, db=db,
