@@ -84,6 +84,18 @@ async def crashed(engine: le.Engine, charger: Charger) -> None:
         else isinstance(caught.value, Crash)
 
 
+async def crashed_in_charge(ledger: Any, clock: FakeClock) -> tuple[
+        le.Engine, ScriptedProvider, le.RunStore, Charger, str]:
+    """A run killed in charge's handler (its reply asked for charge, then says
+    ``done``): its engine, provider, store, tools and invocation id."""
+    charger = Charger()
+    charger.crash_on = "charge"
+    engine, provider, store = engine_on(
+        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"})), Reply.text("done"))
+    await crashed(engine, charger)
+    return engine, provider, store, charger, await the_run_id(store, ledger)
+
+
 async def the_run_id(store: le.RunStore, ledger: Any) -> str:
     """The one invocation of the ledger (the crashed run returned nothing)."""
     ids = await invocation_ids(ledger)
@@ -160,12 +172,7 @@ async def test_a_non_idempotent_call_cut_by_a_crash_is_in_doubt_never_run_again(
     """Killed in charge's handler: the lease holds off a resume until it expires
     (or force); the resume pauses with the call in doubt, and Supply gives its
     output without running it again."""
-    charger = Charger()
-    charger.crash_on = "charge"
-    engine, provider, store = engine_on(
-        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"})), Reply.text("done"))
-    await crashed(engine, charger)
-    run_id = await the_run_id(store, ledger)
+    engine, provider, store, charger, run_id = await crashed_in_charge(ledger, clock)
     assert list((await store.tool_calls(run_id)).values()) == ["started"]
     with pytest.raises(le.RunBusyError, match="lease"):
         await engine.resume(run_id, tools=charger.tools)
@@ -186,12 +193,7 @@ async def test_a_non_idempotent_call_cut_by_a_crash_is_in_doubt_never_run_again(
 async def test_approving_an_in_doubt_call_runs_it_again_with_the_same_key(
         ledger: Any, clock: FakeClock) -> None:
     """Approve() on an in-doubt call runs it again; its idempotency key is the same."""
-    charger = Charger()
-    charger.crash_on = "charge"
-    engine, _, store = engine_on(
-        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"})), Reply.text("done"))
-    await crashed(engine, charger)
-    run_id = await the_run_id(store, ledger)
+    engine, _, store, charger, run_id = await crashed_in_charge(ledger, clock)
     paused = await engine.resume(run_id, tools=charger.tools, force=True)
     assert paused.outcome is le.Outcome.PAUSED
     done = await engine.resume(run_id, tools=charger.tools,
