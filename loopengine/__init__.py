@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         OutcomeError,
         ProviderError,
         ReplayMismatchError,
+        RunBusyError,
         StructuredOutputError,
         ToolInputError,
     )
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from loopengine._pricing import ModelPrice, PriceBook
     from loopengine._result import AttemptsSummary, RunResult
     from loopengine._runstate import Approve, Deny, PendingCall, RunState, Supply
+    from loopengine._runstore import RunStore, StoredRun
     from loopengine._stream import RunStream
     from loopengine._tools import Tool, tool
     from loopengine._usage import Usage, UsageIteration
@@ -82,10 +84,13 @@ __all__ = [
     "Reject",
     "ReplayMismatchError",
     "RetryPolicy",
+    "RunBusyError",
     "RunResult",
     "RunState",
+    "RunStore",
     "RunStream",
     "ServerTool",
+    "StoredRun",
     "StructuredOutputError",
     "Thinking",
     "Supply",
@@ -131,10 +136,13 @@ _EXPORTS: dict[str, str] = {
     "Reject": "loopengine._judge",
     "ReplayMismatchError": "loopengine._errors",
     "RetryPolicy": "loopengine.providers._retry",
+    "RunBusyError": "loopengine._errors",
     "RunResult": "loopengine._result",
     "RunState": "loopengine._runstate",
+    "RunStore": "loopengine._runstore",
     "RunStream": "loopengine._stream",
     "ServerTool": "loopengine._features",
+    "StoredRun": "loopengine._runstore",
     "StructuredOutputError": "loopengine._errors",
     "Supply": "loopengine._runstate",
     "Thinking": "loopengine._features",

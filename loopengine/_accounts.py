@@ -42,6 +42,7 @@ from loopengine._errors import ConfigError
 from loopengine.persistence import _account_store as store
 from loopengine.persistence._account_store import AccountBalance
 from loopengine.persistence._postgres import PostgresLedger
+from loopengine.persistence._qmark import QmarkConnection
 from loopengine.persistence._schema import format_time
 from loopengine.persistence._sqlite import SQLiteLedger
 
@@ -233,22 +234,10 @@ class CreditAccounts:
         now = format_time(self._clock.wall())
         if self._postgres:
             return await self.ledger._transact(
-                lambda conn: work(_PostgresConnection(conn), now),
+                lambda conn: work(QmarkConnection(conn), now),
                 "the accounts could not be written")
         return await self.ledger._transact(lambda conn: work(conn, now),
                                            "the accounts could not be written")
-
-
-class _PostgresConnection:
-    """A psycopg connection as the account SQL expects it (``?`` parameters)."""
-
-    locks_rows = True
-
-    def __init__(self, conn: Any) -> None:
-        self._conn = conn
-
-    def execute(self, statement: str, parameters: tuple[Any, ...] = ()) -> Any:
-        return self._conn.execute(statement.replace("?", "%s"), parameters)
 
 
 def expiry(started_at: datetime, total_time: float | None, grace: float) -> datetime:

@@ -421,8 +421,11 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
             raise CannotRun(f"{invocation_id!r} is not an invocation id (it is not "
                              "valid text)") from None
         children = _audit.children(conn, invocation["id"])
+        calls = _audit.tool_calls(conn, invocation["id"])
+        stored = _audit.run_state(conn, invocation["id"])
     if as_json:
-        _print_json({"invocation": invocation, "attempts": attempts, "children": children})
+        _print_json({"invocation": invocation, "attempts": attempts, "children": children,
+                     "tool_calls": calls, "run_state": stored})
         return
     width = max(len(k) for k in invocation)
     for key, value in invocation.items():
@@ -440,6 +443,16 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
                    f"(ordinal {', '.join(_cell(a['ordinal']) for a in unpriced)}): the costs "
                    "above do not include them.")
     click.echo(attempts_table(attempts) if attempts else "No attempt rows.")
+    if stored is not None:
+        click.echo("\nRun state: " + (
+            f"paused since {_cell(stored['paused_at'])}" if stored["paused_at"] is not None
+            else f"running, leased by {_cell(stored['lease_owner'])} until "
+                 f"{_cell(stored['lease_expires_at'])}") + f" (version {_cell(stored['version'])})")
+    if calls:
+        click.echo(f"\nTool calls: {len(calls)}")
+        click.echo(_table(["call", "turn", "tool", "status", "started_at", "ended_at"],
+                          [[c["call_id"], c["turn"], c["tool"], c["status"],
+                            c["started_at"] or "", c["ended_at"] or ""] for c in calls]))
     if children:
         click.echo(f"\nDelegated runs (sub-agents): {len(children)}")
         click.echo(_table(
@@ -462,8 +475,9 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
 @_audit_command
 def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json: bool) -> None:
     """Check attempt rows against invocation totals; list unsettled attempts, incomplete
-    records, unpriced attempts, attempts the server answered whose usage is unknown and
-    invocations still running or abandoned. Exits 1 when anything needs a look."""
+    records, unpriced attempts, attempts the server answered whose usage is unknown,
+    invocations still running or abandoned, tool calls in doubt and stored runs whose
+    lease or pause expired. Exits 1 when anything needs a look."""
     with _ledger(db, schema) as conn:
         result = _audit.reconcile(conn, older_than=older_than)
     if as_json:
@@ -477,7 +491,9 @@ def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json
                      "unpriced": result.unpriced, "abandoned": result.abandoned,
                      "abandoned_attempts": result.abandoned_attempts,
                      "accounts": [vars_of(m) for m in result.accounts],
-                     "usage_unknown": result.usage_unknown})
+                     "usage_unknown": result.usage_unknown, "in_doubt": result.in_doubt,
+                     "expired_leases": result.expired_leases,
+                     "expired_pauses": result.expired_pauses})
     else:
         _print_reconciliation(result)
     if not result.ok:
@@ -531,6 +547,17 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
         ("Attempt rows without an invocation row",
          [[o["invocation_id"], o["ordinal"]] for o in result.orphans],
          ["invocation", "ordinal"]),
+        ("Tool calls in doubt (started, never ended, their run not held by a live "
+         "process: they may have run; a resume asks for a decision)",
+         [[c["invocation_id"], c["call_id"], c["turn"], c["tool"], c["status"],
+           c["started_at"] or ""] for c in result.in_doubt],
+         ["invocation", "call", "turn", "tool", "status", "started_at"]),
+        ("Runs whose lease expired (their process died: resume them to recover)",
+         [[r["invocation_id"], r["lease_owner"] or "", r["lease_expires_at"] or ""]
+          for r in result.expired_leases], ["invocation", "lease owner", "expired at"]),
+        ("Paused runs past their pause_timeout",
+         [[r["invocation_id"], r["paused_at"], r["pause_timeout"]]
+          for r in result.expired_pauses], ["invocation", "paused_at", "pause_timeout (s)"]),
         ("Credit accounts that do not equal their journal, or runs charged other than "
          "their credits",
          [[m.account, m.column, m.invocation_id or "", m.recorded, m.computed]
@@ -558,7 +585,12 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
                 (len(result.orphans), "attempt row without its invocation",
                  "attempt rows without their invocation"),
                 (len(result.accounts), "account figure that does not add up",
-                 "account figures that do not add up")]
+                 "account figures that do not add up"),
+                (len(result.in_doubt), "tool call in doubt", "tool calls in doubt"),
+                (len(result.expired_leases), "run whose lease expired",
+                 "runs whose lease expired"),
+                (len(result.expired_pauses), "paused run past its pause_timeout",
+                 "paused runs past their pause_timeout")]
     if result.older_than is None:
         problems += [(len(result.running), "invocation still running",
                       "invocations still running"),

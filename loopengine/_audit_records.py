@@ -167,18 +167,30 @@ class Reconciliation:
     usage_unknown: list[dict[str, Any]] = field(default_factory=list)
     """Settled attempt rows the server answered (a response id) whose usage is
     unknown: the provider may bill what they served, and no total holds it."""
+    in_doubt: list[dict[str, Any]] = field(default_factory=list)
+    """Tool calls that may have run (``started`` without an end, their run not
+    held by a live process; or ``in_doubt``): a resume asks for a decision on
+    each (docs/pause-and-resume.md)."""
+    expired_leases: list[dict[str, Any]] = field(default_factory=list)
+    """Runs of the run store still running whose lease expired: their process
+    died; ``engine.resume(invocation_id)`` recovers them."""
+    expired_pauses: list[dict[str, Any]] = field(default_factory=list)
+    """Paused runs waiting longer than their ``pause_timeout``: a resume would
+    end them ``time_limit``."""
 
     @property
     def ok(self) -> bool:
         """True when every total reconciles and nothing needs a look.
 
-        Mismatches, incomplete records, orphan rows, unpriced attempts and
-        abandoned records need one. Open records need one too unless
+        Mismatches, incomplete records, orphan rows, unpriced attempts,
+        abandoned records, tool calls in doubt and stored runs whose lease or
+        pause expired need one. Open records need one too unless
         ``older_than`` was given: they are then in flight.
         """
         if self.mismatches or self.incomplete or self.orphans or self.unpriced \
                 or self.abandoned or self.abandoned_attempts or self.accounts \
-                or self.usage_unknown:
+                or self.usage_unknown or self.in_doubt or self.expired_leases \
+                or self.expired_pauses:
             return False
         return self.older_than is not None or not (self.unsettled or self.running)
 

@@ -82,6 +82,9 @@ async def run_child(
         operation, messages, attribution=parent.attribution,
         limits={f.name: getattr(limits, f.name) for f in fields(Limits)}, **run_kwargs)
     inv.parent = parent
+    # A delegated run is one call of its parent's: the parent's checkpoints
+    # and its call's status cover it; it keeps no state of its own.
+    inv.run_store = None
     inv.depth = depth
     # No admission of its own: its spend is part of the root's reservation.
     inv.accounts = None

@@ -7,6 +7,7 @@ import copy
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import pydantic
@@ -27,6 +28,7 @@ from loopengine._features import (
 )
 from loopengine._invocation import Invocation
 from loopengine._operation import Operation
+from loopengine._pause import pending_approvals
 from loopengine._pricing import PriceBook
 from loopengine._result import RunResult
 from loopengine._run import (
@@ -37,7 +39,8 @@ from loopengine._run import (
     resume_loop,
     run_loop,
 )
-from loopengine._runstate import Decision, RunState, check_decisions
+from loopengine._runstate import Decision, PendingCall, RunState, check_decisions
+from loopengine._runstore import UNBOUNDED_RUN, RunStore, StoredRun, new_owner
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
 from loopengine._tools import Tool, check_tool_name
@@ -113,6 +116,11 @@ class Engine:
         accounts: `CreditAccounts` on this engine's ledger: each run on an
             account reserves its credit hold before its first request and
             settles its charge at its end (docs/accounts.md).
+        run_store: A `RunStore` on this engine's ledger: each run holds a
+            lease and checkpoints its state there, each tool call is recorded
+            ``started`` before its handler runs, and ``resume(invocation_id)``
+            resumes a paused run or recovers one whose process died
+            (docs/pause-and-resume.md).
     """
 
     def __init__(
@@ -126,6 +134,7 @@ class Engine:
         rng: random.Random | None = None,
         tool_error_text: ToolErrorText | None = None,
         accounts: CreditAccounts | None = None,
+        run_store: RunStore | None = None,
     ) -> None:
         if isinstance(provider, Mapping):
             providers = dict(provider)
@@ -157,12 +166,16 @@ class Engine:
                                        f"got {_validate.shown(clock)}")
         if rng is not None and not isinstance(rng, random.Random):
             raise ConfigError("rng", f"must be a random.Random, got {_validate.shown(rng)}")
-        if accounts is not None:
-            if not isinstance(accounts, CreditAccounts):
-                raise ConfigError("accounts",
-                                  f"must be CreditAccounts, got {_validate.shown(accounts)}")
-            if accounts.ledger is not ledger:
-                raise ConfigError("accounts", "the accounts must live on this engine's ledger")
+        for field, value, kind, name in (
+                ("accounts", accounts, CreditAccounts, "the accounts"),
+                ("run_store", run_store, RunStore, "the run store")):
+            if value is None:
+                continue
+            if not isinstance(value, kind):
+                raise ConfigError(field, f"must be {kind.__name__}, got {_validate.shown(value)}")
+            if value.ledger is not ledger:
+                raise ConfigError(field, f"{name} must live on this engine's ledger")
+        self.run_store = run_store
         self.accounts = accounts
         self.providers: dict[str, Provider] = providers
         self.ledger = ledger
@@ -339,6 +352,7 @@ class Engine:
         accept: Callable[[Any], Any] | None = None,
         on_text: TextCallback | None = None,
         tool_error_text: ToolErrorText | None = None,
+        force: bool = False,
     ) -> RunResult:
         """Resume a paused run (``result.state`` of a ``paused`` result) as the
         same invocation (docs/pause-and-resume.md).
@@ -354,8 +368,19 @@ class Engine:
         is available the result is ``admission_denied`` with the state kept
         (``result.state``) for a later resume.
 
+        With a `RunStore` (``Engine(run_store=...)``), ``state`` may be the
+        run's invocation id: its state is read from the store. That also
+        recovers a run whose process died (its lease expired, or ``force``):
+        an attempt it left unsettled stays as the ledger has it and the turn
+        is sent again; a call it left ``started`` is in doubt: run again if
+        its tool is ``idempotent``, else the run returns ``paused`` with the
+        call in ``result.pending`` (reason ``in_doubt``) for a decision. Of
+        two resumes of one run, one proceeds and the other raises
+        `RunBusyError` before anything is sent.
+
         Args:
-            state: The `RunState`, or its `RunState.dumps` bytes.
+            state: The `RunState`, its `RunState.dumps` bytes, or (with a run
+                store) the run's invocation id.
             decisions: One decision per pending call, by call id.
             operation: The published operation to resume under, when the
                 state is not trusted: its limits are then the ceiling (the
@@ -366,6 +391,8 @@ class Engine:
             accept: The judge of a final answer.
             on_text: Receives streamed text deltas.
             tool_error_text: Overrides the engine's hook for this run.
+            force: Take the run over even though its lease has not expired
+                (its process is known to be dead).
 
         Returns:
             The `RunResult`; it may be ``paused`` again.
@@ -376,13 +403,41 @@ class Engine:
                 call, an output model other than the run's, an invocation the
                 ledger does not hold paused, or a pause longer than
                 ``Limits.pause_timeout`` (the invocation is then ended
-                ``time_limit``).
+                ``time_limit``), or an invocation id the run store does not
+                hold.
+            RunBusyError: another resume holds the run, or its process's
+                lease has not expired; nothing was sent or recorded.
         """
+        _validate.boolean("force", force)
+        stored: StoredRun | None = None
+        if isinstance(state, str) and not state.lstrip().startswith("{"):
+            if self.run_store is None:
+                raise ConfigError("state", "resuming a run by its invocation id needs "
+                                           "Engine(run_store=...)")
+            stored = await self.run_store.load(state)
+            if stored is None:
+                raise ConfigError("state", f"the run store holds no run {state[:80]!r} "
+                                           "(it ended, or never ran with a run store)")
+            state = stored.state
         if isinstance(state, bytes | str):
             state = RunState.loads(state)
         if not isinstance(state, RunState):
             raise ConfigError("state", f"must be a RunState, got {_validate.shown(state)}")
-        decided = check_decisions(state.pending, decisions)
+        if self.run_store is not None and stored is None:
+            stored = await self.run_store.load(state.invocation_id)
+        if stored is not None:
+            stored.check_free(self.clock.wall(), force)
+        # A stored run that is not paused was running when its process died:
+        # its last checkpoint is newer than any state the caller holds.
+        recovering = stored is not None and stored.paused_at is None
+        if recovering:
+            assert stored is not None
+            state = RunState.loads(stored.state)
+        if recovering and not state.pending:
+            assert self.run_store is not None
+            state = replace(state, pending=await self._in_doubt(state, tools))
+        undecided = recovering and bool(state.pending) and not decisions
+        decided = {} if undecided else check_decisions(state.pending, decisions)
         if operation is None:
             operation = state.operation
         elif not isinstance(operation, Operation) or operation.name != state.operation.name:
@@ -399,7 +454,53 @@ class Engine:
             tool_error_text=tool_error_text, final_tool=state.final_tool)
         # The transcript as it paused: its last reply's calls still wait for results.
         spec = replace(spec, messages=copy.deepcopy(state.messages))
-        return await resume_loop(inv, spec, state, decided)
+        if stored is not None:
+            assert self.run_store is not None
+            # Taken before anything is sent or recorded: of two resumes, one.
+            inv.lease_owner = new_owner()
+            left = state.limits.total_time
+            if left is not None:
+                left = max(0.0, left - state.progress.running_seconds)
+            await self.run_store.claim(
+                state.invocation_id, inv.lease_owner, version=stored.version,
+                expires_at=self.clock.wall() + timedelta(
+                    seconds=(left if left is not None else UNBOUNDED_RUN)
+                    + self.run_store.lease_grace),
+                now=self.clock.wall(), force=force)
+        return await resume_loop(inv, spec, state, decided, recovering=recovering,
+                                 undecided=undecided)
+
+    async def _in_doubt(self, state: RunState, tools: Iterable[Tool]) -> tuple[PendingCall, ...]:
+        """The calls of a recovered run's batch that wait for a decision: those
+        that may have run (recorded ``started`` or ``in_doubt`` without an
+        end, not of an ``idempotent`` tool: those run again), and those not
+        run yet whose tool asks for approval (not approved yet)."""
+        assert self.run_store is not None
+        if not state.batch:
+            return ()
+        statuses = await self.run_store.tool_calls(state.invocation_id)
+        done = {str(r.get("tool_use_id")) for r in state.results}
+        last = state.messages[-1] if state.messages else {}
+        blocks = {str(b.get("id")): b for b in last.get("content") or ()
+                  if isinstance(b, Mapping) and b.get("type") == "tool_use"}
+        by_name = {t.name: t for t in check_tools(tools)}
+        pending: list[PendingCall] = []
+        waiting: list[Mapping[str, Any]] = []
+        for call_id in state.batch:
+            block = blocks.get(call_id)
+            if block is None or call_id in done:
+                continue
+            status = statuses.get(call_id)
+            if status not in ("started", "in_doubt"):
+                if status != "approved":
+                    waiting.append(block)  # not run yet: it may still need approval
+                continue
+            tool = by_name.get(str(block.get("name")))
+            if tool is not None and tool.idempotent:
+                continue
+            pending.append(PendingCall(call_id, str(block.get("name")),
+                                       block.get("input", {}), "in_doubt"))
+        return (*pending, *pending_approvals(waiting, by_name, state.invocation_id))
 
     def _prepare_run(
         self,
@@ -453,6 +554,7 @@ class Engine:
                 "text: serve the route with a provider that streams, or make yours "
                 "stream (streaming True, send hands on_text the text)")
         inv.engine = self  # where its tools' delegated runs start (ToolContext.run)
+        inv.run_store = self.run_store
         return inv, spec
 
     def stream(

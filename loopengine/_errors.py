@@ -10,6 +10,7 @@ Every exception the library raises on purpose derives from `LoopEngineError`:
     * ProviderError
     * StructuredOutputError
   * ReplayMismatchError
+  * RunBusyError
   * ToolInputError
   * MCPServerError
   * MCPToolError
@@ -35,6 +36,10 @@ What each means:
 - `StructuredOutputError`: a structured call's attempts ran out without a
   valid answer; ``.reason`` is ``invalid`` or ``truncated``.
 - `ReplayMismatchError`: a replayed request differs from the recording.
+- `RunBusyError`: a resume of a run (`Engine.resume`) found it held by
+  another resume, or by its own process whose lease has not expired; nothing
+  was sent or recorded. Retry later (or with ``force=True`` once its process
+  is known to be dead).
 - `ToolInputError`: a tool call's input does not match the tool's schema
   (`Tool.validate`). In a run it never reaches the caller: the model gets a
   recoverable error result instead (R15).
@@ -68,6 +73,7 @@ __all__ = [
     "OutcomeError",
     "ProviderError",
     "ReplayMismatchError",
+    "RunBusyError",
     "StructuredOutputError",
     "ToolInputError",
 ]
@@ -199,6 +205,23 @@ class StructuredOutputError(OutcomeError):
 
 class ReplayMismatchError(LoopEngineError):
     """A request sent to a `ReplayProvider` differs from the recorded one."""
+
+
+class RunBusyError(LoopEngineError):
+    """Another resume holds the run (or its running process's lease has not
+    expired): this resume sent and recorded nothing.
+
+    Attributes:
+        invocation_id: The run.
+        lease_owner: Who holds it (a process's id), when known.
+    """
+
+    def __init__(self, invocation_id: str, lease_owner: str | None = None,
+                 detail: str = "") -> None:
+        super().__init__(f"run {invocation_id} is held by {lease_owner or 'another resume'}"
+                         + (f" ({detail})" if detail else ""))
+        self.invocation_id = invocation_id
+        self.lease_owner = lease_owner
 
 
 class ToolInputError(LoopEngineError):

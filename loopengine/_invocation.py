@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -41,6 +42,9 @@ from loopengine.persistence._records import AttemptRecord
 from loopengine.providers._base import Provider, vendor_of
 from loopengine.providers._faults import ProviderFault
 from loopengine.providers._retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from loopengine._runstore import RunStore
 
 logger = logging.getLogger("loopengine")
 
@@ -83,7 +87,7 @@ class Invocation:
         "descendant_credits", "ended", "engine", "features", "id", "in_flight", "kind",
         "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
         "paused_seconds", "permit", "policy", "prices", "provider", "provider_cost_nanousd",
-        "records", "reservation", "rng",
+        "lease_owner", "records", "reservation", "rng", "run_store",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor",
     )
@@ -129,6 +133,10 @@ class Invocation:
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)
         self.records: list[AttemptRecord] = []
+        self.run_store: RunStore | None = None
+        """Where the run checkpoints its state and holds its lease (§16), or None."""
+        self.lease_owner: str | None = None
+        """This segment's lease owner id in the run store."""
         self.base_attempts = 0
         """Attempts of the invocation's earlier segments (a resumed run's ordinals continue)."""
         self.paused_seconds = 0.0

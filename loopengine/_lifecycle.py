@@ -29,7 +29,8 @@ from loopengine.events import GuardTripped, RunEnded, RunStarted
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import InvocationEnd, InvocationStart
 
-__all__ = ["begin", "cancelled", "ending", "failed", "finish", "uninterrupted"]
+__all__ = ["begin", "cancelled", "end_paused", "ending", "failed", "finish", "forget_run",
+           "uninterrupted"]
 
 logger = logging.getLogger("loopengine")
 
@@ -148,6 +149,7 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
         # tree of delegated runs: the root is charged its descendants' credits
         # too (a child holds no reservation of its own, §17).
         await settle_account(inv, credits + inv.descendant_credits)
+        await forget_run(inv)
     logger.info(
         "%s %s ended %s: operation=%s turns=%d tool_calls=%d attempts=%d "
         "cost_nanousd=%d credits=%d",
@@ -156,6 +158,33 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
     )
     await _announce_end(inv, at, outcome, turns=turns, tool_calls=tool_calls,
                              credits=credits)
+
+
+async def forget_run(inv: Invocation) -> None:
+    """Delete the ended run's row from its run store (§16), when this segment
+    holds it; a failure is logged: the run has ended whatever the store says."""
+    if inv.run_store is None or inv.lease_owner is None:
+        return
+    try:
+        confirmed = await inv.confirm(inv.run_store.drop(inv.id, inv.lease_owner),
+                                      at_least=LEDGER_GRACE)
+    except LoopEngineError:
+        logger.exception("run %s: its stored state could not be deleted", inv.id)
+        return
+    if not confirmed:
+        logger.warning("run %s: the deletion of its stored state was not confirmed by its "
+                       "deadline; the write stays queued", inv.id)
+
+
+async def end_paused(inv: Invocation, outcome: str, *, turns: int, tool_calls: int,
+                     credits: int) -> None:
+    """End a paused invocation that will not resume (its pause outlasted
+    ``pause_timeout``): the ledger's end, its stored state deleted, `RunEnded`."""
+    async def end() -> None:
+        await _write_end(inv, inv.clock.wall(), outcome, turns=turns, tool_calls=tool_calls,
+                         credits=credits)
+
+    await uninterrupted(end)
 
 
 async def _announce_end(inv: Invocation, at: datetime, outcome: str, *, turns: int, tool_calls: int,

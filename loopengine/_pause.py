@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from loopengine._admission import admit, settle_account
 from loopengine._errors import ConfigError
 from loopengine._invocation import LEDGER_GRACE, Invocation
-from loopengine._lifecycle import uninterrupted
+from loopengine._lifecycle import end_paused, forget_run, uninterrupted
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
 from loopengine._tools import Tool
 from loopengine._usage import Usage
@@ -74,8 +75,9 @@ def decided_results(decisions: Mapping[str, Decision]) -> dict[str, tuple[str, b
 
 
 async def pause(inv: Invocation, state: RunState) -> None:
-    """Record the run ``paused``, settle its account for what it spent and
-    release the rest of its hold, and emit `RunPaused`; nothing interrupts it."""
+    """Record the run ``paused`` (since ``state.paused_at``), settle its account
+    for what it spent and release the rest of its hold, and emit `RunPaused`;
+    nothing interrupts it."""
     at = inv.clock.wall()
     progress = state.progress
 
@@ -85,7 +87,7 @@ async def pause(inv: Invocation, state: RunState) -> None:
         try:
             if inv.ledger is not None:
                 confirmed = await inv.confirm(inv.ledger.end_invocation(InvocationEnd(
-                    id=inv.id, ended_at=at, outcome="paused", turns=progress.turns,
+                    id=inv.id, ended_at=state.paused_at, outcome="paused", turns=progress.turns,
                     tool_calls=progress.tool_calls, credits=progress.credits,
                 )), at_least=LEDGER_GRACE)
                 if not confirmed:
@@ -114,13 +116,18 @@ def progress_of(inv: Invocation, conversation: ConversationState) -> Progress:
         usage=inv.usage, running_seconds=inv.clock.now() - inv.started)
 
 
-async def prepare_resume(inv: Invocation, state: RunState) -> ConversationState:
+async def prepare_resume(inv: Invocation, state: RunState, *,
+                         recovering: bool = False) -> ConversationState:
     """Make ``inv`` the next segment of the paused invocation of ``state``;
     return the conversation's counts to go on from.
 
     With a ledger, the counts (turns, tool calls, credits, attempts, cost)
     and the time of the pause are its rows', whatever the state says; without
-    one, the state is trusted.
+    one, the state is trusted. ``recovering``: the invocation's process died
+    while it ran (its state is the run store's last checkpoint, §16): the
+    ledger holds it ``running``; its attempts and cost are the ledger's, its
+    turns, tool calls and credits the checkpoint's (the ledger writes those
+    only when a segment ends).
 
     Raises:
         ConfigError: the ledger has no such invocation, or it is not paused,
@@ -141,19 +148,26 @@ async def prepare_resume(inv: Invocation, state: RunState) -> ConversationState:
         found: InvocationProgress | None = await read(state.invocation_id)
         if found is None:
             raise ConfigError("state", f"the ledger has no invocation {state.invocation_id}")
-        if found.outcome != "paused":
+        # A recovered run's process may have died as it paused.
+        if found.outcome not in (("running", "paused") if recovering else ("paused",)):
+            if recovering:
+                # It ended, and its process died before it forgot its state.
+                await forget_run(inv)
             raise ConfigError("state", f"invocation {state.invocation_id} is not paused: "
                                        f"it is {found.outcome}")
         progress = found
+        if recovering:
+            progress = replace(found, turns=saved.turns, tool_calls=saved.tool_calls,
+                               credits=saved.credits, ended_at=state.paused_at)
     now = inv.clock.wall()
     timeout = inv.limits.pause_timeout
     paused_at = progress.ended_at or state.paused_at
     waited = (now - paused_at).total_seconds()
+    if recovering:
+        waited = 0.0  # it did not wait paused: its process died while it ran
     if timeout is not None and waited > timeout:
-        if inv.ledger is not None:
-            await inv.ledger.end_invocation(InvocationEnd(
-                id=inv.id, ended_at=now, outcome="time_limit", turns=progress.turns,
-                tool_calls=progress.tool_calls, credits=progress.credits))
+        await end_paused(inv, "time_limit", turns=progress.turns,
+                         tool_calls=progress.tool_calls, credits=progress.credits)
         raise ConfigError("state", f"run {inv.id} waited {waited:g}s paused, longer than its "
                                    f"pause_timeout of {timeout:g}s; it ended time_limit")
     inv.base_attempts = progress.attempt_count

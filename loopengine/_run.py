@@ -30,7 +30,7 @@ import pydantic
 
 from loopengine._attempt import request, settle_cut
 from loopengine._context import context_for
-from loopengine._errors import ConfigError
+from loopengine._errors import ConfigError, RunBusyError
 from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
 from loopengine._lifecycle import begin, cancelled, failed, finish
@@ -45,7 +45,8 @@ from loopengine._pause import (
 )
 from loopengine._pricing import nanousd_to_usd
 from loopengine._result import RunResult
-from loopengine._runstate import Decision, PendingCall, RunState
+from loopengine._runstate import Approve, Decision, PendingCall, RunState
+from loopengine._runstore import CallMark, lease_expiry, new_owner
 from loopengine._tools import Tool, ToolInputError, describe_validation_error, render_tool_output
 from loopengine._usage import Usage
 from loopengine.events import ToolCallEvent
@@ -125,20 +126,27 @@ def run_loop(inv: Invocation, spec: RunSpec) -> Coroutine[Any, Any, RunResult]:
 
 
 async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
-                      decisions: Mapping[str, Decision]) -> RunResult:
+                      decisions: Mapping[str, Decision], *, recovering: bool = False,
+                      undecided: bool = False) -> RunResult:
     """Resume the paused run of ``state`` (`loopengine._pause`): decide its pending
     batch, then go on as `run_loop` does, as the same invocation.
+
+    ``recovering``: the state is the run store's last checkpoint of a run whose
+    process died (§16). ``undecided``: its pending calls (in doubt) have no
+    decisions yet: the run pauses again at once, before anything is sent.
 
     Raises:
         ConfigError: the run cannot resume (not paused, its pause timed out),
             before anything is sent.
     """
-    conversation = await prepare_resume(inv, state)
+    conversation = await prepare_resume(inv, state, recovering=recovering)
     loop = _Loop(inv, spec, resumed=(state, decisions))
     loop.state = conversation
     loop.charged = conversation.turns  # the paused turn's charge is in its credits
     loop.answered_calls = dict(state.answered_calls)
     loop._given_messages = state.given
+    if undecided:
+        return await loop._pause(state.pending)
     return await loop.run()
 
 
@@ -202,6 +210,10 @@ class _Loop:
                         return await self._pause(self.resumed[0].pending, outcome=Outcome(
                             inv.denied.outcome), detail=inv.denied.message)
                     return await self._end(inv.denied.outcome, trip=inv.denied)
+                # The run's lease and first checkpoint (a resume renews its lease).
+                if inv.run_store is not None:
+                    await self._checkpoint(None if self.resumed else self._snapshot(),
+                                           create=self.resumed is None)
                 phase = "turn"
                 if self.resumed is not None:
                     phase = await self._decided_batch(*self.resumed)
@@ -248,6 +260,12 @@ class _Loop:
         except anyio.get_cancelled_exc_class():
             self._release_permit()
             await cancelled(inv, self._progress)
+            raise
+        except RunBusyError:
+            # Another process took the run over (its lease had expired): the
+            # run is its now, so nothing is recorded here.
+            self._release_permit()
+            inv.ended = inv.announced = True
             raise
         except Exception as error:
             self._release_permit()
@@ -359,12 +377,24 @@ class _Loop:
         """Run the batch, add its results (or the feedback) to the transcript;
         return the next turn's phase."""
         if batch:
-            await self._run_tools(turn, batch, results, decided)
+            if self.inv.run_store is not None:
+                # Checkpoint the settled reply: a crash from here on resumes
+                # this batch, each call as its row says (§16).
+                approved = {i for i, d in (self.resumed[1] if self.resumed else {}).items()
+                            if isinstance(d, Approve)}
+                await self._checkpoint(
+                    self._snapshot(batch=batch, results=results, repair=rejected),
+                    calls=[(str(b.get("id")), turn, str(b.get("name")),
+                            "approved" if str(b.get("id")) in approved else "requested")
+                           for b in batch if str(b.get("id")) not in (decided or {})])
+            await self._run_tools(turn, batch, results, decided, repair=rejected)
             self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
         if results:
             self.transcript.append({"role": "user", "content": results})
         elif feedback_message is not None:
             self.transcript.append({"role": "user", "content": feedback_message})
+        if self.inv.run_store is not None:
+            await self._checkpoint(self._snapshot(repair=rejected))
         return "repair" if rejected else "turn"
 
     async def _decided_batch(self, state: RunState, decisions: Mapping[str, Decision]) -> str:
@@ -372,7 +402,14 @@ class _Loop:
         ones get their decision's result; each uses tool budget (R08)."""
         calls = {str(b.get("id")): b for b in self.transcript[-1]["content"]
                  if b.get("type") == "tool_use"}
-        batch = [calls[call_id] for call_id in state.batch if call_id in calls]
+        # A recovered run's calls that ended before its process died have
+        # their results in its checkpoint: they are not run again.
+        done = {str(r.get("tool_use_id")) for r in state.results} & set(state.batch)
+        batch = [calls[call_id] for call_id in state.batch
+                 if call_id in calls and call_id not in done]
+        self.state = replace(self.state, tool_calls=self.state.tool_calls + len(done))
+        if not batch and not state.results and state.batch == ():
+            return "repair" if state.repair else "turn"
         return await self._answer_batch(self.state.turns, batch, list(state.results), None,
                                         state.repair, decided_results(decisions))
 
@@ -383,26 +420,75 @@ class _Loop:
         """Pause the run before its batch runs (or, for a resume its account did
         not admit, pause it again with the same batch)."""
         inv = self.inv
+        paused_at = None
         if self.resumed is not None and batch is None:
             before = self.resumed[0]
             batch_ids, results, repair = before.batch, before.results, before.repair
+            if outcome is not Outcome.PAUSED:
+                # Not admitted: still the same pause, its clock not reset.
+                paused_at = before.paused_at
         else:
             assert batch is not None and results is not None
             batch_ids = tuple(str(b.get("id")) for b in batch)
-        state = RunState(
-            invocation_id=inv.id, operation=inv.operation, limits=inv.asked_limits,
-            retry=inv.policy, attribution=inv.attribution, system=self.spec.system,
-            messages=self.transcript, given=self._given_messages,
-            final_tool=self.spec.final_tool, structured=self.spec.output is not None,
-            pending=pending, batch=batch_ids, results=results, repair=repair,
-            answered_calls=dict(self.answered_calls), progress=progress_of(inv, self.state),
-            paused_at=inv.clock.wall())
+        state = self._snapshot(batch_ids=batch_ids, results=results, repair=repair,
+                               pending=pending, paused_at=paused_at)
         await pause(inv, state)
+        if inv.run_store is not None:
+            await self._checkpoint(state, paused=True, calls=[
+                (call.id, self.state.turns, call.tool,
+                 "in_doubt" if call.reason == "in_doubt" else "requested")
+                for call in pending])
         if detail is None:
             detail = (f"{len(pending)} tool call(s) wait for approval: "
                       f"{', '.join(call.tool for call in pending)}")
         return self._result(outcome, detail=detail, trip=inv.denied, pending=pending,
                             state=state)
+
+    def _snapshot(self, *, batch: Sequence[Mapping[str, Any]] = (),
+                  batch_ids: tuple[str, ...] | None = None,
+                  results: Sequence[dict[str, Any]] = (), repair: bool = False,
+                  pending: tuple[PendingCall, ...] = (),
+                  paused_at: Any = None) -> RunState:
+        """The run as a `RunState` now: its transcript, the batch being answered
+        (and the results it has), its pending calls and its progress."""
+        inv = self.inv
+        return RunState(
+            invocation_id=inv.id, operation=inv.operation, limits=inv.asked_limits,
+            retry=inv.policy, attribution=inv.attribution, system=self.spec.system,
+            messages=self.transcript, given=self._given_messages,
+            final_tool=self.spec.final_tool, structured=self.spec.output is not None,
+            pending=pending,
+            batch=batch_ids if batch_ids is not None else tuple(
+                str(b.get("id")) for b in batch),
+            results=list(results), repair=repair,
+            answered_calls=dict(self.answered_calls), progress=progress_of(inv, self.state),
+            paused_at=paused_at or inv.clock.wall())
+
+    async def _checkpoint(self, state: RunState | None, *, calls: Sequence[CallMark] = (),
+                          paused: bool = False, create: bool = False) -> None:
+        """Write the run's checkpoint to its run store, durably (§16): its state
+        (when given), its lease renewed (or released, ``paused``) and its
+        calls' statuses. Nothing without a run store.
+
+        Raises:
+            RunBusyError: another process took the run over.
+        """
+        inv = self.inv
+        store = inv.run_store
+        if store is None:
+            return
+        if inv.lease_owner is None:
+            inv.lease_owner = new_owner()
+        if create:
+            # The invocation's row first: a store never holds a run its ledger lacks.
+            flush = getattr(inv.ledger, "flush", None)
+            if flush is not None:
+                await flush()
+        await store.checkpoint(
+            inv.id, inv.lease_owner, now=inv.clock.wall(),
+            state=None if state is None else state.dumps(),
+            expires_at=lease_expiry(inv, store.lease_grace), paused=paused, calls=calls,
+            create=create)
 
     async def _continue_turn(self, turn: int) -> ProviderResponse | GuardTrip | RetryStop:
         """The turn paused (``pause_turn``): send its continuations, each one's
@@ -542,14 +628,17 @@ class _Loop:
 
     async def _run_tools(
         self, turn: int, batch: Sequence[Mapping[str, Any]], out: list[dict[str, Any]],
-        decided: Mapping[str, tuple[str, bool]] | None = None,
+        decided: Mapping[str, tuple[str, bool]] | None = None, *, repair: bool = False,
     ) -> None:
         """Run the whole batch concurrently, within the run's deadline; add their
         results to ``out``. A call the deadline cut gets an error result; a call
         in ``decided`` (denied or supplied on resume: ``(text, is_error)``) gets
-        that result and runs nothing."""
+        that result and runs nothing. With a run store, a call is recorded
+        ``started`` before its handler runs, and its end with the run's
+        checkpoint (``repair``: the next turn repairs) holding its result."""
         decided = decided or {}
         inv = self.inv
+        before = list(out)
         observed = bool(inv.observers)  # events are built only for someone to see
         usage = inv.turn_usage(turn) if observed else Usage()
         spend = inv.turn_cost_usd(turn) if observed else Decimal(0)
@@ -580,7 +669,35 @@ class _Loop:
                 spend_usd=spend, tool_use_id=str(block.get("id")), turn=turn, error=error,
             ))
 
+        taken_over: list[RunBusyError] = []
+
         async def one(index: int, block: Mapping[str, Any]) -> None:
+            try:
+                await answered(index, block)
+            except RunBusyError as error:
+                # Another process took the run over: no further handler runs here.
+                taken_over.append(error)
+                group.cancel_scope.cancel()
+
+        async def answered(index: int, block: Mapping[str, Any]) -> None:
+            await answer(index, block)
+            if inv.run_store is None:
+                return
+            call_id = str(block.get("id"))
+            given = decided.get(call_id)
+            result = results[index]
+            if given is not None:
+                status = "denied" if given[1] else "supplied"
+            else:
+                status = "failed" if result is None or result.get("is_error") else "succeeded"
+            # The call's end and its result, in one write: a crash never loses
+            # the result of a call recorded as ended.
+            await self._checkpoint(
+                self._snapshot(batch=batch, repair=repair, results=[
+                    *before, *(r for r in results if r is not None)]),
+                calls=[(call_id, turn, str(block.get("name")), status)])
+
+        async def answer(index: int, block: Mapping[str, Any]) -> None:
             name = str(block.get("name"))
             started = inv.clock.now()
             await tool_event(block, "started", 0.0)
@@ -611,6 +728,11 @@ class _Loop:
                 else:
                     context = (None if handler.context_parameter is None
                                else context_for(inv, str(block.get("id"))))
+                    if inv.run_store is not None:
+                        # Durable before the handler runs: a crash from here on
+                        # leaves the call in doubt, never silently run twice.
+                        await self._checkpoint(None, calls=[
+                            (str(block.get("id")), turn, name, "started")])
                     try:
                         if handler.timeout is None:
                             value = await handler.invoke(argument, context)
@@ -654,6 +776,8 @@ class _Loop:
             async with anyio.create_task_group() as group:
                 for index, block in enumerate(batch):
                     group.start_soon(one, index, block)
+            if taken_over:
+                raise taken_over[0]
         except anyio.get_cancelled_exc_class():
             if inv.deadline.remaining(inv.clock.now()) > 0:
                 raise  # the caller's cancellation

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import loopengine as le
-from loopengine.persistence import MemoryLedger
+from loopengine.persistence import MemoryLedger, PostgresLedger, SQLiteLedger
 from loopengine.providers import ScriptedProvider
 from loopengine.testing import FakeClock
 
-from .postgres_support import PostgresServer, start_server
+from .postgres_support import PostgresServer, fresh_schema, start_server
 
 MODEL = "claude-sonnet-4-5"
 
@@ -66,3 +67,17 @@ def postgres_server() -> Iterator[PostgresServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+async def each_ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """Each ledger store in turn (PostgreSQL on the session's throwaway server)."""
+    if request.param == "memory":
+        yield MemoryLedger()
+    elif request.param == "sqlite":
+        with SQLiteLedger(tmp_path / "ledger.db") as store:
+            yield store
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        async with PostgresLedger(server.dsn(), schema=fresh_schema()) as store:
+            yield store

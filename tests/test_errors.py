@@ -106,6 +106,7 @@ def _examples() -> list[BaseException]:
         le.ProviderError("x", fault=fault, outcome="provider_error", attempts=3),
         le.StructuredOutputError("no answer", attempts=4, reason="truncated", detail="cut"),
         le.ReplayMismatchError("request 2 differs"),
+        le.RunBusyError("inv-1", "host:42:abc", "its lease runs until later"),
         le.ToolInputError("input.key: is required"),
         le.MCPServerError("the server did not start"),
         le.MCPToolError("no such city"),

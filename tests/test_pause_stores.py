@@ -5,7 +5,6 @@ its account settles per running segment (DESIGN §16)."""
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 
 import loopengine as le
-from loopengine.persistence import MemoryLedger, PostgresLedger, SQLiteLedger
+from loopengine.persistence import PostgresLedger, SQLiteLedger
 from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
@@ -24,18 +23,10 @@ from .postgres_support import PostgresServer, fresh_schema
 STORES = ["memory", "sqlite", "postgres"]
 
 
-@pytest.fixture(params=STORES)
-async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    """Each store in turn (PostgreSQL on the session's throwaway server)."""
-    if request.param == "memory":
-        yield MemoryLedger()
-    elif request.param == "sqlite":
-        with SQLiteLedger(tmp_path / "ledger.db") as store:
-            yield store
-    else:
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        async with PostgresLedger(server.dsn(), schema=fresh_schema()) as store:
-            yield store
+@pytest.fixture
+def ledger(each_ledger: Any) -> Any:
+    """Each store in turn (`each_ledger`)."""
+    return each_ledger
 
 
 async def test_a_paused_invocation_takes_writes_and_reads_back_its_progress(

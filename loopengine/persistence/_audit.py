@@ -21,6 +21,7 @@ auditor looks at a damaged record.
 from __future__ import annotations
 
 import functools
+import json
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
@@ -50,7 +51,7 @@ from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_t
 __all__ = ["EXPORT_COLUMNS", "GROUPINGS", "AccountMismatch", "AccountRow", "Mismatch",
            "Reconciliation", "RunRow", "SpendRow", "Where", "children", "describe_value",
            "export_rows", "incomplete_in_export", "is_unpriced", "open_ledger", "reconcile",
-           "runs", "show", "spend"]
+           "run_state", "runs", "show", "spend", "tool_calls"]
 
 Grouping = Literal["tenant", "feature", "model", "operation", "user_id", "correlation_id"]
 GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "user_id",
@@ -335,6 +336,31 @@ def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
     return invocation, attempts
 
 
+_TOOL_CALL_COLUMNS = ("call_id", "turn", "tool", "status", "started_at", "ended_at")
+
+
+def tool_calls(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
+    """The invocation's tool calls and their statuses (DESIGN §16), in the order
+    they were recorded; empty on a ledger without a run store's tables."""
+    if not has_table(conn, "tool_calls"):
+        return []
+    return [dict(r) for r in conn.execute(
+        f"SELECT {', '.join(_TOOL_CALL_COLUMNS)} FROM tool_calls WHERE invocation_id = ? "
+        "ORDER BY turn, COALESCE(started_at, ended_at), call_id", (invocation_id,))]
+
+
+def run_state(conn: AuditConnection, invocation_id: str) -> dict[str, Any] | None:
+    """The invocation's row in ``run_states`` without its state (the transcript is
+    never shown): ``version``, ``lease_owner``, ``lease_expires_at``,
+    ``paused_at``, ``updated_at``; None when it has none (it ended, or ran
+    without a run store)."""
+    if not has_table(conn, "run_states"):
+        return None
+    row = conn.execute("SELECT version, lease_owner, lease_expires_at, paused_at, updated_at "
+                       "FROM run_states WHERE invocation_id = ?", (invocation_id,)).fetchone()
+    return None if row is None else dict(row)
+
+
 _CHILD_COLUMNS = ("id", "operation", "started_at", "outcome", "turns", "attempt_count",
                   "cost_nanousd", "credits")
 
@@ -478,12 +504,51 @@ def reconcile(
     orphans = [dict(r) for r in conn.execute(
         "SELECT invocation_id, ordinal FROM attempts WHERE invocation_id NOT IN "
         "(SELECT id FROM invocations) ORDER BY invocation_id, ordinal")]
+    in_doubt, expired_leases, expired_pauses = _stored_runs(conn, now or datetime.now(UTC))
     return Reconciliation(invocations=len(rows), attempts=attempts + len(orphans),
                           mismatches=mismatches, unsettled=unsettled, incomplete=incomplete,
                           running=running, orphans=orphans, unpriced=unpriced,
                           abandoned=abandoned, abandoned_attempts=abandoned_attempts,
                           older_than=older_than, accounts=reconcile_accounts(conn),
-                          usage_unknown=usage_unknown)
+                          usage_unknown=usage_unknown, in_doubt=in_doubt,
+                          expired_leases=expired_leases, expired_pauses=expired_pauses)
+
+
+def _stored_runs(conn: AuditConnection, now: datetime) -> tuple[
+        list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """From the run store's tables (none on an older ledger): the tool calls in
+    doubt (marked ``in_doubt``, or ``started`` with no end while no live lease
+    holds their run), the running runs whose lease expired (their process
+    died: a resume recovers them), and the paused runs past their
+    ``pause_timeout``."""
+    if not has_table(conn, "run_states"):
+        return [], [], []
+    at = format_time(now)
+    live = {str(r[0]) for r in conn.execute(
+        "SELECT invocation_id FROM run_states WHERE paused_at IS NULL "
+        "AND lease_expires_at >= ?", (at,))}
+    in_doubt = [dict(r) for r in conn.execute(
+        "SELECT invocation_id, call_id, turn, tool, status, started_at FROM tool_calls "
+        "WHERE status IN ('started', 'in_doubt') ORDER BY started_at, invocation_id, call_id")
+        if r["status"] == "in_doubt" or r["invocation_id"] not in live]
+    expired_leases = [dict(r) for r in conn.execute(
+        "SELECT invocation_id, lease_owner, lease_expires_at, updated_at FROM run_states "
+        "WHERE paused_at IS NULL AND lease_expires_at < ? ORDER BY lease_expires_at",
+        (at,))]
+    expired_pauses = []
+    for row in conn.execute("SELECT invocation_id, paused_at, state FROM run_states "
+                            "WHERE paused_at IS NOT NULL ORDER BY paused_at"):
+        # Only the limit is read from the state: the transcript is never shown.
+        try:
+            timeout = json.loads(row["state"])["limits"]["pause_timeout"]
+            paused_at = datetime.fromisoformat(str(row["paused_at"]))
+        except (ValueError, TypeError, KeyError):
+            continue
+        if isinstance(timeout, int | float) and \
+                (now - paused_at).total_seconds() > timeout:
+            expired_pauses.append({"invocation_id": row["invocation_id"],
+                                   "paused_at": row["paused_at"], "pause_timeout": timeout})
+    return in_doubt, expired_leases, expired_pauses
 
 
 def _flagged(conn: AuditConnection, columns: tuple[str, ...],

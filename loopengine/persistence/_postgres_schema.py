@@ -29,6 +29,7 @@ from loopengine.persistence._schema import (
     ACCOUNT_TABLES,
     AUDIT_INDEXES,
     PARENT_COLUMN,
+    RUN_TABLES,
     SCHEMA_TABLE,
     TABLES,
     USAGE_VECTOR,
@@ -72,6 +73,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(6, "the parent of a delegated run", PARENT_COLUMN),
     Migration(7, "the usage vector: server tool requests, reasoning, iterations, fees",
               render(USAGE_VECTOR, POSTGRES_TYPES)),
+    Migration(8, "run states, their leases, and tool call statuses",
+              render(RUN_TABLES, POSTGRES_TYPES)),
 )
 """The schema's history, oldest first: the SQLite history's steps, step for step."""
 

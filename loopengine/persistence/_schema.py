@@ -25,6 +25,8 @@ __all__ = [
     "INVOCATION_COLUMNS",
     "MIGRATIONS",
     "PARENT_COLUMN",
+    "RUN_TABLES",
+    "TOOL_CALL_STATUSES",
     "SCHEMA_TABLE",
     "SCHEMA_VERSION",
     "USAGE_COLUMNS",
@@ -215,6 +217,39 @@ USAGE_VECTOR = (
 )
 """The statements of the usage vector's migration, rendered for each store."""
 
+# Paused and running runs (DESIGN.md §16): a run's resumable state (its
+# transcript lives here and nowhere else; the row goes when the run ends),
+# the lease of the process running it (``version`` makes taking it a
+# compare-and-set), and the status of each tool call, never its input or
+# output.
+TOOL_CALL_STATUSES: Final = ("requested", "approved", "denied", "started", "succeeded",
+                             "failed", "in_doubt", "supplied")
+"""What ``tool_calls.status`` may hold."""
+
+RUN_TABLES = (
+    """CREATE TABLE run_states (
+        invocation_id TEXT PRIMARY KEY NOT NULL,
+        state TEXT NOT NULL,
+        version {INTEGER} NOT NULL DEFAULT 1,
+        lease_owner TEXT,
+        lease_expires_at {TIME},
+        paused_at {TIME},
+        updated_at {TIME} NOT NULL
+    )""",
+    f"""CREATE TABLE tool_calls (
+        invocation_id TEXT NOT NULL,
+        call_id TEXT NOT NULL,
+        turn {{INTEGER}} NOT NULL,
+        tool TEXT NOT NULL,
+        status TEXT NOT NULL
+            CHECK (status IN ({", ".join(f"'{s}'" for s in TOOL_CALL_STATUSES)})),
+        started_at {{TIME}},
+        ended_at {{TIME}},
+        PRIMARY KEY (invocation_id, call_id)
+    )""",
+)
+"""The run store's tables (`loopengine.RunStore`), rendered for each store."""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "invocations and attempts", _CREATE_TABLES),
     Migration(2, "invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
@@ -226,6 +261,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(6, "the parent of a delegated run", PARENT_COLUMN),
     Migration(7, "the usage vector: server tool requests, reasoning, iterations, fees",
               render(USAGE_VECTOR, SQLITE_TYPES)),
+    Migration(8, "run states, their leases, and tool call statuses",
+              render(RUN_TABLES, SQLITE_TYPES)),
 )
 """The schema's history, oldest first."""
 

@@ -1,0 +1,28 @@
+"""A PostgreSQL connection as SQL written for SQLite's ``?`` parameters expects it.
+
+The credit accounts' and the run store's statements are written once, with
+``?`` markers; on PostgreSQL they run through `QmarkConnection`, which spells
+them ``%s`` and says that the store locks rows (``locks_rows``: a ``SELECT
+... FOR UPDATE`` serializes one row's transactions across hosts, where
+SQLite's ``BEGIN IMMEDIATE`` already holds the whole file).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["QmarkConnection"]
+
+
+class QmarkConnection:
+    """A psycopg connection taking ``?`` parameters."""
+
+    locks_rows = True
+    """PostgreSQL locks rows (``FOR UPDATE``)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def execute(self, statement: str, parameters: tuple[Any, ...] = ()) -> Any:
+        """Run ``statement`` with ``?`` markers spelled ``%s``."""
+        return self._conn.execute(statement.replace("?", "%s"), parameters)

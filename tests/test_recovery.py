@@ -1,0 +1,394 @@
+"""The run store on every ledger store (memory, SQLite, PostgreSQL): checkpoints,
+leases, in-doubt calls and resumes by invocation id (DESIGN §16).
+
+A process that dies is stood in for, here, by a handler raising a
+`BaseException` no run catches (`Crash`): nothing after it runs, as after a
+kill. tests/test_recovery_processes.py kills real processes.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import loopengine as le
+from loopengine import events
+from loopengine.persistence import MemoryLedger, SQLiteLedger
+from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import FakeClock
+
+from .conftest import PRICES, operation
+from .pause_scenarios import Sender, send
+
+
+class Crash(BaseException):
+    """Stands in for the death of the process (nothing catches it)."""
+
+
+@pytest.fixture
+def ledger(each_ledger: Any) -> Any:
+    """Each store in turn (`each_ledger`)."""
+    return each_ledger
+
+
+class Charger:
+    """``charge`` (not idempotent) and ``lookup`` (idempotent): each records its
+    runs; ``crash_on`` makes the next run of that tool die mid-handler."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, str]] = []
+        self.keys: list[str] = []
+        self.crash_on: str | None = None
+
+        @le.tool
+        def charge(card: str, ctx: le.ToolContext) -> str:
+            """Charge a card."""
+            self.runs.append(("charge", card))
+            self.keys.append(ctx.idempotency_key)
+            if self.crash_on == "charge":
+                self.crash_on = None
+                raise Crash
+            return f"charged {card}"
+
+        @le.tool(idempotent=True)
+        def lookup(card: str) -> str:
+            """Look a card up."""
+            self.runs.append(("lookup", card))
+            if self.crash_on == "lookup":
+                self.crash_on = None
+                raise Crash
+            return f"{card} is valid"
+
+        self.tools = [charge, lookup]
+
+
+def engine_on(ledger: Any, clock: FakeClock, *script: Reply,
+              **kwargs: Any) -> tuple[le.Engine, ScriptedProvider, le.RunStore]:
+    provider = ScriptedProvider(list(script), clock=clock)
+    store = le.RunStore(ledger)
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                       rng=random.Random(3), run_store=store, **kwargs)
+    return engine, provider, store
+
+
+async def crashed(engine: le.Engine, charger: Charger) -> None:
+    with pytest.raises(BaseException) as caught:
+        await engine.run(operation(total_time=600.0), "pay", tools=charger.tools)
+    assert caught.group_contains(Crash) if isinstance(caught.value, BaseExceptionGroup) \
+        else isinstance(caught.value, Crash)
+
+
+async def crashed_in_charge(ledger: Any, clock: FakeClock) -> tuple[
+        le.Engine, ScriptedProvider, le.RunStore, Charger, str]:
+    """A run killed in charge's handler (its reply asked for charge, then says
+    ``done``): its engine, provider, store, tools and invocation id."""
+    charger = Charger()
+    charger.crash_on = "charge"
+    engine, provider, store = engine_on(
+        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"})), Reply.text("done"))
+    await crashed(engine, charger)
+    return engine, provider, store, charger, await the_run_id(store, ledger)
+
+
+async def the_run_id(store: le.RunStore, ledger: Any) -> str:
+    """The one invocation of the ledger (the crashed run returned nothing)."""
+    ids = await invocation_ids(ledger)
+    assert len(ids) == 1
+    return ids[0]
+
+
+async def invocation_ids(ledger: Any) -> list[str]:
+    if isinstance(ledger, MemoryLedger):
+        return list(ledger.invocations)
+    if isinstance(ledger, SQLiteLedger):
+        await ledger.flush()
+        with sqlite3.connect(ledger.path) as conn:
+            return [r[0] for r in conn.execute("SELECT id FROM invocations")]
+    return [r[0] for r in await ledger._transact(
+        lambda conn: conn.execute("SELECT id FROM invocations").fetchall(), "read")]
+
+
+async def test_an_ended_run_leaves_no_state_and_each_call_its_status(
+        ledger: Any, clock: FakeClock) -> None:
+    """The run store keeps a run only while it has not ended; its calls' statuses stay."""
+    charger = Charger()
+    engine, _, store = engine_on(ledger, clock, Reply.tool_calls(("charge", {"card": "4242"}),
+                                                                  ("lookup", {"card": "1"})),
+                                 Reply.text("done"))
+    result = await engine.run(operation(), "pay", tools=charger.tools)
+    assert result.outcome is le.Outcome.COMPLETED
+    assert await store.load(result.invocation_id) is None
+    statuses = await store.tool_calls(result.invocation_id)
+    assert sorted(statuses.values()) == ["succeeded", "succeeded"]
+
+
+async def test_a_paused_run_resumes_by_its_invocation_id_alone(
+        ledger: Any, clock: FakeClock) -> None:
+    """Paused: its state is in the store; `resume(invocation_id)` needs nothing else."""
+    sender = Sender()
+    engine, provider, store = engine_on(ledger, clock, Reply.tool_calls(send("a")),
+                                        Reply.text("done"))
+    paused = await engine.run(operation(), "go", tools=[sender.tool])
+    assert paused.outcome is le.Outcome.PAUSED
+    stored = await store.load(paused.invocation_id)
+    assert stored is not None and stored.paused_at is not None and stored.lease_owner is None
+    assert (await store.tool_calls(paused.invocation_id)) == {paused.pending[0].id: "requested"}
+    done = await engine.resume(paused.invocation_id, tools=[sender.tool],
+                               decisions={paused.pending[0].id: le.Approve()})
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+    assert done.invocation_id == paused.invocation_id
+    assert await store.load(paused.invocation_id) is None
+    with pytest.raises(le.ConfigError, match="holds no run"):
+        await engine.resume(paused.invocation_id, tools=[sender.tool])
+
+
+async def test_a_second_resume_of_a_paused_run_is_busy(ledger: Any, clock: FakeClock) -> None:
+    """Once a resume has taken the run, another resume of the same stored
+    version raises RunBusyError and sends nothing."""
+    sender = Sender()
+    engine, provider, store = engine_on(ledger, clock, Reply.tool_calls(send("a")),
+                                        Reply.text("done"))
+    paused = await engine.run(operation(), "go", tools=[sender.tool])
+    stored = await store.load(paused.invocation_id)
+    assert stored is not None
+    await store.claim(paused.invocation_id, "someone-else", version=stored.version,
+                      expires_at=clock.wall() + timedelta(hours=1), now=clock.wall(),
+                      force=False)
+    sent = len(provider.requests)
+    with pytest.raises(le.RunBusyError):
+        await engine.resume(paused.state or b"", tools=[sender.tool],
+                            decisions={paused.pending[0].id: le.Approve()})
+    assert len(provider.requests) == sent and sender.sent == []
+
+
+async def test_a_non_idempotent_call_cut_by_a_crash_is_in_doubt_never_run_again(
+        ledger: Any, clock: FakeClock) -> None:
+    """Killed in charge's handler: the lease holds off a resume until it expires
+    (or force); the resume pauses with the call in doubt, and Supply gives its
+    output without running it again."""
+    engine, provider, store, charger, run_id = await crashed_in_charge(ledger, clock)
+    assert list((await store.tool_calls(run_id)).values()) == ["started"]
+    with pytest.raises(le.RunBusyError, match="lease"):
+        await engine.resume(run_id, tools=charger.tools)
+    clock.advance(600.0 + 61.0)  # past its deadline and the lease's grace
+    paused = await engine.resume(run_id, tools=charger.tools)
+    assert paused.outcome is le.Outcome.PAUSED
+    assert [(p.tool, p.reason) for p in paused.pending] == [("charge", "in_doubt")]
+    assert list((await store.tool_calls(run_id)).values()) == ["in_doubt"]
+    done = await engine.resume(run_id, tools=charger.tools,
+                               decisions={paused.pending[0].id: le.Supply("charged 4242")})
+    assert done.outcome is le.Outcome.COMPLETED
+    assert charger.runs == [("charge", "4242")]  # once, never again
+    assert list((await store.tool_calls(run_id)).values()) == ["supplied"]
+    progress = await ledger.read_progress(run_id)
+    assert progress.attempt_count == 2 == len(provider.requests)
+
+
+async def test_approving_an_in_doubt_call_runs_it_again_with_the_same_key(
+        ledger: Any, clock: FakeClock) -> None:
+    """Approve() on an in-doubt call runs it again; its idempotency key is the same."""
+    engine, _, store, charger, run_id = await crashed_in_charge(ledger, clock)
+    paused = await engine.resume(run_id, tools=charger.tools, force=True)
+    assert paused.outcome is le.Outcome.PAUSED
+    done = await engine.resume(run_id, tools=charger.tools,
+                               decisions={paused.pending[0].id: le.Approve()})
+    assert done.outcome is le.Outcome.COMPLETED
+    assert charger.runs == [("charge", "4242"), ("charge", "4242")]
+    assert charger.keys[0] == charger.keys[1]
+
+
+async def test_an_idempotent_call_cut_by_a_crash_runs_again_and_finished_calls_do_not(
+        ledger: Any, clock: FakeClock) -> None:
+    """Killed in lookup's handler (the second turn): charge, which had finished,
+    keeps its result; lookup (idempotent) runs again; one resume completes it."""
+    charger = Charger()
+    engine, provider, store = engine_on(
+        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"})),
+        Reply.tool_calls(("lookup", {"card": "1"})), Reply.text("done"))
+
+    charger.crash_on = "lookup"  # the second turn's call
+    original = charger.tools[1]
+    await crashed(engine, charger)
+    run_id = await the_run_id(store, ledger)
+    done = await engine.resume(run_id, tools=charger.tools, force=True)
+    assert done.outcome is le.Outcome.COMPLETED, done.detail
+    assert charger.runs == [("charge", "4242"), ("lookup", "1"), ("lookup", "1")]
+    assert done.tool_calls == 2
+    assert original.idempotent
+    progress = await ledger.read_progress(run_id)
+    assert progress.attempt_count == len(provider.requests) == 3
+    assert (progress.turns, progress.tool_calls) == (3, 2)
+
+
+async def test_a_crash_between_turns_sends_the_turn_again(ledger: Any, clock: FakeClock) -> None:
+    """Killed after the batch's checkpoint: the next turn is sent as a new
+    attempt, ordinals dense; no call runs again."""
+    charger = Charger()
+
+    def crash_observer(event: object) -> None:
+        if isinstance(event, events.AttemptStarted) and event.ordinal == 2:
+            raise Crash
+
+    engine, provider, store = engine_on(
+        ledger, clock, Reply.tool_calls(("lookup", {"card": "1"})), Reply.text("done"),
+        observers=[crash_observer])
+    with pytest.raises(Crash):
+        await engine.run(operation(total_time=600.0), "pay", tools=charger.tools)
+    run_id = await the_run_id(store, ledger)
+    engine2, provider2, _ = engine_on(ledger, clock, Reply.text("done"))
+    done = await engine2.resume(run_id, tools=charger.tools, force=True)
+    assert done.outcome is le.Outcome.COMPLETED
+    assert charger.runs == [("lookup", "1")]
+    progress = await ledger.read_progress(run_id)
+    assert progress.turns == 2 and progress.tool_calls == 1
+    # The attempt the crash cut stays dispatched (it was never sent here); the
+    # turn went again as attempt 3.
+    assert progress.attempt_count == 3 == len(provider.requests) + len(provider2.requests) + 1
+
+
+async def test_a_resume_refused_for_its_pause_timeout_emits_run_ended(
+        ledger: Any, clock: FakeClock) -> None:
+    """Past pause_timeout: ConfigError, the ledger says time_limit, observers get
+    RunEnded(time_limit), and the store forgets the run."""
+    sender = Sender()
+    seen: list[object] = []
+    engine, _, store = engine_on(ledger, clock, Reply.tool_calls(send("a")),
+                                 Reply.text("done"), observers=[seen.append])
+    paused = await engine.run(operation(pause_timeout=60.0), "go", tools=[sender.tool])
+    clock.advance(61.0)
+    with pytest.raises(le.ConfigError, match="pause_timeout"):
+        await engine.resume(paused.invocation_id, tools=[sender.tool],
+                            decisions={paused.pending[0].id: le.Approve()})
+    ended = [e for e in seen if isinstance(e, events.RunEnded)]
+    assert [e.outcome for e in ended] == ["time_limit"]
+    assert (await ledger.read_progress(paused.invocation_id)).outcome == "time_limit"
+    assert await store.load(paused.invocation_id) is None
+    assert sender.sent == []
+
+
+async def test_an_engine_refuses_a_run_store_of_another_ledger(clock: FakeClock) -> None:
+    """The store must be on the engine's ledger; resume by id needs a store."""
+    with pytest.raises(le.ConfigError, match="run_store"):
+        le.Engine(ScriptedProvider([]), ledger=MemoryLedger(),
+                  run_store=le.RunStore(MemoryLedger()))
+    with pytest.raises(le.ConfigError, match="RunStore"):
+        le.Engine(ScriptedProvider([]), ledger=MemoryLedger(), run_store="x")  # type: ignore[arg-type]
+    with pytest.raises(le.ConfigError, match="ledger"):
+        le.RunStore(object())
+    engine = le.Engine(ScriptedProvider([]), ledger=MemoryLedger())
+    with pytest.raises(le.ConfigError, match="run_store"):
+        await engine.resume("some-invocation-id")
+
+
+async def test_an_admission_denied_resume_does_not_restart_the_pause_clock(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """A resume its account cannot admit stays the same pause: its state and the
+    ledger keep the first pause's time, so pause_timeout counts from it."""
+    sender = Sender()
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 120)  # the first turn spends it all
+        provider = ScriptedProvider([Reply.tool_calls(send("a"))], clock=clock)
+        engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                           accounts=accounts)
+        paused = await engine.run(operation(credit_hold=500, pause_timeout=60.0), "go",
+                                  tools=[sender.tool], attribution=le.Attribution(tenant="acme"))
+        assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+        first = paused.state.paused_at
+        clock.advance(40.0)
+        denied = await engine.resume(paused.state, tools=[sender.tool],
+                                     decisions={paused.pending[0].id: le.Approve()})
+        assert denied.outcome is le.Outcome.ADMISSION_DENIED and denied.state is not None
+        assert denied.state.paused_at == first
+        assert (await ledger.read_progress(paused.invocation_id)).ended_at == first
+        clock.advance(30.0)  # 70s since the pause, past a 60s pause_timeout
+        with pytest.raises(le.ConfigError, match="pause_timeout"):
+            await engine.resume(denied.state, tools=[sender.tool],
+                                decisions={paused.pending[0].id: le.Approve()})
+        assert sender.sent == []
+
+
+async def test_a_sqlite_ledger_with_a_run_store_stays_readable_by_its_owner_only(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """The transcript lives in the ledger file: it stays 0600."""
+    sender = Sender()
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        engine, _, store = engine_on(ledger, clock, Reply.tool_calls(send("a")))
+        paused = await engine.run(operation(), "go", tools=[sender.tool])
+        assert await store.load(paused.invocation_id) is not None
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+async def test_a_process_whose_run_was_taken_over_gets_run_busy_and_records_nothing(
+        ledger: Any, clock: FakeClock) -> None:
+    """Run A is slow in charge's handler; B takes the run over (force) and finds
+    the call in doubt. When A's handler returns, A's next checkpoint raises
+    RunBusyError: A records nothing, and the run stays B's (paused)."""
+    entered, release = anyio.Event(), anyio.Event()
+    run_ids: list[str] = []
+
+    @le.tool
+    async def charge(card: str, ctx: le.ToolContext) -> str:
+        """Charge a card."""
+        run_ids.append(ctx.invocation_id)
+        entered.set()
+        await release.wait()
+        return f"charged {card}"
+
+    engine, provider, store = engine_on(
+        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"})), Reply.text("done"))
+    outcome: list[BaseException] = []
+
+    async def process_a() -> None:
+        try:
+            await engine.run(operation(total_time=600.0), "pay", tools=[charge])
+        except le.RunBusyError as error:
+            outcome.append(error)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(process_a)
+        await entered.wait()
+        taken = await engine.resume(run_ids[0], tools=[charge], force=True)
+        assert taken.outcome is le.Outcome.PAUSED
+        assert [p.reason for p in taken.pending] == ["in_doubt"]
+        release.set()
+    assert len(outcome) == 1 and isinstance(outcome[0], le.RunBusyError)
+    assert (await ledger.read_progress(run_ids[0])).outcome == "paused"
+    stored = await store.load(run_ids[0])
+    assert stored is not None and stored.paused_at is not None
+    assert list((await store.tool_calls(run_ids[0])).values()) == ["in_doubt"]
+    assert len(provider.requests) == 1
+
+
+async def test_a_stale_state_of_an_ended_run_is_forgotten_by_the_resume_that_finds_it(
+        ledger: Any, clock: FakeClock) -> None:
+    """The run ended, but its process died before deleting its stored state: a
+    resume says it ended (ConfigError) and the store forgets it."""
+    saved: list[bytes] = []
+
+    @le.tool(idempotent=True)
+    async def lookup(card: str, ctx: le.ToolContext) -> str:
+        """Look a card up."""
+        stored = await store.load(ctx.invocation_id)
+        assert stored is not None
+        saved.append(stored.state)
+        return "valid"
+
+    engine, _, store = engine_on(ledger, clock, Reply.tool_calls(("lookup", {"card": "1"})),
+                                 Reply.text("done"))
+    done = await engine.run(operation(), "pay", tools=[lookup])
+    assert done.outcome is le.Outcome.COMPLETED
+    assert await store.load(done.invocation_id) is None
+    # Put back what a kill between the end and the deletion would have left.
+    await store.checkpoint(done.invocation_id, "dead-process", now=clock.wall(),
+                           state=saved[0], expires_at=clock.wall(), create=True)
+    with pytest.raises(le.ConfigError, match="completed"):
+        await engine.resume(done.invocation_id, tools=[lookup])
+    assert await store.load(done.invocation_id) is None
