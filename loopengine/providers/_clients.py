@@ -31,6 +31,7 @@ import anyio.lowlevel
 import httpx2
 
 from loopengine import _validate
+from loopengine._clock import asyncio_loop
 from loopengine._errors import ConfigError
 
 __all__ = [
@@ -89,7 +90,8 @@ def running_loop() -> object:
     Raises:
         RuntimeError: no event loop is running (anyio's ``NoEventLoopError``).
     """
-    return anyio.lowlevel.current_token().native_token
+    loop = asyncio_loop()
+    return loop if loop is not None else anyio.lowlevel.current_token().native_token
 
 
 def _nothing() -> None:
