@@ -51,7 +51,7 @@ from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_t
 __all__ = ["EXPORT_COLUMNS", "GROUPINGS", "AccountMismatch", "AccountRow", "Mismatch",
            "Reconciliation", "RunRow", "SpendRow", "Where", "children", "describe_value",
            "export_rows", "incomplete_in_export", "is_unpriced", "open_ledger", "reconcile",
-           "run_state", "runs", "show", "spend", "tool_calls"]
+           "run_state", "runs", "segments", "show", "spend", "tool_calls"]
 
 Grouping = Literal["tenant", "feature", "model", "operation", "user_id", "correlation_id"]
 GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "user_id",
@@ -334,6 +334,21 @@ def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
     for attempt in attempts:
         attempt["unpriced"] = is_unpriced(attempt)
     return invocation, attempts
+
+
+_SEGMENT_COLUMNS = ("ordinal", "started_at", "ended_at", "outcome")
+
+
+def segments(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
+    """The invocation's running segments (DESIGN §16) in order: ``ordinal``,
+    ``started_at``, ``ended_at`` and ``outcome`` (``paused``, or how it ended;
+    both None while it runs or when its process died); empty on a ledger
+    older than segments, and for a run started before it had them."""
+    if not has_table(conn, "segments"):
+        return []
+    return [dict(r) for r in conn.execute(
+        f"SELECT {', '.join(_SEGMENT_COLUMNS)} FROM segments WHERE invocation_id = ? "
+        "ORDER BY ordinal", (invocation_id,))]
 
 
 _TOOL_CALL_COLUMNS = ("call_id", "turn", "tool", "status", "started_at", "ended_at")
