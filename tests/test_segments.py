@@ -11,7 +11,6 @@ A dead process is stood in for by a handler or observer raising a
 from __future__ import annotations
 
 import json
-import random
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,8 @@ from loopengine.testing import FakeClock
 from .conftest import PRICES, operation
 from .pause_scenarios import Sender, send
 from .postgres_support import PostgresServer, fresh_schema
-from .test_recovery import Charger, Crash, crashed, engine_on, the_run_id
+from .test_pause_stores import paused_on
+from .test_recovery import Charger, crashed, crashed_between_turns, engine_on, the_run_id
 
 
 @pytest.fixture
@@ -88,12 +88,7 @@ async def test_a_paused_and_resumed_run_lists_two_segments(ledger: Any,
                                                           clock: FakeClock) -> None:
     """Paused: segment 1 ends ``paused`` at the pause; the resume opens segment 2
     when it begins, which ends with the run's outcome."""
-    sender = Sender()
-    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
-    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
-                       rng=random.Random(7))
-    paused = await engine.run(operation(), "go", tools=[sender.tool])
-    assert paused.state is not None
+    engine, sender, paused = await paused_on(ledger, clock)
     [first] = await segments_of(ledger, paused.invocation_id)
     assert first[2:] == (paused.state.paused_at, "paused")
     clock.advance(300.0)
@@ -111,18 +106,7 @@ async def test_a_recovered_run_leaves_its_dead_segment_open_and_continues_attemp
         ledger: Any, clock: FakeClock) -> None:
     """Killed as its second turn was sent: segment 1 stays open (its process died),
     segment 2 completes; the turn sent again is that turn's attempt 2."""
-    charger = Charger()
-
-    def crash_observer(event: object) -> None:
-        if isinstance(event, events.AttemptStarted) and event.ordinal == 2:
-            raise Crash
-
-    engine, _, store = engine_on(
-        ledger, clock, Reply.tool_calls(("lookup", {"card": "1"})), Reply.text("done"),
-        observers=[crash_observer])
-    with pytest.raises(Crash):
-        await engine.run(operation(total_time=600.0), "pay", tools=charger.tools)
-    run_id = await the_run_id(store, ledger)
+    _, charger, run_id = await crashed_between_turns(ledger, clock)
     seen: list[events.AttemptStarted] = []
     engine2, _, _ = engine_on(ledger, clock, Reply.text("done"),
                               observers=[lambda e: seen.append(e)
