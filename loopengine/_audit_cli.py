@@ -510,7 +510,8 @@ def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json
                      "accounts": [vars_of(m) for m in result.accounts],
                      "usage_unknown": result.usage_unknown, "in_doubt": result.in_doubt,
                      "expired_leases": result.expired_leases,
-                     "expired_pauses": result.expired_pauses})
+                     "expired_pauses": result.expired_pauses,
+                     "dead_segments": result.dead_segments})
     else:
         _print_reconciliation(result)
     if not result.ok:
@@ -581,6 +582,11 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
           for m in result.accounts],
          ["account", "column", "invocation", "recorded", "journal or run says"]),
     ]
+    sections.append((
+        "Running segments whose process died (the run went on, or is no longer running; "
+        "for a look, not a failure)",
+        [[g["invocation_id"], g["ordinal"], g["started_at"]] for g in result.dead_segments],
+        ["invocation", "segment", "started_at"]))
     for title, rows, headers in sections:
         if rows:
             click.echo(f"\n{title}: {len(rows)}")

@@ -125,7 +125,8 @@ async def test_a_recovered_run_leaves_its_dead_segment_open_and_continues_attemp
 
 
 async def test_audit_show_lists_the_segments(tmp_path: Path, clock: FakeClock) -> None:
-    """`audit show` prints the segments, the dead one as such, and ``--json`` has them."""
+    """`audit show` prints the segments, the dead one as such, and ``--json`` has
+    them; `audit reconcile` lists the dead one without failing."""
     path = tmp_path / "ledger.db"
     charger = Charger()
     charger.crash_on = "lookup"
@@ -146,6 +147,14 @@ async def test_audit_show_lists_the_segments(tmp_path: Path, clock: FakeClock) -
                                            "--json"], catch_exceptions=False).output)
     assert [(s["ordinal"], s["outcome"]) for s in data["segments"]] == [(1, None),
                                                                         (2, "completed")]
+    # reconcile names the dead segment, for a look: the recovered run is sound.
+    checked = runner.invoke(main, ["audit", "reconcile", "--db", str(path)],
+                            catch_exceptions=False)
+    assert checked.exit_code == 0, checked.output
+    assert "Running segments whose process died" in checked.output
+    found = json.loads(runner.invoke(main, ["audit", "reconcile", "--db", str(path), "--json"],
+                                     catch_exceptions=False).output)
+    assert [(g["invocation_id"], g["ordinal"]) for g in found["dead_segments"]] == [(run_id, 1)]
 
 
 async def test_a_ledger_older_than_segments_is_still_audited(tmp_path: Path) -> None:

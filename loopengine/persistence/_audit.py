@@ -520,13 +520,21 @@ def reconcile(
         "SELECT invocation_id, ordinal FROM attempts WHERE invocation_id NOT IN "
         "(SELECT id FROM invocations) ORDER BY invocation_id, ordinal")]
     in_doubt, expired_leases, expired_pauses = _stored_runs(conn, now or datetime.now(UTC))
+    dead_segments = [dict(r) for r in conn.execute(
+        "SELECT s.invocation_id, s.ordinal, s.started_at FROM segments AS s "
+        "JOIN invocations AS i ON i.id = s.invocation_id "
+        "WHERE s.ended_at IS NULL AND s.outcome IS NULL AND (i.outcome <> 'running' "
+        "OR EXISTS (SELECT 1 FROM segments AS n WHERE n.invocation_id = s.invocation_id "
+        "AND n.ordinal > s.ordinal)) ORDER BY s.started_at, s.invocation_id, s.ordinal")
+    ] if has_table(conn, "segments") else []
     return Reconciliation(invocations=len(rows), attempts=attempts + len(orphans),
                           mismatches=mismatches, unsettled=unsettled, incomplete=incomplete,
                           running=running, orphans=orphans, unpriced=unpriced,
                           abandoned=abandoned, abandoned_attempts=abandoned_attempts,
                           older_than=older_than, accounts=reconcile_accounts(conn),
                           usage_unknown=usage_unknown, in_doubt=in_doubt,
-                          expired_leases=expired_leases, expired_pauses=expired_pauses)
+                          expired_leases=expired_leases, expired_pauses=expired_pauses,
+                          dead_segments=dead_segments)
 
 
 def _stored_runs(conn: AuditConnection, now: datetime) -> tuple[
