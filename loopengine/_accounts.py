@@ -183,11 +183,15 @@ class CreditAccounts:
 
         Less available narrows the reservation to what is; nothing available
         past the margin reserves nothing (``credits == 0``) and writes nothing.
+        A reservation of the same invocation still held is a running segment's
+        whose process died (a recovery reserves again): it is settled for what
+        the ledger says it spent and released first, in the same transaction.
         """
 
         def work(conn: Any, now: str) -> Reservation:
             store.lock(conn, account)
             store.expire(conn, account, now)
+            store.recover(conn, account, invocation_id, now)
             available = store.read(conn, account).available
             amount = max(0, min(hold + margin, available))
             if amount <= margin:

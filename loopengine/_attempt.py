@@ -120,8 +120,9 @@ async def attempt(
         inv.provider.check_request(request)
     except ProviderFault as refused:
         raise Unsent(refused) from refused
-    number = inv.turn_attempts[turn] = inv.turn_attempts.get(turn, 0) + 1
-    if number == 1 and inv.observers:
+    sent = inv.turn_attempts[turn] = inv.turn_attempts.get(turn, 0) + 1
+    number = sent + inv.earlier_attempts.get(turn, 0)
+    if sent == 1 and inv.observers:
         # Announced with its first dispatch, so a turn the time guard
         # refused at its first attempt is never announced.
         await inv.emit(TurnStarted(run_id=inv.id, at=inv.clock.wall(), turn=turn,

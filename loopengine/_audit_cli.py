@@ -423,9 +423,10 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
         children = _audit.children(conn, invocation["id"])
         calls = _audit.tool_calls(conn, invocation["id"])
         stored = _audit.run_state(conn, invocation["id"])
+        segments = _audit.segments(conn, invocation["id"])
     if as_json:
         _print_json({"invocation": invocation, "attempts": attempts, "children": children,
-                     "tool_calls": calls, "run_state": stored})
+                     "segments": segments, "tool_calls": calls, "run_state": stored})
         return
     width = max(len(k) for k in invocation)
     for key, value in invocation.items():
@@ -448,6 +449,12 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
             f"paused since {_cell(stored['paused_at'])}" if stored["paused_at"] is not None
             else f"running, leased by {_cell(stored['lease_owner'])} until "
                  f"{_cell(stored['lease_expires_at'])}") + f" (version {_cell(stored['version'])})")
+    if segments:
+        click.echo(f"\nRunning segments: {len(segments)}")
+        click.echo(_table(["segment", "started_at", "ended_at", "ended"],
+                          [[g["ordinal"], g["started_at"], g["ended_at"] or "",
+                            _segment_end(g, g is segments[-1], invocation["outcome"])]
+                           for g in segments]))
     if calls:
         click.echo(f"\nTool calls: {len(calls)}")
         click.echo(_table(["call", "turn", "tool", "status", "started_at", "ended_at"],
@@ -464,6 +471,16 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
                    _usd(sum(c["cost_nanousd"] for c in children)),
                    sum(c["credits"] for c in children),
                    sum(c["tree_credits"] for c in children)]))
+
+
+def _segment_end(segment: dict[str, Any], last: bool, outcome: str) -> str:
+    """How a segment ended, as `show` prints it: its outcome, ``running`` for the
+    open last one of a running invocation, or that its process died."""
+    if segment["outcome"] is not None:
+        return str(segment["outcome"])
+    if last and outcome == "running":
+        return "running (or its process died)"
+    return "its process died"
 
 
 @click.command()
@@ -493,7 +510,8 @@ def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json
                      "accounts": [vars_of(m) for m in result.accounts],
                      "usage_unknown": result.usage_unknown, "in_doubt": result.in_doubt,
                      "expired_leases": result.expired_leases,
-                     "expired_pauses": result.expired_pauses})
+                     "expired_pauses": result.expired_pauses,
+                     "dead_segments": result.dead_segments})
     else:
         _print_reconciliation(result)
     if not result.ok:
@@ -564,6 +582,11 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
           for m in result.accounts],
          ["account", "column", "invocation", "recorded", "journal or run says"]),
     ]
+    sections.append((
+        "Running segments whose process died (the run went on, or is no longer running; "
+        "for a look, not a failure)",
+        [[g["invocation_id"], g["ordinal"], g["started_at"]] for g in result.dead_segments],
+        ["invocation", "segment", "started_at"]))
     for title, rows, headers in sections:
         if rows:
             click.echo(f"\n{title}: {len(rows)}")

@@ -177,6 +177,10 @@ class Reconciliation:
     expired_pauses: list[dict[str, Any]] = field(default_factory=list)
     """Paused runs waiting longer than their ``pause_timeout``: a resume would
     end them ``time_limit``."""
+    dead_segments: list[dict[str, Any]] = field(default_factory=list)
+    """Running segments left open by a process that died, whose run has gone on
+    (recovered) or is no longer running: where a run's processes died. For a
+    look only: they do not fail the check (what they left is listed above)."""
 
     @property
     def ok(self) -> bool:

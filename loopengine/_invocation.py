@@ -84,7 +84,8 @@ class Invocation:
     __slots__ = (
         "account", "accounts", "announced", "asked_limits", "attribution", "base_attempts",
         "begun", "clock", "cost_nanousd", "credits", "deadline", "denied", "depth",
-        "descendant_credits", "ended", "engine", "features", "id", "in_flight", "kind",
+        "descendant_credits", "earlier_attempts", "ended", "engine", "features", "id",
+        "in_flight", "kind",
         "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
         "paused_seconds", "permit", "policy", "prices", "provider", "provider_cost_nanousd",
         "lease_owner", "records", "reservation", "rng", "run_store",
@@ -139,6 +140,9 @@ class Invocation:
         """This segment's lease owner id in the run store."""
         self.base_attempts = 0
         """Attempts of the invocation's earlier segments (a resumed run's ordinals continue)."""
+        self.earlier_attempts: dict[int, int] = {}
+        """Each turn's highest attempt number in earlier segments: a recovered run's
+        turn sent again goes on numbering its attempts from there."""
         self.paused_seconds = 0.0
         """How long a resumed run waited paused."""
         self.usage = Usage()

@@ -171,6 +171,9 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
         raise ConfigError("state", f"run {inv.id} waited {waited:g}s paused, longer than its "
                                    f"pause_timeout of {timeout:g}s; it ended time_limit")
     inv.base_attempts = progress.attempt_count
+    if recovering:
+        # The turn its process died in is sent again: its attempts go on.
+        inv.earlier_attempts = dict(progress.turn_attempts)
     inv.cost_nanousd = progress.cost_nanousd
     inv.provider_cost_nanousd = progress.provider_cost_nanousd
     inv.usage = saved.usage if isinstance(saved.usage, Usage) else Usage()
@@ -191,7 +194,7 @@ async def resume_begin(inv: Invocation, conversation: ConversationState) -> None
     if inv.ledger is not None:
         await inv.ledger.end_invocation(InvocationEnd(
             id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
-            tool_calls=conversation.tool_calls, credits=conversation.credits))
+            tool_calls=conversation.tool_calls, credits=conversation.credits, at=at))
     await inv.emit(RunResumed(
         run_id=inv.id, at=at, operation=inv.operation.name,
         operation_version=inv.operation.version, provider=inv.operation.provider,

@@ -340,7 +340,7 @@ async def test_a_schema_name_is_an_identifier_not_sql(
         rows = conn.execute("SELECT table_name FROM information_schema.tables "
                             "WHERE table_schema = %s ORDER BY 1", (ledger.schema,)).fetchall()
     assert [r[0] for r in rows] == ["account_entries", "accounts", "attempts", "invocations",
-                                    SCHEMA_TABLE, "run_states", "tool_calls"]
+                                    SCHEMA_TABLE, "run_states", "segments", "tool_calls"]
     assert read_postgres(ledger)[0]["inv-1"]["outcome"] == "completed"
 
 

@@ -29,16 +29,22 @@ def ledger(each_ledger: Any) -> Any:
     return each_ledger
 
 
-async def test_a_paused_invocation_takes_writes_and_reads_back_its_progress(
-        ledger: Any, clock: FakeClock) -> None:
-    """Paused: read_progress says paused, with its turns, credits, attempts and the
-    time it paused; resumed to its end: completed, ordinals dense."""
+async def paused_on(ledger: Any, clock: FakeClock) -> tuple[le.Engine, Sender, le.RunResult]:
+    """A run paused on ``send`` (its next reply says ``done``): its engine, tool, result."""
     sender = Sender()
     provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
     engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
                        rng=random.Random(7))
     paused = await engine.run(operation(), "go", tools=[sender.tool])
     assert paused.state is not None
+    return engine, sender, paused
+
+
+async def test_a_paused_invocation_takes_writes_and_reads_back_its_progress(
+        ledger: Any, clock: FakeClock) -> None:
+    """Paused: read_progress says paused, with its turns, credits, attempts and the
+    time it paused; resumed to its end: completed, ordinals dense."""
+    engine, sender, paused = await paused_on(ledger, clock)
     progress = await ledger.read_progress(paused.invocation_id)
     assert (progress.outcome, progress.turns, progress.tool_calls, progress.credits,
             progress.attempt_count) == ("paused", 1, 0, 120, 1)

@@ -226,9 +226,10 @@ async def test_an_idempotent_call_cut_by_a_crash_runs_again_and_finished_calls_d
     assert (progress.turns, progress.tool_calls) == (3, 2)
 
 
-async def test_a_crash_between_turns_sends_the_turn_again(ledger: Any, clock: FakeClock) -> None:
-    """Killed after the batch's checkpoint: the next turn is sent as a new
-    attempt, ordinals dense; no call runs again."""
+async def crashed_between_turns(ledger: Any, clock: FakeClock) -> tuple[
+        ScriptedProvider, Charger, str]:
+    """A run killed as its second turn's first attempt went out (after lookup's
+    batch was checkpointed): its provider, tools and invocation id."""
     charger = Charger()
 
     def crash_observer(event: object) -> None:
@@ -240,7 +241,13 @@ async def test_a_crash_between_turns_sends_the_turn_again(ledger: Any, clock: Fa
         observers=[crash_observer])
     with pytest.raises(Crash):
         await engine.run(operation(total_time=600.0), "pay", tools=charger.tools)
-    run_id = await the_run_id(store, ledger)
+    return provider, charger, await the_run_id(store, ledger)
+
+
+async def test_a_crash_between_turns_sends_the_turn_again(ledger: Any, clock: FakeClock) -> None:
+    """Killed after the batch's checkpoint: the next turn is sent as a new
+    attempt, ordinals dense; no call runs again."""
+    provider, charger, run_id = await crashed_between_turns(ledger, clock)
     engine2, provider2, _ = engine_on(ledger, clock, Reply.text("done"))
     done = await engine2.resume(run_id, tools=charger.tools, force=True)
     assert done.outcome is le.Outcome.COMPLETED

@@ -17,8 +17,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from decimal import Decimal
 from itertools import count
 from pathlib import Path
@@ -65,21 +66,27 @@ class Forker:
     def expect(self, tag: str, *kinds: str, timeout: float = 30.0) -> tuple[str, str]:
         """The next line of command ``tag`` whose kind is one of ``kinds``:
         ``(kind, rest)``. A child's ``error`` line fails the test."""
+        return self.expect_any([tag], *kinds, timeout=timeout)[1:]
+
+    def expect_any(self, tags: list[str], *kinds: str,
+                   timeout: float = 30.0) -> tuple[str, str, str]:
+        """The next line of any command of ``tags`` whose kind is one of ``kinds``:
+        ``(tag, kind, rest)``. A child's ``error`` line fails the test."""
         give_up = time.monotonic() + timeout
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         while True:
             for index, line in enumerate(self.lines):
                 found_tag, kind, *rest = line.split(" ", 2)
-                if found_tag != tag:
+                if found_tag not in tags:
                     continue
                 if kind == "error":
-                    raise AssertionError(f"child {tag} failed: {rest}")
+                    raise AssertionError(f"child {found_tag} failed: {rest}")
                 if kind in kinds:
                     del self.lines[index]
-                    return kind, rest[0] if rest else ""
+                    return found_tag, kind, rest[0] if rest else ""
             left = give_up - time.monotonic()
-            assert left > 0, f"no {kinds} from {tag} within {timeout}s"
+            assert left > 0, f"no {kinds} from {tags} within {timeout}s"
             ready, _, _ = select.select([fd], [], [], left)
             if ready:
                 chunk = os.read(fd, 65536)
@@ -295,10 +302,19 @@ async def test_two_processes_resuming_one_run_never_both_proceed(
     finally:
         await provider.aclose()  # type: ignore[attr-defined]
     assert {r.outcome for r in runs} == {le.Outcome.PAUSED}
-    # The winner's next reply comes two seconds later: the run is still held
-    # when the other resume arrives, however late a loaded machine lets it
-    # start (25 pairs share its cores).
-    server.add(*[Reply.text("Sent.", delay=2.0) for _ in range(RACES)])
+    # The winner's next reply is held until the loser of every pair of its
+    # batch has reported: the run is still held when the other resume
+    # arrives, however late a loaded machine lets it start. The busy resumes
+    # send nothing, so the winners' requests take the items in batch order.
+    releases = [threading.Event() for _ in range(0, RACES, RACE_BATCH)]
+
+    def held(release: threading.Event) -> Callable[[Any], Reply]:
+        def reply(request: Any) -> Reply:
+            assert release.wait(60), "the test never released the reply"
+            return Reply.text("Sent.")
+        return reply
+
+    server.add(*[held(releases[n // RACE_BATCH]) for n in range(RACES)])
     for batch in range(0, RACES, RACE_BATCH):
         go = tmp_path / f"go{batch}"
         pairs = [[forker.send(op="resume", vendor="anthropic", url=server.url, db=db,
@@ -309,9 +325,12 @@ async def test_two_processes_resuming_one_run_never_both_proceed(
             for tag in pair:
                 forker.expect(tag, "ready")
         go.touch()
-        for pair in pairs:
-            kinds = sorted(forker.expect(tag, "result", "busy")[0] for tag in pair)
-            assert kinds == ["busy", "result"]
+        # No result can come before the release: each pair's first word is busy.
+        losers = [forker.expect_any(pair, "busy")[0] for pair in pairs]
+        releases[batch // RACE_BATCH].set()
+        for pair, loser in zip(pairs, losers, strict=True):
+            [winner] = [tag for tag in pair if tag != loser]
+            forker.expect(winner, "result")
     lines = log.read_text().splitlines()
     # Each run's call ran once, in the process that won.
     assert sorted(lines) == sorted(f"send {run.invocation_id}" for run in runs)

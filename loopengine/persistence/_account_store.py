@@ -17,7 +17,7 @@ from typing import Any
 from loopengine.guards._credits import turn_credits
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "charged", "expire", "journal", "lock", "read",
-           "released", "settled"]
+           "recover", "released", "settled"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -97,24 +97,42 @@ def settled(conn: Any, invocation_id: str) -> int:
     return int(row[0])
 
 
+# A reservation not released yet: fewer releases of its invocation than its
+# reservations up to this one.
+_UNRELEASED = (
+    "SELECT r.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum "
+    "FROM account_entries r WHERE r.account = ? AND r.kind = 'reserve' AND {} "
+    "AND (SELECT COUNT(*) FROM account_entries e "
+    "WHERE e.invocation_id = r.invocation_id AND e.kind = 'release') < "
+    "(SELECT COUNT(*) FROM account_entries e WHERE e.invocation_id = r.invocation_id "
+    "AND e.kind = 'reserve' AND e.id <= r.id)")
+
+
 def expire(conn: Any, account: str, now: str) -> None:
     """Settle ``account``'s expired reservations that were never released."""
-    expired = conn.execute(
-        "SELECT r.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum "
-        "FROM account_entries r WHERE r.account = ? AND r.kind = 'reserve' "
-        "AND r.expires_at < ? AND (SELECT COUNT(*) FROM account_entries e "
-        "WHERE e.invocation_id = r.invocation_id AND e.kind = 'release') < "
-        "(SELECT COUNT(*) FROM account_entries e WHERE e.invocation_id = r.invocation_id "
-        "AND e.kind = 'reserve' AND e.id <= r.id)",
-        (account, now)).fetchall()
-    for invocation_id, reserved, rate, quantum in expired:
+    _close(conn, account, now, "r.expires_at < ?", now, "expire",
+           "settled after its reservation expired", "released after its reservation expired")
+
+
+def recover(conn: Any, account: str, invocation_id: str, now: str) -> None:
+    """Settle the reservation of ``invocation_id`` left by a running segment whose
+    process died (its run is recovered, and reserves again): charged what the
+    ledger says it spent, and released."""
+    _close(conn, account, now, "r.invocation_id = ?", invocation_id, "settle",
+           "settled when its run was recovered", "released when its run was recovered")
+
+
+def _close(conn: Any, account: str, now: str, which: str, value: str, kind: str,
+           charge_note: str, release_note: str) -> None:
+    """Charge and release ``account``'s unreleased reservations that ``which``
+    (a condition on the reservation ``r``, taking ``value``) selects."""
+    found = conn.execute(_UNRELEASED.format(which), (account, value)).fetchall()
+    for invocation_id, reserved, rate, quantum in found:
         charge = (charged(conn, invocation_id, Decimal(rate), int(quantum))
                   - settled(conn, invocation_id))
         if charge > 0:
-            journal(conn, account, now, "expire", charge, invocation_id,
-                     "settled after its reservation expired")
-        journal(conn, account, now, "release", int(reserved), invocation_id,
-                 "released after its reservation expired")
+            journal(conn, account, now, kind, charge, invocation_id, charge_note)
+        journal(conn, account, now, "release", int(reserved), invocation_id, release_note)
 
 
 TREE = ("WITH RECURSIVE tree (id) AS (SELECT CAST(? AS TEXT) UNION ALL "

@@ -51,7 +51,7 @@ from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_t
 __all__ = ["EXPORT_COLUMNS", "GROUPINGS", "AccountMismatch", "AccountRow", "Mismatch",
            "Reconciliation", "RunRow", "SpendRow", "Where", "children", "describe_value",
            "export_rows", "incomplete_in_export", "is_unpriced", "open_ledger", "reconcile",
-           "run_state", "runs", "show", "spend", "tool_calls"]
+           "run_state", "runs", "segments", "show", "spend", "tool_calls"]
 
 Grouping = Literal["tenant", "feature", "model", "operation", "user_id", "correlation_id"]
 GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "user_id",
@@ -336,6 +336,21 @@ def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
     return invocation, attempts
 
 
+_SEGMENT_COLUMNS = ("ordinal", "started_at", "ended_at", "outcome")
+
+
+def segments(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
+    """The invocation's running segments (DESIGN §16) in order: ``ordinal``,
+    ``started_at``, ``ended_at`` and ``outcome`` (``paused``, or how it ended;
+    both None while it runs or when its process died); empty on a ledger
+    older than segments, and for a run started before it had them."""
+    if not has_table(conn, "segments"):
+        return []
+    return [dict(r) for r in conn.execute(
+        f"SELECT {', '.join(_SEGMENT_COLUMNS)} FROM segments WHERE invocation_id = ? "
+        "ORDER BY ordinal", (invocation_id,))]
+
+
 _TOOL_CALL_COLUMNS = ("call_id", "turn", "tool", "status", "started_at", "ended_at")
 
 
@@ -505,13 +520,21 @@ def reconcile(
         "SELECT invocation_id, ordinal FROM attempts WHERE invocation_id NOT IN "
         "(SELECT id FROM invocations) ORDER BY invocation_id, ordinal")]
     in_doubt, expired_leases, expired_pauses = _stored_runs(conn, now or datetime.now(UTC))
+    dead_segments = [dict(r) for r in conn.execute(
+        "SELECT s.invocation_id, s.ordinal, s.started_at FROM segments AS s "
+        "JOIN invocations AS i ON i.id = s.invocation_id "
+        "WHERE s.ended_at IS NULL AND s.outcome IS NULL AND (i.outcome <> 'running' "
+        "OR EXISTS (SELECT 1 FROM segments AS n WHERE n.invocation_id = s.invocation_id "
+        "AND n.ordinal > s.ordinal)) ORDER BY s.started_at, s.invocation_id, s.ordinal")
+    ] if has_table(conn, "segments") else []
     return Reconciliation(invocations=len(rows), attempts=attempts + len(orphans),
                           mismatches=mismatches, unsettled=unsettled, incomplete=incomplete,
                           running=running, orphans=orphans, unpriced=unpriced,
                           abandoned=abandoned, abandoned_attempts=abandoned_attempts,
                           older_than=older_than, accounts=reconcile_accounts(conn),
                           usage_unknown=usage_unknown, in_doubt=in_doubt,
-                          expired_leases=expired_leases, expired_pauses=expired_pauses)
+                          expired_leases=expired_leases, expired_pauses=expired_pauses,
+                          dead_segments=dead_segments)
 
 
 def _stored_runs(conn: AuditConnection, now: datetime) -> tuple[

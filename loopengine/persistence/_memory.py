@@ -47,6 +47,7 @@ class MemoryLedger:
     Attributes:
         invocations: Invocation rows by id.
         attempts: Attempt rows by ``(invocation_id, ordinal)``.
+        segments: Running segment rows by ``(invocation_id, ordinal)``.
         calls: Every call made to the ledger, in order, as ``(method, ordinal or id)``.
     """
 
@@ -56,6 +57,7 @@ class MemoryLedger:
         self._rows = _Rows(max_retained_attempts)
         self.invocations = self._rows.invocations
         self.attempts = self._rows.attempts
+        self.segments = self._rows.segments
         self.calls: list[tuple[str, int | str]] = []
 
     def __repr__(self) -> str:
@@ -86,8 +88,13 @@ class MemoryLedger:
         row = self.invocations.get(invocation_id)
         if row is None:
             return None
+        turns: dict[int, int] = {}
+        for (owner, _), attempt in self.attempts.items():
+            if owner == invocation_id:
+                turns[attempt["turn"]] = max(turns.get(attempt["turn"], 0), attempt["attempt"])
         return _planner.read_progress(
-            lambda sql: [[row[column] for column in _planner.PROGRESS_COLUMNS]])
+            lambda sql: [[row[column] for column in _planner.PROGRESS_COLUMNS]]
+            if sql == _planner.PROGRESS_QUERY else list(turns.items()))
 
     def _commit(self, op: _planner.Op) -> None:
         for _, message in self._rows.commit([op]):
@@ -105,6 +112,7 @@ class _Rows(_planner.Store):
         super().__init__("memory ledger", max_retained)
         self.invocations: dict[str, dict[str, Any]] = {}
         self.attempts: dict[tuple[str, int], dict[str, Any]] = {}
+        self.segments: dict[tuple[str, int], dict[str, Any]] = {}
 
     def begin(self) -> None:
         """Nothing to open."""
@@ -126,8 +134,13 @@ class _Rows(_planner.Store):
             return None
         unsettled = [ordinal for (owner, ordinal), attempt in self.attempts.items()
                      if owner == invocation_id and attempt["outcome"] == "dispatched"]
+        last = max((ordinal for owner, ordinal in self.segments if owner == invocation_id),
+                   default=None)
+        segment = None if last is None else self.segments[(invocation_id, last)]
         return _planner.Known(row["attempts_retained"],
-                              row["outcome"] not in _planner.OPEN_OUTCOMES, unsettled)
+                              row["outcome"] not in _planner.OPEN_OUTCOMES, unsettled, last,
+                              segment is not None and segment["ended_at"] is None
+                              and segment["outcome"] is None)
 
     def execute(self, batch: _planner.Batch) -> None:
         """Apply the batch's rows to the dicts."""
@@ -149,6 +162,17 @@ class _Rows(_planner.Store):
                 if key in table:
                     raise KeyError(f"{key!r} already exists")
                 table[key] = {**new, **dict(zip(columns, row, strict=True))}
+            elif kind == "open":
+                if (row[0], row[1]) in self.segments:
+                    raise KeyError(f"segment {row[1]} of {row[0]} already exists")
+                self.segments[(row[0], row[1])] = {
+                    **dict(zip(_planner.SEGMENT_OPEN, row, strict=True)),
+                    "ended_at": None, "outcome": None}
+            elif kind == "close":
+                segment = self.segments.get((row[-2], row[-1]))
+                if segment is not None:
+                    segment.update(zip(_planner.SEGMENT_CLOSE, row[:-2], strict=True))
+                    changed += 1
             elif kind == "settle":
                 attempt = self.attempts.get((row[-2], row[-1]))
                 if attempt is not None and attempt["outcome"] == "dispatched":

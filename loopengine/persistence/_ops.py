@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from datetime import UTC, datetime
 
 from loopengine._errors import ConfigError
 from loopengine.persistence._planner import DISPATCH, END, SETTLE, START, Op
@@ -59,7 +60,9 @@ def settle_op(r: AttemptSettle) -> Op:
 def end_op(r: InvocationEnd) -> Op:
     """The END op of an invocation."""
     ended_at = None if r.ended_at is None else format_time(r.ended_at)
-    return [END, 0, r.id, ended_at, r.outcome, r.turns, r.tool_calls, r.credits]
+    at = r.at or r.ended_at or datetime.now(UTC)
+    return [END, 0, r.id, ended_at, r.outcome, r.turns, r.tool_calls, r.credits,
+            format_time(at)]
 
 
 def check_arguments(*, max_retained_attempts: object, max_batch: object,

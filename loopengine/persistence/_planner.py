@@ -10,6 +10,11 @@ transaction (`Store`). The rules live here and nowhere else:
   ``paused`` (or ``running``: a paused invocation resumed) does not end it
   (`OPEN_OUTCOMES`), so a paused invocation takes further writes;
 * an attempt is dispatched once and settled once;
+* an invocation runs in segments (``segments``): its start opens the first,
+  a resume (an end whose outcome is ``running``) opens the next, and a pause
+  or its end closes the one open, in the same transaction; a segment whose
+  process died stays open, and its recovery opens the next. An invocation
+  started before segments were recorded gets none;
 * the first ``max_retained`` attempts of an invocation get a row; later ones
   only increase ``attempt_count`` and set ``incomplete`` (R07);
 * each settle adds its usage (tokens, server tool requests, reasoning
@@ -67,8 +72,14 @@ ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "ht
                          "cost_nanousd", "charged", "price_ref", "response_id", "request_id",
                          "stop_reason", "web_search_requests", "web_fetch_requests",
                          "reasoning_tokens", "iterations", "fee_nanousd")
-# (END, op_id, id, *END_SET)
+# (END, op_id, id, *END_SET, at): ``at`` is when it was written (a resume's
+# segment starts then)
 END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits")
+_E_AT: Final = 3 + len(END_SET)
+SEGMENT_OPEN: Final = ("invocation_id", "ordinal", "started_at")
+"""The columns a segment's row is inserted with."""
+SEGMENT_CLOSE: Final = ("ended_at", "outcome")
+"""The columns closing a segment sets (then ``invocation_id`` and ``ordinal``)."""
 # (FLUSH, op_id) carries nothing: it only waits for what was queued before it.
 
 DELTA_COLUMNS: Final = ("attempt_count", "attempts_retained", "incomplete", "input_tokens",
@@ -153,11 +164,18 @@ class Known:
     """Its ``outcome`` is none of `OPEN_OUTCOMES`."""
     unsettled: Sequence[int]
     """The ordinals of its rows still ``dispatched``."""
+    segment: int | None = None
+    """Its last segment's ordinal, or None when it has none (started before
+    segments were recorded)."""
+    segment_open: bool = False
+    """Its last segment has not ended (it runs, or its process died)."""
 
 
 KNOWN_QUERIES: Final = (
     "SELECT attempts_retained, outcome FROM invocations WHERE id = {}",
     "SELECT ordinal FROM attempts WHERE invocation_id = {} AND outcome = 'dispatched'",
+    "SELECT ordinal, outcome, ended_at FROM segments WHERE invocation_id = {} "
+    "ORDER BY ordinal DESC LIMIT 1",
 )
 """What `read_known` asks, ``{}`` standing for the store's parameter marker."""
 
@@ -170,7 +188,10 @@ def read_known(rows: Callable[[str], Sequence[Sequence[Any]]]) -> Known | None:
         return None
     retained, outcome = found[0]
     unsettled = rows(KNOWN_QUERIES[1])
-    return Known(int(retained), outcome not in OPEN_OUTCOMES, [int(r[0]) for r in unsettled])
+    segment = rows(KNOWN_QUERIES[2])
+    last, how, ended_at = segment[0] if segment else (None, None, None)
+    return Known(int(retained), outcome not in OPEN_OUTCOMES, [int(r[0]) for r in unsettled],
+                 None if last is None else int(last), how is None and ended_at is None)
 
 
 PROGRESS_COLUMNS: Final = ("outcome", "ended_at", "turns", "tool_calls", "credits",
@@ -178,12 +199,16 @@ PROGRESS_COLUMNS: Final = ("outcome", "ended_at", "turns", "tool_calls", "credit
 """The ``invocations`` columns `read_progress` reads, in its order."""
 PROGRESS_QUERY: Final = (f"SELECT {', '.join(PROGRESS_COLUMNS)} FROM invocations "
                          "WHERE id = {}")
-"""What `read_progress` asks, ``{}`` standing for the store's parameter marker."""
+"""What `read_progress` asks first, ``{}`` standing for the store's parameter marker."""
+TURN_ATTEMPTS_QUERY: Final = ("SELECT turn, MAX(attempt) FROM attempts WHERE invocation_id = {} "
+                              "GROUP BY turn")
+"""What `read_progress` asks then: each turn's highest attempt number."""
 
 
 def read_progress(rows: Callable[[str], Sequence[Sequence[Any]]]) -> InvocationProgress | None:
     """An invocation's committed progress (what a resume enforces its budgets
-    from), read through ``rows(sql)``, which runs `PROGRESS_QUERY` for it."""
+    from), read through ``rows(sql)``, which runs `PROGRESS_QUERY` (then
+    `TURN_ATTEMPTS_QUERY`) for it."""
     found = rows(PROGRESS_QUERY)
     if not found:
         return None
@@ -193,7 +218,8 @@ def read_progress(rows: Callable[[str], Sequence[Sequence[Any]]]) -> InvocationP
     return InvocationProgress(
         outcome=str(outcome), ended_at=ended_at, turns=int(turns), tool_calls=int(tool_calls),
         credits=int(credits), attempt_count=int(attempts), cost_nanousd=int(cost),
-        provider_cost_nanousd=int(provider_cost))
+        provider_cost_nanousd=int(provider_cost),
+        turn_attempts={int(turn): int(number) for turn, number in rows(TURN_ATTEMPTS_QUERY)})
 
 
 class Store:
@@ -275,6 +301,10 @@ class _Live:
     """Attempts past the retention cap not yet settled; None when unknown (an
     invocation started by another ledger), and then any ordinal is accepted."""
     ended: bool = False
+    segment: int | None = 1
+    """Its last segment's ordinal; None when it records none (`Known.segment`)."""
+    segment_open: bool = True
+    """Its last segment has not ended."""
 
 
 @dataclass(slots=True)
@@ -292,6 +322,10 @@ class Batch:
     """Each invocation's changes to its totals, in `DELTA_COLUMNS` order."""
     ends: list[Sequence[Any]] = field(default_factory=list)
     """`END_SET` values, then ``id``."""
+    opens: list[Sequence[Any]] = field(default_factory=list)
+    """`SEGMENT_OPEN` rows."""
+    closes: list[Sequence[Any]] = field(default_factory=list)
+    """`SEGMENT_CLOSE` values, then ``invocation_id`` and ``ordinal``."""
     touched: set[str] = field(default_factory=set)
     """Invocations whose `_Live` this batch changed (forgotten if it rolls back)."""
     refused: list[tuple[int, str]] = field(default_factory=list)
@@ -452,7 +486,8 @@ class Planner:
             known = self.store.load(invocation_id)
             if known is None:
                 raise Refused(f"{self.store.name}: no invocation {invocation_id}")
-            live = _Live(known.retained, set(known.unsettled), None, ended=known.ended)
+            live = _Live(known.retained, set(known.unsettled), None, ended=known.ended,
+                         segment=known.segment, segment_open=known.segment_open)
             self._live[invocation_id] = live
         if live.ended:
             raise Refused(f"{self.store.name}: invocation {invocation_id} has already ended")
@@ -465,6 +500,8 @@ class Planner:
         batch.touched.add(invocation_id)
         self._live[invocation_id] = _Live(0)
         batch.starts.append(op[2:])
+        # Its first segment starts with it.
+        batch.opens.append((invocation_id, 1, op[11]))
 
     def _deltas(self, batch: Batch, invocation_id: str) -> list[int]:
         deltas = batch.deltas.get(invocation_id)
@@ -527,9 +564,23 @@ class Planner:
     def _plan_end(self, batch: Batch, op: Op) -> None:
         invocation_id = op[2]
         live = self._touch(batch, invocation_id)
+        outcome = op[4]
         # A pause (or a resume) changes the outcome without ending it.
-        live.ended = op[4] not in OPEN_OUTCOMES
-        batch.ends.append((*op[3:], invocation_id))
+        live.ended = outcome not in OPEN_OUTCOMES
+        batch.ends.append((*op[3:_E_AT], invocation_id))
+        if live.segment is None:
+            return
+        if outcome == "running":
+            # A resume: the next segment. One still open was its process's,
+            # which died (the run is recovered): it stays open.
+            live.segment += 1
+            live.segment_open = True
+            batch.opens.append((invocation_id, live.segment,
+                                op[_E_AT] if len(op) > _E_AT else op[3]))
+        elif live.segment_open:
+            live.segment_open = False
+            batch.closes.append((op[3] if op[3] is not None else op[_E_AT], outcome,
+                                 invocation_id, live.segment))
 
 
 Execute = Callable[[str, list[Sequence[Any]]], int]
@@ -541,13 +592,15 @@ def statements(batch: Batch) -> list[tuple[str, list[Sequence[Any]], str | None]
     before they are updated: ``(kind, rows, what)``, where an update must change
     exactly one ``what`` per row (`expect`) and an insert has None.
 
-    The kinds are ``start``, ``dispatch``, ``settle``, ``add`` (the
-    `Batch.delta_rows`) and ``end``.
+    The kinds are ``start``, ``open`` (a segment), ``dispatch``, ``settle``,
+    ``add`` (the `Batch.delta_rows`), ``end`` and ``close`` (a segment).
     """
     planned: list[tuple[str, list[Sequence[Any]], str | None]] = [
-        ("start", batch.starts, None), ("dispatch", batch.dispatches, None),
+        ("start", batch.starts, None), ("open", batch.opens, None),
+        ("dispatch", batch.dispatches, None),
         ("settle", batch.settles, "dispatched attempt rows"),
         ("add", batch.delta_rows(), "invocation rows"), ("end", batch.ends, "invocation rows"),
+        ("close", batch.closes, "open segment rows"),
     ]
     return [statement for statement in planned if statement[1]]
 

@@ -438,7 +438,7 @@ def rows_json(rows: Sequence[Sequence[Any]]) -> str:
     return json.dumps(rows, separators=(",", ":"), allow_nan=False)
 
 
-_KINDS: Final = ("start", "dispatch", "settle", "add", "end")
+_KINDS: Final = ("start", "dispatch", "settle", "add", "end", "open", "close")
 
 
 def _statement(kind: str) -> sql.Composable:
@@ -464,9 +464,10 @@ def _statement(kind: str) -> sql.Composable:
         return sql.SQL(", ").join(sql.SQL(f"{c} = {value.format(c)}") for c in columns)
 
     columns: tuple[str, ...]
-    if kind in ("start", "dispatch"):
-        table, columns = (("invocations", _planner.INVOCATION_INSERT) if kind == "start"
-                          else ("attempts", _planner.ATTEMPT_INSERT))
+    if kind in ("start", "dispatch", "open"):
+        table, columns = {"start": ("invocations", _planner.INVOCATION_INSERT),
+                          "dispatch": ("attempts", _planner.ATTEMPT_INSERT),
+                          "open": ("segments", _planner.SEGMENT_OPEN)}[kind]
         return sql.SQL("INSERT INTO {} ({}) SELECT * FROM {}").format(
             sql.Identifier(table), sql.SQL(", ").join(map(sql.Identifier, columns)),
             source(columns, [column_type(c) for c in columns]))
@@ -484,6 +485,11 @@ def _statement(kind: str) -> sql.Composable:
         return sql.SQL("UPDATE invocations AS i SET {} FROM {} WHERE i.id = v.id").format(
             sql.SQL(", ".join(totals)),
             source(columns, ["bigint"] * len(_planner.DELTA_COLUMNS) + ["text"]))
+    if kind == "close":
+        columns = (*_planner.SEGMENT_CLOSE, "invocation_id", "ordinal")
+        return sql.SQL("UPDATE segments AS s SET {} FROM {} WHERE s.invocation_id = "
+                       "v.invocation_id AND s.ordinal = v.ordinal").format(
+            sets(_planner.SEGMENT_CLOSE), source(columns, [column_type(c) for c in columns]))
     assert kind == "end"
     columns = (*_planner.END_SET, "id")
     return sql.SQL("UPDATE invocations AS i SET {} FROM {} WHERE i.id = v.id").format(

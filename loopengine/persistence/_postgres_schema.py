@@ -31,6 +31,7 @@ from loopengine.persistence._schema import (
     PARENT_COLUMN,
     RUN_TABLES,
     SCHEMA_TABLE,
+    SEGMENT_TABLE,
     TABLES,
     USAGE_VECTOR,
     Migration,
@@ -75,6 +76,8 @@ MIGRATIONS: tuple[Migration, ...] = (
               render(USAGE_VECTOR, POSTGRES_TYPES)),
     Migration(8, "run states, their leases, and tool call statuses",
               render(RUN_TABLES, POSTGRES_TYPES)),
+    Migration(9, "the running segments of each invocation",
+              render(SEGMENT_TABLE, POSTGRES_TYPES)),
 )
 """The schema's history, oldest first: the SQLite history's steps, step for step."""
 
@@ -82,11 +85,11 @@ SCHEMA_VERSION = MIGRATIONS[-1].version
 """The version this code writes and reads."""
 
 _COLUMN_KINDS: Final = {
-    column: kind for statement in (*TABLES, *PARENT_COLUMN, *USAGE_VECTOR)
+    column: kind for statement in (*TABLES, *PARENT_COLUMN, *USAGE_VECTOR, *SEGMENT_TABLE)
     for column, kind in re.findall(r"(?:^\s+|ADD COLUMN )(\w+) (TEXT|\{\w+\})", statement,
                                    re.MULTILINE)}
-"""Each column of ``invocations`` and ``attempts`` (those the later migrations add
-too): ``TEXT`` or its type's placeholder."""
+"""Each column of ``invocations``, ``attempts`` (those the later migrations add
+too) and ``segments``: ``TEXT`` or its type's placeholder."""
 
 # Two keys for the advisory lock: this constant ("le" "dg" in ASCII) and the
 # schema's name hashed, so that ledgers in other schemas migrate independently.
@@ -94,7 +97,7 @@ _LOCK_CLASS: Final = 0x6C65_6467
 
 
 def column_type(column: str) -> str:
-    """The PostgreSQL type of a column of ``invocations`` or ``attempts``."""
+    """The PostgreSQL type of a column of ``invocations``, ``attempts`` or ``segments``."""
     kind = _COLUMN_KINDS[column]
     return "text" if kind == "TEXT" else POSTGRES_TYPES[kind.strip("{}")]
 

@@ -6,7 +6,8 @@ inputs or outputs, or keys; a ledger cannot store what it is never given.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from loopengine._usage import Usage
@@ -100,6 +101,9 @@ class InvocationEnd:
     turns: int
     tool_calls: int
     credits: int
+    at: datetime | None = None
+    """When it was written (a resume's running segment starts then); None:
+    ``ended_at``, or the system's time when that is None too."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +127,8 @@ class InvocationProgress:
     """The charged cost of its settled attempts."""
     provider_cost_nanousd: int
     """The cost of every priced attempt."""
+    turn_attempts: Mapping[int, int] = field(default_factory=dict)
+    """Each turn's highest attempt number among its retained rows."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

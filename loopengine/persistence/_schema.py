@@ -26,6 +26,7 @@ __all__ = [
     "MIGRATIONS",
     "PARENT_COLUMN",
     "RUN_TABLES",
+    "SEGMENT_TABLE",
     "TOOL_CALL_STATUSES",
     "SCHEMA_TABLE",
     "SCHEMA_VERSION",
@@ -250,6 +251,23 @@ RUN_TABLES = (
 )
 """The run store's tables (`loopengine.RunStore`), rendered for each store."""
 
+# A run that pauses and resumes, or whose process died and was recovered,
+# runs in segments (DESIGN.md §16): one row each, for every run with a ledger.
+# ``outcome`` says how the segment ended (``paused``, or the invocation's
+# outcome); it and ``ended_at`` stay NULL while it runs, and for good when its
+# process died (the next segment is a recovery). Never any conversation text.
+SEGMENT_TABLE = (
+    """CREATE TABLE segments (
+        invocation_id TEXT NOT NULL,
+        ordinal {INTEGER} NOT NULL,
+        started_at {TIME} NOT NULL,
+        ended_at {TIME},
+        outcome TEXT,
+        PRIMARY KEY (invocation_id, ordinal)
+    )""",
+)
+"""The running segments' table, rendered for each store."""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "invocations and attempts", _CREATE_TABLES),
     Migration(2, "invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
@@ -263,6 +281,7 @@ MIGRATIONS: tuple[Migration, ...] = (
               render(USAGE_VECTOR, SQLITE_TYPES)),
     Migration(8, "run states, their leases, and tool call statuses",
               render(RUN_TABLES, SQLITE_TYPES)),
+    Migration(9, "the running segments of each invocation", render(SEGMENT_TABLE, SQLITE_TYPES)),
 )
 """The schema's history, oldest first."""
 

@@ -31,7 +31,8 @@ _ADD = tuple(f"{c} = MAX({c}, {{}})" if n == _planner.INCOMPLETE else f"{c} = {c
 _UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
 _LARGEST_CHUNK = 1024
 _WIDTH = {"start": len(INVOCATION_INSERT), "dispatch": len(ATTEMPT_INSERT),
-          "settle": len(ATTEMPT_SETTLE) + 2, "add": len(_ADD) + 1, "end": len(END_SET) + 1}
+          "settle": len(ATTEMPT_SETTLE) + 2, "add": len(_ADD) + 1, "end": len(END_SET) + 1,
+          "open": len(_planner.SEGMENT_OPEN), "close": len(_planner.SEGMENT_CLOSE) + 2}
 
 
 # -- the SQL -----------------------------------------------------------------------------
@@ -94,14 +95,18 @@ def _padded(rows: int) -> int:
     return -(-rows // step) * step
 
 
+_INSERTS: Final = {"start": ("invocations", INVOCATION_INSERT),
+                   "dispatch": ("attempts", ATTEMPT_INSERT),
+                   "open": ("segments", _planner.SEGMENT_OPEN)}
+
+
 def _build_sql(kind: str, rows: int) -> str:
     """The statement writing ``rows`` rows of ``kind`` (padding rows have NULL keys)."""
     width = _WIDTH[kind]
     row = "(" + ", ".join("?" * width) + ")"
     values = ", ".join([row] * rows)
-    if kind in ("start", "dispatch"):
-        table, columns = (("invocations", INVOCATION_INSERT) if kind == "start"
-                          else ("attempts", ATTEMPT_INSERT))
+    if kind in ("start", "dispatch", "open"):
+        table, columns = _INSERTS[kind]
         if rows == 1:
             return f"INSERT INTO {table} ({', '.join(columns)}) VALUES {values}"
         return (f"INSERT INTO {table} ({', '.join(columns)}) "
@@ -115,6 +120,13 @@ def _build_sql(kind: str, rows: int) -> str:
         return (f"UPDATE attempts SET {sets} FROM (VALUES {values}) AS v "
                 f"WHERE attempts.invocation_id = v.column{width - 1} "
                 f"AND attempts.ordinal = v.column{width} AND attempts.outcome = 'dispatched'")
+    if kind == "close":
+        if rows == 1:
+            return ("UPDATE segments SET ended_at = ?, outcome = ? "
+                    "WHERE invocation_id = ? AND ordinal = ?")
+        return ("UPDATE segments SET ended_at = v.column1, outcome = v.column2 "
+                f"FROM (VALUES {values}) AS v WHERE segments.invocation_id = v.column3 "
+                "AND segments.ordinal = v.column4")
     if kind == "add":
         if rows == 1:
             return f"UPDATE invocations SET {', '.join(a.format('?') for a in _ADD)} WHERE id = ?"
