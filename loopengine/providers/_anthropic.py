@@ -62,7 +62,6 @@ from typing import Any, TypeAlias, TypedDict
 import anthropic
 import httpx2
 
-from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine._pricing import TOKEN_ONLY_TOOLS
 from loopengine._usage import Usage, UsageIteration
@@ -298,10 +297,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
     def _setup(self, client: AsyncClient | None, client_kwargs: dict[str, Any],
                build: type[AsyncClient], *, stream: bool, stream_idle_timeout: float,
                route: str | None, max_connections: int | None) -> None:
-        _validate.boolean("stream", stream)
-        if route is not None:
-            _validate.text("route", route)
-        self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
+        self._settings(stream, stream_idle_timeout, route)
         vendor = _vendor_of(type(client) if client is not None else build)
         _require_extra(vendor, client if client is not None else client_kwargs)
         try:
@@ -317,9 +313,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 raise
             # The platform clients refuse a missing region or mixed credentials.
             raise ConfigError("client", f"{build.__name__}: {error}") from error
-        self._vendor = vendor
-        self._name = route if route is not None else self._vendor
-        self._stream = stream
+        self._name_route(vendor)
 
     @classmethod
     def bedrock(

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx2
 
-from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._clients import (
@@ -154,10 +153,7 @@ class GeminiProvider(SDKProvider[_Session]):
         max_connections: int | None = None,
         **client_kwargs: Any,
     ) -> None:
-        _validate.boolean("stream", stream)
-        if route is not None:
-            _validate.text("route", route)
-        self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
+        self._settings(stream, stream_idle_timeout, route)
         genai = import_genai()
         connections = connection_limit(max_connections, client, client_kwargs)
         if client is not None:
@@ -192,7 +188,6 @@ class GeminiProvider(SDKProvider[_Session]):
         vertex = bool(self.client.client.vertexai)
         self._vendor = "google-vertex" if vertex else "google"
         self._name = route if route is not None else "gemini-vertex" if vertex else "gemini"
-        self._stream = stream
 
     features = frozenset({"thinking"})
     """The Gemini API's optional request features (docs/providers.md): ``thinking``,

@@ -201,19 +201,15 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         max_connections: int | None = None,
         **client_kwargs: Any,
     ) -> None:
-        _validate.boolean("stream", stream)
+        self._settings(stream, stream_idle_timeout, route)
         if stream_usage not in ("required", "optional"):
             raise ConfigError("stream_usage", f'must be "required" or "optional", got '
                                               f"{_validate.shown(stream_usage)}")
         self._usage_required = stream_usage == "required"
         self._usage_warned = False
-        self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
-        if route is not None:
-            _validate.text("route", route)
-        self._clients, self._vendor = openai_clients("OpenAIProvider", client, client_kwargs,
-                                                     max_connections)
-        self._name = route if route is not None else self._vendor
-        self._stream = stream
+        self._clients, vendor = openai_clients("OpenAIProvider", client, client_kwargs,
+                                               max_connections)
+        self._name_route(vendor)
 
     features = frozenset({"reasoning_effort", "service_tier"})
     """The Chat Completions API's optional request features (docs/providers.md), sent as

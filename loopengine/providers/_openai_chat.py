@@ -51,11 +51,13 @@ __all__ = [
     "chat_params",
     "chat_tool_choice",
     "chat_tools",
+    "check_blocks",
     "check_translatable",
     "content_from_message",
     "first_choice",
     "image_source",
     "image_url",
+    "message_role",
     "openai_usage",
     "result_blocks",
     "result_text",
@@ -205,12 +207,27 @@ _ASSISTANT_DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning"})
 _USER_SENT = frozenset({"tool_result", "text", "image"})
 
 
-def _role(message: Mapping[str, Any]) -> str:
+def message_role(message: Mapping[str, Any], api: str = "Chat Completions") -> str:
     """The message's role, when the translation has one for it."""
     role = message.get("role")
     if role not in ("assistant", "user"):
-        raise untranslatable(f"a message with role {role!r}")
+        raise untranslatable(f"a message with role {role!r}", api)
     return str(role)
+
+
+def check_blocks(request: ProviderRequest, assistant_kind: Callable[[Mapping[str, Any]], str],
+                 user_kind: Callable[[Mapping[str, Any]], str],
+                 api: str = "Chat Completions") -> None:
+    """Every block of the request's messages through its role's kind check
+    (each raises on a block ``api`` has no equivalent for)."""
+    for message in request.messages:
+        role = message_role(message, api)
+        content = message.get("content")
+        if isinstance(content, str):
+            continue
+        kind_of = assistant_kind if role == "assistant" else user_kind
+        for block in content or ():
+            kind_of(block)
 
 
 def _assistant_kind(block: Mapping[str, Any]) -> str:
@@ -266,14 +283,7 @@ def check_translatable(request: ProviderRequest) -> None:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role
             or a ``tool_choice`` that has no Chat Completions equivalent.
     """
-    for message in request.messages:
-        role = _role(message)
-        content = message.get("content")
-        if isinstance(content, str):
-            continue
-        kind_of = _assistant_kind if role == "assistant" else _user_kind
-        for block in content or ():
-            kind_of(block)
+    check_blocks(request, _assistant_kind, _user_kind)
     if request.tools:
         chat_tool_choice(request.tool_choice)
 
@@ -293,7 +303,7 @@ def chat_messages(
             str(block.get("text", "")) for block in system)})
     for message in messages:
         content = message.get("content")
-        if _role(message) == "assistant":
+        if message_role(message) == "assistant":
             out.append(_assistant_message(content))
         else:
             out.extend(_user_messages(content))

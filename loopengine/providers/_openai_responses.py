@@ -96,14 +96,10 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
         max_connections: int | None = None,
         **client_kwargs: Any,
     ) -> None:
-        _validate.boolean("stream", stream)
-        self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
-        if route is not None:
-            _validate.text("route", route)
-        self._clients, self._vendor = openai_clients("OpenAIResponsesProvider", client,
-                                                     client_kwargs, max_connections)
-        self._name = route if route is not None else self._vendor
-        self._stream = stream
+        self._settings(stream, stream_idle_timeout, route)
+        self._clients, vendor = openai_clients("OpenAIResponsesProvider", client,
+                                               client_kwargs, max_connections)
+        self._name_route(vendor)
 
     features = frozenset({"reasoning_effort", "service_tier", "server_tools"})
     """The Responses API's optional request features (docs/providers.md):
@@ -115,8 +111,9 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
 
     def check_request(self, request: ProviderRequest) -> None:
         """Before an attempt is recorded: refuse a request the Responses API has no
-        equivalent for (a document, an image inside a tool result, a Messages
-        API server tool block, a server tool other than web search), by the
+        equivalent for (a document, a block inside a tool result other than
+        text, an image or a document, a Messages API server tool block, a
+        server tool other than web search), by the
         translation's own rules, without translating it.
 
         Raises:

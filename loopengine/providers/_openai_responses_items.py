@@ -44,7 +44,9 @@ from loopengine.providers._faults import ProviderFault
 from loopengine.providers._openai_chat import (
     arguments,
     chat_tool_choice,
+    check_blocks,
     image_url,
+    message_role,
     openai_usage,
     result_text,
     untranslatable,
@@ -86,13 +88,6 @@ def _anthropic_kinds() -> frozenset[str]:
     return frozenset(_block_types())
 
 
-def _role(message: Mapping[str, Any]) -> str:
-    role = message.get("role")
-    if role not in ("assistant", "user"):
-        raise untranslatable(f"a message with role {role!r}", API)
-    return str(role)
-
-
 def _assistant_kind(block: Mapping[str, Any]) -> str:
     """``text``, ``tool_use``, dropped (``thinking``), or an output item's type;
     a Messages API block the Responses API cannot take is refused."""
@@ -128,14 +123,7 @@ def check_translatable(request: ProviderRequest) -> None:
             a ``tool_choice`` or a server tool the Responses API has no
             equivalent for.
     """
-    for message in request.messages:
-        role = _role(message)
-        content = message.get("content")
-        if isinstance(content, str):
-            continue
-        kind_of = _assistant_kind if role == "assistant" else _user_kind
-        for block in content or ():
-            kind_of(block)
+    check_blocks(request, _assistant_kind, _user_kind, API)
     if request.tools:
         _tool_choice(request.tool_choice)
     _check_server_tools(request)
@@ -218,7 +206,7 @@ def responses_input(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     out: list[dict[str, Any]] = []
     for message in messages:
         content = message.get("content")
-        if _role(message) == "assistant":
+        if message_role(message, API) == "assistant":
             out.extend(_assistant_items(content))
         else:
             out.extend(_user_items(content))

@@ -16,6 +16,7 @@ from typing import Any, Generic, Self, TypeVar, cast
 import anyio
 import httpx2
 
+from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._clients import (
@@ -167,6 +168,24 @@ class SDKProvider(Generic[C]):
     _name: str
     _vendor: str
     _stream: bool
+    _idle: float
+    _route: str | None
+
+    def _settings(self, stream: bool, stream_idle_timeout: float, route: str | None) -> None:
+        """Check and keep the settings every such provider takes (a bad one is a
+        `ConfigError` naming it); `_name_route` names the route once the
+        vendor is known."""
+        _validate.boolean("stream", stream)
+        if route is not None:
+            _validate.text("route", route)
+        self._idle = _validate.required_seconds("stream_idle_timeout", stream_idle_timeout)
+        self._stream = stream
+        self._route = route
+
+    def _name_route(self, vendor: str) -> None:
+        """Keep ``vendor``, and the route: the ``route`` given, else the vendor."""
+        self._vendor = vendor
+        self._name = self._route if self._route is not None else vendor
 
     @property
     def client(self) -> C:
