@@ -88,7 +88,7 @@ class TurnStarted(Event):
 
     turn: int
     phase: str
-    """``turn``, ``repair`` or ``fallback``."""
+    """``turn``, ``repair``, ``fallback`` or ``wrap_up`` (the last turn, sent without tools)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
