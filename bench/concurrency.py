@@ -74,6 +74,8 @@ Run::
     python bench/concurrency.py -n 1000 --contenders bare,sqlite,postgres \
         --postgres "host=/tmp/pg user=postgres dbname=postgres"   # the ledgers
     python bench/concurrency.py -n 1000 --contenders bare,loopengine --rounds 5 --freeze
+    python bench/concurrency.py -n 1000 --rate 100 \
+        --contenders responses-bare,responses,gemini-bare,gemini   # each route on its SDK
     python bench/concurrency.py -n 1000 --profile loopengine   # cProfile of one run
     python bench/concurrency.py -n 1000 --memory loopengine    # what holds the memory
     python bench/concurrency.py --count -n 1000 --contenders bare,loopengine  # deterministic
