@@ -7,11 +7,16 @@ until standard input ends; then it prints one JSON line of what it did
 seconds).
 
 It answers the five-turn tool conversation of bench/_conversation.py: the
-model asks for the ``lookup`` tool four times, then answers in text. Which turn a
-request is on is read off its body by counting the tool results it carries
-(``"tool_use_id"`` for the Messages API, ``"tool_call_id"`` for Chat
-Completions), so the server keeps no state per conversation and any number
-of conversations share it. Every reply is prebuilt bytes.
+model asks for the ``lookup`` tool four times, then answers in text. It speaks
+the wire format its request's path names: the Messages API (``/v1/messages``),
+Chat Completions (``/chat/completions``), the Responses API (``/v1/responses``)
+and the Gemini API (``models/{model}:generateContent``), all in JSON (no
+streams). Which turn a request is on is read off its body by counting the
+tool results it carries (``"tool_use_id"`` for the Messages API,
+``"tool_call_id"`` for Chat Completions, ``"function_call_output"`` for the
+Responses API, ``"functionResponse"`` for Gemini), so the server keeps no
+state per conversation and any number of conversations share it. Every reply
+is prebuilt bytes.
 
 It is an ``asyncio.Protocol`` (no HTTP framework): HTTP/1.1 with keep-alive,
 ``Content-Length`` bodies, no pipelining needed. ``--delay S`` holds each
@@ -45,7 +50,9 @@ from _conversation import (  # noqa: E402
     OUTPUT_TOKENS,
     TOOL_TURNS,
     TURNS,
+    gemini_responses,
     messages,
+    responses,
     usage,
 )
 
@@ -86,6 +93,8 @@ def _response(body: bytes) -> bytes:
 
 ANTHROPIC = [_response(b) for b in anthropic_bodies()]
 OPENAI = [_response(b) for b in openai_bodies()]
+RESPONSES = [_response(json.dumps(r).encode()) for r in responses()]
+GEMINI = [_response(json.dumps(r).encode()) for r in gemini_responses()]
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
 
 
@@ -157,6 +166,12 @@ class Connection(asyncio.Protocol):
         elif b"/v1/messages" in line:
             turn = min(body.count(b'"tool_use_id"'), TOOL_TURNS)
             reply = ANTHROPIC[turn]
+        elif b"/v1/responses" in line:
+            turn = min(body.count(b'"function_call_output"'), TOOL_TURNS)
+            reply = RESPONSES[turn]
+        elif b":generatecontent" in line:  # the request line, lowercased with the head
+            turn = min(body.count(b'"functionResponse"'), TOOL_TURNS)
+            reply = GEMINI[turn]
         else:
             reply = NOT_FOUND
         if self.delay > 0 and self.stats.requests > self.prompt and turn >= self.hold_turn:

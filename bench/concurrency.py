@@ -2,7 +2,7 @@
 
 N five-turn tool conversations (the model asks for a tool four times, then
 answers in text) run on one event loop to their answers, through the real
-``anthropic`` (or ``openai``) SDK, against a loopback server in a process of
+``anthropic`` (or ``openai``, or ``google-genai``) SDK, against a loopback server in a process of
 its own (bench/_loopback.py: prebuilt replies, no framework), so the server's
 CPU is not the event loop's. The server holds each reply for a model's
 latency, N/``--rate`` seconds (±50%), and the conversations start evenly
@@ -18,16 +18,25 @@ in flight, not the load. Contenders:
 * ``postgres``: the same with a `PostgresLedger` on ``--postgres DSN`` (its
   writer thread's CPU counted; the server's is not: it is another process);
 * ``openai-bare`` and ``openai``: the same two on Chat Completions, through
-  the ``openai`` SDK and `OpenAIProvider`.
+  the ``openai`` SDK and `OpenAIProvider`;
+* ``responses-bare`` and ``responses``: on the Responses API, a hand-written
+  loop on ``client.responses.create`` and `OpenAIResponsesProvider`;
+* ``gemini-bare`` and ``gemini``: on the Gemini API, a hand-written loop on
+  ``client.aio.models.generate_content`` (``google-genai``) and `GeminiProvider`.
+
+Each contender is measured against the floor on its own API (``FLOOR``): a
+route's ratio is loopengine's cost over what that SDK costs anyway. A
+contender whose SDK is not installed is skipped, with the reason.
 
 Every contender sends through the same kind of client (``--transport``):
-``default`` is the client an `AnthropicProvider` / `OpenAIProvider` builds
+``default`` is the client a provider (`AnthropicProvider`, `OpenAIProvider`...) builds
 from keywords (the bare loops take the provider's own client, so the floor
 has the same client settings): on asyncio, the SDK's aiohttp client;
 ``sdk`` is the SDK's own default (what a provider built from keywords uses
 on trio)
 (``httpx2`` with httpcore's connection pool, its limits but for room for N
-connections); ``aiohttp`` the SDK's ``DefaultAioHttpClient`` given directly.
+connections; for Gemini an ``httpx2.AsyncClient`` with those limits);
+``aiohttp`` the SDK's ``DefaultAioHttpClient`` given directly (not for Gemini).
 
 Each measurement runs in a fresh process (so peak RSS is its own), after a
 warm-up of a few conversations. It reports:
@@ -65,6 +74,8 @@ Run::
     python bench/concurrency.py -n 1000 --contenders bare,sqlite,postgres \
         --postgres "host=/tmp/pg user=postgres dbname=postgres"   # the ledgers
     python bench/concurrency.py -n 1000 --contenders bare,loopengine --rounds 5 --freeze
+    python bench/concurrency.py -n 1000 --rate 100 \
+        --contenders responses-bare,responses,gemini-bare,gemini   # each route on its SDK
     python bench/concurrency.py -n 1000 --profile loopengine   # cProfile of one run
     python bench/concurrency.py -n 1000 --memory loopengine    # what holds the memory
     python bench/concurrency.py --count -n 1000 --contenders bare,loopengine  # deterministic
@@ -87,7 +98,9 @@ import asyncio
 import collections
 import contextlib
 import cProfile
+import functools
 import gc
+import importlib.util
 import json
 import os
 import pstats
@@ -109,11 +122,14 @@ sys.path.insert(0, str(HERE))
 
 from _conversation import (  # noqa: E402
     ANSWER,
+    GEMINI_MODEL,
     MODEL,
     OPENAI_MODEL,
     QUESTION,
     TOOL_SCHEMA,
     TURNS,
+    bare_gemini_run,
+    bare_responses_run,
     bare_run,
     lookup,
 )
@@ -122,9 +138,33 @@ TICK = 0.005
 RATE = 250.0
 PROFILE = Path(tempfile.gettempdir()) / "loopengine-concurrency.prof"
 WARM_UP = 20
-CONTENDERS = ["bare", "loopengine", "sqlite", "postgres", "openai-bare", "openai"]
+CONTENDERS = ["bare", "loopengine", "sqlite", "postgres", "openai-bare", "openai",
+               "responses-bare", "responses", "gemini-bare", "gemini"]
 FLOOR = {"bare": "bare", "loopengine": "bare", "sqlite": "bare", "postgres": "bare",
-         "openai-bare": "openai-bare", "openai": "openai-bare"}
+         "openai-bare": "openai-bare", "openai": "openai-bare",
+         "responses-bare": "responses-bare", "responses": "responses-bare",
+         "gemini-bare": "gemini-bare", "gemini": "gemini-bare"}
+"""Each contender's floor: the bare SDK loop on the same API."""
+SDK = {"openai-bare": "openai", "openai": "openai", "responses-bare": "openai",
+       "responses": "openai", "gemini-bare": "google.genai", "gemini": "google.genai"}
+"""The module a contender needs beyond the core's (``anthropic``), and so its extra."""
+EXTRA = {"openai": "openai", "google.genai": "gemini"}
+
+
+def missing_sdk(name: str) -> str | None:
+    """Why contender ``name`` cannot run here (its SDK is not installed), or None."""
+    module = SDK.get(name)
+    if module is None:
+        return None
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package (google) is missing too
+        found = False
+    if found:
+        return None
+    return (f"{name}: the {module} SDK is not installed "
+            f"(pip install -e '.[{EXTRA[module]}]')")
+
 # -- the contenders (in the measuring process) --------------------------------------------------
 
 
@@ -208,14 +248,31 @@ def openai_client(url: str, transport: str, n: int) -> Any:
                               http_client=sdk_http_client(openai, transport, n))
 
 
+def gemini_provider(url: str, transport: str, n: int) -> Any:
+    """The `GeminiProvider` the contenders on the Gemini API send through: built
+    from keywords (``default``), or on a ``genai.Client`` whose async HTTP client
+    is an ``httpx2.AsyncClient`` with room for N connections (``sdk``)."""
+    from loopengine.providers import GeminiProvider
+
+    if transport == "default":
+        return GeminiProvider(api_key="bench", http_options={"base_url": url},
+                              max_connections=connections(n))
+    if transport != "sdk":
+        raise SystemExit(f"the Gemini contenders take --transport default or sdk, "
+                         f"not {transport!r}")
+    import httpx2
+    from google import genai
+
+    http = httpx2.AsyncClient(limits=httpx2.Limits(
+        max_connections=connections(n), max_keepalive_connections=connections(n)))
+    return GeminiProvider(genai.Client(api_key="bench", http_options={
+        "base_url": url, "httpx_async_client": http}))
+
+
 def bare_anthropic(url: str, transport: str, n: int) -> Contender:
     """The floor: what a careful hand-written loop on the SDK does per turn."""
     client = anthropic_client(url, transport, n)
-
-    async def run() -> str:
-        return await bare_run(client)
-
-    return Contender(run, client.close)
+    return Contender(functools.partial(bare_run, client), client.close)
 
 
 def bare_openai(url: str, transport: str, n: int) -> Contender:
@@ -240,27 +297,48 @@ def bare_openai(url: str, transport: str, n: int) -> Contender:
     return Contender(run, client.close)
 
 
-def engine_contender(url: str, transport: str, n: int, vendor: str,
+def bare_responses(url: str, transport: str, n: int) -> Contender:
+    """The floor on the Responses API."""
+    client = openai_client(url, transport, n)
+    return Contender(functools.partial(bare_responses_run, client), client.close)
+
+
+def bare_gemini(url: str, transport: str, n: int) -> Contender:
+    """The floor on the Gemini API, on the client a `GeminiProvider` sends through."""
+    provider = gemini_provider(url, transport, n)
+    return Contender(functools.partial(bare_gemini_run, provider.client.client),
+                     provider.aclose)
+
+
+def engine_contender(url: str, transport: str, n: int, api: str,
                      ledger_dir: Path | None, postgres: str | None = None) -> Contender:
-    """`Engine.run` on the vendor's provider, with a SQLite ledger in
-    ``ledger_dir``, a PostgreSQL ledger on the DSN ``postgres``, or none."""
+    """`Engine.run` on the provider of ``api`` (``anthropic``, ``openai``,
+    ``responses``, ``gemini``), with a SQLite ledger in ``ledger_dir``, a
+    PostgreSQL ledger on the DSN ``postgres``, or none."""
     import loopengine as le
-    from loopengine.providers import AnthropicProvider, OpenAIProvider
+    from loopengine.providers import AnthropicProvider, OpenAIProvider, OpenAIResponsesProvider
 
     provider: Any
-    if vendor == "anthropic":
+    # The route the operation names, and the vendor whose price it is.
+    route, vendor = {"anthropic": ("anthropic", "anthropic"), "openai": ("openai", "openai"),
+                     "responses": ("openai", "openai"), "gemini": ("gemini", "google")}[api]
+    if api == "anthropic":
         provider = (AnthropicProvider(api_key="bench", base_url=url,
                                       max_connections=connections(n))
                     if transport == "default"
                     else AnthropicProvider(anthropic_client(url, transport, n)))
         model = MODEL
+    elif api == "gemini":
+        provider = gemini_provider(url, transport, n)
+        model = GEMINI_MODEL
     else:
-        provider = (OpenAIProvider(api_key="bench", base_url=url + "/v1",
-                                   max_connections=connections(n))
+        kind = OpenAIProvider if api == "openai" else OpenAIResponsesProvider
+        provider = (kind(api_key="bench", base_url=url + "/v1",
+                         max_connections=connections(n))
                     if transport == "default"
-                    else OpenAIProvider(openai_client(url, transport, n)))
+                    else kind(openai_client(url, transport, n)))
         model = OPENAI_MODEL
-    operation = le.Operation(name="bench.lookup", provider=vendor, model=model,
+    operation = le.Operation(name="bench.lookup", provider=route, model=model,
                              max_output_tokens=1024,
                              limits=le.Limits(max_turns=TURNS + 1, total_time=None,
                                               attempt_timeout=600.0))
@@ -310,6 +388,14 @@ def build(name: str, url: str, transport: str, n: int, ledger_dir: Path,
         return engine_contender(url, transport, n, "anthropic", None, postgres)
     if name == "openai":
         return engine_contender(url, transport, n, "openai", None)
+    if name == "responses-bare":
+        return bare_responses(url, transport, n)
+    if name == "responses":
+        return engine_contender(url, transport, n, "responses", None)
+    if name == "gemini-bare":
+        return bare_gemini(url, transport, n)
+    if name == "gemini":
+        return engine_contender(url, transport, n, "gemini", None)
     raise SystemExit(f"unknown contender {name!r}")
 
 
@@ -759,6 +845,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name not in CONTENDERS:
             parser.error(f"unknown contender {name!r} (known: {', '.join(CONTENDERS)})")
+    skipped = [reason for reason in map(missing_sdk, names) if reason is not None]
+    for reason in skipped:
+        print(f"skipped {reason}", file=sys.stderr)
+    names = [name for name in names if missing_sdk(name) is None]
     if args.count:
         names = [*dict.fromkeys([FLOOR[name] for name in names] + names)]
         counted: list[dict[str, Any]] = []
@@ -795,6 +885,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     report(results, names, sizes, args)
+    for reason in skipped:
+        print(f"skipped {reason}")
     return 0
 
 

@@ -14,7 +14,19 @@ contender gets its own client on its own copy of that transport:
 * ``loopengine + PostgreSQL``: with a `PostgresLedger` on ``--postgres DSN``
   (only when given; the server's own CPU is another process's, not counted);
 * ``pydantic-ai Agent`` and ``SDK tool_runner``: the peers a user would pick
-  instead (``pip install -e '.[bench]'``; skipped when missing).
+  instead (``pip install -e '.[bench]'``; skipped when missing);
+* ``responses-bare`` and ``responses``: on the Responses API, a hand-written
+  loop on ``client.responses.create`` (its floor) and `Engine.run` on
+  `OpenAIResponsesProvider`, through the ``openai`` SDK on the same kind of
+  ``httpx2.MockTransport`` (the extra ``openai``; skipped when missing);
+* ``gemini-bare`` and ``gemini``: on the Gemini API, a hand-written loop on
+  ``client.aio.models.generate_content`` (its floor) and `Engine.run` on
+  `GeminiProvider`, through ``google-genai``, whose ``http_options`` take the
+  ``httpx2.AsyncClient`` on that transport as ``httpx_async_client`` (the
+  extra ``gemini``; skipped when missing).
+
+Every ratio is to the floor on the contender's own API (``x floor``): the
+bare Messages API loop for the Anthropic contenders and the peers.
 
 Contenders are interleaved round by round; a time is the median over the
 rounds and a ratio the median of the ratios within each round, so a slow
@@ -38,6 +50,8 @@ Run::
 
     python bench/overhead.py                # defaults: 40 conversations x 15 rounds
     python bench/overhead.py --conversations 300 --rounds 9 --profile loopengine
+    python bench/overhead.py --only gemini  # the Gemini pair (and the Messages floor)
+    python bench/overhead.py --profile responses
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -64,14 +79,20 @@ import anthropic
 import httpx2
 from _conversation import (
     ANSWER,
+    GEMINI_MODEL,
     MODEL,
+    OPENAI_MODEL,
     OUTPUT_TOKENS,
     QUESTION,
     TOOL_TURNS,
     TURNS,
+    bare_gemini_run,
+    bare_responses_run,
     bare_run,
+    gemini_responses,
     lookup,
     messages,
+    responses,
 )
 
 import loopengine as le
@@ -108,11 +129,21 @@ HEADERS = {"content-type": "application/json", "request-id": "req_bench"}
 SSE_HEADERS = {"content-type": "text/event-stream", "request-id": "req_bench"}
 
 
-class ScriptedTransport(httpx2.MockTransport):
-    """Answers the five turns of one conversation in order, then starts over."""
+RESPONSES_BODIES = [json.dumps(r).encode() for r in responses()]
+GEMINI_BODIES = [json.dumps(r).encode() for r in gemini_responses()]
+OPENAI_HEADERS = {"content-type": "application/json", "x-request-id": "req_bench"}
+GEMINI_HEADERS = {"content-type": "application/json"}
 
-    def __init__(self) -> None:
+
+class ScriptedTransport(httpx2.MockTransport):
+    """Answers the five turns of one conversation in order, then starts over:
+    from ``bodies`` (JSON), or from `STREAMS` for a request that asks to stream."""
+
+    def __init__(self, bodies: list[bytes] = BODIES,
+                 headers: dict[str, str] = HEADERS) -> None:
         self.turn = 0
+        self.bodies = bodies
+        self.headers = headers
         super().__init__(self._answer)
 
     def _answer(self, request: httpx2.Request) -> httpx2.Response:
@@ -120,7 +151,7 @@ class ScriptedTransport(httpx2.MockTransport):
         self.turn += 1
         if b'"stream":true' in request.content or b'"stream": true' in request.content:
             return httpx2.Response(200, content=STREAMS[turn], headers=SSE_HEADERS)
-        return httpx2.Response(200, content=BODIES[turn], headers=HEADERS)
+        return httpx2.Response(200, content=self.bodies[turn], headers=self.headers)
 
 
 def make_client() -> anthropic.AsyncAnthropic:
@@ -140,6 +171,10 @@ class Contender:
     name: str
     run: Conversation
     close: Callable[[], Awaitable[None]]
+    key: str = ""
+    """Its short name (``--profile``, ``--only``): ``bare``, ``responses``..."""
+    floor: str = "bare"
+    """The key of the floor on its API, whose ratios it is reported with."""
     cpu: list[float] = field(default_factory=list)
     threads: list[float] = field(default_factory=list)
     """The part of `cpu` spent outside the event loop's thread (the ledger's writer)."""
@@ -153,7 +188,7 @@ async def bare_loop() -> Contender:
     async def run() -> str:
         return await bare_run(client)
 
-    return Contender("bare SDK loop (floor)", run, client.close)
+    return Contender("bare SDK loop (floor)", run, client.close, key="bare")
 
 
 OPERATION = le.Operation(name="bench.lookup", provider="anthropic", model=MODEL,
@@ -161,13 +196,15 @@ OPERATION = le.Operation(name="bench.lookup", provider="anthropic", model=MODEL,
 TOOL = le.tool(lookup)
 # The operation's published price (DESIGN.md §4); without it every attempt is
 # priced from genai-prices' data, measured as its own row.
-PRICES = le.PriceBook([le.ModelPrice(
+PRICE = le.ModelPrice(
     provider="anthropic", model=MODEL, input_per_mtok=Decimal(3), output_per_mtok=Decimal(15),
-    cache_read_per_mtok=Decimal("0.30"), cache_write_per_mtok=Decimal("3.75"))])
+    cache_read_per_mtok=Decimal("0.30"), cache_write_per_mtok=Decimal("3.75"))
+PRICES = le.PriceBook([PRICE])
 
 
 async def loopengine_run(ledger: Any = None, name: str = "loopengine, no ledger",
-                         prices: le.PriceBook | None = PRICES) -> Contender:
+                         prices: le.PriceBook | None = PRICES,
+                         key: str = "loopengine") -> Contender:
     client = make_client()
     engine = le.Engine(AnthropicProvider(client), ledger=ledger, prices=prices)
 
@@ -182,8 +219,88 @@ async def loopengine_run(ledger: Any = None, name: str = "loopengine, no ledger"
         if ledger is not None:
             await ledger.aclose()
 
-    return Contender(name, run, close)
+    return Contender(name, run, close, key=key)
 
+
+async def engine_on(provider: Any, route: str, vendor: str, model: str, name: str, key: str,
+                    close: Callable[[], Awaitable[None]]) -> Contender:
+    """`Engine.run` on ``provider`` (the route ``route``), no ledger, the model priced
+    by a `PriceBook` entry of ``vendor``'s (the same prices as `PRICES`)."""
+    prices = le.PriceBook([dataclasses.replace(PRICE, provider=vendor, model=model)])
+    engine = le.Engine(provider, prices=prices)
+    operation = dataclasses.replace(OPERATION, provider=route, model=model)
+
+    async def run() -> str:
+        result = await engine.run(operation, QUESTION, tools=[TOOL])
+        if result.outcome is not le.Outcome.COMPLETED or result.turns != TURNS:
+            raise RuntimeError(f"loopengine ended {result.outcome}: {result.detail}")
+        return str(result.answer)
+
+    return Contender(name, run, close, key=key, floor=f"{key}-bare")
+
+
+def openai_client() -> Any:
+    """An ``openai.AsyncOpenAI`` on its own `ScriptedTransport` of Responses API replies."""
+    import openai
+
+    return openai.AsyncOpenAI(
+        api_key="bench", base_url="http://bench.invalid/v1", max_retries=0,
+        http_client=httpx2.AsyncClient(transport=ScriptedTransport(RESPONSES_BODIES,
+                                                                   OPENAI_HEADERS)))
+
+
+async def responses_pair() -> list[Contender | str]:
+    """The Responses API's floor and loopengine on it, or why they cannot run."""
+    if importlib.util.find_spec("openai") is None:
+        return ["responses-bare, responses: the openai SDK is not installed "
+                "(pip install -e '.[openai]')"]
+    from loopengine.providers import OpenAIResponsesProvider
+
+    client = openai_client()
+
+    async def bare() -> str:
+        return await bare_responses_run(client)
+
+    engine_client = openai_client()
+    return [Contender("responses-bare SDK loop (floor)", bare, client.close,
+                      key="responses-bare", floor="responses-bare"),
+            await engine_on(OpenAIResponsesProvider(engine_client), "openai", "openai",
+                            OPENAI_MODEL, "responses: loopengine", "responses",
+                            engine_client.close)]
+
+
+def gemini_client() -> tuple[Any, httpx2.AsyncClient]:
+    """A ``google.genai.Client`` whose async HTTP client is on its own
+    `ScriptedTransport` of Gemini API replies, and that HTTP client (the SDK
+    leaves a client it was given open)."""
+    from google import genai
+
+    http = httpx2.AsyncClient(transport=ScriptedTransport(GEMINI_BODIES, GEMINI_HEADERS))
+    return genai.Client(api_key="bench", http_options={
+        "base_url": "http://bench.invalid", "httpx_async_client": http}), http
+
+
+async def gemini_pair() -> list[Contender | str]:
+    """The Gemini API's floor and loopengine on it, or why they cannot run."""
+    try:
+        found = importlib.util.find_spec("google.genai") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        return ["gemini-bare, gemini: the google-genai SDK is not installed "
+                "(pip install -e '.[gemini]')"]
+    from loopengine.providers import GeminiProvider
+
+    client, http = gemini_client()
+
+    async def bare() -> str:
+        return await bare_gemini_run(client)
+
+    engine_client, engine_http = gemini_client()
+    return [Contender("gemini-bare SDK loop (floor)", bare, http.aclose,
+                      key="gemini-bare", floor="gemini-bare"),
+            await engine_on(GeminiProvider(engine_client), "gemini", "google", GEMINI_MODEL,
+                            "gemini: loopengine", "gemini", engine_http.aclose)]
 
 
 async def loopengine_sqlite(directory: Path) -> Contender | str:
@@ -192,7 +309,7 @@ async def loopengine_sqlite(directory: Path) -> Contender | str:
     except ImportError:
         return "loopengine.persistence.SQLiteLedger is not available"
     ledger = SQLiteLedger(directory / "bench-ledger.db")
-    return await loopengine_run(ledger, name="loopengine + SQLite ledger")
+    return await loopengine_run(ledger, name="loopengine + SQLite ledger", key="sqlite")
 
 
 async def loopengine_postgres(dsn: str | None) -> Contender | str:
@@ -200,7 +317,8 @@ async def loopengine_postgres(dsn: str | None) -> Contender | str:
         return "loopengine + PostgreSQL: no --postgres DSN given"
     from loopengine.persistence import PostgresLedger
 
-    return await loopengine_run(PostgresLedger(dsn), name="loopengine + PostgreSQL ledger")
+    return await loopengine_run(PostgresLedger(dsn), name="loopengine + PostgreSQL ledger",
+                                key="postgres")
 
 
 async def pydantic_ai_agent() -> Contender | str:
@@ -218,7 +336,7 @@ async def pydantic_ai_agent() -> Contender | str:
         result = await agent.run(QUESTION)
         return str(result.output)
 
-    return Contender("pydantic-ai Agent", run, client.close)
+    return Contender("pydantic-ai Agent", run, client.close, key="pydantic-ai")
 
 
 async def sdk_tool_runner() -> Contender | str:
@@ -236,7 +354,7 @@ async def sdk_tool_runner() -> Contender | str:
         message = await runner.until_done()
         return "".join(b.text for b in message.content if b.type == "text")
 
-    return Contender("SDK tool_runner", run, client.close)
+    return Contender("SDK tool_runner", run, client.close, key="tool-runner")
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -260,20 +378,24 @@ async def measure(contender: Contender, conversations: int) -> None:
 async def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=args.ledger_dir) as tmp:
         built = [await bare_loop(), await loopengine_run(),
-                 await loopengine_run(name="loopengine, genai-prices", prices=le.PriceBook()),
+                 await loopengine_run(name="loopengine, genai-prices", prices=le.PriceBook(),
+                                     key="genai-prices"),
                  await loopengine_sqlite(Path(tmp)), await loopengine_postgres(args.postgres),
-                 await pydantic_ai_agent(), await sdk_tool_runner()]
+                 await pydantic_ai_agent(), await sdk_tool_runner(),
+                 *await responses_pair(), *await gemini_pair()]
         contenders = [c for c in built if isinstance(c, Contender)]
         skipped = [c for c in built if isinstance(c, str)]
         if args.only:
-            contenders = [c for c in contenders
-                          if c.name.startswith("bare") or args.only in c.name]
+            chosen = [c for c in contenders if args.only in c.name or args.only == c.key]
+            floors = {c.floor for c in chosen} | {"bare"}
+            contenders = [c for c in contenders if c in chosen or c.key in floors]
         try:
             for contender in contenders:  # warm up: imports, caches, connection set-up
                 for _ in range(args.warmup):
                     await contender.run()
             if args.profile:
-                (target,) = [c for c in contenders if c.name.startswith(args.profile)]
+                (target,) = ([c for c in contenders if c.key == args.profile]
+                             or [c for c in contenders if c.name.startswith(args.profile)])
                 profiler = cProfile.Profile()
                 profiler.enable()
                 for _ in range(args.conversations):
@@ -298,7 +420,7 @@ def ratio(values: list[float], floor: list[float]) -> float:
 
 
 def report(contenders: list[Contender], skipped: list[str], args: argparse.Namespace) -> None:
-    floor = contenders[0]
+    floors = {c.key: c for c in contenders if c.key == c.floor}
     print(f"loopengine {le.__version__} / anthropic {anthropic.__version__} / "
           f"Python {platform.python_version()} on {platform.machine()}")
     print(f"{TURNS}-turn tool conversation ({TOOL_TURNS} tool_use + 1 text) on "
@@ -306,15 +428,18 @@ def report(contenders: list[Contender], skipped: list[str], args: argparse.Names
           f"{args.rounds} rounds x {args.conversations} conversations")
     print("command: python bench/overhead.py " + " ".join(sys.argv[1:]))
     print()
-    print(f"{'':32} {'CPU/turn':>10} {'x bare':>7} {'wall/turn':>10} {'x bare':>7} "
+    print(f"{'':32} {'CPU/turn':>10} {'x floor':>7} {'wall/turn':>10} {'x floor':>7} "
           f"{'elsewhere':>10}")
     for c in contenders:
+        floor = floors[c.floor]
         cpu, wall = statistics.median(c.cpu), statistics.median(c.wall)
         print(f"{c.name:32} {cpu * 1e6:8.0f}µs {ratio(c.cpu, floor.cpu):7.2f} "
               f"{wall * 1e6:8.0f}µs {ratio(c.wall, floor.wall):7.2f} "
               f"{statistics.median(c.threads) * 1e6:8.0f}µs")
-    print("elsewhere: the part of CPU/turn outside the event loop's thread (the ledger's "
-          "writer thread, its fsyncs' system time)")
+    print("x floor: to the bare SDK loop on the same API (responses-*: the Responses API, "
+          "gemini-*: the Gemini API,\nthe others: the Messages API); elsewhere: the part of "
+          "CPU/turn outside the event loop's thread\n(the ledger's writer thread, its fsyncs' "
+          "system time)")
     for reason in skipped:
         print(f"skipped: {reason}")
 
@@ -331,9 +456,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--postgres", default=None, metavar="DSN",
                         help="also measure a PostgresLedger on this server")
     parser.add_argument("--only", default=None,
-                        help="measure only contenders whose name contains this (and the floor)")
+                        help="measure only contenders whose name contains this, or whose "
+                             "key it is (bare, responses, gemini...), and their floors")
     parser.add_argument("--profile", default=None, metavar="NAME",
-                        help="profile the contender whose name starts with NAME instead")
+                        help="profile the contender whose key is NAME (responses, gemini...) "
+                             "or whose name starts with NAME instead")
     return parser.parse_args(argv)
 
 

@@ -1,9 +1,12 @@
 """`loopengine demo`: one teammate conversation, end to end, with its ledger.
 
 Offline (the default), a loopback fake of the provider's API plays the model
-through its real SDK: `FakeAnthropicServer` and the ``anthropic`` SDK, or,
-with ``provider="openai"``, `FakeOpenAIServer` and the ``openai`` SDK (the
-extra ``openai``). Its first request fails with an overload (and is retried),
+through its real SDK: `FakeAnthropicServer` and the ``anthropic`` SDK; with
+``provider="openai"`` (Chat Completions) or ``"openai-responses"`` (the
+Responses API), `FakeOpenAIServer` and the ``openai`` SDK (the extra
+``openai``); with ``provider="gemini"``, `FakeGeminiServer` and the
+``google-genai`` SDK (the extra ``gemini``). Its first request fails with an
+overload (and is retried),
 then it asks for two tools in two turns, offers an answer the judge rejects,
 and repairs it. With ``live=True`` the same conversation goes to the real
 API. Either way every attempt lands in a SQLite ledger, which is read back
@@ -17,6 +20,7 @@ line: ``loopengine.cli`` calls it, never the other way round.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,14 +54,29 @@ class _Vendor:
 
     operation: le.Operation
     key: str
+    """The environment variable holding the API key ``live`` needs."""
     api: str
     sdk: str
+    """The SDK's distribution name, as the output names it."""
+    module: str
+    """The module the SDK is imported as (its absence is `DemoUnavailable`)."""
+    extra: str | None
+    """The package extra that installs it (None: a dependency of the core)."""
 
 
 PROVIDERS = {
-    "anthropic": _Vendor(OPERATION, "ANTHROPIC_API_KEY", "the Messages API", "anthropic"),
+    "anthropic": _Vendor(OPERATION, "ANTHROPIC_API_KEY", "the Messages API", "anthropic",
+                         "anthropic", None),
     "openai": _Vendor(dataclasses.replace(OPERATION, provider="openai", model="gpt-4o-mini"),
-                      "OPENAI_API_KEY", "the Chat Completions API", "openai"),
+                      "OPENAI_API_KEY", "the Chat Completions API", "openai", "openai",
+                      "openai"),
+    "openai-responses": _Vendor(
+        dataclasses.replace(OPERATION, provider="openai", model="gpt-4.1-mini"),
+        "OPENAI_API_KEY", "the Responses API", "openai", "openai", "openai"),
+    "gemini": _Vendor(dataclasses.replace(OPERATION, provider="gemini",
+                                          model="gemini-2.5-flash"),
+                      "GEMINI_API_KEY", "the Gemini API", "google-genai", "google.genai",
+                      "gemini"),
 }
 """The providers the demo runs on, by name."""
 
@@ -67,7 +86,7 @@ AttemptsTable = Callable[[Sequence[dict[str, Any]]], str]
 
 class DemoUnavailable(Exception):
     """The demo cannot run as asked (``--live`` without the API key, an unknown
-    provider, the ``openai`` extra missing)."""
+    provider, the provider's SDK missing: the ``openai`` or ``gemini`` extra)."""
 
 
 @le.tool
@@ -100,12 +119,16 @@ def judge(answer: str) -> le.Accept | le.Reject:
 
 def demo_script(provider: str = "anthropic") -> list[Any]:
     """What the fake server answers, request by request: an overload (Anthropic's
-    529, a 503 on Chat Completions, which has no overload status of its own),
-    two tool turns, a rejected answer and its repair."""
+    529; a 503 on OpenAI's APIs, which have no overload status of their own, and
+    Gemini's 503 ``UNAVAILABLE``), two tool turns, a rejected answer and its
+    repair."""
     from loopengine.testing import ErrorReply, Reply
 
-    overload = ErrorReply.overloaded() if provider == "anthropic" else ErrorReply(
-        status=503, message="The server is overloaded or not ready yet.")
+    overload = (
+        ErrorReply.overloaded() if provider == "anthropic"
+        else ErrorReply(status=503, message="The model is overloaded. Please try again later.")
+        if provider == "gemini"
+        else ErrorReply(status=503, message="The server is overloaded or not ready yet."))
     return [
         overload,
         Reply.tool_calls(("search_docs", {"query": "reset password"}),
@@ -137,14 +160,16 @@ def run_demo(
         db: The SQLite ledger to write, or a ``postgresql://`` URL (a
             `PostgresLedger`, with the ``postgres`` extra).
         attempts_table: Renders the attempt rows read back from ``db``.
-        provider: ``anthropic`` or ``openai``.
+        provider: ``anthropic``, ``openai`` (Chat Completions),
+            ``openai-responses`` (the Responses API) or ``gemini``.
         live: Talk to the real API (its key in the environment) instead of
             the loopback fake.
         echo: Prints one line.
 
     Raises:
         DemoUnavailable: an unknown provider, ``live`` without the provider's
-            API key, or ``openai`` without the ``openai`` extra.
+            API key, or the provider's SDK not installed (the ``openai`` extra
+            for both OpenAI APIs, ``gemini`` for Gemini).
         LedgerError: ``db`` cannot hold a ledger.
     """
     vendor = PROVIDERS.get(provider)
@@ -152,12 +177,13 @@ def run_demo(
         raise DemoUnavailable(f"no demo provider {provider!r} (known: {', '.join(PROVIDERS)})")
     if live and not os.environ.get(vendor.key):
         raise DemoUnavailable(f"--live talks to the real {vendor.api}: set {vendor.key}")
-    if provider == "openai":
+    if vendor.extra is not None:
         try:
-            import openai  # noqa: F401 - only whether it is installed
+            importlib.import_module(vendor.module)  # only whether it is installed
         except ImportError:
-            raise DemoUnavailable("--provider openai needs the openai SDK: "
-                                  "pip install 'loopengine-core[openai]'") from None
+            raise DemoUnavailable(f"--provider {provider} needs the {vendor.sdk} SDK (the "
+                                  f"{vendor.extra} extra): pip install "
+                                  f"'loopengine-core[{vendor.extra}]'") from None
     result: le.RunResult = anyio.run(_converse, db, provider, live)
     # Read the attempts back from the file: what is printed is what was recorded.
     conn = _audit.open_ledger(db)
@@ -195,32 +221,45 @@ def _ledger(db: Path | str) -> Any:
     return SQLiteLedger(db)
 
 
+def _provider(provider: str, key: str, url: str | None, client: Any) -> Any:
+    """The demo's provider on the real API (``url`` None) or on the fake at ``url``,
+    sending through ``client`` (an ``httpx2.AsyncClient``) where it takes one."""
+    from loopengine import providers
+
+    where: dict[str, Any] = {}
+    if provider == "anthropic":
+        if url is not None:
+            where = {"base_url": url, "http_client": client}
+        return providers.AnthropicProvider(api_key=key, **where)
+    if provider == "gemini":
+        if url is not None:
+            # Its HTTP clients are the provider's own (one per event loop).
+            where = {"http_options": {"base_url": url}}
+        return providers.GeminiProvider(api_key=key, **where)
+    if url is not None:
+        where = {"base_url": f"{url}/v1", "http_client": client}
+    kind = providers.OpenAIProvider if provider == "openai" else providers.OpenAIResponsesProvider
+    return kind(api_key=key, **where)
+
+
 async def _converse(db: Path | str, provider: str, live: bool) -> le.RunResult:
     import httpx2
 
-    from loopengine.providers import AnthropicProvider, OpenAIProvider
-    from loopengine.testing import FakeAnthropicServer, FakeOpenAIServer
+    from loopengine import testing
 
     vendor = PROVIDERS[provider]
     async with _ledger(db) as ledger:
         if live:
-            key = os.environ[vendor.key]
-            live_provider = (AnthropicProvider(api_key=key) if provider == "anthropic"
-                             else OpenAIProvider(api_key=key))
-            async with live_provider:
-                return await _run(live_provider, vendor.operation, ledger)
-        server = (FakeAnthropicServer if provider == "anthropic" else FakeOpenAIServer)(
-            demo_script(provider))
+            async with _provider(provider, os.environ[vendor.key], None, None) as real:
+                return await _run(real, vendor.operation, ledger)
+        server = (testing.FakeAnthropicServer if provider == "anthropic"
+                  else testing.FakeGeminiServer if provider == "gemini"
+                  else testing.FakeOpenAIServer)(demo_script(provider))
         with server:
             # Plain HTTP on loopback: a client that loads no certificates.
             client = httpx2.AsyncClient(verify=False)
             try:
-                fake: Any = (
-                    AnthropicProvider(api_key="demo-key", base_url=server.url,
-                                      http_client=client) if provider == "anthropic"
-                    else OpenAIProvider(api_key="demo-key", base_url=f"{server.url}/v1",
-                                        http_client=client))
-                async with fake:
+                async with _provider(provider, "demo-key", server.url, client) as fake:
                     return await _run(fake, vendor.operation, ledger)
             finally:
                 await client.aclose()

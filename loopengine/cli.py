@@ -100,13 +100,18 @@ def audit() -> None:
 
 
 @main.command()
-@click.option("--provider", "provider", type=click.Choice(["anthropic", "openai"]),
+@click.option("--provider", "provider",
+              type=click.Choice(["anthropic", "openai", "openai-responses", "gemini"]),
               default="anthropic", show_default=True,
-              help="Whose API the demo speaks: Anthropic's Messages API, or OpenAI's Chat "
-                   "Completions (needs the openai extra: pip install 'loopengine-core[openai]').")
+              help="Whose API the demo speaks: Anthropic's Messages API; OpenAI's Chat "
+                   "Completions (openai) or Responses API (openai-responses), which need the "
+                   "openai extra (pip install 'loopengine-core[openai]'); or the Gemini API "
+                   "(gemini), which needs the gemini extra (pip install "
+                   "'loopengine-core[gemini]').")
 @click.option("--live", is_flag=True,
-              help="Talk to the real API (needs ANTHROPIC_API_KEY, or OPENAI_API_KEY with "
-                   "--provider openai) instead of the built-in fake server.")
+              help="Talk to the real API (needs ANTHROPIC_API_KEY; OPENAI_API_KEY with "
+                   "--provider openai or openai-responses; GEMINI_API_KEY with --provider "
+                   "gemini) instead of the built-in fake server.")
 @click.option("--db", "db", type=str, default="loopengine-demo.db", show_default=True,
               help="Where to write the demo's ledger: a SQLite file, or a postgresql:// URL "
                    "(needs the postgres extra: pip install 'loopengine-core[postgres]').")

@@ -24,6 +24,18 @@ from .ledger_support import judge, lookup, read_db
 
 FAST = le.RetryPolicy(max_attempts=4, initial_wait=0.001, max_wait=0.002)
 
+DEMO_ATTEMPTS = [("1", "turn", "error"), ("2", "turn", "ok"), ("1", "turn", "ok"),
+                 ("1", "turn", "ok"), ("1", "repair", "ok")]
+"""(attempt, phase, outcome) of the demo's attempts: the overload, its retry, two
+tool turns after it, the repair of the rejected answer."""
+
+
+def attempt_rows(output: str) -> list[tuple[str, str, str]]:
+    """(attempt, phase, outcome) of each row of the attempts table the demo printed."""
+    table = [line.split() for line in output.splitlines()
+             if line[:1].isdigit() and len(line.split()) > 8]
+    return [(r[2], r[3], r[4]) for r in table]
+
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_ledger_sums_equal_the_usage_the_server_served(
@@ -74,11 +86,7 @@ def test_demo_runs_offline_and_writes_its_ledger(tmp_path: Path) -> None:
                           timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "Outcome:  completed after 4 turns, 3 tool calls and 5 attempts" in done.stdout
-    table = [line.split() for line in done.stdout.splitlines()
-             if line[:1].isdigit() and len(line.split()) > 8]
-    assert [(r[2], r[3], r[4]) for r in table] == [
-        ("1", "turn", "error"), ("2", "turn", "ok"), ("1", "turn", "ok"), ("1", "turn", "ok"),
-        ("1", "repair", "ok")]
+    assert attempt_rows(done.stdout) == DEMO_ATTEMPTS
     db = tmp_path / "loopengine-demo.db"
     conn = _audit.open_ledger(db)
     assert _audit.reconcile(conn).ok
@@ -100,4 +108,61 @@ def test_demo_live_needs_a_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, ["demo", "--live"])
     assert result.exit_code == 2 and "ANTHROPIC_API_KEY" in result.output
+    assert not (tmp_path / "loopengine-demo.db").exists()
+
+
+@pytest.mark.parametrize(("provider", "api", "sdk", "served_by", "fault"), [
+    ("openai-responses", "the Responses API", "openai", "openai:gpt-4.1-mini", "server_error"),
+    ("gemini", "the Gemini API", "google-genai", "google:gemini-2.5-flash", "overloaded"),
+])
+def test_demo_runs_on_the_other_routes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, provider: str, api: str, sdk: str,
+    served_by: str, fault: str,
+) -> None:
+    """`loopengine demo --provider` on the Responses API and on Gemini: the same
+    conversation through that SDK and its loopback fake (the overload retried, two
+    tool turns, the rejected answer repaired), printed and recorded in a ledger that
+    reconciles, every attempt served by that route's model."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["demo", "--provider", provider])
+    assert result.exit_code == 0, result.output
+    assert f"against a loopback fake of {api}, through the {sdk} SDK" in result.output
+    assert "Outcome:  completed after 4 turns, 3 tool calls and 5 attempts" in result.output
+    assert "https://help.example.com/reset-password" in result.output.partition("Answer:")[2]
+    assert attempt_rows(result.output) == DEMO_ATTEMPTS
+    conn = _audit.open_ledger(tmp_path / "loopengine-demo.db")
+    try:
+        assert _audit.reconcile(conn).ok
+        rows = conn.execute("SELECT served_by, fault FROM attempts ORDER BY ordinal").fetchall()
+    finally:
+        conn.close()
+    assert [row["served_by"] for row in rows] == [served_by] * 5
+    assert [row["fault"] for row in rows] == [fault, None, None, None, None]
+
+
+@pytest.mark.parametrize(("provider", "module", "extra"), [
+    ("openai-responses", "openai", "openai"),
+    ("gemini", "google.genai", "gemini"),
+])
+def test_demo_without_the_sdk_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, provider: str, module: str, extra: str
+) -> None:
+    """Without the route's SDK (the module made unimportable, as when it is not
+    installed) the demo exits 2 naming the extra to install, and writes nothing."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, module, None)
+    result = CliRunner().invoke(main, ["demo", "--provider", provider])
+    assert result.exit_code == 2
+    assert f"pip install 'loopengine-core[{extra}]'" in result.output
+    assert not (tmp_path / "loopengine-demo.db").exists()
+
+
+def test_demo_live_on_gemini_needs_its_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--live --provider gemini without GEMINI_API_KEY exits 2 and names the variable."""
+    monkeypatch.delenv("GEMINI_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["demo", "--live", "--provider", "gemini"])
+    assert result.exit_code == 2 and "GEMINI_API_KEY" in result.output
     assert not (tmp_path / "loopengine-demo.db").exists()

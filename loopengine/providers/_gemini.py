@@ -214,8 +214,10 @@ class GeminiProvider(SDKProvider[_Session]):
         try:
             return {
                 "model": request.model,
-                "contents": [types.Content.model_validate(content)
-                             for content in gemini_contents(request.messages)],
+                # The translation's dicts as they are: the SDK validates them
+                # once; built into `types.Content` models here, the transcript
+                # cost each turn far more CPU (docs/performance.md).
+                "contents": gemini_contents(request.messages),
                 "config": types.GenerateContentConfig.model_validate(
                     gemini_config(request, timeout_ms)),
             }
