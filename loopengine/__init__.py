@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from loopengine.guards._limits import Limits
     from loopengine.providers._cache import CachePolicy
     from loopengine.providers._faults import FaultKind, ProviderFault
-    from loopengine.providers._gemini import GeminiProvider
     from loopengine.providers._retry import RetryPolicy
 
 __version__ = "0.1.0"
@@ -67,7 +66,6 @@ __all__ = [
     "Engine",
     "Estimate",
     "FaultKind",
-    "GeminiProvider",
     "LedgerError",
     "Limits",
     "LoopEngineError",
@@ -119,7 +117,6 @@ _EXPORTS: dict[str, str] = {
     "Engine": "loopengine._engine",
     "Estimate": "loopengine._estimate",
     "FaultKind": "loopengine.providers._faults",
-    "GeminiProvider": "loopengine.providers._gemini",
     "LedgerError": "loopengine._errors",
     "Limits": "loopengine.guards._limits",
     "LoopEngineError": "loopengine._errors",
