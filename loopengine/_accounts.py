@@ -42,7 +42,6 @@ from loopengine._errors import ConfigError
 from loopengine.persistence import _account_store as store
 from loopengine.persistence._account_store import AccountBalance
 from loopengine.persistence._postgres import PostgresLedger
-from loopengine.persistence._qmark import QmarkConnection
 from loopengine.persistence._schema import format_time
 from loopengine.persistence._sqlite import SQLiteLedger
 
@@ -105,7 +104,6 @@ class CreditAccounts:
         else:
             raise ConfigError("ledger", "credit accounts live in the ledger's database: give "
                                         f"them a SQLiteLedger or a PostgresLedger, not {ledger!r}")
-        self._postgres = isinstance(ledger, PostgresLedger)
         if key is not None and not callable(key):
             raise ConfigError("key", f"must be callable, got {key!r}")
         _validate.integer("default_hold", default_hold, minimum=1, optional=True)
@@ -236,12 +234,8 @@ class CreditAccounts:
         run's.
         """
         now = format_time(self._clock.wall())
-        if self._postgres:
-            return await self.ledger._transact(
-                lambda conn: work(QmarkConnection(conn), now),
-                "the accounts could not be written")
-        return await self.ledger._transact(lambda conn: work(conn, now),
-                                           "the accounts could not be written")
+        return await self.ledger._transact_qmark(lambda conn: work(conn, now),
+                                                 "the accounts could not be written")
 
 
 def expiry(started_at: datetime, total_time: float | None, grace: float) -> datetime:

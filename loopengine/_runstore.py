@@ -40,7 +40,6 @@ from loopengine._accounts import UNBOUNDED_RUN
 from loopengine._errors import ConfigError, LedgerError, RunBusyError
 from loopengine.persistence._memory import MemoryLedger
 from loopengine.persistence._postgres import PostgresLedger
-from loopengine.persistence._qmark import QmarkConnection
 from loopengine.persistence._schema import RUN_TABLES, SQLITE_TYPES, format_time, render
 from loopengine.persistence._sqlite import SQLiteLedger
 
@@ -307,10 +306,8 @@ class RunStore:
         """``work(connection)`` in one transaction (``?`` parameters on every store)."""
         failure = "the run store could not be written"
         ledger = self.ledger
-        if isinstance(ledger, PostgresLedger):
-            return await ledger._transact(lambda conn: work(QmarkConnection(conn)), failure)
-        if isinstance(ledger, SQLiteLedger):
-            return await ledger._transact(work, failure)
+        if isinstance(ledger, PostgresLedger | SQLiteLedger):
+            return await ledger._transact_qmark(work, failure)
         conn = self._memory
         assert conn is not None
         try:

@@ -19,7 +19,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio.to_thread
 
@@ -27,6 +27,7 @@ from loopengine._errors import ConfigError, LedgerError
 from loopengine.persistence import _planner
 from loopengine.persistence._ops import check_arguments
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
+from loopengine.persistence._qmark import QmarkConnection
 from loopengine.persistence._threaded import Call, ThreadedLedger, Writer
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ _UNAVAILABLE: Final = ("08", "53", "57", "58")
 """SQLSTATE classes that mean the server cannot serve for now, whatever is asked
 (the connection, its resources, an operator's intervention, the system), so
 the writes wait for it instead of failing (`PostgresWriter.lost`)."""
+
+T = TypeVar("T")
+
 _TCP_CHECKS: Final[dict[str, Callable[[float], int]]] = {
     "keepalives": lambda timeout: 1,
     "keepalives_idle": lambda timeout: max(1, math.ceil(timeout / 3)),
@@ -108,6 +112,10 @@ class PostgresLedger(ThreadedLedger):
     """
 
     _marker = "%s"  # psycopg's parameter marker, for `read_progress`
+
+    async def _transact_qmark(self, work: Callable[[Any], T], failure: str) -> T:
+        """`_transact`, ``work`` given the connection as `QmarkConnection`."""
+        return await self._transact(lambda conn: work(QmarkConnection(conn)), failure)
 
     def __init__(
         self,

@@ -512,6 +512,12 @@ class ThreadedLedger:
         if self._done < number:
             raise LedgerError(self._broken or f"{self._label}: the ledger is closed")
 
+    async def _transact_qmark(self, work: Callable[[Any], T], failure: str) -> T:
+        """`_transact`, ``work`` given a connection taking SQLite's ``?``
+        parameters on every store (the accounts' and the run store's SQL is
+        written once, with them)."""
+        return await self._transact(work, failure)
+
     async def _transact(self, work: Callable[[Any], T], failure: str) -> T:
         """Run ``work(connection)`` in a transaction of its own on the writer's
         connection, between two batches; return its result or raise its error.
