@@ -40,7 +40,13 @@ from loopengine._accounts import UNBOUNDED_RUN
 from loopengine._errors import ConfigError, LedgerError, RunBusyError
 from loopengine.persistence._memory import MemoryLedger
 from loopengine.persistence._postgres import PostgresLedger
-from loopengine.persistence._schema import RUN_TABLES, SQLITE_TYPES, format_time, render
+from loopengine.persistence._schema import (
+    RUN_TABLES,
+    SQLITE_TYPES,
+    format_time,
+    render,
+    stored_time,
+)
 from loopengine.persistence._sqlite import SQLiteLedger
 
 if TYPE_CHECKING:
@@ -108,13 +114,6 @@ def lease_expiry(inv: Invocation, grace: float) -> datetime:
     return inv.clock.wall() + timedelta(seconds=max(0.0, remaining) + grace)
 
 
-def _time(value: Any) -> datetime | None:
-    """A stored time (ISO text on SQLite, a datetime on PostgreSQL)."""
-    if value is None or isinstance(value, datetime):
-        return value
-    return datetime.fromisoformat(str(value))
-
-
 class RunStore:
     """Runs' resumable state, leases and tool call statuses, in a ledger's database.
 
@@ -176,8 +175,8 @@ class RunStore:
                 return None
             state, version, owner, expires, paused = row
             data = state.encode() if isinstance(state, str) else bytes(state)
-            return StoredRun(invocation_id, data, int(version), owner, _time(expires),
-                             _time(paused))
+            return StoredRun(invocation_id, data, int(version), owner, stored_time(expires),
+                             stored_time(paused))
 
         return await self._transact(work)
 
@@ -218,8 +217,8 @@ class RunStore:
             found, holder, expires, paused = row
             if int(found) != version:
                 raise RunBusyError(invocation_id, holder, "another resume took it")
-            StoredRun(invocation_id, b"", int(found), holder, _time(expires),
-                      _time(paused)).check_free(now, force)
+            StoredRun(invocation_id, b"", int(found), holder, stored_time(expires),
+                      stored_time(paused)).check_free(now, force)
             changed = conn.execute(
                 "UPDATE run_states SET version = version + 1, lease_owner = ?, "
                 "lease_expires_at = ?, paused_at = NULL, updated_at = ? "

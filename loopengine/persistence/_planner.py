@@ -36,10 +36,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, Final
 
 from loopengine.persistence._records import InvocationProgress
+from loopengine.persistence._schema import stored_time
 
 # Op kinds. START is deferred (nobody waits for it), and so is a SETTLE of
 # nothing served; the others are durable: somebody waits until they are
@@ -213,10 +213,9 @@ def read_progress(rows: Callable[[str], Sequence[Sequence[Any]]]) -> InvocationP
     if not found:
         return None
     outcome, ended_at, turns, tool_calls, credits, attempts, cost, provider_cost = found[0]
-    if isinstance(ended_at, str):
-        ended_at = datetime.fromisoformat(ended_at)
     return InvocationProgress(
-        outcome=str(outcome), ended_at=ended_at, turns=int(turns), tool_calls=int(tool_calls),
+        outcome=str(outcome), ended_at=stored_time(ended_at), turns=int(turns),
+        tool_calls=int(tool_calls),
         credits=int(credits), attempt_count=int(attempts), cost_nanousd=int(cost),
         provider_cost_nanousd=int(provider_cost),
         turn_attempts={int(turn): int(number) for turn, number in rows(TURN_ATTEMPTS_QUERY)})

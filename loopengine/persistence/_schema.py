@@ -16,7 +16,7 @@ import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Final
+from typing import Any, Final
 
 from loopengine._errors import LedgerError
 
@@ -35,6 +35,7 @@ __all__ = [
     "format_time",
     "migrate",
     "schema_version",
+    "stored_time",
 ]
 
 SCHEMA_TABLE = "loopengine_schema"
@@ -306,6 +307,14 @@ ATTEMPT_COLUMNS = (
     *USAGE_COLUMNS,
 )
 """The columns of ``attempts``, in table order."""
+
+
+def stored_time(value: Any) -> datetime | None:
+    """A time as a store gives it back: `format_time`'s text on SQLite, a
+    datetime on PostgreSQL, or None."""
+    if value is None or isinstance(value, datetime):
+        return value
+    return datetime.fromisoformat(str(value))
 
 
 def format_time(moment: datetime) -> str:
