@@ -29,6 +29,7 @@ from loopengine._usage import Usage
 from loopengine.events import RunPaused, RunResumed
 from loopengine.guards._checkpoints import ConversationState
 from loopengine.guards._deadline import Deadline
+from loopengine.persistence._planner import PROGRESS_USAGE, usage_counts
 from loopengine.persistence._records import InvocationEnd, InvocationProgress
 
 __all__ = ["decided_results", "pause", "pending_approvals", "prepare_resume", "resume_begin"]
@@ -125,9 +126,13 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     and the time of the pause are its rows', whatever the state says; without
     one, the state is trusted. ``recovering``: the invocation's process died
     while it ran (its state is the run store's last checkpoint, §16): the
-    ledger holds it ``running``; its attempts and cost are the ledger's, its
-    turns, tool calls and credits the checkpoint's (the ledger writes those
-    only when a segment ends).
+    ledger holds it ``running``; its attempts, cost and usage are the
+    ledger's, its turns, tool calls and credits the checkpoint's (the ledger
+    writes those only when a segment ends). Whatever the dead segment
+    dispatched after that checkpoint belongs to the turn it was on, which is
+    sent again: its attempt numbers go on from them, and their charge is in
+    that turn's credits (R03), so a reply billed just before a crash counts
+    against the hold.
 
     Raises:
         ConfigError: the ledger has no such invocation, or it is not paused,
@@ -172,11 +177,17 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
                                    f"pause_timeout of {timeout:g}s; it ended time_limit")
     inv.base_attempts = progress.attempt_count
     if recovering:
-        # The turn its process died in is sent again: its attempts go on.
-        inv.earlier_attempts = dict(progress.turn_attempts)
+        # The turn its process died in is sent again: its attempts go on, and
+        # what they were charged is part of that turn's charge.
+        resent = progress.turns + 1
+        if progress.attempt_count > saved.attempts:
+            inv.earlier_attempts = {resent: progress.attempt_count - saved.attempts}
+        if progress.cost_nanousd > saved.cost_nanousd:
+            inv.turn_charge[resent] = progress.cost_nanousd - saved.cost_nanousd
     inv.cost_nanousd = progress.cost_nanousd
     inv.provider_cost_nanousd = progress.provider_cost_nanousd
-    inv.usage = saved.usage if isinstance(saved.usage, Usage) else Usage()
+    inv.usage = usage_of(saved.usage if isinstance(saved.usage, Usage) else Usage(),
+                         progress.usage if inv.ledger is not None else None)
     inv.output_tokens = inv.usage.output_tokens
     inv.paused_seconds = max(0.0, waited)
     # total_time counts running time only: the deadline is what was left.
@@ -184,6 +195,24 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     inv.deadline = Deadline.after(inv.started, inv.limits.total_time)
     return ConversationState(turns=progress.turns, tool_calls=progress.tool_calls,
                              credits=progress.credits, deadline=inv.deadline)
+
+
+def usage_of(saved: Usage, ledger: Usage | None) -> Usage:
+    """The usage a resumed run goes on from: the state's, which has its sampling
+    iterations, while the ledger's totals (``ledger``, None without one) agree
+    with it; the attempts it lacks added (a recovered segment's, settled after
+    its checkpoint); the ledger's alone when the state claims more than it."""
+    if ledger is None:
+        return saved
+    lacking = [getattr(ledger, name) - getattr(saved, name) for name in PROGRESS_USAGE]
+    if not any(lacking):
+        return saved
+    if min(lacking) >= 0:
+        try:
+            return saved + usage_counts(lacking)
+        except ConfigError:
+            pass  # not a usage on its own (the state was edited): the ledger's
+    return ledger
 
 
 async def resume_begin(inv: Invocation, conversation: ConversationState) -> None:
@@ -204,5 +233,7 @@ async def resume_begin(inv: Invocation, conversation: ConversationState) -> None
         tool_calls=conversation.tool_calls, attempts=inv.base_attempts,
         credits=conversation.credits))
     if inv.accounts is not None:
-        # The hold left: the credits charged before the pause were settled then.
-        await admit(inv, at, spent=conversation.credits)
+        # The hold left: the credits charged before the pause were settled then
+        # (and a recovered run's dead segment's, with the reservation it left).
+        await admit(inv, at, spent=conversation.credits
+                    + inv.turn_credits(conversation.turns + 1))

@@ -259,6 +259,41 @@ async def test_a_crash_between_turns_sends_the_turn_again(ledger: Any, clock: Fa
     assert progress.attempt_count == 3 == len(provider.requests) + len(provider2.requests) + 1
 
 
+async def test_a_reply_settled_just_before_a_crash_counts_against_the_hold(
+        ledger: Any, clock: FakeClock) -> None:
+    """Killed once turn 2's reply was settled, before its checkpoint: the turn is
+    sent again as its attempt 2, and its charge is both replies' (R03), so the
+    hold sees what the dead process was billed: 120 + 240 credits pass the
+    hold of 300 and the run stops before turn 2's batch. Its usage has all
+    three replies."""
+    charger = Charger()
+
+    def crash_once_settled(event: object) -> None:
+        if isinstance(event, events.AttemptSettled) and event.turn == 2:
+            raise Crash
+
+    engine, _, store = engine_on(
+        ledger, clock, Reply.tool_calls(("lookup", {"card": "1"})),
+        Reply.tool_calls(("lookup", {"card": "2"})), observers=[crash_once_settled])
+    with pytest.raises(Crash):
+        await engine.run(operation(total_time=600.0, credit_hold=300), "pay",
+                         tools=charger.tools)
+    run_id = await the_run_id(store, ledger)
+    seen: list[events.AttemptStarted] = []
+    engine2, _, _ = engine_on(
+        ledger, clock, Reply.tool_calls(("lookup", {"card": "2"})), Reply.text("done"),
+        observers=[lambda e: seen.append(e) if isinstance(e, events.AttemptStarted) else None])
+    done = await engine2.resume(run_id, tools=charger.tools, force=True)
+    assert done.outcome is le.Outcome.CREDIT_LIMIT
+    assert charger.runs == [("lookup", "1")]
+    assert [(e.ordinal, e.turn, e.attempt) for e in seen] == [(3, 2, 2)]
+    assert done.credits == 360
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (300, 60)
+    progress = await ledger.read_progress(run_id)
+    assert (progress.turns, progress.credits, progress.attempt_count) == (2, 360, 3)
+    assert progress.usage.input_tokens == 300
+
+
 async def test_a_resume_refused_for_its_pause_timeout_emits_run_ended(
         ledger: Any, clock: FakeClock) -> None:
     """Past pause_timeout: ConfigError, the ledger says time_limit, observers get

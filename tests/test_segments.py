@@ -119,7 +119,7 @@ async def test_a_recovered_run_leaves_its_dead_segment_open_and_continues_attemp
     assert segments[1][2] is not None
     # (turn, attempt) stays unique: turn 2's cut attempt was 1, its resend is 2.
     progress = await ledger.read_progress(run_id)
-    assert progress.turn_attempts == {1: 1, 2: 2}
+    assert progress.attempt_count == 3
     assert [(e.ordinal, e.turn, e.attempt) for e in seen] == [(3, 2, 2)]
     assert [(a.dispatch.turn, a.dispatch.attempt) for a in done.attempt_log] == [(2, 2)]
 

@@ -88,13 +88,9 @@ class MemoryLedger:
         row = self.invocations.get(invocation_id)
         if row is None:
             return None
-        turns: dict[int, int] = {}
-        for (owner, _), attempt in self.attempts.items():
-            if owner == invocation_id:
-                turns[attempt["turn"]] = max(turns.get(attempt["turn"], 0), attempt["attempt"])
         return _planner.read_progress(
-            lambda sql: [[row[column] for column in _planner.PROGRESS_COLUMNS]]
-            if sql == _planner.PROGRESS_QUERY else list(turns.items()))
+            lambda sql: [[row[column] for column in
+                          _planner.PROGRESS_COLUMNS + _planner.PROGRESS_USAGE]])
 
     def _commit(self, op: _planner.Op) -> None:
         for _, message in self._rows.commit([op]):

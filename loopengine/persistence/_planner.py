@@ -34,10 +34,11 @@ integers, None); the fields of each kind are listed below.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from loopengine._usage import Usage
 from loopengine.persistence._records import InvocationProgress
 from loopengine.persistence._schema import stored_time
 
@@ -196,29 +197,38 @@ def read_known(rows: Callable[[str], Sequence[Sequence[Any]]]) -> Known | None:
 
 PROGRESS_COLUMNS: Final = ("outcome", "ended_at", "turns", "tool_calls", "credits",
                            "attempt_count", "cost_nanousd", "provider_cost_nanousd")
-"""The ``invocations`` columns `read_progress` reads, in its order."""
-PROGRESS_QUERY: Final = (f"SELECT {', '.join(PROGRESS_COLUMNS)} FROM invocations "
-                         "WHERE id = {}")
-"""What `read_progress` asks first, ``{}`` standing for the store's parameter marker."""
-TURN_ATTEMPTS_QUERY: Final = ("SELECT turn, MAX(attempt) FROM attempts WHERE invocation_id = {} "
-                              "GROUP BY turn")
-"""What `read_progress` asks then: each turn's highest attempt number."""
+"""The ``invocations`` columns `read_progress` reads first, in its order."""
+PROGRESS_USAGE: Final = ("input_tokens", "output_tokens", "cache_read_tokens",
+                         "cache_write_tokens", "cache_write_1h_tokens", "web_search_requests",
+                         "web_fetch_requests", "reasoning_tokens")
+"""The usage totals `read_progress` reads after them (`Usage`'s field names)."""
+PROGRESS_QUERY: Final = (f"SELECT {', '.join(PROGRESS_COLUMNS + PROGRESS_USAGE)} "
+                         "FROM invocations WHERE id = {}")
+"""What `read_progress` asks, ``{}`` standing for the store's parameter marker."""
 
 
 def read_progress(rows: Callable[[str], Sequence[Sequence[Any]]]) -> InvocationProgress | None:
     """An invocation's committed progress (what a resume enforces its budgets
-    from), read through ``rows(sql)``, which runs `PROGRESS_QUERY` (then
-    `TURN_ATTEMPTS_QUERY`) for it."""
+    from), read through ``rows(sql)``, which runs `PROGRESS_QUERY` for it."""
     found = rows(PROGRESS_QUERY)
     if not found:
         return None
-    outcome, ended_at, turns, tool_calls, credits, attempts, cost, provider_cost = found[0]
+    outcome, ended_at, turns, tool_calls, credits, attempts, cost, provider_cost = \
+        found[0][:len(PROGRESS_COLUMNS)]
     return InvocationProgress(
         outcome=str(outcome), ended_at=stored_time(ended_at), turns=int(turns),
         tool_calls=int(tool_calls),
         credits=int(credits), attempt_count=int(attempts), cost_nanousd=int(cost),
         provider_cost_nanousd=int(provider_cost),
-        turn_attempts={int(turn): int(number) for turn, number in rows(TURN_ATTEMPTS_QUERY)})
+        usage=usage_counts(int(value) for value in found[0][len(PROGRESS_COLUMNS):]))
+
+
+def usage_counts(counts: Iterable[int]) -> Usage:
+    """A `Usage` of the counts of `PROGRESS_USAGE`, in that order."""
+    (input_tokens, output_tokens, cache_read, cache_write, cache_write_1h, web_search,
+     web_fetch, reasoning) = counts
+    return Usage(input_tokens, output_tokens, cache_read, cache_write, cache_write_1h,
+                 web_search, web_fetch, reasoning)
 
 
 class Store:

@@ -6,7 +6,6 @@ inputs or outputs, or keys; a ledger cannot store what it is never given.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -127,8 +126,9 @@ class InvocationProgress:
     """The charged cost of its settled attempts."""
     provider_cost_nanousd: int
     """The cost of every priced attempt."""
-    turn_attempts: Mapping[int, int] = field(default_factory=dict)
-    """Each turn's highest attempt number among its retained rows."""
+    usage: Usage = field(default_factory=Usage)
+    """The usage of its settled attempts (every one, past the retention cap too),
+    without their sampling iterations."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
