@@ -286,16 +286,22 @@ class RunStore:
 
     async def drop(self, invocation_id: str, owner: str | None) -> None:
         """Delete the ended run's row, if ``owner`` holds it (or it is paused
-        and ``owner`` is None) (internal)."""
+        and ``owner`` is None), and mark ``in_doubt`` its calls still
+        ``started``: the run ended while their handlers ran (its deadline or a
+        cancellation cut them), so whether they did their work is not known
+        (internal)."""
 
         def work(conn: Any) -> None:
             if owner is None:
-                conn.execute("DELETE FROM run_states WHERE invocation_id = ?",
-                             (invocation_id,))
+                dropped = conn.execute("DELETE FROM run_states WHERE invocation_id = ?",
+                                       (invocation_id,)).rowcount
             else:
-                conn.execute("DELETE FROM run_states WHERE invocation_id = ? AND "
-                             "(lease_owner = ? OR lease_owner IS NULL)",
-                             (invocation_id, owner))
+                dropped = conn.execute("DELETE FROM run_states WHERE invocation_id = ? AND "
+                                       "(lease_owner = ? OR lease_owner IS NULL)",
+                                       (invocation_id, owner)).rowcount
+            if dropped:
+                conn.execute("UPDATE tool_calls SET status = 'in_doubt' WHERE "
+                             "invocation_id = ? AND status = 'started'", (invocation_id,))
 
         await self._transact(work)
 

@@ -294,6 +294,43 @@ async def test_a_reply_settled_just_before_a_crash_counts_against_the_hold(
     assert progress.usage.input_tokens == 300
 
 
+def test_a_call_the_deadline_cut_is_recorded_in_doubt_when_the_run_ends() -> None:
+    """A handler still running at the run's deadline: the run ends time_limit and
+    its call, started and never ended, is recorded ``in_doubt`` (it may have
+    done its work); the call that finished keeps ``succeeded``. On trio's
+    MockClock: the deadline comes without waiting for it."""
+    import trio
+    import trio.testing
+
+    @le.tool
+    async def quick(key: str) -> str:
+        """Answer at once."""
+        return f"value of {key}"
+
+    @le.tool
+    async def stuck(key: str) -> str:
+        """Never finish."""
+        await anyio.Event().wait()
+        raise AssertionError("unreachable")
+
+    ledger = MemoryLedger()
+    store = le.RunStore(ledger)
+    engine = le.Engine(ScriptedProvider([Reply.tool_calls(("quick", {"key": "a"}),
+                                                          ("stuck", {"key": "b"}))]),
+                       ledger=ledger, prices=PRICES, run_store=store)
+    seen: list[tuple[le.RunResult, dict[str, str]]] = []
+
+    async def main() -> None:
+        result = await engine.run(operation(total_time=2.0), "go", tools=[quick, stuck])
+        seen.append((result, await store.tool_calls(result.invocation_id)))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    result, statuses = seen[0]
+    assert result.outcome is le.Outcome.TIME_LIMIT
+    quick_id, stuck_id = (b["tool_use_id"] for b in result.messages[-1]["content"])
+    assert statuses == {quick_id: "succeeded", stuck_id: "in_doubt"}
+
+
 async def test_a_resume_refused_for_its_pause_timeout_emits_run_ended(
         ledger: Any, clock: FakeClock) -> None:
     """Past pause_timeout: ConfigError, the ledger says time_limit, observers get
