@@ -400,6 +400,10 @@ class _Loop:
     async def _decided_batch(self, state: RunState, decisions: Mapping[str, Decision]) -> str:
         """A resumed run's paused batch: approved calls run, denied and supplied
         ones get their decision's result; each uses tool budget (R08)."""
+        if not state.batch and not state.results:
+            # No batch waits (a recovered run checkpointed between turns, or
+            # before its first): the next turn goes.
+            return "repair" if state.repair else "turn"
         calls = {str(b.get("id")): b for b in self.transcript[-1]["content"]
                  if b.get("type") == "tool_use"}
         # A recovered run's calls that ended before its process died have
@@ -408,8 +412,6 @@ class _Loop:
         batch = [calls[call_id] for call_id in state.batch
                  if call_id in calls and call_id not in done]
         self.state = replace(self.state, tool_calls=self.state.tool_calls + len(done))
-        if not batch and not state.results and state.batch == ():
-            return "repair" if state.repair else "turn"
         return await self._answer_batch(self.state.turns, batch, list(state.results), None,
                                         state.repair, decided_results(decisions))
 

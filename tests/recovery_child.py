@@ -15,6 +15,13 @@ Commands (``db`` is ``{"sqlite": path}`` or ``{"postgres": dsn, "schema": name}`
   file ``log`` and prints ``TAG started <tool> <invocation id>``, waits a
   random moment, appends ``effect <tool> <invocation id>``, then waits to be
   killed.
+* ``{"op": "wire", "tag", "vendor", "url", "db", "log", "mode"}``: run a
+  conversation with the tool ``charge`` (which appends ``effect charge <invocation
+  id>`` to ``log``). ``mode`` ``request``: print ``TAG sent <invocation id>``
+  as each attempt goes out (its row durable), to be killed while the server
+  holds the reply; ``settled``: once turn 1's reply is settled (durable,
+  before the run's checkpoint), print ``TAG settled <invocation id>`` and
+  wait there to be killed.
 * ``{"op": "resume", "tag", "vendor", "url", "db", "log", "run", "decisions",
   "go"}``: print ``TAG ready`` and wait until the file ``go`` exists (when
   ``go`` is given), then resume the run ``run`` from the run store alone,
@@ -42,6 +49,7 @@ import anyio
 import httpx2
 
 import loopengine as le
+from loopengine import events
 from loopengine.persistence import MemoryLedger, PostgresLedger, SQLiteLedger
 from loopengine.providers import AnthropicProvider, OpenAIProvider, Provider
 
@@ -101,6 +109,29 @@ async def crash(command: dict[str, Any]) -> None:
     provider, ledger, prices = parts(command)
     engine = le.Engine(provider, ledger=ledger, prices=prices, run_store=le.RunStore(ledger))
     await engine.run(operation(command["vendor"]), "pay", tools=[charge, lookup])
+
+
+async def wire(command: dict[str, Any]) -> None:
+    tag, log, mode = command["tag"], command["log"], command["mode"]
+
+    async def watch(event: object) -> None:
+        if mode == "request" and isinstance(event, events.AttemptStarted):
+            say(tag, f"sent {event.run_id}")
+        if (mode == "settled" and isinstance(event, events.AttemptSettled)
+                and event.turn == 1):
+            say(tag, f"settled {event.run_id}")
+            await anyio.sleep(60)  # killed meanwhile
+
+    @le.tool
+    def charge(card: str, ctx: le.ToolContext) -> str:
+        """Charge a card."""
+        note(log, f"effect charge {ctx.invocation_id}")
+        return f"charged {card}"
+
+    provider, ledger, prices = parts(command)
+    engine = le.Engine(provider, ledger=ledger, prices=prices, run_store=le.RunStore(ledger),
+                       observers=[watch])
+    await engine.run(operation(command["vendor"]), "pay", tools=[charge])
 
 
 def wait_for(path: str) -> None:
@@ -172,7 +203,8 @@ def main() -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             code = 0
             try:
-                anyio.run({"crash": crash, "resume": resume}[command["op"]], command)
+                anyio.run({"crash": crash, "resume": resume, "wire": wire}[command["op"]],
+                          command)
             except BaseException as error:  # reported, then the child exits
                 say(command["tag"], f"error {error!r}")
                 code = 1

@@ -259,6 +259,31 @@ async def test_a_crash_between_turns_sends_the_turn_again(ledger: Any, clock: Fa
     assert progress.attempt_count == 3 == len(provider.requests) + len(provider2.requests) + 1
 
 
+async def test_a_crash_during_the_first_request_sends_it_again(ledger: Any,
+                                                              clock: FakeClock) -> None:
+    """Killed as its first request went out (only the start checkpoint was
+    written, the transcript a single user message): the resume sends turn 1
+    again as its attempt 2 and the run completes."""
+    charger = Charger()
+
+    def crash_on_first(event: object) -> None:
+        if isinstance(event, events.AttemptStarted):
+            raise Crash
+
+    engine, _, store = engine_on(ledger, clock, Reply.text("done"), observers=[crash_on_first])
+    with pytest.raises(Crash):
+        await engine.run(operation(total_time=600.0), "pay", tools=charger.tools)
+    run_id = await the_run_id(store, ledger)
+    seen: list[events.AttemptStarted] = []
+    engine2, _, _ = engine_on(
+        ledger, clock, Reply.text("done"),
+        observers=[lambda e: seen.append(e) if isinstance(e, events.AttemptStarted) else None])
+    done = await engine2.resume(run_id, tools=charger.tools, force=True)
+    assert done.outcome is le.Outcome.COMPLETED and done.answer == "done"
+    assert [(e.ordinal, e.turn, e.attempt) for e in seen] == [(2, 1, 2)]
+    assert done.turns == 1 and charger.runs == []
+
+
 async def test_a_reply_settled_just_before_a_crash_counts_against_the_hold(
         ledger: Any, clock: FakeClock) -> None:
     """Killed once turn 2's reply was settled, before its checkpoint: the turn is

@@ -3,8 +3,10 @@ loopback fakes, on SQLite and PostgreSQL (DESIGN §16).
 
 Children are forked by one helper process (tests/recovery_child.py) that has
 imported everything once, so each kill or race costs tens of milliseconds.
-A child is killed with SIGKILL inside its tool handlers, at a random moment;
-this process, another one, resumes the run from the run store alone.
+A child is killed with SIGKILL inside its tool handlers, at a random moment,
+or around the wire (its request held by the server; its reply settled, its
+checkpoint not yet written); this process, another one, resumes the run from
+the run store alone.
 """
 
 from __future__ import annotations
@@ -269,6 +271,89 @@ async def test_sigkill_in_handlers_never_runs_a_call_twice_and_loses_no_usage(
         ("charge", "supplied", supplied), ("charge", "succeeded", KILLS - supplied),
         ("lookup", "succeeded", KILLS)} - {("charge", "supplied", 0),
                                           ("charge", "succeeded", 0)}
+
+
+WIRE_KILLS = 5
+"""Kills per store and moment of `test_sigkill_around_the_wire...`."""
+
+
+async def test_sigkill_around_the_wire_loses_no_billed_reply_and_runs_no_call_twice(
+        forker: Forker, store: tuple[dict[str, str], Any],
+        fake_anthropic_server: FakeAnthropicServer, tmp_path: Path) -> None:
+    """Children killed at the two moments around a request, one after another,
+    each run resumed here from the run store alone:
+
+    * while the server holds the reply of turn 1 (its row written, its
+      request out): the attempt stays ``dispatched`` in the ledger, the turn
+      goes again as attempt 2;
+    * once turn 1's reply (asking for ``charge``) is settled, before the
+      run's checkpoint: the turn goes again as attempt 2, and its credits
+      charge both replies (R03): nothing billed is left out of the run's
+      credits or usage.
+
+    ``charge`` takes effect exactly once per run, the server answered exactly
+    the ledger's attempts, attempt sums equal the invocation totals."""
+    db, ledger = store
+    server = fake_anthropic_server
+    log = tmp_path / "calls.log"
+
+    @le.tool
+    def charge(card: str, ctx: le.ToolContext) -> str:
+        """Charge a card."""
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(f"effect charge {ctx.invocation_id}\n")
+        return f"charged {card}"
+
+    runs: dict[str, str] = {}
+    for mode in ("request", "settled") * WIRE_KILLS:
+        served = len(server.requests)
+        server.add(Reply.text("held", delay=30) if mode == "request"
+                   else Reply.tool_calls(("charge", {"card": "c"})))
+        tag = forker.send(op="wire", mode=mode, vendor="anthropic", url=server.url, db=db,
+                          log=str(log))
+        pid = int(forker.expect(tag, "pid")[1])
+        run_id = forker.expect(tag, "sent" if mode == "request" else "settled")[1]
+        if mode == "request":
+            give_up = time.monotonic() + 30
+            while len(server.requests) == served:  # the request reached the server
+                assert time.monotonic() < give_up, "the request never arrived"
+                await anyio.sleep(0.001)
+        os.kill(pid, signal.SIGKILL)
+        wait_gone(pid)
+        runs[run_id] = mode
+    provider = provider_for("anthropic", server.url)
+    engine = le.Engine(provider, ledger=ledger, prices=prices("anthropic"),
+                       run_store=le.RunStore(ledger))
+    try:
+        for run_id, mode in runs.items():
+            server.add(Reply.tool_calls(("charge", {"card": "c"})), Reply.text("Paid."))
+            done = await engine.resume(run_id, tools=[charge], force=True)
+            assert done.outcome is le.Outcome.COMPLETED and done.answer == "Paid.", done.detail
+            assert (done.turns, done.tool_calls) == (2, 1)
+            attempts = await rows(ledger, "SELECT turn, attempt, outcome, input_tokens, "
+                                          "output_tokens FROM attempts WHERE invocation_id = "
+                                          f"'{run_id}' ORDER BY ordinal")
+            served_first = "dispatched" if mode == "request" else "ok"
+            assert [(int(t), int(a), o) for t, a, o, _, _ in attempts] == [
+                (1, 1, served_first), (1, 2, "ok"), (2, 1, "ok")]
+            # One token is one credit here: the run's credits are every
+            # settled reply's tokens, the one its dead process settled included.
+            tokens = sum(int(i) + int(o) for _, _, out, i, o in attempts if out == "ok")
+            assert done.credits == tokens
+            assert done.usage.input_tokens == sum(int(i) for _, _, out, i, _ in attempts
+                                                  if out == "ok")
+    finally:
+        await provider.aclose()  # type: ignore[attr-defined]
+    lines = log.read_text().splitlines()
+    for run_id in runs:
+        assert lines.count(f"effect charge {run_id}") == 1
+    assert len(server.requests) == 3 * len(runs)
+    totals = await rows(ledger, "SELECT SUM(attempt_count), SUM(input_tokens), "
+                                "SUM(cost_nanousd) FROM invocations")
+    sums = await rows(ledger, "SELECT COUNT(*), SUM(input_tokens), SUM(cost_nanousd) "
+                              "FROM attempts")
+    assert [int(v) for v in totals[0]] == [int(v) for v in sums[0]]
+    assert int(totals[0][0]) == len(server.requests)
 
 
 async def test_two_processes_resuming_one_run_never_both_proceed(
