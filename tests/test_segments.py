@@ -32,7 +32,7 @@ from .conftest import PRICES, operation
 from .pause_scenarios import Sender, send
 from .postgres_support import PostgresServer, fresh_schema
 from .test_pause_stores import paused_on
-from .test_recovery import Charger, crashed, crashed_between_turns, engine_on, the_run_id
+from .test_recovery import Charger, Crash, crashed, crashed_between_turns, engine_on, the_run_id
 
 
 @pytest.fixture
@@ -259,6 +259,44 @@ async def test_a_recovered_run_settles_its_dead_segment_before_reserving_on_post
     """PostgreSQL: the same."""
     async with PostgresLedger(postgres_server.dsn(), schema=fresh_schema()) as store:
         await recovered_holds_only_its_new_reservation(store, clock)
+
+
+async def test_a_recovered_run_reserves_what_its_hold_leaves_after_a_settled_reply(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """Killed once turn 2's reply was settled, before its checkpoint (hold 500,
+    120 credits a reply): the recovery charges the dead segment's 240 and
+    reserves the 260 the hold leaves (not 380: the checkpoint's 120 alone),
+    so the account never holds more than the hold; the turn sent again adds
+    its 120 (360 in all), which the run and its account agree on."""
+    with SQLiteLedger(tmp_path / "ledger.db") as store:
+        accounts = le.CreditAccounts(store, clock=clock)
+        await accounts.grant("acme", 1000)
+        charger = Charger()
+
+        def crash_once_settled(event: object) -> None:
+            if isinstance(event, events.AttemptSettled) and event.turn == 2:
+                raise Crash
+
+        engine, _, run_store = engine_on(
+            store, clock, Reply.tool_calls(("lookup", {"card": "1"})), Reply.text("done"),
+            accounts=accounts, observers=[crash_once_settled])
+        with pytest.raises(Crash):
+            await engine.run(operation(total_time=600.0, credit_hold=500), "pay",
+                             tools=charger.tools, attribution=le.Attribution(tenant="acme"))
+        run_id = await the_run_id(run_store, store)
+        held: list[le.AccountBalance] = []
+
+        async def look(event: object) -> None:
+            if isinstance(event, events.AttemptStarted):
+                held.append(await accounts.balance("acme"))
+
+        engine2, _, _ = engine_on(store, clock, Reply.text("done"), accounts=accounts,
+                                  observers=[look])
+        done = await engine2.resume(run_id, tools=charger.tools, force=True)
+        assert done.outcome is le.Outcome.COMPLETED
+        assert held == [le.AccountBalance("acme", 1000, 240, 260, 500)]
+        assert done.credits == 360
+        assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 360, 0, 640)
 
 
 def test_segments_are_kept_without_a_run_store_too() -> None:
