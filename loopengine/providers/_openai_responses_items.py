@@ -19,6 +19,10 @@ boundary, both ways (`responses_params`, `content_from_response`,
   type, as the API sent it, and goes back as the same item on the next
   request: a ``reasoning`` item with its ``encrypted_content`` (``store`` is
   false, so the server keeps nothing to refer to), or not at all without it.
+  The API pairs a reasoning item with the item that followed it by that
+  item's id (``fc_...``, ``msg_...``), and refuses either sent without the
+  other: the reasoning block keeps that id (``next_item_id``), and the item
+  goes back with it only right after its reasoning item.
 * The status becomes the engine's stop reason: ``completed`` -> ``end_turn``
   (``tool_use`` with function calls, ``refusal`` with a refusal part);
   ``incomplete`` -> ``max_tokens`` (``incomplete``: a cut-off answer is never
@@ -218,11 +222,24 @@ def _assistant_items(content: Any) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": content}] if content else []
     items: list[dict[str, Any]] = []
     texts: list[str] = []
+    paired: list[Any] = [None]
+    """The id the next item takes: the one that followed the reasoning item just sent."""
+
+    def add(item: dict[str, Any]) -> None:
+        if paired[0] is not None:
+            item["id"] = paired[0]
+            paired[0] = None
+        items.append(item)
 
     def flush() -> None:
         if texts:
-            items.append({"role": "assistant", "content": "".join(texts)})
+            text = "".join(texts)
             texts.clear()
+            if paired[0] is None:
+                items.append({"role": "assistant", "content": text})
+            else:  # the output message form: the only one that takes an id
+                add({"type": "message", "role": "assistant", "status": "completed",
+                     "content": [{"type": "output_text", "text": text, "annotations": []}]})
 
     for block in content or ():
         kind = _assistant_kind(block)
@@ -234,15 +251,18 @@ def _assistant_items(content: Any) -> list[dict[str, Any]]:
             tool_input = block.get("input", {})
             # Arguments the model sent malformed are sent back as they came.
             sent = tool_input if isinstance(tool_input, str) else json.dumps(tool_input)
-            items.append({"type": "function_call", "call_id": block.get("id"),
-                          "name": block.get("name"), "arguments": sent})
+            add({"type": "function_call", "call_id": block.get("id"),
+                 "name": block.get("name"), "arguments": sent})
         elif kind == "reasoning":
             if block.get("encrypted_content"):
                 items.append({"type": "reasoning", "id": block.get("id"),
                               "summary": list(block.get("summary") or ()),
                               "encrypted_content": block["encrypted_content"]})
+                paired[0] = block.get("next_item_id")
         elif kind not in _DROPPED:
-            items.append(dict(block))
+            # An output item sent as it came, with its own id.
+            items.append({k: v for k, v in block.items() if k != "next_item_id"})
+            paired[0] = None
     flush()
     return items
 
@@ -266,10 +286,16 @@ def content_from_response(response: Mapping[str, Any]) -> tuple[list[dict[str, A
     dict whose status is ``completed`` or ``incomplete``)."""
     content: list[dict[str, Any]] = []
     calls = refused = False
+    reasoning: dict[str, Any] | None = None
     for item in response.get("output") or ():
         if not isinstance(item, Mapping):
             continue
         kind = item.get("type")
+        if reasoning is not None:
+            # The item the API pairs with the reasoning item before it.
+            if item.get("id"):
+                reasoning["next_item_id"] = item.get("id")
+            reasoning = None
         if kind == "message":
             for part in item.get("content") or ():
                 if not isinstance(part, Mapping):
@@ -285,6 +311,8 @@ def content_from_response(response: Mapping[str, Any]) -> tuple[list[dict[str, A
                             "name": item.get("name"), "input": arguments(item.get("arguments"))})
         elif isinstance(kind, str) and kind:
             content.append(dict(item))
+            if kind == "reasoning":
+                reasoning = content[-1]
     return content, stop_reason(response, calls=calls, refused=refused)
 
 

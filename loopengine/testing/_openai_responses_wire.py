@@ -223,7 +223,8 @@ def input_problem(body: Any) -> str | None:
     Each ``function_call_output`` must answer a ``function_call`` before it
     (by ``call_id``) and each call must be answered; a ``reasoning`` item sent
     with ``store`` false must carry its ``encrypted_content`` (the server kept
-    nothing to find it by).
+    nothing to find it by), and the item right after it must carry the id
+    the server gave it (the API pairs the two by it).
     """
     if not isinstance(body, Mapping):
         return "the body is not a JSON object"
@@ -238,6 +239,11 @@ def input_problem(body: Any) -> str | None:
         if not isinstance(item, Mapping):
             return f"input[{index}]: an item must be an object"
         kind = item.get("type", "message")
+        before = items[index - 1] if index else None
+        if (isinstance(before, Mapping) and before.get("type") == "reasoning"
+                and not item.get("id")):
+            return (f"input[{index - 1}]: Item {before.get('id')!r} of type 'reasoning' was "
+                    "provided without its required following item.")
         if kind == "function_call":
             calls.add(str(item.get("call_id")))
         elif kind == "function_call_output":

@@ -119,7 +119,9 @@ async def test_reasoning_items_round_trip_with_their_encrypted_content(
 ) -> None:
     """With reasoning_effort the request asks for the encrypted content; the reasoning
     item is kept in result.messages and sent back with it, store false, no
-    previous_response_id; the call and its output follow it."""
+    previous_response_id; the call and its output follow it, the call with the
+    item id the server gave it (the API pairs it with its reasoning by that id,
+    and refuses a reasoning item whose following item has none)."""
     counter = Counter()
     engine, _ = wire.engine(
         Reply(content=[REASONING, {"type": "tool_use", "id": "call_1", "name": "lookup",
@@ -133,10 +135,11 @@ async def test_reasoning_items_round_trip_with_their_encrypted_content(
     assert first["include"] == ["reasoning.encrypted_content"]
     assert first["reasoning"] == {"effort": "low"}
     assert first["store"] is False and "previous_response_id" not in first
-    assert result.messages[1]["content"][0] == REASONING
+    assert result.messages[1]["content"][0] == {**REASONING, "next_item_id": "fc_fake_0001_1"}
     assert [i.get("type", "message") for i in second["input"]] == [
         "message", "reasoning", "function_call", "function_call_output"]
     assert second["input"][1] == REASONING
+    assert second["input"][2]["id"] == "fc_fake_0001_1"
     assert "previous_response_id" not in second
 
 
@@ -159,6 +162,8 @@ async def test_without_reasoning_effort_nothing_is_included_and_bare_reasoning_s
     assert kept["type"] == "reasoning" and kept["encrypted_content"] is None
     assert [i.get("type", "message") for i in items(wire.requests[1])] == [
         "message", "function_call", "function_call_output"]
+    # Its reasoning stayed home, so the call goes without the id that pairs them.
+    assert "id" not in items(wire.requests[1])[1]
 
 
 @STREAMING
@@ -183,7 +188,12 @@ async def test_a_run_continues_from_result_messages(
     assert [i.get("type", "message") for i in sent] == [
         "message", "reasoning", "function_call", "function_call_output", "reasoning",
         "message", "message"]
-    assert sent[-2:] == [{"role": "assistant", "content": "A."},
+    # The answer followed its reasoning: it goes back as the output message,
+    # with its id.
+    assert sent[-2:] == [{"type": "message", "role": "assistant", "status": "completed",
+                          "id": "msg_fake_0002",
+                          "content": [{"type": "output_text", "text": "A.",
+                                       "annotations": []}]},
                          {"role": "user", "content": "more"}]
     assert function_outputs(wire.requests[2])[0]["output"] == "value of a"
 
