@@ -226,7 +226,10 @@ def _ledger(path: str, schema: str | None) -> Iterator[AuditConnection]:
     try:
         yield conn
     except LedgerError as error:  # a row that holds what a ledger never stores
-        raise LedgerError(f"{display_name(path)}: {error}") from None
+        named = str(error)
+        if not named.startswith(display_name(path)):
+            named = f"{display_name(path)}: {named}"
+        raise LedgerError(named) from None
     finally:
         conn.close()
 

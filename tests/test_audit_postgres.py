@@ -157,3 +157,37 @@ def test_a_strange_schema_name_is_one_line_and_exit_2(postgres_server: PostgresS
         assert result.exit_code == 2, (schema, result.output)
         assert "bug in loopengine" not in result.output
         assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_postgresql_ledger_older_than_delegation_and_the_usage_vector_is_audited(
+        postgres_server: PostgresServer) -> None:
+    """A version-5 ledger (no parent_invocation_id, no usage vector columns, no run
+    tables) is read as SQLite reads one, not refused: through temporary views
+    that supply the later columns, the ledger itself left as it is."""
+    import psycopg
+
+    from loopengine.persistence._postgres_schema import MIGRATIONS, migrate
+
+    dsn = postgres_server.create_database()
+    dbname = dsn.rsplit("dbname=", 1)[1]
+    with psycopg.connect(dsn) as conn:
+        migrate(conn, schema=None, name="old", migrations=MIGRATIONS[:5])
+        conn.execute("INSERT INTO invocations (id, operation, operation_version, provider, "
+                     "model, tenant, started_at, outcome, credits) VALUES ('old-1', 'op', "
+                     "'1', 'anthropic', 'm', 'acme', '2026-01-01T00:00:00+00:00', "
+                     "'completed', 7)")
+        conn.commit()
+    url = url_of(postgres_server, dbname)
+    shown = audit("show", "old-1", "--db", url, "--json")
+    assert shown.exit_code == 0, shown.output
+    record_ = json.loads(shown.output)
+    assert record_["children"] == [] and record_["invocation"]["web_search_requests"] == 0
+    rolled = audit("spend", "--roll-up", "--json", "--db", url)
+    assert rolled.exit_code == 0, rolled.output
+    assert [(r["tenant"], r["credits"]) for r in json.loads(rolled.output)] == [("acme", 7)]
+    reconciled = audit("reconcile", "--db", url)
+    assert reconciled.exit_code == 0, reconciled.output
+    exported = audit("export", "--format", "jsonl", "--db", url)
+    assert exported.exit_code == 0, exported.output
+    with psycopg.connect(dsn) as conn:  # the ledger is as it was
+        assert conn.execute("SELECT MAX(version) FROM loopengine_schema").fetchone()[0] == 5

@@ -451,17 +451,22 @@ def reconcile(
             cutoff = format_time(moment - older_than)
         except OverflowError:  # further back than year 1: nothing is older
             cutoff = format_time(datetime.min)
-    sums = ", ".join(f"COALESCE(SUM(a.{c}), 0) AS sum_{c}" for c in _SUMMED)
+    # Each invocation's attempt sums, grouped on the attempts alone and joined:
+    # an older ledger's invocations are a view, with no key to group i.* by.
+    summed = {f"sum_{c}": f"SUM(a.{c})" for c in _SUMMED} | {
+        "row_count": "COUNT(a.ordinal)",
+        "sum_cost": "SUM(CASE WHEN a.charged = 1 THEN a.cost_nanousd END)",
+        "sum_provider_cost": "SUM(a.cost_nanousd)",
+        "sum_fee": "SUM(CASE WHEN a.charged = 1 THEN a.fee_nanousd END)",
+        "charged_not_ok": "SUM(CASE WHEN a.charged = 1 AND a.outcome != 'ok' THEN 1 ELSE 0 END)",
+        "dispatched": "SUM(CASE WHEN a.outcome = 'dispatched' THEN 1 ELSE 0 END)",
+    }
+    inner = ", ".join(f"{how} AS {name}" for name, how in summed.items())
+    outer = ", ".join(f"COALESCE(s.{name}, 0) AS {name}" for name in summed)
     rows = conn.execute(
-        f"SELECT i.*, COUNT(a.ordinal) AS row_count, {sums}, "
-        "COALESCE(SUM(CASE WHEN a.charged = 1 THEN a.cost_nanousd END), 0) AS sum_cost, "
-        "COALESCE(SUM(a.cost_nanousd), 0) AS sum_provider_cost, "
-        "COALESCE(SUM(CASE WHEN a.charged = 1 THEN a.fee_nanousd END), 0) AS sum_fee, "
-        "COALESCE(SUM(CASE WHEN a.charged = 1 AND a.outcome != 'ok' THEN 1 ELSE 0 END), 0) "
-        "AS charged_not_ok, "
-        "COALESCE(SUM(CASE WHEN a.outcome = 'dispatched' THEN 1 ELSE 0 END), 0) AS dispatched "
-        "FROM invocations AS i LEFT JOIN attempts AS a ON a.invocation_id = i.id "
-        "GROUP BY i.id ORDER BY i.started_at, i.id"
+        f"SELECT i.*, {outer} FROM invocations AS i LEFT JOIN "
+        f"(SELECT a.invocation_id, {inner} FROM attempts AS a GROUP BY a.invocation_id) AS s "
+        "ON s.invocation_id = i.id ORDER BY i.started_at, i.id"
     ).fetchall()
     mismatches: list[Mismatch] = []
     incomplete: list[dict[str, Any]] = []

@@ -16,28 +16,12 @@ from typing import TypeAlias
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._audit_postgres import PostgresReader, is_postgres_url
-from loopengine.persistence._schema import (
-    ATTEMPT_COLUMNS,
-    INVOCATION_COLUMNS,
-    SCHEMA_TABLE,
-    SCHEMA_VERSION,
-    USAGE_COLUMNS,
-)
+from loopengine.persistence._schema import SCHEMA_TABLE, SCHEMA_VERSION, supplied_columns
 
 __all__ = ["AuditConnection", "describe_value", "has_column", "has_table", "open_ledger"]
 
 AuditConnection: TypeAlias = sqlite3.Connection | PostgresReader
 """What `open_ledger` returns and every audit query reads."""
-
-_LATER_COLUMNS: dict[str, dict[str, str]] = {
-    "invocations": {"parent_invocation_id": "NULL", **dict.fromkeys(USAGE_COLUMNS, "0")},
-    "attempts": dict.fromkeys(USAGE_COLUMNS, "NULL"),
-}
-"""Columns later migrations added, and what an older ledger reads for them: a
-ledger of roots (no parent), invocations that counted none of the usage
-vector, attempts whose usage was not read whole (NULL, as the migration
-leaves them)."""
-
 
 def open_ledger(path: str | os.PathLike[str], *, schema: str | None = None) -> AuditConnection:
     """Open a ledger file read-only, after checking that it is one this code reads.
@@ -166,20 +150,14 @@ def _check_ledger(conn: sqlite3.Connection, file: Path, wal_blocks: str | None) 
         # A ledger older than the later migrations lacks their columns: it is
         # read through a temporary view of each table that supplies them (the
         # file itself is never written), so every query reads one schema.
-        for table, wanted in (("invocations", INVOCATION_COLUMNS),
-                              ("attempts", ATTEMPT_COLUMNS)):
+        for table in ("invocations", "attempts"):
             kind = kinds.get(table)
             if kind != "table":
                 what = f"it has no {table} table" if kind is None else \
                     f"{table} is a {kind}, not a table"
                 raise LedgerError(f"{file} is not a loopengine ledger: {what}")
             have = {str(row[1]) for row in conn.execute(f"PRAGMA table_info({table})")}
-            later = _LATER_COLUMNS[table]
-            missing = [c for c in wanted if c not in have and c not in later]
-            if missing:
-                raise LedgerError(f"{file} is not a loopengine ledger: table {table} lacks "
-                                  f"{', '.join(missing)}")
-            supplied = [f"{value} AS {c}" for c, value in later.items() if c not in have]
+            supplied = supplied_columns(str(file), table, have)
             if supplied:
                 conn.execute(f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(supplied)} "
                              f"FROM main.{table}")

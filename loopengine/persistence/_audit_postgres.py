@@ -19,7 +19,7 @@ from decimal import Decimal
 from typing import Any
 
 from loopengine._errors import LedgerError
-from loopengine.persistence._schema import SCHEMA_VERSION, format_time
+from loopengine.persistence._schema import SCHEMA_VERSION, format_time, supplied_columns
 
 __all__ = ["PostgresReader", "display_name", "is_postgres_url"]
 
@@ -124,9 +124,8 @@ class PostgresReader:
             raise LedgerError(f"{name}: cannot connect: {error}") from None
         reader = cls(pg, name)
         try:
-            reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             if schema is not None:
-                reader.execute(sql.SQL("SET LOCAL search_path TO {}")
+                reader.execute(sql.SQL("SET search_path TO {}")
                                .format(sql.Identifier(schema)).as_string(pg))
             if not reader.has_table("loopengine_schema"):
                 where = f" in schema {schema}" if schema is not None else ""
@@ -138,10 +137,36 @@ class PostgresReader:
                 raise LedgerError(f"{name} has ledger schema version {version}, newer than "
                                   f"this loopengine understands ({SCHEMA_VERSION}); upgrade "
                                   "loopengine")
+            reader._supply_later_columns()
+            pg.commit()
+            # The snapshot every query of the command reads.
+            reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         except BaseException:
             pg.close()
             raise
         return reader
+
+    def _supply_later_columns(self) -> None:
+        """A ledger older than the later migrations lacks their columns: it is read
+        through a temporary view of each table that supplies them (this
+        session's, searched before the ledger's schema; the ledger itself is
+        never written), so every query reads one schema, as on SQLite."""
+        from psycopg import sql
+
+        row = self.execute("SELECT current_schema()").fetchone()
+        where = row[0] if row else None
+        for table in ("invocations", "attempts"):
+            have = {str(r[0]) for r in self.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = "
+                "current_schema() AND table_name = ?", (table,))}
+            if not have:
+                raise LedgerError(f"{self.name} is not a loopengine ledger: it has no {table} "
+                                  "table")
+            supplied = supplied_columns(self.name, table, have)
+            if supplied:
+                self.execute(sql.SQL("CREATE TEMP VIEW {} AS SELECT *, {} FROM {}.{}").format(
+                    sql.Identifier(table), sql.SQL(", ".join(supplied)),
+                    sql.Identifier(str(where)), sql.Identifier(table)).as_string(self._pg))
 
     def execute(self, query: str, parameters: Sequence[Any] = ()) -> Any:
         """Run one of the audit's queries (``?`` placeholders) in the snapshot.

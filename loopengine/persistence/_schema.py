@@ -13,7 +13,7 @@ or dropped, because audit tools read them by name.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -211,6 +211,33 @@ _WRAP_UP_PHASE = (
 USAGE_COLUMNS: Final = ("web_search_requests", "web_fetch_requests", "reasoning_tokens",
                         "iterations", "fee_nanousd")
 """The usage vector's columns, on both ``attempts`` and ``invocations``, in table order."""
+
+LATER_COLUMNS: Final[dict[str, dict[str, str]]] = {
+    "invocations": {"parent_invocation_id": "CAST(NULL AS TEXT)",
+                    **dict.fromkeys(USAGE_COLUMNS, "CAST(0 AS BIGINT)")},
+    "attempts": dict.fromkeys(USAGE_COLUMNS, "CAST(NULL AS BIGINT)"),
+}
+"""Columns later migrations added to the two ledger tables, and what the audit
+reads for them in a ledger older than them: a ledger of roots (no parent),
+invocations that counted none of the usage vector, attempts whose usage was
+not read whole (NULL, as the migration leaves them)."""
+
+
+def supplied_columns(name: str, table: str, have: Collection[str]) -> list[str]:
+    """What a view of ``table`` (whose columns are ``have``) adds so that the
+    audit reads one schema: ``value AS column`` for each later column it lacks.
+
+    Raises:
+        LedgerError: it lacks a column every ledger has (it is no ledger).
+    """
+    wanted = INVOCATION_COLUMNS if table == "invocations" else ATTEMPT_COLUMNS
+    later = LATER_COLUMNS[table]
+    missing = [c for c in wanted if c not in have and c not in later]
+    if missing:
+        raise LedgerError(f"{name} is not a loopengine ledger: table {table} lacks "
+                          f"{', '.join(missing)}")
+    return [f"{value} AS {c}" for c, value in later.items() if c not in have]
+
 
 USAGE_VECTOR = (
     *(f"ALTER TABLE attempts ADD COLUMN {column} {{INTEGER}}" for column in USAGE_COLUMNS),
