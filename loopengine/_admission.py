@@ -38,7 +38,7 @@ def fee_margin(inv: Invocation, at: datetime) -> int:
 
 async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
     """Reserve the run's credit hold on its account before its first request
-    (§13), with the worst case of one turn's server-tool fees on top
+    (docs/accounts.md), with the worst case of one turn's server-tool fees on top
     (`fee_margin`): less available narrows the hold; nothing available for the
     hold past that margin denies the run.
 

@@ -69,7 +69,8 @@ def growth_ceiling(operation: Operation, first_max_tokens: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class CallAttempts:
-    """Every provider request one structured call made (reference/000 §A)."""
+    """Every provider request one structured call made (docs/structured-calls.md,
+    "The attempts record")."""
 
     count: int
     """Requests sent: transport, schema and truncation retries and the fallback included;
@@ -90,7 +91,7 @@ class CallResult(Generic[M]):
     data: M
     """The validated answer."""
     usage: Usage
-    """The usage of the attempt whose output ``data`` is (§A.4)."""
+    """The usage of the attempt whose output ``data`` is."""
     attempts: CallAttempts
     """Every request the call made."""
     invocation_id: str

@@ -5,7 +5,7 @@ call; the parameter is not part of the tool's input schema, so the model never
 sees it. Through it a handler knows its run (``invocation_id``), its call
 (``call_id``), who the run is accounted to, the run's deadline, a key stable
 for the call, and can start a delegated run inside the run's budgets
-(`ToolContext.run`, DESIGN §17).
+(`ToolContext.run`, docs/tools.md, "Sub-agents").
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ DEFAULT_MAX_DEPTH = 3
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolContext:
-    """The run and call a tool handler serves (DESIGN §16, §17).
+    """The run and call a tool handler serves (docs/tools.md, docs/pause-and-resume.md).
 
     Declare a handler parameter annotated ``loopengine.ToolContext`` to receive it.
     """

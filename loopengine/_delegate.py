@@ -1,4 +1,4 @@
-"""Delegated runs (sub-agents, DESIGN §17): a tool whose handler runs another
+"""Delegated runs (sub-agents, docs/tools.md): a tool whose handler runs another
 conversation, charged to the calling run's budgets.
 
 A child run is narrowed to what its parent has left: its credit hold to the

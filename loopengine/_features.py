@@ -1,5 +1,5 @@
 """Request features an operation publishes: thinking, server tools, betas, context
-management, OpenAI reasoning effort and service tier (DESIGN §15).
+management, OpenAI reasoning effort and service tier (docs/pricing.md).
 
 They are part of the operation's published route (R13): a run may use fewer
 of them or lower a number (a tool's ``max_uses``, a thinking budget, a

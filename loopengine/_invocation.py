@@ -135,7 +135,8 @@ class Invocation:
         self.deadline = Deadline.after(self.started, limits.total_time)
         self.records: list[AttemptRecord] = []
         self.run_store: RunStore | None = None
-        """Where the run checkpoints its state and holds its lease (§16), or None."""
+        """Where the run checkpoints its state and holds its lease, or None
+        (docs/pause-and-resume.md)."""
         self.lease_owner: str | None = None
         """This segment's lease owner id in the run store."""
         self.base_attempts = 0
@@ -171,7 +172,7 @@ class Invocation:
         self.descendant_credits = 0
         """The credits of the runs it delegated to, theirs included, as they are spent."""
         self.parent: Invocation | None = None
-        """The run whose tool started this one (a sub-agent, DESIGN §17), or None."""
+        """The run whose tool started this one (a sub-agent, docs/tools.md), or None."""
         self.depth = 0
         """How deep it is nested: 0 for a root, 1 for its children, ..."""
         self.engine: object = None
@@ -181,7 +182,7 @@ class Invocation:
 
     def add_credits(self, credits: int) -> None:
         """Charge a turn's ``credits`` to this run and to every run above it, as they
-        are spent: an ancestor's hold counts its descendants' credits (DESIGN §17)."""
+        are spent: an ancestor's hold counts its descendants' credits (docs/tools.md)."""
         self.credits += credits
         ancestor = self.parent
         while ancestor is not None:

@@ -145,9 +145,9 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
                                "deadline; the write stays queued", inv.kind, inv.id,
                                outcome)
     finally:
-        # The account is settled however the end's write went (§13), once for a
-        # tree of delegated runs: the root is charged its descendants' credits
-        # too (a child holds no reservation of its own, §17).
+        # The account is settled however the end's write went (docs/accounts.md),
+        # once for a tree of delegated runs: the root is charged its descendants'
+        # credits too (a child holds no reservation of its own, docs/tools.md).
         await settle_account(inv, credits + inv.descendant_credits)
         await forget_run(inv)
     logger.info(
@@ -161,8 +161,9 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
 
 
 async def forget_run(inv: Invocation) -> None:
-    """Delete the ended run's row from its run store (§16), when this segment
-    holds it; a failure is logged: the run has ended whatever the store says."""
+    """Delete the ended run's row from its run store (docs/pause-and-resume.md),
+    when this segment holds it; a failure is logged: the run has ended whatever
+    the store says."""
     if inv.run_store is None or inv.lease_owner is None:
         return
     try:

@@ -39,7 +39,7 @@ class Outcome(StrEnum):
     CREDIT_EXHAUSTED = "credit_exhausted"
     """The provider account has no balance or hit its spend limit (R06)."""
     ADMISSION_DENIED = "admission_denied"
-    """The run's credit account had nothing available to reserve: nothing was sent (§13)."""
+    """The run's credit account had nothing available to reserve: nothing was sent."""
     PAUSED = "paused"
     """The run waits for decisions on its pending tool calls (``result.pending``);
     `Engine.resume` continues it as the same invocation (docs/pause-and-resume.md)."""

@@ -1,4 +1,5 @@
-"""Pausing a run for approval, and resuming it as the same invocation (DESIGN §16).
+"""Pausing a run for approval, and resuming it as the same invocation
+(docs/pause-and-resume.md).
 
 A batch that passed checkpoints 1-4 and holds a call whose tool asks for
 approval (`pending_approvals`) runs none of its handlers: the run pauses
@@ -125,7 +126,7 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     With a ledger, the counts (turns, tool calls, credits, attempts, cost)
     and the time of the pause are its rows', whatever the state says; without
     one, the state is trusted. ``recovering``: the invocation's process died
-    while it ran (its state is the run store's last checkpoint, §16): the
+    while it ran (its state is the run store's last checkpoint): the
     ledger holds it ``running``; its attempts, cost and usage are the
     ledger's, its turns, tool calls and credits the checkpoint's (the ledger
     writes those only when a segment ends). Whatever the dead segment

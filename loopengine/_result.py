@@ -79,7 +79,7 @@ class RunResult:
     """Why the run ended, in a sentence."""
     credits_total: int = 0
     """``credits`` plus those of the runs it delegated to (sub-agents, theirs
-    included): what its hold counted and its account is charged (DESIGN §17)."""
+    included): what its hold counted and its account is charged (docs/tools.md)."""
     attempt_log: tuple[AttemptRecord, ...] = field(default=(), repr=False)
     """Every attempt of this running segment, dispatched and settled, in order."""
     pending: tuple[PendingCall, ...] = ()

@@ -132,8 +132,9 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     batch, then go on as `run_loop` does, as the same invocation.
 
     ``recovering``: the state is the run store's last checkpoint of a run whose
-    process died (§16). ``undecided``: its pending calls (in doubt) have no
-    decisions yet: the run pauses again at once, before anything is sent.
+    process died (docs/pause-and-resume.md). ``undecided``: its pending calls (in
+    doubt) have no decisions yet: the run pauses again at once, before anything
+    is sent.
 
     Raises:
         ConfigError: the run cannot resume (not paused, its pause timed out),
@@ -180,7 +181,7 @@ class _Loop:
         self.wrapping: str | None = None
         """Why the turn being sent is a wrap-up turn (``turns``, ``budget``), or None."""
         self.permit: anyio.Lock | None = None
-        """The tree's crossing permit while this run's turn holds it (§17)."""
+        """The tree's crossing permit while this run's turn holds it (docs/tools.md)."""
 
     @property
     def limits(self) -> Limits:
@@ -222,7 +223,7 @@ class _Loop:
                     if trip is None:
                         await self._take_permit()
                         # The tree's credits too, read once no other turn that may
-                        # cross is in flight: a tool batch's delegated runs spent (§17).
+                        # cross is in flight: a tool batch's delegated runs spent.
                         trip = check_delegated_credits(inv.credit_tree())
                     if trip is not None:
                         self._release_permit()
@@ -363,7 +364,7 @@ class _Loop:
             return await self._end(trip.outcome, trip=trip, answered=results)
 
         # 5. Tools (R08, R09, R15); a call that needs approval pauses the whole
-        # batch before any of its handlers runs (§16).
+        # batch before any of its handlers runs (docs/pause-and-resume.md).
         pending = pending_approvals(batch, self.tools, self.inv.id)
         if pending:
             return await self._pause(pending, batch=batch, results=results, repair=rejected)
@@ -379,7 +380,7 @@ class _Loop:
         if batch:
             if self.inv.run_store is not None:
                 # Checkpoint the settled reply: a crash from here on resumes
-                # this batch, each call as its row says (§16).
+                # this batch, each call as its row says.
                 approved = {i for i, d in (self.resumed[1] if self.resumed else {}).items()
                             if isinstance(d, Approve)}
                 await self._checkpoint(
@@ -468,7 +469,7 @@ class _Loop:
 
     async def _checkpoint(self, state: RunState | None, *, calls: Sequence[CallMark] = (),
                           paused: bool = False, create: bool = False) -> None:
-        """Write the run's checkpoint to its run store, durably (§16): its state
+        """Write the run's checkpoint to its run store, durably: its state
         (when given), its lease renewed (or released, ``paused``) and its
         calls' statuses. Nothing without a run store.
 
@@ -512,7 +513,7 @@ class _Loop:
                 return reply
 
     def _wrap_up_due(self, turn: int) -> str | None:
-        """Whether this turn wraps up (DESIGN.md §12): the last turn ``max_turns``
+        """Whether this turn wraps up (docs/guards.md): the last turn ``max_turns``
         permits, or the tool budget spent; None when ``wrap_up`` is off."""
         limits = self.limits
         if not limits.wrap_up:
@@ -562,13 +563,13 @@ class _Loop:
         The tree's holds now see it: the turn gives up the crossing permit."""
         self.charged = turn
         credits = self.inv.turn_credits(turn)
-        self.inv.add_credits(credits)  # and to the runs above, for their holds (§17)
+        self.inv.add_credits(credits)  # and to the runs above, for their holds
         self.state = replace(self.state, credits=self.state.credits + credits)
         self._release_permit()
 
     async def _take_permit(self) -> None:
         """Before a turn under a credit hold: take the tree's crossing permit, so the
-        turn is the only one in flight in the tree that may cross a hold (§17).
+        turn is the only one in flight in the tree that may cross a hold (docs/tools.md).
         Held by nobody (a run alone in its tree), it is taken without waiting."""
         if not needs_crossing_permit(self.inv.credit_tree()):
             return
@@ -866,7 +867,7 @@ class _Loop:
         """Give every ``tool_use`` of the run's last response a ``tool_result``.
 
         ``result.messages`` must be a history the caller can continue by
-        appending a user message (DESIGN §2): the API refuses a ``tool_use``
+        appending a user message (docs/guards.md): the API refuses a ``tool_use``
         without a ``tool_result`` in the next message. One user message holds
         every result, in the order of the calls, as after a turn's tools (R08).
         """

@@ -1,5 +1,5 @@
 """What a paused run hands back: its pending calls, the decisions on them, and
-its `RunState` (DESIGN.md §16, docs/pause-and-resume.md).
+its `RunState` (docs/pause-and-resume.md).
 
 A `RunState` is data, not code: the transcript, the operation and limits the
 run was admitted under, who it is accounted to, and the progress a resume

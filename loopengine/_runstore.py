@@ -1,6 +1,6 @@
 """`RunStore`: where runs keep their resumable state, their lease and their tool
-calls' statuses, in the ledger's own database (DESIGN.md §16,
-docs/pause-and-resume.md).
+calls' statuses, in the ledger's own database (docs/pause-and-resume.md, "Crash
+recovery: the run store").
 
 Two tables (`loopengine.persistence._schema.RUN_TABLES`, one migration on
 every store):

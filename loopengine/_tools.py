@@ -4,7 +4,7 @@ A tool's input is validated before its handler runs; a call that fails
 validation never reaches the handler and gets a recoverable error result
 instead (R15). Sync handlers run in a worker thread, async ones on the loop;
 at the run's deadline an async handler is cancelled, while a sync one's
-thread, which cannot be stopped, is abandoned to run on (docs/guards.md §2).
+thread, which cannot be stopped, is abandoned to run on (docs/guards.md, "2. Time").
 """
 
 from __future__ import annotations

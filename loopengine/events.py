@@ -78,7 +78,7 @@ class RunStarted(RunSegment):
     """A run or structured call began."""
 
     parent_invocation_id: str | None = None
-    """The run whose tool started this one (a delegated run, DESIGN §17), or None."""
+    """The run whose tool started this one (a delegated run, docs/tools.md), or None."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,7 +154,8 @@ class GuardTripped(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolCallEvent(Event):
-    """A tool call started or finished (fields after reference/003's ``tool.call``).
+    """A tool call started or finished: the ``tool.call`` payload's fields
+    (docs/observability.md, "Fields").
 
     The accounting detail (tokens, model, provider, spend) is that of the turn
     whose response asked for the call.

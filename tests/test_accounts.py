@@ -1,4 +1,4 @@
-"""Credit accounts (DESIGN.md §13): a run reserves its hold on its tenant's account
+"""Credit accounts (docs/accounts.md): a run reserves its hold on its tenant's account
 before its first request and settles its real charge at its end, exactly once,
 across processes; a crashed run's reservation is settled once it expires."""
 

@@ -1,5 +1,5 @@
 """An account's reservation counts the worst case of a turn's server-tool fees
-(DESIGN §15): the hold plus every web search and web fetch tool used ``max_uses``
+(docs/accounts.md): the hold plus every web search and web fetch tool used ``max_uses``
 times, so the crossing turn's fees are reserved before they are spent."""
 
 from __future__ import annotations

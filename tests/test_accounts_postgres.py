@@ -1,4 +1,4 @@
-"""Credit accounts on PostgreSQL (DESIGN.md §13): the same admission, settlement
+"""Credit accounts on PostgreSQL (docs/accounts.md): the same admission, settlement
 and journal as on SQLite, with the account's row lock serializing its
 reservations across processes and hosts."""
 

@@ -1,9 +1,10 @@
-"""`Engine.call`: the attempts record (§A) and the per-call retry policy (§B).
+"""`Engine.call`: the attempts record and the per-call retry policy
+(docs/structured-calls.md).
 
-The conformance legs of reference/000 run through the real `anthropic` SDK
-against FakeAnthropicServer, which acts as the witness: it clamps each
-reply's output tokens to the request's ``max_tokens`` (so growth is visible)
-and records ``max_tokens`` and ``tool_choice`` as it received them.
+The conformance legs, one for each promise of those two sections, run through the
+real `anthropic` SDK against FakeAnthropicServer, which acts as the witness: it
+clamps each reply's output tokens to the request's ``max_tokens`` (so growth is
+visible) and records ``max_tokens`` and ``tool_choice`` as it received them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A history holding every content block the Messages API documents (and one it
-does not document yet) is accepted and sent back exactly as it came (DESIGN §2, §15):
+does not document yet) is accepted and sent back exactly as it came (docs/architecture.md):
 thinking with its signature, redacted thinking, server tools and their results
 (web search, web fetch, code execution with its bash and text-editor variants, an
 advisor), MCP tool use and results, compaction, fallback, container uploads, text

@@ -157,7 +157,8 @@ async def test_events_carry_the_run_and_attempt_facts() -> None:
 
 
 async def test_tool_call_event_fields_are_filled_from_the_asking_turn() -> None:
-    """Every reference/003 field is set: tokens, model, provider, spend of the asking turn."""
+    """Every field of the `tool.call` payload is set: tokens, model, provider, spend of
+    the asking turn."""
     seen: list[events.Event] = []
     result, _ = await run_scripted([seen.append])
     calls = [e for e in seen if isinstance(e, events.ToolCallEvent)]
@@ -251,7 +252,8 @@ def test_events_are_frozen() -> None:
 
 
 def test_tool_call_event_has_the_reference_fields() -> None:
-    """ToolCallEvent carries reference/003's payload and accounting fields."""
+    """ToolCallEvent carries the `tool.call` payload and accounting fields
+    (docs/observability.md, "Fields")."""
     names = {f.name for f in fields(events.ToolCallEvent)}
     assert {"run_id", "tool_name", "status", "latency_ms", "token_cost", "input_tokens",
             "output_tokens", "model_id", "provider", "spend_usd"} <= names

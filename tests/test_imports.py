@@ -1,5 +1,5 @@
 """Importing loopengine, and running its CLI, imports no provider SDK: the SDKs
-load when a provider is built (DESIGN §20)."""
+load when a provider is built."""
 
 from __future__ import annotations
 

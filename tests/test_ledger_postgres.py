@@ -310,7 +310,7 @@ async def test_a_reply_is_committed_before_its_tools_run(
     make_ledger: Factory, make_engine: EngineFactory
 ) -> None:
     """While the reply's tool runs, another connection already sees the attempt
-    settled with the usage the provider served (DESIGN.md §7)."""
+    settled with the usage the provider served (docs/ledger.md)."""
     ledger = make_ledger(linger=30)
     seen: list[list[tuple[Any, ...]]] = []
 

@@ -58,12 +58,12 @@ from .ledger_support import (
 
 FAST = le.RetryPolicy(max_attempts=7, initial_wait=0.001, max_wait=0.001)
 
-# DESIGN.md §7, verbatim: the columns audit tools rely on.
-DESIGN_INVOCATION_COLUMNS = """id operation operation_version provider model tenant user_id
+# The columns docs/ledger.md documents ("Schema") and audit tools rely on.
+DOCUMENTED_INVOCATION_COLUMNS = """id operation operation_version provider model tenant user_id
     feature correlation_id started_at ended_at outcome turns tool_calls attempt_count
     attempts_retained incomplete input_tokens output_tokens cache_read_tokens
     cache_write_tokens cost_nanousd provider_cost_nanousd credits""".split()
-DESIGN_ATTEMPT_COLUMNS = """invocation_id ordinal turn attempt phase served_by started_at
+DOCUMENTED_ATTEMPT_COLUMNS = """invocation_id ordinal turn attempt phase served_by started_at
     latency_ms outcome fault aborted_reason http_status error_code input_tokens output_tokens
     cache_read_tokens cache_write_tokens usage_approx cost_nanousd charged price_ref
     response_id request_id stop_reason max_tokens timeout_ms wait_ms""".split()
@@ -71,16 +71,16 @@ DESIGN_ATTEMPT_COLUMNS = """invocation_id ordinal turn attempt phase served_by s
 # -- the schema -------------------------------------------------------------------------
 
 
-def test_schema_has_every_column_design_names(tmp_path: Path) -> None:
-    """Both tables carry every DESIGN.md §7 column, money and counts as INTEGER, and
+def test_schema_has_every_documented_column(tmp_path: Path) -> None:
+    """Both tables carry every documented column, money and counts as INTEGER, and
     the attempts key is (invocation_id, ordinal); the file is in WAL mode."""
     path = tmp_path / "ledger.db"
     SQLiteLedger(path).close()
     conn = connect(path)
     invocations = {r["name"]: r for r in conn.execute("PRAGMA table_info(invocations)")}
     attempts = {r["name"]: r for r in conn.execute("PRAGMA table_info(attempts)")}
-    assert set(DESIGN_INVOCATION_COLUMNS) <= set(invocations)
-    assert set(DESIGN_ATTEMPT_COLUMNS) <= set(attempts)
+    assert set(DOCUMENTED_INVOCATION_COLUMNS) <= set(invocations)
+    assert set(DOCUMENTED_ATTEMPT_COLUMNS) <= set(attempts)
     assert tuple(invocations) == INVOCATION_COLUMNS and tuple(attempts) == ATTEMPT_COLUMNS
     for column in ("cost_nanousd", "provider_cost_nanousd", "credits", "input_tokens"):
         assert invocations[column]["type"] == "INTEGER"

@@ -1,4 +1,4 @@
-"""The usage vector in the ledger (DESIGN §15), on SQLite and PostgreSQL: each
+"""The usage vector in the ledger (docs/ledger.md), on SQLite and PostgreSQL: each
 attempt's server tool requests, reasoning tokens, iterations and fee, their
 invocation totals (attempt sums equal them), the audit's spend, show, export
 and reconcile, and an answered attempt whose usage is unknown."""

@@ -1,5 +1,5 @@
 """`Limits` and `RetryPolicy` remember the fields their caller named, so that an
-override narrows only those (DESIGN §4); equality, repr, hashing, `from_mapping`,
+override narrows only those (docs/guards.md); equality, repr, hashing, `from_mapping`,
 `dataclasses.replace`, copying and pickling keep working."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pause and resume, the loop's logic on the scripted provider (DESIGN §16).
+"""Pause and resume, the loop's logic on the scripted provider (docs/pause-and-resume.md).
 
 The same rules through both shipped providers' wires: tests/pause_scenarios.py.
 """

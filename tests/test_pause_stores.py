@@ -1,6 +1,6 @@
 """A paused invocation on every ledger store (memory, SQLite, PostgreSQL): the
 planner takes its further writes, `read_progress` gives its budgets back, and
-its account settles per running segment (DESIGN §16)."""
+its account settles per running segment (docs/pause-and-resume.md)."""
 
 from __future__ import annotations
 

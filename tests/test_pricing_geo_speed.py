@@ -1,4 +1,4 @@
-"""Where and how fast a reply ran changes its price (DESIGN §15): Anthropic reports
+"""Where and how fast a reply ran changes its price (docs/pricing.md): Anthropic reports
 ``usage.inference_geo`` (``us``: US-only inference, 1.1x every token price) and
 ``usage.speed`` (``fast``: fast mode, the model's fast rates). A `ModelPrice`
 multiplies its token prices by its ``inference_geo_multipliers`` and

@@ -1,4 +1,4 @@
-"""Prices for the whole usage vector (DESIGN §15): per-request fees, iterations at
+"""Prices for the whole usage vector (docs/pricing.md): per-request fees, iterations at
 their own models, OpenAI cache writes, and what cannot be priced.
 
 Every expected price is computed here from the vendors' published rates, written

@@ -1,5 +1,5 @@
 """The run store on every ledger store (memory, SQLite, PostgreSQL): checkpoints,
-leases, in-doubt calls and resumes by invocation id (DESIGN §16).
+leases, in-doubt calls and resumes by invocation id (docs/pause-and-resume.md).
 
 A process that dies is stood in for, here, by a handler raising a
 `BaseException` no run catches (`Crash`): nothing after it runs, as after a

@@ -1,4 +1,4 @@
-"""`loopengine audit` on the run store's tables (DESIGN §16): `show` lists a
+"""`loopengine audit` on the run store's tables (docs/ledger.md): `show` lists a
 run's tool calls with their statuses and its stored state's lease or pause;
 `reconcile` reports calls in doubt, runs whose lease expired and paused runs
 past their pause_timeout, and fails (exit 1) while any is there."""

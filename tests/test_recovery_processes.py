@@ -1,5 +1,5 @@
 """Crash recovery across real processes, through the real SDKs against the
-loopback fakes, on SQLite and PostgreSQL (DESIGN §16).
+loopback fakes, on SQLite and PostgreSQL (docs/pause-and-resume.md).
 
 Children are forked by one helper process (tests/recovery_child.py) that has
 imported everything once, so each kill or race costs tens of milliseconds.

@@ -1,4 +1,4 @@
-"""Request features published on the operation (DESIGN §15): validation, the TOML
+"""Request features published on the operation (docs/pricing.md): validation, the TOML
 catalogue, narrowing (R13), and the credit-hold refusal of unpriceable features."""
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ async def test_the_time_guard_is_asked_before_each_attempt() -> None:
 
 
 def test_fault_kind_table() -> None:
-    """Exactly the transient kinds are retryable (DESIGN.md section 3)."""
+    """Exactly the transient kinds are retryable (docs/architecture.md, "Providers and
+    faults")."""
     assert {k.value for k in FaultKind if k.retryable} == {
         "timeout", "rate_limited", "overloaded", "server_error", "connection", "aborted"}
     assert not ProviderFault("overloaded", "x", should_retry=False).retryable

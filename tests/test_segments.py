@@ -1,8 +1,8 @@
-"""Running segments on every ledger store (DESIGN §16): a run that pauses and
-resumes, or whose process died and was recovered, runs in segments, each a
-row of ``segments`` that `audit show` lists; a recovered run's account holds
-only its new segment's reservation; and a turn sent again after a crash goes
-on numbering its attempts.
+"""Running segments on every ledger store (docs/pause-and-resume.md, docs/ledger.md):
+a run that pauses and resumes, or whose process died and was recovered, runs in
+segments, each a row of ``segments`` that `audit show` lists; a recovered run's
+account holds only its new segment's reservation; and a turn sent again after a
+crash goes on numbering its attempts.
 
 A dead process is stood in for by a handler or observer raising a
 `BaseException` no run catches, as in tests/test_recovery.py.

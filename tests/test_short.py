@@ -1,5 +1,6 @@
-"""The short path (DESIGN §20): a model string builds the provider and a default
-operation, and ``run_sync`` / ``call_sync`` run from code without an event loop."""
+"""The short path (README.md, "Five lines"): a model string builds the provider and
+a default operation, and ``run_sync`` / ``call_sync`` run from code without an event
+loop."""
 
 from __future__ import annotations
 

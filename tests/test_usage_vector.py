@@ -1,4 +1,4 @@
-"""The whole usage vector as a value (DESIGN §15): server tool counts, reasoning
+"""The whole usage vector as a value (docs/pricing.md): server tool counts, reasoning
 tokens and per-iteration usage, validated, summed, and cheap."""
 
 from __future__ import annotations

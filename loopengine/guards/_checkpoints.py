@@ -214,7 +214,7 @@ def check_credits(state: ConversationState, limits: Limits) -> GuardTrip | None:
 
 
 def check_delegated_credits(tree: Sequence[tuple[int | None, int]]) -> GuardTrip | None:
-    """Before a turn, in a tree of delegated runs (sub-agents, DESIGN §17): each
+    """Before a turn, in a tree of delegated runs (sub-agents, docs/tools.md): each
     ``(credit_hold, credits)`` of the run and of its ancestors, ``credits``
     counting that run's own turns plus its descendants'. One past its hold
     ends the run ``credit_limit`` without sending (R03: the tree passes a hold
@@ -234,7 +234,7 @@ def check_delegated_credits(tree: Sequence[tuple[int | None, int]]) -> GuardTrip
 
 def needs_crossing_permit(tree: Sequence[tuple[int | None, int]]) -> bool:
     """Whether a turn must hold its tree's crossing permit from its send until its
-    charge is added (DESIGN §17): whenever a hold is set on the run or above it.
+    charge is added (docs/tools.md): whenever a hold is set on the run or above it.
 
     ``tree`` is `check_delegated_credits`'s. A turn's charge is not known until
     its reply, so any turn under a hold may be the one that crosses it. With

@@ -104,7 +104,8 @@ async def sdk_error(handler: Handler, *, stream: bool = False) -> Exception:
 async def test_status_errors_are_classified_by_the_fault_table(
     status: int, error_type: str | None, message: str, code: str | None, kind: FaultKind
 ) -> None:
-    """Each status / error type / error code maps to its row of DESIGN.md §3."""
+    """Each status / error type / error code maps to its row of the fault table
+    (docs/architecture.md, "Providers and faults")."""
     error = await sdk_error(error_response(status, error_type, message, code))
     assert isinstance(error, anthropic.APIStatusError)
     fault = classify_error(error)

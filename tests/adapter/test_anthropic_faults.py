@@ -1,4 +1,4 @@
-"""The fault table of DESIGN.md §3, row by row, on the wire.
+"""The fault table of docs/architecture.md, row by row, on the wire.
 
 Each case scripts one fault on the FakeAnthropicServer, followed by a good
 reply, and runs a conversation through AnthropicProvider and the real SDK,

@@ -1,5 +1,6 @@
-"""A structured call's truncation retries grow ``max_tokens`` by default (DESIGN §4),
-through AnthropicProvider -> the real ``anthropic`` SDK -> FakeAnthropicServer.
+"""A structured call's truncation retries grow ``max_tokens`` by default
+(docs/structured-calls.md), through AnthropicProvider -> the real ``anthropic`` SDK
+-> FakeAnthropicServer.
 
 ``max_output_tokens`` is the first request's ``max_tokens``; each truncation retry
 doubles it up to the growth ceiling: ``model_max_output_tokens`` when the

@@ -1,4 +1,4 @@
-"""``result.messages`` is always a valid history to continue from (DESIGN §2),
+"""``result.messages`` is always a valid history to continue from (docs/guards.md),
 through AnthropicProvider -> the real ``anthropic`` SDK -> FakeAnthropicServer.
 
 A run that ends with tool calls it did not run closes each with an ``is_error``

@@ -1,4 +1,4 @@
-"""Overrides narrow only what they name (DESIGN §4, R13), through AnthropicProvider ->
+"""Overrides narrow only what they name (docs/guards.md, R13), through AnthropicProvider ->
 the real ``anthropic`` SDK -> FakeAnthropicServer.
 
 A published operation's limits and retry policy are ceilings; a caller's

@@ -1,4 +1,4 @@
-"""Named routes (DESIGN.md §12): one engine serves several routes of one vendor;
+"""Named routes (docs/providers.md): one engine serves several routes of one vendor;
 each run is recorded and priced as the vendor's (``anthropic:<model>``), and an
 operation runs only on the route it names (R13). Through AnthropicProvider, the
 real SDK and the loopback servers."""

@@ -1,4 +1,4 @@
-"""`Engine.stream` (DESIGN.md §12): a run's events and its text deltas as an async
+"""`Engine.stream` (docs/observability.md): a run's events and its text deltas as an async
 iterator, through AnthropicProvider, the real SDK and the loopback server."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-tool caps and timeouts (DESIGN.md §12): a call past its tool's
+"""Per-tool caps and timeouts (docs/tools.md): a call past its tool's
 ``max_calls``, or running past its ``timeout``, gets a recoverable ``is_error``
 result and the run goes on within its budgets (R08). Through AnthropicProvider,
 the real SDK and the loopback server."""

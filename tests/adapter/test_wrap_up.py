@@ -1,4 +1,4 @@
-"""The wrap-up turn (DESIGN.md §12): the last turn a run may send goes out with
+"""The wrap-up turn (docs/guards.md): the last turn a run may send goes out with
 tools disabled and the operation's wrap-up text, so a run that would end
 ``turn_limit`` can answer from what it gathered. Through AnthropicProvider, the
 real SDK and the loopback server."""

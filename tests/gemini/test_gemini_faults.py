@@ -1,4 +1,5 @@
-"""The Gemini rows of the fault table (DESIGN §3, §18), row by row, on the wire.
+"""The Gemini rows of the fault table (docs/providers.md, "The Gemini provider"), row
+by row, on the wire.
 
 Each case scripts one fault on the FakeGeminiServer, followed by a good reply,
 and runs a conversation through GeminiProvider and the real ``google-genai``

@@ -1,4 +1,5 @@
-"""The fault table of DESIGN.md §14, row by row, on the wire.
+"""The fault table of docs/providers.md ("The OpenAI-compatible provider"), row by
+row, on the wire.
 
 Each case scripts one fault on the FakeOpenAIServer, followed by a good reply,
 and runs a conversation through OpenAIProvider and the real ``openai`` SDK,
@@ -140,7 +141,7 @@ async def run_case(wire: OpenAIHarness, name: str, stream: bool) -> Any:
 async def test_fault_matrix_kind_retry_and_outcome_openai(
     wire: OpenAIHarness, name: str, stream: bool
 ) -> None:
-    """Each row of §14's fault table: the right kind, retried or not, the right outcome."""
+    """Each row of the fault table: the right kind, retried or not, the right outcome."""
     await run_case(wire, name, stream)
 
 

@@ -263,7 +263,7 @@ async def test_r15_a_history_with_malformed_arguments_can_be_continued_openai(
     wire: OpenAIHarness,
 ) -> None:
     """result.messages of a run whose model sent malformed arguments is a history the
-    caller can continue (DESIGN §2)."""
+    caller can continue (docs/guards.md)."""
     counter = Counter()
     broken = Reply(content=[{"type": "tool_use", "id": "call_bad", "name": "lookup",
                              "input": "{oops"}], stop_reason="tool_use")

@@ -1,4 +1,4 @@
-"""The audit of delegated runs (DESIGN §17), on SQLite and on PostgreSQL: `show` lists
+"""The audit of delegated runs (docs/tools.md), on SQLite and on PostgreSQL: `show` lists
 a run's children with their costs, `spend --roll-up` sums each tree into its root,
 and `reconcile` checks a root's account charge against its whole tree."""
 

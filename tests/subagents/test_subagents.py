@@ -1,4 +1,4 @@
-"""Sub-agents (DESIGN §17): a tool whose handler runs a child conversation inside the
+"""Sub-agents (docs/tools.md): a tool whose handler runs a child conversation inside the
 calling run's budgets: its credit hold, its deadline, its account reservation."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One crossing turn for a whole tree of delegated runs (DESIGN §17, R03): children
+"""One crossing turn for a whole tree of delegated runs (docs/tools.md, R03): children
 running at once in one tool batch take turns to send while a hold may be crossed,
 so the tree passes its root's hold by one turn's charge at most."""
 
