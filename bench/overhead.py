@@ -37,7 +37,7 @@ event loop's thread is shown apart as "elsewhere". Wall time also holds the ledg
 built, so put ``--ledger-dir`` on the disk you mean to measure.
 
 The sequential cost of durability: a reply's settle is on disk before its
-tool handlers run (DESIGN.md §7), so on this path every turn costs two
+tool handlers run (docs/ledger.md), so on this path every turn costs two
 commits of the writer (its dispatch, and its reply's settle) where it cost
 one when settles rode the next dispatch. Measured with ``--conversations 20
 --rounds 7`` on the 2-core development machine (a temp-dir ledger, the
@@ -194,7 +194,7 @@ async def bare_loop() -> Contender:
 OPERATION = le.Operation(name="bench.lookup", provider="anthropic", model=MODEL,
                          max_output_tokens=1024, limits=le.Limits(max_turns=TURNS + 1))
 TOOL = le.tool(lookup)
-# The operation's published price (DESIGN.md §4); without it every attempt is
+# The operation's published price (docs/pricing.md); without it every attempt is
 # priced from genai-prices' data, measured as its own row.
 PRICE = le.ModelPrice(
     provider="anthropic", model=MODEL, input_per_mtok=Decimal(3), output_per_mtok=Decimal(15),

@@ -1,4 +1,4 @@
-"""The SQL of credit accounts on a ledger's database (DESIGN.md §13).
+"""The SQL of credit accounts on a ledger's database (docs/accounts.md).
 
 Written for SQLite's ``?`` parameters; a PostgreSQL connection is given
 through an adapter that spells them ``%s`` and sets ``locks_rows``.
@@ -138,7 +138,7 @@ def _close(conn: Any, account: str, now: str, which: str, value: str, kind: str,
 TREE = ("WITH RECURSIVE tree (id) AS (SELECT CAST(? AS TEXT) UNION ALL "
         "SELECT i.id FROM invocations AS i JOIN tree AS t ON i.parent_invocation_id = t.id) ")
 """The ids of a run and of every run it delegated to, theirs included (a sub-agent's
-tree, DESIGN §17): a common table expression taking the root's id."""
+tree, docs/tools.md): a common table expression taking the root's id."""
 
 
 def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int, *,

@@ -167,7 +167,7 @@ def _tokens(attempt: Mapping[str, Any]) -> int:
 
 def _parent(conn: AuditConnection, alias: str) -> str:
     """The SQL of ``alias``'s parent invocation id: NULL on a ledger older than
-    delegated runs (DESIGN §17), where every invocation is a root."""
+    delegated runs (docs/tools.md), where every invocation is a root."""
     if has_column(conn, "invocations", "parent_invocation_id"):
         return f"{alias}.parent_invocation_id"
     return "NULL"
@@ -240,7 +240,7 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
     """Spend grouped by ``by``, over invocations started in the period that
     match ``where``.
 
-    With ``roll_up``, each tree of delegated runs (sub-agents, DESIGN §17)
+    With ``roll_up``, each tree of delegated runs (sub-agents, docs/tools.md)
     counts as its root: its descendants' totals are added to the root's, the
     root's ``by`` and start (and ``where``) place the whole tree, and
     ``invocations`` counts roots.
@@ -340,7 +340,7 @@ _SEGMENT_COLUMNS = ("ordinal", "started_at", "ended_at", "outcome")
 
 
 def segments(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
-    """The invocation's running segments (DESIGN §16) in order: ``ordinal``,
+    """The invocation's running segments (docs/ledger.md, "segments") in order: ``ordinal``,
     ``started_at``, ``ended_at`` and ``outcome`` (``paused``, or how it ended;
     both None while it runs or when its process died); empty on a ledger
     older than segments, and for a run started before it had them."""
@@ -355,7 +355,7 @@ _TOOL_CALL_COLUMNS = ("call_id", "turn", "tool", "status", "started_at", "ended_
 
 
 def tool_calls(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
-    """The invocation's tool calls and their statuses (DESIGN §16), in the order
+    """The invocation's tool calls and their statuses (docs/pause-and-resume.md), in the order
     they were recorded; empty on a ledger without a run store's tables."""
     if not has_table(conn, "tool_calls"):
         return []
@@ -381,7 +381,7 @@ _CHILD_COLUMNS = ("id", "operation", "started_at", "outcome", "turns", "attempt_
 
 
 def children(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
-    """The runs ``invocation_id`` delegated to (its sub-agents, DESIGN §17), in the
+    """The runs ``invocation_id`` delegated to (its sub-agents, docs/tools.md), in the
     order they started: each with its own turns, attempts, cost and credits, and
     ``tree_credits``, its credits plus its own descendants'. Empty on a ledger
     older than delegated runs.
@@ -620,7 +620,7 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
     whose process died, what its settled attempts charged)."""
     if not has_table(conn, "accounts"):
         return []
-    # A root's reservation pays for its tree of delegated runs (DESIGN §17).
+    # A root's reservation pays for its tree of delegated runs (docs/tools.md).
     tree = has_column(conn, "invocations", "parent_invocation_id")
     found: list[AccountMismatch] = []
     sums = ", ".join(f"COALESCE({sql}, 0)" for sql in _account_store.JOURNAL_SUMS.values())

@@ -2,7 +2,7 @@
 
 The same tables, column names, constraints and indexes as the SQLite schema:
 the very statements of `_schema` (`_schema.TABLES`), rendered with
-PostgreSQL's types (DESIGN.md §7b, `POSTGRES_TYPES`): ``text`` for ids and
+PostgreSQL's types (docs/ledger.md, "PostgreSQL"; `POSTGRES_TYPES`): ``text`` for ids and
 names, ``bigint`` for counts, tokens, nano-USD and credits, ``smallint`` 0/1
 for flags (so the audit's ``SUM(...)`` queries read both stores alike) and
 ``timestamptz`` for times.
@@ -48,7 +48,7 @@ POSTGRES_TYPES: Final = {"INTEGER": "bigint", "FLAG": "smallint", "TIME": "times
 _CREATE_TABLES = render(TABLES, POSTGRES_TYPES)
 _ACCOUNTS = render(ACCOUNT_TABLES, POSTGRES_TYPES)
 
-# A wrap-up turn's attempts (DESIGN.md §12) have the phase ``wrap_up``: where
+# A wrap-up turn's attempts (docs/guards.md) have the phase ``wrap_up``: where
 # SQLite rebuilds the table, PostgreSQL replaces the constraint.
 _WRAP_UP_PHASE = (
     "ALTER TABLE attempts DROP CONSTRAINT attempts_phase_check, ADD CONSTRAINT "

@@ -82,7 +82,7 @@ class AttemptSettle:
     def served(self) -> bool:
         """The provider served something this settle carries: a reply, usage (what
         it may bill) or a response id. Such a settle must be durable before
-        anything acts on the attempt (DESIGN.md §7); one that carries nothing
+        anything acts on the attempt (docs/ledger.md); one that carries nothing
         served (an error status, a request the ledger held back, a timeout
         before any byte) may wait for the next durable write."""
         return self.outcome == "ok" or self.usage is not None or self.response_id is not None

@@ -6,7 +6,7 @@ row are written in one ``BEGIN IMMEDIATE`` transaction, so a migration either
 happened entirely or not at all, and two processes opening a fresh file at
 once cannot both apply it (the second sees the row once it gets the lock).
 
-Migrations only add: a table or column named in DESIGN.md §7 is never renamed
+Migrations only add: a table or column docs/ledger.md documents ("Schema") is never renamed
 or dropped, because audit tools read them by name.
 """
 
@@ -137,7 +137,7 @@ AUDIT_INDEXES = (
     "CREATE INDEX invocations_running ON invocations (id) WHERE outcome = 'running'",
 )
 
-# Credit accounts (DESIGN.md §13): a balance per account, kept equal to the
+# Credit accounts (docs/accounts.md): a balance per account, kept equal to the
 # sums of its append-only journal. A reservation's entry also carries its
 # expiry and the credit rate of its run, so that another process can settle
 # it exactly once it has expired.
@@ -183,7 +183,7 @@ def render(statements: Sequence[str], types: Mapping[str, str]) -> tuple[str, ..
 
 _CREATE_TABLES = render(TABLES, SQLITE_TYPES)
 
-# A delegated run (a sub-agent, DESIGN.md §17) names the run that started it;
+# A delegated run (a sub-agent, docs/tools.md) names the run that started it;
 # NULL for a root. The same statements on both stores (plain text type); the
 # partial index finds a run's children and stays as small as the delegations.
 PARENT_COLUMN = (
@@ -193,7 +193,7 @@ PARENT_COLUMN = (
 )
 _ACCOUNTS = render(ACCOUNT_TABLES, SQLITE_TYPES)
 
-# A wrap-up turn's attempts (DESIGN.md §12) have the phase ``wrap_up``. SQLite
+# A wrap-up turn's attempts (docs/guards.md) have the phase ``wrap_up``. SQLite
 # cannot change a CHECK constraint in place: the table is rebuilt, same name,
 # same columns in the same order, same rows.
 _WRAP_UP_PHASE = (
@@ -204,7 +204,7 @@ _WRAP_UP_PHASE = (
     "ALTER TABLE attempts_rebuilt RENAME TO attempts",
 )
 
-# The whole usage vector (DESIGN.md §15): server tool requests, reasoning
+# The whole usage vector (docs/pricing.md): server tool requests, reasoning
 # tokens, sampling iterations and the fee part of the cost. An attempt's are
 # NULL when it reported no usage (the fee: when it was not priced), as its
 # tokens are; an invocation's are totals, 0 until an attempt adds to them.
@@ -246,7 +246,7 @@ USAGE_VECTOR = (
 )
 """The statements of the usage vector's migration, rendered for each store."""
 
-# Paused and running runs (DESIGN.md §16): a run's resumable state (its
+# Paused and running runs (docs/pause-and-resume.md): a run's resumable state (its
 # transcript lives here and nowhere else; the row goes when the run ends),
 # the lease of the process running it (``version`` makes taking it a
 # compare-and-set), and the status of each tool call, never its input or
@@ -280,7 +280,7 @@ RUN_TABLES = (
 """The run store's tables (`loopengine.RunStore`), rendered for each store."""
 
 # A run that pauses and resumes, or whose process died and was recovered,
-# runs in segments (DESIGN.md §16): one row each, for every run with a ledger.
+# runs in segments (docs/pause-and-resume.md): one row each, for every run with a ledger.
 # ``outcome`` says how the segment ended (``paused``, or the invocation's
 # outcome); it and ``ended_at`` stay NULL while it runs, and for good when its
 # process died (the next segment is a recovery). Never any conversation text.

@@ -28,7 +28,7 @@ from loopengine.persistence._threaded import ThreadedLedger
 __all__ = ["SQLiteLedger"]
 
 class SQLiteLedger(ThreadedLedger):
-    """The attempt ledger in a SQLite file (DESIGN.md §7).
+    """The attempt ledger in a SQLite file (docs/ledger.md).
 
     Opening creates the file if needed, migrates its schema and starts the
     writer thread, synchronously (open it at startup, not inside a busy event
