@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -468,10 +469,12 @@ class _Loop:
             paused_at=paused_at or inv.clock.wall())
 
     async def _checkpoint(self, state: RunState | None, *, calls: Sequence[CallMark] = (),
+                          results: Sequence[Mapping[str, Any]] | None = None,
                           paused: bool = False, create: bool = False) -> None:
         """Write the run's checkpoint to its run store, durably: its state
-        (when given), its lease renewed (or released, ``paused``) and its
-        calls' statuses. Nothing without a run store.
+        (when given) or the results of the batch it answers (``results``), its
+        lease renewed (or released, ``paused``) and its calls' statuses.
+        Nothing without a run store.
 
         Raises:
             RunBusyError: another process took the run over.
@@ -490,6 +493,7 @@ class _Loop:
         await store.checkpoint(
             inv.id, inv.lease_owner, now=inv.clock.wall(),
             state=None if state is None else state.dumps(),
+            results=None if results is None else json.dumps(list(results)).encode(),
             expires_at=lease_expiry(inv, store.lease_grace), paused=paused, calls=calls,
             create=create)
 
@@ -694,10 +698,10 @@ class _Loop:
             else:
                 status = "failed" if result is None or result.get("is_error") else "succeeded"
             # The call's end and its result, in one write: a crash never loses
-            # the result of a call recorded as ended.
+            # the result of a call recorded as ended. The batch's results so
+            # far, not the state: its transcript was written before the batch.
             await self._checkpoint(
-                self._snapshot(batch=batch, repair=repair, results=[
-                    *before, *(r for r in results if r is not None)]),
+                None, results=[*before, *(r for r in results if r is not None)],
                 calls=[(call_id, turn, str(block.get("name")), status)])
 
         async def answer(index: int, block: Mapping[str, Any]) -> None:

@@ -25,22 +25,25 @@ taken over never runs another handler of it.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sqlite3
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from loopengine import _validate
 from loopengine._accounts import UNBOUNDED_RUN
 from loopengine._errors import ConfigError, LedgerError, RunBusyError
+from loopengine._runstate import RunState
 from loopengine.persistence._memory import MemoryLedger
 from loopengine.persistence._postgres import PostgresLedger
 from loopengine.persistence._schema import (
+    RUN_RESULTS,
     RUN_TABLES,
     SQLITE_TYPES,
     format_time,
@@ -150,7 +153,7 @@ class RunStore:
             if self._memory is None:
                 self._memory = sqlite3.connect(":memory:", isolation_level=None,
                                                check_same_thread=False)
-                for statement in render(RUN_TABLES, SQLITE_TYPES):
+                for statement in (*render(RUN_TABLES, SQLITE_TYPES), *RUN_RESULTS):
                     self._memory.execute(statement)
                 _MEMORY[ledger] = self._memory
 
@@ -167,18 +170,22 @@ class RunStore:
             LedgerError: the database could not be read.
         """
 
-        def work(conn: Any) -> StoredRun | None:
+        def work(conn: Any) -> tuple[Any, ...] | None:
             row = conn.execute(
-                "SELECT state, version, lease_owner, lease_expires_at, paused_at "
+                "SELECT state, results, version, lease_owner, lease_expires_at, paused_at "
                 "FROM run_states WHERE invocation_id = ?", (invocation_id,)).fetchone()
-            if row is None:
-                return None
-            state, version, owner, expires, paused = row
-            data = state.encode() if isinstance(state, str) else bytes(state)
-            return StoredRun(invocation_id, data, int(version), owner, stored_time(expires),
-                             stored_time(paused))
+            return None if row is None else tuple(row)
 
-        return await self._transact(work)
+        row = await self._transact(work)
+        if row is None:
+            return None
+        state, results, version, owner, expires, paused = row
+        data = state.encode() if isinstance(state, str) else bytes(state)
+        if results is not None:
+            # The batch's results its calls' ends wrote since the state was.
+            data = replace(RunState.loads(data), results=json.loads(results)).dumps()
+        return StoredRun(invocation_id, data, int(version), owner, stored_time(expires),
+                         stored_time(paused))
 
     async def tool_calls(self, invocation_id: str) -> dict[str, str]:
         """Each recorded tool call of the run and its status, by call id.
@@ -231,11 +238,13 @@ class RunStore:
         await self._transact(work)
 
     async def checkpoint(self, invocation_id: str, owner: str, *, now: datetime,
-                         state: bytes | None = None, expires_at: datetime | None = None,
-                         paused: bool = False, calls: Sequence[CallMark] = (),
-                         create: bool = False) -> None:
-        """Write the run's state (when given), renew or release its lease, and
-        set its calls' statuses, in one transaction, durable on return (internal).
+                         state: bytes | None = None, results: bytes | None = None,
+                         expires_at: datetime | None = None, paused: bool = False,
+                         calls: Sequence[CallMark] = (), create: bool = False) -> None:
+        """Write the run's state (when given) or the results its batch has so far
+        (``results``, JSON: the state's transcript is not written again), renew
+        or release its lease, and set its calls' statuses, in one transaction,
+        durable on return (internal).
 
         ``create`` inserts the row of a new run; otherwise the row must be
         held by ``owner``. ``paused`` releases the lease and sets ``paused_at``.
@@ -259,8 +268,11 @@ class RunStore:
                 sets = "version = version + 1, lease_owner = ?, updated_at = ?"
                 values: list[Any] = [holder, at]
                 if state is not None:
-                    sets += ", state = ?"
+                    sets += ", state = ?, results = NULL"
                     values.append(state.decode())
+                if results is not None:
+                    sets += ", results = ?"
+                    values.append(results.decode())
                 if lease is not None or paused:
                     sets += ", lease_expires_at = ?, paused_at = ?"
                     values += [lease, paused_at]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import sqlite3
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -224,6 +225,34 @@ async def test_an_idempotent_call_cut_by_a_crash_runs_again_and_finished_calls_d
     progress = await ledger.read_progress(run_id)
     assert progress.attempt_count == len(provider.requests) == 3
     assert (progress.turns, progress.tool_calls) == (3, 2)
+
+
+async def test_a_calls_end_writes_the_batchs_results_not_the_transcript(
+        clock: FakeClock) -> None:
+    """A batch of charge and lookup, killed in lookup's handler once charge had
+    ended: the stored state is still the one written before the batch (its
+    transcript is not written again at each call's end), the call's result is
+    in the row's results beside it, and the resume reads both: charge is not
+    run again, lookup (idempotent) is."""
+    import json
+
+    ledger = MemoryLedger()
+    charger = Charger()
+    charger.crash_on = "lookup"
+    engine, _, store = engine_on(
+        ledger, clock, Reply.tool_calls(("charge", {"card": "4242"}), ("lookup", {"card": "1"})),
+        Reply.text("done"))
+    await crashed(engine, charger)
+    run_id = await the_run_id(store, ledger)
+    state, results = store._memory.execute(  # type: ignore[union-attr]
+        "SELECT state, results FROM run_states WHERE invocation_id = ?", (run_id,)).fetchone()
+    assert json.loads(state)["results"] == []
+    assert [r["content"] for r in json.loads(results)] == ["charged 4242"]
+    assert (await store.load(run_id)).state == replace(  # type: ignore[union-attr]
+        le.RunState.loads(state), results=json.loads(results)).dumps()
+    done = await engine.resume(run_id, tools=charger.tools, force=True)
+    assert done.outcome is le.Outcome.COMPLETED and done.tool_calls == 2
+    assert charger.runs == [("charge", "4242"), ("lookup", "1"), ("lookup", "1")]
 
 
 async def crashed_between_turns(ledger: Any, clock: FakeClock) -> tuple[

@@ -29,6 +29,7 @@ from loopengine.persistence._schema import (
     ACCOUNT_TABLES,
     AUDIT_INDEXES,
     PARENT_COLUMN,
+    RUN_RESULTS,
     RUN_TABLES,
     SCHEMA_TABLE,
     SEGMENT_TABLE,
@@ -78,6 +79,7 @@ MIGRATIONS: tuple[Migration, ...] = (
               render(RUN_TABLES, POSTGRES_TYPES)),
     Migration(9, "the running segments of each invocation",
               render(SEGMENT_TABLE, POSTGRES_TYPES)),
+    Migration(10, "a batch's results apart from its run's state", RUN_RESULTS),
 )
 """The schema's history, oldest first: the SQLite history's steps, step for step."""
 

@@ -25,6 +25,7 @@ __all__ = [
     "INVOCATION_COLUMNS",
     "MIGRATIONS",
     "PARENT_COLUMN",
+    "RUN_RESULTS",
     "RUN_TABLES",
     "SEGMENT_TABLE",
     "TOOL_CALL_STATUSES",
@@ -279,6 +280,11 @@ RUN_TABLES = (
 )
 """The run store's tables (`loopengine.RunStore`), rendered for each store."""
 
+RUN_RESULTS = ("ALTER TABLE run_states ADD COLUMN results TEXT",)
+"""The results a batch has so far, written at each call's end apart from the
+run's state (whose transcript is written once a batch, not once a call);
+NULL when the state holds them all."""
+
 # A run that pauses and resumes, or whose process died and was recovered,
 # runs in segments (docs/pause-and-resume.md): one row each, for every run with a ledger.
 # ``outcome`` says how the segment ended (``paused``, or the invocation's
@@ -310,6 +316,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(8, "run states, their leases, and tool call statuses",
               render(RUN_TABLES, SQLITE_TYPES)),
     Migration(9, "the running segments of each invocation", render(SEGMENT_TABLE, SQLITE_TYPES)),
+    Migration(10, "a batch's results apart from its run's state", RUN_RESULTS),
 )
 """The schema's history, oldest first."""
 
