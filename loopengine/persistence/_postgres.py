@@ -331,8 +331,10 @@ class PostgresWriter(Writer):
         if self._conn is None:
             conn = connect(self._ledger)
             try:
+                # Its transactions are begun by the writer (`execute`, `mark`):
+                # psycopg's own BEGIN would cost a round trip of its own.
+                conn.autocommit = True
                 conn.execute(_WRITER_PLANS)
-                conn.commit()
             except BaseException:
                 conn.close()
                 raise
@@ -347,13 +349,14 @@ class PostgresWriter(Writer):
         self._xid = None
         if not planned:
             return
-        with conn.pipeline() as pipeline:
-            # The transaction's id, in the same round trip: should the
-            # connection be lost during the commit, it tells whether it committed.
+        # One round trip (the pipeline's one sync, as it ends): the BEGIN, the
+        # transaction's id (should the connection be lost during the commit,
+        # it tells whether it committed) and the statements.
+        with conn.pipeline():
+            conn.execute("BEGIN")
             xid = conn.execute("SELECT txid_current()")
             cursors = [conn.execute(self._sql[kind], (rows_json(rows),))
                        for kind, rows, _ in planned]
-            pipeline.sync()
         row = xid.fetchone()
         self._xid = int(row[0]) if row else None
         for cursor, (_, rows, what) in zip(cursors, planned, strict=True):
@@ -382,9 +385,13 @@ class PostgresWriter(Writer):
         self.close()
 
     def mark(self) -> None:
-        """Note the transaction's id (`committed`)."""
-        assert self._conn is not None
-        row = self._conn.execute("SELECT txid_current()").fetchone()
+        """Begin the transaction and note its id (`committed`), in one round trip."""
+        conn = self._conn
+        assert conn is not None
+        with conn.pipeline():
+            conn.execute("BEGIN")
+            xid = conn.execute("SELECT txid_current()")
+        row = xid.fetchone()
         self._xid = int(row[0]) if row else None
 
     def lost(self, error: BaseException) -> bool:
