@@ -294,8 +294,9 @@ class PostgresWriter(Writer):
 
     def run_calls(self, calls: Sequence[Call]) -> None:
         """`Writer.run_calls`, on a new session when the server ended this one while
-        it was idle: such a session is replaced rather than reported (a
-        transaction of other callers is not replayed from a batch's rows).
+        it was idle: such a session is replaced before the transaction begins,
+        rather than lost under it (logged, counted in ``reconnects``, the
+        transaction run again).
 
         The server says goodbye as it ends a session (its reason, then the end
         of the stream), so only a session with something to read is asked, with
@@ -337,7 +338,7 @@ class PostgresWriter(Writer):
         if self._conn is None:
             conn = connect(self._ledger)
             try:
-                # Its transactions are begun by the writer (`execute`, `mark`):
+                # Its transactions are begun by the writer (`execute`, `savepoint`):
                 # psycopg's own BEGIN would cost a round trip of its own.
                 conn.autocommit = True
                 conn.execute(_WRITER_PLANS)
@@ -463,7 +464,7 @@ def _readable(fd: int) -> bool:
         poll = select.poll()
         poll.register(fd, select.POLLIN)
         return bool(poll.poll(0))
-    return bool(select.select([fd], [], [], 0)[0])  # Windows: no poll, no FD_SETSIZE limit
+    return bool(select.select([fd], [], [], 0)[0])  # Windows (no poll; any socket number)
 
 
 def rows_json(rows: Sequence[Sequence[Any]]) -> str:
