@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,3 +188,45 @@ def read_postgres(ledger: PostgresLedger) -> Rows:
         attempts = {(r["invocation_id"], r["ordinal"]): r
                     for r in conn.execute("SELECT * FROM attempts")}
     return invocations, attempts
+
+
+async def round_trips(ledger: PostgresLedger,
+                      action: Callable[[], Awaitable[Any]]) -> list[list[str]]:
+    """What the ledger's writer sent the server while ``action()`` ran, round trip by
+    round trip (libpq's trace of its session; a round trip ends with a sync or a
+    simple query): each a list of the statements sent, a simple query as
+    ``Query <text>``, an extended one as its text (or ``Prepared`` once psycopg
+    has prepared it). Call it while the writer is idle."""
+    from psycopg import pq
+
+    writer = ledger._writer
+    assert writer is not None and writer._conn is not None
+    pgconn = writer._conn.pgconn
+    with tempfile.TemporaryFile("w+") as trace:
+        pgconn.trace(trace.fileno())
+        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        try:
+            await action()
+        finally:
+            pgconn.untrace()
+        trace.seek(0)
+        lines = trace.read().splitlines()
+    trips: list[list[str]] = [[]]
+    text: str | None = None
+    for line in lines:
+        direction, _, message, *rest = line.split("\t")
+        detail = rest[0].strip() if rest else ""
+        if direction != "F":
+            continue
+        if message == "Parse":
+            text = detail[detail.index('" "') + 3:detail.rindex('"')]
+        elif message == "Bind" and text is None:
+            text = "Prepared"  # parsed before, under the name it binds
+        elif message == "Execute":
+            trips[-1].append(text or "")
+            text = None
+        elif message == "Query":
+            trips[-1].append(f"Query {detail.strip(chr(34))}")
+        if message in ("Sync", "Query"):
+            trips.append([])
+    return trips[:-1]  # the last one is still empty

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,7 +23,7 @@ from loopengine.providers import Reply, ScriptedProvider
 
 from .conftest import PRICES, operation
 from .ledger_support import lookup
-from .postgres_support import PostgresServer
+from .postgres_support import PostgresServer, round_trips
 from .test_audit_postgres import audit, url_of
 
 CHILD = Path(__file__).with_name("accounts_child.py")
@@ -144,7 +145,57 @@ async def test_accounts_run_on_the_ledgers_own_session(
         assert balance.granted == 1_010
         replaced = _ledger_sessions(postgres_server, dbname)
         assert len(replaced) == 1 and replaced != first
+        # Replaced before the transaction began, not lost under it and retried.
+        assert ledger.reconnects == 0
     assert _settled_sessions(postgres_server, dbname, 0) == []
+
+
+async def test_a_transaction_on_a_session_in_use_costs_its_statements_and_two_round_trips(
+    postgres_server: PostgresServer,
+) -> None:
+    """A session in steady use is not asked first whether it still answers: an
+    account's transaction sends its BEGIN, its id and its savepoint in one
+    round trip, then its own statements, then its commit (which releases the
+    savepoint); two at once share the transaction, each in a savepoint."""
+    dsn, _ = _database(postgres_server)
+    async with PostgresLedger(dsn) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1_000)
+        trips = await round_trips(ledger, lambda: accounts.balance("acme"))
+        assert trips[0] == ["BEGIN", "SELECT txid_current()", "SAVEPOINT loopengine_call"]
+        assert trips[-1] == ["Query COMMIT"]
+        assert all(len(trip) == 1 and "SAVEPOINT" not in trip[0] for trip in trips[1:-1])
+        assert len(trips) > 2
+
+        async def two() -> None:
+            # The writer is held by a transaction until both grants wait for
+            # it, then runs them in the next one.
+            held, gate = threading.Event(), threading.Event()
+
+            def hold(conn: Any) -> None:
+                held.set()
+                gate.wait()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(ledger._transact, hold, "held")
+                await anyio.to_thread.run_sync(held.wait)
+                group.start_soon(accounts.grant, "acme", 1)
+                group.start_soon(accounts.grant, "acme", 2)
+
+                def queued() -> None:
+                    while len(ledger._calls) < 2:
+                        time.sleep(0.001)
+                    gate.set()
+
+                await anyio.to_thread.run_sync(queued)
+
+        trips = await round_trips(ledger, two)
+        statements = [s for trip in trips for s in trip]
+        first = ["BEGIN", "SELECT txid_current()", "SAVEPOINT loopengine_call"]
+        assert trips[0] == first and trips[1] == ["Query COMMIT"] and trips[2] == first
+        assert ["RELEASE SAVEPOINT loopengine_call", "SAVEPOINT loopengine_call"] in trips
+        assert statements.count("Query COMMIT") == 2 and trips[-1] == ["Query COMMIT"]
+        assert (await accounts.balance("acme")).granted == 1_003
 
 
 async def test_a_failed_transaction_fails_alone(

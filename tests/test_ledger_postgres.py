@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,13 @@ from .ledger_support import (
     start,
     teammate_script,
 )
-from .postgres_support import PostgresServer, fresh_schema, read_postgres, require_module
+from .postgres_support import (
+    PostgresServer,
+    fresh_schema,
+    read_postgres,
+    require_module,
+    round_trips,
+)
 
 psycopg = require_module("psycopg")
 
@@ -356,6 +363,40 @@ async def test_sequential_run_commits_each_dispatch_each_served_settle_and_the_e
     assert result.attempts.count == 6 and 0 < served <= 6
     assert ledger.commits == 6 + served + 1
     assert ledger.writes == 1 + 6 + 6 + 1
+
+
+async def test_a_durable_write_costs_two_round_trips(make_ledger: Factory) -> None:
+    """Each durable write's transaction reaches the server in two round trips: its
+    BEGIN, its id and its statements in one pipeline, then its commit (which
+    waits for the disk); a statement once prepared is not parsed again."""
+    ledger = make_ledger()
+    await ledger.start_invocation(start())
+    first = await round_trips(ledger, lambda: ledger.dispatch_attempt(dispatch(1)))
+    assert [trip[:2] for trip in first] == [["BEGIN", "SELECT txid_current()"],
+                                            ["Query COMMIT"]]
+    # The start and its segment, then the dispatch and the totals.
+    assert [s.split(" (")[0] for s in first[0][2:]] == [
+        'INSERT INTO "invocations"', 'INSERT INTO "segments"', 'INSERT INTO "attempts"',
+        "UPDATE invocations AS i SET attempt_count = i.attempt_count + v.attempt_count, "
+        "attempts_retained = i.attempts_retained + v.attempts_retained, incomplete = "
+        "GREATEST(i.incomplete, v.incomplete), input_tokens = i.input_tokens + v.input_tokens,"
+        " output_tokens = i.output_tokens + v.output_tokens, cache_read_tokens = "
+        "i.cache_read_tokens + v.cache_read_tokens, cache_write_tokens = i.cache_write_tokens"
+        " + v.cache_write_tokens, cache_write_1h_tokens = i.cache_write_1h_tokens + "
+        "v.cache_write_1h_tokens, cost_nanousd = i.cost_nanousd + v.cost_nanousd, "
+        "provider_cost_nanousd = i.provider_cost_nanousd + v.provider_cost_nanousd, "
+        "web_search_requests = i.web_search_requests + v.web_search_requests, "
+        "web_fetch_requests = i.web_fetch_requests + v.web_fetch_requests, reasoning_tokens "
+        "= i.reasoning_tokens + v.reasoning_tokens, iterations = i.iterations + v.iterations,"
+        " fee_nanousd = i.fee_nanousd + v.fee_nanousd FROM"]
+    for ordinal in range(1, 8):
+        if ordinal > 1:
+            await ledger.dispatch_attempt(dispatch(ordinal))
+        trips = await round_trips(ledger, partial(ledger.settle_attempt, settle(ordinal)))
+        assert len(trips) == 2 and len(trips[0]) == 4 and trips[1] == ["Query COMMIT"]
+    # Used five times, every statement of a settle is prepared.
+    assert trips[0] == ["Prepared"] * 4
+    assert ledger.commits == 14  # seven dispatches (the first with the start), seven settles
 
 
 async def test_concurrent_runs_share_commits(make_ledger: Factory) -> None:

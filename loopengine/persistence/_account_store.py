@@ -58,6 +58,7 @@ def read(conn: Any, account: str) -> AccountBalance:
     return AccountBalance(account, granted, spent, reserved, granted - spent - reserved)
 
 
+_BALANCES = ("granted", "spent", "reserved")
 _EFFECT = {"grant": ("granted", 1), "reserve": ("reserved", 1), "release": ("reserved", -1),
            "settle": ("spent", 1), "expire": ("spent", 1)}
 
@@ -71,11 +72,14 @@ def journal(conn: Any, account: str, now: str, kind: str, credits: int,
         "expires_at, credits_per_usd, credit_quantum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (account, now, kind, credits, invocation_id, note, expires_at, rate, quantum))
     column, sign = _EFFECT[kind]
+    # The row made with its first entry, or added to: one statement (one
+    # round trip on a server).
+    effect = [sign * credits if c == column else 0 for c in _BALANCES]
     conn.execute(
         "INSERT INTO accounts (account, granted, spent, reserved, updated_at) "
-        "VALUES (?, 0, 0, 0, ?) ON CONFLICT (account) DO NOTHING", (account, now))
-    conn.execute(f"UPDATE accounts SET {column} = {column} + ?, updated_at = ? "
-                 "WHERE account = ?", (sign * credits, now, account))
+        f"VALUES (?, ?, ?, ?, ?) ON CONFLICT (account) DO UPDATE SET {column} = "
+        f"accounts.{column} + excluded.{column}, updated_at = excluded.updated_at",
+        (account, *effect, now))
 
 
 def released(conn: Any, invocation_id: str) -> bool:

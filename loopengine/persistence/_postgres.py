@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -292,15 +293,21 @@ class PostgresWriter(Writer):
         """The open transaction's id (`committed` asks the server about it)."""
 
     def run_calls(self, calls: Sequence[Call]) -> None:
-        """`Writer.run_calls`, once an empty query shows the session still answers
-        (else on a new one): a connection the server ended while idle is
-        replaced rather than reported, as a transaction of many steps is not
-        retried."""
+        """`Writer.run_calls`, on a new session when the server ended this one while
+        it was idle: such a session is replaced before the transaction begins,
+        rather than lost under it (logged, counted in ``reconnects``, the
+        transaction run again).
+
+        The server says goodbye as it ends a session (its reason, then the end
+        of the stream), so only a session with something to read is asked, with
+        an empty query, whether it still answers: one in steady use costs no
+        round trip for it."""
         import psycopg
 
-        if self._conn is not None:
+        conn = self._conn
+        if conn is not None and not conn.closed and _readable(conn.fileno()):
             try:
-                self._conn.execute("")
+                conn.execute("")
             except psycopg.Error:
                 self.close()
         super().run_calls(calls)
@@ -331,8 +338,10 @@ class PostgresWriter(Writer):
         if self._conn is None:
             conn = connect(self._ledger)
             try:
+                # Its transactions are begun by the writer (`execute`, `savepoint`):
+                # psycopg's own BEGIN would cost a round trip of its own.
+                conn.autocommit = True
                 conn.execute(_WRITER_PLANS)
-                conn.commit()
             except BaseException:
                 conn.close()
                 raise
@@ -347,13 +356,14 @@ class PostgresWriter(Writer):
         self._xid = None
         if not planned:
             return
-        with conn.pipeline() as pipeline:
-            # The transaction's id, in the same round trip: should the
-            # connection be lost during the commit, it tells whether it committed.
+        # One round trip (the pipeline's one sync, as it ends): the BEGIN, the
+        # transaction's id (should the connection be lost during the commit,
+        # it tells whether it committed) and the statements.
+        with conn.pipeline():
+            conn.execute("BEGIN")
             xid = conn.execute("SELECT txid_current()")
             cursors = [conn.execute(self._sql[kind], (rows_json(rows),))
                        for kind, rows, _ in planned]
-            pipeline.sync()
         row = xid.fetchone()
         self._xid = int(row[0]) if row else None
         for cursor, (_, rows, what) in zip(cursors, planned, strict=True):
@@ -381,11 +391,21 @@ class PostgresWriter(Writer):
                 pass
         self.close()
 
-    def mark(self) -> None:
-        """Note the transaction's id (`committed`)."""
-        assert self._conn is not None
-        row = self._conn.execute("SELECT txid_current()").fetchone()
-        self._xid = int(row[0]) if row else None
+    def savepoint(self, *, first: bool) -> None:
+        """`Writer.savepoint` in one round trip; the first also begins the
+        transaction and notes its id (`committed`)."""
+        conn = self._conn
+        assert conn is not None
+        with conn.pipeline():
+            if first:
+                conn.execute("BEGIN")
+                xid = conn.execute("SELECT txid_current()")
+            else:
+                conn.execute("RELEASE SAVEPOINT loopengine_call")
+            conn.execute("SAVEPOINT loopengine_call")
+        if first:
+            row = xid.fetchone()
+            self._xid = int(row[0]) if row else None
 
     def lost(self, error: BaseException) -> bool:
         """The server cannot be reached on this connection: it is gone (a
@@ -436,6 +456,15 @@ class PostgresWriter(Writer):
         (then nothing more can be written on it)."""
         conn = self._conn
         return conn is not None and not conn.broken and not conn.closed
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` has something to read (or has ended), without waiting."""
+    if hasattr(select, "poll"):
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        return bool(poll.poll(0))
+    return bool(select.select([fd], [], [], 0)[0])  # Windows (no poll; any socket number)
 
 
 def rows_json(rows: Sequence[Sequence[Any]]) -> str:

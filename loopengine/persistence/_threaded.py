@@ -128,16 +128,15 @@ class Writer(Store):
         committing = False
         try:
             self.begin()
-            self.mark()
-            for call in calls:
+            for index, call in enumerate(calls):
                 call.result = call.error = None
-                self._conn.execute("SAVEPOINT loopengine_call")
+                self.savepoint(first=index == 0)
                 try:
                     call.result = call.work(self._conn)
                 except Exception as error:
                     self._conn.execute("ROLLBACK TO SAVEPOINT loopengine_call")
                     fail(call, error)
-                self._conn.execute("RELEASE SAVEPOINT loopengine_call")
+            # The commit releases the last call's savepoint.
             committing = True
             self.finish()
         except self.errors as error:
@@ -149,9 +148,14 @@ class Writer(Store):
                 if call.error is None:
                     fail(call, error)
 
-    def mark(self) -> None:
-        """In a transaction just begun: note what tells, once the connection is
-        back, whether it committed (`committed`)."""
+    def savepoint(self, *, first: bool) -> None:
+        """Before a call of `run_calls`, open the savepoint it rolls back to should
+        it raise: the ``first`` in the transaction just begun (where a store notes
+        what tells, once a lost connection is back, whether it committed:
+        `committed`), each later one once the previous call's is released."""
+        if not first:
+            self._conn.execute("RELEASE SAVEPOINT loopengine_call")
+        self._conn.execute("SAVEPOINT loopengine_call")
 
     def reconnect(self) -> None:
         """Make sure of a connection again after `Store.lost` (raises one of
