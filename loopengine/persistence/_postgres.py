@@ -71,7 +71,7 @@ cancelled again, so it fails instead of waiting."""
 
 
 class PostgresLedger(ThreadedLedger):
-    """The attempt ledger on a PostgreSQL server (DESIGN.md §7b).
+    """The attempt ledger on a PostgreSQL server (docs/ledger.md, "PostgreSQL").
 
     Constructing it does no I/O: it connects, creates and migrates its schema
     (once, however many processes start at the same moment) and starts its
