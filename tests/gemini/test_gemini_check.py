@@ -1,15 +1,20 @@
 """`GeminiProvider.check_request` (the check before an attempt is recorded) refuses
-exactly what the translation refuses, with the same fault, without translating."""
+exactly what the translation refuses, with the same fault, without translating;
+what the SDK refuses of the request itself never reaches the wire either."""
 
 from __future__ import annotations
 
 import base64
 from typing import Any
 
+import pytest
+
 from loopengine.providers import ProviderFault
 from loopengine.providers._base import ProviderRequest
 from loopengine.providers._faults import FaultKind
 from loopengine.providers._gemini_contents import check_translatable, gemini_contents
+
+from .conftest import MODEL, GeminiHarness
 
 DATA = base64.b64encode(b"\x89PNG\r\n\x1a\nfake").decode()
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": DATA}}
@@ -65,3 +70,21 @@ def test_the_check_and_the_translation_refuse_alike() -> None:
             checked = fault.message
         assert checked == translated, messages
         assert (checked is not None) == refused, messages
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_config_the_sdk_refuses_is_untranslatable_and_never_sent(
+    wire: GeminiHarness, stream: bool
+) -> None:
+    """The config goes to the SDK as a dict, which the SDK validates before
+    anything is sent: a field it refuses (a tool named by a number) is an
+    ``untranslatable`` fault, and the server sees no request."""
+    provider = wire.provider(stream=stream)
+    request = ProviderRequest(model=MODEL, max_tokens=16,
+                              messages=[{"role": "user", "content": "hi"}],
+                              tools=[{"name": 5, "input_schema": {"type": "object"}}])
+    with pytest.raises(ProviderFault) as info:
+        await provider.send(request)
+    assert (info.value.kind, info.value.error_code) == (FaultKind.BAD_REQUEST, "untranslatable")
+    assert "refused the request" in info.value.message
+    assert wire.server.requests == []
