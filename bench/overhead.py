@@ -68,6 +68,7 @@ import argparse
 import asyncio
 import cProfile
 import dataclasses
+import functools
 import gc
 import importlib.util
 import json
@@ -248,6 +249,12 @@ async def engine_on(provider: Any, route: str, vendor: str, model: str, name: st
     return Contender(name, run, close, key=key, floor=f"{key}-bare")
 
 
+def floor_on(key: str, run: Conversation, close: Callable[[], Awaitable[None]]) -> Contender:
+    """The bare SDK loop ``run``: the floor of the route ``key`` (``responses``...)."""
+    return Contender(f"{key}-bare SDK loop (floor)", run, close, key=f"{key}-bare",
+                     floor=f"{key}-bare")
+
+
 def openai_client() -> Any:
     """An ``openai.AsyncOpenAI`` on its own `ScriptedTransport` of Responses API replies."""
     import openai
@@ -265,14 +272,8 @@ async def responses_pair() -> list[Contender | str]:
                 "(pip install -e '.[openai]')"]
     from loopengine.providers import OpenAIResponsesProvider
 
-    client = openai_client()
-
-    async def bare() -> str:
-        return await bare_responses_run(client)
-
-    engine_client = openai_client()
-    return [Contender("responses-bare SDK loop (floor)", bare, client.close,
-                      key="responses-bare", floor="responses-bare"),
+    client, engine_client = openai_client(), openai_client()
+    return [floor_on("responses", functools.partial(bare_responses_run, client), client.close),
             await engine_on(OpenAIResponsesProvider(engine_client), "openai", "openai",
                             OPENAI_MODEL, "responses: loopengine", "responses",
                             engine_client.close)]
@@ -300,14 +301,8 @@ async def gemini_pair() -> list[Contender | str]:
                 "(pip install -e '.[gemini]')"]
     from loopengine.providers import GeminiProvider
 
-    client, http = gemini_client()
-
-    async def bare() -> str:
-        return await bare_gemini_run(client)
-
-    engine_client, engine_http = gemini_client()
-    return [Contender("gemini-bare SDK loop (floor)", bare, http.aclose,
-                      key="gemini-bare", floor="gemini-bare"),
+    (client, http), (engine_client, engine_http) = gemini_client(), gemini_client()
+    return [floor_on("gemini", functools.partial(bare_gemini_run, client), http.aclose),
             await engine_on(GeminiProvider(engine_client), "gemini", "google", GEMINI_MODEL,
                             "gemini: loopengine", "gemini", engine_http.aclose)]
 
@@ -327,14 +322,9 @@ async def bedrock_pair() -> list[Contender | str]:
     if importlib.util.find_spec("botocore") is None:
         return ["bedrock-bare, bedrock: botocore is not installed "
                 "(pip install -e '.[bedrock]')"]
-    client = bedrock_client()
-
-    async def bare() -> str:
-        return await bare_run(client, BEDROCK_MODEL)
-
-    engine_client = bedrock_client()
-    return [Contender("bedrock-bare SDK loop (floor)", bare, client.close,
-                      key="bedrock-bare", floor="bedrock-bare"),
+    client, engine_client = bedrock_client(), bedrock_client()
+    return [floor_on("bedrock", functools.partial(bare_run, client, BEDROCK_MODEL),
+                     client.close),
             await engine_on(AnthropicProvider(engine_client), "aws-bedrock", "aws-bedrock",
                             BEDROCK_MODEL, "bedrock: loopengine", "bedrock",
                             engine_client.close)]

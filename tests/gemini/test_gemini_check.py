@@ -14,6 +14,7 @@ from loopengine.providers._base import ProviderRequest
 from loopengine.providers._faults import FaultKind
 from loopengine.providers._gemini_contents import check_translatable, gemini_contents
 
+from ..check_support import Shapes, refused_alike
 from .conftest import MODEL, GeminiHarness
 
 DATA = base64.b64encode(b"\x89PNG\r\n\x1a\nfake").decode()
@@ -32,7 +33,7 @@ def test_the_check_and_the_translation_refuse_alike() -> None:
     """Each transcript is refused by both, with the same message, or by neither;
     where a transcript holds two faults, both name the first in the
     translation's order."""
-    shapes: list[tuple[list[dict[str, Any]], bool]] = [
+    shapes: Shapes = [
         ([{"role": "user", "content": "hi"}], False),
         ([{"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE]}], False),
         ([{"role": "assistant", "content": [
@@ -56,20 +57,7 @@ def test_the_check_and_the_translation_refuse_alike() -> None:
         ([{"role": "user", "content": [URL_IMAGE]},
           {"role": "system", "content": "x"}], True),
     ]
-    for messages, refused in shapes:
-        try:
-            gemini_contents(messages)
-            translated = None
-        except ProviderFault as fault:
-            translated = fault.message
-        try:
-            check_translatable(ProviderRequest(model="m", max_tokens=1, messages=messages))
-            checked = None
-        except ProviderFault as fault:
-            assert (fault.kind, fault.error_code) == (FaultKind.BAD_REQUEST, "untranslatable")
-            checked = fault.message
-        assert checked == translated, messages
-        assert (checked is not None) == refused, messages
+    refused_alike(check_translatable, gemini_contents, shapes)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopengine.providers import ProviderFault
-from loopengine.providers._base import ProviderRequest
-from loopengine.providers._faults import FaultKind
 from loopengine.providers._openai_responses_items import check_translatable, responses_input
+
+from ..check_support import Shapes, refused_alike
 
 PNG = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                    "data": "iVBORw0KGgo="}}
@@ -22,7 +21,7 @@ def result(content: Any, **more: Any) -> dict[str, Any]:
 
 def test_the_check_and_the_translation_refuse_alike() -> None:
     """Each transcript is refused by both, with the same message, or by neither."""
-    shapes: list[tuple[list[dict[str, Any]], bool]] = [
+    shapes: Shapes = [
         ([{"role": "user", "content": "hi"}], False),
         ([{"role": "user", "content": [{"type": "text", "text": "hi"}, PNG, URL_IMAGE]}], False),
         ([{"role": "assistant", "content": [
@@ -39,17 +38,4 @@ def test_the_check_and_the_translation_refuse_alike() -> None:
         ([{"role": "assistant", "content": [{"type": "server_tool_use", "id": "s"}]}], True),
         ([{"role": "system", "content": "x"}], True),
     ]
-    for messages, refused in shapes:
-        try:
-            responses_input(messages)
-            translated = None
-        except ProviderFault as fault:
-            translated = fault.message
-        try:
-            check_translatable(ProviderRequest(model="m", max_tokens=1, messages=messages))
-            checked = None
-        except ProviderFault as fault:
-            assert (fault.kind, fault.error_code) == (FaultKind.BAD_REQUEST, "untranslatable")
-            checked = fault.message
-        assert checked == translated, messages
-        assert (checked is not None) == refused, messages
+    refused_alike(check_translatable, responses_input, shapes)
