@@ -3,9 +3,10 @@
 The model asks for the ``lookup`` tool four times, then answers in text; its
 usage grows turn by turn, as a real conversation's does (so no price is ever
 computed twice for the same counts). Its replies are here in the shapes of
-the Messages API (`messages`), the Responses API (`responses`) and the
-Gemini API (`gemini_responses`); the floors are hand-written loops on each
-SDK's call (`bare_run`, `bare_responses_run`, `bare_gemini_run`). Standard
+the Messages API (`messages`, which Bedrock's ``invoke`` returns too), the
+Responses API (`responses`) and the Gemini API (`gemini_responses`); the
+floors are hand-written loops on each SDK's call (`bare_run`,
+`bare_responses_run`, `bare_gemini_run`). Standard
 library only, so the loopback server's process imports no SDK.
 """
 
@@ -17,6 +18,8 @@ from typing import Any
 MODEL = "claude-sonnet-4-5"
 OPENAI_MODEL = "gpt-4.1-mini"
 GEMINI_MODEL = "gemini-2.5-flash"
+BEDROCK_MODEL = "global.anthropic.claude-sonnet-4-5-20250929-v1:0"
+"""Claude on Amazon Bedrock: the inference profile is the model, in the request's path."""
 QUESTION = "What are the values of keys a, b, c and d?"
 TURNS = 5
 TOOL_TURNS = TURNS - 1
@@ -60,12 +63,13 @@ async def lookup(key: str) -> str:
     return str("abcd".index(key) + 1)
 
 
-async def bare_run(client: Any) -> str:
+async def bare_run(client: Any, model: str = MODEL) -> str:
     """The floor: one conversation as a careful hand-written loop on an
-    ``anthropic.AsyncAnthropic`` client plays it; returns the answer."""
+    ``anthropic.AsyncAnthropic`` client (or ``AsyncAnthropicBedrock``, with
+    ``model`` its Bedrock id) plays it; returns the answer."""
     history: list[Any] = [{"role": "user", "content": QUESTION}]
     while True:
-        response = await client.messages.create(model=MODEL, max_tokens=1024,
+        response = await client.messages.create(model=model, max_tokens=1024,
                                                 messages=history, tools=TOOLS)
         history.append({"role": "assistant", "content": response.content})
         if response.stop_reason != "tool_use":

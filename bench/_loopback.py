@@ -9,10 +9,12 @@ seconds).
 It answers the five-turn tool conversation of bench/_conversation.py: the
 model asks for the ``lookup`` tool four times, then answers in text. It speaks
 the wire format its request's path names: the Messages API (``/v1/messages``),
+the Messages API as Amazon Bedrock serves it (``/model/{modelId}/invoke``: the
+same bodies, the model in the path; the AWS signature is not checked),
 Chat Completions (``/chat/completions``), the Responses API (``/v1/responses``)
 and the Gemini API (``models/{model}:generateContent``), all in JSON (no
 streams). Which turn a request is on is read off its body by counting the
-tool results it carries (``"tool_use_id"`` for the Messages API,
+tool results it carries (``"tool_use_id"`` for the Messages API and Bedrock,
 ``"tool_call_id"`` for Chat Completions, ``"function_call_output"`` for the
 Responses API, ``"functionResponse"`` for Gemini), so the server keeps no
 state per conversation and any number of conversations share it. Every reply
@@ -85,13 +87,14 @@ def openai_bodies() -> list[bytes]:
     return out
 
 
-def _response(body: bytes) -> bytes:
-    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-            b"request-id: req_bench\r\nx-request-id: req_bench\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+def _response(body: bytes,
+              ids: bytes = b"request-id: req_bench\r\nx-request-id: req_bench\r\n") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + ids
+            + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
 ANTHROPIC = [_response(b) for b in anthropic_bodies()]
+BEDROCK = [_response(b, b"x-amzn-requestid: req_bench\r\n") for b in anthropic_bodies()]
 OPENAI = [_response(b) for b in openai_bodies()]
 RESPONSES = [_response(json.dumps(r).encode()) for r in responses()]
 GEMINI = [_response(json.dumps(r).encode()) for r in gemini_responses()]
@@ -166,6 +169,9 @@ class Connection(asyncio.Protocol):
         elif b"/v1/messages" in line:
             turn = min(body.count(b'"tool_use_id"'), TOOL_TURNS)
             reply = ANTHROPIC[turn]
+        elif b"/invoke " in line:  # Bedrock's InvokeModel: /model/{modelId}/invoke
+            turn = min(body.count(b'"tool_use_id"'), TOOL_TURNS)
+            reply = BEDROCK[turn]
         elif b"/v1/responses" in line:
             turn = min(body.count(b'"function_call_output"'), TOOL_TURNS)
             reply = RESPONSES[turn]

@@ -22,7 +22,13 @@ in flight, not the load. Contenders:
 * ``responses-bare`` and ``responses``: on the Responses API, a hand-written
   loop on ``client.responses.create`` and `OpenAIResponsesProvider`;
 * ``gemini-bare`` and ``gemini``: on the Gemini API, a hand-written loop on
-  ``client.aio.models.generate_content`` (``google-genai``) and `GeminiProvider`.
+  ``client.aio.models.generate_content`` (``google-genai``) and `GeminiProvider`;
+* ``bedrock-bare`` and ``bedrock``: Claude on Amazon Bedrock (``InvokeModel``,
+  ``POST /model/{modelId}/invoke``: the Messages API's bodies, the model in
+  the path), a hand-written loop on ``AsyncAnthropicBedrock.messages.create``
+  and `AnthropicProvider.bedrock`, both signing every request with fake AWS
+  keys (SigV4, botocore: the extra ``bedrock``), as a client with AWS
+  credentials does.
 
 Each contender is measured against the floor on its own API (``FLOOR``): a
 route's ratio is loopengine's cost over what that SDK costs anyway. A
@@ -37,6 +43,7 @@ on trio)
 (``httpx2`` with httpcore's connection pool, its limits but for room for N
 connections; for Gemini an ``httpx2.AsyncClient`` with those limits);
 ``aiohttp`` the SDK's ``DefaultAioHttpClient`` given directly (not for Gemini).
+The Bedrock pair takes every transport (the ``anthropic`` SDK's).
 
 Each measurement runs in a fresh process (so peak RSS is its own), after a
 warm-up of a few conversations. It reports:
@@ -75,7 +82,8 @@ Run::
         --postgres "host=/tmp/pg user=postgres dbname=postgres"   # the ledgers
     python bench/concurrency.py -n 1000 --contenders bare,loopengine --rounds 5 --freeze
     python bench/concurrency.py -n 1000 --rate 100 \
-        --contenders responses-bare,responses,gemini-bare,gemini   # each route on its SDK
+        --contenders openai-bare,openai,responses-bare,responses,gemini-bare,gemini,\
+bedrock-bare,bedrock   # each route on its SDK
     python bench/concurrency.py -n 1000 --profile loopengine   # cProfile of one run
     python bench/concurrency.py -n 1000 --memory loopengine    # what holds the memory
     python bench/concurrency.py --count -n 1000 --contenders bare,loopengine  # deterministic
@@ -122,6 +130,7 @@ sys.path.insert(0, str(HERE))
 
 from _conversation import (  # noqa: E402
     ANSWER,
+    BEDROCK_MODEL,
     GEMINI_MODEL,
     MODEL,
     OPENAI_MODEL,
@@ -139,16 +148,18 @@ RATE = 250.0
 PROFILE = Path(tempfile.gettempdir()) / "loopengine-concurrency.prof"
 WARM_UP = 20
 CONTENDERS = ["bare", "loopengine", "sqlite", "postgres", "openai-bare", "openai",
-               "responses-bare", "responses", "gemini-bare", "gemini"]
+               "responses-bare", "responses", "gemini-bare", "gemini", "bedrock-bare", "bedrock"]
 FLOOR = {"bare": "bare", "loopengine": "bare", "sqlite": "bare", "postgres": "bare",
          "openai-bare": "openai-bare", "openai": "openai-bare",
          "responses-bare": "responses-bare", "responses": "responses-bare",
-         "gemini-bare": "gemini-bare", "gemini": "gemini-bare"}
+         "gemini-bare": "gemini-bare", "gemini": "gemini-bare",
+         "bedrock-bare": "bedrock-bare", "bedrock": "bedrock-bare"}
 """Each contender's floor: the bare SDK loop on the same API."""
 SDK = {"openai-bare": "openai", "openai": "openai", "responses-bare": "openai",
-       "responses": "openai", "gemini-bare": "google.genai", "gemini": "google.genai"}
+       "responses": "openai", "gemini-bare": "google.genai", "gemini": "google.genai",
+       "bedrock-bare": "botocore", "bedrock": "botocore"}
 """The module a contender needs beyond the core's (``anthropic``), and so its extra."""
-EXTRA = {"openai": "openai", "google.genai": "gemini"}
+EXTRA = {"openai": "openai", "google.genai": "gemini", "botocore": "bedrock"}
 
 
 def missing_sdk(name: str) -> str | None:
@@ -235,6 +246,25 @@ def anthropic_client(url: str, transport: str, n: int) -> Any:
                                     http_client=sdk_http_client(anthropic, transport, n))
 
 
+BEDROCK_KEYS = {"aws_region": "us-east-1", "aws_access_key": "AKIDBENCHMARK",
+                "aws_secret_key": "bench-secret"}
+"""Fake AWS credentials: the request is signed as a real one is, and nothing
+leaves 127.0.0.1."""
+
+
+def bedrock_client(url: str, transport: str, n: int) -> Any:
+    """The SDK client the contenders on Amazon Bedrock send through."""
+    import anthropic
+
+    from loopengine.providers import AnthropicProvider
+
+    if transport == "default":
+        return AnthropicProvider.bedrock(base_url=url, max_connections=connections(n),
+                                         **BEDROCK_KEYS).client
+    return anthropic.AsyncAnthropicBedrock(base_url=url, max_retries=0, **BEDROCK_KEYS,
+                                           http_client=sdk_http_client(anthropic, transport, n))
+
+
 def openai_client(url: str, transport: str, n: int) -> Any:
     """The SDK client the contenders on Chat Completions send through."""
     import openai
@@ -275,6 +305,12 @@ def bare_anthropic(url: str, transport: str, n: int) -> Contender:
     return Contender(functools.partial(bare_run, client), client.close)
 
 
+def bare_bedrock(url: str, transport: str, n: int) -> Contender:
+    """The floor on Amazon Bedrock: the Messages API loop on ``AsyncAnthropicBedrock``."""
+    client = bedrock_client(url, transport, n)
+    return Contender(functools.partial(bare_run, client, BEDROCK_MODEL), client.close)
+
+
 def bare_openai(url: str, transport: str, n: int) -> Contender:
     """The floor on Chat Completions."""
     client = openai_client(url, transport, n)
@@ -313,7 +349,7 @@ def bare_gemini(url: str, transport: str, n: int) -> Contender:
 def engine_contender(url: str, transport: str, n: int, api: str,
                      ledger_dir: Path | None, postgres: str | None = None) -> Contender:
     """`Engine.run` on the provider of ``api`` (``anthropic``, ``openai``,
-    ``responses``, ``gemini``), with a SQLite ledger in ``ledger_dir``, a
+    ``responses``, ``gemini``, ``bedrock``), with a SQLite ledger in ``ledger_dir``, a
     PostgreSQL ledger on the DSN ``postgres``, or none."""
     import loopengine as le
     from loopengine.providers import AnthropicProvider, OpenAIProvider, OpenAIResponsesProvider
@@ -321,7 +357,8 @@ def engine_contender(url: str, transport: str, n: int, api: str,
     provider: Any
     # The route the operation names, and the vendor whose price it is.
     route, vendor = {"anthropic": ("anthropic", "anthropic"), "openai": ("openai", "openai"),
-                     "responses": ("openai", "openai"), "gemini": ("gemini", "google")}[api]
+                     "responses": ("openai", "openai"), "gemini": ("gemini", "google"),
+                     "bedrock": ("aws-bedrock", "aws-bedrock")}[api]
     if api == "anthropic":
         provider = (AnthropicProvider(api_key="bench", base_url=url,
                                       max_connections=connections(n))
@@ -331,6 +368,12 @@ def engine_contender(url: str, transport: str, n: int, api: str,
     elif api == "gemini":
         provider = gemini_provider(url, transport, n)
         model = GEMINI_MODEL
+    elif api == "bedrock":
+        provider = (AnthropicProvider.bedrock(base_url=url, max_connections=connections(n),
+                                              **BEDROCK_KEYS)
+                    if transport == "default"
+                    else AnthropicProvider(bedrock_client(url, transport, n)))
+        model = BEDROCK_MODEL
     else:
         kind = OpenAIProvider if api == "openai" else OpenAIResponsesProvider
         provider = (kind(api_key="bench", base_url=url + "/v1",
@@ -396,6 +439,10 @@ def build(name: str, url: str, transport: str, n: int, ledger_dir: Path,
         return bare_gemini(url, transport, n)
     if name == "gemini":
         return engine_contender(url, transport, n, "gemini", None)
+    if name == "bedrock-bare":
+        return bare_bedrock(url, transport, n)
+    if name == "bedrock":
+        return engine_contender(url, transport, n, "bedrock", None)
     raise SystemExit(f"unknown contender {name!r}")
 
 

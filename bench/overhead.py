@@ -23,10 +23,17 @@ contender gets its own client on its own copy of that transport:
   ``client.aio.models.generate_content`` (its floor) and `Engine.run` on
   `GeminiProvider`, through ``google-genai``, whose ``http_options`` take the
   ``httpx2.AsyncClient`` on that transport as ``httpx_async_client`` (the
-  extra ``gemini``; skipped when missing).
+  extra ``gemini``; skipped when missing);
+* ``bedrock-bare`` and ``bedrock``: Claude on Amazon Bedrock, a hand-written
+  loop on ``AsyncAnthropicBedrock.messages.create`` (its floor) and
+  `Engine.run` on `AnthropicProvider` over an ``AsyncAnthropicBedrock``
+  client, each on its own ``httpx2.MockTransport`` of the Messages API's
+  replies (what Bedrock's ``invoke`` returns), every request signed with
+  fake AWS keys (SigV4; the extra ``bedrock``; skipped when missing).
 
 Every ratio is to the floor on the contender's own API (``x floor``): the
-bare Messages API loop for the Anthropic contenders and the peers.
+bare Messages API loop for the Anthropic contenders and the peers, the bare
+Bedrock loop for Bedrock's.
 
 Contenders are interleaved round by round; a time is the median over the
 rounds and a ratio the median of the ratios within each round, so a slow
@@ -52,6 +59,7 @@ Run::
     python bench/overhead.py --conversations 300 --rounds 9 --profile loopengine
     python bench/overhead.py --only gemini  # the Gemini pair (and the Messages floor)
     python bench/overhead.py --profile responses
+    python bench/overhead.py --only bedrock # the Bedrock pair (and the Messages floor)
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ import argparse
 import asyncio
 import cProfile
 import dataclasses
+import functools
 import gc
 import importlib.util
 import json
@@ -79,6 +88,7 @@ import anthropic
 import httpx2
 from _conversation import (
     ANSWER,
+    BEDROCK_MODEL,
     GEMINI_MODEL,
     MODEL,
     OPENAI_MODEL,
@@ -239,6 +249,12 @@ async def engine_on(provider: Any, route: str, vendor: str, model: str, name: st
     return Contender(name, run, close, key=key, floor=f"{key}-bare")
 
 
+def floor_on(key: str, run: Conversation, close: Callable[[], Awaitable[None]]) -> Contender:
+    """The bare SDK loop ``run``: the floor of the route ``key`` (``responses``...)."""
+    return Contender(f"{key}-bare SDK loop (floor)", run, close, key=f"{key}-bare",
+                     floor=f"{key}-bare")
+
+
 def openai_client() -> Any:
     """An ``openai.AsyncOpenAI`` on its own `ScriptedTransport` of Responses API replies."""
     import openai
@@ -256,14 +272,8 @@ async def responses_pair() -> list[Contender | str]:
                 "(pip install -e '.[openai]')"]
     from loopengine.providers import OpenAIResponsesProvider
 
-    client = openai_client()
-
-    async def bare() -> str:
-        return await bare_responses_run(client)
-
-    engine_client = openai_client()
-    return [Contender("responses-bare SDK loop (floor)", bare, client.close,
-                      key="responses-bare", floor="responses-bare"),
+    client, engine_client = openai_client(), openai_client()
+    return [floor_on("responses", functools.partial(bare_responses_run, client), client.close),
             await engine_on(OpenAIResponsesProvider(engine_client), "openai", "openai",
                             OPENAI_MODEL, "responses: loopengine", "responses",
                             engine_client.close)]
@@ -291,16 +301,33 @@ async def gemini_pair() -> list[Contender | str]:
                 "(pip install -e '.[gemini]')"]
     from loopengine.providers import GeminiProvider
 
-    client, http = gemini_client()
-
-    async def bare() -> str:
-        return await bare_gemini_run(client)
-
-    engine_client, engine_http = gemini_client()
-    return [Contender("gemini-bare SDK loop (floor)", bare, http.aclose,
-                      key="gemini-bare", floor="gemini-bare"),
+    (client, http), (engine_client, engine_http) = gemini_client(), gemini_client()
+    return [floor_on("gemini", functools.partial(bare_gemini_run, client), http.aclose),
             await engine_on(GeminiProvider(engine_client), "gemini", "google", GEMINI_MODEL,
                             "gemini: loopengine", "gemini", engine_http.aclose)]
+
+
+def bedrock_client() -> Any:
+    """An ``anthropic.AsyncAnthropicBedrock`` with fake AWS keys (each request is
+    signed as a real one is) on its own `ScriptedTransport` of Messages API replies."""
+    return anthropic.AsyncAnthropicBedrock(
+        aws_region="us-east-1", aws_access_key="AKIDBENCHMARK", aws_secret_key="bench-secret",
+        base_url="http://bench.invalid", max_retries=0,
+        http_client=httpx2.AsyncClient(transport=ScriptedTransport(
+            BODIES, {**HEADERS, "x-amzn-requestid": "req_bench"})))
+
+
+async def bedrock_pair() -> list[Contender | str]:
+    """Amazon Bedrock's floor and loopengine on it, or why they cannot run."""
+    if importlib.util.find_spec("botocore") is None:
+        return ["bedrock-bare, bedrock: botocore is not installed "
+                "(pip install -e '.[bedrock]')"]
+    client, engine_client = bedrock_client(), bedrock_client()
+    return [floor_on("bedrock", functools.partial(bare_run, client, BEDROCK_MODEL),
+                     client.close),
+            await engine_on(AnthropicProvider(engine_client), "aws-bedrock", "aws-bedrock",
+                            BEDROCK_MODEL, "bedrock: loopengine", "bedrock",
+                            engine_client.close)]
 
 
 async def loopengine_sqlite(directory: Path) -> Contender | str:
@@ -382,7 +409,7 @@ async def main(args: argparse.Namespace) -> int:
                                      key="genai-prices"),
                  await loopengine_sqlite(Path(tmp)), await loopengine_postgres(args.postgres),
                  await pydantic_ai_agent(), await sdk_tool_runner(),
-                 *await responses_pair(), *await gemini_pair()]
+                 *await responses_pair(), *await gemini_pair(), *await bedrock_pair()]
         contenders = [c for c in built if isinstance(c, Contender)]
         skipped = [c for c in built if isinstance(c, str)]
         if args.only:
@@ -437,7 +464,8 @@ def report(contenders: list[Contender], skipped: list[str], args: argparse.Names
               f"{wall * 1e6:8.0f}µs {ratio(c.wall, floor.wall):7.2f} "
               f"{statistics.median(c.threads) * 1e6:8.0f}µs")
     print("x floor: to the bare SDK loop on the same API (responses-*: the Responses API, "
-          "gemini-*: the Gemini API,\nthe others: the Messages API); elsewhere: the part of "
+          "gemini-*: the Gemini API,\nbedrock-*: Amazon Bedrock, the others: the Messages "
+          "API); elsewhere: the part of "
           "CPU/turn outside the event loop's thread\n(the ledger's writer thread, its fsyncs' "
           "system time)")
     for reason in skipped:

@@ -3,10 +3,11 @@
 One `send` is one wire request (``models/{model}:generateContent``, or
 ``:streamGenerateContent?alt=sse``), in the Gemini Developer API mode (an API
 key) or the Vertex AI mode (a ``genai.Client(vertexai=True, ...)`` passed
-in). The SDK never retries on its own: every request carries the HTTP
-options ``retry_options={"attempts": 1}`` (which also turns off the SDK's
-silent retry of a failed aiohttp connection) and the engine's attempt timeout
-(already capped at the run's remaining time, R04), and the SDK's own loops
+in). The SDK never retries on its own: its HTTP options say
+``retry_options={"attempts": 1}`` (which also turns off the SDK's silent
+retry of a failed aiohttp connection): the client's own, for a client the
+provider builds, else every request's; every request carries the engine's
+attempt timeout (already capped at the run's remaining time, R04), and the SDK's own loops
 (automatic function calling, automatic continuation) are off. The event-loop
 rules are `AnthropicProvider`'s, from the same code (``_clients.py``): a
 client per event loop when built from keywords, a client given by the caller
@@ -154,6 +155,9 @@ class GeminiProvider(SDKProvider[_Session]):
         **client_kwargs: Any,
     ) -> None:
         self._settings(stream, stream_idle_timeout, route)
+        # A client of the caller's making may retry on its own (its options
+        # are the caller's): each request then turns its retries off.
+        self._retries_per_request = client is not None
         genai = import_genai()
         connections = connection_limit(max_connections, client, client_kwargs)
         if client is not None:
@@ -206,31 +210,22 @@ class GeminiProvider(SDKProvider[_Session]):
         check_translatable(request)
 
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
-        from pydantic import ValidationError
-
-        types = import_genai().types
         # At least a millisecond: the SDK takes whole milliseconds.
-        timeout_ms = max(1, int(request.timeout * 1000))
-        try:
-            return {
-                "model": request.model,
-                # The translation's dicts as they are: the SDK validates them
-                # once; built into `types.Content` models here, the transcript
-                # cost each turn far more CPU (docs/performance.md).
-                "contents": gemini_contents(request.messages),
-                "config": types.GenerateContentConfig.model_validate(
-                    gemini_config(request, timeout_ms)),
-            }
-        except ValidationError as error:
-            raise ProviderFault(FaultKind.BAD_REQUEST, f"the google-genai SDK refused the "
-                                f"request: {error.error_count()} invalid field(s)",
-                                error_code="untranslatable") from None
+        http_options: dict[str, Any] = {"timeout": max(1, int(request.timeout * 1000))}
+        if self._retries_per_request:
+            http_options["retry_options"] = {"attempts": 1}
+        # The translation's dicts as they are, the config too: the SDK validates
+        # them once (a config model it would deep-copy, and built into
+        # `types.Content` models here the transcript cost each turn far more
+        # CPU; docs/performance.md).
+        return {"model": request.model, "contents": gemini_contents(request.messages),
+                "config": gemini_config(request, http_options)}
 
     async def _send_plain(self, client: _Session, params: dict[str, Any]) -> ProviderResponse:
         try:
             response = await client.client.aio.models.generate_content(**params)
         except read_failures() as error:
-            raise classify_error(error) from error
+            raise _request_fault(error) from error
         reply = StreamedReply()
         reply.add(response)
         return self._response(reply)
@@ -246,7 +241,7 @@ class GeminiProvider(SDKProvider[_Session]):
         except StopAsyncIteration:
             first = None
         except read_failures() as error:
-            raise classify_error(error) from error
+            raise _request_fault(error) from error
         reply = StreamedReply()
 
         def cut(message: str, reason: str | None) -> ProviderFault:
@@ -278,6 +273,19 @@ class GeminiProvider(SDKProvider[_Session]):
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,
                                 response_id=reply.response_id, http_status=200,
                                 model=reply.model)
+
+
+def _request_fault(error: BaseException) -> ProviderFault:
+    """The fault of an SDK call that failed before its reply was read: the SDK's
+    refusal of the request's config (it validates the dict it is handed before
+    anything is sent) is ``untranslatable``; any other error is classified."""
+    from pydantic import ValidationError
+
+    if isinstance(error, ValidationError) and error.title == "GenerateContentConfig":
+        return ProviderFault(FaultKind.BAD_REQUEST, f"the google-genai SDK refused the "
+                             f"request: {error.error_count()} invalid field(s)",
+                             error_code="untranslatable")
+    return classify_error(error)
 
 
 def _http_options(given: object) -> dict[str, Any]:

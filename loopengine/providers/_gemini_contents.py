@@ -99,17 +99,56 @@ _USER = frozenset({"text", "image", "document", "tool_result"})
 _RESULT = frozenset({"text", "image", "document"})
 
 
-def _inline(block: Mapping[str, Any]) -> dict[str, Any]:
-    """An image or document of base64 data as an ``inline_data`` part."""
+# What the translation can send, checked in one place: `check_translatable`
+# (before the attempt is recorded) and the translation itself (in `send`) ask
+# the same questions below, in the same order, so they cannot disagree.
+
+
+def _model_kind(block: Mapping[str, Any]) -> str:
+    """An assistant block's kind, when the translation has one for it."""
+    kind = block.get("type")
+    if kind not in _ASSISTANT:
+        raise _untranslatable(f"an assistant {kind!r} block")
+    return str(kind)
+
+
+def _user_kind(block: Mapping[str, Any]) -> str:
+    """A user block's kind, when the translation has one for it."""
+    kind = block.get("type")
+    if kind not in _USER:
+        raise _untranslatable(f"a user {kind!r} block")
+    return str(kind)
+
+
+def _result_kind(part: Any) -> str:
+    """The kind of a block inside a tool result, when the translation has one for it."""
+    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+    if kind not in _RESULT:
+        raise _untranslatable(f"a {kind!r} block inside a tool result")
+    return str(kind)
+
+
+def _base64(block: Mapping[str, Any]) -> bool:
+    """Whether an image or document block holds base64 data."""
     source = block.get("source")
-    if not isinstance(source, Mapping) or source.get("type") != "base64":
+    return isinstance(source, Mapping) and source.get("type") == "base64"
+
+
+def _data(block: Mapping[str, Any]) -> bytes:
+    """An image or document block's base64 data, decoded."""
+    if not _base64(block):
         raise _untranslatable(f"a {block.get('type')!r} block that is not base64 data")
     try:
-        data = base64.b64decode(str(source.get("data", "")), validate=True)
+        return base64.b64decode(str(block["source"].get("data", "")), validate=True)
     except (binascii.Error, ValueError):
         raise _untranslatable(f"a {block.get('type')!r} block whose data is not base64") \
             from None
-    return {"inline_data": {"mime_type": str(source.get("media_type")), "data": data}}
+
+
+def _inline(block: Mapping[str, Any]) -> dict[str, Any]:
+    """An image or document of base64 data as an ``inline_data`` part."""
+    data = _data(block)
+    return {"inline_data": {"mime_type": str(block["source"].get("media_type")), "data": data}}
 
 
 def _signature(value: object) -> bytes | None:
@@ -134,27 +173,49 @@ def _result(block: Mapping[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     texts: list[str] = []
     media: list[dict[str, Any]] = []
     for part in content:
-        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-        if kind not in _RESULT:
-            raise _untranslatable(f"a {kind!r} block inside a tool result")
-        source = part.get("source")
-        if kind == "text":
+        if _result_kind(part) == "text":
             texts.append(str(part.get("text", "")))
-        elif isinstance(source, Mapping) and source.get("type") == "base64":
+        elif _base64(part):
             media.append(_inline(part))
         else:
             texts.append(media_note(part))
     return "\n\n".join(texts), media
 
 
+def _role(message: Mapping[str, Any]) -> str:
+    """The message's role, when the translation has one for it."""
+    role = message.get("role")
+    if role not in ("assistant", "user"):
+        raise _untranslatable(f"a message with role {role!r}")
+    return str(role)
+
+
 def check_translatable(request: ProviderRequest) -> None:
-    """Raise what `gemini_contents` would raise for ``request``, by translating it.
+    """Raise what `gemini_contents` would raise for ``request``, without
+    translating it: the translation's own checks, block by block, in its order.
 
     Raises:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role or
             a ``tool_choice`` that has no Gemini equivalent.
     """
-    gemini_contents(request.messages)
+    for message in request.messages:
+        role = _role(message)
+        content = message.get("content")
+        if isinstance(content, str):
+            continue
+        for block in content or ():
+            if role == "assistant":
+                if _model_kind(block) == "thinking":
+                    _signature(block.get("signature"))
+                continue
+            kind = _user_kind(block)
+            if kind == "tool_result":
+                result = block.get("content")
+                for part in () if result is None or isinstance(result, str) else result:
+                    if _result_kind(part) != "text" and _base64(part):
+                        _data(part)
+            elif kind != "text":
+                _data(block)
     if request.tools:
         _tool_config(request.tool_choice)
 
@@ -170,16 +231,13 @@ def gemini_contents(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     malformed: set[str] = set()
     out: list[dict[str, Any]] = []
     for message in messages:
-        role = message.get("role")
         content = message.get("content")
-        if role == "assistant":
+        if _role(message) == "assistant":
             parts = _model_parts(content, names, malformed)
             if parts:
                 out.append({"role": "model", "parts": parts})
-        elif role == "user":
-            out.append({"role": "user", "parts": _user_parts(content, names, malformed)})
         else:
-            raise _untranslatable(f"a message with role {role!r}")
+            out.append({"role": "user", "parts": _user_parts(content, names, malformed)})
     return out
 
 
@@ -189,9 +247,7 @@ def _model_parts(content: Any, names: dict[str, str], malformed: set[str]) -> li
     parts: list[dict[str, Any]] = []
     pending: bytes | None = None
     for block in content or ():
-        kind = block.get("type")
-        if kind not in _ASSISTANT:
-            raise _untranslatable(f"an assistant {kind!r} block")
+        kind = _model_kind(block)
         part: dict[str, Any]
         if kind == "redacted_thinking":
             continue  # another vendor's reasoning: nothing to send it as
@@ -235,9 +291,7 @@ def _user_parts(content: Any, names: Mapping[str, str],
     responses: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for block in content or ():
-        kind = block.get("type")
-        if kind not in _USER:
-            raise _untranslatable(f"a user {kind!r} block")
+        kind = _user_kind(block)
         if kind == "tool_result":
             call_id = str(block.get("tool_use_id"))
             text, media = _result(block)
@@ -273,16 +327,16 @@ def _tool_config(choice: Mapping[str, Any] | None) -> dict[str, Any] | None:
     raise _untranslatable(f"tool_choice {kind!r}")
 
 
-def gemini_config(request: ProviderRequest, timeout_ms: int) -> dict[str, Any]:
+def gemini_config(request: ProviderRequest, http_options: dict[str, Any]) -> dict[str, Any]:
     """The ``GenerateContentConfig`` (SDK dict) of ``request``: its output cap,
-    system instruction, tools, thinking, and the per-request HTTP options (the
-    attempt's timeout; the SDK's retries off); the SDK's own loops (automatic
-    function calling, automatic continuation) off, so one call is one request."""
+    system instruction, tools, thinking, and the per-request ``http_options``;
+    the SDK's own loops (automatic function calling, automatic continuation)
+    off, so one call is one request."""
     config: dict[str, Any] = {
         "max_output_tokens": request.max_tokens,
         "automatic_function_calling": {"disable": True},
         "automatic_continuation": False,
-        "http_options": {"timeout": timeout_ms, "retry_options": {"attempts": 1}},
+        "http_options": http_options,
     }
     if request.system:
         config["system_instruction"] = {"parts": [{"text": str(block.get("text", ""))}

@@ -49,9 +49,11 @@ from loopengine.providers._openai_chat import (
     arguments,
     chat_tool_choice,
     check_blocks,
+    image_source,
     image_url,
     message_role,
     openai_usage,
+    result_blocks,
     result_text,
     untranslatable,
     user_turn,
@@ -102,13 +104,15 @@ def _assistant_kind(block: Mapping[str, Any]) -> str:
 
 
 def _user_kind(block: Mapping[str, Any]) -> str:
+    """A user block's kind, once what it holds is known to translate (what
+    `result_text` and `image_url` would refuse), without translating it."""
     kind = block.get("type")
     if kind not in _USER_SENT:
         raise untranslatable(f"a user {kind!r} block", API)
     if kind == "tool_result":
-        result_text(block, API)
+        result_blocks(block.get("content"), API)
     elif kind == "image":
-        image_url(block, API)
+        image_source(block, API)
     return str(kind)
 
 

@@ -13,11 +13,10 @@ import pytest
 
 import loopengine as le
 from loopengine.persistence import SQLiteLedger
-from loopengine.providers import FaultKind, ProviderFault
-from loopengine.providers._base import ProviderRequest
 from loopengine.providers._openai_chat import chat_messages, check_translatable
 from loopengine.testing import Reply
 
+from ..check_support import Shapes, refused_alike
 from .conftest import OpenAIHarness, openai_operation
 
 PNG = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
@@ -110,37 +109,21 @@ async def test_a_call_refused_before_the_wire_records_no_attempt_and_no_turn(
 def test_the_check_and_the_translation_refuse_alike() -> None:
     """`check_translatable` refuses exactly what the translation refuses, with the
     same fault, and passes what it sends."""
-    messages: list[list[dict[str, Any]]] = [
-        [{"role": "user", "content": "hi"}],
-        [{"role": "user", "content": [{"type": "text", "text": "hi"}, *PNG]}],
-        [{"role": "assistant", "content": [{"type": "thinking", "thinking": "t"},
-                                           {"type": "tool_use", "id": "c", "name": "f",
-                                            "input": {}}]},
-         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
-                                       "content": [{"type": "text", "text": "ok"}]}]}],
-        [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
-                                       "content": PNG}]}],
-        [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
-                                       "content": [{"type": "search_result"}]}]}],
-        [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}],
-        [{"role": "user", "content": [{"type": "document", "source": {}}]}],
-        [{"role": "assistant", "content": [{"type": "server_tool_use", "id": "s"}]}],
-        [{"role": "system", "content": "x"}],
+    shapes: Shapes = [
+        ([{"role": "user", "content": "hi"}], False),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi"}, *PNG]}], False),
+        ([{"role": "assistant", "content": [{"type": "thinking", "thinking": "t"},
+                                            {"type": "tool_use", "id": "c", "name": "f",
+                                             "input": {}}]},
+          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
+                                        "content": [{"type": "text", "text": "ok"}]}]}], False),
+        ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
+                                        "content": PNG}]}], False),
+        ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
+                                        "content": [{"type": "search_result"}]}]}], True),
+        ([{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}], True),
+        ([{"role": "user", "content": [{"type": "document", "source": {}}]}], True),
+        ([{"role": "assistant", "content": [{"type": "server_tool_use", "id": "s"}]}], True),
+        ([{"role": "system", "content": "x"}], True),
     ]
-    refused = []
-    for shape in messages:
-        request = ProviderRequest(model="m", max_tokens=1, messages=shape)
-        try:
-            chat_messages(None, shape)
-            translated = None
-        except ProviderFault as fault:
-            translated = fault.message
-        try:
-            check_translatable(request)
-            checked = None
-        except ProviderFault as fault:
-            assert (fault.kind, fault.error_code) == (FaultKind.BAD_REQUEST, "untranslatable")
-            checked = fault.message
-        assert checked == translated
-        refused.append(checked is not None)
-    assert refused == [False, False, False, False, True, True, True, True, True]
+    refused_alike(check_translatable, lambda messages: chat_messages(None, messages), shapes)
