@@ -91,23 +91,24 @@ def test_r04_a_judge_still_deciding_at_the_deadline_ends_the_run_there() -> None
     assert result.turns == 1 and result.credits > 0
 
 
+@le.tool
+async def quick(key: str) -> str:
+    """Answer at once."""
+    return f"value of {key}"
+
+
+@le.tool
+async def stuck(key: str) -> str:
+    """Never finish."""
+    await anyio.Event().wait()
+    raise AssertionError("unreachable")
+
+
 def test_r04_tools_running_at_the_deadline_get_error_results() -> None:
     """Two handlers of one batch, one quick and one that never finishes: at the
     deadline the quick one's result stands, the other gets an error result saying
     why, both count against the tool budget, and ``result.messages`` can be
     continued."""
-
-    @le.tool
-    async def quick(key: str) -> str:
-        """Answer at once."""
-        return f"value of {key}"
-
-    @le.tool
-    async def stuck(key: str) -> str:
-        """Never finish."""
-        await anyio.Event().wait()
-        raise AssertionError("unreachable")
-
     engine = le.Engine(ScriptedProvider([
         Reply.tool_calls(("quick", {"key": "a"}), ("stuck", {"key": "b"}))]), prices=PRICES)
     result, took = on_mock_clock(lambda: engine.run(operation(total_time=2.0), "go",

@@ -356,16 +356,7 @@ def test_a_call_the_deadline_cut_is_recorded_in_doubt_when_the_run_ends() -> Non
     import trio
     import trio.testing
 
-    @le.tool
-    async def quick(key: str) -> str:
-        """Answer at once."""
-        return f"value of {key}"
-
-    @le.tool
-    async def stuck(key: str) -> str:
-        """Never finish."""
-        await anyio.Event().wait()
-        raise AssertionError("unreachable")
+    from .test_deadline import quick, stuck
 
     ledger = MemoryLedger()
     store = le.RunStore(ledger)

@@ -205,39 +205,55 @@ async def test_a_run_started_before_segments_resumes_without_any(tmp_path: Path,
 # -- a recovered run's account ---------------------------------------------------------------
 
 
-async def crashed_on_account(store: Any, clock: FakeClock) -> tuple[
-        le.CreditAccounts, Charger, str, le.Engine]:
+async def crashed_on_account(store: Any, clock: FakeClock, *,
+                             settled_turn: int | None = None) -> tuple[
+        le.CreditAccounts, Charger, str]:
     """A run on account ``acme`` (hold 500) killed in lookup's handler, after its
-    first turn was charged (120 credits)."""
+    first turn was charged (120 credits); or, with ``settled_turn``, once that
+    turn's reply was settled, before its checkpoint."""
     # The accounts' clock is the run's: its reservation is not past its expiry.
     accounts = le.CreditAccounts(store, clock=clock)
     await accounts.grant("acme", 1000)
     charger = Charger()
-    charger.crash_on = "lookup"
+
+    def crash_once_settled(event: object) -> None:
+        if isinstance(event, events.AttemptSettled) and event.turn == settled_turn:
+            raise Crash
+
+    if settled_turn is None:
+        charger.crash_on = "lookup"
     engine, _, run_store = engine_on(
         store, clock, Reply.tool_calls(("lookup", {"card": "1"})), Reply.text("done"),
-        accounts=accounts)
+        accounts=accounts, observers=[crash_once_settled])
     with pytest.raises(BaseException):  # noqa: B017 - the stand-in for a dead process
         await engine.run(operation(total_time=600.0, credit_hold=500), "pay",
                          tools=charger.tools, attribution=le.Attribution(tenant="acme"))
-    run_id = await the_run_id(run_store, store)
-    return accounts, charger, run_id, engine
+    return accounts, charger, await the_run_id(run_store, store)
 
 
-async def recovered_holds_only_its_new_reservation(store: Any, clock: FakeClock) -> None:
-    accounts, charger, run_id, engine = await crashed_on_account(store, clock)
-    # The dead segment still holds its 500 (its expiry is far off).
-    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 0, 500, 500)
+async def resumed_on_account(store: Any, clock: FakeClock, accounts: le.CreditAccounts,
+                             charger: Charger, run_id: str) -> tuple[
+        list[le.AccountBalance], le.RunResult]:
+    """Resume the crashed run to its end: the account's balance as each attempt
+    went out, and the result."""
     held: list[le.AccountBalance] = []
 
     async def look(event: object) -> None:
         if isinstance(event, events.AttemptStarted):
             held.append(await accounts.balance("acme"))
 
-    engine2, _, _ = engine_on(store, clock, Reply.text("done"), accounts=accounts,
-                              observers=[look])
-    done = await engine2.resume(run_id, tools=charger.tools, force=True)
+    engine, _, _ = engine_on(store, clock, Reply.text("done"), accounts=accounts,
+                             observers=[look])
+    done = await engine.resume(run_id, tools=charger.tools, force=True)
     assert done.outcome is le.Outcome.COMPLETED
+    return held, done
+
+
+async def recovered_holds_only_its_new_reservation(store: Any, clock: FakeClock) -> None:
+    accounts, charger, run_id = await crashed_on_account(store, clock)
+    # The dead segment still holds its 500 (its expiry is far off).
+    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 0, 500, 500)
+    held, done = await resumed_on_account(store, clock, accounts, charger, run_id)
     # While it ran again: the dead segment's 120 charged, its hold released;
     # reserved is the new segment's alone (what the hold leaves).
     assert held == [le.AccountBalance("acme", 1000, 120, 380, 500)]
@@ -269,31 +285,8 @@ async def test_a_recovered_run_reserves_what_its_hold_leaves_after_a_settled_rep
     so the account never holds more than the hold; the turn sent again adds
     its 120 (360 in all), which the run and its account agree on."""
     with SQLiteLedger(tmp_path / "ledger.db") as store:
-        accounts = le.CreditAccounts(store, clock=clock)
-        await accounts.grant("acme", 1000)
-        charger = Charger()
-
-        def crash_once_settled(event: object) -> None:
-            if isinstance(event, events.AttemptSettled) and event.turn == 2:
-                raise Crash
-
-        engine, _, run_store = engine_on(
-            store, clock, Reply.tool_calls(("lookup", {"card": "1"})), Reply.text("done"),
-            accounts=accounts, observers=[crash_once_settled])
-        with pytest.raises(Crash):
-            await engine.run(operation(total_time=600.0, credit_hold=500), "pay",
-                             tools=charger.tools, attribution=le.Attribution(tenant="acme"))
-        run_id = await the_run_id(run_store, store)
-        held: list[le.AccountBalance] = []
-
-        async def look(event: object) -> None:
-            if isinstance(event, events.AttemptStarted):
-                held.append(await accounts.balance("acme"))
-
-        engine2, _, _ = engine_on(store, clock, Reply.text("done"), accounts=accounts,
-                                  observers=[look])
-        done = await engine2.resume(run_id, tools=charger.tools, force=True)
-        assert done.outcome is le.Outcome.COMPLETED
+        accounts, charger, run_id = await crashed_on_account(store, clock, settled_turn=2)
+        held, done = await resumed_on_account(store, clock, accounts, charger, run_id)
         assert held == [le.AccountBalance("acme", 1000, 240, 260, 500)]
         assert done.credits == 360
         assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 360, 0, 640)
