@@ -415,34 +415,26 @@ def engine_contender(url: str, transport: str, n: int, api: str,
     return Contender(run, close, timed.waits if timed is not None else None)
 
 
+ROUTE = {"loopengine": "anthropic", "openai": "openai", "responses": "responses",
+         "gemini": "gemini", "bedrock": "bedrock"}
+"""The route `Engine.run` is measured on, for each ledger-less loopengine contender."""
+
+
 def build(name: str, url: str, transport: str, n: int, ledger_dir: Path,
           postgres: str | None = None) -> Contender:
-    if name == "bare":
-        return bare_anthropic(url, transport, n)
-    if name == "openai-bare":
-        return bare_openai(url, transport, n)
-    if name == "loopengine":
-        return engine_contender(url, transport, n, "anthropic", None)
+    bare = {"bare": bare_anthropic, "openai-bare": bare_openai,
+            "responses-bare": bare_responses, "gemini-bare": bare_gemini,
+            "bedrock-bare": bare_bedrock}.get(name)
+    if bare is not None:
+        return bare(url, transport, n)
+    if name in ROUTE:
+        return engine_contender(url, transport, n, ROUTE[name], None)
     if name == "sqlite":
         return engine_contender(url, transport, n, "anthropic", ledger_dir)
     if name == "postgres":
         if postgres is None:
             raise SystemExit("the postgres contender needs --postgres DSN")
         return engine_contender(url, transport, n, "anthropic", None, postgres)
-    if name == "openai":
-        return engine_contender(url, transport, n, "openai", None)
-    if name == "responses-bare":
-        return bare_responses(url, transport, n)
-    if name == "responses":
-        return engine_contender(url, transport, n, "responses", None)
-    if name == "gemini-bare":
-        return bare_gemini(url, transport, n)
-    if name == "gemini":
-        return engine_contender(url, transport, n, "gemini", None)
-    if name == "bedrock-bare":
-        return bare_bedrock(url, transport, n)
-    if name == "bedrock":
-        return engine_contender(url, transport, n, "bedrock", None)
     raise SystemExit(f"unknown contender {name!r}")
 
 
