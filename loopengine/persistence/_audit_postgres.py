@@ -156,9 +156,7 @@ class PostgresReader:
         row = self.execute("SELECT current_schema()").fetchone()
         where = row[0] if row else None
         for table in ("invocations", "attempts"):
-            have = {str(r[0]) for r in self.execute(
-                "SELECT column_name FROM information_schema.columns WHERE table_schema = "
-                "current_schema() AND table_name = ?", (table,))}
+            have = self.columns(table)
             if not have:
                 raise LedgerError(f"{self.name} is not a loopengine ledger: it has no {table} "
                                   "table")
@@ -192,12 +190,15 @@ class PostgresReader:
         row = self.execute("SELECT to_regclass(?) IS NOT NULL", (name,)).fetchone()
         return bool(row[0])
 
+    def columns(self, table: str) -> set[str]:
+        """The columns of ``table`` in the ledger's schema (empty: no such table)."""
+        return {str(row[0]) for row in self.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema = "
+            "current_schema() AND table_name = ?", (table,))}
+
     def has_column(self, table: str, column: str) -> bool:
-        """Whether ``table`` (on the snapshot's search path) has ``column``."""
-        row = self.execute("SELECT 1 FROM information_schema.columns WHERE table_schema = "
-                           "current_schema() AND table_name = ? AND column_name = ?",
-                           (table, column)).fetchone()
-        return row is not None
+        """Whether ``table`` in the ledger's schema has ``column``."""
+        return column in self.columns(table)
 
     def close(self) -> None:
         """End the snapshot and close the connection."""
