@@ -389,7 +389,7 @@ class _Loop:
                     calls=[(str(b.get("id")), turn, str(b.get("name")),
                             "approved" if str(b.get("id")) in approved else "requested")
                            for b in batch if str(b.get("id")) not in (decided or {})])
-            await self._run_tools(turn, batch, results, decided, repair=rejected)
+            await self._run_tools(turn, batch, results, decided)
             self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
         if results:
             self.transcript.append({"role": "user", "content": results})
@@ -635,14 +635,14 @@ class _Loop:
 
     async def _run_tools(
         self, turn: int, batch: Sequence[Mapping[str, Any]], out: list[dict[str, Any]],
-        decided: Mapping[str, tuple[str, bool]] | None = None, *, repair: bool = False,
+        decided: Mapping[str, tuple[str, bool]] | None = None,
     ) -> None:
         """Run the whole batch concurrently, within the run's deadline; add their
         results to ``out``. A call the deadline cut gets an error result; a call
         in ``decided`` (denied or supplied on resume: ``(text, is_error)``) gets
         that result and runs nothing. With a run store, a call is recorded
-        ``started`` before its handler runs, and its end with the run's
-        checkpoint (``repair``: the next turn repairs) holding its result."""
+        ``started`` before its handler runs, and its end with the batch's
+        results so far, its own included."""
         decided = decided or {}
         inv = self.inv
         before = list(out)
