@@ -226,20 +226,19 @@ def _assistant_items(content: Any) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": content}] if content else []
     items: list[dict[str, Any]] = []
     texts: list[str] = []
-    paired: list[Any] = [None]
-    """The id the next item takes: the one that followed the reasoning item just sent."""
+    paired: str | None = None  # the id of the item that followed the reasoning just sent
 
     def add(item: dict[str, Any]) -> None:
-        if paired[0] is not None:
-            item["id"] = paired[0]
-            paired[0] = None
+        nonlocal paired
+        if paired is not None:
+            item["id"], paired = paired, None
         items.append(item)
 
     def flush() -> None:
         if texts:
             text = "".join(texts)
             texts.clear()
-            if paired[0] is None:
+            if paired is None:
                 items.append({"role": "assistant", "content": text})
             else:  # the output message form: the only one that takes an id
                 add({"type": "message", "role": "assistant", "status": "completed",
@@ -262,11 +261,10 @@ def _assistant_items(content: Any) -> list[dict[str, Any]]:
                 items.append({"type": "reasoning", "id": block.get("id"),
                               "summary": list(block.get("summary") or ()),
                               "encrypted_content": block["encrypted_content"]})
-                paired[0] = block.get("next_item_id")
+                paired = block.get("next_item_id")
         elif kind not in _DROPPED:
-            # An output item sent as it came, with its own id.
-            items.append({k: v for k, v in block.items() if k != "next_item_id"})
-            paired[0] = None
+            items.append(dict(block))  # an output item as it came, with its own id
+            paired = None
     flush()
     return items
 
