@@ -410,7 +410,8 @@ class Engine:
         """
         _validate.boolean("force", force)
         stored: StoredRun | None = None
-        if isinstance(state, str) and not state.lstrip().startswith("{"):
+        by_id = isinstance(state, str) and not state.lstrip().startswith("{")
+        if isinstance(state, str) and by_id:
             if self.run_store is None:
                 raise ConfigError("state", "resuming a run by its invocation id needs "
                                            "Engine(run_store=...)")
@@ -430,7 +431,7 @@ class Engine:
         # A stored run that is not paused was running when its process died:
         # its last checkpoint is newer than any state the caller holds.
         recovering = stored is not None and stored.paused_at is None
-        if recovering:
+        if recovering and not by_id:
             assert stored is not None
             state = RunState.loads(stored.state)
         if recovering and not state.pending:

@@ -313,7 +313,7 @@ async def test_a_crash_during_the_first_request_sends_it_again(ledger: Any,
     assert done.turns == 1 and charger.runs == []
 
 
-async def test_a_reply_settled_just_before_a_crash_counts_against_the_hold(
+async def test_r03_a_reply_settled_just_before_a_crash_counts_against_the_hold(
         ledger: Any, clock: FakeClock) -> None:
     """Killed once turn 2's reply was settled, before its checkpoint: the turn is
     sent again as its attempt 2, and its charge is both replies' (R03), so the
@@ -348,7 +348,7 @@ async def test_a_reply_settled_just_before_a_crash_counts_against_the_hold(
     assert progress.usage.input_tokens == 300
 
 
-def test_a_call_the_deadline_cut_is_recorded_in_doubt_when_the_run_ends() -> None:
+def test_r04_a_call_the_deadline_cut_is_recorded_in_doubt_when_the_run_ends() -> None:
     """A handler still running at the run's deadline: the run ends time_limit and
     its call, started and never ended, is recorded ``in_doubt`` (it may have
     done its work); the call that finished keeps ``succeeded``. On trio's

@@ -277,7 +277,7 @@ async def test_a_recovered_run_settles_its_dead_segment_before_reserving_on_post
         await recovered_holds_only_its_new_reservation(store, clock)
 
 
-async def test_a_recovered_run_reserves_what_its_hold_leaves_after_a_settled_reply(
+async def test_r03_a_recovered_run_reserves_what_its_hold_leaves_after_a_settled_reply(
         tmp_path: Path, clock: FakeClock) -> None:
     """Killed once turn 2's reply was settled, before its checkpoint (hold 500,
     120 credits a reply): the recovery charges the dead segment's 240 and
