@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import random
 import sqlite3
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import pytest
 
 import loopengine as le
@@ -46,6 +49,8 @@ class Charger:
         self.runs: list[tuple[str, str]] = []
         self.keys: list[str] = []
         self.crash_on: str | None = None
+        # Called (in the handler's worker thread) just before a crash.
+        self.before_crash: Callable[[], None] | None = None
 
         @le.tool
         def charge(card: str, ctx: le.ToolContext) -> str:
@@ -63,6 +68,8 @@ class Charger:
             self.runs.append(("lookup", card))
             if self.crash_on == "lookup":
                 self.crash_on = None
+                if self.before_crash is not None:
+                    self.before_crash()
                 raise Crash
             return f"{card} is valid"
 
@@ -242,6 +249,17 @@ async def test_a_calls_end_writes_the_batchs_results_not_the_transcript(
     engine, _, store = engine_on(
         ledger, clock, Reply.tool_calls(("charge", {"card": "4242"}), ("lookup", {"card": "1"})),
         Reply.text("done"))
+
+    async def charge_ended() -> None:
+        # The two handlers run at once in worker threads: lookup dies only once
+        # charge's end is durable, whichever of them started first.
+        run_id = await the_run_id(store, ledger)
+        while True:
+            if "succeeded" in (await store.tool_calls(run_id)).values():
+                return
+            await anyio.lowlevel.checkpoint()
+
+    charger.before_crash = lambda: anyio.from_thread.run(charge_ended)
     await crashed(engine, charger)
     run_id = await the_run_id(store, ledger)
     state, results = store._memory.execute(  # type: ignore[union-attr]
@@ -252,7 +270,7 @@ async def test_a_calls_end_writes_the_batchs_results_not_the_transcript(
         le.RunState.loads(state), results=json.loads(results)).dumps()
     done = await engine.resume(run_id, tools=charger.tools, force=True)
     assert done.outcome is le.Outcome.COMPLETED and done.tool_calls == 2
-    assert charger.runs == [("charge", "4242"), ("lookup", "1"), ("lookup", "1")]
+    assert sorted(charger.runs) == [("charge", "4242"), ("lookup", "1"), ("lookup", "1")]
 
 
 async def crashed_between_turns(ledger: Any, clock: FakeClock) -> tuple[
