@@ -58,6 +58,8 @@ warm-up of a few conversations. It reports:
   collection walks every object the process tracks, so it grows with N; and
   how many full collections the run made (``full``) and their median pause
   (``full p50``): the longest of more pauses is longer on a noisy machine;
+  and the time spent in every collection of the run, per turn (``gc/turn``,
+  in ms, part of CPU per turn): what the objects a turn leaves behind cost;
 * memory: peak resident memory over the run (sampled by the ticker) minus
   the resident memory before the conversations started, per conversation.
   Every conversation spends most of its life waiting on its reply, so this is
@@ -622,6 +624,7 @@ async def conversations(url: str, name: str, n: int, transport: str, rate: float
         "busy": cpu / wall,
         "lag_p50": lags[len(lags) // 2], "lag_p99": lags[min(len(lags) - 1, len(lags) * 99 // 100)],
         "lag_max": lags[-1], "gc_max": max(pauses, default=0.0),
+        "gc_per_turn": sum(pauses) / (n * TURNS),
         "gc_full": len(full), "gc_full_p50": statistics.median(full) if full else 0.0,
         "rss_per_conversation": (peak - base) / n,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -785,7 +788,7 @@ def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
           f"python {sys.version.split()[0]}, {os.cpu_count()} cores")
     head = (f"{'contender':<12} {'N':>6} {'wall s':>7} {'CPU/turn ms':>11} {'x floor':>7} "
             f"{'lag p50':>8} {'p99':>7} {'max ms':>8} {'gc max':>7} {'full':>5} {'full p50':>8} "
-            f"{'KB/conv':>8} "
+            f"{'gc/turn':>7} {'KB/conv':>8} "
             f"{'server':>7}")
     print(head)
     print("-" * len(head))
@@ -809,6 +812,7 @@ def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
                   f"{median([r['gc_max'] for r in mine]) * 1000:>7.1f} "
                   f"{median([r.get('gc_full', 0) for r in mine]):>5.1f} "
                   f"{median([r.get('gc_full_p50', 0.0) for r in mine]) * 1000:>8.1f} "
+                  f"{median([r.get('gc_per_turn', 0.0) for r in mine]) * 1000:>7.3f} "
                   f"{median([r['rss_per_conversation'] for r in mine]) / 1024:>8.1f} "
                   f"{median([r['server_busy'] for r in mine]) * 100:>6.0f}%")
     timed = [name for name in names if any("dispatch_p50" in r for r in results
@@ -826,8 +830,8 @@ def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
                           f"{median([r['dispatch_p99'] for r in mine]) * 1000:>7.2f} "
                           f"{median([r['settle_p50'] for r in mine]) * 1000:>10.2f} "
                           f"{median([r['settle_p99'] for r in mine]) * 1000:>7.2f}")
-    print("\nlag: how late a 5 ms ticker woke; KB/conv: peak RSS over the run minus RSS "
-          "before it, per conversation;\nserver: the loopback server's CPU share of its wall "
+    print("\nlag: how late a 5 ms ticker woke; gc/turn: ms spent in the collector per turn (part "
+          "of CPU/turn);\nKB/conv: peak RSS over the run minus RSS before it, per conversation;\nserver: the loopback server's CPU share of its wall "
           "time (under 100%: it was never the bottleneck).")
 
 
