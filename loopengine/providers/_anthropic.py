@@ -39,7 +39,8 @@ stream, in an exception frame the SDK hands over as an error event), Vertex
 gives Google's ``error.status`` and reasons; `_PLATFORM_KINDS` maps them
 onto the same kinds (``ThrottlingException`` and ``RESOURCE_EXHAUSTED`` are
 ``rate_limited``, ``ServiceUnavailableException`` ``overloaded``, a Google
-reason ``BILLING_DISABLED`` ``credit_exhausted``...; docs/providers.md). A
+reason ``BILLING_DISABLED`` and Bedrock's ``INVALID_PAYMENT_INSTRUMENT``
+``credit_exhausted``...; docs/providers.md). A
 Google error's ``google.rpc.RetryInfo.retryDelay`` is the wait, as on the
 Gemini route (`retry_info_delay`), winning over a ``retry-after`` header.
 
@@ -108,10 +109,14 @@ AsyncClient: TypeAlias = (
 
 # Lowercased fragments of the messages Anthropic sends for a depleted prepaid
 # balance (400) and for a reached workspace usage limit (400); matched whatever
-# the status, since a proxy may relay them as 429 (R06).
+# the status, since a proxy may relay them as 429 (R06). And Bedrock's for an
+# account its Marketplace subscription to Claude cannot bill (a 403
+# AccessDeniedException, "Model access is denied due to
+# INVALID_PAYMENT_INSTRUMENT:A valid payment instrument must be provided.").
 _CREDIT_MESSAGES = (
     "credit balance is too low",
     "reached your specified api usage limits",
+    "invalid_payment_instrument",
 )
 
 _TYPE_KINDS = {

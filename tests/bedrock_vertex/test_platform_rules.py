@@ -94,9 +94,12 @@ async def test_r06_depleted_funds_end_credit_exhausted_not_retried_platform(
     wire: PlatformHarness, platform: Platform, clock: FakeClock, stream: bool
 ) -> None:
     """Vertex: a 403 whose reason is BILLING_DISABLED (the project cannot be billed)
-    ends credit_exhausted after one request. Bedrock bills the AWS account and has
-    no balance to deplete: its 429s (ThrottlingException, and a service quota
-    reached) are rate limits, retried, never credit exhaustion."""
+    ends credit_exhausted after one request. Bedrock: a 403 AccessDeniedException
+    for INVALID_PAYMENT_INSTRUMENT (the account's Marketplace subscription to
+    Claude cannot be billed) does too; Bedrock has no balance to deplete, so its
+    429s (ThrottlingException, and a service quota reached) are rate limits,
+    retried, never credit exhaustion, and an AccessDeniedException for anything
+    else is unauthorized."""
     if platform.name == "vertex":
         engine, _ = wire.engine(
             ErrorReply(status=403, type="PERMISSION_DENIED", error_code="BILLING_DISABLED",
@@ -109,6 +112,24 @@ async def test_r06_depleted_funds_end_credit_exhausted_not_retried_platform(
         assert (result.fault.http_status, result.fault.error_code) == (403, "BILLING_DISABLED")
         return
     engine, _ = wire.engine(
+        ErrorReply(status=403, type="AccessDeniedException",
+                   message="Model access is denied due to INVALID_PAYMENT_INSTRUMENT:"
+                           "A valid payment instrument must be provided."),
+        stream=stream)
+    result = await engine.run(platform.operation(), "go")
+    assert result.outcome is le.Outcome.CREDIT_EXHAUSTED
+    assert len(wire.requests) == 1 and clock.sleeps == []
+    assert result.fault is not None
+    assert (result.fault.http_status, result.fault.error_code) == (403, "AccessDeniedException")
+    engine, _ = wire.engine(
+        ErrorReply(status=403, type="AccessDeniedException",
+                   message="You don't have access to the model with the specified model ID."),
+        stream=stream)
+    result = await engine.run(platform.operation(), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert result.fault is not None and result.fault.kind is le.FaultKind.UNAUTHORIZED
+    assert len(wire.requests) == 2 and clock.sleeps == []
+    engine, _ = wire.engine(
         ErrorReply(status=429, type="ThrottlingException",
                    message="Too many tokens, please wait before trying again."),
         ErrorReply(status=400, type="ServiceQuotaExceededException",
@@ -118,7 +139,7 @@ async def test_r06_depleted_funds_end_credit_exhausted_not_retried_platform(
     assert result.outcome is le.Outcome.COMPLETED and result.answer == "served"
     assert [a.settle.fault for a in result.attempt_log if a.settle] == [
         "rate_limited", "rate_limited", None]
-    assert len(wire.requests) == 3 and len(clock.sleeps) == 2
+    assert len(wire.requests) == 5 and len(clock.sleeps) == 2
 
 
 @STREAMING
