@@ -90,6 +90,13 @@ bedrock-bare,bedrock   # each route on its SDK
     python bench/concurrency.py -n 1000 --memory loopengine    # what holds the memory
     python bench/concurrency.py --count -n 1000 --contenders bare,loopengine  # deterministic
 
+``--paired`` runs each contender at the same time as its floor instead of
+after it, each process (and its loopback server) pinned to a core of its own,
+the two swapping cores each round; a ratio is then taken within its pair. On
+a shared virtual machine whose speed drifts from one minute to the next, the
+pair shares the drift and the ratio cancels it. It needs two cores, and a
+contender with a writer thread has it on its one core too.
+
 ``--count`` times nothing: in a fresh process per contender and round, it
 holds N conversations waiting on the reply of turn ``--hold-turn`` (default
 the third) and prints, per waiting conversation, the objects the collector
@@ -761,14 +768,33 @@ def count_report(results: list[dict[str, Any]], names: list[str], n: int,
 
 
 def spawn(name: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    return finish(name, n, start(name, n, args), args)
+
+
+def start(name: str, n: int, args: argparse.Namespace,
+          core: int | None = None) -> subprocess.Popen[str]:
+    """A measurement's process, started (on ``core`` alone when one is given:
+    its loopback server, a child, inherits the pinning)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--one", name, "-n", str(n),
                "--transport", args.transport, "--rate", str(args.rate)] + (
                    ["--freeze"] if args.freeze else []) + (
                    ["--postgres", args.postgres] if args.postgres else [])
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    if done.returncode != 0:
-        raise SystemExit(f"{name} at N={n} failed:\n{done.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    pin = None if core is None else functools.partial(os.sched_setaffinity, 0, {core})
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=pin)
+
+
+def finish(name: str, n: int, process: subprocess.Popen[str],
+           args: argparse.Namespace) -> dict[str, Any]:
+    """A started measurement's result, once its process has ended."""
+    try:
+        stdout, stderr = process.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise SystemExit(f"{name} at N={n} took longer than {args.timeout} s") from None
+    if process.returncode != 0:
+        raise SystemExit(f"{name} at N={n} failed:\n{stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     expected = (n + WARM_UP) * TURNS
     if result["server_requests"] != expected:
         raise SystemExit(f"{name} at N={n}: the server saw {result['server_requests']} "
@@ -782,7 +808,8 @@ def median(values: list[float]) -> float:
 
 def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
            args: argparse.Namespace) -> None:
-    print(f"\n{len(results) // max(1, len(names) * len(sizes))} rounds, transport "
+    paired = " (each contender paired with its floor)" if args.paired else ""
+    print(f"\n{args.rounds} rounds{paired}, transport "
           f"{args.transport!r}, {args.rate:g} turns/s asked (each reply held N/rate s ±50%), "
           f"{'gc.freeze() after warm-up, ' if args.freeze else ''}"
           f"python {sys.version.split()[0]}, {os.cpu_count()} cores")
@@ -800,7 +827,7 @@ def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
             ratios = []
             for r in mine:
                 floor = [f for f in results if f["name"] == FLOOR[name] and f["n"] == n
-                         and f["round"] == r["round"]]
+                         and f["round"] == r["round"] and f.get("pair") == r.get("pair")]
                 if floor:
                     ratios.append(r["cpu_per_turn"] / floor[0]["cpu_per_turn"])
             print(f"{name:<12} {n:>6} {median([r['wall'] for r in mine]):>7.2f} "
@@ -831,8 +858,9 @@ def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
                           f"{median([r['settle_p50'] for r in mine]) * 1000:>10.2f} "
                           f"{median([r['settle_p99'] for r in mine]) * 1000:>7.2f}")
     print("\nlag: how late a 5 ms ticker woke; gc/turn: ms spent in the collector per turn (part "
-          "of CPU/turn);\nKB/conv: peak RSS over the run minus RSS before it, per conversation;\nserver: the loopback server's CPU share of its wall "
-          "time (under 100%: it was never the bottleneck).")
+          "of CPU/turn);\nKB/conv: peak RSS over the run minus RSS before it, per "
+          "conversation;\nserver: the loopback server's CPU share of its wall time (under "
+          "100%: it was never the bottleneck).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -855,6 +883,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the server the postgres contender writes to (each "
                              "measurement in a database of its own, dropped after)")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--paired", action="store_true",
+                        help="run each contender at the same time as its floor, each on a "
+                             "core of its own (swapped each round); ratios within the pair")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--profile", metavar="CONTENDER",
                         help="run CONTENDER once at the first N under cProfile")
@@ -914,6 +945,33 @@ def main(argv: list[str] | None = None) -> int:
         count_report(counted, names, sizes[0], args.hold_turn)
         return 0
     results: list[dict[str, Any]] = []
+    if args.paired:
+        if len(os.sched_getaffinity(0)) < 2:
+            parser.error("--paired needs two cores")
+        cores = sorted(os.sched_getaffinity(0))[:2]
+        pairs = [name for name in names if FLOOR[name] != name]
+        for round_ in range(args.rounds):
+            for n in sizes:
+                order = pairs[round_ % len(pairs):] + pairs[:round_ % len(pairs)]
+                for name in order:
+                    # The contender on one core and its floor on the other, at
+                    # once; they swap cores from one round to the next.
+                    first, second = cores if round_ % 2 == 0 else cores[::-1]
+                    running = [(name, start(name, n, args, first)),
+                               (FLOOR[name], start(FLOOR[name], n, args, second))]
+                    done = [finish(who, n, process, args) for who, process in running]
+                    for result in done:
+                        result.update(round=round_, pair=name)
+                        results.append(result)
+                    print(f"round {round_ + 1} N={n:<6} {name:<12} CPU/turn "
+                          f"{done[0]['cpu_per_turn'] * 1000:.3f} ms against "
+                          f"{done[1]['cpu_per_turn'] * 1000:.3f} ms "
+                          f"({done[0]['cpu_per_turn'] / done[1]['cpu_per_turn']:.2f}x)",
+                          file=sys.stderr, flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        report(results, names, sizes, args)
+        return 0
     for round_ in range(args.rounds):
         for n in sizes:
             order = names[round_ % len(names):] + names[:round_ % len(names)]
