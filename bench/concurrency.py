@@ -771,6 +771,20 @@ def spawn(name: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     return finish(name, n, start(name, n, args), args)
 
 
+def paired(name: str, n: int, round_: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``name`` and its floor measured at once, each on a core of its own (the
+    two swap cores from one round to the next): the contender's result, then
+    the floor's, each marked with the pair."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    first, second = cores if round_ % 2 == 0 else cores[::-1]
+    running = [(name, start(name, n, args, first)),
+               (FLOOR[name], start(FLOOR[name], n, args, second))]
+    done = [finish(who, n, process, args) for who, process in running]
+    for result in done:
+        result["pair"] = name
+    return done
+
+
 def start(name: str, n: int, args: argparse.Namespace,
           core: int | None = None) -> subprocess.Popen[str]:
     """A measurement's process, started (on ``core`` alone when one is given:
@@ -945,43 +959,24 @@ def main(argv: list[str] | None = None) -> int:
         count_report(counted, names, sizes[0], args.hold_turn)
         return 0
     results: list[dict[str, Any]] = []
-    if args.paired:
-        if len(os.sched_getaffinity(0)) < 2:
-            parser.error("--paired needs two cores")
-        cores = sorted(os.sched_getaffinity(0))[:2]
-        pairs = [name for name in names if FLOOR[name] != name]
-        for round_ in range(args.rounds):
-            for n in sizes:
-                order = pairs[round_ % len(pairs):] + pairs[:round_ % len(pairs)]
-                for name in order:
-                    # The contender on one core and its floor on the other, at
-                    # once; they swap cores from one round to the next.
-                    first, second = cores if round_ % 2 == 0 else cores[::-1]
-                    running = [(name, start(name, n, args, first)),
-                               (FLOOR[name], start(FLOOR[name], n, args, second))]
-                    done = [finish(who, n, process, args) for who, process in running]
-                    for result in done:
-                        result.update(round=round_, pair=name)
-                        results.append(result)
-                    print(f"round {round_ + 1} N={n:<6} {name:<12} CPU/turn "
-                          f"{done[0]['cpu_per_turn'] * 1000:.3f} ms against "
-                          f"{done[1]['cpu_per_turn'] * 1000:.3f} ms "
-                          f"({done[0]['cpu_per_turn'] / done[1]['cpu_per_turn']:.2f}x)",
-                          file=sys.stderr, flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1))
-        report(results, names, sizes, args)
-        return 0
+    if args.paired and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--paired needs two cores")
+    # Paired, a round runs each contender beside its floor; else each alone.
+    each = [name for name in names if FLOOR[name] != name] if args.paired else names
     for round_ in range(args.rounds):
         for n in sizes:
-            order = names[round_ % len(names):] + names[:round_ % len(names)]
-            for name in order:
-                result = spawn(name, n, args)
-                result["round"] = round_
-                results.append(result)
+            for name in each[round_ % len(each):] + each[:round_ % len(each)]:
+                measured = paired(name, n, round_, args) if args.paired else [spawn(name, n, args)]
+                for result in measured:
+                    result["round"] = round_
+                    results.append(result)
                 print(f"round {round_ + 1} N={n:<6} {name:<12} CPU/turn "
-                      f"{result['cpu_per_turn'] * 1000:.3f} ms, lag max "
-                      f"{result['lag_max'] * 1000:.0f} ms, {result['wall']:.1f} s",
+                      f"{measured[0]['cpu_per_turn'] * 1000:.3f} ms, " + (
+                          f"its floor {measured[1]['cpu_per_turn'] * 1000:.3f} ms "
+                          f"({measured[0]['cpu_per_turn'] / measured[1]['cpu_per_turn']:.2f}x)"
+                          if args.paired else
+                          f"lag max {measured[0]['lag_max'] * 1000:.0f} ms, "
+                          f"{measured[0]['wall']:.1f} s"),
                       file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
