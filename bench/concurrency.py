@@ -86,6 +86,8 @@ Run::
     python bench/concurrency.py -n 1000 --rate 100 \
         --contenders openai-bare,openai,responses-bare,responses,gemini-bare,gemini,\
 bedrock-bare,bedrock   # each route on its SDK
+    python bench/concurrency.py -n 1000 --rate 100 --rounds 5 --paired \
+        --contenders bare,loopengine,gemini-bare,gemini   # each beside its floor
     python bench/concurrency.py -n 1000 --profile loopengine   # cProfile of one run
     python bench/concurrency.py -n 1000 --memory loopengine    # what holds the memory
     python bench/concurrency.py --count -n 1000 --contenders bare,loopengine  # deterministic
