@@ -265,3 +265,17 @@ async def test_s01_overload_then_success_charges_the_success_anthropic(
     assert first.settle is not None and second.settle is not None
     assert (first.settle.fault, first.settle.http_status) == ("overloaded", 529)
     assert second.settle.response_id == "msg_fake_0002"
+
+
+@STREAMING
+async def test_s02_repaired_answer_completes_within_remaining_controls_anthropic(
+    wire: Harness, stream: bool
+) -> None:
+    """The first answer is rejected and the rejection goes back as the next user
+    message; the repaired one is accepted within the remaining turns and budget."""
+    await scenarios.s02_repaired_text_answer(wire, ROUTE, stream)
+    assert wire.requests[1].body["messages"] == [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "text", "text": "42"}]},
+        {"role": "user", "content": "in words"}]
+
