@@ -82,6 +82,52 @@ async def bare_run(client: Any, model: str = MODEL) -> str:
         history.append({"role": "user", "content": results})
 
 
+# -- Chat Completions ---------------------------------------------------------------------------
+
+CHAT_TOOLS: list[Any] = [{"type": "function", "function": {
+    "name": "lookup", "description": "Look a key up.", "parameters": TOOL_SCHEMA}}]
+"""The tool as Chat Completions takes it."""
+
+
+def chat_completions() -> list[dict[str, Any]]:
+    """The model's five replies, as Chat Completions returns them."""
+    out = []
+    for turn in range(TURNS):
+        message: dict[str, Any] = {"role": "assistant", "refusal": None}
+        if turn < TOOL_TURNS:
+            message["content"] = "Let me look that up."
+            message["tool_calls"] = [{
+                "id": f"call_{turn:04d}", "type": "function",
+                "function": {"name": "lookup", "arguments": json.dumps({"key": "abcd"[turn]})}}]
+            finish = "tool_calls"
+        else:
+            message["content"], finish = ANSWER, "stop"
+        counts = usage(turn)
+        out.append({
+            "id": f"chatcmpl-{turn:04d}", "object": "chat.completion", "created": 1700000000,
+            "model": OPENAI_MODEL, "choices": [{"index": 0, "message": message,
+                                                "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": counts["input_tokens"], "completion_tokens": OUTPUT_TOKENS,
+                      "total_tokens": counts["input_tokens"] + OUTPUT_TOKENS}})
+    return out
+
+
+async def bare_chat_run(client: Any) -> str:
+    """The floor on Chat Completions: the same loop on an ``openai.AsyncOpenAI``
+    client's ``chat.completions.create``; returns the answer."""
+    history: list[Any] = [{"role": "user", "content": QUESTION}]
+    while True:
+        response = await client.chat.completions.create(
+            model=OPENAI_MODEL, max_completion_tokens=1024, messages=history, tools=CHAT_TOOLS)
+        message = response.choices[0].message
+        history.append(message.model_dump(exclude_none=True))
+        if response.choices[0].finish_reason != "tool_calls":
+            return message.content or ""
+        for call in message.tool_calls or ():
+            history.append({"role": "tool", "tool_call_id": call.id,
+                            "content": await lookup(**json.loads(call.function.arguments))})
+
+
 # -- the Responses API --------------------------------------------------------------------------
 
 RESPONSES_TOOLS: list[Any] = [{"type": "function", "name": "lookup",

@@ -42,49 +42,21 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _conversation import (  # noqa: E402
-    ANSWER,
-    OPENAI_MODEL,
-    OUTPUT_TOKENS,
     TOOL_TURNS,
-    TURNS,
+    chat_completions,
     gemini_responses,
     messages,
     responses,
-    usage,
 )
 
 
 def anthropic_bodies() -> list[bytes]:
     """The five Messages API replies, turn by turn."""
     return [json.dumps(m).encode() for m in messages()]
-
-
-def openai_bodies() -> list[bytes]:
-    """The five Chat Completions replies, turn by turn."""
-    out = []
-    for turn in range(TURNS):
-        message: dict[str, Any] = {"role": "assistant", "refusal": None}
-        if turn < TOOL_TURNS:
-            message["content"] = "Let me look that up."
-            message["tool_calls"] = [{
-                "id": f"call_{turn:04d}", "type": "function",
-                "function": {"name": "lookup", "arguments": json.dumps({"key": "abcd"[turn]})}}]
-            finish = "tool_calls"
-        else:
-            message["content"], finish = ANSWER, "stop"
-        counts = usage(turn)
-        out.append(json.dumps({
-            "id": f"chatcmpl-{turn:04d}", "object": "chat.completion", "created": 1700000000,
-            "model": OPENAI_MODEL, "choices": [{"index": 0, "message": message,
-                                                "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": counts["input_tokens"], "completion_tokens": OUTPUT_TOKENS,
-                      "total_tokens": counts["input_tokens"] + OUTPUT_TOKENS}}).encode())
-    return out
 
 
 def _response(body: bytes,
@@ -95,7 +67,7 @@ def _response(body: bytes,
 
 ANTHROPIC = [_response(b) for b in anthropic_bodies()]
 BEDROCK = [_response(b, b"x-amzn-requestid: req_bench\r\n") for b in anthropic_bodies()]
-OPENAI = [_response(b) for b in openai_bodies()]
+OPENAI = [_response(json.dumps(r).encode()) for r in chat_completions()]
 RESPONSES = [_response(json.dumps(r).encode()) for r in responses()]
 GEMINI = [_response(json.dumps(r).encode()) for r in gemini_responses()]
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"

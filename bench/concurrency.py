@@ -146,8 +146,8 @@ from _conversation import (  # noqa: E402
     MODEL,
     OPENAI_MODEL,
     QUESTION,
-    TOOL_SCHEMA,
     TURNS,
+    bare_chat_run,
     bare_gemini_run,
     bare_responses_run,
     bare_run,
@@ -325,23 +325,7 @@ def bare_bedrock(url: str, transport: str, n: int) -> Contender:
 def bare_openai(url: str, transport: str, n: int) -> Contender:
     """The floor on Chat Completions."""
     client = openai_client(url, transport, n)
-    tools: list[Any] = [{"type": "function", "function": {
-        "name": "lookup", "description": "Look a key up.", "parameters": TOOL_SCHEMA}}]
-
-    async def run() -> str:
-        messages: list[Any] = [{"role": "user", "content": QUESTION}]
-        while True:
-            response = await client.chat.completions.create(
-                model=OPENAI_MODEL, max_completion_tokens=1024, messages=messages, tools=tools)
-            message = response.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
-            if response.choices[0].finish_reason != "tool_calls":
-                return message.content or ""
-            for call in message.tool_calls or ():
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": await lookup(**json.loads(call.function.arguments))})
-
-    return Contender(run, client.close)
+    return Contender(functools.partial(bare_chat_run, client), client.close)
 
 
 def bare_responses(url: str, transport: str, n: int) -> Contender:

@@ -15,10 +15,12 @@ contender gets its own client on its own copy of that transport:
   (only when given; the server's own CPU is another process's, not counted);
 * ``pydantic-ai Agent`` and ``SDK tool_runner``: the peers a user would pick
   instead (``pip install -e '.[bench]'``; skipped when missing);
-* ``responses-bare`` and ``responses``: on the Responses API, a hand-written
-  loop on ``client.responses.create`` (its floor) and `Engine.run` on
-  `OpenAIResponsesProvider`, through the ``openai`` SDK on the same kind of
+* ``chat-bare`` and ``chat``: on Chat Completions, a hand-written loop on
+  ``client.chat.completions.create`` (its floor) and `Engine.run` on
+  `OpenAIProvider`, through the ``openai`` SDK on the same kind of
   ``httpx2.MockTransport`` (the extra ``openai``; skipped when missing);
+* ``responses-bare`` and ``responses``: the same on the Responses API, with
+  ``client.responses.create`` and `OpenAIResponsesProvider`;
 * ``gemini-bare`` and ``gemini``: on the Gemini API, a hand-written loop on
   ``client.aio.models.generate_content`` (its floor) and `Engine.run` on
   `GeminiProvider`, through ``google-genai``, whose ``http_options`` take the
@@ -96,9 +98,11 @@ from _conversation import (
     QUESTION,
     TOOL_TURNS,
     TURNS,
+    bare_chat_run,
     bare_gemini_run,
     bare_responses_run,
     bare_run,
+    chat_completions,
     gemini_responses,
     lookup,
     messages,
@@ -139,6 +143,7 @@ HEADERS = {"content-type": "application/json", "request-id": "req_bench"}
 SSE_HEADERS = {"content-type": "text/event-stream", "request-id": "req_bench"}
 
 
+CHAT_BODIES = [json.dumps(r).encode() for r in chat_completions()]
 RESPONSES_BODIES = [json.dumps(r).encode() for r in responses()]
 GEMINI_BODIES = [json.dumps(r).encode() for r in gemini_responses()]
 OPENAI_HEADERS = {"content-type": "application/json", "x-request-id": "req_bench"}
@@ -255,28 +260,32 @@ def floor_on(key: str, run: Conversation, close: Callable[[], Awaitable[None]]) 
                      floor=f"{key}-bare")
 
 
-def openai_client() -> Any:
-    """An ``openai.AsyncOpenAI`` on its own `ScriptedTransport` of Responses API replies."""
+def openai_client(bodies: list[bytes]) -> Any:
+    """An ``openai.AsyncOpenAI`` on its own `ScriptedTransport` of ``bodies``."""
     import openai
 
     return openai.AsyncOpenAI(
         api_key="bench", base_url="http://bench.invalid/v1", max_retries=0,
-        http_client=httpx2.AsyncClient(transport=ScriptedTransport(RESPONSES_BODIES,
-                                                                   OPENAI_HEADERS)))
+        http_client=httpx2.AsyncClient(transport=ScriptedTransport(bodies, OPENAI_HEADERS)))
 
 
-async def responses_pair() -> list[Contender | str]:
-    """The Responses API's floor and loopengine on it, or why they cannot run."""
+async def openai_pairs() -> list[Contender | str]:
+    """The floors of Chat Completions and the Responses API and loopengine on
+    each, or why they cannot run."""
     if importlib.util.find_spec("openai") is None:
-        return ["responses-bare, responses: the openai SDK is not installed "
+        return ["chat-bare, chat, responses-bare, responses: the openai SDK is not installed "
                 "(pip install -e '.[openai]')"]
-    from loopengine.providers import OpenAIResponsesProvider
+    from loopengine.providers import OpenAIProvider, OpenAIResponsesProvider
 
-    client, engine_client = openai_client(), openai_client()
-    return [floor_on("responses", functools.partial(bare_responses_run, client), client.close),
-            await engine_on(OpenAIResponsesProvider(engine_client), "openai", "openai",
-                            OPENAI_MODEL, "responses: loopengine", "responses",
-                            engine_client.close)]
+    pairs: list[Contender | str] = []
+    for key, bodies, bare, provider in (
+            ("chat", CHAT_BODIES, bare_chat_run, OpenAIProvider),
+            ("responses", RESPONSES_BODIES, bare_responses_run, OpenAIResponsesProvider)):
+        client, engine_client = openai_client(bodies), openai_client(bodies)
+        pairs += [floor_on(key, functools.partial(bare, client), client.close),
+                  await engine_on(provider(engine_client), "openai", "openai", OPENAI_MODEL,
+                                  f"{key}: loopengine", key, engine_client.close)]
+    return pairs
 
 
 def gemini_client() -> tuple[Any, httpx2.AsyncClient]:
@@ -409,7 +418,7 @@ async def main(args: argparse.Namespace) -> int:
                                      key="genai-prices"),
                  await loopengine_sqlite(Path(tmp)), await loopengine_postgres(args.postgres),
                  await pydantic_ai_agent(), await sdk_tool_runner(),
-                 *await responses_pair(), *await gemini_pair(), *await bedrock_pair()]
+                 *await openai_pairs(), *await gemini_pair(), *await bedrock_pair()]
         contenders = [c for c in built if isinstance(c, Contender)]
         skipped = [c for c in built if isinstance(c, str)]
         if args.only:
@@ -463,9 +472,9 @@ def report(contenders: list[Contender], skipped: list[str], args: argparse.Names
         print(f"{c.name:32} {cpu * 1e6:8.0f}µs {ratio(c.cpu, floor.cpu):7.2f} "
               f"{wall * 1e6:8.0f}µs {ratio(c.wall, floor.wall):7.2f} "
               f"{statistics.median(c.threads) * 1e6:8.0f}µs")
-    print("x floor: to the bare SDK loop on the same API (responses-*: the Responses API, "
-          "gemini-*: the Gemini API,\nbedrock-*: Amazon Bedrock, the others: the Messages "
-          "API); elsewhere: the part of "
+    print("x floor: to the bare SDK loop on the same API (chat-*: Chat Completions, "
+          "responses-*: the Responses API,\ngemini-*: the Gemini API, bedrock-*: Amazon "
+          "Bedrock, the others: the Messages API); elsewhere: the part of "
           "CPU/turn outside the event loop's thread\n(the ledger's writer thread, its fsyncs' "
           "system time)")
     for reason in skipped:
@@ -485,7 +494,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also measure a PostgresLedger on this server")
     parser.add_argument("--only", default=None,
                         help="measure only contenders whose name contains this, or whose "
-                             "key it is (bare, responses, gemini...), and their floors")
+                             "key it is (bare, chat, responses, gemini...), and their floors")
     parser.add_argument("--profile", default=None, metavar="NAME",
                         help="profile the contender whose key is NAME (responses, gemini...) "
                              "or whose name starts with NAME instead")
