@@ -765,7 +765,13 @@ def paired(name: str, n: int, round_: int, args: argparse.Namespace) -> list[dic
     first, second = cores if round_ % 2 == 0 else cores[::-1]
     running = [(name, start(name, n, args, first)),
                (FLOOR[name], start(FLOOR[name], n, args, second))]
-    done = [finish(who, n, process, args) for who, process in running]
+    try:
+        done = [finish(who, n, process, args) for who, process in running]
+    finally:
+        for _, process in running:  # the other one, when one failed
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     for result in done:
         result["pair"] = name
     return done
@@ -808,8 +814,8 @@ def median(values: list[float]) -> float:
 
 def report(results: list[dict[str, Any]], names: list[str], sizes: list[int],
            args: argparse.Namespace) -> None:
-    paired = " (each contender paired with its floor)" if args.paired else ""
-    print(f"\n{args.rounds} rounds{paired}, transport "
+    pairing = " (each contender paired with its floor)" if args.paired else ""
+    print(f"\n{args.rounds} rounds{pairing}, transport "
           f"{args.transport!r}, {args.rate:g} turns/s asked (each reply held N/rate s ±50%), "
           f"{'gc.freeze() after warm-up, ' if args.freeze else ''}"
           f"python {sys.version.split()[0]}, {os.cpu_count()} cores")
