@@ -14,6 +14,7 @@ import inspect
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import anyio
 
@@ -299,6 +300,9 @@ async def settle(
         outcome = "aborted" if aborted else "error"
     else:
         outcome, usage = "aborted", None
+    if usage is not None and inv.geo is not None and usage.inference_geo is None:
+        # The endpoint's region, where the reply does not say (Vertex's).
+        usage = replace(usage, inference_geo=inv.geo)
     if external:
         reason = "external"
     elif outcome == "aborted":
@@ -344,9 +348,12 @@ async def settle(
                 inv.unpriced_warned.add(inv.served_by)
                 logger.warning(
                     "%s has no price (neither genai-prices nor the PriceBook knows "
-                    "it): its attempts are recorded with no cost and the results "
+                    "it%s): its attempts are recorded with no cost and the results "
                     "say unpriced=True; add a ModelPrice to price them",
-                    inv.served_by)
+                    inv.served_by,
+                    "" if usage.inference_geo is None else
+                    f" served in {usage.inference_geo!r}: give the ModelPrice "
+                    "inference_geo_multipliers for it")
     if priced is not None:
         inv.provider_cost_nanousd += priced.cost_nanousd
         if charged:

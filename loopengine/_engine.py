@@ -251,7 +251,8 @@ class Engine:
             )
         if run_limits.credit_hold is not None:
             unpriced = self.prices.unpriced_features(
-                vendor, operation.model, run_features, self.clock.wall())
+                vendor, operation.model, run_features, self.clock.wall(),
+                geo=provider.inference_geo)
             if unpriced:
                 raise ConfigError(
                     "prices",
@@ -716,7 +717,8 @@ class Engine:
                             system=normalize_system(system), tools=check_tools(tools),
                             output=output,
                             limits=limits, prices=self.prices, at=self.clock.wall(),
-                            vendor=vendor_of(self.provider_for(operation)))
+                            vendor=vendor_of(provider := self.provider_for(operation)),
+                            geo=provider.inference_geo)
 
 
 def normalize_messages(messages: Messages) -> list[dict[str, Any]]:

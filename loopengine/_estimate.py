@@ -141,6 +141,7 @@ def estimate_run(
     at: datetime,
     final_tool: str = "final_answer",
     vendor: str | None = None,
+    geo: str | None = None,
 ) -> Estimate:
     """The worst case of a run (see the module docstring for the model).
 
@@ -157,6 +158,8 @@ def estimate_run(
         final_tool: The terminal tool's name in structured mode.
         vendor: Whose prices apply (the route's provider's vendor; default:
             the operation's route name).
+        geo: Where the route's provider serves every request, when that
+            changes the price (its `Provider.inference_geo`).
 
     Raises:
         ConfigError: bad input, as `Engine.run` would raise it.
@@ -194,7 +197,8 @@ def estimate_run(
         priced = None if unbounded else prices.price(
             route, operation.model,
             Usage(input_tokens=turn_input, output_tokens=per_turn_output,
-                  web_search_requests=searches, web_fetch_requests=fetches), at,
+                  web_search_requests=searches, web_fetch_requests=fetches,
+                  inference_geo=geo), at,
         )
         if priced is None:
             cost_nanousd = fee_nanousd = credits = price_ref = None

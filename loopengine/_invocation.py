@@ -90,7 +90,7 @@ class Invocation:
         "paused_seconds", "permit", "policy", "prices", "provider", "provider_cost_nanousd",
         "lease_owner", "records", "reservation", "rng", "run_store",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
-        "unpriced_warned", "usage", "usage_complete", "vendor",
+        "unpriced_warned", "usage", "usage_complete", "vendor", "geo",
     )
     def __init__(
         self,
@@ -130,6 +130,9 @@ class Invocation:
         self.observers = tuple(observers)
         self.vendor = vendor_of(provider)
         """Whose API serves the route: what ``served_by`` and prices name."""
+        self.geo = provider.inference_geo
+        """Where the provider serves every request, when that changes the price
+        (`Provider.inference_geo`): each reply's usage carries it."""
         self.served_by = f"{self.vendor}:{operation.model}"
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)

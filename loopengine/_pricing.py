@@ -336,7 +336,7 @@ class PriceBook:
         return TurnFees(searches, fetches, tuple(unbounded), usd)
 
     def unpriced_features(self, provider: str, model: str, features: Features,
-                          at: datetime) -> tuple[str, ...]:
+                          at: datetime, geo: str | None = None) -> tuple[str, ...]:
         """The enabled features of an operation this book cannot price at ``at``
         (empty: all of them can be). The engine refuses a ``credit_hold`` on an
         operation with any, as on an unpriced model.
@@ -348,7 +348,9 @@ class PriceBook:
         ``computer_``, ``tool_search_tool_`` types), or, for an advisor, when
         the model its ``params`` name has a price. Code execution is billed by
         container time, which no reply reports, and any other type is unknown:
-        both are unpriceable. A ``service_tier`` needs its rates (`knows_tier`).
+        both are unpriceable. A ``service_tier`` needs its rates (`knows_tier`),
+        and so does ``geo``, where the provider serves every request
+        (`loopengine.providers.Provider.inference_geo`: `knows_geo`).
         """
         missing: list[str] = []
         search, fetch = self.fees(provider, model, at)
@@ -370,7 +372,22 @@ class PriceBook:
                 missing.append(f"{label}: unknown server tool type")
         if not self.knows_tier(provider, model, features.service_tier, at):
             missing.append(f"service_tier {features.service_tier!r}: no rates for that tier")
+        if not self.knows_geo(provider, model, geo, at):
+            missing.append(f"inference geo {geo!r} (where the provider's endpoint serves): "
+                           "no inference_geo_multipliers entry for it")
         return tuple(missing)
+
+    def knows_geo(self, provider: str, model: str, geo: str | None, at: datetime) -> bool:
+        """True when ``model``'s tokens can be priced served in ``geo`` at ``at``:
+        the default (None, ``global``), a geo the book entry has a multiplier
+        for, or, for models the book does not list, a geo the vendor documents
+        (`DOCUMENTED_GEO_MULTIPLIERS`)."""
+        if geo is None or geo in STANDARD_GEOS:
+            return True
+        entry = self.entry(provider, model, at)
+        if entry is not None:
+            return geo in entry.inference_geo_multipliers
+        return self.fallback and (provider, geo) in DOCUMENTED_GEO_MULTIPLIERS
 
     def knows_tier(self, provider: str, model: str, tier: str | None, at: datetime) -> bool:
         """True when ``model``'s tokens can be priced on service tier ``tier`` at ``at``:

@@ -46,7 +46,7 @@ BUILT: dict[str, Callable[[str], Provider]] = {
         base_url=url, aws_region="us-east-1", aws_access_key="AKIDEXAMPLE",
         aws_secret_key="secret"),
     "google-vertex": lambda url: AnthropicProvider.vertex(
-        base_url=url, region="us-east5", project_id="test-project",
+        base_url=url, region="global", project_id="test-project",
         access_token="test-token"),
 }
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, TypeAlias, TypedDict
@@ -220,6 +221,15 @@ def _require_extra(vendor: str, given: object) -> None:
                                     f"pip install 'loopengine-core[{extra}]'")
 
 
+def _vertex_geo(client: AsyncClient | None, client_kwargs: Mapping[str, Any]) -> str | None:
+    """The region of a Vertex client's endpoint, as `Usage.inference_geo` keeps
+    it: None for the global endpoint (the list rates), else the region or
+    multi-region (``us-east5``, ``us``, ``eu``), which Google prices apart."""
+    region = (getattr(client, "region", None) if client is not None else
+              client_kwargs.get("region") or os.environ.get("CLOUD_ML_REGION"))
+    return priced_geo(region)
+
+
 def _vendor_of(kind: type[Any]) -> str:
     """The vendor of an SDK client class: the platform it reaches."""
     for client, vendor in ((anthropic.AsyncAnthropicBedrock, BEDROCK),
@@ -304,6 +314,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                route: str | None, max_connections: int | None) -> None:
         self._settings(stream, stream_idle_timeout, route)
         vendor = _vendor_of(type(client) if client is not None else build)
+        self._geo = _vertex_geo(client, client_kwargs) if vendor == VERTEX else None
         _require_extra(vendor, client if client is not None else client_kwargs)
         try:
             self._clients = provider_clients(
@@ -402,6 +413,15 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                         stream_idle_timeout=stream_idle_timeout, route=route,
                         max_connections=max_connections)
         return provider
+
+    @property
+    def inference_geo(self) -> str | None:
+        """On Vertex, the region of a regional or multi-region endpoint
+        (``us-east5``, ``us``, ``eu``): Google prices those apart from the
+        global endpoint, whose rates are the list's, and a reply does not
+        say which it reached. None on the global endpoint, Anthropic and
+        Bedrock (where the model id decides the price)."""
+        return self._geo
 
     @property
     def features(self) -> frozenset[str]:

@@ -124,6 +124,16 @@ class Provider(Protocol):
         return False
 
     @property
+    def inference_geo(self) -> str | None:
+        """Where every request it sends is served, when that changes the price
+        and the reply does not say so (a regional endpoint whose rates differ
+        from the vendor's list), as `loopengine.Usage.inference_geo` keeps
+        it: each reply's usage carries it, so it is priced with that geo's
+        multiplier, and a ``credit_hold`` run is refused before anything is
+        recorded where the prices have none. Default: None (list rates)."""
+        return None
+
+    @property
     def features(self) -> frozenset[str]:
         """The optional request features (of `FEATURES`) it can send; an operation
         that publishes another is refused before anything is recorded. A

@@ -100,6 +100,11 @@ class RecordingProvider:
         """The inner provider's request features."""
         return self.inner.features
 
+    @property
+    def inference_geo(self) -> str | None:
+        """Where the inner provider's replies are served."""
+        return self.inner.inference_geo
+
     def check_ready(self) -> None:
         """Ask the inner provider whether it can send from here (passed on)."""
         self.inner.check_ready()
@@ -187,6 +192,8 @@ class ReplayProvider:
 
     streaming = True
     """A recorded reply's text blocks go to ``on_text``, one call each."""
+    inference_geo = None
+    """A recording keeps no geo: a reply says where it was served, or is list-priced."""
     features = FEATURES
     """A recording answers whatever was recorded."""
 

@@ -104,6 +104,8 @@ class ScriptedProvider:
         script: The replies and faults to serve, one per request.
         name: The route it stands in for (an operation's ``provider``).
         clock: The clock on which reply delays pass (a `FakeClock` in tests).
+        inference_geo: Where it says every reply is served, for a test of a
+            regional endpoint's pricing (`Provider.inference_geo`).
 
     When the script runs out, further requests fail with a ``bad_request``
     fault that says so, which ends the run with ``provider_error``. A reply's
@@ -120,6 +122,9 @@ class ScriptedProvider:
     script: Iterable[ScriptItem] = ()
     name: str = "anthropic"
     clock: Clock = field(default_factory=SystemClock)
+    inference_geo: str | None = None
+    """Where its replies are served, when that changes their price
+    (`Provider.inference_geo`); None: list rates."""
     requests: list[ProviderRequest] = field(default_factory=list, init=False)
     """Every request received, with its own copy of the messages."""
 

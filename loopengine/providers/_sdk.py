@@ -227,6 +227,12 @@ class SDKProvider(Generic[C]):
         whatever ``stream`` says."""
         return True
 
+    @property
+    def inference_geo(self) -> str | None:
+        """None: its replies are priced at the vendor's list rates, or say
+        themselves where they were served (`Provider.inference_geo`)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"
 

@@ -174,7 +174,7 @@ class FakeVertexServer(FakeAnthropicServer):
         with FakeVertexServer() as server:
             server.add(Reply.text("Hello"))
             provider = AnthropicProvider.vertex(
-                base_url=server.base_url, region="us-east5", project_id="my-project",
+                base_url=server.base_url, region="global", project_id="my-project",
                 access_token="test-token")
 
     It takes `FakeAnthropicServer`'s script items. An `ErrorReply` whose

@@ -88,7 +88,7 @@ def _bedrock(server: FakeAnthropicServer, **kwargs: Any) -> AnthropicProvider:
 
 def _vertex(server: FakeAnthropicServer, **kwargs: Any) -> AnthropicProvider:
     assert isinstance(server, FakeVertexServer)
-    kwargs.setdefault("region", "us-east5")
+    kwargs.setdefault("region", "global")  # list rates (a region is priced apart)
     return AnthropicProvider.vertex(base_url=server.base_url, project_id="test-project",
                                     access_token="test-token", **kwargs)
 

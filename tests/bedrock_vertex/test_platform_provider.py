@@ -4,6 +4,7 @@ request features each platform takes or refuses, and the fakes' wire."""
 
 from __future__ import annotations
 
+import dataclasses
 from decimal import Decimal
 
 import anthropic
@@ -104,15 +105,20 @@ async def test_attempts_are_priced_at_the_platforms_rates_to_the_nano_dollar(
 async def test_a_named_route_keeps_the_vendor_in_served_by(wire: PlatformHarness,
                                                            platform: Platform) -> None:
     """A second route of a platform (another region) is the invocation's provider;
-    served_by and the price stay the vendor's."""
+    served_by and the price stay the vendor's (on Vertex, with the vendor entry's
+    multiplier for that region)."""
     ledger = MemoryLedger()
     wire.server.add(Reply.text("hi"))
     region = {"bedrock": {"aws_region": "eu-west-1"}, "vertex": {"region": "europe-west1"}}
     provider = wire.provider(route=f"{platform.route}-eu", **region[platform.name])
-    engine = le.Engine(provider, ledger=ledger, prices=platform.prices)
+    prices = le.PriceBook([le.ModelPrice(
+        provider=platform.route, model=platform.model, input_per_mtok=Decimal(1),
+        output_per_mtok=Decimal(1), inference_geo_multipliers={"europe-west1": Decimal("1.1")})])
+    engine = le.Engine(provider, ledger=ledger, prices=prices)
     op = le.Operation(name="eu", provider=f"{platform.route}-eu", model=platform.model)
     result = await engine.run(op, "hi")
-    assert result.cost_usd == Decimal("0.00012")
+    assert result.cost_usd == (Decimal("0.000132") if platform is VERTEX
+                               else Decimal("0.00012"))
     (row,) = ledger.invocations.values()
     assert row["provider"] == f"{platform.route}-eu"
     assert {a["served_by"] for a in ledger.attempts.values()} == {
@@ -313,3 +319,55 @@ async def test_a_bedrock_api_key_is_sent_as_a_bearer_token(wire: PlatformHarness
         result = await le.Engine(provider).run(BEDROCK.operation(), "go")
     assert result.answer == "keyed"
     assert wire.requests[0].headers["authorization"] == "Bearer bedrock-api-key"
+
+
+@pytest.mark.parametrize("platform", [VERTEX], ids=["vertex"])
+async def test_a_regional_vertex_endpoint_is_priced_apart_from_the_global_one(
+    wire: PlatformHarness,
+) -> None:
+    """Google prices Vertex's regional and multi-region endpoints apart from the
+    global one (the list rates genai-prices carries), and a reply does not say
+    which it reached: the provider declares its region as the inference geo,
+    each reply's usage carries it, and an attempt is priced only where the
+    prices have a multiplier for it. Without one, a credit_hold run is refused
+    before anything is recorded or sent, and any other run is unpriced (never
+    priced low in silence)."""
+    regional = wire.provider(region="us-east5")
+    assert regional.inference_geo == "us-east5"
+    assert wire.provider().inference_geo is None  # region="global"
+    built = anthropic.AsyncAnthropicVertex(region="eu", project_id="p", access_token="t")
+    assert AnthropicProvider(built).inference_geo == "eu"
+    await built.close()
+    assert AnthropicProvider.bedrock(aws_region="us-east-1", api_key="k").inference_geo is None
+    model = VERTEX.model
+    held = le.Operation(name="regional", provider="google-vertex", model=model,
+                        limits=le.Limits(credit_hold=10_000))
+
+    # genai-prices' Vertex rates are the global endpoint's: no rate for us-east5.
+    with pytest.raises(le.ConfigError) as info:
+        await le.Engine(regional).run(held, "go")
+    assert info.value.field == "prices" and "inference geo 'us-east5'" in str(info.value)
+    assert wire.requests == []
+    assert le.Engine(regional).estimate(held, "go").cost_usd is None
+    ledger = MemoryLedger()
+    wire.server.add(Reply.text("unpriced", usage=SERVED))
+    result = await le.Engine(regional, ledger=ledger).run(
+        dataclasses.replace(held, limits=le.Limits()), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.unpriced
+    assert result.usage.inference_geo == "us-east5"
+    (attempt,) = ledger.attempts.values()
+    assert attempt["cost_nanousd"] is None
+
+    # A PriceBook entry with the region's multiplier prices it.
+    book = le.PriceBook([le.ModelPrice(
+        provider="google-vertex", model=model, input_per_mtok=Decimal(3),
+        output_per_mtok=Decimal(15), cache_read_per_mtok=Decimal("0.3"),
+        cache_write_per_mtok=Decimal("3.75"),
+        inference_geo_multipliers={"us-east5": Decimal("1.1")})])
+    ledger = MemoryLedger()
+    wire.server.add(Reply.text("priced", usage=SERVED))
+    result = await le.Engine(regional, ledger=ledger, prices=book).run(held, "go")
+    assert result.outcome is le.Outcome.COMPLETED and not result.unpriced
+    listed = _nano(100, "3") + _nano(20, "15") + _nano(1000, "0.3") + _nano(200, "3.75")
+    (attempt,) = ledger.attempts.values()
+    assert attempt["cost_nanousd"] == int(listed * Decimal("1.1"))
