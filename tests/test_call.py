@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator, Callable
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,23 @@ async def test_replayed_run_has_the_recorded_outcome(tmp_path: Path) -> None:
     assert (replayed.outcome, replayed.answer, replayed.attempts) == (
         recorded.outcome, recorded.answer, recorded.attempts)
     assert replayed.attempts.count == 3
+
+
+async def test_a_replay_is_priced_where_the_recorded_provider_served(tmp_path: Path) -> None:
+    """A provider that declares an inference geo (a Vertex regional endpoint)
+    records its replies' usage with it, so the replay is priced as the recorded
+    run was: at the price entry's multiplier for that geo."""
+    path = tmp_path / "run.jsonl"
+    inner = ScriptedProvider([Reply.text("ok", usage=le.Usage(input_tokens=1000,
+                                                             output_tokens=100))],
+                             inference_geo="us-east5")
+    book = le.PriceBook([le.ModelPrice(
+        provider="anthropic", model=MODEL, input_per_mtok=Decimal(3),
+        output_per_mtok=Decimal(15), inference_geo_multipliers={"us-east5": Decimal("1.1")})])
+    recorded = await le.Engine(RecordingProvider(inner, path), prices=book).run(op(), "Hi")
+    replayed = await le.Engine(ReplayProvider(path), prices=book).run(op(), "Hi")
+    assert recorded.usage.inference_geo == replayed.usage.inference_geo == "us-east5"
+    assert recorded.cost_usd == replayed.cost_usd == Decimal("0.00495")
 
 
 async def test_schema_violation_is_fed_back() -> None:

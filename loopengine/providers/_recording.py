@@ -60,8 +60,15 @@ def _digest(body: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _usage_json(usage: Usage | None) -> dict[str, int] | None:
-    return None if usage is None else dataclasses.asdict(usage)
+def _usage_json(usage: Usage | None, geo: str | None) -> dict[str, int] | None:
+    """``usage`` as recorded: with the inner provider's declared geo where the
+    reply named none (the engine adds it the same way), so a replay is priced
+    as the recorded run was."""
+    if usage is None:
+        return None
+    if geo is not None and usage.inference_geo is None:
+        usage = dataclasses.replace(usage, inference_geo=geo)
+    return dataclasses.asdict(usage)
 
 
 class RecordingProvider:
@@ -130,7 +137,7 @@ class RecordingProvider:
             entry["fault"] = {
                 "kind": fault.kind.value,
                 "message": fault.message,
-                "usage": _usage_json(fault.usage),
+                "usage": _usage_json(fault.usage, self.inner.inference_geo),
                 **{name: getattr(fault, name) for name in _FAULT_FIELDS},
             }
             self._write(entry)
@@ -138,7 +145,7 @@ class RecordingProvider:
         entry["response"] = {
             "content": list(response.content),
             "stop_reason": response.stop_reason,
-            "usage": _usage_json(response.usage),
+            "usage": _usage_json(response.usage, self.inner.inference_geo),
             "response_id": response.response_id,
             "request_id": response.request_id,
             "http_status": response.http_status,
