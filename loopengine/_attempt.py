@@ -14,7 +14,6 @@ import inspect
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import replace
 
 import anyio
 
@@ -300,9 +299,8 @@ async def settle(
         outcome = "aborted" if aborted else "error"
     else:
         outcome, usage = "aborted", None
-    if usage is not None and inv.geo is not None and usage.inference_geo is None:
-        # The endpoint's region, where the reply does not say (Vertex's).
-        usage = replace(usage, inference_geo=inv.geo)
+    if usage is not None:
+        usage = usage.served_in(inv.geo)  # the endpoint's region (Vertex's)
     if external:
         reason = "external"
     elif outcome == "aborted":

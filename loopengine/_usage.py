@@ -7,7 +7,7 @@ token counts it holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from loopengine import _validate
@@ -209,6 +209,14 @@ class Usage:
     def cache_write_5m_tokens(self) -> int:
         """The part of ``cache_write_tokens`` written with the five-minute lifetime."""
         return self.cache_write_tokens - self.cache_write_1h_tokens
+
+    def served_in(self, geo: str | None) -> Usage:
+        """This usage, served in ``geo`` where it names no geo of its own: what a
+        provider declares of every reply (`Provider.inference_geo`, a Vertex
+        regional endpoint's region) when the reply does not say."""
+        if geo is None or self.inference_geo is not None:
+            return self
+        return replace(self, inference_geo=geo)
 
     def _as_iterations(self) -> tuple[UsageIteration, ...]:
         if self.iterations:

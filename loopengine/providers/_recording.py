@@ -61,14 +61,10 @@ def _digest(body: Mapping[str, Any]) -> str:
 
 
 def _usage_json(usage: Usage | None, geo: str | None) -> dict[str, int] | None:
-    """``usage`` as recorded: with the inner provider's declared geo where the
-    reply named none (the engine adds it the same way), so a replay is priced
-    as the recorded run was."""
-    if usage is None:
-        return None
-    if geo is not None and usage.inference_geo is None:
-        usage = dataclasses.replace(usage, inference_geo=geo)
-    return dataclasses.asdict(usage)
+    """``usage`` as recorded: served in the inner provider's declared geo, as the
+    engine prices it (`Usage.served_in`), so a replay is priced as the
+    recorded run was."""
+    return None if usage is None else dataclasses.asdict(usage.served_in(geo))
 
 
 class RecordingProvider:
@@ -200,7 +196,7 @@ class ReplayProvider:
     streaming = True
     """A recorded reply's text blocks go to ``on_text``, one call each."""
     inference_geo = None
-    """A recording keeps no geo: a reply says where it was served, or is list-priced."""
+    """None: each recorded reply's usage names the geo it was served in, if any."""
     features = FEATURES
     """A recording answers whatever was recorded."""
 
