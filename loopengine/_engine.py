@@ -28,7 +28,7 @@ from loopengine._features import (
 )
 from loopengine._invocation import Invocation
 from loopengine._operation import Operation
-from loopengine._pause import pending_approvals
+from loopengine._pause import check_seal, pending_approvals
 from loopengine._pricing import PriceBook
 from loopengine._result import RunResult
 from loopengine._run import (
@@ -402,12 +402,14 @@ class Engine:
             ConfigError: before anything is sent: a state that does not load,
                 a pending call without a decision or a decision for no pending
                 call, an output model other than the run's, an invocation the
-                ledger does not hold paused, or a pause longer than
+                ledger does not hold paused, a state other than the one its
+                pause returned (an earlier pause's, another run's, or one
+                edited in more than its counts: `RunState.seal`), or a pause longer than
                 ``Limits.pause_timeout`` (the invocation is then ended
                 ``time_limit``), or an invocation id the run store does not
                 hold.
-            RunBusyError: another resume holds the run, or its process's
-                lease has not expired; nothing was sent or recorded.
+            RunBusyError: another resume took the pause or holds the run, or
+                its process's lease has not expired; nothing was sent or recorded.
         """
         _validate.boolean("force", force)
         stored: StoredRun | None = None
@@ -435,6 +437,9 @@ class Engine:
         if recovering and not by_id:
             assert stored is not None
             state = RunState.loads(stored.state)
+        elif stored is not None and not by_id:
+            # Before the claim: a state that is not the pause's takes nothing.
+            check_seal(state, RunState.loads(stored.state).seal())
         if recovering and not state.pending:
             assert self.run_store is not None
             state = replace(state, pending=await self._in_doubt(state, tools))

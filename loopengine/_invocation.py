@@ -87,7 +87,8 @@ class Invocation:
         "descendant_credits", "earlier_attempts", "ended", "engine", "features", "id",
         "in_flight", "kind",
         "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
-        "paused_seconds", "permit", "policy", "prices", "provider", "provider_cost_nanousd",
+        "paused_seconds", "pause_seal", "permit", "policy", "prices", "provider",
+        "provider_cost_nanousd",
         "lease_owner", "records", "reservation", "rng", "run_store",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor", "geo",
@@ -149,6 +150,8 @@ class Invocation:
         turn sent again goes on numbering its attempts from there."""
         self.paused_seconds = 0.0
         """How long a resumed run waited paused."""
+        self.pause_seal: str | None = None
+        """The seal of the pause a resumed run takes (its ledger's compare-and-set), or None."""
         self.usage = Usage()
         self.usage_complete = True
         self.output_tokens = 0

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from loopengine._admission import admit, settle_account
-from loopengine._errors import ConfigError
+from loopengine._errors import ConfigError, LedgerError, RunBusyError
 from loopengine._invocation import LEDGER_GRACE, Invocation
 from loopengine._lifecycle import end_paused, forget_run, uninterrupted
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
@@ -33,7 +33,8 @@ from loopengine.guards._deadline import Deadline
 from loopengine.persistence._planner import PROGRESS_USAGE, usage_counts
 from loopengine.persistence._records import InvocationEnd, InvocationProgress
 
-__all__ = ["decided_results", "pause", "pending_approvals", "prepare_resume", "resume_begin"]
+__all__ = ["check_seal", "decided_results", "pause", "pending_approvals", "prepare_resume",
+           "resume_begin"]
 
 logger = logging.getLogger("loopengine")
 
@@ -91,6 +92,7 @@ async def pause(inv: Invocation, state: RunState) -> None:
                 confirmed = await inv.confirm(inv.ledger.end_invocation(InvocationEnd(
                     id=inv.id, ended_at=state.paused_at, outcome="paused", turns=progress.turns,
                     tool_calls=progress.tool_calls, credits=progress.credits,
+                    seal=state.seal(),
                 )), at_least=LEDGER_GRACE)
                 if not confirmed:
                     logger.warning("run %s: the ledger did not confirm its pause by its "
@@ -137,8 +139,11 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
 
     Raises:
         ConfigError: the ledger has no such invocation, or it is not paused,
-            or the pause outlasted ``Limits.pause_timeout`` (the invocation is
-            then ended ``time_limit``).
+            or ``state`` is not the state its pause returned (the ledger
+            keeps that state's `RunState.seal`), or the pause outlasted
+            ``Limits.pause_timeout`` (the invocation is then ended
+            ``time_limit``).
+        RunBusyError: it is running: another resume took it.
     """
     inv.id = state.invocation_id
     saved = state.progress
@@ -154,6 +159,10 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
         found: InvocationProgress | None = await read(state.invocation_id)
         if found is None:
             raise ConfigError("state", f"the ledger has no invocation {state.invocation_id}")
+        if found.outcome == "running" and not recovering:
+            # Taken by another resume (a run store's runs are taken by their lease).
+            raise RunBusyError(state.invocation_id, None, "it is running: another resume "
+                                                          "took its pause")
         # A recovered run's process may have died as it paused.
         if found.outcome not in (("running", "paused") if recovering else ("paused",)):
             if recovering:
@@ -161,6 +170,9 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
                 await forget_run(inv)
             raise ConfigError("state", f"invocation {state.invocation_id} is not paused: "
                                        f"it is {found.outcome}")
+        if not recovering and found.seal is not None:
+            check_seal(state, found.seal)
+        inv.pause_seal = None if recovering else found.seal
         progress = found
         if recovering:
             progress = replace(found, turns=saved.turns, tool_calls=saved.tool_calls,
@@ -198,6 +210,20 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
                              credits=progress.credits, deadline=inv.deadline)
 
 
+def check_seal(state: RunState, seal: str) -> None:
+    """Raise unless ``state`` is the state whose `RunState.seal` its pause kept.
+
+    Raises:
+        ConfigError: it is an earlier pause's state, another run's, or one
+            edited in more than the counts a ledger keeps itself.
+    """
+    if state.seal() != seal:
+        raise ConfigError("state", f"is not the latest pause of run {state.invocation_id}: "
+                                   "an earlier pause's state, another run's, or one edited "
+                                   "in more than its counts (the ledger keeps the seal of "
+                                   "the state its pause returned)")
+
+
 def usage_of(saved: Usage, ledger: Usage | None) -> Usage:
     """The usage a resumed run goes on from: the state's, which has its sampling
     iterations, while the ledger's totals (``ledger``, None without one) agree
@@ -218,13 +244,31 @@ def usage_of(saved: Usage, ledger: Usage | None) -> Usage:
 
 async def resume_begin(inv: Invocation, conversation: ConversationState) -> None:
     """Record the paused invocation ``running`` again, emit `RunResumed`, and
-    reserve its credit hold again (admission may narrow it, or deny the run)."""
+    reserve its credit hold again (admission may narrow it, or deny the run).
+
+    Recording it ``running`` takes the pause: a compare-and-set on its seal,
+    so of two resumes of one pause, in any processes, one proceeds.
+
+    Raises:
+        RunBusyError: another resume took the pause first; nothing was recorded.
+    """
     at = inv.clock.wall()
     inv.begun = True
     if inv.ledger is not None:
-        await inv.ledger.end_invocation(InvocationEnd(
-            id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
-            tool_calls=conversation.tool_calls, credits=conversation.credits, at=at))
+        try:
+            await inv.ledger.end_invocation(InvocationEnd(
+                id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
+                tool_calls=conversation.tool_calls, credits=conversation.credits, at=at,
+                expect_seal=inv.pause_seal))
+        except LedgerError:
+            if inv.pause_seal is None:
+                raise
+            # Refused: is the pause still there to take? If not, another resume took it.
+            read = getattr(inv.ledger, "read_progress", None)
+            found = None if read is None else await read(inv.id)
+            if found is None or found.outcome != "paused" or found.seal != inv.pause_seal:
+                raise RunBusyError(inv.id, None, "another resume took its pause") from None
+            raise
     await inv.emit(RunResumed(
         run_id=inv.id, at=at, operation=inv.operation.name,
         operation_version=inv.operation.version, provider=inv.operation.provider,

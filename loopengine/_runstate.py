@@ -11,6 +11,7 @@ resume the run; `RunState.loads` refuses anything it did not write.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -146,8 +147,12 @@ class RunState:
 
     def dumps(self) -> bytes:
         """The state as versioned JSON bytes (no keys, no code)."""
+        return json.dumps(self._encoded(), ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _encoded(self) -> dict[str, Any]:
+        """The state as JSON values (what `dumps` encodes)."""
         operation = self.operation
-        return json.dumps({
+        return {
             "format": FORMAT,
             "version": VERSION,
             "invocation_id": self.invocation_id,
@@ -178,7 +183,7 @@ class RunState:
                          "usage": _usage_fields(self.progress.usage)},
             "paused_at": self.paused_at.isoformat(),
             "extra": self.extra,
-        }, ensure_ascii=False, separators=(",", ":")).encode()
+        }
 
     @classmethod
     def loads(cls, data: bytes | str) -> RunState:
@@ -234,6 +239,22 @@ class RunState:
             if call.reason not in ("approval", "in_doubt"):
                 raise ConfigError("state", f"pending call {call.id} has reason {call.reason!r}")
         return state
+
+    def seal(self) -> str:
+        """The state's seal: a SHA-256 digest of everything a resume takes from
+        it (the transcript, the batch and its pending calls, the operation,
+        limits and attribution, the calls each tool has made, the running
+        time), apart from the counts a ledger keeps itself (turns, tool calls,
+        credits, attempts, cost, usage), the time of the pause and ``extra``.
+
+        A ledger keeps the seal of each paused invocation, and a resume must
+        hand back a state with that seal: an earlier pause's state, another
+        run's, or one edited in what the ledger cannot check, is refused."""
+        encoded = self._encoded()
+        del encoded["paused_at"], encoded["extra"]
+        encoded["progress"] = {"running_seconds": self.progress.running_seconds}
+        text = json.dumps(encoded, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _fields(value: Any) -> dict[str, Any]:

@@ -266,31 +266,34 @@ async def test_a_paused_run_gives_one_span_per_running_segment_linked(
     assert [link.context.span_id for link in second.links] == [first.context.span_id]
 
 
-async def test_a_published_operation_caps_the_limits_of_an_edited_state(
+async def test_a_published_operation_caps_the_limits_of_a_resumed_run(
         make_engine: EngineFactory) -> None:
     """``resume(operation=...)``: the published limits are the ceiling, whatever
-    limits the state carries; another operation is refused."""
+    limits the state carries; another operation is refused; a state whose
+    limits were edited is refused before anything is sent."""
     counter = Counter()
     sender = Sender()
     engine, provider, _ = make_engine(Reply.tool_calls(send("a")),
                                       *[Reply.tool_calls(lookup("c")) for _ in range(6)])
-    published = operation(max_turns=3)
-    paused = await engine.run(published, "go", tools=[sender.tool, counter.tool])
+    paused = await engine.run(operation(max_turns=50), "go", tools=[sender.tool, counter.tool])
     assert paused.state is not None
-    edited = json.loads(paused.state.dumps())
-    edited["operation"]["limits"]["max_turns"] = 50
-    edited["limits"]["max_turns"] = 50
-    state = le.RunState.loads(json.dumps(edited))
     decisions = {paused.pending[0].id: le.Approve()}
+    edited = json.loads(paused.state.dumps())
+    edited["operation"]["limits"]["max_turns"] = 500
+    edited["limits"]["max_turns"] = 500
+    with pytest.raises(le.ConfigError, match="latest pause"):
+        await engine.resume(le.RunState.loads(json.dumps(edited)), decisions=decisions,
+                            tools=[sender.tool, counter.tool])
     with pytest.raises(le.ConfigError, match="operation"):
-        await engine.resume(state, decisions=decisions, operation=le.Operation(
+        await engine.resume(paused.state, decisions=decisions, operation=le.Operation(
             name="another", provider="anthropic", model="claude-sonnet-4-5"),
             tools=[sender.tool, counter.tool])
-    result = await engine.resume(state, decisions=decisions, operation=published,
+    assert len(provider.requests) == 1 and sender.sent == []
+    result = await engine.resume(paused.state, decisions=decisions,
+                                 operation=operation(max_turns=3),
                                  tools=[sender.tool, counter.tool])
     assert result.outcome is le.Outcome.TURN_LIMIT and result.turns == 3
     assert len(provider.requests) == 3
-
 
 
 async def test_a_state_keeps_the_usage_iterations_of_its_progress(

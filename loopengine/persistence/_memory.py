@@ -26,7 +26,7 @@ from loopengine.persistence._schema import ATTEMPT_COLUMNS, INVOCATION_COLUMNS
 __all__ = ["MemoryLedger"]
 
 _NEW_INVOCATION = {**dict.fromkeys(INVOCATION_COLUMNS, 0), "ended_at": None,
-                   "outcome": "running"}
+                   "outcome": "running", "pause_seal": None}
 _NEW_ATTEMPT = {**dict.fromkeys(ATTEMPT_COLUMNS), "outcome": "dispatched"}
 
 
@@ -182,6 +182,8 @@ class _Rows(_planner.Store):
                                           else invocation[column] + row[n])
                 changed += 1
             else:
-                self.invocations[row[-1]].update(zip(_planner.END_SET, row[:-1], strict=True))
-                changed += 1
+                invocation = self.invocations[row[-1]]
+                if row[-2] is None or invocation["pause_seal"] == row[-2]:
+                    invocation.update(zip(_planner.END_SET, row[:-2], strict=True))
+                    changed += 1
         return changed

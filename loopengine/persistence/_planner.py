@@ -73,9 +73,11 @@ ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "ht
                          "cost_nanousd", "charged", "price_ref", "response_id", "request_id",
                          "stop_reason", "web_search_requests", "web_fetch_requests",
                          "reasoning_tokens", "iterations", "fee_nanousd")
-# (END, op_id, id, *END_SET, at): ``at`` is when it was written (a resume's
-# segment starts then)
-END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits")
+# (END, op_id, id, *END_SET, at, expect_seal): ``at`` is when it was written
+# (a resume's segment starts then); ``expect_seal``, when not None, is the
+# ``pause_seal`` the row must still have (a resume's compare-and-set: of two
+# resumes of one pause, the second changes no row and is refused).
+END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits", "pause_seal")
 _E_AT: Final = 3 + len(END_SET)
 SEGMENT_OPEN: Final = ("invocation_id", "ordinal", "started_at")
 """The columns a segment's row is inserted with."""
@@ -196,7 +198,8 @@ def read_known(rows: Callable[[str], Sequence[Sequence[Any]]]) -> Known | None:
 
 
 PROGRESS_COLUMNS: Final = ("outcome", "ended_at", "turns", "tool_calls", "credits",
-                           "attempt_count", "cost_nanousd", "provider_cost_nanousd")
+                           "attempt_count", "cost_nanousd", "provider_cost_nanousd",
+                           "pause_seal")
 """The ``invocations`` columns `read_progress` reads first, in its order."""
 PROGRESS_USAGE: Final = ("input_tokens", "output_tokens", "cache_read_tokens",
                          "cache_write_tokens", "cache_write_1h_tokens", "web_search_requests",
@@ -213,13 +216,13 @@ def read_progress(rows: Callable[[str], Sequence[Sequence[Any]]]) -> InvocationP
     found = rows(PROGRESS_QUERY)
     if not found:
         return None
-    outcome, ended_at, turns, tool_calls, credits, attempts, cost, provider_cost = \
+    outcome, ended_at, turns, tool_calls, credits, attempts, cost, provider_cost, seal = \
         found[0][:len(PROGRESS_COLUMNS)]
     return InvocationProgress(
         outcome=str(outcome), ended_at=stored_time(ended_at), turns=int(turns),
         tool_calls=int(tool_calls),
         credits=int(credits), attempt_count=int(attempts), cost_nanousd=int(cost),
-        provider_cost_nanousd=int(provider_cost),
+        provider_cost_nanousd=int(provider_cost), seal=None if seal is None else str(seal),
         usage=usage_counts(int(value) for value in found[0][len(PROGRESS_COLUMNS):]))
 
 
@@ -330,7 +333,7 @@ class Batch:
     deltas: dict[str, list[int]] = field(default_factory=dict)
     """Each invocation's changes to its totals, in `DELTA_COLUMNS` order."""
     ends: list[Sequence[Any]] = field(default_factory=list)
-    """`END_SET` values, then ``id``."""
+    """`END_SET` values, then the seal the row must have (None: any), then ``id``."""
     opens: list[Sequence[Any]] = field(default_factory=list)
     """`SEGMENT_OPEN` rows."""
     closes: list[Sequence[Any]] = field(default_factory=list)
@@ -576,7 +579,8 @@ class Planner:
         outcome = op[4]
         # A pause (or a resume) changes the outcome without ending it.
         live.ended = outcome not in OPEN_OUTCOMES
-        batch.ends.append((*op[3:_E_AT], invocation_id))
+        batch.ends.append((*op[3:_E_AT], op[_E_AT + 1] if len(op) > _E_AT + 1 else None,
+                           invocation_id))
         if live.segment is None:
             return
         if outcome == "running":

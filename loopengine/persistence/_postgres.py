@@ -528,9 +528,13 @@ def _statement(kind: str) -> sql.Composable:
                        "v.invocation_id AND s.ordinal = v.ordinal").format(
             sets(_planner.SEGMENT_CLOSE), source(columns, [column_type(c) for c in columns]))
     assert kind == "end"
-    columns = (*_planner.END_SET, "id")
-    return sql.SQL("UPDATE invocations AS i SET {} FROM {} WHERE i.id = v.id").format(
-        sets(_planner.END_SET), source(columns, [column_type(c) for c in columns]))
+    # The seal the row must still have: a resume's compare-and-set (None: any).
+    columns = (*_planner.END_SET, "expect_seal", "id")
+    return sql.SQL("UPDATE invocations AS i SET {} FROM {} WHERE i.id = v.id AND "
+                   "COALESCE(v.expect_seal, i.pause_seal, '') = COALESCE(i.pause_seal, '')"
+                   ).format(sets(_planner.END_SET),
+                            source(columns, [*map(column_type, _planner.END_SET), "text",
+                                             column_type("id")]))
 
 
 def _describe_server(params: dict[str, Any], schema: str | None) -> str:

@@ -29,6 +29,7 @@ from loopengine.persistence._schema import (
     ACCOUNT_TABLES,
     AUDIT_INDEXES,
     PARENT_COLUMN,
+    PAUSE_SEAL,
     RUN_RESULTS,
     RUN_TABLES,
     SCHEMA_TABLE,
@@ -80,6 +81,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(9, "the running segments of each invocation",
               render(SEGMENT_TABLE, POSTGRES_TYPES)),
     Migration(10, "a batch's results apart from its run's state", RUN_RESULTS),
+    Migration(11, "the seal of a paused invocation's state", PAUSE_SEAL),
 )
 """The schema's history, oldest first: the SQLite history's steps, step for step."""
 
@@ -87,7 +89,8 @@ SCHEMA_VERSION = MIGRATIONS[-1].version
 """The version this code writes and reads."""
 
 _COLUMN_KINDS: Final = {
-    column: kind for statement in (*TABLES, *PARENT_COLUMN, *USAGE_VECTOR, *SEGMENT_TABLE)
+    column: kind for statement in (*TABLES, *PARENT_COLUMN, *USAGE_VECTOR, *SEGMENT_TABLE,
+                                                 *PAUSE_SEAL)
     for column, kind in re.findall(r"(?:^\s+|ADD COLUMN )(\w+) (TEXT|\{\w+\})", statement,
                                    re.MULTILINE)}
 """Each column of ``invocations``, ``attempts`` (those the later migrations add

@@ -103,6 +103,13 @@ class InvocationEnd:
     at: datetime | None = None
     """When it was written (a resume's running segment starts then); None:
     ``ended_at``, or the system's time when that is None too."""
+    seal: str | None = None
+    """A pause's seal (`loopengine.RunState.seal` of the state it returned),
+    kept while it is paused; None for every other outcome."""
+    expect_seal: str | None = None
+    """A resume's compare-and-set: the seal the paused row must still have, or
+    the write changes nothing and is refused (another resume took the pause).
+    None: no condition."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,6 +136,8 @@ class InvocationProgress:
     usage: Usage = field(default_factory=Usage)
     """The usage of its settled attempts (every one, past the retention cap too),
     without their sampling iterations."""
+    seal: str | None = None
+    """The seal of its pause while it is paused (`InvocationEnd.seal`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -215,13 +215,14 @@ USAGE_COLUMNS: Final = ("web_search_requests", "web_fetch_requests", "reasoning_
 
 LATER_COLUMNS: Final[dict[str, dict[str, str]]] = {
     "invocations": {"parent_invocation_id": "CAST(NULL AS TEXT)",
-                    **dict.fromkeys(USAGE_COLUMNS, "CAST(0 AS BIGINT)")},
+                    **dict.fromkeys(USAGE_COLUMNS, "CAST(0 AS BIGINT)"),
+                    "pause_seal": "CAST(NULL AS TEXT)"},
     "attempts": dict.fromkeys(USAGE_COLUMNS, "CAST(NULL AS BIGINT)"),
 }
 """Columns later migrations added to the two ledger tables, and what the audit
 reads for them in a ledger older than them: a ledger of roots (no parent),
-invocations that counted none of the usage vector, attempts whose usage was
-not read whole (NULL, as the migration leaves them)."""
+invocations that counted none of the usage vector and hold no pause's seal,
+attempts whose usage was not read whole (NULL, as the migration leaves them)."""
 
 
 def supplied_columns(name: str, table: str, have: Collection[str]) -> list[str]:
@@ -302,6 +303,12 @@ SEGMENT_TABLE = (
 )
 """The running segments' table, rendered for each store."""
 
+PAUSE_SEAL = ("ALTER TABLE invocations ADD COLUMN pause_seal TEXT",)
+"""A paused invocation's seal: the digest of the `RunState` its pause returned
+(`RunState.seal`), which a resume must hand back (docs/pause-and-resume.md).
+NULL while it runs and once it has ended. A digest, never the state: nothing
+of the conversation can be read from it."""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "invocations and attempts", _CREATE_TABLES),
     Migration(2, "invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
@@ -317,6 +324,7 @@ MIGRATIONS: tuple[Migration, ...] = (
               render(RUN_TABLES, SQLITE_TYPES)),
     Migration(9, "the running segments of each invocation", render(SEGMENT_TABLE, SQLITE_TYPES)),
     Migration(10, "a batch's results apart from its run's state", RUN_RESULTS),
+    Migration(11, "the seal of a paused invocation's state", PAUSE_SEAL),
 )
 """The schema's history, oldest first."""
 
@@ -328,7 +336,7 @@ INVOCATION_COLUMNS = (
     "feature", "correlation_id", "started_at", "ended_at", "outcome", "turns", "tool_calls",
     "attempt_count", "attempts_retained", "incomplete", "input_tokens", "output_tokens",
     "cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens", "cost_nanousd",
-    "provider_cost_nanousd", "credits", "parent_invocation_id", *USAGE_COLUMNS,
+    "provider_cost_nanousd", "credits", "parent_invocation_id", *USAGE_COLUMNS, "pause_seal",
 )
 """The columns of ``invocations``, in table order."""
 

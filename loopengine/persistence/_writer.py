@@ -31,7 +31,7 @@ _ADD = tuple(f"{c} = MAX({c}, {{}})" if n == _planner.INCOMPLETE else f"{c} = {c
 _UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
 _LARGEST_CHUNK = 1024
 _WIDTH = {"start": len(INVOCATION_INSERT), "dispatch": len(ATTEMPT_INSERT),
-          "settle": len(ATTEMPT_SETTLE) + 2, "add": len(_ADD) + 1, "end": len(END_SET) + 1,
+          "settle": len(ATTEMPT_SETTLE) + 2, "add": len(_ADD) + 1, "end": len(END_SET) + 2,
           "open": len(_planner.SEGMENT_OPEN), "close": len(_planner.SEGMENT_CLOSE) + 2}
 
 
@@ -134,11 +134,15 @@ def _build_sql(kind: str, rows: int) -> str:
         return (f"UPDATE invocations SET {sets} FROM (VALUES {values}) AS v "
                 f"WHERE invocations.id = v.column{width}")
     assert kind == "end"
+    # The seal the row must still have: a resume's compare-and-set (None: any).
+    sealed = "COALESCE({}, pause_seal, '') = COALESCE(pause_seal, '')"
     if rows == 1:
-        return f"UPDATE invocations SET {', '.join(f'{c} = ?' for c in END_SET)} WHERE id = ?"
+        return (f"UPDATE invocations SET {', '.join(f'{c} = ?' for c in END_SET)} "
+                f"WHERE {sealed.format('?')} AND id = ?")
     sets = ", ".join(f"{c} = v.column{i + 1}" for i, c in enumerate(END_SET))
     return (f"UPDATE invocations SET {sets} FROM (VALUES {values}) AS v "
-            f"WHERE invocations.id = v.column{width}")
+            f"WHERE {sealed.format(f'v.column{width - 1}')} "
+            f"AND invocations.id = v.column{width}")
 
 
 # -- the writer ------------------------------------------------------------------------------
