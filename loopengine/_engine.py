@@ -389,8 +389,10 @@ class Engine:
                 state is not trusted: its limits are then the ceiling (the
                 state's limits only narrow them). Default: the operation the
                 state carries. It must have the same name.
-            tools: The run's tools, as given to `run`.
-            output: The run's output model, as given to `run`.
+            tools: The run's tools, as given to `run`: every one of them (more
+                may be added).
+            output: The run's output model, as given to `run` (or a class of
+                the same JSON schema).
             accept: The judge of a final answer.
             on_text: Receives streamed text deltas.
             tool_error_text: Overrides the engine's hook for this run.
@@ -403,7 +405,11 @@ class Engine:
         Raises:
             ConfigError: before anything is sent: a state that does not load,
                 a pending call without a decision or a decision for no pending
-                call, an output model other than the run's, an invocation the
+                call, ``tools`` lacking one of the run's tools (a state encoded
+                before they were kept: an approved call's), an output model
+                other than the run's (its JSON schema differs; a state encoded
+                before the schema's digest was kept: a missing or extra
+                model), an invocation the
                 ledger does not hold paused, or a pause longer than
                 ``Limits.pause_timeout`` (the invocation is then ended
                 ``time_limit``), or an invocation id the run store does not
