@@ -36,10 +36,12 @@ from loopengine._run import (
     ToolErrorText,
     check_unique_tools,
     default_tool_error_text,
+    definition_digest,
+    final_tool_definition,
     resume_loop,
     run_loop,
 )
-from loopengine._runstate import Decision, PendingCall, RunState, check_decisions
+from loopengine._runstate import Approve, Decision, PendingCall, RunState, check_decisions
 from loopengine._runstore import UNBOUNDED_RUN, RunStore, StoredRun, new_owner
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
@@ -387,8 +389,10 @@ class Engine:
                 state is not trusted: its limits are then the ceiling (the
                 state's limits only narrow them). Default: the operation the
                 state carries. It must have the same name.
-            tools: The run's tools, as given to `run`.
-            output: The run's output model, as given to `run`.
+            tools: The run's tools, as given to `run`: every one of them (more
+                may be added).
+            output: The run's output model, as given to `run` (or a class of
+                the same JSON schema).
             accept: The judge of a final answer.
             on_text: Receives streamed text deltas.
             tool_error_text: Overrides the engine's hook for this run.
@@ -401,10 +405,14 @@ class Engine:
         Raises:
             ConfigError: before anything is sent: a state that does not load,
                 a pending call without a decision or a decision for no pending
-                call, an output model other than the run's, an invocation the
-                ledger does not hold paused, a state other than the one its
-                pause returned (an earlier pause's, another run's, or one
-                edited in more than its counts: `RunState.seal`), or a pause longer than
+                call, ``tools`` lacking one of the run's tools (a state encoded
+                before they were kept: an approved call's), an output model
+                other than the run's (its JSON schema differs; a state encoded
+                before the schema's digest was kept: a missing or extra
+                model), an invocation the ledger does not hold paused, a state
+                other than the one its pause returned (an earlier pause's,
+                another run's, or one edited in more than its counts:
+                `RunState.seal`), or a pause longer than
                 ``Limits.pause_timeout`` (the invocation is then ended
                 ``time_limit``), or an invocation id the run store does not
                 hold.
@@ -412,6 +420,8 @@ class Engine:
                 its process's lease has not expired; nothing was sent or recorded.
         """
         _validate.boolean("force", force)
+        tools = check_tools(tools)  # read more than once below
+        output = _check_output(output)
         stored: StoredRun | None = None
         by_id = isinstance(state, str) and not state.lstrip().startswith("{")
         if isinstance(state, str) and by_id:
@@ -450,10 +460,8 @@ class Engine:
         elif not isinstance(operation, Operation) or operation.name != state.operation.name:
             raise ConfigError("operation", f"must be the run's operation, "
                                            f"{state.operation.name!r}")
-        if (output is not None) != state.structured:
-            raise ConfigError("output", "must be the output model the run was started with"
-                                        if state.structured else
-                                        "the run was started without one")
+        _check_resume_tools(state, tools, decided)
+        _check_resume_output(state, output)
         inv, spec = self._prepare_run(
             operation, state.messages[:max(1, state.given)], system=state.system,
             tools=tools, output=output, accept=accept, attribution=state.attribution,
@@ -829,6 +837,42 @@ def check_tools(tools: object) -> tuple[Tool, ...]:
             raise ConfigError(f"tools[{i}]", "must be a Tool (use @loopengine.tool), "
                                              f"got {_validate.shown(item)}")
     return checked
+
+
+def _check_resume_tools(state: RunState, tools: tuple[Tool, ...],
+                        decided: Mapping[str, Decision]) -> None:
+    """A resume's ``tools`` carry every tool the run of ``state`` was given (a
+    state that predates that record: every approved call's tool), so an
+    approved call is never answered "no such tool".
+
+    Raises:
+        ConfigError: a tool missing, named."""
+    names = {tool.name for tool in tools}
+    needed = list(state.tools or ())
+    needed += [call.tool for call in state.pending if isinstance(decided.get(call.id), Approve)]
+    missing = sorted({name for name in needed if name not in names})
+    if missing:
+        raise ConfigError("tools", f"lacks the run's tool(s) {', '.join(map(repr, missing))}: "
+                                   "pass the tools the run was given")
+
+
+def _check_resume_output(state: RunState, output: type[pydantic.BaseModel] | None) -> None:
+    """A resume's ``output`` is the run's output model: one exactly when the run
+    had one, and (when the state keeps its digest) the same terminal tool
+    definition, so the model's answer is validated as the run asked for it.
+
+    Raises:
+        ConfigError: another output model, or a missing or extra one."""
+    if (output is not None) != state.structured:
+        raise ConfigError("output", "must be the output model the run was started with"
+                                    if state.structured else
+                                    "the run was started without one")
+    if output is None or state.output_digest is None:
+        return  # a state encoded before the digest was kept: only the presence checked
+    if definition_digest(final_tool_definition(output, state.final_tool)) != \
+            state.output_digest:
+        raise ConfigError("output", f"must be the output model the run was started with: "
+                                    f"{output.__name__}'s JSON schema is not the run's")
 
 
 def _check_output(output: object) -> type[pydantic.BaseModel] | None:

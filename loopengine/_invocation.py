@@ -83,7 +83,7 @@ class Invocation:
     # Slots: thousands are alive at once in a busy process.
     __slots__ = (
         "account", "accounts", "announced", "asked_limits", "attribution", "base_attempts",
-        "begun", "clock", "cost_nanousd", "credits", "deadline", "denied", "depth",
+        "base_turns", "begun", "clock", "cost_nanousd", "credits", "deadline", "denied", "depth",
         "descendant_credits", "earlier_attempts", "ended", "engine", "features", "id",
         "in_flight", "kind",
         "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
@@ -145,6 +145,9 @@ class Invocation:
         """This segment's lease owner id in the run store."""
         self.base_attempts = 0
         """Attempts of the invocation's earlier segments (a resumed run's ordinals continue)."""
+        self.base_turns = 0
+        """Turns of the invocation's earlier segments (those a resumed run goes on
+        from): its turns never count fewer."""
         self.earlier_attempts: dict[int, int] = {}
         """Each turn's highest attempt number in earlier segments: a recovered run's
         turn sent again goes on numbering its attempts from there."""

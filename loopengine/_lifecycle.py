@@ -278,8 +278,11 @@ async def _end_without_outcome(inv: Invocation, outcome: str, turns: int, tool_c
         if inv.in_flight is not None:
             inv.records.pop(inv.in_flight.index)
             inv.in_flight = None
-        # A turn whose request was never sent is no turn (R01).
-        turns = min(turns, max((r.dispatch.turn for r in inv.records), default=0))
+        # A turn whose request was never sent is no turn (R01); the turns of
+        # the segments before a resume were sent (a recovered run's dead
+        # segment's last one too, sent again now).
+        sent = max((r.dispatch.turn for r in inv.records), default=0)
+        turns = min(turns, max(sent, inv.base_turns, *inv.earlier_attempts))
     try:
         if inv.in_flight is not None:
             await settle(inv, inv.in_flight, None, None, external=True)

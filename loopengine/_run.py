@@ -17,6 +17,7 @@ docs/guards.md.
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
 import json
 import logging
@@ -69,7 +70,7 @@ from loopengine.providers._faults import FaultKind
 from loopengine.providers._retry import RetryStop
 
 __all__ = ["MAX_CONTINUATIONS", "RunSpec", "ToolErrorText", "default_tool_error_text",
-           "final_tool_definition", "resume_loop", "run_loop"]
+           "definition_digest", "final_tool_definition", "resume_loop", "run_loop"]
 
 logger = logging.getLogger("loopengine")
 
@@ -142,6 +143,7 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
             before anything is sent.
     """
     conversation = await prepare_resume(inv, state, recovering=recovering)
+    inv.base_turns = conversation.turns
     loop = _Loop(inv, spec, resumed=(state, decisions))
     loop.state = conversation
     loop.charged = conversation.turns  # the paused turn's charge is in its credits
@@ -461,7 +463,10 @@ class _Loop:
             retry=inv.policy, attribution=inv.attribution, system=self.spec.system,
             messages=self.transcript, given=self._given_messages,
             final_tool=self.spec.final_tool, structured=self.spec.output is not None,
-            pending=pending,
+            # The terminal tool's definition is the last one (`__init__`).
+            output_digest=None if self.spec.output is None else definition_digest(
+                self.definitions[-1]),
+            tools=tuple(self.tools), pending=pending,
             batch=batch_ids if batch_ids is not None else tuple(
                 str(b.get("id")) for b in batch),
             results=list(results), repair=repair,
@@ -928,6 +933,14 @@ def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[s
                        "have the answer, with the answer as its input.",
         "input_schema": schema,
     }
+
+
+def definition_digest(definition: Mapping[str, Any]) -> str:
+    """The sha256 (hex) of a tool definition as JSON, its keys sorted: equal for
+    two output models whose definitions the engine sends alike."""
+    encoded = json.dumps(definition, sort_keys=True, ensure_ascii=False,
+                         separators=(",", ":"))
+    return hashlib.sha256(encoded.encode()).hexdigest()
 
 
 class _ToolTimeout(Exception):

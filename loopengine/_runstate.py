@@ -128,6 +128,14 @@ class RunState:
     """The terminal tool's name (structured mode)."""
     structured: bool
     """Whether the run was started with an ``output`` model."""
+    output_digest: str | None
+    """The sha256 (hex) of the terminal tool's definition as the run sent it
+    (its name and the output model's JSON schema), so a resume can tell
+    another model from the run's; None without an output model, or in a state
+    encoded before it was kept."""
+    tools: tuple[str, ...] | None
+    """The names of the tools the run was given, so a resume can tell one
+    missing; None in a state encoded before they were kept (unknown)."""
     pending: tuple[PendingCall, ...]
     """The calls waiting for a decision."""
     batch: tuple[str, ...]
@@ -173,6 +181,8 @@ class RunState:
             "given": self.given,
             "final_tool": self.final_tool,
             "structured": self.structured,
+            "output_digest": self.output_digest,
+            "tools": None if self.tools is None else list(self.tools),
             "pending": [[p.id, p.tool, p.input, p.reason] for p in self.pending],
             "batch": list(self.batch),
             "results": self.results,
@@ -220,6 +230,10 @@ class RunState:
                 given=int(raw["given"]),
                 final_tool=_text(raw["final_tool"]),
                 structured=bool(raw["structured"]),
+                # Absent from a state encoded before they were kept: unknown.
+                output_digest=_optional_text(raw.get("output_digest")),
+                tools=None if raw.get("tools") is None else tuple(
+                    _text(name) for name in _list(raw["tools"])),
                 pending=tuple(PendingCall(_text(i), _text(t), v, r)
                               for i, t, v, r in raw["pending"]),
                 batch=tuple(_text(i) for i in raw["batch"]),
@@ -276,6 +290,10 @@ def _text(value: object) -> str:
     if not isinstance(value, str):
         raise TypeError(f"expected text, got {type(value).__name__}")
     return value
+
+
+def _optional_text(value: object) -> str | None:
+    return None if value is None else _text(value)
 
 
 def _list(value: object) -> list[Any]:

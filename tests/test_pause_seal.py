@@ -111,7 +111,8 @@ def _a_state() -> le.RunState:
                   {"role": "assistant", "content": [
                       {"type": "tool_use", "id": "toolu_1", "name": "send",
                        "input": {"to": "bob"}}]}],
-        given=1, final_tool="final_answer", structured=False,
+        given=1, final_tool="final_answer", structured=False, output_digest=None,
+        tools=("send", "lookup"),
         pending=(le.PendingCall("toolu_1", "send", {"to": "bob"}),), batch=("toolu_1",),
         results=[], repair=False, answered_calls={"lookup": 1},
         progress=Progress(turns=1, tool_calls=1, credits=120, attempts=1, cost_nanousd=1,
@@ -137,6 +138,7 @@ EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
         answered_calls={**s["answered_calls"], "lookup": 0, "send": 0}),
     "another tenant to pay": lambda s: s["attribution"].update(tenant="victim"),
     "its input changed": lambda s: s["messages"][-1]["content"][-1]["input"].update(to="eve"),
+    "its tools dropped": lambda s: s.update(tools=["lookup"]),
 }
 
 
