@@ -40,7 +40,7 @@ from loopengine._run import (
     run_loop,
 )
 from loopengine._runstate import Decision, PendingCall, RunState, check_decisions
-from loopengine._runstore import UNBOUNDED_RUN, RunStore, StoredRun, new_owner
+from loopengine._runstore import UNBOUNDED_RUN, RunStore, StoredRun, holds_run, new_owner
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
 from loopengine._tools import Tool, check_tool_name
@@ -427,6 +427,11 @@ class Engine:
             raise ConfigError("state", f"must be a RunState, got {_validate.shown(state)}")
         if self.run_store is not None and stored is None:
             stored = await self.run_store.load(state.invocation_id)
+        elif self.run_store is None and await holds_run(self.ledger, state.invocation_id):
+            # Resumed here, its row would outlive it, and its lease go unchecked.
+            raise ConfigError("state", f"run {state.invocation_id} keeps its state in a run "
+                                       "store: resume it on an engine with "
+                                       "run_store=RunStore(ledger)")
         if stored is not None:
             stored.check_free(self.clock.wall(), force)
         # A stored run that is not paused was running when its process died:
@@ -469,8 +474,11 @@ class Engine:
                     seconds=(left if left is not None else UNBOUNDED_RUN)
                     + self.run_store.lease_grace),
                 now=self.clock.wall(), force=force)
+        # A run paused without a run store: its first checkpoint adopts it
+        # into this engine's (`_Loop.run`).
         return await resume_loop(inv, spec, state, decided, recovering=recovering,
-                                 undecided=undecided)
+                                 undecided=undecided,
+                                 adopt=self.run_store is not None and stored is None)
 
     async def _in_doubt(self, state: RunState, tools: Iterable[Tool]) -> tuple[PendingCall, ...]:
         """The calls of a recovered run's batch that wait for a decision: those

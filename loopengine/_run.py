@@ -128,18 +128,22 @@ def run_loop(inv: Invocation, spec: RunSpec) -> Coroutine[Any, Any, RunResult]:
 
 async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
                       decisions: Mapping[str, Decision], *, recovering: bool = False,
-                      undecided: bool = False) -> RunResult:
+                      undecided: bool = False, adopt: bool = False) -> RunResult:
     """Resume the paused run of ``state`` (`loopengine._pause`): decide its pending
     batch, then go on as `run_loop` does, as the same invocation.
 
     ``recovering``: the state is the run store's last checkpoint of a run whose
     process died (docs/pause-and-resume.md). ``undecided``: its pending calls (in
     doubt) have no decisions yet: the run pauses again at once, before anything
-    is sent.
+    is sent. ``adopt``: the run paused without a run store and resumes on an
+    engine with one: its first checkpoint inserts its row, so it goes on under
+    the store (docs/pause-and-resume.md).
 
     Raises:
         ConfigError: the run cannot resume (not paused, its pause timed out),
             before anything is sent.
+        RunBusyError: (``adopt``) another resume adopted the run first;
+            nothing was recorded.
     """
     conversation = await prepare_resume(inv, state, recovering=recovering)
     loop = _Loop(inv, spec, resumed=(state, decisions))
@@ -147,14 +151,16 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     loop.charged = conversation.turns  # the paused turn's charge is in its credits
     loop.answered_calls = dict(state.answered_calls)
     loop._given_messages = state.given
+    loop.adopting = adopt
     if undecided:
         return await loop._pause(state.pending)
     return await loop.run()
 
 
 class _Loop:
-    __slots__ = ("_given_messages", "answered_calls", "charged", "cut_results", "definitions",
-                 "inv", "permit", "resumed", "spec", "state", "tools", "transcript", "wrapping")
+    __slots__ = ("_given_messages", "adopting", "answered_calls", "charged", "cut_results",
+                 "definitions", "inv", "permit", "resumed", "spec", "state", "tools",
+                 "transcript", "wrapping")
 
     def __init__(self, inv: Invocation, spec: RunSpec,
                  resumed: tuple[RunState, Mapping[str, Decision]] | None = None) -> None:
@@ -183,6 +189,9 @@ class _Loop:
         """Why the turn being sent is a wrap-up turn (``turns``, ``budget``), or None."""
         self.permit: anyio.Lock | None = None
         """The tree's crossing permit while this run's turn holds it (docs/tools.md)."""
+        self.adopting = False
+        """A resume whose run store holds no row of the run (it paused without
+        one): its first checkpoint inserts it."""
 
     @property
     def limits(self) -> Limits:
@@ -206,6 +215,10 @@ class _Loop:
                 if self.resumed is None:
                     await begin(inv)
                 else:
+                    if self.adopting:
+                        # Its row, leased, before anything is recorded: of two
+                        # resumes adopting it, the other gets RunBusyError here.
+                        await self._checkpoint(self._paused_state(), create=True)
                     await resume_begin(inv, self.state)
                 if inv.denied is not None:
                     if self.resumed is not None:
@@ -213,7 +226,7 @@ class _Loop:
                             inv.denied.outcome), detail=inv.denied.message)
                     return await self._end(inv.denied.outcome, trip=inv.denied)
                 # The run's lease and first checkpoint (a resume renews its lease).
-                if inv.run_store is not None:
+                if inv.run_store is not None and not self.adopting:
                     await self._checkpoint(None if self.resumed else self._snapshot(),
                                            create=self.resumed is None)
                 phase = "turn"
@@ -447,6 +460,15 @@ class _Loop:
                       f"{', '.join(call.tool for call in pending)}")
         return self._result(outcome, detail=detail, trip=inv.denied, pending=pending,
                             state=state)
+
+    def _paused_state(self) -> RunState:
+        """The paused run this loop resumes, as its state, with the counts the
+        ledger gave the resume (`prepare_resume`), not the caller's."""
+        assert self.resumed is not None
+        before = self.resumed[0]
+        return self._snapshot(batch_ids=before.batch, results=before.results,
+                              repair=before.repair, pending=before.pending,
+                              paused_at=before.paused_at)
 
     def _snapshot(self, *, batch: Sequence[Mapping[str, Any]] = (),
                   batch_ids: tuple[str, ...] | None = None,
