@@ -377,7 +377,8 @@ class Engine:
         its tool is ``idempotent``, else the run returns ``paused`` with the
         call in ``result.pending`` (reason ``in_doubt``) for a decision. Of
         two resumes of one run, one proceeds and the other raises
-        `RunBusyError` before anything is sent.
+        `RunBusyError` before anything is sent. A run paused without a run
+        store is adopted into this engine's: its first checkpoint stores it.
 
         Args:
             state: The `RunState`, its `RunState.dumps` bytes, or (with a run
@@ -405,7 +406,8 @@ class Engine:
                 ledger does not hold paused, or a pause longer than
                 ``Limits.pause_timeout`` (the invocation is then ended
                 ``time_limit``), or an invocation id the run store does not
-                hold.
+                hold, or (on an engine without a run store) a run whose state
+                a run store on the ledger keeps.
             RunBusyError: another resume holds the run, or its process's
                 lease has not expired; nothing was sent or recorded.
         """

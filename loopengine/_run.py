@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 import pydantic
 
+from loopengine import _validate
 from loopengine._attempt import request, settle_cut
 from loopengine._context import context_for
 from loopengine._errors import ConfigError, RunBusyError
@@ -380,6 +381,13 @@ class _Loop:
         # 5. Tools (R08, R09, R15); a call that needs approval pauses the whole
         # batch before any of its handlers runs (docs/pause-and-resume.md).
         pending = pending_approvals(batch, self.tools, self.inv.id)
+        if pending and self.inv.parent is not None:
+            # Nothing could resume a delegated run (its parent goes on without
+            # it), so it does not pause: it ends, none of its batch run.
+            return await self._end(Outcome.INCOMPLETE, answered=results, detail=(
+                f"{len(pending)} tool call(s) need approval, which a delegated run cannot "
+                "wait for: " + ", ".join(
+                    f"{call.tool} {_validate.shown(call.input)}" for call in pending)))
         if pending:
             return await self._pause(pending, batch=batch, results=results, repair=rejected)
         return await self._answer_batch(turn, batch, results, feedback_message, rejected)
