@@ -68,7 +68,10 @@ class ToolContext:
         run's hold has left (this run's credits and its other delegated runs'
         counted), its deadline to this run's; it takes no admission of its own:
         its credits are charged to this run's account reservation, settled once
-        when the root run ends. Its result is returned whatever its outcome.
+        when the root run ends. Its result is returned whatever its outcome. It
+        never pauses (nothing could resume it): a batch of its that needs
+        approval does not run, and it ends ``incomplete``, its ``detail``
+        naming the calls that needed approval.
 
         Args:
             operation: The child's operation (its limits, narrowed as above).

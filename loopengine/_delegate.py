@@ -113,7 +113,8 @@ def agent_tool(
     child that ends on a limit (``credit_limit``, ``time_limit``,
     ``turn_limit``, ...) or any other way but ``completed`` gives the calling
     model an ``is_error`` result naming its outcome; one past ``max_depth``
-    is not run.
+    is not run. A child never pauses: a batch of its that needs approval
+    does not run, and it ends ``incomplete`` naming the calls that needed it.
 
     Args:
         engine: The `Engine` the child runs on. It must record on the calling

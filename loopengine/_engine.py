@@ -42,7 +42,7 @@ from loopengine._run import (
     run_loop,
 )
 from loopengine._runstate import Approve, Decision, PendingCall, RunState, check_decisions
-from loopengine._runstore import UNBOUNDED_RUN, RunStore, StoredRun, new_owner
+from loopengine._runstore import UNBOUNDED_RUN, RunStore, StoredRun, holds_run, new_owner
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
 from loopengine._tools import Tool, check_tool_name
@@ -379,7 +379,8 @@ class Engine:
         its tool is ``idempotent``, else the run returns ``paused`` with the
         call in ``result.pending`` (reason ``in_doubt``) for a decision. Of
         two resumes of one run, one proceeds and the other raises
-        `RunBusyError` before anything is sent.
+        `RunBusyError` before anything is sent. A run paused without a run
+        store is adopted into this engine's: its first checkpoint stores it.
 
         Args:
             state: The `RunState`, its `RunState.dumps` bytes, or (with a run
@@ -415,7 +416,8 @@ class Engine:
                 `RunState.seal`), or a pause longer than
                 ``Limits.pause_timeout`` (the invocation is then ended
                 ``time_limit``), or an invocation id the run store does not
-                hold.
+                hold, or (on an engine without a run store) a run whose state
+                a run store on the ledger keeps.
             RunBusyError: another resume took the pause or holds the run, or
                 its process's lease has not expired; nothing was sent or recorded.
         """
@@ -439,6 +441,11 @@ class Engine:
             raise ConfigError("state", f"must be a RunState, got {_validate.shown(state)}")
         if self.run_store is not None and stored is None:
             stored = await self.run_store.load(state.invocation_id)
+        elif self.run_store is None and await holds_run(self.ledger, state.invocation_id):
+            # Resumed here, its row would outlive it, and its lease go unchecked.
+            raise ConfigError("state", f"run {state.invocation_id} keeps its state in a run "
+                                       "store: resume it on an engine with "
+                                       "run_store=RunStore(ledger)")
         if stored is not None:
             stored.check_free(self.clock.wall(), force)
         # A stored run that is not paused was running when its process died:
@@ -482,8 +489,11 @@ class Engine:
                     seconds=(left if left is not None else UNBOUNDED_RUN)
                     + self.run_store.lease_grace),
                 now=self.clock.wall(), force=force)
+        # A run paused without a run store: its first checkpoint adopts it
+        # into this engine's (`_Loop.run`).
         return await resume_loop(inv, spec, state, decided, recovering=recovering,
-                                 undecided=undecided)
+                                 undecided=undecided,
+                                 adopt=self.run_store is not None and stored is None)
 
     async def _in_doubt(self, state: RunState, tools: Iterable[Tool]) -> tuple[PendingCall, ...]:
         """The calls of a recovered run's batch that wait for a decision: those

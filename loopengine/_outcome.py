@@ -33,7 +33,9 @@ class Outcome(StrEnum):
     REFUSED = "refused"
     """The model refused (``stop_reason == "refusal"``, R11)."""
     INCOMPLETE = "incomplete"
-    """The answer was cut off (``max_tokens``, context window), never accepted (R11)."""
+    """The answer was cut off (``max_tokens``, context window), never accepted (R11);
+    or a delegated run's tool batch needed approval, which nothing could give
+    it (docs/tools.md): none of the batch ran."""
     PROVIDER_ERROR = "provider_error"
     """A provider fault that was permanent, or whose retries ran out (R05)."""
     CREDIT_EXHAUSTED = "credit_exhausted"

@@ -43,7 +43,8 @@ def pending_approvals(batch: Sequence[Mapping[str, Any]], tools: Mapping[str, To
                       run_id: str) -> tuple[PendingCall, ...]:
     """The calls of ``batch`` whose tool asks for approval (none: the batch runs).
 
-    A tool's ``approval`` callable that raises counts as asking: a call is
+    A tool's ``approval`` callable that raises, or answers anything but a
+    bool (``None`` from a missing ``return``), counts as asking: a call is
     never run because its check failed."""
     pending: list[PendingCall] = []
     for block in batch:
@@ -54,10 +55,17 @@ def pending_approvals(batch: Sequence[Mapping[str, Any]], tools: Mapping[str, To
         needs = True
         if callable(tool.approval):
             try:
-                needs = bool(tool.approval(call))
+                answer = tool.approval(call)
             except Exception:
                 logger.exception("run %s: the approval check of tool %s raised; the call "
                                  "waits for approval", run_id, tool.name)
+            else:
+                if isinstance(answer, bool):
+                    needs = answer
+                else:
+                    logger.error("run %s: the approval check of tool %s answered %s, not a "
+                                 "bool; the call waits for approval", run_id, tool.name,
+                                 type(answer).__name__)
         if needs:
             pending.append(call)
     return tuple(pending)

@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 import pydantic
 
+from loopengine import _validate
 from loopengine._attempt import request, settle_cut
 from loopengine._context import context_for
 from loopengine._errors import ConfigError, RunBusyError
@@ -129,18 +130,21 @@ def run_loop(inv: Invocation, spec: RunSpec) -> Coroutine[Any, Any, RunResult]:
 
 async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
                       decisions: Mapping[str, Decision], *, recovering: bool = False,
-                      undecided: bool = False) -> RunResult:
+                      undecided: bool = False, adopt: bool = False) -> RunResult:
     """Resume the paused run of ``state`` (`loopengine._pause`): decide its pending
     batch, then go on as `run_loop` does, as the same invocation.
 
     ``recovering``: the state is the run store's last checkpoint of a run whose
     process died (docs/pause-and-resume.md). ``undecided``: its pending calls (in
     doubt) have no decisions yet: the run pauses again at once, before anything
-    is sent.
+    is sent. ``adopt``: the run paused without a run store and resumes on an
+    engine with one: its first checkpoint inserts its row, so it goes on under
+    the store (docs/pause-and-resume.md).
 
     Raises:
         ConfigError: the run cannot resume (not paused, its pause timed out),
             before anything is sent.
+        RunBusyError: another resume took the pause first; nothing was recorded.
     """
     conversation = await prepare_resume(inv, state, recovering=recovering)
     inv.base_turns = conversation.turns
@@ -149,14 +153,16 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     loop.charged = conversation.turns  # the paused turn's charge is in its credits
     loop.answered_calls = dict(state.answered_calls)
     loop._given_messages = state.given
+    loop.adopting = adopt
     if undecided:
         return await loop._pause(state.pending)
     return await loop.run()
 
 
 class _Loop:
-    __slots__ = ("_given_messages", "answered_calls", "charged", "cut_results", "definitions",
-                 "inv", "permit", "resumed", "spec", "state", "tools", "transcript", "wrapping")
+    __slots__ = ("_given_messages", "adopting", "answered_calls", "charged", "cut_results",
+                 "definitions", "inv", "permit", "resumed", "spec", "state", "tools",
+                 "transcript", "wrapping")
 
     def __init__(self, inv: Invocation, spec: RunSpec,
                  resumed: tuple[RunState, Mapping[str, Decision]] | None = None) -> None:
@@ -185,6 +191,9 @@ class _Loop:
         """Why the turn being sent is a wrap-up turn (``turns``, ``budget``), or None."""
         self.permit: anyio.Lock | None = None
         """The tree's crossing permit while this run's turn holds it (docs/tools.md)."""
+        self.adopting = False
+        """A resume whose run store holds no row of the run (it paused without
+        one): its first checkpoint inserts it."""
 
     @property
     def limits(self) -> Limits:
@@ -208,14 +217,18 @@ class _Loop:
                 if self.resumed is None:
                     await begin(inv)
                 else:
+                    # Takes the pause: of two resumes, the other gets RunBusyError here.
                     await resume_begin(inv, self.state)
+                    if self.adopting:
+                        # The run's row, leased, now that this resume holds it.
+                        await self._checkpoint(self._paused_state(), create=True)
                 if inv.denied is not None:
                     if self.resumed is not None:
                         return await self._pause(self.resumed[0].pending, outcome=Outcome(
                             inv.denied.outcome), detail=inv.denied.message)
                     return await self._end(inv.denied.outcome, trip=inv.denied)
                 # The run's lease and first checkpoint (a resume renews its lease).
-                if inv.run_store is not None:
+                if inv.run_store is not None and not self.adopting:
                     await self._checkpoint(None if self.resumed else self._snapshot(),
                                            create=self.resumed is None)
                 phase = "turn"
@@ -369,6 +382,13 @@ class _Loop:
         # 5. Tools (R08, R09, R15); a call that needs approval pauses the whole
         # batch before any of its handlers runs (docs/pause-and-resume.md).
         pending = pending_approvals(batch, self.tools, self.inv.id)
+        if pending and self.inv.parent is not None:
+            # Nothing could resume a delegated run (its parent goes on without
+            # it), so it does not pause: it ends, none of its batch run.
+            return await self._end(Outcome.INCOMPLETE, answered=results, detail=(
+                f"{len(pending)} tool call(s) need approval, which a delegated run cannot "
+                "wait for: " + ", ".join(
+                    f"{call.tool} {_validate.shown(call.input)}" for call in pending)))
         if pending:
             return await self._pause(pending, batch=batch, results=results, repair=rejected)
         return await self._answer_batch(turn, batch, results, feedback_message, rejected)
@@ -449,6 +469,15 @@ class _Loop:
                       f"{', '.join(call.tool for call in pending)}")
         return self._result(outcome, detail=detail, trip=inv.denied, pending=pending,
                             state=state)
+
+    def _paused_state(self) -> RunState:
+        """The paused run this loop resumes, as its state, with the counts the
+        ledger gave the resume (`prepare_resume`), not the caller's."""
+        assert self.resumed is not None
+        before = self.resumed[0]
+        return self._snapshot(batch_ids=before.batch, results=before.results,
+                              repair=before.repair, pending=before.pending,
+                              paused_at=before.paused_at)
 
     def _snapshot(self, *, batch: Sequence[Mapping[str, Any]] = (),
                   batch_ids: tuple[str, ...] | None = None,

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from loopengine._invocation import Invocation
 
 __all__ = ["DEFAULT_LEASE_GRACE", "UNBOUNDED_RUN", "CallMark", "RunStore", "StoredRun",
-           "lease_expiry", "new_owner"]
+           "holds_run", "lease_expiry", "new_owner"]
 
 T = TypeVar("T")
 
@@ -246,11 +246,13 @@ class RunStore:
         or release its lease, and set its calls' statuses, in one transaction,
         durable on return (internal).
 
-        ``create`` inserts the row of a new run; otherwise the row must be
-        held by ``owner``. ``paused`` releases the lease and sets ``paused_at``.
+        ``create`` inserts the row of a new run, or of a paused run a resume
+        adopts (it paused without a run store); otherwise the row must be held
+        by ``owner``. ``paused`` releases the lease and sets ``paused_at``.
 
         Raises:
-            RunBusyError: another process took the run over.
+            RunBusyError: another process took the run over, or (``create``)
+                another resume adopted it first.
         """
         at = format_time(now)
         lease = (None if paused or expires_at is None else format_time(expires_at))
@@ -260,10 +262,15 @@ class RunStore:
             paused_at = at if paused else None
             if create:
                 assert state is not None
-                conn.execute(
+                # A run paused without a run store is adopted by the resume
+                # that inserts its row: of two such resumes, the key lets one.
+                inserted = conn.execute(
                     "INSERT INTO run_states (invocation_id, state, version, lease_owner, "
-                    "lease_expires_at, paused_at, updated_at) VALUES (?, ?, 1, ?, ?, ?, ?)",
-                    (invocation_id, state.decode(), holder, lease, paused_at, at))
+                    "lease_expires_at, paused_at, updated_at) VALUES (?, ?, 1, ?, ?, ?, ?) "
+                    "ON CONFLICT (invocation_id) DO NOTHING",
+                    (invocation_id, state.decode(), holder, lease, paused_at, at)).rowcount
+                if inserted != 1:
+                    raise RunBusyError(invocation_id, None, "another resume took it")
             else:
                 sets = "version = version + 1, lease_owner = ?, updated_at = ?"
                 values: list[Any] = [holder, at]
@@ -321,21 +328,48 @@ class RunStore:
 
     async def _transact(self, work: Callable[[Any], T]) -> T:
         """``work(connection)`` in one transaction (``?`` parameters on every store)."""
-        failure = "the run store could not be written"
-        ledger = self.ledger
-        if isinstance(ledger, PostgresLedger | SQLiteLedger):
-            return await ledger._transact_qmark(work, failure)
-        conn = self._memory
-        assert conn is not None
+        return await _transact(self.ledger, self._memory, work)
+
+
+async def holds_run(ledger: Any, invocation_id: str) -> bool:
+    """Whether a run store on ``ledger`` holds the run ``invocation_id`` (it
+    paused, or its process died, under a run store), in one query; False for a
+    ledger no run store can live in (`RunStore`).
+
+    Raises:
+        LedgerError: the database could not be read.
+    """
+    if not isinstance(ledger, SQLiteLedger | PostgresLedger | MemoryLedger):
+        return False
+    memory = _MEMORY.get(ledger) if isinstance(ledger, MemoryLedger) else None
+    if isinstance(ledger, MemoryLedger) and memory is None:
+        return False  # no run store was ever made on it
+
+    def work(conn: Any) -> bool:
+        return conn.execute("SELECT 1 FROM run_states WHERE invocation_id = ?",
+                            (invocation_id,)).fetchone() is not None
+
+    return await _transact(ledger, memory, work)
+
+
+async def _transact(ledger: SQLiteLedger | PostgresLedger | MemoryLedger,
+                    memory: sqlite3.Connection | None, work: Callable[[Any], T]) -> T:
+    """``work(connection)`` in one transaction on the run store tables of
+    ``ledger`` (``memory``: a `MemoryLedger`'s), ``?`` parameters on every store."""
+    failure = "the run store could not be written"
+    if isinstance(ledger, PostgresLedger | SQLiteLedger):
+        return await ledger._transact_qmark(work, failure)
+    conn = memory
+    assert conn is not None
+    try:
+        conn.execute("BEGIN IMMEDIATE")
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                result = work(conn)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-        except sqlite3.Error as error:
-            raise LedgerError(f"{failure}: {error}") from error
-        return result
+            result = work(conn)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+    except sqlite3.Error as error:
+        raise LedgerError(f"{failure}: {error}") from error
+    return result
 

@@ -62,8 +62,9 @@ class Tool:
             (it cannot be stopped), and the call gets an ``is_error`` result.
         approval: Whether a call needs a person's approval before it runs:
             True, False, or ``(call) -> bool`` deciding per call (``call`` is
-            the `PendingCall` that would be listed). A batch holding such a
-            call pauses the run before any of its handlers runs
+            the `PendingCall` that would be listed; one that raises or
+            answers anything but a bool asks). A batch holding such a call
+            pauses the run before any of its handlers runs
             (docs/pause-and-resume.md).
         idempotent: Whether running a call twice does no harm (declared by
             the tool's author).

@@ -62,6 +62,32 @@ async def test_an_approval_callable_decides_per_call(make_engine: EngineFactory)
     assert [c.input for c in result.pending] == [{"to": "boss"}]
 
 
+@pytest.mark.parametrize("answer", [None, "no", 0, RuntimeError("down")],
+                         ids=["none", "text", "int", "raises"])
+async def test_an_approval_callable_that_does_not_answer_a_bool_asks(
+        make_engine: EngineFactory, answer: object, caplog: pytest.LogCaptureFixture) -> None:
+    """A check that raises, or answers None (a missing ``return``), text or a
+    number, counts as asking: the call waits for approval, never runs unasked."""
+    sent: list[str] = []
+
+    def check(call: le.PendingCall) -> Any:
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    @le.tool(approval=check)
+    def mail(to: str) -> str:
+        """Mail someone."""
+        sent.append(to)
+        return "ok"
+
+    engine, _, _ = make_engine(Reply.tool_calls(("mail", {"to": "me"})))
+    result = await engine.run(operation(), "go", tools=[mail])
+    assert result.outcome is le.Outcome.PAUSED and sent == []
+    assert [c.tool for c in result.pending] == ["mail"]
+    assert "waits for approval" in caplog.text
+
+
 async def test_r02_refuses_a_batch_before_it_could_pause(make_engine: EngineFactory) -> None:
     """An oversized batch ends tool_batch_limit as before: checkpoint 3 comes first."""
     sender = Sender()

@@ -175,6 +175,136 @@ async def test_a_second_resume_of_a_paused_run_is_busy(ledger: Any, clock: FakeC
     assert len(provider.requests) == sent and sender.sent == []
 
 
+async def test_a_run_paused_without_a_run_store_is_adopted_by_a_resume_with_one(
+        ledger: Any, clock: FakeClock) -> None:
+    """Paused on an engine without a run store, resumed on one with a store on the
+    same ledger: the resume's first checkpoint inserts the run's row, leased, so
+    the run goes on under the store (its handler finds it there; a crash from
+    then on is recovered by id); it completes and its row is deleted."""
+    rows: list[Any] = []
+
+    @le.tool(name="send", approval=True)
+    async def send_tool(to: str, ctx: le.ToolContext) -> str:
+        """Send the message to someone."""
+        rows.append(await store.load(ctx.invocation_id))
+        return f"sent to {to}"
+
+    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
+    plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                      rng=random.Random(3))
+    paused = await plain.run(operation(), "go", tools=[send_tool])
+    assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+    store = le.RunStore(ledger)
+    assert await store.load(paused.invocation_id) is None
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
+    (call,) = paused.pending
+    done = await engine.resume(paused.state, decisions={call.id: le.Approve()},
+                               tools=[send_tool])
+    assert done.outcome is le.Outcome.COMPLETED and done.invocation_id == paused.invocation_id
+    [row] = rows
+    assert row is not None and row.lease_owner is not None and row.paused_at is None
+    kept = le.RunState.loads(row.state)
+    assert (kept.invocation_id, kept.batch) == (paused.invocation_id, (call.id,))
+    assert kept.progress.turns == 1 and kept.progress.attempts == 1
+    assert await store.load(paused.invocation_id) is None
+    assert await store.tool_calls(paused.invocation_id) == {call.id: "succeeded"}
+    assert (await ledger.read_progress(paused.invocation_id)).outcome == "completed"
+
+
+class MeetingLedger(SQLiteLedger):
+    """A SQLite ledger whose ``read_progress`` waits, once ``meet`` is set, until
+    that many callers have read: two resumes both find the run paused before
+    either goes on."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.meet = 0
+        self._readers = 0
+        self._met = anyio.Event()
+
+    async def read_progress(self, invocation_id: str) -> Any:
+        progress = await super().read_progress(invocation_id)
+        if self.meet:
+            self._readers += 1
+            if self._readers >= self.meet:
+                self._met.set()
+            await self._met.wait()
+        return progress
+
+
+async def test_of_two_resumes_adopting_one_paused_run_one_wins_and_the_other_records_nothing(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """Two engines with run stores resume at once a run paused without one, both
+    past the ledger's check: the row's key lets one insert it; the other gets
+    RunBusyError, sends nothing, emits nothing and reserves nothing."""
+    with MeetingLedger(tmp_path / "ledger.db") as ledger:
+        await two_adopting_resumes(ledger, clock)
+
+
+async def two_adopting_resumes(ledger: MeetingLedger, clock: FakeClock) -> None:
+    sender = Sender()
+    accounts = le.CreditAccounts(ledger)
+    await accounts.grant("acme", 1000)
+    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done"),
+                                 Reply.text("done twice")], clock=clock)
+    plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, accounts=accounts)
+    paused = await plain.run(operation(credit_hold=500), "go", tools=[sender.tool],
+                             attribution=le.Attribution(tenant="acme"))
+    assert paused.state is not None
+    stored = paused.state.dumps()
+    seen: list[object] = []
+    engines = [le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                         accounts=accounts, run_store=le.RunStore(ledger),
+                         observers=[seen.append]) for _ in range(2)]
+    outcomes: list[object] = []
+
+    async def resume(engine: le.Engine) -> None:
+        try:
+            done = await engine.resume(stored, tools=[sender.tool],
+                                       decisions={paused.pending[0].id: le.Approve()})
+            outcomes.append(done.outcome)
+        except le.RunBusyError as error:
+            outcomes.append(error)
+
+    ledger.meet = 2
+    async with anyio.create_task_group() as group:
+        for engine in engines:
+            group.start_soon(resume, engine)
+    assert le.Outcome.COMPLETED in outcomes and len(outcomes) == 2
+    assert any(isinstance(o, le.RunBusyError) for o in outcomes)
+    assert sender.sent == ["a"] and len(provider.requests) == 2
+    assert [type(e).__name__ for e in seen
+            if isinstance(e, events.RunResumed | events.RunEnded)] == ["RunResumed", "RunEnded"]
+    assert (await ledger.read_progress(paused.invocation_id)).outcome == "completed"
+    assert await le.RunStore(ledger).load(paused.invocation_id) is None
+    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 240, 0, 760)
+
+
+async def test_a_run_paused_in_a_run_store_is_refused_by_an_engine_without_one(
+        ledger: Any, clock: FakeClock) -> None:
+    """Its state is kept in the store: an engine without one would leave the row
+    (transcript included) behind and skip its lease, so it refuses the resume
+    with a ConfigError before anything is sent or recorded; an engine with the
+    store then resumes it."""
+    sender = Sender()
+    engine, provider, store = engine_on(ledger, clock, Reply.tool_calls(send("a")),
+                                        Reply.text("done"))
+    paused = await engine.run(operation(), "go", tools=[sender.tool])
+    assert paused.state is not None
+    decisions: dict[str, le.Decision] = {paused.pending[0].id: le.Approve()}
+    plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES)
+    with pytest.raises(le.ConfigError, match=r"run store: resume it on an engine with "
+                                             r"run_store=RunStore\(ledger\)"):
+        await plain.resume(paused.state, decisions=decisions, tools=[sender.tool])
+    assert sender.sent == [] and len(provider.requests) == 1
+    assert (await ledger.read_progress(paused.invocation_id)).outcome == "paused"
+    stored = await store.load(paused.invocation_id)
+    assert stored is not None and stored.paused_at is not None
+    done = await engine.resume(paused.invocation_id, decisions=decisions, tools=[sender.tool])
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+    assert await store.load(paused.invocation_id) is None
+
+
 async def test_a_non_idempotent_call_cut_by_a_crash_is_in_doubt_never_run_again(
         ledger: Any, clock: FakeClock) -> None:
     """Killed in charge's handler: the lease holds off a resume until it expires
