@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -473,13 +474,19 @@ class Engine:
             operation, state.messages[:max(1, state.given)], system=state.system,
             tools=tools, output=output, accept=accept, attribution=state.attribution,
             limits=state.limits, retry=state.retry, on_text=on_text,
-            tool_error_text=tool_error_text, final_tool=state.final_tool)
+            tool_error_text=tool_error_text, final_tool=state.final_tool,
+            # The run's features as it ran: narrowed from the operation's again.
+            features=None if state.features is None else {
+                name: getattr(state.features, name) for name in Features.__dataclass_fields__})
         # The transcript as it paused: its last reply's calls still wait for results.
         spec = replace(spec, messages=copy.deepcopy(state.messages))
+        release = None
         if stored is not None:
             assert self.run_store is not None
             # Taken before anything is sent or recorded: of two resumes, one.
-            inv.lease_owner = new_owner()
+            inv.lease_owner = owner = new_owner()
+            release = functools.partial(self.run_store.release, state.invocation_id, owner,
+                                        paused_at=stored.paused_at)
             left = state.limits.total_time
             if left is not None:
                 left = max(0.0, left - state.progress.running_seconds)
@@ -492,7 +499,7 @@ class Engine:
         # A run paused without a run store: its first checkpoint adopts it
         # into this engine's (`_Loop.run`).
         return await resume_loop(inv, spec, state, decided, recovering=recovering,
-                                 undecided=undecided,
+                                 undecided=undecided, release=release,
                                  adopt=self.run_store is not None and stored is None)
 
     async def _in_doubt(self, state: RunState, tools: Iterable[Tool]) -> tuple[PendingCall, ...]:

@@ -30,6 +30,8 @@ __all__ = [
     "check_features",
     "check_server_tool_names",
     "enabled_features",
+    "features_from_table",
+    "features_table",
     "is_web_search",
     "narrow_features",
 ]
@@ -201,6 +203,43 @@ def check_features(features: Any) -> None:
                            _json_object("context_management", features.context_management))
     _choice("reasoning_effort", features.reasoning_effort, REASONING_EFFORTS)
     _choice("service_tier", features.service_tier, SERVICE_TIERS)
+
+
+def features_table(features: Any) -> dict[str, Any]:
+    """The feature fields of ``features`` (a `Features` or an `Operation`) as
+    JSON values, the ones switched off left out: what `features_from_table`
+    and `Operation.from_mapping` read back."""
+    table: dict[str, Any] = {}
+    if features.thinking is not None:
+        thinking = features.thinking
+        table["thinking"] = {"budget_tokens": thinking.budget_tokens,
+                             "adaptive": thinking.adaptive, "effort": thinking.effort}
+    if features.server_tools:
+        table["server_tools"] = [{"type": t.type, "name": t.name, "max_uses": t.max_uses,
+                                  "params": dict(t.params)} for t in features.server_tools]
+    if features.betas:
+        table["betas"] = list(features.betas)
+    for name in ("context_management", "reasoning_effort", "service_tier"):
+        value = getattr(features, name)
+        if value is not None:
+            table[name] = dict(value) if name == "context_management" else value
+    return table
+
+
+def features_from_table(table: Mapping[str, Any]) -> Features:
+    """The `Features` that `features_table` wrote (what it left out: off).
+
+    Raises:
+        ConfigError: a key or value no feature takes.
+    """
+    _known_keys(table, set(Features.__dataclass_fields__), "a request feature")
+    values = dict(table)
+    if values.get("thinking") is not None:
+        values["thinking"] = Thinking.from_mapping(values["thinking"])
+    values["server_tools"] = tuple(ServerTool.from_mapping(t)
+                                   for t in values.get("server_tools") or ())
+    values["betas"] = tuple(values.get("betas") or ())
+    return Features(**values)
 
 
 def enabled_features(features: Features) -> tuple[str, ...]:

@@ -23,14 +23,14 @@ import anyio.lowlevel
 
 from loopengine._admission import admit, settle_account
 from loopengine._attempt import settle
-from loopengine._errors import LedgerError, LoopEngineError
+from loopengine._errors import LedgerError, LoopEngineError, RunBusyError
 from loopengine._invocation import LEDGER_GRACE, Invocation
 from loopengine.events import GuardTripped, RunEnded, RunStarted
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import InvocationEnd, InvocationStart
 
 __all__ = ["begin", "cancelled", "end_paused", "ending", "failed", "finish", "forget_run",
-           "uninterrupted"]
+           "uninterrupted", "write_if_paused"]
 
 logger = logging.getLogger("loopengine")
 
@@ -131,15 +131,37 @@ async def finish(
     await uninterrupted(end)
 
 
+async def write_if_paused(inv: Invocation, record: InvocationEnd) -> None:
+    """Write ``record``, a compare-and-set on the pause it takes
+    (``record.expect_seal``).
+
+    Raises:
+        RunBusyError: the ledger refused it because the invocation is no
+            longer that pause: another resume took it.
+        LedgerError: the ledger refused it for another reason.
+    """
+    assert inv.ledger is not None
+    try:
+        await inv.ledger.end_invocation(record)
+    except LedgerError:
+        read = getattr(inv.ledger, "read_progress", None)
+        found = None if read is None else await read(inv.id)
+        if found is None or found.outcome != "paused" or (found.seal or "") != record.expect_seal:
+            raise RunBusyError(inv.id, None, "another resume took its pause") from None
+        raise
+
+
 async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int, tool_calls: int,
-                     credits: int) -> None:
+                     credits: int, expect_seal: str | None = None) -> None:
     inv.ended = True
     try:
         if inv.ledger is not None:
-            confirmed = await inv.confirm(inv.ledger.end_invocation(
-                InvocationEnd(id=inv.id, ended_at=at, outcome=outcome, turns=turns,
-                              tool_calls=tool_calls, credits=credits)
-            ), at_least=LEDGER_GRACE)
+            record = InvocationEnd(id=inv.id, ended_at=at, outcome=outcome, turns=turns,
+                                   tool_calls=tool_calls, credits=credits,
+                                   expect_seal=expect_seal)
+            confirmed = await inv.confirm(
+                inv.ledger.end_invocation(record) if expect_seal is None
+                else write_if_paused(inv, record), at_least=LEDGER_GRACE)
             if not confirmed:
                 logger.warning("%s %s: the ledger did not confirm its end (%s) by its "
                                "deadline; the write stays queued", inv.kind, inv.id,
@@ -180,10 +202,16 @@ async def forget_run(inv: Invocation) -> None:
 async def end_paused(inv: Invocation, outcome: str, *, turns: int, tool_calls: int,
                      credits: int) -> None:
     """End a paused invocation that will not resume (its pause outlasted
-    ``pause_timeout``): the ledger's end, its stored state deleted, `RunEnded`."""
+    ``pause_timeout``): the ledger's end, its stored state deleted, `RunEnded`.
+
+    The end takes the pause as a resume would (`Invocation.pause_seal`).
+
+    Raises:
+        RunBusyError: another resume took the pause first; nothing was recorded.
+    """
     async def end() -> None:
         await _write_end(inv, inv.clock.wall(), outcome, turns=turns, tool_calls=tool_calls,
-                         credits=credits)
+                         credits=credits, expect_seal=inv.pause_seal)
 
     await uninterrupted(end)
 

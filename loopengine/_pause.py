@@ -21,9 +21,9 @@ from dataclasses import replace
 from typing import Any
 
 from loopengine._admission import admit, settle_account
-from loopengine._errors import ConfigError, LedgerError, RunBusyError
+from loopengine._errors import ConfigError, RunBusyError
 from loopengine._invocation import LEDGER_GRACE, Invocation
-from loopengine._lifecycle import end_paused, forget_run, uninterrupted
+from loopengine._lifecycle import end_paused, forget_run, uninterrupted, write_if_paused
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
 from loopengine._tools import Tool
 from loopengine._usage import Usage
@@ -173,14 +173,16 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
                                                           "took its pause")
         # A recovered run's process may have died as it paused.
         if found.outcome not in (("running", "paused") if recovering else ("paused",)):
-            if recovering:
-                # It ended, and its process died before it forgot its state.
-                await forget_run(inv)
+            # It ended (and a process died before it forgot its stored state).
+            await forget_run(inv)
             raise ConfigError("state", f"invocation {state.invocation_id} is not paused: "
                                        f"it is {found.outcome}")
-        if not recovering and found.seal is not None:
-            check_seal(state, found.seal)
-        inv.pause_seal = None if recovering else found.seal
+        if not recovering:
+            if found.seal is not None:
+                check_seal(state, found.seal)
+            # What its end or its resume must find: this pause ("": one whose
+            # ledger recorded no seal).
+            inv.pause_seal = found.seal or ""
         progress = found
         if recovering:
             progress = replace(found, turns=saved.turns, tool_calls=saved.tool_calls,
@@ -189,7 +191,7 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     timeout = inv.limits.pause_timeout
     paused_at = progress.ended_at or state.paused_at
     waited = (now - paused_at).total_seconds()
-    if recovering:
+    if recovering and (progress.outcome != "paused" or inv.ledger is None):
         waited = 0.0  # it did not wait paused: its process died while it ran
     if timeout is not None and waited > timeout:
         await end_paused(inv, "time_limit", turns=progress.turns,
@@ -263,20 +265,14 @@ async def resume_begin(inv: Invocation, conversation: ConversationState) -> None
     at = inv.clock.wall()
     inv.begun = True
     if inv.ledger is not None:
-        try:
-            await inv.ledger.end_invocation(InvocationEnd(
-                id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
-                tool_calls=conversation.tool_calls, credits=conversation.credits, at=at,
-                expect_seal=inv.pause_seal))
-        except LedgerError:
-            if inv.pause_seal is None:
-                raise
-            # Refused: is the pause still there to take? If not, another resume took it.
-            read = getattr(inv.ledger, "read_progress", None)
-            found = None if read is None else await read(inv.id)
-            if found is None or found.outcome != "paused" or found.seal != inv.pause_seal:
-                raise RunBusyError(inv.id, None, "another resume took its pause") from None
-            raise
+        record = InvocationEnd(
+            id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
+            tool_calls=conversation.tool_calls, credits=conversation.credits, at=at,
+            expect_seal=inv.pause_seal)
+        if inv.pause_seal is None:
+            await inv.ledger.end_invocation(record)  # a recovery: its lease took it
+        else:
+            await write_if_paused(inv, record)
     await inv.emit(RunResumed(
         run_id=inv.id, at=at, operation=inv.operation.name,
         operation_version=inv.operation.version, provider=inv.operation.provider,

@@ -130,7 +130,9 @@ def run_loop(inv: Invocation, spec: RunSpec) -> Coroutine[Any, Any, RunResult]:
 
 async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
                       decisions: Mapping[str, Decision], *, recovering: bool = False,
-                      undecided: bool = False, adopt: bool = False) -> RunResult:
+                      undecided: bool = False, adopt: bool = False,
+                      release: Callable[[], Coroutine[Any, Any, None]] | None = None
+                      ) -> RunResult:
     """Resume the paused run of ``state`` (`loopengine._pause`): decide its pending
     batch, then go on as `run_loop` does, as the same invocation.
 
@@ -139,14 +141,27 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     doubt) have no decisions yet: the run pauses again at once, before anything
     is sent. ``adopt``: the run paused without a run store and resumes on an
     engine with one: its first checkpoint inserts its row, so it goes on under
-    the store (docs/pause-and-resume.md).
+    the store (docs/pause-and-resume.md). ``release``: gives back the run its
+    run store's claim took, when the resume fails before it begins.
 
     Raises:
         ConfigError: the run cannot resume (not paused, its pause timed out),
             before anything is sent.
         RunBusyError: another resume took the pause first; nothing was recorded.
     """
-    conversation = await prepare_resume(inv, state, recovering=recovering)
+    try:
+        conversation = await prepare_resume(inv, state, recovering=recovering)
+    except BaseException:
+        # Refused or failed before anything was recorded (a ledger it could not
+        # read): the run is left as it was found, not held until its lease expires.
+        if release is not None:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await release()
+                except Exception:
+                    logger.exception("run %s: its run store claim could not be given "
+                                     "back; it is free once its lease expires", inv.id)
+        raise
     inv.base_turns = conversation.turns
     loop = _Loop(inv, spec, resumed=(state, decisions))
     loop.state = conversation
@@ -458,6 +473,12 @@ class _Loop:
             batch_ids = tuple(str(b.get("id")) for b in batch)
         state = self._snapshot(batch_ids=batch_ids, results=results, repair=repair,
                                pending=pending, paused_at=paused_at)
+        if paused_at is not None:
+            # The same pause: the state it returned, which the caller may hold
+            # still, keeps its seal (no running time was added).
+            before = self.resumed[0] if self.resumed is not None else state
+            state = replace(before, progress=replace(
+                state.progress, running_seconds=before.progress.running_seconds))
         await pause(inv, state)
         if inv.run_store is not None:
             await self._checkpoint(state, paused=True, calls=[
@@ -495,7 +516,7 @@ class _Loop:
             # The terminal tool's definition is the last one (`__init__`).
             output_digest=None if self.spec.output is None else definition_digest(
                 self.definitions[-1]),
-            tools=tuple(self.tools), pending=pending,
+            tools=tuple(self.tools), features=inv.features, pending=pending,
             batch=batch_ids if batch_ids is not None else tuple(
                 str(b.get("id")) for b in batch),
             results=list(results), repair=repair,

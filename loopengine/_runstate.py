@@ -21,6 +21,7 @@ from typing import Any, Literal
 from loopengine import _validate
 from loopengine._attribution import Attribution
 from loopengine._errors import ConfigError
+from loopengine._features import Features, features_from_table, features_table
 from loopengine._operation import Operation
 from loopengine._usage import Usage, UsageIteration
 from loopengine.guards._limits import Limits
@@ -136,6 +137,10 @@ class RunState:
     tools: tuple[str, ...] | None
     """The names of the tools the run was given, so a resume can tell one
     missing; None in a state encoded before they were kept (unknown)."""
+    features: Features | None
+    """The run's request features (its operation's, as ``run(features=...)``
+    narrowed them), which its resumed requests send again; None in a state
+    encoded before they were kept (its operation's)."""
     pending: tuple[PendingCall, ...]
     """The calls waiting for a decision."""
     batch: tuple[str, ...]
@@ -155,7 +160,13 @@ class RunState:
 
     def dumps(self) -> bytes:
         """The state as versioned JSON bytes (no keys, no code)."""
-        return json.dumps(self._encoded(), ensure_ascii=False, separators=(",", ":")).encode()
+        encoded = self._encoded()
+        try:
+            return json.dumps(encoded, ensure_ascii=False, separators=(",", ":")).encode()
+        except UnicodeEncodeError:
+            # A lone surrogate (a model's reply may carry one, escaped in its
+            # JSON): escaped again here, which `loads` reads back the same.
+            return json.dumps(encoded, separators=(",", ":")).encode()
 
     def _encoded(self) -> dict[str, Any]:
         """The state as JSON values (what `dumps` encodes)."""
@@ -171,7 +182,7 @@ class RunState:
                 "model_max_output_tokens": operation.model_max_output_tokens,
                 "wrap_up_text": operation.wrap_up_text,
                 "limits": _fields(operation.limits), "retry": _fields(operation.retry),
-                "cache": _fields(operation.cache),
+                "cache": _fields(operation.cache), **features_table(operation),
             },
             "limits": _fields(self.limits),
             "retry": _fields(self.retry),
@@ -183,6 +194,7 @@ class RunState:
             "structured": self.structured,
             "output_digest": self.output_digest,
             "tools": None if self.tools is None else list(self.tools),
+            "features": None if self.features is None else features_table(self.features),
             "pending": [[p.id, p.tool, p.input, p.reason] for p in self.pending],
             "batch": list(self.batch),
             "results": self.results,
@@ -234,6 +246,8 @@ class RunState:
                 output_digest=_optional_text(raw.get("output_digest")),
                 tools=None if raw.get("tools") is None else tuple(
                     _text(name) for name in _list(raw["tools"])),
+                features=None if raw.get("features") is None else features_from_table(
+                    raw["features"]),
                 pending=tuple(PendingCall(_text(i), _text(t), v, r)
                               for i, t, v, r in raw["pending"]),
                 batch=tuple(_text(i) for i in raw["batch"]),
@@ -267,7 +281,7 @@ class RunState:
         encoded = self._encoded()
         del encoded["paused_at"], encoded["extra"]
         encoded["progress"] = {"running_seconds": self.progress.running_seconds}
-        text = json.dumps(encoded, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+        text = json.dumps(encoded, separators=(",", ":"), sort_keys=True)  # ASCII
         return hashlib.sha256(text.encode()).hexdigest()
 
 

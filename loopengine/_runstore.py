@@ -303,6 +303,23 @@ class RunStore:
 
         await self._transact(work)
 
+    async def release(self, invocation_id: str, owner: str, *,
+                      paused_at: datetime | None) -> None:
+        """Give back a run `claim` took, if ``owner`` still holds it: a resume
+        that failed before it recorded anything (a ledger it could not read)
+        leaves the run as it found it, paused since ``paused_at`` (or, None,
+        free for a recovery), not held until its lease expires (internal)."""
+
+        def work(conn: Any) -> None:
+            conn.execute(
+                "UPDATE run_states SET version = version + 1, lease_owner = NULL, "
+                "lease_expires_at = NULL, paused_at = ? WHERE invocation_id = ? "
+                "AND lease_owner = ?",
+                (None if paused_at is None else format_time(paused_at), invocation_id,
+                 owner))
+
+        await self._transact(work)
+
     async def drop(self, invocation_id: str, owner: str | None) -> None:
         """Delete the ended run's row, if ``owner`` holds it (or it is paused
         and ``owner`` is None), and mark ``in_doubt`` its calls still

@@ -11,6 +11,7 @@ resume of the same pause runs nothing.
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,10 +24,10 @@ import loopengine as le
 from loopengine._runstate import Progress
 from loopengine.persistence import MemoryLedger, PostgresLedger, SQLiteLedger
 from loopengine.persistence._records import InvocationEnd, InvocationStart
-from loopengine.providers import Reply
+from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
-from .conftest import EngineFactory, operation
+from .conftest import PRICES, EngineFactory, operation
 from .pause_scenarios import Sender, send
 from .postgres_support import PostgresServer, fresh_schema
 from .rule_scenarios import Counter, lookup
@@ -112,7 +113,7 @@ def _a_state() -> le.RunState:
                       {"type": "tool_use", "id": "toolu_1", "name": "send",
                        "input": {"to": "bob"}}]}],
         given=1, final_tool="final_answer", structured=False, output_digest=None,
-        tools=("send", "lookup"),
+        tools=("send", "lookup"), features=None,
         pending=(le.PendingCall("toolu_1", "send", {"to": "bob"}),), batch=("toolu_1",),
         results=[], repair=False, answered_calls={"lookup": 1},
         progress=Progress(turns=1, tool_calls=1, credits=120, attempts=1, cost_nanousd=1,
@@ -271,3 +272,214 @@ async def test_two_resumes_of_one_pause_without_a_run_store_run_its_call_once(
     finally:
         for ledger in opened:
             ledger.close()
+
+
+class MeetingLedger(SQLiteLedger):
+    """A SQLite ledger whose ``read_progress`` waits, once ``meet`` is set, until
+    that many callers have read: two resumes both find the run paused before
+    either takes it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.meet = 0
+        self._readers = 0
+        self._met = anyio.Event()
+
+    async def read_progress(self, invocation_id: str) -> Any:
+        progress = await super().read_progress(invocation_id)
+        if self.meet:
+            self._readers += 1
+            if self._readers >= self.meet:
+                self._met.set()
+            await self._met.wait()
+        return progress
+
+
+async def _race(one: le.Engine, two: le.Engine, state: Any, decisions: dict[str, Any],
+                tools: list[le.Tool]) -> list[object]:
+    """Both resumes at once; what each gave: an outcome or the error it raised."""
+    outcomes: list[object] = []
+
+    async def resume(engine: le.Engine) -> None:
+        try:
+            outcomes.append((await engine.resume(state, decisions=decisions,
+                                                 tools=tools)).outcome)
+        except le.LoopEngineError as error:
+            outcomes.append(error)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(resume, one)
+        tasks.start_soon(resume, two)
+    return outcomes
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "recorded-before-seals"])
+async def test_two_resumes_that_both_found_the_pause_take_it_once(
+        tmp_path: Path, clock: FakeClock, sealed: bool) -> None:
+    """Both read the run paused before either takes it: the ledger's
+    compare-and-set lets one in, the other raises RunBusyError having sent and
+    recorded nothing, the approved call runs once. So too for a pause recorded
+    before the ledger kept seals (its seal NULL)."""
+    sender = Sender()
+    seen: list[object] = []
+    with MeetingLedger(tmp_path / "l.db") as ledger:
+        provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done"),
+                                     Reply.text("done twice")], clock=clock)
+        engines = [le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                             observers=[seen.append]) for _ in range(2)]
+        paused = await engines[0].run(operation(), "go", tools=[sender.tool])
+        assert paused.state is not None
+        if not sealed:
+            await ledger.flush()
+            with sqlite3.connect(ledger.path) as conn:
+                conn.execute("UPDATE invocations SET pause_seal = NULL")
+        ledger.meet = 2
+        outcomes = await _race(*engines, paused.state, {paused.pending[0].id: le.Approve()},
+                               [sender.tool])
+        ledger.meet = 0
+        busy = [o for o in outcomes if isinstance(o, le.RunBusyError)]
+        assert len(busy) == 1 and le.Outcome.COMPLETED in outcomes
+        assert sender.sent == ["a"] and len(provider.requests) == 2
+        assert [type(e).__name__ for e in seen if type(e).__name__ in
+                ("RunResumed", "RunEnded")] == ["RunResumed", "RunEnded"]
+        progress = await ledger.read_progress(paused.invocation_id)
+        assert (progress.outcome, progress.turns, progress.tool_calls) == ("completed", 2, 1)
+
+
+async def test_a_resume_past_its_pause_timeout_ends_the_run_only_if_no_resume_took_it(
+        tmp_path: Path) -> None:
+    """Two hosts resume one pause, one's clock 1 s inside pause_timeout and the
+    other's 1 s past it, both having read it paused: exactly one takes it. The
+    other raises RunBusyError and records nothing: either the run went on and
+    its call ran once, or it ended time_limit and its call never ran."""
+    seen = set()
+    for round_ in range(6):
+        sender = Sender()
+        early, late = FakeClock(), FakeClock()
+        with MeetingLedger(tmp_path / f"l{round_}.db") as ledger:
+            provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")],
+                                        clock=early)
+            on_time = le.Engine(provider, ledger=ledger, clock=early, prices=PRICES)
+            too_late = le.Engine(provider, ledger=ledger, clock=late, prices=PRICES)
+            paused = await on_time.run(operation(pause_timeout=100), "go", tools=[sender.tool])
+            assert paused.state is not None
+            early.advance(99)
+            late.advance(101)
+            ledger.meet = 2
+            engines = (on_time, too_late) if round_ % 2 else (too_late, on_time)
+            outcomes = await _race(*engines, paused.state,
+                                   {paused.pending[0].id: le.Approve()}, [sender.tool])
+            ledger.meet = 0
+            progress = await ledger.read_progress(paused.invocation_id)
+        assert len([o for o in outcomes if isinstance(o, le.RunBusyError)]) == 1, outcomes
+        seen.add(progress.outcome)
+        if progress.outcome == "completed":
+            assert le.Outcome.COMPLETED in outcomes and sender.sent == ["a"]
+        else:
+            assert progress.outcome == "time_limit" and sender.sent == []
+            assert any(isinstance(o, le.ConfigError) for o in outcomes)
+    assert seen <= {"completed", "time_limit"}
+
+
+async def test_a_pause_whose_transcript_holds_a_lone_surrogate_resumes(
+        tmp_path: Path, clock: FakeClock, make_engine: EngineFactory) -> None:
+    """A model's reply may carry a lone surrogate (escaped in its JSON): the run
+    still pauses (its state encodes it escaped, its seal is computed), and the
+    state resumes, from bytes and by id from a run store."""
+    sender = Sender()
+    with SQLiteLedger(tmp_path / "l.db") as ledger:
+        engine, _, _ = make_engine(
+            Reply.tool_calls(("send", {"to": "bo\ud800b"})), Reply.text("done"),
+            ledger=ledger, run_store=le.RunStore(ledger))
+        paused = await engine.run(operation(), "go", tools=[sender.tool])
+        assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+        again = le.RunState.loads(paused.state.dumps())
+        assert again.seal() == paused.state.seal() and again.pending == paused.state.pending
+        done = await engine.resume(paused.invocation_id,
+                                   decisions={paused.pending[0].id: le.Approve()},
+                                   tools=[sender.tool])
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["bo\ud800b"]
+
+
+@pytest.mark.parametrize("how", ["state", "bytes", "id"])
+async def test_a_resumed_run_sends_the_features_it_ran_with(
+        tmp_path: Path, make_engine: EngineFactory, how: str) -> None:
+    """The operation's request features, as the run narrowed them, travel in
+    the state: the resumed requests send them again (never the operation's
+    wider ones, never none)."""
+    published = le.Operation(name="test.op", provider="anthropic",
+                             model="claude-sonnet-4-5", max_output_tokens=4096,
+                             thinking=le.Thinking(budget_tokens=2048), betas=("b1", "b2"))
+    sender = Sender()
+    with SQLiteLedger(tmp_path / "l.db") as ledger:
+        engine, provider, _ = make_engine(Reply.tool_calls(send("a")), Reply.text("done"),
+                                          ledger=ledger, run_store=le.RunStore(ledger))
+        paused = await engine.run(published, "go", tools=[sender.tool],
+                                  features={"betas": ("b1",)})
+        assert paused.state is not None
+        state: Any = {"state": paused.state, "bytes": paused.state.dumps(),
+                      "id": paused.invocation_id}[how]
+        await engine.resume(state, decisions={paused.pending[0].id: le.Approve()},
+                            tools=[sender.tool])
+    sent = [(r.features.thinking, r.features.betas) for r in provider.requests]
+    assert sent == [(le.Thinking(budget_tokens=2048), ("b1",))] * 2
+
+
+class FlakyLedger(SQLiteLedger):
+    """A SQLite ledger whose next ``read_progress`` fails once ``fail`` is set."""
+
+    fail = False
+
+    async def read_progress(self, invocation_id: str) -> Any:
+        if self.fail:
+            self.fail = False
+            raise le.LedgerError("the connection was reset")
+        return await super().read_progress(invocation_id)
+
+
+async def test_a_resume_that_fails_before_it_begins_leaves_the_run_store_as_it_found_it(
+        tmp_path: Path, make_engine: EngineFactory) -> None:
+    """A resume whose ledger read fails after its run store claim gives the run
+    back: it is paused again at once (not held until its lease expires), and
+    the next resume completes it."""
+    sender = Sender()
+    with FlakyLedger(tmp_path / "l.db") as ledger:
+        store = le.RunStore(ledger)
+        engine, _, _ = make_engine(Reply.tool_calls(send("a")), Reply.text("done"),
+                                   ledger=ledger, run_store=store)
+        paused = await engine.run(operation(), "go", tools=[sender.tool])
+        decisions = {paused.pending[0].id: le.Approve()}
+        ledger.fail = True
+        with pytest.raises(le.LedgerError, match="reset"):
+            await engine.resume(paused.invocation_id, decisions=decisions, tools=[sender.tool])
+        stored = await store.load(paused.invocation_id)
+        assert stored is not None and stored.paused_at is not None
+        assert stored.lease_owner is None and sender.sent == []
+        done = await engine.resume(paused.invocation_id, decisions=decisions,
+                                   tools=[sender.tool])
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+
+
+async def test_a_run_taken_from_its_pause_by_a_process_that_died_still_has_its_pause_timeout(
+        tmp_path: Path, clock: FakeClock, make_engine: EngineFactory) -> None:
+    """A process claimed the paused run and died before it took the ledger's
+    pause: recovered past pause_timeout, the run ends time_limit, its call
+    never run."""
+    sender = Sender()
+    with SQLiteLedger(tmp_path / "l.db") as ledger:
+        store = le.RunStore(ledger)
+        engine, provider, _ = make_engine(Reply.tool_calls(send("a")), Reply.text("done"),
+                                          ledger=ledger, run_store=store)
+        paused = await engine.run(operation(pause_timeout=10), "go", tools=[sender.tool])
+        stored = await store.load(paused.invocation_id)
+        assert stored is not None
+        await store.claim(paused.invocation_id, "dead-host:1:x", version=stored.version,
+                          expires_at=clock.wall(), now=clock.wall(), force=False)
+        clock.advance(1000)
+        with pytest.raises(le.ConfigError, match="pause_timeout"):
+            await engine.resume(paused.invocation_id,
+                                decisions={paused.pending[0].id: le.Approve()},
+                                tools=[sender.tool], force=True)
+        assert (await ledger.read_progress(paused.invocation_id)).outcome == "time_limit"
+        assert await store.load(paused.invocation_id) is None
+    assert sender.sent == [] and len(provider.requests) == 1

@@ -90,11 +90,15 @@ async def test_accounts_across_a_pause_on_postgres(postgres_server: PostgresServ
 async def test_a_resume_its_account_cannot_admit_keeps_the_state(tmp_path: Path,
                                                                   clock: FakeClock) -> None:
     """Nothing available at the resume: admission_denied, nothing sent, the state
-    kept, the invocation paused again; after a grant the same state resumes."""
+    kept, the invocation paused again; after a grant the same state resumes,
+    the one the caller held from the first pause too (time passed during the
+    denied resume adds no running time: its seal is unchanged)."""
     sender = Sender()
     with SQLiteLedger(tmp_path / "ledger.db") as store:
         engine, provider, accounts, paused = await paused_on_account(store, clock, sender, 150)
         assert paused.state is not None
+        engine.observers = [*engine.observers, lambda event: clock.advance(5) if isinstance(
+            event, le.events.RunResumed) else None]
         # Another run spends what is left.
         other = await accounts.reserve("acme", "someone-else", 30, expires_at=datetime.max,
                                        credits_per_usd=PRICES.credits_per_usd,
@@ -106,8 +110,9 @@ async def test_a_resume_its_account_cannot_admit_keeps_the_state(tmp_path: Path,
         assert denied.state is not None and denied.pending == paused.pending
         assert sender.sent == [] and len(provider.requests) == 1
         assert (await store.read_progress(paused.invocation_id)).outcome == "paused"
+        assert denied.state.seal() == paused.state.seal()
         await accounts.grant("acme", 1000)
-        done = await engine.resume(denied.state.dumps(), decisions=decisions,
+        done = await engine.resume(paused.state.dumps(), decisions=decisions,
                                    tools=[sender.tool])
         assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
         assert done.invocation_id == paused.invocation_id

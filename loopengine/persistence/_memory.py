@@ -183,7 +183,9 @@ class _Rows(_planner.Store):
                 changed += 1
             else:
                 invocation = self.invocations[row[-1]]
-                if row[-2] is None or invocation["pause_seal"] == row[-2]:
+                expect = row[-2]  # the pause it must still be (`_planner.END_SET`)
+                if expect is None or (invocation["outcome"] == "paused"
+                                      and (invocation["pause_seal"] or "") == expect):
                     invocation.update(zip(_planner.END_SET, row[:-2], strict=True))
                     changed += 1
         return changed

@@ -75,8 +75,9 @@ ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "ht
                          "reasoning_tokens", "iterations", "fee_nanousd")
 # (END, op_id, id, *END_SET, at, expect_seal): ``at`` is when it was written
 # (a resume's segment starts then); ``expect_seal``, when not None, is the
-# ``pause_seal`` the row must still have (a resume's compare-and-set: of two
-# resumes of one pause, the second changes no row and is refused).
+# pause the row must still be: ``paused`` with that ``pause_seal`` ("" for a
+# pause that recorded none). A compare-and-set: of two resumes of one pause
+# (or a resume and a pause's timeout), the second changes no row and is refused.
 END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits", "pause_seal")
 _E_AT: Final = 3 + len(END_SET)
 SEGMENT_OPEN: Final = ("invocation_id", "ordinal", "started_at")

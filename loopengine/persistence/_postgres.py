@@ -528,11 +528,11 @@ def _statement(kind: str) -> sql.Composable:
                        "v.invocation_id AND s.ordinal = v.ordinal").format(
             sets(_planner.SEGMENT_CLOSE), source(columns, [column_type(c) for c in columns]))
     assert kind == "end"
-    # The seal the row must still have: a resume's compare-and-set (None: any).
+    # The pause the row must still be (`_planner.END_SET`): a compare-and-set.
     columns = (*_planner.END_SET, "expect_seal", "id")
     return sql.SQL("UPDATE invocations AS i SET {} FROM {} WHERE i.id = v.id AND "
-                   "COALESCE(v.expect_seal, i.pause_seal, '') = COALESCE(i.pause_seal, '')"
-                   ).format(sets(_planner.END_SET),
+                   "(v.expect_seal IS NULL OR (i.outcome = 'paused' AND "
+                   "COALESCE(i.pause_seal, '') = v.expect_seal))").format(sets(_planner.END_SET),
                             source(columns, [*map(column_type, _planner.END_SET), "text",
                                              column_type("id")]))
 

@@ -107,9 +107,10 @@ class InvocationEnd:
     """A pause's seal (`loopengine.RunState.seal` of the state it returned),
     kept while it is paused; None for every other outcome."""
     expect_seal: str | None = None
-    """A resume's compare-and-set: the seal the paused row must still have, or
-    the write changes nothing and is refused (another resume took the pause).
-    None: no condition."""
+    """A compare-and-set on the pause (a resume's, a pause timeout's end): the
+    row must still be ``paused`` with this seal (``""``: a pause that recorded
+    none), or the write changes nothing and is refused (another resume took
+    the pause). None: no condition."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -134,15 +134,13 @@ def _build_sql(kind: str, rows: int) -> str:
         return (f"UPDATE invocations SET {sets} FROM (VALUES {values}) AS v "
                 f"WHERE invocations.id = v.column{width}")
     assert kind == "end"
-    # The seal the row must still have: a resume's compare-and-set (None: any).
-    sealed = "COALESCE({}, pause_seal, '') = COALESCE(pause_seal, '')"
-    if rows == 1:
-        return (f"UPDATE invocations SET {', '.join(f'{c} = ?' for c in END_SET)} "
-                f"WHERE {sealed.format('?')} AND id = ?")
+    # The pause the row must still be (`_planner.END_SET`): a compare-and-set.
+    expect = f"v.column{width - 1}"
     sets = ", ".join(f"{c} = v.column{i + 1}" for i, c in enumerate(END_SET))
     return (f"UPDATE invocations SET {sets} FROM (VALUES {values}) AS v "
-            f"WHERE {sealed.format(f'v.column{width - 1}')} "
-            f"AND invocations.id = v.column{width}")
+            f"WHERE invocations.id = v.column{width} AND ({expect} IS NULL OR "
+            f"(invocations.outcome = 'paused' AND "
+            f"COALESCE(invocations.pause_seal, '') = {expect}))")
 
 
 # -- the writer ------------------------------------------------------------------------------
