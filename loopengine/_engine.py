@@ -19,7 +19,7 @@ from loopengine._attribution import Attribution
 from loopengine._call import CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
 from loopengine._context import check_same_ledger
-from loopengine._errors import ConfigError
+from loopengine._errors import ConfigError, RunBusyError
 from loopengine._estimate import Estimate, estimate_run
 from loopengine._features import (
     Features,
@@ -39,6 +39,7 @@ from loopengine._run import (
     default_tool_error_text,
     definition_digest,
     final_tool_definition,
+    give_back,
     resume_loop,
     run_loop,
 )
@@ -490,12 +491,20 @@ class Engine:
             left = state.limits.total_time
             if left is not None:
                 left = max(0.0, left - state.progress.running_seconds)
-            await self.run_store.claim(
-                state.invocation_id, inv.lease_owner, version=stored.version,
-                expires_at=self.clock.wall() + timedelta(
-                    seconds=(left if left is not None else UNBOUNDED_RUN)
-                    + self.run_store.lease_grace),
-                now=self.clock.wall(), force=force)
+            try:
+                await self.run_store.claim(
+                    state.invocation_id, inv.lease_owner, version=stored.version,
+                    expires_at=self.clock.wall() + timedelta(
+                        seconds=(left if left is not None else UNBOUNDED_RUN)
+                        + self.run_store.lease_grace),
+                    now=self.clock.wall(), force=force)
+            except RunBusyError:
+                raise  # another resume holds it: nothing was taken
+            except BaseException:
+                # Cancelled (or failed) while the claim was written: it may have
+                # committed all the same, so it is given back.
+                await give_back(state.invocation_id, release)
+                raise
         # A run paused without a run store: its first checkpoint adopts it
         # into this engine's (`_Loop.run`).
         return await resume_loop(inv, spec, state, decided, recovering=recovering,

@@ -16,6 +16,7 @@ left, and a pause that outlasted ``Limits.pause_timeout`` ends it
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -265,10 +266,12 @@ async def resume_begin(inv: Invocation, conversation: ConversationState) -> None
     at = inv.clock.wall()
     inv.begun = True
     if inv.ledger is not None:
+        # A token of this resume in place of the seal: a commit lost on the way
+        # is read back as this resume's, never as another's (`Writer.evidence`).
         record = InvocationEnd(
             id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
             tool_calls=conversation.tool_calls, credits=conversation.credits, at=at,
-            expect_seal=inv.pause_seal)
+            seal=f"resumed:{uuid.uuid4().hex}", expect_seal=inv.pause_seal)
         if inv.pause_seal is None:
             await inv.ledger.end_invocation(record)  # a recovery: its lease took it
         else:

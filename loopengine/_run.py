@@ -71,7 +71,8 @@ from loopengine.providers._faults import FaultKind
 from loopengine.providers._retry import RetryStop
 
 __all__ = ["MAX_CONTINUATIONS", "RunSpec", "ToolErrorText", "default_tool_error_text",
-           "definition_digest", "final_tool_definition", "resume_loop", "run_loop"]
+           "definition_digest", "final_tool_definition", "give_back", "resume_loop",
+           "run_loop"]
 
 logger = logging.getLogger("loopengine")
 
@@ -154,13 +155,7 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     except BaseException:
         # Refused or failed before anything was recorded (a ledger it could not
         # read): the run is left as it was found, not held until its lease expires.
-        if release is not None:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await release()
-                except Exception:
-                    logger.exception("run %s: its run store claim could not be given "
-                                     "back; it is free once its lease expires", inv.id)
+        await give_back(inv.id, release)
         raise
     inv.base_turns = conversation.turns
     loop = _Loop(inv, spec, resumed=(state, decisions))
@@ -172,6 +167,21 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     if undecided:
         return await loop._pause(state.pending)
     return await loop.run()
+
+
+async def give_back(run_id: str, release: Callable[[], Coroutine[Any, Any, None]] | None
+                    ) -> None:
+    """Give back a resume's run store claim (``release``), whatever cancels the
+    caller: a resume that fails before it begins leaves its run as it found
+    it. A failure is logged: the run is free once its lease expires."""
+    if release is None:
+        return
+    with anyio.CancelScope(shield=True):
+        try:
+            await release()
+        except Exception:
+            logger.exception("run %s: its run store claim could not be given back; it is "
+                             "free once its lease expires", run_id)
 
 
 class _Loop:

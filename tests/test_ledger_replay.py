@@ -9,6 +9,7 @@ the server: whatever the server says afterwards, the rows must be right.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -114,3 +115,40 @@ async def test_an_account_transaction_that_cannot_be_known_fails_rather_than_run
     with anyio.fail_after(30), pytest.raises(le.LedgerError, match="cannot be read back"):
         await accounts.grant("acme", 7)
     assert (await accounts.balance("acme")).granted == 12
+
+
+@pytest.mark.parametrize("forget_id", [False, True], ids=["by-transaction-id", "by-rows"])
+async def test_a_resume_whose_commit_was_lost_is_never_taken_for_another_resumes(
+    ledger: PostgresLedger, postgres_server: PostgresServer, forget_id: bool,
+) -> None:
+    """A resume's conditional write (running, taking the pause) loses its COMMIT,
+    which did not land, and another resume takes the pause meanwhile: the
+    writer does not read the other's ``running`` as its own (each resume
+    writes a token of its own), replays, finds the pause gone and refuses the
+    write, so only the other resume goes on."""
+    await ledger.start_invocation(start())
+    await ledger.end_invocation(replace(end(), outcome="paused", seal="s1"))
+    await ledger.flush()
+    writer: Any = ledger._writer
+
+    def finish() -> None:
+        del writer.finish  # once: this resume's write
+        if forget_id:
+            writer._xid = None
+        writer._conn.close()  # lost before it landed
+        # Another resume, in another process, takes the pause meanwhile.
+        with psycopg.connect(postgres_server.dsn(), autocommit=True) as other:
+            other.execute(psycopg.sql.SQL("UPDATE {}.invocations SET outcome = 'running', "
+                                          "pause_seal = 'resumed:other' WHERE id = 'inv-1' "
+                                          "AND outcome = 'paused' AND pause_seal = 's1'"
+                                          ).format(psycopg.sql.Identifier(ledger.schema)))
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    writer.finish = finish
+    with anyio.fail_after(30), pytest.raises(le.LedgerError):
+        await ledger.end_invocation(replace(end(), ended_at=None, outcome="running",
+                                            seal="resumed:mine", expect_seal="s1"))
+    assert ledger.reconnects == 1
+    progress = await ledger.read_progress("inv-1")
+    assert progress is not None
+    assert (progress.outcome, progress.seal) == ("running", "resumed:other")

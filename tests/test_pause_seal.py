@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import loopengine as le
@@ -483,3 +484,39 @@ async def test_a_run_taken_from_its_pause_by_a_process_that_died_still_has_its_p
         assert (await ledger.read_progress(paused.invocation_id)).outcome == "time_limit"
         assert await store.load(paused.invocation_id) is None
     assert sender.sent == [] and len(provider.requests) == 1
+
+
+class CancelledAfterClaim(le.RunStore):
+    """A run store whose next claim commits, then its caller is cancelled."""
+
+    cancel: Callable[[], None] | None = None
+
+    async def claim(self, *args: Any, **kwargs: Any) -> None:
+        await super().claim(*args, **kwargs)
+        if self.cancel is not None:
+            self.cancel()
+            self.cancel = None
+            await anyio.lowlevel.checkpoint()
+
+
+async def test_a_resume_cancelled_as_it_claims_the_run_gives_the_claim_back(
+        tmp_path: Path, make_engine: EngineFactory) -> None:
+    """Cancelled once its claim committed, before it began: the run is paused
+    in its store again at once, and the next resume completes it."""
+    sender = Sender()
+    with SQLiteLedger(tmp_path / "l.db") as ledger:
+        store = CancelledAfterClaim(ledger)
+        engine, _, _ = make_engine(Reply.tool_calls(send("a")), Reply.text("done"),
+                                   ledger=ledger, run_store=store)
+        paused = await engine.run(operation(), "go", tools=[sender.tool])
+        decisions = {paused.pending[0].id: le.Approve()}
+        with anyio.CancelScope() as scope:
+            store.cancel = scope.cancel
+            await engine.resume(paused.invocation_id, decisions=decisions, tools=[sender.tool])
+        assert scope.cancelled_caught
+        stored = await store.load(paused.invocation_id)
+        assert stored is not None and stored.paused_at is not None
+        assert stored.lease_owner is None and sender.sent == []
+        done = await engine.resume(paused.invocation_id, decisions=decisions,
+                                   tools=[sender.tool])
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]

@@ -105,7 +105,8 @@ class InvocationEnd:
     ``ended_at``, or the system's time when that is None too."""
     seal: str | None = None
     """A pause's seal (`loopengine.RunState.seal` of the state it returned),
-    kept while it is paused; None for every other outcome."""
+    kept while it is paused, or a resume's token of its own (so a commit lost
+    on the way is read back as its, never another resume's); None otherwise."""
     expect_seal: str | None = None
     """A compare-and-set on the pause (a resume's, a pause timeout's end): the
     row must still be ``paused`` with this seal (``""``: a pause that recorded

@@ -305,9 +305,9 @@ SEGMENT_TABLE = (
 
 PAUSE_SEAL = ("ALTER TABLE invocations ADD COLUMN pause_seal TEXT",)
 """A paused invocation's seal: the digest of the `RunState` its pause returned
-(`RunState.seal`), which a resume must hand back (docs/pause-and-resume.md).
-NULL while it runs and once it has ended. A digest, never the state: nothing
-of the conversation can be read from it."""
+(`RunState.seal`), which a resume must hand back (docs/pause-and-resume.md);
+while a resumed run runs, a token of the resume that took it; NULL otherwise.
+A digest, never the state: nothing of the conversation can be read from it."""
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "invocations and attempts", _CREATE_TABLES),

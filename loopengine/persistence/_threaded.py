@@ -49,6 +49,7 @@ import anyio.to_thread
 from loopengine._errors import LedgerError
 from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
 from loopengine.persistence._planner import (
+    END_SET,
     FLUSH,
     Batch,
     Known,
@@ -205,10 +206,14 @@ class Writer(Store):
                                  f"AND ordinal = {marker}", (row[-2], row[-1])).fetchall()
             return bool(found) and found[0][0] != "dispatched"
         elif batch.ends:
-            found = conn.execute(f"SELECT outcome FROM invocations WHERE id = {marker}",
-                                 (batch.ends[0][-1],)).fetchall()
-            # The outcome it wrote (a resume writes ``running`` back).
-            return bool(found) and found[0][0] == batch.ends[0][1]
+            end = batch.ends[0]
+            found = conn.execute(f"SELECT outcome, pause_seal FROM invocations "
+                                 f"WHERE id = {marker}", (end[-1],)).fetchall()
+            # The outcome it wrote, and the seal: a pause's, or the token of
+            # the resume that wrote ``running`` back (another resume's differs).
+            seal = end[END_SET.index("pause_seal")]
+            return bool(found) and found[0][0] == end[1] and (
+                seal is None or found[0][1] == seal)
         raise unknown
 
     def maybe_checkpoint(self, waiting: Callable[[], bool]) -> None:
