@@ -202,6 +202,17 @@ class CreditAccounts:
 
         return await self._transaction(work)
 
+    async def recover(self, account: str, invocation_id: str) -> None:
+        """Settle the reservation a run's dead segment left, for what the ledger
+        says it spent, and release it (internal): a recovered run that pauses
+        at once, before it reserves again, holds nothing while it waits."""
+
+        def work(conn: Any, now: str) -> None:
+            store.lock(conn, account)
+            store.recover(conn, account, invocation_id, now)
+
+        await self._transaction(work)
+
     async def settle(self, reservation: Reservation, credits: int) -> None:
         """Charge a run's real ``credits`` (its total so far) and release its
         reservation, in one transaction; once per reservation (a second call

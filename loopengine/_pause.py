@@ -31,6 +31,7 @@ from loopengine._usage import Usage
 from loopengine.events import RunPaused, RunResumed
 from loopengine.guards._checkpoints import ConversationState
 from loopengine.guards._deadline import Deadline
+from loopengine.persistence._account_store import descendants_charged
 from loopengine.persistence._planner import PROGRESS_USAGE, usage_counts
 from loopengine.persistence._records import InvocationEnd, InvocationProgress
 
@@ -107,7 +108,8 @@ async def pause(inv: Invocation, state: RunState) -> None:
                     logger.warning("run %s: the ledger did not confirm its pause by its "
                                    "deadline; the write stays queued", inv.id)
         finally:
-            await settle_account(inv, progress.credits)
+            # Its sub-agents' credits too: one reservation pays for the tree.
+            await settle_account(inv, progress.credits + progress.descendant_credits)
         logger.info("run %s paused: operation=%s turns=%d tool_calls=%d attempts=%d "
                     "credits=%d pending=%d", inv.id, inv.operation.name, progress.turns,
                     progress.tool_calls, progress.attempts, progress.credits,
@@ -126,7 +128,8 @@ def progress_of(inv: Invocation, conversation: ConversationState) -> Progress:
         turns=conversation.turns, tool_calls=conversation.tool_calls,
         credits=conversation.credits, attempts=inv.base_attempts + len(inv.records),
         cost_nanousd=inv.cost_nanousd, provider_cost_nanousd=inv.provider_cost_nanousd,
-        usage=inv.usage, running_seconds=inv.clock.now() - inv.started)
+        usage=inv.usage, running_seconds=inv.clock.now() - inv.started,
+        descendant_credits=inv.descendant_credits)
 
 
 async def prepare_resume(inv: Invocation, state: RunState, *,
@@ -214,6 +217,19 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
                          progress.usage if inv.ledger is not None else None)
     inv.output_tokens = inv.usage.output_tokens
     inv.paused_seconds = max(0.0, waited)
+    # Its credits and its sub-agents' so far: the tree its hold and any
+    # sub-agent it starts again count from.
+    inv.credits = progress.credits
+    inv.descendant_credits = saved.descendant_credits
+    transact = getattr(inv.ledger, "_transact_qmark", None)
+    if recovering and transact is not None:
+        # Its sub-agents may have spent after its last checkpoint, as its
+        # process died: what the ledger says they charged.
+        prices = inv.prices
+        inv.descendant_credits = max(saved.descendant_credits, await transact(
+            lambda conn: descendants_charged(conn, inv.id, prices.credits_per_usd,
+                                             prices.credit_quantum),
+            "the ledger could not be read"))
     # total_time counts running time only: the deadline is what was left.
     inv.started = inv.clock.now() - saved.running_seconds
     inv.deadline = Deadline.after(inv.started, inv.limits.total_time)
@@ -287,5 +303,5 @@ async def resume_begin(inv: Invocation, conversation: ConversationState) -> None
     if inv.accounts is not None:
         # The hold left: the credits charged before the pause were settled then
         # (and a recovered run's dead segment's, with the reservation it left).
-        await admit(inv, at, spent=conversation.credits
+        await admit(inv, at, spent=conversation.credits + inv.descendant_credits
                     + inv.turn_credits(conversation.turns + 1))

@@ -165,6 +165,10 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     loop._given_messages = state.given
     loop.adopting = adopt
     if undecided:
+        if inv.accounts is not None and inv.account is not None:
+            # Paused at once: the dead segment's reservation is settled and
+            # released now, not at the next resume.
+            await inv.accounts.recover(inv.account, inv.id)
         return await loop._pause(state.pending)
     return await loop.run()
 

@@ -98,6 +98,9 @@ class Progress:
     usage: Usage
     running_seconds: float
     """Time the run ran before its pause (``total_time`` counts only this)."""
+    descendant_credits: int = 0
+    """Credits of the runs it delegated to (sub-agents), theirs included: its
+    credit hold and its account count them with its own."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -272,7 +275,8 @@ class RunState:
         """The state's seal: a SHA-256 digest of everything a resume takes from
         it (the transcript, the batch and its pending calls, the operation,
         limits and attribution, the calls each tool has made, the running
-        time), apart from the counts a ledger keeps itself (turns, tool calls,
+        time, its sub-agents' credits), apart from the counts a ledger keeps
+        itself on the run's own row (turns, tool calls,
         credits, attempts, cost, usage), the time of the pause and ``extra``.
 
         A ledger keeps the seal of each paused invocation, and a resume must
@@ -280,7 +284,8 @@ class RunState:
         run's, or one edited in what the ledger cannot check, is refused."""
         encoded = self._encoded()
         del encoded["paused_at"], encoded["extra"]
-        encoded["progress"] = {"running_seconds": self.progress.running_seconds}
+        encoded["progress"] = {"running_seconds": self.progress.running_seconds,
+                               "descendant_credits": self.progress.descendant_credits}
         text = json.dumps(encoded, separators=(",", ":"), sort_keys=True)  # ASCII
         return hashlib.sha256(text.encode()).hexdigest()
 

@@ -292,6 +292,35 @@ async def test_r03_a_recovered_run_reserves_what_its_hold_leaves_after_a_settled
         assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 360, 0, 640)
 
 
+async def test_a_recovered_run_that_pauses_on_a_call_in_doubt_holds_nothing_while_it_waits(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """Killed in charge's handler (not idempotent): its recovery pauses at once
+    on the call in doubt, and that pause settles the dead segment's 120 and
+    releases its hold, as any pause does; the decided resume reserves again."""
+    with SQLiteLedger(tmp_path / "ledger.db") as store:
+        accounts = le.CreditAccounts(store, clock=clock)
+        await accounts.grant("acme", 1000)
+        charger = Charger()
+        charger.crash_on = "charge"
+        engine, _, run_store = engine_on(
+            store, clock, Reply.tool_calls(("charge", {"card": "1"})), Reply.text("done"),
+            accounts=accounts)
+        with pytest.raises(BaseException):  # noqa: B017 - the stand-in for a dead process
+            await engine.run(operation(total_time=600.0, credit_hold=500), "pay",
+                             tools=charger.tools, attribution=le.Attribution(tenant="acme"))
+        run_id = await the_run_id(run_store, store)
+        assert (await accounts.balance("acme")).reserved == 500
+        paused = await engine.resume(run_id, tools=charger.tools, force=True)
+        assert paused.outcome is le.Outcome.PAUSED
+        assert [c.reason for c in paused.pending] == ["in_doubt"]
+        assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 120, 0, 880)
+        done = await engine.resume(run_id, tools=charger.tools,
+                                   decisions={paused.pending[0].id: le.Supply("charged 1")})
+        assert done.outcome is le.Outcome.COMPLETED and charger.runs == [("charge", "1")]
+        balance = await accounts.balance("acme")
+    assert (balance.spent, balance.reserved) == (done.credits_total, 0)
+
+
 def test_segments_are_kept_without_a_run_store_too() -> None:
     """Segments are the ledger's: a MemoryLedger records them for any run."""
     ledger = MemoryLedger()

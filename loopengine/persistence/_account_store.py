@@ -159,6 +159,14 @@ def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int, *,
     return sum(_own_charge(conn, member, rate, quantum) for member in ids)
 
 
+def descendants_charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
+    """What the runs ``invocation_id`` delegated to charged, theirs included: its
+    tree's charge (`charged`) less its own (a run recovered after its process
+    died learns so what its sub-agents spent, those cut by the crash too)."""
+    return (charged(conn, invocation_id, rate, quantum)
+            - _own_charge(conn, invocation_id, rate, quantum))
+
+
 def _own_charge(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
     """One run's charge: its credits once it ended (or paused), else its settled turns'."""
     row = conn.execute("SELECT outcome, credits FROM invocations WHERE id = ?",
