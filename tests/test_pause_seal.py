@@ -32,6 +32,7 @@ from .conftest import PRICES, EngineFactory, operation
 from .pause_scenarios import Sender, send
 from .postgres_support import PostgresServer, fresh_schema
 from .rule_scenarios import Counter, lookup
+from .test_recovery import MeetingLedger
 
 AT = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -275,27 +276,6 @@ async def test_two_resumes_of_one_pause_without_a_run_store_run_its_call_once(
             ledger.close()
 
 
-class MeetingLedger(SQLiteLedger):
-    """A SQLite ledger whose ``read_progress`` waits, once ``meet`` is set, until
-    that many callers have read: two resumes both find the run paused before
-    either takes it."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.meet = 0
-        self._readers = 0
-        self._met = anyio.Event()
-
-    async def read_progress(self, invocation_id: str) -> Any:
-        progress = await super().read_progress(invocation_id)
-        if self.meet:
-            self._readers += 1
-            if self._readers >= self.meet:
-                self._met.set()
-            await self._met.wait()
-        return progress
-
-
 async def _race(one: le.Engine, two: le.Engine, state: Any, decisions: dict[str, Any],
                 tools: list[le.Tool]) -> list[object]:
     """Both resumes at once; what each gave: an outcome or the error it raised."""
@@ -426,6 +406,18 @@ async def test_a_resumed_run_sends_the_features_it_ran_with(
     assert sent == [(le.Thinking(budget_tokens=2048), ("b1",))] * 2
 
 
+async def given_back_then_resumed(engine: le.Engine, store: le.RunStore,
+                                  paused: le.RunResult, sender: Sender) -> None:
+    """The run is paused in its store again, held by nobody, its call not run,
+    and the next resume completes it."""
+    stored = await store.load(paused.invocation_id)
+    assert stored is not None and stored.paused_at is not None
+    assert stored.lease_owner is None and sender.sent == []
+    done = await engine.resume(paused.invocation_id, tools=[sender.tool],
+                               decisions={paused.pending[0].id: le.Approve()})
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+
+
 class FlakyLedger(SQLiteLedger):
     """A SQLite ledger whose next ``read_progress`` fails once ``fail`` is set."""
 
@@ -453,12 +445,7 @@ async def test_a_resume_that_fails_before_it_begins_leaves_the_run_store_as_it_f
         ledger.fail = True
         with pytest.raises(le.LedgerError, match="reset"):
             await engine.resume(paused.invocation_id, decisions=decisions, tools=[sender.tool])
-        stored = await store.load(paused.invocation_id)
-        assert stored is not None and stored.paused_at is not None
-        assert stored.lease_owner is None and sender.sent == []
-        done = await engine.resume(paused.invocation_id, decisions=decisions,
-                                   tools=[sender.tool])
-    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+        await given_back_then_resumed(engine, store, paused, sender)
 
 
 async def test_a_run_taken_from_its_pause_by_a_process_that_died_still_has_its_pause_timeout(
@@ -514,9 +501,4 @@ async def test_a_resume_cancelled_as_it_claims_the_run_gives_the_claim_back(
             store.cancel = scope.cancel
             await engine.resume(paused.invocation_id, decisions=decisions, tools=[sender.tool])
         assert scope.cancelled_caught
-        stored = await store.load(paused.invocation_id)
-        assert stored is not None and stored.paused_at is not None
-        assert stored.lease_owner is None and sender.sent == []
-        done = await engine.resume(paused.invocation_id, decisions=decisions,
-                                   tools=[sender.tool])
-    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+        await given_back_then_resumed(engine, store, paused, sender)
