@@ -43,17 +43,21 @@ async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
     hold past that margin denies the run.
 
     A resumed run has ``spent`` credits already settled (at its pause): it
-    reserves only what its hold leaves."""
+    reserves only what its hold leaves (a credit, when it leaves none)."""
     assert inv.accounts is not None and inv.account is not None
     assert inv.limits.credit_hold is not None  # every run on an account has a hold
     hold = max(0, inv.limits.credit_hold - spent)
+    # A resumed run that spent all its hold still goes on as far as its hold
+    # lets it (R03: its decided calls run, and reaching the hold exactly is no
+    # trip): it reserves a credit, so that it is admitted and settled as any run.
+    asked = max(hold, 1)
     margin = fee_margin(inv, at)
     accounts, account = inv.accounts, inv.account
     got: list[Reservation] = []
 
     async def reserve() -> None:
         got.append(await accounts.reserve(
-            account, inv.id, hold,
+            account, inv.id, asked,
             expires_at=expiry(at, inv.limits.total_time, accounts.expiry_grace),
             credits_per_usd=inv.prices.credits_per_usd,
             credit_quantum=inv.prices.credit_quantum, margin=margin))
@@ -62,7 +66,7 @@ async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
         inv.denied = unconfirmed_by_deadline(inv.limits, "the account's reservation")
         return
     reservation = got[0]
-    inv.denied = check_admission(account, reservation.credits, reservation.available, hold,
+    inv.denied = check_admission(account, reservation.credits, reservation.available, asked,
                                  fees=margin)
     if inv.denied is not None:
         return

@@ -304,6 +304,7 @@ class _Loop:
                     phase = step
             return await self._deadline_passed()
         except anyio.get_cancelled_exc_class():
+            self._charge_cut_turn()
             self._release_permit()
             await cancelled(inv, self._progress)
             raise
@@ -314,9 +315,20 @@ class _Loop:
             inv.ended = inv.announced = True
             raise
         except Exception as error:
+            self._charge_cut_turn()
             self._release_permit()
             await failed(inv, error, self._progress)
             raise
+
+    def _charge_cut_turn(self) -> None:
+        """A run cut mid-turn (its caller cancelled it, or it failed): what the
+        turn was served so far is billed (R03), as a turn cut by the deadline is."""
+        if self.state.turns > self.charged:
+            self._charge(self.state.turns)
+        if self.inv.turn_charge.get(self.state.turns + 1):
+            # A recovered run's turn its dead process was served, cut before
+            # it was sent again: billed all the same.
+            self._charge(self.state.turns + 1)
 
     async def _deadline_passed(self) -> RunResult:
         """The run's deadline cut a wait (an attempt, its row's write, the tools,
@@ -324,8 +336,7 @@ class _Loop:
         inv = self.inv
         await settle_cut(inv)
         turn = self.state.turns
-        if turn > self.charged:
-            self._charge(turn)  # what the cut turn was served is billed (R03)
+        self._charge_cut_turn()  # what the cut turn was served is billed (R03)
         if self.cut_results is not None:
             # The batch's results, the cut calls' among them (`_run_tools`).
             results, batch = self.cut_results
@@ -489,10 +500,14 @@ class _Loop:
                                pending=pending, paused_at=paused_at)
         if paused_at is not None:
             # The same pause: the state it returned, which the caller may hold
-            # still, keeps its seal (no running time was added).
+            # still, keeps its seal (no running time was added). A recovered
+            # run's turn that its dead process was served is billed: its
+            # charge is in the credits the pause records (R03).
             before = self.resumed[0] if self.resumed is not None else state
+            progress = state.progress
             state = replace(before, progress=replace(
-                state.progress, running_seconds=before.progress.running_seconds))
+                progress, running_seconds=before.progress.running_seconds,
+                credits=progress.credits + inv.turn_credits(self.state.turns + 1)))
         await pause(inv, state)
         if inv.run_store is not None:
             await self._checkpoint(state, paused=True, calls=[

@@ -126,3 +126,41 @@ async def test_exceptions_of_user_code_are_not_cancellation(where: str) -> None:
     result = await engine.run(operation(), "go", tools=[boom], accept=judge)
     assert result.outcome is le.Outcome.COMPLETED
     assert result.answer == ("b" if where == "judge" else "a")
+
+
+class ServedThenHanging(ScriptedProvider):
+    """Serves its script, then its next request never comes back (until cancelled)."""
+
+    def __init__(self, *script: Reply) -> None:
+        super().__init__(list(script))
+        self.served = len(script)
+        self.started = anyio.Event()
+
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
+        if self.served:
+            self.served -= 1
+            return await super().send(request, on_text=on_text)
+        self.started.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_r03_a_run_cancelled_mid_turn_is_charged_what_the_turn_was_served() -> None:
+    """Cancelled while its turn's continuation is on the wire, after the turn's
+    first reply (pause_turn) was served: that reply is billed, so the run's
+    credits and its account's charge count it, as a turn cut by the deadline."""
+    ledger = MemoryLedger()
+    paused_turn = Reply(content=[{"type": "text", "text": "Searching. "}],
+                        stop_reason="pause_turn")
+    provider = ServedThenHanging(paused_turn)
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(engine.run, operation(), "go")
+            await provider.started.wait()
+            scope.cancel()
+    assert scope.cancelled_caught
+    (invocation,) = ledger.invocations.values()
+    assert invocation["outcome"] == "cancelled"
+    assert invocation["credits"] == 120 and invocation["cost_nanousd"] > 0

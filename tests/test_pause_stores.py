@@ -60,14 +60,14 @@ async def test_a_paused_invocation_takes_writes_and_reads_back_its_progress(
 
 
 async def paused_on_account(store: Any, clock: FakeClock, sender: Sender, granted: int,
-                            ) -> tuple[le.Engine, ScriptedProvider, le.CreditAccounts,
-                                       le.RunResult]:
-    """A run on account ``acme`` (granted ``granted``, hold 500), paused on ``send``."""
+                            hold: int = 500) -> tuple[le.Engine, ScriptedProvider,
+                                                      le.CreditAccounts, le.RunResult]:
+    """A run on account ``acme`` (granted ``granted``, ``hold``), paused on ``send``."""
     accounts = le.CreditAccounts(store)
     await accounts.grant("acme", granted)
     provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
     engine = le.Engine(provider, ledger=store, clock=clock, prices=PRICES, accounts=accounts)
-    paused = await engine.run(operation(credit_hold=500), "go", tools=[sender.tool],
+    paused = await engine.run(operation(credit_hold=hold), "go", tools=[sender.tool],
                               attribution=le.Attribution(tenant="acme"))
     return engine, provider, accounts, paused
 
@@ -116,3 +116,21 @@ async def test_a_resume_its_account_cannot_admit_keeps_the_state(tmp_path: Path,
                                    tools=[sender.tool])
         assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
         assert done.invocation_id == paused.invocation_id
+
+
+async def test_r03_a_run_paused_at_exactly_its_hold_resumes_on_its_account(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """Its one turn charged exactly its hold (120 of 120) before it paused:
+    reaching the hold is no trip, so the resume is admitted (a credit reserved),
+    the approved call runs, and its next turn crosses the hold as a run
+    without an account's would; the account is charged the 240."""
+    sender = Sender()
+    with SQLiteLedger(tmp_path / "ledger.db") as store:
+        engine, _, accounts, paused = await paused_on_account(store, clock, sender, 10_000,
+                                                              hold=120)
+        assert paused.outcome is le.Outcome.PAUSED and paused.credits == 120
+        done = await engine.resume(paused.state, tools=[sender.tool],
+                                   decisions={paused.pending[0].id: le.Approve()})
+        balance = await accounts.balance("acme")
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+    assert done.credits == 240 and (balance.spent, balance.reserved) == (240, 0)

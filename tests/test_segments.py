@@ -206,14 +206,14 @@ async def test_a_run_started_before_segments_resumes_without_any(tmp_path: Path,
 
 
 async def crashed_on_account(store: Any, clock: FakeClock, *,
-                             settled_turn: int | None = None) -> tuple[
+                             settled_turn: int | None = None, granted: int = 1000) -> tuple[
         le.CreditAccounts, Charger, str]:
-    """A run on account ``acme`` (hold 500) killed in lookup's handler, after its
-    first turn was charged (120 credits); or, with ``settled_turn``, once that
-    turn's reply was settled, before its checkpoint."""
+    """A run on account ``acme`` (``granted``, hold 500) killed in lookup's
+    handler, after its first turn was charged (120 credits); or, with
+    ``settled_turn``, once that turn's reply was settled, before its checkpoint."""
     # The accounts' clock is the run's: its reservation is not past its expiry.
     accounts = le.CreditAccounts(store, clock=clock)
-    await accounts.grant("acme", 1000)
+    await accounts.grant("acme", granted)
     charger = Charger()
 
     def crash_once_settled(event: object) -> None:
@@ -319,6 +319,28 @@ async def test_a_recovered_run_that_pauses_on_a_call_in_doubt_holds_nothing_whil
         assert done.outcome is le.Outcome.COMPLETED and charger.runs == [("charge", "1")]
         balance = await accounts.balance("acme")
     assert (balance.spent, balance.reserved) == (done.credits_total, 0)
+
+
+async def test_r03_a_recovery_its_account_cannot_admit_keeps_the_turn_its_process_was_served(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """Killed once turn 2's reply (120) was settled, before its checkpoint, on an
+    account of 240: the recovery settles the dead segment's 240, has nothing
+    left, and pauses admission_denied; that pause records the 240 (turn 2's
+    reply is billed though its turn is sent again), so after a top-up the run
+    ends with 360 in its row, its result and its account alike."""
+    with SQLiteLedger(tmp_path / "ledger.db") as store:
+        accounts, charger, run_id = await crashed_on_account(store, clock, settled_turn=2,
+                                                             granted=240)
+        engine, _, _ = engine_on(store, clock, Reply.text("done"), accounts=accounts)
+        denied = await engine.resume(run_id, tools=charger.tools, force=True)
+        assert denied.outcome is le.Outcome.ADMISSION_DENIED
+        assert (await store.read_progress(run_id)).credits == 240
+        await accounts.grant("acme", 1000)
+        done = await engine.resume(run_id, tools=charger.tools)
+        assert done.outcome is le.Outcome.COMPLETED
+        assert (done.credits, (await store.read_progress(run_id)).credits) == (360, 360)
+        balance = await accounts.balance("acme")
+    assert (balance.spent, balance.reserved) == (360, 0)
 
 
 def test_segments_are_kept_without_a_run_store_too() -> None:
