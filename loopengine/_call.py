@@ -118,14 +118,14 @@ class CallSpec:
 async def run_call(inv: Invocation, spec: CallSpec) -> CallResult[Any]:
     """Make the call; return its result or raise an `OutcomeError` carrying ``attempts``."""
     call = _Call(inv, spec)
-    async with ending(inv, lambda: (call.turn, 0, call.credits)):
+    # A call cut (cancelled, failed) ends with what its turns were served (R03).
+    async with ending(inv, lambda: (call.turn, 0, call.billed())):
         # The call's one deadline: every wait inside ends at it.
         with inv.clock.deadline_scope(inv.deadline.at):
             return await call.run()
         # The deadline cut a wait: settle the attempt it cut, and end time_limit.
         await settle_cut(inv)
-        if call.turn > call.charged:
-            call.credits += inv.turn_credits(call.turn)  # what it was served is billed
+        call.credits, call.charged = call.billed(), call.turn  # what it was served
         if call.turn and not inv.attempts_in_turn(call.turn):
             call.turn -= 1  # cut before the turn's request: no turn
         # Read at the deadline, which the scope says has come.
@@ -151,6 +151,12 @@ class _Call:
             "description": "Give the answer. Its input is the answer itself.",
             "input_schema": schema,
         }
+
+    def billed(self) -> int:
+        """Its credits, with what the turn a cut came in was served (R03)."""
+        if self.turn > self.charged:
+            return self.credits + self.inv.turn_credits(self.turn)
+        return self.credits
 
     async def run(self) -> CallResult[Any]:
         inv = self.inv

@@ -325,7 +325,7 @@ class _Loop:
         turn was served so far is billed (R03), as a turn cut by the deadline is."""
         if self.state.turns > self.charged:
             self._charge(self.state.turns)
-        if self.inv.turn_charge.get(self.state.turns + 1):
+        if self.charged <= self.state.turns and self.inv.turn_charge.get(self.state.turns + 1):
             # A recovered run's turn its dead process was served, cut before
             # it was sent again: billed all the same.
             self._charge(self.state.turns + 1)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
+import pydantic
 import pytest
 
 import loopengine as le
@@ -163,4 +166,27 @@ async def test_r03_a_run_cancelled_mid_turn_is_charged_what_the_turn_was_served(
     assert scope.cancelled_caught
     (invocation,) = ledger.invocations.values()
     assert invocation["outcome"] == "cancelled"
+    assert invocation["credits"] == 120 and invocation["cost_nanousd"] > 0
+
+
+async def test_r03_a_call_that_fails_after_its_answer_was_served_is_charged_for_it() -> None:
+    """`Engine.call` too: its ledger fails just after settling the served,
+    charged attempt (the write landed): the call ends failed with that turn's
+    charge, as a run would."""
+
+    class Answer(pydantic.BaseModel):
+        city: str
+
+    class FailsAfterSettling(MemoryLedger):
+        async def settle_attempt(self, record: Any) -> None:
+            await super().settle_attempt(record)
+            raise le.LedgerError("the disk filled up after the write")
+
+    ledger = FailsAfterSettling()
+    provider = ScriptedProvider([Reply.tool_calls(("final_answer", {"city": "Oslo"}))])
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+    with pytest.raises(le.LedgerError):
+        await engine.call(operation(), "Where?", output=Answer)
+    (invocation,) = ledger.invocations.values()
+    assert invocation["outcome"] == "failed"
     assert invocation["credits"] == 120 and invocation["cost_nanousd"] > 0
