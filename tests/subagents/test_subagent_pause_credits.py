@@ -28,13 +28,13 @@ async def test_a_pause_settles_its_sub_agents_credits_and_its_resume_counts_them
     path = tmp_path / "ledger.db"
     with SQLiteLedger(path) as ledger:
         accounts = le.CreditAccounts(ledger)
-        await accounts.grant("acme", 10_000)
         engine, _ = route.wire.engine(
             Reply.tool_calls(("helper", {"task": "research"}), usage=spend(10)),
             Reply.text("found it", usage=spend(200)),
             Reply.tool_calls(send("bob"), usage=spend(10)),
             Reply.text("told bob", usage=spend(10)),
             ledger=ledger, accounts=accounts)
+        await accounts.grant("acme", 10_000)
         helper = le.agent_tool(engine, route.named("child.op"), name="helper",
                                description="Helps.")
         paused = await engine.run(route.named("parent.op", credit_hold=1000), "go",
