@@ -379,7 +379,8 @@ class Engine:
         an attempt it left unsettled stays as the ledger has it and the turn
         is sent again; a call it left ``started`` is in doubt: run again if
         its tool is ``idempotent``, else the run returns ``paused`` with the
-        call in ``result.pending`` (reason ``in_doubt``) for a decision. Of
+        call in ``result.pending`` (reason ``in_doubt``) for a decision, whatever
+        decisions this resume was given (made before the call was in doubt). Of
         two resumes of one run, one proceeds and the other raises
         `RunBusyError` before anything is sent. A run paused without a run
         store is adopted into this engine's: its first checkpoint stores it.
@@ -462,7 +463,13 @@ class Engine:
         if recovering and not state.pending:
             assert self.run_store is not None
             state = replace(state, pending=await self._in_doubt(state, tools))
-        undecided = recovering and bool(state.pending) and not decisions
+            # Calls this recovery finds in doubt have been decided by nobody:
+            # decisions given with it were made before, for their approval
+            # (a queue's job delivered again), so the run pauses and asks.
+            found_in_doubt = any(call.reason == "in_doubt" for call in state.pending)
+        else:
+            found_in_doubt = False
+        undecided = recovering and bool(state.pending) and (not decisions or found_in_doubt)
         decided = {} if undecided else check_decisions(state.pending, decisions)
         if operation is None:
             operation = state.operation

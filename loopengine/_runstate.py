@@ -266,6 +266,9 @@ class RunState:
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ConfigError("state", f"is damaged ({type(error).__name__}: {error})") \
                 from None
+        if state.paused_at.tzinfo is None:
+            raise ConfigError("state", f"has paused_at {raw['paused_at']!r} without a UTC "
+                                       "offset")
         for call in state.pending:
             if call.reason not in ("approval", "in_doubt"):
                 raise ConfigError("state", f"pending call {call.id} has reason {call.reason!r}")

@@ -6,12 +6,14 @@ The same rules through both shipped providers' wires: tests/pause_scenarios.py.
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
 import loopengine as le
 from loopengine import events
+from loopengine._runstate import Progress
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import Reply
 from loopengine.testing import FakeClock
@@ -346,3 +348,19 @@ def test_a_bad_decision_is_a_config_error(build: Any) -> None:
     """A decision that could not be sent to the model is refused when it is made."""
     with pytest.raises(le.ConfigError):
         build()
+
+
+def test_a_state_whose_pause_time_has_no_utc_offset_is_a_config_error() -> None:
+    """A hand-made state with a naive ``paused_at`` is refused when it loads,
+    not by a TypeError at its resume."""
+    state = json.loads(le.RunState(
+        invocation_id="inv", operation=operation(), limits=le.Limits(), retry=le.RetryPolicy(),
+        attribution=le.Attribution(), system=None, messages=[{"role": "user", "content": "go"}],
+        given=1, final_tool="final_answer", structured=False, output_digest=None, tools=(),
+        features=None, pending=(), batch=(), results=[], repair=False, answered_calls={},
+        progress=Progress(turns=0, tool_calls=0, credits=0, attempts=0, cost_nanousd=0,
+                          provider_cost_nanousd=0, usage=le.Usage(), running_seconds=0.0),
+        paused_at=datetime(2026, 1, 1, tzinfo=UTC)).dumps())
+    state["paused_at"] = "2026-01-01T00:00:00"
+    with pytest.raises(le.ConfigError, match="UTC offset"):
+        le.RunState.loads(json.dumps(state))

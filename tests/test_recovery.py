@@ -760,3 +760,34 @@ async def test_a_crash_at_any_event_of_a_run_is_recovered_with_each_effect_once(
         charges = [run for run in charger.runs if run[0] == "charge"]
         assert sorted(charges) == [("charge", "1"), ("charge", "2")], (at, charger.runs)
         assert (progress.outcome, progress.credits) == ("completed", result.credits), at
+
+
+async def test_a_job_delivered_again_never_runs_a_call_in_doubt_on_its_old_decisions(
+        ledger: Any, clock: FakeClock) -> None:
+    """A queue's job resumes a paused run with Approve(), and its worker dies in
+    the approved handler; the job is delivered again with the same decisions.
+    Those were made for the call's approval, not for it in doubt: the run
+    pauses and asks, and the call has run once."""
+    runs: list[str] = []
+
+    @le.tool(approval=True)
+    def charge(card: str) -> str:
+        """Charge a card (not idempotent)."""
+        runs.append(card)
+        if len(runs) == 1:
+            raise Crash
+        return f"charged {card}"
+
+    engine, provider, store = engine_on(ledger, clock, Reply.tool_calls(("charge", {"card": "9"})),
+                                        Reply.text("done"))
+    paused = await engine.run(operation(total_time=600.0), "pay", tools=[charge])
+    job = {paused.pending[0].id: le.Approve()}
+    with pytest.raises(BaseException):  # noqa: B017 - the stand-in for a dead process
+        await engine.resume(paused.invocation_id, decisions=job, tools=[charge])
+    again = await engine.resume(paused.invocation_id, decisions=job, tools=[charge], force=True)
+    assert again.outcome is le.Outcome.PAUSED and runs == ["9"]
+    assert [(c.id, c.reason) for c in again.pending] == [(paused.pending[0].id, "in_doubt")]
+    done = await engine.resume(paused.invocation_id, tools=[charge],
+                               decisions={paused.pending[0].id: le.Supply("charged 9")})
+    assert done.outcome is le.Outcome.COMPLETED and runs == ["9"]
+    assert len(provider.requests) == 2
