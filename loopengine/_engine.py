@@ -469,6 +469,13 @@ class Engine:
             found_in_doubt = any(call.reason == "in_doubt" for call in state.pending)
         else:
             found_in_doubt = False
+        if recovering and decisions:
+            # A job delivered again carries decisions its first delivery
+            # already applied (those calls ran, or were recorded approved):
+            # stale, not errors. Only the pending calls take decisions.
+            pending_ids = {call.id for call in state.pending}
+            decisions = {key: value for key, value in dict(decisions).items()
+                         if key in pending_ids}
         undecided = recovering and bool(state.pending) and (not decisions or found_in_doubt)
         decided = {} if undecided else check_decisions(state.pending, decisions)
         if operation is None:

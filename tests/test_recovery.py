@@ -791,3 +791,32 @@ async def test_a_job_delivered_again_never_runs_a_call_in_doubt_on_its_old_decis
                                decisions={paused.pending[0].id: le.Supply("charged 9")})
     assert done.outcome is le.Outcome.COMPLETED and runs == ["9"]
     assert len(provider.requests) == 2
+
+
+async def test_a_job_delivered_again_after_its_approved_call_ran_finishes_the_run(
+        ledger: Any, clock: FakeClock) -> None:
+    """The worker died after its approved call had run and ended, before the
+    next turn; the job is delivered again with the same Approve(): that
+    decision is stale (its call is not pending), not an error, and the run
+    goes on to its end without running the call again."""
+    runs: list[str] = []
+
+    @le.tool(approval=True)
+    def charge(card: str) -> str:
+        """Charge a card (not idempotent)."""
+        runs.append(card)
+        return f"charged {card}"
+
+    def die_before_the_next_turn(event: object) -> None:
+        if isinstance(event, events.AttemptStarted) and event.turn == 2 and runs:
+            raise Crash
+
+    engine, provider, _ = engine_on(ledger, clock, Reply.tool_calls(("charge", {"card": "7"})),
+                                    Reply.text("done"), observers=[die_before_the_next_turn])
+    paused = await engine.run(operation(total_time=600.0), "pay", tools=[charge])
+    job = {paused.pending[0].id: le.Approve()}
+    with pytest.raises(BaseException):  # noqa: B017 - the stand-in for a dead process
+        await engine.resume(paused.invocation_id, decisions=job, tools=[charge])
+    again, _, _ = engine_on(ledger, clock, Reply.text("done"))
+    done = await again.resume(paused.invocation_id, decisions=job, tools=[charge], force=True)
+    assert done.outcome is le.Outcome.COMPLETED and runs == ["7"]
