@@ -37,13 +37,19 @@ from loopengine._run import (
     ToolErrorText,
     check_unique_tools,
     default_tool_error_text,
-    definition_digest,
     final_tool_definition,
     give_back,
     resume_loop,
     run_loop,
 )
-from loopengine._runstate import Approve, Decision, PendingCall, RunState, check_decisions
+from loopengine._runstate import (
+    Approve,
+    Decision,
+    PendingCall,
+    RunState,
+    check_decisions,
+    json_digest,
+)
 from loopengine._runstore import UNBOUNDED_RUN, RunStore, StoredRun, holds_run, new_owner
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
@@ -909,7 +915,7 @@ def _check_resume_output(state: RunState, output: type[pydantic.BaseModel] | Non
                                     "the run was started without one")
     if output is None or state.output_digest is None:
         return  # a state encoded before the digest was kept: only the presence checked
-    if definition_digest(final_tool_definition(output, state.final_tool)) != \
+    if json_digest(final_tool_definition(output, state.final_tool)) != \
             state.output_digest:
         raise ConfigError("output", f"must be the output model the run was started with: "
                                     f"{output.__name__}'s JSON schema is not the run's")

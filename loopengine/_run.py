@@ -17,7 +17,6 @@ docs/guards.md.
 from __future__ import annotations
 
 import copy
-import hashlib
 import inspect
 import json
 import logging
@@ -48,7 +47,7 @@ from loopengine._pause import (
 )
 from loopengine._pricing import nanousd_to_usd
 from loopengine._result import RunResult
-from loopengine._runstate import Approve, Decision, PendingCall, RunState
+from loopengine._runstate import Approve, Decision, PendingCall, RunState, json_digest
 from loopengine._runstore import CallMark, lease_expiry, new_owner
 from loopengine._tools import Tool, ToolInputError, describe_validation_error, render_tool_output
 from loopengine._usage import Usage
@@ -71,8 +70,7 @@ from loopengine.providers._faults import FaultKind
 from loopengine.providers._retry import RetryStop
 
 __all__ = ["MAX_CONTINUATIONS", "RunSpec", "ToolErrorText", "default_tool_error_text",
-           "definition_digest", "final_tool_definition", "give_back", "resume_loop",
-           "run_loop"]
+           "final_tool_definition", "give_back", "resume_loop", "run_loop"]
 
 logger = logging.getLogger("loopengine")
 
@@ -503,7 +501,8 @@ class _Loop:
             # still, keeps its seal (no running time was added). A recovered
             # run's turn that its dead process was served is billed: its
             # charge is in the credits the pause records (R03).
-            before = self.resumed[0] if self.resumed is not None else state
+            assert self.resumed is not None  # only a resume keeps its pause's time
+            before = self.resumed[0]
             progress = state.progress
             state = replace(before, progress=replace(
                 progress, running_seconds=before.progress.running_seconds,
@@ -543,7 +542,7 @@ class _Loop:
             messages=self.transcript, given=self._given_messages,
             final_tool=self.spec.final_tool, structured=self.spec.output is not None,
             # The terminal tool's definition is the last one (`__init__`).
-            output_digest=None if self.spec.output is None else definition_digest(
+            output_digest=None if self.spec.output is None else json_digest(
                 self.definitions[-1]),
             tools=tuple(self.tools), features=inv.features, pending=pending,
             batch=batch_ids if batch_ids is not None else tuple(
@@ -1012,14 +1011,6 @@ def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[s
                        "have the answer, with the answer as its input.",
         "input_schema": schema,
     }
-
-
-def definition_digest(definition: Mapping[str, Any]) -> str:
-    """The sha256 (hex) of a tool definition as JSON, its keys sorted: equal for
-    two output models whose definitions the engine sends alike."""
-    encoded = json.dumps(definition, sort_keys=True, ensure_ascii=False,
-                         separators=(",", ":"))
-    return hashlib.sha256(encoded.encode()).hexdigest()
 
 
 class _ToolTimeout(Exception):

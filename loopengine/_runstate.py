@@ -27,7 +27,7 @@ from loopengine._usage import Usage, UsageIteration
 from loopengine.guards._limits import Limits
 from loopengine.providers._retry import RetryPolicy
 
-__all__ = ["Approve", "Decision", "Deny", "PendingCall", "RunState", "Supply"]
+__all__ = ["Approve", "Decision", "Deny", "PendingCall", "RunState", "Supply", "json_digest"]
 
 FORMAT = "loopengine.run_state"
 """The ``format`` every encoded state carries."""
@@ -289,8 +289,15 @@ class RunState:
         del encoded["paused_at"], encoded["extra"]
         encoded["progress"] = {"running_seconds": self.progress.running_seconds,
                                "descendant_credits": self.progress.descendant_credits}
-        text = json.dumps(encoded, separators=(",", ":"), sort_keys=True)  # ASCII
-        return hashlib.sha256(text.encode()).hexdigest()
+        return json_digest(encoded)
+
+
+def json_digest(value: Any) -> str:
+    """The SHA-256 (hex) of ``value`` as JSON, its keys sorted and every
+    character beyond ASCII escaped (a lone surrogate too): equal for equal
+    values, however they were built."""
+    text = json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _fields(value: Any) -> dict[str, Any]:

@@ -383,7 +383,7 @@ async def test_a_pause_whose_transcript_holds_a_lone_surrogate_resumes(
 
 
 @pytest.mark.parametrize("how", ["state", "bytes", "id"])
-async def test_a_resumed_run_sends_the_features_it_ran_with(
+async def test_r13_a_resumed_run_sends_the_features_it_ran_with(
         tmp_path: Path, make_engine: EngineFactory, how: str) -> None:
     """The operation's request features, as the run narrowed them, travel in
     the state: the resumed requests send them again (never the operation's

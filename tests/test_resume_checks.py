@@ -200,7 +200,7 @@ class FailingLedger(MemoryLedger):
         await super().dispatch_attempt(record)
 
 
-async def test_a_resumed_segment_that_fails_keeps_the_turns_the_run_had(
+async def test_r01_a_resumed_segment_that_fails_keeps_the_turns_the_run_had(
         make_engine: EngineFactory) -> None:
     """Paused after two turns; the resume's first dispatch cannot be written: the
     invocation ends failed with its two turns (its third was never sent) and the
