@@ -67,7 +67,7 @@ async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
         return
     reservation = got[0]
     inv.denied = check_admission(account, reservation.credits, reservation.available, asked,
-                                 fees=margin)
+                                 fees=margin, spent=spent)
     if inv.denied is not None:
         return
     inv.reservation = reservation

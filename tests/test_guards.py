@@ -167,3 +167,8 @@ def test_admission_denies_only_a_run_with_nothing_reserved() -> None:
     empty = check_admission("acme", 0, 0, 50)
     assert empty is not None and "has 0 credits available, nothing" in empty.message
     assert check_admission("acme", 10, 10, 50) is None
+    # A resumed run asks for what its hold leaves after what it spent.
+    resumed = check_admission("acme", 0, 0, 1, spent=120)
+    assert resumed is not None and resumed.limit == 1
+    assert resumed.message.endswith("nothing to reserve for the 1 credit this resumed run "
+                                    "asks for (120 of its hold already spent)")

@@ -134,3 +134,22 @@ async def test_r03_a_run_paused_at_exactly_its_hold_resumes_on_its_account(
         balance = await accounts.balance("acme")
     assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
     assert done.credits == 240 and (balance.spent, balance.reserved) == (240, 0)
+
+
+async def test_a_resume_at_exactly_its_hold_denied_says_what_it_asked_for(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """Paused at exactly its hold (120 of 120) on an account nothing is left in:
+    the resume asks for one credit and is denied, and its message says it was
+    that credit, its hold already spent, not a hold of 1."""
+    sender = Sender()
+    with SQLiteLedger(tmp_path / "ledger.db") as store:
+        engine, provider, _, paused = await paused_on_account(store, clock, sender, 120,
+                                                              hold=120)
+        assert paused.state is not None and paused.credits == 120
+        denied = await engine.resume(paused.state, tools=[sender.tool],
+                                     decisions={paused.pending[0].id: le.Approve()})
+    assert denied.outcome is le.Outcome.ADMISSION_DENIED and sender.sent == []
+    assert len(provider.requests) == 1
+    assert ("nothing to reserve for the 1 credit this resumed run asks for "
+            "(120 of its hold already spent)") in denied.detail
+    assert "hold of 1" not in denied.detail

@@ -120,12 +120,19 @@ def unconfirmed_by_deadline(limits: Limits, what: str) -> GuardTrip:
 
 
 def check_admission(account: str, reserved: int, available: int, hold: int,
-                    fees: int = 0) -> GuardTrip | None:
+                    fees: int = 0, spent: int = 0) -> GuardTrip | None:
     """Admission (docs/accounts.md): a run whose account had nothing to reserve for its
     hold (past ``fees``, the worst case of one turn's server-tool fees, reserved
-    on top) is denied before any request; a partial reservation narrows the hold."""
+    on top) is denied before any request; a partial reservation narrows the hold.
+
+    ``hold`` is what the run asked to reserve; a resumed run asks for what its
+    hold leaves after the ``spent`` credits settled at its pause (a credit, when
+    it leaves none), and its message says so."""
     if reserved > 0:
         return None
+    asked = (f"this run's hold of {hold}" if not spent else
+             f"the {hold} credit{'s' if hold != 1 else ''} this resumed run asks for "
+             f"({spent} of its hold already spent)")
     return GuardTrip(
         Outcome.ADMISSION_DENIED,
         "account",
@@ -135,7 +142,7 @@ def check_admission(account: str, reserved: int, available: int, hold: int,
         # crossing turn overdrew stays below zero until granted more.
         f"account {account!r} has {available} credits available"
         f"{' (overdrawn)' if available < 0 else ''}, "
-        f"nothing to reserve for this run's hold of {hold}"
+        f"nothing to reserve for {asked}"
         + (f" past the worst case of a turn's server-tool fees ({fees})" if fees else ""),
     )
 
