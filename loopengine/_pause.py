@@ -25,10 +25,11 @@ from loopengine._admission import admit, settle_account
 from loopengine._errors import ConfigError, LedgerError, RunBusyError
 from loopengine._invocation import LEDGER_GRACE, Invocation
 from loopengine._lifecycle import end_paused, forget_run, uninterrupted, write_if_paused
+from loopengine._pricing import nanousd_to_usd
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
 from loopengine._tools import Tool
 from loopengine._usage import Usage
-from loopengine.events import RunPaused, RunResumed
+from loopengine.events import RunEnded, RunPaused, RunResumed
 from loopengine.guards._checkpoints import ConversationState
 from loopengine.guards._deadline import Deadline
 from loopengine.persistence._account_store import descendants_charged, running_descendants
@@ -247,7 +248,9 @@ async def end_dead_descendants(
     it, so the tree's charge is the same before and after. Through the
     ledger's writer, as a compare-and-set on the row still being
     ``running``: of two recoveries (or a recovery recovered again) one ends
-    it. A run paused or ended is not touched.
+    it. A run paused or ended is not touched. Each one ended gets the
+    `RunEnded` its process could not emit (outcome ``failed``, its totals as
+    recorded), from the recovery, once.
 
     ``transact`` is the ledger's ``_transact_qmark``.
     """
@@ -273,6 +276,14 @@ async def end_dead_descendants(
         logger.warning("run %s: its sub-agent run %s was left running by its dead process; "
                        "ended failed (turns=%d tool_calls=%d credits=%d)", inv.id, member,
                        turns, tool_calls, credits)
+        # Its `RunEnded`, which its process could not emit: its totals as recorded.
+        read = getattr(inv.ledger, "read_progress", None)
+        recorded: InvocationProgress | None = None if read is None else await read(member)
+        if recorded is not None:
+            await inv.emit(RunEnded(
+                run_id=member, at=at, outcome="failed", turns=turns, tool_calls=tool_calls,
+                attempts=recorded.attempt_count, usage=recorded.usage,
+                cost_usd=nanousd_to_usd(recorded.cost_nanousd), credits=credits))
     return int(charged)
 
 

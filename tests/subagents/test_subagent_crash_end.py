@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import loopengine as le
-from loopengine import audit
+from loopengine import audit, events
 from loopengine.persistence import PostgresLedger, SQLiteLedger
 from loopengine.testing import Reply
 
@@ -110,9 +110,11 @@ async def test_a_recovery_ends_the_sub_agents_and_grandchildren_its_dead_process
     """The process dies in a grandchild's tool (parent -> helper -> inner ->
     explode), each reply settled. The recovery by id ends helper's and inner's
     rows ``failed``, their attempts and counts as recorded, their credits their
-    settled turns' (100, 200), their segments left open (their process died);
-    the run goes on, and its total, its account and the audit agree on 330."""
+    settled turns' (100, 200), their segments left open (their process died),
+    and emits the `RunEnded` each could not; the run goes on, and its total,
+    its account and the audit agree on 330."""
     ledger = store.ledger
+    seen: list[events.Event] = []
 
     @le.tool
     def explode(key: str) -> str:
@@ -126,7 +128,8 @@ async def test_a_recovery_ends_the_sub_agents_and_grandchildren_its_dead_process
         Reply.tool_calls(("inner", {"task": "dig"}), usage=spend(100)),
         Reply.tool_calls(("explode", {"key": "k"}), usage=spend(200)),
         Reply.text("done", usage=spend(20)),
-        ledger=ledger, accounts=accounts, run_store=le.RunStore(ledger))
+        ledger=ledger, accounts=accounts, run_store=le.RunStore(ledger),
+        observers=[seen.append])
     inner = le.agent_tool(engine, route.named("grandchild.op"), name="inner",
                           description="Digs.", tools=[explode])
     helper = le.agent_tool(engine, route.named("child.op"), name="helper",
@@ -142,6 +145,9 @@ async def test_a_recovery_ends_the_sub_agents_and_grandchildren_its_dead_process
 
     paused = await engine.resume(run_id, tools=[helper], force=True)
     assert [c.reason for c in paused.pending] == ["in_doubt"]
+    ended = sorted(((e.outcome, e.turns, e.tool_calls, e.attempts, e.credits, e.usage)
+                    for e in seen if isinstance(e, events.RunEnded)), key=repr)
+    assert ended == [("failed", 0, 0, 1, 100, spend(100)), ("failed", 0, 0, 1, 200, spend(200))]
     await ledger.flush()
     rows = by_operation(store)
     # Ended failed, as the ledger had them: no turn or tool call was recorded
@@ -175,6 +181,7 @@ async def test_a_recovery_recovered_again_ends_each_dead_sub_agent_once(
     credits, nothing is charged twice, and the audit agrees with the account."""
     ledger = store.ledger
     deaths = iter([True, True, False])
+    seen: list[events.Event] = []
 
     @le.tool
     def explode(key: str) -> str:
@@ -194,7 +201,8 @@ async def test_a_recovery_recovered_again_ends_each_dead_sub_agent_once(
         Reply.tool_calls(("explode", {"key": "k"}), usage=spend(300)),
         Reply.text("found", usage=spend(10)),
         Reply.text("done", usage=spend(20)),
-        ledger=ledger, accounts=accounts, run_store=le.RunStore(ledger))
+        ledger=ledger, accounts=accounts, run_store=le.RunStore(ledger),
+        observers=[seen.append])
 
     @le.tool(idempotent=True)
     async def helper(task: str, ctx: le.ToolContext) -> str:
@@ -224,6 +232,10 @@ async def test_a_recovery_recovered_again_ends_each_dead_sub_agent_once(
     assert done.credits_total == 30 + 100 + 200 + 310
     assert (balance.spent, balance.reserved) == (done.credits_total, 0)
     assert_agrees(store)
+    # Every run, the dead ones included, ended once for the observers.
+    ends = [e.run_id for e in seen if isinstance(e, events.RunEnded)]
+    starts = [e.run_id for e in seen if isinstance(e, events.RunStarted)]
+    assert sorted(ends) == sorted(starts) and len(set(ends)) == 4
 
 
 async def test_two_recoveries_at_once_end_the_dead_sub_agent_once(
