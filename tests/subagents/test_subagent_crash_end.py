@@ -29,6 +29,19 @@ class Crash(BaseException):
     """Stands in for the death of the process (nothing catches it)."""
 
 
+@le.tool
+def explode(key: str) -> str:
+    """Die."""
+    raise Crash
+
+
+async def funded(ledger: Any) -> le.CreditAccounts:
+    """The ledger's credit accounts, ``acme`` granted 10,000 credits."""
+    accounts = le.CreditAccounts(ledger)
+    await accounts.grant("acme", 10_000)
+    return accounts
+
+
 @contextlib.contextmanager
 def dies() -> Iterator[None]:
     """Expect the process's stand-in death (maybe inside exception groups)."""
@@ -100,7 +113,13 @@ def assert_agrees(store: Store) -> None:
     assert found.running == [] and found.abandoned == []
 
 
-def root_id(store: Store) -> str:
+async def crashed_run(route: Route, store: Store, engine: le.Engine, helper: le.Tool, *,
+                      hold: int) -> str:
+    """Run ``parent.op`` with ``helper`` until its process's stand-in death; its id."""
+    with dies():
+        await engine.run(route.named("parent.op", credit_hold=hold, total_time=600.0),
+                         "go", tools=[helper], attribution=ACME)
+    await store.ledger.flush()
     [(run_id,)] = store.rows("SELECT id FROM invocations WHERE parent_invocation_id IS NULL")
     return str(run_id)
 
@@ -115,14 +134,7 @@ async def test_a_recovery_ends_the_sub_agents_and_grandchildren_its_dead_process
     its account and the audit agree on 330."""
     ledger = store.ledger
     seen: list[events.Event] = []
-
-    @le.tool
-    def explode(key: str) -> str:
-        """Die."""
-        raise Crash
-
-    accounts = le.CreditAccounts(ledger)
-    await accounts.grant("acme", 10_000)
+    accounts = await funded(ledger)
     engine, _ = route.wire.engine(
         Reply.tool_calls(("helper", {"task": "research"}), usage=spend(10)),
         Reply.tool_calls(("inner", {"task": "dig"}), usage=spend(100)),
@@ -134,11 +146,7 @@ async def test_a_recovery_ends_the_sub_agents_and_grandchildren_its_dead_process
                           description="Digs.", tools=[explode])
     helper = le.agent_tool(engine, route.named("child.op"), name="helper",
                            description="Helps.", tools=[inner])
-    with dies():
-        await engine.run(route.named("parent.op", credit_hold=1000, total_time=600.0),
-                         "go", tools=[helper], attribution=ACME)
-    await ledger.flush()
-    run_id = root_id(store)
+    run_id = await crashed_run(route, store, engine, helper, hold=1000)
     assert {op: [r[0] for r in rows] for op, rows in by_operation(store).items()} == {
         "parent.op": ["running"], "child.op": ["running"], "grandchild.op": ["running"]}
     assert store.reconcile().running != []
@@ -165,9 +173,8 @@ async def test_a_recovery_ends_the_sub_agents_and_grandchildren_its_dead_process
     done = await engine.resume(run_id, tools=[helper],
                                decisions={paused.pending[0].id: le.Supply("found it")})
     balance = await accounts.balance("acme")
-    assert done.outcome is le.Outcome.COMPLETED
-    assert (done.credits, done.credits_total) == (30, 330)
-    assert (balance.spent, balance.reserved) == (330, 0)
+    assert (done.outcome, done.credits, done.credits_total, balance.spent,
+            balance.reserved) == (le.Outcome.COMPLETED, 30, 330, 330, 0)
     await ledger.flush()
     assert [r[:5] for r in by_operation(store)["child.op"]] == [("failed", 0, 0, 100, 1)]
     assert_agrees(store)
@@ -184,21 +191,20 @@ async def test_a_recovery_recovered_again_ends_each_dead_sub_agent_once(
     seen: list[events.Event] = []
 
     @le.tool
-    def explode(key: str) -> str:
+    def explode_twice(key: str) -> str:
         """Die, twice."""
         if next(deaths):
             raise Crash
         return "ok"
 
-    accounts = le.CreditAccounts(ledger)
-    await accounts.grant("acme", 10_000)
+    accounts = await funded(ledger)
     engine, _ = route.wire.engine(
         Reply.tool_calls(("helper", {"task": "research"}), usage=spend(10)),
-        Reply.tool_calls(("explode", {"key": "k"}), usage=spend(100)),
+        Reply.tool_calls(("explode_twice", {"key": "k"}), usage=spend(100)),
         # The first recovery: helper runs again, and its process dies again.
-        Reply.tool_calls(("explode", {"key": "k"}), usage=spend(200)),
+        Reply.tool_calls(("explode_twice", {"key": "k"}), usage=spend(200)),
         # The second: helper runs again and answers.
-        Reply.tool_calls(("explode", {"key": "k"}), usage=spend(300)),
+        Reply.tool_calls(("explode_twice", {"key": "k"}), usage=spend(300)),
         Reply.text("found", usage=spend(10)),
         Reply.text("done", usage=spend(20)),
         ledger=ledger, accounts=accounts, run_store=le.RunStore(ledger),
@@ -207,14 +213,10 @@ async def test_a_recovery_recovered_again_ends_each_dead_sub_agent_once(
     @le.tool(idempotent=True)
     async def helper(task: str, ctx: le.ToolContext) -> str:
         """Helps (a sub-agent; run again after a crash)."""
-        result = await ctx.run(route.named("child.op"), task, tools=[explode])
+        result = await ctx.run(route.named("child.op"), task, tools=[explode_twice])
         return result.answer or ""
 
-    with dies():
-        await engine.run(route.named("parent.op", credit_hold=2000, total_time=600.0),
-                         "go", tools=[helper], attribution=ACME)
-    await ledger.flush()
-    run_id = root_id(store)
+    run_id = await crashed_run(route, store, engine, helper, hold=2000)
     with dies():
         await engine.resume(run_id, tools=[helper], force=True)
     await ledger.flush()
@@ -246,25 +248,14 @@ async def test_two_recoveries_at_once_end_the_dead_sub_agent_once(
     import anyio
 
     ledger = store.ledger
-
-    @le.tool
-    def explode(key: str) -> str:
-        """Die."""
-        raise Crash
-
-    accounts = le.CreditAccounts(ledger)
-    await accounts.grant("acme", 10_000)
+    accounts = await funded(ledger)
     engine, _ = route.wire.engine(
         Reply.tool_calls(("helper", {"task": "research"}), usage=spend(10)),
         Reply.tool_calls(("explode", {"key": "k"}), usage=spend(100)),
         ledger=ledger, accounts=accounts, run_store=le.RunStore(ledger))
     helper = le.agent_tool(engine, route.named("child.op"), name="helper",
                            description="Helps.", tools=[explode])
-    with dies():
-        await engine.run(route.named("parent.op", credit_hold=1000, total_time=600.0),
-                         "go", tools=[helper], attribution=ACME)
-    await ledger.flush()
-    run_id = root_id(store)
+    run_id = await crashed_run(route, store, engine, helper, hold=1000)
     outcomes: list[str] = []
 
     async def recover() -> None:
