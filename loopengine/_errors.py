@@ -235,7 +235,19 @@ class MCPServerError(LoopEngineError):
     its tools (the message names the server), and by a tool's handler when
     the connection fails during a call: the model then gets an ``is_error``
     result saying so, which does not name the server's command or URL.
+
+    Args:
+        message: What failed.
+        result_unknown: The call was sent and its answer lost: it may have
+            done its work (a run store records it ``in_doubt``).
+
+    Attributes:
+        result_unknown: As given; False when the call never reached the server.
     """
+
+    def __init__(self, message: str, *, result_unknown: bool = False) -> None:
+        super().__init__(message)
+        self.result_unknown = result_unknown
 
 
 class MCPToolError(LoopEngineError):

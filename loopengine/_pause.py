@@ -17,26 +17,27 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from loopengine._admission import admit, settle_account
-from loopengine._errors import ConfigError, RunBusyError
+from loopengine._errors import ConfigError, LedgerError, RunBusyError
 from loopengine._invocation import LEDGER_GRACE, Invocation
 from loopengine._lifecycle import end_paused, forget_run, uninterrupted, write_if_paused
+from loopengine._pricing import nanousd_to_usd
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
 from loopengine._tools import Tool
 from loopengine._usage import Usage
-from loopengine.events import RunPaused, RunResumed
+from loopengine.events import RunEnded, RunPaused, RunResumed
 from loopengine.guards._checkpoints import ConversationState
 from loopengine.guards._deadline import Deadline
-from loopengine.persistence._account_store import descendants_charged
+from loopengine.persistence._account_store import descendants_charged, running_descendants
 from loopengine.persistence._planner import PROGRESS_USAGE, usage_counts
 from loopengine.persistence._records import InvocationEnd, InvocationProgress
 
-__all__ = ["check_seal", "decided_results", "pause", "pending_approvals", "prepare_resume",
-           "resume_begin"]
+__all__ = ["check_seal", "decided_results", "end_dead_descendants", "pause",
+           "pending_approvals", "prepare_resume", "resume_begin"]
 
 logger = logging.getLogger("loopengine")
 
@@ -225,16 +226,65 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     if recovering and transact is not None:
         # Its sub-agents may have spent after its last checkpoint, as its
         # process died: what the ledger says they charged.
-        prices = inv.prices
-        inv.descendant_credits = max(saved.descendant_credits, await transact(
-            lambda conn: descendants_charged(conn, inv.id, prices.credits_per_usd,
-                                             prices.credit_quantum),
-            "the ledger could not be read"))
+        inv.descendant_credits = max(saved.descendant_credits,
+                                     await end_dead_descendants(inv, transact))
     # total_time counts running time only: the deadline is what was left.
     inv.started = inv.clock.now() - saved.running_seconds
     inv.deadline = Deadline.after(inv.started, inv.limits.total_time)
     return ConversationState(turns=progress.turns, tool_calls=progress.tool_calls,
                              credits=progress.credits, deadline=inv.deadline)
+
+
+async def end_dead_descendants(
+        inv: Invocation, transact: Callable[[Callable[[Any], Any], str], Awaitable[Any]]
+        ) -> int:
+    """End each run that the recovered run ``inv`` delegated to (its tree below
+    it) and that its dead process left ``running``; return what its tree below
+    it charged (`descendants_charged`).
+
+    Each is ended ``failed`` (its process died under it: it reached no
+    outcome), its counts as the ledger has them (an attempt it left
+    dispatched stays so), its credits what `descendants_charged` counts for
+    it, so the tree's charge is the same before and after. Through the
+    ledger's writer, as a compare-and-set on the row still being
+    ``running``: of two recoveries (or a recovery recovered again) one ends
+    it. A run paused or ended is not touched. Each one ended gets the
+    `RunEnded` its process could not emit (outcome ``failed``, its totals as
+    recorded), from the recovery, once.
+
+    ``transact`` is the ledger's ``_transact_qmark``.
+    """
+    prices = inv.prices
+    rate, quantum = prices.credits_per_usd, prices.credit_quantum
+    charged, dead = await transact(
+        lambda conn: (descendants_charged(conn, inv.id, rate, quantum),
+                      running_descendants(conn, inv.id, rate, quantum)),
+        "the ledger could not be read")
+    assert inv.ledger is not None
+    at = inv.clock.wall()
+    for member, turns, tool_calls, credits in dead:
+        try:
+            await inv.ledger.end_invocation(InvocationEnd(
+                id=member, ended_at=at, outcome="failed", turns=turns, tool_calls=tool_calls,
+                credits=credits, expect_outcome="running", expect_seal=""))
+        except LedgerError as error:
+            # Ended meanwhile (by another recovery), or the write failed: the
+            # row is as the ledger has it; `audit reconcile` lists one left running.
+            logger.warning("run %s: its sub-agent run %s, left running by its dead "
+                           "process, was not ended: %s", inv.id, member, error)
+            continue
+        logger.warning("run %s: its sub-agent run %s was left running by its dead process; "
+                       "ended failed (turns=%d tool_calls=%d credits=%d)", inv.id, member,
+                       turns, tool_calls, credits)
+        # Its `RunEnded`, which its process could not emit: its totals as recorded.
+        read = getattr(inv.ledger, "read_progress", None)
+        recorded: InvocationProgress | None = None if read is None else await read(member)
+        if recorded is not None:
+            await inv.emit(RunEnded(
+                run_id=member, at=at, outcome="failed", turns=turns, tool_calls=tool_calls,
+                attempts=recorded.attempt_count, usage=recorded.usage,
+                cost_usd=nanousd_to_usd(recorded.cost_nanousd), credits=credits))
+    return int(charged)
 
 
 def check_seal(state: RunState, seal: str) -> None:

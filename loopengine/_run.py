@@ -32,7 +32,7 @@ import pydantic
 from loopengine import _validate
 from loopengine._attempt import request, settle_cut
 from loopengine._context import context_for
-from loopengine._errors import ConfigError, RunBusyError
+from loopengine._errors import ConfigError, MCPServerError, RunBusyError
 from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
 from loopengine._lifecycle import begin, cancelled, failed, finish
@@ -725,7 +725,9 @@ class _Loop:
         in ``decided`` (denied or supplied on resume: ``(text, is_error)``) gets
         that result and runs nothing. With a run store, a call is recorded
         ``started`` before its handler runs, and its end with the batch's
-        results so far, its own included."""
+        results so far, its own included: ``in_doubt`` when its result is not
+        known (its timeout cut it, or its MCP server was lost during it), since
+        it may have done its work."""
         decided = decided or {}
         inv = self.inv
         before = list(out)
@@ -733,6 +735,7 @@ class _Loop:
         usage = inv.turn_usage(turn) if observed else Usage()
         spend = inv.turn_cost_usd(turn) if observed else Decimal(0)
         results: list[dict[str, Any] | None] = [None] * len(batch)
+        unknown: set[int] = set()  # calls ended without a known result: they may have run
         # A tool's max_calls, counted in the batch's order (the calls then run at once).
         capped: set[int] = set()
         for index, block in enumerate(batch):
@@ -778,6 +781,8 @@ class _Loop:
             result = results[index]
             if given is not None:
                 status = "denied" if given[1] else "supplied"
+            elif index in unknown:
+                status = "in_doubt"
             else:
                 status = "failed" if result is None or result.get("is_error") else "succeeded"
             # The call's end and its result, in one write: a crash never loses
@@ -835,6 +840,7 @@ class _Loop:
                         text = (f"{name} did not finish within its timeout of "
                                 f"{late.seconds:g}s; its result is not known.")
                         failed = "timeout"
+                        unknown.add(index)
                     except Exception as error:
                         # Raising is how a handler reports a failure to the model
                         # (R09), so a WARNING, not an ERROR; the traceback shows a
@@ -844,6 +850,8 @@ class _Loop:
                                        exc_info=withheld(error))
                         text = self.spec.tool_error_text(name, error)
                         failed = f"handler raised {type(error).__name__}"
+                        if isinstance(error, MCPServerError) and error.result_unknown:
+                            unknown.add(index)
                     else:
                         results[index] = _tool_result(block, render_tool_output(value))
                         await tool_event(block, "succeeded", inv.clock.now() - started)

@@ -483,14 +483,14 @@ class MCPServer:
         except MCPError as error:
             if error.code == mcp_types.CONNECTION_CLOSED:
                 raise MCPServerError("the MCP server closed the connection during the call; "
-                                     "the result is not known") from error
+                                     "the result is not known", result_unknown=True) from error
             # An error about the request itself leaves the session sound; any
             # other (an internal error, a terminated session) may not have.
             kept = error.code in _REQUEST_ERRORS
             raise MCPToolError(f"{name}: {error.message}") from error
         except Exception as error:
             raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
-                                 "the result is not known") from error
+                                 "the result is not known", result_unknown=True) from error
         finally:
             session.users -= 1
             if not kept:

@@ -22,6 +22,11 @@ Commands (``db`` is ``{"sqlite": path}`` or ``{"postgres": dsn, "schema": name}`
   holds the reply; ``settled``: once turn 1's reply is settled (durable,
   before the run's checkpoint), print ``TAG settled <invocation id>`` and
   wait there to be killed.
+* ``{"op": "delegate", "tag", "vendor", "url", "db"}``: run ``parent.op``
+  (credit hold 5000, accounted to tenant ``acme``) with the sub-agent tool
+  ``helper`` (``child.op``), whose own sub-agent tool ``inner``
+  (``grandchild.op``) calls ``dig``, which prints ``TAG started <grandchild
+  id>`` and waits to be killed.
 * ``{"op": "resume", "tag", "vendor", "url", "db", "log", "run", "decisions",
   "go"}``: print ``TAG ready`` and wait until the file ``go`` exists (when
   ``go`` is given), then resume the run ``run`` from the run store alone,
@@ -134,6 +139,33 @@ async def wire(command: dict[str, Any]) -> None:
     await engine.run(operation(command["vendor"]), "pay", tools=[charge])
 
 
+async def delegate(command: dict[str, Any]) -> None:
+    tag, vendor = command["tag"], command["vendor"]
+
+    @le.tool
+    async def dig(key: str, ctx: le.ToolContext) -> str:
+        """Dig a key up."""
+        say(tag, f"started {ctx.invocation_id}")
+        await anyio.sleep(60)  # killed meanwhile
+        return "unreachable"
+
+    def named(name: str, **limits: Any) -> le.Operation:
+        base = operation(vendor)
+        return le.Operation(name=name, provider=vendor, model=base.model,
+                            max_output_tokens=base.max_output_tokens,
+                            limits=le.Limits(total_time=300.0, **limits))
+
+    provider, ledger, prices = parts(command)
+    engine = le.Engine(provider, ledger=ledger, prices=prices, run_store=le.RunStore(ledger),
+                       accounts=le.CreditAccounts(ledger))
+    inner = le.agent_tool(engine, named("grandchild.op"), name="inner", description="Digs.",
+                          tools=[dig])
+    helper = le.agent_tool(engine, named("child.op"), name="helper", description="Helps.",
+                           tools=[inner])
+    await engine.run(named("parent.op", credit_hold=5000), "go", tools=[helper],
+                     attribution=le.Attribution(tenant="acme"))
+
+
 def wait_for(path: str) -> None:
     """Return once ``path`` exists (polled: the racers leave together)."""
     give_up = time.monotonic() + 30
@@ -203,7 +235,8 @@ def main() -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             code = 0
             try:
-                anyio.run({"crash": crash, "resume": resume, "wire": wire}[command["op"]],
+                anyio.run({"crash": crash, "delegate": delegate, "resume": resume,
+                           "wire": wire}[command["op"]],
                           command)
             except BaseException as error:  # reported, then the child exits
                 say(command["tag"], f"error {error!r}")

@@ -31,11 +31,13 @@ import anyio
 import pytest
 
 import loopengine as le
+from loopengine import audit
 from loopengine.persistence import PostgresLedger, SQLiteLedger
 from loopengine.providers import AnthropicProvider, OpenAIProvider, Provider
 from loopengine.testing import FakeAnthropicServer, FakeOpenAIServer, Reply
 
 from .postgres_support import PostgresServer, fresh_schema
+from .test_audit_postgres import url_of
 
 ROOT = Path(__file__).parent.parent
 KILLS = 20
@@ -463,3 +465,82 @@ async def test_approval_round_trip_resumes_in_another_process_from_the_run_store
     assert await store_.load(paused.invocation_id) is None
     assert await store_.tool_calls(paused.invocation_id) == {paused.pending[0].id: "succeeded"}
     await check_ledger_against_the_server(ledger, len(server.requests))
+
+
+@pytest.mark.parametrize("vendor", ["anthropic", "openai"])
+async def test_sigkill_in_a_grandchilds_tool_ends_the_dead_sub_agents_when_recovered(
+        vendor: str, forker: Forker, store: tuple[dict[str, str], Any],
+        fake_anthropic_server: FakeAnthropicServer, fake_openai_server: FakeOpenAIServer,
+        request: pytest.FixtureRequest) -> None:
+    """A process killed in a grandchild's tool (parent -> helper -> inner ->
+    dig) leaves the three rows running. Recovered here by its id, the run ends
+    helper's and inner's rows ``failed`` (their attempts as recorded, their
+    credits their settled turns': 200 and 300), pauses on helper's call in
+    doubt, and completes once it is decided; the run's total, its account and
+    `audit reconcile` agree, and nothing is left running."""
+    db, ledger = store
+    server: Any = fake_anthropic_server if vendor == "anthropic" else fake_openai_server
+    url = server.url if vendor == "anthropic" else server.base_url
+    accounts = le.CreditAccounts(ledger)
+    await accounts.grant("acme", 10_000)
+
+    def usage(credits: int) -> le.Usage:  # one credit per token on these prices
+        return le.Usage(input_tokens=credits - 10, output_tokens=10)
+
+    server.add(Reply.tool_calls(("helper", {"task": "research"}), usage=usage(100)),
+               Reply.tool_calls(("inner", {"task": "dig"}), usage=usage(200)),
+               Reply.tool_calls(("dig", {"key": "k"}), usage=usage(300)))
+    tag = forker.send(op="delegate", vendor=vendor, url=url, db=db)
+    pid = int(forker.expect(tag, "pid")[1])
+    grandchild = forker.expect(tag, "started")[1].strip()
+    os.kill(pid, signal.SIGKILL)
+    wait_gone(pid)
+    assert [tuple(r) for r in await rows(ledger, "SELECT outcome, COUNT(*) FROM invocations "
+                                                 "GROUP BY outcome")] == [("running", 3)]
+    [(run_id,)] = await rows(ledger, "SELECT id FROM invocations "
+                                     "WHERE parent_invocation_id IS NULL")
+
+    def named(name: str, **limits: Any) -> le.Operation:
+        base = operation(vendor)
+        return le.Operation(name=name, provider=vendor, model=MODELS[vendor],
+                            max_output_tokens=base.max_output_tokens,
+                            limits=le.Limits(total_time=300.0, **limits))
+
+    provider = provider_for(vendor, url)
+    engine = le.Engine(provider, ledger=ledger, prices=prices(vendor),
+                       run_store=le.RunStore(ledger), accounts=accounts)
+    helper = le.agent_tool(engine, named("child.op"), name="helper", description="Helps.")
+    server.add(Reply.text("Found.", usage=usage(40)))
+    try:
+        paused = await engine.resume(run_id, tools=[helper], force=True)
+        assert [(p.tool, p.reason) for p in paused.pending] == [("helper", "in_doubt")]
+        ended = await rows(ledger, "SELECT operation, outcome, turns, tool_calls, credits, "
+                                   "attempt_count, id FROM invocations "
+                                   "WHERE parent_invocation_id IS NOT NULL ORDER BY operation")
+        assert [tuple(r[:6]) for r in ended] == [("child.op", "failed", 0, 0, 200, 1),
+                                                 ("grandchild.op", "failed", 0, 0, 300, 1)]
+        assert ended[1][6] == grandchild
+        done = await engine.resume(run_id, tools=[helper],
+                                   decisions={paused.pending[0].id: le.Supply("nothing")})
+    finally:
+        await provider.aclose()  # type: ignore[attr-defined]
+    assert done.outcome is le.Outcome.COMPLETED and done.answer == "Found."
+    assert (done.credits, done.credits_total) == (140, 640)
+    balance = await accounts.balance("acme")
+    assert (balance.spent, balance.reserved) == (640, 0)
+    await ledger.flush()
+    if "sqlite" in db:
+        target, schema = db["sqlite"], None
+    else:
+        postgres: PostgresServer = request.getfixturevalue("postgres_server")
+        target, schema = url_of(postgres, "postgres"), db["schema"]
+    conn = audit.open_ledger(target, schema=schema)
+    try:
+        found = audit.reconcile(conn)
+    finally:
+        conn.close()
+    assert found.mismatches == [] and found.accounts == []
+    assert found.running == [] and found.abandoned == []
+    # Their process died in them: their segments stay open, listed for a look.
+    dead = {(str(r["invocation_id"]), r["ordinal"]) for r in found.dead_segments}
+    assert {(grandchild, 1), (str(ended[0][6]), 1)} <= dead

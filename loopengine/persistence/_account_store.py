@@ -17,7 +17,7 @@ from typing import Any
 from loopengine.guards._credits import turn_credits
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "charged", "expire", "journal", "lock", "read",
-           "recover", "released", "settled"]
+           "recover", "released", "running_descendants", "settled"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -165,6 +165,21 @@ def descendants_charged(conn: Any, invocation_id: str, rate: Decimal, quantum: i
     died learns so what its sub-agents spent, those cut by the crash too)."""
     return (charged(conn, invocation_id, rate, quantum)
             - _own_charge(conn, invocation_id, rate, quantum))
+
+
+def running_descendants(conn: Any, invocation_id: str, rate: Decimal, quantum: int
+                        ) -> list[tuple[str, int, int, int]]:
+    """The runs ``invocation_id`` delegated to (its tree below it) that the ledger
+    still holds ``running``, as ``(id, turns, tool_calls, charge)``: their
+    counts as recorded, and what `descendants_charged` counts for them (the
+    rounded turn charges of their settled, charged attempts)."""
+    found = conn.execute(
+        f"{TREE}SELECT i.id, i.turns, i.tool_calls FROM invocations AS i JOIN tree AS t "
+        "ON t.id = i.id WHERE i.outcome = 'running' AND i.id <> ? ORDER BY i.started_at, i.id",
+        (invocation_id, invocation_id)).fetchall()
+    return [(str(member), int(turns), int(tool_calls),
+             _own_charge(conn, str(member), rate, quantum))
+            for member, turns, tool_calls in found]
 
 
 def _own_charge(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:

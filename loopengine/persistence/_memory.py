@@ -183,9 +183,10 @@ class _Rows(_planner.Store):
                 changed += 1
             else:
                 invocation = self.invocations[row[-1]]
-                expect = row[-2]  # the pause it must still be (`_planner.END_SET`)
-                if expect is None or (invocation["outcome"] == "paused"
+                # What it must still be (`_planner.Batch.ends`).
+                outcome, expect = row[-3], row[-2]
+                if expect is None or (invocation["outcome"] == outcome
                                       and (invocation["pause_seal"] or "") == expect):
-                    invocation.update(zip(_planner.END_SET, row[:-2], strict=True))
+                    invocation.update(zip(_planner.END_SET, row[:-3], strict=True))
                     changed += 1
         return changed

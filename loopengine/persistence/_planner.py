@@ -13,8 +13,9 @@ transaction (`Store`). The rules live here and nowhere else:
 * an invocation runs in segments (``segments``): its start opens the first,
   a resume (an end whose outcome is ``running``) opens the next, and a pause
   or its end closes the one open, in the same transaction; a segment whose
-  process died stays open, and its recovery opens the next. An invocation
-  started before segments were recorded gets none;
+  process died stays open, and its recovery opens the next (a sub-agent's
+  that died with it is ended by that recovery, its segment left open). An
+  invocation started before segments were recorded gets none;
 * the first ``max_retained`` attempts of an invocation get a row; later ones
   only increase ``attempt_count`` and set ``incomplete`` (R07);
 * each settle adds its usage (tokens, server tool requests, reasoning
@@ -73,11 +74,13 @@ ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "ht
                          "cost_nanousd", "charged", "price_ref", "response_id", "request_id",
                          "stop_reason", "web_search_requests", "web_fetch_requests",
                          "reasoning_tokens", "iterations", "fee_nanousd")
-# (END, op_id, id, *END_SET, at, expect_seal): ``at`` is when it was written
-# (a resume's segment starts then); ``expect_seal``, when not None, is the
-# pause the row must still be: ``paused`` with that ``pause_seal`` ("" for a
-# pause that recorded none). A compare-and-set: of two resumes of one pause
-# (or a resume and a pause's timeout), the second changes no row and is refused.
+# (END, op_id, id, *END_SET, at, expect_seal, expect_outcome): ``at`` is when
+# it was written (a resume's segment starts then); ``expect_seal``, when not
+# None, is what the row must still be: ``expect_outcome`` (``paused`` when
+# absent) with that ``pause_seal`` ("" for none). A compare-and-set: of two
+# resumes of one pause (or a resume and a pause's timeout), the second changes
+# no row and is refused; so is a second end of a run its dead process left
+# ``running`` (``expect_outcome`` ``running``, ended by its root's recovery).
 END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits", "pause_seal")
 _E_AT: Final = 3 + len(END_SET)
 SEGMENT_OPEN: Final = ("invocation_id", "ordinal", "started_at")
@@ -334,7 +337,8 @@ class Batch:
     deltas: dict[str, list[int]] = field(default_factory=dict)
     """Each invocation's changes to its totals, in `DELTA_COLUMNS` order."""
     ends: list[Sequence[Any]] = field(default_factory=list)
-    """`END_SET` values, then the seal the row must have (None: any), then ``id``."""
+    """`END_SET` values, then the outcome and the seal the row must have (the
+    seal None: any row), then ``id``."""
     opens: list[Sequence[Any]] = field(default_factory=list)
     """`SEGMENT_OPEN` rows."""
     closes: list[Sequence[Any]] = field(default_factory=list)
@@ -580,9 +584,12 @@ class Planner:
         outcome = op[4]
         # A pause (or a resume) changes the outcome without ending it.
         live.ended = outcome not in OPEN_OUTCOMES
-        batch.ends.append((*op[3:_E_AT], op[_E_AT + 1] if len(op) > _E_AT + 1 else None,
-                           invocation_id))
-        if live.segment is None:
+        expect_outcome = op[_E_AT + 2] if len(op) > _E_AT + 2 else "paused"
+        batch.ends.append((*op[3:_E_AT], expect_outcome,
+                           op[_E_AT + 1] if len(op) > _E_AT + 1 else None, invocation_id))
+        if live.segment is None or (expect_outcome == "running" and live.ended):
+            # A run its process left running, ended by its root's recovery:
+            # its segment stays open, as its process left it.
             return
         if outcome == "running":
             # A resume: the next segment. One still open was its process's,

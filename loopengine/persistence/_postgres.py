@@ -528,13 +528,13 @@ def _statement(kind: str) -> sql.Composable:
                        "v.invocation_id AND s.ordinal = v.ordinal").format(
             sets(_planner.SEGMENT_CLOSE), source(columns, [column_type(c) for c in columns]))
     assert kind == "end"
-    # The pause the row must still be (`_planner.END_SET`): a compare-and-set.
-    columns = (*_planner.END_SET, "expect_seal", "id")
+    # What the row must still be (`_planner.END_SET`): a compare-and-set.
+    columns = (*_planner.END_SET, "expect_outcome", "expect_seal", "id")
     return sql.SQL("UPDATE invocations AS i SET {} FROM {} WHERE i.id = v.id AND "
-                   "(v.expect_seal IS NULL OR (i.outcome = 'paused' AND "
+                   "(v.expect_seal IS NULL OR (i.outcome = v.expect_outcome AND "
                    "COALESCE(i.pause_seal, '') = v.expect_seal))").format(sets(_planner.END_SET),
                             source(columns, [*map(column_type, _planner.END_SET), "text",
-                                             column_type("id")]))
+                                             "text", column_type("id")]))
 
 
 def _describe_server(params: dict[str, Any], schema: str | None) -> str:

@@ -112,6 +112,13 @@ class InvocationEnd:
     row must still be ``paused`` with this seal (``""``: a pause that recorded
     none), or the write changes nothing and is refused (another resume took
     the pause). None: no condition."""
+    expect_outcome: str = "paused"
+    """The outcome ``expect_seal``'s condition holds the row to: ``paused`` (a
+    resume's, a pause timeout's end), or ``running`` with ``expect_seal``
+    ``""``: a recovery ending a run its dead process left running (a
+    sub-agent's, docs/pause-and-resume.md), which must still be running (so
+    it is ended once) and whose open segment stays open, as its process
+    left it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

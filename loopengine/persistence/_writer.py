@@ -31,7 +31,7 @@ _ADD = tuple(f"{c} = MAX({c}, {{}})" if n == _planner.INCOMPLETE else f"{c} = {c
 _UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
 _LARGEST_CHUNK = 1024
 _WIDTH = {"start": len(INVOCATION_INSERT), "dispatch": len(ATTEMPT_INSERT),
-          "settle": len(ATTEMPT_SETTLE) + 2, "add": len(_ADD) + 1, "end": len(END_SET) + 2,
+          "settle": len(ATTEMPT_SETTLE) + 2, "add": len(_ADD) + 1, "end": len(END_SET) + 3,
           "open": len(_planner.SEGMENT_OPEN), "close": len(_planner.SEGMENT_CLOSE) + 2}
 
 
@@ -134,12 +134,12 @@ def _build_sql(kind: str, rows: int) -> str:
         return (f"UPDATE invocations SET {sets} FROM (VALUES {values}) AS v "
                 f"WHERE invocations.id = v.column{width}")
     assert kind == "end"
-    # The pause the row must still be (`_planner.END_SET`): a compare-and-set.
-    expect = f"v.column{width - 1}"
+    # What the row must still be (`_planner.END_SET`): a compare-and-set.
+    expect, outcome = f"v.column{width - 1}", f"v.column{width - 2}"
     sets = ", ".join(f"{c} = v.column{i + 1}" for i, c in enumerate(END_SET))
     return (f"UPDATE invocations SET {sets} FROM (VALUES {values}) AS v "
             f"WHERE invocations.id = v.column{width} AND ({expect} IS NULL OR "
-            f"(invocations.outcome = 'paused' AND "
+            f"(invocations.outcome = {outcome} AND "
             f"COALESCE(invocations.pause_seal, '') = {expect}))")
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -22,7 +23,9 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 import loopengine as le
+from loopengine import audit
 from loopengine.mcp import MCPServer, MCPServerError
+from loopengine.persistence import SQLiteLedger
 from loopengine.providers import ScriptedProvider
 from loopengine.testing import RecordedRequest, Reply
 
@@ -44,6 +47,15 @@ def content_text(result: dict[str, Any]) -> str:
 
 def by_name(server: MCPServer) -> dict[str, le.Tool]:
     return {t.name: t for t in server.tools}
+
+
+def audited_in_doubt(path: Path) -> list[tuple[str, str]]:
+    """``audit reconcile``'s tool calls in doubt in the ledger file: ``(tool, status)``."""
+    conn = audit.open_ledger(path)
+    try:
+        return [(c["tool"], c["status"]) for c in audit.reconcile(conn).in_doubt]
+    finally:
+        conn.close()
 
 
 async def test_tools_are_listed_as_the_server_publishes_them() -> None:
@@ -234,22 +246,30 @@ async def test_a_server_killed_mid_call_gives_an_error_and_the_next_call_reconne
 
 
 async def test_a_hanging_tool_ends_at_its_timeout_and_the_run_goes_on(
-    anthropic: Harness,
+    anthropic: Harness, tmp_path: Path,
 ) -> None:
     """A call that never answers gets an is_error result at the tool's timeout; the next
     call is answered on a new session (the echo tool has no timeout of its own, so
-    starting the server again is bounded by the run's deadline, not by 2 s)."""
-    async with script_server(allow={"hang", "echo"}) as test:
-        hang, echo = by_name(test)["hang"], by_name(test)["echo"]
-        hang = le.Tool(hang.name, hang.description, hang.input_schema, hang.handler,
-                       timeout=2)
-        engine, _ = anthropic.engine(
-            Reply.tool_calls(("hang", {})), Reply.tool_calls(("echo", {"text": "back"})),
-            Reply.text("done"))
-        began = time.monotonic()
-        result = await engine.run(operation(total_time=60), "go", tools=[hang, echo])
-        took = time.monotonic() - began
+    starting the server again is bounded by the run's deadline, not by 2 s). With a
+    run store the call cut, whose result is not known, is recorded ``in_doubt``
+    (`audit reconcile` lists it), the next ``succeeded``."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        store = le.RunStore(ledger)
+        async with script_server(allow={"hang", "echo"}) as test:
+            hang, echo = by_name(test)["hang"], by_name(test)["echo"]
+            hang = le.Tool(hang.name, hang.description, hang.input_schema, hang.handler,
+                           timeout=2)
+            engine, _ = anthropic.engine(
+                Reply.tool_calls(("hang", {})), Reply.tool_calls(("echo", {"text": "back"})),
+                Reply.text("done"), ledger=ledger, run_store=store)
+            began = time.monotonic()
+            result = await engine.run(operation(total_time=60), "go", tools=[hang, echo])
+            took = time.monotonic() - began
+        statuses = await store.tool_calls(result.invocation_id)
     assert result.outcome is le.Outcome.COMPLETED
+    assert sorted(statuses.values()) == ["in_doubt", "succeeded"]
+    assert audited_in_doubt(path) == [("hang", "in_doubt")]
     (hung,) = tool_results(anthropic.requests[1])
     assert hung["is_error"] is True
     assert "did not finish within its timeout of 2s" in content_text(hung)

@@ -1,0 +1,48 @@
+"""How a run store records an MCP call (docs/tools.md, docs/pause-and-resume.md):
+a call whose server died during it has no known result and may have done its
+work, so it is recorded ``in_doubt`` and `audit reconcile` lists it; a tool's
+own error is ``failed`` (a call past its timeout: tests/mcp/test_mcp.py). Real
+servers (tests/mcp/server.py on the ``mcp`` SDK's server class, over stdio),
+the real Anthropic SDK on its loopback fake, a SQLite ledger."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import loopengine as le
+from loopengine.persistence import SQLiteLedger
+from loopengine.testing import Reply
+
+from ..adapter.conftest import Harness, tool_results
+from ..conftest import operation
+from .conftest import script_server
+from .test_mcp import audited_in_doubt, content_text
+
+pytestmark = [pytest.mark.slow, pytest.mark.realtime]
+
+
+async def test_a_call_whose_server_died_during_it_is_in_doubt_and_a_tool_error_failed(
+        anthropic: Harness, tmp_path: Path) -> None:
+    """``fail`` answers isError: the model gets its text, the call is ``failed``.
+    ``crash`` kills its server mid-call: the model gets an error saying the
+    result is not known, and the call, which may have done its work, is
+    ``in_doubt``, listed by the audit; the run goes on and completes."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        store = le.RunStore(ledger)
+        async with script_server(allow={"fail", "crash"}) as test:
+            engine, _ = anthropic.engine(
+                Reply.tool_calls(("fail", {"message": "no such card"})),
+                Reply.tool_calls(("crash", {})), Reply.text("done"),
+                ledger=ledger, run_store=store)
+            result = await engine.run(operation(total_time=60), "go", tools=test.tools)
+        statuses = await store.tool_calls(result.invocation_id)
+    assert result.outcome is le.Outcome.COMPLETED
+    (failed,) = tool_results(anthropic.requests[1])
+    (lost,) = tool_results(anthropic.requests[2])
+    assert failed["is_error"] is True and "no such card" in content_text(failed)
+    assert lost["is_error"] is True and "result is not known" in content_text(lost)
+    assert sorted(statuses.values()) == ["failed", "in_doubt"]
+    assert audited_in_doubt(path) == [("crash", "in_doubt")]
