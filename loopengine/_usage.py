@@ -146,7 +146,8 @@ class Usage:
     inference_geo: str | None = None
     """Where inference ran when that changes the price (Anthropic
     ``usage.inference_geo``: ``us``; the region a Vertex regional endpoint's
-    provider declares: ``us-east5``); None for the default ``global``, or not
+    provider declares: ``us-east5``); None for the default ``global`` (or
+    ``not_available``: a model without data residency), or not
     reported. Kept in a sum as ``service_tier`` is."""
     speed: str | None = None
     """The inference speed when it changes the price (Anthropic ``usage.speed``:

@@ -140,3 +140,42 @@ async def test_a_reply_s_geo_and_speed_reach_the_ledger_s_cost_through_the_sdk(
     (row,) = ledger.attempts.values()
     expected = to_nanousd((1_000 * Decimal(3) + 200 * Decimal(15)) / MTOK * US * 6)
     assert row["cost_nanousd"] == expected == 39_600_000
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reply_whose_geo_is_not_available_is_priced_at_list_rates(
+    fake_anthropic_server: FakeAnthropicServer, stream: bool,
+) -> None:
+    """Real Messages replies on a model that takes no ``inference_geo`` report
+    ``"inference_geo": "not_available"``: that is the list price, not an unknown geo,
+    so the attempt is priced (by genai-prices, and by a book entry without geo
+    multipliers) instead of being left unpriced."""
+    served = le.Usage(input_tokens=2, output_tokens=301, cache_read_tokens=14_265,
+                      cache_write_tokens=10_408, cache_write_1h_tokens=10_000,
+                      inference_geo="not_available")
+    plain_book = le.PriceBook([le.ModelPrice(
+        provider="anthropic", model="claude-opus-4-6", input_per_mtok=3, output_per_mtok=15,
+        cache_read_per_mtok="0.30")])
+    # genai-prices, Claude Sonnet 4.5: $3 in, $15 out, $0.30 cache read, $3.75 5-minute
+    # and $6 one-hour cache writes per MTok.
+    sonnet_usd = (2 * Decimal(3) + 301 * Decimal(15) + 14_265 * Decimal("0.30")
+                  + 408 * Decimal("3.75") + 10_000 * Decimal(6)) / MTOK
+    # The book entry prices cache writes as input.
+    book_usd = (2 * Decimal(3) + 301 * Decimal(15) + 14_265 * Decimal("0.30")
+                + 10_408 * Decimal(3)) / MTOK
+    for prices, model, usd in ((GENAI, "claude-sonnet-4-5", sonnet_usd),
+                               (plain_book, "claude-opus-4-6", book_usd)):
+        fake_anthropic_server.add(Reply.text("here", usage=served))
+        ledger = le.persistence.MemoryLedger()
+        async with AnthropicProvider(api_key="test", base_url=fake_anthropic_server.url,
+                                     stream=stream) as provider:
+            engine = le.Engine(provider, ledger=ledger, prices=prices,
+                               clock=FakeClock(wall_start=AT))
+            result = await engine.run(le.Operation(name="op", provider="anthropic",
+                                                   model=model), "go")
+        assert result.outcome is le.Outcome.COMPLETED
+        assert not result.unpriced and result.usage.inference_geo is None
+        (row,) = ledger.attempts.values()
+        assert row["cost_nanousd"] == to_nanousd(usd)
+        assert result.cost_usd == Decimal(to_nanousd(usd)) / 10**9
+    assert to_nanousd(sonnet_usd) == 70_330_500
