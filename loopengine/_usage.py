@@ -140,9 +140,10 @@ class Usage:
     the reply reported none. The token fields are their sums."""
     service_tier: str | None = None
     """The service tier that served the request, as the reply reports it (OpenAI
-    ``service_tier``, Anthropic ``usage.service_tier``); None: not reported.
-    Tokens are priced at that tier's rates (docs/pricing.md). A sum keeps the
-    tier its parts reported, or None if they reported different tiers."""
+    ``service_tier``, Anthropic ``usage.service_tier``, Vertex AI's Gemini
+    ``trafficType``); None: a standard tier, or not reported. Tokens are
+    priced at that tier's rates (docs/pricing.md). A sum keeps the tier its
+    parts reported, or None if they reported different tiers."""
     inference_geo: str | None = None
     """Where inference ran when that changes the price (Anthropic
     ``usage.inference_geo``: ``us``; the region a Vertex regional endpoint's
