@@ -134,7 +134,8 @@ class Usage:
     """Web fetches the provider ran (``server_tool_use.web_fetch_requests``)."""
     reasoning_tokens: int = 0
     """The part of ``output_tokens`` spent reasoning, where the provider reports it
-    (OpenAI ``completion_tokens_details.reasoning_tokens``); noted, priced as output."""
+    (OpenAI ``completion_tokens_details.reasoning_tokens``, Anthropic
+    ``output_tokens_details.thinking_tokens``); noted, priced as output."""
     iterations: tuple[UsageIteration, ...] = ()
     """Each sampling iteration's tokens (Anthropic ``usage.iterations``); empty when
     the reply reported none. The token fields are their sums."""
