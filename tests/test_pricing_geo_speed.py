@@ -20,7 +20,9 @@ import loopengine as le
 from loopengine._pricing import to_nanousd
 from loopengine.providers import AnthropicProvider
 from loopengine.providers._base import priced_geo, priced_speed
-from loopengine.testing import FakeAnthropicServer, FakeClock, Reply
+from loopengine.testing import FakeAnthropicServer, Reply
+
+from .pricing_support import priced_run
 
 AT = datetime(2026, 11, 1, tzinfo=UTC)
 MTOK = Decimal(1_000_000)
@@ -118,6 +120,17 @@ def test_standard_values_are_not_kept_and_sums_keep_what_their_parts_report() ->
     assert raised.value.field == "speed_multipliers.fast"
 
 
+async def run_served(server: FakeAnthropicServer, served: le.Usage, prices: le.PriceBook,
+                     model: str, *, stream: bool) -> tuple[le.RunResult, dict[str, Any]]:
+    """One completed run on ``model`` whose reply reports ``served``, through the real
+    anthropic SDK on ``server``: its result and its one attempt row."""
+    server.add(Reply.text("served", usage=served))
+    async with AnthropicProvider(api_key="test", base_url=server.url,
+                                 stream=stream) as provider:
+        return await priced_run(provider, prices, le.Operation(
+            name="op", provider="anthropic", model=model), AT)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_reply_s_geo_and_speed_reach_the_ledger_s_cost_through_the_sdk(
     fake_anthropic_server: FakeAnthropicServer, stream: bool,
@@ -127,17 +140,9 @@ async def test_a_reply_s_geo_and_speed_reach_the_ledger_s_cost_through_the_sdk(
     priced at 1.1 x 6 the list rates, to the nano-USD, and the run's usage keeps them."""
     served = le.Usage(input_tokens=1_000, output_tokens=200, inference_geo="us",
                       speed="fast")
-    fake_anthropic_server.add(Reply.text("fast and local", usage=served))
-    ledger = le.persistence.MemoryLedger()
-    async with AnthropicProvider(api_key="test", base_url=fake_anthropic_server.url,
-                                 stream=stream) as provider:
-        engine = le.Engine(provider, ledger=ledger, prices=BOOK,
-                           clock=FakeClock(wall_start=AT))
-        result = await engine.run(le.Operation(name="op", provider="anthropic",
-                                               model="claude-opus-4-6"), "go")
-    assert result.outcome is le.Outcome.COMPLETED
+    result, row = await run_served(fake_anthropic_server, served, BOOK, "claude-opus-4-6",
+                                   stream=stream)
     assert (result.usage.inference_geo, result.usage.speed) == ("us", "fast")
-    (row,) = ledger.attempts.values()
     expected = to_nanousd((1_000 * Decimal(3) + 200 * Decimal(15)) / MTOK * US * 6)
     assert row["cost_nanousd"] == expected == 39_600_000
 
@@ -165,17 +170,9 @@ async def test_a_reply_whose_geo_is_not_available_is_priced_at_list_rates(
                 + 10_408 * Decimal(3)) / MTOK
     for prices, model, usd in ((GENAI, "claude-sonnet-4-5", sonnet_usd),
                                (plain_book, "claude-opus-4-6", book_usd)):
-        fake_anthropic_server.add(Reply.text("here", usage=served))
-        ledger = le.persistence.MemoryLedger()
-        async with AnthropicProvider(api_key="test", base_url=fake_anthropic_server.url,
-                                     stream=stream) as provider:
-            engine = le.Engine(provider, ledger=ledger, prices=prices,
-                               clock=FakeClock(wall_start=AT))
-            result = await engine.run(le.Operation(name="op", provider="anthropic",
-                                                   model=model), "go")
-        assert result.outcome is le.Outcome.COMPLETED
+        result, row = await run_served(fake_anthropic_server, served, prices, model,
+                                       stream=stream)
         assert not result.unpriced and result.usage.inference_geo is None
-        (row,) = ledger.attempts.values()
         assert row["cost_nanousd"] == to_nanousd(usd)
         assert result.cost_usd == Decimal(to_nanousd(usd)) / 10**9
     assert to_nanousd(sonnet_usd) == 70_330_500

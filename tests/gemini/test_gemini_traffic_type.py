@@ -19,7 +19,9 @@ import pytest
 import loopengine as le
 from loopengine._pricing import to_nanousd
 from loopengine.providers import GeminiProvider
-from loopengine.testing import FakeClock, FakeGeminiServer, RecordedRequest, Reply
+from loopengine.testing import FakeGeminiServer, RecordedRequest, Reply
+
+from ..pricing_support import priced_run
 
 MODEL = "gemini-2.5-flash"
 AT = datetime(2026, 11, 1, tzinfo=UTC)
@@ -51,16 +53,10 @@ async def run(traffic_type: str, prices: le.PriceBook, stream: bool
               ) -> tuple[le.RunResult, dict[str, Any]]:
     with VertexUsageServer(traffic_type) as server:
         server.add(Reply.text("hello world", usage=SERVED))
-        ledger = le.persistence.MemoryLedger()
         async with GeminiProvider(api_key="test-key", stream=stream,
                                   http_options={"base_url": server.url}) as provider:
-            engine = le.Engine(provider, ledger=ledger, prices=prices,
-                               clock=FakeClock(wall_start=AT))
-            result = await engine.run(le.Operation(name="op", provider="gemini", model=MODEL),
-                                      "go")
-    assert result.outcome is le.Outcome.COMPLETED
-    (row,) = ledger.attempts.values()
-    return result, row
+            return await priced_run(provider, prices, le.Operation(
+                name="op", provider="gemini", model=MODEL), AT)
 
 
 @pytest.mark.parametrize("stream", [False, True])
