@@ -20,7 +20,7 @@ import loopengine as le
 from loopengine._pricing import to_nanousd
 from loopengine.providers import AnthropicProvider
 from loopengine.providers._base import priced_geo, priced_speed
-from loopengine.testing import FakeAnthropicServer, Reply
+from loopengine.testing import FakeAnthropicServer, FakeVertexServer, Reply
 
 from .pricing_support import priced_run
 
@@ -176,3 +176,29 @@ async def test_a_reply_whose_geo_is_not_available_is_priced_at_list_rates(
         assert row["cost_nanousd"] == to_nanousd(usd)
         assert result.cost_usd == Decimal(to_nanousd(usd)) / 10**9
     assert to_nanousd(sonnet_usd) == 70_330_500
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_vertex_region_prices_a_reply_whose_geo_is_not_available(stream: bool) -> None:
+    """A Vertex regional endpoint decides the price (docs/providers.md): a reply there
+    that says ``not_available`` is served in the endpoint's region, priced at its
+    multiplier, not left unpriced nor priced at the global rate."""
+    model = "claude-sonnet-4-5@20250929"
+    book = le.PriceBook([le.ModelPrice(
+        provider="google-vertex", model=model, input_per_mtok=3, output_per_mtok=15,
+        inference_geo_multipliers={"us-east5": Decimal("1.1")})])
+    with FakeVertexServer() as server:
+        server.add(Reply.text("regional", usage=le.Usage(
+            input_tokens=1_000, output_tokens=200, inference_geo="not_available")))
+        async with AnthropicProvider.vertex(base_url=server.base_url, region="us-east5",
+                                            project_id="p", access_token="t",
+                                            stream=stream) as provider:
+            result, row = await priced_run(provider, book, le.Operation(
+                name="op", provider="google-vertex", model=model), AT)
+    assert result.usage.inference_geo == "us-east5" and not result.unpriced
+    assert row["cost_nanousd"] == to_nanousd(tokens_at(1_000, 200) * US) == 6_600_000
+
+
+def tokens_at(input_tokens: int, output_tokens: int) -> Decimal:
+    """USD of tokens at $3 in / $15 out per MTok."""
+    return (input_tokens * Decimal(3) + output_tokens * Decimal(15)) / MTOK
