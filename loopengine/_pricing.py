@@ -58,8 +58,10 @@ STANDARD_TIERS: Final = frozenset({"auto", "default", "standard"})
 """Service tiers priced at a model's list rates (OpenAI ``default``, Anthropic
 ``standard``; ``auto`` is a request's, resolved to the project's tier)."""
 
-STANDARD_GEOS: Final = frozenset({"global"})
-"""Inference geos priced at a model's list rates (Anthropic's default ``global``)."""
+STANDARD_GEOS: Final = frozenset({"global", "not_available"})
+"""Inference geos priced at a model's list rates: Anthropic's default ``global``, and
+``not_available``, which a reply reports on a model that takes no ``inference_geo``
+(it ran wherever the list rates apply)."""
 
 STANDARD_SPEEDS: Final = frozenset({"standard"})
 """Inference speeds priced at a model's list rates (Anthropic ``standard``)."""

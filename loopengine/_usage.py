@@ -134,19 +134,22 @@ class Usage:
     """Web fetches the provider ran (``server_tool_use.web_fetch_requests``)."""
     reasoning_tokens: int = 0
     """The part of ``output_tokens`` spent reasoning, where the provider reports it
-    (OpenAI ``completion_tokens_details.reasoning_tokens``); noted, priced as output."""
+    (OpenAI ``completion_tokens_details.reasoning_tokens``, Anthropic
+    ``output_tokens_details.thinking_tokens``); noted, priced as output."""
     iterations: tuple[UsageIteration, ...] = ()
     """Each sampling iteration's tokens (Anthropic ``usage.iterations``); empty when
     the reply reported none. The token fields are their sums."""
     service_tier: str | None = None
     """The service tier that served the request, as the reply reports it (OpenAI
-    ``service_tier``, Anthropic ``usage.service_tier``); None: not reported.
-    Tokens are priced at that tier's rates (docs/pricing.md). A sum keeps the
-    tier its parts reported, or None if they reported different tiers."""
+    ``service_tier``, Anthropic ``usage.service_tier``, Vertex AI's Gemini
+    ``trafficType``); None: a standard tier, or not reported. Tokens are
+    priced at that tier's rates (docs/pricing.md). A sum keeps the tier its
+    parts reported, or None if they reported different tiers."""
     inference_geo: str | None = None
     """Where inference ran when that changes the price (Anthropic
     ``usage.inference_geo``: ``us``; the region a Vertex regional endpoint's
-    provider declares: ``us-east5``); None for the default ``global``, or not
+    provider declares: ``us-east5``); None for the default ``global`` (or
+    ``not_available``: a model without data residency), or not
     reported. Kept in a sum as ``service_tier`` is."""
     speed: str | None = None
     """The inference speed when it changes the price (Anthropic ``usage.speed``:

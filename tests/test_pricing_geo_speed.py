@@ -20,7 +20,9 @@ import loopengine as le
 from loopengine._pricing import to_nanousd
 from loopengine.providers import AnthropicProvider
 from loopengine.providers._base import priced_geo, priced_speed
-from loopengine.testing import FakeAnthropicServer, FakeClock, Reply
+from loopengine.testing import FakeAnthropicServer, FakeVertexServer, Reply
+
+from .pricing_support import priced_run
 
 AT = datetime(2026, 11, 1, tzinfo=UTC)
 MTOK = Decimal(1_000_000)
@@ -118,6 +120,17 @@ def test_standard_values_are_not_kept_and_sums_keep_what_their_parts_report() ->
     assert raised.value.field == "speed_multipliers.fast"
 
 
+async def run_served(server: FakeAnthropicServer, served: le.Usage, prices: le.PriceBook,
+                     model: str, *, stream: bool) -> tuple[le.RunResult, dict[str, Any]]:
+    """One completed run on ``model`` whose reply reports ``served``, through the real
+    anthropic SDK on ``server``: its result and its one attempt row."""
+    server.add(Reply.text("served", usage=served))
+    async with AnthropicProvider(api_key="test", base_url=server.url,
+                                 stream=stream) as provider:
+        return await priced_run(provider, prices, le.Operation(
+            name="op", provider="anthropic", model=model), AT)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_reply_s_geo_and_speed_reach_the_ledger_s_cost_through_the_sdk(
     fake_anthropic_server: FakeAnthropicServer, stream: bool,
@@ -127,16 +140,65 @@ async def test_a_reply_s_geo_and_speed_reach_the_ledger_s_cost_through_the_sdk(
     priced at 1.1 x 6 the list rates, to the nano-USD, and the run's usage keeps them."""
     served = le.Usage(input_tokens=1_000, output_tokens=200, inference_geo="us",
                       speed="fast")
-    fake_anthropic_server.add(Reply.text("fast and local", usage=served))
-    ledger = le.persistence.MemoryLedger()
-    async with AnthropicProvider(api_key="test", base_url=fake_anthropic_server.url,
-                                 stream=stream) as provider:
-        engine = le.Engine(provider, ledger=ledger, prices=BOOK,
-                           clock=FakeClock(wall_start=AT))
-        result = await engine.run(le.Operation(name="op", provider="anthropic",
-                                               model="claude-opus-4-6"), "go")
-    assert result.outcome is le.Outcome.COMPLETED
+    result, row = await run_served(fake_anthropic_server, served, BOOK, "claude-opus-4-6",
+                                   stream=stream)
     assert (result.usage.inference_geo, result.usage.speed) == ("us", "fast")
-    (row,) = ledger.attempts.values()
     expected = to_nanousd((1_000 * Decimal(3) + 200 * Decimal(15)) / MTOK * US * 6)
     assert row["cost_nanousd"] == expected == 39_600_000
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reply_whose_geo_is_not_available_is_priced_at_list_rates(
+    fake_anthropic_server: FakeAnthropicServer, stream: bool,
+) -> None:
+    """Real Messages replies on a model that takes no ``inference_geo`` report
+    ``"inference_geo": "not_available"``: that is the list price, not an unknown geo,
+    so the attempt is priced (by genai-prices, and by a book entry without geo
+    multipliers) instead of being left unpriced."""
+    served = le.Usage(input_tokens=2, output_tokens=301, cache_read_tokens=14_265,
+                      cache_write_tokens=10_408, cache_write_1h_tokens=10_000,
+                      inference_geo="not_available")
+    plain_book = le.PriceBook([le.ModelPrice(
+        provider="anthropic", model="claude-opus-4-6", input_per_mtok=3, output_per_mtok=15,
+        cache_read_per_mtok="0.30")])
+    # genai-prices, Claude Sonnet 4.5: $3 in, $15 out, $0.30 cache read, $3.75 5-minute
+    # and $6 one-hour cache writes per MTok.
+    sonnet_usd = (2 * Decimal(3) + 301 * Decimal(15) + 14_265 * Decimal("0.30")
+                  + 408 * Decimal("3.75") + 10_000 * Decimal(6)) / MTOK
+    # The book entry prices cache writes as input.
+    book_usd = (2 * Decimal(3) + 301 * Decimal(15) + 14_265 * Decimal("0.30")
+                + 10_408 * Decimal(3)) / MTOK
+    for prices, model, usd in ((GENAI, "claude-sonnet-4-5", sonnet_usd),
+                               (plain_book, "claude-opus-4-6", book_usd)):
+        result, row = await run_served(fake_anthropic_server, served, prices, model,
+                                       stream=stream)
+        assert not result.unpriced and result.usage.inference_geo is None
+        assert row["cost_nanousd"] == to_nanousd(usd)
+        assert result.cost_usd == Decimal(to_nanousd(usd)) / 10**9
+    assert to_nanousd(sonnet_usd) == 70_330_500
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_vertex_region_prices_a_reply_whose_geo_is_not_available(stream: bool) -> None:
+    """A Vertex regional endpoint decides the price (docs/providers.md): a reply there
+    that says ``not_available`` is served in the endpoint's region, priced at its
+    multiplier, not left unpriced nor priced at the global rate."""
+    model = "claude-sonnet-4-5@20250929"
+    book = le.PriceBook([le.ModelPrice(
+        provider="google-vertex", model=model, input_per_mtok=3, output_per_mtok=15,
+        inference_geo_multipliers={"us-east5": Decimal("1.1")})])
+    with FakeVertexServer() as server:
+        server.add(Reply.text("regional", usage=le.Usage(
+            input_tokens=1_000, output_tokens=200, inference_geo="not_available")))
+        async with AnthropicProvider.vertex(base_url=server.base_url, region="us-east5",
+                                            project_id="p", access_token="t",
+                                            stream=stream) as provider:
+            result, row = await priced_run(provider, book, le.Operation(
+                name="op", provider="google-vertex", model=model), AT)
+    assert result.usage.inference_geo == "us-east5" and not result.unpriced
+    assert row["cost_nanousd"] == to_nanousd(tokens_at(1_000, 200) * US) == 6_600_000
+
+
+def tokens_at(input_tokens: int, output_tokens: int) -> Decimal:
+    """USD of tokens at $3 in / $15 out per MTok."""
+    return (input_tokens * Decimal(3) + output_tokens * Decimal(15)) / MTOK

@@ -634,7 +634,9 @@ def usage_from_api(raw: object, *, model: str | None = None) -> Usage | None:
     ``cache_creation_input_tokens`` is the cache write, of which
     ``cache_creation.ephemeral_1h_input_tokens`` is the one-hour part.
     ``server_tool_use.web_search_requests`` / ``web_fetch_requests`` are the
-    server tool requests (each billed a fee), ``service_tier`` the tier that
+    server tool requests (each billed a fee),
+    ``output_tokens_details.thinking_tokens`` the ``reasoning_tokens`` (part of
+    the output, priced as output), ``service_tier`` the tier that
     served the request, ``inference_geo`` where it ran and ``speed`` how fast,
     each kept when it changes the price (`priced_tier`, `priced_geo`,
     `priced_speed`: ``priority``, ``us``, ``fast``).
@@ -654,16 +656,22 @@ def usage_from_api(raw: object, *, model: str | None = None) -> Usage | None:
     if isinstance(server, Mapping):
         searches = token_count(server.get("web_search_requests"))
         fetches = token_count(server.get("web_fetch_requests"))
+    details = raw.get("output_tokens_details")
+    thinking = token_count(details.get("thinking_tokens")) if isinstance(details, Mapping) else 0
     tier = priced_tier(raw.get("service_tier"))
     geo = priced_geo(raw.get("inference_geo"))
     speed = priced_speed(raw.get("speed"))
     iterations = raw.get("iterations")
     if isinstance(iterations, list) and iterations:
+        parts = tuple(_iteration(entry, model) for entry in iterations
+                      if isinstance(entry, Mapping))
         return Usage.from_iterations(
-            tuple(_iteration(entry, model) for entry in iterations if isinstance(entry, Mapping)),
-            web_search_requests=searches, web_fetch_requests=fetches, service_tier=tier,
-            inference_geo=geo, speed=speed)
-    return Usage(**_tokens(raw), web_search_requests=searches, web_fetch_requests=fetches,
+            parts, web_search_requests=searches, web_fetch_requests=fetches,
+            reasoning_tokens=min(thinking, sum(part.output_tokens for part in parts)),
+            service_tier=tier, inference_geo=geo, speed=speed)
+    tokens = _tokens(raw)
+    return Usage(**tokens, web_search_requests=searches, web_fetch_requests=fetches,
+                 reasoning_tokens=min(thinking, tokens["output_tokens"]),
                  service_tier=tier, inference_geo=geo, speed=speed)
 
 

@@ -226,7 +226,8 @@ def priced_tier(value: object) -> str | None:
 
 def priced_geo(value: object) -> str | None:
     """The ``inference_geo`` a reply reports, as `Usage.inference_geo` keeps it:
-    None for the default ``global`` (list rates), else the geo (``us``)."""
+    None for the default ``global`` and for ``not_available`` (a model without
+    data residency: list rates), else the geo (``us``)."""
     return _priced(value, STANDARD_GEOS)
 
 

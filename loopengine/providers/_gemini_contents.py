@@ -49,7 +49,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest, media_note, text_or_none, token_count
+from loopengine.providers._base import (
+    ProviderRequest,
+    media_note,
+    priced_tier,
+    text_or_none,
+    token_count,
+)
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = [
@@ -57,6 +63,7 @@ __all__ = [
     "MALFORMED_FEEDBACK",
     "MALFORMED_PLACEHOLDER",
     "REFUSED",
+    "TRAFFIC_TIERS",
     "StreamedReply",
     "check_translatable",
     "gemini_config",
@@ -479,10 +486,25 @@ def usage_from_api(raw: Any) -> Usage:
     cachedContentTokenCount``; the thinking is billed as output:
     ``output_tokens = candidatesTokenCount + thoughtsTokenCount``, of which
     ``thoughtsTokenCount`` are ``reasoning_tokens``. Missing counts are 0.
+    Vertex AI's ``trafficType`` is the tier that served the request
+    (`TRAFFIC_TIERS`), kept when it changes the price (`priced_tier`).
     """
     prompt = token_count(raw.prompt_token_count) + token_count(raw.tool_use_prompt_token_count)
     cached = min(prompt, token_count(raw.cached_content_token_count))
     thoughts = token_count(raw.thoughts_token_count)
     output = token_count(raw.candidates_token_count) + thoughts
+    traffic = raw.traffic_type
     return Usage(input_tokens=prompt - cached, output_tokens=output,
-                 cache_read_tokens=cached, reasoning_tokens=thoughts)
+                 cache_read_tokens=cached, reasoning_tokens=thoughts,
+                 service_tier=None if traffic is None else priced_tier(
+                     TRAFFIC_TIERS.get(_name(traffic), _name(traffic).lower())))
+
+
+TRAFFIC_TIERS = {"TRAFFIC_TYPE_UNSPECIFIED": "standard", "ON_DEMAND": "standard",
+                 "ON_DEMAND_PRIORITY": "priority", "ON_DEMAND_FLEX": "flex",
+                 "ON_DEMAND_OFFPEAK": "offpeak",
+                 "PROVISIONED_THROUGHPUT": "provisioned_throughput"}
+"""Vertex AI's ``usageMetadata.trafficType`` as a service tier: pay-as-you-go
+(``ON_DEMAND``) is the list rates; Priority, Flex and Off-Peak pay-as-you-go are
+priced apart; Provisioned Throughput is paid for by subscription, not per token.
+Any other type is kept lower-cased."""

@@ -21,9 +21,11 @@ import pytest
 import loopengine as le
 from loopengine._pricing import nanousd_to_usd, to_nanousd
 from loopengine.persistence import MemoryLedger
-from loopengine.providers import Reply
+from loopengine.providers import AnthropicProvider, Reply
 from loopengine.providers._anthropic import usage_from_api
-from loopengine.testing import FakeAnthropicServer, FakeClock, FakeOpenAIServer
+from loopengine.testing import FakeAnthropicServer, FakeClock, FakeOpenAIServer, RecordedRequest
+from loopengine.testing._anthropic_server import _events as anthropic_events
+from loopengine.testing._loopback import Frame
 
 from .conftest import STREAMING, Harness, harness
 
@@ -253,3 +255,60 @@ async def test_an_mcp_tool_use_keeps_its_input(wire: Harness, stream: bool) -> N
                                            model="claude-sonnet-4-6"), "go")
     assert result.outcome is le.Outcome.COMPLETED
     assert result.messages[-1]["content"][0] == called
+
+
+class ThinkingTokensServer(FakeAnthropicServer):
+    """The Messages API as it reports thinking now: ``usage.output_tokens_details.
+    thinking_tokens`` in the message's usage, and in the stream's ``message_delta``
+    (where the final output count arrives)."""
+
+    thinking_tokens = 0
+
+    def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
+        message = super()._message(reply, request, number)
+        message["usage"]["output_tokens_details"] = {"thinking_tokens": self.thinking_tokens}
+        return message
+
+    def _frames(self, message: dict[str, Any], reply: Reply,
+                request: RecordedRequest) -> list[Frame]:
+        events = anthropic_events(message, reply.usage)
+        for name, data in events:
+            if name == "message_delta":
+                data["usage"]["output_tokens_details"] = dict(
+                    message["usage"]["output_tokens_details"])
+        return [Frame(self._event(name, data), None) for name, data in events]
+
+
+@STREAMING
+async def test_thinking_tokens_are_the_reasoning_tokens_of_a_messages_reply(
+    stream: bool,
+) -> None:
+    """``output_tokens_details.thinking_tokens`` is the part of the output spent
+    thinking: the ledger's ``reasoning_tokens``, priced as the output it is part of."""
+    with ThinkingTokensServer() as server:
+        server.thinking_tokens = 1_472
+        served = le.Usage(input_tokens=2_000, output_tokens=1_800)
+        server.add(Reply.text("thought it through", usage=served))
+        ledger = MemoryLedger()
+        async with AnthropicProvider(api_key="test", base_url=server.url,
+                                     stream=stream) as provider:
+            engine = le.Engine(provider, ledger=ledger, prices=le.PriceBook(),
+                               clock=FakeClock(wall_start=AT))
+            result = await engine.run(le.Operation(name="op", provider="anthropic",
+                                                   model="claude-sonnet-4-6"), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.usage.reasoning_tokens == 1_472 and result.usage.output_tokens == 1_800
+    (row,) = ledger.attempts.values()
+    assert row["reasoning_tokens"] == 1_472
+    assert row["cost_nanousd"] == to_nanousd(usd(2_000, SONNET_IN) + usd(1_800, SONNET_OUT))
+
+
+def test_thinking_tokens_of_a_reply_with_iterations_are_kept_within_its_output() -> None:
+    """With iterations the reasoning count is the reply's, capped at the output the
+    iterations sum to (it is part of it)."""
+    usage = usage_from_api({**COMPACTION_USAGE,
+                            "output_tokens_details": {"thinking_tokens": 50}})
+    assert usage is not None and (usage.reasoning_tokens, usage.output_tokens) == (50, 91)
+    usage = usage_from_api({"input_tokens": 1, "output_tokens": 3,
+                            "output_tokens_details": {"thinking_tokens": 9}})
+    assert usage is not None and usage.reasoning_tokens == 3
