@@ -335,9 +335,10 @@ async def settle(
         stop_reason=response.stop_reason if response else None,
     )
     inv.records[flight.index] = AttemptRecord(dispatch=dispatch, settle=settle)
-    if usage is None:
+    if usage is None or settle.usage_approx:
+        # None reported, or only a floor of it (a cut stream): the totals are floors.
         inv.usage_complete = False
-    else:
+    if usage is not None:
         inv.usage = inv.usage + usage
         inv.output_tokens += usage.output_tokens
         if priced is None:

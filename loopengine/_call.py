@@ -78,7 +78,8 @@ class CallAttempts:
     output_tokens: int
     """Output tokens summed over every attempt that reported usage."""
     usage_complete: bool
-    """False when some attempt reported no usage (``output_tokens`` is then a floor)."""
+    """False when some attempt reported no usage, or only a floor of it (a cut
+    stream, ``usage_approx``): ``output_tokens`` is then a floor."""
     structured_output: Literal["native", "prompt"]
     """The final attempt's mode: ``native`` (a forced tool call) or ``prompt``
     (a schema embedded in the prompt)."""

@@ -26,7 +26,8 @@ class AttemptsSummary:
     output_tokens: int
     """Output tokens summed over the attempts that reported usage."""
     usage_complete: bool
-    """False when some attempt reported no usage (``output_tokens`` is then a floor)."""
+    """False when some attempt reported no usage, or only a floor of it (a cut
+    stream, ``usage_approx``): ``output_tokens`` is then a floor."""
     retained: int
     """Attempt rows the ledger kept (0 without a ledger)."""
     incomplete: bool

@@ -209,6 +209,8 @@ async def test_a_cut_stream_is_an_aborted_attempt_with_a_usage_floor(wire: Harne
     assert (cut.outcome, cut.fault, cut.usage_approx) == ("aborted", "aborted", True)
     assert cut.usage == le.Usage(input_tokens=40, output_tokens=1, cache_read_tokens=8)
     assert cut.response_id == "msg_fake_0001" and not cut.charged
+    # The totals hold a floor of what the cut attempt was served.
+    assert result.attempts.usage_complete is False
     # The independent witness: what the ledger counted is what was served.
     (row,) = ledger.invocations.values()
     served = wire.server.usage_served
