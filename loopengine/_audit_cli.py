@@ -335,7 +335,8 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
                       "web_search_requests": r.web_search_requests,
                       "web_fetch_requests": r.web_fetch_requests,
                       "reasoning_tokens": r.reasoning_tokens, "iterations": r.iterations,
-                      "fee_nanousd": r.fee_nanousd, "usage_unknown": r.usage_unknown}
+                      "fee_nanousd": r.fee_nanousd, "usage_unknown": r.usage_unknown,
+                      "usage_floor": r.usage_floor}
                      for r in rows])
         return
     period = _period(where["since"], where["until"])
@@ -349,7 +350,7 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
         [by, "invocations", "attempts", "input", "output", "cache read", "cache write",
          "charged USD", "provider USD", "credits", "unpriced", "unpriced tokens",
          "web searches", "web fetches", "reasoning", "iterations", "fees USD",
-         "usage unknown"],
+         "usage unknown", "usage floor"],
         [[r.key if r.key is not None else "(none)",
           *_spend_cells([getattr(r, name) for name in _SPEND_FIGURES])] for r in rows],
         total=["total", *_spend_cells(sums)]))
@@ -363,13 +364,17 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
         click.echo(f"\n{_plural(total['usage_unknown'], 'attempt')} answered by the server "
                    "(a response id) reported no usage: what they served is in no column "
                    "above. `loopengine audit reconcile` lists them.")
+    if total["usage_floor"]:
+        click.echo(f"\n{_plural(total['usage_floor'], 'attempt')} served a stream cut before "
+                   "its end: their usage is a floor (what had arrived), the provider may "
+                   "bill more. `loopengine audit reconcile` lists them.")
 
 
 _SPEND_FIGURES = ("invocations", "attempts", "input_tokens", "output_tokens",
                   "cache_read_tokens", "cache_write_tokens", "cost_nanousd",
                   "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens",
                   "web_search_requests", "web_fetch_requests", "reasoning_tokens",
-                  "iterations", "fee_nanousd", "usage_unknown")
+                  "iterations", "fee_nanousd", "usage_unknown", "usage_floor")
 
 
 def _spend_cells(figures: list[int]) -> list[Any]:
@@ -497,7 +502,9 @@ def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json
     """Check attempt rows against invocation totals; list unsettled attempts, incomplete
     records, unpriced attempts, attempts the server answered whose usage is unknown,
     invocations still running or abandoned, tool calls in doubt and stored runs whose
-    lease or pause expired. Exits 1 when anything needs a look."""
+    lease or pause expired, and exit 1 when any is found. Attempts whose usage is a
+    floor (a stream cut before its end) and running segments whose process died
+    are listed too, without failing the check."""
     with _ledger(db, schema) as conn:
         result = _audit.reconcile(conn, older_than=older_than)
     if as_json:
@@ -514,7 +521,8 @@ def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json
                      "usage_unknown": result.usage_unknown, "in_doubt": result.in_doubt,
                      "expired_leases": result.expired_leases,
                      "expired_pauses": result.expired_pauses,
-                     "dead_segments": result.dead_segments})
+                     "dead_segments": result.dead_segments,
+                     "usage_floor": result.usage_floor})
     else:
         _print_reconciliation(result)
     if not result.ok:
@@ -586,6 +594,14 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
          ["account", "column", "invocation", "recorded", "journal or run says"]),
     ]
     sections.append((
+        "Usage floors (a stream cut before its end: its usage and cost are what had "
+        "arrived, the provider may bill more; for a look, not a failure)",
+        [[u["invocation_id"], u["ordinal"], u["served_by"], u["outcome"],
+          u["aborted_reason"] or "", u["started_at"], u["input_tokens"], u["output_tokens"],
+          _usd(u["cost_nanousd"]), u["response_id"] or "(none)"] for u in result.usage_floor],
+        ["invocation", "ordinal", "served_by", "outcome", "reason", "started_at", "input",
+         "output", "USD", "response_id"]))
+    sections.append((
         "Running segments whose process died (the run went on, or is no longer running; "
         "for a look, not a failure)",
         [[g["invocation_id"], g["ordinal"], g["started_at"]] for g in result.dead_segments],
@@ -594,11 +610,15 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
         if rows:
             click.echo(f"\n{title}: {len(rows)}")
             click.echo(_table(headers, rows))
+    floors = len(result.usage_floor)
+    # Listed for a look, never a failure: said after the verdict, either way.
+    floor_note = (f" Listed without failing: {_plural(floors, 'attempt')} whose usage is a "
+                  "floor." if floors else "")
     if result.ok:
         flying = len(result.running) + len(result.unsettled)
         click.echo("\nEverything reconciles." + (
             f" In flight, younger than {age}: {_plural(len(result.running), 'invocation')}, "
-            f"{_plural(len(result.unsettled), 'attempt')}." if flying else ""))
+            f"{_plural(len(result.unsettled), 'attempt')}." if flying else "") + floor_note)
         return
     problems = [(len(result.mismatches), "total that does not add up",
                  "totals that do not add up"),
@@ -623,7 +643,7 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
                      (len(result.unsettled), "attempt still dispatched",
                       "attempts still dispatched")]
     named = [f"{n} {one if n == 1 else many}" for n, one, many in problems if n]
-    click.echo(f"\nThe ledger does not reconcile: {', '.join(named)}.")
+    click.echo(f"\nThe ledger does not reconcile: {', '.join(named)}.{floor_note}")
 
 
 @click.command()

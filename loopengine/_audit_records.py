@@ -102,6 +102,9 @@ class SpendRow:
     usage_unknown: int = 0
     """Attempt rows the server answered (a response id) whose usage is unknown:
     what they served is in no total, never a silent $0."""
+    usage_floor: int = 0
+    """Attempt rows whose usage is a floor (``usage_approx``: a stream cut before its
+    end reported what had arrived): the provider may bill more than the totals hold."""
 
     @property
     def cost_usd(self) -> Decimal:
@@ -181,6 +184,13 @@ class Reconciliation:
     """Running segments left open by a process that died, whose run has gone on
     (recovered) or is no longer running: where a run's processes died. For a
     look only: they do not fail the check (what they left is listed above)."""
+    usage_floor: list[dict[str, Any]] = field(default_factory=list)
+    """Attempt rows whose usage is a floor (``usage_approx``): a stream cut before its
+    end, whose usage and cost are what had arrived, so the provider may bill more.
+    For a look only: unlike usage unknown they do not fail the check, for the
+    totals hold what had arrived, a cut stream is routine (a caller that stops
+    reading, a connection lost) and no later record can complete its usage;
+    the exact figure is on the provider's invoice, under its ``response_id``."""
 
     @property
     def ok(self) -> bool:

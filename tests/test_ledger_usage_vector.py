@@ -21,7 +21,7 @@ import loopengine as le
 from loopengine._pricing import to_nanousd
 from loopengine.cli import main
 from loopengine.persistence import PostgresLedger, SQLiteLedger
-from loopengine.providers import Reply, ScriptedProvider
+from loopengine.providers import FaultKind, ProviderFault, Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .postgres_support import PostgresServer
@@ -131,6 +131,33 @@ async def test_an_answered_attempt_without_usage_is_flagged(
     as_json = json.loads(audit("reconcile", "--db", db, "--json").output)
     assert as_json["ok"] is False
     assert [u["ordinal"] for u in as_json["usage_unknown"]] == [1]
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+async def test_an_attempt_whose_usage_is_a_floor_is_listed_without_failing(
+    store: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A stream cut before its end keeps what had arrived (``usage_approx``): spend
+    counts it ("usage floor"), reconcile lists it in its text and JSON, and the
+    check still passes (exit 0): the totals hold what arrived."""
+    cut = ProviderFault(FaultKind.ABORTED, "stream cut", http_status=200,
+                        usage=le.Usage(50, 7), usage_approx=True, response_id="msg_cut")
+    async with ledger_of(store, tmp_path, request) as (ledger, db):
+        result = await record(ledger, cut, Reply.text("done", usage=REASONED))
+    assert result.outcome is le.Outcome.COMPLETED
+    (row,) = json.loads(audit("spend", "--db", db, "--json").output)
+    assert (row["usage_floor"], row["usage_unknown"]) == (1, 0)
+    assert "their usage is a floor" in audit("spend", "--db", db).output
+    reconciled = audit("reconcile", "--db", db)
+    assert reconciled.exit_code == 0, reconciled.output
+    assert "Usage floors" in reconciled.output and "msg_cut" in reconciled.output
+    assert reconciled.output.rstrip().endswith(
+        "Everything reconciles. Listed without failing: 1 attempt whose usage is a floor.")
+    as_json = json.loads(audit("reconcile", "--db", db, "--json").output)
+    assert as_json["ok"] is True
+    assert [(u["ordinal"], u["input_tokens"], u["output_tokens"], u["response_id"])
+            for u in as_json["usage_floor"]] == [(1, 50, 7, "msg_cut")]
+    assert as_json["usage_unknown"] == []
 
 
 async def test_a_ledger_of_the_previous_version_gains_the_usage_columns(tmp_path: Path) -> None:

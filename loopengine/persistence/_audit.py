@@ -85,6 +85,12 @@ def _usage_unknown_sql(alias: str) -> str:
             f"AND {alias}.outcome != 'dispatched')")
 
 
+def _usage_floor_sql(alias: str) -> str:
+    """An attempt whose usage is a floor: a stream cut before its end reported what
+    had arrived (``usage_approx``); the provider may bill more than it holds."""
+    return f"({alias}.usage_approx = 1 AND {alias}.input_tokens IS NOT NULL)"
+
+
 EXPORT_COLUMNS: tuple[str, ...] = (
     *ATTEMPT_COLUMNS[:2], "tenant", "user_id", "feature", "correlation_id", "operation",
     "operation_version", "provider", "model", *ATTEMPT_COLUMNS[2:], "cost_usd",
@@ -232,7 +238,7 @@ _SPEND_SUMS = ("invocations", "attempt_count", "input_tokens", "output_tokens",
                "cache_read_tokens", "cache_write_tokens", "cost_nanousd",
                "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens",
                "web_search_requests", "web_fetch_requests", "reasoning_tokens", "iterations",
-               "fee_nanousd", "usage_unknown")
+               "fee_nanousd", "usage_unknown", "usage_floor")
 
 
 def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = False,
@@ -247,7 +253,8 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
 
     The totals come from the invocation rows, which count every attempt even
     past the retention cap (R07), so they are complete where rows are not.
-    The unpriced and usage-unknown counts come from the attempt rows kept.
+    The unpriced, usage-unknown and usage-floor counts come from the attempt
+    rows kept.
 
     Args:
         conn: From `open_ledger`.
@@ -276,6 +283,7 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
     unpriced = f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND {_unpriced_sql('a')}"
     unknown = (f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND "
                f"{_usage_unknown_sql('a')}")
+    floor = f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND {_usage_floor_sql('a')}"
     sql = (
         f"{source[0]}SELECT i.{by} AS key, {count}, SUM({m}.attempt_count), "
         f"SUM({m}.input_tokens), SUM({m}.output_tokens), SUM({m}.cache_read_tokens), "
@@ -283,7 +291,8 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
         f"SUM({m}.provider_cost_nanousd), SUM({m}.credits), "
         f"SUM((SELECT COUNT(*) {unpriced})), SUM((SELECT SUM({_tokens_sql('a')}) {unpriced})), "
         f"SUM({m}.web_search_requests), SUM({m}.web_fetch_requests), SUM({m}.reasoning_tokens), "
-        f"SUM({m}.iterations), SUM({m}.fee_nanousd), SUM((SELECT COUNT(*) {unknown})) "
+        f"SUM({m}.iterations), SUM({m}.fee_nanousd), SUM((SELECT COUNT(*) {unknown})), "
+        f"SUM((SELECT COUNT(*) {floor})) "
         f"{source[1]}{clause} GROUP BY i.{by} "
         # NULL (no tenant) first on both stores, as SQLite sorts it.
         f"ORDER BY SUM({m}.cost_nanousd) DESC, i.{by} IS NOT NULL, i.{by}"
@@ -430,7 +439,9 @@ def reconcile(
     and ``fee_nanousd`` the sum over its charged rows. A charged row must be
     an ``ok`` one (S01). Rows still ``dispatched``, invocations still
     ``running``, incomplete invocations, unpriced attempts and attempts the
-    server answered whose usage is unknown ("usage unknown") are listed.
+    server answered whose usage is unknown ("usage unknown") are listed, and
+    so, for a look without failing the check, are attempts whose usage is a
+    floor (a stream cut before its end: "usage floor").
 
     Args:
         conn: From `open_ledger`.
@@ -521,6 +532,8 @@ def reconcile(
     for attempt in unpriced:
         attempt["tokens"] = _tokens(attempt)
     usage_unknown = _flagged(conn, ("response_id",), _usage_unknown_sql("a"))
+    usage_floor = _flagged(conn, ("aborted_reason", "input_tokens", "output_tokens",
+                                  "cost_nanousd", "response_id"), _usage_floor_sql("a"))
     orphans = [dict(r) for r in conn.execute(
         "SELECT invocation_id, ordinal FROM attempts WHERE invocation_id NOT IN "
         "(SELECT id FROM invocations) ORDER BY invocation_id, ordinal")]
@@ -537,7 +550,8 @@ def reconcile(
                           running=running, orphans=orphans, unpriced=unpriced,
                           abandoned=abandoned, abandoned_attempts=abandoned_attempts,
                           older_than=older_than, accounts=reconcile_accounts(conn),
-                          usage_unknown=usage_unknown, in_doubt=in_doubt,
+                          usage_unknown=usage_unknown, usage_floor=usage_floor,
+                          in_doubt=in_doubt,
                           expired_leases=expired_leases, expired_pauses=expired_pauses,
                           dead_segments=dead_segments)
 
