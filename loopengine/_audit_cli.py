@@ -290,14 +290,26 @@ def runs(db: str, schema: str | None, limit: int, every: bool, as_json: bool,
         return
     click.echo(_table(
         ["id", "started_at", "tenant", "feature", "operation", "outcome", "attempts",
-         "charged USD", "credits"],
+         "charged USD", "credits", "not in USD"],
         [[r.id, r.started_at, r.tenant, r.feature, r.operation, r.outcome, r.attempt_count,
-          _usd(r.cost_nanousd), r.credits] for r in rows],
+          _usd(r.cost_nanousd), r.credits, _not_in_usd(r)] for r in rows],
         total=[f"total: {_plural(len(rows), 'invocation')}", "", "", "", "", "",
                sum(r.attempt_count for r in rows), _usd(sum(r.cost_nanousd for r in rows)),
-               sum(r.credits for r in rows)]))
+               sum(r.credits for r in rows), ""]))
+    if any(_not_in_usd(r) for r in rows):
+        click.echo("\n`not in USD` counts attempts whose cost the USD column does not hold: "
+                   "unpriced (tokens served, no price), usage unknown (answered, no usage "
+                   "reported), floor (a stream cut before its end: the provider may bill "
+                   "more). `loopengine audit reconcile` lists them.")
     if not every and len(rows) == limit:
         click.echo(f"\nThe newest {limit} shown; --limit N or --all shows more.")
+
+
+def _not_in_usd(row: _audit.RunRow) -> str:
+    """What a run's charged USD does not hold, as `runs` shows it (empty when nothing)."""
+    return ", ".join(f"{count} {what}" for count, what in (
+        (row.unpriced_attempts, "unpriced"), (row.usage_unknown, "usage unknown"),
+        (row.usage_floor, "floor")) if count)
 
 
 @click.command()

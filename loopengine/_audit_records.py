@@ -53,6 +53,12 @@ class RunRow:
     cost_nanousd: int
     """Charged cost (S01)."""
     credits: int
+    unpriced_attempts: int = 0
+    """Its attempt rows that served tokens without a price: their cost is in no total."""
+    usage_unknown: int = 0
+    """Its attempt rows the server answered whose usage is unknown."""
+    usage_floor: int = 0
+    """Its attempt rows whose usage is a floor (a stream cut before its end)."""
 
     @property
     def cost_usd(self) -> Decimal:

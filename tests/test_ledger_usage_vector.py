@@ -160,6 +160,34 @@ async def test_an_attempt_whose_usage_is_a_floor_is_listed_without_failing(
     assert as_json["usage_unknown"] == []
 
 
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+async def test_runs_names_what_a_runs_cost_does_not_hold_instead_of_a_quiet_zero(
+    store: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """`audit runs` counts each run's unpriced, usage-unknown and floor attempts (in
+    its table and its JSON): a run of an unpriced model is not listed as $0 alone."""
+    cut = ProviderFault(FaultKind.ABORTED, "stream cut", http_status=200,
+                        usage=le.Usage(50, 7), usage_approx=True, response_id="msg_cut")
+    async with ledger_of(store, tmp_path, request) as (ledger, db):
+        flagged = await record(ledger, cut, Reply.text("done", usage=None))
+        clock = FakeClock(wall_start=AT)
+        engine = le.Engine(ScriptedProvider([Reply.text("hi")], clock=clock), ledger=ledger,
+                           prices=BOOK, clock=clock, rng=random.Random(1))
+        unpriced = await engine.run(le.Operation(name="research", provider="anthropic",
+                                                 model="no-such-model-anywhere"), "go")
+    listed = json.loads(audit("runs", "--db", db, "--json").output)
+    counts = {r["id"]: (r["cost_nanousd"], r["unpriced_attempts"], r["usage_unknown"],
+                        r["usage_floor"]) for r in listed}
+    assert counts == {flagged.invocation_id: (0, 0, 1, 1),
+                      unpriced.invocation_id: (0, 1, 0, 0)}
+    text = audit("runs", "--db", db)
+    assert text.exit_code == 0, text.output
+    lines = {line.split()[0]: line for line in text.output.splitlines() if line}
+    assert lines[flagged.invocation_id].endswith("1 usage unknown, 1 floor")
+    assert lines[unpriced.invocation_id].endswith("1 unpriced")
+    assert "`not in USD` counts attempts" in text.output
+
+
 async def test_a_ledger_of_the_previous_version_gains_the_usage_columns(tmp_path: Path) -> None:
     """Migration 7 on a ledger with rows: old attempts' usage counts are NULL (not
     reported then), old invocations' totals 0, and everything still reconciles."""

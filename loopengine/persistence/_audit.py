@@ -91,6 +91,15 @@ def _usage_floor_sql(alias: str) -> str:
     return f"({alias}.usage_approx = 1 AND {alias}.input_tokens IS NOT NULL)"
 
 
+def _flagged_rows(m: str) -> dict[str, str]:
+    """The FROM clauses of invocation ``m``'s attempt rows that are unpriced, whose
+    usage is unknown, and whose usage is a floor: correlated through the
+    attempts' primary key, so each costs a look-up per invocation."""
+    return {name: f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND {test('a')}"
+            for name, test in (("unpriced", _unpriced_sql), ("usage_unknown", _usage_unknown_sql),
+                               ("usage_floor", _usage_floor_sql))}
+
+
 EXPORT_COLUMNS: tuple[str, ...] = (
     *ATTEMPT_COLUMNS[:2], "tenant", "user_id", "feature", "correlation_id", "operation",
     "operation_version", "provider", "model", *ATTEMPT_COLUMNS[2:], "cost_usd",
@@ -209,7 +218,9 @@ _RUN_COLUMNS = ("id", "started_at", "tenant", "feature", "operation", "outcome",
 
 def runs(conn: AuditConnection, *, limit: int | None = None,
          **where: Unpack[Where]) -> list[RunRow]:
-    """The invocations started in the period that match ``where``, newest first.
+    """The invocations started in the period that match ``where``, newest first,
+    each with how many of its attempt rows are unpriced, have usage unknown,
+    or have a usage floor (what its cost does not hold, never a quiet $0).
 
     Args:
         conn: From `open_ledger`.
@@ -220,7 +231,9 @@ def runs(conn: AuditConnection, *, limit: int | None = None,
         LedgerError: the rows hold values a ledger never stores.
     """
     clause, params = _where("i.started_at", where)
-    sql = (f"SELECT {', '.join(f'i.{c}' for c in _RUN_COLUMNS)} FROM invocations AS i"
+    flags = ", ".join(f"(SELECT COUNT(*) {rows}) AS {name}"
+                      for name, rows in _flagged_rows("i").items())
+    sql = (f"SELECT {', '.join(f'i.{c}' for c in _RUN_COLUMNS)}, {flags} FROM invocations AS i"
            f"{clause} ORDER BY i.started_at DESC, i.id DESC")
     if limit is not None:
         sql += f" LIMIT {int(limit)}"
@@ -280,10 +293,9 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
         source, count, m = ("", "FROM invocations AS i"), "COUNT(*)", "i"
     # Correlated through the attempts' primary key, so the cost follows the
     # period's invocations, not the whole table.
-    unpriced = f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND {_unpriced_sql('a')}"
-    unknown = (f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND "
-               f"{_usage_unknown_sql('a')}")
-    floor = f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND {_usage_floor_sql('a')}"
+    flagged = _flagged_rows(m)
+    unpriced, unknown, floor = (flagged["unpriced"], flagged["usage_unknown"],
+                                flagged["usage_floor"])
     sql = (
         f"{source[0]}SELECT i.{by} AS key, {count}, SUM({m}.attempt_count), "
         f"SUM({m}.input_tokens), SUM({m}.output_tokens), SUM({m}.cache_read_tokens), "
