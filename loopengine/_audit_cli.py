@@ -236,7 +236,7 @@ def _ledger(path: str, schema: str | None) -> Iterator[AuditConnection]:
 
 def _usd(nanousd: Any) -> str:
     if isinstance(nanousd, int):
-        return str(Decimal(nanousd) / Decimal(1_000_000_000))
+        return _audit.usd_text(nanousd)
     return _cell(nanousd)
 
 
@@ -283,7 +283,7 @@ def runs(db: str, schema: str | None, limit: int, every: bool, as_json: bool,
     with _ledger(db, schema) as conn:
         rows = _audit.runs(conn, limit=None if every else limit, **where)
     if as_json:
-        _print_json([{**vars_of(r), "cost_usd": str(r.cost_usd)} for r in rows])
+        _print_json([{**vars_of(r), "cost_usd": _audit.usd_text(r.cost_nanousd)} for r in rows])
         return
     if not rows:
         click.echo(f"No invocations{_period(where['since'], where['until'])}.")
@@ -339,9 +339,10 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
                       "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
                       "cache_read_tokens": r.cache_read_tokens,
                       "cache_write_tokens": r.cache_write_tokens,
-                      "cost_nanousd": r.cost_nanousd, "cost_usd": str(r.cost_usd),
+                      "cost_nanousd": r.cost_nanousd, "cost_usd": _audit.usd_text(r.cost_nanousd),
                       "provider_cost_nanousd": r.provider_cost_nanousd,
-                      "provider_cost_usd": str(r.provider_cost_usd), "credits": r.credits,
+                      "provider_cost_usd": _audit.usd_text(r.provider_cost_nanousd),
+                      "credits": r.credits,
                       "unpriced_attempts": r.unpriced_attempts,
                       "unpriced_tokens": r.unpriced_tokens,
                       "web_search_requests": r.web_search_requests,

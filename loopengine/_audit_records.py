@@ -13,9 +13,17 @@ from decimal import Decimal
 from typing import Any, TypedDict
 
 __all__ = ["AccountMismatch", "AccountRow", "Mismatch", "Reconciliation", "RunRow",
-           "SpendRow", "Where"]
+           "SpendRow", "Where", "usd_text"]
 
 _NANO = Decimal(1_000_000_000)
+
+
+def usd_text(nanousd: int) -> str:
+    """Integer nano-USD as exact USD text in plain notation, as the audit prints
+    and exports money: ``0.000000019``, never ``1.9E-8`` (`str` of a `Decimal`
+    under a millionth of a dollar), which a person misreads and an invoice
+    tool may not parse."""
+    return format(Decimal(nanousd) / _NANO, "f")
 
 
 class Where(TypedDict, total=False):

@@ -427,3 +427,33 @@ def test_schema_is_for_postgresql_only(ledger_file: dict[str, Any]) -> None:
     result = cli("audit", "runs", "--db", ledger_file["path"], "--schema", "billing")
     assert result.exit_code == 2
     assert "--schema names a PostgreSQL schema; a SQLite ledger has none" in result.output
+
+
+async def test_money_under_a_millionth_of_a_dollar_is_plain_decimal_text(
+    tmp_path: Path,
+) -> None:
+    """A cost of 190 nano-USD reads 0.00000019 in every table, JSON and export
+    (`str` of its Decimal is 1.9E-7, which a person misreads and an invoice tool
+    may not parse)."""
+    path = tmp_path / "tiny.db"
+    tiny = le.PriceBook([le.ModelPrice(provider="anthropic", model=MODEL,
+                                       input_per_mtok=Decimal("0.01"),
+                                       output_per_mtok=Decimal("0.01"))])
+    clock = FakeClock(wall_start=datetime(2026, 1, 1, tzinfo=UTC))
+    with SQLiteLedger(path) as ledger:
+        engine = le.Engine(ScriptedProvider([Reply.text("hi", usage=le.Usage(10, 9))],
+                                            clock=clock),
+                           ledger=ledger, prices=tiny, clock=clock, rng=random.Random(1))
+        result = await engine.run(operation(), "go")
+    assert result.cost_usd == Decimal("1.9E-7")
+    outputs = {" ".join(args): cli("audit", *args, "--db", path) for args in (
+        ["runs"], ["runs", "--json"], ["spend"], ["spend", "--json"],
+        ["show", result.invocation_id], ["export"], ["export", "--format", "jsonl"])}
+    for command, output in outputs.items():
+        assert output.exit_code == 0, (command, output.output)
+        assert "0.00000019" in output.output, command
+        assert "E-" not in output.output, command
+    (row,) = json.loads(outputs["spend --json"].output)
+    assert (row["cost_usd"], row["provider_cost_usd"]) == ("0.00000019", "0.00000019")
+    (exported,) = csv.DictReader(io.StringIO(outputs["export"].output))
+    assert exported["cost_usd"] == "0.00000019"

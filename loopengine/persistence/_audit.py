@@ -36,6 +36,7 @@ from loopengine._audit_records import (
     RunRow,
     SpendRow,
     Where,
+    usd_text,
 )
 from loopengine._errors import LedgerError
 from loopengine.persistence import _account_store
@@ -51,14 +52,12 @@ from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_t
 __all__ = ["EXPORT_COLUMNS", "GROUPINGS", "AccountMismatch", "AccountRow", "Mismatch",
            "Reconciliation", "RunRow", "SpendRow", "Where", "children", "describe_value",
            "export_rows", "incomplete_in_export", "is_unpriced", "open_ledger", "reconcile",
-           "run_state", "runs", "segments", "show", "spend", "tool_calls"]
+           "run_state", "runs", "segments", "show", "spend", "tool_calls", "usd_text"]
 
 Grouping = Literal["tenant", "feature", "model", "operation", "user_id", "correlation_id"]
 GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "user_id",
                                    "correlation_id")
 """What `spend` can group by."""
-
-_NANO = Decimal(1_000_000_000)
 
 # Usage columns that an invocation total must equal over its rows (the fee,
 # like the cost, over its charged rows only).
@@ -688,7 +687,7 @@ def export_rows(conn: AuditConnection, **where: Unpack[Where]) -> Iterator[dict[
     """Every attempt row started in the period whose invocation matches
     ``where`` (`Where`), for an invoice.
 
-    Each row carries who it is accounted to, its cost in USD (exact decimal
+    Each row carries who it is accounted to, its cost in USD (exact plain decimal
     text, None when it has no cost), ``response_id_missing`` (1 when the
     provider gave no response id: such rows are marked, never dropped) and
     ``unpriced`` (1 when it served tokens without a price).
@@ -708,7 +707,7 @@ def export_rows(conn: AuditConnection, **where: Unpack[Where]) -> Iterator[dict[
         _check("attempts", record, ATTEMPT_COLUMNS, _where_attempt)
         _check("invocations", record, _EXPORT_JOINED, _where_attempt, nullable=True)
         cost = record["cost_nanousd"]
-        record["cost_usd"] = None if cost is None else str(Decimal(cost) / _NANO)
+        record["cost_usd"] = None if cost is None else usd_text(cost)
         record["response_id_missing"] = int(not record["response_id"])
         record["unpriced"] = int(is_unpriced(record))
         yield {column: record[column] for column in EXPORT_COLUMNS}
