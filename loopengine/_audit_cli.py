@@ -75,7 +75,7 @@ def _ledger_options(command: _F) -> _F:
     return click.option(
         "--db", "db", required=True, type=str,
         help="The ledger: a SQLite file (read, never written or created) or a "
-             "postgresql:// URL (read in one read-only snapshot).")(command)
+             "postgresql:// URL; either is read in one snapshot.")(command)
 
 
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
