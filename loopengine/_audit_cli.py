@@ -437,7 +437,9 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
         try:
             invocation, attempts = _audit.show(conn, invocation_id)
         except LookupError as error:
-            raise CannotRun(str(error).strip("'\"")) from None
+            # Its message as written (str() of a LookupError is that; stripping
+            # quotes off it would cut the id's own).
+            raise CannotRun(str(error.args[0])) from None
         except UnicodeEncodeError:
             raise CannotRun(f"{invocation_id!r} is not an invocation id (it is not "
                              "valid text)") from None

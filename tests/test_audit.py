@@ -29,7 +29,7 @@ from loopengine.providers import FaultKind, ProviderFault, Reply, ScriptedProvid
 from loopengine.testing import FakeClock
 
 from .conftest import MODEL, operation
-from .ledger_support import judge, lookup, read_db, teammate_script
+from .ledger_support import judge, lookup, read_db, start, teammate_script
 from .test_audit_robust import table
 
 HAIKU = "claude-haiku-4-5"
@@ -154,6 +154,22 @@ def test_show_an_unknown_invocation_fails(ledger_file: dict[str, Any]) -> None:
     """An id that matches nothing exits 2 and says so."""
     result = cli("audit", "show", "--db", ledger_file["path"], "no-such-id")
     assert result.exit_code == 2 and "no invocation no-such-id" in result.output
+
+
+async def test_show_names_an_unknown_or_ambiguous_id_as_given(tmp_path: Path) -> None:
+    """The message keeps the id whole: a prefix of several ids is quoted once on
+    each side, and an id ending in a quote keeps it."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        for invocation_id in ("inv-1", "inv-2"):
+            await ledger.start_invocation(start(invocation_id))
+        await ledger.flush()
+    several = cli("audit", "show", "--db", path, "inv-")
+    assert several.exit_code == 2
+    assert "Error: 'inv-' is the start of several invocation ids; give more of it" in \
+        several.output
+    quoted = cli("audit", "show", "--db", path, "inv'")
+    assert quoted.exit_code == 2 and "Error: no invocation inv'\n" in quoted.output
 
 
 # -- reconcile --------------------------------------------------------------------------------
