@@ -281,7 +281,10 @@ def runs(db: str, schema: str | None, limit: int, every: bool, as_json: bool,
     """The invocations started in a period, newest first: their ids (what `show`
     takes), start, tenant, feature, operation, outcome, attempts and cost."""
     with _ledger(db, schema) as conn:
-        rows = _audit.runs(conn, limit=None if every else limit, **where)
+        # One more than shown: whether there are more is known, not guessed.
+        rows = _audit.runs(conn, limit=None if every else limit + 1, **where)
+    more = not every and len(rows) > limit
+    rows = rows if every else rows[:limit]
     if as_json:
         _print_json([{**vars_of(r), "cost_usd": _audit.usd_text(r.cost_nanousd)} for r in rows])
         return
@@ -301,7 +304,7 @@ def runs(db: str, schema: str | None, limit: int, every: bool, as_json: bool,
                    "unpriced (tokens served, no price), usage unknown (answered, no usage "
                    "reported), floor (a stream cut before its end: the provider may bill "
                    "more). `loopengine audit reconcile` lists them.")
-    if not every and len(rows) == limit:
+    if more:
         click.echo(f"\nThe newest {limit} shown; --limit N or --all shows more.")
 
 

@@ -383,6 +383,18 @@ def test_runs_filters_by_tenant_feature_outcome_period_and_limit(
     assert bad.exit_code == 2 and "'fine' is not one of" in bad.output
 
 
+def test_runs_says_there_are_more_only_when_there_are(ledger_file: dict[str, Any]) -> None:
+    """Three invocations: --limit 3 shows them all and says nothing of more;
+    --limit 2 shows two and says more exist."""
+    path = ledger_file["path"]
+    every = cli("audit", "runs", "--db", path, "--limit", "3")
+    assert every.exit_code == 0 and "total: 3 invocations" in every.output
+    assert "shows more" not in every.output
+    fewer = cli("audit", "runs", "--db", path, "--limit", "2")
+    assert "total: 2 invocations" in fewer.output
+    assert "The newest 2 shown; --limit N or --all shows more." in fewer.output
+
+
 def test_spend_and_accounts_end_with_a_totals_row(ledger_file: dict[str, Any]) -> None:
     """The totals row of `spend` adds up its columns."""
     a, b, c = ledger_file["a"], ledger_file["b"], ledger_file["c"]
