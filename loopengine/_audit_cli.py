@@ -13,7 +13,7 @@ import sqlite3
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import timedelta
 from decimal import Decimal
 from typing import IO, Any, TypeVar
 
@@ -23,9 +23,9 @@ from loopengine._errors import LedgerError
 from loopengine._outcome import Outcome
 from loopengine.cli import CannotRun, printable
 from loopengine.persistence import _audit
+from loopengine.persistence._audit import moment as parse_moment
 from loopengine.persistence._audit_open import AuditConnection
 from loopengine.persistence._audit_postgres import display_name
-from loopengine.persistence._schema import format_time
 
 __all__ = ["accounts", "attempts_table", "export", "format_duration", "parse_duration",
            "parse_moment", "reconcile", "runs", "show", "spend", "vars_of"]
@@ -79,27 +79,6 @@ def _ledger_options(command: _F) -> _F:
 
 
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-
-
-def parse_moment(text: str) -> str:
-    """A date or ISO-8601 time as the ledger's UTC text, for period filters.
-
-    ``2026-03-01`` means midnight UTC; a time without an offset is UTC.
-
-    Raises:
-        ValueError: ``text`` is neither, or is outside the years 1 to 9999 once
-            converted to UTC.
-    """
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a date (YYYY-MM-DD) or an ISO-8601 time") from None
-    try:
-        # A date alone parses as naive midnight, which format_time takes as UTC.
-        return format_time(moment)
-    except OverflowError:
-        raise ValueError(f"{text!r} is outside the years 1 to 9999 once converted to "
-                         "UTC") from None
 
 
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -30,10 +30,11 @@ class Where(TypedDict, total=False):
     """Which records a query reads; every filter given must hold."""
 
     since: str | None
-    """From this time (inclusive): ISO-8601 text with its offset, as the ledger
-    stores times (``2026-03-01T00:00:00.000000+00:00``)."""
+    """From this time (inclusive): a date (midnight UTC) or an ISO-8601 time; one
+    without an offset is UTC, one with an offset (or ``Z``) is converted to
+    UTC. A value that is neither raises `ValueError`."""
     until: str | None
-    """Before this time (exclusive)."""
+    """Before this time (exclusive), read as ``since`` is."""
     tenant: str | None
     """The invocation's tenant."""
     feature: str | None

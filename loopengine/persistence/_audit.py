@@ -52,7 +52,8 @@ from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_t
 __all__ = ["EXPORT_COLUMNS", "GROUPINGS", "AccountMismatch", "AccountRow", "Mismatch",
            "Reconciliation", "RunRow", "SpendRow", "Where", "children", "describe_value",
            "export_rows", "incomplete_in_export", "is_unpriced", "open_ledger", "reconcile",
-           "run_state", "runs", "segments", "show", "spend", "tool_calls", "usd_text"]
+           "moment", "run_state", "runs", "segments", "show", "spend", "tool_calls",
+           "usd_text"]
 
 Grouping = Literal["tenant", "feature", "model", "operation", "user_id", "correlation_id"]
 GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "user_id",
@@ -190,9 +191,38 @@ def _parent(conn: AuditConnection, alias: str) -> str:
 # -- filters -----------------------------------------------------------------------------
 
 
+def moment(text: str) -> str:
+    """A date or ISO-8601 time as the ledger's UTC text, for period filters.
+
+    ``2026-03-01`` means midnight UTC; a time without an offset is UTC; one
+    with an offset (or ``Z``) is converted to UTC. Every period filter is
+    read through this, so that it compares with the stored times as the
+    times they are, not as text.
+
+    Raises:
+        ValueError: ``text`` is neither, or is outside the years 1 to 9999 once
+            converted to UTC.
+    """
+    try:
+        when = datetime.fromisoformat(text)
+    except (ValueError, TypeError):
+        raise ValueError(f"{text!r} is not a date (YYYY-MM-DD) or an ISO-8601 time") from None
+    try:
+        # A date alone parses as naive midnight, which format_time takes as UTC.
+        return format_time(when)
+    except OverflowError:
+        raise ValueError(f"{text!r} is outside the years 1 to 9999 once converted to "
+                         "UTC") from None
+
+
 def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str, list[str]]:
     """The SQL condition (`` WHERE ...`` or `` AND ...`` when ``joined``) and its
-    parameters: the period on ``time_column``, the rest on the invocation ``i``."""
+    parameters: the period on ``time_column`` (its bounds read by `moment`),
+    the rest on the invocation ``i``.
+
+    Raises:
+        ValueError: ``since`` or ``until`` is not a date or time.
+    """
     tests = ((f"{time_column} >= ?", "since"), (f"{time_column} < ?", "until"),
              ("i.tenant = ?", "tenant"), ("i.feature = ?", "feature"),
              ("i.outcome = ?", "outcome"))
@@ -202,7 +232,7 @@ def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str
         value = where.get(key)
         if isinstance(value, str):
             clauses.append(clause)
-            params.append(value)
+            params.append(moment(value) if key in ("since", "until") else value)
     if not clauses:
         return "", []
     return (" AND " if joined else " WHERE ") + " AND ".join(clauses), params
