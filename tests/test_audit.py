@@ -12,7 +12,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -485,3 +485,34 @@ async def test_money_under_a_millionth_of_a_dollar_is_plain_decimal_text(
     assert (row["cost_usd"], row["provider_cost_usd"]) == ("0.00000019", "0.00000019")
     (exported,) = csv.DictReader(io.StringIO(outputs["export"].output))
     assert exported["cost_usd"] == "0.00000019"
+
+
+async def test_reconcile_reads_a_now_without_a_time_zone_as_utc(tmp_path: Path) -> None:
+    """A paused run with a 60 s pause_timeout: reconcile ``now`` 30 s and 5 min after
+    its pause, naive or in UTC, finds it waiting and then late alike (a naive
+    ``now`` raised TypeError against the stored pause time)."""
+
+    @le.tool(approval=True)
+    async def refund(order: str) -> str:
+        """Refund an order."""
+        return "refunded"
+
+    path = tmp_path / "ledger.db"
+    paused_at = datetime(2026, 1, 13, 1, tzinfo=UTC)
+    clock = FakeClock(wall_start=paused_at)
+    with SQLiteLedger(path) as ledger:
+        engine = le.Engine(ScriptedProvider([Reply.tool_calls(("refund", {"order": "A"}))],
+                                            clock=clock),
+                           ledger=ledger, clock=clock, run_store=le.RunStore(ledger))
+        result = await engine.run(operation(pause_timeout=60), "go", tools=[refund])
+    assert result.outcome is le.Outcome.PAUSED
+    conn = _audit.open_ledger(path)
+    try:
+        for after, late in ((30, 0), (300, 1)):
+            aware = paused_at + timedelta(seconds=after)
+            for now in (aware, aware.replace(tzinfo=None)):
+                found = _audit.reconcile(conn, now=now, older_than=timedelta(hours=1))
+                assert [p["invocation_id"] for p in found.expired_pauses] == \
+                    [result.invocation_id] * late, now
+    finally:
+        conn.close()

@@ -491,14 +491,18 @@ def reconcile(
             listed as abandoned; younger ones are in flight and do not make the
             result not `ok`. None: every open record is listed as open and
             needs a look.
-        now: The time ``older_than`` counts back from (now, by default).
+        now: The time ``older_than`` counts back from and pauses are timed
+            against (now, by default); one without a time zone is UTC, as
+            the ledger's times are.
 
     Raises:
         LedgerError: the rows hold values a ledger never stores.
     """
     cutoff: str | None = None
+    moment = now or datetime.now(UTC)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
     if older_than is not None:
-        moment = now or datetime.now(UTC)
         try:
             cutoff = format_time(moment - older_than)
         except OverflowError:  # further back than year 1: nothing is older
@@ -578,7 +582,7 @@ def reconcile(
     orphans = [dict(r) for r in conn.execute(
         "SELECT invocation_id, ordinal FROM attempts WHERE invocation_id NOT IN "
         "(SELECT id FROM invocations) ORDER BY invocation_id, ordinal")]
-    in_doubt, expired_leases, expired_pauses = _stored_runs(conn, now or datetime.now(UTC))
+    in_doubt, expired_leases, expired_pauses = _stored_runs(conn, moment)
     dead_segments = [dict(r) for r in conn.execute(
         "SELECT s.invocation_id, s.ordinal, s.started_at FROM segments AS s "
         "JOIN invocations AS i ON i.id = s.invocation_id "
