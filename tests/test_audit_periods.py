@@ -17,7 +17,7 @@ from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
-from .test_audit_snapshot import opened
+from .test_ledger_usage_vector import ledger_of
 
 
 @pytest.mark.parametrize("store", ["sqlite", "postgres"])
@@ -27,7 +27,7 @@ async def test_a_period_bound_with_an_offset_is_the_time_it_names(
     """One run at 01:00 UTC: a period from 02:00+01:00 (or 01:00Z) to 03:00+01:00
     holds it in runs, spend and export; one from 01:00:00.000001Z does not; and
     ``since="yesterday"`` raises ValueError."""
-    async with opened(store, tmp_path, request) as (ledger, db):
+    async with ledger_of(store, tmp_path, request) as (ledger, db):
         clock = FakeClock(wall_start=datetime(2026, 1, 5, 1, tzinfo=UTC))
         engine = le.Engine(ScriptedProvider([Reply.text("done")], clock=clock), ledger=ledger,
                            prices=PRICES, clock=clock, rng=random.Random(1))

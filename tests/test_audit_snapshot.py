@@ -5,8 +5,6 @@ its answers disagree, such as an account's balance against its journal."""
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -15,30 +13,13 @@ import pytest
 
 import loopengine as le
 from loopengine import audit
-from loopengine.persistence import PostgresLedger, SQLiteLedger
 from loopengine.providers import Reply, ScriptedProvider
 
 from .conftest import MODEL
-from .postgres_support import PostgresServer
-from .test_audit_postgres import url_of
+from .test_ledger_usage_vector import ledger_of
 
 PRICES = le.PriceBook([le.ModelPrice(provider="anthropic", model=MODEL, input_per_mtok=3,
                                      output_per_mtok=15)], credits_per_usd=Decimal(1_000_000))
-
-
-@asynccontextmanager
-async def opened(store: str, tmp_path: Path, request: pytest.FixtureRequest,
-                 ) -> AsyncIterator[tuple[Any, str]]:
-    """A ledger of ``store`` and what `audit.open_ledger` opens it with."""
-    if store == "sqlite":
-        path = tmp_path / "ledger.db"
-        with SQLiteLedger(path) as lite:
-            yield lite, str(path)
-        return
-    server: PostgresServer = request.getfixturevalue("postgres_server")
-    dsn = server.create_database()
-    async with PostgresLedger(dsn) as pg:
-        yield pg, url_of(server, dsn.rsplit("dbname=", 1)[1])
 
 
 async def charged_run(ledger: Any, accounts: le.CreditAccounts) -> le.RunResult:
@@ -56,7 +37,7 @@ async def test_an_audit_reads_one_snapshot_while_runs_are_written(
     """A run recorded (reserved, charged, settled) after the audit's first query
     is in none of its later answers: the runs, the spend, the accounts and their
     journal all read the ledger as it was, so reconcile finds nothing off."""
-    async with opened(store, tmp_path, request) as (ledger, db):
+    async with ledger_of(store, tmp_path, request) as (ledger, db):
         accounts = le.CreditAccounts(ledger)
         await accounts.grant("acme", 1_000_000)
         first = await charged_run(ledger, accounts)
