@@ -43,14 +43,23 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import itertools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest, media_note, text_or_none, token_count
-from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._base import (
+    ProviderRequest,
+    check_blocks,
+    function_tool,
+    media_note,
+    message_role,
+    text_or_none,
+    token_count,
+    untranslatable,
+)
 
 __all__ = [
     "MALFORMED_CALL",
@@ -86,10 +95,10 @@ _ids = itertools.count(1)
 _CALLED = re.compile(r"([A-Za-z_][\w.-]*)\s*\(")
 
 
-def _untranslatable(what: str) -> ProviderFault:
-    return ProviderFault(FaultKind.BAD_REQUEST,
-                         f"{what} has no Gemini equivalent, so the request was not sent",
-                         error_code="untranslatable")
+API = "Gemini"
+
+# The fault of a request holding what the Gemini API has no equivalent for.
+_untranslatable = functools.partial(untranslatable, api=API)
 
 
 # -- the request ------------------------------------------------------------------------
@@ -182,14 +191,6 @@ def _result(block: Mapping[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     return "\n\n".join(texts), media
 
 
-def _role(message: Mapping[str, Any]) -> str:
-    """The message's role, when the translation has one for it."""
-    role = message.get("role")
-    if role not in ("assistant", "user"):
-        raise _untranslatable(f"a message with role {role!r}")
-    return str(role)
-
-
 def check_translatable(request: ProviderRequest) -> None:
     """Raise what `gemini_contents` would raise for ``request``, without
     translating it: the translation's own checks, block by block, in its order.
@@ -198,26 +199,29 @@ def check_translatable(request: ProviderRequest) -> None:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role or
             a ``tool_choice`` that has no Gemini equivalent.
     """
-    for message in request.messages:
-        role = _role(message)
-        content = message.get("content")
-        if isinstance(content, str):
-            continue
-        for block in content or ():
-            if role == "assistant":
-                if _model_kind(block) == "thinking":
-                    _signature(block.get("signature"))
-                continue
-            kind = _user_kind(block)
-            if kind == "tool_result":
-                result = block.get("content")
-                for part in () if result is None or isinstance(result, str) else result:
-                    if _result_kind(part) != "text" and _base64(part):
-                        _data(part)
-            elif kind != "text":
-                _data(block)
+    check_blocks(request, _model_check, _user_check, API)
     if request.tools:
         _tool_config(request.tool_choice)
+
+
+def _model_check(block: Mapping[str, Any]) -> None:
+    """Refuse an assistant block the translation has no part for (`_model_kind`),
+    or a ``thinking`` block whose signature is not base64."""
+    if _model_kind(block) == "thinking":
+        _signature(block.get("signature"))
+
+
+def _user_check(block: Mapping[str, Any]) -> None:
+    """Refuse a user block the translation has no part for (`_user_kind`), or
+    whose data (or a tool result's media) is not base64."""
+    kind = _user_kind(block)
+    if kind == "tool_result":
+        result = block.get("content")
+        for part in () if result is None or isinstance(result, str) else result:
+            if _result_kind(part) != "text" and _base64(part):
+                _data(part)
+    elif kind != "text":
+        _data(block)
 
 
 def gemini_contents(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -232,7 +236,7 @@ def gemini_contents(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     out: list[dict[str, Any]] = []
     for message in messages:
         content = message.get("content")
-        if _role(message) == "assistant":
+        if message_role(message, API) == "assistant":
             parts = _model_parts(content, names, malformed)
             if parts:
                 out.append({"role": "model", "parts": parts})
@@ -342,15 +346,8 @@ def gemini_config(request: ProviderRequest, http_options: dict[str, Any]) -> dic
         config["system_instruction"] = {"parts": [{"text": str(block.get("text", ""))}
                                                   for block in request.system]}
     if request.tools:
-        declarations = []
-        for tool in request.tools:
-            declaration: dict[str, Any] = {
-                "name": tool.get("name"),
-                "parameters_json_schema": tool.get("input_schema") or {"type": "object"}}
-            if tool.get("description"):
-                declaration["description"] = tool["description"]
-            declarations.append(declaration)
-        config["tools"] = [{"function_declarations": declarations}]
+        config["tools"] = [{"function_declarations": [
+            function_tool(tool, "parameters_json_schema") for tool in request.tools]}]
         tool_config = _tool_config(request.tool_choice)
         if tool_config is not None:
             config["tool_config"] = tool_config

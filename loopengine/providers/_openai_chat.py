@@ -37,36 +37,42 @@ from typing import Any
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     ProviderRequest,
+    check_blocks,
+    function_tool,
     media_note,
+    message_role,
     priced_tier,
     text_or_none,
     token_count,
+    untranslatable,
 )
-from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = [
     "StreamedCompletion",
     "arguments",
+    "call_arguments",
     "chat_messages",
     "chat_params",
     "chat_tool_choice",
     "chat_tools",
-    "check_blocks",
     "check_translatable",
     "content_from_message",
     "first_choice",
     "image_source",
     "image_url",
-    "message_role",
     "openai_usage",
     "result_blocks",
     "result_text",
     "stop_reason",
+    "system_text",
     "text_of",
-    "untranslatable",
+    "tool_params",
+    "user_kind",
     "user_turn",
     "usage_from_api",
 ]
+
+API = "Chat Completions"
 
 _FINISH_REASONS = {
     "stop": "end_turn",
@@ -75,9 +81,6 @@ _FINISH_REASONS = {
     "length": "max_tokens",
     "content_filter": "refusal",
 }
-
-# Error types (and codes) that tell what went wrong when there is no status
-# to read: an error object inside a stream that began with a 200.
 
 
 def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
@@ -90,12 +93,7 @@ def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
     }
     if request.tools:
         params["tools"] = chat_tools(request.tools)
-        choice = chat_tool_choice(request.tool_choice)
-        if choice is not None:
-            params["tool_choice"] = choice
-        if request.tool_choice is not None and request.tool_choice.get(
-                "disable_parallel_tool_use") is True:
-            params["parallel_tool_calls"] = False
+        tool_params(params, request, chat_tool_choice)
     if request.features.reasoning_effort is not None:
         params["reasoning_effort"] = request.features.reasoning_effort
     if request.features.service_tier is not None:
@@ -104,6 +102,19 @@ def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         params["stream"] = True
         params["stream_options"] = {"include_usage": True}
     return params
+
+
+def tool_params(params: dict[str, Any], request: ProviderRequest,
+                choose: Callable[[Mapping[str, Any] | None], object]) -> None:
+    """Put a request's ``tool_choice`` (as ``choose`` translates it; none for the
+    default) and its ``disable_parallel_tool_use`` (``parallel_tool_calls``
+    false) in ``params``, as both OpenAI APIs take them."""
+    choice = choose(request.tool_choice)
+    if choice is not None:
+        params["tool_choice"] = choice
+    if request.tool_choice is not None and request.tool_choice.get(
+            "disable_parallel_tool_use") is True:
+        params["parallel_tool_calls"] = False
 
 
 def first_choice(body: object) -> Mapping[str, Any] | None:
@@ -189,15 +200,6 @@ class StreamedCompletion:
         return content_from_message(message, self.finish_reason)
 
 
-
-
-def untranslatable(what: str, api: str = "Chat Completions") -> ProviderFault:
-    """The fault of a request holding ``what``, which ``api`` has no equivalent for."""
-    return ProviderFault(FaultKind.BAD_REQUEST,
-                         f"{what} has no {api} equivalent, so the request was not "
-                         "sent", error_code="untranslatable")
-
-
 # What the translation can send, checked in one place: `check_translatable`
 # (before the attempt is recorded) and the translation itself (in `send`)
 # ask the same questions below, so they cannot disagree.
@@ -207,55 +209,33 @@ _ASSISTANT_DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning"})
 _USER_SENT = frozenset({"tool_result", "text", "image"})
 
 
-def message_role(message: Mapping[str, Any], api: str = "Chat Completions") -> str:
-    """The message's role, when the translation has one for it."""
-    role = message.get("role")
-    if role not in ("assistant", "user"):
-        raise untranslatable(f"a message with role {role!r}", api)
-    return str(role)
-
-
-def check_blocks(request: ProviderRequest, assistant_kind: Callable[[Mapping[str, Any]], str],
-                 user_kind: Callable[[Mapping[str, Any]], str],
-                 api: str = "Chat Completions") -> None:
-    """Every block of the request's messages through its role's kind check
-    (each raises on a block ``api`` has no equivalent for)."""
-    for message in request.messages:
-        role = message_role(message, api)
-        content = message.get("content")
-        if isinstance(content, str):
-            continue
-        kind_of = assistant_kind if role == "assistant" else user_kind
-        for block in content or ():
-            kind_of(block)
-
-
 def _assistant_kind(block: Mapping[str, Any]) -> str:
     """An assistant block's kind: sent (``text``, ``tool_use``) or dropped
     (another vendor's reasoning, nothing to send it as)."""
     kind = block.get("type")
     if kind not in _ASSISTANT_SENT and kind not in _ASSISTANT_DROPPED:
-        raise untranslatable(f"an assistant {kind!r} block")
+        raise untranslatable(f"an assistant {kind!r} block", API)
     return str(kind)
 
 
-def _user_kind(block: Mapping[str, Any]) -> str:
-    """A user block's kind, once what it holds is known to translate: a tool
-    result of text only, an image of base64 data or a URL."""
+def user_kind(block: Mapping[str, Any], api: str = API) -> str:
+    """A user block's kind, once what it holds is known to translate (what
+    `result_text` and `image_url` would refuse), without translating it: a
+    tool result of text, images and documents, an image of base64 data or a URL."""
     kind = block.get("type")
     if kind not in _USER_SENT:
-        raise untranslatable(f"a user {kind!r} block")
+        raise untranslatable(f"a user {kind!r} block", api)
     if kind == "tool_result":
-        result_blocks(block.get("content"))
+        result_blocks(block.get("content"), api)
     elif kind == "image":
-        image_source(block)
+        image_source(block, api)
     return str(kind)
 
 
 _RESULT_SENT = frozenset({"text", "image", "document"})
 
 
-def result_blocks(content: Any, api: str = "Chat Completions") -> Sequence[Mapping[str, Any]]:
+def result_blocks(content: Any, api: str = API) -> Sequence[Mapping[str, Any]]:
     """A tool result's blocks (none for a string or no content): text, and images
     and documents, which a ``tool`` message (a ``function_call_output``) carries
     as text saying what they were (`result_text`)."""
@@ -268,7 +248,7 @@ def result_blocks(content: Any, api: str = "Chat Completions") -> Sequence[Mappi
     return content  # type: ignore[no-any-return]
 
 
-def image_source(block: Mapping[str, Any], api: str = "Chat Completions") -> Mapping[str, Any]:
+def image_source(block: Mapping[str, Any], api: str = API) -> Mapping[str, Any]:
     """An image block's source, when it is base64 data or a URL."""
     source = block.get("source")
     if isinstance(source, Mapping) and source.get("type") in ("base64", "url"):
@@ -283,7 +263,7 @@ def check_translatable(request: ProviderRequest) -> None:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role
             or a ``tool_choice`` that has no Chat Completions equivalent.
     """
-    check_blocks(request, _assistant_kind, _user_kind)
+    check_blocks(request, _assistant_kind, user_kind, API)
     if request.tools:
         chat_tool_choice(request.tool_choice)
 
@@ -299,15 +279,27 @@ def chat_messages(
     """
     out: list[dict[str, Any]] = []
     if system:
-        out.append({"role": "system", "content": "\n\n".join(
-            str(block.get("text", "")) for block in system)})
+        out.append({"role": "system", "content": system_text(system)})
     for message in messages:
         content = message.get("content")
-        if message_role(message) == "assistant":
+        if message_role(message, API) == "assistant":
             out.append(_assistant_message(content))
         else:
             out.extend(_user_messages(content))
     return out
+
+
+def system_text(system: Sequence[Mapping[str, Any]]) -> str:
+    """The text of Anthropic ``system`` blocks, as the one system message (or the
+    ``instructions``) both OpenAI APIs take."""
+    return "\n\n".join(str(block.get("text", "")) for block in system)
+
+
+def call_arguments(block: Mapping[str, Any]) -> str:
+    """A ``tool_use`` block's ``input`` as the ``arguments`` string both OpenAI APIs
+    take: JSON, or, for arguments the model sent malformed, the text as it came."""
+    tool_input = block.get("input", {})
+    return tool_input if isinstance(tool_input, str) else json.dumps(tool_input)
 
 
 def _assistant_message(content: Any) -> dict[str, Any]:
@@ -320,11 +312,9 @@ def _assistant_message(content: Any) -> dict[str, Any]:
         if kind == "text":
             texts.append(str(block.get("text", "")))
         elif kind == "tool_use":
-            tool_input = block.get("input", {})
-            # Arguments the model sent malformed are sent back as they came.
-            arguments = tool_input if isinstance(tool_input, str) else json.dumps(tool_input)
             calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name"), "arguments": arguments}})
+                          "function": {"name": block.get("name"),
+                                       "arguments": call_arguments(block)}})
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
         message["tool_calls"] = calls
@@ -335,7 +325,7 @@ def _assistant_message(content: Any) -> dict[str, Any]:
 
 def _user_messages(content: Any) -> list[dict[str, Any]]:
     return user_turn(
-        content, _user_kind,
+        content, user_kind,
         result=lambda block: {"role": "tool", "tool_call_id": block.get("tool_use_id"),
                               "content": result_text(block)},
         text_part=lambda text: {"type": "text", "text": text},
@@ -380,7 +370,7 @@ def user_turn(
     return out
 
 
-def result_text(block: Mapping[str, Any], api: str = "Chat Completions") -> str:
+def result_text(block: Mapping[str, Any], api: str = API) -> str:
     """A ``tool_result`` block's text, ``Error: ``-prefixed when it is an error
     (neither API has an error flag, so the model reads it as a failure)."""
     content = block.get("content")
@@ -400,7 +390,7 @@ def _result_part(block: Mapping[str, Any]) -> str:
     return media_note(block)
 
 
-def image_url(block: Mapping[str, Any], api: str = "Chat Completions") -> str:
+def image_url(block: Mapping[str, Any], api: str = API) -> str:
     """An image block as the URL both APIs take (a ``data:`` URL for base64 data)."""
     source = image_source(block, api)
     if source.get("type") == "base64":
@@ -410,14 +400,7 @@ def image_url(block: Mapping[str, Any], api: str = "Chat Completions") -> str:
 
 def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Chat Completions ``function`` tools for Anthropic tool definitions."""
-    out = []
-    for tool in tools:
-        function: dict[str, Any] = {"name": tool.get("name"),
-                                    "parameters": tool.get("input_schema") or {"type": "object"}}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
-    return out
+    return [{"type": "function", "function": function_tool(tool)} for tool in tools]
 
 
 def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
@@ -433,7 +416,7 @@ def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] |
         return "required"
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise untranslatable(f"tool_choice {kind!r}")
+    raise untranslatable(f"tool_choice {kind!r}", API)
 
 
 def text_of(content: object) -> str:
