@@ -90,7 +90,7 @@ from loopengine.providers._faults import (
     retry_info_delay,
     sdk_classifier,
 )
-from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
+from loopengine.providers._sdk import SDKProvider, json_body, provider_clients, read_stream
 
 __all__ = [
     "DEFAULT_STREAM_IDLE_TIMEOUT",
@@ -478,24 +478,10 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         return params
 
     async def _send_plain(self, client: AsyncClient, params: dict[str, Any]) -> ProviderResponse:
-        # The raw-response form hands over the body as JSON: the engine keeps
-        # Anthropic-shaped dicts, so building the SDK's models would be wasted.
-        try:
-            async with client.messages.with_streaming_response.create(**params) as raw:
-                request_id = _request_id(raw.headers)
-                status = raw.status_code
-                try:
-                    body = await raw.json()
-                except (httpx2.HTTPError, anthropic.APIError) as error:
-                    raise classify_error(error, request_id=request_id, in_body=True) from error
-                except ValueError:
-                    body = None
-        except (anthropic.AnthropicError, httpx2.HTTPError) as error:
-            raise classify_error(error) from error
-        if not isinstance(body, Mapping) or not isinstance(body.get("content"), list):
-            raise ProviderFault(FaultKind.SERVER_ERROR, "the response body is not a message",
-                                http_status=status, error_code="invalid_response",
-                                request_id=request_id)
+        body, request_id, status = await json_body(
+            client.messages.with_streaming_response.create, params, what="a message",
+            valid=lambda body: isinstance(body.get("content"), list), classify=classify_error,
+            failures=(anthropic.AnthropicError, httpx2.HTTPError), request_id=_request_id)
         return ProviderResponse(
             content=body["content"],
             stop_reason=body.get("stop_reason"),

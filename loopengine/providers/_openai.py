@@ -49,6 +49,7 @@ from loopengine.providers._openai_faults import (
     read_failures,
 )
 from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
+from loopengine.providers._sdk import json_body as sdk_json_body
 
 if TYPE_CHECKING:
     import openai
@@ -98,29 +99,19 @@ def openai_clients(
 
 
 async def json_body(
-    create: Callable[..., AbstractAsyncContextManager[Any]], params: dict[str, Any]
-) -> tuple[object, str | None, int]:
-    """One request through an SDK method's raw-response form (``create`` of
-    ``with_streaming_response``): its body as JSON (None when it is not JSON),
-    its request id and its status. The raw form hands over the body as JSON:
-    the engine keeps dicts, so building the SDK's models would be wasted.
+    create: Callable[..., AbstractAsyncContextManager[Any]], params: dict[str, Any], *,
+    what: str, valid: Callable[[Mapping[str, Any]], bool],
+) -> tuple[Mapping[str, Any], str | None, int]:
+    """One request of the ``openai`` SDK read whole (`loopengine.providers._sdk.json_body`):
+    its body, a JSON object ``valid`` accepts, its ``x-request-id`` and its status.
 
     Raises:
-        ProviderFault: the request failed (`classify_error`).
+        ProviderFault: the request failed (`classify_error`), or its body is
+            not ``what`` (``invalid_response``).
     """
-    try:
-        async with create(**params) as raw:
-            request_id: str | None = raw.headers.get("x-request-id")
-            status: int = raw.status_code
-            try:
-                body = await raw.json()
-            except failures() as error:
-                raise classify_error(error, request_id=request_id, in_body=True) from error
-            except ValueError:
-                body = None
-    except failures() as error:
-        raise classify_error(error) from error
-    return body, request_id, status
+    return await sdk_json_body(create, params, what=what, valid=valid,
+                               classify=classify_error, failures=failures(),
+                               request_id=lambda headers: headers.get("x-request-id"))
 
 
 class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
@@ -235,15 +226,11 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
     async def _send_plain(self, client: openai.AsyncOpenAI,
                           params: dict[str, Any]) -> ProviderResponse:
         body, request_id, status = await json_body(
-            client.chat.completions.with_streaming_response.create, params)
-        choice = first_choice(body)
-        message = choice.get("message") if choice is not None else None
-        if choice is None or not isinstance(message, Mapping) or not isinstance(body, Mapping):
-            raise ProviderFault(FaultKind.SERVER_ERROR,
-                                "the response body is not a chat completion",
-                                http_status=status, error_code="invalid_response",
-                                request_id=request_id)
-        content, stop = content_from_message(message, choice.get("finish_reason"))
+            client.chat.completions.with_streaming_response.create, params,
+            what="a chat completion", valid=lambda body: isinstance(
+                (first_choice(body) or {}).get("message"), Mapping))
+        choice = first_choice(body) or {}
+        content, stop = content_from_message(choice["message"], choice.get("finish_reason"))
         return ProviderResponse(
             content=content,
             stop_reason=stop,

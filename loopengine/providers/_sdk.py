@@ -1,6 +1,7 @@
 """What every provider on a Stainless SDK (``anthropic``, ``openai``) shares:
 `SDKProvider` (its `send`, its declarations, closing), `provider_clients`
-(its clients from its arguments) and `read_stream` (reading a streamed reply).
+(its clients from its arguments), `json_body` (reading a reply whole) and
+`read_stream` (reading a streamed reply).
 
 The clients themselves, one per event loop or one bound to its first loop,
 are ``_clients.py``'s.
@@ -9,7 +10,8 @@ are ``_clients.py``'s.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, cast
 
@@ -27,9 +29,9 @@ from loopengine.providers._clients import (
     http_client,
     shared_tls,
 )
-from loopengine.providers._faults import ProviderFault
+from loopengine.providers._faults import Classifier, FaultKind, ProviderFault
 
-__all__ = ["SDKProvider", "provider_clients", "read_stream", "sdk_keywords"]
+__all__ = ["SDKProvider", "json_body", "provider_clients", "read_stream", "sdk_keywords"]
 
 E = TypeVar("E")
 
@@ -79,6 +81,47 @@ async def read_stream(
     finally:
         with anyio.CancelScope(shield=True):
             await close()
+
+
+async def json_body(
+    create: Callable[..., AbstractAsyncContextManager[Any]],
+    params: dict[str, Any],
+    *,
+    what: str,
+    valid: Callable[[Mapping[str, Any]], bool],
+    classify: Classifier,
+    failures: tuple[type[BaseException], ...],
+    request_id: Callable[[Mapping[str, str]], str | None],
+) -> tuple[Mapping[str, Any], str | None, int]:
+    """One request through an SDK method's raw-response form (``create`` of
+    ``with_streaming_response``): its body as JSON, its request id (read from
+    the headers by ``request_id``) and its status. The raw form hands over the
+    body as JSON: the engine keeps dicts, so building the SDK's models would be
+    wasted.
+
+    Raises:
+        ProviderFault: the request failed (an error among ``failures``,
+            classified by ``classify``), or its body is not ``what`` (a JSON
+            object that ``valid`` accepts): ``server_error``, ``error_code``
+            ``invalid_response``.
+    """
+    try:
+        async with create(**params) as raw:
+            sent_as = request_id(raw.headers)
+            status: int = raw.status_code
+            try:
+                body = await raw.json()
+            except failures as error:
+                raise classify(error, request_id=sent_as, in_body=True) from error
+            except ValueError:
+                body = None
+    except failures as error:
+        raise classify(error) from error
+    if not isinstance(body, Mapping) or not valid(body):
+        raise ProviderFault(FaultKind.SERVER_ERROR, f"the response body is not {what}",
+                            http_status=status, error_code="invalid_response",
+                            request_id=sent_as)
+    return body, sent_as, status
 
 
 def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
