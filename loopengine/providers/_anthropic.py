@@ -168,6 +168,10 @@ _PLATFORM_KINDS = {
 # Google's reasons (``google.rpc.ErrorInfo``) for a project that cannot be billed.
 _CREDIT_REASONS = frozenset({"BILLING_DISABLED"})
 
+# What the SDK raises for a request that failed: its own errors and the
+# transport's (never the caller's cancellation, which propagates as it is).
+_FAILURES = (anthropic.AnthropicError, httpx2.HTTPError)
+
 _SDK = SDKErrors(status=anthropic.APIStatusError, timeout=anthropic.APITimeoutError,
                  connection=anthropic.APIConnectionError, base=anthropic.APIError,
                  validation=anthropic.APIResponseValidationError)
@@ -481,7 +485,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         body, request_id, status = await json_body(
             client.messages.with_streaming_response.create, params, what="a message",
             valid=lambda body: isinstance(body.get("content"), list), classify=classify_error,
-            failures=(anthropic.AnthropicError, httpx2.HTTPError), request_id=_request_id)
+            failures=lambda: _FAILURES, request_id=_request_id)
         return ProviderResponse(
             content=body["content"],
             stop_reason=body.get("stop_reason"),
@@ -498,7 +502,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         try:
             manager = client.messages.stream(**params)
             stream = await manager.__aenter__()
-        except (anthropic.AnthropicError, httpx2.HTTPError) as error:
+        except _FAILURES as error:
             raise classify_error(error) from error
         seen: set[str] = set()
         late: dict[str, Any] = {}
@@ -536,7 +540,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
 
         await read_stream(
             stream, idle=self._idle, take=take, failed=failed, cut=cut, on_text=on_text,
-            failures=(anthropic.AnthropicError, httpx2.HTTPError, ValueError, RuntimeError),
+            failures=(*_FAILURES, ValueError, RuntimeError),
             close=stream.close)
         if "message_stop" not in seen:
             # The SDK returns quietly from a stream cut short.

@@ -19,9 +19,9 @@ this module imports it only when a provider is built.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from loopengine import _validate
@@ -98,20 +98,9 @@ def openai_clients(
     return clients, vendor
 
 
-async def json_body(
-    create: Callable[..., AbstractAsyncContextManager[Any]], params: dict[str, Any], *,
-    what: str, valid: Callable[[Mapping[str, Any]], bool],
-) -> tuple[Mapping[str, Any], str | None, int]:
-    """One request of the ``openai`` SDK read whole (`loopengine.providers._sdk.json_body`):
-    its body, a JSON object ``valid`` accepts, its ``x-request-id`` and its status.
-
-    Raises:
-        ProviderFault: the request failed (`classify_error`), or its body is
-            not ``what`` (``invalid_response``).
-    """
-    return await sdk_json_body(create, params, what=what, valid=valid,
-                               classify=classify_error, failures=failures(),
-                               request_id=lambda headers: headers.get("x-request-id"))
+# One request of the ``openai`` SDK read whole: its errors, its ``x-request-id``.
+json_body = functools.partial(sdk_json_body, classify=classify_error, failures=failures,
+                              request_id=lambda headers: headers.get("x-request-id"))
 
 
 class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):

@@ -84,13 +84,9 @@ async def read_stream(
 
 
 async def json_body(
-    create: Callable[..., AbstractAsyncContextManager[Any]],
-    params: dict[str, Any],
-    *,
-    what: str,
-    valid: Callable[[Mapping[str, Any]], bool],
-    classify: Classifier,
-    failures: tuple[type[BaseException], ...],
+    create: Callable[..., AbstractAsyncContextManager[Any]], params: dict[str, Any], *,
+    what: str, valid: Callable[[Mapping[str, Any]], bool], classify: Classifier,
+    failures: Callable[[], tuple[type[BaseException], ...]],
     request_id: Callable[[Mapping[str, str]], str | None],
 ) -> tuple[Mapping[str, Any], str | None, int]:
     """One request through an SDK method's raw-response form (``create`` of
@@ -100,7 +96,7 @@ async def json_body(
     wasted.
 
     Raises:
-        ProviderFault: the request failed (an error among ``failures``,
+        ProviderFault: the request failed (an error among ``failures()``,
             classified by ``classify``), or its body is not ``what`` (a JSON
             object that ``valid`` accepts): ``server_error``, ``error_code``
             ``invalid_response``.
@@ -111,11 +107,11 @@ async def json_body(
             status: int = raw.status_code
             try:
                 body = await raw.json()
-            except failures as error:
+            except failures() as error:
                 raise classify(error, request_id=sent_as, in_body=True) from error
             except ValueError:
                 body = None
-    except failures as error:
+    except failures() as error:
         raise classify(error) from error
     if not isinstance(body, Mapping) or not valid(body):
         raise ProviderFault(FaultKind.SERVER_ERROR, f"the response body is not {what}",
