@@ -31,6 +31,7 @@ from loopengine.providers._base import (
     ProviderRequest,
     ProviderResponse,
     TextCallback,
+    hand_text,
 )
 from loopengine.providers._faults import ProviderFault
 
@@ -244,12 +245,7 @@ class ReplayProvider:
                                 **recorded)
         recorded = entry["response"]
         usage = recorded["usage"]
-        if on_text is not None:
-            for block in recorded["content"]:
-                if block.get("type") == "text" and block.get("text"):
-                    maybe = on_text(block["text"])
-                    if maybe is not None:
-                        await maybe
+        await hand_text(on_text, recorded["content"])
         return ProviderResponse(
             content=recorded["content"],
             stop_reason=recorded["stop_reason"],
