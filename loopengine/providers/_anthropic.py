@@ -87,7 +87,6 @@ from loopengine.providers._faults import (
     is_credit_code,
     response_fault,
     retry_after,
-    retry_info_delay,
     sdk_classifier,
 )
 from loopengine.providers._sdk import SDKProvider, json_body, provider_clients, read_stream
@@ -681,15 +680,12 @@ def _status_fault(
     platform, reason, platform_message = _platform_error(error.response.headers, body)
     message = message or platform_message
     kind = _kind(status, error_type or platform, code or reason, message)
-    fault = response_fault(kind, error, error_type=error_type or platform, code=code or reason,
-                           message=message, usage=usage, response_id=response_id, now=now)
-    fault.request_id = _request_id(error.response.headers)
     # Vertex's own errors (a quota's RESOURCE_EXHAUSTED) name their wait in a
     # google.rpc.RetryInfo detail, as Gemini's do: it wins over retry-after.
-    delay = retry_info_delay(google_details(body))
-    if delay is not None:
-        fault.retry_after = delay
-    return fault
+    return response_fault(kind, status, error.response.headers, label=error_type or platform,
+                          code=code or reason, message=message,
+                          request_id=_request_id(error.response.headers), usage=usage,
+                          response_id=response_id, now=now, details=google_details(body))
 
 
 def _request_id(headers: Mapping[str, str]) -> str | None:

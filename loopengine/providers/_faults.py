@@ -372,26 +372,30 @@ def classify_sdk_error(
 
 
 def response_fault(
-    kind: FaultKind, error: Any, *, error_type: str | None, code: str | None, message: str,
-    usage: Usage | None, response_id: str | None, now: datetime | None,
+    kind: FaultKind, status: int | None, headers: Mapping[str, str], *, label: str | None,
+    code: str | None, message: str, request_id: str | None, usage: Usage | None,
+    response_id: str | None, now: datetime | None = None,
+    details: list[Mapping[str, Any]] | None = None, usage_approx: bool | None = None,
 ) -> ProviderFault:
-    """The fault of an error response (an SDK's status error, ``error``) that its
-    adapter read as ``kind``, ``error_type``, ``code`` and ``message``: its status,
-    request id and ``retry-after`` / ``x-should-retry`` headers kept."""
-    status: int = error.status_code
-    headers = error.response.headers
+    """The fault of an error response (or of an error inside a stream, ``status``
+    200) that its adapter read as ``kind``, ``label`` (its error type or status),
+    ``code`` and ``message``: its status, request id and ``x-should-retry``
+    kept, and the wait it asks for (a ``google.rpc.RetryInfo`` among Google's
+    error ``details``, else ``retry-after``). ``usage`` is a floor
+    (``usage_approx``, by default whenever there is one)."""
     where = "mid-stream " if status == 200 else ""
+    delay = retry_info_delay(details or [])
     return ProviderFault(
         kind,
-        f"HTTP {status} {where}{error_type or 'error'}: {message}".rstrip(": "),
+        f"HTTP {status} {where}{label or 'error'}: {message}".rstrip(": "),
         http_status=status,
-        error_code=code or error_type,
-        retry_after=retry_after(headers, now=now),
+        error_code=code or label,
+        retry_after=delay if delay is not None else retry_after(headers, now=now),
         should_retry=should_retry(headers),
-        request_id=error.request_id,
+        request_id=request_id,
         response_id=response_id,
         usage=usage,
-        usage_approx=usage is not None,
+        usage_approx=usage is not None if usage_approx is None else usage_approx,
     )
 
 

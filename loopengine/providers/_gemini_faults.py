@@ -61,9 +61,7 @@ from loopengine.providers._faults import (
     classify_sdk_error,
     google_detail,
     google_details,
-    retry_after,
-    retry_info_delay,
-    should_retry,
+    response_fault,
 )
 
 __all__ = ["BILLING_REASONS", "classify_error", "failures", "import_genai", "read_failures"]
@@ -154,29 +152,16 @@ def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
                   now: datetime | None, in_stream: bool = False) -> ProviderFault:
     response = getattr(error, "response", None)
     headers = getattr(response, "headers", None) or {}
-    http_status = getattr(response, "status_code", None)
     code = int(error.code) if isinstance(error.code, int) else 0
     message = _text(error.message) or ""
     details = google_details(error.details)
     # An error event inside a stream comes with its own code; the response was a 200.
     kind, recorded = error_kind(code, _text(error.status), message, details)
-    http_status = 200 if in_stream else code or http_status
-    delay = retry_info_delay(details)
-    if delay is None and isinstance(headers, Mapping):
-        delay = retry_after({k.lower(): v for k, v in headers.items()}, now=now)
-    where = "mid-stream " if http_status == 200 else ""
-    return ProviderFault(
-        kind,
-        f"HTTP {http_status} {where}{error.status or 'error'}: {message}".rstrip(": "),
-        http_status=http_status,
-        error_code=recorded,
-        retry_after=delay,
-        should_retry=should_retry({k.lower(): v for k, v in headers.items()})
-        if isinstance(headers, Mapping) else None,
-        response_id=response_id,
-        usage=usage,
-        usage_approx=usage is not None,
-    )
+    return response_fault(
+        kind, 200 if in_stream else code or getattr(response, "status_code", None),
+        {k.lower(): v for k, v in headers.items()} if isinstance(headers, Mapping) else {},
+        label=error.status, code=recorded, message=message, request_id=None, usage=usage,
+        response_id=response_id, now=now, details=details)
 
 
 def classify_error(error: BaseException, *, request_id: str | None = None,
