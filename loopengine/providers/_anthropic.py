@@ -539,11 +539,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
 
         await read_stream(
             stream, idle=self._idle, take=take, failed=failed, cut=cut, on_text=on_text,
-            failures=(*_FAILURES, ValueError, RuntimeError),
-            close=stream.close)
-        if "message_stop" not in seen:
-            # The SDK returns quietly from a stream cut short.
-            raise cut("the stream ended before message_stop", None)
+            failures=(*_FAILURES, ValueError, RuntimeError), close=stream.close,
+            missing=lambda: None if "message_stop" in seen else "message_stop")
         snapshot = served()
         assert snapshot is not None
         return ProviderResponse(

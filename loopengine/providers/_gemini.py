@@ -261,10 +261,9 @@ class GeminiProvider(SDKProvider[_Session]):
             _Chunks(first, stream), idle=self._idle, failures=read_failures(), take=reply.add,
             failed=lambda error: classify_error(error, in_body=True, usage=reply.usage,
                                                 response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=close)
-        if reply.finish_reason is None and reply.block_reason is None:
-            # The SDK returns quietly from a stream cut short.
-            raise cut("the stream ended before its finishReason", None)
+            cut=cut, on_text=on_text, close=close,
+            missing=lambda: "its finishReason"
+            if reply.finish_reason is None and reply.block_reason is None else None)
         return self._response(reply)
 
     @staticmethod

@@ -280,13 +280,9 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
                                                 usage=reply.usage,
                                                 response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=stream.close)
-        missing = ("its finish_reason" if reply.finish_reason is None
-                   else "its usage chunk" if reply.usage is None and self._usage_required
-                   else None)
-        if missing is not None:
-            # The SDK returns quietly from a stream cut short.
-            raise cut(f"the stream ended before {missing}", None)
+            cut=cut, on_text=on_text, close=stream.close,
+            missing=lambda: "its finish_reason" if reply.finish_reason is None
+            else "its usage chunk" if reply.usage is None and self._usage_required else None)
         if reply.usage is None and not self._usage_warned:
             # The reply is whole (its finish_reason came after its last
             # content); only its usage is unknown, as the caller allowed.

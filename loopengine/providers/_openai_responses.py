@@ -159,11 +159,9 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
             stream, idle=self._idle, failures=read_failures(), take=take,
             failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
                                                 response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=stream.close)
-        if reply.final is None:
-            # The SDK returns quietly from a stream cut short.
-            raise cut("the stream ended before response.completed or response.incomplete",
-                      None)
+            cut=cut, on_text=on_text, close=stream.close,
+            missing=lambda: "response.completed or response.incomplete"
+            if reply.final is None else None)
         return _finished(reply.response(), request_id=request_id,
                          http_status=response.status_code)
 

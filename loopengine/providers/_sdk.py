@@ -46,6 +46,7 @@ async def read_stream(
     take: Callable[[E], str | None],
     on_text: TextCallback | None,
     close: Callable[[], Awaitable[None]],
+    missing: Callable[[], str | None],
 ) -> None:
     """Read a streamed reply to its end, the same way for every SDK provider.
 
@@ -57,7 +58,9 @@ async def read_stream(
     callback's own exception to its caller; the fault carries what was
     served). ``close`` runs however the reading ends: it releases the
     connection, even while the caller's cancellation (or the attempt
-    timeout) unwinds.
+    timeout) unwinds. A stream that ended without what ``missing`` names
+    (its last event, its usage...) is cut (``cut("the stream ended before
+    <what>", None)``).
     """
     try:
         while True:
@@ -65,7 +68,7 @@ async def read_stream(
                 try:
                     event = await events.__anext__()
                 except StopAsyncIteration:
-                    return
+                    break
                 except failures as error:
                     raise failed(error) from error
             if quiet.cancelled_caught:
@@ -81,6 +84,10 @@ async def read_stream(
     finally:
         with anyio.CancelScope(shield=True):
             await close()
+    lacking = missing()
+    if lacking is not None:
+        # The SDKs return quietly from a stream cut short.
+        raise cut(f"the stream ended before {lacking}", None)
 
 
 async def json_body(
