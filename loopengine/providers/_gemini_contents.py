@@ -315,19 +315,18 @@ def _user_parts(content: Any, names: Mapping[str, str],
     return [*responses, *parts] or [{"text": ""}]
 
 
+_MODES = {"auto": "AUTO", "none": "NONE", "any": "ANY"}
+
+
 def _tool_config(choice: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if choice is None:
         return None
     kind = choice.get("type")
-    if kind == "auto":
-        return {"function_calling_config": {"mode": "AUTO"}}
-    if kind == "none":
-        return {"function_calling_config": {"mode": "NONE"}}
-    if kind == "any":
-        return {"function_calling_config": {"mode": "ANY"}}
     if kind == "tool":
         return {"function_calling_config": {"mode": "ANY",
                                             "allowed_function_names": [choice.get("name")]}}
+    if isinstance(kind, str) and kind in _MODES:
+        return {"function_calling_config": {"mode": _MODES[kind]}}
     raise _untranslatable(f"tool_choice {kind!r}")
 
 

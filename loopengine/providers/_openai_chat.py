@@ -403,20 +403,21 @@ def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{"type": "function", "function": function_tool(tool)} for tool in tools]
 
 
-def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
-    """The Chat Completions ``tool_choice`` for an Anthropic one (None: the default)."""
+_TOOL_CHOICES = {"auto": "auto", "none": "none", "any": "required"}
+
+
+def chat_tool_choice(choice: Mapping[str, Any] | None,
+                     api: str = API) -> str | dict[str, Any] | None:
+    """The Chat Completions ``tool_choice`` for an Anthropic one (None: the default);
+    one ``api`` has no equivalent for is refused."""
     if choice is None:
         return None
     kind = choice.get("type")
-    if kind == "auto":
-        return "auto"
-    if kind == "none":
-        return "none"
-    if kind == "any":
-        return "required"
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise untranslatable(f"tool_choice {kind!r}", API)
+    if isinstance(kind, str) and kind in _TOOL_CHOICES:
+        return _TOOL_CHOICES[kind]
+    raise untranslatable(f"tool_choice {kind!r}", api)
 
 
 def text_of(content: object) -> str:
@@ -499,30 +500,32 @@ def usage_from_api(raw: object, service_tier: object = None) -> Usage | None:
     """
     if not isinstance(raw, Mapping):
         return None
-    completion = raw.get("completion_tokens_details")
     return openai_usage(raw.get("prompt_tokens"), raw.get("prompt_tokens_details"),
-                        raw.get("completion_tokens"),
-                        completion.get("reasoning_tokens") if isinstance(completion, Mapping)
-                        else 0, service_tier)
+                        raw.get("completion_tokens"), raw.get("completion_tokens_details"),
+                        service_tier)
 
 
 def openai_usage(prompt_tokens: object, prompt_details: object, output_tokens: object,
-                 reasoning_tokens: object, service_tier: object = None, *,
+                 output_details: object, service_tier: object = None, *,
                  web_search_requests: int = 0) -> Usage:
     """The `Usage` of OpenAI's counts, for both of its APIs (Chat Completions'
-    ``prompt_tokens`` / ``prompt_tokens_details`` / ``completion_tokens``, the
-    Responses API's ``input_tokens`` / ``input_tokens_details`` /
-    ``output_tokens``): the prompt count holds the cached and the cache-written
-    tokens, so the uncached input is what is left of it. Missing or null counts
-    are 0; no part exceeds its whole."""
+    ``prompt_tokens`` / ``prompt_tokens_details`` / ``completion_tokens`` /
+    ``completion_tokens_details``, the Responses API's ``input_tokens`` /
+    ``input_tokens_details`` / ``output_tokens`` / ``output_tokens_details``):
+    the prompt count holds the cached and the cache-written tokens, so the
+    uncached input is what is left of it; the output details' reasoning tokens
+    are inside the output count. Missing or null counts are 0; no part exceeds
+    its whole."""
     prompt = token_count(prompt_tokens)
     output = token_count(output_tokens)
     cached = written = 0
     if isinstance(prompt_details, Mapping):
         cached = min(prompt, token_count(prompt_details.get("cached_tokens")))
         written = min(prompt - cached, token_count(prompt_details.get("cache_write_tokens")))
+    reasoning = (output_details.get("reasoning_tokens") if isinstance(output_details, Mapping)
+                 else 0)
     return Usage(input_tokens=prompt - cached - written, output_tokens=output,
                  cache_read_tokens=cached, cache_write_tokens=written,
-                 reasoning_tokens=min(output, token_count(reasoning_tokens)),
+                 reasoning_tokens=min(output, token_count(reasoning)),
                  web_search_requests=web_search_requests,
                  service_tier=priced_tier(service_tier))

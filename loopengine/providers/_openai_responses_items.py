@@ -52,7 +52,6 @@ from loopengine.providers._base import (
     token_count,
     untranslatable,
 )
-from loopengine.providers._faults import ProviderFault
 from loopengine.providers._openai_chat import (
     arguments,
     call_arguments,
@@ -176,11 +175,7 @@ def responses_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any
 
 
 def _tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
-    try:
-        chosen = chat_tool_choice(choice)
-    except ProviderFault:
-        raise untranslatable(f"tool_choice {choice.get('type') if choice else None!r}",
-                             API) from None
+    chosen = chat_tool_choice(choice, API)
     if isinstance(chosen, dict):
         # The Responses API names the function at the top level.
         return {"type": "function", "name": chosen["function"]["name"]}
@@ -314,10 +309,8 @@ def usage_from_response(response: Mapping[str, Any]) -> Usage | None:
     raw = response.get("usage")
     if not isinstance(raw, Mapping):
         return None
-    details = raw.get("output_tokens_details")
     return openai_usage(raw.get("input_tokens"), raw.get("input_tokens_details"),
-                        raw.get("output_tokens"),
-                        details.get("reasoning_tokens") if isinstance(details, Mapping) else 0,
+                        raw.get("output_tokens"), raw.get("output_tokens_details"),
                         response.get("service_tier"),
                         web_search_requests=_web_searches(response))
 
