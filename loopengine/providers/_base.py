@@ -31,9 +31,9 @@ from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = ["FEATURES", "Provider", "ProviderRequest", "ProviderResponse", "TextCallback",
-           "check_blocks", "function_tool", "hand_text", "media_note", "message_role", "priced_geo",
-           "priced_speed", "priced_tier", "text_or_none", "token_count", "untranslatable",
-           "vendor_of"]
+           "block_kind", "check_blocks", "function_tool", "hand_text", "media_note",
+           "message_role", "priced_geo", "priced_speed", "priced_tier", "text_or_none",
+           "token_count", "untranslatable", "vendor_of"]
 
 TextCallback = Callable[[str], Awaitable[None] | None]
 """Receives streamed text deltas, sync or async."""
@@ -230,6 +230,17 @@ def message_role(message: Mapping[str, Any], api: str) -> str:
     if role not in ("assistant", "user"):
         raise untranslatable(f"a message with role {role!r}", api)
     return str(role)
+
+
+def block_kind(block: object, known: frozenset[str], what: str, api: str) -> str:
+    """A block's type, when it is one of the ``known`` types a translation to
+    ``api`` has an equivalent for; else the `untranslatable` fault of ``what``
+    (a template for the type: ``"a user {!r} block"``). What is not a block is
+    named by its class."""
+    kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
+    if kind not in known:
+        raise untranslatable(what.format(kind), api)
+    return str(kind)
 
 
 def check_blocks(request: ProviderRequest, assistant_kind: Callable[[Mapping[str, Any]], object],

@@ -52,6 +52,7 @@ from typing import Any
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     ProviderRequest,
+    block_kind,
     check_blocks,
     function_tool,
     media_note,
@@ -115,26 +116,17 @@ _RESULT = frozenset({"text", "image", "document"})
 
 def _model_kind(block: Mapping[str, Any]) -> str:
     """An assistant block's kind, when the translation has one for it."""
-    kind = block.get("type")
-    if kind not in _ASSISTANT:
-        raise _untranslatable(f"an assistant {kind!r} block")
-    return str(kind)
+    return block_kind(block, _ASSISTANT, "an assistant {!r} block", API)
 
 
 def _user_kind(block: Mapping[str, Any]) -> str:
     """A user block's kind, when the translation has one for it."""
-    kind = block.get("type")
-    if kind not in _USER:
-        raise _untranslatable(f"a user {kind!r} block")
-    return str(kind)
+    return block_kind(block, _USER, "a user {!r} block", API)
 
 
 def _result_kind(part: Any) -> str:
     """The kind of a block inside a tool result, when the translation has one for it."""
-    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-    if kind not in _RESULT:
-        raise _untranslatable(f"a {kind!r} block inside a tool result")
-    return str(kind)
+    return block_kind(part, _RESULT, "a {!r} block inside a tool result", API)
 
 
 def _base64(block: Mapping[str, Any]) -> bool:

@@ -37,6 +37,7 @@ from typing import Any
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     ProviderRequest,
+    block_kind,
     check_blocks,
     function_tool,
     media_note,
@@ -204,27 +205,22 @@ class StreamedCompletion:
 # (before the attempt is recorded) and the translation itself (in `send`)
 # ask the same questions below, so they cannot disagree.
 
-_ASSISTANT_SENT = frozenset({"text", "tool_use"})
-_ASSISTANT_DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning"})
+# Sent (text, tool_use), or dropped (another vendor's reasoning).
+_ASSISTANT_KINDS = frozenset({"text", "tool_use", "thinking", "redacted_thinking", "reasoning"})
 _USER_SENT = frozenset({"tool_result", "text", "image"})
 
 
 def _assistant_kind(block: Mapping[str, Any]) -> str:
     """An assistant block's kind: sent (``text``, ``tool_use``) or dropped
     (another vendor's reasoning, nothing to send it as)."""
-    kind = block.get("type")
-    if kind not in _ASSISTANT_SENT and kind not in _ASSISTANT_DROPPED:
-        raise untranslatable(f"an assistant {kind!r} block", API)
-    return str(kind)
+    return block_kind(block, _ASSISTANT_KINDS, "an assistant {!r} block", API)
 
 
 def user_kind(block: Mapping[str, Any], api: str = API) -> str:
     """A user block's kind, once what it holds is known to translate (what
     `result_text` and `image_url` would refuse), without translating it: a
     tool result of text, images and documents, an image of base64 data or a URL."""
-    kind = block.get("type")
-    if kind not in _USER_SENT:
-        raise untranslatable(f"a user {kind!r} block", api)
+    kind = block_kind(block, _USER_SENT, "a user {!r} block", api)
     if kind == "tool_result":
         result_blocks(block.get("content"), api)
     elif kind == "image":
@@ -242,9 +238,7 @@ def result_blocks(content: Any, api: str = API) -> Sequence[Mapping[str, Any]]:
     if content is None or isinstance(content, str):
         return ()
     for block in content:
-        if not isinstance(block, Mapping) or block.get("type") not in _RESULT_SENT:
-            kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
-            raise untranslatable(f"a {kind!r} block inside a tool result", api)
+        block_kind(block, _RESULT_SENT, "a {!r} block inside a tool result", api)
     return content  # type: ignore[no-any-return]
 
 
