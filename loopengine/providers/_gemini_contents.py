@@ -50,15 +50,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loopengine._usage import Usage
-from loopengine.providers._base import (
-    ProviderRequest,
+from loopengine.providers._base import ProviderRequest, media_note, text_or_none, token_count
+from loopengine.providers._translate import (
     block_kind,
     check_blocks,
     function_tool,
-    media_note,
     message_role,
-    text_or_none,
-    token_count,
     untranslatable,
 )
 

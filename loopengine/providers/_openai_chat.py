@@ -37,14 +37,16 @@ from typing import Any
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     ProviderRequest,
-    block_kind,
-    check_blocks,
-    function_tool,
     media_note,
-    message_role,
     priced_tier,
     text_or_none,
     token_count,
+)
+from loopengine.providers._translate import (
+    block_kind,
+    check_blocks,
+    function_tool,
+    message_role,
     untranslatable,
 )
 

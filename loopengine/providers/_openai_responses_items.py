@@ -43,15 +43,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loopengine._usage import Usage
-from loopengine.providers._base import (
-    ProviderRequest,
-    check_blocks,
-    function_tool,
-    message_role,
-    text_or_none,
-    token_count,
-    untranslatable,
-)
+from loopengine.providers._base import ProviderRequest, text_or_none, token_count
 from loopengine.providers._openai_chat import (
     arguments,
     call_arguments,
@@ -63,6 +55,12 @@ from loopengine.providers._openai_chat import (
     tool_params,
     user_kind,
     user_turn,
+)
+from loopengine.providers._translate import (
+    check_blocks,
+    function_tool,
+    message_role,
+    untranslatable,
 )
 
 __all__ = [
