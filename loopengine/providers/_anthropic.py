@@ -503,9 +503,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             stream = await manager.__aenter__()
         except _FAILURES as error:
             raise classify_error(error) from error
+        request_id = _request_id(stream.response.headers)
         seen: set[str] = set()
         late: dict[str, Any] = {}
-
         inputs: dict[int, list[str]] = {}
 
         def take(event: Any) -> str | None:
@@ -522,23 +522,22 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             # The message so far, once the stream has announced one.
             return stream.current_message_snapshot if "message_start" in seen else None
 
+        def arrived() -> dict[str, Any]:
+            # What a stream that broke had served: its usage (a floor) and its id.
+            snapshot = served()
+            return {"usage": _snapshot_usage(snapshot, late),
+                    "response_id": snapshot.id if snapshot is not None else None}
+
         def cut(message: str, reason: str | None) -> ProviderFault:
             # A stream cut short reports what had arrived: its usage is a floor.
-            snapshot = served()
             return ProviderFault(
                 FaultKind.ABORTED, message, http_status=stream.response.status_code,
-                aborted_reason=reason, request_id=_request_id(stream.response.headers),
-                usage=_snapshot_usage(snapshot, late), usage_approx=True,
-                response_id=snapshot.id if snapshot is not None else None)
-
-        def failed(error: BaseException) -> ProviderFault:
-            snapshot = served()
-            return classify_error(error, request_id=_request_id(stream.response.headers),
-                                  in_body=True, usage=_snapshot_usage(snapshot, late),
-                                  response_id=snapshot.id if snapshot is not None else None)
+                aborted_reason=reason, request_id=request_id, usage_approx=True, **arrived())
 
         await read_stream(
-            stream, idle=self._idle, take=take, failed=failed, cut=cut, on_text=on_text,
+            stream, idle=self._idle, take=take, cut=cut, on_text=on_text,
+            failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
+                                                **arrived()),
             failures=(*_FAILURES, ValueError, RuntimeError), close=stream.close,
             missing=lambda: None if "message_stop" in seen else "message_stop")
         snapshot = served()
@@ -548,7 +547,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             stop_reason=snapshot.stop_reason,
             usage=_snapshot_usage(snapshot, late),
             response_id=snapshot.id,
-            request_id=_request_id(stream.response.headers),
+            request_id=request_id,
             http_status=stream.response.status_code,
             model=snapshot.model,
         )
