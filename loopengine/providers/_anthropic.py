@@ -88,6 +88,7 @@ from loopengine.providers._faults import (
     response_fault,
     retry_after,
     sdk_classifier,
+    status_kind,
 )
 from loopengine.providers._sdk import SDKProvider, json_body, provider_clients, read_stream
 
@@ -750,11 +751,7 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
         # After a 200 only the event's type tells what went wrong; an unknown
         # type mid-stream is the server's failure.
         return _TYPE_KINDS.get(error_type or "", FaultKind.SERVER_ERROR)
-    if status in _STATUS_KINDS:
-        return _STATUS_KINDS[status]
-    if status >= 500:
-        return FaultKind.SERVER_ERROR
-    return FaultKind.BAD_REQUEST
+    return status_kind(status, _STATUS_KINDS)
 
 
 classify_error = sdk_classifier(lambda: _SDK, _status_fault)

@@ -47,6 +47,7 @@ __all__ = [
     "retry_after",
     "retry_info_delay",
     "should_retry",
+    "status_kind",
 ]
 
 
@@ -184,6 +185,16 @@ STATUS_KINDS: dict[int, FaultKind] = {
 }
 """The fault of an HTTP status whose body names no more specific one, for every
 adapter (an adapter adds its vendor's own statuses, e.g. Anthropic's 529)."""
+
+
+def status_kind(status: int, kinds: Mapping[int, FaultKind] = STATUS_KINDS) -> FaultKind:
+    """The fault of an HTTP status whose body names no more specific one: its entry
+    in ``kinds`` (`STATUS_KINDS`, or an adapter's table of it with its vendor's own
+    statuses), else ``server_error`` for any other 5xx and ``bad_request`` for any
+    other status."""
+    if status in kinds:
+        return kinds[status]
+    return FaultKind.SERVER_ERROR if status >= 500 else FaultKind.BAD_REQUEST
 
 
 def is_credit_code(code: str | None) -> bool:

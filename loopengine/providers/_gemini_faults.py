@@ -54,7 +54,6 @@ import httpx2
 from loopengine._usage import Usage
 from loopengine.providers._base import text_or_none as _text
 from loopengine.providers._faults import (
-    STATUS_KINDS,
     FaultKind,
     ProviderFault,
     SDKErrors,
@@ -62,6 +61,7 @@ from loopengine.providers._faults import (
     google_detail,
     google_details,
     response_fault,
+    status_kind,
 )
 
 __all__ = ["BILLING_REASONS", "classify_error", "failures", "import_genai", "read_failures"]
@@ -141,11 +141,7 @@ def error_kind(code: int, status: str | None, message: str,
     if code in (0, 200):
         # An error inside a stream: only its status tells what went wrong.
         return _STATUS_NAMES.get(status or "", FaultKind.SERVER_ERROR), reason or status
-    if code in STATUS_KINDS:
-        return STATUS_KINDS[code], reason or status
-    if code >= 500:
-        return FaultKind.SERVER_ERROR, reason or status
-    return FaultKind.BAD_REQUEST, reason or status
+    return status_kind(code), reason or status
 
 
 def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,

@@ -41,13 +41,13 @@ import httpx2
 from loopengine._usage import Usage
 from loopengine.providers._base import text_or_none as _text
 from loopengine.providers._faults import (
-    STATUS_KINDS,
     FaultKind,
     ProviderFault,
     SDKErrors,
     is_credit_code,
     response_fault,
     sdk_classifier,
+    status_kind,
 )
 
 __all__ = ["classify_error", "event_fault", "failures", "import_openai", "read_failures"]
@@ -168,11 +168,7 @@ def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
             return FaultKind.BAD_REQUEST
         return _TYPE_KINDS.get(code or "", _TYPE_KINDS.get(error_type or "",
                                                            FaultKind.SERVER_ERROR))
-    if status in STATUS_KINDS:
-        return STATUS_KINDS[status]
-    if status >= 500:
-        return FaultKind.SERVER_ERROR
-    return FaultKind.BAD_REQUEST
+    return status_kind(status)
 
 
 classify_error = sdk_classifier(_sdk, _status_fault, _stream_fault)
