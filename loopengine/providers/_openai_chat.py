@@ -405,7 +405,7 @@ _TOOL_CHOICES = {"auto": "auto", "none": "none", "any": "required"}
 def chat_tool_choice(choice: Mapping[str, Any] | None,
                      api: str = API) -> str | dict[str, Any] | None:
     """The Chat Completions ``tool_choice`` for an Anthropic one (None: the default);
-    one ``api`` has no equivalent for is refused."""
+    a kind it has no equivalent for is refused, the fault naming ``api``."""
     if choice is None:
         return None
     kind = choice.get("type")
