@@ -485,7 +485,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         body, request_id, status = await json_body(
             client.messages.with_streaming_response.create, params, what="a message",
             valid=lambda body: isinstance(body.get("content"), list), classify=classify_error,
-            failures=lambda: _FAILURES, request_id=_request_id)
+            failures=lambda: _FAILURES, request_id_of=_request_id)
         return ProviderResponse(
             content=body["content"],
             stop_reason=body.get("stop_reason"),

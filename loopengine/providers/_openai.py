@@ -100,7 +100,7 @@ def openai_clients(
 
 # One request of the ``openai`` SDK read whole: its errors, its ``x-request-id``.
 json_body = functools.partial(sdk_json_body, classify=classify_error, failures=failures,
-                              request_id=lambda headers: headers.get("x-request-id"))
+                              request_id_of=lambda headers: headers.get("x-request-id"))
 
 
 class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):

@@ -94,11 +94,11 @@ async def json_body(
     create: Callable[..., AbstractAsyncContextManager[Any]], params: dict[str, Any], *,
     what: str, valid: Callable[[Mapping[str, Any]], bool], classify: Classifier,
     failures: Callable[[], tuple[type[BaseException], ...]],
-    request_id: Callable[[Mapping[str, str]], str | None],
+    request_id_of: Callable[[Mapping[str, str]], str | None],
 ) -> tuple[Mapping[str, Any], str | None, int]:
     """One request through an SDK method's raw-response form (``create`` of
     ``with_streaming_response``): its body as JSON, its request id (read from
-    the headers by ``request_id``) and its status. The raw form hands over the
+    the headers by ``request_id_of``) and its status. The raw form hands over the
     body as JSON: the engine keeps dicts, so building the SDK's models would be
     wasted.
 
@@ -110,12 +110,12 @@ async def json_body(
     """
     try:
         async with create(**params) as raw:
-            sent_as = request_id(raw.headers)
+            request_id = request_id_of(raw.headers)
             status: int = raw.status_code
             try:
                 body = await raw.json()
             except failures() as error:
-                raise classify(error, request_id=sent_as, in_body=True) from error
+                raise classify(error, request_id=request_id, in_body=True) from error
             except ValueError:
                 body = None
     except failures() as error:
@@ -123,8 +123,8 @@ async def json_body(
     if not isinstance(body, Mapping) or not valid(body):
         raise ProviderFault(FaultKind.SERVER_ERROR, f"the response body is not {what}",
                             http_status=status, error_code="invalid_response",
-                            request_id=sent_as)
-    return body, sent_as, status
+                            request_id=request_id)
+    return body, request_id, status
 
 
 def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
