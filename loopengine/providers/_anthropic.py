@@ -79,6 +79,7 @@ from loopengine.providers._base import (
 )
 from loopengine.providers._cache import place_cache_markers
 from loopengine.providers._faults import (
+    BILLING_REASONS,
     STATUS_KINDS,
     FaultKind,
     ProviderFault,
@@ -164,9 +165,6 @@ _PLATFORM_KINDS = {
     "unavailable": FaultKind.SERVER_ERROR,
     "internal": FaultKind.SERVER_ERROR,
 }
-
-# Google's reasons (``google.rpc.ErrorInfo``) for a project that cannot be billed.
-_CREDIT_REASONS = frozenset({"BILLING_DISABLED"})
 
 # What the SDK raises for a request that failed: its own errors and the
 # transport's (never the caller's cancellation, which propagates as it is).
@@ -740,7 +738,7 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
         status == 402
         or error_type == "billing_error"
         or is_credit_code(code)
-        or code in _CREDIT_REASONS
+        or code in BILLING_REASONS
         or any(fragment in lowered for fragment in _CREDIT_MESSAGES)
     ):
         return FaultKind.CREDIT_EXHAUSTED

@@ -31,6 +31,7 @@ from loopengine._errors import LoopEngineError, ProviderError
 from loopengine._usage import Usage
 
 __all__ = [
+    "BILLING_REASONS",
     "CLIENT_STATE",
     "FaultKind",
     "ProviderError",
@@ -230,6 +231,10 @@ def retry_after(headers: Mapping[str, str], *, now: datetime | None = None) -> f
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
+
+BILLING_REASONS = frozenset({"BILLING_DISABLED"})
+"""Google's ``google.rpc.ErrorInfo`` reasons that say the project cannot be billed
+(the Gemini API, Claude on Vertex AI): permanent."""
 
 
 def google_details(body: object) -> list[Mapping[str, Any]]:

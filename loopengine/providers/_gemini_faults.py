@@ -54,6 +54,7 @@ import httpx2
 from loopengine._usage import Usage
 from loopengine.providers._base import text_or_none as _text
 from loopengine.providers._faults import (
+    BILLING_REASONS,
     FaultKind,
     ProviderFault,
     SDKErrors,
@@ -65,9 +66,6 @@ from loopengine.providers._faults import (
 )
 
 __all__ = ["BILLING_REASONS", "classify_error", "failures", "import_genai", "read_failures"]
-
-BILLING_REASONS = frozenset({"BILLING_DISABLED"})
-"""``ErrorInfo.reason`` values that say the project cannot be billed: permanent."""
 
 # Lowercased fragments of the message of depleted prepaid credits.
 _CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted")
