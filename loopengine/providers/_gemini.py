@@ -49,7 +49,7 @@ from loopengine.providers._gemini_faults import (
     import_genai,
     read_failures,
 )
-from loopengine.providers._sdk import SDKProvider, read_stream
+from loopengine.providers._sdk import NO_SDK_RETRIES, SDKProvider, read_stream
 
 if TYPE_CHECKING:
     from google import genai
@@ -311,8 +311,6 @@ def _http_options(given: object) -> dict[str, Any]:
     attempts = (retries.get("attempts") if isinstance(retries, Mapping)
                 else getattr(retries, "attempts", None))
     if retries is not None and attempts not in (0, 1):
-        raise ConfigError("http_options", "retry_options: the SDK must not retry on its own: "
-                                          "every wire request is an attempt the engine "
-                                          "counts; set the operation's RetryPolicy instead")
+        raise ConfigError("http_options", f"retry_options: {NO_SDK_RETRIES}")
     options["retry_options"] = {"attempts": 1}
     return options

@@ -31,9 +31,14 @@ from loopengine.providers._clients import (
 )
 from loopengine.providers._faults import Classifier, FaultKind, ProviderFault
 
-__all__ = ["SDKProvider", "json_body", "provider_clients", "read_stream", "sdk_keywords"]
+__all__ = ["NO_SDK_RETRIES", "SDKProvider", "json_body", "provider_clients", "read_stream",
+           "sdk_keywords"]
 
 E = TypeVar("E")
+
+NO_SDK_RETRIES = ("the SDK must not retry on its own: every wire request is an attempt the "
+                  "engine counts; set the operation's RetryPolicy instead")
+"""Why a provider refuses retries asked of its SDK (``max_retries``, ``retry_options``)."""
 
 
 async def read_stream(
@@ -136,9 +141,7 @@ def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
         ConfigError: ``max_retries`` other than 0, or both a client and keywords.
     """
     if client_kwargs.get("max_retries", 0) != 0:
-        raise ConfigError("max_retries", "the SDK must not retry on its own: every wire "
-                                         "request is an attempt the engine counts; set the "
-                                         "operation's RetryPolicy instead")
+        raise ConfigError("max_retries", NO_SDK_RETRIES)
     client_kwargs.pop("max_retries", None)
     if client is not None and client_kwargs:
         raise ConfigError("client", "give a client or the keywords to build one, not "
