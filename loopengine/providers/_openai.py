@@ -98,9 +98,11 @@ def openai_clients(
     return clients, vendor
 
 
-# One request of the ``openai`` SDK read whole: its errors, its ``x-request-id``.
 json_body = functools.partial(sdk_json_body, classify=classify_error, failures=failures,
                               request_id_of=lambda headers: headers.get("x-request-id"))
+"""One request of the ``openai`` SDK read whole (`loopengine.providers._sdk.json_body`, with
+`classify_error`, the SDK's errors and its ``x-request-id``): its body, a JSON object
+``valid`` accepts, its request id and its status."""
 
 
 class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
