@@ -357,8 +357,9 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
                    "reconcile` lists them.")
     if total["usage_unknown"]:
         click.echo(f"\n{_plural(total['usage_unknown'], 'attempt')} answered by the server "
-                   "(a response id) reported no usage: what they served is in no column "
-                   "above. `loopengine audit reconcile` lists them.")
+                   "(a response id, a reply or a success status) reported no usage: what "
+                   "they served is in no column above. `loopengine audit reconcile` lists "
+                   "them.")
     if total["usage_floor"]:
         click.echo(f"\n{_plural(total['usage_floor'], 'attempt')} served a stream cut before "
                    "its end: their usage is a floor (what had arrived), the provider may "
@@ -554,8 +555,8 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
            u["cache_write_tokens"]] for u in result.unpriced],
          ["invocation", "ordinal", "served_by", "outcome", "started_at", "input", "output",
           "cache read", "cache write"]),
-        ("Usage unknown (answered by the server, a response id, but no usage: the "
-         "provider may bill what they served)",
+        ("Usage unknown (answered by the server, with a response id, a reply or a success "
+         "status, but no usage: the provider may bill what they served)",
          [[u["invocation_id"], u["ordinal"], u["served_by"], u["outcome"], u["started_at"],
            u["response_id"]] for u in result.usage_unknown],
          ["invocation", "ordinal", "served_by", "outcome", "started_at", "response_id"]),

@@ -115,8 +115,8 @@ class SpendRow:
     fee_nanousd: int = 0
     """The part of ``cost_nanousd`` that is per-request fees rather than tokens."""
     usage_unknown: int = 0
-    """Attempt rows the server answered (a response id) whose usage is unknown:
-    what they served is in no total, never a silent $0."""
+    """Attempt rows the server answered (a response id, a reply or a success status)
+    whose usage is unknown: what they served is in no total, never a silent $0."""
     usage_floor: int = 0
     """Attempt rows whose usage is a floor (``usage_approx``: a stream cut before its
     end reported what had arrived): the provider may bill more than the totals hold."""
@@ -183,8 +183,9 @@ class Reconciliation:
     """Credit accounts whose balances do not equal their journal, or whose runs'
     charges do not equal those runs' credits (docs/accounts.md)."""
     usage_unknown: list[dict[str, Any]] = field(default_factory=list)
-    """Settled attempt rows the server answered (a response id) whose usage is
-    unknown: the provider may bill what they served, and no total holds it."""
+    """Settled attempt rows the server answered (a response id, a reply or a success
+    status) whose usage is unknown: the provider may bill what they served, and no
+    total holds it."""
     in_doubt: list[dict[str, Any]] = field(default_factory=list)
     """Tool calls that may have run (``started`` without an end, their run not
     held by a live process; or ``in_doubt``): a resume asks for a decision on

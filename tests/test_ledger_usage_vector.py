@@ -21,8 +21,14 @@ import loopengine as le
 from loopengine._pricing import to_nanousd
 from loopengine.cli import main
 from loopengine.persistence import PostgresLedger, SQLiteLedger
-from loopengine.providers import FaultKind, ProviderFault, Reply, ScriptedProvider
-from loopengine.testing import FakeClock
+from loopengine.providers import (
+    AnthropicProvider,
+    FaultKind,
+    ProviderFault,
+    Reply,
+    ScriptedProvider,
+)
+from loopengine.testing import CutStream, FakeAnthropicServer, FakeClock
 
 from .postgres_support import PostgresServer
 
@@ -131,6 +137,40 @@ async def test_an_answered_attempt_without_usage_is_flagged(
     as_json = json.loads(audit("reconcile", "--db", db, "--json").output)
     assert as_json["ok"] is False
     assert [u["ordinal"] for u in as_json["usage_unknown"]] == [1]
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+async def test_a_reply_whose_body_was_cut_before_its_id_and_usage_is_usage_unknown(
+    store: str, tmp_path: Path, request: pytest.FixtureRequest,
+    fake_anthropic_server: FakeAnthropicServer,
+) -> None:
+    """A Messages reply (no streaming) whose body is cut: the server answered 200
+    and may bill the whole reply, yet the attempt has neither a response id nor
+    usage. Spend counts it and reconcile lists it as usage unknown (exit 1),
+    never a quiet $0."""
+    fake_anthropic_server.add(CutStream(reply=Reply.text("half", usage=REASONED), after=4),
+                              Reply.text("whole", usage=REASONED))
+    provider = AnthropicProvider(api_key="test-key", base_url=fake_anthropic_server.url)
+    async with ledger_of(store, tmp_path, request) as (ledger, db):
+        clock = FakeClock(wall_start=AT)
+        engine = le.Engine(provider, ledger=ledger, prices=BOOK, clock=clock,
+                           rng=random.Random(1))
+        try:
+            result = await engine.run(
+                le.Operation(name="research", provider="anthropic", model=MODEL), "go")
+        finally:
+            await provider.aclose()
+    assert result.outcome is le.Outcome.COMPLETED
+    shown = json.loads(audit("show", result.invocation_id, "--db", db, "--json").output)
+    cut = shown["attempts"][0]
+    assert (cut["outcome"], cut["http_status"], cut["response_id"], cut["input_tokens"]) == (
+        "aborted", 200, None, None)
+    (row,) = json.loads(audit("spend", "--db", db, "--json").output)
+    assert row["usage_unknown"] == 1
+    reconciled = audit("reconcile", "--db", db, "--json")
+    assert reconciled.exit_code == 1
+    assert [(u["ordinal"], u["response_id"]) for u in
+            json.loads(reconciled.output)["usage_unknown"]] == [(1, None)]
 
 
 @pytest.mark.parametrize("store", ["sqlite", "postgres"])

@@ -80,9 +80,12 @@ def _unpriced_sql(alias: str) -> str:
 
 
 def _usage_unknown_sql(alias: str) -> str:
-    """An attempt the server answered (a response id) whose usage is unknown."""
-    return (f"({alias}.response_id IS NOT NULL AND {alias}.input_tokens IS NULL "
-            f"AND {alias}.outcome != 'dispatched')")
+    """An attempt the server answered whose usage is unknown: it sent a response
+    id, a reply (``ok``) or a success status (a body cut before its usage, a
+    stream cut before its first event), and the provider may bill it."""
+    return (f"({alias}.input_tokens IS NULL AND {alias}.outcome != 'dispatched' AND "
+            f"({alias}.response_id IS NOT NULL OR {alias}.outcome = 'ok' OR "
+            f"{alias}.http_status BETWEEN 200 AND 299))")
 
 
 def _usage_floor_sql(alias: str) -> str:
