@@ -19,6 +19,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
+from datetime import datetime
 from typing import Any
 
 from loopengine._admission import admit, settle_account
@@ -37,7 +38,7 @@ from loopengine.persistence._planner import PROGRESS_USAGE, usage_counts
 from loopengine.persistence._records import InvocationEnd, InvocationProgress
 
 __all__ = ["check_seal", "decided_results", "end_dead_descendants", "pause",
-           "pending_approvals", "prepare_resume", "resume_begin"]
+           "pending_approvals", "prepare_resume", "resume_begin", "take_run"]
 
 logger = logging.getLogger("loopengine")
 
@@ -319,6 +320,30 @@ def usage_of(saved: Usage, ledger: Usage | None) -> Usage:
     return ledger
 
 
+async def take_run(inv: Invocation, conversation: ConversationState, at: datetime) -> None:
+    """Record the invocation ``running`` again: its next segment opens (a dead
+    process's stays open). Nothing without a ledger.
+
+    Of a pause, a compare-and-set on its seal, so of two resumes of one pause,
+    in any processes, one proceeds; a recovery's lease already took the run.
+
+    Raises:
+        RunBusyError: another resume took the pause first; nothing was recorded.
+    """
+    if inv.ledger is None:
+        return
+    # A token of this resume in place of the seal: a commit lost on the way
+    # is read back as this resume's, never as another's (`Writer.evidence`).
+    record = InvocationEnd(
+        id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
+        tool_calls=conversation.tool_calls, credits=conversation.credits, at=at,
+        seal=f"resumed:{uuid.uuid4().hex}", expect_seal=inv.pause_seal)
+    if inv.pause_seal is None:
+        await inv.ledger.end_invocation(record)  # a recovery: its lease took it
+    else:
+        await write_if_paused(inv, record)
+
+
 async def resume_begin(inv: Invocation, conversation: ConversationState) -> None:
     """Record the paused invocation ``running`` again, emit `RunResumed`, and
     reserve its credit hold again (admission may narrow it, or deny the run).
@@ -331,17 +356,7 @@ async def resume_begin(inv: Invocation, conversation: ConversationState) -> None
     """
     at = inv.clock.wall()
     inv.begun = True
-    if inv.ledger is not None:
-        # A token of this resume in place of the seal: a commit lost on the way
-        # is read back as this resume's, never as another's (`Writer.evidence`).
-        record = InvocationEnd(
-            id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
-            tool_calls=conversation.tool_calls, credits=conversation.credits, at=at,
-            seal=f"resumed:{uuid.uuid4().hex}", expect_seal=inv.pause_seal)
-        if inv.pause_seal is None:
-            await inv.ledger.end_invocation(record)  # a recovery: its lease took it
-        else:
-            await write_if_paused(inv, record)
+    await take_run(inv, conversation, at)
     await inv.emit(RunResumed(
         run_id=inv.id, at=at, operation=inv.operation.name,
         operation_version=inv.operation.version, provider=inv.operation.provider,

@@ -44,6 +44,7 @@ from loopengine._pause import (
     prepare_resume,
     progress_of,
     resume_begin,
+    take_run,
 )
 from loopengine._pricing import nanousd_to_usd
 from loopengine._result import RunResult
@@ -163,6 +164,9 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     loop._given_messages = state.given
     loop.adopting = adopt
     if undecided:
+        # Taken in a segment of its own, as any recovery is: the dead process's
+        # stays open (docs/ledger.md), and this one ends with the pause.
+        await take_run(inv, conversation, inv.clock.wall())
         if inv.accounts is not None and inv.account is not None:
             # Paused at once: the dead segment's reservation is settled and
             # released now, not at the next resume.

@@ -32,7 +32,15 @@ from .conftest import PRICES, operation
 from .pause_scenarios import Sender, send
 from .postgres_support import PostgresServer, fresh_schema
 from .test_pause_stores import paused_on
-from .test_recovery import Charger, Crash, crashed, crashed_between_turns, engine_on, the_run_id
+from .test_recovery import (
+    Charger,
+    Crash,
+    crashed,
+    crashed_between_turns,
+    crashed_in_charge,
+    engine_on,
+    the_run_id,
+)
 
 
 @pytest.fixture
@@ -123,6 +131,26 @@ async def test_a_recovered_run_leaves_its_dead_segment_open_and_continues_attemp
     assert [(e.ordinal, e.turn, e.attempt) for e in seen] == [(3, 2, 2)]
     assert [(a.dispatch.turn, a.dispatch.attempt) for a in done.attempt_log] == [(2, 2)]
 
+
+async def test_a_recovery_that_pauses_at_once_leaves_its_dead_segment_open(
+        ledger: Any, clock: FakeClock) -> None:
+    """Killed in charge's handler (not idempotent): the recovery pauses at once
+    on the call in doubt, in a segment of its own (2, ended ``paused``); the
+    dead process's segment 1 stays open, as for any recovery, and the decided
+    resume opens segment 3."""
+    engine, _, _, charger, run_id = await crashed_in_charge(ledger, clock)
+    paused = await engine.resume(run_id, tools=charger.tools, force=True)
+    assert paused.outcome is le.Outcome.PAUSED
+    assert [c.reason for c in paused.pending] == ["in_doubt"]
+    segments = await segments_of(ledger, run_id)
+    assert [(s[0], s[2], s[3]) for s in segments] == [(1, None, None), (
+        2, segments[1][2], "paused")]
+    assert segments[1][2] is not None
+    done = await engine.resume(run_id, tools=charger.tools,
+                               decisions={paused.pending[0].id: le.Supply("charged")})
+    assert done.outcome is le.Outcome.COMPLETED and charger.runs == [("charge", "4242")]
+    segments = await segments_of(ledger, run_id)
+    assert [(s[0], s[3]) for s in segments] == [(1, None), (2, "paused"), (3, "completed")]
 
 async def test_audit_show_lists_the_segments(tmp_path: Path, clock: FakeClock) -> None:
     """`audit show` prints the segments, the dead one as such, and ``--json`` has
