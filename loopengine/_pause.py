@@ -244,8 +244,9 @@ async def end_dead_descendants(
     it charged (`descendants_charged`).
 
     Each is ended ``failed`` (its process died under it: it reached no
-    outcome), its counts as the ledger has them (an attempt it left
-    dispatched stays so), its credits what `descendants_charged` counts for
+    outcome), its tool calls as the ledger has them, its turns the last its
+    attempt rows were sent in (an attempt it left dispatched stays so), its
+    credits what `descendants_charged` counts for
     it, so the tree's charge is the same before and after. Through the
     ledger's writer, as a compare-and-set on the row still being
     ``running``: of two recoveries (or a recovery recovered again) one ends

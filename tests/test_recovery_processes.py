@@ -517,8 +517,8 @@ async def test_sigkill_in_a_grandchilds_tool_ends_the_dead_sub_agents_when_recov
         ended = await rows(ledger, "SELECT operation, outcome, turns, tool_calls, credits, "
                                    "attempt_count, id FROM invocations "
                                    "WHERE parent_invocation_id IS NOT NULL ORDER BY operation")
-        assert [tuple(r[:6]) for r in ended] == [("child.op", "failed", 0, 0, 200, 1),
-                                                 ("grandchild.op", "failed", 0, 0, 300, 1)]
+        assert [tuple(r[:6]) for r in ended] == [("child.op", "failed", 1, 0, 200, 1),
+                                                 ("grandchild.op", "failed", 1, 0, 300, 1)]
         assert ended[1][6] == grandchild
         done = await engine.resume(run_id, tools=[helper],
                                    decisions={paused.pending[0].id: le.Supply("nothing")})

@@ -171,15 +171,18 @@ def running_descendants(conn: Any, invocation_id: str, rate: Decimal, quantum: i
                         ) -> list[tuple[str, int, int, int]]:
     """The runs ``invocation_id`` delegated to (its tree below it) that the ledger
     still holds ``running``, as ``(id, turns, tool_calls, charge)``: their
-    counts as recorded, and what `descendants_charged` counts for them (the
-    rounded turn charges of their settled, charged attempts)."""
+    tool calls as recorded, their turns the last their attempt rows reached
+    (a run writes its counts only when it ends, and a turn counts once its
+    request was sent, R01), and what `descendants_charged` counts for them
+    (the rounded turn charges of their settled, charged attempts)."""
     found = conn.execute(
-        f"{TREE}SELECT i.id, i.turns, i.tool_calls FROM invocations AS i JOIN tree AS t "
+        f"{TREE}SELECT i.id, i.turns, i.tool_calls, (SELECT MAX(a.turn) FROM attempts AS a "
+        "WHERE a.invocation_id = i.id) FROM invocations AS i JOIN tree AS t "
         "ON t.id = i.id WHERE i.outcome = 'running' AND i.id <> ? ORDER BY i.started_at, i.id",
         (invocation_id, invocation_id)).fetchall()
-    return [(str(member), int(turns), int(tool_calls),
+    return [(str(member), max(int(turns), int(reached or 0)), int(tool_calls),
              _own_charge(conn, str(member), rate, quantum))
-            for member, turns, tool_calls in found]
+            for member, turns, tool_calls, reached in found]
 
 
 def _own_charge(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:

@@ -128,8 +128,9 @@ async def test_a_recovery_ends_the_sub_agents_and_grandchildren_its_dead_process
         route: Route, store: Store) -> None:
     """The process dies in a grandchild's tool (parent -> helper -> inner ->
     explode), each reply settled. The recovery by id ends helper's and inner's
-    rows ``failed``, their attempts and counts as recorded, their credits their
-    settled turns' (100, 200), their segments left open (their process died),
+    rows ``failed``, their attempts as recorded, their turns those their attempts
+    were sent in, their credits their settled turns' (100, 200), their segments
+    left open (their process died),
     and emits the `RunEnded` each could not; the run goes on, and its total,
     its account and the audit agree on 330."""
     ledger = store.ledger
@@ -155,13 +156,13 @@ async def test_a_recovery_ends_the_sub_agents_and_grandchildren_its_dead_process
     assert [c.reason for c in paused.pending] == ["in_doubt"]
     ended = sorted(((e.outcome, e.turns, e.tool_calls, e.attempts, e.credits, e.usage)
                     for e in seen if isinstance(e, events.RunEnded)), key=repr)
-    assert ended == [("failed", 0, 0, 1, 100, spend(100)), ("failed", 0, 0, 1, 200, spend(200))]
+    assert ended == [("failed", 1, 0, 1, 100, spend(100)), ("failed", 1, 0, 1, 200, spend(200))]
     await ledger.flush()
     rows = by_operation(store)
-    # Ended failed, as the ledger had them: no turn or tool call was recorded
-    # (a run writes those when it ends), their one attempt each, their charge.
-    assert [r[:5] for r in rows["child.op"]] == [("failed", 0, 0, 100, 1)]
-    assert [r[:5] for r in rows["grandchild.op"]] == [("failed", 0, 0, 200, 1)]
+    # Ended failed: the turn their one attempt each was sent in (R01), no tool
+    # call recorded (a run writes those when it ends), their charge.
+    assert [r[:5] for r in rows["child.op"]] == [("failed", 1, 0, 100, 1)]
+    assert [r[:5] for r in rows["grandchild.op"]] == [("failed", 1, 0, 200, 1)]
     assert all(r[5] is not None for r in rows["child.op"] + rows["grandchild.op"])
     # Their segments stay open: their process died there (`audit reconcile` lists them).
     dead = {str(r[0]) for r in store.rows(
@@ -176,7 +177,7 @@ async def test_a_recovery_ends_the_sub_agents_and_grandchildren_its_dead_process
     assert (done.outcome, done.credits, done.credits_total, balance.spent,
             balance.reserved) == (le.Outcome.COMPLETED, 30, 330, 330, 0)
     await ledger.flush()
-    assert [r[:5] for r in by_operation(store)["child.op"]] == [("failed", 0, 0, 100, 1)]
+    assert [r[:5] for r in by_operation(store)["child.op"]] == [("failed", 1, 0, 100, 1)]
     assert_agrees(store)
 
 
@@ -221,15 +222,15 @@ async def test_a_recovery_recovered_again_ends_each_dead_sub_agent_once(
         await engine.resume(run_id, tools=[helper], force=True)
     await ledger.flush()
     first = by_operation(store)["child.op"]
-    assert [r[:5] for r in first] == [("failed", 0, 0, 100, 1), ("running", 0, 0, 0, 1)]
+    assert [r[:5] for r in first] == [("failed", 1, 0, 100, 1), ("running", 0, 0, 0, 1)]
 
     done = await engine.resume(run_id, tools=[helper], force=True)
     assert done.outcome is le.Outcome.COMPLETED
     await ledger.flush()
     rows = by_operation(store)["child.op"]
     assert first[0] in rows  # ended once: the second recovery left it as it was
-    assert [r[:5] for r in rows] == [("completed", 2, 1, 310, 2), ("failed", 0, 0, 100, 1),
-                                     ("failed", 0, 0, 200, 1)]
+    assert [r[:5] for r in rows] == [("completed", 2, 1, 310, 2), ("failed", 1, 0, 100, 1),
+                                     ("failed", 1, 0, 200, 1)]
     balance = await accounts.balance("acme")
     assert done.credits_total == 30 + 100 + 200 + 310
     assert (balance.spent, balance.reserved) == (done.credits_total, 0)
@@ -271,7 +272,7 @@ async def test_two_recoveries_at_once_end_the_dead_sub_agent_once(
         group.start_soon(recover)
     assert sorted(outcomes) == ["busy", "paused"]
     await ledger.flush()
-    assert [r[:5] for r in by_operation(store)["child.op"]] == [("failed", 0, 0, 100, 1)]
+    assert [r[:5] for r in by_operation(store)["child.op"]] == [("failed", 1, 0, 100, 1)]
     balance = await accounts.balance("acme")
     assert (balance.spent, balance.reserved) == (110, 0)
     assert_agrees(store)
