@@ -924,9 +924,9 @@ def _check_resume_output(state: RunState, output: type[pydantic.BaseModel] | Non
 def _check_output(output: object) -> type[pydantic.BaseModel] | None:
     if output is None:
         return None
-    if isinstance(output, type) and issubclass(output, pydantic.BaseModel):
-        return output
-    raise ConfigError("output", f"must be a pydantic model class, got {_validate.shown(output)}")
+    _validate.model_schema("output", output)  # a model no tool can carry fails here
+    assert isinstance(output, type) and issubclass(output, pydantic.BaseModel)
+    return output
 
 
 def _check_callable(field: str, value: Any) -> Any:

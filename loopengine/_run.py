@@ -1011,13 +1011,11 @@ def _withhold(error: BaseException, seen: set[int]) -> BaseException:
 
 def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[str, Any]:
     """The terminal tool of structured mode: the model answers by calling it."""
-    schema = output.model_json_schema()
-    schema.pop("title", None)
     return {
         "name": name,
         "description": "Give your final answer. Call this exactly once, when you "
                        "have the answer, with the answer as its input.",
-        "input_schema": schema,
+        "input_schema": _validate.model_schema("output", output),
     }
 
 

@@ -115,11 +115,6 @@ class Tool:
             raise ConfigError(
                 "input_schema", f"tool {name!r} needs exactly one of input_schema or input_model"
             )
-        if input_model is not None and not (
-            isinstance(input_model, type) and issubclass(input_model, pydantic.BaseModel)
-        ):
-            raise ConfigError("input_model", "must be a pydantic model class, "
-                                             f"got {_validate.shown(input_model)}")
         if input_schema is not None and (
             not isinstance(input_schema, Mapping) or input_schema.get("type") != "object"
         ):
@@ -223,8 +218,7 @@ def _context_parameter(handler: Callable[..., Any]) -> str | None:
 
 
 def _model_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
-    schema = model.model_json_schema()
-    schema.pop("title", None)
+    schema = _validate.model_schema("input_model", model)
     schema.setdefault("properties", {})
     return schema
 
@@ -292,6 +286,11 @@ def _from_function(
                      approval=approval, idempotent=idempotent)
     except pydantic.PydanticUserError as error:
         raise ConfigError("handler", f"{label}: {error}") from None
+    except ConfigError as error:
+        if error.field != "input_model":
+            raise
+        # The input model is built here from the signature: its fault is the function's.
+        raise ConfigError("handler", f"{label}: {error.message}") from None
     built._kwargs = True
     return built
 

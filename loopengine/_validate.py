@@ -180,6 +180,47 @@ def identifier(field: str, value: object, *, max_length: int = 256) -> str | Non
     return value
 
 
+def model_schema(field: str, model: object) -> dict[str, Any]:
+    """The JSON schema, without its title, of a pydantic model class that is a
+    tool's input (a run's or call's ``output=``, a `Tool`'s ``input_model=``).
+
+    Checked when the model is given, so that a model no tool can carry is
+    refused before anything is sent or recorded, not mid-run: pydantic must
+    generate the schema, it must describe a JSON object (directly or through
+    the ``$ref`` of a recursive model), and it must encode as JSON.
+
+    Raises:
+        ConfigError: ``model`` is not a subclass of ``pydantic.BaseModel``
+            (or is ``BaseModel`` itself); pydantic cannot generate its schema
+            (a field of an arbitrary class); the schema is not an object's (a
+            ``RootModel`` of a list); or it holds what JSON cannot carry (a
+            NaN default).
+    """
+    if not (isinstance(model, type) and issubclass(model, pydantic.BaseModel)) \
+            or model is pydantic.BaseModel:
+        raise ConfigError(field, "must be a pydantic model class (a subclass of BaseModel), "
+                                 f"got {shown(model)}")
+    try:
+        schema = model.model_json_schema()
+    except Exception as error:  # pydantic's refusal, whichever of its classes it raises
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else \
+            type(error).__name__
+        raise ConfigError(field, f"{model.__name__} has no JSON schema to send as a "
+                                 f"tool's input: {reason}") from None
+    schema.pop("title", None)
+    top: object = schema
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        top = (schema.get("$defs") or {}).get(ref.removeprefix("#/$defs/"))
+    kind = top.get("type") if isinstance(top, Mapping) else None
+    if kind != "object":
+        raise ConfigError(field, f"{model.__name__}'s JSON schema is of type {shown(kind)}, "
+                                 "not 'object': a tool's input is a JSON object (make the "
+                                 "value a field of a model)")
+    copied: dict[str, Any] = json_copy(field, schema)
+    return copied
+
+
 def decimal(
     field: str, value: object, *, optional: bool = False, positive: bool = False
 ) -> Decimal | None:

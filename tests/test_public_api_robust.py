@@ -269,3 +269,56 @@ async def test_a_tools_list_holding_junk_names_the_item() -> None:
         await engine().run(OPERATION, "hi", tools=[TOOL, deep(3000)])
     assert caught.value.field == "tools[1]"
     assert len(str(caught.value)) < 200
+
+
+class _Opaque:
+    """A class pydantic has no JSON schema for."""
+
+
+class _OpaqueField(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(arbitrary_types_allowed=True)
+    value: _Opaque
+
+
+class _Numbers(pydantic.RootModel[list[int]]):
+    """A model whose JSON schema is an array's: no tool input."""
+
+
+class _NaNDefault(pydantic.BaseModel):
+    x: float = float("nan")
+
+
+@pytest.mark.parametrize(("output", "says"), [
+    (_OpaqueField, "no JSON schema"),
+    (_Numbers, "type 'array'"),
+    (_NaNDefault, "finite"),
+    (pydantic.BaseModel, "subclass of BaseModel"),
+])
+@pytest.mark.parametrize("method", ["run", "call", "estimate"])
+async def test_an_output_model_no_tool_can_carry_is_refused_before_anything_is_recorded(
+    output: Any, says: str, method: str
+) -> None:
+    """``output=`` a model whose schema pydantic cannot generate, that is not an
+    object's, or that JSON cannot carry is a ConfigError on ``output``: never a
+    pydantic error, an AttributeError or a run of refused answers, and nothing is
+    sent or recorded."""
+    provider = ScriptedProvider([Reply.final({"x": 1})] * 3)
+    ledger = MemoryLedger()
+    built = le.Engine(provider, ledger=ledger, prices=le.PriceBook([PRICE], fallback=False))
+    with pytest.raises(le.ConfigError, match=says) as caught:
+        if method == "estimate":
+            built.estimate(OPERATION, "hi", output=output)
+        else:
+            await getattr(built, method)(OPERATION, "hi", output=output)
+    assert caught.value.field.startswith("output")
+    assert provider.requests == []
+    assert ledger.invocations == {}
+
+
+def test_a_tool_input_model_no_tool_can_carry_is_a_config_error() -> None:
+    """``Tool(input_model=...)`` refuses the same models, on ``input_model``."""
+    for model in (_OpaqueField, _Numbers, pydantic.BaseModel):
+        with pytest.raises(le.ConfigError) as caught:
+            le.Tool("t", "d", handler=handler, input_model=model)
+        assert caught.value.field == "input_model"
+
