@@ -267,6 +267,10 @@ def _from_function(
     except NameError as error:
         raise ConfigError("handler", f"{label}: cannot resolve an annotation: {error}") \
             from None
+    except (TypeError, ValueError):  # a builtin or class whose signature Python cannot read
+        raise ConfigError("handler", f"{label}: Python cannot read its signature (a builtin "
+                                     "or a class): wrap it in a function with annotated "
+                                     "parameters") from None
     for param in parameters:
         if param.annotation is ToolContext:
             continue  # given by the engine, never by the model
@@ -278,7 +282,7 @@ def _from_function(
             annotation,
             pydantic.Field(default, description=param_docs.get(param.name)),
         )
-    tool_name = name or label
+    tool_name = label if name is None else name  # a name given is checked, even ""
     try:
         model = pydantic.create_model(f"{tool_name}_input", **fields)
         built = Tool(tool_name, description if description is not None else summary,

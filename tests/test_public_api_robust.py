@@ -322,3 +322,23 @@ def test_a_tool_input_model_no_tool_can_carry_is_a_config_error() -> None:
             le.Tool("t", "d", handler=handler, input_model=model)
         assert caught.value.field == "input_model"
 
+
+def test_a_function_python_cannot_read_is_not_a_tool() -> None:
+    """``le.tool(int)`` (no signature Python can read) is a ConfigError on ``handler``,
+    not inspect's ValueError."""
+    with pytest.raises(le.ConfigError, match="signature") as caught:
+        le.tool(int)
+    assert caught.value.field == "handler"
+
+
+def test_an_empty_tool_name_given_is_refused_not_replaced() -> None:
+    """``@le.tool(name="")`` is a ConfigError on ``name``: a name given is checked,
+    never silently replaced by the function's."""
+
+    def lookup() -> str:
+        """Look up."""
+        return "x"
+
+    with pytest.raises(le.ConfigError) as caught:
+        le.tool(lookup, name="")
+    assert caught.value.field == "name"
