@@ -798,7 +798,9 @@ def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
     if isinstance(messages, str):
         if not messages:
             raise ConfigError("messages", "must not be empty")
-        return [{"role": "user", "content": messages}]
+        # Proven encodable as a list's strings are: a lone surrogate fails here,
+        # not in the SDK after the attempt's row.
+        return [{"role": "user", "content": _validate.json_copy("messages", messages)}]
     if not isinstance(messages, Sequence) or not messages:
         raise ConfigError("messages", "must be a string or a non-empty list of messages")
     out: list[dict[str, Any]] = []

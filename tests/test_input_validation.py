@@ -324,3 +324,24 @@ def test_a_described_tool_logs_nothing(caplog: pytest.LogCaptureFixture) -> None
     with caplog.at_level(logging.WARNING, logger="loopengine"):
         le.tool(search.handler)
     assert not [r for r in caplog.records if "has no description" in r.getMessage()]
+
+
+@pytest.mark.parametrize("method", ["run", "call"])
+async def test_a_one_string_message_with_a_lone_surrogate_is_refused_before_an_attempt(
+    method: str,
+) -> None:
+    """``run(op, "a\\ud800")`` is a ConfigError on ``messages`` (as the same text in a
+    list of messages is), not an attempt recorded and then failed by the SDK's encoder:
+    through the real SDK and a loopback server, nothing is sent or recorded."""
+    ledger = MemoryLedger()
+    with FakeAnthropicServer([WireReply.text("x")]) as server:
+        async with AnthropicProvider(api_key="test", base_url=server.url) as provider:
+            engine = le.Engine(provider, ledger=ledger)
+            with pytest.raises(le.ConfigError, match="surrogate") as caught:
+                if method == "run":
+                    await engine.run(OPERATION, "a\ud800")
+                else:
+                    await engine.call(OPERATION, "a\ud800", output=Answer)
+        assert server.requests == []
+    assert caught.value.field == "messages"
+    assert ledger.invocations == {}
