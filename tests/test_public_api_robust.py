@@ -342,3 +342,40 @@ def test_an_empty_tool_name_given_is_refused_not_replaced() -> None:
     with pytest.raises(le.ConfigError) as caught:
         le.tool(lookup, name="")
     assert caught.value.field == "name"
+
+
+def _failing_lookup(key: str) -> str:
+    """Look a key up."""
+    raise ValueError("no \ud800 such key")
+
+
+@pytest.mark.parametrize(("hook", "told"), [
+    (None, "no \ufffd such key"),
+    (lambda name, error: 1 / 0, "_failing_lookup failed (ValueError)."),
+    (lambda name, error: 3, "_failing_lookup failed (ValueError)."),
+    (lambda name: "one argument", "_failing_lookup failed (ValueError)."),
+])
+async def test_the_error_text_a_model_gets_is_always_a_string_it_can_be_sent(
+    hook: Any, told: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the real SDK: a handler's message holding a lone surrogate is sent with
+    U+FFFD in its place (it failed the SDK's encoder after its attempt's row); a
+    ``tool_error_text`` hook that raises, returns a non-string or takes the wrong
+    arguments is logged at ERROR and the model told the error's type (it escaped as
+    an ExceptionGroup, or sent a tool result whose content was an int)."""
+    from loopengine.providers import AnthropicProvider
+    from loopengine.testing import FakeAnthropicServer
+    from loopengine.testing import Reply as WireReply
+
+    lookup = le.tool(_failing_lookup)
+    with FakeAnthropicServer([WireReply.tool_calls(("_failing_lookup", {"key": "k"})),
+                              WireReply.text("done")]) as server:
+        async with AnthropicProvider(api_key="test", base_url=server.url) as provider:
+            result = await le.Engine(provider).run(OPERATION, "hi", tools=[lookup],
+                                                   tool_error_text=hook)
+        (sent,) = server.requests[1].messages[-1]["content"]
+    assert result.outcome is le.Outcome.COMPLETED
+    assert sent["is_error"] is True
+    assert sent["content"] == told
+    logged = [r for r in caplog.records if "tool_error_text hook" in r.getMessage()]
+    assert [r.levelno for r in logged] == ([] if hook is None else [logging.ERROR])
