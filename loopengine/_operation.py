@@ -136,10 +136,7 @@ class Operation:
                  "cache", "model_max_output_tokens", "wrap_up_text", "thinking",
                  "server_tools", "betas", "context_management", "reasoning_effort",
                  "service_tier"}
-        for key in values:
-            if key not in known:
-                raise ConfigError(str(key), f"is not an operation setting "
-                                             f"(known: {', '.join(sorted(known))})")
+        _validate.known_keys("operation", values, known, "an operation setting")
         args: dict[str, Any] = {k: v for k, v in values.items()
                                 if k not in ("limits", "retry", "cache")}
         if "version" in args and isinstance(args["version"], int):
@@ -187,12 +184,8 @@ def _server_tools_from_list(values: object) -> tuple[ServerTool, ...]:
 
 
 def _cache_from_mapping(values: Mapping[str, Any]) -> CachePolicy:
-    known = {"system", "tools", "conversation", "ttl"}
-    for key in values:
-        if key not in known:
-            raise ConfigError(
-                str(key), f"is not a cache setting (known: {', '.join(sorted(known))})"
-            )
+    _validate.known_keys("cache", values, ("system", "tools", "conversation", "ttl"),
+                         "a cache setting")
     return CachePolicy(**values)
 
 

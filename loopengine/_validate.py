@@ -132,6 +132,28 @@ def items(field: str, value: object) -> list[Any]:
     return list(value)
 
 
+def known_keys(field: str, values: object, known: Iterable[str], what: str) -> None:
+    """Check that ``values`` is a mapping whose keys all name a setting in ``known``.
+
+    Args:
+        field: The mapping's own name, for the error when it is not one.
+        values: The mapping (a TOML table, a keyword mapping).
+        known: The setting names it may hold.
+        what: What a key names, for the message (``"a limit"``).
+
+    Raises:
+        ConfigError: ``values`` is not a mapping (``field``), or a key names no
+            setting (the field is the key).
+    """
+    if not isinstance(values, Mapping):
+        raise ConfigError(field, f"must be a mapping of settings, got {shown(values)}")
+    names = set(known)
+    for key in values:
+        if key not in names:
+            raise ConfigError(key if isinstance(key, str) else shown(key),
+                              f"is not {what} (known: {', '.join(sorted(names))})")
+
+
 def boolean(field: str, value: object) -> bool:
     """Return ``value`` if it is a bool, else raise `ConfigError`."""
     if not isinstance(value, bool):

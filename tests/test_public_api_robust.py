@@ -379,3 +379,21 @@ async def test_the_error_text_a_model_gets_is_always_a_string_it_can_be_sent(
     assert sent["content"] == told
     logged = [r for r in caplog.records if "tool_error_text hook" in r.getMessage()]
     assert [r.levelno for r in logged] == ([] if hook is None else [logging.ERROR])
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda values: le.Limits.from_mapping(values), "limits"),
+    (lambda values: le.RetryPolicy.from_mapping(values), "retry"),
+    (lambda values: le.Thinking.from_mapping(values), "thinking"),
+    (lambda values: le.ServerTool.from_mapping(values), "server_tool"),
+    (lambda values: le.Operation.from_mapping("op", values), "operation"),
+])
+@pytest.mark.parametrize("values", [None, [("max_turns", 3)], 3, "max_turns=3"])
+def test_a_from_mapping_given_no_mapping_names_it(
+    build: Callable[[Any], Any], field: str, values: Any
+) -> None:
+    """``Limits.from_mapping(None)`` (and each other ``from_mapping``) is a ConfigError
+    naming the table, not the TypeError of iterating None."""
+    with pytest.raises(le.ConfigError, match="must be a mapping") as caught:
+        build(values)
+    assert caught.value.field == field
