@@ -72,10 +72,11 @@ class Operation:
     ``priority``); None: the API's default. It changes the price."""
 
     def __post_init__(self) -> None:
-        _validate.text("name", self.name)
-        _validate.text("provider", self.provider)
-        _validate.text("model", self.model)
-        _validate.text("version", self.version)
+        # Recorded on every invocation and printed by the audit.
+        _validate.recorded_name("name", self.name)
+        _validate.recorded_name("provider", self.provider)
+        _validate.recorded_name("model", self.model, max_length=1024)  # an ARN, a path
+        _validate.recorded_name("version", self.version)
         _validate.text("wrap_up_text", self.wrap_up_text)
         _validate.integer("max_output_tokens", self.max_output_tokens, minimum=1)
         _validate.integer("model_max_output_tokens", self.model_max_output_tokens, minimum=1,

@@ -243,6 +243,42 @@ def model_schema(field: str, model: object) -> dict[str, Any]:
     return copied
 
 
+def recorded_name(field: str, value: object, *, max_length: int = 256) -> str:
+    """Return ``value`` if it can be a name the ledger records and the audit
+    prints (an operation's name, route, model and version; a credit account):
+    a non-empty string, printable (`identifier`: no NUL, which PostgreSQL text
+    cannot hold, nor any other control character), of at most ``max_length``
+    characters.
+
+    Raises:
+        ConfigError: anything else, before a row could fail to be written
+            (a `LedgerError` is the ledger's failure, never a bad argument's).
+    """
+    checked = text(field, value)
+    assert checked is not None
+    identifier(field, checked, max_length=max_length)
+    return checked
+
+
+def recorded_text(field: str, value: object) -> str | None:
+    """Return ``value`` if it is None or free text the ledger can record (a
+    grant's note): a string without NUL (PostgreSQL text cannot hold it) or a
+    lone surrogate (UTF-8 cannot encode it); line breaks are fine.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(field, f"must be text, got {shown(value)}")
+    if "\x00" in value:
+        raise ConfigError(field, f"must not hold a NUL character (character "
+                                 f"{value.index(chr(0))}): the ledger cannot record it")
+    _utf8(field, value)
+    return value
+
+
 def decimal(
     field: str, value: object, *, optional: bool = False, positive: bool = False
 ) -> Decimal | None:

@@ -397,3 +397,52 @@ def test_a_from_mapping_given_no_mapping_names_it(
     with pytest.raises(le.ConfigError, match="must be a mapping") as caught:
         build(values)
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize("field", ["name", "provider", "model", "version"])
+@pytest.mark.parametrize("bad", ["a\x00b", "line\nbreak", "zero\u200bwidth", "x" * 2000])
+def test_an_operation_name_the_ledger_cannot_record_is_a_config_error(field: str, bad: str) -> None:
+    """An operation's name, route, model and version are recorded on every invocation
+    and printed by the audit: a NUL (which PostgreSQL text refuses: the run's first
+    write was a LedgerError) or any other unprintable character, or an overlong
+    value, is a ConfigError on that field when the operation is built."""
+    values = {"name": "n", "provider": "anthropic", "model": "m", "version": "1", field: bad}
+    with pytest.raises(le.ConfigError) as caught:
+        le.Operation(max_output_tokens=16, **values)
+    assert caught.value.field == field
+
+
+def test_a_model_id_as_long_as_an_arn_is_accepted() -> None:
+    """Model ids are printable and may be long (a Bedrock inference profile's ARN)."""
+    arn = ("arn:aws:bedrock:us-east-1:123456789012:application-inference-profile/"
+           + "a" * 200)
+    assert le.Operation(name="n", provider="anthropic", model=arn).model == arn
+
+
+@pytest.mark.parametrize(("account", "note", "field"), [
+    ("acme\x00", None, "account"),
+    ("acme\n", None, "account"),
+    ("acme", "paid\x00", "note"),
+    ("acme", "a\ud800", "note"),
+])
+async def test_a_grant_the_ledger_cannot_record_is_a_config_error(
+    tmp_path: Any, account: str, note: str | None, field: str
+) -> None:
+    """An account name holding a NUL or another unprintable character, or a note
+    holding a NUL or a lone surrogate, is a ConfigError before anything is written
+    (on PostgreSQL the NUL was a LedgerError), and the account gets nothing."""
+    from loopengine.persistence import SQLiteLedger
+
+    async with SQLiteLedger(str(tmp_path / "ledger.db")) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        with pytest.raises(le.ConfigError) as caught:
+            await accounts.grant(account, 5, note)
+        assert caught.value.field == field
+        assert (await accounts.balance("acme")).granted == 0
+
+
+def test_a_grant_note_may_span_lines() -> None:
+    """A note is free text: line breaks are recorded as given."""
+    from loopengine import _validate
+
+    assert _validate.recorded_text("note", "line one\nline two") == "line one\nline two"
