@@ -15,6 +15,7 @@ import reprlib
 import typing
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -241,6 +242,22 @@ def model_schema(field: str, model: object) -> dict[str, Any]:
                                  "value a field of a model)")
     copied: dict[str, Any] = json_copy(field, schema)
     return copied
+
+
+def moment(field: str, value: object, *, optional: bool = False) -> datetime | None:
+    """Return ``value`` if it is a timezone-aware `datetime` (or None, when
+    ``optional``), else raise `ConfigError`.
+
+    Every moment the library compares (a price's start, the wall clock, a
+    pause) is aware: a naive one would fail the first comparison mid-run
+    with a TypeError.
+    """
+    if value is None and optional:
+        return None
+    if not isinstance(value, datetime) or value.utcoffset() is None:
+        raise ConfigError(field, "must be a timezone-aware datetime"
+                                 f"{' or None' if optional else ''}, got {shown(value)}")
+    return value
 
 
 def recorded_name(field: str, value: object, *, max_length: int = 256) -> str:

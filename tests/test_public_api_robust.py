@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import FakeClock
 
 
 def deep(levels: int) -> list[Any]:
@@ -446,3 +447,33 @@ def test_a_grant_note_may_span_lines() -> None:
     from loopengine import _validate
 
     assert _validate.recorded_text("note", "line one\nline two") == "line one\nline two"
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: FakeClock(wall_start=datetime(2025, 1, 1)), "wall_start"),
+    (lambda: FakeClock(wall_start="2025-01-01T00:00:00Z"), "wall_start"),  # type: ignore[arg-type]
+    (lambda: FakeClock(float("nan")), "start"),
+    (lambda: FakeClock().advance(-1), "seconds"),
+    (lambda: FakeClock().advance(float("inf")), "seconds"),
+])
+def test_a_fake_clock_refuses_a_naive_wall_or_time_going_back(
+    build: Callable[[], Any], field: str
+) -> None:
+    """``FakeClock(wall_start=<naive datetime>)`` is a ConfigError when built: a run on
+    it failed its first comparison (a price's start) with a TypeError. Its monotonic
+    time never goes back nor becomes NaN."""
+    with pytest.raises(le.ConfigError) as caught:
+        build()
+    assert caught.value.field == field
+
+
+async def test_a_run_on_a_fake_clock_with_an_aware_wall_start_is_priced() -> None:
+    """The same run on an aware ``wall_start`` completes, priced at that moment."""
+    clock = FakeClock(wall_start=datetime(2025, 1, 1, tzinfo=UTC))
+    dated = le.ModelPrice(provider="anthropic", model="m", input_per_mtok=1, output_per_mtok=2,
+                          effective_from=datetime(2024, 1, 1, tzinfo=UTC))
+    provider = ScriptedProvider([Reply.text("ok")], clock=clock)
+    result = await le.Engine(provider, clock=clock,
+                             prices=le.PriceBook([dated], fallback=False)).run(OPERATION, "hi")
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.cost_usd > 0
