@@ -790,16 +790,20 @@ def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
     ``assistant`` and no other keys but ``content``, a string or a list of
     content blocks, each matching the SDK's type for its ``type``
     (`loopengine._validate.content_block`). As the API requires, the first
-    message is the user's and only a final assistant message (a prefill) may
-    be empty. All of it is checked before anything is sent.
+    message is the user's, only a final assistant message (a prefill) may
+    be empty, and a user message holds no empty text block and some
+    non-whitespace text unless it holds other blocks. All of it is checked
+    before anything is sent.
 
     Raises:
         ConfigError: the first problem found; ``.field`` is its path, e.g.
             ``"messages[1].content[0].type"``.
     """
     if isinstance(messages, str):
-        if not messages:
-            raise ConfigError("messages", "must not be empty")
+        if not messages.strip():
+            # The API refuses a user message without non-whitespace text (a 400
+            # after the attempt's row): refused here, as an empty one is.
+            raise ConfigError("messages", "must not be empty or blank")
         # Proven encodable as a list's strings are: a lone surrogate fails here,
         # not in the SDK after the attempt's row.
         return [{"role": "user", "content": _validate.json_copy("messages", messages)}]
@@ -837,8 +841,31 @@ def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
         if empty and not (i == last and role == "assistant"):
             raise ConfigError(f"{field}.content", "must not be empty (only a final assistant "
                                                   "message may be)")
+        if role == "user":
+            _check_user_text(field, content)
         out.append(_validate.json_copy(field, message))
     return out
+
+
+def _check_user_text(field: str, content: str | Sequence[Any]) -> None:
+    """A user message's text is what the API accepts: no empty text block, and
+    some non-whitespace text when the message holds nothing but text (it refuses
+    either with a 400, which would come after the attempt's row). Assistant
+    messages are left as the model wrote them: they are its own history."""
+    if isinstance(content, str):
+        if not content.strip():
+            raise ConfigError(f"{field}.content", "must not be blank (the API needs "
+                                                  "non-whitespace text)")
+        return
+    texts = [(j, block.get("text")) for j, block in enumerate(content)
+             if block.get("type") == "text"]
+    for j, text in texts:
+        if text == "":
+            raise ConfigError(f"{field}.content[{j}].text", "must not be empty")
+    if len(texts) == len(content) and not any(
+            isinstance(text, str) and text.strip() for _, text in texts):
+        raise ConfigError(f"{field}.content[{texts[0][0]}].text",
+                          "must not be blank: the message holds no non-whitespace text")
 
 
 def normalize_system(system: System) -> list[dict[str, Any]] | None:
