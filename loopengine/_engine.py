@@ -433,6 +433,10 @@ class Engine:
                 its process's lease has not expired; nothing was sent or recorded.
         """
         _validate.boolean("force", force)
+        if decisions is not None and not isinstance(decisions, Mapping):
+            raise ConfigError("decisions", "must be a mapping of pending call id to Approve(), "
+                                           f"Deny(reason) or Supply(text), got "
+                                           f"{_validate.shown(decisions)}")
         tools = check_tools(tools)  # read more than once below
         output = _check_output(output)
         stored: StoredRun | None = None
