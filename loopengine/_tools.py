@@ -51,7 +51,8 @@ class Tool:
         description: What it does, for the model.
         input_schema: A JSON Schema for the input; the handler receives the
             input as a dict.
-        handler: The function to run, sync or async.
+        handler: The function to run, sync or async (a sync one that returns
+            an awaitable has it awaited); not a generator function.
         input_model: A pydantic model for the input instead of a schema; the
             handler receives a model instance.
         max_calls: The most calls of this tool one run answers by running the
@@ -111,6 +112,10 @@ class Tool:
                            "input schema (give a docstring or description=)", name)
         if handler is None or not callable(handler):
             raise ConfigError("handler", f"tool {name!r} needs a callable handler")
+        if inspect.isgeneratorfunction(handler) or inspect.isasyncgenfunction(handler):
+            # Its call returns a generator, which the model would get as its repr.
+            raise ConfigError("handler", f"tool {name!r}: a generator function cannot be a "
+                                         "handler: return the result (a list of the items)")
         if (input_schema is None) == (input_model is None):
             raise ConfigError(
                 "input_schema", f"tool {name!r} needs exactly one of input_schema or input_model"
@@ -187,7 +192,12 @@ class Tool:
             call = functools.partial(self.handler, argument, **extra)
         if self._is_async:
             return await call()
-        return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+        value = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+        if inspect.isawaitable(value):
+            # A sync function returning a coroutine (a lambda around an async
+            # one): its result is what it awaits to, as a judge's is.
+            return await value
+        return value
 
 
 def describe_validation_error(error: pydantic.ValidationError) -> str:

@@ -477,3 +477,43 @@ async def test_a_run_on_a_fake_clock_with_an_aware_wall_start_is_priced() -> Non
                              prices=le.PriceBook([dated], fallback=False)).run(OPERATION, "hi")
     assert result.outcome is le.Outcome.COMPLETED
     assert result.cost_usd > 0
+
+
+def _numbers(count: int) -> Any:
+    """Count up."""
+    yield from range(count)
+
+
+async def _numbers_async(count: int) -> Any:
+    """Count up."""
+    for number in range(count):
+        yield number
+
+
+@pytest.mark.parametrize("function", [_numbers, _numbers_async])
+def test_a_generator_function_is_not_a_tool_handler(function: Any) -> None:
+    """A generator function's call returns a generator, which the model got as its
+    repr (``<generator object ...>``): ``le.tool`` and ``Tool`` refuse it."""
+    with pytest.raises(le.ConfigError, match="generator") as caught:
+        le.tool(function)
+    assert caught.value.field == "handler"
+    with pytest.raises(le.ConfigError, match="generator"):
+        le.Tool("count", "Count up.", {"type": "object"}, function)
+
+
+async def test_a_sync_handler_returning_a_coroutine_gives_what_it_awaits_to() -> None:
+    """A sync function that returns a coroutine (a lambda around an async one) gives
+    the model the coroutine's result, as a judge's awaitable verdict is awaited;
+    it was ``<coroutine object ...>``, never awaited."""
+
+    async def look_up(argument: dict[str, Any]) -> str:
+        return f"found {argument['key']}"
+
+    lookup = le.Tool("lookup", "Look up.", {"type": "object"},
+                     lambda argument: look_up(argument))
+    provider = ScriptedProvider([Reply.tool_calls(("lookup", {"key": "k"})),
+                                 Reply.text("done")])
+    result = await le.Engine(provider).run(OPERATION, "hi", tools=[lookup])
+    assert result.outcome is le.Outcome.COMPLETED
+    (sent,) = provider.requests[1].messages[-1]["content"]
+    assert sent["content"] == "found k" and not sent.get("is_error")
