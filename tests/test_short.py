@@ -167,3 +167,27 @@ def test_the_sync_methods_say_what_they_are() -> None:
     assert "private event loop" in (le.Engine.call_sync.__doc__ or "")
     assert json.dumps(sorted(n for n in dir(le.Engine) if n.endswith("_sync"))) == \
         '["call_sync", "resume_sync", "run_sync"]'
+
+
+@pytest.mark.parametrize(("model", "provider"), [
+    ("anthropic:claude-sonnet-4-5", "AnthropicProvider"),
+    ("openai:gpt-4o", "OpenAIProvider"),
+    ("openai-responses:gpt-5", "OpenAIResponsesProvider"),
+])
+def test_a_missing_key_says_what_works_instead(
+    monkeypatch: pytest.MonkeyPatch, model: str, provider: str
+) -> None:
+    """The missing-key message named ``api_key=...`` as the way out, which
+    ``Engine.from_model`` (taking Engine's keywords) raised the same error for; it
+    names the provider to build with the key, and that provider, given to Engine,
+    serves the route."""
+    for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(le.ConfigError) as caught:
+        le.Engine.from_model(model)
+    assert f"{provider}(api_key=...)" in caught.value.message
+    assert "pass api_key" not in caught.value.message
+    built = getattr(le.providers, provider)(api_key="k", **(
+        {"route": "openai-responses"} if provider == "OpenAIResponsesProvider" else {}))
+    operation = le.Operation.from_model(model)
+    assert le.Engine(built).provider_for(operation) is built
