@@ -221,7 +221,7 @@ def load_operations(path: str | Path) -> dict[str, Operation]:
             (``operations.teammate.answer.limits.max_turns``) and the message
             names the file.
     """
-    where = Path(path)
+    where = Path(_validate.file_path("path", path))
     try:
         data = tomllib.loads(where.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -11,6 +11,7 @@ import base64
 import binascii
 import functools
 import math
+import os
 import reprlib
 import typing
 import unicodedata
@@ -242,6 +243,26 @@ def model_schema(field: str, model: object) -> dict[str, Any]:
                                  "value a field of a model)")
     copied: dict[str, Any] = json_copy(field, schema)
     return copied
+
+
+def file_path(field: str, value: object) -> str:
+    """``value``, a str or an ``os.PathLike`` of str, as the path's text.
+
+    Raises:
+        ConfigError: not such a path (None, bytes, a number), or it contains a
+            NUL byte, which no file name can hold (``open`` would raise a
+            ValueError).
+    """
+    try:
+        path = os.fspath(value)  # type: ignore[call-overload]
+    except TypeError:
+        path = None
+    if not isinstance(path, str):
+        raise ConfigError(field, f"must be a str or an os.PathLike of str, got {shown(value)}")
+    if "\0" in path:
+        raise ConfigError(field, f"{shown(path)} cannot name a file: the path contains a NUL "
+                                 "byte")
+    return path
 
 
 def moment(field: str, value: object, *, optional: bool = False) -> datetime | None:
