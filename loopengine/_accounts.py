@@ -108,8 +108,7 @@ class CreditAccounts:
             raise ConfigError("key", f"must be callable, got {key!r}")
         _validate.integer("default_hold", default_hold, minimum=1, optional=True)
         _validate.seconds("expiry_grace", expiry_grace, positive=False)
-        if clock is not None and not isinstance(clock, Clock):
-            raise ConfigError("clock", f"must be a loopengine Clock, got {clock!r}")
+        _validate.clock("clock", clock)
         self.ledger: SQLiteLedger | PostgresLedger = ledger
         self.path: str = path
         """The SQLite file, or the PostgreSQL server's name (never a password)."""

@@ -173,9 +173,7 @@ class Engine:
                                   f"must be callable, got {_validate.shown(observer)}")
         if tool_error_text is not None and not callable(tool_error_text):
             raise ConfigError("tool_error_text", "must be callable")
-        if clock is not None and not isinstance(clock, Clock):
-            raise ConfigError("clock", "must be a Clock (now, wall, sleep, cancel_scope), "
-                                       f"got {_validate.shown(clock)}")
+        _validate.clock("clock", clock)
         if rng is not None and not isinstance(rng, random.Random):
             raise ConfigError("rng", f"must be a random.Random, got {_validate.shown(rng)}")
         for field, value, kind, name in (

@@ -281,6 +281,25 @@ def moment(field: str, value: object, *, optional: bool = False) -> datetime | N
     return value
 
 
+def clock(field: str, value: object) -> None:
+    """Check that ``value`` is None or a `Clock` whose wall time is
+    timezone-aware (read once, here).
+
+    Raises:
+        ConfigError: not a Clock, or its ``wall()`` is naive: every moment a
+            run compares (a price's start, an account's expiry) is aware, and
+            the first comparison would fail mid-run with a TypeError.
+    """
+    from loopengine._clock import Clock  # the protocol, imported where it is checked
+
+    if value is None:
+        return
+    if not isinstance(value, Clock):
+        raise ConfigError(field, "must be a Clock (now, wall, sleep, cancel_scope), "
+                                 f"got {shown(value)}")
+    moment(f"{field}.wall()", value.wall())
+
+
 def recorded_name(field: str, value: object, *, max_length: int = 256) -> str:
     """Return ``value`` if it can be a name the ledger records and the audit
     prints (an operation's name, route, model and version; a credit account):

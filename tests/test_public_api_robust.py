@@ -517,3 +517,40 @@ async def test_a_sync_handler_returning_a_coroutine_gives_what_it_awaits_to() ->
     assert result.outcome is le.Outcome.COMPLETED
     (sent,) = provider.requests[1].messages[-1]["content"]
     assert sent["content"] == "found k" and not sent.get("is_error")
+
+
+class _NaiveClock:
+    """A clock of the caller's whose wall time has no UTC offset."""
+
+    def now(self) -> float:
+        return 0.0
+
+    def wall(self) -> datetime:
+        return datetime(2026, 1, 1)
+
+    async def sleep(self, seconds: float) -> None:
+        return None
+
+    def cancel_scope(self, seconds: float) -> anyio.CancelScope:
+        return anyio.CancelScope()
+
+    def deadline_scope(self, at: float) -> anyio.CancelScope:
+        return anyio.CancelScope()
+
+    def effective_deadline(self) -> float:
+        return float("inf")
+
+
+async def test_a_clock_whose_wall_is_naive_is_refused_when_given(tmp_path: Any) -> None:
+    """``Engine(clock=...)`` and ``CreditAccounts(clock=...)`` read the clock's wall
+    time once: a naive one is a ConfigError on ``clock.wall()``, where a run failed
+    its first price lookup with a TypeError."""
+    from loopengine.persistence import SQLiteLedger
+
+    with pytest.raises(le.ConfigError) as caught:
+        le.Engine(ScriptedProvider([Reply.text("ok")]), clock=_NaiveClock())  # type: ignore[arg-type]
+    assert caught.value.field == "clock.wall()"
+    async with SQLiteLedger(str(tmp_path / "ledger.db")) as ledger:
+        with pytest.raises(le.ConfigError) as caught:
+            le.CreditAccounts(ledger, clock=_NaiveClock())  # type: ignore[arg-type]
+    assert caught.value.field == "clock.wall()"
