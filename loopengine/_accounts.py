@@ -103,9 +103,10 @@ class CreditAccounts:
             path = ledger.path
         else:
             raise ConfigError("ledger", "credit accounts live in the ledger's database: give "
-                                        f"them a SQLiteLedger or a PostgresLedger, not {ledger!r}")
+                                        f"them a SQLiteLedger or a PostgresLedger, not "
+                                        f"{_validate.shown(ledger)}")
         if key is not None and not callable(key):
-            raise ConfigError("key", f"must be callable, got {key!r}")
+            raise ConfigError("key", f"must be callable, got {_validate.shown(key)}")
         _validate.integer("default_hold", default_hold, minimum=1, optional=True)
         _validate.seconds("expiry_grace", expiry_grace, positive=False)
         _validate.clock("clock", clock)

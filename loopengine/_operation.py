@@ -155,7 +155,7 @@ class Operation:
         if "thinking" in values:
             table = values["thinking"]
             if not isinstance(table, Mapping):
-                raise ConfigError("thinking", f"must be a table, got {table!r}")
+                raise ConfigError("thinking", f"must be a table, got {_validate.shown(table)}")
             try:
                 args["thinking"] = Thinking.from_mapping(table)
             except ConfigError as error:
@@ -172,11 +172,13 @@ class Operation:
 
 def _server_tools_from_list(values: object) -> tuple[ServerTool, ...]:
     if not isinstance(values, list):
-        raise ConfigError("server_tools", f"must be an array of tables, got {values!r}")
+        raise ConfigError("server_tools", "must be an array of tables, got "
+                                          f"{_validate.shown(values)}")
     tools = []
     for i, table in enumerate(values):
         if not isinstance(table, Mapping):
-            raise ConfigError(f"server_tools[{i}]", f"must be a table, got {table!r}")
+            raise ConfigError(f"server_tools[{i}]",
+                              f"must be a table, got {_validate.shown(table)}")
         try:
             tools.append(ServerTool.from_mapping(table))
         except ConfigError as error:

@@ -251,6 +251,15 @@ def test_the_valid_arguments_run(method: str, valid: dict[str, Any]) -> None:
                           limits=BrokenRepr()), "limits"),  # type: ignore[arg-type]
     (lambda: le.Tool("t", "d", {"type": "object"}, handler, timeout=10**400), "timeout"),
     (lambda: le.CachePolicy(ttl=deep(3000)), "ttl"),  # type: ignore[arg-type]
+    (lambda: MemoryLedger(max_retained_attempts=deep(3000)), "max_retained_attempts"),
+    (lambda: MemoryLedger(max_retained_attempts=BrokenRepr()), "max_retained_attempts"),
+    (lambda: le.CreditAccounts(deep(3000)), "ledger"),
+    (lambda: le.CreditAccounts(BrokenRepr()), "ledger"),
+    (lambda: le.Usage(1, 1, iterations=(deep(3000),)), "iterations[0]"),  # type: ignore[arg-type]
+    (lambda: le.Operation.from_mapping("op", {"provider": "p", "model": "m",
+                                              "thinking": BrokenRepr()}), "thinking"),
+    (lambda: le.Operation.from_mapping("op", {"provider": "p", "model": "m",
+                                              "server_tools": [deep(3000)]}), "server_tools[0]"),
     (lambda: le.CachePolicy(ttl=BrokenRepr()), "ttl"),  # type: ignore[arg-type]
     (lambda: le.ModelPrice(provider="p", model="m", input_per_mtok=1, output_per_mtok=1,
                            effective_from=datetime(2025, 1, 1)), "effective_from"),
