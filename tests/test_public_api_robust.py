@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import Reply, ScriptedProvider
-from loopengine.testing import FakeClock
+from loopengine.testing import FakeAnthropicServer, FakeClock
+from loopengine.testing import Reply as WireReply
 
 
 def deep(levels: int) -> list[Any]:
@@ -563,3 +564,17 @@ async def test_a_clock_whose_wall_is_naive_is_refused_when_given(tmp_path: Any) 
         with pytest.raises(le.ConfigError) as caught:
             le.CreditAccounts(ledger, clock=_NaiveClock())  # type: ignore[arg-type]
     assert caught.value.field == "clock.wall()"
+
+
+@pytest.mark.parametrize("build", [
+    lambda: FakeAnthropicServer([3]),
+    lambda: FakeAnthropicServer(None),  # type: ignore[arg-type]
+    lambda: FakeAnthropicServer().add(WireReply.text("ok"), "a reply"),  # type: ignore[arg-type]
+])
+def test_a_fake_servers_script_holding_junk_is_refused_when_given(build: Any) -> None:
+    """A script item no request could be served (``3``) broke that request's
+    connection when it came, a TypeError in the server's thread; ``None`` as the
+    script was a TypeError. Each is a ConfigError naming it, before any request."""
+    with pytest.raises(le.ConfigError) as caught:
+        build()
+    assert caught.value.field in {"script", "script[0]", "items[1]"}

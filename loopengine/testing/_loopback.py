@@ -42,6 +42,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any, Literal, Self
 
+from loopengine import _validate
+from loopengine._errors import ConfigError
 from loopengine._usage import Usage
 from loopengine.providers._scripted import Reply
 
@@ -241,6 +243,9 @@ ServerItem = (
 )
 """One script item: a response, a fault, or a function of the request giving one."""
 
+_ITEM_TYPES = (Reply, ErrorReply, DropConnection, CutStream, StreamErrorEvent, StallStream)
+"""The script items that are not functions of the request."""
+
 
 @dataclass(frozen=True, slots=True)
 class RecordedRequest:
@@ -297,6 +302,23 @@ class Frame:
     """The usage the stream has reported up to and including this event."""
 
 
+def _script(field: str, items: object) -> list[ServerItem]:
+    """``items`` as a script, each checked to be a `ServerItem`: a junk item was
+    found only when its request came, and broke that request's connection.
+
+    Raises:
+        ConfigError: not a list, or an item that no request could be served.
+    """
+    listed = _validate.items(field, items)
+    for i, item in enumerate(listed):
+        if not isinstance(item, _ITEM_TYPES) and not callable(item):
+            raise ConfigError(f"{field}[{i}]", "must be a Reply, ErrorReply, DropConnection, "
+                                               "CutStream, StreamErrorEvent, StallStream or a "
+                                               "function of the request returning one, got "
+                                               f"{_validate.shown(item)}")
+    return listed
+
+
 class LoopbackServer:
     """The HTTP machinery and the script of a scripted model API on 127.0.0.1.
 
@@ -320,7 +342,7 @@ class LoopbackServer:
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
         self._host = host
         self._lock = threading.Lock()
-        self._items: Iterator[ServerItem] = iter(list(script))
+        self._items: Iterator[ServerItem] = iter(_script("script", script))
         self._requests: list[RecordedRequest] = []
         self._served: list[Usage | None] = []
         self._ids = itertools.count(1)
@@ -385,8 +407,9 @@ class LoopbackServer:
 
     def add(self, *items: ServerItem) -> None:
         """Append items to the script, served one per request in order."""
+        checked = _script("items", items)
         with self._lock:
-            self._items = itertools.chain(self._items, list(items))
+            self._items = itertools.chain(self._items, checked)
 
     @property
     def requests(self) -> list[RecordedRequest]:
