@@ -21,7 +21,15 @@ from hypothesis import strategies as st
 import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import Reply, ScriptedProvider
-from loopengine.testing import FakeAnthropicServer, FakeClock
+from loopengine.testing import (
+    CutStream,
+    DropConnection,
+    ErrorReply,
+    FakeAnthropicServer,
+    FakeClock,
+    StallStream,
+    StreamErrorEvent,
+)
 from loopengine.testing import Reply as WireReply
 
 
@@ -578,3 +586,23 @@ def test_a_fake_servers_script_holding_junk_is_refused_when_given(build: Any) ->
     with pytest.raises(le.ConfigError) as caught:
         build()
     assert caught.value.field in {"script", "script[0]", "items[1]"}
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: ErrorReply(status="503"), "status"),
+    (lambda: ErrorReply(status=5030), "status"),
+    (lambda: DropConnection(delay=float("nan")), "delay"),
+    (lambda: CutStream(reply=WireReply.text("x"), how="cut"), "how"),
+    (lambda: CutStream(reply="x"), "reply"),
+    (lambda: StreamErrorEvent(reply=WireReply.text("x"), after=-1), "after"),
+    (lambda: StallStream(reply=WireReply.text("x"), seconds=-1), "seconds"),
+])
+def test_a_fake_servers_fault_item_with_a_bad_setting_names_it(
+    build: Callable[[], Any], field: str
+) -> None:
+    """The fakes' fault items were built with any value and failed when served
+    (a status "503" on the wire, a cut of an unknown kind); each is a ConfigError
+    naming the setting."""
+    with pytest.raises(le.ConfigError) as caught:
+        build()
+    assert caught.value.field == field

@@ -104,6 +104,10 @@ class ErrorReply:
     delay: float = 0.0
     """Real seconds to wait before answering."""
 
+    def __post_init__(self) -> None:
+        _validate.integer("status", self.status, minimum=100, maximum=599)
+        _validate.seconds("delay", self.delay, positive=False)
+
     @classmethod
     def overloaded(cls, **kwargs: Any) -> ErrorReply:
         """529 ``overloaded_error``."""
@@ -174,6 +178,10 @@ class DropConnection:
     delay: float = 0.0
     """Real seconds to wait before dropping."""
 
+    def __post_init__(self) -> None:
+        _validate.boolean("reset", self.reset)
+        _validate.seconds("delay", self.delay, positive=False)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CutStream:
@@ -191,6 +199,11 @@ class CutStream:
     how: Literal["end", "drop"] = "end"
     """``end``: the body ends cleanly, as when a proxy gives up; ``drop``: the
     connection is closed mid-body."""
+
+    def __post_init__(self) -> None:
+        _check_cut(self.reply, self.after)
+        if self.how not in ("end", "drop"):
+            raise ConfigError("how", f"must be 'end' or 'drop', got {_validate.shown(self.how)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,6 +232,9 @@ class StreamErrorEvent:
     """The usage ``data`` reports, in the engine's convention: counted as served
     (`LoopbackServer.usage_served`) in place of what the events before it showed."""
 
+    def __post_init__(self) -> None:
+        _check_cut(self.reply, self.after)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StallStream:
@@ -235,6 +251,17 @@ class StallStream:
     """Events sent before the pause."""
     seconds: float = 1.0
     """Real seconds of silence."""
+
+    def __post_init__(self) -> None:
+        _check_cut(self.reply, self.after)
+        _validate.seconds("seconds", self.seconds, positive=False)
+
+
+def _check_cut(reply: object, after: object) -> None:
+    """The reply a stream item interrupts, and how many events come first."""
+    if not isinstance(reply, Reply):
+        raise ConfigError("reply", f"must be a Reply, got {_validate.shown(reply)}")
+    _validate.integer("after", after, minimum=0)
 
 
 ServerItem = (
