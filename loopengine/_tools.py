@@ -281,6 +281,13 @@ def _from_function(
         raise ConfigError("handler", f"{label}: Python cannot read its signature (a builtin "
                                      "or a class): wrap it in a function with annotated "
                                      "parameters") from None
+    first = next(iter(parameters), None)
+    if first is not None and first.name in ("self", "cls") \
+            and first.annotation is first.empty and not inspect.ismethod(fn):
+        # A method decorated in its class body: the model would be asked for it.
+        raise ConfigError("handler", f"{label}: its first parameter is {first.name!r}, which "
+                                     "the model would have to supply: make the tool of the "
+                                     f"bound method (le.tool(instance.{label})) instead")
     for param in parameters:
         if param.annotation is ToolContext:
             continue  # given by the engine, never by the model

@@ -606,3 +606,23 @@ def test_a_fake_servers_fault_item_with_a_bad_setting_names_it(
     with pytest.raises(le.ConfigError) as caught:
         build()
     assert caught.value.field == field
+
+
+class _Orders:
+    """A service whose methods are tools."""
+
+    def status(self, order_id: str) -> str:
+        """Look an order up."""
+        return f"{order_id} shipped"
+
+
+def test_a_method_taken_from_its_class_is_refused_and_a_bound_one_is_a_tool() -> None:
+    """``@le.tool`` on a method in its class body (or ``le.tool(Orders.status)``) made
+    ``self`` a required input the model had to supply; it is a ConfigError saying to
+    use the bound method, which is a tool whose input is ``order_id`` alone."""
+    with pytest.raises(le.ConfigError, match="bound method") as caught:
+        le.tool(_Orders.status)
+    assert caught.value.field == "handler"
+    bound = le.tool(_Orders().status)
+    assert bound.input_schema["required"] == ["order_id"]
+    assert bound.validate({"order_id": "A-1"}).order_id == "A-1"
