@@ -8,6 +8,7 @@ cache-marker placement, and the providers themselves: `AnthropicProvider`,
 their SDKs: ``import loopengine`` imports no provider SDK.
 """
 
+import importlib
 import typing
 
 from loopengine.providers._base import (
@@ -54,23 +55,13 @@ __all__ = [
 ]
 
 
+_SDK_PROVIDERS = {"AnthropicProvider": "_anthropic", "OpenAIProvider": "_openai",
+                  "OpenAIResponsesProvider": "_openai_responses", "GeminiProvider": "_gemini"}
+
+
 def __getattr__(name: str) -> typing.Any:
     # The SDK-backed providers load with their SDK (seconds of imports), so
     # only when a program names one.
-    if name == "AnthropicProvider":
-        from loopengine.providers._anthropic import AnthropicProvider
-
-        return AnthropicProvider
-    if name == "OpenAIProvider":
-        from loopengine.providers._openai import OpenAIProvider
-
-        return OpenAIProvider
-    if name == "OpenAIResponsesProvider":
-        from loopengine.providers._openai_responses import OpenAIResponsesProvider
-
-        return OpenAIResponsesProvider
-    if name == "GeminiProvider":
-        from loopengine.providers._gemini import GeminiProvider
-
-        return GeminiProvider
+    if name in _SDK_PROVIDERS:
+        return getattr(importlib.import_module(f"{__name__}.{_SDK_PROVIDERS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -79,6 +79,7 @@ from loopengine.providers._base import (
 )
 from loopengine.providers._cache import place_cache_markers
 from loopengine.providers._faults import (
+    BILLING_REASONS,
     STATUS_KINDS,
     FaultKind,
     ProviderFault,
@@ -87,10 +88,10 @@ from loopengine.providers._faults import (
     is_credit_code,
     response_fault,
     retry_after,
-    retry_info_delay,
     sdk_classifier,
+    status_kind,
 )
-from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
+from loopengine.providers._sdk import SDKProvider, json_body, provider_clients, read_stream
 
 __all__ = [
     "DEFAULT_STREAM_IDLE_TIMEOUT",
@@ -165,8 +166,9 @@ _PLATFORM_KINDS = {
     "internal": FaultKind.SERVER_ERROR,
 }
 
-# Google's reasons (``google.rpc.ErrorInfo``) for a project that cannot be billed.
-_CREDIT_REASONS = frozenset({"BILLING_DISABLED"})
+# What the SDK raises for a request that failed: its own errors and the
+# transport's (never the caller's cancellation, which propagates as it is).
+_FAILURES = (anthropic.AnthropicError, httpx2.HTTPError)
 
 _SDK = SDKErrors(status=anthropic.APIStatusError, timeout=anthropic.APITimeoutError,
                  connection=anthropic.APIConnectionError, base=anthropic.APIError,
@@ -478,24 +480,10 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         return params
 
     async def _send_plain(self, client: AsyncClient, params: dict[str, Any]) -> ProviderResponse:
-        # The raw-response form hands over the body as JSON: the engine keeps
-        # Anthropic-shaped dicts, so building the SDK's models would be wasted.
-        try:
-            async with client.messages.with_streaming_response.create(**params) as raw:
-                request_id = _request_id(raw.headers)
-                status = raw.status_code
-                try:
-                    body = await raw.json()
-                except (httpx2.HTTPError, anthropic.APIError) as error:
-                    raise classify_error(error, request_id=request_id, in_body=True) from error
-                except ValueError:
-                    body = None
-        except (anthropic.AnthropicError, httpx2.HTTPError) as error:
-            raise classify_error(error) from error
-        if not isinstance(body, Mapping) or not isinstance(body.get("content"), list):
-            raise ProviderFault(FaultKind.SERVER_ERROR, "the response body is not a message",
-                                http_status=status, error_code="invalid_response",
-                                request_id=request_id)
+        body, request_id, status = await json_body(
+            client.messages.with_streaming_response.create, params, what="a message",
+            valid=lambda body: isinstance(body.get("content"), list), classify=classify_error,
+            failures=lambda: _FAILURES, request_id_of=_request_id)
         return ProviderResponse(
             content=body["content"],
             stop_reason=body.get("stop_reason"),
@@ -512,11 +500,11 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         try:
             manager = client.messages.stream(**params)
             stream = await manager.__aenter__()
-        except (anthropic.AnthropicError, httpx2.HTTPError) as error:
+        except _FAILURES as error:
             raise classify_error(error) from error
+        request_id = _request_id(stream.response.headers)
         seen: set[str] = set()
         late: dict[str, Any] = {}
-
         inputs: dict[int, list[str]] = {}
 
         def take(event: Any) -> str | None:
@@ -533,28 +521,24 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             # The message so far, once the stream has announced one.
             return stream.current_message_snapshot if "message_start" in seen else None
 
+        def arrived() -> dict[str, Any]:
+            # What a stream that broke had served: its usage (a floor) and its id.
+            snapshot = served()
+            return {"usage": _snapshot_usage(snapshot, late),
+                    "response_id": snapshot.id if snapshot is not None else None}
+
         def cut(message: str, reason: str | None) -> ProviderFault:
             # A stream cut short reports what had arrived: its usage is a floor.
-            snapshot = served()
             return ProviderFault(
                 FaultKind.ABORTED, message, http_status=stream.response.status_code,
-                aborted_reason=reason, request_id=_request_id(stream.response.headers),
-                usage=_snapshot_usage(snapshot, late), usage_approx=True,
-                response_id=snapshot.id if snapshot is not None else None)
-
-        def failed(error: BaseException) -> ProviderFault:
-            snapshot = served()
-            return classify_error(error, request_id=_request_id(stream.response.headers),
-                                  in_body=True, usage=_snapshot_usage(snapshot, late),
-                                  response_id=snapshot.id if snapshot is not None else None)
+                aborted_reason=reason, request_id=request_id, usage_approx=True, **arrived())
 
         await read_stream(
-            stream, idle=self._idle, take=take, failed=failed, cut=cut, on_text=on_text,
-            failures=(anthropic.AnthropicError, httpx2.HTTPError, ValueError, RuntimeError),
-            close=stream.close)
-        if "message_stop" not in seen:
-            # The SDK returns quietly from a stream cut short.
-            raise cut("the stream ended before message_stop", None)
+            stream, idle=self._idle, take=take, cut=cut, on_text=on_text,
+            failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
+                                                **arrived()),
+            failures=(*_FAILURES, ValueError, RuntimeError), close=stream.close,
+            missing=lambda: None if "message_stop" in seen else "message_stop")
         snapshot = served()
         assert snapshot is not None
         return ProviderResponse(
@@ -562,7 +546,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             stop_reason=snapshot.stop_reason,
             usage=_snapshot_usage(snapshot, late),
             response_id=snapshot.id,
-            request_id=_request_id(stream.response.headers),
+            request_id=request_id,
             http_status=stream.response.status_code,
             model=snapshot.model,
         )
@@ -699,15 +683,12 @@ def _status_fault(
     platform, reason, platform_message = _platform_error(error.response.headers, body)
     message = message or platform_message
     kind = _kind(status, error_type or platform, code or reason, message)
-    fault = response_fault(kind, error, error_type=error_type or platform, code=code or reason,
-                           message=message, usage=usage, response_id=response_id, now=now)
-    fault.request_id = _request_id(error.response.headers)
     # Vertex's own errors (a quota's RESOURCE_EXHAUSTED) name their wait in a
     # google.rpc.RetryInfo detail, as Gemini's do: it wins over retry-after.
-    delay = retry_info_delay(google_details(body))
-    if delay is not None:
-        fault.retry_after = delay
-    return fault
+    return response_fault(kind, status, error.response.headers, label=error_type or platform,
+                          code=code or reason, message=message,
+                          request_id=_request_id(error.response.headers), usage=usage,
+                          response_id=response_id, now=now, details=google_details(body))
 
 
 def _request_id(headers: Mapping[str, str]) -> str | None:
@@ -765,7 +746,7 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
         status == 402
         or error_type == "billing_error"
         or is_credit_code(code)
-        or code in _CREDIT_REASONS
+        or code in BILLING_REASONS
         or any(fragment in lowered for fragment in _CREDIT_MESSAGES)
     ):
         return FaultKind.CREDIT_EXHAUSTED
@@ -776,11 +757,7 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
         # After a 200 only the event's type tells what went wrong; an unknown
         # type mid-stream is the server's failure.
         return _TYPE_KINDS.get(error_type or "", FaultKind.SERVER_ERROR)
-    if status in _STATUS_KINDS:
-        return _STATUS_KINDS[status]
-    if status >= 500:
-        return FaultKind.SERVER_ERROR
-    return FaultKind.BAD_REQUEST
+    return status_kind(status, _STATUS_KINDS)
 
 
 classify_error = sdk_classifier(lambda: _SDK, _status_fault)

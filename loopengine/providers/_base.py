@@ -30,8 +30,8 @@ from loopengine._validate import binary_note
 from loopengine.providers._cache import CachePolicy
 
 __all__ = ["FEATURES", "Provider", "ProviderRequest", "ProviderResponse", "TextCallback",
-           "media_note", "priced_geo", "priced_speed", "priced_tier", "text_or_none", "token_count",
-           "vendor_of"]
+           "hand_text", "media_note", "priced_geo", "priced_speed", "priced_tier", "text_or_none",
+           "token_count", "vendor_of"]
 
 TextCallback = Callable[[str], Awaitable[None] | None]
 """Receives streamed text deltas, sync or async."""
@@ -179,6 +179,18 @@ class Provider(Protocol):
             ProviderFault: the request failed; nothing else may escape.
         """
         ...
+
+
+async def hand_text(on_text: TextCallback | None, content: Sequence[Mapping[str, Any]]) -> None:
+    """Hand each text block of a whole reply's ``content`` to ``on_text``, one call
+    each: how a provider whose replies are not streamed from a wire streams them."""
+    if on_text is None:
+        return
+    for block in content:
+        if block.get("type") == "text" and block.get("text"):
+            maybe = on_text(str(block["text"]))
+            if maybe is not None:
+                await maybe
 
 
 def vendor_of(provider: Provider) -> str:

@@ -188,18 +188,14 @@ def place_cache_markers(
     # with a marker somewhere, and the newest one, are walked.
     position: dict[_Slot, tuple[int, int, int]] = {}
     caller: dict[_Slot, Any] = {}
-    for i, tool in enumerate(tools_out):
-        position[_Slot("tools", i)] = (0, i, 0)
-        if "cache_control" in tool:
-            marker = tool.pop("cache_control")
+    parts: dict[Literal["tools", "system"], list[dict[str, Any]]] = {
+        "tools": tools_out, "system": system_out or []}
+    for rank, (part, blocks) in enumerate(parts.items()):
+        for i, block in enumerate(blocks):
+            position[_Slot(part, i)] = (rank, i, 0)
+            marker = block.pop("cache_control", None)
             if marker is not None:
-                caller[_Slot("tools", i)] = marker
-    for i, block in enumerate(system_out or ()):
-        position[_Slot("system", i)] = (1, i, 0)
-        if "cache_control" in block:
-            marker = block.pop("cache_control")
-            if marker is not None:
-                caller[_Slot("system", i)] = marker
+                caller[_Slot(part, i)] = marker
     last = len(messages_out) - 1
     for i, message in enumerate(messages_out):
         content = message.get("content")

@@ -203,12 +203,7 @@ class ClientPerLoop(Generic[C]):
         if entry is not None:
             await entry[1].aclose()
         if spare is not None:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await spare.close()
-                except Exception:
-                    logger.warning("could not close the %s spare client", self._owner,
-                                   exc_info=True)
+            await _close(spare, f"{self._owner} spare client")
         self._forget_ended()
 
     def _forget_ended(self) -> None:
@@ -227,14 +222,19 @@ class ClientPerLoop(Generic[C]):
             with self._lock:
                 if self._clients.get(loop, (None,))[0] is client:
                     del self._clients[loop]
-            # trio cancels async work while it finalises async generators;
-            # closing sockets is exactly the work that must still happen.
-            with anyio.CancelScope(shield=True):
-                try:
-                    await client.close()
-                except Exception:
-                    logger.warning("could not close the %s client of an event loop "
-                                   "that shut down", self._owner, exc_info=True)
+            await _close(client, f"{self._owner} client of an event loop that shut down")
+
+
+async def _close(client: SDKClient, what: str) -> None:
+    """Close ``client`` (``what``, for the log), even while a cancellation unwinds;
+    a failure to close is logged, not raised."""
+    # trio cancels async work while it finalises async generators;
+    # closing sockets is exactly the work that must still happen.
+    with anyio.CancelScope(shield=True):
+        try:
+            await client.close()
+        except Exception:
+            logger.warning("could not close the %s", what, exc_info=True)
 
 
 class BoundClient(Generic[C]):

@@ -31,6 +31,7 @@ from loopengine._errors import LoopEngineError, ProviderError
 from loopengine._usage import Usage
 
 __all__ = [
+    "BILLING_REASONS",
     "CLIENT_STATE",
     "FaultKind",
     "ProviderError",
@@ -47,6 +48,7 @@ __all__ = [
     "retry_after",
     "retry_info_delay",
     "should_retry",
+    "status_kind",
 ]
 
 
@@ -186,6 +188,16 @@ STATUS_KINDS: dict[int, FaultKind] = {
 adapter (an adapter adds its vendor's own statuses, e.g. Anthropic's 529)."""
 
 
+def status_kind(status: int, kinds: Mapping[int, FaultKind] = STATUS_KINDS) -> FaultKind:
+    """The fault of an HTTP status whose body names no more specific one: its entry
+    in ``kinds`` (`STATUS_KINDS`, or an adapter's table of it with its vendor's own
+    statuses), else ``server_error`` for any other 5xx and ``bad_request`` for any
+    other status."""
+    if status in kinds:
+        return kinds[status]
+    return FaultKind.SERVER_ERROR if status >= 500 else FaultKind.BAD_REQUEST
+
+
 def is_credit_code(code: str | None) -> bool:
     """Whether an error ``code`` (or ``type``) says a balance is depleted or a spend
     limit is reached: ``insufficient_quota``, ``credit_balance_exhausted``,
@@ -219,6 +231,10 @@ def retry_after(headers: Mapping[str, str], *, now: datetime | None = None) -> f
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
+
+BILLING_REASONS = frozenset({"BILLING_DISABLED"})
+"""Google's ``google.rpc.ErrorInfo`` reasons that say the project cannot be billed
+(the Gemini API, Claude on Vertex AI): permanent."""
 
 
 def google_details(body: object) -> list[Mapping[str, Any]]:
@@ -372,26 +388,30 @@ def classify_sdk_error(
 
 
 def response_fault(
-    kind: FaultKind, error: Any, *, error_type: str | None, code: str | None, message: str,
-    usage: Usage | None, response_id: str | None, now: datetime | None,
+    kind: FaultKind, status: int | None, headers: Mapping[str, str], *, label: str | None,
+    code: str | None, message: str, request_id: str | None, usage: Usage | None,
+    response_id: str | None, now: datetime | None = None,
+    details: list[Mapping[str, Any]] | None = None, usage_approx: bool | None = None,
 ) -> ProviderFault:
-    """The fault of an error response (an SDK's status error, ``error``) that its
-    adapter read as ``kind``, ``error_type``, ``code`` and ``message``: its status,
-    request id and ``retry-after`` / ``x-should-retry`` headers kept."""
-    status: int = error.status_code
-    headers = error.response.headers
+    """The fault of an error response (or of an error inside a stream, ``status``
+    200) that its adapter read as ``kind``, ``label`` (its error type or status),
+    ``code`` and ``message``: its status, request id and ``x-should-retry``
+    kept, and the wait it asks for (a ``google.rpc.RetryInfo`` among Google's
+    error ``details``, else ``retry-after``). ``usage`` is a floor
+    (``usage_approx``, by default whenever there is one)."""
     where = "mid-stream " if status == 200 else ""
+    delay = retry_info_delay(details or [])
     return ProviderFault(
         kind,
-        f"HTTP {status} {where}{error_type or 'error'}: {message}".rstrip(": "),
+        f"HTTP {status} {where}{label or 'error'}: {message}".rstrip(": "),
         http_status=status,
-        error_code=code or error_type,
-        retry_after=retry_after(headers, now=now),
+        error_code=code or label,
+        retry_after=delay if delay is not None else retry_after(headers, now=now),
         should_retry=should_retry(headers),
-        request_id=error.request_id,
+        request_id=request_id,
         response_id=response_id,
         usage=usage,
-        usage_approx=usage is not None,
+        usage_approx=usage is not None if usage_approx is None else usage_approx,
     )
 
 

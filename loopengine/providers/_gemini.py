@@ -49,7 +49,7 @@ from loopengine.providers._gemini_faults import (
     import_genai,
     read_failures,
 )
-from loopengine.providers._sdk import SDKProvider, read_stream
+from loopengine.providers._sdk import NO_SDK_RETRIES, SDKProvider, read_stream
 
 if TYPE_CHECKING:
     from google import genai
@@ -261,10 +261,9 @@ class GeminiProvider(SDKProvider[_Session]):
             _Chunks(first, stream), idle=self._idle, failures=read_failures(), take=reply.add,
             failed=lambda error: classify_error(error, in_body=True, usage=reply.usage,
                                                 response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=close)
-        if reply.finish_reason is None and reply.block_reason is None:
-            # The SDK returns quietly from a stream cut short.
-            raise cut("the stream ended before its finishReason", None)
+            cut=cut, on_text=on_text, close=close,
+            missing=lambda: "its finishReason"
+            if reply.finish_reason is None and reply.block_reason is None else None)
         return self._response(reply)
 
     @staticmethod
@@ -312,8 +311,6 @@ def _http_options(given: object) -> dict[str, Any]:
     attempts = (retries.get("attempts") if isinstance(retries, Mapping)
                 else getattr(retries, "attempts", None))
     if retries is not None and attempts not in (0, 1):
-        raise ConfigError("http_options", "retry_options: the SDK must not retry on its own: "
-                                          "every wire request is an attempt the engine "
-                                          "counts; set the operation's RetryPolicy instead")
+        raise ConfigError("http_options", f"retry_options: {NO_SDK_RETRIES}")
     options["retry_options"] = {"attempts": 1}
     return options

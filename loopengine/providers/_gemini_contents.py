@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import itertools
 import re
 from collections.abc import Mapping, Sequence
@@ -56,7 +57,13 @@ from loopengine.providers._base import (
     text_or_none,
     token_count,
 )
-from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._translate import (
+    block_kind,
+    check_blocks,
+    function_tool,
+    message_role,
+    untranslatable,
+)
 
 __all__ = [
     "MALFORMED_CALL",
@@ -93,10 +100,10 @@ _ids = itertools.count(1)
 _CALLED = re.compile(r"([A-Za-z_][\w.-]*)\s*\(")
 
 
-def _untranslatable(what: str) -> ProviderFault:
-    return ProviderFault(FaultKind.BAD_REQUEST,
-                         f"{what} has no Gemini equivalent, so the request was not sent",
-                         error_code="untranslatable")
+API = "Gemini"
+
+# The fault of a request holding what the Gemini API has no equivalent for.
+_untranslatable = functools.partial(untranslatable, api=API)
 
 
 # -- the request ------------------------------------------------------------------------
@@ -113,26 +120,17 @@ _RESULT = frozenset({"text", "image", "document"})
 
 def _model_kind(block: Mapping[str, Any]) -> str:
     """An assistant block's kind, when the translation has one for it."""
-    kind = block.get("type")
-    if kind not in _ASSISTANT:
-        raise _untranslatable(f"an assistant {kind!r} block")
-    return str(kind)
+    return block_kind(block, _ASSISTANT, "an assistant {!r} block", API)
 
 
 def _user_kind(block: Mapping[str, Any]) -> str:
     """A user block's kind, when the translation has one for it."""
-    kind = block.get("type")
-    if kind not in _USER:
-        raise _untranslatable(f"a user {kind!r} block")
-    return str(kind)
+    return block_kind(block, _USER, "a user {!r} block", API)
 
 
 def _result_kind(part: Any) -> str:
     """The kind of a block inside a tool result, when the translation has one for it."""
-    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-    if kind not in _RESULT:
-        raise _untranslatable(f"a {kind!r} block inside a tool result")
-    return str(kind)
+    return block_kind(part, _RESULT, "a {!r} block inside a tool result", API)
 
 
 def _base64(block: Mapping[str, Any]) -> bool:
@@ -189,14 +187,6 @@ def _result(block: Mapping[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     return "\n\n".join(texts), media
 
 
-def _role(message: Mapping[str, Any]) -> str:
-    """The message's role, when the translation has one for it."""
-    role = message.get("role")
-    if role not in ("assistant", "user"):
-        raise _untranslatable(f"a message with role {role!r}")
-    return str(role)
-
-
 def check_translatable(request: ProviderRequest) -> None:
     """Raise what `gemini_contents` would raise for ``request``, without
     translating it: the translation's own checks, block by block, in its order.
@@ -205,26 +195,29 @@ def check_translatable(request: ProviderRequest) -> None:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role or
             a ``tool_choice`` that has no Gemini equivalent.
     """
-    for message in request.messages:
-        role = _role(message)
-        content = message.get("content")
-        if isinstance(content, str):
-            continue
-        for block in content or ():
-            if role == "assistant":
-                if _model_kind(block) == "thinking":
-                    _signature(block.get("signature"))
-                continue
-            kind = _user_kind(block)
-            if kind == "tool_result":
-                result = block.get("content")
-                for part in () if result is None or isinstance(result, str) else result:
-                    if _result_kind(part) != "text" and _base64(part):
-                        _data(part)
-            elif kind != "text":
-                _data(block)
+    check_blocks(request, _model_check, _user_check, API)
     if request.tools:
         _tool_config(request.tool_choice)
+
+
+def _model_check(block: Mapping[str, Any]) -> None:
+    """Refuse an assistant block the translation has no part for (`_model_kind`),
+    or a ``thinking`` block whose signature is not base64."""
+    if _model_kind(block) == "thinking":
+        _signature(block.get("signature"))
+
+
+def _user_check(block: Mapping[str, Any]) -> None:
+    """Refuse a user block the translation has no part for (`_user_kind`), or
+    whose data (or a tool result's media) is not base64."""
+    kind = _user_kind(block)
+    if kind == "tool_result":
+        result = block.get("content")
+        for part in () if result is None or isinstance(result, str) else result:
+            if _result_kind(part) != "text" and _base64(part):
+                _data(part)
+    elif kind != "text":
+        _data(block)
 
 
 def gemini_contents(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -239,7 +232,7 @@ def gemini_contents(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     out: list[dict[str, Any]] = []
     for message in messages:
         content = message.get("content")
-        if _role(message) == "assistant":
+        if message_role(message, API) == "assistant":
             parts = _model_parts(content, names, malformed)
             if parts:
                 out.append({"role": "model", "parts": parts})
@@ -318,19 +311,18 @@ def _user_parts(content: Any, names: Mapping[str, str],
     return [*responses, *parts] or [{"text": ""}]
 
 
+_MODES = {"auto": "AUTO", "none": "NONE", "any": "ANY"}
+
+
 def _tool_config(choice: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if choice is None:
         return None
     kind = choice.get("type")
-    if kind == "auto":
-        return {"function_calling_config": {"mode": "AUTO"}}
-    if kind == "none":
-        return {"function_calling_config": {"mode": "NONE"}}
-    if kind == "any":
-        return {"function_calling_config": {"mode": "ANY"}}
     if kind == "tool":
         return {"function_calling_config": {"mode": "ANY",
                                             "allowed_function_names": [choice.get("name")]}}
+    if isinstance(kind, str) and kind in _MODES:
+        return {"function_calling_config": {"mode": _MODES[kind]}}
     raise _untranslatable(f"tool_choice {kind!r}")
 
 
@@ -349,15 +341,8 @@ def gemini_config(request: ProviderRequest, http_options: dict[str, Any]) -> dic
         config["system_instruction"] = {"parts": [{"text": str(block.get("text", ""))}
                                                   for block in request.system]}
     if request.tools:
-        declarations = []
-        for tool in request.tools:
-            declaration: dict[str, Any] = {
-                "name": tool.get("name"),
-                "parameters_json_schema": tool.get("input_schema") or {"type": "object"}}
-            if tool.get("description"):
-                declaration["description"] = tool["description"]
-            declarations.append(declaration)
-        config["tools"] = [{"function_declarations": declarations}]
+        config["tools"] = [{"function_declarations": [
+            function_tool(tool, "parameters_json_schema") for tool in request.tools]}]
         tool_config = _tool_config(request.tool_choice)
         if tool_config is not None:
             config["tool_config"] = tool_config

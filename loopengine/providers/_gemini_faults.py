@@ -54,22 +54,18 @@ import httpx2
 from loopengine._usage import Usage
 from loopengine.providers._base import text_or_none as _text
 from loopengine.providers._faults import (
-    STATUS_KINDS,
+    BILLING_REASONS,
     FaultKind,
     ProviderFault,
     SDKErrors,
     classify_sdk_error,
     google_detail,
     google_details,
-    retry_after,
-    retry_info_delay,
-    should_retry,
+    response_fault,
+    status_kind,
 )
 
 __all__ = ["BILLING_REASONS", "classify_error", "failures", "import_genai", "read_failures"]
-
-BILLING_REASONS = frozenset({"BILLING_DISABLED"})
-"""``ErrorInfo.reason`` values that say the project cannot be billed: permanent."""
 
 # Lowercased fragments of the message of depleted prepaid credits.
 _CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted")
@@ -143,40 +139,23 @@ def error_kind(code: int, status: str | None, message: str,
     if code in (0, 200):
         # An error inside a stream: only its status tells what went wrong.
         return _STATUS_NAMES.get(status or "", FaultKind.SERVER_ERROR), reason or status
-    if code in STATUS_KINDS:
-        return STATUS_KINDS[code], reason or status
-    if code >= 500:
-        return FaultKind.SERVER_ERROR, reason or status
-    return FaultKind.BAD_REQUEST, reason or status
+    return status_kind(code), reason or status
 
 
 def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
                   now: datetime | None, in_stream: bool = False) -> ProviderFault:
     response = getattr(error, "response", None)
     headers = getattr(response, "headers", None) or {}
-    http_status = getattr(response, "status_code", None)
     code = int(error.code) if isinstance(error.code, int) else 0
     message = _text(error.message) or ""
     details = google_details(error.details)
     # An error event inside a stream comes with its own code; the response was a 200.
     kind, recorded = error_kind(code, _text(error.status), message, details)
-    http_status = 200 if in_stream else code or http_status
-    delay = retry_info_delay(details)
-    if delay is None and isinstance(headers, Mapping):
-        delay = retry_after({k.lower(): v for k, v in headers.items()}, now=now)
-    where = "mid-stream " if http_status == 200 else ""
-    return ProviderFault(
-        kind,
-        f"HTTP {http_status} {where}{error.status or 'error'}: {message}".rstrip(": "),
-        http_status=http_status,
-        error_code=recorded,
-        retry_after=delay,
-        should_retry=should_retry({k.lower(): v for k, v in headers.items()})
-        if isinstance(headers, Mapping) else None,
-        response_id=response_id,
-        usage=usage,
-        usage_approx=usage is not None,
-    )
+    return response_fault(
+        kind, 200 if in_stream else code or getattr(response, "status_code", None),
+        {k.lower(): v for k, v in headers.items()} if isinstance(headers, Mapping) else {},
+        label=error.status, code=recorded, message=message, request_id=None, usage=usage,
+        response_id=response_id, now=now, details=details)
 
 
 def classify_error(error: BaseException, *, request_id: str | None = None,

@@ -19,9 +19,9 @@ this module imports it only when a provider is built.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from loopengine import _validate
@@ -49,6 +49,7 @@ from loopengine.providers._openai_faults import (
     read_failures,
 )
 from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
+from loopengine.providers._sdk import json_body as sdk_json_body
 
 if TYPE_CHECKING:
     import openai
@@ -97,30 +98,11 @@ def openai_clients(
     return clients, vendor
 
 
-async def json_body(
-    create: Callable[..., AbstractAsyncContextManager[Any]], params: dict[str, Any]
-) -> tuple[object, str | None, int]:
-    """One request through an SDK method's raw-response form (``create`` of
-    ``with_streaming_response``): its body as JSON (None when it is not JSON),
-    its request id and its status. The raw form hands over the body as JSON:
-    the engine keeps dicts, so building the SDK's models would be wasted.
-
-    Raises:
-        ProviderFault: the request failed (`classify_error`).
-    """
-    try:
-        async with create(**params) as raw:
-            request_id: str | None = raw.headers.get("x-request-id")
-            status: int = raw.status_code
-            try:
-                body = await raw.json()
-            except failures() as error:
-                raise classify_error(error, request_id=request_id, in_body=True) from error
-            except ValueError:
-                body = None
-    except failures() as error:
-        raise classify_error(error) from error
-    return body, request_id, status
+json_body = functools.partial(sdk_json_body, classify=classify_error, failures=failures,
+                              request_id_of=lambda headers: headers.get("x-request-id"))
+"""One request of the ``openai`` SDK read whole (`loopengine.providers._sdk.json_body`, with
+`classify_error`, the SDK's errors and its ``x-request-id``): its body, a JSON object
+``valid`` accepts, its request id and its status."""
 
 
 class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
@@ -235,15 +217,11 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
     async def _send_plain(self, client: openai.AsyncOpenAI,
                           params: dict[str, Any]) -> ProviderResponse:
         body, request_id, status = await json_body(
-            client.chat.completions.with_streaming_response.create, params)
-        choice = first_choice(body)
-        message = choice.get("message") if choice is not None else None
-        if choice is None or not isinstance(message, Mapping) or not isinstance(body, Mapping):
-            raise ProviderFault(FaultKind.SERVER_ERROR,
-                                "the response body is not a chat completion",
-                                http_status=status, error_code="invalid_response",
-                                request_id=request_id)
-        content, stop = content_from_message(message, choice.get("finish_reason"))
+            client.chat.completions.with_streaming_response.create, params,
+            what="a chat completion", valid=lambda body: isinstance(
+                (first_choice(body) or {}).get("message"), Mapping))
+        choice = first_choice(body) or {}
+        content, stop = content_from_message(choice["message"], choice.get("finish_reason"))
         return ProviderResponse(
             content=content,
             stop_reason=stop,
@@ -304,13 +282,9 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
                                                 usage=reply.usage,
                                                 response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=stream.close)
-        missing = ("its finish_reason" if reply.finish_reason is None
-                   else "its usage chunk" if reply.usage is None and self._usage_required
-                   else None)
-        if missing is not None:
-            # The SDK returns quietly from a stream cut short.
-            raise cut(f"the stream ended before {missing}", None)
+            cut=cut, on_text=on_text, close=stream.close,
+            missing=lambda: "its finish_reason" if reply.finish_reason is None
+            else "its usage chunk" if reply.usage is None and self._usage_required else None)
         if reply.usage is None and not self._usage_warned:
             # The reply is whole (its finish_reason came after its last
             # content); only its usage is unknown, as the caller allowed.

@@ -42,31 +42,40 @@ from loopengine.providers._base import (
     text_or_none,
     token_count,
 )
-from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._translate import (
+    block_kind,
+    check_blocks,
+    function_tool,
+    message_role,
+    untranslatable,
+)
 
 __all__ = [
     "StreamedCompletion",
     "arguments",
+    "call_arguments",
     "chat_messages",
     "chat_params",
     "chat_tool_choice",
     "chat_tools",
-    "check_blocks",
     "check_translatable",
     "content_from_message",
     "first_choice",
     "image_source",
     "image_url",
-    "message_role",
     "openai_usage",
     "result_blocks",
     "result_text",
     "stop_reason",
+    "system_text",
     "text_of",
-    "untranslatable",
+    "tool_params",
+    "user_kind",
     "user_turn",
     "usage_from_api",
 ]
+
+API = "Chat Completions"
 
 _FINISH_REASONS = {
     "stop": "end_turn",
@@ -75,9 +84,6 @@ _FINISH_REASONS = {
     "length": "max_tokens",
     "content_filter": "refusal",
 }
-
-# Error types (and codes) that tell what went wrong when there is no status
-# to read: an error object inside a stream that began with a 200.
 
 
 def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
@@ -90,12 +96,7 @@ def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
     }
     if request.tools:
         params["tools"] = chat_tools(request.tools)
-        choice = chat_tool_choice(request.tool_choice)
-        if choice is not None:
-            params["tool_choice"] = choice
-        if request.tool_choice is not None and request.tool_choice.get(
-                "disable_parallel_tool_use") is True:
-            params["parallel_tool_calls"] = False
+        tool_params(params, request, chat_tool_choice)
     if request.features.reasoning_effort is not None:
         params["reasoning_effort"] = request.features.reasoning_effort
     if request.features.service_tier is not None:
@@ -104,6 +105,19 @@ def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         params["stream"] = True
         params["stream_options"] = {"include_usage": True}
     return params
+
+
+def tool_params(params: dict[str, Any], request: ProviderRequest,
+                choose: Callable[[Mapping[str, Any] | None], object]) -> None:
+    """Put a request's ``tool_choice`` (as ``choose`` translates it; none for the
+    default) and its ``disable_parallel_tool_use`` (``parallel_tool_calls``
+    false) in ``params``, as both OpenAI APIs take them."""
+    choice = choose(request.tool_choice)
+    if choice is not None:
+        params["tool_choice"] = choice
+    if request.tool_choice is not None and request.tool_choice.get(
+            "disable_parallel_tool_use") is True:
+        params["parallel_tool_calls"] = False
 
 
 def first_choice(body: object) -> Mapping[str, Any] | None:
@@ -189,86 +203,48 @@ class StreamedCompletion:
         return content_from_message(message, self.finish_reason)
 
 
-
-
-def untranslatable(what: str, api: str = "Chat Completions") -> ProviderFault:
-    """The fault of a request holding ``what``, which ``api`` has no equivalent for."""
-    return ProviderFault(FaultKind.BAD_REQUEST,
-                         f"{what} has no {api} equivalent, so the request was not "
-                         "sent", error_code="untranslatable")
-
-
 # What the translation can send, checked in one place: `check_translatable`
 # (before the attempt is recorded) and the translation itself (in `send`)
 # ask the same questions below, so they cannot disagree.
 
-_ASSISTANT_SENT = frozenset({"text", "tool_use"})
-_ASSISTANT_DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning"})
+# Sent (text, tool_use), or dropped (another vendor's reasoning).
+_ASSISTANT_KINDS = frozenset({"text", "tool_use", "thinking", "redacted_thinking", "reasoning"})
 _USER_SENT = frozenset({"tool_result", "text", "image"})
-
-
-def message_role(message: Mapping[str, Any], api: str = "Chat Completions") -> str:
-    """The message's role, when the translation has one for it."""
-    role = message.get("role")
-    if role not in ("assistant", "user"):
-        raise untranslatable(f"a message with role {role!r}", api)
-    return str(role)
-
-
-def check_blocks(request: ProviderRequest, assistant_kind: Callable[[Mapping[str, Any]], str],
-                 user_kind: Callable[[Mapping[str, Any]], str],
-                 api: str = "Chat Completions") -> None:
-    """Every block of the request's messages through its role's kind check
-    (each raises on a block ``api`` has no equivalent for)."""
-    for message in request.messages:
-        role = message_role(message, api)
-        content = message.get("content")
-        if isinstance(content, str):
-            continue
-        kind_of = assistant_kind if role == "assistant" else user_kind
-        for block in content or ():
-            kind_of(block)
 
 
 def _assistant_kind(block: Mapping[str, Any]) -> str:
     """An assistant block's kind: sent (``text``, ``tool_use``) or dropped
     (another vendor's reasoning, nothing to send it as)."""
-    kind = block.get("type")
-    if kind not in _ASSISTANT_SENT and kind not in _ASSISTANT_DROPPED:
-        raise untranslatable(f"an assistant {kind!r} block")
-    return str(kind)
+    return block_kind(block, _ASSISTANT_KINDS, "an assistant {!r} block", API)
 
 
-def _user_kind(block: Mapping[str, Any]) -> str:
-    """A user block's kind, once what it holds is known to translate: a tool
-    result of text only, an image of base64 data or a URL."""
-    kind = block.get("type")
-    if kind not in _USER_SENT:
-        raise untranslatable(f"a user {kind!r} block")
+def user_kind(block: Mapping[str, Any], api: str = API) -> str:
+    """A user block's kind, once what it holds is known to translate (what
+    `result_text` and `image_url` would refuse), without translating it: a
+    tool result of text, images and documents, an image of base64 data or a URL."""
+    kind = block_kind(block, _USER_SENT, "a user {!r} block", api)
     if kind == "tool_result":
-        result_blocks(block.get("content"))
+        result_blocks(block.get("content"), api)
     elif kind == "image":
-        image_source(block)
+        image_source(block, api)
     return str(kind)
 
 
 _RESULT_SENT = frozenset({"text", "image", "document"})
 
 
-def result_blocks(content: Any, api: str = "Chat Completions") -> Sequence[Mapping[str, Any]]:
+def result_blocks(content: Any, api: str = API) -> Sequence[Mapping[str, Any]]:
     """A tool result's blocks (none for a string or no content): text, and images
     and documents, which a ``tool`` message (a ``function_call_output``) carries
     as text saying what they were (`result_text`)."""
     if content is None or isinstance(content, str):
         return ()
     for block in content:
-        if not isinstance(block, Mapping) or block.get("type") not in _RESULT_SENT:
-            kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
-            raise untranslatable(f"a {kind!r} block inside a tool result", api)
+        block_kind(block, _RESULT_SENT, "a {!r} block inside a tool result", api)
     return content  # type: ignore[no-any-return]
 
 
-def image_source(block: Mapping[str, Any], api: str = "Chat Completions") -> Mapping[str, Any]:
+def image_source(block: Mapping[str, Any], api: str = API) -> Mapping[str, Any]:
     """An image block's source, when it is base64 data or a URL."""
     source = block.get("source")
     if isinstance(source, Mapping) and source.get("type") in ("base64", "url"):
@@ -283,7 +259,7 @@ def check_translatable(request: ProviderRequest) -> None:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role
             or a ``tool_choice`` that has no Chat Completions equivalent.
     """
-    check_blocks(request, _assistant_kind, _user_kind)
+    check_blocks(request, _assistant_kind, user_kind, API)
     if request.tools:
         chat_tool_choice(request.tool_choice)
 
@@ -299,15 +275,27 @@ def chat_messages(
     """
     out: list[dict[str, Any]] = []
     if system:
-        out.append({"role": "system", "content": "\n\n".join(
-            str(block.get("text", "")) for block in system)})
+        out.append({"role": "system", "content": system_text(system)})
     for message in messages:
         content = message.get("content")
-        if message_role(message) == "assistant":
+        if message_role(message, API) == "assistant":
             out.append(_assistant_message(content))
         else:
             out.extend(_user_messages(content))
     return out
+
+
+def system_text(system: Sequence[Mapping[str, Any]]) -> str:
+    """The text of Anthropic ``system`` blocks, as the one system message (or the
+    ``instructions``) both OpenAI APIs take."""
+    return "\n\n".join(str(block.get("text", "")) for block in system)
+
+
+def call_arguments(block: Mapping[str, Any]) -> str:
+    """A ``tool_use`` block's ``input`` as the ``arguments`` string both OpenAI APIs
+    take: JSON, or, for arguments the model sent malformed, the text as it came."""
+    tool_input = block.get("input", {})
+    return tool_input if isinstance(tool_input, str) else json.dumps(tool_input)
 
 
 def _assistant_message(content: Any) -> dict[str, Any]:
@@ -320,11 +308,9 @@ def _assistant_message(content: Any) -> dict[str, Any]:
         if kind == "text":
             texts.append(str(block.get("text", "")))
         elif kind == "tool_use":
-            tool_input = block.get("input", {})
-            # Arguments the model sent malformed are sent back as they came.
-            arguments = tool_input if isinstance(tool_input, str) else json.dumps(tool_input)
             calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name"), "arguments": arguments}})
+                          "function": {"name": block.get("name"),
+                                       "arguments": call_arguments(block)}})
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
         message["tool_calls"] = calls
@@ -335,7 +321,7 @@ def _assistant_message(content: Any) -> dict[str, Any]:
 
 def _user_messages(content: Any) -> list[dict[str, Any]]:
     return user_turn(
-        content, _user_kind,
+        content, user_kind,
         result=lambda block: {"role": "tool", "tool_call_id": block.get("tool_use_id"),
                               "content": result_text(block)},
         text_part=lambda text: {"type": "text", "text": text},
@@ -380,7 +366,7 @@ def user_turn(
     return out
 
 
-def result_text(block: Mapping[str, Any], api: str = "Chat Completions") -> str:
+def result_text(block: Mapping[str, Any], api: str = API) -> str:
     """A ``tool_result`` block's text, ``Error: ``-prefixed when it is an error
     (neither API has an error flag, so the model reads it as a failure)."""
     content = block.get("content")
@@ -400,7 +386,7 @@ def _result_part(block: Mapping[str, Any]) -> str:
     return media_note(block)
 
 
-def image_url(block: Mapping[str, Any], api: str = "Chat Completions") -> str:
+def image_url(block: Mapping[str, Any], api: str = API) -> str:
     """An image block as the URL both APIs take (a ``data:`` URL for base64 data)."""
     source = image_source(block, api)
     if source.get("type") == "base64":
@@ -410,30 +396,24 @@ def image_url(block: Mapping[str, Any], api: str = "Chat Completions") -> str:
 
 def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Chat Completions ``function`` tools for Anthropic tool definitions."""
-    out = []
-    for tool in tools:
-        function: dict[str, Any] = {"name": tool.get("name"),
-                                    "parameters": tool.get("input_schema") or {"type": "object"}}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
-    return out
+    return [{"type": "function", "function": function_tool(tool)} for tool in tools]
 
 
-def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
-    """The Chat Completions ``tool_choice`` for an Anthropic one (None: the default)."""
+_TOOL_CHOICES = {"auto": "auto", "none": "none", "any": "required"}
+
+
+def chat_tool_choice(choice: Mapping[str, Any] | None,
+                     api: str = API) -> str | dict[str, Any] | None:
+    """The Chat Completions ``tool_choice`` for an Anthropic one (None: the default);
+    a kind it has no equivalent for is refused, the fault naming ``api``."""
     if choice is None:
         return None
     kind = choice.get("type")
-    if kind == "auto":
-        return "auto"
-    if kind == "none":
-        return "none"
-    if kind == "any":
-        return "required"
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise untranslatable(f"tool_choice {kind!r}")
+    if isinstance(kind, str) and kind in _TOOL_CHOICES:
+        return _TOOL_CHOICES[kind]
+    raise untranslatable(f"tool_choice {kind!r}", api)
 
 
 def text_of(content: object) -> str:
@@ -516,30 +496,32 @@ def usage_from_api(raw: object, service_tier: object = None) -> Usage | None:
     """
     if not isinstance(raw, Mapping):
         return None
-    completion = raw.get("completion_tokens_details")
     return openai_usage(raw.get("prompt_tokens"), raw.get("prompt_tokens_details"),
-                        raw.get("completion_tokens"),
-                        completion.get("reasoning_tokens") if isinstance(completion, Mapping)
-                        else 0, service_tier)
+                        raw.get("completion_tokens"), raw.get("completion_tokens_details"),
+                        service_tier)
 
 
 def openai_usage(prompt_tokens: object, prompt_details: object, output_tokens: object,
-                 reasoning_tokens: object, service_tier: object = None, *,
+                 output_details: object, service_tier: object = None, *,
                  web_search_requests: int = 0) -> Usage:
     """The `Usage` of OpenAI's counts, for both of its APIs (Chat Completions'
-    ``prompt_tokens`` / ``prompt_tokens_details`` / ``completion_tokens``, the
-    Responses API's ``input_tokens`` / ``input_tokens_details`` /
-    ``output_tokens``): the prompt count holds the cached and the cache-written
-    tokens, so the uncached input is what is left of it. Missing or null counts
-    are 0; no part exceeds its whole."""
+    ``prompt_tokens`` / ``prompt_tokens_details`` / ``completion_tokens`` /
+    ``completion_tokens_details``, the Responses API's ``input_tokens`` /
+    ``input_tokens_details`` / ``output_tokens`` / ``output_tokens_details``):
+    the prompt count holds the cached and the cache-written tokens, so the
+    uncached input is what is left of it; the output details' reasoning tokens
+    are inside the output count. Missing or null counts are 0; no part exceeds
+    its whole."""
     prompt = token_count(prompt_tokens)
     output = token_count(output_tokens)
     cached = written = 0
     if isinstance(prompt_details, Mapping):
         cached = min(prompt, token_count(prompt_details.get("cached_tokens")))
         written = min(prompt - cached, token_count(prompt_details.get("cache_write_tokens")))
+    reasoning = (output_details.get("reasoning_tokens") if isinstance(output_details, Mapping)
+                 else 0)
     return Usage(input_tokens=prompt - cached - written, output_tokens=output,
                  cache_read_tokens=cached, cache_write_tokens=written,
-                 reasoning_tokens=min(output, token_count(reasoning_tokens)),
+                 reasoning_tokens=min(output, token_count(reasoning)),
                  web_search_requests=web_search_requests,
                  service_tier=priced_tier(service_tier))

@@ -41,13 +41,13 @@ import httpx2
 from loopengine._usage import Usage
 from loopengine.providers._base import text_or_none as _text
 from loopengine.providers._faults import (
-    STATUS_KINDS,
     FaultKind,
     ProviderFault,
     SDKErrors,
     is_credit_code,
     response_fault,
     sdk_classifier,
+    status_kind,
 )
 
 __all__ = ["classify_error", "event_fault", "failures", "import_openai", "read_failures"]
@@ -124,9 +124,10 @@ def _status_fault(
     error: Any, *, usage: Usage | None, response_id: str | None, now: datetime | None
 ) -> ProviderFault:
     error_type, code, message = _error_fields(error)
-    return response_fault(_kind(error.status_code, error_type, code), error,
-                          error_type=error_type, code=code, message=message, usage=usage,
-                          response_id=response_id, now=now)
+    return response_fault(_kind(error.status_code, error_type, code), error.status_code,
+                          error.response.headers, label=error_type, code=code, message=message,
+                          request_id=error.request_id, usage=usage, response_id=response_id,
+                          now=now)
 
 
 def _stream_fault(
@@ -150,14 +151,10 @@ def event_fault(
     default whenever there is one) unless it is a failed response's own."""
     fields = error if isinstance(error, Mapping) else {}
     error_type, code = _text(fields.get("type")), _text(fields.get("code"))
-    message = _text(fields.get("message")) or ""
-    return ProviderFault(
-        _kind(200, error_type, code),
-        f"HTTP 200 mid-stream {code or error_type or 'error'}: {message}".rstrip(": "),
-        http_status=200, error_code=code or error_type, request_id=request_id,
-        response_id=response_id, usage=usage,
-        usage_approx=usage is not None if usage_approx is None else usage_approx,
-    )
+    return response_fault(_kind(200, error_type, code), 200, {}, label=code or error_type,
+                          code=code, message=_text(fields.get("message")) or "",
+                          request_id=request_id, usage=usage, response_id=response_id,
+                          usage_approx=usage_approx)
 
 
 def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
@@ -171,11 +168,7 @@ def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
             return FaultKind.BAD_REQUEST
         return _TYPE_KINDS.get(code or "", _TYPE_KINDS.get(error_type or "",
                                                            FaultKind.SERVER_ERROR))
-    if status in STATUS_KINDS:
-        return STATUS_KINDS[status]
-    if status >= 500:
-        return FaultKind.SERVER_ERROR
-    return FaultKind.BAD_REQUEST
+    return status_kind(status)
 
 
 classify_error = sdk_classifier(_sdk, _status_fault, _stream_fault)

@@ -127,11 +127,8 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
     async def _send_plain(self, client: openai.AsyncOpenAI,
                           params: dict[str, Any]) -> ProviderResponse:
         body, request_id, status = await json_body(
-            client.responses.with_streaming_response.create, params)
-        if not isinstance(body, Mapping) or not isinstance(body.get("output"), list):
-            raise ProviderFault(FaultKind.SERVER_ERROR, "the response body is not a response",
-                                http_status=status, error_code="invalid_response",
-                                request_id=request_id)
+            client.responses.with_streaming_response.create, params, what="a response",
+            valid=lambda body: isinstance(body.get("output"), list))
         return _finished(body, request_id=request_id, http_status=status)
 
     async def _send_streaming(
@@ -162,11 +159,9 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
             stream, idle=self._idle, failures=read_failures(), take=take,
             failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
                                                 response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=stream.close)
-        if reply.final is None:
-            # The SDK returns quietly from a stream cut short.
-            raise cut("the stream ended before response.completed or response.incomplete",
-                      None)
+            cut=cut, on_text=on_text, close=stream.close,
+            missing=lambda: "response.completed or response.incomplete"
+            if reply.final is None else None)
         return _finished(reply.response(), request_id=request_id,
                          http_status=response.status_code)
 

@@ -44,19 +44,23 @@ from typing import Any
 
 from loopengine._usage import Usage
 from loopengine.providers._base import ProviderRequest, text_or_none, token_count
-from loopengine.providers._faults import ProviderFault
 from loopengine.providers._openai_chat import (
     arguments,
+    call_arguments,
     chat_tool_choice,
-    check_blocks,
-    image_source,
     image_url,
-    message_role,
     openai_usage,
-    result_blocks,
     result_text,
-    untranslatable,
+    system_text,
+    tool_params,
+    user_kind,
     user_turn,
+)
+from loopengine.providers._translate import (
+    check_blocks,
+    function_tool,
+    message_role,
+    untranslatable,
 )
 
 __all__ = [
@@ -77,7 +81,6 @@ ENCRYPTED_REASONING = "reasoning.encrypted_content"
 """The ``include`` value that asks for reasoning items' ``encrypted_content``."""
 
 _DROPPED = frozenset({"thinking", "redacted_thinking"})
-_USER_SENT = frozenset({"tool_result", "text", "image"})
 
 
 WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search_preview",
@@ -103,17 +106,8 @@ def _assistant_kind(block: Mapping[str, Any]) -> str:
     raise untranslatable(f"an assistant {kind!r} block", API)
 
 
-def _user_kind(block: Mapping[str, Any]) -> str:
-    """A user block's kind, once what it holds is known to translate (what
-    `result_text` and `image_url` would refuse), without translating it."""
-    kind = block.get("type")
-    if kind not in _USER_SENT:
-        raise untranslatable(f"a user {kind!r} block", API)
-    if kind == "tool_result":
-        result_blocks(block.get("content"), API)
-    elif kind == "image":
-        image_source(block, API)
-    return str(kind)
+# A user block's kind, checked as Chat Completions checks it, its faults naming this API.
+_user_kind = functools.partial(user_kind, api=API)
 
 
 def _check_server_tools(request: ProviderRequest) -> None:
@@ -151,16 +145,11 @@ def responses_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any
         "timeout": request.timeout,
     }
     if request.system:
-        params["instructions"] = "\n\n".join(str(block.get("text", ""))
-                                             for block in request.system)
-    tools: list[dict[str, Any]] = [_function_tool(tool) for tool in request.tools]
+        params["instructions"] = system_text(request.system)
+    tools: list[dict[str, Any]] = [{"type": "function", **function_tool(tool), "strict": False}
+                                   for tool in request.tools]
     if request.tools:
-        choice = _tool_choice(request.tool_choice)
-        if choice is not None:
-            params["tool_choice"] = choice
-        if request.tool_choice is not None and request.tool_choice.get(
-                "disable_parallel_tool_use") is True:
-            params["parallel_tool_calls"] = False
+        tool_params(params, request, _tool_choice)
     features = request.features
     _check_server_tools(request)
     for server_tool in features.server_tools:
@@ -183,21 +172,8 @@ def responses_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any
     return params
 
 
-def _function_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": "function", "name": tool.get("name"),
-                           "parameters": tool.get("input_schema") or {"type": "object"},
-                           "strict": False}
-    if tool.get("description"):
-        out["description"] = tool["description"]
-    return out
-
-
 def _tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
-    try:
-        chosen = chat_tool_choice(choice)
-    except ProviderFault:
-        raise untranslatable(f"tool_choice {choice.get('type') if choice else None!r}",
-                             API) from None
+    chosen = chat_tool_choice(choice, API)
     if isinstance(chosen, dict):
         # The Responses API names the function at the top level.
         return {"type": "function", "name": chosen["function"]["name"]}
@@ -251,11 +227,8 @@ def _assistant_items(content: Any) -> list[dict[str, Any]]:
             continue
         flush()
         if kind == "tool_use":
-            tool_input = block.get("input", {})
-            # Arguments the model sent malformed are sent back as they came.
-            sent = tool_input if isinstance(tool_input, str) else json.dumps(tool_input)
             add({"type": "function_call", "call_id": block.get("id"),
-                 "name": block.get("name"), "arguments": sent})
+                 "name": block.get("name"), "arguments": call_arguments(block)})
         elif kind == "reasoning":
             if block.get("encrypted_content"):
                 items.append({"type": "reasoning", "id": block.get("id"),
@@ -334,10 +307,8 @@ def usage_from_response(response: Mapping[str, Any]) -> Usage | None:
     raw = response.get("usage")
     if not isinstance(raw, Mapping):
         return None
-    details = raw.get("output_tokens_details")
     return openai_usage(raw.get("input_tokens"), raw.get("input_tokens_details"),
-                        raw.get("output_tokens"),
-                        details.get("reasoning_tokens") if isinstance(details, Mapping) else 0,
+                        raw.get("output_tokens"), raw.get("output_tokens_details"),
                         response.get("service_tier"),
                         web_search_requests=_web_searches(response))
 

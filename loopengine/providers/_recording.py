@@ -31,6 +31,7 @@ from loopengine.providers._base import (
     ProviderRequest,
     ProviderResponse,
     TextCallback,
+    hand_text,
 )
 from loopengine.providers._faults import ProviderFault
 
@@ -41,6 +42,7 @@ VERSION = 1
 
 _FAULT_FIELDS = ("http_status", "error_code", "retry_after", "should_retry", "request_id",
                  "response_id", "usage_approx", "aborted_reason")
+_RESPONSE_FIELDS = ("stop_reason", "response_id", "request_id", "http_status", "model")
 
 
 def request_body(request: ProviderRequest) -> dict[str, Any]:
@@ -140,12 +142,8 @@ class RecordingProvider:
             raise
         entry["response"] = {
             "content": list(response.content),
-            "stop_reason": response.stop_reason,
             "usage": _usage_json(response.usage, self.inner.inference_geo),
-            "response_id": response.response_id,
-            "request_id": response.request_id,
-            "http_status": response.http_status,
-            "model": response.model,
+            **{name: getattr(response, name) for name in _RESPONSE_FIELDS},
         }
         self._write(entry)
         return response
@@ -244,20 +242,11 @@ class ReplayProvider:
                                 **recorded)
         recorded = entry["response"]
         usage = recorded["usage"]
-        if on_text is not None:
-            for block in recorded["content"]:
-                if block.get("type") == "text" and block.get("text"):
-                    maybe = on_text(block["text"])
-                    if maybe is not None:
-                        await maybe
+        await hand_text(on_text, recorded["content"])
         return ProviderResponse(
             content=recorded["content"],
-            stop_reason=recorded["stop_reason"],
             usage=Usage(**usage) if usage else None,
-            response_id=recorded["response_id"],
-            request_id=recorded["request_id"],
-            http_status=recorded["http_status"],
-            model=recorded["model"],
+            **{name: recorded[name] for name in _RESPONSE_FIELDS},
         )
 
 

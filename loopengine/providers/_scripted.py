@@ -19,7 +19,13 @@ import anyio.lowlevel
 
 from loopengine._clock import Clock, SystemClock
 from loopengine._usage import Usage
-from loopengine.providers._base import FEATURES, ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._base import (
+    FEATURES,
+    ProviderRequest,
+    ProviderResponse,
+    TextCallback,
+    hand_text,
+)
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = ["Reply", "ScriptItem", "ScriptedProvider"]
@@ -168,12 +174,7 @@ class ScriptedProvider:
             await self.clock.sleep(item.delay)
         else:
             await anyio.lowlevel.checkpoint()
-        if on_text is not None:
-            for block in item.content:
-                if block.get("type") == "text" and block.get("text"):
-                    maybe = on_text(str(block["text"]))
-                    if maybe is not None:
-                        await maybe
+        await hand_text(on_text, item.content)
         number = len(self.requests)
         return ProviderResponse(
             content=copy.deepcopy(list(item.content)),

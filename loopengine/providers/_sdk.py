@@ -1,6 +1,7 @@
 """What every provider on a Stainless SDK (``anthropic``, ``openai``) shares:
 `SDKProvider` (its `send`, its declarations, closing), `provider_clients`
-(its clients from its arguments) and `read_stream` (reading a streamed reply).
+(its clients from its arguments), `json_body` (reading a reply whole) and
+`read_stream` (reading a streamed reply).
 
 The clients themselves, one per event loop or one bound to its first loop,
 are ``_clients.py``'s.
@@ -9,7 +10,8 @@ are ``_clients.py``'s.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, cast
 
@@ -27,11 +29,16 @@ from loopengine.providers._clients import (
     http_client,
     shared_tls,
 )
-from loopengine.providers._faults import ProviderFault
+from loopengine.providers._faults import Classifier, FaultKind, ProviderFault
 
-__all__ = ["SDKProvider", "provider_clients", "read_stream", "sdk_keywords"]
+__all__ = ["NO_SDK_RETRIES", "SDKProvider", "json_body", "provider_clients", "read_stream",
+           "sdk_keywords"]
 
 E = TypeVar("E")
+
+NO_SDK_RETRIES = ("the SDK must not retry on its own: every wire request is an attempt the "
+                  "engine counts; set the operation's RetryPolicy instead")
+"""Why a provider refuses retries asked of its SDK (``max_retries``, ``retry_options``)."""
 
 
 async def read_stream(
@@ -44,6 +51,7 @@ async def read_stream(
     take: Callable[[E], str | None],
     on_text: TextCallback | None,
     close: Callable[[], Awaitable[None]],
+    missing: Callable[[], str | None],
 ) -> None:
     """Read a streamed reply to its end, the same way for every SDK provider.
 
@@ -55,7 +63,9 @@ async def read_stream(
     callback's own exception to its caller; the fault carries what was
     served). ``close`` runs however the reading ends: it releases the
     connection, even while the caller's cancellation (or the attempt
-    timeout) unwinds.
+    timeout) unwinds. A stream that ended without what ``missing`` names
+    (its last event, its usage...) is cut (``cut("the stream ended before
+    <what>", None)``).
     """
     try:
         while True:
@@ -63,7 +73,7 @@ async def read_stream(
                 try:
                     event = await events.__anext__()
                 except StopAsyncIteration:
-                    return
+                    break
                 except failures as error:
                     raise failed(error) from error
             if quiet.cancelled_caught:
@@ -79,6 +89,47 @@ async def read_stream(
     finally:
         with anyio.CancelScope(shield=True):
             await close()
+    lacking = missing()
+    if lacking is not None:
+        # The SDKs return quietly from a stream cut short.
+        raise cut(f"the stream ended before {lacking}", None)
+
+
+async def json_body(
+    create: Callable[..., AbstractAsyncContextManager[Any]], params: dict[str, Any], *,
+    what: str, valid: Callable[[Mapping[str, Any]], bool], classify: Classifier,
+    failures: Callable[[], tuple[type[BaseException], ...]],
+    request_id_of: Callable[[Mapping[str, str]], str | None],
+) -> tuple[Mapping[str, Any], str | None, int]:
+    """One request through an SDK method's raw-response form (``create`` of
+    ``with_streaming_response``): its body as JSON, its request id (read from
+    the headers by ``request_id_of``) and its status. The raw form hands over the
+    body as JSON: the engine keeps dicts, so building the SDK's models would be
+    wasted.
+
+    Raises:
+        ProviderFault: the request failed (an error among ``failures()``,
+            classified by ``classify``), or its body is not ``what`` (a JSON
+            object that ``valid`` accepts): ``server_error``, ``error_code``
+            ``invalid_response``.
+    """
+    try:
+        async with create(**params) as raw:
+            request_id = request_id_of(raw.headers)
+            status: int = raw.status_code
+            try:
+                body = await raw.json()
+            except failures() as error:
+                raise classify(error, request_id=request_id, in_body=True) from error
+            except ValueError:
+                body = None
+    except failures() as error:
+        raise classify(error) from error
+    if not isinstance(body, Mapping) or not valid(body):
+        raise ProviderFault(FaultKind.SERVER_ERROR, f"the response body is not {what}",
+                            http_status=status, error_code="invalid_response",
+                            request_id=request_id)
+    return body, request_id, status
 
 
 def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
@@ -90,9 +141,7 @@ def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
         ConfigError: ``max_retries`` other than 0, or both a client and keywords.
     """
     if client_kwargs.get("max_retries", 0) != 0:
-        raise ConfigError("max_retries", "the SDK must not retry on its own: every wire "
-                                         "request is an attempt the engine counts; set the "
-                                         "operation's RetryPolicy instead")
+        raise ConfigError("max_retries", NO_SDK_RETRIES)
     client_kwargs.pop("max_retries", None)
     if client is not None and client_kwargs:
         raise ConfigError("client", "give a client or the keywords to build one, not "
