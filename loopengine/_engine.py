@@ -122,9 +122,9 @@ class Engine:
         clock: The time source (`loopengine.testing.FakeClock` in tests).
         rng: The jitter source of retry waits.
         tool_error_text: ``(tool_name, error) -> str``: what the model is told
-            when a tool handler raises (default: the exception's message, R09).
-            One that raises or returns no string is logged at ERROR and the
-            model is told only the error's type.
+            when a tool handler raises (default: the exception's message, R09);
+            an async one is awaited. One that raises or returns no string is
+            logged at ERROR and the model is told only the error's type.
         accounts: `CreditAccounts` on this engine's ledger: each run on an
             account reserves its credit hold before its first request and
             settles its charge at its end (docs/accounts.md).

@@ -701,7 +701,7 @@ class _Loop:
             logger.error("run %s: the judge raised %s; the answer counts as rejected (R10)",
                          self.inv.id, type(error).__name__, exc_info=withheld(error))
             return _Answer(False, feedback="The answer could not be checked: "
-                                           + self._error_text(name, error))
+                                           + await self._error_text(name, error))
         if verdict is True or isinstance(verdict, Accept):
             return _Answer(True, value)
         if verdict is False:
@@ -711,20 +711,23 @@ class _Loop:
         logger.error("run %s: the judge returned %s, not Accept, Reject or a bool; the answer "
                      "counts as rejected (R10)", self.inv.id, type(verdict).__name__)
         return _Answer(False, feedback="The answer could not be checked: "
-                       + self._error_text(name, TypeError(
+                       + await self._error_text(name, TypeError(
                            f"the judge returned {type(verdict).__name__}, not Accept or Reject")))
 
-    def _error_text(self, name: str, error: BaseException) -> str:
+    async def _error_text(self, name: str, error: BaseException) -> str:
         """What the model is told of ``error`` (R09): the ``tool_error_text``
-        hook's text, as a string JSON can carry (a lone surrogate in it, from
-        an exception's message, replaced by U+FFFD as in a handler's result).
+        hook's text (awaited when the hook is async, as a judge's verdict is),
+        as a string JSON can carry (a lone surrogate in it, from an exception's
+        message, replaced by U+FFFD as in a handler's result).
 
         A hook that raises or returns something other than a string has a bug:
         it is logged at ERROR with its traceback, and the model is told only
         the error's type (the hook may exist to keep messages from the model).
         """
         try:
-            text = self.spec.tool_error_text(name, error)
+            text: object = self.spec.tool_error_text(name, error)
+            if inspect.isawaitable(text):
+                text = await text
             if not isinstance(text, str):
                 raise TypeError(f"the tool_error_text hook returned {type(text).__name__}, "
                                 "not str")
@@ -871,7 +874,7 @@ class _Loop:
                         logger.warning("run %s: tool %s raised %s; the model gets an error "
                                        "result (R09)", inv.id, name, type(error).__name__,
                                        exc_info=withheld(error))
-                        text = self._error_text(name, error)
+                        text = await self._error_text(name, error)
                         failed = f"handler raised {type(error).__name__}"
                         if isinstance(error, MCPServerError) and error.result_unknown:
                             unknown.add(index)

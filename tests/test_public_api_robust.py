@@ -368,11 +368,16 @@ def _failing_lookup(key: str) -> str:
     raise ValueError("no \ud800 such key")
 
 
+async def _async_error_text(name: str, error: BaseException) -> str:
+    return f"{name} could not look it up"
+
+
 @pytest.mark.parametrize(("hook", "told"), [
     (None, "no \ufffd such key"),
     (lambda name, error: 1 / 0, "_failing_lookup failed (ValueError)."),
     (lambda name, error: 3, "_failing_lookup failed (ValueError)."),
     (lambda name: "one argument", "_failing_lookup failed (ValueError)."),
+    (_async_error_text, "_failing_lookup could not look it up"),
 ])
 async def test_the_error_text_a_model_gets_is_always_a_string_it_can_be_sent(
     hook: Any, told: str, caplog: pytest.LogCaptureFixture
@@ -381,7 +386,8 @@ async def test_the_error_text_a_model_gets_is_always_a_string_it_can_be_sent(
     U+FFFD in its place (it failed the SDK's encoder after its attempt's row); a
     ``tool_error_text`` hook that raises, returns a non-string or takes the wrong
     arguments is logged at ERROR and the model told the error's type (it escaped as
-    an ExceptionGroup, or sent a tool result whose content was an int)."""
+    an ExceptionGroup, or sent a tool result whose content was an int). An async hook
+    is awaited, as an async judge is."""
     from loopengine.providers import AnthropicProvider
     from loopengine.testing import FakeAnthropicServer
     from loopengine.testing import Reply as WireReply
@@ -397,7 +403,8 @@ async def test_the_error_text_a_model_gets_is_always_a_string_it_can_be_sent(
     assert sent["is_error"] is True
     assert sent["content"] == told
     logged = [r for r in caplog.records if "tool_error_text hook" in r.getMessage()]
-    assert [r.levelno for r in logged] == ([] if hook is None else [logging.ERROR])
+    assert [r.levelno for r in logged] == (
+        [] if hook in (None, _async_error_text) else [logging.ERROR])
 
 
 @pytest.mark.parametrize(("build", "field"), [
