@@ -191,3 +191,15 @@ def test_a_missing_key_says_what_works_instead(
         {"route": "openai-responses"} if provider == "OpenAIResponsesProvider" else {}))
     operation = le.Operation.from_model(model)
     assert le.Engine(built).provider_for(operation) is built
+
+
+@pytest.mark.parametrize("model", ["anthropic: claude-sonnet-4-5", "openai:gpt-4o ",
+                                   "gemini:\tgemini-2.5-flash"])
+def test_whitespace_around_the_model_id_is_refused(model: str) -> None:
+    """``"anthropic: claude-sonnet-4-5"`` built an operation whose model was
+    ``" claude-sonnet-4-5"``, which the API answers with a 404 after the attempt is
+    recorded; the message shows the string without it."""
+    with pytest.raises(le.ConfigError, match="whitespace") as caught:
+        le.Operation.from_model(model)
+    assert caught.value.field == "model"
+    assert model.replace(" ", "").replace("\t", "") in caught.value.message
