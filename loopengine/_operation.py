@@ -76,6 +76,10 @@ class Operation:
         _validate.recorded_name("name", self.name)
         _validate.recorded_name("provider", self.provider)
         _validate.recorded_name("model", self.model, max_length=1024)  # an ARN, a path
+        if self.model != self.model.strip():
+            # "anthropic: claude-..." would ask the API for the model " claude-...".
+            raise ConfigError("model", f"{_validate.shown(self.model)} has whitespace around "
+                                       f"it: the model id is {_validate.shown(self.model.strip())}")
         _validate.recorded_name("version", self.version)
         _validate.text("wrap_up_text", self.wrap_up_text)
         _validate.integer("max_output_tokens", self.max_output_tokens, minimum=1)

@@ -73,10 +73,6 @@ def parse_model(model: object) -> tuple[str, str]:
                                    f"use one of {', '.join(map(repr, VENDORS))}")
     if not name.strip():
         raise ConfigError("model", f"{_validate.shown(model)} names no model after the vendor")
-    if name != name.strip():
-        # "anthropic: claude-..." would ask the API for the model " claude-...".
-        raise ConfigError("model", f"{_validate.shown(model)} has whitespace around the model "
-                                   f"id: write {vendor}:{name.strip()}")
     return vendor, name
 
 

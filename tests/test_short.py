@@ -194,12 +194,15 @@ def test_a_missing_key_says_what_works_instead(
 
 
 @pytest.mark.parametrize("model", ["anthropic: claude-sonnet-4-5", "openai:gpt-4o ",
-                                   "gemini:\tgemini-2.5-flash"])
+                                   "gemini:  gemini-2.5-flash "])
 def test_whitespace_around_the_model_id_is_refused(model: str) -> None:
     """``"anthropic: claude-sonnet-4-5"`` built an operation whose model was
     ``" claude-sonnet-4-5"``, which the API answers with a 404 after the attempt is
-    recorded; the message shows the string without it."""
+    recorded; the message shows the id without it. ``Operation(model=...)`` too."""
     with pytest.raises(le.ConfigError, match="whitespace") as caught:
         le.Operation.from_model(model)
     assert caught.value.field == "model"
-    assert model.replace(" ", "").replace("\t", "") in caught.value.message
+    model_id = model.partition(":")[2]
+    assert repr(model_id.strip()) in caught.value.message
+    with pytest.raises(le.ConfigError, match="whitespace"):
+        le.Operation(name="n", provider="anthropic", model=model_id)
