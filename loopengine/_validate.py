@@ -48,6 +48,11 @@ def shown(value: object) -> str:
 MAX_INTEGER = 2**63 - 1
 """The largest integer a setting may hold: a ledger column is a signed 64-bit int."""
 
+MAX_SECONDS = 10 * 366 * 86400
+"""The longest duration a setting may hold: ten years. Durations are added to the
+wall clock (a run's deadline, a reservation's expiry, a lease), which ends at
+the year 9999; far longer overflowed that arithmetic mid-run, and is a typo."""
+
 MAX_DECIMAL_EXPONENT = 15
 """A price or rate is below 10**16: larger is a typo, and far larger would overflow
 `decimal` arithmetic when an attempt is priced, mid-run."""
@@ -111,6 +116,9 @@ def seconds(
     if number < 0 or (positive and number == 0):
         bound = "greater than 0" if positive else "at least 0"
         raise ConfigError(field, f"must be {bound}, got {shown(value)}")
+    if number > MAX_SECONDS:
+        raise ConfigError(field, f"must be at most {MAX_SECONDS} seconds (ten years), "
+                                 f"got {shown(value)}")
     return number
 
 

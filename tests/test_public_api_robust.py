@@ -633,3 +633,39 @@ def test_a_method_taken_from_its_class_is_refused_and_a_bound_one_is_a_tool() ->
     bound = le.tool(_Orders().status)
     assert bound.input_schema["required"] == ["order_id"]
     assert bound.validate({"order_id": "A-1"}).order_id == "A-1"
+
+
+@pytest.mark.parametrize("field", ["total_time", "attempt_timeout", "pause_timeout"])
+def test_a_duration_beyond_ten_years_is_a_config_error(field: str) -> None:
+    """``Limits(total_time=1e15)`` was accepted, and a run on an account then failed
+    after its invocation started, with the OverflowError of its reservation's
+    expiry (a datetime past the year 9999)."""
+    with pytest.raises(le.ConfigError, match="ten years") as caught:
+        le.Limits(**{field: 1e15})
+    assert caught.value.field == field
+
+
+async def test_a_run_on_an_account_with_the_longest_limits_completes(tmp_path: Any) -> None:
+    """The longest durations allowed carry through a run on an account with a run
+    store: the reservation's expiry and the lease are computed, and it pauses and
+    resumes to completion."""
+    from loopengine import _validate
+    from loopengine.persistence import SQLiteLedger
+
+    longest = _validate.MAX_SECONDS
+    operation = le.Operation(name="long", provider="anthropic", model="m", max_output_tokens=16,
+                             limits=le.Limits(total_time=longest, attempt_timeout=longest,
+                                              pause_timeout=longest, credit_hold=100))
+    act = le.Tool("act", "Act.", {"type": "object"}, handler, approval=True)
+    async with SQLiteLedger(str(tmp_path / "ledger.db")) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        engine = le.Engine(ScriptedProvider([Reply.tool_calls(("act", {})), Reply.text("done")]),
+                           ledger=ledger, accounts=accounts, run_store=le.RunStore(ledger),
+                           prices=le.PriceBook([PRICE], fallback=False))
+        paused = await engine.run(operation, "go", tools=[act],
+                                  attribution=le.Attribution(tenant="acme"))
+        assert paused.outcome is le.Outcome.PAUSED
+        done = await engine.resume(paused.invocation_id, tools=[act],
+                                   decisions={paused.pending[0].id: le.Approve()})
+    assert done.outcome is le.Outcome.COMPLETED
