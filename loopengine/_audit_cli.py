@@ -13,7 +13,7 @@ import sqlite3
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import timedelta
 from decimal import Decimal
 from typing import IO, Any, TypeVar
 
@@ -23,9 +23,9 @@ from loopengine._errors import LedgerError
 from loopengine._outcome import Outcome
 from loopengine.cli import CannotRun, printable
 from loopengine.persistence import _audit
+from loopengine.persistence._audit import moment as parse_moment
 from loopengine.persistence._audit_open import AuditConnection
 from loopengine.persistence._audit_postgres import display_name
-from loopengine.persistence._schema import format_time
 
 __all__ = ["accounts", "attempts_table", "export", "format_duration", "parse_duration",
            "parse_moment", "reconcile", "runs", "show", "spend", "vars_of"]
@@ -75,31 +75,10 @@ def _ledger_options(command: _F) -> _F:
     return click.option(
         "--db", "db", required=True, type=str,
         help="The ledger: a SQLite file (read, never written or created) or a "
-             "postgresql:// URL (read in one read-only snapshot).")(command)
+             "postgresql:// URL; either is read in one snapshot.")(command)
 
 
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-
-
-def parse_moment(text: str) -> str:
-    """A date or ISO-8601 time as the ledger's UTC text, for period filters.
-
-    ``2026-03-01`` means midnight UTC; a time without an offset is UTC.
-
-    Raises:
-        ValueError: ``text`` is neither, or is outside the years 1 to 9999 once
-            converted to UTC.
-    """
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a date (YYYY-MM-DD) or an ISO-8601 time") from None
-    try:
-        # A date alone parses as naive midnight, which format_time takes as UTC.
-        return format_time(moment)
-    except OverflowError:
-        raise ValueError(f"{text!r} is outside the years 1 to 9999 once converted to "
-                         "UTC") from None
 
 
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -236,7 +215,7 @@ def _ledger(path: str, schema: str | None) -> Iterator[AuditConnection]:
 
 def _usd(nanousd: Any) -> str:
     if isinstance(nanousd, int):
-        return str(Decimal(nanousd) / Decimal(1_000_000_000))
+        return _audit.usd_text(nanousd)
     return _cell(nanousd)
 
 
@@ -281,23 +260,38 @@ def runs(db: str, schema: str | None, limit: int, every: bool, as_json: bool,
     """The invocations started in a period, newest first: their ids (what `show`
     takes), start, tenant, feature, operation, outcome, attempts and cost."""
     with _ledger(db, schema) as conn:
-        rows = _audit.runs(conn, limit=None if every else limit, **where)
+        # One more than shown: whether there are more is known, not guessed.
+        rows = _audit.runs(conn, limit=None if every else limit + 1, **where)
+    more = not every and len(rows) > limit
+    rows = rows if every else rows[:limit]
     if as_json:
-        _print_json([{**vars_of(r), "cost_usd": str(r.cost_usd)} for r in rows])
+        _print_json([{**vars_of(r), "cost_usd": _audit.usd_text(r.cost_nanousd)} for r in rows])
         return
     if not rows:
         click.echo(f"No invocations{_period(where['since'], where['until'])}.")
         return
     click.echo(_table(
         ["id", "started_at", "tenant", "feature", "operation", "outcome", "attempts",
-         "charged USD", "credits"],
+         "charged USD", "credits", "not in USD"],
         [[r.id, r.started_at, r.tenant, r.feature, r.operation, r.outcome, r.attempt_count,
-          _usd(r.cost_nanousd), r.credits] for r in rows],
+          _usd(r.cost_nanousd), r.credits, _not_in_usd(r)] for r in rows],
         total=[f"total: {_plural(len(rows), 'invocation')}", "", "", "", "", "",
                sum(r.attempt_count for r in rows), _usd(sum(r.cost_nanousd for r in rows)),
-               sum(r.credits for r in rows)]))
-    if not every and len(rows) == limit:
+               sum(r.credits for r in rows), ""]))
+    if any(_not_in_usd(r) for r in rows):
+        click.echo("\n`not in USD` counts attempts whose cost the USD column does not hold: "
+                   "unpriced (tokens served, no price), usage unknown (answered, no usage "
+                   "reported), floor (a stream cut before its end: the provider may bill "
+                   "more). `loopengine audit reconcile` lists them.")
+    if more:
         click.echo(f"\nThe newest {limit} shown; --limit N or --all shows more.")
+
+
+def _not_in_usd(row: _audit.RunRow) -> str:
+    """What a run's charged USD does not hold, as `runs` shows it (empty when nothing)."""
+    return ", ".join(f"{count} {what}" for count, what in (
+        (row.unpriced_attempts, "unpriced"), (row.usage_unknown, "usage unknown"),
+        (row.usage_floor, "floor")) if count)
 
 
 @click.command()
@@ -327,15 +321,17 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
                       "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
                       "cache_read_tokens": r.cache_read_tokens,
                       "cache_write_tokens": r.cache_write_tokens,
-                      "cost_nanousd": r.cost_nanousd, "cost_usd": str(r.cost_usd),
+                      "cost_nanousd": r.cost_nanousd, "cost_usd": _audit.usd_text(r.cost_nanousd),
                       "provider_cost_nanousd": r.provider_cost_nanousd,
-                      "provider_cost_usd": str(r.provider_cost_usd), "credits": r.credits,
+                      "provider_cost_usd": _audit.usd_text(r.provider_cost_nanousd),
+                      "credits": r.credits,
                       "unpriced_attempts": r.unpriced_attempts,
                       "unpriced_tokens": r.unpriced_tokens,
                       "web_search_requests": r.web_search_requests,
                       "web_fetch_requests": r.web_fetch_requests,
                       "reasoning_tokens": r.reasoning_tokens, "iterations": r.iterations,
-                      "fee_nanousd": r.fee_nanousd, "usage_unknown": r.usage_unknown}
+                      "fee_nanousd": r.fee_nanousd, "usage_unknown": r.usage_unknown,
+                      "usage_floor": r.usage_floor}
                      for r in rows])
         return
     period = _period(where["since"], where["until"])
@@ -349,7 +345,7 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
         [by, "invocations", "attempts", "input", "output", "cache read", "cache write",
          "charged USD", "provider USD", "credits", "unpriced", "unpriced tokens",
          "web searches", "web fetches", "reasoning", "iterations", "fees USD",
-         "usage unknown"],
+         "usage unknown", "usage floor"],
         [[r.key if r.key is not None else "(none)",
           *_spend_cells([getattr(r, name) for name in _SPEND_FIGURES])] for r in rows],
         total=["total", *_spend_cells(sums)]))
@@ -361,15 +357,20 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
                    "reconcile` lists them.")
     if total["usage_unknown"]:
         click.echo(f"\n{_plural(total['usage_unknown'], 'attempt')} answered by the server "
-                   "(a response id) reported no usage: what they served is in no column "
-                   "above. `loopengine audit reconcile` lists them.")
+                   "(a response id, a reply or a success status) reported no usage: what "
+                   "they served is in no column above. `loopengine audit reconcile` lists "
+                   "them.")
+    if total["usage_floor"]:
+        click.echo(f"\n{_plural(total['usage_floor'], 'attempt')} served a stream cut before "
+                   "its end: their usage is a floor (what had arrived), the provider may "
+                   "bill more. `loopengine audit reconcile` lists them.")
 
 
 _SPEND_FIGURES = ("invocations", "attempts", "input_tokens", "output_tokens",
                   "cache_read_tokens", "cache_write_tokens", "cost_nanousd",
                   "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens",
                   "web_search_requests", "web_fetch_requests", "reasoning_tokens",
-                  "iterations", "fee_nanousd", "usage_unknown")
+                  "iterations", "fee_nanousd", "usage_unknown", "usage_floor")
 
 
 def _spend_cells(figures: list[int]) -> list[Any]:
@@ -419,7 +420,9 @@ def show(db: str, schema: str | None, invocation_id: str, as_json: bool) -> None
         try:
             invocation, attempts = _audit.show(conn, invocation_id)
         except LookupError as error:
-            raise CannotRun(str(error).strip("'\"")) from None
+            # Its message as written (str() of a LookupError is that; stripping
+            # quotes off it would cut the id's own).
+            raise CannotRun(str(error.args[0])) from None
         except UnicodeEncodeError:
             raise CannotRun(f"{invocation_id!r} is not an invocation id (it is not "
                              "valid text)") from None
@@ -497,7 +500,9 @@ def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json
     """Check attempt rows against invocation totals; list unsettled attempts, incomplete
     records, unpriced attempts, attempts the server answered whose usage is unknown,
     invocations still running or abandoned, tool calls in doubt and stored runs whose
-    lease or pause expired. Exits 1 when anything needs a look."""
+    lease or pause expired, and exit 1 when any is found. Attempts whose usage is a
+    floor (a stream cut before its end) and running segments whose process died
+    are listed too, without failing the check."""
     with _ledger(db, schema) as conn:
         result = _audit.reconcile(conn, older_than=older_than)
     if as_json:
@@ -514,7 +519,8 @@ def reconcile(db: str, schema: str | None, older_than: timedelta | None, as_json
                      "usage_unknown": result.usage_unknown, "in_doubt": result.in_doubt,
                      "expired_leases": result.expired_leases,
                      "expired_pauses": result.expired_pauses,
-                     "dead_segments": result.dead_segments})
+                     "dead_segments": result.dead_segments,
+                     "usage_floor": result.usage_floor})
     else:
         _print_reconciliation(result)
     if not result.ok:
@@ -549,8 +555,8 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
            u["cache_write_tokens"]] for u in result.unpriced],
          ["invocation", "ordinal", "served_by", "outcome", "started_at", "input", "output",
           "cache read", "cache write"]),
-        ("Usage unknown (answered by the server, a response id, but no usage: the "
-         "provider may bill what they served)",
+        ("Usage unknown (answered by the server, with a response id, a reply or a success "
+         "status, but no usage: the provider may bill what they served)",
          [[u["invocation_id"], u["ordinal"], u["served_by"], u["outcome"], u["started_at"],
            u["response_id"]] for u in result.usage_unknown],
          ["invocation", "ordinal", "served_by", "outcome", "started_at", "response_id"]),
@@ -586,6 +592,14 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
          ["account", "column", "invocation", "recorded", "journal or run says"]),
     ]
     sections.append((
+        "Usage floors (a stream cut before its end: its usage and cost are what had "
+        "arrived, the provider may bill more; for a look, not a failure)",
+        [[u["invocation_id"], u["ordinal"], u["served_by"], u["outcome"],
+          u["aborted_reason"] or "", u["started_at"], u["input_tokens"], u["output_tokens"],
+          _usd(u["cost_nanousd"]), u["response_id"] or "(none)"] for u in result.usage_floor],
+        ["invocation", "ordinal", "served_by", "outcome", "reason", "started_at", "input",
+         "output", "USD", "response_id"]))
+    sections.append((
         "Running segments whose process died (the run went on, or is no longer running; "
         "for a look, not a failure)",
         [[g["invocation_id"], g["ordinal"], g["started_at"]] for g in result.dead_segments],
@@ -594,11 +608,15 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
         if rows:
             click.echo(f"\n{title}: {len(rows)}")
             click.echo(_table(headers, rows))
+    floors = len(result.usage_floor)
+    # Listed for a look, never a failure: said after the verdict, either way.
+    floor_note = (f" Listed without failing: {_plural(floors, 'attempt')} whose usage is a "
+                  "floor." if floors else "")
     if result.ok:
         flying = len(result.running) + len(result.unsettled)
         click.echo("\nEverything reconciles." + (
             f" In flight, younger than {age}: {_plural(len(result.running), 'invocation')}, "
-            f"{_plural(len(result.unsettled), 'attempt')}." if flying else ""))
+            f"{_plural(len(result.unsettled), 'attempt')}." if flying else "") + floor_note)
         return
     problems = [(len(result.mismatches), "total that does not add up",
                  "totals that do not add up"),
@@ -623,7 +641,7 @@ def _print_reconciliation(result: _audit.Reconciliation) -> None:
                      (len(result.unsettled), "attempt still dispatched",
                       "attempts still dispatched")]
     named = [f"{n} {one if n == 1 else many}" for n, one, many in problems if n]
-    click.echo(f"\nThe ledger does not reconcile: {', '.join(named)}.")
+    click.echo(f"\nThe ledger does not reconcile: {', '.join(named)}.{floor_note}")
 
 
 @click.command()

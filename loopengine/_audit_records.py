@@ -13,19 +13,28 @@ from decimal import Decimal
 from typing import Any, TypedDict
 
 __all__ = ["AccountMismatch", "AccountRow", "Mismatch", "Reconciliation", "RunRow",
-           "SpendRow", "Where"]
+           "SpendRow", "Where", "usd_text"]
 
 _NANO = Decimal(1_000_000_000)
+
+
+def usd_text(nanousd: int) -> str:
+    """Integer nano-USD as exact USD text in plain notation, as the audit prints
+    and exports money: ``0.000000019``, never ``1.9E-8`` (`str` of a `Decimal`
+    under a millionth of a dollar), which a person misreads and an invoice
+    tool may not parse."""
+    return format(Decimal(nanousd) / _NANO, "f")
 
 
 class Where(TypedDict, total=False):
     """Which records a query reads; every filter given must hold."""
 
     since: str | None
-    """From this time (inclusive): ISO-8601 text with its offset, as the ledger
-    stores times (``2026-03-01T00:00:00.000000+00:00``)."""
+    """From this time (inclusive): a date (midnight UTC) or an ISO-8601 time; one
+    without an offset is UTC, one with an offset (or ``Z``) is converted to
+    UTC. A value that is neither raises `ValueError`."""
     until: str | None
-    """Before this time (exclusive)."""
+    """Before this time (exclusive), read as ``since`` is."""
     tenant: str | None
     """The invocation's tenant."""
     feature: str | None
@@ -53,6 +62,12 @@ class RunRow:
     cost_nanousd: int
     """Charged cost (S01)."""
     credits: int
+    unpriced_attempts: int = 0
+    """Its attempt rows that served tokens without a price: their cost is in no total."""
+    usage_unknown: int = 0
+    """Its attempt rows the server answered whose usage is unknown."""
+    usage_floor: int = 0
+    """Its attempt rows whose usage is a floor (a stream cut before its end)."""
 
     @property
     def cost_usd(self) -> Decimal:
@@ -100,8 +115,11 @@ class SpendRow:
     fee_nanousd: int = 0
     """The part of ``cost_nanousd`` that is per-request fees rather than tokens."""
     usage_unknown: int = 0
-    """Attempt rows the server answered (a response id) whose usage is unknown:
-    what they served is in no total, never a silent $0."""
+    """Attempt rows the server answered (a response id, a reply or a success status)
+    whose usage is unknown: what they served is in no total, never a silent $0."""
+    usage_floor: int = 0
+    """Attempt rows whose usage is a floor (``usage_approx``: a stream cut before its
+    end reported what had arrived): the provider may bill more than the totals hold."""
 
     @property
     def cost_usd(self) -> Decimal:
@@ -165,8 +183,9 @@ class Reconciliation:
     """Credit accounts whose balances do not equal their journal, or whose runs'
     charges do not equal those runs' credits (docs/accounts.md)."""
     usage_unknown: list[dict[str, Any]] = field(default_factory=list)
-    """Settled attempt rows the server answered (a response id) whose usage is
-    unknown: the provider may bill what they served, and no total holds it."""
+    """Settled attempt rows the server answered (a response id, a reply or a success
+    status) whose usage is unknown: the provider may bill what they served, and no
+    total holds it."""
     in_doubt: list[dict[str, Any]] = field(default_factory=list)
     """Tool calls that may have run (``started`` without an end, their run not
     held by a live process; or ``in_doubt``): a resume asks for a decision on
@@ -181,6 +200,13 @@ class Reconciliation:
     """Running segments left open by a process that died, whose run has gone on
     (recovered) or is no longer running: where a run's processes died. For a
     look only: they do not fail the check (what they left is listed above)."""
+    usage_floor: list[dict[str, Any]] = field(default_factory=list)
+    """Attempt rows whose usage is a floor (``usage_approx``): a stream cut before its
+    end, whose usage and cost are what had arrived, so the provider may bill more.
+    For a look only: unlike usage unknown they do not fail the check, for the
+    totals hold what had arrived, a cut stream is routine (a caller that stops
+    reading, a connection lost) and no later record can complete its usage;
+    the exact figure is on the provider's invoice, under its ``response_id``."""
 
     @property
     def ok(self) -> bool:

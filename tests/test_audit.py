@@ -12,7 +12,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from loopengine.providers import FaultKind, ProviderFault, Reply, ScriptedProvid
 from loopengine.testing import FakeClock
 
 from .conftest import MODEL, operation
-from .ledger_support import judge, lookup, read_db, teammate_script
+from .ledger_support import judge, lookup, read_db, start, teammate_script
 from .test_audit_robust import table
 
 HAIKU = "claude-haiku-4-5"
@@ -154,6 +154,22 @@ def test_show_an_unknown_invocation_fails(ledger_file: dict[str, Any]) -> None:
     """An id that matches nothing exits 2 and says so."""
     result = cli("audit", "show", "--db", ledger_file["path"], "no-such-id")
     assert result.exit_code == 2 and "no invocation no-such-id" in result.output
+
+
+async def test_show_names_an_unknown_or_ambiguous_id_as_given(tmp_path: Path) -> None:
+    """The message keeps the id whole: a prefix of several ids is quoted once on
+    each side, and an id ending in a quote keeps it."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        for invocation_id in ("inv-1", "inv-2"):
+            await ledger.start_invocation(start(invocation_id))
+        await ledger.flush()
+    several = cli("audit", "show", "--db", path, "inv-")
+    assert several.exit_code == 2
+    assert "Error: 'inv-' is the start of several invocation ids; give more of it" in \
+        several.output
+    quoted = cli("audit", "show", "--db", path, "inv'")
+    assert quoted.exit_code == 2 and "Error: no invocation inv'\n" in quoted.output
 
 
 # -- reconcile --------------------------------------------------------------------------------
@@ -367,6 +383,18 @@ def test_runs_filters_by_tenant_feature_outcome_period_and_limit(
     assert bad.exit_code == 2 and "'fine' is not one of" in bad.output
 
 
+def test_runs_says_there_are_more_only_when_there_are(ledger_file: dict[str, Any]) -> None:
+    """Three invocations: --limit 3 shows them all and says nothing of more;
+    --limit 2 shows two and says more exist."""
+    path = ledger_file["path"]
+    every = cli("audit", "runs", "--db", path, "--limit", "3")
+    assert every.exit_code == 0 and "total: 3 invocations" in every.output
+    assert "shows more" not in every.output
+    fewer = cli("audit", "runs", "--db", path, "--limit", "2")
+    assert "total: 2 invocations" in fewer.output
+    assert "The newest 2 shown; --limit N or --all shows more." in fewer.output
+
+
 def test_spend_and_accounts_end_with_a_totals_row(ledger_file: dict[str, Any]) -> None:
     """The totals row of `spend` adds up its columns."""
     a, b, c = ledger_file["a"], ledger_file["b"], ledger_file["c"]
@@ -427,3 +455,64 @@ def test_schema_is_for_postgresql_only(ledger_file: dict[str, Any]) -> None:
     result = cli("audit", "runs", "--db", ledger_file["path"], "--schema", "billing")
     assert result.exit_code == 2
     assert "--schema names a PostgreSQL schema; a SQLite ledger has none" in result.output
+
+
+async def test_money_under_a_millionth_of_a_dollar_is_plain_decimal_text(
+    tmp_path: Path,
+) -> None:
+    """A cost of 190 nano-USD reads 0.00000019 in every table, JSON and export
+    (`str` of its Decimal is 1.9E-7, which a person misreads and an invoice tool
+    may not parse)."""
+    path = tmp_path / "tiny.db"
+    tiny = le.PriceBook([le.ModelPrice(provider="anthropic", model=MODEL,
+                                       input_per_mtok=Decimal("0.01"),
+                                       output_per_mtok=Decimal("0.01"))])
+    clock = FakeClock(wall_start=datetime(2026, 1, 1, tzinfo=UTC))
+    with SQLiteLedger(path) as ledger:
+        engine = le.Engine(ScriptedProvider([Reply.text("hi", usage=le.Usage(10, 9))],
+                                            clock=clock),
+                           ledger=ledger, prices=tiny, clock=clock, rng=random.Random(1))
+        result = await engine.run(operation(), "go")
+    assert result.cost_usd == Decimal("1.9E-7")
+    outputs = {" ".join(args): cli("audit", *args, "--db", path) for args in (
+        ["runs"], ["runs", "--json"], ["spend"], ["spend", "--json"],
+        ["show", result.invocation_id], ["export"], ["export", "--format", "jsonl"])}
+    for command, output in outputs.items():
+        assert output.exit_code == 0, (command, output.output)
+        assert "0.00000019" in output.output, command
+        assert "E-" not in output.output, command
+    (row,) = json.loads(outputs["spend --json"].output)
+    assert (row["cost_usd"], row["provider_cost_usd"]) == ("0.00000019", "0.00000019")
+    (exported,) = csv.DictReader(io.StringIO(outputs["export"].output))
+    assert exported["cost_usd"] == "0.00000019"
+
+
+async def test_reconcile_reads_a_now_without_a_time_zone_as_utc(tmp_path: Path) -> None:
+    """A paused run with a 60 s pause_timeout: reconcile ``now`` 30 s and 5 min after
+    its pause, naive or in UTC, finds it waiting and then late alike (a naive
+    ``now`` raised TypeError against the stored pause time)."""
+
+    @le.tool(approval=True)
+    async def refund(order: str) -> str:
+        """Refund an order."""
+        return "refunded"
+
+    path = tmp_path / "ledger.db"
+    paused_at = datetime(2026, 1, 13, 1, tzinfo=UTC)
+    clock = FakeClock(wall_start=paused_at)
+    with SQLiteLedger(path) as ledger:
+        engine = le.Engine(ScriptedProvider([Reply.tool_calls(("refund", {"order": "A"}))],
+                                            clock=clock),
+                           ledger=ledger, clock=clock, run_store=le.RunStore(ledger))
+        result = await engine.run(operation(pause_timeout=60), "go", tools=[refund])
+    assert result.outcome is le.Outcome.PAUSED
+    conn = _audit.open_ledger(path)
+    try:
+        for after, late in ((30, 0), (300, 1)):
+            aware = paused_at + timedelta(seconds=after)
+            for now in (aware, aware.replace(tzinfo=None)):
+                found = _audit.reconcile(conn, now=now, older_than=timedelta(hours=1))
+                assert [p["invocation_id"] for p in found.expired_pauses] == \
+                    [result.invocation_id] * late, now
+    finally:
+        conn.close()

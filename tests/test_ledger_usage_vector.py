@@ -21,8 +21,14 @@ import loopengine as le
 from loopengine._pricing import to_nanousd
 from loopengine.cli import main
 from loopengine.persistence import PostgresLedger, SQLiteLedger
-from loopengine.providers import Reply, ScriptedProvider
-from loopengine.testing import FakeClock
+from loopengine.providers import (
+    AnthropicProvider,
+    FaultKind,
+    ProviderFault,
+    Reply,
+    ScriptedProvider,
+)
+from loopengine.testing import CutStream, FakeAnthropicServer, FakeClock
 
 from .postgres_support import PostgresServer
 
@@ -131,6 +137,95 @@ async def test_an_answered_attempt_without_usage_is_flagged(
     as_json = json.loads(audit("reconcile", "--db", db, "--json").output)
     assert as_json["ok"] is False
     assert [u["ordinal"] for u in as_json["usage_unknown"]] == [1]
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+async def test_a_reply_whose_body_was_cut_before_its_id_and_usage_is_usage_unknown(
+    store: str, tmp_path: Path, request: pytest.FixtureRequest,
+    fake_anthropic_server: FakeAnthropicServer,
+) -> None:
+    """A Messages reply (no streaming) whose body is cut: the server answered 200
+    and may bill the whole reply, yet the attempt has neither a response id nor
+    usage. Spend counts it and reconcile lists it as usage unknown (exit 1),
+    never a quiet $0."""
+    fake_anthropic_server.add(CutStream(reply=Reply.text("half", usage=REASONED), after=4),
+                              Reply.text("whole", usage=REASONED))
+    provider = AnthropicProvider(api_key="test-key", base_url=fake_anthropic_server.url)
+    async with ledger_of(store, tmp_path, request) as (ledger, db):
+        clock = FakeClock(wall_start=AT)
+        engine = le.Engine(provider, ledger=ledger, prices=BOOK, clock=clock,
+                           rng=random.Random(1))
+        try:
+            result = await engine.run(
+                le.Operation(name="research", provider="anthropic", model=MODEL), "go")
+        finally:
+            await provider.aclose()
+    assert result.outcome is le.Outcome.COMPLETED
+    shown = json.loads(audit("show", result.invocation_id, "--db", db, "--json").output)
+    cut = shown["attempts"][0]
+    assert (cut["outcome"], cut["http_status"], cut["response_id"], cut["input_tokens"]) == (
+        "aborted", 200, None, None)
+    (row,) = json.loads(audit("spend", "--db", db, "--json").output)
+    assert row["usage_unknown"] == 1
+    reconciled = audit("reconcile", "--db", db, "--json")
+    assert reconciled.exit_code == 1
+    assert [(u["ordinal"], u["response_id"]) for u in
+            json.loads(reconciled.output)["usage_unknown"]] == [(1, None)]
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+async def test_an_attempt_whose_usage_is_a_floor_is_listed_without_failing(
+    store: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A stream cut before its end keeps what had arrived (``usage_approx``): spend
+    counts it ("usage floor"), reconcile lists it in its text and JSON, and the
+    check still passes (exit 0): the totals hold what arrived."""
+    cut = ProviderFault(FaultKind.ABORTED, "stream cut", http_status=200,
+                        usage=le.Usage(50, 7), usage_approx=True, response_id="msg_cut")
+    async with ledger_of(store, tmp_path, request) as (ledger, db):
+        result = await record(ledger, cut, Reply.text("done", usage=REASONED))
+    assert result.outcome is le.Outcome.COMPLETED
+    (row,) = json.loads(audit("spend", "--db", db, "--json").output)
+    assert (row["usage_floor"], row["usage_unknown"]) == (1, 0)
+    assert "their usage is a floor" in audit("spend", "--db", db).output
+    reconciled = audit("reconcile", "--db", db)
+    assert reconciled.exit_code == 0, reconciled.output
+    assert "Usage floors" in reconciled.output and "msg_cut" in reconciled.output
+    assert reconciled.output.rstrip().endswith(
+        "Everything reconciles. Listed without failing: 1 attempt whose usage is a floor.")
+    as_json = json.loads(audit("reconcile", "--db", db, "--json").output)
+    assert as_json["ok"] is True
+    assert [(u["ordinal"], u["input_tokens"], u["output_tokens"], u["response_id"])
+            for u in as_json["usage_floor"]] == [(1, 50, 7, "msg_cut")]
+    assert as_json["usage_unknown"] == []
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+async def test_runs_names_what_a_runs_cost_does_not_hold_instead_of_a_quiet_zero(
+    store: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """`audit runs` counts each run's unpriced, usage-unknown and floor attempts (in
+    its table and its JSON): a run of an unpriced model is not listed as $0 alone."""
+    cut = ProviderFault(FaultKind.ABORTED, "stream cut", http_status=200,
+                        usage=le.Usage(50, 7), usage_approx=True, response_id="msg_cut")
+    async with ledger_of(store, tmp_path, request) as (ledger, db):
+        flagged = await record(ledger, cut, Reply.text("done", usage=None))
+        clock = FakeClock(wall_start=AT)
+        engine = le.Engine(ScriptedProvider([Reply.text("hi")], clock=clock), ledger=ledger,
+                           prices=BOOK, clock=clock, rng=random.Random(1))
+        unpriced = await engine.run(le.Operation(name="research", provider="anthropic",
+                                                 model="no-such-model-anywhere"), "go")
+    listed = json.loads(audit("runs", "--db", db, "--json").output)
+    counts = {r["id"]: (r["cost_nanousd"], r["unpriced_attempts"], r["usage_unknown"],
+                        r["usage_floor"]) for r in listed}
+    assert counts == {flagged.invocation_id: (0, 0, 1, 1),
+                      unpriced.invocation_id: (0, 1, 0, 0)}
+    text = audit("runs", "--db", db)
+    assert text.exit_code == 0, text.output
+    lines = {line.split()[0]: line for line in text.output.splitlines() if line}
+    assert lines[flagged.invocation_id].endswith("1 usage unknown, 1 floor")
+    assert lines[unpriced.invocation_id].endswith("1 unpriced")
+    assert "`not in USD` counts attempts" in text.output
 
 
 async def test_a_ledger_of_the_previous_version_gains_the_usage_columns(tmp_path: Path) -> None:

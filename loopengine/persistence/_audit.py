@@ -36,6 +36,7 @@ from loopengine._audit_records import (
     RunRow,
     SpendRow,
     Where,
+    usd_text,
 )
 from loopengine._errors import LedgerError
 from loopengine.persistence import _account_store
@@ -51,14 +52,13 @@ from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_t
 __all__ = ["EXPORT_COLUMNS", "GROUPINGS", "AccountMismatch", "AccountRow", "Mismatch",
            "Reconciliation", "RunRow", "SpendRow", "Where", "children", "describe_value",
            "export_rows", "incomplete_in_export", "is_unpriced", "open_ledger", "reconcile",
-           "run_state", "runs", "segments", "show", "spend", "tool_calls"]
+           "moment", "run_state", "runs", "segments", "show", "spend", "tool_calls",
+           "usd_text"]
 
 Grouping = Literal["tenant", "feature", "model", "operation", "user_id", "correlation_id"]
 GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "user_id",
                                    "correlation_id")
 """What `spend` can group by."""
-
-_NANO = Decimal(1_000_000_000)
 
 # Usage columns that an invocation total must equal over its rows (the fee,
 # like the cost, over its charged rows only).
@@ -80,9 +80,27 @@ def _unpriced_sql(alias: str) -> str:
 
 
 def _usage_unknown_sql(alias: str) -> str:
-    """An attempt the server answered (a response id) whose usage is unknown."""
-    return (f"({alias}.response_id IS NOT NULL AND {alias}.input_tokens IS NULL "
-            f"AND {alias}.outcome != 'dispatched')")
+    """An attempt the server answered whose usage is unknown: it sent a response
+    id, a reply (``ok``) or a success status (a body cut before its usage, a
+    stream cut before its first event), and the provider may bill it."""
+    return (f"({alias}.input_tokens IS NULL AND {alias}.outcome != 'dispatched' AND "
+            f"({alias}.response_id IS NOT NULL OR {alias}.outcome = 'ok' OR "
+            f"{alias}.http_status BETWEEN 200 AND 299))")
+
+
+def _usage_floor_sql(alias: str) -> str:
+    """An attempt whose usage is a floor: a stream cut before its end reported what
+    had arrived (``usage_approx``); the provider may bill more than it holds."""
+    return f"({alias}.usage_approx = 1 AND {alias}.input_tokens IS NOT NULL)"
+
+
+def _flagged_rows(m: str) -> dict[str, str]:
+    """The FROM clauses of invocation ``m``'s attempt rows that are unpriced, whose
+    usage is unknown, and whose usage is a floor: correlated through the
+    attempts' primary key, so each costs a look-up per invocation."""
+    return {name: f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND {test('a')}"
+            for name, test in (("unpriced", _unpriced_sql), ("usage_unknown", _usage_unknown_sql),
+                               ("usage_floor", _usage_floor_sql))}
 
 
 EXPORT_COLUMNS: tuple[str, ...] = (
@@ -176,9 +194,38 @@ def _parent(conn: AuditConnection, alias: str) -> str:
 # -- filters -----------------------------------------------------------------------------
 
 
+def moment(text: str) -> str:
+    """A date or ISO-8601 time as the ledger's UTC text, for period filters.
+
+    ``2026-03-01`` means midnight UTC; a time without an offset is UTC; one
+    with an offset (or ``Z``) is converted to UTC. Every period filter is
+    read through this, so that it compares with the stored times as the
+    times they are, not as text.
+
+    Raises:
+        ValueError: ``text`` is neither, or is outside the years 1 to 9999 once
+            converted to UTC.
+    """
+    try:
+        when = datetime.fromisoformat(text)
+    except (ValueError, TypeError):
+        raise ValueError(f"{text!r} is not a date (YYYY-MM-DD) or an ISO-8601 time") from None
+    try:
+        # A date alone parses as naive midnight, which format_time takes as UTC.
+        return format_time(when)
+    except OverflowError:
+        raise ValueError(f"{text!r} is outside the years 1 to 9999 once converted to "
+                         "UTC") from None
+
+
 def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str, list[str]]:
     """The SQL condition (`` WHERE ...`` or `` AND ...`` when ``joined``) and its
-    parameters: the period on ``time_column``, the rest on the invocation ``i``."""
+    parameters: the period on ``time_column`` (its bounds read by `moment`),
+    the rest on the invocation ``i``.
+
+    Raises:
+        ValueError: ``since`` or ``until`` is not a date or time.
+    """
     tests = ((f"{time_column} >= ?", "since"), (f"{time_column} < ?", "until"),
              ("i.tenant = ?", "tenant"), ("i.feature = ?", "feature"),
              ("i.outcome = ?", "outcome"))
@@ -188,7 +235,7 @@ def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str
         value = where.get(key)
         if isinstance(value, str):
             clauses.append(clause)
-            params.append(value)
+            params.append(moment(value) if key in ("since", "until") else value)
     if not clauses:
         return "", []
     return (" AND " if joined else " WHERE ") + " AND ".join(clauses), params
@@ -203,7 +250,9 @@ _RUN_COLUMNS = ("id", "started_at", "tenant", "feature", "operation", "outcome",
 
 def runs(conn: AuditConnection, *, limit: int | None = None,
          **where: Unpack[Where]) -> list[RunRow]:
-    """The invocations started in the period that match ``where``, newest first.
+    """The invocations started in the period that match ``where``, newest first,
+    each with how many of its attempt rows are unpriced, have usage unknown,
+    or have a usage floor (what its cost does not hold, never a quiet $0).
 
     Args:
         conn: From `open_ledger`.
@@ -214,7 +263,9 @@ def runs(conn: AuditConnection, *, limit: int | None = None,
         LedgerError: the rows hold values a ledger never stores.
     """
     clause, params = _where("i.started_at", where)
-    sql = (f"SELECT {', '.join(f'i.{c}' for c in _RUN_COLUMNS)} FROM invocations AS i"
+    flags = ", ".join(f"(SELECT COUNT(*) {rows}) AS {name}"
+                      for name, rows in _flagged_rows("i").items())
+    sql = (f"SELECT {', '.join(f'i.{c}' for c in _RUN_COLUMNS)}, {flags} FROM invocations AS i"
            f"{clause} ORDER BY i.started_at DESC, i.id DESC")
     if limit is not None:
         sql += f" LIMIT {int(limit)}"
@@ -232,7 +283,7 @@ _SPEND_SUMS = ("invocations", "attempt_count", "input_tokens", "output_tokens",
                "cache_read_tokens", "cache_write_tokens", "cost_nanousd",
                "provider_cost_nanousd", "credits", "unpriced_attempts", "unpriced_tokens",
                "web_search_requests", "web_fetch_requests", "reasoning_tokens", "iterations",
-               "fee_nanousd", "usage_unknown")
+               "fee_nanousd", "usage_unknown", "usage_floor")
 
 
 def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = False,
@@ -247,7 +298,8 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
 
     The totals come from the invocation rows, which count every attempt even
     past the retention cap (R07), so they are complete where rows are not.
-    The unpriced and usage-unknown counts come from the attempt rows kept.
+    The unpriced, usage-unknown and usage-floor counts come from the attempt
+    rows kept.
 
     Args:
         conn: From `open_ledger`.
@@ -273,9 +325,9 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
         source, count, m = ("", "FROM invocations AS i"), "COUNT(*)", "i"
     # Correlated through the attempts' primary key, so the cost follows the
     # period's invocations, not the whole table.
-    unpriced = f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND {_unpriced_sql('a')}"
-    unknown = (f"FROM attempts AS a WHERE a.invocation_id = {m}.id AND "
-               f"{_usage_unknown_sql('a')}")
+    flagged = _flagged_rows(m)
+    unpriced, unknown, floor = (flagged["unpriced"], flagged["usage_unknown"],
+                                flagged["usage_floor"])
     sql = (
         f"{source[0]}SELECT i.{by} AS key, {count}, SUM({m}.attempt_count), "
         f"SUM({m}.input_tokens), SUM({m}.output_tokens), SUM({m}.cache_read_tokens), "
@@ -283,7 +335,8 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
         f"SUM({m}.provider_cost_nanousd), SUM({m}.credits), "
         f"SUM((SELECT COUNT(*) {unpriced})), SUM((SELECT SUM({_tokens_sql('a')}) {unpriced})), "
         f"SUM({m}.web_search_requests), SUM({m}.web_fetch_requests), SUM({m}.reasoning_tokens), "
-        f"SUM({m}.iterations), SUM({m}.fee_nanousd), SUM((SELECT COUNT(*) {unknown})) "
+        f"SUM({m}.iterations), SUM({m}.fee_nanousd), SUM((SELECT COUNT(*) {unknown})), "
+        f"SUM((SELECT COUNT(*) {floor})) "
         f"{source[1]}{clause} GROUP BY i.{by} "
         # NULL (no tenant) first on both stores, as SQLite sorts it.
         f"ORDER BY SUM({m}.cost_nanousd) DESC, i.{by} IS NOT NULL, i.{by}"
@@ -430,7 +483,9 @@ def reconcile(
     and ``fee_nanousd`` the sum over its charged rows. A charged row must be
     an ``ok`` one (S01). Rows still ``dispatched``, invocations still
     ``running``, incomplete invocations, unpriced attempts and attempts the
-    server answered whose usage is unknown ("usage unknown") are listed.
+    server answered whose usage is unknown ("usage unknown") are listed, and
+    so, for a look without failing the check, are attempts whose usage is a
+    floor (a stream cut before its end: "usage floor").
 
     Args:
         conn: From `open_ledger`.
@@ -439,14 +494,18 @@ def reconcile(
             listed as abandoned; younger ones are in flight and do not make the
             result not `ok`. None: every open record is listed as open and
             needs a look.
-        now: The time ``older_than`` counts back from (now, by default).
+        now: The time ``older_than`` counts back from and pauses are timed
+            against (now, by default); one without a time zone is UTC, as
+            the ledger's times are.
 
     Raises:
         LedgerError: the rows hold values a ledger never stores.
     """
     cutoff: str | None = None
+    moment = now or datetime.now(UTC)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
     if older_than is not None:
-        moment = now or datetime.now(UTC)
         try:
             cutoff = format_time(moment - older_than)
         except OverflowError:  # further back than year 1: nothing is older
@@ -521,10 +580,12 @@ def reconcile(
     for attempt in unpriced:
         attempt["tokens"] = _tokens(attempt)
     usage_unknown = _flagged(conn, ("response_id",), _usage_unknown_sql("a"))
+    usage_floor = _flagged(conn, ("aborted_reason", "input_tokens", "output_tokens",
+                                  "cost_nanousd", "response_id"), _usage_floor_sql("a"))
     orphans = [dict(r) for r in conn.execute(
         "SELECT invocation_id, ordinal FROM attempts WHERE invocation_id NOT IN "
         "(SELECT id FROM invocations) ORDER BY invocation_id, ordinal")]
-    in_doubt, expired_leases, expired_pauses = _stored_runs(conn, now or datetime.now(UTC))
+    in_doubt, expired_leases, expired_pauses = _stored_runs(conn, moment)
     dead_segments = [dict(r) for r in conn.execute(
         "SELECT s.invocation_id, s.ordinal, s.started_at FROM segments AS s "
         "JOIN invocations AS i ON i.id = s.invocation_id "
@@ -537,7 +598,8 @@ def reconcile(
                           running=running, orphans=orphans, unpriced=unpriced,
                           abandoned=abandoned, abandoned_attempts=abandoned_attempts,
                           older_than=older_than, accounts=reconcile_accounts(conn),
-                          usage_unknown=usage_unknown, in_doubt=in_doubt,
+                          usage_unknown=usage_unknown, usage_floor=usage_floor,
+                          in_doubt=in_doubt,
                           expired_leases=expired_leases, expired_pauses=expired_pauses,
                           dead_segments=dead_segments)
 
@@ -662,7 +724,7 @@ def export_rows(conn: AuditConnection, **where: Unpack[Where]) -> Iterator[dict[
     """Every attempt row started in the period whose invocation matches
     ``where`` (`Where`), for an invoice.
 
-    Each row carries who it is accounted to, its cost in USD (exact decimal
+    Each row carries who it is accounted to, its cost in USD (exact plain decimal
     text, None when it has no cost), ``response_id_missing`` (1 when the
     provider gave no response id: such rows are marked, never dropped) and
     ``unpriced`` (1 when it served tokens without a price).
@@ -682,7 +744,7 @@ def export_rows(conn: AuditConnection, **where: Unpack[Where]) -> Iterator[dict[
         _check("attempts", record, ATTEMPT_COLUMNS, _where_attempt)
         _check("invocations", record, _EXPORT_JOINED, _where_attempt, nullable=True)
         cost = record["cost_nanousd"]
-        record["cost_usd"] = None if cost is None else str(Decimal(cost) / _NANO)
+        record["cost_usd"] = None if cost is None else usd_text(cost)
         record["response_id_missing"] = int(not record["response_id"])
         record["unpriced"] = int(is_unpriced(record))
         yield {column: record[column] for column in EXPORT_COLUMNS}

@@ -27,7 +27,9 @@ def open_ledger(path: str | os.PathLike[str], *, schema: str | None = None) -> A
     """Open a ledger file read-only, after checking that it is one this code reads.
 
     The file is opened with SQLite's ``mode=ro``, so nothing is written to it,
-    and it is never created. A user who may write the file and its directory
+    and it is never created. Every query of the connection reads one
+    snapshot (one read transaction, ended by ``close``), whatever is written
+    meanwhile. A user who may write the file and its directory
     reads it with SQLite's locks (SQLite may leave an empty -wal and -shm
     beside it, as any reader does). A file this user cannot write (another
     user's file, a read-only directory or medium) whose write-ahead log is
@@ -68,6 +70,11 @@ def open_ledger(path: str | os.PathLike[str], *, schema: str | None = None) -> A
         conn.close()
         raise
     conn.row_factory = sqlite3.Row
+    # One read transaction for every query the connection runs: they all read
+    # the snapshot its first query takes, as on PostgreSQL, so runs written
+    # meanwhile (a live ledger) never make two answers disagree (an account's
+    # balance and its journal, a total and its rows).
+    conn.execute("BEGIN")
     return conn
 
 
