@@ -103,13 +103,13 @@ class CreditAccounts:
             path = ledger.path
         else:
             raise ConfigError("ledger", "credit accounts live in the ledger's database: give "
-                                        f"them a SQLiteLedger or a PostgresLedger, not {ledger!r}")
+                                        f"them a SQLiteLedger or a PostgresLedger, not "
+                                        f"{_validate.shown(ledger)}")
         if key is not None and not callable(key):
-            raise ConfigError("key", f"must be callable, got {key!r}")
+            raise ConfigError("key", f"must be callable, got {_validate.shown(key)}")
         _validate.integer("default_hold", default_hold, minimum=1, optional=True)
         _validate.seconds("expiry_grace", expiry_grace, positive=False)
-        if clock is not None and not isinstance(clock, Clock):
-            raise ConfigError("clock", f"must be a loopengine Clock, got {clock!r}")
+        _validate.clock("clock", clock)
         self.ledger: SQLiteLedger | PostgresLedger = ledger
         self.path: str = path
         """The SQLite file, or the PostgreSQL server's name (never a password)."""
@@ -126,9 +126,8 @@ class CreditAccounts:
         if self._key is None:
             return attribution.tenant
         account = self._key(attribution)
-        if account is not None and (not isinstance(account, str) or not account):
-            raise ConfigError("accounts.key", f"must return an account name or None, "
-                                              f"got {account!r}")
+        if account is not None:
+            _validate.recorded_name("accounts.key", account)
         return account
 
     # -- the public operations ------------------------------------------------------
@@ -142,8 +141,7 @@ class CreditAccounts:
         """
         _check_account(account)
         _validate.required_integer("credits", credits, minimum=1)
-        if note is not None and not isinstance(note, str):
-            raise ConfigError("note", f"must be text, got {note!r}")
+        _validate.recorded_text("note", note)
 
         def work(conn: Any, now: str) -> AccountBalance:
             store.lock(conn, account)
@@ -255,5 +253,4 @@ def expiry(started_at: datetime, total_time: float | None, grace: float) -> date
 
 
 def _check_account(account: object) -> None:
-    if not isinstance(account, str) or not account:
-        raise ConfigError("account", f"must be a non-empty account name, got {account!r}")
+    _validate.recorded_name("account", account)

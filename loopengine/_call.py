@@ -25,6 +25,7 @@ from typing import Any, Generic, Literal, NoReturn, TypeVar
 
 import pydantic
 
+from loopengine import _validate
 from loopengine._attempt import request, settle_cut
 from loopengine._errors import OutcomeError, StructuredOutputError
 from loopengine._invocation import Invocation
@@ -144,8 +145,7 @@ class _Call:
         self.charged = 0
         """The last turn whose charge is in the credits."""
         self.messages = list(spec.messages)
-        schema = spec.output.model_json_schema()
-        schema.pop("title", None)
+        schema = _validate.model_schema("output", spec.output)
         self.schema = schema
         self.tool = {
             "name": ANSWER_TOOL,

@@ -119,8 +119,14 @@ class FakeClock:
     """
 
     def __init__(self, start: float = 0.0, *, wall_start: datetime | None = None) -> None:
-        self._now = start
-        self._start = start
+        # Imported here: this module is read by code that must not load pydantic.
+        from loopengine import _validate
+
+        # A naive wall_start failed the first comparison of a run (a price's
+        # start, an account's expiry) with a TypeError.
+        _validate.moment("wall_start", wall_start, optional=True)
+        self._now = _validate.required_seconds("start", start, positive=False)
+        self._start = self._now
         self._wall_start = wall_start or datetime(2026, 1, 1, tzinfo=UTC)
         self.sleeps: list[float] = []
 
@@ -133,8 +139,15 @@ class FakeClock:
         return self._wall_start + timedelta(seconds=self._now - self._start)
 
     def advance(self, seconds: float) -> None:
-        """Move time forward without sleeping."""
-        self._now += seconds
+        """Move time forward without sleeping.
+
+        Raises:
+            ConfigError: ``seconds`` is negative or not a finite number (a
+                monotonic clock never goes back).
+        """
+        from loopengine import _validate
+
+        self._now += _validate.required_seconds("seconds", seconds, positive=False)
 
     def cancel_scope(self, seconds: float) -> anyio.CancelScope:
         """A scope that never expires by itself: fake time does not pass while

@@ -122,7 +122,9 @@ class Engine:
         clock: The time source (`loopengine.testing.FakeClock` in tests).
         rng: The jitter source of retry waits.
         tool_error_text: ``(tool_name, error) -> str``: what the model is told
-            when a tool handler raises (default: the exception's message, R09).
+            when a tool handler raises (default: the exception's message, R09);
+            an async one is awaited. One that raises or returns no string is
+            logged at ERROR and the model is told only the error's type.
         accounts: `CreditAccounts` on this engine's ledger: each run on an
             account reserves its credit hold before its first request and
             settles its charge at its end (docs/accounts.md).
@@ -171,9 +173,7 @@ class Engine:
                                   f"must be callable, got {_validate.shown(observer)}")
         if tool_error_text is not None and not callable(tool_error_text):
             raise ConfigError("tool_error_text", "must be callable")
-        if clock is not None and not isinstance(clock, Clock):
-            raise ConfigError("clock", "must be a Clock (now, wall, sleep, cancel_scope), "
-                                       f"got {_validate.shown(clock)}")
+        _validate.clock("clock", clock)
         if rng is not None and not isinstance(rng, random.Random):
             raise ConfigError("rng", f"must be a random.Random, got {_validate.shown(rng)}")
         for field, value, kind, name in (
@@ -431,6 +431,10 @@ class Engine:
                 its process's lease has not expired; nothing was sent or recorded.
         """
         _validate.boolean("force", force)
+        if decisions is not None and not isinstance(decisions, Mapping):
+            raise ConfigError("decisions", "must be a mapping of pending call id to Approve(), "
+                                           f"Deny(reason) or Supply(text), got "
+                                           f"{_validate.shown(decisions)}")
         tools = check_tools(tools)  # read more than once below
         output = _check_output(output)
         stored: StoredRun | None = None
@@ -788,17 +792,23 @@ def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
     ``assistant`` and no other keys but ``content``, a string or a list of
     content blocks, each matching the SDK's type for its ``type``
     (`loopengine._validate.content_block`). As the API requires, the first
-    message is the user's and only a final assistant message (a prefill) may
-    be empty. All of it is checked before anything is sent.
+    message is the user's, only a final assistant message (a prefill) may
+    be empty, and a user message holds no empty text block and some
+    non-whitespace text unless it holds other blocks. All of it is checked
+    before anything is sent.
 
     Raises:
         ConfigError: the first problem found; ``.field`` is its path, e.g.
             ``"messages[1].content[0].type"``.
     """
     if isinstance(messages, str):
-        if not messages:
-            raise ConfigError("messages", "must not be empty")
-        return [{"role": "user", "content": messages}]
+        if not messages.strip():
+            # The API refuses a user message without non-whitespace text (a 400
+            # after the attempt's row): refused here, as an empty one is.
+            raise ConfigError("messages", "must not be empty or blank")
+        # Proven encodable as a list's strings are: a lone surrogate fails here,
+        # not in the SDK after the attempt's row.
+        return [{"role": "user", "content": _validate.json_copy("messages", messages)}]
     if not isinstance(messages, Sequence) or not messages:
         raise ConfigError("messages", "must be a string or a non-empty list of messages")
     out: list[dict[str, Any]] = []
@@ -833,8 +843,31 @@ def normalize_messages(messages: Messages) -> list[dict[str, Any]]:
         if empty and not (i == last and role == "assistant"):
             raise ConfigError(f"{field}.content", "must not be empty (only a final assistant "
                                                   "message may be)")
+        if role == "user":
+            _check_user_text(field, content)
         out.append(_validate.json_copy(field, message))
     return out
+
+
+def _check_user_text(field: str, content: str | Sequence[Any]) -> None:
+    """A user message's text is what the API accepts: no empty text block, and
+    some non-whitespace text when the message holds nothing but text (it refuses
+    either with a 400, which would come after the attempt's row). Assistant
+    messages are left as the model wrote them: they are its own history."""
+    if isinstance(content, str):
+        if not content.strip():
+            raise ConfigError(f"{field}.content", "must not be blank (the API needs "
+                                                  "non-whitespace text)")
+        return
+    texts = [(j, block.get("text")) for j, block in enumerate(content)
+             if block.get("type") == "text"]
+    for j, text in texts:
+        if text == "":
+            raise ConfigError(f"{field}.content[{j}].text", "must not be empty")
+    if len(texts) == len(content) and not any(
+            isinstance(text, str) and text.strip() for _, text in texts):
+        raise ConfigError(f"{field}.content[{texts[0][0]}].text",
+                          "must not be blank: the message holds no non-whitespace text")
 
 
 def normalize_system(system: System) -> list[dict[str, Any]] | None:
@@ -924,9 +957,9 @@ def _check_resume_output(state: RunState, output: type[pydantic.BaseModel] | Non
 def _check_output(output: object) -> type[pydantic.BaseModel] | None:
     if output is None:
         return None
-    if isinstance(output, type) and issubclass(output, pydantic.BaseModel):
-        return output
-    raise ConfigError("output", f"must be a pydantic model class, got {_validate.shown(output)}")
+    _validate.model_schema("output", output)  # a model no tool can carry fails here
+    assert isinstance(output, type) and issubclass(output, pydantic.BaseModel)
+    return output
 
 
 def _check_callable(field: str, value: Any) -> Any:

@@ -39,6 +39,7 @@ from typing import Any
 
 import pydantic
 
+from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook, nanousd_to_usd
@@ -167,10 +168,8 @@ def estimate_run(
     """
     if not isinstance(operation, Operation):
         raise ConfigError("operation", f"must be an Operation, got {operation!r}")
-    if output is not None and not (
-        isinstance(output, type) and issubclass(output, pydantic.BaseModel)
-    ):
-        raise ConfigError("output", f"must be a pydantic model class, got {output!r}")
+    if output is not None:
+        _validate.model_schema("output", output)
     tool_list = tuple(tools)
     check_unique_tools(tool_list, final_tool, structured=output is not None)
     definitions = [t.definition for t in tool_list]

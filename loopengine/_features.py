@@ -83,7 +83,8 @@ class Thinking:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> Thinking:
         """Build from a mapping (a TOML table); unknown keys are errors."""
-        _known_keys(values, {"budget_tokens", "adaptive", "effort"}, "a thinking setting")
+        _validate.known_keys("thinking", values, ("budget_tokens", "adaptive", "effort"),
+                             "a thinking setting")
         return cls(**values)
 
 
@@ -135,7 +136,8 @@ class ServerTool:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ServerTool:
         """Build from a mapping (a TOML table); unknown keys are errors."""
-        _known_keys(values, {"type", "name", "max_uses", "params"}, "a server tool setting")
+        _validate.known_keys("server_tool", values, ("type", "name", "max_uses", "params"),
+                             "a server tool setting")
         return cls(**values)
 
 
@@ -232,7 +234,7 @@ def features_from_table(table: Mapping[str, Any]) -> Features:
     Raises:
         ConfigError: a key or value no feature takes.
     """
-    _known_keys(table, set(Features.__dataclass_fields__), "a request feature")
+    _validate.known_keys("features", table, Features.__dataclass_fields__, "a request feature")
     values = dict(table)
     if values.get("thinking") is not None:
         values["thinking"] = Thinking.from_mapping(values["thinking"])
@@ -291,9 +293,8 @@ def narrow_features(published: Features, requested: Mapping[str, Any] | None) ->
     """
     if requested is None:
         return published
-    if not isinstance(requested, Mapping):
-        raise ConfigError("features", f"must be a mapping, got {type(requested).__name__}")
-    _known_keys(requested, set(Features.__dataclass_fields__), "a request feature")
+    _validate.known_keys("features", requested, Features.__dataclass_fields__,
+                         "a request feature")
     asked = Features(**requested)
     changes: dict[str, Any] = {}
     for name in requested:
@@ -398,8 +399,3 @@ def _short(value: object) -> str:
         return json.dumps(dict(value), sort_keys=True)[:80]
     return repr(value)
 
-
-def _known_keys(values: Mapping[str, Any], known: set[str], what: str) -> None:
-    for key in values:
-        if key not in known:
-            raise ConfigError(str(key), f"is not {what} (known: {', '.join(sorted(known))})")

@@ -129,6 +129,12 @@ def _check_shape(field: str, schema: object, depth: int) -> None:
     if kind is not None and not (isinstance(kind, str) or (
             isinstance(kind, list) and all(isinstance(k, str) for k in kind))):
         raise ConfigError(f"{field}.type", "must be a type name or a list of them")
+    for name in [kind] if isinstance(kind, str) else kind or ():
+        if name not in _TYPES:
+            # The API refuses the tool definition (a 400 after the attempt's row),
+            # and the input check would let any value pass.
+            raise ConfigError(f"{field}.type", f"{name[:40]!r} is not a JSON Schema type "
+                                               f"(one of {', '.join(sorted(_TYPES))})")
     for key in _SCHEMA_KEYWORDS:
         if key in schema:
             _check_shape(f"{field}.{key}", schema[key], depth + 1)

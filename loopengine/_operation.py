@@ -72,10 +72,15 @@ class Operation:
     ``priority``); None: the API's default. It changes the price."""
 
     def __post_init__(self) -> None:
-        _validate.text("name", self.name)
-        _validate.text("provider", self.provider)
-        _validate.text("model", self.model)
-        _validate.text("version", self.version)
+        # Recorded on every invocation and printed by the audit.
+        _validate.recorded_name("name", self.name)
+        _validate.recorded_name("provider", self.provider)
+        _validate.recorded_name("model", self.model, max_length=1024)  # an ARN, a path
+        if self.model != self.model.strip():
+            # "anthropic: claude-..." would ask the API for the model " claude-...".
+            raise ConfigError("model", f"{_validate.shown(self.model)} has whitespace around "
+                                       f"it: the model id is {_validate.shown(self.model.strip())}")
+        _validate.recorded_name("version", self.version)
         _validate.text("wrap_up_text", self.wrap_up_text)
         _validate.integer("max_output_tokens", self.max_output_tokens, minimum=1)
         _validate.integer("model_max_output_tokens", self.model_max_output_tokens, minimum=1,
@@ -136,10 +141,7 @@ class Operation:
                  "cache", "model_max_output_tokens", "wrap_up_text", "thinking",
                  "server_tools", "betas", "context_management", "reasoning_effort",
                  "service_tier"}
-        for key in values:
-            if key not in known:
-                raise ConfigError(str(key), f"is not an operation setting "
-                                             f"(known: {', '.join(sorted(known))})")
+        _validate.known_keys("operation", values, known, "an operation setting")
         args: dict[str, Any] = {k: v for k, v in values.items()
                                 if k not in ("limits", "retry", "cache")}
         if "version" in args and isinstance(args["version"], int):
@@ -157,7 +159,7 @@ class Operation:
         if "thinking" in values:
             table = values["thinking"]
             if not isinstance(table, Mapping):
-                raise ConfigError("thinking", f"must be a table, got {table!r}")
+                raise ConfigError("thinking", f"must be a table, got {_validate.shown(table)}")
             try:
                 args["thinking"] = Thinking.from_mapping(table)
             except ConfigError as error:
@@ -174,11 +176,13 @@ class Operation:
 
 def _server_tools_from_list(values: object) -> tuple[ServerTool, ...]:
     if not isinstance(values, list):
-        raise ConfigError("server_tools", f"must be an array of tables, got {values!r}")
+        raise ConfigError("server_tools", "must be an array of tables, got "
+                                          f"{_validate.shown(values)}")
     tools = []
     for i, table in enumerate(values):
         if not isinstance(table, Mapping):
-            raise ConfigError(f"server_tools[{i}]", f"must be a table, got {table!r}")
+            raise ConfigError(f"server_tools[{i}]",
+                              f"must be a table, got {_validate.shown(table)}")
         try:
             tools.append(ServerTool.from_mapping(table))
         except ConfigError as error:
@@ -187,12 +191,8 @@ def _server_tools_from_list(values: object) -> tuple[ServerTool, ...]:
 
 
 def _cache_from_mapping(values: Mapping[str, Any]) -> CachePolicy:
-    known = {"system", "tools", "conversation", "ttl"}
-    for key in values:
-        if key not in known:
-            raise ConfigError(
-                str(key), f"is not a cache setting (known: {', '.join(sorted(known))})"
-            )
+    _validate.known_keys("cache", values, ("system", "tools", "conversation", "ttl"),
+                         "a cache setting")
     return CachePolicy(**values)
 
 
@@ -227,7 +227,7 @@ def load_operations(path: str | Path) -> dict[str, Operation]:
             (``operations.teammate.answer.limits.max_turns``) and the message
             names the file.
     """
-    where = Path(path)
+    where = Path(_validate.file_path("path", path))
     try:
         data = tomllib.loads(where.read_text(encoding="utf-8"))
     except FileNotFoundError:

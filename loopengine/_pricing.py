@@ -142,10 +142,7 @@ class ModelPrice:
         for name in ("service_tier_multipliers", "inference_geo_multipliers",
                      "speed_multipliers"):
             object.__setattr__(self, name, _multipliers(name, getattr(self, name)))
-        if self.effective_from is not None and (
-            not isinstance(self.effective_from, datetime) or self.effective_from.tzinfo is None
-        ):
-            raise ConfigError("effective_from", "must be a timezone-aware datetime or None")
+        _validate.moment("effective_from", self.effective_from, optional=True)
 
     def multiplier(self, served: Usage) -> Decimal | None:
         """The product of the multipliers of what ``served`` reports (its service

@@ -705,7 +705,7 @@ class _Loop:
             logger.error("run %s: the judge raised %s; the answer counts as rejected (R10)",
                          self.inv.id, type(error).__name__, exc_info=withheld(error))
             return _Answer(False, feedback="The answer could not be checked: "
-                                           + self.spec.tool_error_text(name, error))
+                                           + await self._error_text(name, error))
         if verdict is True or isinstance(verdict, Accept):
             return _Answer(True, value)
         if verdict is False:
@@ -715,8 +715,34 @@ class _Loop:
         logger.error("run %s: the judge returned %s, not Accept, Reject or a bool; the answer "
                      "counts as rejected (R10)", self.inv.id, type(verdict).__name__)
         return _Answer(False, feedback="The answer could not be checked: "
-                       + self.spec.tool_error_text(name, TypeError(
+                       + await self._error_text(name, TypeError(
                            f"the judge returned {type(verdict).__name__}, not Accept or Reject")))
+
+    async def _error_text(self, name: str, error: BaseException) -> str:
+        """What the model is told of ``error`` (R09): the ``tool_error_text``
+        hook's text (awaited when the hook is async, as a judge's verdict is),
+        as a string JSON can carry (a lone surrogate in it, from an exception's
+        message, replaced by U+FFFD as in a handler's result).
+
+        A hook that raises or returns something other than a string has a bug:
+        it is logged at ERROR with its traceback, and the model is told only
+        the error's type (the hook may exist to keep messages from the model).
+        """
+        try:
+            text: object = self.spec.tool_error_text(name, error)
+            if inspect.isawaitable(text):
+                text = await text
+            if not isinstance(text, str):
+                raise TypeError(f"the tool_error_text hook returned {type(text).__name__}, "
+                                "not str")
+        except Exception as bug:
+            logger.error("run %s: the tool_error_text hook raised %s on an error of %s; the "
+                         "model is told only the error's type", self.inv.id,
+                         type(bug).__name__, name, exc_info=withheld(bug))
+            text = f"{name} failed ({type(error).__name__})."
+        rendered = render_tool_output(text)
+        assert isinstance(rendered, str)  # a string renders as a string
+        return rendered
 
     # -- tools --------------------------------------------------------------------------
 
@@ -852,7 +878,7 @@ class _Loop:
                         logger.warning("run %s: tool %s raised %s; the model gets an error "
                                        "result (R09)", inv.id, name, type(error).__name__,
                                        exc_info=withheld(error))
-                        text = self.spec.tool_error_text(name, error)
+                        text = await self._error_text(name, error)
                         failed = f"handler raised {type(error).__name__}"
                         if isinstance(error, MCPServerError) and error.result_unknown:
                             unknown.add(index)
@@ -1015,13 +1041,11 @@ def _withhold(error: BaseException, seen: set[int]) -> BaseException:
 
 def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[str, Any]:
     """The terminal tool of structured mode: the model answers by calling it."""
-    schema = output.model_json_schema()
-    schema.pop("title", None)
     return {
         "name": name,
         "description": "Give your final answer. Call this exactly once, when you "
                        "have the answer, with the answer as its input.",
-        "input_schema": schema,
+        "input_schema": _validate.model_schema("output", output),
     }
 
 

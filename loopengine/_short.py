@@ -42,6 +42,12 @@ _ALSO_KEYS: dict[str, tuple[str, ...]] = {"gemini": ("GOOGLE_API_KEY",)}
 """Other variables a vendor's SDK reads its key from (google-genai reads
 ``GOOGLE_API_KEY`` first, then ``GEMINI_API_KEY``)."""
 
+_PROVIDER_CLASSES: dict[str, str] = {
+    "anthropic": "AnthropicProvider", "openai": "OpenAIProvider",
+    "openai-responses": "OpenAIResponsesProvider", "gemini": "GeminiProvider"}
+"""The provider class each route of a model string is served by (in
+``loopengine.providers``), for messages."""
+
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 """The ``max_output_tokens`` of an operation built from a model string: room for
 an answer after tool turns, well under every current model's ceiling."""
@@ -93,8 +99,12 @@ def provider_for_vendor(vendor: str, **options: Any) -> Provider:
     others = _ALSO_KEYS.get(vendor, ())
     if not options.get("api_key") and not any(os.environ.get(name) for name in (key, *others)):
         named = " or ".join((key, *others))
-        raise ConfigError("model", f"{named} is not set: export it (or pass api_key=...) to "
-                                   f"reach {vendor}'s API")
+        # Engine.from_model takes Engine's keywords, not the provider's: a key
+        # in code goes to the provider, which is then given to Engine.
+        raise ConfigError("model", f"{named} is not set: export it to reach {vendor}'s API, "
+                                   f"or build the provider with its key "
+                                   f"({_PROVIDER_CLASSES[vendor]}(api_key=...)) and give it "
+                                   "to Engine")
     if vendor == "anthropic":
         from loopengine.providers import AnthropicProvider
 

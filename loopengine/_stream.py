@@ -99,11 +99,28 @@ async def stream_run(prepare: Prepare) -> AsyncIterator[RunStream]:
             except Exception as error:
                 handle._error = error
 
+    raised: list[BaseException] = []
     with receive:
-        async with anyio.create_task_group() as group:
-            group.start_soon(run)
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(run)
+                try:
+                    yield handle
+                except BaseException as error:
+                    raised.append(error)
+                    raise
+                finally:
+                    # Left before the end: the run is cancelled (and recorded so).
+                    group.cancel_scope.cancel()
+        except BaseExceptionGroup as grouped:
+            if not raised or list(grouped.exceptions) != raised:
+                raise
+            # The run's task keeps its own errors (``handle._error``), so the group
+            # holds only what the caller's block raised: it propagates as it was
+            # raised, not wrapped (a task group wraps even its host's exception).
+            own = raised[0]
+            context, suppress = own.__context__, own.__suppress_context__
             try:
-                yield handle
+                raise own
             finally:
-                # Left before the end: the run is cancelled (and recorded so).
-                group.cancel_scope.cancel()
+                own.__context__, own.__suppress_context__ = context, suppress

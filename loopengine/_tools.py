@@ -51,7 +51,8 @@ class Tool:
         description: What it does, for the model.
         input_schema: A JSON Schema for the input; the handler receives the
             input as a dict.
-        handler: The function to run, sync or async.
+        handler: The function to run, sync or async (a sync one that returns
+            an awaitable has it awaited); not a generator function.
         input_model: A pydantic model for the input instead of a schema; the
             handler receives a model instance.
         max_calls: The most calls of this tool one run answers by running the
@@ -111,15 +112,14 @@ class Tool:
                            "input schema (give a docstring or description=)", name)
         if handler is None or not callable(handler):
             raise ConfigError("handler", f"tool {name!r} needs a callable handler")
+        if inspect.isgeneratorfunction(handler) or inspect.isasyncgenfunction(handler):
+            # Its call returns a generator, which the model would get as its repr.
+            raise ConfigError("handler", f"tool {name!r}: a generator function cannot be a "
+                                         "handler: return the result (a list of the items)")
         if (input_schema is None) == (input_model is None):
             raise ConfigError(
                 "input_schema", f"tool {name!r} needs exactly one of input_schema or input_model"
             )
-        if input_model is not None and not (
-            isinstance(input_model, type) and issubclass(input_model, pydantic.BaseModel)
-        ):
-            raise ConfigError("input_model", "must be a pydantic model class, "
-                                             f"got {_validate.shown(input_model)}")
         if input_schema is not None and (
             not isinstance(input_schema, Mapping) or input_schema.get("type") != "object"
         ):
@@ -192,7 +192,12 @@ class Tool:
             call = functools.partial(self.handler, argument, **extra)
         if self._is_async:
             return await call()
-        return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+        value = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+        if inspect.isawaitable(value):
+            # A sync function returning a coroutine (a lambda around an async
+            # one): its result is what it awaits to, as a judge's is.
+            return await value
+        return value
 
 
 def describe_validation_error(error: pydantic.ValidationError) -> str:
@@ -223,8 +228,7 @@ def _context_parameter(handler: Callable[..., Any]) -> str | None:
 
 
 def _model_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
-    schema = model.model_json_schema()
-    schema.pop("title", None)
+    schema = _validate.model_schema("input_model", model)
     schema.setdefault("properties", {})
     return schema
 
@@ -273,6 +277,17 @@ def _from_function(
     except NameError as error:
         raise ConfigError("handler", f"{label}: cannot resolve an annotation: {error}") \
             from None
+    except (TypeError, ValueError):  # a builtin or class whose signature Python cannot read
+        raise ConfigError("handler", f"{label}: Python cannot read its signature (a builtin "
+                                     "or a class): wrap it in a function with annotated "
+                                     "parameters") from None
+    first = next(iter(parameters), None)
+    if first is not None and first.name in ("self", "cls") \
+            and first.annotation is first.empty and not inspect.ismethod(fn):
+        # A method decorated in its class body: the model would be asked for it.
+        raise ConfigError("handler", f"{label}: its first parameter is {first.name!r}, which "
+                                     "the model would have to supply: make the tool of the "
+                                     f"bound method (le.tool(instance.{label})) instead")
     for param in parameters:
         if param.annotation is ToolContext:
             continue  # given by the engine, never by the model
@@ -284,7 +299,7 @@ def _from_function(
             annotation,
             pydantic.Field(default, description=param_docs.get(param.name)),
         )
-    tool_name = name or label
+    tool_name = label if name is None else name  # a name given is checked, even ""
     try:
         model = pydantic.create_model(f"{tool_name}_input", **fields)
         built = Tool(tool_name, description if description is not None else summary,
@@ -292,6 +307,11 @@ def _from_function(
                      approval=approval, idempotent=idempotent)
     except pydantic.PydanticUserError as error:
         raise ConfigError("handler", f"{label}: {error}") from None
+    except ConfigError as error:
+        if error.field != "input_model":
+            raise
+        # The input model is built here from the signature: its fault is the function's.
+        raise ConfigError("handler", f"{label}: {error.message}") from None
     built._kwargs = True
     return built
 

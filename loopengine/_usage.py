@@ -175,7 +175,7 @@ class Usage:
         for i, iteration in enumerate(self.iterations):
             if not isinstance(iteration, UsageIteration):
                 raise ConfigError(f"iterations[{i}]", f"must be a UsageIteration, got "
-                                                      f"{iteration!r}")
+                                                      f"{_validate.shown(iteration)}")
         for name in _TOKENS:
             total = sum(getattr(iteration, name) for iteration in self.iterations)
             if getattr(self, name) != total:

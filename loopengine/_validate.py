@@ -11,10 +11,12 @@ import base64
 import binascii
 import functools
 import math
+import os
 import reprlib
 import typing
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -45,6 +47,11 @@ def shown(value: object) -> str:
 
 MAX_INTEGER = 2**63 - 1
 """The largest integer a setting may hold: a ledger column is a signed 64-bit int."""
+
+MAX_SECONDS = 10 * 366 * 86400
+"""The longest duration a setting may hold: ten years. Durations are added to the
+wall clock (a run's deadline, a reservation's expiry, a lease), which ends at
+the year 9999; far longer overflowed that arithmetic mid-run, and is a typo."""
 
 MAX_DECIMAL_EXPONENT = 15
 """A price or rate is below 10**16: larger is a typo, and far larger would overflow
@@ -109,6 +116,9 @@ def seconds(
     if number < 0 or (positive and number == 0):
         bound = "greater than 0" if positive else "at least 0"
         raise ConfigError(field, f"must be {bound}, got {shown(value)}")
+    if number > MAX_SECONDS:
+        raise ConfigError(field, f"must be at most {MAX_SECONDS} seconds (ten years), "
+                                 f"got {shown(value)}")
     return number
 
 
@@ -130,6 +140,28 @@ def items(field: str, value: object) -> list[Any]:
     if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
         raise ConfigError(field, f"must be a list, got {shown(value)}")
     return list(value)
+
+
+def known_keys(field: str, values: object, known: Iterable[str], what: str) -> None:
+    """Check that ``values`` is a mapping whose keys all name a setting in ``known``.
+
+    Args:
+        field: The mapping's own name, for the error when it is not one.
+        values: The mapping (a TOML table, a keyword mapping).
+        known: The setting names it may hold.
+        what: What a key names, for the message (``"a limit"``).
+
+    Raises:
+        ConfigError: ``values`` is not a mapping (``field``), or a key names no
+            setting (the field is the key).
+    """
+    if not isinstance(values, Mapping):
+        raise ConfigError(field, f"must be a mapping of settings, got {shown(values)}")
+    names = set(known)
+    for key in values:
+        if key not in names:
+            raise ConfigError(key if isinstance(key, str) else shown(key),
+                              f"is not {what} (known: {', '.join(sorted(names))})")
 
 
 def boolean(field: str, value: object) -> bool:
@@ -177,6 +209,138 @@ def identifier(field: str, value: object, *, max_length: int = 256) -> str | Non
                    f"(category {unicodedata.category(char)})")
     if not value.strip():
         raise ConfigError(field, "must not be empty or blank")
+    return value
+
+
+def model_schema(field: str, model: object) -> dict[str, Any]:
+    """The JSON schema, without its title, of a pydantic model class that is a
+    tool's input (a run's or call's ``output=``, a `Tool`'s ``input_model=``).
+
+    Checked when the model is given, so that a model no tool can carry is
+    refused before anything is sent or recorded, not mid-run: pydantic must
+    generate the schema, it must describe a JSON object (directly or through
+    the ``$ref`` of a recursive model), and it must encode as JSON.
+
+    Raises:
+        ConfigError: ``model`` is not a subclass of ``pydantic.BaseModel``
+            (or is ``BaseModel`` itself); pydantic cannot generate its schema
+            (a field of an arbitrary class); the schema is not an object's (a
+            ``RootModel`` of a list); or it holds what JSON cannot carry (a
+            NaN default).
+    """
+    if not (isinstance(model, type) and issubclass(model, pydantic.BaseModel)) \
+            or model is pydantic.BaseModel:
+        raise ConfigError(field, "must be a pydantic model class (a subclass of BaseModel), "
+                                 f"got {shown(model)}")
+    try:
+        schema = model.model_json_schema()
+    except Exception as error:  # pydantic's refusal, whichever of its classes it raises
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else \
+            type(error).__name__
+        raise ConfigError(field, f"{model.__name__} has no JSON schema to send as a "
+                                 f"tool's input: {reason}") from None
+    schema.pop("title", None)
+    top: object = schema
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        top = (schema.get("$defs") or {}).get(ref.removeprefix("#/$defs/"))
+    kind = top.get("type") if isinstance(top, Mapping) else None
+    if kind != "object":
+        raise ConfigError(field, f"{model.__name__}'s JSON schema is of type {shown(kind)}, "
+                                 "not 'object': a tool's input is a JSON object (make the "
+                                 "value a field of a model)")
+    copied: dict[str, Any] = json_copy(field, schema)
+    return copied
+
+
+def file_path(field: str, value: object) -> str:
+    """``value``, a str or an ``os.PathLike`` of str, as the path's text.
+
+    Raises:
+        ConfigError: not such a path (None, bytes, a number), or it contains a
+            NUL byte, which no file name can hold (``open`` would raise a
+            ValueError).
+    """
+    try:
+        path = os.fspath(value)  # type: ignore[call-overload]
+    except TypeError:
+        path = None
+    if not isinstance(path, str):
+        raise ConfigError(field, f"must be a str or an os.PathLike of str, got {shown(value)}")
+    if "\0" in path:
+        raise ConfigError(field, f"{shown(path)} cannot name a file: the path contains a NUL "
+                                 "byte")
+    return path
+
+
+def moment(field: str, value: object, *, optional: bool = False) -> datetime | None:
+    """Return ``value`` if it is a timezone-aware `datetime` (or None, when
+    ``optional``), else raise `ConfigError`.
+
+    Every moment the library compares (a price's start, the wall clock, a
+    pause) is aware: a naive one would fail the first comparison mid-run
+    with a TypeError.
+    """
+    if value is None and optional:
+        return None
+    if not isinstance(value, datetime) or value.utcoffset() is None:
+        raise ConfigError(field, "must be a timezone-aware datetime"
+                                 f"{' or None' if optional else ''}, got {shown(value)}")
+    return value
+
+
+def clock(field: str, value: object) -> None:
+    """Check that ``value`` is None or a `Clock` whose wall time is
+    timezone-aware (read once, here).
+
+    Raises:
+        ConfigError: not a Clock, or its ``wall()`` is naive: every moment a
+            run compares (a price's start, an account's expiry) is aware, and
+            the first comparison would fail mid-run with a TypeError.
+    """
+    from loopengine._clock import Clock  # the protocol, imported where it is checked
+
+    if value is None:
+        return
+    if not isinstance(value, Clock):
+        raise ConfigError(field, "must be a Clock (now, wall, sleep, cancel_scope), "
+                                 f"got {shown(value)}")
+    moment(f"{field}.wall()", value.wall())
+
+
+def recorded_name(field: str, value: object, *, max_length: int = 256) -> str:
+    """Return ``value`` if it can be a name the ledger records and the audit
+    prints (an operation's name, route, model and version; a credit account):
+    a non-empty string, printable (`identifier`: no NUL, which PostgreSQL text
+    cannot hold, nor any other control character), of at most ``max_length``
+    characters.
+
+    Raises:
+        ConfigError: anything else, before a row could fail to be written
+            (a `LedgerError` is the ledger's failure, never a bad argument's).
+    """
+    checked = text(field, value)
+    assert checked is not None
+    identifier(field, checked, max_length=max_length)
+    return checked
+
+
+def recorded_text(field: str, value: object) -> str | None:
+    """Return ``value`` if it is None or free text the ledger can record (a
+    grant's note): a string without NUL (PostgreSQL text cannot hold it) or a
+    lone surrogate (UTF-8 cannot encode it); line breaks are fine.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(field, f"must be text, got {shown(value)}")
+    if "\x00" in value:
+        raise ConfigError(field, f"must not hold a NUL character (character "
+                                 f"{value.index(chr(0))}): the ledger cannot record it")
+    _utf8(field, value)
     return value
 
 

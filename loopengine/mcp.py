@@ -44,7 +44,7 @@ import anyio.abc
 
 from loopengine import _validate
 from loopengine._errors import ConfigError, MCPServerError, MCPToolError
-from loopengine._tools import Tool
+from loopengine._tools import Tool, check_tool_name
 
 try:
     import httpx2
@@ -205,10 +205,20 @@ class MCPServer:
         self.idempotent: object = _per_tool("idempotent", idempotent, calls=False)
         """Which tools are idempotent (see `MCPServer`)."""
         _validate.seconds("connect_timeout", connect_timeout)
+        if not callable(transport):
+            raise ConfigError("transport", "must be a function returning an MCP transport, "
+                                           f"got {_validate.shown(transport)}")
+        _validate.text("label", label)
         if prefix is not None and not isinstance(prefix, str):
-            raise ConfigError("prefix", f"must be a string, got {prefix!r}")
+            raise ConfigError("prefix", f"must be a string, got {_validate.shown(prefix)}")
+        if prefix:
+            # It starts every tool name: refused here, before a server is started.
+            check_tool_name("prefix", prefix)
         if isinstance(allow, str):
             raise ConfigError("allow", "must be a collection of tool names, not one string")
+        if allow is not None:
+            for i, allowed in enumerate(_validate.items("allow", allow)):
+                _validate.text(f"allow[{i}]", allowed)
         self._transport = transport
         self.label = label
         """How errors and logs name the server (its command or URL)."""

@@ -49,7 +49,8 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
         "pip install 'loopengine-core[otel]'"
     ) from error
 
-from loopengine import __version__
+from loopengine import __version__, _validate
+from loopengine._errors import ConfigError
 from loopengine._usage import Usage
 from loopengine.events import (
     AttemptSettled,
@@ -180,6 +181,10 @@ class OpenTelemetryObserver:
         *,
         providers: Provider | Iterable[Provider] | Mapping[str, Provider] | None = None,
     ) -> None:
+        if tracer_provider is not None and not callable(
+                getattr(tracer_provider, "get_tracer", None)):
+            raise ConfigError("tracer_provider", "must be an OpenTelemetry TracerProvider "
+                                                 f"or None, got {_validate.shown(tracer_provider)}")
         self._tracer = trace.get_tracer("loopengine", __version__,
                                         tracer_provider=tracer_provider)
         self._runs: dict[str, _RunSpans] = {}
@@ -192,7 +197,13 @@ class OpenTelemetryObserver:
         elif isinstance(providers, Provider):
             routes = {providers.name: providers}
         else:
-            routes = {getattr(p, "name", ""): p for p in providers}
+            routes = {getattr(p, "name", ""): p
+                      for p in _validate.items("providers", providers)}
+        for route, item in routes.items():
+            if not isinstance(item, Provider):
+                raise ConfigError(f"providers[{route!r}]" if isinstance(providers, Mapping)
+                                  else "providers",
+                                  f"must hold Providers, got {_validate.shown(item)}")
         self._servers = {route: _server_attributes(p) for route, p in routes.items()}
 
     def __call__(self, event: Event) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +76,12 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         le.load_operations(tmp_path / "absent.toml")
     with pytest.raises(le.ConfigError, match="not valid TOML"):
         le.load_operations(write(tmp_path, "[operations\n"))
+
+
+@pytest.mark.parametrize("path", [None, 3, b"operations.toml", "operations\0.toml"])
+def test_a_catalogue_path_that_names_no_file_is_a_config_error(path: Any) -> None:
+    """``load_operations(None)`` (a TypeError from pathlib) and a path holding a NUL
+    byte (a ValueError from open) are ConfigErrors on ``path``, as a missing file is."""
+    with pytest.raises(le.ConfigError) as caught:
+        le.load_operations(path)
+    assert caught.value.field == "path"

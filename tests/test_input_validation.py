@@ -81,6 +81,14 @@ BAD_MESSAGES = [
     ([{"role": "user", "content": "q", "name": "sam"}], "messages[0].name"),
     ([], "messages"),
     ("", "messages"),
+    # what the API refuses with a 400: no non-whitespace text in a user message
+    (" \n\t", "messages"),
+    ([user("  ")], "messages[0].content"),
+    ([user([{"type": "text", "text": ""}])], "messages[0].content[0].text"),
+    ([user([{"type": "text", "text": "x"}, {"type": "text", "text": ""}])],
+     "messages[0].content[1].text"),
+    ([user([{"type": "text", "text": " "}, {"type": "text", "text": "\n"}])],
+     "messages[0].content[0].text"),
 ]
 
 
@@ -324,3 +332,37 @@ def test_a_described_tool_logs_nothing(caplog: pytest.LogCaptureFixture) -> None
     with caplog.at_level(logging.WARNING, logger="loopengine"):
         le.tool(search.handler)
     assert not [r for r in caplog.records if "has no description" in r.getMessage()]
+
+
+@pytest.mark.parametrize("method", ["run", "call"])
+async def test_a_one_string_message_with_a_lone_surrogate_is_refused_before_an_attempt(
+    method: str,
+) -> None:
+    """``run(op, "a\\ud800")`` is a ConfigError on ``messages`` (as the same text in a
+    list of messages is), not an attempt recorded and then failed by the SDK's encoder:
+    through the real SDK and a loopback server, nothing is sent or recorded."""
+    ledger = MemoryLedger()
+    with FakeAnthropicServer([WireReply.text("x")]) as server:
+        async with AnthropicProvider(api_key="test", base_url=server.url) as provider:
+            engine = le.Engine(provider, ledger=ledger)
+            with pytest.raises(le.ConfigError, match="surrogate") as caught:
+                if method == "run":
+                    await engine.run(OPERATION, "a\ud800")
+                else:
+                    await engine.call(OPERATION, "a\ud800", output=Answer)
+        assert server.requests == []
+    assert caught.value.field == "messages"
+    assert ledger.invocations == {}
+
+
+def test_user_text_the_api_accepts_passes() -> None:
+    """Blank text beside real text, or beside another block, is what the API accepts;
+    an assistant's whitespace is its own history and is kept as it wrote it."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "aGk="}}
+    for messages in (
+        [user([{"type": "text", "text": " "}, {"type": "text", "text": "real"}])],
+        [user([{"type": "text", "text": " "}, image])],
+        [user("q"), assistant([{"type": "text", "text": "\n\n"}]), user("again")],
+    ):
+        assert normalize_messages(messages) == messages

@@ -232,6 +232,8 @@ def test_constructing_does_no_io_and_a_bad_server_is_a_ledger_error(tmp_path: Pa
     {"max_retained_attempts": 0}, {"max_retained_attempts": True}, {"linger": -1},
     {"linger": float("nan")}, {"connect_timeout": float("inf")}, {"max_batch": 0},
     {"schema": ""}, {"dsn": "host='unterminated"},
+    # a NUL was a LedgerError at the first connection; PostgreSQL names hold 63 bytes
+    {"schema": "ledger\x00"}, {"schema": "line\nbreak"}, {"schema": "x" * 64}, {"schema": 3},
 ])
 def test_bad_arguments_are_refused(bad: dict[str, Any]) -> None:
     """Invalid settings raise ConfigError naming the argument, at construction."""

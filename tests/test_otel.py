@@ -338,3 +338,20 @@ def test_otel_module_says_how_to_install_the_extra() -> None:
                           timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert "pip install 'loopengine-core[otel]'" in done.stdout
+
+
+@pytest.mark.parametrize(("arguments", "field"), [
+    ({"tracer_provider": 3}, "tracer_provider"),
+    ({"providers": 3}, "providers"),
+    ({"providers": [3]}, "providers"),
+    ({"providers": {"anthropic": "not a provider"}}, "providers['anthropic']"),
+])
+def test_an_observer_given_no_tracer_provider_or_providers_names_the_argument(
+    arguments: dict[str, Any], field: str
+) -> None:
+    """``OpenTelemetryObserver(tracer_provider=3)`` was an AttributeError from inside
+    OpenTelemetry, ``providers=3`` a TypeError; each is a ConfigError naming it."""
+    with pytest.raises(le.ConfigError) as caught:
+        OpenTelemetryObserver(**arguments)
+    assert caught.value.field == field
+    OpenTelemetryObserver(TracerProvider(), providers=[ScriptedProvider([])])  # the valid form

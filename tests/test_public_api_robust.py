@@ -21,6 +21,16 @@ from hypothesis import strategies as st
 import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import (
+    CutStream,
+    DropConnection,
+    ErrorReply,
+    FakeAnthropicServer,
+    FakeClock,
+    StallStream,
+    StreamErrorEvent,
+)
+from loopengine.testing import Reply as WireReply
 
 
 def deep(levels: int) -> list[Any]:
@@ -112,7 +122,8 @@ CONSTRUCTORS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
                            "wrap_up": False}),
     "RetryPolicy": (le.RetryPolicy, {"max_attempts": 3, "initial_wait": 0.5, "max_wait": 8.0,
                                      "grow_max_tokens": True}),
-    "CachePolicy": (le.CachePolicy, {"system": True, "tools": True, "conversation": True}),
+    "CachePolicy": (le.CachePolicy, {"system": True, "tools": True, "conversation": True,
+                                     "ttl": "1h"}),
     "Tool": (le.Tool, {"name": "t", "description": "d",
                        "input_schema": {"type": "object", "properties": {
                            "a": {"type": "integer", "minimum": 0},
@@ -137,10 +148,7 @@ CONSTRUCTORS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
                 "accounts": None}),
 }
 
-# The CachePolicy's ttl is checked in providers/_cache.py with a plain repr, which a
-# 3,000-deep list defeats: kept out until that check shows its value safely.
-SPOILABLE = {name: [f for f in valid if (name, f) != ("CachePolicy", "ttl")]
-             for name, (_, valid) in CONSTRUCTORS.items()}
+SPOILABLE = {name: list(valid) for name, (_, valid) in CONSTRUCTORS.items()}
 
 
 def spoiled(data: st.DataObject, valid: dict[str, Any], fields: list[str]) -> dict[str, Any]:
@@ -251,6 +259,17 @@ def test_the_valid_arguments_run(method: str, valid: dict[str, Any]) -> None:
     (lambda: le.Operation(name="n", provider="p", model="m",
                           limits=BrokenRepr()), "limits"),  # type: ignore[arg-type]
     (lambda: le.Tool("t", "d", {"type": "object"}, handler, timeout=10**400), "timeout"),
+    (lambda: le.CachePolicy(ttl=deep(3000)), "ttl"),  # type: ignore[arg-type]
+    (lambda: MemoryLedger(max_retained_attempts=deep(3000)), "max_retained_attempts"),
+    (lambda: MemoryLedger(max_retained_attempts=BrokenRepr()), "max_retained_attempts"),
+    (lambda: le.CreditAccounts(deep(3000)), "ledger"),
+    (lambda: le.CreditAccounts(BrokenRepr()), "ledger"),
+    (lambda: le.Usage(1, 1, iterations=(deep(3000),)), "iterations[0]"),  # type: ignore[arg-type]
+    (lambda: le.Operation.from_mapping("op", {"provider": "p", "model": "m",
+                                              "thinking": BrokenRepr()}), "thinking"),
+    (lambda: le.Operation.from_mapping("op", {"provider": "p", "model": "m",
+                                              "server_tools": [deep(3000)]}), "server_tools[0]"),
+    (lambda: le.CachePolicy(ttl=BrokenRepr()), "ttl"),  # type: ignore[arg-type]
     (lambda: le.ModelPrice(provider="p", model="m", input_per_mtok=1, output_per_mtok=1,
                            effective_from=datetime(2025, 1, 1)), "effective_from"),
 ])
@@ -269,3 +288,384 @@ async def test_a_tools_list_holding_junk_names_the_item() -> None:
         await engine().run(OPERATION, "hi", tools=[TOOL, deep(3000)])
     assert caught.value.field == "tools[1]"
     assert len(str(caught.value)) < 200
+
+
+class _Opaque:
+    """A class pydantic has no JSON schema for."""
+
+
+class _OpaqueField(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(arbitrary_types_allowed=True)
+    value: _Opaque
+
+
+class _Numbers(pydantic.RootModel[list[int]]):
+    """A model whose JSON schema is an array's: no tool input."""
+
+
+class _NaNDefault(pydantic.BaseModel):
+    x: float = float("nan")
+
+
+@pytest.mark.parametrize(("output", "says"), [
+    (_OpaqueField, "no JSON schema"),
+    (_Numbers, "type 'array'"),
+    (_NaNDefault, "finite"),
+    (pydantic.BaseModel, "subclass of BaseModel"),
+])
+@pytest.mark.parametrize("method", ["run", "call", "estimate"])
+async def test_an_output_model_no_tool_can_carry_is_refused_before_anything_is_recorded(
+    output: Any, says: str, method: str
+) -> None:
+    """``output=`` a model whose schema pydantic cannot generate, that is not an
+    object's, or that JSON cannot carry is a ConfigError on ``output``: never a
+    pydantic error, an AttributeError or a run of refused answers, and nothing is
+    sent or recorded."""
+    provider = ScriptedProvider([Reply.final({"x": 1})] * 3)
+    ledger = MemoryLedger()
+    built = le.Engine(provider, ledger=ledger, prices=le.PriceBook([PRICE], fallback=False))
+    with pytest.raises(le.ConfigError, match=says) as caught:
+        if method == "estimate":
+            built.estimate(OPERATION, "hi", output=output)
+        else:
+            await getattr(built, method)(OPERATION, "hi", output=output)
+    assert caught.value.field.startswith("output")
+    assert provider.requests == []
+    assert ledger.invocations == {}
+
+
+def test_a_tool_input_model_no_tool_can_carry_is_a_config_error() -> None:
+    """``Tool(input_model=...)`` refuses the same models, on ``input_model``."""
+    for model in (_OpaqueField, _Numbers, pydantic.BaseModel):
+        with pytest.raises(le.ConfigError) as caught:
+            le.Tool("t", "d", handler=handler, input_model=model)
+        assert caught.value.field == "input_model"
+
+
+def test_a_function_python_cannot_read_is_not_a_tool() -> None:
+    """``le.tool(int)`` (no signature Python can read) is a ConfigError on ``handler``,
+    not inspect's ValueError."""
+    with pytest.raises(le.ConfigError, match="signature") as caught:
+        le.tool(int)
+    assert caught.value.field == "handler"
+
+
+def test_an_empty_tool_name_given_is_refused_not_replaced() -> None:
+    """``@le.tool(name="")`` is a ConfigError on ``name``: a name given is checked,
+    never silently replaced by the function's."""
+
+    def lookup() -> str:
+        """Look up."""
+        return "x"
+
+    with pytest.raises(le.ConfigError) as caught:
+        le.tool(lookup, name="")
+    assert caught.value.field == "name"
+
+
+def _failing_lookup(key: str) -> str:
+    """Look a key up."""
+    raise ValueError("no \ud800 such key")
+
+
+async def _async_error_text(name: str, error: BaseException) -> str:
+    return f"{name} could not look it up"
+
+
+@pytest.mark.parametrize(("hook", "told"), [
+    (None, "no \ufffd such key"),
+    (lambda name, error: 1 / 0, "_failing_lookup failed (ValueError)."),
+    (lambda name, error: 3, "_failing_lookup failed (ValueError)."),
+    (lambda name: "one argument", "_failing_lookup failed (ValueError)."),
+    (_async_error_text, "_failing_lookup could not look it up"),
+])
+async def test_the_error_text_a_model_gets_is_always_a_string_it_can_be_sent(
+    hook: Any, told: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the real SDK: a handler's message holding a lone surrogate is sent with
+    U+FFFD in its place (it failed the SDK's encoder after its attempt's row); a
+    ``tool_error_text`` hook that raises, returns a non-string or takes the wrong
+    arguments is logged at ERROR and the model told the error's type (it escaped as
+    an ExceptionGroup, or sent a tool result whose content was an int). An async hook
+    is awaited, as an async judge is."""
+    from loopengine.providers import AnthropicProvider
+    from loopengine.testing import FakeAnthropicServer
+    from loopengine.testing import Reply as WireReply
+
+    lookup = le.tool(_failing_lookup)
+    with FakeAnthropicServer([WireReply.tool_calls(("_failing_lookup", {"key": "k"})),
+                              WireReply.text("done")]) as server:
+        async with AnthropicProvider(api_key="test", base_url=server.url) as provider:
+            result = await le.Engine(provider).run(OPERATION, "hi", tools=[lookup],
+                                                   tool_error_text=hook)
+        (sent,) = server.requests[1].messages[-1]["content"]
+    assert result.outcome is le.Outcome.COMPLETED
+    assert sent["is_error"] is True
+    assert sent["content"] == told
+    logged = [r for r in caplog.records if "tool_error_text hook" in r.getMessage()]
+    assert [r.levelno for r in logged] == (
+        [] if hook in (None, _async_error_text) else [logging.ERROR])
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda values: le.Limits.from_mapping(values), "limits"),
+    (lambda values: le.RetryPolicy.from_mapping(values), "retry"),
+    (lambda values: le.Thinking.from_mapping(values), "thinking"),
+    (lambda values: le.ServerTool.from_mapping(values), "server_tool"),
+    (lambda values: le.Operation.from_mapping("op", values), "operation"),
+])
+@pytest.mark.parametrize("values", [None, [("max_turns", 3)], 3, "max_turns=3"])
+def test_a_from_mapping_given_no_mapping_names_it(
+    build: Callable[[Any], Any], field: str, values: Any
+) -> None:
+    """``Limits.from_mapping(None)`` (and each other ``from_mapping``) is a ConfigError
+    naming the table, not the TypeError of iterating None."""
+    with pytest.raises(le.ConfigError, match="must be a mapping") as caught:
+        build(values)
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize("field", ["name", "provider", "model", "version"])
+@pytest.mark.parametrize("bad", ["a\x00b", "line\nbreak", "zero\u200bwidth", "x" * 2000])
+def test_an_operation_name_the_ledger_cannot_record_is_a_config_error(field: str, bad: str) -> None:
+    """An operation's name, route, model and version are recorded on every invocation
+    and printed by the audit: a NUL (which PostgreSQL text refuses: the run's first
+    write was a LedgerError) or any other unprintable character, or an overlong
+    value, is a ConfigError on that field when the operation is built."""
+    values = {"name": "n", "provider": "anthropic", "model": "m", "version": "1", field: bad}
+    with pytest.raises(le.ConfigError) as caught:
+        le.Operation(max_output_tokens=16, **values)
+    assert caught.value.field == field
+
+
+def test_a_model_id_as_long_as_an_arn_is_accepted() -> None:
+    """Model ids are printable and may be long (a Bedrock inference profile's ARN)."""
+    arn = ("arn:aws:bedrock:us-east-1:123456789012:application-inference-profile/"
+           + "a" * 200)
+    assert le.Operation(name="n", provider="anthropic", model=arn).model == arn
+
+
+@pytest.mark.parametrize(("account", "note", "field"), [
+    ("acme\x00", None, "account"),
+    ("acme\n", None, "account"),
+    ("acme", "paid\x00", "note"),
+    ("acme", "a\ud800", "note"),
+])
+async def test_a_grant_the_ledger_cannot_record_is_a_config_error(
+    tmp_path: Any, account: str, note: str | None, field: str
+) -> None:
+    """An account name holding a NUL or another unprintable character, or a note
+    holding a NUL or a lone surrogate, is a ConfigError before anything is written
+    (on PostgreSQL the NUL was a LedgerError), and the account gets nothing."""
+    from loopengine.persistence import SQLiteLedger
+
+    async with SQLiteLedger(str(tmp_path / "ledger.db")) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        with pytest.raises(le.ConfigError) as caught:
+            await accounts.grant(account, 5, note)
+        assert caught.value.field == field
+        assert (await accounts.balance("acme")).granted == 0
+
+
+def test_a_grant_note_may_span_lines() -> None:
+    """A note is free text: line breaks are recorded as given."""
+    from loopengine import _validate
+
+    assert _validate.recorded_text("note", "line one\nline two") == "line one\nline two"
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: FakeClock(wall_start=datetime(2025, 1, 1)), "wall_start"),
+    (lambda: FakeClock(wall_start="2025-01-01T00:00:00Z"), "wall_start"),  # type: ignore[arg-type]
+    (lambda: FakeClock(float("nan")), "start"),
+    (lambda: FakeClock().advance(-1), "seconds"),
+    (lambda: FakeClock().advance(float("inf")), "seconds"),
+])
+def test_a_fake_clock_refuses_a_naive_wall_or_time_going_back(
+    build: Callable[[], Any], field: str
+) -> None:
+    """``FakeClock(wall_start=<naive datetime>)`` is a ConfigError when built: a run on
+    it failed its first comparison (a price's start) with a TypeError. Its monotonic
+    time never goes back nor becomes NaN."""
+    with pytest.raises(le.ConfigError) as caught:
+        build()
+    assert caught.value.field == field
+
+
+async def test_a_run_on_a_fake_clock_with_an_aware_wall_start_is_priced() -> None:
+    """The same run on an aware ``wall_start`` completes, priced at that moment."""
+    clock = FakeClock(wall_start=datetime(2025, 1, 1, tzinfo=UTC))
+    dated = le.ModelPrice(provider="anthropic", model="m", input_per_mtok=1, output_per_mtok=2,
+                          effective_from=datetime(2024, 1, 1, tzinfo=UTC))
+    provider = ScriptedProvider([Reply.text("ok")], clock=clock)
+    result = await le.Engine(provider, clock=clock,
+                             prices=le.PriceBook([dated], fallback=False)).run(OPERATION, "hi")
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.cost_usd > 0
+
+
+def _numbers(count: int) -> Any:
+    """Count up."""
+    yield from range(count)
+
+
+async def _numbers_async(count: int) -> Any:
+    """Count up."""
+    for number in range(count):
+        yield number
+
+
+@pytest.mark.parametrize("function", [_numbers, _numbers_async])
+def test_a_generator_function_is_not_a_tool_handler(function: Any) -> None:
+    """A generator function's call returns a generator, which the model got as its
+    repr (``<generator object ...>``): ``le.tool`` and ``Tool`` refuse it."""
+    with pytest.raises(le.ConfigError, match="generator") as caught:
+        le.tool(function)
+    assert caught.value.field == "handler"
+    with pytest.raises(le.ConfigError, match="generator"):
+        le.Tool("count", "Count up.", {"type": "object"}, function)
+
+
+async def test_a_sync_handler_returning_a_coroutine_gives_what_it_awaits_to() -> None:
+    """A sync function that returns a coroutine (a lambda around an async one) gives
+    the model the coroutine's result, as a judge's awaitable verdict is awaited;
+    it was ``<coroutine object ...>``, never awaited."""
+
+    async def look_up(argument: dict[str, Any]) -> str:
+        return f"found {argument['key']}"
+
+    lookup = le.Tool("lookup", "Look up.", {"type": "object"},
+                     lambda argument: look_up(argument))
+    provider = ScriptedProvider([Reply.tool_calls(("lookup", {"key": "k"})),
+                                 Reply.text("done")])
+    result = await le.Engine(provider).run(OPERATION, "hi", tools=[lookup])
+    assert result.outcome is le.Outcome.COMPLETED
+    (sent,) = provider.requests[1].messages[-1]["content"]
+    assert sent["content"] == "found k" and not sent.get("is_error")
+
+
+class _NaiveClock:
+    """A clock of the caller's whose wall time has no UTC offset."""
+
+    def now(self) -> float:
+        return 0.0
+
+    def wall(self) -> datetime:
+        return datetime(2026, 1, 1)
+
+    async def sleep(self, seconds: float) -> None:
+        return None
+
+    def cancel_scope(self, seconds: float) -> anyio.CancelScope:
+        return anyio.CancelScope()
+
+    def deadline_scope(self, at: float) -> anyio.CancelScope:
+        return anyio.CancelScope()
+
+    def effective_deadline(self) -> float:
+        return float("inf")
+
+
+async def test_a_clock_whose_wall_is_naive_is_refused_when_given(tmp_path: Any) -> None:
+    """``Engine(clock=...)`` and ``CreditAccounts(clock=...)`` read the clock's wall
+    time once: a naive one is a ConfigError on ``clock.wall()``, where a run failed
+    its first price lookup with a TypeError."""
+    from loopengine.persistence import SQLiteLedger
+
+    with pytest.raises(le.ConfigError) as caught:
+        le.Engine(ScriptedProvider([Reply.text("ok")]), clock=_NaiveClock())  # type: ignore[arg-type]
+    assert caught.value.field == "clock.wall()"
+    async with SQLiteLedger(str(tmp_path / "ledger.db")) as ledger:
+        with pytest.raises(le.ConfigError) as caught:
+            le.CreditAccounts(ledger, clock=_NaiveClock())  # type: ignore[arg-type]
+    assert caught.value.field == "clock.wall()"
+
+
+@pytest.mark.parametrize("build", [
+    lambda: FakeAnthropicServer([3]),
+    lambda: FakeAnthropicServer(None),  # type: ignore[arg-type]
+    lambda: FakeAnthropicServer().add(WireReply.text("ok"), "a reply"),  # type: ignore[arg-type]
+])
+def test_a_fake_servers_script_holding_junk_is_refused_when_given(build: Any) -> None:
+    """A script item no request could be served (``3``) broke that request's
+    connection when it came, a TypeError in the server's thread; ``None`` as the
+    script was a TypeError. Each is a ConfigError naming it, before any request."""
+    with pytest.raises(le.ConfigError) as caught:
+        build()
+    assert caught.value.field in {"script", "script[0]", "items[1]"}
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: ErrorReply(status="503"), "status"),
+    (lambda: ErrorReply(status=5030), "status"),
+    (lambda: DropConnection(delay=float("nan")), "delay"),
+    (lambda: CutStream(reply=WireReply.text("x"), how="cut"), "how"),
+    (lambda: CutStream(reply="x"), "reply"),
+    (lambda: StreamErrorEvent(reply=WireReply.text("x"), after=-1), "after"),
+    (lambda: StallStream(reply=WireReply.text("x"), seconds=-1), "seconds"),
+])
+def test_a_fake_servers_fault_item_with_a_bad_setting_names_it(
+    build: Callable[[], Any], field: str
+) -> None:
+    """The fakes' fault items were built with any value and failed when served
+    (a status "503" on the wire, a cut of an unknown kind); each is a ConfigError
+    naming the setting."""
+    with pytest.raises(le.ConfigError) as caught:
+        build()
+    assert caught.value.field == field
+
+
+class _Orders:
+    """A service whose methods are tools."""
+
+    def status(self, order_id: str) -> str:
+        """Look an order up."""
+        return f"{order_id} shipped"
+
+
+def test_a_method_taken_from_its_class_is_refused_and_a_bound_one_is_a_tool() -> None:
+    """``@le.tool`` on a method in its class body (or ``le.tool(Orders.status)``) made
+    ``self`` a required input the model had to supply; it is a ConfigError saying to
+    use the bound method, which is a tool whose input is ``order_id`` alone."""
+    with pytest.raises(le.ConfigError, match="bound method") as caught:
+        le.tool(_Orders.status)
+    assert caught.value.field == "handler"
+    bound = le.tool(_Orders().status)
+    assert bound.input_schema["required"] == ["order_id"]
+    assert bound.validate({"order_id": "A-1"}).order_id == "A-1"
+
+
+@pytest.mark.parametrize("field", ["total_time", "attempt_timeout", "pause_timeout"])
+def test_a_duration_beyond_ten_years_is_a_config_error(field: str) -> None:
+    """``Limits(total_time=1e15)`` was accepted, and a run on an account then failed
+    after its invocation started, with the OverflowError of its reservation's
+    expiry (a datetime past the year 9999)."""
+    with pytest.raises(le.ConfigError, match="ten years") as caught:
+        le.Limits(**{field: 1e15})
+    assert caught.value.field == field
+
+
+async def test_a_run_on_an_account_with_the_longest_limits_completes(tmp_path: Any) -> None:
+    """The longest durations allowed carry through a run on an account with a run
+    store: the reservation's expiry and the lease are computed, and it pauses and
+    resumes to completion."""
+    from loopengine import _validate
+    from loopengine.persistence import SQLiteLedger
+
+    longest = _validate.MAX_SECONDS
+    operation = le.Operation(name="long", provider="anthropic", model="m", max_output_tokens=16,
+                             limits=le.Limits(total_time=longest, attempt_timeout=longest,
+                                              pause_timeout=longest, credit_hold=100))
+    act = le.Tool("act", "Act.", {"type": "object"}, handler, approval=True)
+    async with SQLiteLedger(str(tmp_path / "ledger.db")) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        engine = le.Engine(ScriptedProvider([Reply.tool_calls(("act", {})), Reply.text("done")]),
+                           ledger=ledger, accounts=accounts, run_store=le.RunStore(ledger),
+                           prices=le.PriceBook([PRICE], fallback=False))
+        paused = await engine.run(operation, "go", tools=[act],
+                                  attribution=le.Attribution(tenant="acme"))
+        assert paused.outcome is le.Outcome.PAUSED
+        done = await engine.resume(paused.invocation_id, tools=[act],
+                                   decisions={paused.pending[0].id: le.Approve()})
+    assert done.outcome is le.Outcome.COMPLETED

@@ -251,3 +251,20 @@ async def test_a_recovered_run_that_fails_counts_the_turn_its_dead_process_sent(
     assert provider2.requests == []
     row = ledger.invocations[run_id]
     assert (row["outcome"], row["turns"], row["attempt_count"]) == ("failed", 1, 1)
+
+
+@pytest.mark.parametrize("decisions", [[le.Approve()], "approve", 3])
+async def test_decisions_that_are_not_a_mapping_are_a_config_error_before_anything_is_sent(
+        make_engine: EngineFactory, decisions: Any) -> None:
+    """``decisions=[le.Approve()]`` (a list, not ``{call_id: decision}``) was the
+    TypeError of building a dict from it; it is a ConfigError on ``decisions``, and
+    the run stays paused."""
+    sender = Sender()
+    engine, provider, ledger = make_engine(Reply.tool_calls(send("a")), Reply.text("done"))
+    paused = await engine.run(operation(), "go", tools=[sender.tool])
+    assert paused.state is not None
+    with pytest.raises(le.ConfigError) as refused:
+        await engine.resume(paused.state, decisions=decisions, tools=[sender.tool])
+    assert refused.value.field == "decisions"
+    assert len(provider.requests) == 1 and sender.sent == []
+    assert ledger.invocations[paused.invocation_id]["outcome"] == "paused"

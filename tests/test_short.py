@@ -167,3 +167,42 @@ def test_the_sync_methods_say_what_they_are() -> None:
     assert "private event loop" in (le.Engine.call_sync.__doc__ or "")
     assert json.dumps(sorted(n for n in dir(le.Engine) if n.endswith("_sync"))) == \
         '["call_sync", "resume_sync", "run_sync"]'
+
+
+@pytest.mark.parametrize(("model", "provider"), [
+    ("anthropic:claude-sonnet-4-5", "AnthropicProvider"),
+    ("openai:gpt-4o", "OpenAIProvider"),
+    ("openai-responses:gpt-5", "OpenAIResponsesProvider"),
+])
+def test_a_missing_key_says_what_works_instead(
+    monkeypatch: pytest.MonkeyPatch, model: str, provider: str
+) -> None:
+    """The missing-key message named ``api_key=...`` as the way out, which
+    ``Engine.from_model`` (taking Engine's keywords) raised the same error for; it
+    names the provider to build with the key, and that provider, given to Engine,
+    serves the route."""
+    for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(le.ConfigError) as caught:
+        le.Engine.from_model(model)
+    assert f"{provider}(api_key=...)" in caught.value.message
+    assert "pass api_key" not in caught.value.message
+    built = getattr(le.providers, provider)(api_key="k", **(
+        {"route": "openai-responses"} if provider == "OpenAIResponsesProvider" else {}))
+    operation = le.Operation.from_model(model)
+    assert le.Engine(built).provider_for(operation) is built
+
+
+@pytest.mark.parametrize("model", ["anthropic: claude-sonnet-4-5", "openai:gpt-4o ",
+                                   "gemini:  gemini-2.5-flash "])
+def test_whitespace_around_the_model_id_is_refused(model: str) -> None:
+    """``"anthropic: claude-sonnet-4-5"`` built an operation whose model was
+    ``" claude-sonnet-4-5"``, which the API answers with a 404 after the attempt is
+    recorded; the message shows the id without it. ``Operation(model=...)`` too."""
+    with pytest.raises(le.ConfigError, match="whitespace") as caught:
+        le.Operation.from_model(model)
+    assert caught.value.field == "model"
+    model_id = model.partition(":")[2]
+    assert repr(model_id.strip()) in caught.value.message
+    with pytest.raises(le.ConfigError, match="whitespace"):
+        le.Operation(name="n", provider="anthropic", model=model_id)

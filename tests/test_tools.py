@@ -162,3 +162,15 @@ async def test_duplicate_tool_names_are_refused(make_engine: EngineFactory) -> N
     with pytest.raises(le.ConfigError, match="terminal"):
         await engine.run(operation(), "go", tools=[final], output=Out)
     assert provider.requests == []
+
+
+@pytest.mark.parametrize("kind", ["wat", ["string", "strng"], "String"])
+def test_a_schema_type_that_json_schema_lacks_is_refused_when_the_tool_is_built(
+    kind: Any,
+) -> None:
+    """``{"type": "wat"}`` let every input pass the check, and the API refuses the
+    tool's definition (a 400 after the attempt's row): a ConfigError naming it."""
+    schema = {"type": "object", "properties": {"a": {"type": kind}}}
+    with pytest.raises(le.ConfigError, match="not a JSON Schema type") as caught:
+        le.Tool("t", "d", schema, lambda x: x)
+    assert caught.value.field == "input_schema.properties.a.type"

@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, fields, replace
 
 from loopengine import _validate
-from loopengine._errors import ConfigError
 from loopengine._named import NamedFields, given, replaced_from
 
 __all__ = ["Limits"]
@@ -68,10 +67,7 @@ class Limits(NamedFields):
     @classmethod
     def from_mapping(cls, values: Mapping[str, object]) -> Limits:
         """Build `Limits` from a mapping (a TOML table, say); unknown keys are errors."""
-        names = {f.name for f in fields(cls)}
-        for key in values:
-            if key not in names:
-                raise ConfigError(str(key), f"is not a limit (known: {', '.join(sorted(names))})")
+        _validate.known_keys("limits", values, (f.name for f in fields(cls)), "a limit")
         return cls(**values)  # type: ignore[arg-type]
 
     def narrow(self, override: Limits | Mapping[str, object] | None) -> Limits:

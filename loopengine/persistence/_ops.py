@@ -8,11 +8,10 @@ place of the 0 when it queues it. Times become fixed-width ISO-8601 UTC text
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from loopengine._errors import ConfigError
+from loopengine import _validate
 from loopengine.persistence._planner import DISPATCH, END, SETTLE, START, Op
 from loopengine.persistence._records import (
     AttemptDispatch,
@@ -73,14 +72,7 @@ def check_arguments(*, max_retained_attempts: object, max_batch: object,
     Raises:
         ConfigError: the first argument that is not so (``.field`` names it).
     """
-    if isinstance(max_retained_attempts, bool) or not isinstance(max_retained_attempts, int) \
-            or max_retained_attempts < 1:
-        raise ConfigError("max_retained_attempts",
-                          f"must be a positive integer, got {max_retained_attempts!r}")
+    _validate.integer("max_retained_attempts", max_retained_attempts, minimum=1)
     for label, value in seconds.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 \
-                or not math.isfinite(value):
-            raise ConfigError(label,
-                              f"must be a finite non-negative number of seconds, got {value!r}")
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ConfigError("max_batch", f"must be a positive integer, got {max_batch!r}")
+        _validate.seconds(label, value, positive=False)
+    _validate.integer("max_batch", max_batch, minimum=1)

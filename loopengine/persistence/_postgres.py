@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio.to_thread
 
+from loopengine import _validate
 from loopengine._errors import ConfigError, LedgerError
 from loopengine.persistence import _planner
 from loopengine.persistence._ops import check_arguments
@@ -130,8 +131,10 @@ class PostgresLedger(ThreadedLedger):
     ) -> None:
         if not isinstance(dsn, str):
             raise ConfigError("dsn", f"must be a connection string, got {type(dsn).__name__}")
-        if schema is not None and (not isinstance(schema, str) or not schema):
-            raise ConfigError("schema", f"must be a non-empty name or None, got {schema!r}")
+        if schema is not None:
+            # A NUL (or another control character) would fail at the first
+            # connection as a LedgerError; PostgreSQL names hold 63 bytes.
+            _validate.recorded_name("schema", schema, max_length=63)
         check_arguments(max_retained_attempts=max_retained_attempts, max_batch=max_batch,
                         seconds={"linger": linger, "connect_timeout": connect_timeout})
         try:

@@ -17,6 +17,7 @@ import sqlite3
 import stat
 import time
 
+from loopengine import _validate
 from loopengine._errors import ConfigError, LedgerError
 from loopengine.persistence import _writer
 from loopengine.persistence._ops import check_arguments
@@ -105,20 +106,11 @@ def _ledger_path(path: str | os.PathLike[str]) -> str:
     Raises:
         ConfigError: not a path, an empty path, a NUL byte, or ``:memory:``.
     """
-    try:
-        text = os.fspath(path)
-    except TypeError:
-        raise ConfigError("path",
-                          f"must be a str or an os.PathLike of str, got {path!r}") from None
-    if not isinstance(text, str):
-        raise ConfigError("path", f"must be a str or an os.PathLike of str, got {path!r}")
+    text = _validate.file_path("path", path)
     if not text:
         raise ConfigError(
             "path", "the ledger needs a file path, and the path is empty (SQLite would open a "
             "private temporary database, deleted when it closes, that no other process can read)")
-    if "\0" in text:
-        raise ConfigError("path", f"{text!r} cannot be a ledger file: the path contains a NUL "
-                                  "byte")
     if text == ":memory:":
         raise ConfigError("path", ":memory: is an in-memory database, which cannot hold a "
                           "ledger: the ledger needs WAL journaling, in a file other processes "

@@ -64,7 +64,7 @@ class CachePolicy:
         for name in ("system", "tools", "conversation"):
             _validate.boolean(name, getattr(self, name))
         if self.ttl not in ("5m", "1h"):
-            raise ConfigError("ttl", f"must be '5m' or '1h', got {self.ttl!r}")
+            raise ConfigError("ttl", f"must be '5m' or '1h', got {_validate.shown(self.ttl)}")
 
     @property
     def marker(self) -> dict[str, str]:

@@ -102,12 +102,9 @@ def _check_field(name: str, value: object) -> None:
 
 
 def _check_mapping(values: Mapping[str, object]) -> None:
-    names = {f.name for f in fields(RetryPolicy)}
+    _validate.known_keys("retry", values, (f.name for f in fields(RetryPolicy)),
+                         "a retry setting")
     for key, value in values.items():
-        if key not in names:
-            raise ConfigError(
-                str(key), f"is not a retry setting (known: {', '.join(sorted(names))})"
-            )
         _check_field(key, value)
 
 

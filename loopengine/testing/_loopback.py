@@ -42,6 +42,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any, Literal, Self
 
+from loopengine import _validate
+from loopengine._errors import ConfigError
 from loopengine._usage import Usage
 from loopengine.providers._scripted import Reply
 
@@ -101,6 +103,10 @@ class ErrorReply:
     """Extra response headers (``retry-after``, ``x-should-retry``...)."""
     delay: float = 0.0
     """Real seconds to wait before answering."""
+
+    def __post_init__(self) -> None:
+        _validate.integer("status", self.status, minimum=100, maximum=599)
+        _validate.seconds("delay", self.delay, positive=False)
 
     @classmethod
     def overloaded(cls, **kwargs: Any) -> ErrorReply:
@@ -172,6 +178,10 @@ class DropConnection:
     delay: float = 0.0
     """Real seconds to wait before dropping."""
 
+    def __post_init__(self) -> None:
+        _validate.boolean("reset", self.reset)
+        _validate.seconds("delay", self.delay, positive=False)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CutStream:
@@ -189,6 +199,11 @@ class CutStream:
     how: Literal["end", "drop"] = "end"
     """``end``: the body ends cleanly, as when a proxy gives up; ``drop``: the
     connection is closed mid-body."""
+
+    def __post_init__(self) -> None:
+        _check_cut(self.reply, self.after)
+        if self.how not in ("end", "drop"):
+            raise ConfigError("how", f"must be 'end' or 'drop', got {_validate.shown(self.how)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -217,6 +232,9 @@ class StreamErrorEvent:
     """The usage ``data`` reports, in the engine's convention: counted as served
     (`LoopbackServer.usage_served`) in place of what the events before it showed."""
 
+    def __post_init__(self) -> None:
+        _check_cut(self.reply, self.after)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StallStream:
@@ -234,12 +252,26 @@ class StallStream:
     seconds: float = 1.0
     """Real seconds of silence."""
 
+    def __post_init__(self) -> None:
+        _check_cut(self.reply, self.after)
+        _validate.seconds("seconds", self.seconds, positive=False)
+
+
+def _check_cut(reply: object, after: object) -> None:
+    """The reply a stream item interrupts, and how many events come first."""
+    if not isinstance(reply, Reply):
+        raise ConfigError("reply", f"must be a Reply, got {_validate.shown(reply)}")
+    _validate.integer("after", after, minimum=0)
+
 
 ServerItem = (
     Reply | ErrorReply | DropConnection | CutStream | StreamErrorEvent | StallStream
     | Callable[["RecordedRequest"], Any]
 )
 """One script item: a response, a fault, or a function of the request giving one."""
+
+_ITEM_TYPES = (Reply, ErrorReply, DropConnection, CutStream, StreamErrorEvent, StallStream)
+"""The script items that are not functions of the request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +329,23 @@ class Frame:
     """The usage the stream has reported up to and including this event."""
 
 
+def _script(field: str, items: object) -> list[ServerItem]:
+    """``items`` as a script, each checked to be a `ServerItem`: a junk item was
+    found only when its request came, and broke that request's connection.
+
+    Raises:
+        ConfigError: not a list, or an item that no request could be served.
+    """
+    listed = _validate.items(field, items)
+    for i, item in enumerate(listed):
+        if not isinstance(item, _ITEM_TYPES) and not callable(item):
+            raise ConfigError(f"{field}[{i}]", "must be a Reply, ErrorReply, DropConnection, "
+                                               "CutStream, StreamErrorEvent, StallStream or a "
+                                               "function of the request returning one, got "
+                                               f"{_validate.shown(item)}")
+    return listed
+
+
 class LoopbackServer:
     """The HTTP machinery and the script of a scripted model API on 127.0.0.1.
 
@@ -320,7 +369,7 @@ class LoopbackServer:
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
         self._host = host
         self._lock = threading.Lock()
-        self._items: Iterator[ServerItem] = iter(list(script))
+        self._items: Iterator[ServerItem] = iter(_script("script", script))
         self._requests: list[RecordedRequest] = []
         self._served: list[Usage | None] = []
         self._ids = itertools.count(1)
@@ -385,8 +434,9 @@ class LoopbackServer:
 
     def add(self, *items: ServerItem) -> None:
         """Append items to the script, served one per request in order."""
+        checked = _script("items", items)
         with self._lock:
-            self._items = itertools.chain(self._items, list(items))
+            self._items = itertools.chain(self._items, checked)
 
     @property
     def requests(self) -> list[RecordedRequest]:

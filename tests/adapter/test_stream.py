@@ -92,3 +92,28 @@ async def test_bad_input_is_refused_at_the_start(wire: Harness) -> None:
         async with engine.stream(operation(), ""):
             pass
     assert wire.requests == []
+
+
+class _Mine(Exception):
+    """The caller's own error, raised inside the stream's block."""
+
+
+async def test_an_error_raised_in_the_block_reaches_the_caller_as_raised(wire: Harness) -> None:
+    """The caller's own exception inside ``async with engine.stream(...)`` (or reading
+    ``run.result`` before the end) propagates as it was raised, with its cause: it
+    came out wrapped in an ExceptionGroup. The run is cancelled, as on a ``break``."""
+    engine, ledger = wire.engine(
+        StallStream(reply=Reply.text("a long answer, slowly"), after=4, seconds=3600),
+        stream=True)
+    cause = KeyError("why")
+    with anyio.fail_after(30), pytest.raises(_Mine) as caught:  # a hang guard
+        async with engine.stream(operation(), "go") as run:
+            async for event in run:
+                if isinstance(event, events.TextDelta):
+                    raise _Mine("stop here") from cause
+    assert caught.value.__cause__ is cause
+    (invocation,) = ledger.invocations.values()
+    assert invocation["outcome"] == "cancelled"
+    with anyio.fail_after(30), pytest.raises(le.LoopEngineError, match="has not ended"):
+        async with engine.stream(operation(), "go") as run:
+            _ = run.result

@@ -448,3 +448,23 @@ def test_a_bad_server_argument_is_a_config_error(build: Any) -> None:
     with pytest.raises(le.ConfigError) as raised:
         build()
     assert raised.value.field
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: MCPServer.stdio("python", allow=3), "allow"),  # type: ignore[arg-type]
+    (lambda: MCPServer.stdio("python", allow=[3]), "allow[0]"),  # type: ignore[list-item]
+    (lambda: MCPServer.stdio("python", prefix="a b"), "prefix"),
+    (lambda: MCPServer.stdio("python", prefix="x" * 65), "prefix"),
+    (lambda: MCPServer(3, label="x"), "transport"),  # type: ignore[arg-type]
+    (lambda: MCPServer(script_server()._transport, label=""), "label"),
+])
+def test_a_server_argument_no_tool_list_could_use_is_refused_before_it_starts(
+    build: Any, field: str
+) -> None:
+    """``allow=3`` (a TypeError), ``allow=[3]`` and a prefix no tool name can start
+    with (refused only at ``async with``, once the server had started), a transport
+    that cannot be called and an empty label are ConfigErrors when the server is
+    built."""
+    with pytest.raises(le.ConfigError) as raised:
+        build()
+    assert raised.value.field == field
