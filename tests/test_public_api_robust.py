@@ -247,7 +247,18 @@ def test_the_valid_arguments_run(method: str, valid: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("build", "field"), [
-    (lambda: le.PriceBook(prices=None), "prices"),  # type: ignore[arg-type]
+    (lambda: ScriptedProvider(None), "script"),  # type: ignore[arg-type]
+    (lambda: ScriptedProvider([Reply.text("a"), 3]), "script[1]"),  # type: ignore[list-item]
+    (lambda: ScriptedProvider().add(None), "items[0]"),  # type: ignore[arg-type]
+    (lambda: Reply.text(3), "text"),  # type: ignore[arg-type]
+    (lambda: Reply.text("a", usage=3), "usage"),  # type: ignore[arg-type]
+    (lambda: Reply.text("a", delay=-1), "delay"),
+    (lambda: Reply.tool_calls(3), "calls[0]"),  # type: ignore[arg-type]
+    (lambda: Reply.tool_calls(("lookup", {}), ("", {})), "calls[1][0]"),
+    (lambda: Reply.tool_calls(("lookup", 3)), "calls[0]"),  # type: ignore[arg-type]
+    (lambda: Reply.tool_calls(("lookup", {}), text=3), "text"),  # type: ignore[arg-type]
+    (lambda: Reply.final(3), "data"),  # type: ignore[arg-type]
+    (lambda: Reply.final({}, tool_name=None), "tool_name"),  # type: ignore[arg-type]
     (lambda: le.Engine(ScriptedProvider([]), observers=None), "observers"),  # type: ignore[arg-type]
     (lambda: le.PriceBook(credits_per_usd=deep(3000)), "credits_per_usd"),  # type: ignore[arg-type]
     (lambda: le.Limits(max_turns=deep(3000)), "max_turns"),  # type: ignore[arg-type]
