@@ -248,6 +248,8 @@ def test_the_valid_arguments_run(method: str, valid: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(("build", "field"), [
     (lambda: ScriptedProvider(None), "script"),  # type: ignore[arg-type]
+    (lambda: le.Usage(input_tokens=2**63, output_tokens=1), "input_tokens"),
+    (lambda: le.Usage(1, 1, cache_read_tokens=2**64), "cache_read_tokens"),
     (lambda: ScriptedProvider([Reply.text("a"), 3]), "script[1]"),  # type: ignore[list-item]
     (lambda: ScriptedProvider().add(None), "items[0]"),  # type: ignore[arg-type]
     (lambda: Reply.text(3), "text"),  # type: ignore[arg-type]

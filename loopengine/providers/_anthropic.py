@@ -74,6 +74,7 @@ from loopengine.providers._base import (
     priced_geo,
     priced_speed,
     priced_tier,
+    reported_usage,
     text_or_none,
     token_count,
 )
@@ -646,6 +647,7 @@ def _tokens(raw: Mapping[str, Any]) -> _Tokens:
     }
 
 
+@reported_usage
 def usage_from_api(raw: object, *, model: str | None = None) -> Usage | None:
     """Map an Anthropic ``usage`` object (a dict) to `Usage`, all of it.
 

@@ -360,6 +360,31 @@ async def test_a_reply_without_a_message_body_is_a_server_error(wire: Harness) -
                                                                      "invalid_response")
 
 
+
+@pytest.mark.parametrize("usage", [
+    {"input_tokens": 2**63, "output_tokens": 1},
+    {"input_tokens": 1, "output_tokens": 1,
+     "iterations": [{"type": "message", "input_tokens": 2**62, "output_tokens": 1},
+                    {"type": "compaction", "input_tokens": 2**62, "output_tokens": 1}]},
+])
+async def test_a_reply_reporting_an_impossible_count_is_an_invalid_response(
+    wire: Harness, usage: dict[str, Any]
+) -> None:
+    """A count beyond what a ledger column holds (alone, or summed over the
+    reply's iterations) is that attempt's invalid_response fault, retried; the
+    run never fails at the ledger write nor raises a ConfigError."""
+    body = {"id": "msg_1", "type": "message", "role": "assistant", "model": MODEL,
+            "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+            "stop_sequence": None, "usage": usage}
+    engine, _ = wire.engine(ErrorReply(status=200, body=body), Reply.text("ok"))
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    first = result.attempt_log[0].settle
+    assert first is not None and (first.fault, first.error_code) == ("server_error",
+                                                                     "invalid_response")
+    assert len(result.attempt_log) == 2
+
+
 # -- cancellation ---------------------------------------------------------------------------------
 
 
