@@ -19,6 +19,7 @@ _TOKENS: Final = (
     "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
     "cache_write_1h_tokens",
 )
+_MAX_COUNT: Final = _validate.MAX_INTEGER
 _COUNTS: Final = _TOKENS + ("web_search_requests", "web_fetch_requests", "reasoning_tokens")
 
 
@@ -26,8 +27,9 @@ def _check_counts(usage: Usage | UsageIteration, names: tuple[str, ...]) -> None
     for name in names:
         value = getattr(usage, name)
         # The common case inline (a usage is built per attempt); `_validate`
-        # words the error. ``type() is int`` also refuses bools.
-        if type(value) is not int or value < 0:
+        # words the error (below 0, or beyond the ledger's 64-bit columns).
+        # ``type() is int`` also refuses bools.
+        if type(value) is not int or value < 0 or value > _MAX_COUNT:
             _validate.integer(name, value, minimum=0)
 
 

@@ -247,7 +247,20 @@ def test_the_valid_arguments_run(method: str, valid: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("build", "field"), [
-    (lambda: le.PriceBook(prices=None), "prices"),  # type: ignore[arg-type]
+    (lambda: ScriptedProvider(None), "script"),  # type: ignore[arg-type]
+    (lambda: le.Usage(input_tokens=2**63, output_tokens=1), "input_tokens"),
+    (lambda: le.Usage(1, 1, cache_read_tokens=2**64), "cache_read_tokens"),
+    (lambda: ScriptedProvider([Reply.text("a"), 3]), "script[1]"),  # type: ignore[list-item]
+    (lambda: ScriptedProvider().add(None), "items[0]"),  # type: ignore[arg-type]
+    (lambda: Reply.text(3), "text"),  # type: ignore[arg-type]
+    (lambda: Reply.text("a", usage=3), "usage"),  # type: ignore[arg-type]
+    (lambda: Reply.text("a", delay=-1), "delay"),
+    (lambda: Reply.tool_calls(3), "calls[0]"),  # type: ignore[arg-type]
+    (lambda: Reply.tool_calls(("lookup", {}), ("", {})), "calls[1][0]"),
+    (lambda: Reply.tool_calls(("lookup", 3)), "calls[0]"),  # type: ignore[arg-type]
+    (lambda: Reply.tool_calls(("lookup", {}), text=3), "text"),  # type: ignore[arg-type]
+    (lambda: Reply.final(3), "data"),  # type: ignore[arg-type]
+    (lambda: Reply.final({}, tool_name=None), "tool_name"),  # type: ignore[arg-type]
     (lambda: le.Engine(ScriptedProvider([]), observers=None), "observers"),  # type: ignore[arg-type]
     (lambda: le.PriceBook(credits_per_usd=deep(3000)), "credits_per_usd"),  # type: ignore[arg-type]
     (lambda: le.Limits(max_turns=deep(3000)), "max_turns"),  # type: ignore[arg-type]
@@ -669,3 +682,36 @@ async def test_a_run_on_an_account_with_the_longest_limits_completes(tmp_path: A
         done = await engine.resume(paused.invocation_id, tools=[act],
                                    decisions={paused.pending[0].id: le.Approve()})
     assert done.outcome is le.Outcome.COMPLETED
+
+
+
+def _provider(name: str, **kwargs: Any) -> Any:
+    from loopengine.providers import AnthropicProvider, GeminiProvider, OpenAIProvider
+
+    if name == "bedrock":
+        return AnthropicProvider.bedrock(**{"aws_region": "us-east-1", "aws_access_key": "a",
+                                            "aws_secret_key": "b", **kwargs})
+    build = {"anthropic": AnthropicProvider, "openai": OpenAIProvider,
+             "gemini": GeminiProvider}[name]
+    return build(**{"api_key": "k", **kwargs})
+
+
+_SHARED_KEYWORDS = [("api_kye", "k"), ("base_url", 3), ("http_client", 3), ("timeout", "5"),
+                    ("api_key", 3), ("api_key", ""), ("default_headers", ["x"]),
+                    ("default_query", {1: "x"})]
+
+
+@pytest.mark.parametrize(("provider", "keyword", "bad"), [
+    *((name, keyword, bad) for name in ("anthropic", "bedrock", "openai")
+      for keyword, bad in _SHARED_KEYWORDS),
+    ("gemini", "api_kye", "k"), ("gemini", "api_key", 3), ("gemini", "api_key", ""),
+])
+def test_a_provider_keyword_unknown_or_of_the_wrong_type_is_a_config_error_naming_it(
+    provider: str, keyword: str, bad: object
+) -> None:
+    """When the provider is built, through the SDK's keyword list and one shared
+    check: the SDK would raise its own TypeError or AttributeError, or fail the
+    first request."""
+    with pytest.raises(le.ConfigError) as info:
+        _provider(provider, **{keyword: bad})
+    assert info.value.field == keyword

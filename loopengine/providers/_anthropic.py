@@ -74,6 +74,7 @@ from loopengine.providers._base import (
     priced_geo,
     priced_speed,
     priced_tier,
+    reported_usage,
     text_or_none,
     token_count,
 )
@@ -223,6 +224,31 @@ def _require_extra(vendor: str, given: object) -> None:
                                     f"pip install 'loopengine-core[{extra}]'")
 
 
+def _require_auth(client: AsyncClient) -> None:
+    """Refuse an ``AsyncAnthropic`` client that has no way to authenticate: no
+    ``api_key`` or ``auth_token`` (given, or from ``ANTHROPIC_API_KEY`` /
+    ``ANTHROPIC_AUTH_TOKEN``), no ``credentials`` (given, from ``config`` or
+    ``profile``, or found by the SDK's credential chain), and no ``X-Api-Key``
+    or ``Authorization`` among its ``default_headers``. The SDK builds such a
+    client, and raises a TypeError at each request; this says so when the
+    provider is built, before any attempt is recorded. (The platform clients
+    authenticate with AWS or Google credentials, found at request time.)
+
+    Raises:
+        ConfigError: ``api_key``: no authentication.
+    """
+    if not isinstance(client, anthropic.AsyncAnthropic):
+        return
+    if client.api_key or client.auth_token or getattr(client, "credentials", None) is not None:
+        return
+    headers = {name.lower() for name in client.default_headers}
+    if headers & {"x-api-key", "authorization"}:
+        return
+    raise ConfigError("api_key", "no API key: pass api_key= (or auth_token=), set "
+                                 "ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN), or give "
+                                 "credentials=, config= or profile=")
+
+
 def _vertex_geo(client: AsyncClient | None, client_kwargs: Mapping[str, Any]) -> str | None:
     """The region of a Vertex client's endpoint, as `Usage.inference_geo` keeps
     it: None for the global endpoint (the list rates), else the region or
@@ -287,9 +313,14 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
 
     Raises:
         ConfigError: both a client and client keywords, a synchronous client,
-            ``max_retries`` other than 0, a bad ``stream_idle_timeout``, or a
+            ``max_retries`` other than 0, a bad ``stream_idle_timeout``, a
             ``max_connections`` that is not a positive integer or comes with
-            a ``client`` or ``http_client``.
+            a ``client`` or ``http_client``, a keyword ``AsyncAnthropic``
+            does not take or of the wrong type (``.field`` names it), no
+            way to authenticate (``api_key``: no key given, in
+            ``ANTHROPIC_API_KEY`` or ``ANTHROPIC_AUTH_TOKEN``, nor
+            ``credentials``, ``config`` or ``profile`` found), or credentials
+            settings the SDK cannot load.
 
     Example::
 
@@ -326,11 +357,16 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 build=build, sdk_default=anthropic.DefaultAsyncHttpxClient)
         except ConfigError:
             raise
+        except anthropic.AnthropicError as error:
+            # A profile or credentials configuration the SDK cannot load.
+            raise ConfigError("client", f"the anthropic SDK refused the client settings: "
+                                        f"{error}") from None
         except ValueError as error:
             if build is anthropic.AsyncAnthropic:
                 raise
             # The platform clients refuse a missing region or mixed credentials.
             raise ConfigError("client", f"{build.__name__}: {error}") from error
+        _require_auth(self._clients.current())
         self._name_route(vendor)
 
     @classmethod
@@ -611,6 +647,7 @@ def _tokens(raw: Mapping[str, Any]) -> _Tokens:
     }
 
 
+@reported_usage
 def usage_from_api(raw: object, *, model: str | None = None) -> Usage | None:
     """Map an Anthropic ``usage`` object (a dict) to `Usage`, all of it.
 

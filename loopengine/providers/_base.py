@@ -19,19 +19,25 @@ it can send any request).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
+from loopengine._errors import ConfigError
 from loopengine._features import Features
 from loopengine._pricing import STANDARD_GEOS, STANDARD_SPEEDS, STANDARD_TIERS
 from loopengine._usage import Usage
-from loopengine._validate import binary_note
+from loopengine._validate import MAX_INTEGER, binary_note
 from loopengine.providers._cache import CachePolicy
+from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = ["FEATURES", "Provider", "ProviderRequest", "ProviderResponse", "TextCallback",
            "hand_text", "media_note", "priced_geo", "priced_speed", "priced_tier", "text_or_none",
-           "token_count", "vendor_of"]
+           "reported_usage", "token_count", "vendor_of"]
+
+P = ParamSpec("P")
+U = TypeVar("U")
 
 TextCallback = Callable[[str], Awaitable[None] | None]
 """Receives streamed text deltas, sync or async."""
@@ -222,10 +228,39 @@ def text_or_none(value: object) -> str | None:
 
 def token_count(value: object) -> int:
     """``value`` when it is a count (a non-negative integer), else 0: a usage
-    field of a provider's JSON, missing or null."""
+    field of a provider's JSON, missing or null.
+
+    Raises:
+        ProviderFault: ``server_error``, ``error_code`` ``invalid_response``:
+            a count above `MAX_INTEGER` (2**63 - 1), which no reply can hold
+            and no ledger column can store.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return 0
+    if value > MAX_INTEGER:
+        raise _impossible(f"a count of {value.bit_length()} bits")
     return value
+
+
+def reported_usage(parse: Callable[P, U]) -> Callable[P, U]:
+    """Decorate a provider's parser of a reply's usage so that a usage `Usage`
+    refuses (counts that add up beyond `MAX_INTEGER`) is a fault of the
+    attempt, ``server_error`` with ``error_code`` ``invalid_response``, like a
+    count `token_count` refuses; never a `ConfigError`, which is the caller's.
+    """
+    @functools.wraps(parse)
+    def parsed(*args: P.args, **kwargs: P.kwargs) -> U:
+        try:
+            return parse(*args, **kwargs)
+        except ConfigError as error:
+            raise _impossible(str(error)) from None
+
+    return parsed
+
+
+def _impossible(what: str) -> ProviderFault:
+    return ProviderFault(FaultKind.SERVER_ERROR, f"the reply reports an impossible usage: "
+                                                 f"{what}", error_code="invalid_response")
 
 
 def priced_tier(value: object) -> str | None:

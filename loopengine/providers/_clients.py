@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.util
+import inspect
 import logging
 import ssl
 import threading
 import urllib.request
 import weakref
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -40,6 +41,7 @@ __all__ = [
     "C",
     "ClientPerLoop",
     "SDKClient",
+    "client_keywords",
     "connection_limit",
     "http_client",
     "running_loop",
@@ -332,6 +334,65 @@ def connection_limit(value: int | None, client: object | None,
         raise ConfigError("max_connections", f"applies to the client the provider builds; "
                                              f"the {given} given brings its own connection pool")
     return value
+
+
+def client_keywords(build: Callable[..., object], client_kwargs: Mapping[str, Any]) -> None:
+    """Check the keywords a provider builds its SDK client from, before the SDK
+    sees them: each must be a keyword of ``build`` (the SDK client class), and
+    the ones every SDK client shares must be of their type.
+
+    Checked: ``api_key`` and ``auth_token`` (a non-empty string, or None to
+    read the environment; ``api_key`` also a callable where the SDK takes one),
+    ``base_url`` (a non-empty string or an ``httpx2.URL``, or None),
+    ``http_client`` (an ``httpx2.AsyncClient``, or None), ``timeout`` (seconds,
+    an ``httpx2.Timeout``, or None) and ``default_headers`` / ``default_query``
+    (mappings with string keys). The SDK checks the rest when it builds.
+
+    Raises:
+        ConfigError: a keyword ``build`` does not take, or one of the above of
+            another type; ``.field`` is the keyword. The SDK would raise its own
+            TypeError or AttributeError, or, for some, fail the first request.
+    """
+    parameters = _keywords_of(build)
+    for key, value in client_kwargs.items():
+        if key not in parameters:
+            known = ", ".join(sorted(name for name in parameters if not name.startswith("_")))
+            raise ConfigError(key, f"is not a keyword of {_name_of(build)} (known: {known})")
+        if value is None:
+            continue
+        if key in ("api_key", "auth_token"):
+            if key == "api_key" and callable(value) and \
+                    "Callable" in str(parameters[key].annotation):
+                continue
+            _validate.text(key, value)
+        elif key == "base_url":
+            if isinstance(value, httpx2.URL):
+                continue
+            _validate.text(key, value)
+        elif key == "http_client":
+            if not isinstance(value, httpx2.AsyncClient):
+                raise ConfigError(key, "must be an httpx2.AsyncClient (the SDK's async "
+                                       f"HTTP client), got {_validate.shown(value)}")
+        elif key == "timeout":
+            if not isinstance(value, httpx2.Timeout):
+                _validate.seconds(key, value)
+        elif key in ("default_headers", "default_query"):
+            if not isinstance(value, Mapping) or not all(isinstance(name, str)
+                                                         for name in value):
+                raise ConfigError(key, "must be a mapping with string keys, got "
+                                       f"{_validate.shown(value)}")
+
+
+@functools.cache
+def _keywords_of(build: Callable[..., object]) -> Mapping[str, inspect.Parameter]:
+    """The keyword parameters of an SDK client class (its ``__init__``'s)."""
+    return {name: parameter for name, parameter in inspect.signature(build).parameters.items()
+            if parameter.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+
+
+def _name_of(build: Callable[..., object]) -> str:
+    return getattr(build, "__qualname__", None) or type(build).__name__
 
 
 @functools.cache

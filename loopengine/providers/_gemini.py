@@ -33,6 +33,7 @@ from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCa
 from loopengine.providers._clients import (
     BoundClient,
     ClientPerLoop,
+    client_keywords,
     connection_limit,
     http_client,
     shared_tls,
@@ -170,6 +171,7 @@ class GeminiProvider(SDKProvider[_Session]):
             self._clients: ClientPerLoop[_Session] | BoundClient[_Session] = BoundClient(
                 "GeminiProvider", _Session(client))
         else:
+            client_keywords(genai.Client, client_kwargs)
             options = _http_options(client_kwargs.pop("http_options", None))
             tls = shared_tls()
 

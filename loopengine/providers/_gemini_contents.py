@@ -54,6 +54,7 @@ from loopengine.providers._base import (
     ProviderRequest,
     media_note,
     priced_tier,
+    reported_usage,
     text_or_none,
     token_count,
 )
@@ -462,6 +463,7 @@ def reply_content(blocks: list[dict[str, Any]], finish_reason: str | None,
     return blocks, finish_reason
 
 
+@reported_usage
 def usage_from_api(raw: Any) -> Usage:
     """Map Gemini's ``usageMetadata`` (the SDK's object) to `Usage`.
 

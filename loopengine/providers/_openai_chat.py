@@ -39,6 +39,7 @@ from loopengine.providers._base import (
     ProviderRequest,
     media_note,
     priced_tier,
+    reported_usage,
     text_or_none,
     token_count,
 )
@@ -501,6 +502,7 @@ def usage_from_api(raw: object, service_tier: object = None) -> Usage | None:
                         service_tier)
 
 
+@reported_usage
 def openai_usage(prompt_tokens: object, prompt_details: object, output_tokens: object,
                  output_details: object, service_tier: object = None, *,
                  web_search_requests: int = 0) -> Usage:

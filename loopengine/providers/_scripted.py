@@ -17,7 +17,9 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from loopengine import _validate
 from loopengine._clock import Clock, SystemClock
+from loopengine._errors import ConfigError
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     FEATURES,
@@ -65,7 +67,14 @@ class Reply:
         usage: Usage | None = DEFAULT_USAGE,
         delay: float = 0.0,
     ) -> Reply:
-        """A text reply."""
+        """A text reply.
+
+        Raises:
+            ConfigError: ``text`` is not a string, ``usage`` not a `Usage`
+                (or None), or ``delay`` not a number of seconds.
+        """
+        _string("text", text)
+        _reply_settings(usage, delay)
         return cls(content=[{"type": "text", "text": text}], stop_reason=stop_reason,
                    usage=usage, delay=delay)
 
@@ -77,7 +86,22 @@ class Reply:
         usage: Usage | None = DEFAULT_USAGE,
         delay: float = 0.0,
     ) -> Reply:
-        """A reply asking for tools: each call is ``(name, input)``."""
+        """A reply asking for tools: each call is ``(name, input)``.
+
+        Raises:
+            ConfigError: a call that is not a ``(name, input)`` pair of a
+                non-empty string and a mapping (``calls[i]``), a ``text``
+                that is not a string, or a bad ``usage`` or ``delay``.
+        """
+        for index, call in enumerate(calls):
+            if isinstance(call, str | bytes) or not isinstance(call, Sequence) \
+                    or len(call) != 2 or not isinstance(call[1], Mapping):
+                raise ConfigError(f"calls[{index}]", "must be a (name, input) pair, input a "
+                                                     f"mapping, got {_validate.shown(call)}")
+            _validate.text(f"calls[{index}][0]", call[0])
+        if text is not None:
+            _string("text", text)
+        _reply_settings(usage, delay)
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
         for name, tool_input in calls:
             content.append(
@@ -94,8 +118,27 @@ class Reply:
         tool_name: str = "final_answer",
         usage: Usage | None = DEFAULT_USAGE,
     ) -> Reply:
-        """A structured-mode answer: a call of the terminal tool with ``data``."""
+        """A structured-mode answer: a call of the terminal tool with ``data``.
+
+        Raises:
+            ConfigError: ``data`` is not a mapping, ``tool_name`` not a
+                non-empty string, or a bad ``usage``.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError("data", f"must be a mapping, got {_validate.shown(data)}")
+        _validate.text("tool_name", tool_name)
         return cls.tool_calls((tool_name, data), usage=usage)
+
+
+def _string(field: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(field, f"must be a string, got {_validate.shown(value)}")
+
+
+def _reply_settings(usage: object, delay: object) -> None:
+    if usage is not None and not isinstance(usage, Usage):
+        raise ConfigError("usage", f"must be a Usage or None, got {_validate.shown(usage)}")
+    _validate.seconds("delay", delay, positive=False)
 
 
 ScriptItem = Reply | ProviderFault | Callable[[ProviderRequest], "Reply | ProviderFault"]
@@ -107,7 +150,8 @@ class ScriptedProvider:
     """A provider that serves a script, in order, and records every request.
 
     Args:
-        script: The replies and faults to serve, one per request.
+        script: The replies and faults to serve, one per request (a list or
+            any iterable of them; anything else is a `ConfigError`).
         name: The route it stands in for (an operation's ``provider``).
         clock: The clock on which reply delays pass (a `FakeClock` in tests).
         inference_geo: Where it says every reply is served, for a test of a
@@ -135,11 +179,16 @@ class ScriptedProvider:
     """Every request received, with its own copy of the messages."""
 
     def __post_init__(self) -> None:
-        self._items = iter(list(self.script))
+        self._items = iter(_script("script", self.script))
 
     def add(self, *items: ScriptItem) -> None:
-        """Append items to the script."""
-        self._items = itertools.chain(self._items, list(items))
+        """Append items to the script.
+
+        Raises:
+            ConfigError: an item that is not a `Reply`, a `ProviderFault` or a
+                callable (``items[i]``).
+        """
+        self._items = itertools.chain(self._items, _script("items", items))
 
     @property
     def vendor(self) -> str:
@@ -185,3 +234,13 @@ class ScriptedProvider:
             model=request.model,
         )
 
+
+def _script(field: str, items: object) -> list[ScriptItem]:
+    """The items of a script, each a `Reply`, a `ProviderFault` or a callable."""
+    checked = _validate.items(field, items)
+    for index, item in enumerate(checked):
+        if not (isinstance(item, Reply | ProviderFault) or callable(item)):
+            raise ConfigError(f"{field}[{index}]", "must be a Reply, a ProviderFault or a "
+                                                   "function of the request giving one, got "
+                                                   f"{_validate.shown(item)}")
+    return checked

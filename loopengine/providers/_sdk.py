@@ -25,6 +25,7 @@ from loopengine.providers._clients import (
     BoundClient,
     C,
     ClientPerLoop,
+    client_keywords,
     connection_limit,
     http_client,
     shared_tls,
@@ -176,10 +177,13 @@ def provider_clients(
 
     Raises:
         ConfigError: a bad ``max_connections``, ``max_retries`` other than 0,
-            both a client and keywords, or a client that is not ``accepts``.
+            both a client and keywords, a client that is not ``accepts``, or a
+            keyword ``build`` does not take or of the wrong type
+            (`client_keywords`).
     """
     connections = connection_limit(max_connections, client, client_kwargs)
     sdk_keywords(client, client_kwargs)
+    client_keywords(build, client_kwargs)
     if client is not None:
         if not isinstance(client, accepts):
             names = " or ".join(kind.__name__ for kind in (

@@ -91,6 +91,56 @@ def test_bad_construction_is_a_config_error() -> None:
         assert info.value.field == "stream_idle_timeout"
 
 
+_AUTH_ENVIRONMENT = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_PROFILE",
+                     "ANTHROPIC_CONFIG_DIR", "ANTHROPIC_IDENTITY_TOKEN",
+                     "ANTHROPIC_IDENTITY_TOKEN_FILE", "ANTHROPIC_FEDERATION_RULE_ID",
+                     "ANTHROPIC_ORGANIZATION_ID")
+
+
+@pytest.fixture
+def no_anthropic_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """An environment without any Anthropic credential: no key, no token, no
+    federation, and a home without a configuration directory."""
+    for name in _AUTH_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+@pytest.mark.usefixtures("no_anthropic_credentials")
+def test_without_any_key_the_provider_is_refused_when_built() -> None:
+    """No api_key, auth_token or credentials, given or in the environment: a
+    ConfigError naming api_key when the provider is built (the SDK would build
+    the client and fail every request with a TypeError), for a client built
+    from keywords or given."""
+    with pytest.raises(le.ConfigError, match="ANTHROPIC_API_KEY") as info:
+        AnthropicProvider()
+    assert info.value.field == "api_key"
+    with pytest.raises(le.ConfigError) as info:
+        AnthropicProvider(anthropic.AsyncAnthropic())
+    assert info.value.field == "api_key"
+
+
+@pytest.mark.usefixtures("no_anthropic_credentials")
+def test_a_key_from_any_source_the_sdk_reads_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token, a key header of the caller's, or a key in the environment will do."""
+    assert AnthropicProvider(auth_token="t").name == "anthropic"
+    assert AnthropicProvider(default_headers={"X-Api-Key": "k"}).name == "anthropic"
+    monkeypatch.setenv("ANTHROPIC_AUTH_TOKEN", "t")
+    assert AnthropicProvider().name == "anthropic"
+
+
+@pytest.mark.usefixtures("no_anthropic_credentials")
+def test_a_credentials_configuration_the_sdk_cannot_load_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A configuration directory without the profile's file: the SDK's
+    CredentialsError, as a ConfigError when the provider is built."""
+    monkeypatch.setenv("ANTHROPIC_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(le.ConfigError, match="refused the client settings") as info:
+        AnthropicProvider()
+    assert info.value.field == "client"
+
+
 async def test_the_route_name_follows_the_client() -> None:
     """anthropic for the first-party API, aws-bedrock and google-vertex for those clients."""
     async with AnthropicProvider(api_key="k") as first_party:
@@ -308,6 +358,31 @@ async def test_a_reply_without_a_message_body_is_a_server_error(wire: Harness) -
     first = result.attempt_log[0].settle
     assert first is not None and (first.fault, first.error_code) == ("server_error",
                                                                      "invalid_response")
+
+
+
+@pytest.mark.parametrize("usage", [
+    {"input_tokens": 2**63, "output_tokens": 1},
+    {"input_tokens": 1, "output_tokens": 1,
+     "iterations": [{"type": "message", "input_tokens": 2**62, "output_tokens": 1},
+                    {"type": "compaction", "input_tokens": 2**62, "output_tokens": 1}]},
+])
+async def test_a_reply_reporting_an_impossible_count_is_an_invalid_response(
+    wire: Harness, usage: dict[str, Any]
+) -> None:
+    """A count beyond what a ledger column holds (alone, or summed over the
+    reply's iterations) is that attempt's invalid_response fault, retried; the
+    run never fails at the ledger write nor raises a ConfigError."""
+    body = {"id": "msg_1", "type": "message", "role": "assistant", "model": MODEL,
+            "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+            "stop_sequence": None, "usage": usage}
+    engine, _ = wire.engine(ErrorReply(status=200, body=body), Reply.text("ok"))
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    first = result.attempt_log[0].settle
+    assert first is not None and (first.fault, first.error_code) == ("server_error",
+                                                                     "invalid_response")
+    assert len(result.attempt_log) == 2
 
 
 # -- cancellation ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from google.oauth2.credentials import Credentials
 
 import loopengine as le
 from loopengine.persistence import MemoryLedger
-from loopengine.providers import GeminiProvider
+from loopengine.providers import FaultKind, GeminiProvider, ProviderFault
 from loopengine.providers._gemini_contents import (
     MALFORMED_FEEDBACK,
     MALFORMED_PLACEHOLDER,
@@ -81,6 +81,24 @@ def test_usage_adds_the_tool_use_prompt_and_takes_the_cache_out() -> None:
                                            output_tokens=120, reasoning_tokens=70)
     empty = types.GenerateContentResponseUsageMetadata.model_validate({})
     assert usage_from_api(empty) == le.Usage()
+
+
+
+@pytest.mark.parametrize("counts", [
+    {"promptTokenCount": 2**63},
+    {"promptTokenCount": 2**62, "toolUsePromptTokenCount": 2**62},
+    {"candidatesTokenCount": 2**62, "thoughtsTokenCount": 2**62},
+])
+def test_usage_reporting_an_impossible_count_is_an_invalid_response(
+    counts: dict[str, int]
+) -> None:
+    """A count, or a sum of counts, beyond what a ledger column holds is the
+    reply's fault (invalid_response), not a ConfigError raised mid-run."""
+    raw = types.GenerateContentResponseUsageMetadata.model_validate(counts)
+    with pytest.raises(ProviderFault) as info:
+        usage_from_api(raw)
+    assert (info.value.kind, info.value.error_code) == (FaultKind.SERVER_ERROR,
+                                                        "invalid_response")
 
 
 async def test_streamed_usage_is_the_last_chunks_counts(wire: GeminiHarness) -> None:

@@ -171,6 +171,19 @@ def test_usage_takes_the_cached_tokens_out_of_the_prompt() -> None:
     assert usage_from_api(None) is None
 
 
+
+@pytest.mark.parametrize("raw", [
+    {"prompt_tokens": 2**63, "completion_tokens": 1},
+    {"prompt_tokens": 1, "completion_tokens": 2**70},
+])
+def test_usage_reporting_an_impossible_count_is_an_invalid_response(raw: dict[str, Any]) -> None:
+    """A count no ledger column can hold is the reply's fault, not a ConfigError."""
+    with pytest.raises(ProviderFault) as info:
+        usage_from_api(raw)
+    assert (info.value.kind, info.value.error_code) == (FaultKind.SERVER_ERROR,
+                                                        "invalid_response")
+
+
 async def test_usage_with_cached_tokens_is_priced_by_genai_prices(wire: OpenAIHarness) -> None:
     """gpt-4o at genai-prices' published rates ($2.50 input, $1.25 cached input, $10
     output per million tokens): 1000 uncached + 2000 cached + 500 output cost $0.01."""
