@@ -299,7 +299,8 @@ def _from_function(
             annotation,
             pydantic.Field(default, description=param_docs.get(param.name)),
         )
-    tool_name = label if name is None else name  # a name given is checked, even ""
+    # A name given is checked, even "", before it names the input model.
+    tool_name = label if name is None else check_tool_name("name", name)
     try:
         model = pydantic.create_model(f"{tool_name}_input", **fields)
         built = Tool(tool_name, description if description is not None else summary,

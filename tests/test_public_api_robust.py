@@ -75,8 +75,24 @@ SPECIAL = [deep(3000), BrokenRepr(), object(), object, 3j, frozenset({1}), handl
 index (hypothesis would print a 3,000-deep list in a strategy's repr)."""
 
 
+class _Pick:
+    """``values[index]``, shown by its index: hypothesis shows the draws of a
+    failing example, and the repr of a 3,000-deep list (the list's
+    ``__getitem__`` would show it) is a RecursionError that hid the failure
+    behind a FlakyStrategyDefinition."""
+
+    def __init__(self, values: list[Any]) -> None:
+        self.values = values
+
+    def __call__(self, index: int) -> Any:
+        return self.values[index]
+
+    def __repr__(self) -> str:
+        return f"<one of {len(self.values)} special values>"
+
+
 def special(values: list[Any]) -> st.SearchStrategy[Any]:
-    return st.integers(0, len(values) - 1).map(values.__getitem__)
+    return st.integers(0, len(values) - 1).map(_Pick(values))
 
 
 PLAIN = st.one_of(
@@ -375,6 +391,19 @@ def test_an_empty_tool_name_given_is_refused_not_replaced() -> None:
         le.tool(lookup, name="")
     assert caught.value.field == "name"
 
+
+def test_a_tool_name_that_cannot_be_printed_is_refused_before_it_names_anything() -> None:
+    """``le.tool(fn, name=<a 3,000-deep list>)`` is a ConfigError on ``name``: the
+    name is checked before the input model is named after it (formatting it
+    there raised RecursionError)."""
+
+    def lookup(key: str) -> str:
+        """Look a key up."""
+        return key
+
+    with pytest.raises(le.ConfigError) as caught:
+        le.tool(lookup, name=deep(3000))
+    assert caught.value.field == "name"
 
 def _failing_lookup(key: str) -> str:
     """Look a key up."""
