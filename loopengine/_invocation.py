@@ -87,7 +87,7 @@ class Invocation:
         "descendant_credits", "earlier_attempts", "ended", "engine", "features", "id",
         "in_flight", "kind",
         "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
-        "paused_seconds", "pause_seal", "permit", "policy", "prices", "provider",
+        "paused_seconds", "paused_turn", "pause_seal", "permit", "policy", "prices", "provider",
         "provider_cost_nanousd",
         "lease_owner", "records", "reservation", "rng", "run_store",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
@@ -153,6 +153,9 @@ class Invocation:
         turn sent again goes on numbering its attempts from there."""
         self.paused_seconds = 0.0
         """How long a resumed run waited paused."""
+        self.paused_turn: tuple[int, Usage, int] | None = None
+        """A resumed run's turn whose calls waited: its number, its successful
+        attempts' usage and its charge in nano-USD, all made before the pause."""
         self.pause_seal: str | None = None
         """The seal of the pause a resumed run takes (its ledger's compare-and-set), or None."""
         self.usage = Usage()
@@ -268,13 +271,22 @@ class Invocation:
         return turn_credits(self.turn_charge.get(turn, 0), self.prices.credits_per_usd,
                             self.prices.credit_quantum)
 
+    def turn_cost_nanousd(self, turn: int) -> int:
+        """The turn's charged cost (its attempts before a pause included)."""
+        charge = self.turn_charge.get(turn, 0)
+        if self.paused_turn is not None and self.paused_turn[0] == turn:
+            charge += self.paused_turn[2]
+        return charge
+
     def turn_cost_usd(self, turn: int) -> Decimal:
-        """The turn's charged cost in USD."""
-        return nanousd_to_usd(self.turn_charge.get(turn, 0))
+        """The turn's charged cost in USD (its attempts before a pause included)."""
+        return nanousd_to_usd(self.turn_cost_nanousd(turn))
 
     def turn_usage(self, turn: int) -> Usage:
-        """The usage of the turn's successful attempts."""
+        """The usage of the turn's successful attempts (before a pause included)."""
         total = Usage()
+        if self.paused_turn is not None and self.paused_turn[0] == turn:
+            total = self.paused_turn[1]
         for record in self.records:
             settle = record.settle
             if (record.dispatch.turn == turn and settle is not None and settle.outcome == "ok"

@@ -126,12 +126,15 @@ async def pause(inv: Invocation, state: RunState) -> None:
 
 def progress_of(inv: Invocation, conversation: ConversationState) -> Progress:
     """The run's progress now, for its state."""
+    asking = inv.turn_usage(conversation.turns)
     return Progress(
         turns=conversation.turns, tool_calls=conversation.tool_calls,
         credits=conversation.credits, attempts=inv.base_attempts + len(inv.records),
         cost_nanousd=inv.cost_nanousd, provider_cost_nanousd=inv.provider_cost_nanousd,
         usage=inv.usage, running_seconds=inv.clock.now() - inv.started,
-        descendant_credits=inv.descendant_credits)
+        descendant_credits=inv.descendant_credits,
+        turn_input_tokens=asking.total_input_tokens, turn_output_tokens=asking.output_tokens,
+        turn_cost_nanousd=inv.turn_cost_nanousd(conversation.turns))
 
 
 async def prepare_resume(inv: Invocation, state: RunState, *,
@@ -219,6 +222,11 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
                          progress.usage if inv.ledger is not None else None)
     inv.output_tokens = inv.usage.output_tokens
     inv.paused_seconds = max(0.0, waited)
+    # The turn whose calls waited was sent before the pause: its calls' events
+    # carry its accounting all the same.
+    inv.paused_turn = (saved.turns, Usage(input_tokens=saved.turn_input_tokens,
+                                          output_tokens=saved.turn_output_tokens),
+                       saved.turn_cost_nanousd)
     # Its credits and its sub-agents' so far: the tree its hold and any
     # sub-agent it starts again count from.
     inv.credits = progress.credits

@@ -101,6 +101,13 @@ class Progress:
     descendant_credits: int = 0
     """Credits of the runs it delegated to (sub-agents), theirs included: its
     credit hold and its account count them with its own."""
+    turn_input_tokens: int = 0
+    """The last turn's (whose calls wait) input tokens, cached included: the
+    accounting its calls' events carry when they run in the next segment."""
+    turn_output_tokens: int = 0
+    """The last turn's output tokens."""
+    turn_cost_nanousd: int = 0
+    """The last turn's charged cost."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

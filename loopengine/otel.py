@@ -158,7 +158,9 @@ class _RunSpans:
     common: dict[str, AttributeValue]
     """Attributes every span of the run carries (conversation id, output type)."""
     attempts: dict[int, Span] = field(default_factory=dict)
-    tools: dict[str, Span] = field(default_factory=dict)
+    tools: dict[tuple[str, str], list[Span]] = field(default_factory=dict)
+    """Open tool spans by (call id, tool name), oldest first: a reply may repeat
+    a call id, and each of its calls still gets a span of its own."""
 
 
 class OpenTelemetryObserver:
@@ -294,7 +296,7 @@ class OpenTelemetryObserver:
         outcome = event.outcome if isinstance(event, RunEnded) else "paused"
         # Tool or attempt spans still open (a cancelled or failed run) end with it.
         cut = "failed" if outcome == "failed" else "cancelled"
-        for span in [*run.attempts.values(), *run.tools.values()]:
+        for span in [*run.attempts.values(), *(s for spans in run.tools.values() for s in spans)]:
             span.set_attribute(ERROR_TYPE, cut)
             span.set_status(Status(StatusCode.ERROR, "the run ended first"))
             span.end(end_time=_ns(event.at))
@@ -377,8 +379,9 @@ class OpenTelemetryObserver:
     # -- tools ------------------------------------------------------------------------
 
     def _tool_call(self, run: _RunSpans, event: ToolCallEvent) -> None:
+        key = (event.tool_use_id, event.tool_name)
         if event.status == "started":
-            run.tools[event.tool_use_id] = self._tracer.start_span(
+            run.tools.setdefault(key, []).append(self._tracer.start_span(
                 f"execute_tool {event.tool_name}", context=run.context,
                 kind=SpanKind.INTERNAL, start_time=_ns(event.at),
                 attributes={
@@ -390,11 +393,14 @@ class OpenTelemetryObserver:
                     "loopengine.attempt.turn": event.turn,
                     **run.common,
                 },
-            )
+            ))
             return
-        span = run.tools.pop(event.tool_use_id, None)
-        if span is None:
+        open_spans = run.tools.get(key)
+        if not open_spans:
             return
+        span = open_spans.pop(0)
+        if not open_spans:
+            del run.tools[key]
         span.set_attribute("loopengine.tool.status", event.status)
         if event.status == "failed":
             kind = _tool_error_type(event.error)

@@ -212,6 +212,27 @@ async def test_tool_spans(tracer_provider: TracerProvider, exporter: InMemorySpa
     assert nope.status.status_code is StatusCode.ERROR
 
 
+async def test_calls_that_share_an_id_each_get_their_own_tool_span(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """A reply that repeats a call id (as some servers do) still gives every call
+    its own execute_tool span, ended with that call's own status."""
+    calls = [{"type": "tool_use", "id": "call_0", "name": name, "input": tool_input}
+             for name, tool_input in (("lookup", {"key": "a"}), ("nope", {}),
+                                      ("lookup", {"key": "b"}))]
+    result, seen = await traced_run(tracer_provider, [
+        Reply(content=calls, stop_reason="tool_use", usage=USAGE), Reply.text("done")])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert sum(isinstance(e, events.ToolCallEvent) and e.status == "started" for e in seen) == 3
+    spans = exporter.get_finished_spans()
+    lookups = by_name(spans, "execute_tool lookup")
+    (nope,) = by_name(spans, "execute_tool nope")
+    assert [(s.attributes or {})["loopengine.tool.status"] for s in lookups] == [
+        "succeeded", "succeeded"]
+    assert (nope.attributes or {})["error.type"] == "unknown tool"
+    assert all((s.attributes or {})["gen_ai.tool.call.id"] == "call_0" for s in [*lookups, nope])
+
+
 async def test_no_content_reaches_any_span(
     tracer_provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:

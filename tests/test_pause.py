@@ -364,3 +364,30 @@ def test_a_state_whose_pause_time_has_no_utc_offset_is_a_config_error() -> None:
     state["paused_at"] = "2026-01-01T00:00:00"
     with pytest.raises(le.ConfigError, match="UTC offset"):
         le.RunState.loads(json.dumps(state))
+
+
+async def test_calls_run_on_resume_carry_the_accounting_of_the_turn_that_asked(
+        make_engine: EngineFactory) -> None:
+    """The approved call's events, in the resumed segment, carry the asking
+    turn's usage and charge (sent before the pause), read back from the
+    encoded state as from the ledger's row of that turn."""
+    asked = le.Usage(input_tokens=100, output_tokens=20, cache_read_tokens=30)
+    seen: list[events.Event] = []
+    engine, _, ledger, result, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("bob"), usage=asked), Reply.text("sent"),
+        observers=[seen.append])
+    assert result.state is not None
+    state = le.RunState.loads(result.state.dumps())
+    done = await engine.resume(state, decisions={result.pending[0].id: le.Approve()},
+                               tools=[sender.tool])
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["bob"]
+    (row,) = [a for (run, _), a in ledger.attempts.items()
+              if run == result.invocation_id and a["turn"] == 1]
+    calls = [e for e in seen if isinstance(e, events.ToolCallEvent)]
+    assert [c.status for c in calls] == ["started", "succeeded"]
+    for call in calls:
+        assert call.turn == 1
+        assert (call.input_tokens, call.output_tokens) == (130, 20)
+        assert call.token_cost == 150
+        assert call.spend_usd == result.cost_usd > 0
+        assert call.spend_usd * 10**9 == row["cost_nanousd"]
