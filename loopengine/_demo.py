@@ -56,6 +56,7 @@ class _Vendor:
     key: str
     """The environment variable holding the API key ``live`` needs."""
     api: str
+    """The API's name, without an article ("Messages API")."""
     sdk: str
     """The SDK's distribution name, as the output names it."""
     module: str
@@ -65,17 +66,17 @@ class _Vendor:
 
 
 PROVIDERS = {
-    "anthropic": _Vendor(OPERATION, "ANTHROPIC_API_KEY", "the Messages API", "anthropic",
+    "anthropic": _Vendor(OPERATION, "ANTHROPIC_API_KEY", "Messages API", "anthropic",
                          "anthropic", None),
     "openai": _Vendor(dataclasses.replace(OPERATION, provider="openai", model="gpt-4o-mini"),
-                      "OPENAI_API_KEY", "the Chat Completions API", "openai", "openai",
+                      "OPENAI_API_KEY", "Chat Completions API", "openai", "openai",
                       "openai"),
     "openai-responses": _Vendor(
         dataclasses.replace(OPERATION, provider="openai", model="gpt-4.1-mini"),
-        "OPENAI_API_KEY", "the Responses API", "openai", "openai", "openai"),
+        "OPENAI_API_KEY", "Responses API", "openai", "openai", "openai"),
     "gemini": _Vendor(dataclasses.replace(OPERATION, provider="gemini",
                                           model="gemini-2.5-flash"),
-                      "GEMINI_API_KEY", "the Gemini API", "google-genai", "google.genai",
+                      "GEMINI_API_KEY", "Gemini API", "google-genai", "google.genai",
                       "gemini"),
 }
 """The providers the demo runs on, by name."""
@@ -191,7 +192,7 @@ def run_demo(
         invocation, attempts = _audit.show(conn, result.invocation_id)
     finally:
         conn.close()
-    where = f"the real {vendor.api}" if live else f"a loopback fake of {vendor.api}"
+    where = f"the real {vendor.api}" if live else f"a loopback fake of the {vendor.api}"
     echo(f"Ran {vendor.operation.name} against {where}, through the {vendor.sdk} SDK.")
     echo(f"Question: {QUESTION}")
     echo(f"Outcome:  {result.outcome.value} after {result.turns} turns, {result.tool_calls} "

@@ -107,7 +107,8 @@ def test_demo_live_needs_a_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, ["demo", "--live"])
-    assert result.exit_code == 2 and "ANTHROPIC_API_KEY" in result.output
+    assert result.exit_code == 2
+    assert "--live talks to the real Messages API: set ANTHROPIC_API_KEY" in result.output
     assert not (tmp_path / "loopengine-demo.db").exists()
 
 
