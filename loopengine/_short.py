@@ -6,9 +6,9 @@ its defaults filled in: an `Operation` named after the model, on the route
 ``anthropic``, with the library's default limits, retries and
 ``max_output_tokens``. ``Engine.from_model(...)`` builds the vendor's
 provider from the environment, exactly as the vendor's SDK reads it
-(``ANTHROPIC_API_KEY`` and ``ANTHROPIC_BASE_URL``; ``OPENAI_API_KEY`` and
-``OPENAI_BASE_URL``; ``"openai-responses:gpt-5"`` is the same vendor through
-its Responses API; ``GOOGLE_API_KEY`` or ``GEMINI_API_KEY`` and
+(``ANTHROPIC_API_KEY`` or ``ANTHROPIC_AUTH_TOKEN``, and ``ANTHROPIC_BASE_URL``;
+``OPENAI_API_KEY`` and ``OPENAI_BASE_URL``; ``"openai-responses:gpt-5"`` is the
+same vendor through its Responses API; ``GOOGLE_API_KEY`` or ``GEMINI_API_KEY`` and
 ``GOOGLE_GEMINI_BASE_URL`` for ``"gemini:<model>"``, on the route ``gemini``).
 The provider's module, and so its SDK, is imported only then.
 """
@@ -38,8 +38,10 @@ VENDORS: dict[str, str] = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_A
 route; its vendor, in ``served_by`` and prices, stays ``openai``); ``gemini`` is
 the Gemini API (`GeminiProvider`; its vendor is ``google``)."""
 
-_ALSO_KEYS: dict[str, tuple[str, ...]] = {"gemini": ("GOOGLE_API_KEY",)}
-"""Other variables a vendor's SDK reads its key from (google-genai reads
+_ALSO_KEYS: dict[str, tuple[str, ...]] = {"anthropic": ("ANTHROPIC_AUTH_TOKEN",),
+                                          "gemini": ("GOOGLE_API_KEY",)}
+"""Other variables a vendor's SDK reads its credentials from (the ``anthropic``
+SDK sends ``ANTHROPIC_AUTH_TOKEN`` as a bearer token; google-genai reads
 ``GOOGLE_API_KEY`` first, then ``GEMINI_API_KEY``)."""
 
 _PROVIDER_CLASSES: dict[str, str] = {

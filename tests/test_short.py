@@ -89,6 +89,23 @@ def test_a_missing_key_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         le.Engine.from_model("openai:gpt-4o")
 
 
+def test_an_anthropic_auth_token_is_a_key_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ANTHROPIC_AUTH_TOKEN`` alone, which the ``anthropic`` SDK sends as a bearer
+    token and ``AnthropicProvider()`` accepts, builds the engine, and its requests
+    carry it; with neither variable the message names both."""
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+    with pytest.raises(le.ConfigError, match="ANTHROPIC_API_KEY or ANTHROPIC_AUTH_TOKEN"):
+        le.Engine.from_model("anthropic:claude-sonnet-4-5")
+    with FakeAnthropicServer([Reply.text("Hello")]) as server:
+        monkeypatch.setenv("ANTHROPIC_AUTH_TOKEN", "sk-ant-token")
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", server.url)
+        op = le.Operation.from_model("anthropic:claude-sonnet-4-5")
+        result = le.Engine.from_model(op).run_sync(op, "Hi")
+        assert (result.outcome, result.answer) == (le.Outcome.COMPLETED, "Hello")
+        assert server.requests[0].headers["authorization"] == "Bearer sk-ant-token"
+
+
 def test_from_model_builds_the_vendors_provider(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's one provider is the vendor's, on the operation's route."""
     monkeypatch.setenv("ANTHROPIC_API_KEY", "k")
@@ -181,7 +198,7 @@ def test_a_missing_key_says_what_works_instead(
     ``Engine.from_model`` (taking Engine's keywords) raised the same error for; it
     names the provider to build with the key, and that provider, given to Engine,
     serves the route."""
-    for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
+    for name in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "OPENAI_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(le.ConfigError) as caught:
         le.Engine.from_model(model)
