@@ -100,7 +100,9 @@ class ConfigError(LoopEngineError, ValueError):
     """A configuration value or an input is invalid (the caller's mistake).
 
     Raised when a configuration object is built, an operation is loaded, or a
-    run starts, always before any request is sent or any ledger row written.
+    run starts, always before any request is sent and, but for a provider's
+    client bound to another event loop or a resume past ``pause_timeout`` (both
+    recorded on the invocation), before any ledger row is written.
 
     Args:
         field: The dotted name or path of the offending key.
