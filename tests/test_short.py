@@ -56,6 +56,25 @@ def test_the_readmes_five_line_agent_runs_as_printed() -> None:
     assert "sk-ant-test" in (sent.get("x-api-key") or sent.get("authorization", ""))
 
 
+def test_the_readmes_offline_try_prints_what_it_says() -> None:
+    """The README's way to try the agent with no key: its block in place of the
+    five lines' last two, in a fresh interpreter with no Anthropic variables, prints
+    the line the README promises."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    (offline,) = [b for b in blocks if "FakeAnthropicServer" in b and "run_sync" in b]
+    five = readme_short_example().rstrip("\n").split("\n")
+    assert five[-2].startswith("result = ") and five[-1].startswith("print(")
+    source = "\n".join(five[:-2]) + "\n" + offline
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC_")}
+    done = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    promised = re.search(r"this prints\s+`([^`]*)`", text)
+    assert promised is not None
+    assert done.stdout == promised.group(1) + "\n"
+
+
 def test_operation_from_model_fills_in_the_defaults_and_takes_overrides() -> None:
     """The default operation is named after the model string; keywords override."""
     op = le.Operation.from_model("anthropic:claude-sonnet-4-5")
