@@ -741,7 +741,8 @@ class Engine:
         """An engine for ``model`` (``"anthropic:claude-sonnet-4-5"``,
         ``"openai:gpt-4o"``, or an operation built from one), its provider built
         from the environment as the vendor's SDK reads it (``ANTHROPIC_API_KEY``
-        and ``ANTHROPIC_BASE_URL``, ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL``).
+        or ``ANTHROPIC_AUTH_TOKEN`` and ``ANTHROPIC_BASE_URL``, ``OPENAI_API_KEY``
+        and ``OPENAI_BASE_URL``, ``GOOGLE_API_KEY`` or ``GEMINI_API_KEY``).
 
         Args:
             model: ``"vendor:model"`` or an `Operation`: the vendor picks the provider.
