@@ -18,7 +18,8 @@ Every exception the library raises on purpose derives from `LoopEngineError`:
 What each means:
 
 - `ConfigError` (also a `ValueError`): the caller's mistake. A bad value in
-  configuration or input, raised before anything is sent or recorded;
+  configuration or input, raised before anything is sent (and, but for the
+  two cases its docstring names, before anything is recorded);
   ``.field`` names the offending key or path (``"retry.max_attempts"``,
   ``"messages[2].content[0].text"``).
 - `LedgerError`: the attempt ledger could not be opened, migrated or written.
