@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from loopengine._operation import Operation
     from loopengine.providers._base import Provider
 
-__all__ = ["VENDORS", "engine_from_model", "operation_from_model", "parse_model",
-           "provider_for_vendor", "run_privately", "sync_method"]
+__all__ = ["VENDORS", "engine_from_model", "key_variables", "operation_from_model",
+           "parse_model", "provider_for_vendor", "run_privately", "sync_method"]
 
 VENDORS: dict[str, str] = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_KEY",
                            "openai-responses": "OPENAI_API_KEY", "gemini": "GEMINI_API_KEY"}
@@ -88,6 +88,12 @@ def operation_from_model(model: str, **fields: Any) -> Operation:
     return Operation(**{**values, **fields})
 
 
+def key_variables(vendor: str) -> tuple[str, ...]:
+    """The environment variables any one of which gives ``vendor``'s SDK its
+    credential (the route's key variable first)."""
+    return (VENDORS[vendor], *_ALSO_KEYS.get(vendor, ()))
+
+
 def provider_for_vendor(vendor: str, **options: Any) -> Provider:
     """The provider of ``vendor``, its client configured from the environment.
 
@@ -97,10 +103,9 @@ def provider_for_vendor(vendor: str, **options: Any) -> Provider:
     """
     if vendor not in VENDORS:
         raise ConfigError("model", f"{vendor!r} is not a vendor this library speaks to")
-    key = VENDORS[vendor]
-    others = _ALSO_KEYS.get(vendor, ())
-    if not options.get("api_key") and not any(os.environ.get(name) for name in (key, *others)):
-        named = " or ".join((key, *others))
+    names = key_variables(vendor)
+    if not options.get("api_key") and not any(os.environ.get(name) for name in names):
+        named = " or ".join(names)
         # Engine.from_model takes Engine's keywords, not the provider's: a key
         # in code goes to the provider, which is then given to Engine.
         raise ConfigError("model", f"{named} is not set: export it to reach {vendor}'s API, "
