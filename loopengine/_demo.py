@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 
 import loopengine as le
+from loopengine._short import key_variables
 from loopengine._usage import Usage
 from loopengine.persistence import SQLiteLedger, _audit
 from loopengine.persistence._audit_postgres import display_name, is_postgres_url
@@ -53,9 +54,8 @@ class _Vendor:
     """What differs between the demo's providers."""
 
     operation: le.Operation
-    key: str
-    """The environment variable holding the API key ``live`` needs."""
     api: str
+    """The API's name, without an article ("Messages API")."""
     sdk: str
     """The SDK's distribution name, as the output names it."""
     module: str
@@ -65,20 +65,18 @@ class _Vendor:
 
 
 PROVIDERS = {
-    "anthropic": _Vendor(OPERATION, "ANTHROPIC_API_KEY", "the Messages API", "anthropic",
-                         "anthropic", None),
+    "anthropic": _Vendor(OPERATION, "Messages API", "anthropic", "anthropic", None),
     "openai": _Vendor(dataclasses.replace(OPERATION, provider="openai", model="gpt-4o-mini"),
-                      "OPENAI_API_KEY", "the Chat Completions API", "openai", "openai",
-                      "openai"),
+                      "Chat Completions API", "openai", "openai", "openai"),
     "openai-responses": _Vendor(
         dataclasses.replace(OPERATION, provider="openai", model="gpt-4.1-mini"),
-        "OPENAI_API_KEY", "the Responses API", "openai", "openai", "openai"),
+        "Responses API", "openai", "openai", "openai"),
     "gemini": _Vendor(dataclasses.replace(OPERATION, provider="gemini",
                                           model="gemini-2.5-flash"),
-                      "GEMINI_API_KEY", "the Gemini API", "google-genai", "google.genai",
-                      "gemini"),
+                      "Gemini API", "google-genai", "google.genai", "gemini"),
 }
-"""The providers the demo runs on, by name."""
+"""The providers the demo runs on, by name (the routes of a model string: live, each
+reads its credential from the environment as `Engine.from_model` does)."""
 
 AttemptsTable = Callable[[Sequence[dict[str, Any]]], str]
 """Renders attempt rows (as `loopengine.persistence._audit.show` reads them) as text."""
@@ -175,8 +173,10 @@ def run_demo(
     vendor = PROVIDERS.get(provider)
     if vendor is None:
         raise DemoUnavailable(f"no demo provider {provider!r} (known: {', '.join(PROVIDERS)})")
-    if live and not os.environ.get(vendor.key):
-        raise DemoUnavailable(f"--live talks to the real {vendor.api}: set {vendor.key}")
+    keys = key_variables(provider)
+    if live and not any(os.environ.get(name) for name in keys):
+        raise DemoUnavailable(f"--live talks to the real {vendor.api}: set "
+                              f"{' or '.join(keys)}")
     if vendor.extra is not None:
         try:
             importlib.import_module(vendor.module)  # only whether it is installed
@@ -191,7 +191,7 @@ def run_demo(
         invocation, attempts = _audit.show(conn, result.invocation_id)
     finally:
         conn.close()
-    where = f"the real {vendor.api}" if live else f"a loopback fake of {vendor.api}"
+    where = f"the real {vendor.api}" if live else f"a loopback fake of the {vendor.api}"
     echo(f"Ran {vendor.operation.name} against {where}, through the {vendor.sdk} SDK.")
     echo(f"Question: {QUESTION}")
     echo(f"Outcome:  {result.outcome.value} after {result.turns} turns, {result.tool_calls} "
@@ -221,25 +221,26 @@ def _ledger(db: Path | str) -> Any:
     return SQLiteLedger(db)
 
 
-def _provider(provider: str, key: str, url: str | None, client: Any) -> Any:
+def _provider(provider: str, key: str | None, url: str | None, client: Any) -> Any:
     """The demo's provider on the real API (``url`` None) or on the fake at ``url``,
-    sending through ``client`` (an ``httpx2.AsyncClient``) where it takes one."""
+    sending through ``client`` (an ``httpx2.AsyncClient``) where it takes one; its
+    key is ``key``, or (None) the one its SDK reads from the environment."""
     from loopengine import providers
 
-    where: dict[str, Any] = {}
+    where: dict[str, Any] = {} if key is None else {"api_key": key}
     if provider == "anthropic":
         if url is not None:
-            where = {"base_url": url, "http_client": client}
-        return providers.AnthropicProvider(api_key=key, **where)
+            where |= {"base_url": url, "http_client": client}
+        return providers.AnthropicProvider(**where)
     if provider == "gemini":
         if url is not None:
             # Its HTTP clients are the provider's own (one per event loop).
-            where = {"http_options": {"base_url": url}}
-        return providers.GeminiProvider(api_key=key, **where)
+            where |= {"http_options": {"base_url": url}}
+        return providers.GeminiProvider(**where)
     if url is not None:
-        where = {"base_url": f"{url}/v1", "http_client": client}
+        where |= {"base_url": f"{url}/v1", "http_client": client}
     kind = providers.OpenAIProvider if provider == "openai" else providers.OpenAIResponsesProvider
-    return kind(api_key=key, **where)
+    return kind(**where)
 
 
 async def _converse(db: Path | str, provider: str, live: bool) -> le.RunResult:
@@ -250,7 +251,7 @@ async def _converse(db: Path | str, provider: str, live: bool) -> le.RunResult:
     vendor = PROVIDERS[provider]
     async with _ledger(db) as ledger:
         if live:
-            async with _provider(provider, os.environ[vendor.key], None, None) as real:
+            async with _provider(provider, None, None, None) as real:
                 return await _run(real, vendor.operation, ledger)
         server = (testing.FakeAnthropicServer if provider == "anthropic"
                   else testing.FakeGeminiServer if provider == "gemini"

@@ -344,6 +344,8 @@ class Engine:
             LedgerError: the ledger could not record the run; it is recorded
                 ``failed`` where the ledger still can, and observers see
                 `RunEnded` with outcome ``failed``.
+            ReplayMismatchError: a `ReplayProvider`'s recording diverged;
+                recorded ``failed`` likewise.
         """
         inv, spec = self._prepare_run(
             operation, messages, system=system, tools=tools, output=output, accept=accept,
@@ -707,9 +709,12 @@ class Engine:
             ProviderError: a provider fault ended the call; ``.attempts`` says
                 how many requests it made.
             StructuredOutputError: the attempts ran out without a valid answer.
-            OutcomeError: the call was refused, ran out of time or credits.
+            OutcomeError: the call was refused, ran out of time or credits, or
+                its credit account admitted nothing (``admission_denied``).
             LedgerError: the ledger could not record the call; it is recorded
                 ``failed`` where the ledger still can.
+            ReplayMismatchError: a `ReplayProvider`'s recording diverged;
+                recorded ``failed`` likewise.
         """
         checked_output = _check_output(output)
         if checked_output is None:
@@ -736,7 +741,8 @@ class Engine:
         """An engine for ``model`` (``"anthropic:claude-sonnet-4-5"``,
         ``"openai:gpt-4o"``, or an operation built from one), its provider built
         from the environment as the vendor's SDK reads it (``ANTHROPIC_API_KEY``
-        and ``ANTHROPIC_BASE_URL``, ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL``).
+        or ``ANTHROPIC_AUTH_TOKEN`` and ``ANTHROPIC_BASE_URL``, ``OPENAI_API_KEY``
+        and ``OPENAI_BASE_URL``, ``GOOGLE_API_KEY`` or ``GEMINI_API_KEY``).
 
         Args:
             model: ``"vendor:model"`` or an `Operation`: the vendor picks the provider.

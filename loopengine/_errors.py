@@ -18,7 +18,8 @@ Every exception the library raises on purpose derives from `LoopEngineError`:
 What each means:
 
 - `ConfigError` (also a `ValueError`): the caller's mistake. A bad value in
-  configuration or input, raised before anything is sent or recorded;
+  configuration or input, raised before anything is sent (and, but for the
+  two cases its docstring names, before anything is recorded);
   ``.field`` names the offending key or path (``"retry.max_attempts"``,
   ``"messages[2].content[0].text"``).
 - `LedgerError`: the attempt ledger could not be opened, migrated or written.
@@ -100,7 +101,9 @@ class ConfigError(LoopEngineError, ValueError):
     """A configuration value or an input is invalid (the caller's mistake).
 
     Raised when a configuration object is built, an operation is loaded, or a
-    run starts, always before any request is sent or any ledger row written.
+    run starts, always before any request is sent and, but for a provider's
+    client bound to another event loop or a resume past ``pause_timeout`` (both
+    recorded on the invocation), before any ledger row is written.
 
     Args:
         field: The dotted name or path of the offending key.

@@ -93,7 +93,8 @@ class ServerTool:
     """A tool the provider runs itself (Anthropic's web search, web fetch, code
     execution, advisor, or any other type the vendor documents).
 
-    It is sent as ``{"type": type, "name": name, "max_uses": max_uses, **params}``.
+    It is sent as ``{"type": type, "name": name, "max_uses": max_uses, **params}``
+    (without ``max_uses`` when it is None).
     """
 
     type: str

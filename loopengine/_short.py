@@ -6,9 +6,9 @@ its defaults filled in: an `Operation` named after the model, on the route
 ``anthropic``, with the library's default limits, retries and
 ``max_output_tokens``. ``Engine.from_model(...)`` builds the vendor's
 provider from the environment, exactly as the vendor's SDK reads it
-(``ANTHROPIC_API_KEY`` and ``ANTHROPIC_BASE_URL``; ``OPENAI_API_KEY`` and
-``OPENAI_BASE_URL``; ``"openai-responses:gpt-5"`` is the same vendor through
-its Responses API; ``GOOGLE_API_KEY`` or ``GEMINI_API_KEY`` and
+(``ANTHROPIC_API_KEY`` or ``ANTHROPIC_AUTH_TOKEN``, and ``ANTHROPIC_BASE_URL``;
+``OPENAI_API_KEY`` and ``OPENAI_BASE_URL``; ``"openai-responses:gpt-5"`` is the
+same vendor through its Responses API; ``GOOGLE_API_KEY`` or ``GEMINI_API_KEY`` and
 ``GOOGLE_GEMINI_BASE_URL`` for ``"gemini:<model>"``, on the route ``gemini``).
 The provider's module, and so its SDK, is imported only then.
 """
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from loopengine._operation import Operation
     from loopengine.providers._base import Provider
 
-__all__ = ["VENDORS", "engine_from_model", "operation_from_model", "parse_model",
-           "provider_for_vendor", "run_privately", "sync_method"]
+__all__ = ["VENDORS", "engine_from_model", "key_variables", "operation_from_model",
+           "parse_model", "provider_for_vendor", "run_privately", "sync_method"]
 
 VENDORS: dict[str, str] = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_KEY",
                            "openai-responses": "OPENAI_API_KEY", "gemini": "GEMINI_API_KEY"}
@@ -38,8 +38,10 @@ VENDORS: dict[str, str] = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_A
 route; its vendor, in ``served_by`` and prices, stays ``openai``); ``gemini`` is
 the Gemini API (`GeminiProvider`; its vendor is ``google``)."""
 
-_ALSO_KEYS: dict[str, tuple[str, ...]] = {"gemini": ("GOOGLE_API_KEY",)}
-"""Other variables a vendor's SDK reads its key from (google-genai reads
+_ALSO_KEYS: dict[str, tuple[str, ...]] = {"anthropic": ("ANTHROPIC_AUTH_TOKEN",),
+                                          "gemini": ("GOOGLE_API_KEY",)}
+"""Other variables a vendor's SDK reads its credentials from (the ``anthropic``
+SDK sends ``ANTHROPIC_AUTH_TOKEN`` as a bearer token; google-genai reads
 ``GOOGLE_API_KEY`` first, then ``GEMINI_API_KEY``)."""
 
 _PROVIDER_CLASSES: dict[str, str] = {
@@ -86,6 +88,12 @@ def operation_from_model(model: str, **fields: Any) -> Operation:
     return Operation(**{**values, **fields})
 
 
+def key_variables(vendor: str) -> tuple[str, ...]:
+    """The environment variables any one of which gives ``vendor``'s SDK its
+    credential (the route's key variable first)."""
+    return (VENDORS[vendor], *_ALSO_KEYS.get(vendor, ()))
+
+
 def provider_for_vendor(vendor: str, **options: Any) -> Provider:
     """The provider of ``vendor``, its client configured from the environment.
 
@@ -95,10 +103,9 @@ def provider_for_vendor(vendor: str, **options: Any) -> Provider:
     """
     if vendor not in VENDORS:
         raise ConfigError("model", f"{vendor!r} is not a vendor this library speaks to")
-    key = VENDORS[vendor]
-    others = _ALSO_KEYS.get(vendor, ())
-    if not options.get("api_key") and not any(os.environ.get(name) for name in (key, *others)):
-        named = " or ".join((key, *others))
+    names = key_variables(vendor)
+    if not options.get("api_key") and not any(os.environ.get(name) for name in names):
+        named = " or ".join(names)
         # Engine.from_model takes Engine's keywords, not the provider's: a key
         # in code goes to the provider, which is then given to Engine.
         raise ConfigError("model", f"{named} is not set: export it to reach {vendor}'s API, "

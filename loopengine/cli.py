@@ -109,9 +109,10 @@ def audit() -> None:
                    "(gemini), which needs the gemini extra (pip install "
                    "'loopengine-core[gemini]').")
 @click.option("--live", is_flag=True,
-              help="Talk to the real API (needs ANTHROPIC_API_KEY; OPENAI_API_KEY with "
-                   "--provider openai or openai-responses; GEMINI_API_KEY with --provider "
-                   "gemini) instead of the built-in fake server.")
+              help="Talk to the real API (needs ANTHROPIC_API_KEY or ANTHROPIC_AUTH_TOKEN; "
+                   "OPENAI_API_KEY with --provider openai or openai-responses; GEMINI_API_KEY "
+                   "or GOOGLE_API_KEY with --provider gemini) instead of the built-in fake "
+                   "server.")
 @click.option("--db", "db", type=str, default="loopengine-demo.db", show_default=True,
               help="Where to write the demo's ledger: a SQLite file, or a postgresql:// URL "
                    "(needs the postgres extra: pip install 'loopengine-core[postgres]').")

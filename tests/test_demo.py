@@ -107,7 +107,8 @@ def test_demo_live_needs_a_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, ["demo", "--live"])
-    assert result.exit_code == 2 and "ANTHROPIC_API_KEY" in result.output
+    assert result.exit_code == 2
+    assert "--live talks to the real Messages API: set ANTHROPIC_API_KEY" in result.output
     assert not (tmp_path / "loopengine-demo.db").exists()
 
 
@@ -160,9 +161,45 @@ def test_demo_without_the_sdk_names_the_extra(
 def test_demo_live_on_gemini_needs_its_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--live --provider gemini without GEMINI_API_KEY exits 2 and names the variable."""
+    """--live --provider gemini with neither GEMINI_API_KEY nor GOOGLE_API_KEY exits
+    2 and names both variables."""
     monkeypatch.delenv("GEMINI_API_KEY", raising=False)
+    monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, ["demo", "--live", "--provider", "gemini"])
-    assert result.exit_code == 2 and "GEMINI_API_KEY" in result.output
+    assert result.exit_code == 2
+    assert "set GEMINI_API_KEY or GOOGLE_API_KEY" in result.output
     assert not (tmp_path / "loopengine-demo.db").exists()
+
+
+@pytest.mark.parametrize(("provider", "variables", "header", "sent"), [
+    ("anthropic", {"ANTHROPIC_AUTH_TOKEN": "sk-ant-token", "ANTHROPIC_BASE_URL": "{url}"},
+     "authorization", "Bearer sk-ant-token"),
+    ("gemini", {"GOOGLE_API_KEY": "google-key", "GOOGLE_GEMINI_BASE_URL": "{url}"},
+     "x-goog-api-key", "google-key"),
+])
+def test_demo_live_reads_the_credentials_the_sdk_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, provider: str,
+    variables: dict[str, str], header: str, sent: str,
+) -> None:
+    """--live takes the credential from whichever variable the vendor's SDK reads
+    (``ANTHROPIC_AUTH_TOKEN``, ``GOOGLE_API_KEY``), as ``Engine.from_model`` does: it
+    was refused unless ``ANTHROPIC_API_KEY`` / ``GEMINI_API_KEY`` was set. The "real"
+    API here is a loopback fake named by the SDK's base URL variable."""
+    from loopengine._demo import demo_script
+    from loopengine.testing import FakeGeminiServer
+
+    for name in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "GEMINI_API_KEY",
+                 "GOOGLE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    fake = FakeGeminiServer if provider == "gemini" else FakeAnthropicServer
+    with fake(demo_script(provider)) as server:
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value.format(url=server.url))
+        result = CliRunner().invoke(main, ["demo", "--live", "--provider", provider])
+        requests = server.requests
+    assert result.exit_code == 0, result.output
+    assert "Outcome:  completed after 4 turns, 3 tool calls and 5 attempts" in result.output
+    assert "against the real" in result.output
+    assert [r.headers.get(header) for r in requests] == [sent] * 5

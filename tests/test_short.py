@@ -56,6 +56,25 @@ def test_the_readmes_five_line_agent_runs_as_printed() -> None:
     assert "sk-ant-test" in (sent.get("x-api-key") or sent.get("authorization", ""))
 
 
+def test_the_readmes_offline_try_prints_what_it_says() -> None:
+    """The README's way to try the agent with no key: its block in place of the
+    five lines' last two, in a fresh interpreter with no Anthropic variables, prints
+    the line the README promises."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    (offline,) = [b for b in blocks if "FakeAnthropicServer" in b and "run_sync" in b]
+    five = readme_short_example().rstrip("\n").split("\n")
+    assert five[-2].startswith("result = ") and five[-1].startswith("print(")
+    source = "\n".join(five[:-2]) + "\n" + offline
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC_")}
+    done = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    promised = re.search(r"this prints\s+`([^`]*)`", text)
+    assert promised is not None
+    assert done.stdout == promised.group(1) + "\n"
+
+
 def test_operation_from_model_fills_in_the_defaults_and_takes_overrides() -> None:
     """The default operation is named after the model string; keywords override."""
     op = le.Operation.from_model("anthropic:claude-sonnet-4-5")
@@ -87,6 +106,23 @@ def test_a_missing_key_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with pytest.raises(le.ConfigError, match="OPENAI_API_KEY is not set"):
         le.Engine.from_model("openai:gpt-4o")
+
+
+def test_an_anthropic_auth_token_is_a_key_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ANTHROPIC_AUTH_TOKEN`` alone, which the ``anthropic`` SDK sends as a bearer
+    token and ``AnthropicProvider()`` accepts, builds the engine, and its requests
+    carry it; with neither variable the message names both."""
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+    with pytest.raises(le.ConfigError, match="ANTHROPIC_API_KEY or ANTHROPIC_AUTH_TOKEN"):
+        le.Engine.from_model("anthropic:claude-sonnet-4-5")
+    with FakeAnthropicServer([Reply.text("Hello")]) as server:
+        monkeypatch.setenv("ANTHROPIC_AUTH_TOKEN", "sk-ant-token")
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", server.url)
+        op = le.Operation.from_model("anthropic:claude-sonnet-4-5")
+        result = le.Engine.from_model(op).run_sync(op, "Hi")
+        assert (result.outcome, result.answer) == (le.Outcome.COMPLETED, "Hello")
+        assert server.requests[0].headers["authorization"] == "Bearer sk-ant-token"
 
 
 def test_from_model_builds_the_vendors_provider(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,7 +217,7 @@ def test_a_missing_key_says_what_works_instead(
     ``Engine.from_model`` (taking Engine's keywords) raised the same error for; it
     names the provider to build with the key, and that provider, given to Engine,
     serves the route."""
-    for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
+    for name in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "OPENAI_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(le.ConfigError) as caught:
         le.Engine.from_model(model)

@@ -4,8 +4,8 @@ cache-marker placement, and the providers themselves: `AnthropicProvider`,
 `GeminiProvider` (extra ``gemini``) and
 `ScriptedProvider`.
 
-`AnthropicProvider` and `OpenAIProvider` are imported on first use, with
-their SDKs: ``import loopengine`` imports no provider SDK.
+The four SDK providers are imported on first use, with their SDKs:
+``import loopengine`` imports no provider SDK.
 """
 
 import importlib

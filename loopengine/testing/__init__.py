@@ -12,8 +12,9 @@ items, and `FakeGeminiServer` for the Gemini API and `GeminiProvider`.
 `FakeBedrockServer` and `FakeVertexServer` serve the Messages API as Amazon
 Bedrock (event-stream framing) and Google Vertex AI do, for
 `AnthropicProvider.bedrock` and `AnthropicProvider.vertex`.
-The pytest fixtures ``fake_anthropic_server`` and ``fake_openai_server``
-(registered by the package's pytest plugin) give each test a started server.
+The pytest fixtures ``fake_anthropic_server``, ``fake_openai_server`` and
+``fake_gemini_server`` (registered by the package's pytest plugin) give each
+test a started server.
 See docs/testing.md.
 """
 
