@@ -80,9 +80,9 @@ class CreditAccounts:
             publishes none (a run on an account needs one).
         expiry_grace: Seconds past a run's deadline after which another
             process may settle its reservation (its process is taken as dead).
-        clock: Where the current time comes from (its `Clock.wall`), for the
-            journal's times and the expiry of reservations; default the
-            system's.
+        clock: Where the current time comes from, for the journal's times
+            and the expiry of reservations: the engine's clock
+            (`loopengine.testing.FakeClock` in tests); default the system's.
 
     Raises:
         ConfigError: a ledger that cannot hold accounts, or a bad argument.

@@ -11,7 +11,7 @@ import os
 import re
 import sqlite3
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from decimal import Decimal
@@ -247,6 +247,14 @@ def _period(since: str | None, until: str | None) -> str:
     return f" from {since or 'the start'} until {until or 'now'}"
 
 
+def _matching(where: Mapping[str, Any]) -> str:
+    """The period and the filters given, as the "nothing found" lines say them."""
+    given = [f"{key} {where[key]}" for key in ("tenant", "feature", "outcome")
+             if where.get(key) is not None]
+    return _period(where["since"], where["until"]) + (
+        f" with {', '.join(given)}" if given else "")
+
+
 @click.command()
 @_ledger_options
 @_filters("Invocations")
@@ -268,7 +276,7 @@ def runs(db: str, schema: str | None, limit: int, every: bool, as_json: bool,
         _print_json([{**vars_of(r), "cost_usd": _audit.usd_text(r.cost_nanousd)} for r in rows])
         return
     if not rows:
-        click.echo(f"No invocations{_period(where['since'], where['until'])}.")
+        click.echo(f"No invocations{_matching(where)}.")
         return
     click.echo(_table(
         ["id", "started_at", "tenant", "feature", "operation", "outcome", "attempts",
@@ -336,7 +344,7 @@ def spend(db: str, schema: str | None, by: _audit.Grouping, roll_up: bool, as_js
         return
     period = _period(where["since"], where["until"])
     if not rows:
-        click.echo(f"No invocations{period}.")
+        click.echo(f"No invocations{_matching(where)}.")
         return
     rolled = ", delegated runs rolled up into their roots" if roll_up else ""
     click.echo(f"Spend by {by}{period}{rolled}:")

@@ -378,7 +378,15 @@ def test_runs_filters_by_tenant_feature_outcome_period_and_limit(
     limited = cli("audit", "runs", "--db", path, "--limit", "1")
     assert "The newest 1 shown; --limit N or --all shows more." in limited.output
     none = cli("audit", "runs", "--db", path, "--tenant", "initech")
-    assert none.exit_code == 0 and none.output == "No invocations from the start until now.\n"
+    assert none.exit_code == 0 and none.output == (
+        "No invocations from the start until now with tenant initech.\n")
+    # The filters that found nothing are named, so an empty answer is not read
+    # as an empty ledger.
+    narrowed = cli("audit", "spend", "--db", path, "--feature", "nothing",
+                   "--outcome", "failed", "--since", "2026-01-01")
+    assert narrowed.exit_code == 0 and narrowed.output == (
+        "No invocations from 2026-01-01T00:00:00.000000+00:00 until now "
+        "with feature nothing, outcome failed.\n")
     bad = cli("audit", "runs", "--db", path, "--outcome", "fine")
     assert bad.exit_code == 2 and "'fine' is not one of" in bad.output
 

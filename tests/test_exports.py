@@ -84,3 +84,21 @@ def test_every_public_name_has_a_docstring(name: str) -> None:
         value = getattr(module, attr)
         if isinstance(value, type) or inspect.isfunction(value):
             assert (value.__doc__ or "").strip(), f"{name}.{attr} has no docstring"
+
+
+def test_the_installed_version_is_the_packages_own() -> None:
+    """The distribution's version is read from ``loopengine.__version__``
+    (one place), so what pip reports is what the package and its traces say."""
+    import importlib.metadata
+
+    import loopengine
+
+    assert importlib.metadata.version("loopengine-core") == loopengine.__version__
+
+
+def test_all_is_sorted() -> None:
+    """``loopengine.__all__`` lists its names in order, so a reader finds one."""
+    import loopengine
+
+    names = list(loopengine.__all__)
+    assert names == sorted(names, key=lambda n: (n[0].islower(), n))
