@@ -333,7 +333,8 @@ async def settle(
                      fault.http_status if fault else None),
         error_code=fault.error_code if fault else None,
         usage=usage,
-        usage_approx=bool(fault and fault.usage_approx),
+        usage_approx=bool(fault.usage_approx if fault is not None else
+                          response is not None and response.usage_approx),
         cost_nanousd=priced.cost_nanousd if priced else None,
         fee_nanousd=priced.fee_nanousd if priced else None,
         charged=charged,

@@ -280,6 +280,18 @@ def cache_markers(
     return found
 
 
+def marker_lifetimes(
+    *,
+    system: Sequence[Mapping[str, Any]] | str | None,
+    tools: Sequence[Mapping[str, Any]],
+    messages: Sequence[Mapping[str, Any]],
+) -> frozenset[str]:
+    """The lifetimes (``5m``, ``1h``) of a request body's ``cache_control`` markers:
+    what its cache writes can have been."""
+    return frozenset(_ttl(marker) for marker in
+                     cache_markers(system=system, tools=tools, messages=messages))
+
+
 def cache_marker_problem(body: Any) -> str | None:
     """Why Anthropic would refuse the markers of a request body, or None: more
     than four, or a one-hour marker after a five-minute one."""
