@@ -191,3 +191,16 @@ async def test_a_reply_without_a_split_takes_its_markers_lifetime(
     assert (result.usage.cache_write_tokens, result.usage.cache_write_1h_tokens) == (3000,
                                                                                      one_hour)
     assert result.attempts.usage_complete is not floor
+
+
+def test_the_sdks_message_delta_usage_has_no_split() -> None:
+    """The shape the rule rests on: the SDK's ``MessageDeltaUsage`` carries the
+    cumulative ``cache_creation_input_tokens`` and no ``cache_creation`` split
+    (the message's ``Usage`` has both). Should a split arrive there, the
+    streamed usage can take it instead of the markers' lifetime."""
+    from anthropic.types import MessageDeltaUsage
+    from anthropic.types import Usage as MessageUsage
+
+    assert "cache_creation_input_tokens" in MessageDeltaUsage.model_fields
+    assert "cache_creation" not in MessageDeltaUsage.model_fields
+    assert "cache_creation" in MessageUsage.model_fields
