@@ -476,6 +476,30 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         ``anthropic``, ``aws-bedrock``, ``google-vertex`` or ``foundry``."""
         return _PLATFORM_FEATURES.get(self._vendor, _ALL_FEATURES)
 
+    def check_request(self, request: ProviderRequest) -> None:
+        """Before an attempt is recorded: refuse a request the Messages API refuses.
+
+        A thinking ``budget_tokens`` must be below the request's ``max_tokens``
+        (unless an ``interleaved-thinking`` beta is on, where the budget spans
+        the whole turn): the API answers such a request with a 400 every time.
+
+        Raises:
+            ProviderFault: ``bad_request``, ``error_code``
+                ``invalid_request_error``: nothing is recorded or sent.
+        """
+        thinking = request.features.thinking
+        if thinking is None or thinking.budget_tokens is None:
+            return
+        if thinking.budget_tokens < request.max_tokens or any(
+                beta.startswith("interleaved-thinking") for beta in request.features.betas):
+            return
+        raise ProviderFault(
+            FaultKind.BAD_REQUEST,
+            f"thinking budget_tokens ({thinking.budget_tokens}) must be below max_tokens "
+            f"({request.max_tokens}), as the Messages API requires: publish a "
+            "max_output_tokens above the budget, or a lower budget",
+            error_code="invalid_request_error")
+
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         # The SDK's stream() call asks for the stream itself.
         features = request.features
