@@ -219,3 +219,34 @@ def test_claude_models_take_the_fast_path(model: str) -> None:
     assert fast is not None
     assert fast == info.calc_price(_genai_usage(usage), provider,
                                    genai_request_timestamp=JUN).total_price
+
+
+@pytest.mark.parametrize(("vendor", "model"), [
+    ("anthropic", "claude-sonnet-4-5"),
+    ("aws-bedrock", "global.anthropic.claude-sonnet-4-5-20250929-v1:0"),
+    ("aws-bedrock", "us.anthropic.claude-sonnet-4-5-20250929-v1:0"),
+    ("google-vertex", "claude-sonnet-4-5@20250929"),
+    ("google-vertex", "gemini-2.5-pro"),
+    ("google", "gemini-2.5-flash"),
+    ("openai", "gpt-4o"),
+    ("azure", "gpt-4o"),
+])
+@pytest.mark.parametrize("usage", [
+    le.Usage(input_tokens=1000, output_tokens=500),
+    le.Usage(input_tokens=250_000, output_tokens=500, cache_read_tokens=10_000,
+             cache_write_tokens=5000, cache_write_1h_tokens=2000),
+])
+def test_every_route_is_priced_as_genai_prices_prices_it(vendor: str, model: str,
+                                                         usage: le.Usage) -> None:
+    """Each vendor a provider names (``aws-bedrock``, ``google-vertex``...) finds the
+    model genai-prices finds under its own provider id, at its total to the digit
+    (rounded up to a nano-dollar)."""
+    from loopengine._pricing import _GENAI_PROVIDER_IDS
+
+    at = datetime(2026, 1, 15, tzinfo=UTC)
+    ours = le.PriceBook().price(vendor, model, usage, at)
+    theirs = genai_prices.calc_price(_genai_usage(usage), model,
+                                     provider_id=_GENAI_PROVIDER_IDS.get(vendor, vendor),
+                                     genai_request_timestamp=at)
+    assert ours is not None and ours.cost_nanousd == to_nanousd(theirs.total_price)
+    assert ours.price_ref.endswith(f"{theirs.provider.id}/{theirs.model.id}")
