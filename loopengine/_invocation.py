@@ -282,12 +282,18 @@ class Invocation:
         if self.provider_cost_nanousd + priced.cost_nanousd > MAX_INTEGER:
             return "the run's cost in nano-USD"
         if charged:
+            rate, quantum = self.prices.credits_per_usd, self.prices.credit_quantum
             root = self
             while root.parent is not None:
                 root = root.parent
+            # A structured call keeps its turns' credits outside `credits`: its
+            # other turns' charges count them.
+            others = sum(turn_credits(charge, rate, quantum)
+                         for number, charge in self.turn_charge.items() if number != turn)
+            tree = root.tree_credits - self.credits + max(self.credits, others)
             credits = turn_credits(self.turn_charge.get(turn, 0) + priced.cost_nanousd,
-                                   self.prices.credits_per_usd, self.prices.credit_quantum)
-            if root.tree_credits + credits > MAX_INTEGER:
+                                   rate, quantum)
+            if tree + credits > MAX_INTEGER:
                 return "the run's credits"
         return None
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
+import pydantic
 import pytest
 
 import loopengine as le
+from loopengine.persistence import SQLiteLedger
 from loopengine.testing import Reply
 
 from ..conftest import MODEL, operation
@@ -95,3 +97,34 @@ async def test_a_reply_whose_credits_would_overflow_is_refused(wire: Harness) ->
     assert result.credits == 2 * 10**9  # $2e-6 at 10**15 credits per USD
     (row,) = ledger.invocations.values()
     assert row["credits"] == result.credits
+
+
+class Scene(pydantic.BaseModel):
+    scene: str
+
+
+async def test_a_structured_calls_credits_over_its_turns_stay_storable(
+    wire: Harness, tmp_path: Any
+) -> None:
+    """A structured call keeps its turns' credits apart from the run's: two
+    turns of 5e18 credits each would pass 2**63 - 1 together, so the second
+    reply is refused, and the SQLite ledger records the call."""
+    prices = le.PriceBook([le.ModelPrice(provider="anthropic", model=MODEL,
+                                         input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))],
+                          credits_per_usd=Decimal(10**15))
+    dear = le.Usage(input_tokens=5 * 10**9, output_tokens=1)  # $5,000: 5e18 credits
+    cut = Reply(content=[{"type": "tool_use", "id": "toolu_cut", "name": "final_answer",
+                          "input": {}}], stop_reason="max_tokens", usage=dear)
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        engine, _ = wire.engine(cut, Reply.final({"scene": "x"}, usage=dear),
+                                Reply.final({"scene": "done"}), ledger=ledger, prices=prices)
+        operation = le.Operation(name="book.scene", provider="anthropic", model=MODEL,
+                                 max_output_tokens=64)
+        result = await engine.call(operation, "Write.", output=Scene)
+    assert result.data == Scene(scene="done")
+    settles = [record.settle for record in result.attempt_log]
+    assert [(s.outcome, s.error_code) for s in settles if s is not None] == [
+        ("ok", None), ("error", "invalid_response"), ("ok", None)]
+    # Each kept turn's cost in nano-USD is 10**6 credits per nano-USD, exactly.
+    assert result.credits == sum(s.cost_nanousd * 10**6 for s in settles
+                                 if s is not None and s.cost_nanousd is not None)
