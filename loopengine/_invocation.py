@@ -286,11 +286,12 @@ class Invocation:
             root = self
             while root.parent is not None:
                 root = root.parent
-            # A structured call keeps its turns' credits outside `credits`: its
-            # other turns' charges count them.
-            others = sum(turn_credits(charge, rate, quantum)
-                         for number, charge in self.turn_charge.items() if number != turn)
-            tree = root.tree_credits - self.credits + max(self.credits, others)
+            # A structured call keeps its turns' credits outside `credits` (0):
+            # its other turns' charges count them.
+            own = self.credits or sum(turn_credits(charge, rate, quantum)
+                                      for number, charge in self.turn_charge.items()
+                                      if number != turn)
+            tree = root.tree_credits - self.credits + own
             credits = turn_credits(self.turn_charge.get(turn, 0) + priced.cost_nanousd,
                                    rate, quantum)
             if tree + credits > MAX_INTEGER:
