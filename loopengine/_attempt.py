@@ -194,7 +194,7 @@ async def attempt(
     cut = fault is not None and fault.kind is FaultKind.TIMEOUT and capped
     # Nothing acts on a reply before its settle is durable (docs/ledger.md): a
     # deadline that passes while it is written ends the run instead.
-    await settle(inv, flight, response, fault, external=False, cut_by_deadline=cut)
+    fault = await settle(inv, flight, response, fault, external=False, cut_by_deadline=cut)
     if fault is not None:
         raise fault
     assert response is not None
@@ -282,35 +282,45 @@ async def settle(
     external: bool,
     fault_kind: bool = True,
     cut_by_deadline: bool = False,
-) -> None:
+) -> ProviderFault | None:
     """Settle the attempt in flight and report it; a write the ledger does not
     confirm in time (`Invocation.confirm`) stays queued. ``fault_kind=False``: the
     attempt was cut by us, not by a provider fault (none is recorded).
-    ``cut_by_deadline``: the run's deadline ended it (``aborted``/``deadline``)."""
+    ``cut_by_deadline``: the run's deadline ended it (``aborted``/``deadline``).
+
+    Returns the fault the attempt ended with: ``fault``, or, when its usage
+    would take one of the run's totals past what a ledger column holds
+    (`Invocation.past_limit`), a ``server_error`` with ``error_code``
+    ``invalid_response`` standing for the reply (or fault) it replaces, whose
+    usage is then unknown, as for a count no reply can hold (docs/ledger.md)."""
     inv.in_flight = None
     dispatch = inv.records[flight.index].dispatch
     latency_ms = max(0, round((inv.clock.now() - flight.started) * 1000))
     reason: str | None = None
+    usage = (response.usage if response is not None else
+             fault.usage if fault is not None else None)
+    priced = None
+    if usage is not None:
+        usage = usage.served_in(inv.geo)  # the endpoint's region (Vertex's)
+        priced = inv.prices.price(inv.vendor, inv.operation.model, usage,
+                                  dispatch.started_at)
+        past = inv.past_limit(usage, priced, dispatch.turn, charged=response is not None)
+        if past is not None:
+            fault = _past_limit(past, response, fault)
+            response = usage = priced = None
+            external, fault_kind = False, True
     if response is not None:
-        outcome, usage = "ok", response.usage
+        outcome = "ok"
     elif fault is not None:
-        usage = fault.usage
         aborted = fault.kind is FaultKind.ABORTED or cut_by_deadline
         outcome = "aborted" if aborted else "error"
     else:
-        outcome, usage = "aborted", None
-    if usage is not None:
-        usage = usage.served_in(inv.geo)  # the endpoint's region (Vertex's)
+        outcome = "aborted"
     if external:
         reason = "external"
     elif outcome == "aborted":
         reason = (fault.aborted_reason if fault is not None else None) or (
             "deadline" if cut_by_deadline else None)
-    priced = (
-        inv.prices.price(inv.vendor, inv.operation.model, usage,
-                         dispatch.started_at)
-        if usage is not None else None
-    )
     charged = outcome == "ok" and priced is not None
     settle = AttemptSettle(
         invocation_id=inv.id,
@@ -323,7 +333,8 @@ async def settle(
                      fault.http_status if fault else None),
         error_code=fault.error_code if fault else None,
         usage=usage,
-        usage_approx=bool(fault and fault.usage_approx),
+        usage_approx=bool(fault.usage_approx if fault is not None else
+                          response is not None and response.usage_approx),
         cost_nanousd=priced.cost_nanousd if priced else None,
         fee_nanousd=priced.fee_nanousd if priced else None,
         charged=charged,
@@ -368,6 +379,20 @@ async def settle(
         # the settle's write: it stays queued, and observers pair every start.
         with anyio.CancelScope(shield=True):
             await _report(inv, settle, dispatch, response)
+    return fault
+
+
+def _past_limit(past: str, response: ProviderResponse | None,
+                fault: ProviderFault | None) -> ProviderFault:
+    """The fault of an attempt whose reported usage would take ``past`` (one of
+    the run's totals) beyond 2**63 - 1: the reply's ``invalid_response``."""
+    served = response if response is not None else fault
+    assert served is not None
+    return ProviderFault(
+        FaultKind.SERVER_ERROR,
+        f"the reply reports an impossible usage: it would take {past} past 2**63 - 1",
+        error_code="invalid_response", http_status=served.http_status,
+        request_id=served.request_id, response_id=served.response_id)
 
 
 def _delta(inv: Invocation, turn: int, attempt: int, ordinal: int) -> Callable[[str], None] | None:

@@ -80,7 +80,8 @@ class CallAttempts:
     """Output tokens summed over every attempt that reported usage."""
     usage_complete: bool
     """False when some attempt reported no usage, or only a floor of it (a cut
-    stream, ``usage_approx``): ``output_tokens`` is then a floor."""
+    stream, or cache writes whose lifetime the reply does not tell,
+    ``usage_approx``): ``output_tokens`` (or the cost) is then a floor."""
     structured_output: Literal["native", "prompt"]
     """The final attempt's mode: ``native`` (a forced tool call) or ``prompt``
     (a schema embedded in the prompt)."""

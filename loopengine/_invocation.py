@@ -29,9 +29,10 @@ from loopengine._clock import Clock
 from loopengine._errors import LoopEngineError
 from loopengine._features import Features
 from loopengine._operation import Operation
-from loopengine._pricing import PriceBook, nanousd_to_usd
+from loopengine._pricing import PriceBook, Priced, nanousd_to_usd
 from loopengine._result import AttemptsSummary
-from loopengine._usage import Usage
+from loopengine._usage import Usage, sum_past_limit
+from loopengine._validate import MAX_INTEGER
 from loopengine.events import Event, Observer, TextDelta
 from loopengine.guards._checkpoints import ConversationState, GuardTrip, check_before_attempt
 from loopengine.guards._credits import turn_credits
@@ -265,6 +266,37 @@ class Invocation:
     def attempts_in_turn(self, turn: int) -> int:
         """Attempts dispatched for ``turn`` so far."""
         return self.turn_attempts.get(turn, 0)
+
+    def past_limit(self, usage: Usage, priced: Priced | None, turn: int, *,
+                   charged: bool) -> str | None:
+        """What settling an attempt of ``turn`` that served ``usage`` (priced
+        ``priced``; ``charged``: a reply the run is charged for) would take past
+        2**63 - 1, the most a ledger column holds: one of the run's usage sums,
+        its cost in nano-USD, or its tree's credits (the turn's charge included).
+        None when every total stays within it."""
+        name = sum_past_limit(self.usage, usage)
+        if name is not None:
+            return f"the run's {name}"
+        if priced is None:
+            return None
+        if self.provider_cost_nanousd + priced.cost_nanousd > MAX_INTEGER:
+            return "the run's cost in nano-USD"
+        if charged:
+            rate, quantum = self.prices.credits_per_usd, self.prices.credit_quantum
+            root = self
+            while root.parent is not None:
+                root = root.parent
+            # A structured call keeps its turns' credits outside `credits` (0):
+            # its other turns' charges count them.
+            own = self.credits or sum(turn_credits(charge, rate, quantum)
+                                      for number, charge in self.turn_charge.items()
+                                      if number != turn)
+            tree = root.tree_credits - self.credits + own
+            credits = turn_credits(self.turn_charge.get(turn, 0) + priced.cost_nanousd,
+                                   rate, quantum)
+            if tree + credits > MAX_INTEGER:
+                return "the run's credits"
+        return None
 
     def turn_credits(self, turn: int) -> int:
         """The turn's charge in credits, rounded up to the quantum (R03)."""

@@ -218,10 +218,16 @@ class PriceBook:
 
     Args:
         prices: `ModelPrice` entries; a model they do not list is priced by
-            genai-prices.
+            genai-prices. One route's model has at most one entry per
+            ``effective_from``.
         credits_per_usd: Credits one USD buys.
         credit_quantum: Turn charges are rounded up to a multiple of this (>= 1).
         fallback: Use genai-prices for models the book does not list.
+
+    Raises:
+        ConfigError: an entry that is not a `ModelPrice`, two entries for one
+            provider and model from the same ``effective_from`` (``.field``
+            names the second), or a bad ``credits_per_usd`` / ``credit_quantum``.
     """
 
     def __init__(
@@ -233,10 +239,20 @@ class PriceBook:
         fallback: bool = True,
     ) -> None:
         self.prices: tuple[ModelPrice, ...] = tuple(_validate.items("prices", prices))
+        starts: dict[tuple[str, str, float], int] = {}
         for i, price in enumerate(self.prices):
             if not isinstance(price, ModelPrice):
                 raise ConfigError(f"prices[{i}]",
                                   f"must be a ModelPrice, got {_validate.shown(price)}")
+            # Two entries from one moment leave nothing to choose between them
+            # (the same instant in any timezone is the same start).
+            earlier = starts.setdefault((price.provider, price.model, _start(price)), i)
+            if earlier != i:
+                since = (price.effective_from.isoformat() if price.effective_from
+                         else "always (no effective_from)")
+                raise ConfigError(f"prices[{i}]",
+                                  f"{price.provider}/{price.model} from {since} is already "
+                                  f"priced by prices[{earlier}]")
         checked = _validate.decimal("credits_per_usd", credits_per_usd, positive=True)
         assert checked is not None
         self.credits_per_usd: Decimal = checked

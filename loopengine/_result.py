@@ -27,7 +27,8 @@ class AttemptsSummary:
     """Output tokens summed over the attempts that reported usage."""
     usage_complete: bool
     """False when some attempt reported no usage, or only a floor of it (a cut
-    stream, ``usage_approx``): ``output_tokens`` is then a floor."""
+    stream, or cache writes whose lifetime the reply does not tell,
+    ``usage_approx``): ``output_tokens`` (or the cost) is then a floor."""
     retained: int
     """Attempt rows the ledger kept (0 without a ledger)."""
     incomplete: bool

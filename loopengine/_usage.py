@@ -13,7 +13,7 @@ from typing import Final
 from loopengine import _validate
 from loopengine._errors import ConfigError
 
-__all__ = ["Usage", "UsageIteration"]
+__all__ = ["Usage", "UsageIteration", "sum_past_limit"]
 
 _TOKENS: Final = (
     "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
@@ -254,6 +254,15 @@ class Usage:
             _sum_tier(self.inference_geo, other.inference_geo),
             _sum_tier(self.speed, other.speed),
         )
+
+
+def sum_past_limit(a: Usage, b: Usage) -> str | None:
+    """The first count of ``a + b`` past `MAX_INTEGER` (2**63 - 1), which no
+    `Usage` holds and no ledger column stores, or None when the sum is a usage."""
+    for name in _COUNTS:
+        if getattr(a, name) + getattr(b, name) > _MAX_COUNT:
+            return name
+    return None
 
 
 def _sum_tier(a: str | None, b: str | None) -> str | None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from decimal import Decimal
+from fractions import Fraction
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loopengine import Limits, Outcome
 from loopengine.guards import (
@@ -145,6 +149,26 @@ def test_turn_credits_round_up_to_the_quantum() -> None:
     assert turn_credits(1_000_001, Decimal(1000), 1) == 2
     assert turn_credits(120_000, Decimal(1_000_000), 50) == 150
     assert turn_credits(150_000, Decimal(1_000_000), 50) == 150
+
+
+@settings(max_examples=300, deadline=None)
+@given(cost=st.integers(1, 2**63 - 1),
+       rate=st.decimals(min_value=Decimal("1e-20"), max_value=Decimal("9.99e15"),
+                        allow_nan=False, allow_infinity=False, places=None),
+       quantum=st.sampled_from([1, 7, 1000]))
+def test_turn_credits_are_the_exact_ceiling(cost: int, rate: Decimal, quantum: int) -> None:
+    """Whatever the digits of the rate and the size of the turn, the charge is
+    the exact cost in credits rounded up, never a credit short."""
+    exact = Fraction(cost, 10**9) * Fraction(rate)
+    assert turn_credits(cost, rate, quantum) == math.ceil(exact / quantum) * quantum
+
+
+def test_turn_credits_keep_a_fraction_past_28_digits() -> None:
+    """A turn of $9,000,000,001 at a rate a hair above one credit per USD is a
+    little over 9,000,000,001 credits: charged 9,000,000,002, where 28-digit
+    decimal arithmetic rounded the fraction away and charged a credit short."""
+    rate = Decimal("1.00000000000000000000000000001")
+    assert turn_credits(9_000_000_001 * 10**9, rate, 1) == 9_000_000_002
 
 
 def test_r04_a_write_not_confirmed_by_the_deadline_is_the_time_limit() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
 
@@ -37,6 +37,31 @@ def test_latest_effective_entry_wins_and_history_prices_old_attempts() -> None:
     assert march is not None and march.price_ref.startswith("book:anthropic/m@2025-01-01")
     assert book.price("anthropic", "m", usage, JUN).cost_nanousd == 3_000_000_000  # type: ignore[union-attr]
     assert book.price("anthropic", "other", usage, JUN) is None
+
+
+@pytest.mark.parametrize("first, second", [
+    (JAN, JAN),
+    (None, None),
+    # The same instant in another timezone is the same start.
+    (JUN, datetime(2025, 6, 1, 2, tzinfo=timezone(timedelta(hours=2)))),
+])
+def test_two_entries_from_one_moment_are_a_config_error(
+    first: datetime | None, second: datetime | None
+) -> None:
+    """Two entries for one model from the same effective_from leave nothing to
+    choose between them: refused, naming the second, the model and the date."""
+    with pytest.raises(le.ConfigError) as info:
+        le.PriceBook([price("1", since=first), price("9", since=datetime(2001, 1, 1, tzinfo=UTC)),
+                      price("2", since=second)])
+    assert info.value.field == "prices[2]"
+    assert "anthropic/m" in str(info.value) and "prices[0]" in str(info.value)
+    if first is not None:
+        assert first.isoformat()[:10] in str(info.value)
+    # Other models, other routes and other moments are distinct entries.
+    other = le.ModelPrice(provider="openai", model="m", input_per_mtok=1, output_per_mtok=1,
+                          effective_from=first)
+    le.PriceBook([price("1", since=first), other, price("2", since=datetime(2030, 1, 1,
+                                                                             tzinfo=UTC))])
 
 
 def test_cache_prices_default_sensibly() -> None:
@@ -194,3 +219,34 @@ def test_claude_models_take_the_fast_path(model: str) -> None:
     assert fast is not None
     assert fast == info.calc_price(_genai_usage(usage), provider,
                                    genai_request_timestamp=JUN).total_price
+
+
+@pytest.mark.parametrize(("vendor", "model"), [
+    ("anthropic", "claude-sonnet-4-5"),
+    ("aws-bedrock", "global.anthropic.claude-sonnet-4-5-20250929-v1:0"),
+    ("aws-bedrock", "us.anthropic.claude-sonnet-4-5-20250929-v1:0"),
+    ("google-vertex", "claude-sonnet-4-5@20250929"),
+    ("google-vertex", "gemini-2.5-pro"),
+    ("google", "gemini-2.5-flash"),
+    ("openai", "gpt-4o"),
+    ("azure", "gpt-4o"),
+])
+@pytest.mark.parametrize("usage", [
+    le.Usage(input_tokens=1000, output_tokens=500),
+    le.Usage(input_tokens=250_000, output_tokens=500, cache_read_tokens=10_000,
+             cache_write_tokens=5000, cache_write_1h_tokens=2000),
+])
+def test_every_route_is_priced_as_genai_prices_prices_it(vendor: str, model: str,
+                                                         usage: le.Usage) -> None:
+    """Each vendor a provider names (``aws-bedrock``, ``google-vertex``...) finds the
+    model genai-prices finds under its own provider id, at its total to the digit
+    (rounded up to a nano-dollar)."""
+    from loopengine._pricing import _GENAI_PROVIDER_IDS
+
+    at = datetime(2026, 1, 15, tzinfo=UTC)
+    ours = le.PriceBook().price(vendor, model, usage, at)
+    theirs = genai_prices.calc_price(_genai_usage(usage), model,
+                                     provider_id=_GENAI_PROVIDER_IDS.get(vendor, vendor),
+                                     genai_request_timestamp=at)
+    assert ours is not None and ours.cost_nanousd == to_nanousd(theirs.total_price)
+    assert ours.price_ref.endswith(f"{theirs.provider.id}/{theirs.model.id}")

@@ -714,6 +714,13 @@ async def test_a_run_on_an_account_with_the_longest_limits_completes(tmp_path: A
 
 
 
+def _cyclic() -> list[Any]:
+    """A list that holds itself: no query string can be written of it."""
+    looped: list[Any] = []
+    looped.append(looped)
+    return looped
+
+
 def _provider(name: str, **kwargs: Any) -> Any:
     from loopengine.providers import AnthropicProvider, GeminiProvider, OpenAIProvider
 
@@ -727,7 +734,10 @@ def _provider(name: str, **kwargs: Any) -> Any:
 
 _SHARED_KEYWORDS = [("api_kye", "k"), ("base_url", 3), ("http_client", 3), ("timeout", "5"),
                     ("api_key", 3), ("api_key", ""), ("default_headers", ["x"]),
-                    ("default_query", {1: "x"})]
+                    ("default_query", {1: "x"}), ("default_headers", {"x-team": 7}),
+                    ("default_headers", {"x-team": None}), ("default_headers", {"x-team": b"a"}),
+                    ("default_query", {"team": object()}), ("default_query", {"team": [{1: "x"}]}),
+                    ("default_query", {"team": _cyclic()})]
 
 
 @pytest.mark.parametrize(("provider", "keyword", "bad"), [

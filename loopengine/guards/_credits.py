@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from decimal import ROUND_CEILING, Decimal
+from decimal import Decimal
 
 __all__ = ["turn_credits"]
 
-_NANO = Decimal(1_000_000_000)
+_NANO = 1_000_000_000
 
 
 def turn_credits(cost_nanousd: int, credits_per_usd: Decimal, credit_quantum: int) -> int:
@@ -22,6 +22,9 @@ def turn_credits(cost_nanousd: int, credits_per_usd: Decimal, credit_quantum: in
     """
     if cost_nanousd <= 0:
         return 0
-    credits = Decimal(cost_nanousd) / _NANO * credits_per_usd
-    quanta = (credits / credit_quantum).to_integral_value(rounding=ROUND_CEILING)
-    return int(quanta) * credit_quantum
+    # In integers, exactly: `decimal` arithmetic rounds a product past its
+    # context's 28 digits (half-even), which can drop the fraction the
+    # ceiling must see (a rate of many digits on a large turn).
+    numerator, denominator = credits_per_usd.as_integer_ratio()
+    quanta = -(-cost_nanousd * numerator // (denominator * _NANO * credit_quantum))
+    return quanta * credit_quantum

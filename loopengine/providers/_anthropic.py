@@ -78,7 +78,7 @@ from loopengine.providers._base import (
     text_or_none,
     token_count,
 )
-from loopengine.providers._cache import place_cache_markers
+from loopengine.providers._cache import marker_lifetimes, place_cache_markers
 from loopengine.providers._faults import (
     BILLING_REASONS,
     STATUS_KINDS,
@@ -476,6 +476,30 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         ``anthropic``, ``aws-bedrock``, ``google-vertex`` or ``foundry``."""
         return _PLATFORM_FEATURES.get(self._vendor, _ALL_FEATURES)
 
+    def check_request(self, request: ProviderRequest) -> None:
+        """Before an attempt is recorded: refuse a request the Messages API refuses.
+
+        A thinking ``budget_tokens`` must be below the request's ``max_tokens``
+        (unless an ``interleaved-thinking`` beta is on, where the budget spans
+        the whole turn): the API answers such a request with a 400 every time.
+
+        Raises:
+            ProviderFault: ``bad_request``, ``error_code``
+                ``invalid_request_error``: nothing is recorded or sent.
+        """
+        thinking = request.features.thinking
+        if thinking is None or thinking.budget_tokens is None:
+            return
+        if thinking.budget_tokens < request.max_tokens or any(
+                beta.startswith("interleaved-thinking") for beta in request.features.betas):
+            return
+        raise ProviderFault(
+            FaultKind.BAD_REQUEST,
+            f"thinking budget_tokens ({thinking.budget_tokens}) must be below max_tokens "
+            f"({request.max_tokens}), as the Messages API requires: publish a "
+            "max_output_tokens above the budget, or a lower budget",
+            error_code="invalid_request_error")
+
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         # The SDK's stream() call asks for the stream itself.
         features = request.features
@@ -520,10 +544,16 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             client.messages.with_streaming_response.create, params, what="a message",
             valid=lambda body: isinstance(body.get("content"), list), classify=classify_error,
             failures=lambda: _FAILURES, request_id_of=_request_id)
+        raw = body.get("usage")
+        approx = False
+        if isinstance(raw, Mapping):
+            raw = dict(raw)
+            approx = _split_writes(raw, _lifetimes(params))
         return ProviderResponse(
             content=body["content"],
             stop_reason=body.get("stop_reason"),
-            usage=usage_from_api(body.get("usage"), model=text_or_none(body.get("model"))),
+            usage=usage_from_api(raw, model=text_or_none(body.get("model"))),
+            usage_approx=approx,
             response_id=text_or_none(body.get("id")),
             request_id=request_id,
             http_status=status,
@@ -539,6 +569,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         except _FAILURES as error:
             raise classify_error(error) from error
         request_id = _request_id(stream.response.headers)
+        lifetimes = _lifetimes(params)
         seen: set[str] = set()
         late: dict[str, Any] = {}
         inputs: dict[int, list[str]] = {}
@@ -560,7 +591,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         def arrived() -> dict[str, Any]:
             # What a stream that broke had served: its usage (a floor) and its id.
             snapshot = served()
-            return {"usage": _snapshot_usage(snapshot, late),
+            return {"usage": _snapshot_usage(snapshot, late, lifetimes)[0],
                     "response_id": snapshot.id if snapshot is not None else None}
 
         def cut(message: str, reason: str | None) -> ProviderFault:
@@ -577,15 +608,23 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             missing=lambda: None if "message_stop" in seen else "message_stop")
         snapshot = served()
         assert snapshot is not None
+        usage, approx = _snapshot_usage(snapshot, late, lifetimes)
         return ProviderResponse(
             content=_with_inputs([block.to_dict() for block in snapshot.content], inputs),
             stop_reason=snapshot.stop_reason,
-            usage=_snapshot_usage(snapshot, late),
+            usage=usage,
+            usage_approx=approx,
             response_id=snapshot.id,
             request_id=request_id,
             http_status=stream.response.status_code,
             model=snapshot.model,
         )
+
+
+def _lifetimes(params: Mapping[str, Any]) -> frozenset[str]:
+    """The lifetimes of the cache markers a request carries (`marker_lifetimes`)."""
+    return marker_lifetimes(system=params.get("system"), tools=params.get("tools", []),
+                            messages=params["messages"])
 
 
 # The blocks whose streamed ``input`` the SDK's accumulator fills itself; the
@@ -606,18 +645,52 @@ def _with_inputs(content: list[dict[str, Any]],
     return content
 
 
-def _snapshot_usage(snapshot: Any, late: Mapping[str, Any] | None = None) -> Usage | None:
-    """The usage of a streamed message so far. ``late`` is the last
-    ``message_delta``'s usage: the SDK's accumulator folds its counts into the
-    snapshot but drops what it does not model (``iterations``), so keys the
-    snapshot lacks are taken from it."""
+def _snapshot_usage(snapshot: Any, late: Mapping[str, Any],
+                    lifetimes: frozenset[str]) -> tuple[Usage | None, bool]:
+    """The usage of a streamed message so far, and whether it is a floor of the
+    bill. ``late`` is the last ``message_delta``'s usage: the SDK's accumulator
+    folds its counts into the snapshot but drops what it does not model
+    (``iterations``), so keys the snapshot lacks are taken from it.
+
+    The split of the cache writes by lifetime (``cache_creation``) comes only
+    with ``message_start``; a ``message_delta`` has the cumulative
+    ``cache_creation_input_tokens`` alone, which a server tool loop (more than
+    one sampling pass) makes larger: `_split_writes` gives the writes past
+    the split the lifetime of the request's markers (``lifetimes``)."""
     if snapshot is None or getattr(snapshot, "usage", None) is None:
-        return None
+        return None, False
     raw = snapshot.usage.to_dict()
-    for key, value in (late or {}).items():
+    for key, value in late.items():
         if raw.get(key) is None:
             raw[key] = value
-    return usage_from_api(raw, model=snapshot.model)
+    approx = _split_writes(raw, lifetimes)
+    return usage_from_api(raw, model=snapshot.model), approx
+
+
+def _split_writes(raw: dict[str, Any], lifetimes: frozenset[str]) -> bool:
+    """Give the cache writes of a ``usage`` (``raw``, changed in place) that its
+    ``cache_creation`` split leaves out (a stream's ``message_delta`` counts
+    more; a reply may have no split) the lifetime of the request's markers
+    (``lifetimes``): all of them one hour when every marker was, five minutes
+    (`_tokens`' default) otherwise. True when the markers had both lifetimes:
+    those writes' split is unknown, they are counted at the cheaper
+    five-minute rate, and the usage is a floor of the bill. A reply with
+    ``iterations`` is left alone: each iteration has its own split."""
+    written = raw.get("cache_creation_input_tokens")
+    if raw.get("iterations") or type(written) is not int:
+        return False
+    creation = raw.get("cache_creation")
+    creation = creation if isinstance(creation, Mapping) else {}
+    short, long = (creation.get(f"ephemeral_{ttl}_input_tokens") for ttl in ("5m", "1h"))
+    short = short if type(short) is int else 0
+    long = long if type(long) is int else 0
+    if written <= short + long:
+        return False
+    if lifetimes == {"1h"}:
+        raw["cache_creation"] = {**creation, "ephemeral_5m_input_tokens": short,
+                                 "ephemeral_1h_input_tokens": written - short}
+        return False
+    return "1h" in lifetimes
 
 
 class _Tokens(TypedDict):

@@ -98,6 +98,11 @@ class ProviderResponse:
     """The HTTP status of the response, when there is one."""
     model: str | None = None
     """The model the provider says served the request."""
+    usage_approx: bool = False
+    """True when ``usage`` is a floor of what the provider bills: a part the reply
+    does not detail was counted at its cheapest rate (a stream's cache writes
+    of mixed lifetimes that outgrew the split it reported). The ledger flags
+    the attempt as it flags a cut stream's usage (``usage_approx``)."""
 
 
 @runtime_checkable

@@ -4,7 +4,9 @@ Anthropic accepts at most four ``cache_control`` markers on one request. The
 policy asks for markers on the system prompt, the tool definitions and the
 newest message; the caller may have marked blocks of their own (content
 blocks, tool definitions, system blocks, and nested blocks: those inside a
-``tool_result`` or a search result, a document's own text blocks). A
+``tool_result`` or a search result, a document's own text blocks, the
+document of a web fetch result, the tool references of a tool search
+result). A
 ``cache_control`` of None is no marker. When more than four are asked for,
 markers are kept in this priority and the rest are dropped:
 
@@ -76,8 +78,18 @@ class CachePolicy:
 
 Path = tuple[Any, ...]
 """Where a block sits inside one message: its index in the content, then, for
-each level down, the keys to the nested list and the index in it, e.g.
-``(2, "content", 0)`` for the first block inside the third block's content."""
+each level down, the key of the nested block or list and, in a list, the
+index, e.g. ``(2, "content", 0)`` for the first block inside the third
+block's content, ``(1, "content", "content")`` for a web fetch result's
+document."""
+
+# The fields through which a block holds other blocks (`_children`): a
+# tool_result's, search result's or MCP result's ``content`` list, a
+# document's ``source`` (whose ``content`` lists its blocks), a web fetch
+# result's ``content`` (a web_fetch_result, whose ``content`` is a document),
+# a tool search result's ``content`` and its ``tool_references``. Never a tool
+# call's ``input``: that is the model's data, whatever keys it has.
+_NESTING = ("content", "source", "tool_references")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,69 +101,68 @@ class _Slot:
     path: Path = ()
 
 
-def _children(block: Mapping[str, Any]) -> Iterator[tuple[tuple[str, ...], list[Any]]]:
-    """The lists of blocks inside ``block``: a ``tool_result``'s (or a search
-    result's) ``content``, and a document's ``source.content``."""
-    content = block.get("content")
-    if isinstance(content, list):
-        yield ("content",), content
-    source = block.get("source")
-    if isinstance(source, Mapping) and isinstance(source.get("content"), list):
-        yield ("source", "content"), source["content"]
+def _children(block: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The fields of ``block`` holding blocks (`_NESTING`): a list of blocks, or
+    one block (a mapping)."""
+    for key in _NESTING:
+        inner = block.get(key)
+        if isinstance(inner, list | Mapping):
+            yield key, inner
 
 
 def _walk(blocks: Sequence[Any], prefix: Path = ()) -> Iterator[tuple[Path, Mapping[str, Any]]]:
     """Every block, nested ones included, in prompt order: a block comes after the
     blocks inside it (its end is where a marker on it closes the prefix)."""
     for j, block in enumerate(blocks):
-        if not isinstance(block, Mapping):
-            continue
-        for keys, inner in _children(block):
-            yield from _walk(inner, (*prefix, j, *keys))
-        yield (*prefix, j), block
+        if isinstance(block, Mapping):
+            yield from _block((*prefix, j), block)
+
+
+def _block(path: Path, block: Mapping[str, Any]) -> Iterator[tuple[Path, Mapping[str, Any]]]:
+    """``block`` (at ``path``) after the blocks nested in it."""
+    for key, inner in _children(block):
+        if isinstance(inner, list):
+            yield from _walk(inner, (*path, key))
+        else:
+            yield from _block((*path, key), inner)
+    yield path, block
 
 
 def _has_marker(blocks: Sequence[Any]) -> bool:
     """Whether any block, nested ones included, has a ``cache_control`` key."""
-    # `_children`, unrolled, with plain dicts checked first: this runs over
-    # every block of every request.
+    # Plain dicts checked first: this runs over every block of every request.
     for block in blocks:
-        if type(block) is not dict and not isinstance(block, Mapping):
+        if (type(block) is dict or isinstance(block, Mapping)) and _marked(block):
+            return True
+    return False
+
+
+def _marked(block: Mapping[str, Any]) -> bool:
+    """Whether ``block`` or a block nested in it has a ``cache_control`` key."""
+    if "cache_control" in block:
+        return True
+    for key in _NESTING:
+        inner = block.get(key)
+        if inner is None or type(inner) is str:
             continue
-        if "cache_control" in block:
-            return True
-        inner = block.get("content")
-        if type(inner) is list and _has_marker(inner):
-            return True
-        source = block.get("source")
-        if source is not None and isinstance(source, Mapping):
-            inner = source.get("content")
-            if isinstance(inner, list) and _has_marker(inner):
+        if isinstance(inner, list):
+            if _has_marker(inner):
                 return True
+        elif isinstance(inner, Mapping) and _marked(inner):
+            return True
     return False
 
 
 def _edit(blocks: list[Any], path: Path) -> dict[str, Any]:
     """The block at ``path``, copied (with every list and block above it) so that
     changing it leaves the caller's objects alone."""
-    index, rest = path[0], path[1:]
-    node = dict(blocks[index])
-    blocks[index] = node
-    while rest:
-        keys: list[str] = []
-        while not isinstance(rest[0], int):
-            keys.append(rest[0])
-            rest = rest[1:]
-        parent = node
-        for key in keys[:-1]:
-            child = dict(parent[key])
-            parent[key] = child
-            parent = child
-        inner = list(parent[keys[-1]])
-        parent[keys[-1]] = inner
-        index, rest = rest[0], rest[1:]
-        node = dict(inner[index])
-        inner[index] = node
+    node: Any = blocks
+    for step in path:
+        child = node[step]
+        child = list(child) if isinstance(child, list) else dict(child)
+        node[step] = child
+        node = child
+    assert isinstance(node, dict)
     return node
 
 
@@ -278,6 +289,18 @@ def cache_markers(
             found += [block["cache_control"] for _, block in _walk(content)
                       if block.get("cache_control") is not None]
     return found
+
+
+def marker_lifetimes(
+    *,
+    system: Sequence[Mapping[str, Any]] | str | None,
+    tools: Sequence[Mapping[str, Any]],
+    messages: Sequence[Mapping[str, Any]],
+) -> frozenset[str]:
+    """The lifetimes (``5m``, ``1h``) of a request body's ``cache_control`` markers:
+    what its cache writes can have been."""
+    return frozenset(_ttl(marker) for marker in
+                     cache_markers(system=system, tools=tools, messages=messages))
 
 
 def cache_marker_problem(body: Any) -> str | None:

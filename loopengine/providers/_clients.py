@@ -16,7 +16,9 @@ that sends only (`BoundClient`); on another loop, its ``check_ready`` (and
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -346,7 +348,9 @@ def client_keywords(build: Callable[..., object], client_kwargs: Mapping[str, An
     ``base_url`` (a non-empty string or an ``httpx2.URL``, or None),
     ``http_client`` (an ``httpx2.AsyncClient``, or None), ``timeout`` (seconds,
     an ``httpx2.Timeout``, or None) and ``default_headers`` / ``default_query``
-    (mappings with string keys). The SDK checks the rest when it builds.
+    (mappings with string keys; header values strings, query values what the
+    SDK's query string takes: `_mapping_values`). The SDK checks the rest when
+    it builds.
 
     Raises:
         ConfigError: a keyword ``build`` does not take, or one of the above of
@@ -381,6 +385,48 @@ def client_keywords(build: Callable[..., object], client_kwargs: Mapping[str, An
                                                          for name in value):
                 raise ConfigError(key, "must be a mapping with string keys, got "
                                        f"{_validate.shown(value)}")
+            _mapping_values(build, key, value)
+
+
+def _mapping_values(build: Callable[..., object], key: str, value: Mapping[str, Any]) -> None:
+    """Check the values of ``default_headers`` (strings, or the SDK's ``Omit()``,
+    which removes a header the client would send) or ``default_query`` (what
+    the SDK writes into a query string: strings, numbers, booleans, None
+    (left out), dates, and lists, tuples and string-keyed mappings of them).
+    Anything else the SDK would fail on at each request (a header that is not
+    a string), or send as its ``repr`` (a query value it does not know).
+
+    Raises:
+        ConfigError: ``.field`` ``key``; the message names the entry.
+    """
+    if key == "default_headers":
+        omit = getattr(importlib.import_module(build.__module__.partition(".")[0]), "Omit", None)
+        for name, header in value.items():
+            if not isinstance(header, str) and not (omit is not None and isinstance(header, omit)):
+                raise ConfigError(key, f"header {name!r} must be a string (or the SDK's "
+                                       f"Omit() to remove it), got {_validate.shown(header)}")
+        return
+    for name, item in value.items():
+        if not _query_value(item):
+            raise ConfigError(key, f"parameter {name!r} must be a string, a number, a "
+                                   "boolean, None, a date, or a list or string-keyed mapping "
+                                   f"of those, got {_validate.shown(item)}")
+
+
+def _query_value(value: object, depth: int = 0) -> bool:
+    """True when the SDK's query string writes ``value`` as a value (nested no
+    deeper than any query needs: a list that holds itself is refused, not a
+    RecursionError)."""
+    if value is None or isinstance(value, str | int | float | datetime.date):
+        return True
+    if depth >= 16:
+        return False
+    if isinstance(value, list | tuple):
+        return all(_query_value(item, depth + 1) for item in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(name, str) and _query_value(item, depth + 1)
+                   for name, item in value.items())
+    return False
 
 
 @functools.cache

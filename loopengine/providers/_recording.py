@@ -42,7 +42,8 @@ VERSION = 1
 
 _FAULT_FIELDS = ("http_status", "error_code", "retry_after", "should_retry", "request_id",
                  "response_id", "usage_approx", "aborted_reason")
-_RESPONSE_FIELDS = ("stop_reason", "response_id", "request_id", "http_status", "model")
+_RESPONSE_FIELDS = ("stop_reason", "response_id", "request_id", "http_status", "model",
+                    "usage_approx")
 
 
 def request_body(request: ProviderRequest) -> dict[str, Any]:
@@ -246,7 +247,8 @@ class ReplayProvider:
         return ProviderResponse(
             content=recorded["content"],
             usage=Usage(**usage) if usage else None,
-            **{name: recorded[name] for name in _RESPONSE_FIELDS},
+            # A recording made before a field existed holds its default.
+            **{name: recorded[name] for name in _RESPONSE_FIELDS if name in recorded},
         )
 
 

@@ -120,6 +120,21 @@ def test_without_any_key_the_provider_is_refused_when_built() -> None:
     assert info.value.field == "api_key"
 
 
+async def test_header_and_query_values_the_sdk_sends_are_accepted(wire: Harness) -> None:
+    """A header the SDK's ``Omit()`` removes, and query values its query string
+    writes (numbers, booleans, lists), are taken and reach the wire as the SDK
+    sends them; a value it cannot send is refused when the provider is built
+    (tests/test_public_api_robust.py)."""
+    provider = wire.provider(default_headers={"x-team": "blue", "x-stainless-os": anthropic.Omit()},
+                             default_query={"page": 2, "beta": True, "ids": [1, 2]})
+    wire.server.add(Reply.text("ok"))
+    await provider.send(request())
+    (sent,) = wire.requests
+    assert sent.headers["x-team"] == "blue" and "x-stainless-os" not in sent.headers
+    assert sent.path.startswith("/v1/messages?") and "page=2" in sent.path
+    assert "beta=true" in sent.path
+
+
 @pytest.mark.usefixtures("no_anthropic_credentials")
 def test_a_key_from_any_source_the_sdk_reads_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     """A token, a key header of the caller's, or a key in the environment will do."""

@@ -33,7 +33,8 @@ async def test_a_run_narrows_the_published_features(wire: Harness, stream: bool)
     beta: the request carries exactly the narrowed features."""
     engine, _ = wire.engine(Reply.text("ok"), stream=stream)
     published = research(thinking=le.Thinking(budget_tokens=4096), server_tools=(SEARCH, FETCH),
-                         betas=("compact-2026-01-12", "other-2026-01-01"))
+                         betas=("compact-2026-01-12", "other-2026-01-01"),
+                         max_output_tokens=8192)
     narrowed = {
         "server_tools": (le.ServerTool(type="web_search_20250305", name="web_search",
                                        max_uses=2, params={"allowed_domains": ["example.com"]}),),
@@ -48,6 +49,31 @@ async def test_a_run_narrows_the_published_features(wire: Harness, stream: bool)
     assert body["thinking"] == {"type": "enabled", "budget_tokens": 1024}
     assert wire.requests[0].headers["anthropic-beta"] == "other-2026-01-01"
     assert "context_management" not in body
+
+
+@pytest.mark.parametrize(("budget", "max_tokens", "betas", "sent"), [
+    (1024, 1024, (), False),
+    (4096, 2048, (), False),
+    (1024, 1025, (), True),
+    (4096, 2048, ("interleaved-thinking-2025-05-14",), True),
+])
+async def test_a_thinking_budget_the_api_refuses_is_never_sent(
+    wire: Harness, budget: int, max_tokens: int, betas: tuple[str, ...], sent: bool
+) -> None:
+    """The Messages API refuses a budget_tokens not below max_tokens (unless the
+    interleaved-thinking beta spans it over the turn): such a run ends
+    provider_error saying so, with nothing recorded or sent."""
+    engine, ledger = wire.engine(Reply.text("ok"))
+    operation = research(thinking=le.Thinking(budget_tokens=budget), betas=betas,
+                         max_output_tokens=max_tokens)
+    result = await engine.run(operation, "go")
+    if sent:
+        assert result.outcome is le.Outcome.COMPLETED and len(wire.requests) == 1
+        return
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert result.fault is not None and "must be below max_tokens" in str(result.fault)
+    assert wire.requests == [] and result.attempt_log == ()
+    assert not ledger.attempts
 
 
 async def test_adaptive_thinking_sends_its_effort(wire: Harness) -> None:

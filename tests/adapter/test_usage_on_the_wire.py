@@ -150,7 +150,7 @@ async def test_web_search_thinking_and_compaction_are_billed_to_the_nano_dollar(
 
     published = le.Operation(
         name="research", provider="anthropic", model="claude-sonnet-4-6",
-        thinking=le.Thinking(budget_tokens=2048),
+        max_output_tokens=4096, thinking=le.Thinking(budget_tokens=2048),
         server_tools=(le.ServerTool(type="web_search_20250305", name="web_search",
                                     max_uses=10),),
         betas=("compact-2026-01-12",),
