@@ -26,6 +26,11 @@ What a call's result becomes (docs/tools.md):
   hanging, so the next call opens a new one too, while calls still running on
   the old session finish there.
 
+A server that announces changes to its tool list (``tools.listChanged``) is
+listed again when it says they changed; a run given the `MCPServer` itself
+(a `loopengine._tools.ToolSource`) in its ``tools`` reads them before each
+turn and each batch, so it offers and answers with the tools as they are.
+
 One `MCPServer` serves any number of concurrent runs over one session.
 """
 
@@ -44,7 +49,7 @@ import anyio.abc
 
 from loopengine import _validate
 from loopengine._errors import ConfigError, MCPServerError, MCPToolError
-from loopengine._tools import Tool, check_tool_name
+from loopengine._tools import Tool, ToolSource, check_tool_name
 
 try:
     import httpx2
@@ -52,6 +57,8 @@ try:
     from mcp import Client, MCPError, StdioServerParameters
     from mcp.client.stdio import stdio_client
     from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared.subscriptions import ToolsListChanged
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS as _MODERN
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "loopengine.mcp needs the official MCP SDK: pip install 'loopengine-core[mcp]'"
@@ -150,6 +157,10 @@ class _Session:
         self.scope = anyio.CancelScope()
         self.users = 0
         self.retired = False
+        self.group: anyio.abc.TaskGroup | None = None
+        """Runs the session's own tasks: its change subscription, a new listing."""
+        self.listening = False
+        """Whether a ``subscriptions/listen`` stream brings the tool list's changes."""
 
     def retire(self) -> None:
         self.retired = True
@@ -157,7 +168,7 @@ class _Session:
             self.stop.set()
 
 
-class MCPServer:
+class MCPServer(ToolSource):
     """An MCP server's tools, as `Tool` objects for `Engine.run`.
 
     Build one with `MCPServer.stdio` or `MCPServer.http`; ``async with
@@ -236,6 +247,12 @@ class MCPServer:
         self._sessions: set[_Session] = set()
         """Every session not yet closed: the current one and retired ones still in use."""
         self._lock = anyio.Lock()
+        self._listing: anyio.Event | None = None
+        """Set once the tools are listed again, while a change is being read."""
+        self._relist = False
+        """A change was heard of that no listing under way has read yet."""
+        self._opened = 0
+        """Sessions opened so far: a new one after the first lists the tools again."""
 
     @classmethod
     def stdio(
@@ -328,10 +345,28 @@ class MCPServer:
 
     @property
     def tools(self) -> tuple[Tool, ...]:
-        """The server's tools (inside ``async with server:``)."""
+        """The server's tools (inside ``async with server:``), as last listed: a
+        server that announces changes to its tool list is listed again when it
+        says it changed (and when a new session is opened)."""
         if self._tools is None:
             raise RuntimeError(f"{self!r}: use the tools inside `async with server:`")
         return self._tools
+
+    async def current_tools(self) -> tuple[Tool, ...]:
+        """The server's tools now: when the server said its tools changed and they
+        are being listed again, waits for that (at most ``connect_timeout``;
+        past it, the tools as last listed)."""
+        listing = self._listing
+        if listing is not None:
+            with anyio.move_on_after(self.connect_timeout):
+                await listing.wait()
+        return self.tools
+
+    def offers(self, name: str) -> bool:
+        """Whether a tool of this name (with the prefix) may be one of the server's."""
+        if not name.startswith(self.prefix):
+            return False
+        return self.allow is None or name[len(self.prefix):] in self.allow
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -407,12 +442,29 @@ class MCPServer:
 
     async def _hold(self, session: _Session) -> None:
         """Hold one session open until it is stopped (runs in the server's task group)."""
+
+        async def heard(message: object) -> None:
+            # A handshake-era server announces a change on the session itself;
+            # a 2026 one on the listen stream (`_listen`), teed here too.
+            if isinstance(message, mcp_types.ToolListChangedNotification) \
+                    and not session.listening:
+                self._tools_changed(session)
+
         try:
             with session.scope:
-                async with Client(self._transport(), cache=None) as client:
-                    session.client = client
+                async with Client(self._transport(), cache=None,
+                                  message_handler=heard) as client, \
+                        anyio.create_task_group() as group:
+                    session.client, session.group = client, group
+                    if _announces_changes(client):
+                        # Subscribed before the tools are listed: no change is missed.
+                        await group.start(self._listen, session, client)
                     session.ready.set()
+                    self._opened += 1
+                    if self._opened > 1:
+                        self._tools_changed(session)  # a new process may have others
                     await session.stop.wait()
+                    group.cancel_scope.cancel()
         except Exception as error:
             # Never let a failing connection reach the task group: it would
             # cancel the caller's `async with server:` block.
@@ -428,6 +480,64 @@ class MCPServer:
             if session.error is None and session.client is None:
                 session.error = MCPServerError("the connection was cancelled")
             session.ready.set()
+
+    async def _listen(self, session: _Session, client: Client, *,
+                      task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+                      ) -> None:
+        """Hear of the tool list's changes on a ``subscriptions/listen`` stream (the
+        2026 protocol), until the session ends."""
+        started = False
+        try:
+            async with client.listen(tools_list_changed=True) as subscription:
+                session.listening = True
+                task_status.started()
+                started = True
+                async for event in subscription:
+                    if isinstance(event, ToolsListChanged):
+                        self._tools_changed(session)
+        except Exception as error:
+            logger.info("MCP server %s: its tool list's changes are not heard of: %s",
+                        self.label, _describe(error))
+        finally:
+            session.listening = False
+            if not started:
+                task_status.started()
+
+    def _tools_changed(self, session: _Session) -> None:
+        """The server said its tools changed: list them again (one listing at a
+        time; a change heard of during one is read by another)."""
+        if session is not self._session or session.group is None or self._group is None:
+            return  # an old session's news: the current one's listing counts
+        self._relist = True
+        if self._listing is None:
+            self._listing = anyio.Event()
+            session.group.start_soon(self._list_again, session)
+
+    async def _list_again(self, session: _Session) -> None:
+        """List the tools again while a change waits to be read; a listing that
+        fails keeps the tools as they were."""
+        try:
+            while self._relist and session is self._session:
+                self._relist = False
+                assert session.client is not None
+                try:
+                    with anyio.fail_after(self.connect_timeout):
+                        listed = await _list_tools(session.client)
+                except Exception as error:
+                    logger.warning("MCP server %s: its tools changed, but listing them "
+                                   "again failed (%s); they stay as they were", self.label,
+                                   _describe(error))
+                    continue
+                if self._group is not None:
+                    self._tools = self._build_tools(listed, strict=False)
+                    logger.info("MCP server %s: its tools are now %s", self.label,
+                                ", ".join(t.name for t in self._tools) or "none")
+        finally:
+            listing, self._listing = self._listing, None
+            if listing is not None:
+                listing.set()
+            if self._relist and self._session is not None and self._session is not session:
+                self._tools_changed(self._session)  # heard of on the session that replaced it
 
     async def _current(self) -> _Session:
         """The session a call should use, connected; a new one if the last was lost."""
@@ -446,29 +556,41 @@ class MCPServer:
 
     # -- tools --------------------------------------------------------------------------
 
-    def _build_tools(self, listed: Sequence[mcp_types.Tool]) -> tuple[Tool, ...]:
+    def _build_tools(self, listed: Sequence[mcp_types.Tool], *,
+                     strict: bool = True) -> tuple[Tool, ...]:
+        """The listed tools as `Tool` objects. ``strict`` (the first listing, at
+        ``async with``): a setting naming a tool the server lacks, or a tool
+        that cannot be one, is a `ConfigError`. A later listing (the tools
+        changed) leaves such a tool out, saying so in the log: the server may
+        drop a tool it had, and a run using the tools goes on."""
         names = {item.name for item in listed}
         for field, named in (("allow", self.allow or frozenset()),
                              ("approval", _named(self.approval)),
                              ("idempotent", _named(self.idempotent))):
-            if not named <= names:
+            if strict and not named <= names:
                 missing = ", ".join(sorted(named - names))
                 raise ConfigError(field, f"MCP server {self.label} has no tool {missing} "
                                          f"(it has: {', '.join(sorted(names)) or 'none'})")
-        tools = []
+        tools: dict[str, Tool] = {}
         for item in listed:
             if self.allow is not None and item.name not in self.allow:
                 continue
             name = self.prefix + item.name
             try:
-                tools.append(Tool(name, item.description or "", dict(item.input_schema),
-                                  self._handler(item.name), timeout=self.timeout,
-                                  approval=_setting_for(self.approval, item.name),
-                                  idempotent=_setting_for(self.idempotent, item.name)))
+                if name in tools:
+                    raise ConfigError("name", f"the server lists two tools named {item.name!r}")
+                tools[name] = Tool(name, item.description or "", dict(item.input_schema),
+                                   self._handler(item.name), timeout=self.timeout,
+                                   approval=_setting_for(self.approval, item.name),
+                                   idempotent=_setting_for(self.idempotent, item.name))
             except ConfigError as error:
-                raise ConfigError(error.field, f"MCP server {self.label}, tool {item.name!r}: "
-                                  f"{error}; leave it out with allow=") from None
-        return tuple(tools)
+                if strict:
+                    raise ConfigError(error.field, f"MCP server {self.label}, tool "
+                                      f"{item.name!r}: {error}; leave it out with allow=") \
+                        from None
+                logger.warning("MCP server %s: its tool %r is left out: %s", self.label,
+                               item.name, error)
+        return tuple(tools.values())
 
     def _handler(self, name: str) -> Callable[[dict[str, Any]], Any]:
         async def call(arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
@@ -522,6 +644,15 @@ async def _http_transport(url: str, headers: dict[str, str]) -> AsyncIterator[An
     async with httpx2.AsyncClient(headers=headers, timeout=timeout) as http, \
             streamable_http_client(url, http_client=http) as streams:
         yield streams
+
+
+def _announces_changes(client: Client) -> bool:
+    """Whether the server says it announces changes to its tool list and the
+    session hears of them on a ``subscriptions/listen`` stream (the 2026
+    protocol; a handshake-era server sends them on the session unasked)."""
+    tools = client.server_capabilities.tools
+    return bool(tools is not None and tools.list_changed
+                and client.protocol_version in _MODERN)
 
 
 async def _list_tools(client: Client) -> list[mcp_types.Tool]:

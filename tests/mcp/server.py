@@ -1,6 +1,7 @@
 """An MCP server built with the ``mcp`` SDK's own `MCPServer` class, for the tests.
 
-Run as ``python server.py stdio``, ``python server.py http [PORT]`` (prints
+Run as ``python server.py stdio``, ``python server.py legacy`` (stdio, the
+2025 handshake era only), ``python server.py http [PORT]`` (prints
 the port it listens on, 127.0.0.1, then serves ``/mcp``) or ``python
 server.py exit`` (a server that exits before it answers anything) or ``python
 server.py mute`` (one that runs but never answers).
@@ -14,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 import anyio
 import mcp_types
@@ -26,7 +28,52 @@ PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
 )
 
-server = MCPServer("loopengine-test")
+class Server(MCPServer):
+    """The SDK's server, telling a waiting tool when a client lists the tools."""
+
+    listed: anyio.Event | None = None
+
+    async def list_tools(self) -> list[mcp_types.Tool]:
+        tools = await super().list_tools()
+        if self.listed is not None:
+            self.listed.set()
+        return tools
+
+
+server = Server("loopengine-test")
+
+
+def _added(name: str) -> Callable[[str], str]:
+    def added(text: str) -> str:
+        return f"{name} heard {text}"
+
+    return added
+
+
+@server.tool()
+async def change(ctx: Context, add: str = "", drop: str = "", require: str = "") -> str:
+    """Change this server's tools: add a tool named ``add`` (input ``text``), drop the
+    tool ``drop``, and make ``echo`` require the property ``require`` too; announce
+    the change, and answer once the client has listed the tools again."""
+    if add:
+        server.add_tool(_added(add), name=add, description=f"The {add} tool.")
+    if drop:
+        server.remove_tool(drop)
+    if require:
+        server.remove_tool("echo")
+
+        def echo(text: str, extra: str) -> str:
+            return text + extra
+
+        server.add_tool(echo, name="echo", description="Say the text back, and more.")
+    server.listed = anyio.Event()
+    # The 2026 protocol announces it on the client's listen stream; the handshake
+    # era on the session (each is a no-op on the other's connections).
+    await ctx.notify_tools_changed()
+    await ctx.session.send_tool_list_changed()
+    with anyio.fail_after(30):
+        await server.listed.wait()
+    return "changed"
 
 
 @server.tool()
@@ -120,6 +167,21 @@ if __name__ == "__main__":
         server.run("stdio")
     elif mode == "http":
         serve_http(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    elif mode == "legacy":
+        # The handshake era only (2025 protocol): a change is announced on the session.
+        from mcp.server.lowlevel.server import NotificationOptions
+        from mcp.server.runner import serve_loop
+        from mcp.server.stdio import stdio_server
+
+        async def legacy() -> None:
+            lowlevel = server._lowlevel_server
+            options = lowlevel.create_initialization_options(
+                NotificationOptions(tools_changed=True))
+            async with stdio_server() as (read, write), lowlevel.lifespan(lowlevel) as state:
+                await serve_loop(lowlevel, read, write, lifespan_state=state,
+                                 init_options=options)
+
+        anyio.run(legacy)
     elif mode == "mute":
         threading.Event().wait()  # started, but never answers
     else:
