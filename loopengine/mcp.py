@@ -14,11 +14,13 @@ What a call's result becomes (docs/tools.md):
 * an MCP result with ``isError`` -> the handler raises `MCPToolError` with the
   result's text, so the model gets an ``is_error`` result (through the
   engine's ``tool_error_text`` hook, as any handler's error);
+* a result the SDK refuses (structured content that its tool's output
+  schema does not match) -> `MCPToolError`: the call was answered;
 * text -> text blocks; PNG, JPEG, GIF and WebP images -> image blocks; an
-  embedded PDF -> a document block; structured content -> its JSON as a text
-  block when the result has no other content (the protocol has a server
-  mirror it as text otherwise); audio, other binary data and resource links
-  -> a text block describing them;
+  embedded PDF -> a document block (data that is not base64 -> a note);
+  structured content -> its JSON as a text block when the result has no
+  other content (the protocol has a server mirror it as text otherwise);
+  audio, other binary data and resource links -> a text block describing them;
 * a dead server, a closed connection or a protocol failure -> the handler
   raises `MCPServerError` (an ``is_error`` result for that call), and the
   next call opens a new session, once; a call the engine cancels (its tool's
@@ -620,6 +622,11 @@ class MCPServer(ToolSource):
             # other (an internal error, a terminated session) may not have.
             kept = error.code in _REQUEST_ERRORS
             raise MCPToolError(f"{name}: {error.message}") from error
+        except RuntimeError as error:
+            # The SDK's check of the result it received against the tool's output
+            # schema: the call ran once and was answered, the session is sound.
+            kept = True
+            raise MCPToolError(f"{name}: its result was refused: {error}") from error
         except Exception as error:
             raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
                                  "the result is not known", result_unknown=True) from error
@@ -701,8 +708,10 @@ def _block(item: Any) -> dict[str, Any]:
     """One MCP content item as an Anthropic content block."""
     if isinstance(item, mcp_types.TextContent):
         return {"type": "text", "text": item.text}
+    # Binary data that is not base64 would make the API refuse the whole next
+    # request: the model reads a note in its place.
     if isinstance(item, mcp_types.ImageContent):
-        if item.mime_type in _IMAGE_TYPES:
+        if item.mime_type in _IMAGE_TYPES and _validate.decoded_size(item.data) is not None:
             return {"type": "image", "source": {"type": "base64", "media_type": item.mime_type,
                                                 "data": item.data}}
         return _binary_note("image", item.mime_type, item.data)
@@ -716,6 +725,8 @@ def _block(item: Any) -> dict[str, Any]:
         if isinstance(resource, mcp_types.TextResourceContents):
             return {"type": "text", "text": resource.text}
         mime = resource.mime_type or "application/octet-stream"
+        if _validate.decoded_size(resource.blob) is None:
+            return _binary_note(f"resource {resource.uri}", mime, resource.blob)
         if mime in _IMAGE_TYPES:
             return {"type": "image", "source": {"type": "base64", "media_type": mime,
                                                 "data": resource.blob}}

@@ -4,7 +4,8 @@ Run as ``python server.py stdio``, ``python server.py legacy`` (stdio, the
 2025 handshake era only), ``python server.py http [PORT]`` (prints
 the port it listens on, 127.0.0.1, then serves ``/mcp``) or ``python
 server.py exit`` (a server that exits before it answers anything) or ``python
-server.py mute`` (one that runs but never answers).
+server.py mute`` (one that runs but never answers) or ``python server.py odd`` (stdio, on the
+SDK's low-level server class: results the high-level one would refuse).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import mcp_types
 import uvicorn
+from mcp.server.lowlevel import Server as LowLevelServer
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
@@ -150,6 +153,37 @@ def header(name: str, ctx: Context) -> str:
     return "" if request is None else str(request.headers.get(name, ""))
 
 
+# A server on the SDK's low-level class, whose results its high-level one would
+# not let out: structured content its output schema refuses, an image whose
+# data is not base64.
+async def _odd_list(ctx: Any, params: Any) -> mcp_types.ListToolsResult:
+    return mcp_types.ListToolsResult(tools=[
+        mcp_types.Tool(name="mismatched", description="A total, misreported.",
+                       input_schema={"type": "object"},
+                       output_schema={"type": "object", "properties": {"n": {"type": "integer"}},
+                                      "required": ["n"]}),
+        mcp_types.Tool(name="garbled", description="An image that is not base64.",
+                       input_schema={"type": "object"}),
+        mcp_types.Tool(name="pid", description="This server's process id.",
+                       input_schema={"type": "object"}),
+    ])
+
+
+async def _odd_call(ctx: Any, params: Any) -> mcp_types.CallToolResult:
+    if params.name == "mismatched":
+        return mcp_types.CallToolResult(content=[mcp_types.TextContent(text='{"n": "three"}')],
+                                        structured_content={"n": "three"})
+    if params.name == "garbled":
+        return mcp_types.CallToolResult(content=[
+            mcp_types.ImageContent(data="not base64!", mime_type="image/png"),
+            mcp_types.EmbeddedResource(resource=mcp_types.BlobResourceContents(
+                uri="file:///a.pdf", blob="%PDF raw", mime_type="application/pdf"))])
+    return mcp_types.CallToolResult(content=[mcp_types.TextContent(text=str(os.getpid()))])
+
+
+odd = LowLevelServer("loopengine-odd", on_list_tools=_odd_list, on_call_tool=_odd_call)
+
+
 def serve_http(port: int) -> None:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # A restarted server takes the port back at once (tests/mcp's reconnection).
@@ -182,6 +216,14 @@ if __name__ == "__main__":
                                  init_options=options)
 
         anyio.run(legacy)
+    elif mode == "odd":
+        from mcp.server.stdio import stdio_server
+
+        async def serve_odd() -> None:
+            async with stdio_server() as (read, write):
+                await odd.run(read, write, odd.create_initialization_options())
+
+        anyio.run(serve_odd)
     elif mode == "mute":
         threading.Event().wait()  # started, but never answers
     else:
