@@ -459,8 +459,9 @@ class MCPServer(ToolSource):
                         anyio.create_task_group() as group:
                     session.client, session.group = client, group
                     if _announces_changes(client):
-                        # Subscribed before the tools are listed: no change is missed.
-                        await group.start(self._listen, session, client)
+                        # Not waited for: a server that never acknowledges the
+                        # subscription must not keep its tools from being used.
+                        group.start_soon(self._listen, session, client)
                     session.ready.set()
                     self._opened += 1
                     if self._opened > 1:
@@ -483,17 +484,16 @@ class MCPServer(ToolSource):
                 session.error = MCPServerError("the connection was cancelled")
             session.ready.set()
 
-    async def _listen(self, session: _Session, client: Client, *,
-                      task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-                      ) -> None:
+    async def _listen(self, session: _Session, client: Client) -> None:
         """Hear of the tool list's changes on a ``subscriptions/listen`` stream (the
         2026 protocol), until the session ends."""
-        started = False
         try:
             async with client.listen(tools_list_changed=True) as subscription:
                 session.listening = True
-                task_status.started()
-                started = True
+                if self._tools is not None:
+                    # Listed before the subscription began: a change in between
+                    # is not replayed, so the tools are listed again.
+                    self._tools_changed(session)
                 async for event in subscription:
                     if isinstance(event, ToolsListChanged):
                         self._tools_changed(session)
@@ -502,8 +502,6 @@ class MCPServer(ToolSource):
                         self.label, _describe(error))
         finally:
             session.listening = False
-            if not started:
-                task_status.started()
 
     def _tools_changed(self, session: _Session) -> None:
         """The server said its tools changed: list them again (one listing at a
