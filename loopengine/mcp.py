@@ -59,6 +59,7 @@ try:
     from mcp import Client, MCPError, StdioServerParameters
     from mcp.client.stdio import stdio_client
     from mcp.client.streamable_http import streamable_http_client
+    from mcp.client.subscriptions import SubscriptionLost
     from mcp.shared.subscriptions import ToolsListChanged
     from mcp_types.version import MODERN_PROTOCOL_VERSIONS as _MODERN
 except ImportError as error:  # pragma: no cover - depends on the environment
@@ -76,6 +77,10 @@ process start is slower than a call (``connect_timeout=``)."""
 
 _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
 """JSON-RPC error codes that blame the request, not the session it came on."""
+
+_RELISTEN_WAIT = 30.0
+"""The longest wait, in seconds, before opening again a stream announcing a
+server's tool changes that ended without bringing one (`MCPServer._listen`)."""
 
 _IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 """The image media types a tool result block may carry."""
@@ -486,22 +491,40 @@ class MCPServer(ToolSource):
 
     async def _listen(self, session: _Session, client: Client) -> None:
         """Hear of the tool list's changes on a ``subscriptions/listen`` stream (the
-        2026 protocol), until the session ends."""
-        try:
-            async with client.listen(tools_list_changed=True) as subscription:
-                session.listening = True
-                if self._tools is not None:
-                    # Listed before the subscription began: a change in between
-                    # is not replayed, so the tools are listed again.
-                    self._tools_changed(session)
-                async for event in subscription:
-                    if isinstance(event, ToolsListChanged):
+        2026 protocol), until the session ends. A stream that ends (the server
+        closed it, or it was lost: an idle HTTP stream reaches its read
+        timeout) is opened again, after a wait that grows while streams end
+        without bringing a change (1 s, doubling, at most `_RELISTEN_WAIT`)."""
+        wait = 0.0
+        while True:
+            try:
+                async with client.listen(tools_list_changed=True) as subscription:
+                    if not subscription.honored.tools_list_changed:
+                        logger.info("MCP server %s: it does not announce its tool list's "
+                                    "changes on a listen stream", self.label)
+                        return
+                    session.listening = True
+                    if self._tools is not None:
+                        # Listed before this stream began: a change in between
+                        # is not replayed, so the tools are listed again.
                         self._tools_changed(session)
-        except Exception as error:
-            logger.info("MCP server %s: its tool list's changes are not heard of: %s",
-                        self.label, _describe(error))
-        finally:
-            session.listening = False
+                    async for event in subscription:
+                        wait = 0.0
+                        if isinstance(event, ToolsListChanged):
+                            self._tools_changed(session)
+                ended = "it was closed"
+            except SubscriptionLost as error:
+                ended = _describe(error)
+            except Exception as error:
+                logger.info("MCP server %s: its tool list's changes are not heard of: %s",
+                            self.label, _describe(error))
+                return
+            finally:
+                session.listening = False
+            logger.debug("MCP server %s: the stream announcing its tool changes ended (%s); "
+                         "listening again", self.label, ended)
+            await anyio.sleep(wait)
+            wait = min(max(2 * wait, 1.0), _RELISTEN_WAIT)
 
     def _tools_changed(self, session: _Session) -> None:
         """The server said its tools changed: list them again (one listing at a
@@ -529,9 +552,11 @@ class MCPServer(ToolSource):
                                    _describe(error))
                     continue
                 if self._group is not None:
+                    before = [t.definition for t in self._tools or ()]
                     self._tools = self._build_tools(listed, strict=False)
-                    logger.info("MCP server %s: its tools are now %s", self.label,
-                                ", ".join(t.name for t in self._tools) or "none")
+                    if [t.definition for t in self._tools] != before:
+                        logger.info("MCP server %s: its tools are now %s", self.label,
+                                    ", ".join(t.name for t in self._tools) or "none")
         finally:
             listing, self._listing = self._listing, None
             if listing is not None:

@@ -25,6 +25,7 @@ import uvicorn
 from mcp.server.lowlevel import Server as LowLevelServer
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
 # A 1x1 transparent PNG.
 PNG = base64.b64decode(
@@ -43,7 +44,12 @@ class Server(MCPServer):
         return tools
 
 
-server = Server("loopengine-test")
+bus = InMemorySubscriptionBus()
+server = Server("loopengine-test", subscriptions=bus)
+# The SDK's own listen handler, held here so that `end_listens` can close its streams.
+listens = ListenHandler(bus)
+server._lowlevel_server.add_request_handler(
+    "subscriptions/listen", mcp_types.SubscriptionsListenRequestParams, listens)
 
 
 def _added(name: str) -> Callable[[str], str]:
@@ -77,6 +83,17 @@ async def change(ctx: Context, add: str = "", drop: str = "", require: str = "")
     with anyio.fail_after(30):
         await server.listed.wait()
     return "changed"
+
+
+@server.tool()
+async def end_listens() -> str:
+    """End every client's listen stream, as a server does on its own, and answer once
+    a client has listed the tools again (which a client that listens again does)."""
+    server.listed = anyio.Event()
+    listens.close()
+    with anyio.fail_after(30):
+        await server.listed.wait()
+    return "ended"
 
 
 @server.tool()

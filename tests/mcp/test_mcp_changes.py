@@ -133,3 +133,18 @@ async def test_a_server_outside_its_block_is_refused_before_anything_is_sent(
         await engine.run(operation(), "go", tools=[script_server()])
     assert raised.value.field == "tools[0]"
     assert not anthropic.requests
+
+
+async def test_a_listen_stream_the_server_ends_is_opened_again(anthropic: Harness) -> None:
+    """The server ends its listen streams (as an idle HTTP stream ends at its read
+    timeout): the client listens again, lists the tools again (changes are not
+    replayed), and hears of the next change, which the next turn offers."""
+    async with script_server(allow=None) as server:
+        tools = by_name(server)
+        assert await tools["end_listens"].invoke({}) == "ended"
+        engine, _ = anthropic.engine(Reply.tool_calls(("change", {"add": "extra"})),
+                                     Reply.text("done"))
+        result = await engine.run(operation(), "go", tools=[server])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert "extra" not in offered(anthropic.requests[0])
+    assert "extra" in offered(anthropic.requests[1])
