@@ -216,13 +216,22 @@ class _Loop:
         # Messages from here on are the run's own: only those are closed at the end.
         self._given_messages = len(self.transcript)
         self.state = ConversationState(turns=0, tool_calls=0, credits=0, deadline=inv.deadline)
-        self.tools: dict[str, Tool] = {}
-        self.definitions: list[dict[str, Any]] = []
+        self.tools: dict[str, Tool]
+        self.definitions: list[dict[str, Any]]
         self._use_tools(spec.tools)
-        self.sourced: dict[int, tuple[Tool, ...]] = {}
+        # Only a run with tool sources holds these (thousands of runs wait at once).
+        self.sourced: dict[int, tuple[Tool, ...]] | None = None
         """Each tool source's tools (by its index in ``spec.sources``) as last read."""
-        self.left_out: set[tuple[int, str]] = set()
+        self.left_out: set[tuple[int, str]] | None = None
         """The sources' tools left out for their names (each said once)."""
+        if spec.sources:
+            self.sourced, self.left_out = {}, set()
+            for index, source in enumerate(spec.sources):
+                if isinstance(source, ToolSource):
+                    try:
+                        self.sourced[index] = source.tools
+                    except RuntimeError:  # closed since the run's tools were checked
+                        self.sourced[index] = ()
         self.answered_calls: dict[str, int] = {}
         """Calls of each tool that ran its handler (or were let through to it)."""
         self.charged = 0
@@ -258,8 +267,7 @@ class _Loop:
         that cannot give its tools keeps the ones it gave last: a change never
         ends a run."""
         spec = self.spec
-        if not spec.sources:
-            return
+        assert self.sourced is not None and self.left_out is not None  # a run with sources
         fixed = [t for t in spec.sources if isinstance(t, Tool)]
         taken = {t.name for t in fixed} | {s.name for s in self.inv.features.server_tools}
         if spec.output is not None:
@@ -322,6 +330,9 @@ class _Loop:
                 if self.resumed is not None:
                     phase = await self._decided_batch(*self.resumed)
                 while True:
+                    if self.sourced is not None:
+                        # Before the checks: a wait for a source's tools counts as time.
+                        await self._refresh_tools()
                     trip = check_before_turn(self.state, self.limits, inv.clock.now())
                     if trip is None:
                         await self._take_permit()
@@ -337,7 +348,6 @@ class _Loop:
                     if self.wrapping is not None:
                         phase = "wrap_up"
                         self._add_wrap_up_text()
-                    await self._refresh_tools()
                     # The turn's request, its retries and its pause_turn continuations.
                     reply = await request(inv, turn=turn, phase=phase, build=self._build,
                                           on_text=self.spec.on_text)
@@ -482,7 +492,8 @@ class _Loop:
         # batch before any of its handlers runs (docs/pause-and-resume.md).
         # Each call is answered by its tool as it is now (a source may have
         # changed while the model answered).
-        await self._refresh_tools()
+        if self.sourced is not None:
+            await self._refresh_tools()
         pending = pending_approvals(batch, self.tools, self.inv.id)
         if pending and self.inv.parent is not None:
             # Nothing could resume a delegated run (its parent goes on without
@@ -538,7 +549,8 @@ class _Loop:
         batch = [calls[call_id] for call_id in state.batch
                  if call_id in calls and call_id not in done]
         self.state = replace(self.state, tool_calls=self.state.tool_calls + len(done))
-        await self._refresh_tools()  # the tools may have changed during the pause
+        if self.sourced is not None:
+            await self._refresh_tools()  # the tools may have changed during the pause
         return await self._answer_batch(self.state.turns, batch, list(state.results), None,
                                         state.repair, decided_results(decisions))
 
