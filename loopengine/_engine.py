@@ -403,7 +403,8 @@ class Engine:
                 state's limits only narrow them). Default: the operation the
                 state carries. It must have the same name.
             tools: The run's tools, as given to `run`: every one of them (more
-                may be added).
+                may be added; a tool a given MCP server dropped meanwhile is
+                not asked for).
             output: The run's output model, as given to `run` (or a class of
                 the same JSON schema).
             accept: The judge of a final answer.
@@ -914,11 +915,12 @@ def check_tools(tools: object) -> tuple[Tool | ToolSource, ...]:
             item must be a `Tool` or a source (checked with the names,
             `check_unique_tools`).
     """
-    if isinstance(tools, Tool | ToolSource):
-        single = tools.name if isinstance(tools, Tool) else "server"
-        raise ConfigError("tools", f"must be a list of tools, got the single "
-                                   f"{'tool' if isinstance(tools, Tool) else 'source'} "
-                                   f"{_validate.shown(tools)}: pass tools=[{single}]")
+    if isinstance(tools, Tool):
+        raise ConfigError("tools", f"must be a list of tools, got the single tool "
+                                   f"{tools.name!r}: pass tools=[{tools.name}]")
+    if isinstance(tools, ToolSource):
+        raise ConfigError("tools", f"must be a list of tools, got the single source "
+                                   f"{tools!r}: pass tools=[server]")
     if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Iterable):
         raise ConfigError("tools", f"must be a list of tools, got {type(tools).__name__}")
     checked = tuple(tools)

@@ -148,3 +148,13 @@ async def test_a_listen_stream_the_server_ends_is_opened_again(anthropic: Harnes
     assert result.outcome is le.Outcome.COMPLETED
     assert "extra" not in offered(anthropic.requests[0])
     assert "extra" in offered(anthropic.requests[1])
+
+
+async def test_a_server_given_alone_is_refused_with_a_hint(anthropic: Harness) -> None:
+    """``tools=server`` (not a list) is a ConfigError on ``tools`` saying how to pass it."""
+    engine, _ = anthropic.engine(Reply.text("never sent"))
+    async with script_server(allow={"echo"}) as server:
+        with pytest.raises(le.ConfigError,
+                           match=r"single source .*pass tools=\[server\]") as raised:
+            await engine.run(operation(), "go", tools=server)  # type: ignore[arg-type]
+    assert raised.value.field == "tools" and not anthropic.requests
