@@ -255,9 +255,13 @@ class MCPServer(ToolSource):
         """Every session not yet closed: the current one and retired ones still in use."""
         self._lock = anyio.Lock()
         self._listing: anyio.Event | None = None
-        """Set once the tools are listed again, while a change is being read."""
+        """Set when a listing ends, while the tools are being listed again."""
         self._relist = False
         """A change was heard of that no listing under way has read yet."""
+        self._heard = 0
+        """Changes heard of so far."""
+        self._read = 0
+        """Changes heard of before the last listing (done or failed) began."""
         self._opened = 0
         """Sessions opened so far: a new one after the first lists the tools again."""
 
@@ -363,10 +367,12 @@ class MCPServer(ToolSource):
         """The server's tools now: when the server said its tools changed and they
         are being listed again, waits for that (at most ``connect_timeout``;
         past it, the tools as last listed)."""
-        listing = self._listing
-        if listing is not None:
-            with anyio.move_on_after(self.connect_timeout):
-                await listing.wait()
+        # Only the changes heard of so far: a server announcing changes without
+        # end must not hold a run for longer than two listings.
+        wanted = self._heard
+        with anyio.move_on_after(self.connect_timeout):
+            while self._read < wanted and self._listing is not None:
+                await self._listing.wait()
         return self.tools
 
     def offers(self, name: str) -> bool:
@@ -532,6 +538,7 @@ class MCPServer(ToolSource):
         if session is not self._session or session.group is None or self._group is None:
             return  # an old session's news: the current one's listing counts
         self._relist = True
+        self._heard += 1
         if self._listing is None:
             self._listing = anyio.Event()
             session.group.start_soon(self._list_again, session)
@@ -542,6 +549,7 @@ class MCPServer(ToolSource):
         try:
             while self._relist and session is self._session:
                 self._relist = False
+                heard = self._heard
                 assert session.client is not None
                 try:
                     with anyio.fail_after(self.connect_timeout):
@@ -550,13 +558,18 @@ class MCPServer(ToolSource):
                     logger.warning("MCP server %s: its tools changed, but listing them "
                                    "again failed (%s); they stay as they were", self.label,
                                    _describe(error))
-                    continue
-                if self._group is not None:
-                    before = [t.definition for t in self._tools or ()]
-                    self._tools = self._build_tools(listed, strict=False)
-                    if [t.definition for t in self._tools] != before:
-                        logger.info("MCP server %s: its tools are now %s", self.label,
-                                    ", ".join(t.name for t in self._tools) or "none")
+                else:
+                    if self._group is not None:
+                        before = [t.definition for t in self._tools or ()]
+                        self._tools = self._build_tools(listed, strict=False)
+                        if [t.definition for t in self._tools] != before:
+                            logger.info("MCP server %s: its tools are now %s", self.label,
+                                        ", ".join(t.name for t in self._tools) or "none")
+                # Waiters for the changes this listing read (or failed to) go on.
+                self._read = heard
+                ended, self._listing = self._listing, anyio.Event()
+                if ended is not None:
+                    ended.set()
         finally:
             listing, self._listing = self._listing, None
             if listing is not None:
