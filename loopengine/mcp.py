@@ -422,6 +422,7 @@ class MCPServer(ToolSource):
     async def _close(self) -> None:
         group, self._group, self._tools = self._group, None, None
         self._session = None
+        self._opened = 0  # a later `async with` starts afresh
         if group is None:
             return
         for session in self._sessions:
@@ -610,6 +611,9 @@ class MCPServer(ToolSource):
                 raise ConfigError(field, f"MCP server {self.label} has no tool {missing} "
                                          f"(it has: {', '.join(sorted(names)) or 'none'})")
         tools: dict[str, Tool] = {}
+        # A tool listed again unchanged stays the same object (built, and warned
+        # about, once).
+        kept = {} if strict or self._tools is None else {t.name: t for t in self._tools}
         for item in listed:
             if self.allow is not None and item.name not in self.allow:
                 continue
@@ -617,6 +621,11 @@ class MCPServer(ToolSource):
             try:
                 if name in tools:
                     raise ConfigError("name", f"the server lists two tools named {item.name!r}")
+                same = kept.get(name)
+                if same is not None and same.description == (item.description or "") \
+                        and same.input_schema == item.input_schema:
+                    tools[name] = same
+                    continue
                 tools[name] = Tool(name, item.description or "", dict(item.input_schema),
                                    self._handler(item.name), timeout=self.timeout,
                                    approval=_setting_for(self.approval, item.name),

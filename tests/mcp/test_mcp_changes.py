@@ -138,10 +138,14 @@ async def test_a_server_outside_its_block_is_refused_before_anything_is_sent(
 async def test_a_listen_stream_the_server_ends_is_opened_again(anthropic: Harness) -> None:
     """The server ends its listen streams (as an idle HTTP stream ends at its read
     timeout): the client listens again, lists the tools again (changes are not
-    replayed), and hears of the next change, which the next turn offers."""
+    replayed; the tools that did not change stay the same objects), and hears of the
+    next change, which the next turn offers."""
     async with script_server(allow=None) as server:
         tools = by_name(server)
         assert await tools["end_listens"].invoke({}) == "ended"
+        # Listed again unchanged: the same Tool objects (built, and logged about, once).
+        assert all(a is b for a, b in zip(tools.values(), await server.current_tools(),
+                                          strict=True))
         engine, _ = anthropic.engine(Reply.tool_calls(("change", {"add": "extra"})),
                                      Reply.text("done"))
         result = await engine.run(operation(), "go", tools=[server])
