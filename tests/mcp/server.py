@@ -201,6 +201,12 @@ async def _odd_call(ctx: Any, params: Any) -> mcp_types.CallToolResult:
 odd = LowLevelServer("loopengine-odd", on_list_tools=_odd_list, on_call_tool=_odd_call)
 
 
+# A process started while the file named by LOOPENGINE_TEST_MARKER exists has one
+# more tool (a server started again with other tools).
+if os.path.exists(os.environ.get("LOOPENGINE_TEST_MARKER", "\0")):
+    server.add_tool(_added("reborn"), name="reborn", description="Only in a later process.")
+
+
 def serve_http(port: int) -> None:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # A restarted server takes the port back at once (tests/mcp's reconnection).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -162,3 +163,26 @@ async def test_a_server_given_alone_is_refused_with_a_hint(anthropic: Harness) -
                            match=r"single source .*pass tools=\[server\]") as raised:
             await engine.run(operation(), "go", tools=server)  # type: ignore[arg-type]
     assert raised.value.field == "tools" and not anthropic.requests
+
+
+@pytest.mark.parametrize("era", ["stdio", "legacy"])
+async def test_a_server_started_again_is_listed_again(
+    era: str, anthropic: Harness, tmp_path: Path,
+) -> None:
+    """The server's process dies; the next call starts it again, and the new process
+    has one more tool: it is listed again (whether or not it announces changes on
+    a listen stream), and the turn after offers and runs it."""
+    marker = tmp_path / "reborn"
+    async with MCPServer.stdio(sys.executable, [SCRIPT, era],
+                               env={"LOOPENGINE_TEST_MARKER": str(marker)}) as server:
+        assert "reborn" not in by_name(server)
+        marker.touch()  # for the next process only
+        engine, _ = anthropic.engine(
+            Reply.tool_calls(("crash", {})), Reply.tool_calls(("pid", {})),
+            Reply.tool_calls(("reborn", {"text": "hi"})), Reply.text("done"))
+        result = await engine.run(operation(), "go", tools=[server])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert "reborn" not in offered(anthropic.requests[1])
+    assert "reborn" in offered(anthropic.requests[3])
+    (answer,) = tool_results(anthropic.requests[3])
+    assert content_text(answer) == "reborn heard hi"
