@@ -29,7 +29,7 @@ from loopengine._operation import Operation
 from loopengine._outcome import Outcome
 from loopengine._result import RunResult
 from loopengine._run import run_loop
-from loopengine._tools import Tool
+from loopengine._tools import Tool, ToolSource
 from loopengine.guards._deadline import Deadline
 from loopengine.guards._limits import Limits
 
@@ -99,7 +99,7 @@ def agent_tool(
     *,
     name: str,
     description: str,
-    tools: Sequence[Tool] = (),
+    tools: Sequence[Tool | ToolSource] = (),
     input_model: type[pydantic.BaseModel] | None = None,
     max_depth: int = DEFAULT_MAX_DEPTH,
 ) -> Tool:

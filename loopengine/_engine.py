@@ -53,7 +53,7 @@ from loopengine._runstate import (
 from loopengine._runstore import UNBOUNDED_RUN, RunStore, StoredRun, holds_run, new_owner
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
-from loopengine._tools import Tool, check_tool_name
+from loopengine._tools import Tool, ToolSource, check_tool_name, expand_tools
 from loopengine.events import Observer, TextDelta
 from loopengine.guards._limits import Limits
 from loopengine.persistence._protocol import Ledger
@@ -292,7 +292,7 @@ class Engine:
         messages: Messages,
         *,
         system: System = None,
-        tools: Iterable[Tool] = (),
+        tools: Iterable[Tool | ToolSource] = (),
         output: type[pydantic.BaseModel] | None = None,
         accept: Callable[[Any], Any] | None = None,
         attribution: Attribution | None = None,
@@ -309,7 +309,10 @@ class Engine:
             operation: The published operation (route, limits, policies).
             messages: One user message, or Anthropic-shaped message dicts.
             system: The system prompt: a string or Anthropic text blocks.
-            tools: The tools the model may call.
+            tools: The tools the model may call: `Tool` objects, and MCP
+                servers (`loopengine.mcp.MCPServer`) whose tools, which may
+                change during the run, are read again before each turn and
+                each tool batch (docs/tools.md).
             output: A pydantic model for structured mode: the model answers by
                 calling the terminal tool ``final_tool`` with this schema.
             accept: The judge of a final answer, sync or async: returns
@@ -360,7 +363,7 @@ class Engine:
         *,
         decisions: Mapping[str, Decision] | None = None,
         operation: Operation | None = None,
-        tools: Iterable[Tool] = (),
+        tools: Iterable[Tool | ToolSource] = (),
         output: type[pydantic.BaseModel] | None = None,
         accept: Callable[[Any], Any] | None = None,
         on_text: TextCallback | None = None,
@@ -402,7 +405,8 @@ class Engine:
                 state's limits only narrow them). Default: the operation the
                 state carries. It must have the same name.
             tools: The run's tools, as given to `run`: every one of them (more
-                may be added).
+                may be added; a tool a given MCP server dropped meanwhile is
+                not asked for).
             output: The run's output model, as given to `run` (or a class of
                 the same JSON schema).
             accept: The judge of a final answer.
@@ -537,7 +541,8 @@ class Engine:
                                  undecided=undecided, release=release,
                                  adopt=self.run_store is not None and stored is None)
 
-    async def _in_doubt(self, state: RunState, tools: Iterable[Tool]) -> tuple[PendingCall, ...]:
+    async def _in_doubt(self, state: RunState, tools: tuple[Tool | ToolSource, ...]
+                        ) -> tuple[PendingCall, ...]:
         """The calls of a recovered run's batch that wait for a decision: those
         that may have run (recorded ``started`` or ``in_doubt`` without an
         end, not of an ``idempotent`` tool: those run again), and those not
@@ -550,7 +555,7 @@ class Engine:
         last = state.messages[-1] if state.messages else {}
         blocks = {str(b.get("id")): b for b in last.get("content") or ()
                   if isinstance(b, Mapping) and b.get("type") == "tool_use"}
-        by_name = {t.name: t for t in check_tools(tools)}
+        by_name = {t.name: t for t in expand_tools(tools)}
         pending: list[PendingCall] = []
         waiting: list[Mapping[str, Any]] = []
         for call_id in state.batch:
@@ -575,7 +580,7 @@ class Engine:
         messages: Messages,
         *,
         system: System = None,
-        tools: Iterable[Tool] = (),
+        tools: Iterable[Tool | ToolSource] = (),
         output: type[pydantic.BaseModel] | None = None,
         accept: Callable[[Any], Any] | None = None,
         attribution: Attribution | None = None,
@@ -589,10 +594,13 @@ class Engine:
         text_sink: Callable[[TextDelta], None] | None = None,
     ) -> tuple[Invocation, RunSpec]:
         """Check a run's input and build its invocation (nothing is sent or recorded)."""
+        given = check_tools(tools)
         spec = RunSpec(
             messages=normalize_messages(messages),
             system=normalize_system(system),
-            tools=check_tools(tools),
+            tools=expand_tools(given),
+            # Read again before each turn and each batch (`ToolSource`).
+            sources=given if any(isinstance(t, ToolSource) for t in given) else (),
             output=_check_output(output),
             accept=_check_callable("accept", accept),
             on_text=_check_callable("on_text", on_text),
@@ -759,7 +767,7 @@ class Engine:
         messages: Messages,
         *,
         system: System = None,
-        tools: Iterable[Tool] = (),
+        tools: Iterable[Tool | ToolSource] = (),
         output: type[pydantic.BaseModel] | None = None,
         limits: Limits | Mapping[str, object] | None = None,
     ) -> Estimate:
@@ -783,7 +791,7 @@ class Engine:
             LoopEngineError: the shipped tokenizer file is damaged.
         """
         return estimate_run(operation, normalize_messages(messages),
-                            system=normalize_system(system), tools=check_tools(tools),
+                            system=normalize_system(system), tools=expand_tools(check_tools(tools)),
                             output=output,
                             limits=limits, prices=self.prices, at=self.clock.wall(),
                             vendor=vendor_of(provider := self.provider_for(operation)),
@@ -903,39 +911,48 @@ def normalize_system(system: System) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def check_tools(tools: object) -> tuple[Tool, ...]:
-    """The ``tools`` argument of `Engine.run` and `Engine.estimate`, as a tuple.
+def check_tools(tools: object) -> tuple[Tool | ToolSource, ...]:
+    """The ``tools`` argument of `Engine.run` and `Engine.estimate`, as a tuple
+    of tools and tool sources (an MCP server, whose tools may change).
 
     Raises:
-        ConfigError: a single `Tool` (not a list of them), a string, a
-            mapping or anything else that is not an iterable of tools; each
-            item must be a `Tool` (checked with the names, `check_unique_tools`).
+        ConfigError: a single `Tool` or source (not a list of them), a string,
+            a mapping or anything else that is not an iterable of tools; each
+            item must be a `Tool` or a source (checked with the names,
+            `check_unique_tools`).
     """
     if isinstance(tools, Tool):
         raise ConfigError("tools", f"must be a list of tools, got the single tool "
                                    f"{tools.name!r}: pass tools=[{tools.name}]")
+    if isinstance(tools, ToolSource):
+        raise ConfigError("tools", f"must be a list of tools, got the single source "
+                                   f"{tools!r}: pass tools=[server]")
     if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Iterable):
         raise ConfigError("tools", f"must be a list of tools, got {type(tools).__name__}")
     checked = tuple(tools)
     for i, item in enumerate(checked):
-        if not isinstance(item, Tool):
+        if not isinstance(item, Tool | ToolSource):
             raise ConfigError(f"tools[{i}]", "must be a Tool (use @loopengine.tool), "
                                              f"got {_validate.shown(item)}")
     return checked
 
 
-def _check_resume_tools(state: RunState, tools: tuple[Tool, ...],
+def _check_resume_tools(state: RunState, tools: tuple[Tool | ToolSource, ...],
                         decided: Mapping[str, Decision]) -> None:
     """A resume's ``tools`` carry every tool the run of ``state`` was given (a
     state that predates that record: every approved call's tool), so an
-    approved call is never answered "no such tool".
+    approved call is never answered "no such tool" by mistake. A tool a
+    given source may have dropped while the run was paused is not asked for:
+    its calls are answered as an unknown tool's.
 
     Raises:
         ConfigError: a tool missing, named."""
-    names = {tool.name for tool in tools}
+    names = {tool.name for tool in expand_tools(tools)}
+    sources = [item for item in tools if isinstance(item, ToolSource)]
     needed = list(state.tools or ())
     needed += [call.tool for call in state.pending if isinstance(decided.get(call.id), Approve)]
-    missing = sorted({name for name in needed if name not in names})
+    missing = sorted({name for name in needed if name not in names
+                      and not any(source.offers(name) for source in sources)})
     if missing:
         raise ConfigError("tools", f"lacks the run's tool(s) {', '.join(map(repr, missing))}: "
                                    "pass the tools the run was given")

@@ -50,7 +50,13 @@ from loopengine._pricing import nanousd_to_usd
 from loopengine._result import RunResult
 from loopengine._runstate import Approve, Decision, PendingCall, RunState, json_digest
 from loopengine._runstore import CallMark, lease_expiry, new_owner
-from loopengine._tools import Tool, ToolInputError, describe_validation_error, render_tool_output
+from loopengine._tools import (
+    Tool,
+    ToolInputError,
+    ToolSource,
+    describe_validation_error,
+    render_tool_output,
+)
 from loopengine._usage import Usage
 from loopengine.events import ToolCallEvent
 from loopengine.guards._checkpoints import (
@@ -106,6 +112,9 @@ class RunSpec:
     on_text: TextCallback | None
     tool_error_text: ToolErrorText
     final_tool: str
+    sources: tuple[Tool | ToolSource, ...] = ()
+    """The run's tools as given, when some come from a `ToolSource` (else
+    empty): read again before each turn and each batch (`_Loop._refresh_tools`)."""
 
 
 @dataclass(slots=True)
@@ -192,8 +201,8 @@ async def give_back(run_id: str, release: Callable[[], Coroutine[Any, Any, None]
 
 class _Loop:
     __slots__ = ("_given_messages", "adopting", "answered_calls", "charged", "cut_results",
-                 "definitions", "inv", "permit", "resumed", "spec", "state", "tools",
-                 "transcript", "wrapping")
+                 "definitions", "inv", "left_out", "permit", "resumed", "sourced", "spec",
+                 "state", "tools", "transcript", "wrapping")
 
     def __init__(self, inv: Invocation, spec: RunSpec,
                  resumed: tuple[RunState, Mapping[str, Decision]] | None = None) -> None:
@@ -207,11 +216,22 @@ class _Loop:
         # Messages from here on are the run's own: only those are closed at the end.
         self._given_messages = len(self.transcript)
         self.state = ConversationState(turns=0, tool_calls=0, credits=0, deadline=inv.deadline)
-        self.tools = {t.name: t for t in spec.tools}
-        definitions = [t.definition for t in spec.tools]
-        if spec.output is not None:
-            definitions.append(final_tool_definition(spec.output, spec.final_tool))
-        self.definitions = definitions
+        self.tools: dict[str, Tool]
+        self.definitions: list[dict[str, Any]]
+        self._use_tools(spec.tools)
+        # Only a run with tool sources holds these (thousands of runs wait at once).
+        self.sourced: dict[int, tuple[Tool, ...]] | None = None
+        """Each tool source's tools (by its index in ``spec.sources``) as last read."""
+        self.left_out: set[tuple[int, str]] | None = None
+        """The sources' tools left out for their names (each said once)."""
+        if spec.sources:
+            self.sourced, self.left_out = {}, set()
+            for index, source in enumerate(spec.sources):
+                if isinstance(source, ToolSource):
+                    try:
+                        self.sourced[index] = source.tools
+                    except RuntimeError:  # closed since the run's tools were checked
+                        self.sourced[index] = ()
         self.answered_calls: dict[str, int] = {}
         """Calls of each tool that ran its handler (or were let through to it)."""
         self.charged = 0
@@ -230,6 +250,50 @@ class _Loop:
     def limits(self) -> Limits:
         """The run's limits (its admission may have narrowed the credit hold)."""
         return self.inv.limits
+
+    def _use_tools(self, tools: Sequence[Tool]) -> None:
+        """Offer ``tools`` (and the terminal tool, last) from the next request on."""
+        self.tools = {t.name: t for t in tools}
+        definitions = [t.definition for t in tools]
+        if self.spec.output is not None:
+            definitions.append(final_tool_definition(self.spec.output, self.spec.final_tool))
+        self.definitions = definitions
+
+    async def _refresh_tools(self) -> None:
+        """Read the run's tool sources again (`ToolSource`): the next request
+        offers their tools as they are now, and a call is answered by its
+        tool as it is now. A source's tool whose name another tool of the run
+        (or the terminal tool, or a server tool) has is left out, and a source
+        that cannot give its tools keeps the ones it gave last: a change never
+        ends a run."""
+        spec = self.spec
+        assert self.sourced is not None and self.left_out is not None  # a run with sources
+        fixed = [t for t in spec.sources if isinstance(t, Tool)]
+        taken = {t.name for t in fixed} | {s.name for s in self.inv.features.server_tools}
+        if spec.output is not None:
+            taken.add(spec.final_tool)
+        tools = list(fixed)
+        for index, source in enumerate(spec.sources):
+            if isinstance(source, Tool):
+                continue
+            try:
+                current = await source.current_tools()
+            except Exception as error:
+                logger.warning("run %s: the tools of %r could not be read again (%s); it "
+                               "keeps those it had", self.inv.id, source, error)
+                current = self.sourced.get(index, ())
+            self.sourced[index] = current
+            for item in current:
+                if item.name in taken:
+                    if (index, item.name) not in self.left_out:
+                        self.left_out.add((index, item.name))
+                        logger.warning("run %s: %r has a tool %r, a name the run's other "
+                                       "tools have: it is left out", self.inv.id, source,
+                                       item.name)
+                    continue
+                taken.add(item.name)
+                tools.append(item)
+        self._use_tools(tools)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -266,6 +330,9 @@ class _Loop:
                 if self.resumed is not None:
                     phase = await self._decided_batch(*self.resumed)
                 while True:
+                    if self.sourced is not None:
+                        # Before the checks: a wait for a source's tools counts as time.
+                        await self._refresh_tools()
                     trip = check_before_turn(self.state, self.limits, inv.clock.now())
                     if trip is None:
                         await self._take_permit()
@@ -423,6 +490,10 @@ class _Loop:
 
         # 5. Tools (R08, R09, R15); a call that needs approval pauses the whole
         # batch before any of its handlers runs (docs/pause-and-resume.md).
+        # Each call is answered by its tool as it is now (a source may have
+        # changed while the model answered).
+        if self.sourced is not None:
+            await self._refresh_tools()
         pending = pending_approvals(batch, self.tools, self.inv.id)
         if pending and self.inv.parent is not None:
             # Nothing could resume a delegated run (its parent goes on without
@@ -478,6 +549,8 @@ class _Loop:
         batch = [calls[call_id] for call_id in state.batch
                  if call_id in calls and call_id not in done]
         self.state = replace(self.state, tool_calls=self.state.tool_calls + len(done))
+        if self.sourced is not None:
+            await self._refresh_tools()  # the tools may have changed during the pause
         return await self._answer_batch(self.state.turns, batch, list(state.results), None,
                                         state.repair, decided_results(decisions))
 

@@ -14,7 +14,7 @@ import inspect
 import json
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
 
 import anyio.to_thread
@@ -25,7 +25,7 @@ from loopengine._context import ToolContext
 from loopengine._errors import ConfigError, ToolInputError
 from loopengine._jsonschema import check_schema, schema_errors
 
-__all__ = ["Tool", "ToolInputError", "check_tool_name", "tool"]
+__all__ = ["Tool", "ToolInputError", "ToolSource", "check_tool_name", "expand_tools", "tool"]
 
 logger = logging.getLogger("loopengine")
 
@@ -198,6 +198,49 @@ class Tool:
             # one): its result is what it awaits to, as a judge's is.
             return await value
         return value
+
+
+class ToolSource:
+    """Tools that may change while a run uses them (`loopengine.mcp.MCPServer`).
+
+    Given among a run's ``tools``, a source is read when the run starts, again
+    before each turn's request is built and before each tool batch runs: a
+    turn offers the tools the source has then, and a call is checked against
+    (and answered by) the tool of its name then; a call of a tool the source
+    no longer has is answered as any unknown tool's (docs/tools.md).
+    """
+
+    @property
+    def tools(self) -> tuple[Tool, ...]:
+        """The tools as last known."""
+        raise NotImplementedError
+
+    async def current_tools(self) -> tuple[Tool, ...]:
+        """The tools now: waits for a change the source has heard of to be read."""
+        return self.tools
+
+    def offers(self, name: str) -> bool:
+        """Whether a tool of this name may come from this source (a resume given
+        the source does not ask for a tool of that name the source dropped)."""
+        return True
+
+
+def expand_tools(given: Sequence[Tool | ToolSource]) -> tuple[Tool, ...]:
+    """The tools of ``given``, each source's as it has them now, in order.
+
+    Raises:
+        ConfigError: a source cannot give its tools (an MCP server not open).
+    """
+    tools: list[Tool] = []
+    for i, item in enumerate(given):
+        if isinstance(item, Tool):
+            tools.append(item)
+            continue
+        try:
+            tools.extend(item.tools)
+        except RuntimeError as error:
+            raise ConfigError(f"tools[{i}]", str(error)) from None
+    return tuple(tools)
 
 
 def describe_validation_error(error: pydantic.ValidationError) -> str:

@@ -783,12 +783,18 @@ def _short(value: object) -> str:
     return f"a {type(value).__name__}"
 
 
+def decoded_size(data: object) -> int | None:
+    """How many bytes ``data``'s base64 decodes to (None: it is not base64)."""
+    try:
+        return len(base64.b64decode(str(data), validate=True))
+    except (binascii.Error, ValueError):
+        return None
+
+
 def binary_note(what: str, mime: object, data: object) -> str:
     """The text standing for binary content a message cannot carry, read by the
     model in its place: ``[image: image/png, 68 bytes, not shown]`` (the size
     decoded from ``data``'s base64, or ``undecodable base64``)."""
-    try:
-        size = f"{len(base64.b64decode(str(data), validate=True))} bytes"
-    except (binascii.Error, ValueError):
-        size = "undecodable base64"
-    return f"[{what}: {mime}, {size}, not shown]"
+    size = decoded_size(data)
+    shown = "undecodable base64" if size is None else f"{size} bytes"
+    return f"[{what}: {mime}, {shown}, not shown]"

@@ -14,17 +14,24 @@ What a call's result becomes (docs/tools.md):
 * an MCP result with ``isError`` -> the handler raises `MCPToolError` with the
   result's text, so the model gets an ``is_error`` result (through the
   engine's ``tool_error_text`` hook, as any handler's error);
+* a result the SDK refuses (structured content that its tool's output
+  schema does not match) -> `MCPToolError`: the call was answered;
 * text -> text blocks; PNG, JPEG, GIF and WebP images -> image blocks; an
-  embedded PDF -> a document block; structured content -> its JSON as a text
-  block when the result has no other content (the protocol has a server
-  mirror it as text otherwise); audio, other binary data and resource links
-  -> a text block describing them;
+  embedded PDF -> a document block (data that is not base64 -> a note);
+  structured content -> its JSON as a text block when the result has no
+  other content (the protocol has a server mirror it as text otherwise);
+  audio, other binary data and resource links -> a text block describing them;
 * a dead server, a closed connection or a protocol failure -> the handler
   raises `MCPServerError` (an ``is_error`` result for that call), and the
   next call opens a new session, once; a call the engine cancels (its tool's
   timeout, the run's deadline, a cancelled run) leaves the session suspect of
   hanging, so the next call opens a new one too, while calls still running on
   the old session finish there.
+
+A server that announces changes to its tool list (``tools.listChanged``) is
+listed again when it says they changed; a run given the `MCPServer` itself
+(a `loopengine._tools.ToolSource`) in its ``tools`` reads them before each
+turn and each batch, so it offers and answers with the tools as they are.
 
 One `MCPServer` serves any number of concurrent runs over one session.
 """
@@ -44,7 +51,7 @@ import anyio.abc
 
 from loopengine import _validate
 from loopengine._errors import ConfigError, MCPServerError, MCPToolError
-from loopengine._tools import Tool, check_tool_name
+from loopengine._tools import Tool, ToolSource, check_tool_name
 
 try:
     import httpx2
@@ -52,6 +59,9 @@ try:
     from mcp import Client, MCPError, StdioServerParameters
     from mcp.client.stdio import stdio_client
     from mcp.client.streamable_http import streamable_http_client
+    from mcp.client.subscriptions import SubscriptionLost
+    from mcp.shared.subscriptions import ToolsListChanged
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS as _MODERN
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "loopengine.mcp needs the official MCP SDK: pip install 'loopengine-core[mcp]'"
@@ -67,6 +77,10 @@ process start is slower than a call (``connect_timeout=``)."""
 
 _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
 """JSON-RPC error codes that blame the request, not the session it came on."""
+
+_RELISTEN_WAIT = 30.0
+"""The longest wait, in seconds, before opening again a stream announcing a
+server's tool changes that ended without bringing one (`MCPServer._listen`)."""
 
 _IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 """The image media types a tool result block may carry."""
@@ -150,6 +164,10 @@ class _Session:
         self.scope = anyio.CancelScope()
         self.users = 0
         self.retired = False
+        self.group: anyio.abc.TaskGroup | None = None
+        """Runs the session's own tasks: its change subscription, a new listing."""
+        self.listening = False
+        """Whether a ``subscriptions/listen`` stream brings the tool list's changes."""
 
     def retire(self) -> None:
         self.retired = True
@@ -157,7 +175,7 @@ class _Session:
             self.stop.set()
 
 
-class MCPServer:
+class MCPServer(ToolSource):
     """An MCP server's tools, as `Tool` objects for `Engine.run`.
 
     Build one with `MCPServer.stdio` or `MCPServer.http`; ``async with
@@ -236,6 +254,16 @@ class MCPServer:
         self._sessions: set[_Session] = set()
         """Every session not yet closed: the current one and retired ones still in use."""
         self._lock = anyio.Lock()
+        self._listing: anyio.Event | None = None
+        """Set when a listing ends, while the tools are being listed again."""
+        self._relist = False
+        """A change was heard of that no listing under way has read yet."""
+        self._heard = 0
+        """Changes heard of so far."""
+        self._read = 0
+        """Changes heard of before the last listing (done or failed) began."""
+        self._opened = 0
+        """Sessions opened so far: a new one after the first lists the tools again."""
 
     @classmethod
     def stdio(
@@ -328,10 +356,30 @@ class MCPServer:
 
     @property
     def tools(self) -> tuple[Tool, ...]:
-        """The server's tools (inside ``async with server:``)."""
+        """The server's tools (inside ``async with server:``), as last listed: a
+        server that announces changes to its tool list is listed again when it
+        says it changed (and when a new session is opened)."""
         if self._tools is None:
             raise RuntimeError(f"{self!r}: use the tools inside `async with server:`")
         return self._tools
+
+    async def current_tools(self) -> tuple[Tool, ...]:
+        """The server's tools now: when the server said its tools changed and they
+        are being listed again, waits for that (at most ``connect_timeout``;
+        past it, the tools as last listed)."""
+        # Only the changes heard of so far: a server announcing changes without
+        # end must not hold a run for longer than two listings.
+        wanted = self._heard
+        with anyio.move_on_after(self.connect_timeout):
+            while self._read < wanted and self._listing is not None:
+                await self._listing.wait()
+        return self.tools
+
+    def offers(self, name: str) -> bool:
+        """Whether a tool of this name (with the prefix) may be one of the server's."""
+        if not name.startswith(self.prefix):
+            return False
+        return self.allow is None or name[len(self.prefix):] in self.allow
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -374,6 +422,7 @@ class MCPServer:
     async def _close(self) -> None:
         group, self._group, self._tools = self._group, None, None
         self._session = None
+        self._opened = 0  # a later `async with` starts afresh
         if group is None:
             return
         for session in self._sessions:
@@ -407,12 +456,30 @@ class MCPServer:
 
     async def _hold(self, session: _Session) -> None:
         """Hold one session open until it is stopped (runs in the server's task group)."""
+
+        async def heard(message: object) -> None:
+            # A handshake-era server announces a change on the session itself;
+            # a 2026 one on the listen stream (`_listen`), teed here too.
+            if isinstance(message, mcp_types.ToolListChangedNotification) \
+                    and not session.listening:
+                self._tools_changed(session)
+
         try:
             with session.scope:
-                async with Client(self._transport(), cache=None) as client:
-                    session.client = client
+                async with Client(self._transport(), cache=None,
+                                  message_handler=heard) as client, \
+                        anyio.create_task_group() as group:
+                    session.client, session.group = client, group
+                    if _announces_changes(client):
+                        # Not waited for: a server that never acknowledges the
+                        # subscription must not keep its tools from being used.
+                        group.start_soon(self._listen, session, client)
                     session.ready.set()
+                    self._opened += 1
+                    if self._opened > 1:
+                        self._tools_changed(session)  # a new process may have others
                     await session.stop.wait()
+                    group.cancel_scope.cancel()
         except Exception as error:
             # Never let a failing connection reach the task group: it would
             # cancel the caller's `async with server:` block.
@@ -428,6 +495,88 @@ class MCPServer:
             if session.error is None and session.client is None:
                 session.error = MCPServerError("the connection was cancelled")
             session.ready.set()
+
+    async def _listen(self, session: _Session, client: Client) -> None:
+        """Hear of the tool list's changes on a ``subscriptions/listen`` stream (the
+        2026 protocol), until the session ends. A stream that ends (the server
+        closed it, or it was lost: an idle HTTP stream reaches its read
+        timeout) is opened again, after a wait that grows while streams end
+        without bringing a change (1 s, doubling, at most `_RELISTEN_WAIT`)."""
+        wait = 0.0
+        while True:
+            try:
+                async with client.listen(tools_list_changed=True) as subscription:
+                    if not subscription.honored.tools_list_changed:
+                        logger.info("MCP server %s: it does not announce its tool list's "
+                                    "changes on a listen stream", self.label)
+                        return
+                    session.listening = True
+                    if self._tools is not None:
+                        # Listed before this stream began: a change in between
+                        # is not replayed, so the tools are listed again.
+                        self._tools_changed(session)
+                    async for event in subscription:
+                        wait = 0.0
+                        if isinstance(event, ToolsListChanged):
+                            self._tools_changed(session)
+                ended = "it was closed"
+            except SubscriptionLost as error:
+                ended = _describe(error)
+            except Exception as error:
+                logger.info("MCP server %s: its tool list's changes are not heard of: %s",
+                            self.label, _describe(error))
+                return
+            finally:
+                session.listening = False
+            logger.debug("MCP server %s: the stream announcing its tool changes ended (%s); "
+                         "listening again", self.label, ended)
+            await anyio.sleep(wait)
+            wait = min(max(2 * wait, 1.0), _RELISTEN_WAIT)
+
+    def _tools_changed(self, session: _Session) -> None:
+        """The server said its tools changed: list them again (one listing at a
+        time; a change heard of during one is read by another)."""
+        if session is not self._session or session.group is None or self._group is None:
+            return  # an old session's news: the current one's listing counts
+        self._relist = True
+        self._heard += 1
+        if self._listing is None:
+            self._listing = anyio.Event()
+            session.group.start_soon(self._list_again, session)
+
+    async def _list_again(self, session: _Session) -> None:
+        """List the tools again while a change waits to be read; a listing that
+        fails keeps the tools as they were."""
+        try:
+            while self._relist and session is self._session:
+                self._relist = False
+                heard = self._heard
+                assert session.client is not None
+                try:
+                    with anyio.fail_after(self.connect_timeout):
+                        listed = await _list_tools(session.client)
+                except Exception as error:
+                    logger.warning("MCP server %s: its tools changed, but listing them "
+                                   "again failed (%s); they stay as they were", self.label,
+                                   _describe(error))
+                else:
+                    if self._group is not None:
+                        before = [t.definition for t in self._tools or ()]
+                        self._tools = self._build_tools(listed, strict=False)
+                        if [t.definition for t in self._tools] != before:
+                            logger.info("MCP server %s: its tools are now %s", self.label,
+                                        ", ".join(t.name for t in self._tools) or "none")
+                # Waiters for the changes this listing read (or failed to) go on.
+                self._read = heard
+                ended, self._listing = self._listing, anyio.Event()
+                if ended is not None:
+                    ended.set()
+        finally:
+            listing, self._listing = self._listing, None
+            if listing is not None:
+                listing.set()
+            if self._relist and self._session is not None and self._session is not session:
+                self._tools_changed(self._session)  # heard of on the session that replaced it
 
     async def _current(self) -> _Session:
         """The session a call should use, connected; a new one if the last was lost."""
@@ -446,29 +595,49 @@ class MCPServer:
 
     # -- tools --------------------------------------------------------------------------
 
-    def _build_tools(self, listed: Sequence[mcp_types.Tool]) -> tuple[Tool, ...]:
+    def _build_tools(self, listed: Sequence[mcp_types.Tool], *,
+                     strict: bool = True) -> tuple[Tool, ...]:
+        """The listed tools as `Tool` objects. ``strict`` (the first listing, at
+        ``async with``): a setting naming a tool the server lacks, or a tool
+        that cannot be one, is a `ConfigError`. A later listing (the tools
+        changed) leaves such a tool out, saying so in the log: the server may
+        drop a tool it had, and a run using the tools goes on."""
         names = {item.name for item in listed}
         for field, named in (("allow", self.allow or frozenset()),
                              ("approval", _named(self.approval)),
                              ("idempotent", _named(self.idempotent))):
-            if not named <= names:
+            if strict and not named <= names:
                 missing = ", ".join(sorted(named - names))
                 raise ConfigError(field, f"MCP server {self.label} has no tool {missing} "
                                          f"(it has: {', '.join(sorted(names)) or 'none'})")
-        tools = []
+        tools: dict[str, Tool] = {}
+        # A tool listed again unchanged stays the same object (built, and warned
+        # about, once).
+        kept = {} if strict or self._tools is None else {t.name: t for t in self._tools}
         for item in listed:
             if self.allow is not None and item.name not in self.allow:
                 continue
             name = self.prefix + item.name
             try:
-                tools.append(Tool(name, item.description or "", dict(item.input_schema),
-                                  self._handler(item.name), timeout=self.timeout,
-                                  approval=_setting_for(self.approval, item.name),
-                                  idempotent=_setting_for(self.idempotent, item.name)))
+                if name in tools:
+                    raise ConfigError("name", f"the server lists two tools named {item.name!r}")
+                same = kept.get(name)
+                if same is not None and same.description == (item.description or "") \
+                        and same.input_schema == item.input_schema:
+                    tools[name] = same
+                    continue
+                tools[name] = Tool(name, item.description or "", dict(item.input_schema),
+                                   self._handler(item.name), timeout=self.timeout,
+                                   approval=_setting_for(self.approval, item.name),
+                                   idempotent=_setting_for(self.idempotent, item.name))
             except ConfigError as error:
-                raise ConfigError(error.field, f"MCP server {self.label}, tool {item.name!r}: "
-                                  f"{error}; leave it out with allow=") from None
-        return tuple(tools)
+                if strict:
+                    raise ConfigError(error.field, f"MCP server {self.label}, tool "
+                                      f"{item.name!r}: {error}; leave it out with allow=") \
+                        from None
+                logger.warning("MCP server %s: its tool %r is left out: %s", self.label,
+                               item.name, error)
+        return tuple(tools.values())
 
     def _handler(self, name: str) -> Callable[[dict[str, Any]], Any]:
         async def call(arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
@@ -498,6 +667,11 @@ class MCPServer:
             # other (an internal error, a terminated session) may not have.
             kept = error.code in _REQUEST_ERRORS
             raise MCPToolError(f"{name}: {error.message}") from error
+        except RuntimeError as error:
+            # The SDK's check of the result it received against the tool's output
+            # schema: the call ran once and was answered, the session is sound.
+            kept = True
+            raise MCPToolError(f"{name}: its result was refused: {error}") from error
         except Exception as error:
             raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
                                  "the result is not known", result_unknown=True) from error
@@ -522,6 +696,15 @@ async def _http_transport(url: str, headers: dict[str, str]) -> AsyncIterator[An
     async with httpx2.AsyncClient(headers=headers, timeout=timeout) as http, \
             streamable_http_client(url, http_client=http) as streams:
         yield streams
+
+
+def _announces_changes(client: Client) -> bool:
+    """Whether the server says it announces changes to its tool list and the
+    session hears of them on a ``subscriptions/listen`` stream (the 2026
+    protocol; a handshake-era server sends them on the session unasked)."""
+    tools = client.server_capabilities.tools
+    return bool(tools is not None and tools.list_changed
+                and client.protocol_version in _MODERN)
 
 
 async def _list_tools(client: Client) -> list[mcp_types.Tool]:
@@ -570,8 +753,10 @@ def _block(item: Any) -> dict[str, Any]:
     """One MCP content item as an Anthropic content block."""
     if isinstance(item, mcp_types.TextContent):
         return {"type": "text", "text": item.text}
+    # Binary data that is not base64 would make the API refuse the whole next
+    # request: the model reads a note in its place.
     if isinstance(item, mcp_types.ImageContent):
-        if item.mime_type in _IMAGE_TYPES:
+        if item.mime_type in _IMAGE_TYPES and _validate.decoded_size(item.data) is not None:
             return {"type": "image", "source": {"type": "base64", "media_type": item.mime_type,
                                                 "data": item.data}}
         return _binary_note("image", item.mime_type, item.data)
@@ -585,6 +770,8 @@ def _block(item: Any) -> dict[str, Any]:
         if isinstance(resource, mcp_types.TextResourceContents):
             return {"type": "text", "text": resource.text}
         mime = resource.mime_type or "application/octet-stream"
+        if _validate.decoded_size(resource.blob) is None:
+            return _binary_note(f"resource {resource.uri}", mime, resource.blob)
         if mime in _IMAGE_TYPES:
             return {"type": "image", "source": {"type": "base64", "media_type": mime,
                                                 "data": resource.blob}}

@@ -1,9 +1,11 @@
 """An MCP server built with the ``mcp`` SDK's own `MCPServer` class, for the tests.
 
-Run as ``python server.py stdio``, ``python server.py http [PORT]`` (prints
+Run as ``python server.py stdio``, ``python server.py legacy`` (stdio, the
+2025 handshake era only), ``python server.py http [PORT]`` (prints
 the port it listens on, 127.0.0.1, then serves ``/mcp``) or ``python
 server.py exit`` (a server that exits before it answers anything) or ``python
-server.py mute`` (one that runs but never answers).
+server.py mute`` (one that runs but never answers) or ``python server.py odd`` (stdio, on the
+SDK's low-level server class: results the high-level one would refuse).
 """
 
 from __future__ import annotations
@@ -14,19 +16,84 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import mcp_types
 import uvicorn
+from mcp.server.lowlevel import Server as LowLevelServer
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
 # A 1x1 transparent PNG.
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
 )
 
-server = MCPServer("loopengine-test")
+class Server(MCPServer):
+    """The SDK's server, telling a waiting tool when a client lists the tools."""
+
+    listed: anyio.Event | None = None
+
+    async def list_tools(self) -> list[mcp_types.Tool]:
+        tools = await super().list_tools()
+        if self.listed is not None:
+            self.listed.set()
+        return tools
+
+
+bus = InMemorySubscriptionBus()
+server = Server("loopengine-test", subscriptions=bus)
+# The SDK's own listen handler, held here so that `end_listens` can close its streams.
+listens = ListenHandler(bus)
+server._lowlevel_server.add_request_handler(
+    "subscriptions/listen", mcp_types.SubscriptionsListenRequestParams, listens)
+
+
+def _added(name: str) -> Callable[[str], str]:
+    def added(text: str) -> str:
+        return f"{name} heard {text}"
+
+    return added
+
+
+@server.tool()
+async def change(ctx: Context, add: str = "", drop: str = "", require: str = "") -> str:
+    """Change this server's tools: add a tool named ``add`` (input ``text``), drop the
+    tool ``drop``, and make ``echo`` require the property ``require`` too; announce
+    the change, and answer once the client has listed the tools again."""
+    if add:
+        server.add_tool(_added(add), name=add, description=f"The {add} tool.")
+    if drop:
+        server.remove_tool(drop)
+    if require:
+        server.remove_tool("echo")
+
+        def echo(text: str, extra: str) -> str:
+            return text + extra
+
+        server.add_tool(echo, name="echo", description="Say the text back, and more.")
+    server.listed = anyio.Event()
+    # The 2026 protocol announces it on the client's listen stream; the handshake
+    # era on the session (each is a no-op on the other's connections).
+    await ctx.notify_tools_changed()
+    await ctx.session.send_tool_list_changed()
+    with anyio.fail_after(30):
+        await server.listed.wait()
+    return "changed"
+
+
+@server.tool()
+async def end_listens() -> str:
+    """End every client's listen stream, as a server does on its own, and answer once
+    a client has listed the tools again (which a client that listens again does)."""
+    server.listed = anyio.Event()
+    listens.close()
+    with anyio.fail_after(30):
+        await server.listed.wait()
+    return "ended"
 
 
 @server.tool()
@@ -103,6 +170,43 @@ def header(name: str, ctx: Context) -> str:
     return "" if request is None else str(request.headers.get(name, ""))
 
 
+# A server on the SDK's low-level class, whose results its high-level one would
+# not let out: structured content its output schema refuses, an image whose
+# data is not base64.
+async def _odd_list(ctx: Any, params: Any) -> mcp_types.ListToolsResult:
+    return mcp_types.ListToolsResult(tools=[
+        mcp_types.Tool(name="mismatched", description="A total, misreported.",
+                       input_schema={"type": "object"},
+                       output_schema={"type": "object", "properties": {"n": {"type": "integer"}},
+                                      "required": ["n"]}),
+        mcp_types.Tool(name="garbled", description="An image that is not base64.",
+                       input_schema={"type": "object"}),
+        mcp_types.Tool(name="pid", description="This server's process id.",
+                       input_schema={"type": "object"}),
+    ])
+
+
+async def _odd_call(ctx: Any, params: Any) -> mcp_types.CallToolResult:
+    if params.name == "mismatched":
+        return mcp_types.CallToolResult(content=[mcp_types.TextContent(text='{"n": "three"}')],
+                                        structured_content={"n": "three"})
+    if params.name == "garbled":
+        return mcp_types.CallToolResult(content=[
+            mcp_types.ImageContent(data="not base64!", mime_type="image/png"),
+            mcp_types.EmbeddedResource(resource=mcp_types.BlobResourceContents(
+                uri="file:///a.pdf", blob="%PDF raw", mime_type="application/pdf"))])
+    return mcp_types.CallToolResult(content=[mcp_types.TextContent(text=str(os.getpid()))])
+
+
+odd = LowLevelServer("loopengine-odd", on_list_tools=_odd_list, on_call_tool=_odd_call)
+
+
+# A process started while the file named by LOOPENGINE_TEST_MARKER exists has one
+# more tool (a server started again with other tools).
+if os.path.exists(os.environ.get("LOOPENGINE_TEST_MARKER", "\0")):
+    server.add_tool(_added("reborn"), name="reborn", description="Only in a later process.")
+
+
 def serve_http(port: int) -> None:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # A restarted server takes the port back at once (tests/mcp's reconnection).
@@ -120,6 +224,29 @@ if __name__ == "__main__":
         server.run("stdio")
     elif mode == "http":
         serve_http(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    elif mode == "legacy":
+        # The handshake era only (2025 protocol): a change is announced on the session.
+        from mcp.server.lowlevel.server import NotificationOptions
+        from mcp.server.runner import serve_loop
+        from mcp.server.stdio import stdio_server
+
+        async def legacy() -> None:
+            lowlevel = server._lowlevel_server
+            options = lowlevel.create_initialization_options(
+                NotificationOptions(tools_changed=True))
+            async with stdio_server() as (read, write), lowlevel.lifespan(lowlevel) as state:
+                await serve_loop(lowlevel, read, write, lifespan_state=state,
+                                 init_options=options)
+
+        anyio.run(legacy)
+    elif mode == "odd":
+        from mcp.server.stdio import stdio_server
+
+        async def serve_odd() -> None:
+            async with stdio_server() as (read, write):
+                await odd.run(read, write, odd.create_initialization_options())
+
+        anyio.run(serve_odd)
     elif mode == "mute":
         threading.Event().wait()  # started, but never answers
     else:

@@ -203,6 +203,23 @@ async def test_other_content_kinds_map_to_documents_or_described_text(
     assert json.loads(structured["content"]) == {"total": 3, "unit": "kg"}
 
 
+async def test_binary_content_that_is_not_base64_is_a_note_not_a_block(
+    anthropic: Harness,
+) -> None:
+    """An image, or an embedded PDF, whose data is not base64 would make the API
+    refuse the whole next request (ending the run): the model reads a note in its
+    place, and the run completes."""
+    async with MCPServer.stdio(sys.executable, [SCRIPT, "odd"], allow={"garbled"}) as odd:
+        engine, _ = anthropic.engine(Reply.tool_calls(("garbled", {})), Reply.text("ok"))
+        result = await engine.run(operation(), "go", tools=odd.tools)
+    assert result.outcome is le.Outcome.COMPLETED
+    (garbled,) = tool_results(anthropic.requests[1])
+    assert garbled["content"] == [
+        {"type": "text", "text": "[image: image/png, undecodable base64, not shown]"},
+        {"type": "text",
+         "text": "[resource file:///a.pdf: application/pdf, undecodable base64, not shown]"}]
+
+
 async def test_max_calls_and_the_tool_budget_apply(anthropic: Harness) -> None:
     """A Tool built from an MCP tool takes a per-tool cap; the run's tool budget counts
     MCP calls like any others."""

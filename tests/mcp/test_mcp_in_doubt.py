@@ -7,18 +7,21 @@ the real Anthropic SDK on its loopback fake, a SQLite ledger."""
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 
 import pytest
 
 import loopengine as le
+from loopengine.mcp import MCPServer
 from loopengine.persistence import SQLiteLedger
 from loopengine.testing import Reply
 
 from ..adapter.conftest import Harness, tool_results
 from ..conftest import operation
-from .conftest import script_server
-from .test_mcp import audited_in_doubt, content_text
+from .conftest import SCRIPT, script_server
+from .test_mcp import audited_in_doubt, by_name, content_text
 
 pytestmark = [pytest.mark.slow, pytest.mark.realtime]
 
@@ -46,3 +49,32 @@ async def test_a_call_whose_server_died_during_it_is_in_doubt_and_a_tool_error_f
     assert lost["is_error"] is True and "result is not known" in content_text(lost)
     assert sorted(statuses.values()) == ["failed", "in_doubt"]
     assert audited_in_doubt(path) == [("crash", "in_doubt")]
+
+
+async def test_a_result_its_output_schema_refuses_is_a_failed_call_on_a_kept_session(
+        anthropic: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The server answers ``mismatched`` with structured content its declared output
+    schema refuses (the SDK's check): the call ran once and was answered, so it is
+    ``failed``, not in doubt, the model gets an error naming the mismatch, and the
+    session is kept: the next call is answered by the same process."""
+    caplog.set_level(logging.INFO, logger="loopengine")
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        store = le.RunStore(ledger)
+        async with MCPServer.stdio(sys.executable, [SCRIPT, "odd"]) as odd:
+            pid = by_name(odd)["pid"]
+            before = await pid.invoke({})
+            engine, _ = anthropic.engine(
+                Reply.tool_calls(("mismatched", {})), Reply.text("done"),
+                ledger=ledger, run_store=store)
+            result = await engine.run(operation(total_time=60), "go", tools=odd.tools)
+            after = await pid.invoke({})
+        statuses = await store.tool_calls(result.invocation_id)
+    assert result.outcome is le.Outcome.COMPLETED
+    (refused,) = tool_results(anthropic.requests[1])
+    assert refused["is_error"] is True
+    assert "mismatched: its result was refused" in content_text(refused)
+    assert "result is not known" not in content_text(refused)
+    assert list(statuses.values()) == ["failed"]
+    assert audited_in_doubt(path) == []
+    assert before == after and "opening a new session" not in caplog.text

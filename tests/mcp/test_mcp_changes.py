@@ -1,0 +1,188 @@
+"""A server whose tools change during a run (``notifications/tools/list_changed``):
+tests/mcp/server.py, on the ``mcp`` SDK's own server class, adds, drops and
+redefines its tools and announces it, over stdio in the 2026 protocol (a
+``subscriptions/listen`` stream) and in the 2025 handshake era (on the session),
+and over streamable HTTP; runs given the server itself read its tools again
+before each turn and each batch. Its ``change`` tool answers only once the
+client has listed the tools again, so nothing here waits on time."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import loopengine as le
+from loopengine.mcp import MCPServer
+from loopengine.testing import Reply
+
+from ..adapter.conftest import Harness, tool_results
+from ..conftest import operation
+from .conftest import SCRIPT, HttpServer, script_server
+from .test_mcp import by_name, content_text
+
+pytestmark = [pytest.mark.slow, pytest.mark.realtime]
+
+
+def offered(request: Any) -> dict[str, dict[str, Any]]:
+    """The tools a recorded Messages API request offered, by name."""
+    return {t["name"]: t for t in request.body["tools"]}
+
+
+def server_in(mode: str, http_server: HttpServer | None, **kwargs: Any) -> MCPServer:
+    if mode == "http":
+        assert http_server is not None
+        return MCPServer.http(http_server.url, **kwargs)
+    return MCPServer.stdio(sys.executable, [SCRIPT, mode], **kwargs)
+
+
+@pytest.fixture(params=["stdio", "legacy", "http"])
+def mode(request: pytest.FixtureRequest) -> str:
+    """stdio in the 2026 protocol, stdio in the 2025 handshake era, streamable HTTP."""
+    return str(request.param)
+
+
+async def test_the_next_turn_offers_the_changed_tools_and_calls_obey_them(
+    mode: str, request: pytest.FixtureRequest, anthropic: Harness,
+) -> None:
+    """A call of ``change`` adds ``extra``, drops ``add`` and gives ``echo`` a second
+    required property. The next turn offers exactly the new list; its calls are
+    checked against it: ``extra`` runs on the server, ``echo`` without the new
+    property is invalid input, ``add`` is an unknown tool. The run completes."""
+    http_server = request.getfixturevalue("http_server") if mode == "http" else None
+    async with server_in(mode, http_server, allow=None) as server:
+        before = {t.name for t in server.tools}
+        engine, _ = anthropic.engine(
+            Reply.tool_calls(("change", {"add": "extra", "drop": "add", "require": "more"})),
+            Reply.tool_calls(("extra", {"text": "hi"}), ("echo", {"text": "a"}),
+                             ("add", {"a": 1, "b": 2})),
+            Reply.text("done"))
+        result = await engine.run(operation(), "go", tools=[server])
+        after = {t.name for t in server.tools}
+    assert result.outcome is le.Outcome.COMPLETED
+    assert after == before - {"add"} | {"extra"}
+    first, second = offered(anthropic.requests[0]), offered(anthropic.requests[1])
+    assert set(first) == before and set(second) == after
+    assert first["echo"]["input_schema"]["required"] == ["text"]
+    assert second["echo"]["input_schema"]["required"] == ["text", "extra"]
+    (changed,) = tool_results(anthropic.requests[1])
+    assert content_text(changed) == "changed"
+    extra, echo, add = tool_results(anthropic.requests[2])
+    assert content_text(extra) == "extra heard hi" and "is_error" not in extra
+    assert echo["is_error"] is True and "Invalid input for echo" in content_text(echo)
+    assert add["is_error"] is True and "There is no tool named 'add'" in content_text(add)
+
+
+async def test_a_tool_dropped_during_a_pause_is_an_unknown_tool_on_resume(
+    anthropic: Harness,
+) -> None:
+    """An ``echo`` call waits for approval; meanwhile the server drops ``echo``. The
+    resume, given the server, is not refused for the missing tool: the approved
+    call is answered as an unknown tool's (it never reaches the server), and the
+    run goes on to complete."""
+    async with script_server(allow=None, approval={"echo"}) as server:
+        engine, _ = anthropic.engine(Reply.tool_calls(("echo", {"text": "hi"})),
+                                     Reply.text("It is gone."))
+        paused = await engine.run(operation(), "go", tools=[server])
+        assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+        (pending,) = paused.pending
+        assert await by_name(server)["change"].invoke({"drop": "echo"}) == "changed"
+        resumed = await engine.resume(paused.state, decisions={pending.id: le.Approve()},
+                                      tools=[server])
+    assert resumed.outcome is le.Outcome.COMPLETED
+    (gone,) = tool_results(anthropic.requests[1])
+    assert gone["is_error"] is True
+    assert "There is no tool named 'echo'" in content_text(gone)
+    assert "echo" not in offered(anthropic.requests[1])
+
+
+async def test_a_new_server_tool_named_like_a_local_tool_is_left_out(
+    anthropic: Harness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server adds a tool named like one of the run's own: the run's own keeps
+    the name (it answers the call), the server's is left out, said once in the
+    log; the run is not ended by the change."""
+
+    @le.tool
+    def extra(text: str) -> str:
+        """The local tool."""
+        return f"local {text}"
+
+    caplog.set_level(logging.WARNING, logger="loopengine")
+    async with script_server(allow=None) as server:
+        engine, _ = anthropic.engine(
+            Reply.tool_calls(("change", {"add": "extra"})),
+            Reply.tool_calls(("extra", {"text": "hi"})), Reply.text("done"))
+        result = await engine.run(operation(), "go", tools=[extra, server])
+    assert result.outcome is le.Outcome.COMPLETED
+    names = [t["name"] for t in anthropic.requests[2].body["tools"]]
+    assert names[0] == "extra" and names.count("extra") == 1 and "change" in names
+    (answer,) = tool_results(anthropic.requests[2])
+    assert content_text(answer) == "local hi"
+    assert caplog.text.count("a name the run's other tools have: it is left out") == 1
+
+
+async def test_a_server_outside_its_block_is_refused_before_anything_is_sent(
+    anthropic: Harness,
+) -> None:
+    """``tools=[server]`` before ``async with server:`` is a ConfigError naming it."""
+    engine, _ = anthropic.engine(Reply.text("never sent"))
+    with pytest.raises(le.ConfigError) as raised:
+        await engine.run(operation(), "go", tools=[script_server()])
+    assert raised.value.field == "tools[0]"
+    assert not anthropic.requests
+
+
+async def test_a_listen_stream_the_server_ends_is_opened_again(anthropic: Harness) -> None:
+    """The server ends its listen streams (as an idle HTTP stream ends at its read
+    timeout): the client listens again, lists the tools again (changes are not
+    replayed; the tools that did not change stay the same objects), and hears of the
+    next change, which the next turn offers."""
+    async with script_server(allow=None) as server:
+        tools = by_name(server)
+        assert await tools["end_listens"].invoke({}) == "ended"
+        # Listed again unchanged: the same Tool objects (built, and logged about, once).
+        assert all(a is b for a, b in zip(tools.values(), await server.current_tools(),
+                                          strict=True))
+        engine, _ = anthropic.engine(Reply.tool_calls(("change", {"add": "extra"})),
+                                     Reply.text("done"))
+        result = await engine.run(operation(), "go", tools=[server])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert "extra" not in offered(anthropic.requests[0])
+    assert "extra" in offered(anthropic.requests[1])
+
+
+async def test_a_server_given_alone_is_refused_with_a_hint(anthropic: Harness) -> None:
+    """``tools=server`` (not a list) is a ConfigError on ``tools`` saying how to pass it."""
+    engine, _ = anthropic.engine(Reply.text("never sent"))
+    async with script_server(allow={"echo"}) as server:
+        with pytest.raises(le.ConfigError,
+                           match=r"single source .*pass tools=\[server\]") as raised:
+            await engine.run(operation(), "go", tools=server)  # type: ignore[arg-type]
+    assert raised.value.field == "tools" and not anthropic.requests
+
+
+@pytest.mark.parametrize("era", ["stdio", "legacy"])
+async def test_a_server_started_again_is_listed_again(
+    era: str, anthropic: Harness, tmp_path: Path,
+) -> None:
+    """The server's process dies; the next call starts it again, and the new process
+    has one more tool: it is listed again (whether or not it announces changes on
+    a listen stream), and the turn after offers and runs it."""
+    marker = tmp_path / "reborn"
+    async with MCPServer.stdio(sys.executable, [SCRIPT, era],
+                               env={"LOOPENGINE_TEST_MARKER": str(marker)}) as server:
+        assert "reborn" not in by_name(server)
+        marker.touch()  # for the next process only
+        engine, _ = anthropic.engine(
+            Reply.tool_calls(("crash", {})), Reply.tool_calls(("pid", {})),
+            Reply.tool_calls(("reborn", {"text": "hi"})), Reply.text("done"))
+        result = await engine.run(operation(), "go", tools=[server])
+    assert result.outcome is le.Outcome.COMPLETED
+    assert "reborn" not in offered(anthropic.requests[1])
+    assert "reborn" in offered(anthropic.requests[3])
+    (answer,) = tool_results(anthropic.requests[3])
+    assert content_text(answer) == "reborn heard hi"
