@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -130,7 +131,24 @@ async def call_test(function: Any, tmp_path: Path) -> None:
             server.close()
 
 
+@pytest.fixture
+def logger_levels() -> Iterator[None]:
+    """Puts back the loggers' levels a page's example sets (docs/observability.md
+    turns loopengine's logging to DEBUG): the tests after it run as they would alone."""
+    loggers = [logging.getLogger(), *(logger for logger in
+                                      logging.root.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    levels = {logger: logger.level for logger in loggers}
+    yield
+    for logger in logging.root.manager.loggerDict.values():
+        if isinstance(logger, logging.Logger) and logger not in levels:
+            logger.setLevel(logging.NOTSET)  # created by the page
+    for logger, level in levels.items():
+        logger.setLevel(level)
+
+
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.usefixtures("logger_levels")
 async def test_every_python_block_runs(
     path: Path, docs_server: FakeAnthropicServer, tmp_path: Path
 ) -> None:
