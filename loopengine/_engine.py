@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import pydantic
 
 from loopengine import _validate
-from loopengine._accounts import CreditAccounts
+from loopengine._accounts import CreditAccounts, recorded_account
 from loopengine._attribution import Attribution
 from loopengine._call import CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
@@ -432,7 +432,9 @@ class Engine:
                 ``Limits.pause_timeout`` (the invocation is then ended
                 ``time_limit``), or an invocation id the run store does not
                 hold, or (on an engine without a run store) a run whose state
-                a run store on the ledger keeps.
+                a run store on the ledger keeps, or a run that reserved its
+                credits on an account this engine would not charge (it has no
+                accounts, or its ``key`` names another).
             RunBusyError: another resume took the pause or holds the run, or
                 its process's lease has not expired; nothing was sent or recorded.
         """
@@ -465,6 +467,7 @@ class Engine:
             raise ConfigError("state", f"run {state.invocation_id} keeps its state in a run "
                                        "store: resume it on an engine with "
                                        "run_store=RunStore(ledger)")
+        await self._check_resume_account(state)
         if stored is not None:
             stored.check_free(self.clock.wall(), force)
         # A stored run that is not paused was running when its process died:
@@ -540,6 +543,28 @@ class Engine:
         return await resume_loop(inv, spec, state, decided, recovering=recovering,
                                  undecided=undecided, release=release,
                                  adopt=self.run_store is not None and stored is None)
+
+    async def _check_resume_account(self, state: RunState) -> None:
+        """Refuse to resume a run that reserved its credits on an account on an
+        engine that would not charge that account: its resumed segment would
+        run unreserved and uncharged, and `audit reconcile` find the account
+        short of the run's credits.
+
+        Raises:
+            ConfigError: this engine has no accounts, or charges the run's
+                attribution to another account.
+        """
+        account = await recorded_account(self.ledger, state.invocation_id)
+        if account is None:
+            return
+        mine = None if self.accounts is None else self.accounts.account_for(state.attribution)
+        if mine == account:
+            return
+        here = ("this engine has no accounts" if self.accounts is None
+                else f"this engine's accounts charge it to {mine!r}")
+        raise ConfigError("state", f"run {state.invocation_id} reserved its credits on account "
+                                   f"{account!r}, and {here}: resume it on an engine with "
+                                   "accounts=CreditAccounts(ledger) that charges it there")
 
     async def _in_doubt(self, state: RunState, tools: tuple[Tool | ToolSource, ...]
                         ) -> tuple[PendingCall, ...]:
