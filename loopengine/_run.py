@@ -32,8 +32,8 @@ import pydantic
 from loopengine import _validate
 from loopengine._attempt import request, settle_cut
 from loopengine._context import context_for
-from loopengine._errors import ConfigError, MCPServerError, RunBusyError
-from loopengine._invocation import Invocation
+from loopengine._errors import ConfigError, LedgerError, MCPServerError, RunBusyError
+from loopengine._invocation import LEDGER_GRACE, Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
 from loopengine._lifecycle import begin, cancelled, failed, finish
 from loopengine._outcome import Outcome
@@ -1028,6 +1028,17 @@ class _Loop:
             detail = trip.message if trip else "the answer was accepted"
         self._close_unrun_calls(answered, f"Not run: the run ended {outcome.value} before "
                                           f"this call ran: {detail}.")
+        if inv.run_store is not None and inv.lease_owner is not None:
+            # A segment whose lease expired while it was only slow, and whose run
+            # another process took over, ends nothing: its end would overwrite
+            # the other's (its pause) and delete its stored state. This
+            # checkpoint raises RunBusyError then.
+            try:
+                await inv.confirm(self._checkpoint(None), at_least=LEDGER_GRACE)
+            except LedgerError:
+                # Not known to be taken over: the run ends as it came to.
+                logger.exception("run %s: its lease could not be checked before its end",
+                                 inv.id)
         await finish(inv, outcome.value, turns=self.state.turns,
                          tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
         return self._result(outcome, answer=answer, trip=trip, fault=fault, detail=detail)
