@@ -230,6 +230,30 @@ async def test_a_state_that_is_not_ours_is_a_config_error() -> None:
             le.RunState.loads(data)
 
 
+@pytest.mark.parametrize(("path", "value"), [
+    (("progress", "turns"), None), (("progress", "credits"), "x"),
+    (("progress", "tool_calls"), -1), (("progress", "cost_nanousd"), 1.5),
+    (("progress", "running_seconds"), "x"), (("progress", "descendant_credits"), None),
+    (("messages", 0), None), (("messages", 1), {}), (("messages", 1, "role"), "system"),
+    (("messages", 1, "content"), "text, not the reply's calls"),
+    (("messages", 1, "content", 0), "x"), (("results",), [1]), (("system",), ["x"]),
+], ids=lambda value: repr(value))
+async def test_a_state_damaged_in_its_counts_or_transcript_never_loads(
+        make_engine: EngineFactory, path: tuple[Any, ...], value: Any) -> None:
+    """A count that is not a non-negative integer (or seconds), or a transcript
+    that is not messages of blocks ending with the reply whose calls wait, is a
+    ConfigError at loads, never a TypeError deep in a resume that trusts it."""
+    _, _, _, paused, _ = await paused_run(make_engine, Reply.tool_calls(send("a")))
+    assert paused.state is not None
+    damaged = json.loads(paused.state.dumps())
+    at = damaged
+    for key in path[:-1]:
+        at = at[key]
+    at[path[-1]] = value
+    with pytest.raises(le.ConfigError, match="state"):
+        le.RunState.loads(json.dumps(damaged))
+
+
 async def test_a_state_round_trips_through_dumps_and_loads(make_engine: EngineFactory) -> None:
     """loads(dumps(state)) is the same state."""
     _, _, _, paused, _ = await paused_run(make_engine, Reply.tool_calls(send("a")))
