@@ -655,16 +655,18 @@ class HeldProvider(ScriptedProvider):
         return await super().send(request, **kwargs)
 
 
+@pytest.mark.parametrize("a_would", ["end", "pause"])
 async def test_a_process_whose_run_was_taken_over_ends_nothing_of_it(
-        ledger: Any, clock: FakeClock) -> None:
+        ledger: Any, clock: FakeClock, a_would: str) -> None:
     """Run A is slow on its second turn's request; B takes the run over (force),
     sends the turn again and pauses on a call that needs approval. A's reply
-    then answers: A raises RunBusyError before its end, so it neither ends the
+    then answers (or asks for a call that needs approval): A raises
+    RunBusyError before its end (or pause), so it neither ends nor pauses the
     invocation over B's pause nor deletes B's stored state, and B's pause
     resumes to its end."""
     charger, sender = Charger(), Sender()
-    slow = HeldProvider([Reply.tool_calls(("lookup", {"card": "4242"})),
-                         Reply.text("done by A")], clock=clock)
+    second = Reply.text("done by A") if a_would == "end" else Reply.tool_calls(send("eve"))
+    slow = HeldProvider([Reply.tool_calls(("lookup", {"card": "4242"})), second], clock=clock)
     store = le.RunStore(ledger)
     started: list[str] = []
     process_a = le.Engine(slow, ledger=ledger, clock=clock, prices=PRICES, run_store=store,
