@@ -403,7 +403,8 @@ class Engine:
             operation: The published operation to resume under, when the
                 state is not trusted: its limits are then the ceiling (the
                 state's limits only narrow them). Default: the operation the
-                state carries. It must have the same name.
+                state carries. It must have the same name, version, provider
+                and model (those the invocation was recorded with).
             tools: The run's tools, as given to `run`: every one of them (more
                 may be added; a tool a given MCP server dropped meanwhile is
                 not asked for).
@@ -499,9 +500,13 @@ class Engine:
         decided = {} if undecided else check_decisions(state.pending, decisions)
         if operation is None:
             operation = state.operation
-        elif not isinstance(operation, Operation) or operation.name != state.operation.name:
-            raise ConfigError("operation", f"must be the run's operation, "
-                                           f"{state.operation.name!r}")
+        elif not isinstance(operation, Operation) or _route(operation) != _route(
+                state.operation):
+            # The invocation's row names one version, route and model: a
+            # resumed segment sent elsewhere would be audited as the row's.
+            name, version, provider, model = _route(state.operation)
+            raise ConfigError("operation", f"must be the run's operation, {name!r} version "
+                                           f"{version!r} on {provider!r} model {model!r}")
         _check_resume_tools(state, tools, decided)
         _check_resume_output(state, output)
         inv, spec = self._prepare_run(
@@ -821,6 +826,11 @@ class Engine:
                             limits=limits, prices=self.prices, at=self.clock.wall(),
                             vendor=vendor_of(provider := self.provider_for(operation)),
                             geo=provider.inference_geo)
+
+
+def _route(operation: Operation) -> tuple[str, str, str, str]:
+    """What names a run's operation in its ledger row: name, version, route, model."""
+    return operation.name, operation.version, operation.provider, operation.model
 
 
 def normalize_messages(messages: Messages) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ The same rules through both shipped providers' wires: tests/pause_scenarios.py.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -340,6 +341,13 @@ async def test_a_published_operation_caps_the_limits_of_a_resumed_run(
         await engine.resume(paused.state, decisions=decisions, operation=le.Operation(
             name="another", provider="anthropic", model="claude-sonnet-4-5"),
             tools=[sender.tool, counter.tool])
+    # The same name on another version, route or model: the ledger row names the run's.
+    for other in ({"version": "2"}, {"model": "claude-haiku-4-5"},
+                  {"provider": "openai", "model": "gpt-4o-mini"}):
+        with pytest.raises(le.ConfigError, match="must be the run's operation, 'test.op'"):
+            await engine.resume(paused.state, decisions=decisions,
+                                operation=replace(operation(max_turns=3), **other),
+                                tools=[sender.tool, counter.tool])
     assert len(provider.requests) == 1 and sender.sent == []
     result = await engine.resume(paused.state, decisions=decisions,
                                  operation=operation(max_turns=3),
