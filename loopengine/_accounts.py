@@ -45,7 +45,7 @@ from loopengine.persistence._postgres import PostgresLedger
 from loopengine.persistence._schema import format_time
 from loopengine.persistence._sqlite import SQLiteLedger
 
-__all__ = ["AccountBalance", "CreditAccounts", "Reservation"]
+__all__ = ["AccountBalance", "CreditAccounts", "Reservation", "recorded_account"]
 
 T = TypeVar("T")
 
@@ -245,6 +245,20 @@ class CreditAccounts:
         now = format_time(self._clock.wall())
         return await self.ledger._transact_qmark(lambda conn: work(conn, now),
                                                  "the accounts could not be written")
+
+
+async def recorded_account(ledger: Any, invocation_id: str) -> str | None:
+    """The account the run ``invocation_id`` reserved its credits on, as its
+    journal says, or None: it never ran on an account (or ``ledger`` cannot
+    hold accounts), in one query.
+
+    Raises:
+        LedgerError: the database could not be read.
+    """
+    if not isinstance(ledger, SQLiteLedger | PostgresLedger):
+        return None
+    return await ledger._transact_qmark(lambda conn: store.account_of(conn, invocation_id),
+                                       "the accounts could not be read")
 
 
 def expiry(started_at: datetime, total_time: float | None, grace: float) -> datetime:

@@ -21,9 +21,10 @@ from loopengine._errors import ConfigError
 if TYPE_CHECKING:
     from loopengine._invocation import Invocation
     from loopengine._operation import Operation
+    from loopengine._pricing import PriceBook
     from loopengine._result import RunResult
 
-__all__ = ["DEFAULT_MAX_DEPTH", "ToolContext", "check_same_ledger"]
+__all__ = ["DEFAULT_MAX_DEPTH", "ToolContext", "check_same_credits", "check_same_ledger"]
 
 DEFAULT_MAX_DEPTH = 3
 """How deep delegated runs may nest by default: a root's children are at depth 1."""
@@ -76,15 +77,18 @@ class ToolContext:
         Args:
             operation: The child's operation (its limits, narrowed as above).
             messages: Its first user message, or message dicts, as for `Engine.run`.
-            engine: The `Engine` to run it on (this run's by default); it should
-                record on this run's ledger.
+            engine: The `Engine` to run it on (this run's by default); it must
+                record on this run's ledger and count credits in the same
+                units (its `PriceBook`'s ``credits_per_usd`` and
+                ``credit_quantum``).
             max_depth: How deep delegated runs may nest; a child past it is not run.
             **run_kwargs: `Engine.run`'s keywords (``tools``, ``system``,
                 ``output``, ``accept``, ``limits``, ...), but not ``attribution``.
 
         Raises:
             ConfigError: the child would nest past ``max_depth`` (nothing is
-                sent), ``attribution`` was given, or its input is bad. Raised in a
+                sent), ``attribution`` was given, ``engine`` records on another
+                ledger or counts credits in other units, or its input is bad. Raised in a
                 handler, it becomes that call's ``is_error`` result.
         """
         # Imported here: the delegation runs the tool loop, which builds contexts.
@@ -111,6 +115,29 @@ def check_same_ledger(field: str, child: object, parent: object, what: str) -> N
         raise ConfigError(field, f"{what} records on {child!r}{other}, but the calling run "
                                  f"on {parent!r}: a delegated run must record on its "
                                  "parent's ledger (give its Engine the same ledger object)")
+
+
+def check_same_credits(field: str, child: PriceBook, parent: PriceBook, what: str) -> None:
+    """Refuse a delegated run that counts credits in other units than its parent.
+
+    A child's credits are added to its ancestors' as they are spent: they
+    count against the root's hold and are settled on its account. Counted at
+    another ``credits_per_usd`` (or rounded to another ``credit_quantum``)
+    they would be a sum of two currencies: the tree's hold and account would
+    be charged a thousandth, or a thousand times, what the child spent.
+
+    Raises:
+        ConfigError: the two price books' ``credits_per_usd`` or
+            ``credit_quantum`` differ; names both.
+    """
+    if (child.credits_per_usd, child.credit_quantum) != (parent.credits_per_usd,
+                                                         parent.credit_quantum):
+        raise ConfigError(field, f"{what} counts credits at {child.credits_per_usd} per USD "
+                                 f"(quantum {child.credit_quantum}), but the calling run at "
+                                 f"{parent.credits_per_usd} per USD (quantum "
+                                 f"{parent.credit_quantum}): a delegated run's credits count "
+                                 "against its parent's hold and account, so give its Engine "
+                                 "a PriceBook with the same credits_per_usd and credit_quantum")
 
 
 def context_for(inv: Invocation, call_id: str) -> ToolContext:

@@ -21,7 +21,12 @@ from typing import Any
 import pydantic
 
 from loopengine import _validate
-from loopengine._context import DEFAULT_MAX_DEPTH, ToolContext, check_same_ledger
+from loopengine._context import (
+    DEFAULT_MAX_DEPTH,
+    ToolContext,
+    check_same_credits,
+    check_same_ledger,
+)
 from loopengine._engine import Engine, check_tools
 from loopengine._errors import ConfigError
 from loopengine._invocation import Invocation
@@ -62,6 +67,7 @@ async def run_child(
     if not isinstance(engine, Engine):
         raise ConfigError("engine", f"must be an Engine, got {_validate.shown(engine)}")
     check_same_ledger("engine", engine.ledger, parent.ledger, "the delegated run's engine")
+    check_same_credits("engine", engine.prices, parent.prices, "the delegated run's engine")
     if "attribution" in run_kwargs:
         raise ConfigError("attribution", "a delegated run is accounted to its parent's "
                                          "attribution")
@@ -118,9 +124,10 @@ def agent_tool(
 
     Args:
         engine: The `Engine` the child runs on. It must record on the calling
-            run's ledger (the same ledger object, or both none): a run given
-            this tool on another ledger is refused with a `ConfigError`
-            naming both, before anything is sent.
+            run's ledger (the same ledger object, or both none), and count
+            credits in the same units (its `PriceBook`'s ``credits_per_usd``
+            and ``credit_quantum``): a run given this tool otherwise is
+            refused with a `ConfigError` naming both, before anything is sent.
         operation: The child's operation.
         name: The tool's name.
         description: What the delegate does, for the calling model.

@@ -14,11 +14,11 @@ from typing import Any, TypeVar
 import pydantic
 
 from loopengine import _validate
-from loopengine._accounts import CreditAccounts
+from loopengine._accounts import CreditAccounts, recorded_account
 from loopengine._attribution import Attribution
 from loopengine._call import CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
-from loopengine._context import check_same_ledger
+from loopengine._context import check_same_credits, check_same_ledger
 from loopengine._errors import ConfigError, RunBusyError
 from loopengine._estimate import Estimate, estimate_run
 from loopengine._features import (
@@ -403,7 +403,8 @@ class Engine:
             operation: The published operation to resume under, when the
                 state is not trusted: its limits are then the ceiling (the
                 state's limits only narrow them). Default: the operation the
-                state carries. It must have the same name.
+                state carries. It must have the same name, version, provider
+                and model (those the invocation was recorded with).
             tools: The run's tools, as given to `run`: every one of them (more
                 may be added; a tool a given MCP server dropped meanwhile is
                 not asked for).
@@ -432,7 +433,9 @@ class Engine:
                 ``Limits.pause_timeout`` (the invocation is then ended
                 ``time_limit``), or an invocation id the run store does not
                 hold, or (on an engine without a run store) a run whose state
-                a run store on the ledger keeps.
+                a run store on the ledger keeps, or a run that reserved its
+                credits on an account this engine would not charge (it has no
+                accounts, or its ``key`` names another).
             RunBusyError: another resume took the pause or holds the run, or
                 its process's lease has not expired; nothing was sent or recorded.
         """
@@ -465,6 +468,7 @@ class Engine:
             raise ConfigError("state", f"run {state.invocation_id} keeps its state in a run "
                                        "store: resume it on an engine with "
                                        "run_store=RunStore(ledger)")
+        await self._check_resume_account(state)
         if stored is not None:
             stored.check_free(self.clock.wall(), force)
         # A stored run that is not paused was running when its process died:
@@ -496,9 +500,13 @@ class Engine:
         decided = {} if undecided else check_decisions(state.pending, decisions)
         if operation is None:
             operation = state.operation
-        elif not isinstance(operation, Operation) or operation.name != state.operation.name:
-            raise ConfigError("operation", f"must be the run's operation, "
-                                           f"{state.operation.name!r}")
+        elif not isinstance(operation, Operation) or _route(operation) != _route(
+                state.operation):
+            # The invocation's row names one version, route and model: a
+            # resumed segment sent elsewhere would be audited as the row's.
+            name, version, provider, model = _route(state.operation)
+            raise ConfigError("operation", f"must be the run's operation, {name!r} version "
+                                           f"{version!r} on {provider!r} model {model!r}")
         _check_resume_tools(state, tools, decided)
         _check_resume_output(state, output)
         inv, spec = self._prepare_run(
@@ -540,6 +548,28 @@ class Engine:
         return await resume_loop(inv, spec, state, decided, recovering=recovering,
                                  undecided=undecided, release=release,
                                  adopt=self.run_store is not None and stored is None)
+
+    async def _check_resume_account(self, state: RunState) -> None:
+        """Refuse to resume a run that reserved its credits on an account on an
+        engine that would not charge that account: its resumed segment would
+        run unreserved and uncharged, and `audit reconcile` find the account
+        short of the run's credits.
+
+        Raises:
+            ConfigError: this engine has no accounts, or charges the run's
+                attribution to another account.
+        """
+        account = await recorded_account(self.ledger, state.invocation_id)
+        if account is None:
+            return
+        mine = None if self.accounts is None else self.accounts.account_for(state.attribution)
+        if mine == account:
+            return
+        here = ("this engine has no accounts" if self.accounts is None
+                else f"this engine's accounts charge it to {mine!r}")
+        raise ConfigError("state", f"run {state.invocation_id} reserved its credits on account "
+                                   f"{account!r}, and {here}: resume it on an engine with "
+                                   "accounts=CreditAccounts(ledger) that charges it there")
 
     async def _in_doubt(self, state: RunState, tools: tuple[Tool | ToolSource, ...]
                         ) -> tuple[PendingCall, ...]:
@@ -612,9 +642,9 @@ class Engine:
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
         for tool in spec.tools:
             if tool.delegates_to is not None:
-                check_same_ledger("tools", tool.delegates_to.ledger, self.ledger,
-                                  f"tool {tool.name!r} runs its delegated run on an engine "
-                                  "that")
+                what = f"tool {tool.name!r} runs its delegated run on an engine that"
+                check_same_ledger("tools", tool.delegates_to.ledger, self.ledger, what)
+                check_same_credits("tools", tool.delegates_to.prices, self.prices, what)
         inv = self._invocation("run", operation, limits, retry, attribution, features=features,
                                observers=observers, text_sink=text_sink)
         check_server_tool_names(inv.features.server_tools, {
@@ -796,6 +826,11 @@ class Engine:
                             limits=limits, prices=self.prices, at=self.clock.wall(),
                             vendor=vendor_of(provider := self.provider_for(operation)),
                             geo=provider.inference_geo)
+
+
+def _route(operation: Operation) -> tuple[str, str, str, str]:
+    """What names a run's operation in its ledger row: name, version, route, model."""
+    return operation.name, operation.version, operation.provider, operation.model
 
 
 def normalize_messages(messages: Messages) -> list[dict[str, Any]]:

@@ -247,8 +247,8 @@ class RunState:
                 limits=Limits.from_mapping(raw["limits"]),
                 retry=RetryPolicy.from_mapping(raw["retry"]),
                 attribution=Attribution(**raw["attribution"]),
-                system=raw["system"],
-                messages=_list(raw["messages"]),
+                system=_blocks(raw["system"], optional=True),
+                messages=_messages(raw["messages"]),
                 given=int(raw["given"]),
                 final_tool=_text(raw["final_tool"]),
                 structured=bool(raw["structured"]),
@@ -261,10 +261,10 @@ class RunState:
                 pending=tuple(PendingCall(_text(i), _text(t), v, r)
                               for i, t, v, r in raw["pending"]),
                 batch=tuple(_text(i) for i in raw["batch"]),
-                results=_list(raw["results"]),
+                results=_blocks(raw["results"]),
                 repair=bool(raw["repair"]),
                 answered_calls={_text(k): int(v) for k, v in raw["answered_calls"].items()},
-                progress=Progress(usage=usage, **progress),
+                progress=_progress(Progress(usage=usage, **progress)),
                 paused_at=datetime.fromisoformat(raw["paused_at"]),
                 extra=dict(raw.get("extra") or {}),
             )
@@ -276,6 +276,11 @@ class RunState:
         if state.paused_at.tzinfo is None:
             raise ConfigError("state", f"has paused_at {raw['paused_at']!r} without a UTC "
                                        "offset")
+        last = state.messages[-1] if state.messages else {}
+        if state.batch and (last.get("role") != "assistant"
+                            or not isinstance(last.get("content"), list)):
+            raise ConfigError("state", "has a batch of tool calls, but its transcript does "
+                                       "not end with the reply that asked for them")
         for call in state.pending:
             if call.reason not in ("approval", "in_doubt"):
                 raise ConfigError("state", f"pending call {call.id} has reason {call.reason!r}")
@@ -336,6 +341,38 @@ def _list(value: object) -> list[Any]:
     if not isinstance(value, list):
         raise TypeError(f"expected a list, got {type(value).__name__}")
     return value
+
+
+def _blocks(value: object, *, optional: bool = False) -> Any:
+    """A list of JSON objects (content blocks), or None when ``optional``."""
+    if value is None and optional:
+        return None
+    for item in _list(value):
+        if not isinstance(item, dict):
+            raise TypeError(f"expected a JSON object, got {type(item).__name__}")
+    return value
+
+
+def _messages(value: object) -> list[Any]:
+    """A transcript: messages of a ``role`` and a ``content`` (text or blocks)."""
+    for message in _list(value):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise TypeError("expected a message of role 'user' or 'assistant', got "
+                            f"{_validate.shown(message)}")
+        if not isinstance(message.get("content"), str):
+            _blocks(message.get("content"))
+    return _list(value)
+
+
+def _progress(progress: Progress) -> Progress:
+    """``progress`` once each count is checked: non-negative integers, and seconds."""
+    for name in (f.name for f in fields(progress)):
+        if name == "running_seconds":
+            _validate.seconds("progress.running_seconds", progress.running_seconds,
+                              positive=False)
+        elif name != "usage":
+            _validate.integer(f"progress.{name}", getattr(progress, name), minimum=0)
+    return progress
 
 
 def check_decisions(pending: tuple[PendingCall, ...],

@@ -6,6 +6,7 @@ The same rules through both shipped providers' wires: tests/pause_scenarios.py.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -230,6 +231,30 @@ async def test_a_state_that_is_not_ours_is_a_config_error() -> None:
             le.RunState.loads(data)
 
 
+@pytest.mark.parametrize(("path", "value"), [
+    (("progress", "turns"), None), (("progress", "credits"), "x"),
+    (("progress", "tool_calls"), -1), (("progress", "cost_nanousd"), 1.5),
+    (("progress", "running_seconds"), "x"), (("progress", "descendant_credits"), None),
+    (("messages", 0), None), (("messages", 1), {}), (("messages", 1, "role"), "system"),
+    (("messages", 1, "content"), "text, not the reply's calls"),
+    (("messages", 1, "content", 0), "x"), (("results",), [1]), (("system",), ["x"]),
+], ids=lambda value: repr(value))
+async def test_a_state_damaged_in_its_counts_or_transcript_never_loads(
+        make_engine: EngineFactory, path: tuple[Any, ...], value: Any) -> None:
+    """A count that is not a non-negative integer (or seconds), or a transcript
+    that is not messages of blocks ending with the reply whose calls wait, is a
+    ConfigError at loads, never a TypeError deep in a resume that trusts it."""
+    _, _, _, paused, _ = await paused_run(make_engine, Reply.tool_calls(send("a")))
+    assert paused.state is not None
+    damaged = json.loads(paused.state.dumps())
+    at = damaged
+    for key in path[:-1]:
+        at = at[key]
+    at[path[-1]] = value
+    with pytest.raises(le.ConfigError, match="state"):
+        le.RunState.loads(json.dumps(damaged))
+
+
 async def test_a_state_round_trips_through_dumps_and_loads(make_engine: EngineFactory) -> None:
     """loads(dumps(state)) is the same state."""
     _, _, _, paused, _ = await paused_run(make_engine, Reply.tool_calls(send("a")))
@@ -316,6 +341,13 @@ async def test_a_published_operation_caps_the_limits_of_a_resumed_run(
         await engine.resume(paused.state, decisions=decisions, operation=le.Operation(
             name="another", provider="anthropic", model="claude-sonnet-4-5"),
             tools=[sender.tool, counter.tool])
+    # The same name on another version, route or model: the ledger row names the run's.
+    for other in ({"version": "2"}, {"model": "claude-haiku-4-5"},
+                  {"provider": "openai", "model": "gpt-4o-mini"}):
+        with pytest.raises(le.ConfigError, match="must be the run's operation, 'test.op'"):
+            await engine.resume(paused.state, decisions=decisions,
+                                operation=replace(operation(max_turns=3), **other),
+                                tools=[sender.tool, counter.tool])
     assert len(provider.requests) == 1 and sender.sent == []
     result = await engine.resume(paused.state, decisions=decisions,
                                  operation=operation(max_turns=3),

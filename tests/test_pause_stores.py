@@ -4,6 +4,7 @@ its account settles per running segment (docs/pause-and-resume.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from datetime import datetime
 from pathlib import Path
@@ -153,3 +154,37 @@ async def test_a_resume_at_exactly_its_hold_denied_says_what_it_asked_for(
     assert ("nothing to reserve for the 1 credit this resumed run asks for "
             "(120 of its hold already spent)") in denied.detail
     assert "hold of 1" not in denied.detail
+
+
+@pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
+async def test_a_run_paused_on_an_account_resumes_only_where_that_account_is_charged(
+        store_kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+        clock: FakeClock) -> None:
+    """A run that reserved on acme, resumed on an engine without accounts or one
+    whose key names another account: a ConfigError before anything is sent or
+    recorded (its segment would spend uncharged); on an engine charging acme it
+    resumes, and acme is charged the whole run."""
+    sender = Sender()
+    async with contextlib.AsyncExitStack() as stack:
+        if store_kind == "sqlite":
+            store: Any = stack.enter_context(SQLiteLedger(tmp_path / "ledger.db"))
+        else:
+            server: PostgresServer = request.getfixturevalue("postgres_server")
+            store = await stack.enter_async_context(
+                PostgresLedger(server.dsn(), schema=fresh_schema()))
+        _, provider, accounts, paused = await paused_on_account(store, clock, sender, 1000)
+        assert paused.state is not None
+        decisions = {paused.pending[0].id: le.Approve()}
+        elsewhere = le.CreditAccounts(store, key=lambda attribution: "globex")
+        for wrong in (None, elsewhere):
+            engine = le.Engine(provider, ledger=store, clock=clock, prices=PRICES,
+                               accounts=wrong)
+            with pytest.raises(le.ConfigError, match="reserved its credits on account 'acme'"):
+                await engine.resume(paused.state, decisions=decisions, tools=[sender.tool])
+        assert sender.sent == [] and len(provider.requests) == 1
+        assert (await store.read_progress(paused.invocation_id)).outcome == "paused"
+        engine = le.Engine(provider, ledger=store, clock=clock, prices=PRICES,
+                           accounts=accounts)
+        done = await engine.resume(paused.state, decisions=decisions, tools=[sender.tool])
+        assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+        assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 240, 0, 760)

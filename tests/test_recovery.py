@@ -639,6 +639,68 @@ async def test_a_process_whose_run_was_taken_over_gets_run_busy_and_records_noth
     assert len(provider.requests) == 1
 
 
+class HeldProvider(ScriptedProvider):
+    """A script whose second request waits, once it has arrived (``arrived``),
+    until ``release`` is set: a process slow on the wire."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.arrived, self.release = anyio.Event(), anyio.Event()
+
+    async def send(self, request: Any, **kwargs: Any) -> Any:
+        """Serve the next item; the second request only once released."""
+        if len(self.requests) == 1:
+            self.arrived.set()
+            await self.release.wait()
+        return await super().send(request, **kwargs)
+
+
+@pytest.mark.parametrize("a_would", ["end", "pause"])
+async def test_a_process_whose_run_was_taken_over_ends_nothing_of_it(
+        ledger: Any, clock: FakeClock, a_would: str) -> None:
+    """Run A is slow on its second turn's request; B takes the run over (force),
+    sends the turn again and pauses on a call that needs approval. A's reply
+    then answers (or asks for a call that needs approval): A raises
+    RunBusyError before its end (or pause), so it neither ends nor pauses the
+    invocation over B's pause nor deletes B's stored state, and B's pause
+    resumes to its end."""
+    charger, sender = Charger(), Sender()
+    second = Reply.text("done by A") if a_would == "end" else Reply.tool_calls(send("eve"))
+    slow = HeldProvider([Reply.tool_calls(("lookup", {"card": "4242"})), second], clock=clock)
+    store = le.RunStore(ledger)
+    started: list[str] = []
+    process_a = le.Engine(slow, ledger=ledger, clock=clock, prices=PRICES, run_store=store,
+                          observers=[lambda event: started.append(event.run_id) if isinstance(
+                              event, events.RunStarted) else None])
+    process_b, provider_b, _ = engine_on(ledger, clock, Reply.tool_calls(send("bob")),
+                                         Reply.text("done by B"))
+    tools = [*charger.tools, sender.tool]
+    outcome: list[BaseException] = []
+
+    async def run_a() -> None:
+        try:
+            await process_a.run(operation(total_time=600.0), "pay", tools=tools)
+        except le.RunBusyError as error:
+            outcome.append(error)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run_a)
+        await slow.arrived.wait()
+        (run_id,) = started
+        taken = await process_b.resume(run_id, tools=tools, force=True)
+        assert taken.outcome is le.Outcome.PAUSED
+        slow.release.set()
+    assert len(outcome) == 1 and isinstance(outcome[0], le.RunBusyError)
+    assert (await ledger.read_progress(run_id)).outcome == "paused"
+    stored = await store.load(run_id)
+    assert stored is not None and stored.paused_at is not None
+    done = await process_b.resume(run_id, tools=tools,
+                                  decisions={taken.pending[0].id: le.Approve()})
+    assert done.outcome is le.Outcome.COMPLETED and done.answer == "done by B"
+    assert sender.sent == ["bob"] and charger.runs == [("lookup", "4242")]
+    assert (await ledger.read_progress(run_id)).outcome == "completed"
+
+
 async def test_a_stale_state_of_an_ended_run_is_forgotten_by_the_resume_that_finds_it(
         ledger: Any, clock: FakeClock) -> None:
     """The run ended, but its process died before deleting its stored state: a

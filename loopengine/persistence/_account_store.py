@@ -16,8 +16,8 @@ from typing import Any
 
 from loopengine.guards._credits import turn_credits
 
-__all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "charged", "expire", "journal", "lock", "read",
-           "recover", "released", "running_descendants", "settled"]
+__all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "account_of", "charged", "expire", "journal",
+           "lock", "read", "recover", "released", "running_descendants", "settled"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -90,6 +90,14 @@ def released(conn: Any, invocation_id: str) -> bool:
         "COALESCE(SUM(CASE WHEN kind = 'release' THEN 1 ELSE 0 END), 0) "
         "FROM account_entries WHERE invocation_id = ?", (invocation_id,)).fetchone()
     return int(releases) >= int(reserves)
+
+
+def account_of(conn: Any, invocation_id: str) -> str | None:
+    """The account the invocation reserved its credits on (its first ``reserve``
+    entry), or None: it never ran on an account."""
+    row = conn.execute("SELECT account FROM account_entries WHERE invocation_id = ? "
+                       "AND kind = 'reserve' ORDER BY id LIMIT 1", (invocation_id,)).fetchone()
+    return None if row is None else str(row[0])
 
 
 def settled(conn: Any, invocation_id: str) -> int:

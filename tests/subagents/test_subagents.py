@@ -241,6 +241,43 @@ async def test_an_agent_tool_on_another_ledger_is_refused_at_run_start(
         await engine.run(route.named("parent.op"), "go", tools=[unrecorded])
 
 
+async def test_a_delegated_run_counting_credits_in_other_units_is_refused(
+    route: Route,
+) -> None:
+    """A child engine whose PriceBook counts credits at another rate (or quantum)
+    would add its spend to the parent's hold and account in another currency (a
+    thousandth of it here): an agent_tool on it is refused at run start, and
+    ctx.run on it at that call (an is_error result), before anything is sent."""
+    engine, ledger = route.wire.engine(
+        Reply.tool_calls(("delegate", {"task": "x"})), Reply.text("done alone"))
+    cheaper = le.PriceBook(list(engine.prices.prices),
+                           credits_per_usd=engine.prices.credits_per_usd / 1000)
+    coarser = le.PriceBook(list(engine.prices.prices),
+                           credits_per_usd=engine.prices.credits_per_usd, credit_quantum=10)
+    for prices in (cheaper, coarser):
+        other = le.Engine(engine.providers, ledger=ledger, prices=prices)
+        helper = le.agent_tool(other, route.named("child.op"), name="helper",
+                               description="Helps.")
+        with pytest.raises(le.ConfigError, match="counts credits at") as raised:
+            await engine.run(route.named("parent.op"), "go", tools=[helper])
+        assert raised.value.field == "tools"
+    assert ledger.invocations == {} and route.wire.requests == []
+
+    @le.tool
+    async def delegate(task: str, ctx: le.ToolContext) -> str:
+        """Delegates the task."""
+        result = await ctx.run(route.named("child.op"), task, engine=le.Engine(
+            engine.providers, ledger=ledger, prices=cheaper))
+        return str(result.answer)
+
+    result = await engine.run(route.named("parent.op"), "go", tools=[delegate])
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "done alone"
+    [refused] = last_results(result.messages[:3])
+    assert refused["is_error"] and "counts credits at" in str(refused["content"])
+    assert len(route.wire.requests) == 2
+    assert [r["operation"] for r in ledger.invocations.values()] == ["parent.op"]
+
+
 async def test_ctx_run_on_another_ledger_is_an_error_result_and_sends_nothing(
     route: Route,
 ) -> None:
