@@ -35,7 +35,7 @@ from loopengine._context import context_for
 from loopengine._errors import ConfigError, MCPServerError, RunBusyError
 from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
-from loopengine._lifecycle import begin, cancelled, failed, finish
+from loopengine._lifecycle import begin, cancelled, failed, finish, uninterrupted
 from loopengine._outcome import Outcome
 from loopengine._pause import (
     decided_results,
@@ -778,10 +778,18 @@ class _Loop:
             else:
                 self.answered_calls[known.name] = count + 1
 
-        async def tool_event(block: Mapping[str, Any], status: str, latency: float,
+        running: dict[int, float] = {}
+        """Calls announced ``started`` and not announced ended, with when they started."""
+
+        async def tool_event(index: int, status: str, latency: float,
                              error: str | None = None) -> None:
+            if status == "started":
+                running[index] = inv.clock.now()
+            else:
+                running.pop(index, None)
             if not observed:
                 return
+            block = batch[index]
             await inv.emit(ToolCallEvent(
                 run_id=inv.id, at=inv.clock.wall(), tool_name=str(block.get("name")),
                 status=status,  # type: ignore[arg-type]
@@ -825,14 +833,14 @@ class _Loop:
         async def answer(index: int, block: Mapping[str, Any]) -> None:
             name = str(block.get("name"))
             started = inv.clock.now()
-            await tool_event(block, "started", 0.0)
+            await tool_event(index, "started", 0.0)
             handler = self.tools.get(name)
             given = decided.get(str(block.get("id")))
             if given is not None:
                 text, denied = given
                 if not denied:
                     results[index] = _tool_result(block, text)
-                    await tool_event(block, "succeeded", 0.0)
+                    await tool_event(index, "succeeded", 0.0)
                     return
                 failed = "denied"
             elif name == self.spec.final_tool:
@@ -884,10 +892,10 @@ class _Loop:
                             unknown.add(index)
                     else:
                         results[index] = _tool_result(block, render_tool_output(value))
-                        await tool_event(block, "succeeded", inv.clock.now() - started)
+                        await tool_event(index, "succeeded", inv.clock.now() - started)
                         return
             results[index] = _tool_result(block, text, error=True)
-            await tool_event(block, "failed", inv.clock.now() - started, failed)
+            await tool_event(index, "failed", inv.clock.now() - started, failed)
 
         async def collect() -> None:
             for index, block in enumerate(batch):
@@ -896,8 +904,17 @@ class _Loop:
                     result = _tool_result(
                         block, "The tool call did not finish before the run's time ran out.",
                         error=True)
-                    await tool_event(block, "failed", inv.clock.now() - began, "deadline")
+                    await tool_event(index, "failed", inv.clock.now() - began, "deadline")
                 out.append(result)
+
+        async def end_cut() -> None:
+            # The calls whose handlers the run's end cut (the caller cancelled
+            # it, or an error ended it): each is announced ended, so that an
+            # observer never holds a call open. A run store records them
+            # ``in_doubt`` when the run ends (`RunStore.drop`): they may have
+            # done their work.
+            for index in sorted(running):
+                await tool_event(index, "failed", inv.clock.now() - running[index], "cancelled")
 
         began = inv.clock.now()
         try:
@@ -908,12 +925,16 @@ class _Loop:
                 raise taken_over[0]
         except anyio.get_cancelled_exc_class():
             if inv.deadline.remaining(inv.clock.now()) > 0:
+                await uninterrupted(end_cut)
                 raise  # the caller's cancellation
             # The run's deadline: the calls it cut get error results, which
             # `_deadline_passed` adds to the transcript.
             with anyio.CancelScope(shield=True):
                 await collect()
             self.cut_results = (out, len(batch))
+            raise
+        except BaseException:
+            await uninterrupted(end_cut)
             raise
         await collect()
 

@@ -86,7 +86,7 @@ GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 # fixed ones, the exception's class for a handler that raised, else _OTHER
 # (the conventions' fallback), so a span never carries free text.
 _TOOL_ERRORS = frozenset({"unknown tool", "invalid input", "deadline", "duplicate",
-                          "max_calls", "timeout"})
+                          "max_calls", "timeout", "cancelled"})
 _OTHER = "_OTHER"
 _DEFAULT_PORTS = {"https": 443, "http": 80}
 
@@ -112,7 +112,7 @@ def _tool_error_type(error: str | None) -> str:
     """The low-cardinality ``error.type`` of a failed tool call's ``error``.
 
     ``unknown tool``, ``invalid input``, ``deadline``, ``duplicate``,
-    ``max_calls`` and ``timeout`` are kept; ``handler raised ValueError``
+    ``max_calls``, ``timeout`` and ``cancelled`` are kept; ``handler raised ValueError``
     gives the exception's class name (``ValueError``); anything else is
     ``_OTHER``.
     """

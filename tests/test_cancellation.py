@@ -9,7 +9,7 @@ import pydantic
 import pytest
 
 import loopengine as le
-from loopengine.events import Event, RunEnded
+from loopengine.events import Event, RunEnded, ToolCallEvent
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import (
     Provider,
@@ -190,3 +190,56 @@ async def test_r03_a_call_that_fails_after_its_answer_was_served_is_charged_for_
     (invocation,) = ledger.invocations.values()
     assert invocation["outcome"] == "failed"
     assert invocation["credits"] == 120 and invocation["cost_nanousd"] > 0
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_call_cut_by_the_callers_cancellation_is_announced_ended(backend: str) -> None:
+    """Cancelled while one handler of a batch runs: that call's `ToolCallEvent`
+    says ``failed`` (``error`` ``cancelled``) before `RunEnded`, the call that
+    finished keeps its ``succeeded``, and the run store records the cut call
+    ``in_doubt`` (it may have done its work), the finished one ``succeeded``."""
+    seen: list[Event] = []
+    rows: dict[str, str] = {}
+
+    async def main() -> None:
+        entered = anyio.Event()
+
+        @le.tool
+        async def slow(key: str) -> str:
+            """Take forever."""
+            entered.set()
+            await anyio.sleep_forever()
+            raise AssertionError("unreachable")
+
+        @le.tool
+        async def fast(key: str) -> str:
+            """Answer at once."""
+            return key
+
+        ledger = MemoryLedger()
+        store = le.RunStore(ledger)
+        provider = ScriptedProvider([Reply.tool_calls(("slow", {"key": "a"}),
+                                                      ("fast", {"key": "b"}))])
+        engine = le.Engine(provider, ledger=ledger, prices=PRICES, run_store=store,
+                           observers=[seen.append])
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as group:
+                group.start_soon(lambda: engine.run(operation(), "go", tools=[slow, fast]))
+                await entered.wait()
+                scope.cancel()
+        assert scope.cancelled_caught
+        (invocation_id,) = ledger.invocations
+        assert ledger.invocations[invocation_id]["outcome"] == "cancelled"
+        rows.update(await store.tool_calls(invocation_id))
+
+    anyio.run(main, backend=backend)
+    calls = [(e.tool_name, e.status, e.error) for e in seen if isinstance(e, ToolCallEvent)]
+    assert sorted(calls) == sorted([("slow", "started", None), ("fast", "started", None),
+                                    ("fast", "succeeded", None), ("slow", "failed", "cancelled")])
+    assert calls[-1] == ("slow", "failed", "cancelled")
+    assert isinstance(seen[-1], RunEnded) and seen[-1].outcome == "cancelled"
+    ended = {e.tool_use_id: e.status for e in seen
+             if isinstance(e, ToolCallEvent) and e.status != "started"}
+    assert rows == {call_id: "in_doubt" if status == "failed" else status
+                    for call_id, status in ended.items()}
+    assert sorted(rows.values()) == ["in_doubt", "succeeded"]
