@@ -29,8 +29,8 @@ from loopengine.events import GuardTripped, RunEnded, RunStarted
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import InvocationEnd, InvocationStart
 
-__all__ = ["begin", "cancelled", "end_paused", "ending", "failed", "finish", "forget_run",
-           "uninterrupted", "write_if_paused"]
+__all__ = ["begin", "cancelled", "end_paused", "ending", "failed", "finish", "first_error",
+           "forget_run", "uninterrupted", "write_if_paused"]
 
 logger = logging.getLogger("loopengine")
 
@@ -66,6 +66,22 @@ async def uninterrupted(step: Callable[[], Awaitable[None]]) -> None:
             break
     if interrupted is not None:
         raise interrupted
+
+
+def first_error(grouped: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The exception a task group's group stands for: its first that is not a
+    cancellation (the others were cancelled because of it), else its first,
+    from nested groups too. Call it on the running event loop."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [grouped]
+    while pending:
+        error = pending.pop(0)
+        if isinstance(error, BaseExceptionGroup):
+            pending[:0] = error.exceptions
+        else:
+            leaves.append(error)
+    cancellation = anyio.get_cancelled_exc_class()
+    return next((e for e in leaves if not isinstance(e, cancellation)), leaves[0])
 
 
 async def begin(inv: Invocation) -> None:
@@ -252,7 +268,9 @@ async def ending(inv: Invocation, progress: Progress) -> AsyncIterator[None]:
     except anyio.get_cancelled_exc_class():
         await cancelled(inv, progress)
         raise
-    except Exception as error:
+    except (Exception, KeyboardInterrupt, SystemExit) as error:
+        # KeyboardInterrupt and SystemExit (a judge's, the process's) end it
+        # ``failed`` as an error does, then propagate.
         await failed(inv, error, progress)
         raise
 
@@ -268,7 +286,7 @@ async def cancelled(inv: Invocation, progress: Progress) -> None:
         await _cleanup(inv, "cancelled", progress)
 
 
-async def failed(inv: Invocation, error: Exception,
+async def failed(inv: Invocation, error: BaseException,
                  progress: Progress) -> None:
     """``error`` stopped the body of `ending`: record the invocation
     ``failed`` if it was begun and give ``error`` its attempt count; the

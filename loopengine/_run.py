@@ -35,7 +35,14 @@ from loopengine._context import context_for
 from loopengine._errors import ConfigError, MCPServerError, RunBusyError
 from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
-from loopengine._lifecycle import begin, cancelled, failed, finish, uninterrupted
+from loopengine._lifecycle import (
+    begin,
+    cancelled,
+    failed,
+    finish,
+    first_error,
+    uninterrupted,
+)
 from loopengine._outcome import Outcome
 from loopengine._pause import (
     decided_results,
@@ -316,7 +323,9 @@ class _Loop:
             self._release_permit()
             inv.ended = inv.announced = True
             raise
-        except Exception as error:
+        except (Exception, KeyboardInterrupt, SystemExit) as error:
+            # KeyboardInterrupt and SystemExit (a handler's, a judge's, the
+            # process's) end the run ``failed`` as an error does, then propagate.
             self._charge_cut_turn()
             self._release_permit()
             await failed(inv, error, self._progress)
@@ -800,14 +809,18 @@ class _Loop:
                 spend_usd=spend, tool_use_id=str(block.get("id")), turn=turn, error=error,
             ))
 
-        taken_over: list[RunBusyError] = []
+        stopped: list[BaseException] = []
+        """What stops the batch and is raised from the run's own task."""
 
         async def one(index: int, block: Mapping[str, Any]) -> None:
             try:
                 await answered(index, block)
-            except RunBusyError as error:
-                # Another process took the run over: no further handler runs here.
-                taken_over.append(error)
+            except (RunBusyError, KeyboardInterrupt, SystemExit) as error:
+                # Another process took the run over: no further handler runs
+                # here. A KeyboardInterrupt or SystemExit leaving this task
+                # would end an asyncio event loop before the run records its
+                # end: it is raised from the run's task instead.
+                stopped.append(error)
                 group.cancel_scope.cancel()
 
         async def answered(index: int, block: Mapping[str, Any]) -> None:
@@ -879,10 +892,11 @@ class _Loop:
                                 f"{late.seconds:g}s; its result is not known.")
                         failed = "timeout"
                         unknown.add(index)
-                    except Exception as error:
+                    except (Exception, GeneratorExit) as error:
                         # Raising is how a handler reports a failure to the model
                         # (R09), so a WARNING, not an ERROR; the traceback shows a
-                        # raise that was a bug.
+                        # raise that was a bug. (A GeneratorExit a handler raises
+                        # stops no generator of the engine's: it is such a raise.)
                         logger.warning("run %s: tool %s raised %s; the model gets an error "
                                        "result (R09)", inv.id, name, type(error).__name__,
                                        exc_info=withheld(error))
@@ -890,10 +904,32 @@ class _Loop:
                         failed = f"handler raised {type(error).__name__}"
                         if isinstance(error, MCPServerError) and error.result_unknown:
                             unknown.add(index)
+                    except anyio.get_cancelled_exc_class():
+                        raise
+                    except BaseException as error:
+                        # KeyboardInterrupt, SystemExit: never the model's to read.
+                        # The call ends here, then the run ends ``failed`` (`run`).
+                        await tool_event(index, "failed", inv.clock.now() - started,
+                                         f"handler raised {type(error).__name__}")
+                        raise
                     else:
-                        results[index] = _tool_result(block, render_tool_output(value))
-                        await tool_event(index, "succeeded", inv.clock.now() - started)
-                        return
+                        try:
+                            content = render_tool_output(value)
+                        except Exception as error:
+                            # A value JSON cannot carry (a key that is not a string,
+                            # a cycle, nesting too deep, a __str__ that raises): the
+                            # handler's bug, told to the model as a failed call.
+                            logger.warning("run %s: tool %s returned a value that cannot be "
+                                           "sent as its result (%s); the model gets an "
+                                           "error result", inv.id, name,
+                                           type(error).__name__, exc_info=withheld(error))
+                            text = (f"{name} returned a value that cannot be sent as a tool "
+                                    f"result ({type(error).__name__}).")
+                            failed = "invalid output"
+                        else:
+                            results[index] = _tool_result(block, content)
+                            await tool_event(index, "succeeded", inv.clock.now() - started)
+                            return
             results[index] = _tool_result(block, text, error=True)
             await tool_event(index, "failed", inv.clock.now() - started, failed)
 
@@ -921,8 +957,14 @@ class _Loop:
             async with anyio.create_task_group() as group:
                 for index, block in enumerate(batch):
                     group.start_soon(one, index, block)
-            if taken_over:
-                raise taken_over[0]
+            if stopped:
+                raise stopped[0]
+        except BaseExceptionGroup as grouped:
+            # What ended the task group (a ledger's error from a call's
+            # checkpoint, a handler's KeyboardInterrupt) reaches the run as it
+            # was raised, not in a group; the first, when several calls raised.
+            await uninterrupted(end_cut)
+            raise first_error(grouped) from None
         except anyio.get_cancelled_exc_class():
             if inv.deadline.remaining(inv.clock.now()) > 0:
                 await uninterrupted(end_cut)
