@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pydantic
 import pytest
 
 import loopengine as le
-from loopengine.events import Event, RunEnded, ToolCallEvent
+from loopengine.events import AttemptSettled, AttemptStarted, Event, RunEnded, ToolCallEvent
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import (
     Provider,
@@ -243,3 +244,41 @@ def test_a_call_cut_by_the_callers_cancellation_is_announced_ended(backend: str)
     assert rows == {call_id: "in_doubt" if status == "failed" else status
                     for call_id, status in ended.items()}
     assert sorted(rows.values()) == ["in_doubt", "succeeded"]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_attempt_cancelled_once_its_row_is_written_is_announced_then_settled(
+        backend: str) -> None:
+    """Cancelled just after an attempt's dispatch row was written, before it was
+    announced or sent: observers see its `AttemptStarted` and then its
+    `AttemptSettled` (``aborted``/``external``), as the ledger has it; never a
+    settle for an attempt they did not see start."""
+    seen: list[Event] = []
+    rows: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        with anyio.CancelScope() as scope:
+
+            class CancelsAfterDispatch(MemoryLedger):
+                async def dispatch_attempt(self, record: Any) -> None:
+                    await super().dispatch_attempt(record)
+                    scope.cancel()
+                    await anyio.lowlevel.checkpoint()
+
+            ledger = CancelsAfterDispatch()
+            engine = le.Engine(ScriptedProvider([Reply.text("never sent")]), ledger=ledger,
+                               prices=PRICES, observers=[seen.append])
+            await engine.run(operation(), "go")
+        assert scope.cancelled_caught
+        rows.extend(ledger.attempts.values())
+        assert [i["outcome"] for i in ledger.invocations.values()] == ["cancelled"]
+
+    anyio.run(main, backend=backend)
+    assert [(r["outcome"], r["aborted_reason"]) for r in rows] == [("aborted", "external")]
+    attempts = [e for e in seen if isinstance(e, AttemptStarted | AttemptSettled)]
+    assert [type(e).__name__ for e in attempts] == ["AttemptStarted", "AttemptSettled"]
+    assert {e.ordinal for e in attempts} == {1}
+    settled = attempts[1]
+    assert isinstance(settled, AttemptSettled)
+    assert (settled.outcome, settled.aborted_reason) == ("aborted", "external")
+    assert isinstance(seen[-1], RunEnded) and seen[-1].outcome == "cancelled"
