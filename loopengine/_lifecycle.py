@@ -314,14 +314,16 @@ async def _end_without_outcome(inv: Invocation, outcome: str, turns: int, tool_c
     still can, then announce the end.
 
     A cancelled run's in-flight attempt is settled ``aborted``/``external``.
-    A failed run's is not: the error came from writing its row (or from the
-    ledger breaking), so it never went out (a request is sent only once its
-    row is written); it is not one of the run's attempts, and a turn it alone
-    would have sent was not sent (R01 counts turn requests sent). A ledger
+    A failed run's is too when it was sent (a KeyboardInterrupt or SystemExit
+    raised while it was on the wire: by the ``on_text`` callback, say); one
+    not sent is not: the error came from writing its row (or from the ledger
+    breaking), so it never went out (a request is sent only once its row is
+    written); it is not one of the run's attempts, and a turn it alone would
+    have sent was not sent (R01 counts turn requests sent). A ledger
     failure here is logged, not raised: it must not replace the exception
     that ended the run."""
     if outcome == "failed":
-        if inv.in_flight is not None:
+        if inv.in_flight is not None and not inv.in_flight.sent:
             inv.records.pop(inv.in_flight.index)
             inv.in_flight = None
         # A turn whose request was never sent is no turn (R01); the turns of

@@ -437,3 +437,34 @@ def test_a_streamed_runs_system_exit_is_raised_from_the_iteration(backend: str) 
     assert isinstance(received[-1], RunEnded) and received[-1].outcome == "failed"
     (invocation,) = ledger.invocations.values()
     assert invocation["outcome"] == "failed"
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_keyboard_interrupt_from_on_text_settles_the_attempt_it_cut(
+        backend: str, fake_anthropic_server: Any) -> None:
+    """The ``on_text`` callback raises KeyboardInterrupt while the real SDK streams
+    the reply: the attempt was sent, so it is settled ``aborted``/``external``
+    (never left ``dispatched``), the run is recorded ``failed``, and the
+    KeyboardInterrupt propagates."""
+    from loopengine.providers import AnthropicProvider
+
+    fake_anthropic_server.add(Reply.text("a streamed answer in several words"))
+    ledger = MemoryLedger()
+
+    def stop(text: str) -> None:
+        raise KeyboardInterrupt("stop")
+
+    async def main() -> None:
+        provider = AnthropicProvider(api_key="test-key", base_url=fake_anthropic_server.url,
+                                     stream=True)
+        engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+        with pytest.raises(KeyboardInterrupt):
+            await engine.run(OP, "go", on_text=stop)
+        await provider.aclose()
+
+    anyio.run(main, backend=backend)
+    (invocation,) = ledger.invocations.values()
+    assert invocation["outcome"] == "failed"
+    assert invocation["attempt_count"] == 1 and invocation["turns"] == 1
+    (attempt,) = ledger.attempts.values()
+    assert (attempt["outcome"], attempt["aborted_reason"]) == ("aborted", "external")
