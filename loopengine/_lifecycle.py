@@ -265,12 +265,13 @@ async def ending(inv: Invocation, progress: Progress) -> AsyncIterator[None]:
     try:
         await begin(inv)
         yield
-    except anyio.get_cancelled_exc_class():
+    except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+        # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands, where
+        # asyncio's runner cancels its main task) is the caller's cancellation.
         await cancelled(inv, progress)
         raise
-    except (Exception, KeyboardInterrupt, SystemExit) as error:
-        # KeyboardInterrupt and SystemExit (a judge's, the process's) end it
-        # ``failed`` as an error does, then propagate.
+    except (Exception, SystemExit) as error:
+        # A SystemExit (a judge's, say) ends it ``failed`` as an error does.
         await failed(inv, error, progress)
         raise
 
@@ -314,8 +315,8 @@ async def _end_without_outcome(inv: Invocation, outcome: str, turns: int, tool_c
     still can, then announce the end.
 
     A cancelled run's in-flight attempt is settled ``aborted``/``external``.
-    A failed run's is too when it was sent (a KeyboardInterrupt or SystemExit
-    raised while it was on the wire: by the ``on_text`` callback, say); one
+    A failed run's is too when it was sent (a SystemExit raised while it was
+    on the wire: by the ``on_text`` callback, say); one
     not sent is not: the error came from writing its row (or from the ledger
     breaking), so it never went out (a request is sent only once its row is
     written); it is not one of the run's attempts, and a turn it alone would

@@ -312,7 +312,9 @@ class _Loop:
                         return step
                     phase = step
             return await self._deadline_passed()
-        except anyio.get_cancelled_exc_class():
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+            # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands,
+            # where asyncio's runner cancels its main task) is the caller's.
             self._charge_cut_turn()
             self._release_permit()
             await cancelled(inv, self._progress)
@@ -323,9 +325,9 @@ class _Loop:
             self._release_permit()
             inv.ended = inv.announced = True
             raise
-        except (Exception, KeyboardInterrupt, SystemExit) as error:
-            # KeyboardInterrupt and SystemExit (a handler's, a judge's, the
-            # process's) end the run ``failed`` as an error does, then propagate.
+        except (Exception, SystemExit) as error:
+            # A SystemExit (a handler's, a judge's) ends the run ``failed`` as
+            # an error does, then propagates.
             self._charge_cut_turn()
             self._release_permit()
             await failed(inv, error, self._progress)

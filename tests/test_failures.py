@@ -264,13 +264,15 @@ def _raising_tool(error: BaseException, sync: bool) -> le.Tool:
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 @pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
-def test_a_handlers_keyboard_interrupt_or_system_exit_ends_the_run_failed(
+def test_a_handlers_keyboard_interrupt_or_system_exit_ends_the_run(
         kind: type[BaseException], sync: bool, backend: str) -> None:
     """A handler raising KeyboardInterrupt or SystemExit: not the model's to read.
     It propagates from the run's own task as it was raised (not in an exception
     group, and without ending an asyncio event loop from a tool's task), after
-    the call is announced failed, the run recorded ``failed`` and `RunEnded`
-    emitted; the event loop goes on."""
+    the call is announced failed, the run recorded (``cancelled`` for a
+    KeyboardInterrupt, the caller's Ctrl-C on any loop; ``failed`` for a
+    SystemExit) and `RunEnded` emitted; the event loop goes on."""
+    ended = "cancelled" if kind is KeyboardInterrupt else "failed"
     ledger = MemoryLedger()
     seen: list[Event] = []
     provider = ScriptedProvider([Reply.tool_calls(("boom", {"key": "k"})), Reply.text("no")])
@@ -282,16 +284,16 @@ def test_a_handlers_keyboard_interrupt_or_system_exit_ends_the_run_failed(
             await engine.run(OP, "go", tools=[_raising_tool(raised, sync)])
         assert caught.value is raised
         # Recorded before it reached here, and the loop still runs.
-        assert ledger.invocations[seen[0].run_id]["outcome"] == "failed"
+        assert ledger.invocations[seen[0].run_id]["outcome"] == ended
         again = le.Engine(ScriptedProvider([Reply.text("still here")]))
         return await again.run(OP, "go")
 
     assert anyio.run(main, backend=backend).answer == "still here"
     (invocation,) = ledger.invocations.values()
-    assert invocation["outcome"] == "failed" and invocation["turns"] == 1
+    assert invocation["outcome"] == ended and invocation["turns"] == 1
     calls = [(e.status, e.error) for e in seen if isinstance(e, ToolCallEvent)]
     assert calls == [("started", None), ("failed", f"handler raised {kind.__name__}")]
-    assert isinstance(seen[-1], RunEnded) and seen[-1].outcome == "failed"
+    assert isinstance(seen[-1], RunEnded) and seen[-1].outcome == ended
     assert len(provider.requests) == 1
 
 
@@ -440,31 +442,32 @@ def test_a_streamed_runs_system_exit_is_raised_from_the_iteration(backend: str) 
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_a_keyboard_interrupt_from_on_text_settles_the_attempt_it_cut(
-        backend: str, fake_anthropic_server: Any) -> None:
-    """The ``on_text`` callback raises KeyboardInterrupt while the real SDK streams
-    the reply: the attempt was sent, so it is settled ``aborted``/``external``
-    (never left ``dispatched``), the run is recorded ``failed``, and the
-    KeyboardInterrupt propagates."""
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_from_on_text_settles_the_attempt_it_cut(
+        kind: type[BaseException], backend: str, fake_anthropic_server: Any) -> None:
+    """The ``on_text`` callback raises KeyboardInterrupt or SystemExit while the
+    real SDK streams the reply: the attempt was sent, so it is settled
+    ``aborted``/``external`` (never left ``dispatched``), the run is recorded
+    (``cancelled``, ``failed``), and the exception propagates."""
     from loopengine.providers import AnthropicProvider
 
     fake_anthropic_server.add(Reply.text("a streamed answer in several words"))
     ledger = MemoryLedger()
 
     def stop(text: str) -> None:
-        raise KeyboardInterrupt("stop")
+        raise kind("stop")
 
     async def main() -> None:
         provider = AnthropicProvider(api_key="test-key", base_url=fake_anthropic_server.url,
                                      stream=True)
         engine = le.Engine(provider, ledger=ledger, prices=PRICES)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(kind):
             await engine.run(OP, "go", on_text=stop)
         await provider.aclose()
 
     anyio.run(main, backend=backend)
     (invocation,) = ledger.invocations.values()
-    assert invocation["outcome"] == "failed"
+    assert invocation["outcome"] == ("cancelled" if kind is KeyboardInterrupt else "failed")
     assert invocation["attempt_count"] == 1 and invocation["turns"] == 1
     (attempt,) = ledger.attempts.values()
     assert (attempt["outcome"], attempt["aborted_reason"]) == ("aborted", "external")
