@@ -910,7 +910,7 @@ class _Loop:
                         raise
                     except BaseException as error:
                         # KeyboardInterrupt, SystemExit: never the model's to read.
-                        # The call ends here, then the run ends ``failed`` (`run`).
+                        # The call ends here, then the run ends with it (`run`).
                         await tool_event(index, "failed", inv.clock.now() - started,
                                          f"handler raised {type(error).__name__}")
                         raise
