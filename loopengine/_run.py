@@ -16,6 +16,7 @@ docs/guards.md.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import inspect
 import json
@@ -325,9 +326,11 @@ class _Loop:
             self._release_permit()
             inv.ended = inv.announced = True
             raise
-        except (Exception, SystemExit) as error:
-            # A SystemExit (a handler's, a judge's) ends the run ``failed`` as
-            # an error does, then propagates.
+        except BaseException as error:
+            if isinstance(error, GeneratorExit):
+                raise  # the coroutine is being closed: nothing may be awaited
+            # An error, a SystemExit (a handler's, a judge's): the run ends
+            # ``failed``, then it propagates.
             self._charge_cut_turn()
             self._release_permit()
             await failed(inv, error, self._progress)
@@ -817,11 +820,18 @@ class _Loop:
         async def one(index: int, block: Mapping[str, Any]) -> None:
             try:
                 await answered(index, block)
-            except (RunBusyError, KeyboardInterrupt, SystemExit) as error:
-                # Another process took the run over: no further handler runs
-                # here. A KeyboardInterrupt or SystemExit leaving this task
-                # would end an asyncio event loop before the run records its
-                # end: it is raised from the run's task instead.
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception as error:
+                if not isinstance(error, RunBusyError):
+                    raise  # an error (a ledger's): the task group raises it
+                # Another process took the run over: no further handler runs here.
+                stopped.append(error)
+                group.cancel_scope.cancel()
+            except BaseException as error:
+                # A KeyboardInterrupt or SystemExit leaving this task would end
+                # an asyncio event loop before the run records its end: it is
+                # raised from the run's task instead.
                 stopped.append(error)
                 group.cancel_scope.cancel()
 
@@ -894,11 +904,18 @@ class _Loop:
                                 f"{late.seconds:g}s; its result is not known.")
                         failed = "timeout"
                         unknown.add(index)
-                    except (Exception, GeneratorExit) as error:
+                    except BaseException as error:
+                        if not _handler_failure(error):
+                            # The run's cancellation, or what stops the run
+                            # (KeyboardInterrupt, SystemExit): never the model's
+                            # to read. The call ends here, then the run (`run`).
+                            if not isinstance(error, anyio.get_cancelled_exc_class()):
+                                await tool_event(index, "failed", inv.clock.now() - started,
+                                                 f"handler raised {type(error).__name__}")
+                            raise
                         # Raising is how a handler reports a failure to the model
                         # (R09), so a WARNING, not an ERROR; the traceback shows a
-                        # raise that was a bug. (A GeneratorExit a handler raises
-                        # stops no generator of the engine's: it is such a raise.)
+                        # raise that was a bug.
                         logger.warning("run %s: tool %s raised %s; the model gets an error "
                                        "result (R09)", inv.id, name, type(error).__name__,
                                        exc_info=withheld(error))
@@ -906,14 +923,6 @@ class _Loop:
                         failed = f"handler raised {type(error).__name__}"
                         if isinstance(error, MCPServerError) and error.result_unknown:
                             unknown.add(index)
-                    except anyio.get_cancelled_exc_class():
-                        raise
-                    except BaseException as error:
-                        # KeyboardInterrupt, SystemExit: never the model's to read.
-                        # The call ends here, then the run ends with it (`run`).
-                        await tool_event(index, "failed", inv.clock.now() - started,
-                                         f"handler raised {type(error).__name__}")
-                        raise
                     else:
                         try:
                             content = render_tool_output(value)
@@ -1102,6 +1111,26 @@ def _withhold(error: BaseException, seen: set[int]) -> BaseException:
     # Last: setting __cause__ sets it too.
     stand_in.__suppress_context__ = error.__suppress_context__
     return stand_in
+
+
+def _handler_failure(error: BaseException) -> bool:
+    """Whether what a handler raised is its failure, told to the model (R09).
+
+    An `Exception` is; so is a `GeneratorExit` (it stops no generator of the
+    engine's), and an asyncio `CancelledError` that no cancellation of the
+    run's task raised (the handler awaited a future something else cancelled;
+    on trio, where it is no cancellation at all, always). The run's own
+    cancellation, a KeyboardInterrupt, a SystemExit and any other
+    `BaseException` stop the run instead.
+    """
+    if isinstance(error, Exception | GeneratorExit):
+        return True
+    if isinstance(error, asyncio.CancelledError):
+        if not isinstance(error, anyio.get_cancelled_exc_class()):
+            return True
+        task = asyncio.current_task()
+        return task is not None and task.cancelling() == 0
+    return False
 
 
 def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[str, Any]:

@@ -96,7 +96,9 @@ async def stream_run(prepare: Prepare) -> AsyncIterator[RunStream]:
                 handle._result = await run_loop(inv, spec)
             except anyio.get_cancelled_exc_class():
                 raise
-            except (Exception, KeyboardInterrupt, SystemExit) as error:
+            except BaseException as error:
+                if isinstance(error, GeneratorExit):
+                    raise
                 # Raised from the caller's iteration, not this task: on asyncio
                 # a KeyboardInterrupt or SystemExit leaving a task ends the
                 # event loop at once.

@@ -471,3 +471,54 @@ def test_an_interrupt_from_on_text_settles_the_attempt_it_cut(
     assert invocation["attempt_count"] == 1 and invocation["turns"] == 1
     (attempt,) = ledger.attempts.values()
     assert (attempt["outcome"], attempt["aborted_reason"]) == ("aborted", "external")
+
+
+async def test_r09_a_future_cancelled_elsewhere_is_the_handlers_failure() -> None:
+    """asyncio: a handler awaiting a future something else cancelled raises
+    CancelledError though nothing cancelled the run. That is the handler's
+    failure (R09), not the deadline's nor the caller's: the model gets an error
+    result, the event says so, and the run goes on."""
+    import asyncio
+
+    seen: list[Event] = []
+
+    @le.tool
+    async def shared(key: str) -> str:
+        """Await a shared future."""
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        future.cancel()
+        return await future
+
+    engine = le.Engine(ScriptedProvider([Reply.tool_calls(("shared", {"key": "k"})),
+                                         Reply.text("ok")]), observers=[seen.append])
+    result = await engine.run(OP, "go", tools=[shared])
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "ok"
+    (tool_result,) = result.messages[2]["content"]
+    assert tool_result == {"type": "tool_result", "tool_use_id": tool_result["tool_use_id"],
+                           "content": "CancelledError", "is_error": True}
+    ended = [(e.status, e.error) for e in seen
+             if isinstance(e, ToolCallEvent) and e.status != "started"]
+    assert ended == [("failed", "handler raised CancelledError")]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_handlers_own_base_exception_ends_the_run_failed(backend: str) -> None:
+    """A `BaseException` of the handler's own (not an `Exception`): it propagates
+    as raised, after the run is recorded ``failed`` (never left ``running``)."""
+
+    class Abort(BaseException):
+        pass
+
+    ledger = MemoryLedger()
+    seen: list[Event] = []
+    engine = le.Engine(ScriptedProvider([Reply.tool_calls(("boom", {"key": "k"}))]),
+                       ledger=ledger, observers=[seen.append])
+
+    async def main() -> None:
+        await engine.run(OP, "go", tools=[_raising_tool(Abort(), False)])
+
+    with pytest.raises(Abort):
+        anyio.run(main, backend=backend)
+    (invocation,) = ledger.invocations.values()
+    assert invocation["outcome"] == "failed"
+    assert isinstance(seen[-1], RunEnded) and seen[-1].outcome == "failed"
