@@ -16,7 +16,6 @@ docs/guards.md.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import inspect
 import json
@@ -55,6 +54,7 @@ from loopengine._pause import (
     take_run,
 )
 from loopengine._pricing import nanousd_to_usd
+from loopengine._raised import own_failure
 from loopengine._result import RunResult
 from loopengine._runstate import Approve, Decision, PendingCall, RunState, json_digest
 from loopengine._runstore import CallMark, lease_expiry, new_owner
@@ -715,7 +715,9 @@ class _Loop:
             verdict = self.spec.accept(value)
             if inspect.isawaitable(verdict):
                 verdict = await verdict
-        except Exception as error:
+        except BaseException as error:
+            if not own_failure(error):
+                raise
             logger.error("run %s: the judge raised %s; the answer counts as rejected (R10)",
                          self.inv.id, type(error).__name__, exc_info=withheld(error))
             return _Answer(False, feedback="The answer could not be checked: "
@@ -749,7 +751,9 @@ class _Loop:
             if not isinstance(text, str):
                 raise TypeError(f"the tool_error_text hook returned {type(text).__name__}, "
                                 "not str")
-        except Exception as bug:
+        except BaseException as bug:
+            if not own_failure(bug):
+                raise
             logger.error("run %s: the tool_error_text hook raised %s on an error of %s; the "
                          "model is told only the error's type", self.inv.id,
                          type(bug).__name__, name, exc_info=withheld(bug))
@@ -905,7 +909,7 @@ class _Loop:
                         failed = "timeout"
                         unknown.add(index)
                     except BaseException as error:
-                        if not _handler_failure(error):
+                        if not own_failure(error):
                             # The run's cancellation, or what stops the run
                             # (KeyboardInterrupt, SystemExit): never the model's
                             # to read. The call ends here, then the run (`run`).
@@ -1111,26 +1115,6 @@ def _withhold(error: BaseException, seen: set[int]) -> BaseException:
     # Last: setting __cause__ sets it too.
     stand_in.__suppress_context__ = error.__suppress_context__
     return stand_in
-
-
-def _handler_failure(error: BaseException) -> bool:
-    """Whether what a handler raised is its failure, told to the model (R09).
-
-    An `Exception` is; so is a `GeneratorExit` (it stops no generator of the
-    engine's), and an asyncio `CancelledError` that no cancellation of the
-    run's task raised (the handler awaited a future something else cancelled;
-    on trio, where it is no cancellation at all, always). The run's own
-    cancellation, a KeyboardInterrupt, a SystemExit and any other
-    `BaseException` stop the run instead.
-    """
-    if isinstance(error, Exception | GeneratorExit):
-        return True
-    if isinstance(error, asyncio.CancelledError):
-        if not isinstance(error, anyio.get_cancelled_exc_class()):
-            return True
-        task = asyncio.current_task()
-        return task is not None and task.cancelling() == 0
-    return False
 
 
 def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[str, Any]:

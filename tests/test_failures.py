@@ -522,3 +522,46 @@ def test_a_handlers_own_base_exception_ends_the_run_failed(backend: str) -> None
     (invocation,) = ledger.invocations.values()
     assert invocation["outcome"] == "failed"
     assert isinstance(seen[-1], RunEnded) and seen[-1].outcome == "failed"
+
+
+@pytest.mark.parametrize("where", ["judge", "observer", "hook"])
+async def test_a_cancelled_error_of_the_callers_code_is_its_failure(where: str) -> None:
+    """asyncio: a judge, an observer or the tool_error_text hook awaiting a future
+    something else cancelled raises CancelledError though nothing cancelled
+    the run: the judge's answer counts as rejected (R10), the observer's raise
+    is logged, the hook's gives the model the error's type; the run is never
+    recorded ``cancelled`` nor raises a cancellation nobody asked for."""
+    import asyncio
+
+    async def cancelled_elsewhere() -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.cancel()
+        await future
+
+    async def judge(answer: str) -> bool:
+        if where == "judge" and answer == "first":
+            await cancelled_elsewhere()
+        return True
+
+    async def observer(event: Event) -> None:
+        if where == "observer" and isinstance(event, RunStarted):
+            await cancelled_elsewhere()
+
+    async def hook(name: str, error: BaseException) -> str:
+        if where == "hook":
+            await cancelled_elsewhere()
+        return "hidden"
+
+    ledger = MemoryLedger()
+    script = [Reply.tool_calls(("boom", {"key": "k"})), Reply.text("first"), Reply.text("second")]
+    engine = le.Engine(ScriptedProvider(script), ledger=ledger, observers=[observer],
+                       tool_error_text=hook)
+    result = await engine.run(OP, "go", tools=[_raising_tool(ValueError("no"), False)],
+                              accept=judge)
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.answer == ("second" if where == "judge" else "first")
+    (tool_result,) = result.messages[2]["content"]
+    assert tool_result["content"] == ("boom failed (ValueError)." if where == "hook"
+                                      else "hidden")
+    (invocation,) = ledger.invocations.values()
+    assert invocation["outcome"] == "completed"
