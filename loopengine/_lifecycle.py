@@ -270,10 +270,8 @@ async def ending(inv: Invocation, progress: Progress) -> AsyncIterator[None]:
         # asyncio's runner cancels its main task) is the caller's cancellation.
         await cancelled(inv, progress)
         raise
-    except BaseException as error:
-        if isinstance(error, GeneratorExit):
-            raise  # the coroutine is being closed: nothing may be awaited
-        # An error, a SystemExit (a validator's, say): it ends ``failed``.
+    except (Exception, SystemExit) as error:
+        # A SystemExit (a validator's, say) ends it ``failed`` as an error does.
         await failed(inv, error, progress)
         raise
 

@@ -18,8 +18,9 @@ def own_failure(error: BaseException) -> bool:
     engine's), and an asyncio `CancelledError` that no cancellation of the
     running task raised (the code awaited a future something else cancelled;
     on trio, where it cancels nothing, always). The run's own cancellation, a
-    KeyboardInterrupt, a SystemExit and any other `BaseException` stop the
-    run instead. Call it on the running event loop.
+    KeyboardInterrupt (``cancelled``), a SystemExit (``failed``) and any other
+    `BaseException` (untouched, as the process's death) stop the run
+    instead. Call it on the running event loop.
     """
     if isinstance(error, Exception | GeneratorExit):
         return True

@@ -326,11 +326,11 @@ class _Loop:
             self._release_permit()
             inv.ended = inv.announced = True
             raise
-        except BaseException as error:
-            if isinstance(error, GeneratorExit):
-                raise  # the coroutine is being closed: nothing may be awaited
-            # An error, a SystemExit (a handler's, a judge's): the run ends
-            # ``failed``, then it propagates.
+        except (Exception, SystemExit) as error:
+            # A SystemExit (a handler's, a judge's) ends the run ``failed`` as
+            # an error does, then propagates. Any other BaseException passes
+            # untouched, as the death of the process would: a recovery ends
+            # the run (docs/pause-and-resume.md).
             self._charge_cut_turn()
             self._release_permit()
             await failed(inv, error, self._progress)

@@ -96,9 +96,7 @@ async def stream_run(prepare: Prepare) -> AsyncIterator[RunStream]:
                 handle._result = await run_loop(inv, spec)
             except anyio.get_cancelled_exc_class():
                 raise
-            except BaseException as error:
-                if isinstance(error, GeneratorExit):
-                    raise
+            except (Exception, KeyboardInterrupt, SystemExit) as error:
                 # Raised from the caller's iteration, not this task: on asyncio
                 # a KeyboardInterrupt or SystemExit leaving a task ends the
                 # event loop at once.

@@ -501,29 +501,6 @@ async def test_r09_a_future_cancelled_elsewhere_is_the_handlers_failure() -> Non
     assert ended == [("failed", "handler raised CancelledError")]
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_a_handlers_own_base_exception_ends_the_run_failed(backend: str) -> None:
-    """A `BaseException` of the handler's own (not an `Exception`): it propagates
-    as raised, after the run is recorded ``failed`` (never left ``running``)."""
-
-    class Abort(BaseException):
-        pass
-
-    ledger = MemoryLedger()
-    seen: list[Event] = []
-    engine = le.Engine(ScriptedProvider([Reply.tool_calls(("boom", {"key": "k"}))]),
-                       ledger=ledger, observers=[seen.append])
-
-    async def main() -> None:
-        await engine.run(OP, "go", tools=[_raising_tool(Abort(), False)])
-
-    with pytest.raises(Abort):
-        anyio.run(main, backend=backend)
-    (invocation,) = ledger.invocations.values()
-    assert invocation["outcome"] == "failed"
-    assert isinstance(seen[-1], RunEnded) and seen[-1].outcome == "failed"
-
-
 @pytest.mark.parametrize("where", ["judge", "observer", "hook"])
 async def test_a_cancelled_error_of_the_callers_code_is_its_failure(where: str) -> None:
     """asyncio: a judge, an observer or the tool_error_text hook awaiting a future
