@@ -247,9 +247,6 @@ async def settle_cut(inv: Invocation) -> None:
     flight = inv.in_flight
     if flight is None:
         return
-    if not flight.announced and inv.observers:
-        # Its row is queued: observers see it start, then settle.
-        await _announce(inv, inv.records[flight.index].dispatch)
     fault = ProviderFault(FaultKind.TIMEOUT, "the run's deadline passed") if flight.sent else None
     await settle(inv, flight, None, fault, external=False, cut_by_deadline=True)
 
@@ -295,6 +292,12 @@ async def settle(
     usage is then unknown, as for a count no reply can hold (docs/ledger.md)."""
     inv.in_flight = None
     dispatch = inv.records[flight.index].dispatch
+    if not flight.announced and inv.observers:
+        # Cut (the run's deadline, the caller's cancellation) after its row
+        # was written or queued, before it was announced: observers see it
+        # start, then settle, as they do every attempt the ledger has.
+        flight.announced = True
+        await _announce(inv, dispatch)
     latency_ms = max(0, round((inv.clock.now() - flight.started) * 1000))
     reason: str | None = None
     usage = (response.usage if response is not None else

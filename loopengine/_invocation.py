@@ -30,6 +30,7 @@ from loopengine._errors import LoopEngineError
 from loopengine._features import Features
 from loopengine._operation import Operation
 from loopengine._pricing import PriceBook, Priced, nanousd_to_usd
+from loopengine._raised import own_failure
 from loopengine._result import AttemptsSummary
 from loopengine._usage import Usage, sum_past_limit
 from loopengine._validate import MAX_INTEGER
@@ -234,7 +235,9 @@ class Invocation:
                 maybe = observer(event)
                 if inspect.isawaitable(maybe):
                     await maybe
-            except Exception:
+            except BaseException as error:
+                if not own_failure(error):
+                    raise
                 logger.exception("observer %r failed on %s; the run goes on",
                                   observer, type(event).__name__)
 

@@ -29,8 +29,8 @@ from loopengine.events import GuardTripped, RunEnded, RunStarted
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import InvocationEnd, InvocationStart
 
-__all__ = ["begin", "cancelled", "end_paused", "ending", "failed", "finish", "forget_run",
-           "uninterrupted", "write_if_paused"]
+__all__ = ["begin", "cancelled", "end_paused", "ending", "failed", "finish", "first_error",
+           "forget_run", "uninterrupted", "write_if_paused"]
 
 logger = logging.getLogger("loopengine")
 
@@ -66,6 +66,22 @@ async def uninterrupted(step: Callable[[], Awaitable[None]]) -> None:
             break
     if interrupted is not None:
         raise interrupted
+
+
+def first_error(grouped: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The exception a task group's group stands for: its first that is not a
+    cancellation (the others were cancelled because of it), else its first,
+    from nested groups too. Call it on the running event loop."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [grouped]
+    while pending:
+        error = pending.pop(0)
+        if isinstance(error, BaseExceptionGroup):
+            pending[:0] = error.exceptions
+        else:
+            leaves.append(error)
+    cancellation = anyio.get_cancelled_exc_class()
+    return next((e for e in leaves if not isinstance(e, cancellation)), leaves[0])
 
 
 async def begin(inv: Invocation) -> None:
@@ -249,10 +265,13 @@ async def ending(inv: Invocation, progress: Progress) -> AsyncIterator[None]:
     try:
         await begin(inv)
         yield
-    except anyio.get_cancelled_exc_class():
+    except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+        # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands, where
+        # asyncio's runner cancels its main task) is the caller's cancellation.
         await cancelled(inv, progress)
         raise
-    except Exception as error:
+    except (Exception, SystemExit) as error:
+        # A SystemExit (a validator's, say) ends it ``failed`` as an error does.
         await failed(inv, error, progress)
         raise
 
@@ -268,7 +287,7 @@ async def cancelled(inv: Invocation, progress: Progress) -> None:
         await _cleanup(inv, "cancelled", progress)
 
 
-async def failed(inv: Invocation, error: Exception,
+async def failed(inv: Invocation, error: BaseException,
                  progress: Progress) -> None:
     """``error`` stopped the body of `ending`: record the invocation
     ``failed`` if it was begun and give ``error`` its attempt count; the
@@ -296,14 +315,16 @@ async def _end_without_outcome(inv: Invocation, outcome: str, turns: int, tool_c
     still can, then announce the end.
 
     A cancelled run's in-flight attempt is settled ``aborted``/``external``.
-    A failed run's is not: the error came from writing its row (or from the
-    ledger breaking), so it never went out (a request is sent only once its
-    row is written); it is not one of the run's attempts, and a turn it alone
-    would have sent was not sent (R01 counts turn requests sent). A ledger
+    A failed run's is too when it was sent (a SystemExit raised while it was
+    on the wire: by the ``on_text`` callback, say); one
+    not sent is not: the error came from writing its row (or from the ledger
+    breaking), so it never went out (a request is sent only once its row is
+    written); it is not one of the run's attempts, and a turn it alone would
+    have sent was not sent (R01 counts turn requests sent). A ledger
     failure here is logged, not raised: it must not replace the exception
     that ended the run."""
     if outcome == "failed":
-        if inv.in_flight is not None:
+        if inv.in_flight is not None and not inv.in_flight.sent:
             inv.records.pop(inv.in_flight.index)
             inv.in_flight = None
         # A turn whose request was never sent is no turn (R01); the turns of

@@ -35,7 +35,14 @@ from loopengine._context import context_for
 from loopengine._errors import ConfigError, LedgerError, MCPServerError, RunBusyError
 from loopengine._invocation import LEDGER_GRACE, Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
-from loopengine._lifecycle import begin, cancelled, failed, finish
+from loopengine._lifecycle import (
+    begin,
+    cancelled,
+    failed,
+    finish,
+    first_error,
+    uninterrupted,
+)
 from loopengine._outcome import Outcome
 from loopengine._pause import (
     decided_results,
@@ -47,6 +54,7 @@ from loopengine._pause import (
     take_run,
 )
 from loopengine._pricing import nanousd_to_usd
+from loopengine._raised import own_failure
 from loopengine._result import RunResult
 from loopengine._runstate import Approve, Decision, PendingCall, RunState, json_digest
 from loopengine._runstore import CallMark, lease_expiry, new_owner
@@ -372,7 +380,9 @@ class _Loop:
                         return step
                     phase = step
             return await self._deadline_passed()
-        except anyio.get_cancelled_exc_class():
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+            # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands,
+            # where asyncio's runner cancels its main task) is the caller's.
             self._charge_cut_turn()
             self._release_permit()
             await cancelled(inv, self._progress)
@@ -383,7 +393,11 @@ class _Loop:
             self._release_permit()
             inv.ended = inv.announced = True
             raise
-        except Exception as error:
+        except (Exception, SystemExit) as error:
+            # A SystemExit (a handler's, a judge's) ends the run ``failed`` as
+            # an error does, then propagates. Any other BaseException passes
+            # untouched, as the death of the process would: a recovery ends
+            # the run (docs/pause-and-resume.md).
             self._charge_cut_turn()
             self._release_permit()
             await failed(inv, error, self._progress)
@@ -775,7 +789,9 @@ class _Loop:
             verdict = self.spec.accept(value)
             if inspect.isawaitable(verdict):
                 verdict = await verdict
-        except Exception as error:
+        except BaseException as error:
+            if not own_failure(error):
+                raise
             logger.error("run %s: the judge raised %s; the answer counts as rejected (R10)",
                          self.inv.id, type(error).__name__, exc_info=withheld(error))
             return _Answer(False, feedback="The answer could not be checked: "
@@ -809,7 +825,9 @@ class _Loop:
             if not isinstance(text, str):
                 raise TypeError(f"the tool_error_text hook returned {type(text).__name__}, "
                                 "not str")
-        except Exception as bug:
+        except BaseException as bug:
+            if not own_failure(bug):
+                raise
             logger.error("run %s: the tool_error_text hook raised %s on an error of %s; the "
                          "model is told only the error's type", self.inv.id,
                          type(bug).__name__, name, exc_info=withheld(bug))
@@ -852,10 +870,18 @@ class _Loop:
             else:
                 self.answered_calls[known.name] = count + 1
 
-        async def tool_event(block: Mapping[str, Any], status: str, latency: float,
+        running: dict[int, float] = {}
+        """Calls announced ``started`` and not announced ended, with when they started."""
+
+        async def tool_event(index: int, status: str, latency: float,
                              error: str | None = None) -> None:
+            if status == "started":
+                running[index] = inv.clock.now()
+            else:
+                running.pop(index, None)
             if not observed:
                 return
+            block = batch[index]
             await inv.emit(ToolCallEvent(
                 run_id=inv.id, at=inv.clock.wall(), tool_name=str(block.get("name")),
                 status=status,  # type: ignore[arg-type]
@@ -866,14 +892,25 @@ class _Loop:
                 spend_usd=spend, tool_use_id=str(block.get("id")), turn=turn, error=error,
             ))
 
-        taken_over: list[RunBusyError] = []
+        stopped: list[BaseException] = []
+        """What stops the batch and is raised from the run's own task."""
 
         async def one(index: int, block: Mapping[str, Any]) -> None:
             try:
                 await answered(index, block)
-            except RunBusyError as error:
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception as error:
+                if not isinstance(error, RunBusyError):
+                    raise  # an error (a ledger's): the task group raises it
                 # Another process took the run over: no further handler runs here.
-                taken_over.append(error)
+                stopped.append(error)
+                group.cancel_scope.cancel()
+            except BaseException as error:
+                # A KeyboardInterrupt or SystemExit leaving this task would end
+                # an asyncio event loop before the run records its end: it is
+                # raised from the run's task instead.
+                stopped.append(error)
                 group.cancel_scope.cancel()
 
         async def answered(index: int, block: Mapping[str, Any]) -> None:
@@ -899,14 +936,14 @@ class _Loop:
         async def answer(index: int, block: Mapping[str, Any]) -> None:
             name = str(block.get("name"))
             started = inv.clock.now()
-            await tool_event(block, "started", 0.0)
+            await tool_event(index, "started", 0.0)
             handler = self.tools.get(name)
             given = decided.get(str(block.get("id")))
             if given is not None:
                 text, denied = given
                 if not denied:
                     results[index] = _tool_result(block, text)
-                    await tool_event(block, "succeeded", 0.0)
+                    await tool_event(index, "succeeded", 0.0)
                     return
                 failed = "denied"
             elif name == self.spec.final_tool:
@@ -945,7 +982,15 @@ class _Loop:
                                 f"{late.seconds:g}s; its result is not known.")
                         failed = "timeout"
                         unknown.add(index)
-                    except Exception as error:
+                    except BaseException as error:
+                        if not own_failure(error):
+                            # The run's cancellation, or what stops the run
+                            # (KeyboardInterrupt, SystemExit): never the model's
+                            # to read. The call ends here, then the run (`run`).
+                            if not isinstance(error, anyio.get_cancelled_exc_class()):
+                                await tool_event(index, "failed", inv.clock.now() - started,
+                                                 f"handler raised {type(error).__name__}")
+                            raise
                         # Raising is how a handler reports a failure to the model
                         # (R09), so a WARNING, not an ERROR; the traceback shows a
                         # raise that was a bug.
@@ -957,11 +1002,25 @@ class _Loop:
                         if isinstance(error, MCPServerError) and error.result_unknown:
                             unknown.add(index)
                     else:
-                        results[index] = _tool_result(block, render_tool_output(value))
-                        await tool_event(block, "succeeded", inv.clock.now() - started)
-                        return
+                        try:
+                            content = render_tool_output(value)
+                        except Exception as error:
+                            # A value JSON cannot carry (a key that is not a string,
+                            # a cycle, nesting too deep, a __str__ that raises): the
+                            # handler's bug, told to the model as a failed call.
+                            logger.warning("run %s: tool %s returned a value that cannot be "
+                                           "sent as its result (%s); the model gets an "
+                                           "error result", inv.id, name,
+                                           type(error).__name__, exc_info=withheld(error))
+                            text = (f"{name} returned a value that cannot be sent as a tool "
+                                    f"result ({type(error).__name__}).")
+                            failed = "invalid output"
+                        else:
+                            results[index] = _tool_result(block, content)
+                            await tool_event(index, "succeeded", inv.clock.now() - started)
+                            return
             results[index] = _tool_result(block, text, error=True)
-            await tool_event(block, "failed", inv.clock.now() - started, failed)
+            await tool_event(index, "failed", inv.clock.now() - started, failed)
 
         async def collect() -> None:
             for index, block in enumerate(batch):
@@ -970,24 +1029,43 @@ class _Loop:
                     result = _tool_result(
                         block, "The tool call did not finish before the run's time ran out.",
                         error=True)
-                    await tool_event(block, "failed", inv.clock.now() - began, "deadline")
+                    await tool_event(index, "failed", inv.clock.now() - began, "deadline")
                 out.append(result)
+
+        async def end_cut() -> None:
+            # The calls whose handlers the run's end cut (the caller cancelled
+            # it, or an error ended it): each is announced ended, so that an
+            # observer never holds a call open. A run store records them
+            # ``in_doubt`` when the run ends (`RunStore.drop`): they may have
+            # done their work.
+            for index in sorted(running):
+                await tool_event(index, "failed", inv.clock.now() - running[index], "cancelled")
 
         began = inv.clock.now()
         try:
             async with anyio.create_task_group() as group:
                 for index, block in enumerate(batch):
                     group.start_soon(one, index, block)
-            if taken_over:
-                raise taken_over[0]
+            if stopped:
+                raise stopped[0]
+        except BaseExceptionGroup as grouped:
+            # What ended the task group (a ledger's error from a call's
+            # checkpoint, a handler's KeyboardInterrupt) reaches the run as it
+            # was raised, not in a group; the first, when several calls raised.
+            await uninterrupted(end_cut)
+            raise first_error(grouped) from None
         except anyio.get_cancelled_exc_class():
             if inv.deadline.remaining(inv.clock.now()) > 0:
+                await uninterrupted(end_cut)
                 raise  # the caller's cancellation
             # The run's deadline: the calls it cut get error results, which
             # `_deadline_passed` adds to the transcript.
             with anyio.CancelScope(shield=True):
                 await collect()
             self.cut_results = (out, len(batch))
+            raise
+        except BaseException:
+            await uninterrupted(end_cut)
             raise
         await collect()
 

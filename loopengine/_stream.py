@@ -96,7 +96,10 @@ async def stream_run(prepare: Prepare) -> AsyncIterator[RunStream]:
                 handle._result = await run_loop(inv, spec)
             except anyio.get_cancelled_exc_class():
                 raise
-            except Exception as error:
+            except (Exception, KeyboardInterrupt, SystemExit) as error:
+                # Raised from the caller's iteration, not this task: on asyncio
+                # a KeyboardInterrupt or SystemExit leaving a task ends the
+                # event loop at once.
                 handle._error = error
 
     raised: list[BaseException] = []

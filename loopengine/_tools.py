@@ -192,7 +192,13 @@ class Tool:
             call = functools.partial(self.handler, argument, **extra)
         if self._is_async:
             return await call()
-        value = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+        value = await anyio.to_thread.run_sync(_boxed, call, abandon_on_cancel=True)
+        if isinstance(value, _Raised):
+            # Raised here, in the run's own frames: a KeyboardInterrupt, a
+            # SystemExit or a GeneratorExit that came back through the worker's
+            # future would be thrown into the task, which on asyncio ends the
+            # event loop (or closes the task) before the run can record its end.
+            raise value.error
         if inspect.isawaitable(value):
             # A sync function returning a coroutine (a lambda around an async
             # one): its result is what it awaits to, as a judge's is.
@@ -241,6 +247,26 @@ def expand_tools(given: Sequence[Tool | ToolSource]) -> tuple[Tool, ...]:
         except RuntimeError as error:
             raise ConfigError(f"tools[{i}]", str(error)) from None
     return tuple(tools)
+
+
+class _Raised:
+    """What a sync handler raised that is not an `Exception` (internal)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _boxed(call: Callable[[], Any]) -> Any:
+    """``call()`` in a worker thread, a `BaseException` that is not an
+    `Exception` returned in a `_Raised` rather than raised."""
+    try:
+        return call()
+    except Exception:
+        raise
+    except BaseException as error:
+        return _Raised(error)
 
 
 def describe_validation_error(error: pydantic.ValidationError) -> str:

@@ -177,7 +177,8 @@ class ToolCallEvent(Event):
     tool_use_id: str
     turn: int
     error: str | None = None
-    """For ``failed``: why (unknown tool, invalid input, the handler raised)."""
+    """For ``failed``: why (``unknown tool``, ``invalid input``, ``handler raised
+    <ExceptionType>``, ``deadline``, ``cancelled``...; docs/observability.md)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -85,8 +85,8 @@ GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 # error.type of a failed tool call: the event's reason when it is one of these
 # fixed ones, the exception's class for a handler that raised, else _OTHER
 # (the conventions' fallback), so a span never carries free text.
-_TOOL_ERRORS = frozenset({"unknown tool", "invalid input", "deadline", "duplicate",
-                          "max_calls", "timeout"})
+_TOOL_ERRORS = frozenset({"unknown tool", "invalid input", "invalid output", "deadline",
+                          "duplicate", "max_calls", "timeout", "cancelled"})
 _OTHER = "_OTHER"
 _DEFAULT_PORTS = {"https": 443, "http": 80}
 
@@ -111,10 +111,10 @@ def _ns(at: datetime) -> int:
 def _tool_error_type(error: str | None) -> str:
     """The low-cardinality ``error.type`` of a failed tool call's ``error``.
 
-    ``unknown tool``, ``invalid input``, ``deadline``, ``duplicate``,
-    ``max_calls`` and ``timeout`` are kept; ``handler raised ValueError``
-    gives the exception's class name (``ValueError``); anything else is
-    ``_OTHER``.
+    ``unknown tool``, ``invalid input``, ``invalid output``, ``deadline``,
+    ``duplicate``, ``max_calls``, ``timeout`` and ``cancelled`` are kept;
+    ``handler raised ValueError`` gives the exception's class name
+    (``ValueError``); anything else is ``_OTHER``.
     """
     if error in _TOOL_ERRORS:
         assert error is not None

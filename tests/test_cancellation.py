@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pydantic
 import pytest
 
 import loopengine as le
-from loopengine.events import Event, RunEnded
+from loopengine.events import AttemptSettled, AttemptStarted, Event, RunEnded, ToolCallEvent
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import (
     Provider,
@@ -190,3 +191,94 @@ async def test_r03_a_call_that_fails_after_its_answer_was_served_is_charged_for_
     (invocation,) = ledger.invocations.values()
     assert invocation["outcome"] == "failed"
     assert invocation["credits"] == 120 and invocation["cost_nanousd"] > 0
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_call_cut_by_the_callers_cancellation_is_announced_ended(backend: str) -> None:
+    """Cancelled while one handler of a batch runs: that call's `ToolCallEvent`
+    says ``failed`` (``error`` ``cancelled``) before `RunEnded`, the call that
+    finished keeps its ``succeeded``, and the run store records the cut call
+    ``in_doubt`` (it may have done its work), the finished one ``succeeded``."""
+    seen: list[Event] = []
+    rows: dict[str, str] = {}
+
+    async def main() -> None:
+        entered = anyio.Event()
+
+        @le.tool
+        async def slow(key: str) -> str:
+            """Take forever."""
+            entered.set()
+            await anyio.sleep_forever()
+            raise AssertionError("unreachable")
+
+        @le.tool
+        async def fast(key: str) -> str:
+            """Answer at once."""
+            return key
+
+        ledger = MemoryLedger()
+        store = le.RunStore(ledger)
+        provider = ScriptedProvider([Reply.tool_calls(("slow", {"key": "a"}),
+                                                      ("fast", {"key": "b"}))])
+        engine = le.Engine(provider, ledger=ledger, prices=PRICES, run_store=store,
+                           observers=[seen.append])
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as group:
+                group.start_soon(lambda: engine.run(operation(), "go", tools=[slow, fast]))
+                await entered.wait()
+                scope.cancel()
+        assert scope.cancelled_caught
+        (invocation_id,) = ledger.invocations
+        assert ledger.invocations[invocation_id]["outcome"] == "cancelled"
+        rows.update(await store.tool_calls(invocation_id))
+
+    anyio.run(main, backend=backend)
+    calls = [(e.tool_name, e.status, e.error) for e in seen if isinstance(e, ToolCallEvent)]
+    assert sorted(calls) == sorted([("slow", "started", None), ("fast", "started", None),
+                                    ("fast", "succeeded", None), ("slow", "failed", "cancelled")])
+    assert calls[-1] == ("slow", "failed", "cancelled")
+    assert isinstance(seen[-1], RunEnded) and seen[-1].outcome == "cancelled"
+    ended = {e.tool_use_id: e.status for e in seen
+             if isinstance(e, ToolCallEvent) and e.status != "started"}
+    assert rows == {call_id: "in_doubt" if status == "failed" else status
+                    for call_id, status in ended.items()}
+    assert sorted(rows.values()) == ["in_doubt", "succeeded"]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_attempt_cancelled_once_its_row_is_written_is_announced_then_settled(
+        backend: str) -> None:
+    """Cancelled just after an attempt's dispatch row was written, before it was
+    announced or sent: observers see its `AttemptStarted` and then its
+    `AttemptSettled` (``aborted``/``external``), as the ledger has it; never a
+    settle for an attempt they did not see start."""
+    seen: list[Event] = []
+    rows: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        with anyio.CancelScope() as scope:
+
+            class CancelsAfterDispatch(MemoryLedger):
+                async def dispatch_attempt(self, record: Any) -> None:
+                    await super().dispatch_attempt(record)
+                    scope.cancel()
+                    await anyio.lowlevel.checkpoint()
+
+            ledger = CancelsAfterDispatch()
+            engine = le.Engine(ScriptedProvider([Reply.text("never sent")]), ledger=ledger,
+                               prices=PRICES, observers=[seen.append])
+            await engine.run(operation(), "go")
+        assert scope.cancelled_caught
+        rows.extend(ledger.attempts.values())
+        assert [i["outcome"] for i in ledger.invocations.values()] == ["cancelled"]
+
+    anyio.run(main, backend=backend)
+    assert [(r["outcome"], r["aborted_reason"]) for r in rows] == [("aborted", "external")]
+    attempts = [e for e in seen if isinstance(e, AttemptStarted | AttemptSettled)]
+    assert [type(e).__name__ for e in attempts] == ["AttemptStarted", "AttemptSettled"]
+    assert {e.ordinal for e in attempts} == {1}
+    settled = attempts[1]
+    assert isinstance(settled, AttemptSettled)
+    assert (settled.outcome, settled.aborted_reason) == ("aborted", "external")
+    assert isinstance(seen[-1], RunEnded) and seen[-1].outcome == "cancelled"

@@ -376,3 +376,40 @@ def test_an_observer_given_no_tracer_provider_or_providers_names_the_argument(
         OpenTelemetryObserver(**arguments)
     assert caught.value.field == field
     OpenTelemetryObserver(TracerProvider(), providers=[ScriptedProvider([])])  # the valid form
+
+
+async def test_a_tool_span_cut_by_the_callers_cancellation_ends_with_its_call(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """A run cancelled while a handler runs: the call's `ToolCallEvent` ``failed``
+    (``cancelled``) ends its execute_tool span, with error.type ``cancelled``,
+    at that event's time."""
+    import anyio
+
+    entered = anyio.Event()
+
+    @le.tool(name="slow", description="Take forever.")
+    async def slow(key: str) -> str:
+        entered.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    clock = FakeClock(wall_start=START)
+    seen: list[events.Event] = []
+    script = [Reply.tool_calls(("slow", {"key": "k"}), usage=USAGE)]
+    engine = le.Engine(ScriptedProvider(script, clock=clock), prices=PRICES, clock=clock,
+                       observers=[OpenTelemetryObserver(tracer_provider), seen.append])
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: engine.run(OPERATION, "go", tools=[slow]))
+            await entered.wait()
+            clock.advance(1.5)
+            scope.cancel()
+    (span,) = by_name(exporter.get_finished_spans(), "execute_tool slow")
+    (ended,) = [e for e in seen if isinstance(e, events.ToolCallEvent) and e.status == "failed"]
+    assert ended.error == "cancelled" and ended.latency_ms == 1500
+    assert span.attributes is not None
+    assert span.attributes["loopengine.tool.status"] == "failed"
+    assert span.attributes["error.type"] == "cancelled"
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.end_time == ns(ended.at)

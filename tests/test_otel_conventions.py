@@ -343,7 +343,7 @@ async def test_error_type_is_low_cardinality_never_free_text(
 @pytest.mark.parametrize(("error", "kind"), [
     ("unknown tool", "unknown tool"), ("invalid input", "invalid input"),
     ("deadline", "deadline"), ("duplicate", "duplicate"), ("max_calls", "max_calls"),
-    ("timeout", "timeout"),
+    ("timeout", "timeout"), ("cancelled", "cancelled"), ("invalid output", "invalid output"),
     ("handler raised KeyError", "KeyError"),
     ("handler raised not a class name!", "_OTHER"),
     ("the handler said: disk /home/sam full", "_OTHER"), (None, "_OTHER"),
