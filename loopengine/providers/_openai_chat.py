@@ -139,7 +139,10 @@ class StreamedCompletion:
         self.model: str | None = None
         self.text: list[str] = []
         self.refusal: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
+        self.calls: dict[tuple[int, int], dict[str, Any]] = {}
+        """The tool calls by their place: ``(0, index)`` for a delta that names its
+        ``index``, ``(1, n)`` for the n-th call of a server that names none."""
+        self._last_call: tuple[int, int] | None = None
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.service_tier: object = None
@@ -151,9 +154,10 @@ class StreamedCompletion:
     def add(self, chunk: Any) -> str:
         """Take one chunk; return its text delta. An error chunk (``{"error": ...}``,
         with the usage and id some servers add) is kept in `error`."""
-        if self.response_id is None:
-            self.response_id = text_or_none(getattr(chunk, "id", None))
-            self.model = text_or_none(getattr(chunk, "model", None))
+        # The first id a chunk names: Azure's first chunk (its prompt filter
+        # results) names none, its ``id`` and ``model`` empty.
+        self.response_id = self.response_id or text_or_none(getattr(chunk, "id", None)) or None
+        self.model = self.model or text_or_none(getattr(chunk, "model", None)) or None
         # Every chunk names the tier; the usage chunk may come last.
         self.service_tier = getattr(chunk, "service_tier", None) or self.service_tier
         usage = getattr(chunk, "usage", None)
@@ -175,8 +179,7 @@ class StreamedCompletion:
                 if delta.refusal:
                     self.refusal.append(delta.refusal)
                 for call in delta.tool_calls or ():
-                    entry = self.calls.setdefault(call.index,
-                                                  {"id": None, "name": "", "arguments": []})
+                    entry = self._call(call)
                     if call.id:
                         entry["id"] = call.id
                     if call.function is not None:
@@ -189,6 +192,23 @@ class StreamedCompletion:
         if text:
             self.text.append(text)
         return text
+
+    def _call(self, call: Any) -> dict[str, Any]:
+        """The tool call a ``tool_calls`` delta adds to: the one at its ``index``.
+        A delta without one (Gemini's compatible endpoint sends none, each call
+        whole) starts a call when it names an id the last call does not have,
+        else goes on with the last call."""
+        index = getattr(call, "index", None)
+        if isinstance(index, int) and not isinstance(index, bool):
+            key = (0, index)
+        else:
+            last = self.calls.get(self._last_call) if self._last_call is not None else None
+            if last is not None and (not call.id or last["id"] in (None, call.id)):
+                key = self._last_call  # type: ignore[assignment]
+            else:
+                key = (1, sum(1 for place, _ in self.calls if place == 1))
+        self._last_call = key
+        return self.calls.setdefault(key, {"id": None, "name": "", "arguments": []})
 
     def content(self) -> tuple[list[dict[str, Any]], str | None]:
         """The reply's content blocks and stop reason."""
