@@ -9,7 +9,9 @@ fault kind             from
                        ``billing_hard_limit_reached``, ``billing_not_active``,
                        ``credit_balance_exhausted``, ``*_spend_limit_exceeded``,
                        whatever the status; 402
-``rate_limited``       any other 429 (``retry-after-ms`` / ``retry-after`` honoured)
+``rate_limited``       any other 429 (``retry-after-ms`` / ``retry-after`` honoured);
+                       an error inside a stream of type ``requests``, ``tokens``,
+                       ``rate_limit_exceeded`` or ``too_many_requests``
 ``timeout``            408, the SDK's timeout
 ``server_error``       409, 5xx, a body that is not a completion; an error
                        object inside a stream whose type and code name no
@@ -60,6 +62,8 @@ _TYPE_KINDS = {
     "rate_limit_exceeded": FaultKind.RATE_LIMITED,
     "requests": FaultKind.RATE_LIMITED,
     "tokens": FaultKind.RATE_LIMITED,
+    # A Responses stream's rate limit, as its ``error`` event names it.
+    "too_many_requests": FaultKind.RATE_LIMITED,
     "timeout": FaultKind.TIMEOUT,
     "timeout_error": FaultKind.TIMEOUT,
     "overloaded_error": FaultKind.OVERLOADED,
