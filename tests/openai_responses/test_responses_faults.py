@@ -189,3 +189,19 @@ async def test_a_nested_error_event_is_classified_by_its_type_and_code(
     if not retried:
         assert result.outcome is le.Outcome.CREDIT_EXHAUSTED
     assert len(wire.requests) == (2 if retried else 1)
+
+
+async def test_a_200_body_that_is_an_error_is_classified_by_it_responses(
+    wire: ResponsesHarness,
+) -> None:
+    """A whole (JSON) 200 whose body is ``{"error": {...}}`` and no response (a
+    gateway's answer when its upstream failed): classified by that error, here
+    depleted credits, which end the run at once (R06)."""
+    engine, _ = wire.engine(ErrorReply(status=200, body={
+        "error": {"code": 402, "message": "Insufficient credits"}}), Reply.text("never"))
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.CREDIT_EXHAUSTED, result.detail
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.fault, first.http_status, first.error_code) == ("credit_exhausted", 200, "402")
+    assert len(wire.requests) == 1
