@@ -18,7 +18,11 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
 * the reply's text and ``refusal`` become text blocks, its tool calls
   ``tool_use`` blocks, all of one turn in one batch. Arguments that are not
   a JSON object are kept as the string the model sent: the tool's input
-  validation then gives the model a recoverable error result (R15).
+  validation then gives the model a recoverable error result (R15). A tool
+  call's ``extra_content`` (Gemini's OpenAI-compatible endpoint puts the
+  model's thought signature there, ``{"google": {"thought_signature": ...}}``,
+  and refuses the next request without it) is kept on its ``tool_use`` block
+  and sent back on the same call.
 
 ``finish_reason`` becomes the engine's stop reason: ``stop`` -> ``end_turn``,
 ``tool_calls`` -> ``tool_use``, ``length`` -> ``max_tokens`` (``incomplete``),
@@ -182,6 +186,9 @@ class StreamedCompletion:
                     entry = self._call(call)
                     if call.id:
                         entry["id"] = call.id
+                    extra = getattr(call, "extra_content", None)
+                    if isinstance(extra, Mapping) and extra:
+                        entry["extra_content"] = _merged(entry.get("extra_content"), extra)
                     if call.function is not None:
                         if call.function.name:
                             entry["name"] += call.function.name
@@ -217,7 +224,8 @@ class StreamedCompletion:
             "refusal": "".join(self.refusal) or None,
             "tool_calls": [
                 {"id": call["id"], "type": "function",
-                 "function": {"name": call["name"], "arguments": "".join(call["arguments"])}}
+                 "function": {"name": call["name"], "arguments": "".join(call["arguments"])},
+                 **({"extra_content": call["extra_content"]} if "extra_content" in call else {})}
                 for _, call in sorted(self.calls.items())
             ],
         }
@@ -329,9 +337,12 @@ def _assistant_message(content: Any) -> dict[str, Any]:
         if kind == "text":
             texts.append(str(block.get("text", "")))
         elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name"),
-                                       "arguments": call_arguments(block)}})
+            call: dict[str, Any] = {"id": block.get("id"), "type": "function",
+                                    "function": {"name": block.get("name"),
+                                                 "arguments": call_arguments(block)}}
+            if isinstance(block.get("extra_content"), Mapping):
+                call["extra_content"] = block["extra_content"]
+            calls.append(call)
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
         message["tool_calls"] = calls
@@ -471,12 +482,29 @@ def content_from_message(
         content.append({"type": "text", "text": refusal})
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
-        content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
-                        "input": arguments(function.get("arguments"))})
+        block = {"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
+                 "input": arguments(function.get("arguments"))}
+        extra = call.get("extra_content")
+        if isinstance(extra, Mapping) and extra:
+            # Gemini's thought signature (``{"google": {"thought_signature": ...}}``),
+            # which must go back on the same call.
+            block["extra_content"] = dict(extra)
+        content.append(block)
     stop = stop_reason(finish_reason)
     if isinstance(refusal, str) and refusal:
         stop = "refusal"
     return content, stop
+
+
+def _merged(given: object, more: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's ``extra_content`` so far with a later delta's, merged one level down
+    (its vendors' objects, ``google``...)."""
+    merged = dict(given) if isinstance(given, Mapping) else {}
+    for vendor, fields in more.items():
+        before = merged.get(vendor)
+        merged[vendor] = ({**before, **fields} if isinstance(before, Mapping)
+                          and isinstance(fields, Mapping) else fields)
+    return merged
 
 
 def arguments(raw: object) -> Any:

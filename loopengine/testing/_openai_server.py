@@ -12,7 +12,8 @@ rendered in the Chat Completions shapes:
 
 * `Reply`: its text blocks are the message's ``content``, its ``tool_use``
   blocks its ``tool_calls`` (an ``input`` given as a string is sent as the
-  arguments verbatim, to script malformed arguments); its stop reason is the
+  arguments verbatim, to script malformed arguments; a block's
+  ``extra_content``, Gemini's thought signature, goes on its call); its stop reason is the
   ``finish_reason`` (``end_turn`` -> ``stop``, ``tool_use`` -> ``tool_calls``,
   ``max_tokens`` -> ``length``, ``refusal`` -> ``content_filter``, any other
   value as it is); its usage is ``prompt_tokens`` (uncached input, cache
@@ -182,7 +183,8 @@ class FakeOpenAIServer(LoopbackServer):
         model = request.body.get("model") if isinstance(request.body, Mapping) else None
         texts = [str(b.get("text", "")) for b in reply.content if b.get("type") == "text"]
         calls = [{"id": b.get("id"), "type": "function",
-                  "function": {"name": b.get("name"), "arguments": _arguments(b.get("input"))}}
+                  "function": {"name": b.get("name"), "arguments": _arguments(b.get("input"))},
+                  **({"extra_content": b["extra_content"]} if "extra_content" in b else {})}
                  for b in reply.content if b.get("type") == "tool_use"]
         message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None,
                                    "refusal": None}
@@ -228,13 +230,14 @@ class FakeOpenAIServer(LoopbackServer):
             frames.append(chunk({"content": piece}))
         for index, call in enumerate(answer.get("tool_calls", ())):
             function = call["function"]
+            extra = {"extra_content": call["extra_content"]} if "extra_content" in call else {}
             if not self.tool_call_indexes:
                 frames.append(chunk({"tool_calls": [{"id": call["id"], "type": "function",
-                                                     "function": dict(function)}]}))
+                                                     "function": dict(function), **extra}]}))
                 continue
             frames.append(chunk({"tool_calls": [{
                 "index": index, "id": call["id"], "type": "function",
-                "function": {"name": function["name"], "arguments": ""}}]}))
+                "function": {"name": function["name"], "arguments": ""}, **extra}]}))
             arguments = function["arguments"]
             # In two pieces, as the API streams them: the client joins them.
             for part in (arguments[: len(arguments) // 2], arguments[len(arguments) // 2:]):

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx2
 import openai
+import pytest
 from openai._models import construct_type
 from openai.types.chat import ChatCompletionChunk
 
@@ -103,3 +104,32 @@ def test_indexless_deltas_go_on_with_the_last_call_and_mix_with_indexed_ones() -
     assert [(b["id"], b["name"], json.dumps(b["input"])) for b in content] == [
         ("c0", "lookup", '{"key": "z"}'), ("c1", "lookup", '{"key": "a"}'),
         ("c2", "lookup", '{"key": "b"}')]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("indexes", [True, False], ids=["indexed", "indexless"])
+async def test_a_thought_signature_on_a_tool_call_goes_back_on_that_call(
+    stream: bool, indexes: bool,
+) -> None:
+    """Gemini's OpenAI-compatible endpoint puts the model's thought signature on each
+    tool call (``extra_content.google.thought_signature``) and refuses the next
+    request without it: it is kept on the tool_use block and sent back on the
+    same call, streamed or not."""
+    signed = {"google": {"thought_signature": "c2lnbmF0dXJlLTE="}}
+    calls = Reply(content=[
+        {"type": "tool_use", "id": "function-call-1", "name": "lookup", "input": {"key": "a"},
+         "extra_content": signed},
+        {"type": "tool_use", "id": "function-call-2", "name": "lookup", "input": {"key": "b"}}],
+        stop_reason="tool_use")
+    with FakeOpenAIServer([calls, Reply.text("done")], tool_call_indexes=indexes) as server:
+        provider = OpenAIProvider(api_key="k", base_url=server.base_url, stream=stream)
+        engine = le.Engine(provider, ledger=MemoryLedger(), prices=PRICES)
+        try:
+            result = await engine.run(openai_operation(), "go", tools=[lookup])
+        finally:
+            await provider.aclose()
+        second = server.requests[1]
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assistant = [m for m in second.messages if m["role"] == "assistant"][-1]
+    assert [call.get("extra_content") for call in assistant["tool_calls"]] == [signed, None]
+    assert result.messages[1]["content"][0]["extra_content"] == signed
