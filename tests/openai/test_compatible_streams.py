@@ -18,7 +18,7 @@ import loopengine as le
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import OpenAIProvider
 from loopengine.providers._openai_chat import StreamedCompletion
-from loopengine.testing import FakeOpenAIServer, Reply
+from loopengine.testing import FakeOpenAIServer, RecordedRequest, Reply
 
 from .conftest import PRICES, calls_asked, openai_operation, tool_messages
 
@@ -53,24 +53,33 @@ async def test_an_azure_stream_records_the_completion_id_not_its_empty_first_chu
     assert result.attempt_log[0].settle.response_id == "chatcmpl-fake-0001"
 
 
-async def test_tool_calls_streamed_without_an_index_stay_apart() -> None:
-    """Gemini's OpenAI-compatible endpoint streams each tool call whole, without an
-    ``index``: two calls are two calls, each with its id, name and input, run and
-    answered one for one."""
+async def two_calls(first_extra: dict[str, Any], *, stream: bool,
+                    indexes: bool) -> tuple[le.RunResult, list[RecordedRequest]]:
+    """A run whose model calls ``lookup`` twice (the first call's block with
+    ``first_extra``), then answers, on a FakeOpenAIServer streaming tool calls with
+    or without their ``index``: its result and the requests the server received."""
     calls = Reply(content=[
-        {"type": "tool_use", "id": "function-call-1", "name": "lookup", "input": {"key": "a"}},
+        {"type": "tool_use", "id": "function-call-1", "name": "lookup", "input": {"key": "a"},
+         **first_extra},
         {"type": "tool_use", "id": "function-call-2", "name": "lookup", "input": {"key": "b"}}],
         stop_reason="tool_use")
-    with FakeOpenAIServer([calls, Reply.text("done")], tool_call_indexes=False) as server:
-        provider = OpenAIProvider(api_key="k", base_url=server.base_url, stream=True)
+    with FakeOpenAIServer([calls, Reply.text("done")], tool_call_indexes=indexes) as server:
+        provider = OpenAIProvider(api_key="k", base_url=server.base_url, stream=stream)
         engine = le.Engine(provider, ledger=MemoryLedger(), prices=PRICES)
         try:
             result = await engine.run(openai_operation(), "go", tools=[lookup])
         finally:
             await provider.aclose()
-        second = server.requests[1]
-        first_body = server.requests[0].body
-    assert first_body["stream"] is True
+        return result, server.requests
+
+
+async def test_tool_calls_streamed_without_an_index_stay_apart() -> None:
+    """Gemini's OpenAI-compatible endpoint streams each tool call whole, without an
+    ``index``: two calls are two calls, each with its id, name and input, run and
+    answered one for one."""
+    result, requests = await two_calls({}, stream=True, indexes=False)
+    second = requests[1]
+    assert requests[0].body["stream"] is True
     assert result.outcome is le.Outcome.COMPLETED, result.detail
     assert result.tool_calls == 2
     assert calls_asked(second) == [
@@ -116,19 +125,9 @@ async def test_a_thought_signature_on_a_tool_call_goes_back_on_that_call(
     request without it: it is kept on the tool_use block and sent back on the
     same call, streamed or not."""
     signed = {"google": {"thought_signature": "c2lnbmF0dXJlLTE="}}
-    calls = Reply(content=[
-        {"type": "tool_use", "id": "function-call-1", "name": "lookup", "input": {"key": "a"},
-         "extra_content": signed},
-        {"type": "tool_use", "id": "function-call-2", "name": "lookup", "input": {"key": "b"}}],
-        stop_reason="tool_use")
-    with FakeOpenAIServer([calls, Reply.text("done")], tool_call_indexes=indexes) as server:
-        provider = OpenAIProvider(api_key="k", base_url=server.base_url, stream=stream)
-        engine = le.Engine(provider, ledger=MemoryLedger(), prices=PRICES)
-        try:
-            result = await engine.run(openai_operation(), "go", tools=[lookup])
-        finally:
-            await provider.aclose()
-        second = server.requests[1]
+    result, requests = await two_calls({"extra_content": signed}, stream=stream,
+                                       indexes=indexes)
+    second = requests[1]
     assert result.outcome is le.Outcome.COMPLETED, result.detail
     assistant = [m for m in second.messages if m["role"] == "assistant"][-1]
     assert [call.get("extra_content") for call in assistant["tool_calls"]] == [signed, None]
