@@ -230,6 +230,13 @@ class GeminiProvider(SDKProvider[_Session]):
             raise _request_fault(error) from error
         reply = StreamedReply()
         reply.add(response)
+        if not reply.ended:
+            # No candidate finished and no prompt was blocked: nothing was
+            # answered (a stream in this state is cut, below).
+            raise ProviderFault(FaultKind.SERVER_ERROR, "the response is not an answer: no "
+                                "candidate has a finishReason and no prompt was blocked",
+                                http_status=200, error_code="invalid_response",
+                                usage=reply.usage, response_id=reply.response_id)
         return self._response(reply)
 
     async def _send_streaming(
@@ -264,8 +271,7 @@ class GeminiProvider(SDKProvider[_Session]):
             failed=lambda error: classify_error(error, in_body=True, usage=reply.usage,
                                                 response_id=reply.response_id),
             cut=cut, on_text=on_text, close=close,
-            missing=lambda: "its finishReason"
-            if reply.finish_reason is None and reply.block_reason is None else None)
+            missing=lambda: None if reply.ended else "its finishReason")
         return self._response(reply)
 
     @staticmethod

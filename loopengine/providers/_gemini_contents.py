@@ -427,6 +427,12 @@ class StreamedReply:
             return str(part.text)
         return ""
 
+    @property
+    def ended(self) -> bool:
+        """Whether the reply is whole: its candidate finished (a ``finishReason``),
+        or the prompt was blocked (``promptFeedback.blockReason``)."""
+        return self.finish_reason is not None or self.block_reason is not None
+
     def content(self) -> tuple[list[dict[str, Any]], str | None]:
         """The reply's content blocks and the engine's stop reason."""
         return reply_content(self.blocks, self.finish_reason, self.finish_message,

@@ -23,7 +23,9 @@ fault kind             from
 ``overloaded``         503 ``UNAVAILABLE`` whose message says the model is
                        overloaded
 ``server_error``       500 ``INTERNAL``, other 503s, 502, 504 and other 5xx, 409;
-                       a body that is not a response
+                       a body that is not a response; a whole (JSON) reply with
+                       no finished candidate and no blocked prompt (raised by
+                       the provider, with the usage it reports)
 ``timeout``            408, ``DEADLINE_EXCEEDED`` inside a stream, the transport's
                        timeout
 ``connection``         refused, reset or closed before a response; a whole (JSON)

@@ -43,6 +43,7 @@ from loopengine.providers._openai_chat import (
     usage_from_api,
 )
 from loopengine.providers._openai_faults import (
+    body_fault,
     classify_error,
     failures,
     import_openai,
@@ -218,8 +219,11 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                           params: dict[str, Any]) -> ProviderResponse:
         body, request_id, status = await json_body(
             client.chat.completions.with_streaming_response.create, params,
-            what="a chat completion", valid=lambda body: isinstance(
-                (first_choice(body) or {}).get("message"), Mapping))
+            what="a chat completion", valid=lambda body: _answered(body) or isinstance(
+                body.get("error"), Mapping))
+        if not _answered(body):
+            raise body_fault(body, request_id=request_id,
+                             usage=usage_from_api(body.get("usage"), body.get("service_tier")))
         choice = first_choice(body) or {}
         content, stop = content_from_message(choice["message"], choice.get("finish_reason"))
         return ProviderResponse(
@@ -297,3 +301,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,
                                 response_id=reply.response_id, request_id=request_id,
                                 http_status=response.status_code, model=reply.model)
+
+
+def _answered(body: Mapping[str, Any]) -> bool:
+    """Whether a completion body holds a reply: its first choice's ``message``."""
+    return isinstance((first_choice(body) or {}).get("message"), Mapping)

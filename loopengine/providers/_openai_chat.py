@@ -18,7 +18,11 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
 * the reply's text and ``refusal`` become text blocks, its tool calls
   ``tool_use`` blocks, all of one turn in one batch. Arguments that are not
   a JSON object are kept as the string the model sent: the tool's input
-  validation then gives the model a recoverable error result (R15).
+  validation then gives the model a recoverable error result (R15). A tool
+  call's ``extra_content`` (Gemini's OpenAI-compatible endpoint puts the
+  model's thought signature there, ``{"google": {"thought_signature": ...}}``,
+  and refuses the next request without it) is kept on its ``tool_use`` block
+  and sent back on the same call.
 
 ``finish_reason`` becomes the engine's stop reason: ``stop`` -> ``end_turn``,
 ``tool_calls`` -> ``tool_use``, ``length`` -> ``max_tokens`` (``incomplete``),
@@ -139,7 +143,10 @@ class StreamedCompletion:
         self.model: str | None = None
         self.text: list[str] = []
         self.refusal: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
+        self.calls: dict[tuple[int, int], dict[str, Any]] = {}
+        """The tool calls by their place: ``(0, index)`` for a delta that names its
+        ``index``, ``(1, n)`` for the n-th call of a server that names none."""
+        self._last_call: tuple[int, int] | None = None
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.service_tier: object = None
@@ -151,9 +158,10 @@ class StreamedCompletion:
     def add(self, chunk: Any) -> str:
         """Take one chunk; return its text delta. An error chunk (``{"error": ...}``,
         with the usage and id some servers add) is kept in `error`."""
-        if self.response_id is None:
-            self.response_id = text_or_none(getattr(chunk, "id", None))
-            self.model = text_or_none(getattr(chunk, "model", None))
+        # The first id a chunk names: Azure's first chunk (its prompt filter
+        # results) names none, its ``id`` and ``model`` empty.
+        self.response_id = self.response_id or text_or_none(getattr(chunk, "id", None)) or None
+        self.model = self.model or text_or_none(getattr(chunk, "model", None)) or None
         # Every chunk names the tier; the usage chunk may come last.
         self.service_tier = getattr(chunk, "service_tier", None) or self.service_tier
         usage = getattr(chunk, "usage", None)
@@ -175,10 +183,12 @@ class StreamedCompletion:
                 if delta.refusal:
                     self.refusal.append(delta.refusal)
                 for call in delta.tool_calls or ():
-                    entry = self.calls.setdefault(call.index,
-                                                  {"id": None, "name": "", "arguments": []})
+                    entry = self._call(call)
                     if call.id:
                         entry["id"] = call.id
+                    extra = getattr(call, "extra_content", None)
+                    if isinstance(extra, Mapping) and extra:
+                        entry["extra_content"] = _merged(entry.get("extra_content"), extra)
                     if call.function is not None:
                         if call.function.name:
                             entry["name"] += call.function.name
@@ -190,6 +200,23 @@ class StreamedCompletion:
             self.text.append(text)
         return text
 
+    def _call(self, call: Any) -> dict[str, Any]:
+        """The tool call a ``tool_calls`` delta adds to: the one at its ``index``.
+        A delta without one (Gemini's compatible endpoint sends none, each call
+        whole) starts a call when it names an id the last call does not have,
+        else goes on with the last call."""
+        index = getattr(call, "index", None)
+        if isinstance(index, int) and not isinstance(index, bool):
+            key = (0, index)
+        else:
+            last = self.calls.get(self._last_call) if self._last_call is not None else None
+            if last is not None and (not call.id or last["id"] in (None, call.id)):
+                key = self._last_call  # type: ignore[assignment]
+            else:
+                key = (1, sum(1 for place, _ in self.calls if place == 1))
+        self._last_call = key
+        return self.calls.setdefault(key, {"id": None, "name": "", "arguments": []})
+
     def content(self) -> tuple[list[dict[str, Any]], str | None]:
         """The reply's content blocks and stop reason."""
         message: dict[str, Any] = {
@@ -197,7 +224,8 @@ class StreamedCompletion:
             "refusal": "".join(self.refusal) or None,
             "tool_calls": [
                 {"id": call["id"], "type": "function",
-                 "function": {"name": call["name"], "arguments": "".join(call["arguments"])}}
+                 "function": {"name": call["name"], "arguments": "".join(call["arguments"])},
+                 **({"extra_content": call["extra_content"]} if "extra_content" in call else {})}
                 for _, call in sorted(self.calls.items())
             ],
         }
@@ -309,9 +337,12 @@ def _assistant_message(content: Any) -> dict[str, Any]:
         if kind == "text":
             texts.append(str(block.get("text", "")))
         elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name"),
-                                       "arguments": call_arguments(block)}})
+            call: dict[str, Any] = {"id": block.get("id"), "type": "function",
+                                    "function": {"name": block.get("name"),
+                                                 "arguments": call_arguments(block)}}
+            if isinstance(block.get("extra_content"), Mapping):
+                call["extra_content"] = block["extra_content"]
+            calls.append(call)
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
         message["tool_calls"] = calls
@@ -451,12 +482,29 @@ def content_from_message(
         content.append({"type": "text", "text": refusal})
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
-        content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
-                        "input": arguments(function.get("arguments"))})
+        block = {"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
+                 "input": arguments(function.get("arguments"))}
+        extra = call.get("extra_content")
+        if isinstance(extra, Mapping) and extra:
+            # Gemini's thought signature (``{"google": {"thought_signature": ...}}``),
+            # which must go back on the same call.
+            block["extra_content"] = dict(extra)
+        content.append(block)
     stop = stop_reason(finish_reason)
     if isinstance(refusal, str) and refusal:
         stop = "refusal"
     return content, stop
+
+
+def _merged(given: object, more: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's ``extra_content`` so far with a later delta's, merged one level down
+    (its vendors' objects, ``google``...)."""
+    merged = dict(given) if isinstance(given, Mapping) else {}
+    for vendor, fields in more.items():
+        before = merged.get(vendor)
+        merged[vendor] = ({**before, **fields} if isinstance(before, Mapping)
+                          and isinstance(fields, Mapping) else fields)
+    return merged
 
 
 def arguments(raw: object) -> Any:

@@ -9,12 +9,16 @@ fault kind             from
                        ``billing_hard_limit_reached``, ``billing_not_active``,
                        ``credit_balance_exhausted``, ``*_spend_limit_exceeded``,
                        whatever the status; 402
-``rate_limited``       any other 429 (``retry-after-ms`` / ``retry-after`` honoured)
+``rate_limited``       any other 429 (``retry-after-ms`` / ``retry-after`` honoured);
+                       an error inside a stream of type ``requests``, ``tokens``,
+                       ``rate_limit_exceeded`` or ``too_many_requests``
 ``timeout``            408, the SDK's timeout
 ``server_error``       409, 5xx, a body that is not a completion; an error
-                       object inside a stream whose type and code name no
-                       other kind (it is otherwise read as in an error body:
-                       an ``invalid_request_error`` is ``bad_request``)
+                       object inside a stream (or a 200 body that is one) whose
+                       type and code name no other kind (it is otherwise read
+                       as in an error body: an ``invalid_request_error`` is
+                       ``bad_request``; a code that is an HTTP status, as
+                       OpenRouter's are, is that status's kind)
 ``connection``         refused, reset or closed before a response
 ``aborted``            the body or stream cut after the response began, a stream
                        that ended before its ``finish_reason`` or its usage
@@ -50,7 +54,8 @@ from loopengine.providers._faults import (
     status_kind,
 )
 
-__all__ = ["classify_error", "event_fault", "failures", "import_openai", "read_failures"]
+__all__ = ["body_fault", "classify_error", "event_fault", "failures", "import_openai",
+           "read_failures"]
 
 _TYPE_KINDS = {
     "invalid_request_error": FaultKind.BAD_REQUEST,
@@ -60,6 +65,8 @@ _TYPE_KINDS = {
     "rate_limit_exceeded": FaultKind.RATE_LIMITED,
     "requests": FaultKind.RATE_LIMITED,
     "tokens": FaultKind.RATE_LIMITED,
+    # A Responses stream's rate limit, as its ``error`` event names it.
+    "too_many_requests": FaultKind.RATE_LIMITED,
     "timeout": FaultKind.TIMEOUT,
     "timeout_error": FaultKind.TIMEOUT,
     "overloaded_error": FaultKind.OVERLOADED,
@@ -150,17 +157,36 @@ def event_fault(
     server's failure (retried). ``usage`` is a floor (``usage_approx``, by
     default whenever there is one) unless it is a failed response's own."""
     fields = error if isinstance(error, Mapping) else {}
-    error_type, code = _text(fields.get("type")), _text(fields.get("code"))
+    code: object = fields.get("code")
+    # A number is an HTTP status (OpenRouter's codes), read as the SDK reads it.
+    code = str(code) if isinstance(code, int) and not isinstance(code, bool) else _text(code)
+    error_type = _text(fields.get("type"))
     return response_fault(_kind(200, error_type, code), 200, {}, label=code or error_type,
                           code=code, message=_text(fields.get("message")) or "",
                           request_id=request_id, usage=usage, response_id=response_id,
                           usage_approx=usage_approx)
 
 
+def body_fault(body: Mapping[str, Any], *, request_id: str | None,
+               usage: Usage | None) -> ProviderFault:
+    """The fault of a 200 whose JSON body is an ``error`` object instead of a reply:
+    OpenRouter answers so when the upstream provider failed after the request was
+    accepted (``{"error": {"code": 429, "message": ...}}``). Read as an error
+    inside a stream (`event_fault`); the usage the body reports is the server's
+    own count, not a floor."""
+    return event_fault(body.get("error"), request_id=request_id, usage=usage,
+                       response_id=_text(body.get("id")), usage_approx=False)
+
+
 def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
     """The fault kind of an error response (or of an error inside a stream, status 200)."""
     if is_credit_code(code) or is_credit_code(error_type):
         return FaultKind.CREDIT_EXHAUSTED
+    if status == 200 and error_type is None and code is not None and code.isdigit():
+        # OpenRouter's errors after a 200 name the HTTP status the failure
+        # stands for as their code (402: no credits left, 429: rate limited).
+        named = int(code)
+        return status_kind(named) if 400 <= named <= 599 else FaultKind.SERVER_ERROR
     if status == 200 or (status >= 500 and error_type == "overloaded_error"):
         # After a 200 only the error's type (or code) tells what went wrong;
         # an unknown one is the server's failure.

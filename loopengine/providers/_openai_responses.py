@@ -35,6 +35,7 @@ from loopengine.providers._openai import (
     openai_clients,
 )
 from loopengine.providers._openai_faults import (
+    body_fault,
     classify_error,
     event_fault,
     failures,
@@ -128,7 +129,10 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
                           params: dict[str, Any]) -> ProviderResponse:
         body, request_id, status = await json_body(
             client.responses.with_streaming_response.create, params, what="a response",
-            valid=lambda body: isinstance(body.get("output"), list))
+            valid=lambda body: isinstance(body.get("output"), list) or isinstance(
+                body.get("error"), Mapping))
+        if not isinstance(body.get("output"), list):
+            raise body_fault(body, request_id=request_id, usage=usage_from_response(body))
         return _finished(body, request_id=request_id, http_status=status)
 
     async def _send_streaming(

@@ -18,7 +18,8 @@ boundary, both ways (`responses_params`, `content_from_response`,
   ``web_search_call``...) is kept in the transcript as a block of its own
   type, as the API sent it, and goes back as the same item on the next
   request: a ``reasoning`` item with its ``encrypted_content`` (``store`` is
-  false, so the server keeps nothing to refer to), or not at all without it.
+  false, so the server keeps nothing to refer to), or not at all without it
+  or without an item after it (a response cut after its reasoning).
   The API pairs a reasoning item with the item that followed it by that
   item's id (``fc_...``, ``msg_...``), and refuses either sent without the
   other: the reasoning block keeps that id (``next_item_id``), and the item
@@ -230,7 +231,9 @@ def _assistant_items(content: Any) -> list[dict[str, Any]]:
             add({"type": "function_call", "call_id": block.get("id"),
                  "name": block.get("name"), "arguments": call_arguments(block)})
         elif kind == "reasoning":
-            if block.get("encrypted_content"):
+            # Without the item that followed it (its response was cut after
+            # its reasoning), the API refuses it: it is not sent back.
+            if block.get("encrypted_content") and block.get("next_item_id"):
                 items.append({"type": "reasoning", "id": block.get("id"),
                               "summary": list(block.get("summary") or ()),
                               "encrypted_content": block["encrypted_content"]})

@@ -25,7 +25,8 @@ A stream is the API's events, each ``event: <type>`` with its JSON:
 word, ``response.refusal.delta``, ``response.function_call_arguments.delta``
 in two halves, the ``.done`` events) and ``response.output_item.done``, then
 ``response.completed`` or ``response.incomplete``, which alone carries the
-usage. A `StreamErrorEvent` is an ``error`` event (``code`` its type).
+usage. A `StreamErrorEvent` is an ``error`` event (``code`` its type), its
+fields nested under ``error`` as the API sends them (and flat beside them).
 """
 
 from __future__ import annotations
@@ -213,8 +214,12 @@ def _item_events(index: int, item: dict[str, Any]) -> list[tuple[str, dict[str, 
 
 
 def error_event(error_type: str, message: str) -> bytes:
-    """An ``error`` event inside a stream, its ``code`` the scripted type."""
-    return _event("error", 0, code=error_type, message=message, param=None)
+    """An ``error`` event inside a stream, its ``code`` the scripted type: its fields
+    nested under ``error`` as the API sends them, and flat beside them as its
+    reference shows them."""
+    return _event("error", 0, code=error_type, message=message, param=None,
+                  error={"type": error_type, "code": error_type, "message": message,
+                         "param": None})
 
 
 def input_problem(body: Any) -> str | None:

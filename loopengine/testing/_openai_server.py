@@ -12,7 +12,8 @@ rendered in the Chat Completions shapes:
 
 * `Reply`: its text blocks are the message's ``content``, its ``tool_use``
   blocks its ``tool_calls`` (an ``input`` given as a string is sent as the
-  arguments verbatim, to script malformed arguments); its stop reason is the
+  arguments verbatim, to script malformed arguments; a block's
+  ``extra_content``, Gemini's thought signature, goes on its call); its stop reason is the
   ``finish_reason`` (``end_turn`` -> ``stop``, ``tool_use`` -> ``tool_calls``,
   ``max_tokens`` -> ``length``, ``refusal`` -> ``content_filter``, any other
   value as it is); its usage is ``prompt_tokens`` (uncached input, cache
@@ -33,7 +34,11 @@ rendered in the Chat Completions shapes:
 * `CutStream`, `StallStream`, `DropConnection`, delays, callables: as for
   `FakeAnthropicServer`. A stream is chunks, then (if asked) the usage chunk,
   then ``[DONE]``: cutting it ``after`` the chunks of the answer leaves out
-  the usage; cutting earlier leaves out the ``finish_reason`` too.
+  the usage; cutting earlier leaves out the ``finish_reason`` too. A stream on
+  Azure's path begins, as Azure's does, with a chunk of the prompt's filter
+  results whose ``id`` and ``model`` are empty; a server built with
+  ``tool_call_indexes=False`` streams each tool call whole, without its
+  ``index``, as Gemini's OpenAI-compatible endpoint does.
 
 A request whose ``messages`` the API refuses (a ``tool`` message that
 answers no call of the assistant message before it, an assistant's call left
@@ -117,6 +122,9 @@ class FakeOpenAIServer(LoopbackServer):
             the request asks, as some compatible servers do (older vLLM,
             llama.cpp, some gateways); the stream still ends with its
             ``finish_reason`` and ``[DONE]``.
+        tool_call_indexes: False: a streamed tool call comes whole in one
+            delta without its ``index``, as Gemini's OpenAI-compatible
+            endpoint sends it.
 
     When the script runs out, requests get a 400 ``invalid_request_error``
     saying so: a permanent fault, so a test that sends more than it scripted
@@ -127,10 +135,14 @@ class FakeOpenAIServer(LoopbackServer):
     request_id_header = "x-request-id"
 
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1",
-                 stream_usage: bool = True) -> None:
+                 stream_usage: bool = True, tool_call_indexes: bool = True) -> None:
         super().__init__(script, host=host)
         self.stream_usage = stream_usage
         """Whether a stream that asks for its usage chunk gets it."""
+        self.tool_call_indexes = tool_call_indexes
+        """Whether a streamed tool call names its ``index`` (and comes in pieces);
+        False: each call comes whole in one delta without one, as Gemini's
+        OpenAI-compatible endpoint sends them."""
 
     @property
     def base_url(self) -> str:
@@ -171,7 +183,8 @@ class FakeOpenAIServer(LoopbackServer):
         model = request.body.get("model") if isinstance(request.body, Mapping) else None
         texts = [str(b.get("text", "")) for b in reply.content if b.get("type") == "text"]
         calls = [{"id": b.get("id"), "type": "function",
-                  "function": {"name": b.get("name"), "arguments": _arguments(b.get("input"))}}
+                  "function": {"name": b.get("name"), "arguments": _arguments(b.get("input"))},
+                  **({"extra_content": b["extra_content"]} if "extra_content" in b else {})}
                  for b in reply.content if b.get("type") == "tool_use"]
         message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None,
                                    "refusal": None}
@@ -206,14 +219,25 @@ class FakeOpenAIServer(LoopbackServer):
                           "choices": [{"index": 0, "delta": dict(delta), "logprobs": None,
                                        "finish_reason": finish}]})
 
-        frames = [chunk({"role": "assistant", "content": ""})]
+        frames = []
+        if _AZURE_PATH.fullmatch(request.path.split("?")[0]) is not None:
+            # Azure's first chunk: the prompt's filter results, no id, no model.
+            frames.append(_data({"choices": [], "created": 0, "id": "", "model": "",
+                                 "object": "", "prompt_filter_results": [{
+                                     "prompt_index": 0, "content_filter_results": {}}]}))
+        frames.append(chunk({"role": "assistant", "content": ""}))
         for piece in _WORDS.findall(answer["content"] or ""):
             frames.append(chunk({"content": piece}))
         for index, call in enumerate(answer.get("tool_calls", ())):
             function = call["function"]
+            extra = {"extra_content": call["extra_content"]} if "extra_content" in call else {}
+            if not self.tool_call_indexes:
+                frames.append(chunk({"tool_calls": [{"id": call["id"], "type": "function",
+                                                     "function": dict(function), **extra}]}))
+                continue
             frames.append(chunk({"tool_calls": [{
                 "index": index, "id": call["id"], "type": "function",
-                "function": {"name": function["name"], "arguments": ""}}]}))
+                "function": {"name": function["name"], "arguments": ""}, **extra}]}))
             arguments = function["arguments"]
             # In two pieces, as the API streams them: the client joins them.
             for part in (arguments[: len(arguments) // 2], arguments[len(arguments) // 2:]):

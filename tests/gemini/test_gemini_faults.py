@@ -193,3 +193,37 @@ async def test_connection_refused_is_retried_then_ends_provider_error_gemini(
     assert result.outcome is le.Outcome.PROVIDER_ERROR
     assert [a.settle.fault for a in result.attempt_log if a.settle] == ["connection"] * 3
     assert wire.requests == []
+
+
+def _unfinished(candidates: list[dict[str, object]] | None) -> ErrorReply:
+    """A 200 whose body names no finished candidate and no blocked prompt, with the
+    prompt's usage."""
+    body: dict[str, object] = {
+        "usageMetadata": {"promptTokenCount": 8, "totalTokenCount": 8},
+        "modelVersion": "gemini-2.5-flash", "responseId": "resp-unfinished"}
+    if candidates is not None:
+        body["candidates"] = candidates
+    return ErrorReply(status=200, body=body)
+
+
+@pytest.mark.parametrize("candidates", [
+    None, [], [{"index": 0}],
+    [{"content": {"parts": [{"text": "half an ans"}], "role": "model"}, "index": 0}],
+], ids=["no-candidates", "empty-candidates", "empty-candidate", "unfinished-candidate"])
+async def test_a_json_reply_that_answers_nothing_is_an_invalid_response_gemini(
+    wire: GeminiHarness, candidates: list[dict[str, object]] | None
+) -> None:
+    """A whole (JSON) reply whose candidates are missing, empty or unfinished, and
+    whose prompt was not blocked, answered nothing: not an empty answer accepted
+    as completed, but the server's failure (as the same stream would be cut),
+    retried; the prompt it reports is recorded, not charged."""
+    engine, _ = wire.engine(_unfinished(candidates), Reply.text("the answer"))
+    result = await engine.run(gemini_operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assert result.answer == "the answer"
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.outcome, first.fault, first.error_code, first.response_id) == (
+        "error", "server_error", "invalid_response", "resp-unfinished")
+    assert first.usage == le.Usage(input_tokens=8) and first.charged is False
+    assert len(wire.requests) == 2

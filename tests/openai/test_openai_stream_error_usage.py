@@ -12,7 +12,7 @@ import pytest
 
 import loopengine as le
 from loopengine.providers import FaultKind
-from loopengine.testing import Reply, StreamErrorEvent
+from loopengine.testing import ErrorReply, Reply, StreamErrorEvent
 
 from .conftest import OpenAIHarness, openai_operation
 
@@ -98,3 +98,54 @@ async def test_an_error_chunk_that_is_a_credit_error_is_not_retried(
     (row,) = ledger.attempts.values()
     assert (row["response_id"], row["input_tokens"], row["cost_nanousd"]) == (
         "gen-79", 1_000, 1_240_000)
+
+
+@pytest.mark.parametrize(("code", "kind", "retried"), [
+    (429, FaultKind.RATE_LIMITED, True),
+    (402, FaultKind.CREDIT_EXHAUSTED, False),
+    (400, FaultKind.BAD_REQUEST, False),
+])
+async def test_an_error_chunk_whose_code_is_an_http_status_is_that_status_fault(
+    wire: OpenAIHarness, code: int, kind: FaultKind, retried: bool,
+) -> None:
+    """OpenRouter's error codes are HTTP statuses: mid-stream, 429 is a rate limit
+    (retried), 402 depleted credits (R06: the run ends on it)."""
+    chunk = openrouter_error("gen-80", code=code, message="upstream said no")
+    engine, ledger = wire.engine(
+        StreamErrorEvent(reply=partial("gen-80"), after=2, data=chunk, usage=SERVED),
+        Reply.text("done"), stream=True)
+    result = await engine.run(openai_operation(), "go")
+    first = result.attempt_log[0].settle
+    assert first is not None and (first.fault, first.error_code) == (kind.value, str(code))
+    assert (result.outcome is le.Outcome.COMPLETED) is retried
+    assert len(ledger.attempts) == (2 if retried else 1)
+
+
+def error_body(code: int, message: str) -> ErrorReply:
+    """A 200 whose JSON body is an error object, as OpenRouter answers a request
+    (streamed or not) whose upstream provider failed after accepting it."""
+    return ErrorReply(status=200, body={
+        "error": {"code": code, "message": message,
+                  "metadata": {"provider_name": "Google AI Studio"}},
+        "user_id": "user_1"})
+
+
+@pytest.mark.parametrize(("code", "kind", "outcome"), [
+    (429, FaultKind.RATE_LIMITED, le.Outcome.COMPLETED),
+    (502, FaultKind.SERVER_ERROR, le.Outcome.COMPLETED),
+    (402, FaultKind.CREDIT_EXHAUSTED, le.Outcome.CREDIT_EXHAUSTED),
+])
+async def test_a_200_body_that_is_an_error_is_classified_by_it(
+    wire: OpenAIHarness, code: int, kind: FaultKind, outcome: le.Outcome,
+) -> None:
+    """A whole (JSON) 200 whose body is ``{"error": {...}}``: classified by that error,
+    as the same error inside a stream is, not as an unreadable body: a rate limit
+    is retried, depleted credits end the run at once."""
+    engine, ledger = wire.engine(error_body(code, "Rate limit exceeded: free-models-per-day"),
+                                 Reply.text("done"))
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is outcome, result.detail
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.fault, first.http_status, first.error_code) == (kind.value, 200, str(code))
+    assert len(ledger.attempts) == (1 if outcome is le.Outcome.CREDIT_EXHAUSTED else 2)

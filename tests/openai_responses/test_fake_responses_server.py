@@ -72,13 +72,18 @@ async def test_a_stream_is_the_apis_events_ending_with_the_response(
 async def test_an_error_event_is_an_event_of_type_error(
     fake_openai_server: FakeOpenAIServer, client: openai.AsyncOpenAI
 ) -> None:
-    """A StreamErrorEvent is an ``error`` event whose code is the scripted type."""
+    """A StreamErrorEvent is an ``error`` event whose code is the scripted type, its
+    fields nested under ``error`` as the API sends them: the SDK raises it."""
     fake_openai_server.add(StreamErrorEvent(reply=Reply.text("half"), after=2,
                                             type="server_error", message="boom"))
     stream = await client.responses.create(model=MODEL, input="hello", stream=True)
-    events: list[Any] = [event async for event in stream]
-    assert [e.type for e in events] == ["response.created", "response.in_progress", "error"]
-    assert (events[-1].code, events[-1].message) == ("server_error", "boom")
+    events: list[Any] = []
+    with pytest.raises(openai.APIError) as raised:
+        async for event in stream:
+            events.append(event)
+    assert [e.type for e in events] == ["response.created", "response.in_progress"]
+    assert (raised.value.code, raised.value.type, raised.value.message) == (
+        "server_error", "server_error", "boom")
 
 
 @pytest.mark.parametrize(("items", "problem"), [

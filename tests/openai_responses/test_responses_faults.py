@@ -153,3 +153,55 @@ async def test_a_failed_response_keeps_the_usage_it_reports_whole(
     assert first is not None
     assert first.usage == le.Usage(input_tokens=30, cache_read_tokens=10, output_tokens=5)
     assert (first.usage_approx, first.charged, first.outcome) == (False, False, "error")
+
+
+def nested_error(error_type: str, code: str) -> Any:
+    """The ``error`` event as the API sends it in production: its fields nested under
+    ``error`` (not flat, as its reference shows), after ``response.created``."""
+    created = {**_failed_body("x"), "id": "resp_nested", "status": "in_progress",
+               "error": None}
+    return ErrorReply(status=200, body=_sse(
+        {"type": "response.created", "sequence_number": 0, "response": created},
+        {"type": "error", "sequence_number": 1,
+         "error": {"type": error_type, "code": code, "message": f"scripted {code}",
+                   "param": None}}))
+
+
+@pytest.mark.parametrize(("error_type", "code", "kind", "retried"), [
+    ("too_many_requests", "too_many_requests", "rate_limited", True),
+    ("tokens", "rate_limit_exceeded", "rate_limited", True),
+    ("insufficient_quota", "credit_balance_exhausted", "credit_exhausted", False),
+    ("server_error", None, "server_error", True),
+])
+async def test_a_nested_error_event_is_classified_by_its_type_and_code(
+    wire: ResponsesHarness, error_type: str, code: str, kind: str, retried: bool
+) -> None:
+    """The production shape of a mid-stream ``error`` event (``{"type": "error",
+    "error": {...}}``): a rate limit (``too_many_requests`` too) is retried as
+    one, depleted credits end the run at once (R06)."""
+    engine, _ = wire.engine(nested_error(error_type, code), Reply.text("recovered"),
+                            stream=True)
+    result = await engine.run(openai_operation(), "go")
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.fault, first.http_status, first.response_id) == (kind, 200, "resp_nested")
+    assert (result.outcome is le.Outcome.COMPLETED) is retried
+    if not retried:
+        assert result.outcome is le.Outcome.CREDIT_EXHAUSTED
+    assert len(wire.requests) == (2 if retried else 1)
+
+
+async def test_a_200_body_that_is_an_error_is_classified_by_it_responses(
+    wire: ResponsesHarness,
+) -> None:
+    """A whole (JSON) 200 whose body is ``{"error": {...}}`` and no response (a
+    gateway's answer when its upstream failed): classified by that error, here
+    depleted credits, which end the run at once (R06)."""
+    engine, _ = wire.engine(ErrorReply(status=200, body={
+        "error": {"code": 402, "message": "Insufficient credits"}}), Reply.text("never"))
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.CREDIT_EXHAUSTED, result.detail
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.fault, first.http_status, first.error_code) == ("credit_exhausted", 200, "402")
+    assert len(wire.requests) == 1

@@ -167,6 +167,25 @@ async def test_without_reasoning_effort_nothing_is_included_and_bare_reasoning_s
 
 
 @STREAMING
+async def test_a_run_cut_after_its_reasoning_continues_from_result_messages(
+    wire: ResponsesHarness, stream: bool
+) -> None:
+    """A response cut after its reasoning (max_output_tokens: nothing followed the
+    reasoning item) ends incomplete; continuing from result.messages does not send
+    that reasoning item back, which the API refuses without its following item."""
+    engine, _ = wire.engine(Reply(content=[REASONING], stop_reason="max_tokens"),
+                            Reply.text("done"), stream=stream)
+    op = dataclasses.replace(openai_operation(), reasoning_effort="low")
+    first = await engine.run(op, "go")
+    assert first.outcome is le.Outcome.INCOMPLETE
+    assert first.messages[1]["content"] == [REASONING]
+    second = await engine.run(op, [*first.messages, {"role": "user", "content": "go on"}])
+    assert second.outcome is le.Outcome.COMPLETED, second.detail
+    assert [i.get("type", "message") for i in items(wire.requests[1])] == [
+        "message", "message"]
+
+
+@STREAMING
 async def test_a_run_continues_from_result_messages(
     wire: ResponsesHarness, stream: bool
 ) -> None:

@@ -1,0 +1,134 @@
+"""Streams of servers that speak Chat Completions their own way, on the wire: Azure's
+first chunk (its prompt's filter results, with an empty id) and Gemini's
+OpenAI-compatible endpoint (tool calls without an ``index``). Each goes through
+OpenAIProvider, the real ``openai`` SDK and FakeOpenAIServer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+from openai._models import construct_type
+from openai.types.chat import ChatCompletionChunk
+
+import loopengine as le
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import OpenAIProvider
+from loopengine.providers._openai_chat import StreamedCompletion
+from loopengine.testing import FakeOpenAIServer, RecordedRequest, Reply
+
+from .conftest import PRICES, calls_asked, openai_operation, tool_messages
+
+
+@le.tool
+def lookup(key: str) -> str:
+    """Look a key up."""
+    return f"value of {key}"
+
+
+async def test_an_azure_stream_records_the_completion_id_not_its_empty_first_chunk() -> None:
+    """Azure's stream opens with a chunk of prompt filter results whose ``id`` and
+    ``model`` are empty: the attempt records the completion's id from the chunks
+    after it."""
+    with FakeOpenAIServer([Reply.text("hi there")]) as server:
+        client = openai.AsyncAzureOpenAI(api_key="k", api_version="2024-10-21",
+                                         base_url=f"{server.url}/openai",
+                                         http_client=httpx2.AsyncClient())
+        ledger = MemoryLedger()
+        engine = le.Engine(OpenAIProvider(client, stream=True), ledger=ledger)
+        try:
+            result = await engine.run(le.Operation(name="t", provider="azure", model="gpt-4o"),
+                                      "go")
+        finally:
+            await client.close()
+        assert server.requests[0].path.startswith("/openai/deployments/gpt-4o/")
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assert result.answer == "hi there"
+    (row,) = ledger.attempts.values()
+    assert row["response_id"] == "chatcmpl-fake-0001"
+    assert result.attempt_log[0].settle is not None
+    assert result.attempt_log[0].settle.response_id == "chatcmpl-fake-0001"
+
+
+async def two_calls(first_extra: dict[str, Any], *, stream: bool,
+                    indexes: bool) -> tuple[le.RunResult, list[RecordedRequest]]:
+    """A run whose model calls ``lookup`` twice (the first call's block with
+    ``first_extra``), then answers, on a FakeOpenAIServer streaming tool calls with
+    or without their ``index``: its result and the requests the server received."""
+    calls = Reply(content=[
+        {"type": "tool_use", "id": "function-call-1", "name": "lookup", "input": {"key": "a"},
+         **first_extra},
+        {"type": "tool_use", "id": "function-call-2", "name": "lookup", "input": {"key": "b"}}],
+        stop_reason="tool_use")
+    with FakeOpenAIServer([calls, Reply.text("done")], tool_call_indexes=indexes) as server:
+        provider = OpenAIProvider(api_key="k", base_url=server.base_url, stream=stream)
+        engine = le.Engine(provider, ledger=MemoryLedger(), prices=PRICES)
+        try:
+            result = await engine.run(openai_operation(), "go", tools=[lookup])
+        finally:
+            await provider.aclose()
+        return result, server.requests
+
+
+async def test_tool_calls_streamed_without_an_index_stay_apart() -> None:
+    """Gemini's OpenAI-compatible endpoint streams each tool call whole, without an
+    ``index``: two calls are two calls, each with its id, name and input, run and
+    answered one for one."""
+    result, requests = await two_calls({}, stream=True, indexes=False)
+    second = requests[1]
+    assert requests[0].body["stream"] is True
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assert result.tool_calls == 2
+    assert calls_asked(second) == [
+        {"id": "function-call-1", "name": "lookup", "input": {"key": "a"}},
+        {"id": "function-call-2", "name": "lookup", "input": {"key": "b"}}]
+    assert [(m["tool_call_id"], m["content"]) for m in tool_messages(second)] == [
+        ("function-call-1", "value of a"), ("function-call-2", "value of b")]
+
+
+def _chunk(calls: list[dict[str, Any]]) -> Any:
+    return construct_type(type_=ChatCompletionChunk, value={
+        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}]})
+
+
+def test_indexless_deltas_go_on_with_the_last_call_and_mix_with_indexed_ones() -> None:
+    """A delta without an index and without a new id goes on with the call before
+    it (arguments split over deltas); beside calls that name their index, calls
+    that name none come after them, in the order they came, and nothing raises."""
+    reply = StreamedCompletion()
+    reply.add(_chunk([{"id": "c1", "type": "function",
+                       "function": {"name": "lookup", "arguments": '{"key"'}}]))
+    reply.add(_chunk([{"function": {"arguments": ': "a"}'}}]))
+    reply.add(_chunk([{"index": 0, "id": "c0", "type": "function",
+                       "function": {"name": "lookup", "arguments": '{"key": "z"}'}}]))
+    reply.add(_chunk([{"id": "c2", "type": "function",
+                       "function": {"name": "lookup", "arguments": '{"key": "b"}'}}]))
+    reply.finish_reason = "tool_calls"
+    content, stop = reply.content()
+    assert stop == "tool_use"
+    assert [(b["id"], b["name"], json.dumps(b["input"])) for b in content] == [
+        ("c0", "lookup", '{"key": "z"}'), ("c1", "lookup", '{"key": "a"}'),
+        ("c2", "lookup", '{"key": "b"}')]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("indexes", [True, False], ids=["indexed", "indexless"])
+async def test_a_thought_signature_on_a_tool_call_goes_back_on_that_call(
+    stream: bool, indexes: bool,
+) -> None:
+    """Gemini's OpenAI-compatible endpoint puts the model's thought signature on each
+    tool call (``extra_content.google.thought_signature``) and refuses the next
+    request without it: it is kept on the tool_use block and sent back on the
+    same call, streamed or not."""
+    signed = {"google": {"thought_signature": "c2lnbmF0dXJlLTE="}}
+    result, requests = await two_calls({"extra_content": signed}, stream=stream,
+                                       indexes=indexes)
+    second = requests[1]
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assistant = [m for m in second.messages if m["role"] == "assistant"][-1]
+    assert [call.get("extra_content") for call in assistant["tool_calls"]] == [signed, None]
+    assert result.messages[1]["content"][0]["extra_content"] == signed
