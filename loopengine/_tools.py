@@ -191,8 +191,9 @@ class Tool:
         else:
             call = functools.partial(self.handler, argument, **extra)
         if self._is_async:
-            return await call()
-        value = await anyio.to_thread.run_sync(_boxed, call, abandon_on_cancel=True)
+            value = await call()
+        else:
+            value = await anyio.to_thread.run_sync(_boxed, call, abandon_on_cancel=True)
         if isinstance(value, _Raised):
             # Raised here, in the run's own frames: a KeyboardInterrupt, a
             # SystemExit or a GeneratorExit that came back through the worker's
@@ -200,8 +201,9 @@ class Tool:
             # event loop (or closes the task) before the run can record its end.
             raise value.error
         if inspect.isawaitable(value):
-            # A sync function returning a coroutine (a lambda around an async
-            # one): its result is what it awaits to, as a judge's is.
+            # A function returning a coroutine (a lambda around an async one,
+            # an async one that forgot its await): its result is what that
+            # awaits to, as a judge's is, never the coroutine's repr.
             return await value
         return value
 

@@ -586,6 +586,26 @@ async def test_a_sync_handler_returning_a_coroutine_gives_what_it_awaits_to() ->
     assert sent["content"] == "found k" and not sent.get("is_error")
 
 
+async def test_an_async_handler_returning_a_coroutine_gives_what_it_awaits_to() -> None:
+    """An async handler that returns a coroutine (an ``await`` forgotten) gives the
+    model what it awaits to, as a sync handler's does; it was ``<coroutine object
+    ...>``, and the coroutine was never awaited."""
+
+    async def look_up(key: str) -> str:
+        return f"found {key}"
+
+    async def forgetful(argument: dict[str, Any]) -> Any:
+        return look_up(argument["key"])
+
+    lookup = le.Tool("lookup", "Look up.", {"type": "object"}, forgetful)
+    provider = ScriptedProvider([Reply.tool_calls(("lookup", {"key": "k"})),
+                                 Reply.text("done")])
+    result = await le.Engine(provider).run(OPERATION, "hi", tools=[lookup])
+    assert result.outcome is le.Outcome.COMPLETED
+    (sent,) = provider.requests[1].messages[-1]["content"]
+    assert sent["content"] == "found k" and not sent.get("is_error")
+
+
 class _NaiveClock:
     """A clock of the caller's whose wall time has no UTC offset."""
 
