@@ -22,6 +22,7 @@ from loopengine.providers import (
 )
 
 from .conftest import PRICES, operation
+from .test_deadline import on_mock_clock
 
 
 class Hanging(Provider):
@@ -90,8 +91,9 @@ async def test_cancel_while_tools_run() -> None:
     assert [a["outcome"] for a in ledger.attempts.values()] == ["ok"]
 
 
-async def test_run_deadline_bounds_tool_handlers() -> None:
-    """Handlers run under the run's deadline: a slow one is cut, the run ends time_limit."""
+def test_run_deadline_bounds_tool_handlers() -> None:
+    """Handlers run under the run's deadline: a slow one is cut at it exactly
+    (on trio's MockClock, nothing sleeps for real), the run ends time_limit."""
 
     @le.tool
     async def slow(key: str) -> str:
@@ -101,11 +103,10 @@ async def test_run_deadline_bounds_tool_handlers() -> None:
 
     provider = ScriptedProvider([Reply.tool_calls(("slow", {"key": "k"})), Reply.text("never")])
     engine = le.Engine(provider, prices=PRICES)
-    # The handler never ends: only the deadline does. A second of it leaves a
-    # busy machine time to make the request before the handler starts.
-    with anyio.fail_after(30):
-        result = await engine.run(operation(total_time=1.0), "go", tools=[slow])
-    assert result.outcome is le.Outcome.TIME_LIMIT
+    # The handler never ends: only the deadline does.
+    result, took = on_mock_clock(
+        lambda: engine.run(operation(total_time=5.0), "go", tools=[slow]))
+    assert result.outcome is le.Outcome.TIME_LIMIT and took == pytest.approx(5.0)
     (tool_result,) = result.messages[-1]["content"]
     assert tool_result["is_error"] is True and "time" in tool_result["content"]
     assert len(provider.requests) == 1
