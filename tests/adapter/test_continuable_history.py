@@ -250,7 +250,7 @@ async def test_a_deadline_history_closes_the_handlers_it_cut_and_a_sync_one_runs
     the run returns at the deadline. A sync handler's thread cannot be stopped: it goes
     on after the run returned, and what it returns is discarded. The handlers never
     finish by themselves (the sync one waits to be released), so nothing races the
-    deadline but the first request, which has two seconds."""
+    deadline but the first request, which has four seconds."""
     release = threading.Event()
     finished = threading.Event()
 
@@ -271,7 +271,7 @@ async def test_a_deadline_history_closes_the_handlers_it_cut_and_a_sync_one_runs
         engine, _ = wire.engine(
             Reply.tool_calls(("slow_sync", {"key": "a"}), ("slow_async", {"key": "b"})),
             paired(Reply.text("done")))
-        first = await engine.run(op(total_time=2.0), "go", tools=[slow_sync, slow_async])
+        first = await engine.run(op(total_time=4.0), "go", tools=[slow_sync, slow_async])
         assert first.outcome is le.Outcome.TIME_LIMIT
         assert not finished.is_set()  # the run returned without waiting for the thread
         release.set()
