@@ -73,6 +73,7 @@ class Arming(ScriptedProvider):
 
 def engine(ledger: Any, clock: FakeClock, provider: ScriptedProvider, store: le.RunStore,
            accounts: le.CreditAccounts | None, seen: list[Any]) -> le.Engine:
+    """A process's engine on the shared ledger, its events kept in ``seen``."""
     return le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, rng=random.Random(3),
                      run_store=store, accounts=accounts, observers=[seen.append])
 
@@ -116,6 +117,7 @@ async def pause_stands_and_resumes(process_b: le.Engine, store_b: le.RunStore,
 
 
 def ends_of(seen: list[Any]) -> list[Any]:
+    """The ends and pauses an engine's observers saw."""
     return [e for e in seen if isinstance(e, events.RunEnded | events.RunPaused)]
 
 
