@@ -90,6 +90,7 @@ class Invocation:
         "in_flight", "kind",
         "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
         "paused_seconds", "paused_turn", "pause_seal", "permit", "policy", "prices", "provider",
+        "segment_token",
         "provider_cost_nanousd",
         "lease_owner", "records", "reservation", "rng", "run_store",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
@@ -160,6 +161,11 @@ class Invocation:
         attempts' usage and its charge in nano-USD, all made before the pause."""
         self.pause_seal: str | None = None
         """The seal of the pause a resumed run takes (its ledger's compare-and-set), or None."""
+        self.segment_token: str | None = None
+        """What the ledger's row keeps as its ``pause_seal`` while this segment runs
+        it: ``""`` for a run's first segment, the token its take wrote for a
+        resumed one; None before the row is this segment's. A segment holding
+        a run store's lease ends and pauses the run only on it (`held_end`)."""
         self.usage = Usage()
         self.usage_complete = True
         self.output_tokens = 0

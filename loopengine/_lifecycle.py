@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from datetime import datetime
 
 import anyio
@@ -30,7 +31,7 @@ from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import InvocationEnd, InvocationStart
 
 __all__ = ["begin", "cancelled", "end_paused", "ending", "failed", "finish", "first_error",
-           "forget_run", "uninterrupted", "write_if_paused"]
+           "forget_run", "held_end", "uninterrupted", "write_expecting"]
 
 logger = logging.getLogger("loopengine")
 
@@ -92,6 +93,8 @@ async def begin(inv: Invocation) -> None:
     at = inv.clock.wall()
     inv.begun = True
     if inv.ledger is not None:
+        # A new row keeps no token while its first segment runs it.
+        inv.segment_token = ""
         try:
             await inv.ledger.start_invocation(InvocationStart(
                 id=inv.id,
@@ -147,47 +150,97 @@ async def finish(
     await uninterrupted(end)
 
 
-async def write_if_paused(inv: Invocation, record: InvocationEnd) -> None:
-    """Write ``record``, a compare-and-set on the pause it takes
-    (``record.expect_seal``).
+def held_end(inv: Invocation, record: InvocationEnd) -> InvocationEnd:
+    """``record`` (an end or a pause of the run) as this segment may write it:
+    a compare-and-set on the row still being ``running`` with this segment's
+    token (`Invocation.segment_token`) when the segment holds a run store's
+    lease, so a segment whose run another process took over (its lease
+    expired while it was only slow) ends and pauses nothing of it; as it is
+    otherwise (a run without a run store, or a record with its own condition)."""
+    if record.expect_seal is not None or not _holds_lease(inv):
+        return record
+    assert inv.segment_token is not None  # `_holds_lease`
+    return replace(record, expect_seal=inv.segment_token, expect_outcome="running")
+
+
+def _holds_lease(inv: Invocation) -> bool:
+    """This segment holds a run store's lease on a ledger row it knows its token of."""
+    return (inv.run_store is not None and inv.lease_owner is not None
+            and inv.segment_token is not None)
+
+
+async def write_expecting(inv: Invocation, record: InvocationEnd) -> None:
+    """Write ``record``, a compare-and-set (``record.expect_seal``, on the row
+    still being ``record.expect_outcome``): a resume's take of a pause, or the
+    end or pause of a segment holding a run store's lease (`held_end`).
 
     Raises:
-        RunBusyError: the ledger refused it because the invocation is no
-            longer that pause: another resume took it.
+        RunBusyError: the ledger refused it because the row is no longer what
+            it expects: another resume took the pause, or another process
+            took the run over (and may have ended or paused it).
         LedgerError: the ledger refused it for another reason.
     """
     assert inv.ledger is not None
     try:
         await inv.ledger.end_invocation(record)
     except LedgerError:
-        read = getattr(inv.ledger, "read_progress", None)
-        found = None if read is None else await read(inv.id)
-        if found is None or found.outcome != "paused" or (found.seal or "") != record.expect_seal:
-            raise RunBusyError(inv.id, None, "another resume took its pause") from None
+        if await _taken(inv, record.expect_outcome, record.expect_seal or ""):
+            why = ("another resume took its pause" if record.expect_outcome == "paused"
+                   else "another process took the run over")
+            raise RunBusyError(inv.id, None, why) from None
         raise
+
+
+async def _taken(inv: Invocation, outcome: str, seal: str) -> bool:
+    """Whether the ledger's row is no longer ``outcome`` with ``seal`` (read
+    back after a refused write); False when it cannot be read."""
+    read = getattr(inv.ledger, "read_progress", None)
+    if read is None:
+        return True
+    try:
+        found = await read(inv.id)
+    except LoopEngineError:
+        return False
+    return found is None or found.outcome != outcome or (found.seal or "") != seal
 
 
 async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int, tool_calls: int,
                      credits: int, expect_seal: str | None = None) -> None:
+    """Write the end, settle the account, forget the stored state, announce it.
+
+    Raises:
+        RunBusyError: the end was refused, the run being another's (another
+            resume took the pause, another process took the run over):
+            nothing of it is settled, forgotten or announced here.
+    """
     inv.ended = True
+    taken = False
     try:
         if inv.ledger is not None:
-            record = InvocationEnd(id=inv.id, ended_at=at, outcome=outcome, turns=turns,
-                                   tool_calls=tool_calls, credits=credits,
-                                   expect_seal=expect_seal)
+            record = held_end(inv, InvocationEnd(
+                id=inv.id, ended_at=at, outcome=outcome, turns=turns, tool_calls=tool_calls,
+                credits=credits, expect_seal=expect_seal))
             confirmed = await inv.confirm(
-                inv.ledger.end_invocation(record) if expect_seal is None
-                else write_if_paused(inv, record), at_least=LEDGER_GRACE)
+                inv.ledger.end_invocation(record) if record.expect_seal is None
+                else write_expecting(inv, record), at_least=LEDGER_GRACE)
             if not confirmed:
                 logger.warning("%s %s: the ledger did not confirm its end (%s) by its "
                                "deadline; the write stays queued", inv.kind, inv.id,
                                outcome)
+    except RunBusyError:
+        # Its account's reservation is the new owner's to settle (a recovery
+        # settles the segment it took over), and `RunEnded` would claim an end
+        # that did not happen.
+        taken = inv.announced = True
+        raise
     finally:
-        # The account is settled however the end's write went (docs/accounts.md),
-        # once for a tree of delegated runs: the root is charged its descendants'
-        # credits too (a child holds no reservation of its own, docs/tools.md).
-        await settle_account(inv, credits + inv.descendant_credits)
-        await forget_run(inv)
+        if not taken:
+            # The account is settled however the end's write went
+            # (docs/accounts.md), once for a tree of delegated runs: the root
+            # is charged its descendants' credits too (a child holds no
+            # reservation of its own, docs/tools.md).
+            await settle_account(inv, credits + inv.descendant_credits)
+            await forget_run(inv)
     logger.info(
         "%s %s ended %s: operation=%s turns=%d tool_calls=%d attempts=%d "
         "cost_nanousd=%d credits=%d",
@@ -332,14 +385,29 @@ async def _end_without_outcome(inv: Invocation, outcome: str, turns: int, tool_c
         # segment's last one too, sent again now).
         sent = max((r.dispatch.turn for r in inv.records), default=0)
         turns = min(turns, max(sent, inv.base_turns, *inv.earlier_attempts))
+    what = "the cancellation" if outcome == "cancelled" else "its failure"
     try:
         if inv.in_flight is not None:
             await settle(inv, inv.in_flight, None, None, external=True)
         if not inv.ended:
             await _write_end(inv, inv.clock.wall(), outcome, turns=turns,
                                   tool_calls=tool_calls, credits=credits)
+    except RunBusyError:
+        _log_taken_over(inv, what)
+        return
     except LedgerError:
-        what = "the cancellation" if outcome == "cancelled" else "its failure"
+        if _holds_lease(inv) and await _taken(
+                inv, "running", inv.segment_token or ""):
+            # Another process took the run over and ended it (its attempt's
+            # settle was refused): nothing of it is this segment's to announce.
+            inv.announced = True
+            _log_taken_over(inv, what)
+            return
         logger.exception("run %s: the ledger could not record %s", inv.id, what)
     await _announce_end(inv, inv.clock.wall(), outcome, turns=turns,
                              tool_calls=tool_calls, credits=credits)
+
+
+def _log_taken_over(inv: Invocation, what: str) -> None:
+    logger.warning("run %s: another process took the run over; %s is not recorded and "
+                   "no RunEnded is emitted here", inv.id, what)

@@ -25,7 +25,13 @@ from typing import Any
 from loopengine._admission import admit, settle_account
 from loopengine._errors import ConfigError, LedgerError, RunBusyError
 from loopengine._invocation import LEDGER_GRACE, Invocation
-from loopengine._lifecycle import end_paused, forget_run, uninterrupted, write_if_paused
+from loopengine._lifecycle import (
+    end_paused,
+    forget_run,
+    held_end,
+    uninterrupted,
+    write_expecting,
+)
 from loopengine._pricing import nanousd_to_usd
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
 from loopengine._tools import Tool
@@ -99,19 +105,29 @@ async def pause(inv: Invocation, state: RunState) -> None:
     async def step() -> None:
         # Like an end, but the invocation stays open: its next segment goes on.
         inv.ended = inv.announced = True
+        taken = False
         try:
             if inv.ledger is not None:
-                confirmed = await inv.confirm(inv.ledger.end_invocation(InvocationEnd(
+                # With a run store, a compare-and-set on the run being this segment's.
+                record = held_end(inv, InvocationEnd(
                     id=inv.id, ended_at=state.paused_at, outcome="paused", turns=progress.turns,
                     tool_calls=progress.tool_calls, credits=progress.credits,
-                    seal=state.seal(),
-                )), at_least=LEDGER_GRACE)
+                    seal=state.seal()))
+                confirmed = await inv.confirm(
+                    inv.ledger.end_invocation(record) if record.expect_seal is None
+                    else write_expecting(inv, record), at_least=LEDGER_GRACE)
                 if not confirmed:
                     logger.warning("run %s: the ledger did not confirm its pause by its "
                                    "deadline; the write stays queued", inv.id)
+        except RunBusyError:
+            # Another process took the run over: it paused nothing, and its
+            # reservation is the new owner's to settle (docs/pause-and-resume.md).
+            taken = True
+            raise
         finally:
-            # Its sub-agents' credits too: one reservation pays for the tree.
-            await settle_account(inv, progress.credits + progress.descendant_credits)
+            if not taken:
+                # Its sub-agents' credits too: one reservation pays for the tree.
+                await settle_account(inv, progress.credits + progress.descendant_credits)
         logger.info("run %s paused: operation=%s turns=%d tool_calls=%d attempts=%d "
                     "credits=%d pending=%d", inv.id, inv.operation.name, progress.turns,
                     progress.tool_calls, progress.attempts, progress.credits,
@@ -276,7 +292,7 @@ async def end_dead_descendants(
         try:
             await inv.ledger.end_invocation(InvocationEnd(
                 id=member, ended_at=at, outcome="failed", turns=turns, tool_calls=tool_calls,
-                credits=credits, expect_outcome="running", expect_seal=""))
+                credits=credits, expect_outcome="running", expect_seal="", keep_segment=True))
         except LedgerError as error:
             # Ended meanwhile (by another recovery), or the write failed: the
             # row is as the ledger has it; `audit reconcile` lists one left running.
@@ -350,7 +366,9 @@ async def take_run(inv: Invocation, conversation: ConversationState, at: datetim
     if inv.pause_seal is None:
         await inv.ledger.end_invocation(record)  # a recovery: its lease took it
     else:
-        await write_if_paused(inv, record)
+        await write_expecting(inv, record)
+    # What this segment's end or pause must find (`held_end`).
+    inv.segment_token = record.seal
 
 
 async def resume_begin(inv: Invocation, conversation: ConversationState) -> None:

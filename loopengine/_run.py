@@ -1116,9 +1116,11 @@ class _Loop:
         """Before the run ends or pauses, check that this segment still holds it.
 
         A segment whose lease expired while it was only slow, and whose run
-        another process took over, ends and pauses nothing: its end or pause
-        would overwrite the other's in the ledger (its pause's seal, its
-        outcome) and its stored state. Nothing without a run store.
+        another process took over, ends and pauses nothing: this check finds
+        it before anything is announced, and the end or pause itself is a
+        compare-and-set on the run still being this segment's
+        (`loopengine._lifecycle.held_end`), so a takeover landing after the
+        check is refused there. Nothing without a run store.
 
         Raises:
             RunBusyError: another process took the run over.

@@ -320,21 +320,17 @@ class RunStore:
 
         await self._transact(work)
 
-    async def drop(self, invocation_id: str, owner: str | None) -> None:
-        """Delete the ended run's row, if ``owner`` holds it (or it is paused
-        and ``owner`` is None), and mark ``in_doubt`` its calls still
-        ``started``: the run ended while their handlers ran (its deadline or a
-        cancellation cut them), so whether they did their work is not known
-        (internal)."""
+    async def drop(self, invocation_id: str, owner: str) -> None:
+        """Delete the ended run's row if ``owner`` holds it, and mark ``in_doubt``
+        its calls still ``started``: the run ended while their handlers ran
+        (its deadline or a cancellation cut them), so whether they did their
+        work is not known (internal). A row ``owner`` does not hold (another
+        process took the run over, and holds or paused it) is left as it is.
+        """
 
         def work(conn: Any) -> None:
-            if owner is None:
-                dropped = conn.execute("DELETE FROM run_states WHERE invocation_id = ?",
-                                       (invocation_id,)).rowcount
-            else:
-                dropped = conn.execute("DELETE FROM run_states WHERE invocation_id = ? AND "
-                                       "(lease_owner = ? OR lease_owner IS NULL)",
-                                       (invocation_id, owner)).rowcount
+            dropped = conn.execute("DELETE FROM run_states WHERE invocation_id = ? AND "
+                                   "lease_owner = ?", (invocation_id, owner)).rowcount
             if dropped:
                 conn.execute("UPDATE tool_calls SET status = 'in_doubt' WHERE "
                              "invocation_id = ? AND status = 'started'", (invocation_id,))

@@ -24,7 +24,7 @@ from .test_pause_seal import AT, _end, _start, two_handles  # noqa: F401 - a fix
 def _dead_end(invocation_id: str, credits: int) -> InvocationEnd:
     return InvocationEnd(id=invocation_id, ended_at=AT, outcome="failed", turns=0,
                          tool_calls=0, credits=credits, expect_outcome="running",
-                         expect_seal="")
+                         expect_seal="", keep_segment=True)
 
 
 async def _segments(ledger: Any, invocation_id: str) -> list[tuple[Any, ...]]:

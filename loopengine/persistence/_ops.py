@@ -61,7 +61,7 @@ def end_op(r: InvocationEnd) -> Op:
     ended_at = None if r.ended_at is None else format_time(r.ended_at)
     at = r.at or r.ended_at or datetime.now(UTC)
     return [END, 0, r.id, ended_at, r.outcome, r.turns, r.tool_calls, r.credits, r.seal,
-            format_time(at), r.expect_seal, r.expect_outcome]
+            format_time(at), r.expect_seal, r.expect_outcome, int(r.keep_segment)]
 
 
 def check_arguments(*, max_retained_attempts: object, max_batch: object,

@@ -74,13 +74,16 @@ ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "ht
                          "cost_nanousd", "charged", "price_ref", "response_id", "request_id",
                          "stop_reason", "web_search_requests", "web_fetch_requests",
                          "reasoning_tokens", "iterations", "fee_nanousd")
-# (END, op_id, id, *END_SET, at, expect_seal, expect_outcome): ``at`` is when
-# it was written (a resume's segment starts then); ``expect_seal``, when not
-# None, is what the row must still be: ``expect_outcome`` (``paused`` when
-# absent) with that ``pause_seal`` ("" for none). A compare-and-set: of two
-# resumes of one pause (or a resume and a pause's timeout), the second changes
-# no row and is refused; so is a second end of a run its dead process left
-# ``running`` (``expect_outcome`` ``running``, ended by its root's recovery).
+# (END, op_id, id, *END_SET, at, expect_seal, expect_outcome, keep_segment):
+# ``at`` is when it was written (a resume's segment starts then);
+# ``expect_seal``, when not None, is what the row must still be:
+# ``expect_outcome`` (``paused`` when absent) with that ``pause_seal`` ("" for
+# none). A compare-and-set: of two resumes of one pause (or a resume and a
+# pause's timeout), the second changes no row and is refused; so is the end
+# or pause of a segment whose run another process took over (``running``
+# with the segment's own token), and a second end of a run its dead process
+# left ``running`` (ended by its root's recovery, ``keep_segment`` true: its
+# open segment stays open).
 END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits", "pause_seal")
 _E_AT: Final = 3 + len(END_SET)
 SEGMENT_OPEN: Final = ("invocation_id", "ordinal", "started_at")
@@ -587,7 +590,8 @@ class Planner:
         expect_outcome = op[_E_AT + 2] if len(op) > _E_AT + 2 else "paused"
         batch.ends.append((*op[3:_E_AT], expect_outcome,
                            op[_E_AT + 1] if len(op) > _E_AT + 1 else None, invocation_id))
-        if live.segment is None or (expect_outcome == "running" and live.ended):
+        keep = op[_E_AT + 3] if len(op) > _E_AT + 3 else expect_outcome == "running"
+        if live.segment is None or (keep and live.ended):
             # A run its process left running, ended by its root's recovery:
             # its segment stays open, as its process left it.
             return

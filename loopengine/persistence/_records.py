@@ -114,11 +114,15 @@ class InvocationEnd:
     the pause). None: no condition."""
     expect_outcome: str = "paused"
     """The outcome ``expect_seal``'s condition holds the row to: ``paused`` (a
-    resume's, a pause timeout's end), or ``running`` with ``expect_seal``
-    ``""``: a recovery ending a run its dead process left running (a
-    sub-agent's, docs/pause-and-resume.md), which must still be running (so
-    it is ended once) and whose open segment stays open, as its process
-    left it."""
+    resume's, a pause timeout's end), or ``running``: the end or pause of a
+    segment that holds a run store's lease, with its own token (``""`` for a
+    run's first segment), so a segment whose run another process took over
+    ends nothing of it; or a recovery ending a run its dead process left
+    running (a sub-agent's, docs/pause-and-resume.md, ``keep_segment``),
+    which must still be running, so it is ended once."""
+    keep_segment: bool = False
+    """The end leaves the row's open segment open, as a dead process left it
+    (a recovery ending a run that process left running)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
