@@ -90,7 +90,13 @@ __all__ = ["MAX_CONTINUATIONS", "RunSpec", "ToolErrorText", "default_tool_error_
 logger = logging.getLogger("loopengine")
 
 MAX_CONTINUATIONS = 8
-"""``pause_turn`` continuations one turn may make before it ends ``incomplete``."""
+"""Continuations one turn may make before it ends ``incomplete``."""
+
+CONTINUED_STOPS = frozenset({"pause_turn", "compaction"})
+"""Stop reasons that pause a turn the next request continues: a server tool
+loop that paused (``pause_turn``), and a context-management compaction with
+``pause_after_compaction`` (``compaction``: the reply holds the compaction
+block, which goes back, and the turn goes on after it)."""
 
 ACCEPTED_TEXT = "The answer was accepted."
 """The tool result that closes an accepted structured answer's call in ``result.messages``."""
@@ -356,14 +362,14 @@ class _Loop:
                     if self.wrapping is not None:
                         phase = "wrap_up"
                         self._add_wrap_up_text()
-                    # The turn's request, its retries and its pause_turn continuations.
+                    # The turn's request, its retries and its continuations.
                     reply = await request(inv, turn=turn, phase=phase, build=self._build,
                                           on_text=self.spec.on_text)
                     if isinstance(reply, ProviderResponse):
                         self.transcript.append({"role": "assistant",
                                                 "content": _copy_blocks(reply.content)})
-                        if reply.stop_reason == "pause_turn":
-                            reply = await self._continue_turn(turn)
+                        if reply.stop_reason in CONTINUED_STOPS:
+                            reply = await self._continue_turn(turn, reply.stop_reason)
                     self._charge(turn)
                     if not isinstance(reply, ProviderResponse):
                         if not inv.attempts_in_turn(turn):
@@ -672,15 +678,16 @@ class _Loop:
             expires_at=lease_expiry(inv, store.lease_grace), paused=paused, calls=calls,
             create=create)
 
-    async def _continue_turn(self, turn: int) -> ProviderResponse | GuardTrip | RetryStop:
-        """The turn paused (``pause_turn``): send its continuations, each one's
+    async def _continue_turn(self, turn: int,
+                             paused: str) -> ProviderResponse | GuardTrip | RetryStop:
+        """The turn paused (`CONTINUED_STOPS`): send its continuations, each one's
         blocks added to the turn's message, until a reply does not pause."""
         continuations = 0
         while True:
             continuations += 1
             if continuations > MAX_CONTINUATIONS:
                 return GuardTrip(
-                    Outcome.INCOMPLETE, "stop_reason", "pause_turn", MAX_CONTINUATIONS,
+                    Outcome.INCOMPLETE, "stop_reason", paused, MAX_CONTINUATIONS,
                     f"the turn paused more than {MAX_CONTINUATIONS} times",
                 )
             reply = await request(self.inv, turn=turn, phase="continuation", build=self._build,
@@ -688,8 +695,9 @@ class _Loop:
             if not isinstance(reply, ProviderResponse):
                 return reply
             self.transcript[-1]["content"].extend(_copy_blocks(reply.content))
-            if reply.stop_reason != "pause_turn":
+            if reply.stop_reason not in CONTINUED_STOPS:
                 return reply
+            paused = reply.stop_reason
 
     def _wrap_up_due(self, turn: int) -> str | None:
         """Whether this turn wraps up (docs/guards.md): the last turn ``max_turns``

@@ -343,6 +343,26 @@ async def test_pause_turn_is_continued_within_the_same_turn(wire: Harness, strea
 
 
 @STREAMING
+async def test_a_compaction_pause_is_continued_within_the_same_turn(
+    wire: Harness, stream: bool
+) -> None:
+    """``stop_reason: "compaction"`` (``pause_after_compaction``): the reply holds only
+    the compaction block, which goes back, and the turn goes on after it; the
+    reply is never taken for an empty answer."""
+    summary = [{"type": "compaction", "content": "Summary: the user asked for the news."}]
+    engine, _ = wire.engine(Reply(content=summary, stop_reason="compaction"),
+                            Reply.text("Here is the news."), stream=stream)
+    result = await engine.run(operation(max_turns=1), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "Here is the news."
+    assert result.turns == 1
+    assert [(a.dispatch.turn, a.dispatch.phase) for a in result.attempt_log] == [
+        (1, "turn"), (1, "continuation")]
+    second = wire.requests[1].messages
+    assert second[-1]["role"] == "assistant"
+    assert second[-1]["content"] == summary
+
+
+@STREAMING
 async def test_cache_usage_is_mapped_and_priced_at_its_own_rates(
     wire: Harness, stream: bool
 ) -> None:
