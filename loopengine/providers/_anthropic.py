@@ -60,6 +60,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, TypeAlias, TypedDict
@@ -628,7 +629,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             stream, idle=self._idle, take=take, cut=cut, on_text=on_text,
             failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
                                                 **arrived()),
-            failures=(*_FAILURES, ValueError, RuntimeError), close=stream.close,
+            failures=(*_FAILURES, ValueError, RuntimeError, *_frame_errors(client)),
+            close=stream.close,
             missing=lambda: None if "message_stop" in seen else "message_stop")
         snapshot = served()
         assert snapshot is not None
@@ -907,8 +909,31 @@ def classify_error(error: BaseException, *, request_id: str | None = None,
     credentials = _credentials_fault(error)
     if credentials is not None:
         return credentials
+    if isinstance(error, _frame_errors(None)):
+        # A Bedrock event-stream frame that does not decode (a checksum or a
+        # length that does not add up): the body is not a valid stream.
+        return ProviderFault(FaultKind.SERVER_ERROR,
+                             f"the event stream is not valid: {type(error).__name__}",
+                             http_status=200, error_code="invalid_response",
+                             request_id=request_id, usage=usage,
+                             usage_approx=usage is not None, response_id=response_id)
     return _classify_sdk_error(error, request_id=request_id, in_body=in_body, usage=usage,
                                response_id=response_id, now=now)
+
+
+def _frame_errors(client: AsyncClient | None) -> tuple[type[BaseException], ...]:
+    """What botocore's event-stream decoder raises for a frame that does not
+    decode (``ChecksumMismatch``, ``InvalidPayloadLength``...), read from a
+    Bedrock client's stream; none for another ``client``, nor while botocore
+    is not loaded (no Bedrock stream could have raised it): it is never
+    imported for the Messages API's own streams."""
+    if client is not None and not isinstance(client, anthropic.AsyncAnthropicBedrock):
+        return ()
+    module = sys.modules.get("botocore.eventstream")
+    if module is None and client is not None:
+        module = importlib.import_module("botocore.eventstream")
+    error = getattr(module, "ParserError", None)
+    return (error,) if isinstance(error, type) and issubclass(error, BaseException) else ()
 
 
 # What the SDK's Bedrock client raises when boto3's credential chain finds nothing.
