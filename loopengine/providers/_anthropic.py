@@ -43,6 +43,9 @@ reason ``BILLING_DISABLED`` and Bedrock's ``INVALID_PAYMENT_INSTRUMENT``
 ``credit_exhausted``...; docs/providers.md). A
 Google error's ``google.rpc.RetryInfo.retryDelay`` is the wait, as on the
 Gemini route (`retry_info_delay`), winning over a ``retry-after`` header.
+A platform client that cannot sign its request (no AWS or Google credentials,
+or a token endpoint out of reach) fails before the wire, also classified here
+(`_credentials_fault`): ``unauthorized``, or ``connection`` when transient.
 
 Credit exhaustion is checked first, whatever the status (R06). A server's
 ``x-should-retry`` is carried as `ProviderFault.should_retry`; the engine obeys
@@ -57,6 +60,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, TypeAlias, TypedDict
@@ -539,6 +543,27 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             params["extra_body"] = {"context_management": dict(features.context_management)}
         return params
 
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
+        """Make one request within ``request.timeout`` (`SDKProvider.send`).
+
+        Raises:
+            ProviderFault: the request failed; every SDK error, and a platform
+                client's failure to find its credentials, is classified.
+            ConfigError: the client given to the provider belongs to another
+                event loop than the running one; nothing was sent.
+        """
+        try:
+            return await super().send(request, on_text=on_text)
+        except ProviderFault:
+            raise
+        except Exception as error:
+            # A platform client signs each request as it is made: what its
+            # credentials raised is not an SDK error, and is classified here.
+            if _credentials_fault(error) is None:
+                raise
+            raise classify_error(error) from error
+
     async def _send_plain(self, client: AsyncClient, params: dict[str, Any]) -> ProviderResponse:
         body, request_id, status = await json_body(
             client.messages.with_streaming_response.create, params, what="a message",
@@ -604,7 +629,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             stream, idle=self._idle, take=take, cut=cut, on_text=on_text,
             failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
                                                 **arrived()),
-            failures=(*_FAILURES, ValueError, RuntimeError), close=stream.close,
+            failures=(*_FAILURES, ValueError, RuntimeError, *_frame_errors(client)),
+            close=stream.close,
             missing=lambda: None if "message_stop" in seen else "message_stop")
         snapshot = served()
         assert snapshot is not None
@@ -870,5 +896,78 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
     return status_kind(status, _STATUS_KINDS)
 
 
-classify_error = sdk_classifier(lambda: _SDK, _status_fault)
-"""Classify an SDK or transport error as one `ProviderFault` (the table in docs/architecture.md)."""
+_classify_sdk_error = sdk_classifier(lambda: _SDK, _status_fault)
+
+
+def classify_error(error: BaseException, *, request_id: str | None = None,
+                   in_body: bool = False, usage: Usage | None = None,
+                   response_id: str | None = None, now: datetime | None = None,
+                   ) -> ProviderFault:
+    """Classify an SDK or transport error as one `ProviderFault` (the table in
+    docs/architecture.md), a platform client's failure to find or refresh its
+    credentials included (`_credentials_fault`)."""
+    credentials = _credentials_fault(error)
+    if credentials is not None:
+        return credentials
+    if isinstance(error, _frame_errors(None)):
+        # A Bedrock event-stream frame that does not decode (a checksum or a
+        # length that does not add up): the body is not a valid stream.
+        return ProviderFault(FaultKind.SERVER_ERROR,
+                             f"the event stream is not valid: {type(error).__name__}",
+                             http_status=200, error_code="invalid_response",
+                             request_id=request_id, usage=usage,
+                             usage_approx=usage is not None, response_id=response_id)
+    return _classify_sdk_error(error, request_id=request_id, in_body=in_body, usage=usage,
+                               response_id=response_id, now=now)
+
+
+def _frame_errors(client: AsyncClient | None) -> tuple[type[BaseException], ...]:
+    """What botocore's event-stream decoder raises for a frame that does not
+    decode (``ChecksumMismatch``, ``InvalidPayloadLength``...), read from a
+    Bedrock client's stream; none for another ``client``, nor while botocore
+    is not loaded (no Bedrock stream could have raised it): it is never
+    imported for the Messages API's own streams."""
+    if client is not None and not isinstance(client, anthropic.AsyncAnthropicBedrock):
+        return ()
+    module = sys.modules.get("botocore.eventstream")
+    if module is None and client is not None:
+        module = importlib.import_module("botocore.eventstream")
+    error = getattr(module, "ParserError", None)
+    return (error,) if isinstance(error, type) and issubclass(error, BaseException) else ()
+
+
+# What the SDK's Bedrock client raises when boto3's credential chain finds nothing.
+_NO_AWS_CREDENTIALS = "could not resolve aws credentials"
+
+
+def _credentials_fault(error: BaseException) -> ProviderFault | None:
+    """The fault of a platform client that could not sign its request, or None.
+
+    The SDK's platform clients find their credentials as each request is
+    signed, before anything is sent, and raise what botocore and google-auth
+    raise (a ``RuntimeError`` when boto3 finds no AWS credentials at all):
+    none of it is an SDK error. Credentials that cannot be found or are
+    refused (``DefaultCredentialsError``, ``NoCredentialsError``, a
+    ``RefreshError`` the token endpoint refused) are ``unauthorized``, not
+    retried; a token or credential endpoint that could not be reached (a
+    google-auth ``TransportError`` or retryable ``RefreshError``, a botocore
+    connection error while fetching credentials) is ``connection``, retried.
+    The ``error_code`` is the exception's name.
+    """
+    name = type(error).__name__
+    module = type(error).__module__
+    if isinstance(error, RuntimeError) and _NO_AWS_CREDENTIALS in str(error).lower():
+        kind = FaultKind.UNAUTHORIZED
+        name = "NoCredentialsError"
+    elif module.startswith("google.auth"):
+        transient = name == "TransportError" or bool(getattr(error, "retryable", False))
+        kind = FaultKind.CONNECTION if transient else FaultKind.UNAUTHORIZED
+    elif module.startswith("botocore") and any(
+            base.__name__ == "BotoCoreError" for base in type(error).__mro__):
+        transient = any(base.__name__ in ("ConnectionError", "HTTPClientError")
+                        for base in type(error).__mro__)
+        kind = FaultKind.CONNECTION if transient else FaultKind.UNAUTHORIZED
+    else:
+        return None
+    return ProviderFault(kind, f"the platform client could not sign the request: {name}: "
+                               f"{error}", error_code=name)

@@ -5,6 +5,9 @@ responses and inside streams."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import pytest
 
 import loopengine as le
@@ -13,6 +16,8 @@ from loopengine.testing import (
     CutStream,
     DropConnection,
     ErrorReply,
+    FakeBedrockServer,
+    FakeClock,
     FakeVertexServer,
     Reply,
     StreamErrorEvent,
@@ -216,3 +221,39 @@ async def test_a_dropped_connection_is_a_connection_fault(wire: PlatformHarness)
     assert result.answer == "after the drop"
     first = result.attempt_log[0].settle
     assert first is not None and first.fault == "connection"
+
+
+class _CorruptFrameBedrock(FakeBedrockServer):
+    """Bedrock whose fourth event-stream frame served arrives with its message
+    checksum broken (as a damaged connection or proxy would deliver it)."""
+
+    frames = 0
+
+    def _event(self, name: str, data: Mapping[str, Any]) -> bytes:
+        frame = super()._event(name, data)
+        self.frames += 1
+        return frame[:-1] + bytes([frame[-1] ^ 0xFF]) if self.frames == 4 else frame
+
+
+async def test_a_bedrock_frame_that_does_not_decode_is_an_invalid_response(
+    clock: FakeClock,
+) -> None:
+    """An event-stream frame whose checksum does not add up is the attempt's
+    ``server_error`` (``invalid_response``, status 200), retried, keeping the
+    request id, the response id and the usage served before it as a floor."""
+    with _CorruptFrameBedrock([
+            Reply.text("one two three four", usage=le.Usage(input_tokens=100, output_tokens=20)),
+            Reply.text("recovered")]) as server:
+        h = PlatformHarness(server, clock, BEDROCK)
+        try:
+            engine, _ = h.engine(stream=True)
+            result = await engine.run(BEDROCK.operation(retry=TWO), "go")
+        finally:
+            await h.aclose()
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "recovered"
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.fault, first.http_status, first.error_code) == (
+        "server_error", 200, "invalid_response")
+    assert first.response_id == "msg_fake_0001" and first.request_id is not None
+    assert first.usage is not None and first.usage.input_tokens == 100 and first.usage_approx
