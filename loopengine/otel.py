@@ -69,9 +69,11 @@ from loopengine.providers._base import Provider
 __all__ = ["OpenTelemetryObserver", "provider_name"]
 
 # gen_ai.provider.name has well-known values; our route names map onto them.
+# GeminiProvider's vendor is ``google`` on the Gemini API (``gcp.gemini``) and
+# ``google-vertex`` on Vertex AI, as Claude on Vertex is.
 _PROVIDER_NAMES = {"anthropic": "anthropic", "bedrock": "aws.bedrock", "vertex": "gcp.vertex_ai",
                    "aws-bedrock": "aws.bedrock", "google-vertex": "gcp.vertex_ai",
-                   "openai": "openai", "azure": "azure.ai.openai"}
+                   "google": "gcp.gemini", "openai": "openai", "azure": "azure.ai.openai"}
 
 # The GenAI names are spelled out rather than imported: the conventions'
 # package keeps them in an unstable module that has already moved once (they
@@ -96,9 +98,10 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 def provider_name(route: str) -> str:
     """The ``gen_ai.provider.name`` value for an operation's ``provider`` route.
 
-    ``aws-bedrock`` (or ``bedrock``) is ``aws.bedrock`` and ``google-vertex``
-    (or ``vertex``) is ``gcp.vertex_ai``, as the
-    conventions name them; other routes are given as they are.
+    ``aws-bedrock`` (or ``bedrock``) is ``aws.bedrock``, ``google-vertex``
+    (or ``vertex``) is ``gcp.vertex_ai``, ``google`` (the Gemini API) is
+    ``gcp.gemini`` and ``azure`` is ``azure.ai.openai``, as the conventions
+    name them; other routes are given as they are.
     """
     return _PROVIDER_NAMES.get(route, route)
 
