@@ -94,6 +94,11 @@ _DEFAULT_PORTS = {"https": 443, "http": 80}
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
+_PAUSED_LINKS = 10_000
+"""How many paused runs an observer remembers, to link their resumes to: a run
+may be resumed in another process, or never, so the oldest are forgotten (their
+resumes start an unlinked span) rather than kept for the observer's lifetime."""
+
 
 def provider_name(route: str) -> str:
     """The ``gen_ai.provider.name`` value for an operation's ``provider`` route.
@@ -194,7 +199,8 @@ class OpenTelemetryObserver:
                                         tracer_provider=tracer_provider)
         self._runs: dict[str, _RunSpans] = {}
         self._paused: dict[str, trace.SpanContext] = {}
-        """The last span of each paused run this observer saw, to link its resume to."""
+        """The last span of each paused run this observer saw, to link its resume to
+        (the latest `_PAUSED_LINKS`, oldest first)."""
         if providers is None:
             routes: dict[str, object] = {}
         elif isinstance(providers, Mapping):
@@ -314,7 +320,10 @@ class OpenTelemetryObserver:
             **_usage_attributes(event.usage),
         })
         if outcome == "paused":
+            self._paused.pop(event.run_id, None)
             self._paused[event.run_id] = span.get_span_context()
+            while len(self._paused) > _PAUSED_LINKS:
+                del self._paused[next(iter(self._paused))]
         elif outcome != "completed":
             span.set_attribute(ERROR_TYPE, outcome)
             span.set_status(Status(StatusCode.ERROR, f"the run ended {outcome}"))
