@@ -558,7 +558,7 @@ class LoopbackServer:
         """
         try:
             item = function(request)
-        except Exception as error:
+        except BaseException as error:  # pytest.fail() and pytest.skip() too
             return ErrorReply(status=400, message=f"the script's function for request "
                                                   f"{number} raised {type(error).__name__}: "
                                                   f"{error}")

@@ -189,21 +189,27 @@ async def test_a_script_function_that_raises_or_gives_junk_is_a_permanent_error_
     def broken(request: RecordedRequest) -> Reply:
         raise KeyError("no such order")
 
-    fake_anthropic_server.add(broken, lambda request: "junk", Reply.text("never reached"))
+    def failed(request: RecordedRequest) -> Reply:
+        pytest.fail("an assertion of the test's own")
+
+    fake_anthropic_server.add(broken, lambda request: "junk", failed, Reply.text("never"))
     operation = le.Operation(name="fake.functions", provider="anthropic", model=MODEL,
                              max_output_tokens=20)
     async with AnthropicProvider(api_key="k", base_url=fake_anthropic_server.url) as provider:
         engine = le.Engine(provider, clock=le.testing.FakeClock())
         raised = await engine.run(operation, "hello")
         junk = await engine.run(operation, "hello")
-    assert [r.outcome for r in (raised, junk)] == [le.Outcome.PROVIDER_ERROR] * 2
-    assert [r.attempts.count for r in (raised, junk)] == [1, 1]
-    assert raised.fault is not None and junk.fault is not None
+        failed_ = await engine.run(operation, "hello")
+    results = (raised, junk, failed_)
+    assert [r.outcome for r in results] == [le.Outcome.PROVIDER_ERROR] * 3
+    assert [r.attempts.count for r in results] == [1, 1, 1]
+    assert raised.fault is not None and junk.fault is not None and failed_.fault is not None
     assert "the script's function for request 1 raised KeyError: 'no such order'" in (
         raised.fault.message)
     assert "the script's function for request 2 returned 'junk', not a script item" in (
         junk.fault.message)
-    assert len(fake_anthropic_server.requests) == 2
+    assert "request 3 raised Failed: an assertion of the test's own" in failed_.fault.message
+    assert len(fake_anthropic_server.requests) == 3
 
 
 async def test_an_exhausted_script_and_unknown_paths_are_permanent_errors(
