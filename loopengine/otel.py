@@ -69,9 +69,11 @@ from loopengine.providers._base import Provider
 __all__ = ["OpenTelemetryObserver", "provider_name"]
 
 # gen_ai.provider.name has well-known values; our route names map onto them.
+# GeminiProvider's vendor is ``google`` on the Gemini API (``gcp.gemini``) and
+# ``google-vertex`` on Vertex AI, as Claude on Vertex is.
 _PROVIDER_NAMES = {"anthropic": "anthropic", "bedrock": "aws.bedrock", "vertex": "gcp.vertex_ai",
                    "aws-bedrock": "aws.bedrock", "google-vertex": "gcp.vertex_ai",
-                   "openai": "openai", "azure": "azure.ai.openai"}
+                   "google": "gcp.gemini", "openai": "openai", "azure": "azure.ai.openai"}
 
 # The GenAI names are spelled out rather than imported: the conventions'
 # package keeps them in an unstable module that has already moved once (they
@@ -92,13 +94,19 @@ _DEFAULT_PORTS = {"https": 443, "http": 80}
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
+_PAUSED_LINKS = 10_000
+"""How many paused runs an observer remembers, to link their resumes to: a run
+may be resumed in another process, or never, so the oldest are forgotten (their
+resumes start an unlinked span) rather than kept for the observer's lifetime."""
+
 
 def provider_name(route: str) -> str:
     """The ``gen_ai.provider.name`` value for an operation's ``provider`` route.
 
-    ``aws-bedrock`` (or ``bedrock``) is ``aws.bedrock`` and ``google-vertex``
-    (or ``vertex``) is ``gcp.vertex_ai``, as the
-    conventions name them; other routes are given as they are.
+    ``aws-bedrock`` (or ``bedrock``) is ``aws.bedrock``, ``google-vertex``
+    (or ``vertex``) is ``gcp.vertex_ai``, ``google`` (the Gemini API) is
+    ``gcp.gemini`` and ``azure`` is ``azure.ai.openai``, as the conventions
+    name them; other routes are given as they are.
     """
     return _PROVIDER_NAMES.get(route, route)
 
@@ -191,7 +199,8 @@ class OpenTelemetryObserver:
                                         tracer_provider=tracer_provider)
         self._runs: dict[str, _RunSpans] = {}
         self._paused: dict[str, trace.SpanContext] = {}
-        """The last span of each paused run this observer saw, to link its resume to."""
+        """The last span of each paused run this observer saw, to link its resume to
+        (the latest `_PAUSED_LINKS`, oldest first)."""
         if providers is None:
             routes: dict[str, object] = {}
         elif isinstance(providers, Mapping):
@@ -311,7 +320,10 @@ class OpenTelemetryObserver:
             **_usage_attributes(event.usage),
         })
         if outcome == "paused":
+            self._paused.pop(event.run_id, None)
             self._paused[event.run_id] = span.get_span_context()
+            while len(self._paused) > _PAUSED_LINKS:
+                del self._paused[next(iter(self._paused))]
         elif outcome != "completed":
             span.set_attribute(ERROR_TYPE, outcome)
             span.set_status(Status(StatusCode.ERROR, f"the run ended {outcome}"))

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import loopengine as le
-from loopengine import events
+from loopengine import events, otel
 from loopengine.otel import OpenTelemetryObserver, provider_name
 from loopengine.providers import FaultKind, ProviderFault, Reply, ScriptedProvider
 from loopengine.testing import FakeClock
@@ -413,3 +413,38 @@ async def test_a_tool_span_cut_by_the_callers_cancellation_ends_with_its_call(
     assert span.attributes["error.type"] == "cancelled"
     assert span.status.status_code is StatusCode.ERROR
     assert span.end_time == ns(ended.at)
+
+
+async def test_an_observer_remembers_only_the_latest_pauses_to_link_resumes_to(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Runs resumed elsewhere, or never, do not grow the observer for its lifetime:
+    past its limit the oldest pause is forgotten, and its resume's span has no link,
+    while a recent pause's resume still links to the segment before."""
+    monkeypatch.setattr(otel, "_PAUSED_LINKS", 2)
+
+    @le.tool(approval=True)
+    async def refund(order_id: str) -> str:
+        """Refund an order."""
+        return "refunded"
+
+    clock = FakeClock(wall_start=START)
+    observer = OpenTelemetryObserver(tracer_provider)
+    engine = le.Engine(ScriptedProvider(
+        [Reply.tool_calls(("refund", {"order_id": str(n)})) for n in range(3)]
+        + [Reply.text("done")] * 2, clock=clock), prices=PRICES, clock=clock,
+        observers=[observer])
+    paused = [await engine.run(OPERATION, "refund", tools=[refund]) for _ in range(3)]
+    assert all(p.outcome is le.Outcome.PAUSED for p in paused)
+    assert list(observer._paused) == [p.invocation_id for p in paused[1:]]
+
+    for result in (paused[0], paused[2]):
+        assert result.state is not None
+        await engine.resume(result.state, decisions={result.pending[0].id: le.Approve()},
+                            tools=[refund])
+    resumed = {s.attributes["loopengine.run.id"]: s for s in exporter.get_finished_spans()
+               if s.attributes and s.attributes.get("loopengine.run.resumed")}
+    assert resumed[paused[0].invocation_id].links == ()
+    assert len(resumed[paused[2].invocation_id].links) == 1
+    assert list(observer._paused) == [paused[1].invocation_id]

@@ -5,10 +5,11 @@ each checked against the `opentelemetry-semantic-conventions` package."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import warnings
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from decimal import Decimal
 from types import ModuleType
@@ -33,11 +34,22 @@ from loopengine.otel import OpenTelemetryObserver
 from loopengine.providers import (
     AnthropicProvider,
     FaultKind,
+    GeminiProvider,
+    OpenAIProvider,
+    OpenAIResponsesProvider,
+    Provider,
     ProviderFault,
     Reply,
     ScriptedProvider,
 )
-from loopengine.testing import FakeAnthropicServer, FakeClock
+from loopengine.testing import (
+    FakeAnthropicServer,
+    FakeBedrockServer,
+    FakeClock,
+    FakeGeminiServer,
+    FakeOpenAIServer,
+    FakeVertexServer,
+)
 from loopengine.testing import Reply as WireReply
 
 MODEL = "claude-otel-conventions"
@@ -163,7 +175,8 @@ async def test_well_known_values_are_the_conventions_values(
     assert {attrs(s)[otel.GEN_AI_OUTPUT_TYPE] for s in spans if otel.GEN_AI_OUTPUT_TYPE in
             attrs(s)} == {"json"} <= values("GenAiOutputTypeValues")
     assert {otel.provider_name(r) for r in ("anthropic", "bedrock", "vertex", "openai",
-                                             "azure")} <= values("GenAiProviderNameValues")
+                                             "azure", "aws-bedrock", "google-vertex",
+                                             "google")} <= values("GenAiProviderNameValues")
 
 
 async def test_attempt_spans_carry_the_server_address_and_port_of_the_base_url(
@@ -351,3 +364,64 @@ async def test_error_type_is_low_cardinality_never_free_text(
 def test_tool_errors_map_onto_a_closed_set(error: str | None, kind: str) -> None:
     """A tool error the observer does not know becomes _OTHER (the conventions' fallback)."""
     assert otel._tool_error_type(error) == kind
+
+
+@contextlib.asynccontextmanager
+async def _route(route: str) -> AsyncIterator[tuple[Provider, str, str]]:
+    """A real provider of ``route`` on its loopback fake, with the route and a model."""
+    script = [WireReply.text("hi")]
+    if route == "gemini":
+        with FakeGeminiServer(script) as gemini:
+            provider: Provider = GeminiProvider(api_key="test",
+                                                http_options={"base_url": gemini.url})
+            try:
+                yield provider, "gemini", "gemini-2.5-flash"
+            finally:
+                await provider.aclose()
+    elif route in ("openai", "openai-responses"):
+        with FakeOpenAIServer(script) as openai_fake:
+            kind = OpenAIProvider if route == "openai" else OpenAIResponsesProvider
+            async with kind(api_key="test", base_url=openai_fake.base_url) as provider:
+                yield provider, "openai", "gpt-4.1"
+    elif route == "aws-bedrock":
+        with FakeBedrockServer(script) as bedrock:
+            provider = AnthropicProvider.bedrock(aws_region="us-east-1",
+                                                 aws_access_key="AKIDEXAMPLE",
+                                                 aws_secret_key="secret", base_url=bedrock.url)
+            try:
+                yield provider, route, "anthropic.claude-sonnet-4-5-20250929-v1:0"
+            finally:
+                await provider.aclose()
+    elif route == "google-vertex":
+        with FakeVertexServer(script) as vertex:
+            provider = AnthropicProvider.vertex(region="global", project_id="p",
+                                                access_token="token", base_url=vertex.base_url)
+            try:
+                yield provider, route, "claude-sonnet-4-5@20250929"
+            finally:
+                await provider.aclose()
+    else:
+        with FakeAnthropicServer(script) as anthropic_fake:
+            async with AnthropicProvider(api_key="test", base_url=anthropic_fake.url) as provider:
+                yield provider, "anthropic", MODEL
+
+
+@pytest.mark.parametrize(("route", "expected"), [
+    ("anthropic", "anthropic"), ("openai", "openai"), ("openai-responses", "openai"),
+    ("gemini", "gcp.gemini"), ("aws-bedrock", "aws.bedrock"),
+    ("google-vertex", "gcp.vertex_ai")])
+async def test_every_shipped_provider_is_named_by_a_well_known_provider_name(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter, route: str, expected: str
+) -> None:
+    """A run on each shipped provider, through its real SDK, puts the conventions'
+    well-known gen_ai.provider.name for that provider on its run and attempt spans
+    (the Gemini API's vendor, ``google``, is ``gcp.gemini``)."""
+    async with _route(route) as (provider, name, model):
+        engine = le.Engine(provider, observers=[OpenTelemetryObserver(tracer_provider)])
+        result = await engine.run(le.Operation(name="otel.route", provider=name, model=model,
+                                               max_output_tokens=50), "q")
+    assert result.outcome is le.Outcome.COMPLETED
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == [f"chat {model}", "invoke_agent otel.route"]
+    assert {attrs(s)["gen_ai.provider.name"] for s in spans} == {expected}
+    assert expected in values("GenAiProviderNameValues")

@@ -541,10 +541,32 @@ class LoopbackServer:
         elif problem is not None:
             item = ErrorReply(status=400, message=problem)
         if callable(item) and not isinstance(item, _ITEM_TYPES):
-            item = item(request)
+            item = self._ask(item, request, number)
         if item is None:
             item = ErrorReply(status=400, message=f"the script has no reply for request {number}")
         self._serve(handler, item, request, number)
+
+    @staticmethod
+    def _ask(function: Callable[[RecordedRequest], Any], request: RecordedRequest,
+             number: int) -> ServerItem:
+        """The item a script function gives for ``request``.
+
+        A function that raises, or returns something no request can be served,
+        is the test's own bug: the client gets a 400 saying so (a permanent
+        fault, not retried) rather than a dropped connection that the SDK
+        retries into the next script item.
+        """
+        try:
+            item = function(request)
+        except BaseException as error:  # pytest.fail() and pytest.skip() too
+            return ErrorReply(status=400, message=f"the script's function for request "
+                                                  f"{number} raised {type(error).__name__}: "
+                                                  f"{error}")
+        if not isinstance(item, _ITEM_TYPES):
+            return ErrorReply(status=400, message=f"the script's function for request "
+                                                  f"{number} returned {_validate.shown(item)}, "
+                                                  "not a script item")
+        return item
 
     def _serve(self, handler: _Handler, item: Any, request: RecordedRequest, number: int) -> None:
         ids = ({self.request_id_header: f"req_fake_{number:04d}"}
@@ -665,9 +687,6 @@ class LoopbackServer:
         """The usage a client reads from a whole JSON reply scripted with ``usage``
         (answering ``request``)."""
         return usage
-
-
-_ITEM_TYPES = (Reply, ErrorReply, DropConnection, CutStream, StreamErrorEvent, StallStream)
 
 
 def _chunk(data: bytes) -> bytes:

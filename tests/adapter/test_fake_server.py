@@ -15,6 +15,8 @@ import httpx2
 import pytest
 
 import loopengine as le
+import loopengine.testing
+from loopengine.providers import AnthropicProvider
 from loopengine.testing import (
     CutStream,
     DropConnection,
@@ -175,6 +177,39 @@ async def test_callables_see_the_request(fake_anthropic_server: FakeAnthropicSer
     fake_anthropic_server.add(echo)
     message = await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
     assert message.content[0].type == "text" and message.content[0].text == "you said hello"
+
+
+async def test_a_script_function_that_raises_or_gives_junk_is_a_permanent_error_naming_it(
+    fake_anthropic_server: FakeAnthropicServer,
+) -> None:
+    """A script function is the test's own code: when it raises, or returns something
+    that is not a script item, the run ends at once with a 400 that says so, instead of
+    a dropped connection retried into the next item (or into "no reply")."""
+
+    def broken(request: RecordedRequest) -> Reply:
+        raise KeyError("no such order")
+
+    def failed(request: RecordedRequest) -> Reply:
+        pytest.fail("an assertion of the test's own")
+
+    fake_anthropic_server.add(broken, lambda request: "junk", failed, Reply.text("never"))
+    operation = le.Operation(name="fake.functions", provider="anthropic", model=MODEL,
+                             max_output_tokens=20)
+    async with AnthropicProvider(api_key="k", base_url=fake_anthropic_server.url) as provider:
+        engine = le.Engine(provider, clock=le.testing.FakeClock())
+        raised = await engine.run(operation, "hello")
+        junk = await engine.run(operation, "hello")
+        failed_ = await engine.run(operation, "hello")
+    results = (raised, junk, failed_)
+    assert [r.outcome for r in results] == [le.Outcome.PROVIDER_ERROR] * 3
+    assert [r.attempts.count for r in results] == [1, 1, 1]
+    assert raised.fault is not None and junk.fault is not None and failed_.fault is not None
+    assert "the script's function for request 1 raised KeyError: 'no such order'" in (
+        raised.fault.message)
+    assert "the script's function for request 2 returned 'junk', not a script item" in (
+        junk.fault.message)
+    assert "request 3 raised Failed: an assertion of the test's own" in failed_.fault.message
+    assert len(fake_anthropic_server.requests) == 3
 
 
 async def test_an_exhausted_script_and_unknown_paths_are_permanent_errors(
