@@ -40,7 +40,18 @@ fault kind             from
 =====================  ===========================================================
 
 An error inside a stream (``data: {"error": {...}}`` after a 200) is read the
-same way from its ``code`` and ``status``. The ``google-genai`` SDK is
+same way from its ``code`` and ``status``. A reply whose ``finishReason`` is
+not one the translation reads as a stop reason (``_gemini_contents.ANSWERED``)
+is a fault too (`finish_fault`), its usage kept: ``MALFORMED_RESPONSE`` is
+``server_error`` ``invalid_response``; ``MISSING_THOUGHT_SIGNATURE`` (the
+request lacked a signature the API wanted back, so sending it again cannot
+help) ``bad_request``; ``PUP_LIMITED_DISABLED`` (the account is limited or
+disabled for Prohibited Use Policy violations: every request will fail the
+same way) ``unauthorized``; any other (``OTHER``, ``NO_IMAGE``,
+``IMAGE_OTHER``, a value newer than this table) ``server_error`` whose
+``error_code`` is the finish reason: the reply stopped for a reason nobody
+can read as an answer, so it is retried within the retry policy, never
+accepted. The ``google-genai`` SDK is
 imported on first use (`import_genai`), never when ``loopengine`` is.
 """
 
@@ -66,8 +77,10 @@ from loopengine.providers._faults import (
     response_fault,
     status_kind,
 )
+from loopengine.providers._gemini_contents import ANSWERED
 
-__all__ = ["BILLING_REASONS", "classify_error", "failures", "import_genai", "read_failures"]
+__all__ = ["BILLING_REASONS", "classify_error", "failures", "finish_fault", "import_genai",
+           "read_failures"]
 
 # Lowercased fragments of the message of depleted prepaid credits.
 _CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted")
@@ -173,3 +186,25 @@ def classify_error(error: BaseException, *, request_id: str | None = None,
                                                   in_stream=in_body),
         request_id=request_id, in_body=in_body, usage=usage, response_id=response_id)
 
+
+
+# Finish reasons that are faults of their own kind (any other unread one is a
+# server_error named after itself).
+_FINISH_FAULTS = {
+    "MALFORMED_RESPONSE": (FaultKind.SERVER_ERROR, "invalid_response"),
+    "MISSING_THOUGHT_SIGNATURE": (FaultKind.BAD_REQUEST, "MISSING_THOUGHT_SIGNATURE"),
+    "PUP_LIMITED_DISABLED": (FaultKind.UNAUTHORIZED, "PUP_LIMITED_DISABLED"),
+}
+
+
+def finish_fault(finish_reason: str | None, *, usage: Usage | None,
+                 response_id: str | None) -> ProviderFault | None:
+    """The fault of a finished reply whose ``finishReason`` is not an answer, a
+    refusal, a cut-off answer or a malformed call (``ANSWERED``), or None (the
+    table above). The usage is the server's whole count for the reply."""
+    if finish_reason is None or finish_reason in ANSWERED:
+        return None
+    kind, code = _FINISH_FAULTS.get(finish_reason, (FaultKind.SERVER_ERROR, finish_reason))
+    return ProviderFault(kind, f"the response is not an answer: finishReason {finish_reason}",
+                         http_status=200, error_code=code, usage=usage,
+                         response_id=response_id)
