@@ -19,10 +19,15 @@ fault kind             from
                        as in an error body: an ``invalid_request_error`` is
                        ``bad_request``; a code that is an HTTP status, as
                        OpenRouter's are, is that status's kind)
+                       ; a reply whose ``finish_reason`` is missing (a whole
+                       reply that never finished: ``invalid_response``),
+                       ``error``, or any value the translation does not read
+                       (``error_code`` the value)
 ``connection``         refused, reset or closed before a response
 ``aborted``            the body or stream cut after the response began, a stream
                        that ended before its ``finish_reason`` or its usage
-                       chunk, an idle stream
+                       chunk, an idle stream; a reply whose ``finish_reason``
+                       is ``abort`` (vLLM's: the server aborted the generation)
 ``unauthorized``       401, 403
 ``bad_request``        400, 404, 413, 422, other 4xx; a transcript block that has
                        no Chat Completions equivalent; the client failing on its
@@ -53,9 +58,10 @@ from loopengine.providers._faults import (
     sdk_classifier,
     status_kind,
 )
+from loopengine.providers._openai_chat import FINISH_REASONS
 
-__all__ = ["body_fault", "classify_error", "event_fault", "failures", "import_openai",
-           "read_failures"]
+__all__ = ["body_fault", "classify_error", "event_fault", "failures", "finish_fault",
+           "import_openai", "read_failures"]
 
 _TYPE_KINDS = {
     "invalid_request_error": FaultKind.BAD_REQUEST,
@@ -200,3 +206,32 @@ def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
 classify_error = sdk_classifier(_sdk, _status_fault, _stream_fault)
 """Classify an ``openai`` SDK or transport error as one `ProviderFault` (the table
 in docs/providers.md)."""
+
+
+# Finish reasons that are faults of their own kind (any other unread one is a
+# server_error named after itself).
+_FINISH_FAULTS = {"abort": FaultKind.ABORTED}
+
+
+def finish_fault(finish_reason: object, *, http_status: int, request_id: str | None,
+                 usage: Usage | None, response_id: str | None) -> ProviderFault | None:
+    """The fault of a whole reply (a JSON body, or a stream that ended) whose
+    ``finish_reason`` is not one the translation reads (``FINISH_REASONS``), or
+    None. Missing, the reply never finished: ``server_error``
+    ``invalid_response`` (as a stream ended before it is ``aborted``);
+    ``abort`` (vLLM: the server aborted the generation) is ``aborted``; any other
+    (``error``, a value no table here knows) is a ``server_error`` named after
+    it. Each is retried; none is accepted as an answer. ``usage`` is the
+    server's whole count for the reply."""
+    if not isinstance(finish_reason, str) or not finish_reason:
+        return ProviderFault(FaultKind.SERVER_ERROR, "the response is not an answer: its "
+                             "choice has no finish_reason", http_status=http_status,
+                             error_code="invalid_response", request_id=request_id,
+                             usage=usage, response_id=response_id)
+    reason = finish_reason.lower()
+    if reason in FINISH_REASONS:
+        return None
+    return ProviderFault(_FINISH_FAULTS.get(reason, FaultKind.SERVER_ERROR),
+                         f"the response is not an answer: finish_reason {finish_reason!r}",
+                         http_status=http_status, error_code=finish_reason,
+                         request_id=request_id, usage=usage, response_id=response_id)
