@@ -99,7 +99,7 @@ class ProviderFault(LoopEngineError):
         kind: The `FaultKind`.
         message: What happened, for people (never conversation text).
         http_status: The HTTP status, when there was a response (200 for a
-            mid-stream error event).
+            mid-stream error event, or a body or stream that could not be read).
         error_code: The provider's error type or code (``overloaded_error``,
             ``enforced_spend_limit_reached``...).
         retry_after: Seconds the provider asked us to wait, if it did.
@@ -376,9 +376,13 @@ def classify_sdk_error(
             error, sdk.validation):
         return api_fault(error)
     if isinstance(error, sdk.validation | ValueError | RuntimeError):
+        # Read from a body the server answered with success (the SDKs raise an
+        # error status before reading): that status is the attempt's.
+        status = getattr(error, "status_code", None)
         return ProviderFault(FaultKind.SERVER_ERROR,
                              f"the response is not a valid message: {type(error).__name__}",
-                             http_status=getattr(error, "status_code", None),
+                             http_status=status if isinstance(status, int)
+                             else 200 if in_body else None,
                              error_code="invalid_response", request_id=request_id,
                              usage=usage, usage_approx=approx, response_id=response_id)
     # Any other SDK error (missing credentials, a bad argument) is our

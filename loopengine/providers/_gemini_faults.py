@@ -58,6 +58,7 @@ imported on first use (`import_genai`), never when ``loopengine`` is.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -173,12 +174,28 @@ def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
         response_id=response_id, now=now, details=details)
 
 
+# The SDK's models of a reply: a validation error of one is a body it could not read.
+_REPLY_MODELS = frozenset({"GenerateContentResponse"})
+
+
+def _unreadable_body(error: BaseException) -> bool:
+    """Whether ``error`` is the SDK failing to read a reply's body: its JSON, or the
+    reply's model (never a request it refused to build)."""
+    if isinstance(error, json.JSONDecodeError):
+        return True
+    from pydantic import ValidationError
+
+    return isinstance(error, ValidationError) and error.title in _REPLY_MODELS
+
+
 def classify_error(error: BaseException, *, request_id: str | None = None,
                    in_body: bool = False, usage: Usage | None = None,
                    response_id: str | None = None, now: datetime | None = None,
                    ) -> ProviderFault:
     """Classify a ``google-genai`` SDK or transport error as one `ProviderFault` (the
-    table above). ``in_body``: the error came while a reply was being read."""
+    table above). ``in_body``: the error came while a reply was being read (as a
+    body the SDK could not parse did: it raises an error status before)."""
+    in_body = in_body or _unreadable_body(error)
     return classify_sdk_error(
         error, _sdk(),
         status_fault=lambda status: _status_fault(status, usage=usage,

@@ -11,7 +11,7 @@ from google.genai import types
 
 import loopengine as le
 from loopengine.providers._gemini_contents import ANSWERED
-from loopengine.testing import Reply
+from loopengine.testing import ErrorReply, Reply
 
 from ..adapter.conftest import STREAMING
 from .conftest import GeminiHarness, gemini_operation
@@ -120,3 +120,19 @@ async def test_an_unset_finish_reason_is_no_finish_gemini(
     assert first is not None
     assert (first.outcome, first.fault) == (("aborted", "aborted") if stream
                                             else ("error", "server_error"))
+
+
+@pytest.mark.parametrize("body", [
+    "not json", '{"usageMetadata": {"promptTokenCount": "many"}}',
+], ids=["not-json", "not-a-response"])
+async def test_an_unreadable_body_records_the_status_the_server_sent_gemini(
+    wire: GeminiHarness, body: str
+) -> None:
+    """A 200 whose body the SDK cannot read (not JSON, or not a response): an
+    invalid response, retried, whose attempt records the 200 the server answered."""
+    engine, ledger = wire.engine(ErrorReply(status=200, body=body), Reply.text("the answer"))
+    result = await engine.run(gemini_operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    first = min(ledger.attempts.values(), key=lambda row: row["ordinal"])
+    assert (first["fault"], first["error_code"], first["http_status"]) == (
+        "server_error", "invalid_response", 200)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import loopengine as le
-from loopengine.testing import Reply
+from loopengine.testing import ErrorReply, Reply
 
 from ..adapter.conftest import STREAMING
 from .conftest import OpenAIHarness, openai_operation
@@ -70,3 +70,17 @@ async def test_compatible_servers_names_for_an_end_are_read(
     engine, _ = wire.engine(Reply.text("Paris", stop_reason=finish), stream=stream)
     result = await engine.run(openai_operation(), "go", accept=lambda _: True)
     assert result.outcome is outcome and len(wire.requests) == 1
+
+
+async def test_a_stream_of_unreadable_events_records_the_status_the_server_sent(
+    wire: OpenAIHarness,
+) -> None:
+    """A 200 whose server-sent events are not JSON: an invalid response, retried,
+    whose attempt records the 200 the server answered."""
+    garbage = ErrorReply(status=200, body="data: {not json\n\n")
+    engine, ledger = wire.engine(garbage, Reply.text("the answer"), stream=True)
+    result = await engine.run(openai_operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED
+    first = min(ledger.attempts.values(), key=lambda row: row["ordinal"])
+    assert (first["fault"], first["error_code"], first["http_status"]) == (
+        "server_error", "invalid_response", 200)
