@@ -45,6 +45,7 @@ __all__ = [
     "response_fault",
     "sdk_classifier",
     "is_credit_code",
+    "message_wait",
     "retry_after",
     "retry_info_delay",
     "should_retry",
@@ -210,14 +211,17 @@ def retry_after(headers: Mapping[str, str], *, now: datetime | None = None) -> f
     """Seconds a response asks the client to wait, or None.
 
     ``retry-after-ms`` (milliseconds) wins over ``retry-after``, which is
-    seconds or an HTTP date. Negative or unparseable values are None.
+    seconds or an HTTP date; without either, ``x-ratelimit-reset`` (OpenRouter's,
+    also inside its error's ``metadata.headers``) is the time the limit resets:
+    epoch milliseconds or seconds, or seconds from now for a small number.
+    Negative or unparseable values are None.
     """
     milliseconds = _number(headers.get("retry-after-ms"))
     if milliseconds is not None:
         return milliseconds / 1000.0
     value = headers.get("retry-after")
     if value is None:
-        return None
+        return _reset_wait(headers.get("x-ratelimit-reset"), now)
     seconds = _number(value)
     if seconds is not None:
         return seconds
@@ -228,6 +232,48 @@ def retry_after(headers: Mapping[str, str], *, now: datetime | None = None) -> f
     if at.tzinfo is None:
         at = at.replace(tzinfo=UTC)
     return max(0.0, (at - (now or datetime.now(UTC))).total_seconds())
+
+
+def _reset_wait(value: object, now: datetime | None) -> float | None:
+    """Seconds until an ``x-ratelimit-reset`` time: epoch milliseconds (above
+    10**12) or seconds (above 10**9), else seconds from now."""
+    seconds = _number(str(value)) if isinstance(value, str | int | float) else None
+    if seconds is None:
+        return None
+    if seconds < 1e9:
+        return seconds
+    at = seconds / 1000.0 if seconds >= 1e12 else seconds
+    return max(0.0, at - (now or datetime.now(UTC)).timestamp())
+
+
+# "Please try again in 6.57s" / "in 120ms" / "in 1m30s" (OpenAI's and Azure's
+# rate-limit messages, also inside a stream), "Please retry in 37.4s" (Gemini's),
+# "Please retry after 6 seconds" (Azure's).
+_TRY_AGAIN = re.compile(
+    r"\b(?:try again|retry)\s+(?:in|after)\s+"
+    r"(?:(?P<go>(?:\d+(?:\.\d+)?(?:ms|h|m|s))+)"
+    r"|(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>milliseconds?|seconds?|secs?|minutes?|mins?))"
+    r"\b", re.IGNORECASE)
+_GO_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)", re.IGNORECASE)
+_UNIT_SECONDS = {"ms": 0.001, "milli": 0.001, "h": 3600.0, "m": 60.0, "min": 60.0, "s": 1.0,
+                 "sec": 1.0}
+
+
+def message_wait(message: str) -> float | None:
+    """The wait an error's message names ("Please try again in 6.57s", "retry after
+    6 seconds"), in seconds, or None when it names none: for a fault whose
+    response carries no ``retry-after`` (an error event inside a stream has no
+    headers of its own)."""
+    match = _TRY_AGAIN.search(message)
+    if match is None:
+        return None
+    if match.group("go") is not None:
+        return sum(float(number) * _UNIT_SECONDS[unit.lower()]
+                   for number, unit in _GO_PART.findall(match.group("go")))
+    unit = match.group("unit").lower()
+    scale = next(_UNIT_SECONDS[key] for key in ("milli", "min", "sec")
+                 if unit.startswith(key))
+    return float(match.group("number")) * scale
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
@@ -401,16 +447,21 @@ def response_fault(
     200) that its adapter read as ``kind``, ``label`` (its error type or status),
     ``code`` and ``message``: its status, request id and ``x-should-retry``
     kept, and the wait it asks for (a ``google.rpc.RetryInfo`` among Google's
-    error ``details``, else ``retry-after``). ``usage`` is a floor
-    (``usage_approx``, by default whenever there is one)."""
+    error ``details``, else `retry_after`'s headers, else the wait its message
+    names, `message_wait`). ``usage`` is a floor (``usage_approx``, by default
+    whenever there is one)."""
     where = "mid-stream " if status == 200 else ""
     delay = retry_info_delay(details or [])
+    if delay is None:
+        delay = retry_after(headers, now=now)
+    if delay is None:
+        delay = message_wait(message)
     return ProviderFault(
         kind,
         f"HTTP {status} {where}{label or 'error'}: {message}".rstrip(": "),
         http_status=status,
         error_code=code or label,
-        retry_after=delay if delay is not None else retry_after(headers, now=now),
+        retry_after=delay,
         should_retry=should_retry(headers),
         request_id=request_id,
         response_id=response_id,

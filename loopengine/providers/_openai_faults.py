@@ -9,7 +9,10 @@ fault kind             from
                        ``billing_hard_limit_reached``, ``billing_not_active``,
                        ``credit_balance_exhausted``, ``*_spend_limit_exceeded``,
                        whatever the status; 402
-``rate_limited``       any other 429 (``retry-after-ms`` / ``retry-after`` honoured);
+``rate_limited``       any other 429 (``retry-after-ms`` / ``retry-after`` honoured,
+                       else OpenRouter's ``X-RateLimit-Reset`` among its error's
+                       ``metadata.headers``, else a wait the message names:
+                       "Please try again in 6.57s");
                        an error inside a stream of type ``requests``, ``tokens``,
                        ``rate_limit_exceeded`` or ``too_many_requests``
 ``timeout``            408, the SDK's timeout
@@ -137,8 +140,10 @@ def _status_fault(
     error: Any, *, usage: Usage | None, response_id: str | None, now: datetime | None
 ) -> ProviderFault:
     error_type, code, message = _error_fields(error)
+    headers = {**_relayed_headers(error.body),
+               **{key.lower(): value for key, value in error.response.headers.items()}}
     return response_fault(_kind(error.status_code, error_type, code), error.status_code,
-                          error.response.headers, label=error_type, code=code, message=message,
+                          headers, label=error_type, code=code, message=message,
                           request_id=error.request_id, usage=usage, response_id=response_id,
                           now=now)
 
@@ -148,7 +153,9 @@ def _stream_fault(
 ) -> ProviderFault:
     """An error object inside a stream: the SDK raises it without a status."""
     error_type, code, message = _error_fields(error)
-    return event_fault({"type": error_type, "code": code, "message": message},
+    body = error.body if isinstance(error.body, Mapping) else {}
+    return event_fault({"type": error_type, "code": code, "message": message,
+                        "metadata": body.get("metadata")},
                        request_id=request_id, usage=usage, response_id=response_id)
 
 
@@ -167,10 +174,23 @@ def event_fault(
     # A number is an HTTP status (OpenRouter's codes), read as the SDK reads it.
     code = str(code) if isinstance(code, int) and not isinstance(code, bool) else _text(code)
     error_type = _text(fields.get("type"))
-    return response_fault(_kind(200, error_type, code), 200, {}, label=code or error_type,
+    return response_fault(_kind(200, error_type, code), 200, _relayed_headers(fields),
+                          label=code or error_type,
                           code=code, message=_text(fields.get("message")) or "",
                           request_id=request_id, usage=usage, response_id=response_id,
                           usage_approx=usage_approx)
+
+
+def _relayed_headers(error: object) -> dict[str, str]:
+    """The headers an error object relays (OpenRouter's ``metadata.headers``: the
+    upstream's ``Retry-After`` or its own ``X-RateLimit-Reset``), lower-cased; an
+    error inside a stream or a 200 body has no others."""
+    metadata = error.get("metadata") if isinstance(error, Mapping) else None
+    headers = metadata.get("headers") if isinstance(metadata, Mapping) else None
+    if not isinstance(headers, Mapping):
+        return {}
+    return {str(key).lower(): str(value) for key, value in headers.items()
+            if isinstance(value, str | int | float) and not isinstance(value, bool)}
 
 
 def body_fault(body: Mapping[str, Any], *, request_id: str | None,
