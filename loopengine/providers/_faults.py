@@ -357,6 +357,10 @@ class SDKErrors:
     """``APIError``: the root of the errors that came with (or instead of) a response."""
     validation: type[BaseException]
     """``APIResponseValidationError``: a body that is not what the SDK expected."""
+    unreadable: Callable[[BaseException], bool] | None = None
+    """Whether an error (of any class) is the SDK failing to read a reply's body,
+    for an SDK that raises its parser's own errors (a ``TypeError`` from a
+    field of the wrong type...): None when it wraps them all in ``validation``."""
 
 
 def classify_sdk_error(
@@ -421,14 +425,15 @@ def classify_sdk_error(
     if api_fault is not None and isinstance(error, sdk.base) and not isinstance(
             error, sdk.validation):
         return api_fault(error)
-    if isinstance(error, sdk.validation | ValueError | RuntimeError):
+    unreadable = sdk.unreadable is not None and sdk.unreadable(error)
+    if unreadable or isinstance(error, sdk.validation | ValueError | RuntimeError):
         # Read from a body the server answered with success (the SDKs raise an
         # error status before reading): that status is the attempt's.
         status = getattr(error, "status_code", None)
         return ProviderFault(FaultKind.SERVER_ERROR,
                              f"the response is not a valid message: {type(error).__name__}",
                              http_status=status if isinstance(status, int)
-                             else 200 if in_body else None,
+                             else 200 if in_body or unreadable else None,
                              error_code="invalid_response", request_id=request_id,
                              usage=usage, usage_approx=approx, response_id=response_id)
     # Any other SDK error (missing credentials, a bad argument) is our

@@ -23,7 +23,8 @@ fault kind             from
 ``overloaded``         503 ``UNAVAILABLE`` whose message says the model is
                        overloaded
 ``server_error``       500 ``INTERNAL``, other 503s, 502, 504 and other 5xx, 409;
-                       a body that is not a response; a whole (JSON) reply with
+                       a body (or stream event) that is not a response, however
+                       the SDK fails to read it (``http_status`` 200); a whole (JSON) reply with
                        no finished candidate and no blocked prompt (raised by
                        the provider, with the usage it reports)
 ``timeout``            408, ``DEADLINE_EXCEEDED`` inside a stream, the transport's
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import json
+import traceback
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -122,8 +124,11 @@ def failures() -> tuple[type[BaseException], ...]:
 @functools.cache
 def read_failures() -> tuple[type[BaseException], ...]:
     """What reading a reply may raise: `failures`, and ``ValueError`` /
-    ``RuntimeError`` for a body that is not a response (a JSON or validation error)."""
-    return (*failures(), ValueError, RuntimeError)
+    ``RuntimeError`` for a body that is not a response (a JSON or validation error),
+    and the ``TypeError`` / ``AttributeError`` / ``KeyError`` the SDK's reading of
+    a field of the wrong type raises (an error of these classes that did not
+    come from reading a body is classified ``bad_request``, not retried)."""
+    return (*failures(), ValueError, RuntimeError, TypeError, AttributeError, KeyError)
 
 
 class _NeverRaised(Exception):
@@ -137,7 +142,7 @@ def _sdk() -> SDKErrors:
 
     return SDKErrors(status=errors.APIError, timeout=httpx2.TimeoutException,
                      connection=_NeverRaised, base=errors.APIError,
-                     validation=errors.UnknownApiResponseError)
+                     validation=errors.UnknownApiResponseError, unreadable=_unreadable_body)
 
 
 def error_kind(code: int, status: str | None, message: str,
@@ -176,16 +181,24 @@ def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
 
 # The SDK's models of a reply: a validation error of one is a body it could not read.
 _REPLY_MODELS = frozenset({"GenerateContentResponse"})
+# The SDK's functions that turn a reply's JSON into its model: what they raise
+# (a TypeError, an AttributeError of a field of the wrong type) is the body's.
+_REPLY_READERS = ("_GenerateContentResponse_from_", "_from_response")
 
 
 def _unreadable_body(error: BaseException) -> bool:
-    """Whether ``error`` is the SDK failing to read a reply's body: its JSON, or the
-    reply's model (never a request it refused to build)."""
+    """Whether ``error`` is the SDK failing to read a reply's body: its JSON, the
+    reply's model, or an error raised while the SDK built that model (never a
+    request it refused to build)."""
     if isinstance(error, json.JSONDecodeError):
         return True
     from pydantic import ValidationError
 
-    return isinstance(error, ValidationError) and error.title in _REPLY_MODELS
+    if isinstance(error, ValidationError):
+        return error.title in _REPLY_MODELS
+    return isinstance(error, TypeError | AttributeError | KeyError | ValueError) and any(
+        frame.f_code.co_name.startswith(_REPLY_READERS)
+        for frame, _ in traceback.walk_tb(error.__traceback__))
 
 
 def classify_error(error: BaseException, *, request_id: str | None = None,
@@ -195,7 +208,6 @@ def classify_error(error: BaseException, *, request_id: str | None = None,
     """Classify a ``google-genai`` SDK or transport error as one `ProviderFault` (the
     table above). ``in_body``: the error came while a reply was being read (as a
     body the SDK could not parse did: it raises an error status before)."""
-    in_body = in_body or _unreadable_body(error)
     return classify_sdk_error(
         error, _sdk(),
         status_fault=lambda status: _status_fault(status, usage=usage,

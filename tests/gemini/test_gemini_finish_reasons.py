@@ -6,12 +6,14 @@ reasons")."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from google.genai import types
 
 import loopengine as le
 from loopengine.providers._gemini_contents import ANSWERED
-from loopengine.testing import ErrorReply, Reply
+from loopengine.testing import ErrorReply, Reply, StreamErrorEvent
 
 from ..adapter.conftest import STREAMING
 from .conftest import GeminiHarness, gemini_operation
@@ -122,15 +124,28 @@ async def test_an_unset_finish_reason_is_no_finish_gemini(
                                             else ("error", "server_error"))
 
 
-@pytest.mark.parametrize("body", [
-    "not json", '{"usageMetadata": {"promptTokenCount": "many"}}',
-], ids=["not-json", "not-a-response"])
+UNREADABLE = {
+    "not-json": "not json",
+    "not-a-response": '{"usageMetadata": {"promptTokenCount": "many"}}',
+    # Fields of the wrong type the SDK's reading fails on with a TypeError and
+    # an AttributeError of its own, not a validation error.
+    "candidates-not-a-list": '{"candidates": 5}',
+    "finish-reason-a-number": '{"candidates": [{"finishReason": 7}]}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNREADABLE))
+@STREAMING
 async def test_an_unreadable_body_records_the_status_the_server_sent_gemini(
-    wire: GeminiHarness, body: str
+    wire: GeminiHarness, stream: bool, name: str
 ) -> None:
-    """A 200 whose body the SDK cannot read (not JSON, or not a response): an
-    invalid response, retried, whose attempt records the 200 the server answered."""
-    engine, ledger = wire.engine(ErrorReply(status=200, body=body), Reply.text("the answer"))
+    """A 200 whose body (or stream event) the SDK cannot read: an invalid response,
+    retried, whose attempt records the 200 the server answered; never an error
+    out of the run."""
+    body = UNREADABLE[name]
+    item: Any = (StreamErrorEvent(reply=Reply.text("half an answer"), after=1, data=body)
+                 if stream else ErrorReply(status=200, body=body))
+    engine, ledger = wire.engine(item, Reply.text("the answer"), stream=stream)
     result = await engine.run(gemini_operation(), "go")
     assert result.outcome is le.Outcome.COMPLETED
     first = min(ledger.attempts.values(), key=lambda row: row["ordinal"])
