@@ -75,6 +75,7 @@ from loopengine.providers._faults import (
     ProviderFault,
     SDKErrors,
     classify_sdk_error,
+    end_fault,
     google_detail,
     google_details,
     response_fault,
@@ -230,10 +231,6 @@ def finish_fault(finish_reason: str | None, *, usage: Usage | None,
                  response_id: str | None) -> ProviderFault | None:
     """The fault of a finished reply whose ``finishReason`` is not an answer, a
     refusal, a cut-off answer or a malformed call (``ANSWERED``), or None (the
-    table above). The usage is the server's whole count for the reply."""
-    if finish_reason is None or finish_reason in ANSWERED:
-        return None
-    kind, code = _FINISH_FAULTS.get(finish_reason, (FaultKind.SERVER_ERROR, finish_reason))
-    return ProviderFault(kind, f"the response is not an answer: finishReason {finish_reason}",
-                         http_status=200, error_code=code, usage=usage,
-                         response_id=response_id)
+    table above, `end_fault`). The usage is the server's whole count for the reply."""
+    return end_fault(finish_reason, ANSWERED, what="finishReason", kinds=_FINISH_FAULTS,
+                     http_status=200, request_id=None, usage=usage, response_id=response_id)

@@ -56,6 +56,7 @@ from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
+    end_fault,
     is_credit_code,
     response_fault,
     sdk_classifier,
@@ -230,28 +231,18 @@ in docs/providers.md)."""
 
 # Finish reasons that are faults of their own kind (any other unread one is a
 # server_error named after itself).
-_FINISH_FAULTS = {"abort": FaultKind.ABORTED}
+_FINISH_FAULTS = {"abort": (FaultKind.ABORTED, "abort")}
 
 
 def finish_fault(finish_reason: object, *, http_status: int, request_id: str | None,
                  usage: Usage | None, response_id: str | None) -> ProviderFault | None:
     """The fault of a whole reply (a JSON body, or a stream that ended) whose
-    ``finish_reason`` is not one the translation reads (``FINISH_REASONS``), or
-    None. Missing, the reply never finished: ``server_error``
-    ``invalid_response`` (as a stream ended before it is ``aborted``);
-    ``abort`` (vLLM: the server aborted the generation) is ``aborted``; any other
+    ``finish_reason`` is not one the translation reads (``FINISH_REASONS``, in any
+    case), or None (`end_fault`). Missing, the reply never finished: ``server_error``
+    ``invalid_response`` (as a stream ended before it is ``aborted``); ``abort``
+    (vLLM: the server aborted the generation) is ``aborted``; any other
     (``error``, a value no table here knows) is a ``server_error`` named after
-    it. Each is retried; none is accepted as an answer. ``usage`` is the
-    server's whole count for the reply."""
-    if not isinstance(finish_reason, str) or not finish_reason:
-        return ProviderFault(FaultKind.SERVER_ERROR, "the response is not an answer: its "
-                             "choice has no finish_reason", http_status=http_status,
-                             error_code="invalid_response", request_id=request_id,
-                             usage=usage, response_id=response_id)
-    reason = finish_reason.lower()
-    if reason in FINISH_REASONS:
-        return None
-    return ProviderFault(_FINISH_FAULTS.get(reason, FaultKind.SERVER_ERROR),
-                         f"the response is not an answer: finish_reason {finish_reason!r}",
-                         http_status=http_status, error_code=finish_reason,
-                         request_id=request_id, usage=usage, response_id=response_id)
+    it. Each is retried; none is accepted as an answer."""
+    return end_fault(finish_reason, FINISH_REASONS, what="finish_reason",
+                     kinds=_FINISH_FAULTS, fold_case=True, http_status=http_status,
+                     request_id=request_id, usage=usage, response_id=response_id)
