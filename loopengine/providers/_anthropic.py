@@ -20,7 +20,10 @@ fault kind             from
 ``rate_limited``       429 (``retry-after-ms`` / ``retry-after`` honoured)
 ``overloaded``         529, ``overloaded_error`` (also mid-stream, after a 200)
 ``server_error``       409, 500, 502, 503, 504, other 5xx, ``api_error``, a body
-                       that is not a message
+                       that is not a message; a whole message whose
+                       ``stop_reason`` is missing (``invalid_response``) or one
+                       the SDK's ``StopReason`` does not name (`STOP_REASONS`;
+                       ``error_code`` the value): never an answer
 ``connection``         refused, reset or closed before a response: a transport
                        error (httpx2's, or an ``OSError``)
 ``aborted``            the stream or body was cut after the response began, a
@@ -89,6 +92,7 @@ from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
+    end_fault,
     google_details,
     is_credit_code,
     response_fault,
@@ -574,10 +578,17 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         if isinstance(raw, Mapping):
             raw = dict(raw)
             approx = _split_writes(raw, _lifetimes(params))
+        usage = usage_from_api(raw, model=text_or_none(body.get("model")))
+        fault = end_fault(body.get("stop_reason"), STOP_REASONS, what="stop_reason",
+                          http_status=status, request_id=request_id, usage=usage,
+                          response_id=text_or_none(body.get("id")))
+        if fault is not None:
+            fault.usage_approx = approx
+            raise fault
         return ProviderResponse(
             content=body["content"],
             stop_reason=body.get("stop_reason"),
-            usage=usage_from_api(raw, model=text_or_none(body.get("model"))),
+            usage=usage,
             usage_approx=approx,
             response_id=text_or_none(body.get("id")),
             request_id=request_id,
@@ -635,6 +646,12 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         snapshot = served()
         assert snapshot is not None
         usage, approx = _snapshot_usage(snapshot, late, lifetimes)
+        fault = end_fault(snapshot.stop_reason, STOP_REASONS, what="stop_reason",
+                          http_status=stream.response.status_code, request_id=request_id,
+                          usage=usage, response_id=snapshot.id)
+        if fault is not None:
+            fault.usage_approx = approx
+            raise fault
         return ProviderResponse(
             content=_with_inputs([block.to_dict() for block in snapshot.content], inputs),
             stop_reason=snapshot.stop_reason,
@@ -645,6 +662,12 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             http_status=stream.response.status_code,
             model=snapshot.model,
         )
+
+
+STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn",
+                          "refusal", "model_context_window_exceeded"})
+"""The Messages API's stop reasons (the SDK's ``StopReason``), each read by the
+engine; a message with another one, or none, is a fault, never an answer."""
 
 
 def _lifetimes(params: Mapping[str, Any]) -> frozenset[str]:

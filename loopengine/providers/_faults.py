@@ -19,7 +19,7 @@ from __future__ import annotations
 import email.utils
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -40,11 +40,13 @@ __all__ = [
     "SDKErrors",
     "STATUS_KINDS",
     "classify_sdk_error",
+    "end_fault",
     "google_detail",
     "google_details",
     "response_fault",
     "sdk_classifier",
     "is_credit_code",
+    "message_wait",
     "retry_after",
     "retry_info_delay",
     "should_retry",
@@ -99,7 +101,7 @@ class ProviderFault(LoopEngineError):
         kind: The `FaultKind`.
         message: What happened, for people (never conversation text).
         http_status: The HTTP status, when there was a response (200 for a
-            mid-stream error event).
+            mid-stream error event, or a body or stream that could not be read).
         error_code: The provider's error type or code (``overloaded_error``,
             ``enforced_spend_limit_reached``...).
         retry_after: Seconds the provider asked us to wait, if it did.
@@ -210,14 +212,17 @@ def retry_after(headers: Mapping[str, str], *, now: datetime | None = None) -> f
     """Seconds a response asks the client to wait, or None.
 
     ``retry-after-ms`` (milliseconds) wins over ``retry-after``, which is
-    seconds or an HTTP date. Negative or unparseable values are None.
+    seconds or an HTTP date; without either, ``x-ratelimit-reset`` (OpenRouter's,
+    also inside its error's ``metadata.headers``) is the time the limit resets:
+    epoch milliseconds or seconds, or seconds from now for a small number.
+    Negative or unparseable values are None.
     """
     milliseconds = _number(headers.get("retry-after-ms"))
     if milliseconds is not None:
         return milliseconds / 1000.0
     value = headers.get("retry-after")
     if value is None:
-        return None
+        return _reset_wait(headers.get("x-ratelimit-reset"), now)
     seconds = _number(value)
     if seconds is not None:
         return seconds
@@ -228,6 +233,48 @@ def retry_after(headers: Mapping[str, str], *, now: datetime | None = None) -> f
     if at.tzinfo is None:
         at = at.replace(tzinfo=UTC)
     return max(0.0, (at - (now or datetime.now(UTC))).total_seconds())
+
+
+def _reset_wait(value: object, now: datetime | None) -> float | None:
+    """Seconds until an ``x-ratelimit-reset`` time: epoch milliseconds (above
+    10**12) or seconds (above 10**9), else seconds from now."""
+    seconds = _number(str(value)) if isinstance(value, str | int | float) else None
+    if seconds is None:
+        return None
+    if seconds < 1e9:
+        return seconds
+    at = seconds / 1000.0 if seconds >= 1e12 else seconds
+    return max(0.0, at - (now or datetime.now(UTC)).timestamp())
+
+
+# "Please try again in 6.57s" / "in 120ms" / "in 1m30s" (OpenAI's and Azure's
+# rate-limit messages, also inside a stream), "Please retry in 37.4s" (Gemini's),
+# "Please retry after 6 seconds" (Azure's).
+_TRY_AGAIN = re.compile(
+    r"\b(?:try again|retry)\s+(?:in|after)\s+"
+    r"(?:(?P<go>(?:\d+(?:\.\d+)?(?:ms|h|m|s))+)"
+    r"|(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>milliseconds?|seconds?|secs?|minutes?|mins?))"
+    r"\b", re.IGNORECASE)
+_GO_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)", re.IGNORECASE)
+_UNIT_SECONDS = {"ms": 0.001, "milli": 0.001, "h": 3600.0, "m": 60.0, "min": 60.0, "s": 1.0,
+                 "sec": 1.0}
+
+
+def message_wait(message: str) -> float | None:
+    """The wait an error's message names ("Please try again in 6.57s", "retry after
+    6 seconds"), in seconds, or None when it names none: for a fault whose
+    response carries no ``retry-after`` (an error event inside a stream has no
+    headers of its own)."""
+    match = _TRY_AGAIN.search(message)
+    if match is None:
+        return None
+    if match.group("go") is not None:
+        return sum(float(number) * _UNIT_SECONDS[unit.lower()]
+                   for number, unit in _GO_PART.findall(match.group("go")))
+    unit = match.group("unit").lower()
+    scale = next(_UNIT_SECONDS[key] for key in ("milli", "min", "sec")
+                 if unit.startswith(key))
+    return float(match.group("number")) * scale
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
@@ -311,6 +358,10 @@ class SDKErrors:
     """``APIError``: the root of the errors that came with (or instead of) a response."""
     validation: type[BaseException]
     """``APIResponseValidationError``: a body that is not what the SDK expected."""
+    unreadable: Callable[[BaseException], bool] | None = None
+    """Whether an error (of any class) is the SDK failing to read a reply's body,
+    for an SDK that raises its parser's own errors (a ``TypeError`` from a
+    field of the wrong type...): None when it wraps them all in ``validation``."""
 
 
 def classify_sdk_error(
@@ -375,10 +426,15 @@ def classify_sdk_error(
     if api_fault is not None and isinstance(error, sdk.base) and not isinstance(
             error, sdk.validation):
         return api_fault(error)
-    if isinstance(error, sdk.validation | ValueError | RuntimeError):
+    unreadable = sdk.unreadable is not None and sdk.unreadable(error)
+    if unreadable or isinstance(error, sdk.validation | ValueError | RuntimeError):
+        # Read from a body the server answered with success (the SDKs raise an
+        # error status before reading): that status is the attempt's.
+        status = getattr(error, "status_code", None)
         return ProviderFault(FaultKind.SERVER_ERROR,
                              f"the response is not a valid message: {type(error).__name__}",
-                             http_status=getattr(error, "status_code", None),
+                             http_status=status if isinstance(status, int)
+                             else 200 if in_body or unreadable else None,
                              error_code="invalid_response", request_id=request_id,
                              usage=usage, usage_approx=approx, response_id=response_id)
     # Any other SDK error (missing credentials, a bad argument) is our
@@ -397,22 +453,55 @@ def response_fault(
     200) that its adapter read as ``kind``, ``label`` (its error type or status),
     ``code`` and ``message``: its status, request id and ``x-should-retry``
     kept, and the wait it asks for (a ``google.rpc.RetryInfo`` among Google's
-    error ``details``, else ``retry-after``). ``usage`` is a floor
-    (``usage_approx``, by default whenever there is one)."""
+    error ``details``, else `retry_after`'s headers, else the wait its message
+    names, `message_wait`). ``usage`` is a floor (``usage_approx``, by default
+    whenever there is one)."""
     where = "mid-stream " if status == 200 else ""
     delay = retry_info_delay(details or [])
+    if delay is None:
+        delay = retry_after(headers, now=now)
+    if delay is None:
+        delay = message_wait(message)
     return ProviderFault(
         kind,
         f"HTTP {status} {where}{label or 'error'}: {message}".rstrip(": "),
         http_status=status,
         error_code=code or label,
-        retry_after=delay if delay is not None else retry_after(headers, now=now),
+        retry_after=delay,
         should_retry=should_retry(headers),
         request_id=request_id,
         response_id=response_id,
         usage=usage,
         usage_approx=usage is not None if usage_approx is None else usage_approx,
     )
+
+
+def end_fault(
+    end: object, read: Collection[str], *, what: str,
+    kinds: Mapping[str, tuple[FaultKind, str]] | None = None, fold_case: bool = False,
+    http_status: int | None, request_id: str | None, usage: Usage | None,
+    response_id: str | None,
+) -> ProviderFault | None:
+    """The fault of a whole reply (a JSON body, or a stream that ended) whose end
+    (its ``what``: ``stop_reason``, ``finish_reason``, ``finishReason``) is not one
+    its adapter reads (``read``), or None. Missing, the reply never finished:
+    ``server_error`` ``invalid_response``; one of ``kinds`` is that fault kind and
+    error code; any other (a value newer than the adapter) is a ``server_error``
+    whose ``error_code`` is the value. Never an answer: the reply may be cut or
+    broken, and retrying is what the server's other failures get. ``usage`` is
+    the server's whole count for the reply."""
+    if not isinstance(end, str) or not end:
+        return ProviderFault(FaultKind.SERVER_ERROR, f"the response is not an answer: it has "
+                             f"no {what}", http_status=http_status,
+                             error_code="invalid_response", request_id=request_id,
+                             usage=usage, response_id=response_id)
+    key = end.lower() if fold_case else end
+    if key in read:
+        return None
+    kind, code = (kinds or {}).get(key, (FaultKind.SERVER_ERROR, end))
+    return ProviderFault(kind, f"the response is not an answer: {what} {end!r}",
+                         http_status=http_status, error_code=code, request_id=request_id,
+                         usage=usage, response_id=response_id)
 
 
 class Classifier(Protocol):

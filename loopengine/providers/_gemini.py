@@ -47,6 +47,7 @@ from loopengine.providers._gemini_contents import (
 )
 from loopengine.providers._gemini_faults import (
     classify_error,
+    finish_fault,
     import_genai,
     read_failures,
 )
@@ -276,6 +277,12 @@ class GeminiProvider(SDKProvider[_Session]):
 
     @staticmethod
     def _response(reply: StreamedReply) -> ProviderResponse:
+        if reply.block_reason is None:
+            # A blocked prompt is a refusal, whatever its candidate says.
+            fault = finish_fault(reply.finish_reason, usage=reply.usage,
+                                 response_id=reply.response_id)
+            if fault is not None:
+                raise fault
         content, stop = reply.content()
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,
                                 response_id=reply.response_id, http_status=200,

@@ -32,11 +32,13 @@ its boundary, both ways:
   ``ANY`` / ``ANY`` limited to that name.
 
 ``finishReason`` becomes the engine's stop reason: ``STOP`` -> ``end_turn``
-(``tool_use`` when the reply calls functions), ``MAX_TOKENS`` and
-``CONTINUATION`` -> ``max_tokens`` (``incomplete``), ``SAFETY``,
-``PROHIBITED_CONTENT``, ``BLOCKLIST``, ``SPII``, ``RECITATION``,
-``IMAGE_SAFETY``, ``IMAGE_PROHIBITED_CONTENT``, ``MODEL_ARMOR`` and a prompt
-blocked by ``promptFeedback.blockReason`` -> ``refusal`` (``refused``).
+(``tool_use`` when the reply calls functions), ``MAX_TOKENS``,
+``CONTINUATION`` and ``TOO_MANY_TOOL_CALLS`` -> ``max_tokens``
+(``incomplete``), the reasons of `REFUSED` and a prompt blocked by
+``promptFeedback.blockReason`` -> ``refusal`` (``refused``). Any other
+finish reason (`ANSWERED` lists the ones read here) is not an answer: the
+provider raises its fault (``_gemini_faults.finish_fault``).
+``FINISH_REASON_UNSPECIFIED`` is the enum's unset value: no finish reason.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ __all__ = [
     "MALFORMED_CALL",
     "MALFORMED_FEEDBACK",
     "MALFORMED_PLACEHOLDER",
+    "ANSWERED",
     "REFUSED",
     "TRAFFIC_TIERS",
     "StreamedReply",
@@ -81,8 +84,11 @@ __all__ = [
 ]
 
 REFUSED = frozenset({"SAFETY", "PROHIBITED_CONTENT", "BLOCKLIST", "SPII", "RECITATION",
-                     "IMAGE_SAFETY", "IMAGE_PROHIBITED_CONTENT", "MODEL_ARMOR"})
-"""Finish reasons that mean the answer was withheld: the run ends ``refused``."""
+                     "IMAGE_SAFETY", "IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION",
+                     "MODEL_ARMOR", "ESCALATION", "LANGUAGE"})
+"""Finish reasons that mean the answer was withheld by the API's policy (its
+content filters, recitation checks, blocklists, Model Armor, an escalation
+rule, a language it does not serve): the run ends ``refused``."""
 
 MALFORMED_CALL = frozenset({"MALFORMED_FUNCTION_CALL", "UNEXPECTED_TOOL_CALL"})
 """Finish reasons of a function call the API could not hand over: the model is told."""
@@ -95,7 +101,14 @@ MALFORMED_PLACEHOLDER = "(a function call that could not be parsed)"
 """The model's turn of a malformed function call when the API's ``finishMessage``
 did not come through (the SDK drops it in the Gemini Developer API mode)."""
 
-_CUT = frozenset({"MAX_TOKENS", "CONTINUATION"})
+# An answer cut short: the output cap, the per-request token limit, or the
+# API's server-side tool loop stopping before the model's final answer.
+_CUT = frozenset({"MAX_TOKENS", "CONTINUATION", "TOO_MANY_TOOL_CALLS"})
+
+ANSWERED = frozenset({"STOP", *_CUT, *REFUSED, *MALFORMED_CALL})
+"""The finish reasons `reply_content` reads as a stop reason; any other is a fault."""
+
+_UNSET = "FINISH_REASON_UNSPECIFIED"
 
 _ids = itertools.count(1)
 _CALLED = re.compile(r"([A-Za-z_][\w.-]*)\s*\(")
@@ -394,7 +407,8 @@ class StreamedReply:
             self.block_reason = _name(feedback.block_reason)
         text = ""
         for candidate in (response.candidates or ())[:1]:
-            if candidate.finish_reason is not None:
+            if candidate.finish_reason is not None and _name(candidate.finish_reason) != _UNSET:
+                # The enum's unset value says the candidate has not finished.
                 self.finish_reason = _name(candidate.finish_reason)
                 self.finish_message = candidate.finish_message
             parts = candidate.content.parts if candidate.content is not None else None
@@ -447,8 +461,9 @@ def _name(value: Any) -> str:
 def reply_content(blocks: list[dict[str, Any]], finish_reason: str | None,
                   finish_message: str | None,
                   block_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
-    """A reply's content blocks and stop reason (the table in the module docstring)."""
-    if block_reason is not None and finish_reason is None:
+    """A reply's content blocks and stop reason (the table in the module docstring);
+    the stop reason is None for a finish reason that is not `ANSWERED`."""
+    if block_reason is not None and finish_reason not in ANSWERED:
         return blocks, "refusal"
     if finish_reason in MALFORMED_CALL:
         said = finish_message or MALFORMED_PLACEHOLDER
@@ -466,7 +481,7 @@ def reply_content(blocks: list[dict[str, Any]], finish_reason: str | None,
     if finish_reason == "STOP":
         calls = any(block["type"] == "tool_use" for block in blocks)
         return blocks, "tool_use" if calls else "end_turn"
-    return blocks, finish_reason
+    return blocks, None
 
 
 @reported_usage

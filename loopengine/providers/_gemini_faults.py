@@ -23,7 +23,8 @@ fault kind             from
 ``overloaded``         503 ``UNAVAILABLE`` whose message says the model is
                        overloaded
 ``server_error``       500 ``INTERNAL``, other 503s, 502, 504 and other 5xx, 409;
-                       a body that is not a response; a whole (JSON) reply with
+                       a body (or stream event) that is not a response, however
+                       the SDK fails to read it (``http_status`` 200); a whole (JSON) reply with
                        no finished candidate and no blocked prompt (raised by
                        the provider, with the usage it reports)
 ``timeout``            408, ``DEADLINE_EXCEEDED`` inside a stream, the transport's
@@ -40,13 +41,26 @@ fault kind             from
 =====================  ===========================================================
 
 An error inside a stream (``data: {"error": {...}}`` after a 200) is read the
-same way from its ``code`` and ``status``. The ``google-genai`` SDK is
+same way from its ``code`` and ``status``. A reply whose ``finishReason`` is
+not one the translation reads as a stop reason (``_gemini_contents.ANSWERED``)
+is a fault too (`finish_fault`), its usage kept: ``MALFORMED_RESPONSE`` is
+``server_error`` ``invalid_response``; ``MISSING_THOUGHT_SIGNATURE`` (the
+request lacked a signature the API wanted back, so sending it again cannot
+help) ``bad_request``; ``PUP_LIMITED_DISABLED`` (the account is limited or
+disabled for Prohibited Use Policy violations: every request will fail the
+same way) ``unauthorized``; any other (``OTHER``, ``NO_IMAGE``,
+``IMAGE_OTHER``, a value newer than this table) ``server_error`` whose
+``error_code`` is the finish reason: the reply stopped for a reason nobody
+can read as an answer, so it is retried within the retry policy, never
+accepted. The ``google-genai`` SDK is
 imported on first use (`import_genai`), never when ``loopengine`` is.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import traceback
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -61,13 +75,16 @@ from loopengine.providers._faults import (
     ProviderFault,
     SDKErrors,
     classify_sdk_error,
+    end_fault,
     google_detail,
     google_details,
     response_fault,
     status_kind,
 )
+from loopengine.providers._gemini_contents import ANSWERED
 
-__all__ = ["BILLING_REASONS", "classify_error", "failures", "import_genai", "read_failures"]
+__all__ = ["BILLING_REASONS", "classify_error", "failures", "finish_fault", "import_genai",
+           "read_failures"]
 
 # Lowercased fragments of the message of depleted prepaid credits.
 _CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted")
@@ -108,8 +125,11 @@ def failures() -> tuple[type[BaseException], ...]:
 @functools.cache
 def read_failures() -> tuple[type[BaseException], ...]:
     """What reading a reply may raise: `failures`, and ``ValueError`` /
-    ``RuntimeError`` for a body that is not a response (a JSON or validation error)."""
-    return (*failures(), ValueError, RuntimeError)
+    ``RuntimeError`` for a body that is not a response (a JSON or validation error),
+    and the ``TypeError`` / ``AttributeError`` / ``KeyError`` the SDK's reading of
+    a field of the wrong type raises (an error of these classes that did not
+    come from reading a body is classified ``bad_request``, not retried)."""
+    return (*failures(), ValueError, RuntimeError, TypeError, AttributeError, KeyError)
 
 
 class _NeverRaised(Exception):
@@ -123,7 +143,7 @@ def _sdk() -> SDKErrors:
 
     return SDKErrors(status=errors.APIError, timeout=httpx2.TimeoutException,
                      connection=_NeverRaised, base=errors.APIError,
-                     validation=errors.UnknownApiResponseError)
+                     validation=errors.UnknownApiResponseError, unreadable=_unreadable_body)
 
 
 def error_kind(code: int, status: str | None, message: str,
@@ -160,12 +180,35 @@ def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
         response_id=response_id, now=now, details=details)
 
 
+# The SDK's models of a reply: a validation error of one is a body it could not read.
+_REPLY_MODELS = frozenset({"GenerateContentResponse"})
+# The SDK's functions that turn a reply's JSON into its model: what they raise
+# (a TypeError, an AttributeError of a field of the wrong type) is the body's.
+_REPLY_READERS = ("_GenerateContentResponse_from_", "_from_response")
+
+
+def _unreadable_body(error: BaseException) -> bool:
+    """Whether ``error`` is the SDK failing to read a reply's body: its JSON, the
+    reply's model, or an error raised while the SDK built that model (never a
+    request it refused to build)."""
+    if isinstance(error, json.JSONDecodeError):
+        return True
+    from pydantic import ValidationError
+
+    if isinstance(error, ValidationError):
+        return error.title in _REPLY_MODELS
+    return isinstance(error, TypeError | AttributeError | KeyError | ValueError) and any(
+        frame.f_code.co_name.startswith(_REPLY_READERS)
+        for frame, _ in traceback.walk_tb(error.__traceback__))
+
+
 def classify_error(error: BaseException, *, request_id: str | None = None,
                    in_body: bool = False, usage: Usage | None = None,
                    response_id: str | None = None, now: datetime | None = None,
                    ) -> ProviderFault:
     """Classify a ``google-genai`` SDK or transport error as one `ProviderFault` (the
-    table above). ``in_body``: the error came while a reply was being read."""
+    table above). ``in_body``: the error came while a reply was being read (as a
+    body the SDK could not parse did: it raises an error status before)."""
     return classify_sdk_error(
         error, _sdk(),
         status_fault=lambda status: _status_fault(status, usage=usage,
@@ -173,3 +216,21 @@ def classify_error(error: BaseException, *, request_id: str | None = None,
                                                   in_stream=in_body),
         request_id=request_id, in_body=in_body, usage=usage, response_id=response_id)
 
+
+
+# Finish reasons that are faults of their own kind (any other unread one is a
+# server_error named after itself).
+_FINISH_FAULTS = {
+    "MALFORMED_RESPONSE": (FaultKind.SERVER_ERROR, "invalid_response"),
+    "MISSING_THOUGHT_SIGNATURE": (FaultKind.BAD_REQUEST, "MISSING_THOUGHT_SIGNATURE"),
+    "PUP_LIMITED_DISABLED": (FaultKind.UNAUTHORIZED, "PUP_LIMITED_DISABLED"),
+}
+
+
+def finish_fault(finish_reason: str | None, *, usage: Usage | None,
+                 response_id: str | None) -> ProviderFault | None:
+    """The fault of a finished reply whose ``finishReason`` is not an answer, a
+    refusal, a cut-off answer or a malformed call (``ANSWERED``), or None (the
+    table above, `end_fault`). The usage is the server's whole count for the reply."""
+    return end_fault(finish_reason, ANSWERED, what="finishReason", kinds=_FINISH_FAULTS,
+                     http_status=200, request_id=None, usage=usage, response_id=response_id)

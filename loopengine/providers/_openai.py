@@ -46,6 +46,7 @@ from loopengine.providers._openai_faults import (
     body_fault,
     classify_error,
     failures,
+    finish_fault,
     import_openai,
     read_failures,
 )
@@ -225,11 +226,17 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             raise body_fault(body, request_id=request_id,
                              usage=usage_from_api(body.get("usage"), body.get("service_tier")))
         choice = first_choice(body) or {}
+        usage = usage_from_api(body.get("usage"), body.get("service_tier"))
+        fault = finish_fault(choice.get("finish_reason"), http_status=status,
+                             request_id=request_id, usage=usage,
+                             response_id=text_or_none(body.get("id")))
+        if fault is not None:
+            raise fault
         content, stop = content_from_message(choice["message"], choice.get("finish_reason"))
         return ProviderResponse(
             content=content,
             stop_reason=stop,
-            usage=usage_from_api(body.get("usage"), body.get("service_tier")),
+            usage=usage,
             response_id=text_or_none(body.get("id")),
             request_id=request_id,
             http_status=status,
@@ -289,6 +296,11 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             cut=cut, on_text=on_text, close=stream.close,
             missing=lambda: "its finish_reason" if reply.finish_reason is None
             else "its usage chunk" if reply.usage is None and self._usage_required else None)
+        fault = finish_fault(reply.finish_reason, http_status=response.status_code,
+                             request_id=request_id, usage=reply.usage,
+                             response_id=reply.response_id)
+        if fault is not None:
+            raise fault
         if reply.usage is None and not self._usage_warned:
             # The reply is whole (its finish_reason came after its last
             # content); only its usage is unknown, as the caller allowed.

@@ -26,7 +26,9 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
 
 ``finish_reason`` becomes the engine's stop reason: ``stop`` -> ``end_turn``,
 ``tool_calls`` -> ``tool_use``, ``length`` -> ``max_tokens`` (``incomplete``),
-``content_filter`` (or a ``refusal``) -> ``refusal`` (``refused``). Usage:
+``content_filter`` (or a ``refusal``) -> ``refusal`` (``refused``), with the
+compatible servers' names for these (`FINISH_REASONS`); a reply without one,
+or with any other, is not an answer (``_openai_faults.finish_fault``). Usage:
 ``prompt_tokens`` includes ``prompt_tokens_details.cached_tokens``, so the
 uncached input is the difference and the cached part is the cache read;
 reasoning tokens are inside ``completion_tokens``.
@@ -64,6 +66,7 @@ __all__ = [
     "chat_tool_choice",
     "chat_tools",
     "check_translatable",
+    "FINISH_REASONS",
     "content_from_message",
     "first_choice",
     "image_source",
@@ -82,13 +85,22 @@ __all__ = [
 
 API = "Chat Completions"
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     "stop": "end_turn",
+    # Compatible servers' names of a natural end: Together's ``eos``, Hugging
+    # Face TGI's ``eos_token`` and ``stop_sequence``.
+    "eos": "end_turn",
+    "eos_token": "end_turn",
+    "stop_sequence": "end_turn",
     "tool_calls": "tool_use",
     "function_call": "tool_use",
     "length": "max_tokens",
+    # Mistral's: the model's context window filled.
+    "model_length": "max_tokens",
     "content_filter": "refusal",
 }
+"""The ``finish_reason`` values (lower-cased) read as a stop reason; any other one
+(vLLM's ``abort``, ``error``...) is a fault (``_openai_faults.finish_fault``)."""
 
 
 def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
@@ -522,12 +534,13 @@ def arguments(raw: object) -> Any:
 
 
 def stop_reason(finish_reason: object) -> str | None:
-    """The engine's stop reason for a ``finish_reason``: ``stop`` -> ``end_turn``,
-    ``tool_calls`` -> ``tool_use``, ``length`` -> ``max_tokens``,
-    ``content_filter`` -> ``refusal``; another value is kept as it is."""
+    """The engine's stop reason for a ``finish_reason`` (`FINISH_REASONS`): ``stop``
+    -> ``end_turn``, ``tool_calls`` -> ``tool_use``, ``length`` -> ``max_tokens``,
+    ``content_filter`` -> ``refusal``; None for any other (the provider raises
+    its fault before asking)."""
     if not isinstance(finish_reason, str):
         return None
-    return _FINISH_REASONS.get(finish_reason, finish_reason)
+    return FINISH_REASONS.get(finish_reason.lower())
 
 
 def usage_from_api(raw: object, service_tier: object = None) -> Usage | None:

@@ -9,7 +9,10 @@ fault kind             from
                        ``billing_hard_limit_reached``, ``billing_not_active``,
                        ``credit_balance_exhausted``, ``*_spend_limit_exceeded``,
                        whatever the status; 402
-``rate_limited``       any other 429 (``retry-after-ms`` / ``retry-after`` honoured);
+``rate_limited``       any other 429 (``retry-after-ms`` / ``retry-after`` honoured,
+                       else OpenRouter's ``X-RateLimit-Reset`` among its error's
+                       ``metadata.headers``, else a wait the message names:
+                       "Please try again in 6.57s");
                        an error inside a stream of type ``requests``, ``tokens``,
                        ``rate_limit_exceeded`` or ``too_many_requests``
 ``timeout``            408, the SDK's timeout
@@ -19,10 +22,15 @@ fault kind             from
                        as in an error body: an ``invalid_request_error`` is
                        ``bad_request``; a code that is an HTTP status, as
                        OpenRouter's are, is that status's kind)
+                       ; a reply whose ``finish_reason`` is missing (a whole
+                       reply that never finished: ``invalid_response``),
+                       ``error``, or any value the translation does not read
+                       (``error_code`` the value)
 ``connection``         refused, reset or closed before a response
 ``aborted``            the body or stream cut after the response began, a stream
                        that ended before its ``finish_reason`` or its usage
-                       chunk, an idle stream
+                       chunk, an idle stream; a reply whose ``finish_reason``
+                       is ``abort`` (vLLM's: the server aborted the generation)
 ``unauthorized``       401, 403
 ``bad_request``        400, 404, 413, 422, other 4xx; a transcript block that has
                        no Chat Completions equivalent; the client failing on its
@@ -48,14 +56,16 @@ from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
+    end_fault,
     is_credit_code,
     response_fault,
     sdk_classifier,
     status_kind,
 )
+from loopengine.providers._openai_chat import FINISH_REASONS
 
-__all__ = ["body_fault", "classify_error", "event_fault", "failures", "import_openai",
-           "read_failures"]
+__all__ = ["body_fault", "classify_error", "event_fault", "failures", "finish_fault",
+           "import_openai", "read_failures"]
 
 _TYPE_KINDS = {
     "invalid_request_error": FaultKind.BAD_REQUEST,
@@ -131,8 +141,10 @@ def _status_fault(
     error: Any, *, usage: Usage | None, response_id: str | None, now: datetime | None
 ) -> ProviderFault:
     error_type, code, message = _error_fields(error)
+    headers = {**_relayed_headers(error.body),
+               **{key.lower(): value for key, value in error.response.headers.items()}}
     return response_fault(_kind(error.status_code, error_type, code), error.status_code,
-                          error.response.headers, label=error_type, code=code, message=message,
+                          headers, label=error_type, code=code, message=message,
                           request_id=error.request_id, usage=usage, response_id=response_id,
                           now=now)
 
@@ -142,7 +154,9 @@ def _stream_fault(
 ) -> ProviderFault:
     """An error object inside a stream: the SDK raises it without a status."""
     error_type, code, message = _error_fields(error)
-    return event_fault({"type": error_type, "code": code, "message": message},
+    body = error.body if isinstance(error.body, Mapping) else {}
+    return event_fault({"type": error_type, "code": code, "message": message,
+                        "metadata": body.get("metadata")},
                        request_id=request_id, usage=usage, response_id=response_id)
 
 
@@ -161,10 +175,23 @@ def event_fault(
     # A number is an HTTP status (OpenRouter's codes), read as the SDK reads it.
     code = str(code) if isinstance(code, int) and not isinstance(code, bool) else _text(code)
     error_type = _text(fields.get("type"))
-    return response_fault(_kind(200, error_type, code), 200, {}, label=code or error_type,
+    return response_fault(_kind(200, error_type, code), 200, _relayed_headers(fields),
+                          label=code or error_type,
                           code=code, message=_text(fields.get("message")) or "",
                           request_id=request_id, usage=usage, response_id=response_id,
                           usage_approx=usage_approx)
+
+
+def _relayed_headers(error: object) -> dict[str, str]:
+    """The headers an error object relays (OpenRouter's ``metadata.headers``: the
+    upstream's ``Retry-After`` or its own ``X-RateLimit-Reset``), lower-cased; an
+    error inside a stream or a 200 body has no others."""
+    metadata = error.get("metadata") if isinstance(error, Mapping) else None
+    headers = metadata.get("headers") if isinstance(metadata, Mapping) else None
+    if not isinstance(headers, Mapping):
+        return {}
+    return {str(key).lower(): str(value) for key, value in headers.items()
+            if isinstance(value, str | int | float) and not isinstance(value, bool)}
 
 
 def body_fault(body: Mapping[str, Any], *, request_id: str | None,
@@ -200,3 +227,22 @@ def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
 classify_error = sdk_classifier(_sdk, _status_fault, _stream_fault)
 """Classify an ``openai`` SDK or transport error as one `ProviderFault` (the table
 in docs/providers.md)."""
+
+
+# Finish reasons that are faults of their own kind (any other unread one is a
+# server_error named after itself).
+_FINISH_FAULTS = {"abort": (FaultKind.ABORTED, "abort")}
+
+
+def finish_fault(finish_reason: object, *, http_status: int, request_id: str | None,
+                 usage: Usage | None, response_id: str | None) -> ProviderFault | None:
+    """The fault of a whole reply (a JSON body, or a stream that ended) whose
+    ``finish_reason`` is not one the translation reads (``FINISH_REASONS``, in any
+    case), or None (`end_fault`). Missing, the reply never finished: ``server_error``
+    ``invalid_response`` (as a stream ended before it is ``aborted``); ``abort``
+    (vLLM: the server aborted the generation) is ``aborted``; any other
+    (``error``, a value no table here knows) is a ``server_error`` named after
+    it. Each is retried; none is accepted as an answer."""
+    return end_fault(finish_reason, FINISH_REASONS, what="finish_reason",
+                     kinds=_FINISH_FAULTS, fold_case=True, http_status=http_status,
+                     request_id=request_id, usage=usage, response_id=response_id)

@@ -15,8 +15,9 @@ rendered in the Chat Completions shapes:
   arguments verbatim, to script malformed arguments; a block's
   ``extra_content``, Gemini's thought signature, goes on its call); its stop reason is the
   ``finish_reason`` (``end_turn`` -> ``stop``, ``tool_use`` -> ``tool_calls``,
-  ``max_tokens`` -> ``length``, ``refusal`` -> ``content_filter``, any other
-  value as it is); its usage is ``prompt_tokens`` (uncached input, cache
+  ``max_tokens`` and ``model_context_window_exceeded`` -> ``length``,
+  ``refusal`` -> ``content_filter``, any other value as it is, None as
+  ``null``); its usage is ``prompt_tokens`` (uncached input, cache
   reads and cache writes), ``prompt_tokens_details.cached_tokens`` (the cache
   reads) and ``cache_write_tokens`` (the writes), ``completion_tokens`` and
   ``completion_tokens_details.reasoning_tokens``; the usage's
@@ -96,6 +97,9 @@ _FINISH_REASONS = {
     "stop_sequence": "stop",
     "tool_use": "tool_calls",
     "max_tokens": "length",
+    # Chat Completions has no finish reason of its own for an answer that
+    # filled the context window: it stops at its length.
+    "model_context_window_exceeded": "length",
     "refusal": "content_filter",
 }
 

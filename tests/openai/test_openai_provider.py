@@ -141,11 +141,14 @@ def test_a_reply_becomes_text_and_tool_use_blocks() -> None:
 
 
 def test_finish_reasons_become_stop_reasons_and_a_refusal_refuses() -> None:
-    """stop, tool_calls, length, content_filter map to end_turn, tool_use,
-    max_tokens, refusal; a message refusal is a refusal whatever the finish reason."""
+    """stop, tool_calls, length, content_filter (and compatible servers' names for
+    them) map to end_turn, tool_use, max_tokens, refusal; no other value is a stop
+    reason (the provider raises its fault); a message refusal is a refusal
+    whatever the finish reason."""
     assert [stop_reason(r) for r in ("stop", "tool_calls", "length", "content_filter",
-                                     "eos", None)] == [
-        "end_turn", "tool_use", "max_tokens", "refusal", "eos", None]
+                                     "eos", "model_length", "abort", None)] == [
+        "end_turn", "tool_use", "max_tokens", "refusal", "end_turn", "max_tokens", None,
+        None]
     content, stop = content_from_message({"content": None, "refusal": "I can't help."},
                                          "stop")
     assert (content, stop) == ([{"type": "text", "text": "I can't help."}], "refusal")
