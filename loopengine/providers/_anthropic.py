@@ -22,7 +22,7 @@ fault kind             from
 ``server_error``       409, 500, 502, 503, 504, other 5xx, ``api_error``, a body
                        that is not a message; a whole message whose
                        ``stop_reason`` is missing (``invalid_response``) or one
-                       the SDK's ``StopReason`` does not name (`STOP_REASONS`;
+                       the SDK's ``BetaStopReason`` does not name (`STOP_REASONS`;
                        ``error_code`` the value): never an answer
 ``connection``         refused, reset or closed before a response: a transport
                        error (httpx2's, or an ``OSError``)
@@ -665,8 +665,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
 
 
 STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn",
-                          "refusal", "model_context_window_exceeded"})
-"""The Messages API's stop reasons (the SDK's ``StopReason``), each read by the
+                          "compaction", "refusal", "model_context_window_exceeded"})
+"""The Messages API's stop reasons (the SDK's ``BetaStopReason``: its
+``StopReason`` and ``compaction``, a compaction's pause), each read by the
 engine; a message with another one, or none, is a fault, never an answer."""
 
 

@@ -1,13 +1,13 @@
 """The end of a Messages reply through AnthropicProvider, the real ``anthropic`` SDK
 and FakeAnthropicServer, JSON and streamed alike: a stop reason the SDK's
-``StopReason`` does not name, or none, is a fault, never an answer."""
+``BetaStopReason`` does not name, or none, is a fault, never an answer."""
 
 from __future__ import annotations
 
 from typing import get_args
 
 import pytest
-from anthropic.types import StopReason
+from anthropic.types.beta import BetaStopReason
 
 import loopengine as le
 from loopengine.providers._anthropic import STOP_REASONS
@@ -20,8 +20,9 @@ USAGE = le.Usage(input_tokens=10, output_tokens=4)
 
 
 def test_the_stop_reasons_read_are_the_sdks() -> None:
-    """A stop reason the SDK adds is decided on here, not passed through."""
-    assert set(get_args(StopReason)) == STOP_REASONS
+    """A stop reason the SDK adds is decided on here, not passed through (the
+    beta's names are a superset of the stable ones: ``compaction`` besides)."""
+    assert set(get_args(BetaStopReason)) == STOP_REASONS
 
 
 @pytest.mark.parametrize(("stop", "code"), [("some_future_reason", "some_future_reason"),
