@@ -568,36 +568,22 @@ def test_a_generator_function_is_not_a_tool_handler(function: Any) -> None:
         le.Tool("count", "Count up.", {"type": "object"}, function)
 
 
-async def test_a_sync_handler_returning_a_coroutine_gives_what_it_awaits_to() -> None:
-    """A sync function that returns a coroutine (a lambda around an async one) gives
-    the model the coroutine's result, as a judge's awaitable verdict is awaited;
-    it was ``<coroutine object ...>``, never awaited."""
-
-    async def look_up(argument: dict[str, Any]) -> str:
-        return f"found {argument['key']}"
-
-    lookup = le.Tool("lookup", "Look up.", {"type": "object"},
-                     lambda argument: look_up(argument))
-    provider = ScriptedProvider([Reply.tool_calls(("lookup", {"key": "k"})),
-                                 Reply.text("done")])
-    result = await le.Engine(provider).run(OPERATION, "hi", tools=[lookup])
-    assert result.outcome is le.Outcome.COMPLETED
-    (sent,) = provider.requests[1].messages[-1]["content"]
-    assert sent["content"] == "found k" and not sent.get("is_error")
+async def _look_up(argument: dict[str, Any]) -> str:
+    return f"found {argument['key']}"
 
 
-async def test_an_async_handler_returning_a_coroutine_gives_what_it_awaits_to() -> None:
-    """An async handler that returns a coroutine (an ``await`` forgotten) gives the
-    model what it awaits to, as a sync handler's does; it was ``<coroutine object
-    ...>``, and the coroutine was never awaited."""
+async def _forgetful(argument: dict[str, Any]) -> Any:
+    return _look_up(argument)  # an ``await`` forgotten
 
-    async def look_up(key: str) -> str:
-        return f"found {key}"
 
-    async def forgetful(argument: dict[str, Any]) -> Any:
-        return look_up(argument["key"])
-
-    lookup = le.Tool("lookup", "Look up.", {"type": "object"}, forgetful)
+@pytest.mark.parametrize("handler", [lambda argument: _look_up(argument), _forgetful],
+                         ids=["sync", "async"])
+async def test_a_handler_returning_a_coroutine_gives_what_it_awaits_to(handler: Any) -> None:
+    """A handler that returns a coroutine (a sync lambda around an async function,
+    an async one that forgot an ``await``) gives the model the coroutine's result,
+    as a judge's awaitable verdict is awaited; it was ``<coroutine object ...>``,
+    never awaited."""
+    lookup = le.Tool("lookup", "Look up.", {"type": "object"}, handler)
     provider = ScriptedProvider([Reply.tool_calls(("lookup", {"key": "k"})),
                                  Reply.text("done")])
     result = await le.Engine(provider).run(OPERATION, "hi", tools=[lookup])

@@ -325,32 +325,25 @@ async def test_tool_use_blocks_survive_the_round_trip(wire: Harness, stream: boo
 # -- stop reasons and usage -------------------------------------------------------------------
 
 
-@STREAMING
-async def test_pause_turn_is_continued_within_the_same_turn(wire: Harness, stream: bool) -> None:
-    """pause_turn: the paused content goes back and the turn goes on (phase continuation)."""
-    paused = [{"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
-               "input": {"query": "news"}}]
-    engine, _ = wire.engine(Reply(content=paused, stop_reason="pause_turn"),
-                            Reply.text("Here is the news."), stream=stream)
-    result = await engine.run(operation(max_turns=1), "go")
-    assert result.outcome is le.Outcome.COMPLETED and result.answer == "Here is the news."
-    assert result.turns == 1
-    assert [(a.dispatch.turn, a.dispatch.phase) for a in result.attempt_log] == [
-        (1, "turn"), (1, "continuation")]
-    second = wire.requests[1].messages
-    assert second[-1]["role"] == "assistant"
-    assert second[-1]["content"][0]["id"] == "srvtoolu_1"
+PAUSES = {
+    # A server tool loop that paused: its server_tool_use goes back.
+    "pause_turn": [{"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
+                    "input": {"query": "news"}}],
+    # A compaction with pause_after_compaction: the reply holds only the compaction
+    # block, never an empty answer; it goes back and the turn goes on after it.
+    "compaction": [{"type": "compaction", "content": "Summary: the user asked for the news."}],
+}
 
 
+@pytest.mark.parametrize("stop_reason", sorted(PAUSES))
 @STREAMING
-async def test_a_compaction_pause_is_continued_within_the_same_turn(
-    wire: Harness, stream: bool
+async def test_a_paused_turn_is_continued_within_the_same_turn(
+    wire: Harness, stream: bool, stop_reason: str
 ) -> None:
-    """``stop_reason: "compaction"`` (``pause_after_compaction``): the reply holds only
-    the compaction block, which goes back, and the turn goes on after it; the
-    reply is never taken for an empty answer."""
-    summary = [{"type": "compaction", "content": "Summary: the user asked for the news."}]
-    engine, _ = wire.engine(Reply(content=summary, stop_reason="compaction"),
+    """``pause_turn`` and ``compaction``: the paused content goes back and the turn
+    goes on (phase continuation)."""
+    paused = PAUSES[stop_reason]
+    engine, _ = wire.engine(Reply(content=paused, stop_reason=stop_reason),
                             Reply.text("Here is the news."), stream=stream)
     result = await engine.run(operation(max_turns=1), "go")
     assert result.outcome is le.Outcome.COMPLETED and result.answer == "Here is the news."
@@ -359,7 +352,7 @@ async def test_a_compaction_pause_is_continued_within_the_same_turn(
         (1, "turn"), (1, "continuation")]
     second = wire.requests[1].messages
     assert second[-1]["role"] == "assistant"
-    assert second[-1]["content"] == summary
+    assert second[-1]["content"] == paused
 
 
 @STREAMING
