@@ -676,8 +676,8 @@ def _split_writes(raw: dict[str, Any], params: Mapping[str, Any]) -> bool:
     five-minute rate, and the usage is a floor of the bill. A reply with
     ``iterations`` is left alone: each iteration has its own split.
 
-    The markers are read only for writes the split leaves out: walking every
-    block of the request costs tens of microseconds a turn."""
+    The markers are read only for writes the split leaves out: that walks
+    every block of the request, a cost a turn that grows with the transcript."""
     written = raw.get("cache_creation_input_tokens")
     if raw.get("iterations") or type(written) is not int:
         return False
