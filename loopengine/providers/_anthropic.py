@@ -577,7 +577,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         approx = False
         if isinstance(raw, Mapping):
             raw = dict(raw)
-            approx = _split_writes(raw, _lifetimes(params))
+            approx = _split_writes(raw, params)
         usage = usage_from_api(raw, model=text_or_none(body.get("model")))
         fault = end_fault(body.get("stop_reason"), STOP_REASONS, what="stop_reason",
                           http_status=status, request_id=request_id, usage=usage,
@@ -605,7 +605,6 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         except _FAILURES as error:
             raise classify_error(error) from error
         request_id = _request_id(stream.response.headers)
-        lifetimes = _lifetimes(params)
         seen: set[str] = set()
         late: dict[str, Any] = {}
         inputs: dict[int, list[str]] = {}
@@ -627,7 +626,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         def arrived() -> dict[str, Any]:
             # What a stream that broke had served: its usage (a floor) and its id.
             snapshot = served()
-            return {"usage": _snapshot_usage(snapshot, late, lifetimes)[0],
+            return {"usage": _snapshot_usage(snapshot, late, params)[0],
                     "response_id": snapshot.id if snapshot is not None else None}
 
         def cut(message: str, reason: str | None) -> ProviderFault:
@@ -645,7 +644,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             missing=lambda: None if "message_stop" in seen else "message_stop")
         snapshot = served()
         assert snapshot is not None
-        usage, approx = _snapshot_usage(snapshot, late, lifetimes)
+        usage, approx = _snapshot_usage(snapshot, late, params)
         fault = end_fault(snapshot.stop_reason, STOP_REASONS, what="stop_reason",
                           http_status=stream.response.status_code, request_id=request_id,
                           usage=usage, response_id=snapshot.id)
@@ -696,7 +695,7 @@ def _with_inputs(content: list[dict[str, Any]],
 
 
 def _snapshot_usage(snapshot: Any, late: Mapping[str, Any],
-                    lifetimes: frozenset[str]) -> tuple[Usage | None, bool]:
+                    params: Mapping[str, Any]) -> tuple[Usage | None, bool]:
     """The usage of a streamed message so far, and whether it is a floor of the
     bill. ``late`` is the last ``message_delta``'s usage: the SDK's accumulator
     folds its counts into the snapshot but drops what it does not model
@@ -706,26 +705,29 @@ def _snapshot_usage(snapshot: Any, late: Mapping[str, Any],
     with ``message_start``; a ``message_delta`` has the cumulative
     ``cache_creation_input_tokens`` alone, which a server tool loop (more than
     one sampling pass) makes larger: `_split_writes` gives the writes past
-    the split the lifetime of the request's markers (``lifetimes``)."""
+    the split the lifetime of the markers of the request (``params``)."""
     if snapshot is None or getattr(snapshot, "usage", None) is None:
         return None, False
     raw = snapshot.usage.to_dict()
     for key, value in late.items():
         if raw.get(key) is None:
             raw[key] = value
-    approx = _split_writes(raw, lifetimes)
+    approx = _split_writes(raw, params)
     return usage_from_api(raw, model=snapshot.model), approx
 
 
-def _split_writes(raw: dict[str, Any], lifetimes: frozenset[str]) -> bool:
+def _split_writes(raw: dict[str, Any], params: Mapping[str, Any]) -> bool:
     """Give the cache writes of a ``usage`` (``raw``, changed in place) that its
     ``cache_creation`` split leaves out (a stream's ``message_delta`` counts
-    more; a reply may have no split) the lifetime of the request's markers
-    (``lifetimes``): all of them one hour when every marker was, five minutes
+    more; a reply may have no split) the lifetime of the markers of the
+    request (``params``): all of them one hour when every marker was, five minutes
     (`_tokens`' default) otherwise. True when the markers had both lifetimes:
     those writes' split is unknown, they are counted at the cheaper
     five-minute rate, and the usage is a floor of the bill. A reply with
-    ``iterations`` is left alone: each iteration has its own split."""
+    ``iterations`` is left alone: each iteration has its own split.
+
+    The markers are read only for writes the split leaves out: that walks
+    every block of the request, a cost a turn that grows with the transcript."""
     written = raw.get("cache_creation_input_tokens")
     if raw.get("iterations") or type(written) is not int:
         return False
@@ -736,6 +738,7 @@ def _split_writes(raw: dict[str, Any], lifetimes: frozenset[str]) -> bool:
     long = long if type(long) is int else 0
     if written <= short + long:
         return False
+    lifetimes = _lifetimes(params)
     if lifetimes == {"1h"}:
         raw["cache_creation"] = {**creation, "ephemeral_5m_input_tokens": short,
                                  "ephemeral_1h_input_tokens": written - short}
