@@ -31,7 +31,7 @@ from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import InvocationEnd, InvocationStart
 
 __all__ = ["begin", "cancelled", "end_paused", "ending", "failed", "finish", "first_error",
-           "forget_run", "held_end", "uninterrupted", "write_expecting"]
+           "forget_run", "held_end", "uninterrupted", "write_row"]
 
 logger = logging.getLogger("loopengine")
 
@@ -169,18 +169,23 @@ def _holds_lease(inv: Invocation) -> bool:
             and inv.segment_token is not None)
 
 
-async def write_expecting(inv: Invocation, record: InvocationEnd) -> None:
-    """Write ``record``, a compare-and-set (``record.expect_seal``, on the row
-    still being ``record.expect_outcome``): a resume's take of a pause, or the
-    end or pause of a segment holding a run store's lease (`held_end`).
+async def write_row(inv: Invocation, record: InvocationEnd) -> None:
+    """Write ``record`` (an end, a pause, or a resume's take of the run's row):
+    as it is without a condition, else a compare-and-set (``record.expect_seal``,
+    on the row still being ``record.expect_outcome``): a resume's take of a
+    pause, or the end or pause of a segment holding a run store's lease
+    (`held_end`).
 
     Raises:
-        RunBusyError: the ledger refused it because the row is no longer what
-            it expects: another resume took the pause, or another process
-            took the run over (and may have ended or paused it).
+        RunBusyError: the ledger refused a compare-and-set because the row is
+            no longer what it expects: another resume took the pause, or
+            another process took the run over (and may have ended or paused it).
         LedgerError: the ledger refused it for another reason.
     """
     assert inv.ledger is not None
+    if record.expect_seal is None:
+        await inv.ledger.end_invocation(record)
+        return
     try:
         await inv.ledger.end_invocation(record)
     except LedgerError:
@@ -220,9 +225,7 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
             record = held_end(inv, InvocationEnd(
                 id=inv.id, ended_at=at, outcome=outcome, turns=turns, tool_calls=tool_calls,
                 credits=credits, expect_seal=expect_seal))
-            confirmed = await inv.confirm(
-                inv.ledger.end_invocation(record) if record.expect_seal is None
-                else write_expecting(inv, record), at_least=LEDGER_GRACE)
+            confirmed = await inv.confirm(write_row(inv, record), at_least=LEDGER_GRACE)
             if not confirmed:
                 logger.warning("%s %s: the ledger did not confirm its end (%s) by its "
                                "deadline; the write stays queued", inv.kind, inv.id,

@@ -30,7 +30,7 @@ from loopengine._lifecycle import (
     forget_run,
     held_end,
     uninterrupted,
-    write_expecting,
+    write_row,
 )
 from loopengine._pricing import nanousd_to_usd
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
@@ -113,9 +113,7 @@ async def pause(inv: Invocation, state: RunState) -> None:
                     id=inv.id, ended_at=state.paused_at, outcome="paused", turns=progress.turns,
                     tool_calls=progress.tool_calls, credits=progress.credits,
                     seal=state.seal()))
-                confirmed = await inv.confirm(
-                    inv.ledger.end_invocation(record) if record.expect_seal is None
-                    else write_expecting(inv, record), at_least=LEDGER_GRACE)
+                confirmed = await inv.confirm(write_row(inv, record), at_least=LEDGER_GRACE)
                 if not confirmed:
                     logger.warning("run %s: the ledger did not confirm its pause by its "
                                    "deadline; the write stays queued", inv.id)
@@ -363,10 +361,8 @@ async def take_run(inv: Invocation, conversation: ConversationState, at: datetim
         id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
         tool_calls=conversation.tool_calls, credits=conversation.credits, at=at,
         seal=f"resumed:{uuid.uuid4().hex}", expect_seal=inv.pause_seal)
-    if inv.pause_seal is None:
-        await inv.ledger.end_invocation(record)  # a recovery: its lease took it
-    else:
-        await write_expecting(inv, record)
+    # Without a pause's seal, a recovery's: its lease took the run.
+    await write_row(inv, record)
     # What this segment's end or pause must find (`held_end`).
     inv.segment_token = record.seal
 
