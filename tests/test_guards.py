@@ -156,14 +156,14 @@ def test_turn_credits_round_up_to_the_quantum() -> None:
        rate=st.decimals(min_value=Decimal("1e-20"), max_value=Decimal("9.99e15"),
                         allow_nan=False, allow_infinity=False, places=None),
        quantum=st.sampled_from([1, 7, 1000]))
-def test_turn_credits_are_the_exact_ceiling(cost: int, rate: Decimal, quantum: int) -> None:
+def test_r03_turn_credits_are_the_exact_ceiling(cost: int, rate: Decimal, quantum: int) -> None:
     """Whatever the digits of the rate and the size of the turn, the charge is
     the exact cost in credits rounded up, never a credit short."""
     exact = Fraction(cost, 10**9) * Fraction(rate)
     assert turn_credits(cost, rate, quantum) == math.ceil(exact / quantum) * quantum
 
 
-def test_turn_credits_keep_a_fraction_past_28_digits() -> None:
+def test_r03_turn_credits_keep_a_fraction_past_28_digits() -> None:
     """A turn of $9,000,000,001 at a rate a hair above one credit per USD is a
     little over 9,000,000,001 credits: charged 9,000,000,002, where 28-digit
     decimal arithmetic rounded the fraction away and charged a credit short."""

@@ -28,7 +28,7 @@ def test_the_stop_reasons_read_are_the_sdks() -> None:
 @pytest.mark.parametrize(("stop", "code"), [("some_future_reason", "some_future_reason"),
                                             (None, "invalid_response")])
 @STREAMING
-async def test_an_unread_stop_reason_is_a_server_error_retried(
+async def test_r05_an_unread_stop_reason_is_a_server_error_retried(
     wire: Harness, stream: bool, stop: str | None, code: str
 ) -> None:
     """A stop reason newer than the SDK, or none in a whole message: not an answer

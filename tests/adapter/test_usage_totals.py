@@ -43,7 +43,7 @@ def refused(result: le.RunResult, index: int) -> None:
 
 @STREAMING
 @pytest.mark.parametrize("field", ["input_tokens", "output_tokens", "cache_read_tokens"])
-async def test_a_reply_that_would_overflow_the_runs_usage_is_an_invalid_response(
+async def test_r07_a_reply_that_would_overflow_the_runs_usage_is_an_invalid_response(
     wire: Harness, stream: bool, field: str
 ) -> None:
     """Two replies of 2**62 tokens each: the second would take the run's sum past

@@ -43,7 +43,7 @@ def test_every_finish_reason_of_the_sdk_has_a_decided_reading() -> None:
 
 @pytest.mark.parametrize("reason", REFUSED)
 @STREAMING
-async def test_a_withheld_answer_ends_refused_gemini(
+async def test_r11_a_withheld_answer_ends_refused_gemini(
     wire: GeminiHarness, stream: bool, reason: str
 ) -> None:
     """A finish reason of the API's policy ends refused after one request, its text
@@ -57,7 +57,7 @@ async def test_a_withheld_answer_ends_refused_gemini(
 
 @pytest.mark.parametrize("reason", CUT)
 @STREAMING
-async def test_a_cut_off_answer_ends_incomplete_gemini(
+async def test_r11_a_cut_off_answer_ends_incomplete_gemini(
     wire: GeminiHarness, stream: bool, reason: str
 ) -> None:
     """TOO_MANY_TOOL_CALLS (the API's tool loop stopped before the final answer) is
@@ -72,7 +72,7 @@ async def test_a_cut_off_answer_ends_incomplete_gemini(
 @pytest.mark.parametrize("reason", [*RETRIED, "SOME_FUTURE_REASON"])
 @STREAMING
 @pytest.mark.filterwarnings("ignore:SOME_FUTURE_REASON is not a valid FinishReason")
-async def test_an_unreadable_finish_is_a_server_error_retried_gemini(
+async def test_r05_an_unreadable_finish_is_a_server_error_retried_gemini(
     wire: GeminiHarness, stream: bool, reason: str
 ) -> None:
     """MALFORMED_RESPONSE, OTHER, the image reasons of a text request, and a value

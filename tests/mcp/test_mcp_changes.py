@@ -76,7 +76,7 @@ async def test_the_next_turn_offers_the_changed_tools_and_calls_obey_them(
     assert add["is_error"] is True and "There is no tool named 'add'" in content_text(add)
 
 
-async def test_a_tool_dropped_during_a_pause_is_an_unknown_tool_on_resume(
+async def test_r15_a_tool_dropped_during_a_pause_is_an_unknown_tool_on_resume(
     anthropic: Harness,
 ) -> None:
     """An ``echo`` call waits for approval; meanwhile the server drops ``echo``. The

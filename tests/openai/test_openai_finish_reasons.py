@@ -27,7 +27,7 @@ def unfinished(stop_reason: str | None) -> Reply:
     ("insufficient_system_resource", "server_error", "insufficient_system_resource"),
 ])
 @STREAMING
-async def test_a_reply_the_server_gave_up_on_is_retried_not_accepted(
+async def test_r05_a_reply_the_server_gave_up_on_is_retried_not_accepted(
     wire: OpenAIHarness, stream: bool, finish: str, fault: str, code: str
 ) -> None:
     """vLLM's ``abort``, ``error`` and any finish reason no table reads: the reply is

@@ -66,7 +66,7 @@ async def test_a_wait_the_message_names_is_honoured(wire: OpenAIHarness, stream:
 
 
 @STREAMING
-async def test_a_named_wait_past_the_deadline_ends_the_run(
+async def test_r04_a_named_wait_past_the_deadline_ends_the_run(
     wire: OpenAIHarness, stream: bool
 ) -> None:
     """A wait longer than the run has left is not slept: the run ends at once."""

@@ -105,7 +105,7 @@ async def test_an_error_chunk_that_is_a_credit_error_is_not_retried(
     (402, FaultKind.CREDIT_EXHAUSTED, False),
     (400, FaultKind.BAD_REQUEST, False),
 ])
-async def test_an_error_chunk_whose_code_is_an_http_status_is_that_status_fault(
+async def test_r06_an_error_chunk_whose_code_is_an_http_status_is_that_status_fault(
     wire: OpenAIHarness, code: int, kind: FaultKind, retried: bool,
 ) -> None:
     """OpenRouter's error codes are HTTP statuses: mid-stream, 429 is a rate limit
@@ -135,7 +135,7 @@ def error_body(code: int, message: str) -> ErrorReply:
     (502, FaultKind.SERVER_ERROR, le.Outcome.COMPLETED),
     (402, FaultKind.CREDIT_EXHAUSTED, le.Outcome.CREDIT_EXHAUSTED),
 ])
-async def test_a_200_body_that_is_an_error_is_classified_by_it(
+async def test_r06_a_200_body_that_is_an_error_is_classified_by_it(
     wire: OpenAIHarness, code: int, kind: FaultKind, outcome: le.Outcome,
 ) -> None:
     """A whole (JSON) 200 whose body is ``{"error": {...}}``: classified by that error,

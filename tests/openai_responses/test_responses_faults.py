@@ -191,7 +191,7 @@ async def test_a_nested_error_event_is_classified_by_its_type_and_code(
     assert len(wire.requests) == (2 if retried else 1)
 
 
-async def test_a_200_body_that_is_an_error_is_classified_by_it_responses(
+async def test_r06_a_200_body_that_is_an_error_is_classified_by_it_responses(
     wire: ResponsesHarness,
 ) -> None:
     """A whole (JSON) 200 whose body is ``{"error": {...}}`` and no response (a
