@@ -361,7 +361,10 @@ class SDKErrors:
     unreadable: Callable[[BaseException], bool] | None = None
     """Whether an error (of any class) is the SDK failing to read a reply's body,
     for an SDK that raises its parser's own errors (a ``TypeError`` from a
-    field of the wrong type...): None when it wraps them all in ``validation``."""
+    field of the wrong type...): None when it wraps them all in ``validation``.
+    Given, it is the only judge of an error raised before the body was read:
+    a ``ValueError`` or ``RuntimeError`` it does not own (the SDK refusing to
+    build the request, or finding no credentials) is the request's fault."""
 
 
 def classify_sdk_error(
@@ -427,7 +430,8 @@ def classify_sdk_error(
             error, sdk.validation):
         return api_fault(error)
     unreadable = sdk.unreadable is not None and sdk.unreadable(error)
-    if unreadable or isinstance(error, sdk.validation | ValueError | RuntimeError):
+    if unreadable or isinstance(error, sdk.validation) or isinstance(
+            error, ValueError | RuntimeError) and (in_body or sdk.unreadable is None):
         # Read from a body the server answered with success (the SDKs raise an
         # error status before reading): that status is the attempt's.
         status = getattr(error, "status_code", None)

@@ -9,6 +9,7 @@ completes on the second request; a permanent one ends the run after the first.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
@@ -193,6 +194,40 @@ async def test_connection_refused_is_retried_then_ends_provider_error_gemini(
     assert result.outcome is le.Outcome.PROVIDER_ERROR
     assert [a.settle.fault for a in result.attempt_log if a.settle] == ["connection"] * 3
     assert wire.requests == []
+
+
+@STREAMING
+async def test_a_request_the_sdk_refuses_to_build_is_a_bad_request_not_retried_gemini(
+    wire: GeminiHarness, stream: bool
+) -> None:
+    """The SDK refuses a model name it cannot put in a path (``ValueError``) before
+    anything is sent: the request's fault (``bad_request``), not a reply it could
+    not read, so it is not retried three times."""
+    engine, _ = wire.engine(Reply.text("never"), stream=stream)
+    result = await engine.run(dataclasses.replace(gemini_operation(), model="a/b/c?d"), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    settled = [a.settle for a in result.attempt_log if a.settle]
+    assert [(s.fault, s.http_status) for s in settled] == [("bad_request", None)]
+    assert "invalid model parameter" in (result.detail or "")
+    assert wire.requests == []
+
+
+@pytest.mark.parametrize("error", [
+    ValueError("Could not resolve project using application default credentials."),
+    RuntimeError("Could not resolve API token from the environment"),
+], ids=["value-error", "runtime-error"])
+def test_an_sdk_error_raised_before_a_reply_is_not_an_invalid_response_gemini(
+    error: Exception,
+) -> None:
+    """What the SDK raises of itself before any reply (no project, no token) is the
+    request's fault; raised while a body was read, the same classes are the body's."""
+    from loopengine.providers._gemini_faults import classify_error
+
+    before = classify_error(error)
+    assert (before.kind, before.error_code) == (FaultKind.BAD_REQUEST, None)
+    during = classify_error(error, in_body=True)
+    assert (during.kind, during.error_code, during.http_status) == (
+        FaultKind.SERVER_ERROR, "invalid_response", 200)
 
 
 def _unfinished(candidates: list[dict[str, object]] | None) -> ErrorReply:
