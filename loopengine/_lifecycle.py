@@ -26,6 +26,7 @@ from loopengine._admission import admit, settle_account
 from loopengine._attempt import settle
 from loopengine._errors import LedgerError, LoopEngineError, RunBusyError
 from loopengine._invocation import LEDGER_GRACE, Invocation
+from loopengine._raised import stray_cancellation
 from loopengine.events import GuardTripped, RunEnded, RunStarted
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import InvocationEnd, InvocationStart
@@ -321,10 +322,15 @@ async def ending(inv: Invocation, progress: Progress) -> AsyncIterator[None]:
     try:
         await begin(inv)
         yield
-    except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+    except (anyio.get_cancelled_exc_class(), KeyboardInterrupt,
+            asyncio.CancelledError) as error:
         # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands, where
-        # asyncio's runner cancels its main task) is the caller's cancellation.
-        await cancelled(inv, progress)
+        # asyncio's runner cancels its main task) is the caller's cancellation;
+        # a stray CancelledError (the ``on_text`` callback's) is a failure.
+        if stray_cancellation(error):
+            await failed(inv, error, progress)
+        else:
+            await cancelled(inv, progress)
         raise
     except (Exception, SystemExit) as error:
         # A SystemExit (a validator's, say) ends it ``failed`` as an error does.

@@ -33,6 +33,7 @@ from loopengine._lifecycle import (
     write_row,
 )
 from loopengine._pricing import nanousd_to_usd
+from loopengine._raised import own_failure
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
 from loopengine._tools import Tool
 from loopengine._usage import Usage
@@ -53,9 +54,10 @@ def pending_approvals(batch: Sequence[Mapping[str, Any]], tools: Mapping[str, To
                       run_id: str) -> tuple[PendingCall, ...]:
     """The calls of ``batch`` whose tool asks for approval (none: the batch runs).
 
-    A tool's ``approval`` callable that raises, or answers anything but a
-    bool (``None`` from a missing ``return``), counts as asking: a call is
-    never run because its check failed."""
+    A tool's ``approval`` callable that raises (its own failure, `own_failure`:
+    a stray CancelledError too), or answers anything but a bool (``None`` from
+    a missing ``return``), counts as asking: a call is never run because its
+    check failed."""
     pending: list[PendingCall] = []
     for block in batch:
         tool = tools.get(str(block.get("name")))
@@ -66,7 +68,11 @@ def pending_approvals(batch: Sequence[Mapping[str, Any]], tools: Mapping[str, To
         if callable(tool.approval):
             try:
                 answer = tool.approval(call)
-            except Exception:
+            except BaseException as error:
+                if not own_failure(error):
+                    raise  # the run's cancellation, or what stops the run
+                # Its own failure, a stray CancelledError included (a future
+                # something else cancelled): never the run's cancellation.
                 logger.exception("run %s: the approval check of tool %s raised; the call "
                                  "waits for approval", run_id, tool.name)
             else:

@@ -16,6 +16,7 @@ docs/guards.md.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import inspect
 import json
@@ -54,7 +55,7 @@ from loopengine._pause import (
     take_run,
 )
 from loopengine._pricing import nanousd_to_usd
-from loopengine._raised import own_failure
+from loopengine._raised import own_failure, stray_cancellation
 from loopengine._result import RunResult
 from loopengine._runstate import Approve, Decision, PendingCall, RunState, json_digest
 from loopengine._runstore import CallMark, lease_expiry, new_owner
@@ -386,12 +387,18 @@ class _Loop:
                         return step
                     phase = step
             return await self._deadline_passed()
-        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt,
+                asyncio.CancelledError) as error:
             # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands,
-            # where asyncio's runner cancels its main task) is the caller's.
+            # where asyncio's runner cancels its main task) is the caller's. A
+            # stray CancelledError (the ``on_text`` callback's: a future
+            # something else cancelled) is not: it is that code's failure.
             self._charge_cut_turn()
             self._release_permit()
-            await cancelled(inv, self._progress)
+            if stray_cancellation(error):
+                await failed(inv, error, self._progress)
+            else:
+                await cancelled(inv, self._progress)
             raise
         except RunBusyError:
             # Another process took the run over (its lease had expired): the
