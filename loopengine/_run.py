@@ -33,8 +33,8 @@ import pydantic
 from loopengine import _validate
 from loopengine._attempt import request, settle_cut
 from loopengine._context import context_for
-from loopengine._errors import ConfigError, LedgerError, MCPServerError, RunBusyError
-from loopengine._invocation import LEDGER_GRACE, Invocation
+from loopengine._errors import ConfigError, MCPServerError, RunBusyError
+from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
 from loopengine._lifecycle import (
     begin,
@@ -611,7 +611,7 @@ class _Loop:
             state = replace(before, progress=replace(
                 progress, running_seconds=before.progress.running_seconds,
                 credits=progress.credits + inv.turn_credits(self.state.turns + 1)))
-        await self._check_lease()
+        # A compare-and-set on the run still being this segment's, as an end is.
         await pause(inv, state)
         if inv.run_store is not None:
             await self._checkpoint(state, paused=True, calls=[
@@ -1120,34 +1120,15 @@ class _Loop:
         inv = self.inv
         if detail is None:
             detail = trip.message if trip else "the answer was accepted"
+        # The end is a compare-and-set on the run still being this segment's
+        # when it holds a run store's lease (`loopengine._lifecycle.held_end`):
+        # a segment whose run another process took over ends nothing of it,
+        # and announces nothing (its `GuardTripped` comes after the write).
+        await finish(inv, outcome.value, turns=self.state.turns,
+                     tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
         self._close_unrun_calls(answered, f"Not run: the run ended {outcome.value} before "
                                           f"this call ran: {detail}.")
-        await self._check_lease()
-        await finish(inv, outcome.value, turns=self.state.turns,
-                         tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
         return self._result(outcome, answer=answer, trip=trip, fault=fault, detail=detail)
-
-    async def _check_lease(self) -> None:
-        """Before the run ends or pauses, check that this segment still holds it.
-
-        A segment whose lease expired while it was only slow, and whose run
-        another process took over, ends and pauses nothing: this check finds
-        it before anything is announced, and the end or pause itself is a
-        compare-and-set on the run still being this segment's
-        (`loopengine._lifecycle.held_end`), so a takeover landing after the
-        check is refused there. Nothing without a run store.
-
-        Raises:
-            RunBusyError: another process took the run over.
-        """
-        inv = self.inv
-        if inv.run_store is None or inv.lease_owner is None:
-            return
-        try:
-            await inv.confirm(self._checkpoint(None), at_least=LEDGER_GRACE)
-        except LedgerError:
-            # Not known to be taken over: the run ends (or pauses) as it came to.
-            logger.exception("run %s: its lease could not be checked", inv.id)
 
     def _result(self, outcome: Outcome, *, detail: str, answer: Any = None,
                 trip: GuardTrip | None = None, fault: Any = None,
