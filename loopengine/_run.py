@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -164,9 +165,10 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     process died (docs/pause-and-resume.md). ``undecided``: its pending calls (in
     doubt) have no decisions yet: the run pauses again at once, before anything
     is sent. ``adopt``: the run paused without a run store and resumes on an
-    engine with one: its first checkpoint inserts its row, so it goes on under
-    the store (docs/pause-and-resume.md). ``release``: gives back the run its
-    run store's claim took, when the resume fails before it begins.
+    engine with one: its first checkpoint inserts its row, before it takes the
+    pause, so it goes on under the store (docs/pause-and-resume.md).
+    ``release``: gives back the run its run store's claim took, when the
+    resume fails before it begins.
 
     Raises:
         ConfigError: the run cannot resume (not paused, its pause timed out),
@@ -327,11 +329,16 @@ class _Loop:
                 if self.resumed is None:
                     await begin(inv)
                 else:
-                    # Takes the pause: of two resumes, the other gets RunBusyError here.
-                    await resume_begin(inv, self.state)
                     if self.adopting:
-                        # The run's row, leased, now that this resume holds it.
+                        # The run's row, leased, before the pause is taken: a
+                        # process that dies between the two leaves the run
+                        # paused in the ledger and held by a lease that expires,
+                        # which a recovery takes (docs/pause-and-resume.md). Of
+                        # two resumes adopting the run, the other gets
+                        # RunBusyError here.
                         await self._checkpoint(self._paused_state(), create=True)
+                    # Takes the pause: of two resumes, the other gets RunBusyError here.
+                    await self._begin_resumed()
                 if inv.denied is not None:
                     if self.resumed is not None:
                         return await self._pause(self.resumed[0].pending, outcome=Outcome(
@@ -414,6 +421,25 @@ class _Loop:
             self._charge_cut_turn()
             self._release_permit()
             await failed(inv, error, self._progress)
+            raise
+
+    async def _begin_resumed(self) -> None:
+        """Take the pause and begin the resumed segment (`resume_begin`).
+
+        An adopting resume whose take is refused (another resume, on an engine
+        without a run store, took the pause first) deletes the row it inserted:
+        the run is another's, and no recovery may take it from there.
+
+        Raises:
+            RunBusyError: another resume took the pause first.
+        """
+        inv = self.inv
+        try:
+            await resume_begin(inv, self.state)
+        except RunBusyError:
+            if self.adopting and inv.run_store is not None and inv.lease_owner is not None:
+                await give_back(inv.id, functools.partial(inv.run_store.drop, inv.id,
+                                                          inv.lease_owner))
             raise
 
     def _charge_cut_turn(self) -> None:
