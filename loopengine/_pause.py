@@ -251,12 +251,14 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     # sub-agent it starts again count from.
     inv.credits = progress.credits
     inv.descendant_credits = saved.descendant_credits
-    transact = getattr(inv.ledger, "_transact_qmark", None)
-    if recovering and transact is not None:
+    # The stores' reading of their rows: a `MemoryLedger` reads a copy of its own.
+    read = (getattr(inv.ledger, "_transact_qmark", None)
+            or getattr(inv.ledger, "_read_qmark", None))
+    if recovering and read is not None:
         # Its sub-agents may have spent after its last checkpoint, as its
         # process died: what the ledger says they charged.
         inv.descendant_credits = max(saved.descendant_credits,
-                                     await end_dead_descendants(inv, transact))
+                                     await end_dead_descendants(inv, read))
     # total_time counts running time only: the deadline is what was left.
     inv.started = inv.clock.now() - saved.running_seconds
     inv.deadline = Deadline.after(inv.started, inv.limits.total_time)
@@ -282,7 +284,8 @@ async def end_dead_descendants(
     `RunEnded` its process could not emit (outcome ``failed``, its totals as
     recorded), from the recovery, once.
 
-    ``transact`` is the ledger's ``_transact_qmark``.
+    ``transact`` reads the ledger's rows: its ``_transact_qmark`` (a
+    `MemoryLedger`'s ``_read_qmark``).
     """
     prices = inv.prices
     rate, quantum = prices.credits_per_usd, prices.credit_quantum
