@@ -11,7 +11,7 @@ catches it), never a race with real time.
 from __future__ import annotations
 
 import random
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -22,14 +22,14 @@ from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
-from .pause_scenarios import Sender, send
+from .pause_scenarios import HookedStore, Sender, send
 
 
 class Died(BaseException):
     """Stands in for the death of the process (nothing catches it)."""
 
 
-class DyingStore(le.RunStore):
+class DyingStore(HookedStore):
     """A run store whose process dies at the insert of an adopted run's row:
     ``instead`` of it, or just ``after`` it committed."""
 
@@ -37,17 +37,14 @@ class DyingStore(le.RunStore):
         super().__init__(ledger)
         self.when = when
 
-    async def checkpoint(self, invocation_id: str, owner: str, *, now: datetime,
-                         state: bytes | None = None, results: bytes | None = None,
-                         expires_at: datetime | None = None, paused: bool = False,
-                         calls: Any = (), create: bool = False) -> None:
-        """Checkpoint; die instead of, or after, the insert of a row."""
-        if create and self.when == "instead":
+    async def before(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
+        """Die instead of an insert."""
+        if "create" in wrote and self.when == "instead":
             raise Died
-        await super().checkpoint(invocation_id, owner, now=now, state=state, results=results,
-                                 expires_at=expires_at, paused=paused, calls=calls,
-                                 create=create)
-        if create and self.when == "after":
+
+    async def after(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
+        """Die once an insert committed."""
+        if "create" in wrote and self.when == "after":
             raise Died
 
 
@@ -94,26 +91,20 @@ async def test_a_resume_that_dies_adopting_a_run_leaves_it_recoverable(
     assert await store.load(run_id) is None
 
 
-class OvertakenStore(le.RunStore):
+class OvertakenStore(HookedStore):
     """A run store on which, just after an adopted run's row is inserted,
     another resume (on an engine without a run store, which found no row
     before it) takes the run's pause."""
 
-    async def checkpoint(self, invocation_id: str, owner: str, *, now: datetime,
-                         state: bytes | None = None, results: bytes | None = None,
-                         expires_at: datetime | None = None, paused: bool = False,
-                         calls: Any = (), create: bool = False) -> None:
-        """Checkpoint; after an insert, take the pause as another resume would."""
-        await super().checkpoint(invocation_id, owner, now=now, state=state, results=results,
-                                 expires_at=expires_at, paused=paused, calls=calls,
-                                 create=create)
-        if create:
+    async def after(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
+        """After an insert, take the pause as another resume would."""
+        if "create" in wrote:
             found = await self.ledger.read_progress(invocation_id)
             assert found is not None and found.seal is not None
             await self.ledger.end_invocation(InvocationEnd(
                 id=invocation_id, ended_at=None, outcome="running", turns=found.turns,
-                tool_calls=found.tool_calls, credits=found.credits, at=now,
-                seal="resumed:another", expect_seal=found.seal))
+                tool_calls=found.tool_calls, credits=found.credits,
+                at=datetime.now(UTC), seal="resumed:another", expect_seal=found.seal))
 
 
 async def test_an_adopting_resume_overtaken_at_its_take_deletes_the_row_it_inserted(

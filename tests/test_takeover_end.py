@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import Any
 
 import anyio
@@ -27,7 +26,7 @@ from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
-from .pause_scenarios import Sender, send
+from .pause_scenarios import HookedStore, Sender, send
 from .test_recovery import Charger, HeldProvider
 
 
@@ -52,26 +51,16 @@ class TakeoverAt:
             await takeover()
 
 
-class CountingStore(le.RunStore):
+class CountingStore(HookedStore):
     """A run store that keeps what each checkpoint wrote."""
 
     def __init__(self, ledger: Any) -> None:
         super().__init__(ledger)
         self.writes: list[str] = []
 
-    async def checkpoint(self, invocation_id: str, owner: str, *, now: datetime,
-                         state: bytes | None = None, results: bytes | None = None,
-                         expires_at: datetime | None = None, paused: bool = False,
-                         calls: Any = (), create: bool = False) -> None:
-        """Checkpoint, and note what it wrote."""
-        await super().checkpoint(invocation_id, owner, now=now, state=state, results=results,
-                                 expires_at=expires_at, paused=paused, calls=calls,
-                                 create=create)
-        wrote = [name for name, given in (("create", create), ("state", state is not None),
-                                          ("results", results is not None),
-                                          ("paused", paused), ("calls", bool(calls)))
-                 if given]
-        self.writes.append("+".join(wrote) or "lease")
+    async def after(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
+        """Note what it wrote."""
+        self.writes.append("+".join(wrote))
 
 
 def engine(ledger: Any, clock: FakeClock, provider: ScriptedProvider, store: le.RunStore,
