@@ -20,6 +20,7 @@ import anyio
 from loopengine._errors import LoopEngineError
 from loopengine._invocation import InFlight, Invocation
 from loopengine._pricing import nanousd_to_usd
+from loopengine._raised import own_failure
 from loopengine.events import AttemptSettled, AttemptStarted, TextDelta, TurnStarted
 from loopengine.guards._checkpoints import GuardTrip, attempt_timeout
 from loopengine.persistence._records import AttemptDispatch, AttemptRecord, AttemptSettle
@@ -171,10 +172,6 @@ async def attempt(
             fault = ProviderFault(FaultKind.TIMEOUT, f"no response within {timeout:.3f}s")
     except ProviderFault as raised:
         fault = raised
-    except anyio.get_cancelled_exc_class():
-        # The caller's cancellation (settled by `cancelled`, shielded), or the
-        # run's deadline (settled by `settle_cut`).
-        raise
     except LoopEngineError as error:
         if flight.callback_error is not None:
             await _callback_failed(inv, flight, response=None, fault=None)
@@ -182,7 +179,14 @@ async def attempt(
         await settle(inv, flight, None, ProviderFault(
             FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}"), external=False)
         raise
-    except Exception as error:  # a provider must raise only ProviderFault
+    except BaseException as error:
+        if not own_failure(error):
+            # The caller's cancellation (settled by `cancelled`, shielded), the
+            # run's deadline (settled by `settle_cut`), or what stops the run.
+            raise
+        # A provider must raise only ProviderFault: anything else it raised (a
+        # stray CancelledError included: a future something else cancelled)
+        # is its failure, settled as the attempt's, not the run's cancellation.
         if flight.callback_error is None:
             fault = ProviderFault(
                 FaultKind.BAD_REQUEST,
@@ -426,8 +430,10 @@ def _guarded_text(flight: InFlight, on_text: TextCallback | None,
             maybe = on_text(text)
             if inspect.isawaitable(maybe):
                 await maybe
-        except Exception as error:
-            if flight.callback_error is None:
+        except BaseException as error:
+            # Its own failure (a stray CancelledError included), not the run's
+            # cancellation nor what stops the run.
+            if flight.callback_error is None and own_failure(error):
                 flight.callback_error = error
             raise
 

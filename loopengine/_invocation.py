@@ -64,7 +64,7 @@ class InFlight:
     """Whether its `AttemptStarted` was emitted."""
     sent: bool = False
     """Whether the request was handed to the provider (its row was durable)."""
-    callback_error: Exception | None = None
+    callback_error: BaseException | None = None
     """What the run's ``on_text`` callback raised during this attempt."""
 
 

@@ -26,6 +26,7 @@ from loopengine._admission import admit, settle_account
 from loopengine._attempt import settle
 from loopengine._errors import LedgerError, LoopEngineError, RunBusyError
 from loopengine._invocation import LEDGER_GRACE, Invocation
+from loopengine._raised import stray_cancellation
 from loopengine.events import GuardTripped, RunEnded, RunStarted
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import InvocationEnd, InvocationStart
@@ -134,18 +135,16 @@ async def finish(
     A cancellation that arrives before the end is written ends the
     invocation ``cancelled`` instead (`ending`). Once the end is being
     written it is finished, uninterrupted: a cancellation arriving then
-    propagates afterwards, and the ledger and `RunEnded` keep ``outcome``."""
+    propagates afterwards, and the ledger and `RunEnded` keep ``outcome``.
+    ``trip``'s `GuardTripped` is emitted once the end is written, just before
+    `RunEnded`: an end refused because another process took the run over
+    (`held_end`) announces neither."""
     at = inv.clock.wall()
-    if trip is not None:
-        await inv.emit(GuardTripped(
-            run_id=inv.id, at=at, guard=trip.guard, observed=trip.observed,
-            limit=trip.limit, outcome=trip.outcome.value, message=trip.message,
-        ))
     await anyio.lowlevel.checkpoint()  # a pending cancellation is the end
 
     async def end() -> None:
         await _write_end(inv, at, outcome, turns=turns, tool_calls=tool_calls,
-                              credits=credits)
+                         credits=credits, trip=trip)
 
     await uninterrupted(end)
 
@@ -210,8 +209,10 @@ async def _taken(inv: Invocation, outcome: str, seal: str) -> bool:
 
 
 async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int, tool_calls: int,
-                     credits: int, expect_seal: str | None = None) -> None:
-    """Write the end, settle the account, forget the stored state, announce it.
+                     credits: int, expect_seal: str | None = None,
+                     trip: GuardTrip | None = None) -> None:
+    """Write the end, settle the account, forget the stored state, announce it
+    (``trip``'s `GuardTripped`, then `RunEnded`).
 
     Raises:
         RunBusyError: the end was refused, the run being another's (another
@@ -238,6 +239,11 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
         raise
     finally:
         if not taken:
+            if trip is not None:
+                # Only now: a segment whose run was taken over trips nothing of it.
+                await inv.emit(GuardTripped(
+                    run_id=inv.id, at=at, guard=trip.guard, observed=trip.observed,
+                    limit=trip.limit, outcome=trip.outcome.value, message=trip.message))
             # The account is settled however the end's write went
             # (docs/accounts.md), once for a tree of delegated runs: the root
             # is charged its descendants' credits too (a child holds no
@@ -321,10 +327,15 @@ async def ending(inv: Invocation, progress: Progress) -> AsyncIterator[None]:
     try:
         await begin(inv)
         yield
-    except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+    except (anyio.get_cancelled_exc_class(), KeyboardInterrupt,
+            asyncio.CancelledError) as error:
         # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands, where
-        # asyncio's runner cancels its main task) is the caller's cancellation.
-        await cancelled(inv, progress)
+        # asyncio's runner cancels its main task) is the caller's cancellation;
+        # a stray CancelledError (the ``on_text`` callback's) is a failure.
+        if stray_cancellation(error):
+            await failed(inv, error, progress)
+        else:
+            await cancelled(inv, progress)
         raise
     except (Exception, SystemExit) as error:
         # A SystemExit (a validator's, say) ends it ``failed`` as an error does.

@@ -33,6 +33,7 @@ from loopengine._lifecycle import (
     write_row,
 )
 from loopengine._pricing import nanousd_to_usd
+from loopengine._raised import own_failure
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
 from loopengine._tools import Tool
 from loopengine._usage import Usage
@@ -53,9 +54,10 @@ def pending_approvals(batch: Sequence[Mapping[str, Any]], tools: Mapping[str, To
                       run_id: str) -> tuple[PendingCall, ...]:
     """The calls of ``batch`` whose tool asks for approval (none: the batch runs).
 
-    A tool's ``approval`` callable that raises, or answers anything but a
-    bool (``None`` from a missing ``return``), counts as asking: a call is
-    never run because its check failed."""
+    A tool's ``approval`` callable that raises (its own failure, `own_failure`:
+    a stray CancelledError too), or answers anything but a bool (``None`` from
+    a missing ``return``), counts as asking: a call is never run because its
+    check failed."""
     pending: list[PendingCall] = []
     for block in batch:
         tool = tools.get(str(block.get("name")))
@@ -66,7 +68,11 @@ def pending_approvals(batch: Sequence[Mapping[str, Any]], tools: Mapping[str, To
         if callable(tool.approval):
             try:
                 answer = tool.approval(call)
-            except Exception:
+            except BaseException as error:
+                if not own_failure(error):
+                    raise  # the run's cancellation, or what stops the run
+                # Its own failure, a stray CancelledError included (a future
+                # something else cancelled): never the run's cancellation.
                 logger.exception("run %s: the approval check of tool %s raised; the call "
                                  "waits for approval", run_id, tool.name)
             else:
@@ -245,12 +251,14 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     # sub-agent it starts again count from.
     inv.credits = progress.credits
     inv.descendant_credits = saved.descendant_credits
-    transact = getattr(inv.ledger, "_transact_qmark", None)
-    if recovering and transact is not None:
+    # The stores' reading of their rows: a `MemoryLedger` reads a copy of its own.
+    read = (getattr(inv.ledger, "_transact_qmark", None)
+            or getattr(inv.ledger, "_read_qmark", None))
+    if recovering and read is not None:
         # Its sub-agents may have spent after its last checkpoint, as its
         # process died: what the ledger says they charged.
         inv.descendant_credits = max(saved.descendant_credits,
-                                     await end_dead_descendants(inv, transact))
+                                     await end_dead_descendants(inv, read))
     # total_time counts running time only: the deadline is what was left.
     inv.started = inv.clock.now() - saved.running_seconds
     inv.deadline = Deadline.after(inv.started, inv.limits.total_time)
@@ -276,7 +284,8 @@ async def end_dead_descendants(
     `RunEnded` its process could not emit (outcome ``failed``, its totals as
     recorded), from the recovery, once.
 
-    ``transact`` is the ledger's ``_transact_qmark``.
+    ``transact`` reads the ledger's rows: its ``_transact_qmark`` (a
+    `MemoryLedger`'s ``_read_qmark``).
     """
     prices = inv.prices
     rate, quantum = prices.credits_per_usd, prices.credit_quantum

@@ -16,7 +16,9 @@ docs/guards.md.
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -32,8 +34,8 @@ import pydantic
 from loopengine import _validate
 from loopengine._attempt import request, settle_cut
 from loopengine._context import context_for
-from loopengine._errors import ConfigError, LedgerError, MCPServerError, RunBusyError
-from loopengine._invocation import LEDGER_GRACE, Invocation
+from loopengine._errors import ConfigError, MCPServerError, RunBusyError
+from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
 from loopengine._lifecycle import (
     begin,
@@ -54,7 +56,7 @@ from loopengine._pause import (
     take_run,
 )
 from loopengine._pricing import nanousd_to_usd
-from loopengine._raised import own_failure
+from loopengine._raised import own_failure, stray_cancellation
 from loopengine._result import RunResult
 from loopengine._runstate import Approve, Decision, PendingCall, RunState, json_digest
 from loopengine._runstore import CallMark, lease_expiry, new_owner
@@ -163,9 +165,10 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     process died (docs/pause-and-resume.md). ``undecided``: its pending calls (in
     doubt) have no decisions yet: the run pauses again at once, before anything
     is sent. ``adopt``: the run paused without a run store and resumes on an
-    engine with one: its first checkpoint inserts its row, so it goes on under
-    the store (docs/pause-and-resume.md). ``release``: gives back the run its
-    run store's claim took, when the resume fails before it begins.
+    engine with one: its first checkpoint inserts its row, before it takes the
+    pause, so it goes on under the store (docs/pause-and-resume.md).
+    ``release``: gives back the run its run store's claim took, when the
+    resume fails before it begins.
 
     Raises:
         ConfigError: the run cannot resume (not paused, its pause timed out),
@@ -326,11 +329,16 @@ class _Loop:
                 if self.resumed is None:
                     await begin(inv)
                 else:
-                    # Takes the pause: of two resumes, the other gets RunBusyError here.
-                    await resume_begin(inv, self.state)
                     if self.adopting:
-                        # The run's row, leased, now that this resume holds it.
+                        # The run's row, leased, before the pause is taken: a
+                        # process that dies between the two leaves the run
+                        # paused in the ledger and held by a lease that expires,
+                        # which a recovery takes (docs/pause-and-resume.md). Of
+                        # two resumes adopting the run, the other gets
+                        # RunBusyError here.
                         await self._checkpoint(self._paused_state(), create=True)
+                    # Takes the pause: of two resumes, the other gets RunBusyError here.
+                    await self._begin_resumed()
                 if inv.denied is not None:
                     if self.resumed is not None:
                         return await self._pause(self.resumed[0].pending, outcome=Outcome(
@@ -386,12 +394,18 @@ class _Loop:
                         return step
                     phase = step
             return await self._deadline_passed()
-        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt,
+                asyncio.CancelledError) as error:
             # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands,
-            # where asyncio's runner cancels its main task) is the caller's.
+            # where asyncio's runner cancels its main task) is the caller's. A
+            # stray CancelledError (the ``on_text`` callback's: a future
+            # something else cancelled) is not: it is that code's failure.
             self._charge_cut_turn()
             self._release_permit()
-            await cancelled(inv, self._progress)
+            if stray_cancellation(error):
+                await failed(inv, error, self._progress)
+            else:
+                await cancelled(inv, self._progress)
             raise
         except RunBusyError:
             # Another process took the run over (its lease had expired): the
@@ -407,6 +421,25 @@ class _Loop:
             self._charge_cut_turn()
             self._release_permit()
             await failed(inv, error, self._progress)
+            raise
+
+    async def _begin_resumed(self) -> None:
+        """Take the pause and begin the resumed segment (`resume_begin`).
+
+        An adopting resume whose take is refused (another resume, on an engine
+        without a run store, took the pause first) deletes the row it inserted:
+        the run is another's, and no recovery may take it from there.
+
+        Raises:
+            RunBusyError: another resume took the pause first.
+        """
+        inv = self.inv
+        try:
+            await resume_begin(inv, self.state)
+        except RunBusyError:
+            if self.adopting and inv.run_store is not None and inv.lease_owner is not None:
+                await give_back(inv.id, functools.partial(inv.run_store.drop, inv.id,
+                                                          inv.lease_owner))
             raise
 
     def _charge_cut_turn(self) -> None:
@@ -604,7 +637,7 @@ class _Loop:
             state = replace(before, progress=replace(
                 progress, running_seconds=before.progress.running_seconds,
                 credits=progress.credits + inv.turn_credits(self.state.turns + 1)))
-        await self._check_lease()
+        # A compare-and-set on the run still being this segment's, as an end is.
         await pause(inv, state)
         if inv.run_store is not None:
             await self._checkpoint(state, paused=True, calls=[
@@ -1113,34 +1146,15 @@ class _Loop:
         inv = self.inv
         if detail is None:
             detail = trip.message if trip else "the answer was accepted"
+        # The end is a compare-and-set on the run still being this segment's
+        # when it holds a run store's lease (`loopengine._lifecycle.held_end`):
+        # a segment whose run another process took over ends nothing of it,
+        # and announces nothing (its `GuardTripped` comes after the write).
+        await finish(inv, outcome.value, turns=self.state.turns,
+                     tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
         self._close_unrun_calls(answered, f"Not run: the run ended {outcome.value} before "
                                           f"this call ran: {detail}.")
-        await self._check_lease()
-        await finish(inv, outcome.value, turns=self.state.turns,
-                         tool_calls=self.state.tool_calls, credits=self.state.credits, trip=trip)
         return self._result(outcome, answer=answer, trip=trip, fault=fault, detail=detail)
-
-    async def _check_lease(self) -> None:
-        """Before the run ends or pauses, check that this segment still holds it.
-
-        A segment whose lease expired while it was only slow, and whose run
-        another process took over, ends and pauses nothing: this check finds
-        it before anything is announced, and the end or pause itself is a
-        compare-and-set on the run still being this segment's
-        (`loopengine._lifecycle.held_end`), so a takeover landing after the
-        check is refused there. Nothing without a run store.
-
-        Raises:
-            RunBusyError: another process took the run over.
-        """
-        inv = self.inv
-        if inv.run_store is None or inv.lease_owner is None:
-            return
-        try:
-            await inv.confirm(self._checkpoint(None), at_least=LEDGER_GRACE)
-        except LedgerError:
-            # Not known to be taken over: the run ends (or pauses) as it came to.
-            logger.exception("run %s: its lease could not be checked", inv.id)
 
     def _result(self, outcome: Outcome, *, detail: str, answer: Any = None,
                 trip: GuardTrip | None = None, fault: Any = None,

@@ -10,6 +10,7 @@ which is recorded ``cancelled`` as any cancelled run is.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -20,6 +21,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from loopengine._errors import LoopEngineError
 from loopengine._invocation import Invocation
+from loopengine._raised import stray_cancellation
 from loopengine._result import RunResult
 from loopengine._run import RunSpec, run_loop
 from loopengine.events import Event, Observer, TextDelta
@@ -94,9 +96,11 @@ async def stream_run(prepare: Prepare) -> AsyncIterator[RunStream]:
         with send:
             try:
                 handle._result = await run_loop(inv, spec)
-            except anyio.get_cancelled_exc_class():
-                raise
-            except (Exception, KeyboardInterrupt, SystemExit) as error:
+            except anyio.get_cancelled_exc_class() as error:
+                if not stray_cancellation(error):
+                    raise
+                handle._error = error  # the on_text callback's, ending the run failed
+            except (Exception, KeyboardInterrupt, SystemExit, asyncio.CancelledError) as error:
                 # Raised from the caller's iteration, not this task: on asyncio
                 # a KeyboardInterrupt or SystemExit leaving a task ends the
                 # event loop at once.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,33 @@ class Sender:
             return f"sent to {to}"
 
         self.tool = send
+
+
+class HookedStore(le.RunStore):
+    """A run store that calls `before` and `after` around each checkpoint with
+    what it writes (``create``, ``state``, ``results``, ``paused``, ``calls``,
+    or only ``lease``): a test counts the writes there, or lets a stand-in for
+    a death or a takeover land at one (never a race with real time)."""
+
+    async def before(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
+        """Called before the checkpoint is written; nothing by default."""
+
+    async def after(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
+        """Called once the checkpoint is written; nothing by default."""
+
+    async def checkpoint(self, invocation_id: str, owner: str, *, now: datetime,
+                         state: bytes | None = None, results: bytes | None = None,
+                         expires_at: datetime | None = None, paused: bool = False,
+                         calls: Any = (), create: bool = False) -> None:
+        """Checkpoint, between `before` and `after`."""
+        wrote = tuple(name for name, given in (
+            ("create", create), ("state", state is not None), ("results", results is not None),
+            ("paused", paused), ("calls", bool(calls))) if given) or ("lease",)
+        await self.before(invocation_id, wrote)
+        await super().checkpoint(invocation_id, owner, now=now, state=state, results=results,
+                                 expires_at=expires_at, paused=paused, calls=calls,
+                                 create=create)
+        await self.after(invocation_id, wrote)
 
 
 def send(to: str = "bob") -> tuple[str, dict[str, Any]]:

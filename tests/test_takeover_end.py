@@ -1,11 +1,12 @@
 """A segment whose run another process took over ends and pauses nothing of it,
 on every ledger store (docs/pause-and-resume.md): its end or pause is a
 compare-and-set on the run still being its own, so a takeover landing after
-its lease check is refused there, and a slow segment cancelled after the
-takeover records no ``cancelled`` over the new owner's run.
+its last checkpoint is refused there (no further write checks its lease
+first), and a slow segment cancelled after the takeover records no
+``cancelled`` over the new owner's run.
 
-The takeover is driven from the slow segment's run store, right after its
-lease check (never by racing real time).
+The takeover is driven from the slow segment's observer, once its last reply
+is settled (never by racing real time).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import Any
 
 import anyio
@@ -26,7 +26,7 @@ from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
-from .pause_scenarios import Sender, send
+from .pause_scenarios import HookedStore, Sender, send
 from .test_recovery import Charger, HeldProvider
 
 
@@ -36,46 +36,39 @@ def ledger(each_ledger: Any) -> Any:
     return each_ledger
 
 
-class CheckedStore(le.RunStore):
-    """A run store that, once ``armed``, runs ``takeover`` right after the next
-    lease check (a checkpoint that writes nothing but the lease), before the
-    segment writes its end or pause."""
+class TakeoverAt:
+    """An observer that runs ``takeover`` once the segment's second attempt is
+    settled: after its last checkpoint, before it writes its end or pause."""
 
-    armed = False
-    takeover: Callable[[], Awaitable[None]] | None = None
+    def __init__(self) -> None:
+        self.takeover: Callable[[], Awaitable[None]] | None = None
 
-    async def checkpoint(self, invocation_id: str, owner: str, *, now: datetime,
-                         state: bytes | None = None, results: bytes | None = None,
-                         expires_at: datetime | None = None, paused: bool = False,
-                         calls: Any = (), create: bool = False) -> None:
-        """Checkpoint; then, after an armed lease check, let the takeover land."""
-        await super().checkpoint(invocation_id, owner, now=now, state=state, results=results,
-                                 expires_at=expires_at, paused=paused, calls=calls,
-                                 create=create)
-        lease_check = state is None and results is None and not (paused or calls or create)
-        if self.armed and lease_check and self.takeover is not None:
-            self.armed = False
-            await self.takeover()
+    async def __call__(self, event: events.Event) -> None:
+        """Let the takeover land after the second reply's settle."""
+        if (isinstance(event, events.AttemptSettled) and event.ordinal == 2
+                and self.takeover is not None):
+            takeover, self.takeover = self.takeover, None
+            await takeover()
 
 
-class Arming(ScriptedProvider):
-    """A script that arms ``store`` once it has served its second request."""
+class CountingStore(HookedStore):
+    """A run store that keeps what each checkpoint wrote."""
 
-    store: CheckedStore | None = None
+    def __init__(self, ledger: Any) -> None:
+        super().__init__(ledger)
+        self.writes: list[str] = []
 
-    async def send(self, request: Any, **kwargs: Any) -> Any:
-        """Serve the next item; the second one arms the store."""
-        reply = await super().send(request, **kwargs)
-        if len(self.requests) == 2 and self.store is not None:
-            self.store.armed = True
-        return reply
+    async def after(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
+        """Note what it wrote."""
+        self.writes.append("+".join(wrote))
 
 
 def engine(ledger: Any, clock: FakeClock, provider: ScriptedProvider, store: le.RunStore,
-           accounts: le.CreditAccounts | None, seen: list[Any]) -> le.Engine:
+           accounts: le.CreditAccounts | None, seen: list[Any],
+           *observers: Callable[[Any], Any]) -> le.Engine:
     """A process's engine on the shared ledger, its events kept in ``seen``."""
     return le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, rng=random.Random(3),
-                     run_store=store, accounts=accounts, observers=[seen.append])
+                     run_store=store, accounts=accounts, observers=[seen.append, *observers])
 
 
 ACME = le.Attribution(tenant="acme")
@@ -121,21 +114,26 @@ def ends_of(seen: list[Any]) -> list[Any]:
     return [e for e in seen if isinstance(e, events.RunEnded | events.RunPaused)]
 
 
-@pytest.mark.parametrize("a_would", ["end", "pause"])
-async def test_a_takeover_after_the_lease_check_leaves_the_run_to_its_new_owner(
+@pytest.mark.parametrize("a_would", ["end", "trip", "pause"])
+async def test_a_takeover_after_the_last_checkpoint_leaves_the_run_to_its_new_owner(
         ledger: Any, clock: FakeClock, a_would: str) -> None:
-    """A's lease check passes; B takes the run over (force) before A writes its
-    end (or pause) and pauses on a call that needs approval. A's end is
-    refused: A raises RunBusyError, emits no RunEnded or RunPaused, and leaves
-    B's pause, B's stored state and the account as B made them; B's pause
-    resumes to its end."""
+    """A's last reply is settled after its last checkpoint; B takes the run over
+    (force) before A writes its end (or its refusal's end, or its pause) and
+    pauses on a call that needs approval. A's end is refused: A raises
+    RunBusyError, emits no GuardTripped, RunEnded or RunPaused, and leaves B's
+    pause, B's stored state and the account as B made them; B's pause resumes
+    to its end."""
     charger, sender = Charger(), Sender()
     accounts = await accounts_on(ledger)
-    second = Reply.text("done by A") if a_would == "end" else Reply.tool_calls(send("eve"))
-    provider_a = Arming([Reply.tool_calls(("lookup", {"card": "4242"})), second], clock=clock)
-    store_a = provider_a.store = CheckedStore(ledger)
+    second = {"end": Reply.text("done by A"),
+              "trip": Reply.text("I will not", stop_reason="refusal"),
+              "pause": Reply.tool_calls(send("eve"))}[a_would]
+    provider_a = ScriptedProvider([Reply.tool_calls(("lookup", {"card": "4242"})), second],
+                                  clock=clock)
     seen_a: list[Any] = []
-    process_a = engine(ledger, clock, provider_a, store_a, accounts, seen_a)
+    at_settle = TakeoverAt()
+    process_a = engine(ledger, clock, provider_a, le.RunStore(ledger), accounts, seen_a,
+                       at_settle)
     provider_b = ScriptedProvider([Reply.tool_calls(send("bob")), Reply.text("done by B")],
                                   clock=clock)
     store_b = le.RunStore(ledger)
@@ -148,7 +146,7 @@ async def test_a_takeover_after_the_lease_check_leaves_the_run_to_its_new_owner(
         (started,) = [e for e in seen_a if isinstance(e, events.RunStarted)]
         taken.append(await process_b.resume(started.run_id, tools=tools, force=True))
 
-    store_a.takeover = take_over
+    at_settle.takeover = take_over
     with pytest.raises(le.RunBusyError):
         await process_a.run(operation(total_time=600.0, credit_hold=5_000), "pay",
                             tools=tools, attribution=ACME)
@@ -156,6 +154,7 @@ async def test_a_takeover_after_the_lease_check_leaves_the_run_to_its_new_owner(
     run_id = paused.invocation_id
     assert paused.outcome is le.Outcome.PAUSED
     assert ends_of(seen_a) == []
+    assert [e for e in seen_a if isinstance(e, events.GuardTripped)] == []
     progress = await ledger.read_progress(run_id)
     assert (progress.outcome, progress.turns) == ("paused", paused.turns)
     assert paused.state is not None and progress.seal == paused.state.seal()
@@ -163,6 +162,31 @@ async def test_a_takeover_after_the_lease_check_leaves_the_run_to_its_new_owner(
     assert (await ledger.read_progress(run_id)).outcome == "completed"
     assert await store_b.load(run_id) is None
     await account_is_square(accounts, ledger, run_id)
+
+
+@pytest.mark.parametrize("then", ["end", "trip", "pause"])
+async def test_an_end_or_a_pause_writes_no_checkpoint_of_its_own(
+        ledger: Any, clock: FakeClock, then: str) -> None:
+    """A run store's run checkpoints its batch (its start, its call's start and
+    end, after it), and its end or pause writes nothing more to the store
+    than the pause itself (no lease check first: the ledger's compare-and-set
+    is the check); a trip's GuardTripped still comes just before RunEnded."""
+    charger = Charger()
+    last = {"end": Reply.text("done"), "trip": Reply.text("no", stop_reason="refusal"),
+            "pause": Reply.tool_calls(send("eve"))}[then]
+    store = CountingStore(ledger)
+    seen: list[Any] = []
+    result = await engine(ledger, clock, ScriptedProvider(
+        [Reply.tool_calls(("lookup", {"card": "4242"})), last], clock=clock), store, None,
+        seen).run(operation(total_time=600.0), "pay", tools=[*charger.tools, Sender().tool])
+    batch = ["create+state", "state+calls", "calls", "results+calls", "state"]
+    assert store.writes == batch + (["state+paused+calls"] if then == "pause" else [])
+    assert result.outcome is {"end": le.Outcome.COMPLETED, "trip": le.Outcome.REFUSED,
+                              "pause": le.Outcome.PAUSED}[then]
+    tail = [type(e).__name__ for e in seen[-2:]]
+    assert tail == {"end": ["AttemptSettled", "RunEnded"],
+                    "trip": ["GuardTripped", "RunEnded"],
+                    "pause": ["AttemptSettled", "RunPaused"]}[then]
 
 
 @pytest.mark.parametrize("b_does", ["pause", "complete"])

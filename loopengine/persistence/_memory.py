@@ -7,8 +7,9 @@ file supplies only dicts shaped like the tables' rows as the planner's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import sqlite3
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from loopengine._errors import LedgerError
 from loopengine.persistence import _planner
@@ -24,6 +25,8 @@ from loopengine.persistence._records import (
 from loopengine.persistence._schema import ATTEMPT_COLUMNS, INVOCATION_COLUMNS
 
 __all__ = ["MemoryLedger"]
+
+T = TypeVar("T")
 
 _NEW_INVOCATION = {**dict.fromkeys(INVOCATION_COLUMNS, 0), "ended_at": None,
                    "outcome": "running", "pause_seal": None}
@@ -91,6 +94,30 @@ class MemoryLedger:
         return _planner.read_progress(
             lambda sql: [[row[column] for column in
                           _planner.PROGRESS_COLUMNS + _planner.PROGRESS_USAGE]])
+
+    async def _read_qmark(self, work: Callable[[Any], T], failure: str) -> T:
+        """``work(connection)`` on a SQLite copy of its ``invocations`` and
+        ``attempts`` rows, read only: the other stores' own reading (``?``
+        parameters) of this ledger's rows, such as a recovery's of the runs
+        below a dead run (`loopengine._pause.end_dead_descendants`).
+
+        Raises:
+            LedgerError: the reading failed (``failure`` says what it was).
+        """
+        conn = sqlite3.connect(":memory:")
+        try:
+            for table, columns, rows in (
+                    ("invocations", INVOCATION_COLUMNS, self.invocations.values()),
+                    ("attempts", ATTEMPT_COLUMNS, self.attempts.values())):
+                conn.execute(f"CREATE TABLE {table} ({', '.join(columns)})")
+                conn.executemany(
+                    f"INSERT INTO {table} VALUES ({', '.join('?' * len(columns))})",
+                    [tuple(row[column] for column in columns) for row in rows])
+            return work(conn)
+        except sqlite3.Error as error:
+            raise LedgerError(f"{failure}: {error}") from error
+        finally:
+            conn.close()
 
     def _commit(self, op: _planner.Op) -> None:
         for _, message in self._rows.commit([op]):

@@ -1,0 +1,130 @@
+"""A resume that adopts a run paused without a run store, and whose process
+dies as it adopts it, leaves the run recoverable (docs/pause-and-resume.md):
+the resume inserts the run's row, leased, before it takes the pause, so a
+death before the insert leaves the run paused as it was, and one after it
+leaves a row a recovery takes, on every ledger store.
+
+The death is a stand-in raised by the adopting engine's run store (nothing
+catches it), never a race with real time.
+"""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+import loopengine as le
+from loopengine.persistence import InvocationEnd
+from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import FakeClock
+
+from .conftest import PRICES, operation
+from .pause_scenarios import HookedStore, Sender, send
+
+
+class Died(BaseException):
+    """Stands in for the death of the process (nothing catches it)."""
+
+
+class DyingStore(HookedStore):
+    """A run store whose process dies at the insert of an adopted run's row:
+    ``instead`` of it, or just ``after`` it committed."""
+
+    def __init__(self, ledger: Any, when: str) -> None:
+        super().__init__(ledger)
+        self.when = when
+
+    async def before(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
+        """Die instead of an insert."""
+        if "create" in wrote and self.when == "instead":
+            raise Died
+
+    async def after(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
+        """Die once an insert committed."""
+        if "create" in wrote and self.when == "after":
+            raise Died
+
+
+@pytest.mark.parametrize("when", ["instead", "after"])
+async def test_a_resume_that_dies_adopting_a_run_leaves_it_recoverable(
+        each_ledger: Any, clock: FakeClock, when: str) -> None:
+    """Paused without a run store; a resume with one dies as it adopts the run
+    (instead of inserting its row, or once it did): nothing was sent or run,
+    and the ledger still holds the run paused, so it is not left ``running``
+    with nothing to recover it from. A resume with a run store then takes it
+    (past the dead resume's lease: ``force``) and completes it, the approved
+    call run once."""
+    ledger = each_ledger
+    sender = Sender()
+    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
+    plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                      rng=random.Random(3))
+    paused = await plain.run(operation(total_time=600.0), "go", tools=[sender.tool])
+    assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+    stored, run_id = paused.state.dumps(), paused.invocation_id
+    approve: dict[str, le.Decision] = {paused.pending[0].id: le.Approve()}
+
+    dying = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                      run_store=DyingStore(ledger, when))
+    with pytest.raises(Died):
+        await dying.resume(stored, decisions=approve, tools=[sender.tool])
+    assert sender.sent == [] and len(provider.requests) == 1
+    assert (await ledger.read_progress(run_id)).outcome == "paused"
+    store = le.RunStore(ledger)
+    row = await store.load(run_id)
+    if when == "instead":
+        assert row is None  # as it was: any resume adopts it
+    else:
+        # Held by the dead resume's lease: a recovery takes it once it expires.
+        assert row is not None and row.lease_owner is not None and row.paused_at is None
+
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
+    done = await engine.resume(stored, decisions=approve, tools=[sender.tool], force=True)
+    assert done.outcome is le.Outcome.COMPLETED and done.invocation_id == run_id
+    assert sender.sent == ["a"] and len(provider.requests) == 2
+    assert (done.turns, done.tool_calls) == (2, 1)
+    progress = await ledger.read_progress(run_id)
+    assert (progress.outcome, progress.turns, progress.attempt_count) == ("completed", 2, 2)
+    assert await store.load(run_id) is None
+
+
+class OvertakenStore(HookedStore):
+    """A run store on which, just after an adopted run's row is inserted,
+    another resume (on an engine without a run store, which found no row
+    before it) takes the run's pause."""
+
+    async def after(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
+        """After an insert, take the pause as another resume would."""
+        if "create" in wrote:
+            found = await self.ledger.read_progress(invocation_id)
+            assert found is not None and found.seal is not None
+            await self.ledger.end_invocation(InvocationEnd(
+                id=invocation_id, ended_at=None, outcome="running", turns=found.turns,
+                tool_calls=found.tool_calls, credits=found.credits,
+                at=datetime.now(UTC), seal="resumed:another", expect_seal=found.seal))
+
+
+async def test_an_adopting_resume_overtaken_at_its_take_deletes_the_row_it_inserted(
+        each_ledger: Any, clock: FakeClock) -> None:
+    """Another resume takes the pause between the adopting resume's insert and
+    its take: the take is refused (RunBusyError, nothing sent or run), and the
+    row it inserted is deleted, so no recovery takes the run from the resume
+    that holds it."""
+    ledger = each_ledger
+    sender = Sender()
+    provider = ScriptedProvider([Reply.tool_calls(send("a"))], clock=clock)
+    plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES)
+    paused = await plain.run(operation(total_time=600.0), "go", tools=[sender.tool])
+    assert paused.state is not None
+    store = OvertakenStore(ledger)
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
+    with pytest.raises(le.RunBusyError, match="another resume took its pause"):
+        await engine.resume(paused.state, tools=[sender.tool],
+                            decisions={paused.pending[0].id: le.Approve()})
+    assert sender.sent == [] and len(provider.requests) == 1
+    progress = await ledger.read_progress(paused.invocation_id)
+    assert (progress.outcome, progress.seal) == ("running", "resumed:another")
+    assert await store.load(paused.invocation_id) is None
