@@ -199,6 +199,9 @@ class MCPServer(ToolSource):
         label: How errors and logs name the server.
         prefix: Put before every tool name (two servers with one tool name).
         allow: Only these of the server's tool names become tools (None: all).
+            Each must be one of the server's at ``async with``; later, one the
+            server drops is not offered, one it lists again is, and one it
+            adds that ``allow`` does not name is not given.
         timeout: Seconds each call may take (the tools' ``timeout``).
         connect_timeout: Seconds to start or reach the server and open a
             session (at ``async with``, and when a call opens a new one: that
@@ -413,7 +416,8 @@ class MCPServer(ToolSource):
             MCPServerError: the server did not start or answer within
                 ``connect_timeout``, or did not list its tools.
             ConfigError: a listed tool's name (with the prefix) is not a valid
-                tool name, or ``allow`` names a tool the server does not have.
+                tool name, or ``allow``, ``approval`` or ``idempotent`` names a
+                tool the server does not have.
         """
         if self._group is not None:
             raise RuntimeError(f"{self!r} is already open")
@@ -632,9 +636,10 @@ class MCPServer(ToolSource):
                      strict: bool = True) -> tuple[Tool, ...]:
         """The listed tools as `Tool` objects. ``strict`` (the first listing, at
         ``async with``): a setting naming a tool the server lacks, or a tool
-        that cannot be one, is a `ConfigError`. A later listing (the tools
-        changed) leaves such a tool out, saying so in the log: the server may
-        drop a tool it had, and a run using the tools goes on."""
+        that cannot be one, is a `ConfigError`. In a later listing (the tools
+        changed) a setting may name a tool the server dropped: that tool is
+        simply not given; a tool that cannot be one is left out, said in the
+        log. A run using the tools goes on."""
         names = {item.name for item in listed}
         for field, named in (("allow", self.allow or frozenset()),
                              ("approval", _named(self.approval)),

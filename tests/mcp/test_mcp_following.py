@@ -16,13 +16,20 @@ from typing import Any
 
 import anyio
 import mcp_types
+import pytest
 from mcp.server.mcpserver import MCPServer as SDKServer
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 from mcp.shared.memory import create_client_server_memory_streams
 from mcp.shared.subscriptions import ToolsListChanged
 
+import loopengine as le
 from loopengine.mcp import MCPServer
-from loopengine.testing import FakeClock
+from loopengine.testing import FakeClock, Reply
+
+from ..adapter.conftest import Harness, tool_results
+from ..conftest import operation
+from .test_mcp import content_text
+from .test_mcp_changes import offered
 
 
 class Watch:
@@ -238,3 +245,45 @@ async def test_a_burst_of_change_notices_is_read_by_one_listing_a_second() -> No
             await anyio.lowlevel.checkpoint()
         assert sdk.lists == base + 2
         assert sdk.most_at_once == 1
+
+
+async def test_r15_allow_and_settings_follow_the_tool_list_by_name(anthropic: Harness) -> None:
+    """``allow={"echo", "add"}``, ``approval={"add"}``. The server drops ``add`` and
+    adds ``fresh``: the next turn offers only ``echo``, and calls of ``add`` and
+    ``fresh`` are unknown tools' calls. The server adds ``add`` back: it is offered
+    again, and its call waits for approval as at first. At the next ``async
+    with``, ``allow`` naming a tool the server lacks is a ConfigError again."""
+    sdk = Server(Watch())
+    mcp = in_process(sdk, allow={"echo", "add"}, approval={"add"}, clock=FakeClock())
+    async with mcp as server:
+        assert {t.name for t in server.tools} == {"echo", "add"}
+        await listening(server)
+        sdk.remove_tool("add")
+        sdk.add("fresh")
+        assert await relisted(server, sdk) == {"echo"}
+        engine, _ = anthropic.engine(
+            Reply.tool_calls(("add", {"text": "a"}), ("fresh", {"text": "b"}),
+                             ("echo", {"text": "c"})),
+            Reply.text("done"))
+        result = await engine.run(operation(), "go", tools=[server])
+        assert result.outcome is le.Outcome.COMPLETED
+        assert set(offered(anthropic.requests[0])) == {"echo"}
+        add, fresh, echo = tool_results(anthropic.requests[1])
+        for gone, name in ((add, "add"), (fresh, "fresh")):
+            assert gone["is_error"] is True
+            assert f"There is no tool named '{name}'" in content_text(gone)
+        assert content_text(echo) == "echo heard c"
+
+        sdk.add("add")
+        assert await relisted(server, sdk) == {"echo", "add"}
+        engine, _ = anthropic.engine(Reply.tool_calls(("add", {"text": "d"})))
+        paused = await engine.run(operation(), "go", tools=[server])
+        assert paused.outcome is le.Outcome.PAUSED
+        assert set(offered(anthropic.requests[2])) == {"echo", "add"}
+        assert [(p.tool, p.reason) for p in paused.pending] == [("add", "approval")]
+
+    sdk.remove_tool("add")
+    with pytest.raises(le.ConfigError, match="has no tool add") as raised:
+        async with mcp:
+            pass
+    assert raised.value.field == "allow"
