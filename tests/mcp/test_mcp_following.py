@@ -17,6 +17,8 @@ from typing import Any
 import anyio
 import mcp_types
 import pytest
+import trio
+import trio.testing
 from mcp.server.mcpserver import MCPServer as SDKServer
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 from mcp.shared.memory import create_client_server_memory_streams
@@ -211,6 +213,27 @@ async def test_a_listen_stream_that_ends_is_opened_again_after_waits_on_the_cloc
         sdk.listens.close()
         await listed(sdk, before)
         assert clock.sleeps[start:] == [*waits, 0.0]
+
+
+def test_on_trio_a_server_given_no_clock_waits_on_trios_clock() -> None:
+    """Given no clock, the server waits on anyio's, which on trio is trio's: under
+    its MockClock (autojump) a listen stream ended four times is opened again after
+    0, 1, 2 and 4 s of that clock, without real waiting."""
+
+    async def main() -> list[float]:
+        sdk = Server(Watch())
+        async with in_process(sdk) as server:
+            await listening(server)
+            await trio.sleep(1.0)  # the listing the stream's opening prompted is a second old
+            waited = []
+            for _ in range(4):
+                before, start = sdk.lists, trio.current_time()
+                sdk.listens.close()
+                await listed(sdk, before)
+                waited.append(trio.current_time() - start)
+        return waited
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == [0, 1, 2, 4]
 
 
 async def test_a_burst_of_change_notices_is_read_by_one_listing_a_second() -> None:
