@@ -29,7 +29,8 @@ What a call's result becomes (docs/tools.md):
   the old session finish there.
 
 A server that announces changes to its tool list (``tools.listChanged``) is
-listed again when it says they changed; a run given the `MCPServer` itself
+listed again when it says they changed (one listing at a time, listings a
+change prompts at least a second apart); a run given the `MCPServer` itself
 (a `loopengine._tools.ToolSource`) in its ``tools`` reads them before each
 turn and each batch, so it offers and answers with the tools as they are.
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -50,6 +52,7 @@ import anyio
 import anyio.abc
 
 from loopengine import _validate
+from loopengine._clock import Clock, SystemClock
 from loopengine._errors import ConfigError, MCPServerError, MCPToolError
 from loopengine._tools import Tool, ToolSource, check_tool_name
 
@@ -81,6 +84,11 @@ _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUN
 _RELISTEN_WAIT = 30.0
 """The longest wait, in seconds, before opening again a stream announcing a
 server's tool changes that ended without bringing one (`MCPServer._listen`)."""
+
+_RELIST_INTERVAL = 1.0
+"""The least time, in seconds, from the start of one listing of a server's
+tools prompted by a change to the start of the next (`MCPServer._list_again`):
+a server announcing changes without pause is listed at most once a second."""
 
 _IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 """The image media types a tool result block may carry."""
@@ -191,6 +199,9 @@ class MCPServer(ToolSource):
         label: How errors and logs name the server.
         prefix: Put before every tool name (two servers with one tool name).
         allow: Only these of the server's tool names become tools (None: all).
+            Each must be one of the server's at ``async with``; later, one the
+            server drops is not offered, one it lists again is, and one it
+            adds that ``allow`` does not name is not given.
         timeout: Seconds each call may take (the tools' ``timeout``).
         connect_timeout: Seconds to start or reach the server and open a
             session (at ``async with``, and when a call opens a new one: that
@@ -203,6 +214,11 @@ class MCPServer(ToolSource):
         idempotent: Which tools may run twice without harm (the tools'
             ``idempotent``): True or False for every tool, the names of the
             idempotent ones, or a mapping of name to bool.
+        clock: The clock on which the server's waits pass: before a listen
+            stream that ended is opened again, and between listings of a
+            tool list that keeps changing (`loopengine.testing.FakeClock` in
+            tests); default the system's. ``connect_timeout`` is on the real
+            clock, as the tools' ``timeout`` is on the engine's.
     """
 
     def __init__(
@@ -216,6 +232,7 @@ class MCPServer(ToolSource):
         connect_timeout: float = CONNECT_TIMEOUT,
         approval: _Approval = False,
         idempotent: _Idempotent = False,
+        clock: Clock | None = None,
     ) -> None:
         _validate.seconds("timeout", timeout, optional=True)
         self.approval: object = _per_tool("approval", approval, calls=True)
@@ -223,6 +240,7 @@ class MCPServer(ToolSource):
         self.idempotent: object = _per_tool("idempotent", idempotent, calls=False)
         """Which tools are idempotent (see `MCPServer`)."""
         _validate.seconds("connect_timeout", connect_timeout)
+        _validate.clock("clock", clock)
         if not callable(transport):
             raise ConfigError("transport", "must be a function returning an MCP transport, "
                                            f"got {_validate.shown(transport)}")
@@ -248,6 +266,7 @@ class MCPServer(ToolSource):
         """Seconds each call may take (None: only the run's deadline)."""
         self.connect_timeout = float(connect_timeout)
         """Seconds to start or reach the server and open a session."""
+        self._clock: Clock = clock or SystemClock()
         self._tools: tuple[Tool, ...] | None = None
         self._group: anyio.abc.TaskGroup | None = None
         self._session: _Session | None = None
@@ -256,12 +275,13 @@ class MCPServer(ToolSource):
         self._lock = anyio.Lock()
         self._listing: anyio.Event | None = None
         """Set when a listing ends, while the tools are being listed again."""
-        self._relist = False
-        """A change was heard of that no listing under way has read yet."""
         self._heard = 0
         """Changes heard of so far."""
         self._read = 0
-        """Changes heard of before the last listing (done or failed) began."""
+        """Changes heard of before the last listing (done or failed) began: while
+        fewer than `_heard`, a change waits to be listed."""
+        self._listed_at = -math.inf
+        """When (on the clock) the last listing prompted by a change began."""
         self._opened = 0
         """Sessions opened so far: a new one after the first lists the tools again."""
 
@@ -279,6 +299,7 @@ class MCPServer(ToolSource):
         connect_timeout: float = CONNECT_TIMEOUT,
         approval: _Approval = False,
         idempotent: _Idempotent = False,
+        clock: Clock | None = None,
     ) -> MCPServer:
         """A server the SDK starts as a subprocess and talks to over its stdin/stdout.
 
@@ -294,6 +315,7 @@ class MCPServer(ToolSource):
             connect_timeout: See `MCPServer`.
             approval: See `MCPServer`.
             idempotent: See `MCPServer`.
+            clock: See `MCPServer`.
         """
         _validate.text("command", command)
         if isinstance(args, str) or not isinstance(args, Sequence):
@@ -312,7 +334,7 @@ class MCPServer(ToolSource):
 
         return cls(transport, label=" ".join([command, *args]), prefix=prefix, allow=allow,
                    timeout=timeout, connect_timeout=connect_timeout, approval=approval,
-                   idempotent=idempotent)
+                   idempotent=idempotent, clock=clock)
 
     @classmethod
     def http(
@@ -326,6 +348,7 @@ class MCPServer(ToolSource):
         connect_timeout: float = CONNECT_TIMEOUT,
         approval: _Approval = False,
         idempotent: _Idempotent = False,
+        clock: Clock | None = None,
     ) -> MCPServer:
         """A server reached over streamable HTTP at ``url`` (e.g. ``http://host/mcp``).
 
@@ -338,6 +361,7 @@ class MCPServer(ToolSource):
             connect_timeout: See `MCPServer`.
             approval: See `MCPServer`.
             idempotent: See `MCPServer`.
+            clock: See `MCPServer`.
         """
         _validate.text("url", url)
         if not url.startswith(("http://", "https://")):
@@ -349,7 +373,8 @@ class MCPServer(ToolSource):
             return _http_transport(url, fixed)
 
         return cls(transport, label=url, prefix=prefix, allow=allow, timeout=timeout,
-                   connect_timeout=connect_timeout, approval=approval, idempotent=idempotent)
+                   connect_timeout=connect_timeout, approval=approval, idempotent=idempotent,
+                   clock=clock)
 
     def __repr__(self) -> str:
         return f"MCPServer({self.label!r})"
@@ -368,7 +393,8 @@ class MCPServer(ToolSource):
         are being listed again, waits for that (at most ``connect_timeout``;
         past it, the tools as last listed)."""
         # Only the changes heard of so far: a server announcing changes without
-        # end must not hold a run for longer than two listings.
+        # end must not hold a run for longer than two listings (and the wait
+        # between them).
         wanted = self._heard
         with anyio.move_on_after(self.connect_timeout):
             while self._read < wanted and self._listing is not None:
@@ -390,7 +416,8 @@ class MCPServer(ToolSource):
             MCPServerError: the server did not start or answer within
                 ``connect_timeout``, or did not list its tools.
             ConfigError: a listed tool's name (with the prefix) is not a valid
-                tool name, or ``allow`` names a tool the server does not have.
+                tool name, or ``allow``, ``approval`` or ``idempotent`` names a
+                tool the server does not have.
         """
         if self._group is not None:
             raise RuntimeError(f"{self!r} is already open")
@@ -429,7 +456,10 @@ class MCPServer(ToolSource):
             session.stop.set()
         # The caller's exception is not the group's: its tasks end on their
         # own once stopped (or by the caller's cancellation, which reaches them).
-        await group.__aexit__(None, None, None)
+        try:
+            await group.__aexit__(None, None, None)
+        finally:
+            self._read = self._heard  # a later `async with` lists every tool
 
     def _start(self) -> _Session:
         """A new session, connecting in the server's task group."""
@@ -500,8 +530,9 @@ class MCPServer(ToolSource):
         """Hear of the tool list's changes on a ``subscriptions/listen`` stream (the
         2026 protocol), until the session ends. A stream that ends (the server
         closed it, or it was lost: an idle HTTP stream reaches its read
-        timeout) is opened again, after a wait that grows while streams end
-        without bringing a change (1 s, doubling, at most `_RELISTEN_WAIT`)."""
+        timeout) is opened again, at once the first time, then after a wait on
+        the server's clock that grows while streams end without bringing a
+        change (1 s, doubling, at most `_RELISTEN_WAIT`)."""
         wait = 0.0
         while True:
             try:
@@ -530,26 +561,31 @@ class MCPServer(ToolSource):
                 session.listening = False
             logger.debug("MCP server %s: the stream announcing its tool changes ended (%s); "
                          "listening again", self.label, ended)
-            await anyio.sleep(wait)
+            await self._clock.sleep(wait)
             wait = min(max(2 * wait, 1.0), _RELISTEN_WAIT)
 
     def _tools_changed(self, session: _Session) -> None:
         """The server said its tools changed: list them again (one listing at a
-        time; a change heard of during one is read by another)."""
+        time; the changes heard of during one are read by one more)."""
         if session is not self._session or session.group is None or self._group is None:
             return  # an old session's news: the current one's listing counts
-        self._relist = True
         self._heard += 1
         if self._listing is None:
             self._listing = anyio.Event()
             session.group.start_soon(self._list_again, session)
 
     async def _list_again(self, session: _Session) -> None:
-        """List the tools again while a change waits to be read; a listing that
-        fails keeps the tools as they were."""
+        """List the tools again while a change waits to be read, each listing at
+        least `_RELIST_INTERVAL` after the last began (the changes heard of
+        meanwhile are all read by the next); a listing that fails keeps the
+        tools as they were."""
         try:
-            while self._relist and session is self._session:
-                self._relist = False
+            while self._read < self._heard and session is self._session:
+                wait = self._listed_at + _RELIST_INTERVAL - self._clock.now()
+                if wait > 0:
+                    await self._clock.sleep(wait)
+                    continue  # the session may have been replaced meanwhile
+                self._listed_at = self._clock.now()
                 heard = self._heard
                 assert session.client is not None
                 try:
@@ -575,7 +611,8 @@ class MCPServer(ToolSource):
             listing, self._listing = self._listing, None
             if listing is not None:
                 listing.set()
-            if self._relist and self._session is not None and self._session is not session:
+            if self._read < self._heard and self._session is not None \
+                    and self._session is not session:
                 self._tools_changed(self._session)  # heard of on the session that replaced it
 
     async def _current(self) -> _Session:
@@ -599,9 +636,10 @@ class MCPServer(ToolSource):
                      strict: bool = True) -> tuple[Tool, ...]:
         """The listed tools as `Tool` objects. ``strict`` (the first listing, at
         ``async with``): a setting naming a tool the server lacks, or a tool
-        that cannot be one, is a `ConfigError`. A later listing (the tools
-        changed) leaves such a tool out, saying so in the log: the server may
-        drop a tool it had, and a run using the tools goes on."""
+        that cannot be one, is a `ConfigError`. In a later listing (the tools
+        changed) a setting may name a tool the server dropped: that tool is
+        simply not given; a tool that cannot be one is left out, said in the
+        log. A run using the tools goes on."""
         names = {item.name for item in listed}
         for field, named in (("allow", self.allow or frozenset()),
                              ("approval", _named(self.approval)),

@@ -17,7 +17,7 @@ import pytest
 
 import loopengine as le
 from loopengine.mcp import MCPServer
-from loopengine.testing import Reply
+from loopengine.testing import FakeClock, Reply
 
 from ..adapter.conftest import Harness, tool_results
 from ..conftest import operation
@@ -33,10 +33,17 @@ def offered(request: Any) -> dict[str, dict[str, Any]]:
 
 
 def server_in(mode: str, http_server: HttpServer | None, **kwargs: Any) -> MCPServer:
+    """The test server in ``mode``; its waits between listings on a fake clock."""
+    kwargs.setdefault("clock", FakeClock())
     if mode == "http":
         assert http_server is not None
         return MCPServer.http(http_server.url, **kwargs)
     return MCPServer.stdio(sys.executable, [SCRIPT, mode], **kwargs)
+
+
+def changing(**kwargs: Any) -> MCPServer:
+    """tests/mcp/server.py over stdio, its waits between listings on a fake clock."""
+    return server_in("stdio", None, **kwargs)
 
 
 @pytest.fixture(params=["stdio", "legacy", "http"])
@@ -83,7 +90,7 @@ async def test_r15_a_tool_dropped_during_a_pause_is_an_unknown_tool_on_resume(
     resume, given the server, is not refused for the missing tool: the approved
     call is answered as an unknown tool's (it never reaches the server), and the
     run goes on to complete."""
-    async with script_server(allow=None, approval={"echo"}) as server:
+    async with changing(allow=None, approval={"echo"}) as server:
         engine, _ = anthropic.engine(Reply.tool_calls(("echo", {"text": "hi"})),
                                      Reply.text("It is gone."))
         paused = await engine.run(operation(), "go", tools=[server])
@@ -112,7 +119,7 @@ async def test_a_new_server_tool_named_like_a_local_tool_is_left_out(
         return f"local {text}"
 
     caplog.set_level(logging.WARNING, logger="loopengine")
-    async with script_server(allow=None) as server:
+    async with changing(allow=None) as server:
         engine, _ = anthropic.engine(
             Reply.tool_calls(("change", {"add": "extra"})),
             Reply.tool_calls(("extra", {"text": "hi"})), Reply.text("done"))
@@ -141,7 +148,7 @@ async def test_a_listen_stream_the_server_ends_is_opened_again(anthropic: Harnes
     timeout): the client listens again, lists the tools again (changes are not
     replayed; the tools that did not change stay the same objects), and hears of the
     next change, which the next turn offers."""
-    async with script_server(allow=None) as server:
+    async with changing(allow=None) as server:
         tools = by_name(server)
         assert await tools["end_listens"].invoke({}) == "ended"
         # Listed again unchanged: the same Tool objects (built, and logged about, once).
@@ -158,7 +165,7 @@ async def test_a_listen_stream_the_server_ends_is_opened_again(anthropic: Harnes
 async def test_a_server_given_alone_is_refused_with_a_hint(anthropic: Harness) -> None:
     """``tools=server`` (not a list) is a ConfigError on ``tools`` saying how to pass it."""
     engine, _ = anthropic.engine(Reply.text("never sent"))
-    async with script_server(allow={"echo"}) as server:
+    async with changing(allow={"echo"}) as server:
         with pytest.raises(le.ConfigError,
                            match=r"single source .*pass tools=\[server\]") as raised:
             await engine.run(operation(), "go", tools=server)  # type: ignore[arg-type]
@@ -173,8 +180,7 @@ async def test_a_server_started_again_is_listed_again(
     has one more tool: it is listed again (whether or not it announces changes on
     a listen stream), and the turn after offers and runs it."""
     marker = tmp_path / "reborn"
-    async with MCPServer.stdio(sys.executable, [SCRIPT, era],
-                               env={"LOOPENGINE_TEST_MARKER": str(marker)}) as server:
+    async with server_in(era, None, env={"LOOPENGINE_TEST_MARKER": str(marker)}) as server:
         assert "reborn" not in by_name(server)
         marker.touch()  # for the next process only
         engine, _ = anthropic.engine(
