@@ -30,7 +30,6 @@ missing one.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import heapq
 import logging
@@ -511,7 +510,7 @@ class ThreadedLedger:
                 return
             if self._broken is not None:
                 raise LedgerError(self._broken)
-            waiter = Waiter(_running_loop())
+            waiter = Waiter()
             self._sequence += 1
             heapq.heappush(self._waiters, (number, self._sequence, waiter))
         try:
@@ -541,7 +540,7 @@ class ThreadedLedger:
         """
         if self._writer is None:
             await self._open()
-        call = Call(work, failure, Waiter(_running_loop()))
+        call = Call(work, failure, Waiter())
         with self._lock:
             closed = self._closing and self._pid == os.getpid()
             if not closed:
@@ -772,13 +771,6 @@ first is at once: a terminated session is replaced by the next connection)."""
 _LONGEST_RETRY: Final = 1.0
 """The longest wait between two attempts (each wait is jittered down by up to
 half, so many processes that lost one server do not all return at once)."""
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:  # not asyncio (anyio's trio backend)
-        return None
 
 
 _open_ledgers: weakref.WeakSet[ThreadedLedger] = weakref.WeakSet()
