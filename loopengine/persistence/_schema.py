@@ -182,8 +182,6 @@ def render(statements: Sequence[str], types: Mapping[str, str]) -> tuple[str, ..
     return tuple(statement.format_map(types) for statement in statements)
 
 
-_CREATE_TABLES = render(TABLES, SQLITE_TYPES)
-
 # A delegated run (a sub-agent, docs/tools.md) names the run that started it;
 # NULL for a root. The same statements on both stores (plain text type); the
 # partial index finds a run's children and stays as small as the delegations.
@@ -192,13 +190,12 @@ PARENT_COLUMN = (
     "CREATE INDEX invocations_parent ON invocations (parent_invocation_id) "
     "WHERE parent_invocation_id IS NOT NULL",
 )
-_ACCOUNTS = render(ACCOUNT_TABLES, SQLITE_TYPES)
 
 # A wrap-up turn's attempts (docs/guards.md) have the phase ``wrap_up``. SQLite
 # cannot change a CHECK constraint in place: the table is rebuilt, same name,
 # same columns in the same order, same rows.
 _WRAP_UP_PHASE = (
-    _CREATE_TABLES[1].replace("CREATE TABLE attempts (", "CREATE TABLE attempts_rebuilt (")
+    TABLES[1].replace("CREATE TABLE attempts (", "CREATE TABLE attempts_rebuilt (")
     .replace("'continuation', 'fallback')", "'continuation', 'fallback', 'wrap_up')"),
     "INSERT INTO attempts_rebuilt SELECT * FROM attempts",
     "DROP TABLE attempts",
@@ -309,23 +306,30 @@ PAUSE_SEAL = ("ALTER TABLE invocations ADD COLUMN pause_seal TEXT",)
 while a resumed run runs, a token of the resume that took it; NULL otherwise.
 A digest, never the state: nothing of the conversation can be read from it."""
 
-MIGRATIONS: tuple[Migration, ...] = (
-    Migration(1, "invocations and attempts", _CREATE_TABLES),
-    Migration(2, "invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
-    Migration(3, "credit accounts and their journal", _ACCOUNTS),
-    Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
-    # PostgreSQL leaves room on each invocation's page for the new versions of
-    # its row (_postgres_schema); SQLite updates rows in place: nothing to do.
-    Migration(5, "room beside each invocation row for its updates", ()),
-    Migration(6, "the parent of a delegated run", PARENT_COLUMN),
-    Migration(7, "the usage vector: server tool requests, reasoning, iterations, fees",
-              render(USAGE_VECTOR, SQLITE_TYPES)),
-    Migration(8, "run states, their leases, and tool call statuses",
-              render(RUN_TABLES, SQLITE_TYPES)),
-    Migration(9, "the running segments of each invocation", render(SEGMENT_TABLE, SQLITE_TYPES)),
-    Migration(10, "a batch's results apart from its run's state", RUN_RESULTS),
-    Migration(11, "the seal of a paused invocation's state", PAUSE_SEAL),
-)
+def history(types: Mapping[str, str], wrap_up_phase: Sequence[str],
+            invocation_room: Sequence[str]) -> tuple[Migration, ...]:
+    """The schema's history, oldest first, rendered with a store's ``types``: the
+    same steps on both stores, but for the two each spells its own way."""
+    steps: tuple[tuple[str, Sequence[str]], ...] = (
+        ("invocations and attempts", TABLES),
+        ("invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
+        ("credit accounts and their journal", ACCOUNT_TABLES),
+        ("the wrap_up phase of attempts", wrap_up_phase),
+        ("room beside each invocation row for its updates", invocation_room),
+        ("the parent of a delegated run", PARENT_COLUMN),
+        ("the usage vector: server tool requests, reasoning, iterations, fees", USAGE_VECTOR),
+        ("run states, their leases, and tool call statuses", RUN_TABLES),
+        ("the running segments of each invocation", SEGMENT_TABLE),
+        ("a batch's results apart from its run's state", RUN_RESULTS),
+        ("the seal of a paused invocation's state", PAUSE_SEAL),
+    )
+    return tuple(Migration(version, name, render(statements, types))
+                 for version, (name, statements) in enumerate(steps, start=1))
+
+
+# PostgreSQL leaves room on each invocation's page for the new versions of its
+# row (_postgres_schema); SQLite updates rows in place: nothing to do.
+MIGRATIONS = history(SQLITE_TYPES, _WRAP_UP_PHASE, ())
 """The schema's history, oldest first."""
 
 SCHEMA_VERSION = MIGRATIONS[-1].version
