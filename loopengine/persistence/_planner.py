@@ -77,13 +77,12 @@ ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "ht
 # (END, op_id, id, *END_SET, at, expect_seal, expect_outcome, keep_segment):
 # ``at`` is when it was written (a resume's segment starts then);
 # ``expect_seal``, when not None, is what the row must still be:
-# ``expect_outcome`` (``paused`` when absent) with that ``pause_seal`` ("" for
-# none). A compare-and-set: of two resumes of one pause (or a resume and a
-# pause's timeout), the second changes no row and is refused; so is the end
-# or pause of a segment whose run another process took over (``running``
-# with the segment's own token), and a second end of a run its dead process
-# left ``running`` (ended by its root's recovery, ``keep_segment`` true: its
-# open segment stays open).
+# ``expect_outcome`` with that ``pause_seal`` ("" for none). A compare-and-set:
+# of two resumes of one pause (or a resume and a pause's timeout), the second
+# changes no row and is refused; so is the end or pause of a segment whose run
+# another process took over (``running`` with the segment's own token), and a
+# second end of a run its dead process left ``running`` (ended by its root's
+# recovery, ``keep_segment`` true: its open segment stays open).
 END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits", "pause_seal")
 _E_AT: Final = 3 + len(END_SET)
 SEGMENT_OPEN: Final = ("invocation_id", "ordinal", "started_at")
@@ -582,15 +581,12 @@ class Planner:
             batch.settles.append((*op[4:], invocation_id, ordinal))
 
     def _plan_end(self, batch: Batch, op: Op) -> None:
-        invocation_id = op[2]
+        invocation_id, ended_at, outcome = op[2], op[3], op[4]
+        at, expect_seal, expect_outcome, keep = op[_E_AT:]
         live = self._touch(batch, invocation_id)
-        outcome = op[4]
         # A pause (or a resume) changes the outcome without ending it.
         live.ended = outcome not in OPEN_OUTCOMES
-        expect_outcome = op[_E_AT + 2] if len(op) > _E_AT + 2 else "paused"
-        batch.ends.append((*op[3:_E_AT], expect_outcome,
-                           op[_E_AT + 1] if len(op) > _E_AT + 1 else None, invocation_id))
-        keep = op[_E_AT + 3] if len(op) > _E_AT + 3 else expect_outcome == "running"
+        batch.ends.append((*op[3:_E_AT], expect_outcome, expect_seal, invocation_id))
         if live.segment is None or (keep and live.ended):
             # A run its process left running, ended by its root's recovery:
             # its segment stays open, as its process left it.
@@ -600,12 +596,10 @@ class Planner:
             # which died (the run is recovered): it stays open.
             live.segment += 1
             live.segment_open = True
-            batch.opens.append((invocation_id, live.segment,
-                                op[_E_AT] if len(op) > _E_AT else op[3]))
+            batch.opens.append((invocation_id, live.segment, at))
         elif live.segment_open:
             live.segment_open = False
-            batch.closes.append((op[3] if op[3] is not None else op[_E_AT], outcome,
-                                 invocation_id, live.segment))
+            batch.closes.append((ended_at or at, outcome, invocation_id, live.segment))
 
 
 Execute = Callable[[str, list[Sequence[Any]]], int]
