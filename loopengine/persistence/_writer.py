@@ -185,7 +185,6 @@ class Writer(_Writer):
         conn = sqlite3.connect(self.name, timeout=self._busy_timeout, isolation_level=None,
                                cached_statements=512, check_same_thread=False)
         try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
             mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0])
             if mode != "wal":
                 raise Refused(f"{self.name}: the ledger needs WAL journaling, and this "
