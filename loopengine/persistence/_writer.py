@@ -151,6 +151,8 @@ def _build_sql(kind: str, rows: int) -> str:
 # four times as many, its checkpointer thread makes it.
 CHECKPOINT_COMMITS: Final = 256
 CHECKPOINT_WRITES: Final = 4096
+CHECKPOINT_INTERVAL: Final = 0.1
+"""The checkpointer's shortest wait between two checkpoints, in seconds."""
 
 
 class Writer(_Writer):
@@ -173,7 +175,6 @@ class Writer(_Writer):
     def __init__(self, path: str, max_retained: int, busy_timeout: float) -> None:
         super().__init__(path, max_retained)
         self._busy_timeout = busy_timeout
-        self._checkpoint = (CHECKPOINT_COMMITS, CHECKPOINT_WRITES)  # read when it opens
         self._checkpointed = (0, 0)
         """The commits and writes counted at the last checkpoint."""
         self._conn: sqlite3.Connection | None = None
@@ -259,8 +260,7 @@ class Writer(_Writer):
         """
         commits = self.commits - self._checkpointed[0]
         writes = self.writes - self._checkpointed[1]
-        every_commits, every_writes = self._checkpoint
-        if commits < every_commits and writes < every_writes:
+        if commits < CHECKPOINT_COMMITS and writes < CHECKPOINT_WRITES:
             return
         if not waiting():
             self._checkpointed = (self.commits, self.writes)
@@ -269,7 +269,7 @@ class Writer(_Writer):
                 self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
             except sqlite3.Error:
                 pass  # a checkpoint is an optimisation; the next one retries
-        elif commits >= 4 * every_commits or writes >= 4 * every_writes:
+        elif commits >= 4 * CHECKPOINT_COMMITS or writes >= 4 * CHECKPOINT_WRITES:
             self._checkpointed = (self.commits, self.writes)
             assert self._checkpointer is not None
             self._checkpointer.poke()
@@ -281,13 +281,12 @@ class _Checkpointer:
     The writer pokes it when a checkpoint is overdue while writes keep
     arriving (otherwise the writer checkpoints itself). A passive checkpoint
     never blocks writers or readers; it copies what no reader still needs, at
-    most every ``interval`` seconds.
+    most every `CHECKPOINT_INTERVAL` seconds.
     """
 
-    def __init__(self, path: str, busy_timeout: float, interval: float = 0.1) -> None:
+    def __init__(self, path: str, busy_timeout: float) -> None:
         self._path = path
         self._busy_timeout = busy_timeout
-        self._interval = interval
         self._wanted = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"loopengine-checkpoint:{path}",
@@ -319,7 +318,7 @@ class _Checkpointer:
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                 except sqlite3.Error:
                     pass  # a checkpoint is an optimisation; the next one retries
-                if self._stopping.wait(self._interval):
+                if self._stopping.wait(CHECKPOINT_INTERVAL):
                     return
         finally:
             conn.close()
