@@ -89,6 +89,9 @@ SEGMENT_OPEN: Final = ("invocation_id", "ordinal", "started_at")
 """The columns a segment's row is inserted with."""
 SEGMENT_CLOSE: Final = ("ended_at", "outcome")
 """The columns closing a segment sets (then ``invocation_id`` and ``ordinal``)."""
+INSERTS: Final = {"start": ("invocations", INVOCATION_INSERT),
+                  "dispatch": ("attempts", ATTEMPT_INSERT), "open": ("segments", SEGMENT_OPEN)}
+"""The table and columns of each kind of row a batch inserts."""
 # (FLUSH, op_id) carries nothing: it only waits for what was queued before it.
 
 DELTA_COLUMNS: Final = ("attempt_count", "attempts_retained", "incomplete", "input_tokens",

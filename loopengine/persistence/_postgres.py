@@ -290,7 +290,7 @@ class PostgresWriter(Writer):
         self.marker = "%s"
         self.errors = (psycopg.Error, OverflowError, TypeError, ValueError)
         self._ledger = ledger
-        self._sql = {kind: _statement(kind).as_string() for kind in _KINDS}
+        self._sql = {kind: _statement(kind) for kind in _KINDS}
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
         self._xid: int | None = None
         """The open transaction's id (`committed` asks the server about it)."""
@@ -481,63 +481,51 @@ def rows_json(rows: Sequence[Sequence[Any]]) -> str:
 _KINDS: Final = ("start", "dispatch", "settle", "add", "end", "open", "close")
 
 
-def _statement(kind: str) -> sql.Composable:
+def _statement(kind: str) -> str:
     """The statement that writes every row of ``kind`` at once (`_planner.Batch` row
-    order), its one parameter the rows as a JSON array of arrays (`_rows_json`)."""
-    from psycopg import sql  # noqa: F811  # imported for typing only above
-
+    order), its one parameter the rows as a JSON array of arrays (`rows_json`)."""
     from loopengine.persistence._postgres_schema import column_type
 
-    def source(columns: Sequence[str], types: Sequence[str]) -> sql.Composable:
+    def source(columns: Sequence[str], types: Sequence[str] = ()) -> str:
         # One JSON text for all the rows, not an array parameter per column:
         # the json module encodes a batch in a third of the CPU psycopg takes
         # to adapt its values one by one (1.4 against 4.5 ms for 500 settles),
         # and the writer's CPU, shared with the event loop, is what limits it
         # under many concurrent runs. One row costs what plain parameters do.
-        values = sql.SQL(", ").join(
-            sql.SQL(f"(e ->> {n})::{t} AS {{}}").format(sql.Identifier(c))
-            for n, (c, t) in enumerate(zip(columns, types, strict=True)))
-        return sql.SQL("(SELECT {} FROM jsonb_array_elements(%s::jsonb) AS e) AS v").format(
-            values)
+        values = ", ".join(f"(e ->> {n})::{t} AS {c}" for n, (c, t) in enumerate(
+            zip(columns, types or map(column_type, columns), strict=True)))
+        return f"(SELECT {values} FROM jsonb_array_elements(%s::jsonb) AS e) AS v"
 
-    def sets(columns: Sequence[str], value: str = "v.{0}") -> sql.Composable:
-        return sql.SQL(", ").join(sql.SQL(f"{c} = {value.format(c)}") for c in columns)
+    def sets(columns: Sequence[str]) -> str:
+        return ", ".join(f"{c} = v.{c}" for c in columns)
 
-    columns: tuple[str, ...]
-    if kind in ("start", "dispatch", "open"):
-        table, columns = {"start": ("invocations", _planner.INVOCATION_INSERT),
-                          "dispatch": ("attempts", _planner.ATTEMPT_INSERT),
-                          "open": ("segments", _planner.SEGMENT_OPEN)}[kind]
-        return sql.SQL("INSERT INTO {} ({}) SELECT * FROM {}").format(
-            sql.Identifier(table), sql.SQL(", ").join(map(sql.Identifier, columns)),
-            source(columns, [column_type(c) for c in columns]))
+    if kind in _planner.INSERTS:
+        table, columns = _planner.INSERTS[kind]
+        return f"INSERT INTO {table} ({', '.join(columns)}) SELECT * FROM {source(columns)}"
     if kind == "settle":
-        columns = (*_planner.ATTEMPT_SETTLE, "invocation_id", "ordinal")
-        return sql.SQL("UPDATE attempts AS a SET {} FROM {} WHERE a.invocation_id = "
-                       "v.invocation_id AND a.ordinal = v.ordinal AND a.outcome = 'dispatched'"
-                       ).format(sets(_planner.ATTEMPT_SETTLE),
-                                source(columns, [column_type(c) for c in columns]))
+        return (f"UPDATE attempts AS a SET {sets(_planner.ATTEMPT_SETTLE)} FROM "
+                f"{source((*_planner.ATTEMPT_SETTLE, 'invocation_id', 'ordinal'))} WHERE "
+                "a.invocation_id = v.invocation_id AND a.ordinal = v.ordinal "
+                "AND a.outcome = 'dispatched'")
     if kind == "add":
         # Increments, never absolute values: right whoever else wrote the row.
-        columns = (*_planner.DELTA_COLUMNS, "id")
-        totals = [f"{c} = GREATEST(i.{c}, v.{c})" if n == _planner.INCOMPLETE
-                  else f"{c} = i.{c} + v.{c}" for n, c in enumerate(_planner.DELTA_COLUMNS)]
-        return sql.SQL("UPDATE invocations AS i SET {} FROM {} WHERE i.id = v.id").format(
-            sql.SQL(", ".join(totals)),
-            source(columns, ["bigint"] * len(_planner.DELTA_COLUMNS) + ["text"]))
+        totals = ", ".join(f"{c} = GREATEST(i.{c}, v.{c})" if n == _planner.INCOMPLETE
+                           else f"{c} = i.{c} + v.{c}"
+                           for n, c in enumerate(_planner.DELTA_COLUMNS))
+        values = source((*_planner.DELTA_COLUMNS, "id"),
+                        ["bigint"] * len(_planner.DELTA_COLUMNS) + ["text"])
+        return f"UPDATE invocations AS i SET {totals} FROM {values} WHERE i.id = v.id"
     if kind == "close":
-        columns = (*_planner.SEGMENT_CLOSE, "invocation_id", "ordinal")
-        return sql.SQL("UPDATE segments AS s SET {} FROM {} WHERE s.invocation_id = "
-                       "v.invocation_id AND s.ordinal = v.ordinal").format(
-            sets(_planner.SEGMENT_CLOSE), source(columns, [column_type(c) for c in columns]))
+        return (f"UPDATE segments AS s SET {sets(_planner.SEGMENT_CLOSE)} FROM "
+                f"{source((*_planner.SEGMENT_CLOSE, 'invocation_id', 'ordinal'))} WHERE "
+                "s.invocation_id = v.invocation_id AND s.ordinal = v.ordinal")
     assert kind == "end"
     # What the row must still be (`_planner.END_SET`): a compare-and-set.
-    columns = (*_planner.END_SET, "expect_outcome", "expect_seal", "id")
-    return sql.SQL("UPDATE invocations AS i SET {} FROM {} WHERE i.id = v.id AND "
-                   "(v.expect_seal IS NULL OR (i.outcome = v.expect_outcome AND "
-                   "COALESCE(i.pause_seal, '') = v.expect_seal))").format(sets(_planner.END_SET),
-                            source(columns, [*map(column_type, _planner.END_SET), "text",
-                                             "text", column_type("id")]))
+    values = source((*_planner.END_SET, "expect_outcome", "expect_seal", "id"),
+                    [*map(column_type, _planner.END_SET), "text", "text", "text"])
+    return (f"UPDATE invocations AS i SET {sets(_planner.END_SET)} FROM {values} WHERE "
+            "i.id = v.id AND (v.expect_seal IS NULL OR (i.outcome = v.expect_outcome "
+            "AND COALESCE(i.pause_seal, '') = v.expect_seal))")
 
 
 def _describe_server(params: dict[str, Any], schema: str | None) -> str:

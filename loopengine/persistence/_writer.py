@@ -95,18 +95,13 @@ def _padded(rows: int) -> int:
     return -(-rows // step) * step
 
 
-_INSERTS: Final = {"start": ("invocations", INVOCATION_INSERT),
-                   "dispatch": ("attempts", ATTEMPT_INSERT),
-                   "open": ("segments", _planner.SEGMENT_OPEN)}
-
-
 def _build_sql(kind: str, rows: int) -> str:
     """The statement writing ``rows`` rows of ``kind`` (padding rows have NULL keys)."""
     width = _WIDTH[kind]
     row = "(" + ", ".join("?" * width) + ")"
     values = ", ".join([row] * rows)
-    if kind in ("start", "dispatch", "open"):
-        table, columns = _INSERTS[kind]
+    if kind in _planner.INSERTS:
+        table, columns = _planner.INSERTS[kind]
         if rows == 1:
             return f"INSERT INTO {table} ({', '.join(columns)}) VALUES {values}"
         return (f"INSERT INTO {table} ({', '.join(columns)}) "
