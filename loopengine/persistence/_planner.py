@@ -184,12 +184,12 @@ class Known:
 
 
 KNOWN_QUERIES: Final = (
-    "SELECT attempts_retained, outcome FROM invocations WHERE id = {}",
-    "SELECT ordinal FROM attempts WHERE invocation_id = {} AND outcome = 'dispatched'",
-    "SELECT ordinal, outcome, ended_at FROM segments WHERE invocation_id = {} "
+    "SELECT attempts_retained, outcome FROM invocations WHERE id = ?",
+    "SELECT ordinal FROM attempts WHERE invocation_id = ? AND outcome = 'dispatched'",
+    "SELECT ordinal, outcome, ended_at FROM segments WHERE invocation_id = ? "
     "ORDER BY ordinal DESC LIMIT 1",
 )
-"""What `read_known` asks, ``{}`` standing for the store's parameter marker."""
+"""What `read_known` asks (``?``: the invocation's id)."""
 
 
 def read_known(rows: Callable[[str], Sequence[Sequence[Any]]]) -> Known | None:
@@ -215,8 +215,8 @@ PROGRESS_USAGE: Final = ("input_tokens", "output_tokens", "cache_read_tokens",
                          "web_fetch_requests", "reasoning_tokens")
 """The usage totals `read_progress` reads after them (`Usage`'s field names)."""
 PROGRESS_QUERY: Final = (f"SELECT {', '.join(PROGRESS_COLUMNS + PROGRESS_USAGE)} "
-                         "FROM invocations WHERE id = {}")
-"""What `read_progress` asks, ``{}`` standing for the store's parameter marker."""
+                         "FROM invocations WHERE id = ?")
+"""What `read_progress` asks (``?``: the invocation's id)."""
 
 
 def read_progress(rows: Callable[[str], Sequence[Sequence[Any]]]) -> InvocationProgress | None:

@@ -20,7 +20,7 @@ import os
 import select
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio.to_thread
 
@@ -54,8 +54,6 @@ _UNAVAILABLE: Final = ("08", "53", "57", "58")
 """SQLSTATE classes that mean the server cannot serve for now, whatever is asked
 (the connection, its resources, an operator's intervention, the system), so
 the writes wait for it instead of failing (`PostgresWriter.lost`)."""
-
-T = TypeVar("T")
 
 _TCP_CHECKS: Final[dict[str, Callable[[float], int]]] = {
     "keepalives": lambda timeout: 1,
@@ -112,12 +110,6 @@ class PostgresLedger(ThreadedLedger):
         ConfigError: an argument is invalid (``.field`` names it).
         LedgerError: psycopg is not installed (the ``postgres`` extra).
     """
-
-    _marker = "%s"  # psycopg's parameter marker, for `read_progress`
-
-    async def _transact_qmark(self, work: Callable[[Any], T], failure: str) -> T:
-        """`_transact`, ``work`` given the connection as `QmarkConnection`."""
-        return await self._transact(lambda conn: work(QmarkConnection(conn)), failure)
 
     def __init__(
         self,
@@ -287,13 +279,16 @@ class PostgresWriter(Writer):
         import psycopg
 
         super().__init__(ledger.name, ledger.max_retained_attempts)
-        self.marker = "%s"
         self.errors = (psycopg.Error, OverflowError, TypeError, ValueError)
         self._ledger = ledger
         self._sql = {kind: _statement(kind) for kind in _KINDS}
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
         self._xid: int | None = None
         """The open transaction's id (`committed` asks the server about it)."""
+
+    def qmark(self) -> QmarkConnection:
+        """The connection as `QmarkConnection`."""
+        return QmarkConnection(self._conn)
 
     def run_calls(self, calls: Sequence[Call]) -> None:
         """`Writer.run_calls`, on a new session when the server ended this one while

@@ -99,14 +99,17 @@ class Writer(Store):
 
     _conn: Any = None
     """The connection (once `Store.begin` has made sure of one)."""
-    marker = "?"
-    """The connection's parameter marker."""
+
+    def qmark(self) -> Any:
+        """The connection as SQL written with SQLite's ``?`` parameters expects it
+        (the SQL of the calls, the accounts' and the run store's, is written once,
+        with them)."""
+        return self._conn
 
     def load(self, invocation_id: str) -> Known | None:
         """The committed state of an invocation another ledger started (or forgotten)."""
-        conn = self._conn
-        return read_known(
-            lambda sql: conn.execute(sql.format(self.marker), (invocation_id,)).fetchall())
+        conn = self.qmark()
+        return read_known(lambda sql: conn.execute(sql, (invocation_id,)).fetchall())
 
     def run_calls(self, calls: Sequence[Call]) -> None:
         """Run ``calls`` on the connection, each in a savepoint of one transaction
@@ -132,7 +135,7 @@ class Writer(Store):
                 call.result = call.error = None
                 self.savepoint(first=index == 0)
                 try:
-                    call.result = call.work(self._conn)
+                    call.result = call.work(self.qmark())
                 except Exception as error:
                     self._conn.execute("ROLLBACK TO SAVEPOINT loopengine_call")
                     fail(call, error)
@@ -189,25 +192,25 @@ class Writer(Store):
         if not (batch.starts or batch.dispatches or batch.settles or batch.deltas
                 or batch.ends):
             return True  # it wrote nothing: committed or not, the same
-        conn, marker = self._conn, self.marker
+        conn = self.qmark()
         if batch.starts:
-            found = conn.execute(f"SELECT 1 FROM invocations WHERE id = {marker}",
+            found = conn.execute("SELECT 1 FROM invocations WHERE id = ?",
                                  (batch.starts[0][0],)).fetchall()
             return bool(found)
         elif batch.dispatches:
             row = batch.dispatches[0]
-            found = conn.execute(f"SELECT 1 FROM attempts WHERE invocation_id = {marker} "
-                                 f"AND ordinal = {marker}", (row[0], row[1])).fetchall()
+            found = conn.execute("SELECT 1 FROM attempts WHERE invocation_id = ? "
+                                 "AND ordinal = ?", (row[0], row[1])).fetchall()
             return bool(found)
         elif batch.settles:
             row = batch.settles[0]
-            found = conn.execute(f"SELECT outcome FROM attempts WHERE invocation_id = {marker} "
-                                 f"AND ordinal = {marker}", (row[-2], row[-1])).fetchall()
+            found = conn.execute("SELECT outcome FROM attempts WHERE invocation_id = ? "
+                                 "AND ordinal = ?", (row[-2], row[-1])).fetchall()
             return bool(found) and found[0][0] != "dispatched"
         elif batch.ends:
             end = batch.ends[0]
-            found = conn.execute(f"SELECT outcome, pause_seal FROM invocations "
-                                 f"WHERE id = {marker}", (end[-1],)).fetchall()
+            found = conn.execute("SELECT outcome, pause_seal FROM invocations WHERE id = ?",
+                                 (end[-1],)).fetchall()
             # The outcome it wrote, and the seal: a pause's, or the token of
             # the resume that wrote ``running`` back (another resume's differs).
             seal = end[END_SET.index("pause_seal")]
@@ -236,8 +239,6 @@ class ThreadedLedger:
 
     _label: str
     """How the ledger is named in messages (its file, its server)."""
-    _marker = "?"
-    """Its connection's parameter marker (the writer's `Writer.marker`)."""
 
     def _setup(self, label: str, max_retained: int, linger: float, max_batch: int,
                give_up: float) -> None:
@@ -354,13 +355,10 @@ class ThreadedLedger:
         Raises:
             LedgerError: the database could not be read.
         """
-        marker = self._marker
-
         def work(conn: Any) -> InvocationProgress | None:
-            return read_progress(lambda sql: conn.execute(sql.format(marker),
-                                                          (invocation_id,)).fetchall())
+            return read_progress(lambda sql: conn.execute(sql, (invocation_id,)).fetchall())
 
-        return await self._transact(work, "the invocation could not be read")
+        return await self._transact_qmark(work, "the invocation could not be read")
 
     async def flush(self) -> None:
         """Wait until every write queued so far is committed.
@@ -521,14 +519,10 @@ class ThreadedLedger:
             raise LedgerError(self._broken or f"{self._label}: the ledger is closed")
 
     async def _transact_qmark(self, work: Callable[[Any], T], failure: str) -> T:
-        """`_transact`, ``work`` given a connection taking SQLite's ``?``
-        parameters on every store (the accounts' and the run store's SQL is
-        written once, with them)."""
-        return await self._transact(work, failure)
-
-    async def _transact(self, work: Callable[[Any], T], failure: str) -> T:
         """Run ``work(connection)`` in a transaction of its own on the writer's
         connection, between two batches; return its result or raise its error.
+        The connection takes SQLite's ``?`` parameters on every store
+        (`Writer.qmark`).
 
         A cancelled caller stops waiting; the transaction, once queued, still
         runs and ends in the thread.
