@@ -16,7 +16,7 @@ from typing import TypeAlias
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._audit_postgres import PostgresReader, is_postgres_url
-from loopengine.persistence._schema import SCHEMA_TABLE, SCHEMA_VERSION, supplied_columns
+from loopengine.persistence._schema import SCHEMA_TABLE, check_not_newer, supplied_columns
 
 __all__ = ["AuditConnection", "describe_value", "has_column", "has_table", "open_ledger"]
 
@@ -149,11 +149,7 @@ def _check_ledger(conn: sqlite3.Connection, file: Path, wal_blocks: str | None) 
             raise LedgerError(f"{file} cannot be read by this user: {wal_blocks}") from None
         raise LedgerError(f"{file} cannot be read: {error}") from None
     try:
-        version = _schema_version(conn, file, kinds.get(SCHEMA_TABLE))
-        if version > SCHEMA_VERSION:
-            raise LedgerError(
-                f"{file} has ledger schema version {version}, newer than this loopengine "
-                f"understands ({SCHEMA_VERSION}); upgrade loopengine to read it")
+        check_not_newer(str(file), _schema_version(conn, file, kinds.get(SCHEMA_TABLE)))
         # A ledger older than the later migrations lacks their columns: it is
         # read through a temporary view of each table that supplies them (the
         # file itself is never written), so every query reads one schema.

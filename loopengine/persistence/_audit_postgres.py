@@ -19,7 +19,7 @@ from decimal import Decimal
 from typing import Any
 
 from loopengine._errors import LedgerError
-from loopengine.persistence._schema import SCHEMA_VERSION, format_time, supplied_columns
+from loopengine.persistence._schema import check_not_newer, format_time, supplied_columns
 
 __all__ = ["PostgresReader", "display_name", "is_postgres_url"]
 
@@ -132,11 +132,7 @@ class PostgresReader:
                 raise LedgerError(f"{name} holds no loopengine ledger{where} (no "
                                   "loopengine_schema table)")
             row = reader.execute("SELECT MAX(version) FROM loopengine_schema").fetchone()
-            version = int(row[0]) if row and row[0] is not None else 0
-            if version > SCHEMA_VERSION:
-                raise LedgerError(f"{name} has ledger schema version {version}, newer than "
-                                  f"this loopengine understands ({SCHEMA_VERSION}); upgrade "
-                                  "loopengine")
+            check_not_newer(name, int(row[0]) if row and row[0] is not None else 0)
             reader._supply_later_columns()
             pg.commit()
             # The snapshot every query of the command reads.

@@ -33,8 +33,9 @@ from loopengine.persistence._schema import (
     TABLES,
     USAGE_VECTOR,
     Migration,
-    _newer,
+    check_not_newer,
     history,
+    refuse_clash,
 )
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "column_type", "migrate", "schema_version"]
@@ -129,14 +130,12 @@ def migrate(
     known = migrations[-1].version if migrations else 0
     with conn.transaction():
         version = schema_version(conn)
-    if version is not None and version > known:
-        raise LedgerError(_newer(name, version, known))
+    check_not_newer(name, version, known)
     if version == known:
         return version
     for migration in migrations:
         version = _apply(conn, migration, schema, name)
-        if version > known:
-            raise LedgerError(_newer(name, version, known))
+        check_not_newer(name, version, known)
     return version if version is not None else 0
 
 
@@ -155,15 +154,9 @@ def _apply(conn: psycopg.Connection[tuple[object, ...]], migration: Migration,
                              (_LOCK_CLASS,))
             version = schema_version(conn)
             if version is None:
-                clash = conn.execute(
+                refuse_clash(name, conn.execute(
                     "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() "
-                    "AND tablename IN ('invocations', 'attempts') ORDER BY tablename"
-                ).fetchall()
-                if clash:
-                    names = ", ".join(str(r[0]) for r in clash)
-                    raise LedgerError(
-                        f"{name} is not a loopengine ledger: it has tables named {names} but "
-                        f"no {SCHEMA_TABLE} table")
+                    "AND tablename IN ('invocations', 'attempts')").fetchall())
                 conn.execute(f"CREATE TABLE {SCHEMA_TABLE} (version integer PRIMARY KEY, "
                              "name text NOT NULL, applied_at timestamptz NOT NULL)")
                 version = 0

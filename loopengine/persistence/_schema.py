@@ -33,8 +33,11 @@ __all__ = [
     "SCHEMA_VERSION",
     "USAGE_COLUMNS",
     "Migration",
+    "check_not_newer",
     "format_time",
+    "history",
     "migrate",
+    "refuse_clash",
     "schema_version",
     "stored_time",
 ]
@@ -424,35 +427,43 @@ def migrate(
     try:
         version = schema_version(conn)
         if version is None:
-            clash = conn.execute(
+            refuse_clash(path, conn.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table' "
-                "AND name IN ('invocations', 'attempts')"
-            ).fetchall()
-            if clash:
-                names = ", ".join(sorted(r[0] for r in clash))
-                raise LedgerError(
-                    f"{path} is not a loopengine ledger: it has tables named {names} but no "
-                    f"{SCHEMA_TABLE} table"
-                )
-        if version is not None and version > known:
-            raise LedgerError(_newer(path, version, known))
-        if version is not None and version == known:
+                "AND name IN ('invocations', 'attempts')").fetchall())
+        check_not_newer(path, version, known)
+        if version == known:
             return version
         for migration in migrations:
             _apply(conn, migration, path)
         version = schema_version(conn) or 0
-        if version > known:
-            raise LedgerError(_newer(path, version, known))
+        check_not_newer(path, version, known)
         return version
     except sqlite3.DatabaseError as error:
         raise LedgerError(f"{path} could not be opened as a ledger: {error}") from error
 
 
-def _newer(path: str, version: int, known: int) -> str:
-    return (
-        f"{path} has ledger schema version {version}, newer than this loopengine "
-        f"understands ({known}); upgrade loopengine to use it"
-    )
+def check_not_newer(name: str, version: int | None, known: int = SCHEMA_VERSION) -> None:
+    """Refuse a ledger whose schema ``version`` is newer than ``known`` (this code's).
+
+    Raises:
+        LedgerError: it is newer.
+    """
+    if version is not None and version > known:
+        raise LedgerError(f"{name} has ledger schema version {version}, newer than this "
+                          f"loopengine understands ({known}); upgrade loopengine to use it")
+
+
+def refuse_clash(name: str, clash: Sequence[Sequence[Any]]) -> None:
+    """Refuse a database without a ledger's schema table whose tables ``clash``
+    (their names, one a row) with a ledger's.
+
+    Raises:
+        LedgerError: some do.
+    """
+    if clash:
+        names = ", ".join(sorted(str(r[0]) for r in clash))
+        raise LedgerError(f"{name} is not a loopengine ledger: it has tables named {names} "
+                          f"but no {SCHEMA_TABLE} table")
 
 
 def _apply(conn: sqlite3.Connection, migration: Migration, path: str) -> None:
