@@ -19,6 +19,7 @@ from decimal import Decimal
 from typing import Any
 
 from loopengine._errors import LedgerError
+from loopengine.persistence._qmark import percent_s
 from loopengine.persistence._schema import check_not_newer, format_time, supplied_columns
 
 __all__ = ["PostgresReader", "display_name", "is_postgres_url"]
@@ -173,11 +174,9 @@ class PostgresReader:
         """
         import psycopg
 
-        # psycopg's placeholders are %s, so a literal % is written %%.
-        text = query.replace("%", "%%").replace("?", "%s")
         try:
             cursor = self._pg.cursor(row_factory=_row_factory)
-            return cursor.execute(text, tuple(parameters))
+            return cursor.execute(percent_s(query), tuple(parameters))
         except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
             raise LedgerError(f"{self.name}: cannot read the ledger: {error}") from None
 

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["QmarkConnection"]
+__all__ = ["QmarkConnection", "percent_s"]
+
+
+def percent_s(statement: str) -> str:
+    """``statement``, written with ``?`` parameters, as psycopg reads it: each
+    ``?`` spelled ``%s``, a literal ``%`` doubled."""
+    return statement.replace("%", "%%").replace("?", "%s")
 
 
 class QmarkConnection:
@@ -24,5 +30,5 @@ class QmarkConnection:
         self._conn = conn
 
     def execute(self, statement: str, parameters: tuple[Any, ...] = ()) -> Any:
-        """Run ``statement`` with ``?`` markers spelled ``%s``."""
-        return self._conn.execute(statement.replace("?", "%s"), parameters)
+        """Run ``statement`` with ``?`` markers (`percent_s`)."""
+        return self._conn.execute(percent_s(statement), parameters)
