@@ -93,7 +93,7 @@ class MemoryLedger:
                           _planner.PROGRESS_COLUMNS + _planner.PROGRESS_USAGE]])
 
     def _commit(self, op: _planner.Op) -> None:
-        for _, message in self._rows.commit([op]):
+        for _, message in self._rows.planner.commit([op]):
             raise LedgerError(message)
 
 

@@ -244,8 +244,9 @@ def usage_counts(counts: Iterable[int]) -> Usage:
 
 
 class Store:
-    """What a store supplies to the planner, and the planner it writes under: its
-    transaction and its statements (a subclass supplies every method but `commit`).
+    """What a store supplies to the planner, and the planner it writes under
+    (``planner``, whose `Planner.commit` writes through it): its transaction and
+    its statements (a subclass supplies every method).
 
     ``begin``, ``load``, ``execute`` and ``finish`` raise one of ``errors`` when
     the database fails them; the planner then calls ``abort``.
@@ -261,21 +262,6 @@ class Store:
     def __init__(self, name: str, max_retained: int) -> None:
         self.name = name
         self.planner = Planner(self, max_retained)
-
-    @property
-    def commits(self) -> int:
-        """Transactions committed."""
-        return self.planner.commits
-
-    @property
-    def writes(self) -> int:
-        """Ops committed (starts, dispatches, settles, ends)."""
-        return self.planner.writes
-
-    def commit(self, ops: Sequence[Op]) -> list[tuple[int, str]]:
-        """Write ``ops`` in one transaction (when a write fails, each on its own);
-        return the durable ops refused, as ``(op_id, message)``."""
-        return self.planner.commit(ops)
 
     def begin(self) -> None:
         """Open the transaction (taking the write lock, if the store has one)."""

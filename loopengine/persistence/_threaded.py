@@ -372,13 +372,13 @@ class ThreadedLedger:
     def commits(self) -> int:
         """Transactions this ledger has committed (each one durable commit)."""
         self._check_fork()
-        return self._writer.commits if self._writer is not None else 0
+        return self._writer.planner.commits if self._writer is not None else 0
 
     @property
     def writes(self) -> int:
         """Writes (starts, dispatches, settles, ends) this ledger has committed."""
         self._check_fork()
-        return self._writer.writes if self._writer is not None else 0
+        return self._writer.planner.writes if self._writer is not None else 0
 
     @property
     def reconnects(self) -> int:
@@ -617,7 +617,7 @@ class ThreadedLedger:
             writer = self._writer
             assert writer is not None
             try:
-                return refused + writer.commit(pending)
+                return refused + writer.planner.commit(pending)
             except Lost as lost:
                 refused += lost.refused
                 try:
@@ -667,7 +667,7 @@ class ThreadedLedger:
         finally:
             old.close()
         new = self._new_writer()
-        new.planner.commits, new.planner.writes = old.commits, old.writes
+        new.planner.commits, new.planner.writes = old.planner.commits, old.planner.writes
         self._writer = new
 
     def _recover(self, lost: Lost, waiting: int) -> bool:

@@ -153,8 +153,8 @@ CHECKPOINT_INTERVAL: Final = 0.1
 class Writer(_Writer):
     """The connection that turns ops into rows: SQLite's `_planner.Store`.
 
-    `open` raises `sqlite3.Error` or `Refused`; `commit` never raises for a
-    write it refuses: it reports it.
+    `open` raises `sqlite3.Error` or `Refused`; its planner's commit never raises
+    for a write it refuses: it reports it.
 
     Args:
         path: The ledger's file (its schema already current).
@@ -253,19 +253,19 @@ class Writer(_Writer):
         the checkpointer's thread (which seldom catches up with the last
         commit while commits keep coming, hence the preference for here).
         """
-        commits = self.commits - self._checkpointed[0]
-        writes = self.writes - self._checkpointed[1]
+        commits = self.planner.commits - self._checkpointed[0]
+        writes = self.planner.writes - self._checkpointed[1]
         if commits < CHECKPOINT_COMMITS and writes < CHECKPOINT_WRITES:
             return
         if not waiting():
-            self._checkpointed = (self.commits, self.writes)
+            self._checkpointed = (self.planner.commits, self.planner.writes)
             assert self._conn is not None
             try:
                 self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
             except sqlite3.Error:
                 pass  # a checkpoint is an optimisation; the next one retries
         elif commits >= 4 * CHECKPOINT_COMMITS or writes >= 4 * CHECKPOINT_WRITES:
-            self._checkpointed = (self.commits, self.writes)
+            self._checkpointed = (self.planner.commits, self.planner.writes)
             assert self._checkpointer is not None
             self._checkpointer.poke()
 
