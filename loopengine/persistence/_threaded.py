@@ -160,12 +160,6 @@ class Writer(Store):
             self._conn.execute("RELEASE SAVEPOINT loopengine_call")
         self._conn.execute("SAVEPOINT loopengine_call")
 
-    def reconnect(self) -> None:
-        """Make sure of a connection again after `Store.lost` (raises one of
-        ``errors`` while the database still cannot be reached)."""
-        self.begin()
-        self.abort()
-
     def committed(self, lost: Lost) -> bool | None:
         """Whether the transaction of ``lost``, whose commit was under way when the
         connection was lost, committed: read on the new connection. None: not
@@ -699,7 +693,10 @@ class ThreadedLedger:
                 self._close_requested.wait(pause)
             delay = min(max(2 * delay, _FIRST_RETRY), _LONGEST_RETRY)
             try:
-                writer.reconnect()
+                # A connection again (raises one of ``errors`` while the
+                # database still cannot be reached).
+                writer.begin()
+                writer.abort()
                 committed = writer.committed(lost) if lost.uncertain else False
             except Refused:
                 writer.abort()
