@@ -40,6 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 
@@ -75,20 +76,18 @@ T = TypeVar("T")
 logger = logging.getLogger("loopengine")
 
 
+@dataclass(slots=True)
 class Call:
     """A transaction of the ledger's database other than a batch of ops (a credit
     account's): ``work(connection)``, run by the writer thread in its own
     transaction; its result or exception goes back to the awaiting caller."""
 
-    __slots__ = ("error", "failure", "result", "waiter", "work")
-
-    def __init__(self, work: Callable[[Any], Any], failure: str, waiter: Waiter) -> None:
-        self.work = work
-        self.failure = failure
-        """What a database error means to the caller, for its `LedgerError`."""
-        self.waiter = waiter
-        self.result: Any = None
-        self.error: BaseException | None = None
+    work: Callable[[Any], Any]
+    failure: str
+    """What a database error means to the caller, for its `LedgerError`."""
+    waiter: Waiter = field(default_factory=Waiter)
+    result: Any = None
+    error: BaseException | None = None
 
 
 class Writer(Store):
@@ -528,7 +527,7 @@ class ThreadedLedger:
         """
         if self._writer is None:
             await self._open()
-        call = Call(work, failure, Waiter())
+        call = Call(work, failure)
         with self._lock:
             closed = self._closing and self._pid == os.getpid()
             if not closed:
