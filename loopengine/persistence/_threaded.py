@@ -299,9 +299,7 @@ class ThreadedLedger:
         Raises:
             LedgerError: the ledger cannot be opened, or is closed.
         """
-        if self._writer is None:
-            await self._open()
-        self._defer(start_op(record))
+        await self._defer(start_op(record))
 
     async def dispatch_attempt(self, record: AttemptDispatch) -> None:
         """Record an attempt as ``dispatched``; durable when this returns.
@@ -325,10 +323,8 @@ class ThreadedLedger:
         """
         if record.served:
             await self._durable(settle_op(record))
-            return
-        if self._writer is None:
-            await self._open()
-        self._defer(settle_op(record))
+        else:
+            await self._defer(settle_op(record))
 
     async def end_invocation(self, record: InvocationEnd) -> None:
         """Settle the invocation with its outcome; everything before is durable on return.
@@ -459,7 +455,10 @@ class ThreadedLedger:
         if self._closed:
             raise LedgerError(f"{self._label}: the ledger is closed")
 
-    def _defer(self, op: Op) -> None:
+    async def _defer(self, op: Op) -> None:
+        """Queue a deferred write, to be committed with the next durable one."""
+        if self._writer is None:
+            await self._open()
         with self._lock:
             self._check()
             self._next_id += 1
