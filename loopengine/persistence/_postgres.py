@@ -34,9 +34,8 @@ from loopengine.persistence._threaded import Call, ThreadedLedger, Writer
 
 if TYPE_CHECKING:
     import psycopg
-    from psycopg import sql
 
-__all__ = ["APPLICATION_NAME", "PostgresLedger", "connect"]
+__all__ = ["APPLICATION_NAME", "PostgresLedger"]
 
 APPLICATION_NAME: Final = "loopengine-ledger"
 """The ``application_name`` of the ledger's connections (seen in ``pg_stat_activity``)."""
@@ -180,7 +179,7 @@ class PostgresLedger(ThreadedLedger):
             # The migration's own connection, outside the writer, so that a
             # server that cannot be reached is reported with its own words.
             try:
-                conn = connect(self)
+                conn = self._connect()
             except psycopg.Error as error:
                 raise LedgerError(f"{self.name}: cannot connect: {error}") from error
             try:
@@ -202,7 +201,16 @@ class PostgresLedger(ThreadedLedger):
             raise LedgerError(f"{self.name}: cannot connect: {error}") from error
         return writer
 
-    def _connect_args(self) -> dict[str, Any]:
+    def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
+        """A new connection to the server, set up as every one of the ledger's is
+        (durable commits, UTC, the ledger's schema): the migration's, the writer's.
+
+        Raises:
+            psycopg.Error: the server cannot be reached, or refused a setting.
+        """
+        import psycopg
+        from psycopg import sql
+
         args: dict[str, Any] = {"application_name": APPLICATION_NAME,
                                 "connect_timeout": max(1, math.ceil(self._connect_timeout))}
         # A server that vanished from the network without closing the session
@@ -213,17 +221,17 @@ class PostgresLedger(ThreadedLedger):
         for name, value in _TCP_CHECKS.items():
             if name not in self._params:
                 args[name] = value(self._connect_timeout)
-        return args
-
-    def _setup_statements(self) -> list[sql.SQL | sql.Composed]:
-        """Settings of every connection: durable commits, UTC, the ledger's schema."""
-        from psycopg import sql
-
-        settings: list[sql.SQL | sql.Composed] = [sql.SQL("SET synchronous_commit = on"),
-                                                  sql.SQL("SET TimeZone = 'UTC'")]
-        if self.schema is not None:
-            settings.append(sql.SQL("SET search_path = {}").format(sql.Identifier(self.schema)))
-        return settings
+        conn = psycopg.connect(self.dsn, **args)
+        try:
+            conn.execute("SET synchronous_commit = on")
+            conn.execute("SET TimeZone = 'UTC'")
+            if self.schema is not None:
+                conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(self.schema)))
+            conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def close(self) -> None:
         """Commit what is queued, stop the writer and let go of the server.
@@ -242,26 +250,6 @@ class PostgresLedger(ThreadedLedger):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._writer else "not opened"
         return f"PostgresLedger({self.name!r}, {state})"
-
-
-def connect(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
-    """A new connection to ``ledger``'s server, set up as the writer's is (durable
-    commits, UTC, the ledger's schema), for the migration to use and close.
-
-    Raises:
-        psycopg.Error: the server cannot be reached, or refused a setting.
-    """
-    import psycopg
-
-    conn = psycopg.connect(ledger.dsn, **ledger._connect_args())
-    try:
-        for statement in ledger._setup_statements():
-            conn.execute(statement)
-        conn.commit()
-    except BaseException:
-        conn.close()
-        raise
-    return conn
 
 
 class PostgresWriter(Writer):
@@ -328,13 +316,13 @@ class PostgresWriter(Writer):
     # -- the store the planner writes through -----------------------------------------
 
     def begin(self) -> None:
-        """Make sure of a connection: the one held, else a new one (`connect`, with
-        `_WRITER_PLANS`)."""
+        """Make sure of a connection: the one held, else a new one
+        (`PostgresLedger._connect`, with `_WRITER_PLANS`)."""
         conn = self._conn
         if conn is not None and (conn.closed or conn.broken):
             self.close()
         if self._conn is None:
-            conn = connect(self._ledger)
+            conn = self._ledger._connect()
             try:
                 # Its transactions are begun by the writer (`execute`, `savepoint`):
                 # psycopg's own BEGIN would cost a round trip of its own.
