@@ -591,6 +591,46 @@ class Planner:
             batch.closes.append((ended_at or at, outcome, invocation_id, live.segment))
 
 
+ROW_COLUMNS: Final = {
+    "start": INVOCATION_INSERT, "open": SEGMENT_OPEN, "dispatch": ATTEMPT_INSERT,
+    "settle": (*ATTEMPT_SETTLE, "invocation_id", "ordinal"), "add": (*DELTA_COLUMNS, "id"),
+    "end": (*END_SET, "expect_outcome", "expect_seal", "id"),
+    "close": (*SEGMENT_CLOSE, "invocation_id", "ordinal"),
+}
+"""What each value of a `statements` row of each kind is, in order."""
+
+
+def many_rows(kind: str, source: str, greatest: str) -> str:
+    """The statement writing every row of ``kind`` at once from ``source``, a store's
+    table ``v`` of the rows (columns named as `ROW_COLUMNS` says); ``greatest`` is
+    the store's larger of two values.
+
+    Totals are increments, never absolute values, so they are right whoever else
+    wrote the row; an end is a compare-and-set (`END_SET`).
+    """
+    def sets(columns: Sequence[str]) -> str:
+        return ", ".join(f"{c} = v.{c}" for c in columns)
+
+    if kind in INSERTS:
+        table, columns = INSERTS[kind]
+        return f"INSERT INTO {table} ({', '.join(columns)}) SELECT * FROM {source}"
+    if kind == "settle":
+        return (f"UPDATE attempts AS a SET {sets(ATTEMPT_SETTLE)} FROM {source} WHERE "
+                "a.invocation_id = v.invocation_id AND a.ordinal = v.ordinal "
+                "AND a.outcome = 'dispatched'")
+    if kind == "close":
+        return (f"UPDATE segments AS s SET {sets(SEGMENT_CLOSE)} FROM {source} WHERE "
+                "s.invocation_id = v.invocation_id AND s.ordinal = v.ordinal")
+    if kind == "add":
+        totals = ", ".join(f"{c} = {greatest}(i.{c}, v.{c})" if n == INCOMPLETE
+                           else f"{c} = i.{c} + v.{c}" for n, c in enumerate(DELTA_COLUMNS))
+        return f"UPDATE invocations AS i SET {totals} FROM {source} WHERE i.id = v.id"
+    assert kind == "end"
+    return (f"UPDATE invocations AS i SET {sets(END_SET)} FROM {source} WHERE "
+            "i.id = v.id AND (v.expect_seal IS NULL OR (i.outcome = v.expect_outcome "
+            "AND COALESCE(i.pause_seal, '') = v.expect_seal))")
+
+
 Execute = Callable[[str, list[Sequence[Any]]], int]
 """``(kind, rows) -> rows changed``: one of a store's statements run for many rows."""
 

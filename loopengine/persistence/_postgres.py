@@ -465,50 +465,24 @@ _KINDS: Final = ("start", "dispatch", "settle", "add", "end", "open", "close")
 
 
 def _statement(kind: str) -> str:
-    """The statement that writes every row of ``kind`` at once (`_planner.Batch` row
-    order), its one parameter the rows as a JSON array of arrays (`rows_json`)."""
+    """The statement that writes every row of ``kind`` at once (`_planner.many_rows`),
+    its one parameter the rows as a JSON array of arrays (`rows_json`)."""
     from loopengine.persistence._postgres_schema import column_type
 
-    def source(columns: Sequence[str], types: Sequence[str] = ()) -> str:
-        # One JSON text for all the rows, not an array parameter per column:
-        # the json module encodes a batch in a third of the CPU psycopg takes
-        # to adapt its values one by one (1.4 against 4.5 ms for 500 settles),
-        # and the writer's CPU, shared with the event loop, is what limits it
-        # under many concurrent runs. One row costs what plain parameters do.
-        values = ", ".join(f"(e ->> {n})::{t} AS {c}" for n, (c, t) in enumerate(
-            zip(columns, types or map(column_type, columns), strict=True)))
-        return f"(SELECT {values} FROM jsonb_array_elements(%s::jsonb) AS e) AS v"
+    def cast(column: str) -> str:
+        if kind == "add" and column != "id":
+            return "bigint"  # a change to a total
+        return "text" if column.startswith("expect_") else column_type(column)
 
-    def sets(columns: Sequence[str]) -> str:
-        return ", ".join(f"{c} = v.{c}" for c in columns)
-
-    if kind in _planner.INSERTS:
-        table, columns = _planner.INSERTS[kind]
-        return f"INSERT INTO {table} ({', '.join(columns)}) SELECT * FROM {source(columns)}"
-    if kind == "settle":
-        return (f"UPDATE attempts AS a SET {sets(_planner.ATTEMPT_SETTLE)} FROM "
-                f"{source((*_planner.ATTEMPT_SETTLE, 'invocation_id', 'ordinal'))} WHERE "
-                "a.invocation_id = v.invocation_id AND a.ordinal = v.ordinal "
-                "AND a.outcome = 'dispatched'")
-    if kind == "add":
-        # Increments, never absolute values: right whoever else wrote the row.
-        totals = ", ".join(f"{c} = GREATEST(i.{c}, v.{c})" if n == _planner.INCOMPLETE
-                           else f"{c} = i.{c} + v.{c}"
-                           for n, c in enumerate(_planner.DELTA_COLUMNS))
-        values = source((*_planner.DELTA_COLUMNS, "id"),
-                        ["bigint"] * len(_planner.DELTA_COLUMNS) + ["text"])
-        return f"UPDATE invocations AS i SET {totals} FROM {values} WHERE i.id = v.id"
-    if kind == "close":
-        return (f"UPDATE segments AS s SET {sets(_planner.SEGMENT_CLOSE)} FROM "
-                f"{source((*_planner.SEGMENT_CLOSE, 'invocation_id', 'ordinal'))} WHERE "
-                "s.invocation_id = v.invocation_id AND s.ordinal = v.ordinal")
-    assert kind == "end"
-    # What the row must still be (`_planner.END_SET`): a compare-and-set.
-    values = source((*_planner.END_SET, "expect_outcome", "expect_seal", "id"),
-                    [*map(column_type, _planner.END_SET), "text", "text", "text"])
-    return (f"UPDATE invocations AS i SET {sets(_planner.END_SET)} FROM {values} WHERE "
-            "i.id = v.id AND (v.expect_seal IS NULL OR (i.outcome = v.expect_outcome "
-            "AND COALESCE(i.pause_seal, '') = v.expect_seal))")
+    # One JSON text for all the rows, not an array parameter per column: the
+    # json module encodes a batch in a third of the CPU psycopg takes to adapt
+    # its values one by one (1.4 against 4.5 ms for 500 settles), and the
+    # writer's CPU, shared with the event loop, is what limits it under many
+    # concurrent runs. One row costs what plain parameters do.
+    values = ", ".join(f"(e ->> {n})::{cast(c)} AS {c}"
+                       for n, c in enumerate(_planner.ROW_COLUMNS[kind]))
+    return _planner.many_rows(
+        kind, f"(SELECT {values} FROM jsonb_array_elements(%s::jsonb) AS e) AS v", "GREATEST")
 
 
 def _describe_server(params: dict[str, Any], schema: str | None) -> str:
