@@ -16,7 +16,7 @@ from typing import TypeAlias
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._audit_postgres import PostgresReader, is_postgres_url
-from loopengine.persistence._schema import SCHEMA_TABLE, check_not_newer, supplied_columns
+from loopengine.persistence._schema import SCHEMA_TABLE, check_not_newer, later_view
 
 __all__ = ["AuditConnection", "describe_value", "has_column", "has_table", "open_ledger"]
 
@@ -155,15 +155,13 @@ def _check_ledger(conn: sqlite3.Connection, file: Path, wal_blocks: str | None) 
         # file itself is never written), so every query reads one schema.
         for table in ("invocations", "attempts"):
             kind = kinds.get(table)
-            if kind != "table":
-                what = f"it has no {table} table" if kind is None else \
-                    f"{table} is a {kind}, not a table"
-                raise LedgerError(f"{file} is not a loopengine ledger: {what}")
+            if kind not in (None, "table"):
+                raise LedgerError(f"{file} is not a loopengine ledger: {table} is a {kind}, "
+                                  "not a table")
             have = {str(row[1]) for row in conn.execute(f"PRAGMA table_info({table})")}
-            supplied = supplied_columns(str(file), table, have)
-            if supplied:
-                conn.execute(f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(supplied)} "
-                             f"FROM main.{table}")
+            view = later_view(str(file), table, have, f"main.{table}")
+            if view is not None:
+                conn.execute(view)
     except sqlite3.Error as error:
         raise LedgerError(f"{file} is not a loopengine ledger ({error})") from None
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._qmark import percent_s
-from loopengine.persistence._schema import check_not_newer, format_time, supplied_columns
+from loopengine.persistence._schema import check_not_newer, format_time, later_view
 
 __all__ = ["PostgresReader", "display_name", "is_postgres_url"]
 
@@ -153,15 +153,10 @@ class PostgresReader:
         row = self.execute("SELECT current_schema()").fetchone()
         where = row[0] if row else None
         for table in ("invocations", "attempts"):
-            have = self.columns(table)
-            if not have:
-                raise LedgerError(f"{self.name} is not a loopengine ledger: it has no {table} "
-                                  "table")
-            supplied = supplied_columns(self.name, table, have)
-            if supplied:
-                self.execute(sql.SQL("CREATE TEMP VIEW {} AS SELECT *, {} FROM {}.{}").format(
-                    sql.Identifier(table), sql.SQL(", ".join(supplied)),
-                    sql.Identifier(str(where)), sql.Identifier(table)).as_string(self._pg))
+            source = sql.SQL("{}.{}").format(sql.Identifier(str(where)), sql.Identifier(table))
+            view = later_view(self.name, table, self.columns(table), source.as_string(self._pg))
+            if view is not None:
+                self.execute(view)
 
     def execute(self, query: str, parameters: Sequence[Any] = ()) -> Any:
         """Run one of the audit's queries (``?`` placeholders) in the snapshot.

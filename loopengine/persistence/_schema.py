@@ -225,20 +225,26 @@ invocations that counted none of the usage vector and hold no pause's seal,
 attempts whose usage was not read whole (NULL, as the migration leaves them)."""
 
 
-def supplied_columns(name: str, table: str, have: Collection[str]) -> list[str]:
-    """What a view of ``table`` (whose columns are ``have``) adds so that the
-    audit reads one schema: ``value AS column`` for each later column it lacks.
+def later_view(name: str, table: str, have: Collection[str], source: str) -> str | None:
+    """The statement of a temporary view of ``table`` (whose columns are ``have``,
+    read from ``source``) that supplies the later columns it lacks (``value AS
+    column``), so that the audit reads one schema; None when it lacks none.
 
     Raises:
-        LedgerError: it lacks a column every ledger has (it is no ledger).
+        LedgerError: it has no such table, or lacks a column every ledger has
+            (it is no ledger).
     """
+    if not have:
+        raise LedgerError(f"{name} is not a loopengine ledger: it has no {table} table")
     wanted = INVOCATION_COLUMNS if table == "invocations" else ATTEMPT_COLUMNS
     later = LATER_COLUMNS[table]
     missing = [c for c in wanted if c not in have and c not in later]
     if missing:
         raise LedgerError(f"{name} is not a loopengine ledger: table {table} lacks "
                           f"{', '.join(missing)}")
-    return [f"{value} AS {c}" for c, value in later.items() if c not in have]
+    supplied = [f"{value} AS {c}" for c, value in later.items() if c not in have]
+    return f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(supplied)} FROM {source}" \
+        if supplied else None
 
 
 USAGE_VECTOR = (
