@@ -20,8 +20,6 @@ from loopengine.persistence import _planner
 from loopengine.persistence._planner import Refused
 from loopengine.persistence._threaded import Writer as _Writer
 
-# UPDATE ... FROM (3.33) lets one statement update many rows.
-_UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
 _LARGEST_CHUNK = 1024
 
 
@@ -47,7 +45,7 @@ class _Statements:
         width = max(map(len, _planner.ROW_COLUMNS.values()))
         while chunk * 2 <= min(_LARGEST_CHUNK, variable_limit // width):
             chunk *= 2
-        self.largest = chunk if _UPDATE_FROM else 1
+        self.largest = chunk
         self.cursor = conn.cursor()
         """The one cursor of every write (none is made per statement)."""
         self._cache: dict[tuple[str, int], str] = {}
@@ -57,8 +55,6 @@ class _Statements:
         cursor = self.cursor
         if len(rows) == 1:
             return cursor.execute(_SINGLE[kind], rows[0]).rowcount
-        if self.largest == 1:
-            return cursor.executemany(_SINGLE[kind], rows).rowcount
         changed = 0
         width = len(_planner.ROW_COLUMNS[kind])
         for start in range(0, len(rows), self.largest):
