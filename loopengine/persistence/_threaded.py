@@ -267,9 +267,9 @@ class ThreadedLedger:
         """Every write numbered up to this is committed (or refused)."""
         self._refused: dict[int, str] = {}
         """Durable writes refused, by number, until their caller reads it."""
-        self._waiters: list[tuple[int, int, Waiter]] = []
-        """A heap of ``(write number, sequence, waiter)``."""
-        self._sequence = 0
+        self._waiters: list[tuple[int, Waiter]] = []
+        """A heap of ``(write number, waiter)``: one waiter a number, the call that
+        queued that write."""
         self._writer: Writer | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -501,8 +501,7 @@ class ThreadedLedger:
             if self._broken is not None:
                 raise LedgerError(self._broken)
             waiter = Waiter()
-            self._sequence += 1
-            heapq.heappush(self._waiters, (number, self._sequence, waiter))
+            heapq.heappush(self._waiters, (number, waiter))
         try:
             await waiter.wait()
         finally:

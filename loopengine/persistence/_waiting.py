@@ -101,13 +101,13 @@ def wake_all(waiters: list[Waiter]) -> None:
             pass
 
 
-def release(waiters: list[tuple[int, int, Waiter]], done: int | None) -> None:
+def release(waiters: list[tuple[int, Waiter]], done: int | None) -> None:
     """Pop and wake the waiters of writes numbered up to ``done`` (every one when
     None); a waiter whose call stopped waiting is dropped. Called holding the
     store's lock."""
     ready: list[Waiter] = []
     while waiters and (done is None or waiters[0][0] <= done):
-        waiter = heapq.heappop(waiters)[2]
+        waiter = heapq.heappop(waiters)[1]
         if not waiter.gone:
             ready.append(waiter)
     if ready:
