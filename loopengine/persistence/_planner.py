@@ -183,29 +183,6 @@ class Known:
     """Its last segment has not ended (it runs, or its process died)."""
 
 
-KNOWN_QUERIES: Final = (
-    "SELECT attempts_retained, outcome FROM invocations WHERE id = ?",
-    "SELECT ordinal FROM attempts WHERE invocation_id = ? AND outcome = 'dispatched'",
-    "SELECT ordinal, outcome, ended_at FROM segments WHERE invocation_id = ? "
-    "ORDER BY ordinal DESC LIMIT 1",
-)
-"""What `read_known` asks (``?``: the invocation's id)."""
-
-
-def read_known(rows: Callable[[str], Sequence[Sequence[Any]]]) -> Known | None:
-    """An invocation's committed state (`Store.load`), read through ``rows(sql)``,
-    which runs one of `KNOWN_QUERIES` for that invocation and returns its rows."""
-    found = rows(KNOWN_QUERIES[0])
-    if not found:
-        return None
-    retained, outcome = found[0]
-    unsettled = rows(KNOWN_QUERIES[1])
-    segment = rows(KNOWN_QUERIES[2])
-    last, how, ended_at = segment[0] if segment else (None, None, None)
-    return Known(int(retained), outcome not in OPEN_OUTCOMES, [int(r[0]) for r in unsettled],
-                 None if last is None else int(last), how is None and ended_at is None)
-
-
 PROGRESS_COLUMNS: Final = ("outcome", "ended_at", "turns", "tool_calls", "credits",
                            "attempt_count", "cost_nanousd", "provider_cost_nanousd",
                            "pause_seal")

@@ -51,13 +51,13 @@ from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
 from loopengine.persistence._planner import (
     END_SET,
     FLUSH,
+    OPEN_OUTCOMES,
     Batch,
     Known,
     Lost,
     Op,
     Refused,
     Store,
-    read_known,
     read_progress,
 )
 from loopengine.persistence._records import (
@@ -107,8 +107,20 @@ class Writer(Store):
 
     def load(self, invocation_id: str) -> Known | None:
         """The committed state of an invocation another ledger started (or forgotten)."""
-        conn = self.qmark()
-        return read_known(lambda sql: conn.execute(sql, (invocation_id,)).fetchall())
+        def rows(sql: str) -> list[Any]:
+            return list(self.qmark().execute(sql, (invocation_id,)).fetchall())
+
+        found = rows("SELECT attempts_retained, outcome FROM invocations WHERE id = ?")
+        if not found:
+            return None
+        retained, outcome = found[0]
+        unsettled = rows("SELECT ordinal FROM attempts WHERE invocation_id = ? "
+                         "AND outcome = 'dispatched'")
+        segment = rows("SELECT ordinal, outcome, ended_at FROM segments WHERE invocation_id = ? "
+                       "ORDER BY ordinal DESC LIMIT 1")
+        last, how, ended_at = segment[0] if segment else (None, None, None)
+        return Known(int(retained), outcome not in OPEN_OUTCOMES, [int(r[0]) for r in unsettled],
+                     None if last is None else int(last), how is None and ended_at is None)
 
     def run_calls(self, calls: Sequence[Call]) -> None:
         """Run ``calls`` on the connection, each in a savepoint of one transaction
