@@ -269,7 +269,7 @@ class PostgresWriter(Writer):
         super().__init__(ledger.name, ledger.max_retained_attempts)
         self.errors = (psycopg.Error, OverflowError, TypeError, ValueError)
         self._ledger = ledger
-        self._sql = {kind: _statement(kind) for kind in _KINDS}
+        self._sql = {kind: _statement(kind) for kind in _planner.ROW_COLUMNS}
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
         self._xid: int | None = None
         """The open transaction's id (`committed` asks the server about it)."""
@@ -459,9 +459,6 @@ def rows_json(rows: Sequence[Sequence[Any]]) -> str:
     past 64 bits, a NUL in text) fails its statement: either way the write
     fails alone once the planner retries the batch write by write."""
     return json.dumps(rows, separators=(",", ":"), allow_nan=False)
-
-
-_KINDS: Final = ("start", "dispatch", "settle", "add", "end", "open", "close")
 
 
 def _statement(kind: str) -> str:
