@@ -18,7 +18,7 @@ from loopengine._errors import LedgerError
 from loopengine.persistence._audit_postgres import PostgresReader, is_postgres_url
 from loopengine.persistence._schema import SCHEMA_TABLE, check_not_newer, later_view
 
-__all__ = ["AuditConnection", "describe_value", "has_column", "has_table", "open_ledger"]
+__all__ = ["AuditConnection", "describe_value", "has_table", "open_ledger"]
 
 AuditConnection: TypeAlias = sqlite3.Connection | PostgresReader
 """What `open_ledger` returns and every audit query reads."""
@@ -199,14 +199,6 @@ def describe_value(value: object) -> str:
         return f"an integer ({value})"
     text = repr(value)
     return f"text ({text[:40]}{'…' if len(text) > 40 else ''})"
-
-
-def has_column(conn: AuditConnection, table: str, column: str) -> bool:
-    """Whether ``table`` has ``column`` (an older ledger lacks the later ones)."""
-    if isinstance(conn, sqlite3.Connection):
-        return any(str(row[1]) == column
-                   for row in conn.execute(f"PRAGMA table_info({table})"))
-    return conn.has_column(table, column)
 
 
 def has_table(conn: AuditConnection, name: str) -> bool:

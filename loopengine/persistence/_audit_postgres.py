@@ -186,10 +186,6 @@ class PostgresReader:
             "SELECT column_name FROM information_schema.columns WHERE table_schema = "
             "current_schema() AND table_name = ?", (table,))}
 
-    def has_column(self, table: str, column: str) -> bool:
-        """Whether ``table`` in the ledger's schema has ``column``."""
-        return column in self.columns(table)
-
     def close(self) -> None:
         """End the snapshot and close the connection."""
         self._pg.close()
