@@ -22,7 +22,7 @@ what the ledger's settled attempts of that invocation charged (its credits,
 if it ended), and released.
 
 Each transaction runs on the ledger's own connection, in its writer thread,
-between two batches of the ledger's writes (`ThreadedLedger._transact`): the
+between two batches of the ledger's writes (`ThreadedLedger._transact_qmark`): the
 event loop never waits on the database, and no connection is opened per
 transaction.
 """

@@ -15,7 +15,7 @@ every store):
   ``supplied``) and its times; never its input or output.
 
 Every write is one transaction on the ledger's connection, in its writer
-thread (`ThreadedLedger._transact`), durable when it returns. Taking a run
+thread (`ThreadedLedger._transact_qmark`), durable when it returns. Taking a run
 (`RunStore.claim`) is a compare-and-set on ``version``: of two resumes of
 one run, in any processes on any hosts, exactly one proceeds and the other
 raises `RunBusyError` before anything is sent. Every later write of the run

@@ -177,7 +177,7 @@ async def test_a_transaction_on_a_session_in_use_costs_its_statements_and_two_ro
                 gate.wait()
 
             async with anyio.create_task_group() as group:
-                group.start_soon(ledger._transact, hold, "held")
+                group.start_soon(ledger._transact_qmark, hold, "held")
                 await anyio.to_thread.run_sync(held.wait)
                 group.start_soon(accounts.grant, "acme", 1)
                 group.start_soon(accounts.grant, "acme", 2)

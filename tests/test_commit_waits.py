@@ -13,8 +13,7 @@ def done(waiters: list[Waiter]) -> int:
 
 
 async def test_a_commit_wakes_its_waiters_a_batch_per_pass_of_the_loop() -> None:
-    loop = asyncio.get_running_loop()
-    waiters = [Waiter(loop) for _ in range(WAKE_BATCH * 2 + 3)]
+    waiters = [Waiter() for _ in range(WAKE_BATCH * 2 + 3)]
     wake_all(waiters)
     assert done(waiters) == WAKE_BATCH
     await asyncio.sleep(0)
@@ -24,8 +23,7 @@ async def test_a_commit_wakes_its_waiters_a_batch_per_pass_of_the_loop() -> None
 
 
 async def test_waiters_released_from_another_thread_are_all_woken_in_order() -> None:
-    loop = asyncio.get_running_loop()
-    waiters = [Waiter(loop) for _ in range(WAKE_BATCH * 5)]
+    waiters = [Waiter() for _ in range(WAKE_BATCH * 5)]
     order: list[int] = []
 
     async def wait(n: int) -> None:

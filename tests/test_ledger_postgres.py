@@ -378,7 +378,7 @@ async def test_a_durable_write_costs_two_round_trips(make_ledger: Factory) -> No
                                             ["Query COMMIT"]]
     # The start and its segment, then the dispatch and the totals.
     assert [s.split(" (")[0] for s in first[0][2:]] == [
-        'INSERT INTO "invocations"', 'INSERT INTO "segments"', 'INSERT INTO "attempts"',
+        'INSERT INTO invocations', 'INSERT INTO segments', 'INSERT INTO attempts',
         "UPDATE invocations AS i SET attempt_count = i.attempt_count + v.attempt_count, "
         "attempts_retained = i.attempts_retained + v.attempts_retained, incomplete = "
         "GREATEST(i.incomplete, v.incomplete), input_tokens = i.input_tokens + v.input_tokens,"

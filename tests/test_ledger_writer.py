@@ -26,7 +26,7 @@ import httpx2
 import pytest
 
 import loopengine as le
-from loopengine.persistence import SQLiteLedger, _writer
+from loopengine.persistence import SQLiteLedger, _planner
 from loopengine.providers import AnthropicProvider, Reply, ScriptedProvider
 from loopengine.testing import FakeAnthropicServer
 
@@ -113,7 +113,7 @@ async def test_a_writer_that_fails_once_is_restarted_and_its_batch_replayed(
         def broken(ops: Any) -> Any:
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr(writer, "commit", broken)
+        monkeypatch.setattr(writer.planner, "commit", broken)
         with anyio.fail_after(10):
             await ledger.dispatch_attempt(dispatch(2))
         assert ledger._writer is not writer and not ledger.closed
@@ -136,7 +136,7 @@ async def test_a_writer_that_keeps_failing_refuses_the_batch_and_goes_on(
             raise RuntimeError("a bug")
 
         with monkeypatch.context() as patched:
-            patched.setattr(_writer.Writer, "commit", broken)
+            patched.setattr(_planner.Planner, "commit", broken)
             with anyio.fail_after(10), pytest.raises(le.LedgerError, match="writer failed"):
                 await ledger.dispatch_attempt(dispatch(2))
         assert not ledger.closed

@@ -118,7 +118,7 @@ async def invocation_ids(ledger: Any) -> list[str]:
         await ledger.flush()
         with sqlite3.connect(ledger.path) as conn:
             return [r[0] for r in conn.execute("SELECT id FROM invocations")]
-    return [r[0] for r in await ledger._transact(
+    return [r[0] for r in await ledger._transact_qmark(
         lambda conn: conn.execute("SELECT id FROM invocations").fetchall(), "read")]
 
 

@@ -148,7 +148,7 @@ async def rows(ledger: Any, sql: str) -> list[tuple[Any, ...]]:
     if isinstance(ledger, SQLiteLedger):
         with sqlite3.connect(ledger.path) as conn:
             return [tuple(r) for r in conn.execute(sql)]
-    found = await ledger._transact(lambda conn: conn.execute(sql).fetchall(), "read")
+    found = await ledger._transact_qmark(lambda conn: conn.execute(sql).fetchall(), "read")
     return [tuple(r) for r in found]
 
 

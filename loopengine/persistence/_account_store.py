@@ -153,17 +153,12 @@ TREE = ("WITH RECURSIVE tree (id) AS (SELECT CAST(? AS TEXT) UNION ALL "
 tree, docs/tools.md): a common table expression taking the root's id."""
 
 
-def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int, *,
-            tree: bool = True) -> int:
+def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
     """What the ledger says a run charged its account: for it and each run it
-    delegated to (its tree, which one reservation pays for; ``tree=False`` on a
-    ledger older than delegation), its credits if it ended, else the rounded
-    turn charges of its settled, charged attempts (R03)."""
-    if tree:
-        ids = [str(r[0]) for r in conn.execute(f"{TREE}SELECT id FROM tree",
-                                               (invocation_id,)).fetchall()]
-    else:
-        ids = [invocation_id]
+    delegated to (its tree, which one reservation pays for), its credits if it
+    ended, else the rounded turn charges of its settled, charged attempts (R03)."""
+    ids = [str(r[0]) for r in conn.execute(f"{TREE}SELECT id FROM tree",
+                                           (invocation_id,)).fetchall()]
     return sum(_own_charge(conn, member, rate, quantum) for member in ids)
 
 

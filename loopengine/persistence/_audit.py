@@ -43,7 +43,6 @@ from loopengine.persistence import _account_store
 from loopengine.persistence._audit_open import (
     AuditConnection,
     describe_value,
-    has_column,
     has_table,
 )
 from loopengine.persistence._audit_open import open_ledger as open_ledger
@@ -183,14 +182,6 @@ def _tokens(attempt: Mapping[str, Any]) -> int:
     return sum(v for c in _TOKEN_COLUMNS if isinstance(v := attempt.get(c), int))
 
 
-def _parent(conn: AuditConnection, alias: str) -> str:
-    """The SQL of ``alias``'s parent invocation id: NULL on a ledger older than
-    delegated runs (docs/tools.md), where every invocation is a root."""
-    if has_column(conn, "invocations", "parent_invocation_id"):
-        return f"{alias}.parent_invocation_id"
-    return "NULL"
-
-
 # -- filters -----------------------------------------------------------------------------
 
 
@@ -315,9 +306,9 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
     clause, params = _where("i.started_at", where)
     if roll_up:
         # ``i`` is each tree's root (grouped and filtered), ``m`` each of its members.
-        source = (f"WITH RECURSIVE roots (id, root) AS (SELECT id, id FROM invocations AS i "
-                  f"WHERE {_parent(conn, 'i')} IS NULL UNION ALL SELECT i.id, r.root FROM "
-                  f"invocations AS i JOIN roots AS r ON {_parent(conn, 'i')} = r.id) ",
+        source = ("WITH RECURSIVE roots (id, root) AS (SELECT id, id FROM invocations AS i "
+                  "WHERE i.parent_invocation_id IS NULL UNION ALL SELECT i.id, r.root FROM "
+                  "invocations AS i JOIN roots AS r ON i.parent_invocation_id = r.id) ",
                   "FROM roots AS r JOIN invocations AS m ON m.id = r.id "
                   "JOIN invocations AS i ON i.id = r.root")
         count, m = "COUNT(DISTINCT i.id)", "m"
@@ -442,8 +433,6 @@ def children(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
     Raises:
         LedgerError: the rows hold values a ledger never stores.
     """
-    if not has_column(conn, "invocations", "parent_invocation_id"):
-        return []
     found = []
     for row in conn.execute(
             f"SELECT {', '.join(_CHILD_COLUMNS)} FROM invocations "
@@ -682,8 +671,6 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
     whose process died, what its settled attempts charged)."""
     if not has_table(conn, "accounts"):
         return []
-    # A root's reservation pays for its tree of delegated runs (docs/tools.md).
-    tree = has_column(conn, "invocations", "parent_invocation_id")
     found: list[AccountMismatch] = []
     sums = ", ".join(f"COALESCE({sql}, 0)" for sql in _account_store.JOURNAL_SUMS.values())
     for row in accounts(conn):
@@ -704,8 +691,8 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
             "ORDER BY e.account, e.invocation_id"):
         if not _account_store.released(conn, invocation_id):
             continue  # a resumed run in progress: its earlier segments' settlement is partial
-        expected = _account_store.charged(conn, invocation_id, Decimal(rate), int(quantum),
-                                          tree=tree)
+        # A root's reservation pays for its tree of delegated runs (docs/tools.md).
+        expected = _account_store.charged(conn, invocation_id, Decimal(rate), int(quantum))
         if charged != expected:
             found.append(AccountMismatch(account, "charged", int(charged), expected,
                                          invocation_id))

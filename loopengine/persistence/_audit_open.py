@@ -16,9 +16,9 @@ from typing import TypeAlias
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._audit_postgres import PostgresReader, is_postgres_url
-from loopengine.persistence._schema import SCHEMA_TABLE, SCHEMA_VERSION, supplied_columns
+from loopengine.persistence._schema import SCHEMA_TABLE, check_not_newer, later_view
 
-__all__ = ["AuditConnection", "describe_value", "has_column", "has_table", "open_ledger"]
+__all__ = ["AuditConnection", "describe_value", "has_table", "open_ledger"]
 
 AuditConnection: TypeAlias = sqlite3.Connection | PostgresReader
 """What `open_ledger` returns and every audit query reads."""
@@ -149,25 +149,19 @@ def _check_ledger(conn: sqlite3.Connection, file: Path, wal_blocks: str | None) 
             raise LedgerError(f"{file} cannot be read by this user: {wal_blocks}") from None
         raise LedgerError(f"{file} cannot be read: {error}") from None
     try:
-        version = _schema_version(conn, file, kinds.get(SCHEMA_TABLE))
-        if version > SCHEMA_VERSION:
-            raise LedgerError(
-                f"{file} has ledger schema version {version}, newer than this loopengine "
-                f"understands ({SCHEMA_VERSION}); upgrade loopengine to read it")
+        check_not_newer(str(file), _schema_version(conn, file, kinds.get(SCHEMA_TABLE)))
         # A ledger older than the later migrations lacks their columns: it is
         # read through a temporary view of each table that supplies them (the
         # file itself is never written), so every query reads one schema.
         for table in ("invocations", "attempts"):
             kind = kinds.get(table)
-            if kind != "table":
-                what = f"it has no {table} table" if kind is None else \
-                    f"{table} is a {kind}, not a table"
-                raise LedgerError(f"{file} is not a loopengine ledger: {what}")
+            if kind not in (None, "table"):
+                raise LedgerError(f"{file} is not a loopengine ledger: {table} is a {kind}, "
+                                  "not a table")
             have = {str(row[1]) for row in conn.execute(f"PRAGMA table_info({table})")}
-            supplied = supplied_columns(str(file), table, have)
-            if supplied:
-                conn.execute(f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(supplied)} "
-                             f"FROM main.{table}")
+            view = later_view(str(file), table, have, f"main.{table}")
+            if view is not None:
+                conn.execute(view)
     except sqlite3.Error as error:
         raise LedgerError(f"{file} is not a loopengine ledger ({error})") from None
 
@@ -205,14 +199,6 @@ def describe_value(value: object) -> str:
         return f"an integer ({value})"
     text = repr(value)
     return f"text ({text[:40]}{'…' if len(text) > 40 else ''})"
-
-
-def has_column(conn: AuditConnection, table: str, column: str) -> bool:
-    """Whether ``table`` has ``column`` (an older ledger lacks the later ones)."""
-    if isinstance(conn, sqlite3.Connection):
-        return any(str(row[1]) == column
-                   for row in conn.execute(f"PRAGMA table_info({table})"))
-    return conn.has_column(table, column)
 
 
 def has_table(conn: AuditConnection, name: str) -> bool:

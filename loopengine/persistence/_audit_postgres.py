@@ -19,7 +19,8 @@ from decimal import Decimal
 from typing import Any
 
 from loopengine._errors import LedgerError
-from loopengine.persistence._schema import SCHEMA_VERSION, format_time, supplied_columns
+from loopengine.persistence._qmark import percent_s
+from loopengine.persistence._schema import check_not_newer, format_time, later_view
 
 __all__ = ["PostgresReader", "display_name", "is_postgres_url"]
 
@@ -132,11 +133,7 @@ class PostgresReader:
                 raise LedgerError(f"{name} holds no loopengine ledger{where} (no "
                                   "loopengine_schema table)")
             row = reader.execute("SELECT MAX(version) FROM loopengine_schema").fetchone()
-            version = int(row[0]) if row and row[0] is not None else 0
-            if version > SCHEMA_VERSION:
-                raise LedgerError(f"{name} has ledger schema version {version}, newer than "
-                                  f"this loopengine understands ({SCHEMA_VERSION}); upgrade "
-                                  "loopengine")
+            check_not_newer(name, int(row[0]) if row and row[0] is not None else 0)
             reader._supply_later_columns()
             pg.commit()
             # The snapshot every query of the command reads.
@@ -156,15 +153,10 @@ class PostgresReader:
         row = self.execute("SELECT current_schema()").fetchone()
         where = row[0] if row else None
         for table in ("invocations", "attempts"):
-            have = self.columns(table)
-            if not have:
-                raise LedgerError(f"{self.name} is not a loopengine ledger: it has no {table} "
-                                  "table")
-            supplied = supplied_columns(self.name, table, have)
-            if supplied:
-                self.execute(sql.SQL("CREATE TEMP VIEW {} AS SELECT *, {} FROM {}.{}").format(
-                    sql.Identifier(table), sql.SQL(", ".join(supplied)),
-                    sql.Identifier(str(where)), sql.Identifier(table)).as_string(self._pg))
+            source = sql.SQL("{}.{}").format(sql.Identifier(str(where)), sql.Identifier(table))
+            view = later_view(self.name, table, self.columns(table), source.as_string(self._pg))
+            if view is not None:
+                self.execute(view)
 
     def execute(self, query: str, parameters: Sequence[Any] = ()) -> Any:
         """Run one of the audit's queries (``?`` placeholders) in the snapshot.
@@ -177,11 +169,9 @@ class PostgresReader:
         """
         import psycopg
 
-        # psycopg's placeholders are %s, so a literal % is written %%.
-        text = query.replace("%", "%%").replace("?", "%s")
         try:
             cursor = self._pg.cursor(row_factory=_row_factory)
-            return cursor.execute(text, tuple(parameters))
+            return cursor.execute(percent_s(query), tuple(parameters))
         except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
             raise LedgerError(f"{self.name}: cannot read the ledger: {error}") from None
 
@@ -195,10 +185,6 @@ class PostgresReader:
         return {str(row[0]) for row in self.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_schema = "
             "current_schema() AND table_name = ?", (table,))}
-
-    def has_column(self, table: str, column: str) -> bool:
-        """Whether ``table`` in the ledger's schema has ``column``."""
-        return column in self.columns(table)
 
     def close(self) -> None:
         """End the snapshot and close the connection."""

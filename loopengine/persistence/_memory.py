@@ -120,7 +120,7 @@ class MemoryLedger:
             conn.close()
 
     def _commit(self, op: _planner.Op) -> None:
-        for _, message in self._rows.commit([op]):
+        for _, message in self._rows.planner.commit([op]):
             raise LedgerError(message)
 
 

@@ -77,19 +77,21 @@ ATTEMPT_SETTLE: Final = ("outcome", "latency_ms", "fault", "aborted_reason", "ht
 # (END, op_id, id, *END_SET, at, expect_seal, expect_outcome, keep_segment):
 # ``at`` is when it was written (a resume's segment starts then);
 # ``expect_seal``, when not None, is what the row must still be:
-# ``expect_outcome`` (``paused`` when absent) with that ``pause_seal`` ("" for
-# none). A compare-and-set: of two resumes of one pause (or a resume and a
-# pause's timeout), the second changes no row and is refused; so is the end
-# or pause of a segment whose run another process took over (``running``
-# with the segment's own token), and a second end of a run its dead process
-# left ``running`` (ended by its root's recovery, ``keep_segment`` true: its
-# open segment stays open).
+# ``expect_outcome`` with that ``pause_seal`` ("" for none). A compare-and-set:
+# of two resumes of one pause (or a resume and a pause's timeout), the second
+# changes no row and is refused; so is the end or pause of a segment whose run
+# another process took over (``running`` with the segment's own token), and a
+# second end of a run its dead process left ``running`` (ended by its root's
+# recovery, ``keep_segment`` true: its open segment stays open).
 END_SET: Final = ("ended_at", "outcome", "turns", "tool_calls", "credits", "pause_seal")
 _E_AT: Final = 3 + len(END_SET)
 SEGMENT_OPEN: Final = ("invocation_id", "ordinal", "started_at")
 """The columns a segment's row is inserted with."""
 SEGMENT_CLOSE: Final = ("ended_at", "outcome")
 """The columns closing a segment sets (then ``invocation_id`` and ``ordinal``)."""
+INSERTS: Final = {"start": ("invocations", INVOCATION_INSERT),
+                  "dispatch": ("attempts", ATTEMPT_INSERT), "open": ("segments", SEGMENT_OPEN)}
+"""The table and columns of each kind of row a batch inserts."""
 # (FLUSH, op_id) carries nothing: it only waits for what was queued before it.
 
 DELTA_COLUMNS: Final = ("attempt_count", "attempts_retained", "incomplete", "input_tokens",
@@ -181,29 +183,6 @@ class Known:
     """Its last segment has not ended (it runs, or its process died)."""
 
 
-KNOWN_QUERIES: Final = (
-    "SELECT attempts_retained, outcome FROM invocations WHERE id = {}",
-    "SELECT ordinal FROM attempts WHERE invocation_id = {} AND outcome = 'dispatched'",
-    "SELECT ordinal, outcome, ended_at FROM segments WHERE invocation_id = {} "
-    "ORDER BY ordinal DESC LIMIT 1",
-)
-"""What `read_known` asks, ``{}`` standing for the store's parameter marker."""
-
-
-def read_known(rows: Callable[[str], Sequence[Sequence[Any]]]) -> Known | None:
-    """An invocation's committed state (`Store.load`), read through ``rows(sql)``,
-    which runs one of `KNOWN_QUERIES` for that invocation and returns its rows."""
-    found = rows(KNOWN_QUERIES[0])
-    if not found:
-        return None
-    retained, outcome = found[0]
-    unsettled = rows(KNOWN_QUERIES[1])
-    segment = rows(KNOWN_QUERIES[2])
-    last, how, ended_at = segment[0] if segment else (None, None, None)
-    return Known(int(retained), outcome not in OPEN_OUTCOMES, [int(r[0]) for r in unsettled],
-                 None if last is None else int(last), how is None and ended_at is None)
-
-
 PROGRESS_COLUMNS: Final = ("outcome", "ended_at", "turns", "tool_calls", "credits",
                            "attempt_count", "cost_nanousd", "provider_cost_nanousd",
                            "pause_seal")
@@ -213,8 +192,8 @@ PROGRESS_USAGE: Final = ("input_tokens", "output_tokens", "cache_read_tokens",
                          "web_fetch_requests", "reasoning_tokens")
 """The usage totals `read_progress` reads after them (`Usage`'s field names)."""
 PROGRESS_QUERY: Final = (f"SELECT {', '.join(PROGRESS_COLUMNS + PROGRESS_USAGE)} "
-                         "FROM invocations WHERE id = {}")
-"""What `read_progress` asks, ``{}`` standing for the store's parameter marker."""
+                         "FROM invocations WHERE id = ?")
+"""What `read_progress` asks (``?``: the invocation's id)."""
 
 
 def read_progress(rows: Callable[[str], Sequence[Sequence[Any]]]) -> InvocationProgress | None:
@@ -242,8 +221,9 @@ def usage_counts(counts: Iterable[int]) -> Usage:
 
 
 class Store:
-    """What a store supplies to the planner, and the planner it writes under: its
-    transaction and its statements (a subclass supplies every method but `commit`).
+    """What a store supplies to the planner, and the planner it writes under
+    (``planner``, whose `Planner.commit` writes through it): its transaction and
+    its statements (a subclass supplies every method).
 
     ``begin``, ``load``, ``execute`` and ``finish`` raise one of ``errors`` when
     the database fails them; the planner then calls ``abort``.
@@ -259,21 +239,6 @@ class Store:
     def __init__(self, name: str, max_retained: int) -> None:
         self.name = name
         self.planner = Planner(self, max_retained)
-
-    @property
-    def commits(self) -> int:
-        """Transactions committed."""
-        return self.planner.commits
-
-    @property
-    def writes(self) -> int:
-        """Ops committed (starts, dispatches, settles, ends)."""
-        return self.planner.writes
-
-    def commit(self, ops: Sequence[Op]) -> list[tuple[int, str]]:
-        """Write ``ops`` in one transaction (when a write fails, each on its own);
-        return the durable ops refused, as ``(op_id, message)``."""
-        return self.planner.commit(ops)
 
     def begin(self) -> None:
         """Open the transaction (taking the write lock, if the store has one)."""
@@ -582,15 +547,12 @@ class Planner:
             batch.settles.append((*op[4:], invocation_id, ordinal))
 
     def _plan_end(self, batch: Batch, op: Op) -> None:
-        invocation_id = op[2]
+        invocation_id, ended_at, outcome = op[2], op[3], op[4]
+        at, expect_seal, expect_outcome, keep = op[_E_AT:]
         live = self._touch(batch, invocation_id)
-        outcome = op[4]
         # A pause (or a resume) changes the outcome without ending it.
         live.ended = outcome not in OPEN_OUTCOMES
-        expect_outcome = op[_E_AT + 2] if len(op) > _E_AT + 2 else "paused"
-        batch.ends.append((*op[3:_E_AT], expect_outcome,
-                           op[_E_AT + 1] if len(op) > _E_AT + 1 else None, invocation_id))
-        keep = op[_E_AT + 3] if len(op) > _E_AT + 3 else expect_outcome == "running"
+        batch.ends.append((*op[3:_E_AT], expect_outcome, expect_seal, invocation_id))
         if live.segment is None or (keep and live.ended):
             # A run its process left running, ended by its root's recovery:
             # its segment stays open, as its process left it.
@@ -600,12 +562,50 @@ class Planner:
             # which died (the run is recovered): it stays open.
             live.segment += 1
             live.segment_open = True
-            batch.opens.append((invocation_id, live.segment,
-                                op[_E_AT] if len(op) > _E_AT else op[3]))
+            batch.opens.append((invocation_id, live.segment, at))
         elif live.segment_open:
             live.segment_open = False
-            batch.closes.append((op[3] if op[3] is not None else op[_E_AT], outcome,
-                                 invocation_id, live.segment))
+            batch.closes.append((ended_at or at, outcome, invocation_id, live.segment))
+
+
+ROW_COLUMNS: Final = {
+    "start": INVOCATION_INSERT, "open": SEGMENT_OPEN, "dispatch": ATTEMPT_INSERT,
+    "settle": (*ATTEMPT_SETTLE, "invocation_id", "ordinal"), "add": (*DELTA_COLUMNS, "id"),
+    "end": (*END_SET, "expect_outcome", "expect_seal", "id"),
+    "close": (*SEGMENT_CLOSE, "invocation_id", "ordinal"),
+}
+"""What each value of a `statements` row of each kind is, in order."""
+
+
+def many_rows(kind: str, source: str, greatest: str) -> str:
+    """The statement writing every row of ``kind`` at once from ``source``, a store's
+    table ``v`` of the rows (columns named as `ROW_COLUMNS` says); ``greatest`` is
+    the store's larger of two values.
+
+    Totals are increments, never absolute values, so they are right whoever else
+    wrote the row; an end is a compare-and-set (`END_SET`).
+    """
+    def sets(columns: Sequence[str]) -> str:
+        return ", ".join(f"{c} = v.{c}" for c in columns)
+
+    if kind in INSERTS:
+        table, columns = INSERTS[kind]
+        return f"INSERT INTO {table} ({', '.join(columns)}) SELECT * FROM {source}"
+    if kind == "settle":
+        return (f"UPDATE attempts AS a SET {sets(ATTEMPT_SETTLE)} FROM {source} WHERE "
+                "a.invocation_id = v.invocation_id AND a.ordinal = v.ordinal "
+                "AND a.outcome = 'dispatched'")
+    if kind == "close":
+        return (f"UPDATE segments AS s SET {sets(SEGMENT_CLOSE)} FROM {source} WHERE "
+                "s.invocation_id = v.invocation_id AND s.ordinal = v.ordinal")
+    if kind == "add":
+        totals = ", ".join(f"{c} = {greatest}(i.{c}, v.{c})" if n == INCOMPLETE
+                           else f"{c} = i.{c} + v.{c}" for n, c in enumerate(DELTA_COLUMNS))
+        return f"UPDATE invocations AS i SET {totals} FROM {source} WHERE i.id = v.id"
+    assert kind == "end"
+    return (f"UPDATE invocations AS i SET {sets(END_SET)} FROM {source} WHERE "
+            "i.id = v.id AND (v.expect_seal IS NULL OR (i.outcome = v.expect_outcome "
+            "AND COALESCE(i.pause_seal, '') = v.expect_seal))")
 
 
 Execute = Callable[[str, list[Sequence[Any]]], int]

@@ -20,7 +20,7 @@ import os
 import select
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio.to_thread
 
@@ -34,9 +34,8 @@ from loopengine.persistence._threaded import Call, ThreadedLedger, Writer
 
 if TYPE_CHECKING:
     import psycopg
-    from psycopg import sql
 
-__all__ = ["APPLICATION_NAME", "PostgresLedger", "connect"]
+__all__ = ["APPLICATION_NAME", "PostgresLedger"]
 
 APPLICATION_NAME: Final = "loopengine-ledger"
 """The ``application_name`` of the ledger's connections (seen in ``pg_stat_activity``)."""
@@ -54,8 +53,6 @@ _UNAVAILABLE: Final = ("08", "53", "57", "58")
 """SQLSTATE classes that mean the server cannot serve for now, whatever is asked
 (the connection, its resources, an operator's intervention, the system), so
 the writes wait for it instead of failing (`PostgresWriter.lost`)."""
-
-T = TypeVar("T")
 
 _TCP_CHECKS: Final[dict[str, Callable[[float], int]]] = {
     "keepalives": lambda timeout: 1,
@@ -112,12 +109,6 @@ class PostgresLedger(ThreadedLedger):
         ConfigError: an argument is invalid (``.field`` names it).
         LedgerError: psycopg is not installed (the ``postgres`` extra).
     """
-
-    _marker = "%s"  # psycopg's parameter marker, for `read_progress`
-
-    async def _transact_qmark(self, work: Callable[[Any], T], failure: str) -> T:
-        """`_transact`, ``work`` given the connection as `QmarkConnection`."""
-        return await self._transact(lambda conn: work(QmarkConnection(conn)), failure)
 
     def __init__(
         self,
@@ -188,7 +179,7 @@ class PostgresLedger(ThreadedLedger):
             # The migration's own connection, outside the writer, so that a
             # server that cannot be reached is reported with its own words.
             try:
-                conn = connect(self)
+                conn = self._connect()
             except psycopg.Error as error:
                 raise LedgerError(f"{self.name}: cannot connect: {error}") from error
             try:
@@ -210,7 +201,16 @@ class PostgresLedger(ThreadedLedger):
             raise LedgerError(f"{self.name}: cannot connect: {error}") from error
         return writer
 
-    def _connect_args(self) -> dict[str, Any]:
+    def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
+        """A new connection to the server, set up as every one of the ledger's is
+        (durable commits, UTC, the ledger's schema): the migration's, the writer's.
+
+        Raises:
+            psycopg.Error: the server cannot be reached, or refused a setting.
+        """
+        import psycopg
+        from psycopg import sql
+
         args: dict[str, Any] = {"application_name": APPLICATION_NAME,
                                 "connect_timeout": max(1, math.ceil(self._connect_timeout))}
         # A server that vanished from the network without closing the session
@@ -221,17 +221,17 @@ class PostgresLedger(ThreadedLedger):
         for name, value in _TCP_CHECKS.items():
             if name not in self._params:
                 args[name] = value(self._connect_timeout)
-        return args
-
-    def _setup_statements(self) -> list[sql.SQL | sql.Composed]:
-        """Settings of every connection: durable commits, UTC, the ledger's schema."""
-        from psycopg import sql
-
-        settings: list[sql.SQL | sql.Composed] = [sql.SQL("SET synchronous_commit = on"),
-                                                  sql.SQL("SET TimeZone = 'UTC'")]
-        if self.schema is not None:
-            settings.append(sql.SQL("SET search_path = {}").format(sql.Identifier(self.schema)))
-        return settings
+        conn = psycopg.connect(self.dsn, **args)
+        try:
+            conn.execute("SET synchronous_commit = on")
+            conn.execute("SET TimeZone = 'UTC'")
+            if self.schema is not None:
+                conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(self.schema)))
+            conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def close(self) -> None:
         """Commit what is queued, stop the writer and let go of the server.
@@ -252,26 +252,6 @@ class PostgresLedger(ThreadedLedger):
         return f"PostgresLedger({self.name!r}, {state})"
 
 
-def connect(ledger: PostgresLedger) -> psycopg.Connection[tuple[Any, ...]]:
-    """A new connection to ``ledger``'s server, set up as the writer's is (durable
-    commits, UTC, the ledger's schema), for the migration to use and close.
-
-    Raises:
-        psycopg.Error: the server cannot be reached, or refused a setting.
-    """
-    import psycopg
-
-    conn = psycopg.connect(ledger.dsn, **ledger._connect_args())
-    try:
-        for statement in ledger._setup_statements():
-            conn.execute(statement)
-        conn.commit()
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
 class PostgresWriter(Writer):
     """The writer: a `_planner.Store` on one connection of its own, running the
     statements its ledger rendered (`_statement`): each kind of row for the
@@ -287,13 +267,16 @@ class PostgresWriter(Writer):
         import psycopg
 
         super().__init__(ledger.name, ledger.max_retained_attempts)
-        self.marker = "%s"
         self.errors = (psycopg.Error, OverflowError, TypeError, ValueError)
         self._ledger = ledger
-        self._sql = {kind: _statement(kind).as_string() for kind in _KINDS}
+        self._sql = {kind: _statement(kind) for kind in _planner.ROW_COLUMNS}
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
         self._xid: int | None = None
         """The open transaction's id (`committed` asks the server about it)."""
+
+    def qmark(self) -> QmarkConnection:
+        """The connection as `QmarkConnection`."""
+        return QmarkConnection(self._conn)
 
     def run_calls(self, calls: Sequence[Call]) -> None:
         """`Writer.run_calls`, on a new session when the server ended this one while
@@ -333,13 +316,13 @@ class PostgresWriter(Writer):
     # -- the store the planner writes through -----------------------------------------
 
     def begin(self) -> None:
-        """Make sure of a connection: the one held, else a new one (`connect`, with
-        `_WRITER_PLANS`)."""
+        """Make sure of a connection: the one held, else a new one
+        (`PostgresLedger._connect`, with `_WRITER_PLANS`)."""
         conn = self._conn
         if conn is not None and (conn.closed or conn.broken):
             self.close()
         if self._conn is None:
-            conn = connect(self._ledger)
+            conn = self._ledger._connect()
             try:
                 # Its transactions are begun by the writer (`execute`, `savepoint`):
                 # psycopg's own BEGIN would cost a round trip of its own.
@@ -478,66 +461,25 @@ def rows_json(rows: Sequence[Sequence[Any]]) -> str:
     return json.dumps(rows, separators=(",", ":"), allow_nan=False)
 
 
-_KINDS: Final = ("start", "dispatch", "settle", "add", "end", "open", "close")
-
-
-def _statement(kind: str) -> sql.Composable:
-    """The statement that writes every row of ``kind`` at once (`_planner.Batch` row
-    order), its one parameter the rows as a JSON array of arrays (`_rows_json`)."""
-    from psycopg import sql  # noqa: F811  # imported for typing only above
-
+def _statement(kind: str) -> str:
+    """The statement that writes every row of ``kind`` at once (`_planner.many_rows`),
+    its one parameter the rows as a JSON array of arrays (`rows_json`)."""
     from loopengine.persistence._postgres_schema import column_type
 
-    def source(columns: Sequence[str], types: Sequence[str]) -> sql.Composable:
-        # One JSON text for all the rows, not an array parameter per column:
-        # the json module encodes a batch in a third of the CPU psycopg takes
-        # to adapt its values one by one (1.4 against 4.5 ms for 500 settles),
-        # and the writer's CPU, shared with the event loop, is what limits it
-        # under many concurrent runs. One row costs what plain parameters do.
-        values = sql.SQL(", ").join(
-            sql.SQL(f"(e ->> {n})::{t} AS {{}}").format(sql.Identifier(c))
-            for n, (c, t) in enumerate(zip(columns, types, strict=True)))
-        return sql.SQL("(SELECT {} FROM jsonb_array_elements(%s::jsonb) AS e) AS v").format(
-            values)
+    def cast(column: str) -> str:
+        if kind == "add" and column != "id":
+            return "bigint"  # a change to a total
+        return "text" if column.startswith("expect_") else column_type(column)
 
-    def sets(columns: Sequence[str], value: str = "v.{0}") -> sql.Composable:
-        return sql.SQL(", ").join(sql.SQL(f"{c} = {value.format(c)}") for c in columns)
-
-    columns: tuple[str, ...]
-    if kind in ("start", "dispatch", "open"):
-        table, columns = {"start": ("invocations", _planner.INVOCATION_INSERT),
-                          "dispatch": ("attempts", _planner.ATTEMPT_INSERT),
-                          "open": ("segments", _planner.SEGMENT_OPEN)}[kind]
-        return sql.SQL("INSERT INTO {} ({}) SELECT * FROM {}").format(
-            sql.Identifier(table), sql.SQL(", ").join(map(sql.Identifier, columns)),
-            source(columns, [column_type(c) for c in columns]))
-    if kind == "settle":
-        columns = (*_planner.ATTEMPT_SETTLE, "invocation_id", "ordinal")
-        return sql.SQL("UPDATE attempts AS a SET {} FROM {} WHERE a.invocation_id = "
-                       "v.invocation_id AND a.ordinal = v.ordinal AND a.outcome = 'dispatched'"
-                       ).format(sets(_planner.ATTEMPT_SETTLE),
-                                source(columns, [column_type(c) for c in columns]))
-    if kind == "add":
-        # Increments, never absolute values: right whoever else wrote the row.
-        columns = (*_planner.DELTA_COLUMNS, "id")
-        totals = [f"{c} = GREATEST(i.{c}, v.{c})" if n == _planner.INCOMPLETE
-                  else f"{c} = i.{c} + v.{c}" for n, c in enumerate(_planner.DELTA_COLUMNS)]
-        return sql.SQL("UPDATE invocations AS i SET {} FROM {} WHERE i.id = v.id").format(
-            sql.SQL(", ".join(totals)),
-            source(columns, ["bigint"] * len(_planner.DELTA_COLUMNS) + ["text"]))
-    if kind == "close":
-        columns = (*_planner.SEGMENT_CLOSE, "invocation_id", "ordinal")
-        return sql.SQL("UPDATE segments AS s SET {} FROM {} WHERE s.invocation_id = "
-                       "v.invocation_id AND s.ordinal = v.ordinal").format(
-            sets(_planner.SEGMENT_CLOSE), source(columns, [column_type(c) for c in columns]))
-    assert kind == "end"
-    # What the row must still be (`_planner.END_SET`): a compare-and-set.
-    columns = (*_planner.END_SET, "expect_outcome", "expect_seal", "id")
-    return sql.SQL("UPDATE invocations AS i SET {} FROM {} WHERE i.id = v.id AND "
-                   "(v.expect_seal IS NULL OR (i.outcome = v.expect_outcome AND "
-                   "COALESCE(i.pause_seal, '') = v.expect_seal))").format(sets(_planner.END_SET),
-                            source(columns, [*map(column_type, _planner.END_SET), "text",
-                                             "text", column_type("id")]))
+    # One JSON text for all the rows, not an array parameter per column: the
+    # json module encodes a batch in a third of the CPU psycopg takes to adapt
+    # its values one by one (1.4 against 4.5 ms for 500 settles), and the
+    # writer's CPU, shared with the event loop, is what limits it under many
+    # concurrent runs. One row costs what plain parameters do.
+    values = ", ".join(f"(e ->> {n})::{cast(c)} AS {c}"
+                       for n, c in enumerate(_planner.ROW_COLUMNS[kind]))
+    return _planner.many_rows(
+        kind, f"(SELECT {values} FROM jsonb_array_elements(%s::jsonb) AS e) AS v", "GREATEST")
 
 
 def _describe_server(params: dict[str, Any], schema: str | None) -> str:

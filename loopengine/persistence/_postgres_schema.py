@@ -26,29 +26,23 @@ import psycopg
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._schema import (
-    ACCOUNT_TABLES,
-    AUDIT_INDEXES,
     PARENT_COLUMN,
     PAUSE_SEAL,
-    RUN_RESULTS,
-    RUN_TABLES,
     SCHEMA_TABLE,
     SEGMENT_TABLE,
     TABLES,
     USAGE_VECTOR,
     Migration,
-    _newer,
-    render,
+    check_not_newer,
+    history,
+    refuse_clash,
 )
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "column_type", "migrate", "schema_version"]
 
 POSTGRES_TYPES: Final = {"INTEGER": "bigint", "FLAG": "smallint", "TIME": "timestamptz",
                          "SERIAL": "bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY"}
-"""PostgreSQL's spelling of the tables' types (`_schema.render`)."""
-
-_CREATE_TABLES = render(TABLES, POSTGRES_TYPES)
-_ACCOUNTS = render(ACCOUNT_TABLES, POSTGRES_TYPES)
+"""PostgreSQL's spelling of the tables' types (`_schema.history`)."""
 
 # A wrap-up turn's attempts (docs/guards.md) have the phase ``wrap_up``: where
 # SQLite rebuilds the table, PostgreSQL replaces the constraint.
@@ -67,22 +61,7 @@ _WRAP_UP_PHASE = (
 # fillfactor of 100, 15-20 µs at 50). Pages written before keep their layout.
 _INVOCATION_ROOM = ("ALTER TABLE invocations SET (fillfactor = 50)",)
 
-MIGRATIONS: tuple[Migration, ...] = (
-    Migration(1, "invocations and attempts", _CREATE_TABLES),
-    Migration(2, "invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
-    Migration(3, "credit accounts and their journal", _ACCOUNTS),
-    Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
-    Migration(5, "room beside each invocation row for its updates", _INVOCATION_ROOM),
-    Migration(6, "the parent of a delegated run", PARENT_COLUMN),
-    Migration(7, "the usage vector: server tool requests, reasoning, iterations, fees",
-              render(USAGE_VECTOR, POSTGRES_TYPES)),
-    Migration(8, "run states, their leases, and tool call statuses",
-              render(RUN_TABLES, POSTGRES_TYPES)),
-    Migration(9, "the running segments of each invocation",
-              render(SEGMENT_TABLE, POSTGRES_TYPES)),
-    Migration(10, "a batch's results apart from its run's state", RUN_RESULTS),
-    Migration(11, "the seal of a paused invocation's state", PAUSE_SEAL),
-)
+MIGRATIONS = history(POSTGRES_TYPES, _WRAP_UP_PHASE, _INVOCATION_ROOM)
 """The schema's history, oldest first: the SQLite history's steps, step for step."""
 
 SCHEMA_VERSION = MIGRATIONS[-1].version
@@ -151,14 +130,12 @@ def migrate(
     known = migrations[-1].version if migrations else 0
     with conn.transaction():
         version = schema_version(conn)
-    if version is not None and version > known:
-        raise LedgerError(_newer(name, version, known))
+    check_not_newer(name, version, known)
     if version == known:
         return version
     for migration in migrations:
         version = _apply(conn, migration, schema, name)
-        if version > known:
-            raise LedgerError(_newer(name, version, known))
+        check_not_newer(name, version, known)
     return version if version is not None else 0
 
 
@@ -177,15 +154,9 @@ def _apply(conn: psycopg.Connection[tuple[object, ...]], migration: Migration,
                              (_LOCK_CLASS,))
             version = schema_version(conn)
             if version is None:
-                clash = conn.execute(
+                refuse_clash(name, conn.execute(
                     "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() "
-                    "AND tablename IN ('invocations', 'attempts') ORDER BY tablename"
-                ).fetchall()
-                if clash:
-                    names = ", ".join(str(r[0]) for r in clash)
-                    raise LedgerError(
-                        f"{name} is not a loopengine ledger: it has tables named {names} but "
-                        f"no {SCHEMA_TABLE} table")
+                    "AND tablename IN ('invocations', 'attempts')").fetchall())
                 conn.execute(f"CREATE TABLE {SCHEMA_TABLE} (version integer PRIMARY KEY, "
                              "name text NOT NULL, applied_at timestamptz NOT NULL)")
                 version = 0

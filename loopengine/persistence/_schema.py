@@ -33,8 +33,11 @@ __all__ = [
     "SCHEMA_VERSION",
     "USAGE_COLUMNS",
     "Migration",
+    "check_not_newer",
     "format_time",
+    "history",
     "migrate",
+    "refuse_clash",
     "schema_version",
     "stored_time",
 ]
@@ -182,8 +185,6 @@ def render(statements: Sequence[str], types: Mapping[str, str]) -> tuple[str, ..
     return tuple(statement.format_map(types) for statement in statements)
 
 
-_CREATE_TABLES = render(TABLES, SQLITE_TYPES)
-
 # A delegated run (a sub-agent, docs/tools.md) names the run that started it;
 # NULL for a root. The same statements on both stores (plain text type); the
 # partial index finds a run's children and stays as small as the delegations.
@@ -192,13 +193,12 @@ PARENT_COLUMN = (
     "CREATE INDEX invocations_parent ON invocations (parent_invocation_id) "
     "WHERE parent_invocation_id IS NOT NULL",
 )
-_ACCOUNTS = render(ACCOUNT_TABLES, SQLITE_TYPES)
 
 # A wrap-up turn's attempts (docs/guards.md) have the phase ``wrap_up``. SQLite
 # cannot change a CHECK constraint in place: the table is rebuilt, same name,
 # same columns in the same order, same rows.
 _WRAP_UP_PHASE = (
-    _CREATE_TABLES[1].replace("CREATE TABLE attempts (", "CREATE TABLE attempts_rebuilt (")
+    TABLES[1].replace("CREATE TABLE attempts (", "CREATE TABLE attempts_rebuilt (")
     .replace("'continuation', 'fallback')", "'continuation', 'fallback', 'wrap_up')"),
     "INSERT INTO attempts_rebuilt SELECT * FROM attempts",
     "DROP TABLE attempts",
@@ -225,20 +225,26 @@ invocations that counted none of the usage vector and hold no pause's seal,
 attempts whose usage was not read whole (NULL, as the migration leaves them)."""
 
 
-def supplied_columns(name: str, table: str, have: Collection[str]) -> list[str]:
-    """What a view of ``table`` (whose columns are ``have``) adds so that the
-    audit reads one schema: ``value AS column`` for each later column it lacks.
+def later_view(name: str, table: str, have: Collection[str], source: str) -> str | None:
+    """The statement of a temporary view of ``table`` (whose columns are ``have``,
+    read from ``source``) that supplies the later columns it lacks (``value AS
+    column``), so that the audit reads one schema; None when it lacks none.
 
     Raises:
-        LedgerError: it lacks a column every ledger has (it is no ledger).
+        LedgerError: it has no such table, or lacks a column every ledger has
+            (it is no ledger).
     """
+    if not have:
+        raise LedgerError(f"{name} is not a loopengine ledger: it has no {table} table")
     wanted = INVOCATION_COLUMNS if table == "invocations" else ATTEMPT_COLUMNS
     later = LATER_COLUMNS[table]
     missing = [c for c in wanted if c not in have and c not in later]
     if missing:
         raise LedgerError(f"{name} is not a loopengine ledger: table {table} lacks "
                           f"{', '.join(missing)}")
-    return [f"{value} AS {c}" for c, value in later.items() if c not in have]
+    supplied = [f"{value} AS {c}" for c, value in later.items() if c not in have]
+    return f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(supplied)} FROM {source}" \
+        if supplied else None
 
 
 USAGE_VECTOR = (
@@ -309,23 +315,30 @@ PAUSE_SEAL = ("ALTER TABLE invocations ADD COLUMN pause_seal TEXT",)
 while a resumed run runs, a token of the resume that took it; NULL otherwise.
 A digest, never the state: nothing of the conversation can be read from it."""
 
-MIGRATIONS: tuple[Migration, ...] = (
-    Migration(1, "invocations and attempts", _CREATE_TABLES),
-    Migration(2, "invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
-    Migration(3, "credit accounts and their journal", _ACCOUNTS),
-    Migration(4, "the wrap_up phase of attempts", _WRAP_UP_PHASE),
-    # PostgreSQL leaves room on each invocation's page for the new versions of
-    # its row (_postgres_schema); SQLite updates rows in place: nothing to do.
-    Migration(5, "room beside each invocation row for its updates", ()),
-    Migration(6, "the parent of a delegated run", PARENT_COLUMN),
-    Migration(7, "the usage vector: server tool requests, reasoning, iterations, fees",
-              render(USAGE_VECTOR, SQLITE_TYPES)),
-    Migration(8, "run states, their leases, and tool call statuses",
-              render(RUN_TABLES, SQLITE_TYPES)),
-    Migration(9, "the running segments of each invocation", render(SEGMENT_TABLE, SQLITE_TYPES)),
-    Migration(10, "a batch's results apart from its run's state", RUN_RESULTS),
-    Migration(11, "the seal of a paused invocation's state", PAUSE_SEAL),
-)
+def history(types: Mapping[str, str], wrap_up_phase: Sequence[str],
+            invocation_room: Sequence[str]) -> tuple[Migration, ...]:
+    """The schema's history, oldest first, rendered with a store's ``types``: the
+    same steps on both stores, but for the two each spells its own way."""
+    steps: tuple[tuple[str, Sequence[str]], ...] = (
+        ("invocations and attempts", TABLES),
+        ("invocation indexes for period and reconciliation queries", AUDIT_INDEXES),
+        ("credit accounts and their journal", ACCOUNT_TABLES),
+        ("the wrap_up phase of attempts", wrap_up_phase),
+        ("room beside each invocation row for its updates", invocation_room),
+        ("the parent of a delegated run", PARENT_COLUMN),
+        ("the usage vector: server tool requests, reasoning, iterations, fees", USAGE_VECTOR),
+        ("run states, their leases, and tool call statuses", RUN_TABLES),
+        ("the running segments of each invocation", SEGMENT_TABLE),
+        ("a batch's results apart from its run's state", RUN_RESULTS),
+        ("the seal of a paused invocation's state", PAUSE_SEAL),
+    )
+    return tuple(Migration(version, name, render(statements, types))
+                 for version, (name, statements) in enumerate(steps, start=1))
+
+
+# PostgreSQL leaves room on each invocation's page for the new versions of its
+# row (_postgres_schema); SQLite updates rows in place: nothing to do.
+MIGRATIONS = history(SQLITE_TYPES, _WRAP_UP_PHASE, ())
 """The schema's history, oldest first."""
 
 SCHEMA_VERSION = MIGRATIONS[-1].version
@@ -420,35 +433,43 @@ def migrate(
     try:
         version = schema_version(conn)
         if version is None:
-            clash = conn.execute(
+            refuse_clash(path, conn.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table' "
-                "AND name IN ('invocations', 'attempts')"
-            ).fetchall()
-            if clash:
-                names = ", ".join(sorted(r[0] for r in clash))
-                raise LedgerError(
-                    f"{path} is not a loopengine ledger: it has tables named {names} but no "
-                    f"{SCHEMA_TABLE} table"
-                )
-        if version is not None and version > known:
-            raise LedgerError(_newer(path, version, known))
-        if version is not None and version == known:
+                "AND name IN ('invocations', 'attempts')").fetchall())
+        check_not_newer(path, version, known)
+        if version == known:
             return version
         for migration in migrations:
             _apply(conn, migration, path)
         version = schema_version(conn) or 0
-        if version > known:
-            raise LedgerError(_newer(path, version, known))
+        check_not_newer(path, version, known)
         return version
     except sqlite3.DatabaseError as error:
         raise LedgerError(f"{path} could not be opened as a ledger: {error}") from error
 
 
-def _newer(path: str, version: int, known: int) -> str:
-    return (
-        f"{path} has ledger schema version {version}, newer than this loopengine "
-        f"understands ({known}); upgrade loopengine to use it"
-    )
+def check_not_newer(name: str, version: int | None, known: int = SCHEMA_VERSION) -> None:
+    """Refuse a ledger whose schema ``version`` is newer than ``known`` (this code's).
+
+    Raises:
+        LedgerError: it is newer.
+    """
+    if version is not None and version > known:
+        raise LedgerError(f"{name} has ledger schema version {version}, newer than this "
+                          f"loopengine understands ({known}); upgrade loopengine to use it")
+
+
+def refuse_clash(name: str, clash: Sequence[Sequence[Any]]) -> None:
+    """Refuse a database without a ledger's schema table whose tables ``clash``
+    (their names, one a row) with a ledger's.
+
+    Raises:
+        LedgerError: some do.
+    """
+    if clash:
+        names = ", ".join(sorted(str(r[0]) for r in clash))
+        raise LedgerError(f"{name} is not a loopengine ledger: it has tables named {names} "
+                          f"but no {SCHEMA_TABLE} table")
 
 
 def _apply(conn: sqlite3.Connection, migration: Migration, path: str) -> None:

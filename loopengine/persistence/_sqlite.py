@@ -189,7 +189,6 @@ def _prepare_file(path: str, busy_timeout: float) -> None:
     except sqlite3.Error as error:
         raise LedgerError(f"{path}: cannot open the ledger: {error}") from error
     try:
-        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
         mode = _journal_wal(conn, busy_timeout)
         if mode != "wal":
             raise LedgerError(

@@ -30,7 +30,6 @@ missing one.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import heapq
 import logging
@@ -41,6 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 
@@ -51,13 +51,13 @@ from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
 from loopengine.persistence._planner import (
     END_SET,
     FLUSH,
+    OPEN_OUTCOMES,
     Batch,
     Known,
     Lost,
     Op,
     Refused,
     Store,
-    read_known,
     read_progress,
 )
 from loopengine.persistence._records import (
@@ -76,20 +76,18 @@ T = TypeVar("T")
 logger = logging.getLogger("loopengine")
 
 
+@dataclass(slots=True)
 class Call:
     """A transaction of the ledger's database other than a batch of ops (a credit
     account's): ``work(connection)``, run by the writer thread in its own
     transaction; its result or exception goes back to the awaiting caller."""
 
-    __slots__ = ("error", "failure", "result", "waiter", "work")
-
-    def __init__(self, work: Callable[[Any], Any], failure: str, waiter: Waiter) -> None:
-        self.work = work
-        self.failure = failure
-        """What a database error means to the caller, for its `LedgerError`."""
-        self.waiter = waiter
-        self.result: Any = None
-        self.error: BaseException | None = None
+    work: Callable[[Any], Any]
+    failure: str
+    """What a database error means to the caller, for its `LedgerError`."""
+    waiter: Waiter = field(default_factory=Waiter)
+    result: Any = None
+    error: BaseException | None = None
 
 
 class Writer(Store):
@@ -100,14 +98,29 @@ class Writer(Store):
 
     _conn: Any = None
     """The connection (once `Store.begin` has made sure of one)."""
-    marker = "?"
-    """The connection's parameter marker."""
+
+    def qmark(self) -> Any:
+        """The connection as SQL written with SQLite's ``?`` parameters expects it
+        (the SQL of the calls, the accounts' and the run store's, is written once,
+        with them)."""
+        return self._conn
 
     def load(self, invocation_id: str) -> Known | None:
         """The committed state of an invocation another ledger started (or forgotten)."""
-        conn = self._conn
-        return read_known(
-            lambda sql: conn.execute(sql.format(self.marker), (invocation_id,)).fetchall())
+        def rows(sql: str) -> list[Any]:
+            return list(self.qmark().execute(sql, (invocation_id,)).fetchall())
+
+        found = rows("SELECT attempts_retained, outcome FROM invocations WHERE id = ?")
+        if not found:
+            return None
+        retained, outcome = found[0]
+        unsettled = rows("SELECT ordinal FROM attempts WHERE invocation_id = ? "
+                         "AND outcome = 'dispatched'")
+        segment = rows("SELECT ordinal, outcome, ended_at FROM segments WHERE invocation_id = ? "
+                       "ORDER BY ordinal DESC LIMIT 1")
+        last, how, ended_at = segment[0] if segment else (None, None, None)
+        return Known(int(retained), outcome not in OPEN_OUTCOMES, [int(r[0]) for r in unsettled],
+                     None if last is None else int(last), how is None and ended_at is None)
 
     def run_calls(self, calls: Sequence[Call]) -> None:
         """Run ``calls`` on the connection, each in a savepoint of one transaction
@@ -133,7 +146,7 @@ class Writer(Store):
                 call.result = call.error = None
                 self.savepoint(first=index == 0)
                 try:
-                    call.result = call.work(self._conn)
+                    call.result = call.work(self.qmark())
                 except Exception as error:
                     self._conn.execute("ROLLBACK TO SAVEPOINT loopengine_call")
                     fail(call, error)
@@ -157,12 +170,6 @@ class Writer(Store):
         if not first:
             self._conn.execute("RELEASE SAVEPOINT loopengine_call")
         self._conn.execute("SAVEPOINT loopengine_call")
-
-    def reconnect(self) -> None:
-        """Make sure of a connection again after `Store.lost` (raises one of
-        ``errors`` while the database still cannot be reached)."""
-        self.begin()
-        self.abort()
 
     def committed(self, lost: Lost) -> bool | None:
         """Whether the transaction of ``lost``, whose commit was under way when the
@@ -190,25 +197,25 @@ class Writer(Store):
         if not (batch.starts or batch.dispatches or batch.settles or batch.deltas
                 or batch.ends):
             return True  # it wrote nothing: committed or not, the same
-        conn, marker = self._conn, self.marker
+        conn = self.qmark()
         if batch.starts:
-            found = conn.execute(f"SELECT 1 FROM invocations WHERE id = {marker}",
+            found = conn.execute("SELECT 1 FROM invocations WHERE id = ?",
                                  (batch.starts[0][0],)).fetchall()
             return bool(found)
         elif batch.dispatches:
             row = batch.dispatches[0]
-            found = conn.execute(f"SELECT 1 FROM attempts WHERE invocation_id = {marker} "
-                                 f"AND ordinal = {marker}", (row[0], row[1])).fetchall()
+            found = conn.execute("SELECT 1 FROM attempts WHERE invocation_id = ? "
+                                 "AND ordinal = ?", (row[0], row[1])).fetchall()
             return bool(found)
         elif batch.settles:
             row = batch.settles[0]
-            found = conn.execute(f"SELECT outcome FROM attempts WHERE invocation_id = {marker} "
-                                 f"AND ordinal = {marker}", (row[-2], row[-1])).fetchall()
+            found = conn.execute("SELECT outcome FROM attempts WHERE invocation_id = ? "
+                                 "AND ordinal = ?", (row[-2], row[-1])).fetchall()
             return bool(found) and found[0][0] != "dispatched"
         elif batch.ends:
             end = batch.ends[0]
-            found = conn.execute(f"SELECT outcome, pause_seal FROM invocations "
-                                 f"WHERE id = {marker}", (end[-1],)).fetchall()
+            found = conn.execute("SELECT outcome, pause_seal FROM invocations WHERE id = ?",
+                                 (end[-1],)).fetchall()
             # The outcome it wrote, and the seal: a pause's, or the token of
             # the resume that wrote ``running`` back (another resume's differs).
             seal = end[END_SET.index("pause_seal")]
@@ -237,8 +244,6 @@ class ThreadedLedger:
 
     _label: str
     """How the ledger is named in messages (its file, its server)."""
-    _marker = "?"
-    """Its connection's parameter marker (the writer's `Writer.marker`)."""
 
     def _setup(self, label: str, max_retained: int, linger: float, max_batch: int,
                give_up: float) -> None:
@@ -274,9 +279,9 @@ class ThreadedLedger:
         """Every write numbered up to this is committed (or refused)."""
         self._refused: dict[int, str] = {}
         """Durable writes refused, by number, until their caller reads it."""
-        self._waiters: list[tuple[int, int, Waiter]] = []
-        """A heap of ``(write number, sequence, waiter)``."""
-        self._sequence = 0
+        self._waiters: list[tuple[int, Waiter]] = []
+        """A heap of ``(write number, waiter)``: one waiter a number, the call that
+        queued that write."""
         self._writer: Writer | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -306,9 +311,7 @@ class ThreadedLedger:
         Raises:
             LedgerError: the ledger cannot be opened, or is closed.
         """
-        if self._writer is None:
-            await self._open()
-        self._defer(start_op(record))
+        await self._defer(start_op(record))
 
     async def dispatch_attempt(self, record: AttemptDispatch) -> None:
         """Record an attempt as ``dispatched``; durable when this returns.
@@ -332,10 +335,8 @@ class ThreadedLedger:
         """
         if record.served:
             await self._durable(settle_op(record))
-            return
-        if self._writer is None:
-            await self._open()
-        self._defer(settle_op(record))
+        else:
+            await self._defer(settle_op(record))
 
     async def end_invocation(self, record: InvocationEnd) -> None:
         """Settle the invocation with its outcome; everything before is durable on return.
@@ -355,13 +356,10 @@ class ThreadedLedger:
         Raises:
             LedgerError: the database could not be read.
         """
-        marker = self._marker
-
         def work(conn: Any) -> InvocationProgress | None:
-            return read_progress(lambda sql: conn.execute(sql.format(marker),
-                                                          (invocation_id,)).fetchall())
+            return read_progress(lambda sql: conn.execute(sql, (invocation_id,)).fetchall())
 
-        return await self._transact(work, "the invocation could not be read")
+        return await self._transact_qmark(work, "the invocation could not be read")
 
     async def flush(self) -> None:
         """Wait until every write queued so far is committed.
@@ -375,13 +373,13 @@ class ThreadedLedger:
     def commits(self) -> int:
         """Transactions this ledger has committed (each one durable commit)."""
         self._check_fork()
-        return self._writer.commits if self._writer is not None else 0
+        return self._writer.planner.commits if self._writer is not None else 0
 
     @property
     def writes(self) -> int:
         """Writes (starts, dispatches, settles, ends) this ledger has committed."""
         self._check_fork()
-        return self._writer.writes if self._writer is not None else 0
+        return self._writer.planner.writes if self._writer is not None else 0
 
     @property
     def reconnects(self) -> int:
@@ -469,7 +467,10 @@ class ThreadedLedger:
         if self._closed:
             raise LedgerError(f"{self._label}: the ledger is closed")
 
-    def _defer(self, op: Op) -> None:
+    async def _defer(self, op: Op) -> None:
+        """Queue a deferred write, to be committed with the next durable one."""
+        if self._writer is None:
+            await self._open()
         with self._lock:
             self._check()
             self._next_id += 1
@@ -511,9 +512,8 @@ class ThreadedLedger:
                 return
             if self._broken is not None:
                 raise LedgerError(self._broken)
-            waiter = Waiter(_running_loop())
-            self._sequence += 1
-            heapq.heappush(self._waiters, (number, self._sequence, waiter))
+            waiter = Waiter()
+            heapq.heappush(self._waiters, (number, waiter))
         try:
             await waiter.wait()
         finally:
@@ -522,14 +522,10 @@ class ThreadedLedger:
             raise LedgerError(self._broken or f"{self._label}: the ledger is closed")
 
     async def _transact_qmark(self, work: Callable[[Any], T], failure: str) -> T:
-        """`_transact`, ``work`` given a connection taking SQLite's ``?``
-        parameters on every store (the accounts' and the run store's SQL is
-        written once, with them)."""
-        return await self._transact(work, failure)
-
-    async def _transact(self, work: Callable[[Any], T], failure: str) -> T:
         """Run ``work(connection)`` in a transaction of its own on the writer's
         connection, between two batches; return its result or raise its error.
+        The connection takes SQLite's ``?`` parameters on every store
+        (`Writer.qmark`).
 
         A cancelled caller stops waiting; the transaction, once queued, still
         runs and ends in the thread.
@@ -541,7 +537,7 @@ class ThreadedLedger:
         """
         if self._writer is None:
             await self._open()
-        call = Call(work, failure, Waiter(_running_loop()))
+        call = Call(work, failure)
         with self._lock:
             closed = self._closing and self._pid == os.getpid()
             if not closed:
@@ -624,7 +620,7 @@ class ThreadedLedger:
             writer = self._writer
             assert writer is not None
             try:
-                return refused + writer.commit(pending)
+                return refused + writer.planner.commit(pending)
             except Lost as lost:
                 refused += lost.refused
                 try:
@@ -674,7 +670,7 @@ class ThreadedLedger:
         finally:
             old.close()
         new = self._new_writer()
-        new.planner.commits, new.planner.writes = old.commits, old.writes
+        new.planner.commits, new.planner.writes = old.planner.commits, old.planner.writes
         self._writer = new
 
     def _recover(self, lost: Lost, waiting: int) -> bool:
@@ -706,7 +702,10 @@ class ThreadedLedger:
                 self._close_requested.wait(pause)
             delay = min(max(2 * delay, _FIRST_RETRY), _LONGEST_RETRY)
             try:
-                writer.reconnect()
+                # A connection again (raises one of ``errors`` while the
+                # database still cannot be reached).
+                writer.begin()
+                writer.abort()
                 committed = writer.committed(lost) if lost.uncertain else False
             except Refused:
                 writer.abort()
@@ -772,13 +771,6 @@ first is at once: a terminated session is replaced by the next connection)."""
 _LONGEST_RETRY: Final = 1.0
 """The longest wait between two attempts (each wait is jittered down by up to
 half, so many processes that lost one server do not all return at once)."""
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:  # not asyncio (anyio's trio backend)
-        return None
 
 
 _open_ledgers: weakref.WeakSet[ThreadedLedger] = weakref.WeakSet()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -21,11 +21,19 @@ import anyio.lowlevel
 __all__ = ["Waiter", "release", "wake_all"]
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio (anyio's trio backend)
+        return None
+
+
 @dataclass(slots=True)
 class Waiter:
-    """One call waiting for its write; completed in its own event loop."""
+    """One call waiting for its write, made in the caller's event loop and
+    completed in it."""
 
-    loop: asyncio.AbstractEventLoop | None
+    loop: asyncio.AbstractEventLoop | None = field(default_factory=_running_loop)
     future: asyncio.Future[None] | None = None
     event: anyio.Event | None = None
     token: Any = None
@@ -74,10 +82,7 @@ def _wake(waiters: list[Waiter], start: int = 0) -> None:
 
 def wake_all(waiters: list[Waiter]) -> None:
     """Complete each waiter in its own event loop, without waiting for that loop."""
-    try:
-        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
+    running = _running_loop()
     groups: dict[int, list[Waiter]] = {}
     for waiter in waiters:
         key = id(waiter.loop) if waiter.loop is not None else id(waiter.token.native_token)
@@ -96,13 +101,13 @@ def wake_all(waiters: list[Waiter]) -> None:
             pass
 
 
-def release(waiters: list[tuple[int, int, Waiter]], done: int | None) -> None:
+def release(waiters: list[tuple[int, Waiter]], done: int | None) -> None:
     """Pop and wake the waiters of writes numbered up to ``done`` (every one when
     None); a waiter whose call stopped waiting is dropped. Called holding the
     store's lock."""
     ready: list[Waiter] = []
     while waiters and (done is None or waiters[0][0] <= done):
-        waiter = heapq.heappop(waiters)[2]
+        waiter = heapq.heappop(waiters)[1]
         if not waiter.gone:
             ready.append(waiter)
     if ready:

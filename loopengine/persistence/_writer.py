@@ -20,19 +20,7 @@ from loopengine.persistence import _planner
 from loopengine.persistence._planner import Refused
 from loopengine.persistence._threaded import Writer as _Writer
 
-INVOCATION_INSERT, ATTEMPT_INSERT = _planner.INVOCATION_INSERT, _planner.ATTEMPT_INSERT
-ATTEMPT_SETTLE, END_SET = _planner.ATTEMPT_SETTLE, _planner.END_SET
-
-# Increments, never absolute values: correct whoever else wrote the row.
-_ADD = tuple(f"{c} = MAX({c}, {{}})" if n == _planner.INCOMPLETE else f"{c} = {c} + {{}}"
-             for n, c in enumerate(_planner.DELTA_COLUMNS))
-
-# UPDATE ... FROM (3.33) lets one statement update many rows.
-_UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
 _LARGEST_CHUNK = 1024
-_WIDTH = {"start": len(INVOCATION_INSERT), "dispatch": len(ATTEMPT_INSERT),
-          "settle": len(ATTEMPT_SETTLE) + 2, "add": len(_ADD) + 1, "end": len(END_SET) + 3,
-          "open": len(_planner.SEGMENT_OPEN), "close": len(_planner.SEGMENT_CLOSE) + 2}
 
 
 # -- the SQL -----------------------------------------------------------------------------
@@ -54,23 +42,21 @@ class _Statements:
     def __init__(self, conn: sqlite3.Connection) -> None:
         variable_limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
         chunk = 1
-        while chunk * 2 <= min(_LARGEST_CHUNK, variable_limit // max(_WIDTH.values())):
+        width = max(map(len, _planner.ROW_COLUMNS.values()))
+        while chunk * 2 <= min(_LARGEST_CHUNK, variable_limit // width):
             chunk *= 2
-        self.largest = chunk if _UPDATE_FROM else 1
+        self.largest = chunk
         self.cursor = conn.cursor()
         """The one cursor of every write (none is made per statement)."""
-        self._single = {kind: _build_sql(kind, 1) for kind in _WIDTH}
         self._cache: dict[tuple[str, int], str] = {}
 
     def run(self, kind: str, rows: list[Sequence[Any]]) -> int:
         """Execute ``kind`` for every row; return the number of rows changed."""
         cursor = self.cursor
         if len(rows) == 1:
-            return cursor.execute(self._single[kind], rows[0]).rowcount
-        if self.largest == 1:
-            return cursor.executemany(self._single[kind], rows).rowcount
+            return cursor.execute(_SINGLE[kind], rows[0]).rowcount
         changed = 0
-        width = _WIDTH[kind]
+        width = len(_planner.ROW_COLUMNS[kind])
         for start in range(0, len(rows), self.largest):
             chunk = rows[start:start + self.largest]
             size = _padded(len(chunk))
@@ -80,7 +66,7 @@ class _Statements:
             key = (kind, size)
             sql = self._cache.get(key)
             if sql is None:
-                sql = self._cache[key] = _build_sql(kind, size)
+                sql = self._cache[key] = _many(kind, size)
             changed += cursor.execute(sql, params).rowcount
         return changed
 
@@ -95,52 +81,32 @@ def _padded(rows: int) -> int:
     return -(-rows // step) * step
 
 
-_INSERTS: Final = {"start": ("invocations", INVOCATION_INSERT),
-                   "dispatch": ("attempts", ATTEMPT_INSERT),
-                   "open": ("segments", _planner.SEGMENT_OPEN)}
+def _many(kind: str, rows: int) -> str:
+    """The statement writing ``rows`` rows of ``kind`` at once (`_planner.many_rows`;
+    padding rows have NULL keys)."""
+    columns = _planner.ROW_COLUMNS[kind]
+    row = "(" + ", ".join("?" * len(columns)) + ")"
+    names = ", ".join(f"column{n} AS {c}" for n, c in enumerate(columns, start=1))
+    keep = " WHERE column1 IS NOT NULL" if kind in _planner.INSERTS else ""
+    return _planner.many_rows(
+        kind, f"(SELECT {names} FROM (VALUES {', '.join([row] * rows)}){keep}) AS v", "MAX")
 
 
-def _build_sql(kind: str, rows: int) -> str:
-    """The statement writing ``rows`` rows of ``kind`` (padding rows have NULL keys)."""
-    width = _WIDTH[kind]
-    row = "(" + ", ".join("?" * width) + ")"
-    values = ", ".join([row] * rows)
-    if kind in ("start", "dispatch", "open"):
-        table, columns = _INSERTS[kind]
-        if rows == 1:
-            return f"INSERT INTO {table} ({', '.join(columns)}) VALUES {values}"
-        return (f"INSERT INTO {table} ({', '.join(columns)}) "
-                f"SELECT * FROM (VALUES {values}) WHERE column1 IS NOT NULL")
-    if kind == "settle":
-        if rows == 1:
-            sets = ", ".join(f"{c} = ?" for c in ATTEMPT_SETTLE)
-            return (f"UPDATE attempts SET {sets} WHERE invocation_id = ? AND ordinal = ? "
-                    "AND outcome = 'dispatched'")
-        sets = ", ".join(f"{c} = v.column{i + 1}" for i, c in enumerate(ATTEMPT_SETTLE))
-        return (f"UPDATE attempts SET {sets} FROM (VALUES {values}) AS v "
-                f"WHERE attempts.invocation_id = v.column{width - 1} "
-                f"AND attempts.ordinal = v.column{width} AND attempts.outcome = 'dispatched'")
-    if kind == "close":
-        if rows == 1:
-            return ("UPDATE segments SET ended_at = ?, outcome = ? "
-                    "WHERE invocation_id = ? AND ordinal = ?")
-        return ("UPDATE segments SET ended_at = v.column1, outcome = v.column2 "
-                f"FROM (VALUES {values}) AS v WHERE segments.invocation_id = v.column3 "
-                "AND segments.ordinal = v.column4")
-    if kind == "add":
-        if rows == 1:
-            return f"UPDATE invocations SET {', '.join(a.format('?') for a in _ADD)} WHERE id = ?"
-        sets = ", ".join(a.format(f"v.column{i + 1}") for i, a in enumerate(_ADD))
-        return (f"UPDATE invocations SET {sets} FROM (VALUES {values}) AS v "
-                f"WHERE invocations.id = v.column{width}")
-    assert kind == "end"
-    # What the row must still be (`_planner.END_SET`): a compare-and-set.
-    expect, outcome = f"v.column{width - 1}", f"v.column{width - 2}"
-    sets = ", ".join(f"{c} = v.column{i + 1}" for i, c in enumerate(END_SET))
-    return (f"UPDATE invocations SET {sets} FROM (VALUES {values}) AS v "
-            f"WHERE invocations.id = v.column{width} AND ({expect} IS NULL OR "
-            f"(invocations.outcome = {outcome} AND "
-            f"COALESCE(invocations.pause_seal, '') = {expect}))")
+_SINGLE: Final = {
+    **{kind: f"INSERT INTO {table} ({', '.join(columns)}) VALUES "
+             f"({', '.join('?' * len(columns))})"
+       for kind, (table, columns) in _planner.INSERTS.items()},
+    "settle": f"UPDATE attempts SET {', '.join(f'{c} = ?' for c in _planner.ATTEMPT_SETTLE)} "
+              "WHERE invocation_id = ? AND ordinal = ? AND outcome = 'dispatched'",
+    "close": "UPDATE segments SET ended_at = ?, outcome = ? WHERE invocation_id = ? "
+             "AND ordinal = ?",
+    # Increments, never absolute values: correct whoever else wrote the row.
+    "add": "UPDATE invocations SET " + ", ".join(
+        f"{c} = MAX({c}, ?)" if n == _planner.INCOMPLETE else f"{c} = {c} + ?"
+        for n, c in enumerate(_planner.DELTA_COLUMNS)) + " WHERE id = ?",
+    "end": _many("end", 1),
+}
+"""The statement of one row of each kind, its parameters the row as it is."""
 
 
 # -- the writer ------------------------------------------------------------------------------
@@ -151,13 +117,15 @@ def _build_sql(kind: str, rows: int) -> str:
 # four times as many, its checkpointer thread makes it.
 CHECKPOINT_COMMITS: Final = 256
 CHECKPOINT_WRITES: Final = 4096
+CHECKPOINT_INTERVAL: Final = 0.1
+"""The checkpointer's shortest wait between two checkpoints, in seconds."""
 
 
 class Writer(_Writer):
     """The connection that turns ops into rows: SQLite's `_planner.Store`.
 
-    `open` raises `sqlite3.Error` or `Refused`; `commit` never raises for a
-    write it refuses: it reports it.
+    `open` raises `sqlite3.Error` or `Refused`; its planner's commit never raises
+    for a write it refuses: it reports it.
 
     Args:
         path: The ledger's file (its schema already current).
@@ -173,7 +141,6 @@ class Writer(_Writer):
     def __init__(self, path: str, max_retained: int, busy_timeout: float) -> None:
         super().__init__(path, max_retained)
         self._busy_timeout = busy_timeout
-        self._checkpoint = (CHECKPOINT_COMMITS, CHECKPOINT_WRITES)  # read when it opens
         self._checkpointed = (0, 0)
         """The commits and writes counted at the last checkpoint."""
         self._conn: sqlite3.Connection | None = None
@@ -185,7 +152,6 @@ class Writer(_Writer):
         conn = sqlite3.connect(self.name, timeout=self._busy_timeout, isolation_level=None,
                                cached_statements=512, check_same_thread=False)
         try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
             mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0])
             if mode != "wal":
                 raise Refused(f"{self.name}: the ledger needs WAL journaling, and this "
@@ -258,20 +224,19 @@ class Writer(_Writer):
         the checkpointer's thread (which seldom catches up with the last
         commit while commits keep coming, hence the preference for here).
         """
-        commits = self.commits - self._checkpointed[0]
-        writes = self.writes - self._checkpointed[1]
-        every_commits, every_writes = self._checkpoint
-        if commits < every_commits and writes < every_writes:
+        commits = self.planner.commits - self._checkpointed[0]
+        writes = self.planner.writes - self._checkpointed[1]
+        if commits < CHECKPOINT_COMMITS and writes < CHECKPOINT_WRITES:
             return
         if not waiting():
-            self._checkpointed = (self.commits, self.writes)
+            self._checkpointed = (self.planner.commits, self.planner.writes)
             assert self._conn is not None
             try:
                 self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
             except sqlite3.Error:
                 pass  # a checkpoint is an optimisation; the next one retries
-        elif commits >= 4 * every_commits or writes >= 4 * every_writes:
-            self._checkpointed = (self.commits, self.writes)
+        elif commits >= 4 * CHECKPOINT_COMMITS or writes >= 4 * CHECKPOINT_WRITES:
+            self._checkpointed = (self.planner.commits, self.planner.writes)
             assert self._checkpointer is not None
             self._checkpointer.poke()
 
@@ -282,13 +247,12 @@ class _Checkpointer:
     The writer pokes it when a checkpoint is overdue while writes keep
     arriving (otherwise the writer checkpoints itself). A passive checkpoint
     never blocks writers or readers; it copies what no reader still needs, at
-    most every ``interval`` seconds.
+    most every `CHECKPOINT_INTERVAL` seconds.
     """
 
-    def __init__(self, path: str, busy_timeout: float, interval: float = 0.1) -> None:
+    def __init__(self, path: str, busy_timeout: float) -> None:
         self._path = path
         self._busy_timeout = busy_timeout
-        self._interval = interval
         self._wanted = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"loopengine-checkpoint:{path}",
@@ -320,7 +284,7 @@ class _Checkpointer:
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                 except sqlite3.Error:
                     pass  # a checkpoint is an optimisation; the next one retries
-                if self._stopping.wait(self._interval):
+                if self._stopping.wait(CHECKPOINT_INTERVAL):
                     return
         finally:
             conn.close()
