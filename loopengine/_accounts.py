@@ -215,18 +215,25 @@ class CreditAccounts:
         """Charge a run's real ``credits`` (its total so far) and release its
         reservation, in one transaction; once per reservation (a second call
         changes nothing) (internal). A resumed run's earlier segments were
-        settled when it paused: only what it charged since is added."""
+        settled when it paused, and a run alive past its reservation's expiry
+        was charged by the expiry what it had spent then: only what it charged
+        since is added."""
 
         def work(conn: Any, now: str) -> None:
             store.lock(conn, reservation.account)
-            if store.released(conn, reservation.invocation_id):
-                return  # settled already (or expired by another process)
-            charge = credits - store.settled(conn, reservation.invocation_id)
+            invocation_id = reservation.invocation_id
+            released = store.released(conn, invocation_id)
+            if released and not store.outlived(conn, invocation_id):
+                return  # settled already
+            # A run whose reservation expired while it still ran is charged
+            # what it spent since, on top of what the expiry charged.
+            charge = credits - store.settled(conn, invocation_id)
             if charge > 0:
                 store.journal(conn, reservation.account, now, "settle", charge,
-                         reservation.invocation_id, None)
-            store.journal(conn, reservation.account, now, "release", reservation.credits,
-                     reservation.invocation_id, None)
+                              invocation_id, None)
+            if not released:
+                store.journal(conn, reservation.account, now, "release", reservation.credits,
+                              invocation_id, None)
 
         await self._transaction(work)
 

@@ -4,12 +4,14 @@ across processes; a crashed run's reservation is settled once it expires."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ import pytest
 
 import loopengine as le
 from loopengine import events
-from loopengine.persistence import SQLiteLedger
+from loopengine.persistence import PostgresLedger, SQLiteLedger
 from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
@@ -380,3 +382,60 @@ async def test_reconcile_checks_a_runs_charge_against_its_credits(tmp_path: Path
     broken = audit("reconcile", "--db", str(path), "--json")
     assert broken.exit_code == 1
     assert result.invocation_id in broken.output and '"column": "charged"' in broken.output
+
+
+@contextlib.asynccontextmanager
+async def store_of(kind: str, tmp_path: Path,
+                   request: pytest.FixtureRequest) -> AsyncIterator[tuple[Any, str]]:
+    """A SQLiteLedger, or a PostgresLedger in a new database on the session's
+    server, and the address `loopengine audit` takes for it."""
+    if kind == "sqlite":
+        with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+            yield ledger, str(tmp_path / "ledger.db")
+        return
+    from .postgres_support import PostgresServer
+    from .test_audit_postgres import url_of
+
+    server: PostgresServer = request.getfixturevalue("postgres_server")
+    dsn = server.create_database()
+    async with PostgresLedger(dsn) as ledger:
+        yield ledger, url_of(server, dsn.rsplit("dbname=", 1)[1])
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_run_alive_past_its_reservations_expiry_is_still_charged_its_whole_credits(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A run without ``total_time`` whose reservation expires while it still runs
+    (its tool takes two hours; another process reads the balance meanwhile and
+    settles the reservation at the one turn charged so far): at its end the run
+    settles what it spent since, on top. The account is charged the run's whole
+    credits, once, and the audit reconciles."""
+    clock = FakeClock()
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        accounts = le.CreditAccounts(ledger, clock=clock)
+        elsewhere = le.CreditAccounts(ledger, clock=clock)  # another process's
+        await accounts.grant("acme", 10_000)
+        seen: list[le.AccountBalance] = []
+
+        @le.tool
+        async def slow(key: str) -> str:
+            """Take two hours."""
+            clock.advance(2 * 3600)
+            seen.append(await elsewhere.balance("acme"))
+            return "ok"
+
+        engine, _ = engine_on(ledger, Reply.tool_calls(("slow", {"key": "a"})),
+                              Reply.tool_calls(("slow", {"key": "b"})), Reply.text("done"),
+                              accounts=accounts, clock=clock)
+        result = await engine.run(operation(credit_hold=1000, total_time=None), "go",
+                                  tools=[slow], attribution=ACME)
+        balance = await accounts.balance("acme")
+        again = await accounts.balance("acme")
+    assert result.outcome is le.Outcome.COMPLETED and result.credits == 360
+    # Expired at the first tool: charged its first turn, released.
+    assert seen[0] == le.AccountBalance("acme", 10_000, 120, 0, 9_880)
+    assert balance == again == le.AccountBalance("acme", 10_000, 360, 0, 9_640)
+    checked = audit("reconcile", "--db", address, "--json")
+    assert checked.exit_code == 0, checked.output
+    assert '"accounts": []' in checked.output
