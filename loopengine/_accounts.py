@@ -29,6 +29,7 @@ transaction.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -136,20 +137,32 @@ class CreditAccounts:
         """Add ``credits`` to ``account`` (created at its first grant); return its balance.
 
         Raises:
-            ConfigError: an empty account name, or credits not a positive integer.
+            ConfigError: an empty account name, credits not a positive integer,
+                or a grant that would take the account's granted credits past
+                2**63 - 1 (nothing is written).
             LedgerError: the database could not be written.
         """
         _check_account(account)
         _validate.required_integer("credits", credits, minimum=1)
         _validate.recorded_text("note", note)
 
-        def work(conn: Any, now: str) -> AccountBalance:
+        def work(conn: Any, now: str) -> tuple[AccountBalance, bool]:
             store.lock(conn, account)
             store.expire(conn, account, now)
+            before = store.read(conn, account)
+            if before.granted > _validate.MAX_INTEGER - credits:
+                # SQLite would store the sum as an inexact real, PostgreSQL refuse it.
+                return before, False
             store.journal(conn, account, now, "grant", credits, None, note)
-            return store.read(conn, account)
+            return dataclasses.replace(before, granted=before.granted + credits,
+                                       available=before.available + credits), True
 
-        return await self._transaction(work)
+        balance, granted = await self._transaction(work)
+        if not granted:
+            raise ConfigError("credits", f"account {account!r} has {balance.granted} "
+                                         f"granted: {credits} more would pass the largest "
+                                         f"count a ledger stores ({_validate.MAX_INTEGER})")
+        return balance
 
     async def balance(self, account: str) -> AccountBalance:
         """``account``'s granted, spent, reserved and available credits (zeros if unknown).

@@ -439,3 +439,30 @@ async def test_a_run_alive_past_its_reservations_expiry_is_still_charged_its_who
     checked = audit("reconcile", "--db", address, "--json")
     assert checked.exit_code == 0, checked.output
     assert '"accounts": []' in checked.output
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_grant_past_the_largest_stored_count_is_refused_and_changes_nothing(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """An account granted 2**63 - 1 credits takes no more: a ConfigError naming
+    ``credits``, the same on each store, and the account as it was (on SQLite the
+    sum was once stored as an inexact real, which the audit then refused as a
+    file loopengine had not written)."""
+    most = 2**63 - 1
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        accounts = le.CreditAccounts(ledger)
+        assert await accounts.grant("acme", most - 5) == le.AccountBalance(
+            "acme", most - 5, 0, 0, most - 5)
+        with pytest.raises(le.ConfigError) as info:
+            await accounts.grant("acme", 6)
+        assert info.value.field == "credits"
+        full = await accounts.grant("acme", 5)
+        with pytest.raises(le.ConfigError):
+            await accounts.grant("acme", 1)
+        balance = await accounts.balance("acme")
+    assert full == balance == le.AccountBalance("acme", most, 0, 0, most)
+    listed = audit("accounts", "--db", address, "--json")
+    assert listed.exit_code == 0, listed.output
+    assert f'"granted": {most}' in listed.output
+    assert audit("reconcile", "--db", address).exit_code == 0
