@@ -5,6 +5,7 @@ across processes; a crashed run's reservation is settled once it expires."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sqlite3
@@ -466,3 +467,44 @@ async def test_a_grant_past_the_largest_stored_count_is_refused_and_changes_noth
     assert listed.exit_code == 0, listed.output
     assert f'"granted": {most}' in listed.output
     assert audit("reconcile", "--db", address).exit_code == 0
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_reconcile_names_a_run_released_without_its_charge(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A run whose reservation was released with no charge at all, though it
+    charged credits (its settle entry lost, the balance kept equal to the
+    journal), is named like a run charged too little: recorded 0, the run says
+    120. A run that charged nothing and a run in progress are not."""
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        engine, _ = engine_on(ledger, Reply.text("a"), accounts=accounts)
+        result = await engine.run(operation(credit_hold=500), "go", attribution=ACME)
+        free = le.PriceBook([le.ModelPrice(provider="anthropic", model="claude-sonnet-4-5",
+                                           input_per_mtok=0, output_per_mtok=0)])
+        nothing = le.Engine(ScriptedProvider([Reply.text("b")]), ledger=ledger, prices=free,
+                            accounts=accounts)
+        await nothing.run(operation(credit_hold=500), "go", attribution=ACME)
+    assert audit("reconcile", "--db", address).exit_code == 0
+    statements = ["DELETE FROM account_entries WHERE kind = 'settle'",
+                  "UPDATE accounts SET spent = 0"]
+    if kind == "sqlite":
+        conn = sqlite3.connect(address)
+        for statement in statements:
+            conn.execute(statement)
+        conn.commit()
+        conn.close()
+    else:
+        import psycopg
+
+        with psycopg.connect(f"postgresql:{address.removeprefix('postgresql:')}",
+                             autocommit=True) as pg:
+            for statement in statements:
+                pg.execute(statement)
+    broken = audit("reconcile", "--db", address, "--json")
+    assert broken.exit_code == 1, broken.output
+    found = json.loads(broken.output)["accounts"]
+    assert found == [{"account": "acme", "column": "charged", "recorded": 0, "computed": 120,
+                      "invocation_id": result.invocation_id}]
