@@ -82,7 +82,8 @@ class CreditAccounts:
         expiry_grace: Seconds past a run's deadline after which another
             process may settle its reservation (its process is taken as dead).
         clock: Where the current time comes from, for the journal's times
-            and the expiry of reservations: the engine's clock
+            and the expiry of reservations (both their dates and when they
+            pass, whatever clock a run's engine keeps): the engine's clock
             (`loopengine.testing.FakeClock` in tests); default the system's.
 
     Raises:
@@ -183,6 +184,15 @@ class CreditAccounts:
 
     # -- what the engine calls ----------------------------------------------------------
 
+    def expiry(self, total_time: float | None) -> datetime:
+        """When a reservation made now, for a run of ``total_time`` seconds (None:
+        unbounded), may be settled by another process (internal): dated by these
+        accounts' clock, the one every admission, grant and balance reads
+        expiries with, whatever clock the run's engine keeps."""
+        return self._clock.wall() + timedelta(seconds=(total_time or UNBOUNDED_RUN)
+                                              + self.expiry_grace)
+
+
     async def reserve(self, account: str, invocation_id: str, hold: int, *,
                       expires_at: datetime, credits_per_usd: Decimal,
                       credit_quantum: int, margin: int = 0) -> Reservation:
@@ -279,11 +289,6 @@ async def recorded_account(ledger: Any, invocation_id: str) -> str | None:
         return None
     return await ledger._transact_qmark(lambda conn: store.account_of(conn, invocation_id),
                                        "the accounts could not be read")
-
-
-def expiry(started_at: datetime, total_time: float | None, grace: float) -> datetime:
-    """When a run's reservation may be settled by another process."""
-    return started_at + timedelta(seconds=(total_time or UNBOUNDED_RUN) + grace)
 
 
 def _check_account(account: object) -> None:

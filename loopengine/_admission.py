@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from datetime import datetime
 
-from loopengine._accounts import Reservation, expiry
+from loopengine._accounts import Reservation
 from loopengine._invocation import LEDGER_GRACE, Invocation
 from loopengine._pricing import to_nanousd
 from loopengine.guards._checkpoints import check_admission, unconfirmed_by_deadline
@@ -58,7 +58,7 @@ async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
     async def reserve() -> None:
         got.append(await accounts.reserve(
             account, inv.id, asked,
-            expires_at=expiry(at, inv.limits.total_time, accounts.expiry_grace),
+            expires_at=accounts.expiry(inv.limits.total_time),
             credits_per_usd=inv.prices.credits_per_usd,
             credit_quantum=inv.prices.credit_quantum, margin=margin))
 

@@ -508,3 +508,47 @@ async def test_reconcile_names_a_run_released_without_its_charge(
     found = json.loads(broken.output)["accounts"]
     assert found == [{"account": "acme", "column": "charged", "recorded": 0, "computed": 120,
                       "invocation_id": result.invocation_id}]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_reservation_expires_on_the_accounts_clock_whatever_the_engines(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """An engine on a FakeClock (its wall at 2026-01-01) and its accounts on the
+    system's: a run's reservation expires by the accounts' clock, the one that
+    reads expiries, so a second run admitted while the first still holds the
+    whole balance is denied (its expiry, once dated by the engine's clock, was
+    long past by the system's: every admission settled the other runs' holds as
+    dead ones and admitted past the balance)."""
+    clock = FakeClock()
+    async with store_of(kind, tmp_path, request) as (ledger, _):
+        accounts = le.CreditAccounts(ledger)  # the system's clock
+        await accounts.grant("acme", 500)
+        holding, release = anyio.Event(), anyio.Event()
+
+        @le.tool
+        async def wait() -> str:
+            """Wait until told."""
+            holding.set()
+            await release.wait()
+            return "ok"
+
+        first, _ = engine_on(ledger, Reply.tool_calls(("wait", {})), Reply.text("a"),
+                             accounts=accounts, clock=clock)
+        second, provider = engine_on(ledger, Reply.text("b"), accounts=accounts, clock=clock)
+        results: list[le.RunResult] = []
+        async with anyio.create_task_group() as group:
+            async def run_first() -> None:
+                results.append(await first.run(operation(credit_hold=500), "go",
+                                               tools=[wait], attribution=ACME))
+
+            group.start_soon(run_first)
+            await holding.wait()
+            during = await accounts.balance("acme")
+            denied = await second.run(operation(credit_hold=500), "go", attribution=ACME)
+            release.set()
+        balance = await accounts.balance("acme")
+    assert during == le.AccountBalance("acme", 500, 0, 500, 0)
+    assert denied.outcome is le.Outcome.ADMISSION_DENIED and provider.requests == []
+    assert results[0].outcome is le.Outcome.COMPLETED
+    assert balance == le.AccountBalance("acme", 500, 240, 0, 260)
