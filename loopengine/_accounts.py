@@ -192,7 +192,6 @@ class CreditAccounts:
         return self._clock.wall() + timedelta(seconds=(total_time or UNBOUNDED_RUN)
                                               + self.expiry_grace)
 
-
     async def reserve(self, account: str, invocation_id: str, hold: int, *,
                       expires_at: datetime, credits_per_usd: Decimal,
                       credit_quantum: int, margin: int = 0) -> Reservation:
