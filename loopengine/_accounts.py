@@ -29,6 +29,7 @@ transaction.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -81,7 +82,8 @@ class CreditAccounts:
         expiry_grace: Seconds past a run's deadline after which another
             process may settle its reservation (its process is taken as dead).
         clock: Where the current time comes from, for the journal's times
-            and the expiry of reservations: the engine's clock
+            and the expiry of reservations (both their dates and when they
+            pass, whatever clock a run's engine keeps): the engine's clock
             (`loopengine.testing.FakeClock` in tests); default the system's.
 
     Raises:
@@ -136,20 +138,32 @@ class CreditAccounts:
         """Add ``credits`` to ``account`` (created at its first grant); return its balance.
 
         Raises:
-            ConfigError: an empty account name, or credits not a positive integer.
+            ConfigError: an empty account name, credits not a positive integer,
+                or a grant that would take the account's granted credits past
+                2**63 - 1 (nothing is written).
             LedgerError: the database could not be written.
         """
         _check_account(account)
         _validate.required_integer("credits", credits, minimum=1)
         _validate.recorded_text("note", note)
 
-        def work(conn: Any, now: str) -> AccountBalance:
+        def work(conn: Any, now: str) -> tuple[AccountBalance, bool]:
             store.lock(conn, account)
             store.expire(conn, account, now)
+            before = store.read(conn, account)
+            if before.granted > _validate.MAX_INTEGER - credits:
+                # SQLite would store the sum as an inexact real, PostgreSQL refuse it.
+                return before, False
             store.journal(conn, account, now, "grant", credits, None, note)
-            return store.read(conn, account)
+            return dataclasses.replace(before, granted=before.granted + credits,
+                                       available=before.available + credits), True
 
-        return await self._transaction(work)
+        balance, granted = await self._transaction(work)
+        if not granted:
+            raise ConfigError("credits", f"account {account!r} has {balance.granted} "
+                                         f"granted: {credits} more would pass the largest "
+                                         f"count a ledger stores ({_validate.MAX_INTEGER})")
+        return balance
 
     async def balance(self, account: str) -> AccountBalance:
         """``account``'s granted, spent, reserved and available credits (zeros if unknown).
@@ -169,6 +183,14 @@ class CreditAccounts:
         return await self._transaction(work)
 
     # -- what the engine calls ----------------------------------------------------------
+
+    def expiry(self, total_time: float | None) -> datetime:
+        """When a reservation made now, for a run of ``total_time`` seconds (None:
+        unbounded), may be settled by another process (internal): dated by these
+        accounts' clock, the one every admission, grant and balance reads
+        expiries with, whatever clock the run's engine keeps."""
+        return self._clock.wall() + timedelta(seconds=(total_time or UNBOUNDED_RUN)
+                                              + self.expiry_grace)
 
     async def reserve(self, account: str, invocation_id: str, hold: int, *,
                       expires_at: datetime, credits_per_usd: Decimal,
@@ -215,18 +237,25 @@ class CreditAccounts:
         """Charge a run's real ``credits`` (its total so far) and release its
         reservation, in one transaction; once per reservation (a second call
         changes nothing) (internal). A resumed run's earlier segments were
-        settled when it paused: only what it charged since is added."""
+        settled when it paused, and a run alive past its reservation's expiry
+        was charged by the expiry what it had spent then: only what it charged
+        since is added."""
 
         def work(conn: Any, now: str) -> None:
             store.lock(conn, reservation.account)
-            if store.released(conn, reservation.invocation_id):
-                return  # settled already (or expired by another process)
-            charge = credits - store.settled(conn, reservation.invocation_id)
+            invocation_id = reservation.invocation_id
+            released = store.released(conn, invocation_id)
+            if released and not store.outlived(conn, invocation_id):
+                return  # settled already
+            # A run whose reservation expired while it still ran is charged
+            # what it spent since, on top of what the expiry charged.
+            charge = credits - store.settled(conn, invocation_id)
             if charge > 0:
                 store.journal(conn, reservation.account, now, "settle", charge,
-                         reservation.invocation_id, None)
-            store.journal(conn, reservation.account, now, "release", reservation.credits,
-                     reservation.invocation_id, None)
+                              invocation_id, None)
+            if not released:
+                store.journal(conn, reservation.account, now, "release", reservation.credits,
+                              invocation_id, None)
 
         await self._transaction(work)
 
@@ -259,11 +288,6 @@ async def recorded_account(ledger: Any, invocation_id: str) -> str | None:
         return None
     return await ledger._transact_qmark(lambda conn: store.account_of(conn, invocation_id),
                                        "the accounts could not be read")
-
-
-def expiry(started_at: datetime, total_time: float | None, grace: float) -> datetime:
-    """When a run's reservation may be settled by another process."""
-    return started_at + timedelta(seconds=(total_time or UNBOUNDED_RUN) + grace)
 
 
 def _check_account(account: object) -> None:

@@ -11,13 +11,15 @@ import dataclasses
 import logging
 from datetime import datetime
 
-from loopengine._accounts import Reservation, expiry
+from loopengine._accounts import Reservation
+from loopengine._errors import ConfigError
+from loopengine._features import ServerTool
 from loopengine._invocation import LEDGER_GRACE, Invocation
-from loopengine._pricing import to_nanousd
+from loopengine._pricing import PriceBook, to_nanousd
 from loopengine.guards._checkpoints import check_admission, unconfirmed_by_deadline
 from loopengine.guards._credits import turn_credits
 
-__all__ = ["admit", "fee_margin", "settle_account"]
+__all__ = ["admit", "check_fees_bounded", "delegated_fees", "fee_margin", "settle_account"]
 
 logger = logging.getLogger("loopengine")
 
@@ -34,6 +36,37 @@ def fee_margin(inv: Invocation, at: datetime) -> int:
     assert fees.usd is not None
     return turn_credits(to_nanousd(fees.usd), inv.prices.credits_per_usd,
                         inv.prices.credit_quantum)
+
+
+def check_fees_bounded(prices: PriceBook, vendor: str, model: str,
+                       server_tools: tuple[ServerTool, ...], at: datetime, account: str) -> None:
+    """Refuse a run on ``account`` (or in the tree of a run on it) whose server tools
+    have a fee and no ``max_uses``: its turn's worst case, reserved on the account,
+    has no bound.
+
+    Raises:
+        ConfigError: such a tool (``server_tools``).
+    """
+    if not server_tools:
+        return
+    unbounded = prices.turn_fees(vendor, model, server_tools, at).unbounded
+    if unbounded:
+        raise ConfigError(
+            "server_tools",
+            f"a run on account {account!r} reserves the worst case of a turn's "
+            f"server-tool fees, and {', '.join(unbounded)} has a fee and no max_uses: "
+            "publish one (or lower it for the run with features=)")
+
+
+def delegated_fees(inv: Invocation, root: Invocation, at: datetime) -> None:
+    """Bound a delegated run's server-tool fees by its root's account reservation:
+    refused when unbounded (`check_fees_bounded`), else its `fee_excess` set to how
+    far one of its turns' worst case passes what the root reserved for fees."""
+    if root.account is None:
+        return
+    check_fees_bounded(inv.prices, inv.vendor, inv.operation.model,
+                       inv.features.server_tools, at, root.account)
+    inv.fee_excess = max(0, fee_margin(inv, at) - root.fees_reserved)
 
 
 async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
@@ -58,7 +91,7 @@ async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
     async def reserve() -> None:
         got.append(await accounts.reserve(
             account, inv.id, asked,
-            expires_at=expiry(at, inv.limits.total_time, accounts.expiry_grace),
+            expires_at=accounts.expiry(inv.limits.total_time),
             credits_per_usd=inv.prices.credits_per_usd,
             credit_quantum=inv.prices.credit_quantum, margin=margin))
 
@@ -71,6 +104,7 @@ async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
     if inv.denied is not None:
         return
     inv.reservation = reservation
+    inv.fees_reserved = margin
     held = reservation.credits - margin
     if held < hold:
         # A narrowing (R13): the run may spend only what was reserved.

@@ -21,6 +21,7 @@ from typing import Any
 import pydantic
 
 from loopengine import _validate
+from loopengine._admission import delegated_fees
 from loopengine._context import (
     DEFAULT_MAX_DEPTH,
     ToolContext,
@@ -96,6 +97,11 @@ async def run_child(
     inv.accounts = None
     inv.account = None
     inv.deadline = Deadline(min(inv.deadline.at, parent.deadline.at))
+    root = parent
+    while root.parent is not None:
+        root = root.parent
+    # Its crossing turn's server-tool fees stay inside the root's reservation.
+    delegated_fees(inv, root, parent.clock.wall())
     return await run_loop(inv, spec)
 
 

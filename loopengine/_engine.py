@@ -15,6 +15,7 @@ import pydantic
 
 from loopengine import _validate
 from loopengine._accounts import CreditAccounts, recorded_account
+from loopengine._admission import check_fees_bounded
 from loopengine._attribution import Attribution
 from loopengine._call import CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
@@ -269,15 +270,9 @@ class Engine:
                     f"operation {operation.name!r} enables features without a price, so its "
                     f"credit_hold cannot be enforced: {'; '.join(unpriced)}",
                 )
-        if account is not None and run_features.server_tools:
-            unbounded = self.prices.turn_fees(vendor, operation.model, run_features.server_tools,
-                                              self.clock.wall()).unbounded
-            if unbounded:
-                raise ConfigError(
-                    "server_tools",
-                    f"a run on account {account!r} reserves the worst case of a turn's "
-                    f"server-tool fees, and {', '.join(unbounded)} has a fee and no max_uses: "
-                    "publish one (or lower it for the run with features=)")
+        if account is not None:
+            check_fees_bounded(self.prices, vendor, operation.model, run_features.server_tools,
+                               self.clock.wall(), account)
         return Invocation(
             kind=kind, operation=operation, provider=provider, limits=run_limits,
             policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,

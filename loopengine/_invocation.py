@@ -86,7 +86,8 @@ class Invocation:
     __slots__ = (
         "account", "accounts", "announced", "asked_limits", "attribution", "base_attempts",
         "base_turns", "begun", "clock", "cost_nanousd", "credits", "deadline", "denied", "depth",
-        "descendant_credits", "earlier_attempts", "ended", "engine", "features", "id",
+        "descendant_credits", "earlier_attempts", "ended", "engine", "features", "fee_excess",
+        "fees_reserved", "id",
         "in_flight", "kind",
         "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
         "paused_seconds", "paused_turn", "pause_seal", "permit", "policy", "prices", "provider",
@@ -182,6 +183,13 @@ class Invocation:
         self.accounts = accounts if account is not None else None
         self.account = account
         self.reservation: Reservation | None = None
+        self.fees_reserved = 0
+        """The worst case of one turn's server-tool fees its account reservation
+        holds on top of its hold (a root run on an account, `admit`)."""
+        self.fee_excess = 0
+        """How far the worst case of one of its turns' server-tool fees passes what
+        its root's reservation holds for them (a delegated run): its turns see the
+        root's hold that much lower (`credit_tree`)."""
         self.text_sink = text_sink
         """Where streamed text goes as `TextDelta` (`Engine.stream`), or None."""
         self.denied: GuardTrip | None = None
@@ -226,11 +234,18 @@ class Invocation:
         return self.credits + self.descendant_credits
 
     def credit_tree(self) -> list[tuple[int | None, int]]:
-        """``(credit_hold, tree_credits)`` of this run and each of its ancestors."""
+        """``(credit_hold, tree_credits)`` of this run and each of its ancestors.
+
+        The root's hold is seen lowered by this run's `fee_excess`: the turn that
+        crosses it may run all its server tools, and only the fees the root's
+        account reservation holds may pass the hold (docs/accounts.md)."""
         tree: list[tuple[int | None, int]] = []
         node: Invocation | None = self
         while node is not None:
-            tree.append((node.limits.credit_hold, node.tree_credits))
+            hold = node.limits.credit_hold
+            if node.parent is None and hold is not None:
+                hold = max(0, hold - self.fee_excess)
+            tree.append((hold, node.tree_credits))
             node = node.parent
         return tree
 

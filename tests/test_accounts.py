@@ -4,12 +4,15 @@ across processes; a crashed run's reservation is settled once it expires."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ import pytest
 
 import loopengine as le
 from loopengine import events
-from loopengine.persistence import SQLiteLedger
+from loopengine.persistence import PostgresLedger, SQLiteLedger
 from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
@@ -380,3 +383,172 @@ async def test_reconcile_checks_a_runs_charge_against_its_credits(tmp_path: Path
     broken = audit("reconcile", "--db", str(path), "--json")
     assert broken.exit_code == 1
     assert result.invocation_id in broken.output and '"column": "charged"' in broken.output
+
+
+@contextlib.asynccontextmanager
+async def store_of(kind: str, tmp_path: Path,
+                   request: pytest.FixtureRequest) -> AsyncIterator[tuple[Any, str]]:
+    """A SQLiteLedger, or a PostgresLedger in a new database on the session's
+    server, and the address `loopengine audit` takes for it."""
+    if kind == "sqlite":
+        with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+            yield ledger, str(tmp_path / "ledger.db")
+        return
+    from .postgres_support import PostgresServer
+    from .test_audit_postgres import url_of
+
+    server: PostgresServer = request.getfixturevalue("postgres_server")
+    dsn = server.create_database()
+    async with PostgresLedger(dsn) as ledger:
+        yield ledger, url_of(server, dsn.rsplit("dbname=", 1)[1])
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_run_alive_past_its_reservations_expiry_is_still_charged_its_whole_credits(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A run without ``total_time`` whose reservation expires while it still runs
+    (its tool takes two hours; another process reads the balance meanwhile and
+    settles the reservation at the one turn charged so far): at its end the run
+    settles what it spent since, on top. The account is charged the run's whole
+    credits, once, and the audit reconciles."""
+    clock = FakeClock()
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        accounts = le.CreditAccounts(ledger, clock=clock)
+        elsewhere = le.CreditAccounts(ledger, clock=clock)  # another process's
+        await accounts.grant("acme", 10_000)
+        seen: list[le.AccountBalance] = []
+
+        @le.tool
+        async def slow(key: str) -> str:
+            """Take two hours."""
+            clock.advance(2 * 3600)
+            seen.append(await elsewhere.balance("acme"))
+            return "ok"
+
+        engine, _ = engine_on(ledger, Reply.tool_calls(("slow", {"key": "a"})),
+                              Reply.tool_calls(("slow", {"key": "b"})), Reply.text("done"),
+                              accounts=accounts, clock=clock)
+        result = await engine.run(operation(credit_hold=1000, total_time=None), "go",
+                                  tools=[slow], attribution=ACME)
+        balance = await accounts.balance("acme")
+        again = await accounts.balance("acme")
+    assert result.outcome is le.Outcome.COMPLETED and result.credits == 360
+    # Expired at the first tool: charged its first turn, released.
+    assert seen[0] == le.AccountBalance("acme", 10_000, 120, 0, 9_880)
+    assert balance == again == le.AccountBalance("acme", 10_000, 360, 0, 9_640)
+    checked = audit("reconcile", "--db", address, "--json")
+    assert checked.exit_code == 0, checked.output
+    assert '"accounts": []' in checked.output
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_grant_past_the_largest_stored_count_is_refused_and_changes_nothing(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """An account granted 2**63 - 1 credits takes no more: a ConfigError naming
+    ``credits``, the same on each store, and the account as it was (on SQLite the
+    sum was once stored as an inexact real, which the audit then refused as a
+    file loopengine had not written)."""
+    most = 2**63 - 1
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        accounts = le.CreditAccounts(ledger)
+        assert await accounts.grant("acme", most - 5) == le.AccountBalance(
+            "acme", most - 5, 0, 0, most - 5)
+        with pytest.raises(le.ConfigError) as info:
+            await accounts.grant("acme", 6)
+        assert info.value.field == "credits"
+        full = await accounts.grant("acme", 5)
+        with pytest.raises(le.ConfigError):
+            await accounts.grant("acme", 1)
+        balance = await accounts.balance("acme")
+    assert full == balance == le.AccountBalance("acme", most, 0, 0, most)
+    listed = audit("accounts", "--db", address, "--json")
+    assert listed.exit_code == 0, listed.output
+    assert f'"granted": {most}' in listed.output
+    assert audit("reconcile", "--db", address).exit_code == 0
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_reconcile_names_a_run_released_without_its_charge(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A run whose reservation was released with no charge at all, though it
+    charged credits (its settle entry lost, the balance kept equal to the
+    journal), is named like a run charged too little: recorded 0, the run says
+    120. A run that charged nothing and a run in progress are not."""
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        engine, _ = engine_on(ledger, Reply.text("a"), accounts=accounts)
+        result = await engine.run(operation(credit_hold=500), "go", attribution=ACME)
+        free = le.PriceBook([le.ModelPrice(provider="anthropic", model="claude-sonnet-4-5",
+                                           input_per_mtok=0, output_per_mtok=0)])
+        nothing = le.Engine(ScriptedProvider([Reply.text("b")]), ledger=ledger, prices=free,
+                            accounts=accounts)
+        await nothing.run(operation(credit_hold=500), "go", attribution=ACME)
+    assert audit("reconcile", "--db", address).exit_code == 0
+    statements = ["DELETE FROM account_entries WHERE kind = 'settle'",
+                  "UPDATE accounts SET spent = 0"]
+    if kind == "sqlite":
+        conn = sqlite3.connect(address)
+        for statement in statements:
+            conn.execute(statement)
+        conn.commit()
+        conn.close()
+    else:
+        import psycopg
+
+        with psycopg.connect(f"postgresql:{address.removeprefix('postgresql:')}",
+                             autocommit=True) as pg:
+            for statement in statements:
+                pg.execute(statement)
+    broken = audit("reconcile", "--db", address, "--json")
+    assert broken.exit_code == 1, broken.output
+    found = json.loads(broken.output)["accounts"]
+    assert found == [{"account": "acme", "column": "charged", "recorded": 0, "computed": 120,
+                      "invocation_id": result.invocation_id}]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_reservation_expires_on_the_accounts_clock_whatever_the_engines(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """An engine on a FakeClock (its wall at 2026-01-01) and its accounts on the
+    system's: a run's reservation expires by the accounts' clock, the one that
+    reads expiries, so a second run admitted while the first still holds the
+    whole balance is denied (its expiry, once dated by the engine's clock, was
+    long past by the system's: every admission settled the other runs' holds as
+    dead ones and admitted past the balance)."""
+    clock = FakeClock()
+    async with store_of(kind, tmp_path, request) as (ledger, _):
+        accounts = le.CreditAccounts(ledger)  # the system's clock
+        await accounts.grant("acme", 500)
+        holding, release = anyio.Event(), anyio.Event()
+
+        @le.tool
+        async def wait() -> str:
+            """Wait until told."""
+            holding.set()
+            await release.wait()
+            return "ok"
+
+        first, _ = engine_on(ledger, Reply.tool_calls(("wait", {})), Reply.text("a"),
+                             accounts=accounts, clock=clock)
+        second, provider = engine_on(ledger, Reply.text("b"), accounts=accounts, clock=clock)
+        results: list[le.RunResult] = []
+        async with anyio.create_task_group() as group:
+            async def run_first() -> None:
+                results.append(await first.run(operation(credit_hold=500), "go",
+                                               tools=[wait], attribution=ACME))
+
+            group.start_soon(run_first)
+            await holding.wait()
+            during = await accounts.balance("acme")
+            denied = await second.run(operation(credit_hold=500), "go", attribution=ACME)
+            release.set()
+        balance = await accounts.balance("acme")
+    assert during == le.AccountBalance("acme", 500, 0, 500, 0)
+    assert denied.outcome is le.Outcome.ADMISSION_DENIED and provider.requests == []
+    assert results[0].outcome is le.Outcome.COMPLETED
+    assert balance == le.AccountBalance("acme", 500, 240, 0, 260)

@@ -16,7 +16,7 @@ from loopengine.persistence import SQLiteLedger
 from loopengine.providers import Reply, ScriptedProvider
 
 from .conftest import MODEL, operation
-from .ledger_support import lookup
+from .ledger_support import lookup, read_db
 from .test_accounts import ACME, journal_matches
 
 # One credit per token (1,000,000 credits per USD at $1 per million tokens); a web
@@ -151,3 +151,71 @@ async def test_a_fee_without_max_uses_is_refused_on_an_account(tmp_path: Path) -
         assert info.value.field == "server_tools" and provider.requests == []
         outside = await engine.run(unbounded, "go")
     assert outside.outcome is le.Outcome.COMPLETED
+
+
+async def delegating_root(ledger: SQLiteLedger, researcher_operation: le.Operation,
+                          researcher_script: list[Reply], *, same_engine: bool,
+                          ) -> tuple[le.RunResult, le.CreditAccounts, ScriptedProvider,
+                                     ScriptedProvider]:
+    """A root run on account ``acme`` (granted 1000, hold 500, no server tools) whose
+    first turn delegates to a ``researcher`` of ``researcher_operation``, on the
+    root's engine or on one without accounts; the result, the accounts, and the
+    root's and the researcher's providers."""
+    accounts = le.CreditAccounts(ledger)
+    await accounts.grant("acme", 1000)
+    root_provider = ScriptedProvider([Reply.tool_calls(("researcher", {"task": "t"})),
+                                      Reply.text("root done")])
+    engine = le.Engine(root_provider, ledger=ledger, prices=PRICES, accounts=accounts)
+    child_provider = ScriptedProvider(researcher_script)
+    child_engine = le.Engine(child_provider, ledger=ledger, prices=PRICES,
+                             accounts=accounts if same_engine else None)
+    researcher = le.agent_tool(child_engine, researcher_operation, name="researcher",
+                               description="Researches.", tools=[lookup])
+    result = await engine.run(operation(credit_hold=500), "go", tools=[researcher],
+                              attribution=ACME)
+    return result, accounts, root_provider, child_provider
+
+
+@pytest.mark.parametrize("child_on", ["the same engine", "an engine without accounts"])
+async def test_a_sub_agent_s_fees_stay_inside_its_root_s_reservation(
+    tmp_path: Path, child_on: str,
+) -> None:
+    """A root on an account with no server tools (hold 500, nothing reserved for
+    fees) delegates to a researcher whose turns may run 190 credits of fees. The
+    researcher's turns see the root's hold lowered by those fees (310): its first
+    turn (tree at 120) is sent, its second (tree at 430) is not. The account passes
+    the reservation by the root's crossing turn's tokens only (550 of 500), where the
+    researcher's second turn of fees once took it to 740."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        result, accounts, root_provider, child_provider = await delegating_root(
+            ledger, researching(), [searching_turn(), searching_turn(), Reply.text("done")],
+            same_engine=child_on == "the same engine")
+        balance = await accounts.balance("acme")
+    assert len(child_provider.requests) == 1 and len(root_provider.requests) == 2
+    assert result.outcome is le.Outcome.COMPLETED
+    assert result.credits == 240 and result.credits_total == 550
+    assert balance == le.AccountBalance("acme", 1000, 550, 0, 450)
+    journal_matches(path)
+
+
+async def test_a_sub_agent_with_a_fee_and_no_max_uses_is_refused_under_an_account(
+    tmp_path: Path,
+) -> None:
+    """A researcher whose web search has no max_uses, on an engine without accounts,
+    delegated to by a run on an account: its worst case has no bound, so the call is
+    refused (an error result naming server_tools), nothing recorded or sent."""
+    unbounded = dataclasses.replace(
+        operation(), server_tools=(le.ServerTool(type="web_search_20250305",
+                                                 name="web_search"),))
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        result, _, root_provider, child_provider = await delegating_root(
+            ledger, unbounded, [Reply.text("never")], same_engine=False)
+    assert child_provider.requests == []
+    assert result.outcome is le.Outcome.COMPLETED
+    [_, answer] = [m for m in root_provider.requests[1].messages if m["role"] == "user"]
+    [block] = answer["content"]
+    assert block["is_error"] and "web_search has a fee and no max_uses" in str(block)
+    invocations, _ = read_db(path)
+    assert list(invocations) == [result.invocation_id]

@@ -17,7 +17,7 @@ from typing import Any
 from loopengine.guards._credits import turn_credits
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "account_of", "charged", "expire", "journal",
-           "lock", "read", "recover", "released", "running_descendants", "settled"]
+           "lock", "outlived", "read", "recover", "released", "running_descendants", "settled"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -120,10 +120,29 @@ _UNRELEASED = (
     "AND e.kind = 'reserve' AND e.id <= r.id)")
 
 
+EXPIRED = "released after its reservation expired"
+"""The note of a ``release`` written by an expiry (not by the run's own settlement)."""
+
+
 def expire(conn: Any, account: str, now: str) -> None:
     """Settle ``account``'s expired reservations that were never released."""
     _close(conn, account, now, "r.expires_at < ?", now, "expire",
-           "settled after its reservation expired", "released after its reservation expired")
+           "settled after its reservation expired", EXPIRED)
+
+
+def outlived(conn: Any, invocation_id: str) -> bool:
+    """Whether the invocation's last reservation was closed by its expiry and the
+    run has not settled since: it was alive past its expiry (a run without
+    ``total_time`` past the hour assumed of it), so its own settlement still
+    owes what it spent after the expiry charged it."""
+    row = conn.execute("SELECT id, note FROM account_entries WHERE invocation_id = ? "
+                       "AND kind = 'release' ORDER BY id DESC LIMIT 1",
+                       (invocation_id,)).fetchone()
+    if row is None or row[1] != EXPIRED:
+        return False
+    return conn.execute("SELECT 1 FROM account_entries WHERE invocation_id = ? "
+                        "AND kind = 'settle' AND id > ?", (invocation_id, row[0])
+                        ).fetchone() is None
 
 
 def recover(conn: Any, account: str, invocation_id: str, now: str) -> None:

@@ -668,7 +668,8 @@ def accounts(conn: AuditConnection) -> list[AccountRow]:
 def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
     """Check each account against its journal, and each settled run's charge
     against that run's credits (its recorded credits once it ended; for a run
-    whose process died, what its settled attempts charged)."""
+    whose process died, what its settled attempts charged): every run whose
+    reservations were all released, one released with no charge included."""
     if not has_table(conn, "accounts"):
         return []
     found: list[AccountMismatch] = []
@@ -681,14 +682,16 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
             if recorded != value:
                 found.append(AccountMismatch(row.account, column, recorded, int(value)))
     for account, invocation_id, charged, rate, quantum in conn.execute(
-            # One row of rates per invocation: a resumed run reserved once per segment.
-            "SELECT e.account, e.invocation_id, SUM(e.credits), MAX(r.rate), MAX(r.quantum) "
-            "FROM account_entries AS e JOIN (SELECT invocation_id, "
-            "MAX(credits_per_usd) AS rate, MAX(credit_quantum) AS quantum "
-            "FROM account_entries WHERE kind = 'reserve' GROUP BY invocation_id) AS r "
-            "ON r.invocation_id = e.invocation_id "
-            "WHERE e.kind IN ('settle', 'expire') GROUP BY e.account, e.invocation_id "
-            "ORDER BY e.account, e.invocation_id"):
+            # Every run that reserved, its charge 0 when its reservation was
+            # released with none; one row of rates per invocation (a resumed
+            # run reserved once per segment).
+            "SELECT r.account, r.invocation_id, COALESCE(SUM(e.credits), 0), r.rate, r.quantum "
+            "FROM (SELECT account, invocation_id, MAX(credits_per_usd) AS rate, "
+            "MAX(credit_quantum) AS quantum FROM account_entries WHERE kind = 'reserve' "
+            "GROUP BY account, invocation_id) AS r LEFT JOIN account_entries AS e "
+            "ON e.invocation_id = r.invocation_id AND e.kind IN ('settle', 'expire') "
+            "GROUP BY r.account, r.invocation_id, r.rate, r.quantum "
+            "ORDER BY r.account, r.invocation_id"):
         if not _account_store.released(conn, invocation_id):
             continue  # a resumed run in progress: its earlier segments' settlement is partial
         # A root's reservation pays for its tree of delegated runs (docs/tools.md).
