@@ -547,3 +547,19 @@ def test_a_ledger_in_a_group_writable_directory_is_0600_with_its_leftovers(
         (shared / leftover).write_bytes(b"")
         (shared / leftover).chmod(0o666)
     assert _new_ledger_modes(shared / "ledger.db", 0o002) == PRIVATE
+
+
+def test_a_sqlite_library_older_than_3_33_is_refused_before_the_file_is_touched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An invocation's end is an ``UPDATE ... FROM``: on SQLite 3.31 (as some
+    distributions' Pythons link) every run would fail at its end, so the ledger
+    refuses to open, saying what it needs, and creates nothing."""
+    path = tmp_path / "ledger.db"
+    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 31, 1))
+    with pytest.raises(le.LedgerError, match=r"SQLite 3\.31\.1, and the ledger needs 3\.33\.0"):
+        SQLiteLedger(path)
+    assert not path.exists()
+    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 33, 0))
+    SQLiteLedger(path).close()
+    assert path.exists()

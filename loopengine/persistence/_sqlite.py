@@ -28,6 +28,10 @@ from loopengine.persistence._threaded import ThreadedLedger
 
 __all__ = ["SQLiteLedger"]
 
+MIN_SQLITE = (3, 33, 0)
+"""The oldest SQLite library the ledger's statements run on: an invocation's end
+is an ``UPDATE ... FROM`` (SQLite 3.33), its totals an upsert (3.24)."""
+
 class SQLiteLedger(ThreadedLedger):
     """The attempt ledger in a SQLite file (docs/ledger.md).
 
@@ -62,7 +66,8 @@ class SQLiteLedger(ThreadedLedger):
     Raises:
         ConfigError: an argument is invalid (``.field`` names it).
         LedgerError: the file cannot be created or opened, is not a ledger, or
-            has a schema newer than this code.
+            has a schema newer than this code; or the SQLite library Python
+            is linked with is older than 3.33 (`MIN_SQLITE`).
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class SQLiteLedger(ThreadedLedger):
         check_arguments(max_retained_attempts=max_retained_attempts, max_batch=max_batch,
                         seconds={"busy_timeout": busy_timeout, "linger": linger})
         self.path = _ledger_path(path)
+        check_library(sqlite3.sqlite_version_info, self.path)
         """The database file."""
         self._setup(self.path, max_retained_attempts, linger, max_batch,
                     give_up=float(busy_timeout))
@@ -98,6 +104,21 @@ class SQLiteLedger(ThreadedLedger):
 
 
 # -- opening ------------------------------------------------------------------------------
+
+
+def check_library(version: tuple[int, ...], path: str) -> None:
+    """Refuse a SQLite library older than `MIN_SQLITE` before the file is touched:
+    on one, every run would fail at its end with a syntax error.
+
+    Raises:
+        LedgerError: ``version`` is older; the message says which is needed.
+    """
+    if tuple(version) < MIN_SQLITE:
+        raise LedgerError(
+            f"{path}: cannot open the ledger: Python's sqlite3 module is linked with "
+            f"SQLite {'.'.join(map(str, version))}, and the ledger needs "
+            f"{'.'.join(map(str, MIN_SQLITE))} or newer (a Python built with a newer "
+            "libsqlite3, or PostgresLedger)")
 
 
 def _ledger_path(path: str | os.PathLike[str]) -> str:
