@@ -65,7 +65,6 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any, TypeAlias, TypedDict
 
 import anthropic
@@ -836,7 +835,6 @@ def _status_fault(
     *,
     usage: Usage | None,
     response_id: str | None,
-    now: datetime | None,
 ) -> ProviderFault:
     status = error.status_code
     body = error.body
@@ -851,7 +849,7 @@ def _status_fault(
     return response_fault(kind, status, error.response.headers, label=error_type or platform,
                           code=code or reason, message=message,
                           request_id=_request_id(error.response.headers), usage=usage,
-                          response_id=response_id, now=now, details=google_details(body))
+                          response_id=response_id, details=google_details(body))
 
 
 def _request_id(headers: Mapping[str, str]) -> str | None:
@@ -928,8 +926,7 @@ _classify_sdk_error = sdk_classifier(lambda: _SDK, _status_fault)
 
 def classify_error(error: BaseException, *, request_id: str | None = None,
                    in_body: bool = False, usage: Usage | None = None,
-                   response_id: str | None = None, now: datetime | None = None,
-                   ) -> ProviderFault:
+                   response_id: str | None = None) -> ProviderFault:
     """Classify an SDK or transport error as one `ProviderFault` (the table in
     docs/architecture.md), a platform client's failure to find or refresh its
     credentials included (`_credentials_fault`)."""
@@ -945,7 +942,7 @@ def classify_error(error: BaseException, *, request_id: str | None = None,
                              request_id=request_id, usage=usage,
                              usage_approx=usage is not None, response_id=response_id)
     return _classify_sdk_error(error, request_id=request_id, in_body=in_body, usage=usage,
-                               response_id=response_id, now=now)
+                               response_id=response_id)
 
 
 def _frame_errors(client: AsyncClient | None) -> tuple[type[BaseException], ...]:

@@ -446,8 +446,8 @@ def classify_sdk_error(
 def response_fault(
     kind: FaultKind, status: int | None, headers: Mapping[str, str], *, label: str | None,
     code: str | None, message: str, request_id: str | None, usage: Usage | None,
-    response_id: str | None, now: datetime | None = None,
-    details: list[Mapping[str, Any]] | None = None, usage_approx: bool | None = None,
+    response_id: str | None, details: list[Mapping[str, Any]] | None = None,
+    usage_approx: bool | None = None,
 ) -> ProviderFault:
     """The fault of an error response (or of an error inside a stream, ``status``
     200) that its adapter read as ``kind``, ``label`` (its error type or status),
@@ -459,7 +459,7 @@ def response_fault(
     where = "mid-stream " if status == 200 else ""
     delay = retry_info_delay(details or [])
     if delay is None:
-        delay = retry_after(headers, now=now)
+        delay = retry_after(headers)
     if delay is None:
         delay = message_wait(message)
     return ProviderFault(
@@ -507,13 +507,11 @@ def end_fault(
 class Classifier(Protocol):
     """An adapter's ``classify_error``: what its SDK (or the HTTP transport under
     it) raised, as one `ProviderFault`; never raised there. The arguments are
-    `classify_sdk_error`'s, and ``now`` dates a ``retry-after`` given as an HTTP
-    date."""
+    `classify_sdk_error`'s."""
 
     def __call__(self, error: BaseException, *, request_id: str | None = None,
                  in_body: bool = False, usage: Usage | None = None,
-                 response_id: str | None = None, now: datetime | None = None,
-                 ) -> ProviderFault:
+                 response_id: str | None = None) -> ProviderFault:
         """Classify ``error``."""
         ...
 
@@ -525,18 +523,17 @@ def sdk_classifier(
 ) -> Classifier:
     """The ``classify_error`` of an adapter on a Stainless SDK: `classify_sdk_error`
     with the adapter's exception classes (``sdk()``, read on first use) and its
-    readings of a status error (``status_fault(error, usage=, response_id=,
-    now=)``) and of an error inside a stream (``api_fault(error, request_id=,
+    readings of a status error (``status_fault(error, usage=, response_id=)``)
+    and of an error inside a stream (``api_fault(error, request_id=,
     usage=, response_id=)``)."""
 
     def classify_error(error: BaseException, *, request_id: str | None = None,
                        in_body: bool = False, usage: Usage | None = None,
-                       response_id: str | None = None, now: datetime | None = None,
-                       ) -> ProviderFault:
+                       response_id: str | None = None) -> ProviderFault:
         return classify_sdk_error(
             error, sdk(),
             status_fault=lambda status: status_fault(status, usage=usage,
-                                                      response_id=response_id, now=now),
+                                                      response_id=response_id),
             api_fault=None if api_fault is None else lambda api: api_fault(
                 api, request_id=request_id, usage=usage, response_id=response_id),
             request_id=request_id, in_body=in_body, usage=usage, response_id=response_id,

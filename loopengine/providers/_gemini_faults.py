@@ -62,7 +62,6 @@ import functools
 import json
 import traceback
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 import httpx2
@@ -165,7 +164,7 @@ def error_kind(code: int, status: str | None, message: str,
 
 
 def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
-                  now: datetime | None, in_stream: bool = False) -> ProviderFault:
+                  in_stream: bool = False) -> ProviderFault:
     response = getattr(error, "response", None)
     headers = getattr(response, "headers", None) or {}
     code = int(error.code) if isinstance(error.code, int) else 0
@@ -177,7 +176,7 @@ def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
         kind, 200 if in_stream else code or getattr(response, "status_code", None),
         {k.lower(): v for k, v in headers.items()} if isinstance(headers, Mapping) else {},
         label=error.status, code=recorded, message=message, request_id=None, usage=usage,
-        response_id=response_id, now=now, details=details)
+        response_id=response_id, details=details)
 
 
 # The SDK's models of a reply: a validation error of one is a body it could not read.
@@ -204,15 +203,14 @@ def _unreadable_body(error: BaseException) -> bool:
 
 def classify_error(error: BaseException, *, request_id: str | None = None,
                    in_body: bool = False, usage: Usage | None = None,
-                   response_id: str | None = None, now: datetime | None = None,
-                   ) -> ProviderFault:
+                   response_id: str | None = None) -> ProviderFault:
     """Classify a ``google-genai`` SDK or transport error as one `ProviderFault` (the
     table above). ``in_body``: the error came while a reply was being read (as a
     body the SDK could not parse did: it raises an error status before)."""
     return classify_sdk_error(
         error, _sdk(),
         status_fault=lambda status: _status_fault(status, usage=usage,
-                                                  response_id=response_id, now=now,
+                                                  response_id=response_id,
                                                   in_stream=in_body),
         request_id=request_id, in_body=in_body, usage=usage, response_id=response_id)
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 import httpx2
@@ -138,15 +137,14 @@ def _error_fields(error: Any) -> tuple[str | None, str | None, str]:
 
 
 def _status_fault(
-    error: Any, *, usage: Usage | None, response_id: str | None, now: datetime | None
+    error: Any, *, usage: Usage | None, response_id: str | None
 ) -> ProviderFault:
     error_type, code, message = _error_fields(error)
     headers = {**_relayed_headers(error.body),
                **{key.lower(): value for key, value in error.response.headers.items()}}
     return response_fault(_kind(error.status_code, error_type, code), error.status_code,
                           headers, label=error_type, code=code, message=message,
-                          request_id=error.request_id, usage=usage, response_id=response_id,
-                          now=now)
+                          request_id=error.request_id, usage=usage, response_id=response_id)
 
 
 def _stream_fault(
