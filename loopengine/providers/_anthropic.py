@@ -618,30 +618,25 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                     inputs.setdefault(event.index, []).append(event.delta.partial_json)
             return event.text if event.type == "text" else None
 
-        def served() -> Any:
+        def message() -> Any:
             # The message so far, once the stream has announced one.
             return stream.current_message_snapshot if "message_start" in seen else None
 
-        def arrived() -> dict[str, Any]:
+        def served() -> tuple[Usage | None, str | None]:
             # What a stream that broke had served: its usage (a floor) and its id.
-            snapshot = served()
-            return {"usage": _snapshot_usage(snapshot, late, params)[0],
-                    "response_id": snapshot.id if snapshot is not None else None}
-
-        def cut(message: str, reason: str | None) -> ProviderFault:
-            # A stream cut short reports what had arrived: its usage is a floor.
-            return ProviderFault(
-                FaultKind.ABORTED, message, http_status=stream.response.status_code,
-                aborted_reason=reason, request_id=request_id, usage_approx=True, **arrived())
+            snapshot = message()
+            return (_snapshot_usage(snapshot, late, params)[0],
+                    snapshot.id if snapshot is not None else None)
 
         await read_stream(
-            stream, idle=self._idle, take=take, cut=cut, on_text=on_text,
-            failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
-                                                **arrived()),
+            stream, idle=self._idle, classify=classify_error, take=take, on_text=on_text,
             failures=(*_FAILURES, ValueError, RuntimeError, *_frame_errors(client)),
             close=stream.close,
-            missing=lambda: None if "message_stop" in seen else "message_stop")
-        snapshot = served()
+            missing=lambda: None if "message_stop" in seen else "message_stop",
+            # A stream cut short reports what had arrived: its usage is a floor.
+            http_status=stream.response.status_code, request_id=request_id, served=served,
+            floor=True)
+        snapshot = message()
         assert snapshot is not None
         usage, approx = _snapshot_usage(snapshot, late, params)
         fault = end_fault(snapshot.stop_reason, STOP_REASONS, what="stop_reason",

@@ -254,12 +254,6 @@ class GeminiProvider(SDKProvider[_Session]):
             raise _request_fault(error) from error
         reply = StreamedReply()
 
-        def cut(message: str, reason: str | None) -> ProviderFault:
-            return ProviderFault(FaultKind.ABORTED, message, http_status=200,
-                                 aborted_reason=reason, usage=reply.usage,
-                                 usage_approx=reply.usage is not None,
-                                 response_id=reply.response_id)
-
         async def close() -> None:
             # The SDK's stream is an async generator (typed as an iterator):
             # closing it closes the response and releases the connection.
@@ -268,10 +262,9 @@ class GeminiProvider(SDKProvider[_Session]):
                 await closing()
 
         await read_stream(
-            _Chunks(first, stream), idle=self._idle, failures=read_failures(), take=reply.add,
-            failed=lambda error: classify_error(error, in_body=True, usage=reply.usage,
-                                                response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=close,
+            _Chunks(first, stream), idle=self._idle, failures=read_failures(),
+            classify=classify_error, take=reply.add, on_text=on_text, close=close,
+            http_status=200, request_id=None, served=lambda: (reply.usage, reply.response_id),
             missing=lambda: None if reply.ended else "its finishReason")
         return self._response(reply)
 

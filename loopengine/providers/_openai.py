@@ -33,7 +33,6 @@ from loopengine.providers._base import (
     text_or_none,
 )
 from loopengine.providers._clients import BoundClient, ClientPerLoop
-from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._openai_chat import (
     StreamedCompletion,
     chat_params,
@@ -282,18 +281,11 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                 raise fault
             return text
 
-        def cut(message: str, reason: str | None) -> ProviderFault:
-            return ProviderFault(
-                FaultKind.ABORTED, message, http_status=response.status_code,
-                aborted_reason=reason, request_id=request_id, usage=reply.usage,
-                usage_approx=reply.usage is not None, response_id=reply.response_id)
-
         await read_stream(
-            stream, idle=self._idle, failures=read_failures(), take=take,
-            failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
-                                                usage=reply.usage,
-                                                response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=stream.close,
+            stream, idle=self._idle, failures=read_failures(), classify=classify_error,
+            take=take, on_text=on_text, close=stream.close,
+            http_status=response.status_code, request_id=request_id,
+            served=lambda: (reply.usage, reply.response_id),
             missing=lambda: "its finish_reason" if reply.finish_reason is None
             else "its usage chunk" if reply.usage is None and self._usage_required else None)
         fault = finish_fault(reply.finish_reason, http_status=response.status_code,

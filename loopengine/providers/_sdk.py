@@ -20,6 +20,7 @@ import httpx2
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
+from loopengine._usage import Usage
 from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._clients import (
     BoundClient,
@@ -47,27 +48,42 @@ async def read_stream(
     *,
     idle: float,
     failures: tuple[type[BaseException], ...],
-    failed: Callable[[BaseException], ProviderFault],
-    cut: Callable[[str, str | None], ProviderFault],
+    classify: Classifier,
     take: Callable[[E], str | None],
     on_text: TextCallback | None,
     close: Callable[[], Awaitable[None]],
     missing: Callable[[], str | None],
+    http_status: int,
+    request_id: str | None,
+    served: Callable[[], tuple[Usage | None, str | None]],
+    floor: bool = False,
 ) -> None:
     """Read a streamed reply to its end, the same way for every SDK provider.
 
     Each event goes to ``take``, which returns its text, if any, for
-    ``on_text``. A stream quiet for ``idle`` seconds is cut (``cut(message,
-    "idle")``); an error among ``failures`` while reading is classified by
-    ``failed``; an ``on_text`` that raises stops the reading with
-    ``cut(message, None)`` raised from its exception (the engine raises the
-    callback's own exception to its caller; the fault carries what was
-    served). ``close`` runs however the reading ends: it releases the
-    connection, even while the caller's cancellation (or the attempt
-    timeout) unwinds. A stream that ended without what ``missing`` names
-    (its last event, its usage...) is cut (``cut("the stream ended before
-    <what>", None)``).
+    ``on_text``. A stream quiet for ``idle`` seconds is cut (an ``aborted``
+    fault, reason ``idle``); an error among ``failures`` while reading is
+    classified by ``classify`` (``in_body``); an ``on_text`` that raises
+    stops the reading with a cut (reason None) raised from its exception
+    (the engine raises the callback's own exception to its caller; the fault
+    carries what was served). ``close`` runs however the reading ends: it
+    releases the connection, even while the caller's cancellation (or the
+    attempt timeout) unwinds. A stream that ended without what ``missing``
+    names (its last event, its usage...) is cut ("the stream ended before
+    <what>").
+
+    Each such fault carries ``http_status``, ``request_id`` and what the
+    stream had served (``served()``: its usage so far and its response id);
+    a cut's usage is a floor (``usage_approx``) whenever there is one, or
+    always with ``floor``.
     """
+
+    def cut(message: str, reason: str | None) -> ProviderFault:
+        usage, response_id = served()
+        return ProviderFault(FaultKind.ABORTED, message, http_status=http_status,
+                             aborted_reason=reason, request_id=request_id, usage=usage,
+                             usage_approx=floor or usage is not None, response_id=response_id)
+
     try:
         while True:
             with anyio.move_on_after(idle) as quiet:
@@ -76,7 +92,9 @@ async def read_stream(
                 except StopAsyncIteration:
                     break
                 except failures as error:
-                    raise failed(error) from error
+                    usage, response_id = served()
+                    raise classify(error, request_id=request_id, in_body=True, usage=usage,
+                                   response_id=response_id) from error
             if quiet.cancelled_caught:
                 raise cut(f"the stream sent nothing for {idle:g}s", "idle")
             text = take(event)
