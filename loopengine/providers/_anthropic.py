@@ -577,23 +577,10 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         if isinstance(raw, Mapping):
             raw = dict(raw)
             approx = _split_writes(raw, params)
-        usage = usage_from_api(raw, model=text_or_none(body.get("model")))
-        fault = end_fault(body.get("stop_reason"), STOP_REASONS, what="stop_reason",
-                          http_status=status, request_id=request_id, usage=usage,
-                          response_id=text_or_none(body.get("id")))
-        if fault is not None:
-            fault.usage_approx = approx
-            raise fault
-        return ProviderResponse(
-            content=body["content"],
-            stop_reason=body.get("stop_reason"),
-            usage=usage,
-            usage_approx=approx,
-            response_id=text_or_none(body.get("id")),
-            request_id=request_id,
-            http_status=status,
-            model=text_or_none(body.get("model")),
-        )
+        model = text_or_none(body.get("model"))
+        return _answer(body["content"], body.get("stop_reason"), usage_from_api(raw, model=model),
+                       approx, response_id=text_or_none(body.get("id")), request_id=request_id,
+                       http_status=status, model=model)
 
     async def _send_streaming(
         self, client: AsyncClient, params: dict[str, Any], on_text: TextCallback | None
@@ -639,22 +626,26 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         snapshot = message()
         assert snapshot is not None
         usage, approx = _snapshot_usage(snapshot, late, params)
-        fault = end_fault(snapshot.stop_reason, STOP_REASONS, what="stop_reason",
-                          http_status=stream.response.status_code, request_id=request_id,
-                          usage=usage, response_id=snapshot.id)
-        if fault is not None:
-            fault.usage_approx = approx
-            raise fault
-        return ProviderResponse(
-            content=_with_inputs([block.to_dict() for block in snapshot.content], inputs),
-            stop_reason=snapshot.stop_reason,
-            usage=usage,
-            usage_approx=approx,
-            response_id=snapshot.id,
-            request_id=request_id,
-            http_status=stream.response.status_code,
-            model=snapshot.model,
-        )
+        return _answer(_with_inputs([block.to_dict() for block in snapshot.content], inputs),
+                       snapshot.stop_reason, usage, approx, response_id=snapshot.id,
+                       request_id=request_id, http_status=stream.response.status_code,
+                       model=snapshot.model)
+
+
+def _answer(content: list[dict[str, Any]], stop_reason: object, usage: Usage | None,
+            approx: bool, *, response_id: str | None, request_id: str | None,
+            http_status: int, model: str | None) -> ProviderResponse:
+    """The response of a whole message (read as JSON or streamed), or the fault of
+    one whose ``stop_reason`` is missing or not one of `STOP_REASONS`; ``approx``:
+    its usage is a floor (`_split_writes`)."""
+    fault = end_fault(stop_reason, STOP_REASONS, what="stop_reason", http_status=http_status,
+                      request_id=request_id, usage=usage, response_id=response_id)
+    if fault is not None:
+        fault.usage_approx = approx
+        raise fault
+    return ProviderResponse(content=content, stop_reason=str(stop_reason), usage=usage,
+                            usage_approx=approx, response_id=response_id,
+                            request_id=request_id, http_status=http_status, model=model)
 
 
 STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn",
