@@ -99,18 +99,20 @@ from loopengine.providers._faults import (
     sdk_classifier,
     status_kind,
 )
-from loopengine.providers._sdk import SDKProvider, json_body, provider_clients, read_stream
+from loopengine.providers._sdk import (
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    SDKProvider,
+    json_body,
+    provider_clients,
+    read_stream,
+)
 
 __all__ = [
-    "DEFAULT_STREAM_IDLE_TIMEOUT",
     "AnthropicProvider",
     "classify_error",
     "retry_after",
     "usage_from_api",
 ]
-
-DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
-"""Seconds a stream may go without an event before the attempt is aborted (``idle``)."""
 
 AsyncClient: TypeAlias = (
     anthropic.AsyncAnthropic | anthropic.AsyncAnthropicBedrock | anthropic.AsyncAnthropicVertex

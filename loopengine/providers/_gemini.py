@@ -51,15 +51,17 @@ from loopengine.providers._gemini_faults import (
     import_genai,
     read_failures,
 )
-from loopengine.providers._sdk import NO_SDK_RETRIES, SDKProvider, read_stream
+from loopengine.providers._sdk import (
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    NO_SDK_RETRIES,
+    SDKProvider,
+    read_stream,
+)
 
 if TYPE_CHECKING:
     from google import genai
 
-__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "GeminiProvider"]
-
-DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
-"""Seconds a stream may go without a chunk before the attempt is aborted (``idle``)."""
+__all__ = ["GeminiProvider"]
 
 # HTTP options the provider sets itself: a client of the caller's making comes
 # as ``client`` instead (it is then bound to its first event loop).

@@ -49,7 +49,12 @@ from loopengine.providers._openai_faults import (
     import_openai,
     read_failures,
 )
-from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
+from loopengine.providers._sdk import (
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    SDKProvider,
+    provider_clients,
+    read_stream,
+)
 from loopengine.providers._sdk import json_body as sdk_json_body
 
 if TYPE_CHECKING:
@@ -57,14 +62,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("loopengine")
 
-__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "OpenAIProvider", "StreamUsage", "json_body",
+__all__ = ["OpenAIProvider", "StreamUsage", "json_body",
            "openai_clients"]
 
 StreamUsage = Literal["required", "optional"]
 """Whether a stream must end with its usage chunk (`OpenAIProvider`'s ``stream_usage``)."""
-
-DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
-"""Seconds a stream may go without a chunk before the attempt is aborted (``idle``)."""
 
 # Keywords that only an Azure client takes: given them, the provider builds one.
 _AZURE_KEYWORDS = frozenset({"azure_endpoint", "azure_deployment", "api_version",

@@ -29,11 +29,7 @@ from loopengine.providers._base import (
     text_or_none,
 )
 from loopengine.providers._faults import FaultKind, ProviderFault
-from loopengine.providers._openai import (
-    DEFAULT_STREAM_IDLE_TIMEOUT,
-    json_body,
-    openai_clients,
-)
+from loopengine.providers._openai import json_body, openai_clients
 from loopengine.providers._openai_faults import (
     body_fault,
     classify_error,
@@ -48,7 +44,7 @@ from loopengine.providers._openai_responses_items import (
     responses_params,
     usage_from_response,
 )
-from loopengine.providers._sdk import SDKProvider, read_stream
+from loopengine.providers._sdk import DEFAULT_STREAM_IDLE_TIMEOUT, SDKProvider, read_stream
 
 if TYPE_CHECKING:
     import openai

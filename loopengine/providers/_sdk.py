@@ -33,14 +33,17 @@ from loopengine.providers._clients import (
 )
 from loopengine.providers._faults import Classifier, FaultKind, ProviderFault
 
-__all__ = ["NO_SDK_RETRIES", "SDKProvider", "json_body", "provider_clients", "read_stream",
-           "sdk_keywords"]
+__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "NO_SDK_RETRIES", "SDKProvider", "json_body",
+           "provider_clients", "read_stream", "sdk_keywords"]
 
 E = TypeVar("E")
 
 NO_SDK_RETRIES = ("the SDK must not retry on its own: every wire request is an attempt the "
                   "engine counts; set the operation's RetryPolicy instead")
 """Why a provider refuses retries asked of its SDK (``max_retries``, ``retry_options``)."""
+
+DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
+"""Seconds a stream may go without an event before the attempt is aborted (``idle``)."""
 
 
 async def read_stream(
