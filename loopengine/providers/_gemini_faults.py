@@ -27,8 +27,7 @@ fault kind             from
                        the SDK fails to read it (``http_status`` 200); a whole (JSON) reply with
                        no finished candidate and no blocked prompt (raised by
                        the provider, with the usage it reports)
-``timeout``            408, ``DEADLINE_EXCEEDED`` inside a stream, the transport's
-                       timeout
+``timeout``            408, the transport's timeout
 ``connection``         refused, reset or closed before a response; a whole (JSON)
                        response cut short (the SDK reads it in one call)
 ``aborted``            the stream cut after the response began, a stream that
@@ -88,19 +87,6 @@ __all__ = ["BILLING_REASONS", "classify_error", "failures", "finish_fault", "imp
 # Lowercased fragments of the message of depleted prepaid credits.
 _CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted")
 
-_STATUS_NAMES = {
-    "INVALID_ARGUMENT": FaultKind.BAD_REQUEST,
-    "FAILED_PRECONDITION": FaultKind.BAD_REQUEST,
-    "OUT_OF_RANGE": FaultKind.BAD_REQUEST,
-    "NOT_FOUND": FaultKind.BAD_REQUEST,
-    "UNAUTHENTICATED": FaultKind.UNAUTHORIZED,
-    "PERMISSION_DENIED": FaultKind.UNAUTHORIZED,
-    "RESOURCE_EXHAUSTED": FaultKind.RATE_LIMITED,
-    "DEADLINE_EXCEEDED": FaultKind.TIMEOUT,
-    "UNAVAILABLE": FaultKind.SERVER_ERROR,
-    "INTERNAL": FaultKind.SERVER_ERROR,
-    "ABORTED": FaultKind.SERVER_ERROR,
-}
 
 def import_genai() -> Any:
     """The ``google.genai`` module, imported on first use."""
@@ -145,22 +131,16 @@ def _sdk() -> SDKErrors:
                      validation=errors.UnknownApiResponseError, unreadable=_unreadable_body)
 
 
-def error_kind(code: int, status: str | None, message: str,
-               details: list[Mapping[str, Any]]) -> tuple[FaultKind, str | None]:
-    """The fault kind of a Gemini error and the code to record (its ``ErrorInfo``
-    reason, else its canonical status)."""
-    info = google_detail(details, "ErrorInfo")
-    reason = _text(info.get("reason")) if info is not None else None
+def _kind(code: int, reason: str | None, message: str) -> FaultKind:
+    """The fault kind of a Gemini error of HTTP status ``code`` (an error inside a
+    stream has its own), its ``ErrorInfo`` ``reason`` and its message."""
     lowered = message.lower()
     if code == 402 or reason in BILLING_REASONS or any(
             fragment in lowered for fragment in _CREDIT_MESSAGES):
-        return FaultKind.CREDIT_EXHAUSTED, reason or status
+        return FaultKind.CREDIT_EXHAUSTED
     if code == 503 and "overloaded" in lowered:
-        return FaultKind.OVERLOADED, reason or status
-    if code in (0, 200):
-        # An error inside a stream: only its status tells what went wrong.
-        return _STATUS_NAMES.get(status or "", FaultKind.SERVER_ERROR), reason or status
-    return status_kind(code), reason or status
+        return FaultKind.OVERLOADED
+    return status_kind(code)
 
 
 def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
@@ -170,13 +150,16 @@ def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
     code = int(error.code) if isinstance(error.code, int) else 0
     message = _text(error.message) or ""
     details = google_details(error.details)
+    info = google_detail(details, "ErrorInfo")
+    reason = _text(info.get("reason")) if info is not None else None
     # An error event inside a stream comes with its own code; the response was a 200.
-    kind, recorded = error_kind(code, _text(error.status), message, details)
     return response_fault(
-        kind, 200 if in_stream else code or getattr(response, "status_code", None),
+        _kind(code, reason, message),
+        200 if in_stream else code or getattr(response, "status_code", None),
         {k.lower(): v for k, v in headers.items()} if isinstance(headers, Mapping) else {},
-        label=error.status, code=recorded, message=message, request_id=None, usage=usage,
-        response_id=response_id, details=details)
+        # Recorded: its ErrorInfo reason, else its canonical status.
+        label=error.status, code=reason or _text(error.status), message=message,
+        request_id=None, usage=usage, response_id=response_id, details=details)
 
 
 # The SDK's models of a reply: a validation error of one is a body it could not read.
