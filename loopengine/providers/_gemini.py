@@ -246,7 +246,9 @@ class GeminiProvider(SDKProvider[_Session]):
         self, client: _Session, params: dict[str, Any], on_text: TextCallback | None
     ) -> ProviderResponse:
         try:
-            stream = await client.client.aio.models.generate_content_stream(**params)
+            # An async generator (typed as an iterator): its aclose closes the
+            # response and releases the connection.
+            stream: Any = await client.client.aio.models.generate_content_stream(**params)
             # The SDK sends the request when the stream is first read: an error
             # status (or a refused connection) comes with the first chunk.
             first: Any = await stream.__anext__()
@@ -256,16 +258,9 @@ class GeminiProvider(SDKProvider[_Session]):
             raise _request_fault(error) from error
         reply = StreamedReply()
 
-        async def close() -> None:
-            # The SDK's stream is an async generator (typed as an iterator):
-            # closing it closes the response and releases the connection.
-            closing = getattr(stream, "aclose", None)
-            if closing is not None:
-                await closing()
-
         await read_stream(
             _Chunks(first, stream), idle=self._idle, failures=read_failures(),
-            classify=classify_error, take=reply.add, on_text=on_text, close=close,
+            classify=classify_error, take=reply.add, on_text=on_text, close=stream.aclose,
             http_status=200, request_id=None, served=lambda: (reply.usage, reply.response_id),
             missing=lambda: None if reply.ended else "its finishReason")
         return self._response(reply)
