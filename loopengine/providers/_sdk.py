@@ -232,8 +232,8 @@ class SDKProvider(Generic[C]):
     running event loop, the check before an attempt is recorded, and closing.
 
     A subclass sets ``_clients``, ``_name``, ``_vendor`` and ``_stream`` in
-    its ``__init__``, declares its ``features``, and supplies ``_params``,
-    ``_send_plain`` and ``_send_streaming``: `send` is the same for every
+    its ``__init__``, declares its ``features`` and ``check_request``, and
+    supplies ``_params``, ``_send_plain`` and ``_send_streaming``: `send` is the same for every
     such provider (the running loop's client, then the request, streamed
     when its caller reads the text or the provider was built to stream).
     """
@@ -279,11 +279,6 @@ class SDKProvider(Generic[C]):
                 was first used on another event loop than the running one.
         """
         self._clients.check_ready()
-
-    def check_request(self, request: ProviderRequest) -> None:
-        """Before an attempt is recorded: refuse what the API cannot be sent.
-        Default: any request (the Messages API takes the engine's shapes as
-        they are)."""
 
     @property
     def name(self) -> str:
