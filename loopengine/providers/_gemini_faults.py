@@ -81,7 +81,7 @@ from loopengine.providers._faults import (
 )
 from loopengine.providers._gemini_contents import ANSWERED
 
-__all__ = ["BILLING_REASONS", "classify_error", "failures", "finish_fault", "import_genai",
+__all__ = ["BILLING_REASONS", "classify_error", "finish_fault", "import_genai",
            "read_failures"]
 
 # Lowercased fragments of the message of depleted prepaid credits.
@@ -99,22 +99,18 @@ def import_genai() -> Any:
 
 
 @functools.cache
-def failures() -> tuple[type[BaseException], ...]:
-    """What the SDK raises for a request that failed: its error responses and the
-    transport's errors (never the caller's cancellation, which propagates)."""
+def read_failures() -> tuple[type[BaseException], ...]:
+    """What a request and the reading of its reply may raise: the SDK's error
+    responses and the transport's errors (never the caller's cancellation,
+    which propagates), ``ValueError`` / ``RuntimeError`` for a body that is
+    not a response (a JSON or validation error), and the ``TypeError`` /
+    ``AttributeError`` / ``KeyError`` the SDK's reading of a field of the wrong
+    type raises (an error of these classes that did not come from reading a
+    body is classified ``bad_request``, not retried)."""
     from google.genai import errors
 
-    return (errors.APIError, httpx2.HTTPError, httpx2.StreamError)
-
-
-@functools.cache
-def read_failures() -> tuple[type[BaseException], ...]:
-    """What reading a reply may raise: `failures`, and ``ValueError`` /
-    ``RuntimeError`` for a body that is not a response (a JSON or validation error),
-    and the ``TypeError`` / ``AttributeError`` / ``KeyError`` the SDK's reading of
-    a field of the wrong type raises (an error of these classes that did not
-    come from reading a body is classified ``bad_request``, not retried)."""
-    return (*failures(), ValueError, RuntimeError, TypeError, AttributeError, KeyError)
+    return (errors.APIError, httpx2.HTTPError, httpx2.StreamError, ValueError, RuntimeError,
+            TypeError, AttributeError, KeyError)
 
 
 class _NeverRaised(Exception):
