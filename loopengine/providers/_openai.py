@@ -223,11 +223,10 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             client.chat.completions.with_streaming_response.create, params,
             what="a chat completion", valid=lambda body: _answered(body) or isinstance(
                 body.get("error"), Mapping))
-        if not _answered(body):
-            raise body_fault(body, request_id=request_id,
-                             usage=usage_from_api(body.get("usage"), body.get("service_tier")))
-        choice = first_choice(body) or {}
         usage = usage_from_api(body.get("usage"), body.get("service_tier"))
+        if not _answered(body):
+            raise body_fault(body, request_id=request_id, usage=usage)
+        choice = first_choice(body) or {}
         fault = finish_fault(choice.get("finish_reason"), http_status=status,
                              request_id=request_id, usage=usage,
                              response_id=text_or_none(body.get("id")))
