@@ -90,7 +90,7 @@ def openai_clients(
     try:
         clients: ClientPerLoop[Any] | BoundClient[Any] = provider_clients(
             owner, client, client_kwargs, max_connections=max_connections,
-            accepts=sdk.AsyncOpenAI, sdk_default=sdk.DefaultAsyncHttpxClient,
+            accepts=(sdk.AsyncOpenAI,), sdk_default=sdk.DefaultAsyncHttpxClient,
             build=sdk.AsyncAzureOpenAI if azure else sdk.AsyncOpenAI)
     except sdk.OpenAIError as error:
         # Missing credentials, contradictory Azure settings: the SDK says

@@ -176,7 +176,7 @@ def provider_clients(
     client_kwargs: dict[str, Any],
     *,
     max_connections: int | None,
-    accepts: type[Any] | tuple[type[Any], ...],
+    accepts: tuple[type[Any], ...],
     build: Callable[..., C],
     sdk_default: Callable[..., httpx2.AsyncClient],
 ) -> ClientPerLoop[C] | BoundClient[C]:
@@ -207,8 +207,7 @@ def provider_clients(
     client_keywords(build, client_kwargs)
     if client is not None:
         if not isinstance(client, accepts):
-            names = " or ".join(kind.__name__ for kind in (
-                accepts if isinstance(accepts, tuple) else (accepts,)))
+            names = " or ".join(kind.__name__ for kind in accepts)
             raise ConfigError("client", f"must be an async SDK client ({names}), got "
                                         f"{type(client).__name__}")
         copy: C = cast(Any, client).with_options(max_retries=0)
