@@ -91,7 +91,7 @@ from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
-    end_fault,
+    check_end,
     google_details,
     is_credit_code,
     response_fault,
@@ -640,11 +640,8 @@ def _answer(content: list[dict[str, Any]], stop_reason: object, usage: Usage | N
     """The response of a whole message (read as JSON or streamed), or the fault of
     one whose ``stop_reason`` is missing or not one of `STOP_REASONS`; ``approx``:
     its usage is a floor (`_split_writes`)."""
-    fault = end_fault(stop_reason, STOP_REASONS, what="stop_reason", http_status=http_status,
-                      request_id=request_id, usage=usage, response_id=response_id)
-    if fault is not None:
-        fault.usage_approx = approx
-        raise fault
+    check_end(stop_reason, STOP_REASONS, what="stop_reason", http_status=http_status,
+              request_id=request_id, usage=usage, response_id=response_id, usage_approx=approx)
     return ProviderResponse(content=content, stop_reason=str(stop_reason), usage=usage,
                             usage_approx=approx, response_id=response_id,
                             request_id=request_id, http_status=http_status, model=model)

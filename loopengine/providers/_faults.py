@@ -40,7 +40,7 @@ __all__ = [
     "SDKErrors",
     "STATUS_KINDS",
     "classify_sdk_error",
-    "end_fault",
+    "check_end",
     "google_detail",
     "google_details",
     "response_fault",
@@ -476,32 +476,32 @@ def response_fault(
     )
 
 
-def end_fault(
+def check_end(
     end: object, read: Collection[str], *, what: str,
     kinds: Mapping[str, tuple[FaultKind, str]] | None = None, fold_case: bool = False,
     http_status: int | None, request_id: str | None, usage: Usage | None,
-    response_id: str | None,
-) -> ProviderFault | None:
-    """The fault of a whole reply (a JSON body, or a stream that ended) whose end
-    (its ``what``: ``stop_reason``, ``finish_reason``, ``finishReason``) is not one
-    its adapter reads (``read``), or None. Missing, the reply never finished:
+    response_id: str | None, usage_approx: bool = False,
+) -> None:
+    """Raise the fault of a whole reply (a JSON body, or a stream that ended) whose
+    end (its ``what``: ``stop_reason``, ``finish_reason``, ``finishReason``) is not
+    one its adapter reads (``read``). Missing, the reply never finished:
     ``server_error`` ``invalid_response``; one of ``kinds`` is that fault kind and
     error code; any other (a value newer than the adapter) is a ``server_error``
     whose ``error_code`` is the value. Never an answer: the reply may be cut or
     broken, and retrying is what the server's other failures get. ``usage`` is
-    the server's whole count for the reply."""
+    the server's count for the reply (a floor with ``usage_approx``)."""
     if not isinstance(end, str) or not end:
-        return ProviderFault(FaultKind.SERVER_ERROR, f"the response is not an answer: it has "
-                             f"no {what}", http_status=http_status,
-                             error_code="invalid_response", request_id=request_id,
-                             usage=usage, response_id=response_id)
+        raise ProviderFault(FaultKind.SERVER_ERROR, f"the response is not an answer: it has "
+                            f"no {what}", http_status=http_status,
+                            error_code="invalid_response", request_id=request_id,
+                            usage=usage, usage_approx=usage_approx, response_id=response_id)
     key = end.lower() if fold_case else end
     if key in read:
-        return None
+        return
     kind, code = (kinds or {}).get(key, (FaultKind.SERVER_ERROR, end))
-    return ProviderFault(kind, f"the response is not an answer: {what} {end!r}",
-                         http_status=http_status, error_code=code, request_id=request_id,
-                         usage=usage, response_id=response_id)
+    raise ProviderFault(kind, f"the response is not an answer: {what} {end!r}",
+                        http_status=http_status, error_code=code, request_id=request_id,
+                        usage=usage, usage_approx=usage_approx, response_id=response_id)
 
 
 class Classifier(Protocol):

@@ -46,8 +46,8 @@ from loopengine.providers._gemini_contents import (
     gemini_contents,
 )
 from loopengine.providers._gemini_faults import (
+    check_finish,
     classify_error,
-    finish_fault,
     import_genai,
     read_failures,
 )
@@ -269,10 +269,7 @@ class GeminiProvider(SDKProvider[_Session]):
     def _response(reply: StreamedReply) -> ProviderResponse:
         if reply.block_reason is None:
             # A blocked prompt is a refusal, whatever its candidate says.
-            fault = finish_fault(reply.finish_reason, usage=reply.usage,
-                                 response_id=reply.response_id)
-            if fault is not None:
-                raise fault
+            check_finish(reply.finish_reason, usage=reply.usage, response_id=reply.response_id)
         content, stop = reply.content()
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,
                                 response_id=reply.response_id, http_status=200,

@@ -37,7 +37,7 @@ its boundary, both ways:
 (``incomplete``), the reasons of `REFUSED` and a prompt blocked by
 ``promptFeedback.blockReason`` -> ``refusal`` (``refused``). Any other
 finish reason (`ANSWERED` lists the ones read here) is not an answer: the
-provider raises its fault (``_gemini_faults.finish_fault``).
+provider raises its fault (``_gemini_faults.check_finish``).
 ``FINISH_REASON_UNSPECIFIED`` is the enum's unset value: no finish reason.
 """
 

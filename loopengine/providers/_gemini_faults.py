@@ -42,7 +42,7 @@ fault kind             from
 An error inside a stream (``data: {"error": {...}}`` after a 200) is read the
 same way from its ``code`` and ``status``. A reply whose ``finishReason`` is
 not one the translation reads as a stop reason (``_gemini_contents.ANSWERED``)
-is a fault too (`finish_fault`), its usage kept: ``MALFORMED_RESPONSE`` is
+is a fault too (`check_finish`), its usage kept: ``MALFORMED_RESPONSE`` is
 ``server_error`` ``invalid_response``; ``MISSING_THOUGHT_SIGNATURE`` (the
 request lacked a signature the API wanted back, so sending it again cannot
 help) ``bad_request``; ``PUP_LIMITED_DISABLED`` (the account is limited or
@@ -72,8 +72,8 @@ from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
+    check_end,
     classify_sdk_error,
-    end_fault,
     google_detail,
     google_details,
     response_fault,
@@ -81,7 +81,7 @@ from loopengine.providers._faults import (
 )
 from loopengine.providers._gemini_contents import ANSWERED
 
-__all__ = ["BILLING_REASONS", "classify_error", "finish_fault", "import_genai",
+__all__ = ["BILLING_REASONS", "check_finish", "classify_error", "import_genai",
            "read_failures"]
 
 # Lowercased fragments of the message of depleted prepaid credits.
@@ -204,10 +204,10 @@ _FINISH_FAULTS = {
 }
 
 
-def finish_fault(finish_reason: str | None, *, usage: Usage | None,
-                 response_id: str | None) -> ProviderFault | None:
-    """The fault of a finished reply whose ``finishReason`` is not an answer, a
-    refusal, a cut-off answer or a malformed call (``ANSWERED``), or None (the
-    table above, `end_fault`). The usage is the server's whole count for the reply."""
-    return end_fault(finish_reason, ANSWERED, what="finishReason", kinds=_FINISH_FAULTS,
-                     http_status=200, request_id=None, usage=usage, response_id=response_id)
+def check_finish(finish_reason: str | None, *, usage: Usage | None,
+                 response_id: str | None) -> None:
+    """Raise the fault of a finished reply whose ``finishReason`` is not an answer, a
+    refusal, a cut-off answer or a malformed call (``ANSWERED``; the table above,
+    `check_end`). The usage is the server's whole count for the reply."""
+    check_end(finish_reason, ANSWERED, what="finishReason", kinds=_FINISH_FAULTS,
+              http_status=200, request_id=None, usage=usage, response_id=response_id)

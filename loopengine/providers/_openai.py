@@ -43,9 +43,9 @@ from loopengine.providers._openai_chat import (
 )
 from loopengine.providers._openai_faults import (
     body_fault,
+    check_finish,
     classify_error,
     failures,
-    finish_fault,
     import_openai,
     read_failures,
 )
@@ -227,11 +227,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         if not _answered(body):
             raise body_fault(body, request_id=request_id, usage=usage)
         choice = first_choice(body) or {}
-        fault = finish_fault(choice.get("finish_reason"), http_status=status,
-                             request_id=request_id, usage=usage,
-                             response_id=text_or_none(body.get("id")))
-        if fault is not None:
-            raise fault
+        check_finish(choice.get("finish_reason"), http_status=status, request_id=request_id,
+                     usage=usage, response_id=text_or_none(body.get("id")))
         content, stop = content_from_message(choice["message"], choice.get("finish_reason"))
         return ProviderResponse(
             content=content,
@@ -289,11 +286,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             served=lambda: (reply.usage, reply.response_id),
             missing=lambda: "its finish_reason" if reply.finish_reason is None
             else "its usage chunk" if reply.usage is None and self._usage_required else None)
-        fault = finish_fault(reply.finish_reason, http_status=response.status_code,
-                             request_id=request_id, usage=reply.usage,
-                             response_id=reply.response_id)
-        if fault is not None:
-            raise fault
+        check_finish(reply.finish_reason, http_status=response.status_code,
+                     request_id=request_id, usage=reply.usage, response_id=reply.response_id)
         if reply.usage is None and not self._usage_warned:
             # The reply is whole (its finish_reason came after its last
             # content); only its usage is unknown, as the caller allowed.

@@ -55,7 +55,7 @@ from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
-    end_fault,
+    check_end,
     is_credit_code,
     response_fault,
     sdk_classifier,
@@ -63,7 +63,7 @@ from loopengine.providers._faults import (
 )
 from loopengine.providers._openai_chat import FINISH_REASONS
 
-__all__ = ["body_fault", "classify_error", "event_fault", "failures", "finish_fault",
+__all__ = ["body_fault", "classify_error", "event_fault", "check_finish", "failures",
            "import_openai", "read_failures"]
 
 _TYPE_KINDS = {
@@ -232,15 +232,15 @@ in docs/providers.md)."""
 _FINISH_FAULTS = {"abort": (FaultKind.ABORTED, "abort")}
 
 
-def finish_fault(finish_reason: object, *, http_status: int, request_id: str | None,
-                 usage: Usage | None, response_id: str | None) -> ProviderFault | None:
-    """The fault of a whole reply (a JSON body, or a stream that ended) whose
+def check_finish(finish_reason: object, *, http_status: int, request_id: str | None,
+                 usage: Usage | None, response_id: str | None) -> None:
+    """Raise the fault of a whole reply (a JSON body, or a stream that ended) whose
     ``finish_reason`` is not one the translation reads (``FINISH_REASONS``, in any
-    case), or None (`end_fault`). Missing, the reply never finished: ``server_error``
+    case; `check_end`). Missing, the reply never finished: ``server_error``
     ``invalid_response`` (as a stream ended before it is ``aborted``); ``abort``
     (vLLM: the server aborted the generation) is ``aborted``; any other
     (``error``, a value no table here knows) is a ``server_error`` named after
     it. Each is retried; none is accepted as an answer."""
-    return end_fault(finish_reason, FINISH_REASONS, what="finish_reason",
-                     kinds=_FINISH_FAULTS, fold_case=True, http_status=http_status,
-                     request_id=request_id, usage=usage, response_id=response_id)
+    check_end(finish_reason, FINISH_REASONS, what="finish_reason", kinds=_FINISH_FAULTS,
+              fold_case=True, http_status=http_status, request_id=request_id, usage=usage,
+              response_id=response_id)
