@@ -92,11 +92,11 @@ from loopengine.providers._faults import (
     ProviderFault,
     SDKErrors,
     check_end,
+    classify_sdk_error,
     google_details,
     is_credit_code,
     response_fault,
     retry_after,
-    sdk_classifier,
     status_kind,
 )
 from loopengine.providers._sdk import (
@@ -906,9 +906,6 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
     return status_kind(status, _STATUS_KINDS)
 
 
-_classify_sdk_error = sdk_classifier(lambda: _SDK, _status_fault)
-
-
 def classify_error(error: BaseException, *, request_id: str | None = None,
                    in_body: bool = False, usage: Usage | None = None,
                    response_id: str | None = None) -> ProviderFault:
@@ -926,8 +923,8 @@ def classify_error(error: BaseException, *, request_id: str | None = None,
                              http_status=200, error_code="invalid_response",
                              request_id=request_id, usage=usage,
                              usage_approx=usage is not None, response_id=response_id)
-    return _classify_sdk_error(error, request_id=request_id, in_body=in_body, usage=usage,
-                               response_id=response_id)
+    return classify_sdk_error(error, _SDK, status_fault=_status_fault, request_id=request_id,
+                              in_body=in_body, usage=usage, response_id=response_id)
 
 
 def _frame_errors(client: AsyncClient | None) -> tuple[type[BaseException], ...]:

@@ -44,7 +44,6 @@ __all__ = [
     "google_detail",
     "google_details",
     "response_fault",
-    "sdk_classifier",
     "is_credit_code",
     "message_wait",
     "retry_after",
@@ -368,8 +367,8 @@ def classify_sdk_error(
     error: BaseException,
     sdk: SDKErrors,
     *,
-    status_fault: Callable[[Any], ProviderFault],
-    api_fault: Callable[[Any], ProviderFault] | None = None,
+    status_fault: Callable[..., ProviderFault],
+    api_fault: Callable[..., ProviderFault] | None = None,
     request_id: str | None = None,
     in_body: bool = False,
     usage: Usage | None = None,
@@ -380,10 +379,12 @@ def classify_sdk_error(
     Args:
         error: What the SDK raised.
         sdk: Its exception classes.
-        status_fault: The adapter's reading of a status error (``sdk.status``).
+        status_fault: The adapter's reading of a status error (``sdk.status``),
+            called as ``status_fault(error, usage=, response_id=)``.
         api_fault: The adapter's reading of another ``sdk.base`` error that
             is not a connection or validation error (an error object inside a
-            stream, which some SDKs raise without a status), or None.
+            stream, which some SDKs raise without a status), called as
+            ``api_fault(error, request_id=, usage=, response_id=)``, or None.
         request_id: The request id, when the response had begun.
         in_body: The error came while the body or stream was being read, after
             a response began: a transport failure there cuts the stream
@@ -396,7 +397,7 @@ def classify_sdk_error(
     """
     approx = usage is not None
     if isinstance(error, sdk.status):
-        return status_fault(error)
+        return status_fault(error, usage=usage, response_id=response_id)
     if isinstance(error, sdk.timeout | httpx2.TimeoutException):
         return ProviderFault(FaultKind.TIMEOUT, "the SDK's request timed out",
                              request_id=request_id, usage=usage, usage_approx=approx,
@@ -425,7 +426,7 @@ def classify_sdk_error(
                              response_id=response_id if in_body else None)
     if api_fault is not None and isinstance(error, sdk.base) and not isinstance(
             error, sdk.validation):
-        return api_fault(error)
+        return api_fault(error, request_id=request_id, usage=usage, response_id=response_id)
     unreadable = sdk.unreadable is not None and sdk.unreadable(error)
     if unreadable or isinstance(error, sdk.validation | ValueError | RuntimeError):
         # Read from a body the server answered with success (the SDKs raise an
@@ -514,32 +515,6 @@ class Classifier(Protocol):
                  response_id: str | None = None) -> ProviderFault:
         """Classify ``error``."""
         ...
-
-
-def sdk_classifier(
-    sdk: Callable[[], SDKErrors],
-    status_fault: Callable[..., ProviderFault],
-    api_fault: Callable[..., ProviderFault] | None = None,
-) -> Classifier:
-    """The ``classify_error`` of an adapter on a Stainless SDK: `classify_sdk_error`
-    with the adapter's exception classes (``sdk()``, read on first use) and its
-    readings of a status error (``status_fault(error, usage=, response_id=)``)
-    and of an error inside a stream (``api_fault(error, request_id=,
-    usage=, response_id=)``)."""
-
-    def classify_error(error: BaseException, *, request_id: str | None = None,
-                       in_body: bool = False, usage: Usage | None = None,
-                       response_id: str | None = None) -> ProviderFault:
-        return classify_sdk_error(
-            error, sdk(),
-            status_fault=lambda status: status_fault(status, usage=usage,
-                                                      response_id=response_id),
-            api_fault=None if api_fault is None else lambda api: api_fault(
-                api, request_id=request_id, usage=usage, response_id=response_id),
-            request_id=request_id, in_body=in_body, usage=usage, response_id=response_id,
-        )
-
-    return classify_error
 
 
 def _own_failure(error: BaseException, connection: type[BaseException]) -> BaseException | None:

@@ -187,10 +187,7 @@ def classify_error(error: BaseException, *, request_id: str | None = None,
     table above). ``in_body``: the error came while a reply was being read (as a
     body the SDK could not parse did: it raises an error status before)."""
     return classify_sdk_error(
-        error, _sdk(),
-        status_fault=lambda status: _status_fault(status, usage=usage,
-                                                  response_id=response_id,
-                                                  in_stream=in_body),
+        error, _sdk(), status_fault=functools.partial(_status_fault, in_stream=in_body),
         request_id=request_id, in_body=in_body, usage=usage, response_id=response_id)
 
 

@@ -56,9 +56,9 @@ from loopengine.providers._faults import (
     ProviderFault,
     SDKErrors,
     check_end,
+    classify_sdk_error,
     is_credit_code,
     response_fault,
-    sdk_classifier,
     status_kind,
 )
 from loopengine.providers._openai_chat import FINISH_REASONS
@@ -222,9 +222,14 @@ def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
     return status_kind(status)
 
 
-classify_error = sdk_classifier(_sdk, _status_fault, _stream_fault)
-"""Classify an ``openai`` SDK or transport error as one `ProviderFault` (the table
-in docs/providers.md)."""
+def classify_error(error: BaseException, *, request_id: str | None = None,
+                   in_body: bool = False, usage: Usage | None = None,
+                   response_id: str | None = None) -> ProviderFault:
+    """Classify an ``openai`` SDK or transport error as one `ProviderFault` (the table
+    in docs/providers.md; the arguments are `classify_sdk_error`'s)."""
+    return classify_sdk_error(error, _sdk(), status_fault=_status_fault, api_fault=_stream_fault,
+                              request_id=request_id, in_body=in_body, usage=usage,
+                              response_id=response_id)
 
 
 # Finish reasons that are faults of their own kind (any other unread one is a
