@@ -654,12 +654,6 @@ STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use",
 engine; a message with another one, or none, is a fault, never an answer."""
 
 
-def _lifetimes(params: Mapping[str, Any]) -> frozenset[str]:
-    """The lifetimes of the cache markers a request carries (`marker_lifetimes`)."""
-    return marker_lifetimes(system=params.get("system"), tools=params.get("tools", []),
-                            messages=params["messages"])
-
-
 # The blocks whose streamed ``input`` the SDK's accumulator fills itself; the
 # provider joins the ``input_json_delta`` of any other (``mcp_tool_use``...).
 _SDK_INPUTS = frozenset({"tool_use", "server_tool_use"})
@@ -722,7 +716,7 @@ def _split_writes(raw: dict[str, Any], params: Mapping[str, Any]) -> bool:
     long = long if type(long) is int else 0
     if written <= short + long:
         return False
-    lifetimes = _lifetimes(params)
+    lifetimes = marker_lifetimes(params)
     if lifetimes == {"1h"}:
         raw["cache_creation"] = {**creation, "ephemeral_5m_input_tokens": short,
                                  "ephemeral_1h_input_tokens": written - short}
