@@ -331,7 +331,6 @@ class StreamedResponse:
 
     def __init__(self) -> None:
         self.response_id: str | None = None
-        self.model: str | None = None
         self.items: dict[int, dict[str, Any]] = {}
         self.final: dict[str, Any] | None = None
         """The response of ``response.completed`` / ``response.incomplete`` /
@@ -347,7 +346,6 @@ class StreamedResponse:
         if kind in ("response.created", "response.in_progress"):
             response = getattr(event, "response", None)
             self.response_id = self.response_id or text_or_none(getattr(response, "id", None))
-            self.model = self.model or text_or_none(getattr(response, "model", None))
         elif kind == "response.output_item.done":
             item = getattr(event, "item", None)
             if item is not None:
@@ -356,7 +354,6 @@ class StreamedResponse:
         elif kind in ("response.completed", "response.incomplete", "response.failed"):
             self.final = event.response.to_dict()
             self.response_id = text_or_none(self.final.get("id")) or self.response_id
-            self.model = text_or_none(self.final.get("model")) or self.model
         elif kind == "error":
             self.error = {"code": getattr(event, "code", None),
                           "message": getattr(event, "message", None)}
