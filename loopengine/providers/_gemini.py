@@ -34,6 +34,7 @@ from loopengine.providers._clients import (
     BoundClient,
     ClientPerLoop,
     client_keywords,
+    client_or_keywords,
     connection_limit,
     http_client,
     shared_tls,
@@ -165,9 +166,7 @@ class GeminiProvider(SDKProvider[_Session]):
         genai = import_genai()
         connections = connection_limit(max_connections, client, client_kwargs)
         if client is not None:
-            if client_kwargs:
-                raise ConfigError("client", "give a client or the keywords to build one, not "
-                                            f"both (got {', '.join(sorted(client_kwargs))})")
+            client_or_keywords(client, client_kwargs)
             if not isinstance(client, genai.Client):
                 raise ConfigError("client", f"must be a google.genai.Client, got "
                                             f"{type(client).__name__}")

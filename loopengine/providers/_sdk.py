@@ -27,6 +27,7 @@ from loopengine.providers._clients import (
     C,
     ClientPerLoop,
     client_keywords,
+    client_or_keywords,
     connection_limit,
     http_client,
     shared_tls,
@@ -34,7 +35,7 @@ from loopengine.providers._clients import (
 from loopengine.providers._faults import Classifier, FaultKind, ProviderFault
 
 __all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "NO_SDK_RETRIES", "SDKProvider", "json_body",
-           "provider_clients", "read_stream", "sdk_keywords"]
+           "provider_clients", "read_stream"]
 
 E = TypeVar("E")
 
@@ -154,22 +155,6 @@ async def json_body(
     return body, request_id, status
 
 
-def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
-    """Check a provider's client keywords, in place: ``max_retries`` may only be
-    0 (and is dropped: the provider always sets it), and a ``client`` comes
-    without keywords.
-
-    Raises:
-        ConfigError: ``max_retries`` other than 0, or both a client and keywords.
-    """
-    if client_kwargs.get("max_retries", 0) != 0:
-        raise ConfigError("max_retries", NO_SDK_RETRIES)
-    client_kwargs.pop("max_retries", None)
-    if client is not None and client_kwargs:
-        raise ConfigError("client", "give a client or the keywords to build one, not "
-                                    f"both (got {', '.join(sorted(client_kwargs))})")
-
-
 def provider_clients(
     owner: str,
     client: C | None,
@@ -190,7 +175,8 @@ def provider_clients(
     Args:
         owner: The provider's class name, for messages.
         client: The caller's SDK client, or None.
-        client_kwargs: The keywords to build one (checked by `sdk_keywords`).
+        client_kwargs: The keywords to build one: ``max_retries`` may only be 0
+            (and is dropped: the provider always sets it).
         max_connections: The provider's ``max_connections``.
         accepts: The SDK client classes ``client`` may be.
         build: The SDK client class to build from the keywords.
@@ -203,7 +189,10 @@ def provider_clients(
             (`client_keywords`).
     """
     connections = connection_limit(max_connections, client, client_kwargs)
-    sdk_keywords(client, client_kwargs)
+    if client_kwargs.get("max_retries", 0) != 0:
+        raise ConfigError("max_retries", NO_SDK_RETRIES)
+    client_kwargs.pop("max_retries", None)
+    client_or_keywords(client, client_kwargs)
     client_keywords(build, client_kwargs)
     if client is not None:
         if not isinstance(client, accepts):
