@@ -17,6 +17,7 @@ state; each adapter supplies only how its status errors
 from __future__ import annotations
 
 import email.utils
+import functools
 import math
 import re
 from collections.abc import Callable, Collection, Mapping
@@ -396,24 +397,22 @@ def classify_sdk_error(
         The fault; it is never raised here.
     """
     approx = usage is not None
+    # A fault that keeps what the attempt had received (its usage a floor).
+    served = functools.partial(ProviderFault, request_id=request_id, usage=usage,
+                               usage_approx=approx, response_id=response_id)
     if isinstance(error, sdk.status):
         return status_fault(error, usage=usage, response_id=response_id)
     if isinstance(error, sdk.timeout | httpx2.TimeoutException):
-        return ProviderFault(FaultKind.TIMEOUT, "the SDK's request timed out",
-                             request_id=request_id, usage=usage, usage_approx=approx,
-                             response_id=response_id)
+        return served(FaultKind.TIMEOUT, "the SDK's request timed out")
     own = _own_failure(error, sdk.connection)
     if own is not None:
         # Not the connection: the request may well have reached the server
         # (and be billed), so it is not retried, nor recorded as a
         # connection that failed.
-        return ProviderFault(FaultKind.BAD_REQUEST,
-                             f"the client failed on its own state, not on the connection "
-                             f"({type(own).__name__}: {own}); the request may have reached "
-                             "the server, so it is not retried",
-                             error_code=CLIENT_STATE,
-                             request_id=request_id, usage=usage, usage_approx=approx,
-                             response_id=response_id)
+        return served(FaultKind.BAD_REQUEST,
+                      f"the client failed on its own state, not on the connection "
+                      f"({type(own).__name__}: {own}); the request may have reached "
+                      "the server, so it is not retried", error_code=CLIENT_STATE)
     if isinstance(error, sdk.connection | httpx2.HTTPError | httpx2.StreamError):
         # Some SDKs wrap a transport error read from a stream as their
         # connection error too: after the response began, it cut the stream.
@@ -432,12 +431,11 @@ def classify_sdk_error(
         # Read from a body the server answered with success (the SDKs raise an
         # error status before reading): that status is the attempt's.
         status = getattr(error, "status_code", None)
-        return ProviderFault(FaultKind.SERVER_ERROR,
-                             f"the response is not a valid message: {type(error).__name__}",
-                             http_status=status if isinstance(status, int)
-                             else 200 if in_body or unreadable else None,
-                             error_code="invalid_response", request_id=request_id,
-                             usage=usage, usage_approx=approx, response_id=response_id)
+        return served(FaultKind.SERVER_ERROR,
+                      f"the response is not a valid message: {type(error).__name__}",
+                      http_status=status if isinstance(status, int)
+                      else 200 if in_body or unreadable else None,
+                      error_code="invalid_response")
     # Any other SDK error (missing credentials, a bad argument) is our
     # request's fault and will not improve on retry.
     return ProviderFault(FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}",
