@@ -128,12 +128,11 @@ def _sdk() -> SDKErrors:
 
 
 def _error_fields(error: Any) -> tuple[str | None, str | None, str]:
-    """``(type, code, message)`` of an SDK error, from its attributes or its body."""
+    """``(type, code, message)`` of an SDK error: its type and code (the SDK's
+    ``APIError`` reads them from its body, the code as a string), and its
+    body's message, else its own."""
     body = error.body if isinstance(error.body, Mapping) else {}
-    error_type = _text(getattr(error, "type", None)) or _text(body.get("type"))
-    code = _text(getattr(error, "code", None)) or _text(body.get("code"))
-    message = _text(body.get("message")) or _text(getattr(error, "message", None)) or ""
-    return error_type, code, message
+    return _text(error.type), _text(error.code), _text(body.get("message")) or error.message
 
 
 def _status_fault(
