@@ -817,11 +817,12 @@ def _status_fault(
 ) -> ProviderFault:
     status = error.status_code
     body = error.body
-    error_type = error.type or _nested(body, "error", "type")
+    # The SDK reads type and api_message from the body's error; its error_code is
+    # error.details.error_code, and the body's error.code stands in without one.
+    error_type = error.type
     code = error.error_code or _nested(body, "error", "code")
-    message = error.api_message or _nested(body, "error", "message") or ""
     platform, reason, platform_message = _platform_error(error.response.headers, body)
-    message = message or platform_message
+    message = error.api_message or platform_message
     kind = _kind(status, error_type or platform, code or reason, message)
     # Vertex's own errors (a quota's RESOURCE_EXHAUSTED) name their wait in a
     # google.rpc.RetryInfo detail, as Gemini's do: it wins over retry-after.
