@@ -151,17 +151,12 @@ class ProviderFault(LoopEngineError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         state = dict(self.__dict__)
-        kind = state.pop("kind")
-        message = state.pop("message")
-        return (_rebuild_fault, (kind, message, state))
+        args = (state.pop("kind"), state.pop("message"))
+        return (functools.partial(ProviderFault, **state), args)
 
     def __repr__(self) -> str:
         status = f", http_status={self.http_status}" if self.http_status is not None else ""
         return f"ProviderFault({self.kind.value!r}, {self.message!r}{status})"
-
-
-def _rebuild_fault(kind: FaultKind, message: str, state: dict[str, Any]) -> ProviderFault:
-    return ProviderFault(kind, message, **state)
 
 
 # -- what every adapter reads the same way ---------------------------------------------
