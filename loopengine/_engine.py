@@ -58,7 +58,7 @@ from loopengine._tools import Tool, ToolSource, check_tool_name, expand_tools
 from loopengine.events import Observer, TextDelta
 from loopengine.guards._limits import Limits
 from loopengine.persistence._protocol import Ledger
-from loopengine.providers._base import Provider, TextCallback, vendor_of
+from loopengine.providers._base import Provider, TextCallback
 from loopengine.providers._retry import RetryPolicy
 
 __all__ = ["Engine"]
@@ -98,14 +98,14 @@ def _check_sendable(provider: Provider, operation: Operation, features: Features
                         raise ConfigError(
                             f"server_tools[{i}].type",
                             f"operation {operation.name!r} enables the server tool "
-                            f"{tool.type!r}, which the {vendor_of(provider)} provider of route "
+                            f"{tool.type!r}, which the {provider.vendor} provider of route "
                             f"{operation.provider!r} cannot send (it sends server tools of "
                             f"the types {', '.join(f'{k}*' for k in kinds)})")
                 continue
         if name not in provider.features:
             raise ConfigError(
                 name, f"operation {operation.name!r} enables {name}, which the "
-                      f"{vendor_of(provider)} provider of route {operation.provider!r} cannot "
+                      f"{provider.vendor} provider of route {operation.provider!r} cannot "
                       f"send (it sends: {', '.join(sorted(provider.features)) or 'none'})")
 
 
@@ -251,7 +251,7 @@ class Engine:
                     f"a run on account {account!r} needs a credit hold to reserve: publish "
                     "one on the operation or give CreditAccounts(default_hold=...)")
             run_limits = replace(run_limits, credit_hold=self.accounts.default_hold)
-        vendor = vendor_of(provider)
+        vendor = provider.vendor
         if run_limits.credit_hold is not None and not self.prices.knows(
             vendor, operation.model, self.clock.wall()
         ):
@@ -819,7 +819,7 @@ class Engine:
                             system=normalize_system(system), tools=expand_tools(check_tools(tools)),
                             output=output,
                             limits=limits, prices=self.prices, at=self.clock.wall(),
-                            vendor=vendor_of(provider := self.provider_for(operation)),
+                            vendor=(provider := self.provider_for(operation)).vendor,
                             geo=provider.inference_geo)
 
 

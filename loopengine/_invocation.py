@@ -41,7 +41,7 @@ from loopengine.guards._deadline import Deadline
 from loopengine.guards._limits import Limits
 from loopengine.persistence._protocol import Ledger
 from loopengine.persistence._records import AttemptRecord
-from loopengine.providers._base import Provider, vendor_of
+from loopengine.providers._base import Provider
 from loopengine.providers._faults import ProviderFault
 from loopengine.providers._retry import RetryPolicy
 
@@ -133,7 +133,7 @@ class Invocation:
         self.clock = clock
         self.rng = rng
         self.observers = tuple(observers)
-        self.vendor = vendor_of(provider)
+        self.vendor = provider.vendor
         """Whose API serves the route: what ``served_by`` and prices name."""
         self.geo = provider.inference_geo
         """Where the provider serves every request, when that changes the price

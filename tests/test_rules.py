@@ -520,7 +520,8 @@ def test_r12_never_more_than_four_markers_whatever_is_asked() -> None:
     out_system, out_tools, out_messages = place_cache_markers(
         policy, system=system, tools=tools, messages=messages
     )
-    assert len(cache_markers(system=out_system, tools=out_tools, messages=out_messages)) == 4
+    assert len(cache_markers({"system": out_system, "tools": out_tools,
+                              "messages": out_messages})) == 4
     # The documented priority: conversation, tools, system, then the caller's newest.
     assert "cache_control" in out_messages[-1]["content"][-1]
     assert "cache_control" in out_tools[-1]
@@ -545,7 +546,7 @@ def test_r12_markers_inside_tool_results_count_toward_the_four() -> None:
     ]
     policy = CachePolicy(conversation=True)
     _, _, out = place_cache_markers(policy, system=None, tools=[], messages=messages)
-    assert len(cache_markers(system=None, tools=[], messages=out)) == 4
+    assert len(cache_markers({"messages": out})) == 4
     result = out[-1]["content"][0]
     assert result["cache_control"] == policy.marker  # the conversation marker
     assert ["cache_control" in b for b in result["content"]] == [False, False, True, True, True]
@@ -642,7 +643,7 @@ def test_r12_any_request_leaves_with_markers_the_api_accepts(
     places += int(policy.tools and bool(tools) and not _asked(tools[-1]))
     places += int(policy.system and bool(system) and not _asked(system[-1]))
     on_the_wire = json.dumps(body).count('"cache_control": {')
-    assert on_the_wire == len(cache_markers(**body)) == min(4, places)  # type: ignore[arg-type]
+    assert on_the_wire == len(cache_markers(body)) == min(4, places)
     assert (system_in, tools_in, messages_in) == before
 
 

@@ -65,7 +65,6 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any, TypeAlias, TypedDict
 
 import anthropic
@@ -92,26 +91,28 @@ from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
-    end_fault,
+    check_end,
+    classify_sdk_error,
     google_details,
     is_credit_code,
     response_fault,
     retry_after,
-    sdk_classifier,
     status_kind,
 )
-from loopengine.providers._sdk import SDKProvider, json_body, provider_clients, read_stream
+from loopengine.providers._sdk import (
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    SDKProvider,
+    json_body,
+    provider_clients,
+    read_stream,
+)
 
 __all__ = [
-    "DEFAULT_STREAM_IDLE_TIMEOUT",
     "AnthropicProvider",
     "classify_error",
     "retry_after",
     "usage_from_api",
 ]
-
-DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
-"""Seconds a stream may go without an event before the attempt is aborted (``idle``)."""
 
 AsyncClient: TypeAlias = (
     anthropic.AsyncAnthropic | anthropic.AsyncAnthropicBedrock | anthropic.AsyncAnthropicVertex
@@ -578,23 +579,10 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         if isinstance(raw, Mapping):
             raw = dict(raw)
             approx = _split_writes(raw, params)
-        usage = usage_from_api(raw, model=text_or_none(body.get("model")))
-        fault = end_fault(body.get("stop_reason"), STOP_REASONS, what="stop_reason",
-                          http_status=status, request_id=request_id, usage=usage,
-                          response_id=text_or_none(body.get("id")))
-        if fault is not None:
-            fault.usage_approx = approx
-            raise fault
-        return ProviderResponse(
-            content=body["content"],
-            stop_reason=body.get("stop_reason"),
-            usage=usage,
-            usage_approx=approx,
-            response_id=text_or_none(body.get("id")),
-            request_id=request_id,
-            http_status=status,
-            model=text_or_none(body.get("model")),
-        )
+        model = text_or_none(body.get("model"))
+        return _answer(body["content"], body.get("stop_reason"), usage_from_api(raw, model=model),
+                       approx, response_id=text_or_none(body.get("id")), request_id=request_id,
+                       http_status=status, model=model)
 
     async def _send_streaming(
         self, client: AsyncClient, params: dict[str, Any], on_text: TextCallback | None
@@ -619,48 +607,44 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                     inputs.setdefault(event.index, []).append(event.delta.partial_json)
             return event.text if event.type == "text" else None
 
-        def served() -> Any:
+        def message() -> Any:
             # The message so far, once the stream has announced one.
             return stream.current_message_snapshot if "message_start" in seen else None
 
-        def arrived() -> dict[str, Any]:
+        def served() -> tuple[Usage | None, str | None]:
             # What a stream that broke had served: its usage (a floor) and its id.
-            snapshot = served()
-            return {"usage": _snapshot_usage(snapshot, late, params)[0],
-                    "response_id": snapshot.id if snapshot is not None else None}
-
-        def cut(message: str, reason: str | None) -> ProviderFault:
-            # A stream cut short reports what had arrived: its usage is a floor.
-            return ProviderFault(
-                FaultKind.ABORTED, message, http_status=stream.response.status_code,
-                aborted_reason=reason, request_id=request_id, usage_approx=True, **arrived())
+            snapshot = message()
+            return (_snapshot_usage(snapshot, late, params)[0],
+                    snapshot.id if snapshot is not None else None)
 
         await read_stream(
-            stream, idle=self._idle, take=take, cut=cut, on_text=on_text,
-            failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
-                                                **arrived()),
+            stream, idle=self._idle, classify=classify_error, take=take, on_text=on_text,
             failures=(*_FAILURES, ValueError, RuntimeError, *_frame_errors(client)),
             close=stream.close,
-            missing=lambda: None if "message_stop" in seen else "message_stop")
-        snapshot = served()
+            missing=lambda: None if "message_stop" in seen else "message_stop",
+            # A stream cut short reports what had arrived: its usage is a floor.
+            http_status=stream.response.status_code, request_id=request_id, served=served,
+            floor=True)
+        snapshot = message()
         assert snapshot is not None
         usage, approx = _snapshot_usage(snapshot, late, params)
-        fault = end_fault(snapshot.stop_reason, STOP_REASONS, what="stop_reason",
-                          http_status=stream.response.status_code, request_id=request_id,
-                          usage=usage, response_id=snapshot.id)
-        if fault is not None:
-            fault.usage_approx = approx
-            raise fault
-        return ProviderResponse(
-            content=_with_inputs([block.to_dict() for block in snapshot.content], inputs),
-            stop_reason=snapshot.stop_reason,
-            usage=usage,
-            usage_approx=approx,
-            response_id=snapshot.id,
-            request_id=request_id,
-            http_status=stream.response.status_code,
-            model=snapshot.model,
-        )
+        return _answer(_with_inputs([block.to_dict() for block in snapshot.content], inputs),
+                       snapshot.stop_reason, usage, approx, response_id=snapshot.id,
+                       request_id=request_id, http_status=stream.response.status_code,
+                       model=snapshot.model)
+
+
+def _answer(content: list[dict[str, Any]], stop_reason: object, usage: Usage | None,
+            approx: bool, *, response_id: str | None, request_id: str | None,
+            http_status: int, model: str | None) -> ProviderResponse:
+    """The response of a whole message (read as JSON or streamed), or the fault of
+    one whose ``stop_reason`` is missing or not one of `STOP_REASONS`; ``approx``:
+    its usage is a floor (`_split_writes`)."""
+    check_end(stop_reason, STOP_REASONS, what="stop_reason", http_status=http_status,
+              request_id=request_id, usage=usage, response_id=response_id, usage_approx=approx)
+    return ProviderResponse(content=content, stop_reason=str(stop_reason), usage=usage,
+                            usage_approx=approx, response_id=response_id,
+                            request_id=request_id, http_status=http_status, model=model)
 
 
 STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn",
@@ -668,12 +652,6 @@ STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use",
 """The Messages API's stop reasons (the SDK's ``BetaStopReason``: its
 ``StopReason`` and ``compaction``, a compaction's pause), each read by the
 engine; a message with another one, or none, is a fault, never an answer."""
-
-
-def _lifetimes(params: Mapping[str, Any]) -> frozenset[str]:
-    """The lifetimes of the cache markers a request carries (`marker_lifetimes`)."""
-    return marker_lifetimes(system=params.get("system"), tools=params.get("tools", []),
-                            messages=params["messages"])
 
 
 # The blocks whose streamed ``input`` the SDK's accumulator fills itself; the
@@ -738,7 +716,7 @@ def _split_writes(raw: dict[str, Any], params: Mapping[str, Any]) -> bool:
     long = long if type(long) is int else 0
     if written <= short + long:
         return False
-    lifetimes = _lifetimes(params)
+    lifetimes = marker_lifetimes(params)
     if lifetimes == {"1h"}:
         raw["cache_creation"] = {**creation, "ephemeral_5m_input_tokens": short,
                                  "ephemeral_1h_input_tokens": written - short}
@@ -836,22 +814,22 @@ def _status_fault(
     *,
     usage: Usage | None,
     response_id: str | None,
-    now: datetime | None,
 ) -> ProviderFault:
     status = error.status_code
     body = error.body
-    error_type = error.type or _nested(body, "error", "type")
+    # The SDK reads type and api_message from the body's error; its error_code is
+    # error.details.error_code, and the body's error.code stands in without one.
+    error_type = error.type
     code = error.error_code or _nested(body, "error", "code")
-    message = error.api_message or _nested(body, "error", "message") or ""
     platform, reason, platform_message = _platform_error(error.response.headers, body)
-    message = message or platform_message
+    message = error.api_message or platform_message
     kind = _kind(status, error_type or platform, code or reason, message)
     # Vertex's own errors (a quota's RESOURCE_EXHAUSTED) name their wait in a
     # google.rpc.RetryInfo detail, as Gemini's do: it wins over retry-after.
     return response_fault(kind, status, error.response.headers, label=error_type or platform,
                           code=code or reason, message=message,
                           request_id=_request_id(error.response.headers), usage=usage,
-                          response_id=response_id, now=now, details=google_details(body))
+                          response_id=response_id, details=google_details(body))
 
 
 def _request_id(headers: Mapping[str, str]) -> str | None:
@@ -923,13 +901,9 @@ def _kind(status: int, error_type: str | None, code: str | None, message: str) -
     return status_kind(status, _STATUS_KINDS)
 
 
-_classify_sdk_error = sdk_classifier(lambda: _SDK, _status_fault)
-
-
 def classify_error(error: BaseException, *, request_id: str | None = None,
                    in_body: bool = False, usage: Usage | None = None,
-                   response_id: str | None = None, now: datetime | None = None,
-                   ) -> ProviderFault:
+                   response_id: str | None = None) -> ProviderFault:
     """Classify an SDK or transport error as one `ProviderFault` (the table in
     docs/architecture.md), a platform client's failure to find or refresh its
     credentials included (`_credentials_fault`)."""
@@ -944,8 +918,8 @@ def classify_error(error: BaseException, *, request_id: str | None = None,
                              http_status=200, error_code="invalid_response",
                              request_id=request_id, usage=usage,
                              usage_approx=usage is not None, response_id=response_id)
-    return _classify_sdk_error(error, request_id=request_id, in_body=in_body, usage=usage,
-                               response_id=response_id, now=now)
+    return classify_sdk_error(error, _SDK, status_fault=_status_fault, request_id=request_id,
+                              in_body=in_body, usage=usage, response_id=response_id)
 
 
 def _frame_errors(client: AsyncClient | None) -> tuple[type[BaseException], ...]:

@@ -34,7 +34,7 @@ from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = ["FEATURES", "Provider", "ProviderRequest", "ProviderResponse", "TextCallback",
            "hand_text", "media_note", "priced_geo", "priced_speed", "priced_tier", "text_or_none",
-           "reported_usage", "token_count", "vendor_of"]
+           "reported_usage", "token_count"]
 
 P = ParamSpec("P")
 U = TypeVar("U")
@@ -202,11 +202,6 @@ async def hand_text(on_text: TextCallback | None, content: Sequence[Mapping[str,
             maybe = on_text(str(block["text"]))
             if maybe is not None:
                 await maybe
-
-
-def vendor_of(provider: Provider) -> str:
-    """Whose API ``provider`` reaches (its declared `Provider.vendor`)."""
-    return provider.vendor
 
 
 def media_note(block: Mapping[str, Any]) -> str:

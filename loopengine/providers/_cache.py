@@ -269,21 +269,18 @@ def place_cache_markers(
     return system_out, tools_out, messages_out
 
 
-def cache_markers(
-    *,
-    system: Sequence[Mapping[str, Any]] | str | None,
-    tools: Sequence[Mapping[str, Any]],
-    messages: Sequence[Mapping[str, Any]],
-) -> list[Any]:
-    """The ``cache_control`` markers of a request body in prompt order: tools,
-    system, then messages (a block after the blocks nested inside it). A
+def cache_markers(body: Mapping[str, Any]) -> list[Any]:
+    """The ``cache_control`` markers of a request body in prompt order: its
+    ``tools``, its ``system`` blocks, then its ``messages`` (a block after the
+    blocks nested inside it); a part that is not a list has none. A
     ``cache_control`` of None is no marker."""
-    found = [t["cache_control"] for t in tools
-             if isinstance(t, Mapping) and t.get("cache_control") is not None]
-    if not isinstance(system, str):
-        found += [b["cache_control"] for b in system or ()
-                  if isinstance(b, Mapping) and b.get("cache_control") is not None]
-    for message in messages:
+    found: list[Any] = []
+    for part in ("tools", "system"):
+        blocks = body.get(part)
+        found += [b["cache_control"] for b in blocks if isinstance(b, Mapping)
+                  and b.get("cache_control") is not None] if isinstance(blocks, list) else []
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, Mapping) else None
         if isinstance(content, list):
             found += [block["cache_control"] for _, block in _walk(content)
@@ -291,16 +288,10 @@ def cache_markers(
     return found
 
 
-def marker_lifetimes(
-    *,
-    system: Sequence[Mapping[str, Any]] | str | None,
-    tools: Sequence[Mapping[str, Any]],
-    messages: Sequence[Mapping[str, Any]],
-) -> frozenset[str]:
+def marker_lifetimes(body: Mapping[str, Any]) -> frozenset[str]:
     """The lifetimes (``5m``, ``1h``) of a request body's ``cache_control`` markers:
     what its cache writes can have been."""
-    return frozenset(_ttl(marker) for marker in
-                     cache_markers(system=system, tools=tools, messages=messages))
+    return frozenset(_ttl(marker) for marker in cache_markers(body))
 
 
 def cache_marker_problem(body: Any) -> str | None:
@@ -308,14 +299,7 @@ def cache_marker_problem(body: Any) -> str | None:
     than four, or a one-hour marker after a five-minute one."""
     if not isinstance(body, Mapping):
         return None
-    system = body.get("system")
-    tools = body.get("tools")
-    messages = body.get("messages")
-    markers = cache_markers(
-        system=system if isinstance(system, (str, list)) else None,
-        tools=tools if isinstance(tools, list) else [],
-        messages=messages if isinstance(messages, list) else [],
-    )
+    markers = cache_markers(body)
     if len(markers) > MAX_CACHE_MARKERS:
         return (f"A maximum of {MAX_CACHE_MARKERS} blocks with cache_control may be "
                 f"provided. Found {len(markers)}.")

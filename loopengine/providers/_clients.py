@@ -43,6 +43,7 @@ __all__ = [
     "C",
     "ClientPerLoop",
     "SDKClient",
+    "client_or_keywords",
     "client_keywords",
     "connection_limit",
     "http_client",
@@ -336,6 +337,17 @@ def connection_limit(value: int | None, client: object | None,
         raise ConfigError("max_connections", f"applies to the client the provider builds; "
                                              f"the {given} given brings its own connection pool")
     return value
+
+
+def client_or_keywords(client: object | None, client_kwargs: Mapping[str, Any]) -> None:
+    """Refuse a ``client`` given with keywords to build one.
+
+    Raises:
+        ConfigError: ``.field`` ``client``: both a client and keywords.
+    """
+    if client is not None and client_kwargs:
+        raise ConfigError("client", "give a client or the keywords to build one, not "
+                                    f"both (got {', '.join(sorted(client_kwargs))})")
 
 
 def client_keywords(build: Callable[..., object], client_kwargs: Mapping[str, Any]) -> None:

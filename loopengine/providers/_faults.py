@@ -17,6 +17,7 @@ state; each adapter supplies only how its status errors
 from __future__ import annotations
 
 import email.utils
+import functools
 import math
 import re
 from collections.abc import Callable, Collection, Mapping
@@ -40,11 +41,10 @@ __all__ = [
     "SDKErrors",
     "STATUS_KINDS",
     "classify_sdk_error",
-    "end_fault",
+    "check_end",
     "google_detail",
     "google_details",
     "response_fault",
-    "sdk_classifier",
     "is_credit_code",
     "message_wait",
     "retry_after",
@@ -151,17 +151,12 @@ class ProviderFault(LoopEngineError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         state = dict(self.__dict__)
-        kind = state.pop("kind")
-        message = state.pop("message")
-        return (_rebuild_fault, (kind, message, state))
+        args = (state.pop("kind"), state.pop("message"))
+        return (functools.partial(ProviderFault, **state), args)
 
     def __repr__(self) -> str:
         status = f", http_status={self.http_status}" if self.http_status is not None else ""
         return f"ProviderFault({self.kind.value!r}, {self.message!r}{status})"
-
-
-def _rebuild_fault(kind: FaultKind, message: str, state: dict[str, Any]) -> ProviderFault:
-    return ProviderFault(kind, message, **state)
 
 
 # -- what every adapter reads the same way ---------------------------------------------
@@ -371,8 +366,8 @@ def classify_sdk_error(
     error: BaseException,
     sdk: SDKErrors,
     *,
-    status_fault: Callable[[Any], ProviderFault],
-    api_fault: Callable[[Any], ProviderFault] | None = None,
+    status_fault: Callable[..., ProviderFault],
+    api_fault: Callable[..., ProviderFault] | None = None,
     request_id: str | None = None,
     in_body: bool = False,
     usage: Usage | None = None,
@@ -383,10 +378,12 @@ def classify_sdk_error(
     Args:
         error: What the SDK raised.
         sdk: Its exception classes.
-        status_fault: The adapter's reading of a status error (``sdk.status``).
+        status_fault: The adapter's reading of a status error (``sdk.status``),
+            called as ``status_fault(error, usage=, response_id=)``.
         api_fault: The adapter's reading of another ``sdk.base`` error that
             is not a connection or validation error (an error object inside a
-            stream, which some SDKs raise without a status), or None.
+            stream, which some SDKs raise without a status), called as
+            ``api_fault(error, request_id=, usage=, response_id=)``, or None.
         request_id: The request id, when the response had begun.
         in_body: The error came while the body or stream was being read, after
             a response began: a transport failure there cuts the stream
@@ -398,24 +395,22 @@ def classify_sdk_error(
         The fault; it is never raised here.
     """
     approx = usage is not None
+    # A fault that keeps what the attempt had received (its usage a floor).
+    served = functools.partial(ProviderFault, request_id=request_id, usage=usage,
+                               usage_approx=approx, response_id=response_id)
     if isinstance(error, sdk.status):
-        return status_fault(error)
+        return status_fault(error, usage=usage, response_id=response_id)
     if isinstance(error, sdk.timeout | httpx2.TimeoutException):
-        return ProviderFault(FaultKind.TIMEOUT, "the SDK's request timed out",
-                             request_id=request_id, usage=usage, usage_approx=approx,
-                             response_id=response_id)
+        return served(FaultKind.TIMEOUT, "the SDK's request timed out")
     own = _own_failure(error, sdk.connection)
     if own is not None:
         # Not the connection: the request may well have reached the server
         # (and be billed), so it is not retried, nor recorded as a
         # connection that failed.
-        return ProviderFault(FaultKind.BAD_REQUEST,
-                             f"the client failed on its own state, not on the connection "
-                             f"({type(own).__name__}: {own}); the request may have reached "
-                             "the server, so it is not retried",
-                             error_code=CLIENT_STATE,
-                             request_id=request_id, usage=usage, usage_approx=approx,
-                             response_id=response_id)
+        return served(FaultKind.BAD_REQUEST,
+                      f"the client failed on its own state, not on the connection "
+                      f"({type(own).__name__}: {own}); the request may have reached "
+                      "the server, so it is not retried", error_code=CLIENT_STATE)
     if isinstance(error, sdk.connection | httpx2.HTTPError | httpx2.StreamError):
         # Some SDKs wrap a transport error read from a stream as their
         # connection error too: after the response began, it cut the stream.
@@ -428,19 +423,18 @@ def classify_sdk_error(
                              response_id=response_id if in_body else None)
     if api_fault is not None and isinstance(error, sdk.base) and not isinstance(
             error, sdk.validation):
-        return api_fault(error)
+        return api_fault(error, request_id=request_id, usage=usage, response_id=response_id)
     unreadable = sdk.unreadable is not None and sdk.unreadable(error)
     if unreadable or isinstance(error, sdk.validation) or isinstance(
             error, ValueError | RuntimeError) and (in_body or sdk.unreadable is None):
         # Read from a body the server answered with success (the SDKs raise an
         # error status before reading): that status is the attempt's.
         status = getattr(error, "status_code", None)
-        return ProviderFault(FaultKind.SERVER_ERROR,
-                             f"the response is not a valid message: {type(error).__name__}",
-                             http_status=status if isinstance(status, int)
-                             else 200 if in_body or unreadable else None,
-                             error_code="invalid_response", request_id=request_id,
-                             usage=usage, usage_approx=approx, response_id=response_id)
+        return served(FaultKind.SERVER_ERROR,
+                      f"the response is not a valid message: {type(error).__name__}",
+                      http_status=status if isinstance(status, int)
+                      else 200 if in_body or unreadable else None,
+                      error_code="invalid_response")
     # Any other SDK error (missing credentials, a bad argument) is our
     # request's fault and will not improve on retry.
     return ProviderFault(FaultKind.BAD_REQUEST, f"{type(error).__name__}: {error}",
@@ -450,8 +444,8 @@ def classify_sdk_error(
 def response_fault(
     kind: FaultKind, status: int | None, headers: Mapping[str, str], *, label: str | None,
     code: str | None, message: str, request_id: str | None, usage: Usage | None,
-    response_id: str | None, now: datetime | None = None,
-    details: list[Mapping[str, Any]] | None = None, usage_approx: bool | None = None,
+    response_id: str | None, details: list[Mapping[str, Any]] | None = None,
+    usage_approx: bool | None = None,
 ) -> ProviderFault:
     """The fault of an error response (or of an error inside a stream, ``status``
     200) that its adapter read as ``kind``, ``label`` (its error type or status),
@@ -463,7 +457,7 @@ def response_fault(
     where = "mid-stream " if status == 200 else ""
     delay = retry_info_delay(details or [])
     if delay is None:
-        delay = retry_after(headers, now=now)
+        delay = retry_after(headers)
     if delay is None:
         delay = message_wait(message)
     return ProviderFault(
@@ -480,73 +474,44 @@ def response_fault(
     )
 
 
-def end_fault(
+def check_end(
     end: object, read: Collection[str], *, what: str,
     kinds: Mapping[str, tuple[FaultKind, str]] | None = None, fold_case: bool = False,
     http_status: int | None, request_id: str | None, usage: Usage | None,
-    response_id: str | None,
-) -> ProviderFault | None:
-    """The fault of a whole reply (a JSON body, or a stream that ended) whose end
-    (its ``what``: ``stop_reason``, ``finish_reason``, ``finishReason``) is not one
-    its adapter reads (``read``), or None. Missing, the reply never finished:
+    response_id: str | None, usage_approx: bool = False,
+) -> None:
+    """Raise the fault of a whole reply (a JSON body, or a stream that ended) whose
+    end (its ``what``: ``stop_reason``, ``finish_reason``, ``finishReason``) is not
+    one its adapter reads (``read``). Missing, the reply never finished:
     ``server_error`` ``invalid_response``; one of ``kinds`` is that fault kind and
     error code; any other (a value newer than the adapter) is a ``server_error``
     whose ``error_code`` is the value. Never an answer: the reply may be cut or
     broken, and retrying is what the server's other failures get. ``usage`` is
-    the server's whole count for the reply."""
+    the server's count for the reply (a floor with ``usage_approx``)."""
     if not isinstance(end, str) or not end:
-        return ProviderFault(FaultKind.SERVER_ERROR, f"the response is not an answer: it has "
-                             f"no {what}", http_status=http_status,
-                             error_code="invalid_response", request_id=request_id,
-                             usage=usage, response_id=response_id)
+        raise ProviderFault(FaultKind.SERVER_ERROR, f"the response is not an answer: it has "
+                            f"no {what}", http_status=http_status,
+                            error_code="invalid_response", request_id=request_id,
+                            usage=usage, usage_approx=usage_approx, response_id=response_id)
     key = end.lower() if fold_case else end
     if key in read:
-        return None
+        return
     kind, code = (kinds or {}).get(key, (FaultKind.SERVER_ERROR, end))
-    return ProviderFault(kind, f"the response is not an answer: {what} {end!r}",
-                         http_status=http_status, error_code=code, request_id=request_id,
-                         usage=usage, response_id=response_id)
+    raise ProviderFault(kind, f"the response is not an answer: {what} {end!r}",
+                        http_status=http_status, error_code=code, request_id=request_id,
+                        usage=usage, usage_approx=usage_approx, response_id=response_id)
 
 
 class Classifier(Protocol):
     """An adapter's ``classify_error``: what its SDK (or the HTTP transport under
     it) raised, as one `ProviderFault`; never raised there. The arguments are
-    `classify_sdk_error`'s, and ``now`` dates a ``retry-after`` given as an HTTP
-    date."""
+    `classify_sdk_error`'s."""
 
     def __call__(self, error: BaseException, *, request_id: str | None = None,
                  in_body: bool = False, usage: Usage | None = None,
-                 response_id: str | None = None, now: datetime | None = None,
-                 ) -> ProviderFault:
+                 response_id: str | None = None) -> ProviderFault:
         """Classify ``error``."""
         ...
-
-
-def sdk_classifier(
-    sdk: Callable[[], SDKErrors],
-    status_fault: Callable[..., ProviderFault],
-    api_fault: Callable[..., ProviderFault] | None = None,
-) -> Classifier:
-    """The ``classify_error`` of an adapter on a Stainless SDK: `classify_sdk_error`
-    with the adapter's exception classes (``sdk()``, read on first use) and its
-    readings of a status error (``status_fault(error, usage=, response_id=,
-    now=)``) and of an error inside a stream (``api_fault(error, request_id=,
-    usage=, response_id=)``)."""
-
-    def classify_error(error: BaseException, *, request_id: str | None = None,
-                       in_body: bool = False, usage: Usage | None = None,
-                       response_id: str | None = None, now: datetime | None = None,
-                       ) -> ProviderFault:
-        return classify_sdk_error(
-            error, sdk(),
-            status_fault=lambda status: status_fault(status, usage=usage,
-                                                      response_id=response_id, now=now),
-            api_fault=None if api_fault is None else lambda api: api_fault(
-                api, request_id=request_id, usage=usage, response_id=response_id),
-            request_id=request_id, in_body=in_body, usage=usage, response_id=response_id,
-        )
-
-    return classify_error
 
 
 def _own_failure(error: BaseException, connection: type[BaseException]) -> BaseException | None:

@@ -34,6 +34,7 @@ from loopengine.providers._clients import (
     BoundClient,
     ClientPerLoop,
     client_keywords,
+    client_or_keywords,
     connection_limit,
     http_client,
     shared_tls,
@@ -46,20 +47,22 @@ from loopengine.providers._gemini_contents import (
     gemini_contents,
 )
 from loopengine.providers._gemini_faults import (
+    check_finish,
     classify_error,
-    finish_fault,
     import_genai,
     read_failures,
 )
-from loopengine.providers._sdk import NO_SDK_RETRIES, SDKProvider, read_stream
+from loopengine.providers._sdk import (
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    NO_SDK_RETRIES,
+    SDKProvider,
+    read_stream,
+)
 
 if TYPE_CHECKING:
     from google import genai
 
-__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "GeminiProvider"]
-
-DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
-"""Seconds a stream may go without a chunk before the attempt is aborted (``idle``)."""
+__all__ = ["GeminiProvider"]
 
 # HTTP options the provider sets itself: a client of the caller's making comes
 # as ``client`` instead (it is then bound to its first event loop).
@@ -163,9 +166,7 @@ class GeminiProvider(SDKProvider[_Session]):
         genai = import_genai()
         connections = connection_limit(max_connections, client, client_kwargs)
         if client is not None:
-            if client_kwargs:
-                raise ConfigError("client", "give a client or the keywords to build one, not "
-                                            f"both (got {', '.join(sorted(client_kwargs))})")
+            client_or_keywords(client, client_kwargs)
             if not isinstance(client, genai.Client):
                 raise ConfigError("client", f"must be a google.genai.Client, got "
                                             f"{type(client).__name__}")
@@ -244,7 +245,9 @@ class GeminiProvider(SDKProvider[_Session]):
         self, client: _Session, params: dict[str, Any], on_text: TextCallback | None
     ) -> ProviderResponse:
         try:
-            stream = await client.client.aio.models.generate_content_stream(**params)
+            # An async generator (typed as an iterator): its aclose closes the
+            # response and releases the connection.
+            stream: Any = await client.client.aio.models.generate_content_stream(**params)
             # The SDK sends the request when the stream is first read: an error
             # status (or a refused connection) comes with the first chunk.
             first: Any = await stream.__anext__()
@@ -254,24 +257,10 @@ class GeminiProvider(SDKProvider[_Session]):
             raise _request_fault(error) from error
         reply = StreamedReply()
 
-        def cut(message: str, reason: str | None) -> ProviderFault:
-            return ProviderFault(FaultKind.ABORTED, message, http_status=200,
-                                 aborted_reason=reason, usage=reply.usage,
-                                 usage_approx=reply.usage is not None,
-                                 response_id=reply.response_id)
-
-        async def close() -> None:
-            # The SDK's stream is an async generator (typed as an iterator):
-            # closing it closes the response and releases the connection.
-            closing = getattr(stream, "aclose", None)
-            if closing is not None:
-                await closing()
-
         await read_stream(
-            _Chunks(first, stream), idle=self._idle, failures=read_failures(), take=reply.add,
-            failed=lambda error: classify_error(error, in_body=True, usage=reply.usage,
-                                                response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=close,
+            _Chunks(first, stream), idle=self._idle, failures=read_failures(),
+            classify=classify_error, take=reply.add, on_text=on_text, close=stream.aclose,
+            http_status=200, request_id=None, served=lambda: (reply.usage, reply.response_id),
             missing=lambda: None if reply.ended else "its finishReason")
         return self._response(reply)
 
@@ -279,10 +268,7 @@ class GeminiProvider(SDKProvider[_Session]):
     def _response(reply: StreamedReply) -> ProviderResponse:
         if reply.block_reason is None:
             # A blocked prompt is a refusal, whatever its candidate says.
-            fault = finish_fault(reply.finish_reason, usage=reply.usage,
-                                 response_id=reply.response_id)
-            if fault is not None:
-                raise fault
+            check_finish(reply.finish_reason, usage=reply.usage, response_id=reply.response_id)
         content, stop = reply.content()
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,
                                 response_id=reply.response_id, http_status=200,

@@ -37,7 +37,7 @@ its boundary, both ways:
 (``incomplete``), the reasons of `REFUSED` and a prompt blocked by
 ``promptFeedback.blockReason`` -> ``refusal`` (``refused``). Any other
 finish reason (`ANSWERED` lists the ones read here) is not an answer: the
-provider raises its fault (``_gemini_faults.finish_fault``).
+provider raises its fault (``_gemini_faults.check_finish``).
 ``FINISH_REASON_UNSPECIFIED`` is the enum's unset value: no finish reason.
 """
 
@@ -79,7 +79,6 @@ __all__ = [
     "check_translatable",
     "gemini_config",
     "gemini_contents",
-    "reply_content",
     "usage_from_api",
 ]
 
@@ -106,7 +105,7 @@ did not come through (the SDK drops it in the Gemini Developer API mode)."""
 _CUT = frozenset({"MAX_TOKENS", "CONTINUATION", "TOO_MANY_TOOL_CALLS"})
 
 ANSWERED = frozenset({"STOP", *_CUT, *REFUSED, *MALFORMED_CALL})
-"""The finish reasons `reply_content` reads as a stop reason; any other is a fault."""
+"""The finish reasons `StreamedReply.content` reads as a stop reason; any other is a fault."""
 
 _UNSET = "FINISH_REASON_UNSPECIFIED"
 
@@ -447,41 +446,30 @@ class StreamedReply:
         or the prompt was blocked (``promptFeedback.blockReason``)."""
         return self.finish_reason is not None or self.block_reason is not None
 
-    def content(self) -> tuple[list[dict[str, Any]], str | None]:
-        """The reply's content blocks and the engine's stop reason."""
-        return reply_content(self.blocks, self.finish_reason, self.finish_message,
-                             self.block_reason)
+    def content(self) -> tuple[list[dict[str, Any]], str]:
+        """The reply's content blocks and the engine's stop reason (the table in the
+        module docstring), once it is an answer: its prompt blocked, or its finish
+        reason one of `ANSWERED` (the provider raises the fault of any other)."""
+        blocks, finish = self.blocks, self.finish_reason
+        if self.block_reason is not None and finish not in ANSWERED:
+            return blocks, "refusal"
+        if finish in MALFORMED_CALL:
+            said = self.finish_message or MALFORMED_PLACEHOLDER
+            called = _CALLED.search(said.partition(":")[2] or said)
+            name = called.group(1).rpartition(".")[2] if called is not None else ""
+            return [*blocks, {"type": "tool_use", "id": f"call_{next(_ids):06d}",
+                              "name": name, "input": said}], "tool_use"
+        if finish in REFUSED:
+            return blocks, "refusal"
+        if finish in _CUT:
+            return blocks, "max_tokens"
+        calls = any(block["type"] == "tool_use" for block in blocks)  # STOP
+        return blocks, "tool_use" if calls else "end_turn"
 
 
 def _name(value: Any) -> str:
     """An SDK enum's (or a string's) value."""
     return str(getattr(value, "value", value))
-
-
-def reply_content(blocks: list[dict[str, Any]], finish_reason: str | None,
-                  finish_message: str | None,
-                  block_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
-    """A reply's content blocks and stop reason (the table in the module docstring);
-    the stop reason is None for a finish reason that is not `ANSWERED`."""
-    if block_reason is not None and finish_reason not in ANSWERED:
-        return blocks, "refusal"
-    if finish_reason in MALFORMED_CALL:
-        said = finish_message or MALFORMED_PLACEHOLDER
-        called = _CALLED.search(said.partition(":")[2] or said)
-        name = called.group(1).rpartition(".")[2] if called is not None else ""
-        blocks = [*blocks, {"type": "tool_use", "id": f"call_{next(_ids):06d}",
-                            "name": name, "input": said}]
-        return blocks, "tool_use"
-    if finish_reason is None:
-        return blocks, None
-    if finish_reason in REFUSED:
-        return blocks, "refusal"
-    if finish_reason in _CUT:
-        return blocks, "max_tokens"
-    if finish_reason == "STOP":
-        calls = any(block["type"] == "tool_use" for block in blocks)
-        return blocks, "tool_use" if calls else "end_turn"
-    return blocks, None
 
 
 @reported_usage

@@ -27,8 +27,7 @@ fault kind             from
                        the SDK fails to read it (``http_status`` 200); a whole (JSON) reply with
                        no finished candidate and no blocked prompt (raised by
                        the provider, with the usage it reports)
-``timeout``            408, ``DEADLINE_EXCEEDED`` inside a stream, the transport's
-                       timeout
+``timeout``            408, the transport's timeout
 ``connection``         refused, reset or closed before a response; a whole (JSON)
                        response cut short (the SDK reads it in one call)
 ``aborted``            the stream cut after the response began, a stream that
@@ -43,7 +42,7 @@ fault kind             from
 An error inside a stream (``data: {"error": {...}}`` after a 200) is read the
 same way from its ``code`` and ``status``. A reply whose ``finishReason`` is
 not one the translation reads as a stop reason (``_gemini_contents.ANSWERED``)
-is a fault too (`finish_fault`), its usage kept: ``MALFORMED_RESPONSE`` is
+is a fault too (`check_finish`), its usage kept: ``MALFORMED_RESPONSE`` is
 ``server_error`` ``invalid_response``; ``MISSING_THOUGHT_SIGNATURE`` (the
 request lacked a signature the API wanted back, so sending it again cannot
 help) ``bad_request``; ``PUP_LIMITED_DISABLED`` (the account is limited or
@@ -62,7 +61,6 @@ import functools
 import json
 import traceback
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 import httpx2
@@ -74,8 +72,8 @@ from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
+    check_end,
     classify_sdk_error,
-    end_fault,
     google_detail,
     google_details,
     response_fault,
@@ -83,25 +81,12 @@ from loopengine.providers._faults import (
 )
 from loopengine.providers._gemini_contents import ANSWERED
 
-__all__ = ["BILLING_REASONS", "classify_error", "failures", "finish_fault", "import_genai",
+__all__ = ["BILLING_REASONS", "check_finish", "classify_error", "import_genai",
            "read_failures"]
 
 # Lowercased fragments of the message of depleted prepaid credits.
 _CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted")
 
-_STATUS_NAMES = {
-    "INVALID_ARGUMENT": FaultKind.BAD_REQUEST,
-    "FAILED_PRECONDITION": FaultKind.BAD_REQUEST,
-    "OUT_OF_RANGE": FaultKind.BAD_REQUEST,
-    "NOT_FOUND": FaultKind.BAD_REQUEST,
-    "UNAUTHENTICATED": FaultKind.UNAUTHORIZED,
-    "PERMISSION_DENIED": FaultKind.UNAUTHORIZED,
-    "RESOURCE_EXHAUSTED": FaultKind.RATE_LIMITED,
-    "DEADLINE_EXCEEDED": FaultKind.TIMEOUT,
-    "UNAVAILABLE": FaultKind.SERVER_ERROR,
-    "INTERNAL": FaultKind.SERVER_ERROR,
-    "ABORTED": FaultKind.SERVER_ERROR,
-}
 
 def import_genai() -> Any:
     """The ``google.genai`` module, imported on first use."""
@@ -114,22 +99,18 @@ def import_genai() -> Any:
 
 
 @functools.cache
-def failures() -> tuple[type[BaseException], ...]:
-    """What the SDK raises for a request that failed: its error responses and the
-    transport's errors (never the caller's cancellation, which propagates)."""
+def read_failures() -> tuple[type[BaseException], ...]:
+    """What a request and the reading of its reply may raise: the SDK's error
+    responses and the transport's errors (never the caller's cancellation,
+    which propagates), ``ValueError`` / ``RuntimeError`` for a body that is
+    not a response (a JSON or validation error), and the ``TypeError`` /
+    ``AttributeError`` / ``KeyError`` the SDK's reading of a field of the wrong
+    type raises (an error of these classes that did not come from reading a
+    body is classified ``bad_request``, not retried)."""
     from google.genai import errors
 
-    return (errors.APIError, httpx2.HTTPError, httpx2.StreamError)
-
-
-@functools.cache
-def read_failures() -> tuple[type[BaseException], ...]:
-    """What reading a reply may raise: `failures`, and ``ValueError`` /
-    ``RuntimeError`` for a body that is not a response (a JSON or validation error),
-    and the ``TypeError`` / ``AttributeError`` / ``KeyError`` the SDK's reading of
-    a field of the wrong type raises (an error of these classes that did not
-    come from reading a body is classified ``bad_request``, not retried)."""
-    return (*failures(), ValueError, RuntimeError, TypeError, AttributeError, KeyError)
+    return (errors.APIError, httpx2.HTTPError, httpx2.StreamError, ValueError, RuntimeError,
+            TypeError, AttributeError, KeyError)
 
 
 class _NeverRaised(Exception):
@@ -146,38 +127,35 @@ def _sdk() -> SDKErrors:
                      validation=errors.UnknownApiResponseError, unreadable=_unreadable_body)
 
 
-def error_kind(code: int, status: str | None, message: str,
-               details: list[Mapping[str, Any]]) -> tuple[FaultKind, str | None]:
-    """The fault kind of a Gemini error and the code to record (its ``ErrorInfo``
-    reason, else its canonical status)."""
-    info = google_detail(details, "ErrorInfo")
-    reason = _text(info.get("reason")) if info is not None else None
+def _kind(code: int, reason: str | None, message: str) -> FaultKind:
+    """The fault kind of a Gemini error of HTTP status ``code`` (an error inside a
+    stream has its own), its ``ErrorInfo`` ``reason`` and its message."""
     lowered = message.lower()
     if code == 402 or reason in BILLING_REASONS or any(
             fragment in lowered for fragment in _CREDIT_MESSAGES):
-        return FaultKind.CREDIT_EXHAUSTED, reason or status
+        return FaultKind.CREDIT_EXHAUSTED
     if code == 503 and "overloaded" in lowered:
-        return FaultKind.OVERLOADED, reason or status
-    if code in (0, 200):
-        # An error inside a stream: only its status tells what went wrong.
-        return _STATUS_NAMES.get(status or "", FaultKind.SERVER_ERROR), reason or status
-    return status_kind(code), reason or status
+        return FaultKind.OVERLOADED
+    return status_kind(code)
 
 
 def _status_fault(error: Any, *, usage: Usage | None, response_id: str | None,
-                  now: datetime | None, in_stream: bool = False) -> ProviderFault:
+                  in_stream: bool = False) -> ProviderFault:
     response = getattr(error, "response", None)
     headers = getattr(response, "headers", None) or {}
     code = int(error.code) if isinstance(error.code, int) else 0
     message = _text(error.message) or ""
     details = google_details(error.details)
+    info = google_detail(details, "ErrorInfo")
+    reason = _text(info.get("reason")) if info is not None else None
     # An error event inside a stream comes with its own code; the response was a 200.
-    kind, recorded = error_kind(code, _text(error.status), message, details)
     return response_fault(
-        kind, 200 if in_stream else code or getattr(response, "status_code", None),
+        _kind(code, reason, message),
+        200 if in_stream else code or getattr(response, "status_code", None),
         {k.lower(): v for k, v in headers.items()} if isinstance(headers, Mapping) else {},
-        label=error.status, code=recorded, message=message, request_id=None, usage=usage,
-        response_id=response_id, now=now, details=details)
+        # Recorded: its ErrorInfo reason, else its canonical status.
+        label=error.status, code=reason or _text(error.status), message=message,
+        request_id=None, usage=usage, response_id=response_id, details=details)
 
 
 # The SDK's models of a reply: a validation error of one is a body it could not read.
@@ -204,16 +182,12 @@ def _unreadable_body(error: BaseException) -> bool:
 
 def classify_error(error: BaseException, *, request_id: str | None = None,
                    in_body: bool = False, usage: Usage | None = None,
-                   response_id: str | None = None, now: datetime | None = None,
-                   ) -> ProviderFault:
+                   response_id: str | None = None) -> ProviderFault:
     """Classify a ``google-genai`` SDK or transport error as one `ProviderFault` (the
     table above). ``in_body``: the error came while a reply was being read (as a
     body the SDK could not parse did: it raises an error status before)."""
     return classify_sdk_error(
-        error, _sdk(),
-        status_fault=lambda status: _status_fault(status, usage=usage,
-                                                  response_id=response_id, now=now,
-                                                  in_stream=in_body),
+        error, _sdk(), status_fault=functools.partial(_status_fault, in_stream=in_body),
         request_id=request_id, in_body=in_body, usage=usage, response_id=response_id)
 
 
@@ -227,10 +201,10 @@ _FINISH_FAULTS = {
 }
 
 
-def finish_fault(finish_reason: str | None, *, usage: Usage | None,
-                 response_id: str | None) -> ProviderFault | None:
-    """The fault of a finished reply whose ``finishReason`` is not an answer, a
-    refusal, a cut-off answer or a malformed call (``ANSWERED``), or None (the
-    table above, `end_fault`). The usage is the server's whole count for the reply."""
-    return end_fault(finish_reason, ANSWERED, what="finishReason", kinds=_FINISH_FAULTS,
-                     http_status=200, request_id=None, usage=usage, response_id=response_id)
+def check_finish(finish_reason: str | None, *, usage: Usage | None,
+                 response_id: str | None) -> None:
+    """Raise the fault of a finished reply whose ``finishReason`` is not an answer, a
+    refusal, a cut-off answer or a malformed call (``ANSWERED``; the table above,
+    `check_end`). The usage is the server's whole count for the reply."""
+    check_end(finish_reason, ANSWERED, what="finishReason", kinds=_FINISH_FAULTS,
+              http_status=200, request_id=None, usage=usage, response_id=response_id)

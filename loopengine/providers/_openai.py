@@ -33,7 +33,6 @@ from loopengine.providers._base import (
     text_or_none,
 )
 from loopengine.providers._clients import BoundClient, ClientPerLoop
-from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._openai_chat import (
     StreamedCompletion,
     chat_params,
@@ -44,13 +43,18 @@ from loopengine.providers._openai_chat import (
 )
 from loopengine.providers._openai_faults import (
     body_fault,
+    check_finish,
     classify_error,
     failures,
-    finish_fault,
     import_openai,
     read_failures,
 )
-from loopengine.providers._sdk import SDKProvider, provider_clients, read_stream
+from loopengine.providers._sdk import (
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    SDKProvider,
+    provider_clients,
+    read_stream,
+)
 from loopengine.providers._sdk import json_body as sdk_json_body
 
 if TYPE_CHECKING:
@@ -58,14 +62,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("loopengine")
 
-__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "OpenAIProvider", "StreamUsage", "json_body",
+__all__ = ["OpenAIProvider", "StreamUsage", "json_body",
            "openai_clients"]
 
 StreamUsage = Literal["required", "optional"]
 """Whether a stream must end with its usage chunk (`OpenAIProvider`'s ``stream_usage``)."""
-
-DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
-"""Seconds a stream may go without a chunk before the attempt is aborted (``idle``)."""
 
 # Keywords that only an Azure client takes: given them, the provider builds one.
 _AZURE_KEYWORDS = frozenset({"azure_endpoint", "azure_deployment", "api_version",
@@ -89,7 +90,7 @@ def openai_clients(
     try:
         clients: ClientPerLoop[Any] | BoundClient[Any] = provider_clients(
             owner, client, client_kwargs, max_connections=max_connections,
-            accepts=sdk.AsyncOpenAI, sdk_default=sdk.DefaultAsyncHttpxClient,
+            accepts=(sdk.AsyncOpenAI,), sdk_default=sdk.DefaultAsyncHttpxClient,
             build=sdk.AsyncAzureOpenAI if azure else sdk.AsyncOpenAI)
     except sdk.OpenAIError as error:
         # Missing credentials, contradictory Azure settings: the SDK says
@@ -222,16 +223,12 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             client.chat.completions.with_streaming_response.create, params,
             what="a chat completion", valid=lambda body: _answered(body) or isinstance(
                 body.get("error"), Mapping))
-        if not _answered(body):
-            raise body_fault(body, request_id=request_id,
-                             usage=usage_from_api(body.get("usage"), body.get("service_tier")))
-        choice = first_choice(body) or {}
         usage = usage_from_api(body.get("usage"), body.get("service_tier"))
-        fault = finish_fault(choice.get("finish_reason"), http_status=status,
-                             request_id=request_id, usage=usage,
-                             response_id=text_or_none(body.get("id")))
-        if fault is not None:
-            raise fault
+        if not _answered(body):
+            raise body_fault(body, request_id=request_id, usage=usage)
+        choice = first_choice(body) or {}
+        check_finish(choice.get("finish_reason"), http_status=status, request_id=request_id,
+                     usage=usage, response_id=text_or_none(body.get("id")))
         content, stop = content_from_message(choice["message"], choice.get("finish_reason"))
         return ProviderResponse(
             content=content,
@@ -282,25 +279,15 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                 raise fault
             return text
 
-        def cut(message: str, reason: str | None) -> ProviderFault:
-            return ProviderFault(
-                FaultKind.ABORTED, message, http_status=response.status_code,
-                aborted_reason=reason, request_id=request_id, usage=reply.usage,
-                usage_approx=reply.usage is not None, response_id=reply.response_id)
-
         await read_stream(
-            stream, idle=self._idle, failures=read_failures(), take=take,
-            failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
-                                                usage=reply.usage,
-                                                response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=stream.close,
+            stream, idle=self._idle, failures=read_failures(), classify=classify_error,
+            take=take, on_text=on_text, close=stream.close,
+            http_status=response.status_code, request_id=request_id,
+            served=lambda: (reply.usage, reply.response_id),
             missing=lambda: "its finish_reason" if reply.finish_reason is None
             else "its usage chunk" if reply.usage is None and self._usage_required else None)
-        fault = finish_fault(reply.finish_reason, http_status=response.status_code,
-                             request_id=request_id, usage=reply.usage,
-                             response_id=reply.response_id)
-        if fault is not None:
-            raise fault
+        check_finish(reply.finish_reason, http_status=response.status_code,
+                     request_id=request_id, usage=reply.usage, response_id=reply.response_id)
         if reply.usage is None and not self._usage_warned:
             # The reply is whole (its finish_reason came after its last
             # content); only its usage is unknown, as the caller allowed.

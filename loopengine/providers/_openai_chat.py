@@ -28,7 +28,7 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
 ``tool_calls`` -> ``tool_use``, ``length`` -> ``max_tokens`` (``incomplete``),
 ``content_filter`` (or a ``refusal``) -> ``refusal`` (``refused``), with the
 compatible servers' names for these (`FINISH_REASONS`); a reply without one,
-or with any other, is not an answer (``_openai_faults.finish_fault``). Usage:
+or with any other, is not an answer (``_openai_faults.check_finish``). Usage:
 ``prompt_tokens`` includes ``prompt_tokens_details.cached_tokens``, so the
 uncached input is the difference and the cached part is the cache read;
 reasoning tokens are inside ``completion_tokens``.
@@ -100,7 +100,7 @@ FINISH_REASONS = {
     "content_filter": "refusal",
 }
 """The ``finish_reason`` values (lower-cased) read as a stop reason; any other one
-(vLLM's ``abort``, ``error``...) is a fault (``_openai_faults.finish_fault``)."""
+(vLLM's ``abort``, ``error``...) is a fault (``_openai_faults.check_finish``)."""
 
 
 def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 import httpx2
@@ -56,15 +55,15 @@ from loopengine.providers._faults import (
     FaultKind,
     ProviderFault,
     SDKErrors,
-    end_fault,
+    check_end,
+    classify_sdk_error,
     is_credit_code,
     response_fault,
-    sdk_classifier,
     status_kind,
 )
 from loopengine.providers._openai_chat import FINISH_REASONS
 
-__all__ = ["body_fault", "classify_error", "event_fault", "failures", "finish_fault",
+__all__ = ["body_fault", "classify_error", "event_fault", "check_finish", "failures",
            "import_openai", "read_failures"]
 
 _TYPE_KINDS = {
@@ -129,24 +128,22 @@ def _sdk() -> SDKErrors:
 
 
 def _error_fields(error: Any) -> tuple[str | None, str | None, str]:
-    """``(type, code, message)`` of an SDK error, from its attributes or its body."""
+    """``(type, code, message)`` of an SDK error: its type and code (the SDK's
+    ``APIError`` reads them from its body, the code as a string), and its
+    body's message, else its own."""
     body = error.body if isinstance(error.body, Mapping) else {}
-    error_type = _text(getattr(error, "type", None)) or _text(body.get("type"))
-    code = _text(getattr(error, "code", None)) or _text(body.get("code"))
-    message = _text(body.get("message")) or _text(getattr(error, "message", None)) or ""
-    return error_type, code, message
+    return _text(error.type), _text(error.code), _text(body.get("message")) or error.message
 
 
 def _status_fault(
-    error: Any, *, usage: Usage | None, response_id: str | None, now: datetime | None
+    error: Any, *, usage: Usage | None, response_id: str | None
 ) -> ProviderFault:
     error_type, code, message = _error_fields(error)
     headers = {**_relayed_headers(error.body),
                **{key.lower(): value for key, value in error.response.headers.items()}}
     return response_fault(_kind(error.status_code, error_type, code), error.status_code,
                           headers, label=error_type, code=code, message=message,
-                          request_id=error.request_id, usage=usage, response_id=response_id,
-                          now=now)
+                          request_id=error.request_id, usage=usage, response_id=response_id)
 
 
 def _stream_fault(
@@ -224,9 +221,14 @@ def _kind(status: int, error_type: str | None, code: str | None) -> FaultKind:
     return status_kind(status)
 
 
-classify_error = sdk_classifier(_sdk, _status_fault, _stream_fault)
-"""Classify an ``openai`` SDK or transport error as one `ProviderFault` (the table
-in docs/providers.md)."""
+def classify_error(error: BaseException, *, request_id: str | None = None,
+                   in_body: bool = False, usage: Usage | None = None,
+                   response_id: str | None = None) -> ProviderFault:
+    """Classify an ``openai`` SDK or transport error as one `ProviderFault` (the table
+    in docs/providers.md; the arguments are `classify_sdk_error`'s)."""
+    return classify_sdk_error(error, _sdk(), status_fault=_status_fault, api_fault=_stream_fault,
+                              request_id=request_id, in_body=in_body, usage=usage,
+                              response_id=response_id)
 
 
 # Finish reasons that are faults of their own kind (any other unread one is a
@@ -234,15 +236,15 @@ in docs/providers.md)."""
 _FINISH_FAULTS = {"abort": (FaultKind.ABORTED, "abort")}
 
 
-def finish_fault(finish_reason: object, *, http_status: int, request_id: str | None,
-                 usage: Usage | None, response_id: str | None) -> ProviderFault | None:
-    """The fault of a whole reply (a JSON body, or a stream that ended) whose
+def check_finish(finish_reason: object, *, http_status: int, request_id: str | None,
+                 usage: Usage | None, response_id: str | None) -> None:
+    """Raise the fault of a whole reply (a JSON body, or a stream that ended) whose
     ``finish_reason`` is not one the translation reads (``FINISH_REASONS``, in any
-    case), or None (`end_fault`). Missing, the reply never finished: ``server_error``
+    case; `check_end`). Missing, the reply never finished: ``server_error``
     ``invalid_response`` (as a stream ended before it is ``aborted``); ``abort``
     (vLLM: the server aborted the generation) is ``aborted``; any other
     (``error``, a value no table here knows) is a ``server_error`` named after
     it. Each is retried; none is accepted as an answer."""
-    return end_fault(finish_reason, FINISH_REASONS, what="finish_reason",
-                     kinds=_FINISH_FAULTS, fold_case=True, http_status=http_status,
-                     request_id=request_id, usage=usage, response_id=response_id)
+    check_end(finish_reason, FINISH_REASONS, what="finish_reason", kinds=_FINISH_FAULTS,
+              fold_case=True, http_status=http_status, request_id=request_id, usage=usage,
+              response_id=response_id)

@@ -29,11 +29,7 @@ from loopengine.providers._base import (
     text_or_none,
 )
 from loopengine.providers._faults import FaultKind, ProviderFault
-from loopengine.providers._openai import (
-    DEFAULT_STREAM_IDLE_TIMEOUT,
-    json_body,
-    openai_clients,
-)
+from loopengine.providers._openai import json_body, openai_clients
 from loopengine.providers._openai_faults import (
     body_fault,
     classify_error,
@@ -48,7 +44,7 @@ from loopengine.providers._openai_responses_items import (
     responses_params,
     usage_from_response,
 )
-from loopengine.providers._sdk import SDKProvider, read_stream
+from loopengine.providers._sdk import DEFAULT_STREAM_IDLE_TIMEOUT, SDKProvider, read_stream
 
 if TYPE_CHECKING:
     import openai
@@ -146,12 +142,6 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
         response = stream.response
         request_id = response.headers.get("x-request-id")
 
-        def cut(message: str, reason: str | None) -> ProviderFault:
-            # Usage comes with the last event only: a cut stream's is unknown.
-            return ProviderFault(
-                FaultKind.ABORTED, message, http_status=response.status_code,
-                aborted_reason=reason, request_id=request_id, response_id=reply.response_id)
-
         def take(event: Any) -> str:
             text = reply.add(event)
             if reply.error is not None:
@@ -160,10 +150,11 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
             return text
 
         await read_stream(
-            stream, idle=self._idle, failures=read_failures(), take=take,
-            failed=lambda error: classify_error(error, request_id=request_id, in_body=True,
-                                                response_id=reply.response_id),
-            cut=cut, on_text=on_text, close=stream.close,
+            stream, idle=self._idle, failures=read_failures(), classify=classify_error,
+            take=take, on_text=on_text, close=stream.close,
+            http_status=response.status_code, request_id=request_id,
+            # Usage comes with the last event only: a cut stream's is unknown.
+            served=lambda: (None, reply.response_id),
             missing=lambda: "response.completed or response.incomplete"
             if reply.final is None else None)
         return _finished(reply.response(), request_id=request_id,

@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loopengine._usage import Usage
+from loopengine._validate import _block_types
 from loopengine.providers._base import ProviderRequest, text_or_none, token_count
 from loopengine.providers._openai_chat import (
     arguments,
@@ -89,20 +90,13 @@ WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search
 """The Responses API's web search tool types: the server tools this route sends."""
 
 
-@functools.cache
-def _anthropic_kinds() -> frozenset[str]:
-    """The block types the Messages API declares: in an assistant message, any
-    other type came from a Responses reply (an output item) and goes back as it is."""
-    from loopengine._validate import _block_types
-
-    return frozenset(_block_types())
-
-
 def _assistant_kind(block: Mapping[str, Any]) -> str:
     """``text``, ``tool_use``, dropped (``thinking``), or an output item's type;
-    a Messages API block the Responses API cannot take is refused."""
+    a Messages API block the Responses API cannot take is refused. A type the
+    Messages API does not declare (`_block_types`, cached) came from a Responses
+    reply (an output item) and goes back as it is."""
     kind = str(block.get("type"))
-    if kind in ("text", "tool_use") or kind in _DROPPED or kind not in _anthropic_kinds():
+    if kind in ("text", "tool_use") or kind in _DROPPED or kind not in _block_types():
         return kind
     raise untranslatable(f"an assistant {kind!r} block", API)
 
@@ -337,7 +331,6 @@ class StreamedResponse:
 
     def __init__(self) -> None:
         self.response_id: str | None = None
-        self.model: str | None = None
         self.items: dict[int, dict[str, Any]] = {}
         self.final: dict[str, Any] | None = None
         """The response of ``response.completed`` / ``response.incomplete`` /
@@ -353,7 +346,6 @@ class StreamedResponse:
         if kind in ("response.created", "response.in_progress"):
             response = getattr(event, "response", None)
             self.response_id = self.response_id or text_or_none(getattr(response, "id", None))
-            self.model = self.model or text_or_none(getattr(response, "model", None))
         elif kind == "response.output_item.done":
             item = getattr(event, "item", None)
             if item is not None:
@@ -362,7 +354,6 @@ class StreamedResponse:
         elif kind in ("response.completed", "response.incomplete", "response.failed"):
             self.final = event.response.to_dict()
             self.response_id = text_or_none(self.final.get("id")) or self.response_id
-            self.model = text_or_none(self.final.get("model")) or self.model
         elif kind == "error":
             self.error = {"code": getattr(event, "code", None),
                           "message": getattr(event, "message", None)}

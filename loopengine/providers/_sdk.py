@@ -20,20 +20,22 @@ import httpx2
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
+from loopengine._usage import Usage
 from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
 from loopengine.providers._clients import (
     BoundClient,
     C,
     ClientPerLoop,
     client_keywords,
+    client_or_keywords,
     connection_limit,
     http_client,
     shared_tls,
 )
 from loopengine.providers._faults import Classifier, FaultKind, ProviderFault
 
-__all__ = ["NO_SDK_RETRIES", "SDKProvider", "json_body", "provider_clients", "read_stream",
-           "sdk_keywords"]
+__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "NO_SDK_RETRIES", "SDKProvider", "json_body",
+           "provider_clients", "read_stream"]
 
 E = TypeVar("E")
 
@@ -41,33 +43,51 @@ NO_SDK_RETRIES = ("the SDK must not retry on its own: every wire request is an a
                   "engine counts; set the operation's RetryPolicy instead")
 """Why a provider refuses retries asked of its SDK (``max_retries``, ``retry_options``)."""
 
+DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
+"""Seconds a stream may go without an event before the attempt is aborted (``idle``)."""
+
 
 async def read_stream(
     events: AsyncIterator[E],
     *,
     idle: float,
     failures: tuple[type[BaseException], ...],
-    failed: Callable[[BaseException], ProviderFault],
-    cut: Callable[[str, str | None], ProviderFault],
+    classify: Classifier,
     take: Callable[[E], str | None],
     on_text: TextCallback | None,
     close: Callable[[], Awaitable[None]],
     missing: Callable[[], str | None],
+    http_status: int,
+    request_id: str | None,
+    served: Callable[[], tuple[Usage | None, str | None]],
+    floor: bool = False,
 ) -> None:
     """Read a streamed reply to its end, the same way for every SDK provider.
 
     Each event goes to ``take``, which returns its text, if any, for
-    ``on_text``. A stream quiet for ``idle`` seconds is cut (``cut(message,
-    "idle")``); an error among ``failures`` while reading is classified by
-    ``failed``; an ``on_text`` that raises stops the reading with
-    ``cut(message, None)`` raised from its exception (the engine raises the
-    callback's own exception to its caller; the fault carries what was
-    served). ``close`` runs however the reading ends: it releases the
-    connection, even while the caller's cancellation (or the attempt
-    timeout) unwinds. A stream that ended without what ``missing`` names
-    (its last event, its usage...) is cut (``cut("the stream ended before
-    <what>", None)``).
+    ``on_text``. A stream quiet for ``idle`` seconds is cut (an ``aborted``
+    fault, reason ``idle``); an error among ``failures`` while reading is
+    classified by ``classify`` (``in_body``); an ``on_text`` that raises
+    stops the reading with a cut (reason None) raised from its exception
+    (the engine raises the callback's own exception to its caller; the fault
+    carries what was served). ``close`` runs however the reading ends: it
+    releases the connection, even while the caller's cancellation (or the
+    attempt timeout) unwinds. A stream that ended without what ``missing``
+    names (its last event, its usage...) is cut ("the stream ended before
+    <what>").
+
+    Each such fault carries ``http_status``, ``request_id`` and what the
+    stream had served (``served()``: its usage so far and its response id);
+    a cut's usage is a floor (``usage_approx``) whenever there is one, or
+    always with ``floor``.
     """
+
+    def cut(message: str, reason: str | None) -> ProviderFault:
+        usage, response_id = served()
+        return ProviderFault(FaultKind.ABORTED, message, http_status=http_status,
+                             aborted_reason=reason, request_id=request_id, usage=usage,
+                             usage_approx=floor or usage is not None, response_id=response_id)
+
     try:
         while True:
             with anyio.move_on_after(idle) as quiet:
@@ -76,7 +96,9 @@ async def read_stream(
                 except StopAsyncIteration:
                     break
                 except failures as error:
-                    raise failed(error) from error
+                    usage, response_id = served()
+                    raise classify(error, request_id=request_id, in_body=True, usage=usage,
+                                   response_id=response_id) from error
             if quiet.cancelled_caught:
                 raise cut(f"the stream sent nothing for {idle:g}s", "idle")
             text = take(event)
@@ -133,29 +155,13 @@ async def json_body(
     return body, request_id, status
 
 
-def sdk_keywords(client: object | None, client_kwargs: dict[str, Any]) -> None:
-    """Check a provider's client keywords, in place: ``max_retries`` may only be
-    0 (and is dropped: the provider always sets it), and a ``client`` comes
-    without keywords.
-
-    Raises:
-        ConfigError: ``max_retries`` other than 0, or both a client and keywords.
-    """
-    if client_kwargs.get("max_retries", 0) != 0:
-        raise ConfigError("max_retries", NO_SDK_RETRIES)
-    client_kwargs.pop("max_retries", None)
-    if client is not None and client_kwargs:
-        raise ConfigError("client", "give a client or the keywords to build one, not "
-                                    f"both (got {', '.join(sorted(client_kwargs))})")
-
-
 def provider_clients(
     owner: str,
     client: C | None,
     client_kwargs: dict[str, Any],
     *,
     max_connections: int | None,
-    accepts: type[Any] | tuple[type[Any], ...],
+    accepts: tuple[type[Any], ...],
     build: Callable[..., C],
     sdk_default: Callable[..., httpx2.AsyncClient],
 ) -> ClientPerLoop[C] | BoundClient[C]:
@@ -169,7 +175,8 @@ def provider_clients(
     Args:
         owner: The provider's class name, for messages.
         client: The caller's SDK client, or None.
-        client_kwargs: The keywords to build one (checked by `sdk_keywords`).
+        client_kwargs: The keywords to build one: ``max_retries`` may only be 0
+            (and is dropped: the provider always sets it).
         max_connections: The provider's ``max_connections``.
         accepts: The SDK client classes ``client`` may be.
         build: The SDK client class to build from the keywords.
@@ -182,12 +189,14 @@ def provider_clients(
             (`client_keywords`).
     """
     connections = connection_limit(max_connections, client, client_kwargs)
-    sdk_keywords(client, client_kwargs)
+    if client_kwargs.get("max_retries", 0) != 0:
+        raise ConfigError("max_retries", NO_SDK_RETRIES)
+    client_kwargs.pop("max_retries", None)
+    client_or_keywords(client, client_kwargs)
     client_keywords(build, client_kwargs)
     if client is not None:
         if not isinstance(client, accepts):
-            names = " or ".join(kind.__name__ for kind in (
-                accepts if isinstance(accepts, tuple) else (accepts,)))
+            names = " or ".join(kind.__name__ for kind in accepts)
             raise ConfigError("client", f"must be an async SDK client ({names}), got "
                                         f"{type(client).__name__}")
         copy: C = cast(Any, client).with_options(max_retries=0)
@@ -211,8 +220,8 @@ class SDKProvider(Generic[C]):
     running event loop, the check before an attempt is recorded, and closing.
 
     A subclass sets ``_clients``, ``_name``, ``_vendor`` and ``_stream`` in
-    its ``__init__``, declares its ``features``, and supplies ``_params``,
-    ``_send_plain`` and ``_send_streaming``: `send` is the same for every
+    its ``__init__``, declares its ``features`` and ``check_request``, and
+    supplies ``_params``, ``_send_plain`` and ``_send_streaming``: `send` is the same for every
     such provider (the running loop's client, then the request, streamed
     when its caller reads the text or the provider was built to stream).
     """
@@ -258,11 +267,6 @@ class SDKProvider(Generic[C]):
                 was first used on another event loop than the running one.
         """
         self._clients.check_ready()
-
-    def check_request(self, request: ProviderRequest) -> None:
-        """Before an attempt is recorded: refuse what the API cannot be sent.
-        Default: any request (the Messages API takes the engine's shapes as
-        they are)."""
 
     @property
     def name(self) -> str:
