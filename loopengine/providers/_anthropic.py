@@ -529,9 +529,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             params["system"] = system
         if tools:
             params["tools"] = tools
-        if request.tool_choice is not None:
-            params["tool_choice"] = dict(request.tool_choice)
         thinking = features.thinking
+        if request.tool_choice is not None:
+            params["tool_choice"] = _tool_choice(request.tool_choice, thinking=thinking is not None)
         if thinking is not None:
             if thinking.adaptive:
                 params["thinking"] = {"type": "adaptive"}
@@ -661,6 +661,21 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             http_status=stream.response.status_code,
             model=snapshot.model,
         )
+
+
+def _tool_choice(choice: Mapping[str, Any], *, thinking: bool) -> dict[str, Any]:
+    """The ``tool_choice`` sent for a request's: as given, except that a choice
+    forcing a tool (``any``, or a named ``tool``: a structured call's answer
+    tool, a structured run's wrap-up) is sent as ``auto`` when thinking is on,
+    since the API refuses thinking with a forced tool. The model then calls
+    the answer tool or not; the engine's checks handle a reply that does not
+    (a call's repair, a wrap-up's turn limit). ``disable_parallel_tool_use``
+    is kept."""
+    sent = dict(choice)
+    if thinking and sent.get("type") in ("any", "tool"):
+        sent = {"type": "auto", **({"disable_parallel_tool_use": sent["disable_parallel_tool_use"]}
+                                   if "disable_parallel_tool_use" in sent else {})}
+    return sent
 
 
 STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn",

@@ -7,9 +7,10 @@ records every request and counts the usage put on the wire). This module is
 the Anthropic wire format alone: the path, the error bodies and statuses,
 the message and its events.
 
-A request whose ``cache_control`` markers the API refuses (more than four, a
-one-hour marker after a five-minute one) gets the API's 400 without taking a
-script item.
+A request the API refuses gets the API's 400 without taking a script item:
+one whose ``cache_control`` markers it refuses (more than four, a one-hour
+marker after a five-minute one), or one with thinking whose ``tool_choice``
+forces a tool (``any`` or a named ``tool``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class FakeAnthropicServer(LoopbackServer):
     request_id_header = "request-id"
 
     def _refusal(self, body: Any) -> str | None:
-        return cache_marker_problem(body)
+        return cache_marker_problem(body) or _thinking_problem(body)
 
     def _error_body(self, item: ErrorReply) -> bytes:
         return item.payload()
@@ -105,6 +106,18 @@ class FakeAnthropicServer(LoopbackServer):
     def _event(self, name: str, data: Mapping[str, Any]) -> bytes:
         """One event of a streamed message on the wire (a server-sent event)."""
         return _sse(name, data)
+
+
+def _thinking_problem(body: Any) -> str | None:
+    """Why the API would refuse a request's thinking, or None: thinking with a
+    ``tool_choice`` that forces a tool, which the API never takes."""
+    if not isinstance(body, Mapping):
+        return None
+    thinking, choice = body.get("thinking"), body.get("tool_choice")
+    if (isinstance(thinking, Mapping) and thinking.get("type") != "disabled"
+            and isinstance(choice, Mapping) and choice.get("type") in ("any", "tool")):
+        return "Thinking may not be enabled when tool_choice forces tool use."
+    return None
 
 
 # -- wire shapes ---------------------------------------------------------------------
