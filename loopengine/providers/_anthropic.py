@@ -608,6 +608,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         seen: set[str] = set()
         late: dict[str, Any] = {}
         inputs: dict[int, list[str]] = {}
+        compacted: dict[int, dict[str, Any]] = {}
 
         def take(event: Any) -> str | None:
             seen.add(event.type)
@@ -617,6 +618,11 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 block = stream.current_message_snapshot.content[event.index]
                 if block.type not in _SDK_INPUTS:
                     inputs.setdefault(event.index, []).append(event.delta.partial_json)
+            elif event.type == "content_block_delta" and event.delta.type == "compaction_delta":
+                # The SDK's accumulator drops it: the summary would be lost.
+                delta = event.delta.to_dict()
+                compacted[event.index] = {key: delta[key] for key in
+                                          ("content", "encrypted_content") if key in delta}
             return event.text if event.type == "text" else None
 
         def served() -> Any:
@@ -652,7 +658,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             fault.usage_approx = approx
             raise fault
         return ProviderResponse(
-            content=_with_inputs([block.to_dict() for block in snapshot.content], inputs),
+            content=_with_inputs([block.to_dict() for block in snapshot.content], inputs,
+                                 compacted),
             stop_reason=snapshot.stop_reason,
             usage=usage,
             usage_approx=approx,
@@ -696,10 +703,15 @@ def _lifetimes(params: Mapping[str, Any]) -> frozenset[str]:
 _SDK_INPUTS = frozenset({"tool_use", "server_tool_use"})
 
 
-def _with_inputs(content: list[dict[str, Any]],
-                 inputs: Mapping[int, list[str]]) -> list[dict[str, Any]]:
-    """``content`` with the streamed ``input`` of the blocks the SDK does not fill;
-    an input that is not JSON is kept as the text sent (as a tool call's is)."""
+def _with_inputs(content: list[dict[str, Any]], inputs: Mapping[int, list[str]],
+                 compacted: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``content`` with what the SDK's accumulator does not fill in: the streamed
+    ``input`` of the blocks it does not track (an input that is not JSON is
+    kept as the text sent, as a tool call's is), and a ``compaction`` block's
+    ``content`` and ``encrypted_content``, which come in a ``compaction_delta``
+    (each delta replaces them, as the SDK's beta accumulator reads it)."""
+    for index, fields in compacted.items():
+        content[index].update(fields)
     for index, parts in inputs.items():
         text = "".join(parts)
         try:

@@ -213,6 +213,12 @@ def _events(message: Mapping[str, Any], usage: Usage | None) -> list[tuple[str, 
                                          "thinking": block.get("thinking", "")}))
             events.append(_delta(index, {"type": "signature_delta",
                                          "signature": block.get("signature", "")}))
+        elif kind == "compaction":
+            # The summary comes in a compaction_delta, as the API streams it.
+            carried = {key: block[key] for key in ("content", "encrypted_content")
+                       if key in block}
+            events.append(_block_start(index, {**block, **dict.fromkeys(carried)}))
+            events.append(_delta(index, {"type": "compaction_delta", **carried}))
         else:
             events.append(_block_start(index, dict(block)))
         events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))

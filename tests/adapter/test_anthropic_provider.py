@@ -331,7 +331,10 @@ PAUSES = {
                     "input": {"query": "news"}}],
     # A compaction with pause_after_compaction: the reply holds only the compaction
     # block, never an empty answer; it goes back and the turn goes on after it.
-    "compaction": [{"type": "compaction", "content": "Summary: the user asked for the news."}],
+    # Streamed, its summary comes in a compaction_delta, which the SDK's
+    # accumulator drops: it goes back all the same.
+    "compaction": [{"type": "compaction", "content": "Summary: the user asked for the news.",
+                    "encrypted_content": "RW5jcnlwdGVkIHN1bW1hcnk="}],
 }
 
 
