@@ -64,7 +64,7 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeAlias, TypedDict
 
@@ -517,7 +517,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         system, tools, messages = place_cache_markers(
             request.cache, system=request.system,
             tools=[*(tool.definition for tool in features.server_tools), *request.tools],
-            messages=request.messages,
+            messages=_sendable(request.messages),
         )
         params: dict[str, Any] = {
             "model": request.model,
@@ -668,6 +668,19 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             http_status=stream.response.status_code,
             model=snapshot.model,
         )
+
+
+def _sendable(messages: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+    """``messages`` without the assistant replies that came back empty (Claude
+    sometimes answers a tool result with nothing): the API refuses a message
+    with empty content anywhere but as the final assistant message. The user
+    turns around one are then sent one after the other, which the API takes
+    as one turn. The transcript keeps the empty reply."""
+    last = len(messages) - 1
+    if all(message.get("content") or i == last for i, message in enumerate(messages)):
+        return messages
+    return [message for i, message in enumerate(messages)
+            if message.get("content") or i == last or message.get("role") != "assistant"]
 
 
 def _tool_choice(choice: Mapping[str, Any], *, thinking: bool) -> dict[str, Any]:

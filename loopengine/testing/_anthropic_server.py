@@ -9,8 +9,9 @@ the message and its events.
 
 A request the API refuses gets the API's 400 without taking a script item:
 one whose ``cache_control`` markers it refuses (more than four, a one-hour
-marker after a five-minute one), or one with thinking whose ``tool_choice``
-forces a tool (``any`` or a named ``tool``).
+marker after a five-minute one), one with thinking whose ``tool_choice``
+forces a tool (``any`` or a named ``tool``), or one with a message whose
+content is empty (but for a final assistant message).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class FakeAnthropicServer(LoopbackServer):
     request_id_header = "request-id"
 
     def _refusal(self, body: Any) -> str | None:
-        return cache_marker_problem(body) or _thinking_problem(body)
+        return cache_marker_problem(body) or _thinking_problem(body) or _empty_problem(body)
 
     def _error_body(self, item: ErrorReply) -> bytes:
         return item.payload()
@@ -117,6 +118,21 @@ def _thinking_problem(body: Any) -> str | None:
     if (isinstance(thinking, Mapping) and thinking.get("type") != "disabled"
             and isinstance(choice, Mapping) and choice.get("type") in ("any", "tool")):
         return "Thinking may not be enabled when tool_choice forces tool use."
+    return None
+
+
+def _empty_problem(body: Any) -> str | None:
+    """Why the API would refuse a request's messages, or None: one whose content
+    is empty, anywhere but as the final assistant message."""
+    messages = body.get("messages") if isinstance(body, Mapping) else None
+    if not isinstance(messages, list):
+        return None
+    for i, message in enumerate(messages):
+        final = i == len(messages) - 1 and isinstance(message, Mapping) and (
+            message.get("role") == "assistant")
+        if isinstance(message, Mapping) and message.get("content") in ("", []) and not final:
+            return (f"messages.{i}: all messages must have non-empty content except for "
+                    "the optional final assistant message")
     return None
 
 
