@@ -147,6 +147,9 @@ class FakeOpenAIServer(LoopbackServer):
         """Whether a streamed tool call names its ``index`` (and comes in pieces);
         False: each call comes whole in one delta without one, as Gemini's
         OpenAI-compatible endpoint sends them."""
+        self._reasoned: dict[str, str] = {}
+        # The Responses output items served after a reasoning item, by id: the
+        # API refuses one sent back with its id but without that reasoning.
 
     @property
     def base_url(self) -> str:
@@ -161,7 +164,7 @@ class FakeOpenAIServer(LoopbackServer):
     def _refusal(self, body: Any) -> str | None:
         # Only a Responses request has an ``input``.
         if isinstance(body, Mapping) and "input" in body:
-            return responses.input_problem(body)
+            return responses.input_problem(body, self._reasoned)
         return transcript_problem(body)
 
     def _error_body(self, item: ErrorReply) -> bytes:
@@ -183,7 +186,9 @@ class FakeOpenAIServer(LoopbackServer):
 
     def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
         if _is_responses(request):
-            return responses.response_body(reply, request, number)
+            response = responses.response_body(reply, request, number)
+            self._reasoned.update(responses.reasoned_items(response))
+            return response
         model = request.body.get("model") if isinstance(request.body, Mapping) else None
         texts = [str(b.get("text", "")) for b in reply.content if b.get("type") == "text"]
         calls = [{"id": b.get("id"), "type": "function",
