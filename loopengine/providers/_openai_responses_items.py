@@ -10,8 +10,9 @@ boundary, both ways (`responses_params`, `content_from_response`,
   an assistant's text becomes an ``assistant`` message and its ``tool_use``
   blocks ``function_call`` items, in the order of its blocks; tools become
   ``function`` tools (``strict`` false: the engine validates the input);
-  ``cache_control`` markers and another vendor's ``thinking`` have no
-  equivalent and are dropped.
+  ``cache_control`` markers and another vendor's ``thinking`` (or a Chat
+  Completions server's ``reasoning_content``) have no equivalent and are
+  dropped.
 * A reply's ``output_text`` and ``refusal`` parts become text blocks, its
   ``function_call`` items ``tool_use`` blocks (the ``call_id`` is the block's
   ``id``). Every other output item (a ``reasoning`` item, a
@@ -84,7 +85,7 @@ API = "Responses API"
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 """The ``include`` value that asks for reasoning items' ``encrypted_content``."""
 
-_DROPPED = frozenset({"thinking", "redacted_thinking"})
+_DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning_content"})
 
 
 WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search_preview",
