@@ -64,7 +64,7 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias, TypedDict
 
 import anthropic
@@ -518,7 +518,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         system, tools, messages = place_cache_markers(
             request.cache, system=request.system,
             tools=[*(tool.definition for tool in features.server_tools), *request.tools],
-            messages=request.messages,
+            messages=_sendable(request.messages),
         )
         params: dict[str, Any] = {
             "model": request.model,
@@ -530,9 +530,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             params["system"] = system
         if tools:
             params["tools"] = tools
-        if request.tool_choice is not None:
-            params["tool_choice"] = dict(request.tool_choice)
         thinking = features.thinking
+        if request.tool_choice is not None:
+            params["tool_choice"] = _tool_choice(request.tool_choice, thinking=thinking is not None)
         if thinking is not None:
             if thinking.adaptive:
                 params["thinking"] = {"type": "adaptive"}
@@ -596,6 +596,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         seen: set[str] = set()
         late: dict[str, Any] = {}
         inputs: dict[int, list[str]] = {}
+        compacted: dict[int, dict[str, Any]] = {}
 
         def take(event: Any) -> str | None:
             seen.add(event.type)
@@ -605,6 +606,11 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 block = stream.current_message_snapshot.content[event.index]
                 if block.type not in _SDK_INPUTS:
                     inputs.setdefault(event.index, []).append(event.delta.partial_json)
+            elif event.type == "content_block_delta" and event.delta.type == "compaction_delta":
+                # The SDK's accumulator drops it: the summary would be lost.
+                delta = event.delta.to_dict()
+                compacted[event.index] = {key: delta[key] for key in
+                                          ("content", "encrypted_content") if key in delta}
             return event.text if event.type == "text" else None
 
         def message() -> Any:
@@ -628,7 +634,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         snapshot = message()
         assert snapshot is not None
         usage, approx = _snapshot_usage(snapshot, late, params)
-        return _answer(_with_inputs([block.to_dict() for block in snapshot.content], inputs),
+        return _answer(_with_inputs([block.to_dict() for block in snapshot.content], inputs,
+                                    compacted),
                        snapshot.stop_reason, usage, approx, response_id=snapshot.id,
                        request_id=request_id, http_status=stream.response.status_code,
                        model=snapshot.model)
@@ -647,6 +654,34 @@ def _answer(content: list[dict[str, Any]], stop_reason: object, usage: Usage | N
                             request_id=request_id, http_status=http_status, model=model)
 
 
+def _sendable(messages: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+    """``messages`` without the assistant replies that came back empty (Claude
+    sometimes answers a tool result with nothing): the API refuses a message
+    with empty content anywhere but as the final assistant message. The user
+    turns around one are then sent one after the other, which the API takes
+    as one turn. The transcript keeps the empty reply."""
+    last = len(messages) - 1
+    if all(message.get("content") or i == last for i, message in enumerate(messages)):
+        return messages
+    return [message for i, message in enumerate(messages)
+            if message.get("content") or i == last or message.get("role") != "assistant"]
+
+
+def _tool_choice(choice: Mapping[str, Any], *, thinking: bool) -> dict[str, Any]:
+    """The ``tool_choice`` sent for a request's: as given, except that a choice
+    forcing a tool (``any``, or a named ``tool``: a structured call's answer
+    tool, a structured run's wrap-up) is sent as ``auto`` when thinking is on,
+    since the API refuses thinking with a forced tool. The model then calls
+    the answer tool or not; the engine's checks handle a reply that does not
+    (a call's repair, a wrap-up's turn limit). ``disable_parallel_tool_use``
+    is kept."""
+    sent = dict(choice)
+    if thinking and sent.get("type") in ("any", "tool"):
+        sent = {"type": "auto", **({"disable_parallel_tool_use": sent["disable_parallel_tool_use"]}
+                                   if "disable_parallel_tool_use" in sent else {})}
+    return sent
+
+
 STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn",
                           "compaction", "refusal", "model_context_window_exceeded"})
 """The Messages API's stop reasons (the SDK's ``BetaStopReason``: its
@@ -659,10 +694,15 @@ engine; a message with another one, or none, is a fault, never an answer."""
 _SDK_INPUTS = frozenset({"tool_use", "server_tool_use"})
 
 
-def _with_inputs(content: list[dict[str, Any]],
-                 inputs: Mapping[int, list[str]]) -> list[dict[str, Any]]:
-    """``content`` with the streamed ``input`` of the blocks the SDK does not fill;
-    an input that is not JSON is kept as the text sent (as a tool call's is)."""
+def _with_inputs(content: list[dict[str, Any]], inputs: Mapping[int, list[str]],
+                 compacted: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``content`` with what the SDK's accumulator does not fill in: the streamed
+    ``input`` of the blocks it does not track (an input that is not JSON is
+    kept as the text sent, as a tool call's is), and a ``compaction`` block's
+    ``content`` and ``encrypted_content``, which come in a ``compaction_delta``
+    (each delta replaces them, as the SDK's beta accumulator reads it)."""
+    for index, fields in compacted.items():
+        content[index].update(fields)
     for index, parts in inputs.items():
         text = "".join(parts)
         try:

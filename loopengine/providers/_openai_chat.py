@@ -22,7 +22,10 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
   call's ``extra_content`` (Gemini's OpenAI-compatible endpoint puts the
   model's thought signature there, ``{"google": {"thought_signature": ...}}``,
   and refuses the next request without it) is kept on its ``tool_use`` block
-  and sent back on the same call.
+  and sent back on the same call. A message's ``reasoning_content`` (a
+  thinking server's reasoning: DeepSeek's, which refuses a tool-call turn
+  sent back without it) is kept as a ``reasoning_content`` block before the
+  reply's text and sent back on the assistant message of a tool-call turn.
 
 ``finish_reason`` becomes the engine's stop reason: ``stop`` -> ``end_turn``,
 ``tool_calls`` -> ``tool_use``, ``length`` -> ``max_tokens`` (``incomplete``),
@@ -84,6 +87,9 @@ __all__ = [
 ]
 
 API = "Chat Completions"
+
+REASONING_CONTENT = "reasoning_content"
+"""A thinking server's reasoning field (DeepSeek's), kept as a block of this type."""
 
 FINISH_REASONS = {
     "stop": "end_turn",
@@ -155,6 +161,8 @@ class StreamedCompletion:
         self.model: str | None = None
         self.text: list[str] = []
         self.refusal: list[str] = []
+        self.reasoning: list[str] = []
+        """A thinking server's ``reasoning_content`` deltas (DeepSeek's)."""
         self.calls: dict[tuple[int, int], dict[str, Any]] = {}
         """The tool calls by their place: ``(0, index)`` for a delta that names its
         ``index``, ``(1, n)`` for the n-th call of a server that names none."""
@@ -194,6 +202,9 @@ class StreamedCompletion:
                     text += text_of(delta.content)
                 if delta.refusal:
                     self.refusal.append(delta.refusal)
+                reasoning = getattr(delta, "reasoning_content", None)
+                if isinstance(reasoning, str) and reasoning:
+                    self.reasoning.append(reasoning)
                 for call in delta.tool_calls or ():
                     entry = self._call(call)
                     if call.id:
@@ -234,6 +245,7 @@ class StreamedCompletion:
         message: dict[str, Any] = {
             "content": "".join(self.text) or None,
             "refusal": "".join(self.refusal) or None,
+            "reasoning_content": "".join(self.reasoning) or None,
             "tool_calls": [
                 {"id": call["id"], "type": "function",
                  "function": {"name": call["name"], "arguments": "".join(call["arguments"])},
@@ -248,8 +260,10 @@ class StreamedCompletion:
 # (before the attempt is recorded) and the translation itself (in `send`)
 # ask the same questions below, so they cannot disagree.
 
-# Sent (text, tool_use), or dropped (another vendor's reasoning).
-_ASSISTANT_KINDS = frozenset({"text", "tool_use", "thinking", "redacted_thinking", "reasoning"})
+# Sent (text, tool_use, a thinking server's reasoning_content), or dropped
+# (another vendor's reasoning).
+_ASSISTANT_KINDS = frozenset({"text", "tool_use", REASONING_CONTENT, "thinking",
+                              "redacted_thinking", "reasoning"})
 _USER_SENT = frozenset({"tool_result", "text", "image"})
 
 
@@ -344,10 +358,13 @@ def _assistant_message(content: Any) -> dict[str, Any]:
         return {"role": "assistant", "content": content}
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
     for block in content or ():
         kind = _assistant_kind(block)
         if kind == "text":
             texts.append(str(block.get("text", "")))
+        elif kind == REASONING_CONTENT:
+            reasoning.append(str(block.get(REASONING_CONTENT, "")))
         elif kind == "tool_use":
             call: dict[str, Any] = {"id": block.get("id"), "type": "function",
                                     "function": {"name": block.get("name"),
@@ -358,6 +375,9 @@ def _assistant_message(content: Any) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
         message["tool_calls"] = calls
+        if reasoning:
+            # A thinking server (DeepSeek) refuses a tool-call turn without it.
+            message[REASONING_CONTENT] = "".join(reasoning)
     elif message["content"] is None:
         message["content"] = ""
     return message
@@ -486,6 +506,11 @@ def content_from_message(
     validation then answers the model with an error result, R15).
     """
     content: list[dict[str, Any]] = []
+    reasoning = message.get(REASONING_CONTENT)
+    if isinstance(reasoning, str) and reasoning:
+        # A thinking server's reasoning (DeepSeek's), which it requires back
+        # with the tool calls it led to.
+        content.append({"type": REASONING_CONTENT, REASONING_CONTENT: reasoning})
     text = text_of(message.get("content"))
     if text:
         content.append({"type": "text", "text": text})

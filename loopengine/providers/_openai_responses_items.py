@@ -10,8 +10,9 @@ boundary, both ways (`responses_params`, `content_from_response`,
   an assistant's text becomes an ``assistant`` message and its ``tool_use``
   blocks ``function_call`` items, in the order of its blocks; tools become
   ``function`` tools (``strict`` false: the engine validates the input);
-  ``cache_control`` markers and another vendor's ``thinking`` have no
-  equivalent and are dropped.
+  ``cache_control`` markers and another vendor's ``thinking`` (or a Chat
+  Completions server's ``reasoning_content``) have no equivalent and are
+  dropped.
 * A reply's ``output_text`` and ``refusal`` parts become text blocks, its
   ``function_call`` items ``tool_use`` blocks (the ``call_id`` is the block's
   ``id``). Every other output item (a ``reasoning`` item, a
@@ -19,7 +20,10 @@ boundary, both ways (`responses_params`, `content_from_response`,
   type, as the API sent it, and goes back as the same item on the next
   request: a ``reasoning`` item with its ``encrypted_content`` (``store`` is
   false, so the server keeps nothing to refer to), or not at all without it
-  or without an item after it (a response cut after its reasoning).
+  or without an item after it (a response cut after its reasoning); the
+  output items after a reasoning item that is not sent (a web search call)
+  are not sent either, since the API takes them only with their ids and
+  refuses those ids without their reasoning item.
   The API pairs a reasoning item with the item that followed it by that
   item's id (``fc_...``, ``msg_...``), and refuses either sent without the
   other: the reasoning block keeps that id (``next_item_id``), and the item
@@ -82,7 +86,7 @@ API = "Responses API"
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 """The ``include`` value that asks for reasoning items' ``encrypted_content``."""
 
-_DROPPED = frozenset({"thinking", "redacted_thinking"})
+_DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning_content"})
 
 
 WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search_preview",
@@ -198,6 +202,9 @@ def _assistant_items(content: Any) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     texts: list[str] = []
     paired: str | None = None  # the id of the item that followed the reasoning just sent
+    # Whether the last reasoning item stayed home: an output item after it cannot
+    # go back, since the API takes it only with its id and that id only with it.
+    unsent = False
 
     def add(item: dict[str, Any]) -> None:
         nonlocal paired
@@ -227,12 +234,13 @@ def _assistant_items(content: Any) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             # Without the item that followed it (its response was cut after
             # its reasoning), the API refuses it: it is not sent back.
-            if block.get("encrypted_content") and block.get("next_item_id"):
+            unsent = not (block.get("encrypted_content") and block.get("next_item_id"))
+            if not unsent:
                 items.append({"type": "reasoning", "id": block.get("id"),
                               "summary": list(block.get("summary") or ()),
                               "encrypted_content": block["encrypted_content"]})
                 paired = block.get("next_item_id")
-        elif kind not in _DROPPED:
+        elif kind not in _DROPPED and not unsent:
             items.append(dict(block))  # an output item as it came, with its own id
             paired = None
     flush()

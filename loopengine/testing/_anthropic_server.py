@@ -7,9 +7,11 @@ records every request and counts the usage put on the wire). This module is
 the Anthropic wire format alone: the path, the error bodies and statuses,
 the message and its events.
 
-A request whose ``cache_control`` markers the API refuses (more than four, a
-one-hour marker after a five-minute one) gets the API's 400 without taking a
-script item.
+A request the API refuses gets the API's 400 without taking a script item:
+one whose ``cache_control`` markers it refuses (more than four, a one-hour
+marker after a five-minute one), one with thinking whose ``tool_choice``
+forces a tool (``any`` or a named ``tool``), or one with a message whose
+content is empty (but for a final assistant message).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class FakeAnthropicServer(LoopbackServer):
     request_id_header = "request-id"
 
     def _refusal(self, body: Any) -> str | None:
-        return cache_marker_problem(body)
+        return cache_marker_problem(body) or _thinking_problem(body) or _empty_problem(body)
 
     def _error_body(self, item: ErrorReply) -> bytes:
         return item.payload()
@@ -105,6 +107,33 @@ class FakeAnthropicServer(LoopbackServer):
     def _event(self, name: str, data: Mapping[str, Any]) -> bytes:
         """One event of a streamed message on the wire (a server-sent event)."""
         return _sse(name, data)
+
+
+def _thinking_problem(body: Any) -> str | None:
+    """Why the API would refuse a request's thinking, or None: thinking with a
+    ``tool_choice`` that forces a tool, which the API never takes."""
+    if not isinstance(body, Mapping):
+        return None
+    thinking, choice = body.get("thinking"), body.get("tool_choice")
+    if (isinstance(thinking, Mapping) and thinking.get("type") != "disabled"
+            and isinstance(choice, Mapping) and choice.get("type") in ("any", "tool")):
+        return "Thinking may not be enabled when tool_choice forces tool use."
+    return None
+
+
+def _empty_problem(body: Any) -> str | None:
+    """Why the API would refuse a request's messages, or None: one whose content
+    is empty, anywhere but as the final assistant message."""
+    messages = body.get("messages") if isinstance(body, Mapping) else None
+    if not isinstance(messages, list):
+        return None
+    for i, message in enumerate(messages):
+        final = i == len(messages) - 1 and isinstance(message, Mapping) and (
+            message.get("role") == "assistant")
+        if isinstance(message, Mapping) and message.get("content") in ("", []) and not final:
+            return (f"messages.{i}: all messages must have non-empty content except for "
+                    "the optional final assistant message")
+    return None
 
 
 # -- wire shapes ---------------------------------------------------------------------
@@ -200,6 +229,12 @@ def _events(message: Mapping[str, Any], usage: Usage | None) -> list[tuple[str, 
                                          "thinking": block.get("thinking", "")}))
             events.append(_delta(index, {"type": "signature_delta",
                                          "signature": block.get("signature", "")}))
+        elif kind == "compaction":
+            # The summary comes in a compaction_delta, as the API streams it.
+            carried = {key: block[key] for key in ("content", "encrypted_content")
+                       if key in block}
+            events.append(_block_start(index, {**block, **dict.fromkeys(carried)}))
+            events.append(_delta(index, {"type": "compaction_delta", **carried}))
         else:
             events.append(_block_start(index, dict(block)))
         events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))

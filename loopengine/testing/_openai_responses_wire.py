@@ -41,8 +41,8 @@ from loopengine.providers._base import priced_tier
 from loopengine.providers._scripted import Reply
 from loopengine.testing._loopback import Frame, RecordedRequest
 
-__all__ = ["PATH", "error_event", "input_problem", "response_body", "response_frames",
-           "served_usage"]
+__all__ = ["PATH", "error_event", "input_problem", "reasoned_items", "response_body",
+           "response_frames", "served_usage"]
 
 PATH = "/v1/responses"
 """The Responses API's path."""
@@ -222,14 +222,30 @@ def error_event(error_type: str, message: str) -> bytes:
                          "param": None})
 
 
-def input_problem(body: Any) -> str | None:
+def reasoned_items(response: Mapping[str, Any]) -> dict[str, str]:
+    """The ids of a response's output items that came after a reasoning item,
+    each with the id of the last reasoning item before it: the reasoning the
+    API requires back with the item when the item goes back with its id."""
+    reasoned: dict[str, str] = {}
+    reasoning: str | None = None
+    for item in response.get("output") or ():
+        if item.get("type") == "reasoning":
+            reasoning = str(item.get("id"))
+        elif reasoning is not None and item.get("id"):
+            reasoned[str(item["id"])] = reasoning
+    return reasoned
+
+
+def input_problem(body: Any, reasoned: Mapping[str, str] | None = None) -> str | None:
     """Why the Responses API would refuse ``body``'s ``input``, or None.
 
     Each ``function_call_output`` must answer a ``function_call`` before it
     (by ``call_id``) and each call must be answered; a ``reasoning`` item sent
     with ``store`` false must carry its ``encrypted_content`` (the server kept
     nothing to find it by), and the item right after it must carry the id
-    the server gave it (the API pairs the two by it).
+    the server gave it (the API pairs the two by it); an item sent with an id
+    that ``reasoned`` (`reasoned_items` of the responses served) maps to a
+    reasoning item must come after that reasoning item.
     """
     if not isinstance(body, Mapping):
         return "the body is not a JSON object"
@@ -240,10 +256,17 @@ def input_problem(body: Any) -> str | None:
         return "input: a non-empty string or array is required"
     calls: set[str] = set()
     answered: set[str] = set()
+    sent_reasoning: set[str] = set()
     for index, item in enumerate(items):
         if not isinstance(item, Mapping):
             return f"input[{index}]: an item must be an object"
         kind = item.get("type", "message")
+        required = (reasoned or {}).get(str(item.get("id")))
+        if required is not None and required not in sent_reasoning:
+            return (f"input[{index}]: Item {item.get('id')!r} of type {kind!r} was provided "
+                    f"without its required 'reasoning' item: {required!r}.")
+        if kind == "reasoning":
+            sent_reasoning.add(str(item.get("id")))
         before = items[index - 1] if index else None
         if (isinstance(before, Mapping) and before.get("type") == "reasoning"
                 and not item.get("id")):

@@ -13,7 +13,11 @@ rendered in the Chat Completions shapes:
 * `Reply`: its text blocks are the message's ``content``, its ``tool_use``
   blocks its ``tool_calls`` (an ``input`` given as a string is sent as the
   arguments verbatim, to script malformed arguments; a block's
-  ``extra_content``, Gemini's thought signature, goes on its call); its stop reason is the
+  ``extra_content``, Gemini's thought signature, goes on its call; its
+  ``reasoning_content`` blocks are the message's ``reasoning_content``, as a
+  thinking server such as DeepSeek sends it, streamed before the text, and a
+  later request that sends back one of those tool calls without it is
+  refused, as DeepSeek refuses it); its stop reason is the
   ``finish_reason`` (``end_turn`` -> ``stop``, ``tool_use`` -> ``tool_calls``,
   ``max_tokens`` and ``model_context_window_exceeded`` -> ``length``,
   ``refusal`` -> ``content_filter``, any other value as it is, None as
@@ -147,6 +151,12 @@ class FakeOpenAIServer(LoopbackServer):
         """Whether a streamed tool call names its ``index`` (and comes in pieces);
         False: each call comes whole in one delta without one, as Gemini's
         OpenAI-compatible endpoint sends them."""
+        self._reasoned: dict[str, str] = {}
+        # The Responses output items served after a reasoning item, by id: the
+        # API refuses one sent back with its id but without that reasoning.
+        self._reasoning_calls: set[str] = set()
+        # The ids of the tool calls served with a reasoning_content: as
+        # DeepSeek's thinking mode does, their turn is refused without it.
 
     @property
     def base_url(self) -> str:
@@ -161,8 +171,20 @@ class FakeOpenAIServer(LoopbackServer):
     def _refusal(self, body: Any) -> str | None:
         # Only a Responses request has an ``input``.
         if isinstance(body, Mapping) and "input" in body:
-            return responses.input_problem(body)
-        return transcript_problem(body)
+            return responses.input_problem(body, self._reasoned)
+        return transcript_problem(body) or self._reasoning_problem(body)
+
+    def _reasoning_problem(self, body: Any) -> str | None:
+        """Why a thinking server (DeepSeek) would refuse ``body``'s messages: a
+        tool-call turn it served with a ``reasoning_content``, sent back without it."""
+        for index, message in enumerate(body.get("messages") or ()):
+            if not isinstance(message, Mapping) or message.get("reasoning_content"):
+                continue
+            if any(isinstance(call, Mapping) and call.get("id") in self._reasoning_calls
+                   for call in message.get("tool_calls") or ()):
+                return (f"Missing reasoning_content field in the assistant message at "
+                        f"message index {index}.")
+        return None
 
     def _error_body(self, item: ErrorReply) -> bytes:
         if isinstance(item.body, str):
@@ -183,7 +205,9 @@ class FakeOpenAIServer(LoopbackServer):
 
     def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
         if _is_responses(request):
-            return responses.response_body(reply, request, number)
+            response = responses.response_body(reply, request, number)
+            self._reasoned.update(responses.reasoned_items(response))
+            return response
         model = request.body.get("model") if isinstance(request.body, Mapping) else None
         texts = [str(b.get("text", "")) for b in reply.content if b.get("type") == "text"]
         calls = [{"id": b.get("id"), "type": "function",
@@ -192,6 +216,11 @@ class FakeOpenAIServer(LoopbackServer):
                  for b in reply.content if b.get("type") == "tool_use"]
         message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None,
                                    "refusal": None}
+        reasoning = "".join(str(b.get("reasoning_content", "")) for b in reply.content
+                            if b.get("type") == "reasoning_content")
+        if reasoning:
+            message["reasoning_content"] = reasoning
+            self._reasoning_calls.update(str(call["id"]) for call in calls)
         if calls:
             message["tool_calls"] = calls
         completion: dict[str, Any] = {
@@ -230,6 +259,8 @@ class FakeOpenAIServer(LoopbackServer):
                                  "object": "", "prompt_filter_results": [{
                                      "prompt_index": 0, "content_filter_results": {}}]}))
         frames.append(chunk({"role": "assistant", "content": ""}))
+        for piece in _WORDS.findall(answer.get("reasoning_content") or ""):
+            frames.append(chunk({"reasoning_content": piece}))
         for piece in _WORDS.findall(answer["content"] or ""):
             frames.append(chunk({"content": piece}))
         for index, call in enumerate(answer.get("tool_calls", ())):

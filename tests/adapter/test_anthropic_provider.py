@@ -8,6 +8,7 @@ from typing import Any
 
 import anthropic
 import anyio
+import pydantic
 import pytest
 
 import loopengine as le
@@ -331,7 +332,10 @@ PAUSES = {
                     "input": {"query": "news"}}],
     # A compaction with pause_after_compaction: the reply holds only the compaction
     # block, never an empty answer; it goes back and the turn goes on after it.
-    "compaction": [{"type": "compaction", "content": "Summary: the user asked for the news."}],
+    # Streamed, its summary comes in a compaction_delta, which the SDK's
+    # accumulator drops: it goes back all the same.
+    "compaction": [{"type": "compaction", "content": "Summary: the user asked for the news.",
+                    "encrypted_content": "RW5jcnlwdGVkIHN1bW1hcnk="}],
 }
 
 
@@ -353,6 +357,39 @@ async def test_a_paused_turn_is_continued_within_the_same_turn(
     second = wire.requests[1].messages
     assert second[-1]["role"] == "assistant"
     assert second[-1]["content"] == paused
+
+
+@STREAMING
+async def test_an_empty_reply_is_left_out_of_the_next_request(
+    wire: Harness, stream: bool
+) -> None:
+    """Claude sometimes answers a tool result with nothing (end_turn, no content);
+    the Messages API refuses a message with empty content anywhere but last, so
+    the empty reply stays in the transcript but is not sent: the feedback on the
+    rejected empty answer, in a plain and in a structured run, goes through."""
+    engine, _ = wire.engine(
+        Reply.tool_calls(("lookup", {"q": "x"})), Reply(content=[], stop_reason="end_turn"),
+        Reply.text("Found it."),
+        Reply(content=[], stop_reason="end_turn"), Reply.final({"q": "y"}), stream=stream)
+
+    @le.tool
+    def lookup(q: str) -> str:
+        """Look something up."""
+        return q
+
+    class Found(pydantic.BaseModel):
+        q: str
+
+    result = await engine.run(operation(), "go", tools=[lookup], accept=lambda answer: (
+        le.Accept() if answer else le.Reject("Say what you found.")))
+    structured = await engine.run(operation(), "go", output=Found)
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "Found it."
+    assert structured.outcome is le.Outcome.COMPLETED and structured.answer == Found(q="y")
+    assert result.messages[3] == {"role": "assistant", "content": []}
+    after_tools, after_empty = wire.requests[2].messages, wire.requests[4].messages
+    assert [m["role"] for m in after_tools] == ["user", "assistant", "user", "user"]
+    assert [m["role"] for m in after_empty] == ["user", "user"]
+    assert all(m["content"] for m in [*after_tools, *after_empty])
 
 
 @STREAMING

@@ -89,6 +89,55 @@ async def test_adaptive_thinking_sends_its_effort(wire: Harness) -> None:
     assert "anthropic-beta" not in wire.requests[1].headers
 
 
+class Verdict(pydantic.BaseModel):
+    """A structured answer."""
+
+    ok: bool
+
+
+THOUGHT = {"type": "thinking", "thinking": "Weigh it.", "signature": "c2lnbmF0dXJl"}
+
+
+@pytest.mark.parametrize("thinking", [le.Thinking(budget_tokens=1024),
+                                      le.Thinking(adaptive=True)], ids=["budget", "adaptive"])
+@STREAMING
+async def test_a_forced_tool_choice_is_left_to_the_model_while_it_thinks(
+    wire: Harness, thinking: le.Thinking, stream: bool
+) -> None:
+    """The Messages API refuses thinking with a tool_choice that forces a tool
+    (``any`` or ``tool``): a structured call, and a structured run's wrap-up turn,
+    which force the answer tool, send ``auto`` instead while thinking is on, and
+    get their answer; without thinking the answer tool is still forced."""
+    engine, _ = wire.engine(
+        Reply(content=[THOUGHT, {"type": "tool_use", "id": "toolu_a", "name": "final_answer",
+                                 "input": {"ok": True}}], stop_reason="tool_use"),
+        Reply(content=[THOUGHT, {"type": "tool_use", "id": "toolu_b", "name": "lookup",
+                                 "input": {"q": "x"}}], stop_reason="tool_use"),
+        Reply(content=[THOUGHT, {"type": "tool_use", "id": "toolu_c", "name": "final_answer",
+                                 "input": {"ok": True}}], stop_reason="tool_use"),
+        Reply.final({"ok": False}), stream=stream)
+
+    @le.tool
+    def lookup(q: str) -> str:
+        """Look something up."""
+        return q
+
+    thinking_op = research(thinking=thinking, max_output_tokens=4096,
+                           limits=le.Limits(max_turns=2, wrap_up=True))
+    called = await engine.call(thinking_op, "Is it ok?", output=Verdict)
+    run = await engine.run(thinking_op, "Is it ok?", tools=[lookup], output=Verdict)
+    plain = await engine.call(research(max_output_tokens=4096), "Is it ok?", output=Verdict)
+    assert called.data == Verdict(ok=True) and plain.data == Verdict(ok=False)
+    assert run.outcome is le.Outcome.COMPLETED and run.answer == Verdict(ok=True)
+    call_body, first_turn, wrap_up, plain_body = (r.body for r in wire.requests)
+    assert call_body["tool_choice"] == {"type": "auto"} and "thinking" in call_body
+    assert "tool_choice" not in first_turn
+    assert wrap_up["tool_choice"] == {"type": "auto"} and "thinking" in wrap_up
+    # The thinking of the tool loop goes back with its call, as the API requires.
+    assert wrap_up["messages"][1]["content"][0] == THOUGHT
+    assert plain_body["tool_choice"] == {"type": "tool", "name": "final_answer"}
+
+
 async def test_widening_a_feature_is_refused_before_anything_is_recorded(wire: Harness) -> None:
     """A raised max_uses or an unpublished tool is a ConfigError naming the field;
     no row is written and nothing is sent."""

@@ -1,6 +1,7 @@
 """Streams of servers that speak Chat Completions their own way, on the wire: Azure's
-first chunk (its prompt's filter results, with an empty id) and Gemini's
-OpenAI-compatible endpoint (tool calls without an ``index``). Each goes through
+first chunk (its prompt's filter results, with an empty id), Gemini's
+OpenAI-compatible endpoint (tool calls without an ``index``) and DeepSeek's
+thinking mode (a ``reasoning_content`` it requires back). Each goes through
 OpenAIProvider, the real ``openai`` SDK and FakeOpenAIServer."""
 
 from __future__ import annotations
@@ -132,3 +133,37 @@ async def test_a_thought_signature_on_a_tool_call_goes_back_on_that_call(
     assistant = [m for m in second.messages if m["role"] == "assistant"][-1]
     assert [call.get("extra_content") for call in assistant["tool_calls"]] == [signed, None]
     assert result.messages[1]["content"][0]["extra_content"] == signed
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_thinking_servers_reasoning_goes_back_with_its_tool_calls(
+    stream: bool,
+) -> None:
+    """DeepSeek's thinking mode sends its reasoning as the message's
+    ``reasoning_content`` and refuses a tool-call turn sent back without it
+    ("Missing reasoning_content field in the assistant message"): it is kept as a
+    ``reasoning_content`` block and sent back on that turn's assistant message,
+    streamed or not; the answer's own reasoning is kept and not sent."""
+    thought = {"type": "reasoning_content", "reasoning_content": "Look both keys up."}
+    calls = Reply(content=[thought, {"type": "tool_use", "id": "call_1", "name": "lookup",
+                                     "input": {"key": "a"}}], stop_reason="tool_use")
+    answer = Reply(content=[thought | {"reasoning_content": "Done."},
+                            {"type": "text", "text": "a is value of a"}])
+    with FakeOpenAIServer([calls, answer, Reply.text("ok")]) as server:
+        provider = OpenAIProvider(api_key="k", base_url=server.base_url, stream=stream)
+        engine = le.Engine(provider, ledger=MemoryLedger(), prices=PRICES)
+        try:
+            result = await engine.run(openai_operation(), "go", tools=[lookup])
+            again = await engine.run(openai_operation(), [
+                *result.messages, {"role": "user", "content": "thanks"}], tools=[lookup])
+        finally:
+            await provider.aclose()
+        requests = server.requests
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assert again.outcome is le.Outcome.COMPLETED, again.detail
+    assert result.messages[1]["content"][0] == thought
+    assert result.messages[3]["content"][0]["reasoning_content"] == "Done."
+    for request in requests[1:]:
+        turns = [m for m in request.messages if m["role"] == "assistant"]
+        assert turns[0]["reasoning_content"] == "Look both keys up."
+        assert all("reasoning_content" not in turn for turn in turns[1:])

@@ -167,6 +167,40 @@ async def test_without_reasoning_effort_nothing_is_included_and_bare_reasoning_s
 
 
 @STREAMING
+async def test_a_web_search_whose_reasoning_stays_home_stays_home_too(
+    wire: ResponsesHarness, stream: bool
+) -> None:
+    """The API refuses an output item sent back with its id (a web search call
+    cannot go without one) but without the reasoning item before it. Without
+    reasoning_effort that reasoning has no encrypted content and is not sent
+    back, so neither is the web search call that followed it; the rest of the
+    turn (the call, the answer) goes back without ids, and the run and its
+    continuation are served."""
+    counter = Counter()
+    search = {"type": "web_search_call", "id": "ws_fake_1", "status": "completed",
+              "action": {"type": "search", "query": "k"}}
+    engine, _ = wire.engine(
+        Reply(content=[REASONING, search, {"type": "tool_use", "id": "call_1",
+                                           "name": "lookup", "input": {"key": "a"}}],
+              stop_reason="tool_use"),
+        Reply(content=[REASONING | {"id": "rs_fake_2"}, search | {"id": "ws_fake_2"},
+                       {"type": "text", "text": "Found."}]),
+        Reply.text("Again."), stream=stream)
+    op = gpt5(server_tools=(le.ServerTool(type="web_search", name="web_search"),))
+    first = await engine.run(op, "go", tools=[counter.tool])
+    assert first.outcome is le.Outcome.COMPLETED, first.detail
+    assert [b["type"] for b in first.messages[1]["content"]] == [
+        "reasoning", "web_search_call", "tool_use"]
+    again = await engine.run(op, [*first.messages, {"role": "user", "content": "More?"}],
+                             tools=[counter.tool])
+    assert again.outcome is le.Outcome.COMPLETED, again.detail
+    sent = items(wire.requests[2])
+    assert [i.get("type", "message") for i in sent] == [
+        "message", "function_call", "function_call_output", "message", "message"]
+    assert not any("id" in item for item in sent)
+
+
+@STREAMING
 async def test_a_run_cut_after_its_reasoning_continues_from_result_messages(
     wire: ResponsesHarness, stream: bool
 ) -> None:
