@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import sqlite3
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -32,16 +31,10 @@ from .test_recovery import Charger, crashed
 ACME = le.Attribution(tenant="acme")
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    """A SQLite ledger, then a PostgreSQL one (the session's throwaway server)."""
-    if request.param == "sqlite":
-        with SQLiteLedger(tmp_path / "ledger.db") as store:
-            yield store
-    else:
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        async with PostgresLedger(server.dsn(), schema=fresh_schema()) as store:
-            yield store
+@pytest.fixture
+def ledger(each_database: Any) -> Any:
+    """A SQLite ledger, then a PostgreSQL one (`each_database`)."""
+    return each_database
 
 
 async def query(ledger: Any, sql: str) -> list[tuple[Any, ...]]:
