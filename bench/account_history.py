@@ -11,15 +11,15 @@ Each history size has a ledger of its own (a fresh SQLite file; a fresh
 schema on the server) whose account ``acme`` has that many past settled runs
 in its journal (a ``reserve``, a ``settle`` and a ``release`` each, written
 in bulk as `CreditAccounts` writes them) and 20 runs in flight (reserved
-through `CreditAccounts`, not expired). A round times, on each ledger in
-turn (the order turning round to round, so a slow moment of the machine
-hits every size), ``--calls`` `CreditAccounts.balance` calls and
-``--calls`` admissions: a new run's ``reserve`` (what `Engine.run` does
-before its first request), then its ``settle``. Each figure is the median
-over the rounds of a round's mean per call; ``x`` is the ratio to the
-smallest history. Every one of these transactions first settles the
-account's expired reservations, and they queue on the account: their cost
-should not grow with the runs it has had.
+through `CreditAccounts`, not expired). A round times ``--calls``
+`CreditAccounts.balance` calls and ``--calls`` admissions on each ledger:
+a new run's ``reserve`` (what `Engine.run` does before its first request),
+then its ``settle``. The ledgers take turns call by call, their order
+turning round to round, so a slow moment of the machine hits every size.
+Each figure is the median over the rounds of a round's mean per call;
+``x`` is the ratio to the smallest history. Every one of these transactions
+first settles the account's expired reservations, and they queue on the
+account: their cost should not grow with the runs it has had.
 
 Without ``--postgres``, a throwaway server is started from the system's
 binaries as the tests start theirs (tests/postgres_support.py: a unix socket
@@ -107,36 +107,51 @@ async def reserve(accounts: le.CreditAccounts, run: str) -> Any:
                                   credits_per_usd=RATE, credit_quantum=1)
 
 
-async def one_round(accounts: le.CreditAccounts, calls: int) -> tuple[float, float]:
-    """Mean seconds per ``balance``, and per admission (reserve, then settle)."""
+async def balance(accounts: le.CreditAccounts) -> float:
+    """Seconds for one `CreditAccounts.balance`."""
     began = time.perf_counter()
-    for _ in range(calls):
-        await accounts.balance("acme")
-    balance = (time.perf_counter() - began) / calls
+    await accounts.balance("acme")
+    return time.perf_counter() - began
+
+
+async def admission(accounts: le.CreditAccounts) -> float:
+    """Seconds for one run's transactions on the account: reserve, then settle."""
     began = time.perf_counter()
+    reservation = await reserve(accounts, uuid.uuid4().hex)
+    await accounts.settle(reservation, CHARGE)
+    return time.perf_counter() - began
+
+
+async def one_round(ledgers: dict[int, le.CreditAccounts], order: list[int],
+                    calls: int) -> dict[int, tuple[float, float]]:
+    """Mean seconds per ``balance`` and per admission on each ledger, their calls
+    interleaved (one on each ledger in ``order``, then the next)."""
+    spent = {size: [0.0, 0.0] for size in order}
     for _ in range(calls):
-        reservation = await reserve(accounts, uuid.uuid4().hex)
-        await accounts.settle(reservation, CHARGE)
-    return balance, (time.perf_counter() - began) / calls
+        for size in order:
+            spent[size][0] += await balance(ledgers[size])
+        for size in order:
+            spent[size][1] += await admission(ledgers[size])
+    return {size: (b / calls, a / calls) for size, (b, a) in spent.items()}
 
 
 async def measure(store: str, ledgers: dict[int, le.CreditAccounts], rounds: int,
                   calls: int) -> None:
     sizes = sorted(ledgers)
     seen: dict[int, list[tuple[float, float]]] = {size: [] for size in sizes}
-    for accounts in ledgers.values():
-        await one_round(accounts, 3)  # warm: statements prepared, pages cached
+    await one_round(ledgers, sizes, 3)  # warm: statements prepared, pages cached
     for n in range(rounds):
-        for size in sizes[n % len(sizes):] + sizes[:n % len(sizes)]:
-            seen[size].append(await one_round(ledgers[size], calls))
+        order = sizes[n % len(sizes):] + sizes[:n % len(sizes)]
+        for size, means in (await one_round(ledgers, order, calls)).items():
+            seen[size].append(means)
     base_balance = base_admission = 0.0
     for size in sizes:
-        balance = statistics.median(b for b, _ in seen[size])
-        admission = statistics.median(a for _, a in seen[size])
+        took = statistics.median(b for b, _ in seen[size])
+        admitted = statistics.median(a for _, a in seen[size])
         if size == sizes[0]:
-            base_balance, base_admission = balance, admission
-        print(f"{store:<16} {size:>10,} {balance * 1e3:>11.2f} ms {balance / base_balance:>6.2f}x"
-              f" {admission * 1e3:>13.2f} ms {admission / base_admission:>6.2f}x")
+            base_balance, base_admission = took, admitted
+        print(f"{store:<16} {size:>10,} {took * 1e3:>11.2f} ms {took / base_balance:>6.2f}x"
+              f" {admitted * 1e3:>13.2f} ms {admitted / base_admission:>6.2f}x")
 
 
 async def on_sqlite(args: argparse.Namespace, directory: Path) -> None:

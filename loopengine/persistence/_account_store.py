@@ -5,7 +5,10 @@ through an adapter that spells them ``%s`` and sets ``locks_rows``.
 
 Shared by `loopengine.CreditAccounts` (admission and settlement) and the audit
 (``loopengine audit accounts``, ``reconcile``): one reading of the journal.
-Every function works inside a transaction its caller holds.
+Every function works inside a transaction its caller holds. The accounts'
+transactions find reservations still held in ``open_reservations``, which
+`journal` keeps beside the journal, never by walking the journal itself: an
+account's transaction costs what it has in flight, not its history.
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ OPEN_RESERVATIONS = (
     "CREATE INDEX open_reservations_invocation ON open_reservations (invocation_id)",
     "INSERT INTO open_reservations (entry_id, account, invocation_id, expires_at) "
     + UNRELEASED,
-    "DROP INDEX account_entries_reserved",
+    "DROP INDEX IF EXISTS account_entries_reserved",
 )
 """The open reservations' migration, the same on both stores."""
 
