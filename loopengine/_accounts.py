@@ -15,6 +15,11 @@ transaction:
 * ``spent`` = the ``settle`` and ``expire`` entries (real charges);
 * ``reserved`` = the ``reserve`` entries minus the ``release`` entries.
 
+The reservations not yet released are also rows of ``open_reservations``,
+written and deleted with their journal entries (`_account_store.journal`):
+a transaction finds an account's expired ones there, at a cost that follows
+the runs in flight, not every run the account has had.
+
 A reservation carries an expiry (the run's deadline plus a grace). Whichever
 process next touches the account (an admission, a grant, a balance) settles
 an expired reservation whose run never settled (its process died): charged

@@ -247,8 +247,11 @@ class AccountMismatch:
     account: str
     column: str
     """``granted``, ``spent`` or ``reserved`` against the journal; ``charged``
-    for one run's settled charge against that run's credits."""
+    for one run's settled charge against that run's credits; ``open`` for a
+    reservation that ``open_reservations`` holds (recorded 1) and the journal
+    released, or the journal leaves unreleased (computed 1) and the table
+    lacks (docs/accounts.md)."""
     recorded: int
     computed: int
     invocation_id: str | None = None
-    """For ``charged``: the run."""
+    """For ``charged`` and ``open``: the run."""

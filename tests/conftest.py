@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import AsyncIterator, Callable, Iterator
 from decimal import Decimal
@@ -72,6 +73,20 @@ def postgres_server() -> Iterator[PostgresServer]:
 @pytest.fixture(params=["memory", "sqlite", "postgres"])
 async def each_ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
     """Each ledger store in turn (PostgreSQL on the session's throwaway server)."""
+    async with _store(request, tmp_path) as store:
+        yield store
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def each_database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """Each ledger store on a database (those that hold credit accounts) in turn."""
+    async with _store(request, tmp_path) as store:
+        yield store
+
+
+@contextlib.asynccontextmanager
+async def _store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """The ledger store ``request.param`` names, open."""
     if request.param == "memory":
         yield MemoryLedger()
     elif request.param == "sqlite":

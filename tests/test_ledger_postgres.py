@@ -118,7 +118,7 @@ async def test_schema_matches_sqlite_with_postgres_types(
     assert tuple(columns["attempts"]) == ATTEMPT_COLUMNS
     SQLiteLedger(tmp_path / "ledger.db").close()
     conn = sqlite3.connect(tmp_path / "ledger.db")
-    for table in ("accounts", "account_entries", SCHEMA_TABLE):
+    for table in ("accounts", "account_entries", "open_reservations", SCHEMA_TABLE):
         sqlite_columns = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
         assert list(columns[table]) == sqlite_columns, table
     conn.close()
@@ -349,7 +349,8 @@ async def test_a_schema_name_is_an_identifier_not_sql(
         rows = conn.execute("SELECT table_name FROM information_schema.tables "
                             "WHERE table_schema = %s ORDER BY 1", (ledger.schema,)).fetchall()
     assert [r[0] for r in rows] == ["account_entries", "accounts", "attempts", "invocations",
-                                    SCHEMA_TABLE, "run_states", "segments", "tool_calls"]
+                                    SCHEMA_TABLE, "open_reservations", "run_states",
+                                    "segments", "tool_calls"]
     assert read_postgres(ledger)[0]["inv-1"]["outcome"] == "completed"
 
 

@@ -5,7 +5,10 @@ through an adapter that spells them ``%s`` and sets ``locks_rows``.
 
 Shared by `loopengine.CreditAccounts` (admission and settlement) and the audit
 (``loopengine audit accounts``, ``reconcile``): one reading of the journal.
-Every function works inside a transaction its caller holds.
+Every function works inside a transaction its caller holds. The accounts'
+transactions find reservations still held in ``open_reservations``, which
+`journal` keeps beside the journal, never by walking the journal itself: an
+account's transaction costs what it has in flight, not its history.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from decimal import Decimal
 from typing import Any
 
 from loopengine.guards._credits import turn_credits
+from loopengine.persistence._schema import UNRELEASED
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "account_of", "charged", "expire", "journal",
-           "lock", "outlived", "read", "recover", "released", "running_descendants", "settled"]
+           "lock", "open_differences", "outlived", "read", "recover", "released",
+           "running_descendants", "settled"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -64,13 +69,25 @@ _EFFECT = {"grant": ("granted", 1), "reserve": ("reserved", 1), "release": ("res
 
 
 def journal(conn: Any, account: str, now: str, kind: str, credits: int,
-             invocation_id: str | None, note: str | None, *, expires_at: str | None = None,
-             rate: str | None = None, quantum: int | None = None) -> None:
-    """One journal entry and its effect on the account row, in the open transaction."""
-    conn.execute(
-        "INSERT INTO account_entries (account, at, kind, credits, invocation_id, note, "
-        "expires_at, credits_per_usd, credit_quantum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (account, now, kind, credits, invocation_id, note, expires_at, rate, quantum))
+            invocation_id: str | None, note: str | None, *, expires_at: str | None = None,
+            rate: str | None = None, quantum: int | None = None) -> None:
+    """One journal entry and its effect on the account row and on the open
+    reservations (a ``reserve`` opens one, a ``release`` closes its invocation's
+    oldest), in the open transaction: the one place they are written."""
+    insert = ("INSERT INTO account_entries (account, at, kind, credits, invocation_id, note, "
+              "expires_at, credits_per_usd, credit_quantum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+    values = (account, now, kind, credits, invocation_id, note, expires_at, rate, quantum)
+    if kind == "reserve":
+        ((entry,),) = conn.execute(f"{insert} RETURNING id", values).fetchall()
+        conn.execute("INSERT INTO open_reservations (entry_id, account, invocation_id, "
+                     "expires_at) VALUES (?, ?, ?, ?)", (entry, account, invocation_id,
+                                                         expires_at))
+    else:
+        conn.execute(insert, values)
+    if kind == "release":
+        # First in, first out, as the journal counts them (`_schema.UNRELEASED`).
+        conn.execute("DELETE FROM open_reservations WHERE entry_id = (SELECT MIN(entry_id) "
+                     "FROM open_reservations WHERE invocation_id = ?)", (invocation_id,))
     column, sign = _EFFECT[kind]
     # The row made with its first entry, or added to: one statement (one
     # round trip on a server).
@@ -109,15 +126,28 @@ def settled(conn: Any, invocation_id: str) -> int:
     return int(row[0])
 
 
-# A reservation not released yet: fewer releases of its invocation than its
-# reservations up to this one.
-_UNRELEASED = (
-    "SELECT r.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum "
-    "FROM account_entries r WHERE r.account = ? AND r.kind = 'reserve' AND {} "
-    "AND (SELECT COUNT(*) FROM account_entries e "
-    "WHERE e.invocation_id = r.invocation_id AND e.kind = 'release') < "
-    "(SELECT COUNT(*) FROM account_entries e WHERE e.invocation_id = r.invocation_id "
-    "AND e.kind = 'reserve' AND e.id <= r.id)")
+# The account's reservations still held (`open_reservations`, as many as its
+# runs in flight, whatever its history) that a condition on ``o`` selects,
+# with their entries' figures.
+_OPEN = ("SELECT o.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum "
+         "FROM open_reservations AS o JOIN account_entries AS r ON r.id = o.entry_id "
+         "WHERE o.account = ? AND {} ORDER BY o.entry_id")
+
+
+def open_differences(conn: Any) -> list[tuple[str, str, int, int]]:
+    """Where ``open_reservations`` and the journal disagree, as ``(account,
+    invocation_id, held, open)``: each row the table holds that no unreleased
+    reservation of the journal reads as (one released, or its figures changed)
+    as ``held=1, open=0``; each reservation the journal leaves unreleased that
+    the table lacks as it reads, ``held=0, open=1`` (`_schema.UNRELEASED`,
+    which walks the whole journal: for the audit, not a transaction)."""
+    table = "SELECT entry_id, account, invocation_id, expires_at FROM open_reservations"
+    found = [(str(account), str(invocation_id), held, 1 - held)
+             for first, second, held in ((table, UNRELEASED, 1), (UNRELEASED, table, 0))
+             for account, invocation_id in conn.execute(
+                 f"SELECT d.account, d.invocation_id FROM ({first} EXCEPT {second}) AS d"
+             ).fetchall()]
+    return sorted(found)
 
 
 EXPIRED = "released after its reservation expired"
@@ -126,7 +156,7 @@ EXPIRED = "released after its reservation expired"
 
 def expire(conn: Any, account: str, now: str) -> None:
     """Settle ``account``'s expired reservations that were never released."""
-    _close(conn, account, now, "r.expires_at < ?", now, "expire",
+    _close(conn, account, now, "o.expires_at < ?", now, "expire",
            "settled after its reservation expired", EXPIRED)
 
 
@@ -149,15 +179,15 @@ def recover(conn: Any, account: str, invocation_id: str, now: str) -> None:
     """Settle the reservation of ``invocation_id`` left by a running segment whose
     process died (its run is recovered, and reserves again): charged what the
     ledger says it spent, and released."""
-    _close(conn, account, now, "r.invocation_id = ?", invocation_id, "settle",
+    _close(conn, account, now, "o.invocation_id = ?", invocation_id, "settle",
            "settled when its run was recovered", "released when its run was recovered")
 
 
 def _close(conn: Any, account: str, now: str, which: str, value: str, kind: str,
            charge_note: str, release_note: str) -> None:
-    """Charge and release ``account``'s unreleased reservations that ``which``
-    (a condition on the reservation ``r``, taking ``value``) selects."""
-    found = conn.execute(_UNRELEASED.format(which), (account, value)).fetchall()
+    """Charge and release ``account``'s open reservations that ``which`` (a
+    condition on ``open_reservations`` as ``o``, taking ``value``) selects."""
+    found = conn.execute(_OPEN.format(which), (account, value)).fetchall()
     for invocation_id, reserved, rate, quantum in found:
         charge = (charged(conn, invocation_id, Decimal(rate), int(quantum))
                   - settled(conn, invocation_id))

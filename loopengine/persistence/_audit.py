@@ -669,7 +669,8 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
     """Check each account against its journal, and each settled run's charge
     against that run's credits (its recorded credits once it ended; for a run
     whose process died, what its settled attempts charged): every run whose
-    reservations were all released, one released with no charge included."""
+    reservations were all released, one released with no charge included; and
+    the table of open reservations against the journal's unreleased ones."""
     if not has_table(conn, "accounts"):
         return []
     found: list[AccountMismatch] = []
@@ -681,6 +682,10 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
             recorded = getattr(row, column)
             if recorded != value:
                 found.append(AccountMismatch(row.account, column, recorded, int(value)))
+    if has_table(conn, "open_reservations"):
+        found += [AccountMismatch(account, "open", held, journal, invocation_id)
+                  for account, invocation_id, held, journal
+                  in _account_store.open_differences(conn)]
     for account, invocation_id, charged, rate, quantum in conn.execute(
             # Every run that reserved, its charge 0 when its reservation was
             # released with none; one row of rates per invocation (a resumed

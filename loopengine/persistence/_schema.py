@@ -24,11 +24,13 @@ __all__ = [
     "ATTEMPT_COLUMNS",
     "INVOCATION_COLUMNS",
     "MIGRATIONS",
+    "OPEN_RESERVATIONS",
     "PARENT_COLUMN",
     "RUN_RESULTS",
     "RUN_TABLES",
     "SEGMENT_TABLE",
     "TOOL_CALL_STATUSES",
+    "UNRELEASED",
     "SCHEMA_TABLE",
     "SCHEMA_VERSION",
     "USAGE_COLUMNS",
@@ -315,6 +317,43 @@ PAUSE_SEAL = ("ALTER TABLE invocations ADD COLUMN pause_seal TEXT",)
 while a resumed run runs, a token of the resume that took it; NULL otherwise.
 A digest, never the state: nothing of the conversation can be read from it."""
 
+UNRELEASED: Final = (
+    "SELECT r.id AS entry_id, r.account AS account, r.invocation_id AS invocation_id, "
+    "r.expires_at AS expires_at FROM account_entries AS r WHERE r.kind = 'reserve' "
+    "AND (SELECT COUNT(*) FROM account_entries AS e WHERE e.invocation_id = r.invocation_id "
+    "AND e.kind = 'release') < (SELECT COUNT(*) FROM account_entries AS e "
+    "WHERE e.invocation_id = r.invocation_id AND e.kind = 'reserve' AND e.id <= r.id)")
+"""The journal's own answer to which reservations are still held, as
+``open_reservations``' rows: each ``reserve`` entry with fewer releases of its
+invocation than its reservations up to this one (a paused run released one,
+and its resume reserved again: one per running segment). It walks every
+entry ever journaled, so the accounts' transactions read the table
+(`OPEN_RESERVATIONS`) instead; the migration fills the table with it, and
+the audit checks the table against it."""
+
+# The reservations still held, apart from the journal, so that an account's
+# transactions (every one first settles its expired reservations) cost what is
+# open, not the account's history. A row is written with its ``reserve`` entry
+# and deleted with the ``release`` that closes it, in the same transaction
+# (`_account_store.journal`); its other figures are the entry's, read by its
+# id. It replaces the journal's index of reservations by expiry, which grew
+# with every run ever admitted. Filled from the journal as it stands.
+OPEN_RESERVATIONS = (
+    """CREATE TABLE open_reservations (
+        entry_id {INTEGER} PRIMARY KEY NOT NULL,
+        account TEXT NOT NULL,
+        invocation_id TEXT NOT NULL,
+        expires_at {TIME}
+    )""",
+    "CREATE INDEX open_reservations_expiry ON open_reservations (account, expires_at)",
+    "CREATE INDEX open_reservations_invocation ON open_reservations (invocation_id)",
+    "INSERT INTO open_reservations (entry_id, account, invocation_id, expires_at) "
+    + UNRELEASED,
+    "DROP INDEX IF EXISTS account_entries_reserved",
+)
+"""The open reservations' migration, the same on both stores."""
+
+
 def history(types: Mapping[str, str], wrap_up_phase: Sequence[str],
             invocation_room: Sequence[str]) -> tuple[Migration, ...]:
     """The schema's history, oldest first, rendered with a store's ``types``: the
@@ -331,6 +370,7 @@ def history(types: Mapping[str, str], wrap_up_phase: Sequence[str],
         ("the running segments of each invocation", SEGMENT_TABLE),
         ("a batch's results apart from its run's state", RUN_RESULTS),
         ("the seal of a paused invocation's state", PAUSE_SEAL),
+        ("the open reservations of credit accounts", OPEN_RESERVATIONS),
     )
     return tuple(Migration(version, name, render(statements, types))
                  for version, (name, statements) in enumerate(steps, start=1))
