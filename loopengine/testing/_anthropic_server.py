@@ -22,7 +22,13 @@ from typing import Any
 from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._cache import cache_marker_problem
 from loopengine.providers._scripted import Reply
-from loopengine.testing._loopback import ErrorReply, Frame, LoopbackServer, RecordedRequest
+from loopengine.testing._loopback import (
+    ErrorReply,
+    Frame,
+    LoopbackServer,
+    RecordedRequest,
+    tool_schema_problem,
+)
 
 __all__ = ["FakeAnthropicServer"]
 
@@ -69,7 +75,12 @@ class FakeAnthropicServer(LoopbackServer):
     request_id_header = "request-id"
 
     def _refusal(self, body: Any) -> str | None:
-        return cache_marker_problem(body)
+        return cache_marker_problem(body) or tool_schema_problem(
+            body.get("tools") if isinstance(body, Mapping) else None,
+            lambda tool: tool.get("input_schema") if "input_schema" in tool else None,
+            lambda index, tool, kind: f"tools.{index}.custom.input_schema.type: "
+                                      + ("Field required" if kind is None
+                                         else "Input should be 'object'"))
 
     def _error_body(self, item: ErrorReply) -> bytes:
         return item.payload()

@@ -65,6 +65,7 @@ from loopengine.testing._loopback import (
     LoopbackServer,
     RecordedRequest,
     ServerItem,
+    tool_schema_problem,
 )
 
 __all__ = ["FakeOpenAIServer", "transcript_problem"]
@@ -161,8 +162,13 @@ class FakeOpenAIServer(LoopbackServer):
     def _refusal(self, body: Any) -> str | None:
         # Only a Responses request has an ``input``.
         if isinstance(body, Mapping) and "input" in body:
-            return responses.input_problem(body)
-        return transcript_problem(body)
+            return responses.input_problem(body) or tool_schema_problem(
+                body.get("tools"), lambda tool: tool.get("parameters")
+                if tool.get("type") == "function" else None, _schema_refusal)
+        return transcript_problem(body) or tool_schema_problem(
+            body.get("tools") if isinstance(body, Mapping) else None,
+            lambda tool: tool["function"].get("parameters")
+            if isinstance(tool.get("function"), Mapping) else None, _schema_refusal)
 
     def _error_body(self, item: ErrorReply) -> bytes:
         if isinstance(item.body, str):
@@ -307,6 +313,14 @@ def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
 
 def _data(payload: Mapping[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def _schema_refusal(index: int, tool: Mapping[str, Any], kind: object) -> str:
+    """OpenAI's words for a function tool whose parameters are not an object's."""
+    function = tool.get("function")
+    name = (function if isinstance(function, Mapping) else tool).get("name")
+    return (f"Invalid schema for function '{name}': schema must be a JSON Schema of "
+            f"'type: \"object\"', got 'type: \"{kind}\"'.")
 
 
 def transcript_problem(body: Any) -> str | None:

@@ -1,0 +1,108 @@
+"""Output models and tool signatures as the APIs receive them and the engine
+checks them: a recursive model's schema is an object at its root, through
+each provider's real SDK to a fake that refuses what the API refuses."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pydantic
+import pytest
+
+import loopengine as le
+from loopengine.providers import (
+    AnthropicProvider,
+    GeminiProvider,
+    OpenAIProvider,
+    OpenAIResponsesProvider,
+)
+from loopengine.testing import FakeAnthropicServer, FakeGeminiServer, FakeOpenAIServer, Reply
+
+ROUTES = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-4o",
+          "openai-responses": "gpt-5", "gemini": "gemini-2.5-flash"}
+
+
+@contextlib.contextmanager
+def served(route: str, *script: Any) -> Iterator[tuple[Any, le.Provider]]:
+    """A fake of ``route``'s API serving ``script``, and a provider sending to it."""
+    if route == "anthropic":
+        with FakeAnthropicServer(script) as server:
+            yield server, AnthropicProvider(api_key="test", base_url=server.url)
+    elif route == "gemini":
+        with FakeGeminiServer(script) as server:
+            yield server, GeminiProvider(api_key="test",
+                                         http_options={"base_url": server.url})
+    else:
+        with FakeOpenAIServer(script) as server:
+            provider: le.Provider = (
+                OpenAIProvider(api_key="sk-test", base_url=server.base_url)
+                if route == "openai" else
+                OpenAIResponsesProvider(api_key="sk-test", base_url=server.base_url,
+                                        route=route))
+            yield server, provider
+
+
+def operation(route: str) -> le.Operation:
+    return le.Operation(name="probe", provider=route, model=ROUTES[route],
+                        max_output_tokens=256)
+
+
+def tool_schemas(route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The input schemas of a request body's function tools, as sent."""
+    tools = body["tools"]
+    if route == "anthropic":
+        return [t["input_schema"] for t in tools]
+    if route == "openai":
+        return [t["function"]["parameters"] for t in tools]
+    if route == "openai-responses":
+        return [t["parameters"] for t in tools]
+    return [d["parameters_json_schema"] for t in tools for d in t["functionDeclarations"]]
+
+
+class Node(pydantic.BaseModel):
+    value: int
+    children: list[Node] = []
+
+
+TREE = {"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}]}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_a_recursive_output_model_is_sent_as_an_object(route: str) -> None:
+    """pydantic gives a recursive model's schema as a bare ``$ref`` to its own
+    definition; the Messages API and OpenAI's refuse a tool whose schema does
+    not say ``"type": "object"`` at its root, so the definition is put there."""
+    with served(route, Reply.final(TREE), Reply.final(TREE)) as (server, provider):
+        async with provider:
+            engine = le.Engine(provider)
+            result = await engine.run(operation(route), "Build the tree.", output=Node)
+            called = await engine.call(operation(route), "Build the tree.", output=Node)
+        bodies = [r.body for r in server.requests]
+
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assert result.answer == Node.model_validate(TREE)
+    assert called.data == Node.model_validate(TREE)
+    for body in bodies:
+        (schema,) = tool_schemas(route, body)
+        assert schema["type"] == "object"
+        assert "$ref" not in schema and "title" not in schema
+        assert schema["properties"]["children"]["items"] == {"$ref": "#/$defs/Node"}
+        assert schema["$defs"]["Node"]["type"] == "object"
+
+
+@pytest.mark.parametrize("route", ["anthropic", "openai", "openai-responses"])
+async def test_the_fakes_refuse_a_tool_schema_that_is_not_an_object(route: str) -> None:
+    """The fakes refuse, as the APIs do, a tool whose schema is not an object's
+    at its root (a raw ``input_schema`` can still say so only through a ``$ref``)."""
+    ref = le.Tool("lookup", "Look up.", {"type": "object"}, lambda _: "ok")
+    ref.input_schema = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object"}}}
+    with served(route, Reply.text("never")) as (server, provider):
+        async with provider:
+            result = await le.Engine(provider).run(operation(route), "Look.", tools=[ref])
+
+    assert result.outcome is le.Outcome.PROVIDER_ERROR
+    assert "type" in str(result.detail)
+    assert server.responses_served == 0
+
