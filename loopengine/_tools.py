@@ -136,7 +136,10 @@ class Tool:
             "input_schema", input_schema if input_schema is not None
             else _model_schema(input_model))  # type: ignore[arg-type]
         check_schema("input_schema", self.input_schema)
-        self._kwargs = False
+        self._parameters: tuple[tuple[str, str, bool], ...] | None = None
+        """For a tool made of a function (`tool`): each parameter's field in the
+        input model, its own name (the field's alias: the name the model sees)
+        and whether it is positional-only."""
         self._is_async = _is_async(handler)
         self.delegates_to: Any = None
         """The `Engine` this tool's handler runs a delegated conversation on
@@ -183,11 +186,13 @@ class Tool:
         and what it returns or raises then is discarded.
         """
         extra = {} if self.context_parameter is None else {self.context_parameter: context}
-        if self._kwargs:
+        if self._parameters is not None:
             assert isinstance(argument, pydantic.BaseModel)
-            call = functools.partial(
-                self.handler, **{k: getattr(argument, k) for k in type(argument).model_fields},
-                **extra)
+            positional = [getattr(argument, field)
+                          for field, _, only in self._parameters if only]
+            keywords = {name: getattr(argument, field)
+                        for field, name, only in self._parameters if not only}
+            call = functools.partial(self.handler, *positional, **keywords, **extra)
         else:
             call = functools.partial(self.handler, argument, **extra)
         if self._is_async:
@@ -359,6 +364,13 @@ def _from_function(
         raise ConfigError("handler", f"{label}: its first parameter is {first.name!r}, which "
                                      "the model would have to supply: make the tool of the "
                                      f"bound method (le.tool(instance.{label})) instead")
+    # Each parameter is a field of the input model with the parameter's own
+    # name as its alias (what the schema shows and the input is read by). The
+    # field has that name too, unless pydantic keeps it for itself
+    # (``model_config``, ``_private``, ``schema``): such a field is named by its
+    # position. A positional-only parameter is passed by position.
+    names: list[tuple[str, str, bool]] = []
+    taken = {param.name for param in parameters}
     for param in parameters:
         if param.annotation is ToolContext:
             continue  # given by the engine, never by the model
@@ -366,10 +378,16 @@ def _from_function(
             raise ConfigError("handler", f"{label}: *args and **kwargs cannot be tool input")
         annotation = Any if param.annotation is param.empty else param.annotation
         default = ... if param.default is param.empty else param.default
-        fields[param.name] = (
+        field = param.name
+        if field.startswith(("_", "model_")) or hasattr(pydantic.BaseModel, field):
+            field = f"p{len(names)}"
+            while field in taken:
+                field += "_"
+        fields[field] = (
             annotation,
-            pydantic.Field(default, description=param_docs.get(param.name)),
+            pydantic.Field(default, alias=param.name, description=param_docs.get(param.name)),
         )
+        names.append((field, param.name, param.kind is param.POSITIONAL_ONLY))
     # A name given is checked, even "", before it names the input model.
     tool_name = label if name is None else check_tool_name("name", name)
     try:
@@ -384,7 +402,7 @@ def _from_function(
             raise
         # The input model is built here from the signature: its fault is the function's.
         raise ConfigError("handler", f"{label}: {error.message}") from None
-    built._kwargs = True
+    built._parameters = tuple(names)
     return built
 
 

@@ -5,6 +5,7 @@ each provider's real SDK to a fake that refuses what the API refuses."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,3 +107,40 @@ async def test_the_fakes_refuse_a_tool_schema_that_is_not_an_object(route: str) 
     assert "type" in str(result.detail)
     assert server.responses_served == 0
 
+
+def lookup(model_config: str, /, _limit: int = 2, *, schema: str = "plain") -> str:
+    """Look a setting up.
+
+    Args:
+        model_config: The setting's name.
+        _limit: How many to show.
+        schema: How to show them.
+    """
+    return f"{model_config}:{_limit}:{schema}"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_a_tool_s_parameters_keep_their_names_and_kinds(route: str) -> None:
+    """A function's parameters are the tool's input whatever their names (one
+    pydantic keeps for itself, one with a leading underscore, one shadowing a
+    `BaseModel` method) and kinds: a positional-only one is passed by position."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pydantic's "shadows an attribute" among them
+        tool = le.tool(lookup)
+    call = Reply.tool_calls(("lookup", {"model_config": "tz", "_limit": 5, "schema": "json"}))
+    with served(route, call, Reply.tool_calls(("lookup", {"model_config": 3})),
+                Reply.text("Done.")) as (server, provider):
+        async with provider:
+            result = await le.Engine(provider).run(operation(route), "Look.", tools=[tool])
+        (schema,) = tool_schemas(route, server.requests[0].body)
+
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assert list(schema["properties"]) == ["model_config", "_limit", "schema"]
+    assert schema["required"] == ["model_config"]
+    assert schema["properties"]["_limit"]["description"] == "How many to show."
+    (first,) = result.messages[2]["content"]
+    assert first["content"] == "tz:5:json" and not first.get("is_error")
+    (second,) = result.messages[4]["content"]
+    assert second["is_error"] is True
+    assert second["content"] == ("Invalid input for lookup: model_config: Input should be "
+                                 "a valid string")
