@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import anyio.to_thread
 import pydantic
@@ -24,10 +24,13 @@ from loopengine import _validate
 from loopengine._context import ToolContext
 from loopengine._errors import ConfigError, ToolInputError
 from loopengine._jsonschema import check_schema, schema_errors
+from loopengine._raised import withheld
 
 __all__ = ["Tool", "ToolInputError", "ToolSource", "check_tool_name", "expand_tools", "tool"]
 
 logger = logging.getLogger("loopengine")
+
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -168,10 +171,7 @@ class Tool:
             ToolInputError: the input does not match; the message says where.
         """
         if self.input_model is not None:
-            try:
-                return self.input_model.model_validate(tool_input)
-            except pydantic.ValidationError as error:
-                raise ToolInputError(describe_validation_error(error)) from None
+            return validated(self.input_model, tool_input)
         problems = schema_errors(self.input_schema, tool_input)
         if problems:
             raise ToolInputError("; ".join(problems))
@@ -274,6 +274,36 @@ def _boxed(call: Callable[[], Any]) -> Any:
         raise
     except BaseException as error:
         return _Raised(error)
+
+
+def validated(model: type[M], value: object, *, from_json: bool = False) -> M:
+    """``value`` (JSON text with ``from_json``) as an instance of ``model``: a
+    tool's input, or an answer for a run's or call's ``output=``.
+
+    What the model sent is checked by the model class's own code, which may
+    raise more than pydantic turns into a validation error (a validator that
+    raises a TypeError or a KeyError): that is the input failing its check
+    too, not an error that ends the run. It is logged at ERROR under
+    ``loopengine`` (the traceback, its message withheld) as the bug it is.
+
+    Raises:
+        ToolInputError: the value does not match; the message, which goes to
+            the model, says where (``field: problem``), or the type of what a
+            validator raised.
+    """
+    try:
+        if from_json:
+            assert isinstance(value, str)
+            return model.model_validate_json(value)
+        return model.model_validate(value)
+    except pydantic.ValidationError as error:
+        raise ToolInputError(describe_validation_error(error)) from None
+    except Exception as error:
+        logger.error("a validator of %s raised %s; the input counts as invalid",
+                     model.__name__, type(error).__name__, exc_info=withheld(error))
+        # Its message is not shown: a bug's message was not written for the
+        # model (a validator's ValueError is, and pydantic shows it).
+        raise ToolInputError(f"a check of the input raised {type(error).__name__}") from None
 
 
 def describe_validation_error(error: pydantic.ValidationError) -> str:

@@ -18,6 +18,7 @@ from loopengine.providers import (
     GeminiProvider,
     OpenAIProvider,
     OpenAIResponsesProvider,
+    ScriptedProvider,
 )
 from loopengine.testing import FakeAnthropicServer, FakeGeminiServer, FakeOpenAIServer, Reply
 
@@ -144,3 +145,71 @@ async def test_a_tool_s_parameters_keep_their_names_and_kinds(route: str) -> Non
     assert second["is_error"] is True
     assert second["content"] == ("Invalid input for lookup: model_config: Input should be "
                                  "a valid string")
+
+
+class Reading(pydantic.BaseModel):
+    celsius: float
+
+    @pydantic.field_validator("celsius")
+    @classmethod
+    def physical(cls, value: float) -> float:
+        if value < -273.15:
+            # A bug of the model's author: pydantic turns only a ValueError or
+            # an AssertionError into a validation error.
+            raise TypeError(f"below absolute zero: {value}")
+        return value
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_an_answer_whose_validator_raises_is_repaired(
+        route: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A validator that raises what pydantic does not turn into a validation
+    error fails the answer's check (R10): the model is told and answers again;
+    the bug is logged at ERROR with its message withheld."""
+    with served(route, Reply.final({"celsius": -300}), Reply.final({"celsius": 21.5})
+                ) as (_, provider):
+        async with provider:
+            result = await le.Engine(provider).run(operation(route), "Read it.",
+                                                   output=Reading)
+
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assert result.answer == Reading(celsius=21.5)
+    (feedback,) = result.messages[2]["content"]
+    assert feedback["is_error"] is True
+    assert feedback["content"] == ("The answer does not match the required schema: "
+                                   "a check of the input raised TypeError")
+    (record,) = [r for r in caplog.records if "validator" in r.getMessage()]
+    assert record.levelname == "ERROR"
+    assert "absolute zero: -300" not in caplog.text  # the source line is in the traceback
+
+
+async def test_a_call_whose_validator_raises_retries_natively_and_in_the_prompt() -> None:
+    """The same in `Engine.call`, in both its modes: each failed check is an
+    invalid answer, retried within the call's attempts."""
+    sp = ScriptedProvider([Reply.final({"celsius": -300}), Reply.text('{"celsius": -301}')])
+    op = le.Operation(name="probe", provider=sp.name, model="m", max_output_tokens=64,
+                      retry=le.RetryPolicy(max_attempts=3))
+    with pytest.raises(le.StructuredOutputError) as failed:
+        await le.Engine(sp).call(op, "Read it.", output=Reading, prompt_fallback=True,
+                                 retry={"max_attempts": 2})
+    assert failed.value.attempts == 2
+    assert failed.value.detail == "a check of the input raised TypeError"
+    assert [r.metadata["mode"] for r in sp.requests] == ["native", "prompt"]
+
+
+async def test_a_tool_input_whose_validator_raises_is_an_error_result() -> None:
+    @le.tool
+    def log_reading(reading: Reading) -> str:
+        """Log a reading."""
+        return "logged"
+
+    sp = ScriptedProvider([Reply.tool_calls(("log_reading", {"reading": {"celsius": -300}})),
+                           Reply.text("Done.")])
+    op = le.Operation(name="probe", provider=sp.name, model="m", max_output_tokens=64)
+    result = await le.Engine(sp).run(op, "Log it.", tools=[log_reading])
+
+    assert result.outcome is le.Outcome.COMPLETED
+    (answer,) = result.messages[2]["content"]
+    assert answer == {"type": "tool_result", "tool_use_id": answer["tool_use_id"],
+                      "content": "Invalid input for log_reading: a check of the input "
+                                 "raised TypeError", "is_error": True}
