@@ -345,14 +345,20 @@ def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
     head, _, rest = doc.partition("\nArgs:\n")
     params: dict[str, str] = {}
     current: str | None = None
+    indent: int | None = None  # the entries' own: a deeper line continues one
     for line in rest.splitlines():
         if line and not line.startswith(" "):
             break  # the next section (Returns:, Raises:)
-        match = re.match(r"^\s{2,8}(\*{0,2}\w+)(?:\s*\(.*?\))?:\s*(.*)$", line)
-        if match:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip(" "))
+        if indent is None:
+            indent = depth
+        match = re.match(r"^(\*{0,2}\w+)(?:\s*\(.*?\))?:\s*(.*)$", line.strip())
+        if match and depth <= indent:
             current = match.group(1).lstrip("*")
             params[current] = match.group(2).strip()
-        elif current and line.strip():
+        elif current:
             params[current] += " " + line.strip()
     return head.strip(), params
 

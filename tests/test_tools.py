@@ -39,6 +39,28 @@ def test_tool_schema_from_signature_and_docstring() -> None:
     assert schema["properties"]["scope"]["enum"] == ["all", "faq"]
 
 
+def test_an_argument_s_description_keeps_its_deeper_lines() -> None:
+    """A line indented deeper than the ``Args:`` entries continues the entry
+    above it, even one that reads ``word: text`` (a list of choices)."""
+
+    @le.tool
+    def pick(mode: str, when: str) -> str:
+        """Pick a mode.
+
+        Args:
+            mode: The mode, one of:
+                fast: quick but rough.
+                slow: careful.
+            when (str): The time, e.g. 10:30.
+        """
+        return mode
+
+    described = {name: field["description"]
+                 for name, field in pick.input_schema["properties"].items()}
+    assert described == {"mode": "The mode, one of: fast: quick but rough. slow: careful.",
+                         "when": "The time, e.g. 10:30."}
+
+
 def test_function_tool_validation_is_strict_about_shape() -> None:
     """Missing and wrongly typed arguments are refused before the handler."""
 
