@@ -278,7 +278,8 @@ def _boxed(call: Callable[[], Any]) -> Any:
 
 def validated(model: type[M], value: object, *, from_json: bool = False) -> M:
     """``value`` (JSON text with ``from_json``) as an instance of ``model``: a
-    tool's input, or an answer for a run's or call's ``output=``.
+    tool's input, or an answer for a run's or call's ``output=``, checked in
+    pydantic's JSON mode, since the model sent it as JSON.
 
     What the model sent is checked by the model class's own code, which may
     raise more than pydantic turns into a validation error (a validator that
@@ -291,9 +292,16 @@ def validated(model: type[M], value: object, *, from_json: bool = False) -> M:
             the model, says where (``field: problem``), or the type of what a
             validator raised.
     """
+    if not from_json:
+        try:
+            # What the model sent is JSON, so it is checked as JSON: a strict
+            # model takes "2024-01-02" for a date, or "a" for an enum member,
+            # only there (its Python mode wants a date, a member).
+            value = json.dumps(value, ensure_ascii=False, allow_nan=True)
+        except (TypeError, ValueError):
+            pass  # not JSON (a Python object a test scripted): checked as it is
     try:
-        if from_json:
-            assert isinstance(value, str)
+        if isinstance(value, str):
             return model.model_validate_json(value)
         return model.model_validate(value)
     except pydantic.ValidationError as error:

@@ -5,6 +5,8 @@ each provider's real SDK to a fake that refuses what the API refuses."""
 from __future__ import annotations
 
 import contextlib
+import datetime
+import enum
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -213,3 +215,52 @@ async def test_a_tool_input_whose_validator_raises_is_an_error_result() -> None:
     assert answer == {"type": "tool_result", "tool_use_id": answer["tool_use_id"],
                       "content": "Invalid input for log_reading: a check of the input "
                                  "raised TypeError", "is_error": True}
+
+
+class Kind(enum.Enum):
+    SHORT = "short"
+    LONG = "long"
+
+
+class Booking(pydantic.BaseModel):
+    """A strict model: in Python mode it takes only a date, a `Kind`, a tuple."""
+
+    model_config = pydantic.ConfigDict(strict=True)
+
+    day: datetime.date
+    kind: Kind
+    slot: tuple[int, int]
+
+
+BOOKING = {"day": "2026-01-02", "kind": "long", "slot": [9, 11]}
+BOOKED = Booking(day=datetime.date(2026, 1, 2), kind=Kind.LONG, slot=(9, 11))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_a_strict_model_takes_the_json_the_model_sent(route: str) -> None:
+    """The model's answer (and a tool's input) is JSON, so a strict model checks it
+    as JSON: a date as its string, an enum member as its value, a tuple as an array.
+    Checked in Python mode, every answer was invalid, whatever the model sent."""
+    seen: list[Booking] = []
+
+    @le.tool
+    def book(booking: Booking) -> str:
+        """Book a slot."""
+        seen.append(booking)
+        return "booked"
+
+    with served(route, Reply.tool_calls(("book", {"booking": BOOKING})), Reply.final(BOOKING),
+                Reply.final(BOOKING)) as (_, provider):
+        async with provider:
+            engine = le.Engine(provider)
+            result = await engine.run(operation(route), "Book it.", output=Booking,
+                                      tools=[book])
+            called = await engine.call(operation(route), "Book it.", output=Booking,
+                                       retry={"max_attempts": 1})
+
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assert seen == [BOOKED] and result.answer == BOOKED and called.data == BOOKED
+    with pytest.raises(le.StructuredOutputError):  # JSON mode still strict: no "9" for 9
+        await le.Engine(ScriptedProvider([Reply.final({**BOOKING, "slot": ["9", "11"]})])).call(
+            le.Operation(name="probe", provider="anthropic", model="m", max_output_tokens=64),
+            "Book it.", output=Booking, retry={"max_attempts": 1})
