@@ -19,6 +19,7 @@ from typing import Any, TypeVar, overload
 
 import anyio.to_thread
 import pydantic
+import pydantic_core
 
 from loopengine import _validate
 from loopengine._context import ToolContext
@@ -493,7 +494,9 @@ def tool(
 def render_tool_output(value: object) -> str | list[dict[str, Any]]:
     """A handler's return value as tool-result content, always encodable as JSON.
 
-    A lone surrogate in what a handler returned (UTF-8 cannot encode it) is
+    A model, or data holding models, dataclasses, enum members, sets or dates,
+    is given as JSON (never as a Python repr). A lone surrogate in what a
+    handler returned (UTF-8 cannot encode it) is
     replaced by U+FFFD: the result goes back to the model in the next request,
     which could not be sent otherwise.
     """
@@ -510,7 +513,17 @@ def render_tool_output(value: object) -> str | list[dict[str, Any]]:
             return [_validate.json_copy("result", _encodable(b)) for b in value]
         except ConfigError:
             pass  # not JSON (a NaN, an object, too deep): sent as text below
-    return _encodable_text(json.dumps(value, default=str, ensure_ascii=False))
+    return _encodable_text(json.dumps(value, default=_jsonable, ensure_ascii=False))
+
+
+def _jsonable(value: object) -> object:
+    """What JSON carries of a value `json` does not know: what pydantic makes of
+    it (a model or dataclass its fields, an enum member its value, a set a list,
+    a date its ISO text, bytes their text), else its ``str()``."""
+    try:
+        return pydantic_core.to_jsonable_python(value, fallback=str)
+    except Exception:  # pydantic knows the type but not this value (bytes not UTF-8)
+        return str(value)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import json
 import threading
 from typing import Any, Literal
 
@@ -133,6 +136,26 @@ def test_render_tool_output() -> None:
     assert render_tool_output(Out(ok=True)) == '{"ok":true}'
     assert render_tool_output({"a": [1, 2]}) == '{"a": [1, 2]}'
     assert render_tool_output([{"type": "text", "text": "t"}]) == [{"type": "text", "text": "t"}]
+
+
+def test_data_holding_models_is_rendered_as_json() -> None:
+    """Models, dataclasses, enum members and sets inside a returned value reach the
+    model as JSON, not as their Python reprs ("n=1", "<Kind.A: 'a'>", "{1, 2}")."""
+
+    class Kind(enum.Enum):
+        A = "a"
+
+    class Item(pydantic.BaseModel):
+        n: int
+
+    @dataclasses.dataclass
+    class Row:
+        kind: Kind
+        tags: set[str]
+
+    assert render_tool_output([Item(n=1), Item(n=2)]) == '[{"n": 1}, {"n": 2}]'
+    assert json.loads(render_tool_output({"row": Row(Kind.A, {"x"}), "raw": b"ok"})) == {
+        "row": {"kind": "a", "tags": ["x"]}, "raw": "ok"}
 
 
 async def test_sync_handlers_run_in_a_worker_thread(make_engine: EngineFactory) -> None:
