@@ -264,3 +264,50 @@ async def test_a_strict_model_takes_the_json_the_model_sent(route: str) -> None:
         await le.Engine(ScriptedProvider([Reply.final({**BOOKING, "slot": ["9", "11"]})])).call(
             le.Operation(name="probe", provider="anthropic", model="m", max_output_tokens=64),
             "Book it.", output=Booking, retry={"max_attempts": 1})
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_a_structured_transcript_continued_without_tools(route: str) -> None:
+    """A structured run's transcript ends with its terminal tool's call and result.
+    Continued by a run given no tools, the Messages API refuses it (tool blocks
+    and no tools): AnthropicProvider refuses it before the wire, saying how to
+    fix it, and the fake answers it with the API's 400; the other APIs take it."""
+    with served(route, Reply.final({"value": 1}), Reply.text("Nothing more."),
+                Reply.final({"value": 2})) as (server, provider):
+        async with provider:
+            engine = le.Engine(provider)
+            first = await engine.run(operation(route), "Build the tree.", output=Node)
+            history = [*first.messages, {"role": "user", "content": "Anything else?"}]
+            continued = await engine.run(operation(route), history)
+            sent = len(server.requests)
+            if route == "anthropic":  # given its terminal tool again, it is sent
+                again = await engine.run(operation(route), history, output=Node)
+
+    assert first.outcome is le.Outcome.COMPLETED
+    if route != "anthropic":
+        assert continued.outcome is le.Outcome.COMPLETED and continued.answer == "Nothing more."
+        return
+    assert continued.outcome is le.Outcome.PROVIDER_ERROR
+    assert "must define tools" in str(continued.detail)
+    assert "give it the tools its transcript calls" in str(continued.detail)
+    assert continued.attempts.count == 0 and sent == 1  # refused before the wire
+    assert again.outcome is le.Outcome.COMPLETED and again.answer == Node(value=2)
+
+
+async def test_the_fake_messages_api_refuses_tool_blocks_without_tools() -> None:
+    """What production answers, the fake answers: an ``anthropic`` client sending
+    a transcript with tool blocks and no tools gets the API's 400."""
+    import anthropic
+
+    history = [{"role": "user", "content": "Look."},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                                  "name": "look", "input": {}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                             "content": "found"}]}]
+    with FakeAnthropicServer([Reply.text("never")]) as server:
+        async with anthropic.AsyncAnthropic(api_key="test", base_url=server.url,
+                                            max_retries=0) as client:
+            with pytest.raises(anthropic.BadRequestError, match="must define tools"):
+                await client.messages.create(model="claude-sonnet-4-5", max_tokens=64,
+                                             messages=history)  # type: ignore[arg-type]
+        assert server.responses_served == 0
