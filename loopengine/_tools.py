@@ -15,11 +15,12 @@ import json
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from typing import Annotated, Any, TypeVar, get_args, get_origin, overload
 
 import anyio.to_thread
 import pydantic
 import pydantic_core
+from pydantic.fields import FieldInfo
 
 from loopengine import _validate
 from loopengine._context import ToolContext
@@ -372,6 +373,21 @@ def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
     return head.strip(), params
 
 
+def _parameter_field(name: str, annotation: Any, default: Any,
+                     described: str | None) -> FieldInfo:
+    """The input model's field of a parameter: its alias is the parameter's
+    name, its default the parameter's. A default that is a ``pydantic.Field``
+    (``limit: int = Field(5, ge=1)``) is the field itself, not a value. The
+    docstring's description (``described``) is used unless the parameter has
+    one of its own, in that ``Field`` or in an ``Annotated[..., Field(...)]``."""
+    own = [*(m for m in get_args(annotation)[1:] if isinstance(m, FieldInfo))] \
+        if get_origin(annotation) is Annotated else []
+    given = default if isinstance(default, FieldInfo) else pydantic.Field(default)
+    if described is None or any(f.description for f in [*own, given]):
+        return FieldInfo.merge_field_infos(given, pydantic.Field(alias=name))
+    return FieldInfo.merge_field_infos(given, pydantic.Field(alias=name, description=described))
+
+
 def _from_function(
     fn: Callable[..., Any], name: str | None, description: str | None,
     max_calls: int | None = None, timeout: float | None = None,
@@ -428,10 +444,8 @@ def _from_function(
             field = f"p{len(names)}"
             while field in taken:
                 field += "_"
-        fields[field] = (
-            annotation,
-            pydantic.Field(default, alias=param.name, description=param_docs.get(param.name)),
-        )
+        fields[field] = (annotation, _parameter_field(param.name, annotation, default,
+                                                      param_docs.get(param.name)))
         names.append((field, param.name, param.kind is param.POSITIONAL_ONLY))
     # A name given is checked, even "", before it names the input model.
     tool_name = label if name is None else check_tool_name("name", name)

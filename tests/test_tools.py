@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import json
 import threading
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import pytest
@@ -62,6 +62,38 @@ def test_an_argument_s_description_keeps_its_deeper_lines() -> None:
                  for name, field in pick.input_schema["properties"].items()}
     assert described == {"mode": "The mode, one of: fast: quick but rough. slow: careful.",
                          "when": "The time, e.g. 10:30."}
+
+
+async def test_a_parameter_s_own_field_is_kept() -> None:
+    """A ``pydantic.Field`` as a parameter's default is its field (default and
+    bounds), not a value handed to the handler; a description given in a
+    ``Field`` (the default, or ``Annotated``) wins over the docstring's."""
+    seen: list[tuple[int, int, list[int]]] = []
+
+    @le.tool
+    def page(start: Annotated[int, pydantic.Field(ge=0, description="First row.")],
+             size: int = pydantic.Field(20, le=100, description="Rows a page."),
+             tags: list[int] = pydantic.Field(default_factory=list),  # noqa: B008
+             ) -> str:
+        """Show a page.
+
+        Args:
+            start: Overridden by the field's own description.
+            tags: Which tags.
+        """
+        seen.append((start, size, tags))
+        return "shown"
+
+    props = page.input_schema["properties"]
+    assert page.input_schema["required"] == ["start"]
+    assert (props["start"]["description"], props["start"]["minimum"]) == ("First row.", 0)
+    assert (props["size"]["default"], props["size"]["maximum"]) == (20, 100)
+    assert props["size"]["description"] == "Rows a page."
+    assert props["tags"]["description"] == "Which tags."
+    with pytest.raises(ToolInputError, match="size"):
+        page.validate({"start": 0, "size": 101})
+    await page.invoke(page.validate({"start": 3}))
+    assert seen == [(3, 20, [])]
 
 
 def test_function_tool_validation_is_strict_about_shape() -> None:
