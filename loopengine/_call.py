@@ -263,9 +263,13 @@ class _Call:
             "text": "Reply with one JSON object and nothing else. It must match this JSON "
                     "Schema:\n" + json.dumps(self.schema, sort_keys=True),
         }
+        # The answer tool stays defined, not to be called: the native attempts'
+        # calls and their error results are in the messages, and the Messages
+        # API refuses tool blocks in a request that defines no tools.
         return ProviderRequest(
             model=self.inv.operation.model, max_tokens=max_tokens, messages=self.messages,
-            system=[*(self.spec.system or []), instruction], timeout=timeout,
+            system=[*(self.spec.system or []), instruction], tools=[self.tool],
+            tool_choice={"type": "none"}, timeout=timeout,
             cache=self.inv.operation.cache, metadata={"turn": self.turn, "mode": mode},
             features=self.inv.features,
         )

@@ -134,9 +134,12 @@ async def test_leg_native_versus_prompt(server: FakeAnthropicServer) -> None:
     assert result.attempts.structured_output == "prompt"
     assert [row["phase"] for row in ledger.attempts.values()] == ["turn", "repair", "fallback"]
     assert result.data == Scene(scene="from the prompt")
-    assert sent(server, "tool_choice") == [FORCED, FORCED, None]
+    assert sent(server, "tool_choice") == [FORCED, FORCED, {"type": "none"}]
     last = server.requests[-1].body
-    assert "tools" not in last and "JSON Schema" in last["system"][-1]["text"]
+    # The answer tool stays defined, not to be called: the native attempts' calls
+    # are in the messages, and the Messages API refuses tool blocks without tools.
+    assert [t["name"] for t in last["tools"]] == ["final_answer"]
+    assert "JSON Schema" in last["system"][-1]["text"]
 
     server.add(witness(10))
     native = await engine_on(server).call(op(), "Write.", output=Scene, prompt_fallback=True)

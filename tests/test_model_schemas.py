@@ -311,3 +311,22 @@ async def test_the_fake_messages_api_refuses_tool_blocks_without_tools() -> None
                 await client.messages.create(model="claude-sonnet-4-5", max_tokens=64,
                                              messages=history)  # type: ignore[arg-type]
         assert server.responses_served == 0
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_a_call_s_prompt_fallback_is_a_request_the_api_takes(route: str) -> None:
+    """After native attempts failed validation, the fallback asks for the answer as
+    text; its messages hold those attempts' tool calls and error results, so it
+    keeps the answer tool defined (``tool_choice`` none), as the Messages API
+    requires, and every API takes it."""
+    with served(route, Reply.final({"wrong": 1}), Reply.final({"wrong": 2}),
+                Reply.text('Here: {"value": 4, "children": []}')) as (server, provider):
+        async with provider:
+            called = await le.Engine(provider).call(operation(route), "Build the tree.",
+                                                    output=Node, prompt_fallback=True)
+        fallback = server.requests[-1].body
+
+    assert called.data == Node(value=4)
+    assert called.attempts.structured_output == "prompt" and called.attempts.count == 3
+    (schema,) = tool_schemas(route, fallback)
+    assert schema["type"] == "object"
