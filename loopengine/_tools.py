@@ -299,9 +299,11 @@ def validated(model: type[M], value: object, *, from_json: bool = False) -> M:
             # What the model sent is JSON, so it is checked as JSON: a strict
             # model takes "2024-01-02" for a date, or "a" for an enum member,
             # only there (its Python mode wants a date, a member).
-            value = json.dumps(value, ensure_ascii=False, allow_nan=True)
+            text = json.dumps(value, ensure_ascii=False, allow_nan=True)
+            text.encode()  # pydantic reads JSON as UTF-8: a lone surrogate cannot be
+            value = text
         except (TypeError, ValueError):
-            pass  # not JSON (a Python object a test scripted): checked as it is
+            pass  # not JSON (a Python object a test scripted, a lone surrogate): as it is
     try:
         if isinstance(value, str):
             return model.model_validate_json(value)
