@@ -27,12 +27,12 @@ import pydantic
 
 from loopengine import _validate
 from loopengine._attempt import request, settle_cut
-from loopengine._errors import OutcomeError, StructuredOutputError
+from loopengine._errors import OutcomeError, StructuredOutputError, ToolInputError
 from loopengine._invocation import Invocation
 from loopengine._lifecycle import ending, finish
 from loopengine._operation import Operation
 from loopengine._outcome import Outcome
-from loopengine._tools import describe_validation_error
+from loopengine._tools import validated
 from loopengine._usage import Usage
 from loopengine.guards._checkpoints import (
     ConversationState,
@@ -263,9 +263,13 @@ class _Call:
             "text": "Reply with one JSON object and nothing else. It must match this JSON "
                     "Schema:\n" + json.dumps(self.schema, sort_keys=True),
         }
+        # The answer tool stays defined, not to be called: the native attempts'
+        # calls and their error results are in the messages, and the Messages
+        # API refuses tool blocks in a request that defines no tools.
         return ProviderRequest(
             model=self.inv.operation.model, max_tokens=max_tokens, messages=self.messages,
-            system=[*(self.spec.system or []), instruction], timeout=timeout,
+            system=[*(self.spec.system or []), instruction], tools=[self.tool],
+            tool_choice={"type": "none"}, timeout=timeout,
             cache=self.inv.operation.cache, metadata={"turn": self.turn, "mode": mode},
             features=self.inv.features,
         )
@@ -278,18 +282,16 @@ class _Call:
             if not blocks:
                 return None, f"the reply did not call the {ANSWER_TOOL} tool"
             candidate: Any = blocks[0].get("input", {})
-            try:
-                return output.model_validate(candidate), ""
-            except pydantic.ValidationError as error:
-                return None, describe_validation_error(error)
-        text = "".join(b.get("text", "") for b in response.content if b.get("type") == "text")
-        snippet = _json_object(text)
-        if snippet is None:
-            return None, "the reply held no JSON object"
+        else:
+            text = "".join(b.get("text", "") for b in response.content
+                           if b.get("type") == "text")
+            candidate = _json_object(text)
+            if candidate is None:
+                return None, "the reply held no JSON object"
         try:
-            return output.model_validate_json(snippet), ""
-        except pydantic.ValidationError as error:
-            return None, describe_validation_error(error)
+            return validated(output, candidate, from_json=mode != "native"), ""
+        except ToolInputError as error:
+            return None, str(error)
 
     def _feed_back(self, response: ProviderResponse, mode: str, error: str) -> None:
         content = [dict(b) for b in response.content]

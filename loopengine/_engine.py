@@ -29,6 +29,7 @@ from loopengine._features import (
     narrow_features,
 )
 from loopengine._invocation import Invocation
+from loopengine._named import given_values
 from loopengine._operation import Operation
 from loopengine._pause import check_seal, pending_approvals
 from loopengine._pricing import PriceBook
@@ -71,6 +72,29 @@ System = str | Sequence[Mapping[str, Any]] | None
 _RUN_KEYWORDS = frozenset({"system", "tools", "output", "accept", "attribution", "limits",
                            "retry", "features", "on_text", "tool_error_text", "final_tool"})
 """The keywords of `Engine.run` after its operation and messages."""
+
+
+_CALL_LIMITS = ("total_time", "attempt_timeout", "credit_hold")
+"""The limits a structured call applies; the others are a run's (turns, tools,
+wrap-up, pauses)."""
+
+
+def _check_call_limits(limits: Limits | Mapping[str, object] | None) -> None:
+    """Refuse a call's ``limits`` naming one that a call does not apply: it would
+    be ignored (``max_turns=1`` would not stop a second request).
+
+    Raises:
+        ConfigError: on the first such limit (``limits.<name>``).
+    """
+    if limits is None:
+        return
+    named = given_values(limits) if isinstance(limits, Limits) else dict(limits)
+    for name, value in named.items():
+        if value is not None and name not in _CALL_LIMITS:
+            raise ConfigError(
+                f"limits.{name}", f"a structured call does not apply it (it applies "
+                                  f"{', '.join(_CALL_LIMITS)}): its requests are capped by "
+                                  "retry={'max_attempts': N}")
 
 
 _NO_FEATURES = Features()
@@ -728,7 +752,10 @@ class Engine:
             max_tokens: The first request's ``max_tokens`` (default: the
                 operation's ``max_output_tokens``); never above that, nor
                 above ``model_max_output_tokens``.
-            limits: Narrows the operation's limits (time, credit hold).
+            limits: Narrows the operation's limits a call applies:
+                ``total_time``, ``attempt_timeout`` and ``credit_hold`` (naming
+                another is a `ConfigError`: ``retry.max_attempts`` caps the
+                call's requests).
             prompt_fallback: Make the last permitted attempt with a
                 prompt-embedded schema when native attempts failed validation.
 
@@ -756,6 +783,7 @@ class Engine:
             _validate.integer("max_tokens", max_tokens, minimum=1)
         _validate.boolean("prompt_fallback", prompt_fallback)
         inv = self._invocation("call", operation, limits, retry, attribution)
+        _check_call_limits(limits)
         spec = CallSpec(
             messages=normalize_messages(messages),
             system=normalize_system(system),

@@ -7,10 +7,11 @@ stops the run.
 from __future__ import annotations
 
 import asyncio
+from types import TracebackType
 
 import anyio
 
-__all__ = ["own_failure", "stray_cancellation"]
+__all__ = ["WithheldError", "own_failure", "stray_cancellation", "withheld"]
 
 
 def own_failure(error: BaseException) -> bool:
@@ -36,3 +37,32 @@ def stray_cancellation(error: BaseException) -> bool:
         return True
     task = asyncio.current_task()
     return task is not None and task.cancelling() == 0
+
+
+class WithheldError(Exception):
+    """Stands in, in a log record, for an exception raised by the caller's code (a
+    tool handler, a judge): same traceback, same chain, but only the type's name.
+
+    The message of such an exception may hold conversation content (a handler's
+    message is even sent to the model, R09), and logs never carry content.
+    """
+
+
+def withheld(error: BaseException) -> tuple[type[BaseException], BaseException,
+                                             TracebackType | None]:
+    """``exc_info`` for ``error`` with its message, and its chain's, withheld."""
+    return WithheldError, _withhold(error, set()), error.__traceback__
+
+
+def _withhold(error: BaseException, seen: set[int]) -> BaseException:
+    seen.add(id(error))
+    kind = type(error)
+    stand_in = WithheldError(f"{kind.__module__}.{kind.__qualname__} (message withheld)")
+    stand_in.__traceback__ = error.__traceback__
+    if error.__cause__ is not None and id(error.__cause__) not in seen:
+        stand_in.__cause__ = _withhold(error.__cause__, seen)
+    if error.__context__ is not None and id(error.__context__) not in seen:
+        stand_in.__context__ = _withhold(error.__context__, seen)
+    # Last: setting __cause__ sets it too.
+    stand_in.__suppress_context__ = error.__suppress_context__
+    return stand_in

@@ -25,7 +25,6 @@ import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from decimal import Decimal
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -56,7 +55,7 @@ from loopengine._pause import (
     take_run,
 )
 from loopengine._pricing import nanousd_to_usd
-from loopengine._raised import own_failure, stray_cancellation
+from loopengine._raised import own_failure, stray_cancellation, withheld
 from loopengine._result import RunResult
 from loopengine._runstate import Approve, Decision, PendingCall, RunState, json_digest
 from loopengine._runstore import CallMark, lease_expiry, new_owner
@@ -64,8 +63,8 @@ from loopengine._tools import (
     Tool,
     ToolInputError,
     ToolSource,
-    describe_validation_error,
     render_tool_output,
+    validated,
 )
 from loopengine._usage import Usage
 from loopengine.events import ToolCallEvent
@@ -811,10 +810,10 @@ class _Loop:
     async def _structured_answer(self, block: Mapping[str, Any]) -> _Answer:
         assert self.spec.output is not None
         try:
-            value = self.spec.output.model_validate(block.get("input", {}))
-        except pydantic.ValidationError as error:
+            value = validated(self.spec.output, block.get("input", {}))
+        except ToolInputError as error:
             return _Answer(False, feedback="The answer does not match the required schema: "
-                                           + describe_validation_error(error))
+                                           + str(error))
         return await self._judge(value, self.spec.final_tool)
 
     async def _judge(self, value: Any, name: str) -> _Answer:
@@ -1205,35 +1204,6 @@ class _Loop:
         self.transcript.append({"role": "user", "content": [
             by_id.get(b.get("id")) or _tool_result(b, why, error=True) for b in calls
         ]})
-
-
-class WithheldError(Exception):
-    """Stands in, in a log record, for an exception raised by the caller's code (a
-    tool handler, a judge): same traceback, same chain, but only the type's name.
-
-    The message of such an exception may hold conversation content (a handler's
-    message is even sent to the model, R09), and logs never carry content.
-    """
-
-
-def withheld(error: BaseException) -> tuple[type[BaseException], BaseException,
-                                             TracebackType | None]:
-    """``exc_info`` for ``error`` with its message, and its chain's, withheld."""
-    return WithheldError, _withhold(error, set()), error.__traceback__
-
-
-def _withhold(error: BaseException, seen: set[int]) -> BaseException:
-    seen.add(id(error))
-    kind = type(error)
-    stand_in = WithheldError(f"{kind.__module__}.{kind.__qualname__} (message withheld)")
-    stand_in.__traceback__ = error.__traceback__
-    if error.__cause__ is not None and id(error.__cause__) not in seen:
-        stand_in.__cause__ = _withhold(error.__cause__, seen)
-    if error.__context__ is not None and id(error.__context__) not in seen:
-        stand_in.__context__ = _withhold(error.__context__, seen)
-    # Last: setting __cause__ sets it too.
-    stand_in.__suppress_context__ = error.__suppress_context__
-    return stand_in
 
 
 def final_tool_definition(output: type[pydantic.BaseModel], name: str) -> dict[str, Any]:

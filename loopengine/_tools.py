@@ -15,19 +15,24 @@ import json
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload
+from typing import Annotated, Any, TypeVar, get_args, get_origin, overload
 
 import anyio.to_thread
 import pydantic
+import pydantic_core
+from pydantic.fields import FieldInfo
 
 from loopengine import _validate
 from loopengine._context import ToolContext
 from loopengine._errors import ConfigError, ToolInputError
 from loopengine._jsonschema import check_schema, schema_errors
+from loopengine._raised import withheld
 
 __all__ = ["Tool", "ToolInputError", "ToolSource", "check_tool_name", "expand_tools", "tool"]
 
 logger = logging.getLogger("loopengine")
+
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -136,7 +141,10 @@ class Tool:
             "input_schema", input_schema if input_schema is not None
             else _model_schema(input_model))  # type: ignore[arg-type]
         check_schema("input_schema", self.input_schema)
-        self._kwargs = False
+        self._parameters: tuple[tuple[str, str, bool], ...] | None = None
+        """For a tool made of a function (`tool`): each parameter's field in the
+        input model, its own name (the field's alias: the name the model sees)
+        and whether it is positional-only."""
         self._is_async = _is_async(handler)
         self.delegates_to: Any = None
         """The `Engine` this tool's handler runs a delegated conversation on
@@ -165,10 +173,7 @@ class Tool:
             ToolInputError: the input does not match; the message says where.
         """
         if self.input_model is not None:
-            try:
-                return self.input_model.model_validate(tool_input)
-            except pydantic.ValidationError as error:
-                raise ToolInputError(describe_validation_error(error)) from None
+            return validated(self.input_model, tool_input)
         problems = schema_errors(self.input_schema, tool_input)
         if problems:
             raise ToolInputError("; ".join(problems))
@@ -183,11 +188,13 @@ class Tool:
         and what it returns or raises then is discarded.
         """
         extra = {} if self.context_parameter is None else {self.context_parameter: context}
-        if self._kwargs:
+        if self._parameters is not None:
             assert isinstance(argument, pydantic.BaseModel)
-            call = functools.partial(
-                self.handler, **{k: getattr(argument, k) for k in type(argument).model_fields},
-                **extra)
+            positional = [getattr(argument, field)
+                          for field, _, only in self._parameters if only]
+            keywords = {name: getattr(argument, field)
+                        for field, name, only in self._parameters if not only}
+            call = functools.partial(self.handler, *positional, **keywords, **extra)
         else:
             call = functools.partial(self.handler, argument, **extra)
         if self._is_async:
@@ -271,6 +278,46 @@ def _boxed(call: Callable[[], Any]) -> Any:
         return _Raised(error)
 
 
+def validated(model: type[M], value: object, *, from_json: bool = False) -> M:
+    """``value`` (JSON text with ``from_json``) as an instance of ``model``: a
+    tool's input, or an answer for a run's or call's ``output=``, checked in
+    pydantic's JSON mode, since the model sent it as JSON.
+
+    What the model sent is checked by the model class's own code, which may
+    raise more than pydantic turns into a validation error (a validator that
+    raises a TypeError or a KeyError): that is the input failing its check
+    too, not an error that ends the run. It is logged at ERROR under
+    ``loopengine`` (the traceback, its message withheld) as the bug it is.
+
+    Raises:
+        ToolInputError: the value does not match; the message, which goes to
+            the model, says where (``field: problem``), or the type of what a
+            validator raised.
+    """
+    if not from_json:
+        try:
+            # What the model sent is JSON, so it is checked as JSON: a strict
+            # model takes "2024-01-02" for a date, or "a" for an enum member,
+            # only there (its Python mode wants a date, a member).
+            text = json.dumps(value, ensure_ascii=False, allow_nan=True)
+            text.encode()  # pydantic reads JSON as UTF-8: a lone surrogate cannot be
+            value = text
+        except (TypeError, ValueError):
+            pass  # not JSON (a Python object a test scripted, a lone surrogate): as it is
+    try:
+        if isinstance(value, str):
+            return model.model_validate_json(value)
+        return model.model_validate(value)
+    except pydantic.ValidationError as error:
+        raise ToolInputError(describe_validation_error(error)) from None
+    except Exception as error:
+        logger.error("a validator of %s raised %s; the input counts as invalid",
+                     model.__name__, type(error).__name__, exc_info=withheld(error))
+        # Its message is not shown: a bug's message was not written for the
+        # model (a validator's ValueError is, and pydantic shows it).
+        raise ToolInputError(f"a check of the input raised {type(error).__name__}") from None
+
+
 def describe_validation_error(error: pydantic.ValidationError) -> str:
     """A pydantic error as short ``field: problem`` lines, without input values."""
     parts = []
@@ -310,16 +357,37 @@ def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
     head, _, rest = doc.partition("\nArgs:\n")
     params: dict[str, str] = {}
     current: str | None = None
+    indent: int | None = None  # the entries' own: a deeper line continues one
     for line in rest.splitlines():
         if line and not line.startswith(" "):
             break  # the next section (Returns:, Raises:)
-        match = re.match(r"^\s{2,8}(\*{0,2}\w+)(?:\s*\(.*?\))?:\s*(.*)$", line)
-        if match:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip(" "))
+        if indent is None:
+            indent = depth
+        match = re.match(r"^(\*{0,2}\w+)(?:\s*\(.*?\))?:\s*(.*)$", line.strip())
+        if match and depth <= indent:
             current = match.group(1).lstrip("*")
             params[current] = match.group(2).strip()
-        elif current and line.strip():
+        elif current:
             params[current] += " " + line.strip()
     return head.strip(), params
+
+
+def _parameter_field(name: str, annotation: Any, default: Any,
+                     described: str | None) -> FieldInfo:
+    """The input model's field of a parameter: its alias is the parameter's
+    name, its default the parameter's. A default that is a ``pydantic.Field``
+    (``limit: int = Field(5, ge=1)``) is the field itself, not a value. The
+    docstring's description (``described``) is used unless the parameter has
+    one of its own, in that ``Field`` or in an ``Annotated[..., Field(...)]``."""
+    own = [*(m for m in get_args(annotation)[1:] if isinstance(m, FieldInfo))] \
+        if get_origin(annotation) is Annotated else []
+    given = default if isinstance(default, FieldInfo) else pydantic.Field(default)
+    if described is None or any(f.description for f in [*own, given]):
+        return FieldInfo.merge_field_infos(given, pydantic.Field(alias=name))
+    return FieldInfo.merge_field_infos(given, pydantic.Field(alias=name, description=described))
 
 
 def _from_function(
@@ -359,6 +427,13 @@ def _from_function(
         raise ConfigError("handler", f"{label}: its first parameter is {first.name!r}, which "
                                      "the model would have to supply: make the tool of the "
                                      f"bound method (le.tool(instance.{label})) instead")
+    # Each parameter is a field of the input model with the parameter's own
+    # name as its alias (what the schema shows and the input is read by). The
+    # field has that name too, unless pydantic keeps it for itself
+    # (``model_config``, ``_private``, ``schema``): such a field is named by its
+    # position. A positional-only parameter is passed by position.
+    names: list[tuple[str, str, bool]] = []
+    taken = {param.name for param in parameters}
     for param in parameters:
         if param.annotation is ToolContext:
             continue  # given by the engine, never by the model
@@ -366,10 +441,14 @@ def _from_function(
             raise ConfigError("handler", f"{label}: *args and **kwargs cannot be tool input")
         annotation = Any if param.annotation is param.empty else param.annotation
         default = ... if param.default is param.empty else param.default
-        fields[param.name] = (
-            annotation,
-            pydantic.Field(default, description=param_docs.get(param.name)),
-        )
+        field = param.name
+        if field.startswith(("_", "model_")) or hasattr(pydantic.BaseModel, field):
+            field = f"p{len(names)}"
+            while field in taken:
+                field += "_"
+        fields[field] = (annotation, _parameter_field(param.name, annotation, default,
+                                                      param_docs.get(param.name)))
+        names.append((field, param.name, param.kind is param.POSITIONAL_ONLY))
     # A name given is checked, even "", before it names the input model.
     tool_name = label if name is None else check_tool_name("name", name)
     try:
@@ -384,7 +463,7 @@ def _from_function(
             raise
         # The input model is built here from the signature: its fault is the function's.
         raise ConfigError("handler", f"{label}: {error.message}") from None
-    built._kwargs = True
+    built._parameters = tuple(names)
     return built
 
 
@@ -431,7 +510,9 @@ def tool(
 def render_tool_output(value: object) -> str | list[dict[str, Any]]:
     """A handler's return value as tool-result content, always encodable as JSON.
 
-    A lone surrogate in what a handler returned (UTF-8 cannot encode it) is
+    A model, or data holding models, dataclasses, enum members, sets or dates,
+    is given as JSON (never as a Python repr). A lone surrogate in what a
+    handler returned (UTF-8 cannot encode it) is
     replaced by U+FFFD: the result goes back to the model in the next request,
     which could not be sent otherwise.
     """
@@ -448,7 +529,17 @@ def render_tool_output(value: object) -> str | list[dict[str, Any]]:
             return [_validate.json_copy("result", _encodable(b)) for b in value]
         except ConfigError:
             pass  # not JSON (a NaN, an object, too deep): sent as text below
-    return _encodable_text(json.dumps(value, default=str, ensure_ascii=False))
+    return _encodable_text(json.dumps(value, default=_jsonable, ensure_ascii=False))
+
+
+def _jsonable(value: object) -> object:
+    """What JSON carries of a value `json` does not know: what pydantic makes of
+    it (a model or dataclass its fields, an enum member its value, a set a list,
+    a date its ISO text, bytes their text), else its ``str()``."""
+    try:
+        return pydantic_core.to_jsonable_python(value, fallback=str)
+    except Exception:  # pydantic knows the type but not this value (bytes not UTF-8)
+        return str(value)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -218,8 +218,10 @@ def model_schema(field: str, model: object) -> dict[str, Any]:
 
     Checked when the model is given, so that a model no tool can carry is
     refused before anything is sent or recorded, not mid-run: pydantic must
-    generate the schema, it must describe a JSON object (directly or through
-    the ``$ref`` of a recursive model), and it must encode as JSON.
+    generate the schema, it must describe a JSON object, and it must encode as
+    JSON. A recursive model's schema, which pydantic gives as a bare ``$ref``
+    to its own definition, has that definition at its root: the APIs refuse a
+    tool whose input schema does not say ``"type": "object"`` there.
 
     Raises:
         ConfigError: ``model`` is not a subclass of ``pydantic.BaseModel``
@@ -240,11 +242,17 @@ def model_schema(field: str, model: object) -> dict[str, Any]:
         raise ConfigError(field, f"{model.__name__} has no JSON schema to send as a "
                                  f"tool's input: {reason}") from None
     schema.pop("title", None)
-    top: object = schema
     ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+    if isinstance(ref, str) and ref.startswith("#/$defs/") and set(schema) <= {"$ref", "$defs"}:
+        # A recursive model's schema is only a reference to its own definition;
+        # every API wants a tool's input schema to say ``"type": "object"`` at
+        # its root, so the definition is put there (still in ``$defs`` for the
+        # references inside it).
         top = (schema.get("$defs") or {}).get(ref.removeprefix("#/$defs/"))
-    kind = top.get("type") if isinstance(top, Mapping) else None
+        if isinstance(top, Mapping):
+            schema = {key: value for key, value in top.items() if key != "title"} | {
+                "$defs": schema["$defs"]}
+    kind = schema.get("type")
     if kind != "object":
         raise ConfigError(field, f"{model.__name__}'s JSON schema is of type {shown(kind)}, "
                                  "not 'object': a tool's input is a JSON object (make the "

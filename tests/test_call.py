@@ -134,9 +134,12 @@ async def test_leg_native_versus_prompt(server: FakeAnthropicServer) -> None:
     assert result.attempts.structured_output == "prompt"
     assert [row["phase"] for row in ledger.attempts.values()] == ["turn", "repair", "fallback"]
     assert result.data == Scene(scene="from the prompt")
-    assert sent(server, "tool_choice") == [FORCED, FORCED, None]
+    assert sent(server, "tool_choice") == [FORCED, FORCED, {"type": "none"}]
     last = server.requests[-1].body
-    assert "tools" not in last and "JSON Schema" in last["system"][-1]["text"]
+    # The answer tool stays defined, not to be called: the native attempts' calls
+    # are in the messages, and the Messages API refuses tool blocks without tools.
+    assert [t["name"] for t in last["tools"]] == ["final_answer"]
+    assert "JSON Schema" in last["system"][-1]["text"]
 
     server.add(witness(10))
     native = await engine_on(server).call(op(), "Write.", output=Scene, prompt_fallback=True)
@@ -310,3 +313,23 @@ async def test_call_needs_an_output_model() -> None:
     with pytest.raises(le.ConfigError) as info:
         await engine.call(op(), "Write.", output=dict)  # type: ignore[type-var]
     assert info.value.field == "output"
+
+
+@pytest.mark.parametrize(("limits", "field"), [
+    ({"max_turns": 1}, "max_turns"), (le.Limits(max_tool_calls=0), "max_tool_calls"),
+    ({"wrap_up": False}, "wrap_up"), ({"pause_timeout": 5.0}, "pause_timeout")])
+async def test_a_call_refuses_a_limit_it_does_not_apply(limits: Any, field: str) -> None:
+    """A call applies its time and credit limits; a run's limit named for it would
+    be ignored (``max_turns=1`` would not stop a second request), so it is refused
+    before anything is sent, pointing at ``retry.max_attempts``."""
+    provider = ScriptedProvider([Reply.text("no answer"), Reply.final({"scene": "done"})])
+    with pytest.raises(le.ConfigError, match="retry=") as refused:
+        await le.Engine(provider).call(op(), "Write it.", output=Scene, limits=limits)
+    assert refused.value.field == f"limits.{field}"
+    assert provider.requests == []
+
+    # The limits it applies narrow it; a run's limit given as None narrows nothing.
+    called = await le.Engine(provider).call(
+        op(), "Write it.", output=Scene,
+        limits={"total_time": 30.0, "attempt_timeout": 10.0, "max_turns": None})
+    assert called.data == Scene(scene="done") and called.attempts.count == 2

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import json
 import threading
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import pytest
@@ -37,6 +40,60 @@ def test_tool_schema_from_signature_and_docstring() -> None:
     assert schema["properties"]["query"]["description"] == "What to search for."
     assert schema["properties"]["limit"]["default"] == 5
     assert schema["properties"]["scope"]["enum"] == ["all", "faq"]
+
+
+def test_an_argument_s_description_keeps_its_deeper_lines() -> None:
+    """A line indented deeper than the ``Args:`` entries continues the entry
+    above it, even one that reads ``word: text`` (a list of choices)."""
+
+    @le.tool
+    def pick(mode: str, when: str) -> str:
+        """Pick a mode.
+
+        Args:
+            mode: The mode, one of:
+                fast: quick but rough.
+                slow: careful.
+            when (str): The time, e.g. 10:30.
+        """
+        return mode
+
+    described = {name: field["description"]
+                 for name, field in pick.input_schema["properties"].items()}
+    assert described == {"mode": "The mode, one of: fast: quick but rough. slow: careful.",
+                         "when": "The time, e.g. 10:30."}
+
+
+async def test_a_parameter_s_own_field_is_kept() -> None:
+    """A ``pydantic.Field`` as a parameter's default is its field (default and
+    bounds), not a value handed to the handler; a description given in a
+    ``Field`` (the default, or ``Annotated``) wins over the docstring's."""
+    seen: list[tuple[int, int, list[int]]] = []
+
+    @le.tool
+    def page(start: Annotated[int, pydantic.Field(ge=0, description="First row.")],
+             size: int = pydantic.Field(20, le=100, description="Rows a page."),
+             tags: list[int] = pydantic.Field(default_factory=list),  # noqa: B008
+             ) -> str:
+        """Show a page.
+
+        Args:
+            start: Overridden by the field's own description.
+            tags: Which tags.
+        """
+        seen.append((start, size, tags))
+        return "shown"
+
+    props = page.input_schema["properties"]
+    assert page.input_schema["required"] == ["start"]
+    assert (props["start"]["description"], props["start"]["minimum"]) == ("First row.", 0)
+    assert (props["size"]["default"], props["size"]["maximum"]) == (20, 100)
+    assert props["size"]["description"] == "Rows a page."
+    assert props["tags"]["description"] == "Which tags."
+    with pytest.raises(ToolInputError, match="size"):
+        page.validate({"start": 0, "size": 101})
+    await page.invoke(page.validate({"start": 3}))
+    assert seen == [(3, 20, [])]
 
 
 def test_function_tool_validation_is_strict_about_shape() -> None:
@@ -111,6 +168,26 @@ def test_render_tool_output() -> None:
     assert render_tool_output(Out(ok=True)) == '{"ok":true}'
     assert render_tool_output({"a": [1, 2]}) == '{"a": [1, 2]}'
     assert render_tool_output([{"type": "text", "text": "t"}]) == [{"type": "text", "text": "t"}]
+
+
+def test_data_holding_models_is_rendered_as_json() -> None:
+    """Models, dataclasses, enum members and sets inside a returned value reach the
+    model as JSON, not as their Python reprs ("n=1", "<Kind.A: 'a'>", "{1, 2}")."""
+
+    class Kind(enum.Enum):
+        A = "a"
+
+    class Item(pydantic.BaseModel):
+        n: int
+
+    @dataclasses.dataclass
+    class Row:
+        kind: Kind
+        tags: set[str]
+
+    assert render_tool_output([Item(n=1), Item(n=2)]) == '[{"n": 1}, {"n": 2}]'
+    assert json.loads(render_tool_output({"row": Row(Kind.A, {"x"}), "raw": b"ok"})) == {
+        "row": {"kind": "a", "tags": ["x"]}, "raw": "ok"}
 
 
 async def test_sync_handlers_run_in_a_worker_thread(make_engine: EngineFactory) -> None:

@@ -99,6 +99,7 @@ from loopengine.providers._faults import (
     retry_after,
     status_kind,
 )
+from loopengine.providers._messages_api import TOOL_BLOCKS_WITHOUT_TOOLS, tool_blocks_without_tools
 from loopengine.providers._sdk import (
     DEFAULT_STREAM_IDLE_TIMEOUT,
     SDKProvider,
@@ -491,11 +492,21 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         A thinking ``budget_tokens`` must be below the request's ``max_tokens``
         (unless an ``interleaved-thinking`` beta is on, where the budget spans
         the whole turn): the API answers such a request with a 400 every time.
+        So it does a request whose messages hold ``tool_use`` or
+        ``tool_result`` blocks and that defines no tools (a transcript with
+        tool calls continued by a run given none).
 
         Raises:
             ProviderFault: ``bad_request``, ``error_code``
                 ``invalid_request_error``: nothing is recorded or sent.
         """
+        if tool_blocks_without_tools(request.messages,
+                                     [*request.tools, *request.features.server_tools]):
+            raise ProviderFault(
+                FaultKind.BAD_REQUEST,
+                f"{TOOL_BLOCKS_WITHOUT_TOOLS} The messages hold tool calls and the run "
+                "gives no tools: give it the tools its transcript calls",
+                error_code="invalid_request_error")
         thinking = request.features.thinking
         if thinking is None or thinking.budget_tokens is None:
             return

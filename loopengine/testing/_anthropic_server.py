@@ -23,8 +23,15 @@ from typing import Any
 
 from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._cache import cache_marker_problem
+from loopengine.providers._messages_api import TOOL_BLOCKS_WITHOUT_TOOLS, tool_blocks_without_tools
 from loopengine.providers._scripted import Reply
-from loopengine.testing._loopback import ErrorReply, Frame, LoopbackServer, RecordedRequest
+from loopengine.testing._loopback import (
+    ErrorReply,
+    Frame,
+    LoopbackServer,
+    RecordedRequest,
+    tool_schema_problem,
+)
 
 __all__ = ["FakeAnthropicServer"]
 
@@ -71,7 +78,17 @@ class FakeAnthropicServer(LoopbackServer):
     request_id_header = "request-id"
 
     def _refusal(self, body: Any) -> str | None:
-        return cache_marker_problem(body) or _thinking_problem(body) or _empty_problem(body)
+        problem = (cache_marker_problem(body) or _thinking_problem(body)
+                   or _empty_problem(body))
+        if problem is None and isinstance(body, Mapping) and tool_blocks_without_tools(
+                body.get("messages"), body.get("tools")):
+            problem = TOOL_BLOCKS_WITHOUT_TOOLS
+        return problem or tool_schema_problem(
+            body.get("tools") if isinstance(body, Mapping) else None,
+            lambda tool: tool.get("input_schema") if "input_schema" in tool else None,
+            lambda index, tool, kind: f"tools.{index}.custom.input_schema.type: "
+                                      + ("Field required" if kind is None
+                                         else "Input should be 'object'"))
 
     def _error_body(self, item: ErrorReply) -> bytes:
         return item.payload()

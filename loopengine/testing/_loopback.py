@@ -257,6 +257,31 @@ class StallStream:
         _validate.seconds("seconds", self.seconds, positive=False)
 
 
+def tool_schema_problem(tools: object, schema_of: Callable[[Mapping[str, Any]], object],
+                        message: Callable[[int, Mapping[str, Any], object], str],
+                        ) -> str | None:
+    """Why an API would refuse a request's ``tools``: one whose input schema
+    does not say ``"type": "object"`` at its root (the Messages API and
+    OpenAI's both refuse it), or None.
+
+    ``schema_of`` reads a tool's input schema (None: not a function tool, a
+    server tool say); ``message`` words the refusal as that API does, from the
+    tool's index, the tool and the root ``type`` it has.
+    """
+    if not isinstance(tools, list):
+        return None
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            continue
+        schema = schema_of(tool)
+        if schema is None:
+            continue
+        kind = schema.get("type") if isinstance(schema, Mapping) else None
+        if kind != "object":
+            return message(index, tool, kind)
+    return None
+
+
 def _check_cut(reply: object, after: object) -> None:
     """The reply a stream item interrupts, and how many events come first."""
     if not isinstance(reply, Reply):

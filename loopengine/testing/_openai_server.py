@@ -69,6 +69,7 @@ from loopengine.testing._loopback import (
     LoopbackServer,
     RecordedRequest,
     ServerItem,
+    tool_schema_problem,
 )
 
 __all__ = ["FakeOpenAIServer", "transcript_problem"]
@@ -171,8 +172,14 @@ class FakeOpenAIServer(LoopbackServer):
     def _refusal(self, body: Any) -> str | None:
         # Only a Responses request has an ``input``.
         if isinstance(body, Mapping) and "input" in body:
-            return responses.input_problem(body, self._reasoned)
-        return transcript_problem(body) or self._reasoning_problem(body)
+            return responses.input_problem(body, self._reasoned) or tool_schema_problem(
+                body.get("tools"), lambda tool: tool.get("parameters")
+                if tool.get("type") == "function" else None, _schema_refusal)
+        return (transcript_problem(body) or self._reasoning_problem(body)
+                or tool_schema_problem(
+                    body.get("tools") if isinstance(body, Mapping) else None,
+                    lambda tool: tool["function"].get("parameters")
+                    if isinstance(tool.get("function"), Mapping) else None, _schema_refusal))
 
     def _reasoning_problem(self, body: Any) -> str | None:
         """Why a thinking server (DeepSeek) would refuse ``body``'s messages: a
@@ -338,6 +345,14 @@ def _usage_json(usage: Usage | None) -> dict[str, Any] | None:
 
 def _data(payload: Mapping[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def _schema_refusal(index: int, tool: Mapping[str, Any], kind: object) -> str:
+    """OpenAI's words for a function tool whose parameters are not an object's."""
+    function = tool.get("function")
+    name = (function if isinstance(function, Mapping) else tool).get("name")
+    return (f"Invalid schema for function '{name}': schema must be a JSON Schema of "
+            f"'type: \"object\"', got 'type: \"{kind}\"'.")
 
 
 def transcript_problem(body: Any) -> str | None:

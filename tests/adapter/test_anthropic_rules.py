@@ -201,7 +201,8 @@ async def test_r12_markers_inside_tool_results_count_on_the_wire_anthropic(
 ) -> None:
     """A caller's history whose tool_result blocks carry five markers of their own,
     plus the policy's conversation marker: four reach the server, which takes the
-    request (it refuses more, as the API does)."""
+    request (it refuses more, as the API does). The run is given the tool its
+    history calls: the API refuses tool blocks in a request that defines none."""
     marker = {"type": "ephemeral"}
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": "look it up"},
@@ -215,7 +216,7 @@ async def test_r12_markers_inside_tool_results_count_on_the_wire_anthropic(
     op = le.Operation(name="test.cached", provider="anthropic", model=MODEL,
                       cache=CachePolicy(conversation=True))
     engine, _ = wire.engine(Reply.text("done"), stream=stream)
-    result = await engine.run(op, messages)
+    result = await engine.run(op, messages, tools=[Counter().tool])
     assert result.outcome is le.Outcome.COMPLETED
     (request,) = wire.requests
     assert markers_on_the_wire(request) == 4

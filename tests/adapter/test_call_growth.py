@@ -118,8 +118,12 @@ async def test_truncation_retries_stop_at_max_attempts_at_the_ceiling(wire: Harn
 async def test_a_run_does_not_grow_each_turn_asks_for_max_output_tokens(
     wire: Harness,
 ) -> None:
-    """Engine.run keeps asking for max_output_tokens: growth is a structured call's."""
+    """Engine.run keeps asking for max_output_tokens: growth is a structured call's.
+    (The run has a tool, so that its second request, holding the unknown tool's
+    call and error result, defines tools, as the Messages API requires.)"""
     engine, _ = wire.engine(Reply.tool_calls(("missing", {})), Reply.text("done"))
-    result = await engine.run(scene_op(64, model_max_output_tokens=50), "go")
+    present = le.Tool("present", "A tool the model does not call.", {"type": "object"},
+                      lambda _: "unused")
+    result = await engine.run(scene_op(64, model_max_output_tokens=50), "go", tools=[present])
     assert result.outcome is le.Outcome.COMPLETED
     assert on_the_wire(wire) == [50, 50]
