@@ -353,7 +353,8 @@ class Engine:
                 starts: observers' attempt events say which attempt the text
                 belongs to (docs/observability.md).
             tool_error_text: Overrides the engine's hook for this run.
-            final_tool: The terminal tool's name in structured mode.
+            final_tool: The terminal tool's name in structured mode; naming
+                one without ``output`` is a `ConfigError`.
 
         Returns:
             The `RunResult`, whatever the outcome; it keeps the whole transcript.
@@ -658,6 +659,10 @@ class Engine:
             final_tool=final_tool,
         )
         check_tool_name("final_tool", final_tool)
+        if output is None and final_tool != "final_answer":
+            raise ConfigError("final_tool", f"{final_tool!r} would name the answer tool of a "
+                                            "structured run, and this run has no output "
+                                            "model: give output= too, or leave final_tool out")
         check_unique_tools(spec.tools, final_tool, structured=output is not None)
         for tool in spec.tools:
             if tool.delegates_to is not None:

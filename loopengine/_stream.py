@@ -47,6 +47,8 @@ class RunStream:
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._raised = False
+        self._left = False
+        """The caller left the stream before the run ended, which cancelled it."""
 
     def __aiter__(self) -> Self:
         return self
@@ -65,12 +67,18 @@ class RunStream:
         """The run's `RunResult`, once its events are consumed.
 
         Raises:
-            LoopEngineError: the run has not ended yet.
+            LoopEngineError: the run has not ended yet, or it was cancelled by
+                leaving its stream before the end (no result was made; the
+                ledger records it ``cancelled``).
             Exception: the error that ended the run without an outcome.
         """
         if self._error is not None:
             raise self._error
         if self._result is None:
+            if self._left:
+                raise LoopEngineError(
+                    "the run was cancelled: its stream was left before the run ended, so it "
+                    "has no result (the ledger records it cancelled, with its attempts)")
             raise LoopEngineError("the run has not ended: iterate its events to the end first")
         return self._result
 
@@ -118,6 +126,7 @@ async def stream_run(prepare: Prepare) -> AsyncIterator[RunStream]:
                     raise
                 finally:
                     # Left before the end: the run is cancelled (and recorded so).
+                    handle._left = True
                     group.cancel_scope.cancel()
         except BaseExceptionGroup as grouped:
             if not raised or list(grouped.exceptions) != raised:

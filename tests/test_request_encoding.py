@@ -262,3 +262,16 @@ def test_what_a_handler_returns_is_made_sendable() -> None:
     assert render_tool_output({"k": "\ud800"}) == '{"k": "\ufffd"}'
     as_text = render_tool_output([{"type": "text", "text": float("nan")}])
     assert as_text == '[{"type": "text", "text": NaN}]'
+
+
+async def test_a_terminal_tool_named_without_an_output_model_is_a_config_error() -> None:
+    """``final_tool`` names the answer tool of a structured run: given to a run with
+    no ``output`` it would do nothing, so it is refused before anything is recorded."""
+    ledger = MemoryLedger()
+    engine = le.Engine(ScriptedProvider([Reply.text("x")]), ledger=ledger)
+    with pytest.raises(le.ConfigError, match="give output= too") as caught:
+        await engine.run(OPERATION, "q", final_tool="submit")
+    assert caught.value.field == "final_tool"
+    assert ledger.invocations == {}
+    result = await engine.run(OPERATION, "q", final_tool="final_answer")
+    assert result.outcome is le.Outcome.COMPLETED

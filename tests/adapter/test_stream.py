@@ -78,7 +78,7 @@ async def test_breaking_out_early_cancels_the_run(wire: Harness) -> None:
     assert invocation["outcome"] == "cancelled"
     (attempt,) = ledger.attempts.values()
     assert (attempt["outcome"], attempt["aborted_reason"]) == ("aborted", "external")
-    with pytest.raises(le.LoopEngineError, match="has not ended"):
+    with pytest.raises(le.LoopEngineError, match="was cancelled: its stream was left before"):
         _ = run.result
 
 
