@@ -25,6 +25,7 @@ from loopengine._features import Features, features_from_table, features_table
 from loopengine._operation import Operation
 from loopengine._usage import Usage, UsageIteration
 from loopengine.guards._limits import Limits
+from loopengine.providers._base import Container
 from loopengine.providers._retry import RetryPolicy
 
 __all__ = ["Approve", "Decision", "Deny", "PendingCall", "RunState", "Supply", "json_digest"]
@@ -167,6 +168,10 @@ class RunState:
     """When the run paused (UTC)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Room for later versions' fields (kept, not read)."""
+    container: Container | None = None
+    """The code execution container the run's replies last named (its id and
+    expiry), which its resumed requests send again while it has not expired;
+    None without one (or in a state encoded before it was kept)."""
 
     def dumps(self) -> bytes:
         """The state as versioned JSON bytes (no keys, no code)."""
@@ -179,8 +184,11 @@ class RunState:
             return json.dumps(encoded, separators=(",", ":")).encode()
 
     def _encoded(self) -> dict[str, Any]:
-        """The state as JSON values (what `dumps` encodes)."""
+        """The state as JSON values (what `dumps` encodes). Without a container,
+        no ``container`` key: a state encoded before it was kept keeps its seal."""
         operation = self.operation
+        container = {} if self.container is None else {"container": {
+            "id": self.container.id, "expires_at": self.container.expires_at.isoformat()}}
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -215,6 +223,7 @@ class RunState:
                          "usage": _usage_fields(self.progress.usage)},
             "paused_at": self.paused_at.isoformat(),
             "extra": self.extra,
+            **container,
         }
 
     @classmethod
@@ -267,6 +276,7 @@ class RunState:
                 progress=_progress(Progress(usage=usage, **progress)),
                 paused_at=datetime.fromisoformat(raw["paused_at"]),
                 extra=dict(raw.get("extra") or {}),
+                container=_container(raw.get("container")),
             )
         except ConfigError as error:
             raise ConfigError("state", f"holds a bad value: {error}") from None
@@ -335,6 +345,18 @@ def _text(value: object) -> str:
 
 def _optional_text(value: object) -> str | None:
     return None if value is None else _text(value)
+
+
+def _container(value: object) -> Container | None:
+    """The container `RunState._encoded` wrote (absent: None), its expiry in UTC."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a container, got {type(value).__name__}")
+    expires = datetime.fromisoformat(_text(value["expires_at"]))
+    if expires.tzinfo is None:
+        raise ValueError(f"container expires_at {value['expires_at']!r} has no UTC offset")
+    return Container(_text(value["id"]), expires)
 
 
 def _list(value: object) -> list[Any]:

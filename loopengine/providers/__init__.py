@@ -13,6 +13,7 @@ import typing
 
 from loopengine.providers._base import (
     FEATURES,
+    Container,
     Provider,
     ProviderRequest,
     ProviderResponse,
@@ -35,6 +36,7 @@ __all__ = [
     "MAX_CACHE_MARKERS",
     "AnthropicProvider",
     "CachePolicy",
+    "Container",
     "FaultKind",
     "GeminiProvider",
     "OpenAIProvider",

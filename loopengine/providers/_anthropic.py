@@ -65,6 +65,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any, TypeAlias, TypedDict
 
 import anthropic
@@ -74,6 +75,7 @@ from loopengine._errors import ConfigError
 from loopengine._pricing import TOKEN_ONLY_TOOLS
 from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._base import (
+    Container,
     ProviderRequest,
     ProviderResponse,
     TextCallback,
@@ -557,6 +559,10 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         if features.context_management is not None:
             # Not a parameter of the SDK's non-beta resource: sent in the body as is.
             params["extra_body"] = {"context_management": dict(features.context_management)}
+        if request.container is not None:
+            # The run's code execution container: its files, and the one a
+            # programmatic tool call's result must go back to.
+            params["container"] = request.container
         return params
 
     async def send(self, request: ProviderRequest, *,
@@ -593,7 +599,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         model = text_or_none(body.get("model"))
         return _answer(body["content"], body.get("stop_reason"), usage_from_api(raw, model=model),
                        approx, response_id=text_or_none(body.get("id")), request_id=request_id,
-                       http_status=status, model=model)
+                       http_status=status, model=model, container=_container(body.get("container")))
 
     async def _send_streaming(
         self, client: AsyncClient, params: dict[str, Any], on_text: TextCallback | None
@@ -649,12 +655,15 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                                     compacted),
                        snapshot.stop_reason, usage, approx, response_id=snapshot.id,
                        request_id=request_id, http_status=stream.response.status_code,
-                       model=snapshot.model)
+                       model=snapshot.model,
+                       container=_container(None if snapshot.container is None
+                                            else snapshot.container.to_dict(mode="json")))
 
 
 def _answer(content: list[dict[str, Any]], stop_reason: object, usage: Usage | None,
             approx: bool, *, response_id: str | None, request_id: str | None,
-            http_status: int, model: str | None) -> ProviderResponse:
+            http_status: int, model: str | None,
+            container: Container | None = None) -> ProviderResponse:
     """The response of a whole message (read as JSON or streamed), or the fault of
     one whose ``stop_reason`` is missing or not one of `STOP_REASONS`; ``approx``:
     its usage is a floor (`_split_writes`)."""
@@ -662,7 +671,23 @@ def _answer(content: list[dict[str, Any]], stop_reason: object, usage: Usage | N
               request_id=request_id, usage=usage, response_id=response_id, usage_approx=approx)
     return ProviderResponse(content=content, stop_reason=str(stop_reason), usage=usage,
                             usage_approx=approx, response_id=response_id,
-                            request_id=request_id, http_status=http_status, model=model)
+                            request_id=request_id, http_status=http_status, model=model,
+                            container=container)
+
+
+def _container(raw: object) -> Container | None:
+    """A message's ``container`` (``{"id": ..., "expires_at": ...}``, the expiry
+    in ISO 8601), or None when it names none or names it in another shape."""
+    if not isinstance(raw, Mapping):
+        return None
+    ident, expires = raw.get("id"), raw.get("expires_at")
+    if not isinstance(ident, str) or not ident or not isinstance(expires, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(expires)
+    except ValueError:
+        return None
+    return Container(ident, moment if moment.tzinfo else moment.replace(tzinfo=UTC))
 
 
 def _sendable(messages: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from loopengine._errors import ConfigError
@@ -32,8 +33,9 @@ from loopengine._validate import MAX_INTEGER, binary_note
 from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
 
-__all__ = ["FEATURES", "Provider", "ProviderRequest", "ProviderResponse", "TextCallback",
-           "hand_text", "media_note", "priced_geo", "priced_speed", "priced_tier", "text_or_none",
+__all__ = ["FEATURES", "Container", "Provider", "ProviderRequest", "ProviderResponse",
+           "TextCallback", "hand_text", "media_note", "priced_geo", "priced_speed",
+           "priced_tier", "text_or_none",
            "reported_usage", "token_count"]
 
 P = ParamSpec("P")
@@ -78,6 +80,11 @@ class ProviderRequest:
     """The run's request features (the operation's, narrowed): thinking, server
     tools, betas... The engine has checked that the provider declares each one
     it enables (`Provider.features`)."""
+    container: str | None = None
+    """The id of the code execution container an earlier reply of the run
+    named (`ProviderResponse.container`), while it has not expired: the
+    Messages API's ``container``, so files made in one turn are there the
+    next. None: no container yet (or it expired)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +110,24 @@ class ProviderResponse:
     does not detail was counted at its cheapest rate (a stream's cache writes
     of mixed lifetimes that outgrew the split it reported). The ledger flags
     the attempt as it flags a cut stream's usage (``usage_approx``)."""
+    container: Container | None = None
+    """The code execution container the reply used (the Messages API's
+    ``container``), or None; the run sends its id on its later requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class Container:
+    """A code execution container a reply named: where the model's files live
+    between the requests of a run, until it expires."""
+
+    id: str
+    """The container's id, sent back as the request's ``container``."""
+    expires_at: datetime
+    """When the container expires (UTC); past it, it is not sent."""
+
+    def live(self, now: datetime) -> str | None:
+        """The id, while the container has not expired at ``now``; else None."""
+        return self.id if now < self.expires_at else None
 
 
 @runtime_checkable

@@ -42,7 +42,10 @@ __all__ = ["MAX_CACHE_MARKERS", "CachePolicy", "place_cache_markers"]
 MAX_CACHE_MARKERS = 4
 """The most ``cache_control`` markers one Anthropic request may carry."""
 
-_UNCACHEABLE = frozenset({"thinking", "redacted_thinking"})
+_UNCACHEABLE = frozenset({"thinking", "redacted_thinking", "fallback", "mcp_tool_listing"})
+"""The block types that cannot carry ``cache_control`` (the SDK's block params
+without it): the conversation marker goes on the newest message's last block
+of another type, or nowhere."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -296,9 +299,17 @@ def marker_lifetimes(body: Mapping[str, Any]) -> frozenset[str]:
 
 def cache_marker_problem(body: Any) -> str | None:
     """Why Anthropic would refuse the markers of a request body, or None: more
-    than four, or a one-hour marker after a five-minute one."""
+    than four, a one-hour marker after a five-minute one, or one on a block
+    that cannot carry it (`_UNCACHEABLE`)."""
     if not isinstance(body, Mapping):
         return None
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        for path, block in _walk(content) if isinstance(content, list) else ():
+            if block.get("cache_control") is not None and block.get("type") in _UNCACHEABLE:
+                where = ".".join(str(step) for step in ("messages", i, "content", *path))
+                return f"{where}.{block['type']}.cache_control: Extra inputs are not permitted"
     markers = cache_markers(body)
     if len(markers) > MAX_CACHE_MARKERS:
         return (f"A maximum of {MAX_CACHE_MARKERS} blocks with cache_control may be "

@@ -25,7 +25,11 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
   and sent back on the same call. A message's ``reasoning_content`` (a
   thinking server's reasoning: DeepSeek's, which refuses a tool-call turn
   sent back without it) is kept as a ``reasoning_content`` block before the
-  reply's text and sent back on the assistant message of a tool-call turn.
+  reply's text and sent back on the assistant message of a tool-call turn;
+  its ``reasoning_details`` (OpenRouter's structured reasoning, which it asks
+  back with the tool calls of a reasoning model, signatures included) likewise,
+  as a ``reasoning_details`` block (a streamed one put together by each
+  detail's ``index``).
 
 ``finish_reason`` becomes the engine's stop reason: ``stop`` -> ``end_turn``,
 ``tool_calls`` -> ``tool_use``, ``length`` -> ``max_tokens`` (``incomplete``),
@@ -90,6 +94,14 @@ API = "Chat Completions"
 
 REASONING_CONTENT = "reasoning_content"
 """A thinking server's reasoning field (DeepSeek's), kept as a block of this type."""
+
+REASONING_DETAILS = "reasoning_details"
+"""OpenRouter's structured reasoning (a list of ``reasoning.text``,
+``reasoning.summary``, ``reasoning.encrypted`` details), kept as a block of
+this type."""
+
+# The text fields of a reasoning detail that a stream sends in pieces.
+_DETAIL_TEXTS = ("text", "summary", "data", "signature")
 
 FINISH_REASONS = {
     "stop": "end_turn",
@@ -163,6 +175,8 @@ class StreamedCompletion:
         self.refusal: list[str] = []
         self.reasoning: list[str] = []
         """A thinking server's ``reasoning_content`` deltas (DeepSeek's)."""
+        self.details: dict[int, dict[str, Any]] = {}
+        """OpenRouter's ``reasoning_details`` so far, by each detail's ``index``."""
         self.calls: dict[tuple[int, int], dict[str, Any]] = {}
         """The tool calls by their place: ``(0, index)`` for a delta that names its
         ``index``, ``(1, n)`` for the n-th call of a server that names none."""
@@ -205,6 +219,9 @@ class StreamedCompletion:
                 reasoning = getattr(delta, "reasoning_content", None)
                 if isinstance(reasoning, str) and reasoning:
                     self.reasoning.append(reasoning)
+                for detail in getattr(delta, REASONING_DETAILS, None) or ():
+                    if isinstance(detail, Mapping):
+                        self._detail(detail)
                 for call in delta.tool_calls or ():
                     entry = self._call(call)
                     if call.id:
@@ -222,6 +239,20 @@ class StreamedCompletion:
         if text:
             self.text.append(text)
         return text
+
+    def _detail(self, piece: Mapping[str, Any]) -> None:
+        """Add a streamed ``reasoning_details`` entry to the detail of its
+        ``index`` (a new one without an index): its text fields joined, the
+        others as the latest piece names them."""
+        index = piece.get("index")
+        if not isinstance(index, int) or isinstance(index, bool):
+            index = len(self.details)
+        detail = self.details.setdefault(index, {})
+        for key, value in piece.items():
+            if key in _DETAIL_TEXTS and isinstance(value, str):
+                detail[key] = str(detail.get(key) or "") + value
+            elif value is not None or key not in detail:
+                detail[key] = value
 
     def _call(self, call: Any) -> dict[str, Any]:
         """The tool call a ``tool_calls`` delta adds to: the one at its ``index``.
@@ -246,6 +277,7 @@ class StreamedCompletion:
             "content": "".join(self.text) or None,
             "refusal": "".join(self.refusal) or None,
             "reasoning_content": "".join(self.reasoning) or None,
+            REASONING_DETAILS: [detail for _, detail in sorted(self.details.items())],
             "tool_calls": [
                 {"id": call["id"], "type": "function",
                  "function": {"name": call["name"], "arguments": "".join(call["arguments"])},
@@ -260,9 +292,11 @@ class StreamedCompletion:
 # (before the attempt is recorded) and the translation itself (in `send`)
 # ask the same questions below, so they cannot disagree.
 
-# Sent (text, tool_use, a thinking server's reasoning_content), or dropped
+# Sent (text, tool_use, a thinking server's reasoning_content or
+# reasoning_details), or dropped
 # (another vendor's reasoning).
-_ASSISTANT_KINDS = frozenset({"text", "tool_use", REASONING_CONTENT, "thinking",
+_ASSISTANT_KINDS = frozenset({"text", "tool_use", REASONING_CONTENT, REASONING_DETAILS,
+                              "thinking",
                               "redacted_thinking", "reasoning"})
 _USER_SENT = frozenset({"tool_result", "text", "image"})
 
@@ -359,12 +393,15 @@ def _assistant_message(content: Any) -> dict[str, Any]:
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
+    details: list[Any] = []
     for block in content or ():
         kind = _assistant_kind(block)
         if kind == "text":
             texts.append(str(block.get("text", "")))
         elif kind == REASONING_CONTENT:
             reasoning.append(str(block.get(REASONING_CONTENT, "")))
+        elif kind == REASONING_DETAILS and isinstance(block.get(REASONING_DETAILS), list):
+            details.extend(block[REASONING_DETAILS])
         elif kind == "tool_use":
             call: dict[str, Any] = {"id": block.get("id"), "type": "function",
                                     "function": {"name": block.get("name"),
@@ -378,6 +415,9 @@ def _assistant_message(content: Any) -> dict[str, Any]:
         if reasoning:
             # A thinking server (DeepSeek) refuses a tool-call turn without it.
             message[REASONING_CONTENT] = "".join(reasoning)
+        if details:
+            # OpenRouter asks a reasoning model's details back with its tool calls.
+            message[REASONING_DETAILS] = details
     elif message["content"] is None:
         message["content"] = ""
     return message
@@ -511,6 +551,10 @@ def content_from_message(
         # A thinking server's reasoning (DeepSeek's), which it requires back
         # with the tool calls it led to.
         content.append({"type": REASONING_CONTENT, REASONING_CONTENT: reasoning})
+    details = message.get(REASONING_DETAILS)
+    if isinstance(details, list) and details:
+        # OpenRouter's structured reasoning, asked back with the tool calls.
+        content.append({"type": REASONING_DETAILS, REASONING_DETAILS: list(details)})
     text = text_of(message.get("content"))
     if text:
         content.append({"type": "text", "text": text})

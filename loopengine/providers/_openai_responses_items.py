@@ -11,8 +11,8 @@ boundary, both ways (`responses_params`, `content_from_response`,
   blocks ``function_call`` items, in the order of its blocks; tools become
   ``function`` tools (``strict`` false: the engine validates the input);
   ``cache_control`` markers and another vendor's ``thinking`` (or a Chat
-  Completions server's ``reasoning_content``) have no equivalent and are
-  dropped.
+  Completions server's ``reasoning_content`` or ``reasoning_details``) have
+  no equivalent and are dropped.
 * A reply's ``output_text`` and ``refusal`` parts become text blocks, its
   ``function_call`` items ``tool_use`` blocks (the ``call_id`` is the block's
   ``id``). Every other output item (a ``reasoning`` item, a
@@ -86,7 +86,8 @@ API = "Responses API"
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 """The ``include`` value that asks for reasoning items' ``encrypted_content``."""
 
-_DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning_content"})
+_DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning_content",
+                      "reasoning_details"})
 
 
 WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search_preview",

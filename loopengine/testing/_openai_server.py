@@ -17,7 +17,11 @@ rendered in the Chat Completions shapes:
   ``reasoning_content`` blocks are the message's ``reasoning_content``, as a
   thinking server such as DeepSeek sends it, streamed before the text, and a
   later request that sends back one of those tool calls without it is
-  refused, as DeepSeek refuses it); its stop reason is the
+  refused, as DeepSeek refuses it); its ``reasoning_details`` blocks are the
+  message's ``reasoning_details`` (OpenRouter's), streamed detail by detail,
+  a text in pieces under its ``index``, and a tool-call turn served with them
+  sent back without them is refused, as a thinking model behind OpenRouter
+  refuses it; its stop reason is the
   ``finish_reason`` (``end_turn`` -> ``stop``, ``tool_use`` -> ``tool_calls``,
   ``max_tokens`` and ``model_context_window_exceeded`` -> ``length``,
   ``refusal`` -> ``content_filter``, any other value as it is, None as
@@ -158,6 +162,8 @@ class FakeOpenAIServer(LoopbackServer):
         self._reasoning_calls: set[str] = set()
         # The ids of the tool calls served with a reasoning_content: as
         # DeepSeek's thinking mode does, their turn is refused without it.
+        self._detailed_calls: set[str] = set()
+        # Likewise those served with OpenRouter's reasoning_details.
 
     @property
     def base_url(self) -> str:
@@ -185,12 +191,15 @@ class FakeOpenAIServer(LoopbackServer):
         """Why a thinking server (DeepSeek) would refuse ``body``'s messages: a
         tool-call turn it served with a ``reasoning_content``, sent back without it."""
         for index, message in enumerate(body.get("messages") or ()):
-            if not isinstance(message, Mapping) or message.get("reasoning_content"):
+            if not isinstance(message, Mapping):
                 continue
-            if any(isinstance(call, Mapping) and call.get("id") in self._reasoning_calls
-                   for call in message.get("tool_calls") or ()):
-                return (f"Missing reasoning_content field in the assistant message at "
-                        f"message index {index}.")
+            for field, calls in (("reasoning_content", self._reasoning_calls),
+                                 ("reasoning_details", self._detailed_calls)):
+                if not message.get(field) and any(
+                        isinstance(call, Mapping) and call.get("id") in calls
+                        for call in message.get("tool_calls") or ()):
+                    return (f"Missing {field} field in the assistant message at "
+                            f"message index {index}.")
         return None
 
     def _error_body(self, item: ErrorReply) -> bytes:
@@ -228,6 +237,11 @@ class FakeOpenAIServer(LoopbackServer):
         if reasoning:
             message["reasoning_content"] = reasoning
             self._reasoning_calls.update(str(call["id"]) for call in calls)
+        details = [detail for b in reply.content if b.get("type") == "reasoning_details"
+                   for detail in b.get("reasoning_details") or ()]
+        if details:
+            message["reasoning_details"] = details
+            self._detailed_calls.update(str(call["id"]) for call in calls)
         if calls:
             message["tool_calls"] = calls
         completion: dict[str, Any] = {
@@ -268,6 +282,16 @@ class FakeOpenAIServer(LoopbackServer):
         frames.append(chunk({"role": "assistant", "content": ""}))
         for piece in _WORDS.findall(answer.get("reasoning_content") or ""):
             frames.append(chunk({"reasoning_content": piece}))
+        for index, detail in enumerate(answer.get("reasoning_details") or ()):
+            # The text in pieces, then the rest (a signature) with the last.
+            text = str(detail.get("text") or "")
+            pieces = _WORDS.findall(text) or [text]
+            for n, piece in enumerate(pieces):
+                rest = ({k: v for k, v in detail.items() if k != "text"}
+                        if n == len(pieces) - 1 else {"type": detail.get("type")})
+                frames.append(chunk({"reasoning_details": [
+                    {**rest, **({"text": piece} if "text" in detail else {}),
+                     "index": index}]}))
         for piece in _WORDS.findall(answer["content"] or ""):
             frames.append(chunk({"content": piece}))
         for index, call in enumerate(answer.get("tool_calls", ())):

@@ -167,3 +167,33 @@ async def test_a_thinking_servers_reasoning_goes_back_with_its_tool_calls(
         turns = [m for m in request.messages if m["role"] == "assistant"]
         assert turns[0]["reasoning_content"] == "Look both keys up."
         assert all("reasoning_content" not in turn for turn in turns[1:])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_openrouters_reasoning_details_go_back_with_their_tool_calls(
+    stream: bool,
+) -> None:
+    """OpenRouter sends a reasoning model's reasoning as the message's
+    ``reasoning_details`` and asks it back with the tool calls it led to (a
+    thinking model behind it refuses the turn without them): kept as a
+    ``reasoning_details`` block, a streamed one put together by index, and sent
+    back on that turn's assistant message, signatures included."""
+    details = [{"type": "reasoning.text", "text": "Look both keys up.",
+                "signature": "sig-1", "format": "anthropic-claude-v1", "index": 0},
+               {"type": "reasoning.encrypted", "data": "opaque", "format": "anthropic-claude-v1",
+                "index": 1}]
+    thought = {"type": "reasoning_details", "reasoning_details": details}
+    calls = Reply(content=[thought, {"type": "tool_use", "id": "call_1", "name": "lookup",
+                                     "input": {"key": "a"}}], stop_reason="tool_use")
+    with FakeOpenAIServer([calls, Reply.text("a is value of a")]) as server:
+        provider = OpenAIProvider(api_key="k", base_url=server.base_url, stream=stream)
+        engine = le.Engine(provider, ledger=MemoryLedger(), prices=PRICES)
+        try:
+            result = await engine.run(openai_operation(), "go", tools=[lookup])
+        finally:
+            await provider.aclose()
+        requests = server.requests
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    assert result.messages[1]["content"][0] == thought
+    sent = [m for m in requests[1].messages if m["role"] == "assistant"]
+    assert sent[0]["reasoning_details"] == details

@@ -1,0 +1,192 @@
+"""What one request of a run hands the next on the wire, through the real SDK
+against the loopback Messages API: the code execution container (across turns,
+its expiry and a pause), a prefill the API refuses with thinking on, and the
+conversation's cache marker kept off blocks that cannot carry one."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import pydantic
+import pytest
+
+import loopengine as le
+from loopengine.providers import Reply
+from loopengine.testing import FakeClock
+
+from ..conftest import MODEL
+from .conftest import STREAMING, Harness
+
+CODE = le.ServerTool(type="code_execution_20250825", name="code_execution")
+
+
+def coding(**features: Any) -> le.Operation:
+    """An Anthropic operation publishing code execution."""
+    return le.Operation(name="coding", provider="anthropic", model=MODEL,
+                        server_tools=(CODE,), **features)
+
+
+def programmatic_call(tool: str, call_id: str, to: str) -> Reply:
+    """A reply whose tool call the model made from its code (programmatic tool
+    calling): its result must go back to the same container."""
+    return Reply(content=[
+        {"type": "server_tool_use", "id": "srvtoolu_1", "name": "code_execution",
+         "input": {"code": "send()"}},
+        {"type": "tool_use", "id": call_id, "name": tool, "input": {"to": to},
+         "caller": {"type": "code_execution_20250825", "tool_id": "srvtoolu_1"}},
+    ], stop_reason="tool_use")
+
+
+@le.tool
+def send(to: str) -> str:
+    """Send the message to someone."""
+    return f"sent to {to}"
+
+
+@STREAMING
+async def test_the_container_goes_on_every_later_request(wire: Harness, stream: bool) -> None:
+    """The first reply names a container; the next request sends its id (a
+    programmatic call's result is refused without it), and so does the one after."""
+    engine, ledger = wire.engine(programmatic_call("send", "toolu_1", "ann"),
+                                 Reply.tool_calls(("send", {"to": "bob"})),
+                                 Reply.text("done"), stream=stream)
+    result = await engine.run(coding(), "send it", tools=[send])
+    assert result.outcome is le.Outcome.COMPLETED, result.fault
+    first, *later = wire.requests
+    assert "container" not in first.body
+    assert [r.body["container"] for r in later] == ["container_fake_0001"] * 2
+    # The id is not conversation text, and none goes to the ledger either way.
+    assert "container_fake" not in repr(ledger.attempts) + repr(ledger.invocations)
+
+
+@STREAMING
+async def test_an_expired_container_is_not_sent(wire: Harness, clock: FakeClock,
+                                                stream: bool) -> None:
+    """Past the container's expires_at (the run's clock), the next request sends
+    none: the API would refuse an expired one, and makes a new one."""
+    wire.server.now = clock.wall
+    wire.server.container_lifetime = timedelta(seconds=30)
+
+    @le.tool
+    def slow(to: str) -> str:
+        """Takes a minute."""
+        clock.advance(60)
+        return "slow"
+
+    engine, _ = wire.engine(Reply.tool_calls(("slow", {"to": "a"})), Reply.text("done"),
+                            stream=stream)
+    result = await engine.run(coding(), "go", tools=[slow])
+    assert result.outcome is le.Outcome.COMPLETED, result.fault
+    assert "container" not in wire.requests[1].body
+    assert list(wire.server.containers) == ["container_fake_0001", "container_fake_0002"]
+
+
+@STREAMING
+async def test_a_paused_run_keeps_its_container(wire: Harness, stream: bool) -> None:
+    """The container is in the paused run's state: the resumed request sends it."""
+
+    @le.tool(approval=True)
+    def guarded(to: str) -> str:
+        """Needs approval."""
+        return "ok"
+
+    engine, _ = wire.engine(programmatic_call("guarded", "toolu_1", "ann"),
+                            Reply.text("done"), stream=stream)
+    paused = await engine.run(coding(), "go", tools=[guarded])
+    assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+    state = le.RunState.loads(paused.state.dumps())
+    assert state.container == paused.state.container
+    assert state.container is not None and state.container.id == "container_fake_0001"
+    assert state.seal() == paused.state.seal()
+    result = await engine.resume(state, decisions={"toolu_1": le.Approve()}, tools=[guarded])
+    assert result.outcome is le.Outcome.COMPLETED, result.fault
+    assert wire.requests[1].body["container"] == "container_fake_0001"
+
+
+async def test_a_state_without_a_container_keeps_its_encoding(wire: Harness) -> None:
+    """A state with no container encodes no ``container`` key, so a state encoded
+    before the field existed loads, and its seal is the one its ledger kept."""
+
+    @le.tool(approval=True)
+    def guarded(to: str) -> str:
+        """Needs approval."""
+        return "ok"
+
+    engine, _ = wire.engine(Reply.tool_calls(("guarded", {"to": "a"})))
+    paused = await engine.run(le.Operation(name="plain", provider="anthropic", model=MODEL),
+                              "go", tools=[guarded])
+    assert paused.state is not None and paused.state.container is None
+    raw = json.loads(paused.state.dumps())
+    assert "container" not in raw
+    assert le.RunState.loads(json.dumps(raw)).seal() == paused.state.seal()
+    raw["container"] = {"id": "c1", "expires_at": "2026-01-01T00:00:00"}
+    with pytest.raises(le.ConfigError, match="UTC offset"):
+        le.RunState.loads(json.dumps(raw))
+
+
+class Colour(pydantic.BaseModel):
+    """A structured call's answer."""
+
+    name: str
+
+
+PREFILL = [{"role": "user", "content": "Name a colour."},
+           {"role": "assistant", "content": "The colour is"}]
+
+
+@pytest.mark.parametrize("thinking", [le.Thinking(budget_tokens=1024),
+                                      le.Thinking(adaptive=True)], ids=["budget", "adaptive"])
+async def test_a_prefill_with_thinking_is_refused_before_anything_is_recorded(
+        wire: Harness, thinking: le.Thinking) -> None:
+    """The API refuses a final assistant message while thinking is on: a run or a
+    call with one is a ConfigError, nothing sent or recorded."""
+    engine, ledger = wire.engine(Reply.text(" blue"))
+    operation = le.Operation(name="t", provider="anthropic", model=MODEL, thinking=thinking,
+                             max_output_tokens=4096)
+    with pytest.raises(le.ConfigError, match="prefill") as refused:
+        await engine.run(operation, PREFILL)
+    assert refused.value.field == "messages"
+
+    with pytest.raises(le.ConfigError, match="prefill"):
+        await engine.call(operation, PREFILL, output=Colour)
+    assert wire.requests == [] and not ledger.attempts and not ledger.invocations
+    # Without thinking the prefill is sent, as the API takes it.
+    plain = le.Operation(name="t", provider="anthropic", model=MODEL, max_output_tokens=4096)
+    result = await engine.run(plain, PREFILL)
+    assert result.outcome is le.Outcome.COMPLETED
+    assert wire.requests[0].body["messages"][-1]["role"] == "assistant"
+
+
+async def test_the_fake_refuses_a_prefill_with_thinking(wire: Harness) -> None:
+    """The loopback API refuses what the API refuses: a final assistant message
+    that does not start with a thinking block, while thinking is on."""
+    import anthropic
+
+    client = anthropic.AsyncAnthropic(api_key="k", base_url=wire.server.url, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="must start with a thinking block"):
+        await client.messages.create(model=MODEL, max_tokens=2048, messages=PREFILL,
+                                     thinking={"type": "enabled", "budget_tokens": 1024})
+    await client.close()
+
+
+@pytest.mark.parametrize("block", [
+    {"type": "mcp_tool_listing", "mcp_server_name": "docs", "tools": []},
+    {"type": "fallback", "from": {"model": "claude-opus-4-5"}},
+], ids=["mcp_tool_listing", "fallback"])
+@STREAMING
+async def test_the_conversation_marker_skips_a_block_that_cannot_carry_it(
+        wire: Harness, block: dict[str, Any], stream: bool) -> None:
+    """The newest message ends with a block the API takes no cache_control on:
+    the marker goes on the last block that can, and the request is taken."""
+    engine, _ = wire.engine(Reply.text(" more"), stream=stream)
+    operation = le.Operation(name="c", provider="anthropic", model=MODEL,
+                             cache=le.CachePolicy(conversation=True))
+    messages = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": [{"type": "text", "text": "so far"}, block]}]
+    result = await engine.run(operation, messages)
+    assert result.outcome is le.Outcome.COMPLETED, result.fault
+    sent = wire.requests[0].body["messages"][-1]["content"]
+    assert sent[0]["cache_control"] == {"type": "ephemeral"}
+    assert "cache_control" not in sent[1]
