@@ -64,14 +64,22 @@ async def two_calls(first_extra: dict[str, Any], *, stream: bool,
          **first_extra},
         {"type": "tool_use", "id": "function-call-2", "name": "lookup", "input": {"key": "b"}}],
         stop_reason="tool_use")
-    with FakeOpenAIServer([calls, Reply.text("done")], tool_call_indexes=indexes) as server:
-        provider = OpenAIProvider(api_key="k", base_url=server.base_url, stream=stream)
+    return await lookup_run([calls, Reply.text("done")], stream=stream,
+                            tool_call_indexes=indexes)
+
+
+async def lookup_run(script: list[Reply], *, stream: bool, **server: Any
+                     ) -> tuple[le.RunResult, list[RecordedRequest]]:
+    """One run with the ``lookup`` tool on a FakeOpenAIServer (``server`` its
+    keywords) serving ``script``: its result and the requests the server received."""
+    with FakeOpenAIServer(script, **server) as fake:
+        provider = OpenAIProvider(api_key="k", base_url=fake.base_url, stream=stream)
         engine = le.Engine(provider, ledger=MemoryLedger(), prices=PRICES)
         try:
             result = await engine.run(openai_operation(), "go", tools=[lookup])
         finally:
             await provider.aclose()
-        return result, server.requests
+        return result, fake.requests
 
 
 async def test_tool_calls_streamed_without_an_index_stay_apart() -> None:
@@ -185,14 +193,7 @@ async def test_openrouters_reasoning_details_go_back_with_their_tool_calls(
     thought = {"type": "reasoning_details", "reasoning_details": details}
     calls = Reply(content=[thought, {"type": "tool_use", "id": "call_1", "name": "lookup",
                                      "input": {"key": "a"}}], stop_reason="tool_use")
-    with FakeOpenAIServer([calls, Reply.text("a is value of a")]) as server:
-        provider = OpenAIProvider(api_key="k", base_url=server.base_url, stream=stream)
-        engine = le.Engine(provider, ledger=MemoryLedger(), prices=PRICES)
-        try:
-            result = await engine.run(openai_operation(), "go", tools=[lookup])
-        finally:
-            await provider.aclose()
-        requests = server.requests
+    result, requests = await lookup_run([calls, Reply.text("a is value of a")], stream=stream)
     assert result.outcome is le.Outcome.COMPLETED, result.detail
     assert result.messages[1]["content"][0] == thought
     sent = [m for m in requests[1].messages if m["role"] == "assistant"]
