@@ -61,6 +61,27 @@ async def test_the_container_goes_on_every_later_request(wire: Harness, stream: 
     assert "container_fake" not in repr(ledger.attempts) + repr(ledger.invocations)
 
 
+class Total(pydantic.BaseModel):
+    """A structured answer computed in the container."""
+
+    total: int
+
+
+@STREAMING
+async def test_a_calls_repair_goes_to_the_same_container(wire: Harness, stream: bool) -> None:
+    """`Engine.call` hands its container on too: the repair after an answer the
+    schema refused sends the first reply's container, so the files the model made
+    there are still there."""
+    engine, ledger = wire.engine(Reply.final({"total": "many"}), Reply.final({"total": 42}),
+                                 stream=stream)
+    result = await engine.call(coding(), "Add the numbers in data.csv.", output=Total)
+    assert result.data == Total(total=42)
+    first, repair = wire.requests
+    assert "container" not in first.body
+    assert repair.body["container"] == "container_fake_0001"
+    assert "container_fake" not in repr(ledger.attempts) + repr(ledger.invocations)
+
+
 @STREAMING
 async def test_an_expired_container_is_not_sent(wire: Harness, clock: FakeClock,
                                                 stream: bool) -> None:
