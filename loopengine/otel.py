@@ -7,7 +7,8 @@ Install the extra (``pip install 'loopengine-core[otel]'``) and pass an observer
     engine = Engine(provider, observers=[OpenTelemetryObserver()])
 
 Each run gives one ``invoke_agent {operation}`` span; under it, one
-``chat {model}`` span per attempt (each wire request, retries included) and
+``chat {model}`` span per attempt (``generate_content {model}`` on the
+Gemini API; each wire request, retries included) and
 one ``execute_tool {tool}`` span per tool call. Span times are the events'
 times. The run span is a child of whatever span is current where the run was
 started, so a run joins the caller's trace. A run that pauses for approval
@@ -74,6 +75,11 @@ __all__ = ["OpenTelemetryObserver", "provider_name"]
 _PROVIDER_NAMES = {"anthropic": "anthropic", "bedrock": "aws.bedrock", "vertex": "gcp.vertex_ai",
                    "aws-bedrock": "aws.bedrock", "google-vertex": "gcp.vertex_ai",
                    "google": "gcp.gemini", "openai": "openai", "azure": "azure.ai.openai"}
+
+# gen_ai.operation.name of an attempt: the conventions name the Gemini API's
+# requests ``generate_content``; the others (and Gemini on Vertex AI, whose
+# provider name Claude on Vertex shares) are ``chat``.
+_GENERATE_CONTENT = frozenset({"gcp.gemini"})
 
 # The GenAI names are spelled out rather than imported: the conventions'
 # package keeps them in an unstable module that has already moved once (they
@@ -332,11 +338,12 @@ class OpenTelemetryObserver:
     # -- attempts ---------------------------------------------------------------------
 
     def _attempt_started(self, run: _RunSpans, event: AttemptStarted) -> None:
+        operation = "generate_content" if run.provider in _GENERATE_CONTENT else "chat"
         run.attempts[event.ordinal] = self._tracer.start_span(
-            f"chat {event.model}", context=run.context, kind=SpanKind.CLIENT,
+            f"{operation} {event.model}", context=run.context, kind=SpanKind.CLIENT,
             start_time=_ns(event.at),
             attributes={
-                "gen_ai.operation.name": "chat",
+                "gen_ai.operation.name": operation,
                 "gen_ai.provider.name": run.provider,
                 "gen_ai.request.model": event.model,
                 "gen_ai.request.max_tokens": event.max_tokens,

@@ -415,13 +415,18 @@ async def test_every_shipped_provider_is_named_by_a_well_known_provider_name(
 ) -> None:
     """A run on each shipped provider, through its real SDK, puts the conventions'
     well-known gen_ai.provider.name for that provider on its run and attempt spans
-    (the Gemini API's vendor, ``google``, is ``gcp.gemini``)."""
+    (the Gemini API's vendor, ``google``, is ``gcp.gemini``), and names its attempt
+    spans by the operation the conventions give that API (``generate_content`` for
+    the Gemini API, ``chat`` for the others)."""
     async with _route(route) as (provider, name, model):
         engine = le.Engine(provider, observers=[OpenTelemetryObserver(tracer_provider)])
         result = await engine.run(le.Operation(name="otel.route", provider=name, model=model,
                                                max_output_tokens=50), "q")
     assert result.outcome is le.Outcome.COMPLETED
     spans = exporter.get_finished_spans()
-    assert [s.name for s in spans] == [f"chat {model}", "invoke_agent otel.route"]
+    operation = "generate_content" if route == "gemini" else "chat"
+    assert [s.name for s in spans] == [f"{operation} {model}", "invoke_agent otel.route"]
+    assert attrs(spans[0])["gen_ai.operation.name"] == operation
+    assert operation in values("GenAiOperationNameValues")
     assert {attrs(s)["gen_ai.provider.name"] for s in spans} == {expected}
     assert expected in values("GenAiProviderNameValues")
