@@ -404,7 +404,7 @@ async def store_of(kind: str, tmp_path: Path,
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
-async def test_a_run_alive_past_its_reservations_expiry_is_still_charged_its_whole_credits(
+async def test_r03_a_run_alive_past_its_reservations_expiry_is_charged_its_whole_credits(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest,
 ) -> None:
     """A run without ``total_time`` whose reservation expires while it still runs

@@ -163,7 +163,7 @@ class Reading(pydantic.BaseModel):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-async def test_an_answer_whose_validator_raises_is_repaired(
+async def test_r10_an_answer_whose_validator_raises_is_repaired(
         route: str, caplog: pytest.LogCaptureFixture) -> None:
     """A validator that raises what pydantic does not turn into a validation
     error fails the answer's check (R10): the model is told and answers again;
@@ -199,7 +199,7 @@ async def test_a_call_whose_validator_raises_retries_natively_and_in_the_prompt(
     assert [r.metadata["mode"] for r in sp.requests] == ["native", "prompt"]
 
 
-async def test_a_tool_input_whose_validator_raises_is_an_error_result() -> None:
+async def test_r15_a_tool_input_whose_validator_raises_is_an_error_result() -> None:
     @le.tool
     def log_reading(reading: Reading) -> str:
         """Log a reading."""

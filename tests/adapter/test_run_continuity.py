@@ -197,7 +197,7 @@ async def test_the_fake_refuses_a_prefill_with_thinking(wire: Harness) -> None:
     {"type": "fallback", "from": {"model": "claude-opus-4-5"}},
 ], ids=["mcp_tool_listing", "fallback"])
 @STREAMING
-async def test_the_conversation_marker_skips_a_block_that_cannot_carry_it(
+async def test_r12_the_conversation_marker_skips_a_block_that_cannot_carry_it(
         wire: Harness, block: dict[str, Any], stream: bool) -> None:
     """The newest message ends with a block the API takes no cache_control on:
     the marker goes on the last block that can, and the request is taken."""
