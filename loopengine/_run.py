@@ -318,6 +318,9 @@ class _Loop:
                     continue
                 taken.add(item.name)
                 tools.append(item)
+        offered = self.tools.values()
+        if len(tools) == len(offered) and all(a is b for a, b in zip(tools, offered)):
+            return  # the same tools: the definitions (the terminal tool's schema too) stand
         self._use_tools(tools)
 
     # -- the loop ------------------------------------------------------------------
