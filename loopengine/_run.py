@@ -319,7 +319,7 @@ class _Loop:
                 taken.add(item.name)
                 tools.append(item)
         offered = self.tools.values()
-        if len(tools) == len(offered) and all(a is b for a, b in zip(tools, offered)):
+        if len(tools) == len(offered) and all(a is b for a, b in zip(tools, offered, strict=True)):
             return  # the same tools: the definitions (the terminal tool's schema too) stand
         self._use_tools(tools)
 
