@@ -47,6 +47,7 @@ import anyio
 
 import loopengine as le
 from loopengine.persistence import PostgresLedger, SQLiteLedger
+from loopengine.persistence._qmark import percent_s
 from loopengine.persistence._schema import format_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +86,7 @@ def fill_postgres(dsn: str, schema: str, history: int) -> None:
 
     with psycopg.connect(dsn, options=f"-c search_path={schema}") as conn:
         with conn.cursor() as cursor:
-            cursor.executemany(ENTRY.replace("?", "%s"), list(past_runs(history)))
+            cursor.executemany(percent_s(ENTRY), list(past_runs(history)))
             cursor.execute("UPDATE accounts SET spent = spent + %s WHERE account = 'acme'",
                            (history * CHARGE,))
         conn.commit()

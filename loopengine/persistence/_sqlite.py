@@ -81,8 +81,9 @@ class SQLiteLedger(ThreadedLedger):
     ) -> None:
         check_arguments(max_retained_attempts=max_retained_attempts, max_batch=max_batch,
                         seconds={"busy_timeout": busy_timeout, "linger": linger})
-        self.path = _ledger_path(path)
-        check_library(sqlite3.sqlite_version_info, self.path)
+        text = _ledger_path(path)
+        check_library(sqlite3.sqlite_version_info, text)
+        self.path = text
         """The database file."""
         self._setup(self.path, max_retained_attempts, linger, max_batch,
                     give_up=float(busy_timeout))

@@ -503,7 +503,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 ``invalid_request_error``: nothing is recorded or sent.
         """
         if tool_blocks_without_tools(request.messages,
-                                     [*request.tools, *request.features.server_tools]):
+                                     request.tools or request.features.server_tools):
             raise ProviderFault(
                 FaultKind.BAD_REQUEST,
                 f"{TOOL_BLOCKS_WITHOUT_TOOLS} The messages hold tool calls and the run "
@@ -582,9 +582,10 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         except Exception as error:
             # A platform client signs each request as it is made: what its
             # credentials raised is not an SDK error, and is classified here.
-            if _credentials_fault(error) is None:
+            fault = _credentials_fault(error)
+            if fault is None:
                 raise
-            raise classify_error(error) from error
+            raise fault from error
 
     async def _send_plain(self, client: AsyncClient, params: dict[str, Any]) -> ProviderResponse:
         body, request_id, status = await json_body(
