@@ -97,11 +97,8 @@ async def run_child(
     inv.accounts = None
     inv.account = None
     inv.deadline = Deadline(min(inv.deadline.at, parent.deadline.at))
-    root = parent
-    while root.parent is not None:
-        root = root.parent
     # Its crossing turn's server-tool fees stay inside the root's reservation.
-    delegated_fees(inv, root, parent.clock.wall())
+    delegated_fees(inv, parent.root, parent.clock.wall())
     return await run_loop(inv, spec)
 
 

@@ -217,13 +217,19 @@ class Invocation:
             ancestor.descendant_credits += credits
             ancestor = ancestor.parent
 
+    @property
+    def root(self) -> Invocation:
+        """The run at the top of this run's tree (itself, unless delegated)."""
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        return root
+
     def crossing_permit(self) -> anyio.Lock:
         """The crossing permit of this run's tree, kept by its root (made on first
         use, inside the run): the turn holding it is the only one in flight in
         the tree that may cross a hold (`needs_crossing_permit`)."""
-        root = self
-        while root.parent is not None:
-            root = root.parent
+        root = self.root
         if root.permit is None:
             root.permit = anyio.Lock()
         return root.permit
@@ -307,9 +313,7 @@ class Invocation:
             return "the run's cost in nano-USD"
         if charged:
             rate, quantum = self.prices.credits_per_usd, self.prices.credit_quantum
-            root = self
-            while root.parent is not None:
-                root = root.parent
+            root = self.root
             # A structured call keeps its turns' credits outside `credits` (0):
             # its other turns' charges count them.
             own = self.credits or sum(turn_credits(charge, rate, quantum)
