@@ -9,8 +9,9 @@ retry path or ends the conversation with a named `Outcome`.
 # and the CLI's ``--help`` load none of the engine, pydantic or the SDKs until
 # a name is used. Type checkers read the imports below.
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from loopengine._lazy import lazy_exports as _lazy_exports
 
 if TYPE_CHECKING:
     from loopengine._accounts import AccountBalance, CreditAccounts
@@ -155,14 +156,4 @@ _EXPORTS: dict[str, str] = {
 """Each public name and the module that defines it."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'loopengine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once: later lookups find it without this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)

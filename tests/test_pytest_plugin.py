@@ -68,3 +68,26 @@ def test_the_plugin_adds_nothing_to_a_suite_that_does_not_use_it(
     runs = [pytester.runpytest_inprocess("-p", "no:cacheprovider", "-W", "error", *disabled)
             for disabled in ((), ("-p", "no:loopengine"))]
     assert [run.parseoutcomes() for run in runs] == [{"passed": 1}] * 2
+
+
+LOADED_BY_A_PLAIN_SUITE = '''
+import sys
+
+def test_plain():
+    loaded = sorted(m for m in sys.modules
+                    if m.startswith(("loopengine.", "pydantic", "httpx", "anthropic")))
+    print("LOADED", loaded)
+'''
+
+
+def test_a_suite_that_does_not_use_the_plugin_loads_no_server(
+        pytester: pytest.Pytester) -> None:
+    """pytest loads the plugin in every test process where loopengine is
+    installed; a suite that asks for none of its fixtures pays for the plugin
+    module alone: no fake server, no engine, no pydantic, no HTTP client."""
+    pytester.makepyfile(test_plain=LOADED_BY_A_PLAIN_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
+    result.assert_outcomes(passed=1)
+    line = next(line for line in result.outlines if "LOADED" in line)
+    assert line.split("LOADED", 1)[1].strip() == str(
+        ["loopengine._lazy", "loopengine.testing", "loopengine.testing.pytest_plugin"])

@@ -13,17 +13,21 @@ has loopengine installed can ask for the fixture by name::
         fake_openai_server.add(Reply.text("Hello"))
         provider = OpenAIProvider(api_key="test", base_url=fake_openai_server.base_url)
         ...
+
+pytest loads this plugin in every test process where loopengine is installed,
+so it imports the fake servers (and, through them, loopengine) only when a
+test asks for one of the fixtures.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
-from loopengine.testing._anthropic_server import FakeAnthropicServer
-from loopengine.testing._gemini_server import FakeGeminiServer
-from loopengine.testing._openai_server import FakeOpenAIServer
+if TYPE_CHECKING:
+    from loopengine.testing import FakeAnthropicServer, FakeGeminiServer, FakeOpenAIServer
 
 __all__ = ["fake_anthropic_server", "fake_gemini_server", "fake_openai_server"]
 
@@ -31,6 +35,8 @@ __all__ = ["fake_anthropic_server", "fake_gemini_server", "fake_openai_server"]
 @pytest.fixture
 def fake_anthropic_server() -> Iterator[FakeAnthropicServer]:
     """A started `FakeAnthropicServer` with an empty script, closed after the test."""
+    from loopengine.testing import FakeAnthropicServer
+
     with FakeAnthropicServer() as server:
         yield server
 
@@ -38,6 +44,8 @@ def fake_anthropic_server() -> Iterator[FakeAnthropicServer]:
 @pytest.fixture
 def fake_openai_server() -> Iterator[FakeOpenAIServer]:
     """A started `FakeOpenAIServer` with an empty script, closed after the test."""
+    from loopengine.testing import FakeOpenAIServer
+
     with FakeOpenAIServer() as server:
         yield server
 
@@ -45,5 +53,7 @@ def fake_openai_server() -> Iterator[FakeOpenAIServer]:
 @pytest.fixture
 def fake_gemini_server() -> Iterator[FakeGeminiServer]:
     """A started `FakeGeminiServer` with an empty script, closed after the test."""
+    from loopengine.testing import FakeGeminiServer
+
     with FakeGeminiServer() as server:
         yield server
