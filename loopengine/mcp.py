@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypeAlias
+from typing import Any, Self, TypeAlias, TypedDict, Unpack
 
 import anyio
 import anyio.abc
@@ -102,6 +102,19 @@ _Approval: TypeAlias = (
 )
 # What ``idempotent=`` takes: the same, without callables.
 _Idempotent: TypeAlias = "bool | Collection[str] | Mapping[str, bool]"
+
+
+class _Options(TypedDict, total=False):
+    """The settings `MCPServer.stdio` and `MCPServer.http` pass on to `MCPServer`
+    (each documented there, its default there too)."""
+
+    prefix: str | None
+    allow: Collection[str] | None
+    timeout: float | None
+    connect_timeout: float
+    approval: _Approval
+    idempotent: _Idempotent
+    clock: Clock | None
 
 
 def _per_tool(field: str, value: object, *, calls: bool) -> object:
@@ -293,13 +306,7 @@ class MCPServer(ToolSource):
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
-        prefix: str | None = None,
-        allow: Collection[str] | None = None,
-        timeout: float | None = None,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        approval: _Approval = False,
-        idempotent: _Idempotent = False,
-        clock: Clock | None = None,
+        **options: Unpack[_Options],
     ) -> MCPServer:
         """A server the SDK starts as a subprocess and talks to over its stdin/stdout.
 
@@ -309,13 +316,9 @@ class MCPServer(ToolSource):
             env: Environment variables, over the SDK's safe defaults (``PATH``,
                 ``HOME``...): the server does not inherit the whole environment.
             cwd: Its working directory.
-            prefix: See `MCPServer`.
-            allow: See `MCPServer`.
-            timeout: See `MCPServer`.
-            connect_timeout: See `MCPServer`.
-            approval: See `MCPServer`.
-            idempotent: See `MCPServer`.
-            clock: See `MCPServer`.
+            **options: The server's settings, as `MCPServer` takes them
+                (``prefix``, ``allow``, ``timeout``, ``connect_timeout``,
+                ``approval``, ``idempotent``, ``clock``).
         """
         _validate.text("command", command)
         if isinstance(args, str) or not isinstance(args, Sequence):
@@ -332,9 +335,7 @@ class MCPServer(ToolSource):
         def transport() -> AbstractAsyncContextManager[Any]:
             return stdio_client(parameters)
 
-        return cls(transport, label=" ".join([command, *args]), prefix=prefix, allow=allow,
-                   timeout=timeout, connect_timeout=connect_timeout, approval=approval,
-                   idempotent=idempotent, clock=clock)
+        return cls(transport, label=" ".join([command, *args]), **options)
 
     @classmethod
     def http(
@@ -342,26 +343,16 @@ class MCPServer(ToolSource):
         url: str,
         *,
         headers: Mapping[str, str] | None = None,
-        prefix: str | None = None,
-        allow: Collection[str] | None = None,
-        timeout: float | None = None,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        approval: _Approval = False,
-        idempotent: _Idempotent = False,
-        clock: Clock | None = None,
+        **options: Unpack[_Options],
     ) -> MCPServer:
         """A server reached over streamable HTTP at ``url`` (e.g. ``http://host/mcp``).
 
         Args:
             url: The server's MCP endpoint.
             headers: Sent with every request (an ``Authorization`` header...).
-            prefix: See `MCPServer`.
-            allow: See `MCPServer`.
-            timeout: See `MCPServer`.
-            connect_timeout: See `MCPServer`.
-            approval: See `MCPServer`.
-            idempotent: See `MCPServer`.
-            clock: See `MCPServer`.
+            **options: The server's settings, as `MCPServer` takes them
+                (``prefix``, ``allow``, ``timeout``, ``connect_timeout``,
+                ``approval``, ``idempotent``, ``clock``).
         """
         _validate.text("url", url)
         if not url.startswith(("http://", "https://")):
@@ -372,9 +363,7 @@ class MCPServer(ToolSource):
         def transport() -> AbstractAsyncContextManager[Any]:
             return _http_transport(url, fixed)
 
-        return cls(transport, label=url, prefix=prefix, allow=allow, timeout=timeout,
-                   connect_timeout=connect_timeout, approval=approval, idempotent=idempotent,
-                   clock=clock)
+        return cls(transport, label=url, **options)
 
     def __repr__(self) -> str:
         return f"MCPServer({self.label!r})"
