@@ -42,8 +42,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeAlias, TypedDict, Unpack
@@ -227,11 +227,14 @@ class MCPServer(ToolSource):
         idempotent: Which tools may run twice without harm (the tools'
             ``idempotent``): True or False for every tool, the names of the
             idempotent ones, or a mapping of name to bool.
-        clock: The clock on which the server's waits pass: before a listen
-            stream that ended is opened again, and between listings of a
-            tool list that keeps changing (`loopengine.testing.FakeClock` in
-            tests); default the system's. ``connect_timeout`` is on the real
-            clock, as the tools' ``timeout`` is on the engine's.
+        clock: The clock the server's own time passes on: its waits (before
+            a listen stream that ended is opened again, and between listings
+            of a tool list that keeps changing) and ``connect_timeout`` (a
+            cancel scope from `Clock.cancel_scope`), as the tools' ``timeout``
+            is on the engine's clock. Default the system's (anyio's time: on
+            trio, trio's clock); `loopengine.testing.FakeClock` makes the
+            waits instant in tests, and on it ``connect_timeout`` never
+            expires by itself, as no timeout does.
     """
 
     def __init__(
@@ -385,7 +388,7 @@ class MCPServer(ToolSource):
         # end must not hold a run for longer than two listings (and the wait
         # between them).
         wanted = self._heard
-        with anyio.move_on_after(self.connect_timeout):
+        with self._clock.cancel_scope(self.connect_timeout):
             while self._read < wanted and self._listing is not None:
                 await self._listing.wait()
         return self.tools
@@ -417,7 +420,7 @@ class MCPServer(ToolSource):
             try:
                 session = await self._current()
                 assert session.client is not None
-                with anyio.fail_after(self.connect_timeout):
+                with self._bounded("listing the tools"):
                     listed = await _list_tools(session.client)
             except Exception as error:
                 raise MCPServerError(f"MCP server {self.label} did not start or list its "
@@ -459,12 +462,21 @@ class MCPServer(ToolSource):
         self._group.start_soon(self._hold, session)
         return session
 
+    @contextmanager
+    def _bounded(self, what: str) -> Iterator[None]:
+        """Bound the block by ``connect_timeout`` on the server's clock; past it,
+        raise `TimeoutError` saying that ``what`` took too long."""
+        with self._clock.cancel_scope(self.connect_timeout) as scope:
+            yield
+        if scope.cancelled_caught:
+            raise TimeoutError(f"{what} took longer than {self.connect_timeout:g}s")
+
     async def _connected(self, session: _Session) -> None:
         """Wait until ``session`` is connected; raise what connecting raised."""
         seconds = self.connect_timeout
         # The wait is bounded here, not in the holding task: a scope around
         # entering the client would have to close before the client's own.
-        with anyio.move_on_after(seconds):
+        with self._clock.cancel_scope(seconds):
             await session.ready.wait()
         if not session.ready.is_set():
             session.error = TimeoutError(f"did not connect within {seconds:g}s")
@@ -578,7 +590,7 @@ class MCPServer(ToolSource):
                 heard = self._heard
                 assert session.client is not None
                 try:
-                    with anyio.fail_after(self.connect_timeout):
+                    with self._bounded("listing the tools"):
                         listed = await _list_tools(session.client)
                 except Exception as error:
                     logger.warning("MCP server %s: its tools changed, but listing them "
