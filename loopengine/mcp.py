@@ -420,12 +420,18 @@ class MCPServer(ToolSource):
             try:
                 session = await self._current()
                 assert session.client is not None
+                heard = self._heard
                 with self._bounded("listing the tools"):
                     listed = await _list_tools(session.client)
             except Exception as error:
                 raise MCPServerError(f"MCP server {self.label} did not start or list its "
                                      f"tools: {_describe(error)}") from error
             self._tools = self._build_tools(listed)
+            self._read = heard
+            if self._heard > heard:
+                # Heard of during the listing (or a listen stream began, which
+                # replays nothing): its answer may predate them.
+                self._tools_changed(session)
         except BaseException:
             await self._close()
             raise
@@ -543,10 +549,10 @@ class MCPServer(ToolSource):
                                     "changes on a listen stream", self.label)
                         return
                     session.listening = True
-                    if self._tools is not None:
-                        # Listed before this stream began: a change in between
-                        # is not replayed, so the tools are listed again.
-                        self._tools_changed(session)
+                    # A change before this stream began is not replayed: the
+                    # tools are listed again (after the first listing, when it
+                    # is under way).
+                    self._tools_changed(session)
                     async for event in subscription:
                         wait = 0.0
                         if isinstance(event, ToolsListChanged):
@@ -567,10 +573,13 @@ class MCPServer(ToolSource):
 
     def _tools_changed(self, session: _Session) -> None:
         """The server said its tools changed: list them again (one listing at a
-        time; the changes heard of during one are read by one more)."""
+        time, the first one at ``async with`` included; the changes heard of
+        during one are read by one more)."""
         if session is not self._session or session.group is None or self._group is None:
             return  # an old session's news: the current one's listing counts
         self._heard += 1
+        if self._tools is None:
+            return  # the first listing is under way: `__aenter__` lists again after it
         if self._listing is None:
             self._listing = anyio.Event()
             session.group.start_soon(self._list_again, session)

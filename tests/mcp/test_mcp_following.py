@@ -71,8 +71,17 @@ class Server(SDKServer):
         super().__init__("loopengine-in-process", subscriptions=self.bus)
         # The SDK's own listen handler, held here so that a test can end its streams.
         self.listens = ListenHandler(self.bus)
+        self.listen_gate: anyio.Event | None = None
+        """While not None, a listen request waits for this event before the SDK's
+        handler subscribes it (a stream that begins late)."""
+
+        async def listen(ctx: Any, params: mcp_types.SubscriptionsListenRequestParams) -> Any:
+            if self.listen_gate is not None:
+                await self.listen_gate.wait()
+            return await self.listens(ctx, params)
+
         self._lowlevel_server.add_request_handler(
-            "subscriptions/listen", mcp_types.SubscriptionsListenRequestParams, self.listens)
+            "subscriptions/listen", mcp_types.SubscriptionsListenRequestParams, listen)
         self.watch = watch
         self.lists = 0
         self.answering = 0
@@ -330,6 +339,40 @@ async def test_a_lone_change_after_a_quiet_second_is_listed_at_once() -> None:
         sdk.add("third")
         assert "third" in await relisted(server, sdk)
         assert clock.sleeps[start:] == [0.75]
+
+
+async def test_a_change_before_the_listen_stream_began_is_read_after_the_first_listing(
+) -> None:
+    """The server reads its tools for the first listing, then changes them before the
+    client's listen stream has begun (no notice reaches the client: changes are not
+    replayed), and answers the listing only once the stream has begun: when
+    ``async with`` has built the tools, the client lists them again and reads the
+    change."""
+    sdk = Server(Watch())
+    sdk.hold, sdk.listen_gate = anyio.Event(), anyio.Event()
+    mcp = in_process(sdk, clock=FakeClock())
+
+    async def stage() -> None:
+        await sdk.held.wait()  # the first listing has read the tools
+        sdk.hold = None
+        sdk.add("late")
+        await sdk.changed()  # no stream is subscribed yet: nobody hears of it
+        assert sdk.listen_gate is not None
+        sdk.listen_gate.set()
+        await sdk.bus.subscribed.wait()
+        session = mcp._session
+        assert session is not None
+        while not session.listening:  # the client's own state: the server cannot see it
+            await anyio.lowlevel.checkpoint()
+        assert mcp._tools is None  # the first listing is still under way
+        release.set()
+
+    release = sdk.hold
+    async with anyio.create_task_group() as group:
+        group.start_soon(stage)
+        async with mcp as server:
+            assert "late" not in {t.name for t in server.tools}  # the first listing's answer
+            assert "late" in {t.name for t in await server.current_tools()}
 
 
 async def test_r15_allow_and_settings_follow_the_tool_list_by_name(anthropic: Harness) -> None:
