@@ -42,11 +42,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypeAlias
+from typing import Any, Self, TypeAlias, TypedDict, Unpack
 
 import anyio
 import anyio.abc
@@ -102,6 +102,19 @@ _Approval: TypeAlias = (
 )
 # What ``idempotent=`` takes: the same, without callables.
 _Idempotent: TypeAlias = "bool | Collection[str] | Mapping[str, bool]"
+
+
+class _Options(TypedDict, total=False):
+    """The settings `MCPServer.stdio` and `MCPServer.http` pass on to `MCPServer`
+    (each documented there, its default there too)."""
+
+    prefix: str | None
+    allow: Collection[str] | None
+    timeout: float | None
+    connect_timeout: float
+    approval: _Approval
+    idempotent: _Idempotent
+    clock: Clock | None
 
 
 def _per_tool(field: str, value: object, *, calls: bool) -> object:
@@ -214,11 +227,14 @@ class MCPServer(ToolSource):
         idempotent: Which tools may run twice without harm (the tools'
             ``idempotent``): True or False for every tool, the names of the
             idempotent ones, or a mapping of name to bool.
-        clock: The clock on which the server's waits pass: before a listen
-            stream that ended is opened again, and between listings of a
-            tool list that keeps changing (`loopengine.testing.FakeClock` in
-            tests); default the system's. ``connect_timeout`` is on the real
-            clock, as the tools' ``timeout`` is on the engine's.
+        clock: The clock the server's own time passes on: its waits (before
+            a listen stream that ended is opened again, and between listings
+            of a tool list that keeps changing) and ``connect_timeout`` (a
+            cancel scope from `Clock.cancel_scope`), as the tools' ``timeout``
+            is on the engine's clock. Default the system's (anyio's time: on
+            trio, trio's clock); `loopengine.testing.FakeClock` makes the
+            waits instant in tests, and on it ``connect_timeout`` never
+            expires by itself, as no timeout does.
     """
 
     def __init__(
@@ -293,13 +309,7 @@ class MCPServer(ToolSource):
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
-        prefix: str | None = None,
-        allow: Collection[str] | None = None,
-        timeout: float | None = None,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        approval: _Approval = False,
-        idempotent: _Idempotent = False,
-        clock: Clock | None = None,
+        **options: Unpack[_Options],
     ) -> MCPServer:
         """A server the SDK starts as a subprocess and talks to over its stdin/stdout.
 
@@ -309,13 +319,9 @@ class MCPServer(ToolSource):
             env: Environment variables, over the SDK's safe defaults (``PATH``,
                 ``HOME``...): the server does not inherit the whole environment.
             cwd: Its working directory.
-            prefix: See `MCPServer`.
-            allow: See `MCPServer`.
-            timeout: See `MCPServer`.
-            connect_timeout: See `MCPServer`.
-            approval: See `MCPServer`.
-            idempotent: See `MCPServer`.
-            clock: See `MCPServer`.
+            **options: The server's settings, as `MCPServer` takes them
+                (``prefix``, ``allow``, ``timeout``, ``connect_timeout``,
+                ``approval``, ``idempotent``, ``clock``).
         """
         _validate.text("command", command)
         if isinstance(args, str) or not isinstance(args, Sequence):
@@ -332,9 +338,7 @@ class MCPServer(ToolSource):
         def transport() -> AbstractAsyncContextManager[Any]:
             return stdio_client(parameters)
 
-        return cls(transport, label=" ".join([command, *args]), prefix=prefix, allow=allow,
-                   timeout=timeout, connect_timeout=connect_timeout, approval=approval,
-                   idempotent=idempotent, clock=clock)
+        return cls(transport, label=" ".join([command, *args]), **options)
 
     @classmethod
     def http(
@@ -342,26 +346,16 @@ class MCPServer(ToolSource):
         url: str,
         *,
         headers: Mapping[str, str] | None = None,
-        prefix: str | None = None,
-        allow: Collection[str] | None = None,
-        timeout: float | None = None,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        approval: _Approval = False,
-        idempotent: _Idempotent = False,
-        clock: Clock | None = None,
+        **options: Unpack[_Options],
     ) -> MCPServer:
         """A server reached over streamable HTTP at ``url`` (e.g. ``http://host/mcp``).
 
         Args:
             url: The server's MCP endpoint.
             headers: Sent with every request (an ``Authorization`` header...).
-            prefix: See `MCPServer`.
-            allow: See `MCPServer`.
-            timeout: See `MCPServer`.
-            connect_timeout: See `MCPServer`.
-            approval: See `MCPServer`.
-            idempotent: See `MCPServer`.
-            clock: See `MCPServer`.
+            **options: The server's settings, as `MCPServer` takes them
+                (``prefix``, ``allow``, ``timeout``, ``connect_timeout``,
+                ``approval``, ``idempotent``, ``clock``).
         """
         _validate.text("url", url)
         if not url.startswith(("http://", "https://")):
@@ -372,9 +366,7 @@ class MCPServer(ToolSource):
         def transport() -> AbstractAsyncContextManager[Any]:
             return _http_transport(url, fixed)
 
-        return cls(transport, label=url, prefix=prefix, allow=allow, timeout=timeout,
-                   connect_timeout=connect_timeout, approval=approval, idempotent=idempotent,
-                   clock=clock)
+        return cls(transport, label=url, **options)
 
     def __repr__(self) -> str:
         return f"MCPServer({self.label!r})"
@@ -396,7 +388,7 @@ class MCPServer(ToolSource):
         # end must not hold a run for longer than two listings (and the wait
         # between them).
         wanted = self._heard
-        with anyio.move_on_after(self.connect_timeout):
+        with self._clock.cancel_scope(self.connect_timeout):
             while self._read < wanted and self._listing is not None:
                 await self._listing.wait()
         return self.tools
@@ -428,12 +420,18 @@ class MCPServer(ToolSource):
             try:
                 session = await self._current()
                 assert session.client is not None
-                with anyio.fail_after(self.connect_timeout):
+                heard = self._heard
+                with self._bounded("listing the tools"):
                     listed = await _list_tools(session.client)
             except Exception as error:
                 raise MCPServerError(f"MCP server {self.label} did not start or list its "
                                      f"tools: {_describe(error)}") from error
             self._tools = self._build_tools(listed)
+            self._read = heard
+            if self._heard > heard:
+                # Heard of during the listing (or a listen stream began, which
+                # replays nothing): its answer may predate them.
+                self._tools_changed(session)
         except BaseException:
             await self._close()
             raise
@@ -470,12 +468,21 @@ class MCPServer(ToolSource):
         self._group.start_soon(self._hold, session)
         return session
 
+    @contextmanager
+    def _bounded(self, what: str) -> Iterator[None]:
+        """Bound the block by ``connect_timeout`` on the server's clock; past it,
+        raise `TimeoutError` saying that ``what`` took too long."""
+        with self._clock.cancel_scope(self.connect_timeout) as scope:
+            yield
+        if scope.cancelled_caught:
+            raise TimeoutError(f"{what} took longer than {self.connect_timeout:g}s")
+
     async def _connected(self, session: _Session) -> None:
         """Wait until ``session`` is connected; raise what connecting raised."""
         seconds = self.connect_timeout
         # The wait is bounded here, not in the holding task: a scope around
         # entering the client would have to close before the client's own.
-        with anyio.move_on_after(seconds):
+        with self._clock.cancel_scope(seconds):
             await session.ready.wait()
         if not session.ready.is_set():
             session.error = TimeoutError(f"did not connect within {seconds:g}s")
@@ -542,10 +549,10 @@ class MCPServer(ToolSource):
                                     "changes on a listen stream", self.label)
                         return
                     session.listening = True
-                    if self._tools is not None:
-                        # Listed before this stream began: a change in between
-                        # is not replayed, so the tools are listed again.
-                        self._tools_changed(session)
+                    # A change before this stream began is not replayed: the
+                    # tools are listed again (after the first listing, when it
+                    # is under way).
+                    self._tools_changed(session)
                     async for event in subscription:
                         wait = 0.0
                         if isinstance(event, ToolsListChanged):
@@ -566,10 +573,13 @@ class MCPServer(ToolSource):
 
     def _tools_changed(self, session: _Session) -> None:
         """The server said its tools changed: list them again (one listing at a
-        time; the changes heard of during one are read by one more)."""
+        time, the first one at ``async with`` included; the changes heard of
+        during one are read by one more)."""
         if session is not self._session or session.group is None or self._group is None:
             return  # an old session's news: the current one's listing counts
         self._heard += 1
+        if self._tools is None:
+            return  # the first listing is under way: `__aenter__` lists again after it
         if self._listing is None:
             self._listing = anyio.Event()
             session.group.start_soon(self._list_again, session)
@@ -589,7 +599,7 @@ class MCPServer(ToolSource):
                 heard = self._heard
                 assert session.client is not None
                 try:
-                    with anyio.fail_after(self.connect_timeout):
+                    with self._bounded("listing the tools"):
                         listed = await _list_tools(session.client)
                 except Exception as error:
                     logger.warning("MCP server %s: its tools changed, but listing them "

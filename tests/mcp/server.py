@@ -4,8 +4,9 @@ Run as ``python server.py stdio``, ``python server.py legacy`` (stdio, the
 2025 handshake era only), ``python server.py http [PORT]`` (prints
 the port it listens on, 127.0.0.1, then serves ``/mcp``) or ``python
 server.py exit`` (a server that exits before it answers anything) or ``python
-server.py mute`` (one that runs but never answers) or ``python server.py odd`` (stdio, on the
-SDK's low-level server class: results the high-level one would refuse).
+server.py mute`` (one that reads its input but never answers) or ``python
+server.py odd`` (stdio, on the SDK's low-level server class: results the
+high-level one would refuse).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -248,6 +248,8 @@ if __name__ == "__main__":
 
         anyio.run(serve_odd)
     elif mode == "mute":
-        threading.Event().wait()  # started, but never answers
+        # Started, reads every request, never answers; gone once its input closes
+        # (the SDK's shutdown then waits on nothing).
+        sys.stdin.buffer.read()
     else:
         sys.exit(3)

@@ -319,16 +319,6 @@ async def test_a_server_that_exits_at_start_is_a_clear_error() -> None:
         _ = server.tools
 
 
-async def test_a_server_that_never_answers_at_start_times_out() -> None:
-    """A server that starts but never answers fails ``async with`` at its connect
-    timeout."""
-    began = time.monotonic()
-    with pytest.raises(MCPServerError, match="did not connect within 2s"):
-        async with MCPServer.stdio(sys.executable, [SCRIPT, "mute"], connect_timeout=2):
-            pass
-    assert time.monotonic() - began < 15
-
-
 async def test_tools_used_after_the_block_give_an_error_result(anthropic: Harness) -> None:
     """A tool kept past ``async with`` is answered with an error, not a hang."""
     async with script_server() as test:

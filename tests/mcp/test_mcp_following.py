@@ -71,12 +71,26 @@ class Server(SDKServer):
         super().__init__("loopengine-in-process", subscriptions=self.bus)
         # The SDK's own listen handler, held here so that a test can end its streams.
         self.listens = ListenHandler(self.bus)
+        self.listen_gate: anyio.Event | None = None
+        """While not None, a listen request waits for this event before the SDK's
+        handler subscribes it (a stream that begins late)."""
+
+        async def listen(ctx: Any, params: mcp_types.SubscriptionsListenRequestParams) -> Any:
+            if self.listen_gate is not None:
+                await self.listen_gate.wait()
+            return await self.listens(ctx, params)
+
         self._lowlevel_server.add_request_handler(
-            "subscriptions/listen", mcp_types.SubscriptionsListenRequestParams, self.listens)
+            "subscriptions/listen", mcp_types.SubscriptionsListenRequestParams, listen)
         self.watch = watch
         self.lists = 0
         self.answering = 0
         self.most_at_once = 0
+        self.hold: anyio.Event | None = None
+        """While not None, a listing reads the tools, then waits for this event to
+        answer (a change meanwhile is not in its answer)."""
+        self.held = anyio.Event()
+        """Set when a listing begins to wait on `hold`."""
         for name in ("echo", "add", "other"):
             self.add(name)
 
@@ -93,7 +107,11 @@ class Server(SDKServer):
         self.most_at_once = max(self.most_at_once, self.answering)
         try:
             await anyio.lowlevel.checkpoint()  # a second listing could begin meanwhile
-            return await super().list_tools()
+            tools = await super().list_tools()
+            if self.hold is not None:
+                self.held.set()
+                await self.hold.wait()
+            return tools
         finally:
             self.answering -= 1
             self.watch.poke()
@@ -252,6 +270,8 @@ async def test_a_burst_of_change_notices_is_read_by_one_listing_a_second() -> No
         for n in range(50):
             if n == 40:
                 sdk.add("late")
+            if n == 49:
+                sdk.add("last")  # the burst's last notice brings a change too
             before = sdk.lists
             event = watch.arm()
             await sdk.changed()
@@ -263,11 +283,96 @@ async def test_a_burst_of_change_notices_is_read_by_one_listing_a_second() -> No
         clock.advance(1.0)
         tools = await server.current_tools()
         assert sdk.lists == base + 2
-        assert {t.name for t in tools} == {"echo", "add", "other", "late"}
+        assert {t.name for t in tools} == {"echo", "add", "other", "late", "last"}
         for _ in range(20):  # no other listing before the clock moves on again
             await anyio.lowlevel.checkpoint()
         assert sdk.lists == base + 2
         assert sdk.most_at_once == 1
+
+
+async def test_a_change_announced_during_a_listing_is_read_by_one_more() -> None:
+    """A listing is under way, its answer read from the tools before the change, when
+    the server adds a tool and says so: the client lists once more, a second after
+    the last listing began (a wait on its clock), and reads the new tool: a change
+    announced while a listing runs is not lost."""
+    clock = FakeClock()
+    sdk = Server(Watch())
+    async with in_process(sdk, clock=clock) as server:
+        await listening(server)
+        clock.advance(5.0)
+        start, base = len(clock.sleeps), sdk.lists
+        release = sdk.hold = anyio.Event()
+        sdk.add("first")
+        await sdk.changed()
+        await sdk.held.wait()  # the listing has read the tools ("first" among them)
+        sdk.hold = None
+        heard = server._heard
+        sdk.add("second")
+        await sdk.changed()
+        while server._heard == heard:  # the client's own state: the server cannot see it
+            await anyio.lowlevel.checkpoint()
+        release.set()
+        tools = {t.name for t in await server.current_tools()}
+        assert tools == {"echo", "add", "other", "first", "second"}
+        assert sdk.lists == base + 2
+        assert clock.sleeps[start:] == [1.0]
+
+
+async def test_a_lone_change_after_a_quiet_second_is_listed_at_once() -> None:
+    """A change announced more than a second after the last listing began is listed
+    at once, with no wait on the clock; one announced a quarter second after a
+    listing began waits the three quarters left, then is read."""
+    clock = FakeClock()
+    sdk = Server(Watch())
+    async with in_process(sdk, clock=clock) as server:
+        await listening(server)
+        clock.advance(5.0)
+        start = len(clock.sleeps)
+        sdk.add("first")
+        assert "first" in await relisted(server, sdk)
+        assert clock.sleeps[start:] == []
+        clock.advance(0.25)
+        sdk.add("second")
+        assert "second" in await relisted(server, sdk)
+        assert clock.sleeps[start:] == [0.75]
+        clock.advance(3.0)
+        sdk.add("third")
+        assert "third" in await relisted(server, sdk)
+        assert clock.sleeps[start:] == [0.75]
+
+
+async def test_a_change_before_the_listen_stream_began_is_read_after_the_first_listing(
+) -> None:
+    """The server reads its tools for the first listing, then changes them before the
+    client's listen stream has begun (no notice reaches the client: changes are not
+    replayed), and answers the listing only once the stream has begun: when
+    ``async with`` has built the tools, the client lists them again and reads the
+    change."""
+    sdk = Server(Watch())
+    sdk.hold, sdk.listen_gate = anyio.Event(), anyio.Event()
+    mcp = in_process(sdk, clock=FakeClock())
+
+    async def stage() -> None:
+        await sdk.held.wait()  # the first listing has read the tools
+        sdk.hold = None
+        sdk.add("late")
+        await sdk.changed()  # no stream is subscribed yet: nobody hears of it
+        assert sdk.listen_gate is not None
+        sdk.listen_gate.set()
+        await sdk.bus.subscribed.wait()
+        session = mcp._session
+        assert session is not None
+        while not session.listening:  # the client's own state: the server cannot see it
+            await anyio.lowlevel.checkpoint()
+        assert mcp._tools is None  # the first listing is still under way
+        release.set()
+
+    release = sdk.hold
+    async with anyio.create_task_group() as group:
+        group.start_soon(stage)
+        async with mcp as server:
+            assert "late" not in {t.name for t in server.tools}  # the first listing's answer
+            assert "late" in {t.name for t in await server.current_tools()}
 
 
 async def test_r15_allow_and_settings_follow_the_tool_list_by_name(anthropic: Harness) -> None:
