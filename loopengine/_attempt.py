@@ -353,6 +353,9 @@ async def settle(
         stop_reason=response.stop_reason if response else None,
     )
     inv.records[flight.index] = AttemptRecord(dispatch=dispatch, settle=settle)
+    if response is not None and response.container is not None:
+        # The container the model's files are in: the run's later requests go to it.
+        inv.container = response.container
     if usage is None or settle.usage_approx:
         # None reported, or only a floor of it (a cut stream): the totals are floors.
         inv.usage_complete = False

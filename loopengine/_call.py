@@ -41,7 +41,7 @@ from loopengine.guards._checkpoints import (
     check_credits,
 )
 from loopengine.persistence._records import AttemptRecord
-from loopengine.providers._base import Container, ProviderRequest, ProviderResponse
+from loopengine.providers._base import ProviderRequest, ProviderResponse
 from loopengine.providers._faults import FaultKind, ProviderError
 from loopengine.providers._retry import RetryStop
 
@@ -146,9 +146,6 @@ class _Call:
         self.charged = 0
         """The last turn whose charge is in the credits."""
         self.messages = list(spec.messages)
-        self.container: Container | None = None
-        """The code execution container the latest reply that named one used: its
-        id goes on the call's later requests (a repair's) until it expires."""
         schema = _validate.model_schema("output", spec.output)
         self.schema = schema
         self.tool = {
@@ -210,7 +207,6 @@ class _Call:
             if isinstance(response, RetryStop):
                 await self._fail_fault(response)
             assert isinstance(response, ProviderResponse)
-            self.container = response.container or self.container
 
             if response.stop_reason == "refusal":
                 await self._fail_trip(GuardTrip(Outcome.REFUSED, "stop_reason", "refusal", None,
@@ -254,8 +250,7 @@ class _Call:
                                  deadline=self.inv.deadline)
 
     def _build(self, timeout: float, *, max_tokens: int, mode: str) -> ProviderRequest:
-        container = (None if self.container is None
-                     else self.container.live(self.inv.clock.wall()))
+        container = self.inv.live_container()  # a repair goes to the reply's container
         if mode == "native":
             return ProviderRequest(
                 model=self.inv.operation.model, max_tokens=max_tokens, messages=self.messages,

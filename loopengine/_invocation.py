@@ -41,7 +41,7 @@ from loopengine.guards._deadline import Deadline
 from loopengine.guards._limits import Limits
 from loopengine.persistence._protocol import Ledger
 from loopengine.persistence._records import AttemptRecord
-from loopengine.providers._base import Provider
+from loopengine.providers._base import Container, Provider
 from loopengine.providers._faults import ProviderFault
 from loopengine.providers._retry import RetryPolicy
 
@@ -85,7 +85,8 @@ class Invocation:
     # Slots: thousands are alive at once in a busy process.
     __slots__ = (
         "account", "accounts", "announced", "asked_limits", "attribution", "base_attempts",
-        "base_turns", "begun", "clock", "cost_nanousd", "credits", "deadline", "denied", "depth",
+        "base_turns", "begun", "clock", "container", "cost_nanousd", "credits", "deadline",
+        "denied", "depth",
         "descendant_credits", "earlier_attempts", "ended", "engine", "features", "fee_excess",
         "fees_reserved", "id",
         "in_flight", "kind",
@@ -207,6 +208,10 @@ class Invocation:
         """The `Engine` running it: where ``ToolContext.run`` starts a child by default."""
         self.permit: anyio.Lock | None = None
         """A root's crossing permit, shared by its tree (`crossing_permit`)."""
+        self.container: Container | None = None
+        """The code execution container the latest settled reply that named one
+        named (set by `loopengine._attempt.settle`; a resumed run's from its
+        state): its id goes on the later requests while it lives (`live_container`)."""
 
     def add_credits(self, credits: int) -> None:
         """Charge a turn's ``credits`` to this run and to every run above it, as they
@@ -282,6 +287,10 @@ class Invocation:
         """Give a loopengine error that ends this run or call its attempt count."""
         if isinstance(error, LoopEngineError) and error.attempts is None:
             error.attempts = len(self.records)
+
+    def live_container(self) -> str | None:
+        """The id of the run's container for the next request, while it has not expired."""
+        return None if self.container is None else self.container.live(self.clock.wall())
 
     def remaining(self) -> float:
         return self.deadline.remaining(self.clock.now())

@@ -251,6 +251,7 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     # sub-agent it starts again count from.
     inv.credits = progress.credits
     inv.descendant_credits = saved.descendant_credits
+    inv.container = state.container  # where the model's files are, while it lives
     # The stores' reading of their rows: a `MemoryLedger` reads a copy of its own.
     read = (getattr(inv.ledger, "_transact_qmark", None)
             or getattr(inv.ledger, "_read_qmark", None))

@@ -82,7 +82,6 @@ from loopengine.guards._checkpoints import (
 )
 from loopengine.guards._limits import Limits
 from loopengine.providers._base import (
-    Container,
     ProviderRequest,
     ProviderResponse,
     TextCallback,
@@ -221,8 +220,7 @@ async def give_back(run_id: str, release: Callable[[], Coroutine[Any, Any, None]
 
 
 class _Loop:
-    __slots__ = ("_given_messages", "adopting", "answered_calls", "charged", "container",
-                 "cut_results",
+    __slots__ = ("_given_messages", "adopting", "answered_calls", "charged", "cut_results",
                  "definitions", "inv", "left_out", "permit", "resumed", "sourced", "spec",
                  "state", "tools", "transcript", "wrapping")
 
@@ -267,9 +265,6 @@ class _Loop:
         self.adopting = False
         """A resume whose run store holds no row of the run (it paused without
         one): its first checkpoint inserts it."""
-        self.container: Container | None = resumed[0].container if resumed else None
-        """The code execution container the run's latest reply that named one
-        named: its id goes on the run's later requests while it has not expired."""
 
     @property
     def limits(self) -> Limits:
@@ -385,7 +380,6 @@ class _Loop:
                     reply = await request(inv, turn=turn, phase=phase, build=self._build,
                                           on_text=self.spec.on_text)
                     if isinstance(reply, ProviderResponse):
-                        self.container = reply.container or self.container
                         self.transcript.append({"role": "assistant",
                                                 "content": _copy_blocks(reply.content)})
                         if reply.stop_reason in CONTINUED_STOPS:
@@ -692,7 +686,7 @@ class _Loop:
                 str(b.get("id")) for b in batch),
             results=list(results), repair=repair,
             answered_calls=dict(self.answered_calls), progress=progress_of(inv, self.state),
-            paused_at=paused_at or inv.clock.wall(), container=self.container)
+            paused_at=paused_at or inv.clock.wall(), container=inv.container)
 
     async def _checkpoint(self, state: RunState | None, *, calls: Sequence[CallMark] = (),
                           results: Sequence[Mapping[str, Any]] | None = None,
@@ -739,7 +733,6 @@ class _Loop:
                                            on_text=self.spec.on_text)
             if not isinstance(reply, ProviderResponse):
                 return reply
-            self.container = reply.container or self.container
             self.transcript[-1]["content"].extend(_copy_blocks(reply.content))
             if reply.stop_reason not in CONTINUED_STOPS:
                 return reply
@@ -789,8 +782,7 @@ class _Loop:
             cache=self.inv.operation.cache,
             metadata={"turn": self.state.turns},
             features=self.inv.features,
-            container=None if self.container is None else self.container.live(
-                self.inv.clock.wall()),
+            container=self.inv.live_container(),
         )
 
     def _charge(self, turn: int) -> None:
