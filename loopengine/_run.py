@@ -16,7 +16,6 @@ docs/guards.md.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import functools
 import inspect
@@ -38,10 +37,10 @@ from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
 from loopengine._lifecycle import (
     begin,
-    cancelled,
-    failed,
     finish,
     first_error,
+    stop_outcome,
+    stopped,
     uninterrupted,
 )
 from loopengine._outcome import Outcome
@@ -55,7 +54,7 @@ from loopengine._pause import (
     take_run,
 )
 from loopengine._pricing import nanousd_to_usd
-from loopengine._raised import own_failure, stray_cancellation, withheld
+from loopengine._raised import own_failure, withheld
 from loopengine._result import RunResult
 from loopengine._runstate import Approve, Decision, PendingCall, RunState, json_digest
 from loopengine._runstore import CallMark, lease_expiry, new_owner
@@ -400,33 +399,20 @@ class _Loop:
                         return step
                     phase = step
             return await self._deadline_passed()
-        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt,
-                asyncio.CancelledError) as error:
-            # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands,
-            # where asyncio's runner cancels its main task) is the caller's. A
-            # stray CancelledError (the ``on_text`` callback's: a future
-            # something else cancelled) is not: it is that code's failure.
-            self._charge_cut_turn()
-            self._release_permit()
-            if stray_cancellation(error):
-                await failed(inv, error, self._progress)
-            else:
-                await cancelled(inv, self._progress)
-            raise
         except RunBusyError:
             # Another process took the run over (its lease had expired): the
             # run is its now, so nothing is recorded here.
             self._release_permit()
             inv.ended = inv.announced = True
             raise
-        except (Exception, SystemExit) as error:
-            # A SystemExit (a handler's, a judge's) ends the run ``failed`` as
-            # an error does, then propagates. Any other BaseException passes
-            # untouched, as the death of the process would: a recovery ends
-            # the run (docs/pause-and-resume.md).
-            self._charge_cut_turn()
-            self._release_permit()
-            await failed(inv, error, self._progress)
+        except BaseException as error:
+            # The caller's cancellation, or an error ending the run without an
+            # outcome; anything else passes untouched (`stop_outcome`).
+            outcome = stop_outcome(error)
+            if outcome is not None:
+                self._charge_cut_turn()
+                self._release_permit()
+                await stopped(inv, outcome, error, self._progress)
             raise
 
     async def _begin_resumed(self) -> None:
