@@ -378,9 +378,7 @@ async def settle(
         inv.provider_cost_nanousd += priced.cost_nanousd
         if charged:
             inv.cost_nanousd += priced.cost_nanousd
-            inv.turn_charge[dispatch.turn] = (
-                inv.turn_charge.get(dispatch.turn, 0) + priced.cost_nanousd
-            )
+            inv.add_charge(dispatch.turn, priced.cost_nanousd)
     try:
         if inv.ledger is not None:
             await inv.confirm(inv.ledger.settle_attempt(settle))

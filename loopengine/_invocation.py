@@ -95,7 +95,8 @@ class Invocation:
         "segment_token",
         "provider_cost_nanousd",
         "lease_owner", "records", "reservation", "rng", "run_store",
-        "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
+        "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "turns_credits",
+        "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor", "geo",
     )
     def __init__(
@@ -177,6 +178,9 @@ class Invocation:
         self.last_fault: ProviderFault | None = None
         self.turn_attempts: dict[int, int] = {}
         self.turn_charge: dict[int, int] = {}
+        """Each turn's charge in nano-USD: its charged attempts' cost (`add_charge`)."""
+        self.turns_credits = 0
+        """The sum of `turn_credits` over every turn of ``turn_charge``, kept as they grow."""
         self.in_flight: InFlight | None = None
         self.ended = False
         self.announced = False
@@ -325,15 +329,19 @@ class Invocation:
             root = self.root
             # A structured call keeps its turns' credits outside `credits` (0):
             # its other turns' charges count them.
-            own = self.credits or sum(turn_credits(charge, rate, quantum)
-                                      for number, charge in self.turn_charge.items()
-                                      if number != turn)
+            own = self.credits or self.turns_credits - self.turn_credits(turn)
             tree = root.tree_credits - self.credits + own
             credits = turn_credits(self.turn_charge.get(turn, 0) + priced.cost_nanousd,
                                    rate, quantum)
             if tree + credits > MAX_INTEGER:
                 return "the run's credits"
         return None
+
+    def add_charge(self, turn: int, nanousd: int) -> None:
+        """Add ``nanousd`` to the charge of ``turn`` (and its credits to `turns_credits`)."""
+        before = self.turn_credits(turn)
+        self.turn_charge[turn] = self.turn_charge.get(turn, 0) + nanousd
+        self.turns_credits += self.turn_credits(turn) - before
 
     def turn_credits(self, turn: int) -> int:
         """The turn's charge in credits, rounded up to the quantum (R03)."""
