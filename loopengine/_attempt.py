@@ -353,6 +353,9 @@ async def settle(
         stop_reason=response.stop_reason if response else None,
     )
     inv.records[flight.index] = AttemptRecord(dispatch=dispatch, settle=settle)
+    if response is not None and response.container is not None:
+        # The container the model's files are in: the run's later requests go to it.
+        inv.container = response.container
     if usage is None or settle.usage_approx:
         # None reported, or only a floor of it (a cut stream): the totals are floors.
         inv.usage_complete = False
@@ -375,9 +378,7 @@ async def settle(
         inv.provider_cost_nanousd += priced.cost_nanousd
         if charged:
             inv.cost_nanousd += priced.cost_nanousd
-            inv.turn_charge[dispatch.turn] = (
-                inv.turn_charge.get(dispatch.turn, 0) + priced.cost_nanousd
-            )
+            inv.add_charge(dispatch.turn, priced.cost_nanousd)
     try:
         if inv.ledger is not None:
             await inv.confirm(inv.ledger.settle_attempt(settle))

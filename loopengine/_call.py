@@ -41,7 +41,7 @@ from loopengine.guards._checkpoints import (
     check_credits,
 )
 from loopengine.persistence._records import AttemptRecord
-from loopengine.providers._base import Container, ProviderRequest, ProviderResponse
+from loopengine.providers._base import ProviderRequest, ProviderResponse
 from loopengine.providers._faults import FaultKind, ProviderError
 from loopengine.providers._retry import RetryStop
 
@@ -122,13 +122,12 @@ async def run_call(inv: Invocation, spec: CallSpec) -> CallResult[Any]:
     """Make the call; return its result or raise an `OutcomeError` carrying ``attempts``."""
     call = _Call(inv, spec)
     # A call cut (cancelled, failed) ends with what its turns were served (R03).
-    async with ending(inv, lambda: (call.turn, 0, call.billed())):
+    async with ending(inv, lambda: (call.turn, 0, inv.turns_credits)):
         # The call's one deadline: every wait inside ends at it.
         with inv.clock.deadline_scope(inv.deadline.at):
             return await call.run()
         # The deadline cut a wait: settle the attempt it cut, and end time_limit.
         await settle_cut(inv)
-        call.credits, call.charged = call.billed(), call.turn  # what it was served
         if call.turn and not inv.attempts_in_turn(call.turn):
             call.turn -= 1  # cut before the turn's request: no turn
         # Read at the deadline, which the scope says has come.
@@ -142,13 +141,7 @@ class _Call:
         self.inv = inv
         self.spec = spec
         self.turn = 0
-        self.credits = 0
-        self.charged = 0
-        """The last turn whose charge is in the credits."""
         self.messages = list(spec.messages)
-        self.container: Container | None = None
-        """The code execution container the latest reply that named one used: its
-        id goes on the call's later requests (a repair's) until it expires."""
         schema = _validate.model_schema("output", spec.output)
         self.schema = schema
         self.tool = {
@@ -157,11 +150,10 @@ class _Call:
             "input_schema": schema,
         }
 
-    def billed(self) -> int:
-        """Its credits, with what the turn a cut came in was served (R03)."""
-        if self.turn > self.charged:
-            return self.credits + self.inv.turn_credits(self.turn)
-        return self.credits
+    @property
+    def credits(self) -> int:
+        """Its turns' rounded charges (R03), a cut turn's included: what it was served."""
+        return self.inv.turns_credits
 
     async def run(self) -> CallResult[Any]:
         inv = self.inv
@@ -198,19 +190,16 @@ class _Call:
                 build=functools.partial(self._build, max_tokens=tokens, mode=mode),
                 max_attempts=remaining,
             )
-            self.credits += inv.turn_credits(self.turn)
-            self.charged = self.turn
             if not isinstance(response, ProviderResponse) and not inv.attempts_in_turn(
                     self.turn):
                 # Refused before its request was sent (a guard, the provider's
                 # `check_request`): no request, so no turn (R01).
-                self.turn = self.charged = self.turn - 1
+                self.turn -= 1
             if isinstance(response, GuardTrip):
                 await self._fail_trip(response)
             if isinstance(response, RetryStop):
                 await self._fail_fault(response)
             assert isinstance(response, ProviderResponse)
-            self.container = response.container or self.container
 
             if response.stop_reason == "refusal":
                 await self._fail_trip(GuardTrip(Outcome.REFUSED, "stop_reason", "refusal", None,
@@ -254,8 +243,7 @@ class _Call:
                                  deadline=self.inv.deadline)
 
     def _build(self, timeout: float, *, max_tokens: int, mode: str) -> ProviderRequest:
-        container = (None if self.container is None
-                     else self.container.live(self.inv.clock.wall()))
+        container = self.inv.live_container()  # a repair goes to the reply's container
         if mode == "native":
             return ProviderRequest(
                 model=self.inv.operation.model, max_tokens=max_tokens, messages=self.messages,

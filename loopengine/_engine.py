@@ -501,9 +501,11 @@ class Engine:
         elif stored is not None and not by_id:
             # Before the claim: a state that is not the pause's takes nothing.
             check_seal(state, RunState.loads(stored.state).seal())
+        # The sources' tools as they are now, read once for the checks and the run.
+        expanded = expand_tools(tools)
         if recovering and not state.pending:
             assert self.run_store is not None
-            state = replace(state, pending=await self._in_doubt(state, tools))
+            state = replace(state, pending=await self._in_doubt(state, expanded))
             # Calls this recovery finds in doubt have been decided by nobody:
             # decisions given with it were made before, for their approval
             # (a queue's job delivered again), so the run pauses and asks.
@@ -528,11 +530,12 @@ class Engine:
             name, version, provider, model = _route(state.operation)
             raise ConfigError("operation", f"must be the run's operation, {name!r} version "
                                            f"{version!r} on {provider!r} model {model!r}")
-        _check_resume_tools(state, tools, decided)
+        _check_resume_tools(state, tools, expanded, decided)
         _check_resume_output(state, output)
         inv, spec = self._prepare_run(
             operation, state.messages[:max(1, state.given)], system=state.system,
-            tools=tools, output=output, accept=accept, attribution=state.attribution,
+            tools=tools, expanded=expanded, output=output, accept=accept,
+            attribution=state.attribution,
             limits=state.limits, retry=state.retry, on_text=on_text,
             tool_error_text=tool_error_text, final_tool=state.final_tool,
             # The run's features as it ran: narrowed from the operation's again.
@@ -592,7 +595,7 @@ class Engine:
                                    f"{account!r}, and {here}: resume it on an engine with "
                                    "accounts=CreditAccounts(ledger) that charges it there")
 
-    async def _in_doubt(self, state: RunState, tools: tuple[Tool | ToolSource, ...]
+    async def _in_doubt(self, state: RunState, tools: tuple[Tool, ...]
                         ) -> tuple[PendingCall, ...]:
         """The calls of a recovered run's batch that wait for a decision: those
         that may have run (recorded ``started`` or ``in_doubt`` without an
@@ -606,7 +609,7 @@ class Engine:
         last = state.messages[-1] if state.messages else {}
         blocks = {str(b.get("id")): b for b in last.get("content") or ()
                   if isinstance(b, Mapping) and b.get("type") == "tool_use"}
-        by_name = {t.name: t for t in expand_tools(tools)}
+        by_name = {t.name: t for t in tools}
         pending: list[PendingCall] = []
         waiting: list[Mapping[str, Any]] = []
         for call_id in state.batch:
@@ -632,6 +635,7 @@ class Engine:
         *,
         system: System = None,
         tools: Iterable[Tool | ToolSource] = (),
+        expanded: tuple[Tool, ...] | None = None,
         output: type[pydantic.BaseModel] | None = None,
         accept: Callable[[Any], Any] | None = None,
         attribution: Attribution | None = None,
@@ -644,12 +648,15 @@ class Engine:
         observers: Sequence[Observer] = (),
         text_sink: Callable[[TextDelta], None] | None = None,
     ) -> tuple[Invocation, RunSpec]:
-        """Check a run's input and build its invocation (nothing is sent or recorded)."""
+        """Check a run's input and build its invocation (nothing is sent or recorded).
+
+        ``expanded``: ``tools`` with each source's tools in place, when the
+        caller already read them (`expand_tools`; a resume does, for its checks)."""
         given = check_tools(tools)
         spec = RunSpec(
             messages=normalize_messages(messages),
             system=normalize_system(system),
-            tools=expand_tools(given),
+            tools=expand_tools(given) if expanded is None else expanded,
             # Read again before each turn and each batch (`ToolSource`).
             sources=given if any(isinstance(t, ToolSource) for t in given) else (),
             output=_check_output(output),
@@ -1004,7 +1011,7 @@ def check_tools(tools: object) -> tuple[Tool | ToolSource, ...]:
 
 
 def _check_resume_tools(state: RunState, tools: tuple[Tool | ToolSource, ...],
-                        decided: Mapping[str, Decision]) -> None:
+                        expanded: tuple[Tool, ...], decided: Mapping[str, Decision]) -> None:
     """A resume's ``tools`` carry every tool the run of ``state`` was given (a
     state that predates that record: every approved call's tool), so an
     approved call is never answered "no such tool" by mistake. A tool a
@@ -1013,7 +1020,7 @@ def _check_resume_tools(state: RunState, tools: tuple[Tool | ToolSource, ...],
 
     Raises:
         ConfigError: a tool missing, named."""
-    names = {tool.name for tool in expand_tools(tools)}
+    names = {tool.name for tool in expanded}
     sources = [item for item in tools if isinstance(item, ToolSource)]
     needed = list(state.tools or ())
     needed += [call.tool for call in state.pending if isinstance(decided.get(call.id), Approve)]

@@ -41,7 +41,7 @@ from loopengine.guards._deadline import Deadline
 from loopengine.guards._limits import Limits
 from loopengine.persistence._protocol import Ledger
 from loopengine.persistence._records import AttemptRecord
-from loopengine.providers._base import Provider
+from loopengine.providers._base import Container, Provider
 from loopengine.providers._faults import ProviderFault
 from loopengine.providers._retry import RetryPolicy
 
@@ -85,7 +85,8 @@ class Invocation:
     # Slots: thousands are alive at once in a busy process.
     __slots__ = (
         "account", "accounts", "announced", "asked_limits", "attribution", "base_attempts",
-        "base_turns", "begun", "clock", "cost_nanousd", "credits", "deadline", "denied", "depth",
+        "base_turns", "begun", "clock", "container", "cost_nanousd", "credits", "deadline",
+        "denied", "depth",
         "descendant_credits", "earlier_attempts", "ended", "engine", "features", "fee_excess",
         "fees_reserved", "id",
         "in_flight", "kind",
@@ -94,7 +95,8 @@ class Invocation:
         "segment_token",
         "provider_cost_nanousd",
         "lease_owner", "records", "reservation", "rng", "run_store",
-        "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "unpriced",
+        "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "turns_credits",
+        "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor", "geo",
     )
     def __init__(
@@ -176,6 +178,9 @@ class Invocation:
         self.last_fault: ProviderFault | None = None
         self.turn_attempts: dict[int, int] = {}
         self.turn_charge: dict[int, int] = {}
+        """Each turn's charge in nano-USD: its charged attempts' cost (`add_charge`)."""
+        self.turns_credits = 0
+        """The sum of `turn_credits` over every turn of ``turn_charge``, kept as they grow."""
         self.in_flight: InFlight | None = None
         self.ended = False
         self.announced = False
@@ -207,6 +212,10 @@ class Invocation:
         """The `Engine` running it: where ``ToolContext.run`` starts a child by default."""
         self.permit: anyio.Lock | None = None
         """A root's crossing permit, shared by its tree (`crossing_permit`)."""
+        self.container: Container | None = None
+        """The code execution container the latest settled reply that named one
+        named (set by `loopengine._attempt.settle`; a resumed run's from its
+        state): its id goes on the later requests while it lives (`live_container`)."""
 
     def add_credits(self, credits: int) -> None:
         """Charge a turn's ``credits`` to this run and to every run above it, as they
@@ -283,6 +292,10 @@ class Invocation:
         if isinstance(error, LoopEngineError) and error.attempts is None:
             error.attempts = len(self.records)
 
+    def live_container(self) -> str | None:
+        """The id of the run's container for the next request, while it has not expired."""
+        return None if self.container is None else self.container.live(self.clock.wall())
+
     def remaining(self) -> float:
         return self.deadline.remaining(self.clock.now())
 
@@ -316,15 +329,19 @@ class Invocation:
             root = self.root
             # A structured call keeps its turns' credits outside `credits` (0):
             # its other turns' charges count them.
-            own = self.credits or sum(turn_credits(charge, rate, quantum)
-                                      for number, charge in self.turn_charge.items()
-                                      if number != turn)
+            own = self.credits or self.turns_credits - self.turn_credits(turn)
             tree = root.tree_credits - self.credits + own
             credits = turn_credits(self.turn_charge.get(turn, 0) + priced.cost_nanousd,
                                    rate, quantum)
             if tree + credits > MAX_INTEGER:
                 return "the run's credits"
         return None
+
+    def add_charge(self, turn: int, nanousd: int) -> None:
+        """Add ``nanousd`` to the charge of ``turn`` (and its credits to `turns_credits`)."""
+        before = self.turn_credits(turn)
+        self.turn_charge[turn] = self.turn_charge.get(turn, 0) + nanousd
+        self.turns_credits += self.turn_credits(turn) - before
 
     def turn_credits(self, turn: int) -> int:
         """The turn's charge in credits, rounded up to the quantum (R03)."""

@@ -2,8 +2,8 @@
 interrupts.
 
 `begin` records the invocation running and admits it on its account;
-`finish` records its outcome; `ending` (or `cancelled` / `failed`, for a body
-that keeps the handling in its own frame) records a run that stopped
+`finish` records its outcome; `ending` (or `stop_outcome` and `stopped`, for
+a body that keeps the handling in its own frame) records a run that stopped
 without an outcome, ``cancelled`` or ``failed``. Once begun, an invocation
 is always ended: the cleanup runs to its end through any cancellation
 (`uninterrupted`), `RunEnded` is announced once, and the exception
@@ -31,8 +31,8 @@ from loopengine.events import GuardTripped, RunEnded, RunStarted
 from loopengine.guards._checkpoints import GuardTrip
 from loopengine.persistence._records import InvocationEnd, InvocationStart
 
-__all__ = ["begin", "cancelled", "end_paused", "ending", "failed", "finish", "first_error",
-           "forget_run", "held_end", "uninterrupted", "write_row"]
+__all__ = ["begin", "end_paused", "ending", "finish", "first_error", "forget_run", "held_end",
+           "stop_outcome", "stopped", "uninterrupted", "write_row"]
 
 logger = logging.getLogger("loopengine")
 
@@ -327,41 +327,44 @@ async def ending(inv: Invocation, progress: Progress) -> AsyncIterator[None]:
     try:
         await begin(inv)
         yield
-    except (anyio.get_cancelled_exc_class(), KeyboardInterrupt,
-            asyncio.CancelledError) as error:
-        # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands, where
-        # asyncio's runner cancels its main task) is the caller's cancellation;
-        # a stray CancelledError (the ``on_text`` callback's) is a failure.
-        if stray_cancellation(error):
-            await failed(inv, error, progress)
-        else:
-            await cancelled(inv, progress)
-        raise
-    except (Exception, SystemExit) as error:
-        # A SystemExit (a validator's, say) ends it ``failed`` as an error does.
-        await failed(inv, error, progress)
+    except BaseException as error:
+        outcome = stop_outcome(error)
+        if outcome is not None:
+            await stopped(inv, outcome, error, progress)
         raise
 
 
-async def cancelled(inv: Invocation, progress: Progress) -> None:
-    """The caller's cancellation reached the body of `ending`: record the
-    invocation ``cancelled`` if it was begun; the caller then re-raises.
+def stop_outcome(error: BaseException) -> str | None:
+    """How ``error``, stopping the body of a run or call before its outcome,
+    ends the invocation: ``cancelled`` for the caller's cancellation (a
+    KeyboardInterrupt counts: Ctrl-C, which trio raises where it lands, where
+    asyncio's runner cancels its main task); ``failed`` for an error (a
+    `LedgerError`, a provider's `LoopEngineError`, the ``on_text`` callback's
+    own exception, a SystemExit, a stray CancelledError: `stray_cancellation`);
+    None for any other `BaseException`, which passes untouched, as the death
+    of the process would (a recovery ends the run, docs/pause-and-resume.md).
+    Call it on the running event loop."""
+    if isinstance(error, Exception | SystemExit) or stray_cancellation(error):
+        return "failed"
+    if isinstance(error, (KeyboardInterrupt, asyncio.CancelledError,
+                          anyio.get_cancelled_exc_class())):
+        return "cancelled"
+    return None
+
+
+async def stopped(inv: Invocation, outcome: str, error: BaseException,
+                  progress: Progress) -> None:
+    """``error`` stopped the body of `ending` (`stop_outcome` gave ``outcome``):
+    record the invocation ``outcome`` if it was begun, and give a failure's
+    ``error`` its attempt count; the caller then re-raises.
 
     `ending`'s handler, for a body that cannot be written in an ``async
     with`` (the run loop keeps it in its own frame, see `loopengine._run`).
     """
     if inv.begun:
-        await _cleanup(inv, "cancelled", progress)
-
-
-async def failed(inv: Invocation, error: BaseException,
-                 progress: Progress) -> None:
-    """``error`` stopped the body of `ending`: record the invocation
-    ``failed`` if it was begun and give ``error`` its attempt count; the
-    caller then re-raises."""
-    if inv.begun:
-        await _cleanup(inv, "failed", progress)
-    inv.count_attempts_on(error)
+        await _cleanup(inv, outcome, progress)
+    if outcome == "failed":
+        inv.count_attempts_on(error)
 
 
 async def _cleanup(inv: Invocation, outcome: str, progress: Progress) -> None:

@@ -235,7 +235,7 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
         if progress.attempt_count > saved.attempts:
             inv.earlier_attempts = {resent: progress.attempt_count - saved.attempts}
         if progress.cost_nanousd > saved.cost_nanousd:
-            inv.turn_charge[resent] = progress.cost_nanousd - saved.cost_nanousd
+            inv.add_charge(resent, progress.cost_nanousd - saved.cost_nanousd)
     inv.cost_nanousd = progress.cost_nanousd
     inv.provider_cost_nanousd = progress.provider_cost_nanousd
     inv.usage = usage_of(saved.usage if isinstance(saved.usage, Usage) else Usage(),
@@ -251,6 +251,7 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     # sub-agent it starts again count from.
     inv.credits = progress.credits
     inv.descendant_credits = saved.descendant_credits
+    inv.container = state.container  # where the model's files are, while it lives
     # The stores' reading of their rows: a `MemoryLedger` reads a copy of its own.
     read = (getattr(inv.ledger, "_transact_qmark", None)
             or getattr(inv.ledger, "_read_qmark", None))

@@ -39,6 +39,7 @@ from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine._features import is_web_search
 from loopengine._usage import Usage
+from loopengine.guards._credits import turn_credits
 
 if TYPE_CHECKING:
     from genai_prices import Usage as GenaiUsage
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
 
     from loopengine._features import Features, ServerTool
 
-__all__ = ["DOCUMENTED_FEES", "DOCUMENTED_GEO_MULTIPLIERS", "STANDARD_GEOS",
+__all__ = ["DOCUMENTED_FEES", "DOCUMENTED_GEO_MULTIPLIERS", "LARGEST_REPLY_REQUESTS",
+           "LARGEST_REPLY_TOKENS", "STANDARD_GEOS",
            "STANDARD_SPEEDS", "STANDARD_TIERS", "TOKEN_ONLY_TOOLS", "ModelPrice", "PriceBook",
            "Priced", "TurnFees"]
 
@@ -80,6 +82,19 @@ TOKEN_ONLY_TOOLS: Final = ("bash_", "text_editor_", "memory_", "computer_",
                             "tool_search_tool_")
 """Server tool types (by prefix) billed only through the tokens they add:
 Anthropic-defined tools the client runs, and tool search."""
+
+LARGEST_REPLY_TOKENS: Final = 10**8
+"""More tokens than one reply is ever served (input, cache and output together,
+its iterations included; the largest context windows hold about 10**7). A
+price at which a reply this large would cost more than a ledger column holds
+(2**63 - 1 nano-USD, or credits) is refused when it is given: a reply of a
+real size could then be unstorable, and a retry, priced the same, could not
+help. Within it, a reply that passes a column reports an impossible usage: a
+retried ``invalid_response`` (docs/providers.md)."""
+
+LARGEST_REPLY_REQUESTS: Final = 10**6
+"""More web searches, and more web fetches, than one reply is ever served: the
+fees' counterpart of `LARGEST_REPLY_TOKENS`."""
 
 # genai-prices knows some providers under other ids.
 _GENAI_PROVIDER_IDS = {"bedrock": "aws", "vertex": "google", "aws-bedrock": "aws",
@@ -143,6 +158,12 @@ class ModelPrice:
                      "speed_multipliers"):
             object.__setattr__(self, name, _multipliers(name, getattr(self, name)))
         _validate.moment("effective_from", self.effective_from, optional=True)
+        for name, usd in _dearest_reply(self):
+            if to_nanousd(usd) > _validate.MAX_INTEGER:
+                raise ConfigError(name, f"at this price a reply of {LARGEST_REPLY_TOKENS:,} "
+                                        f"tokens (and {LARGEST_REPLY_REQUESTS:,} of each "
+                                        f"server tool request) may cost {usd:.3e} USD, past "
+                                        "what a ledger column holds (2**63 - 1 nano-USD)")
 
     def multiplier(self, served: Usage) -> Decimal | None:
         """The product of the multipliers of what ``served`` reports (its service
@@ -260,6 +281,15 @@ class PriceBook:
             "credit_quantum", credit_quantum, minimum=1
         )
         self.fallback = _validate.boolean("fallback", fallback)
+        for i, price in enumerate(self.prices):
+            usd = _dearest_reply(price)[-1][1]
+            if turn_credits(to_nanousd(usd), self.credits_per_usd,
+                            self.credit_quantum) > _validate.MAX_INTEGER:
+                raise ConfigError("credits_per_usd", (
+                    f"at {self.credits_per_usd} credits per USD, a reply of "
+                    f"{LARGEST_REPLY_TOKENS:,} tokens at prices[{i}] ({price.provider}/"
+                    f"{price.model}) may cost more credits than a ledger column holds "
+                    "(2**63 - 1)"))
 
     def __repr__(self) -> str:
         return (f"PriceBook({len(self.prices)} prices, credits_per_usd={self.credits_per_usd}, "
@@ -468,6 +498,32 @@ def _multipliers(field: str, value: object) -> dict[str, Decimal]:
         assert checked is not None
         multipliers[name] = checked
     return multipliers
+
+
+def _dearest_reply(price: ModelPrice) -> list[tuple[str, Decimal]]:
+    """What ``price`` may charge a reply of `LARGEST_REPLY_TOKENS` tokens, all of its
+    dearest kind, at its largest multipliers, with `LARGEST_REPLY_REQUESTS` of each
+    fee, in USD: the running total after each field that adds to it, by name."""
+    rates = {name: getattr(price, name) for name in _TOKEN_RATES}
+    dearest = max((name for name in rates if rates[name] is not None),
+                  key=lambda name: rates[name])
+    usd = LARGEST_REPLY_TOKENS * rates[dearest] / _MTOK
+    steps = [(dearest, usd)]
+    for name in ("service_tier_multipliers", "inference_geo_multipliers", "speed_multipliers"):
+        factor = max((Decimal(1), *getattr(price, name).values()))
+        if factor > 1:
+            usd *= factor
+            steps.append((name, usd))
+    for name in ("web_search_per_k", "web_fetch_per_k"):
+        fee = getattr(price, name)
+        if fee:
+            usd += LARGEST_REPLY_REQUESTS * fee / _K
+            steps.append((name, usd))
+    return steps
+
+
+_TOKEN_RATES: Final = ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok",
+                       "cache_write_per_mtok", "cache_write_1h_per_mtok")
 
 
 def _or(value: Decimal | None, default: Decimal) -> Decimal:

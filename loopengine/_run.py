@@ -16,7 +16,6 @@ docs/guards.md.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import functools
 import inspect
@@ -38,10 +37,10 @@ from loopengine._invocation import Invocation
 from loopengine._judge import DEFAULT_REJECTION, Accept, Reject
 from loopengine._lifecycle import (
     begin,
-    cancelled,
-    failed,
     finish,
     first_error,
+    stop_outcome,
+    stopped,
     uninterrupted,
 )
 from loopengine._outcome import Outcome
@@ -55,7 +54,7 @@ from loopengine._pause import (
     take_run,
 )
 from loopengine._pricing import nanousd_to_usd
-from loopengine._raised import own_failure, stray_cancellation, withheld
+from loopengine._raised import own_failure, withheld
 from loopengine._result import RunResult
 from loopengine._runstate import Approve, Decision, PendingCall, RunState, json_digest
 from loopengine._runstore import CallMark, lease_expiry, new_owner
@@ -82,7 +81,6 @@ from loopengine.guards._checkpoints import (
 )
 from loopengine.guards._limits import Limits
 from loopengine.providers._base import (
-    Container,
     ProviderRequest,
     ProviderResponse,
     TextCallback,
@@ -221,8 +219,7 @@ async def give_back(run_id: str, release: Callable[[], Coroutine[Any, Any, None]
 
 
 class _Loop:
-    __slots__ = ("_given_messages", "adopting", "answered_calls", "charged", "container",
-                 "cut_results",
+    __slots__ = ("_given_messages", "adopting", "answered_calls", "charged", "cut_results",
                  "definitions", "inv", "left_out", "permit", "resumed", "sourced", "spec",
                  "state", "tools", "transcript", "wrapping")
 
@@ -267,9 +264,6 @@ class _Loop:
         self.adopting = False
         """A resume whose run store holds no row of the run (it paused without
         one): its first checkpoint inserts it."""
-        self.container: Container | None = resumed[0].container if resumed else None
-        """The code execution container the run's latest reply that named one
-        named: its id goes on the run's later requests while it has not expired."""
 
     @property
     def limits(self) -> Limits:
@@ -385,7 +379,6 @@ class _Loop:
                     reply = await request(inv, turn=turn, phase=phase, build=self._build,
                                           on_text=self.spec.on_text)
                     if isinstance(reply, ProviderResponse):
-                        self.container = reply.container or self.container
                         self.transcript.append({"role": "assistant",
                                                 "content": _copy_blocks(reply.content)})
                         if reply.stop_reason in CONTINUED_STOPS:
@@ -406,33 +399,20 @@ class _Loop:
                         return step
                     phase = step
             return await self._deadline_passed()
-        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt,
-                asyncio.CancelledError) as error:
-            # A KeyboardInterrupt (Ctrl-C, which trio raises where it lands,
-            # where asyncio's runner cancels its main task) is the caller's. A
-            # stray CancelledError (the ``on_text`` callback's: a future
-            # something else cancelled) is not: it is that code's failure.
-            self._charge_cut_turn()
-            self._release_permit()
-            if stray_cancellation(error):
-                await failed(inv, error, self._progress)
-            else:
-                await cancelled(inv, self._progress)
-            raise
         except RunBusyError:
             # Another process took the run over (its lease had expired): the
             # run is its now, so nothing is recorded here.
             self._release_permit()
             inv.ended = inv.announced = True
             raise
-        except (Exception, SystemExit) as error:
-            # A SystemExit (a handler's, a judge's) ends the run ``failed`` as
-            # an error does, then propagates. Any other BaseException passes
-            # untouched, as the death of the process would: a recovery ends
-            # the run (docs/pause-and-resume.md).
-            self._charge_cut_turn()
-            self._release_permit()
-            await failed(inv, error, self._progress)
+        except BaseException as error:
+            # The caller's cancellation, or an error ending the run without an
+            # outcome; anything else passes untouched (`stop_outcome`).
+            outcome = stop_outcome(error)
+            if outcome is not None:
+                self._charge_cut_turn()
+                self._release_permit()
+                await stopped(inv, outcome, error, self._progress)
             raise
 
     async def _begin_resumed(self) -> None:
@@ -692,7 +672,7 @@ class _Loop:
                 str(b.get("id")) for b in batch),
             results=list(results), repair=repair,
             answered_calls=dict(self.answered_calls), progress=progress_of(inv, self.state),
-            paused_at=paused_at or inv.clock.wall(), container=self.container)
+            paused_at=paused_at or inv.clock.wall(), container=inv.container)
 
     async def _checkpoint(self, state: RunState | None, *, calls: Sequence[CallMark] = (),
                           results: Sequence[Mapping[str, Any]] | None = None,
@@ -739,7 +719,6 @@ class _Loop:
                                            on_text=self.spec.on_text)
             if not isinstance(reply, ProviderResponse):
                 return reply
-            self.container = reply.container or self.container
             self.transcript[-1]["content"].extend(_copy_blocks(reply.content))
             if reply.stop_reason not in CONTINUED_STOPS:
                 return reply
@@ -789,8 +768,7 @@ class _Loop:
             cache=self.inv.operation.cache,
             metadata={"turn": self.state.turns},
             features=self.inv.features,
-            container=None if self.container is None else self.container.live(
-                self.inv.clock.wall()),
+            container=self.inv.live_container(),
         )
 
     def _charge(self, turn: int) -> None:

@@ -104,6 +104,9 @@ async def stream_run(prepare: Prepare) -> AsyncIterator[RunStream]:
         with send:
             try:
                 handle._result = await run_loop(inv, spec)
+            # The run recorded its end already (`stop_outcome`); this decides only
+            # where what ended it is raised: the task group's cancellation from
+            # this task, anything else from the caller's iteration.
             except anyio.get_cancelled_exc_class() as error:
                 if not stray_cancellation(error):
                     raise

@@ -92,8 +92,9 @@ class TurnStarted(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AttemptStarted(Event):
-    """An attempt was recorded as dispatched and goes on the wire."""
+class _Attempt(Event):
+    """The identity of an attempt, which its start and its settle both carry
+    (as its dispatch records it)."""
 
     ordinal: int
     turn: int
@@ -103,22 +104,20 @@ class AttemptStarted(Event):
     provider: str
     model: str
     max_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptStarted(_Attempt):
+    """An attempt was recorded as dispatched and goes on the wire."""
+
     timeout_ms: int
     wait_ms: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AttemptSettled(Event):
+class AttemptSettled(_Attempt):
     """An attempt came back or failed."""
 
-    ordinal: int
-    turn: int
-    attempt: int
-    phase: str
-    served_by: str
-    provider: str
-    model: str
-    max_tokens: int
     outcome: str
     """``ok``, ``error`` or ``aborted``."""
     latency_ms: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
@@ -250,3 +251,53 @@ def test_every_route_is_priced_as_genai_prices_prices_it(vendor: str, model: str
                                      genai_request_timestamp=at)
     assert ours is not None and ours.cost_nanousd == to_nanousd(theirs.total_price)
     assert ours.price_ref.endswith(f"{theirs.provider.id}/{theirs.model.id}")
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"output_per_mtok": Decimal("9.3e7")}, "output_per_mtok"),
+    ({"cache_write_1h_per_mtok": 10**9}, "cache_write_1h_per_mtok"),
+    ({"output_per_mtok": 9 * 10**7, "speed_multipliers": {"fast": Decimal(6)}},
+     "speed_multipliers"),
+    ({"web_search_per_k": 10**10}, "web_search_per_k"),
+])
+def test_a_price_no_ledger_could_store_a_large_reply_of_is_refused(
+    extra: dict[str, Any], field: str
+) -> None:
+    """A price at which a reply of LARGEST_REPLY_TOKENS tokens (at its dearest
+    rate and multipliers, with LARGEST_REPLY_REQUESTS of each fee) would cost more
+    than 2**63 - 1 nano-USD is a ConfigError when it is given, naming the field
+    that takes it past: at run time each reply would be refused and retried at
+    the same price, which no retry could change."""
+    with pytest.raises(le.ConfigError) as info:
+        le.ModelPrice(provider="anthropic", model="m", **{
+            "input_per_mtok": 1, "output_per_mtok": 1, **extra})
+    assert info.value.field == field and "2**63 - 1" in str(info.value)
+
+
+def test_a_credit_rate_no_ledger_could_store_a_large_reply_of_is_refused() -> None:
+    """The same bound in credits: a rate at which a book entry's largest reply
+    would be charged more than 2**63 - 1 credits is refused with the book."""
+    dear = le.ModelPrice(provider="anthropic", model="m", input_per_mtok=1,
+                         output_per_mtok=10**5)
+    with pytest.raises(le.ConfigError) as info:
+        le.PriceBook([dear], credits_per_usd=10**15)
+    assert info.value.field == "credits_per_usd" and "prices[0]" in str(info.value)
+    assert le.PriceBook([dear], credits_per_usd=10**10).credits_per_usd == 10**10
+
+
+async def test_the_dearest_accepted_price_charges_a_large_reply_on_the_first_attempt(
+    make_engine: EngineFactory,
+) -> None:
+    """At the dearest price the bound accepts, a reply of a million tokens is
+    priced, stored and charged as it came: no attempt is refused or retried."""
+    dearest = le.ModelPrice(provider="anthropic", model=MODEL, input_per_mtok=9 * 10**7,
+                            output_per_mtok=9 * 10**7)
+    engine, _, ledger = make_engine(
+        Reply.text("dear", usage=le.Usage(input_tokens=10**6, output_tokens=10)),
+        prices=le.PriceBook([dearest], credits_per_usd=1))
+    result = await engine.run(operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.attempts.count == 1
+    assert result.cost_usd == Decimal(9 * 10**7) * (10**6 + 10) / 10**6
+    (row,) = ledger.attempts.values()
+    assert row["outcome"] == "ok" and row["cost_nanousd"] == to_nanousd(result.cost_usd)
+    assert result.credits == math.ceil(result.cost_usd)

@@ -87,14 +87,14 @@ def check_before_attempt(
 ) -> GuardTrip | None:
     """Before each wire request (retries included): no request once no time remains (R04)."""
     if state.deadline.expired(now):
-        return GuardTrip(
-            Outcome.TIME_LIMIT,
-            "total_time",
-            0.0,
-            limits.total_time,
-            f"no time remains for another request (total_time={limits.total_time})",
-        )
+        return _time_limit(limits, "no time remains for another request")
     return None
+
+
+def _time_limit(limits: Limits, why: str) -> GuardTrip:
+    """The time limit's trip (R04), ``why`` said with the limit."""
+    return GuardTrip(Outcome.TIME_LIMIT, "total_time", 0.0, limits.total_time,
+                     f"{why} (total_time={limits.total_time})")
 
 
 def attempt_timeout(limits: Limits, deadline: Deadline, now: float,
@@ -109,14 +109,7 @@ def unconfirmed_by_deadline(limits: Limits, what: str) -> GuardTrip:
     """The time limit, when the ledger (or the account) did not confirm ``what``
     (the attempt, the reply, the reservation) before the deadline: nothing may
     be sent, or act on a reply, that is not recorded (R04)."""
-    return GuardTrip(
-        Outcome.TIME_LIMIT,
-        "total_time",
-        0.0,
-        limits.total_time,
-        f"the ledger did not record {what} before the deadline "
-        f"(total_time={limits.total_time})",
-    )
+    return _time_limit(limits, f"the ledger did not record {what} before the deadline")
 
 
 def check_admission(account: str, reserved: int, available: int, hold: int,
