@@ -13,6 +13,7 @@ account's transaction costs what it has in flight, not its history.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -20,9 +21,9 @@ from typing import Any
 from loopengine.guards._credits import turn_credits
 from loopengine.persistence._schema import UNRELEASED
 
-__all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "account_of", "charged", "expire", "journal",
-           "lock", "open_differences", "outlived", "read", "recover", "released",
-           "running_descendants", "settled"]
+__all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "TreeRun", "account_of", "charged",
+           "descendants_charged", "expire", "journal", "lock", "open_differences", "outlived",
+           "read", "recover", "released", "running_descendants", "settled", "tree"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -202,48 +203,73 @@ TREE = ("WITH RECURSIVE tree (id) AS (SELECT CAST(? AS TEXT) UNION ALL "
 tree, docs/tools.md): a common table expression taking the root's id."""
 
 
+@dataclass(frozen=True, slots=True)
+class TreeRun:
+    """One run of a tree of delegated runs, as the ledger holds it: what its
+    account's settlement and a recovery of its root read of it."""
+
+    id: str
+    outcome: str
+    turns: int
+    """Its turns: as recorded, or the last its attempt rows reached when later
+    (a run writes its counts only when it ends, and a turn counts once its
+    request was sent, R01)."""
+    tool_calls: int
+    credits: int
+    """Its credits as recorded (written when it ends or pauses)."""
+    turn_costs: tuple[int, ...]
+    """While it runs, the nano-USD of each of its turns' settled, charged
+    attempts (empty once it ended or paused: its ``credits`` count then)."""
+
+    def charge(self, rate: Decimal, quantum: int) -> int:
+        """What it charged its account: its credits once it ended (or paused),
+        else its settled turns' charges, each rounded up (R03)."""
+        if self.outcome != "running":
+            return self.credits
+        return sum(turn_credits(cost, rate, quantum) for cost in self.turn_costs)
+
+
+def tree(conn: Any, invocation_id: str) -> list[TreeRun]:
+    """The run ``invocation_id`` and every run below it (`TREE`), in the order
+    they started, in two statements whatever the tree's size."""
+    runs = conn.execute(
+        f"{TREE}SELECT i.id, i.outcome, i.turns, i.tool_calls, i.credits, (SELECT MAX(a.turn) "
+        "FROM attempts AS a WHERE a.invocation_id = i.id) FROM invocations AS i JOIN tree AS t "
+        "ON t.id = i.id ORDER BY i.started_at, i.id", (invocation_id,)).fetchall()
+    costs: dict[str, list[int]] = {}
+    for member, cost in conn.execute(
+            f"{TREE}SELECT a.invocation_id, SUM(a.cost_nanousd) FROM tree AS t "
+            "JOIN invocations AS i ON i.id = t.id AND i.outcome = 'running' "
+            "JOIN attempts AS a ON a.invocation_id = i.id "
+            "WHERE a.charged = 1 AND a.cost_nanousd IS NOT NULL "
+            "GROUP BY a.invocation_id, a.turn", (invocation_id,)).fetchall():
+        costs.setdefault(str(member), []).append(int(cost))
+    return [TreeRun(str(member), str(outcome), max(int(turns), int(reached or 0)),
+                    int(tool_calls), int(credits), tuple(costs.get(str(member), ())))
+            for member, outcome, turns, tool_calls, credits, reached in runs]
+
+
 def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
     """What the ledger says a run charged its account: for it and each run it
     delegated to (its tree, which one reservation pays for), its credits if it
     ended, else the rounded turn charges of its settled, charged attempts (R03)."""
-    ids = [str(r[0]) for r in conn.execute(f"{TREE}SELECT id FROM tree",
-                                           (invocation_id,)).fetchall()]
-    return sum(_own_charge(conn, member, rate, quantum) for member in ids)
+    return sum(run.charge(rate, quantum) for run in tree(conn, invocation_id))
 
 
-def descendants_charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
-    """What the runs ``invocation_id`` delegated to charged, theirs included: its
-    tree's charge (`charged`) less its own (a run recovered after its process
-    died learns so what its sub-agents spent, those cut by the crash too)."""
-    return (charged(conn, invocation_id, rate, quantum)
-            - _own_charge(conn, invocation_id, rate, quantum))
+def descendants_charged(runs: Sequence[TreeRun], invocation_id: str, rate: Decimal,
+                        quantum: int) -> int:
+    """What the runs ``invocation_id`` delegated to charged, theirs included, of
+    its tree ``runs`` (`tree`): its tree's charge less its own (a run recovered
+    after its process died learns so what its sub-agents spent, those cut by
+    the crash too)."""
+    return sum(run.charge(rate, quantum) for run in runs if run.id != invocation_id)
 
 
-def running_descendants(conn: Any, invocation_id: str, rate: Decimal, quantum: int
-                        ) -> list[tuple[str, int, int, int]]:
-    """The runs ``invocation_id`` delegated to (its tree below it) that the ledger
-    still holds ``running``, as ``(id, turns, tool_calls, charge)``: their
-    tool calls as recorded, their turns the last their attempt rows reached
-    (a run writes its counts only when it ends, and a turn counts once its
-    request was sent, R01), and what `descendants_charged` counts for them
-    (the rounded turn charges of their settled, charged attempts)."""
-    found = conn.execute(
-        f"{TREE}SELECT i.id, i.turns, i.tool_calls, (SELECT MAX(a.turn) FROM attempts AS a "
-        "WHERE a.invocation_id = i.id) FROM invocations AS i JOIN tree AS t "
-        "ON t.id = i.id WHERE i.outcome = 'running' AND i.id <> ? ORDER BY i.started_at, i.id",
-        (invocation_id, invocation_id)).fetchall()
-    return [(str(member), max(int(turns), int(reached or 0)), int(tool_calls),
-             _own_charge(conn, str(member), rate, quantum))
-            for member, turns, tool_calls, reached in found]
-
-
-def _own_charge(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
-    """One run's charge: its credits once it ended (or paused), else its settled turns'."""
-    row = conn.execute("SELECT outcome, credits FROM invocations WHERE id = ?",
-                       (invocation_id,)).fetchone()
-    if row is not None and row[0] != "running":
-        return int(row[1])
-    turns = conn.execute(
-        "SELECT SUM(cost_nanousd) FROM attempts WHERE invocation_id = ? AND charged = 1 "
-        "AND cost_nanousd IS NOT NULL GROUP BY turn", (invocation_id,)).fetchall()
-    return sum(turn_credits(int(cost), rate, quantum) for (cost,) in turns)
+def running_descendants(runs: Sequence[TreeRun], invocation_id: str, rate: Decimal,
+                        quantum: int) -> list[tuple[str, int, int, int]]:
+    """The runs of the tree ``runs`` (`tree`) below ``invocation_id`` that the
+    ledger still holds ``running``, in the order they started, as ``(id, turns,
+    tool_calls, charge)``: their turns and tool calls as `TreeRun` reads them,
+    and what `descendants_charged` counts for them."""
+    return [(run.id, run.turns, run.tool_calls, run.charge(rate, quantum))
+            for run in runs if run.outcome == "running" and run.id != invocation_id]

@@ -47,6 +47,7 @@ from typing import Any, Final, Self, TypeVar
 import anyio.to_thread
 
 from loopengine._errors import LedgerError
+from loopengine.persistence._account_store import TreeRun, tree
 from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
 from loopengine.persistence._planner import (
     END_SET,
@@ -358,6 +359,17 @@ class ThreadedLedger:
             return read_progress(lambda sql: conn.execute(sql, (invocation_id,)).fetchall())
 
         return await self._transact_qmark(work, "the invocation could not be read")
+
+    async def read_tree(self, invocation_id: str) -> list[TreeRun]:
+        """The run ``invocation_id`` and every run below it (its sub-agents', theirs
+        included), as committed, in the order they started (`_account_store.tree`):
+        what a recovery of the run reads of its sub-agents.
+
+        Raises:
+            LedgerError: the database could not be read.
+        """
+        return await self._transact_qmark(lambda conn: tree(conn, invocation_id),
+                                          "the ledger could not be read")
 
     async def flush(self) -> None:
         """Wait until every write queued so far is committed.
