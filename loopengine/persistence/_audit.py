@@ -686,18 +686,23 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
         found += [AccountMismatch(account, "open", held, journal, invocation_id)
                   for account, invocation_id, held, journal
                   in _account_store.open_differences(conn)]
-    for account, invocation_id, charged, rate, quantum in conn.execute(
+    for account, invocation_id, charged, rate, quantum, unreleased in conn.execute(
             # Every run that reserved, its charge 0 when its reservation was
             # released with none; one row of rates per invocation (a resumed
-            # run reserved once per segment).
-            "SELECT r.account, r.invocation_id, COALESCE(SUM(e.credits), 0), r.rate, r.quantum "
+            # run reserved once per segment), with how many of its
+            # reservations are not released.
+            "SELECT r.account, r.invocation_id, "
+            "COALESCE(SUM(CASE WHEN e.kind IN ('settle', 'expire') THEN e.credits END), 0), "
+            "r.rate, r.quantum, "
+            "COALESCE(SUM(CASE e.kind WHEN 'reserve' THEN 1 WHEN 'release' THEN -1 END), 0) "
             "FROM (SELECT account, invocation_id, MAX(credits_per_usd) AS rate, "
             "MAX(credit_quantum) AS quantum FROM account_entries WHERE kind = 'reserve' "
             "GROUP BY account, invocation_id) AS r LEFT JOIN account_entries AS e "
-            "ON e.invocation_id = r.invocation_id AND e.kind IN ('settle', 'expire') "
+            "ON e.invocation_id = r.invocation_id "
+            "AND e.kind IN ('settle', 'expire', 'reserve', 'release') "
             "GROUP BY r.account, r.invocation_id, r.rate, r.quantum "
             "ORDER BY r.account, r.invocation_id"):
-        if not _account_store.released(conn, invocation_id):
+        if unreleased > 0:
             continue  # a resumed run in progress: its earlier segments' settlement is partial
         # A root's reservation pays for its tree of delegated runs (docs/tools.md).
         expected = _account_store.charged(conn, invocation_id, Decimal(rate), int(quantum))
