@@ -66,23 +66,19 @@ class MemoryLedger:
 
     async def start_invocation(self, record: InvocationStart) -> None:
         """Record the invocation as running."""
-        self.calls.append(("start", record.id))
-        self._commit(start_op(record))
+        self._commit(("start", record.id), start_op(record))
 
     async def dispatch_attempt(self, record: AttemptDispatch) -> None:
         """Count the attempt; keep its row while under the retention cap."""
-        self.calls.append(("dispatch", record.ordinal))
-        self._commit(dispatch_op(record))
+        self._commit(("dispatch", record.ordinal), dispatch_op(record))
 
     async def settle_attempt(self, record: AttemptSettle) -> None:
         """Settle the row (if retained) and add to the invocation's totals."""
-        self.calls.append(("settle", record.ordinal))
-        self._commit(settle_op(record))
+        self._commit(("settle", record.ordinal), settle_op(record))
 
     async def end_invocation(self, record: InvocationEnd) -> None:
         """Settle the invocation."""
-        self.calls.append(("end", record.id))
-        self._commit(end_op(record))
+        self._commit(("end", record.id), end_op(record))
 
     async def read_progress(self, invocation_id: str) -> InvocationProgress | None:
         """The invocation's committed progress (`_planner.read_progress`), or None."""
@@ -121,7 +117,13 @@ class MemoryLedger:
                         if row["outcome"] == "running" else ())
                 for row in sorted(rows, key=lambda row: (row["started_at"], row["id"]))]
 
-    def _commit(self, op: _planner.Op) -> None:
+    def _commit(self, call: tuple[str, int | str], op: _planner.Op) -> None:
+        """Note ``call`` (`calls`) and commit its ``op`` at once.
+
+        Raises:
+            LedgerError: the op was refused.
+        """
+        self.calls.append(call)
         for _, message in self._rows.planner.commit([op]):
             raise LedgerError(message)
 
