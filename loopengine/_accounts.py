@@ -213,8 +213,7 @@ class CreditAccounts:
 
         def work(conn: Any, now: str) -> Reservation:
             store.lock(conn, account)
-            store.expire(conn, account, now)
-            store.recover(conn, account, invocation_id, now)
+            store.expire(conn, account, now, recovered=invocation_id)
             available = store.read(conn, account).available
             amount = max(0, min(hold + margin, available))
             if amount <= margin:
@@ -249,16 +248,16 @@ class CreditAccounts:
         def work(conn: Any, now: str) -> None:
             store.lock(conn, reservation.account)
             invocation_id = reservation.invocation_id
-            released = store.released(conn, invocation_id)
-            if released and not store.outlived(conn, invocation_id):
+            journaled = store.entries(conn, invocation_id)
+            if journaled.released and not journaled.outlived:
                 return  # settled already
             # A run whose reservation expired while it still ran is charged
             # what it spent since, on top of what the expiry charged.
-            charge = credits - store.settled(conn, invocation_id)
+            charge = credits - journaled.settled
             if charge > 0:
                 store.journal(conn, reservation.account, now, "settle", charge,
                               invocation_id, None)
-            if not released:
+            if not journaled.released:
                 store.journal(conn, reservation.account, now, "release", reservation.credits,
                               invocation_id, None)
 

@@ -40,7 +40,11 @@ from loopengine._usage import Usage
 from loopengine.events import RunEnded, RunPaused, RunResumed
 from loopengine.guards._checkpoints import ConversationState
 from loopengine.guards._deadline import Deadline
-from loopengine.persistence._account_store import descendants_charged, running_descendants
+from loopengine.persistence._account_store import (
+    TreeRun,
+    descendants_charged,
+    running_descendants,
+)
 from loopengine.persistence._planner import PROGRESS_USAGE, usage_counts
 from loopengine.persistence._records import InvocationEnd, InvocationProgress
 
@@ -252,9 +256,8 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     inv.credits = progress.credits
     inv.descendant_credits = saved.descendant_credits
     inv.container = state.container  # where the model's files are, while it lives
-    # The stores' reading of their rows: a `MemoryLedger` reads a copy of its own.
-    read = (getattr(inv.ledger, "_transact_qmark", None)
-            or getattr(inv.ledger, "_read_qmark", None))
+    # The stores' reading of a run's tree of sub-agents.
+    read = getattr(inv.ledger, "read_tree", None)
     if recovering and read is not None:
         # Its sub-agents may have spent after its last checkpoint, as its
         # process died: what the ledger says they charged.
@@ -268,8 +271,7 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
 
 
 async def end_dead_descendants(
-        inv: Invocation, transact: Callable[[Callable[[Any], Any], str], Awaitable[Any]]
-        ) -> int:
+        inv: Invocation, read_tree: Callable[[str], Awaitable[Sequence[TreeRun]]]) -> int:
     """End each run that the recovered run ``inv`` delegated to (its tree below
     it) and that its dead process left ``running``; return what its tree below
     it charged (`descendants_charged`).
@@ -285,15 +287,13 @@ async def end_dead_descendants(
     `RunEnded` its process could not emit (outcome ``failed``, its totals as
     recorded), from the recovery, once.
 
-    ``transact`` reads the ledger's rows: its ``_transact_qmark`` (a
-    `MemoryLedger`'s ``_read_qmark``).
+    ``read_tree`` is the ledger's (``read_tree``): the run's tree as committed.
     """
     prices = inv.prices
     rate, quantum = prices.credits_per_usd, prices.credit_quantum
-    charged, dead = await transact(
-        lambda conn: (descendants_charged(conn, inv.id, rate, quantum),
-                      running_descendants(conn, inv.id, rate, quantum)),
-        "the ledger could not be read")
+    runs = await read_tree(inv.id)
+    charged = descendants_charged(runs, inv.id, rate, quantum)
+    dead = running_descendants(runs, inv.id, rate, quantum)
     assert inv.ledger is not None
     at = inv.clock.wall()
     for member, turns, tool_calls, credits in dead:

@@ -13,6 +13,7 @@ account's transaction costs what it has in flight, not its history.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -20,9 +21,9 @@ from typing import Any
 from loopengine.guards._credits import turn_credits
 from loopengine.persistence._schema import UNRELEASED
 
-__all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "account_of", "charged", "expire", "journal",
-           "lock", "open_differences", "outlived", "read", "recover", "released",
-           "running_descendants", "settled"]
+__all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "RunEntries", "TreeRun", "account_of",
+           "charged", "descendants_charged", "entries", "expire", "journal", "lock",
+           "open_differences", "read", "recover", "running_descendants", "tree"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -99,14 +100,38 @@ def journal(conn: Any, account: str, now: str, kind: str, credits: int,
         (account, *effect, now))
 
 
-def released(conn: Any, invocation_id: str) -> bool:
-    """Whether every reservation of the invocation was released (a paused run
-    released one, and its resume reserves again: one per running segment)."""
-    reserves, releases = conn.execute(
+@dataclass(frozen=True, slots=True)
+class RunEntries:
+    """What an invocation's journal entries say of its settlement (`entries`)."""
+
+    released: bool
+    """Every reservation of it was released (a paused run released one, and its
+    resume reserves again: one per running segment)."""
+    outlived: bool
+    """Its last reservation was closed by its expiry and it has not settled
+    since: it was alive past its expiry (a run without ``total_time`` past the
+    hour assumed of it), so its own settlement still owes what it spent after
+    the expiry charged it."""
+    settled: int
+    """The credits already charged to it (its earlier segments', settled when it
+    paused, or an expiry's): a settlement charges only what comes on top."""
+
+
+def entries(conn: Any, invocation_id: str) -> RunEntries:
+    """What the journal says of the invocation's settlement, in one statement.
+    An expiry's ``release`` is the one that carries the reservation's
+    ``expires_at`` (`expire`)."""
+    reserves, releases, settled, last_release, last_expiry, last_settle = conn.execute(
         "SELECT COALESCE(SUM(CASE WHEN kind = 'reserve' THEN 1 ELSE 0 END), 0), "
-        "COALESCE(SUM(CASE WHEN kind = 'release' THEN 1 ELSE 0 END), 0) "
+        "COALESCE(SUM(CASE WHEN kind = 'release' THEN 1 ELSE 0 END), 0), "
+        "COALESCE(SUM(CASE WHEN kind IN ('settle', 'expire') THEN credits ELSE 0 END), 0), "
+        "MAX(CASE WHEN kind = 'release' THEN id END), "
+        "MAX(CASE WHEN kind = 'release' AND expires_at IS NOT NULL THEN id END), "
+        "MAX(CASE WHEN kind = 'settle' THEN id END) "
         "FROM account_entries WHERE invocation_id = ?", (invocation_id,)).fetchone()
-    return int(releases) >= int(reserves)
+    outlived = (last_expiry is not None and last_expiry == last_release
+                and (last_settle is None or last_settle < last_expiry))
+    return RunEntries(int(releases) >= int(reserves), outlived, int(settled))
 
 
 def account_of(conn: Any, invocation_id: str) -> str | None:
@@ -115,23 +140,6 @@ def account_of(conn: Any, invocation_id: str) -> str | None:
     row = conn.execute("SELECT account FROM account_entries WHERE invocation_id = ? "
                        "AND kind = 'reserve' ORDER BY id LIMIT 1", (invocation_id,)).fetchone()
     return None if row is None else str(row[0])
-
-
-def settled(conn: Any, invocation_id: str) -> int:
-    """The credits already charged to the invocation (its earlier segments,
-    settled when it paused): a settlement charges only what comes on top."""
-    row = conn.execute("SELECT COALESCE(SUM(credits), 0) FROM account_entries "
-                       "WHERE invocation_id = ? AND kind IN ('settle', 'expire')",
-                       (invocation_id,)).fetchone()
-    return int(row[0])
-
-
-# The account's reservations still held (`open_reservations`, as many as its
-# runs in flight, whatever its history) that a condition on ``o`` selects,
-# with their entries' figures.
-_OPEN = ("SELECT o.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum "
-         "FROM open_reservations AS o JOIN account_entries AS r ON r.id = o.entry_id "
-         "WHERE o.account = ? AND {} ORDER BY o.entry_id")
 
 
 def open_differences(conn: Any) -> list[tuple[str, str, int, int]]:
@@ -150,50 +158,58 @@ def open_differences(conn: Any) -> list[tuple[str, str, int, int]]:
     return sorted(found)
 
 
-EXPIRED = "released after its reservation expired"
-"""The note of a ``release`` written by an expiry (not by the run's own settlement)."""
-
-
-def expire(conn: Any, account: str, now: str) -> None:
-    """Settle ``account``'s expired reservations that were never released."""
-    _close(conn, account, now, "o.expires_at < ?", now, "expire",
-           "settled after its reservation expired", EXPIRED)
-
-
-def outlived(conn: Any, invocation_id: str) -> bool:
-    """Whether the invocation's last reservation was closed by its expiry and the
-    run has not settled since: it was alive past its expiry (a run without
-    ``total_time`` past the hour assumed of it), so its own settlement still
-    owes what it spent after the expiry charged it."""
-    row = conn.execute("SELECT id, note FROM account_entries WHERE invocation_id = ? "
-                       "AND kind = 'release' ORDER BY id DESC LIMIT 1",
-                       (invocation_id,)).fetchone()
-    if row is None or row[1] != EXPIRED:
-        return False
-    return conn.execute("SELECT 1 FROM account_entries WHERE invocation_id = ? "
-                        "AND kind = 'settle' AND id > ?", (invocation_id, row[0])
-                        ).fetchone() is None
+def expire(conn: Any, account: str, now: str, *, recovered: str | None = None) -> None:
+    """Settle ``account``'s expired reservations that were never released, and
+    then, for a recovered run's admission, as `recover` does, the reservation
+    of ``recovered``: one reading of the open reservations for both."""
+    _close(conn, account, now, expired=True, recovered=recovered)
 
 
 def recover(conn: Any, account: str, invocation_id: str, now: str) -> None:
     """Settle the reservation of ``invocation_id`` left by a running segment whose
     process died (its run is recovered, and reserves again): charged what the
     ledger says it spent, and released."""
-    _close(conn, account, now, "o.invocation_id = ?", invocation_id, "settle",
-           "settled when its run was recovered", "released when its run was recovered")
+    _close(conn, account, now, recovered=invocation_id)
 
 
-def _close(conn: Any, account: str, now: str, which: str, value: str, kind: str,
-           charge_note: str, release_note: str) -> None:
-    """Charge and release ``account``'s open reservations that ``which`` (a
-    condition on ``open_reservations`` as ``o``, taking ``value``) selects."""
-    found = conn.execute(_OPEN.format(which), (account, value)).fetchall()
-    for invocation_id, reserved, rate, quantum in found:
+def _close(conn: Any, account: str, now: str, *, expired: bool = False,
+           recovered: str | None = None) -> None:
+    """Charge and release ``account``'s open reservations that expired (if
+    ``expired``; kind ``expire``, the release keeping the reservation's
+    ``expires_at``: `entries` knows an expiry by it) and then those of the
+    invocation ``recovered`` (kind ``settle``), each group in the order
+    they were reserved; from one reading of ``open_reservations`` (its rows
+    as many as the account's runs in flight, whatever its history)."""
+    which, values = [], []
+    if expired:
+        which.append("o.expires_at < ?")
+        values.append(now)
+    if recovered is not None:
+        which.append("o.invocation_id = ?")
+        values.append(recovered)
+    found = conn.execute(
+        "SELECT o.invocation_id, r.credits, r.credits_per_usd, r.credit_quantum, o.expires_at, "
+        "CASE WHEN o.expires_at < ? THEN 1 ELSE 0 END FROM open_reservations AS o "
+        "JOIN account_entries AS r ON r.id = o.entry_id "
+        f"WHERE o.account = ? AND ({' OR '.join(which)}) ORDER BY o.entry_id",
+        (now, account, *values)).fetchall()
+    # The expired first, as an expiry reads them before a recovery does.
+    for invocation_id, reserved, rate, quantum, expires_at, late in sorted(
+            found, key=lambda row: not (expired and row[5])):
+        kind = "expire" if expired and late else "settle"
+        charge_note, release_note = _NOTES[kind]
         charge = (charged(conn, invocation_id, Decimal(rate), int(quantum))
-                  - settled(conn, invocation_id))
+                  - entries(conn, invocation_id).settled)
         if charge > 0:
             journal(conn, account, now, kind, charge, invocation_id, charge_note)
-        journal(conn, account, now, "release", int(reserved), invocation_id, release_note)
+        journal(conn, account, now, "release", int(reserved), invocation_id, release_note,
+                expires_at=expires_at if kind == "expire" else None)
+
+
+_NOTES = {"expire": ("settled after its reservation expired",
+                     "released after its reservation expired"),
+          "settle": ("settled when its run was recovered", "released when its run was recovered")}
+"""The notes of the entries `_close` writes, by the kind of its charge: for a reader."""
 
 
 TREE = ("WITH RECURSIVE tree (id) AS (SELECT CAST(? AS TEXT) UNION ALL "
@@ -202,48 +218,73 @@ TREE = ("WITH RECURSIVE tree (id) AS (SELECT CAST(? AS TEXT) UNION ALL "
 tree, docs/tools.md): a common table expression taking the root's id."""
 
 
+@dataclass(frozen=True, slots=True)
+class TreeRun:
+    """One run of a tree of delegated runs, as the ledger holds it: what its
+    account's settlement and a recovery of its root read of it."""
+
+    id: str
+    outcome: str
+    turns: int
+    """Its turns: as recorded, or the last its attempt rows reached when later
+    (a run writes its counts only when it ends, and a turn counts once its
+    request was sent, R01)."""
+    tool_calls: int
+    credits: int
+    """Its credits as recorded (written when it ends or pauses)."""
+    turn_costs: tuple[int, ...]
+    """While it runs, the nano-USD of each of its turns' settled, charged
+    attempts (empty once it ended or paused: its ``credits`` count then)."""
+
+    def charge(self, rate: Decimal, quantum: int) -> int:
+        """What it charged its account: its credits once it ended (or paused),
+        else its settled turns' charges, each rounded up (R03)."""
+        if self.outcome != "running":
+            return self.credits
+        return sum(turn_credits(cost, rate, quantum) for cost in self.turn_costs)
+
+
+def tree(conn: Any, invocation_id: str) -> list[TreeRun]:
+    """The run ``invocation_id`` and every run below it (`TREE`), in the order
+    they started, in two statements whatever the tree's size."""
+    runs = conn.execute(
+        f"{TREE}SELECT i.id, i.outcome, i.turns, i.tool_calls, i.credits, (SELECT MAX(a.turn) "
+        "FROM attempts AS a WHERE a.invocation_id = i.id) FROM invocations AS i JOIN tree AS t "
+        "ON t.id = i.id ORDER BY i.started_at, i.id", (invocation_id,)).fetchall()
+    costs: dict[str, list[int]] = {}
+    for member, cost in conn.execute(
+            f"{TREE}SELECT a.invocation_id, SUM(a.cost_nanousd) FROM tree AS t "
+            "JOIN invocations AS i ON i.id = t.id AND i.outcome = 'running' "
+            "JOIN attempts AS a ON a.invocation_id = i.id "
+            "WHERE a.charged = 1 AND a.cost_nanousd IS NOT NULL "
+            "GROUP BY a.invocation_id, a.turn", (invocation_id,)).fetchall():
+        costs.setdefault(str(member), []).append(int(cost))
+    return [TreeRun(str(member), str(outcome), max(int(turns), int(reached or 0)),
+                    int(tool_calls), int(credits), tuple(costs.get(str(member), ())))
+            for member, outcome, turns, tool_calls, credits, reached in runs]
+
+
 def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
     """What the ledger says a run charged its account: for it and each run it
     delegated to (its tree, which one reservation pays for), its credits if it
     ended, else the rounded turn charges of its settled, charged attempts (R03)."""
-    ids = [str(r[0]) for r in conn.execute(f"{TREE}SELECT id FROM tree",
-                                           (invocation_id,)).fetchall()]
-    return sum(_own_charge(conn, member, rate, quantum) for member in ids)
+    return sum(run.charge(rate, quantum) for run in tree(conn, invocation_id))
 
 
-def descendants_charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
-    """What the runs ``invocation_id`` delegated to charged, theirs included: its
-    tree's charge (`charged`) less its own (a run recovered after its process
-    died learns so what its sub-agents spent, those cut by the crash too)."""
-    return (charged(conn, invocation_id, rate, quantum)
-            - _own_charge(conn, invocation_id, rate, quantum))
+def descendants_charged(runs: Sequence[TreeRun], invocation_id: str, rate: Decimal,
+                        quantum: int) -> int:
+    """What the runs ``invocation_id`` delegated to charged, theirs included, of
+    its tree ``runs`` (`tree`): its tree's charge less its own (a run recovered
+    after its process died learns so what its sub-agents spent, those cut by
+    the crash too)."""
+    return sum(run.charge(rate, quantum) for run in runs if run.id != invocation_id)
 
 
-def running_descendants(conn: Any, invocation_id: str, rate: Decimal, quantum: int
-                        ) -> list[tuple[str, int, int, int]]:
-    """The runs ``invocation_id`` delegated to (its tree below it) that the ledger
-    still holds ``running``, as ``(id, turns, tool_calls, charge)``: their
-    tool calls as recorded, their turns the last their attempt rows reached
-    (a run writes its counts only when it ends, and a turn counts once its
-    request was sent, R01), and what `descendants_charged` counts for them
-    (the rounded turn charges of their settled, charged attempts)."""
-    found = conn.execute(
-        f"{TREE}SELECT i.id, i.turns, i.tool_calls, (SELECT MAX(a.turn) FROM attempts AS a "
-        "WHERE a.invocation_id = i.id) FROM invocations AS i JOIN tree AS t "
-        "ON t.id = i.id WHERE i.outcome = 'running' AND i.id <> ? ORDER BY i.started_at, i.id",
-        (invocation_id, invocation_id)).fetchall()
-    return [(str(member), max(int(turns), int(reached or 0)), int(tool_calls),
-             _own_charge(conn, str(member), rate, quantum))
-            for member, turns, tool_calls, reached in found]
-
-
-def _own_charge(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
-    """One run's charge: its credits once it ended (or paused), else its settled turns'."""
-    row = conn.execute("SELECT outcome, credits FROM invocations WHERE id = ?",
-                       (invocation_id,)).fetchone()
-    if row is not None and row[0] != "running":
-        return int(row[1])
-    turns = conn.execute(
-        "SELECT SUM(cost_nanousd) FROM attempts WHERE invocation_id = ? AND charged = 1 "
-        "AND cost_nanousd IS NOT NULL GROUP BY turn", (invocation_id,)).fetchall()
-    return sum(turn_credits(int(cost), rate, quantum) for (cost,) in turns)
+def running_descendants(runs: Sequence[TreeRun], invocation_id: str, rate: Decimal,
+                        quantum: int) -> list[tuple[str, int, int, int]]:
+    """The runs of the tree ``runs`` (`tree`) below ``invocation_id`` that the
+    ledger still holds ``running``, in the order they started, as ``(id, turns,
+    tool_calls, charge)``: their turns and tool calls as `TreeRun` reads them,
+    and what `descendants_charged` counts for them."""
+    return [(run.id, run.turns, run.tool_calls, run.charge(rate, quantum))
+            for run in runs if run.outcome == "running" and run.id != invocation_id]

@@ -380,32 +380,32 @@ def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
     return invocation, attempts
 
 
-_SEGMENT_COLUMNS = ("ordinal", "started_at", "ended_at", "outcome")
-
-
 def segments(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
     """The invocation's running segments (docs/ledger.md, "segments") in order: ``ordinal``,
     ``started_at``, ``ended_at`` and ``outcome`` (``paused``, or how it ended;
     both None while it runs or when its process died); empty on a ledger
     older than segments, and for a run started before it had them."""
-    if not has_table(conn, "segments"):
-        return []
-    return [dict(r) for r in conn.execute(
-        f"SELECT {', '.join(_SEGMENT_COLUMNS)} FROM segments WHERE invocation_id = ? "
-        "ORDER BY ordinal", (invocation_id,))]
-
-
-_TOOL_CALL_COLUMNS = ("call_id", "turn", "tool", "status", "started_at", "ended_at")
+    return _rows_of(conn, "segments", ("ordinal", "started_at", "ended_at", "outcome"),
+                    "ordinal", invocation_id)
 
 
 def tool_calls(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
     """The invocation's tool calls and their statuses (docs/pause-and-resume.md), in the order
     they were recorded; empty on a ledger without a run store's tables."""
-    if not has_table(conn, "tool_calls"):
+    return _rows_of(conn, "tool_calls",
+                    ("call_id", "turn", "tool", "status", "started_at", "ended_at"),
+                    "turn, COALESCE(started_at, ended_at), call_id", invocation_id)
+
+
+def _rows_of(conn: AuditConnection, table: str, columns: tuple[str, ...], order: str,
+             invocation_id: str) -> list[dict[str, Any]]:
+    """The ``columns`` of the invocation's rows of ``table`` (one a later schema
+    version added: none on a ledger without it), ordered by ``order``."""
+    if not has_table(conn, table):
         return []
     return [dict(r) for r in conn.execute(
-        f"SELECT {', '.join(_TOOL_CALL_COLUMNS)} FROM tool_calls WHERE invocation_id = ? "
-        "ORDER BY turn, COALESCE(started_at, ended_at), call_id", (invocation_id,))]
+        f"SELECT {', '.join(columns)} FROM {table} WHERE invocation_id = ? ORDER BY {order}",
+        (invocation_id,))]
 
 
 def run_state(conn: AuditConnection, invocation_id: str) -> dict[str, Any] | None:
@@ -686,18 +686,23 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
         found += [AccountMismatch(account, "open", held, journal, invocation_id)
                   for account, invocation_id, held, journal
                   in _account_store.open_differences(conn)]
-    for account, invocation_id, charged, rate, quantum in conn.execute(
+    for account, invocation_id, charged, rate, quantum, unreleased in conn.execute(
             # Every run that reserved, its charge 0 when its reservation was
             # released with none; one row of rates per invocation (a resumed
-            # run reserved once per segment).
-            "SELECT r.account, r.invocation_id, COALESCE(SUM(e.credits), 0), r.rate, r.quantum "
+            # run reserved once per segment), with how many of its
+            # reservations are not released.
+            "SELECT r.account, r.invocation_id, "
+            "COALESCE(SUM(CASE WHEN e.kind IN ('settle', 'expire') THEN e.credits END), 0), "
+            "r.rate, r.quantum, "
+            "COALESCE(SUM(CASE e.kind WHEN 'reserve' THEN 1 WHEN 'release' THEN -1 END), 0) "
             "FROM (SELECT account, invocation_id, MAX(credits_per_usd) AS rate, "
             "MAX(credit_quantum) AS quantum FROM account_entries WHERE kind = 'reserve' "
             "GROUP BY account, invocation_id) AS r LEFT JOIN account_entries AS e "
-            "ON e.invocation_id = r.invocation_id AND e.kind IN ('settle', 'expire') "
+            "ON e.invocation_id = r.invocation_id "
+            "AND e.kind IN ('settle', 'expire', 'reserve', 'release') "
             "GROUP BY r.account, r.invocation_id, r.rate, r.quantum "
             "ORDER BY r.account, r.invocation_id"):
-        if not _account_store.released(conn, invocation_id):
+        if unreleased > 0:
             continue  # a resumed run in progress: its earlier segments' settlement is partial
         # A root's reservation pays for its tree of delegated runs (docs/tools.md).
         expected = _account_store.charged(conn, invocation_id, Decimal(rate), int(quantum))

@@ -7,12 +7,12 @@ file supplies only dicts shaped like the tables' rows as the planner's
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from loopengine._errors import LedgerError
 from loopengine.persistence import _planner
+from loopengine.persistence._account_store import TreeRun
 from loopengine.persistence._ops import check_arguments, dispatch_op, end_op, settle_op, start_op
 from loopengine.persistence._protocol import DEFAULT_MAX_RETAINED_ATTEMPTS
 from loopengine.persistence._records import (
@@ -25,8 +25,6 @@ from loopengine.persistence._records import (
 from loopengine.persistence._schema import ATTEMPT_COLUMNS, INVOCATION_COLUMNS
 
 __all__ = ["MemoryLedger"]
-
-T = TypeVar("T")
 
 _NEW_INVOCATION = {**dict.fromkeys(INVOCATION_COLUMNS, 0), "ended_at": None,
                    "outcome": "running", "pause_seal": None}
@@ -68,23 +66,19 @@ class MemoryLedger:
 
     async def start_invocation(self, record: InvocationStart) -> None:
         """Record the invocation as running."""
-        self.calls.append(("start", record.id))
-        self._commit(start_op(record))
+        self._commit(("start", record.id), start_op(record))
 
     async def dispatch_attempt(self, record: AttemptDispatch) -> None:
         """Count the attempt; keep its row while under the retention cap."""
-        self.calls.append(("dispatch", record.ordinal))
-        self._commit(dispatch_op(record))
+        self._commit(("dispatch", record.ordinal), dispatch_op(record))
 
     async def settle_attempt(self, record: AttemptSettle) -> None:
         """Settle the row (if retained) and add to the invocation's totals."""
-        self.calls.append(("settle", record.ordinal))
-        self._commit(settle_op(record))
+        self._commit(("settle", record.ordinal), settle_op(record))
 
     async def end_invocation(self, record: InvocationEnd) -> None:
         """Settle the invocation."""
-        self.calls.append(("end", record.id))
-        self._commit(end_op(record))
+        self._commit(("end", record.id), end_op(record))
 
     async def read_progress(self, invocation_id: str) -> InvocationProgress | None:
         """The invocation's committed progress (`_planner.read_progress`), or None."""
@@ -95,31 +89,41 @@ class MemoryLedger:
             lambda sql: [[row[column] for column in
                           _planner.PROGRESS_COLUMNS + _planner.PROGRESS_USAGE]])
 
-    async def _read_qmark(self, work: Callable[[Any], T], failure: str) -> T:
-        """``work(connection)`` on a SQLite copy of its ``invocations`` and
-        ``attempts`` rows, read only: the other stores' own reading (``?``
-        parameters) of this ledger's rows, such as a recovery's of the runs
-        below a dead run (`loopengine._pause.end_dead_descendants`).
+    async def read_tree(self, invocation_id: str) -> list[TreeRun]:
+        """The run ``invocation_id`` and every run below it, in the order they
+        started: what `SQLiteLedger.read_tree` reads, from the dicts."""
+        below: dict[str, list[str]] = {}
+        for row in self.invocations.values():
+            if row["parent_invocation_id"] is not None:
+                below.setdefault(row["parent_invocation_id"], []).append(row["id"])
+        members = [invocation_id]
+        for member in members:  # grows as it goes: each run's children after it
+            members += below.get(member, ())
+        rows = [self.invocations[m] for m in members if m in self.invocations]
+        wanted = {row["id"] for row in rows}
+        reached: dict[str, int] = {}
+        turn_costs: dict[str, dict[int, int]] = {}
+        for (owner, _), attempt in self.attempts.items():
+            if owner not in wanted:
+                continue
+            turn = attempt["turn"]
+            reached[owner] = max(reached.get(owner, 0), turn)
+            if attempt["charged"] and attempt["cost_nanousd"] is not None:
+                by_turn = turn_costs.setdefault(owner, {})
+                by_turn[turn] = by_turn.get(turn, 0) + attempt["cost_nanousd"]
+        return [TreeRun(row["id"], row["outcome"], max(row["turns"], reached.get(row["id"], 0)),
+                        row["tool_calls"], row["credits"],
+                        tuple(turn_costs.get(row["id"], {}).values())
+                        if row["outcome"] == "running" else ())
+                for row in sorted(rows, key=lambda row: (row["started_at"], row["id"]))]
+
+    def _commit(self, call: tuple[str, int | str], op: _planner.Op) -> None:
+        """Note ``call`` (`calls`) and commit its ``op`` at once.
 
         Raises:
-            LedgerError: the reading failed (``failure`` says what it was).
+            LedgerError: the op was refused.
         """
-        conn = sqlite3.connect(":memory:")
-        try:
-            for table, columns, rows in (
-                    ("invocations", INVOCATION_COLUMNS, self.invocations.values()),
-                    ("attempts", ATTEMPT_COLUMNS, self.attempts.values())):
-                conn.execute(f"CREATE TABLE {table} ({', '.join(columns)})")
-                conn.executemany(
-                    f"INSERT INTO {table} VALUES ({', '.join('?' * len(columns))})",
-                    [tuple(row[column] for column in columns) for row in rows])
-            return work(conn)
-        except sqlite3.Error as error:
-            raise LedgerError(f"{failure}: {error}") from error
-        finally:
-            conn.close()
-
-    def _commit(self, op: _planner.Op) -> None:
+        self.calls.append(call)
         for _, message in self._rows.planner.commit([op]):
             raise LedgerError(message)
 

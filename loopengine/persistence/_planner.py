@@ -315,6 +315,10 @@ class Batch:
     """Invocations whose `_Live` this batch changed (forgotten if it rolls back)."""
     refused: list[tuple[int, str]] = field(default_factory=list)
     """Durable ops refused while planning: ``(op_id, message)``."""
+    done_failing: list[str] = field(default_factory=list)
+    """Invocations whose end this batch refused for an earlier refused write
+    (`Planner._failed`): nothing more is written for them, so the refusal is
+    forgotten once the batch commits."""
     planned: int = 0
     """Writes accepted into this batch."""
 
@@ -356,7 +360,9 @@ class Planner:
         """Ops committed (starts, dispatches, settles, ends)."""
         self._live: dict[str, _Live] = {}
         self._failed: dict[str, str] = {}
-        """Invocations whose deferred write was refused: their next writes are too."""
+        """Invocations whose deferred write was refused: their next writes are too,
+        up to and including their end (after which nothing more is written for
+        them, and the entry goes)."""
 
     def commit(self, ops: Sequence[Op]) -> list[tuple[int, str]]:
         """Write ``ops`` in one transaction (when a write fails, each on its own).
@@ -411,6 +417,8 @@ class Planner:
         for row in batch.ends:
             # Ended: nothing more will be written for it by the engine.
             self._live.pop(row[-1], None)
+        for invocation_id in batch.done_failing:
+            self._failed.pop(invocation_id, None)
         self.commits += 1
         self.writes += batch.planned
         return batch.refused
@@ -421,6 +429,8 @@ class Planner:
         failed = Batch()
         for op in ops:
             self._refuse(op, why(op), failed)
+            if _final_end(op):
+                self._failed.pop(op[2], None)
         return failed.refused
 
     def _refuse(self, op: Op, message: str, batch: Batch) -> None:
@@ -446,6 +456,8 @@ class Planner:
                 if failed:
                     message = failed.get(op[2])
                     if message is not None:
+                        if _final_end(op):
+                            batch.done_failing.append(op[2])
                         raise Refused(message)
                 if kind == SETTLE:
                     self._plan_settle(batch, op)
@@ -566,6 +578,11 @@ class Planner:
         elif live.segment_open:
             live.segment_open = False
             batch.closes.append((ended_at or at, outcome, invocation_id, live.segment))
+
+
+def _final_end(op: Op) -> bool:
+    """Whether ``op`` ends its invocation (a pause does not): its last write."""
+    return op[0] == END and op[4] not in OPEN_OUTCOMES
 
 
 ROW_COLUMNS: Final = {

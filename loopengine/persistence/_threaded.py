@@ -47,6 +47,7 @@ from typing import Any, Final, Self, TypeVar
 import anyio.to_thread
 
 from loopengine._errors import LedgerError
+from loopengine.persistence._account_store import TreeRun, tree
 from loopengine.persistence._ops import dispatch_op, end_op, settle_op, start_op
 from loopengine.persistence._planner import (
     END_SET,
@@ -277,8 +278,6 @@ class ThreadedLedger:
         self._calls: list[Call] = []
         self._done = 0
         """Every write numbered up to this is committed (or refused)."""
-        self._refused: dict[int, str] = {}
-        """Durable writes refused, by number, until their caller reads it."""
         self._waiters: list[tuple[int, Waiter]] = []
         """A heap of ``(write number, waiter)``: one waiter a number, the call that
         queued that write."""
@@ -360,6 +359,17 @@ class ThreadedLedger:
             return read_progress(lambda sql: conn.execute(sql, (invocation_id,)).fetchall())
 
         return await self._transact_qmark(work, "the invocation could not be read")
+
+    async def read_tree(self, invocation_id: str) -> list[TreeRun]:
+        """The run ``invocation_id`` and every run below it (its sub-agents', theirs
+        included), as committed, in the order they started (`_account_store.tree`):
+        what a recovery of the run reads of its sub-agents.
+
+        Raises:
+            LedgerError: the database could not be read.
+        """
+        return await self._transact_qmark(lambda conn: tree(conn, invocation_id),
+                                          "the ledger could not be read")
 
     async def flush(self) -> None:
         """Wait until every write queued so far is committed.
@@ -469,57 +479,51 @@ class ThreadedLedger:
 
     async def _defer(self, op: Op) -> None:
         """Queue a deferred write, to be committed with the next durable one."""
-        if self._writer is None:
-            await self._open()
-        with self._lock:
-            self._check()
-            self._next_id += 1
-            op[1] = self._next_id
-            if not self._linger:
-                self._ready.append(op)
-                self._wake.notify()
-                return
-            if not self._deferred:
-                self._deferred_since = time.monotonic()
-                self._wake.notify()  # a thread waiting for nothing now waits a linger
-            self._deferred.append(op)
+        await self._queue(op, None)
 
     async def _durable(self, op: Op) -> None:
-        """Queue a durable write (with every deferred one before it) and wait for it."""
+        """Queue a durable write (with every deferred one before it) and wait for it.
+
+        Raises:
+            LedgerError: the write was refused, or the ledger closed or broke first.
+        """
+        waiter = Waiter()
+        number = await self._queue(op, waiter)
+        try:
+            await waiter.wait()
+        finally:
+            waiter.gone = True
+        if waiter.refused is not None:
+            raise LedgerError(waiter.refused)
+        if self._done < number:
+            raise LedgerError(self._broken or f"{self._label}: the ledger is closed")
+
+    async def _queue(self, op: Op, waiter: Waiter | None) -> int:
+        """Number ``op`` and queue it: durable with the ``waiter`` its call waits on
+        (which is told if it is refused: a refusal nobody waits for is not kept),
+        deferred without one. Returns its number."""
         if self._writer is None:
             await self._open()
         with self._lock:
             self._check()
             self._next_id += 1
             number = op[1] = self._next_id
-            if self._deferred:
+            if waiter is not None:
+                heapq.heappush(self._waiters, (number, waiter))
                 self._ready += self._deferred
                 self._deferred.clear()
-            self._ready.append(op)
-            self._wake.notify()
-        if self._done < number:
-            await self._wait_for(number)
-        if self._refused:
-            with self._lock:
-                message = self._refused.pop(number, None)
-            if message is not None:
-                raise LedgerError(message)
-
-    async def _wait_for(self, number: int) -> None:
-        """Return once write ``number`` is committed (or refused)."""
-        with self._lock:
-            if self._done >= number:
-                return
-            if self._broken is not None:
-                raise LedgerError(self._broken)
-            waiter = Waiter()
-            heapq.heappush(self._waiters, (number, waiter))
-        try:
-            await waiter.wait()
-        finally:
-            waiter.gone = True
-        if self._done < number:
-            raise LedgerError(self._broken or f"{self._label}: the ledger is closed")
+                self._ready.append(op)
+                self._wake.notify()
+            elif not self._linger:
+                self._ready.append(op)
+                self._wake.notify()
+            elif self._deferred:
+                self._deferred.append(op)
+            else:
+                self._deferred_since = time.monotonic()
+                self._deferred.append(op)
+                self._wake.notify()  # a thread waiting for nothing now waits a linger
+        return number
 
     async def _transact_qmark(self, work: Callable[[Any], T], failure: str) -> T:
         """Run ``work(connection)`` in a transaction of its own on the writer's
@@ -588,9 +592,8 @@ class ThreadedLedger:
                     done = ops[min(start + self._max_batch, len(ops)) - 1][1]
                 if done:
                     with self._lock:
-                        self._refused.update(refused)
                         self._done = done
-                        release(self._waiters, done)
+                        release(self._waiters, done, dict(refused))
                 if calls:
                     self._run_calls(calls)
                     wake_all([call.waiter for call in calls if not call.waiter.gone])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ class Waiter:
     token: Any = None
     gone: bool = False
     """The call stopped waiting (completed or cancelled)."""
+    refused: str | None = None
+    """Why its write was refused (set before it is woken), or None: committed."""
 
     def __post_init__(self) -> None:
         if self.loop is not None:
@@ -101,14 +104,18 @@ def wake_all(waiters: list[Waiter]) -> None:
             pass
 
 
-def release(waiters: list[tuple[int, Waiter]], done: int | None) -> None:
+def release(waiters: list[tuple[int, Waiter]], done: int | None,
+            refused: Mapping[int, str] | None = None) -> None:
     """Pop and wake the waiters of writes numbered up to ``done`` (every one when
-    None); a waiter whose call stopped waiting is dropped. Called holding the
-    store's lock."""
+    None), each told why its write was refused if ``refused`` names its number;
+    a waiter whose call stopped waiting is dropped, and the refusal with it
+    (nobody is left to raise it). Called holding the store's lock."""
     ready: list[Waiter] = []
     while waiters and (done is None or waiters[0][0] <= done):
-        waiter = heapq.heappop(waiters)[1]
+        number, waiter = heapq.heappop(waiters)
         if not waiter.gone:
+            if refused:
+                waiter.refused = refused.get(number)
             ready.append(waiter)
     if ready:
         wake_all(ready)

@@ -1,0 +1,52 @@
+"""How a run's settlement reads its journal entries: an expiry's release is
+known by the reservation's expiry it carries, not by its note."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+import loopengine as le
+from loopengine.testing import FakeClock
+
+
+async def _reserve(accounts: le.CreditAccounts, clock: FakeClock, run: str) -> Any:
+    return await accounts.reserve("acme", run, 100, expires_at=clock.wall() + timedelta(minutes=1),
+                                  credits_per_usd=Decimal(1000), credit_quantum=1)
+
+
+async def _releases(ledger: Any, run: str) -> list[tuple[Any, ...]]:
+    return [tuple(r) for r in await ledger._transact_qmark(lambda conn: conn.execute(
+        "SELECT note, expires_at IS NOT NULL FROM account_entries "
+        "WHERE invocation_id = ? AND kind = 'release' ORDER BY id", (run,)).fetchall(), "read")]
+
+
+async def test_a_run_alive_past_an_expiry_that_charged_nothing_settles_its_credits(
+        each_database: Any) -> None:
+    """An expiry that found nothing charged (no entry but its release): the run,
+    still alive, settles its whole credits at its end, once."""
+    clock = FakeClock()
+    accounts = le.CreditAccounts(each_database, clock=clock)
+    await accounts.grant("acme", 1000)
+    reservation = await _reserve(accounts, clock, "alive")
+    clock.advance(120)
+    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 0, 0, 1000)
+    assert await _releases(each_database, "alive") == [
+        ("released after its reservation expired", 1)]
+    await accounts.settle(reservation, 40)
+    await accounts.settle(reservation, 40)
+    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 40, 0, 960)
+
+
+async def test_a_recovery_that_charged_nothing_is_not_an_expiry(each_database: Any) -> None:
+    """A reservation a recovery released with no charge: a late settlement of
+    the dead segment's reservation changes nothing."""
+    clock = FakeClock()
+    accounts = le.CreditAccounts(each_database, clock=clock)
+    await accounts.grant("acme", 1000)
+    reservation = await _reserve(accounts, clock, "dead")
+    await accounts.recover("acme", "dead")
+    assert await _releases(each_database, "dead") == [("released when its run was recovered", 0)]
+    await accounts.settle(reservation, 40)
+    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 0, 0, 1000)
