@@ -1,5 +1,6 @@
 """How a run's settlement reads its journal entries: an expiry's release is
-known by the reservation's expiry it carries, not by its note."""
+known by the reservation's expiry it carries (or, written by an earlier
+version that kept none, by its note)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,24 @@ async def test_a_recovery_that_charged_nothing_is_not_an_expiry(each_database: A
     assert await _releases(each_database, "dead") == [("released when its run was recovered", 0)]
     await accounts.settle(reservation, 40)
     assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 0, 0, 1000)
+
+
+async def test_an_expiry_written_without_expires_at_is_still_an_expiry(
+        each_database: Any) -> None:
+    """A fleet part-way through an upgrade shares one schema: an expiry's
+    release written by the version that kept no ``expires_at`` on it (only its
+    note says it was an expiry) still leaves the run alive past it to settle
+    its credits."""
+    clock = FakeClock()
+    accounts = le.CreditAccounts(each_database, clock=clock)
+    await accounts.grant("acme", 1000)
+    reservation = await _reserve(accounts, clock, "alive")
+    clock.advance(120)
+    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 0, 0, 1000)
+    await each_database._transact_qmark(lambda conn: conn.execute(
+        "UPDATE account_entries SET expires_at = NULL WHERE invocation_id = ? "
+        "AND kind = 'release'", ("alive",)), "the earlier version's release")
+    assert await _releases(each_database, "alive") == [
+        ("released after its reservation expired", 0)]
+    await accounts.settle(reservation, 40)
+    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 40, 0, 960)

@@ -120,15 +120,18 @@ class RunEntries:
 def entries(conn: Any, invocation_id: str) -> RunEntries:
     """What the journal says of the invocation's settlement, in one statement.
     An expiry's ``release`` is the one that carries the reservation's
-    ``expires_at`` (`expire`)."""
+    ``expires_at`` (`expire`), or, written by a version that kept no
+    ``expires_at`` on a release (a fleet part-way through an upgrade shares
+    the schema), the one with an expiry's note."""
     reserves, releases, settled, last_release, last_expiry, last_settle = conn.execute(
         "SELECT COALESCE(SUM(CASE WHEN kind = 'reserve' THEN 1 ELSE 0 END), 0), "
         "COALESCE(SUM(CASE WHEN kind = 'release' THEN 1 ELSE 0 END), 0), "
         "COALESCE(SUM(CASE WHEN kind IN ('settle', 'expire') THEN credits ELSE 0 END), 0), "
         "MAX(CASE WHEN kind = 'release' THEN id END), "
-        "MAX(CASE WHEN kind = 'release' AND expires_at IS NOT NULL THEN id END), "
+        "MAX(CASE WHEN kind = 'release' AND (expires_at IS NOT NULL OR note = ?) THEN id END), "
         "MAX(CASE WHEN kind = 'settle' THEN id END) "
-        "FROM account_entries WHERE invocation_id = ?", (invocation_id,)).fetchone()
+        "FROM account_entries WHERE invocation_id = ?",
+        (_NOTES["expire"][1], invocation_id)).fetchone()
     outlived = (last_expiry is not None and last_expiry == last_release
                 and (last_settle is None or last_settle < last_expiry))
     return RunEntries(int(releases) >= int(reserves), outlived, int(settled))
