@@ -646,9 +646,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             failures=(*_FAILURES, ValueError, RuntimeError, *_frame_errors(client)),
             close=stream.close,
             missing=lambda: None if "message_stop" in seen else "message_stop",
-            # A stream cut short reports what had arrived: its usage is a floor.
-            http_status=stream.response.status_code, request_id=request_id, served=served,
-            floor=True)
+            http_status=stream.response.status_code, request_id=request_id, served=served)
         snapshot = message()
         assert snapshot is not None
         usage, approx = _snapshot_usage(snapshot, late, params)

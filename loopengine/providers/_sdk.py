@@ -60,7 +60,6 @@ async def read_stream(
     http_status: int,
     request_id: str | None,
     served: Callable[[], tuple[Usage | None, str | None]],
-    floor: bool = False,
 ) -> None:
     """Read a streamed reply to its end, the same way for every SDK provider.
 
@@ -78,15 +77,16 @@ async def read_stream(
 
     Each such fault carries ``http_status``, ``request_id`` and what the
     stream had served (``served()``: its usage so far and its response id);
-    a cut's usage is a floor (``usage_approx``) whenever there is one, or
-    always with ``floor``.
+    a cut's usage is a floor (``usage_approx``) whenever there is one. A
+    stream cut before any usage arrived has none: its usage is unknown, not
+    a floor of zero.
     """
 
     def cut(message: str, reason: str | None) -> ProviderFault:
         usage, response_id = served()
         return ProviderFault(FaultKind.ABORTED, message, http_status=http_status,
                              aborted_reason=reason, request_id=request_id, usage=usage,
-                             usage_approx=floor or usage is not None, response_id=response_id)
+                             usage_approx=usage is not None, response_id=response_id)
 
     try:
         while True:
