@@ -232,13 +232,8 @@ class GeminiProvider(SDKProvider[_Session]):
             raise _request_fault(error) from error
         reply = StreamedReply()
         reply.add(response)
-        if not reply.ended:
-            # No candidate finished and no prompt was blocked: nothing was
-            # answered (a stream in this state is cut, below).
-            raise ProviderFault(FaultKind.SERVER_ERROR, "the response is not an answer: no "
-                                "candidate has a finishReason and no prompt was blocked",
-                                http_status=200, error_code="invalid_response",
-                                usage=reply.usage, response_id=reply.response_id)
+        # A reply with no finished candidate and no blocked prompt answered
+        # nothing: `_response` refuses it (a stream in that state is cut, below).
         return self._response(reply)
 
     async def _send_streaming(
@@ -267,7 +262,8 @@ class GeminiProvider(SDKProvider[_Session]):
     @staticmethod
     def _response(reply: StreamedReply) -> ProviderResponse:
         if reply.block_reason is None:
-            # A blocked prompt is a refusal, whatever its candidate says.
+            # A blocked prompt is a refusal, whatever its candidate says; without
+            # one, a missing finishReason is an invalid response (`check_end`).
             check_finish(reply.finish_reason, usage=reply.usage, response_id=reply.response_id)
         content, stop = reply.content()
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,

@@ -25,8 +25,8 @@ fault kind             from
 ``server_error``       500 ``INTERNAL``, other 503s, 502, 504 and other 5xx, 409;
                        a body (or stream event) that is not a response, however
                        the SDK fails to read it (``http_status`` 200); a whole (JSON) reply with
-                       no finished candidate and no blocked prompt (raised by
-                       the provider, with the usage it reports)
+                       no finished candidate and no blocked prompt
+                       (`check_finish`, with the usage it reports)
 ``timeout``            408, the transport's timeout
 ``connection``         refused, reset or closed before a response; a whole (JSON)
                        response cut short (the SDK reads it in one call)
@@ -203,7 +203,8 @@ _FINISH_FAULTS = {
 
 def check_finish(finish_reason: str | None, *, usage: Usage | None,
                  response_id: str | None) -> None:
-    """Raise the fault of a finished reply whose ``finishReason`` is not an answer, a
+    """Raise the fault of a whole reply whose ``finishReason`` is missing (no
+    candidate finished: ``server_error`` ``invalid_response``) or is not an answer, a
     refusal, a cut-off answer or a malformed call (``ANSWERED``; the table above,
     `check_end`). The usage is the server's whole count for the reply."""
     check_end(finish_reason, ANSWERED, what="finishReason", kinds=_FINISH_FAULTS,
