@@ -65,7 +65,6 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
 from typing import Any, TypeAlias, TypedDict
 
 import anthropic
@@ -600,7 +599,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         model = text_or_none(body.get("model"))
         return _answer(body["content"], body.get("stop_reason"), usage_from_api(raw, model=model),
                        approx, response_id=text_or_none(body.get("id")), request_id=request_id,
-                       http_status=status, model=model, container=_container(body.get("container")))
+                       http_status=status, model=model,
+                       container=Container.from_json(body.get("container")))
 
     async def _send_streaming(
         self, client: AsyncClient, params: dict[str, Any], on_text: TextCallback | None
@@ -655,8 +655,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                        snapshot.stop_reason, usage, approx, response_id=snapshot.id,
                        request_id=request_id, http_status=stream.response.status_code,
                        model=snapshot.model,
-                       container=_container(None if snapshot.container is None
-                                            else snapshot.container.to_dict(mode="json")))
+                       container=Container.from_json(
+                           None if snapshot.container is None
+                           else snapshot.container.to_dict(mode="json")))
 
 
 def _answer(content: list[dict[str, Any]], stop_reason: object, usage: Usage | None,
@@ -672,21 +673,6 @@ def _answer(content: list[dict[str, Any]], stop_reason: object, usage: Usage | N
                             usage_approx=approx, response_id=response_id,
                             request_id=request_id, http_status=http_status, model=model,
                             container=container)
-
-
-def _container(raw: object) -> Container | None:
-    """A message's ``container`` (``{"id": ..., "expires_at": ...}``, the expiry
-    in ISO 8601), or None when it names none or names it in another shape."""
-    if not isinstance(raw, Mapping):
-        return None
-    ident, expires = raw.get("id"), raw.get("expires_at")
-    if not isinstance(ident, str) or not ident or not isinstance(expires, str):
-        return None
-    try:
-        moment = datetime.fromisoformat(expires)
-    except ValueError:
-        return None
-    return Container(ident, moment if moment.tzinfo else moment.replace(tzinfo=UTC))
 
 
 def _sendable(messages: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
