@@ -49,13 +49,13 @@ from loopengine.providers._gemini_contents import (
 from loopengine.providers._gemini_faults import (
     check_finish,
     classify_error,
-    import_genai,
     read_failures,
 )
 from loopengine.providers._sdk import (
     DEFAULT_STREAM_IDLE_TIMEOUT,
     NO_SDK_RETRIES,
     SDKProvider,
+    import_sdk,
     read_stream,
 )
 
@@ -163,7 +163,8 @@ class GeminiProvider(SDKProvider[_Session]):
         # A client of the caller's making may retry on its own (its options
         # are the caller's): each request then turns its retries off.
         self._retries_per_request = client is not None
-        genai = import_genai()
+        genai = import_sdk("google.genai", "google-genai", provider="GeminiProvider",
+                           extra="gemini")
         connections = connection_limit(max_connections, client, client_kwargs)
         if client is not None:
             client_or_keywords(client, client_kwargs)

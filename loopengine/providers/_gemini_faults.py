@@ -52,7 +52,7 @@ same way) ``unauthorized``; any other (``OTHER``, ``NO_IMAGE``,
 ``error_code`` is the finish reason: the reply stopped for a reason nobody
 can read as an answer, so it is retried within the retry policy, never
 accepted. The ``google-genai`` SDK is
-imported on first use (`import_genai`), never when ``loopengine`` is.
+imported on first use (by `GeminiProvider`), never when ``loopengine`` is.
 """
 
 from __future__ import annotations
@@ -81,21 +81,10 @@ from loopengine.providers._faults import (
 )
 from loopengine.providers._gemini_contents import ANSWERED
 
-__all__ = ["BILLING_REASONS", "check_finish", "classify_error", "import_genai",
-           "read_failures"]
+__all__ = ["BILLING_REASONS", "check_finish", "classify_error", "read_failures"]
 
 # Lowercased fragments of the message of depleted prepaid credits.
 _CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted")
-
-
-def import_genai() -> Any:
-    """The ``google.genai`` module, imported on first use."""
-    try:
-        from google import genai
-    except ImportError as error:  # pragma: no cover - the dev install has the extra
-        raise ImportError("GeminiProvider needs the google-genai SDK, which is not "
-                          "installed: pip install 'loopengine-core[gemini]'") from error
-    return genai
 
 
 @functools.cache

@@ -9,6 +9,7 @@ are ``_clients.py``'s.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -34,8 +35,8 @@ from loopengine.providers._clients import (
 )
 from loopengine.providers._faults import Classifier, FaultKind, ProviderFault
 
-__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "NO_SDK_RETRIES", "SDKProvider", "json_body",
-           "provider_clients", "read_stream"]
+__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "NO_SDK_RETRIES", "SDKProvider", "import_sdk",
+           "json_body", "provider_clients", "read_stream"]
 
 E = TypeVar("E")
 
@@ -45,6 +46,21 @@ NO_SDK_RETRIES = ("the SDK must not retry on its own: every wire request is an a
 
 DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
 """Seconds a stream may go without an event before the attempt is aborted (``idle``)."""
+
+
+def import_sdk(module: str, package: str, *, provider: str, extra: str) -> Any:
+    """The SDK ``module`` (of the distribution ``package``) that ``provider`` sends
+    through, imported on first use: never when ``loopengine`` is.
+
+    Raises:
+        ImportError: the ``extra`` that brings it is not installed (the message
+            says how to install it).
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:  # pragma: no cover - the dev install has the extras
+        raise ImportError(f"{provider} needs the {package} SDK, which is not installed: "
+                          f"pip install 'loopengine-core[{extra}]'") from error
 
 
 async def read_stream(
