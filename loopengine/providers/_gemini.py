@@ -195,8 +195,9 @@ class GeminiProvider(SDKProvider[_Session]):
 
             self._clients = ClientPerLoop("GeminiProvider", build)
         vertex = bool(self.client.client.vertexai)
-        self._vendor = "google-vertex" if vertex else "google"
-        self._name = route if route is not None else "gemini-vertex" if vertex else "gemini"
+        # Not the vendor: Claude's google-vertex route may serve beside it.
+        self._name_route("google-vertex" if vertex else "google",
+                         "gemini-vertex" if vertex else "gemini")
 
     features = frozenset({"thinking"})
     """The Gemini API's optional request features (docs/providers.md): ``thinking``,

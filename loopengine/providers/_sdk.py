@@ -260,10 +260,11 @@ class SDKProvider(Generic[C]):
         self._stream = stream
         self._route = route
 
-    def _name_route(self, vendor: str) -> None:
-        """Keep ``vendor``, and the route: the ``route`` given, else the vendor."""
+    def _name_route(self, vendor: str, default: str | None = None) -> None:
+        """Keep ``vendor``, and the route: the ``route`` given, else ``default``
+        (the vendor when None)."""
         self._vendor = vendor
-        self._name = self._route if self._route is not None else vendor
+        self._name = self._route if self._route is not None else default or vendor
 
     @property
     def client(self) -> C:
