@@ -65,7 +65,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeAlias, TypedDict
+from typing import Any, Self, TypeAlias, TypedDict
 
 import anthropic
 import httpx2
@@ -355,7 +355,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
 
     def _setup(self, client: AsyncClient | None, client_kwargs: dict[str, Any],
                build: type[AsyncClient], *, stream: bool, stream_idle_timeout: float,
-               route: str | None, max_connections: int | None) -> None:
+               route: str | None, max_connections: int | None) -> Self:
+        """Build the provider on ``client``, or on ``build`` clients made from
+        ``client_kwargs``: the constructor's work, and `bedrock`'s and `vertex`'s."""
         self._settings(stream, stream_idle_timeout, route)
         vendor = _vendor_of(type(client) if client is not None else build)
         self._geo = _vertex_geo(client, client_kwargs) if vendor == VERTEX else None
@@ -379,6 +381,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             raise ConfigError("client", f"{build.__name__}: {error}") from error
         _require_auth(self._clients.current())
         self._name_route(vendor)
+        return self
 
     @classmethod
     def bedrock(
@@ -416,11 +419,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 'loopengine-core[bedrock]'``), no region is known, both an API
                 key and AWS credentials, or the constructor's reasons.
         """
-        provider = cls.__new__(cls)
-        provider._setup(None, client_kwargs, anthropic.AsyncAnthropicBedrock, stream=stream,
-                        stream_idle_timeout=stream_idle_timeout, route=route,
-                        max_connections=max_connections)
-        return provider
+        return cls.__new__(cls)._setup(None, client_kwargs, anthropic.AsyncAnthropicBedrock,
+                                       stream=stream, stream_idle_timeout=stream_idle_timeout,
+                                       route=route, max_connections=max_connections)
 
     @classmethod
     def vertex(
@@ -457,11 +458,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 'loopengine-core[vertex]'``), no region, or the constructor's
                 reasons.
         """
-        provider = cls.__new__(cls)
-        provider._setup(None, client_kwargs, anthropic.AsyncAnthropicVertex, stream=stream,
-                        stream_idle_timeout=stream_idle_timeout, route=route,
-                        max_connections=max_connections)
-        return provider
+        return cls.__new__(cls)._setup(None, client_kwargs, anthropic.AsyncAnthropicVertex,
+                                       stream=stream, stream_idle_timeout=stream_idle_timeout,
+                                       route=route, max_connections=max_connections)
 
     @property
     def inference_geo(self) -> str | None:
