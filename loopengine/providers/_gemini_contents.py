@@ -65,6 +65,7 @@ from loopengine.providers._translate import (
     check_blocks,
     function_tool,
     message_role,
+    tool_choice,
     untranslatable,
 )
 
@@ -324,19 +325,15 @@ def _user_parts(content: Any, names: Mapping[str, str],
     return [*responses, *parts] or [{"text": ""}]
 
 
-_MODES = {"auto": "AUTO", "none": "NONE", "any": "ANY"}
+_MODES: dict[str, dict[str, Any]] = {"auto": {"mode": "AUTO"}, "none": {"mode": "NONE"},
+                                     "any": {"mode": "ANY"}}
 
 
 def _tool_config(choice: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if choice is None:
-        return None
-    kind = choice.get("type")
-    if kind == "tool":
-        return {"function_calling_config": {"mode": "ANY",
-                                            "allowed_function_names": [choice.get("name")]}}
-    if isinstance(kind, str) and kind in _MODES:
-        return {"function_calling_config": {"mode": _MODES[kind]}}
-    raise _untranslatable(f"tool_choice {kind!r}")
+    calling = tool_choice(choice, _MODES,
+                          lambda name: {"mode": "ANY", "allowed_function_names": [name]}, API)
+    # A copy: the request's config must not share the table's dicts.
+    return None if calling is None else {"function_calling_config": dict(calling)}
 
 
 def gemini_config(request: ProviderRequest, http_options: dict[str, Any]) -> dict[str, Any]:

@@ -61,10 +61,12 @@ from loopengine.providers._translate import (
     check_blocks,
     function_tool,
     message_role,
+    tool_choice,
     untranslatable,
 )
 
 __all__ = [
+    "TOOL_MODES",
     "StreamedCompletion",
     "arguments",
     "call_arguments",
@@ -503,21 +505,16 @@ def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{"type": "function", "function": function_tool(tool)} for tool in tools]
 
 
-_TOOL_CHOICES = {"auto": "auto", "none": "none", "any": "required"}
+TOOL_MODES: Mapping[str, str | dict[str, Any]] = {"auto": "auto", "none": "none",
+                                                  "any": "required"}
+"""Anthropic's ``tool_choice`` kinds as both OpenAI APIs name them."""
 
 
-def chat_tool_choice(choice: Mapping[str, Any] | None,
-                     api: str = API) -> str | dict[str, Any] | None:
+def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
     """The Chat Completions ``tool_choice`` for an Anthropic one (None: the default);
-    a kind it has no equivalent for is refused, the fault naming ``api``."""
-    if choice is None:
-        return None
-    kind = choice.get("type")
-    if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    if isinstance(kind, str) and kind in _TOOL_CHOICES:
-        return _TOOL_CHOICES[kind]
-    raise untranslatable(f"tool_choice {kind!r}", api)
+    a kind it has no equivalent for is refused (`tool_choice`)."""
+    return tool_choice(choice, TOOL_MODES,
+                       lambda name: {"type": "function", "function": {"name": name}}, API)
 
 
 def text_of(content: object) -> str:

@@ -2,18 +2,22 @@
 APIs (Chat Completions, Responses, Gemini) share: the fault of what an API has
 no equivalent for (`untranslatable`), the checks of a message's role and of a
 block's type, the walk over a request's blocks that `check_translatable` makes
-(`check_blocks`), and a tool definition as a function declaration.
+(`check_blocks`), a tool definition as a function declaration, and a
+``tool_choice`` in an API's own words (`tool_choice`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from loopengine.providers._base import ProviderRequest
 from loopengine.providers._faults import FaultKind, ProviderFault
 
-__all__ = ["block_kind", "check_blocks", "function_tool", "message_role", "untranslatable"]
+__all__ = ["block_kind", "check_blocks", "function_tool", "message_role", "tool_choice",
+           "untranslatable"]
+
+T = TypeVar("T")
 
 
 def untranslatable(what: str, api: str) -> ProviderFault:
@@ -66,3 +70,22 @@ def function_tool(tool: Mapping[str, Any], schema: str = "parameters") -> dict[s
     if tool.get("description"):
         out["description"] = tool["description"]
     return out
+
+
+def tool_choice(choice: Mapping[str, Any] | None, modes: Mapping[str, T],
+                named: Callable[[Any], T], api: str) -> T | None:
+    """An Anthropic ``tool_choice`` as ``api`` takes it, or None for none (the API's
+    default): ``auto``, ``none`` and ``any`` as ``modes`` names them, a named
+    ``tool`` as ``named(name)``.
+
+    Raises:
+        ProviderFault: ``bad_request`` (``untranslatable``): another kind.
+    """
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "tool":
+        return named(choice.get("name"))
+    if isinstance(kind, str) and kind in modes:
+        return modes[kind]
+    raise untranslatable(f"tool_choice {kind!r}", api)
