@@ -61,6 +61,7 @@ from loopengine.providers._translate import (
     check_blocks,
     function_tool,
     message_role,
+    result_kind,
     tool_choice,
     untranslatable,
 )
@@ -321,9 +322,6 @@ def user_kind(block: Mapping[str, Any], api: str = API) -> str:
     return str(kind)
 
 
-_RESULT_SENT = frozenset({"text", "image", "document"})
-
-
 def result_blocks(content: Any, api: str = API) -> Sequence[Mapping[str, Any]]:
     """A tool result's blocks (none for a string or no content): text, and images
     and documents, which a ``tool`` message (a ``function_call_output``) carries
@@ -331,7 +329,7 @@ def result_blocks(content: Any, api: str = API) -> Sequence[Mapping[str, Any]]:
     if content is None or isinstance(content, str):
         return ()
     for block in content:
-        block_kind(block, _RESULT_SENT, "a {!r} block inside a tool result", api)
+        result_kind(block, api)
     return content  # type: ignore[no-any-return]
 
 

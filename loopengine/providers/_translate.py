@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 from loopengine.providers._base import ProviderRequest
 from loopengine.providers._faults import FaultKind, ProviderFault
 
-__all__ = ["block_kind", "check_blocks", "function_tool", "message_role", "tool_choice",
-           "untranslatable"]
+__all__ = ["RESULT_BLOCKS", "block_kind", "check_blocks", "function_tool", "message_role",
+           "result_kind", "tool_choice", "untranslatable"]
 
 T = TypeVar("T")
 
@@ -44,6 +44,17 @@ def block_kind(block: object, known: frozenset[str], what: str, api: str) -> str
     if kind not in known:
         raise untranslatable(what.format(kind), api)
     return str(kind)
+
+
+RESULT_BLOCKS = frozenset({"text", "image", "document"})
+"""The blocks inside a tool result every translation carries: as themselves, or
+as the note `media_note` makes where its API's tool results are text."""
+
+
+def result_kind(block: object, api: str) -> str:
+    """The type of a block inside a tool result, one of `RESULT_BLOCKS`; else the
+    `untranslatable` fault naming ``api``."""
+    return block_kind(block, RESULT_BLOCKS, "a {!r} block inside a tool result", api)
 
 
 def check_blocks(request: ProviderRequest, assistant_kind: Callable[[Mapping[str, Any]], object],
