@@ -19,7 +19,7 @@ import pydantic
 
 import loopengine as le
 from loopengine.persistence import MemoryLedger
-from loopengine.testing import ErrorReply, FakeClock, Reply
+from loopengine.testing import CutStream, ErrorReply, FakeClock, Reply
 
 
 @dataclass(frozen=True)
@@ -420,3 +420,22 @@ async def fault_case(wire: Wire, route: Route, case: Any, stream: bool) -> Any:
     (row, *_) = ledger.attempts.values()
     assert (row["fault"], row["outcome"]) == (case.kind.value, case.attempt_outcome)
     return ledger
+
+
+async def cut_before_any_usage(wire: Wire, route: Route) -> le.RunResult:
+    """A stream cut before it sent a single event: the attempt is aborted with its
+    usage unknown (None), never flagged a floor (``usage_approx``: only usage that
+    arrived can be a floor), and the run's totals say they are incomplete."""
+    reply = Reply.text("never sent", usage=le.Usage(input_tokens=50, output_tokens=5))
+    engine, ledger = wire.engine(CutStream(reply=reply, after=0), Reply.text("recovered"),
+                                 stream=True)
+    result = await engine.run(route.operation(), "go")
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "recovered"
+    cut = result.attempt_log[0].settle
+    assert cut is not None
+    assert (cut.outcome, cut.fault, cut.usage, cut.usage_approx) == (
+        "aborted", "aborted", None, False)
+    assert result.attempts.usage_complete is False
+    row = ledger.attempts[(result.invocation_id, 1)]
+    assert (row["outcome"], row["input_tokens"], row["usage_approx"]) == ("aborted", None, False)
+    return result

@@ -65,8 +65,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
-from typing import Any, TypeAlias, TypedDict
+from typing import Any, Self, TypeAlias, TypedDict
 
 import anthropic
 import httpx2
@@ -356,7 +355,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
 
     def _setup(self, client: AsyncClient | None, client_kwargs: dict[str, Any],
                build: type[AsyncClient], *, stream: bool, stream_idle_timeout: float,
-               route: str | None, max_connections: int | None) -> None:
+               route: str | None, max_connections: int | None) -> Self:
+        """Build the provider on ``client``, or on ``build`` clients made from
+        ``client_kwargs``: the constructor's work, and `bedrock`'s and `vertex`'s."""
         self._settings(stream, stream_idle_timeout, route)
         vendor = _vendor_of(type(client) if client is not None else build)
         self._geo = _vertex_geo(client, client_kwargs) if vendor == VERTEX else None
@@ -380,6 +381,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             raise ConfigError("client", f"{build.__name__}: {error}") from error
         _require_auth(self._clients.current())
         self._name_route(vendor)
+        return self
 
     @classmethod
     def bedrock(
@@ -417,11 +419,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 'loopengine-core[bedrock]'``), no region is known, both an API
                 key and AWS credentials, or the constructor's reasons.
         """
-        provider = cls.__new__(cls)
-        provider._setup(None, client_kwargs, anthropic.AsyncAnthropicBedrock, stream=stream,
-                        stream_idle_timeout=stream_idle_timeout, route=route,
-                        max_connections=max_connections)
-        return provider
+        return cls.__new__(cls)._setup(None, client_kwargs, anthropic.AsyncAnthropicBedrock,
+                                       stream=stream, stream_idle_timeout=stream_idle_timeout,
+                                       route=route, max_connections=max_connections)
 
     @classmethod
     def vertex(
@@ -458,11 +458,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 'loopengine-core[vertex]'``), no region, or the constructor's
                 reasons.
         """
-        provider = cls.__new__(cls)
-        provider._setup(None, client_kwargs, anthropic.AsyncAnthropicVertex, stream=stream,
-                        stream_idle_timeout=stream_idle_timeout, route=route,
-                        max_connections=max_connections)
-        return provider
+        return cls.__new__(cls)._setup(None, client_kwargs, anthropic.AsyncAnthropicVertex,
+                                       stream=stream, stream_idle_timeout=stream_idle_timeout,
+                                       route=route, max_connections=max_connections)
 
     @property
     def inference_geo(self) -> str | None:
@@ -600,7 +598,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         model = text_or_none(body.get("model"))
         return _answer(body["content"], body.get("stop_reason"), usage_from_api(raw, model=model),
                        approx, response_id=text_or_none(body.get("id")), request_id=request_id,
-                       http_status=status, model=model, container=_container(body.get("container")))
+                       http_status=status, model=model,
+                       container=Container.from_json(body.get("container")))
 
     async def _send_streaming(
         self, client: AsyncClient, params: dict[str, Any], on_text: TextCallback | None
@@ -646,9 +645,7 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
             failures=(*_FAILURES, ValueError, RuntimeError, *_frame_errors(client)),
             close=stream.close,
             missing=lambda: None if "message_stop" in seen else "message_stop",
-            # A stream cut short reports what had arrived: its usage is a floor.
-            http_status=stream.response.status_code, request_id=request_id, served=served,
-            floor=True)
+            http_status=stream.response.status_code, request_id=request_id, served=served)
         snapshot = message()
         assert snapshot is not None
         usage, approx = _snapshot_usage(snapshot, late, params)
@@ -657,8 +654,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                        snapshot.stop_reason, usage, approx, response_id=snapshot.id,
                        request_id=request_id, http_status=stream.response.status_code,
                        model=snapshot.model,
-                       container=_container(None if snapshot.container is None
-                                            else snapshot.container.to_dict(mode="json")))
+                       container=Container.from_json(
+                           None if snapshot.container is None
+                           else snapshot.container.to_dict(mode="json")))
 
 
 def _answer(content: list[dict[str, Any]], stop_reason: object, usage: Usage | None,
@@ -674,21 +672,6 @@ def _answer(content: list[dict[str, Any]], stop_reason: object, usage: Usage | N
                             usage_approx=approx, response_id=response_id,
                             request_id=request_id, http_status=http_status, model=model,
                             container=container)
-
-
-def _container(raw: object) -> Container | None:
-    """A message's ``container`` (``{"id": ..., "expires_at": ...}``, the expiry
-    in ISO 8601), or None when it names none or names it in another shape."""
-    if not isinstance(raw, Mapping):
-        return None
-    ident, expires = raw.get("id"), raw.get("expires_at")
-    if not isinstance(ident, str) or not ident or not isinstance(expires, str):
-        return None
-    try:
-        moment = datetime.fromisoformat(expires)
-    except ValueError:
-        return None
-    return Container(ident, moment if moment.tzinfo else moment.replace(tzinfo=UTC))
 
 
 def _sendable(messages: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from loopengine._errors import ConfigError
@@ -128,6 +128,26 @@ class Container:
     def live(self, now: datetime) -> str | None:
         """The id, while the container has not expired at ``now``; else None."""
         return self.id if now < self.expires_at else None
+
+    @classmethod
+    def from_json(cls, raw: object) -> Container | None:
+        """A container as a message (or a recording) names it, ``{"id": ...,
+        "expires_at": ...}`` with the expiry in ISO 8601 (UTC when it names no
+        zone); None when ``raw`` names none, or names it in another shape."""
+        if not isinstance(raw, Mapping):
+            return None
+        ident, expires = raw.get("id"), raw.get("expires_at")
+        if not isinstance(ident, str) or not ident or not isinstance(expires, str):
+            return None
+        try:
+            moment = datetime.fromisoformat(expires)
+        except ValueError:
+            return None
+        return cls(ident, moment if moment.tzinfo else moment.replace(tzinfo=UTC))
+
+    def to_json(self) -> dict[str, str]:
+        """The container in the shape `from_json` reads."""
+        return {"id": self.id, "expires_at": self.expires_at.isoformat()}
 
 
 @runtime_checkable

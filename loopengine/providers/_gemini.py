@@ -49,13 +49,13 @@ from loopengine.providers._gemini_contents import (
 from loopengine.providers._gemini_faults import (
     check_finish,
     classify_error,
-    import_genai,
     read_failures,
 )
 from loopengine.providers._sdk import (
     DEFAULT_STREAM_IDLE_TIMEOUT,
     NO_SDK_RETRIES,
     SDKProvider,
+    import_sdk,
     read_stream,
 )
 
@@ -163,7 +163,8 @@ class GeminiProvider(SDKProvider[_Session]):
         # A client of the caller's making may retry on its own (its options
         # are the caller's): each request then turns its retries off.
         self._retries_per_request = client is not None
-        genai = import_genai()
+        genai = import_sdk("google.genai", "google-genai", provider="GeminiProvider",
+                           extra="gemini")
         connections = connection_limit(max_connections, client, client_kwargs)
         if client is not None:
             client_or_keywords(client, client_kwargs)
@@ -194,8 +195,9 @@ class GeminiProvider(SDKProvider[_Session]):
 
             self._clients = ClientPerLoop("GeminiProvider", build)
         vertex = bool(self.client.client.vertexai)
-        self._vendor = "google-vertex" if vertex else "google"
-        self._name = route if route is not None else "gemini-vertex" if vertex else "gemini"
+        # Not the vendor: Claude's google-vertex route may serve beside it.
+        self._name_route("google-vertex" if vertex else "google",
+                         "gemini-vertex" if vertex else "gemini")
 
     features = frozenset({"thinking"})
     """The Gemini API's optional request features (docs/providers.md): ``thinking``,
@@ -232,13 +234,8 @@ class GeminiProvider(SDKProvider[_Session]):
             raise _request_fault(error) from error
         reply = StreamedReply()
         reply.add(response)
-        if not reply.ended:
-            # No candidate finished and no prompt was blocked: nothing was
-            # answered (a stream in this state is cut, below).
-            raise ProviderFault(FaultKind.SERVER_ERROR, "the response is not an answer: no "
-                                "candidate has a finishReason and no prompt was blocked",
-                                http_status=200, error_code="invalid_response",
-                                usage=reply.usage, response_id=reply.response_id)
+        # A reply with no finished candidate and no blocked prompt answered
+        # nothing: `_response` refuses it (a stream in that state is cut, below).
         return self._response(reply)
 
     async def _send_streaming(
@@ -267,7 +264,8 @@ class GeminiProvider(SDKProvider[_Session]):
     @staticmethod
     def _response(reply: StreamedReply) -> ProviderResponse:
         if reply.block_reason is None:
-            # A blocked prompt is a refusal, whatever its candidate says.
+            # A blocked prompt is a refusal, whatever its candidate says; without
+            # one, a missing finishReason is an invalid response (`check_end`).
             check_finish(reply.finish_reason, usage=reply.usage, response_id=reply.response_id)
         content, stop = reply.content()
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,

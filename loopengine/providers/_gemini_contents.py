@@ -65,6 +65,8 @@ from loopengine.providers._translate import (
     check_blocks,
     function_tool,
     message_role,
+    result_kind,
+    tool_choice,
     untranslatable,
 )
 
@@ -123,7 +125,6 @@ _untranslatable = functools.partial(untranslatable, api=API)
 
 _ASSISTANT = frozenset({"text", "tool_use", "thinking", "redacted_thinking"})
 _USER = frozenset({"text", "image", "document", "tool_result"})
-_RESULT = frozenset({"text", "image", "document"})
 
 
 # What the translation can send, checked in one place: `check_translatable`
@@ -139,11 +140,6 @@ def _model_kind(block: Mapping[str, Any]) -> str:
 def _user_kind(block: Mapping[str, Any]) -> str:
     """A user block's kind, when the translation has one for it."""
     return block_kind(block, _USER, "a user {!r} block", API)
-
-
-def _result_kind(part: Any) -> str:
-    """The kind of a block inside a tool result, when the translation has one for it."""
-    return block_kind(part, _RESULT, "a {!r} block inside a tool result", API)
 
 
 def _base64(block: Mapping[str, Any]) -> bool:
@@ -191,7 +187,7 @@ def _result(block: Mapping[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     texts: list[str] = []
     media: list[dict[str, Any]] = []
     for part in content:
-        if _result_kind(part) == "text":
+        if result_kind(part, API) == "text":
             texts.append(str(part.get("text", "")))
         elif _base64(part):
             media.append(_inline(part))
@@ -227,7 +223,7 @@ def _user_check(block: Mapping[str, Any]) -> None:
     if kind == "tool_result":
         result = block.get("content")
         for part in () if result is None or isinstance(result, str) else result:
-            if _result_kind(part) != "text" and _base64(part):
+            if result_kind(part, API) != "text" and _base64(part):
                 _data(part)
     elif kind != "text":
         _data(block)
@@ -324,19 +320,15 @@ def _user_parts(content: Any, names: Mapping[str, str],
     return [*responses, *parts] or [{"text": ""}]
 
 
-_MODES = {"auto": "AUTO", "none": "NONE", "any": "ANY"}
+_MODES: dict[str, dict[str, Any]] = {"auto": {"mode": "AUTO"}, "none": {"mode": "NONE"},
+                                     "any": {"mode": "ANY"}}
 
 
 def _tool_config(choice: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if choice is None:
-        return None
-    kind = choice.get("type")
-    if kind == "tool":
-        return {"function_calling_config": {"mode": "ANY",
-                                            "allowed_function_names": [choice.get("name")]}}
-    if isinstance(kind, str) and kind in _MODES:
-        return {"function_calling_config": {"mode": _MODES[kind]}}
-    raise _untranslatable(f"tool_choice {kind!r}")
+    calling = tool_choice(choice, _MODES,
+                          lambda name: {"mode": "ANY", "allowed_function_names": [name]}, API)
+    # A copy: the request's config must not share the table's dicts.
+    return None if calling is None else {"function_calling_config": dict(calling)}
 
 
 def gemini_config(request: ProviderRequest, http_options: dict[str, Any]) -> dict[str, Any]:

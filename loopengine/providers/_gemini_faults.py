@@ -25,8 +25,8 @@ fault kind             from
 ``server_error``       500 ``INTERNAL``, other 503s, 502, 504 and other 5xx, 409;
                        a body (or stream event) that is not a response, however
                        the SDK fails to read it (``http_status`` 200); a whole (JSON) reply with
-                       no finished candidate and no blocked prompt (raised by
-                       the provider, with the usage it reports)
+                       no finished candidate and no blocked prompt
+                       (`check_finish`, with the usage it reports)
 ``timeout``            408, the transport's timeout
 ``connection``         refused, reset or closed before a response; a whole (JSON)
                        response cut short (the SDK reads it in one call)
@@ -52,7 +52,7 @@ same way) ``unauthorized``; any other (``OTHER``, ``NO_IMAGE``,
 ``error_code`` is the finish reason: the reply stopped for a reason nobody
 can read as an answer, so it is retried within the retry policy, never
 accepted. The ``google-genai`` SDK is
-imported on first use (`import_genai`), never when ``loopengine`` is.
+imported on first use (by `GeminiProvider`), never when ``loopengine`` is.
 """
 
 from __future__ import annotations
@@ -81,21 +81,10 @@ from loopengine.providers._faults import (
 )
 from loopengine.providers._gemini_contents import ANSWERED
 
-__all__ = ["BILLING_REASONS", "check_finish", "classify_error", "import_genai",
-           "read_failures"]
+__all__ = ["BILLING_REASONS", "check_finish", "classify_error", "read_failures"]
 
 # Lowercased fragments of the message of depleted prepaid credits.
 _CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted")
-
-
-def import_genai() -> Any:
-    """The ``google.genai`` module, imported on first use."""
-    try:
-        from google import genai
-    except ImportError as error:  # pragma: no cover - the dev install has the extra
-        raise ImportError("GeminiProvider needs the google-genai SDK, which is not "
-                          "installed: pip install 'loopengine-core[gemini]'") from error
-    return genai
 
 
 @functools.cache
@@ -203,7 +192,8 @@ _FINISH_FAULTS = {
 
 def check_finish(finish_reason: str | None, *, usage: Usage | None,
                  response_id: str | None) -> None:
-    """Raise the fault of a finished reply whose ``finishReason`` is not an answer, a
+    """Raise the fault of a whole reply whose ``finishReason`` is missing (no
+    candidate finished: ``server_error`` ``invalid_response``) or is not an answer, a
     refusal, a cut-off answer or a malformed call (``ANSWERED``; the table above,
     `check_end`). The usage is the server's whole count for the reply."""
     check_end(finish_reason, ANSWERED, what="finishReason", kinds=_FINISH_FAULTS,

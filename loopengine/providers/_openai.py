@@ -227,18 +227,13 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         if not _answered(body):
             raise body_fault(body, request_id=request_id, usage=usage)
         choice = first_choice(body) or {}
+        response_id = text_or_none(body.get("id"))
         check_finish(choice.get("finish_reason"), http_status=status, request_id=request_id,
-                     usage=usage, response_id=text_or_none(body.get("id")))
+                     usage=usage, response_id=response_id)
         content, stop = content_from_message(choice["message"], choice.get("finish_reason"))
-        return ProviderResponse(
-            content=content,
-            stop_reason=stop,
-            usage=usage,
-            response_id=text_or_none(body.get("id")),
-            request_id=request_id,
-            http_status=status,
-            model=text_or_none(body.get("model")),
-        )
+        return ProviderResponse(content=content, stop_reason=stop, usage=usage,
+                                response_id=response_id, request_id=request_id,
+                                http_status=status, model=text_or_none(body.get("model")))
 
     async def _send_streaming(
         self, client: openai.AsyncOpenAI, params: dict[str, Any], on_text: TextCallback | None

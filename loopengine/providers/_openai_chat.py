@@ -61,10 +61,13 @@ from loopengine.providers._translate import (
     check_blocks,
     function_tool,
     message_role,
+    result_kind,
+    tool_choice,
     untranslatable,
 )
 
 __all__ = [
+    "TOOL_MODES",
     "StreamedCompletion",
     "arguments",
     "call_arguments",
@@ -319,9 +322,6 @@ def user_kind(block: Mapping[str, Any], api: str = API) -> str:
     return str(kind)
 
 
-_RESULT_SENT = frozenset({"text", "image", "document"})
-
-
 def result_blocks(content: Any, api: str = API) -> Sequence[Mapping[str, Any]]:
     """A tool result's blocks (none for a string or no content): text, and images
     and documents, which a ``tool`` message (a ``function_call_output``) carries
@@ -329,7 +329,7 @@ def result_blocks(content: Any, api: str = API) -> Sequence[Mapping[str, Any]]:
     if content is None or isinstance(content, str):
         return ()
     for block in content:
-        block_kind(block, _RESULT_SENT, "a {!r} block inside a tool result", api)
+        result_kind(block, api)
     return content  # type: ignore[no-any-return]
 
 
@@ -503,21 +503,16 @@ def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{"type": "function", "function": function_tool(tool)} for tool in tools]
 
 
-_TOOL_CHOICES = {"auto": "auto", "none": "none", "any": "required"}
+TOOL_MODES: Mapping[str, str | dict[str, Any]] = {"auto": "auto", "none": "none",
+                                                  "any": "required"}
+"""Anthropic's ``tool_choice`` kinds as both OpenAI APIs name them."""
 
 
-def chat_tool_choice(choice: Mapping[str, Any] | None,
-                     api: str = API) -> str | dict[str, Any] | None:
+def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
     """The Chat Completions ``tool_choice`` for an Anthropic one (None: the default);
-    a kind it has no equivalent for is refused, the fault naming ``api``."""
-    if choice is None:
-        return None
-    kind = choice.get("type")
-    if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    if isinstance(kind, str) and kind in _TOOL_CHOICES:
-        return _TOOL_CHOICES[kind]
-    raise untranslatable(f"tool_choice {kind!r}", api)
+    a kind it has no equivalent for is refused (`tool_choice`)."""
+    return tool_choice(choice, TOOL_MODES,
+                       lambda name: {"type": "function", "function": {"name": name}}, API)
 
 
 def text_of(content: object) -> str:

@@ -62,6 +62,7 @@ from loopengine.providers._faults import (
     status_kind,
 )
 from loopengine.providers._openai_chat import FINISH_REASONS
+from loopengine.providers._sdk import import_sdk
 
 __all__ = ["body_fault", "classify_error", "event_fault", "check_finish", "failures",
            "import_openai", "read_failures"]
@@ -96,13 +97,8 @@ _REQUEST_CODE_PREFIXES = ("invalid_image", "invalid_base64_image", "image_", "em
 
 
 def import_openai() -> Any:
-    """The ``openai`` module, imported on first use."""
-    try:
-        import openai
-    except ImportError as error:  # pragma: no cover - the dev install has the extra
-        raise ImportError("OpenAIProvider needs the openai SDK, which is not installed: "
-                          "pip install 'loopengine-core[openai]'") from error
-    return openai
+    """The ``openai`` module, imported on first use (`import_sdk`)."""
+    return import_sdk("openai", "openai", provider="OpenAIProvider", extra="openai")
 
 
 @functools.cache

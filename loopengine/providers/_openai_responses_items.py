@@ -51,9 +51,9 @@ from loopengine._usage import Usage
 from loopengine._validate import _block_types
 from loopengine.providers._base import ProviderRequest, text_or_none, token_count
 from loopengine.providers._openai_chat import (
+    TOOL_MODES,
     arguments,
     call_arguments,
-    chat_tool_choice,
     image_url,
     openai_usage,
     result_text,
@@ -66,6 +66,7 @@ from loopengine.providers._translate import (
     check_blocks,
     function_tool,
     message_role,
+    tool_choice,
     untranslatable,
 )
 
@@ -173,11 +174,8 @@ def responses_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any
 
 
 def _tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
-    chosen = chat_tool_choice(choice, API)
-    if isinstance(chosen, dict):
-        # The Responses API names the function at the top level.
-        return {"type": "function", "name": chosen["function"]["name"]}
-    return chosen
+    # As Chat Completions', but the function named at the top level.
+    return tool_choice(choice, TOOL_MODES, lambda name: {"type": "function", "name": name}, API)
 
 
 def responses_input(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

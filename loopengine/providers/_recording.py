@@ -27,6 +27,7 @@ from loopengine._errors import ConfigError, ReplayMismatchError
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     FEATURES,
+    Container,
     Provider,
     ProviderRequest,
     ProviderResponse,
@@ -144,6 +145,7 @@ class RecordingProvider:
         entry["response"] = {
             "content": list(response.content),
             "usage": _usage_json(response.usage, self.inner.inference_geo),
+            "container": None if response.container is None else response.container.to_json(),
             **{name: getattr(response, name) for name in _RESPONSE_FIELDS},
         }
         self._write(entry)
@@ -247,6 +249,9 @@ class ReplayProvider:
         return ProviderResponse(
             content=recorded["content"],
             usage=Usage(**usage) if usage else None,
+            # The code execution container the reply named, so that the replayed
+            # run sends it on as the recorded one did.
+            container=Container.from_json(recorded.get("container")),
             # A recording made before a field existed holds its default.
             **{name: recorded[name] for name in _RESPONSE_FIELDS if name in recorded},
         )

@@ -9,6 +9,7 @@ are ``_clients.py``'s.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -34,8 +35,8 @@ from loopengine.providers._clients import (
 )
 from loopengine.providers._faults import Classifier, FaultKind, ProviderFault
 
-__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "NO_SDK_RETRIES", "SDKProvider", "json_body",
-           "provider_clients", "read_stream"]
+__all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "NO_SDK_RETRIES", "SDKProvider", "import_sdk",
+           "json_body", "provider_clients", "read_stream"]
 
 E = TypeVar("E")
 
@@ -45,6 +46,21 @@ NO_SDK_RETRIES = ("the SDK must not retry on its own: every wire request is an a
 
 DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
 """Seconds a stream may go without an event before the attempt is aborted (``idle``)."""
+
+
+def import_sdk(module: str, package: str, *, provider: str, extra: str) -> Any:
+    """The SDK ``module`` (of the distribution ``package``) that ``provider`` sends
+    through, imported on first use: never when ``loopengine`` is.
+
+    Raises:
+        ImportError: the ``extra`` that brings it is not installed (the message
+            says how to install it).
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:  # pragma: no cover - the dev install has the extras
+        raise ImportError(f"{provider} needs the {package} SDK, which is not installed: "
+                          f"pip install 'loopengine-core[{extra}]'") from error
 
 
 async def read_stream(
@@ -60,7 +76,6 @@ async def read_stream(
     http_status: int,
     request_id: str | None,
     served: Callable[[], tuple[Usage | None, str | None]],
-    floor: bool = False,
 ) -> None:
     """Read a streamed reply to its end, the same way for every SDK provider.
 
@@ -78,15 +93,16 @@ async def read_stream(
 
     Each such fault carries ``http_status``, ``request_id`` and what the
     stream had served (``served()``: its usage so far and its response id);
-    a cut's usage is a floor (``usage_approx``) whenever there is one, or
-    always with ``floor``.
+    a cut's usage is a floor (``usage_approx``) whenever there is one. A
+    stream cut before any usage arrived has none: its usage is unknown, not
+    a floor of zero.
     """
 
     def cut(message: str, reason: str | None) -> ProviderFault:
         usage, response_id = served()
         return ProviderFault(FaultKind.ABORTED, message, http_status=http_status,
                              aborted_reason=reason, request_id=request_id, usage=usage,
-                             usage_approx=floor or usage is not None, response_id=response_id)
+                             usage_approx=usage is not None, response_id=response_id)
 
     try:
         while True:
@@ -244,10 +260,11 @@ class SDKProvider(Generic[C]):
         self._stream = stream
         self._route = route
 
-    def _name_route(self, vendor: str) -> None:
-        """Keep ``vendor``, and the route: the ``route`` given, else the vendor."""
+    def _name_route(self, vendor: str, default: str | None = None) -> None:
+        """Keep ``vendor``, and the route: the ``route`` given, else ``default``
+        (the vendor when None)."""
         self._vendor = vendor
-        self._name = self._route if self._route is not None else vendor
+        self._name = self._route if self._route is not None else default or vendor
 
     @property
     def client(self) -> C:

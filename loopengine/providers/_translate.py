@@ -2,18 +2,22 @@
 APIs (Chat Completions, Responses, Gemini) share: the fault of what an API has
 no equivalent for (`untranslatable`), the checks of a message's role and of a
 block's type, the walk over a request's blocks that `check_translatable` makes
-(`check_blocks`), and a tool definition as a function declaration.
+(`check_blocks`), a tool definition as a function declaration, and a
+``tool_choice`` in an API's own words (`tool_choice`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from loopengine.providers._base import ProviderRequest
 from loopengine.providers._faults import FaultKind, ProviderFault
 
-__all__ = ["block_kind", "check_blocks", "function_tool", "message_role", "untranslatable"]
+__all__ = ["RESULT_BLOCKS", "block_kind", "check_blocks", "function_tool", "message_role",
+           "result_kind", "tool_choice", "untranslatable"]
+
+T = TypeVar("T")
 
 
 def untranslatable(what: str, api: str) -> ProviderFault:
@@ -42,6 +46,17 @@ def block_kind(block: object, known: frozenset[str], what: str, api: str) -> str
     return str(kind)
 
 
+RESULT_BLOCKS = frozenset({"text", "image", "document"})
+"""The blocks inside a tool result every translation carries: as themselves, or
+as the note `media_note` makes where its API's tool results are text."""
+
+
+def result_kind(block: object, api: str) -> str:
+    """The type of a block inside a tool result, one of `RESULT_BLOCKS`; else the
+    `untranslatable` fault naming ``api``."""
+    return block_kind(block, RESULT_BLOCKS, "a {!r} block inside a tool result", api)
+
+
 def check_blocks(request: ProviderRequest, assistant_kind: Callable[[Mapping[str, Any]], object],
                  user_kind: Callable[[Mapping[str, Any]], object], api: str) -> None:
     """Every block of the request's messages through its role's check (each
@@ -66,3 +81,22 @@ def function_tool(tool: Mapping[str, Any], schema: str = "parameters") -> dict[s
     if tool.get("description"):
         out["description"] = tool["description"]
     return out
+
+
+def tool_choice(choice: Mapping[str, Any] | None, modes: Mapping[str, T],
+                named: Callable[[Any], T], api: str) -> T | None:
+    """An Anthropic ``tool_choice`` as ``api`` takes it, or None for none (the API's
+    default): ``auto``, ``none`` and ``any`` as ``modes`` names them, a named
+    ``tool`` as ``named(name)``.
+
+    Raises:
+        ProviderFault: ``bad_request`` (``untranslatable``): another kind.
+    """
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "tool":
+        return named(choice.get("name"))
+    if isinstance(kind, str) and kind in modes:
+        return modes[kind]
+    raise untranslatable(f"tool_choice {kind!r}", api)

@@ -173,6 +173,12 @@ async def test_fault_matrix_kind_retry_and_outcome(
         await scenarios.fault_case(wire, ROUTE, CASES[name], stream)
 
 
+async def test_a_stream_cut_before_any_usage_has_unknown_usage_not_a_floor(
+        wire: Harness) -> None:
+    """A stream cut before message_start: aborted, usage unknown, not flagged a floor."""
+    await scenarios.cut_before_any_usage(wire, ROUTE)
+
+
 @STREAMING
 async def test_every_attempt_records_the_ids_it_was_given(wire: Harness, stream: bool) -> None:
     """The request id of every answered attempt, and the response id of every

@@ -7,16 +7,24 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pydantic
 import pytest
 
 import loopengine as le
-from loopengine.providers import Reply
+from loopengine.providers import (
+    ProviderRequest,
+    ProviderResponse,
+    RecordingProvider,
+    ReplayProvider,
+    Reply,
+    TextCallback,
+)
 from loopengine.testing import FakeClock
 
-from ..conftest import MODEL
+from ..conftest import MODEL, PRICES
 from .conftest import STREAMING, Harness
 
 CODE = le.ServerTool(type="code_execution_20250825", name="code_execution")
@@ -211,3 +219,37 @@ async def test_r12_the_conversation_marker_skips_a_block_that_cannot_carry_it(
     sent = wire.requests[0].body["messages"][-1]["content"]
     assert sent[0]["cache_control"] == {"type": "ephemeral"}
     assert "cache_control" not in sent[1]
+
+
+class WatchedReplay(ReplayProvider):
+    """A replay that notes the container each request of the replayed run sends."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.sent: list[str | None] = []
+
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
+        self.sent.append(request.container)
+        return await super().send(request, on_text=on_text)
+
+
+async def test_a_recording_keeps_the_container_and_its_replay_sends_it_on(
+        wire: Harness, tmp_path: Path) -> None:
+    """A recorded reply's container is in the recording; replayed, the reply names it
+    again, so the replayed run's later requests carry it as the recorded run's did."""
+    path = tmp_path / "run.jsonl"
+    wire.server.add(programmatic_call("send", "toolu_1", "ann"),
+                    Reply.tool_calls(("send", {"to": "bob"})), Reply.text("done"))
+    recorder = RecordingProvider(wire.provider(), path)
+    recorded = await le.Engine(recorder, prices=PRICES, clock=wire.clock).run(
+        coding(), "send it", tools=[send])
+    assert recorded.outcome is le.Outcome.COMPLETED, recorded.fault
+    assert [r.body.get("container") for r in wire.requests] == [
+        None, "container_fake_0001", "container_fake_0001"]
+    replay = WatchedReplay(path)
+    replayed = await le.Engine(replay, prices=PRICES, clock=wire.clock).run(
+        coding(), "send it", tools=[send])
+    assert replayed.outcome is le.Outcome.COMPLETED and replay.exhausted
+    assert replay.sent == [None, "container_fake_0001", "container_fake_0001"]
+    assert len(wire.requests) == 3

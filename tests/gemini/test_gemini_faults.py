@@ -132,6 +132,12 @@ async def test_fault_matrix_kind_retry_and_outcome_gemini(
     await scenarios.fault_case(wire, ROUTE, CASES[name], stream)
 
 
+async def test_a_stream_cut_before_any_usage_has_unknown_usage_not_a_floor_gemini(
+        wire: GeminiHarness) -> None:
+    """A stream cut before its first chunk: aborted, usage unknown, not flagged a floor."""
+    await scenarios.cut_before_any_usage(wire, ROUTE)
+
+
 @STREAMING
 async def test_retry_info_delay_is_the_wait_slept_gemini(
     wire: GeminiHarness, stream: bool

@@ -137,6 +137,12 @@ async def run_case(wire: OpenAIHarness, name: str, stream: bool) -> Any:
     return await scenarios.fault_case(wire, ROUTE, CASES[name], stream)
 
 
+async def test_a_stream_cut_before_any_usage_has_unknown_usage_not_a_floor_openai(
+        wire: OpenAIHarness) -> None:
+    """A stream cut before its first chunk: aborted, usage unknown, not flagged a floor."""
+    await scenarios.cut_before_any_usage(wire, ROUTE)
+
+
 @pytest.mark.parametrize(("name", "stream"), MATRIX)
 async def test_fault_matrix_kind_retry_and_outcome_openai(
     wire: OpenAIHarness, name: str, stream: bool

@@ -16,9 +16,11 @@ import pytest
 import loopengine as le
 from loopengine.testing import CutStream, ErrorReply, RecordedRequest, Reply
 
+from .. import rule_scenarios as scenarios
 from ..adapter.conftest import STREAMING
 from ..openai.test_openai_faults import MATRIX, run_case
 from .conftest import ResponsesHarness, openai_operation
+from .test_responses_rules import ROUTE
 
 
 @pytest.mark.parametrize(("name", "stream"), MATRIX)
@@ -118,6 +120,12 @@ async def test_a_stream_without_its_final_event_is_aborted_with_unknown_usage(
     assert result.attempts.usage_complete is False
     assert wire.server.usage_served == result.usage == le.Usage(input_tokens=100,
                                                                 output_tokens=20)
+
+
+async def test_a_stream_cut_before_any_usage_has_unknown_usage_not_a_floor_responses(
+        wire: ResponsesHarness) -> None:
+    """A stream cut before its first event: aborted, usage unknown, not flagged a floor."""
+    await scenarios.cut_before_any_usage(wire, ROUTE)
 
 
 async def test_a_body_that_is_not_a_response_is_a_server_error(wire: ResponsesHarness) -> None:
