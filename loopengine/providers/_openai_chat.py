@@ -24,7 +24,7 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
   and refuses the next request without it) is kept on its ``tool_use`` block
   and sent back on the same call. A message's ``reasoning_content`` (a
   thinking server's reasoning: DeepSeek's, which refuses a tool-call turn
-  sent back without it) is kept as a ``reasoning_content`` block before the
+  sent back without it, even an empty one) is kept as a ``reasoning_content`` block before the
   reply's text and sent back on the assistant message of a tool-call turn;
   its ``reasoning_details`` (OpenRouter's structured reasoning, which it asks
   back with the tool calls of a reasoning model, signatures included) likewise,
@@ -177,7 +177,9 @@ class StreamedCompletion:
         self.text: list[str] = []
         self.refusal: list[str] = []
         self.reasoning: list[str] = []
-        """A thinking server's ``reasoning_content`` deltas (DeepSeek's)."""
+        """A thinking server's ``reasoning_content`` deltas (DeepSeek's), empty
+        ones too: a tool-call turn it reasoned nothing for is asked back with an
+        empty one."""
         self.details: dict[int, dict[str, Any]] = {}
         """OpenRouter's ``reasoning_details`` so far, by each detail's ``index``."""
         self.calls: dict[tuple[int, int], dict[str, Any]] = {}
@@ -220,7 +222,7 @@ class StreamedCompletion:
                 if delta.refusal:
                     self.refusal.append(delta.refusal)
                 reasoning = getattr(delta, "reasoning_content", None)
-                if isinstance(reasoning, str) and reasoning:
+                if isinstance(reasoning, str):
                     self.reasoning.append(reasoning)
                 for detail in getattr(delta, REASONING_DETAILS, None) or ():
                     if isinstance(detail, Mapping):
@@ -279,7 +281,7 @@ class StreamedCompletion:
         message: dict[str, Any] = {
             "content": "".join(self.text) or None,
             "refusal": "".join(self.refusal) or None,
-            "reasoning_content": "".join(self.reasoning) or None,
+            "reasoning_content": "".join(self.reasoning) if self.reasoning else None,
             REASONING_DETAILS: [detail for _, detail in sorted(self.details.items())],
             "tool_calls": [
                 {"id": call["id"], "type": "function",
@@ -542,9 +544,9 @@ def content_from_message(
     """
     content: list[dict[str, Any]] = []
     reasoning = message.get(REASONING_CONTENT)
-    if isinstance(reasoning, str) and reasoning:
+    if isinstance(reasoning, str):
         # A thinking server's reasoning (DeepSeek's), which it requires back
-        # with the tool calls it led to.
+        # with the tool calls it led to, even when it is empty.
         content.append({"type": REASONING_CONTENT, REASONING_CONTENT: reasoning})
     details = message.get(REASONING_DETAILS)
     if isinstance(details, list) and details:

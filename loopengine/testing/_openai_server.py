@@ -195,7 +195,7 @@ class FakeOpenAIServer(LoopbackServer):
                 continue
             for field, calls in (("reasoning_content", self._reasoning_calls),
                                  ("reasoning_details", self._detailed_calls)):
-                if not message.get(field) and any(
+                if message.get(field) in (None, []) and any(
                         isinstance(call, Mapping) and call.get("id") in calls
                         for call in message.get("tool_calls") or ()):
                     return (f"Missing {field} field in the assistant message at "
@@ -232,10 +232,10 @@ class FakeOpenAIServer(LoopbackServer):
                  for b in reply.content if b.get("type") == "tool_use"]
         message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None,
                                    "refusal": None}
-        reasoning = "".join(str(b.get("reasoning_content", "")) for b in reply.content
-                            if b.get("type") == "reasoning_content")
-        if reasoning:
-            message["reasoning_content"] = reasoning
+        reasoned = [str(b.get("reasoning_content", "")) for b in reply.content
+                    if b.get("type") == "reasoning_content"]
+        if reasoned:  # even empty: DeepSeek may reason nothing and ask it back
+            message["reasoning_content"] = "".join(reasoned)
             self._reasoning_calls.update(str(call["id"]) for call in calls)
         details = [detail for b in reply.content if b.get("type") == "reasoning_details"
                    for detail in b.get("reasoning_details") or ()]
@@ -280,7 +280,8 @@ class FakeOpenAIServer(LoopbackServer):
                                  "object": "", "prompt_filter_results": [{
                                      "prompt_index": 0, "content_filter_results": {}}]}))
         frames.append(chunk({"role": "assistant", "content": ""}))
-        for piece in _WORDS.findall(answer.get("reasoning_content") or ""):
+        reasoning = answer.get("reasoning_content")
+        for piece in _WORDS.findall(reasoning or "") or ([""] if reasoning == "" else []):
             frames.append(chunk({"reasoning_content": piece}))
         for index, detail in enumerate(answer.get("reasoning_details") or ()):
             # The text in pieces, then the rest (a signature) with the last.
