@@ -93,7 +93,7 @@ def parse_duration(text: str) -> timedelta:
         ValueError: ``text`` is not one, or is longer than `datetime.timedelta` holds.
     """
     if not _DURATION.fullmatch(text):
-        raise ValueError(f"{text!r} is not a duration such as 90s, 30m, 2h, 1d or 1h30m")
+        raise ValueError(f"{text!r} is not a duration such as 90s, 30m, 2h, 1d, 1w or 1h30m")
     seconds = sum(Decimal(number) * _UNIT_SECONDS[unit]
                   for number, unit in _DURATION_PART.findall(text))
     if seconds > Decimal(timedelta.max.days) * 86400:
@@ -500,7 +500,7 @@ def _segment_end(segment: dict[str, Any], last: bool, outcome: str) -> str:
 @click.command()
 @_ledger_options
 @click.option("--older-than", "older_than", callback=_duration, metavar="DURATION",
-              help="A run still open after this long (90s, 30m, 2h, 1d, 1h30m) is reported "
+              help="A run still open after this long (90s, 30m, 2h, 1d, 1w, 1h30m) is reported "
                    "as abandoned; younger open runs are in flight and do not fail the check.")
 @_JSON
 @_audit_command

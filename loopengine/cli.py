@@ -89,7 +89,8 @@ def main() -> None:
             commands=("accounts", "export", "reconcile", "runs", "show", "spend"))
 def audit() -> None:
     """Read a ledger (a SQLite file opened read-only, or a postgresql:// URL): the
-    runs of a period, spend, one invocation, reconciliation, an invoice export."""
+    runs of a period, spend, one invocation, reconciliation, credit accounts, an
+    invoice export."""
     import io
     import sys
 

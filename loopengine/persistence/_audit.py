@@ -3,9 +3,10 @@
 `loopengine audit` is a thin shell over these functions: the invocations of a
 period (`runs`); spend over a period grouped by tenant, feature, model,
 operation, user or correlation id; one invocation with its attempts; the
-reconciliation of attempt rows against invocation totals; and the per-attempt
-invoice export. Everything here only reads. The SQL is written once: it runs
-unchanged on SQLite and, through `PostgresReader`, on PostgreSQL.
+reconciliation of attempt rows against invocation totals; the credit accounts
+(`accounts`); and the per-attempt invoice export. Everything here only reads.
+The SQL is written once: it runs unchanged on SQLite and, through
+`PostgresReader`, on PostgreSQL.
 
 An attempt is *unpriced* when it reported tokens but has no cost: no price
 source knew its model. Its tokens are in the totals, its cost in none of them,

@@ -123,10 +123,10 @@ class Lost(Exception):
     """The store could not be reached during a transaction (a lost connection, a
     lock held past the busy timeout): nothing in it is refused, its writes wait
     for the store to come back (`ThreadedLedger`), and whether it committed is
-    decided then (`Store.committed`).
+    decided then (`_threaded.Writer.committed`).
 
     Args:
-        batch: What the transaction wrote (what `Store.committed` looks for);
+        batch: What the transaction wrote (what `_threaded.Writer.committed` looks for);
             None for a transaction of other callers (`_threaded.Call`).
         ops: The transaction's ops.
         error: The store's error.

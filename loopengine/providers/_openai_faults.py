@@ -110,7 +110,7 @@ def failures() -> tuple[type[BaseException], ...]:
 
 @functools.cache
 def read_failures() -> tuple[type[BaseException], ...]:
-    """What reading a stream may raise: `_failures`, and the SDK's own
+    """What reading a stream may raise: `failures`, and the SDK's own
     ``ValueError`` / ``RuntimeError`` for a body that is not a stream of chunks."""
     return (*failures(), ValueError, RuntimeError)
 
