@@ -256,7 +256,8 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     inv.credits = progress.credits
     inv.descendant_credits = saved.descendant_credits
     inv.container = state.container  # where the model's files are, while it lives
-    # The stores' reading of a run's tree of sub-agents.
+    # The stores' reading of a run's tree of sub-agents (a recovery's ledger
+    # has it: its run store lives in a shipped ledger's database).
     read = getattr(inv.ledger, "read_tree", None)
     if recovering and read is not None:
         # Its sub-agents may have spent after its last checkpoint, as its
