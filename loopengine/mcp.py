@@ -117,6 +117,17 @@ class _Options(TypedDict, total=False):
     clock: Clock | None
 
 
+def _settings(options: Mapping[str, object]) -> Mapping[str, Any]:
+    """``options`` given to `MCPServer.stdio` or `MCPServer.http`, checked to
+    name only settings of `_Options` (a misspelt one is a ConfigError naming it,
+    as a provider's unknown keyword is, not a bare TypeError)."""
+    for name in options:
+        if name not in _Options.__optional_keys__:
+            raise ConfigError(name, "is not a setting of MCPServer (known: "
+                                    f"{', '.join(sorted(_Options.__optional_keys__))})")
+    return options
+
+
 def _per_tool(field: str, value: object, *, calls: bool) -> object:
     """Check an ``approval=`` or ``idempotent=`` setting (``calls``: a callable is a
     setting too); return it, a set of names as a frozenset, a mapping as a dict."""
@@ -338,7 +349,7 @@ class MCPServer(ToolSource):
         def transport() -> AbstractAsyncContextManager[Any]:
             return stdio_client(parameters)
 
-        return cls(transport, label=" ".join([command, *args]), **options)
+        return cls(transport, label=" ".join([command, *args]), **_settings(options))
 
     @classmethod
     def http(
@@ -366,7 +377,7 @@ class MCPServer(ToolSource):
         def transport() -> AbstractAsyncContextManager[Any]:
             return _http_transport(url, fixed)
 
-        return cls(transport, label=url, **options)
+        return cls(transport, label=url, **_settings(options))
 
     def __repr__(self) -> str:
         return f"MCPServer({self.label!r})"

@@ -462,6 +462,8 @@ def test_a_bad_server_argument_is_a_config_error(build: Any) -> None:
     (lambda: MCPServer.stdio("python", allow=[3]), "allow[0]"),  # type: ignore[list-item]
     (lambda: MCPServer.stdio("python", prefix="a b"), "prefix"),
     (lambda: MCPServer.stdio("python", prefix="x" * 65), "prefix"),
+    (lambda: MCPServer.stdio("python", prefx="a_"), "prefx"),  # type: ignore[call-arg]
+    (lambda: MCPServer.http("http://127.0.0.1:1/mcp", timout=3), "timout"),  # type: ignore[call-arg]
     (lambda: MCPServer(3, label="x"), "transport"),  # type: ignore[arg-type]
     (lambda: MCPServer(script_server()._transport, label=""), "label"),
 ])
@@ -469,9 +471,9 @@ def test_a_server_argument_no_tool_list_could_use_is_refused_before_it_starts(
     build: Any, field: str
 ) -> None:
     """``allow=3`` (a TypeError), ``allow=[3]`` and a prefix no tool name can start
-    with (refused only at ``async with``, once the server had started), a transport
-    that cannot be called and an empty label are ConfigErrors when the server is
-    built."""
+    with (refused only at ``async with``, once the server had started), a misspelt
+    setting given to ``stdio``/``http`` (a bare TypeError), a transport that cannot
+    be called and an empty label are ConfigErrors when the server is built."""
     with pytest.raises(le.ConfigError) as raised:
         build()
     assert raised.value.field == field
