@@ -21,6 +21,7 @@ import functools
 import inspect
 import json
 import logging
+import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from decimal import Decimal
@@ -477,6 +478,7 @@ class _Loop:
             return await self._end(trip.outcome, trip=trip)
 
         blocks = self.transcript[-1]["content"]
+        unique_call_ids(blocks, self.transcript[:-1])
         tool_uses = [b for b in blocks if b.get("type") == "tool_use"]
         results: list[dict[str, Any]] = []
         feedback_message: str | None = None
@@ -1233,6 +1235,29 @@ def _copy_tree(value: Any) -> Any:
     if kind is str or kind is int or kind is float or kind is bool or value is None:
         return value
     return copy.deepcopy(value)
+
+
+def unique_call_ids(blocks: Sequence[dict[str, Any]],
+                    earlier: Sequence[Mapping[str, Any]]) -> None:
+    """Give each tool call of a reply (``blocks``, the transcript's own copy) an
+    id no other call of the conversation (``earlier`` messages, or this reply)
+    has: a call without one, or with one the server gave another call too (some
+    servers that speak a vendor's API name every call ``0``, or none), gets
+    a new one, which the transcript carries back to the server.
+
+    A call's id names its result, its row in a run store (what a recovery
+    reads to run it once) and its `ToolContext.idempotency_key`: two calls
+    under one id would share them, the second taken for the first (its result
+    for the first's, or an idempotent API's replay of the first)."""
+    used = {str(b.get("id")) for m in earlier if isinstance(m.get("content"), list)
+            for b in m["content"] if isinstance(b, Mapping) and b.get("type") == "tool_use"}
+    for block in blocks:
+        if block.get("type") != "tool_use":
+            continue
+        call_id = block.get("id")
+        if not isinstance(call_id, str) or not call_id or call_id in used:
+            call_id = block["id"] = f"call_{uuid.uuid4().hex}"
+        used.add(call_id)
 
 
 def _tool_result(block: Mapping[str, Any], content: Any, *, error: bool = False) -> dict[str, Any]:

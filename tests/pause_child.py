@@ -7,7 +7,11 @@ Claude on ``aws-bedrock`` / ``google-vertex``) against the fake server at URL,
 with the SQLiteLedger DB, the decisions given as JSON
 (``{call_id: ["approve"] | ["deny", why] | ["supply", text]}``), and the tool
 ``send`` (approval needed), which appends its input to the file LOG. Prints
-the result's facts as one JSON line.
+the result's facts as one JSON line, its pending calls' ids among them; a
+result paused again writes its state to STATE.
+
+DECISIONS ``run`` starts a run of the route's operation ("Tell bob", the tool
+``send``) instead of resuming one.
 """
 
 from __future__ import annotations
@@ -51,7 +55,10 @@ BUILT: dict[str, Callable[[str], Provider]] = {
 }
 
 
-async def main(vendor: str, db: str, url: str, state: bytes, decided: str, log: str) -> None:
+async def main(vendor: str, db: str, url: str, state: bytes | None, decided: str,
+               log: str) -> bytes | None:
+    """Run or resume; print the result's facts; return its state (paused) or None."""
+
     @le.tool(approval=True)
     def send(to: str) -> str:
         """Send the message to someone."""
@@ -60,7 +67,7 @@ async def main(vendor: str, db: str, url: str, state: bytes, decided: str, log: 
         return f"sent to {to}"
 
     decisions: dict[str, le.Approve | le.Deny | le.Supply] = {}
-    for call_id, (kind, *rest) in json.loads(decided).items():
+    for call_id, (kind, *rest) in ({} if decided == "run" else json.loads(decided)).items():
         decisions[call_id] = {"approve": le.Approve, "deny": le.Deny,
                               "supply": le.Supply}[kind](*rest)
     # The Responses API is OpenAI's, Gemini Google's: attempts are priced as the vendor's.
@@ -76,15 +83,25 @@ async def main(vendor: str, db: str, url: str, state: bytes, decided: str, log: 
                           else OpenAIProvider(api_key="test-key", base_url=url))
     with SQLiteLedger(db) as ledger:
         engine = le.Engine(provider, ledger=ledger, prices=prices)
-        result = await engine.resume(state, decisions=decisions,
-                                     tools=[send])
+        if decided == "run":
+            operation = le.Operation(name="test.op", provider=vendor, model=MODELS[vendor],
+                                     max_output_tokens=512)
+            result = await engine.run(operation, "Tell bob", tools=[send])
+        else:
+            assert state is not None
+            result = await engine.resume(state, decisions=decisions, tools=[send])
     await provider.aclose()  # type: ignore[attr-defined]
     print(json.dumps({"outcome": result.outcome.value, "invocation_id": result.invocation_id,
                       "turns": result.turns, "tool_calls": result.tool_calls,
                       "attempts": result.attempts.count, "credits": result.credits,
-                      "answer": result.answer}))
+                      "answer": result.answer,
+                      "pending": [call.id for call in result.pending]}))
+    return None if result.state is None else result.state.dumps()
 
 
 if __name__ == "__main__":
     vendor, db, url, state_file, decided, log = sys.argv[1:]
-    anyio.run(main, vendor, db, url, Path(state_file).read_bytes(), decided, log)
+    given = None if decided == "run" else Path(state_file).read_bytes()
+    paused = anyio.run(main, vendor, db, url, given, decided, log)
+    if paused is not None:
+        Path(state_file).write_bytes(paused)

@@ -117,7 +117,7 @@ async def approval_round_trip_in_another_process(
     done = json.loads(child.stdout.decode().strip().splitlines()[-1])
     assert done == {"outcome": "completed", "invocation_id": paused.invocation_id,
                     "turns": 2, "tool_calls": 1, "attempts": 2, "credits": 240,
-                    "answer": "It is sent."}
+                    "answer": "It is sent.", "pending": []}
     assert log.read_text() == "bob\n"  # run once, in the resuming process
     assert len(wire.requests) == 2
     row = _invocation(path, paused.invocation_id)

@@ -4,12 +4,17 @@ shared with the other routes' tests)."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
+from typing import Any
 
-from loopengine.testing import FakeClock, FakeGeminiServer
+import anyio
+
+from loopengine.testing import FakeClock, FakeGeminiServer, Reply
 
 from .. import pause_scenarios as scenarios
-from .conftest import ROUTE, GeminiHarness, function_responses
+from .conftest import ROUTE, GeminiHarness, contents, function_responses
 
 
 async def test_approval_round_trip_resumes_in_another_process_gemini(
@@ -45,3 +50,41 @@ async def test_accounts_settle_at_the_pause_and_reserve_again_at_the_resume_gemi
         wire: GeminiHarness, tmp_path: Path) -> None:
     """The pause settles and releases; the resume reserves what the hold leaves."""
     await scenarios.accounts_across_a_pause(wire, ROUTE, tmp_path)
+
+
+def _unnamed_send(to: str) -> Reply:
+    """A reply calling ``send`` as the Gemini API may: a functionCall without an id."""
+    return Reply(content=[{"type": "tool_use", "name": "send", "input": {"to": to}}],
+                 stop_reason="tool_use")
+
+
+async def test_a_call_sent_without_an_id_keeps_an_id_no_other_process_gives(
+        fake_gemini_server: FakeGeminiServer, tmp_path: Path) -> None:
+    """The API sends function calls without ids; the provider gives each one. A
+    run pauses in one process on such a call; another process resumes it, runs
+    the call, and pauses on the next one, which got its id there: the two ids
+    differ, so the second call is not taken for the first (its result, its
+    run store row, its idempotency key: a key equal to the first's would have
+    an idempotent API replay the first call instead of making this one)."""
+    fake_gemini_server.add(_unnamed_send("bob"), _unnamed_send("carol"))
+    path, state, log = tmp_path / "ledger.db", tmp_path / "state.json", tmp_path / "sent.txt"
+
+    async def child(decisions: str) -> dict[str, Any]:
+        ran = await anyio.run_process(
+            [sys.executable, "-m", "tests.pause_child", "gemini", str(path),
+             fake_gemini_server.url, str(state), decisions, str(log)],
+            check=False, cwd=scenarios.ROOT)
+        assert ran.returncode == 0, ran.stderr.decode()
+        facts: dict[str, Any] = json.loads(ran.stdout.decode().strip().splitlines()[-1])
+        return facts
+
+    first = await child("run")
+    assert first["outcome"] == "paused" and len(first["pending"]) == 1
+    second = await child(json.dumps({first["pending"][0]: ["approve"]}))
+    assert second["outcome"] == "paused" and second["invocation_id"] == first["invocation_id"]
+    assert log.read_text() == "bob\n"
+    assert len(second["pending"]) == 1 and second["pending"] != first["pending"]
+    # The ids the API's next request carried back are the two calls' own.
+    ids = [part["functionCall"].get("id") for content in contents(fake_gemini_server.requests[-1])
+           for part in content["parts"] if "functionCall" in part]
+    assert ids == first["pending"]
