@@ -315,13 +315,13 @@ def test_a_crashed_runs_reservation_is_settled_at_its_charge_once_expired(
     assert child.returncode == -signal.SIGKILL, err
 
     async def later() -> tuple[le.AccountBalance, le.AccountBalance]:
-        # An hour on: the run's deadline (2 s) and its grace (0) have passed.
+        # An hour on: the run's deadline (60 s) and its grace (0) have passed.
         clock = FakeClock(wall_start=datetime.now(UTC) + timedelta(hours=1))
         with SQLiteLedger(path) as ledger:
             accounts = le.CreditAccounts(ledger, expiry_grace=0, clock=clock)
             return await accounts.balance("acme"), await accounts.balance("acme")
 
-    # Read at once: the run's deadline (2 s) has not passed, its hold is reserved.
+    # Read before anything touched the account again: its hold is still reserved.
     conn = sqlite3.connect(path)
     (reserved,) = conn.execute("SELECT reserved FROM accounts").fetchone()
     conn.close()
