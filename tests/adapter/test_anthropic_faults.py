@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import email.utils
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import anyio
 import pytest
 
 import loopengine as le
@@ -24,6 +26,7 @@ from loopengine.testing import (
     ErrorReply,
     FakeAnthropicServer,
     FakeClock,
+    RecordedRequest,
     Reply,
     ServerItem,
     StallStream,
@@ -31,6 +34,7 @@ from loopengine.testing import (
 )
 
 from .. import rule_scenarios as scenarios
+from ..clock_support import ExpiringClock
 from ..conftest import operation
 from .conftest import FAST_RETRY, STREAMING, Harness, harness
 from .test_anthropic_rules import ROUTE
@@ -279,17 +283,34 @@ async def test_attempt_timeout_on_the_real_clock_is_a_retried_timeout(
         assert attempt.settle.latency_ms >= 900  # cut by the timeout, not before it
 
 
-@pytest.mark.realtime
 @STREAMING
 async def test_deadline_cut_attempt_is_aborted_with_reason_deadline(
     fake_anthropic_server: FakeAnthropicServer, stream: bool
 ) -> None:
     """An attempt still on the wire when the run's time runs out is aborted (deadline).
-    The server never answers; the run has three seconds to send its request first
-    (a busy machine may take more than one)."""
-    async with harness(fake_anthropic_server, SystemClock()) as wire:
-        engine, _ = wire.engine(Reply.text("never", delay=NEVER), stream=stream)
-        result = await engine.run(operation(total_time=3.0, retry=FAST_RETRY), "go")
+    The server never answers; the run's deadline passes on a clock the test moves
+    once the request is on the server, so however long a busy machine takes to
+    send it, the deadline cuts it on the wire (the attempt's own timeout, the
+    SDK's, is a minute of real time: it never comes first)."""
+    clock = ExpiringClock()
+    arrived = threading.Event()
+
+    def never(request: RecordedRequest) -> Reply:
+        arrived.set()
+        return Reply.text("never", delay=NEVER)
+
+    async with harness(fake_anthropic_server, clock) as wire:
+        engine, _ = wire.engine(never, stream=stream)
+        ended: list[le.RunResult] = []
+
+        async def run() -> None:
+            ended.append(await engine.run(operation(total_time=600.0, retry=FAST_RETRY), "go"))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            assert await anyio.to_thread.run_sync(arrived.wait, 60)
+            clock.advance(600.0)
+    (result,) = ended
     assert result.outcome is le.Outcome.TIME_LIMIT
     (attempt,) = result.attempt_log
     assert attempt.settle is not None
