@@ -23,7 +23,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 import loopengine as le
-from loopengine import audit
+from loopengine import audit, events
 from loopengine.mcp import MCPServer, MCPServerError
 from loopengine.persistence import SQLiteLedger
 from loopengine.providers import ScriptedProvider
@@ -397,13 +397,23 @@ async def test_closing_after_a_run_cancelled_mid_call_stops_the_process(
     anthropic: Harness,
 ) -> None:
     """A run cancelled while its call hangs on the server, then the server closed: the
-    run's cancellation propagates, and the server's process is gone."""
+    run's cancellation propagates, and the server's process is gone. The caller
+    cancels once the call has started (after a real second, a busy machine could
+    still be on the first request)."""
+    scope = anyio.CancelScope()
+
+    def cancel_once_hanging(event: events.Event) -> None:
+        if isinstance(event, events.ToolCallEvent) and event.status == "started":
+            scope.cancel()
+
     async with script_server() as test:
         pid = int(await by_name(test)["pid"].invoke({}))
-        engine, _ = anthropic.engine(Reply.tool_calls(("hang", {})), Reply.text("never"))
-        with anyio.move_on_after(1) as scope:
+        engine, _ = anthropic.engine(Reply.tool_calls(("hang", {})), Reply.text("never"),
+                                     observers=[cancel_once_hanging])
+        with scope:
             await engine.run(operation(), "go", tools=test.tools)
         assert scope.cancelled_caught
+        assert len(anthropic.requests) == 1  # cut in the call: nothing sent after it
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
