@@ -234,7 +234,7 @@ def test_a_reply_is_durable_before_its_tools_run(
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert "TOOL RUNNING" in child.stdout
     # The writer process outlives its parent only to commit what it received.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a bound for a hang, not a measure
     while True:
         invocations, attempts = read_db(path)
         if attempts or time.monotonic() > deadline:
