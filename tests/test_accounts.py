@@ -210,11 +210,13 @@ async def test_a_run_without_an_account_key_runs_outside_accounts(tmp_path: Path
 async def test_cancelled_and_failed_runs_settle_too(tmp_path: Path, end: str) -> None:
     """A run cancelled in its tool, or failing because its ledger was closed under
     it, still settles what it was charged (its first turn) and releases its
-    reservation."""
+    reservation. The caller cancels once the tool runs (not after some real
+    time, which a busy machine could spend before the first turn settled)."""
     path = tmp_path / "ledger.db"
     ledger = SQLiteLedger(path)
     accounts = le.CreditAccounts(ledger)
     await accounts.grant("acme", 1000)
+    running = anyio.Event()
 
     @le.tool
     async def stuck() -> str:
@@ -222,15 +224,24 @@ async def test_cancelled_and_failed_runs_settle_too(tmp_path: Path, end: str) ->
         if end == "failed":
             await ledger.aclose()
             return "closed"
-        await anyio.sleep(30)
+        running.set()
+        await anyio.sleep_forever()
         return "never"
 
     engine, _ = engine_on(ledger, Reply.tool_calls(("stuck", {})), Reply.text("a"),
                           accounts=accounts)
     if end == "cancelled":
-        with anyio.move_on_after(0.3) as scope:
-            await engine.run(operation(credit_hold=500), "go", tools=[stuck],
-                             attribution=ACME)
+        scope = anyio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await engine.run(operation(credit_hold=500), "go", tools=[stuck],
+                                 attribution=ACME)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await running.wait()
+            scope.cancel()
         assert scope.cancelled_caught
     else:
         with pytest.raises(le.LedgerError, match="closed"):
@@ -304,13 +315,13 @@ def test_a_crashed_runs_reservation_is_settled_at_its_charge_once_expired(
     assert child.returncode == -signal.SIGKILL, err
 
     async def later() -> tuple[le.AccountBalance, le.AccountBalance]:
-        # An hour on: the run's deadline (2 s) and its grace (0) have passed.
+        # An hour on: the run's deadline (60 s) and its grace (0) have passed.
         clock = FakeClock(wall_start=datetime.now(UTC) + timedelta(hours=1))
         with SQLiteLedger(path) as ledger:
             accounts = le.CreditAccounts(ledger, expiry_grace=0, clock=clock)
             return await accounts.balance("acme"), await accounts.balance("acme")
 
-    # Read at once: the run's deadline (2 s) has not passed, its hold is reserved.
+    # Read before anything touched the account again: its hold is still reserved.
     conn = sqlite3.connect(path)
     (reserved,) = conn.execute("SELECT reserved FROM accounts").fetchone()
     conn.close()

@@ -113,7 +113,7 @@ def _settled_sessions(postgres_server: PostgresServer, dbname: str,
                       count: int) -> list[tuple[int, Any]]:
     """`_ledger_sessions` once there are ``count`` of them: a backend whose client
     closed, or that was terminated, leaves the list a moment later."""
-    give_up = time.monotonic() + 10
+    give_up = time.monotonic() + 30  # a bound for a hang, not a measure
     while True:
         sessions = _ledger_sessions(postgres_server, dbname)
         if len(sessions) == count or time.monotonic() > give_up:

@@ -30,6 +30,7 @@ from loopengine.persistence._postgres import APPLICATION_NAME
 from loopengine.providers import AnthropicProvider, Reply
 from loopengine.testing import FakeAnthropicServer, RecordedRequest
 
+from .clock_support import ExpiringClock
 from .conftest import PRICES
 from .ledger_support import start
 from .postgres_support import PostgresServer, require_module, start_server
@@ -216,6 +217,18 @@ def test_closing_while_the_server_is_down_gives_up_after_connect_timeout(
     assert "could not be reached within 1s of closing the ledger" in caplog.text
 
 
+class SettleWatch(PostgresLedger):
+    """A `PostgresLedger` that says when a run has asked it to settle an attempt."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.settling = anyio.Event()
+
+    async def settle_attempt(self, record: Any) -> None:
+        self.settling.set()
+        await super().settle_attempt(record)
+
+
 async def test_a_reply_served_while_the_database_is_away_is_recorded_when_it_returns(
     own_server: PostgresServer,
 ) -> None:
@@ -223,7 +236,10 @@ async def test_a_reply_served_while_the_database_is_away_is_recorded_when_it_ret
     answers: the run cannot record the reply by its deadline and ends
     ``time_limit``, but the settle and the end stay queued and are written once
     the database is back, so the served usage is in the ledger and the
-    invocation is not left running."""
+    invocation is not left running. The deadline passes on a clock the test
+    moves once the run waits on the settle (with real seconds, a busy machine
+    could spend them before the reply came, and the attempt was then cut on the
+    wire); past it, each write's grace passes at once: the database stays away."""
     dsn = own_server.create_database()
     dbname = dsn.rsplit("dbname=", 1)[1]
 
@@ -234,16 +250,31 @@ async def test_a_reply_served_while_the_database_is_away_is_recorded_when_it_ret
         terminate(own_server)
         return Reply.text("served", usage=le.Usage(123, 45))
 
+    total = 5.0
     operation = le.Operation(name="away.op", provider="anthropic", model="claude-sonnet-4-5",
-                             # Room for the handler's own work with the server
-                             # (stopping connections) on a busy machine: the run
-                             # must be waiting on the settle when its deadline comes.
-                             max_output_tokens=64, limits=le.Limits(total_time=5.0))
+                             max_output_tokens=64, limits=le.Limits(total_time=total))
+    clock = ExpiringClock()
     with FakeAnthropicServer([away]) as server:
         provider = AnthropicProvider(api_key="k", base_url=server.url)
-        async with PostgresLedger(dsn) as ledger:
-            engine = le.Engine(provider, ledger=ledger, prices=PRICES)
-            result = await engine.run(operation, "go")
+        async with SettleWatch(dsn) as ledger:
+            engine = le.Engine(provider, ledger=ledger, prices=PRICES, clock=clock)
+            ended: list[le.RunResult] = []
+
+            async with anyio.create_task_group() as group:
+
+                async def run() -> None:
+                    ended.append(await engine.run(operation, "go"))
+                    group.cancel_scope.cancel()  # the time it passes is no longer needed
+
+                group.start_soon(run)
+                await ledger.settling.wait()
+                handled = len(clock.asked)
+                clock.advance(total)
+                while True:  # each grace the run then waits (a cancel scope) passes too
+                    await clock.asked_for(handled + 1)
+                    clock.advance(clock.asked[handled])
+                    handled += 1
+            (result,) = ended
             assert result.outcome is le.Outcome.TIME_LIMIT
             # The run's deadline cut its wait for the settle: the reply is not acted on.
             assert result.answer is None and "total_time" in result.detail

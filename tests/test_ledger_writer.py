@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import logging
 import os
 import sqlite3
 import threading
@@ -49,6 +50,20 @@ def write_lock_held(path: Path) -> Iterator[None]:
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
+
+
+class WarningSeen(logging.Handler):
+    """A log handler that says when a record containing ``text`` was logged (from
+    any thread: the ledger's writer logs from its own)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.WARNING)
+        self.text = text
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
 
 
 # -- its home --------------------------------------------------------------------------------
@@ -232,11 +247,14 @@ async def test_the_row_is_on_disk_when_the_request_reaches_the_server(tmp_path: 
 async def test_a_dispatch_held_by_a_locked_file_sends_nothing_until_it_is_written(
     tmp_path: Path,
 ) -> None:
-    """Another connection holds the write lock past the busy timeout (many times
-    over): the dispatch waits in the writer, retried, and the server receives no
-    request meanwhile; once the lock is released the row is written and the run
-    completes with one request."""
+    """Another connection holds the write lock past the busy timeout: the dispatch
+    waits in the writer, retried, and the server receives no request meanwhile;
+    once the lock is released the row is written and the run completes with one
+    request. The lock is released once the writer has said it cannot reach the
+    file (it has waited the busy timeout out), not after some real time."""
     path = tmp_path / "ledger.db"
+    retrying = WarningSeen("the database cannot be reached")
+    logging.getLogger("loopengine").addHandler(retrying)
     with FakeAnthropicServer([Reply.text("fine")]) as server, \
             SQLiteLedger(path, busy_timeout=0.02) as ledger:
         blocker = sqlite3.connect(path, isolation_level=None)
@@ -252,13 +270,13 @@ async def test_a_dispatch_held_by_a_locked_file_sends_nothing_until_it_is_writte
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(run)
-                await anyio.wait_all_tasks_blocked()  # the run waits for its dispatch
-                await anyio.to_thread.run_sync(threading.Event().wait, 0.2)
+                assert await anyio.to_thread.run_sync(retrying.seen.wait, 60)
                 assert server.requests == []
                 assert read_db(path) == ({}, {})
                 blocker.execute("ROLLBACK")
         finally:
             blocker.close()
+            logging.getLogger("loopengine").removeHandler(retrying)
             await provider.aclose()
         assert [r.outcome for r in results] == [le.Outcome.COMPLETED]
         assert len(server.requests) == 1

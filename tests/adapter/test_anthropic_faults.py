@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import email.utils
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import anyio
 import pytest
 
 import loopengine as le
@@ -24,6 +26,7 @@ from loopengine.testing import (
     ErrorReply,
     FakeAnthropicServer,
     FakeClock,
+    RecordedRequest,
     Reply,
     ServerItem,
     StallStream,
@@ -31,6 +34,7 @@ from loopengine.testing import (
 )
 
 from .. import rule_scenarios as scenarios
+from ..clock_support import ExpiringClock
 from ..conftest import operation
 from .conftest import FAST_RETRY, STREAMING, Harness, harness
 from .test_anthropic_rules import ROUTE
@@ -233,16 +237,17 @@ async def test_retry_after_headers_are_the_waits_slept(wire: Harness, clock: Fak
 async def test_retry_after_as_an_http_date_is_the_wait_slept(wire: Harness,
                                                              clock: FakeClock) -> None:
     """retry-after may be an HTTP date: the wait is the time until then."""
-    # A minute ahead, so that a busy machine's delay before the reply is read
-    # cannot eat the wait: the date has whole seconds and the check allows 10 s.
+    # An hour ahead on the real wall clock, so that a busy machine's delay before
+    # the reply is read cannot eat the wait: the check allows ten minutes (and
+    # the date's whole seconds); the fake clock sleeps it at once.
     until = email.utils.format_datetime(
-        datetime.now(UTC) + timedelta(seconds=60), usegmt=True)
+        datetime.now(UTC) + timedelta(seconds=3600), usegmt=True)
     engine, _ = wire.engine(ErrorReply(status=503, headers={"retry-after": until}),
                             Reply.text("ok"))
-    result = await engine.run(operation(), "go")
+    result = await engine.run(operation(total_time=None), "go")
     assert result.outcome is le.Outcome.COMPLETED
     (slept,) = clock.sleeps
-    assert 50.0 <= slept <= 60.0
+    assert 3000.0 <= slept <= 3600.0
     assert result.attempt_log[1].dispatch.wait_ms == round(slept * 1000)
 
 
@@ -279,17 +284,34 @@ async def test_attempt_timeout_on_the_real_clock_is_a_retried_timeout(
         assert attempt.settle.latency_ms >= 900  # cut by the timeout, not before it
 
 
-@pytest.mark.realtime
 @STREAMING
 async def test_deadline_cut_attempt_is_aborted_with_reason_deadline(
     fake_anthropic_server: FakeAnthropicServer, stream: bool
 ) -> None:
     """An attempt still on the wire when the run's time runs out is aborted (deadline).
-    The server never answers; the run has three seconds to send its request first
-    (a busy machine may take more than one)."""
-    async with harness(fake_anthropic_server, SystemClock()) as wire:
-        engine, _ = wire.engine(Reply.text("never", delay=NEVER), stream=stream)
-        result = await engine.run(operation(total_time=3.0, retry=FAST_RETRY), "go")
+    The server never answers; the run's deadline passes on a clock the test moves
+    once the request is on the server, so however long a busy machine takes to
+    send it, the deadline cuts it on the wire (the attempt's own timeout, the
+    SDK's, is a minute of real time: it never comes first)."""
+    clock = ExpiringClock()
+    arrived = threading.Event()
+
+    def never(request: RecordedRequest) -> Reply:
+        arrived.set()
+        return Reply.text("never", delay=NEVER)
+
+    async with harness(fake_anthropic_server, clock) as wire:
+        engine, _ = wire.engine(never, stream=stream)
+        ended: list[le.RunResult] = []
+
+        async def run() -> None:
+            ended.append(await engine.run(operation(total_time=600.0, retry=FAST_RETRY), "go"))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            assert await anyio.to_thread.run_sync(arrived.wait, 60)
+            clock.advance(600.0)
+    (result,) = ended
     assert result.outcome is le.Outcome.TIME_LIMIT
     (attempt,) = result.attempt_log
     assert attempt.settle is not None

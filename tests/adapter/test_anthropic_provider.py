@@ -3,6 +3,7 @@ cancellation, through the real SDK against the loopback FakeAnthropicServer."""
 
 from __future__ import annotations
 
+import threading
 from decimal import Decimal
 from typing import Any
 
@@ -19,6 +20,7 @@ from loopengine.testing import (
     ErrorReply,
     FakeAnthropicServer,
     FakeClock,
+    RecordedRequest,
     Reply,
     StallStream,
 )
@@ -485,17 +487,31 @@ async def test_the_callers_cancellation_propagates_and_is_recorded(
 
 
 async def test_cancellation_is_never_turned_into_a_fault(wire: Harness) -> None:
-    """At the provider seam, a cancelled send raises the backend's cancellation."""
+    """At the provider seam, a cancelled send raises the backend's cancellation. It
+    is cancelled once the server holds its request (after a real time, a busy
+    machine could still be connecting)."""
     provider = wire.provider(stream=True)
-    wire.server.add(StallStream(reply=Reply.text("a b"), after=1, seconds=3600))
+    arrived = threading.Event()
+
+    def stall(request: RecordedRequest) -> StallStream:
+        arrived.set()
+        return StallStream(reply=Reply.text("a b"), after=1, seconds=3600)
+
+    wire.server.add(stall)
     raised: list[BaseException] = []
     with anyio.CancelScope() as scope:
-        scope.deadline = anyio.current_time() + 0.2
-        try:
-            await provider.send(request())
-        except BaseException as error:  # record what escaped, then let it go on
-            raised.append(error)
-            raise
+        async with anyio.create_task_group() as group:
+
+            async def send() -> None:
+                try:
+                    await provider.send(request())
+                except BaseException as error:  # record what escaped, then let it go on
+                    raised.append(error)
+                    raise
+
+            group.start_soon(send)
+            assert await anyio.to_thread.run_sync(arrived.wait, 60)
+            scope.cancel()
     assert scope.cancelled_caught
     assert len(raised) == 1 and isinstance(raised[0], anyio.get_cancelled_exc_class())
 

@@ -20,11 +20,15 @@ from pathlib import Path
 
 import anyio
 import pytest
+import trio
+import trio.testing
 
 import loopengine as le
 from loopengine import events
 from loopengine._clock import SystemClock
+from loopengine._invocation import LEDGER_GRACE
 from loopengine.persistence import SQLiteLedger
+from loopengine.providers import ScriptedProvider
 from loopengine.testing import FakeAnthropicServer, Reply
 
 from ..conftest import operation
@@ -170,30 +174,41 @@ def write_lock_held(path: Path) -> Iterator[None]:
         conn.close()
 
 
-async def test_r04_a_stalled_ledger_writer_ends_the_run_at_its_deadline(
+def test_r04_a_stalled_ledger_writer_ends_the_run_at_its_deadline(
     fake_anthropic_server: FakeAnthropicServer, tmp_path: Path
 ) -> None:
     """With another connection holding the write lock (the writer stalled), a run
-    with ``total_time=1.5`` ends ``time_limit`` within seconds of its deadline,
-    having sent nothing; once the writer runs again the ledger says so."""
+    with ``total_time=1.5`` ends ``time_limit`` at its deadline, having sent
+    nothing; once the writer runs again the ledger says so. On trio's MockClock:
+    the stall lasts the busy timeout (30 s) or for ever, and a run that waited
+    for it would hang (the lock is released only once the run returns), while
+    one that keeps its deadline returns at its deadline and the grace its end
+    is awaited for, exactly, on the mock time, however slow the machine."""
     path = tmp_path / "ledger.db"
     total = 1.5
-    async with harness(fake_anthropic_server, SystemClock()) as wire:
-        with SQLiteLedger(path, busy_timeout=30) as ledger:
-            engine, _ = wire.engine(Reply.text("never"), ledger=ledger)
-            await engine.run(operation(), "warm up")  # the writer is up and known
-            wire.server.add(Reply.text("never sent"))
-            with write_lock_held(path):
-                began = time.monotonic()
-                result = await engine.run(operation(total_time=total), "go")
-                elapsed = time.monotonic() - began
-            await ledger.flush()
+    measured: list[tuple[le.RunResult, float]] = []
+
+    async def main() -> None:
+        async with harness(fake_anthropic_server, SystemClock()) as wire:
+            with SQLiteLedger(path, busy_timeout=30) as ledger:
+                # The writer is up and known: a run on it that needs no network
+                # (a request awaited on the mock clock would be cut at once).
+                warm_up = le.Engine(ScriptedProvider([Reply.text("warm")]), ledger=ledger,
+                                    prices=le.PriceBook())
+                assert (await warm_up.run(operation(total_time=None), "warm up")).answer == "warm"
+                engine, _ = wire.engine(Reply.text("never sent"), ledger=ledger)
+                with write_lock_held(path):
+                    began = trio.current_time()
+                    result = await engine.run(operation(total_time=total), "go")
+                    measured.append((result, trio.current_time() - began))
+                await ledger.flush()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    ((result, elapsed),) = measured
     assert result.outcome is le.Outcome.TIME_LIMIT
-    # The stall would last 30 s (the busy timeout) or for ever (SIGSTOP): ending
-    # within a few seconds of the deadline shows the run did not wait for it; the
-    # bound leaves a busy machine its scheduling delays.
-    assert total <= elapsed < total + 5
-    assert len(wire.requests) == 1  # the warm-up's only
+    # The deadline, then the grace its end is awaited for: not a moment of the stall.
+    assert elapsed == pytest.approx(total + LEDGER_GRACE)
+    assert fake_anthropic_server.requests == []
     invocations, attempts = read_db(path)
     row = invocations[result.invocation_id]
     assert row["outcome"] == "time_limit"
@@ -219,7 +234,7 @@ def test_a_reply_is_durable_before_its_tools_run(
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert "TOOL RUNNING" in child.stdout
     # The writer process outlives its parent only to commit what it received.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a bound for a hang, not a measure
     while True:
         invocations, attempts = read_db(path)
         if attempts or time.monotonic() > deadline:

@@ -17,12 +17,11 @@ from typing import Any
 
 import anyio
 import pydantic
-import pytest
 
 import loopengine as le
-from loopengine._clock import SystemClock
 from loopengine.testing import ErrorReply, FakeAnthropicServer, RecordedRequest, Reply
 
+from ..clock_support import ExpiringClock
 from ..conftest import MODEL, PRICES
 from .conftest import STREAMING, Harness, harness
 
@@ -242,21 +241,22 @@ async def test_a_turn_limit_history_already_ends_with_the_results(wire: Harness)
     assert second.outcome is le.Outcome.COMPLETED
 
 
-@pytest.mark.realtime
 async def test_a_deadline_history_closes_the_handlers_it_cut_and_a_sync_one_runs_on(
     fake_anthropic_server: FakeAnthropicServer,
 ) -> None:
     """time_limit: the handlers still running at the deadline get is_error results, and
     the run returns at the deadline. A sync handler's thread cannot be stopped: it goes
     on after the run returned, and what it returns is discarded. The handlers never
-    finish by themselves (the sync one waits to be released), so nothing races the
-    deadline but the first request, which has four seconds."""
-    release = threading.Event()
-    finished = threading.Event()
+    finish by themselves (the sync one waits to be released), and the deadline
+    passes on a clock the test moves once both are running: nothing races it."""
+    clock = ExpiringClock()
+    sync_running, release, finished = threading.Event(), threading.Event(), threading.Event()
+    async_running = anyio.Event()
 
     @le.tool
     def slow_sync(key: str) -> str:
         """Block its worker thread past the deadline, until released."""
+        sync_running.set()
         release.wait(60)
         finished.set()
         return "late sync result"
@@ -264,14 +264,26 @@ async def test_a_deadline_history_closes_the_handlers_it_cut_and_a_sync_one_runs
     @le.tool
     async def slow_async(key: str) -> str:
         """Await past the deadline."""
-        await anyio.sleep(3600)
+        async_running.set()
+        await anyio.sleep_forever()
         return "late async result"
 
-    async with harness(fake_anthropic_server, SystemClock()) as wire:
+    async with harness(fake_anthropic_server, clock) as wire:
         engine, _ = wire.engine(
             Reply.tool_calls(("slow_sync", {"key": "a"}), ("slow_async", {"key": "b"})),
             paired(Reply.text("done")))
-        first = await engine.run(op(total_time=4.0), "go", tools=[slow_sync, slow_async])
+        ended: list[le.RunResult] = []
+
+        async def run() -> None:
+            ended.append(await engine.run(op(total_time=4.0), "go",
+                                          tools=[slow_sync, slow_async]))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await async_running.wait()
+            assert await anyio.to_thread.run_sync(sync_running.wait, 60)
+            clock.advance(4.0)  # the deadline, with both handlers running
+        (first,) = ended
         assert first.outcome is le.Outcome.TIME_LIMIT
         assert not finished.is_set()  # the run returned without waiting for the thread
         release.set()
@@ -281,5 +293,5 @@ async def test_a_deadline_history_closes_the_handlers_it_cut_and_a_sync_one_runs
                    for r in results)
         second = await continue_run(engine, first, [slow_sync, slow_async])
         assert second.outcome is le.Outcome.COMPLETED
-        assert finished.wait(5.0)  # the abandoned thread ran to its end
+        assert finished.wait(60)  # the abandoned thread ran to its end
         assert "late sync result" not in str(first.messages)

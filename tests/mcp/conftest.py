@@ -10,11 +10,10 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import anyio
 import pytest
 
 from loopengine.mcp import MCPServer
-from loopengine.testing import FakeAnthropicServer, FakeClock, FakeOpenAIServer
+from loopengine.testing import FakeAnthropicServer, FakeOpenAIServer
 
 from ..adapter.conftest import Harness, harness
 from ..openai.conftest import OpenAIHarness
@@ -32,48 +31,6 @@ def time_server(**kwargs: object) -> MCPServer:
 def script_server(**kwargs: object) -> MCPServer:
     """tests/mcp/server.py over stdio."""
     return MCPServer.stdio(sys.executable, [SCRIPT, "stdio"], **kwargs)  # type: ignore[arg-type]
-
-
-class ExpiringClock(FakeClock):
-    """A `FakeClock` whose cancel scopes expire once its time reaches their
-    deadline, moved by the test (`advance`) or by a sleep on it: a timeout on
-    this clock passes only when the test says so."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._scopes: list[tuple[float, anyio.CancelScope]] = []
-        self.asked: list[float] = []
-        """The seconds of every cancel scope asked for, in order."""
-        self._asked = anyio.Event()
-
-    def cancel_scope(self, seconds: float) -> anyio.CancelScope:
-        scope = anyio.CancelScope()
-        self._scopes.append((self.now() + seconds, scope))
-        self.asked.append(seconds)
-        self._asked.set()
-        return scope
-
-    async def asked_for(self, count: int) -> None:
-        """Wait until ``count`` cancel scopes have been asked for in all."""
-        while len(self.asked) < count:
-            self._asked = anyio.Event()
-            await self._asked.wait()
-
-    def advance(self, seconds: float) -> None:
-        super().advance(seconds)
-        self._expire()
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        super().advance(max(0.0, seconds))
-        self._expire()
-        await anyio.lowlevel.checkpoint()
-
-    def _expire(self) -> None:
-        for at, scope in self._scopes:
-            if at <= self.now():
-                scope.cancel()
-        self._scopes = [(at, scope) for at, scope in self._scopes if at > self.now()]
 
 
 class HttpServer:

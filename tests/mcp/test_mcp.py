@@ -23,13 +23,14 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 import loopengine as le
-from loopengine import audit
+from loopengine import audit, events
 from loopengine.mcp import MCPServer, MCPServerError
 from loopengine.persistence import SQLiteLedger
 from loopengine.providers import ScriptedProvider
 from loopengine.testing import RecordedRequest, Reply
 
 from ..adapter.conftest import Harness, tool_results
+from ..clock_support import ExpiringClock
 from ..conftest import PRICES, operation
 from ..openai.conftest import OpenAIHarness, openai_operation, tool_messages
 from .conftest import SCRIPT, HttpServer, script_server, time_server
@@ -298,15 +299,32 @@ async def test_a_hanging_tool_ends_at_its_timeout_and_the_run_goes_on(
 async def test_a_hanging_tool_without_a_timeout_ends_at_the_run_deadline(
     openai: OpenAIHarness,
 ) -> None:
-    """With no tool timeout, the run's deadline bounds the call: the run ends time_limit."""
+    """With no tool timeout, the run's deadline bounds the call: the run ends time_limit.
+    The deadline passes on a clock the test moves once the call hangs (on the
+    real clock, a busy machine could spend the run's seconds before it)."""
+    clock = ExpiringClock()
+    started = anyio.Event()
+
+    def call_started(event: events.Event) -> None:
+        if isinstance(event, events.ToolCallEvent) and event.status == "started":
+            started.set()
+
     async with script_server() as test:
-        engine, _ = openai.engine(Reply.tool_calls(("hang", {})), Reply.text("never sent"))
-        began = time.monotonic()
-        result = await engine.run(openai_operation(total_time=4), "go", tools=test.tools)
-        took = time.monotonic() - began
+        engine, _ = openai.engine(Reply.tool_calls(("hang", {})), Reply.text("never sent"),
+                                  clock=clock, observers=[call_started])
+        ended: list[le.RunResult] = []
+
+        async def run() -> None:
+            ended.append(await engine.run(openai_operation(total_time=4), "go",
+                                          tools=test.tools))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await started.wait()  # the run is in the call (this task runs once it waits)
+            clock.advance(4)
+    (result,) = ended
     assert result.outcome is le.Outcome.TIME_LIMIT
     assert len(openai.requests) == 1
-    assert took < 15
 
 
 async def test_a_server_that_exits_at_start_is_a_clear_error() -> None:
@@ -397,13 +415,23 @@ async def test_closing_after_a_run_cancelled_mid_call_stops_the_process(
     anthropic: Harness,
 ) -> None:
     """A run cancelled while its call hangs on the server, then the server closed: the
-    run's cancellation propagates, and the server's process is gone."""
+    run's cancellation propagates, and the server's process is gone. The caller
+    cancels once the call has started (after a real second, a busy machine could
+    still be on the first request)."""
+    scope = anyio.CancelScope()
+
+    def cancel_once_hanging(event: events.Event) -> None:
+        if isinstance(event, events.ToolCallEvent) and event.status == "started":
+            scope.cancel()
+
     async with script_server() as test:
         pid = int(await by_name(test)["pid"].invoke({}))
-        engine, _ = anthropic.engine(Reply.tool_calls(("hang", {})), Reply.text("never"))
-        with anyio.move_on_after(1) as scope:
+        engine, _ = anthropic.engine(Reply.tool_calls(("hang", {})), Reply.text("never"),
+                                     observers=[cancel_once_hanging])
+        with scope:
             await engine.run(operation(), "go", tools=test.tools)
         assert scope.cancelled_caught
+        assert len(anthropic.requests) == 1  # cut in the call: nothing sent after it
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 

@@ -18,7 +18,8 @@ import trio.testing
 
 from loopengine.mcp import CONNECT_TIMEOUT, MCPServer, MCPServerError
 
-from .conftest import SCRIPT, ExpiringClock
+from ..clock_support import ExpiringClock
+from .conftest import SCRIPT
 from .test_mcp_following import Server, Watch, in_process, listening
 
 pytestmark = [pytest.mark.slow]

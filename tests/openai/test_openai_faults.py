@@ -212,18 +212,21 @@ async def test_retry_after_headers_are_the_waits_slept_openai(
 ) -> None:
     """retry-after-ms wins over retry-after; retry-after in seconds and as an HTTP
     date is honoured."""
-    # A minute ahead: a busy machine's delay cannot eat the wait (10 s allowed).
-    until = email.utils.format_datetime(datetime.now(UTC) + timedelta(seconds=60), usegmt=True)
+    # An hour ahead on the real wall clock: a busy machine's delay cannot eat the
+    # wait (ten minutes allowed); the fake clock sleeps it at once.
+    until = email.utils.format_datetime(datetime.now(UTC) + timedelta(seconds=3600),
+                                        usegmt=True)
     engine, _ = wire.engine(
         ErrorReply(status=429, headers={"retry-after-ms": "1500", "retry-after": "9"}),
         ErrorReply(status=503, headers={"retry-after": "2"}),
         ErrorReply(status=500, headers={"retry-after": until}),
         Reply.text("ok"), stream=stream,
     )
-    result = await engine.run(openai_operation(retry=le.RetryPolicy(max_attempts=4)), "go")
+    result = await engine.run(openai_operation(total_time=None,
+                                               retry=le.RetryPolicy(max_attempts=4)), "go")
     assert result.outcome is le.Outcome.COMPLETED
     first, second, third = wire.clock.sleeps
-    assert (first, second) == (1.5, 2.0) and 50.0 <= third <= 60.0
+    assert (first, second) == (1.5, 2.0) and 3000.0 <= third <= 3600.0
     assert [a.dispatch.wait_ms for a in result.attempt_log][:3] == [0, 1500, 2000]
 
 
