@@ -24,7 +24,13 @@ from loopengine._raised import own_failure
 from loopengine.events import AttemptSettled, AttemptStarted, TextDelta, TurnStarted
 from loopengine.guards._checkpoints import GuardTrip, attempt_timeout
 from loopengine.persistence._records import AttemptDispatch, AttemptRecord, AttemptSettle
-from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._base import (
+    ProviderRequest,
+    ProviderResponse,
+    TextCallback,
+    unwatch_cuts,
+    watch_cuts,
+)
 from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._retry import RetryPolicy, RetryStop, after_fault
 
@@ -162,11 +168,17 @@ async def attempt(
     # The attempt's time runs from its start: what its row's write took is spent.
     left = max(0.0, timeout - (flight.started - now))
     flight.sent = True
+    # A stream the cancellations below cut reports what it had served, which the
+    # settle keeps (the server may bill it).
+    watching = watch_cuts(flight)
     try:
         # Cut at the run's deadline by the scope around the run (`settle_cut`
         # settles it then), or sooner by its own timeout.
-        with inv.clock.cancel_scope(left) as scope:
-            response = await inv.provider.send(request, on_text=text)
+        try:
+            with inv.clock.cancel_scope(left) as scope:
+                response = await inv.provider.send(request, on_text=text)
+        finally:
+            unwatch_cuts(watching)
         if scope.cancelled_caught:
             response = None
             fault = ProviderFault(FaultKind.TIMEOUT, f"no response within {timeout:.3f}s")
@@ -304,8 +316,14 @@ async def settle(
         await _announce(inv, dispatch)
     latency_ms = max(0, round((inv.clock.now() - flight.started) * 1000))
     reason: str | None = None
-    usage = (response.usage if response is not None else
-             fault.usage if fault is not None else None)
+    # What the server sent: the reply, else the fault's, else, for a stream a
+    # cancellation cut (its timeout, the run's deadline, the caller's), what it
+    # had served by then, a floor (its settle records no fault for it).
+    served = response if response is not None else fault
+    if flight.served is not None and response is None and (
+            fault is None or fault.usage is None and fault.response_id is None):
+        served = flight.served
+    usage = served.usage if served is not None else None
     priced = None
     if usage is not None:
         usage = usage.served_in(inv.geo)  # the endpoint's region (Vertex's)
@@ -313,7 +331,7 @@ async def settle(
                                   dispatch.started_at)
         past = inv.past_limit(usage, priced, dispatch.turn, charged=response is not None)
         if past is not None:
-            fault = _past_limit(past, response, fault)
+            fault = served = _past_limit(past, served)
             response = usage = priced = None
             external, fault_kind = False, True
     if response is not None:
@@ -336,20 +354,16 @@ async def settle(
         latency_ms=latency_ms,
         fault=fault.kind.value if fault and fault_kind else None,
         aborted_reason=reason,
-        http_status=(response.http_status if response else
-                     fault.http_status if fault else None),
+        http_status=served.http_status if served is not None else None,
         error_code=fault.error_code if fault else None,
         usage=usage,
-        usage_approx=bool(fault.usage_approx if fault is not None else
-                          response is not None and response.usage_approx),
+        usage_approx=served is not None and served.usage_approx,
         cost_nanousd=priced.cost_nanousd if priced else None,
         fee_nanousd=priced.fee_nanousd if priced else None,
         charged=charged,
         price_ref=priced.price_ref if priced else None,
-        response_id=response.response_id if response else (
-            fault.response_id if fault else None),
-        request_id=response.request_id if response else (
-            fault.request_id if fault else None),
+        response_id=served.response_id if served is not None else None,
+        request_id=served.request_id if served is not None else None,
         stop_reason=response.stop_reason if response else None,
     )
     inv.records[flight.index] = AttemptRecord(dispatch=dispatch, settle=settle)
@@ -390,11 +404,10 @@ async def settle(
     return fault
 
 
-def _past_limit(past: str, response: ProviderResponse | None,
-                fault: ProviderFault | None) -> ProviderFault:
+def _past_limit(past: str, served: ProviderResponse | ProviderFault | None) -> ProviderFault:
     """The fault of an attempt whose reported usage would take ``past`` (one of
-    the run's totals) beyond 2**63 - 1: the reply's ``invalid_response``."""
-    served = response if response is not None else fault
+    the run's totals) beyond 2**63 - 1: the ``invalid_response`` of what was
+    ``served`` (the reply, or the fault that carried the usage)."""
     assert served is not None
     return ProviderFault(
         FaultKind.SERVER_ERROR,

@@ -55,8 +55,8 @@ __all__ = ["LEDGER_GRACE", "InFlight", "Invocation"]
 
 @dataclass(slots=True)
 class InFlight:
-    """The attempt in flight: its record's index, when it started, and what the
-    run's ``on_text`` callback raised."""
+    """The attempt in flight: its record's index, when it started, what the
+    run's ``on_text`` callback raised, and what a cut stream had served."""
 
     index: int
     started: float
@@ -66,6 +66,13 @@ class InFlight:
     """Whether the request was handed to the provider (its row was durable)."""
     callback_error: BaseException | None = None
     """What the run's ``on_text`` callback raised during this attempt."""
+    served: ProviderFault | None = None
+    """What its stream had served when a cancellation cut it (the provider's
+    report to `loopengine.providers._base.watch_cuts`): its settle keeps it."""
+
+    def keep_served(self, cut: ProviderFault) -> None:
+        """Keep what the stream had served when a cancellation cut it."""
+        self.served = cut
 
 
 _NOBODY = Attribution()

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
+import anyio
+
 from loopengine._errors import ConfigError
 from loopengine._features import Features
 from loopengine._pricing import STANDARD_GEOS, STANDARD_SPEEDS, STANDARD_TIERS
@@ -35,7 +37,7 @@ from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = ["FEATURES", "Container", "Provider", "ProviderRequest", "ProviderResponse",
            "TextCallback", "hand_text", "media_note", "priced_geo", "priced_speed",
-           "priced_tier", "text_or_none",
+           "priced_tier", "ServedSink", "cut_sink", "unwatch_cuts", "watch_cuts", "text_or_none",
            "reported_usage", "token_count"]
 
 P = ParamSpec("P")
@@ -43,6 +45,40 @@ U = TypeVar("U")
 
 TextCallback = Callable[[str], Awaitable[None] | None]
 """Receives streamed text deltas, sync or async."""
+
+class ServedSink(Protocol):
+    """What a stream cut by a cancellation reports to: the engine's attempt in flight."""
+
+    def keep_served(self, cut: ProviderFault) -> None:
+        """Keep what a stream had served when a cancellation cut it."""
+
+
+_watching: dict[int, ServedSink] = {}
+"""The attempt in flight of each task sending a request, by anyio task id: a
+context variable would do, but would add objects to every conversation waiting
+on its reply (docs/performance.md)."""
+
+
+def watch_cuts(sink: ServedSink) -> int:
+    """Have a stream that a cancellation cuts in this task (the attempt's timeout,
+    the run's deadline, the caller's cancellation) report what it had served to
+    ``sink``: an ``aborted`` fault carrying its status, ids and usage so far. A
+    cancellation must propagate, so it cannot carry them itself; without this
+    the attempt would be recorded as if the server had sent nothing, though it
+    may bill what it sent. Returns the key for `unwatch_cuts`."""
+    key = anyio.get_current_task().id
+    _watching[key] = sink
+    return key
+
+
+def unwatch_cuts(key: int) -> None:
+    """End what `watch_cuts` began."""
+    _watching.pop(key, None)
+
+
+def cut_sink() -> ServedSink | None:
+    """Where a stream cut in this task reports what it had served (`watch_cuts`)."""
+    return _watching.get(anyio.get_current_task().id)
 
 FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",
                       "reasoning_effort", "service_tier"})

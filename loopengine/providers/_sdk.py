@@ -22,7 +22,12 @@ import httpx2
 from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine._usage import Usage
-from loopengine.providers._base import ProviderRequest, ProviderResponse, TextCallback
+from loopengine.providers._base import (
+    ProviderRequest,
+    ProviderResponse,
+    TextCallback,
+    cut_sink,
+)
 from loopengine.providers._clients import (
     BoundClient,
     C,
@@ -87,7 +92,9 @@ async def read_stream(
     (the engine raises the callback's own exception to its caller; the fault
     carries what was served). ``close`` runs however the reading ends: it
     releases the connection, even while the caller's cancellation (or the
-    attempt timeout) unwinds. A stream that ended without what ``missing``
+    attempt timeout) unwinds; what the stream had served by then goes to
+    `cut_sink`, since the cancellation itself carries nothing. A
+    stream that ended without what ``missing``
     names (its last event, its usage...) is cut ("the stream ended before
     <what>").
 
@@ -125,6 +132,11 @@ async def read_stream(
                         await maybe
                 except Exception as error:
                     raise cut("the on_text callback raised", None) from error
+    except BaseException as error:
+        sink = cut_sink()
+        if sink is not None and not isinstance(error, Exception):
+            sink.keep_served(cut("the stream was cancelled", None))
+        raise
     finally:
         with anyio.CancelScope(shield=True):
             await close()
