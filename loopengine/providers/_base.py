@@ -36,15 +36,16 @@ from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = ["FEATURES", "Container", "Provider", "ProviderRequest", "ProviderResponse",
-           "TextCallback", "hand_text", "media_note", "priced_geo", "priced_speed",
-           "priced_tier", "ServedSink", "cut_sink", "unwatch_cuts", "watch_cuts", "text_or_none",
-           "reported_usage", "token_count"]
+           "ServedSink", "TextCallback", "cut_sink", "hand_text", "media_note", "priced_geo",
+           "priced_speed", "priced_tier", "reported_usage", "text_or_none", "token_count",
+           "unwatch_cuts", "watch_cuts"]
 
 P = ParamSpec("P")
 U = TypeVar("U")
 
 TextCallback = Callable[[str], Awaitable[None] | None]
 """Receives streamed text deltas, sync or async."""
+
 
 class ServedSink(Protocol):
     """What a stream cut by a cancellation reports to: the engine's attempt in flight."""
@@ -79,6 +80,7 @@ def unwatch_cuts(key: int) -> None:
 def cut_sink() -> ServedSink | None:
     """Where a stream cut in this task reports what it had served (`watch_cuts`)."""
     return _watching.get(anyio.get_current_task().id)
+
 
 FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",
                       "reasoning_effort", "service_tier"})
