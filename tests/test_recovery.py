@@ -598,6 +598,31 @@ async def test_a_sqlite_ledger_with_a_run_store_stays_readable_by_its_owner_only
     assert path.stat().st_mode & 0o777 == 0o600
 
 
+async def test_a_sqlite_ledger_zeroes_an_ended_runs_transcript_in_its_file(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """The transcript's row is deleted when its run ends, and its pages are
+    zeroed (SQLite's ``secure_delete``, which the ledger's writer turns on
+    whatever the build's default): after a checkpoint the database file holds
+    no byte of it."""
+    sender = Sender()
+    path = tmp_path / "ledger.db"
+    marker = "zq-transcript-marker-" + "7" * 200
+    with SQLiteLedger(path) as ledger:
+        engine, _, store = engine_on(ledger, clock, Reply.tool_calls(send("a")),
+                                     Reply.text("sent"))
+        paused = await engine.run(operation(), marker, tools=[sender.tool])
+        assert marker.encode() in path.read_bytes() + path.with_name(
+            "ledger.db-wal").read_bytes()
+        done = await engine.resume(paused.invocation_id, decisions={
+            paused.pending[0].id: le.Approve()}, tools=[sender.tool])
+        assert done.outcome is le.Outcome.COMPLETED
+        assert await store.load(paused.invocation_id) is None
+    checkpointed = sqlite3.connect(path)
+    checkpointed.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    checkpointed.close()
+    assert marker.encode() not in path.read_bytes()
+
+
 async def test_a_process_whose_run_was_taken_over_gets_run_busy_and_records_nothing(
         ledger: Any, clock: FakeClock) -> None:
     """Run A is slow in charge's handler; B takes the run over (force) and finds

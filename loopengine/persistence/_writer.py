@@ -159,6 +159,10 @@ class Writer(_Writer):
             # FULL: in WAL mode NORMAL may lose the last commits on power loss,
             # and a billing record must not.
             conn.execute("PRAGMA synchronous = FULL")
+            # A run store's transcript, deleted when its run ends, is zeroed on
+            # its pages rather than left in the file's free pages (the build's
+            # default is off in many Pythons).
+            conn.execute("PRAGMA secure_delete = ON")
             # Checkpoints are made between commits (`maybe_checkpoint`), never inside one.
             conn.execute("PRAGMA wal_autocheckpoint = 0")
             # Foreign keys stay declared but unenforced: the writer already
