@@ -17,6 +17,19 @@ async def _reserve(accounts: le.CreditAccounts, clock: FakeClock, run: str) -> A
                                   credits_per_usd=Decimal(1000), credit_quantum=1)
 
 
+async def _expired(ledger: Any, run: str) -> tuple[le.CreditAccounts, Any]:
+    """Accounts on ``ledger`` whose one reservation, of ``run``, has expired
+    (found by the balance, which settles expired reservations) with nothing
+    charged."""
+    clock = FakeClock()
+    accounts = le.CreditAccounts(ledger, clock=clock)
+    await accounts.grant("acme", 1000)
+    reservation = await _reserve(accounts, clock, run)
+    clock.advance(120)
+    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 0, 0, 1000)
+    return accounts, reservation
+
+
 async def _releases(ledger: Any, run: str) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in await ledger._transact_qmark(lambda conn: conn.execute(
         "SELECT note, expires_at IS NOT NULL FROM account_entries "
@@ -27,12 +40,7 @@ async def test_a_run_alive_past_an_expiry_that_charged_nothing_settles_its_credi
         each_database: Any) -> None:
     """An expiry that found nothing charged (no entry but its release): the run,
     still alive, settles its whole credits at its end, once."""
-    clock = FakeClock()
-    accounts = le.CreditAccounts(each_database, clock=clock)
-    await accounts.grant("acme", 1000)
-    reservation = await _reserve(accounts, clock, "alive")
-    clock.advance(120)
-    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 0, 0, 1000)
+    accounts, reservation = await _expired(each_database, "alive")
     assert await _releases(each_database, "alive") == [
         ("released after its reservation expired", 1)]
     await accounts.settle(reservation, 40)
@@ -59,12 +67,7 @@ async def test_an_expiry_written_without_expires_at_is_still_an_expiry(
     release written by the version that kept no ``expires_at`` on it (only its
     note says it was an expiry) still leaves the run alive past it to settle
     its credits."""
-    clock = FakeClock()
-    accounts = le.CreditAccounts(each_database, clock=clock)
-    await accounts.grant("acme", 1000)
-    reservation = await _reserve(accounts, clock, "alive")
-    clock.advance(120)
-    assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 0, 0, 1000)
+    accounts, reservation = await _expired(each_database, "alive")
     await each_database._transact_qmark(lambda conn: conn.execute(
         "UPDATE account_entries SET expires_at = NULL WHERE invocation_id = ? "
         "AND kind = 'release'", ("alive",)), "the earlier version's release")

@@ -208,14 +208,7 @@ async def test_an_empty_reasoning_goes_back_with_its_tool_calls(stream: bool) ->
     calls = Reply(content=[{"type": "reasoning_content", "reasoning_content": ""},
                            {"type": "tool_use", "id": "call_1", "name": "lookup",
                             "input": {"key": "a"}}], stop_reason="tool_use")
-    with FakeOpenAIServer([calls, Reply.text("a is value of a")]) as server:
-        provider = OpenAIProvider(api_key="k", base_url=server.base_url, stream=stream)
-        engine = le.Engine(provider, ledger=MemoryLedger(), prices=PRICES)
-        try:
-            result = await engine.run(openai_operation(), "go", tools=[lookup])
-        finally:
-            await provider.aclose()
-        requests = server.requests
+    result, requests = await lookup_run([calls, Reply.text("a is value of a")], stream=stream)
     assert result.outcome is le.Outcome.COMPLETED, result.detail
     (turn,) = [m for m in requests[1].messages if m["role"] == "assistant"]
     assert turn["reasoning_content"] == "" and turn["tool_calls"][0]["id"] == "call_1"
