@@ -87,16 +87,22 @@ def tool_result_blocks(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def approval_round_trip_in_another_process(
-        wire: Wire, route: Route, tmp_path: Path, vendor: str, url: str) -> None:
+        wire: Wire, route: Route, tmp_path: Path, vendor: str, url: str,
+        asks: Reply | None = None) -> None:
     """The run pauses before the approved tool runs; a second process resumes it
     from ``state.dumps()`` on the same SQLite ledger file: the tool runs there,
-    once, and the invocation goes on with the same id and dense ordinals."""
+    once, and the invocation goes on with the same id and dense ordinals.
+
+    ``asks`` is the reply that calls ``send("bob")`` (by default, the call
+    alone): one that carries what the vendor's API requires back (a thought
+    signature, a reasoning) must reach the resumed request through the state,
+    or the fake refuses it as the API would."""
     path = tmp_path / "ledger.db"
     log = tmp_path / "sent.txt"
     sender = Sender()
     with SQLiteLedger(path) as ledger:
-        engine, _ = wire.engine(Reply.tool_calls(send("bob")), Reply.text("It is sent."),
-                                ledger=ledger)
+        engine, _ = wire.engine(asks or Reply.tool_calls(send("bob")),
+                                Reply.text("It is sent."), ledger=ledger)
         paused = await engine.run(route.operation(), "Tell bob", tools=[sender.tool])
     assert paused.outcome is le.Outcome.PAUSED
     assert [(c.tool, c.input, c.reason) for c in paused.pending] == [

@@ -11,7 +11,8 @@ A request the API refuses gets the API's 400 without taking a script item:
 one whose ``cache_control`` markers it refuses (more than four, a one-hour
 marker after a five-minute one), one with thinking whose ``tool_choice``
 forces a tool (``any`` or a named ``tool``), or whose final assistant
-message (a prefill, a continuation) does not begin with a thinking block,
+message (a prefill, a continuation, or the one whose calls the last user
+message's tool results answer) does not begin with a thinking block,
 one with a message whose content is empty (but for a final assistant
 message), one whose ``container`` is not a live container of the server, or
 one answering a programmatic tool call (a ``tool_use`` with a ``caller``
@@ -210,16 +211,30 @@ def _thinking_problem(body: Any) -> str | None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
-    last = messages[-1]
-    if isinstance(last, Mapping) and last.get("role") == "assistant":
-        content = last.get("content")
+    # The final assistant message: a prefill, or the one whose calls the last
+    # user message answers (the lastmost set of tool_use and tool_result blocks).
+    index = len(messages) - 1
+    if _answers_calls(messages[index]) and index > 0:
+        index -= 1
+    final = messages[index]
+    if isinstance(final, Mapping) and final.get("role") == "assistant":
+        content = final.get("content")
         first = content[0] if isinstance(content, list) and content else None
         kind = first.get("type") if isinstance(first, Mapping) else "text"
         if kind not in ("thinking", "redacted_thinking"):
-            return (f"messages.{len(messages) - 1}.content.0.type: Expected `thinking` or "
+            return (f"messages.{index}.content.0.type: Expected `thinking` or "
                     f"`redacted_thinking`, but found `{kind}`. When `thinking` is enabled, "
-                    "a final `assistant` message must start with a thinking block.")
+                    "a final `assistant` message must start with a thinking block "
+                    "(preceeding the lastmost set of `tool_use` and `tool_result` blocks).")
     return None
+
+
+def _answers_calls(message: object) -> bool:
+    """Whether ``message`` is a user message holding ``tool_result`` blocks."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    return (isinstance(message, Mapping) and message.get("role") == "user"
+            and isinstance(content, list) and any(
+                isinstance(b, Mapping) and b.get("type") == "tool_result" for b in content))
 
 
 def _empty_problem(body: Any) -> str | None:

@@ -44,8 +44,9 @@ location in Vertex AI's express mode). It takes the same script items as
 
 The API sends no request id header, nor does the fake. A request whose
 ``contents`` the API refuses (function responses that do not answer the
-function calls of the model turn before them, one for one) gets the API's 400
-without taking a script item.
+function calls of the model turn before them, one for one; a function call of
+the current turn sent back without the thought signature the server sent it
+with, which Gemini 3 refuses) gets the API's 400 without taking a script item.
 """
 
 from __future__ import annotations
@@ -53,13 +54,19 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from loopengine._usage import Usage
 from loopengine.providers._scripted import Reply
 from loopengine.testing._google_errors import google_error
-from loopengine.testing._loopback import ErrorReply, Frame, LoopbackServer, RecordedRequest
+from loopengine.testing._loopback import (
+    ErrorReply,
+    Frame,
+    LoopbackServer,
+    RecordedRequest,
+    ServerItem,
+)
 
 __all__ = ["FakeGeminiServer", "contents_problem", "signature_of"]
 
@@ -170,8 +177,44 @@ class FakeGeminiServer(LoopbackServer):
     def _streamed(self, request: RecordedRequest) -> bool:
         return ":streamGenerateContent" in request.path
 
+    def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
+        super().__init__(script, host=host)
+        self._signed: dict[str, bytes] = {}
+        # The thought signature served on each function call (by `_call_key`):
+        # the API refuses a call of the current turn sent back without it.
+
     def _refusal(self, body: Any) -> str | None:
-        return contents_problem(body)
+        return contents_problem(body) or self._signature_problem(body)
+
+    def _signature_problem(self, body: Any) -> str | None:
+        """Why the API would refuse ``body``'s thought signatures, or None: a
+        function call of the current turn (the model's contents since the last
+        user content that is not only function responses) that the server sent
+        with a thought signature, sent back without that signature."""
+        contents = body.get("contents") if isinstance(body, Mapping) else None
+        if not isinstance(contents, list):
+            return None
+        start = 0
+        for index, content in enumerate(contents):
+            parts = content.get("parts") if isinstance(content, Mapping) else None
+            if content.get("role") == "user" and any(
+                    isinstance(p, Mapping) and "functionResponse" not in p for p in parts or ()):
+                start = index + 1
+        for index in range(start, len(contents)):
+            for position, part in enumerate(contents[index].get("parts") or ()):
+                call = part.get("functionCall") if isinstance(part, Mapping) else None
+                if not isinstance(call, Mapping):
+                    continue
+                signed = self._signed.get(_call_key(call))
+                if signed is not None and signature_of(part) != signed:
+                    return ("Function call is missing a thought_signature in functionCall "
+                            "parts. This is required for tools to work correctly, and missing "
+                            "thought_signature may lead to degraded model performance. "
+                            f"Additional data, function call `default_api:{call.get('name')}` "
+                            f", position {position + 1}. Please refer to "
+                            "https://ai.google.dev/gemini-api/docs/thought-signatures for more "
+                            "details.")
+        return None
 
     def _error_body(self, item: ErrorReply) -> bytes:
         given = item.given_body()
@@ -209,6 +252,13 @@ class FakeGeminiServer(LoopbackServer):
         usage = _usage_json(reply.usage, blocked=stop.startswith("blocked:"))
         if usage is not None:
             response["usageMetadata"] = usage
+        for part in (response.get("candidates") or [{}])[0].get("content", {}).get("parts", ()):
+            try:
+                signature = signature_of(part) if "functionCall" in part else None
+            except ValueError:  # a scripted signature that is not base64: not checked
+                signature = None
+            if signature is not None:
+                self._signed[_call_key(part["functionCall"])] = signature
         response["modelVersion"] = model
         response["responseId"] = reply.response_id or f"resp-fake-{number:04d}"
         return response
@@ -333,6 +383,12 @@ def _read_usage(raw: Mapping[str, Any] | None) -> Usage | None:
 
 def _data(payload: Mapping[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\r\n\r\n".encode()
+
+
+def _call_key(call: Mapping[str, Any]) -> str:
+    """What names a function call across requests: its name and arguments (the
+    server may send it without an id, and the client give it one)."""
+    return json.dumps([call.get("name"), call.get("args") or {}], sort_keys=True)
 
 
 def signature_of(part: Mapping[str, Any]) -> bytes | None:

@@ -13,7 +13,9 @@ rendered in the Chat Completions shapes:
 * `Reply`: its text blocks are the message's ``content``, its ``tool_use``
   blocks its ``tool_calls`` (an ``input`` given as a string is sent as the
   arguments verbatim, to script malformed arguments; a block's
-  ``extra_content``, Gemini's thought signature, goes on its call; its
+  ``extra_content``, Gemini's thought signature, goes on its call, and a
+  later request of the same turn that sends that call back without it is
+  refused, as Gemini's OpenAI-compatible endpoint refuses it; its
   ``reasoning_content`` blocks are the message's ``reasoning_content``, as a
   thinking server such as DeepSeek sends it, streamed before the text, and a
   later request that sends back one of those tool calls without it is
@@ -164,6 +166,9 @@ class FakeOpenAIServer(LoopbackServer):
         # DeepSeek's thinking mode does, their turn is refused without it.
         self._detailed_calls: set[str] = set()
         # Likewise those served with OpenRouter's reasoning_details.
+        self._signed_calls: dict[str, Any] = {}
+        # The thought signatures served in tool calls' extra_content (Gemini's
+        # OpenAI-compatible endpoint), by call id: required back in the current turn.
 
     @property
     def base_url(self) -> str:
@@ -182,6 +187,7 @@ class FakeOpenAIServer(LoopbackServer):
                 body.get("tools"), lambda tool: tool.get("parameters")
                 if tool.get("type") == "function" else None, _schema_refusal)
         return (transcript_problem(body) or self._reasoning_problem(body)
+                or self._signature_problem(body)
                 or tool_schema_problem(
                     body.get("tools") if isinstance(body, Mapping) else None,
                     lambda tool: tool["function"].get("parameters")
@@ -200,6 +206,25 @@ class FakeOpenAIServer(LoopbackServer):
                         for call in message.get("tool_calls") or ()):
                     return (f"Missing {field} field in the assistant message at "
                             f"message index {index}.")
+        return None
+
+    def _signature_problem(self, body: Any) -> str | None:
+        """Why Gemini's OpenAI-compatible endpoint would refuse ``body``'s messages:
+        a tool call of the current turn (the messages after the last ``user``
+        one) that it served with a thought signature in its ``extra_content``,
+        sent back without that signature."""
+        messages = body.get("messages") or ()
+        start = max((i + 1 for i, m in enumerate(messages)
+                     if isinstance(m, Mapping) and m.get("role") == "user"), default=0)
+        for index in range(start, len(messages)):
+            message = messages[index]
+            for call in (message.get("tool_calls") or ()) if isinstance(message, Mapping) else ():
+                signed = (self._signed_calls.get(str(call.get("id")))
+                          if isinstance(call, Mapping) else None)
+                if signed is not None and _thought_signature(call) != signed:
+                    return (f"messages[{index}]: Function call is missing a thought_signature "
+                            f"in functionCall parts (function call `{call.get('id')}`). This "
+                            "is required for tools to work correctly.")
         return None
 
     def _error_body(self, item: ErrorReply) -> bytes:
@@ -242,6 +267,10 @@ class FakeOpenAIServer(LoopbackServer):
         if details:
             message["reasoning_details"] = details
             self._detailed_calls.update(str(call["id"]) for call in calls)
+        for call in calls:
+            signature = _thought_signature(call)
+            if signature is not None:
+                self._signed_calls[str(call["id"])] = signature
         if calls:
             message["tool_calls"] = calls
         completion: dict[str, Any] = {
@@ -344,6 +373,14 @@ def _finish_reason(stop_reason: str | None) -> str | None:
     if stop_reason is None:
         return None
     return _FINISH_REASONS.get(stop_reason, stop_reason)
+
+
+def _thought_signature(call: Mapping[str, Any]) -> Any:
+    """A tool call's thought signature (``extra_content.google.thought_signature``),
+    as Gemini's OpenAI-compatible endpoint sends it, or None."""
+    extra = call.get("extra_content")
+    google = extra.get("google") if isinstance(extra, Mapping) else None
+    return google.get("thought_signature") if isinstance(google, Mapping) else None
 
 
 def _arguments(tool_input: Any) -> str:

@@ -200,6 +200,34 @@ async def test_the_fake_refuses_a_prefill_with_thinking(wire: Harness) -> None:
     await client.close()
 
 
+async def test_the_fake_refuses_tool_results_answering_a_turn_without_its_thinking(
+        wire: Harness) -> None:
+    """As the API does: while thinking is on, the assistant message whose calls
+    the last user message answers must start with its thinking block (the API
+    checks it before the lastmost set of tool_use and tool_result blocks)."""
+    import anthropic
+
+    call = {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "x"}}
+    thinking = {"type": "thinking", "thinking": "Look it up.", "signature": "c2ln"}
+    answered: Any = [{"role": "user", "content": "go"},
+                     {"role": "assistant", "content": [call]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                   "content": "found"}]}]
+    tools: Any = [{"name": "lookup", "description": "Look up.",
+                   "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}]
+    wire.server.add(Reply.text("done"))
+    client = anthropic.AsyncAnthropic(api_key="k", base_url=wire.server.url, max_retries=0)
+    on = {"type": "enabled", "budget_tokens": 1024}
+    with pytest.raises(anthropic.BadRequestError, match="found `tool_use`"):
+        await client.messages.create(model=MODEL, max_tokens=2048, messages=answered,
+                                     tools=tools, thinking=on)
+    answered[1]["content"] = [thinking, call]
+    reply = await client.messages.create(model=MODEL, max_tokens=2048, messages=answered,
+                                         tools=tools, thinking=on)
+    assert reply.content[0].type == "text"
+    await client.close()
+
+
 @pytest.mark.parametrize("block", [
     {"type": "mcp_tool_listing", "mcp_server_name": "docs", "tools": []},
     {"type": "fallback", "from": {"model": "claude-opus-4-5"}},

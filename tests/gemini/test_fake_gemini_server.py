@@ -127,3 +127,34 @@ async def test_another_path_is_a_404(fake_gemini_server: FakeGeminiServer) -> No
                                    json={})
     assert response.status_code == 404
     assert response.json()["error"]["status"] == "NOT_FOUND"
+
+
+async def test_a_call_of_the_current_turn_sent_back_without_its_signature_is_refused(
+    fake_gemini_server: FakeGeminiServer, client: genai.Client
+) -> None:
+    """As the API does (Gemini 3's strict validation): a function call of the
+    current turn that the server sent with a thought signature must go back
+    with that signature; once a new user message opens another turn, the old
+    calls are no longer checked."""
+    fake_gemini_server.add(Reply(content=[
+        {"type": "thinking", "thinking": "", "signature": "c2lnLW9uZQ=="},
+        {"type": "tool_use", "name": "send", "input": {"to": "bob"}}], stop_reason="tool_use"),
+        Reply.text("sent"), Reply.text("hello again"))
+    first = await client.aio.models.generate_content(model=MODEL, contents="Tell bob")
+    call = first.candidates[0].content.parts[0]
+    assert call.thought_signature == b"sig-one"
+    answer = types.Content(role="user", parts=[types.Part.from_function_response(
+        name="send", response={"result": "ok"})])
+    asked = types.Content(role="user", parts=[types.Part.from_text(text="Tell bob")])
+    unsigned = types.Content(role="model", parts=[types.Part(function_call=call.function_call)])
+    with pytest.raises(errors.ClientError, match="missing a thought_signature"):
+        await client.aio.models.generate_content(model=MODEL,
+                                                 contents=[asked, unsigned, answer])
+    signed = types.Content(role="model", parts=[call])
+    reply = await client.aio.models.generate_content(model=MODEL,
+                                                     contents=[asked, signed, answer])
+    assert reply.text == "sent"
+    later = types.Content(role="user", parts=[types.Part.from_text(text="And now?")])
+    reply = await client.aio.models.generate_content(
+        model=MODEL, contents=[asked, unsigned, answer, later])
+    assert reply.text == "hello again"

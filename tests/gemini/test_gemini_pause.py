@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 
 from loopengine.testing import FakeClock, FakeGeminiServer, Reply
+from loopengine.testing._gemini_server import signature_of
 
 from .. import pause_scenarios as scenarios
 from .conftest import ROUTE, GeminiHarness, contents, function_responses
@@ -25,6 +26,21 @@ async def test_approval_round_trip_resumes_in_another_process_gemini(
     # The resumed request answers the approved call with its functionResponse.
     (answer,) = function_responses(fake_gemini_server.requests[-1])
     assert answer["name"] == "send" and answer["response"] == {"result": "sent to bob"}
+
+
+async def test_a_thought_signature_reaches_the_request_resumed_in_another_process(
+        wire: GeminiHarness, fake_gemini_server: FakeGeminiServer, tmp_path: Path) -> None:
+    """The call the run paused on came with a thought signature, which the API
+    requires back with it while its turn goes on: the other process's request
+    carries it on that call, or the fake refuses the request as Gemini 3 does."""
+    signed = Reply(content=[{"type": "thinking", "thinking": "", "signature": "c2lnLW9uZQ=="},
+                            {"type": "tool_use", "name": "send", "input": {"to": "bob"}}],
+                   stop_reason="tool_use")
+    await scenarios.approval_round_trip_in_another_process(
+        wire, ROUTE, tmp_path, "gemini", fake_gemini_server.url, asks=signed)
+    (call,) = [part for content in contents(fake_gemini_server.requests[-1])
+               for part in content["parts"] if "functionCall" in part]
+    assert signature_of(call) == b"sig-one"
 
 
 async def test_denied_call_the_model_recovers_from_gemini(wire: GeminiHarness) -> None:

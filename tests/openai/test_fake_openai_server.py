@@ -151,3 +151,30 @@ async def test_cut_and_dropped_replies_count_what_reached_the_wire(
         await client.chat.completions.create(model=MODEL, messages=HELLO)  # type: ignore[arg-type]
     assert fake_openai_server.usage_served == le.Usage()
     assert fake_openai_server.responses_served == 0
+
+
+async def test_a_call_of_the_current_turn_sent_back_without_its_signature_is_refused(
+    fake_openai_server: FakeOpenAIServer, client: openai.AsyncOpenAI
+) -> None:
+    """As Gemini's OpenAI-compatible endpoint does: a tool call it served with a
+    thought signature (``extra_content.google.thought_signature``) must go back
+    with it while its turn goes on; a new user message ends that turn."""
+    extra = {"google": {"thought_signature": "c2lnLW9uZQ=="}}
+    fake_openai_server.add(Reply(content=[{"type": "tool_use", "id": "call_1", "name": "send",
+                                           "input": {"to": "bob"}, "extra_content": extra}],
+                                 stop_reason="tool_use"),
+                           Reply.text("sent"), Reply.text("hello again"))
+    first = await client.chat.completions.create(model=MODEL, messages=HELLO)  # type: ignore[arg-type]
+    served = first.choices[0].message.model_dump(exclude_none=True)
+    assert served["tool_calls"][0]["extra_content"] == extra
+    unsigned = {**served, "tool_calls": [{k: v for k, v in served["tool_calls"][0].items()
+                                          if k != "extra_content"}]}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "ok"}
+    with pytest.raises(openai.BadRequestError, match="missing a thought_signature"):
+        await client.chat.completions.create(model=MODEL, messages=[*HELLO, unsigned, result])  # type: ignore[list-item]
+    reply = await client.chat.completions.create(model=MODEL, messages=[*HELLO, served, result])  # type: ignore[list-item]
+    assert reply.choices[0].message.content == "sent"
+    later = {"role": "user", "content": "And now?"}
+    reply = await client.chat.completions.create(
+        model=MODEL, messages=[*HELLO, unsigned, result, later])  # type: ignore[list-item]
+    assert reply.choices[0].message.content == "hello again"

@@ -5,8 +5,11 @@ shared with the Anthropic provider's tests)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from loopengine.testing import FakeClock, FakeOpenAIServer
+import pytest
+
+from loopengine.testing import FakeClock, FakeOpenAIServer, Reply
 
 from .. import pause_scenarios as scenarios
 from .. import rule_scenarios
@@ -20,6 +23,32 @@ async def test_approval_round_trip_resumes_in_another_process_openai(
     """Paused here, resumed by another process on the same SQLite ledger file."""
     await scenarios.approval_round_trip_in_another_process(
         wire, ROUTE, tmp_path, "openai", fake_openai_server.base_url)
+
+
+@pytest.mark.parametrize("carried", [
+    {"type": "reasoning_content", "reasoning_content": "Send it to bob."},
+    {"type": "reasoning_details", "reasoning_details": [
+        {"type": "reasoning.text", "text": "Send it.", "signature": "c2ln", "index": 0}]},
+    {"extra_content": {"google": {"thought_signature": "c2lnLW9uZQ=="}}},
+], ids=["reasoning_content", "reasoning_details", "thought_signature"])
+async def test_what_the_server_requires_back_reaches_the_request_resumed_in_another_process(
+        wire: OpenAIHarness, fake_openai_server: FakeOpenAIServer, tmp_path: Path,
+        carried: dict[str, Any]) -> None:
+    """The tool-call turn the run paused on came with what its server requires
+    back on it (DeepSeek's reasoning_content, OpenRouter's reasoning_details,
+    Gemini's thought signature in the call's extra_content): the other
+    process's request carries it, or the fake refuses it as those servers do."""
+    call = {"type": "tool_use", "id": "call_1", "name": "send", "input": {"to": "bob"}}
+    content = ([{**call, **carried}] if "extra_content" in carried else [carried, call])
+    await scenarios.approval_round_trip_in_another_process(
+        wire, ROUTE, tmp_path, "openai", fake_openai_server.base_url,
+        asks=Reply(content=content, stop_reason="tool_use"))
+    (turn,) = [m for m in fake_openai_server.requests[-1].body["messages"]
+               if m["role"] == "assistant"]
+    if "extra_content" in carried:
+        assert turn["tool_calls"][0]["extra_content"] == carried["extra_content"]
+    else:
+        assert turn[carried["type"]] == carried[carried["type"]]
 
 
 async def test_denied_call_the_model_recovers_from_openai(wire: OpenAIHarness) -> None:
