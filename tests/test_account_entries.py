@@ -61,7 +61,7 @@ async def test_a_recovery_that_charged_nothing_is_not_an_expiry(each_database: A
     assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 0, 0, 1000)
 
 
-async def test_an_expiry_written_without_expires_at_is_still_an_expiry(
+async def test_r03_an_expiry_written_without_expires_at_is_still_an_expiry(
         each_database: Any) -> None:
     """A fleet part-way through an upgrade shares one schema: an expiry's
     release written by the version that kept no ``expires_at`` on it (only its

@@ -93,7 +93,7 @@ def stalled() -> StallStream:
                        after=0, seconds=NEVER)
 
 
-async def test_leaving_a_stream_keeps_what_it_had_served(
+async def test_r07_leaving_a_stream_keeps_what_it_had_served(
     wire: tuple[Route, Any, Any], tmp_path: Path
 ) -> None:
     """The caller leaves `Engine.stream` at the first text: the attempt is aborted
@@ -139,7 +139,7 @@ async def test_leaving_a_stream_keeps_what_it_had_served(
 
 
 @pytest.mark.realtime
-async def test_the_attempt_timeout_keeps_what_the_stream_had_served(tmp_path: Path) -> None:
+async def test_r07_the_attempt_timeout_keeps_what_the_stream_had_served(tmp_path: Path) -> None:
     """The engine's own attempt timeout cuts a stream that stalled after its first
     events: the timed-out attempt keeps the reply's id and input tokens (a floor),
     and the run's provider cost holds them, as the server's count does. The
