@@ -17,7 +17,7 @@ from loopengine import _validate
 from loopengine._accounts import CreditAccounts, recorded_account
 from loopengine._admission import check_fees_bounded
 from loopengine._attribution import Attribution
-from loopengine._call import CallResult, CallSpec, run_call
+from loopengine._call import ANSWER_TOOL, CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
 from loopengine._context import check_same_credits, check_same_ledger
 from loopengine._errors import ConfigError, RunBusyError
@@ -321,7 +321,7 @@ class Engine:
         features: Mapping[str, Any] | None = None,
         on_text: TextCallback | None = None,
         tool_error_text: ToolErrorText | None = None,
-        final_tool: str = "final_answer",
+        final_tool: str = ANSWER_TOOL,
     ) -> RunResult:
         """Run a conversation of ``operation`` to an outcome.
 
@@ -644,7 +644,7 @@ class Engine:
         features: Mapping[str, Any] | None = None,
         on_text: TextCallback | None = None,
         tool_error_text: ToolErrorText | None = None,
-        final_tool: str = "final_answer",
+        final_tool: str = ANSWER_TOOL,
         observers: Sequence[Observer] = (),
         text_sink: Callable[[TextDelta], None] | None = None,
     ) -> tuple[Invocation, RunSpec]:
@@ -667,7 +667,7 @@ class Engine:
             final_tool=final_tool,
         )
         check_tool_name("final_tool", final_tool)
-        if output is None and final_tool != "final_answer":
+        if output is None and final_tool != ANSWER_TOOL:
             raise ConfigError("final_tool", f"{final_tool!r} would name the answer tool of a "
                                             "structured run, and this run has no output "
                                             "model: give output= too, or leave final_tool out")

@@ -21,7 +21,6 @@ import functools
 import inspect
 import json
 import logging
-import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from decimal import Decimal
@@ -85,6 +84,7 @@ from loopengine.providers._base import (
     ProviderRequest,
     ProviderResponse,
     TextCallback,
+    new_call_id,
 )
 from loopengine.providers._faults import FaultKind
 from loopengine.providers._retry import RetryStop
@@ -1256,7 +1256,7 @@ def unique_call_ids(blocks: Sequence[dict[str, Any]],
             continue
         call_id = block.get("id")
         if not isinstance(call_id, str) or not call_id or call_id in used:
-            call_id = block["id"] = f"call_{uuid.uuid4().hex}"
+            call_id = block["id"] = new_call_id()
         used.add(call_id)
 
 

@@ -8,9 +8,9 @@ The four SDK providers are imported on first use, with their SDKs:
 ``import loopengine`` imports no provider SDK.
 """
 
-import importlib
 import typing
 
+from loopengine._lazy import lazy_exports as _lazy_exports
 from loopengine.providers._base import (
     FEATURES,
     Container,
@@ -61,9 +61,7 @@ _SDK_PROVIDERS = {"AnthropicProvider": "_anthropic", "OpenAIProvider": "_openai"
                   "OpenAIResponsesProvider": "_openai_responses", "GeminiProvider": "_gemini"}
 
 
-def __getattr__(name: str) -> typing.Any:
-    # The SDK-backed providers load with their SDK (seconds of imports), so
-    # only when a program names one.
-    if name in _SDK_PROVIDERS:
-        return getattr(importlib.import_module(f"{__name__}.{_SDK_PROVIDERS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The SDK-backed providers load with their SDK (seconds of imports), so only
+# when a program names one.
+__getattr__, __dir__ = _lazy_exports(__name__, {
+    name: f"{__name__}.{module}" for name, module in _SDK_PROVIDERS.items()})

@@ -20,6 +20,7 @@ it can send any request).
 from __future__ import annotations
 
 import functools
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -36,7 +37,8 @@ from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = ["FEATURES", "Container", "Provider", "ProviderRequest", "ProviderResponse",
-           "ServedSink", "TextCallback", "cut_sink", "hand_text", "media_note", "priced_geo",
+           "ServedSink", "TextCallback", "cut_sink", "hand_text", "media_note", "new_call_id",
+           "priced_geo",
            "priced_speed", "priced_tier", "reported_usage", "text_or_none", "token_count",
            "unwatch_cuts", "watch_cuts"]
 
@@ -58,6 +60,18 @@ _watching: dict[int, ServedSink] = {}
 """The attempt in flight of each task sending a request, by anyio task id: a
 context variable would do, but would add objects to every conversation waiting
 on its reply (docs/performance.md)."""
+
+
+def new_call_id() -> str:
+    """An id for a tool call its server named no id for (or gave another call's).
+
+    Unique across processes, not only within this one: a run paused (or
+    crashed) here may go on in another process, on another host, and its
+    calls there must not take the ids of its calls here. A call's id names its
+    result in the transcript, its row in the run store's ``tool_calls`` and its
+    `ToolContext.idempotency_key`: a payment made under another call's key
+    would be taken for that one's replay, and never made."""
+    return f"call_{uuid.uuid4().hex}"
 
 
 def watch_cuts(sink: ServedSink) -> int:

@@ -47,7 +47,6 @@ import base64
 import binascii
 import functools
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -55,6 +54,7 @@ from loopengine._usage import Usage
 from loopengine.providers._base import (
     ProviderRequest,
     media_note,
+    new_call_id,
     priced_tier,
     reported_usage,
     text_or_none,
@@ -113,16 +113,6 @@ _UNSET = "FINISH_REASON_UNSPECIFIED"
 _CALLED = re.compile(r"([A-Za-z_][\w.-]*)\s*\(")
 
 
-def _call_id() -> str:
-    """An id for a function call the API sent without one.
-
-    Unique across processes, not only within this one: a run paused (or
-    crashed) here may go on in another process, on another host, and its
-    calls there must not take the ids of its calls here. A call's id names its
-    result in the transcript, its row in the run store's ``tool_calls`` and its
-    `ToolContext.idempotency_key`: a payment made under another call's key
-    would be taken for that one's replay, and never made."""
-    return f"call_{uuid.uuid4().hex}"
 
 
 API = "Gemini"
@@ -429,7 +419,7 @@ class StreamedReply:
             self._joinable = False
         if part.function_call is not None:
             call = part.function_call
-            self.blocks.append({"type": "tool_use", "id": call.id or _call_id(),
+            self.blocks.append({"type": "tool_use", "id": call.id or new_call_id(),
                                 "name": call.name or "", "input": dict(call.args or {})})
             self._joinable = False
             return ""
@@ -459,7 +449,7 @@ class StreamedReply:
             said = self.finish_message or MALFORMED_PLACEHOLDER
             called = _CALLED.search(said.partition(":")[2] or said)
             name = called.group(1).rpartition(".")[2] if called is not None else ""
-            return [*blocks, {"type": "tool_use", "id": _call_id(),
+            return [*blocks, {"type": "tool_use", "id": new_call_id(),
                               "name": name, "input": said}], "tool_use"
         if finish in REFUSED:
             return blocks, "refusal"
