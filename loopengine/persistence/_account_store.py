@@ -235,9 +235,9 @@ class TreeRun:
     id: str
     outcome: str
     turns: int
-    """Its turns: as recorded, or the last its attempt rows reached when later
-    (a run writes its counts only when it ends, and a turn counts once its
-    request was sent, R01)."""
+    """Its turns: as recorded, or, while it runs, the last its attempt rows
+    reached when later (a run writes its counts only when it ends, and a turn
+    counts once its request was sent, R01)."""
     tool_calls: int
     credits: int
     """Its credits as recorded (written when it ends or pauses)."""
@@ -257,8 +257,9 @@ def tree(conn: Any, invocation_id: str) -> list[TreeRun]:
     """The run ``invocation_id`` and every run below it (`TREE`), in the order
     they started, in two statements whatever the tree's size."""
     runs = conn.execute(
-        f"{TREE}SELECT i.id, i.outcome, i.turns, i.tool_calls, i.credits, (SELECT MAX(a.turn) "
-        "FROM attempts AS a WHERE a.invocation_id = i.id) FROM invocations AS i JOIN tree AS t "
+        f"{TREE}SELECT i.id, i.outcome, i.turns, i.tool_calls, i.credits, "
+        "CASE WHEN i.outcome = 'running' THEN (SELECT MAX(a.turn) FROM attempts AS a "
+        "WHERE a.invocation_id = i.id) END FROM invocations AS i JOIN tree AS t "
         "ON t.id = i.id ORDER BY i.started_at, i.id", (invocation_id,)).fetchall()
     costs: dict[str, list[int]] = {}
     for member, cost in conn.execute(

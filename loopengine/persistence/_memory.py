@@ -100,11 +100,12 @@ class MemoryLedger:
         for member in members:  # grows as it goes: each run's children after it
             members += below.get(member, ())
         rows = [self.invocations[m] for m in members if m in self.invocations]
-        wanted = {row["id"] for row in rows}
+        # Only a running run's attempts are read: an ended one's counts are its row's.
+        running = {row["id"] for row in rows if row["outcome"] == "running"}
         reached: dict[str, int] = {}
         turn_costs: dict[str, dict[int, int]] = {}
         for (owner, _), attempt in self.attempts.items():
-            if owner not in wanted:
+            if owner not in running:
                 continue
             turn = attempt["turn"]
             reached[owner] = max(reached.get(owner, 0), turn)
@@ -113,8 +114,7 @@ class MemoryLedger:
                 by_turn[turn] = by_turn.get(turn, 0) + attempt["cost_nanousd"]
         return [TreeRun(row["id"], row["outcome"], max(row["turns"], reached.get(row["id"], 0)),
                         row["tool_calls"], row["credits"],
-                        tuple(turn_costs.get(row["id"], {}).values())
-                        if row["outcome"] == "running" else ())
+                        tuple(turn_costs.get(row["id"], {}).values()))
                 for row in sorted(rows, key=lambda row: (row["started_at"], row["id"]))]
 
     def _commit(self, call: tuple[str, int | str], op: _planner.Op) -> None:
