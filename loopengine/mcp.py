@@ -432,7 +432,7 @@ class MCPServer(ToolSource):
                 session = await self._current()
                 assert session.client is not None
                 heard = self._heard
-                with self._bounded("listing the tools"):
+                with self._listing_bounded():
                     listed = await _list_tools(session.client)
             except Exception as error:
                 raise MCPServerError(f"MCP server {self.label} did not start or list its "
@@ -480,13 +480,13 @@ class MCPServer(ToolSource):
         return session
 
     @contextmanager
-    def _bounded(self, what: str) -> Iterator[None]:
-        """Bound the block by ``connect_timeout`` on the server's clock; past it,
-        raise `TimeoutError` saying that ``what`` took too long."""
+    def _listing_bounded(self) -> Iterator[None]:
+        """Bound a listing of the tools by ``connect_timeout`` on the server's
+        clock; past it, raise `TimeoutError` saying so."""
         with self._clock.cancel_scope(self.connect_timeout) as scope:
             yield
         if scope.cancelled_caught:
-            raise TimeoutError(f"{what} took longer than {self.connect_timeout:g}s")
+            raise TimeoutError(f"listing the tools took longer than {self.connect_timeout:g}s")
 
     async def _connected(self, session: _Session) -> None:
         """Wait until ``session`` is connected; raise what connecting raised."""
@@ -610,7 +610,7 @@ class MCPServer(ToolSource):
                 heard = self._heard
                 assert session.client is not None
                 try:
-                    with self._bounded("listing the tools"):
+                    with self._listing_bounded():
                         listed = await _list_tools(session.client)
                 except Exception as error:
                     logger.warning("MCP server %s: its tools changed, but listing them "
