@@ -21,7 +21,7 @@ import functools
 import inspect
 import json
 import logging
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
@@ -220,7 +220,8 @@ async def give_back(run_id: str, release: Callable[[], Coroutine[Any, Any, None]
 
 
 class _Loop:
-    __slots__ = ("_given_messages", "adopting", "answered_calls", "charged", "cut_results",
+    __slots__ = ("_call_ids", "_call_ids_of", "_given_messages", "adopting", "answered_calls",
+                 "charged", "cut_results",
                  "definitions", "inv", "left_out", "permit", "resumed", "sourced", "spec",
                  "state", "tools", "transcript", "wrapping")
 
@@ -235,6 +236,10 @@ class _Loop:
         self.transcript: list[dict[str, Any]] = spec.messages
         # Messages from here on are the run's own: only those are closed at the end.
         self._given_messages = len(self.transcript)
+        # The ids of the calls of the transcript's first ``_call_ids_of`` messages
+        # (`unique_call_ids`), grown as replies arrive, not read again each turn.
+        self._call_ids: set[str] = set()
+        self._call_ids_of = 0
         self.state = ConversationState(turns=0, tool_calls=0, credits=0, deadline=inv.deadline)
         self.tools: dict[str, Tool]
         self.definitions: list[dict[str, Any]]
@@ -478,7 +483,10 @@ class _Loop:
             return await self._end(trip.outcome, trip=trip)
 
         blocks = self.transcript[-1]["content"]
-        unique_call_ids(blocks, self.transcript[:-1])
+        earlier = len(self.transcript) - 1
+        self._call_ids.update(call_ids(self.transcript[self._call_ids_of:earlier]))
+        self._call_ids_of = earlier
+        unique_call_ids(blocks, self._call_ids)
         tool_uses = [b for b in blocks if b.get("type") == "tool_use"]
         results: list[dict[str, Any]] = []
         feedback_message: str | None = None
@@ -1237,27 +1245,32 @@ def _copy_tree(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def unique_call_ids(blocks: Sequence[dict[str, Any]],
-                    earlier: Sequence[Mapping[str, Any]]) -> None:
+def call_ids(messages: Sequence[Mapping[str, Any]]) -> Iterator[str]:
+    """The ids of the tool calls of ``messages``."""
+    return (str(b.get("id")) for m in messages if isinstance(m.get("content"), list)
+            for b in m["content"] if isinstance(b, Mapping) and b.get("type") == "tool_use")
+
+
+def unique_call_ids(blocks: Sequence[dict[str, Any]], used: Set[str]) -> None:
     """Give each tool call of a reply (``blocks``, the transcript's own copy) an
-    id no other call of the conversation (``earlier`` messages, or this reply)
-    has: a call without one, or with one the server gave another call too (some
-    servers that speak a vendor's API name every call ``0``, or none), gets
-    a new one, which the transcript carries back to the server.
+    id no other call of the conversation (``used``, the ids of the earlier
+    messages' calls, or this reply) has: a call without one, or with one the
+    server gave another call too (some servers that speak a vendor's API name
+    every call ``0``, or none), gets a new one, which the transcript carries
+    back to the server.
 
     A call's id names its result, its row in a run store (what a recovery
     reads to run it once) and its `ToolContext.idempotency_key`: two calls
     under one id would share them, the second taken for the first (its result
     for the first's, or an idempotent API's replay of the first)."""
-    used = {str(b.get("id")) for m in earlier if isinstance(m.get("content"), list)
-            for b in m["content"] if isinstance(b, Mapping) and b.get("type") == "tool_use"}
+    mine: set[str] = set()
     for block in blocks:
         if block.get("type") != "tool_use":
             continue
         call_id = block.get("id")
-        if not isinstance(call_id, str) or not call_id or call_id in used:
+        if not isinstance(call_id, str) or not call_id or call_id in used or call_id in mine:
             call_id = block["id"] = new_call_id()
-        used.add(call_id)
+        mine.add(call_id)
 
 
 def _tool_result(block: Mapping[str, Any], content: Any, *, error: bool = False) -> dict[str, Any]:
