@@ -96,6 +96,19 @@ LARGEST_REPLY_REQUESTS: Final = 10**6
 """More web searches, and more web fetches, than one reply is ever served: the
 fees' counterpart of `LARGEST_REPLY_TOKENS`."""
 
+_TOKEN_RATES: Final = ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok",
+                       "cache_write_per_mtok", "cache_write_1h_per_mtok")
+"""`ModelPrice`'s per-token rates (USD per million), the two required ones first."""
+
+_FEES: Final = ("web_search_per_k", "web_fetch_per_k")
+"""`ModelPrice`'s per-request fees (USD per 1,000)."""
+
+_MULTIPLIED: Final = (("service_tier", STANDARD_TIERS, "service_tier_multipliers"),
+                      ("inference_geo", STANDARD_GEOS, "inference_geo_multipliers"),
+                      ("speed", STANDARD_SPEEDS, "speed_multipliers"))
+"""What multiplies `ModelPrice`'s token rates: the `Usage` field a reply reports
+it in, the values priced at list rates, and the multipliers' field."""
+
 # genai-prices knows some providers under other ids.
 _GENAI_PROVIDER_IDS = {"bedrock": "aws", "vertex": "google", "aws-bedrock": "aws",
                        "google-vertex": "google"}
@@ -144,26 +157,28 @@ class ModelPrice:
     """Token-price multipliers by the ``speed`` a reply reports, e.g. ``{"fast":
     Decimal(6)}`` (Anthropic's fast mode); ``standard`` is 1, and a speed not
     listed leaves the attempt unpriced. Fees are not multiplied."""
+    _largest_reply_usd: Decimal = field(init=False, repr=False, compare=False)
+    """What the price may charge the largest reply (`_dearest_reply`'s total):
+    the book's bound in credits is checked against it."""
 
     def __post_init__(self) -> None:
         _validate.text("provider", self.provider)
         _validate.text("model", self.model)
-        for name in ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok",
-                     "cache_write_per_mtok", "cache_write_1h_per_mtok", "web_search_per_k",
-                     "web_fetch_per_k"):
+        for name in (*_TOKEN_RATES, *_FEES):
             value = _validate.decimal(name, getattr(self, name),
-                                      optional=not name.endswith("put_per_mtok"))
+                                      optional=name not in _TOKEN_RATES[:2])
             object.__setattr__(self, name, value)
-        for name in ("service_tier_multipliers", "inference_geo_multipliers",
-                     "speed_multipliers"):
+        for _, _, name in _MULTIPLIED:
             object.__setattr__(self, name, _multipliers(name, getattr(self, name)))
         _validate.moment("effective_from", self.effective_from, optional=True)
-        for name, usd in _dearest_reply(self):
+        steps = _dearest_reply(self)
+        for name, usd in steps:
             if to_nanousd(usd) > _validate.MAX_INTEGER:
                 raise ConfigError(name, f"at this price a reply of {LARGEST_REPLY_TOKENS:,} "
                                         f"tokens (and {LARGEST_REPLY_REQUESTS:,} of each "
                                         f"server tool request) may cost {usd:.3e} USD, past "
                                         "what a ledger column holds (2**63 - 1 nano-USD)")
+        object.__setattr__(self, "_largest_reply_usd", steps[-1][1])
 
     def multiplier(self, served: Usage) -> Decimal | None:
         """The product of the multipliers of what ``served`` reports (its service
@@ -172,13 +187,10 @@ class ModelPrice:
         total = Decimal(1)
         if served.service_tier is None and served.inference_geo is None and served.speed is None:
             return total  # the common case: list rates
-        for value, standard, listed in (
-            (served.service_tier, STANDARD_TIERS, self.service_tier_multipliers),
-            (served.inference_geo, STANDARD_GEOS, self.inference_geo_multipliers),
-            (served.speed, STANDARD_SPEEDS, self.speed_multipliers),
-        ):
+        for reported, standard, name in _MULTIPLIED:
+            value = getattr(served, reported)
             if value is not None and value not in standard:
-                factor = listed.get(value)
+                factor = getattr(self, name).get(value)
                 if factor is None:
                     return None
                 total *= factor
@@ -282,8 +294,7 @@ class PriceBook:
         )
         self.fallback = _validate.boolean("fallback", fallback)
         for i, price in enumerate(self.prices):
-            usd = _dearest_reply(price)[-1][1]
-            if turn_credits(to_nanousd(usd), self.credits_per_usd,
+            if turn_credits(to_nanousd(price._largest_reply_usd), self.credits_per_usd,
                             self.credit_quantum) > _validate.MAX_INTEGER:
                 raise ConfigError("credits_per_usd", (
                     f"at {self.credits_per_usd} credits per USD, a reply of "
@@ -509,21 +520,17 @@ def _dearest_reply(price: ModelPrice) -> list[tuple[str, Decimal]]:
                   key=lambda name: rates[name])
     usd = LARGEST_REPLY_TOKENS * rates[dearest] / _MTOK
     steps = [(dearest, usd)]
-    for name in ("service_tier_multipliers", "inference_geo_multipliers", "speed_multipliers"):
+    for _, _, name in _MULTIPLIED:
         factor = max((Decimal(1), *getattr(price, name).values()))
         if factor > 1:
             usd *= factor
             steps.append((name, usd))
-    for name in ("web_search_per_k", "web_fetch_per_k"):
+    for name in _FEES:
         fee = getattr(price, name)
         if fee:
             usd += LARGEST_REPLY_REQUESTS * fee / _K
             steps.append((name, usd))
     return steps
-
-
-_TOKEN_RATES: Final = ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok",
-                       "cache_write_per_mtok", "cache_write_1h_per_mtok")
 
 
 def _or(value: Decimal | None, default: Decimal) -> Decimal:
