@@ -28,7 +28,6 @@ __all__ = [
     "ServerTool",
     "Thinking",
     "check_features",
-    "check_prefill",
     "check_server_tool_names",
     "enabled_features",
     "features_from_table",
@@ -270,28 +269,6 @@ def check_server_tool_names(server_tools: Sequence[ServerTool], names: set[str])
         if tool.name in names:
             raise ConfigError(f"server_tools[{i}].name",
                               f"{tool.name!r} is also the name of one of the run's tools")
-
-
-def check_prefill(features: Features, messages: Sequence[Mapping[str, Any]]) -> None:
-    """Refuse a conversation that ends with an assistant message (a prefill of the
-    reply) while thinking is on, unless that message begins with a thinking block
-    (the model's own, carried back): the Messages API refuses it.
-
-    Raises:
-        ConfigError: on ``messages``.
-    """
-    if features.thinking is None or not messages:
-        return
-    last = messages[-1]
-    if last.get("role") != "assistant":
-        return
-    content = last.get("content")
-    first = content[0] if isinstance(content, list) and content else None
-    if isinstance(first, Mapping) and first.get("type") in ("thinking", "redacted_thinking"):
-        return
-    raise ConfigError("messages", "ends with an assistant message (a prefill of the reply), "
-                                  "which the Messages API refuses while thinking is on: end "
-                                  "with a user message, or run without thinking")
 
 
 def narrow_features(published: Features, requested: Mapping[str, Any] | None) -> Features:
