@@ -370,23 +370,19 @@ class PriceBook:
         every web search and web fetch tool used ``max_uses`` times. A tool with a
         fee and no ``max_uses`` has no worst case (listed in ``unbounded``); one
         whose fee is zero needs no bound."""
-        search_fee, fetch_fee = self.fees(provider, model, at)
-        searches = fetches = 0
+        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at), strict=True))
+        uses = dict.fromkeys(_FEE_UNITS, 0)
         unbounded: list[str] = []
         for tool in server_tools:
-            if is_web_search(tool.type):
-                fee = search_fee
-            elif tool.type.startswith("web_fetch_"):
-                fee = fetch_fee
-            else:
+            unit = _fee_of(tool.type)
+            if unit is None:
                 continue
             if tool.max_uses is None:
-                if fee != 0:
+                if fees[unit] != 0:
                     unbounded.append(tool.name)
-            elif is_web_search(tool.type):
-                searches += tool.max_uses
             else:
-                fetches += tool.max_uses
+                uses[unit] += tool.max_uses
+        searches, fetches = uses["web search"], uses["web fetch"]
         usd = None if unbounded else self._fee(
             provider, model, Usage(web_search_requests=searches, web_fetch_requests=fetches), at)
         return TurnFees(searches, fetches, tuple(unbounded), usd)
@@ -409,15 +405,13 @@ class PriceBook:
         (`loopengine.providers.Provider.inference_geo`: `knows_geo`).
         """
         missing: list[str] = []
-        search, fetch = self.fees(provider, model, at)
+        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at), strict=True))
         for tool in features.server_tools:
             label = f"server tool {tool.name!r} ({tool.type})"
-            if is_web_search(tool.type):
-                if search is None:
-                    missing.append(f"{label}: no web search fee")
-            elif tool.type.startswith("web_fetch_"):
-                if fetch is None:
-                    missing.append(f"{label}: no web fetch fee")
+            unit = _fee_of(tool.type)
+            if unit is not None:
+                if fees[unit] is None:
+                    missing.append(f"{label}: no {unit} fee")
             elif tool.type.startswith("advisor_"):
                 advisor = tool.params.get("model")
                 if not isinstance(advisor, str) or not self.knows(provider, advisor, at):
@@ -531,6 +525,21 @@ def _dearest_reply(price: ModelPrice) -> list[tuple[str, Decimal]]:
             usd += LARGEST_REPLY_REQUESTS * fee / _K
             steps.append((name, usd))
     return steps
+
+
+_FEE_UNITS: Final = ("web search", "web fetch")
+"""What a server tool may be billed by per request, in `PriceBook.fees`' order."""
+
+
+def _fee_of(tool_type: str) -> str | None:
+    """What a server tool of ``tool_type`` is billed by per request (of
+    `_FEE_UNITS`): a web search (`is_web_search`), a web fetch
+    (``web_fetch_...``), or None for a tool billed otherwise."""
+    if is_web_search(tool_type):
+        return "web search"
+    if tool_type.startswith("web_fetch_"):
+        return "web fetch"
+    return None
 
 
 def _or(value: Decimal | None, default: Decimal) -> Decimal:
