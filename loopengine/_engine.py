@@ -24,7 +24,6 @@ from loopengine._errors import ConfigError, RunBusyError
 from loopengine._estimate import Estimate, estimate_run
 from loopengine._features import (
     Features,
-    check_prefill,
     check_server_tool_names,
     enabled_features,
     narrow_features,
@@ -681,7 +680,6 @@ class Engine:
                                observers=observers, text_sink=text_sink)
         check_server_tool_names(inv.features.server_tools, {
             *(t.name for t in spec.tools), *((final_tool,) if output is not None else ())})
-        check_prefill(inv.features, spec.messages)
         if (spec.on_text is not None or text_sink is not None) and not inv.provider.streaming:
             # Silence would look like a model that said nothing (docs/observability.md).
             wants = "on_text" if text_sink is None else "Engine.stream"
@@ -805,7 +803,6 @@ class Engine:
             max_tokens=max_tokens or operation.max_output_tokens,
             prompt_fallback=prompt_fallback,
         )
-        check_prefill(inv.features, spec.messages)
         return await run_call(inv, spec)
 
     run_sync = sync_method(run)

@@ -28,7 +28,6 @@ __all__ = [
     "ServerTool",
     "Thinking",
     "check_features",
-    "check_prefill",
     "check_server_tool_names",
     "enabled_features",
     "features_from_table",
@@ -84,8 +83,7 @@ class Thinking:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> Thinking:
         """Build from a mapping (a TOML table); unknown keys are errors."""
-        _validate.known_keys("thinking", values, ("budget_tokens", "adaptive", "effort"),
-                             "a thinking setting")
+        _validate.known_keys("thinking", values, cls.__dataclass_fields__, "a thinking setting")
         return cls(**values)
 
 
@@ -138,7 +136,7 @@ class ServerTool:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ServerTool:
         """Build from a mapping (a TOML table); unknown keys are errors."""
-        _validate.known_keys("server_tool", values, ("type", "name", "max_uses", "params"),
+        _validate.known_keys("server_tool", values, cls.__dataclass_fields__,
                              "a server tool setting")
         return cls(**values)
 
@@ -215,12 +213,11 @@ def features_table(features: Any) -> dict[str, Any]:
     and `Operation.from_mapping` read back."""
     table: dict[str, Any] = {}
     if features.thinking is not None:
-        thinking = features.thinking
-        table["thinking"] = {"budget_tokens": thinking.budget_tokens,
-                             "adaptive": thinking.adaptive, "effort": thinking.effort}
+        table["thinking"] = _fields(features.thinking)
     if features.server_tools:
-        table["server_tools"] = [{"type": t.type, "name": t.name, "max_uses": t.max_uses,
-                                  "params": dict(t.params)} for t in features.server_tools]
+        # The params copied: the table is the caller's, the tool's own dict is not.
+        table["server_tools"] = [{**_fields(t), "params": dict(t.params)}
+                                 for t in features.server_tools]
     if features.betas:
         table["betas"] = list(features.betas)
     for name in ("context_management", "reasoning_effort", "service_tier"):
@@ -270,28 +267,6 @@ def check_server_tool_names(server_tools: Sequence[ServerTool], names: set[str])
         if tool.name in names:
             raise ConfigError(f"server_tools[{i}].name",
                               f"{tool.name!r} is also the name of one of the run's tools")
-
-
-def check_prefill(features: Features, messages: Sequence[Mapping[str, Any]]) -> None:
-    """Refuse a conversation that ends with an assistant message (a prefill of the
-    reply) while thinking is on, unless that message begins with a thinking block
-    (the model's own, carried back): the Messages API refuses it.
-
-    Raises:
-        ConfigError: on ``messages``.
-    """
-    if features.thinking is None or not messages:
-        return
-    last = messages[-1]
-    if last.get("role") != "assistant":
-        return
-    content = last.get("content")
-    first = content[0] if isinstance(content, list) and content else None
-    if isinstance(first, Mapping) and first.get("type") in ("thinking", "redacted_thinking"):
-        return
-    raise ConfigError("messages", "ends with an assistant message (a prefill of the reply), "
-                                  "which the Messages API refuses while thinking is on: end "
-                                  "with a user message, or run without thinking")
 
 
 def narrow_features(published: Features, requested: Mapping[str, Any] | None) -> Features:
@@ -412,6 +387,11 @@ def _json_object(field_name: str, value: object) -> dict[str, Any]:
     if not isinstance(copied, dict) or any(not isinstance(k, str) for k in value):
         raise ConfigError(field_name, "must be a JSON object with string keys")
     return copied
+
+
+def _fields(value: Thinking | ServerTool) -> dict[str, Any]:
+    """Every field of ``value``, by name: what its ``from_mapping`` reads back."""
+    return {name: getattr(value, name) for name in type(value).__dataclass_fields__}
 
 
 def _canonical(value: Mapping[str, Any] | None) -> str | None:

@@ -96,6 +96,19 @@ LARGEST_REPLY_REQUESTS: Final = 10**6
 """More web searches, and more web fetches, than one reply is ever served: the
 fees' counterpart of `LARGEST_REPLY_TOKENS`."""
 
+_TOKEN_RATES: Final = ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok",
+                       "cache_write_per_mtok", "cache_write_1h_per_mtok")
+"""`ModelPrice`'s per-token rates (USD per million), the two required ones first."""
+
+_FEES: Final = ("web_search_per_k", "web_fetch_per_k")
+"""`ModelPrice`'s per-request fees (USD per 1,000)."""
+
+_MULTIPLIED: Final = (("service_tier", STANDARD_TIERS, "service_tier_multipliers"),
+                      ("inference_geo", STANDARD_GEOS, "inference_geo_multipliers"),
+                      ("speed", STANDARD_SPEEDS, "speed_multipliers"))
+"""What multiplies `ModelPrice`'s token rates: the `Usage` field a reply reports
+it in, the values priced at list rates, and the multipliers' field."""
+
 # genai-prices knows some providers under other ids.
 _GENAI_PROVIDER_IDS = {"bedrock": "aws", "vertex": "google", "aws-bedrock": "aws",
                        "google-vertex": "google"}
@@ -144,26 +157,28 @@ class ModelPrice:
     """Token-price multipliers by the ``speed`` a reply reports, e.g. ``{"fast":
     Decimal(6)}`` (Anthropic's fast mode); ``standard`` is 1, and a speed not
     listed leaves the attempt unpriced. Fees are not multiplied."""
+    _largest_reply_usd: Decimal = field(init=False, repr=False, compare=False)
+    """What the price may charge the largest reply (`_dearest_reply`'s total):
+    the book's bound in credits is checked against it."""
 
     def __post_init__(self) -> None:
         _validate.text("provider", self.provider)
         _validate.text("model", self.model)
-        for name in ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok",
-                     "cache_write_per_mtok", "cache_write_1h_per_mtok", "web_search_per_k",
-                     "web_fetch_per_k"):
+        for name in (*_TOKEN_RATES, *_FEES):
             value = _validate.decimal(name, getattr(self, name),
-                                      optional=not name.endswith("put_per_mtok"))
+                                      optional=name not in _TOKEN_RATES[:2])
             object.__setattr__(self, name, value)
-        for name in ("service_tier_multipliers", "inference_geo_multipliers",
-                     "speed_multipliers"):
+        for _, _, name in _MULTIPLIED:
             object.__setattr__(self, name, _multipliers(name, getattr(self, name)))
         _validate.moment("effective_from", self.effective_from, optional=True)
-        for name, usd in _dearest_reply(self):
+        steps = _dearest_reply(self)
+        for name, usd in steps:
             if to_nanousd(usd) > _validate.MAX_INTEGER:
                 raise ConfigError(name, f"at this price a reply of {LARGEST_REPLY_TOKENS:,} "
                                         f"tokens (and {LARGEST_REPLY_REQUESTS:,} of each "
                                         f"server tool request) may cost {usd:.3e} USD, past "
                                         "what a ledger column holds (2**63 - 1 nano-USD)")
+        object.__setattr__(self, "_largest_reply_usd", steps[-1][1])
 
     def multiplier(self, served: Usage) -> Decimal | None:
         """The product of the multipliers of what ``served`` reports (its service
@@ -172,13 +187,10 @@ class ModelPrice:
         total = Decimal(1)
         if served.service_tier is None and served.inference_geo is None and served.speed is None:
             return total  # the common case: list rates
-        for value, standard, listed in (
-            (served.service_tier, STANDARD_TIERS, self.service_tier_multipliers),
-            (served.inference_geo, STANDARD_GEOS, self.inference_geo_multipliers),
-            (served.speed, STANDARD_SPEEDS, self.speed_multipliers),
-        ):
+        for reported, standard, name in _MULTIPLIED:
+            value = getattr(served, reported)
             if value is not None and value not in standard:
-                factor = listed.get(value)
+                factor = getattr(self, name).get(value)
                 if factor is None:
                     return None
                 total *= factor
@@ -282,8 +294,7 @@ class PriceBook:
         )
         self.fallback = _validate.boolean("fallback", fallback)
         for i, price in enumerate(self.prices):
-            usd = _dearest_reply(price)[-1][1]
-            if turn_credits(to_nanousd(usd), self.credits_per_usd,
+            if turn_credits(to_nanousd(price._largest_reply_usd), self.credits_per_usd,
                             self.credit_quantum) > _validate.MAX_INTEGER:
                 raise ConfigError("credits_per_usd", (
                     f"at {self.credits_per_usd} credits per USD, a reply of "
@@ -359,23 +370,19 @@ class PriceBook:
         every web search and web fetch tool used ``max_uses`` times. A tool with a
         fee and no ``max_uses`` has no worst case (listed in ``unbounded``); one
         whose fee is zero needs no bound."""
-        search_fee, fetch_fee = self.fees(provider, model, at)
-        searches = fetches = 0
+        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at), strict=True))
+        uses = dict.fromkeys(_FEE_UNITS, 0)
         unbounded: list[str] = []
         for tool in server_tools:
-            if is_web_search(tool.type):
-                fee = search_fee
-            elif tool.type.startswith("web_fetch_"):
-                fee = fetch_fee
-            else:
+            unit = _fee_of(tool.type)
+            if unit is None:
                 continue
             if tool.max_uses is None:
-                if fee != 0:
+                if fees[unit] != 0:
                     unbounded.append(tool.name)
-            elif is_web_search(tool.type):
-                searches += tool.max_uses
             else:
-                fetches += tool.max_uses
+                uses[unit] += tool.max_uses
+        searches, fetches = uses["web search"], uses["web fetch"]
         usd = None if unbounded else self._fee(
             provider, model, Usage(web_search_requests=searches, web_fetch_requests=fetches), at)
         return TurnFees(searches, fetches, tuple(unbounded), usd)
@@ -398,15 +405,13 @@ class PriceBook:
         (`loopengine.providers.Provider.inference_geo`: `knows_geo`).
         """
         missing: list[str] = []
-        search, fetch = self.fees(provider, model, at)
+        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at), strict=True))
         for tool in features.server_tools:
             label = f"server tool {tool.name!r} ({tool.type})"
-            if is_web_search(tool.type):
-                if search is None:
-                    missing.append(f"{label}: no web search fee")
-            elif tool.type.startswith("web_fetch_"):
-                if fetch is None:
-                    missing.append(f"{label}: no web fetch fee")
+            unit = _fee_of(tool.type)
+            if unit is not None:
+                if fees[unit] is None:
+                    missing.append(f"{label}: no {unit} fee")
             elif tool.type.startswith("advisor_"):
                 advisor = tool.params.get("model")
                 if not isinstance(advisor, str) or not self.knows(provider, advisor, at):
@@ -509,12 +514,12 @@ def _dearest_reply(price: ModelPrice) -> list[tuple[str, Decimal]]:
                   key=lambda name: rates[name])
     usd = LARGEST_REPLY_TOKENS * rates[dearest] / _MTOK
     steps = [(dearest, usd)]
-    for name in ("service_tier_multipliers", "inference_geo_multipliers", "speed_multipliers"):
+    for _, _, name in _MULTIPLIED:
         factor = max((Decimal(1), *getattr(price, name).values()))
         if factor > 1:
             usd *= factor
             steps.append((name, usd))
-    for name in ("web_search_per_k", "web_fetch_per_k"):
+    for name in _FEES:
         fee = getattr(price, name)
         if fee:
             usd += LARGEST_REPLY_REQUESTS * fee / _K
@@ -522,8 +527,19 @@ def _dearest_reply(price: ModelPrice) -> list[tuple[str, Decimal]]:
     return steps
 
 
-_TOKEN_RATES: Final = ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok",
-                       "cache_write_per_mtok", "cache_write_1h_per_mtok")
+_FEE_UNITS: Final = ("web search", "web fetch")
+"""What a server tool may be billed by per request, in `PriceBook.fees`' order."""
+
+
+def _fee_of(tool_type: str) -> str | None:
+    """What a server tool of ``tool_type`` is billed by per request (of
+    `_FEE_UNITS`): a web search (`is_web_search`), a web fetch
+    (``web_fetch_...``), or None for a tool billed otherwise."""
+    if is_web_search(tool_type):
+        return "web search"
+    if tool_type.startswith("web_fetch_"):
+        return "web fetch"
+    return None
 
 
 def _or(value: Decimal | None, default: Decimal) -> Decimal:

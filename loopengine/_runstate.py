@@ -187,8 +187,7 @@ class RunState:
         """The state as JSON values (what `dumps` encodes). Without a container,
         no ``container`` key: a state encoded before it was kept keeps its seal."""
         operation = self.operation
-        container = {} if self.container is None else {"container": {
-            "id": self.container.id, "expires_at": self.container.expires_at.isoformat()}}
+        container = {} if self.container is None else {"container": self.container.to_json()}
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -276,7 +275,7 @@ class RunState:
                 progress=_progress(Progress(usage=usage, **progress)),
                 paused_at=datetime.fromisoformat(raw["paused_at"]),
                 extra=dict(raw.get("extra") or {}),
-                container=_container(raw.get("container")),
+                container=Container.from_json(raw.get("container"), strict=True),
             )
         except ConfigError as error:
             raise ConfigError("state", f"holds a bad value: {error}") from None
@@ -345,18 +344,6 @@ def _text(value: object) -> str:
 
 def _optional_text(value: object) -> str | None:
     return None if value is None else _text(value)
-
-
-def _container(value: object) -> Container | None:
-    """The container `RunState._encoded` wrote (absent: None), its expiry in UTC."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise TypeError(f"expected a container, got {type(value).__name__}")
-    expires = datetime.fromisoformat(_text(value["expires_at"]))
-    if expires.tzinfo is None:
-        raise ValueError(f"container expires_at {value['expires_at']!r} has no UTC offset")
-    return Container(_text(value["id"]), expires)
 
 
 def _list(value: object) -> list[Any]:

@@ -167,6 +167,21 @@ def test_messages_of_every_common_shape_pass_unchanged() -> None:
     assert normalize_messages(messages) == messages
 
 
+async def test_a_scripted_provider_answers_a_prefill_with_thinking() -> None:
+    """A final assistant message while thinking is on is a rule of the Messages API,
+    which `AnthropicProvider` applies before the wire: the engine leaves it to the
+    provider, and a scripted one answers whatever it is sent."""
+    provider = ScriptedProvider([Reply.text(" blue")])
+    engine = le.Engine(provider)
+    thinking = le.Operation(name="t", provider="anthropic", model="claude-sonnet-4-5",
+                            thinking=le.Thinking(budget_tokens=1024), max_output_tokens=4096)
+    prefill = [user("Name a colour."), assistant("The colour is")]
+    result = await engine.run(thinking, prefill)
+    assert result.outcome is le.Outcome.COMPLETED, result.fault
+    (request,) = provider.requests
+    assert request.features.thinking is not None and request.messages[-1] == prefill[-1]
+
+
 async def test_a_transcript_the_api_returned_can_be_continued() -> None:
     """result.messages of a run over the real SDK (tool use, tool result, answer) passes
     the check when sent again with a new user message: no false alarm on the API's own

@@ -178,6 +178,30 @@ def test_which_features_can_be_priced() -> None:
     )
 
 
+def test_each_fee_prices_its_own_tools_worst_case() -> None:
+    """Web search tools are bounded by the search fee, web fetch tools by the fetch
+    fee: a tool without max_uses has no worst case unless its fee is zero, and a
+    fee nobody knows leaves its tools unpriced, named by their fee."""
+    search = le.ServerTool(type="web_search_20250305", name="search", max_uses=3)
+    fetch = le.ServerTool(type="web_fetch_20250910", name="fetch", max_uses=2)
+    book = le.PriceBook([le.ModelPrice(provider="anthropic", model="m", input_per_mtok=1,
+                                       output_per_mtok=1, web_search_per_k=10)],
+                        fallback=False)
+    fees = book.turn_fees("anthropic", "m", (search, fetch), AT)
+    assert (fees.web_search_requests, fees.web_fetch_requests, fees.usd) == (
+        3, 2, Decimal("0.03"))
+    endless_fetch = le.ServerTool(type="web_fetch_20250910", name="fetch")
+    assert book.turn_fees("anthropic", "m", (endless_fetch,), AT).unbounded == ()
+    endless_search = le.ServerTool(type="web_search_20250305", name="search")
+    assert book.turn_fees("anthropic", "m", (endless_search,), AT).unbounded == ("search",)
+    other = le.PriceBook([le.ModelPrice(provider="openai", model="m", input_per_mtok=1,
+                                        output_per_mtok=1)], fallback=False)
+    assert other.unpriced_features("openai", "m", Features(server_tools=(search, fetch)),
+                                   AT) == (
+        "server tool 'search' (web_search_20250305): no web search fee",
+        "server tool 'fetch' (web_fetch_20250910): no web fetch fee")
+
+
 async def test_the_ledger_charges_fees_and_every_iteration() -> None:
     """A run of an operation with web search, thinking and compaction: two replies, the
     first with 10 searches and a compaction pass, the second advised by Opus 4.6. The

@@ -100,7 +100,11 @@ from loopengine.providers._faults import (
     retry_after,
     status_kind,
 )
-from loopengine.providers._messages_api import TOOL_BLOCKS_WITHOUT_TOOLS, tool_blocks_without_tools
+from loopengine.providers._messages_api import (
+    TOOL_BLOCKS_WITHOUT_TOOLS,
+    tool_blocks_without_tools,
+    unthought_opening,
+)
 from loopengine.providers._sdk import (
     DEFAULT_STREAM_IDLE_TIMEOUT,
     SDKProvider,
@@ -494,7 +498,10 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         the whole turn): the API answers such a request with a 400 every time.
         So it does a request whose messages hold ``tool_use`` or
         ``tool_result`` blocks and that defines no tools (a transcript with
-        tool calls continued by a run given none).
+        tool calls continued by a run given none), and, while thinking is on,
+        one whose messages end with an assistant message (a prefill of the
+        reply) that does not begin with a thinking block (`unthought_opening`;
+        without thinking the prefill is sent).
 
         Raises:
             ProviderFault: ``bad_request``, ``error_code``
@@ -508,7 +515,16 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 "gives no tools: give it the tools its transcript calls",
                 error_code="invalid_request_error")
         thinking = request.features.thinking
-        if thinking is None or thinking.budget_tokens is None:
+        if thinking is None:
+            return
+        if request.messages and unthought_opening(request.messages[-1]) is not None:
+            raise ProviderFault(
+                FaultKind.BAD_REQUEST,
+                "the messages end with an assistant message (a prefill of the reply), which "
+                "the Messages API refuses while thinking is on unless it begins with a "
+                "thinking block: end with a user message, or run without thinking",
+                error_code="invalid_request_error")
+        if thinking.budget_tokens is None:
             return
         if thinking.budget_tokens < request.max_tokens or any(
                 beta.startswith("interleaved-thinking") for beta in request.features.betas):

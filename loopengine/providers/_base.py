@@ -32,7 +32,7 @@ from loopengine._errors import ConfigError
 from loopengine._features import Features
 from loopengine._pricing import STANDARD_GEOS, STANDARD_SPEEDS, STANDARD_TIERS
 from loopengine._usage import Usage
-from loopengine._validate import MAX_INTEGER, binary_note
+from loopengine._validate import MAX_INTEGER, binary_note, shown
 from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
 
@@ -182,20 +182,37 @@ class Container:
         return self.id if now < self.expires_at else None
 
     @classmethod
-    def from_json(cls, raw: object) -> Container | None:
-        """A container as a message (or a recording) names it, ``{"id": ...,
-        "expires_at": ...}`` with the expiry in ISO 8601 (UTC when it names no
-        zone); None when ``raw`` names none, or names it in another shape."""
-        if not isinstance(raw, Mapping):
+    def from_json(cls, raw: object, *, strict: bool = False) -> Container | None:
+        """A container as a message, a recording or a run state names it (the shape
+        `to_json` writes): ``{"id": ..., "expires_at": ...}``, the expiry in ISO
+        8601. None when ``raw`` is None.
+
+        Args:
+            raw: The JSON value.
+            strict: Take only what `to_json` wrote (a run state's): another
+                shape, or an expiry that names no UTC offset, raises. Otherwise
+                (a reply, a recording) another shape names no container (None)
+                and an expiry without a zone is UTC.
+
+        Raises:
+            ValueError: with ``strict``, ``raw`` is not in `to_json`'s shape.
+        """
+        if raw is None:
             return None
-        ident, expires = raw.get("id"), raw.get("expires_at")
-        if not isinstance(ident, str) or not ident or not isinstance(expires, str):
+        ident, expires = (raw.get("id"), raw.get("expires_at")) if isinstance(
+            raw, Mapping) else (None, None)
+        moment: datetime | None = None
+        if isinstance(ident, str) and ident and isinstance(expires, str):
+            try:
+                moment = datetime.fromisoformat(expires)
+            except ValueError:
+                pass
+        if moment is None or (strict and moment.tzinfo is None):
+            if strict:
+                raise ValueError('expected a container, {"id": ..., "expires_at": ...} with '
+                                 f"a UTC offset, got {shown(raw)}")
             return None
-        try:
-            moment = datetime.fromisoformat(expires)
-        except ValueError:
-            return None
-        return cls(ident, moment if moment.tzinfo else moment.replace(tzinfo=UTC))
+        return cls(str(ident), moment if moment.tzinfo else moment.replace(tzinfo=UTC))
 
     def to_json(self) -> dict[str, str]:
         """The container in the shape `from_json` reads."""

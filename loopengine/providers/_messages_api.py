@@ -1,11 +1,11 @@
-"""A rule of the Messages API that `AnthropicProvider` applies before the wire
+"""Rules of the Messages API that `AnthropicProvider` applies before the wire
 and `loopengine.testing.FakeAnthropicServer` applies as the API does."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["TOOL_BLOCKS_WITHOUT_TOOLS", "tool_blocks_without_tools"]
+__all__ = ["TOOL_BLOCKS_WITHOUT_TOOLS", "tool_blocks_without_tools", "unthought_opening"]
 
 TOOL_BLOCKS_WITHOUT_TOOLS = ("Requests which include `tool_use` or `tool_result` blocks must "
                              "define tools.")
@@ -27,3 +27,23 @@ def tool_blocks_without_tools(messages: object, tools: object) -> bool:
                 for block in content):
             return True
     return False
+
+
+def unthought_opening(message: object) -> str | None:
+    """The type of the block an assistant ``message`` begins with (``text`` for
+    text content) when that is not a thinking block; None for a message that
+    begins with one (the model's own, carried back) or is not the assistant's.
+
+    While thinking is on, the Messages API refuses a final assistant message
+    that begins otherwise (a 400): a prefill of the reply, or the message whose
+    tool calls the last user message answers. Anthropic documents it (prefilling
+    is not supported with extended thinking); the Gemini API
+    documents no such rule, so a final model turn goes to it as it is, and the
+    OpenAI routes take no ``thinking`` (docs/providers.md).
+    """
+    if not isinstance(message, Mapping) or message.get("role") != "assistant":
+        return None
+    content = message.get("content")
+    first = content[0] if isinstance(content, list) and content else None
+    kind = str(first.get("type")) if isinstance(first, Mapping) else "text"
+    return None if kind in ("thinking", "redacted_thinking") else kind

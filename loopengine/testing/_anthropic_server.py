@@ -33,7 +33,11 @@ from typing import Any
 
 from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._cache import cache_marker_problem
-from loopengine.providers._messages_api import TOOL_BLOCKS_WITHOUT_TOOLS, tool_blocks_without_tools
+from loopengine.providers._messages_api import (
+    TOOL_BLOCKS_WITHOUT_TOOLS,
+    tool_blocks_without_tools,
+    unthought_opening,
+)
 from loopengine.providers._scripted import Reply
 from loopengine.testing._loopback import (
     ErrorReply,
@@ -216,16 +220,12 @@ def _thinking_problem(body: Any) -> str | None:
     index = len(messages) - 1
     if _answers_calls(messages[index]) and index > 0:
         index -= 1
-    final = messages[index]
-    if isinstance(final, Mapping) and final.get("role") == "assistant":
-        content = final.get("content")
-        first = content[0] if isinstance(content, list) and content else None
-        kind = first.get("type") if isinstance(first, Mapping) else "text"
-        if kind not in ("thinking", "redacted_thinking"):
-            return (f"messages.{index}.content.0.type: Expected `thinking` or "
-                    f"`redacted_thinking`, but found `{kind}`. When `thinking` is enabled, "
-                    "a final `assistant` message must start with a thinking block "
-                    "(preceeding the lastmost set of `tool_use` and `tool_result` blocks).")
+    kind = unthought_opening(messages[index])
+    if kind is not None:
+        return (f"messages.{index}.content.0.type: Expected `thinking` or "
+                f"`redacted_thinking`, but found `{kind}`. When `thinking` is enabled, "
+                "a final `assistant` message must start with a thinking block "
+                "(preceeding the lastmost set of `tool_use` and `tool_result` blocks).")
     return None
 
 

@@ -203,6 +203,31 @@ async def test_openai_refuses_the_messages_api_features(
     assert (ledger.invocations, server.requests) == ({}, [])
 
 
+async def test_openai_sends_a_prefill_with_reasoning_effort(
+    openai_wire: tuple[FakeOpenAIServer, le.Engine, MemoryLedger],
+) -> None:
+    """The Messages API's refusal of a prefill while thinking is on is not Chat
+    Completions': a conversation ending with an assistant message goes out as it
+    is with the reasoning effort (thinking itself is a feature the route cannot
+    send, refused above whatever the messages)."""
+    server, engine, _ = openai_wire
+    server.add(Reply.text(" blue"))
+    prefill = [{"role": "user", "content": "Name a colour."},
+               {"role": "assistant", "content": "The colour is"}]
+    reasoning = le.Operation(name="ask", provider="openai", model="gpt-5",
+                             reasoning_effort="low")
+    result = await engine.run(reasoning, prefill)
+    assert result.outcome is le.Outcome.COMPLETED, result.fault
+    (sent,) = server.requests
+    assert sent.body["reasoning_effort"] == "low"
+    assert sent.messages[-1] == {"role": "assistant", "content": "The colour is"}
+    thinking = le.Operation(name="ask", provider="openai", model="gpt-5",
+                            thinking=le.Thinking(budget_tokens=2048))
+    with pytest.raises(le.ConfigError) as raised:
+        await engine.run(thinking, prefill)
+    assert raised.value.field == "thinking"
+
+
 async def test_anthropic_refuses_the_chat_completions_features(wire: Harness) -> None:
     """And the other way round: reasoning_effort on an Anthropic route is refused."""
     engine, ledger = wire.engine(Reply.text("ok"))

@@ -167,25 +167,43 @@ PREFILL = [{"role": "user", "content": "Name a colour."},
 
 @pytest.mark.parametrize("thinking", [le.Thinking(budget_tokens=1024),
                                       le.Thinking(adaptive=True)], ids=["budget", "adaptive"])
-async def test_a_prefill_with_thinking_is_refused_before_anything_is_recorded(
+async def test_a_prefill_with_thinking_is_refused_before_the_wire(
         wire: Harness, thinking: le.Thinking) -> None:
-    """The API refuses a final assistant message while thinking is on: a run or a
-    call with one is a ConfigError, nothing sent or recorded."""
+    """The Messages API refuses a final assistant message while thinking is on, so
+    the provider refuses it before the attempt is recorded (`check_request`): the
+    run ends provider_error with that bad_request, a call raises ProviderError,
+    nothing is sent and no attempt row is written."""
     engine, ledger = wire.engine(Reply.text(" blue"))
     operation = le.Operation(name="t", provider="anthropic", model=MODEL, thinking=thinking,
                              max_output_tokens=4096)
-    with pytest.raises(le.ConfigError, match="prefill") as refused:
-        await engine.run(operation, PREFILL)
-    assert refused.value.field == "messages"
+    result = await engine.run(operation, PREFILL)
+    assert result.outcome is le.Outcome.PROVIDER_ERROR and result.fault is not None
+    assert result.fault.kind is le.FaultKind.BAD_REQUEST and "prefill" in str(result.fault)
+    assert result.attempt_log == ()
 
-    with pytest.raises(le.ConfigError, match="prefill"):
+    with pytest.raises(le.ProviderError, match="prefill"):
         await engine.call(operation, PREFILL, output=Colour)
-    assert wire.requests == [] and not ledger.attempts and not ledger.invocations
+    assert wire.requests == [] and not ledger.attempts
+    assert [row["outcome"] for row in ledger.invocations.values()] == ["provider_error"] * 2
     # Without thinking the prefill is sent, as the API takes it.
     plain = le.Operation(name="t", provider="anthropic", model=MODEL, max_output_tokens=4096)
     result = await engine.run(plain, PREFILL)
     assert result.outcome is le.Outcome.COMPLETED
     assert wire.requests[0].body["messages"][-1]["role"] == "assistant"
+
+
+async def test_a_prefill_that_begins_with_its_thinking_is_sent(wire: Harness) -> None:
+    """A final assistant message that begins with the model's own thinking block
+    (carried back) is what the API takes while thinking is on: it is sent."""
+    engine, _ = wire.engine(Reply.text(" blue"))
+    operation = le.Operation(name="t", provider="anthropic", model=MODEL,
+                             thinking=le.Thinking(budget_tokens=1024), max_output_tokens=4096)
+    thought = [PREFILL[0], {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Pick one.", "signature": "c2ln"},
+        {"type": "text", "text": "The colour is"}]}]
+    result = await engine.run(operation, thought)
+    assert result.outcome is le.Outcome.COMPLETED, result.fault
+    assert wire.requests[0].body["messages"][-1]["content"][0]["type"] == "thinking"
 
 
 async def test_the_fake_refuses_a_prefill_with_thinking(wire: Harness) -> None:

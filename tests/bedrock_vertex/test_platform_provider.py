@@ -196,6 +196,21 @@ async def test_thinking_and_betas_reach_each_platform_as_it_takes_them(
     assert "model" not in request.body and "anthropic_version" in request.body
 
 
+async def test_a_prefill_with_thinking_is_refused_on_each_platform(
+    wire: PlatformHarness, platform: Platform,
+) -> None:
+    """Bedrock and Vertex serve the Messages API, whose refusal of a prefill while
+    thinking is on the provider applies before the wire there too: the run ends
+    provider_error, nothing sent or recorded as an attempt."""
+    op = le.Operation(name="t", provider=platform.route, model=platform.model,
+                      max_output_tokens=4096, thinking=le.Thinking(budget_tokens=2048))
+    engine, ledger = wire.engine(Reply.text(" blue"))
+    result = await engine.run(op, [{"role": "user", "content": "Name a colour."},
+                                   {"role": "assistant", "content": "The colour is"}])
+    assert result.outcome is le.Outcome.PROVIDER_ERROR and "prefill" in str(result.fault)
+    assert wire.requests == [] and not ledger.attempts
+
+
 def test_the_event_stream_encoder_reads_back_through_botocore() -> None:
     """A message the fake encodes is decoded by botocore (the SDK's decoder):
     headers, payload and both CRC32s check out."""

@@ -161,6 +161,24 @@ async def test_adaptive_thinking_is_dynamic_or_a_thinking_level(
     assert wire.requests[0].body["generationConfig"]["thinkingConfig"] == sent
 
 
+@pytest.mark.parametrize("thinking", [le.Thinking(budget_tokens=1024),
+                                      le.Thinking(adaptive=True)], ids=["budget", "adaptive"])
+async def test_a_prefill_with_thinking_is_sent(wire: GeminiHarness,
+                                               thinking: le.Thinking) -> None:
+    """The Messages API's refusal of a prefill while thinking is on is Anthropic's
+    (the Gemini API documents none): a conversation ending with an assistant
+    message goes out as a final model turn, with the thinking config."""
+    engine, ledger = wire.engine(Reply.text(" blue"))
+    op = le.Operation(name="t", provider="gemini", model=MODEL, thinking=thinking)
+    prefill = [{"role": "user", "content": "Name a colour."},
+               {"role": "assistant", "content": "The colour is"}]
+    result = await engine.run(op, prefill)
+    assert result.outcome is le.Outcome.COMPLETED, result.fault
+    assert contents(wire.requests[0])[-1] == {"role": "model", "parts": [{"text": "The colour is"}]}
+    assert "thinkingConfig" in wire.requests[0].body["generationConfig"]
+    assert len(ledger.attempts) == 1
+
+
 async def test_structured_mode_forces_a_function_call(wire: GeminiHarness) -> None:
     """A structured call's tool_choice becomes mode ANY limited to the terminal tool."""
     from ..rule_scenarios import Answer

@@ -166,6 +166,20 @@ async def test_without_reasoning_effort_nothing_is_included_and_bare_reasoning_s
     assert "id" not in items(wire.requests[1])[1]
 
 
+async def test_a_prefill_with_reasoning_effort_is_sent(wire: ResponsesHarness) -> None:
+    """The Messages API's refusal of a prefill while thinking is on is not the
+    Responses API's: a conversation ending with an assistant message goes out as
+    its last input item, with the reasoning effort."""
+    engine, _ = wire.engine(Reply.text(" blue"))
+    prefill = [{"role": "user", "content": "Name a colour."},
+               {"role": "assistant", "content": "The colour is"}]
+    result = await engine.run(gpt5(reasoning_effort="low"), prefill)
+    assert result.outcome is le.Outcome.COMPLETED, result.fault
+    (sent,) = wire.requests
+    assert sent.body["reasoning"] == {"effort": "low"}
+    assert items(sent)[-1]["role"] == "assistant"
+
+
 @STREAMING
 async def test_a_web_search_whose_reasoning_stays_home_stays_home_too(
     wire: ResponsesHarness, stream: bool

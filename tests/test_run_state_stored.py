@@ -1,0 +1,211 @@
+"""A run state written by this version of loopengine, stored as it was written:
+later code must still load it, encode it alike and seal it alike (a ledger
+keeps the seal of each paused run, docs/pause-and-resume.md)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+import loopengine as le
+
+STORED = """{
+ "format": "loopengine.run_state",
+ "version": 1,
+ "invocation_id": "inv_stored",
+ "operation": {
+  "name": "coder",
+  "version": "1",
+  "provider": "anthropic",
+  "model": "claude-sonnet-4-5",
+  "max_output_tokens": 4096,
+  "model_max_output_tokens": null,
+  "wrap_up_text": "Answer now.",
+  "limits": {
+   "max_turns": 10,
+   "max_tool_batch": 8,
+   "max_tool_calls": 32,
+   "total_time": 120.0,
+   "attempt_timeout": 60.0,
+   "credit_hold": null,
+   "wrap_up": false,
+   "pause_timeout": null
+  },
+  "retry": {
+   "max_attempts": 3,
+   "initial_wait": 0.5,
+   "max_wait": 8.0,
+   "grow_max_tokens": true
+  },
+  "cache": {
+   "system": false,
+   "tools": false,
+   "conversation": false,
+   "ttl": "5m"
+  },
+  "thinking": {
+   "budget_tokens": 1024,
+   "adaptive": false,
+   "effort": null
+  },
+  "server_tools": [
+   {
+    "type": "code_execution_20250825",
+    "name": "code_execution",
+    "max_uses": null,
+    "params": {}
+   }
+  ]
+ },
+ "limits": {
+  "max_turns": 10,
+  "max_tool_batch": 8,
+  "max_tool_calls": 32,
+  "total_time": 120.0,
+  "attempt_timeout": 60.0,
+  "credit_hold": null,
+  "wrap_up": false,
+  "pause_timeout": null
+ },
+ "retry": {
+  "max_attempts": 3,
+  "initial_wait": 0.5,
+  "max_wait": 8.0,
+  "grow_max_tokens": true
+ },
+ "attribution": {
+  "tenant": null,
+  "user_id": null,
+  "feature": null,
+  "correlation_id": null
+ },
+ "system": null,
+ "messages": [
+  {
+   "role": "user",
+   "content": "go"
+  },
+  {
+   "role": "assistant",
+   "content": [
+    {
+     "type": "tool_use",
+     "id": "toolu_000001",
+     "name": "send",
+     "input": {
+      "to": "ann"
+     }
+    }
+   ]
+  }
+ ],
+ "given": 1,
+ "final_tool": "final_answer",
+ "structured": false,
+ "output_digest": null,
+ "tools": [
+  "send"
+ ],
+ "features": {
+  "thinking": {
+   "budget_tokens": 1024,
+   "adaptive": false,
+   "effort": null
+  },
+  "server_tools": [
+   {
+    "type": "code_execution_20250825",
+    "name": "code_execution",
+    "max_uses": null,
+    "params": {}
+   }
+  ]
+ },
+ "pending": [
+  [
+   "toolu_000001",
+   "send",
+   {
+    "to": "ann"
+   },
+   "approval"
+  ]
+ ],
+ "batch": [
+  "toolu_000001"
+ ],
+ "results": [],
+ "repair": false,
+ "answered_calls": {},
+ "progress": {
+  "turns": 1,
+  "tool_calls": 0,
+  "credits": 1,
+  "attempts": 1,
+  "cost_nanousd": 600000,
+  "provider_cost_nanousd": 600000,
+  "running_seconds": 1.5,
+  "descendant_credits": 0,
+  "turn_input_tokens": 100,
+  "turn_output_tokens": 20,
+  "turn_cost_nanousd": 600000,
+  "usage": {
+   "input_tokens": 100,
+   "output_tokens": 20,
+   "cache_read_tokens": 0,
+   "cache_write_tokens": 0,
+   "cache_write_1h_tokens": 0,
+   "web_search_requests": 0,
+   "web_fetch_requests": 0,
+   "reasoning_tokens": 0,
+   "iterations": [],
+   "service_tier": null,
+   "inference_geo": null,
+   "speed": null
+  }
+ },
+ "paused_at": "2026-03-01T12:00:00+00:00",
+ "extra": {},
+ "container": {
+  "id": "container_stored",
+  "expires_at": "2026-03-01T12:30:00+00:00"
+ }
+}"""
+"""A paused run's state (version 1), as `RunState.dumps` wrote it (indented
+here): thinking, a code execution container, one call waiting for approval."""
+
+STORED_SEAL = "f1c3cef60e7d0b25d4ae9b5ad1e7909b7de6abbcd01c33ed98f705a8d305b4b3"
+"""Its seal when it was written."""
+
+
+def test_a_stored_state_loads_and_encodes_alike() -> None:
+    """The stored state loads with its container (an aware expiry), encodes to
+    the same JSON and keeps the seal its ledger would hold."""
+    state = le.RunState.loads(STORED)
+    assert state.container is not None
+    assert state.container.id == "container_stored"
+    assert state.container.expires_at == datetime(2026, 3, 1, 12, 30, tzinfo=UTC)
+    assert [(p.id, p.tool, p.input) for p in state.pending] == [
+        ("toolu_000001", "send", {"to": "ann"})]
+    assert state.features is not None and state.features.thinking == le.Thinking(
+        budget_tokens=1024)
+    assert json.loads(state.dumps()) == json.loads(STORED)
+    assert state.seal() == STORED_SEAL
+
+
+@pytest.mark.parametrize("container", [
+    {"id": "c1", "expires_at": "2026-01-01T00:00:00"},
+    {"id": "c1"},
+    {"id": 7, "expires_at": "2026-01-01T00:00:00+00:00"},
+    {"id": "c1", "expires_at": "not a time"},
+    ["c1", "2026-01-01T00:00:00+00:00"],
+], ids=["naive", "no-expiry", "id-not-text", "bad-expiry", "not-an-object"])
+def test_a_stored_state_with_a_damaged_container_never_loads(container: object) -> None:
+    """A container in another shape than the one written (an expiry without a UTC
+    offset included) is a ConfigError on the state, never a container guessed at."""
+    raw = json.loads(STORED)
+    raw["container"] = container
+    with pytest.raises(le.ConfigError, match="state"):
+        le.RunState.loads(json.dumps(raw))
