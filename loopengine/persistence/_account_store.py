@@ -22,8 +22,8 @@ from loopengine.guards._credits import turn_credits
 from loopengine.persistence._schema import UNRELEASED
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "RunEntries", "TreeRun", "account_of",
-           "charged", "descendants_charged", "entries", "expire", "journal", "lock",
-           "open_differences", "read", "recover", "running_descendants", "tree"]
+           "charged", "descendants_charged", "entries", "every_entries", "expire", "journal",
+           "lock", "open_differences", "read", "recover", "running_descendants", "tree"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -117,24 +117,41 @@ class RunEntries:
     paused, or an expiry's): a settlement charges only what comes on top."""
 
 
+_RUN_SUMS = ("COALESCE(SUM(CASE kind WHEN 'reserve' THEN 1 WHEN 'release' THEN -1 ELSE 0 END), 0), "
+             f"COALESCE({JOURNAL_SUMS['spent']}, 0), MAX(CASE WHEN kind = 'release' THEN id END), "
+             "MAX(CASE WHEN kind = 'release' AND (expires_at IS NOT NULL OR note = ?) THEN id "
+             "END), MAX(CASE WHEN kind = 'settle' THEN id END)")
+"""A run's journal entries as `RunEntries` reads them: its reservations not
+released, what was charged to it (as ``spent`` counts it), and the ids of its
+last release, last expiry's release and last settlement (the parameter: the
+note of an expiry's release, `entries`)."""
+
+
 def entries(conn: Any, invocation_id: str) -> RunEntries:
     """What the journal says of the invocation's settlement, in one statement.
     An expiry's ``release`` is the one that carries the reservation's
     ``expires_at`` (`expire`), or, written by a version that kept no
     ``expires_at`` on a release (a fleet part-way through an upgrade shares
     the schema), the one with an expiry's note."""
-    reserves, releases, settled, last_release, last_expiry, last_settle = conn.execute(
-        "SELECT COALESCE(SUM(CASE WHEN kind = 'reserve' THEN 1 ELSE 0 END), 0), "
-        "COALESCE(SUM(CASE WHEN kind = 'release' THEN 1 ELSE 0 END), 0), "
-        "COALESCE(SUM(CASE WHEN kind IN ('settle', 'expire') THEN credits ELSE 0 END), 0), "
-        "MAX(CASE WHEN kind = 'release' THEN id END), "
-        "MAX(CASE WHEN kind = 'release' AND (expires_at IS NOT NULL OR note = ?) THEN id END), "
-        "MAX(CASE WHEN kind = 'settle' THEN id END) "
-        "FROM account_entries WHERE invocation_id = ?",
-        (_NOTES["expire"][1], invocation_id)).fetchone()
+    return _run_entries(*conn.execute(f"SELECT {_RUN_SUMS} FROM account_entries WHERE "
+                                      "invocation_id = ?", (_NOTES["expire"][1], invocation_id)
+                                      ).fetchone())
+
+
+def every_entries(conn: Any) -> dict[str, RunEntries]:
+    """`entries` of every invocation the journal names, in one statement (for
+    the audit, which reads them all)."""
+    return {str(run): _run_entries(*sums) for run, *sums in conn.execute(
+        f"SELECT invocation_id, {_RUN_SUMS} FROM account_entries WHERE invocation_id IS NOT "
+        "NULL GROUP BY invocation_id", (_NOTES["expire"][1],))}
+
+
+def _run_entries(unreleased: int, settled: int, last_release: int | None,
+                 last_expiry: int | None, last_settle: int | None) -> RunEntries:
+    """`RunEntries` from a row of `_RUN_SUMS`."""
     outlived = (last_expiry is not None and last_expiry == last_release
                 and (last_settle is None or last_settle < last_expiry))
-    return RunEntries(int(releases) >= int(reserves), outlived, int(settled))
+    return RunEntries(int(unreleased) <= 0, outlived, int(settled))
 
 
 def account_of(conn: Any, invocation_id: str) -> str | None:
