@@ -22,8 +22,8 @@ from loopengine.guards._credits import turn_credits
 from loopengine.persistence._schema import UNRELEASED
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "RunEntries", "TreeRun", "account_of",
-           "charged", "descendants_charged", "entries", "every_entries", "expire", "journal",
-           "lock", "open_differences", "read", "recover", "running_descendants", "tree"]
+           "charged", "descendants", "entries", "every_entries", "expire", "journal", "lock",
+           "open_differences", "read", "recover", "tree"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -298,20 +298,16 @@ def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
     return sum(run.charge(rate, quantum) for run in tree(conn, invocation_id))
 
 
-def descendants_charged(runs: Sequence[TreeRun], invocation_id: str, rate: Decimal,
-                        quantum: int) -> int:
+def descendants(runs: Sequence[TreeRun], invocation_id: str, rate: Decimal, quantum: int
+                ) -> tuple[int, list[tuple[str, int, int, int]]]:
     """What the runs ``invocation_id`` delegated to charged, theirs included, of
     its tree ``runs`` (`tree`): its tree's charge less its own (a run recovered
     after its process died learns so what its sub-agents spent, those cut by
-    the crash too)."""
-    return sum(run.charge(rate, quantum) for run in runs if run.id != invocation_id)
-
-
-def running_descendants(runs: Sequence[TreeRun], invocation_id: str, rate: Decimal,
-                        quantum: int) -> list[tuple[str, int, int, int]]:
-    """The runs of the tree ``runs`` (`tree`) below ``invocation_id`` that the
-    ledger still holds ``running``, in the order they started, as ``(id, turns,
-    tool_calls, charge)``: their turns and tool calls as `TreeRun` reads them,
-    and what `descendants_charged` counts for them."""
-    return [(run.id, run.turns, run.tool_calls, run.charge(rate, quantum))
-            for run in runs if run.outcome == "running" and run.id != invocation_id]
+    the crash too); and those of them the ledger still holds ``running``, in
+    the order they started, as ``(id, turns, tool_calls, charge)``: their turns
+    and tool calls as `TreeRun` reads them, and the charge counted for them in
+    that sum (each run's charge computed once, for both)."""
+    below = [(run, run.charge(rate, quantum)) for run in runs if run.id != invocation_id]
+    return (sum(charge for _, charge in below),
+            [(run.id, run.turns, run.tool_calls, charge) for run, charge in below
+             if run.outcome == "running"])
