@@ -22,8 +22,8 @@ from loopengine.guards._credits import turn_credits
 from loopengine.persistence._schema import UNRELEASED
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "RunEntries", "TreeRun", "account_of",
-           "charged", "descendants", "entries", "every_entries", "expire", "journal", "lock",
-           "open_differences", "read", "recover", "tree"]
+           "charged", "close_reservations", "descendants", "entries", "every_entries", "journal",
+           "lock", "open_differences", "read", "tree"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -130,9 +130,9 @@ note of an expiry's release, `entries`)."""
 def entries(conn: Any, invocation_id: str) -> RunEntries:
     """What the journal says of the invocation's settlement, in one statement.
     An expiry's ``release`` is the one that carries the reservation's
-    ``expires_at`` (`expire`), or, written by a version that kept no
-    ``expires_at`` on a release (a fleet part-way through an upgrade shares
-    the schema), the one with an expiry's note."""
+    ``expires_at`` (`close_reservations`), or, written by a version that kept
+    no ``expires_at`` on a release (a fleet part-way through an upgrade
+    shares the schema), the one with an expiry's note."""
     return _run_entries(*conn.execute(f"SELECT {_RUN_SUMS} FROM account_entries WHERE "
                                       "invocation_id = ?", (_NOTES["expire"][1], invocation_id)
                                       ).fetchone())
@@ -178,28 +178,17 @@ def open_differences(conn: Any) -> list[tuple[str, str, int, int]]:
     return sorted(found)
 
 
-def expire(conn: Any, account: str, now: str, *, recovered: str | None = None) -> None:
-    """Settle ``account``'s expired reservations that were never released, and
-    then, for a recovered run's admission, as `recover` does, the reservation
-    of ``recovered``: one reading of the open reservations for both."""
-    _close(conn, account, now, expired=True, recovered=recovered)
-
-
-def recover(conn: Any, account: str, invocation_id: str, now: str) -> None:
-    """Settle the reservation of ``invocation_id`` left by a running segment whose
-    process died (its run is recovered, and reserves again): charged what the
-    ledger says it spent, and released."""
-    _close(conn, account, now, recovered=invocation_id)
-
-
-def _close(conn: Any, account: str, now: str, *, expired: bool = False,
-           recovered: str | None = None) -> None:
+def close_reservations(conn: Any, account: str, now: str, *, expired: bool,
+                       recovered: str | None = None) -> None:
     """Charge and release ``account``'s open reservations that expired (if
-    ``expired``; kind ``expire``, the release keeping the reservation's
-    ``expires_at``: `entries` knows an expiry by it) and then those of the
-    invocation ``recovered`` (kind ``settle``), each group in the order
-    they were reserved; from one reading of ``open_reservations`` (its rows
-    as many as the account's runs in flight, whatever its history)."""
+    ``expired``: every transaction that admits a run, grants or reads a
+    balance settles them first; kind ``expire``, the release keeping the
+    reservation's ``expires_at``: `entries` knows an expiry by it) and then
+    the one of the invocation ``recovered`` (kind ``settle``: a recovered
+    run's, left by the running segment whose process died, charged what the
+    ledger says that segment spent), each group in the order they were
+    reserved; from one reading of ``open_reservations`` (its rows as many as
+    the account's runs in flight, whatever its history)."""
     which, values = [], []
     if expired:
         which.append("o.expires_at < ?")
@@ -235,7 +224,8 @@ def _close(conn: Any, account: str, now: str, *, expired: bool = False,
 _NOTES = {"expire": ("settled after its reservation expired",
                      "released after its reservation expired"),
           "settle": ("settled when its run was recovered", "released when its run was recovered")}
-"""The notes of the entries `_close` writes, by the kind of its charge: for a reader."""
+"""The notes of the entries `close_reservations` writes, by the kind of its charge:
+for a reader."""
 
 
 TREE = ("WITH RECURSIVE tree (id) AS (SELECT CAST(? AS TEXT) UNION ALL "
