@@ -154,7 +154,7 @@ class CreditAccounts:
 
         def work(conn: Any, now: str) -> tuple[AccountBalance, bool]:
             store.lock(conn, account)
-            store.expire(conn, account, now)
+            store.close_reservations(conn, account, now, expired=True)
             before = store.read(conn, account)
             if before.granted > _validate.MAX_INTEGER - credits:
                 # SQLite would store the sum as an inexact real, PostgreSQL refuse it.
@@ -182,7 +182,7 @@ class CreditAccounts:
 
         def work(conn: Any, now: str) -> AccountBalance:
             store.lock(conn, account)
-            store.expire(conn, account, now)
+            store.close_reservations(conn, account, now, expired=True)
             return store.read(conn, account)
 
         return await self._transaction(work)
@@ -213,7 +213,7 @@ class CreditAccounts:
 
         def work(conn: Any, now: str) -> Reservation:
             store.lock(conn, account)
-            store.expire(conn, account, now, recovered=invocation_id)
+            store.close_reservations(conn, account, now, expired=True, recovered=invocation_id)
             available = store.read(conn, account).available
             amount = max(0, min(hold + margin, available))
             if amount <= margin:
@@ -233,7 +233,7 @@ class CreditAccounts:
 
         def work(conn: Any, now: str) -> None:
             store.lock(conn, account)
-            store.recover(conn, account, invocation_id, now)
+            store.close_reservations(conn, account, now, expired=False, recovered=invocation_id)
 
         await self._transaction(work)
 

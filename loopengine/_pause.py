@@ -40,11 +40,7 @@ from loopengine._usage import Usage
 from loopengine.events import RunEnded, RunPaused, RunResumed
 from loopengine.guards._checkpoints import ConversationState
 from loopengine.guards._deadline import Deadline
-from loopengine.persistence._account_store import (
-    TreeRun,
-    descendants_charged,
-    running_descendants,
-)
+from loopengine.persistence._account_store import TreeRun, descendants
 from loopengine.persistence._planner import PROGRESS_USAGE, usage_counts
 from loopengine.persistence._records import InvocationEnd, InvocationProgress
 
@@ -275,13 +271,13 @@ async def end_dead_descendants(
         inv: Invocation, read_tree: Callable[[str], Awaitable[Sequence[TreeRun]]]) -> int:
     """End each run that the recovered run ``inv`` delegated to (its tree below
     it) and that its dead process left ``running``; return what its tree below
-    it charged (`descendants_charged`).
+    it charged (`descendants`).
 
     Each is ended ``failed`` (its process died under it: it reached no
     outcome), its tool calls as the ledger has them, its turns the last its
     attempt rows were sent in (an attempt it left dispatched stays so), its
-    credits what `descendants_charged` counts for
-    it, so the tree's charge is the same before and after. Through the
+    credits what `descendants` counts for it, so the tree's charge is the same
+    before and after. Through the
     ledger's writer, as a compare-and-set on the row still being
     ``running``: of two recoveries (or a recovery recovered again) one ends
     it. A run paused or ended is not touched. Each one ended gets the
@@ -293,8 +289,7 @@ async def end_dead_descendants(
     prices = inv.prices
     rate, quantum = prices.credits_per_usd, prices.credit_quantum
     runs = await read_tree(inv.id)
-    charged = descendants_charged(runs, inv.id, rate, quantum)
-    dead = running_descendants(runs, inv.id, rate, quantum)
+    charged, dead = descendants(runs, inv.id, rate, quantum)
     assert inv.ledger is not None
     at = inv.clock.wall()
     for member, turns, tool_calls, credits in dead:

@@ -9,6 +9,7 @@ from decimal import Decimal
 from typing import Any
 
 import loopengine as le
+from loopengine.persistence._account_store import RunEntries, entries, every_entries
 from loopengine.testing import FakeClock
 
 
@@ -75,3 +76,25 @@ async def test_r03_an_expiry_written_without_expires_at_is_still_an_expiry(
         ("released after its reservation expired", 0)]
     await accounts.settle(reservation, 40)
     assert await accounts.balance("acme") == le.AccountBalance("acme", 1000, 40, 0, 960)
+
+
+async def test_every_runs_entries_read_at_once_are_each_runs_own(each_database: Any) -> None:
+    """The audit reads every run's summary in one statement (`every_entries`): for
+    a run alive past its expiry, one recovered, one settled and one still
+    reserved it is what each run's own reading (`entries`) says."""
+    await _expired(each_database, "alive")
+    clock = FakeClock()
+    accounts = le.CreditAccounts(each_database, clock=clock)
+    await _reserve(accounts, clock, "dead")
+    await accounts.recover("acme", "dead")
+    await accounts.settle(await _reserve(accounts, clock, "done"), 25)
+    await _reserve(accounts, clock, "running")
+
+    def read(conn: Any) -> tuple[dict[str, RunEntries], list[RunEntries]]:
+        runs = ("alive", "dead", "done", "running")
+        return every_entries(conn), [entries(conn, run) for run in runs]
+
+    every, each = await each_database._transact_qmark(read, "read")
+    assert each == [RunEntries(True, True, 0), RunEntries(True, False, 0),
+                    RunEntries(True, False, 25), RunEntries(False, False, 0)]
+    assert every == dict(zip(("alive", "dead", "done", "running"), each, strict=True))

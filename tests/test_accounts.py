@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -519,6 +520,38 @@ async def test_reconcile_names_a_run_released_without_its_charge(
     found = json.loads(broken.output)["accounts"]
     assert found == [{"account": "acme", "column": "charged", "recorded": 0, "computed": 120,
                       "invocation_id": result.invocation_id}]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_reconcile_checks_a_resumed_runs_charge_only_once_it_is_released(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A run whose first segment settled 30 credits at its pause and whose second
+    segment still holds its reservation is settled only part-way: reconcile does
+    not compare its charge with its credits yet. Once the second segment
+    settles, it does (here the ledger holds no invocation that charged them,
+    so the 45 settled are named against the 0 it says)."""
+    clock = FakeClock()
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        accounts = le.CreditAccounts(ledger, clock=clock)
+        await accounts.grant("acme", 1000)
+
+        async def segment() -> Any:
+            return await accounts.reserve(
+                "acme", "resumed", 100, expires_at=clock.wall() + timedelta(hours=1),
+                credits_per_usd=Decimal(1000), credit_quantum=1)
+
+        await accounts.settle(await segment(), 30)
+        running = await segment()
+        in_progress = audit("reconcile", "--db", address, "--json")
+        await accounts.settle(running, 45)
+    assert in_progress.exit_code == 0, in_progress.output
+    assert json.loads(in_progress.output)["accounts"] == []
+    settled = audit("reconcile", "--db", address, "--json")
+    assert settled.exit_code == 1, settled.output
+    assert json.loads(settled.output)["accounts"] == [
+        {"account": "acme", "column": "charged", "recorded": 45, "computed": 0,
+         "invocation_id": "resumed"}]
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])

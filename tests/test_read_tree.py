@@ -12,11 +12,7 @@ from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
-from loopengine.persistence._account_store import (
-    TreeRun,
-    descendants_charged,
-    running_descendants,
-)
+from loopengine.persistence._account_store import TreeRun, descendants
 
 from .ledger_support import NOW, dispatch, end, settle, start
 
@@ -51,6 +47,5 @@ async def test_a_tree_reads_alike_on_every_store(each_ledger: Any) -> None:
         TreeRun("grandchild", "running", 3, 0, 0, (1_500_000_000, 2_300_000_000)),
     ]
     rate = Decimal(1)  # a credit a USD: 1.5 USD -> 2, 2.3 USD -> 3
-    assert descendants_charged(runs, "root", rate, 1) == 7 + 2 + 3
-    assert running_descendants(runs, "root", rate, 1) == [("grandchild", 3, 0, 5)]
+    assert descendants(runs, "root", rate, 1) == (7 + 2 + 3, [("grandchild", 3, 0, 5)])
     assert await ledger.read_tree("nobody") == []

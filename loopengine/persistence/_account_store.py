@@ -22,8 +22,8 @@ from loopengine.guards._credits import turn_credits
 from loopengine.persistence._schema import UNRELEASED
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "RunEntries", "TreeRun", "account_of",
-           "charged", "descendants_charged", "entries", "expire", "journal", "lock",
-           "open_differences", "read", "recover", "running_descendants", "tree"]
+           "charged", "close_reservations", "descendants", "entries", "every_entries", "journal",
+           "lock", "open_differences", "read", "tree"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -117,24 +117,41 @@ class RunEntries:
     paused, or an expiry's): a settlement charges only what comes on top."""
 
 
+_RUN_SUMS = ("COALESCE(SUM(CASE kind WHEN 'reserve' THEN 1 WHEN 'release' THEN -1 ELSE 0 END), 0), "
+             f"COALESCE({JOURNAL_SUMS['spent']}, 0), MAX(CASE WHEN kind = 'release' THEN id END), "
+             "MAX(CASE WHEN kind = 'release' AND (expires_at IS NOT NULL OR note = ?) THEN id "
+             "END), MAX(CASE WHEN kind = 'settle' THEN id END)")
+"""A run's journal entries as `RunEntries` reads them: its reservations not
+released, what was charged to it (as ``spent`` counts it), and the ids of its
+last release, last expiry's release and last settlement (the parameter: the
+note of an expiry's release, `entries`)."""
+
+
 def entries(conn: Any, invocation_id: str) -> RunEntries:
     """What the journal says of the invocation's settlement, in one statement.
     An expiry's ``release`` is the one that carries the reservation's
-    ``expires_at`` (`expire`), or, written by a version that kept no
-    ``expires_at`` on a release (a fleet part-way through an upgrade shares
-    the schema), the one with an expiry's note."""
-    reserves, releases, settled, last_release, last_expiry, last_settle = conn.execute(
-        "SELECT COALESCE(SUM(CASE WHEN kind = 'reserve' THEN 1 ELSE 0 END), 0), "
-        "COALESCE(SUM(CASE WHEN kind = 'release' THEN 1 ELSE 0 END), 0), "
-        "COALESCE(SUM(CASE WHEN kind IN ('settle', 'expire') THEN credits ELSE 0 END), 0), "
-        "MAX(CASE WHEN kind = 'release' THEN id END), "
-        "MAX(CASE WHEN kind = 'release' AND (expires_at IS NOT NULL OR note = ?) THEN id END), "
-        "MAX(CASE WHEN kind = 'settle' THEN id END) "
-        "FROM account_entries WHERE invocation_id = ?",
-        (_NOTES["expire"][1], invocation_id)).fetchone()
+    ``expires_at`` (`close_reservations`), or, written by a version that kept
+    no ``expires_at`` on a release (a fleet part-way through an upgrade
+    shares the schema), the one with an expiry's note."""
+    return _run_entries(*conn.execute(f"SELECT {_RUN_SUMS} FROM account_entries WHERE "
+                                      "invocation_id = ?", (_NOTES["expire"][1], invocation_id)
+                                      ).fetchone())
+
+
+def every_entries(conn: Any) -> dict[str, RunEntries]:
+    """`entries` of every invocation the journal names, in one statement (for
+    the audit, which reads them all)."""
+    return {str(run): _run_entries(*sums) for run, *sums in conn.execute(
+        f"SELECT invocation_id, {_RUN_SUMS} FROM account_entries WHERE invocation_id IS NOT "
+        "NULL GROUP BY invocation_id", (_NOTES["expire"][1],))}
+
+
+def _run_entries(unreleased: int, settled: int, last_release: int | None,
+                 last_expiry: int | None, last_settle: int | None) -> RunEntries:
+    """`RunEntries` from a row of `_RUN_SUMS`."""
     outlived = (last_expiry is not None and last_expiry == last_release
                 and (last_settle is None or last_settle < last_expiry))
-    return RunEntries(int(releases) >= int(reserves), outlived, int(settled))
+    return RunEntries(int(unreleased) <= 0, outlived, int(settled))
 
 
 def account_of(conn: Any, invocation_id: str) -> str | None:
@@ -161,28 +178,17 @@ def open_differences(conn: Any) -> list[tuple[str, str, int, int]]:
     return sorted(found)
 
 
-def expire(conn: Any, account: str, now: str, *, recovered: str | None = None) -> None:
-    """Settle ``account``'s expired reservations that were never released, and
-    then, for a recovered run's admission, as `recover` does, the reservation
-    of ``recovered``: one reading of the open reservations for both."""
-    _close(conn, account, now, expired=True, recovered=recovered)
-
-
-def recover(conn: Any, account: str, invocation_id: str, now: str) -> None:
-    """Settle the reservation of ``invocation_id`` left by a running segment whose
-    process died (its run is recovered, and reserves again): charged what the
-    ledger says it spent, and released."""
-    _close(conn, account, now, recovered=invocation_id)
-
-
-def _close(conn: Any, account: str, now: str, *, expired: bool = False,
-           recovered: str | None = None) -> None:
+def close_reservations(conn: Any, account: str, now: str, *, expired: bool,
+                       recovered: str | None = None) -> None:
     """Charge and release ``account``'s open reservations that expired (if
-    ``expired``; kind ``expire``, the release keeping the reservation's
-    ``expires_at``: `entries` knows an expiry by it) and then those of the
-    invocation ``recovered`` (kind ``settle``), each group in the order
-    they were reserved; from one reading of ``open_reservations`` (its rows
-    as many as the account's runs in flight, whatever its history)."""
+    ``expired``: every transaction that admits a run, grants or reads a
+    balance settles them first; kind ``expire``, the release keeping the
+    reservation's ``expires_at``: `entries` knows an expiry by it) and then
+    the one of the invocation ``recovered`` (kind ``settle``: a recovered
+    run's, left by the running segment whose process died, charged what the
+    ledger says that segment spent), each group in the order they were
+    reserved; from one reading of ``open_reservations`` (its rows as many as
+    the account's runs in flight, whatever its history)."""
     which, values = [], []
     if expired:
         which.append("o.expires_at < ?")
@@ -218,7 +224,8 @@ def _close(conn: Any, account: str, now: str, *, expired: bool = False,
 _NOTES = {"expire": ("settled after its reservation expired",
                      "released after its reservation expired"),
           "settle": ("settled when its run was recovered", "released when its run was recovered")}
-"""The notes of the entries `_close` writes, by the kind of its charge: for a reader."""
+"""The notes of the entries `close_reservations` writes, by the kind of its charge:
+for a reader."""
 
 
 TREE = ("WITH RECURSIVE tree (id) AS (SELECT CAST(? AS TEXT) UNION ALL "
@@ -281,20 +288,16 @@ def charged(conn: Any, invocation_id: str, rate: Decimal, quantum: int) -> int:
     return sum(run.charge(rate, quantum) for run in tree(conn, invocation_id))
 
 
-def descendants_charged(runs: Sequence[TreeRun], invocation_id: str, rate: Decimal,
-                        quantum: int) -> int:
+def descendants(runs: Sequence[TreeRun], invocation_id: str, rate: Decimal, quantum: int
+                ) -> tuple[int, list[tuple[str, int, int, int]]]:
     """What the runs ``invocation_id`` delegated to charged, theirs included, of
     its tree ``runs`` (`tree`): its tree's charge less its own (a run recovered
     after its process died learns so what its sub-agents spent, those cut by
-    the crash too)."""
-    return sum(run.charge(rate, quantum) for run in runs if run.id != invocation_id)
-
-
-def running_descendants(runs: Sequence[TreeRun], invocation_id: str, rate: Decimal,
-                        quantum: int) -> list[tuple[str, int, int, int]]:
-    """The runs of the tree ``runs`` (`tree`) below ``invocation_id`` that the
-    ledger still holds ``running``, in the order they started, as ``(id, turns,
-    tool_calls, charge)``: their turns and tool calls as `TreeRun` reads them,
-    and what `descendants_charged` counts for them."""
-    return [(run.id, run.turns, run.tool_calls, run.charge(rate, quantum))
-            for run in runs if run.outcome == "running" and run.id != invocation_id]
+    the crash too); and those of them the ledger still holds ``running``, in
+    the order they started, as ``(id, turns, tool_calls, charge)``: their turns
+    and tool calls as `TreeRun` reads them, and the charge counted for them in
+    that sum (each run's charge computed once, for both)."""
+    below = [(run, run.charge(rate, quantum)) for run in runs if run.id != invocation_id]
+    return (sum(charge for _, charge in below),
+            [(run.id, run.turns, run.tool_calls, charge) for run, charge in below
+             if run.outcome == "running"])

@@ -687,28 +687,21 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
         found += [AccountMismatch(account, "open", held, journal, invocation_id)
                   for account, invocation_id, held, journal
                   in _account_store.open_differences(conn)]
-    for account, invocation_id, charged, rate, quantum, unreleased in conn.execute(
-            # Every run that reserved, its charge 0 when its reservation was
-            # released with none; one row of rates per invocation (a resumed
-            # run reserved once per segment), with how many of its
-            # reservations are not released.
-            "SELECT r.account, r.invocation_id, "
-            "COALESCE(SUM(CASE WHEN e.kind IN ('settle', 'expire') THEN e.credits END), 0), "
-            "r.rate, r.quantum, "
-            "COALESCE(SUM(CASE e.kind WHEN 'reserve' THEN 1 WHEN 'release' THEN -1 END), 0) "
-            "FROM (SELECT account, invocation_id, MAX(credits_per_usd) AS rate, "
-            "MAX(credit_quantum) AS quantum FROM account_entries WHERE kind = 'reserve' "
-            "GROUP BY account, invocation_id) AS r LEFT JOIN account_entries AS e "
-            "ON e.invocation_id = r.invocation_id "
-            "AND e.kind IN ('settle', 'expire', 'reserve', 'release') "
-            "GROUP BY r.account, r.invocation_id, r.rate, r.quantum "
-            "ORDER BY r.account, r.invocation_id"):
-        if unreleased > 0:
+    journaled = _account_store.every_entries(conn)
+    for account, invocation_id, rate, quantum in conn.execute(
+            # One row of rates per invocation that reserved (a resumed run
+            # reserved once per segment).
+            "SELECT account, invocation_id, MAX(credits_per_usd), MAX(credit_quantum) "
+            "FROM account_entries WHERE kind = 'reserve' AND invocation_id IS NOT NULL "
+            "GROUP BY account, invocation_id ORDER BY account, invocation_id"):
+        run = journaled[invocation_id]
+        if not run.released:
             continue  # a resumed run in progress: its earlier segments' settlement is partial
-        # A root's reservation pays for its tree of delegated runs (docs/tools.md).
+        # A root's reservation pays for its tree of delegated runs (docs/tools.md);
+        # a reservation released with no charge is a charge of 0.
         expected = _account_store.charged(conn, invocation_id, Decimal(rate), int(quantum))
-        if charged != expected:
-            found.append(AccountMismatch(account, "charged", int(charged), expected,
+        if run.settled != expected:
+            found.append(AccountMismatch(account, "charged", run.settled, expected,
                                          invocation_id))
     return found
 
