@@ -1044,8 +1044,14 @@ def _check_resume_output(state: RunState, output: type[pydantic.BaseModel] | Non
                                     "the run was started without one")
     if output is None or state.output_digest is None:
         return  # a state encoded before the digest was kept: only the presence checked
-    if json_digest(final_tool_definition(output, state.final_tool)) != \
-            state.output_digest:
+    definition = final_tool_definition(output, state.final_tool)
+    digests = {json_digest(definition)}
+    earlier = _validate.earlier_model_schema(output)
+    if earlier is not None:
+        # A recursive model's run paused when its schema was sent as a bare
+        # ``$ref``: its digest is of that schema, the same model's.
+        digests.add(json_digest(definition | {"input_schema": earlier}))
+    if state.output_digest not in digests:
         raise ConfigError("output", f"must be the output model the run was started with: "
                                     f"{output.__name__}'s JSON schema is not the run's")
 
