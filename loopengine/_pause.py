@@ -402,7 +402,8 @@ async def resume_begin(inv: Invocation, conversation: ConversationState) -> None
         operation_version=inv.operation.version, provider=inv.operation.provider,
         model=inv.operation.model, kind="run", tenant=inv.attribution.tenant,
         feature=inv.attribution.feature, correlation_id=inv.attribution.correlation_id,
-        vendor=inv.vendor, paused_seconds=inv.paused_seconds, turns=conversation.turns,
+        vendor=inv.vendor, genai_operation=inv.genai_operation,
+        paused_seconds=inv.paused_seconds, turns=conversation.turns,
         tool_calls=conversation.tool_calls, attempts=inv.base_attempts,
         credits=conversation.credits))
     if inv.accounts is not None:

@@ -208,6 +208,10 @@ class GeminiProvider(SDKProvider[_Session]):
         self._name_route("google-vertex" if vertex else "google",
                          "gemini-vertex" if vertex else "gemini")
 
+    genai_operation = "generate_content"
+    """Gemini's ``generateContent``, on the Gemini API and on Vertex AI alike:
+    the OpenTelemetry GenAI conventions' ``generate_content``."""
+
     features = frozenset({"thinking"})
     """The Gemini API's optional request features (docs/providers.md): ``thinking``,
     sent as ``thinkingConfig.thinkingBudget`` (``-1``, dynamic, for an adaptive
