@@ -341,6 +341,45 @@ async def test_a_lone_change_after_a_quiet_second_is_listed_at_once() -> None:
         assert clock.sleeps[start:] == [0.75]
 
 
+async def test_a_second_change_within_the_second_is_not_lost_and_a_run_after_it_reads_it(
+) -> None:
+    """Two changes a quarter second apart: the first is listed at once; the second
+    waits, unlisted, for the second to end (the clock stands still). Meanwhile
+    the tools a run starting now reads (`current_tools`) are not returned until
+    that listing has read them; once the clock moves on, one listing reads the
+    second change and the run sees it."""
+    watch = Watch()
+    clock = HeldClock(watch)
+    sdk = Server(watch)
+    async with in_process(sdk, clock=clock) as server:
+        await listening(server)
+        clock.advance(5.0)
+        base = sdk.lists
+        sdk.add("first")
+        assert "first" in await relisted(server, sdk)  # at once: the clock stands still
+        assert sdk.lists == base + 1
+        clock.advance(0.25)
+        sdk.add("second")
+        event = watch.arm()
+        await sdk.changed()
+        while not clock.sleeping:
+            await event.wait()
+            event = watch.arm()
+        seen: list[set[str]] = []
+
+        async def run_starts() -> None:
+            seen.append({t.name for t in await server.current_tools()})
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run_starts)
+            for _ in range(20):
+                await anyio.lowlevel.checkpoint()
+            assert seen == [] and sdk.lists == base + 1  # waiting for the second to end
+            clock.advance(0.75)
+        assert seen == [{"echo", "add", "other", "first", "second"}]
+        assert sdk.lists == base + 2
+
+
 async def test_a_change_before_the_listen_stream_began_is_read_after_the_first_listing(
 ) -> None:
     """The server reads its tools for the first listing, then changes them before the
