@@ -51,6 +51,26 @@ class DyingStore(HookedStore):
             raise Died
 
 
+async def died_adopting(ledger: Any, clock: FakeClock, store: le.RunStore
+                        ) -> tuple[Sender, ScriptedProvider, le.RunResult,
+                                   dict[str, le.Decision]]:
+    """A run paused on an engine without a run store, then a resume approving its
+    call on an engine with ``store``, whose process dies (`Died`) as it adopts
+    the run: the sender, the provider, the paused result and the decisions."""
+    sender = Sender()
+    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
+    plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                      rng=random.Random(3))
+    paused = await plain.run(operation(total_time=600.0), "go", tools=[sender.tool])
+    assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+    approve: dict[str, le.Decision] = {paused.pending[0].id: le.Approve()}
+    dying = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
+    with pytest.raises(Died):
+        await dying.resume(paused.state.dumps(), decisions=approve, tools=[sender.tool])
+    assert sender.sent == [] and len(provider.requests) == 1
+    return sender, provider, paused, approve
+
+
 @pytest.mark.parametrize("when", ["instead", "after", "taken"])
 async def test_a_resume_that_dies_adopting_a_run_leaves_it_recoverable(
         each_ledger: Any, clock: FakeClock, when: str) -> None:
@@ -62,20 +82,10 @@ async def test_a_resume_that_dies_adopting_a_run_leaves_it_recoverable(
     (past the dead resume's lease: ``force``) and completes it, the approved
     call run once."""
     ledger = each_ledger
-    sender = Sender()
-    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
-    plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
-                      rng=random.Random(3))
-    paused = await plain.run(operation(total_time=600.0), "go", tools=[sender.tool])
-    assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+    sender, provider, paused, approve = await died_adopting(
+        ledger, clock, DyingStore(ledger, when))
+    assert paused.state is not None
     stored, run_id = paused.state.dumps(), paused.invocation_id
-    approve: dict[str, le.Decision] = {paused.pending[0].id: le.Approve()}
-
-    dying = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
-                      run_store=DyingStore(ledger, when))
-    with pytest.raises(Died):
-        await dying.resume(stored, decisions=approve, tools=[sender.tool])
-    assert sender.sent == [] and len(provider.requests) == 1
     taken = "running" if when == "taken" else "paused"
     assert (await ledger.read_progress(run_id)).outcome == taken
     store = le.RunStore(ledger)
@@ -105,12 +115,18 @@ class OvertakenStore(HookedStore):
     async def after(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
         """After an insert, take the pause as another resume would."""
         if "create" in wrote:
-            found = await self.ledger.read_progress(invocation_id)
-            assert found is not None and found.seal is not None
-            await self.ledger.end_invocation(InvocationEnd(
-                id=invocation_id, ended_at=None, outcome="running", turns=found.turns,
-                tool_calls=found.tool_calls, credits=found.credits,
-                at=datetime.now(UTC), seal="resumed:another", expect_seal=found.seal))
+            await take_as_another(self.ledger, invocation_id)
+
+
+async def take_as_another(ledger: Any, invocation_id: str) -> None:
+    """Take the run's pause as a resume on an engine without a run store would:
+    the ledger's compare-and-set on the pause's seal, its token ``resumed:another``."""
+    found = await ledger.read_progress(invocation_id)
+    assert found is not None and found.outcome == "paused" and found.seal is not None
+    await ledger.end_invocation(InvocationEnd(
+        id=invocation_id, ended_at=None, outcome="running", turns=found.turns,
+        tool_calls=found.tool_calls, credits=found.credits,
+        at=datetime.now(UTC), seal="resumed:another", expect_seal=found.seal))
 
 
 async def test_an_adopting_resume_overtaken_at_its_take_deletes_the_row_it_inserted(
@@ -153,18 +169,9 @@ async def test_a_row_left_by_an_overtaken_adopting_resume_that_died_takes_nothin
     still that resume's; and the row is gone, so no later recovery tries again
     (a resume of the paused state is refused as any resume of a taken pause)."""
     ledger = each_ledger
-    sender = Sender()
-    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")],
-                                clock=clock)
-    plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES)
-    paused = await plain.run(operation(total_time=600.0), "go", tools=[sender.tool])
-    assert paused.state is not None
+    sender, provider, paused, approve = await died_adopting(
+        ledger, clock, OvertakenDyingStore(ledger))
     run_id = paused.invocation_id
-    approve: dict[str, le.Decision] = {paused.pending[0].id: le.Approve()}
-    dying = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
-                      run_store=OvertakenDyingStore(ledger))
-    with pytest.raises(Died):
-        await dying.resume(paused.state, tools=[sender.tool], decisions=approve)
     store = le.RunStore(ledger)
     row = await store.load(run_id)
     assert row is not None and row.lease_owner is not None  # left behind, leased
@@ -188,12 +195,7 @@ class ClaimOvertakenStore(le.RunStore):
     async def claim(self, invocation_id: str, owner: str, **kwargs: Any) -> None:
         """Claim, then take the pause as another resume would."""
         await super().claim(invocation_id, owner, **kwargs)
-        found = await self.ledger.read_progress(invocation_id)
-        assert found is not None and found.outcome == "paused"
-        await self.ledger.end_invocation(InvocationEnd(
-            id=invocation_id, ended_at=None, outcome="running", turns=found.turns,
-            tool_calls=found.tool_calls, credits=found.credits,
-            at=datetime.now(UTC), seal="resumed:another", expect_seal=found.seal))
+        await take_as_another(self.ledger, invocation_id)
 
 
 async def test_a_recovery_of_a_run_still_paused_takes_its_pause_only_if_nobody_did(
@@ -204,18 +206,9 @@ async def test_a_recovery_of_a_run_still_paused_takes_its_pause_only_if_nobody_d
     compare-and-set on the pause's seal, is refused (RunBusyError, nothing sent
     or run) and the row deleted; the run is the other resume's."""
     ledger = each_ledger
-    sender = Sender()
-    provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")],
-                                clock=clock)
-    plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES)
-    paused = await plain.run(operation(total_time=600.0), "go", tools=[sender.tool])
-    assert paused.state is not None
+    sender, provider, paused, approve = await died_adopting(
+        ledger, clock, DyingStore(ledger, "after"))
     run_id = paused.invocation_id
-    approve: dict[str, le.Decision] = {paused.pending[0].id: le.Approve()}
-    dying = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
-                      run_store=DyingStore(ledger, "after"))
-    with pytest.raises(Died):
-        await dying.resume(paused.state, decisions=approve, tools=[sender.tool])
     clock.advance(3600.0)  # the dead resume's lease has expired
 
     store = ClaimOvertakenStore(ledger)
