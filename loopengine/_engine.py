@@ -52,7 +52,14 @@ from loopengine._runstate import (
     check_decisions,
     json_digest,
 )
-from loopengine._runstore import UNBOUNDED_RUN, RunStore, StoredRun, holds_run, new_owner
+from loopengine._runstore import (
+    UNBOUNDED_RUN,
+    RunStore,
+    StoredRun,
+    holds_run,
+    new_owner,
+    take_token,
+)
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
 from loopengine._tools import Tool, ToolSource, check_tool_name, expand_tools
@@ -489,8 +496,11 @@ class Engine:
                                        "store: resume it on an engine with "
                                        "run_store=RunStore(ledger)")
         await self._check_resume_account(state)
+        untaken = None
         if stored is not None:
             stored.check_free(self.clock.wall(), force)
+            if stored.unsettled_adoption():
+                untaken = await self._settle_adoption(stored)
         # A stored run that is not paused was running when its process died:
         # its last checkpoint is newer than any state the caller holds.
         recovering = stored is not None and stored.paused_at is None
@@ -569,8 +579,34 @@ class Engine:
         # A run paused without a run store: its first checkpoint adopts it
         # into this engine's (`_Loop.run`).
         return await resume_loop(inv, spec, state, decided, recovering=recovering,
+                                 untaken=untaken,
                                  undecided=undecided, release=release,
                                  adopt=self.run_store is not None and stored is None)
+
+    async def _settle_adoption(self, stored: StoredRun) -> str | None:
+        """The row a resume adopting the run inserted, its process dead before it
+        wrote again (`StoredRun.unsettled_adoption`): the recovery goes on when
+        that resume took the pause (the ledger holds its `take_token`: None is
+        returned) or nobody did (the ledger holds the pause the row's state is:
+        its seal is returned, for the recovery to take it as a resume does).
+        Otherwise another resume, on an engine without a run store, took the
+        pause, and the run is its own: the row is deleted, so that no recovery
+        takes the run from it.
+
+        Raises:
+            RunBusyError: another resume took the pause; nothing was taken.
+        """
+        assert self.run_store is not None and stored.lease_owner is not None
+        found = await self.run_store.ledger.read_progress(stored.invocation_id)
+        if found is None or found.outcome not in ("running", "paused"):
+            return None  # ended: the resume forgets the row and says so
+        if found.outcome == "running" and found.seal == take_token(stored.lease_owner):
+            return None
+        if found.outcome == "paused" and found.seal in (
+                None, RunState.loads(stored.state).seal()):
+            return found.seal or ""
+        await self.run_store.drop(stored.invocation_id, stored.lease_owner)
+        raise RunBusyError(stored.invocation_id, None, "another resume took its pause")
 
     async def _check_resume_account(self, state: RunState) -> None:
         """Refuse to resume a run that reserved its credits on an account on an
@@ -1041,8 +1077,14 @@ def _check_resume_output(state: RunState, output: type[pydantic.BaseModel] | Non
                                     "the run was started without one")
     if output is None or state.output_digest is None:
         return  # a state encoded before the digest was kept: only the presence checked
-    if json_digest(final_tool_definition(output, state.final_tool)) != \
-            state.output_digest:
+    definition = final_tool_definition(output, state.final_tool)
+    digests = {json_digest(definition)}
+    earlier = _validate.earlier_model_schema(output)
+    if earlier is not None:
+        # A recursive model's run paused when its schema was sent as a bare
+        # ``$ref``: its digest is of that schema, the same model's.
+        digests.add(json_digest(definition | {"input_schema": earlier}))
+    if state.output_digest not in digests:
         raise ConfigError("output", f"must be the output model the run was started with: "
                                     f"{output.__name__}'s JSON schema is not the run's")
 

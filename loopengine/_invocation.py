@@ -104,7 +104,7 @@ class Invocation:
         "lease_owner", "records", "reservation", "rng", "run_store",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "turns_credits",
         "unpriced",
-        "unpriced_warned", "usage", "usage_complete", "vendor", "geo",
+        "unpriced_warned", "usage", "usage_complete", "vendor", "genai_operation", "geo",
     )
     def __init__(
         self,
@@ -144,6 +144,8 @@ class Invocation:
         self.observers = tuple(observers)
         self.vendor = provider.vendor
         """Whose API serves the route: what ``served_by`` and prices name."""
+        self.genai_operation = provider.genai_operation
+        """What its requests are, as the GenAI conventions name the operation."""
         self.geo = provider.inference_geo
         """Where the provider serves every request, when that changes the price
         (`Provider.inference_geo`): each reply's usage carries it."""

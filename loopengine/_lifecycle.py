@@ -120,6 +120,7 @@ async def begin(inv: Invocation) -> None:
         model=inv.operation.model, kind="run" if inv.kind == "run" else "call",
         tenant=inv.attribution.tenant, feature=inv.attribution.feature,
         correlation_id=inv.attribution.correlation_id, vendor=inv.vendor,
+        genai_operation=inv.genai_operation,
         parent_invocation_id=inv.parent.id if inv.parent is not None else None,
     ))
     if inv.accounts is not None:

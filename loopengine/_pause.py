@@ -16,7 +16,6 @@ left, and a pause that outlasted ``Limits.pause_timeout`` ends it
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
@@ -35,6 +34,7 @@ from loopengine._lifecycle import (
 from loopengine._pricing import nanousd_to_usd
 from loopengine._raised import own_failure
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
+from loopengine._runstore import take_token
 from loopengine._tools import Tool
 from loopengine._usage import Usage
 from loopengine.events import RunEnded, RunPaused, RunResumed
@@ -157,8 +157,8 @@ def progress_of(inv: Invocation, conversation: ConversationState) -> Progress:
         turn_cost_nanousd=inv.turn_cost_nanousd(conversation.turns))
 
 
-async def prepare_resume(inv: Invocation, state: RunState, *,
-                         recovering: bool = False) -> ConversationState:
+async def prepare_resume(inv: Invocation, state: RunState, *, recovering: bool = False,
+                         untaken: str | None = None) -> ConversationState:
     """Make ``inv`` the next segment of the paused invocation of ``state``;
     return the conversation's counts to go on from.
 
@@ -172,7 +172,8 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
     dispatched after that checkpoint belongs to the turn it was on, which is
     sent again: its attempt numbers go on from them, and their charge is in
     that turn's credits (R03), so a reply billed just before a crash counts
-    against the hold.
+    against the hold. ``untaken``: a recovery of the row an adopting resume
+    left before its take: the seal of the pause to take.
 
     Raises:
         ConfigError: the ledger has no such invocation, or it is not paused,
@@ -212,6 +213,11 @@ async def prepare_resume(inv: Invocation, state: RunState, *,
             # What its end or its resume must find: this pause ("": one whose
             # ledger recorded no seal).
             inv.pause_seal = found.seal or ""
+        elif untaken is not None:
+            # A recovery of the row a dead adopting resume left before its take:
+            # the pause is taken as a resume takes it, so that a resume without
+            # a run store that took it since keeps it.
+            inv.pause_seal = untaken
         progress = found
         if recovering:
             progress = replace(found, turns=saved.turns, tool_calls=saved.tool_calls,
@@ -366,7 +372,7 @@ async def take_run(inv: Invocation, conversation: ConversationState, at: datetim
     record = InvocationEnd(
         id=inv.id, ended_at=None, outcome="running", turns=conversation.turns,
         tool_calls=conversation.tool_calls, credits=conversation.credits, at=at,
-        seal=f"resumed:{uuid.uuid4().hex}", expect_seal=inv.pause_seal)
+        seal=take_token(inv.lease_owner), expect_seal=inv.pause_seal)
     # Without a pause's seal, a recovery's: its lease took the run.
     await write_row(inv, record)
     # What this segment's end or pause must find (`held_end`).
@@ -391,7 +397,8 @@ async def resume_begin(inv: Invocation, conversation: ConversationState) -> None
         operation_version=inv.operation.version, provider=inv.operation.provider,
         model=inv.operation.model, kind="run", tenant=inv.attribution.tenant,
         feature=inv.attribution.feature, correlation_id=inv.attribution.correlation_id,
-        vendor=inv.vendor, paused_seconds=inv.paused_seconds, turns=conversation.turns,
+        vendor=inv.vendor, genai_operation=inv.genai_operation,
+        paused_seconds=inv.paused_seconds, turns=conversation.turns,
         tool_calls=conversation.tool_calls, attempts=inv.base_attempts,
         credits=conversation.credits))
     if inv.accounts is not None:

@@ -159,6 +159,7 @@ def run_loop(inv: Invocation, spec: RunSpec) -> Coroutine[Any, Any, RunResult]:
 async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
                       decisions: Mapping[str, Decision], *, recovering: bool = False,
                       undecided: bool = False, adopt: bool = False,
+                      untaken: str | None = None,
                       release: Callable[[], Coroutine[Any, Any, None]] | None = None
                       ) -> RunResult:
     """Resume the paused run of ``state`` (`loopengine._pause`): decide its pending
@@ -170,6 +171,8 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     is sent. ``adopt``: the run paused without a run store and resumes on an
     engine with one: its first checkpoint inserts its row, before it takes the
     pause, so it goes on under the store (docs/pause-and-resume.md).
+    ``untaken``: a recovery of the row such a resume left, its take not made:
+    the seal of the pause it takes (`prepare_resume`).
     ``release``: gives back the run its run store's claim took, when the
     resume fails before it begins.
 
@@ -179,7 +182,8 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
         RunBusyError: another resume took the pause first; nothing was recorded.
     """
     try:
-        conversation = await prepare_resume(inv, state, recovering=recovering)
+        conversation = await prepare_resume(inv, state, recovering=recovering,
+                                            untaken=untaken)
     except BaseException:
         # Refused or failed before anything was recorded (a ledger it could not
         # read): the run is left as it was found, not held until its lease expires.
@@ -192,6 +196,7 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     loop.answered_calls = dict(state.answered_calls)
     loop._given_messages = state.given
     loop.adopting = adopt
+    loop.recovering = recovering
     if undecided:
         # Taken in a segment of its own, as any recovery is: the dead process's
         # stays open (docs/ledger.md), and this one ends with the pause.
@@ -221,7 +226,7 @@ async def give_back(run_id: str, release: Callable[[], Coroutine[Any, Any, None]
 
 class _Loop:
     __slots__ = ("_call_ids", "_call_ids_of", "_given_messages", "adopting", "answered_calls",
-                 "charged", "cut_results",
+                 "charged", "cut_results", "recovering",
                  "definitions", "inv", "left_out", "permit", "resumed", "sourced", "spec",
                  "state", "tools", "transcript", "wrapping")
 
@@ -270,6 +275,8 @@ class _Loop:
         self.adopting = False
         """A resume whose run store holds no row of the run (it paused without
         one): its first checkpoint inserts it."""
+        self.recovering = False
+        """A resume of a run whose process died, from its run store's row."""
 
     @property
     def limits(self) -> Limits:
@@ -424,9 +431,11 @@ class _Loop:
     async def _begin_resumed(self) -> None:
         """Take the pause and begin the resumed segment (`resume_begin`).
 
-        An adopting resume whose take is refused (another resume, on an engine
-        without a run store, took the pause first) deletes the row it inserted:
-        the run is another's, and no recovery may take it from there.
+        An adopting resume, or a recovery, whose take is refused (another
+        resume, on an engine without a run store, took the pause first: a
+        recovery takes a pause only from the row a dead adopting resume left)
+        deletes the run's row: the run is another's, and no recovery may take
+        it from there.
 
         Raises:
             RunBusyError: another resume took the pause first.
@@ -435,7 +444,8 @@ class _Loop:
         try:
             await resume_begin(inv, self.state)
         except RunBusyError:
-            if self.adopting and inv.run_store is not None and inv.lease_owner is not None:
+            if (self.adopting or self.recovering) and inv.run_store is not None \
+                    and inv.lease_owner is not None:
                 await give_back(inv.id, functools.partial(inv.run_store.drop, inv.id,
                                                           inv.lease_owner))
             raise

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from loopengine._invocation import Invocation
 
 __all__ = ["DEFAULT_LEASE_GRACE", "UNBOUNDED_RUN", "CallMark", "RunStore", "StoredRun",
-           "holds_run", "lease_expiry", "new_owner"]
+           "holds_run", "lease_expiry", "new_owner", "take_token"]
 
 T = TypeVar("T")
 
@@ -82,6 +82,14 @@ class StoredRun:
     """When its lease expires: past it another process may take the run over."""
     paused_at: datetime | None
     """When it paused (None while it runs)."""
+
+    def unsettled_adoption(self) -> bool:
+        """Whether this is the row a resume adopting the run inserted before it took
+        the pause, written to by nobody since (its first write, leased, holding
+        the paused state): that resume's process died, and whether its take
+        happened, or another resume's did, only the ledger's seal says."""
+        return self.version == 1 and self.paused_at is None \
+            and self.lease_owner is not None and bool(RunState.loads(self.state).pending)
 
     def check_free(self, now: datetime, force: bool) -> None:
         """Raise unless a resume may take the run now: it is paused, or the
@@ -109,6 +117,15 @@ _MEMORY: weakref.WeakKeyDictionary[MemoryLedger, sqlite3.Connection] = \
 def new_owner() -> str:
     """A lease owner id: this host, this process, and a part unique to the segment."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+def take_token(owner: str | None) -> str:
+    """What a resume's take of a paused run writes as the ledger's seal while its
+    segment runs: ``resumed:`` and the segment's lease owner (without a run
+    store, a random part). Unique to the segment, and for a resume adopting a
+    run, readable from the row it inserted: a recovery of that row tells its
+    take from another resume's (`StoredRun.unsettled_adoption`)."""
+    return f"resumed:{owner if owner is not None else uuid.uuid4().hex}"
 
 
 def lease_expiry(inv: Invocation, grace: float) -> datetime:

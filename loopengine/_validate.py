@@ -243,11 +243,12 @@ def model_schema(field: str, model: object) -> dict[str, Any]:
                                  f"tool's input: {reason}") from None
     schema.pop("title", None)
     ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#/$defs/") and set(schema) <= {"$ref", "$defs"}:
+    if _bare_ref(schema):
         # A recursive model's schema is only a reference to its own definition;
         # every API wants a tool's input schema to say ``"type": "object"`` at
         # its root, so the definition is put there (still in ``$defs`` for the
         # references inside it).
+        assert isinstance(ref, str)
         top = (schema.get("$defs") or {}).get(ref.removeprefix("#/$defs/"))
         if isinstance(top, Mapping):
             schema = {key: value for key, value in top.items() if key != "title"} | {
@@ -259,6 +260,24 @@ def model_schema(field: str, model: object) -> dict[str, Any]:
                                  "value a field of a model)")
     copied: dict[str, Any] = json_copy(field, schema)
     return copied
+
+
+def _bare_ref(schema: Mapping[str, Any]) -> bool:
+    """Whether a model's schema (its title removed) is pydantic's bare ``$ref`` to
+    the model's own definition in ``$defs``, as a recursive model's is."""
+    ref = schema.get("$ref")
+    return isinstance(ref, str) and ref.startswith("#/$defs/") \
+        and set(schema) <= {"$ref", "$defs"}
+
+
+def earlier_model_schema(model: type[pydantic.BaseModel]) -> dict[str, Any] | None:
+    """The schema `model_schema` gave a recursive model before its definition was
+    put at the root: pydantic's bare ``$ref`` (with its ``$defs``, without its
+    title), which a run paused then keeps the digest of. None for a model whose
+    schema was the same then (``model`` is one `model_schema` accepted)."""
+    schema = model.model_json_schema()
+    schema.pop("title", None)
+    return schema if _bare_ref(schema) else None
 
 
 def file_path(field: str, value: object) -> str:

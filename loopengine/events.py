@@ -71,6 +71,10 @@ class RunSegment(Event):
     vendor: str | None = None
     """Whose API serves the route (``anthropic`` for a route named
     ``anthropic-eu``): what ``served_by`` and prices name."""
+    genai_operation: str | None = None
+    """What the route's requests are, as the OpenTelemetry GenAI conventions
+    name the operation (`loopengine.providers.Provider.genai_operation`):
+    ``chat``, or ``generate_content`` for Gemini's."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

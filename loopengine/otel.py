@@ -7,8 +7,9 @@ Install the extra (``pip install 'loopengine-core[otel]'``) and pass an observer
     engine = Engine(provider, observers=[OpenTelemetryObserver()])
 
 Each run gives one ``invoke_agent {operation}`` span; under it, one
-``chat {model}`` span per attempt (``generate_content {model}`` on the
-Gemini API; each wire request, retries included) and
+``chat {model}`` span per attempt (``generate_content {model}`` for
+Gemini's requests, on the Gemini API or Vertex AI; each wire request,
+retries included) and
 one ``execute_tool {tool}`` span per tool call. Span times are the events'
 times. The run span is a child of whatever span is current where the run was
 started, so a run joins the caller's trace. A run that pauses for approval
@@ -76,9 +77,9 @@ _PROVIDER_NAMES = {"anthropic": "anthropic", "bedrock": "aws.bedrock", "vertex":
                    "aws-bedrock": "aws.bedrock", "google-vertex": "gcp.vertex_ai",
                    "google": "gcp.gemini", "openai": "openai", "azure": "azure.ai.openai"}
 
-# gen_ai.operation.name of an attempt: the conventions name the Gemini API's
-# requests ``generate_content``; the others (and Gemini on Vertex AI, whose
-# provider name Claude on Vertex shares) are ``chat``.
+# gen_ai.operation.name of an attempt: what the run's provider says its requests
+# are (`Provider.genai_operation`, on the run's first event); for an event that
+# does not say, ``generate_content`` on the Gemini API, else ``chat``.
 _GENERATE_CONTENT = frozenset({"gcp.gemini"})
 
 # The GenAI names are spelled out rather than imported: the conventions'
@@ -169,6 +170,8 @@ class _RunSpans:
     context: Context
     provider: str
     model: str
+    operation: str
+    """The attempts' ``gen_ai.operation.name``."""
     common: dict[str, AttributeValue]
     """Attributes every span of the run carries (conversation id, output type)."""
     attempts: dict[int, Span] = field(default_factory=dict)
@@ -291,9 +294,11 @@ class OpenTelemetryObserver:
             f"invoke_agent {event.operation}", context=context, kind=SpanKind.INTERNAL,
             attributes=attributes, start_time=_ns(event.at), links=links,
         )
+        operation = event.genai_operation or (
+            "generate_content" if provider in _GENERATE_CONTENT else "chat")
         self._runs[event.run_id] = _RunSpans(
             span=span, context=trace.set_span_in_context(span), provider=provider,
-            model=event.model, common=common,
+            model=event.model, operation=operation, common=common,
         )
 
     def _guard_tripped(self, run: _RunSpans, event: GuardTripped) -> None:
@@ -338,7 +343,7 @@ class OpenTelemetryObserver:
     # -- attempts ---------------------------------------------------------------------
 
     def _attempt_started(self, run: _RunSpans, event: AttemptStarted) -> None:
-        operation = "generate_content" if run.provider in _GENERATE_CONTENT else "chat"
+        operation = run.operation
         run.attempts[event.ordinal] = self._tracer.start_span(
             f"{operation} {event.model}", context=run.context, kind=SpanKind.CLIENT,
             start_time=_ns(event.at),

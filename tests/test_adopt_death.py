@@ -31,15 +31,18 @@ class Died(BaseException):
 
 class DyingStore(HookedStore):
     """A run store whose process dies at the insert of an adopted run's row:
-    ``instead`` of it, or just ``after`` it committed."""
+    ``instead`` of it, or just ``after`` it committed; or once the resume took
+    the pause (``taken``), before anything more is written to the row."""
 
     def __init__(self, ledger: Any, when: str) -> None:
         super().__init__(ledger)
         self.when = when
 
     async def before(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
-        """Die instead of an insert."""
+        """Die instead of an insert, or of the first write after it."""
         if "create" in wrote and self.when == "instead":
+            raise Died
+        if "create" not in wrote and self.when == "taken":
             raise Died
 
     async def after(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
@@ -48,31 +51,43 @@ class DyingStore(HookedStore):
             raise Died
 
 
-@pytest.mark.parametrize("when", ["instead", "after"])
-async def test_a_resume_that_dies_adopting_a_run_leaves_it_recoverable(
-        each_ledger: Any, clock: FakeClock, when: str) -> None:
-    """Paused without a run store; a resume with one dies as it adopts the run
-    (instead of inserting its row, or once it did): nothing was sent or run,
-    and the ledger still holds the run paused, so it is not left ``running``
-    with nothing to recover it from. A resume with a run store then takes it
-    (past the dead resume's lease: ``force``) and completes it, the approved
-    call run once."""
-    ledger = each_ledger
+async def died_adopting(ledger: Any, clock: FakeClock, store: le.RunStore
+                        ) -> tuple[Sender, ScriptedProvider, le.RunResult,
+                                   dict[str, le.Decision]]:
+    """A run paused on an engine without a run store, then a resume approving its
+    call on an engine with ``store``, whose process dies (`Died`) as it adopts
+    the run: the sender, the provider, the paused result and the decisions."""
     sender = Sender()
     provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
     plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
                       rng=random.Random(3))
     paused = await plain.run(operation(total_time=600.0), "go", tools=[sender.tool])
     assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
-    stored, run_id = paused.state.dumps(), paused.invocation_id
     approve: dict[str, le.Decision] = {paused.pending[0].id: le.Approve()}
-
-    dying = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
-                      run_store=DyingStore(ledger, when))
+    dying = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
     with pytest.raises(Died):
-        await dying.resume(stored, decisions=approve, tools=[sender.tool])
+        await dying.resume(paused.state.dumps(), decisions=approve, tools=[sender.tool])
     assert sender.sent == [] and len(provider.requests) == 1
-    assert (await ledger.read_progress(run_id)).outcome == "paused"
+    return sender, provider, paused, approve
+
+
+@pytest.mark.parametrize("when", ["instead", "after", "taken"])
+async def test_a_resume_that_dies_adopting_a_run_leaves_it_recoverable(
+        each_ledger: Any, clock: FakeClock, when: str) -> None:
+    """Paused without a run store; a resume with one dies as it adopts the run
+    (instead of inserting its row, once it did, or once it also took the
+    pause): nothing was sent or run, and the ledger holds the run paused, or
+    taken by the dead resume whose row holds it, so it is not left ``running``
+    with nothing to recover it from. A resume with a run store then takes it
+    (past the dead resume's lease: ``force``) and completes it, the approved
+    call run once."""
+    ledger = each_ledger
+    sender, provider, paused, approve = await died_adopting(
+        ledger, clock, DyingStore(ledger, when))
+    assert paused.state is not None
+    stored, run_id = paused.state.dumps(), paused.invocation_id
+    taken = "running" if when == "taken" else "paused"
+    assert (await ledger.read_progress(run_id)).outcome == taken
     store = le.RunStore(ledger)
     row = await store.load(run_id)
     if when == "instead":
@@ -80,6 +95,7 @@ async def test_a_resume_that_dies_adopting_a_run_leaves_it_recoverable(
     else:
         # Held by the dead resume's lease: a recovery takes it once it expires.
         assert row is not None and row.lease_owner is not None and row.paused_at is None
+        assert row.unsettled_adoption()
 
     engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
     done = await engine.resume(stored, decisions=approve, tools=[sender.tool], force=True)
@@ -99,12 +115,18 @@ class OvertakenStore(HookedStore):
     async def after(self, invocation_id: str, wrote: tuple[str, ...]) -> None:
         """After an insert, take the pause as another resume would."""
         if "create" in wrote:
-            found = await self.ledger.read_progress(invocation_id)
-            assert found is not None and found.seal is not None
-            await self.ledger.end_invocation(InvocationEnd(
-                id=invocation_id, ended_at=None, outcome="running", turns=found.turns,
-                tool_calls=found.tool_calls, credits=found.credits,
-                at=datetime.now(UTC), seal="resumed:another", expect_seal=found.seal))
+            await take_as_another(self.ledger, invocation_id)
+
+
+async def take_as_another(ledger: Any, invocation_id: str) -> None:
+    """Take the run's pause as a resume on an engine without a run store would:
+    the ledger's compare-and-set on the pause's seal, its token ``resumed:another``."""
+    found = await ledger.read_progress(invocation_id)
+    assert found is not None and found.outcome == "paused" and found.seal is not None
+    await ledger.end_invocation(InvocationEnd(
+        id=invocation_id, ended_at=None, outcome="running", turns=found.turns,
+        tool_calls=found.tool_calls, credits=found.credits,
+        at=datetime.now(UTC), seal="resumed:another", expect_seal=found.seal))
 
 
 async def test_an_adopting_resume_overtaken_at_its_take_deletes_the_row_it_inserted(
@@ -128,3 +150,72 @@ async def test_an_adopting_resume_overtaken_at_its_take_deletes_the_row_it_inser
     progress = await ledger.read_progress(paused.invocation_id)
     assert (progress.outcome, progress.seal) == ("running", "resumed:another")
     assert await store.load(paused.invocation_id) is None
+
+
+class OvertakenDyingStore(OvertakenStore):
+    """An `OvertakenStore` whose process dies as the adopting resume deletes the
+    row it inserted, its take refused: the row stays, held by a dead lease."""
+
+    async def drop(self, invocation_id: str, owner: str) -> None:
+        raise Died
+
+
+async def test_a_row_left_by_an_overtaken_adopting_resume_that_died_takes_nothing(
+        each_ledger: Any, clock: FakeClock) -> None:
+    """Another resume takes the pause between the adopting resume's insert and its
+    take, and the adopting resume dies before it deletes its row. Once the dead
+    lease expires, a recovery of the run from that row takes nothing from the
+    resume that holds it: RunBusyError, nothing sent or run, the ledger's row
+    still that resume's; and the row is gone, so no later recovery tries again
+    (a resume of the paused state is refused as any resume of a taken pause)."""
+    ledger = each_ledger
+    sender, provider, paused, approve = await died_adopting(
+        ledger, clock, OvertakenDyingStore(ledger))
+    run_id = paused.invocation_id
+    store = le.RunStore(ledger)
+    row = await store.load(run_id)
+    assert row is not None and row.lease_owner is not None  # left behind, leased
+    clock.advance(3600.0)  # the dead resume's lease has expired
+
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
+    # By its id (the row), then by the state the pause returned (no row left).
+    for state, given in ((run_id, {}), (paused.state, approve)):
+        with pytest.raises(le.RunBusyError, match="another resume took its pause"):
+            await engine.resume(state, tools=[sender.tool], decisions=given)
+        assert sender.sent == [] and len(provider.requests) == 1
+        progress = await ledger.read_progress(run_id)
+        assert (progress.outcome, progress.seal) == ("running", "resumed:another")
+        assert await store.load(run_id) is None
+
+
+class ClaimOvertakenStore(le.RunStore):
+    """A run store on which, just after a resume claims a run's row, another
+    resume (on an engine without a run store) takes the run's pause."""
+
+    async def claim(self, invocation_id: str, owner: str, **kwargs: Any) -> None:
+        """Claim, then take the pause as another resume would."""
+        await super().claim(invocation_id, owner, **kwargs)
+        await take_as_another(self.ledger, invocation_id)
+
+
+async def test_a_recovery_of_a_run_still_paused_takes_its_pause_only_if_nobody_did(
+        each_ledger: Any, clock: FakeClock) -> None:
+    """An adopting resume died once it inserted the run's row, before its take: the
+    ledger still holds the pause. A recovery claims the row, and another resume
+    takes the pause before the recovery's take: the recovery's take, a
+    compare-and-set on the pause's seal, is refused (RunBusyError, nothing sent
+    or run) and the row deleted; the run is the other resume's."""
+    ledger = each_ledger
+    sender, provider, paused, approve = await died_adopting(
+        ledger, clock, DyingStore(ledger, "after"))
+    run_id = paused.invocation_id
+    clock.advance(3600.0)  # the dead resume's lease has expired
+
+    store = ClaimOvertakenStore(ledger)
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
+    with pytest.raises(le.RunBusyError, match="another resume took"):
+        await engine.resume(run_id, decisions=approve, tools=[sender.tool])
+    assert sender.sent == [] and len(provider.requests) == 1
+    progress = await ledger.read_progress(run_id)
+    assert (progress.outcome, progress.seal) == ("running", "resumed:another")
+    assert await store.load(run_id) is None

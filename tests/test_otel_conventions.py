@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import pydantic
 import pytest
+from google.oauth2.credentials import Credentials
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -378,6 +379,15 @@ async def _route(route: str) -> AsyncIterator[tuple[Provider, str, str]]:
                 yield provider, "gemini", "gemini-2.5-flash"
             finally:
                 await provider.aclose()
+    elif route == "gemini-vertex":
+        with FakeGeminiServer(script) as gemini:
+            provider = GeminiProvider(vertexai=True, project="p", location="us-central1",
+                                      credentials=Credentials(token="token"),
+                                      http_options={"base_url": gemini.url})
+            try:
+                yield provider, route, "gemini-2.5-flash"
+            finally:
+                await provider.aclose()
     elif route in ("openai", "openai-responses"):
         with FakeOpenAIServer(script) as openai_fake:
             kind = OpenAIProvider if route == "openai" else OpenAIResponsesProvider
@@ -408,23 +418,25 @@ async def _route(route: str) -> AsyncIterator[tuple[Provider, str, str]]:
 
 @pytest.mark.parametrize(("route", "expected"), [
     ("anthropic", "anthropic"), ("openai", "openai"), ("openai-responses", "openai"),
-    ("gemini", "gcp.gemini"), ("aws-bedrock", "aws.bedrock"),
-    ("google-vertex", "gcp.vertex_ai")])
+    ("gemini", "gcp.gemini"), ("gemini-vertex", "gcp.vertex_ai"),
+    ("aws-bedrock", "aws.bedrock"), ("google-vertex", "gcp.vertex_ai")])
 async def test_every_shipped_provider_is_named_by_a_well_known_provider_name(
     tracer_provider: TracerProvider, exporter: InMemorySpanExporter, route: str, expected: str
 ) -> None:
     """A run on each shipped provider, through its real SDK, puts the conventions'
     well-known gen_ai.provider.name for that provider on its run and attempt spans
-    (the Gemini API's vendor, ``google``, is ``gcp.gemini``), and names its attempt
-    spans by the operation the conventions give that API (``generate_content`` for
-    the Gemini API, ``chat`` for the others)."""
+    (the Gemini API's vendor, ``google``, is ``gcp.gemini``; Gemini and Claude on
+    Vertex AI are ``gcp.vertex_ai``), and names its attempt spans by the
+    operation the conventions give the API it speaks (``generate_content`` for
+    Gemini's, on the Gemini API or Vertex AI; ``chat`` for the others: Claude on
+    Vertex AI too)."""
     async with _route(route) as (provider, name, model):
         engine = le.Engine(provider, observers=[OpenTelemetryObserver(tracer_provider)])
         result = await engine.run(le.Operation(name="otel.route", provider=name, model=model,
                                                max_output_tokens=50), "q")
     assert result.outcome is le.Outcome.COMPLETED
     spans = exporter.get_finished_spans()
-    operation = "generate_content" if route == "gemini" else "chat"
+    operation = "generate_content" if route.startswith("gemini") else "chat"
     assert [s.name for s in spans] == [f"{operation} {model}", "invoke_agent otel.route"]
     assert attrs(spans[0])["gen_ai.operation.name"] == operation
     assert operation in values("GenAiOperationNameValues")

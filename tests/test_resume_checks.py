@@ -4,6 +4,7 @@ fails records: never fewer turns than the run had."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -187,6 +188,44 @@ async def test_a_state_from_before_the_output_digest_checks_only_that_a_model_is
         await engine.resume(state, decisions=decisions, tools=[sender.tool])
     done = await engine.resume(state, decisions=decisions, tools=[sender.tool], output=Answer)
     assert done.outcome is le.Outcome.COMPLETED and done.answer == Answer(city="Oslo")
+
+
+class Node(pydantic.BaseModel):
+    """A recursive output model: its schema refers to itself."""
+
+    value: int
+    children: list[Node] = []
+
+
+async def test_a_recursive_output_models_run_paused_as_its_schema_was_sent_then_resumes(
+        make_engine: EngineFactory) -> None:
+    """A run with a recursive output model paused when its final tool's schema was
+    pydantic's bare ``$ref`` (the state's output digest is of that definition,
+    its pause sealed with it): resumed with the same model, it completes with
+    the model's answer; another model is still refused."""
+    sender = Sender()
+    tree = {"value": 1, "children": [{"value": 2}]}
+    engine, provider, ledger = make_engine(Reply.tool_calls(send("a")),
+                                           Reply.tool_calls(("final_answer", tree)))
+    paused = await engine.run(operation(), "go", tools=[sender.tool], output=Node)
+    assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+    (sent,) = [t for t in provider.requests[0].tools if t["name"] == "final_answer"]
+    bare = Node.model_json_schema()
+    assert set(bare) == {"$ref", "$defs"}  # what was sent before
+    earlier = {**sent, "input_schema": bare}
+    data = json.loads(paused.state.dumps())
+    data["output_digest"] = hashlib.sha256(json.dumps(
+        earlier, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
+    state = le.RunState.loads(json.dumps(data))
+    ledger.invocations[state.invocation_id]["pause_seal"] = state.seal()
+    decisions = {paused.pending[0].id: le.Approve()}
+    with pytest.raises(le.ConfigError, match="Answer"):
+        await engine.resume(state, decisions=decisions, tools=[sender.tool], output=Answer)
+    assert len(provider.requests) == 1 and sender.sent == []
+    done = await engine.resume(state.dumps(), decisions=decisions, tools=[sender.tool],
+                               output=Node)
+    assert done.outcome is le.Outcome.COMPLETED, done.detail
+    assert done.answer == Node.model_validate(tree) and sender.sent == ["a"]
 
 
 class FailingLedger(MemoryLedger):

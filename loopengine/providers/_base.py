@@ -240,6 +240,15 @@ class Provider(Protocol):
         return self.name
 
     @property
+    def genai_operation(self) -> str:
+        """What its requests are, as the OpenTelemetry GenAI conventions name the
+        operation (``gen_ai.operation.name``): ``chat`` for a chat API
+        (Anthropic's Messages, on any platform; OpenAI's Chat Completions and
+        Responses), ``generate_content`` for Gemini's ``generateContent`` (on
+        the Gemini API or Vertex AI). Default: ``chat``."""
+        return "chat"
+
+    @property
     def streaming(self) -> bool:
         """Whether it can stream: given an ``on_text``, `send` streams that
         request and hands it the text as it arrives. A run that reads the

@@ -165,6 +165,8 @@ class GeminiProvider(SDKProvider[_Session]):
         self._retries_per_request = client is not None
         genai = import_sdk("google.genai", "google-genai", provider="GeminiProvider",
                            extra="gemini")
+        auth_errors = import_sdk("google.auth.exceptions", "google-auth",
+                                 provider="GeminiProvider", extra="gemini")
         connections = connection_limit(max_connections, client, client_kwargs)
         if client is not None:
             client_or_keywords(client, client_kwargs)
@@ -191,6 +193,13 @@ class GeminiProvider(SDKProvider[_Session]):
                     plain.close()
                     raise ConfigError("client", f"the google-genai SDK refused the client "
                                                 f"settings: {error}") from None
+                except auth_errors.GoogleAuthError as error:
+                    # Vertex AI mode without a project: the SDK loads Application
+                    # Default Credentials (for their project) as it builds the client.
+                    plain.close()
+                    raise ConfigError("client", "the google-genai SDK found no Vertex AI "
+                                                f"credentials to read the project from: "
+                                                f"{error}") from None
                 return _Session(built, (http, plain))
 
             self._clients = ClientPerLoop("GeminiProvider", build)
@@ -198,6 +207,10 @@ class GeminiProvider(SDKProvider[_Session]):
         # Not the vendor: Claude's google-vertex route may serve beside it.
         self._name_route("google-vertex" if vertex else "google",
                          "gemini-vertex" if vertex else "gemini")
+
+    genai_operation = "generate_content"
+    """Gemini's ``generateContent``, on the Gemini API and on Vertex AI alike:
+    the OpenTelemetry GenAI conventions' ``generate_content``."""
 
     features = frozenset({"thinking"})
     """The Gemini API's optional request features (docs/providers.md): ``thinking``,

@@ -98,6 +98,11 @@ class RecordingProvider:
         return self.inner.vendor
 
     @property
+    def genai_operation(self) -> str:
+        """What the inner provider's requests are."""
+        return self.inner.genai_operation
+
+    @property
     def streaming(self) -> bool:
         """Whether the inner provider streams."""
         return self.inner.streaming
@@ -194,6 +199,8 @@ class ReplayProvider:
         """The recorded provider's route (a recording keeps no vendor)."""
         return self._name
 
+    genai_operation = "chat"
+    """``chat`` (a recording keeps no operation, as it keeps no vendor)."""
     streaming = True
     """A recorded reply's text blocks go to ``on_text``, one call each."""
     inference_geo = None

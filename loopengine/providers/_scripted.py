@@ -195,6 +195,11 @@ class ScriptedProvider:
         """The route it stands in for (`name`)."""
         return self.name
 
+    @property
+    def genai_operation(self) -> str:
+        """``chat``: a script answers as a chat API does."""
+        return "chat"
+
     def check_ready(self) -> None:
         """Always ready: a script needs no connection."""
 

@@ -307,6 +307,10 @@ class SDKProvider(Generic[C]):
         """Whose API the requests reach; ``served_by`` and prices name it."""
         return self._vendor
 
+    genai_operation = "chat"
+    """What its requests are, as the OpenTelemetry GenAI conventions name the
+    operation (`Provider.genai_operation`): ``chat``, a chat API's."""
+
     @property
     def streaming(self) -> bool:
         """True: a request whose caller reads the text (``on_text``) is streamed,

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import re
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -419,6 +420,21 @@ def test_without_a_key_the_sdk_refuses_the_settings(monkeypatch: pytest.MonkeyPa
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(le.ConfigError, match="API key"):
         GeminiProvider()
+
+
+def test_vertex_without_a_project_or_credentials_is_a_config_error(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Vertex AI mode with no project: the SDK looks for Application Default
+    Credentials when the client is built, and finds none (a credentials file
+    that is not there): a ConfigError naming the client, not google-auth's own
+    exception."""
+    for name in ("GOOGLE_CLOUD_PROJECT", "GOOGLE_API_KEY", "GEMINI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    with pytest.raises(le.ConfigError, match="credentials") as caught:
+        GeminiProvider(vertexai=True, location="us-central1")
+    assert caught.value.field == "client"
+    assert "missing.json" in str(caught.value)
 
 
 def test_a_gemini_model_string_runs_from_the_environment(

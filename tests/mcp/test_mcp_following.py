@@ -254,18 +254,26 @@ def test_on_trio_a_server_given_no_clock_waits_on_trios_clock() -> None:
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == [0, 1, 2, 4]
 
 
-async def test_a_burst_of_change_notices_is_read_by_one_listing_a_second() -> None:
-    """The server announces a change fifty times in a row, each time once the
-    client has begun a listing or is waiting to: the client has one listing in
-    flight at most, lists at most once while its clock stands still, and once
-    the clock moves on a second, one listing reads the tools as the burst left
-    them."""
+@asynccontextmanager
+async def held() -> AsyncIterator[tuple[MCPServer, Server, HeldClock, Watch]]:
+    """An `MCPServer` on a new `Server`, its waits on a `HeldClock`: listening, its
+    last listing a second old when the block begins."""
     watch = Watch()
     clock = HeldClock(watch)
     sdk = Server(watch)
     async with in_process(sdk, clock=clock) as server:
         await listening(server)
         clock.advance(1.0)
+        yield server, sdk, clock, watch
+
+
+async def test_a_burst_of_change_notices_is_read_by_one_listing_a_second() -> None:
+    """The server announces a change fifty times in a row, each time once the
+    client has begun a listing or is waiting to: the client has one listing in
+    flight at most, lists at most once while its clock stands still, and once
+    the clock moves on a second, one listing reads the tools as the burst left
+    them."""
+    async with held() as (server, sdk, clock, watch):
         base = sdk.lists
         for n in range(50):
             if n == 40:
@@ -339,6 +347,40 @@ async def test_a_lone_change_after_a_quiet_second_is_listed_at_once() -> None:
         sdk.add("third")
         assert "third" in await relisted(server, sdk)
         assert clock.sleeps[start:] == [0.75]
+
+
+async def test_a_second_change_within_the_second_is_not_lost_and_a_run_after_it_reads_it(
+) -> None:
+    """Two changes a quarter second apart: the first is listed at once; the second
+    waits, unlisted, for the second to end (the clock stands still). Meanwhile
+    the tools a run starting now reads (`current_tools`) are not returned until
+    that listing has read them; once the clock moves on, one listing reads the
+    second change and the run sees it."""
+    async with held() as (server, sdk, clock, watch):
+        base = sdk.lists
+        sdk.add("first")
+        assert "first" in await relisted(server, sdk)  # at once: the clock stands still
+        assert sdk.lists == base + 1
+        clock.advance(0.25)
+        sdk.add("second")
+        event = watch.arm()
+        await sdk.changed()
+        while not clock.sleeping:
+            await event.wait()
+            event = watch.arm()
+        seen: list[set[str]] = []
+
+        async def run_starts() -> None:
+            seen.append({t.name for t in await server.current_tools()})
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run_starts)
+            for _ in range(20):
+                await anyio.lowlevel.checkpoint()
+            assert seen == [] and sdk.lists == base + 1  # waiting for the second to end
+            clock.advance(0.75)
+        assert seen == [{"echo", "add", "other", "first", "second"}]
+        assert sdk.lists == base + 2
 
 
 async def test_a_change_before_the_listen_stream_began_is_read_after_the_first_listing(
