@@ -90,6 +90,18 @@ def book(route: Route) -> le.PriceBook:
                                        input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))])
 
 
+def audited(path: Path) -> tuple[dict[str, Any], dict[str, Any], audit.Reconciliation]:
+    """The ledger's one run, its one attempt row and the reconcile report, as the
+    audit reads them."""
+    conn = audit.open_ledger(str(path))
+    try:
+        (run_row,) = audit.runs(conn)
+        invocation, (row,) = audit.show(conn, run_row.id)
+        return invocation, row, audit.reconcile(conn)
+    finally:
+        conn.close()
+
+
 def stalled() -> StallStream:
     return StallStream(reply=Reply.text("one two three four five six", usage=USAGE),
                        after=0, seconds=NEVER)
@@ -118,13 +130,7 @@ async def test_r07_leaving_a_stream_keeps_what_it_had_served(
     assert (settled.outcome, settled.aborted_reason, settled.fault) == (
         "aborted", "external", None)
     assert settled.http_status == 200 and settled.response_id
-    conn = audit.open_ledger(str(path))
-    try:
-        (run_row,) = audit.runs(conn)
-        invocation, (row,) = audit.show(conn, run_row.id)
-        report = audit.reconcile(conn)
-    finally:
-        conn.close()
+    invocation, row, report = audited(path)
     assert invocation["outcome"] == "cancelled"
     assert (row["http_status"], row["response_id"]) == (200, settled.response_id)
     assert report.mismatches == []
@@ -216,13 +222,7 @@ async def test_r07_a_reply_cut_while_its_body_arrives_keeps_its_status_and_reque
         "aborted", "external", None)
     assert (settled.http_status, settled.request_id, settled.usage) == (
         200, "req_fake_0001", None)
-    conn = audit.open_ledger(str(path))
-    try:
-        (run_row,) = audit.runs(conn)
-        invocation, (row,) = audit.show(conn, run_row.id)
-        report = audit.reconcile(conn)
-    finally:
-        conn.close()
+    invocation, row, report = audited(path)
     assert invocation["outcome"] == "cancelled"
     assert (row["http_status"], row["request_id"], row["input_tokens"]) == (
         200, "req_fake_0001", None)

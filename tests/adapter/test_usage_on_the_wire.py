@@ -114,6 +114,21 @@ def test_documented_usage_shapes_are_read_whole() -> None:
     assert same is not None and [i.model for i in same.iterations] == [None, None, None]
 
 
+SEARCH_THEN_CALL = [
+        {"type": "server_tool_use", "id": "srvtoolu_01", "name": "web_search",
+         "input": {"query": "loopengine"}},
+        {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_01", "content": []},
+        {"type": "tool_use", "id": "toolu_01", "name": "lookup", "input": {"q": "x"}},
+]
+"""A reply's web search (its call and result), then a call of `lookup`."""
+
+
+@le.tool
+async def lookup(q: str) -> str:
+    """Look something up."""
+    return "found"
+
+
 @STREAMING
 async def test_web_search_thinking_and_compaction_are_billed_to_the_nano_dollar(
     wire: Harness, stream: bool,
@@ -132,21 +147,11 @@ async def test_web_search_thinking_and_compaction_are_billed_to_the_nano_dollar(
         le.UsageIteration(type="advisor_message", model="claude-opus-4-6", input_tokens=823,
                           output_tokens=1_612),
     ))
-    searched = [
-        {"type": "thinking", "thinking": "Search first.", "signature": "sig-1"},
-        {"type": "server_tool_use", "id": "srvtoolu_01", "name": "web_search",
-         "input": {"query": "loopengine"}},
-        {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_01", "content": []},
-        {"type": "tool_use", "id": "toolu_01", "name": "lookup", "input": {"q": "x"}},
-    ]
+    searched = [{"type": "thinking", "thinking": "Search first.", "signature": "sig-1"},
+                *SEARCH_THEN_CALL]
     engine, ledger = wire.engine(
         Reply(content=searched, stop_reason="tool_use", usage=first),
         Reply.text("done", usage=second), stream=stream, prices=le.PriceBook())
-
-    @le.tool
-    async def lookup(q: str) -> str:
-        """Look something up."""
-        return "found"
 
     published = le.Operation(
         name="research", provider="anthropic", model="claude-sonnet-4-6",
@@ -196,22 +201,11 @@ async def test_a_runs_iterations_are_the_ledgers_with_server_tools_and_compactio
         le.UsageIteration(type="message", input_tokens=200, output_tokens=50)))
     answered = le.Usage.from_iterations((
         le.UsageIteration(type="message", input_tokens=300, output_tokens=5),))
-    calls = [
-        {"type": "server_tool_use", "id": "srvtoolu_01", "name": "web_search",
-         "input": {"query": "loopengine"}},
-        {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_01", "content": []},
-        {"type": "tool_use", "id": "toolu_01", "name": "lookup", "input": {"q": "x"}},
-    ]
     engine, ledger = wire.engine(
-        Reply(content=calls, stop_reason="tool_use", usage=searched),
+        Reply(content=SEARCH_THEN_CALL, stop_reason="tool_use", usage=searched),
         Reply(content=[{"type": "compaction", "content": "Earlier: a search."}],
               stop_reason="compaction", usage=compacted),
         Reply.text("done", usage=answered), stream=stream, prices=le.PriceBook())
-
-    @le.tool
-    async def lookup(q: str) -> str:
-        """Look something up."""
-        return "found"
 
     published = le.Operation(
         name="research", provider="anthropic", model="claude-sonnet-4-6",
