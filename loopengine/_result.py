@@ -28,7 +28,10 @@ class AttemptsSummary:
     usage_complete: bool
     """False when some attempt reported no usage, or only a floor of it (a cut
     stream, or cache writes whose lifetime the reply does not tell,
-    ``usage_approx``): ``output_tokens`` (or the cost) is then a floor."""
+    ``usage_approx``): ``output_tokens`` (or the cost) is then a floor. An
+    attempt with no reply counts too (a 529, a refused connection), though the
+    audit lists only answered ones as usage unknown; not `incomplete`, which
+    is about the ledger's rows (docs/ledger.md)."""
     retained: int
     """Attempt rows the ledger kept (0 without a ledger)."""
     incomplete: bool

@@ -8,7 +8,7 @@ token counts it holds.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import ClassVar, Final
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
@@ -51,11 +51,17 @@ class UsageIteration:
     convention as `Usage` (``input_tokens`` without cache tokens).
     """
 
+    UNREPORTED: ClassVar[str] = "unreported"
+    """The type of the iteration that stands, in a sum of usages (a run's), for a
+    request that reported no iterations: its tokens, as one pass. The ledger
+    does not count it (`Usage.reported_iterations`)."""
+
     type: str
     """The iteration's type as the API reports it: ``message`` (the requested model
     sampling), ``compaction`` (the summarising pass, on the requested model),
     ``advisor_message`` (the advisor, on its own model), ``fallback_message``, or
-    any other type the API adds (carried through)."""
+    any other type the API adds (carried through); in a sum, `UNREPORTED` for a
+    request that reported none."""
     model: str | None = None
     """The model that served it when it differs from the attempt's (an advisor's);
     None: the attempt's model. Each iteration is priced at its own model."""
@@ -114,9 +120,10 @@ class Usage:
 
     Adding two usages sums every field. If either has iterations, the sum's
     iterations are both lists, one without iterations counting as a single
-    ``message`` iteration of its tokens (when it has any), so that the token
-    fields stay the sums of the iterations. The sum's ``service_tier`` is the
-    one its parts reported, None if they differ.
+    iteration of type `UsageIteration.UNREPORTED` holding its tokens (when it
+    has any), so that the token fields stay the sums of the iterations;
+    `reported_iterations` counts the others, as the ledger does. The sum's
+    ``service_tier`` is the one its parts reported, None if they differ.
     """
 
     input_tokens: int = 0
@@ -206,6 +213,14 @@ class Usage:
                    inference_geo=inference_geo, speed=speed)
 
     @property
+    def reported_iterations(self) -> int:
+        """How many sampling iterations the replies reported (``usage.iterations``):
+        the entries of `iterations` but those a sum added for a request that
+        reported none (`UsageIteration.UNREPORTED`). What the ledger's
+        ``iterations`` columns count: an attempt's, and summed, a run's."""
+        return sum(1 for i in self.iterations if i.type != UsageIteration.UNREPORTED)
+
+    @property
     def total_input_tokens(self) -> int:
         """All input tokens: uncached, cache reads and cache writes."""
         return self.input_tokens + self.cache_read_tokens + self.cache_write_tokens
@@ -230,7 +245,8 @@ class Usage:
                 or self.cache_write_tokens):
             return ()
         return (UsageIteration(
-            type="message", input_tokens=self.input_tokens, output_tokens=self.output_tokens,
+            type=UsageIteration.UNREPORTED, input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
             cache_read_tokens=self.cache_read_tokens, cache_write_tokens=self.cache_write_tokens,
             cache_write_1h_tokens=self.cache_write_1h_tokens),)
 

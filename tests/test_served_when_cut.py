@@ -5,7 +5,8 @@ result alike, so the audit sees what the provider may bill.
 
 Through each SDK provider, its real SDK and its loopback fake: the server sends
 the start of a streamed reply (the response id, and on the Messages API and the
-Gemini API the input tokens) and then nothing more.
+Gemini API the input tokens) and then nothing more. A reply read whole is cut the
+same way once its status and headers have arrived, while its body comes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx2
 import pytest
 
 import loopengine as le
@@ -88,6 +90,18 @@ def book(route: Route) -> le.PriceBook:
                                        input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))])
 
 
+def audited(path: Path) -> tuple[dict[str, Any], dict[str, Any], audit.Reconciliation]:
+    """The ledger's one run, its one attempt row and the reconcile report, as the
+    audit reads them."""
+    conn = audit.open_ledger(str(path))
+    try:
+        (run_row,) = audit.runs(conn)
+        invocation, (row,) = audit.show(conn, run_row.id)
+        return invocation, row, audit.reconcile(conn)
+    finally:
+        conn.close()
+
+
 def stalled() -> StallStream:
     return StallStream(reply=Reply.text("one two three four five six", usage=USAGE),
                        after=0, seconds=NEVER)
@@ -116,13 +130,7 @@ async def test_r07_leaving_a_stream_keeps_what_it_had_served(
     assert (settled.outcome, settled.aborted_reason, settled.fault) == (
         "aborted", "external", None)
     assert settled.http_status == 200 and settled.response_id
-    conn = audit.open_ledger(str(path))
-    try:
-        (run_row,) = audit.runs(conn)
-        invocation, (row,) = audit.show(conn, run_row.id)
-        report = audit.reconcile(conn)
-    finally:
-        conn.close()
+    invocation, row, report = audited(path)
     assert invocation["outcome"] == "cancelled"
     assert (row["http_status"], row["response_id"]) == (200, settled.response_id)
     assert report.mismatches == []
@@ -164,3 +172,58 @@ async def test_r07_the_attempt_timeout_keeps_what_the_stream_had_served(tmp_path
     assert cut.response_id and cut.usage_approx
     assert cut.usage is not None and cut.usage.input_tokens == 900
     assert result.usage.input_tokens == served.input_tokens == 910
+
+
+HOOKED = {
+    "anthropic": lambda s, http: AnthropicProvider(api_key="k", base_url=s.url, http_client=http),
+    "openai": lambda s, http: OpenAIProvider(api_key="k", base_url=s.base_url, http_client=http),
+    "openai-responses": lambda s, http: OpenAIResponsesProvider(api_key="k", base_url=s.base_url,
+                                                                http_client=http),
+}
+"""The providers that read a whole reply through the SDK's raw response (status and
+headers first, then the body), on an HTTP client whose response hook says when the
+headers have arrived."""
+
+
+@pytest.mark.parametrize("name", list(HOOKED))
+async def test_r07_a_reply_cut_while_its_body_arrives_keeps_its_status_and_request_id(
+    name: str, tmp_path: Path
+) -> None:
+    """A request that is not streamed, cancelled by the caller once the server has
+    sent its status and headers (and half its body, then nothing more): the
+    attempt is aborted (external) with that status and the request id, so the
+    audit lists it as answered with its usage unknown, as a cut stream's."""
+    route = ROUTES[name]
+    headers = anyio.Event()
+
+    async def arrived(response: httpx2.Response) -> None:
+        headers.set()
+
+    seen: list[events.Event] = []
+    path = tmp_path / "ledger.db"
+    operation = le.Operation(name="cut", provider=route.route, model=route.model)
+    with route.server() as server:
+        server.add(stalled())
+        provider = HOOKED[name](server, httpx2.AsyncClient(event_hooks={"response": [arrived]}))
+        try:
+            with SQLiteLedger(str(path)) as ledger:
+                engine = le.Engine(provider, ledger=ledger, prices=book(route),
+                                   observers=[seen.append])
+                with anyio.fail_after(30), anyio.CancelScope() as scope:
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(engine.run, operation, "go")
+                        await headers.wait()
+                        scope.cancel()
+        finally:
+            await provider.aclose()
+    assert scope.cancelled_caught
+    (settled,) = [e for e in seen if isinstance(e, events.AttemptSettled)]
+    assert (settled.outcome, settled.aborted_reason, settled.fault) == (
+        "aborted", "external", None)
+    assert (settled.http_status, settled.request_id, settled.usage) == (
+        200, "req_fake_0001", None)
+    invocation, row, report = audited(path)
+    assert invocation["outcome"] == "cancelled"
+    assert (row["http_status"], row["request_id"], row["input_tokens"]) == (
+        200, "req_fake_0001", None)
+    assert [a["ordinal"] for a in report.usage_unknown] == [1] and not report.ok

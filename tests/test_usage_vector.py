@@ -76,14 +76,17 @@ def test_addition_sums_every_field() -> None:
 
 def test_addition_keeps_the_tokens_the_sums_of_the_iterations() -> None:
     """Adding a usage with iterations to one without: the latter counts as one
-    ``message`` iteration of its tokens, an empty usage as none."""
+    ``unreported`` iteration of its tokens, an empty usage as none; only the
+    reported ones are counted as the ledger counts them."""
     compacted = le.Usage.from_iterations((COMPACTION, MESSAGE))
     plain = le.Usage(input_tokens=100, output_tokens=20)
     total = le.Usage() + compacted + plain
     assert total.iterations == (COMPACTION, MESSAGE,
-                                le.UsageIteration(type="message", input_tokens=100,
-                                                  output_tokens=20))
+                                le.UsageIteration(type=le.UsageIteration.UNREPORTED,
+                                                  input_tokens=100, output_tokens=20))
     assert total.input_tokens == 55_196 + 220 + 100
+    assert (total.reported_iterations, compacted.reported_iterations,
+            plain.reported_iterations) == (2, 2, 0)
     assert (compacted + le.Usage()).iterations == (COMPACTION, MESSAGE)
     advised = le.Usage.from_iterations((MESSAGE, ADVISOR))
     assert (compacted + advised).iterations == (COMPACTION, MESSAGE, MESSAGE, ADVISOR)

@@ -47,7 +47,7 @@ def settle_op(r: AttemptSettle) -> Op:
         tokens = (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens,
                   usage.cache_write_tokens, usage.cache_write_1h_tokens)
         counts = (usage.web_search_requests, usage.web_fetch_requests, usage.reasoning_tokens,
-                  len(usage.iterations))
+                  usage.reported_iterations)
     return [SETTLE, 0, r.invocation_id, r.ordinal, r.outcome, r.latency_ms, r.fault,
             r.aborted_reason, r.http_status, r.error_code, *tokens, int(r.usage_approx),
             r.cost_nanousd, int(r.charged), r.price_ref, r.response_id, r.request_id,

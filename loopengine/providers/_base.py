@@ -50,10 +50,11 @@ TextCallback = Callable[[str], Awaitable[None] | None]
 
 
 class ServedSink(Protocol):
-    """What a stream cut by a cancellation reports to: the engine's attempt in flight."""
+    """What a reply cut by a cancellation (a stream, or a body being read) reports
+    to: the engine's attempt in flight."""
 
     def keep_served(self, cut: ProviderFault) -> None:
-        """Keep what a stream had served when a cancellation cut it."""
+        """Keep what a reply had served when a cancellation cut it."""
 
 
 _watching: dict[int, ServedSink] = {}
@@ -75,9 +76,10 @@ def new_call_id() -> str:
 
 
 def watch_cuts(sink: ServedSink) -> int:
-    """Have a stream that a cancellation cuts in this task (the attempt's timeout,
-    the run's deadline, the caller's cancellation) report what it had served to
-    ``sink``: an ``aborted`` fault carrying its status, ids and usage so far. A
+    """Have a reply that a cancellation cuts in this task (the attempt's timeout,
+    the run's deadline, the caller's cancellation), a stream or a body after its
+    headers, report what it had served to ``sink``: an ``aborted`` fault
+    carrying its status, ids and usage so far. A
     cancellation must propagate, so it cannot carry them itself; without this
     the attempt would be recorded as if the server had sent nothing, though it
     may bill what it sent. Returns the key for `unwatch_cuts`."""
@@ -92,7 +94,7 @@ def unwatch_cuts(key: int) -> None:
 
 
 def cut_sink() -> ServedSink | None:
-    """Where a stream cut in this task reports what it had served (`watch_cuts`)."""
+    """Where a reply cut in this task reports what it had served (`watch_cuts`)."""
     return _watching.get(anyio.get_current_task().id)
 
 

@@ -101,7 +101,8 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
     features = frozenset({"reasoning_effort", "service_tier", "server_tools"})
     """The Responses API's optional request features (docs/providers.md):
     ``reasoning_effort`` (sent as ``reasoning.effort``, with
-    ``include=["reasoning.encrypted_content"]``), ``service_tier``, and
+    ``include=["reasoning.encrypted_content"]``, which a request to a reasoning
+    model carries without it too), ``service_tier``, and
     server tools of the web search types (``web_search``,
     ``web_search_preview``...; another type is refused before anything is
     recorded, by `check_request`)."""

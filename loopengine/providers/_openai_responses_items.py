@@ -19,7 +19,9 @@ boundary, both ways (`responses_params`, `content_from_response`,
   ``web_search_call``...) is kept in the transcript as a block of its own
   type, as the API sent it, and goes back as the same item on the next
   request: a ``reasoning`` item with its ``encrypted_content`` (``store`` is
-  false, so the server keeps nothing to refer to), or not at all without it
+  false, so the server keeps nothing to refer to; asked for whenever the
+  request sets ``reasoning.effort`` or goes to a reasoning model), or not at
+  all without it
   or without an item after it (a response cut after its reasoning); the
   output items after a reasoning item that is not sent (a web search call)
   are not sent either, since the API takes them only with their ids and
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -76,6 +79,7 @@ __all__ = [
     "check_translatable",
     "content_from_response",
     "WEB_SEARCH_TYPES",
+    "reasoning_model",
     "responses_input",
     "responses_params",
     "stop_reason",
@@ -86,6 +90,19 @@ API = "Responses API"
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 """The ``include`` value that asks for reasoning items' ``encrypted_content``."""
+
+_REASONING_MODELS = re.compile(r"o\d|gpt-5(?!-chat)|codex-mini")
+"""The start of the names of OpenAI's reasoning models (the o-series, the gpt-5
+family but its ``gpt-5-chat`` models, ``codex-mini``): they reason unless told
+not to, and take ``include=["reasoning.encrypted_content"]``, which a model
+that does not reason refuses ("Encrypted content is not supported with this
+model")."""
+
+
+def reasoning_model(model: str) -> bool:
+    """Whether ``model`` is one of OpenAI's reasoning models (by its name): those
+    reason whether or not a request sets ``reasoning.effort``."""
+    return _REASONING_MODELS.match(model) is not None
 
 _DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning_content",
                       "reasoning_details"})
@@ -136,7 +153,9 @@ def responses_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any
     """The SDK call's keyword arguments for ``request`` (streamed or not).
 
     ``store`` is false and no ``previous_response_id`` is sent: every request
-    carries the whole transcript, reasoning included.
+    carries the whole transcript, reasoning included: a request that sets
+    ``reasoning.effort``, or to a reasoning model (`reasoning_model`), asks for
+    its reasoning items' encrypted content, without which they cannot go back.
     """
     params: dict[str, Any] = {
         "model": request.model,
@@ -165,6 +184,10 @@ def responses_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any
         params["tools"] = tools
     if features.reasoning_effort is not None:
         params["reasoning"] = {"effort": features.reasoning_effort}
+    if features.reasoning_effort is not None or reasoning_model(request.model):
+        # With store false, a reasoning item goes back only with its encrypted
+        # content, which the API sends only when asked: a reasoning model asked
+        # nothing would have its reasoning dropped from every later request.
         params["include"] = [ENCRYPTED_REASONING]
     if features.service_tier is not None:
         params["service_tier"] = features.service_tier

@@ -41,7 +41,7 @@ from loopengine.providers._clients import (
 from loopengine.providers._faults import Classifier, FaultKind, ProviderFault
 
 __all__ = ["DEFAULT_STREAM_IDLE_TIMEOUT", "NO_SDK_RETRIES", "SDKProvider", "import_sdk",
-           "json_body", "provider_clients", "read_stream"]
+           "json_body", "keep_if_cut", "provider_clients", "read_stream"]
 
 E = TypeVar("E")
 
@@ -66,6 +66,20 @@ def import_sdk(module: str, package: str, *, provider: str, extra: str) -> Any:
     except ImportError as error:  # pragma: no cover - the dev install has the extras
         raise ImportError(f"{provider} needs the {package} SDK, which is not installed: "
                           f"pip install 'loopengine-core[{extra}]'") from error
+
+
+def keep_if_cut(error: BaseException, served: Callable[[], ProviderFault]) -> None:
+    """A reply this task was reading was cut by ``error``: when it is a
+    cancellation (the attempt's timeout, the run's deadline, the caller's),
+    report what the server had sent by then (``served()``: its status, ids and
+    usage so far) to `cut_sink`, the attempt in flight. A cancellation must
+    propagate, so it cannot carry them itself; anything else is the caller's
+    to classify."""
+    if isinstance(error, Exception):
+        return
+    sink = cut_sink()
+    if sink is not None:
+        sink.keep_served(served())
 
 
 async def read_stream(
@@ -93,7 +107,7 @@ async def read_stream(
     carries what was served). ``close`` runs however the reading ends: it
     releases the connection, even while the caller's cancellation (or the
     attempt timeout) unwinds; what the stream had served by then goes to
-    `cut_sink`, since the cancellation itself carries nothing. A
+    `cut_sink` (`keep_if_cut`), since the cancellation itself carries nothing. A
     stream that ended without what ``missing``
     names (its last event, its usage...) is cut ("the stream ended before
     <what>").
@@ -133,9 +147,7 @@ async def read_stream(
                 except Exception as error:
                     raise cut("the on_text callback raised", None) from error
     except BaseException as error:
-        sink = cut_sink()
-        if sink is not None and not isinstance(error, Exception):
-            sink.keep_served(cut("the stream was cancelled", None))
+        keep_if_cut(error, lambda: cut("the stream was cancelled", None))
         raise
     finally:
         with anyio.CancelScope(shield=True):
@@ -156,7 +168,9 @@ async def json_body(
     ``with_streaming_response``): its body as JSON, its request id (read from
     the headers by ``request_id_of``) and its status. The raw form hands over the
     body as JSON: the engine keeps dicts, so building the SDK's models would be
-    wasted.
+    wasted. A cancellation that cuts the body once the status and headers
+    have arrived reports them to `cut_sink` (`keep_if_cut`), as a cut
+    stream's are: the server answered, and may bill the reply.
 
     Raises:
         ProviderFault: the request failed (an error among ``failures()``,
@@ -174,6 +188,12 @@ async def json_body(
                 raise classify(error, request_id=request_id, in_body=True) from error
             except ValueError:
                 body = None
+            except BaseException as error:
+                # Cut while the body arrived: the server answered, and may bill it.
+                keep_if_cut(error, lambda: ProviderFault(
+                    FaultKind.ABORTED, "the reply was cancelled while its body was read",
+                    http_status=status, request_id=request_id))
+                raise
     except failures() as error:
         raise classify(error) from error
     if not isinstance(body, Mapping) or not valid(body):

@@ -241,8 +241,9 @@ class StallStream:
     """Serve ``reply`` but go quiet for ``seconds`` after ``after`` events.
 
     Afterwards the rest of the stream is sent (a client that gave up meanwhile
-    has closed the connection). A non-streaming request is answered after the
-    same pause.
+    has closed the connection). A non-streaming request gets its status line,
+    headers and half its body, then the same pause, then the rest: a reply
+    whose body a client may be cut reading.
     """
 
     reply: Reply
@@ -625,7 +626,15 @@ class LoopbackServer:
         if not streamed:
             payload = json.dumps(message).encode()
             if mode == "stall":
+                # The status and headers, half the body; the rest after the pause.
+                head = handler.head(200, "application/json", {
+                    **ids, "content-length": str(len(payload))})
+                half = len(payload) // 2
+                self._deliver(handler, None, head + payload[:half])
                 self._wait(item.seconds)
+                self._deliver(handler, self._served_usage(reply.usage, request),
+                              payload[half:])
+                return
             if mode in ("end", "drop"):
                 # The status and headers promise the whole body; half arrives.
                 handler.send_head(200, "application/json", {**ids,

@@ -9,7 +9,8 @@ A `Reply` becomes one ``response`` object:
   block (``reasoning``, ``web_search_call``...) the output item it is, in
   order. A ``reasoning`` item carries its ``encrypted_content`` only when the
   request's ``include`` asked for ``reasoning.encrypted_content``, as the API
-  does;
+  does (and a model that does not reason refuses that ``include``, and
+  ``reasoning.effort``, `reasoning_problem`);
 * its stop reason the ``status``: ``end_turn``, ``tool_use``, ``refusal``
   -> ``completed``; ``max_tokens`` -> ``incomplete`` (``max_output_tokens``);
   any other value -> ``incomplete`` with that reason (``content_filter``);
@@ -41,8 +42,8 @@ from loopengine.providers._base import priced_tier
 from loopengine.providers._scripted import Reply
 from loopengine.testing._loopback import Frame, RecordedRequest
 
-__all__ = ["PATH", "error_event", "input_problem", "reasoned_items", "response_body",
-           "response_frames", "served_usage"]
+__all__ = ["PATH", "error_event", "input_problem", "reasoned_items", "reasoning_problem",
+           "response_body", "response_frames", "served_usage"]
 
 PATH = "/v1/responses"
 """The Responses API's path."""
@@ -234,6 +235,25 @@ def reasoned_items(response: Mapping[str, Any]) -> dict[str, str]:
         elif reasoning is not None and item.get("id"):
             reasoned[str(item["id"])] = reasoning
     return reasoned
+
+
+_UNREASONING = ("gpt-4", "gpt-3.5", "chatgpt-", "gpt-5-chat")
+"""The starts of the names of OpenAI's models that do not reason, and so refuse
+reasoning parameters (any other model name is served as one that reasons)."""
+
+
+def reasoning_problem(body: Any) -> str | None:
+    """Why the Responses API would refuse ``body``'s reasoning parameters, or None:
+    a model that does not reason (`_UNREASONING`) refuses ``reasoning.effort``
+    and an ``include`` of ``reasoning.encrypted_content``, in the API's words."""
+    if not isinstance(body, Mapping) or not str(body.get("model")).startswith(_UNREASONING):
+        return None
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
+        return "Unsupported parameter: 'reasoning.effort' is not supported with this model."
+    if "reasoning.encrypted_content" in (body.get("include") or ()):
+        return "Encrypted content is not supported with this model."
+    return None
 
 
 def input_problem(body: Any, reasoned: Mapping[str, str] | None = None) -> str | None:

@@ -54,7 +54,10 @@ rendered in the Chat Completions shapes:
 A request whose ``messages`` the API refuses (a ``tool`` message that
 answers no call of the assistant message before it, an assistant's call left
 without its ``tool`` message) gets the API's 400 without taking a script
-item. Requests are recorded and the usage served is counted as by
+item, and so does a Responses request the API refuses (reasoning parameters
+for a model that does not reason, a reasoning item without its encrypted
+content or without the item that followed it, an output item without its
+reasoning item). Requests are recorded and the usage served is counted as by
 `FakeAnthropicServer`: `usage_served` is the usage a client reads, in the
 engine's convention (cache reads apart from the uncached input).
 """
@@ -183,9 +186,11 @@ class FakeOpenAIServer(LoopbackServer):
     def _refusal(self, body: Any) -> str | None:
         # Only a Responses request has an ``input``.
         if isinstance(body, Mapping) and "input" in body:
-            return responses.input_problem(body, self._reasoned) or tool_schema_problem(
-                body.get("tools"), lambda tool: tool.get("parameters")
-                if tool.get("type") == "function" else None, _schema_refusal)
+            return (responses.reasoning_problem(body)
+                    or responses.input_problem(body, self._reasoned)
+                    or tool_schema_problem(
+                        body.get("tools"), lambda tool: tool.get("parameters")
+                        if tool.get("type") == "function" else None, _schema_refusal))
         return (transcript_problem(body) or self._reasoning_problem(body)
                 or self._signature_problem(body)
                 or tool_schema_problem(

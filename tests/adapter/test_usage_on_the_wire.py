@@ -114,6 +114,21 @@ def test_documented_usage_shapes_are_read_whole() -> None:
     assert same is not None and [i.model for i in same.iterations] == [None, None, None]
 
 
+SEARCH_THEN_CALL = [
+        {"type": "server_tool_use", "id": "srvtoolu_01", "name": "web_search",
+         "input": {"query": "loopengine"}},
+        {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_01", "content": []},
+        {"type": "tool_use", "id": "toolu_01", "name": "lookup", "input": {"q": "x"}},
+]
+"""A reply's web search (its call and result), then a call of `lookup`."""
+
+
+@le.tool
+async def lookup(q: str) -> str:
+    """Look something up."""
+    return "found"
+
+
 @STREAMING
 async def test_web_search_thinking_and_compaction_are_billed_to_the_nano_dollar(
     wire: Harness, stream: bool,
@@ -132,21 +147,11 @@ async def test_web_search_thinking_and_compaction_are_billed_to_the_nano_dollar(
         le.UsageIteration(type="advisor_message", model="claude-opus-4-6", input_tokens=823,
                           output_tokens=1_612),
     ))
-    searched = [
-        {"type": "thinking", "thinking": "Search first.", "signature": "sig-1"},
-        {"type": "server_tool_use", "id": "srvtoolu_01", "name": "web_search",
-         "input": {"query": "loopengine"}},
-        {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_01", "content": []},
-        {"type": "tool_use", "id": "toolu_01", "name": "lookup", "input": {"q": "x"}},
-    ]
+    searched = [{"type": "thinking", "thinking": "Search first.", "signature": "sig-1"},
+                *SEARCH_THEN_CALL]
     engine, ledger = wire.engine(
         Reply(content=searched, stop_reason="tool_use", usage=first),
         Reply.text("done", usage=second), stream=stream, prices=le.PriceBook())
-
-    @le.tool
-    async def lookup(q: str) -> str:
-        """Look something up."""
-        return "found"
 
     published = le.Operation(
         name="research", provider="anthropic", model="claude-sonnet-4-6",
@@ -178,6 +183,49 @@ async def test_web_search_thinking_and_compaction_are_billed_to_the_nano_dollar(
     assert [t["name"] for t in sent.body["tools"]] == ["web_search", "lookup"]
     assert sent.body["context_management"] == {"edits": [{"type": "compact_20260112"}]}
     assert sent.headers["anthropic-beta"] == "compact-2026-01-12"
+
+
+@STREAMING
+async def test_a_runs_iterations_are_the_ledgers_with_server_tools_and_compaction(
+    wire: Harness, stream: bool,
+) -> None:
+    """A run whose first reply ran web searches and reported no iterations, whose
+    second was compacted (a compaction pass and the message) and continued, and
+    whose last reported one message iteration: the result reports the
+    iterations the ledger counts (each attempt's row, and their sum on the
+    invocation), and its iterations tuple stands for the first request, which
+    reported none, with one iteration of type `unreported` that neither counts."""
+    searched = le.Usage(input_tokens=100, output_tokens=20, web_search_requests=2)
+    compacted = le.Usage.from_iterations((
+        le.UsageIteration(type="compaction", input_tokens=5_000, output_tokens=100),
+        le.UsageIteration(type="message", input_tokens=200, output_tokens=50)))
+    answered = le.Usage.from_iterations((
+        le.UsageIteration(type="message", input_tokens=300, output_tokens=5),))
+    engine, ledger = wire.engine(
+        Reply(content=SEARCH_THEN_CALL, stop_reason="tool_use", usage=searched),
+        Reply(content=[{"type": "compaction", "content": "Earlier: a search."}],
+              stop_reason="compaction", usage=compacted),
+        Reply.text("done", usage=answered), stream=stream, prices=le.PriceBook())
+
+    published = le.Operation(
+        name="research", provider="anthropic", model="claude-sonnet-4-6",
+        server_tools=(le.ServerTool(type="web_search_20250305", name="web_search"),),
+        betas=("compact-2026-01-12",),
+        context_management={"edits": [{"type": "compact_20260112"}]})
+    result = await engine.run(published, "go", tools=[lookup])
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    rows = list(ledger.attempts.values())
+    (invocation,) = ledger.invocations.values()
+    assert [(r["phase"], r["iterations"], r["web_search_requests"]) for r in rows] == [
+        ("turn", 0, 2), ("turn", 2, 0), ("continuation", 1, 0)]
+    assert result.usage.reported_iterations == invocation["iterations"] == 3
+    assert [i.type for i in result.usage.iterations] == [
+        le.UsageIteration.UNREPORTED, "compaction", "message", "message"]
+    assert result.usage.web_search_requests == invocation["web_search_requests"] == 2
+    assert [s.usage.reported_iterations for s in (r.settle for r in result.attempt_log)
+            if s is not None and s.usage is not None] == [0, 2, 1]
+    assert (result.usage.input_tokens, result.usage.output_tokens) == (
+        invocation["input_tokens"], invocation["output_tokens"])
 
 
 @STREAMING

@@ -107,3 +107,25 @@ async def test_an_input_the_api_refuses_is_refused_before_the_script(
         await client.responses.create(model=MODEL, input=items, store=False)  # type: ignore[arg-type]
     response = await client.responses.create(model=MODEL, input="hello")
     assert response.output_text == "kept"
+
+
+@pytest.mark.parametrize(("model", "asked", "problem"), [
+    ("gpt-4o-mini", {"include": ["reasoning.encrypted_content"]},
+     "Encrypted content is not supported with this model"),
+    ("gpt-4.1", {"reasoning": {"effort": "low"}},
+     "'reasoning.effort' is not supported with this model"),
+    ("gpt-5-chat-latest", {"include": ["reasoning.encrypted_content"]},
+     "Encrypted content is not supported"),
+])
+async def test_a_model_that_does_not_reason_refuses_reasoning_parameters(
+    fake_openai_server: FakeOpenAIServer, client: openai.AsyncOpenAI,
+    model: str, asked: dict[str, Any], problem: str
+) -> None:
+    """A model that does not reason refuses reasoning.effort and the include of the
+    reasoning's encrypted content with the API's 400, before the script; a
+    reasoning model takes both."""
+    fake_openai_server.add(Reply.text("kept"))
+    with pytest.raises(openai.BadRequestError, match=problem):
+        await client.responses.create(model=model, input="hello", **asked)
+    response = await client.responses.create(model="o4-mini", input="hello", **asked)
+    assert response.output_text == "kept"

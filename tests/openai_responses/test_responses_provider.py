@@ -127,9 +127,7 @@ async def test_reasoning_items_round_trip_with_their_encrypted_content(
         Reply(content=[REASONING, {"type": "tool_use", "id": "call_1", "name": "lookup",
                                    "input": {"key": "a"}}], stop_reason="tool_use"),
         Reply.text("done"), stream=stream)
-    op = openai_operation()
-    op = dataclasses.replace(op, reasoning_effort="low")
-    result = await engine.run(op, "go", tools=[counter.tool])
+    result = await engine.run(gpt5(reasoning_effort="low"), "go", tools=[counter.tool])
     assert result.outcome is le.Outcome.COMPLETED
     first, second = (r.body for r in wire.requests)
     assert first["include"] == ["reasoning.encrypted_content"]
@@ -144,18 +142,48 @@ async def test_reasoning_items_round_trip_with_their_encrypted_content(
 
 
 @STREAMING
-async def test_without_reasoning_effort_nothing_is_included_and_bare_reasoning_stays_home(
+async def test_a_reasoning_model_keeps_its_reasoning_without_reasoning_effort(
     wire: ResponsesHarness, stream: bool
 ) -> None:
-    """Without reasoning_effort no include is sent; the reasoning item the reply then
-    carries has no encrypted content: it is kept in the transcript but not sent
-    back (with store false the server could not find it by its id)."""
+    """A reasoning model (gpt-5) reasons whether or not reasoning_effort is set: the
+    request asks for the reasoning's encrypted content all the same (and sends
+    no reasoning effort), so the reasoning item goes back on the next request,
+    the call after it with the id that pairs them, instead of being dropped."""
     counter = Counter()
     engine, _ = wire.engine(
         Reply(content=[REASONING, {"type": "tool_use", "id": "call_1", "name": "lookup",
                                    "input": {"key": "a"}}], stop_reason="tool_use"),
         Reply.text("done"), stream=stream)
-    result = await engine.run(openai_operation(), "go", tools=[counter.tool])
+    result = await engine.run(gpt5(), "go", tools=[counter.tool])
+    assert result.outcome is le.Outcome.COMPLETED, result.detail
+    first, second = (r.body for r in wire.requests)
+    assert first["include"] == ["reasoning.encrypted_content"] and "reasoning" not in first
+    assert [i.get("type", "message") for i in second["input"]] == [
+        "message", "reasoning", "function_call", "function_call_output"]
+    assert second["input"][1] == REASONING
+    assert second["input"][2]["id"] == "fc_fake_0001_1"
+
+
+DEPLOYMENT = "support-assistant"
+"""A model name that does not say whether the model reasons (an Azure deployment's)."""
+
+
+@STREAMING
+async def test_without_reasoning_effort_nothing_is_included_and_bare_reasoning_stays_home(
+    wire: ResponsesHarness, stream: bool
+) -> None:
+    """Without reasoning_effort, a model not named as a reasoning model is asked for
+    no include (one that does not reason would refuse it); a reasoning item its
+    reply then carries has no encrypted content: it is kept in the transcript
+    but not sent back (with store false the server could not find it by its
+    id)."""
+    counter = Counter()
+    engine, _ = wire.engine(
+        Reply(content=[REASONING, {"type": "tool_use", "id": "call_1", "name": "lookup",
+                                   "input": {"key": "a"}}], stop_reason="tool_use"),
+        Reply.text("done"), stream=stream)
+    op = dataclasses.replace(openai_operation(), model=DEPLOYMENT)
+    result = await engine.run(op, "go", tools=[counter.tool])
     assert result.outcome is le.Outcome.COMPLETED
     assert "include" not in wire.requests[0].body and "reasoning" not in wire.requests[0].body
     kept = result.messages[1]["content"][0]
@@ -186,8 +214,9 @@ async def test_a_web_search_whose_reasoning_stays_home_stays_home_too(
 ) -> None:
     """The API refuses an output item sent back with its id (a web search call
     cannot go without one) but without the reasoning item before it. Without
-    reasoning_effort that reasoning has no encrypted content and is not sent
-    back, so neither is the web search call that followed it; the rest of the
+    reasoning_effort, on a model not named as a reasoning model, that reasoning
+    has no encrypted content and is not sent back, so neither is the web search
+    call that followed it; the rest of the
     turn (the call, the answer) goes back without ids, and the run and its
     continuation are served."""
     counter = Counter()
@@ -200,7 +229,8 @@ async def test_a_web_search_whose_reasoning_stays_home_stays_home_too(
         Reply(content=[REASONING | {"id": "rs_fake_2"}, search | {"id": "ws_fake_2"},
                        {"type": "text", "text": "Found."}]),
         Reply.text("Again."), stream=stream)
-    op = gpt5(server_tools=(le.ServerTool(type="web_search", name="web_search"),))
+    op = dataclasses.replace(openai_operation(), model=DEPLOYMENT, server_tools=(
+        le.ServerTool(type="web_search", name="web_search"),))
     first = await engine.run(op, "go", tools=[counter.tool])
     assert first.outcome is le.Outcome.COMPLETED, first.detail
     assert [b["type"] for b in first.messages[1]["content"]] == [
@@ -223,7 +253,7 @@ async def test_a_run_cut_after_its_reasoning_continues_from_result_messages(
     that reasoning item back, which the API refuses without its following item."""
     engine, _ = wire.engine(Reply(content=[REASONING], stop_reason="max_tokens"),
                             Reply.text("done"), stream=stream)
-    op = dataclasses.replace(openai_operation(), reasoning_effort="low")
+    op = gpt5(reasoning_effort="low")
     first = await engine.run(op, "go")
     assert first.outcome is le.Outcome.INCOMPLETE
     assert first.messages[1]["content"] == [REASONING]
@@ -245,7 +275,7 @@ async def test_a_run_continues_from_result_messages(
                                    "input": {"key": "a"}}], stop_reason="tool_use"),
         Reply(content=[REASONING | {"id": "rs_fake_2"}, {"type": "text", "text": "A."}]),
         Reply.text("B."), stream=stream)
-    op = dataclasses.replace(openai_operation(), reasoning_effort="medium")
+    op = gpt5(reasoning_effort="medium")
     first = await engine.run(op, "go", tools=[counter.tool], system="Be brief.")
     assert first.outcome is le.Outcome.COMPLETED and first.answer == "A."
     again = await engine.run(op, [*first.messages, {"role": "user", "content": "more"}],
