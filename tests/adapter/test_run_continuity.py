@@ -208,7 +208,8 @@ async def test_the_fake_refuses_tool_results_answering_a_turn_without_its_thinki
     import anthropic
 
     call = {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "x"}}
-    thinking = {"type": "thinking", "thinking": "Look it up.", "signature": "c2ln"}
+    thinking = {"type": "thinking", "thinking": "Look it up.",
+                "signature": wire.server.thinking_signature("Look it up.")}
     answered: Any = [{"role": "user", "content": "go"},
                      {"role": "assistant", "content": [call]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",

@@ -133,7 +133,7 @@ async def test_web_search_thinking_and_compaction_are_billed_to_the_nano_dollar(
                           output_tokens=1_612),
     ))
     searched = [
-        {"type": "thinking", "thinking": "Search first.", "signature": "sig-1"},
+        {"type": "thinking", "thinking": "Search first."},  # the fake signs it
         {"type": "server_tool_use", "id": "srvtoolu_01", "name": "web_search",
          "input": {"query": "loopengine"}},
         {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_01", "content": []},
