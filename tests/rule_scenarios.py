@@ -394,13 +394,75 @@ async def fault_case(wire: Wire, route: Route, case: Any, stream: bool) -> Any:
     """Run one row of a fault table (``case``: tests/adapter/test_anthropic_faults.py's
     `Case`) on ``wire``'s provider, followed by a good reply, and check it: the right
     kind, retried or not, the right outcome. Returns the ledger."""
-    from loopengine.providers import FaultKind
-
-    # Only the timeout cases have a short (real) timeout, against a server that
-    # never answers (see the Anthropic table); every other case has a minute.
+    # Every case has a minute of (real) time, so a busy machine cannot turn its
+    # fault into a timeout; the timeout rows run on trio's MockClock instead
+    # (`timeout_case`).
+    assert not case.mock_clock, "a timeout row runs in timeout_case"
     engine, ledger = wire.engine(case.item, Reply.text("recovered"), stream=stream,
                                  provider_kwargs={"stream_idle_timeout": case.idle_timeout})
     result = await engine.run(route.operation(attempt_timeout=case.attempt_timeout), "go")
+    return _check_fault_case(wire, case, result, ledger)
+
+
+def timeout_case(wire: Wire, route: Route, case: Any, stream: bool) -> Any:
+    """Run a timeout row of a fault table (the SDK's own timeout, the provider's
+    stream idle limit) as `fault_case` does, on trio's MockClock, whose time moves
+    only when the test moves it: once the first request has reached the server,
+    which never answers it (or goes quiet after some events, once the client has
+    read their text), and every task waits, the clock jumps past the timeout. No
+    real time is waited for, and a busy machine cannot race the timeout: the
+    retry's good reply has all the time it needs, since the clock stands still.
+    Returns the ledger."""
+    import threading
+
+    import trio
+    import trio.testing
+
+    mock = trio.testing.MockClock()
+    arrived = threading.Event()
+    idle = case.idle_timeout < case.attempt_timeout
+
+    def first(request: Any) -> Any:
+        arrived.set()
+        return case.item
+
+    texted = threading.Event()
+
+    def ready() -> bool:
+        # Bounded in real time, well within the test's own timeout: a row that
+        # never gets there fails here, saying so.
+        return arrived.wait(30) and (not idle or texted.wait(30))
+
+    async def main() -> Any:
+        engine, ledger = wire.engine(first, Reply.text("recovered"), stream=stream,
+                                     provider_kwargs={"stream_idle_timeout": case.idle_timeout})
+        ended: list[le.RunResult] = []
+
+        async def run() -> None:
+            ended.append(await engine.run(
+                route.operation(attempt_timeout=case.attempt_timeout), "go",
+                on_text=(lambda _: texted.set()) if stream else None))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                assert await trio.to_thread.run_sync(ready), "the first request never " \
+                    "reached the server (or, for an idle stream, its text the client)"
+                # The client now waits on the server, its timeout (or idle limit)
+                # counted from this instant of the mock clock.
+                await trio.testing.wait_all_tasks_blocked()
+                mock.jump(min(case.attempt_timeout, case.idle_timeout) + 1.0)
+        finally:
+            await wire.aclose()
+        (result,) = ended
+        return _check_fault_case(wire, case, result, ledger)
+
+    return trio.run(main, clock=mock)
+
+
+def _check_fault_case(wire: Wire, case: Any, result: le.RunResult, ledger: Any) -> Any:
+    from loopengine.providers import FaultKind
+
     first = result.attempt_log[0].settle
     assert first is not None
     assert first.fault == case.kind.value

@@ -24,7 +24,11 @@ from loopengine.testing import Reply as WireReply
 
 OPERATION = le.Operation(name="continuation.test", provider="anthropic",
                          model="claude-continuation-test", max_output_tokens=64)
-SIGNATURE = "EqQBCgIYAhIM1gbcDa9GJwZA2b3hGgxBdjrkzLoky3dl1pkiMOYds"
+SIGNING_KEY = b"continuation blocks"
+SIGNER = FakeAnthropicServer(signing_key=SIGNING_KEY)
+"""Never started: it signs the history's thinking as a server with the same key
+issues it (the API refuses a thinking block whose signature it did not issue)."""
+THINKING = "The user wants a birth date; search."
 
 USER_BLOCKS: dict[str, dict[str, Any]] = {
     "text": {"type": "text", "text": "Look into these."},
@@ -43,10 +47,9 @@ USER_BLOCKS: dict[str, dict[str, Any]] = {
 }
 
 ASSISTANT_BLOCKS: dict[str, dict[str, Any]] = {
-    "thinking": {"type": "thinking", "thinking": "The user wants a birth date; search.",
-                 "signature": SIGNATURE},
-    "redacted_thinking": {"type": "redacted_thinking",
-                          "data": "EmwKAhgBEgy3va3pzix/LafPsn4aDFIT2Xlxh0L5L8rLVyIwxtE3rAFBa"},
+    "thinking": {"type": "thinking", "thinking": THINKING,
+                 "signature": SIGNER.thinking_signature(THINKING)},
+    "redacted_thinking": {"type": "redacted_thinking", "data": SIGNER.redacted_data()},
     "text_with_citations": {
         "type": "text", "text": "Claude Shannon was born on April 30, 1916.",
         "citations": [{"type": "web_search_result_location",
@@ -163,7 +166,7 @@ async def test_a_history_of_every_block_is_sent_back_exactly(stream: bool) -> No
     """Through the real SDK: the request the server receives carries the history's
     blocks unchanged, and `result.messages` keeps them, ready to continue again."""
     given = history()
-    with FakeAnthropicServer([WireReply.text("Done.")]) as server:
+    with FakeAnthropicServer([WireReply.text("Done.")], signing_key=SIGNING_KEY) as server:
         async with AnthropicProvider(api_key="test", base_url=server.url,
                                      stream=stream) as provider:
             result = await le.Engine(provider).run(OPERATION, given, tools=[lookup])

@@ -74,6 +74,7 @@ from loopengine._errors import ConfigError
 from loopengine._pricing import TOKEN_ONLY_TOOLS
 from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._base import (
+    STOP_REASONS,
     Container,
     ProviderRequest,
     ProviderResponse,
@@ -716,13 +717,6 @@ def _tool_choice(choice: Mapping[str, Any], *, thinking: bool) -> dict[str, Any]
         sent = {"type": "auto", **({"disable_parallel_tool_use": sent["disable_parallel_tool_use"]}
                                    if "disable_parallel_tool_use" in sent else {})}
     return sent
-
-
-STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn",
-                          "compaction", "refusal", "model_context_window_exceeded"})
-"""The Messages API's stop reasons (the SDK's ``BetaStopReason``: its
-``StopReason`` and ``compaction``, a compaction's pause), each read by the
-engine; a message with another one, or none, is a fault, never an answer."""
 
 
 # The blocks whose streamed ``input`` the SDK's accumulator fills itself; the

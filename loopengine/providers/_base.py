@@ -36,11 +36,10 @@ from loopengine._validate import MAX_INTEGER, binary_note, shown
 from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
 
-__all__ = ["FEATURES", "Container", "Provider", "ProviderRequest", "ProviderResponse",
-           "ServedSink", "TextCallback", "cut_sink", "hand_text", "media_note", "new_call_id",
-           "priced_geo",
-           "priced_speed", "priced_tier", "reported_usage", "text_or_none", "token_count",
-           "unwatch_cuts", "watch_cuts"]
+__all__ = ["FEATURES", "STOP_REASONS", "Container", "Provider", "ProviderRequest",
+           "ProviderResponse", "ServedSink", "TextCallback", "cut_sink", "hand_text",
+           "media_note", "new_call_id", "priced_geo", "priced_speed", "priced_tier",
+           "reported_usage", "text_or_none", "token_count", "unwatch_cuts", "watch_cuts"]
 
 P = ParamSpec("P")
 U = TypeVar("U")
@@ -103,6 +102,14 @@ FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",
 """The optional request features an operation may publish (docs/providers.md); a provider
 names those it can send in `Provider.features`."""
 
+STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn",
+                          "compaction", "refusal", "model_context_window_exceeded"})
+"""The stop reasons a `ProviderResponse` may carry: the Messages API's (the
+``anthropic`` SDK's ``BetaStopReason``: its ``StopReason`` and ``compaction``,
+a compaction's pause), each read by the engine. Every provider translates its
+API's own into these; a reply with another one, or none, is a fault, never an
+answer."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProviderRequest:
@@ -148,7 +155,8 @@ class ProviderResponse:
     content: Sequence[Mapping[str, Any]]
     """Anthropic-shaped content blocks (``text``, ``tool_use``, ...)."""
     stop_reason: str | None
-    """``end_turn``, ``tool_use``, ``max_tokens``, ``pause_turn``, ``refusal``..."""
+    """``end_turn``, ``tool_use``, ``max_tokens``, ``pause_turn``, ``refusal``... (one of
+    `STOP_REASONS`)."""
     usage: Usage | None = None
     """What the provider reported, or None when it reported nothing."""
     response_id: str | None = None

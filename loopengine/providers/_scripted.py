@@ -23,6 +23,7 @@ from loopengine._errors import ConfigError
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     FEATURES,
+    STOP_REASONS,
     ProviderRequest,
     ProviderResponse,
     TextCallback,
@@ -151,7 +152,9 @@ class ScriptedProvider:
 
     Args:
         script: The replies and faults to serve, one per request (a list or
-            any iterable of them; anything else is a `ConfigError`).
+            any iterable of them; anything else is a `ConfigError`, and so
+            is a reply whose stop reason no provider sends: one not in
+            `STOP_REASONS`, such as ``"end_trun"`` or None).
         name: The route it stands in for (an operation's ``provider``).
         clock: The clock on which reply delays pass (a `FakeClock` in tests).
         inference_geo: Where it says every reply is served, for a test of a
@@ -186,7 +189,8 @@ class ScriptedProvider:
 
         Raises:
             ConfigError: an item that is not a `Reply`, a `ProviderFault` or a
-                callable (``items[i]``).
+                callable (``items[i]``), or a reply whose stop reason no
+                provider sends (``items[i].stop_reason``).
         """
         self._items = itertools.chain(self._items, _script("items", items))
 
@@ -217,7 +221,11 @@ class ScriptedProvider:
                 f"the script has no reply for request {len(self.requests)}",
             )
         if callable(item) and not isinstance(item, Reply | ProviderFault):
+            # Known only now: a bad stop reason is the same ConfigError, raised
+            # to the run's caller (the run is recorded failed).
             item = item(request)
+            if isinstance(item, Reply):
+                _stop_reason(f"the reply to request {len(self.requests)}", item)
         if isinstance(item, ProviderFault):
             await anyio.lowlevel.checkpoint()
             raise item
@@ -241,11 +249,30 @@ class ScriptedProvider:
 
 
 def _script(field: str, items: object) -> list[ScriptItem]:
-    """The items of a script, each a `Reply`, a `ProviderFault` or a callable."""
+    """The items of a script, each a `Reply` with a stop reason a provider sends,
+    a `ProviderFault` or a callable."""
     checked = _validate.items(field, items)
     for index, item in enumerate(checked):
         if not (isinstance(item, Reply | ProviderFault) or callable(item)):
             raise ConfigError(f"{field}[{index}]", "must be a Reply, a ProviderFault or a "
                                                    "function of the request giving one, got "
                                                    f"{_validate.shown(item)}")
+        if isinstance(item, Reply):
+            _stop_reason(f"{field}[{index}]", item)
     return checked
+
+
+def _stop_reason(where: str, reply: Reply) -> None:
+    """Refuse a reply whose stop reason no provider hands the engine (a typo such
+    as ``"end_trun"``, or None): served, it would make the engine do what no real
+    provider can make it do, where every provider's reply carries one of
+    `STOP_REASONS` or is a fault.
+
+    Raises:
+        ConfigError: ``<where>.stop_reason`` is not one of `STOP_REASONS`.
+    """
+    if reply.stop_reason not in STOP_REASONS:
+        known = ", ".join(sorted(STOP_REASONS))
+        raise ConfigError(f"{where}.stop_reason", f"must be a stop reason a provider sends "
+                                                  f"({known}), got "
+                                                  f"{_validate.shown(reply.stop_reason)}")

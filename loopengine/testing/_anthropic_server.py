@@ -16,7 +16,17 @@ message's tool results answer) does not begin with a thinking block,
 one with a message whose content is empty (but for a final assistant
 message), one whose ``container`` is not a live container of the server, or
 one answering a programmatic tool call (a ``tool_use`` with a ``caller``
-other than ``direct``) without its ``container``.
+other than ``direct``) without its ``container``, or one sending back a
+``thinking`` block whose ``signature`` the server did not issue for that
+text, or a ``redacted_thinking`` block whose ``data`` it did not issue
+(``messages.1.content.0: Invalid `signature` in `thinking` block``).
+
+The server signs the thinking it serves, as the API does: a scripted
+``thinking`` block without a ``signature`` is served with one the server
+issued for its text (an HMAC under the server's key, `thinking_signature`),
+and a ``redacted_thinking`` block without ``data`` with data the server
+issued; a signature or data the script gives is served as it is (and
+refused when it comes back, unless the server issued it).
 
 A reply to a request with a code execution tool, or with a ``container``,
 names its container (``container``: ``id``, ``expires_at``), as the API's
@@ -25,12 +35,18 @@ does: a new one the first time, valid for `container_lifetime` from `now`.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import re
+import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from loopengine import _validate
+from loopengine._errors import ConfigError
 from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._cache import cache_marker_problem
 from loopengine.providers._messages_api import (
@@ -78,6 +94,13 @@ class FakeAnthropicServer(LoopbackServer):
     Args:
         script: Items to serve, one per request, in order (see `add`).
         host: The address to bind; loopback by default.
+        signing_key: The key of the thinking signatures it issues and checks;
+            a new random one when None. Servers given the same key take each
+            other's signatures, as one API does (a run resumed in another
+            process, against another fake).
+
+    Raises:
+        ConfigError: a ``signing_key`` that is not bytes.
 
     When the script runs out, requests get a 400 ``invalid_request_error``
     saying so: a permanent fault, so a test that sends more than it scripted
@@ -92,8 +115,13 @@ class FakeAnthropicServer(LoopbackServer):
     path = "/v1/messages"
     request_id_header = "request-id"
 
-    def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
+    def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1",
+                 signing_key: bytes | None = None) -> None:
         super().__init__(script, host=host)
+        if signing_key is not None and not isinstance(signing_key, bytes):
+            raise ConfigError("signing_key", f"must be bytes or None, got "
+                                             f"{_validate.shown(signing_key)}")
+        self._key = signing_key if signing_key is not None else secrets.token_bytes(32)
         self.containers: dict[str, datetime] = {}
         """The code execution containers the server made: their expiry, by id."""
         self.now: Callable[[], datetime] = lambda: datetime.now(UTC)
@@ -101,8 +129,57 @@ class FakeAnthropicServer(LoopbackServer):
         self.container_lifetime = timedelta(hours=1)
         """How long a container lives after the last request that used it."""
 
+    def thinking_signature(self, thinking: str) -> str:
+        """The ``signature`` this server gives a ``thinking`` block of that text (and
+        takes back with it): a scripted thinking block without one is served with it."""
+        mac = hmac.new(self._key, b"thinking\0" + thinking.encode(), hashlib.sha256)
+        return base64.b64encode(mac.digest()).decode()
+
+    def redacted_data(self) -> str:
+        """New ``data`` for a ``redacted_thinking`` block, which this server takes back
+        (a scripted redacted block without ``data`` is served with it)."""
+        nonce = secrets.token_bytes(16)
+        mac = hmac.new(self._key, b"redacted\0" + nonce, hashlib.sha256).digest()
+        return base64.b64encode(nonce + mac).decode()
+
+    def _issued(self, block: Mapping[str, Any]) -> bool:
+        """Whether the server issued a thinking block as it is sent back: its
+        ``signature`` (of its text as served) or its redacted ``data``."""
+        if block.get("type") == "thinking":
+            signature, thinking = block.get("signature"), block.get("thinking")
+            # As bytes: compare_digest takes no str that is not ASCII.
+            return (isinstance(signature, str) and isinstance(thinking, str)
+                    and hmac.compare_digest(signature.encode(),
+                                            self.thinking_signature(thinking).encode()))
+        data = block.get("data")
+        try:
+            raw = base64.b64decode(data, validate=True) if isinstance(data, str) else b""
+        except ValueError:
+            return False
+        nonce, mac = raw[:16], raw[16:]
+        return len(nonce) == 16 and hmac.compare_digest(
+            mac, hmac.new(self._key, b"redacted\0" + nonce, hashlib.sha256).digest())
+
+    def _signature_problem(self, body: Any) -> str | None:
+        """Why the API would refuse ``body``'s thinking blocks, or None: a ``thinking``
+        block whose signature it did not issue for that text (a signature from
+        elsewhere, or the text altered), or a ``redacted_thinking`` block whose
+        ``data`` it did not issue."""
+        messages = body.get("messages") if isinstance(body, Mapping) else None
+        for i, message in enumerate(messages if isinstance(messages, list) else ()):
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if not isinstance(content, list) or message.get("role") != "assistant":
+                continue
+            for j, block in enumerate(content):
+                kind = block.get("type") if isinstance(block, Mapping) else None
+                if kind in ("thinking", "redacted_thinking") and not self._issued(block):
+                    field = "signature" if kind == "thinking" else "data"
+                    return f"messages.{i}.content.{j}: Invalid `{field}` in `{kind}` block"
+        return None
+
     def _refusal(self, body: Any) -> str | None:
         problem = (cache_marker_problem(body) or _thinking_problem(body)
+                   or self._signature_problem(body)
                    or _empty_problem(body) or self._container_problem(body))
         if problem is None and isinstance(body, Mapping) and tool_blocks_without_tools(
                 body.get("messages"), body.get("tools")):
@@ -171,6 +248,13 @@ class FakeAnthropicServer(LoopbackServer):
 
     def _message(self, reply: Reply, request: RecordedRequest, number: int) -> dict[str, Any]:
         message = _message(reply, self._model(request), number)
+        for block in message["content"]:
+            # As the API does, the server signs the thinking it serves; a
+            # signature (or data) the script gives is served as it is.
+            if block.get("type") == "thinking" and "signature" not in block:
+                block["signature"] = self.thinking_signature(str(block.get("thinking", "")))
+            elif block.get("type") == "redacted_thinking" and "data" not in block:
+                block["data"] = self.redacted_data()
         container = self._container(request.body)
         if container is not None:
             message["container"] = container

@@ -54,7 +54,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from loopengine._usage import Usage
@@ -67,6 +67,7 @@ from loopengine.testing._loopback import (
     RecordedRequest,
     ServerItem,
 )
+from loopengine.testing._sent_back import Served, call_sent_back_without, current_turn
 
 __all__ = ["FakeGeminiServer", "contents_problem", "signature_of"]
 
@@ -179,7 +180,7 @@ class FakeGeminiServer(LoopbackServer):
 
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
         super().__init__(script, host=host)
-        self._signed: dict[str, bytes] = {}
+        self._signed: Served[bytes] = Served()
         # The thought signature served on each function call (by `_call_key`):
         # the API refuses a call of the current turn sent back without it.
 
@@ -194,27 +195,19 @@ class FakeGeminiServer(LoopbackServer):
         contents = body.get("contents") if isinstance(body, Mapping) else None
         if not isinstance(contents, list):
             return None
-        start = 0
-        for index, content in enumerate(contents):
-            parts = content.get("parts") if isinstance(content, Mapping) else None
-            if content.get("role") == "user" and any(
-                    isinstance(p, Mapping) and "functionResponse" not in p for p in parts or ()):
-                start = index + 1
-        for index in range(start, len(contents)):
-            for position, part in enumerate(contents[index].get("parts") or ()):
-                call = part.get("functionCall") if isinstance(part, Mapping) else None
-                if not isinstance(call, Mapping):
-                    continue
-                signed = self._signed.get(_call_key(call))
-                if signed is not None and signature_of(part) != signed:
-                    return ("Function call is missing a thought_signature in functionCall "
-                            "parts. This is required for tools to work correctly, and missing "
-                            "thought_signature may lead to degraded model performance. "
-                            f"Additional data, function call `default_api:{call.get('name')}` "
-                            f", position {position + 1}. Please refer to "
-                            "https://ai.google.dev/gemini-api/docs/thought-signatures for more "
-                            "details.")
-        return None
+        found = call_sent_back_without(contents, self._signed, _signatures_sent,
+                                       start=current_turn(contents, _prompted))
+        if found is None:
+            return None
+        index, position, _ = found
+        call = contents[index]["parts"][position]["functionCall"]
+        return ("Function call is missing a thought_signature in functionCall "
+                "parts. This is required for tools to work correctly, and missing "
+                "thought_signature may lead to degraded model performance. "
+                f"Additional data, function call `default_api:{call.get('name')}` "
+                f", position {position + 1}. Please refer to "
+                "https://ai.google.dev/gemini-api/docs/thought-signatures for more "
+                "details.")
 
     def _error_body(self, item: ErrorReply) -> bytes:
         given = item.given_body()
@@ -258,7 +251,7 @@ class FakeGeminiServer(LoopbackServer):
             except ValueError:  # a scripted signature that is not base64: not checked
                 signature = None
             if signature is not None:
-                self._signed[_call_key(part["functionCall"])] = signature
+                self._signed.remember([_call_key(part["functionCall"])], signature)
         response["modelVersion"] = model
         response["responseId"] = reply.response_id or f"resp-fake-{number:04d}"
         return response
@@ -383,6 +376,27 @@ def _read_usage(raw: Mapping[str, Any] | None) -> Usage | None:
 
 def _data(payload: Mapping[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\r\n\r\n".encode()
+
+
+def _prompted(content: Mapping[str, Any]) -> bool:
+    """Whether ``content`` is the user's own: a user content that is not only
+    function responses."""
+    return content.get("role") == "user" and any(
+        isinstance(p, Mapping) and "functionResponse" not in p
+        for p in content.get("parts") or ())
+
+
+def _signatures_sent(content: Mapping[str, Any]) -> Iterator[tuple[int, str, object]]:
+    """Each function call part of ``content`` (by its position among the parts and
+    `_call_key`), with the thought signature it carries."""
+    for position, part in enumerate(content.get("parts") or ()):
+        call = part.get("functionCall") if isinstance(part, Mapping) else None
+        if isinstance(call, Mapping):
+            try:
+                signature = signature_of(part)
+            except ValueError:  # not base64: not any signature the server served
+                signature = None
+            yield position, _call_key(call), signature
 
 
 def _call_key(call: Mapping[str, Any]) -> str:

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from loopengine._usage import Usage
@@ -80,6 +80,7 @@ from loopengine.testing._loopback import (
     ServerItem,
     tool_schema_problem,
 )
+from loopengine.testing._sent_back import Served, call_sent_back_without, current_turn
 
 __all__ = ["FakeOpenAIServer", "transcript_problem"]
 
@@ -161,15 +162,14 @@ class FakeOpenAIServer(LoopbackServer):
         """Whether a streamed tool call names its ``index`` (and comes in pieces);
         False: each call comes whole in one delta without one, as Gemini's
         OpenAI-compatible endpoint sends them."""
-        self._reasoned: dict[str, str] = {}
+        self._reasoned: Served[str] = Served()
         # The Responses output items served after a reasoning item, by id: the
         # API refuses one sent back with its id but without that reasoning.
-        self._reasoning_calls: set[str] = set()
-        # The ids of the tool calls served with a reasoning_content: as
-        # DeepSeek's thinking mode does, their turn is refused without it.
-        self._detailed_calls: set[str] = set()
-        # Likewise those served with OpenRouter's reasoning_details.
-        self._signed_calls: dict[str, Any] = {}
+        self._reasoning: Served[bool] = Served()
+        # The tool calls served with a reasoning_content (as DeepSeek's thinking
+        # mode does) or OpenRouter's reasoning_details, by "<field>:<call id>":
+        # their message is refused without that field.
+        self._signed_calls: Served[Any] = Served()
         # The thought signatures served in tool calls' extra_content (Gemini's
         # OpenAI-compatible endpoint), by call id: required back in the current turn.
 
@@ -199,19 +199,16 @@ class FakeOpenAIServer(LoopbackServer):
                     if isinstance(tool.get("function"), Mapping) else None, _schema_refusal))
 
     def _reasoning_problem(self, body: Any) -> str | None:
-        """Why a thinking server (DeepSeek) would refuse ``body``'s messages: a
-        tool-call turn it served with a ``reasoning_content``, sent back without it."""
-        for index, message in enumerate(body.get("messages") or ()):
-            if not isinstance(message, Mapping):
-                continue
-            for field, calls in (("reasoning_content", self._reasoning_calls),
-                                 ("reasoning_details", self._detailed_calls)):
-                if message.get(field) in (None, []) and any(
-                        isinstance(call, Mapping) and call.get("id") in calls
-                        for call in message.get("tool_calls") or ()):
-                    return (f"Missing {field} field in the assistant message at "
-                            f"message index {index}.")
-        return None
+        """Why a thinking server (DeepSeek, OpenRouter's) would refuse ``body``'s
+        messages: a tool-call turn it served with a ``reasoning_content`` (or
+        ``reasoning_details``), sent back without it."""
+        found = call_sent_back_without(body.get("messages") or (), self._reasoning,
+                                       _reasoning_sent)
+        if found is None:
+            return None
+        index, _, key = found
+        return (f"Missing {key.partition(':')[0]} field in the assistant message at "
+                f"message index {index}.")
 
     def _signature_problem(self, body: Any) -> str | None:
         """Why Gemini's OpenAI-compatible endpoint would refuse ``body``'s messages:
@@ -219,18 +216,15 @@ class FakeOpenAIServer(LoopbackServer):
         one) that it served with a thought signature in its ``extra_content``,
         sent back without that signature."""
         messages = body.get("messages") or ()
-        start = max((i + 1 for i, m in enumerate(messages)
-                     if isinstance(m, Mapping) and m.get("role") == "user"), default=0)
-        for index in range(start, len(messages)):
-            message = messages[index]
-            for call in (message.get("tool_calls") or ()) if isinstance(message, Mapping) else ():
-                signed = (self._signed_calls.get(str(call.get("id")))
-                          if isinstance(call, Mapping) else None)
-                if signed is not None and _thought_signature(call) != signed:
-                    return (f"messages[{index}]: Function call is missing a thought_signature "
-                            f"in functionCall parts (function call `{call.get('id')}`). This "
-                            "is required for tools to work correctly.")
-        return None
+        found = call_sent_back_without(
+            messages, self._signed_calls, _signatures_sent,
+            start=current_turn(messages, lambda message: message.get("role") == "user"))
+        if found is None:
+            return None
+        index, _, call_id = found
+        return (f"messages[{index}]: Function call is missing a thought_signature "
+                f"in functionCall parts (function call `{call_id}`). This "
+                "is required for tools to work correctly.")
 
     def _error_body(self, item: ErrorReply) -> bytes:
         if isinstance(item.body, str):
@@ -266,16 +260,18 @@ class FakeOpenAIServer(LoopbackServer):
                     if b.get("type") == "reasoning_content"]
         if reasoned:  # even empty: DeepSeek may reason nothing and ask it back
             message["reasoning_content"] = "".join(reasoned)
-            self._reasoning_calls.update(str(call["id"]) for call in calls)
+            self._reasoning.remember((f"reasoning_content:{call['id']}" for call in calls),
+                                     True)
         details = [detail for b in reply.content if b.get("type") == "reasoning_details"
                    for detail in b.get("reasoning_details") or ()]
         if details:
             message["reasoning_details"] = details
-            self._detailed_calls.update(str(call["id"]) for call in calls)
+            self._reasoning.remember((f"reasoning_details:{call['id']}" for call in calls),
+                                     True)
         for call in calls:
             signature = _thought_signature(call)
             if signature is not None:
-                self._signed_calls[str(call["id"])] = signature
+                self._signed_calls.remember([str(call["id"])], signature)
         if calls:
             message["tool_calls"] = calls
         completion: dict[str, Any] = {
@@ -378,6 +374,23 @@ def _finish_reason(stop_reason: str | None) -> str | None:
     if stop_reason is None:
         return None
     return _FINISH_REASONS.get(stop_reason, stop_reason)
+
+
+def _reasoning_sent(message: Mapping[str, Any]) -> Iterator[tuple[int, str, object]]:
+    """Each tool call of ``message`` under each reasoning field (``<field>:<call
+    id>``), with whether the message carries that field back."""
+    for field in ("reasoning_content", "reasoning_details"):
+        carried = message.get(field) not in (None, [])
+        for position, call in enumerate(message.get("tool_calls") or ()):
+            if isinstance(call, Mapping):
+                yield position, f"{field}:{call.get('id')}", carried
+
+
+def _signatures_sent(message: Mapping[str, Any]) -> Iterator[tuple[int, str, object]]:
+    """Each tool call of ``message`` (by id) with the thought signature it carries."""
+    for position, call in enumerate(message.get("tool_calls") or ()):
+        if isinstance(call, Mapping):
+            yield position, str(call.get("id")), _thought_signature(call)
 
 
 def _thought_signature(call: Mapping[str, Any]) -> Any:

@@ -13,6 +13,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import anyio
 import pytest
@@ -51,13 +52,15 @@ class Case:
     """The run's attempt timeout: short only where the case is a timeout."""
     idle_timeout: float = 60.0
     """The provider's stream idle limit: short only where the case is an idle stream."""
+    mock_clock: bool = False
+    """A timeout row: it runs on trio's MockClock (`rule_scenarios.timeout_case`),
+    whose time passes only when the test moves it past the timeout."""
 
 
 NEVER = 3600.0
 """Seconds a server stays silent in the timeout cases: it never answers within
 the test (the server's wait ends when it closes), so the timeout fires however
-slow the machine is. The timeout itself is a second, not less: the retry's good
-reply must still arrive within it on a busy machine."""
+slow the machine is; the timeouts pass on trio's MockClock, in no real time."""
 
 
 CREDIT_TOO_LOW = ("Your credit balance is too low to access the Anthropic API. Please go to "
@@ -69,7 +72,7 @@ CASES = {
     # timeout
     "http-408": Case(ErrorReply(status=408), FaultKind.TIMEOUT, True),
     "sdk-timeout": Case(Reply.text("late", delay=NEVER), FaultKind.TIMEOUT, True,
-                        attempt_timeout=1.0),
+                        attempt_timeout=1.0, mock_clock=True),
     "mid-stream-timeout": Case(
         StreamErrorEvent(reply=Reply.text("half"), after=2, type="timeout_error",
                          message="Request timed out"), FaultKind.TIMEOUT, True,
@@ -107,9 +110,10 @@ CASES = {
     "stream-ends-without-message-stop": Case(
         CutStream(reply=Reply.text("a long answer"), after=3), FaultKind.ABORTED, True,
         "aborted", streaming_only=True),
-    "idle-stream": Case(StallStream(reply=Reply.text("a b c"), after=2, seconds=NEVER),
+    # Quiet after the first word's delta (the idle limit counts from there).
+    "idle-stream": Case(StallStream(reply=Reply.text("a b c"), after=3, seconds=NEVER),
                         FaultKind.ABORTED, True, "aborted", streaming_only=True,
-                        idle_timeout=1.0),
+                        idle_timeout=1.0, mock_clock=True),
     # bad_request
     "400": Case(ErrorReply(status=400, message="messages: field required"),
                 FaultKind.BAD_REQUEST, False),
@@ -156,12 +160,21 @@ CASES = {
 }
 
 
-# Only a stream can end without message_stop or go idle: those rows run once.
-MATRIX = [
-    pytest.param(name, stream, id=f"{'sse' if stream else 'json'}-{name}")
-    for name in sorted(CASES) for stream in (False, True)
-    if stream or not CASES[name].streaming_only
-]
+def matrix(cases: dict[str, Case], *, mock_clock: bool,
+           json_only: frozenset[str] = frozenset()) -> list[Any]:
+    """The (name, stream) pairs of a fault table's rows that run on trio's MockClock
+    (``mock_clock``), or of the others. Only a stream can end early or go idle:
+    those rows run once; a ``json_only`` row, only as JSON."""
+    return [
+        pytest.param(name, stream, id=f"{'sse' if stream else 'json'}-{name}")
+        for name in sorted(cases) for stream in (False, True)
+        if cases[name].mock_clock is mock_clock
+        and (stream or not cases[name].streaming_only) and not (stream and name in json_only)
+    ]
+
+
+MATRIX = matrix(CASES, mock_clock=False)
+TIMEOUTS = matrix(CASES, mock_clock=True)
 
 
 @pytest.mark.parametrize(("name", "stream"), MATRIX)
@@ -169,12 +182,18 @@ async def test_fault_matrix_kind_retry_and_outcome(
     fake_anthropic_server: FakeAnthropicServer, clock: FakeClock, name: str, stream: bool
 ) -> None:
     """Each row of the fault table: the right kind, retried or not, the right outcome."""
-    # The timeout cases have a short (real) timeout, against a server that never
-    # answers: the SDK's own for the attempt (the fake clock's never fires) or
-    # the provider's idle limit. Every other case has a minute, so a busy
-    # machine cannot turn its fault into a timeout.
     async with harness(fake_anthropic_server, clock) as wire:
         await scenarios.fault_case(wire, ROUTE, CASES[name], stream)
+
+
+@pytest.mark.parametrize(("name", "stream"), TIMEOUTS)
+def test_fault_matrix_timeout_rows_on_the_mock_clock(
+    fake_anthropic_server: FakeAnthropicServer, name: str, stream: bool
+) -> None:
+    """The timeout rows (the SDK's timeout, an idle stream) against a server that
+    never answers, on trio's MockClock: the right kind, retried, in no real time."""
+    scenarios.timeout_case(Harness(fake_anthropic_server, FakeClock()), ROUTE, CASES[name],
+                           stream)
 
 
 async def test_a_stream_cut_before_any_usage_has_unknown_usage_not_a_floor(

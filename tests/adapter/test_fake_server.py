@@ -259,3 +259,58 @@ async def test_close_wakes_a_delayed_reply(client: anthropic.AsyncAnthropic) -> 
         # The request is in the server, its reply delayed: now close.
         await anyio.to_thread.run_sync(arrived.wait)
         await anyio.to_thread.run_sync(server.close)
+
+
+async def test_the_fake_signs_the_thinking_it_serves_and_refuses_any_other(
+    fake_anthropic_server: FakeAnthropicServer, client: anthropic.AsyncAnthropic
+) -> None:
+    """As the API does: a thinking block goes back only with the signature the
+    server issued for its text, and redacted thinking only with the data it
+    issued; a signature from elsewhere, altered text or foreign data is the
+    API's 400 ``invalid_request_error`` naming the block, before any script item
+    is taken."""
+    server = fake_anthropic_server
+    server.add(Reply(content=[{"type": "thinking", "thinking": "Weigh it."},
+                              {"type": "redacted_thinking"},
+                              {"type": "text", "text": "Yes."}]), Reply.text("again"))
+    served = await client.messages.create(model=MODEL, max_tokens=5, messages=HELLO)
+    thought, redacted = (block.to_dict() for block in served.content[:2])
+    assert thought["signature"] == server.thinking_signature("Weigh it.")
+    assert redacted["data"] and redacted["data"] != server.redacted_data()
+
+    def sent(*blocks: dict[str, Any]) -> list[Any]:
+        return [*HELLO, {"role": "assistant", "content": [*blocks, {"type": "text",
+                                                                    "text": "Yes."}]},
+                {"role": "user", "content": "and?"}]
+
+    refused = [
+        (sent({**thought, "signature": "c2lnbmF0dXJl"}, redacted), "0", "signature",
+         "thinking"),
+        (sent({**thought, "thinking": "Weigh it again."}, redacted), "0", "signature",
+         "thinking"),
+        (sent(thought, {**redacted, "data": "RW1vS0FoZ0JFZ3kzdmEz"}), "1", "data",
+         "redacted_thinking"),
+    ]
+    for messages, index, field, kind in refused:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await client.messages.create(model=MODEL, max_tokens=5, messages=messages)
+        assert caught.value.status_code == 400
+        assert caught.value.body == {"type": "error", "error": {
+            "type": "invalid_request_error",
+            "message": f"messages.1.content.{index}: Invalid `{field}` in `{kind}` block"}}
+    again = await client.messages.create(model=MODEL, max_tokens=5,
+                                         messages=sent(thought, redacted))
+    assert again.content[0].to_dict() == {"type": "text", "text": "again"}
+    # Another server (another key) takes none of them; one with the same key does.
+    with FakeAnthropicServer([Reply.text("x")]) as other:
+        assert other.thinking_signature("Weigh it.") != thought["signature"]
+    shared = FakeAnthropicServer(signing_key=b"k")
+    assert FakeAnthropicServer(signing_key=b"k").thinking_signature("a") == \
+        shared.thinking_signature("a")
+    with pytest.raises(le.ConfigError) as caught:
+        FakeAnthropicServer(signing_key="k")  # type: ignore[arg-type]
+    assert caught.value.field == "signing_key"
+    # A signature that is not ASCII is refused like any other, not a crash.
+    with pytest.raises(anthropic.BadRequestError, match="Invalid `signature`"):
+        await client.messages.create(model=MODEL, max_tokens=5, messages=sent(
+            {**thought, "signature": "sïgnature"}, redacted))

@@ -95,7 +95,8 @@ class Verdict(pydantic.BaseModel):
     ok: bool
 
 
-THOUGHT = {"type": "thinking", "thinking": "Weigh it.", "signature": "c2lnbmF0dXJl"}
+THOUGHT = {"type": "thinking", "thinking": "Weigh it."}
+"""A thinking block as scripted: the fake signs it as it serves it."""
 
 
 @pytest.mark.parametrize("thinking", [le.Thinking(budget_tokens=1024),
@@ -134,7 +135,8 @@ async def test_a_forced_tool_choice_is_left_to_the_model_while_it_thinks(
     assert "tool_choice" not in first_turn
     assert wrap_up["tool_choice"] == {"type": "auto"} and "thinking" in wrap_up
     # The thinking of the tool loop goes back with its call, as the API requires.
-    assert wrap_up["messages"][1]["content"][0] == THOUGHT
+    assert wrap_up["messages"][1]["content"][0] == {
+        **THOUGHT, "signature": wire.server.thinking_signature("Weigh it.")}
     assert plain_body["tool_choice"] == {"type": "tool", "name": "final_answer"}
 
 

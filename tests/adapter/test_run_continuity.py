@@ -199,7 +199,8 @@ async def test_a_prefill_that_begins_with_its_thinking_is_sent(wire: Harness) ->
     operation = le.Operation(name="t", provider="anthropic", model=MODEL,
                              thinking=le.Thinking(budget_tokens=1024), max_output_tokens=4096)
     thought = [PREFILL[0], {"role": "assistant", "content": [
-        {"type": "thinking", "thinking": "Pick one.", "signature": "c2ln"},
+        {"type": "thinking", "thinking": "Pick one.",
+         "signature": wire.server.thinking_signature("Pick one.")},
         {"type": "text", "text": "The colour is"}]}]
     result = await engine.run(operation, thought)
     assert result.outcome is le.Outcome.COMPLETED, result.fault
@@ -226,7 +227,8 @@ async def test_the_fake_refuses_tool_results_answering_a_turn_without_its_thinki
     import anthropic
 
     call = {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "x"}}
-    thinking = {"type": "thinking", "thinking": "Look it up.", "signature": "c2ln"}
+    thinking = {"type": "thinking", "thinking": "Look it up.",
+                "signature": wire.server.thinking_signature("Look it up.")}
     answered: Any = [{"role": "user", "content": "go"},
                      {"role": "assistant", "content": [call]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",

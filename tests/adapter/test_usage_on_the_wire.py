@@ -147,7 +147,7 @@ async def test_web_search_thinking_and_compaction_are_billed_to_the_nano_dollar(
         le.UsageIteration(type="advisor_message", model="claude-opus-4-6", input_tokens=823,
                           output_tokens=1_612),
     ))
-    searched = [{"type": "thinking", "thinking": "Search first.", "signature": "sig-1"},
+    searched = [{"type": "thinking", "thinking": "Search first."},  # the fake signs it
                 *SEARCH_THEN_CALL]
     engine, ledger = wire.engine(
         Reply(content=searched, stop_reason="tool_use", usage=first),

@@ -20,6 +20,7 @@ from loopengine.testing import (
     CutStream,
     DropConnection,
     ErrorReply,
+    FakeClock,
     FakeGeminiServer,
     Reply,
     StallStream,
@@ -28,7 +29,7 @@ from loopengine.testing import (
 
 from .. import rule_scenarios as scenarios
 from ..adapter.conftest import STREAMING
-from ..adapter.test_anthropic_faults import NEVER, Case
+from ..adapter.test_anthropic_faults import NEVER, Case, matrix
 from .conftest import GeminiHarness, gemini_operation
 from .test_gemini_rules import ROUTE
 
@@ -77,7 +78,7 @@ CASES = {
     # timeout
     "408": Case(ErrorReply(status=408), FaultKind.TIMEOUT, True),
     "sdk-timeout": Case(Reply.text("late", delay=NEVER), FaultKind.TIMEOUT, True,
-                        attempt_timeout=1.0),
+                        attempt_timeout=1.0, mock_clock=True),
     # connection
     "reset": Case(DropConnection(), FaultKind.CONNECTION, True),
     "closed-before-response": Case(DropConnection(reset=False), FaultKind.CONNECTION, True),
@@ -92,9 +93,10 @@ CASES = {
     "stream-cut-mid-body": Case(
         CutStream(reply=Reply.text("a long answer"), after=2, how="drop"), FaultKind.ABORTED,
         True, "aborted", streaming_only=True),
+    # Quiet after the first word's chunk (the idle limit counts from there).
     "idle-stream": Case(StallStream(reply=Reply.text("a b c"), after=2, seconds=NEVER),
                         FaultKind.ABORTED, True, "aborted", streaming_only=True,
-                        idle_timeout=1.0),
+                        idle_timeout=1.0, mock_clock=True),
     # bad_request
     "400-invalid-argument": Case(error(400, "INVALID_ARGUMENT", "Request contains an invalid "
                                        "argument."), FaultKind.BAD_REQUEST, False),
@@ -115,12 +117,9 @@ CASES = {
 
 # Only a stream can end early or go idle: those rows run once; a body that is
 # not JSON is one only a whole response can have.
-JSON_ONLY = {"200-not-a-response", "json-body-cut"}
-MATRIX = [
-    pytest.param(name, stream, id=f"{'sse' if stream else 'json'}-{name}")
-    for name in sorted(CASES) for stream in (False, True)
-    if (stream or not CASES[name].streaming_only) and not (stream and name in JSON_ONLY)
-]
+JSON_ONLY = frozenset({"200-not-a-response", "json-body-cut"})
+MATRIX = matrix(CASES, mock_clock=False, json_only=JSON_ONLY)
+TIMEOUTS = matrix(CASES, mock_clock=True, json_only=JSON_ONLY)
 
 
 @pytest.mark.parametrize(("name", "stream"), MATRIX)
@@ -130,6 +129,16 @@ async def test_fault_matrix_kind_retry_and_outcome_gemini(
     """Each Gemini row of the fault table: the right kind, retried or not, the right
     outcome; every attempt is one request (the SDK never retries)."""
     await scenarios.fault_case(wire, ROUTE, CASES[name], stream)
+
+
+@pytest.mark.parametrize(("name", "stream"), TIMEOUTS)
+def test_fault_matrix_timeout_rows_on_the_mock_clock_gemini(
+    fake_gemini_server: FakeGeminiServer, name: str, stream: bool
+) -> None:
+    """The timeout rows (the SDK's timeout, an idle stream) against a server that
+    never answers, on trio's MockClock: the right kind, retried, in no real time."""
+    scenarios.timeout_case(GeminiHarness(fake_gemini_server, FakeClock()),  # type: ignore[arg-type]
+                           ROUTE, CASES[name], stream)
 
 
 async def test_a_stream_cut_before_any_usage_has_unknown_usage_not_a_floor_gemini(

@@ -178,3 +178,32 @@ async def test_a_call_of_the_current_turn_sent_back_without_its_signature_is_ref
     reply = await client.chat.completions.create(
         model=MODEL, messages=[*HELLO, unsigned, result, later])  # type: ignore[list-item]
     assert reply.choices[0].message.content == "hello again"
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning_details"])
+async def test_a_tool_call_turn_sent_back_without_the_reasoning_it_was_served_with_is_refused(
+    fake_openai_server: FakeOpenAIServer, client: openai.AsyncOpenAI, field: str
+) -> None:
+    """As DeepSeek's thinking mode (``reasoning_content``) and a thinking model
+    behind OpenRouter (``reasoning_details``) do: an assistant message whose tool
+    call was served with reasoning must carry that field back, in any turn; the
+    field the server did not serve is not asked for."""
+    thought = ({"type": field, field: "Look it up."} if field == "reasoning_content" else
+               {"type": field, field: [{"type": "reasoning.text", "text": "Look it up."}]})
+    fake_openai_server.add(Reply(content=[thought, {"type": "tool_use", "id": "call_1",
+                                                    "name": "send", "input": {}}],
+                                 stop_reason="tool_use"), Reply.text("sent"))
+    first = await client.chat.completions.create(model=MODEL, messages=HELLO)  # type: ignore[arg-type]
+    served = first.choices[0].message.model_dump(exclude_none=True)
+    assert field in served
+    bare = {k: v for k, v in served.items() if k not in ("reasoning_content",
+                                                          "reasoning_details")}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "ok"}
+    later = [{"role": "user", "content": "And now?"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model=MODEL, messages=[*HELLO, bare, result, *later])  # type: ignore[list-item]
+    assert caught.value.body["message"] == (  # type: ignore[index]
+        f"Missing {field} field in the assistant message at message index 1.")
+    reply = await client.chat.completions.create(model=MODEL,
+                                                 messages=[*HELLO, served, result, *later])  # type: ignore[list-item]
+    assert reply.choices[0].message.content == "sent"

@@ -14,11 +14,24 @@ from typing import Any
 import pytest
 
 import loopengine as le
-from loopengine.testing import CutStream, ErrorReply, RecordedRequest, Reply
+from loopengine.testing import (
+    CutStream,
+    ErrorReply,
+    FakeClock,
+    FakeOpenAIServer,
+    RecordedRequest,
+    Reply,
+)
 
 from .. import rule_scenarios as scenarios
 from ..adapter.conftest import STREAMING
-from ..openai.test_openai_faults import MATRIX, run_case
+from ..openai.test_openai_faults import (
+    CASES,
+    MATRIX,
+    SDK_ITERATORS_ON_TRIO,
+    TIMEOUTS,
+    run_case,
+)
 from .conftest import ResponsesHarness, openai_operation
 from .test_responses_rules import ROUTE
 
@@ -30,6 +43,18 @@ async def test_fault_matrix_kind_retry_and_outcome_responses(
     """Each row of the OpenAI fault table: the right kind, retried or not, the right
     outcome, through responses.create."""
     await run_case(wire, name, stream)
+    assert all(r.path == "/v1/responses" for r in wire.requests)
+
+
+@SDK_ITERATORS_ON_TRIO
+@pytest.mark.parametrize(("name", "stream"), TIMEOUTS)
+def test_fault_matrix_timeout_rows_on_the_mock_clock_responses(
+    fake_openai_server: FakeOpenAIServer, name: str, stream: bool
+) -> None:
+    """The OpenAI table's timeout rows (the SDK's timeout, an idle stream) through
+    responses.create, on trio's MockClock: the right kind, retried, in no real time."""
+    wire = ResponsesHarness(fake_openai_server, FakeClock())  # type: ignore[arg-type]
+    scenarios.timeout_case(wire, ROUTE, CASES[name], stream)
     assert all(r.path == "/v1/responses" for r in wire.requests)
 
 
