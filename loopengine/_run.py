@@ -664,12 +664,21 @@ class _Loop:
 
     def _paused_state(self) -> RunState:
         """The paused run this loop resumes, as its state, with the counts the
-        ledger gave the resume (`prepare_resume`), not the caller's."""
+        ledger gave the resume (`prepare_resume`), not the caller's.
+
+        Everything else is the pause's own, its running time included: the
+        state's seal is the pause's (`RunState.seal`), which a recovery of
+        the row an adopting resume inserted reads to tell a pause nobody
+        took from one another resume took (`Engine._settle_adoption`). A
+        snapshot of the loop would differ: the time since the resume began,
+        the tools it was given in addition, an output model's digest as the
+        resume sends its schema."""
         assert self.resumed is not None
         before = self.resumed[0]
-        return self._snapshot(batch_ids=before.batch, results=before.results,
-                              repair=before.repair, pending=before.pending,
-                              paused_at=before.paused_at)
+        counts = progress_of(self.inv, self.state)
+        return replace(before, progress=replace(
+            counts, running_seconds=before.progress.running_seconds,
+            descendant_credits=before.progress.descendant_credits))
 
     def _snapshot(self, *, batch: Sequence[Mapping[str, Any]] = (),
                   batch_ids: tuple[str, ...] | None = None,
