@@ -200,7 +200,7 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     if undecided:
         # Taken in a segment of its own, as any recovery is: the dead process's
         # stays open (docs/ledger.md), and this one ends with the pause.
-        await take_run(inv, conversation, inv.clock.wall())
+        await loop._begin_resumed(pausing=True)
         if inv.accounts is not None and inv.account is not None:
             # Paused at once: the dead segment's reservation is settled and
             # released now, not at the next resume.
@@ -428,21 +428,26 @@ class _Loop:
                 await stopped(inv, outcome, error, self._progress)
             raise
 
-    async def _begin_resumed(self) -> None:
-        """Take the pause and begin the resumed segment (`resume_begin`).
+    async def _begin_resumed(self, *, pausing: bool = False) -> None:
+        """Take the pause and begin the resumed segment (`resume_begin`); or,
+        ``pausing`` (a recovery that pauses again at once for decisions on
+        its calls), only take it (`take_run`).
 
         An adopting resume, or a recovery, whose take is refused (another
         resume, on an engine without a run store, took the pause first: a
         recovery takes a pause only from the row a dead adopting resume left)
         deletes the run's row: the run is another's, and no recovery may take
-        it from there.
+        it from there (a later one would take it without a pause's seal).
 
         Raises:
             RunBusyError: another resume took the pause first.
         """
         inv = self.inv
         try:
-            await resume_begin(inv, self.state)
+            if pausing:
+                await take_run(inv, self.state, inv.clock.wall())
+            else:
+                await resume_begin(inv, self.state)
         except RunBusyError:
             if (self.adopting or self.recovering) and inv.run_store is not None \
                     and inv.lease_owner is not None:

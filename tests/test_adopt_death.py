@@ -202,13 +202,17 @@ class ClaimOvertakenStore(le.RunStore):
         await take_as_another(self.ledger, invocation_id)
 
 
+@pytest.mark.parametrize("decided", [True, False])
 async def test_a_recovery_of_a_run_still_paused_takes_its_pause_only_if_nobody_did(
-        each_ledger: Any, clock: FakeClock) -> None:
+        each_ledger: Any, clock: FakeClock, decided: bool) -> None:
     """An adopting resume died once it inserted the run's row, before its take: the
     ledger still holds the pause. A recovery claims the row, and another resume
     takes the pause before the recovery's take: the recovery's take, a
     compare-and-set on the pause's seal, is refused (RunBusyError, nothing sent
-    or run) and the row deleted; the run is the other resume's."""
+    or run) and the row deleted; the run is the other resume's. So too for a
+    recovery given no decisions, which would only take the run to pause it
+    again: a row it left claimed would have a later recovery take the run
+    from the other resume, the call run twice."""
     ledger = each_ledger
     sender, provider, paused, approve = await died_adopting(
         ledger, clock, DyingStore(ledger, "after"))
@@ -218,7 +222,8 @@ async def test_a_recovery_of_a_run_still_paused_takes_its_pause_only_if_nobody_d
     store = ClaimOvertakenStore(ledger)
     engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
     with pytest.raises(le.RunBusyError, match="another resume took"):
-        await engine.resume(run_id, decisions=approve, tools=[sender.tool])
+        await engine.resume(run_id, decisions=approve if decided else None,
+                            tools=[sender.tool])
     assert sender.sent == [] and len(provider.requests) == 1
     progress = await ledger.read_progress(run_id)
     assert (progress.outcome, progress.seal) == ("running", "resumed:another")
