@@ -243,7 +243,9 @@ class _Loop:
         self._given_messages = len(self.transcript)
         # The ids of the calls of the transcript's first ``_call_ids_of`` messages
         # (`unique_call_ids`), grown as replies arrive, not read again each turn.
-        self._call_ids: set[str] = set()
+        # A dict's keys, not a set: a dict holding only strings is not tracked by
+        # the garbage collector, a set is, and thousands of conversations wait.
+        self._call_ids: dict[str, None] = {}
         self._call_ids_of = 0
         self.state = ConversationState(turns=0, tool_calls=0, credits=0, deadline=inv.deadline)
         self.tools: dict[str, Tool]
@@ -499,9 +501,9 @@ class _Loop:
 
         blocks = self.transcript[-1]["content"]
         earlier = len(self.transcript) - 1
-        self._call_ids.update(call_ids(self.transcript[self._call_ids_of:earlier]))
+        self._call_ids.update(dict.fromkeys(call_ids(self.transcript[self._call_ids_of:earlier])))
         self._call_ids_of = earlier
-        unique_call_ids(blocks, self._call_ids)
+        unique_call_ids(blocks, self._call_ids.keys())
         tool_uses = [b for b in blocks if b.get("type") == "tool_use"]
         results: list[dict[str, Any]] = []
         feedback_message: str | None = None
