@@ -36,7 +36,7 @@ from loopengine._raised import own_failure
 from loopengine._runstate import Approve, Decision, Deny, PendingCall, Progress, RunState
 from loopengine._runstore import take_token
 from loopengine._tools import Tool
-from loopengine._usage import Usage
+from loopengine._usage import Usage, UsageIteration
 from loopengine.events import RunEnded, RunPaused, RunResumed
 from loopengine.guards._checkpoints import ConversationState
 from loopengine.guards._deadline import Deadline
@@ -245,7 +245,8 @@ async def prepare_resume(inv: Invocation, state: RunState, *, recovering: bool =
     inv.cost_nanousd = progress.cost_nanousd
     inv.provider_cost_nanousd = progress.provider_cost_nanousd
     inv.usage = usage_of(saved.usage if isinstance(saved.usage, Usage) else Usage(),
-                         progress.usage if inv.ledger is not None else None)
+                         progress.usage if inv.ledger is not None else None,
+                         progress.iterations)
     inv.output_tokens = inv.usage.output_tokens
     inv.paused_seconds = max(0.0, waited)
     # The turn whose calls waited was sent before the pause: its calls' events
@@ -337,22 +338,43 @@ def check_seal(state: RunState, seal: str) -> None:
                                    "the state its pause returned)")
 
 
-def usage_of(saved: Usage, ledger: Usage | None) -> Usage:
+def usage_of(saved: Usage, ledger: Usage | None, iterations: int = 0) -> Usage:
     """The usage a resumed run goes on from: the state's, which has its sampling
     iterations, while the ledger's totals (``ledger``, None without one) agree
     with it; the attempts it lacks added (a recovered segment's, settled after
-    its checkpoint); the ledger's alone when the state claims more than it."""
+    its checkpoint); the ledger's alone when the state claims more than it.
+
+    ``iterations``: the sampling iterations the ledger counted for the run's
+    attempts. A state encoded before a sum of usages told the iteration it
+    adds for a request that reported none apart (`UsageIteration.UNREPORTED`)
+    names that one ``message``: as many of its ``message`` iterations as it
+    counts beyond the ledger's, the last, are taken for such, so that the
+    run's `Usage.reported_iterations` is the ledger's count again."""
     if ledger is None:
         return saved
     lacking = [getattr(ledger, name) - getattr(saved, name) for name in PROGRESS_USAGE]
     if not any(lacking):
-        return saved
+        return _unreported(saved, saved.reported_iterations - iterations)
     if min(lacking) >= 0:
         try:
-            return saved + usage_counts(lacking)
+            return _unreported(saved, saved.reported_iterations - iterations) + usage_counts(
+                lacking)
         except ConfigError:
             pass  # not a usage on its own (the state was edited): the ledger's
     return ledger
+
+
+def _unreported(usage: Usage, surplus: int) -> Usage:
+    """``usage`` with its last ``surplus`` ``message`` iterations of the request's
+    own model typed `UsageIteration.UNREPORTED` (`usage_of`)."""
+    found = list(usage.iterations)
+    for index in reversed(range(len(found))):
+        if surplus <= 0:
+            break
+        if found[index].type == "message" and found[index].model is None:
+            found[index] = replace(found[index], type=UsageIteration.UNREPORTED)
+            surplus -= 1
+    return replace(usage, iterations=tuple(found)) if found != list(usage.iterations) else usage
 
 
 async def take_run(inv: Invocation, conversation: ConversationState, at: datetime) -> None:

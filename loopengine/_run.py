@@ -200,7 +200,7 @@ async def resume_loop(inv: Invocation, spec: RunSpec, state: RunState,
     if undecided:
         # Taken in a segment of its own, as any recovery is: the dead process's
         # stays open (docs/ledger.md), and this one ends with the pause.
-        await take_run(inv, conversation, inv.clock.wall())
+        await loop._begin_resumed(pausing=True)
         if inv.accounts is not None and inv.account is not None:
             # Paused at once: the dead segment's reservation is settled and
             # released now, not at the next resume.
@@ -243,7 +243,9 @@ class _Loop:
         self._given_messages = len(self.transcript)
         # The ids of the calls of the transcript's first ``_call_ids_of`` messages
         # (`unique_call_ids`), grown as replies arrive, not read again each turn.
-        self._call_ids: set[str] = set()
+        # A dict's keys, not a set: a dict holding only strings is not tracked by
+        # the garbage collector, a set is, and thousands of conversations wait.
+        self._call_ids: dict[str, None] = {}
         self._call_ids_of = 0
         self.state = ConversationState(turns=0, tool_calls=0, credits=0, deadline=inv.deadline)
         self.tools: dict[str, Tool]
@@ -428,21 +430,26 @@ class _Loop:
                 await stopped(inv, outcome, error, self._progress)
             raise
 
-    async def _begin_resumed(self) -> None:
-        """Take the pause and begin the resumed segment (`resume_begin`).
+    async def _begin_resumed(self, *, pausing: bool = False) -> None:
+        """Take the pause and begin the resumed segment (`resume_begin`); or,
+        ``pausing`` (a recovery that pauses again at once for decisions on
+        its calls), only take it (`take_run`).
 
         An adopting resume, or a recovery, whose take is refused (another
         resume, on an engine without a run store, took the pause first: a
         recovery takes a pause only from the row a dead adopting resume left)
         deletes the run's row: the run is another's, and no recovery may take
-        it from there.
+        it from there (a later one would take it without a pause's seal).
 
         Raises:
             RunBusyError: another resume took the pause first.
         """
         inv = self.inv
         try:
-            await resume_begin(inv, self.state)
+            if pausing:
+                await take_run(inv, self.state, inv.clock.wall())
+            else:
+                await resume_begin(inv, self.state)
         except RunBusyError:
             if (self.adopting or self.recovering) and inv.run_store is not None \
                     and inv.lease_owner is not None:
@@ -494,9 +501,9 @@ class _Loop:
 
         blocks = self.transcript[-1]["content"]
         earlier = len(self.transcript) - 1
-        self._call_ids.update(call_ids(self.transcript[self._call_ids_of:earlier]))
+        self._call_ids.update(dict.fromkeys(call_ids(self.transcript[self._call_ids_of:earlier])))
         self._call_ids_of = earlier
-        unique_call_ids(blocks, self._call_ids)
+        unique_call_ids(blocks, self._call_ids.keys())
         tool_uses = [b for b in blocks if b.get("type") == "tool_use"]
         results: list[dict[str, Any]] = []
         feedback_message: str | None = None
@@ -664,12 +671,21 @@ class _Loop:
 
     def _paused_state(self) -> RunState:
         """The paused run this loop resumes, as its state, with the counts the
-        ledger gave the resume (`prepare_resume`), not the caller's."""
+        ledger gave the resume (`prepare_resume`), not the caller's.
+
+        Everything else is the pause's own, its running time included: the
+        state's seal is the pause's (`RunState.seal`), which a recovery of
+        the row an adopting resume inserted reads to tell a pause nobody
+        took from one another resume took (`Engine._settle_adoption`). A
+        snapshot of the loop would differ: the time since the resume began,
+        the tools it was given in addition, an output model's digest as the
+        resume sends its schema."""
         assert self.resumed is not None
         before = self.resumed[0]
-        return self._snapshot(batch_ids=before.batch, results=before.results,
-                              repair=before.repair, pending=before.pending,
-                              paused_at=before.paused_at)
+        counts = progress_of(self.inv, self.state)
+        return replace(before, progress=replace(
+            counts, running_seconds=before.progress.running_seconds,
+            descendant_credits=before.progress.descendant_credits))
 
     def _snapshot(self, *, batch: Sequence[Mapping[str, Any]] = (),
                   batch_ids: tuple[str, ...] | None = None,

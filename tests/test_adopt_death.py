@@ -11,6 +11,7 @@ catches it), never a race with real time.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -51,12 +52,14 @@ class DyingStore(HookedStore):
             raise Died
 
 
-async def died_adopting(ledger: Any, clock: FakeClock, store: le.RunStore
+async def died_adopting(ledger: Any, clock: FakeClock, store: le.RunStore,
+                        more: Sequence[le.Tool] = ()
                         ) -> tuple[Sender, ScriptedProvider, le.RunResult,
                                    dict[str, le.Decision]]:
     """A run paused on an engine without a run store, then a resume approving its
-    call on an engine with ``store``, whose process dies (`Died`) as it adopts
-    the run: the sender, the provider, the paused result and the decisions."""
+    call on an engine with ``store`` (given the tools ``more`` too), whose
+    process dies (`Died`) as it adopts the run: the sender, the provider, the
+    paused result and the decisions."""
     sender = Sender()
     provider = ScriptedProvider([Reply.tool_calls(send("a")), Reply.text("done")], clock=clock)
     plain = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
@@ -66,7 +69,8 @@ async def died_adopting(ledger: Any, clock: FakeClock, store: le.RunStore
     approve: dict[str, le.Decision] = {paused.pending[0].id: le.Approve()}
     dying = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
     with pytest.raises(Died):
-        await dying.resume(paused.state.dumps(), decisions=approve, tools=[sender.tool])
+        await dying.resume(paused.state.dumps(), decisions=approve,
+                           tools=[sender.tool, *more])
     assert sender.sent == [] and len(provider.requests) == 1
     return sender, provider, paused, approve
 
@@ -198,13 +202,17 @@ class ClaimOvertakenStore(le.RunStore):
         await take_as_another(self.ledger, invocation_id)
 
 
+@pytest.mark.parametrize("decided", [True, False])
 async def test_a_recovery_of_a_run_still_paused_takes_its_pause_only_if_nobody_did(
-        each_ledger: Any, clock: FakeClock) -> None:
+        each_ledger: Any, clock: FakeClock, decided: bool) -> None:
     """An adopting resume died once it inserted the run's row, before its take: the
     ledger still holds the pause. A recovery claims the row, and another resume
     takes the pause before the recovery's take: the recovery's take, a
     compare-and-set on the pause's seal, is refused (RunBusyError, nothing sent
-    or run) and the row deleted; the run is the other resume's."""
+    or run) and the row deleted; the run is the other resume's. So too for a
+    recovery given no decisions, which would only take the run to pause it
+    again: a row it left claimed would have a later recovery take the run
+    from the other resume, the call run twice."""
     ledger = each_ledger
     sender, provider, paused, approve = await died_adopting(
         ledger, clock, DyingStore(ledger, "after"))
@@ -214,8 +222,40 @@ async def test_a_recovery_of_a_run_still_paused_takes_its_pause_only_if_nobody_d
     store = ClaimOvertakenStore(ledger)
     engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
     with pytest.raises(le.RunBusyError, match="another resume took"):
-        await engine.resume(run_id, decisions=approve, tools=[sender.tool])
+        await engine.resume(run_id, decisions=approve if decided else None,
+                            tools=[sender.tool])
     assert sender.sent == [] and len(provider.requests) == 1
     progress = await ledger.read_progress(run_id)
     assert (progress.outcome, progress.seal) == ("running", "resumed:another")
     assert await store.load(run_id) is None
+
+
+@le.tool
+def lookup(key: str) -> str:
+    """Look a key up."""
+    return key
+
+
+async def test_the_row_of_an_adopting_resume_keeps_the_seal_of_the_pause_it_resumes(
+        each_ledger: Any, clock: FakeClock) -> None:
+    """An adopting resume given a tool more than the run had (which a resume
+    may be) dies once it inserted the run's row, before its take: the row's
+    state is the pause's, its seal the one the ledger holds, so a recovery
+    of the row (its lease expired) finds the pause nobody took and takes it,
+    rather than taking it for another resume's and deleting the row; the
+    approved call runs once."""
+    ledger = each_ledger
+    sender, provider, paused, approve = await died_adopting(
+        ledger, clock, DyingStore(ledger, "after"), more=[lookup])
+    assert paused.state is not None
+    run_id = paused.invocation_id
+    store = le.RunStore(ledger)
+    row = await store.load(run_id)
+    assert row is not None and row.unsettled_adoption()
+    assert le.RunState.loads(row.state).seal() == paused.state.seal()
+    clock.advance(3600.0)  # the dead resume's lease has expired
+
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
+    done = await engine.resume(run_id, decisions=approve, tools=[sender.tool, lookup])
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+    assert len(provider.requests) == 2 and await store.load(run_id) is None

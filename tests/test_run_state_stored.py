@@ -1,15 +1,23 @@
 """A run state written by this version of loopengine, stored as it was written:
 later code must still load it, encode it alike and seal it alike (a ledger
-keeps the seal of each paused run, docs/pause-and-resume.md)."""
+keeps the seal of each paused run, docs/pause-and-resume.md); and one written
+by earlier code resumes to the ledger's accounts."""
 
 from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
 import loopengine as le
+from loopengine import events
+from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import FakeClock
+
+from .conftest import PRICES, operation
+from .pause_scenarios import Sender, send
 
 STORED = """{
  "format": "loopengine.run_state",
@@ -209,3 +217,47 @@ def test_a_stored_state_with_a_damaged_container_never_loads(container: object) 
     raw["container"] = container
     with pytest.raises(le.ConfigError, match="state"):
         le.RunState.loads(json.dumps(raw))
+
+
+async def test_a_state_written_before_unreported_iterations_resumes_with_the_ledger_s_count(
+        each_ledger: Any, clock: FakeClock) -> None:
+    """Earlier code typed ``message`` the iteration a sum of usages adds for a
+    request that reported none, where this code types it `UsageIteration.UNREPORTED`.
+    A run paused after a reply reporting two iterations and one reporting none,
+    its state as earlier code wrote it, resumes to a usage whose
+    ``reported_iterations`` is the ledger's ``iterations``, in its result and its
+    `RunEnded` alike, not one more."""
+    ledger = each_ledger
+    sender, seen = Sender(), []
+    reported = le.Usage.from_iterations((
+        le.UsageIteration(type="compaction", input_tokens=60, output_tokens=10),
+        le.UsageIteration(type="message", input_tokens=40, output_tokens=10)))
+    provider = ScriptedProvider([
+        Reply(content=[{"type": "tool_use", "id": "c1", "name": "lookup", "input": {}}],
+              stop_reason="tool_use", usage=reported),
+        Reply.tool_calls(send("a"), usage=le.Usage(input_tokens=100, output_tokens=20)),
+        Reply.text("done", usage=le.Usage(input_tokens=100, output_tokens=20))], clock=clock)
+
+    @le.tool
+    def lookup() -> str:
+        """Look it up."""
+        return "found"
+
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                       observers=[seen.append])
+    paused = await engine.run(operation(), "go", tools=[lookup, sender.tool])
+    assert paused.state is not None and paused.usage.reported_iterations == 2
+    assert [i.type for i in paused.usage.iterations] == [
+        "compaction", "message", le.UsageIteration.UNREPORTED]
+    earlier = le.RunState.loads(paused.state.dumps().replace(
+        b'"unreported"', b'"message"'))
+    assert earlier.progress.usage.reported_iterations == 3
+    assert earlier.seal() == paused.state.seal()
+
+    done = await engine.resume(earlier, decisions={paused.pending[0].id: le.Approve()},
+                               tools=[lookup, sender.tool])
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+    progress = await ledger.read_progress(done.invocation_id)
+    assert progress.iterations == 2 == done.usage.reported_iterations
+    (ended,) = [e for e in seen if isinstance(e, events.RunEnded)]
+    assert ended.usage == done.usage

@@ -185,7 +185,7 @@ class Known:
 
 PROGRESS_COLUMNS: Final = ("outcome", "ended_at", "turns", "tool_calls", "credits",
                            "attempt_count", "cost_nanousd", "provider_cost_nanousd",
-                           "pause_seal")
+                           "pause_seal", "iterations")
 """The ``invocations`` columns `read_progress` reads first, in its order."""
 PROGRESS_USAGE: Final = ("input_tokens", "output_tokens", "cache_read_tokens",
                          "cache_write_tokens", "cache_write_1h_tokens", "web_search_requests",
@@ -202,13 +202,14 @@ def read_progress(rows: Callable[[str], Sequence[Sequence[Any]]]) -> InvocationP
     found = rows(PROGRESS_QUERY)
     if not found:
         return None
-    outcome, ended_at, turns, tool_calls, credits, attempts, cost, provider_cost, seal = \
-        found[0][:len(PROGRESS_COLUMNS)]
+    (outcome, ended_at, turns, tool_calls, credits, attempts, cost, provider_cost, seal,
+     iterations) = found[0][:len(PROGRESS_COLUMNS)]
     return InvocationProgress(
         outcome=str(outcome), ended_at=stored_time(ended_at), turns=int(turns),
         tool_calls=int(tool_calls),
         credits=int(credits), attempt_count=int(attempts), cost_nanousd=int(cost),
         provider_cost_nanousd=int(provider_cost), seal=None if seal is None else str(seal),
+        iterations=int(iterations),
         usage=usage_counts(int(value) for value in found[0][len(PROGRESS_COLUMNS):]))
 
 

@@ -151,6 +151,9 @@ class InvocationProgress:
     without their sampling iterations."""
     seal: str | None = None
     """The seal of its pause while it is paused (`InvocationEnd.seal`)."""
+    iterations: int = 0
+    """The sampling iterations its settled attempts reported, summed
+    (`Usage.reported_iterations`), which ``usage`` does not list."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
