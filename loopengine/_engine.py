@@ -58,7 +58,7 @@ from loopengine._runstore import (
     StoredRun,
     holds_run,
     new_owner,
-    take_token,
+    taken_without_store,
 )
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
@@ -499,8 +499,8 @@ class Engine:
         untaken = None
         if stored is not None:
             stored.check_free(self.clock.wall(), force)
-            if stored.unsettled_adoption():
-                untaken = await self._settle_adoption(stored)
+            if stored.unsettled_take():
+                untaken = await self._settle_take(stored)
         # A stored run that is not paused was running when its process died:
         # its last checkpoint is newer than any state the caller holds.
         recovering = stored is not None and stored.paused_at is None
@@ -583,29 +583,32 @@ class Engine:
                                  undecided=undecided, release=release,
                                  adopt=self.run_store is not None and stored is None)
 
-    async def _settle_adoption(self, stored: StoredRun) -> str | None:
-        """The row a resume adopting the run inserted, its process dead before it
-        wrote again (`StoredRun.unsettled_adoption`): the recovery goes on when
-        that resume took the pause (the ledger holds its `take_token`: None is
-        returned) or nobody did (the ledger holds the pause the row's state is:
-        its seal is returned, for the recovery to take it as a resume does).
+    async def _settle_take(self, stored: StoredRun) -> str | None:
+        """A row a resume wrote to take the run's pause, its process dead (or its
+        resume failed) before the run's first checkpoint after the take
+        (`StoredRun.unsettled_take`): the recovery goes on when a resume under
+        a run store took the pause (its row is this one: None is returned) or
+        nobody did (the ledger holds the pause the row's state is: its seal
+        is returned, for the recovery to take it as a resume does).
         Otherwise another resume, on an engine without a run store, took the
-        pause, and the run is its own: the row is deleted, so that no recovery
-        takes the run from it.
+        pause (`taken_without_store`), or took it and paused the run again,
+        and the run is its own: the row is deleted, so that no recovery takes
+        the run from it.
 
         Raises:
             RunBusyError: another resume took the pause; nothing was taken.
         """
-        assert self.run_store is not None and stored.lease_owner is not None
+        assert self.run_store is not None
         found = await self.run_store.ledger.read_progress(stored.invocation_id)
         if found is None or found.outcome not in ("running", "paused"):
             return None  # ended: the resume forgets the row and says so
-        if found.outcome == "running" and found.seal == take_token(stored.lease_owner):
+        if found.outcome == "running" and not taken_without_store(found.seal):
             return None
         if found.outcome == "paused" and found.seal in (
                 None, RunState.loads(stored.state).seal()):
             return found.seal or ""
-        await self.run_store.drop(stored.invocation_id, stored.lease_owner)
+        # Unless another recovery wrote it since it was read.
+        await self.run_store.drop(stored.invocation_id, None, version=stored.version)
         raise RunBusyError(stored.invocation_id, None, "another resume took its pause")
 
     async def _check_resume_account(self, state: RunState) -> None:

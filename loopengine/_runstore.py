@@ -56,7 +56,8 @@ if TYPE_CHECKING:
     from loopengine._invocation import Invocation
 
 __all__ = ["DEFAULT_LEASE_GRACE", "UNBOUNDED_RUN", "CallMark", "RunStore", "StoredRun",
-           "holds_run", "lease_expiry", "new_owner", "take_token"]
+           "holds_run", "lease_expiry", "new_owner", "take_token",
+           "taken_without_store"]
 
 T = TypeVar("T")
 
@@ -83,13 +84,14 @@ class StoredRun:
     paused_at: datetime | None
     """When it paused (None while it runs)."""
 
-    def unsettled_adoption(self) -> bool:
-        """Whether this is the row a resume adopting the run inserted before it took
-        the pause, written to by nobody since (its first write, leased, holding
-        the paused state): that resume's process died, and whether its take
-        happened, or another resume's did, only the ledger's seal says."""
-        return self.version == 1 and self.paused_at is None \
-            and self.lease_owner is not None and bool(RunState.loads(self.state).pending)
+    def unsettled_take(self) -> bool:
+        """Whether the row runs while it holds a paused state (its pending calls): a
+        resume wrote it to take that pause (an adopting resume's insert, a
+        resume's or a recovery's claim) and its process died, or it failed,
+        before the run's first checkpoint after the take. Whether it took the
+        pause, or another resume did, only the ledger's seal says
+        (`taken_without_store`)."""
+        return self.paused_at is None and bool(RunState.loads(self.state).pending)
 
     def check_free(self, now: datetime, force: bool) -> None:
         """Raise unless a resume may take the run now: it is paused, or the
@@ -119,13 +121,26 @@ def new_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
+_UNSTORED = "resumed:unstored:"
+
+
 def take_token(owner: str | None) -> str:
     """What a resume's take of a paused run writes as the ledger's seal while its
-    segment runs: ``resumed:`` and the segment's lease owner (without a run
-    store, a random part). Unique to the segment, and for a resume adopting a
-    run, readable from the row it inserted: a recovery of that row tells its
-    take from another resume's (`StoredRun.unsettled_adoption`)."""
-    return f"resumed:{owner if owner is not None else uuid.uuid4().hex}"
+    segment runs: ``resumed:`` and the segment's lease owner; without a run
+    store, ``resumed:unstored:`` and a random part. Unique to the segment; a
+    recovery of a row a resume left before its first checkpoint
+    (`StoredRun.unsettled_take`) tells from it whether a resume on an engine
+    without a run store took the pause (`taken_without_store`)."""
+    return f"resumed:{owner}" if owner is not None else f"{_UNSTORED}{uuid.uuid4().hex}"
+
+
+def taken_without_store(seal: str | None) -> bool:
+    """Whether ``seal``, the ledger's while a resumed run runs, is the take of a
+    resume on an engine without a run store (`take_token`): the run is that
+    resume's, and no row of a run store holds it. A token written by earlier
+    versions (``resumed:`` and 32 hex digits, whichever resume took it) is
+    not: a recovery goes on with it, as those versions did."""
+    return seal is not None and seal.startswith(_UNSTORED)
 
 
 def lease_expiry(inv: Invocation, grace: float) -> datetime:
@@ -337,17 +352,20 @@ class RunStore:
 
         await self._transact(work)
 
-    async def drop(self, invocation_id: str, owner: str) -> None:
-        """Delete the ended run's row if ``owner`` holds it, and mark ``in_doubt``
+    async def drop(self, invocation_id: str, owner: str | None, *,
+                   version: int | None = None) -> None:
+        """Delete the ended run's row if ``owner`` holds it (or, given ``version``,
+        if it is still at that version, whoever holds it), and mark ``in_doubt``
         its calls still ``started``: the run ended while their handlers ran
         (its deadline or a cancellation cut them), so whether they did their
         work is not known (internal). A row ``owner`` does not hold (another
         process took the run over, and holds or paused it) is left as it is.
         """
+        held = ("version", version) if version is not None else ("lease_owner", owner)
 
         def work(conn: Any) -> None:
-            dropped = conn.execute("DELETE FROM run_states WHERE invocation_id = ? AND "
-                                   "lease_owner = ?", (invocation_id, owner)).rowcount
+            dropped = conn.execute(f"DELETE FROM run_states WHERE invocation_id = ? AND "
+                                   f"{held[0]} = ?", (invocation_id, held[1])).rowcount
             if dropped:
                 conn.execute("UPDATE tool_calls SET status = 'in_doubt' WHERE "
                              "invocation_id = ? AND status = 'started'", (invocation_id,))

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import loopengine as le
+from loopengine._runstore import take_token, taken_without_store
 from loopengine.persistence import InvocationEnd
 from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
@@ -99,7 +100,7 @@ async def test_a_resume_that_dies_adopting_a_run_leaves_it_recoverable(
     else:
         # Held by the dead resume's lease: a recovery takes it once it expires.
         assert row is not None and row.lease_owner is not None and row.paused_at is None
-        assert row.unsettled_adoption()
+        assert row.unsettled_take()
 
     engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
     done = await engine.resume(stored, decisions=approve, tools=[sender.tool], force=True)
@@ -124,13 +125,13 @@ class OvertakenStore(HookedStore):
 
 async def take_as_another(ledger: Any, invocation_id: str) -> None:
     """Take the run's pause as a resume on an engine without a run store would:
-    the ledger's compare-and-set on the pause's seal, its token ``resumed:another``."""
+    the ledger's compare-and-set on the pause's seal, its token `take_token`'s."""
     found = await ledger.read_progress(invocation_id)
     assert found is not None and found.outcome == "paused" and found.seal is not None
     await ledger.end_invocation(InvocationEnd(
         id=invocation_id, ended_at=None, outcome="running", turns=found.turns,
         tool_calls=found.tool_calls, credits=found.credits,
-        at=datetime.now(UTC), seal="resumed:another", expect_seal=found.seal))
+        at=datetime.now(UTC), seal=take_token(None), expect_seal=found.seal))
 
 
 async def test_an_adopting_resume_overtaken_at_its_take_deletes_the_row_it_inserted(
@@ -152,7 +153,7 @@ async def test_an_adopting_resume_overtaken_at_its_take_deletes_the_row_it_inser
                             decisions={paused.pending[0].id: le.Approve()})
     assert sender.sent == [] and len(provider.requests) == 1
     progress = await ledger.read_progress(paused.invocation_id)
-    assert (progress.outcome, progress.seal) == ("running", "resumed:another")
+    assert progress.outcome == "running" and taken_without_store(progress.seal)
     assert await store.load(paused.invocation_id) is None
 
 
@@ -160,7 +161,8 @@ class OvertakenDyingStore(OvertakenStore):
     """An `OvertakenStore` whose process dies as the adopting resume deletes the
     row it inserted, its take refused: the row stays, held by a dead lease."""
 
-    async def drop(self, invocation_id: str, owner: str) -> None:
+    async def drop(self, invocation_id: str, owner: str | None, *,
+                   version: int | None = None) -> None:
         raise Died
 
 
@@ -188,7 +190,7 @@ async def test_a_row_left_by_an_overtaken_adopting_resume_that_died_takes_nothin
             await engine.resume(state, tools=[sender.tool], decisions=given)
         assert sender.sent == [] and len(provider.requests) == 1
         progress = await ledger.read_progress(run_id)
-        assert (progress.outcome, progress.seal) == ("running", "resumed:another")
+        assert progress.outcome == "running" and taken_without_store(progress.seal)
         assert await store.load(run_id) is None
 
 
@@ -226,7 +228,7 @@ async def test_a_recovery_of_a_run_still_paused_takes_its_pause_only_if_nobody_d
                             tools=[sender.tool])
     assert sender.sent == [] and len(provider.requests) == 1
     progress = await ledger.read_progress(run_id)
-    assert (progress.outcome, progress.seal) == ("running", "resumed:another")
+    assert progress.outcome == "running" and taken_without_store(progress.seal)
     assert await store.load(run_id) is None
 
 
@@ -251,11 +253,91 @@ async def test_the_row_of_an_adopting_resume_keeps_the_seal_of_the_pause_it_resu
     run_id = paused.invocation_id
     store = le.RunStore(ledger)
     row = await store.load(run_id)
-    assert row is not None and row.unsettled_adoption()
+    assert row is not None and row.unsettled_take()
     assert le.RunState.loads(row.state).seal() == paused.state.seal()
     clock.advance(3600.0)  # the dead resume's lease has expired
 
     engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
     done = await engine.resume(run_id, decisions=approve, tools=[sender.tool, lookup])
+    assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
+    assert len(provider.requests) == 2 and await store.load(run_id) is None
+
+
+class ClaimingThenGone(le.RunStore):
+    """A run store whose recovery claims the run's row and is then gone before its
+    take: it ``failed`` (an error once the claim committed, and the row is given
+    back) or ``died`` (the giving back dies too, and the row stays claimed)."""
+
+    def __init__(self, ledger: Any, how: str) -> None:
+        super().__init__(ledger)
+        self.how = how
+
+    async def claim(self, invocation_id: str, owner: str, **kwargs: Any) -> None:
+        """Claim, then fail or die."""
+        await super().claim(invocation_id, owner, **kwargs)
+        raise RuntimeError("failed after its claim") if self.how == "failed" else Died
+
+    async def release(self, invocation_id: str, owner: str, *,
+                      paused_at: datetime | None) -> None:
+        """Give the row back, unless the process died."""
+        if self.how == "died":
+            raise Died
+        await super().release(invocation_id, owner, paused_at=paused_at)
+
+
+@pytest.mark.parametrize("how", ["failed", "died"])
+async def test_a_row_a_recovery_claimed_before_its_take_takes_nothing_from_another_resume(
+        each_ledger: Any, clock: FakeClock, how: str) -> None:
+    """An adopting resume died once it inserted the run's row; a recovery claimed
+    the row and failed or died before its take; then a resume on an engine
+    without a run store took the pause. The next recovery of the row (still
+    holding the paused state, whatever its version or owner) reads whose take
+    the ledger holds: it takes nothing (RunBusyError, nothing sent or run) and
+    deletes the row, so the run stays the other resume's, its call run once."""
+    ledger = each_ledger
+    sender, provider, paused, approve = await died_adopting(
+        ledger, clock, DyingStore(ledger, "after"))
+    run_id = paused.invocation_id
+    clock.advance(3600.0)  # the dead resume's lease has expired
+    gone = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                     run_store=ClaimingThenGone(ledger, how))
+    with pytest.raises(RuntimeError if how == "failed" else Died):
+        await gone.resume(run_id, decisions=approve, tools=[sender.tool])
+    store = le.RunStore(ledger)
+    row = await store.load(run_id)
+    assert row is not None and row.version > 1 and row.unsettled_take()
+    assert (row.lease_owner is None) == (how == "failed")
+    await take_as_another(ledger, run_id)
+    clock.advance(3600.0)  # the dead recovery's lease has expired too
+
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
+    with pytest.raises(le.RunBusyError, match="another resume took its pause"):
+        await engine.resume(run_id, decisions=approve, tools=[sender.tool])
+    assert sender.sent == [] and len(provider.requests) == 1
+    progress = await ledger.read_progress(run_id)
+    assert progress.outcome == "running" and taken_without_store(progress.seal)
+    assert await store.load(run_id) is None
+
+
+async def test_a_take_written_by_earlier_versions_lets_the_recovery_go_on(
+        each_ledger: Any, clock: FakeClock) -> None:
+    """Versions before the take tokens wrote ``resumed:`` and 32 hex digits for
+    every take, a run store's too. A row such a resume left once it took the
+    pause is recovered as those versions did: the recovery goes on and
+    completes the run, the approved call run once, rather than taking the
+    token for a resume's without a run store and leaving the run with no row."""
+    ledger = each_ledger
+    sender, provider, paused, approve = await died_adopting(
+        ledger, clock, DyingStore(ledger, "after"))
+    run_id = paused.invocation_id
+    found = await ledger.read_progress(run_id)
+    await ledger.end_invocation(InvocationEnd(
+        id=run_id, ended_at=None, outcome="running", turns=found.turns,
+        tool_calls=found.tool_calls, credits=found.credits, at=datetime.now(UTC),
+        seal=f"resumed:{'ab' * 16}", expect_seal=found.seal))
+    clock.advance(3600.0)  # the dead resume's lease has expired
+    store = le.RunStore(ledger)
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
+    done = await engine.resume(run_id, decisions=approve, tools=[sender.tool])
     assert done.outcome is le.Outcome.COMPLETED and sender.sent == ["a"]
     assert len(provider.requests) == 2 and await store.load(run_id) is None
