@@ -66,7 +66,7 @@ from loopengine.events import (
     RunTotals,
     ToolCallEvent,
 )
-from loopengine.providers._base import Provider
+from loopengine.providers._base import Provider, genai_operation_of
 
 __all__ = ["OpenTelemetryObserver", "provider_name"]
 
@@ -76,11 +76,6 @@ __all__ = ["OpenTelemetryObserver", "provider_name"]
 _PROVIDER_NAMES = {"anthropic": "anthropic", "bedrock": "aws.bedrock", "vertex": "gcp.vertex_ai",
                    "aws-bedrock": "aws.bedrock", "google-vertex": "gcp.vertex_ai",
                    "google": "gcp.gemini", "openai": "openai", "azure": "azure.ai.openai"}
-
-# gen_ai.operation.name of an attempt: what the run's provider says its requests
-# are (`Provider.genai_operation`, on the run's first event); for an event that
-# does not say, ``generate_content`` on the Gemini API, else ``chat``.
-_GENERATE_CONTENT = frozenset({"gcp.gemini"})
 
 # The GenAI names are spelled out rather than imported: the conventions'
 # package keeps them in an unstable module that has already moved once (they
@@ -294,8 +289,10 @@ class OpenTelemetryObserver:
             f"invoke_agent {event.operation}", context=context, kind=SpanKind.INTERNAL,
             attributes=attributes, start_time=_ns(event.at), links=links,
         )
-        operation = event.genai_operation or (
-            "generate_content" if provider in _GENERATE_CONTENT else "chat")
+        # gen_ai.operation.name of its attempts: what the run's provider says its
+        # requests are (`Provider.genai_operation`), else what its vendor's are.
+        operation = event.genai_operation or genai_operation_of(
+            vendor if isinstance(vendor, str) else event.provider)
         self._runs[event.run_id] = _RunSpans(
             span=span, context=trace.set_span_in_context(span), provider=provider,
             model=event.model, operation=operation, common=common,

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,6 +41,8 @@ from loopengine.providers import (
     OpenAIResponsesProvider,
     Provider,
     ProviderFault,
+    RecordingProvider,
+    ReplayProvider,
     Reply,
     ScriptedProvider,
 )
@@ -442,3 +445,25 @@ async def test_every_shipped_provider_is_named_by_a_well_known_provider_name(
     assert operation in values("GenAiOperationNameValues")
     assert {attrs(s)["gen_ai.provider.name"] for s in spans} == {expected}
     assert expected in values("GenAiProviderNameValues")
+
+
+@pytest.mark.parametrize(("name", "operation"), [
+    ("google", "generate_content"), ("google-vertex", "chat"), ("anthropic", "chat")])
+async def test_a_script_or_a_replay_names_its_attempt_spans_by_the_route_it_stands_in_for(
+    tracer_provider: TracerProvider, exporter: InMemorySpanExporter, name: str, operation: str,
+    tmp_path: Path) -> None:
+    """A `ScriptedProvider` or `ReplayProvider` named after a route knows no more of
+    its requests than the name: one named ``google`` (the Gemini API) names its
+    attempt spans ``generate_content``, as a Gemini run's are; any other
+    (Vertex AI serves Claude too) ``chat``."""
+    op = le.Operation(name="otel.script", provider=name, model="m", max_output_tokens=50)
+    script = ScriptedProvider([Reply.text("hi")], name=name)
+    recording = RecordingProvider(script, tmp_path / "run.jsonl")
+    engine = le.Engine(recording, observers=[OpenTelemetryObserver(tracer_provider)])
+    assert (await engine.run(op, "q")).outcome is le.Outcome.COMPLETED
+    replay = ReplayProvider(tmp_path / "run.jsonl")
+    engine = le.Engine(replay, observers=[OpenTelemetryObserver(tracer_provider)])
+    assert (await engine.run(op, "q")).outcome is le.Outcome.COMPLETED
+    attempts = [s for s in exporter.get_finished_spans() if not s.name.startswith("invoke")]
+    assert [s.name for s in attempts] == [f"{operation} m"] * 2
+    assert {attrs(s)["gen_ai.operation.name"] for s in attempts} == {operation}

@@ -37,8 +37,8 @@ from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
 
 __all__ = ["FEATURES", "STOP_REASONS", "Container", "Provider", "ProviderRequest",
-           "ProviderResponse", "ServedSink", "TextCallback", "cut_sink", "hand_text",
-           "media_note", "new_call_id", "priced_geo", "priced_speed", "priced_tier",
+           "ProviderResponse", "ServedSink", "TextCallback", "cut_sink", "genai_operation_of",
+           "hand_text", "media_note", "new_call_id", "priced_geo", "priced_speed", "priced_tier",
            "reported_usage", "text_or_none", "token_count", "unwatch_cuts", "watch_cuts"]
 
 P = ParamSpec("P")
@@ -95,6 +95,15 @@ def unwatch_cuts(key: int) -> None:
 def cut_sink() -> ServedSink | None:
     """Where a reply cut in this task reports what it had served (`watch_cuts`)."""
     return _watching.get(anyio.get_current_task().id)
+
+
+def genai_operation_of(vendor: str) -> str:
+    """The OpenTelemetry GenAI operation of a vendor's requests when nothing more
+    is known of them (a script's, a recording's, an event that does not say):
+    ``generate_content`` on the Gemini API (vendor ``google``), else ``chat``.
+    Vertex AI serves Claude and Gemini alike, so ``google-vertex`` is ``chat``
+    unless the provider says (`Provider.genai_operation`)."""
+    return "generate_content" if vendor == "google" else "chat"
 
 
 FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",

@@ -32,6 +32,7 @@ from loopengine.providers._base import (
     ProviderRequest,
     ProviderResponse,
     TextCallback,
+    genai_operation_of,
     hand_text,
 )
 from loopengine.providers._faults import ProviderFault
@@ -199,8 +200,12 @@ class ReplayProvider:
         """The recorded provider's route (a recording keeps no vendor)."""
         return self._name
 
-    genai_operation = "chat"
-    """``chat`` (a recording keeps no operation, as it keeps no vendor)."""
+    @property
+    def genai_operation(self) -> str:
+        """What the recorded route's requests are, as far as its name says (a
+        recording keeps no operation, as it keeps no vendor: `genai_operation_of`)."""
+        return genai_operation_of(self._name)
+
     streaming = True
     """A recorded reply's text blocks go to ``on_text``, one call each."""
     inference_geo = None

@@ -27,6 +27,7 @@ from loopengine.providers._base import (
     ProviderRequest,
     ProviderResponse,
     TextCallback,
+    genai_operation_of,
     hand_text,
 )
 from loopengine.providers._faults import FaultKind, ProviderFault
@@ -201,8 +202,10 @@ class ScriptedProvider:
 
     @property
     def genai_operation(self) -> str:
-        """``chat``: a script answers as a chat API does."""
-        return "chat"
+        """What the requests of the route it stands in for are, as far as its name
+        says (`genai_operation_of`): ``generate_content`` for ``google``, else
+        ``chat``."""
+        return genai_operation_of(self.name)
 
     def check_ready(self) -> None:
         """Always ready: a script needs no connection."""
