@@ -243,4 +243,6 @@ def _script(field: str, items: object) -> list[ScriptItem]:
             raise ConfigError(f"{field}[{index}]", "must be a Reply, a ProviderFault or a "
                                                    "function of the request giving one, got "
                                                    f"{_validate.shown(item)}")
+        if not isinstance(item, Reply | ProviderFault):
+            _validate.sync_callable(f"{field}[{index}]", item, "(request) -> item")
     return checked

@@ -368,6 +368,8 @@ def _script(field: str, items: object) -> list[ServerItem]:
                                                "CutStream, StreamErrorEvent, StallStream or a "
                                                "function of the request returning one, got "
                                                f"{_validate.shown(item)}")
+        if not isinstance(item, _ITEM_TYPES):
+            _validate.sync_callable(f"{field}[{i}]", item, "(request) -> item")
     return listed
 
 

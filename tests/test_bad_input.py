@@ -1,0 +1,86 @@
+"""Bad input to the public API is a `ConfigError` naming the argument, raised by the
+call that received it: never accepted only to misbehave mid-run, never a bare
+TypeError or AttributeError from deep inside."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+
+import loopengine as le
+from loopengine.mcp import MCPServer
+from loopengine.persistence import SQLiteLedger
+from loopengine.providers import Reply, ScriptedProvider
+from loopengine.testing import FakeAnthropicServer
+from loopengine.testing import Reply as WireReply
+
+
+async def _async_check(_: Any) -> bool:
+    return False
+
+
+class _AsyncCall:
+    async def __call__(self, _: Any) -> bool:
+        return False
+
+
+ASYNC_CALLABLES = [_async_check, functools.partial(_async_check), _AsyncCall()]
+
+
+async def lookup(city: str) -> str:
+    """Look a city up."""
+    return city
+
+
+@pytest.mark.parametrize("check", ASYNC_CALLABLES)
+def test_an_async_approval_check_is_refused_when_the_tool_is_built(check: Any) -> None:
+    """An approval check's answer is used as it is returned: an async one would
+    answer a coroutine, and every call would wait for a person, whatever it said."""
+    with pytest.raises(le.ConfigError, match="not async") as raised:
+        le.tool(lookup, approval=check)
+    assert raised.value.field == "approval"
+    with pytest.raises(le.ConfigError, match="not async"):
+        le.Tool("t", "d", {"type": "object"}, lookup, approval=check)
+    assert le.tool(lookup, approval=lambda call: True).approval is not False
+
+
+@pytest.mark.parametrize("approval", [_async_check, {"lookup": _async_check}])
+def test_an_mcp_servers_async_approval_check_is_refused(approval: Any) -> None:
+    """The same for an MCP server's approval, for every tool or by name."""
+    with pytest.raises(le.ConfigError, match="not async") as raised:
+        MCPServer.stdio("server", approval=approval)
+    assert raised.value.field.startswith("approval")
+
+
+def test_an_async_account_key_is_refused(tmp_path: Any) -> None:
+    """An account key is used as it is returned: an async one's coroutine is no
+    account name, and every run would fail when it started."""
+    ledger = SQLiteLedger(tmp_path / "ledger.db")
+    try:
+        with pytest.raises(le.ConfigError, match="not async") as raised:
+            le.CreditAccounts(ledger, key=_async_check)
+        assert raised.value.field == "key"
+        assert le.CreditAccounts(ledger, key=lambda a: a.tenant) is not None
+    finally:
+        ledger.close()
+
+
+async def _async_reply(_: Any) -> Reply:
+    return Reply.text("hi")
+
+
+def test_an_async_script_function_is_refused_when_the_script_is_given() -> None:
+    """A scripted provider's or fake server's script function is called and its
+    answer served as it is: an async one's coroutine is no reply, and its run
+    ended provider_error instead of naming the script's mistake."""
+    with pytest.raises(le.ConfigError, match="not async") as raised:
+        ScriptedProvider([Reply.text("a"), _async_reply])
+    assert raised.value.field == "script[1]"
+    provider = ScriptedProvider([])
+    with pytest.raises(le.ConfigError, match="not async"):
+        provider.add(_async_reply)
+    with pytest.raises(le.ConfigError, match="not async") as raised:
+        FakeAnthropicServer([WireReply.text("a"), _async_reply])
+    assert raised.value.field == "script[1]"
