@@ -298,6 +298,18 @@ def moment(field: str, value: object, *, optional: bool = False) -> datetime | N
     return value
 
 
+def implements(value: object, protocol: type) -> bool:
+    """Whether ``value`` is an object implementing ``protocol`` (a runtime-checkable
+    `typing.Protocol`, such as `Provider`, `Ledger` or `Clock`).
+
+    A class is not, though it passes the protocol's ``isinstance`` check (its
+    methods are attributes): ``Engine(ScriptedProvider)`` or ``clock=FakeClock``
+    without the call would fail only mid-run, calling a method without its
+    ``self``.
+    """
+    return not isinstance(value, type) and isinstance(value, protocol)
+
+
 def clock(field: str, value: object) -> None:
     """Check that ``value`` is None or a `Clock` whose wall time is
     timezone-aware (read once, here).
@@ -311,10 +323,10 @@ def clock(field: str, value: object) -> None:
 
     if value is None:
         return
-    if not isinstance(value, Clock):
+    if not implements(value, Clock):
         raise ConfigError(field, "must be a Clock (now, wall, sleep, cancel_scope), "
                                  f"got {shown(value)}")
-    moment(f"{field}.wall()", value.wall())
+    moment(f"{field}.wall()", typing.cast(Clock, value).wall())
 
 
 def is_async(fn: object) -> bool:

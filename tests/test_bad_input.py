@@ -11,9 +11,10 @@ import pytest
 
 import loopengine as le
 from loopengine.mcp import MCPServer
+from loopengine.otel import OpenTelemetryObserver
 from loopengine.persistence import SQLiteLedger
-from loopengine.providers import Reply, ScriptedProvider
-from loopengine.testing import FakeAnthropicServer
+from loopengine.providers import RecordingProvider, Reply, ScriptedProvider
+from loopengine.testing import FakeAnthropicServer, FakeClock
 from loopengine.testing import Reply as WireReply
 
 
@@ -84,3 +85,27 @@ def test_an_async_script_function_is_refused_when_the_script_is_given() -> None:
     with pytest.raises(le.ConfigError, match="not async") as raised:
         FakeAnthropicServer([WireReply.text("a"), _async_reply])
     assert raised.value.field == "script[1]"
+
+
+LEDGER = "ledger.db"
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: le.Engine(ScriptedProvider), "provider"),
+    (lambda: le.Engine({"anthropic": ScriptedProvider}), "provider"),
+    (lambda: le.Engine(ScriptedProvider([]), ledger=SQLiteLedger), "ledger"),
+    (lambda: le.Engine(ScriptedProvider([]), clock=FakeClock), "clock"),
+    (lambda: le.Engine(ScriptedProvider([]), observers=[OpenTelemetryObserver]), "observers[0]"),
+    (lambda: le.CreditAccounts(SQLiteLedger(LEDGER), clock=FakeClock), "clock"),
+    (lambda: RecordingProvider(ScriptedProvider, LEDGER), "inner"),
+    (lambda: OpenTelemetryObserver(providers=[ScriptedProvider]), "providers"),
+])
+def test_a_class_given_for_an_object_is_refused(build: Any, field: str,
+                                                tmp_path: Any, monkeypatch: Any) -> None:
+    """A class passes a protocol's isinstance check (its methods are attributes):
+    given without its call, it failed mid-run calling a method without ``self``
+    (or, as an observer, built and dropped an object on every event)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(le.ConfigError) as raised:
+        build()
+    assert raised.value.field == field

@@ -23,6 +23,7 @@ from typing import Any
 
 import anyio.lowlevel
 
+from loopengine import _validate
 from loopengine._errors import ConfigError, ReplayMismatchError
 from loopengine._usage import Usage
 from loopengine.providers._base import (
@@ -80,7 +81,7 @@ class RecordingProvider:
     """
 
     def __init__(self, inner: Provider, path: str | Path) -> None:
-        if not isinstance(inner, Provider):
+        if not _validate.implements(inner, Provider):
             raise ConfigError("inner", f"{inner!r} is not a Provider")
         self.inner = inner
         self.path = Path(path)
