@@ -13,7 +13,7 @@ import loopengine as le
 from loopengine.mcp import MCPServer
 from loopengine.otel import OpenTelemetryObserver
 from loopengine.persistence import SQLiteLedger
-from loopengine.providers import RecordingProvider, Reply, ScriptedProvider
+from loopengine.providers import RecordingProvider, ReplayProvider, Reply, ScriptedProvider
 from loopengine.testing import FakeAnthropicServer, FakeClock
 from loopengine.testing import Reply as WireReply
 
@@ -109,3 +109,24 @@ def test_a_class_given_for_an_object_is_refused(build: Any, field: str,
     with pytest.raises(le.ConfigError) as raised:
         build()
     assert raised.value.field == field
+
+
+@pytest.mark.parametrize(("path", "says"), [
+    ("missing/call.jsonl", "cannot create the recording"),
+    (".", "cannot create the recording"),
+    ("", "path is empty"),
+    (3, "must be a str"),
+])
+def test_a_recording_path_that_cannot_be_a_file_is_a_config_error(
+        path: Any, says: str, tmp_path: Any, monkeypatch: Any) -> None:
+    """A recording in a missing directory, a directory or no path at all was an
+    OSError from deep inside (or a TypeError for a number); a replay of a
+    directory the same."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(le.ConfigError, match=says) as raised:
+        RecordingProvider(ScriptedProvider([]), path)
+    assert raised.value.field == "path"
+    if path != "missing/call.jsonl":
+        with pytest.raises(le.ConfigError) as raised:
+            ReplayProvider(path)
+        assert raised.value.field == "path"
