@@ -130,3 +130,24 @@ def test_a_recording_path_that_cannot_be_a_file_is_a_config_error(
         with pytest.raises(le.ConfigError) as raised:
             ReplayProvider(path)
         assert raised.value.field == "path"
+
+
+@pytest.mark.parametrize("ref", ["#/$defs/missing", "#/properties/nope", "#/$defs/n/items"])
+def test_a_local_ref_to_nothing_is_refused_when_the_tool_is_built(ref: str) -> None:
+    """A ``$ref`` that points to nothing was checked as "any value" and sent, for
+    the API to refuse the tool definition after the attempt's row."""
+    schema = {"type": "object", "properties": {"a": {"$ref": ref}},
+              "$defs": {"n": {"type": "integer"}}}
+    with pytest.raises(le.ConfigError, match="names no schema") as raised:
+        le.Tool("t", "d", schema, lookup)
+    assert raised.value.field == "input_schema"
+
+
+def test_a_ref_to_the_root_is_checked_as_the_root() -> None:
+    """``#`` is the whole schema (a tree of nodes): a node of the wrong shape is
+    refused, not let through as "any value"."""
+    tree = le.Tool("tree", "d", {"type": "object", "properties": {
+        "n": {"type": "integer"}, "child": {"$ref": "#"}}}, lookup)
+    assert tree.validate({"n": 1, "child": {"n": 2}}) == {"n": 1, "child": {"n": 2}}
+    with pytest.raises(le.ToolInputError, match="child.n"):
+        tree.validate({"n": 1, "child": {"n": "two"}})
