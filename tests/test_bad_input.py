@@ -5,11 +5,16 @@ TypeError or AttributeError from deep inside."""
 from __future__ import annotations
 
 import functools
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import anyio
 import pytest
+from click.testing import CliRunner
 
 import loopengine as le
+from loopengine import audit
+from loopengine.cli import main
 from loopengine.mcp import MCPServer
 from loopengine.otel import OpenTelemetryObserver
 from loopengine.persistence import SQLiteLedger
@@ -151,3 +156,74 @@ def test_a_ref_to_the_root_is_checked_as_the_root() -> None:
     assert tree.validate({"n": 1, "child": {"n": 2}}) == {"n": 1, "child": {"n": 2}}
     with pytest.raises(le.ToolInputError, match="child.n"):
         tree.validate({"n": 1, "child": {"n": "two"}})
+
+
+# -- the audit's arguments, from Python and from the command line -------------------------
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A ledger holding one run, by tenant acme."""
+    path = tmp_path_factory.mktemp("audit") / "ledger.db"
+
+    async def go() -> None:
+        with SQLiteLedger(path) as ledger:
+            engine = le.Engine(ScriptedProvider([Reply.text("ok")]), ledger=ledger)
+            operation = le.Operation(name="probe", provider="anthropic", model="m",
+                                     max_output_tokens=16)
+            await engine.run(operation, "go", attribution=le.Attribution(tenant="acme"))
+
+    anyio.run(go)
+    return path
+
+
+@pytest.mark.parametrize(("query", "field"), [
+    (lambda c: audit.runs(c, tenant=3), "tenant"),
+    (lambda c: audit.runs(c, since=datetime(2026, 1, 1, tzinfo=UTC)), "since"),
+    (lambda c: audit.spend(c, tenat="acme"), "tenat"),
+    (lambda c: audit.runs(c, outcome="complete"), "outcome"),
+    (lambda c: audit.runs(c, since="2027-01-01", until="2026-01-01"), "until"),
+    (lambda c: audit.export_rows(c, since="2026-01-01", until="2026-01-01"), "until"),
+    (lambda c: audit.runs(c, since="yesterday"), "since"),
+    (lambda c: audit.runs(c, limit=-1), "limit"),
+    (lambda c: audit.runs(c, limit=10**30), "limit"),
+    (lambda c: audit.spend(c, by="tenants"), "by"),
+    (lambda c: audit.spend(c, roll_up="no"), "roll_up"),
+    (lambda c: audit.show(c, ""), "invocation_id"),
+    (lambda c: audit.show(c, None), "invocation_id"),
+    (lambda c: audit.reconcile(c, older_than=3600), "older_than"),
+    (lambda c: audit.reconcile(c, older_than=timedelta(hours=-1)), "older_than"),
+])
+def test_a_bad_audit_argument_is_a_config_error_naming_it(one_run: Any, query: Any,
+                                                          field: str) -> None:
+    """A filter that is not text, or names no filter, was dropped and the query
+    read every row (an invoice export of every tenant); an outcome typo or an
+    inverted period read none, and an empty id showed whichever run there was;
+    a negative limit was none, the rest a TypeError or a database error."""
+    conn = audit.open_ledger(one_run)
+    try:
+        with pytest.raises(le.ConfigError) as raised:
+            query(conn)
+        assert raised.value.field == field
+        assert isinstance(raised.value, ValueError)  # as the docs promised for the period
+        assert [r.tenant for r in audit.runs(conn, tenant="acme", outcome="completed")] == \
+            ["acme"]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["runs", "--since", "2027-01-01", "--until", "2026-01-01"], "--until: must be later"),
+    (["export", "--since", "2026-01-01", "--until", "2026-01-01"], "--until: must be later"),
+    (["show", ""], "INVOCATION_ID: must be a non-empty string"),
+    (["runs", "--limit", str(10**30)], "--limit"),
+])
+def test_a_bad_audit_command_argument_exits_2_with_one_line(one_run: Any, args: list[str],
+                                                            says: str) -> None:
+    """The same through the command: exit 2 and a line naming the option, never a
+    table of whichever run there was, an empty answer or a database error."""
+    result = CliRunner().invoke(main, ["audit", args[0], "--db", str(one_run), *args[1:]],
+                                catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert says in result.output
+    assert "Traceback" not in result.output and "bug" not in result.output
