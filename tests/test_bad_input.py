@@ -227,3 +227,26 @@ def test_a_bad_audit_command_argument_exits_2_with_one_line(one_run: Any, args: 
     assert result.exit_code == 2, result.output
     assert says in result.output
     assert "Traceback" not in result.output and "bug" not in result.output
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"kind": "rate_limit"}, "kind"),
+    ({"kind": ["timeout"]}, "kind"),
+    ({"message": 3}, "message"),
+    ({"usage": {"input_tokens": 3}}, "usage"),
+    ({"retry_after": "5"}, "retry_after"),
+    ({"retry_after": float("nan")}, "retry_after"),
+    ({"retry_after": -1}, "retry_after"),
+])
+def test_a_fault_that_the_retry_loop_cannot_read_is_refused_where_it_is_built(
+        kwargs: dict[str, Any], field: str) -> None:
+    """A custom provider's or a script's fault with a usage that is no Usage, or a
+    retry_after that is text, broke the run mid-retry with an AttributeError or
+    a TypeError escaping it; a kind that is no FaultKind was a bare ValueError."""
+    arguments: dict[str, Any] = {"kind": le.FaultKind.RATE_LIMITED, "message": "slow down",
+                                 **kwargs}
+    with pytest.raises(le.ConfigError) as raised:
+        le.ProviderFault(arguments.pop("kind"), arguments.pop("message"), **arguments)
+    assert raised.value.field == field
+    fault = le.ProviderFault("rate_limited", "slow down", retry_after=2, usage=le.Usage())
+    assert fault.kind is le.FaultKind.RATE_LIMITED and fault.retry_after == 2
