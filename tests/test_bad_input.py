@@ -18,7 +18,14 @@ from loopengine.cli import main
 from loopengine.mcp import MCPServer
 from loopengine.otel import OpenTelemetryObserver
 from loopengine.persistence import SQLiteLedger
-from loopengine.providers import RecordingProvider, ReplayProvider, Reply, ScriptedProvider
+from loopengine.providers import (
+    Container,
+    ProviderResponse,
+    RecordingProvider,
+    ReplayProvider,
+    Reply,
+    ScriptedProvider,
+)
 from loopengine.testing import FakeAnthropicServer, FakeClock
 from loopengine.testing import Reply as WireReply
 
@@ -250,3 +257,32 @@ def test_a_fault_that_the_retry_loop_cannot_read_is_refused_where_it_is_built(
     assert raised.value.field == field
     fault = le.ProviderFault("rate_limited", "slow down", retry_after=2, usage=le.Usage())
     assert fault.kind is le.FaultKind.RATE_LIMITED and fault.retry_after == 2
+
+
+TEXT = [{"type": "text", "text": "hi"}]
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: ProviderResponse(content=3, stop_reason="end_turn"), "content"),
+    (lambda: ProviderResponse(content="hi", stop_reason="end_turn"), "content"),
+    (lambda: ProviderResponse(content=[3], stop_reason="end_turn"), "content[0]"),
+    (lambda: ProviderResponse(content=TEXT, stop_reason=3), "stop_reason"),
+    (lambda: ProviderResponse(content=TEXT, stop_reason="end_turn", usage=3), "usage"),
+    (lambda: ProviderResponse(content=TEXT, stop_reason="end_turn", container="c"), "container"),
+    (lambda: Container("c", datetime(2030, 1, 1)), "expires_at"),
+    (lambda: Container("", datetime(2030, 1, 1, tzinfo=UTC)), "id"),
+    (lambda: Reply(content=3), "content"),
+    (lambda: Reply(content=TEXT, usage={"input_tokens": 1}), "usage"),
+    (lambda: Reply(content=TEXT, delay=float("nan")), "delay"),
+    (lambda: ScriptedProvider([], clock=3), "clock"),
+    (lambda: ScriptedProvider([], name=""), "name"),
+])
+def test_a_response_the_engine_cannot_read_is_refused_where_it_is_built(
+        build: Any, field: str) -> None:
+    """A custom provider's response (or a scripted one) with content that is no
+    list of blocks, a usage that is no Usage or a container expiring at a naive
+    time broke its run with a TypeError or AttributeError escaping it; a scripted
+    provider's junk clock ended its run provider_error."""
+    with pytest.raises(le.ConfigError) as raised:
+        build()
+    assert raised.value.field == field
