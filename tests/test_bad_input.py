@@ -286,3 +286,17 @@ def test_a_response_the_engine_cannot_read_is_refused_where_it_is_built(
     with pytest.raises(le.ConfigError) as raised:
         build()
     assert raised.value.field == field
+
+
+@pytest.mark.parametrize(("db", "says"), [
+    ("", "--db: the ledger needs a file path"),
+    ("postgresql://[::1", "--db: is not a PostgreSQL connection string"),
+])
+def test_a_demo_ledger_path_the_ledger_refuses_exits_2_with_one_line(db: str,
+                                                                      says: str) -> None:
+    """An empty --db (or a malformed URL) was a ConfigError traceback with exit 1;
+    libpq's message kept its trailing newline."""
+    result = CliRunner().invoke(main, ["demo", "--db", db], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert says in result.output
+    assert result.output.count("\n") == 1 and "\\x0a" not in result.output
