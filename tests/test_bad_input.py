@@ -5,6 +5,7 @@ TypeError or AttributeError from deep inside."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -28,6 +29,14 @@ from loopengine.providers import (
 )
 from loopengine.testing import FakeAnthropicServer, FakeClock
 from loopengine.testing import Reply as WireReply
+
+
+def refused(call: Callable[[], object], field: str) -> le.ConfigError:
+    """Run ``call``: it must raise a ConfigError naming ``field``."""
+    with pytest.raises(le.ConfigError) as raised:
+        call()
+    assert raised.value.field == field
+    return raised.value
 
 
 async def _async_check(_: Any) -> bool:
@@ -118,9 +127,7 @@ def test_a_class_given_for_an_object_is_refused(build: Any, field: str,
     given without its call, it failed mid-run calling a method without ``self``
     (or, as an observer, built and dropped an object on every event)."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(le.ConfigError) as raised:
-        build()
-    assert raised.value.field == field
+    refused(build, field)
 
 
 @pytest.mark.parametrize(("path", "says"), [
@@ -283,9 +290,7 @@ def test_a_response_the_engine_cannot_read_is_refused_where_it_is_built(
     list of blocks, a usage that is no Usage or a container expiring at a naive
     time broke its run with a TypeError or AttributeError escaping it; a scripted
     provider's junk clock ended its run provider_error."""
-    with pytest.raises(le.ConfigError) as raised:
-        build()
-    assert raised.value.field == field
+    refused(build, field)
 
 
 @pytest.mark.parametrize(("db", "says"), [
