@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -305,3 +306,24 @@ def test_a_demo_ledger_path_the_ledger_refuses_exits_2_with_one_line(db: str,
     assert result.exit_code == 2, result.output
     assert says in result.output
     assert result.output.count("\n") == 1 and "\\x0a" not in result.output
+
+
+def test_a_price_book_asked_at_a_naive_time_says_so_whatever_it_holds() -> None:
+    """A naive ``at`` worked on a book without dated entries and was a TypeError on
+    one with an ``effective_from``: the same question now has one answer."""
+    dated = le.ModelPrice(provider="anthropic", model="m", input_per_mtok=Decimal(1),
+                          output_per_mtok=Decimal(2),
+                          effective_from=datetime(2026, 1, 1, tzinfo=UTC))
+    undated = le.ModelPrice(provider="anthropic", model="n", input_per_mtok=Decimal(1),
+                            output_per_mtok=Decimal(2))
+    book = le.PriceBook([dated, undated])
+    naive = datetime(2026, 6, 1)
+    for model in ("m", "n"):
+        refused(lambda m=model: book.price("anthropic", m, le.Usage(input_tokens=1), naive),
+                "at")
+        refused(lambda m=model: book.knows("anthropic", m, naive), "at")
+    refused(lambda: book.price("anthropic", "m", {"input_tokens": 1},
+                               naive.replace(tzinfo=UTC)), "usage")
+    priced = book.price("anthropic", "m", le.Usage(input_tokens=1_000_000),
+                        naive.replace(tzinfo=UTC))
+    assert priced is not None and priced.cost_nanousd == 1_000_000_000
