@@ -327,3 +327,10 @@ def test_a_price_book_asked_at_a_naive_time_says_so_whatever_it_holds() -> None:
     priced = book.price("anthropic", "m", le.Usage(input_tokens=1_000_000),
                         naive.replace(tzinfo=UTC))
     assert priced is not None and priced.cost_nanousd == 1_000_000_000
+
+
+@pytest.mark.parametrize("host", ["", " ", 3])
+def test_a_fake_server_host_that_names_no_address_is_refused(host: Any) -> None:
+    """An empty host bound the fake on every interface instead of loopback; a
+    number was a TypeError when the server started."""
+    refused(lambda: FakeAnthropicServer(host=host), "host")

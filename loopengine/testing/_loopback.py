@@ -384,6 +384,11 @@ class LoopbackServer:
     Args:
         script: Items to serve, one per request, in order (see `add`).
         host: The address to bind; loopback by default.
+
+    Raises:
+        ConfigError: a script item no request could be served, or a ``host``
+            that is not a non-empty string (an empty one binds every
+            interface, not loopback).
     """
 
     path = "/"
@@ -394,6 +399,7 @@ class LoopbackServer:
     """The content type of a streamed response."""
 
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
+        _validate.text("host", host)
         self._host = host
         self._lock = threading.Lock()
         self._items: Iterator[ServerItem] = iter(_script("script", script))
