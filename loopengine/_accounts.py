@@ -81,7 +81,8 @@ class CreditAccounts:
         ledger: The `SQLiteLedger` (or `PostgresLedger`) whose database holds
             the accounts.
         key: ``(Attribution) -> str | None``: the account of a run (default:
-            its ``tenant``). A run whose key is None runs outside accounts.
+            its ``tenant``); a plain function, not an ``async def`` one. A
+            run whose key is None runs outside accounts.
         default_hold: The credit hold of a run on an account whose operation
             publishes none (a run on an account needs one).
         expiry_grace: Seconds past a run's deadline after which another
@@ -112,8 +113,8 @@ class CreditAccounts:
             raise ConfigError("ledger", "credit accounts live in the ledger's database: give "
                                         f"them a SQLiteLedger or a PostgresLedger, not "
                                         f"{_validate.shown(ledger)}")
-        if key is not None and not callable(key):
-            raise ConfigError("key", f"must be callable, got {_validate.shown(key)}")
+        if key is not None:
+            _validate.sync_callable("key", key, "(Attribution) -> str | None")
         _validate.integer("default_hold", default_hold, minimum=1, optional=True)
         _validate.seconds("expiry_grace", expiry_grace, positive=False)
         _validate.clock("clock", clock)

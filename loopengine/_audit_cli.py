@@ -19,8 +19,8 @@ from typing import IO, Any, TypeVar
 
 import click
 
-from loopengine._errors import LedgerError
-from loopengine._outcome import Outcome
+from loopengine._errors import ConfigError, LedgerError
+from loopengine._validate import MAX_INTEGER
 from loopengine.cli import CannotRun, printable
 from loopengine.persistence import _audit
 from loopengine.persistence._audit import moment as parse_moment
@@ -150,7 +150,7 @@ def _filters(what: str) -> Callable[[_F], _F]:
             click.option("--tenant", metavar="TENANT", help="Only this tenant's invocations."),
             click.option("--feature", metavar="FEATURE",
                          help="Only this feature's invocations."),
-            click.option("--outcome", type=click.Choice([*(o.value for o in Outcome), "running"]),
+            click.option("--outcome", type=click.Choice(_audit.OUTCOMES),
                          help="Only invocations that ended so (running: not ended)."),
         ]
         for option in reversed(options):
@@ -176,6 +176,10 @@ def _audit_command(command: _F) -> _F:
             raise CannotRun(error.format_message()) from None
         except click.ClickException:
             raise
+        except ConfigError as error:  # an argument the query refused (--until before --since)
+            name = "INVOCATION_ID" if error.field == "invocation_id" \
+                else f"--{error.field.replace('_', '-')}"
+            raise CannotRun(printable(f"{name}: {error.message}")) from None
         except LedgerError as error:
             raise CannotRun(str(error)) from None
         except sqlite3.Error as error:
@@ -258,7 +262,8 @@ def _matching(where: Mapping[str, Any]) -> str:
 @click.command()
 @_ledger_options
 @_filters("Invocations")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
+@click.option("--limit", type=click.IntRange(min=1, max=MAX_INTEGER - 1), default=50,
+              show_default=True,
               help="Show at most this many, the newest first.")
 @click.option("--all", "every", is_flag=True, help="Show every match (no --limit).")
 @_JSON

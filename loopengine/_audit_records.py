@@ -32,9 +32,9 @@ class Where(TypedDict, total=False):
     since: str | None
     """From this time (inclusive): a date (midnight UTC) or an ISO-8601 time; one
     without an offset is UTC, one with an offset (or ``Z``) is converted to
-    UTC. A value that is neither raises `ValueError`."""
+    UTC. A value that is neither raises `ConfigError` (a `ValueError`)."""
     until: str | None
-    """Before this time (exclusive), read as ``since`` is."""
+    """Before this time (exclusive), read as ``since`` is; later than ``since``."""
     tenant: str | None
     """The invocation's tenant."""
     feature: str | None

@@ -187,13 +187,13 @@ class Engine:
         if not providers:
             raise ConfigError("provider", "an engine needs at least one provider")
         for route, item in providers.items():
-            if not isinstance(item, Provider):
+            if not _validate.implements(item, Provider):
                 raise ConfigError("provider", f"{_validate.shown(item)} is not a Provider "
                                               "(name and send)")
             if item.name != route:
                 raise ConfigError("provider", f"the provider for route {route!r} is named "
                                               f"{item.name!r}")
-        if ledger is not None and not isinstance(ledger, Ledger):
+        if ledger is not None and not _validate.implements(ledger, Ledger):
             raise ConfigError("ledger", f"{_validate.shown(ledger)} does not implement "
                                         "the Ledger protocol")
         if prices is not None and not isinstance(prices, PriceBook):
@@ -203,6 +203,10 @@ class Engine:
             if not callable(observer):
                 raise ConfigError(f"observers[{i}]",
                                   f"must be callable, got {_validate.shown(observer)}")
+            if isinstance(observer, type):
+                # Called with each event, a class would build an object and drop it.
+                raise ConfigError(f"observers[{i}]", f"must be an observer, got the class "
+                                                     f"{observer.__name__}: give an instance")
         if tool_error_text is not None and not callable(tool_error_text):
             raise ConfigError("tool_error_text", "must be callable")
         _validate.clock("clock", clock)

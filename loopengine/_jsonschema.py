@@ -5,16 +5,16 @@ tool given only a raw ``input_schema`` is validated here, against the subset
 of JSON Schema that tool definitions use: ``type`` (one or a list),
 ``properties``, ``required``, ``additionalProperties``, ``items``,
 ``prefixItems``, ``enum``, ``const``, numeric and length bounds, ``anyOf`` /
-``oneOf`` / ``allOf`` / ``not`` and local ``$ref`` into ``$defs`` or
-``definitions``. Keywords outside the subset (``format``, ``pattern``...) are
-annotations here: they are not enforced.
+``oneOf`` / ``allOf`` / ``not`` and local ``$ref`` (``#``, or into ``$defs``
+or ``definitions``). Keywords outside the subset (``format``, ``pattern``...)
+are annotations here: they are not enforced.
 
 `check_schema` refuses, when the tool is defined, a schema whose enforced
 keywords have the wrong shape (``properties`` that is not an object of
-schemas, ``required`` that is not a list of names...), so that checking an
-input later can rely on them. A ``$ref`` loop (``{"$ref": "#"}``) or an input
-nested deeper than `MAX_DEPTH` ends the check with an error line, never a
-``RecursionError``.
+schemas, ``required`` that is not a list of names...) or a local ``$ref`` that
+points to nothing, so that checking an input later can rely on them. A
+``$ref`` loop (``{"$ref": "#"}``) or an input nested deeper than `MAX_DEPTH`
+ends the check with an error line, never a ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def schema_errors(schema: Mapping[str, Any], value: Any) -> list[str]:
 
 def check_schema(field: str, schema: object) -> None:
     """Check that the keywords `schema_errors` enforces have the shapes it reads,
-    and that no ``$ref`` loops back to itself without descending into the input.
+    that every local ``$ref`` points to a schema in ``schema``, and that no
+    ``$ref`` loops back to itself without descending into the input.
 
     Args:
         field: The schema's path, e.g. ``"input_schema"``.
@@ -113,7 +114,14 @@ def _check_loops(field: str, root: Mapping[str, Any]) -> None:
                 nodes.extend(every(child))
         return nodes
 
-    for node in every(root):
+    nodes = every(root)
+    for node in nodes:
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and _target(root, ref) is None:
+            # Checked as {} (any value), while the API refuses the tool definition.
+            raise ConfigError(field, f"has a $ref {ref[:80]!r} that names no schema in it "
+                                     "(a local $ref must point into the schema)")
+    for node in nodes:
         visit(node)
 
 
@@ -166,15 +174,24 @@ def _check_shape(field: str, schema: object, depth: int) -> None:
             raise ConfigError(f"{field}.{key}", "must be an integer")
 
 
-def _resolve(root: Mapping[str, Any], ref: str) -> Mapping[str, Any]:
+def _target(root: Mapping[str, Any], ref: str) -> object:
+    """What a local ``$ref`` (``#``, ``#/$defs/name``) points to in ``root``, or
+    None when it points to nothing."""
+    if ref == "#":
+        return root
     if not ref.startswith("#/"):
-        return {}
+        return None
     node: Any = root
     for part in ref[2:].split("/"):
         part = part.replace("~1", "/").replace("~0", "~")
         if not isinstance(node, Mapping) or part not in node:
-            return {}
+            return None
         node = node[part]
+    return node
+
+
+def _resolve(root: Mapping[str, Any], ref: str) -> Mapping[str, Any]:
+    node = _target(root, ref)
     return node if isinstance(node, Mapping) else {}
 
 

@@ -307,7 +307,15 @@ class PriceBook:
                 f"credit_quantum={self.credit_quantum})")
 
     def entry(self, provider: str, model: str, at: datetime) -> ModelPrice | None:
-        """The book's entry in force for ``provider``/``model`` at ``at``, if any."""
+        """The book's entry in force for ``provider``/``model`` at ``at``, if any.
+
+        Every question the book answers as of a time reads its entry here.
+
+        Raises:
+            ConfigError: ``at`` is not a timezone-aware datetime (a naive one
+                failed only where an entry has an ``effective_from``).
+        """
+        _validate.moment("at", at)
         best: ModelPrice | None = None
         for price in self.prices:
             if price.provider != provider or price.model != model:
@@ -320,7 +328,14 @@ class PriceBook:
 
     def price(self, provider: str, model: str, usage: Usage, at: datetime) -> Priced | None:
         """Price one attempt's ``usage`` as of ``at`` (see the module docstring);
-        None when a price it needs (a model's, an iteration model's, a fee) is unknown."""
+        None when a price it needs (a model's, an iteration model's, a fee) is unknown.
+
+        Raises:
+            ConfigError: ``usage`` is not a `Usage`, or ``at`` not a
+                timezone-aware datetime.
+        """
+        if not isinstance(usage, Usage):
+            raise ConfigError("usage", f"must be a Usage, got {_validate.shown(usage)}")
         if usage.iterations:
             total = Decimal(0)
             refs: list[str] = []

@@ -68,7 +68,8 @@ class Tool:
             (it cannot be stopped), and the call gets an ``is_error`` result.
         approval: Whether a call needs a person's approval before it runs:
             True, False, or ``(call) -> bool`` deciding per call (``call`` is
-            the `PendingCall` that would be listed; one that raises or
+            the `PendingCall` that would be listed; a plain function, not an
+            ``async def`` one; one that raises or
             answers anything but a bool asks). A batch holding such a call
             pauses the run before any of its handlers runs
             (docs/pause-and-resume.md).
@@ -93,9 +94,8 @@ class Tool:
     ) -> None:
         _validate.integer("max_calls", max_calls, minimum=0, optional=True)
         _validate.seconds("timeout", timeout, optional=True)
-        if not isinstance(approval, bool) and not callable(approval):
-            raise ConfigError("approval", "must be a bool or a callable (call) -> bool, "
-                                          f"got {_validate.shown(approval)}")
+        if not isinstance(approval, bool):
+            _validate.sync_callable("approval", approval, "(call) -> bool, or a bool")
         _validate.boolean("idempotent", idempotent)
         self.approval = approval
         """Whether (or, as a callable, which) calls need approval before they run."""
@@ -145,7 +145,7 @@ class Tool:
         """For a tool made of a function (`tool`): each parameter's field in the
         input model, its own name (the field's alias: the name the model sees)
         and whether it is positional-only."""
-        self._is_async = _is_async(handler)
+        self._is_async = _validate.is_async(handler)
         self.delegates_to: Any = None
         """The `Engine` this tool's handler runs a delegated conversation on
         (`loopengine.agent_tool`), or None: a run given the tool checks that it
@@ -325,12 +325,6 @@ def describe_validation_error(error: pydantic.ValidationError) -> str:
         where = ".".join(str(p) for p in item["loc"]) or "input"
         parts.append(f"{where}: {item['msg']}")
     return "; ".join(parts)
-
-
-def _is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
-    )
 
 
 def _context_parameter(handler: Callable[..., Any]) -> str | None:

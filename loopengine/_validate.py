@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import inspect
 import math
 import os
 import reprlib
@@ -316,6 +317,18 @@ def moment(field: str, value: object, *, optional: bool = False) -> datetime | N
     return value
 
 
+def implements(value: object, protocol: type) -> bool:
+    """Whether ``value`` is an object implementing ``protocol`` (a runtime-checkable
+    `typing.Protocol`, such as `Provider`, `Ledger` or `Clock`).
+
+    A class is not, though it passes the protocol's ``isinstance`` check (its
+    methods are attributes): ``Engine(ScriptedProvider)`` or ``clock=FakeClock``
+    without the call would fail only mid-run, calling a method without its
+    ``self``.
+    """
+    return not isinstance(value, type) and isinstance(value, protocol)
+
+
 def clock(field: str, value: object) -> None:
     """Check that ``value`` is None or a `Clock` whose wall time is
     timezone-aware (read once, here).
@@ -329,10 +342,39 @@ def clock(field: str, value: object) -> None:
 
     if value is None:
         return
-    if not isinstance(value, Clock):
+    if not implements(value, Clock):
         raise ConfigError(field, "must be a Clock (now, wall, sleep, cancel_scope), "
                                  f"got {shown(value)}")
-    moment(f"{field}.wall()", value.wall())
+    moment(f"{field}.wall()", typing.cast(Clock, value).wall())
+
+
+def is_async(fn: object) -> bool:
+    """Whether calling ``fn`` gives a coroutine: an ``async def`` function (or a
+    partial of one), or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
+    )
+
+
+def sync_callable(field: str, value: object, shape: str) -> None:
+    """Check that ``value`` is a callable the library calls and uses the result of
+    at once, without awaiting it (a tool's ``approval`` check, an account key).
+
+    Args:
+        field: The argument's name.
+        value: What was given.
+        shape: Its signature, for the message (``"(call) -> bool"``).
+
+    Raises:
+        ConfigError: not callable, or an ``async def`` function: its call would
+            give a coroutine, never the answer, and be refused only mid-run.
+    """
+    if not callable(value):
+        raise ConfigError(field, f"must be a callable {shape}, got {shown(value)}")
+    if is_async(value):
+        raise ConfigError(field, f"must be a plain (not async) function {shape}: its "
+                                 "result is used as it is returned, and an async "
+                                 "function's is a coroutine")
 
 
 def recorded_name(field: str, value: object, *, max_length: int = 256) -> str:

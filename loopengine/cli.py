@@ -125,10 +125,13 @@ def demo(provider: str, live: bool, db: str) -> None:
     """
     from loopengine._audit_cli import attempts_table
     from loopengine._demo import DemoUnavailable, run_demo
-    from loopengine._errors import LedgerError
+    from loopengine._errors import ConfigError, LedgerError
 
     try:
         run_demo(db, attempts_table=attempts_table, provider=provider, live=live,
                  echo=click.echo)
+    except ConfigError as error:  # the ledger refused --db (an empty path, a bad URL)
+        name = "--db" if error.field in ("path", "dsn") else error.field
+        raise CannotRun(printable(f"{name}: {error.message}")) from None
     except (LedgerError, DemoUnavailable) as error:
         raise CannotRun(str(error)) from None

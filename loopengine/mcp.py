@@ -132,12 +132,18 @@ def _per_tool(field: str, value: object, *, calls: bool) -> object:
     """Check an ``approval=`` or ``idempotent=`` setting (``calls``: a callable is a
     setting too); return it, a set of names as a frozenset, a mapping as a dict."""
     def setting(where: str, item: object) -> None:
-        if isinstance(item, bool) or (calls and callable(item)):
+        if isinstance(item, bool):
+            return
+        if calls and callable(item):
+            _validate.sync_callable(where, item, "(call) -> bool")
             return
         wanted = "a bool or a callable (call) -> bool" if calls else "a bool"
         raise ConfigError(where, f"must be {wanted}, got {_validate.shown(item)}")
 
-    if isinstance(value, bool) or (calls and callable(value) and not isinstance(value, type)):
+    if isinstance(value, bool):
+        return value
+    if calls and callable(value) and not isinstance(value, type):
+        _validate.sync_callable(field, value, "(call) -> bool")
         return value
     if isinstance(value, Mapping):
         for key, item in value.items():

@@ -209,13 +209,13 @@ class OpenTelemetryObserver:
             routes: dict[str, object] = {}
         elif isinstance(providers, Mapping):
             routes = dict(providers)
-        elif isinstance(providers, Provider):
-            routes = {providers.name: providers}
+        elif _validate.implements(providers, Provider):
+            routes = {getattr(providers, "name", ""): providers}
         else:
             routes = {getattr(p, "name", ""): p
                       for p in _validate.items("providers", providers)}
         for route, item in routes.items():
-            if not isinstance(item, Provider):
+            if not _validate.implements(item, Provider):
                 raise ConfigError(f"providers[{route!r}]" if isinstance(providers, Mapping)
                                   else "providers",
                                   f"must hold Providers, got {_validate.shown(item)}")

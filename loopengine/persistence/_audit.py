@@ -29,6 +29,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, Literal, Unpack
 
+from loopengine import _validate
 from loopengine._audit_records import (
     AccountMismatch,
     AccountRow,
@@ -39,7 +40,8 @@ from loopengine._audit_records import (
     Where,
     usd_text,
 )
-from loopengine._errors import LedgerError
+from loopengine._errors import ConfigError, LedgerError
+from loopengine._outcome import Outcome
 from loopengine.persistence import _account_store
 from loopengine.persistence._audit_open import (
     AuditConnection,
@@ -49,11 +51,10 @@ from loopengine.persistence._audit_open import (
 from loopengine.persistence._audit_open import open_ledger as open_ledger
 from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_time
 
-__all__ = ["EXPORT_COLUMNS", "GROUPINGS", "AccountMismatch", "AccountRow", "Mismatch",
+__all__ = ["EXPORT_COLUMNS", "GROUPINGS", "OUTCOMES", "AccountMismatch", "AccountRow", "Mismatch",
            "Reconciliation", "RunRow", "SpendRow", "Where", "children", "describe_value",
            "export_rows", "incomplete_in_export", "is_unpriced", "open_ledger", "reconcile",
-           "moment", "run_state", "runs", "segments", "show", "spend", "tool_calls",
-           "usd_text"]
+           "moment", "run_state", "runs", "segments", "show", "spend", "tool_calls", "usd_text"]
 
 Grouping = Literal["tenant", "feature", "model", "operation", "user_id", "correlation_id"]
 GROUPINGS: tuple[Grouping, ...] = ("tenant", "feature", "model", "operation", "user_id",
@@ -210,14 +211,22 @@ def moment(text: str) -> str:
                          "UTC") from None
 
 
+OUTCOMES = (*(o.value for o in Outcome), "running")
+"""What ``outcome=`` may filter on: how an invocation ended, or ``running``."""
+
+
 def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str, list[str]]:
     """The SQL condition (`` WHERE ...`` or `` AND ...`` when ``joined``) and its
     parameters: the period on ``time_column`` (its bounds read by `moment`),
     the rest on the invocation ``i``.
 
     Raises:
-        ValueError: ``since`` or ``until`` is not a date or time.
+        ConfigError: a filter `Where` does not have, a value that is not text
+            (dropped, it would widen the query to every row), an outcome no
+            invocation has, ``since`` or ``until`` that is not a date or time,
+            or a period whose ``until`` is not later than its ``since``.
     """
+    _validate.known_keys("where", where, Where.__annotations__, "a filter")
     tests = ((f"{time_column} >= ?", "since"), (f"{time_column} < ?", "until"),
              ("i.tenant = ?", "tenant"), ("i.feature = ?", "feature"),
              ("i.outcome = ?", "outcome"))
@@ -225,9 +234,24 @@ def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str
     params: list[str] = []
     for clause, key in tests:
         value = where.get(key)
-        if isinstance(value, str):
-            clauses.append(clause)
-            params.append(moment(value) if key in ("since", "until") else value)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ConfigError(key, f"must be text or None, got {_validate.shown(value)}")
+        if key == "outcome" and value not in OUTCOMES:
+            raise ConfigError(key, f"{_validate.shown(value)} is not an outcome (one of "
+                                   f"{', '.join(OUTCOMES)})")
+        if key in ("since", "until"):
+            try:
+                value = moment(value)
+            except ValueError as error:
+                raise ConfigError(key, str(error)) from None
+        clauses.append(clause)
+        params.append(value)
+    since, until = where.get("since"), where.get("until")
+    if since is not None and until is not None and moment(until) <= moment(since):
+        raise ConfigError("until", f"must be later than since ({since} to {until} is an "
+                                   "empty period)")
     if not clauses:
         return "", []
     return (" AND " if joined else " WHERE ") + " AND ".join(clauses), params
@@ -254,6 +278,7 @@ def runs(conn: AuditConnection, *, limit: int | None = None,
     Raises:
         LedgerError: the rows hold values a ledger never stores.
     """
+    _validate.integer("limit", limit, minimum=0, optional=True)
     clause, params = _where("i.started_at", where)
     flags = ", ".join(f"(SELECT COUNT(*) {rows}) AS {name}"
                       for name, rows in _flagged_rows("i").items())
@@ -299,11 +324,14 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
         **where: The filters (`Where`).
 
     Raises:
-        ValueError: ``by`` is not one of `GROUPINGS`.
+        ConfigError: ``by`` is not one of `GROUPINGS`, or a bad filter
+            (`Where`).
         LedgerError: the rows hold values a ledger never stores.
     """
     if by not in GROUPINGS:
-        raise ValueError(f"cannot group by {by!r}; choose one of {', '.join(GROUPINGS)}")
+        raise ConfigError("by", f"cannot group by {_validate.shown(by)}; choose one of "
+                                f"{', '.join(GROUPINGS)}")
+    _validate.boolean("roll_up", roll_up)
     clause, params = _where("i.started_at", where)
     if roll_up:
         # ``i`` is each tree's root (grouped and filtered), ``m`` each of its members.
@@ -361,8 +389,11 @@ def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
     carries ``unpriced`` (`is_unpriced`).
 
     Raises:
+        ConfigError: ``invocation_id`` is not a non-empty string (an empty
+            one is the start of every id).
         LookupError: no invocation matches, or a prefix matches several.
     """
+    _validate.text("invocation_id", invocation_id)
     rows = conn.execute("SELECT * FROM invocations WHERE id = ?", (invocation_id,)).fetchall()
     if not rows:
         escaped = invocation_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
@@ -491,6 +522,12 @@ def reconcile(
     Raises:
         LedgerError: the rows hold values a ledger never stores.
     """
+    if older_than is not None and (not isinstance(older_than, timedelta)
+                                   or older_than < timedelta(0)):
+        raise ConfigError("older_than", "must be a timedelta of at least 0 or None, got "
+                                        f"{_validate.shown(older_than)}")
+    if now is not None and not isinstance(now, datetime):
+        raise ConfigError("now", f"must be a datetime or None, got {_validate.shown(now)}")
     cutoff: str | None = None
     moment = now or datetime.now(UTC)
     if moment.tzinfo is None:
@@ -724,10 +761,15 @@ def export_rows(conn: AuditConnection, **where: Unpack[Where]) -> Iterator[dict[
     ``unpriced`` (1 when it served tokens without a price).
 
     Raises:
+        ConfigError: a bad filter (`Where`), raised by this call.
         LedgerError: a row holds a value a ledger never stores (raised when
             that row is reached).
     """
     clause, params = _where("a.started_at", where)
+    return _exported(conn, clause, params)
+
+
+def _exported(conn: AuditConnection, clause: str, params: list[str]) -> Iterator[dict[str, Any]]:
     columns = ", ".join(f"a.{c}" for c in ATTEMPT_COLUMNS)
     sql = (f"SELECT {columns}, i.tenant, i.user_id, i.feature, i.correlation_id, i.operation, "
            "i.operation_version, i.provider, i.model FROM attempts AS a "

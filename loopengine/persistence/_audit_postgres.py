@@ -118,7 +118,9 @@ class PostgresReader:
         try:
             name = _describe_server(psycopg.conninfo.conninfo_to_dict(dsn), schema)
         except psycopg.ProgrammingError as error:
-            raise LedgerError(f"--db is not a PostgreSQL connection URL: {error}") from None
+            # libpq's message ends with a newline, which the one-line error must not
+            raise LedgerError("--db is not a PostgreSQL connection URL: "
+                              f"{str(error).strip()}") from None
         try:
             pg = psycopg.connect(dsn, connect_timeout=10, application_name="loopengine-audit")
         except psycopg.Error as error:

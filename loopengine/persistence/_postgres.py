@@ -136,7 +136,8 @@ class PostgresLedger(ThreadedLedger):
         try:
             params = psycopg.conninfo.conninfo_to_dict(dsn)
         except psycopg.ProgrammingError as error:
-            raise ConfigError("dsn", f"is not a PostgreSQL connection string: {error}") from None
+            raise ConfigError("dsn", "is not a PostgreSQL connection string: "
+                                     f"{str(error).strip()}") from None
         self.dsn = dsn
         """The connection string (it may hold a password: it is never printed)."""
         self.schema = schema

@@ -32,7 +32,7 @@ from loopengine._errors import ConfigError
 from loopengine._features import Features
 from loopengine._pricing import STANDARD_GEOS, STANDARD_SPEEDS, STANDARD_TIERS
 from loopengine._usage import Usage
-from loopengine._validate import MAX_INTEGER, binary_note, shown
+from loopengine._validate import MAX_INTEGER, binary_note, moment, shown
 from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
 
@@ -185,16 +185,55 @@ class ProviderResponse:
     """The code execution container the reply used (the Messages API's
     ``container``), or None; the run sends its id on its later requests."""
 
+    def __post_init__(self) -> None:
+        check_reply(self.content, self.stop_reason, self.usage)
+        if self.container is not None and not isinstance(self.container, Container):
+            raise ConfigError("container", "must be a Container or None, got "
+                                           f"{shown(self.container)}")
+
+
+def check_reply(content: object, stop_reason: object, usage: object) -> None:
+    """Check the parts of a response the engine reads (a `ProviderResponse` a
+    provider returns, a scripted `Reply`), where it is built.
+
+    Raises:
+        ConfigError: ``content`` is not a list of mappings (content blocks),
+            ``stop_reason`` is not text or None, or ``usage`` not a `Usage`
+            or None: each failed mid-run, with a TypeError or AttributeError
+            escaping the run.
+    """
+    if isinstance(content, str | bytes | Mapping) or not isinstance(content, Sequence):
+        raise ConfigError("content", f"must be a list of content blocks, got {shown(content)}")
+    for index, block in enumerate(content):
+        if not isinstance(block, Mapping):
+            raise ConfigError(f"content[{index}]", "must be a content block (a mapping), got "
+                                                   f"{shown(block)}")
+    if stop_reason is not None and not isinstance(stop_reason, str):
+        raise ConfigError("stop_reason", f"must be text or None, got {shown(stop_reason)}")
+    if usage is not None and not isinstance(usage, Usage):
+        raise ConfigError("usage", f"must be a Usage or None, got {shown(usage)}")
+
 
 @dataclass(frozen=True, slots=True)
 class Container:
     """A code execution container a reply named: where the model's files live
-    between the requests of a run, until it expires."""
+    between the requests of a run, until it expires.
+
+    Raises:
+        ConfigError: an ``id`` that is not a non-empty string, or an
+            ``expires_at`` that is not a timezone-aware datetime (it is
+            compared with the engine's aware clock).
+    """
 
     id: str
     """The container's id, sent back as the request's ``container``."""
     expires_at: datetime
     """When the container expires (UTC); past it, it is not sent."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise ConfigError("id", f"must be a non-empty string, got {shown(self.id)}")
+        moment("expires_at", self.expires_at)
 
     def live(self, now: datetime) -> str | None:
         """The id, while the container has not expired at ``now``; else None."""

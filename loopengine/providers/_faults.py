@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 import httpx2
 
-from loopengine._errors import LoopEngineError, ProviderError
+from loopengine import _validate
+from loopengine._errors import ConfigError, LoopEngineError, ProviderError
 from loopengine._usage import Usage
 
 __all__ = [
@@ -94,6 +95,9 @@ _RETRYABLE = frozenset(
 )
 
 
+_KINDS = tuple(k.value for k in FaultKind)
+
+
 class ProviderFault(LoopEngineError):
     """One provider request that failed, classified.
 
@@ -113,6 +117,13 @@ class ProviderFault(LoopEngineError):
         usage_approx: True when ``usage`` is a floor (the stream was cut).
         aborted_reason: For aborted attempts: ``external``, ``deadline``,
             ``idle`` or ``budget``.
+
+    Raises:
+        ConfigError: a ``kind`` that is not a `FaultKind` (or its value), a
+            ``message`` that is not text, a ``usage`` that is not a `Usage`,
+            or a ``retry_after`` that is not a number of seconds of at least
+            0: a custom provider's or a script's fault is refused where it is
+            built, not mid-run by the retry loop.
     """
 
     def __init__(
@@ -131,6 +142,18 @@ class ProviderFault(LoopEngineError):
         aborted_reason: str | None = None,
     ) -> None:
         super().__init__(message)
+        if not isinstance(kind, str) or kind not in _KINDS:
+            raise ConfigError("kind", f"must be a FaultKind (one of {', '.join(_KINDS)}), got "
+                                      f"{_validate.shown(kind)}")
+        if not isinstance(message, str):
+            raise ConfigError("message", f"must be text, got {_validate.shown(message)}")
+        if usage is not None and not isinstance(usage, Usage):
+            raise ConfigError("usage", f"must be a Usage or None, got {_validate.shown(usage)}")
+        if retry_after is not None and (
+                isinstance(retry_after, bool) or not isinstance(retry_after, int | float)
+                or not retry_after >= 0):  # NaN too; a huge wait is the provider's to ask
+            raise ConfigError("retry_after", "must be a number of seconds of at least 0 or "
+                                             f"None, got {_validate.shown(retry_after)}")
         self.kind = FaultKind(kind)
         self.message = message
         self.http_status = http_status

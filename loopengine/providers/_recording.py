@@ -23,6 +23,7 @@ from typing import Any
 
 import anyio.lowlevel
 
+from loopengine import _validate
 from loopengine._errors import ConfigError, ReplayMismatchError
 from loopengine._usage import Usage
 from loopengine.providers._base import (
@@ -72,20 +73,37 @@ def _usage_json(usage: Usage | None, geo: str | None) -> dict[str, int] | None:
     return None if usage is None else dataclasses.asdict(usage.served_in(geo))
 
 
+def _recording_path(path: object) -> Path:
+    """``path`` as a recording's file, or a `ConfigError` naming ``path``."""
+    text = _validate.file_path("path", path)
+    if not text.strip():
+        raise ConfigError("path", "a recording needs a file path, and the path is empty")
+    return Path(text)
+
+
 class RecordingProvider:
     """Wraps a provider and appends every attempt to a JSONL recording.
 
     Args:
         inner: The provider that really answers.
         path: The recording file (created, or emptied if it exists).
+
+    Raises:
+        ConfigError: ``inner`` is not a provider, or the file cannot be
+            created (its directory is missing, the path is empty or names a
+            directory).
     """
 
     def __init__(self, inner: Provider, path: str | Path) -> None:
-        if not isinstance(inner, Provider):
+        if not _validate.implements(inner, Provider):
             raise ConfigError("inner", f"{inner!r} is not a Provider")
         self.inner = inner
-        self.path = Path(path)
-        self.path.write_text("", encoding="utf-8")
+        self.path = _recording_path(path)
+        try:
+            self.path.write_text("", encoding="utf-8")
+        except OSError as error:  # a missing directory, a directory, no permission
+            raise ConfigError("path", f"cannot create the recording {self.path}: "
+                                      f"{error.strerror or error}") from None
         self._write({"format": FORMAT, "version": VERSION, "provider": inner.name})
 
     @property
@@ -167,15 +185,19 @@ class ReplayProvider:
             difference raises `ReplayMismatchError`.
 
     Raises:
-        ConfigError: the file is missing or is not a loopengine recording.
+        ConfigError: the file is missing, cannot be read, or is not a
+            loopengine recording.
     """
 
     def __init__(self, path: str | Path, *, strict: bool = True) -> None:
-        self.path = Path(path)
+        self.path = _recording_path(path)
         try:
             lines = self.path.read_text(encoding="utf-8").splitlines()
         except FileNotFoundError:
             raise ConfigError("path", f"no recording at {self.path}") from None
+        except (OSError, UnicodeDecodeError) as error:  # a directory, no permission, binary
+            raise ConfigError("path", f"cannot read the recording {self.path}: "
+                                      f"{getattr(error, 'strerror', None) or error}") from None
         try:
             entries = [json.loads(line) for line in lines if line.strip()]
         except json.JSONDecodeError as error:

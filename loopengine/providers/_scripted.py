@@ -27,6 +27,7 @@ from loopengine.providers._base import (
     ProviderRequest,
     ProviderResponse,
     TextCallback,
+    check_reply,
     genai_operation_of,
     hand_text,
 )
@@ -60,6 +61,10 @@ class Reply:
     response_id: str | None = None
     """The response id to report; generated when None."""
 
+    def __post_init__(self) -> None:
+        check_reply(self.content, self.stop_reason, self.usage)
+        _validate.seconds("delay", self.delay, positive=False)
+
     @classmethod
     def text(
         cls,
@@ -76,7 +81,6 @@ class Reply:
                 (or None), or ``delay`` not a number of seconds.
         """
         _string("text", text)
-        _reply_settings(usage, delay)
         return cls(content=[{"type": "text", "text": text}], stop_reason=stop_reason,
                    usage=usage, delay=delay)
 
@@ -103,7 +107,6 @@ class Reply:
             _validate.text(f"calls[{index}][0]", call[0])
         if text is not None:
             _string("text", text)
-        _reply_settings(usage, delay)
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
         for name, tool_input in calls:
             content.append(
@@ -135,12 +138,6 @@ class Reply:
 def _string(field: str, value: object) -> None:
     if not isinstance(value, str):
         raise ConfigError(field, f"must be a string, got {_validate.shown(value)}")
-
-
-def _reply_settings(usage: object, delay: object) -> None:
-    if usage is not None and not isinstance(usage, Usage):
-        raise ConfigError("usage", f"must be a Usage or None, got {_validate.shown(usage)}")
-    _validate.seconds("delay", delay, positive=False)
 
 
 ScriptItem = Reply | ProviderFault | Callable[[ProviderRequest], "Reply | ProviderFault"]
@@ -183,6 +180,9 @@ class ScriptedProvider:
     """Every request received, with its own copy of the messages."""
 
     def __post_init__(self) -> None:
+        _validate.text("name", self.name)
+        _validate.clock("clock", self.clock)
+        _validate.text("inference_geo", self.inference_geo, optional=True)
         self._items = iter(_script("script", self.script))
 
     def add(self, *items: ScriptItem) -> None:
@@ -262,6 +262,8 @@ def _script(field: str, items: object) -> list[ScriptItem]:
                                                    f"{_validate.shown(item)}")
         if isinstance(item, Reply):
             _stop_reason(f"{field}[{index}]", item)
+        elif not isinstance(item, ProviderFault):
+            _validate.sync_callable(f"{field}[{index}]", item, "(request) -> item")
     return checked
 
 

@@ -369,6 +369,8 @@ def _script(field: str, items: object) -> list[ServerItem]:
                                                "CutStream, StreamErrorEvent, StallStream or a "
                                                "function of the request returning one, got "
                                                f"{_validate.shown(item)}")
+        if not isinstance(item, _ITEM_TYPES):
+            _validate.sync_callable(f"{field}[{i}]", item, "(request) -> item")
     return listed
 
 
@@ -383,6 +385,11 @@ class LoopbackServer:
     Args:
         script: Items to serve, one per request, in order (see `add`).
         host: The address to bind; loopback by default.
+
+    Raises:
+        ConfigError: a script item no request could be served, or a ``host``
+            that is not a non-empty string (an empty one binds every
+            interface, not loopback).
     """
 
     path = "/"
@@ -393,6 +400,7 @@ class LoopbackServer:
     """The content type of a streamed response."""
 
     def __init__(self, script: Iterable[ServerItem] = (), *, host: str = "127.0.0.1") -> None:
+        _validate.text("host", host)
         self._host = host
         self._lock = threading.Lock()
         self._items: Iterator[ServerItem] = iter(_script("script", script))
