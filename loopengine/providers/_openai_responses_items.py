@@ -91,9 +91,10 @@ API = "Responses API"
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 """The ``include`` value that asks for reasoning items' ``encrypted_content``."""
 
-_REASONING_MODELS = re.compile(r"o\d|gpt-5(?!-chat)|codex-mini")
+_REASONING_MODELS = re.compile(r"o\d|gpt-5(?![\w.]*-chat)|codex-mini")
 """The start of the names of OpenAI's reasoning models (the o-series, the gpt-5
-family but its ``gpt-5-chat`` models, ``codex-mini``): they reason unless told
+family but its chat models, ``gpt-5-chat-latest``, ``gpt-5.1-chat-latest``...,
+``codex-mini``): they reason unless told
 not to, and take ``include=["reasoning.encrypted_content"]``, which a model
 that does not reason refuses ("Encrypted content is not supported with this
 model")."""

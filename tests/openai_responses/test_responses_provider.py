@@ -14,6 +14,7 @@ import pytest
 import loopengine as le
 from loopengine._features import Features
 from loopengine.providers import OpenAIResponsesProvider, ProviderFault, ProviderRequest
+from loopengine.providers._openai_responses_items import reasoning_model
 from loopengine.testing import Reply
 
 from ..adapter.conftest import STREAMING
@@ -462,3 +463,16 @@ async def test_engine_stream_yields_the_text_deltas_and_a_retry_is_told_apart(
     assert run.result.outcome is le.Outcome.COMPLETED
     assert "".join(d.text for d in deltas if d.attempt == 2) == "streamed through responses"
     assert {(d.turn, d.attempt) for d in deltas} == {(1, 1), (1, 2)}
+
+
+@pytest.mark.parametrize(("model", "reasons"), [
+    ("o3", True), ("o4-mini-2025-04-16", True), ("gpt-5", True), ("gpt-5-mini", True),
+    ("gpt-5.1", True), ("gpt-5.1-codex", True), ("codex-mini-latest", True),
+    ("gpt-5-chat-latest", False), ("gpt-5.1-chat-latest", False), ("gpt-5.2-chat-latest", False),
+    ("gpt-4o", False), ("gpt-4.1-mini", False), ("chatgpt-4o-latest", False),
+    (DEPLOYMENT, False)])
+def test_which_model_names_are_asked_for_their_reasoning(model: str, reasons: bool) -> None:
+    """A model is asked for its reasoning's encrypted content unasked only when its
+    name says it reasons: a chat model of the gpt-5 family (any version) does
+    not, and would refuse it; a name that says nothing is not asked."""
+    assert reasoning_model(model) is reasons
