@@ -213,10 +213,10 @@ def features_table(features: Any) -> dict[str, Any]:
     and `Operation.from_mapping` read back."""
     table: dict[str, Any] = {}
     if features.thinking is not None:
-        table["thinking"] = _fields(features.thinking)
+        table["thinking"] = _validate.field_values(features.thinking)
     if features.server_tools:
         # The params copied: the table is the caller's, the tool's own dict is not.
-        table["server_tools"] = [{**_fields(t), "params": dict(t.params)}
+        table["server_tools"] = [{**_validate.field_values(t), "params": dict(t.params)}
                                  for t in features.server_tools]
     if features.betas:
         table["betas"] = list(features.betas)
@@ -387,11 +387,6 @@ def _json_object(field_name: str, value: object) -> dict[str, Any]:
     if not isinstance(copied, dict) or any(not isinstance(k, str) for k in value):
         raise ConfigError(field_name, "must be a JSON object with string keys")
     return copied
-
-
-def _fields(value: Thinking | ServerTool) -> dict[str, Any]:
-    """Every field of ``value``, by name: what its ``from_mapping`` reads back."""
-    return {name: getattr(value, name) for name in type(value).__dataclass_fields__}
 
 
 def _canonical(value: Mapping[str, Any] | None) -> str | None:

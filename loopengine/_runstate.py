@@ -24,6 +24,7 @@ from loopengine._errors import ConfigError
 from loopengine._features import Features, features_from_table, features_table
 from loopengine._operation import Operation
 from loopengine._usage import Usage, UsageIteration
+from loopengine._validate import field_values
 from loopengine.guards._limits import Limits
 from loopengine.providers._base import Container
 from loopengine.providers._retry import RetryPolicy
@@ -198,12 +199,12 @@ class RunState:
                 "max_output_tokens": operation.max_output_tokens,
                 "model_max_output_tokens": operation.model_max_output_tokens,
                 "wrap_up_text": operation.wrap_up_text,
-                "limits": _fields(operation.limits), "retry": _fields(operation.retry),
-                "cache": _fields(operation.cache), **features_table(operation),
+                "limits": field_values(operation.limits), "retry": field_values(operation.retry),
+                "cache": field_values(operation.cache), **features_table(operation),
             },
-            "limits": _fields(self.limits),
-            "retry": _fields(self.retry),
-            "attribution": _fields(self.attribution),
+            "limits": field_values(self.limits),
+            "retry": field_values(self.retry),
+            "attribution": field_values(self.attribution),
             "system": self.system,
             "messages": self.messages,
             "given": self.given,
@@ -321,13 +322,9 @@ def json_digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _fields(value: Any) -> dict[str, Any]:
-    return {f.name: getattr(value, f.name) for f in fields(value)}
-
-
 def _usage_fields(usage: Usage) -> dict[str, Any]:
     """``usage`` as JSON values, its iterations included."""
-    return {**_fields(usage), "iterations": [_fields(i) for i in usage.iterations]}
+    return {**field_values(usage), "iterations": [field_values(i) for i in usage.iterations]}
 
 
 def _usage_from(data: dict[str, Any]) -> Usage:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import functools
 import inspect
 import math
@@ -867,3 +868,9 @@ def binary_note(what: str, mime: object, data: object) -> str:
     size = decoded_size(data)
     shown = "undecodable base64" if size is None else f"{size} bytes"
     return f"[{what}: {mime}, {shown}, not shown]"
+
+
+def field_values(value: Any) -> dict[str, Any]:
+    """Every field of the dataclass instance ``value``, by name (what a
+    ``from_mapping``, or its class called with them, reads back)."""
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
