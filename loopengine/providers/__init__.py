@@ -13,6 +13,7 @@ import typing
 from loopengine._lazy import lazy_exports as _lazy_exports
 from loopengine.providers._base import (
     FEATURES,
+    STOP_REASONS,
     Container,
     Provider,
     ProviderRequest,
@@ -34,6 +35,7 @@ if typing.TYPE_CHECKING:
 __all__ = [
     "FEATURES",
     "MAX_CACHE_MARKERS",
+    "STOP_REASONS",
     "AnthropicProvider",
     "CachePolicy",
     "Container",

@@ -52,7 +52,8 @@ class Reply:
     content: Sequence[Mapping[str, Any]]
     """Anthropic-shaped content blocks."""
     stop_reason: str | None = "end_turn"
-    """The stop reason to report."""
+    """The stop reason to report: one of `STOP_REASONS` for a `ScriptedProvider`
+    (which refuses any other, None too); a fake server serves what it is given."""
     usage: Usage | None = DEFAULT_USAGE
     """The usage to report, or None for none."""
     delay: float = 0.0
