@@ -180,7 +180,8 @@ class FakeAnthropicServer(LoopbackServer):
     def _refusal(self, body: Any) -> str | None:
         problem = (cache_marker_problem(body) or _thinking_problem(body)
                    or self._signature_problem(body)
-                   or _empty_problem(body) or self._container_problem(body))
+                   or _empty_problem(body) or _pairing_problem(body)
+                   or self._container_problem(body))
         if problem is None and isinstance(body, Mapping) and tool_blocks_without_tools(
                 body.get("messages"), body.get("tools")):
             problem = TOOL_BLOCKS_WITHOUT_TOOLS
@@ -319,6 +320,39 @@ def _answers_calls(message: object) -> bool:
     return (isinstance(message, Mapping) and message.get("role") == "user"
             and isinstance(content, list) and any(
                 isinstance(b, Mapping) and b.get("type") == "tool_result" for b in content))
+
+
+def _pairing_problem(body: Any) -> str | None:
+    """Why the API would refuse a request's tool calls and results, or None, in its
+    words: a ``tool_use`` block (of any assistant message but the final one)
+    whose id no ``tool_result`` of the next message answers, or a
+    ``tool_result`` whose ``tool_use_id`` no ``tool_use`` of the previous
+    message has."""
+    messages = body.get("messages") if isinstance(body, Mapping) else None
+    if not isinstance(messages, list):
+        return None
+    asked: list[str] = []  # the previous message's calls
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, Mapping) else None
+        content = message.get("content") if isinstance(message, Mapping) else None
+        blocks = [b for b in content if isinstance(b, Mapping)] if isinstance(
+            content, list) else []
+        for j, block in enumerate(blocks if role == "user" else ()):
+            if block.get("type") == "tool_result" and block.get("tool_use_id") not in asked:
+                return (f"messages.{i}.content.{j}: unexpected `tool_use_id` found in "
+                        f"`tool_result` blocks: {block.get('tool_use_id')}. Each "
+                        "`tool_result` block must have a corresponding `tool_use` block "
+                        "in the previous message.")
+        answered = {b.get("tool_use_id") for b in blocks if b.get("type") == "tool_result"}
+        missing = [call for call in asked if call not in answered or role != "user"]
+        if missing:
+            return (f"messages.{i - 1}: `tool_use` ids were found without `tool_result` "
+                    f"blocks immediately after: {', '.join(missing)}. Each `tool_use` "
+                    "block must have a corresponding `tool_result` block in the next "
+                    "message.")
+        asked = [str(b.get("id")) for b in blocks
+                 if b.get("type") == "tool_use"] if role == "assistant" else []
+    return None
 
 
 def _empty_problem(body: Any) -> str | None:

@@ -314,3 +314,45 @@ async def test_the_fake_signs_the_thinking_it_serves_and_refuses_any_other(
     with pytest.raises(anthropic.BadRequestError, match="Invalid `signature`"):
         await client.messages.create(model=MODEL, max_tokens=5, messages=sent(
             {**thought, "signature": "sïgnature"}, redacted))
+
+
+@pytest.mark.parametrize(("messages", "refusal"), [
+    ([{"role": "user", "content": "go"},
+      {"role": "assistant", "content": [
+          {"type": "tool_use", "id": "toolu_a", "name": "f", "input": {}},
+          {"type": "tool_use", "id": "toolu_b", "name": "f", "input": {}}]},
+      {"role": "user", "content": [
+          {"type": "tool_result", "tool_use_id": "toolu_a", "content": "1"}]}],
+     r"messages\.1: `tool_use` ids were found without `tool_result` blocks immediately "
+     r"after: toolu_b\."),
+    ([{"role": "user", "content": "go"},
+      {"role": "assistant", "content": [
+          {"type": "tool_use", "id": "toolu_a", "name": "f", "input": {}}]},
+      {"role": "user", "content": [
+          {"type": "tool_result", "tool_use_id": "toolu_a", "content": "1"},
+          {"type": "tool_result", "tool_use_id": "toolu_x", "content": "2"}]}],
+     r"messages\.2\.content\.1: unexpected `tool_use_id` found in `tool_result` blocks: "
+     r"toolu_x\."),
+    ([{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_a", "content": "1"}]}],
+     r"messages\.0\.content\.0: unexpected `tool_use_id`"),
+], ids=["unanswered", "unasked", "first"])
+async def test_the_fake_refuses_calls_and_results_that_do_not_pair(
+    fake_anthropic_server: FakeAnthropicServer, client: anthropic.AsyncAnthropic,
+    messages: Any, refusal: str
+) -> None:
+    """As the API does: every call of an assistant message is answered by a
+    tool_result of the next message, and every tool_result answers a call of
+    the previous one; anything else is its 400, in its words."""
+    fake_anthropic_server.add(Reply.text("ok"))
+    tools: Any = [{"name": "f", "input_schema": {"type": "object"}}]
+    with pytest.raises(anthropic.BadRequestError, match=refusal) as refused:
+        await client.messages.create(model=MODEL, max_tokens=5, messages=messages, tools=tools)
+    assert refused.value.type == "invalid_request_error"
+    paired = [*messages[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": b["id"], "content": "1"}
+        for b in messages[1]["content"] if b["type"] == "tool_use"]}] \
+        if len(messages) > 1 else HELLO
+    reply = await client.messages.create(model=MODEL, max_tokens=5, messages=paired,
+                                         tools=tools)
+    assert reply.content[0].type == "text" and reply.content[0].text == "ok"
