@@ -128,6 +128,12 @@ async def pause(inv: Invocation, state: RunState) -> None:
             # reservation is the new owner's to settle (docs/pause-and-resume.md).
             taken = True
             raise
+        except BaseException:
+            # The pause was not recorded (the ledger refused it): the run is
+            # not paused but failed, and its end is recorded, as far as the
+            # ledger still can, and announced as any failed run's is.
+            inv.ended = inv.announced = False
+            raise
         finally:
             if not taken:
                 # Its sub-agents' credits too: one reservation pays for the tree.
