@@ -257,3 +257,33 @@ def test_tool_call_event_has_the_reference_fields() -> None:
     names = {f.name for f in fields(events.ToolCallEvent)}
     assert {"run_id", "tool_name", "status", "latency_ms", "token_cost", "input_tokens",
             "output_tokens", "model_id", "provider", "spend_usd"} <= names
+
+
+@pytest.mark.parametrize("slow_on", [events.TurnStarted, events.AttemptStarted])
+def test_a_slow_observer_does_not_eat_into_the_attempt_s_timeout(
+        slow_on: type[events.Event]) -> None:
+    """An observer that takes 6 s on the attempt's announcement leaves the attempt
+    its whole 10 s: a reply 6 s after it was sent is not cut as a timeout and
+    retried (another request, billed). On trio's MockClock, whose time jumps
+    only when every task waits: no real time passes."""
+    import trio
+    import trio.testing
+
+    seen: list[events.Event] = []
+
+    async def slow(event: events.Event) -> None:
+        seen.append(event)
+        if type(event) is slow_on:
+            await anyio.sleep(6.0)
+
+    async def main() -> le.RunResult:
+        provider = ScriptedProvider([Reply.text("in time", delay=6.0), Reply.text("retried")])
+        engine = le.Engine(provider, prices=PRICES, observers=[slow])
+        operation = le.Operation(name="events.test", provider="anthropic", model=MODEL,
+                                 max_output_tokens=256, limits=le.Limits(attempt_timeout=10.0))
+        return await engine.run(operation, "go")
+
+    result = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert (result.outcome, result.answer) == (le.Outcome.COMPLETED, "in time")
+    assert [(e.outcome, e.fault) for e in seen if isinstance(e, events.AttemptSettled)] == [
+        ("ok", None)]
