@@ -287,3 +287,21 @@ def test_a_slow_observer_does_not_eat_into_the_attempt_s_timeout(
     assert (result.outcome, result.answer) == (le.Outcome.COMPLETED, "in time")
     assert [(e.outcome, e.fault) for e in seen if isinstance(e, events.AttemptSettled)] == [
         ("ok", None)]
+
+
+async def test_a_slow_observer_s_time_is_not_a_tool_call_s_latency() -> None:
+    """An observer that takes 5 s on a call's ``started`` leaves its latency_ms
+    what the handler took (250 ms), as without it."""
+    clock = FakeClock()
+    seen: list[events.Event] = []
+
+    async def slow(event: events.Event) -> None:
+        seen.append(event)
+        if isinstance(event, events.ToolCallEvent) and event.status == "started":
+            await clock.sleep(5.0)
+
+    await make_engine(clock, [slow]).run(OPERATION, "go", tools=[lookup_tool(clock)])
+    calls = [e for e in seen if isinstance(e, events.ToolCallEvent)]
+    assert [(c.tool_name, c.status, c.latency_ms) for c in calls] == [
+        ("lookup", "started", 0), ("lookup", "succeeded", 250),
+        ("missing_tool", "started", 0), ("missing_tool", "failed", 0)]
