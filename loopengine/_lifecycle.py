@@ -221,7 +221,7 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
             nothing of it is settled, forgotten or announced here.
     """
     inv.ended = True
-    taken = False
+    taken = written = False
     try:
         if inv.ledger is not None:
             record = held_end(inv, InvocationEnd(
@@ -232,6 +232,7 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
                 logger.warning("%s %s: the ledger did not confirm its end (%s) by its "
                                "deadline; the write stays queued", inv.kind, inv.id,
                                outcome)
+        written = True
     except RunBusyError:
         # Its account's reservation is the new owner's to settle (a recovery
         # settles the segment it took over), and `RunEnded` would claim an end
@@ -245,12 +246,20 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
                 await inv.emit(GuardTripped(
                     run_id=inv.id, at=at, guard=trip.guard, observed=trip.observed,
                     limit=trip.limit, outcome=trip.outcome.value, message=trip.message))
-            # The account is settled however the end's write went
-            # (docs/accounts.md), once for a tree of delegated runs: the root
-            # is charged its descendants' credits too (a child holds no
-            # reservation of its own, docs/tools.md).
-            await settle_account(inv, credits + inv.descendant_credits)
-            await forget_run(inv)
+            try:
+                # The account is settled however the end's write went
+                # (docs/accounts.md), once for a tree of delegated runs: the root
+                # is charged its descendants' credits too (a child holds no
+                # reservation of its own, docs/tools.md).
+                await settle_account(inv, credits + inv.descendant_credits)
+                await forget_run(inv)
+            except BaseException:
+                if written:
+                    # The end is recorded: `RunEnded` says the outcome the ledger
+                    # keeps, then the account's error propagates.
+                    await _announce_end(inv, at, outcome, turns=turns,
+                                        tool_calls=tool_calls, credits=credits)
+                raise
     logger.info(
         "%s %s ended %s: operation=%s turns=%d tool_calls=%d attempts=%d "
         "cost_nanousd=%d credits=%d",
