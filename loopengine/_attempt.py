@@ -157,6 +157,7 @@ async def attempt(
         # deadline, the scope around the run: past it, nothing is sent and the
         # attempt is settled by `settle_cut`.
         await inv.ledger.dispatch_attempt(dispatch)
+    flight.written = True
     if inv.observers:
         # Building an event costs about as much as the rest of the
         # attempt's bookkeeping: skip it when nobody listens.

@@ -395,22 +395,27 @@ async def _end_without_outcome(inv: Invocation, outcome: str, turns: int, tool_c
     still can, then announce the end.
 
     A cancelled run's in-flight attempt is settled ``aborted``/``external``.
-    A failed run's is too when it was sent (a SystemExit raised while it was
-    on the wire: by the ``on_text`` callback, say); one
-    not sent is not: the error came from writing its row (or from the ledger
-    breaking), so it never went out (a request is sent only once its row is
-    written); it is not one of the run's attempts, and a turn it alone would
-    have sent was not sent (R01 counts turn requests sent). A ledger
+    A failed run's is too once its row was written (a SystemExit raised
+    while it was on the wire, by the ``on_text`` callback, say, or before it
+    was sent, by an observer of its `AttemptStarted`): the ledger has it.
+    One whose row was not written is not: the error came from writing its
+    row (or from the ledger breaking), so it never went out (a request is
+    sent only once its row is written); it is not one of the run's
+    attempts. Either way a turn that only an unsent request would have sent
+    was not sent (R01 counts turn requests sent). A ledger
     failure here is logged, not raised: it must not replace the exception
     that ended the run."""
     if outcome == "failed":
-        if inv.in_flight is not None and not inv.in_flight.sent:
-            inv.records.pop(inv.in_flight.index)
-            inv.in_flight = None
+        flight = inv.in_flight
+        if flight is not None and not flight.written:
+            inv.records.pop(flight.index)
+            inv.in_flight = flight = None
+        unsent = flight.index if flight is not None and not flight.sent else None
         # A turn whose request was never sent is no turn (R01); the turns of
         # the segments before a resume were sent (a recovered run's dead
         # segment's last one too, sent again now).
-        sent = max((r.dispatch.turn for r in inv.records), default=0)
+        sent = max((r.dispatch.turn for i, r in enumerate(inv.records) if i != unsent),
+                   default=0)
         turns = min(turns, max(sent, inv.base_turns, *inv.earlier_attempts))
     what = "the cancellation" if outcome == "cancelled" else "its failure"
     try:

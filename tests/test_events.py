@@ -14,6 +14,7 @@ import pytest
 
 import loopengine as le
 from loopengine import events
+from loopengine.persistence import MemoryLedger
 from loopengine.providers import FaultKind, ProviderFault, Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
@@ -305,3 +306,35 @@ async def test_a_slow_observer_s_time_is_not_a_tool_call_s_latency() -> None:
     assert [(c.tool_name, c.status, c.latency_ms) for c in calls] == [
         ("lookup", "started", 0), ("lookup", "succeeded", 250),
         ("missing_tool", "started", 0), ("missing_tool", "failed", 0)]
+
+
+async def test_an_observer_s_system_exit_before_the_request_settles_the_announced_attempt(
+) -> None:
+    """An observer raising SystemExit on `AttemptStarted` stops the run (``failed``)
+    after the attempt's row was written and announced, before its request went
+    out: the attempt is settled ``aborted`` (nothing sent), in the ledger and to
+    observers, and counted, so that no row and no observer holds it open; the
+    turn it alone would have sent is not counted (R01)."""
+    clock = FakeClock()
+    seen: list[events.Event] = []
+
+    def exits(event: events.Event) -> None:
+        if isinstance(event, events.AttemptStarted):
+            raise SystemExit(3)
+
+    ledger = MemoryLedger()
+    provider = ScriptedProvider([Reply.text("never sent")], clock=clock)
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, clock=clock,
+                       observers=[seen.append, exits])
+    with pytest.raises(SystemExit):
+        await engine.run(OPERATION, "go")
+    assert provider.requests == []
+    (row,) = ledger.attempts.values()
+    assert (row["ordinal"], row["outcome"], row["aborted_reason"]) == (1, "aborted", "external")
+    assert [shape(e) for e in seen] == [
+        ("RunStarted",), ("TurnStarted", 1, "turn"), ("AttemptStarted", 1, 1, 1),
+        ("AttemptSettled", 1, "aborted", None), ("RunEnded", "failed")]
+    ended = seen[-1]
+    assert isinstance(ended, events.RunEnded) and (ended.attempts, ended.turns) == (1, 0)
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["outcome"], invocation["turns"]) == ("failed", 0)
