@@ -129,11 +129,14 @@ async def attempt(
         raise Unsent(refused) from refused
     sent = inv.turn_attempts[turn] = inv.turn_attempts.get(turn, 0) + 1
     number = sent + inv.earlier_attempts.get(turn, 0)
+    observed = 0.0  # the time its observers took: the run's, not the attempt's
     if sent == 1 and inv.observers:
         # Announced with its first dispatch, so a turn the time guard
         # refused at its first attempt is never announced.
+        before = inv.clock.now()
         await inv.emit(TurnStarted(run_id=inv.id, at=inv.clock.wall(), turn=turn,
                                    phase=phase))
+        observed += inv.clock.now() - before
     dispatch = AttemptDispatch(
         invocation_id=inv.id,
         ordinal=inv.base_attempts + len(inv.records) + 1,
@@ -154,19 +157,24 @@ async def attempt(
         # deadline, the scope around the run: past it, nothing is sent and the
         # attempt is settled by `settle_cut`.
         await inv.ledger.dispatch_attempt(dispatch)
+    flight.written = True
     if inv.observers:
         # Building an event costs about as much as the rest of the
         # attempt's bookkeeping: skip it when nobody listens.
         flight.announced = True
+        before = inv.clock.now()
         await _announce(inv, dispatch)
+        observed += inv.clock.now() - before
     text: TextCallback | None = None
     if on_text is not None or inv.text_sink is not None:
         text = _guarded_text(flight, on_text, _delta(inv, turn, number, dispatch.ordinal))
     response: ProviderResponse | None = None
     fault: ProviderFault | None = None
     flight.started = inv.clock.now()
-    # The attempt's time runs from its start: what its row's write took is spent.
-    left = max(0.0, timeout - (flight.started - now))
+    # The attempt's time runs from its start: what its row's write took is spent,
+    # not what its observers took (a slow observer slows the run, and only the
+    # run's deadline counts it: it never turns a reply in time into a timeout).
+    left = max(0.0, timeout - (flight.started - now - observed))
     flight.sent = True
     # A stream the cancellations below cut reports what it had served, which the
     # settle keeps (the server may bill it).

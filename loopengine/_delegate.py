@@ -14,6 +14,7 @@ permit, `needs_crossing_permit`), so the tree crosses each hold once at most.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
@@ -44,6 +45,10 @@ __all__ = ["LIMIT_OUTCOMES", "agent_tool", "run_child"]
 LIMIT_OUTCOMES = frozenset({Outcome.CREDIT_LIMIT, Outcome.TIME_LIMIT, Outcome.TURN_LIMIT,
                             Outcome.TOOL_LIMIT, Outcome.TOOL_BATCH_LIMIT})
 """The outcomes a delegated run ends on a limit with."""
+
+_NO_TIME = sys.float_info.min
+"""The total_time a delegated run is given when its parent's time is spent: the
+least a `Limits` takes (its deadline, the parent's, is what ends it)."""
 
 _TASK_SCHEMA = {
     "type": "object",
@@ -83,7 +88,11 @@ async def run_child(
         narrowed["credit_hold"] = max(0, hold - parent.tree_credits)
     remaining = parent.remaining()
     if remaining != float("inf"):
-        narrowed["total_time"] = remaining
+        # The parent's time may be spent already (an observer or a ledger write
+        # that outlasted its deadline): the child then ends ``time_limit`` at
+        # its first turn, as the deadline it takes below says, rather than
+        # being refused a total_time that is not positive.
+        narrowed["total_time"] = max(remaining, _NO_TIME)
     limits = limits.narrow(narrowed)
     inv, spec = engine._prepare_run(
         operation, messages, attribution=parent.attribution,

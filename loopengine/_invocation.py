@@ -62,6 +62,9 @@ class InFlight:
     started: float
     announced: bool = False
     """Whether its `AttemptStarted` was emitted."""
+    written: bool = False
+    """Whether its row was written (its dispatch's write returned; at once
+    without a ledger): from then on the ledger has it, sent or not."""
     sent: bool = False
     """Whether the request was handed to the provider (its row was durable)."""
     callback_error: BaseException | None = None

@@ -221,7 +221,7 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
             nothing of it is settled, forgotten or announced here.
     """
     inv.ended = True
-    taken = False
+    taken = written = False
     try:
         if inv.ledger is not None:
             record = held_end(inv, InvocationEnd(
@@ -232,6 +232,7 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
                 logger.warning("%s %s: the ledger did not confirm its end (%s) by its "
                                "deadline; the write stays queued", inv.kind, inv.id,
                                outcome)
+        written = True
     except RunBusyError:
         # Its account's reservation is the new owner's to settle (a recovery
         # settles the segment it took over), and `RunEnded` would claim an end
@@ -245,12 +246,20 @@ async def _write_end(inv: Invocation, at: datetime, outcome: str, *, turns: int,
                 await inv.emit(GuardTripped(
                     run_id=inv.id, at=at, guard=trip.guard, observed=trip.observed,
                     limit=trip.limit, outcome=trip.outcome.value, message=trip.message))
-            # The account is settled however the end's write went
-            # (docs/accounts.md), once for a tree of delegated runs: the root
-            # is charged its descendants' credits too (a child holds no
-            # reservation of its own, docs/tools.md).
-            await settle_account(inv, credits + inv.descendant_credits)
-            await forget_run(inv)
+            try:
+                # The account is settled however the end's write went
+                # (docs/accounts.md), once for a tree of delegated runs: the root
+                # is charged its descendants' credits too (a child holds no
+                # reservation of its own, docs/tools.md).
+                await settle_account(inv, credits + inv.descendant_credits)
+                await forget_run(inv)
+            except BaseException:
+                if written:
+                    # The end is recorded: `RunEnded` says the outcome the ledger
+                    # keeps, then the account's error propagates.
+                    await _announce_end(inv, at, outcome, turns=turns,
+                                        tool_calls=tool_calls, credits=credits)
+                raise
     logger.info(
         "%s %s ended %s: operation=%s turns=%d tool_calls=%d attempts=%d "
         "cost_nanousd=%d credits=%d",
@@ -386,22 +395,27 @@ async def _end_without_outcome(inv: Invocation, outcome: str, turns: int, tool_c
     still can, then announce the end.
 
     A cancelled run's in-flight attempt is settled ``aborted``/``external``.
-    A failed run's is too when it was sent (a SystemExit raised while it was
-    on the wire: by the ``on_text`` callback, say); one
-    not sent is not: the error came from writing its row (or from the ledger
-    breaking), so it never went out (a request is sent only once its row is
-    written); it is not one of the run's attempts, and a turn it alone would
-    have sent was not sent (R01 counts turn requests sent). A ledger
+    A failed run's is too once its row was written (a SystemExit raised
+    while it was on the wire, by the ``on_text`` callback, say, or before it
+    was sent, by an observer of its `AttemptStarted`): the ledger has it.
+    One whose row was not written is not: the error came from writing its
+    row (or from the ledger breaking), so it never went out (a request is
+    sent only once its row is written); it is not one of the run's
+    attempts. Either way a turn that only an unsent request would have sent
+    was not sent (R01 counts turn requests sent). A ledger
     failure here is logged, not raised: it must not replace the exception
     that ended the run."""
     if outcome == "failed":
-        if inv.in_flight is not None and not inv.in_flight.sent:
-            inv.records.pop(inv.in_flight.index)
-            inv.in_flight = None
+        flight = inv.in_flight
+        if flight is not None and not flight.written:
+            inv.records.pop(flight.index)
+            inv.in_flight = flight = None
+        unsent = flight.index if flight is not None and not flight.sent else None
         # A turn whose request was never sent is no turn (R01); the turns of
         # the segments before a resume were sent (a recovered run's dead
         # segment's last one too, sent again now).
-        sent = max((r.dispatch.turn for r in inv.records), default=0)
+        sent = max((r.dispatch.turn for i, r in enumerate(inv.records) if i != unsent),
+                   default=0)
         turns = min(turns, max(sent, inv.base_turns, *inv.earlier_attempts))
     what = "the cancellation" if outcome == "cancelled" else "its failure"
     try:

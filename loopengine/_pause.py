@@ -108,10 +108,16 @@ async def pause(inv: Invocation, state: RunState) -> None:
     at = inv.clock.wall()
     progress = state.progress
 
+    async def announce() -> None:
+        await inv.emit(RunPaused(
+            run_id=inv.id, at=at, turns=progress.turns, tool_calls=progress.tool_calls,
+            attempts=progress.attempts, usage=inv.usage, cost_usd=inv.cost_usd,
+            credits=progress.credits, pending=len(state.pending)))
+
     async def step() -> None:
         # Like an end, but the invocation stays open: its next segment goes on.
         inv.ended = inv.announced = True
-        taken = False
+        taken = paused = False
         try:
             if inv.ledger is not None:
                 # With a run store, a compare-and-set on the run being this segment's.
@@ -123,23 +129,34 @@ async def pause(inv: Invocation, state: RunState) -> None:
                 if not confirmed:
                     logger.warning("run %s: the ledger did not confirm its pause by its "
                                    "deadline; the write stays queued", inv.id)
+            paused = True
         except RunBusyError:
             # Another process took the run over: it paused nothing, and its
             # reservation is the new owner's to settle (docs/pause-and-resume.md).
             taken = True
             raise
+        except BaseException:
+            # The pause was not recorded (the ledger refused it): the run is
+            # not paused but failed, and its end is recorded, as far as the
+            # ledger still can, and announced as any failed run's is.
+            inv.ended = inv.announced = False
+            raise
         finally:
             if not taken:
-                # Its sub-agents' credits too: one reservation pays for the tree.
-                await settle_account(inv, progress.credits + progress.descendant_credits)
+                try:
+                    # Its sub-agents' credits too: one reservation pays for the tree.
+                    await settle_account(inv, progress.credits + progress.descendant_credits)
+                except BaseException:
+                    if paused:
+                        # The pause is recorded: observers see it, then the
+                        # account's error propagates.
+                        await announce()
+                    raise
         logger.info("run %s paused: operation=%s turns=%d tool_calls=%d attempts=%d "
                     "credits=%d pending=%d", inv.id, inv.operation.name, progress.turns,
                     progress.tool_calls, progress.attempts, progress.credits,
                     len(state.pending))
-        await inv.emit(RunPaused(
-            run_id=inv.id, at=at, turns=progress.turns, tool_calls=progress.tool_calls,
-            attempts=progress.attempts, usage=inv.usage, cost_usd=inv.cost_usd,
-            credits=progress.credits, pending=len(state.pending)))
+        await announce()
 
     await uninterrupted(step)
 

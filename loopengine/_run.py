@@ -961,6 +961,10 @@ class _Loop:
                 model_id=inv.operation.model, provider=inv.operation.provider,
                 spend_usd=spend, tool_use_id=str(block.get("id")), turn=turn, error=error,
             ))
+            if status == "started" and index in running:
+                # The call runs from its announcement on: the time its observers
+                # took is not the call's (its latency_ms).
+                running[index] = inv.clock.now()
 
         stopped: list[BaseException] = []
         """What stops the batch and is raised from the run's own task."""
@@ -1005,8 +1009,8 @@ class _Loop:
 
         async def answer(index: int, block: Mapping[str, Any]) -> None:
             name = str(block.get("name"))
-            started = inv.clock.now()
             await tool_event(index, "started", 0.0)
+            started = running[index]
             handler = self.tools.get(name)
             given = decided.get(str(block.get("id")))
             if given is not None:

@@ -1,8 +1,11 @@
 """Events: typed, frozen facts about a run, delivered to observers as they happen.
 
 An observer is any callable taking one event, sync or async, given as
-``Engine(provider, observers=[...])``. Observers are called in order, on the
-run's task; one that raises is logged and never changes the run. Events carry
+``Engine(provider, observers=[...])``. Observers are called in order, and the
+run waits for them (not always from the task awaiting the run: a tool call's
+events come from its own task, and on asyncio a run's end from a task the run
+awaits, docs/observability.md); one that raises is logged and never changes
+the run. Events carry
 operational facts only, never message text or tool data.
 
 Order within a run: `RunStarted`; per turn `TurnStarted`, then per attempt

@@ -596,3 +596,42 @@ async def test_a_reservation_expires_on_the_accounts_clock_whatever_the_engines(
     assert denied.outcome is le.Outcome.ADMISSION_DENIED and provider.requests == []
     assert results[0].outcome is le.Outcome.COMPLETED
     assert balance == le.AccountBalance("acme", 500, 240, 0, 260)
+
+
+class UnsettlingAccounts(le.CreditAccounts):
+    """Credit accounts whose settlement fails (their database broke at the run's end)."""
+
+    async def settle(self, reservation: Any, credits: int) -> None:
+        raise le.LedgerError("the account could not be settled")
+
+
+@pytest.mark.parametrize("ends", ["completed", "paused"])
+async def test_a_settlement_that_fails_after_the_end_is_written_announces_that_end(
+        tmp_path: Path, ends: str) -> None:
+    """The run's end (or pause) is recorded, then its account's settlement fails:
+    the LedgerError reaches the caller, and observers get the end the ledger
+    keeps (`RunEnded` with its outcome, or `RunPaused`), once, not a `failed`
+    end nor none."""
+
+    @le.tool(approval=True)
+    def send(to: str) -> str:
+        """Send the message."""
+        return "sent"
+
+    reply = Reply.text("done") if ends == "completed" else Reply.tool_calls(("send", {"to": "b"}))
+    seen: list[events.Event] = []
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        await le.CreditAccounts(ledger).grant("acme", 5_000)
+        engine, _ = engine_on(ledger, reply, accounts=UnsettlingAccounts(ledger),
+                              observers=[seen.append])
+        with pytest.raises(le.LedgerError, match="could not be settled"):
+            await engine.run(operation(credit_hold=1_000), "go", tools=[send],
+                             attribution=le.Attribution(tenant="acme"))
+        progress = await ledger.read_progress(seen[0].run_id)
+    assert progress is not None and progress.outcome == ends
+    last = seen[-1]
+    assert sum(isinstance(e, events.RunTotals) for e in seen) == 1
+    if ends == "paused":
+        assert isinstance(last, events.RunPaused)
+    else:
+        assert isinstance(last, events.RunEnded) and last.outcome == "completed"

@@ -14,6 +14,7 @@ import pytest
 
 import loopengine as le
 from loopengine import events
+from loopengine.persistence import MemoryLedger
 from loopengine.providers import FaultKind, ProviderFault, Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
@@ -257,3 +258,83 @@ def test_tool_call_event_has_the_reference_fields() -> None:
     names = {f.name for f in fields(events.ToolCallEvent)}
     assert {"run_id", "tool_name", "status", "latency_ms", "token_cost", "input_tokens",
             "output_tokens", "model_id", "provider", "spend_usd"} <= names
+
+
+@pytest.mark.parametrize("slow_on", [events.TurnStarted, events.AttemptStarted])
+def test_a_slow_observer_does_not_eat_into_the_attempt_s_timeout(
+        slow_on: type[events.Event]) -> None:
+    """An observer that takes 6 s on the attempt's announcement leaves the attempt
+    its whole 10 s: a reply 6 s after it was sent is not cut as a timeout and
+    retried (another request, billed). On trio's MockClock, whose time jumps
+    only when every task waits: no real time passes."""
+    import trio
+    import trio.testing
+
+    seen: list[events.Event] = []
+
+    async def slow(event: events.Event) -> None:
+        seen.append(event)
+        if type(event) is slow_on:
+            await anyio.sleep(6.0)
+
+    async def main() -> le.RunResult:
+        provider = ScriptedProvider([Reply.text("in time", delay=6.0), Reply.text("retried")])
+        engine = le.Engine(provider, prices=PRICES, observers=[slow])
+        operation = le.Operation(name="events.test", provider="anthropic", model=MODEL,
+                                 max_output_tokens=256, limits=le.Limits(attempt_timeout=10.0))
+        return await engine.run(operation, "go")
+
+    result = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert (result.outcome, result.answer) == (le.Outcome.COMPLETED, "in time")
+    assert [(e.outcome, e.fault) for e in seen if isinstance(e, events.AttemptSettled)] == [
+        ("ok", None)]
+
+
+async def test_a_slow_observer_s_time_is_not_a_tool_call_s_latency() -> None:
+    """An observer that takes 5 s on a call's ``started`` leaves its latency_ms
+    what the handler took (250 ms), as without it."""
+    clock = FakeClock()
+    seen: list[events.Event] = []
+
+    async def slow(event: events.Event) -> None:
+        seen.append(event)
+        if isinstance(event, events.ToolCallEvent) and event.status == "started":
+            await clock.sleep(5.0)
+
+    await make_engine(clock, [slow]).run(OPERATION, "go", tools=[lookup_tool(clock)])
+    calls = [e for e in seen if isinstance(e, events.ToolCallEvent)]
+    assert [(c.tool_name, c.status, c.latency_ms) for c in calls] == [
+        ("lookup", "started", 0), ("lookup", "succeeded", 250),
+        ("missing_tool", "started", 0), ("missing_tool", "failed", 0)]
+
+
+async def test_an_observer_s_system_exit_before_the_request_settles_the_announced_attempt(
+) -> None:
+    """An observer raising SystemExit on `AttemptStarted` stops the run (``failed``)
+    after the attempt's row was written and announced, before its request went
+    out: the attempt is settled ``aborted`` (nothing sent), in the ledger and to
+    observers, and counted, so that no row and no observer holds it open; the
+    turn it alone would have sent is not counted (R01)."""
+    clock = FakeClock()
+    seen: list[events.Event] = []
+
+    def exits(event: events.Event) -> None:
+        if isinstance(event, events.AttemptStarted):
+            raise SystemExit(3)
+
+    ledger = MemoryLedger()
+    provider = ScriptedProvider([Reply.text("never sent")], clock=clock)
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, clock=clock,
+                       observers=[seen.append, exits])
+    with pytest.raises(SystemExit):
+        await engine.run(OPERATION, "go")
+    assert provider.requests == []
+    (row,) = ledger.attempts.values()
+    assert (row["ordinal"], row["outcome"], row["aborted_reason"]) == (1, "aborted", "external")
+    assert [shape(e) for e in seen] == [
+        ("RunStarted",), ("TurnStarted", 1, "turn"), ("AttemptStarted", 1, 1, 1),
+        ("AttemptSettled", 1, "aborted", None), ("RunEnded", "failed")]
+    ended = seen[-1]
+    assert isinstance(ended, events.RunEnded) and (ended.attempts, ended.turns) == (1, 0)
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["outcome"], invocation["turns"]) == ("failed", 0)

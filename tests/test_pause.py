@@ -15,7 +15,7 @@ import pytest
 import loopengine as le
 from loopengine import events
 from loopengine._runstate import Progress
-from loopengine.persistence import MemoryLedger
+from loopengine.persistence import InvocationEnd, MemoryLedger
 from loopengine.providers import Reply
 from loopengine.testing import FakeClock
 
@@ -423,3 +423,34 @@ async def test_calls_run_on_resume_carry_the_accounting_of_the_turn_that_asked(
         assert call.token_cost == 150
         assert call.spend_usd == result.cost_usd > 0
         assert call.spend_usd * 10**9 == row["cost_nanousd"]
+
+
+class PauseRefusingLedger(MemoryLedger):
+    """A memory ledger that cannot write a run's pause (its ends it writes)."""
+
+    async def end_invocation(self, record: InvocationEnd) -> None:
+        if record.outcome == "paused":
+            raise le.LedgerError("cannot write the pause")
+        await super().end_invocation(record)
+
+
+async def test_a_pause_the_ledger_refuses_ends_the_run_failed_and_announces_it(
+        make_engine: EngineFactory) -> None:
+    """The run did not pause: the LedgerError reaches the caller, the ledger
+    records the run ``failed`` (it still can), and observers get `RunEnded`
+    (``failed``) last, no `RunPaused`, so that no observer holds the run open."""
+    seen: list[events.Event] = []
+    ledger = PauseRefusingLedger()
+    sender = Sender()
+    engine, _, _ = make_engine(Reply.tool_calls(send("bob")), ledger=ledger,
+                               observers=[seen.append])
+    with pytest.raises(le.LedgerError, match="cannot write the pause"):
+        await engine.run(operation(), "go", tools=[sender.tool])
+    assert sender.sent == []
+    (row,) = ledger.invocations.values()
+    assert row["outcome"] == "failed"
+    assert not any(isinstance(e, events.RunPaused) for e in seen)
+    ended = seen[-1]
+    assert isinstance(ended, events.RunEnded)
+    assert (ended.outcome, ended.turns, ended.attempts) == ("failed", 1, 1)
+    assert sum(isinstance(e, events.RunEnded) for e in seen) == 1

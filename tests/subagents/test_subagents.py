@@ -10,10 +10,12 @@ import anyio
 import pytest
 
 import loopengine as le
-from loopengine import audit
+from loopengine import audit, events
 from loopengine.persistence import MemoryLedger, SQLiteLedger
-from loopengine.testing import Reply
+from loopengine.providers import ScriptedProvider
+from loopengine.testing import FakeClock, Reply
 
+from ..conftest import PRICES, operation
 from .conftest import Route
 
 ACME = le.Attribution(tenant="acme", feature="research")
@@ -303,3 +305,32 @@ async def test_ctx_run_on_another_ledger_is_an_error_result_and_sends_nothing(
         in str(refused["content"])
     assert len(route.wire.requests) == 2 and other.invocations == {}
     assert [r["operation"] for r in ledger.invocations.values()] == ["parent.op"]
+
+
+async def test_a_child_started_when_the_parent_s_time_is_spent_ends_time_limit() -> None:
+    """An observer that outlasts the parent's deadline (its attempt's settle is
+    announced whatever the time) leaves no time for the batch: a delegating
+    tool's child then ends ``time_limit`` at once, sending nothing, instead of
+    being refused a total_time that is not positive (a ConfigError the model
+    would have been told of)."""
+    clock = FakeClock()
+    seen: list[events.Event] = []
+
+    async def slow(event: events.Event) -> None:
+        seen.append(event)
+        if isinstance(event, events.AttemptSettled) and len(seen) < 5:
+            await clock.sleep(100)  # past the parent's 60 s
+
+    ledger = MemoryLedger()
+    provider = ScriptedProvider([Reply.tool_calls(("helper", {"task": "try"})),
+                                 Reply.text("never sent")], clock=clock)
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, clock=clock, observers=[slow])
+    helper = le.agent_tool(engine, operation(), name="helper", description="Helps.")
+    result = await engine.run(operation(total_time=60.0), "go", tools=[helper])
+    assert result.outcome is le.Outcome.TIME_LIMIT
+    assert len(provider.requests) == 1
+    (child,) = [r for r in ledger.invocations.values()
+                if r["parent_invocation_id"] == result.invocation_id]
+    assert child["outcome"] == "time_limit"
+    (ended,) = [e for e in seen if isinstance(e, events.ToolCallEvent) and e.status != "started"]
+    assert (ended.status, ended.error) == ("failed", "handler raised DelegationStopped")
