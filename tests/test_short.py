@@ -242,3 +242,30 @@ def test_whitespace_around_the_model_id_is_refused(model: str) -> None:
     assert repr(model_id.strip()) in caught.value.message
     with pytest.raises(le.ConfigError, match="whitespace"):
         le.Operation(name="n", provider="anthropic", model=model_id)
+
+
+def test_a_missing_extra_names_the_provider_the_model_string_builds() -> None:
+    """Without the ``openai`` (or ``google-genai``) SDK, ``Engine.from_model`` names
+    the provider its route builds and the extra to install:
+    ``"openai-responses:gpt-5"`` said ``OpenAIProvider``, a class the reader did not
+    ask for. Run in a child interpreter where the SDKs cannot be imported."""
+    script = (
+        "import sys\n"
+        "for name in ('openai', 'google.genai'):\n"
+        "    sys.modules[name] = None  # 'import name' now fails, as when not installed\n"
+        "import loopengine as le\n"
+        "for model in ('openai:gpt-4o', 'openai-responses:gpt-5', 'gemini:gemini-2.5-flash'):\n"
+        "    try:\n"
+        "        le.Engine.from_model(model)\n"
+        "    except ImportError as error:\n"
+        "        print(error)\n")
+    env = {**os.environ, "OPENAI_API_KEY": "k", "GEMINI_API_KEY": "k"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True, env=env)
+    assert done.stdout.splitlines() == [
+        "OpenAIProvider needs the openai SDK, which is not installed: "
+        "pip install 'loopengine-core[openai]'",
+        "OpenAIResponsesProvider needs the openai SDK, which is not installed: "
+        "pip install 'loopengine-core[openai]'",
+        "GeminiProvider needs the google-genai SDK, which is not installed: "
+        "pip install 'loopengine-core[gemini]'"]
