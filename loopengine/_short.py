@@ -108,7 +108,7 @@ def provider_for_vendor(vendor: str, **options: Any) -> Provider:
         named = " or ".join(names)
         # Engine.from_model takes Engine's keywords, not the provider's: a key
         # in code goes to the provider, which is then given to Engine.
-        raise ConfigError("model", f"{named} is not set: export it to reach {vendor}'s API, "
+        raise ConfigError("model", f"{named} is not set: export it, "
                                    f"or build the provider with its key "
                                    f"({_PROVIDER_CLASSES[vendor]}(api_key=...)) and give it "
                                    "to Engine")

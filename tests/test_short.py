@@ -222,6 +222,8 @@ def test_a_missing_key_says_what_works_instead(
     with pytest.raises(le.ConfigError) as caught:
         le.Engine.from_model(model)
     assert f"{provider}(api_key=...)" in caught.value.message
+    # A route is not a vendor's name: the message said "to reach openai-responses's API".
+    assert f"{model.partition(':')[0]}'s" not in caught.value.message
     assert "pass api_key" not in caught.value.message
     built = getattr(le.providers, provider)(api_key="k", **(
         {"route": "openai-responses"} if provider == "OpenAIResponsesProvider" else {}))
