@@ -50,6 +50,14 @@ _PROVIDER_CLASSES: dict[str, str] = {
 """The provider class each route of a model string is served by (in
 ``loopengine.providers``), for messages."""
 
+_BUILT_IN_CODE: dict[str, str] = {
+    "aws-bedrock": "AnthropicProvider.bedrock(...)",
+    "google-vertex": "AnthropicProvider.vertex(...)",
+    "gemini-vertex": "GeminiProvider(vertexai=True, ...)",
+    "azure": "OpenAIProvider(azure_endpoint=..., api_version=...)"}
+"""The routes the library's providers serve that a model string does not build
+(their settings are more than a key), and how each provider is built."""
+
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 """The ``max_output_tokens`` of an operation built from a model string: room for
 an answer after tool turns, well under every current model's ceiling."""
@@ -71,8 +79,8 @@ def parse_model(model: object) -> tuple[str, str]:
                                    f"'anthropic:claude-sonnet-4-5'), got {_validate.shown(model)}")
     vendor, _, name = model.partition(":")
     if vendor not in VENDORS:
-        raise ConfigError("model", f"{vendor!r} is not a vendor this library speaks to; "
-                                   f"use one of {', '.join(map(repr, VENDORS))}")
+        raise ConfigError("model", f"{_not_built(vendor)}; a model string names one of "
+                                   f"{', '.join(map(repr, VENDORS))}")
     if not name.strip():
         raise ConfigError("model", f"{_validate.shown(model)} names no model after the vendor")
     return vendor, name
@@ -86,6 +94,14 @@ def operation_from_model(model: str, **fields: Any) -> Operation:
     values: dict[str, Any] = {"name": model, "provider": vendor, "model": name,
                               "max_output_tokens": DEFAULT_MAX_OUTPUT_TOKENS}
     return Operation(**{**values, **fields})
+
+
+def _not_built(route: str) -> str:
+    """Why a model string (or `Engine.from_model`) builds no provider for ``route``."""
+    if route in _BUILT_IN_CODE:
+        return (f"{route!r} is served by {_BUILT_IN_CODE[route]}, which a model string "
+                "does not build: build it and give it to Engine (docs/providers.md)")
+    return f"{route!r} is not a vendor this library speaks to"
 
 
 def key_variables(vendor: str) -> tuple[str, ...]:
@@ -102,7 +118,7 @@ def provider_for_vendor(vendor: str, **options: Any) -> Provider:
             ``api_key`` was given), or its extra is not installed.
     """
     if vendor not in VENDORS:
-        raise ConfigError("model", f"{vendor!r} is not a vendor this library speaks to")
+        raise ConfigError("model", _not_built(vendor))
     names = key_variables(vendor)
     if not options.get("api_key") and not any(os.environ.get(name) for name in names):
         named = " or ".join(names)

@@ -271,3 +271,26 @@ def test_a_missing_extra_names_the_provider_the_model_string_builds() -> None:
         "pip install 'loopengine-core[openai]'",
         "GeminiProvider needs the google-genai SDK, which is not installed: "
         "pip install 'loopengine-core[gemini]'"]
+
+
+@pytest.mark.parametrize(("route", "built_by"), [
+    ("aws-bedrock", "AnthropicProvider.bedrock(...)"),
+    ("google-vertex", "AnthropicProvider.vertex(...)"),
+    ("gemini-vertex", "GeminiProvider(vertexai=True, ...)"),
+    ("azure", "OpenAIProvider(azure_endpoint=..., api_version=...)"),
+])
+def test_a_route_a_model_string_does_not_build_names_its_provider(
+    route: str, built_by: str
+) -> None:
+    """``Engine.from_model`` of an operation on Claude's Bedrock route (as
+    docs/providers.md publishes it) said "'aws-bedrock' is not a vendor this library
+    speaks to", which it is; the message names the provider that serves the route,
+    for the operation and for a model string alike."""
+    operation = le.Operation(name="help.answer", provider=route, model="m",
+                             max_output_tokens=64)
+    for model in (operation, f"{route}:m"):
+        with pytest.raises(le.ConfigError) as caught:
+            le.Engine.from_model(model)
+        assert caught.value.field == "model"
+        assert f"{route!r} is served by {built_by}" in caught.value.message
+        assert "not a vendor" not in caught.value.message
