@@ -115,7 +115,8 @@ def provider_for_vendor(vendor: str, **options: Any) -> Provider:
 
     Raises:
         ConfigError: the vendor's API key variable is not set (and no
-            ``api_key`` was given), or its extra is not installed.
+            ``api_key`` was given).
+        ImportError: the vendor's SDK is not installed (the message names its extra).
     """
     if vendor not in VENDORS:
         raise ConfigError("model", _not_built(vendor))
