@@ -865,7 +865,10 @@ class Engine:
             **engine_options: `Engine`'s keywords (``ledger=``, ``prices=``, ...).
 
         Raises:
-            ConfigError: an unknown vendor, or its API key variable is not set.
+            ConfigError: an unknown vendor (or a route a model string does not
+                build), or its API key variable is not set.
+            ImportError: the vendor's SDK is not installed (the message names the
+                extra to install).
         """
         return engine_from_model(cls, model, **engine_options)
 

@@ -50,6 +50,14 @@ _PROVIDER_CLASSES: dict[str, str] = {
 """The provider class each route of a model string is served by (in
 ``loopengine.providers``), for messages."""
 
+_BUILT_IN_CODE: dict[str, str] = {
+    "aws-bedrock": "AnthropicProvider.bedrock(...)",
+    "google-vertex": "AnthropicProvider.vertex(...)",
+    "gemini-vertex": "GeminiProvider(vertexai=True, ...)",
+    "azure": "OpenAIProvider(azure_endpoint=..., api_version=...)"}
+"""The routes the library's providers serve that a model string does not build
+(their settings are more than a key), and how each provider is built."""
+
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 """The ``max_output_tokens`` of an operation built from a model string: room for
 an answer after tool turns, well under every current model's ceiling."""
@@ -71,8 +79,8 @@ def parse_model(model: object) -> tuple[str, str]:
                                    f"'anthropic:claude-sonnet-4-5'), got {_validate.shown(model)}")
     vendor, _, name = model.partition(":")
     if vendor not in VENDORS:
-        raise ConfigError("model", f"{vendor!r} is not a vendor this library speaks to; "
-                                   f"use one of {', '.join(map(repr, VENDORS))}")
+        raise ConfigError("model", f"{_not_built(vendor)}; a model string names one of "
+                                   f"{', '.join(map(repr, VENDORS))}")
     if not name.strip():
         raise ConfigError("model", f"{_validate.shown(model)} names no model after the vendor")
     return vendor, name
@@ -88,6 +96,14 @@ def operation_from_model(model: str, **fields: Any) -> Operation:
     return Operation(**{**values, **fields})
 
 
+def _not_built(route: str) -> str:
+    """Why a model string (or `Engine.from_model`) builds no provider for ``route``."""
+    if route in _BUILT_IN_CODE:
+        return (f"{route!r} is served by {_BUILT_IN_CODE[route]}, which a model string "
+                "does not build: build it and give it to Engine (docs/providers.md)")
+    return f"{route!r} is not a vendor this library speaks to"
+
+
 def key_variables(vendor: str) -> tuple[str, ...]:
     """The environment variables any one of which gives ``vendor``'s SDK its
     credential (the route's key variable first)."""
@@ -99,16 +115,17 @@ def provider_for_vendor(vendor: str, **options: Any) -> Provider:
 
     Raises:
         ConfigError: the vendor's API key variable is not set (and no
-            ``api_key`` was given), or its extra is not installed.
+            ``api_key`` was given).
+        ImportError: the vendor's SDK is not installed (the message names its extra).
     """
     if vendor not in VENDORS:
-        raise ConfigError("model", f"{vendor!r} is not a vendor this library speaks to")
+        raise ConfigError("model", _not_built(vendor))
     names = key_variables(vendor)
     if not options.get("api_key") and not any(os.environ.get(name) for name in names):
         named = " or ".join(names)
         # Engine.from_model takes Engine's keywords, not the provider's: a key
         # in code goes to the provider, which is then given to Engine.
-        raise ConfigError("model", f"{named} is not set: export it to reach {vendor}'s API, "
+        raise ConfigError("model", f"{named} is not set: export it, "
                                    f"or build the provider with its key "
                                    f"({_PROVIDER_CLASSES[vendor]}(api_key=...)) and give it "
                                    "to Engine")

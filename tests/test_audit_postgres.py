@@ -77,6 +77,9 @@ def test_a_bad_postgresql_url_is_one_line_and_exit_2(postgres_server: PostgresSe
     unreachable = audit("spend", "--db", "postgresql://me:s3cret@127.0.0.1:1/nothing")
     assert unreachable.exit_code == 2
     assert "cannot connect" in unreachable.output and "s3cret" not in unreachable.output
+    # libpq's two lines ("Connection refused", a tab, "Is the server running...")
+    # read as words, not as the escapes \x0a\x09 of the one-line error.
+    assert "\\x0a" not in unreachable.output and "\\x09" not in unreachable.output
     empty = postgres_server.create_database().rsplit("dbname=", 1)[1]
     no_ledger = audit("reconcile", "--db", url_of(postgres_server, empty))
     assert no_ledger.exit_code == 2 and "holds no loopengine ledger" in no_ledger.output

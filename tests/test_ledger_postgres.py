@@ -223,6 +223,9 @@ def test_constructing_does_no_io_and_a_bad_server_is_a_ledger_error(tmp_path: Pa
         with pytest.raises(le.LedgerError, match="cannot connect") as caught:
             await ledger.open()
         assert "s3cret" not in str(caught.value) and str(tmp_path) in str(caught.value)
+        # libpq's message is two lines ("... failed: No such file or directory", a
+        # tab, "Is the server running locally..."): the error reads as one.
+        assert "\n" not in str(caught.value) and "\t" not in str(caught.value)
 
     anyio.run(main)
     ledger.close()

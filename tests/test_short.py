@@ -222,6 +222,8 @@ def test_a_missing_key_says_what_works_instead(
     with pytest.raises(le.ConfigError) as caught:
         le.Engine.from_model(model)
     assert f"{provider}(api_key=...)" in caught.value.message
+    # A route is not a vendor's name: the message said "to reach openai-responses's API".
+    assert f"{model.partition(':')[0]}'s" not in caught.value.message
     assert "pass api_key" not in caught.value.message
     built = getattr(le.providers, provider)(api_key="k", **(
         {"route": "openai-responses"} if provider == "OpenAIResponsesProvider" else {}))
@@ -242,3 +244,53 @@ def test_whitespace_around_the_model_id_is_refused(model: str) -> None:
     assert repr(model_id.strip()) in caught.value.message
     with pytest.raises(le.ConfigError, match="whitespace"):
         le.Operation(name="n", provider="anthropic", model=model_id)
+
+
+def test_a_missing_extra_names_the_provider_the_model_string_builds() -> None:
+    """Without the ``openai`` (or ``google-genai``) SDK, ``Engine.from_model`` names
+    the provider its route builds and the extra to install:
+    ``"openai-responses:gpt-5"`` said ``OpenAIProvider``, a class the reader did not
+    ask for. Run in a child interpreter where the SDKs cannot be imported."""
+    script = (
+        "import sys\n"
+        "for name in ('openai', 'google.genai'):\n"
+        "    sys.modules[name] = None  # 'import name' now fails, as when not installed\n"
+        "import loopengine as le\n"
+        "for model in ('openai:gpt-4o', 'openai-responses:gpt-5', 'gemini:gemini-2.5-flash'):\n"
+        "    try:\n"
+        "        le.Engine.from_model(model)\n"
+        "    except ImportError as error:\n"
+        "        print(error)\n")
+    env = {**os.environ, "OPENAI_API_KEY": "k", "GEMINI_API_KEY": "k"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True, env=env)
+    assert done.stdout.splitlines() == [
+        "OpenAIProvider needs the openai SDK, which is not installed: "
+        "pip install 'loopengine-core[openai]'",
+        "OpenAIResponsesProvider needs the openai SDK, which is not installed: "
+        "pip install 'loopengine-core[openai]'",
+        "GeminiProvider needs the google-genai SDK, which is not installed: "
+        "pip install 'loopengine-core[gemini]'"]
+
+
+@pytest.mark.parametrize(("route", "built_by"), [
+    ("aws-bedrock", "AnthropicProvider.bedrock(...)"),
+    ("google-vertex", "AnthropicProvider.vertex(...)"),
+    ("gemini-vertex", "GeminiProvider(vertexai=True, ...)"),
+    ("azure", "OpenAIProvider(azure_endpoint=..., api_version=...)"),
+])
+def test_a_route_a_model_string_does_not_build_names_its_provider(
+    route: str, built_by: str
+) -> None:
+    """``Engine.from_model`` of an operation on Claude's Bedrock route (as
+    docs/providers.md publishes it) said "'aws-bedrock' is not a vendor this library
+    speaks to", which it is; the message names the provider that serves the route,
+    for the operation and for a model string alike."""
+    operation = le.Operation(name="help.answer", provider=route, model="m",
+                             max_output_tokens=64)
+    for model in (operation, f"{route}:m"):
+        with pytest.raises(le.ConfigError) as caught:
+            le.Engine.from_model(model)
+        assert caught.value.field == "model"
+        assert f"{route!r} is served by {built_by}" in caught.value.message
+        assert "not a vendor" not in caught.value.message

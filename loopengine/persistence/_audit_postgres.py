@@ -113,18 +113,17 @@ class PostgresReader:
         except ImportError:
             raise LedgerError("auditing a PostgreSQL ledger needs psycopg 3: "
                               "pip install 'loopengine-core[postgres]'") from None
-        from loopengine.persistence._postgres import _describe_server
+        from loopengine.persistence._postgres import _describe_server, server_words
 
         try:
             name = _describe_server(psycopg.conninfo.conninfo_to_dict(dsn), schema)
         except psycopg.ProgrammingError as error:
-            # libpq's message ends with a newline, which the one-line error must not
             raise LedgerError("--db is not a PostgreSQL connection URL: "
-                              f"{str(error).strip()}") from None
+                              f"{server_words(error)}") from None
         try:
             pg = psycopg.connect(dsn, connect_timeout=10, application_name="loopengine-audit")
         except psycopg.Error as error:
-            raise LedgerError(f"{name}: cannot connect: {error}") from None
+            raise LedgerError(f"{name}: cannot connect: {server_words(error)}") from None
         reader = cls(pg, name)
         try:
             if schema is not None:
@@ -175,7 +174,10 @@ class PostgresReader:
             cursor = self._pg.cursor(row_factory=_row_factory)
             return cursor.execute(percent_s(query), tuple(parameters))
         except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
-            raise LedgerError(f"{self.name}: cannot read the ledger: {error}") from None
+            from loopengine.persistence._postgres import server_words
+
+            raise LedgerError(f"{self.name}: cannot read the ledger: "
+                              f"{server_words(error)}") from None
 
     def has_table(self, name: str) -> bool:
         """Whether ``name`` is a table on the snapshot's search path."""

@@ -35,7 +35,7 @@ from loopengine.persistence._threaded import Call, ThreadedLedger, Writer
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["APPLICATION_NAME", "PostgresLedger"]
+__all__ = ["APPLICATION_NAME", "PostgresLedger", "server_words"]
 
 APPLICATION_NAME: Final = "loopengine-ledger"
 """The ``application_name`` of the ledger's connections (seen in ``pg_stat_activity``)."""
@@ -182,11 +182,12 @@ class PostgresLedger(ThreadedLedger):
             try:
                 conn = self._connect()
             except psycopg.Error as error:
-                raise LedgerError(f"{self.name}: cannot connect: {error}") from error
+                raise LedgerError(f"{self.name}: cannot connect: {server_words(error)}") from error
             try:
                 _postgres_schema.migrate(conn, schema=self.schema, name=self.name)
             except psycopg.Error as error:
-                raise LedgerError(f"{self.name}: cannot open the ledger: {error}") from error
+                raise LedgerError(f"{self.name}: cannot open the ledger: "
+                                  f"{server_words(error)}") from error
             finally:
                 conn.close()
             self._pid = os.getpid()  # a ledger made before a fork opens in the child
@@ -199,7 +200,7 @@ class PostgresLedger(ThreadedLedger):
         try:
             writer.begin()
         except psycopg.Error as error:
-            raise LedgerError(f"{self.name}: cannot connect: {error}") from error
+            raise LedgerError(f"{self.name}: cannot connect: {server_words(error)}") from error
         return writer
 
     def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
@@ -481,6 +482,14 @@ def _statement(kind: str) -> str:
                        for n, c in enumerate(_planner.ROW_COLUMNS[kind]))
     return _planner.many_rows(
         kind, f"(SELECT {values} FROM jsonb_array_elements(%s::jsonb) AS e) AS v", "GREATEST")
+
+
+def server_words(error: BaseException) -> str:
+    """What the server (or libpq) said, on one line: libpq breaks a message over
+    lines (``Connection refused`` then a tab and ``Is the server running...``),
+    which a one-line error (and the CLI, which escapes them) would show as
+    ``\\x0a\\x09``."""
+    return " ".join(str(error).split())
 
 
 def _describe_server(params: dict[str, Any], schema: str | None) -> str:

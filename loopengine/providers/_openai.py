@@ -85,7 +85,7 @@ def openai_clients(
         ConfigError: what `provider_clients` refuses, or client settings the
             SDK refuses (missing credentials, contradictory Azure settings).
     """
-    sdk = import_openai()
+    sdk = import_openai(owner)
     azure = bool(_AZURE_KEYWORDS & client_kwargs.keys())
     try:
         clients: ClientPerLoop[Any] | BoundClient[Any] = provider_clients(

@@ -96,9 +96,11 @@ _REQUEST_CODE_PREFIXES = ("invalid_image", "invalid_base64_image", "image_", "em
                           "failed_to_download_image", "unsupported_image")
 
 
-def import_openai() -> Any:
-    """The ``openai`` module, imported on first use (`import_sdk`)."""
-    return import_sdk("openai", "openai", provider="OpenAIProvider", extra="openai")
+def import_openai(provider: str = "OpenAIProvider") -> Any:
+    """The ``openai`` module, imported on first use (`import_sdk`); ``provider``
+    is the class being built (``OpenAIResponsesProvider`` too), which a missing
+    extra's message names."""
+    return import_sdk("openai", "openai", provider=provider, extra="openai")
 
 
 @functools.cache
