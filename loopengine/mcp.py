@@ -15,7 +15,8 @@ What a call's result becomes (docs/tools.md):
   result's text, so the model gets an ``is_error`` result (through the
   engine's ``tool_error_text`` hook, as any handler's error);
 * a result the SDK refuses (structured content that its tool's output
-  schema does not match) -> `MCPToolError`: the call was answered;
+  schema does not match, or a result that is not a valid MCP tool result)
+  -> `MCPToolError`: the call was answered;
 * text -> text blocks; PNG, JPEG, GIF and WebP images -> image blocks; an
   embedded PDF -> a document block (data that is not base64 -> a note);
   structured content -> its JSON as a text block when the result has no
@@ -50,6 +51,7 @@ from typing import Any, Self, TypeAlias, TypedDict, Unpack
 
 import anyio
 import anyio.abc
+import pydantic
 
 from loopengine import _validate
 from loopengine._clock import Clock, SystemClock
@@ -737,6 +739,16 @@ class MCPServer(ToolSource):
             # schema: the call ran once and was answered, the session is sound.
             kept = True
             raise MCPToolError(f"{name}: its result was refused: {error}") from error
+        except pydantic.ValidationError as error:
+            # An answer the protocol's types refuse (content missing its text...):
+            # the call ran once and was answered, on a sound session; it is a
+            # failed call, not one whose result is not known.
+            kept = True
+            first = error.errors()[0] if error.error_count() else None
+            where = "" if first is None else \
+                f" ({'.'.join(str(part) for part in first['loc'])}: {first['msg']})"
+            raise MCPToolError(f"{name}: its result was refused: it is not a valid MCP "
+                               f"tool result{where}") from error
         except Exception as error:
             raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
                                  "the result is not known", result_unknown=True) from error

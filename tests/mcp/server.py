@@ -6,7 +6,10 @@ the port it listens on, 127.0.0.1, then serves ``/mcp``) or ``python
 server.py exit`` (a server that exits before it answers anything) or ``python
 server.py mute`` (one that reads its input but never answers) or ``python
 server.py odd`` (stdio, on the SDK's low-level server class: results the
-high-level one would refuse).
+high-level one would refuse) or ``python server.py garbled`` (stdio, JSON-RPC
+lines written by hand, handshake era: its ``garbled`` tool answers with a
+result no SDK server would send, text content without its text; ``pid``
+answers soundly).
 """
 
 from __future__ import annotations
@@ -247,6 +250,35 @@ if __name__ == "__main__":
                 await odd.run(read, write, odd.create_initialization_options())
 
         anyio.run(serve_odd)
+    elif mode == "garbled":
+        # The SDK's servers check their own results, so this one writes the wire
+        # format itself; the SDK's client falls back to the handshake era when
+        # its discovery request gets an error.
+        import json
+
+        def answer(ident: object, result: object) -> None:
+            print(json.dumps({"jsonrpc": "2.0", "id": ident, "result": result}), flush=True)
+
+        for line in sys.stdin:
+            request = json.loads(line)
+            ident, method = request.get("id"), request.get("method")
+            if ident is None:
+                continue
+            if method == "initialize":
+                answer(ident, {"protocolVersion": request["params"]["protocolVersion"],
+                               "capabilities": {"tools": {}},
+                               "serverInfo": {"name": "loopengine-garbled", "version": "1"}})
+            elif method == "tools/list":
+                answer(ident, {"tools": [
+                    {"name": name, "description": f"The {name} tool.",
+                     "inputSchema": {"type": "object"}} for name in ("garbled", "pid")]})
+            elif method == "tools/call" and request["params"]["name"] == "garbled":
+                answer(ident, {"content": [{"type": "text"}]})
+            elif method == "tools/call":
+                answer(ident, {"content": [{"type": "text", "text": str(os.getpid())}]})
+            else:
+                print(json.dumps({"jsonrpc": "2.0", "id": ident, "error": {
+                    "code": mcp_types.METHOD_NOT_FOUND, "message": method}}), flush=True)
     elif mode == "mute":
         # Started, reads every request, never answers; gone once its input closes
         # (the SDK's shutdown then waits on nothing).
