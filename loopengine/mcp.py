@@ -22,7 +22,8 @@ What a call's result becomes (docs/tools.md):
   structured content -> its JSON as a text block when the result has no
   other content (the protocol has a server mirror it as text otherwise);
   audio, other binary data and resource links -> a text block describing them;
-* a dead server, a closed connection or a protocol failure -> the handler
+* a dead server, a closed connection, an HTTP answer without a JSON-RPC one
+  (a gateway's 504) or a protocol failure -> the handler
   raises `MCPServerError` (an ``is_error`` result for that call), and the
   next call opens a new session, once; a call the engine cancels (its tool's
   timeout, the run's deadline, a cancelled run) leaves the session suspect of
@@ -82,6 +83,15 @@ process start is slower than a call (``connect_timeout=``)."""
 
 _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
 """JSON-RPC error codes that blame the request, not the session it came on."""
+
+_UNANSWERED = frozenset({
+    (mcp_types.INTERNAL_ERROR, "Server returned an error response"),
+    (mcp_types.INVALID_REQUEST, "server answered a request with 202 Accepted"),
+})
+"""The errors the SDK's streamable HTTP transport makes up itself when the HTTP
+answer to a request carried no JSON-RPC answer (an error status with another
+body, as a gateway that stopped waiting sends; a 202): the server may have run
+the call, so its result is not known."""
 
 _RELISTEN_WAIT = 30.0
 """The longest wait, in seconds, before opening again a stream announcing a
@@ -730,6 +740,10 @@ class MCPServer(ToolSource):
             if error.code == mcp_types.CONNECTION_CLOSED:
                 raise MCPServerError("the MCP server closed the connection during the call; "
                                      "the result is not known", result_unknown=True) from error
+            if (error.code, error.message) in _UNANSWERED and error.data is None:
+                raise MCPServerError(f"the MCP server's HTTP answer held no result "
+                                     f"({error.message}); the result is not known",
+                                     result_unknown=True) from error
             # An error about the request itself leaves the session sound; any
             # other (an internal error, a terminated session) may not have.
             kept = error.code in _REQUEST_ERRORS

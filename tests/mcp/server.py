@@ -210,6 +210,64 @@ if os.path.exists(os.environ.get("LOOPENGINE_TEST_MARKER", "\0")):
     server.add_tool(_added("reborn"), name="reborn", description="Only in a later process.")
 
 
+gateway_calls = 0
+"""Calls of ``behind_gateway`` this process ran."""
+
+
+@server.tool()
+def behind_gateway() -> str:
+    """Run, behind a gateway that answers the client 504 (`_gateway`)."""
+    global gateway_calls
+    gateway_calls += 1
+    return "ran"
+
+
+@server.tool()
+def gateway_count() -> int:
+    """How many calls of ``behind_gateway`` this process ran."""
+    return gateway_calls
+
+
+def _gateway(app: Any) -> Any:
+    """``app`` behind a gateway that, for a ``tools/call`` of ``behind_gateway``, lets
+    the server run it but answers the client 504 Gateway Timeout in plain text, as
+    a gateway that stopped waiting does; every other request passes through."""
+
+    async def gateway(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        if b'"behind_gateway"' not in body:
+            await app(scope, replay, send)
+            return
+
+        async def dropped(message: Any) -> None:
+            pass
+
+        await app(scope, replay, dropped)
+        await send({"type": "http.response.start", "status": 504,
+                    "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"gateway timeout"})
+
+    return gateway
+
+
 def serve_http(port: int) -> None:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # A restarted server takes the port back at once (tests/mcp's reconnection).
@@ -217,7 +275,7 @@ def serve_http(port: int) -> None:
     listener.bind(("127.0.0.1", port))
     listener.listen(512)
     print(listener.getsockname()[1], flush=True)
-    config = uvicorn.Config(server.streamable_http_app(), log_level="warning")
+    config = uvicorn.Config(_gateway(server.streamable_http_app()), log_level="warning")
     anyio.run(lambda: uvicorn.Server(config).serve(sockets=[listener]))
 
 
