@@ -15,13 +15,15 @@ What a call's result becomes (docs/tools.md):
   result's text, so the model gets an ``is_error`` result (through the
   engine's ``tool_error_text`` hook, as any handler's error);
 * a result the SDK refuses (structured content that its tool's output
-  schema does not match) -> `MCPToolError`: the call was answered;
+  schema does not match, or a result that is not a valid MCP tool result)
+  -> `MCPToolError`: the call was answered;
 * text -> text blocks; PNG, JPEG, GIF and WebP images -> image blocks; an
   embedded PDF -> a document block (data that is not base64 -> a note);
   structured content -> its JSON as a text block when the result has no
   other content (the protocol has a server mirror it as text otherwise);
   audio, other binary data and resource links -> a text block describing them;
-* a dead server, a closed connection or a protocol failure -> the handler
+* a dead server, a closed connection, an HTTP answer without a JSON-RPC one
+  (a gateway's 504) or a protocol failure -> the handler
   raises `MCPServerError` (an ``is_error`` result for that call), and the
   next call opens a new session, once; a call the engine cancels (its tool's
   timeout, the run's deadline, a cancelled run) leaves the session suspect of
@@ -50,6 +52,7 @@ from typing import Any, Self, TypeAlias, TypedDict, Unpack
 
 import anyio
 import anyio.abc
+import pydantic
 
 from loopengine import _validate
 from loopengine._clock import Clock, SystemClock
@@ -80,6 +83,15 @@ process start is slower than a call (``connect_timeout=``)."""
 
 _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
 """JSON-RPC error codes that blame the request, not the session it came on."""
+
+_UNANSWERED = frozenset({
+    (mcp_types.INTERNAL_ERROR, "Server returned an error response"),
+    (mcp_types.INVALID_REQUEST, "server answered a request with 202 Accepted"),
+})
+"""The errors the SDK's streamable HTTP transport makes up itself when the HTTP
+answer to a request carried no JSON-RPC answer (an error status with another
+body, as a gateway that stopped waiting sends; a 202): the server may have run
+the call, so its result is not known."""
 
 _RELISTEN_WAIT = 30.0
 """The longest wait, in seconds, before opening again a stream announcing a
@@ -728,6 +740,10 @@ class MCPServer(ToolSource):
             if error.code == mcp_types.CONNECTION_CLOSED:
                 raise MCPServerError("the MCP server closed the connection during the call; "
                                      "the result is not known", result_unknown=True) from error
+            if (error.code, error.message) in _UNANSWERED and error.data is None:
+                raise MCPServerError(f"the MCP server's HTTP answer held no result "
+                                     f"({error.message}); the result is not known",
+                                     result_unknown=True) from error
             # An error about the request itself leaves the session sound; any
             # other (an internal error, a terminated session) may not have.
             kept = error.code in _REQUEST_ERRORS
@@ -737,6 +753,16 @@ class MCPServer(ToolSource):
             # schema: the call ran once and was answered, the session is sound.
             kept = True
             raise MCPToolError(f"{name}: its result was refused: {error}") from error
+        except pydantic.ValidationError as error:
+            # An answer the protocol's types refuse (content missing its text...):
+            # the call ran once and was answered, on a sound session; it is a
+            # failed call, not one whose result is not known.
+            kept = True
+            first = error.errors()[0] if error.error_count() else None
+            where = "" if first is None else \
+                f" ({'.'.join(str(part) for part in first['loc'])}: {first['msg']})"
+            raise MCPToolError(f"{name}: its result was refused: it is not a valid MCP "
+                               f"tool result{where}") from error
         except Exception as error:
             raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
                                  "the result is not known", result_unknown=True) from error

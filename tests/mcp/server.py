@@ -6,7 +6,10 @@ the port it listens on, 127.0.0.1, then serves ``/mcp``) or ``python
 server.py exit`` (a server that exits before it answers anything) or ``python
 server.py mute`` (one that reads its input but never answers) or ``python
 server.py odd`` (stdio, on the SDK's low-level server class: results the
-high-level one would refuse).
+high-level one would refuse) or ``python server.py garbled`` (stdio, JSON-RPC
+lines written by hand, handshake era: its ``garbled`` tool answers with a
+result no SDK server would send, text content without its text; ``pid``
+answers soundly).
 """
 
 from __future__ import annotations
@@ -207,6 +210,64 @@ if os.path.exists(os.environ.get("LOOPENGINE_TEST_MARKER", "\0")):
     server.add_tool(_added("reborn"), name="reborn", description="Only in a later process.")
 
 
+gateway_calls = 0
+"""Calls of ``behind_gateway`` this process ran."""
+
+
+@server.tool()
+def behind_gateway() -> str:
+    """Run, behind a gateway that answers the client 504 (`_gateway`)."""
+    global gateway_calls
+    gateway_calls += 1
+    return "ran"
+
+
+@server.tool()
+def gateway_count() -> int:
+    """How many calls of ``behind_gateway`` this process ran."""
+    return gateway_calls
+
+
+def _gateway(app: Any) -> Any:
+    """``app`` behind a gateway that, for a ``tools/call`` of ``behind_gateway``, lets
+    the server run it but answers the client 504 Gateway Timeout in plain text, as
+    a gateway that stopped waiting does; every other request passes through."""
+
+    async def gateway(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        if b'"behind_gateway"' not in body:
+            await app(scope, replay, send)
+            return
+
+        async def dropped(message: Any) -> None:
+            pass
+
+        await app(scope, replay, dropped)
+        await send({"type": "http.response.start", "status": 504,
+                    "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"gateway timeout"})
+
+    return gateway
+
+
 def serve_http(port: int) -> None:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # A restarted server takes the port back at once (tests/mcp's reconnection).
@@ -214,7 +275,7 @@ def serve_http(port: int) -> None:
     listener.bind(("127.0.0.1", port))
     listener.listen(512)
     print(listener.getsockname()[1], flush=True)
-    config = uvicorn.Config(server.streamable_http_app(), log_level="warning")
+    config = uvicorn.Config(_gateway(server.streamable_http_app()), log_level="warning")
     anyio.run(lambda: uvicorn.Server(config).serve(sockets=[listener]))
 
 
@@ -247,6 +308,35 @@ if __name__ == "__main__":
                 await odd.run(read, write, odd.create_initialization_options())
 
         anyio.run(serve_odd)
+    elif mode == "garbled":
+        # The SDK's servers check their own results, so this one writes the wire
+        # format itself; the SDK's client falls back to the handshake era when
+        # its discovery request gets an error.
+        import json
+
+        def answer(ident: object, result: object) -> None:
+            print(json.dumps({"jsonrpc": "2.0", "id": ident, "result": result}), flush=True)
+
+        for line in sys.stdin:
+            request = json.loads(line)
+            ident, method = request.get("id"), request.get("method")
+            if ident is None:
+                continue
+            if method == "initialize":
+                answer(ident, {"protocolVersion": request["params"]["protocolVersion"],
+                               "capabilities": {"tools": {}},
+                               "serverInfo": {"name": "loopengine-garbled", "version": "1"}})
+            elif method == "tools/list":
+                answer(ident, {"tools": [
+                    {"name": name, "description": f"The {name} tool.",
+                     "inputSchema": {"type": "object"}} for name in ("garbled", "pid")]})
+            elif method == "tools/call" and request["params"]["name"] == "garbled":
+                answer(ident, {"content": [{"type": "text"}]})
+            elif method == "tools/call":
+                answer(ident, {"content": [{"type": "text", "text": str(os.getpid())}]})
+            else:
+                print(json.dumps({"jsonrpc": "2.0", "id": ident, "error": {
+                    "code": mcp_types.METHOD_NOT_FOUND, "message": method}}), flush=True)
     elif mode == "mute":
         # Started, reads every request, never answers; gone once its input closes
         # (the SDK's shutdown then waits on nothing).

@@ -20,7 +20,7 @@ from loopengine.testing import Reply
 
 from ..adapter.conftest import Harness, tool_results
 from ..conftest import operation
-from .conftest import SCRIPT, script_server
+from .conftest import SCRIPT, HttpServer, script_server
 from .test_mcp import audited_in_doubt, by_name, content_text
 
 pytestmark = [pytest.mark.slow, pytest.mark.realtime]
@@ -78,3 +78,60 @@ async def test_a_result_its_output_schema_refuses_is_a_failed_call_on_a_kept_ses
     assert list(statuses.values()) == ["failed"]
     assert audited_in_doubt(path) == []
     assert before == after and "opening a new session" not in caplog.text
+
+
+async def test_a_result_that_is_not_a_valid_mcp_result_is_a_failed_call_on_a_kept_session(
+        anthropic: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The server answers ``garbled`` with text content that lacks its text, a result
+    the SDK's types refuse: the call ran once and was answered, so it is ``failed``,
+    not in doubt (no person need check whether it ran), the model gets a short
+    error saying the result was refused, and the session is kept: the next call is
+    answered by the same process, not a new one."""
+    caplog.set_level(logging.INFO, logger="loopengine")
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        store = le.RunStore(ledger)
+        async with MCPServer.stdio(sys.executable, [SCRIPT, "garbled"]) as garbled:
+            pid = by_name(garbled)["pid"]
+            before = await pid.invoke({})
+            engine, _ = anthropic.engine(
+                Reply.tool_calls(("garbled", {})), Reply.text("done"),
+                ledger=ledger, run_store=store)
+            result = await engine.run(operation(total_time=60), "go", tools=garbled.tools)
+            after = await pid.invoke({})
+        statuses = await store.tool_calls(result.invocation_id)
+    assert result.outcome is le.Outcome.COMPLETED
+    (refused,) = tool_results(anthropic.requests[1])
+    assert refused["is_error"] is True
+    assert content_text(refused).startswith(
+        "garbled: its result was refused: it is not a valid MCP tool result (")
+    assert "result is not known" not in content_text(refused)
+    assert list(statuses.values()) == ["failed"]
+    assert audited_in_doubt(path) == []
+    assert before == after and "opening a new session" not in caplog.text
+
+
+async def test_a_call_a_gateway_answered_504_after_the_server_ran_it_is_in_doubt(
+        http_server: HttpServer, anthropic: Harness, tmp_path: Path) -> None:
+    """Over HTTP, a gateway lets the server run ``behind_gateway`` but answers the
+    client 504 in plain text (the SDK makes that up into a JSON-RPC error of its
+    own). The call ran, so its result is not known: the model is told so, the call
+    is ``in_doubt`` (listed by the audit), not ``failed``, which would let a
+    resume or a person take it for a call that did nothing."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        store = le.RunStore(ledger)
+        async with MCPServer.http(http_server.url,
+                                  allow={"behind_gateway", "gateway_count"}) as server:
+            engine, _ = anthropic.engine(
+                Reply.tool_calls(("behind_gateway", {})), Reply.text("done"),
+                ledger=ledger, run_store=store)
+            result = await engine.run(operation(total_time=60), "go", tools=server.tools)
+            ran = await by_name(server)["gateway_count"].invoke({})
+        statuses = await store.tool_calls(result.invocation_id)
+    assert result.outcome is le.Outcome.COMPLETED
+    assert ran == "1"
+    (lost,) = tool_results(anthropic.requests[1])
+    assert lost["is_error"] is True and "result is not known" in content_text(lost)
+    assert list(statuses.values()) == ["in_doubt"]
+    assert audited_in_doubt(path) == [("behind_gateway", "in_doubt")]
