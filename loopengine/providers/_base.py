@@ -97,13 +97,19 @@ def cut_sink() -> ServedSink | None:
     return _watching.get(anyio.get_current_task().id)
 
 
-def genai_operation_of(vendor: str) -> str:
-    """The OpenTelemetry GenAI operation of a vendor's requests when nothing more
-    is known of them (a script's, a recording's, an event that does not say):
-    ``generate_content`` on the Gemini API (vendor ``google``), else ``chat``.
-    Vertex AI serves Claude and Gemini alike, so ``google-vertex`` is ``chat``
-    unless the provider says (`Provider.genai_operation`)."""
-    return "generate_content" if vendor == "google" else "chat"
+_GEMINI_NAMES = frozenset({"google", "gemini", "gemini-vertex"})
+"""The Gemini API's vendor and `GeminiProvider`'s routes (on the Gemini API, on
+Vertex AI)."""
+
+
+def genai_operation_of(name: str) -> str:
+    """The OpenTelemetry GenAI operation of the requests of a vendor or route
+    (``name``) when nothing more is known of them (a script's, a recording's,
+    an event that does not say): ``generate_content`` for Gemini's (vendor
+    ``google``, routes ``gemini`` and ``gemini-vertex``), else ``chat``.
+    Vertex AI's vendor, ``google-vertex``, serves Claude and Gemini alike, so
+    it is ``chat`` unless the provider says (`Provider.genai_operation`)."""
+    return "generate_content" if name in _GEMINI_NAMES else "chat"
 
 
 FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",
