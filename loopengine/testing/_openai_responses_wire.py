@@ -237,16 +237,17 @@ def reasoned_items(response: Mapping[str, Any]) -> dict[str, str]:
     return reasoned
 
 
-_UNREASONING = ("gpt-4", "gpt-3.5", "chatgpt-", "gpt-5-chat")
-"""The starts of the names of OpenAI's models that do not reason, and so refuse
-reasoning parameters (any other model name is served as one that reasons)."""
+_UNREASONING = re.compile(r"gpt-4|gpt-3\.5|chatgpt-|gpt-5[\w.]*-chat")
+"""The starts of the names of OpenAI's models that do not reason (the gpt-5
+family's chat models of every version among them), and so refuse reasoning
+parameters (any other model name is served as one that reasons)."""
 
 
 def reasoning_problem(body: Any) -> str | None:
     """Why the Responses API would refuse ``body``'s reasoning parameters, or None:
     a model that does not reason (`_UNREASONING`) refuses ``reasoning.effort``
     and an ``include`` of ``reasoning.encrypted_content``, in the API's words."""
-    if not isinstance(body, Mapping) or not str(body.get("model")).startswith(_UNREASONING):
+    if not isinstance(body, Mapping) or not _UNREASONING.match(str(body.get("model"))):
         return None
     reasoning = body.get("reasoning")
     if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:

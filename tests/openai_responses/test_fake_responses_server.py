@@ -116,6 +116,8 @@ async def test_an_input_the_api_refuses_is_refused_before_the_script(
      "'reasoning.effort' is not supported with this model"),
     ("gpt-5-chat-latest", {"include": ["reasoning.encrypted_content"]},
      "Encrypted content is not supported"),
+    ("gpt-5.1-chat-latest", {"reasoning": {"effort": "low"}},
+     "'reasoning.effort' is not supported with this model"),
 ])
 async def test_a_model_that_does_not_reason_refuses_reasoning_parameters(
     fake_openai_server: FakeOpenAIServer, client: openai.AsyncOpenAI,
