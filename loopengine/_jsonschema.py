@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote
 
 from loopengine._errors import ConfigError
 
@@ -117,8 +118,11 @@ def _check_loops(field: str, root: Mapping[str, Any]) -> None:
     nodes = every(root)
     for node in nodes:
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#") and _target(root, ref) is None:
-            # Checked as {} (any value), while the API refuses the tool definition.
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and _target(
+                root, ref) is None:
+            # A JSON pointer into the schema that names nothing: checked as {} (any
+            # value), while the API refuses the tool definition. (A plain-name
+            # fragment, ``#node``, names an ``$anchor``: left to the API.)
             raise ConfigError(field, f"has a $ref {ref[:80]!r} that names no schema in it "
                                      "(a local $ref must point into the schema)")
     for node in nodes:
@@ -183,7 +187,8 @@ def _target(root: Mapping[str, Any], ref: str) -> object:
         return None
     node: Any = root
     for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
+        # A URI fragment: percent-decoded first, then the pointer's escapes.
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
         if not isinstance(node, Mapping) or part not in node:
             return None
         node = node[part]

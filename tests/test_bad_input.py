@@ -163,6 +163,19 @@ def test_a_local_ref_to_nothing_is_refused_when_the_tool_is_built(ref: str) -> N
     assert raised.value.field == "input_schema"
 
 
+def test_a_named_anchor_and_a_percent_encoded_pointer_are_not_refused() -> None:
+    """Only a JSON pointer that names nothing is refused: a plain-name fragment
+    (``#node``, an ``$anchor``) is left to the API, and a pointer's fragment is
+    percent-decoded before it is followed (``#/$defs/a%20b`` is ``a b``)."""
+    schema = {"type": "object", "properties": {
+        "a": {"$ref": "#node"}, "b": {"$ref": "#/$defs/a%20b"}},
+        "$defs": {"a b": {"type": "integer"}, "n": {"$anchor": "node", "type": "string"}}}
+    tool = le.Tool("t", "d", schema, lookup)
+    assert tool.validate({"b": 3}) == {"b": 3}
+    with pytest.raises(le.ToolInputError, match="b"):
+        tool.validate({"b": "three"})
+
+
 def test_a_ref_to_the_root_is_checked_as_the_root() -> None:
     """``#`` is the whole schema (a tree of nodes): a node of the wrong shape is
     refused, not let through as "any value"."""
