@@ -211,8 +211,9 @@ def moment(text: str) -> str:
                          "UTC") from None
 
 
-OUTCOMES = (*(o.value for o in Outcome), "running")
-"""What ``outcome=`` may filter on: how an invocation ended, or ``running``."""
+OUTCOMES = tuple(o.value for o in Outcome)
+"""What ``outcome=`` may filter on: how an invocation ended, or ``running``
+(one of `loopengine.Outcome`'s values too)."""
 
 
 def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str, list[str]]:
