@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import Any
 
 import pydantic
@@ -38,7 +37,6 @@ from loopengine._result import RunResult
 from loopengine._run import run_loop
 from loopengine._tools import Tool, ToolSource
 from loopengine.guards._deadline import Deadline
-from loopengine.guards._limits import Limits
 
 __all__ = ["LIMIT_OUTCOMES", "agent_tool", "run_child"]
 
@@ -96,7 +94,7 @@ async def run_child(
     limits = limits.narrow(narrowed)
     inv, spec = engine._prepare_run(
         operation, messages, attribution=parent.attribution,
-        limits={f.name: getattr(limits, f.name) for f in fields(Limits)}, **run_kwargs)
+        limits=_validate.field_values(limits), **run_kwargs)
     inv.parent = parent
     # A delegated run is one call of its parent's: the parent's checkpoints
     # and its call's status cover it; it keeps no state of its own.

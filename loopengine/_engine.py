@@ -552,8 +552,8 @@ class Engine:
             limits=state.limits, retry=state.retry, on_text=on_text,
             tool_error_text=tool_error_text, final_tool=state.final_tool,
             # The run's features as it ran: narrowed from the operation's again.
-            features=None if state.features is None else {
-                name: getattr(state.features, name) for name in Features.__dataclass_fields__})
+            features=None if state.features is None else _validate.field_values(
+                state.features))
         # The transcript as it paused: its last reply's calls still wait for results.
         spec = replace(spec, messages=copy.deepcopy(state.messages))
         release = None

@@ -675,8 +675,9 @@ class _Loop:
 
         Everything else is the pause's own, its running time included: the
         state's seal is the pause's (`RunState.seal`), which a recovery of
-        the row an adopting resume inserted reads to tell a pause nobody
-        took from one another resume took (`Engine._settle_take`). A
+        a row a resume left before its first checkpoint (`StoredRun.unsettled_take`)
+        reads to tell a pause nobody took from one another resume took
+        (`Engine._settle_take`). A
         snapshot of the loop would differ: the time since the resume began,
         the tools it was given in addition, an output model's digest as the
         resume sends its schema."""
