@@ -51,60 +51,38 @@ async def test_a_call_whose_server_died_during_it_is_in_doubt_and_a_tool_error_f
     assert audited_in_doubt(path) == [("crash", "in_doubt")]
 
 
-async def test_a_result_its_output_schema_refuses_is_a_failed_call_on_a_kept_session(
-        anthropic: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The server answers ``mismatched`` with structured content its declared output
-    schema refuses (the SDK's check): the call ran once and was answered, so it is
-    ``failed``, not in doubt, the model gets an error naming the mismatch, and the
-    session is kept: the next call is answered by the same process."""
+@pytest.mark.parametrize(("mode", "refusal"), [
+    ("odd", "mismatched: its result was refused"),
+    ("garbled", "garbled: its result was refused: it is not a valid MCP tool result ("),
+], ids=["output-schema", "not-a-result"])
+async def test_a_result_that_is_refused_is_a_failed_call_on_a_kept_session(
+        anthropic: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        mode: str, refusal: str) -> None:
+    """The server answers with a result the SDK refuses: ``mismatched``, structured
+    content its declared output schema refuses; ``garbled``, text content that
+    lacks its text, which the SDK's types refuse. The call ran once and was
+    answered, so it is ``failed``, not in doubt (no person need check whether
+    it ran), the model gets a short error saying the result was refused, and
+    the session is kept: the next call is answered by the same process, not a
+    new one."""
+    tool = refusal.split(":", 1)[0]
     caplog.set_level(logging.INFO, logger="loopengine")
     path = tmp_path / "ledger.db"
     with SQLiteLedger(path) as ledger:
         store = le.RunStore(ledger)
-        async with MCPServer.stdio(sys.executable, [SCRIPT, "odd"]) as odd:
-            pid = by_name(odd)["pid"]
+        async with MCPServer.stdio(sys.executable, [SCRIPT, mode]) as server:
+            pid = by_name(server)["pid"]
             before = await pid.invoke({})
             engine, _ = anthropic.engine(
-                Reply.tool_calls(("mismatched", {})), Reply.text("done"),
+                Reply.tool_calls((tool, {})), Reply.text("done"),
                 ledger=ledger, run_store=store)
-            result = await engine.run(operation(total_time=60), "go", tools=odd.tools)
+            result = await engine.run(operation(total_time=60), "go", tools=server.tools)
             after = await pid.invoke({})
         statuses = await store.tool_calls(result.invocation_id)
     assert result.outcome is le.Outcome.COMPLETED
     (refused,) = tool_results(anthropic.requests[1])
     assert refused["is_error"] is True
-    assert "mismatched: its result was refused" in content_text(refused)
-    assert "result is not known" not in content_text(refused)
-    assert list(statuses.values()) == ["failed"]
-    assert audited_in_doubt(path) == []
-    assert before == after and "opening a new session" not in caplog.text
-
-
-async def test_a_result_that_is_not_a_valid_mcp_result_is_a_failed_call_on_a_kept_session(
-        anthropic: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The server answers ``garbled`` with text content that lacks its text, a result
-    the SDK's types refuse: the call ran once and was answered, so it is ``failed``,
-    not in doubt (no person need check whether it ran), the model gets a short
-    error saying the result was refused, and the session is kept: the next call is
-    answered by the same process, not a new one."""
-    caplog.set_level(logging.INFO, logger="loopengine")
-    path = tmp_path / "ledger.db"
-    with SQLiteLedger(path) as ledger:
-        store = le.RunStore(ledger)
-        async with MCPServer.stdio(sys.executable, [SCRIPT, "garbled"]) as garbled:
-            pid = by_name(garbled)["pid"]
-            before = await pid.invoke({})
-            engine, _ = anthropic.engine(
-                Reply.tool_calls(("garbled", {})), Reply.text("done"),
-                ledger=ledger, run_store=store)
-            result = await engine.run(operation(total_time=60), "go", tools=garbled.tools)
-            after = await pid.invoke({})
-        statuses = await store.tool_calls(result.invocation_id)
-    assert result.outcome is le.Outcome.COMPLETED
-    (refused,) = tool_results(anthropic.requests[1])
-    assert refused["is_error"] is True
-    assert content_text(refused).startswith(
-        "garbled: its result was refused: it is not a valid MCP tool result (")
+    assert content_text(refused).startswith(refusal)
     assert "result is not known" not in content_text(refused)
     assert list(statuses.values()) == ["failed"]
     assert audited_in_doubt(path) == []
