@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from loopengine import _validate
 from loopengine._attribution import Attribution
@@ -37,6 +37,10 @@ VERSION = 1
 """The encoding this code writes and reads."""
 
 
+PendingReason = Literal["approval", "in_doubt"]
+"""Why a pending call waits (`PendingCall.reason`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PendingCall:
     """A tool call of a paused run that waits for a decision."""
@@ -47,7 +51,7 @@ class PendingCall:
     """The tool's name."""
     input: Any
     """The input the model gave, as it gave it (not yet validated)."""
-    reason: Literal["approval", "in_doubt"] = "approval"
+    reason: PendingReason = "approval"
     """Why it waits: its tool asks for approval (``approval``), or, after a
     crash, it may have run (``in_doubt``)."""
 
@@ -292,7 +296,7 @@ class RunState:
             raise ConfigError("state", "has a batch of tool calls, but its transcript does "
                                        "not end with the reply that asked for them")
         for call in state.pending:
-            if call.reason not in ("approval", "in_doubt"):
+            if call.reason not in get_args(PendingReason):
                 raise ConfigError("state", f"pending call {call.id} has reason {call.reason!r}")
         return state
 

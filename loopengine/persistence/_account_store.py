@@ -61,7 +61,14 @@ def read(conn: Any, account: str) -> AccountBalance:
     row = conn.execute("SELECT granted, spent, reserved FROM accounts WHERE account = ?",
                        (account,)).fetchone()
     granted, spent, reserved = (int(v) for v in row) if row else (0, 0, 0)
-    return AccountBalance(account, granted, spent, reserved, granted - spent - reserved)
+    return AccountBalance(account, granted, spent, reserved,
+                          available(granted, spent, reserved))
+
+
+def available(granted: int, spent: int, reserved: int) -> int:
+    """What an account's new runs may still reserve: what was granted, less its
+    runs' real charges and the holds of those in progress."""
+    return granted - spent - reserved
 
 
 _BALANCES = ("granted", "spent", "reserved")

@@ -700,7 +700,7 @@ def accounts(conn: AuditConnection) -> list[AccountRow]:
             raise LedgerError(f"account {describe_value(values[0])} holds values that are "
                               "not integers; this file was not written by loopengine as it is")
         out.append(AccountRow(str(values[0]), values[1], values[2], values[3],
-                              values[1] - values[2] - values[3], str(values[4])))
+                              _account_store.available(*values[1:4]), str(values[4])))
     return out
 
 
