@@ -261,3 +261,15 @@ async def test_a_state_written_before_unreported_iterations_resumes_with_the_led
     assert progress.iterations == 2 == done.usage.reported_iterations
     (ended,) = [e for e in seen if isinstance(e, events.RunEnded)]
     assert ended.usage == done.usage
+
+
+@pytest.mark.parametrize("reason", ["approval", "in_doubt"])
+def test_a_pending_call_loads_with_a_reason_a_pending_call_has(reason: str) -> None:
+    """A pending call's reason is one `PendingCall` has; any other is a ConfigError
+    on the state, never a call that waits for a reason nothing decides."""
+    raw = json.loads(STORED)
+    raw["pending"][0][3] = reason
+    assert le.RunState.loads(json.dumps(raw)).pending[0].reason == reason
+    raw["pending"][0][3] = "maybe"
+    with pytest.raises(le.ConfigError, match="pending call toolu_000001 has reason 'maybe'"):
+        le.RunState.loads(json.dumps(raw))
