@@ -211,7 +211,7 @@ if os.path.exists(os.environ.get("LOOPENGINE_TEST_MARKER", "\0")):
 
 
 gateway_calls = 0
-"""Calls of ``behind_gateway`` this process ran."""
+"""Calls of ``behind_gateway`` and ``accepted_by_gateway`` this process ran."""
 
 
 @server.tool()
@@ -223,15 +223,25 @@ def behind_gateway() -> str:
 
 
 @server.tool()
+def accepted_by_gateway() -> str:
+    """Run, behind a gateway that answers the client 202 Accepted (`_gateway`)."""
+    global gateway_calls
+    gateway_calls += 1
+    return "ran"
+
+
+@server.tool()
 def gateway_count() -> int:
-    """How many calls of ``behind_gateway`` this process ran."""
+    """How many calls of ``behind_gateway`` and ``accepted_by_gateway`` this process ran."""
     return gateway_calls
 
 
 def _gateway(app: Any) -> Any:
     """``app`` behind a gateway that, for a ``tools/call`` of ``behind_gateway``, lets
     the server run it but answers the client 504 Gateway Timeout in plain text, as
-    a gateway that stopped waiting does; every other request passes through."""
+    a gateway that stopped waiting does, and for one of ``accepted_by_gateway``
+    202 Accepted with no body, as one that queued it does; every other request
+    passes through."""
 
     async def gateway(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -253,7 +263,9 @@ def _gateway(app: Any) -> Any:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        if b'"behind_gateway"' not in body:
+        answer = (504, b"gateway timeout") if b'"behind_gateway"' in body else (
+            (202, b"") if b'"accepted_by_gateway"' in body else None)
+        if answer is None:
             await app(scope, replay, send)
             return
 
@@ -261,9 +273,9 @@ def _gateway(app: Any) -> Any:
             pass
 
         await app(scope, replay, dropped)
-        await send({"type": "http.response.start", "status": 504,
+        await send({"type": "http.response.start", "status": answer[0],
                     "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": b"gateway timeout"})
+        await send({"type": "http.response.body", "body": answer[1]})
 
     return gateway
 

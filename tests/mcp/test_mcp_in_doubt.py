@@ -89,20 +89,22 @@ async def test_a_result_that_is_refused_is_a_failed_call_on_a_kept_session(
     assert before == after and "opening a new session" not in caplog.text
 
 
-async def test_a_call_a_gateway_answered_504_after_the_server_ran_it_is_in_doubt(
-        http_server: HttpServer, anthropic: Harness, tmp_path: Path) -> None:
-    """Over HTTP, a gateway lets the server run ``behind_gateway`` but answers the
-    client 504 in plain text (the SDK makes that up into a JSON-RPC error of its
-    own). The call ran, so its result is not known: the model is told so, the call
-    is ``in_doubt`` (listed by the audit), not ``failed``, which would let a
-    resume or a person take it for a call that did nothing."""
+@pytest.mark.parametrize("tool", ["behind_gateway", "accepted_by_gateway"],
+                         ids=["504", "202"])
+async def test_a_call_a_gateway_answered_with_no_result_after_the_server_ran_it_is_in_doubt(
+        http_server: HttpServer, anthropic: Harness, tmp_path: Path, tool: str) -> None:
+    """Over HTTP, a gateway lets the server run the call but answers the client
+    504 in plain text, or 202 Accepted with no body (the SDK makes either up into
+    a JSON-RPC error of its own). The call ran, so its result is not known: the
+    model is told so, the call is ``in_doubt`` (listed by the audit), not
+    ``failed``, which would let a resume or a person take it for a call that did
+    nothing."""
     path = tmp_path / "ledger.db"
     with SQLiteLedger(path) as ledger:
         store = le.RunStore(ledger)
-        async with MCPServer.http(http_server.url,
-                                  allow={"behind_gateway", "gateway_count"}) as server:
+        async with MCPServer.http(http_server.url, allow={tool, "gateway_count"}) as server:
             engine, _ = anthropic.engine(
-                Reply.tool_calls(("behind_gateway", {})), Reply.text("done"),
+                Reply.tool_calls((tool, {})), Reply.text("done"),
                 ledger=ledger, run_store=store)
             result = await engine.run(operation(total_time=60), "go", tools=server.tools)
             ran = await by_name(server)["gateway_count"].invoke({})
@@ -112,4 +114,4 @@ async def test_a_call_a_gateway_answered_504_after_the_server_ran_it_is_in_doubt
     (lost,) = tool_results(anthropic.requests[1])
     assert lost["is_error"] is True and "result is not known" in content_text(lost)
     assert list(statuses.values()) == ["in_doubt"]
-    assert audited_in_doubt(path) == [("behind_gateway", "in_doubt")]
+    assert audited_in_doubt(path) == [(tool, "in_doubt")]
