@@ -261,7 +261,7 @@ def test_tool_call_event_has_the_reference_fields() -> None:
 
 
 @pytest.mark.parametrize("slow_on", [events.TurnStarted, events.AttemptStarted])
-def test_a_slow_observer_does_not_eat_into_the_attempt_s_timeout(
+def test_r04_a_slow_observer_does_not_eat_into_the_attempt_s_timeout(
         slow_on: type[events.Event]) -> None:
     """An observer that takes 6 s on the attempt's announcement leaves the attempt
     its whole 10 s: a reply 6 s after it was sent is not cut as a timeout and
@@ -308,7 +308,7 @@ async def test_a_slow_observer_s_time_is_not_a_tool_call_s_latency() -> None:
         ("missing_tool", "started", 0), ("missing_tool", "failed", 0)]
 
 
-async def test_an_observer_s_system_exit_before_the_request_settles_the_announced_attempt(
+async def test_r07_an_observer_s_system_exit_before_the_request_settles_the_announced_attempt(
 ) -> None:
     """An observer raising SystemExit on `AttemptStarted` stops the run (``failed``)
     after the attempt's row was written and announced, before its request went

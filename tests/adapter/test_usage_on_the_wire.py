@@ -186,7 +186,7 @@ async def test_web_search_thinking_and_compaction_are_billed_to_the_nano_dollar(
 
 
 @STREAMING
-async def test_a_runs_iterations_are_the_ledgers_with_server_tools_and_compaction(
+async def test_r07_a_runs_iterations_are_the_ledgers_with_server_tools_and_compaction(
     wire: Harness, stream: bool,
 ) -> None:
     """A run whose first reply ran web searches and reported no iterations, whose

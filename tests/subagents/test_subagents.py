@@ -307,7 +307,7 @@ async def test_ctx_run_on_another_ledger_is_an_error_result_and_sends_nothing(
     assert [r["operation"] for r in ledger.invocations.values()] == ["parent.op"]
 
 
-async def test_a_child_started_when_the_parent_s_time_is_spent_ends_time_limit() -> None:
+async def test_r04_a_child_started_when_the_parent_s_time_is_spent_ends_time_limit() -> None:
     """An observer that outlasts the parent's deadline (its attempt's settle is
     announced whatever the time) leaves no time for the batch: a delegating
     tool's child then ends ``time_limit`` at once, sending nothing, instead of
