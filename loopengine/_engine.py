@@ -501,19 +501,22 @@ class Engine:
                                        "run_store=RunStore(ledger)")
         await self._check_resume_account(state)
         untaken = None
+        # The row's state, read once (by id, it is ``state`` already).
+        saved = None if stored is None else state if by_id else RunState.loads(stored.state)
         if stored is not None:
+            assert saved is not None
             stored.check_free(self.clock.wall(), force)
-            if stored.unsettled_take():
-                untaken = await self._settle_take(stored)
+            if stored.unsettled_take(saved):
+                untaken = await self._settle_take(stored, saved)
         # A stored run that is not paused was running when its process died:
         # its last checkpoint is newer than any state the caller holds.
         recovering = stored is not None and stored.paused_at is None
         if recovering and not by_id:
-            assert stored is not None
-            state = RunState.loads(stored.state)
-        elif stored is not None and not by_id:
+            assert saved is not None
+            state = saved
+        elif saved is not None and not by_id:
             # Before the claim: a state that is not the pause's takes nothing.
-            check_seal(state, RunState.loads(stored.state).seal())
+            check_seal(state, saved.seal())
         # The sources' tools as they are now, read once for the checks and the run.
         expanded = expand_tools(tools)
         if recovering and not state.pending:
@@ -587,7 +590,7 @@ class Engine:
                                  undecided=undecided, release=release,
                                  adopt=self.run_store is not None and stored is None)
 
-    async def _settle_take(self, stored: StoredRun) -> str | None:
+    async def _settle_take(self, stored: StoredRun, saved: RunState) -> str | None:
         """A row a resume wrote to take the run's pause, its process dead (or its
         resume failed) before the run's first checkpoint after the take
         (`StoredRun.unsettled_take`): the recovery goes on when a resume under
@@ -608,8 +611,7 @@ class Engine:
             return None  # ended: the resume forgets the row and says so
         if found.outcome == "running" and not taken_without_store(found.seal):
             return None
-        if found.outcome == "paused" and found.seal in (
-                None, RunState.loads(stored.state).seal()):
+        if found.outcome == "paused" and found.seal in (None, saved.seal()):
             return found.seal or ""
         # Unless another recovery wrote it since it was read.
         await self.run_store.drop(stored.invocation_id, None, version=stored.version)

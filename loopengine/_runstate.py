@@ -222,8 +222,7 @@ class RunState:
             "results": self.results,
             "repair": self.repair,
             "answered_calls": self.answered_calls,
-            "progress": {**{f.name: getattr(self.progress, f.name)
-                            for f in fields(self.progress) if f.name != "usage"},
+            "progress": {**field_values(self.progress),
                          "usage": _usage_fields(self.progress.usage)},
             "paused_at": self.paused_at.isoformat(),
             "extra": self.extra,

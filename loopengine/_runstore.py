@@ -84,14 +84,14 @@ class StoredRun:
     paused_at: datetime | None
     """When it paused (None while it runs)."""
 
-    def unsettled_take(self) -> bool:
+    def unsettled_take(self, saved: RunState) -> bool:
         """Whether the row runs while it holds a paused state (its pending calls): a
         resume wrote it to take that pause (an adopting resume's insert, a
         resume's or a recovery's claim) and its process died, or it failed,
         before the run's first checkpoint after the take. Whether it took the
         pause, or another resume did, only the ledger's seal says
         (`taken_without_store`)."""
-        return self.paused_at is None and bool(RunState.loads(self.state).pending)
+        return self.paused_at is None and bool(saved.pending)
 
     def check_free(self, now: datetime, force: bool) -> None:
         """Raise unless a resume may take the run now: it is paused, or the

@@ -100,7 +100,7 @@ async def test_a_resume_that_dies_adopting_a_run_leaves_it_recoverable(
     else:
         # Held by the dead resume's lease: a recovery takes it once it expires.
         assert row is not None and row.lease_owner is not None and row.paused_at is None
-        assert row.unsettled_take()
+        assert row.unsettled_take(le.RunState.loads(row.state))
 
     engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES, run_store=store)
     done = await engine.resume(stored, decisions=approve, tools=[sender.tool], force=True)
@@ -253,7 +253,7 @@ async def test_the_row_of_an_adopting_resume_keeps_the_seal_of_the_pause_it_resu
     run_id = paused.invocation_id
     store = le.RunStore(ledger)
     row = await store.load(run_id)
-    assert row is not None and row.unsettled_take()
+    assert row is not None and row.unsettled_take(le.RunState.loads(row.state))
     assert le.RunState.loads(row.state).seal() == paused.state.seal()
     clock.advance(3600.0)  # the dead resume's lease has expired
 
@@ -305,7 +305,7 @@ async def test_a_row_a_recovery_claimed_before_its_take_takes_nothing_from_anoth
         await gone.resume(run_id, decisions=approve, tools=[sender.tool])
     store = le.RunStore(ledger)
     row = await store.load(run_id)
-    assert row is not None and row.version > 1 and row.unsettled_take()
+    assert row is not None and row.version > 1 and row.unsettled_take(le.RunState.loads(row.state))
     assert (row.lease_owner is None) == (how == "failed")
     await take_as_another(ledger, run_id)
     clock.advance(3600.0)  # the dead recovery's lease has expired too

@@ -231,6 +231,7 @@ def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str
     tests = ((f"{time_column} >= ?", "since"), (f"{time_column} < ?", "until"),
              ("i.tenant = ?", "tenant"), ("i.feature = ?", "feature"),
              ("i.outcome = ?", "outcome"))
+    read: dict[str, str] = {}  # the period's bounds, as `moment` read them
     clauses: list[str] = []
     params: list[str] = []
     for clause, key in tests:
@@ -244,13 +245,13 @@ def _where(time_column: str, where: Where, *, joined: bool = False) -> tuple[str
                                    f"{', '.join(OUTCOMES)})")
         if key in ("since", "until"):
             try:
-                value = moment(value)
+                value = read[key] = moment(value)
             except ValueError as error:
                 raise ConfigError(key, str(error)) from None
         clauses.append(clause)
         params.append(value)
     since, until = where.get("since"), where.get("until")
-    if since is not None and until is not None and moment(until) <= moment(since):
+    if since is not None and until is not None and read["until"] <= read["since"]:
         raise ConfigError("until", f"must be later than since ({since} to {until} is an "
                                    "empty period)")
     if not clauses:
