@@ -286,9 +286,11 @@ def file_path(field: str, value: object) -> str:
     """``value``, a str or an ``os.PathLike`` of str, as the path's text.
 
     Raises:
-        ConfigError: not such a path (None, bytes, a number), or it contains a
-            NUL byte, which no file name can hold (``open`` would raise a
-            ValueError).
+        ConfigError: not such a path (None, bytes, a number); empty or only
+            whitespace (an unset or mistyped setting: ``open`` would make a
+            file named ``' '``, SQLite a private temporary database for
+            ``''``); or it contains a NUL byte, which no file name can hold
+            (``open`` would raise a ValueError).
     """
     try:
         path = os.fspath(value)  # type: ignore[call-overload]
@@ -296,6 +298,9 @@ def file_path(field: str, value: object) -> str:
         path = None
     if not isinstance(path, str):
         raise ConfigError(field, f"must be a str or an os.PathLike of str, got {shown(value)}")
+    if not path.strip():
+        raise ConfigError(field, "needs a file path, and the path is "
+                                 f"{'empty' if not path else f'only whitespace ({path!r})'}")
     if "\0" in path:
         raise ConfigError(field, f"{shown(path)} cannot name a file: the path contains a NUL "
                                  "byte")

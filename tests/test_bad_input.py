@@ -135,6 +135,7 @@ def test_a_class_given_for_an_object_is_refused(build: Any, field: str,
     ("missing/call.jsonl", "cannot create the recording"),
     (".", "cannot create the recording"),
     ("", "path is empty"),
+    ("  ", "path is only whitespace"),
     (3, "must be a str"),
 ])
 def test_a_recording_path_that_cannot_be_a_file_is_a_config_error(
@@ -308,7 +309,8 @@ def test_a_response_the_engine_cannot_read_is_refused_where_it_is_built(
 
 
 @pytest.mark.parametrize(("db", "says"), [
-    ("", "--db: the ledger needs a file path"),
+    ("", "--db: needs a file path, and the path is empty"),
+    (" ", "--db: needs a file path, and the path is only whitespace"),
     ("postgresql://[::1", "--db: is not a PostgreSQL connection string"),
 ])
 def test_a_demo_ledger_path_the_ledger_refuses_exits_2_with_one_line(db: str,
@@ -347,3 +349,16 @@ def test_a_fake_server_host_that_names_no_address_is_refused(host: Any) -> None:
     """An empty host bound the fake on every interface instead of loopback; a
     number was a TypeError when the server started."""
     refused(lambda: FakeAnthropicServer(host=host), "host")
+
+
+@pytest.mark.parametrize("path", ["", " ", "\t"])
+def test_a_blank_path_names_no_file(path: str, tmp_path: Any, monkeypatch: Any) -> None:
+    """A path of only whitespace (an unset or mistyped setting) made a file named
+    ``' '`` in the working directory for a ledger; it is refused like an empty
+    one, by the ledger, a recording and an operations catalogue, and nothing
+    is created."""
+    monkeypatch.chdir(tmp_path)
+    for build in (lambda: SQLiteLedger(path), lambda: le.load_operations(path),
+                  lambda: RecordingProvider(ScriptedProvider([]), path)):
+        refused(build, "path")
+    assert list(tmp_path.iterdir()) == []

@@ -126,13 +126,10 @@ def _ledger_path(path: str | os.PathLike[str]) -> str:
     """The ledger's file path as text, refused here when SQLite could not hold a ledger in it.
 
     Raises:
-        ConfigError: not a path, an empty path, a NUL byte, or ``:memory:``.
+        ConfigError: not a path, an empty or blank path, a NUL byte (all
+            `_validate.file_path`'s), or ``:memory:``.
     """
     text = _validate.file_path("path", path)
-    if not text:
-        raise ConfigError(
-            "path", "the ledger needs a file path, and the path is empty (SQLite would open a "
-            "private temporary database, deleted when it closes, that no other process can read)")
     if text == ":memory:":
         raise ConfigError("path", ":memory: is an in-memory database, which cannot hold a "
                           "ledger: the ledger needs WAL journaling, in a file other processes "

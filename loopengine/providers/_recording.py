@@ -75,10 +75,7 @@ def _usage_json(usage: Usage | None, geo: str | None) -> dict[str, int] | None:
 
 def _recording_path(path: object) -> Path:
     """``path`` as a recording's file, or a `ConfigError` naming ``path``."""
-    text = _validate.file_path("path", path)
-    if not text.strip():
-        raise ConfigError("path", "a recording needs a file path, and the path is empty")
-    return Path(text)
+    return Path(_validate.file_path("path", path))
 
 
 class RecordingProvider:
