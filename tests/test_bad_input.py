@@ -266,12 +266,22 @@ def test_a_bad_audit_command_argument_exits_2_with_one_line(one_run: Any, args: 
     ({"retry_after": "5"}, "retry_after"),
     ({"retry_after": float("nan")}, "retry_after"),
     ({"retry_after": -1}, "retry_after"),
+    ({"http_status": "500"}, "http_status"),
+    ({"http_status": True}, "http_status"),
+    ({"should_retry": "false"}, "should_retry"),
+    ({"usage_approx": None}, "usage_approx"),
+    ({"error_code": 400}, "error_code"),
+    ({"request_id": b"req_1"}, "request_id"),
+    ({"response_id": 7}, "response_id"),
+    ({"aborted_reason": ["idle"]}, "aborted_reason"),
 ])
 def test_a_fault_that_the_retry_loop_cannot_read_is_refused_where_it_is_built(
         kwargs: dict[str, Any], field: str) -> None:
     """A custom provider's or a script's fault with a usage that is no Usage, or a
     retry_after that is text, broke the run mid-retry with an AttributeError or
-    a TypeError escaping it; a kind that is no FaultKind was a bare ValueError."""
+    a TypeError escaping it; a kind that is no FaultKind was a bare ValueError;
+    should_retry="false" was retried, and a status or id of another type went
+    to the ledger as it was."""
     arguments: dict[str, Any] = {"kind": le.FaultKind.RATE_LIMITED, "message": "slow down",
                                  **kwargs}
     with pytest.raises(le.ConfigError) as raised:

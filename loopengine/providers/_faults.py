@@ -121,9 +121,12 @@ class ProviderFault(LoopEngineError):
     Raises:
         ConfigError: a ``kind`` that is not a `FaultKind` (or its value), a
             ``message`` that is not text, a ``usage`` that is not a `Usage`,
-            or a ``retry_after`` that is not a number of seconds of at least
-            0: a custom provider's or a script's fault is refused where it is
-            built, not mid-run by the retry loop.
+            a ``retry_after`` that is not a number of seconds of at least
+            0, an ``http_status`` that is not an integer, a ``should_retry``
+            or ``usage_approx`` that is not a bool, or an id, code or reason
+            that is not text: a custom provider's or a script's fault is
+            refused where it is built, not mid-run by the retry loop or the
+            ledger (``should_retry="false"`` would have been retried).
     """
 
     def __init__(
@@ -154,6 +157,17 @@ class ProviderFault(LoopEngineError):
                 or not retry_after >= 0):  # NaN too; a huge wait is the provider's to ask
             raise ConfigError("retry_after", "must be a number of seconds of at least 0 or "
                                              f"None, got {_validate.shown(retry_after)}")
+        if http_status is not None and (isinstance(http_status, bool)
+                                        or not isinstance(http_status, int)):
+            raise ConfigError("http_status", "must be an integer or None, got "
+                                             f"{_validate.shown(http_status)}")
+        for field, flag in (("should_retry", should_retry), ("usage_approx", usage_approx)):
+            if not isinstance(flag, bool) and not (flag is None and field == "should_retry"):
+                raise ConfigError(field, f"must be a bool, got {_validate.shown(flag)}")
+        for field, text in (("error_code", error_code), ("request_id", request_id),
+                            ("response_id", response_id), ("aborted_reason", aborted_reason)):
+            if text is not None and not isinstance(text, str):
+                raise ConfigError(field, f"must be text or None, got {_validate.shown(text)}")
         self.kind = FaultKind(kind)
         self.message = message
         self.http_status = http_status
@@ -487,7 +501,9 @@ def response_fault(
         kind,
         f"HTTP {status} {where}{label or 'error'}: {message}".rstrip(": "),
         http_status=status,
-        error_code=code or label,
+        # Read from the reply's JSON: text only, whatever a server or proxy sent.
+        error_code=next((name for name in (code, label) if isinstance(name, str) and name),
+                        None),
         retry_after=delay,
         should_retry=should_retry(headers),
         request_id=request_id,
