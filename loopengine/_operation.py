@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -137,10 +137,8 @@ class Operation:
         Raises:
             ConfigError: with the field relative to the table (``limits.max_turns``).
         """
-        known = {"version", "provider", "model", "max_output_tokens", "limits", "retry",
-                 "cache", "model_max_output_tokens", "wrap_up_text", "thinking",
-                 "server_tools", "betas", "context_management", "reasoning_effort",
-                 "service_tier"}
+        # Every field but the name, which is the table's own.
+        known = [item.name for item in fields(cls) if item.name != "name"]
         _validate.known_keys("operation", values, known, "an operation setting")
         args: dict[str, Any] = {k: v for k, v in values.items()
                                 if k not in ("limits", "retry", "cache")}
