@@ -330,3 +330,50 @@ async def test_a_call_s_prompt_fallback_is_a_request_the_api_takes(route: str) -
     assert called.attempts.structured_output == "prompt" and called.attempts.count == 3
     (schema,) = tool_schemas(route, fallback)
     assert schema["type"] == "object"
+
+
+class Span(pydantic.BaseModel):
+    bounds: tuple[int, int]
+    labels: tuple[()] | list[str]
+
+
+@pytest.mark.parametrize("route", ["openai", "openai-responses"])
+async def test_a_tuple_is_sent_with_items_as_openai_requires(route: str) -> None:
+    """pydantic gives a tuple as ``prefixItems`` and bounds, without ``items``;
+    both OpenAI APIs refuse an array schema without ``items`` ("array schema
+    missing items"), so it goes with ``"items": {}``, which means the same
+    (the fake refuses it without, as the API does)."""
+    with served(route, Reply.final({"bounds": [1, 2], "labels": []})) as (server, provider):
+        async with provider:
+            called = await le.Engine(provider).call(operation(route), "Bound it.", output=Span)
+        (schema,) = tool_schemas(route, server.requests[0].body)
+
+    assert called.data == Span(bounds=(1, 2), labels=[])
+    bounds = schema["properties"]["bounds"]
+    assert bounds["items"] == {} and bounds["maxItems"] == 2 and len(bounds["prefixItems"]) == 2
+    assert schema["properties"]["labels"]["anyOf"][0]["items"] == {}
+
+
+async def test_the_fake_openai_apis_refuse_an_array_schema_without_items() -> None:
+    """What production answers, the fake answers: an ``openai`` client sending a
+    function whose parameters hold an array schema without ``items`` gets the
+    API's 400, naming where it is, from both APIs."""
+    import openai
+
+    parameters = {"type": "object", "properties": {"pair": {
+        "type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}]}}}
+    with FakeOpenAIServer([Reply.text("never")]) as server:
+        async with openai.AsyncOpenAI(api_key="sk-test", base_url=server.base_url,
+                                      max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError, match=r"In context=\('properties', "
+                               r"'pair'\), array schema missing items"):
+                await client.chat.completions.create(
+                    model="gpt-4o", messages=[{"role": "user", "content": "Pair?"}],
+                    tools=[{"type": "function", "function": {"name": "pair",
+                                                             "parameters": parameters}}])
+            with pytest.raises(openai.BadRequestError, match="array schema missing items"):
+                await client.responses.create(
+                    model="gpt-4o", input="Pair?", tools=[
+                        {"type": "function", "name": "pair", "parameters": parameters,
+                         "strict": False}])
+        assert server.responses_served == 0

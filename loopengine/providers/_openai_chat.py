@@ -12,7 +12,9 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
   not shown]``, beside the result's text); ``tool_use`` blocks become the
   assistant's ``tool_calls``; ``thinking`` blocks and ``cache_control``
   markers have no equivalent and are dropped (OpenAI caches prompt prefixes on its own);
-* tools become ``function`` tools with the JSON schema as ``parameters``;
+* tools become ``function`` tools with the JSON schema as ``parameters``
+  (an array schema without ``items``, a tuple's, given ``"items": {}``,
+  which means the same: the API refuses an array schema without it);
   ``tool_choice`` ``auto`` / ``none`` / ``any`` / a named tool become
   ``auto`` / ``none`` / ``required`` / that function;
 * the reply's text and ``refusal`` become text blocks, its tool calls
@@ -43,10 +45,12 @@ reasoning tokens are inside ``completion_tokens``.
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from loopengine._jsonschema import subschemas
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     ProviderRequest,
@@ -70,6 +74,7 @@ __all__ = [
     "TOOL_MODES",
     "StreamedCompletion",
     "arguments",
+    "arrays_without_items",
     "call_arguments",
     "chat_messages",
     "chat_params",
@@ -81,6 +86,7 @@ __all__ = [
     "first_choice",
     "image_source",
     "image_url",
+    "openai_function",
     "openai_usage",
     "result_blocks",
     "result_text",
@@ -502,7 +508,38 @@ def image_url(block: Mapping[str, Any], api: str = API) -> str:
 
 def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Chat Completions ``function`` tools for Anthropic tool definitions."""
-    return [{"type": "function", "function": function_tool(tool)} for tool in tools]
+    return [{"type": "function", "function": openai_function(tool)} for tool in tools]
+
+
+def openai_function(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """An Anthropic tool definition as both OpenAI APIs' function: `function_tool`,
+    with ``items`` given to each array schema that has none (`arrays_without_items`)."""
+    function = function_tool(tool)
+    if next(arrays_without_items(function["parameters"]), None) is not None:
+        parameters = copy.deepcopy(function["parameters"])
+        for _, node in subschemas(parameters):
+            if _array_without_items(node):
+                # What JSON Schema means without it (any further item), in the
+                # form the API takes: a tuple's prefixItems and bounds still hold.
+                node["items"] = {}  # type: ignore[index]
+        function["parameters"] = parameters
+    return function
+
+
+def arrays_without_items(schema: object) -> Iterator[tuple[str, ...]]:
+    """The paths in ``schema`` of the array schemas without ``items`` (a tuple's
+    ``prefixItems`` alone, a bare ``{"type": "array"}``): both OpenAI APIs
+    refuse a function whose parameters hold one ("array schema missing
+    items"), strict or not."""
+    for path, node in subschemas(schema):
+        if _array_without_items(node):
+            yield path
+
+
+def _array_without_items(node: Mapping[str, Any]) -> bool:
+    kind = node.get("type")
+    return "items" not in node and (kind == "array" or (isinstance(kind, list)
+                                                         and "array" in kind))
 
 
 TOOL_MODES: Mapping[str, str | dict[str, Any]] = {"auto": "auto", "none": "none",
