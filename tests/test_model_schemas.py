@@ -377,3 +377,49 @@ async def test_the_fake_openai_apis_refuse_an_array_schema_without_items() -> No
                         {"type": "function", "name": "pair", "parameters": parameters,
                          "strict": False}])
         assert server.responses_served == 0
+
+
+class Contact(pydantic.BaseModel):
+    name: str = pydantic.Field(alias="full name")
+
+
+async def test_a_property_name_the_messages_api_refuses_is_refused_before_the_wire() -> None:
+    """The Messages API refuses a tool whose input schema names a property, at its
+    root, outside ``^[a-zA-Z0-9_.-]{1,64}$`` (an alias with a space): the call
+    is refused before its attempt is recorded or sent, saying what to rename,
+    where the fake (as the API) would answer its request with a 400."""
+    with served("anthropic", Reply.final({"full name": "Ada"})) as (server, provider):
+        async with provider:
+            with pytest.raises(le.ProviderError) as raised:
+                await le.Engine(provider).call(operation("anthropic"), "Who?", output=Contact)
+        assert server.requests == []
+
+    assert raised.value.attempts == 0
+    assert raised.value.fault.error_code == "invalid_request_error"
+    assert "'full name'" in str(raised.value) and "alias" in str(raised.value)
+
+
+async def test_the_fake_messages_api_refuses_a_property_name_outside_its_pattern() -> None:
+    """What production answers, the fake answers: an ``anthropic`` client defining
+    a tool with a property named outside the pattern gets the API's 400; the
+    pattern holds for the names at the schema's root."""
+    import anthropic
+
+    def tool(name: str) -> Any:
+        return {"name": "look", "input_schema": {"type": "object", "properties": {
+            name: {"type": "object", "properties": {"any key": {"type": "string"}}}}}}
+
+    with FakeAnthropicServer([Reply.text("taken")]) as server:
+        async with anthropic.AsyncAnthropic(api_key="test", base_url=server.url,
+                                            max_retries=0) as client:
+            for name in ("full name", "@type", "x" * 65):
+                with pytest.raises(anthropic.BadRequestError, match=r"tools\.0\.custom\."
+                                   r"input_schema\.properties: Property keys should match"):
+                    await client.messages.create(
+                        model="claude-sonnet-4-5", max_tokens=64, tools=[tool(name)],
+                        messages=[{"role": "user", "content": "Look."}])
+            taken = await client.messages.create(
+                model="claude-sonnet-4-5", max_tokens=64, tools=[tool("a.b-c_" + "x" * 58)],
+                messages=[{"role": "user", "content": "Look."}])
+        assert taken.content[0].text == "taken"  # type: ignore[union-attr]
+        assert server.responses_served == 1

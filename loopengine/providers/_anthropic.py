@@ -102,7 +102,9 @@ from loopengine.providers._faults import (
     status_kind,
 )
 from loopengine.providers._messages_api import (
+    PROPERTY_KEY_PATTERN,
     TOOL_BLOCKS_WITHOUT_TOOLS,
+    odd_property_key,
     tool_blocks_without_tools,
     unthought_opening,
 )
@@ -499,7 +501,10 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         the whole turn): the API answers such a request with a 400 every time.
         So it does a request whose messages hold ``tool_use`` or
         ``tool_result`` blocks and that defines no tools (a transcript with
-        tool calls continued by a run given none), and, while thinking is on,
+        tool calls continued by a run given none), one defining a tool whose
+        input schema names a property, at its root, that the API's pattern
+        refuses (`odd_property_key`: a pydantic field's alias with a space, say),
+        and, while thinking is on,
         one whose messages end with an assistant message (a prefill of the
         reply) that does not begin with a thinking block (`unthought_opening`;
         without thinking the prefill is sent).
@@ -514,6 +519,16 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 FaultKind.BAD_REQUEST,
                 f"{TOOL_BLOCKS_WITHOUT_TOOLS} The messages hold tool calls and the run "
                 "gives no tools: give it the tools its transcript calls",
+                error_code="invalid_request_error")
+        odd = odd_property_key(request.tools)
+        if odd is not None:
+            index, key = odd
+            raise ProviderFault(
+                FaultKind.BAD_REQUEST,
+                f"tool {request.tools[index].get('name')!r} has an input property named "
+                f"{key[:80]!r}, which the Messages API refuses: a tool's property names "
+                f"must match {PROPERTY_KEY_PATTERN} (for a pydantic model, give the field "
+                "an alias that does)",
                 error_code="invalid_request_error")
         thinking = request.features.thinking
         if thinking is None:

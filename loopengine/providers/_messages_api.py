@@ -3,9 +3,11 @@ and `loopengine.testing.FakeAnthropicServer` applies as the API does."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
-__all__ = ["TOOL_BLOCKS_WITHOUT_TOOLS", "tool_blocks_without_tools", "unthought_opening"]
+__all__ = ["PROPERTY_KEY_PATTERN", "TOOL_BLOCKS_WITHOUT_TOOLS", "odd_property_key",
+           "tool_blocks_without_tools", "unthought_opening"]
 
 TOOL_BLOCKS_WITHOUT_TOOLS = ("Requests which include `tool_use` or `tool_result` blocks must "
                              "define tools.")
@@ -47,3 +49,24 @@ def unthought_opening(message: object) -> str | None:
     first = content[0] if isinstance(content, list) and content else None
     kind = str(first.get("type")) if isinstance(first, Mapping) else "text"
     return None if kind in ("thinking", "redacted_thinking") else kind
+
+
+PROPERTY_KEY_PATTERN = "^[a-zA-Z0-9_.-]{1,64}$"
+"""What the Messages API requires of each property name at the root of a tool's
+``input_schema``; it refuses a tool with another (a 400 naming the pattern)."""
+
+_PROPERTY_KEY = re.compile(PROPERTY_KEY_PATTERN.strip("^$"))
+
+
+def odd_property_key(tools: object) -> tuple[int, str] | None:
+    """The index of the first of ``tools`` whose ``input_schema`` names a property,
+    at its root, that `PROPERTY_KEY_PATTERN` does not match (a space, an ``@``,
+    a ``$``, a non-ASCII letter, more than 64 characters: a pydantic field's
+    alias may be any of these), and that name; None when there is none."""
+    for index, tool in enumerate(tools if isinstance(tools, Sequence) else ()):
+        schema = tool.get("input_schema") if isinstance(tool, Mapping) else None
+        properties = schema.get("properties") if isinstance(schema, Mapping) else None
+        for name in properties if isinstance(properties, Mapping) else ():
+            if not (isinstance(name, str) and _PROPERTY_KEY.fullmatch(name)):
+                return index, str(name)
+    return None
