@@ -293,8 +293,12 @@ class _Call:
         text = f"The answer does not match the required schema: {error}. Try again."
         calls = [b for b in content if b.get("type") == "tool_use"]
         if mode == "native" and calls:
+            # Each call is answered for itself: only the first answer was
+            # checked (as in a run), so the error is that one's alone.
+            first = next((b for b in calls if b.get("name") == ANSWER_TOOL), None)
             self.messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": b.get("id"), "content": text,
+                {"type": "tool_result", "tool_use_id": b.get("id"),
+                 "content": text if b is first or first is None else _NOT_CHECKED,
                  "is_error": True} for b in calls
             ]})
         else:
@@ -319,6 +323,11 @@ class _Call:
             f"{len(self.inv.records)} attempts ({stop.reason}): {fault.message}",
             fault=fault, outcome=outcome.value, attempts=len(self.inv.records),
         )
+
+
+_NOT_CHECKED = (f"Not checked: a reply's first call of {ANSWER_TOOL} is its answer, and only "
+                f"that one is checked. Give the whole answer in one call of {ANSWER_TOOL}.")
+"""The result of a call a reply made beside its first answer, which alone was checked."""
 
 
 def _json_object(text: str) -> str | None:
