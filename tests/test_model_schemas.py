@@ -360,7 +360,7 @@ async def test_the_fake_openai_apis_refuse_an_array_schema_without_items() -> No
     API's 400, naming where it is, from both APIs."""
     import openai
 
-    parameters = {"type": "object", "properties": {"pair": {
+    parameters: dict[str, Any] = {"type": "object", "properties": {"pair": {
         "type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}]}}}
     with FakeOpenAIServer([Reply.text("never")]) as server:
         async with openai.AsyncOpenAI(api_key="sk-test", base_url=server.base_url,
@@ -376,7 +376,36 @@ async def test_the_fake_openai_apis_refuse_an_array_schema_without_items() -> No
                     model="gpt-4o", input="Pair?", tools=[
                         {"type": "function", "name": "pair", "parameters": parameters,
                          "strict": False}])
+            either = {"type": "object", "properties": {"a": {"type": "string"}},
+                      "anyOf": [{"required": ["a"]}]}
+            with pytest.raises(openai.BadRequestError, match="not have 'oneOf'/'anyOf'/"
+                               "'allOf'/'enum'/'const'/'not' at the top level"):
+                await client.chat.completions.create(
+                    model="gpt-4o", messages=[{"role": "user", "content": "Pair?"}],
+                    tools=[{"type": "function", "function": {"name": "pair",
+                                                             "parameters": either}}])
         assert server.responses_served == 0
+
+
+@pytest.mark.parametrize("route", ["anthropic", "openai", "openai-responses"])
+async def test_a_tool_with_any_of_at_its_schema_s_root_is_refused_before_the_wire(
+    route: str,
+) -> None:
+    """The Messages API and both OpenAI APIs refuse a tool whose schema has
+    ``anyOf`` at its root (as an MCP server's "give one of these" rule is
+    written): the run is refused before its attempt is recorded or sent,
+    naming the tool, where the fakes (as the APIs) answer with a 400."""
+    either = le.Tool("find", "Find by name or id.", {
+        "type": "object", "properties": {"name": {"type": "string"}, "id": {"type": "string"}},
+        "anyOf": [{"required": ["name"]}, {"required": ["id"]}]}, lambda _: "found")
+    with served(route, Reply.text("never")) as (server, provider):
+        async with provider:
+            result = await le.Engine(provider).run(operation(route), "Find it.", tools=[either])
+        assert server.requests == []
+
+    assert result.outcome is le.Outcome.PROVIDER_ERROR and result.attempts.count == 0
+    assert result.fault is not None and "'find'" in result.fault.message
+    assert "'anyOf' at its root" in result.fault.message
 
 
 class Contact(pydantic.BaseModel):
@@ -399,15 +428,17 @@ async def test_a_property_name_the_messages_api_refuses_is_refused_before_the_wi
     assert "'full name'" in str(raised.value) and "alias" in str(raised.value)
 
 
-async def test_the_fake_messages_api_refuses_a_property_name_outside_its_pattern() -> None:
+async def test_the_fake_messages_api_refuses_the_tool_schemas_the_api_refuses() -> None:
     """What production answers, the fake answers: an ``anthropic`` client defining
-    a tool with a property named outside the pattern gets the API's 400; the
-    pattern holds for the names at the schema's root."""
+    a tool with a property named outside the pattern, or with ``anyOf`` at its
+    schema's root, gets the API's 400; the pattern holds for the names at the
+    schema's root, and ``anyOf`` is taken inside a property."""
     import anthropic
 
     def tool(name: str) -> Any:
         return {"name": "look", "input_schema": {"type": "object", "properties": {
-            name: {"type": "object", "properties": {"any key": {"type": "string"}}}}}}
+            name: {"type": "object", "properties": {"any key": {"type": "string"}},
+                   "anyOf": [{"required": ["any key"]}]}}}}
 
     with FakeAnthropicServer([Reply.text("taken")]) as server:
         async with anthropic.AsyncAnthropic(api_key="test", base_url=server.url,
@@ -418,6 +449,13 @@ async def test_the_fake_messages_api_refuses_a_property_name_outside_its_pattern
                     await client.messages.create(
                         model="claude-sonnet-4-5", max_tokens=64, tools=[tool(name)],
                         messages=[{"role": "user", "content": "Look."}])
+            either = tool("key")
+            either["input_schema"]["anyOf"] = [{"required": ["key"]}]
+            with pytest.raises(anthropic.BadRequestError, match="does not support oneOf, "
+                               "allOf, or anyOf at the top level"):
+                await client.messages.create(
+                    model="claude-sonnet-4-5", max_tokens=64, tools=[either],
+                    messages=[{"role": "user", "content": "Look."}])
             taken = await client.messages.create(
                 model="claude-sonnet-4-5", max_tokens=64, tools=[tool("a.b-c_" + "x" * 58)],
                 messages=[{"role": "user", "content": "Look."}])

@@ -102,10 +102,9 @@ from loopengine.providers._faults import (
     status_kind,
 )
 from loopengine.providers._messages_api import (
-    PROPERTY_KEY_PATTERN,
     TOOL_BLOCKS_WITHOUT_TOOLS,
-    odd_property_key,
     tool_blocks_without_tools,
+    tool_schema_refusal,
     unthought_opening,
 )
 from loopengine.providers._sdk import (
@@ -502,8 +501,9 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         So it does a request whose messages hold ``tool_use`` or
         ``tool_result`` blocks and that defines no tools (a transcript with
         tool calls continued by a run given none), one defining a tool whose
-        input schema names a property, at its root, that the API's pattern
-        refuses (`odd_property_key`: a pydantic field's alias with a space, say),
+        input schema the API refuses (`tool_schema_refusal`: ``anyOf`` at its
+        root, a property named outside the API's pattern, as a pydantic field's
+        alias with a space is),
         and, while thinking is on,
         one whose messages end with an assistant message (a prefill of the
         reply) that does not begin with a thinking block (`unthought_opening`;
@@ -520,16 +520,13 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 f"{TOOL_BLOCKS_WITHOUT_TOOLS} The messages hold tool calls and the run "
                 "gives no tools: give it the tools its transcript calls",
                 error_code="invalid_request_error")
-        odd = odd_property_key(request.tools)
-        if odd is not None:
-            index, key = odd
+        refused = tool_schema_refusal(request.tools)
+        if refused is not None:
+            index, words, what = refused
             raise ProviderFault(
                 FaultKind.BAD_REQUEST,
-                f"tool {request.tools[index].get('name')!r} has an input property named "
-                f"{key[:80]!r}, which the Messages API refuses: a tool's property names "
-                f"must match {PROPERTY_KEY_PATTERN} (for a pydantic model, give the field "
-                "an alias that does)",
-                error_code="invalid_request_error")
+                f"tool {request.tools[index].get('name')!r}: {what}, which the Messages API "
+                f"refuses ({words})", error_code="invalid_request_error")
         thinking = request.features.thinking
         if thinking is None:
             return

@@ -60,6 +60,7 @@ from loopengine.providers._base import (
     text_or_none,
     token_count,
 )
+from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._translate import (
     block_kind,
     check_blocks,
@@ -74,12 +75,14 @@ __all__ = [
     "TOOL_MODES",
     "StreamedCompletion",
     "arguments",
+    "ROOT_KEYWORDS",
     "arrays_without_items",
     "call_arguments",
     "chat_messages",
     "chat_params",
     "chat_tool_choice",
     "chat_tools",
+    "check_functions",
     "check_translatable",
     "FINISH_REASONS",
     "content_from_message",
@@ -90,6 +93,7 @@ __all__ = [
     "openai_usage",
     "result_blocks",
     "result_text",
+    "root_keyword",
     "stop_reason",
     "system_text",
     "text_of",
@@ -350,15 +354,49 @@ def image_source(block: Mapping[str, Any], api: str = API) -> Mapping[str, Any]:
 
 
 def check_translatable(request: ProviderRequest) -> None:
-    """Raise what `chat_params` would raise for ``request``, without translating it.
+    """Raise what `chat_params` would raise for ``request``, without translating it,
+    and refuse a tool whose schema the API refuses (`check_functions`).
 
     Raises:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role
-            or a ``tool_choice`` that has no Chat Completions equivalent.
+            or a ``tool_choice`` that has no Chat Completions equivalent;
+            (``invalid_function_parameters``) for such a tool.
     """
     check_blocks(request, _assistant_kind, user_kind, API)
     if request.tools:
         chat_tool_choice(request.tool_choice)
+    check_functions(request.tools, API)
+
+
+ROOT_KEYWORDS = ("oneOf", "anyOf", "allOf", "enum", "const", "not")
+"""The keywords both OpenAI APIs refuse at the root of a function's parameters
+("schema must have type 'object' and not have ... at the top level")."""
+
+
+def root_keyword(schema: object) -> str | None:
+    """The first of `ROOT_KEYWORDS` at the root of ``schema``, or None."""
+    if not isinstance(schema, Mapping):
+        return None
+    return next((key for key in ROOT_KEYWORDS if key in schema), None)
+
+
+def check_functions(tools: Sequence[Mapping[str, Any]], api: str) -> None:
+    """Refuse, before the wire, a tool both OpenAI APIs refuse for its schema: one
+    with a `ROOT_KEYWORDS` keyword at its root (a raw or MCP tool's "one of
+    these fields" rule). The Messages API refuses most of these too.
+
+    Raises:
+        ProviderFault: ``bad_request`` (``invalid_function_parameters``).
+    """
+    for tool in tools:
+        key = root_keyword(tool.get("input_schema"))
+        if key is not None:
+            raise ProviderFault(
+                FaultKind.BAD_REQUEST,
+                f"tool {tool.get('name')!r}: its input schema has {key!r} at its root, which "
+                f"the {api} refuses (a function's parameters must be an object's schema "
+                f"without {'/'.join(ROOT_KEYWORDS)} at the top level)",
+                error_code="invalid_function_parameters")
 
 
 def chat_messages(

@@ -58,6 +58,7 @@ from loopengine.providers._openai_chat import (
     TOOL_MODES,
     arguments,
     call_arguments,
+    check_functions,
     image_url,
     openai_function,
     openai_usage,
@@ -138,17 +139,19 @@ def _check_server_tools(request: ProviderRequest) -> None:
 
 
 def check_translatable(request: ProviderRequest) -> None:
-    """Raise what `responses_params` would raise for ``request``, without translating it.
+    """Raise what `responses_params` would raise for ``request``, without translating it,
+    and refuse a tool whose schema the API refuses (`check_functions`).
 
     Raises:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role,
             a ``tool_choice`` or a server tool the Responses API has no
-            equivalent for.
+            equivalent for; (``invalid_function_parameters``) for such a tool.
     """
     check_blocks(request, _assistant_kind, _user_kind, API)
     if request.tools:
         _tool_choice(request.tool_choice)
     _check_server_tools(request)
+    check_functions(request.tools, API)
 
 
 def responses_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:

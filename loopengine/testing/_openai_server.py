@@ -58,7 +58,8 @@ item, and so does a Responses request the API refuses (reasoning parameters
 for a model that does not reason, a reasoning item without its encrypted
 content or without the item that followed it, an output item without its
 reasoning item), and a request of either API whose function's parameters
-are not an object's schema or hold an array schema without ``items``.
+are not an object's schema (or have ``anyOf``, ``enum``... at their root) or
+hold an array schema without ``items``.
 Requests are recorded and the usage served is counted as by
 `FakeAnthropicServer`: `usage_served` is the usage a client reads, in the
 engine's convention (cache reads apart from the uncached input).
@@ -72,7 +73,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from loopengine._usage import Usage
-from loopengine.providers._openai_chat import arrays_without_items
+from loopengine.providers._openai_chat import ROOT_KEYWORDS, arrays_without_items, root_keyword
 from loopengine.providers._scripted import Reply
 from loopengine.testing import _openai_responses_wire as responses
 from loopengine.testing._loopback import (
@@ -434,10 +435,15 @@ def _parameters_problem(tools: object,
                         schema_of: Callable[[Mapping[str, Any]], object]) -> str | None:
     """Why either OpenAI API would refuse a request's function ``tools`` (their
     parameters read by ``schema_of``), in its words: parameters that are not an
-    object's schema, or that hold an array schema without ``items``."""
+    object's schema (or one with ``anyOf``... at its root), or that hold an
+    array schema without ``items``."""
     problem = tool_schema_problem(tools, schema_of, _schema_refusal)
     for tool in tools if problem is None and isinstance(tools, list) else ():
         schema = schema_of(tool) if isinstance(tool, Mapping) else None
+        if root_keyword(schema) is not None:
+            return (f"Invalid schema for function '{_function_name(tool)}': schema must have "
+                    "type 'object' and not have "
+                    f"{'/'.join(repr(key) for key in ROOT_KEYWORDS)} at the top level.")
         path = next(arrays_without_items(schema), None)
         if path is not None:
             return (f"Invalid schema for function '{_function_name(tool)}': In "
