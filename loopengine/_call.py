@@ -6,6 +6,8 @@ several provider requests, all counted in `CallAttempts` and all capped by
 ``retry.max_attempts``:
 
 * transport retries (the shared retry loop, as in a run);
+* continuations of a turn whose reply paused it (``pause_turn``, a
+  compaction), as in a run (phase ``continuation``);
 * schema-violation retries: the validation error is fed back (phase ``repair``);
 * truncation retries: a reply cut at ``max_tokens`` is asked again with
   ``max_tokens`` doubled, up to the growth ceiling (`growth_ceiling`), or
@@ -32,6 +34,7 @@ from loopengine._invocation import Invocation
 from loopengine._lifecycle import ending, finish
 from loopengine._operation import Operation
 from loopengine._outcome import Outcome
+from loopengine._run import CONTINUED_STOPS
 from loopengine._tools import validated
 from loopengine._usage import Usage
 from loopengine.guards._checkpoints import (
@@ -142,6 +145,8 @@ class _Call:
         self.spec = spec
         self.turn = 0
         self.messages = list(spec.messages)
+        self.paused = False
+        """Whether the messages end with a reply that paused its turn (`CONTINUED_STOPS`)."""
         schema = _validate.model_schema("output", spec.output)
         self.schema = schema
         self.tool = {
@@ -166,6 +171,7 @@ class _Call:
         max_tokens = min(self.spec.max_tokens, inv.operation.output_ceiling)
         ceiling = growth_ceiling(inv.operation, max_tokens)
         phase = "turn"
+        mode: Literal["native", "prompt"] = "native"
         invalid_seen = False
         last_reason, last_detail = "invalid", ""
         while True:
@@ -180,10 +186,13 @@ class _Call:
             trip = check_credits(self._state(), inv.limits)
             if trip is not None:
                 await self._fail_trip(trip)
-            mode: Literal["native", "prompt"] = "native"
-            if self.spec.prompt_fallback and invalid_seen and remaining == 1:
-                mode, phase = "prompt", "fallback"
-            self.turn += 1
+            if self.paused:
+                phase = "continuation"  # the paused turn goes on, in its mode
+            else:
+                mode = "native"
+                if self.spec.prompt_fallback and invalid_seen and remaining == 1:
+                    mode, phase = "prompt", "fallback"
+                self.turn += 1
             tokens = max_tokens
             response = await request(
                 inv, turn=self.turn, phase=phase,
@@ -208,6 +217,13 @@ class _Call:
                 await self._fail_trip(GuardTrip(Outcome.INCOMPLETE, "stop_reason",
                                                 str(response.stop_reason), None,
                                                 "the context window was exceeded"))
+            if response.stop_reason in CONTINUED_STOPS:
+                # A server tool loop paused (or a compaction did): the reply goes
+                # back as the last message and the next request continues the
+                # turn, as in a run; it is no answer, nor a wrong one.
+                self._add_reply(response)
+                self.paused = True
+                continue
             if response.stop_reason == "max_tokens":
                 # A cut-off reply is never parsed: ask again, with room to finish.
                 last_reason, last_detail = "truncated", f"cut at max_tokens={tokens}"
@@ -287,14 +303,29 @@ class _Call:
         except ToolInputError as error:
             return None, str(error)
 
+    def _add_reply(self, response: ProviderResponse) -> None:
+        """Add a reply's blocks to the messages: to the paused turn's message when
+        it continues one, else as an assistant message of their own."""
+        content = [dict(b) for b in response.content]
+        if self.paused:
+            last = self.messages[-1]
+            self.messages[-1] = {**last, "content": [*last["content"], *content]}
+        else:
+            self.messages = [*self.messages, {"role": "assistant", "content": content}]
+        self.paused = False
+
     def _feed_back(self, response: ProviderResponse, mode: str, error: str) -> None:
         content = [dict(b) for b in response.content]
-        self.messages = [*self.messages, {"role": "assistant", "content": content}]
+        self._add_reply(response)
         text = f"The answer does not match the required schema: {error}. Try again."
         calls = [b for b in content if b.get("type") == "tool_use"]
         if mode == "native" and calls:
+            # Each call is answered for itself: only the first answer was
+            # checked (as in a run), so the error is that one's alone.
+            first = next((b for b in calls if b.get("name") == ANSWER_TOOL), None)
             self.messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": b.get("id"), "content": text,
+                {"type": "tool_result", "tool_use_id": b.get("id"),
+                 "content": text if b is first or first is None else _NOT_CHECKED,
                  "is_error": True} for b in calls
             ]})
         else:
@@ -319,6 +350,11 @@ class _Call:
             f"{len(self.inv.records)} attempts ({stop.reason}): {fault.message}",
             fault=fault, outcome=outcome.value, attempts=len(self.inv.records),
         )
+
+
+_NOT_CHECKED = (f"Not checked: a reply's first call of {ANSWER_TOOL} is its answer, and only "
+                f"that one is checked. Give the whole answer in one call of {ANSWER_TOOL}.")
+"""The result of a call a reply made beside its first answer, which alone was checked."""
 
 
 def _json_object(text: str) -> str | None:

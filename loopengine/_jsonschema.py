@@ -20,13 +20,13 @@ ends the check with an error line, never a ``RecursionError``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import unquote
 
 from loopengine._errors import ConfigError
 
-__all__ = ["MAX_DEPTH", "check_schema", "schema_errors"]
+__all__ = ["MAX_DEPTH", "check_schema", "schema_errors", "subschemas"]
 
 MAX_DEPTH = 256
 """How many nested schema checks one input may take (``$ref`` hops included)."""
@@ -103,19 +103,7 @@ def _check_loops(field: str, root: Mapping[str, Any]) -> None:
         stack.discard(id(node))
         done.add(id(node))
 
-    def every(node: object) -> list[Mapping[str, Any]]:
-        if not isinstance(node, Mapping):
-            return []
-        nodes = [node]
-        for key in (*_SCHEMA_KEYWORDS, *_SCHEMA_LISTS, *_SCHEMA_MAPS):
-            value = node.get(key)
-            children = (value.values() if isinstance(value, Mapping) and key in _SCHEMA_MAPS
-                        else value if isinstance(value, list) else [value])
-            for child in children:
-                nodes.extend(every(child))
-        return nodes
-
-    nodes = every(root)
+    nodes = [node for _, node in subschemas(root)]
     for node in nodes:
         ref = node.get("$ref")
         if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and _target(
@@ -127,6 +115,29 @@ def _check_loops(field: str, root: Mapping[str, Any]) -> None:
                                      "(a local $ref must point into the schema)")
     for node in nodes:
         visit(node)
+
+
+def subschemas(schema: object, path: tuple[str, ...] = ()) -> Iterator[
+        tuple[tuple[str, ...], Mapping[str, Any]]]:
+    """Every schema object in ``schema``, itself first, each with its path from
+    the root (``("properties", "tags", "items")``): what ``properties``,
+    ``$defs``, ``definitions``, ``items``, ``prefixItems``,
+    ``additionalProperties``, ``allOf`` / ``anyOf`` / ``oneOf`` and ``not``
+    hold, depth first. A node's keys are read after it is yielded, so a caller
+    may add to a node it is handed (``items``) and have that walked too."""
+    if not isinstance(schema, Mapping):
+        return
+    yield path, schema
+    for key in (*_SCHEMA_KEYWORDS, *_SCHEMA_LISTS, *_SCHEMA_MAPS):
+        value = schema.get(key)
+        if isinstance(value, Mapping) and key in _SCHEMA_MAPS:
+            for name, child in value.items():
+                yield from subschemas(child, (*path, key, str(name)))
+        elif isinstance(value, list):
+            for i, child in enumerate(value):
+                yield from subschemas(child, (*path, key, str(i)))
+        else:
+            yield from subschemas(value, (*path, key))
 
 
 def _check_shape(field: str, schema: object, depth: int) -> None:

@@ -330,3 +330,134 @@ async def test_a_call_s_prompt_fallback_is_a_request_the_api_takes(route: str) -
     assert called.attempts.structured_output == "prompt" and called.attempts.count == 3
     (schema,) = tool_schemas(route, fallback)
     assert schema["type"] == "object"
+
+
+class Span(pydantic.BaseModel):
+    bounds: tuple[int, int]
+    labels: tuple[()] | list[str]
+
+
+@pytest.mark.parametrize("route", ["openai", "openai-responses"])
+async def test_a_tuple_is_sent_with_items_as_openai_requires(route: str) -> None:
+    """pydantic gives a tuple as ``prefixItems`` and bounds, without ``items``;
+    both OpenAI APIs refuse an array schema without ``items`` ("array schema
+    missing items"), so it goes with ``"items": {}``, which means the same
+    (the fake refuses it without, as the API does)."""
+    with served(route, Reply.final({"bounds": [1, 2], "labels": []})) as (server, provider):
+        async with provider:
+            called = await le.Engine(provider).call(operation(route), "Bound it.", output=Span)
+        (schema,) = tool_schemas(route, server.requests[0].body)
+
+    assert called.data == Span(bounds=(1, 2), labels=[])
+    bounds = schema["properties"]["bounds"]
+    assert bounds["items"] == {} and bounds["maxItems"] == 2 and len(bounds["prefixItems"]) == 2
+    assert schema["properties"]["labels"]["anyOf"][0]["items"] == {}
+
+
+async def test_the_fake_openai_apis_refuse_an_array_schema_without_items() -> None:
+    """What production answers, the fake answers: an ``openai`` client sending a
+    function whose parameters hold an array schema without ``items`` gets the
+    API's 400, naming where it is, from both APIs."""
+    import openai
+
+    parameters: dict[str, Any] = {"type": "object", "properties": {"pair": {
+        "type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}]}}}
+    with FakeOpenAIServer([Reply.text("never")]) as server:
+        async with openai.AsyncOpenAI(api_key="sk-test", base_url=server.base_url,
+                                      max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError, match=r"In context=\('properties', "
+                               r"'pair'\), array schema missing items"):
+                await client.chat.completions.create(
+                    model="gpt-4o", messages=[{"role": "user", "content": "Pair?"}],
+                    tools=[{"type": "function", "function": {"name": "pair",
+                                                             "parameters": parameters}}])
+            with pytest.raises(openai.BadRequestError, match="array schema missing items"):
+                await client.responses.create(
+                    model="gpt-4o", input="Pair?", tools=[
+                        {"type": "function", "name": "pair", "parameters": parameters,
+                         "strict": False}])
+            either = {"type": "object", "properties": {"a": {"type": "string"}},
+                      "anyOf": [{"required": ["a"]}]}
+            with pytest.raises(openai.BadRequestError, match="not have 'oneOf'/'anyOf'/"
+                               "'allOf'/'enum'/'const'/'not' at the top level"):
+                await client.chat.completions.create(
+                    model="gpt-4o", messages=[{"role": "user", "content": "Pair?"}],
+                    tools=[{"type": "function", "function": {"name": "pair",
+                                                             "parameters": either}}])
+        assert server.responses_served == 0
+
+
+@pytest.mark.parametrize("route", ["anthropic", "openai", "openai-responses"])
+async def test_a_tool_with_any_of_at_its_schema_s_root_is_refused_before_the_wire(
+    route: str,
+) -> None:
+    """The Messages API and both OpenAI APIs refuse a tool whose schema has
+    ``anyOf`` at its root (as an MCP server's "give one of these" rule is
+    written): the run is refused before its attempt is recorded or sent,
+    naming the tool, where the fakes (as the APIs) answer with a 400."""
+    either = le.Tool("find", "Find by name or id.", {
+        "type": "object", "properties": {"name": {"type": "string"}, "id": {"type": "string"}},
+        "anyOf": [{"required": ["name"]}, {"required": ["id"]}]}, lambda _: "found")
+    with served(route, Reply.text("never")) as (server, provider):
+        async with provider:
+            result = await le.Engine(provider).run(operation(route), "Find it.", tools=[either])
+        assert server.requests == []
+
+    assert result.outcome is le.Outcome.PROVIDER_ERROR and result.attempts.count == 0
+    assert result.fault is not None and "'find'" in result.fault.message
+    assert "'anyOf' at its root" in result.fault.message
+
+
+class Contact(pydantic.BaseModel):
+    name: str = pydantic.Field(alias="full name")
+
+
+async def test_a_property_name_the_messages_api_refuses_is_refused_before_the_wire() -> None:
+    """The Messages API refuses a tool whose input schema names a property, at its
+    root, outside ``^[a-zA-Z0-9_.-]{1,64}$`` (an alias with a space): the call
+    is refused before its attempt is recorded or sent, saying what to rename,
+    where the fake (as the API) would answer its request with a 400."""
+    with served("anthropic", Reply.final({"full name": "Ada"})) as (server, provider):
+        async with provider:
+            with pytest.raises(le.ProviderError) as raised:
+                await le.Engine(provider).call(operation("anthropic"), "Who?", output=Contact)
+        assert server.requests == []
+
+    assert raised.value.attempts == 0
+    assert raised.value.fault.error_code == "invalid_request_error"
+    assert "'full name'" in str(raised.value) and "alias" in str(raised.value)
+
+
+async def test_the_fake_messages_api_refuses_the_tool_schemas_the_api_refuses() -> None:
+    """What production answers, the fake answers: an ``anthropic`` client defining
+    a tool with a property named outside the pattern, or with ``anyOf`` at its
+    schema's root, gets the API's 400; the pattern holds for the names at the
+    schema's root, and ``anyOf`` is taken inside a property."""
+    import anthropic
+
+    def tool(name: str) -> Any:
+        return {"name": "look", "input_schema": {"type": "object", "properties": {
+            name: {"type": "object", "properties": {"any key": {"type": "string"}},
+                   "anyOf": [{"required": ["any key"]}]}}}}
+
+    with FakeAnthropicServer([Reply.text("taken")]) as server:
+        async with anthropic.AsyncAnthropic(api_key="test", base_url=server.url,
+                                            max_retries=0) as client:
+            for name in ("full name", "@type", "x" * 65):
+                with pytest.raises(anthropic.BadRequestError, match=r"tools\.0\.custom\."
+                                   r"input_schema\.properties: Property keys should match"):
+                    await client.messages.create(
+                        model="claude-sonnet-4-5", max_tokens=64, tools=[tool(name)],
+                        messages=[{"role": "user", "content": "Look."}])
+            either = tool("key")
+            either["input_schema"]["anyOf"] = [{"required": ["key"]}]
+            with pytest.raises(anthropic.BadRequestError, match="does not support oneOf, "
+                               "allOf, or anyOf at the top level"):
+                await client.messages.create(
+                    model="claude-sonnet-4-5", max_tokens=64, tools=[either],
+                    messages=[{"role": "user", "content": "Look."}])
+            taken = await client.messages.create(
+                model="claude-sonnet-4-5", max_tokens=64, tools=[tool("a.b-c_" + "x" * 58)],
+                messages=[{"role": "user", "content": "Look."}])
+        assert taken.content[0].text == "taken"  # type: ignore[union-attr]
+        assert server.responses_served == 1

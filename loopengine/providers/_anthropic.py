@@ -104,6 +104,7 @@ from loopengine.providers._faults import (
 from loopengine.providers._messages_api import (
     TOOL_BLOCKS_WITHOUT_TOOLS,
     tool_blocks_without_tools,
+    tool_schema_refusal,
     unthought_opening,
 )
 from loopengine.providers._sdk import (
@@ -499,7 +500,11 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         the whole turn): the API answers such a request with a 400 every time.
         So it does a request whose messages hold ``tool_use`` or
         ``tool_result`` blocks and that defines no tools (a transcript with
-        tool calls continued by a run given none), and, while thinking is on,
+        tool calls continued by a run given none), one defining a tool whose
+        input schema the API refuses (`tool_schema_refusal`: ``anyOf`` at its
+        root, a property named outside the API's pattern, as a pydantic field's
+        alias with a space is),
+        and, while thinking is on,
         one whose messages end with an assistant message (a prefill of the
         reply) that does not begin with a thinking block (`unthought_opening`;
         without thinking the prefill is sent).
@@ -515,6 +520,13 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
                 f"{TOOL_BLOCKS_WITHOUT_TOOLS} The messages hold tool calls and the run "
                 "gives no tools: give it the tools its transcript calls",
                 error_code="invalid_request_error")
+        refused = tool_schema_refusal(request.tools)
+        if refused is not None:
+            index, words, what = refused
+            raise ProviderFault(
+                FaultKind.BAD_REQUEST,
+                f"tool {request.tools[index].get('name')!r}: {what}, which the Messages API "
+                f"refuses ({words})", error_code="invalid_request_error")
         thinking = request.features.thinking
         if thinking is None:
             return

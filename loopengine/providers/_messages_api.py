@@ -3,9 +3,11 @@ and `loopengine.testing.FakeAnthropicServer` applies as the API does."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
-__all__ = ["TOOL_BLOCKS_WITHOUT_TOOLS", "tool_blocks_without_tools", "unthought_opening"]
+__all__ = ["PROPERTY_KEY_PATTERN", "ROOT_COMPOSITIONS", "TOOL_BLOCKS_WITHOUT_TOOLS",
+           "tool_blocks_without_tools", "tool_schema_refusal", "unthought_opening"]
 
 TOOL_BLOCKS_WITHOUT_TOOLS = ("Requests which include `tool_use` or `tool_result` blocks must "
                              "define tools.")
@@ -47,3 +49,41 @@ def unthought_opening(message: object) -> str | None:
     first = content[0] if isinstance(content, list) and content else None
     kind = str(first.get("type")) if isinstance(first, Mapping) else "text"
     return None if kind in ("thinking", "redacted_thinking") else kind
+
+
+PROPERTY_KEY_PATTERN = "^[a-zA-Z0-9_.-]{1,64}$"
+"""What the Messages API requires of each property name at the root of a tool's
+``input_schema``; it refuses a tool with another (a 400 naming the pattern)."""
+
+_PROPERTY_KEY = re.compile(PROPERTY_KEY_PATTERN.strip("^$"))
+
+ROOT_COMPOSITIONS = ("oneOf", "allOf", "anyOf")
+"""The keywords the Messages API refuses at the root of a tool's ``input_schema``
+(inside its properties they are taken)."""
+
+
+def tool_schema_refusal(tools: object) -> tuple[int, str, str] | None:
+    """Why the Messages API would refuse one of ``tools`` for its ``input_schema``,
+    or None: the first such tool's index, the API's words, and what in the
+    schema it is. It refuses a schema with `ROOT_COMPOSITIONS` at its root (a
+    raw or MCP tool's "one of these fields" rule), and one naming a property, at
+    its root, that `PROPERTY_KEY_PATTERN` does not match (a space, an ``@``, a
+    ``$``, a non-ASCII letter, more than 64 characters: a pydantic field's
+    alias may be any of these)."""
+    for index, tool in enumerate(tools if isinstance(tools, Sequence) else ()):
+        schema = tool.get("input_schema") if isinstance(tool, Mapping) else None
+        if not isinstance(schema, Mapping):
+            continue
+        for key in ROOT_COMPOSITIONS:
+            if key in schema:
+                return (index, f"tools.{index}.custom.input_schema: input_schema does not "
+                               "support oneOf, allOf, or anyOf at the top level",
+                        f"its input schema has {key!r} at its root")
+        properties = schema.get("properties")
+        for name in properties if isinstance(properties, Mapping) else ():
+            if not (isinstance(name, str) and _PROPERTY_KEY.fullmatch(name)):
+                return (index, f"tools.{index}.custom.input_schema.properties: Property keys "
+                               f"should match pattern '{PROPERTY_KEY_PATTERN}'",
+                        f"its input schema names a property {str(name)[:80]!r} (rename it; for "
+                        "a pydantic model, give the field an alias that matches)")
+    return None

@@ -12,7 +12,9 @@ its boundary, both ways (`chat_messages`, `chat_tools`, `chat_tool_choice`,
   not shown]``, beside the result's text); ``tool_use`` blocks become the
   assistant's ``tool_calls``; ``thinking`` blocks and ``cache_control``
   markers have no equivalent and are dropped (OpenAI caches prompt prefixes on its own);
-* tools become ``function`` tools with the JSON schema as ``parameters``;
+* tools become ``function`` tools with the JSON schema as ``parameters``
+  (an array schema without ``items``, a tuple's, given ``"items": {}``,
+  which means the same: the API refuses an array schema without it);
   ``tool_choice`` ``auto`` / ``none`` / ``any`` / a named tool become
   ``auto`` / ``none`` / ``required`` / that function;
 * the reply's text and ``refusal`` become text blocks, its tool calls
@@ -43,10 +45,12 @@ reasoning tokens are inside ``completion_tokens``.
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from loopengine._jsonschema import subschemas
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     ProviderRequest,
@@ -56,6 +60,7 @@ from loopengine.providers._base import (
     text_or_none,
     token_count,
 )
+from loopengine.providers._faults import FaultKind, ProviderFault
 from loopengine.providers._translate import (
     block_kind,
     check_blocks,
@@ -70,20 +75,25 @@ __all__ = [
     "TOOL_MODES",
     "StreamedCompletion",
     "arguments",
+    "ROOT_KEYWORDS",
+    "arrays_without_items",
     "call_arguments",
     "chat_messages",
     "chat_params",
     "chat_tool_choice",
     "chat_tools",
+    "check_functions",
     "check_translatable",
     "FINISH_REASONS",
     "content_from_message",
     "first_choice",
     "image_source",
     "image_url",
+    "openai_function",
     "openai_usage",
     "result_blocks",
     "result_text",
+    "root_keyword",
     "stop_reason",
     "system_text",
     "text_of",
@@ -344,15 +354,49 @@ def image_source(block: Mapping[str, Any], api: str = API) -> Mapping[str, Any]:
 
 
 def check_translatable(request: ProviderRequest) -> None:
-    """Raise what `chat_params` would raise for ``request``, without translating it.
+    """Raise what `chat_params` would raise for ``request``, without translating it,
+    and refuse a tool whose schema the API refuses (`check_functions`).
 
     Raises:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role
-            or a ``tool_choice`` that has no Chat Completions equivalent.
+            or a ``tool_choice`` that has no Chat Completions equivalent;
+            (``invalid_function_parameters``) for such a tool.
     """
     check_blocks(request, _assistant_kind, user_kind, API)
     if request.tools:
         chat_tool_choice(request.tool_choice)
+    check_functions(request.tools, API)
+
+
+ROOT_KEYWORDS = ("oneOf", "anyOf", "allOf", "enum", "const", "not")
+"""The keywords both OpenAI APIs refuse at the root of a function's parameters
+("schema must have type 'object' and not have ... at the top level")."""
+
+
+def root_keyword(schema: object) -> str | None:
+    """The first of `ROOT_KEYWORDS` at the root of ``schema``, or None."""
+    if not isinstance(schema, Mapping):
+        return None
+    return next((key for key in ROOT_KEYWORDS if key in schema), None)
+
+
+def check_functions(tools: Sequence[Mapping[str, Any]], api: str) -> None:
+    """Refuse, before the wire, a tool both OpenAI APIs refuse for its schema: one
+    with a `ROOT_KEYWORDS` keyword at its root (a raw or MCP tool's "one of
+    these fields" rule). The Messages API refuses most of these too.
+
+    Raises:
+        ProviderFault: ``bad_request`` (``invalid_function_parameters``).
+    """
+    for tool in tools:
+        key = root_keyword(tool.get("input_schema"))
+        if key is not None:
+            raise ProviderFault(
+                FaultKind.BAD_REQUEST,
+                f"tool {tool.get('name')!r}: its input schema has {key!r} at its root, which "
+                f"the {api} refuses (a function's parameters must be an object's schema "
+                f"without {'/'.join(ROOT_KEYWORDS)} at the top level)",
+                error_code="invalid_function_parameters")
 
 
 def chat_messages(
@@ -502,7 +546,38 @@ def image_url(block: Mapping[str, Any], api: str = API) -> str:
 
 def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Chat Completions ``function`` tools for Anthropic tool definitions."""
-    return [{"type": "function", "function": function_tool(tool)} for tool in tools]
+    return [{"type": "function", "function": openai_function(tool)} for tool in tools]
+
+
+def openai_function(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """An Anthropic tool definition as both OpenAI APIs' function: `function_tool`,
+    with ``items`` given to each array schema that has none (`arrays_without_items`)."""
+    function = function_tool(tool)
+    if next(arrays_without_items(function["parameters"]), None) is not None:
+        parameters = copy.deepcopy(function["parameters"])
+        for _, node in subschemas(parameters):
+            if _array_without_items(node):
+                # What JSON Schema means without it (any further item), in the
+                # form the API takes: a tuple's prefixItems and bounds still hold.
+                node["items"] = {}  # type: ignore[index]
+        function["parameters"] = parameters
+    return function
+
+
+def arrays_without_items(schema: object) -> Iterator[tuple[str, ...]]:
+    """The paths in ``schema`` of the array schemas without ``items`` (a tuple's
+    ``prefixItems`` alone, a bare ``{"type": "array"}``): both OpenAI APIs
+    refuse a function whose parameters hold one ("array schema missing
+    items"), strict or not."""
+    for path, node in subschemas(schema):
+        if _array_without_items(node):
+            yield path
+
+
+def _array_without_items(node: Mapping[str, Any]) -> bool:
+    kind = node.get("type")
+    return "items" not in node and (kind == "array" or (isinstance(kind, list)
+                                                         and "array" in kind))
 
 
 TOOL_MODES: Mapping[str, str | dict[str, Any]] = {"auto": "auto", "none": "none",

@@ -9,7 +9,8 @@ boundary, both ways (`responses_params`, `content_from_response`,
   text starts with ``Error:``), its text and images one ``user`` message;
   an assistant's text becomes an ``assistant`` message and its ``tool_use``
   blocks ``function_call`` items, in the order of its blocks; tools become
-  ``function`` tools (``strict`` false: the engine validates the input);
+  ``function`` tools (``strict`` false: the engine validates the input;
+  their schemas as Chat Completions sends them, `openai_function`);
   ``cache_control`` markers and another vendor's ``thinking`` (or a Chat
   Completions server's ``reasoning_content`` or ``reasoning_details``) have
   no equivalent and are dropped.
@@ -57,7 +58,9 @@ from loopengine.providers._openai_chat import (
     TOOL_MODES,
     arguments,
     call_arguments,
+    check_functions,
     image_url,
+    openai_function,
     openai_usage,
     result_text,
     system_text,
@@ -67,7 +70,6 @@ from loopengine.providers._openai_chat import (
 )
 from loopengine.providers._translate import (
     check_blocks,
-    function_tool,
     message_role,
     tool_choice,
     untranslatable,
@@ -137,17 +139,19 @@ def _check_server_tools(request: ProviderRequest) -> None:
 
 
 def check_translatable(request: ProviderRequest) -> None:
-    """Raise what `responses_params` would raise for ``request``, without translating it.
+    """Raise what `responses_params` would raise for ``request``, without translating it,
+    and refuse a tool whose schema the API refuses (`check_functions`).
 
     Raises:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role,
             a ``tool_choice`` or a server tool the Responses API has no
-            equivalent for.
+            equivalent for; (``invalid_function_parameters``) for such a tool.
     """
     check_blocks(request, _assistant_kind, _user_kind, API)
     if request.tools:
         _tool_choice(request.tool_choice)
     _check_server_tools(request)
+    check_functions(request.tools, API)
 
 
 def responses_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
@@ -167,7 +171,7 @@ def responses_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any
     }
     if request.system:
         params["instructions"] = system_text(request.system)
-    tools: list[dict[str, Any]] = [{"type": "function", **function_tool(tool), "strict": False}
+    tools: list[dict[str, Any]] = [{"type": "function", **openai_function(tool), "strict": False}
                                    for tool in request.tools]
     if request.tools:
         tool_params(params, request, _tool_choice)

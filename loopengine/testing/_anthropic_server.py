@@ -19,7 +19,10 @@ one answering a programmatic tool call (a ``tool_use`` with a ``caller``
 other than ``direct``) without its ``container``, or one sending back a
 ``thinking`` block whose ``signature`` the server did not issue for that
 text, or a ``redacted_thinking`` block whose ``data`` it did not issue
-(``messages.1.content.0: Invalid `signature` in `thinking` block``).
+(``messages.1.content.0: Invalid `signature` in `thinking` block``), or one
+defining a tool whose ``input_schema`` has ``oneOf``, ``allOf`` or ``anyOf``
+at its root, or names a property there that the API's pattern refuses
+(``^[a-zA-Z0-9_.-]{1,64}$``: a space, an ``@``, a name of 65 characters).
 
 The server signs the thinking it serves, as the API does: a scripted
 ``thinking`` block without a ``signature`` is served with one the server
@@ -52,6 +55,7 @@ from loopengine.providers._cache import cache_marker_problem
 from loopengine.providers._messages_api import (
     TOOL_BLOCKS_WITHOUT_TOOLS,
     tool_blocks_without_tools,
+    tool_schema_refusal,
     unthought_opening,
 )
 from loopengine.providers._scripted import Reply
@@ -185,6 +189,9 @@ class FakeAnthropicServer(LoopbackServer):
         if problem is None and isinstance(body, Mapping) and tool_blocks_without_tools(
                 body.get("messages"), body.get("tools")):
             problem = TOOL_BLOCKS_WITHOUT_TOOLS
+        refused = tool_schema_refusal(body.get("tools")) if isinstance(body, Mapping) else None
+        if problem is None and refused is not None:
+            problem = refused[1]
         return problem or tool_schema_problem(
             body.get("tools") if isinstance(body, Mapping) else None,
             lambda tool: tool.get("input_schema") if "input_schema" in tool else None,

@@ -57,7 +57,10 @@ without its ``tool`` message) gets the API's 400 without taking a script
 item, and so does a Responses request the API refuses (reasoning parameters
 for a model that does not reason, a reasoning item without its encrypted
 content or without the item that followed it, an output item without its
-reasoning item). Requests are recorded and the usage served is counted as by
+reasoning item), and a request of either API whose function's parameters
+are not an object's schema (or have ``anyOf``, ``enum``... at their root) or
+hold an array schema without ``items``.
+Requests are recorded and the usage served is counted as by
 `FakeAnthropicServer`: `usage_served` is the usage a client reads, in the
 engine's convention (cache reads apart from the uncached input).
 """
@@ -66,10 +69,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from loopengine._usage import Usage
+from loopengine.providers._openai_chat import ROOT_KEYWORDS, arrays_without_items, root_keyword
 from loopengine.providers._scripted import Reply
 from loopengine.testing import _openai_responses_wire as responses
 from loopengine.testing._loopback import (
@@ -188,15 +192,15 @@ class FakeOpenAIServer(LoopbackServer):
         if isinstance(body, Mapping) and "input" in body:
             return (responses.reasoning_problem(body)
                     or responses.input_problem(body, self._reasoned)
-                    or tool_schema_problem(
+                    or _parameters_problem(
                         body.get("tools"), lambda tool: tool.get("parameters")
-                        if tool.get("type") == "function" else None, _schema_refusal))
+                        if tool.get("type") == "function" else None))
         return (transcript_problem(body) or self._reasoning_problem(body)
                 or self._signature_problem(body)
-                or tool_schema_problem(
+                or _parameters_problem(
                     body.get("tools") if isinstance(body, Mapping) else None,
                     lambda tool: tool["function"].get("parameters")
-                    if isinstance(tool.get("function"), Mapping) else None, _schema_refusal))
+                    if isinstance(tool.get("function"), Mapping) else None))
 
     def _reasoning_problem(self, body: Any) -> str | None:
         """Why a thinking server (DeepSeek, OpenRouter's) would refuse ``body``'s
@@ -427,12 +431,35 @@ def _data(payload: Mapping[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
+def _parameters_problem(tools: object,
+                        schema_of: Callable[[Mapping[str, Any]], object]) -> str | None:
+    """Why either OpenAI API would refuse a request's function ``tools`` (their
+    parameters read by ``schema_of``), in its words: parameters that are not an
+    object's schema (or one with ``anyOf``... at its root), or that hold an
+    array schema without ``items``."""
+    problem = tool_schema_problem(tools, schema_of, _schema_refusal)
+    for tool in tools if problem is None and isinstance(tools, list) else ():
+        schema = schema_of(tool) if isinstance(tool, Mapping) else None
+        if root_keyword(schema) is not None:
+            return (f"Invalid schema for function '{_function_name(tool)}': schema must have "
+                    "type 'object' and not have "
+                    f"{'/'.join(repr(key) for key in ROOT_KEYWORDS)} at the top level.")
+        path = next(arrays_without_items(schema), None)
+        if path is not None:
+            return (f"Invalid schema for function '{_function_name(tool)}': In "
+                    f"context={path!r}, array schema missing items.")
+    return problem
+
+
+def _function_name(tool: Mapping[str, Any]) -> object:
+    function = tool.get("function")
+    return (function if isinstance(function, Mapping) else tool).get("name")
+
+
 def _schema_refusal(index: int, tool: Mapping[str, Any], kind: object) -> str:
     """OpenAI's words for a function tool whose parameters are not an object's."""
-    function = tool.get("function")
-    name = (function if isinstance(function, Mapping) else tool).get("name")
-    return (f"Invalid schema for function '{name}': schema must be a JSON Schema of "
-            f"'type: \"object\"', got 'type: \"{kind}\"'.")
+    return (f"Invalid schema for function '{_function_name(tool)}': schema must be a JSON "
+            f"Schema of 'type: \"object\"', got 'type: \"{kind}\"'.")
 
 
 def transcript_problem(body: Any) -> str | None:

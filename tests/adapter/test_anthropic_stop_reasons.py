@@ -43,3 +43,27 @@ async def test_r05_an_unread_stop_reason_is_a_server_error_retried(
     assert (first.fault, first.error_code, first.http_status) == ("server_error", code, 200)
     assert first.usage == USAGE and first.charged is False
     assert len(wire.requests) == 2
+
+
+@STREAMING
+async def test_a_call_whose_reply_paused_continues_its_turn(wire: Harness, stream: bool) -> None:
+    """A call's reply that paused its turn (``pause_turn``: a server tool loop
+    stopped) is no answer and no wrong one: it goes back as the last message and
+    the next request continues the turn (phase ``continuation``), as a run's
+    does; no repair is asked for."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str
+
+    paused = Reply(content=[{"type": "text", "text": "Searching. "}], stop_reason="pause_turn",
+                   usage=USAGE)
+    engine, ledger = wire.engine(paused, Reply.final({"name": "Oslo"}), stream=stream)
+    result = await engine.call(operation(), "Capital of Norway?", output=City)
+
+    assert result.data == City(name="Oslo") and result.attempts.count == 2
+    continued = wire.requests[1].messages
+    assert continued[-1] == {"role": "assistant",
+                             "content": [{"type": "text", "text": "Searching. "}]}
+    assert [(r.dispatch.turn, r.dispatch.phase) for r in result.attempt_log] == [
+        (1, "turn"), (1, "continuation")]

@@ -32,7 +32,7 @@ from loopengine.providers._openai_faults import classify_error
 from loopengine.testing import CutStream, FakeOpenAIServer, Reply
 
 from ..adapter.test_event_loops import assert_nothing_left_open, run_on_trio
-from .conftest import MODEL, PRICES, OpenAIHarness, openai_operation
+from .conftest import MODEL, PRICES, OpenAIHarness, openai_operation, tool_messages
 
 # -- translation: the engine's transcript -> Chat Completions -------------------------
 
@@ -538,3 +538,19 @@ async def test_engine_stream_yields_the_text_deltas_of_a_streamed_reply(
     assert run.result.outcome is le.Outcome.COMPLETED
     assert "".join(d.text for d in deltas) == "streamed through chat completions"
     assert {(d.turn, d.attempt) for d in deltas} == {(1, 1)}
+
+
+async def test_a_structured_call_answers_each_of_parallel_calls_for_itself(
+    wire: OpenAIHarness,
+) -> None:
+    """A reply with parallel calls of the answer function has only its first checked
+    (as a run does); the repair tells that call its own error and the others
+    that they were not checked, never another call's error as theirs."""
+    engine, ledger = wire.engine(
+        Reply.tool_calls(("final_answer", {"nom": "Oslo"}), ("final_answer", {"name": "Oslo"})),
+        Reply.tool_calls(("final_answer", {"name": "Oslo"})))
+    result = await engine.call(openai_operation(), "capital of Norway?", output=City)
+    assert result.data == City(name="Oslo") and result.attempts.count == 2
+    first, second = (m["content"] for m in tool_messages(wire.requests[1]))
+    assert "name: Field required" in first
+    assert "Field required" not in second and "Not checked" in second
