@@ -113,7 +113,7 @@ def genai_operation_of(name: str) -> str:
 
 
 FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",
-                      "reasoning_effort", "service_tier"})
+                      "reasoning_effort", "service_tier", "web_search_options"})
 """The optional request features an operation may publish (docs/providers.md); a provider
 names those it can send in `Provider.features`."""
 

@@ -197,9 +197,11 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                                                max_connections)
         self._name_route(vendor)
 
-    features = frozenset({"reasoning_effort", "service_tier"})
+    features = frozenset({"reasoning_effort", "service_tier", "web_search_options"})
     """The Chat Completions API's optional request features (docs/providers.md), sent as
-    ``reasoning_effort`` and ``service_tier``; an operation enabling another
+    ``reasoning_effort``, ``service_tier`` and, to a search model only (a request
+    to another model is refused by `check_request`), ``web_search_options``;
+    an operation enabling another
     (thinking, server tools, betas, context management: the Messages API's)
     is refused by the engine before anything is recorded. The vendor
     (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
@@ -216,8 +218,9 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
     def check_request(self, request: ProviderRequest) -> None:
         """Before an attempt is recorded: refuse a request the Chat Completions
         API has no equivalent for (a document, a server tool block, a block
-        inside a tool result other than text, an image or a document...), by
-        the translation's own rules, without translating it.
+        inside a tool result other than text, an image or a document...,
+        ``web_search_options`` to a model that is not a search model), by the
+        translation's own rules, without translating it.
 
         Raises:
             ProviderFault: ``bad_request``, ``error_code`` ``untranslatable``.

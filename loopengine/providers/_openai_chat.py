@@ -160,6 +160,8 @@ def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         params["reasoning_effort"] = request.features.reasoning_effort
     if request.features.service_tier is not None:
         params["service_tier"] = request.features.service_tier
+    if request.features.web_search_options is not None:
+        params["web_search_options"] = dict(request.features.web_search_options)
     if stream:
         params["stream"] = True
         params["stream_options"] = {"include_usage": True}
@@ -375,8 +377,13 @@ def check_translatable(request: ProviderRequest) -> None:
 
     Raises:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role
-            or a ``tool_choice`` that has no Chat Completions equivalent.
+            or a ``tool_choice`` that has no Chat Completions equivalent, or
+            ``web_search_options`` for a model that is not a search model
+            (`search_model`), which the API refuses.
     """
+    if request.features.web_search_options is not None and not search_model(request.model):
+        raise untranslatable(f"web_search_options for {request.model!r}, which is not a "
+                             "search model,", API)
     check_blocks(request, _assistant_kind, user_kind, API)
     if request.tools:
         chat_tool_choice(request.tool_choice)

@@ -13,8 +13,9 @@ import pytest
 
 import loopengine as le
 from loopengine import events
+from loopengine._features import features_from_table, features_table
 from loopengine.persistence import SQLiteLedger
-from loopengine.providers import OpenAIProvider
+from loopengine.providers import AnthropicProvider, OpenAIProvider, OpenAIResponsesProvider
 from loopengine.providers._openai_chat import search_model
 from loopengine.testing import Reply
 
@@ -145,3 +146,66 @@ async def test_the_estimate_and_an_account_count_a_search_model_s_searches(
     assert estimate.fee_usd == Decimal("0.075")  # 3 turns x $0.025
     assert seen == [100_000 + 25_000]
     assert result.outcome is le.Outcome.COMPLETED and result.credits == 29_500
+
+
+OPTIONS = {"search_context_size": "low",
+           "user_location": {"type": "approximate", "approximate": {"country": "GB"}}}
+"""A search model's ``web_search_options``."""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_web_search_options_go_to_a_search_model_as_published(
+    wire: OpenAIHarness, stream: bool,
+) -> None:
+    """An operation's web_search_options are the request's, JSON and streamed; a run
+    that turns them off (features=) sends none, and its model searches all the same."""
+    engine, ledger = wire.engine(*[Reply.text("It rained.", usage=USAGE)] * 2,
+                                 prices=book(SEARCH_MODEL), stream=stream)
+    published = le.Operation(name="news.answer", provider="openai", model=SEARCH_MODEL,
+                             web_search_options=OPTIONS)
+    await engine.run(published, "news?")
+    await engine.run(published, "news?", features={"web_search_options": None})
+    assert wire.requests[0].body["web_search_options"] == OPTIONS
+    assert "web_search_options" not in wire.requests[1].body
+    assert [row["web_search_requests"] for row in ledger.attempts.values()] == [1, 1]
+    with pytest.raises(le.ConfigError) as raised:
+        await engine.run(published, "news?", features={
+            "web_search_options": {"search_context_size": "high"}})
+    assert raised.value.field == "web_search_options" and len(wire.requests) == 2
+
+
+async def test_web_search_options_to_another_model_are_refused_before_the_wire(
+    wire: OpenAIHarness,
+) -> None:
+    """The API refuses web_search_options for a model that does not search: the request
+    is refused before its attempt is recorded, nothing sent, not retried."""
+    engine, ledger = wire.engine(Reply.text("hi"))
+    result = await engine.run(le.Operation(name="t", provider="openai", model=MODEL,
+                                           web_search_options=OPTIONS), "go")
+    assert result.outcome is le.Outcome.PROVIDER_ERROR and result.fault is not None
+    assert result.fault.error_code == "untranslatable"
+    assert "not a search model" in result.fault.message
+    assert wire.requests == [] and ledger.attempts == {}
+
+
+def test_web_search_options_are_a_chat_completions_feature(tmp_path: Path) -> None:
+    """A JSON object, read from a catalogue and kept through a run state's table; a
+    route that cannot send it (the Responses API, Anthropic) refuses it before
+    anything is recorded."""
+    with pytest.raises(le.ConfigError) as bad:
+        le.Operation(name="t", provider="openai", model=SEARCH_MODEL,
+                     web_search_options=["low"])  # type: ignore[arg-type]
+    assert bad.value.field == "web_search_options"
+    catalogue = tmp_path / "ops.toml"
+    catalogue.write_text('[operations."news"]\nprovider = "openai"\n'
+                         'model = "gpt-4o-search-preview"\n'
+                         'web_search_options = { search_context_size = "low" }\n')
+    (news,) = le.load_operations(catalogue).values()
+    assert news.web_search_options == {"search_context_size": "low"}
+    assert features_from_table(features_table(news.features)) == news.features
+    for provider in (OpenAIResponsesProvider(api_key="k"), AnthropicProvider(api_key="k")):
+        op = le.Operation(name="t", provider=provider.name, model=SEARCH_MODEL,
+                          web_search_options=OPTIONS)
+        with pytest.raises(le.ConfigError) as refused:
+            le.Engine(provider).run_sync(op, "go")
+        assert refused.value.field == "web_search_options"
