@@ -27,11 +27,12 @@ logger = logging.getLogger("loopengine")
 def fee_margin(inv: Invocation, at: datetime) -> int:
     """The credits of the worst case of one turn's server-tool fees (every web
     search and web fetch tool used ``max_uses`` times), reserved on top of the
-    hold: the turn that crosses the hold may run them all (R03)."""
-    if not inv.features.server_tools:
+    hold: the turn that crosses the hold may run them all (R03). A search model's
+    web search on every request (`Invocation.searches`) is one of them."""
+    if not inv.features.server_tools and not inv.searches:
         return 0
     fees = inv.prices.turn_fees(inv.vendor, inv.operation.model, inv.features.server_tools,
-                                at)
+                                at, searches=inv.searches)
     # The engine refuses an account run with an unbounded or unpriced fee.
     assert fees.usd is not None
     return turn_credits(to_nanousd(fees.usd), inv.prices.credits_per_usd,

@@ -298,7 +298,8 @@ class Engine:
         if run_limits.credit_hold is not None:
             unpriced = self.prices.unpriced_features(
                 vendor, operation.model, run_features, self.clock.wall(),
-                geo=provider.inference_geo)
+                geo=provider.inference_geo,
+                searches=provider.request_web_searches(operation.model))
             if unpriced:
                 raise ConfigError(
                     "prices",
@@ -908,7 +909,8 @@ class Engine:
                             output=output,
                             limits=limits, prices=self.prices, at=self.clock.wall(),
                             vendor=(provider := self.provider_for(operation)).vendor,
-                            geo=provider.inference_geo)
+                            geo=provider.inference_geo,
+                            searches=provider.request_web_searches(operation.model))
 
 
 def _route(operation: Operation) -> tuple[str, str, str, str]:

@@ -15,9 +15,11 @@ worst case the operation's limits allow:
   quantum before it accumulates, as real turn charges are (R03);
 * each turn uses every server tool the operation publishes up to its
   ``max_uses`` and pays its per-request fee (web search, web fetch) that
-  many times. A tool with a fee and no ``max_uses`` has no worst case: the
-  estimate then has no cost (``cost_usd`` and ``credits`` are None, as for an
-  unpriced model, and ``unbounded_tools`` names it).
+  many times, and a search model's one web search (a request to it searches
+  whatever it asks, `Provider.request_web_searches`). A tool with a fee and
+  no ``max_uses`` has no worst case: the estimate then has no cost
+  (``cost_usd`` and ``credits`` are None, as for an unpriced model, and
+  ``unbounded_tools`` names it).
 
 What the estimate cannot know is left out and said so: tool results and judge
 feedback added during the run (their size depends on the tools), retries (a
@@ -143,6 +145,7 @@ def estimate_run(
     final_tool: str = "final_answer",
     vendor: str | None = None,
     geo: str | None = None,
+    searches: int = 0,
 ) -> Estimate:
     """The worst case of a run (see the module docstring for the model).
 
@@ -161,6 +164,8 @@ def estimate_run(
             the operation's route name).
         geo: Where the route's provider serves every request, when that
             changes the price (its `Provider.inference_geo`).
+        searches: The web searches its every request runs whatever it asks
+            (a search model's: `Provider.request_web_searches`), each turn's fees.
 
     Raises:
         ConfigError: bad input, as `Engine.run` would raise it.
@@ -185,7 +190,8 @@ def estimate_run(
     turn_inputs = tuple(first + k * per_turn_output for k in range(turns))
 
     route = vendor or operation.provider
-    fees = prices.turn_fees(route, operation.model, operation.server_tools, at)
+    fees = prices.turn_fees(route, operation.model, operation.server_tools, at,
+                            searches=searches)
     searches, fetches, unbounded = (fees.web_search_requests, fees.web_fetch_requests,
                                     fees.unbounded)
     cost_nanousd: int | None = 0

@@ -1,5 +1,6 @@
 """Request features an operation publishes: thinking, server tools, betas, context
-management, OpenAI reasoning effort and service tier (docs/pricing.md).
+management, OpenAI reasoning effort and service tier, and a Chat Completions
+search model's web search options (docs/pricing.md).
 
 They are part of the operation's published route (R13): a run may use fewer
 of them or lower a number (a tool's ``max_uses``, a thinking budget, a
@@ -44,6 +45,9 @@ REASONING_EFFORTS: Final = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 SERVICE_TIERS: Final = ("auto", "default", "flex", "scale", "priority")
 """OpenAI's ``service_tier`` values."""
+
+_OBJECTS: Final = ("context_management", "web_search_options")
+"""The features that are JSON objects sent as given."""
 
 _MIN_THINKING_BUDGET: Final = 1024
 """The smallest ``budget_tokens`` the Messages API accepts."""
@@ -157,6 +161,9 @@ class Features:
     """OpenAI's ``reasoning_effort``."""
     service_tier: str | None = None
     """OpenAI's ``service_tier``."""
+    web_search_options: Mapping[str, Any] | None = None
+    """OpenAI Chat Completions' ``web_search_options`` object (a search model's
+    ``search_context_size``, ``user_location``), as given."""
 
     def __post_init__(self) -> None:
         check_features(self)
@@ -164,7 +171,7 @@ class Features:
     def __hash__(self) -> int:
         return hash((self.thinking, self.server_tools, self.betas,
                      _canonical(self.context_management), self.reasoning_effort,
-                     self.service_tier))
+                     self.service_tier, _canonical(self.web_search_options)))
 
 
 def check_features(features: Any) -> None:
@@ -200,9 +207,9 @@ def check_features(features: Any) -> None:
     for i, beta in enumerate(betas):
         _validate.text(f"betas[{i}]", beta)
     object.__setattr__(features, "betas", tuple(betas))
-    if features.context_management is not None:
-        object.__setattr__(features, "context_management",
-                           _json_object("context_management", features.context_management))
+    for name in _OBJECTS:
+        if getattr(features, name) is not None:
+            object.__setattr__(features, name, _json_object(name, getattr(features, name)))
     _choice("reasoning_effort", features.reasoning_effort, REASONING_EFFORTS)
     _choice("service_tier", features.service_tier, SERVICE_TIERS)
 
@@ -220,10 +227,11 @@ def features_table(features: Any) -> dict[str, Any]:
                                  for t in features.server_tools]
     if features.betas:
         table["betas"] = list(features.betas)
-    for name in ("context_management", "reasoning_effort", "service_tier"):
+    for name in ("context_management", "reasoning_effort", "service_tier",
+                 "web_search_options"):
         value = getattr(features, name)
         if value is not None:
-            table[name] = dict(value) if name == "context_management" else value
+            table[name] = dict(value) if name in _OBJECTS else value
     return table
 
 
@@ -283,7 +291,9 @@ def narrow_features(published: Features, requested: Mapping[str, Any] | None) ->
     * ``betas``: a subset;
     * ``context_management``: None or the published object unchanged;
     * ``reasoning_effort``: None or no higher than the published one;
-    * ``service_tier``: None or the published tier.
+    * ``service_tier``: None or the published tier;
+    * ``web_search_options``: None (the API's defaults) or the published object
+      unchanged.
 
     Raises:
         ConfigError: ``requested`` adds a feature or raises a number (the
@@ -310,7 +320,8 @@ def narrow_features(published: Features, requested: Mapping[str, Any] | None) ->
         elif name == "reasoning_effort":
             _narrow_order(name, current, value, REASONING_EFFORTS)
         elif value is not None and value != current:
-            # context_management and service_tier: off, or exactly as published.
+            # context_management, service_tier and web_search_options: off, or
+            # exactly as published.
             raise ConfigError(name, f"can only be omitted or kept as published "
                                     f"({_short(current)}), got {_short(value)}")
         changes[name] = value

@@ -108,6 +108,7 @@ class Invocation:
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "turns_credits",
         "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor", "genai_operation", "geo",
+        "searches",
     )
     def __init__(
         self,
@@ -152,6 +153,9 @@ class Invocation:
         self.geo = provider.inference_geo
         """Where the provider serves every request, when that changes the price
         (`Provider.inference_geo`): each reply's usage carries it."""
+        self.searches = provider.request_web_searches(operation.model)
+        """The web searches each request runs whatever it asks (a search model's,
+        `Provider.request_web_searches`): one turn's fees count them."""
         self.served_by = f"{self.vendor}:{operation.model}"
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)

@@ -70,6 +70,10 @@ class Operation:
     service_tier: str | None = None
     """OpenAI's ``service_tier`` (``auto``, ``default``, ``flex``, ``scale``,
     ``priority``); None: the API's default. It changes the price."""
+    web_search_options: Mapping[str, Any] | None = None
+    """OpenAI Chat Completions' ``web_search_options`` for a search model
+    (``search_context_size``, ``user_location``), sent as given; it must be a
+    JSON object. None: the API's defaults (the model searches all the same)."""
 
     def __post_init__(self) -> None:
         # Recorded on every invocation and printed by the audit.
@@ -92,7 +96,8 @@ class Operation:
         check_features(self)
 
     def __hash__(self) -> int:
-        # ``context_management`` is a mapping; hash the operation by its features' hash.
+        # ``context_management`` and ``web_search_options`` are mappings; hash the
+        # operation by its features' hash.
         return hash((self.name, self.version, self.route, self.features))
 
     @property
@@ -107,6 +112,7 @@ class Operation:
             thinking=self.thinking, server_tools=self.server_tools, betas=self.betas,
             context_management=self.context_management,
             reasoning_effort=self.reasoning_effort, service_tier=self.service_tier,
+            web_search_options=self.web_search_options,
         )
 
     @property

@@ -380,13 +380,16 @@ class PriceBook:
         return search, fetch
 
     def turn_fees(self, provider: str, model: str, server_tools: Iterable[ServerTool],
-                  at: datetime) -> TurnFees:
+                  at: datetime, *, searches: int = 0) -> TurnFees:
         """The worst case of one turn's fees at ``model``'s price in force at ``at``:
-        every web search and web fetch tool used ``max_uses`` times. A tool with a
+        every web search and web fetch tool used ``max_uses`` times, and the
+        ``searches`` every request runs whatever it asks (a search model's,
+        `loopengine.providers.Provider.request_web_searches`). A tool with a
         fee and no ``max_uses`` has no worst case (listed in ``unbounded``); one
         whose fee is zero needs no bound."""
         fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at), strict=True))
         uses = dict.fromkeys(_FEE_UNITS, 0)
+        uses["web search"] = searches
         unbounded: list[str] = []
         for tool in server_tools:
             unit = _fee_of(tool.type)
@@ -403,7 +406,8 @@ class PriceBook:
         return TurnFees(searches, fetches, tuple(unbounded), usd)
 
     def unpriced_features(self, provider: str, model: str, features: Features,
-                          at: datetime, geo: str | None = None) -> tuple[str, ...]:
+                          at: datetime, geo: str | None = None, *,
+                          searches: int = 0) -> tuple[str, ...]:
         """The enabled features of an operation this book cannot price at ``at``
         (empty: all of them can be). The engine refuses a ``credit_hold`` on an
         operation with any, as on an unpriced model.
@@ -417,10 +421,16 @@ class PriceBook:
         container time, which no reply reports, and any other type is unknown:
         both are unpriceable. A ``service_tier`` needs its rates (`knows_tier`),
         and so does ``geo``, where the provider serves every request
-        (`loopengine.providers.Provider.inference_geo`: `knows_geo`).
+        (`loopengine.providers.Provider.inference_geo`: `knows_geo`). A model
+        whose every request runs ``searches`` web searches (a search model,
+        `loopengine.providers.Provider.request_web_searches`) needs the web
+        search fee.
         """
         missing: list[str] = []
         fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at), strict=True))
+        if searches and fees["web search"] is None:
+            missing.append(f"model {model!r} searches the web on every request: no web "
+                           f"search fee (give its ModelPrice a web_search_per_k)")
         for tool in features.server_tools:
             label = f"server tool {tool.name!r} ({tool.type})"
             unit = _fee_of(tool.type)

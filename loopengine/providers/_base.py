@@ -113,7 +113,7 @@ def genai_operation_of(name: str) -> str:
 
 
 FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",
-                      "reasoning_effort", "service_tier"})
+                      "reasoning_effort", "service_tier", "web_search_options"})
 """The optional request features an operation may publish (docs/providers.md); a provider
 names those it can send in `Provider.features`."""
 
@@ -330,6 +330,17 @@ class Provider(Protocol):
         multiplier, and a ``credit_hold`` run is refused before anything is
         recorded where the prices have none. Default: None (list rates)."""
         return None
+
+    def request_web_searches(self, model: str) -> int:
+        """The web searches every request to ``model`` runs whatever it asks, billed
+        a fee per search that the reply's usage does not count: OpenAI's Chat
+        Completions search models (``gpt-4o-search-preview``...) search before
+        every answer (1). The provider counts them in each reply's usage
+        (`loopengine.Usage.web_search_requests`) itself; the engine reads this
+        before a run, so that a ``credit_hold`` run is refused before anything
+        is recorded where the web search fee has no price, and an account
+        reserves them with a turn's fees. Default: 0."""
+        return 0
 
     @property
     def features(self) -> frozenset[str]:

@@ -39,6 +39,7 @@ from loopengine.providers._openai_chat import (
     check_translatable,
     content_from_message,
     first_choice,
+    search_model,
     usage_from_api,
 )
 from loopengine.providers._openai_faults import (
@@ -196,18 +197,30 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                                                max_connections)
         self._name_route(vendor)
 
-    features = frozenset({"reasoning_effort", "service_tier"})
+    features = frozenset({"reasoning_effort", "service_tier", "web_search_options"})
     """The Chat Completions API's optional request features (docs/providers.md), sent as
-    ``reasoning_effort`` and ``service_tier``; an operation enabling another
+    ``reasoning_effort``, ``service_tier`` and, to a search model only (a request
+    to another model is refused by `check_request`), ``web_search_options``;
+    an operation enabling another
     (thinking, server tools, betas, context management: the Messages API's)
     is refused by the engine before anything is recorded. The vendor
     (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
 
+    def request_web_searches(self, model: str) -> int:
+        """1 for a search model (`search_model`: ``gpt-4o-search-preview``,
+        ``gpt-4o-mini-search-preview``, ``gpt-5-search-api``, their dated names,
+        under a compatible server's ``openai/`` prefix): it searches the web
+        before every answer, billed a web search fee its ``usage`` does not
+        count, so each reply's usage counts one web search; else 0
+        (`Provider.request_web_searches`)."""
+        return 1 if search_model(model) else 0
+
     def check_request(self, request: ProviderRequest) -> None:
         """Before an attempt is recorded: refuse a request the Chat Completions
         API has no equivalent for (a document, a server tool block, a block
-        inside a tool result other than text, an image or a document...), by
-        the translation's own rules, without translating it.
+        inside a tool result other than text, an image or a document...,
+        ``web_search_options`` to a model that is not a search model), by the
+        translation's own rules, without translating it.
 
         Raises:
             ProviderFault: ``bad_request``, ``error_code`` ``untranslatable``.
@@ -223,7 +236,8 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             client.chat.completions.with_streaming_response.create, params,
             what="a chat completion", valid=lambda body: _answered(body) or isinstance(
                 body.get("error"), Mapping))
-        usage = usage_from_api(body.get("usage"), body.get("service_tier"))
+        usage = usage_from_api(body.get("usage"), body.get("service_tier"),
+                               web_searches=self.request_web_searches(params["model"]))
         if not _answered(body):
             raise body_fault(body, request_id=request_id, usage=usage)
         choice = first_choice(body) or {}
@@ -253,7 +267,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                 options={"timeout": timeout, "stream_mode": "events"})
         except failures() as error:
             raise classify_error(error) from error
-        reply = StreamedCompletion()
+        reply = StreamedCompletion(web_searches=self.request_web_searches(params["model"]))
         response = stream.response
         request_id = response.headers.get("x-request-id")
 

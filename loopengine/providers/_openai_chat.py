@@ -40,13 +40,17 @@ compatible servers' names for these (`FINISH_REASONS`); a reply without one,
 or with any other, is not an answer (``_openai_faults.check_finish``). Usage:
 ``prompt_tokens`` includes ``prompt_tokens_details.cached_tokens``, so the
 uncached input is the difference and the cached part is the cache read;
-reasoning tokens are inside ``completion_tokens``.
+reasoning tokens are inside ``completion_tokens``. A search model
+(`search_model`: ``gpt-4o-search-preview``...) searches the web before every
+answer and is billed a web search fee for it, which its ``usage`` does not
+count: the usage of each of its requests counts one web search.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -94,6 +98,7 @@ __all__ = [
     "result_blocks",
     "result_text",
     "root_keyword",
+    "search_model",
     "stop_reason",
     "system_text",
     "text_of",
@@ -104,6 +109,22 @@ __all__ = [
 ]
 
 API = "Chat Completions"
+
+_SEARCH_MODELS = re.compile(
+    r"(?:[\w.-]+/)?gpt-[\w.]+?(?:-mini)?-search-(?:preview|api)(?:-\d{4}-\d{2}-\d{2})?"
+    r"(?::[\w-]+)?")
+"""The names of OpenAI's Chat Completions search models: ``gpt-4o-search-preview``,
+``gpt-4o-mini-search-preview``, ``gpt-5-search-api``, their dated names
+(``gpt-4o-search-preview-2025-03-11``), under a compatible server's vendor
+prefix (OpenRouter's ``openai/gpt-4o-search-preview``) and with its variant
+suffix (``:nitro``)."""
+
+
+def search_model(model: str) -> bool:
+    """Whether ``model`` is one of OpenAI's Chat Completions search models (by its
+    name, `_SEARCH_MODELS`): those search the web before every answer, and each
+    request is billed a web search fee that its ``usage`` does not count."""
+    return _SEARCH_MODELS.fullmatch(model) is not None
 
 REASONING_CONTENT = "reasoning_content"
 """A thinking server's reasoning field (DeepSeek's), kept as a block of this type."""
@@ -149,6 +170,8 @@ def chat_params(request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         params["reasoning_effort"] = request.features.reasoning_effort
     if request.features.service_tier is not None:
         params["service_tier"] = request.features.service_tier
+    if request.features.web_search_options is not None:
+        params["web_search_options"] = dict(request.features.web_search_options)
     if stream:
         params["stream"] = True
         params["stream_options"] = {"include_usage": True}
@@ -179,9 +202,15 @@ def first_choice(body: object) -> Mapping[str, Any] | None:
 
 
 class StreamedCompletion:
-    """A streamed completion, put together chunk by chunk."""
+    """A streamed completion, put together chunk by chunk.
 
-    def __init__(self) -> None:
+    Args:
+        web_searches: The web searches its request ran that the usage does
+            not count (a search model's one, `search_model`): its usage counts them.
+    """
+
+    def __init__(self, *, web_searches: int = 0) -> None:
+        self.web_searches = web_searches
         self.response_id: str | None = None
         self.model: str | None = None
         self.text: list[str] = []
@@ -216,7 +245,7 @@ class StreamedCompletion:
         usage = getattr(chunk, "usage", None)
         if usage is not None:
             self.usage = usage_from_api(usage if isinstance(usage, Mapping) else usage.to_dict(),
-                                        self.service_tier)
+                                        self.service_tier, web_searches=self.web_searches)
         error = getattr(chunk, "error", None)
         if error:
             self.error = error
@@ -359,9 +388,14 @@ def check_translatable(request: ProviderRequest) -> None:
 
     Raises:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role
-            or a ``tool_choice`` that has no Chat Completions equivalent;
+            or a ``tool_choice`` that has no Chat Completions equivalent, or
+            ``web_search_options`` for a model that is not a search model
+            (`search_model`), which the API refuses;
             (``invalid_function_parameters``) for such a tool.
     """
+    if request.features.web_search_options is not None and not search_model(request.model):
+        raise untranslatable(f"web_search_options for {request.model!r}, which is not a "
+                             "search model,", API)
     check_blocks(request, _assistant_kind, user_kind, API)
     if request.tools:
         chat_tool_choice(request.tool_choice)
@@ -684,7 +718,8 @@ def stop_reason(finish_reason: object) -> str | None:
     return FINISH_REASONS.get(finish_reason.lower())
 
 
-def usage_from_api(raw: object, service_tier: object = None) -> Usage | None:
+def usage_from_api(raw: object, service_tier: object = None, *,
+                   web_searches: int = 0) -> Usage | None:
     """Map a Chat Completions ``usage`` object (a dict) to `Usage`.
 
     ``prompt_tokens`` counts the cached and the cache-written tokens too:
@@ -694,14 +729,16 @@ def usage_from_api(raw: object, service_tier: object = None) -> Usage | None:
     is ``completion_tokens``, of which
     ``completion_tokens_details.reasoning_tokens`` are ``reasoning_tokens``.
     ``service_tier`` is the completion's own (a top-level field, not the
-    usage's), kept when it changes the price (`priced_tier`). Missing or null
+    usage's), kept when it changes the price (`priced_tier`). ``web_searches``
+    are the searches the request ran that the usage does not count (a search
+    model's one: `search_model`), its ``web_search_requests``. Missing or null
     counts are 0; a missing usage object is None.
     """
     if not isinstance(raw, Mapping):
         return None
     return openai_usage(raw.get("prompt_tokens"), raw.get("prompt_tokens_details"),
                         raw.get("completion_tokens"), raw.get("completion_tokens_details"),
-                        service_tier)
+                        service_tier, web_search_requests=web_searches)
 
 
 @reported_usage

@@ -133,6 +133,11 @@ class RecordingProvider:
         """Where the inner provider's replies are served."""
         return self.inner.inference_geo
 
+    def request_web_searches(self, model: str) -> int:
+        """The web searches the inner provider's requests to ``model`` run whatever
+        they ask (its replies' usages count them, and so does the recording)."""
+        return self.inner.request_web_searches(model)
+
     def check_ready(self) -> None:
         """Ask the inner provider whether it can send from here (passed on)."""
         self.inner.check_ready()
@@ -231,6 +236,11 @@ class ReplayProvider:
     """None: each recorded reply's usage names the geo it was served in, if any."""
     features = FEATURES
     """A recording answers whatever was recorded."""
+
+    def request_web_searches(self, model: str) -> int:
+        """0: each recorded reply's usage counts the web searches it ran, a search
+        model's included (`Provider.request_web_searches`)."""
+        return 0
 
     def check_ready(self) -> None:
         """Always ready: a recording needs no connection."""

@@ -208,6 +208,11 @@ class ScriptedProvider:
         ``chat``."""
         return genai_operation_of(self.name)
 
+    def request_web_searches(self, model: str) -> int:
+        """0: a reply's usage is the script's, web searches included
+        (`Provider.request_web_searches`)."""
+        return 0
+
     def check_ready(self) -> None:
         """Always ready: a script needs no connection."""
 

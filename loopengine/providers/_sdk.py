@@ -343,6 +343,11 @@ class SDKProvider(Generic[C]):
         themselves where they were served (`Provider.inference_geo`)."""
         return None
 
+    def request_web_searches(self, model: str) -> int:
+        """0: its requests run the web searches they ask for, which their replies
+        count (`Provider.request_web_searches`)."""
+        return 0
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"
 

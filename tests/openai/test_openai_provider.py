@@ -447,8 +447,8 @@ def test_routes_and_vendors() -> None:
         ("openai", "openai"), ("azure", "azure"), ("azure", "azure"), ("openai-eu", "openai")]
     assert isinstance(azure.client, openai.AsyncAzureOpenAI)
     assert all(p.client.max_retries == 0 for p in (plain, azure, given, named))
-    assert all(p.features == {"reasoning_effort", "service_tier"} and p.streaming
-               for p in (plain, azure, given, named))
+    assert all(p.features == {"reasoning_effort", "service_tier", "web_search_options"}
+               and p.streaming for p in (plain, azure, given, named))
 
 
 async def test_an_azure_route_is_recorded_azure(fake_openai_server: FakeOpenAIServer) -> None:
