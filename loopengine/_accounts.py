@@ -72,6 +72,9 @@ class Reservation:
     """The hold reserved; 0 when the run was denied."""
     available: int
     """What the account had available before this reservation."""
+    entry: int | None = None
+    """Its ``reserve`` entry's id in the journal (None when denied): what its
+    settlement releases, and only while it is still held."""
 
 
 class CreditAccounts:
@@ -219,11 +222,12 @@ class CreditAccounts:
             amount = max(0, min(hold + margin, available))
             if amount <= margin:
                 amount = 0  # nothing left for the hold itself
+            entry = None
             if amount:
-                store.journal(conn, account, now, "reserve", amount, invocation_id, None,
-                         expires_at=format_time(expires_at), rate=str(credits_per_usd),
-                         quantum=credit_quantum)
-            return Reservation(account, invocation_id, amount, available)
+                entry = store.journal(conn, account, now, "reserve", amount, invocation_id,
+                                      None, expires_at=format_time(expires_at),
+                                      rate=str(credits_per_usd), quantum=credit_quantum)
+            return Reservation(account, invocation_id, amount, available, entry)
 
         return await self._transaction(work)
 
@@ -244,21 +248,27 @@ class CreditAccounts:
         changes nothing) (internal). A resumed run's earlier segments were
         settled when it paused, and a run alive past its reservation's expiry
         was charged by the expiry what it had spent then: only what it charged
-        since is added."""
+        since is added.
+
+        Only ``reservation`` itself is released, and only while it is held: a
+        settlement that lands late (its ledger was unreachable past the run's
+        deadline) after a resume in another process recovered it and reserved
+        anew leaves the new segment's reservation to that segment."""
 
         def work(conn: Any, now: str) -> None:
             store.lock(conn, reservation.account)
             invocation_id = reservation.invocation_id
             journaled = store.entries(conn, invocation_id)
-            if journaled.released and not journaled.outlived:
-                return  # settled already
+            held = reservation.entry is not None and store.is_open(conn, reservation.entry)
+            if not held and not journaled.outlived:
+                return  # settled already, or recovered by a later segment
             # A run whose reservation expired while it still ran is charged
             # what it spent since, on top of what the expiry charged.
             charge = credits - journaled.settled
             if charge > 0:
                 store.journal(conn, reservation.account, now, "settle", charge,
                               invocation_id, None)
-            if not journaled.released:
+            if held:
                 store.journal(conn, reservation.account, now, "release", reservation.credits,
                               invocation_id, None)
 

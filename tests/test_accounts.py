@@ -554,6 +554,61 @@ async def test_reconcile_checks_a_resumed_runs_charge_only_once_it_is_released(
          "invocation_id": "resumed"}]
 
 
+class LateSettlement(le.CreditAccounts):
+    """Accounts whose settlements are held back until `land` (a settlement not
+    confirmed by its run's deadline, which its ledger's writer completes later)."""
+
+    def __init__(self, ledger: Any) -> None:
+        super().__init__(ledger)
+        self.held: list[tuple[Any, int]] = []
+
+    async def settle(self, reservation: Any, credits: int) -> None:
+        self.held.append((reservation, credits))
+
+    async def land(self) -> None:
+        for reservation, credits in self.held:
+            await super().settle(reservation, credits)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_r03_a_late_pause_settlement_leaves_the_resumed_segments_reservation_alone(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A run pauses and its settlement lands late, after a resume elsewhere recovered
+    its reservation (charging the 120 credits of the pause) and reserved anew: the
+    late settlement changes nothing. It once released the resumed segment's
+    reservation with its own amount (``reserved`` went to -120), and that
+    segment's own settlement then found the run released and charged nothing of
+    its turn: the account lost 120 credits, and reconcile said so."""
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        pausing = LateSettlement(ledger)
+        await pausing.grant("acme", 1000)
+        asking = Reply.tool_calls(("refund", {"order": "A-9"}))
+        landed: list[le.AccountBalance] = []
+
+        @le.tool(approval=True)
+        async def refund(order: str) -> str:
+            """Refund an order."""
+            await pausing.land()  # while the resumed segment holds its reservation
+            landed.append(await pausing.balance("acme"))
+            return "refunded"
+
+        first, _ = engine_on(ledger, asking, accounts=pausing)
+        paused = await first.run(operation(credit_hold=500, total_time=60), "go",
+                                 tools=[refund], attribution=ACME)
+        resumer, _ = engine_on(ledger, Reply.text("done"))
+        done = await resumer.resume(paused.state, decisions={
+            asking.content[0]["id"]: le.Approve()}, tools=[refund])
+        balance = await pausing.balance("acme")
+    assert paused.outcome is le.Outcome.PAUSED and done.outcome is le.Outcome.COMPLETED
+    assert done.credits == 240
+    # The resume holds the 380 its hold leaves, the pause's 120 charged.
+    assert landed == [le.AccountBalance("acme", 1000, 120, 380, 500)]
+    assert balance == le.AccountBalance("acme", 1000, 240, 0, 760)
+    checked = audit("reconcile", "--db", address, "--json")
+    assert checked.exit_code == 0, checked.output
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 async def test_a_reservation_expires_on_the_accounts_clock_whatever_the_engines(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest,

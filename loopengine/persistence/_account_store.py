@@ -22,8 +22,8 @@ from loopengine.guards._credits import turn_credits
 from loopengine.persistence._schema import UNRELEASED
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "RunEntries", "TreeRun", "account_of",
-           "charged", "close_reservations", "descendants", "entries", "every_entries", "journal",
-           "lock", "open_differences", "read", "tree"]
+           "charged", "close_reservations", "descendants", "entries", "every_entries", "is_open",
+           "journal", "lock", "open_differences", "read", "tree"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -78,13 +78,15 @@ _EFFECT = {"grant": ("granted", 1), "reserve": ("reserved", 1), "release": ("res
 
 def journal(conn: Any, account: str, now: str, kind: str, credits: int,
             invocation_id: str | None, note: str | None, *, expires_at: str | None = None,
-            rate: str | None = None, quantum: int | None = None) -> None:
+            rate: str | None = None, quantum: int | None = None) -> int | None:
     """One journal entry and its effect on the account row and on the open
     reservations (a ``reserve`` opens one, a ``release`` closes its invocation's
-    oldest), in the open transaction: the one place they are written."""
+    oldest), in the open transaction: the one place they are written. Returns
+    a ``reserve``'s entry id (its ``open_reservations`` row's key), else None."""
     insert = ("INSERT INTO account_entries (account, at, kind, credits, invocation_id, note, "
               "expires_at, credits_per_usd, credit_quantum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
     values = (account, now, kind, credits, invocation_id, note, expires_at, rate, quantum)
+    entry: int | None = None
     if kind == "reserve":
         ((entry,),) = conn.execute(f"{insert} RETURNING id", values).fetchall()
         conn.execute("INSERT INTO open_reservations (entry_id, account, invocation_id, "
@@ -105,6 +107,7 @@ def journal(conn: Any, account: str, now: str, kind: str, credits: int,
         f"VALUES (?, ?, ?, ?, ?) ON CONFLICT (account) DO UPDATE SET {column} = "
         f"accounts.{column} + excluded.{column}, updated_at = excluded.updated_at",
         (account, *effect, now))
+    return None if entry is None else int(entry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +162,14 @@ def _run_entries(unreleased: int, settled: int, last_release: int | None,
     outlived = (last_expiry is not None and last_expiry == last_release
                 and (last_settle is None or last_settle < last_expiry))
     return RunEntries(int(unreleased) <= 0, outlived, int(settled))
+
+
+def is_open(conn: Any, entry: int) -> bool:
+    """Whether the reservation journaled as entry ``entry`` is still held (its
+    ``open_reservations`` row): neither its run's settlement, an expiry nor a
+    recovery has released it."""
+    return conn.execute("SELECT 1 FROM open_reservations WHERE entry_id = ?",
+                        (entry,)).fetchone() is not None
 
 
 def account_of(conn: Any, invocation_id: str) -> str | None:
