@@ -167,7 +167,7 @@ class CreditAccounts:
             return dataclasses.replace(before, granted=before.granted + credits,
                                        available=before.available + credits), True
 
-        balance, granted = await self._transaction(work)
+        balance, granted = await self._transaction(account, work)
         if not granted:
             raise ConfigError("credits", f"account {account!r} has {balance.granted} "
                                          f"granted: {credits} more would pass the largest "
@@ -189,7 +189,7 @@ class CreditAccounts:
             store.close_reservations(conn, account, now, expired=True)
             return store.read(conn, account)
 
-        return await self._transaction(work)
+        return await self._transaction(account, work)
 
     # -- what the engine calls ----------------------------------------------------------
 
@@ -229,7 +229,7 @@ class CreditAccounts:
                                       rate=str(credits_per_usd), quantum=credit_quantum)
             return Reservation(account, invocation_id, amount, available, entry)
 
-        return await self._transaction(work)
+        return await self._transaction(account, work)
 
     async def recover(self, account: str, invocation_id: str) -> None:
         """Settle the reservation a run's dead segment left, for what the ledger
@@ -240,7 +240,7 @@ class CreditAccounts:
             store.lock(conn, account)
             store.close_reservations(conn, account, now, expired=False, recovered=invocation_id)
 
-        await self._transaction(work)
+        await self._transaction(account, work)
 
     async def settle(self, reservation: Reservation, credits: int) -> None:
         """Charge a run's real ``credits`` (its total so far) and release its
@@ -272,14 +272,14 @@ class CreditAccounts:
                 store.journal(conn, reservation.account, now, "release", reservation.credits,
                               invocation_id, None)
 
-        await self._transaction(work)
+        await self._transaction(reservation.account, work)
 
     # -- the transaction ------------------------------------------------------------------
 
-    async def _transaction(self, work: Callable[[Any, str], T]) -> T:
+    async def _transaction(self, account: str, work: Callable[[Any, str], T]) -> T:
         """``work(connection, now)`` in one transaction on the ledger's own connection
-        (``BEGIN IMMEDIATE`` on SQLite; on PostgreSQL its row locks serialize one
-        account across hosts).
+        (``BEGIN IMMEDIATE`` on SQLite; on PostgreSQL the row lock of ``account``,
+        the one account it touches, serializes that account across hosts).
 
         A cancelled wait (the caller's, or the run's deadline) stops waiting;
         the transaction, once queued, still ends in the writer's thread: a
@@ -288,7 +288,8 @@ class CreditAccounts:
         """
         now = format_time(self._clock.wall())
         return await self.ledger._transact_qmark(lambda conn: work(conn, now),
-                                                 "the accounts could not be written")
+                                                 "the accounts could not be written",
+                                                 lock=account)
 
 
 async def recorded_account(ledger: Any, invocation_id: str) -> str | None:

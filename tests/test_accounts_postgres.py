@@ -220,3 +220,71 @@ async def test_a_failed_transaction_fails_alone(
                 pg.execute("ALTER TABLE accounts_away RENAME TO accounts")
         assert (await accounts.balance("acme")).granted == 5
         assert _ledger_sessions(postgres_server, dbname) == first
+
+
+def _queued(ledger: PostgresLedger, count: int) -> None:
+    """Return once ``count`` transactions are queued for the ledger's writer."""
+    while len(ledger._calls) < count:
+        time.sleep(0.001)
+
+
+def _waits_for_a_lock(postgres_server: PostgresServer, dbname: str) -> None:
+    """Return once the ledger's session waits for a row another session holds."""
+    give_up = time.monotonic() + 30  # a bound for a hang, not a measure
+    while time.monotonic() < give_up:
+        with postgres_server.connect() as conn:
+            if conn.execute("SELECT 1 FROM pg_stat_activity WHERE application_name = %s "
+                            "AND datname = %s AND wait_event_type = 'Lock'",
+                            (APPLICATION_NAME, dbname)).fetchall():
+                return
+        time.sleep(0.01)
+    raise AssertionError("the ledger's session never waited for the lock")
+
+
+async def test_one_transactions_accounts_are_locked_in_one_order(
+    postgres_server: PostgresServer,
+) -> None:
+    """The accounts' transactions queued together share one transaction, and each
+    holds its account's row lock until it commits: queued as ``b`` then ``a`` while
+    another host's transaction holds ``a`` and then asks for ``b``, they once
+    locked ``b``, waited for ``a``, and the server broke the deadlock by failing
+    ``a``'s balance with a LedgerError (under load, one account transaction in
+    three, across two accounts and six processes). The calls of a transaction
+    lock their accounts in the accounts' order, as every host's do: ``a`` first,
+    so the other host takes ``b``, commits, and both balances are read."""
+    import psycopg
+
+    dsn, dbname = _database(postgres_server)
+    async with PostgresLedger(dsn) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        for name in ("a", "b"):
+            await accounts.grant(name, 100)
+        with psycopg.connect(dsn) as other:  # its locks held until it commits
+            # The ledger's session is the one that looks for a deadlock (at 1 s).
+            other.execute("SET deadlock_timeout = '10min'")
+            other.execute("SELECT 1 FROM accounts WHERE account = 'a' FOR UPDATE")
+            held, gate = threading.Event(), threading.Event()
+
+            def hold(conn: Any) -> None:
+                held.set()
+                gate.wait()
+
+            read: dict[str, le.AccountBalance] = {}
+
+            async def balance(name: str) -> None:
+                read[name] = await accounts.balance(name)
+
+            async with anyio.create_task_group() as group:
+                # The writer is held until both balances are queued behind it.
+                group.start_soon(ledger._transact_qmark, hold, "held")
+                await anyio.to_thread.run_sync(held.wait)
+                for count, name in enumerate(("b", "a"), start=1):
+                    group.start_soon(balance, name)
+                    await anyio.to_thread.run_sync(_queued, ledger, count)
+                gate.set()
+                await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
+                await anyio.to_thread.run_sync(
+                    other.execute, "SELECT 1 FROM accounts WHERE account = 'b' FOR UPDATE")
+                other.commit()
+    assert read == {"a": le.AccountBalance("a", 100, 0, 0, 100),
+                    "b": le.AccountBalance("b", 100, 0, 0, 100)}
