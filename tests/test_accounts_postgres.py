@@ -288,3 +288,38 @@ async def test_one_transactions_accounts_are_locked_in_one_order(
                 other.commit()
     assert read == {"a": le.AccountBalance("a", 100, 0, 0, 100),
                     "b": le.AccountBalance("b", 100, 0, 0, 100)}
+
+
+async def test_an_account_transaction_reads_committed_whatever_the_servers_default(
+    postgres_server: PostgresServer,
+) -> None:
+    """A database whose default isolation is ``repeatable read`` (a DBA's setting):
+    an admission that waited for an account's row lock while another host changed
+    the row reads what that host committed, as the row lock promises. Its
+    transaction took its snapshot before the wait, and failed with a LedgerError
+    ("could not serialize access due to concurrent update") at every such wait:
+    30 admissions of a process in 30, under four processes on one account."""
+    import psycopg
+
+    dsn, dbname = _database(postgres_server)
+    with postgres_server.connect() as admin:
+        admin.execute(f"ALTER DATABASE {dbname} SET default_transaction_isolation = "
+                      "'repeatable read'")
+    async with PostgresLedger(dsn) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 100)
+        with psycopg.connect(dsn) as other:  # another host's transaction on the row
+            other.execute("UPDATE accounts SET granted = granted + 50 "
+                          "WHERE account = 'acme'")
+            read: list[le.AccountBalance] = []
+
+            async def balance() -> None:
+                read.append(await accounts.balance("acme"))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(balance)
+                await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
+                other.execute("INSERT INTO account_entries (account, at, kind, credits) "
+                              "VALUES ('acme', now(), 'grant', 50)")
+                other.commit()
+    assert read == [le.AccountBalance("acme", 150, 0, 0, 150)]
