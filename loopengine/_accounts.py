@@ -34,7 +34,6 @@ transaction.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -164,8 +163,10 @@ class CreditAccounts:
                 # SQLite would store the sum as an inexact real, PostgreSQL refuse it.
                 return before, False
             store.journal(conn, account, now, "grant", credits, None, note)
-            return dataclasses.replace(before, granted=before.granted + credits,
-                                       available=before.available + credits), True
+            # Read again, not added to ``before``: an account created by this
+            # grant had no row to lock, and another host's first grant,
+            # committed meanwhile, is in the row this one added to.
+            return store.read(conn, account), True
 
         balance, granted = await self._transaction(account, work)
         if not granted:

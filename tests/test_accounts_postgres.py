@@ -323,3 +323,34 @@ async def test_an_account_transaction_reads_committed_whatever_the_servers_defau
                               "VALUES ('acme', now(), 'grant', 50)")
                 other.commit()
     assert read == [le.AccountBalance("acme", 150, 0, 0, 150)]
+
+
+async def test_a_grant_that_creates_an_account_returns_what_another_hosts_grant_added(
+    postgres_server: PostgresServer,
+) -> None:
+    """Two hosts grant a new account at once: there is no row yet to lock, so the
+    second grant's row waits on the first's and adds to it. The balance it returns
+    is the row's as it committed (150), not the zeros it read before the first
+    grant committed plus its own 100."""
+    import psycopg
+
+    dsn, dbname = _database(postgres_server)
+    async with PostgresLedger(dsn) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.balance("acme")  # the tables exist, the account does not
+        with psycopg.connect(dsn) as other:  # another host's first grant, not committed
+            other.execute("INSERT INTO account_entries (account, at, kind, credits) "
+                          "VALUES ('acme', now(), 'grant', 50)")
+            other.execute("INSERT INTO accounts (account, granted, spent, reserved, "
+                          "updated_at) VALUES ('acme', 50, 0, 0, now())")
+            granted: list[le.AccountBalance] = []
+
+            async def grant() -> None:
+                granted.append(await accounts.grant("acme", 100))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(grant)
+                await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
+                other.commit()
+        balance = await accounts.balance("acme")
+    assert granted == [balance] == [le.AccountBalance("acme", 150, 0, 0, 150)]
