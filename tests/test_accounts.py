@@ -254,6 +254,43 @@ async def test_cancelled_and_failed_runs_settle_too(tmp_path: Path, end: str) ->
     journal_matches(path)
 
 
+async def test_a_settlement_on_a_closed_ledger_whose_file_is_locked_raises_ledger_error(
+    tmp_path: Path,
+) -> None:
+    """A ledger closed under a run settles its account on a connection of its own;
+    when another process holds the file's write lock past the busy timeout, that
+    settlement fails with a LedgerError, as any failed settlement does, logged
+    beside the error that ended the run (the closed ledger's), which the caller
+    gets. It raised the writer's internal error instead, which replaced the
+    run's and which no caller can name. The reservation stays held for its
+    expiry to settle."""
+    path = tmp_path / "ledger.db"
+    ledger = SQLiteLedger(path, busy_timeout=0.05)
+    accounts = le.CreditAccounts(ledger)
+    await accounts.grant("acme", 1000)
+    other = sqlite3.connect(path, isolation_level=None)
+
+    @le.tool
+    async def close() -> str:
+        """Close the ledger under the run; another process takes the write lock."""
+        await ledger.aclose()
+        other.execute("BEGIN IMMEDIATE")
+        return "closed"
+
+    engine, _ = engine_on(ledger, Reply.tool_calls(("close", {})), Reply.text("a"),
+                          accounts=accounts)
+    try:
+        with pytest.raises(le.LedgerError, match="the ledger is closed"):
+            await engine.run(operation(credit_hold=500), "go", tools=[close],
+                             attribution=ACME)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    with SQLiteLedger(path) as reopened:
+        balance = await le.CreditAccounts(reopened).balance("acme")
+    assert balance == le.AccountBalance("acme", 1000, 0, 500, 500)
+
+
 async def test_settlement_happens_once(tmp_path: Path) -> None:
     """Settling a reservation again changes nothing (idempotent)."""
     from loopengine._accounts import Reservation

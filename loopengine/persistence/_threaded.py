@@ -580,9 +580,14 @@ class ThreadedLedger:
         raise NotImplementedError
 
     def _transact_closed(self, call: Call) -> Any:
+        """``call`` on a writer of its own, once: a closed ledger has no thread to
+        wait for a database that cannot be reached (a lost connection, a lock
+        held past the busy timeout), so the call fails with a `LedgerError`."""
         writer = self._new_writer()
         try:
             writer.run_calls([call])
+        except Lost as lost:
+            raise LedgerError(f"{self._label}: {call.failure}: {lost.error}") from lost.error
         finally:
             writer.close()
         if call.error is not None:
