@@ -243,6 +243,20 @@ class CreditAccounts:
 
         await self._transaction(account, work)
 
+    async def settle_stopped(self, account: str, invocation_id: str) -> None:
+        """Settle the reservation a run's admission made after the run stopped
+        waiting for it (its caller cancelled it, or its deadline passed), for what
+        the ledger says the run spent, and release it (internal). Queued on the
+        ledger's writer after that admission, it finds the reservation made (or
+        none, when the admission reserved nothing)."""
+
+        def work(conn: Any, now: str) -> None:
+            store.lock(conn, account)
+            store.close_reservations(conn, account, now, expired=False,
+                                     recovered=invocation_id, stopped=True)
+
+        await self._transaction(account, work)
+
     async def settle(self, reservation: Reservation, credits: int) -> None:
         """Charge a run's real ``credits`` (its total so far) and release its
         reservation, in one transaction; once per reservation (a second call
@@ -284,8 +298,8 @@ class CreditAccounts:
 
         A cancelled wait (the caller's, or the run's deadline) stops waiting;
         the transaction, once queued, still ends in the writer's thread: a
-        reservation made after its run stopped waiting expires like a crashed
-        run's.
+        reservation made after its run stopped waiting is settled by the run's
+        end (`settle_stopped`), which the writer runs after it.
         """
         now = format_time(self._clock.wall())
         return await self.ledger._transact_qmark(lambda conn: work(conn, now),

@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -29,7 +30,7 @@ from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
-from .ledger_support import lookup, read_db
+from .ledger_support import lookup, queued, read_db
 
 CHILD = Path(__file__).with_name("accounts_child.py")
 ACME = le.Attribution(tenant="acme")
@@ -289,6 +290,47 @@ async def test_a_settlement_on_a_closed_ledger_whose_file_is_locked_raises_ledge
     with SQLiteLedger(path) as reopened:
         balance = await le.CreditAccounts(reopened).balance("acme")
     assert balance == le.AccountBalance("acme", 1000, 0, 500, 500)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_run_cancelled_while_its_admission_waits_releases_what_it_reserved(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A run cancelled by its caller while its admission waits for the ledger's
+    writer (busy with another account's transaction): the reservation lands after
+    the run stopped waiting, and the run's end, queued behind it, releases it for
+    the nothing the run spent. It stayed held until its expiry (the run's
+    deadline and a grace: over an hour for a run without ``total_time``), the
+    account denying other runs meanwhile."""
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        engine, provider = engine_on(ledger, Reply.text("a"), accounts=accounts)
+        held, gate = threading.Event(), threading.Event()
+
+        def hold(conn: Any) -> None:
+            held.set()
+            gate.wait()
+
+        scope = anyio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await engine.run(operation(credit_hold=500), "go", attribution=ACME)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(ledger._transact_qmark, hold, "held")
+            await anyio.to_thread.run_sync(held.wait)
+            group.start_soon(run)
+            # The admission waits behind the held transaction.
+            await anyio.to_thread.run_sync(queued, ledger, 1)
+            scope.cancel()
+            gate.set()
+        balance = await accounts.balance("acme")
+    assert scope.cancelled_caught and provider.requests == []
+    assert balance == le.AccountBalance("acme", 1000, 0, 0, 1000)
+    checked = audit("reconcile", "--db", address, "--json")
+    assert checked.exit_code == 0, checked.output
 
 
 async def test_settlement_happens_once(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from loopengine.persistence._postgres import APPLICATION_NAME
 from loopengine.providers import Reply, ScriptedProvider
 
 from .conftest import PRICES, operation
-from .ledger_support import lookup
+from .ledger_support import lookup, queued
 from .postgres_support import PostgresServer, round_trips
 from .test_audit_postgres import audit, url_of
 
@@ -222,12 +222,6 @@ async def test_a_failed_transaction_fails_alone(
         assert _ledger_sessions(postgres_server, dbname) == first
 
 
-def _queued(ledger: PostgresLedger, count: int) -> None:
-    """Return once ``count`` transactions are queued for the ledger's writer."""
-    while len(ledger._calls) < count:
-        time.sleep(0.001)
-
-
 def _waits_for_a_lock(postgres_server: PostgresServer, dbname: str) -> None:
     """Return once the ledger's session waits for a row another session holds."""
     give_up = time.monotonic() + 30  # a bound for a hang, not a measure
@@ -280,7 +274,7 @@ async def test_one_transactions_accounts_are_locked_in_one_order(
                 await anyio.to_thread.run_sync(held.wait)
                 for count, name in enumerate(("b", "a"), start=1):
                     group.start_soon(balance, name)
-                    await anyio.to_thread.run_sync(_queued, ledger, count)
+                    await anyio.to_thread.run_sync(queued, ledger, count)
                 gate.set()
                 await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
                 await anyio.to_thread.run_sync(

@@ -197,7 +197,7 @@ def open_differences(conn: Any) -> list[tuple[str, str, int, int]]:
 
 
 def close_reservations(conn: Any, account: str, now: str, *, expired: bool,
-                       recovered: str | None = None) -> None:
+                       recovered: str | None = None, stopped: bool = False) -> None:
     """Charge and release ``account``'s open reservations that expired (if
     ``expired``: every transaction that admits a run, grants or reads a
     balance settles them first; kind ``expire``, the release keeping the
@@ -206,7 +206,9 @@ def close_reservations(conn: Any, account: str, now: str, *, expired: bool,
     run's, left by the running segment whose process died, charged what the
     ledger says that segment spent), each group in the order they were
     reserved; from one reading of ``open_reservations`` (its rows as many as
-    the account's runs in flight, whatever its history)."""
+    the account's runs in flight, whatever its history). ``stopped``: the
+    invocation ``recovered`` is a run that stopped waiting for its admission,
+    settled at its end (its entries' notes say so)."""
     which, values = [], []
     if expired:
         which.append("o.expires_at < ?")
@@ -230,7 +232,7 @@ def close_reservations(conn: Any, account: str, now: str, *, expired: bool,
     for _, invocation_id, reserved, rate, quantum, expires_at, late in sorted(
             found, key=lambda row: not (expired and row[6])):
         kind = "expire" if expired and late else "settle"
-        charge_note, release_note = _NOTES[kind]
+        charge_note, release_note = _NOTES["stopped" if stopped and kind == "settle" else kind]
         charge = (charged(conn, invocation_id, Decimal(rate), int(quantum))
                   - entries(conn, invocation_id).settled)
         if charge > 0:
@@ -241,7 +243,9 @@ def close_reservations(conn: Any, account: str, now: str, *, expired: bool,
 
 _NOTES = {"expire": ("settled after its reservation expired",
                      "released after its reservation expired"),
-          "settle": ("settled when its run was recovered", "released when its run was recovered")}
+          "settle": ("settled when its run was recovered", "released when its run was recovered"),
+          "stopped": ("settled at the end of its run, which stopped waiting for it",
+                      "released at the end of its run, which stopped waiting for it")}
 """The notes of the entries `close_reservations` writes, by the kind of its charge:
 for a reader."""
 
