@@ -34,7 +34,6 @@ transaction.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -72,6 +71,9 @@ class Reservation:
     """The hold reserved; 0 when the run was denied."""
     available: int
     """What the account had available before this reservation."""
+    entry: int | None = None
+    """Its ``reserve`` entry's id in the journal (None when denied): what its
+    settlement releases, and only while it is still held."""
 
 
 class CreditAccounts:
@@ -161,10 +163,12 @@ class CreditAccounts:
                 # SQLite would store the sum as an inexact real, PostgreSQL refuse it.
                 return before, False
             store.journal(conn, account, now, "grant", credits, None, note)
-            return dataclasses.replace(before, granted=before.granted + credits,
-                                       available=before.available + credits), True
+            # Read again, not added to ``before``: an account created by this
+            # grant had no row to lock, and another host's first grant,
+            # committed meanwhile, is in the row this one added to.
+            return store.read(conn, account), True
 
-        balance, granted = await self._transaction(work)
+        balance, granted = await self._transaction(account, work)
         if not granted:
             raise ConfigError("credits", f"account {account!r} has {balance.granted} "
                                          f"granted: {credits} more would pass the largest "
@@ -186,7 +190,7 @@ class CreditAccounts:
             store.close_reservations(conn, account, now, expired=True)
             return store.read(conn, account)
 
-        return await self._transaction(work)
+        return await self._transaction(account, work)
 
     # -- what the engine calls ----------------------------------------------------------
 
@@ -219,13 +223,14 @@ class CreditAccounts:
             amount = max(0, min(hold + margin, available))
             if amount <= margin:
                 amount = 0  # nothing left for the hold itself
+            entry = None
             if amount:
-                store.journal(conn, account, now, "reserve", amount, invocation_id, None,
-                         expires_at=format_time(expires_at), rate=str(credits_per_usd),
-                         quantum=credit_quantum)
-            return Reservation(account, invocation_id, amount, available)
+                entry = store.journal(conn, account, now, "reserve", amount, invocation_id,
+                                      None, expires_at=format_time(expires_at),
+                                      rate=str(credits_per_usd), quantum=credit_quantum)
+            return Reservation(account, invocation_id, amount, available, entry)
 
-        return await self._transaction(work)
+        return await self._transaction(account, work)
 
     async def recover(self, account: str, invocation_id: str) -> None:
         """Settle the reservation a run's dead segment left, for what the ledger
@@ -236,7 +241,21 @@ class CreditAccounts:
             store.lock(conn, account)
             store.close_reservations(conn, account, now, expired=False, recovered=invocation_id)
 
-        await self._transaction(work)
+        await self._transaction(account, work)
+
+    async def settle_stopped(self, account: str, invocation_id: str) -> None:
+        """Settle the reservation a run's admission made after the run stopped
+        waiting for it (its caller cancelled it, or its deadline passed), for what
+        the ledger says the run spent, and release it (internal). Queued on the
+        ledger's writer after that admission, it finds the reservation made (or
+        none, when the admission reserved nothing)."""
+
+        def work(conn: Any, now: str) -> None:
+            store.lock(conn, account)
+            store.close_reservations(conn, account, now, expired=False,
+                                     recovered=invocation_id, stopped=True)
+
+        await self._transaction(account, work)
 
     async def settle(self, reservation: Reservation, credits: int) -> None:
         """Charge a run's real ``credits`` (its total so far) and release its
@@ -244,41 +263,48 @@ class CreditAccounts:
         changes nothing) (internal). A resumed run's earlier segments were
         settled when it paused, and a run alive past its reservation's expiry
         was charged by the expiry what it had spent then: only what it charged
-        since is added."""
+        since is added.
+
+        Only ``reservation`` itself is released, and only while it is held: a
+        settlement that lands late (its ledger was unreachable past the run's
+        deadline) after a resume in another process recovered it and reserved
+        anew leaves the new segment's reservation to that segment."""
 
         def work(conn: Any, now: str) -> None:
             store.lock(conn, reservation.account)
             invocation_id = reservation.invocation_id
             journaled = store.entries(conn, invocation_id)
-            if journaled.released and not journaled.outlived:
-                return  # settled already
+            held = reservation.entry is not None and store.is_open(conn, reservation.entry)
+            if not held and not journaled.outlived:
+                return  # settled already, or recovered by a later segment
             # A run whose reservation expired while it still ran is charged
             # what it spent since, on top of what the expiry charged.
             charge = credits - journaled.settled
             if charge > 0:
                 store.journal(conn, reservation.account, now, "settle", charge,
                               invocation_id, None)
-            if not journaled.released:
+            if held:
                 store.journal(conn, reservation.account, now, "release", reservation.credits,
                               invocation_id, None)
 
-        await self._transaction(work)
+        await self._transaction(reservation.account, work)
 
     # -- the transaction ------------------------------------------------------------------
 
-    async def _transaction(self, work: Callable[[Any, str], T]) -> T:
+    async def _transaction(self, account: str, work: Callable[[Any, str], T]) -> T:
         """``work(connection, now)`` in one transaction on the ledger's own connection
-        (``BEGIN IMMEDIATE`` on SQLite; on PostgreSQL its row locks serialize one
-        account across hosts).
+        (``BEGIN IMMEDIATE`` on SQLite; on PostgreSQL the row lock of ``account``,
+        the one account it touches, serializes that account across hosts).
 
         A cancelled wait (the caller's, or the run's deadline) stops waiting;
         the transaction, once queued, still ends in the writer's thread: a
-        reservation made after its run stopped waiting expires like a crashed
-        run's.
+        reservation made after its run stopped waiting is settled by the run's
+        end (`settle_stopped`), which the writer runs after it.
         """
         now = format_time(self._clock.wall())
         return await self.ledger._transact_qmark(lambda conn: work(conn, now),
-                                                 "the accounts could not be written")
+                                                 "the accounts could not be written",
+                                                 lock=account)
 
 
 async def recorded_account(ledger: Any, invocation_id: str) -> str | None:

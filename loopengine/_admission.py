@@ -96,9 +96,11 @@ async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
             credits_per_usd=inv.prices.credits_per_usd,
             credit_quantum=inv.prices.credit_quantum, margin=margin))
 
+    inv.admitting = True  # until the answer arrives
     if not await inv.confirm(reserve()):
         inv.denied = unconfirmed_by_deadline(inv.limits, "the account's reservation")
         return
+    inv.admitting = False
     reservation = got[0]
     inv.denied = check_admission(account, reservation.credits, reservation.available, asked,
                                  fees=margin, spent=spent)
@@ -113,12 +115,22 @@ async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
 
 
 async def settle_account(inv: Invocation, credits: int) -> None:
-    """Charge the run's real credits on its account and release its hold, once."""
-    if inv.reservation is None or inv.accounts is None:
+    """Charge the run's real credits on its account and release its hold, once.
+
+    A run that stopped waiting for its admission (`Invocation.admitting`) settles
+    whatever that admission reserved once it lands, rather than leaving it held
+    until its expiry."""
+    if inv.accounts is None:
         return
-    reservation, inv.reservation = inv.reservation, None
-    settled = await inv.confirm(inv.accounts.settle(reservation, credits),
-                                  at_least=LEDGER_GRACE)
+    if inv.reservation is not None:
+        reservation, inv.reservation = inv.reservation, None
+        settling = inv.accounts.settle(reservation, credits)
+    elif inv.admitting and inv.account is not None:
+        inv.admitting = False
+        settling = inv.accounts.settle_stopped(inv.account, inv.id)
+    else:
+        return
+    settled = await inv.confirm(settling, at_least=LEDGER_GRACE)
     if not settled:
         logger.warning("%s %s: its account's settlement was not confirmed by its "
                        "deadline; it completes later, or at the reservation's expiry",

@@ -104,7 +104,7 @@ class Invocation:
         "paused_seconds", "paused_turn", "pause_seal", "permit", "policy", "prices", "provider",
         "segment_token",
         "provider_cost_nanousd",
-        "lease_owner", "records", "reservation", "rng", "run_store",
+        "lease_owner", "records", "reservation", "admitting", "rng", "run_store",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "turns_credits",
         "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor", "genai_operation", "geo",
@@ -204,6 +204,10 @@ class Invocation:
         self.accounts = accounts if account is not None else None
         self.account = account
         self.reservation: Reservation | None = None
+        self.admitting = False
+        """Its admission asked its account for a reservation and the run stopped
+        waiting for the answer (a cancellation, its deadline): its end settles
+        whatever reservation of it landed (`settle_account`)."""
         self.fees_reserved = 0
         """The worst case of one turn's server-tool fees its account reservation
         holds on top of its hold (a root run on an account, `admit`)."""

@@ -4,6 +4,7 @@ scripted conversations that exercise every kind of attempt."""
 from __future__ import annotations
 
 import sqlite3
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,13 @@ from loopengine.providers import FaultKind, ProviderFault, Reply
 Rows = tuple[dict[str, dict[str, Any]], dict[tuple[str, int], dict[str, Any]]]
 
 TIME_COLUMNS = ("started_at", "ended_at")
+
+
+def queued(ledger: SQLiteLedger | PostgresLedger, count: int) -> None:
+    """Return once ``count`` transactions wait for the ledger's writer (its credit
+    accounts' or run store's: `ThreadedLedger._transact_qmark`); from a thread."""
+    while len(ledger._calls) < count:
+        time.sleep(0.001)
 
 
 def read_db(path: str | Path) -> Rows:

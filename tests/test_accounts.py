@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -29,7 +30,7 @@ from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
-from .ledger_support import lookup, read_db
+from .ledger_support import lookup, queued, read_db
 
 CHILD = Path(__file__).with_name("accounts_child.py")
 ACME = le.Attribution(tenant="acme")
@@ -252,6 +253,84 @@ async def test_cancelled_and_failed_runs_settle_too(tmp_path: Path, end: str) ->
     await ledger.aclose()
     assert balance == le.AccountBalance("acme", 1000, 120, 0, 880)
     journal_matches(path)
+
+
+async def test_a_settlement_on_a_closed_ledger_whose_file_is_locked_raises_ledger_error(
+    tmp_path: Path,
+) -> None:
+    """A ledger closed under a run settles its account on a connection of its own;
+    when another process holds the file's write lock past the busy timeout, that
+    settlement fails with a LedgerError, as any failed settlement does, logged
+    beside the error that ended the run (the closed ledger's), which the caller
+    gets. It raised the writer's internal error instead, which replaced the
+    run's and which no caller can name. The reservation stays held for its
+    expiry to settle."""
+    path = tmp_path / "ledger.db"
+    ledger = SQLiteLedger(path, busy_timeout=0.05)
+    accounts = le.CreditAccounts(ledger)
+    await accounts.grant("acme", 1000)
+    other = sqlite3.connect(path, isolation_level=None)
+
+    @le.tool
+    async def close() -> str:
+        """Close the ledger under the run; another process takes the write lock."""
+        await ledger.aclose()
+        other.execute("BEGIN IMMEDIATE")
+        return "closed"
+
+    engine, _ = engine_on(ledger, Reply.tool_calls(("close", {})), Reply.text("a"),
+                          accounts=accounts)
+    try:
+        with pytest.raises(le.LedgerError, match="the ledger is closed"):
+            await engine.run(operation(credit_hold=500), "go", tools=[close],
+                             attribution=ACME)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    with SQLiteLedger(path) as reopened:
+        balance = await le.CreditAccounts(reopened).balance("acme")
+    assert balance == le.AccountBalance("acme", 1000, 0, 500, 500)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_run_cancelled_while_its_admission_waits_releases_what_it_reserved(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A run cancelled by its caller while its admission waits for the ledger's
+    writer (busy with another account's transaction): the reservation lands after
+    the run stopped waiting, and the run's end, queued behind it, releases it for
+    the nothing the run spent. It stayed held until its expiry (the run's
+    deadline and a grace: over an hour for a run without ``total_time``), the
+    account denying other runs meanwhile."""
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 1000)
+        engine, provider = engine_on(ledger, Reply.text("a"), accounts=accounts)
+        held, gate = threading.Event(), threading.Event()
+
+        def hold(conn: Any) -> None:
+            held.set()
+            gate.wait()
+
+        scope = anyio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await engine.run(operation(credit_hold=500), "go", attribution=ACME)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(ledger._transact_qmark, hold, "held")
+            await anyio.to_thread.run_sync(held.wait)
+            group.start_soon(run)
+            # The admission waits behind the held transaction.
+            await anyio.to_thread.run_sync(queued, ledger, 1)
+            scope.cancel()
+            gate.set()
+        balance = await accounts.balance("acme")
+    assert scope.cancelled_caught and provider.requests == []
+    assert balance == le.AccountBalance("acme", 1000, 0, 0, 1000)
+    checked = audit("reconcile", "--db", address, "--json")
+    assert checked.exit_code == 0, checked.output
 
 
 async def test_settlement_happens_once(tmp_path: Path) -> None:
@@ -552,6 +631,61 @@ async def test_reconcile_checks_a_resumed_runs_charge_only_once_it_is_released(
     assert json.loads(settled.output)["accounts"] == [
         {"account": "acme", "column": "charged", "recorded": 45, "computed": 0,
          "invocation_id": "resumed"}]
+
+
+class LateSettlement(le.CreditAccounts):
+    """Accounts whose settlements are held back until `land` (a settlement not
+    confirmed by its run's deadline, which its ledger's writer completes later)."""
+
+    def __init__(self, ledger: Any) -> None:
+        super().__init__(ledger)
+        self.held: list[tuple[Any, int]] = []
+
+    async def settle(self, reservation: Any, credits: int) -> None:
+        self.held.append((reservation, credits))
+
+    async def land(self) -> None:
+        for reservation, credits in self.held:
+            await super().settle(reservation, credits)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_r03_a_late_pause_settlement_leaves_the_resumed_segments_reservation_alone(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    """A run pauses and its settlement lands late, after a resume elsewhere recovered
+    its reservation (charging the 120 credits of the pause) and reserved anew: the
+    late settlement changes nothing. It once released the resumed segment's
+    reservation with its own amount (``reserved`` went to -120), and that
+    segment's own settlement then found the run released and charged nothing of
+    its turn: the account lost 120 credits, and reconcile said so."""
+    async with store_of(kind, tmp_path, request) as (ledger, address):
+        pausing = LateSettlement(ledger)
+        await pausing.grant("acme", 1000)
+        asking = Reply.tool_calls(("refund", {"order": "A-9"}))
+        landed: list[le.AccountBalance] = []
+
+        @le.tool(approval=True)
+        async def refund(order: str) -> str:
+            """Refund an order."""
+            await pausing.land()  # while the resumed segment holds its reservation
+            landed.append(await pausing.balance("acme"))
+            return "refunded"
+
+        first, _ = engine_on(ledger, asking, accounts=pausing)
+        paused = await first.run(operation(credit_hold=500, total_time=60), "go",
+                                 tools=[refund], attribution=ACME)
+        resumer, _ = engine_on(ledger, Reply.text("done"))
+        done = await resumer.resume(paused.state, decisions={
+            asking.content[0]["id"]: le.Approve()}, tools=[refund])
+        balance = await pausing.balance("acme")
+    assert paused.outcome is le.Outcome.PAUSED and done.outcome is le.Outcome.COMPLETED
+    assert done.credits == 240
+    # The resume holds the 380 its hold leaves, the pause's 120 charged.
+    assert landed == [le.AccountBalance("acme", 1000, 120, 380, 500)]
+    assert balance == le.AccountBalance("acme", 1000, 240, 0, 760)
+    checked = audit("reconcile", "--db", address, "--json")
+    assert checked.exit_code == 0, checked.output
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])

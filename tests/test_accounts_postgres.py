@@ -22,7 +22,7 @@ from loopengine.persistence._postgres import APPLICATION_NAME
 from loopengine.providers import Reply, ScriptedProvider
 
 from .conftest import PRICES, operation
-from .ledger_support import lookup
+from .ledger_support import lookup, queued
 from .postgres_support import PostgresServer, round_trips
 from .test_audit_postgres import audit, url_of
 
@@ -220,3 +220,131 @@ async def test_a_failed_transaction_fails_alone(
                 pg.execute("ALTER TABLE accounts_away RENAME TO accounts")
         assert (await accounts.balance("acme")).granted == 5
         assert _ledger_sessions(postgres_server, dbname) == first
+
+
+def _waits_for_a_lock(postgres_server: PostgresServer, dbname: str) -> None:
+    """Return once the ledger's session waits for a row another session holds."""
+    give_up = time.monotonic() + 30  # a bound for a hang, not a measure
+    while time.monotonic() < give_up:
+        with postgres_server.connect() as conn:
+            if conn.execute("SELECT 1 FROM pg_stat_activity WHERE application_name = %s "
+                            "AND datname = %s AND wait_event_type = 'Lock'",
+                            (APPLICATION_NAME, dbname)).fetchall():
+                return
+        time.sleep(0.01)
+    raise AssertionError("the ledger's session never waited for the lock")
+
+
+async def test_one_transactions_accounts_are_locked_in_one_order(
+    postgres_server: PostgresServer,
+) -> None:
+    """The accounts' transactions queued together share one transaction, and each
+    holds its account's row lock until it commits: queued as ``b`` then ``a`` while
+    another host's transaction holds ``a`` and then asks for ``b``, they once
+    locked ``b``, waited for ``a``, and the server broke the deadlock by failing
+    ``a``'s balance with a LedgerError (under load, one account transaction in
+    three, across two accounts and six processes). The calls of a transaction
+    lock their accounts in the accounts' order, as every host's do: ``a`` first,
+    so the other host takes ``b``, commits, and both balances are read."""
+    import psycopg
+
+    dsn, dbname = _database(postgres_server)
+    async with PostgresLedger(dsn) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        for name in ("a", "b"):
+            await accounts.grant(name, 100)
+        with psycopg.connect(dsn) as other:  # its locks held until it commits
+            # The ledger's session is the one that looks for a deadlock (at 1 s).
+            other.execute("SET deadlock_timeout = '10min'")
+            other.execute("SELECT 1 FROM accounts WHERE account = 'a' FOR UPDATE")
+            held, gate = threading.Event(), threading.Event()
+
+            def hold(conn: Any) -> None:
+                held.set()
+                gate.wait()
+
+            read: dict[str, le.AccountBalance] = {}
+
+            async def balance(name: str) -> None:
+                read[name] = await accounts.balance(name)
+
+            async with anyio.create_task_group() as group:
+                # The writer is held until both balances are queued behind it.
+                group.start_soon(ledger._transact_qmark, hold, "held")
+                await anyio.to_thread.run_sync(held.wait)
+                for count, name in enumerate(("b", "a"), start=1):
+                    group.start_soon(balance, name)
+                    await anyio.to_thread.run_sync(queued, ledger, count)
+                gate.set()
+                await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
+                await anyio.to_thread.run_sync(
+                    other.execute, "SELECT 1 FROM accounts WHERE account = 'b' FOR UPDATE")
+                other.commit()
+    assert read == {"a": le.AccountBalance("a", 100, 0, 0, 100),
+                    "b": le.AccountBalance("b", 100, 0, 0, 100)}
+
+
+async def test_an_account_transaction_reads_committed_whatever_the_servers_default(
+    postgres_server: PostgresServer,
+) -> None:
+    """A database whose default isolation is ``repeatable read`` (a DBA's setting):
+    an admission that waited for an account's row lock while another host changed
+    the row reads what that host committed, as the row lock promises. Its
+    transaction took its snapshot before the wait, and failed with a LedgerError
+    ("could not serialize access due to concurrent update") at every such wait:
+    30 admissions of a process in 30, under four processes on one account."""
+    import psycopg
+
+    dsn, dbname = _database(postgres_server)
+    with postgres_server.connect() as admin:
+        admin.execute(f"ALTER DATABASE {dbname} SET default_transaction_isolation = "
+                      "'repeatable read'")
+    async with PostgresLedger(dsn) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.grant("acme", 100)
+        with psycopg.connect(dsn) as other:  # another host's transaction on the row
+            other.execute("UPDATE accounts SET granted = granted + 50 "
+                          "WHERE account = 'acme'")
+            read: list[le.AccountBalance] = []
+
+            async def balance() -> None:
+                read.append(await accounts.balance("acme"))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(balance)
+                await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
+                other.execute("INSERT INTO account_entries (account, at, kind, credits) "
+                              "VALUES ('acme', now(), 'grant', 50)")
+                other.commit()
+    assert read == [le.AccountBalance("acme", 150, 0, 0, 150)]
+
+
+async def test_a_grant_that_creates_an_account_returns_what_another_hosts_grant_added(
+    postgres_server: PostgresServer,
+) -> None:
+    """Two hosts grant a new account at once: there is no row yet to lock, so the
+    second grant's row waits on the first's and adds to it. The balance it returns
+    is the row's as it committed (150), not the zeros it read before the first
+    grant committed plus its own 100."""
+    import psycopg
+
+    dsn, dbname = _database(postgres_server)
+    async with PostgresLedger(dsn) as ledger:
+        accounts = le.CreditAccounts(ledger)
+        await accounts.balance("acme")  # the tables exist, the account does not
+        with psycopg.connect(dsn) as other:  # another host's first grant, not committed
+            other.execute("INSERT INTO account_entries (account, at, kind, credits) "
+                          "VALUES ('acme', now(), 'grant', 50)")
+            other.execute("INSERT INTO accounts (account, granted, spent, reserved, "
+                          "updated_at) VALUES ('acme', 50, 0, 0, now())")
+            granted: list[le.AccountBalance] = []
+
+            async def grant() -> None:
+                granted.append(await accounts.grant("acme", 100))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(grant)
+                await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
+                other.commit()
+        balance = await accounts.balance("acme")
+    assert granted == [balance] == [le.AccountBalance("acme", 150, 0, 0, 150)]

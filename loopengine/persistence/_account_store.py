@@ -22,8 +22,8 @@ from loopengine.guards._credits import turn_credits
 from loopengine.persistence._schema import UNRELEASED
 
 __all__ = ["TREE", "AccountBalance", "JOURNAL_SUMS", "RunEntries", "TreeRun", "account_of",
-           "charged", "close_reservations", "descendants", "entries", "every_entries", "journal",
-           "lock", "open_differences", "read", "tree"]
+           "charged", "close_reservations", "descendants", "entries", "every_entries", "is_open",
+           "journal", "lock", "open_differences", "read", "tree"]
 
 JOURNAL_SUMS = {
     "granted": "SUM(CASE WHEN kind = 'grant' THEN credits ELSE 0 END)",
@@ -78,13 +78,15 @@ _EFFECT = {"grant": ("granted", 1), "reserve": ("reserved", 1), "release": ("res
 
 def journal(conn: Any, account: str, now: str, kind: str, credits: int,
             invocation_id: str | None, note: str | None, *, expires_at: str | None = None,
-            rate: str | None = None, quantum: int | None = None) -> None:
+            rate: str | None = None, quantum: int | None = None) -> int | None:
     """One journal entry and its effect on the account row and on the open
     reservations (a ``reserve`` opens one, a ``release`` closes its invocation's
-    oldest), in the open transaction: the one place they are written."""
+    oldest), in the open transaction: the one place they are written. Returns
+    a ``reserve``'s entry id (its ``open_reservations`` row's key), else None."""
     insert = ("INSERT INTO account_entries (account, at, kind, credits, invocation_id, note, "
               "expires_at, credits_per_usd, credit_quantum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
     values = (account, now, kind, credits, invocation_id, note, expires_at, rate, quantum)
+    entry: int | None = None
     if kind == "reserve":
         ((entry,),) = conn.execute(f"{insert} RETURNING id", values).fetchall()
         conn.execute("INSERT INTO open_reservations (entry_id, account, invocation_id, "
@@ -105,6 +107,7 @@ def journal(conn: Any, account: str, now: str, kind: str, credits: int,
         f"VALUES (?, ?, ?, ?, ?) ON CONFLICT (account) DO UPDATE SET {column} = "
         f"accounts.{column} + excluded.{column}, updated_at = excluded.updated_at",
         (account, *effect, now))
+    return None if entry is None else int(entry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +164,14 @@ def _run_entries(unreleased: int, settled: int, last_release: int | None,
     return RunEntries(int(unreleased) <= 0, outlived, int(settled))
 
 
+def is_open(conn: Any, entry: int) -> bool:
+    """Whether the reservation journaled as entry ``entry`` is still held (its
+    ``open_reservations`` row): neither its run's settlement, an expiry nor a
+    recovery has released it."""
+    return conn.execute("SELECT 1 FROM open_reservations WHERE entry_id = ?",
+                        (entry,)).fetchone() is not None
+
+
 def account_of(conn: Any, invocation_id: str) -> str | None:
     """The account the invocation reserved its credits on (its first ``reserve``
     entry), or None: it never ran on an account."""
@@ -186,7 +197,7 @@ def open_differences(conn: Any) -> list[tuple[str, str, int, int]]:
 
 
 def close_reservations(conn: Any, account: str, now: str, *, expired: bool,
-                       recovered: str | None = None) -> None:
+                       recovered: str | None = None, stopped: bool = False) -> None:
     """Charge and release ``account``'s open reservations that expired (if
     ``expired``: every transaction that admits a run, grants or reads a
     balance settles them first; kind ``expire``, the release keeping the
@@ -195,7 +206,9 @@ def close_reservations(conn: Any, account: str, now: str, *, expired: bool,
     run's, left by the running segment whose process died, charged what the
     ledger says that segment spent), each group in the order they were
     reserved; from one reading of ``open_reservations`` (its rows as many as
-    the account's runs in flight, whatever its history)."""
+    the account's runs in flight, whatever its history). ``stopped``: the
+    invocation ``recovered`` is a run that stopped waiting for its admission,
+    settled at its end (its entries' notes say so)."""
     which, values = [], []
     if expired:
         which.append("o.expires_at < ?")
@@ -219,7 +232,7 @@ def close_reservations(conn: Any, account: str, now: str, *, expired: bool,
     for _, invocation_id, reserved, rate, quantum, expires_at, late in sorted(
             found, key=lambda row: not (expired and row[6])):
         kind = "expire" if expired and late else "settle"
-        charge_note, release_note = _NOTES[kind]
+        charge_note, release_note = _NOTES["stopped" if stopped and kind == "settle" else kind]
         charge = (charged(conn, invocation_id, Decimal(rate), int(quantum))
                   - entries(conn, invocation_id).settled)
         if charge > 0:
@@ -230,7 +243,9 @@ def close_reservations(conn: Any, account: str, now: str, *, expired: bool,
 
 _NOTES = {"expire": ("settled after its reservation expired",
                      "released after its reservation expired"),
-          "settle": ("settled when its run was recovered", "released when its run was recovered")}
+          "settle": ("settled when its run was recovered", "released when its run was recovered"),
+          "stopped": ("settled at the end of its run, which stopped waiting for it",
+                      "released at the end of its run, which stopped waiting for it")}
 """The notes of the entries `close_reservations` writes, by the kind of its charge:
 for a reader."""
 

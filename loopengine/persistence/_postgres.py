@@ -205,7 +205,8 @@ class PostgresLedger(ThreadedLedger):
 
     def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
         """A new connection to the server, set up as every one of the ledger's is
-        (durable commits, UTC, the ledger's schema): the migration's, the writer's.
+        (durable commits, ``read committed`` whatever the database's default,
+        UTC, the ledger's schema): the migration's, the writer's.
 
         Raises:
             psycopg.Error: the server cannot be reached, or refused a setting.
@@ -226,6 +227,11 @@ class PostgresLedger(ThreadedLedger):
         conn = psycopg.connect(self.dsn, **args)
         try:
             conn.execute("SET synchronous_commit = on")
+            # What the transactions are written for: a statement that waited
+            # for a row lock (an account's, a run's) reads what its holder
+            # committed. A DBA's repeatable read or serializable default would
+            # fail each transaction that waited instead.
+            conn.execute("SET default_transaction_isolation = 'read committed'")
             conn.execute("SET TimeZone = 'UTC'")
             if self.schema is not None:
                 conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(self.schema)))

@@ -86,6 +86,10 @@ class Call:
     work: Callable[[Any], Any]
     failure: str
     """What a database error means to the caller, for its `LedgerError`."""
+    lock: str | None = None
+    """The credit account whose row it locks (`_account_store.lock`), or None:
+    the calls of one transaction lock theirs in the accounts' order
+    (`Writer.run_calls`)."""
     waiter: Waiter = field(default_factory=Waiter)
     result: Any = None
     error: BaseException | None = None
@@ -129,6 +133,12 @@ class Writer(Store):
         raises is rolled back alone; a transaction that cannot begin or commit
         fails every call. A database error becomes the call's `LedgerError`.
 
+        The calls that lock an account's row run first, in the accounts' order
+        (the others after them, as they came): each lock is held until the
+        commit, so every host's transactions take theirs in one order, and no
+        two wait for each other (a deadlock, which the server breaks by failing
+        one of them).
+
         Raises:
             Lost: the database could not be reached (`Store.lost`); no call is
                 failed for it, and they run again once it can
@@ -143,7 +153,8 @@ class Writer(Store):
         committing = False
         try:
             self.begin()
-            for index, call in enumerate(calls):
+            ordered = sorted(calls, key=lambda call: (call.lock is None, call.lock or ""))
+            for index, call in enumerate(ordered):
                 call.result = call.error = None
                 self.savepoint(first=index == 0)
                 try:
@@ -525,11 +536,13 @@ class ThreadedLedger:
                 self._wake.notify()  # a thread waiting for nothing now waits a linger
         return number
 
-    async def _transact_qmark(self, work: Callable[[Any], T], failure: str) -> T:
+    async def _transact_qmark(self, work: Callable[[Any], T], failure: str, *,
+                              lock: str | None = None) -> T:
         """Run ``work(connection)`` in a transaction of its own on the writer's
         connection, between two batches; return its result or raise its error.
         The connection takes SQLite's ``?`` parameters on every store
-        (`Writer.qmark`).
+        (`Writer.qmark`); ``lock`` names the credit account whose row ``work``
+        locks (`Call.lock`).
 
         A cancelled caller stops waiting; the transaction, once queued, still
         runs and ends in the thread.
@@ -541,7 +554,7 @@ class ThreadedLedger:
         """
         if self._writer is None:
             await self._open()
-        call = Call(work, failure)
+        call = Call(work, failure, lock)
         with self._lock:
             closed = self._closing and self._pid == os.getpid()
             if not closed:
@@ -567,9 +580,14 @@ class ThreadedLedger:
         raise NotImplementedError
 
     def _transact_closed(self, call: Call) -> Any:
+        """``call`` on a writer of its own, once: a closed ledger has no thread to
+        wait for a database that cannot be reached (a lost connection, a lock
+        held past the busy timeout), so the call fails with a `LedgerError`."""
         writer = self._new_writer()
         try:
             writer.run_calls([call])
+        except Lost as lost:
+            raise LedgerError(f"{self._label}: {call.failure}: {lost.error}") from lost.error
         finally:
             writer.close()
         if call.error is not None:
