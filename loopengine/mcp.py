@@ -23,12 +23,16 @@ What a call's result becomes (docs/tools.md):
   other content (the protocol has a server mirror it as text otherwise);
   audio, other binary data and resource links -> a text block describing them;
 * a dead server, a closed connection, an HTTP answer without a JSON-RPC one
-  (a gateway's 504) or a protocol failure -> the handler
-  raises `MCPServerError` (an ``is_error`` result for that call), and the
+  after which the server may have run the call (a gateway's 504, a 202, a
+  body that is not an answer, a redirect: `_INVENTED`) or a protocol failure
+  -> the handler raises `MCPServerError` saying the result is not known (an
+  ``is_error`` result for that call, recorded ``in_doubt``), and the
   next call opens a new session, once; a call the engine cancels (its tool's
   timeout, the run's deadline, a cancelled run) leaves the session suspect of
   hanging, so the next call opens a new one too, while calls still running on
-  the old session finish there.
+  the old session finish there;
+* an HTTP 404 without a JSON-RPC answer (the server did not take the call)
+  -> `MCPServerError` saying the call did not run (recorded ``failed``).
 
 A server that announces changes to its tool list (``tools.listChanged``) is
 listed again when it says they changed (one listing at a time, listings a
@@ -84,14 +88,44 @@ process start is slower than a call (``connect_timeout=``)."""
 _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
 """JSON-RPC error codes that blame the request, not the session it came on."""
 
-_UNANSWERED = frozenset({
-    (mcp_types.INTERNAL_ERROR, "Server returned an error response"),
-    (mcp_types.INVALID_REQUEST, "server answered a request with 202 Accepted"),
-})
+_INVENTED: tuple[tuple[int, str, bool], ...] = (
+    # An error status without a JSON-RPC body (a 502 or 504 from a gateway that
+    # passed the call on and stopped waiting; the SDK does not say which status).
+    (mcp_types.INTERNAL_ERROR, "Server returned an error response", True),
+    # A 202: queued, or run, with no answer to come.
+    (mcp_types.INVALID_REQUEST, "server answered a request with 202 Accepted", True),
+    # A success status whose body is not an answer: JSON that does not parse, an
+    # event stream whose message does not, a body of another type.
+    (mcp_types.PARSE_ERROR, "Failed to parse JSON response: ", True),
+    (mcp_types.PARSE_ERROR, "Failed to parse SSE message: ", True),
+    (mcp_types.INVALID_REQUEST, "Unexpected content type: ", True),
+    # A redirect it does not follow: a 303 says the request was processed (the
+    # SDK does not say which status it was).
+    (mcp_types.INVALID_REQUEST, "Redirect to ", True),
+    # A 404 without a JSON-RPC body, on a session (the server no longer has it)
+    # or on none (no such endpoint): the request was not taken.
+    (mcp_types.INVALID_REQUEST, "Session terminated", False),
+    (mcp_types.METHOD_NOT_FOUND, "Not Found", False),
+)
 """The errors the SDK's streamable HTTP transport makes up itself when the HTTP
-answer to a request carried no JSON-RPC answer (an error status with another
-body, as a gateway that stopped waiting sends; a 202): the server may have run
-the call, so its result is not known."""
+answer to a request it sent carried no JSON-RPC answer: each JSON-RPC code, the
+message (its start, when it ends with a space: the rest names what came) and
+whether the server may have run the call (its result is then not known). A
+closed connection or an event stream that ended without an answer is
+``CONNECTION_CLOSED``, whose result is not known either."""
+
+
+def _invented(error: MCPError) -> bool | None:
+    """For an error the SDK's HTTP transport made up (`_INVENTED`), whether the
+    server may have run the call; None for any other error (the server's own)."""
+    if error.data is not None:
+        return None
+    for code, message, may_have_run in _INVENTED:
+        if error.code == code and (error.message == message or (
+                message.endswith(" ") and error.message.startswith(message))):
+            return may_have_run
+    return None
+
 
 _RELISTEN_WAIT = 30.0
 """The longest wait, in seconds, before opening again a stream announcing a
@@ -740,13 +774,17 @@ class MCPServer(ToolSource):
             if error.code == mcp_types.CONNECTION_CLOSED:
                 raise MCPServerError("the MCP server closed the connection during the call; "
                                      "the result is not known", result_unknown=True) from error
-            if (error.code, error.message) in _UNANSWERED and error.data is None:
-                raise MCPServerError(f"the MCP server's HTTP answer held no result "
-                                     f"({error.message}); the result is not known",
-                                     result_unknown=True) from error
             # An error about the request itself leaves the session sound; any
             # other (an internal error, a terminated session) may not have.
             kept = error.code in _REQUEST_ERRORS
+            invented = _invented(error)
+            if invented is True:
+                raise MCPServerError(f"the MCP server's HTTP answer held no result "
+                                     f"({_shown(error)}); the result is not known",
+                                     result_unknown=True) from error
+            if invented is False:
+                raise MCPServerError(f"the MCP server's HTTP answer was 404 "
+                                     f"({error.message}); the call did not run") from error
             raise MCPToolError(f"{name}: {error.message}") from error
         except RuntimeError as error:
             # The SDK's check of the result it received against the tool's output
@@ -808,6 +846,14 @@ async def _list_tools(client: Client) -> list[mcp_types.Tool]:
         cursor = page.next_cursor
         if cursor is None:
             return tools
+
+
+def _shown(error: MCPError) -> str:
+    """An error the SDK made up, for the model: a parse error without the
+    parser's own account of the body (lines of it), any other's first line."""
+    if error.code == mcp_types.PARSE_ERROR:
+        return error.message.split(":", 1)[0]
+    return error.message.strip().split("\n", 1)[0]
 
 
 def _describe(error: BaseException) -> str:
