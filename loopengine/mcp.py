@@ -445,12 +445,16 @@ class MCPServer(ToolSource):
 
     async def current_tools(self) -> tuple[Tool, ...]:
         """The server's tools now: when the server said its tools changed and they
-        are being listed again, waits for that (at most ``connect_timeout``;
-        past it, the tools as last listed)."""
+        are being listed again (or a listing of them failed: they are listed
+        again now), waits for that (at most ``connect_timeout``; past it, or
+        when the listing fails, the tools as last listed)."""
         # Only the changes heard of so far: a server announcing changes without
         # end must not hold a run for longer than two listings (and the wait
         # between them).
         wanted = self._heard
+        session = self._session
+        if self._read < wanted and session is not None and self._tools is not None:
+            self._relist(session)  # a change whose listing failed is still unread
         with self._clock.cancel_scope(self.connect_timeout):
             while self._read < wanted and self._listing is not None:
                 await self._listing.wait()
@@ -574,12 +578,15 @@ class MCPServer(ToolSource):
                         # Not waited for: a server that never acknowledges the
                         # subscription must not keep its tools from being used.
                         group.start_soon(self._listen, session, client)
-                    session.ready.set()
-                    self._opened += 1
-                    if self._opened > 1:
-                        self._tools_changed(session)  # a new process may have others
-                    await session.stop.wait()
-                    group.cancel_scope.cancel()
+                    try:
+                        session.ready.set()
+                        self._opened += 1
+                        if self._opened > 1:
+                            self._tools_changed(session)  # a new process may have others
+                        await session.stop.wait()
+                        group.cancel_scope.cancel()
+                    finally:
+                        session.group = None  # it starts no more tasks
         except Exception as error:
             # Never let a failing connection reach the task group: it would
             # cancel the caller's `async with server:` block.
@@ -643,7 +650,12 @@ class MCPServer(ToolSource):
         self._heard += 1
         if self._tools is None:
             return  # the first listing is under way: `__aenter__` lists again after it
-        if self._listing is None:
+        self._relist(session)
+
+    def _relist(self, session: _Session) -> None:
+        """Start listing the tools again on ``session`` (`_list_again`), unless a
+        listing is under way or the session has ended."""
+        if self._listing is None and session.group is not None:
             self._listing = anyio.Event()
             session.group.start_soon(self._list_again, session)
 
@@ -651,7 +663,8 @@ class MCPServer(ToolSource):
         """List the tools again while a change waits to be read, each listing at
         least `_RELIST_INTERVAL` after the last began (the changes heard of
         meanwhile are all read by the next); a listing that fails keeps the
-        tools as they were."""
+        tools as they were and leaves the changes unread, for the next reading
+        of the tools (`current_tools`), change or session to list again."""
         try:
             while self._read < self._heard and session is self._session:
                 wait = self._listed_at + _RELIST_INTERVAL - self._clock.now()
@@ -666,16 +679,16 @@ class MCPServer(ToolSource):
                         listed = await _list_tools(session.client)
                 except Exception as error:
                     logger.warning("MCP server %s: its tools changed, but listing them "
-                                   "again failed (%s); they stay as they were", self.label,
-                                   _describe(error))
-                else:
-                    if self._group is not None:
-                        before = [t.definition for t in self._tools or ()]
-                        self._tools = self._build_tools(listed, strict=False)
-                        if [t.definition for t in self._tools] != before:
-                            logger.info("MCP server %s: its tools are now %s", self.label,
-                                        ", ".join(t.name for t in self._tools) or "none")
-                # Waiters for the changes this listing read (or failed to) go on.
+                                   "again failed (%s); they stay as they were until a "
+                                   "listing succeeds", self.label, _describe(error))
+                    return  # unread still: waiters go on with the tools as they were
+                if self._group is not None:
+                    before = [t.definition for t in self._tools or ()]
+                    self._tools = self._build_tools(listed, strict=False)
+                    if [t.definition for t in self._tools] != before:
+                        logger.info("MCP server %s: its tools are now %s", self.label,
+                                    ", ".join(t.name for t in self._tools) or "none")
+                # Waiters for the changes this listing read go on.
                 self._read = heard
                 ended, self._listing = self._listing, anyio.Event()
                 if ended is not None:

@@ -41,11 +41,19 @@ class Server(MCPServer):
     """The SDK's server, telling a waiting tool when a client lists the tools."""
 
     listed: anyio.Event | None = None
+    failing = 0
+    """How many of the next listings fail."""
 
     async def list_tools(self) -> list[mcp_types.Tool]:
-        tools = await super().list_tools()
+        if self.failing:
+            self.failing -= 1
+            tools = None
+        else:
+            tools = await super().list_tools()
         if self.listed is not None:
             self.listed.set()
+        if tools is None:
+            raise RuntimeError("the tools cannot be listed now")
         return tools
 
 
@@ -65,10 +73,12 @@ def _added(name: str) -> Callable[[str], str]:
 
 
 @server.tool()
-async def change(ctx: Context, add: str = "", drop: str = "", require: str = "") -> str:
+async def change(ctx: Context, add: str = "", drop: str = "", require: str = "",
+                 fail: int = 0) -> str:
     """Change this server's tools: add a tool named ``add`` (input ``text``), drop the
-    tool ``drop``, and make ``echo`` require the property ``require`` too; announce
-    the change, and answer once the client has listed the tools again."""
+    tool ``drop``, and make ``echo`` require the property ``require`` too; make the
+    next ``fail`` listings fail; announce the change, and answer once the client
+    has listed the tools again (or tried to)."""
     if add:
         server.add_tool(_added(add), name=add, description=f"The {add} tool.")
     if drop:
@@ -80,6 +90,7 @@ async def change(ctx: Context, add: str = "", drop: str = "", require: str = "")
             return text + extra
 
         server.add_tool(echo, name="echo", description="Say the text back, and more.")
+    server.failing = fail
     server.listed = anyio.Event()
     # The 2026 protocol announces it on the client's listen stream; the handshake
     # era on the session (each is a no-op on the other's connections).

@@ -192,3 +192,30 @@ async def test_a_server_started_again_is_listed_again(
     assert "reborn" in offered(anthropic.requests[3])
     (answer,) = tool_results(anthropic.requests[3])
     assert content_text(answer) == "reborn heard hi"
+
+
+async def test_a_change_whose_listing_failed_is_listed_again_by_the_next_reading(
+    mode: str, request: pytest.FixtureRequest, anthropic: Harness,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server adds ``extra`` and announces it, but the listing that change
+    prompts fails: the tools stay as they were (said in the log), and the change
+    stays unread, so the next reading of the tools (a run's, before its next
+    turn) lists them again, with no further notice, and offers ``extra``."""
+    caplog.set_level(logging.WARNING, logger="loopengine")
+    http_server = request.getfixturevalue("http_server") if mode == "http" else None
+    async with server_in(mode, http_server, allow=None) as server:
+        assert await by_name(server)["change"].invoke({"add": "extra", "fail": 1}) == "changed"
+        # The first reading may end with the listing that failed; the second
+        # finds the change unread all the same.
+        await server.current_tools()
+        after = {t.name for t in await server.current_tools()}
+        engine, _ = anthropic.engine(Reply.tool_calls(("extra", {"text": "hi"})),
+                                     Reply.text("done"))
+        result = await engine.run(operation(), "go", tools=[server])
+    assert "extra" in after
+    assert "listing them again failed" in caplog.text
+    assert result.outcome is le.Outcome.COMPLETED
+    assert "extra" in offered(anthropic.requests[0])
+    (answer,) = tool_results(anthropic.requests[1])
+    assert content_text(answer) == "extra heard hi"
