@@ -143,6 +143,36 @@ async def test_a_server_outside_its_block_is_refused_before_anything_is_sent(
     assert not anthropic.requests
 
 
+async def test_a_name_clash_names_the_places_the_caller_wrote(anthropic: Harness) -> None:
+    """A local tool named like one of the server's is a ConfigError naming the
+    positions in ``tools`` as the caller wrote them (and the server), not in the
+    list with the server's tools spread out: so for a run, either way round, and
+    for an estimate. Nothing is sent."""
+
+    @le.tool
+    def echo(text: str) -> str:
+        """The local tool."""
+        return text
+
+    engine, _ = anthropic.engine(Reply.text("never sent"))
+    async with changing(allow=None) as server:
+        with pytest.raises(le.ConfigError) as after:
+            await engine.run(operation(), "go", tools=[server, echo])
+        with pytest.raises(le.ConfigError) as before:
+            await engine.run(operation(), "go", tools=[echo, server])
+        with pytest.raises(le.ConfigError) as estimated:
+            engine.estimate(operation(), "go", tools=[server, echo])
+    assert after.value.field == "tools[1]"
+    assert after.value.message == \
+        f"two tools are named 'echo': tools[0] ({server!r}) and tools[1]"
+    assert before.value.field == "tools[1]"
+    assert before.value.message == \
+        f"two tools are named 'echo': tools[0] and tools[1] ({server!r})"
+    assert (estimated.value.field, estimated.value.message) == \
+        (after.value.field, after.value.message)
+    assert not anthropic.requests
+
+
 async def test_a_listen_stream_the_server_ends_is_opened_again(anthropic: Harness) -> None:
     """The server ends its listen streams (as an idle HTTP stream ends at its read
     timeout): the client listens again, lists the tools again (changes are not
