@@ -31,8 +31,9 @@ What a call's result becomes (docs/tools.md):
   timeout, the run's deadline, a cancelled run) leaves the session suspect of
   hanging, so the next call opens a new one too, while calls still running on
   the old session finish there;
-* an HTTP 404 without a JSON-RPC answer (the server did not take the call)
-  -> `MCPServerError` saying the call did not run (recorded ``failed``).
+* an HTTP 404 without a JSON-RPC answer (the server did not take the call),
+  or a call whose HTTP request could not connect (`_UNSENT`) ->
+  `MCPServerError` saying the call did not run (recorded ``failed``).
 
 A server that announces changes to its tool list (``tools.listChanged``) is
 listed again when it says they changed (one listing at a time, listings a
@@ -50,6 +51,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeAlias, TypedDict, Unpack
@@ -126,6 +128,12 @@ def _invented(error: MCPError) -> bool | None:
             return may_have_run
     return None
 
+
+_UNSENT: ContextVar[list[str] | None] = ContextVar("loopengine_mcp_unsent", default=None)
+"""Set by a call (`MCPServer._call`) to a list to which the HTTP client
+(`_Connecting`) adds why a ``tools/call`` request of that call could not be
+sent (its connection could not be made): the request never reached the
+server. The SDK sends each request from a copy of its caller's context."""
 
 _RELISTEN_WAIT = 30.0
 """The longest wait, in seconds, before opening again a stream announcing a
@@ -780,10 +788,15 @@ class MCPServer(ToolSource):
         assert session.client is not None
         session.users += 1
         kept = False
+        unsent: list[str] = []
+        token = _UNSENT.set(unsent)
         try:
             result = await session.client.call_tool(name, arguments)
             kept = True
         except MCPError as error:
+            if error.code == mcp_types.CONNECTION_CLOSED and unsent:
+                # The transport ended because this call's request could not connect.
+                raise _not_sent(unsent) from error
             if error.code == mcp_types.CONNECTION_CLOSED:
                 raise MCPServerError("the MCP server closed the connection during the call; "
                                      "the result is not known", result_unknown=True) from error
@@ -815,9 +828,12 @@ class MCPServer(ToolSource):
             raise MCPToolError(f"{name}: its result was refused: it is not a valid MCP "
                                f"tool result{where}") from error
         except Exception as error:
+            if unsent:
+                raise _not_sent(unsent) from error
             raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
                                  "the result is not known", result_unknown=True) from error
         finally:
+            _UNSENT.reset(token)
             session.users -= 1
             if not kept:
                 # Lost, or cancelled before an answer (a hung server looks the
@@ -835,9 +851,46 @@ async def _http_transport(url: str, headers: dict[str, str]) -> AsyncIterator[An
     """The SDK's streamable HTTP transport on an HTTP client with ``headers``."""
     # The SDK's own defaults: 30 s to connect or write, 300 s to read a stream.
     timeout = httpx2.Timeout(30.0, read=300.0)
-    async with httpx2.AsyncClient(headers=headers, timeout=timeout) as http, \
+    async with httpx2.AsyncClient(headers=headers, timeout=timeout,
+                                  transport=_Connecting(httpx2.AsyncHTTPTransport())) as http, \
             streamable_http_client(url, http_client=http) as streams:
         yield streams
+
+
+class _Connecting(httpx2.AsyncBaseTransport):
+    """The HTTP client's own transport (as the client would build it), noting
+    for the call that sent it (`_UNSENT`) a ``tools/call`` request whose
+    connection could not be made: it never reached the server."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except (httpx2.ConnectError, httpx2.ConnectTimeout) as error:
+            unsent = _UNSENT.get()
+            if unsent is not None and _calls_a_tool(request):
+                unsent.append(str(error) or type(error).__name__)
+            raise
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _not_sent(unsent: list[str]) -> MCPServerError:
+    """The error of a call whose request could not be sent (`_UNSENT`): it failed."""
+    return MCPServerError(f"the MCP server could not be reached ({unsent[0]}); "
+                          "the call was not sent")
+
+
+def _calls_a_tool(request: httpx2.Request) -> bool:
+    """Whether ``request`` carries a JSON-RPC ``tools/call`` request."""
+    try:
+        message = json.loads(request.content)
+    except (ValueError, httpx2.RequestNotRead):
+        return False
+    return isinstance(message, dict) and message.get("method") == "tools/call"
 
 
 def _announces_changes(client: Client) -> bool:

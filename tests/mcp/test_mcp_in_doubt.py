@@ -161,3 +161,33 @@ async def test_a_call_a_gateway_answered_404_without_passing_it_on_failed(
     assert content_text(count) == "0"
     assert sorted(statuses.values()) == ["failed", "succeeded"]
     assert audited_in_doubt(path) == []
+
+
+async def test_a_call_that_could_not_connect_to_its_http_server_failed(
+        http_server: HttpServer, anthropic: Harness, tmp_path: Path) -> None:
+    """The HTTP server is stopped between calls, its session still open (the
+    handshake era's, whose stream of server messages retries on its own): the
+    next call's request cannot connect, so it never reached the server. It is
+    ``failed``, not in doubt, and the model is told it was not sent; once the
+    server is back, the call after it opens a new session and is answered."""
+    url = http_server.url.replace("/mcp", "/legacy/mcp")
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        store = le.RunStore(ledger)
+        async with MCPServer.http(url, allow={"echo"}) as server:
+            http_server.kill()
+            engine, _ = anthropic.engine(
+                Reply.tool_calls(("echo", {"text": "down"})), Reply.text("done"),
+                ledger=ledger, run_store=store)
+            result = await engine.run(operation(total_time=60), "go", tools=server.tools)
+            http_server.start()
+            back = await by_name(server)["echo"].invoke({"text": "back"})
+        statuses = await store.tool_calls(result.invocation_id)
+    assert result.outcome is le.Outcome.COMPLETED
+    (down,) = tool_results(anthropic.requests[1])
+    assert down["is_error"] is True
+    assert content_text(down).startswith("the MCP server could not be reached (")
+    assert content_text(down).endswith("); the call was not sent")
+    assert list(statuses.values()) == ["failed"]
+    assert audited_in_doubt(path) == []
+    assert back == "back"
