@@ -24,7 +24,8 @@ What a call's result becomes (docs/tools.md):
   audio, other binary data and resource links -> a text block describing them;
 * a dead server, a closed connection, an HTTP answer without a JSON-RPC one
   after which the server may have run the call (a gateway's 504, a 202, a
-  body that is not an answer, a redirect: `_INVENTED`) or a protocol failure
+  body that is not an answer, a redirect: `_INVENTED`), a call the server
+  still says is under way when the SDK stops asking, or a protocol failure
   -> the handler raises `MCPServerError` saying the result is not known (an
   ``is_error`` result for that call, recorded ``in_doubt``), and the
   next call opens a new session, once; a call the engine cancels (its tool's
@@ -68,7 +69,7 @@ from loopengine._tools import Tool, ToolSource, check_tool_name
 try:
     import httpx2
     import mcp_types
-    from mcp import Client, MCPError, StdioServerParameters
+    from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerParameters
     from mcp.client.stdio import stdio_client
     from mcp.client.streamable_http import streamable_http_client
     from mcp.client.subscriptions import SubscriptionLost
@@ -812,6 +813,13 @@ class MCPServer(ToolSource):
                 raise MCPServerError(f"the MCP server's HTTP answer was 404 "
                                      f"({error.message}); the call did not run") from error
             raise MCPToolError(f"{name}: {error.message}") from error
+        except InputRequiredRoundsExceededError as error:
+            # The server answered each round that the call was under way (only a
+            # request state, to ask again with): it may yet finish it.
+            kept = True
+            raise MCPServerError("the MCP server was still working on the call when its "
+                                 "client stopped asking; the result is not known",
+                                 result_unknown=True) from error
         except RuntimeError as error:
             # The SDK's check of the result it received against the tool's output
             # schema: the call ran once and was answered, the session is sound.

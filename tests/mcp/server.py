@@ -7,10 +7,10 @@ the handshake era only, behind a gateway: `GATEWAY`) or ``python
 server.py exit`` (a server that exits before it answers anything) or ``python
 server.py mute`` (one that reads its input but never answers) or ``python
 server.py odd`` (stdio, on the SDK's low-level server class: results the
-high-level one would refuse) or ``python server.py garbled`` (stdio, JSON-RPC
-lines written by hand, handshake era: its ``garbled`` tool answers with a
-result no SDK server would send, text content without its text; ``pid``
-answers soundly).
+high-level one would refuse, and a call always under way) or ``python
+server.py garbled`` (stdio, JSON-RPC lines written by hand, handshake era:
+its ``garbled`` tool answers with a result no SDK server would send, text
+content without its text; ``pid`` answers soundly).
 """
 
 from __future__ import annotations
@@ -199,10 +199,16 @@ async def _odd_list(ctx: Any, params: Any) -> mcp_types.ListToolsResult:
                        input_schema={"type": "object"}),
         mcp_types.Tool(name="pid", description="This server's process id.",
                        input_schema={"type": "object"}),
+        mcp_types.Tool(name="working", description="Still working, every time it is asked.",
+                       input_schema={"type": "object"}),
     ])
 
 
-async def _odd_call(ctx: Any, params: Any) -> mcp_types.CallToolResult:
+async def _odd_call(ctx: Any, params: Any,
+                    ) -> mcp_types.CallToolResult | mcp_types.InputRequiredResult:
+    if params.name == "working":
+        # A call under way: the client is to ask again, with the state, later.
+        return mcp_types.InputRequiredResult(request_state="under way")
     if params.name == "mismatched":
         return mcp_types.CallToolResult(content=[mcp_types.TextContent(text='{"n": "three"}')],
                                         structured_content={"n": "three"})

@@ -191,3 +191,34 @@ async def test_a_call_that_could_not_connect_to_its_http_server_failed(
     assert list(statuses.values()) == ["failed"]
     assert audited_in_doubt(path) == []
     assert back == "back"
+
+
+async def test_a_call_the_server_was_still_working_on_when_the_sdk_stopped_asking_is_in_doubt(
+        anthropic: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``working`` answers every round "input required" with only its state (the
+    2026 protocol's way of saying the call is under way: ask again later); the
+    SDK asks again a set number of times (about two seconds), then gives up.
+    The call may finish on the server after that, so it is ``in_doubt``, and
+    the model is told the result is not known (not the SDK's advice to its
+    programmer); the session, which answered every time, is kept."""
+    caplog.set_level(logging.INFO, logger="loopengine")
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        store = le.RunStore(ledger)
+        async with MCPServer.stdio(sys.executable, [SCRIPT, "odd"]) as server:
+            pid = by_name(server)["pid"]
+            before = await pid.invoke({})
+            engine, _ = anthropic.engine(
+                Reply.tool_calls(("working", {})), Reply.text("done"),
+                ledger=ledger, run_store=store)
+            result = await engine.run(operation(total_time=60), "go", tools=server.tools)
+            after = await pid.invoke({})
+        statuses = await store.tool_calls(result.invocation_id)
+    assert result.outcome is le.Outcome.COMPLETED
+    (pending,) = tool_results(anthropic.requests[1])
+    assert pending["is_error"] is True
+    assert content_text(pending) == ("the MCP server was still working on the call when "
+                                     "its client stopped asking; the result is not known")
+    assert list(statuses.values()) == ["in_doubt"]
+    assert audited_in_doubt(path) == [("working", "in_doubt")]
+    assert before == after and "opening a new session" not in caplog.text
