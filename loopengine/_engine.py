@@ -62,7 +62,7 @@ from loopengine._runstore import (
 )
 from loopengine._short import engine_from_model, sync_method
 from loopengine._stream import RunStream, stream_run
-from loopengine._tools import Tool, ToolSource, check_tool_name, expand_tools
+from loopengine._tools import ExpandedTools, Tool, ToolSource, check_tool_name, expand_tools
 from loopengine.events import Observer, TextDelta
 from loopengine.guards._limits import Limits
 from loopengine.persistence._protocol import Ledger
@@ -522,7 +522,7 @@ class Engine:
         expanded = expand_tools(tools)
         if recovering and not state.pending:
             assert self.run_store is not None
-            state = replace(state, pending=await self._in_doubt(state, expanded))
+            state = replace(state, pending=await self._in_doubt(state, expanded.tools))
             # Calls this recovery finds in doubt have been decided by nobody:
             # decisions given with it were made before, for their approval
             # (a queue's job delivered again), so the run pauses and asks.
@@ -547,7 +547,7 @@ class Engine:
             name, version, provider, model = _route(state.operation)
             raise ConfigError("operation", f"must be the run's operation, {name!r} version "
                                            f"{version!r} on {provider!r} model {model!r}")
-        _check_resume_tools(state, tools, expanded, decided)
+        _check_resume_tools(state, tools, expanded.tools, decided)
         _check_resume_output(state, output)
         inv, spec = self._prepare_run(
             operation, state.messages[:max(1, state.given)], system=state.system,
@@ -680,7 +680,7 @@ class Engine:
         *,
         system: System = None,
         tools: Iterable[Tool | ToolSource] = (),
-        expanded: tuple[Tool, ...] | None = None,
+        expanded: ExpandedTools | None = None,
         output: type[pydantic.BaseModel] | None = None,
         accept: Callable[[Any], Any] | None = None,
         attribution: Attribution | None = None,
@@ -698,10 +698,12 @@ class Engine:
         ``expanded``: ``tools`` with each source's tools in place, when the
         caller already read them (`expand_tools`; a resume does, for its checks)."""
         given = check_tools(tools)
+        if expanded is None:
+            expanded = expand_tools(given)
         spec = RunSpec(
             messages=normalize_messages(messages),
             system=normalize_system(system),
-            tools=expand_tools(given) if expanded is None else expanded,
+            tools=expanded.tools,
             # Read again before each turn and each batch (`ToolSource`).
             sources=given if any(isinstance(t, ToolSource) for t in given) else (),
             output=_check_output(output),
@@ -716,7 +718,8 @@ class Engine:
             raise ConfigError("final_tool", f"{final_tool!r} would name the answer tool of a "
                                             "structured run, and this run has no output "
                                             "model: give output= too, or leave final_tool out")
-        check_unique_tools(spec.tools, final_tool, structured=output is not None)
+        check_unique_tools(spec.tools, final_tool, structured=output is not None,
+                           places=expanded.places)
         for tool in spec.tools:
             if tool.delegates_to is not None:
                 what = f"tool {tool.name!r} runs its delegated run on an engine that"
@@ -904,9 +907,10 @@ class Engine:
             ConfigError: bad input, as `run` would raise it.
             LoopEngineError: the shipped tokenizer file is damaged.
         """
+        expanded = expand_tools(check_tools(tools))
         return estimate_run(operation, normalize_messages(messages),
-                            system=normalize_system(system), tools=expand_tools(check_tools(tools)),
-                            output=output,
+                            system=normalize_system(system), tools=expanded.tools,
+                            places=expanded.places, output=output,
                             limits=limits, prices=self.prices, at=self.clock.wall(),
                             vendor=(provider := self.provider_for(operation)).vendor,
                             geo=provider.inference_geo,

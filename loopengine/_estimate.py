@@ -138,6 +138,7 @@ def estimate_run(
     *,
     system: Sequence[Mapping[str, Any]] | None = None,
     tools: Iterable[Tool] = (),
+    places: Sequence[tuple[str, str]] | None = None,
     output: type[pydantic.BaseModel] | None = None,
     limits: Limits | Mapping[str, object] | None = None,
     prices: PriceBook,
@@ -154,7 +155,9 @@ def estimate_run(
         messages: Anthropic-shaped messages, already checked (`Engine.estimate`
             checks and normalizes them as `Engine.run` does).
         system: The system prompt's text blocks, already checked, or None.
-        tools: As for `Engine.run`.
+        tools: As for `Engine.run`, each source's tools in place (`expand_tools`).
+        places: Where the caller put each tool, which an error names
+            (`ExpandedTools.places`); default each tool's position in ``tools``.
         output: As for `Engine.run`: the terminal tool's definition is counted.
         limits: Narrows the operation's limits, as for `Engine.run`.
         prices: The price book to price with.
@@ -176,7 +179,7 @@ def estimate_run(
     if output is not None:
         _validate.model_schema("output", output)
     tool_list = tuple(tools)
-    check_unique_tools(tool_list, final_tool, structured=output is not None)
+    check_unique_tools(tool_list, final_tool, structured=output is not None, places=places)
     definitions = [t.definition for t in tool_list]
     if output is not None:
         definitions.append(final_tool_definition(output, final_tool))

@@ -1312,14 +1312,28 @@ def _tool_result(block: Mapping[str, Any], content: Any, *, error: bool = False)
     return result
 
 
-def check_unique_tools(tools: Sequence[Tool], final_tool: str, structured: bool) -> None:
-    """Tool names must be unique and must not take the terminal tool's name."""
-    seen: set[str] = set()
+def check_unique_tools(tools: Sequence[Tool], final_tool: str, structured: bool,
+                       places: Sequence[tuple[str, str]] | None = None) -> None:
+    """Tool names must be unique and must not take the terminal tool's name.
+
+    ``places``: where the caller put each tool (`ExpandedTools.places`: a
+    source's tools share its position), which an error names; default each
+    tool's own position in ``tools``."""
+    where = places if places is not None else [(f"tools[{i}]", "") for i in range(len(tools))]
+
+    def described(i: int) -> str:
+        field, source = where[i]
+        return f"{field} ({source})" if source else field
+
+    seen: dict[str, int] = {}
     for i, item in enumerate(tools):
+        field, source = where[i]
         if not isinstance(item, Tool):
-            raise ConfigError(f"tools[{i}]", f"must be a Tool (use @loopengine.tool), got {item!r}")
+            raise ConfigError(field, f"must be a Tool (use @loopengine.tool), got {item!r}")
         if item.name in seen:
-            raise ConfigError(f"tools[{i}]", f"two tools are named {item.name!r}")
+            raise ConfigError(field, f"two tools are named {item.name!r}: "
+                                     f"{described(seen[item.name])} and {described(i)}")
         if structured and item.name == final_tool:
-            raise ConfigError(f"tools[{i}]", f"{final_tool!r} is the terminal tool's name")
-        seen.add(item.name)
+            raise ConfigError(field, f"{final_tool!r} is the terminal tool's name"
+                                     + (f" (a tool of {source})" if source else ""))
+        seen[item.name] = i

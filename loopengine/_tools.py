@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, TypeVar, get_args, get_origin, overload
+from typing import Annotated, Any, NamedTuple, TypeVar, get_args, get_origin, overload
 
 import anyio.to_thread
 import pydantic
@@ -28,7 +28,8 @@ from loopengine._errors import ConfigError, ToolInputError
 from loopengine._jsonschema import check_schema, schema_errors
 from loopengine._raised import withheld
 
-__all__ = ["Tool", "ToolInputError", "ToolSource", "check_tool_name", "expand_tools", "tool"]
+__all__ = ["ExpandedTools", "Tool", "ToolInputError", "ToolSource", "check_tool_name",
+           "expand_tools", "tool"]
 
 logger = logging.getLogger("loopengine")
 
@@ -240,22 +241,38 @@ class ToolSource:
         return True
 
 
-def expand_tools(given: Sequence[Tool | ToolSource]) -> tuple[Tool, ...]:
-    """The tools of ``given``, each source's as it has them now, in order.
+class ExpandedTools(NamedTuple):
+    """A run's ``tools`` with each source's tools in place (`expand_tools`)."""
+
+    tools: tuple[Tool, ...]
+    """The tools, in order."""
+    places: tuple[tuple[str, str], ...]
+    """Where the caller put each tool, as an error names it: the field
+    (``tools[i]``, its position in ``tools`` as written) and, for a source's
+    tool, the source (``MCPServer('...')``; empty for a tool given itself)."""
+
+
+def expand_tools(given: Sequence[Tool | ToolSource]) -> ExpandedTools:
+    """The tools of ``given``, each source's as it has them now, in order, with
+    where the caller put each.
 
     Raises:
         ConfigError: a source cannot give its tools (an MCP server not open).
     """
     tools: list[Tool] = []
+    places: list[tuple[str, str]] = []
     for i, item in enumerate(given):
         if isinstance(item, Tool):
             tools.append(item)
+            places.append((f"tools[{i}]", ""))
             continue
         try:
-            tools.extend(item.tools)
+            held = item.tools
         except RuntimeError as error:
             raise ConfigError(f"tools[{i}]", str(error)) from None
-    return tuple(tools)
+        tools.extend(held)
+        places.extend((f"tools[{i}]", repr(item)) for _ in held)
+    return ExpandedTools(tuple(tools), tuple(places))
 
 
 class _Raised:

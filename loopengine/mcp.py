@@ -23,12 +23,18 @@ What a call's result becomes (docs/tools.md):
   other content (the protocol has a server mirror it as text otherwise);
   audio, other binary data and resource links -> a text block describing them;
 * a dead server, a closed connection, an HTTP answer without a JSON-RPC one
-  (a gateway's 504) or a protocol failure -> the handler
-  raises `MCPServerError` (an ``is_error`` result for that call), and the
+  after which the server may have run the call (a gateway's 504, a 202, a
+  body that is not an answer, a redirect: `_INVENTED`), a call the server
+  still says is under way when the SDK stops asking, or a protocol failure
+  -> the handler raises `MCPServerError` saying the result is not known (an
+  ``is_error`` result for that call, recorded ``in_doubt``), and the
   next call opens a new session, once; a call the engine cancels (its tool's
   timeout, the run's deadline, a cancelled run) leaves the session suspect of
   hanging, so the next call opens a new one too, while calls still running on
-  the old session finish there.
+  the old session finish there;
+* an HTTP 404 without a JSON-RPC answer (the server did not take the call),
+  or a call whose HTTP request could not connect (`_UNSENT`) ->
+  `MCPServerError` saying the call did not run (recorded ``failed``).
 
 A server that announces changes to its tool list (``tools.listChanged``) is
 listed again when it says they changed (one listing at a time, listings a
@@ -46,6 +52,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeAlias, TypedDict, Unpack
@@ -62,7 +69,7 @@ from loopengine._tools import Tool, ToolSource, check_tool_name
 try:
     import httpx2
     import mcp_types
-    from mcp import Client, MCPError, StdioServerParameters
+    from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerParameters
     from mcp.client.stdio import stdio_client
     from mcp.client.streamable_http import streamable_http_client
     from mcp.client.subscriptions import SubscriptionLost
@@ -84,14 +91,50 @@ process start is slower than a call (``connect_timeout=``)."""
 _REQUEST_ERRORS = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
 """JSON-RPC error codes that blame the request, not the session it came on."""
 
-_UNANSWERED = frozenset({
-    (mcp_types.INTERNAL_ERROR, "Server returned an error response"),
-    (mcp_types.INVALID_REQUEST, "server answered a request with 202 Accepted"),
-})
+_INVENTED: tuple[tuple[int, str, bool], ...] = (
+    # An error status without a JSON-RPC body (a 502 or 504 from a gateway that
+    # passed the call on and stopped waiting; the SDK does not say which status).
+    (mcp_types.INTERNAL_ERROR, "Server returned an error response", True),
+    # A 202: queued, or run, with no answer to come.
+    (mcp_types.INVALID_REQUEST, "server answered a request with 202 Accepted", True),
+    # A success status whose body is not an answer: JSON that does not parse, an
+    # event stream whose message does not, a body of another type.
+    (mcp_types.PARSE_ERROR, "Failed to parse JSON response: ", True),
+    (mcp_types.PARSE_ERROR, "Failed to parse SSE message: ", True),
+    (mcp_types.INVALID_REQUEST, "Unexpected content type: ", True),
+    # A redirect it does not follow: a 303 says the request was processed (the
+    # SDK does not say which status it was).
+    (mcp_types.INVALID_REQUEST, "Redirect to ", True),
+    # A 404 without a JSON-RPC body, on a session (the server no longer has it)
+    # or on none (no such endpoint): the request was not taken.
+    (mcp_types.INVALID_REQUEST, "Session terminated", False),
+    (mcp_types.METHOD_NOT_FOUND, "Not Found", False),
+)
 """The errors the SDK's streamable HTTP transport makes up itself when the HTTP
-answer to a request carried no JSON-RPC answer (an error status with another
-body, as a gateway that stopped waiting sends; a 202): the server may have run
-the call, so its result is not known."""
+answer to a request it sent carried no JSON-RPC answer: each JSON-RPC code, the
+message (its start, when it ends with a space: the rest names what came) and
+whether the server may have run the call (its result is then not known). A
+closed connection or an event stream that ended without an answer is
+``CONNECTION_CLOSED``, whose result is not known either."""
+
+
+def _invented(error: MCPError) -> bool | None:
+    """For an error the SDK's HTTP transport made up (`_INVENTED`), whether the
+    server may have run the call; None for any other error (the server's own)."""
+    if error.data is not None:
+        return None
+    for code, message, may_have_run in _INVENTED:
+        if error.code == code and (error.message == message or (
+                message.endswith(" ") and error.message.startswith(message))):
+            return may_have_run
+    return None
+
+
+_UNSENT: ContextVar[list[str] | None] = ContextVar("loopengine_mcp_unsent", default=None)
+"""Set by a call (`MCPServer._call`) to a list to which the HTTP client
+(`_Connecting`) adds why a ``tools/call`` request of that call could not be
+sent (its connection could not be made): the request never reached the
+server. The SDK sends each request from a copy of its caller's context."""
 
 _RELISTEN_WAIT = 30.0
 """The longest wait, in seconds, before opening again a stream announcing a
@@ -411,12 +454,16 @@ class MCPServer(ToolSource):
 
     async def current_tools(self) -> tuple[Tool, ...]:
         """The server's tools now: when the server said its tools changed and they
-        are being listed again, waits for that (at most ``connect_timeout``;
-        past it, the tools as last listed)."""
+        are being listed again (or a listing of them failed: they are listed
+        again now), waits for that (at most ``connect_timeout``; past it, or
+        when the listing fails, the tools as last listed)."""
         # Only the changes heard of so far: a server announcing changes without
         # end must not hold a run for longer than two listings (and the wait
         # between them).
         wanted = self._heard
+        session = self._session
+        if self._read < wanted and session is not None and self._tools is not None:
+            self._relist(session)  # a change whose listing failed is still unread
         with self._clock.cancel_scope(self.connect_timeout):
             while self._read < wanted and self._listing is not None:
                 await self._listing.wait()
@@ -540,12 +587,15 @@ class MCPServer(ToolSource):
                         # Not waited for: a server that never acknowledges the
                         # subscription must not keep its tools from being used.
                         group.start_soon(self._listen, session, client)
-                    session.ready.set()
-                    self._opened += 1
-                    if self._opened > 1:
-                        self._tools_changed(session)  # a new process may have others
-                    await session.stop.wait()
-                    group.cancel_scope.cancel()
+                    try:
+                        session.ready.set()
+                        self._opened += 1
+                        if self._opened > 1:
+                            self._tools_changed(session)  # a new process may have others
+                        await session.stop.wait()
+                        group.cancel_scope.cancel()
+                    finally:
+                        session.group = None  # it starts no more tasks
         except Exception as error:
             # Never let a failing connection reach the task group: it would
             # cancel the caller's `async with server:` block.
@@ -609,7 +659,12 @@ class MCPServer(ToolSource):
         self._heard += 1
         if self._tools is None:
             return  # the first listing is under way: `__aenter__` lists again after it
-        if self._listing is None:
+        self._relist(session)
+
+    def _relist(self, session: _Session) -> None:
+        """Start listing the tools again on ``session`` (`_list_again`), unless a
+        listing is under way or the session has ended."""
+        if self._listing is None and session.group is not None:
             self._listing = anyio.Event()
             session.group.start_soon(self._list_again, session)
 
@@ -617,7 +672,8 @@ class MCPServer(ToolSource):
         """List the tools again while a change waits to be read, each listing at
         least `_RELIST_INTERVAL` after the last began (the changes heard of
         meanwhile are all read by the next); a listing that fails keeps the
-        tools as they were."""
+        tools as they were and leaves the changes unread, for the next reading
+        of the tools (`current_tools`), change or session to list again."""
         try:
             while self._read < self._heard and session is self._session:
                 wait = self._listed_at + _RELIST_INTERVAL - self._clock.now()
@@ -632,16 +688,16 @@ class MCPServer(ToolSource):
                         listed = await _list_tools(session.client)
                 except Exception as error:
                     logger.warning("MCP server %s: its tools changed, but listing them "
-                                   "again failed (%s); they stay as they were", self.label,
-                                   _describe(error))
-                else:
-                    if self._group is not None:
-                        before = [t.definition for t in self._tools or ()]
-                        self._tools = self._build_tools(listed, strict=False)
-                        if [t.definition for t in self._tools] != before:
-                            logger.info("MCP server %s: its tools are now %s", self.label,
-                                        ", ".join(t.name for t in self._tools) or "none")
-                # Waiters for the changes this listing read (or failed to) go on.
+                                   "again failed (%s); they stay as they were until a "
+                                   "listing succeeds", self.label, _describe(error))
+                    return  # unread still: waiters go on with the tools as they were
+                if self._group is not None:
+                    before = [t.definition for t in self._tools or ()]
+                    self._tools = self._build_tools(listed, strict=False)
+                    if [t.definition for t in self._tools] != before:
+                        logger.info("MCP server %s: its tools are now %s", self.label,
+                                    ", ".join(t.name for t in self._tools) or "none")
+                # Waiters for the changes this listing read go on.
                 self._read = heard
                 ended, self._listing = self._listing, anyio.Event()
                 if ended is not None:
@@ -733,21 +789,37 @@ class MCPServer(ToolSource):
         assert session.client is not None
         session.users += 1
         kept = False
+        unsent: list[str] = []
+        token = _UNSENT.set(unsent)
         try:
             result = await session.client.call_tool(name, arguments)
             kept = True
         except MCPError as error:
+            if error.code == mcp_types.CONNECTION_CLOSED and unsent:
+                # The transport ended because this call's request could not connect.
+                raise _not_sent(unsent) from error
             if error.code == mcp_types.CONNECTION_CLOSED:
                 raise MCPServerError("the MCP server closed the connection during the call; "
                                      "the result is not known", result_unknown=True) from error
-            if (error.code, error.message) in _UNANSWERED and error.data is None:
-                raise MCPServerError(f"the MCP server's HTTP answer held no result "
-                                     f"({error.message}); the result is not known",
-                                     result_unknown=True) from error
             # An error about the request itself leaves the session sound; any
             # other (an internal error, a terminated session) may not have.
             kept = error.code in _REQUEST_ERRORS
+            invented = _invented(error)
+            if invented is True:
+                raise MCPServerError(f"the MCP server's HTTP answer held no result "
+                                     f"({_shown(error)}); the result is not known",
+                                     result_unknown=True) from error
+            if invented is False:
+                raise MCPServerError(f"the MCP server's HTTP answer was 404 "
+                                     f"({error.message}); the call did not run") from error
             raise MCPToolError(f"{name}: {error.message}") from error
+        except InputRequiredRoundsExceededError as error:
+            # The server answered each round that the call was under way (only a
+            # request state, to ask again with): it may yet finish it.
+            kept = True
+            raise MCPServerError("the MCP server was still working on the call when its "
+                                 "client stopped asking; the result is not known",
+                                 result_unknown=True) from error
         except RuntimeError as error:
             # The SDK's check of the result it received against the tool's output
             # schema: the call ran once and was answered, the session is sound.
@@ -764,9 +836,12 @@ class MCPServer(ToolSource):
             raise MCPToolError(f"{name}: its result was refused: it is not a valid MCP "
                                f"tool result{where}") from error
         except Exception as error:
+            if unsent:
+                raise _not_sent(unsent) from error
             raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
                                  "the result is not known", result_unknown=True) from error
         finally:
+            _UNSENT.reset(token)
             session.users -= 1
             if not kept:
                 # Lost, or cancelled before an answer (a hung server looks the
@@ -784,9 +859,46 @@ async def _http_transport(url: str, headers: dict[str, str]) -> AsyncIterator[An
     """The SDK's streamable HTTP transport on an HTTP client with ``headers``."""
     # The SDK's own defaults: 30 s to connect or write, 300 s to read a stream.
     timeout = httpx2.Timeout(30.0, read=300.0)
-    async with httpx2.AsyncClient(headers=headers, timeout=timeout) as http, \
+    async with httpx2.AsyncClient(headers=headers, timeout=timeout,
+                                  transport=_Connecting(httpx2.AsyncHTTPTransport())) as http, \
             streamable_http_client(url, http_client=http) as streams:
         yield streams
+
+
+class _Connecting(httpx2.AsyncBaseTransport):
+    """The HTTP client's own transport (as the client would build it), noting
+    for the call that sent it (`_UNSENT`) a ``tools/call`` request whose
+    connection could not be made: it never reached the server."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except (httpx2.ConnectError, httpx2.ConnectTimeout) as error:
+            unsent = _UNSENT.get()
+            if unsent is not None and _calls_a_tool(request):
+                unsent.append(str(error) or type(error).__name__)
+            raise
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _not_sent(unsent: list[str]) -> MCPServerError:
+    """The error of a call whose request could not be sent (`_UNSENT`): it failed."""
+    return MCPServerError(f"the MCP server could not be reached ({unsent[0]}); "
+                          "the call was not sent")
+
+
+def _calls_a_tool(request: httpx2.Request) -> bool:
+    """Whether ``request`` carries a JSON-RPC ``tools/call`` request."""
+    try:
+        message = json.loads(request.content)
+    except (ValueError, httpx2.RequestNotRead):
+        return False
+    return isinstance(message, dict) and message.get("method") == "tools/call"
 
 
 def _announces_changes(client: Client) -> bool:
@@ -808,6 +920,14 @@ async def _list_tools(client: Client) -> list[mcp_types.Tool]:
         cursor = page.next_cursor
         if cursor is None:
             return tools
+
+
+def _shown(error: MCPError) -> str:
+    """An error the SDK made up, for the model: a parse error without the
+    parser's own account of the body (lines of it), any other's first line."""
+    if error.code == mcp_types.PARSE_ERROR:
+        return error.message.split(":", 1)[0]
+    return error.message.strip().split("\n", 1)[0]
 
 
 def _describe(error: BaseException) -> str:

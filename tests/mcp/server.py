@@ -2,19 +2,21 @@
 
 Run as ``python server.py stdio``, ``python server.py legacy`` (stdio, the
 2025 handshake era only), ``python server.py http [PORT]`` (prints
-the port it listens on, 127.0.0.1, then serves ``/mcp``) or ``python
+the port it listens on, 127.0.0.1, then serves ``/mcp``, and ``/legacy/mcp`` in
+the handshake era only, behind a gateway: `GATEWAY`) or ``python
 server.py exit`` (a server that exits before it answers anything) or ``python
 server.py mute`` (one that reads its input but never answers) or ``python
 server.py odd`` (stdio, on the SDK's low-level server class: results the
-high-level one would refuse) or ``python server.py garbled`` (stdio, JSON-RPC
-lines written by hand, handshake era: its ``garbled`` tool answers with a
-result no SDK server would send, text content without its text; ``pid``
-answers soundly).
+high-level one would refuse, and a call always under way) or ``python
+server.py garbled`` (stdio, JSON-RPC lines written by hand, handshake era:
+its ``garbled`` tool answers with a result no SDK server would send, text
+content without its text; ``pid`` answers soundly).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import socket
@@ -39,11 +41,19 @@ class Server(MCPServer):
     """The SDK's server, telling a waiting tool when a client lists the tools."""
 
     listed: anyio.Event | None = None
+    failing = 0
+    """How many of the next listings fail."""
 
     async def list_tools(self) -> list[mcp_types.Tool]:
-        tools = await super().list_tools()
+        if self.failing:
+            self.failing -= 1
+            tools = None
+        else:
+            tools = await super().list_tools()
         if self.listed is not None:
             self.listed.set()
+        if tools is None:
+            raise RuntimeError("the tools cannot be listed now")
         return tools
 
 
@@ -63,10 +73,12 @@ def _added(name: str) -> Callable[[str], str]:
 
 
 @server.tool()
-async def change(ctx: Context, add: str = "", drop: str = "", require: str = "") -> str:
+async def change(ctx: Context, add: str = "", drop: str = "", require: str = "",
+                 fail: int = 0) -> str:
     """Change this server's tools: add a tool named ``add`` (input ``text``), drop the
-    tool ``drop``, and make ``echo`` require the property ``require`` too; announce
-    the change, and answer once the client has listed the tools again."""
+    tool ``drop``, and make ``echo`` require the property ``require`` too; make the
+    next ``fail`` listings fail; announce the change, and answer once the client
+    has listed the tools again (or tried to)."""
     if add:
         server.add_tool(_added(add), name=add, description=f"The {add} tool.")
     if drop:
@@ -78,6 +90,7 @@ async def change(ctx: Context, add: str = "", drop: str = "", require: str = "")
             return text + extra
 
         server.add_tool(echo, name="echo", description="Say the text back, and more.")
+    server.failing = fail
     server.listed = anyio.Event()
     # The 2026 protocol announces it on the client's listen stream; the handshake
     # era on the session (each is a no-op on the other's connections).
@@ -186,10 +199,16 @@ async def _odd_list(ctx: Any, params: Any) -> mcp_types.ListToolsResult:
                        input_schema={"type": "object"}),
         mcp_types.Tool(name="pid", description="This server's process id.",
                        input_schema={"type": "object"}),
+        mcp_types.Tool(name="working", description="Still working, every time it is asked.",
+                       input_schema={"type": "object"}),
     ])
 
 
-async def _odd_call(ctx: Any, params: Any) -> mcp_types.CallToolResult:
+async def _odd_call(ctx: Any, params: Any,
+                    ) -> mcp_types.CallToolResult | mcp_types.InputRequiredResult:
+    if params.name == "working":
+        # A call under way: the client is to ask again, with the state, later.
+        return mcp_types.InputRequiredResult(request_state="under way")
     if params.name == "mismatched":
         return mcp_types.CallToolResult(content=[mcp_types.TextContent(text='{"n": "three"}')],
                                         structured_content={"n": "three"})
@@ -211,20 +230,12 @@ if os.path.exists(os.environ.get("LOOPENGINE_TEST_MARKER", "\0")):
 
 
 gateway_calls = 0
-"""Calls of ``behind_gateway`` and ``accepted_by_gateway`` this process ran."""
+"""Calls of ``gated`` this process ran."""
 
 
 @server.tool()
-def behind_gateway() -> str:
-    """Run, behind a gateway that answers the client 504 (`_gateway`)."""
-    global gateway_calls
-    gateway_calls += 1
-    return "ran"
-
-
-@server.tool()
-def accepted_by_gateway() -> str:
-    """Run, behind a gateway that answers the client 202 Accepted (`_gateway`)."""
+def gated(reply: str) -> str:
+    """Run, behind a gateway that answers the client as ``reply`` names (`GATEWAY`)."""
     global gateway_calls
     gateway_calls += 1
     return "ran"
@@ -232,18 +243,47 @@ def accepted_by_gateway() -> str:
 
 @server.tool()
 def gateway_count() -> int:
-    """How many calls of ``behind_gateway`` and ``accepted_by_gateway`` this process ran."""
+    """How many calls of ``gated`` this process ran."""
     return gateway_calls
 
 
+GATEWAY: dict[str, tuple[bool, int, list[tuple[bytes, bytes]], bytes]] = {
+    # A gateway that stopped waiting: an error status, no JSON-RPC body.
+    "504": (True, 504, [(b"content-type", b"text/plain")], b"gateway timeout"),
+    # One that queued the call.
+    "202": (True, 202, [(b"content-type", b"text/plain")], b""),
+    # A reply cut short or mangled on its way: a body that is not JSON, an event
+    # stream whose message is not JSON, a page of another kind.
+    "json": (True, 200, [(b"content-type", b"application/json")], b'{"jsonrpc": "2.0", "id'),
+    "sse": (True, 200, [(b"content-type", b"text/event-stream")],
+            b"event: message\ndata: {not json\n\n"),
+    "html": (True, 200, [(b"content-type", b"text/html")], b"<p>accepted</p>"),
+    # See Other: the request was processed, its outcome is elsewhere.
+    "303": (True, 303, [(b"content-type", b"text/plain"),
+                        (b"location", b"http://outcome.invalid/calls/1")], b""),
+    # A 404 in plain text, the request never passed on (on a session: the
+    # session is gone).
+    "404": (False, 404, [(b"content-type", b"text/plain")], b"not found"),
+}
+"""How the gateway in front of the HTTP server (`_gateway`) answers a ``tools/call`` of
+``gated``, by its ``reply``: whether it passes the call on to the server (which runs
+it), then the status, headers and body it answers the client with."""
+
+
 def _gateway(app: Any) -> Any:
-    """``app`` behind a gateway that, for a ``tools/call`` of ``behind_gateway``, lets
-    the server run it but answers the client 504 Gateway Timeout in plain text, as
-    a gateway that stopped waiting does, and for one of ``accepted_by_gateway``
-    202 Accepted with no body, as one that queued it does; every other request
-    passes through."""
+    """``app`` behind a gateway that, for a ``tools/call`` of ``gated``, answers as
+    `GATEWAY` says (after letting the server run it, or not), and that serves the
+    handshake era only at ``/legacy/mcp`` (it refuses the 2026 protocol's
+    ``server/discover`` there, as a server that predates it does, so the client
+    opens a session with ``initialize``); every other request passes through."""
 
     async def gateway(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/legacy/"):
+            scope = dict(scope, path=scope["path"][len("/legacy"):],
+                         raw_path=scope["raw_path"][len(b"/legacy"):])
+            legacy = True
+        else:
+            legacy = False
         if scope["type"] != "http" or scope["method"] != "POST":
             await app(scope, receive, send)
             return
@@ -263,19 +303,29 @@ def _gateway(app: Any) -> Any:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        answer = (504, b"gateway timeout") if b'"behind_gateway"' in body else (
-            (202, b"") if b'"accepted_by_gateway"' in body else None)
+        request = json.loads(body)
+        if not isinstance(request, dict):
+            request = {}
+        params = request.get("params") or {}
+        if legacy and request.get("method") == "server/discover":
+            answer: tuple[bool, int, list[tuple[bytes, bytes]], bytes] | None = \
+                (False, 404, [(b"content-type", b"text/plain")], b"not found")
+        elif request.get("method") == "tools/call" and params.get("name") == "gated":
+            answer = GATEWAY[params["arguments"]["reply"]]
+        else:
+            answer = None
         if answer is None:
             await app(scope, replay, send)
             return
+        passed_on, status, headers, reply = answer
 
         async def dropped(message: Any) -> None:
             pass
 
-        await app(scope, replay, dropped)
-        await send({"type": "http.response.start", "status": answer[0],
-                    "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": answer[1]})
+        if passed_on:
+            await app(scope, replay, dropped)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": reply})
 
     return gateway
 
@@ -324,8 +374,6 @@ if __name__ == "__main__":
         # The SDK's servers check their own results, so this one writes the wire
         # format itself; the SDK's client falls back to the handshake era when
         # its discovery request gets an error.
-        import json
-
         def answer(ident: object, result: object) -> None:
             print(json.dumps({"jsonrpc": "2.0", "id": ident, "result": result}), flush=True)
 

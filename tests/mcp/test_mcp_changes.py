@@ -143,6 +143,36 @@ async def test_a_server_outside_its_block_is_refused_before_anything_is_sent(
     assert not anthropic.requests
 
 
+async def test_a_name_clash_names_the_places_the_caller_wrote(anthropic: Harness) -> None:
+    """A local tool named like one of the server's is a ConfigError naming the
+    positions in ``tools`` as the caller wrote them (and the server), not in the
+    list with the server's tools spread out: so for a run, either way round, and
+    for an estimate. Nothing is sent."""
+
+    @le.tool
+    def echo(text: str) -> str:
+        """The local tool."""
+        return text
+
+    engine, _ = anthropic.engine(Reply.text("never sent"))
+    async with changing(allow=None) as server:
+        with pytest.raises(le.ConfigError) as after:
+            await engine.run(operation(), "go", tools=[server, echo])
+        with pytest.raises(le.ConfigError) as before:
+            await engine.run(operation(), "go", tools=[echo, server])
+        with pytest.raises(le.ConfigError) as estimated:
+            engine.estimate(operation(), "go", tools=[server, echo])
+    assert after.value.field == "tools[1]"
+    assert after.value.message == \
+        f"two tools are named 'echo': tools[0] ({server!r}) and tools[1]"
+    assert before.value.field == "tools[1]"
+    assert before.value.message == \
+        f"two tools are named 'echo': tools[0] and tools[1] ({server!r})"
+    assert (estimated.value.field, estimated.value.message) == \
+        (after.value.field, after.value.message)
+    assert not anthropic.requests
+
+
 async def test_a_listen_stream_the_server_ends_is_opened_again(anthropic: Harness) -> None:
     """The server ends its listen streams (as an idle HTTP stream ends at its read
     timeout): the client listens again, lists the tools again (changes are not
@@ -192,3 +222,30 @@ async def test_a_server_started_again_is_listed_again(
     assert "reborn" in offered(anthropic.requests[3])
     (answer,) = tool_results(anthropic.requests[3])
     assert content_text(answer) == "reborn heard hi"
+
+
+async def test_a_change_whose_listing_failed_is_listed_again_by_the_next_reading(
+    mode: str, request: pytest.FixtureRequest, anthropic: Harness,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server adds ``extra`` and announces it, but the listing that change
+    prompts fails: the tools stay as they were (said in the log), and the change
+    stays unread, so the next reading of the tools (a run's, before its next
+    turn) lists them again, with no further notice, and offers ``extra``."""
+    caplog.set_level(logging.WARNING, logger="loopengine")
+    http_server = request.getfixturevalue("http_server") if mode == "http" else None
+    async with server_in(mode, http_server, allow=None) as server:
+        assert await by_name(server)["change"].invoke({"add": "extra", "fail": 1}) == "changed"
+        # The first reading may end with the listing that failed; the second
+        # finds the change unread all the same.
+        await server.current_tools()
+        after = {t.name for t in await server.current_tools()}
+        engine, _ = anthropic.engine(Reply.tool_calls(("extra", {"text": "hi"})),
+                                     Reply.text("done"))
+        result = await engine.run(operation(), "go", tools=[server])
+    assert "extra" in after
+    assert "listing them again failed" in caplog.text
+    assert result.outcome is le.Outcome.COMPLETED
+    assert "extra" in offered(anthropic.requests[0])
+    (answer,) = tool_results(anthropic.requests[1])
+    assert content_text(answer) == "extra heard hi"
