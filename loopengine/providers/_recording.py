@@ -104,7 +104,8 @@ class RecordingProvider:
         except OSError as error:  # a missing directory, a directory, no permission
             raise ConfigError("path", f"cannot create the recording {self.path}: "
                                       f"{error.strerror or error}") from None
-        self._write({"format": FORMAT, "version": VERSION, "provider": inner.name})
+        self._write({"format": FORMAT, "version": VERSION, "provider": inner.name,
+                     "vendor": inner.vendor, "genai_operation": inner.genai_operation})
 
     @property
     def name(self) -> str:
@@ -207,7 +208,11 @@ class ReplayProvider:
         if entries[0].get("version") != VERSION:
             raise ConfigError("path", f"{self.path}: recording version "
                                       f"{entries[0].get('version')} is not {VERSION}")
-        self._name = str(entries[0]["provider"])
+        header = entries[0]
+        self._name = str(header["provider"])
+        # A recording made before the header named them: what the route says.
+        self._vendor = str(header.get("vendor") or self._name)
+        self._operation = str(header.get("genai_operation") or genai_operation_of(self._name))
         self.entries = entries[1:]
         self.strict = strict
         self.position = 0
@@ -219,14 +224,14 @@ class ReplayProvider:
 
     @property
     def vendor(self) -> str:
-        """The recorded provider's route (a recording keeps no vendor)."""
-        return self._name
+        """The recorded provider's vendor, so that a replay is priced and its
+        attempts served by (``served_by``) as the recorded run's were."""
+        return self._vendor
 
     @property
     def genai_operation(self) -> str:
-        """What the recorded route's requests are, as far as its name says (a
-        recording keeps no operation, as it keeps no vendor: `genai_operation_of`)."""
-        return genai_operation_of(self._name)
+        """What the recorded provider's requests are (`Provider.genai_operation`)."""
+        return self._operation
 
     streaming = True
     """A recorded reply's text blocks go to ``on_text``, one call each."""

@@ -1,0 +1,55 @@
+"""`RecordingProvider` and `ReplayProvider` on the real providers (through their
+SDKs and the loopback fake servers): a replayed run reports what the recorded
+one did, a changed request is caught, and a bad recording is named."""
+
+from __future__ import annotations
+
+import random
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import loopengine as le
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import GeminiProvider, RecordingProvider, ReplayProvider
+from loopengine.testing import ErrorReply, FakeClock, FakeGeminiServer, Reply
+
+GEMINI = "gemini-2.5-flash"
+
+
+@le.tool
+async def lookup(key: str) -> str:
+    """Look a key up."""
+    return f"value of {key}"
+
+
+def attempt_rows(ledger: MemoryLedger) -> list[dict[str, Any]]:
+    """The ledger's attempt rows, without what differs from run to run (ids, times)."""
+    return [{k: v for k, v in row.items() if k not in ("invocation_id", "started_at")}
+            for row in ledger.attempts.values()]
+
+
+async def test_a_replayed_gemini_run_is_priced_and_served_by_as_recorded(
+        fake_gemini_server: FakeGeminiServer, tmp_path: Path) -> None:
+    """Gemini's route (``gemini``) is not its vendor (``google``), which prices
+    it and names it in ``served_by``: the replay took the route for the vendor,
+    so its attempts were priced from another vendor's entry (or not at all)."""
+    path = tmp_path / "run.jsonl"
+    prices = le.PriceBook([le.ModelPrice(provider="google", model=GEMINI,
+                                         input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))])
+    op = le.Operation(name="g", provider="gemini", model=GEMINI, max_output_tokens=100)
+    fake_gemini_server.add(ErrorReply(status=503), Reply.tool_calls(("lookup", {"key": "a"})),
+                           Reply.text("done"))
+    inner = GeminiProvider(api_key="test-key",
+                           http_options={"base_url": fake_gemini_server.url})
+    ledgers = MemoryLedger(), MemoryLedger()
+    results = []
+    for provider, ledger in zip((RecordingProvider(inner, path), None), ledgers, strict=True):
+        engine = le.Engine(provider or ReplayProvider(path), ledger=ledger, prices=prices,
+                           clock=FakeClock(), rng=random.Random(7))
+        results.append(await engine.run(op, "look a up", tools=[lookup]))
+    recorded, replayed = results
+    assert recorded.outcome is le.Outcome.COMPLETED and recorded.cost_usd == Decimal("0.00024")
+    assert (replayed.outcome, replayed.cost_usd) == (recorded.outcome, recorded.cost_usd)
+    assert attempt_rows(ledgers[1]) == attempt_rows(ledgers[0])
+    assert {row["served_by"] for row in attempt_rows(ledgers[1])} == {f"google:{GEMINI}"}
