@@ -10,9 +10,23 @@ from pathlib import Path
 from typing import Any
 
 import loopengine as le
+from loopengine.events import AttemptSettled
 from loopengine.persistence import MemoryLedger
-from loopengine.providers import GeminiProvider, RecordingProvider, ReplayProvider
-from loopengine.testing import ErrorReply, FakeClock, FakeGeminiServer, Reply
+from loopengine.providers import (
+    AnthropicProvider,
+    GeminiProvider,
+    RecordingProvider,
+    ReplayProvider,
+)
+from loopengine.testing import (
+    ErrorReply,
+    FakeAnthropicServer,
+    FakeClock,
+    FakeGeminiServer,
+    Reply,
+)
+
+from .conftest import PRICES, operation
 
 GEMINI = "gemini-2.5-flash"
 
@@ -21,6 +35,16 @@ GEMINI = "gemini-2.5-flash"
 async def lookup(key: str) -> str:
     """Look a key up."""
     return f"value of {key}"
+
+
+def lookup_call(key: str = "a") -> tuple[str, dict[str, Any]]:
+    """A call of `lookup`."""
+    return ("lookup", {"key": key})
+
+
+def op() -> le.Operation:
+    """The tests' Anthropic operation (tests/conftest.py)."""
+    return operation()
 
 
 def attempt_rows(ledger: MemoryLedger) -> list[dict[str, Any]]:
@@ -38,7 +62,7 @@ async def test_a_replayed_gemini_run_is_priced_and_served_by_as_recorded(
     prices = le.PriceBook([le.ModelPrice(provider="google", model=GEMINI,
                                          input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))])
     op = le.Operation(name="g", provider="gemini", model=GEMINI, max_output_tokens=100)
-    fake_gemini_server.add(ErrorReply(status=503), Reply.tool_calls(("lookup", {"key": "a"})),
+    fake_gemini_server.add(ErrorReply(status=503), Reply.tool_calls(lookup_call()),
                            Reply.text("done"))
     inner = GeminiProvider(api_key="test-key",
                            http_options={"base_url": fake_gemini_server.url})
@@ -53,3 +77,29 @@ async def test_a_replayed_gemini_run_is_priced_and_served_by_as_recorded(
     assert (replayed.outcome, replayed.cost_usd) == (recorded.outcome, recorded.cost_usd)
     assert attempt_rows(ledgers[1]) == attempt_rows(ledgers[0])
     assert {row["served_by"] for row in attempt_rows(ledgers[1])} == {f"google:{GEMINI}"}
+
+
+async def test_a_reply_with_usage_iterations_replays_with_the_recorded_usage(
+        fake_anthropic_server: FakeAnthropicServer, tmp_path: Path) -> None:
+    """A reply whose usage reports iterations (a compaction) replays: its
+    iterations came back as a list of dicts, which `Usage` refuses, and a usage
+    without iterations as ``iterations=[]``, unequal to the recorded ``()``."""
+    path = tmp_path / "run.jsonl"
+    compacted = le.Usage.from_iterations((
+        le.UsageIteration(type="compaction", input_tokens=5000, output_tokens=100),
+        le.UsageIteration(type="message", input_tokens=200, output_tokens=10)))
+    fake_anthropic_server.add(Reply.tool_calls(lookup_call(), usage=compacted),
+                              Reply.text("done"))
+    inner = AnthropicProvider(api_key="test-key", base_url=fake_anthropic_server.url)
+    results, settled = [], []
+    for provider in (RecordingProvider(inner, path), None):
+        events: list[object] = []
+        engine = le.Engine(provider or ReplayProvider(path), prices=PRICES,
+                           clock=FakeClock(), observers=[events.append])
+        results.append(await engine.run(op(), "look a up", tools=[lookup]))
+        settled.append([e.usage for e in events if isinstance(e, AttemptSettled)])
+    recorded, replayed = results
+    assert recorded.outcome is le.Outcome.COMPLETED and recorded.usage.iterations
+    assert (replayed.outcome, replayed.usage, replayed.cost_usd) == (
+        recorded.outcome, recorded.usage, recorded.cost_usd)
+    assert settled[1] == settled[0] and settled[0][0].iterations

@@ -14,7 +14,6 @@ It never holds keys or headers: a `ProviderRequest` has none.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ import anyio.lowlevel
 
 from loopengine import _validate
 from loopengine._errors import ConfigError, ReplayMismatchError
-from loopengine._usage import Usage
+from loopengine._usage import Usage, usage_from_json, usage_json
 from loopengine.providers._base import (
     FEATURES,
     Container,
@@ -66,11 +65,11 @@ def _digest(body: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _usage_json(usage: Usage | None, geo: str | None) -> dict[str, int] | None:
+def _usage_json(usage: Usage | None, geo: str | None) -> dict[str, Any] | None:
     """``usage`` as recorded: served in the inner provider's declared geo, as the
     engine prices it (`Usage.served_in`), so a replay is priced as the
     recorded run was."""
-    return None if usage is None else dataclasses.asdict(usage.served_in(geo))
+    return None if usage is None else usage_json(usage.served_in(geo))
 
 
 def _recording_path(path: object) -> Path:
@@ -280,14 +279,14 @@ class ReplayProvider:
             recorded = dict(entry["fault"])
             kind, message = recorded.pop("kind"), recorded.pop("message")
             usage = recorded.pop("usage")
-            raise ProviderFault(kind, message, usage=Usage(**usage) if usage else None,
+            raise ProviderFault(kind, message, usage=usage_from_json(usage) if usage else None,
                                 **recorded)
         recorded = entry["response"]
         usage = recorded["usage"]
         await hand_text(on_text, recorded["content"])
         return ProviderResponse(
             content=recorded["content"],
-            usage=Usage(**usage) if usage else None,
+            usage=usage_from_json(usage) if usage else None,
             # The code execution container the reply named, so that the replayed
             # run sends it on as the recorded one did.
             container=Container.from_json(recorded.get("container")),
