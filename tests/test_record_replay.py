@@ -4,10 +4,13 @@ one did, a changed request is caught, and a bad recording is named."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import loopengine as le
 from loopengine.events import AttemptSettled
@@ -103,3 +106,27 @@ async def test_a_reply_with_usage_iterations_replays_with_the_recorded_usage(
     assert (replayed.outcome, replayed.usage, replayed.cost_usd) == (
         recorded.outcome, recorded.usage, recorded.cost_usd)
     assert settled[1] == settled[0] and settled[0][0].iterations
+
+
+@pytest.mark.parametrize(("change", "where"), [
+    ({"thinking": None}, "request.features"),
+    ({"thinking": le.Thinking(budget_tokens=2048)}, "request.features.thinking.budget_tokens"),
+    ({"cache": le.CachePolicy(system=True)}, "request.cache"),
+])
+async def test_a_replay_with_other_features_or_cache_markers_is_a_mismatch(
+        fake_anthropic_server: FakeAnthropicServer, tmp_path: Path,
+        change: dict[str, Any], where: str) -> None:
+    """Thinking and the cache policy are sent (``thinking``, ``cache_control``) and
+    change the reply and its price, but a replay that changed them was served
+    the recorded reply as if the request were the same."""
+    path = tmp_path / "run.jsonl"
+    fake_anthropic_server.add(Reply.text("done"))
+    recorded_op = dataclasses.replace(op(), max_output_tokens=4096,
+                                      thinking=le.Thinking(budget_tokens=1024))
+    inner = AnthropicProvider(api_key="test-key", base_url=fake_anthropic_server.url)
+    await le.Engine(RecordingProvider(inner, path), prices=PRICES).run(recorded_op, "hi")
+    replayed = await le.Engine(ReplayProvider(path), prices=PRICES).run(recorded_op, "hi")
+    assert replayed.outcome is le.Outcome.COMPLETED
+    with pytest.raises(le.ReplayMismatchError, match=f"{where} differs"):
+        await le.Engine(ReplayProvider(path), prices=PRICES).run(
+            dataclasses.replace(recorded_op, **change), "hi")

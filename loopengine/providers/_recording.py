@@ -24,6 +24,7 @@ import anyio.lowlevel
 
 from loopengine import _validate
 from loopengine._errors import ConfigError, ReplayMismatchError
+from loopengine._features import features_table
 from loopengine._usage import Usage, usage_from_json, usage_json
 from loopengine.providers._base import (
     FEATURES,
@@ -35,6 +36,7 @@ from loopengine.providers._base import (
     genai_operation_of,
     hand_text,
 )
+from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import ProviderFault
 
 __all__ = ["RecordingProvider", "ReplayProvider"]
@@ -49,8 +51,12 @@ _RESPONSE_FIELDS = ("stop_reason", "response_id", "request_id", "http_status", "
 
 
 def request_body(request: ProviderRequest) -> dict[str, Any]:
-    """What identifies a request: everything sent except the time-dependent timeout."""
-    return {
+    """What identifies a request: everything sent except the time-dependent timeout
+    and the container (whose expiry is the engine clock's, which a replay need
+    not share). The request features and the cache policy are named only when
+    set, so a recording of a request without them reads as it did before they
+    were recorded."""
+    body: dict[str, Any] = {
         "model": request.model,
         "max_tokens": request.max_tokens,
         "system": request.system,
@@ -58,6 +64,12 @@ def request_body(request: ProviderRequest) -> dict[str, Any]:
         "tool_choice": request.tool_choice,
         "messages": list(request.messages),
     }
+    features = features_table(request.features)
+    if features:
+        body["features"] = features
+    if request.cache != CachePolicy():
+        body["cache"] = _validate.field_values(request.cache)
+    return body
 
 
 def _digest(body: Mapping[str, Any]) -> str:
