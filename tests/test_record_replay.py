@@ -5,7 +5,9 @@ one did, a changed request is caught, and a bad recording is named."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import re
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from loopengine.providers import (
     GeminiProvider,
     RecordingProvider,
     ReplayProvider,
+    ScriptedProvider,
 )
 from loopengine.testing import (
     ErrorReply,
@@ -130,3 +133,50 @@ async def test_a_replay_with_other_features_or_cache_markers_is_a_mismatch(
     with pytest.raises(le.ReplayMismatchError, match=f"{where} differs"):
         await le.Engine(ReplayProvider(path), prices=PRICES).run(
             dataclasses.replace(recorded_op, **change), "hi")
+
+
+
+def _cut(lines: list[str]) -> list[str]:
+    return [*lines[:-1], lines[-1][:-30]]
+
+
+def _no_response(lines: list[str]) -> list[str]:
+    entry = json.loads(lines[2])
+    del entry["response"]
+    return [*lines[:2], json.dumps(entry)]
+
+
+def _odd_usage(lines: list[str]) -> list[str]:
+    entry = json.loads(lines[1])
+    entry["response"]["usage"]["tokens"] = 3
+    return [lines[0], json.dumps(entry), lines[2]]
+
+
+@pytest.mark.parametrize(("damage", "says"), [
+    (lambda lines: [*lines[:2], "", "{oops", lines[2]], "line 4 is not JSON"),
+    (_cut, "line 3 is not JSON .*or one cut short"),
+    (lambda lines: ["[]", *lines], "line 1 is not a JSON object"),
+    (lambda lines: ['{"format": "loopengine.recording", "version": 1}', *lines[1:]],
+     "line 1 names no provider"),
+    (lambda lines: [lines[0], "7"], "line 2 is not a JSON object"),
+    (_no_response, "line 3 is not a recorded attempt: it has no 'response'"),
+    (_odd_usage, "line 2 is not a recorded attempt: .*'tokens'"),
+    (lambda lines: [], "is empty"),
+])
+async def test_a_damaged_recording_is_refused_naming_the_file_and_the_line(
+        tmp_path: Path, damage: Any, says: str) -> None:
+    """A recording cut short, edited or not a recording at all is refused when the
+    replay is built, naming the line: a bad line was reported as line 1 (each
+    line was parsed alone), a first line that is not an object or names no
+    provider escaped as an AttributeError or KeyError, and an attempt that is
+    not one as a TypeError or KeyError inside the replayed run."""
+    path = tmp_path / "run.jsonl"
+    script = ScriptedProvider([Reply.tool_calls(lookup_call()), Reply.text("done")])
+    await le.Engine(RecordingProvider(script, path), prices=PRICES).run(
+        op(), "look a up", tools=[lookup])
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3
+    path.write_text("\n".join(damage(lines)) + "\n")
+    with pytest.raises(le.ConfigError, match=f"{re.escape(str(path))},? {says}") as raised:
+        ReplayProvider(path)
+    assert raised.value.field == "path"

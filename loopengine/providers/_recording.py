@@ -23,7 +23,7 @@ from typing import Any
 import anyio.lowlevel
 
 from loopengine import _validate
-from loopengine._errors import ConfigError, ReplayMismatchError
+from loopengine._errors import ConfigError, LoopEngineError, ReplayMismatchError
 from loopengine._features import features_table
 from loopengine._usage import Usage, usage_from_json, usage_json
 from loopengine.providers._base import (
@@ -197,8 +197,10 @@ class ReplayProvider:
             difference raises `ReplayMismatchError`.
 
     Raises:
-        ConfigError: the file is missing, cannot be read, or is not a
-            loopengine recording.
+        ConfigError: the file is missing, cannot be read, is empty, or is not
+            a loopengine recording: a line that is not JSON (a file cut
+            short), a first line that is not a recording's header, or an
+            attempt that is not one, named by its line.
     """
 
     def __init__(self, path: str | Path, *, strict: bool = True) -> None:
@@ -210,21 +212,11 @@ class ReplayProvider:
         except (OSError, UnicodeDecodeError) as error:  # a directory, no permission, binary
             raise ConfigError("path", f"cannot read the recording {self.path}: "
                                       f"{getattr(error, 'strerror', None) or error}") from None
-        try:
-            entries = [json.loads(line) for line in lines if line.strip()]
-        except json.JSONDecodeError as error:
-            raise ConfigError("path", f"{self.path} is not a recording: {error}") from None
-        if not entries or entries[0].get("format") != FORMAT:
-            raise ConfigError("path", f"{self.path} is not a loopengine recording")
-        if entries[0].get("version") != VERSION:
-            raise ConfigError("path", f"{self.path}: recording version "
-                                      f"{entries[0].get('version')} is not {VERSION}")
-        header = entries[0]
+        header, self.entries, self._outcomes = _read(self.path, lines)
         self._name = str(header["provider"])
         # A recording made before the header named them: what the route says.
         self._vendor = str(header.get("vendor") or self._name)
         self._operation = str(header.get("genai_operation") or genai_operation_of(self._name))
-        self.entries = entries[1:]
         self.strict = strict
         self.position = 0
 
@@ -287,24 +279,86 @@ class ReplayProvider:
                 f"{self.path}: request {self.position} differs from the recording "
                 f"({_first_difference(entry['request'], body)})"
             )
-        if "fault" in entry:
-            recorded = dict(entry["fault"])
-            kind, message = recorded.pop("kind"), recorded.pop("message")
-            usage = recorded.pop("usage")
-            raise ProviderFault(kind, message, usage=usage_from_json(usage) if usage else None,
-                                **recorded)
-        recorded = entry["response"]
-        usage = recorded["usage"]
-        await hand_text(on_text, recorded["content"])
-        return ProviderResponse(
-            content=recorded["content"],
-            usage=usage_from_json(usage) if usage else None,
-            # The code execution container the reply named, so that the replayed
-            # run sends it on as the recorded one did.
-            container=Container.from_json(recorded.get("container")),
-            # A recording made before a field existed holds its default.
-            **{name: recorded[name] for name in _RESPONSE_FIELDS if name in recorded},
-        )
+        outcome = self._outcomes[self.position - 1]
+        if isinstance(outcome, ProviderFault):
+            raise outcome
+        await hand_text(on_text, outcome.content)
+        return outcome
+
+
+def _read(path: Path, lines: list[str]) -> tuple[
+        dict[str, Any], list[dict[str, Any]], list[ProviderResponse | ProviderFault]]:
+    """The header, the entries and their outcomes of a recording's ``lines``, each
+    entry checked where it is read, so a file cut short, edited or not a
+    recording is a `ConfigError` naming the file and the line, not an error
+    from deep inside a replayed run."""
+    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+    if not numbered:
+        raise ConfigError("path", f"{path} is empty, not a loopengine recording")
+    (first, line), *attempts = numbered
+    header = _json_object(f"{path}, line {first}", line)
+    _check_header(f"{path}, line {first}", header)
+    entries: list[dict[str, Any]] = []
+    outcomes: list[ProviderResponse | ProviderFault] = []
+    for n, line in attempts:
+        entry = _json_object(f"{path}, line {n}", line)
+        try:
+            outcomes.append(_outcome(entry))
+        except KeyError as error:
+            raise ConfigError("path", f"{path}, line {n} is not a recorded attempt: it "
+                                      f"has no {error.args[0]!r}") from None
+        except (TypeError, ValueError, LoopEngineError) as error:
+            raise ConfigError("path", f"{path}, line {n} is not a recorded attempt: "
+                                      f"{error}") from None
+        entries.append(entry)
+    return header, entries, outcomes
+
+
+def _json_object(where: str, line: str) -> dict[str, Any]:
+    """One line of a recording, a JSON object."""
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ConfigError("path", f"{where} is not JSON ({error.msg}, column {error.colno}): "
+                                  "not a loopengine recording, or one cut short") from None
+    if not isinstance(value, dict):
+        raise ConfigError("path", f"{where} is not a JSON object: not a loopengine recording")
+    return value
+
+
+def _check_header(where: str, header: Mapping[str, Any]) -> None:
+    """Refuse a first line that is not a recording's header of this version."""
+    if header.get("format") != FORMAT:
+        raise ConfigError("path", f"{where} is not a loopengine recording's first line")
+    if header.get("version") != VERSION:
+        raise ConfigError("path", f"{where}: recording version "
+                                  f"{_validate.shown(header.get('version'))} is not {VERSION}")
+    if not isinstance(header.get("provider"), str):
+        raise ConfigError("path", f"{where} names no provider")
+
+
+def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault:
+    """The response or the fault a recorded attempt holds (a `KeyError`,
+    `TypeError`, `ValueError` or `ConfigError` for an entry that is not one)."""
+    if not isinstance(entry["request"], dict) or not isinstance(entry["request_sha256"], str):
+        raise TypeError("its request is not an object with its SHA-256")
+    if "fault" in entry:
+        recorded = dict(entry["fault"])
+        kind, message = recorded.pop("kind"), recorded.pop("message")
+        usage = recorded.pop("usage", None)
+        return ProviderFault(kind, message, usage=usage_from_json(usage) if usage else None,
+                             **recorded)
+    recorded = entry["response"]
+    usage = recorded.get("usage")
+    return ProviderResponse(
+        content=recorded["content"],
+        usage=usage_from_json(usage) if usage else None,
+        # The code execution container the reply named, so that the replayed
+        # run sends it on as the recorded one did.
+        container=Container.from_json(recorded.get("container")),
+        # A recording made before a field existed holds its default.
+        **{name: recorded[name] for name in _RESPONSE_FIELDS if name in recorded},
+    )
 
 
 def _first_difference(recorded: Any, sent: Any, where: str = "request") -> str:
