@@ -20,6 +20,7 @@ from loopengine.persistence import MemoryLedger
 from loopengine.providers import (
     AnthropicProvider,
     GeminiProvider,
+    OpenAIProvider,
     RecordingProvider,
     ReplayProvider,
     ScriptedProvider,
@@ -29,6 +30,7 @@ from loopengine.testing import (
     FakeAnthropicServer,
     FakeClock,
     FakeGeminiServer,
+    FakeOpenAIServer,
     Reply,
 )
 
@@ -180,3 +182,27 @@ async def test_a_damaged_recording_is_refused_naming_the_file_and_the_line(
     with pytest.raises(le.ConfigError, match=f"{re.escape(str(path))},? {says}") as raised:
         ReplayProvider(path)
     assert raised.value.field == "path"
+
+
+async def test_a_run_whose_calls_the_engine_named_replays(
+        fake_openai_server: FakeOpenAIServer, tmp_path: Path) -> None:
+    """A server that names two calls alike (``0``): the engine names the second
+    itself, with an id of its own (`new_call_id`) that the next request sends.
+    A replay names it again, with another id, and was refused as a request that
+    differs from the recording though nothing had changed."""
+    path = tmp_path / "run.jsonl"
+    calls = [{"type": "tool_use", "id": "0", "name": "lookup", "input": {"key": key}}
+             for key in ("a", "b")]
+    fake_openai_server.add(Reply(content=calls, stop_reason="tool_use"), Reply.text("done"))
+    inner = OpenAIProvider(api_key="test-key", base_url=fake_openai_server.base_url)
+    operation = le.Operation(name="o", provider="openai", model="gpt-4o", max_output_tokens=100)
+    results = []
+    for provider in (RecordingProvider(inner, path), None):
+        results.append(await le.Engine(provider or ReplayProvider(path), prices=PRICES).run(
+            operation, "look a and b up", tools=[lookup]))
+    recorded, replayed = results
+    assert recorded.outcome is le.Outcome.COMPLETED
+    made = recorded.messages[1]["content"][1]["id"]
+    assert made != "0" and made in json.dumps(fake_openai_server.requests[1].body)
+    assert (replayed.outcome, replayed.attempts) == (recorded.outcome, recorded.attempts)
+    assert replayed.messages[1]["content"][1]["id"] != made

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from loopengine._features import features_table
 from loopengine._usage import Usage, usage_from_json, usage_json
 from loopengine.providers._base import (
     FEATURES,
+    NEW_CALL_ID,
     Container,
     Provider,
     ProviderRequest,
@@ -72,8 +74,30 @@ def request_body(request: ProviderRequest) -> dict[str, Any]:
     return body
 
 
+def _comparable(body: Mapping[str, Any]) -> Any:
+    """``body`` as a replay compares it: as JSON, each call id the engine made
+    itself (`new_call_id`, for a call its server named no id for or another
+    call's) in the order it first appears, since a replayed run makes other ones."""
+    made: dict[str, str] = {}
+
+    def renamed(match: re.Match[str]) -> str:
+        return made.setdefault(match.group(), f"call_made_{len(made) + 1}")
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, str):
+            return NEW_CALL_ID.sub(renamed, value)
+        if isinstance(value, dict):
+            return {key: walk(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [walk(item) for item in value]
+        return value
+
+    return walk(json.loads(json.dumps(body, default=str)))
+
+
 def _digest(body: Mapping[str, Any]) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    """The SHA-256 of ``body`` as a replay compares it (`_comparable`)."""
+    canonical = json.dumps(_comparable(body), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -272,12 +296,10 @@ class ReplayProvider:
         entry = self.entries[self.position]
         self.position += 1
         body = request_body(request)
-        if self.strict and _digest(json.loads(json.dumps(body, default=str))) != entry[
-            "request_sha256"
-        ]:
+        if self.strict and _digest(body) != entry["request_sha256"]:
             raise ReplayMismatchError(
                 f"{self.path}: request {self.position} differs from the recording "
-                f"({_first_difference(entry['request'], body)})"
+                f"({_first_difference(_comparable(entry['request']), _comparable(body))})"
             )
         outcome = self._outcomes[self.position - 1]
         if isinstance(outcome, ProviderFault):
@@ -363,7 +385,6 @@ def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault:
 
 def _first_difference(recorded: Any, sent: Any, where: str = "request") -> str:
     """Where two JSON values first differ, for the mismatch message (no values shown)."""
-    sent = json.loads(json.dumps(sent, default=str))
     if isinstance(recorded, dict) and isinstance(sent, dict):
         for key in sorted(set(recorded) | set(sent)):
             if recorded.get(key) != sent.get(key):
