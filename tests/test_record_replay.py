@@ -26,6 +26,7 @@ from loopengine.providers import (
     ScriptedProvider,
 )
 from loopengine.testing import (
+    CutStream,
     ErrorReply,
     FakeAnthropicServer,
     FakeClock,
@@ -206,3 +207,28 @@ async def test_a_run_whose_calls_the_engine_named_replays(
     assert made != "0" and made in json.dumps(fake_openai_server.requests[1].body)
     assert (replayed.outcome, replayed.attempts) == (recorded.outcome, recorded.attempts)
     assert replayed.messages[1]["content"][1]["id"] != made
+
+
+async def test_a_replayed_stream_hands_the_text_as_the_recorded_one_did(
+        fake_anthropic_server: FakeAnthropicServer, tmp_path: Path) -> None:
+    """`Engine.stream` replayed yields the recorded run's events: its text came as
+    one piece per reply instead of the pieces the stream had handed out, and
+    the text a cut stream had handed out before its retry not at all."""
+    path = tmp_path / "run.jsonl"
+    fake_anthropic_server.add(CutStream(reply=Reply.text("half an answer, cut"), after=3),
+                              Reply.text("a whole answer"))
+    inner = AnthropicProvider(api_key="test-key", base_url=fake_anthropic_server.url)
+    seen = []
+    for provider in (RecordingProvider(inner, path), None):
+        engine = le.Engine(provider or ReplayProvider(path), prices=PRICES, clock=FakeClock(),
+                           rng=random.Random(7))
+        async with engine.stream(op(), "go") as run:
+            events = [event async for event in run]
+        assert run.result.outcome is le.Outcome.COMPLETED
+        seen.append([(type(e).__name__, getattr(e, "text", None), getattr(e, "attempt", None))
+                     for e in events])
+    recorded, replayed = seen
+    assert [e for e in recorded if e[0] == "TextDelta"] == [
+        ("TextDelta", "half ", 1), ("TextDelta", "a ", 2), ("TextDelta", "whole ", 2),
+        ("TextDelta", "answer", 2)]
+    assert replayed == recorded

@@ -188,11 +188,22 @@ class RecordingProvider:
 
     async def send(self, request: ProviderRequest, *,
                    on_text: TextCallback | None = None) -> ProviderResponse:
-        """Send through the inner provider and record the request and its outcome."""
+        """Send through the inner provider and record the request and its outcome,
+        with the pieces of text it handed to ``on_text``, if given."""
         body = request_body(request)
         entry: dict[str, Any] = {"request": body, "request_sha256": _digest(body)}
+        handed: TextCallback | None = None
+        if on_text is not None:
+            pieces = entry["text"] = []
+
+            async def handed(text: str) -> None:
+                pieces.append(text)
+                maybe = on_text(text)
+                if maybe is not None:
+                    await maybe
+
         try:
-            response = await self.inner.send(request, on_text=on_text)
+            response = await self.inner.send(request, on_text=handed)
         except ProviderFault as fault:
             entry["fault"] = {
                 "kind": fault.kind.value,
@@ -261,7 +272,8 @@ class ReplayProvider:
         return self._operation
 
     streaming = True
-    """A recorded reply's text blocks go to ``on_text``, one call each."""
+    """The text a recorded attempt handed to ``on_text`` goes to it again, piece by
+    piece (a recording made without ``on_text``: each text block of the reply)."""
     inference_geo = None
     """None: each recorded reply's usage names the geo it was served in, if any."""
     features = FEATURES
@@ -302,9 +314,16 @@ class ReplayProvider:
                 f"({_first_difference(_comparable(entry['request']), _comparable(body))})"
             )
         outcome = self._outcomes[self.position - 1]
+        pieces = entry.get("text")
+        if pieces is not None:
+            # The text as the recorded attempt handed it, piece by piece (a cut
+            # stream's too).
+            await hand_text(on_text, [{"type": "text", "text": piece} for piece in pieces])
+        elif isinstance(outcome, ProviderResponse):
+            # Recorded without ``on_text``: the reply's text blocks.
+            await hand_text(on_text, outcome.content)
         if isinstance(outcome, ProviderFault):
             raise outcome
-        await hand_text(on_text, outcome.content)
         return outcome
 
 
@@ -364,6 +383,9 @@ def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault:
     `TypeError`, `ValueError` or `ConfigError` for an entry that is not one)."""
     if not isinstance(entry["request"], dict) or not isinstance(entry["request_sha256"], str):
         raise TypeError("its request is not an object with its SHA-256")
+    text = entry.get("text", [])
+    if not isinstance(text, list) or not all(isinstance(piece, str) for piece in text):
+        raise TypeError("its text is not a list of strings")
     if "fault" in entry:
         recorded = dict(entry["fault"])
         kind, message = recorded.pop("kind"), recorded.pop("message")
