@@ -12,6 +12,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import loopengine as le
@@ -19,12 +20,19 @@ from loopengine.events import AttemptSettled
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import (
     AnthropicProvider,
+    FaultKind,
     GeminiProvider,
     OpenAIProvider,
+    Provider,
+    ProviderFault,
+    ProviderRequest,
+    ProviderResponse,
     RecordingProvider,
     ReplayProvider,
     ScriptedProvider,
+    TextCallback,
 )
+from loopengine.providers._base import cut_sink
 from loopengine.testing import (
     CutStream,
     ErrorReply,
@@ -36,6 +44,7 @@ from loopengine.testing import (
 )
 
 from .conftest import PRICES, operation
+from .test_deadline import on_mock_clock
 
 GEMINI = "gemini-2.5-flash"
 
@@ -232,3 +241,59 @@ async def test_a_replayed_stream_hands_the_text_as_the_recorded_one_did(
         ("TextDelta", "half ", 1), ("TextDelta", "a ", 2), ("TextDelta", "whole ", 2),
         ("TextDelta", "answer", 2)]
     assert replayed == recorded
+
+
+class SlowFirst(Provider):
+    """A provider whose first request gets no answer in time: its stream had
+    served some usage when the attempt's timeout cut it (what a real provider
+    reports to `cut_sink`); the retry is answered."""
+
+    name = "anthropic"
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def send(self, request: ProviderRequest, *,
+                   on_text: TextCallback | None = None) -> ProviderResponse:
+        self.sent += 1
+        if self.sent == 1:
+            try:
+                await anyio.sleep_forever()
+            finally:
+                sink = cut_sink()
+                assert sink is not None
+                sink.keep_served(ProviderFault(
+                    FaultKind.ABORTED, "cut", http_status=200, response_id="msg_cut",
+                    usage=le.Usage(input_tokens=100, output_tokens=3), usage_approx=True))
+        return ProviderResponse(content=[{"type": "text", "text": "done"}],
+                                stop_reason="end_turn", usage=le.Usage(input_tokens=100,
+                                                                       output_tokens=20))
+
+
+def test_an_attempt_its_timeout_cut_replays_as_a_timeout(tmp_path: Path) -> None:
+    """An attempt the engine's timeout cut (a cancellation, not a fault the provider
+    raised) was not recorded: the replay served its retry's reply to it, so
+    the replayed run had one attempt fewer, and not the usage the cut stream
+    had served. On trio's MockClock: the timeout passes in no real time."""
+    path = tmp_path / "run.jsonl"
+    operation = dataclasses.replace(op(), limits=le.Limits(attempt_timeout=30))
+    ledgers = MemoryLedger(), MemoryLedger()
+
+    async def runs() -> list[le.RunResult]:
+        results = []
+        for provider, ledger in zip((RecordingProvider(SlowFirst(), path),
+                                     None), ledgers, strict=True):
+            engine = le.Engine(provider or ReplayProvider(path), ledger=ledger, prices=PRICES,
+                               rng=random.Random(7))
+            results.append(await engine.run(operation, "go"))
+        return results
+
+    recorded, replayed = on_mock_clock(runs)[0]
+    assert recorded.outcome is le.Outcome.COMPLETED and recorded.attempts.count == 2
+    assert (replayed.outcome, replayed.attempts, replayed.usage, replayed.cost_usd) == (
+        recorded.outcome, recorded.attempts, recorded.usage, recorded.cost_usd)
+    rows = [attempt_rows(ledger) for ledger in ledgers]
+    for row in (*rows[0], *rows[1]):
+        del row["latency_ms"]  # the recorded attempt waited its timeout; a replay does not
+    assert rows[1] == rows[0]
+    assert (rows[0][0]["fault"], rows[0][0]["output_tokens"]) == ("timeout", 3)

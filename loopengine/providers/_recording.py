@@ -14,6 +14,7 @@ It never holds keys or headers: a `ProviderRequest` has none.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 import anyio.lowlevel
 
 from loopengine import _validate
@@ -34,12 +36,15 @@ from loopengine.providers._base import (
     Provider,
     ProviderRequest,
     ProviderResponse,
+    ServedSink,
     TextCallback,
+    cut_sink,
     genai_operation_of,
     hand_text,
+    watch_cuts,
 )
 from loopengine.providers._cache import CachePolicy
-from loopengine.providers._faults import ProviderFault
+from loopengine.providers._faults import ProviderFault, timed_out
 
 __all__ = ["RecordingProvider", "ReplayProvider"]
 
@@ -180,6 +185,15 @@ class RecordingProvider:
         """Ask the inner provider whether it can send ``request`` (passed on)."""
         self.inner.check_request(request)
 
+    def _fault_json(self, fault: ProviderFault) -> dict[str, Any]:
+        """``fault`` as recorded (`_fault_from` reads it back)."""
+        return {
+            "kind": fault.kind.value,
+            "message": fault.message,
+            "usage": _usage_json(fault.usage, self.inner.inference_geo),
+            **{name: getattr(fault, name) for name in _FAULT_FIELDS},
+        }
+
     def _write(self, entry: Mapping[str, Any]) -> None:
         # One append per attempt, the file closed between them: nothing to
         # close, and a crash loses at most the line being written.
@@ -202,17 +216,27 @@ class RecordingProvider:
                 if maybe is not None:
                     await maybe
 
+        # What a stream a cancellation cuts had served, on its way to the attempt.
+        sink = cut_sink()
+        kept = _KeptCut(sink)
+        if sink is not None:
+            watch_cuts(kept)
         try:
             response = await self.inner.send(request, on_text=handed)
         except ProviderFault as fault:
-            entry["fault"] = {
-                "kind": fault.kind.value,
-                "message": fault.message,
-                "usage": _usage_json(fault.usage, self.inner.inference_geo),
-                **{name: getattr(fault, name) for name in _FAULT_FIELDS},
-            }
+            entry["fault"] = self._fault_json(fault)
             self._write(entry)
             raise
+        except anyio.get_cancelled_exc_class():
+            # Cut by the attempt's timeout (or the run's deadline, the caller's
+            # cancellation): sent, and unanswered. Unrecorded, its replay would
+            # serve its retry's reply to it.
+            entry["cut"] = None if kept.served is None else self._fault_json(kept.served)
+            self._write(entry)
+            raise
+        finally:
+            if sink is not None:
+                watch_cuts(sink)
         entry["response"] = {
             "content": list(response.content),
             "usage": _usage_json(response.usage, self.inner.inference_geo),
@@ -322,13 +346,20 @@ class ReplayProvider:
         elif isinstance(outcome, ProviderResponse):
             # Recorded without ``on_text``: the reply's text blocks.
             await hand_text(on_text, outcome.content)
+        if isinstance(outcome, _Cut):
+            # The recorded attempt was cut with no answer: what its stream had
+            # served goes to the attempt, which times out as the recorded one did.
+            sink = cut_sink()
+            if sink is not None and outcome.served is not None:
+                sink.keep_served(outcome.served)
+            raise timed_out(request.timeout)
         if isinstance(outcome, ProviderFault):
             raise outcome
         return outcome
 
 
 def _read(path: Path, lines: list[str]) -> tuple[
-        dict[str, Any], list[dict[str, Any]], list[ProviderResponse | ProviderFault]]:
+        dict[str, Any], list[dict[str, Any]], list[ProviderResponse | ProviderFault | _Cut]]:
     """The header, the entries and their outcomes of a recording's ``lines``, each
     entry checked where it is read, so a file cut short, edited or not a
     recording is a `ConfigError` naming the file and the line, not an error
@@ -340,7 +371,7 @@ def _read(path: Path, lines: list[str]) -> tuple[
     header = _json_object(f"{path}, line {first}", line)
     _check_header(f"{path}, line {first}", header)
     entries: list[dict[str, Any]] = []
-    outcomes: list[ProviderResponse | ProviderFault] = []
+    outcomes: list[ProviderResponse | ProviderFault | _Cut] = []
     for n, line in attempts:
         entry = _json_object(f"{path}, line {n}", line)
         try:
@@ -378,7 +409,7 @@ def _check_header(where: str, header: Mapping[str, Any]) -> None:
         raise ConfigError("path", f"{where} names no provider")
 
 
-def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault:
+def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault | _Cut:
     """The response or the fault a recorded attempt holds (a `KeyError`,
     `TypeError`, `ValueError` or `ConfigError` for an entry that is not one)."""
     if not isinstance(entry["request"], dict) or not isinstance(entry["request_sha256"], str):
@@ -387,11 +418,9 @@ def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault:
     if not isinstance(text, list) or not all(isinstance(piece, str) for piece in text):
         raise TypeError("its text is not a list of strings")
     if "fault" in entry:
-        recorded = dict(entry["fault"])
-        kind, message = recorded.pop("kind"), recorded.pop("message")
-        usage = recorded.pop("usage", None)
-        return ProviderFault(kind, message, usage=usage_from_json(usage) if usage else None,
-                             **recorded)
+        return _fault_from(entry["fault"])
+    if "cut" in entry:
+        return _Cut(None if entry["cut"] is None else _fault_from(entry["cut"]))
     recorded = entry["response"]
     usage = recorded.get("usage")
     return ProviderResponse(
@@ -403,6 +432,38 @@ def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault:
         # A recording made before a field existed holds its default.
         **{name: recorded[name] for name in _RESPONSE_FIELDS if name in recorded},
     )
+
+
+def _fault_from(recorded: Mapping[str, Any]) -> ProviderFault:
+    """The `ProviderFault` that `RecordingProvider._fault_json` wrote."""
+    fields = dict(recorded)
+    kind, message = fields.pop("kind"), fields.pop("message")
+    usage = fields.pop("usage", None)
+    return ProviderFault(kind, message, usage=usage_from_json(usage) if usage else None,
+                         **fields)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Cut:
+    """A recorded attempt a cancellation cut before it was answered."""
+
+    served: ProviderFault | None
+    """What its stream had served by then, if anything."""
+
+
+class _KeptCut:
+    """Passes what a cut stream had served on to the attempt's sink (`cut_sink`),
+    keeping it for the recording."""
+
+    def __init__(self, sink: ServedSink | None) -> None:
+        self.sink = sink
+        self.served: ProviderFault | None = None
+
+    def keep_served(self, cut: ProviderFault) -> None:
+        """Keep what the stream had served, and pass it on."""
+        self.served = cut
+        if self.sink is not None:
+            self.sink.keep_served(cut)
 
 
 def _first_difference(recorded: Any, sent: Any, where: str = "request") -> str:
