@@ -297,3 +297,29 @@ def test_an_attempt_its_timeout_cut_replays_as_a_timeout(tmp_path: Path) -> None
         del row["latency_ms"]  # the recorded attempt waited its timeout; a replay does not
     assert rows[1] == rows[0]
     assert (rows[0][0]["fault"], rows[0][0]["output_tokens"]) == ("timeout", 3)
+
+
+async def test_runs_recorded_concurrently_replay_in_any_order(
+        fake_anthropic_server: FakeAnthropicServer, tmp_path: Path) -> None:
+    """Runs that shared a recording were recorded in the order their requests
+    happened to come; replayed, their requests came in another order and the
+    first was refused as a request that differs from the recording."""
+    path = tmp_path / "runs.jsonl"
+    fake_anthropic_server.add(*(Reply.text(f"answer {n}") for n in range(3)))
+    inner = AnthropicProvider(api_key="test-key", base_url=fake_anthropic_server.url)
+
+    async def together(provider: Provider, order: list[int]) -> dict[int, str | None]:
+        answers: dict[int, str | None] = {}
+
+        async def one(n: int) -> None:
+            answers[n] = (await le.Engine(provider, prices=PRICES).run(op(), f"q{n}")).answer
+
+        async with anyio.create_task_group() as group:
+            for n in order:
+                group.start_soon(one, n)
+        return answers
+
+    recorded = await together(RecordingProvider(inner, path), [0, 1, 2])
+    replay = ReplayProvider(path)
+    assert await together(replay, [2, 1, 0]) == recorded
+    assert replay.exhausted

@@ -14,6 +14,7 @@ It never holds keys or headers: a `ProviderRequest` has none.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -248,12 +249,15 @@ class RecordingProvider:
 
 
 class ReplayProvider:
-    """Serves a recording back, in order, without any network.
+    """Serves a recording back without any network: each request, the recorded
+    outcome of the same request (of those not served yet, the first).
 
     Args:
         path: A file written by `RecordingProvider`.
-        strict: Compare each request with the recorded one (default); a
-            difference raises `ReplayMismatchError`.
+        strict: Compare each request with the recorded ones (default): a
+            request that none of the attempts not served yet sent raises
+            `ReplayMismatchError`. False: serve the recorded attempts in their
+            order, whatever is sent.
 
     Raises:
         ConfigError: the file is missing, cannot be read, is empty, or is not
@@ -278,6 +282,14 @@ class ReplayProvider:
         self._operation = str(header.get("genai_operation") or genai_operation_of(self._name))
         self.strict = strict
         self.position = 0
+        """How many recorded attempts have been served."""
+        self._received = 0
+        self._served = [False] * len(self.entries)
+        self._first = 0  # no recorded attempt before it is left unserved
+        # The recorded attempts not served yet of each request, in their order.
+        self._waiting: dict[str, collections.deque[int]] = {}
+        for index, entry in enumerate(self.entries):
+            self._waiting.setdefault(entry["request_sha256"], collections.deque()).append(index)
 
     @property
     def name(self) -> str:
@@ -316,7 +328,10 @@ class ReplayProvider:
 
     async def send(self, request: ProviderRequest, *,
                    on_text: TextCallback | None = None) -> ProviderResponse:
-        """Serve the next recorded outcome of this request.
+        """Serve the recorded outcome of this request: of the recorded attempts
+        not served yet that sent the same request, the first. Runs recorded
+        concurrently replay whatever order their requests come in; a run's
+        retries of one request are served in their recorded order.
 
         Raises:
             ReplayMismatchError: the request differs from the recorded one, or
@@ -324,20 +339,31 @@ class ReplayProvider:
             ProviderFault: the recorded attempt failed.
         """
         await anyio.lowlevel.checkpoint()
+        self._received += 1
         if self.exhausted:
             raise ReplayMismatchError(
-                f"{self.path}: request {self.position + 1} was not recorded "
+                f"{self.path}: request {self._received} was not recorded "
                 f"(the recording holds {len(self.entries)})"
             )
-        entry = self.entries[self.position]
-        self.position += 1
+        while self._served[self._first]:
+            self._first += 1
         body = request_body(request)
-        if self.strict and _digest(body) != entry["request_sha256"]:
+        waiting = self._waiting.get(_digest(body))
+        if not self.strict:
+            index = self._first
+            self._waiting[self.entries[index]["request_sha256"]].remove(index)
+        elif waiting:
+            index = waiting.popleft()
+        else:
+            recorded = self.entries[self._first]["request"]
             raise ReplayMismatchError(
-                f"{self.path}: request {self.position} differs from the recording "
-                f"({_first_difference(_comparable(entry['request']), _comparable(body))})"
+                f"{self.path}: request {self._received} differs from the recording "
+                f"({_first_difference(_comparable(recorded), _comparable(body))})"
             )
-        outcome = self._outcomes[self.position - 1]
+        self._served[index] = True
+        self.position += 1
+        entry = self.entries[index]
+        outcome = self._outcomes[index]
         pieces = entry.get("text")
         if pieces is not None:
             # The text as the recorded attempt handed it, piece by piece (a cut
