@@ -8,6 +8,7 @@ import dataclasses
 import json
 import random
 import re
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -323,3 +324,38 @@ async def test_runs_recorded_concurrently_replay_in_any_order(
     replay = ReplayProvider(path)
     assert await together(replay, [2, 1, 0]) == recorded
     assert replay.exhausted
+
+
+@le.tool(approval=True)
+async def refund(order_id: str) -> str:
+    """Refund an order."""
+    return f"refunded {order_id}"
+
+
+async def test_a_run_resumed_elsewhere_appends_to_its_recording_and_replays(
+        fake_anthropic_server: FakeAnthropicServer, tmp_path: Path) -> None:
+    """A paused run resumed in another process records its second half with a
+    second `RecordingProvider`, which emptied the file: the first half was
+    lost, and the run could not be replayed. With ``append`` it goes on with
+    the recording, and a replay pauses and resumes as the recorded run did."""
+    path = tmp_path / "run.jsonl"
+    fake_anthropic_server.add(Reply.tool_calls(("refund", {"order_id": "o1"})),
+                              Reply.text("refunded"))
+    inner = AnthropicProvider(api_key="test-key", base_url=fake_anthropic_server.url)
+
+    async def pause_then_resume(first: Provider, second: Callable[[], Provider]) -> Any:
+        paused = await le.Engine(first, prices=PRICES).run(op(), "refund o1", tools=[refund])
+        assert paused.outcome is le.Outcome.PAUSED and paused.state is not None
+        state = le.RunState.loads(paused.state.dumps())
+        return await le.Engine(second(), prices=PRICES).resume(
+            state, decisions={paused.pending[0].id: le.Approve()}, tools=[refund])
+
+    recorded = await pause_then_resume(RecordingProvider(inner, path),
+                                       lambda: RecordingProvider(inner, path, append=True))
+    assert recorded.outcome is le.Outcome.COMPLETED
+    assert len(path.read_text().splitlines()) == 3
+    replayed = await pause_then_resume(ReplayProvider(path), lambda: ReplayProvider(path))
+    assert (replayed.outcome, replayed.answer, replayed.attempts) == (
+        recorded.outcome, recorded.answer, recorded.attempts)
+    with pytest.raises(le.ConfigError, match="a recording of provider 'anthropic', not"):
+        RecordingProvider(ScriptedProvider([], name="openai"), path, append=True)

@@ -128,25 +128,38 @@ class RecordingProvider:
     Args:
         inner: The provider that really answers.
         path: The recording file (created, or emptied if it exists).
+        append: Go on with the recording at ``path``, if there is one, instead
+            of emptying it: a paused run resumed in another process records
+            its second half after its first.
 
     Raises:
-        ConfigError: ``inner`` is not a provider, or the file cannot be
-            created (its directory is missing, the path is empty or names a
-            directory).
+        ConfigError: ``inner`` is not a provider, the file cannot be created
+            (its directory is missing, the path is empty or names a
+            directory), or, with ``append``, the file is not a recording or
+            one of another provider's.
     """
 
-    def __init__(self, inner: Provider, path: str | Path) -> None:
+    def __init__(self, inner: Provider, path: str | Path, *, append: bool = False) -> None:
         if not _validate.implements(inner, Provider):
             raise ConfigError("inner", f"{inner!r} is not a Provider")
+        _validate.boolean("append", append)
         self.inner = inner
         self.path = _recording_path(path)
+        header = {"format": FORMAT, "version": VERSION, "provider": inner.name,
+                  "vendor": inner.vendor, "genai_operation": inner.genai_operation}
+        if append and self.path.is_file() and self.path.stat().st_size:
+            recorded = _load(self.path)[0]
+            if (recorded["provider"], recorded.get("vendor", recorded["provider"])) != (
+                    inner.name, inner.vendor):
+                raise ConfigError("path", f"{self.path} is a recording of provider "
+                                          f"{recorded['provider']!r}, not {inner.name!r}")
+            return
         try:
             self.path.write_text("", encoding="utf-8")
         except OSError as error:  # a missing directory, a directory, no permission
             raise ConfigError("path", f"cannot create the recording {self.path}: "
                                       f"{error.strerror or error}") from None
-        self._write({"format": FORMAT, "version": VERSION, "provider": inner.name,
-                     "vendor": inner.vendor, "genai_operation": inner.genai_operation})
+        self._write(header)
 
     @property
     def name(self) -> str:
@@ -268,14 +281,7 @@ class ReplayProvider:
 
     def __init__(self, path: str | Path, *, strict: bool = True) -> None:
         self.path = _recording_path(path)
-        try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            raise ConfigError("path", f"no recording at {self.path}") from None
-        except (OSError, UnicodeDecodeError) as error:  # a directory, no permission, binary
-            raise ConfigError("path", f"cannot read the recording {self.path}: "
-                                      f"{getattr(error, 'strerror', None) or error}") from None
-        header, self.entries, self._outcomes = _read(self.path, lines)
+        header, self.entries, self._outcomes = _load(self.path)
         self._name = str(header["provider"])
         # A recording made before the header named them: what the route says.
         self._vendor = str(header.get("vendor") or self._name)
@@ -382,6 +388,19 @@ class ReplayProvider:
         if isinstance(outcome, ProviderFault):
             raise outcome
         return outcome
+
+
+def _load(path: Path) -> tuple[
+        dict[str, Any], list[dict[str, Any]], list[ProviderResponse | ProviderFault | _Cut]]:
+    """The recording at ``path``, read (`_read`)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ConfigError("path", f"no recording at {path}") from None
+    except (OSError, UnicodeDecodeError) as error:  # a directory, no permission, binary
+        raise ConfigError("path", f"cannot read the recording {path}: "
+                                  f"{getattr(error, 'strerror', None) or error}") from None
+    return _read(path, lines)
 
 
 def _read(path: Path, lines: list[str]) -> tuple[
