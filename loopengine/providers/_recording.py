@@ -2,14 +2,15 @@
 
 `RecordingProvider(inner, path)` passes each request to ``inner`` and writes
 the request and what came back (the response, or the fault) as one JSON line.
-`ReplayProvider(path)` serves the recording back in order and raises
-`ReplayMismatchError` as soon as a request differs from the recorded one, so
-a replayed run or call makes the same decisions and reports the same attempts
-and outcome as the recorded one.
+`ReplayProvider(path)` serves each request the recorded outcome of the same
+request and raises `ReplayMismatchError` as soon as a request differs from
+the recorded ones, so a replayed run or call makes the same decisions and
+reports the same attempts and outcome as the recorded one.
 
 A recording holds conversation content: the messages, the system prompt, the
 tool definitions and the replies. Treat it like the conversation itself.
-It never holds keys or headers: a `ProviderRequest` has none.
+It holds no key and no authentication header: a `ProviderRequest` has none.
+A fault's message is the server's, as the run's result reports it.
 """
 
 from __future__ import annotations
