@@ -359,3 +359,26 @@ async def test_a_run_resumed_elsewhere_appends_to_its_recording_and_replays(
         recorded.outcome, recorded.answer, recorded.attempts)
     with pytest.raises(le.ConfigError, match="a recording of provider 'anthropic', not"):
         RecordingProvider(ScriptedProvider([], name="openai"), path, append=True)
+
+
+async def test_a_request_refused_before_the_wire_is_refused_by_its_replay(
+        fake_anthropic_server: FakeAnthropicServer, tmp_path: Path) -> None:
+    """A request the provider refuses before the wire (thinking with a prefill,
+    which the Messages API refuses) ends the recorded run ``provider_error`` with
+    no attempt; the replay accepted it and raised ReplayMismatchError, since no
+    attempt of it had been recorded."""
+    path = tmp_path / "run.jsonl"
+    inner = AnthropicProvider(api_key="test-key", base_url=fake_anthropic_server.url)
+    thinking = dataclasses.replace(op(), max_output_tokens=4096,
+                                   thinking=le.Thinking(budget_tokens=1024))
+    prefill = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "Sure,"}]
+    results = []
+    for provider in (RecordingProvider(inner, path), None):
+        results.append(await le.Engine(provider or ReplayProvider(path), prices=PRICES).run(
+            thinking, prefill))
+    recorded, replayed = results
+    assert recorded.outcome is le.Outcome.PROVIDER_ERROR and recorded.attempts.count == 0
+    assert fake_anthropic_server.requests == []
+    assert (replayed.outcome, replayed.detail, replayed.attempts) == (
+        recorded.outcome, recorded.detail, recorded.attempts)
+    assert replayed.fault is not None and replayed.fault.kind is FaultKind.BAD_REQUEST

@@ -197,8 +197,15 @@ class RecordingProvider:
         self.inner.check_ready()
 
     def check_request(self, request: ProviderRequest) -> None:
-        """Ask the inner provider whether it can send ``request`` (passed on)."""
-        self.inner.check_request(request)
+        """Ask the inner provider whether it can send ``request`` (passed on); a
+        refusal is recorded, so that the replay refuses the request as well."""
+        try:
+            self.inner.check_request(request)
+        except ProviderFault as fault:
+            body = request_body(request)
+            self._write({"request": body, "request_sha256": _digest(body),
+                         "refused": self._fault_json(fault)})
+            raise
 
     def _fault_json(self, fault: ProviderFault) -> dict[str, Any]:
         """``fault`` as recorded (`_fault_from` reads it back)."""
@@ -282,7 +289,19 @@ class ReplayProvider:
 
     def __init__(self, path: str | Path, *, strict: bool = True) -> None:
         self.path = _recording_path(path)
-        header, self.entries, self._outcomes = _load(self.path)
+        header, entries, outcomes = _load(self.path)
+        self.entries: list[dict[str, Any]] = []
+        """The recorded attempts, in their order."""
+        self._outcomes: list[ProviderResponse | ProviderFault | _Cut] = []
+        # The recorded refusals before the wire (`check_request`), by request.
+        self._refusals: dict[str, collections.deque[ProviderFault]] = {}
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            if "refused" in entry and isinstance(outcome, ProviderFault):
+                self._refusals.setdefault(entry["request_sha256"], collections.deque()).append(
+                    outcome)
+            else:
+                self.entries.append(entry)
+                self._outcomes.append(outcome)
         self._name = str(header["provider"])
         # A recording made before the header named them: what the route says.
         self._vendor = str(header.get("vendor") or self._name)
@@ -326,7 +345,15 @@ class ReplayProvider:
         """Always ready: a recording needs no connection."""
 
     def check_request(self, request: ProviderRequest) -> None:
-        """Any request: a recording answers whatever was recorded."""
+        """Refuse a request the recorded provider refused before the wire, as it did.
+
+        Raises:
+            ProviderFault: the recorded refusal of this request.
+        """
+        if self._refusals:
+            refusals = self._refusals.get(_digest(request_body(request)))
+            if refusals:
+                raise refusals.popleft()
 
     @property
     def exhausted(self) -> bool:
@@ -463,8 +490,8 @@ def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault | _Cu
     text = entry.get("text", [])
     if not isinstance(text, list) or not all(isinstance(piece, str) for piece in text):
         raise TypeError("its text is not a list of strings")
-    if "fault" in entry:
-        return _fault_from(entry["fault"])
+    if "fault" in entry or "refused" in entry:
+        return _fault_from(entry.get("fault") or entry["refused"])
     if "cut" in entry:
         return _Cut(None if entry["cut"] is None else _fault_from(entry["cut"]))
     recorded = entry["response"]
