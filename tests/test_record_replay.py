@@ -72,18 +72,21 @@ def attempt_rows(ledger: MemoryLedger) -> list[dict[str, Any]]:
             for row in ledger.attempts.values()]
 
 
+@pytest.mark.parametrize("route", [None, "gemini-eu"])
 async def test_a_replayed_gemini_run_is_priced_and_served_by_as_recorded(
-        fake_gemini_server: FakeGeminiServer, tmp_path: Path) -> None:
-    """Gemini's route (``gemini``) is not its vendor (``google``), which prices
-    it and names it in ``served_by``: the replay took the route for the vendor,
-    so its attempts were priced from another vendor's entry (or not at all)."""
+        fake_gemini_server: FakeGeminiServer, tmp_path: Path, route: str | None) -> None:
+    """Gemini's route (``gemini``, or one the provider was given) is not its
+    vendor (``google``), which prices it and names it in ``served_by``: the
+    replay took the route for the vendor, so its attempts were priced from
+    another vendor's entry (or not at all), and, on a route it did not know
+    for Gemini's, named its requests' operation ``chat``."""
     path = tmp_path / "run.jsonl"
     prices = le.PriceBook([le.ModelPrice(provider="google", model=GEMINI,
                                          input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))])
-    op = le.Operation(name="g", provider="gemini", model=GEMINI, max_output_tokens=100)
+    op = le.Operation(name="g", provider=route or "gemini", model=GEMINI, max_output_tokens=100)
     fake_gemini_server.add(ErrorReply(status=503), Reply.tool_calls(lookup_call()),
                            Reply.text("done"))
-    inner = GeminiProvider(api_key="test-key",
+    inner = GeminiProvider(api_key="test-key", route=route,
                            http_options={"base_url": fake_gemini_server.url})
     ledgers = MemoryLedger(), MemoryLedger()
     results = []
@@ -96,6 +99,7 @@ async def test_a_replayed_gemini_run_is_priced_and_served_by_as_recorded(
     assert (replayed.outcome, replayed.cost_usd) == (recorded.outcome, recorded.cost_usd)
     assert attempt_rows(ledgers[1]) == attempt_rows(ledgers[0])
     assert {row["served_by"] for row in attempt_rows(ledgers[1])} == {f"google:{GEMINI}"}
+    assert ReplayProvider(path).genai_operation == "generate_content"
 
 
 async def test_a_reply_with_usage_iterations_replays_with_the_recorded_usage(
