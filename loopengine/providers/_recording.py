@@ -368,8 +368,8 @@ class ReplayProvider:
         retries of one request are served in their recorded order.
 
         Raises:
-            ReplayMismatchError: the request differs from the recorded one, or
-                the recording has no more attempts.
+            ReplayMismatchError: the request differs from every recorded
+                attempt not served yet, or the recording has no more attempts.
             ProviderFault: the recorded attempt failed.
         """
         await anyio.lowlevel.checkpoint()
@@ -381,12 +381,10 @@ class ReplayProvider:
             )
         while self._served[self._first]:
             self._first += 1
-        body = request_body(request)
-        waiting = self._waiting.get(_digest(body))
         if not self.strict:
             index = self._first
             self._waiting[self.entries[index]["request_sha256"]].remove(index)
-        elif waiting:
+        elif waiting := self._waiting.get(_digest(body := request_body(request))):
             index = waiting.popleft()
         else:
             recorded = self.entries[self._first]["request"]
