@@ -31,7 +31,7 @@ from loopengine.providers._base import (
     unwatch_cuts,
     watch_cuts,
 )
-from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._faults import FaultKind, ProviderFault, timed_out
 from loopengine.providers._retry import RetryPolicy, RetryStop, after_fault
 
 __all__ = ["Unsent", "attempt", "request", "settle", "settle_cut"]
@@ -189,7 +189,7 @@ async def attempt(
             unwatch_cuts(watching)
         if scope.cancelled_caught:
             response = None
-            fault = ProviderFault(FaultKind.TIMEOUT, f"no response within {timeout:.3f}s")
+            fault = timed_out(timeout)
     except ProviderFault as raised:
         fault = raised
     except LoopEngineError as error:

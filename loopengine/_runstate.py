@@ -23,7 +23,7 @@ from loopengine._attribution import Attribution
 from loopengine._errors import ConfigError
 from loopengine._features import Features, features_from_table, features_table
 from loopengine._operation import Operation
-from loopengine._usage import Usage, UsageIteration
+from loopengine._usage import Usage, usage_from_json, usage_json
 from loopengine._validate import field_values
 from loopengine.guards._limits import Limits
 from loopengine.providers._base import Container
@@ -223,7 +223,7 @@ class RunState:
             "repair": self.repair,
             "answered_calls": self.answered_calls,
             "progress": {**field_values(self.progress),
-                         "usage": _usage_fields(self.progress.usage)},
+                         "usage": usage_json(self.progress.usage)},
             "paused_at": self.paused_at.isoformat(),
             "extra": self.extra,
             **container,
@@ -252,7 +252,7 @@ class RunState:
             op = dict(raw["operation"])
             name = op.pop("name")
             progress = dict(raw["progress"])
-            usage = _usage_from(progress.pop("usage"))
+            usage = usage_from_json(progress.pop("usage"))
             state = cls(
                 invocation_id=_text(raw["invocation_id"]),
                 operation=Operation.from_mapping(_text(name), op),
@@ -323,17 +323,6 @@ def json_digest(value: Any) -> str:
     values, however they were built."""
     text = json.dumps(value, separators=(",", ":"), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _usage_fields(usage: Usage) -> dict[str, Any]:
-    """``usage`` as JSON values, its iterations included."""
-    return {**field_values(usage), "iterations": [field_values(i) for i in usage.iterations]}
-
-
-def _usage_from(data: dict[str, Any]) -> Usage:
-    """The `Usage` `_usage_fields` wrote."""
-    iterations = tuple(UsageIteration(**i) for i in data.pop("iterations", ()))
-    return Usage(**data, iterations=iterations)
 
 
 def _text(value: object) -> str:

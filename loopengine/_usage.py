@@ -7,13 +7,14 @@ token counts it holds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import ClassVar, Final
+from typing import Any, ClassVar, Final
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
 
-__all__ = ["Usage", "UsageIteration", "sum_past_limit"]
+__all__ = ["Usage", "UsageIteration", "sum_past_limit", "usage_from_json", "usage_json"]
 
 _TOKENS: Final = (
     "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
@@ -286,3 +287,17 @@ def _sum_tier(a: str | None, b: str | None) -> str | None:
     if a is None or a == b:
         return b
     return a if b is None else None
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    """``usage`` as JSON values, its iterations included: what `usage_from_json`
+    reads back (a paused run's state, a recording)."""
+    return {**_validate.field_values(usage),
+            "iterations": [_validate.field_values(i) for i in usage.iterations]}
+
+
+def usage_from_json(data: Mapping[str, Any]) -> Usage:
+    """The `Usage` that `usage_json` wrote: equal to the one it was written from."""
+    values = dict(data)
+    iterations = tuple(UsageIteration(**i) for i in values.pop("iterations", None) or ())
+    return Usage(**values, iterations=iterations)

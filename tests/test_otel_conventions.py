@@ -453,11 +453,11 @@ async def test_every_shipped_provider_is_named_by_a_well_known_provider_name(
 async def test_a_script_or_a_replay_names_its_attempt_spans_by_the_route_it_stands_in_for(
     tracer_provider: TracerProvider, exporter: InMemorySpanExporter, name: str, operation: str,
     tmp_path: Path) -> None:
-    """A `ScriptedProvider` or `ReplayProvider` named after a route knows no more of
-    its requests than the name: one named for Gemini (its routes ``gemini`` and
+    """A `ScriptedProvider` named after a route knows no more of its requests
+    than the name: one named for Gemini (its routes ``gemini`` and
     ``gemini-vertex``, its vendor ``google``) names its attempt spans
     ``generate_content``, as a Gemini run's are; any other (Vertex AI's vendor
-    serves Claude too) ``chat``."""
+    serves Claude too) ``chat``. The replay of its recording names them alike."""
     op = le.Operation(name="otel.script", provider=name, model="m", max_output_tokens=50)
     script = ScriptedProvider([Reply.text("hi")], name=name)
     recording = RecordingProvider(script, tmp_path / "run.jsonl")

@@ -20,6 +20,7 @@ it can send any request).
 from __future__ import annotations
 
 import functools
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,11 @@ def new_call_id() -> str:
     `ToolContext.idempotency_key`: a payment made under another call's key
     would be taken for that one's replay, and never made."""
     return f"call_{uuid.uuid4().hex}"
+
+
+NEW_CALL_ID = re.compile(r"call_[0-9a-f]{32}")
+"""What `new_call_id` makes: an id a replay cannot make again, so it compares a
+request with its recording as though each were the same (`ReplayProvider`)."""
 
 
 def watch_cuts(sink: ServedSink) -> int:

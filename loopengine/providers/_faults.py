@@ -52,6 +52,7 @@ __all__ = [
     "retry_info_delay",
     "should_retry",
     "status_kind",
+    "timed_out",
 ]
 
 
@@ -220,6 +221,13 @@ STATUS_KINDS: dict[int, FaultKind] = {
 }
 """The fault of an HTTP status whose body names no more specific one, for every
 adapter (an adapter adds its vendor's own statuses, e.g. Anthropic's 529)."""
+
+
+def timed_out(seconds: float) -> ProviderFault:
+    """The fault of an attempt that had no response within its timeout of
+    ``seconds``: the engine's, when its timeout cancels the request, and a
+    script's or a replay's that stands for it."""
+    return ProviderFault(FaultKind.TIMEOUT, f"no response within {seconds:.3f}s")
 
 
 def status_kind(status: int, kinds: Mapping[int, FaultKind] = STATUS_KINDS) -> FaultKind:

@@ -2,41 +2,51 @@
 
 `RecordingProvider(inner, path)` passes each request to ``inner`` and writes
 the request and what came back (the response, or the fault) as one JSON line.
-`ReplayProvider(path)` serves the recording back in order and raises
-`ReplayMismatchError` as soon as a request differs from the recorded one, so
-a replayed run or call makes the same decisions and reports the same attempts
-and outcome as the recorded one.
+`ReplayProvider(path)` serves each request the recorded outcome of the same
+request and raises `ReplayMismatchError` as soon as a request differs from
+the recorded ones, so a replayed run or call makes the same decisions and
+reports the same attempts and outcome as the recorded one.
 
 A recording holds conversation content: the messages, the system prompt, the
 tool definitions and the replies. Treat it like the conversation itself.
-It never holds keys or headers: a `ProviderRequest` has none.
+It holds no key and no authentication header: a `ProviderRequest` has none.
+A fault's message is the server's, as the run's result reports it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 import anyio.lowlevel
 
 from loopengine import _validate
-from loopengine._errors import ConfigError, ReplayMismatchError
-from loopengine._usage import Usage
+from loopengine._errors import ConfigError, LoopEngineError, ReplayMismatchError
+from loopengine._features import features_table
+from loopengine._usage import Usage, usage_from_json, usage_json
 from loopengine.providers._base import (
     FEATURES,
+    NEW_CALL_ID,
     Container,
     Provider,
     ProviderRequest,
     ProviderResponse,
+    ServedSink,
     TextCallback,
+    cut_sink,
     genai_operation_of,
     hand_text,
+    watch_cuts,
 )
-from loopengine.providers._faults import ProviderFault
+from loopengine.providers._cache import CachePolicy
+from loopengine.providers._faults import ProviderFault, timed_out
 
 __all__ = ["RecordingProvider", "ReplayProvider"]
 
@@ -50,8 +60,12 @@ _RESPONSE_FIELDS = ("stop_reason", "response_id", "request_id", "http_status", "
 
 
 def request_body(request: ProviderRequest) -> dict[str, Any]:
-    """What identifies a request: everything sent except the time-dependent timeout."""
-    return {
+    """What identifies a request: everything sent except the time-dependent timeout
+    and the container (whose expiry is the engine clock's, which a replay need
+    not share). The request features and the cache policy are named only when
+    set, so a recording of a request without them reads as it did before they
+    were recorded."""
+    body: dict[str, Any] = {
         "model": request.model,
         "max_tokens": request.max_tokens,
         "system": request.system,
@@ -59,18 +73,46 @@ def request_body(request: ProviderRequest) -> dict[str, Any]:
         "tool_choice": request.tool_choice,
         "messages": list(request.messages),
     }
+    features = features_table(request.features)
+    if features:
+        body["features"] = features
+    if request.cache != CachePolicy():
+        body["cache"] = _validate.field_values(request.cache)
+    return body
+
+
+def _comparable(body: Mapping[str, Any]) -> Any:
+    """``body`` as a replay compares it: as JSON, each call id the engine made
+    itself (`new_call_id`, for a call its server named no id for or another
+    call's) in the order it first appears, since a replayed run makes other ones."""
+    made: dict[str, str] = {}
+
+    def renamed(match: re.Match[str]) -> str:
+        return made.setdefault(match.group(), f"call_made_{len(made) + 1}")
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, str):
+            return NEW_CALL_ID.sub(renamed, value)
+        if isinstance(value, dict):
+            return {key: walk(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [walk(item) for item in value]
+        return value
+
+    return walk(json.loads(json.dumps(body, default=str)))
 
 
 def _digest(body: Mapping[str, Any]) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    """The SHA-256 of ``body`` as a replay compares it (`_comparable`)."""
+    canonical = json.dumps(_comparable(body), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _usage_json(usage: Usage | None, geo: str | None) -> dict[str, int] | None:
+def _usage_json(usage: Usage | None, geo: str | None) -> dict[str, Any] | None:
     """``usage`` as recorded: served in the inner provider's declared geo, as the
     engine prices it (`Usage.served_in`), so a replay is priced as the
     recorded run was."""
-    return None if usage is None else dataclasses.asdict(usage.served_in(geo))
+    return None if usage is None else usage_json(usage.served_in(geo))
 
 
 def _recording_path(path: object) -> Path:
@@ -84,24 +126,38 @@ class RecordingProvider:
     Args:
         inner: The provider that really answers.
         path: The recording file (created, or emptied if it exists).
+        append: Go on with the recording at ``path``, if there is one, instead
+            of emptying it: a paused run resumed in another process records
+            its second half after its first.
 
     Raises:
-        ConfigError: ``inner`` is not a provider, or the file cannot be
-            created (its directory is missing, the path is empty or names a
-            directory).
+        ConfigError: ``inner`` is not a provider, the file cannot be created
+            (its directory is missing, the path is empty or names a
+            directory), or, with ``append``, the file is not a recording or
+            one of another provider's.
     """
 
-    def __init__(self, inner: Provider, path: str | Path) -> None:
+    def __init__(self, inner: Provider, path: str | Path, *, append: bool = False) -> None:
         if not _validate.implements(inner, Provider):
             raise ConfigError("inner", f"{inner!r} is not a Provider")
+        _validate.boolean("append", append)
         self.inner = inner
         self.path = _recording_path(path)
+        header = {"format": FORMAT, "version": VERSION, "provider": inner.name,
+                  "vendor": inner.vendor, "genai_operation": inner.genai_operation}
+        if append and self.path.is_file() and self.path.stat().st_size:
+            recorded = _load(self.path)[0]
+            if (recorded["provider"], recorded.get("vendor", recorded["provider"])) != (
+                    inner.name, inner.vendor):
+                raise ConfigError("path", f"{self.path} is a recording of provider "
+                                          f"{recorded['provider']!r}, not {inner.name!r}")
+            return
         try:
             self.path.write_text("", encoding="utf-8")
         except OSError as error:  # a missing directory, a directory, no permission
             raise ConfigError("path", f"cannot create the recording {self.path}: "
                                       f"{error.strerror or error}") from None
-        self._write({"format": FORMAT, "version": VERSION, "provider": inner.name})
+        self._write(header)
 
     @property
     def name(self) -> str:
@@ -143,8 +199,24 @@ class RecordingProvider:
         self.inner.check_ready()
 
     def check_request(self, request: ProviderRequest) -> None:
-        """Ask the inner provider whether it can send ``request`` (passed on)."""
-        self.inner.check_request(request)
+        """Ask the inner provider whether it can send ``request`` (passed on); a
+        refusal is recorded, so that the replay refuses the request as well."""
+        try:
+            self.inner.check_request(request)
+        except ProviderFault as fault:
+            body = request_body(request)
+            self._write({"request": body, "request_sha256": _digest(body),
+                         "refused": self._fault_json(fault)})
+            raise
+
+    def _fault_json(self, fault: ProviderFault) -> dict[str, Any]:
+        """``fault`` as recorded (`_fault_from` reads it back)."""
+        return {
+            "kind": fault.kind.value,
+            "message": fault.message,
+            "usage": _usage_json(fault.usage, self.inner.inference_geo),
+            **{name: getattr(fault, name) for name in _FAULT_FIELDS},
+        }
 
     def _write(self, entry: Mapping[str, Any]) -> None:
         # One append per attempt, the file closed between them: nothing to
@@ -154,20 +226,41 @@ class RecordingProvider:
 
     async def send(self, request: ProviderRequest, *,
                    on_text: TextCallback | None = None) -> ProviderResponse:
-        """Send through the inner provider and record the request and its outcome."""
+        """Send through the inner provider and record the request and its outcome,
+        with the pieces of text it handed to ``on_text``, if given."""
         body = request_body(request)
         entry: dict[str, Any] = {"request": body, "request_sha256": _digest(body)}
+        handed: TextCallback | None = None
+        if on_text is not None:
+            pieces = entry["text"] = []
+
+            async def handed(text: str) -> None:
+                pieces.append(text)
+                maybe = on_text(text)
+                if maybe is not None:
+                    await maybe
+
+        # What a stream a cancellation cuts had served, on its way to the attempt.
+        sink = cut_sink()
+        kept = _KeptCut(sink)
+        if sink is not None:
+            watch_cuts(kept)
         try:
-            response = await self.inner.send(request, on_text=on_text)
+            response = await self.inner.send(request, on_text=handed)
         except ProviderFault as fault:
-            entry["fault"] = {
-                "kind": fault.kind.value,
-                "message": fault.message,
-                "usage": _usage_json(fault.usage, self.inner.inference_geo),
-                **{name: getattr(fault, name) for name in _FAULT_FIELDS},
-            }
+            entry["fault"] = self._fault_json(fault)
             self._write(entry)
             raise
+        except anyio.get_cancelled_exc_class():
+            # Cut by the attempt's timeout (or the run's deadline, the caller's
+            # cancellation): sent, and unanswered. Unrecorded, its replay would
+            # serve its retry's reply to it.
+            entry["cut"] = None if kept.served is None else self._fault_json(kept.served)
+            self._write(entry)
+            raise
+        finally:
+            if sink is not None:
+                watch_cuts(sink)
         entry["response"] = {
             "content": list(response.content),
             "usage": _usage_json(response.usage, self.inner.inference_geo),
@@ -179,40 +272,52 @@ class RecordingProvider:
 
 
 class ReplayProvider:
-    """Serves a recording back, in order, without any network.
+    """Serves a recording back without any network: each request, the recorded
+    outcome of the same request (of those not served yet, the first).
 
     Args:
         path: A file written by `RecordingProvider`.
-        strict: Compare each request with the recorded one (default); a
-            difference raises `ReplayMismatchError`.
+        strict: Compare each request with the recorded ones (default): a
+            request that none of the attempts not served yet sent raises
+            `ReplayMismatchError`. False: serve the recorded attempts in their
+            order, whatever is sent.
 
     Raises:
-        ConfigError: the file is missing, cannot be read, or is not a
-            loopengine recording.
+        ConfigError: the file is missing, cannot be read, is empty, or is not
+            a loopengine recording: a line that is not JSON (a file cut
+            short), a first line that is not a recording's header, or an
+            attempt that is not one, named by its line.
     """
 
     def __init__(self, path: str | Path, *, strict: bool = True) -> None:
         self.path = _recording_path(path)
-        try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            raise ConfigError("path", f"no recording at {self.path}") from None
-        except (OSError, UnicodeDecodeError) as error:  # a directory, no permission, binary
-            raise ConfigError("path", f"cannot read the recording {self.path}: "
-                                      f"{getattr(error, 'strerror', None) or error}") from None
-        try:
-            entries = [json.loads(line) for line in lines if line.strip()]
-        except json.JSONDecodeError as error:
-            raise ConfigError("path", f"{self.path} is not a recording: {error}") from None
-        if not entries or entries[0].get("format") != FORMAT:
-            raise ConfigError("path", f"{self.path} is not a loopengine recording")
-        if entries[0].get("version") != VERSION:
-            raise ConfigError("path", f"{self.path}: recording version "
-                                      f"{entries[0].get('version')} is not {VERSION}")
-        self._name = str(entries[0]["provider"])
-        self.entries = entries[1:]
+        header, entries, outcomes = _load(self.path)
+        self.entries: list[dict[str, Any]] = []
+        """The recorded attempts, in their order."""
+        self._outcomes: list[ProviderResponse | ProviderFault | _Cut] = []
+        # The recorded refusals before the wire (`check_request`), by request.
+        self._refusals: dict[str, collections.deque[ProviderFault]] = {}
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            if "refused" in entry and isinstance(outcome, ProviderFault):
+                self._refusals.setdefault(entry["request_sha256"], collections.deque()).append(
+                    outcome)
+            else:
+                self.entries.append(entry)
+                self._outcomes.append(outcome)
+        self._name = str(header["provider"])
+        # A recording made before the header named them: what the route says.
+        self._vendor = str(header.get("vendor") or self._name)
+        self._operation = str(header.get("genai_operation") or genai_operation_of(self._name))
         self.strict = strict
         self.position = 0
+        """How many recorded attempts have been served."""
+        self._received = 0
+        self._served = [False] * len(self.entries)
+        self._first = 0  # no recorded attempt before it is left unserved
+        # The recorded attempts not served yet of each request, in their order.
+        self._waiting: dict[str, collections.deque[int]] = {}
+        for index, entry in enumerate(self.entries):
+            self._waiting.setdefault(entry["request_sha256"], collections.deque()).append(index)
 
     @property
     def name(self) -> str:
@@ -221,17 +326,18 @@ class ReplayProvider:
 
     @property
     def vendor(self) -> str:
-        """The recorded provider's route (a recording keeps no vendor)."""
-        return self._name
+        """The recorded provider's vendor, so that a replay is priced and its
+        attempts served by (``served_by``) as the recorded run's were."""
+        return self._vendor
 
     @property
     def genai_operation(self) -> str:
-        """What the recorded route's requests are, as far as its name says (a
-        recording keeps no operation, as it keeps no vendor: `genai_operation_of`)."""
-        return genai_operation_of(self._name)
+        """What the recorded provider's requests are (`Provider.genai_operation`)."""
+        return self._operation
 
     streaming = True
-    """A recorded reply's text blocks go to ``on_text``, one call each."""
+    """The text a recorded attempt handed to ``on_text`` goes to it again, piece by
+    piece (a recording made without ``on_text``: each text block of the reply)."""
     inference_geo = None
     """None: each recorded reply's usage names the geo it was served in, if any."""
     features = FEATURES
@@ -246,7 +352,15 @@ class ReplayProvider:
         """Always ready: a recording needs no connection."""
 
     def check_request(self, request: ProviderRequest) -> None:
-        """Any request: a recording answers whatever was recorded."""
+        """Refuse a request the recorded provider refused before the wire, as it did.
+
+        Raises:
+            ProviderFault: the recorded refusal of this request.
+        """
+        if self._refusals:
+            refusals = self._refusals.get(_digest(request_body(request)))
+            if refusals:
+                raise refusals.popleft()
 
     @property
     def exhausted(self) -> bool:
@@ -255,52 +369,183 @@ class ReplayProvider:
 
     async def send(self, request: ProviderRequest, *,
                    on_text: TextCallback | None = None) -> ProviderResponse:
-        """Serve the next recorded outcome of this request.
+        """Serve the recorded outcome of this request: of the recorded attempts
+        not served yet that sent the same request, the first. Runs recorded
+        concurrently replay whatever order their requests come in; a run's
+        retries of one request are served in their recorded order.
 
         Raises:
-            ReplayMismatchError: the request differs from the recorded one, or
-                the recording has no more attempts.
+            ReplayMismatchError: the request differs from every recorded
+                attempt not served yet, or the recording has no more attempts.
             ProviderFault: the recorded attempt failed.
         """
         await anyio.lowlevel.checkpoint()
+        self._received += 1
         if self.exhausted:
             raise ReplayMismatchError(
-                f"{self.path}: request {self.position + 1} was not recorded "
+                f"{self.path}: request {self._received} was not recorded "
                 f"(the recording holds {len(self.entries)})"
             )
-        entry = self.entries[self.position]
-        self.position += 1
-        body = request_body(request)
-        if self.strict and _digest(json.loads(json.dumps(body, default=str))) != entry[
-            "request_sha256"
-        ]:
+        while self._served[self._first]:
+            self._first += 1
+        if not self.strict:
+            index = self._first
+            self._waiting[self.entries[index]["request_sha256"]].remove(index)
+        elif waiting := self._waiting.get(_digest(body := request_body(request))):
+            index = waiting.popleft()
+        else:
+            recorded = self.entries[self._first]["request"]
             raise ReplayMismatchError(
-                f"{self.path}: request {self.position} differs from the recording "
-                f"({_first_difference(entry['request'], body)})"
+                f"{self.path}: request {self._received} differs from the recording "
+                f"({_first_difference(_comparable(recorded), _comparable(body))})"
             )
-        if "fault" in entry:
-            recorded = dict(entry["fault"])
-            kind, message = recorded.pop("kind"), recorded.pop("message")
-            usage = recorded.pop("usage")
-            raise ProviderFault(kind, message, usage=Usage(**usage) if usage else None,
-                                **recorded)
-        recorded = entry["response"]
-        usage = recorded["usage"]
-        await hand_text(on_text, recorded["content"])
-        return ProviderResponse(
-            content=recorded["content"],
-            usage=Usage(**usage) if usage else None,
-            # The code execution container the reply named, so that the replayed
-            # run sends it on as the recorded one did.
-            container=Container.from_json(recorded.get("container")),
-            # A recording made before a field existed holds its default.
-            **{name: recorded[name] for name in _RESPONSE_FIELDS if name in recorded},
-        )
+        self._served[index] = True
+        self.position += 1
+        entry = self.entries[index]
+        outcome = self._outcomes[index]
+        pieces = entry.get("text")
+        if pieces is not None:
+            # The text as the recorded attempt handed it, piece by piece (a cut
+            # stream's too).
+            await hand_text(on_text, [{"type": "text", "text": piece} for piece in pieces])
+        elif isinstance(outcome, ProviderResponse):
+            # Recorded without ``on_text``: the reply's text blocks.
+            await hand_text(on_text, outcome.content)
+        if isinstance(outcome, _Cut):
+            # The recorded attempt was cut with no answer: what its stream had
+            # served goes to the attempt, which times out as the recorded one did.
+            sink = cut_sink()
+            if sink is not None and outcome.served is not None:
+                sink.keep_served(outcome.served)
+            raise timed_out(request.timeout)
+        if isinstance(outcome, ProviderFault):
+            raise outcome
+        return outcome
+
+
+def _load(path: Path) -> tuple[
+        dict[str, Any], list[dict[str, Any]], list[ProviderResponse | ProviderFault | _Cut]]:
+    """The recording at ``path``, read (`_read`)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ConfigError("path", f"no recording at {path}") from None
+    except (OSError, UnicodeDecodeError) as error:  # a directory, no permission, binary
+        raise ConfigError("path", f"cannot read the recording {path}: "
+                                  f"{getattr(error, 'strerror', None) or error}") from None
+    return _read(path, lines)
+
+
+def _read(path: Path, lines: list[str]) -> tuple[
+        dict[str, Any], list[dict[str, Any]], list[ProviderResponse | ProviderFault | _Cut]]:
+    """The header, the entries and their outcomes of a recording's ``lines``, each
+    entry checked where it is read, so a file cut short, edited or not a
+    recording is a `ConfigError` naming the file and the line, not an error
+    from deep inside a replayed run."""
+    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+    if not numbered:
+        raise ConfigError("path", f"{path} is empty, not a loopengine recording")
+    (first, line), *attempts = numbered
+    header = _json_object(f"{path}, line {first}", line)
+    _check_header(f"{path}, line {first}", header)
+    entries: list[dict[str, Any]] = []
+    outcomes: list[ProviderResponse | ProviderFault | _Cut] = []
+    for n, line in attempts:
+        entry = _json_object(f"{path}, line {n}", line)
+        try:
+            outcomes.append(_outcome(entry))
+        except KeyError as error:
+            raise ConfigError("path", f"{path}, line {n} is not a recorded attempt: it "
+                                      f"has no {error.args[0]!r}") from None
+        except (TypeError, ValueError, LoopEngineError) as error:
+            raise ConfigError("path", f"{path}, line {n} is not a recorded attempt: "
+                                      f"{error}") from None
+        entries.append(entry)
+    return header, entries, outcomes
+
+
+def _json_object(where: str, line: str) -> dict[str, Any]:
+    """One line of a recording, a JSON object."""
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ConfigError("path", f"{where} is not JSON ({error.msg}, column {error.colno}): "
+                                  "not a loopengine recording, or one cut short") from None
+    if not isinstance(value, dict):
+        raise ConfigError("path", f"{where} is not a JSON object: not a loopengine recording")
+    return value
+
+
+def _check_header(where: str, header: Mapping[str, Any]) -> None:
+    """Refuse a first line that is not a recording's header of this version."""
+    if header.get("format") != FORMAT:
+        raise ConfigError("path", f"{where} is not a loopengine recording's first line")
+    if header.get("version") != VERSION:
+        raise ConfigError("path", f"{where}: recording version "
+                                  f"{_validate.shown(header.get('version'))} is not {VERSION}")
+    if not isinstance(header.get("provider"), str):
+        raise ConfigError("path", f"{where} names no provider")
+
+
+def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault | _Cut:
+    """The response or the fault a recorded attempt holds (a `KeyError`,
+    `TypeError`, `ValueError` or `ConfigError` for an entry that is not one)."""
+    if not isinstance(entry["request"], dict) or not isinstance(entry["request_sha256"], str):
+        raise TypeError("its request is not an object with its SHA-256")
+    text = entry.get("text", [])
+    if not isinstance(text, list) or not all(isinstance(piece, str) for piece in text):
+        raise TypeError("its text is not a list of strings")
+    if "fault" in entry or "refused" in entry:
+        return _fault_from(entry.get("fault") or entry["refused"])
+    if "cut" in entry:
+        return _Cut(None if entry["cut"] is None else _fault_from(entry["cut"]))
+    recorded = entry["response"]
+    usage = recorded.get("usage")
+    return ProviderResponse(
+        content=recorded["content"],
+        usage=usage_from_json(usage) if usage else None,
+        # The code execution container the reply named, so that the replayed
+        # run sends it on as the recorded one did.
+        container=Container.from_json(recorded.get("container")),
+        # A recording made before a field existed holds its default.
+        **{name: recorded[name] for name in _RESPONSE_FIELDS if name in recorded},
+    )
+
+
+def _fault_from(recorded: Mapping[str, Any]) -> ProviderFault:
+    """The `ProviderFault` that `RecordingProvider._fault_json` wrote."""
+    fields = dict(recorded)
+    kind, message = fields.pop("kind"), fields.pop("message")
+    usage = fields.pop("usage", None)
+    return ProviderFault(kind, message, usage=usage_from_json(usage) if usage else None,
+                         **fields)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Cut:
+    """A recorded attempt a cancellation cut before it was answered."""
+
+    served: ProviderFault | None
+    """What its stream had served by then, if anything."""
+
+
+class _KeptCut:
+    """Passes what a cut stream had served on to the attempt's sink (`cut_sink`),
+    keeping it for the recording."""
+
+    def __init__(self, sink: ServedSink | None) -> None:
+        self.sink = sink
+        self.served: ProviderFault | None = None
+
+    def keep_served(self, cut: ProviderFault) -> None:
+        """Keep what the stream had served, and pass it on."""
+        self.served = cut
+        if self.sink is not None:
+            self.sink.keep_served(cut)
 
 
 def _first_difference(recorded: Any, sent: Any, where: str = "request") -> str:
     """Where two JSON values first differ, for the mismatch message (no values shown)."""
-    sent = json.loads(json.dumps(sent, default=str))
     if isinstance(recorded, dict) and isinstance(sent, dict):
         for key in sorted(set(recorded) | set(sent)):
             if recorded.get(key) != sent.get(key):

@@ -31,7 +31,7 @@ from loopengine.providers._base import (
     genai_operation_of,
     hand_text,
 )
-from loopengine.providers._faults import FaultKind, ProviderFault
+from loopengine.providers._faults import FaultKind, ProviderFault, timed_out
 
 __all__ = ["Reply", "ScriptItem", "ScriptedProvider"]
 
@@ -240,7 +240,7 @@ class ScriptedProvider:
             raise item
         if item.delay > request.timeout:
             await self.clock.sleep(request.timeout)
-            raise ProviderFault(FaultKind.TIMEOUT, f"no response within {request.timeout:.3f}s")
+            raise timed_out(request.timeout)
         if item.delay:
             await self.clock.sleep(item.delay)
         else:
