@@ -304,7 +304,7 @@ class CreditAccounts:
         now = format_time(self._clock.wall())
         return await self.ledger._transact_qmark(lambda conn: work(conn, now),
                                                  "the accounts could not be written",
-                                                 lock=account)
+                                                 lock=("accounts", account))
 
 
 async def recorded_account(ledger: Any, invocation_id: str) -> str | None:

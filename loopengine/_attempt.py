@@ -10,6 +10,7 @@ decided by `loopengine.providers._retry.after_fault`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -17,7 +18,7 @@ from collections.abc import Callable
 
 import anyio
 
-from loopengine._errors import LoopEngineError
+from loopengine._errors import LedgerError, LoopEngineError
 from loopengine._invocation import InFlight, Invocation
 from loopengine._pricing import nanousd_to_usd
 from loopengine._raised import own_failure
@@ -152,11 +153,36 @@ async def attempt(
     inv.records.append(AttemptRecord(dispatch=dispatch, settle=None))
     flight = InFlight(len(inv.records) - 1, now)
     inv.in_flight = flight
-    if inv.ledger is not None:
+    while inv.ledger is not None:
         # Durable before anything is sent. The wait is bounded by the run's
         # deadline, the scope around the run: past it, nothing is sent and the
         # attempt is settled by `settle_cut`.
-        await inv.ledger.dispatch_attempt(dispatch)
+        try:
+            await inv.ledger.dispatch_attempt(dispatch)
+            break
+        except LedgerError:
+            try:
+                taken = await _taken_since(inv, dispatch.ordinal)
+            except BaseException:
+                # Cut as it read (its caller's cancellation): nothing of this
+                # attempt was written or sent, so it is none of the run's.
+                inv.records.pop(flight.index)
+                inv.in_flight = None
+                raise
+            if not taken:
+                raise
+        # The segment this one took the run over from, still alive, sent more
+        # of the turn since this one read the run: nothing was sent for this
+        # attempt, which goes on after them.
+        logger.warning("run %s: attempt %d was taken by a request of the segment this one "
+                       "took the run over from; sent as attempt %d", inv.id, dispatch.ordinal,
+                       dispatch.ordinal + taken)
+        inv.base_attempts += taken
+        inv.earlier_attempts[turn] = inv.earlier_attempts.get(turn, 0) + taken
+        number += taken
+        dispatch = dataclasses.replace(dispatch, ordinal=dispatch.ordinal + taken,
+                                       attempt=number)
+        inv.records[flight.index] = AttemptRecord(dispatch=dispatch, settle=None)
     flight.written = True
     if inv.observers:
         # Building an event costs about as much as the rest of the
@@ -223,6 +249,28 @@ async def attempt(
         raise fault
     assert response is not None
     return response
+
+
+async def _taken_since(inv: Invocation, ordinal: int) -> int:
+    """How many attempts from ``ordinal`` on another segment of the run has
+    dispatched, when this segment's dispatch of ``ordinal`` was refused; 0 when
+    none did (the refusal was the ledger's own, to be raised).
+
+    Only a segment that took its run over (resumed or recovered under a run
+    store: it writes a token of its own, `take_run`) can find one: the segment
+    it took the run from may still be alive (its process was only slow, or a
+    clock ahead found its lease expired) and send a request of its turn (a
+    retry) before its next checkpoint tells it the run is no longer its own.
+    Its numbers are the ledger's count: those it dispatched after this
+    segment read the run's (`prepare_resume`)."""
+    read = getattr(inv.ledger, "read_progress", None)
+    if inv.run_store is None or inv.segment_token is None or read is None:
+        return 0
+    try:
+        found = await read(inv.id)
+    except LedgerError:
+        return 0
+    return 0 if found is None else max(0, found.attempt_count - ordinal + 1)
 
 
 async def _report(inv: Invocation, settle: AttemptSettle, dispatch: AttemptDispatch,

@@ -267,7 +267,7 @@ class RunStore:
             if changed != 1:
                 raise RunBusyError(invocation_id, None, "another resume took it")
 
-        await self._transact(work)
+        await self._transact(work, lock=invocation_id)
 
     async def checkpoint(self, invocation_id: str, owner: str, *, now: datetime,
                          state: bytes | None = None, results: bytes | None = None,
@@ -333,7 +333,7 @@ class RunStore:
                     "ended_at = COALESCE(excluded.ended_at, tool_calls.ended_at)",
                     (invocation_id, call_id, turn, tool, status, started, ended))
 
-        await self._transact(work)
+        await self._transact(work, lock=invocation_id)
 
     async def release(self, invocation_id: str, owner: str, *,
                       paused_at: datetime | None) -> None:
@@ -350,7 +350,7 @@ class RunStore:
                 (None if paused_at is None else format_time(paused_at), invocation_id,
                  owner))
 
-        await self._transact(work)
+        await self._transact(work, lock=invocation_id)
 
     async def drop(self, invocation_id: str, owner: str | None, *,
                    version: int | None = None) -> None:
@@ -370,13 +370,14 @@ class RunStore:
                 conn.execute("UPDATE tool_calls SET status = 'in_doubt' WHERE "
                              "invocation_id = ? AND status = 'started'", (invocation_id,))
 
-        await self._transact(work)
+        await self._transact(work, lock=invocation_id)
 
     # -- the transaction -------------------------------------------------------------------
 
-    async def _transact(self, work: Callable[[Any], T]) -> T:
-        """``work(connection)`` in one transaction (``?`` parameters on every store)."""
-        return await _transact(self.ledger, self._memory, work)
+    async def _transact(self, work: Callable[[Any], T], *, lock: str | None = None) -> T:
+        """``work(connection)`` in one transaction (``?`` parameters on every store);
+        ``lock``: the run whose rows it writes (`_transact`)."""
+        return await _transact(self.ledger, self._memory, work, lock)
 
 
 async def holds_run(ledger: Any, invocation_id: str) -> bool:
@@ -401,12 +402,20 @@ async def holds_run(ledger: Any, invocation_id: str) -> bool:
 
 
 async def _transact(ledger: SQLiteLedger | PostgresLedger | MemoryLedger,
-                    memory: sqlite3.Connection | None, work: Callable[[Any], T]) -> T:
+                    memory: sqlite3.Connection | None, work: Callable[[Any], T],
+                    lock: str | None = None) -> T:
     """``work(connection)`` in one transaction on the run store tables of
-    ``ledger`` (``memory``: a `MemoryLedger`'s), ``?`` parameters on every store."""
+    ``ledger`` (``memory``: a `MemoryLedger`'s), ``?`` parameters on every store.
+
+    ``lock``: the run whose rows ``work`` writes (its ``run_states`` row, then
+    its ``tool_calls``), each held until the commit: the writer runs the calls
+    it commits together in the runs' order, as every host's does, so two
+    hosts each writing runs the other writes (resuming, recovering or taking
+    them over) never wait for each other (`Call.lock`)."""
     failure = "the run store could not be written"
     if isinstance(ledger, PostgresLedger | SQLiteLedger):
-        return await ledger._transact_qmark(work, failure)
+        return await ledger._transact_qmark(
+            work, failure, lock=None if lock is None else ("run_states", lock))
     conn = memory
     assert conn is not None
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import Any
 
 import anyio
@@ -26,6 +27,7 @@ from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
+from .ledger_support import overloaded
 from .pause_scenarios import HookedStore, Sender, send
 from .test_recovery import Charger, HeldProvider
 
@@ -263,3 +265,51 @@ async def test_a_run_store_deletes_only_a_row_its_segment_holds(
     assert await store.load(run_id) is not None
     await store.drop(run_id, "its-new-owner")
     assert await store.load(run_id) is None
+
+
+async def test_a_request_the_taken_over_segment_sends_never_fails_its_new_owners(
+        ledger: Any, clock: FakeClock) -> None:
+    """A host whose clock runs two hours ahead of A's finds A's lease expired and
+    takes A's live run over, no force, while A waits to retry its first request
+    (overloaded). A's retry is dispatched after B read the run's attempts and
+    before B sends the turn again, so it takes attempt 2, the number B was about
+    to use. B's dispatch was once refused (a LedgerError) and the run ended
+    ``failed``; B now numbers its request after the one A took, and completes
+    the run. A, whose run was taken over, records nothing of it."""
+    ahead = FakeClock(wall_start=clock.wall() + timedelta(hours=2))
+    a_sent, b_resumed = anyio.Event(), anyio.Event()
+    charger = Charger()
+    seen_a: list[Any] = []
+    outcome: dict[str, Any] = {}
+
+    async def b_waits_for_a(event: events.Event) -> None:
+        if isinstance(event, events.RunResumed):
+            b_resumed.set()
+            await a_sent.wait()  # B has read the run's attempts: A's retry goes first
+
+    provider_b = ScriptedProvider([Reply.text("done by B")], clock=ahead)
+    process_b = engine(ledger, ahead, provider_b, le.RunStore(ledger), None, [], b_waits_for_a)
+
+    async def take_over(run_id: str) -> None:
+        outcome["b"] = await process_b.resume(run_id, tools=charger.tools)
+
+    async with anyio.create_task_group() as group:
+
+        async def a_retries_once_b_took_it(event: events.Event) -> None:
+            if isinstance(event, events.AttemptSettled) and event.ordinal == 1:
+                group.start_soon(take_over, event.run_id)
+                await b_resumed.wait()
+            if isinstance(event, events.AttemptStarted) and event.ordinal == 2:
+                a_sent.set()
+
+        provider_a = ScriptedProvider([overloaded(), Reply.text("done by A")], clock=clock)
+        process_a = engine(ledger, clock, provider_a, le.RunStore(ledger), None, seen_a,
+                           a_retries_once_b_took_it)
+        with pytest.raises(le.RunBusyError):
+            await process_a.run(operation(total_time=300.0), "pay", tools=charger.tools)
+    done = outcome["b"]
+    assert done.outcome is le.Outcome.COMPLETED and done.answer == "done by B"
+    assert ends_of(seen_a) == []
+    progress = await ledger.read_progress(done.invocation_id)
+    assert (progress.outcome, progress.attempt_count) == ("completed", 3)
+    assert done.attempts.count == 3

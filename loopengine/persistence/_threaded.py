@@ -86,10 +86,12 @@ class Call:
     work: Callable[[Any], Any]
     failure: str
     """What a database error means to the caller, for its `LedgerError`."""
-    lock: str | None = None
-    """The credit account whose row it locks (`_account_store.lock`), or None:
-    the calls of one transaction lock theirs in the accounts' order
-    (`Writer.run_calls`)."""
+    lock: tuple[str, str] | None = None
+    """The row it locks first and holds until its commit, as ``(table, key)``: a
+    credit account's (``("accounts", account)``, `_account_store.lock`) or a
+    run store's run (``("run_states", invocation_id)``, its other rows the
+    run's); None: it locks none. The calls of one transaction lock theirs in
+    that order (`Writer.run_calls`)."""
     waiter: Waiter = field(default_factory=Waiter)
     result: Any = None
     error: BaseException | None = None
@@ -133,11 +135,11 @@ class Writer(Store):
         raises is rolled back alone; a transaction that cannot begin or commit
         fails every call. A database error becomes the call's `LedgerError`.
 
-        The calls that lock an account's row run first, in the accounts' order
-        (the others after them, as they came): each lock is held until the
-        commit, so every host's transactions take theirs in one order, and no
-        two wait for each other (a deadlock, which the server breaks by failing
-        one of them).
+        The calls that lock a row run first, in the rows' order (`Call.lock`:
+        the accounts', then the runs'; the others after them, as they came):
+        each lock is held until the commit, so every host's transactions take
+        theirs in one order, and no two wait for each other (a deadlock, which
+        the server breaks by failing one of them).
 
         Raises:
             Lost: the database could not be reached (`Store.lost`); no call is
@@ -153,7 +155,7 @@ class Writer(Store):
         committing = False
         try:
             self.begin()
-            ordered = sorted(calls, key=lambda call: (call.lock is None, call.lock or ""))
+            ordered = sorted(calls, key=lambda call: (call.lock is None, call.lock or ("", "")))
             for index, call in enumerate(ordered):
                 call.result = call.error = None
                 self.savepoint(first=index == 0)
@@ -537,12 +539,11 @@ class ThreadedLedger:
         return number
 
     async def _transact_qmark(self, work: Callable[[Any], T], failure: str, *,
-                              lock: str | None = None) -> T:
+                              lock: tuple[str, str] | None = None) -> T:
         """Run ``work(connection)`` in a transaction of its own on the writer's
         connection, between two batches; return its result or raise its error.
         The connection takes SQLite's ``?`` parameters on every store
-        (`Writer.qmark`); ``lock`` names the credit account whose row ``work``
-        locks (`Call.lock`).
+        (`Writer.qmark`); ``lock`` names the row ``work`` locks first (`Call.lock`).
 
         A cancelled caller stops waiting; the transaction, once queued, still
         runs and ends in the thread.
