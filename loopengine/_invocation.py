@@ -100,7 +100,8 @@ class Invocation:
         "descendant_credits", "earlier_attempts", "ended", "engine", "features", "fee_excess",
         "fees_reserved", "id",
         "in_flight", "kind",
-        "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
+        "last_fault", "ledger", "limits", "long_context", "observers", "operation",
+        "output_tokens", "parent",
         "paused_seconds", "paused_turn", "pause_seal", "permit", "policy", "prices", "provider",
         "segment_token",
         "provider_cost_nanousd",
@@ -154,6 +155,9 @@ class Invocation:
         """Where the provider serves every request, when that changes the price
         (`Provider.inference_geo`): each reply's usage carries it."""
         self.searches = provider.request_web_searches(operation.model)
+        self.long_context = provider.long_context(self.features)
+        """Whether its attempts can be billed long-context rates
+        (`Provider.long_context`): False prices them at the standard ones."""
         """The web searches each request runs whatever it asks (a search model's,
         `Provider.request_web_searches`): one turn's fees count them."""
         self.served_by = f"{self.vendor}:{operation.model}"

@@ -326,9 +326,15 @@ class PriceBook:
                 best = price
         return best
 
-    def price(self, provider: str, model: str, usage: Usage, at: datetime) -> Priced | None:
+    def price(self, provider: str, model: str, usage: Usage, at: datetime, *,
+              long_context: bool = True) -> Priced | None:
         """Price one attempt's ``usage`` as of ``at`` (see the module docstring);
         None when a price it needs (a model's, an iteration model's, a fee) is unknown.
+
+        ``long_context`` False: the request could not use the long context
+        window (`loopengine.providers.Provider.long_context`), so no
+        long-context rate applies, however many input tokens the usage adds
+        up (a server tool loop's, summed over its sampling passes).
 
         Raises:
             ConfigError: ``usage`` is not a `Usage`, or ``at`` not a
@@ -341,7 +347,7 @@ class PriceBook:
             refs: list[str] = []
             for iteration in usage.iterations:
                 part = self._tokens(provider, iteration.model or model, iteration.tokens(), at,
-                                    usage)
+                                    usage, long_context)
                 if part is None:
                     return None
                 total += part[0]
@@ -349,7 +355,7 @@ class PriceBook:
                     refs.append(part[1])
             tokens: tuple[Decimal, str] | None = (total, "; ".join(refs))
         else:
-            tokens = self._tokens(provider, model, usage, at, usage)
+            tokens = self._tokens(provider, model, usage, at, usage, long_context)
         if tokens is None:
             return None
         if not (usage.web_search_requests or usage.web_fetch_requests):
@@ -477,9 +483,10 @@ class PriceBook:
         return self.fallback and _genai_tier(provider, model, tier, at)
 
     def _tokens(self, provider: str, model: str, usage: Usage, at: datetime,
-                served: Usage) -> tuple[Decimal, str] | None:
+                served: Usage, long_context: bool = True) -> tuple[Decimal, str] | None:
         """The USD cost of ``usage``'s tokens (iterations ignored) at ``model``, at
-        the rates of the tier, geo and speed ``served`` reports."""
+        the rates of the tier, geo and speed ``served`` reports (and at the
+        standard ones, not a long-context tier, unless ``long_context``)."""
         entry = self.entry(provider, model, at)
         if entry is not None:
             since = entry.effective_from.isoformat() if entry.effective_from else "always"
@@ -492,7 +499,7 @@ class PriceBook:
             return cost, f"book:{provider}/{model}@{since}"
         if not self.fallback:
             return None
-        return _genai_tokens(provider, model, usage, at, served)
+        return _genai_tokens(provider, model, usage, at, served, long_context)
 
     def _fee(self, provider: str, model: str, usage: Usage, at: datetime) -> Decimal | None:
         search, fetch = self.fees(provider, model, at)
@@ -630,7 +637,7 @@ def _genai_model(provider: str, model: str) -> tuple[Any, Any] | None:
 
 
 def _genai_tokens(provider: str, model: str, usage: Usage, at: datetime,
-                  served: Usage) -> tuple[Decimal, str] | None:
+                  served: Usage, long_context: bool = True) -> tuple[Decimal, str] | None:
     found = _genai_model(provider, model)
     if found is None:
         return None
@@ -648,14 +655,24 @@ def _genai_tokens(provider: str, model: str, usage: Usage, at: datetime,
         if documented is None:
             return None
         geo = documented
-    found_cost = _genai_context_tokens(found_provider, info, usage, at, context or None)
+    found_cost = _genai_context_tokens(found_provider, info, usage, at, context or None,
+                                       long_context)
     return found_cost * geo, f"genai-prices:{_genai_version()}:{found_provider.id}/{info.id}"
 
 
 def _genai_context_tokens(found_provider: Any, info: Any, usage: Usage, at: datetime,
-                          context: dict[str, str] | None) -> Decimal:
-    """genai-prices' cost of ``usage``'s tokens on ``info`` at ``at``, in ``context``."""
+                          context: dict[str, str] | None, long_context: bool = True) -> Decimal:
+    """genai-prices' cost of ``usage``'s tokens on ``info`` at ``at``, in ``context``;
+    at each price's base rate, below every tier, unless ``long_context``."""
     model_price = info.get_prices(at, context)
+    if not long_context:
+        tiered = _genai()[1]
+        if any(isinstance(v, tiered) for v in vars(model_price).values()):
+            flat = type(model_price)(**{k: v.base if isinstance(v, tiered) else v
+                                        for k, v in vars(model_price).items()})
+            cost = _token_cost(flat, usage)
+            return Decimal(cost if cost is not None
+                           else flat.calc_price(_genai_usage(usage))["total_price"])
     cost = _token_cost(model_price, usage)
     if cost is None:
         cost = info.calc_price(

@@ -331,6 +331,18 @@ class Provider(Protocol):
         recorded where the prices have none. Default: None (list rates)."""
         return None
 
+    def long_context(self, features: Features) -> bool:
+        """Whether a request with ``features`` can be billed a model's long-context
+        rates (the dearer ones past an input threshold, such as Claude Sonnet
+        4.5's past 200,000 tokens). False where the request cannot use the
+        long context window at all: an Anthropic request without the 1M
+        context beta, each of whose sampling passes is within the standard
+        window, though a server tool loop's usage adds the passes up past the
+        threshold. Its attempts are then priced at the standard rates however
+        many input tokens their usage reports. Default: True (the threshold
+        is read from the usage)."""
+        return True
+
     def request_web_searches(self, model: str) -> int:
         """The web searches every request to ``model`` runs whatever it asks, billed
         a fee per search that the reply's usage does not count: OpenAI's Chat

@@ -25,6 +25,7 @@ import anyio.lowlevel
 
 from loopengine import _validate
 from loopengine._errors import ConfigError, ReplayMismatchError
+from loopengine._features import Features
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     FEATURES,
@@ -138,6 +139,11 @@ class RecordingProvider:
         they ask (its replies' usages count them, and so does the recording)."""
         return self.inner.request_web_searches(model)
 
+    def long_context(self, features: Features) -> bool:
+        """Whether the inner provider's requests with ``features`` can be billed
+        long-context rates."""
+        return self.inner.long_context(features)
+
     def check_ready(self) -> None:
         """Ask the inner provider whether it can send from here (passed on)."""
         self.inner.check_ready()
@@ -241,6 +247,11 @@ class ReplayProvider:
         """0: each recorded reply's usage counts the web searches it ran, a search
         model's included (`Provider.request_web_searches`)."""
         return 0
+
+    def long_context(self, features: Features) -> bool:
+        """True: a recorded usage past a model's long-context threshold is priced
+        at its long-context rates (`Provider.long_context`)."""
+        return True
 
     def check_ready(self) -> None:
         """Always ready: a recording needs no connection."""

@@ -20,6 +20,7 @@ import anyio.lowlevel
 from loopengine import _validate
 from loopengine._clock import Clock, SystemClock
 from loopengine._errors import ConfigError
+from loopengine._features import Features
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     FEATURES,
@@ -212,6 +213,11 @@ class ScriptedProvider:
         """0: a reply's usage is the script's, web searches included
         (`Provider.request_web_searches`)."""
         return 0
+
+    def long_context(self, features: Features) -> bool:
+        """True: a scripted usage past a model's long-context threshold is priced
+        at its long-context rates (`Provider.long_context`)."""
+        return True
 
     def check_ready(self) -> None:
         """Always ready: a script needs no connection."""
