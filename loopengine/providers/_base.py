@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import anyio
@@ -342,6 +343,16 @@ class Provider(Protocol):
         many input tokens their usage reports. Default: True (the threshold
         is read from the usage)."""
         return True
+
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """The fee in USD per 1,000 web searches that its requests to ``model``
+        with ``features`` are billed, where the vendor bills the search tool
+        they use a fee of its own rather than the model's list fee
+        (genai-prices'): OpenAI's web search preview tool on a non-reasoning
+        model, $25 where the list has $10 (`loopengine._pricing.DOCUMENTED_FEES`).
+        A book entry's ``web_search_per_k`` still decides for the models it
+        lists. Default: None (the model's fee)."""
+        return None
 
     def request_web_searches(self, model: str) -> int:
         """The web searches every request to ``model`` runs whatever it asks, billed

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,11 @@ class RecordingProvider:
         long-context rates."""
         return self.inner.long_context(features)
 
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """The web search fee the inner provider's requests to ``model`` with
+        ``features`` are billed, where it is the tool's own."""
+        return self.inner.web_search_fee(model, features)
+
     def check_ready(self) -> None:
         """Ask the inner provider whether it can send from here (passed on)."""
         self.inner.check_ready()
@@ -252,6 +258,11 @@ class ReplayProvider:
         """True: a recorded usage past a model's long-context threshold is priced
         at its long-context rates (`Provider.long_context`)."""
         return True
+
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """None: a recorded reply's web searches are billed the model's fee
+        (`Provider.web_search_fee`)."""
+        return None
 
     def check_ready(self) -> None:
         """Always ready: a recording needs no connection."""

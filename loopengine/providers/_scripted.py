@@ -12,6 +12,7 @@ import copy
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -218,6 +219,11 @@ class ScriptedProvider:
         """True: a scripted usage past a model's long-context threshold is priced
         at its long-context rates (`Provider.long_context`)."""
         return True
+
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """None: a scripted reply's web searches are billed the model's fee
+        (`Provider.web_search_fee`)."""
+        return None
 
     def check_ready(self) -> None:
         """Always ready: a script needs no connection."""

@@ -13,6 +13,7 @@ import importlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
+from decimal import Decimal
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, cast
 
@@ -353,6 +354,11 @@ class SDKProvider(Generic[C]):
         """True: its requests are billed a model's long-context rates past their
         threshold, read from the usage (`Provider.long_context`)."""
         return True
+
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """None: its requests' web searches are billed the model's fee
+        (`Provider.web_search_fee`)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"
