@@ -913,7 +913,8 @@ class Engine:
                             geo=provider.inference_geo,
                             searches=provider.request_web_searches(operation.model),
                             search_fee=provider.web_search_fee(operation.model,
-                                                               operation.features))
+                                                               operation.features),
+                            long_context=provider.long_context(operation.features))
 
 
 def _route(operation: Operation) -> tuple[str, str, str, str]:

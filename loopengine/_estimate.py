@@ -147,6 +147,7 @@ def estimate_run(
     geo: str | None = None,
     searches: int = 0,
     search_fee: Decimal | None = None,
+    long_context: bool = True,
 ) -> Estimate:
     """The worst case of a run (see the module docstring for the model).
 
@@ -169,6 +170,8 @@ def estimate_run(
             (a search model's: `Provider.request_web_searches`), each turn's fees.
         search_fee: The web search fee of its requests' tool, where it is not
             the model's (`Provider.web_search_fee`).
+        long_context: Whether its requests can be billed the model's
+            long-context rates (`Provider.long_context`).
 
     Raises:
         ConfigError: bad input, as `Engine.run` would raise it.
@@ -206,7 +209,7 @@ def estimate_run(
             route, operation.model,
             Usage(input_tokens=turn_input, output_tokens=per_turn_output,
                   web_search_requests=searches, web_fetch_requests=fetches,
-                  inference_geo=geo), at, search_fee=search_fee,
+                  inference_geo=geo), at, search_fee=search_fee, long_context=long_context,
         )
         if priced is None:
             cost_nanousd = fee_nanousd = credits = price_ref = None

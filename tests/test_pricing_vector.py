@@ -337,8 +337,9 @@ def test_a_search_loop_past_200k_is_billed_long_context_rates_only_with_the_1m_w
         name="research", provider="anthropic", model="claude-sonnet-4-5",
         server_tools=(le.ServerTool(type="web_search_20250305", name="web_search",
                                     max_uses=10),),
-        betas=betas)
+        betas=betas, max_output_tokens=64_000, limits=le.Limits(max_turns=5))
     ledger = MemoryLedger()
+    estimates: list[le.Estimate] = []
 
     async def main() -> le.RunResult:
         with FakeAnthropicServer([WireReply.text("summary", usage=loop)]) as server:
@@ -346,9 +347,19 @@ def test_a_search_loop_past_200k_is_billed_long_context_rates_only_with_the_1m_w
                                          stream=True) as provider:
                 engine = le.Engine(provider, ledger=ledger, prices=GENAI,
                                    clock=FakeClock(wall_start=AT))
+                estimates.append(engine.estimate(searched, "search"))
                 return await engine.run(searched, "search")
 
     result = anyio.run(main)
+    # The estimate prices each turn as its attempt would be: its last turns pass
+    # 200,000 input tokens, at the long-context rates only with the beta.
+    (estimate,) = estimates
+    assert estimate.turn_input_tokens[-1] > 200_000 > estimate.turn_input_tokens[0]
+    tier = {True: (rate_in, rate_out), False: (SONNET_IN, SONNET_OUT)}
+    assert estimate.cost_usd == sum(
+        (nanousd_to_usd(to_nanousd(usd(t, tier[t > 200_000][0])
+                                   + usd(64_000, tier[t > 200_000][1]) + 10 * SEARCH_PER_K / 1000))
+         for t in estimate.turn_input_tokens), Decimal(0))
     assert result.outcome is le.Outcome.COMPLETED
     (attempt,) = ledger.attempts.values()
     fee = 5 * SEARCH_PER_K / 1000
