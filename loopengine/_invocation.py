@@ -155,14 +155,14 @@ class Invocation:
         """Where the provider serves every request, when that changes the price
         (`Provider.inference_geo`): each reply's usage carries it."""
         self.searches = provider.request_web_searches(operation.model)
+        """The web searches each request runs whatever it asks (a search model's,
+        `Provider.request_web_searches`): one turn's fees count them."""
         self.long_context = provider.long_context(self.features)
         """Whether its attempts can be billed long-context rates
         (`Provider.long_context`): False prices them at the standard ones."""
         self.search_fee = provider.web_search_fee(operation.model, self.features)
         """The fee per 1,000 of its requests' web searches where their tool's is not
         the model's (`Provider.web_search_fee`), else None."""
-        """The web searches each request runs whatever it asks (a search model's,
-        `Provider.request_web_searches`): one turn's fees count them."""
         self.served_by = f"{self.vendor}:{operation.model}"
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)
