@@ -32,7 +32,7 @@ def fee_margin(inv: Invocation, at: datetime) -> int:
     if not inv.features.server_tools and not inv.searches:
         return 0
     fees = inv.prices.turn_fees(inv.vendor, inv.operation.model, inv.features.server_tools,
-                                at, searches=inv.searches)
+                                at, searches=inv.searches, search_fee=inv.search_fee)
     # The engine refuses an account run with an unbounded or unpriced fee.
     assert fees.usd is not None
     return turn_credits(to_nanousd(fees.usd), inv.prices.credits_per_usd,

@@ -299,7 +299,8 @@ class Engine:
             unpriced = self.prices.unpriced_features(
                 vendor, operation.model, run_features, self.clock.wall(),
                 geo=provider.inference_geo,
-                searches=provider.request_web_searches(operation.model))
+                searches=provider.request_web_searches(operation.model),
+                search_fee=provider.web_search_fee(operation.model, run_features))
             if unpriced:
                 raise ConfigError(
                     "prices",
@@ -914,7 +915,10 @@ class Engine:
                             limits=limits, prices=self.prices, at=self.clock.wall(),
                             vendor=(provider := self.provider_for(operation)).vendor,
                             geo=provider.inference_geo,
-                            searches=provider.request_web_searches(operation.model))
+                            searches=provider.request_web_searches(operation.model),
+                            search_fee=provider.web_search_fee(operation.model,
+                                                               operation.features),
+                            long_context=provider.long_context(operation.features))
 
 
 def _route(operation: Operation) -> tuple[str, str, str, str]:

@@ -147,6 +147,8 @@ def estimate_run(
     vendor: str | None = None,
     geo: str | None = None,
     searches: int = 0,
+    search_fee: Decimal | None = None,
+    long_context: bool = True,
 ) -> Estimate:
     """The worst case of a run (see the module docstring for the model).
 
@@ -169,6 +171,10 @@ def estimate_run(
             changes the price (its `Provider.inference_geo`).
         searches: The web searches its every request runs whatever it asks
             (a search model's: `Provider.request_web_searches`), each turn's fees.
+        search_fee: The web search fee of its requests' tool, where it is not
+            the model's (`Provider.web_search_fee`).
+        long_context: Whether its requests can be billed the model's
+            long-context rates (`Provider.long_context`).
 
     Raises:
         ConfigError: bad input, as `Engine.run` would raise it.
@@ -194,7 +200,7 @@ def estimate_run(
 
     route = vendor or operation.provider
     fees = prices.turn_fees(route, operation.model, operation.server_tools, at,
-                            searches=searches)
+                            searches=searches, search_fee=search_fee)
     searches, fetches, unbounded = (fees.web_search_requests, fees.web_fetch_requests,
                                     fees.unbounded)
     cost_nanousd: int | None = 0
@@ -206,7 +212,7 @@ def estimate_run(
             route, operation.model,
             Usage(input_tokens=turn_input, output_tokens=per_turn_output,
                   web_search_requests=searches, web_fetch_requests=fetches,
-                  inference_geo=geo), at,
+                  inference_geo=geo), at, search_fee=search_fee, long_context=long_context,
         )
         if priced is None:
             cost_nanousd = fee_nanousd = credits = price_ref = None

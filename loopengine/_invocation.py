@@ -100,7 +100,8 @@ class Invocation:
         "descendant_credits", "earlier_attempts", "ended", "engine", "features", "fee_excess",
         "fees_reserved", "id",
         "in_flight", "kind",
-        "last_fault", "ledger", "limits", "observers", "operation", "output_tokens", "parent",
+        "last_fault", "ledger", "limits", "long_context", "search_fee", "observers", "operation",
+        "output_tokens", "parent",
         "paused_seconds", "paused_turn", "pause_seal", "permit", "policy", "prices", "provider",
         "segment_token",
         "provider_cost_nanousd",
@@ -156,6 +157,12 @@ class Invocation:
         self.searches = provider.request_web_searches(operation.model)
         """The web searches each request runs whatever it asks (a search model's,
         `Provider.request_web_searches`): one turn's fees count them."""
+        self.long_context = provider.long_context(self.features)
+        """Whether its attempts can be billed long-context rates
+        (`Provider.long_context`): False prices them at the standard ones."""
+        self.search_fee = provider.web_search_fee(operation.model, self.features)
+        """The fee per 1,000 of its requests' web searches where their tool's is not
+        the model's (`Provider.web_search_fee`), else None."""
         self.served_by = f"{self.vendor}:{operation.model}"
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)

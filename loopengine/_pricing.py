@@ -73,10 +73,15 @@ DOCUMENTED_GEO_MULTIPLIERS: Final = {("anthropic", "us"): Decimal("1.1")}
 and genai-prices does not carry: Anthropic's US-only inference (``inference_geo:
 "us"``, on the models that accept it) is 1.1x every token price."""
 
-DOCUMENTED_FEES: Final = {("anthropic", "web_fetch"): Decimal(0)}
+DOCUMENTED_FEES: Final = {("anthropic", "web_fetch"): Decimal(0),
+                          ("openai", "web_search_preview"): Decimal(25)}
 """Per-1,000-request fees a vendor documents that genai-prices does not carry,
 by ``(vendor, unit)``: Anthropic's web fetch has "no additional charges beyond
-standard token costs"."""
+standard token costs"; OpenAI's web search preview tool (``web_search_preview``)
+on a non-reasoning model (``gpt-4o``, ``gpt-4.1``...) is $25 per 1,000 calls
+(its search content tokens free), where genai-prices carries the $10 of the
+web search tool (and of the preview tool on a reasoning model): a provider
+declares it for the requests it bills (`loopengine.providers.Provider.web_search_fee`)."""
 
 TOKEN_ONLY_TOOLS: Final = ("bash_", "text_editor_", "memory_", "computer_",
                             "tool_search_tool_")
@@ -326,9 +331,19 @@ class PriceBook:
                 best = price
         return best
 
-    def price(self, provider: str, model: str, usage: Usage, at: datetime) -> Priced | None:
+    def price(self, provider: str, model: str, usage: Usage, at: datetime, *,
+              long_context: bool = True, search_fee: Decimal | None = None) -> Priced | None:
         """Price one attempt's ``usage`` as of ``at`` (see the module docstring);
         None when a price it needs (a model's, an iteration model's, a fee) is unknown.
+
+        ``long_context`` False: the request could not use the long context
+        window (`loopengine.providers.Provider.long_context`), so no
+        long-context rate applies, however many input tokens the usage adds
+        up (a server tool loop's, summed over its sampling passes).
+        ``search_fee``: the web search fee per 1,000 the request's searches
+        are billed where its tool's fee is not the model's
+        (`loopengine.providers.Provider.web_search_fee`); a book entry's
+        ``web_search_per_k`` still decides for the models it lists.
 
         Raises:
             ConfigError: ``usage`` is not a `Usage`, or ``at`` not a
@@ -341,7 +356,7 @@ class PriceBook:
             refs: list[str] = []
             for iteration in usage.iterations:
                 part = self._tokens(provider, iteration.model or model, iteration.tokens(), at,
-                                    usage)
+                                    usage, long_context)
                 if part is None:
                     return None
                 total += part[0]
@@ -349,12 +364,12 @@ class PriceBook:
                     refs.append(part[1])
             tokens: tuple[Decimal, str] | None = (total, "; ".join(refs))
         else:
-            tokens = self._tokens(provider, model, usage, at, usage)
+            tokens = self._tokens(provider, model, usage, at, usage, long_context)
         if tokens is None:
             return None
         if not (usage.web_search_requests or usage.web_fetch_requests):
             return Priced(to_nanousd(tokens[0]), tokens[1])
-        fee = self._fee(provider, model, usage, at)
+        fee = self._fee(provider, model, usage, at, search_fee)
         if fee is None:
             return None
         return Priced(to_nanousd(tokens[0] + fee), tokens[1], to_nanousd(fee))
@@ -364,15 +379,20 @@ class PriceBook:
         return self.price(provider, model, Usage(), at) is not None
 
     def fees(
-        self, provider: str, model: str, at: datetime
+        self, provider: str, model: str, at: datetime, *, search_fee: Decimal | None = None
     ) -> tuple[Decimal | None, Decimal | None]:
         """``(web search, web fetch)`` fees in USD per 1,000 requests at ``model``'s
-        price in force at ``at``; None where nobody knows the fee."""
+        price in force at ``at``; None where nobody knows the fee. ``search_fee``:
+        the web search fee of the request's tool, where the vendor bills one
+        of its own (`loopengine.providers.Provider.web_search_fee`), in place
+        of genai-prices' for the model; a book entry's decides all the same."""
         entry = self.entry(provider, model, at)
         if entry is not None:
             search, fetch = entry.web_search_per_k, entry.web_fetch_per_k
         elif self.fallback:
             search, fetch = _genai_fees(provider, model, at)
+            if search_fee is not None:
+                search = search_fee
         else:
             return None, None
         if fetch is None:
@@ -380,14 +400,16 @@ class PriceBook:
         return search, fetch
 
     def turn_fees(self, provider: str, model: str, server_tools: Iterable[ServerTool],
-                  at: datetime, *, searches: int = 0) -> TurnFees:
+                  at: datetime, *, searches: int = 0,
+                  search_fee: Decimal | None = None) -> TurnFees:
         """The worst case of one turn's fees at ``model``'s price in force at ``at``:
         every web search and web fetch tool used ``max_uses`` times, and the
         ``searches`` every request runs whatever it asks (a search model's,
         `loopengine.providers.Provider.request_web_searches`). A tool with a
         fee and no ``max_uses`` has no worst case (listed in ``unbounded``); one
-        whose fee is zero needs no bound."""
-        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at), strict=True))
+        whose fee is zero needs no bound. ``search_fee`` as for `fees`."""
+        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at, search_fee=search_fee),
+                        strict=True))
         uses = dict.fromkeys(_FEE_UNITS, 0)
         uses["web search"] = searches
         unbounded: list[str] = []
@@ -402,12 +424,14 @@ class PriceBook:
                 uses[unit] += tool.max_uses
         searches, fetches = uses["web search"], uses["web fetch"]
         usd = None if unbounded else self._fee(
-            provider, model, Usage(web_search_requests=searches, web_fetch_requests=fetches), at)
+            provider, model, Usage(web_search_requests=searches, web_fetch_requests=fetches), at,
+            search_fee)
         return TurnFees(searches, fetches, tuple(unbounded), usd)
 
     def unpriced_features(self, provider: str, model: str, features: Features,
                           at: datetime, geo: str | None = None, *,
-                          searches: int = 0) -> tuple[str, ...]:
+                          searches: int = 0,
+                          search_fee: Decimal | None = None) -> tuple[str, ...]:
         """The enabled features of an operation this book cannot price at ``at``
         (empty: all of them can be). The engine refuses a ``credit_hold`` on an
         operation with any, as on an unpriced model.
@@ -427,7 +451,8 @@ class PriceBook:
         search fee.
         """
         missing: list[str] = []
-        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at), strict=True))
+        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at, search_fee=search_fee),
+                        strict=True))
         if searches and fees["web search"] is None:
             missing.append(f"model {model!r} searches the web on every request: no web "
                            f"search fee (give its ModelPrice a web_search_per_k)")
@@ -477,9 +502,10 @@ class PriceBook:
         return self.fallback and _genai_tier(provider, model, tier, at)
 
     def _tokens(self, provider: str, model: str, usage: Usage, at: datetime,
-                served: Usage) -> tuple[Decimal, str] | None:
+                served: Usage, long_context: bool = True) -> tuple[Decimal, str] | None:
         """The USD cost of ``usage``'s tokens (iterations ignored) at ``model``, at
-        the rates of the tier, geo and speed ``served`` reports."""
+        the rates of the tier, geo and speed ``served`` reports (and at the
+        standard ones, not a long-context tier, unless ``long_context``)."""
         entry = self.entry(provider, model, at)
         if entry is not None:
             since = entry.effective_from.isoformat() if entry.effective_from else "always"
@@ -492,10 +518,11 @@ class PriceBook:
             return cost, f"book:{provider}/{model}@{since}"
         if not self.fallback:
             return None
-        return _genai_tokens(provider, model, usage, at, served)
+        return _genai_tokens(provider, model, usage, at, served, long_context)
 
-    def _fee(self, provider: str, model: str, usage: Usage, at: datetime) -> Decimal | None:
-        search, fetch = self.fees(provider, model, at)
+    def _fee(self, provider: str, model: str, usage: Usage, at: datetime,
+             search_fee: Decimal | None = None) -> Decimal | None:
+        search, fetch = self.fees(provider, model, at, search_fee=search_fee)
         total = Decimal(0)
         for count, rate in ((usage.web_search_requests, search),
                             (usage.web_fetch_requests, fetch)):
@@ -630,7 +657,7 @@ def _genai_model(provider: str, model: str) -> tuple[Any, Any] | None:
 
 
 def _genai_tokens(provider: str, model: str, usage: Usage, at: datetime,
-                  served: Usage) -> tuple[Decimal, str] | None:
+                  served: Usage, long_context: bool = True) -> tuple[Decimal, str] | None:
     found = _genai_model(provider, model)
     if found is None:
         return None
@@ -648,14 +675,24 @@ def _genai_tokens(provider: str, model: str, usage: Usage, at: datetime,
         if documented is None:
             return None
         geo = documented
-    found_cost = _genai_context_tokens(found_provider, info, usage, at, context or None)
+    found_cost = _genai_context_tokens(found_provider, info, usage, at, context or None,
+                                       long_context)
     return found_cost * geo, f"genai-prices:{_genai_version()}:{found_provider.id}/{info.id}"
 
 
 def _genai_context_tokens(found_provider: Any, info: Any, usage: Usage, at: datetime,
-                          context: dict[str, str] | None) -> Decimal:
-    """genai-prices' cost of ``usage``'s tokens on ``info`` at ``at``, in ``context``."""
+                          context: dict[str, str] | None, long_context: bool = True) -> Decimal:
+    """genai-prices' cost of ``usage``'s tokens on ``info`` at ``at``, in ``context``;
+    at each price's base rate, below every tier, unless ``long_context``."""
     model_price = info.get_prices(at, context)
+    if not long_context:
+        tiered = _genai()[1]
+        if any(isinstance(v, tiered) for v in vars(model_price).values()):
+            flat = type(model_price)(**{k: v.base if isinstance(v, tiered) else v
+                                        for k, v in vars(model_price).items()})
+            cost = _token_cost(flat, usage)
+            return Decimal(cost if cost is not None
+                           else flat.calc_price(_genai_usage(usage))["total_price"])
     cost = _token_cost(model_price, usage)
     if cost is None:
         cost = info.calc_price(

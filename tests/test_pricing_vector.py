@@ -307,3 +307,64 @@ def test_a_published_tier_is_priceable_only_with_its_rates() -> None:
     assert GENAI.unpriced_features("openai", "gpt-5", Features(service_tier="flex"), AT) == ()
     assert GENAI.unpriced_features("openai", "gpt-5", Features(service_tier="scale"), AT) == (
         "service_tier 'scale': no rates for that tier",)
+
+
+# Claude Sonnet 4.5 past 200,000 input tokens, with the 1M context window on: $6 in,
+# $22.50 out per MTok (genai-prices' tier; Anthropic bills it only with that window).
+SONNET_LONG_IN, SONNET_LONG_OUT = Decimal(6), Decimal("22.5")
+
+
+@pytest.mark.parametrize(("betas", "rate_in", "rate_out"), [
+    ((), SONNET_IN, SONNET_OUT),
+    (("context-1m-2025-08-07",), SONNET_LONG_IN, SONNET_LONG_OUT),
+])
+def test_a_search_loop_past_200k_is_billed_long_context_rates_only_with_the_1m_window(
+        betas: tuple[str, ...], rate_in: Decimal, rate_out: Decimal) -> None:
+    """A streamed web search loop of Claude Sonnet 4.5, as the API reports it: its
+    ``message_delta`` adds up every sampling pass (482,529 input tokens, 5
+    searches), though no pass of a request without the 1M context beta can pass
+    200,000. Driven through the real SDK and the engine, the ledger's attempt
+    is billed the standard rates without the beta, the long-context ones with it."""
+    import anyio
+
+    from loopengine.providers import AnthropicProvider
+    from loopengine.testing import FakeAnthropicServer
+    from loopengine.testing import Reply as WireReply
+
+    loop = le.Usage(input_tokens=482_529, output_tokens=1_310, reasoning_tokens=261,
+                    web_search_requests=5)
+    searched = le.Operation(
+        name="research", provider="anthropic", model="claude-sonnet-4-5",
+        server_tools=(le.ServerTool(type="web_search_20250305", name="web_search",
+                                    max_uses=10),),
+        betas=betas, max_output_tokens=64_000, limits=le.Limits(max_turns=5))
+    ledger = MemoryLedger()
+    estimates: list[le.Estimate] = []
+
+    async def main() -> le.RunResult:
+        with FakeAnthropicServer([WireReply.text("summary", usage=loop)]) as server:
+            async with AnthropicProvider(api_key="test", base_url=server.url,
+                                         stream=True) as provider:
+                engine = le.Engine(provider, ledger=ledger, prices=GENAI,
+                                   clock=FakeClock(wall_start=AT))
+                estimates.append(engine.estimate(searched, "search"))
+                return await engine.run(searched, "search")
+
+    result = anyio.run(main)
+    # The estimate prices each turn as its attempt would be: its last turns pass
+    # 200,000 input tokens, at the long-context rates only with the beta.
+    (estimate,) = estimates
+    assert estimate.turn_input_tokens[-1] > 200_000 > estimate.turn_input_tokens[0]
+    tier = {True: (rate_in, rate_out), False: (SONNET_IN, SONNET_OUT)}
+    assert estimate.cost_usd == sum(
+        (nanousd_to_usd(to_nanousd(usd(t, tier[t > 200_000][0])
+                                   + usd(64_000, tier[t > 200_000][1]) + 10 * SEARCH_PER_K / 1000))
+         for t in estimate.turn_input_tokens), Decimal(0))
+    assert result.outcome is le.Outcome.COMPLETED
+    (attempt,) = ledger.attempts.values()
+    fee = 5 * SEARCH_PER_K / 1000
+    bill = usd(482_529, rate_in) + usd(1_310, rate_out) + fee
+    assert (attempt["input_tokens"], attempt["output_tokens"], attempt["web_search_requests"]) \
+        == (482_529, 1_310, 5)
+    assert (attempt["cost_nanousd"], attempt["fee_nanousd"]) == (to_nanousd(bill),
+                                                                to_nanousd(fee))

@@ -71,6 +71,7 @@ import anthropic
 import httpx2
 
 from loopengine._errors import ConfigError
+from loopengine._features import Features
 from loopengine._pricing import TOKEN_ONLY_TOOLS
 from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._base import (
@@ -199,6 +200,10 @@ VERTEX = "google-vertex"
 """The vendor (and default route) of a provider on an ``AsyncAnthropicVertex`` client."""
 
 _ALL_FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management"})
+
+LONG_CONTEXT_BETA = "context-1m-"
+"""The prefix of the betas that enable the 1M context window (``context-1m-2025-08-07``),
+without which no request is billed the long-context rates (`AnthropicProvider.long_context`)."""
 
 # The Anthropic-defined tools a platform takes (by type prefix): the ones
 # billed through their tokens only (the client runs them; tool search)
@@ -476,6 +481,15 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         say which it reached. None on the global endpoint, Anthropic and
         Bedrock (where the model id decides the price)."""
         return self._geo
+
+    def long_context(self, features: Features) -> bool:
+        """Whether the request sends a 1M context beta (``context-1m-...``): the
+        long-context rates (Claude Sonnet 4.5's past 200,000 input tokens) are
+        billed only with the 1M window enabled. Without it every sampling pass
+        is within the standard window, and a server tool loop's usage, which
+        adds its passes up (a web search loop's 400,000 input tokens), is
+        priced at the standard rates (`Provider.long_context`)."""
+        return any(beta.startswith(LONG_CONTEXT_BETA) for beta in features.betas)
 
     @property
     def features(self) -> frozenset[str]:

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import anyio
@@ -335,6 +336,28 @@ class Provider(Protocol):
         it: each reply's usage carries it, so it is priced with that geo's
         multiplier, and a ``credit_hold`` run is refused before anything is
         recorded where the prices have none. Default: None (list rates)."""
+        return None
+
+    def long_context(self, features: Features) -> bool:
+        """Whether a request with ``features`` can be billed a model's long-context
+        rates (the dearer ones past an input threshold, such as Claude Sonnet
+        4.5's past 200,000 tokens). False where the request cannot use the
+        long context window at all: an Anthropic request without the 1M
+        context beta, each of whose sampling passes is within the standard
+        window, though a server tool loop's usage adds the passes up past the
+        threshold. Its attempts are then priced at the standard rates however
+        many input tokens their usage reports. Default: True (the threshold
+        is read from the usage)."""
+        return True
+
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """The fee in USD per 1,000 web searches that its requests to ``model``
+        with ``features`` are billed, where the vendor bills the search tool
+        they use a fee of its own rather than the model's list fee
+        (genai-prices'): OpenAI's web search preview tool on a non-reasoning
+        model, $25 where the list has $10 (`loopengine._pricing.DOCUMENTED_FEES`).
+        A book entry's ``web_search_per_k`` still decides for the models it
+        lists. Default: None (the model's fee)."""
         return None
 
     def request_web_searches(self, model: str) -> int:

@@ -19,9 +19,12 @@ same SDK and error bodies), and an error that arrives after a 200 (an
 from __future__ import annotations
 
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from loopengine import _validate
+from loopengine._features import Features
+from loopengine._pricing import DOCUMENTED_FEES
 from loopengine.providers._base import (
     ProviderRequest,
     ProviderResponse,
@@ -38,9 +41,11 @@ from loopengine.providers._openai_faults import (
     read_failures,
 )
 from loopengine.providers._openai_responses_items import (
+    PREVIEW_SEARCH,
     StreamedResponse,
     check_translatable,
     content_from_response,
+    reasoning_model,
     responses_params,
     usage_from_response,
 )
@@ -118,6 +123,18 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
             ProviderFault: ``bad_request``, ``error_code`` ``untranslatable``.
         """
         check_translatable(request)
+
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """OpenAI's fee for the web search preview tool on a non-reasoning model
+        (`reasoning_model`: ``gpt-4o``, ``gpt-4.1``...), $25 per 1,000 calls
+        (`loopengine._pricing.DOCUMENTED_FEES`), when the request has a
+        ``web_search_preview`` tool and its vendor is ``openai``; else None,
+        the model's fee (the web search tool's, and the preview tool's on a
+        reasoning model: $10) (`Provider.web_search_fee`)."""
+        if self.vendor == "openai" and not reasoning_model(model) and any(
+                tool.type.startswith(PREVIEW_SEARCH) for tool in features.server_tools):
+            return DOCUMENTED_FEES[("openai", PREVIEW_SEARCH)]
+        return None
 
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         return responses_params(request, stream=stream)

@@ -77,6 +77,7 @@ from loopengine.providers._translate import (
 
 __all__ = [
     "ENCRYPTED_REASONING",
+    "PREVIEW_SEARCH",
     "StreamedResponse",
     "check_translatable",
     "content_from_response",
@@ -114,6 +115,11 @@ _DROPPED = frozenset({"thinking", "redacted_thinking", "reasoning_content",
 WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search_preview",
                               "web_search_preview_2025_03_11"})
 """The Responses API's web search tool types: the server tools this route sends."""
+
+PREVIEW_SEARCH = "web_search_preview"
+"""The type (and the prefix of the dated types) of the web search preview tool, whose
+searches on a non-reasoning model OpenAI bills a fee of their own
+(`OpenAIResponsesProvider.web_search_fee`)."""
 
 
 def _assistant_kind(block: Mapping[str, Any]) -> str:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import anyio.lowlevel
 
 from loopengine import _validate
 from loopengine._errors import ConfigError, LoopEngineError, ReplayMismatchError
-from loopengine._features import features_table
+from loopengine._features import Features, features_table
 from loopengine._usage import Usage, usage_from_json, usage_json
 from loopengine.providers._base import (
     FEATURES,
@@ -194,6 +195,16 @@ class RecordingProvider:
         they ask (its replies' usages count them, and so does the recording)."""
         return self.inner.request_web_searches(model)
 
+    def long_context(self, features: Features) -> bool:
+        """Whether the inner provider's requests with ``features`` can be billed
+        long-context rates."""
+        return self.inner.long_context(features)
+
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """The web search fee the inner provider's requests to ``model`` with
+        ``features`` are billed, where it is the tool's own."""
+        return self.inner.web_search_fee(model, features)
+
     def check_ready(self) -> None:
         """Ask the inner provider whether it can send from here (passed on)."""
         self.inner.check_ready()
@@ -347,6 +358,16 @@ class ReplayProvider:
         """0: each recorded reply's usage counts the web searches it ran, a search
         model's included (`Provider.request_web_searches`)."""
         return 0
+
+    def long_context(self, features: Features) -> bool:
+        """True: a recorded usage past a model's long-context threshold is priced
+        at its long-context rates (`Provider.long_context`)."""
+        return True
+
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """None: a recorded reply's web searches are billed the model's fee
+        (`Provider.web_search_fee`)."""
+        return None
 
     def check_ready(self) -> None:
         """Always ready: a recording needs no connection."""

@@ -12,6 +12,7 @@ import copy
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -20,6 +21,7 @@ import anyio.lowlevel
 from loopengine import _validate
 from loopengine._clock import Clock, SystemClock
 from loopengine._errors import ConfigError
+from loopengine._features import Features
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     FEATURES,
@@ -212,6 +214,16 @@ class ScriptedProvider:
         """0: a reply's usage is the script's, web searches included
         (`Provider.request_web_searches`)."""
         return 0
+
+    def long_context(self, features: Features) -> bool:
+        """True: a scripted usage past a model's long-context threshold is priced
+        at its long-context rates (`Provider.long_context`)."""
+        return True
+
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """None: a scripted reply's web searches are billed the model's fee
+        (`Provider.web_search_fee`)."""
+        return None
 
     def check_ready(self) -> None:
         """Always ready: a script needs no connection."""

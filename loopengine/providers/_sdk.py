@@ -13,6 +13,7 @@ import importlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
+from decimal import Decimal
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, cast
 
@@ -21,6 +22,7 @@ import httpx2
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
+from loopengine._features import Features
 from loopengine._usage import Usage
 from loopengine.providers._base import (
     ProviderRequest,
@@ -347,6 +349,16 @@ class SDKProvider(Generic[C]):
         """0: its requests run the web searches they ask for, which their replies
         count (`Provider.request_web_searches`)."""
         return 0
+
+    def long_context(self, features: Features) -> bool:
+        """True: its requests are billed a model's long-context rates past their
+        threshold, read from the usage (`Provider.long_context`)."""
+        return True
+
+    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+        """None: its requests' web searches are billed the model's fee
+        (`Provider.web_search_fee`)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"

@@ -88,6 +88,42 @@ async def test_web_searches_are_sent_counted_and_charged_their_fee(
     assert search in items(wire.requests[1])
 
 
+@pytest.mark.parametrize(("model", "tool_type", "per_k", "rate_in", "rate_out"), [
+    ("gpt-4.1", "web_search_preview", 25, 2, 8),
+    ("gpt-4.1", "web_search_preview_2025_03_11", 25, 2, 8),
+    ("gpt-4.1", "web_search", 10, 2, 8),
+    ("gpt-5", "web_search_preview", 10, Decimal("1.25"), 10),
+])
+async def test_a_search_of_the_preview_tool_on_a_non_reasoning_model_is_charged_25_per_k(
+    wire: ResponsesHarness, model: str, tool_type: str, per_k: int, rate_in: Decimal,
+    rate_out: Decimal,
+) -> None:
+    """OpenAI bills the web search preview tool on a non-reasoning model (gpt-4o,
+    gpt-4.1) $25 per 1,000 calls; the web search tool, and the preview tool on a
+    reasoning model, $10 (genai-prices' fee for the model). The ledger's attempt,
+    the run's credit hold reservation and the estimate charge the tool's fee.
+    gpt-4.1 is $2 in / $8 out per million, gpt-5 $1.25 / $10."""
+    tool = le.ServerTool(type=tool_type, name="web_search", max_uses=2)
+    search = {"type": "web_search_call", "id": "ws_1", "status": "completed",
+              "action": {"type": "search", "query": "weather Oslo"}}
+    reply = Reply(content=[search, {"type": "text", "text": "Sunny."}],
+                  usage=le.Usage(input_tokens=1_000, output_tokens=200, web_search_requests=1))
+    engine, ledger = wire.engine(reply, prices=GENAI)
+    op = dataclasses.replace(openai_operation(), model=model, server_tools=(tool,),
+                             limits=le.Limits(credit_hold=1_000_000))
+    result = await engine.run(op, "weather?")
+    assert result.outcome is le.Outcome.COMPLETED
+    assert wire.requests[0].body["tools"] == [{"type": tool_type}]
+    (row,) = ledger.attempts.values()
+    fee = per_k * 1_000_000  # one search, in nano-USD
+    tokens = int((1_000 * rate_in + 200 * rate_out) * 1000)
+    assert (row["web_search_requests"], row["fee_nanousd"], row["cost_nanousd"]) == (
+        1, fee, fee + tokens)
+    # Every turn of the estimate's worst case runs the tool's two searches.
+    assert engine.estimate(op, "weather?").fee_usd == Decimal(
+        op.limits.max_turns * 2 * per_k) / 1000
+
+
 async def test_web_searches_are_counted_from_the_items_without_tool_usage(
     wire: ResponsesHarness,
 ) -> None:
