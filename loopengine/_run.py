@@ -582,9 +582,11 @@ class _Loop:
         self, turn: int, batch: Sequence[Mapping[str, Any]], results: list[dict[str, Any]],
         feedback_message: str | None, rejected: bool,
         decided: Mapping[str, tuple[str, bool]] | None = None,
+        whole: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Run the batch, add its results (or the feedback) to the transcript;
-        return the next turn's phase."""
+        return the next turn's phase (``decided``, ``whole``: a resumed
+        batch's, `_run_tools`)."""
         if batch:
             if self.inv.run_store is not None:
                 # Checkpoint the settled reply: a crash from here on resumes
@@ -596,7 +598,7 @@ class _Loop:
                     calls=[(str(b.get("id")), turn, str(b.get("name")),
                             "approved" if str(b.get("id")) in approved else "requested")
                            for b in batch if str(b.get("id")) not in (decided or {})])
-            await self._run_tools(turn, batch, results, decided)
+            await self._run_tools(turn, batch, results, decided, whole)
             self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
         if results:
             self.transcript.append({"role": "user", "content": results})
@@ -618,13 +620,13 @@ class _Loop:
         # A recovered run's calls that ended before its process died have
         # their results in its checkpoint: they are not run again.
         done = {str(r.get("tool_use_id")) for r in state.results} & set(state.batch)
-        batch = [calls[call_id] for call_id in state.batch
-                 if call_id in calls and call_id not in done]
+        whole = [calls[call_id] for call_id in state.batch if call_id in calls]
+        batch = [block for block in whole if str(block.get("id")) not in done]
         self.state = replace(self.state, tool_calls=self.state.tool_calls + len(done))
         if self.sourced is not None:
             await self._refresh_tools()  # the tools may have changed during the pause
         return await self._answer_batch(self.state.turns, batch, list(state.results), None,
-                                        state.repair, decided_results(decisions))
+                                        state.repair, decided_results(decisions), whole)
 
     async def _pause(self, pending: tuple[PendingCall, ...], *,
                      batch: Sequence[Mapping[str, Any]] | None = None,
@@ -912,6 +914,7 @@ class _Loop:
     async def _run_tools(
         self, turn: int, batch: Sequence[Mapping[str, Any]], out: list[dict[str, Any]],
         decided: Mapping[str, tuple[str, bool]] | None = None,
+        whole: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """Run the whole batch concurrently, within the run's deadline; add their
         results to ``out``. A call the deadline cut gets an error result; a call
@@ -920,7 +923,9 @@ class _Loop:
         ``started`` before its handler runs, and its end with the batch's
         results so far, its own included: ``in_doubt`` when its result is not
         known (its timeout cut it, or its MCP server was lost during it), since
-        it may have done its work."""
+        it may have done its work. ``whole``: a resumed batch's calls, those
+        answered before its pause or crash included, in the order asked (the
+        tools' ``max_calls`` are counted over them)."""
         decided = decided or {}
         inv = self.inv
         before = list(out)
@@ -929,15 +934,30 @@ class _Loop:
         spend = inv.turn_cost_usd(turn) if observed else Decimal(0)
         results: list[dict[str, Any] | None] = [None] * len(batch)
         unknown: set[int] = set()  # calls ended without a known result: they may have run
-        # A tool's max_calls, counted in the batch's order (the calls then run at once).
-        capped: set[int] = set()
-        for index, block in enumerate(batch):
+        # Each call's input is checked before any handler runs, and a tool's
+        # max_calls counted in the batch's order (the calls then run at once):
+        # only a call let through to its handler counts, not one whose input
+        # failed its check. A resumed batch is counted whole (``whole``), the
+        # calls that ended before its pause or crash too, as its first run
+        # counted them: the counts it starts from are those before the batch.
+        checked: dict[str, Any] = {}
+        """Each call's handler argument, or the `ToolInputError` of its input."""
+        capped: set[str] = set()
+        for block in batch if whole is None else whole:
+            call_id = str(block.get("id"))
             known = self.tools.get(str(block.get("name")))
-            if known is None or known.max_calls is None or str(block.get("id")) in decided:
+            if known is None or call_id in decided:
+                continue
+            try:
+                checked[call_id] = known.validate(block.get("input", {}))
+            except ToolInputError as error:
+                checked[call_id] = error
+                continue
+            if known.max_calls is None:
                 continue
             count = self.answered_calls.get(known.name, 0)
             if count >= known.max_calls:
-                capped.add(index)
+                capped.add(call_id)
             else:
                 self.answered_calls[known.name] = count + 1
 
@@ -1010,10 +1030,11 @@ class _Loop:
 
         async def answer(index: int, block: Mapping[str, Any]) -> None:
             name = str(block.get("name"))
+            call_id = str(block.get("id"))
             await tool_event(index, "started", 0.0)
             started = running[index]
             handler = self.tools.get(name)
-            given = decided.get(str(block.get("id")))
+            given = decided.get(call_id)
             if given is not None:
                 text, denied = given
                 if not denied:
@@ -1027,23 +1048,21 @@ class _Loop:
                 available = ", ".join(sorted(self.tools)) or "none"
                 text, failed = f"There is no tool named {name!r}. Available tools: {available}.", \
                     "unknown tool"
-            elif index in capped:
+            elif call_id in capped:
                 text = (f"{name} may be called at most {handler.max_calls} times in this run; "
                         "this call was not run.")
                 failed = "max_calls"
             else:
-                try:
-                    argument = handler.validate(block.get("input", {}))
-                except ToolInputError as error:
-                    text, failed = f"Invalid input for {name}: {error}", "invalid input"
+                argument = checked[call_id]
+                if isinstance(argument, ToolInputError):
+                    text, failed = f"Invalid input for {name}: {argument}", "invalid input"
                 else:
                     context = (None if handler.context_parameter is None
-                               else context_for(inv, str(block.get("id"))))
+                               else context_for(inv, call_id))
                     if inv.run_store is not None:
                         # Durable before the handler runs: a crash from here on
                         # leaves the call in doubt, never silently run twice.
-                        await self._checkpoint(None, calls=[
-                            (str(block.get("id")), turn, name, "started")])
+                        await self._checkpoint(None, calls=[(call_id, turn, name, "started")])
                     try:
                         if handler.timeout is None:
                             value = await handler.invoke(argument, context)

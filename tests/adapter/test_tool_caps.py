@@ -60,6 +60,32 @@ async def test_max_calls_zero_never_runs_the_handler(wire: Harness) -> None:
     assert tool_results(wire.requests[1])[0]["is_error"]
 
 
+async def test_a_call_whose_input_fails_its_check_uses_none_of_the_cap(wire: Harness) -> None:
+    """``max_calls=1``: a call whose input fails its check never reaches the
+    handler (R15), so it is not one of the calls the cap counts; the model's
+    corrected call, in the same batch after it and in the next turn, runs
+    once, and only the one after that is refused."""
+    ran: list[int] = []
+
+    @le.tool(max_calls=1)
+    def pay(amount: int) -> str:
+        """Pay an amount."""
+        ran.append(amount)
+        return "paid"
+
+    engine, _ = wire.engine(
+        Reply.tool_calls(("pay", {"amount": "ten"}), ("pay", {"amount": 10})),
+        Reply.tool_calls(("pay", {"amount": 11})), Reply.text("done"))
+    result = await engine.run(operation(), "go", tools=[pay])
+    assert result.outcome is le.Outcome.COMPLETED and result.tool_calls == 3
+    assert ran == [10]
+    invalid, paid = tool_results(wire.requests[1])
+    assert invalid["is_error"] and "Invalid input for pay" in invalid["content"]
+    assert paid["content"] == "paid" and "is_error" not in paid
+    (capped,) = tool_results(wire.requests[2])
+    assert capped["is_error"] and "at most 1 times" in capped["content"]
+
+
 @pytest.mark.parametrize("kind", ["async", "sync"])
 def test_a_handler_past_its_timeout_gets_an_error_result(kind: str) -> None:
     """A handler that runs past ``timeout=0.2``: the async one is cancelled, the
