@@ -582,11 +582,11 @@ class _Loop:
         self, turn: int, batch: Sequence[Mapping[str, Any]], results: list[dict[str, Any]],
         feedback_message: str | None, rejected: bool,
         decided: Mapping[str, tuple[str, bool]] | None = None,
-        whole: Sequence[Mapping[str, Any]] | None = None,
+        whole: Sequence[Mapping[str, Any]] | None = None, unoffered: Set[str] = frozenset(),
     ) -> str:
         """Run the batch, add its results (or the feedback) to the transcript;
-        return the next turn's phase (``decided``, ``whole``: a resumed
-        batch's, `_run_tools`)."""
+        return the next turn's phase (``decided``, ``whole``, ``unoffered``: a
+        resumed batch's, `_run_tools`)."""
         if batch:
             if self.inv.run_store is not None:
                 # Checkpoint the settled reply: a crash from here on resumes
@@ -598,7 +598,7 @@ class _Loop:
                     calls=[(str(b.get("id")), turn, str(b.get("name")),
                             "approved" if str(b.get("id")) in approved else "requested")
                            for b in batch if str(b.get("id")) not in (decided or {})])
-            await self._run_tools(turn, batch, results, decided, whole)
+            await self._run_tools(turn, batch, results, decided, whole, unoffered)
             self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
         if results:
             self.transcript.append({"role": "user", "content": results})
@@ -625,8 +625,15 @@ class _Loop:
         self.state = replace(self.state, tool_calls=self.state.tool_calls + len(done))
         if self.sourced is not None:
             await self._refresh_tools()  # the tools may have changed during the pause
+        # A call of a tool the run did not have when the model asked (a name it
+        # made up) is answered as such, whatever the resume was given: a tool
+        # of that name added now was never offered, nor asked about (its
+        # approval), so it is not run.
+        unoffered = set() if state.tools is None else {
+            str(block.get("id")) for block in batch if str(block.get("name")) not in state.tools}
         return await self._answer_batch(self.state.turns, batch, list(state.results), None,
-                                        state.repair, decided_results(decisions), whole)
+                                        state.repair, decided_results(decisions), whole,
+                                        unoffered)
 
     async def _pause(self, pending: tuple[PendingCall, ...], *,
                      batch: Sequence[Mapping[str, Any]] | None = None,
@@ -914,7 +921,7 @@ class _Loop:
     async def _run_tools(
         self, turn: int, batch: Sequence[Mapping[str, Any]], out: list[dict[str, Any]],
         decided: Mapping[str, tuple[str, bool]] | None = None,
-        whole: Sequence[Mapping[str, Any]] | None = None,
+        whole: Sequence[Mapping[str, Any]] | None = None, unoffered: Set[str] = frozenset(),
     ) -> None:
         """Run the whole batch concurrently, within the run's deadline; add their
         results to ``out``. A call the deadline cut gets an error result; a call
@@ -925,7 +932,9 @@ class _Loop:
         known (its timeout cut it, or its MCP server was lost during it), since
         it may have done its work. ``whole``: a resumed batch's calls, those
         answered before its pause or crash included, in the order asked (the
-        tools' ``max_calls`` are counted over them)."""
+        tools' ``max_calls`` are counted over them); ``unoffered``: calls of a
+        tool the run did not have when the model asked, answered as an unknown
+        tool's."""
         decided = decided or {}
         inv = self.inv
         before = list(out)
@@ -945,7 +954,7 @@ class _Loop:
         capped: set[str] = set()
         for block in batch if whole is None else whole:
             call_id = str(block.get("id"))
-            known = self.tools.get(str(block.get("name")))
+            known = None if call_id in unoffered else self.tools.get(str(block.get("name")))
             if known is None or call_id in decided:
                 continue
             try:
@@ -1033,7 +1042,7 @@ class _Loop:
             call_id = str(block.get("id"))
             await tool_event(index, "started", 0.0)
             started = running[index]
-            handler = self.tools.get(name)
+            handler = None if call_id in unoffered else self.tools.get(name)
             given = decided.get(call_id)
             if given is not None:
                 text, denied = given
@@ -1044,6 +1053,9 @@ class _Loop:
                 failed = "denied"
             elif name == self.spec.final_tool:
                 text, failed = "Only the first final answer of a turn is considered.", "duplicate"
+            elif call_id in unoffered:
+                text, failed = (f"There was no tool named {name!r} when this call was made; "
+                                "it was not run."), "unknown tool"
             elif handler is None:
                 available = ", ".join(sorted(self.tools)) or "none"
                 text, failed = f"There is no tool named {name!r}. Available tools: {available}.", \

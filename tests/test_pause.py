@@ -120,6 +120,33 @@ async def test_resume_runs_approved_denies_and_supplies_each_using_tool_budget(
     assert [r["tool_use_id"] for r in provider.requests[-1].messages[-1]["content"]] == [a, b, c]
 
 
+async def test_a_call_of_a_tool_added_at_resume_is_not_run_unasked(
+        make_engine: EngineFactory) -> None:
+    """The paused batch holds a call of ``wipe``, a tool the run did not have (the
+    model made the name up): nobody was asked about it. A resume given a
+    ``wipe`` that needs approval answers it as the unknown tool's call it was,
+    never running the new handler unapproved; the approved call runs."""
+    wiped: list[str] = []
+
+    @le.tool(approval=True)
+    def wipe(what: str) -> str:
+        """Wipe something."""
+        wiped.append(what)
+        return "wiped"
+
+    engine, provider, _, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a"), ("wipe", {"what": "db"})), Reply.text("done"))
+    (pending,) = paused.pending
+    assert paused.state is not None and pending.tool == "send"
+    result = await engine.resume(paused.state, decisions={pending.id: le.Approve()},
+                                 tools=[sender.tool, wipe])
+    assert result.outcome is le.Outcome.COMPLETED and result.tool_calls == 2
+    assert sender.sent == ["a"] and wiped == []
+    sent, unknown = provider.requests[-1].messages[-1]["content"]
+    assert sent["content"] == "sent to a"
+    assert unknown["is_error"] and "no tool named 'wipe'" in unknown["content"]
+
+
 @pytest.mark.parametrize("decisions", [{}, {"toolu_nope": le.Approve()}, "extra"])
 async def test_a_missing_or_unknown_decision_is_a_config_error_before_anything_is_sent(
         make_engine: EngineFactory, decisions: Any) -> None:
