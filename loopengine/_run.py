@@ -268,8 +268,8 @@ class _Loop:
         """Calls of each tool that ran its handler (or were let through to it)."""
         self.charged = 0
         """The last turn whose charge is in the credits."""
-        self.cut_results: tuple[list[dict[str, Any]], int] | None = None
-        """A tool batch's results when the run's deadline cut it, and its size."""
+        self.cut_results: list[dict[str, Any]] | None = None
+        """A tool batch's results when the run's deadline cut it."""
         self.wrapping: str | None = None
         """Why the turn being sent is a wrap-up turn (``turns``, ``budget``), or None."""
         self.permit: anyio.Lock | None = None
@@ -475,10 +475,9 @@ class _Loop:
         turn = self.state.turns
         self._charge_cut_turn()  # what the cut turn was served is billed (R03)
         if self.cut_results is not None:
-            # The batch's results, the cut calls' among them (`_run_tools`).
-            results, batch = self.cut_results
-            self.transcript.append({"role": "user", "content": results})
-            self.state = replace(self.state, tool_calls=self.state.tool_calls + batch)
+            # The batch's results, the cut calls' among them (`_run_tools`);
+            # its calls are counted already (`_answer_batch`).
+            self.transcript.append({"role": "user", "content": self.cut_results})
         if turn and not inv.attempts_in_turn(turn):
             # Cut before the turn's first request: no request, so no turn (R01).
             self.state = replace(self.state, turns=turn - 1)
@@ -598,8 +597,14 @@ class _Loop:
                     calls=[(str(b.get("id")), turn, str(b.get("name")),
                             "approved" if str(b.get("id")) in approved else "requested")
                            for b in batch if str(b.get("id")) not in (decided or {})])
-            await self._run_tools(turn, batch, results, decided, whole, unoffered)
-            self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
+            try:
+                await self._run_tools(turn, batch, results, decided, whole, unoffered)
+            finally:
+                # Every call of a batch that began uses its unit of tool budget
+                # (R08), whatever cut the batch (the run's deadline, its
+                # caller's cancellation, a KeyboardInterrupt): its handlers may
+                # have run, and the run's end records the budget as used.
+                self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
         if results:
             self.transcript.append({"role": "user", "content": results})
         elif feedback_message is not None:
@@ -1168,7 +1173,7 @@ class _Loop:
             # `_deadline_passed` adds to the transcript.
             with anyio.CancelScope(shield=True):
                 await collect()
-            self.cut_results = (out, len(batch))
+            self.cut_results = out
             raise
         except BaseException:
             await uninterrupted(end_cut)

@@ -91,6 +91,39 @@ async def test_cancel_while_tools_run() -> None:
     assert [a["outcome"] for a in ledger.attempts.values()] == ["ok"]
 
 
+async def test_r08_a_batch_cut_by_the_callers_cancellation_uses_its_tool_budget() -> None:
+    """Cancelled while the second turn's batch runs (one call answered, one
+    still running): the ledger records the run's three calls, as it would
+    had the deadline cut the batch; the cut batch's calls may have run."""
+    entered = anyio.Event()
+
+    @le.tool
+    async def slow(key: str) -> str:
+        """Take forever."""
+        entered.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    @le.tool
+    async def fast(key: str) -> str:
+        """Answer at once."""
+        return key
+
+    ledger = MemoryLedger()
+    provider = ScriptedProvider([Reply.tool_calls(("fast", {"key": "a"})),
+                                 Reply.tool_calls(("fast", {"key": "b"}), ("slow", {"key": "c"}))])
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: engine.run(operation(), "go", tools=[slow, fast]))
+            await entered.wait()
+            scope.cancel()
+    assert scope.cancelled_caught
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["outcome"], invocation["turns"], invocation["tool_calls"]) == (
+        "cancelled", 2, 3)
+
+
 def test_run_deadline_bounds_tool_handlers() -> None:
     """Handlers run under the run's deadline: a slow one is cut at it exactly
     (on trio's MockClock, nothing sleeps for real), the run ends time_limit."""
