@@ -1085,7 +1085,15 @@ class _Loop:
                             value = await handler.invoke(argument, context)
                         else:
                             with inv.clock.cancel_scope(handler.timeout) as limit:
-                                value = await handler.invoke(argument, context)
+                                try:
+                                    value = await handler.invoke(argument, context)
+                                except BaseException as error:
+                                    if limit.cancel_called and own_failure(error):
+                                        # The handler made an error of its timeout's
+                                        # cancellation (caught it, raised another):
+                                        # cut all the same, its result not known.
+                                        raise _ToolTimeout(handler.timeout) from None
+                                    raise
                             if limit.cancelled_caught:
                                 raise _ToolTimeout(handler.timeout)
                     except _ToolTimeout as late:

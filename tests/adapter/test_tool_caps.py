@@ -14,6 +14,7 @@ import trio.testing
 
 import loopengine as le
 from loopengine import events
+from loopengine.persistence import MemoryLedger
 from loopengine.providers import ScriptedProvider
 from loopengine.testing import Reply
 
@@ -128,6 +129,41 @@ def test_a_handler_past_its_timeout_gets_an_error_result(kind: str) -> None:
         assert not finished.is_set()
         release.set()
         assert finished.wait(30)  # the abandoned thread runs on to its end
+
+
+def test_a_handler_that_makes_an_error_of_its_timeout_is_still_timed_out() -> None:
+    """A handler that catches its timeout's cancellation and raises an error of
+    its own: the call was cut all the same, so the model reads the timeout
+    ("its result is not known") and the run store records the call
+    ``in_doubt`` (it may have done its work), not ``failed``. On trio's
+    MockClock: nothing sleeps for real."""
+
+    @le.tool(timeout=0.2)
+    async def transfer(amount: int) -> str:
+        """Transfer an amount."""
+        try:
+            await anyio.sleep(10)
+        except BaseException:
+            raise RuntimeError("transfer aborted") from None
+        return "transferred"
+
+    ledger = MemoryLedger()
+    store = le.RunStore(ledger)
+    provider = ScriptedProvider([Reply.tool_calls(("transfer", {"amount": 5})),
+                                 Reply.text("ok")])
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, run_store=store)
+    outcome: list[tuple[le.RunResult, dict[str, str]]] = []
+
+    async def main() -> None:
+        result = await engine.run(operation(), "go", tools=[transfer])
+        outcome.append((result, await store.tool_calls(result.invocation_id)))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    ((result, rows),) = outcome
+    assert result.outcome is le.Outcome.COMPLETED
+    (cut,) = provider.requests[1].messages[-1]["content"]
+    assert cut["is_error"] and "timeout of 0.2s; its result is not known" in cut["content"]
+    assert list(rows.values()) == ["in_doubt"]
 
 
 def test_caps_and_timeouts_are_validated() -> None:
