@@ -27,6 +27,7 @@ from decimal import Decimal
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pydantic
 
 from loopengine import _validate
@@ -1110,6 +1111,10 @@ class _Loop:
                                 await tool_event(index, "failed", inv.clock.now() - started,
                                                  f"handler raised {type(error).__name__}")
                             raise
+                        # A handler that made an error of the run's cancellation
+                        # (its deadline, its caller's) was cut by it all the same:
+                        # the cancellation goes on, and the call is in doubt.
+                        await anyio.lowlevel.checkpoint_if_cancelled()
                         # Raising is how a handler reports a failure to the model
                         # (R09), so a WARNING, not an ERROR; the traceback shows a
                         # raise that was a bug.
