@@ -236,9 +236,9 @@ def _check(
             errors.append(f"{path}: expected {' or '.join(kinds)}, got {type(value).__name__}")
             return
 
-    if "enum" in schema and value not in schema["enum"]:
+    if "enum" in schema and not any(_equal(value, item) for item in schema["enum"]):
         errors.append(f"{path}: must be one of {schema['enum']!r}")
-    if "const" in schema and value != schema["const"]:
+    if "const" in schema and not _equal(value, schema["const"]):
         errors.append(f"{path}: must be {schema['const']!r}")
 
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -295,6 +295,23 @@ def _check(
             errors.append(f"{path}: must match exactly one allowed shape (matched {matches})")
     if "not" in schema and not schema_errors_from(schema["not"], value, root, deeper):
         errors.append(f"{path}: matches a shape that is not allowed")
+
+
+def _equal(value: Any, expected: Any) -> bool:
+    """Whether two JSON values are equal as JSON Schema compares them: a boolean
+    is never a number (Python's ``True == 1`` is), numbers are equal by value
+    (``1.0`` is ``1``), arrays item by item and objects key by key."""
+    if isinstance(value, bool) or isinstance(expected, bool):
+        return isinstance(value, bool) and isinstance(expected, bool) and value == expected
+    if isinstance(value, list) and isinstance(expected, list):
+        return len(value) == len(expected) and all(
+            _equal(a, b) for a, b in zip(value, expected, strict=True))
+    if isinstance(value, Mapping) and isinstance(expected, Mapping):
+        return value.keys() == expected.keys() and all(
+            _equal(value[key], expected[key]) for key in value)
+    if isinstance(value, list | Mapping) or isinstance(expected, list | Mapping):
+        return False
+    return bool(value == expected)
 
 
 def schema_errors_from(
