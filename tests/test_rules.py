@@ -811,6 +811,29 @@ async def test_r15_a_boolean_is_not_an_enum_or_const_number(make_engine: EngineF
     assert seen == [{"level": 1.0, "dry": False, "tags": [1, {"a": 0}]}]
 
 
+async def test_r15_a_property_a_pattern_names_is_not_an_additional_one(
+        make_engine: EngineFactory) -> None:
+    """``patternProperties`` with ``additionalProperties: false``: a property
+    whose name a pattern matches is allowed and checked against that pattern's
+    schema (it was refused as an additional property, so the tool could not
+    be called with its own schema's input); any other name is refused."""
+    seen: list[dict[str, Any]] = []
+    tool = le.Tool("tag", "Tag a record.", {
+        "type": "object", "properties": {"id": {"type": "string"}},
+        "patternProperties": {"^x-": {"type": "string"}}, "additionalProperties": False},
+        handler=lambda args: seen.append(args) or "tagged")
+    engine, provider, _ = make_engine(
+        Reply.tool_calls(("tag", {"id": "r1", "x-team": "ops"}), ("tag", {"x-team": 7}),
+                         ("tag", {"team": "ops"})),
+        Reply.text("done"))
+    result = await engine.run(operation(), "go", tools=[tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    ran, wrong_type, unnamed = provider.requests[1].messages[-1]["content"]
+    assert ran["content"] == "tagged" and seen == [{"id": "r1", "x-team": "ops"}]
+    assert wrong_type["is_error"] and "x-team: expected string" in wrong_type["content"]
+    assert unnamed["is_error"] and "team: is not an allowed property" in unnamed["content"]
+
+
 # -- S01 / S02 -----------------------------------------------------------------------
 
 
