@@ -583,10 +583,11 @@ class _Loop:
         feedback_message: str | None, rejected: bool,
         decided: Mapping[str, tuple[str, bool]] | None = None,
         whole: Sequence[Mapping[str, Any]] | None = None, unoffered: Set[str] = frozenset(),
+        in_doubt: Set[str] = frozenset(),
     ) -> str:
         """Run the batch, add its results (or the feedback) to the transcript;
-        return the next turn's phase (``decided``, ``whole``, ``unoffered``: a
-        resumed batch's, `_run_tools`)."""
+        return the next turn's phase (``decided``, ``whole``, ``unoffered``,
+        ``in_doubt``: a resumed batch's, `_run_tools`)."""
         if batch:
             if self.inv.run_store is not None:
                 # Checkpoint the settled reply: a crash from here on resumes
@@ -599,7 +600,8 @@ class _Loop:
                             "approved" if str(b.get("id")) in approved else "requested")
                            for b in batch if str(b.get("id")) not in (decided or {})])
             try:
-                await self._run_tools(turn, batch, results, decided, whole, unoffered)
+                await self._run_tools(turn, batch, results, decided, whole, unoffered,
+                                      in_doubt)
             finally:
                 # Every call of a batch that began uses its unit of tool budget
                 # (R08), whatever cut the batch (the run's deadline, its
@@ -637,9 +639,10 @@ class _Loop:
         # approval), so it is not run.
         unoffered = set() if state.tools is None else {
             str(block.get("id")) for block in batch if str(block.get("name")) not in state.tools}
-        return await self._answer_batch(self.state.turns, batch, list(state.results), None,
-                                        state.repair, decided_results(decisions), whole,
-                                        unoffered)
+        return await self._answer_batch(
+            self.state.turns, batch, list(state.results), None, state.repair,
+            decided_results(decisions), whole, unoffered,
+            {call.id for call in state.pending if call.reason == "in_doubt"})
 
     async def _pause(self, pending: tuple[PendingCall, ...], *,
                      batch: Sequence[Mapping[str, Any]] | None = None,
@@ -928,6 +931,7 @@ class _Loop:
         self, turn: int, batch: Sequence[Mapping[str, Any]], out: list[dict[str, Any]],
         decided: Mapping[str, tuple[str, bool]] | None = None,
         whole: Sequence[Mapping[str, Any]] | None = None, unoffered: Set[str] = frozenset(),
+        in_doubt: Set[str] = frozenset(),
     ) -> None:
         """Run the whole batch concurrently, within the run's deadline; add their
         results to ``out``. A call the deadline cut gets an error result; a call
@@ -940,7 +944,9 @@ class _Loop:
         answered before its pause or crash included, in the order asked (the
         tools' ``max_calls`` are counted over them); ``unoffered``: calls of a
         tool the run did not have when the model asked, answered as an unknown
-        tool's."""
+        tool's; ``in_doubt``: calls a recovery found in doubt, which count
+        against their tool's ``max_calls`` whatever their decision (their
+        handler may have run)."""
         decided = decided or {}
         inv = self.inv
         before = list(out)
@@ -961,7 +967,7 @@ class _Loop:
         for block in batch if whole is None else whole:
             call_id = str(block.get("id"))
             known = None if call_id in unoffered else self.tools.get(str(block.get("name")))
-            if known is None or call_id in decided:
+            if known is None or (call_id in decided and call_id not in in_doubt):
                 continue
             try:
                 checked[call_id] = known.validate(block.get("input", {}))
