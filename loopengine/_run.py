@@ -371,7 +371,10 @@ class _Loop:
                                            create=self.resumed is None)
                 phase = "turn"
                 if self.resumed is not None:
-                    phase = await self._decided_batch(*self.resumed)
+                    decided = await self._decided_batch(*self.resumed)
+                    if isinstance(decided, RunResult):
+                        return decided
+                    phase = decided
                 while True:
                     if self.sourced is not None:
                         # Before the checks: a wait for a source's tools counts as time.
@@ -616,9 +619,12 @@ class _Loop:
             await self._checkpoint(self._snapshot(repair=rejected))
         return "repair" if rejected else "turn"
 
-    async def _decided_batch(self, state: RunState, decisions: Mapping[str, Decision]) -> str:
+    async def _decided_batch(self, state: RunState,
+                             decisions: Mapping[str, Decision]) -> str | RunResult:
         """A resumed run's paused batch: approved calls run, denied and supplied
-        ones get their decision's result; each uses tool budget (R08)."""
+        ones get their decision's result; each uses tool budget (R08). The run's
+        result when the batch's checks under the resumed run's limits end it,
+        else the next turn's phase."""
         if not state.batch and not state.results:
             # No batch waits (a recovered run checkpointed between turns, or
             # before its first): the next turn goes.
@@ -630,6 +636,17 @@ class _Loop:
         done = {str(r.get("tool_use_id")) for r in state.results} & set(state.batch)
         whole = [calls[call_id] for call_id in state.batch if call_id in calls]
         batch = [block for block in whole if str(block.get("id")) not in done]
+        if not done and not self.recovering and all(
+                call.reason != "in_doubt" for call in state.pending):
+            # Nothing of the batch has run: it is checked again, as any batch
+            # is, under the resumed run's limits (a published operation given
+            # to the resume may have narrowed them, docs/pause-and-resume.md):
+            # refused, none of it runs (R02, R03).
+            trip = check_tool_batch(self.state, self.limits, len(whole)) if whole else None
+            if trip is None:
+                trip = check_credits(self.state, self.limits)
+            if trip is not None:
+                return await self._end(trip.outcome, trip=trip, answered=list(state.results))
         self.state = replace(self.state, tool_calls=self.state.tool_calls + len(done))
         if self.sourced is not None:
             await self._refresh_tools()  # the tools may have changed during the pause

@@ -383,6 +383,29 @@ async def test_a_published_operation_caps_the_limits_of_a_resumed_run(
     assert len(provider.requests) == 3
 
 
+@pytest.mark.parametrize(("narrowed", "outcome"), [
+    ({"max_tool_calls": 2}, le.Outcome.TOOL_LIMIT),
+    ({"max_tool_batch": 2}, le.Outcome.TOOL_BATCH_LIMIT),
+    ({"credit_hold": 100}, le.Outcome.CREDIT_LIMIT)])
+async def test_r02_a_paused_batch_is_checked_again_under_the_resumed_limits(
+        make_engine: EngineFactory, narrowed: dict[str, int], outcome: le.Outcome) -> None:
+    """Three approved calls, resumed with a published operation whose limits
+    allow only two (or hold fewer credits than the paused turn spent, R03):
+    the batch is refused as any batch is, none of its calls runs (it ran all
+    three, past the published ceiling), and each gets a "Not run" result."""
+    engine, provider, _, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a"), send("b"), send("c")), Reply.text("done"))
+    assert paused.state is not None
+    result = await engine.resume(paused.state, tools=[sender.tool],
+                                 decisions={call.id: le.Approve() for call in paused.pending},
+                                 operation=operation(**narrowed))
+    assert result.outcome is outcome and result.tool_calls == 0
+    assert sender.sent == [] and len(provider.requests) == 1
+    closed = result.messages[-1]["content"]
+    assert [r["tool_use_id"] for r in closed] == [call.id for call in paused.pending]
+    assert all(r["is_error"] and r["content"].startswith("Not run") for r in closed)
+
+
 async def test_a_state_keeps_the_usage_iterations_of_its_progress(
         make_engine: EngineFactory) -> None:
     """A paused run's usage keeps its per-iteration tokens (compaction, advisor)
