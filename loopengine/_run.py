@@ -636,8 +636,9 @@ class _Loop:
         done = {str(r.get("tool_use_id")) for r in state.results} & set(state.batch)
         whole = [calls[call_id] for call_id in state.batch if call_id in calls]
         batch = [block for block in whole if str(block.get("id")) not in done]
-        if not done and not self.recovering and all(
-                call.reason != "in_doubt" for call in state.pending):
+        untouched = not done and not self.recovering and all(
+            call.reason != "in_doubt" for call in state.pending)
+        if untouched:
             # Nothing of the batch has run: it is checked again, as any batch
             # is, under the resumed run's limits (a published operation given
             # to the resume may have narrowed them, docs/pause-and-resume.md):
@@ -656,6 +657,19 @@ class _Loop:
         # approval), so it is not run.
         unoffered = set() if state.tools is None else {
             str(block.get("id")) for block in batch if str(block.get("name")) not in state.tools}
+        if untouched:
+            # A call that needed no approval at the pause may need it now (its
+            # tool, as the resume gives it, asks): never run unasked, it pauses
+            # the batch again, listed after the calls asked about before,
+            # whose decisions are asked for again with it (one batch, decided
+            # together: none of it has run).
+            asked = {call.id for call in state.pending}
+            now = pending_approvals([b for b in batch if str(b.get("id")) not in asked
+                                     and str(b.get("id")) not in unoffered],
+                                    self.tools, self.inv.id)
+            if now:
+                return await self._pause((*state.pending, *now), batch=whole,
+                                         results=list(state.results), repair=state.repair)
         return await self._answer_batch(
             self.state.turns, batch, list(state.results), None, state.repair,
             decided_results(decisions), whole, unoffered,

@@ -147,6 +147,31 @@ async def test_a_call_of_a_tool_added_at_resume_is_not_run_unasked(
     assert unknown["is_error"] and "no tool named 'wipe'" in unknown["content"]
 
 
+async def test_a_call_whose_tool_asks_for_approval_at_resume_is_asked_about(
+        make_engine: EngineFactory) -> None:
+    """``lookup`` needed no approval when the run paused on ``send``; the resume
+    gives a ``lookup`` that asks for it (its approval callable says so now).
+    The call is never run unasked: the resume pauses again, listing ``send``
+    and ``lookup``, with nothing run; a resume deciding both runs both."""
+    counter = Counter()
+    asking = le.tool(counter.tool.handler, name="lookup", description="Look a key up.",
+                     approval=lambda call: call.input["key"] == "k")
+    sender = Sender()
+    engine, _, _ = make_engine(Reply.tool_calls(send("a"), lookup("k")), Reply.text("done"))
+    paused = await engine.run(operation(), "go", tools=[sender.tool, counter.tool])
+    (call,) = paused.pending
+    assert paused.state is not None
+    again = await engine.resume(paused.state, decisions={call.id: le.Approve()},
+                                tools=[sender.tool, asking])
+    assert again.outcome is le.Outcome.PAUSED and again.state is not None
+    assert [c.tool for c in again.pending] == ["send", "lookup"]
+    assert sender.sent == [] and counter.calls == []
+    done = await engine.resume(again.state, tools=[sender.tool, asking],
+                               decisions={c.id: le.Approve() for c in again.pending})
+    assert done.outcome is le.Outcome.COMPLETED and done.tool_calls == 2
+    assert sender.sent == ["a"] and counter.calls == ["k"]
+
+
 @pytest.mark.parametrize("decisions", [{}, {"toolu_nope": le.Approve()}, "extra"])
 async def test_a_missing_or_unknown_decision_is_a_config_error_before_anything_is_sent(
         make_engine: EngineFactory, decisions: Any) -> None:
