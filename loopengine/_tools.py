@@ -201,7 +201,14 @@ class Tool:
         if self._is_async:
             value = await call()
         else:
-            value = await anyio.to_thread.run_sync(_boxed, call, abandon_on_cancel=True)
+            # The default thread limiter bounds the handlers running at once. A
+            # handler abandoned (its timeout, the run's deadline or
+            # cancellation) gives its token back at once, as on asyncio: on
+            # trio the thread's own limiter holds it until the thread ends, so
+            # abandoned handlers would leave later calls no thread to run in.
+            async with anyio.to_thread.current_default_thread_limiter():
+                value = await anyio.to_thread.run_sync(
+                    _boxed, call, abandon_on_cancel=True, limiter=anyio.CapacityLimiter(1))
         if isinstance(value, _Raised):
             # Raised here, in the run's own frames: a KeyboardInterrupt, a
             # SystemExit or a GeneratorExit that came back through the worker's

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import anyio
+import anyio.to_thread
 import pytest
 import trio
 import trio.testing
@@ -164,6 +165,53 @@ def test_a_handler_that_makes_an_error_of_its_timeout_is_still_timed_out() -> No
     (cut,) = provider.requests[1].messages[-1]["content"]
     assert cut["is_error"] and "timeout of 0.2s; its result is not known" in cut["content"]
     assert list(rows.values()) == ["in_doubt"]
+
+
+def test_an_abandoned_sync_handler_holds_no_thread_for_later_calls() -> None:
+    """On trio a thread holds its limiter's token until it ends, even once its
+    caller abandoned it: a sync handler past its timeout, abandoned, kept one
+    of the default limiter's tokens, and once those were gone every later sync
+    handler waited for one (until its run's deadline). An abandoned handler
+    now gives its token back at once, as on asyncio, and the next call runs.
+    One token stands for the forty the default limiter has. On trio's
+    MockClock; the runs have no deadline, so time moves only to the timeout."""
+    release = threading.Event()
+
+    @le.tool(timeout=0.2)
+    def stuck(key: str) -> str:
+        """Wait until the test lets it go."""
+        release.wait(30)
+        return "late"
+
+    @le.tool
+    def quick(key: str) -> str:
+        """Answer at once."""
+        return f"quick {key}"
+
+    provider = ScriptedProvider([Reply.tool_calls(("stuck", {"key": "a"})), Reply.text("ok"),
+                                 Reply.tool_calls(("quick", {"key": "b"})), Reply.text("ok")])
+    engine = le.Engine(provider, prices=PRICES)
+    seen: list[tuple[le.RunResult, int]] = []
+
+    async def main() -> None:
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = 1
+        try:
+            first = await engine.run(operation(total_time=None), "go", tools=[stuck])
+            seen.append((first, limiter.borrowed_tokens))
+            if limiter.borrowed_tokens == 0:
+                seen.append((await engine.run(operation(total_time=None), "go",
+                                              tools=[quick]), limiter.borrowed_tokens))
+        finally:
+            release.set()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    first, held = seen[0]
+    assert first.outcome is le.Outcome.COMPLETED and held == 0
+    (second, _) = seen[1]
+    assert second.outcome is le.Outcome.COMPLETED
+    (answer,) = provider.requests[3].messages[-1]["content"]
+    assert answer["content"] == "quick b"
 
 
 def test_caps_and_timeouts_are_validated() -> None:
