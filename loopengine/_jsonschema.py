@@ -3,7 +3,7 @@
 Tools built from functions or pydantic models are validated by pydantic. A
 tool given only a raw ``input_schema`` is validated here, against the subset
 of JSON Schema that tool definitions use: ``type`` (one or a list),
-``properties``, ``required``, ``additionalProperties``, ``items``,
+``properties``, ``patternProperties``, ``required``, ``additionalProperties``, ``items``,
 ``prefixItems``, ``enum``, ``const``, numeric and length bounds, ``anyOf`` /
 ``oneOf`` / ``allOf`` / ``not`` and local ``$ref`` (``#``, or into ``$defs``
 or ``definitions``). Keywords outside the subset (``format``, ``pattern``...)
@@ -20,6 +20,7 @@ ends the check with an error line, never a ``RecursionError``.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import unquote
@@ -33,7 +34,7 @@ MAX_DEPTH = 256
 
 _SCHEMA_KEYWORDS = ("items", "additionalProperties", "not")
 _SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
 
@@ -236,9 +237,9 @@ def _check(
             errors.append(f"{path}: expected {' or '.join(kinds)}, got {type(value).__name__}")
             return
 
-    if "enum" in schema and value not in schema["enum"]:
+    if "enum" in schema and not any(_equal(value, item) for item in schema["enum"]):
         errors.append(f"{path}: must be one of {schema['enum']!r}")
-    if "const" in schema and value != schema["const"]:
+    if "const" in schema and not _equal(value, schema["const"]):
         errors.append(f"{path}: must be {schema['const']!r}")
 
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -262,9 +263,19 @@ def _check(
             if name not in value:
                 errors.append(f"{path}.{name}: is required")
         extra = schema.get("additionalProperties", True)
+        patterns = schema.get("patternProperties", {})
         for name, item in value.items():
+            matched = False
+            for pattern, sub in patterns.items():
+                found = _matches(pattern, name)
+                if found is not False:
+                    matched = True
+                    if found:
+                        _check(sub, item, f"{path}.{name}", root, errors, deeper)
             if name in properties:
                 _check(properties[name], item, f"{path}.{name}", root, errors, deeper)
+            elif matched:
+                continue  # not an additional property: a pattern names it
             elif extra is False:
                 errors.append(f"{path}.{name}: is not an allowed property")
             elif isinstance(extra, Mapping):
@@ -295,6 +306,34 @@ def _check(
             errors.append(f"{path}: must match exactly one allowed shape (matched {matches})")
     if "not" in schema and not schema_errors_from(schema["not"], value, root, deeper):
         errors.append(f"{path}: matches a shape that is not allowed")
+
+
+def _matches(pattern: str, name: str) -> bool | None:
+    """Whether ``pattern`` (a ``patternProperties`` key, a regular expression
+    that is not anchored) finds a match in ``name``; None when Python's `re`
+    cannot read it (ECMA-262 syntax it lacks, such as ``\\p{L}``): the name may
+    match, so it is not taken for an additional property, and not checked."""
+    try:
+        return re.search(pattern, name) is not None
+    except (re.error, RecursionError):
+        return None
+
+
+def _equal(value: Any, expected: Any) -> bool:
+    """Whether two JSON values are equal as JSON Schema compares them: a boolean
+    is never a number (Python's ``True == 1`` is), numbers are equal by value
+    (``1.0`` is ``1``), arrays item by item and objects key by key."""
+    if isinstance(value, bool) or isinstance(expected, bool):
+        return isinstance(value, bool) and isinstance(expected, bool) and value == expected
+    if isinstance(value, list) and isinstance(expected, list):
+        return len(value) == len(expected) and all(
+            _equal(a, b) for a, b in zip(value, expected, strict=True))
+    if isinstance(value, Mapping) and isinstance(expected, Mapping):
+        return value.keys() == expected.keys() and all(
+            _equal(value[key], expected[key]) for key in value)
+    if isinstance(value, list | Mapping) or isinstance(expected, list | Mapping):
+        return False
+    return bool(value == expected)
 
 
 def schema_errors_from(

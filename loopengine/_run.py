@@ -27,6 +27,7 @@ from decimal import Decimal
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pydantic
 
 from loopengine import _validate
@@ -268,8 +269,8 @@ class _Loop:
         """Calls of each tool that ran its handler (or were let through to it)."""
         self.charged = 0
         """The last turn whose charge is in the credits."""
-        self.cut_results: tuple[list[dict[str, Any]], int] | None = None
-        """A tool batch's results when the run's deadline cut it, and its size."""
+        self.cut_results: list[dict[str, Any]] | None = None
+        """A tool batch's results when the run's deadline cut it."""
         self.wrapping: str | None = None
         """Why the turn being sent is a wrap-up turn (``turns``, ``budget``), or None."""
         self.permit: anyio.Lock | None = None
@@ -370,7 +371,10 @@ class _Loop:
                                            create=self.resumed is None)
                 phase = "turn"
                 if self.resumed is not None:
-                    phase = await self._decided_batch(*self.resumed)
+                    decided = await self._decided_batch(*self.resumed)
+                    if isinstance(decided, RunResult):
+                        return decided
+                    phase = decided
                 while True:
                     if self.sourced is not None:
                         # Before the checks: a wait for a source's tools counts as time.
@@ -475,10 +479,9 @@ class _Loop:
         turn = self.state.turns
         self._charge_cut_turn()  # what the cut turn was served is billed (R03)
         if self.cut_results is not None:
-            # The batch's results, the cut calls' among them (`_run_tools`).
-            results, batch = self.cut_results
-            self.transcript.append({"role": "user", "content": results})
-            self.state = replace(self.state, tool_calls=self.state.tool_calls + batch)
+            # The batch's results, the cut calls' among them (`_run_tools`);
+            # its calls are counted already (`_answer_batch`).
+            self.transcript.append({"role": "user", "content": self.cut_results})
         if turn and not inv.attempts_in_turn(turn):
             # Cut before the turn's first request: no request, so no turn (R01).
             self.state = replace(self.state, turns=turn - 1)
@@ -582,9 +585,12 @@ class _Loop:
         self, turn: int, batch: Sequence[Mapping[str, Any]], results: list[dict[str, Any]],
         feedback_message: str | None, rejected: bool,
         decided: Mapping[str, tuple[str, bool]] | None = None,
+        whole: Sequence[Mapping[str, Any]] | None = None, unoffered: Set[str] = frozenset(),
+        in_doubt: Set[str] = frozenset(),
     ) -> str:
         """Run the batch, add its results (or the feedback) to the transcript;
-        return the next turn's phase."""
+        return the next turn's phase (``decided``, ``whole``, ``unoffered``,
+        ``in_doubt``: a resumed batch's, `_run_tools`)."""
         if batch:
             if self.inv.run_store is not None:
                 # Checkpoint the settled reply: a crash from here on resumes
@@ -596,8 +602,15 @@ class _Loop:
                     calls=[(str(b.get("id")), turn, str(b.get("name")),
                             "approved" if str(b.get("id")) in approved else "requested")
                            for b in batch if str(b.get("id")) not in (decided or {})])
-            await self._run_tools(turn, batch, results, decided)
-            self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
+            try:
+                await self._run_tools(turn, batch, results, decided, whole, unoffered,
+                                      in_doubt)
+            finally:
+                # Every call of a batch that began uses its unit of tool budget
+                # (R08), whatever cut the batch (the run's deadline, its
+                # caller's cancellation, a KeyboardInterrupt): its handlers may
+                # have run, and the run's end records the budget as used.
+                self.state = replace(self.state, tool_calls=self.state.tool_calls + len(batch))
         if results:
             self.transcript.append({"role": "user", "content": results})
         elif feedback_message is not None:
@@ -606,9 +619,12 @@ class _Loop:
             await self._checkpoint(self._snapshot(repair=rejected))
         return "repair" if rejected else "turn"
 
-    async def _decided_batch(self, state: RunState, decisions: Mapping[str, Decision]) -> str:
+    async def _decided_batch(self, state: RunState,
+                             decisions: Mapping[str, Decision]) -> str | RunResult:
         """A resumed run's paused batch: approved calls run, denied and supplied
-        ones get their decision's result; each uses tool budget (R08)."""
+        ones get their decision's result; each uses tool budget (R08). The run's
+        result when the batch's checks under the resumed run's limits end it,
+        else the next turn's phase."""
         if not state.batch and not state.results:
             # No batch waits (a recovered run checkpointed between turns, or
             # before its first): the next turn goes.
@@ -618,13 +634,46 @@ class _Loop:
         # A recovered run's calls that ended before its process died have
         # their results in its checkpoint: they are not run again.
         done = {str(r.get("tool_use_id")) for r in state.results} & set(state.batch)
-        batch = [calls[call_id] for call_id in state.batch
-                 if call_id in calls and call_id not in done]
+        whole = [calls[call_id] for call_id in state.batch if call_id in calls]
+        batch = [block for block in whole if str(block.get("id")) not in done]
+        untouched = not done and not self.recovering and all(
+            call.reason != "in_doubt" for call in state.pending)
+        if untouched:
+            # Nothing of the batch has run: it is checked again, as any batch
+            # is, under the resumed run's limits (a published operation given
+            # to the resume may have narrowed them, docs/pause-and-resume.md):
+            # refused, none of it runs (R02, R03).
+            trip = check_tool_batch(self.state, self.limits, len(whole)) if whole else None
+            if trip is None:
+                trip = check_credits(self.state, self.limits)
+            if trip is not None:
+                return await self._end(trip.outcome, trip=trip, answered=list(state.results))
         self.state = replace(self.state, tool_calls=self.state.tool_calls + len(done))
         if self.sourced is not None:
             await self._refresh_tools()  # the tools may have changed during the pause
-        return await self._answer_batch(self.state.turns, batch, list(state.results), None,
-                                        state.repair, decided_results(decisions))
+        # A call of a tool the run did not have when the model asked (a name it
+        # made up) is answered as such, whatever the resume was given: a tool
+        # of that name added now was never offered, nor asked about (its
+        # approval), so it is not run.
+        unoffered = set() if state.tools is None else {
+            str(block.get("id")) for block in batch if str(block.get("name")) not in state.tools}
+        if untouched:
+            # A call that needed no approval at the pause may need it now (its
+            # tool, as the resume gives it, asks): never run unasked, it pauses
+            # the batch again, listed after the calls asked about before,
+            # whose decisions are asked for again with it (one batch, decided
+            # together: none of it has run).
+            asked = {call.id for call in state.pending}
+            now = pending_approvals([b for b in batch if str(b.get("id")) not in asked
+                                     and str(b.get("id")) not in unoffered],
+                                    self.tools, self.inv.id)
+            if now:
+                return await self._pause((*state.pending, *now), batch=whole,
+                                         results=list(state.results), repair=state.repair)
+        return await self._answer_batch(
+            self.state.turns, batch, list(state.results), None, state.repair,
+            decided_results(decisions), whole, unoffered,
+            {call.id for call in state.pending if call.reason == "in_doubt"})
 
     async def _pause(self, pending: tuple[PendingCall, ...], *,
                      batch: Sequence[Mapping[str, Any]] | None = None,
@@ -912,6 +961,8 @@ class _Loop:
     async def _run_tools(
         self, turn: int, batch: Sequence[Mapping[str, Any]], out: list[dict[str, Any]],
         decided: Mapping[str, tuple[str, bool]] | None = None,
+        whole: Sequence[Mapping[str, Any]] | None = None, unoffered: Set[str] = frozenset(),
+        in_doubt: Set[str] = frozenset(),
     ) -> None:
         """Run the whole batch concurrently, within the run's deadline; add their
         results to ``out``. A call the deadline cut gets an error result; a call
@@ -920,7 +971,13 @@ class _Loop:
         ``started`` before its handler runs, and its end with the batch's
         results so far, its own included: ``in_doubt`` when its result is not
         known (its timeout cut it, or its MCP server was lost during it), since
-        it may have done its work."""
+        it may have done its work. ``whole``: a resumed batch's calls, those
+        answered before its pause or crash included, in the order asked (the
+        tools' ``max_calls`` are counted over them); ``unoffered``: calls of a
+        tool the run did not have when the model asked, answered as an unknown
+        tool's; ``in_doubt``: calls a recovery found in doubt, which count
+        against their tool's ``max_calls`` whatever their decision (their
+        handler may have run)."""
         decided = decided or {}
         inv = self.inv
         before = list(out)
@@ -929,15 +986,30 @@ class _Loop:
         spend = inv.turn_cost_usd(turn) if observed else Decimal(0)
         results: list[dict[str, Any] | None] = [None] * len(batch)
         unknown: set[int] = set()  # calls ended without a known result: they may have run
-        # A tool's max_calls, counted in the batch's order (the calls then run at once).
-        capped: set[int] = set()
-        for index, block in enumerate(batch):
-            known = self.tools.get(str(block.get("name")))
-            if known is None or known.max_calls is None or str(block.get("id")) in decided:
+        # Each call's input is checked before any handler runs, and a tool's
+        # max_calls counted in the batch's order (the calls then run at once):
+        # only a call let through to its handler counts, not one whose input
+        # failed its check. A resumed batch is counted whole (``whole``), the
+        # calls that ended before its pause or crash too, as its first run
+        # counted them: the counts it starts from are those before the batch.
+        checked: dict[str, Any] = {}
+        """Each call's handler argument, or the `ToolInputError` of its input."""
+        capped: set[str] = set()
+        for block in batch if whole is None else whole:
+            call_id = str(block.get("id"))
+            known = None if call_id in unoffered else self.tools.get(str(block.get("name")))
+            if known is None or (call_id in decided and call_id not in in_doubt):
+                continue
+            try:
+                checked[call_id] = known.validate(block.get("input", {}))
+            except ToolInputError as error:
+                checked[call_id] = error
+                continue
+            if known.max_calls is None:
                 continue
             count = self.answered_calls.get(known.name, 0)
             if count >= known.max_calls:
-                capped.add(index)
+                capped.add(call_id)
             else:
                 self.answered_calls[known.name] = count + 1
 
@@ -1010,10 +1082,11 @@ class _Loop:
 
         async def answer(index: int, block: Mapping[str, Any]) -> None:
             name = str(block.get("name"))
+            call_id = str(block.get("id"))
             await tool_event(index, "started", 0.0)
             started = running[index]
-            handler = self.tools.get(name)
-            given = decided.get(str(block.get("id")))
+            handler = None if call_id in unoffered else self.tools.get(name)
+            given = decided.get(call_id)
             if given is not None:
                 text, denied = given
                 if not denied:
@@ -1023,33 +1096,42 @@ class _Loop:
                 failed = "denied"
             elif name == self.spec.final_tool:
                 text, failed = "Only the first final answer of a turn is considered.", "duplicate"
+            elif call_id in unoffered:
+                text, failed = (f"There was no tool named {name!r} when this call was made; "
+                                "it was not run."), "unknown tool"
             elif handler is None:
                 available = ", ".join(sorted(self.tools)) or "none"
                 text, failed = f"There is no tool named {name!r}. Available tools: {available}.", \
                     "unknown tool"
-            elif index in capped:
+            elif call_id in capped:
                 text = (f"{name} may be called at most {handler.max_calls} times in this run; "
                         "this call was not run.")
                 failed = "max_calls"
             else:
-                try:
-                    argument = handler.validate(block.get("input", {}))
-                except ToolInputError as error:
-                    text, failed = f"Invalid input for {name}: {error}", "invalid input"
+                argument = checked[call_id]
+                if isinstance(argument, ToolInputError):
+                    text, failed = f"Invalid input for {name}: {argument}", "invalid input"
                 else:
                     context = (None if handler.context_parameter is None
-                               else context_for(inv, str(block.get("id"))))
+                               else context_for(inv, call_id))
                     if inv.run_store is not None:
                         # Durable before the handler runs: a crash from here on
                         # leaves the call in doubt, never silently run twice.
-                        await self._checkpoint(None, calls=[
-                            (str(block.get("id")), turn, name, "started")])
+                        await self._checkpoint(None, calls=[(call_id, turn, name, "started")])
                     try:
                         if handler.timeout is None:
                             value = await handler.invoke(argument, context)
                         else:
                             with inv.clock.cancel_scope(handler.timeout) as limit:
-                                value = await handler.invoke(argument, context)
+                                try:
+                                    value = await handler.invoke(argument, context)
+                                except BaseException as error:
+                                    if limit.cancel_called and own_failure(error):
+                                        # The handler made an error of its timeout's
+                                        # cancellation (caught it, raised another):
+                                        # cut all the same, its result not known.
+                                        raise _ToolTimeout(handler.timeout) from None
+                                    raise
                             if limit.cancelled_caught:
                                 raise _ToolTimeout(handler.timeout)
                     except _ToolTimeout as late:
@@ -1066,6 +1148,10 @@ class _Loop:
                                 await tool_event(index, "failed", inv.clock.now() - started,
                                                  f"handler raised {type(error).__name__}")
                             raise
+                        # A handler that made an error of the run's cancellation
+                        # (its deadline, its caller's) was cut by it all the same:
+                        # the cancellation goes on, and the call is in doubt.
+                        await anyio.lowlevel.checkpoint_if_cancelled()
                         # Raising is how a handler reports a failure to the model
                         # (R09), so a WARNING, not an ERROR; the traceback shows a
                         # raise that was a bug.
@@ -1137,7 +1223,7 @@ class _Loop:
             # `_deadline_passed` adds to the transcript.
             with anyio.CancelScope(shield=True):
                 await collect()
-            self.cut_results = (out, len(batch))
+            self.cut_results = out
             raise
         except BaseException:
             await uninterrupted(end_cut)

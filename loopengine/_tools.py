@@ -201,7 +201,14 @@ class Tool:
         if self._is_async:
             value = await call()
         else:
-            value = await anyio.to_thread.run_sync(_boxed, call, abandon_on_cancel=True)
+            # The default thread limiter bounds the handlers running at once. A
+            # handler abandoned (its timeout, the run's deadline or
+            # cancellation) gives its token back at once, as on asyncio: on
+            # trio the thread's own limiter holds it until the thread ends, so
+            # abandoned handlers would leave later calls no thread to run in.
+            async with anyio.to_thread.current_default_thread_limiter():
+                value = await anyio.to_thread.run_sync(
+                    _boxed, call, abandon_on_cancel=True, limiter=anyio.CapacityLimiter(1))
         if isinstance(value, _Raised):
             # Raised here, in the run's own frames: a KeyboardInterrupt, a
             # SystemExit or a GeneratorExit that came back through the worker's
@@ -522,8 +529,10 @@ def render_tool_output(value: object) -> str | list[dict[str, Any]]:
     """A handler's return value as tool-result content, always encodable as JSON.
 
     A model, or data holding models, dataclasses, enum members, sets or dates,
-    is given as JSON (never as a Python repr). A lone surrogate in what a
-    handler returned (UTF-8 cannot encode it) is
+    is given as JSON (never as a Python repr), and so is a list that only looks
+    like content blocks (records with a ``type`` key, a text block without its
+    text): only blocks the API takes are given as blocks. A lone surrogate in
+    what a handler returned (UTF-8 cannot encode it) is
     replaced by U+FFFD: the result goes back to the model in the next request,
     which could not be sent otherwise.
     """
@@ -534,13 +543,23 @@ def render_tool_output(value: object) -> str | list[dict[str, Any]]:
     if isinstance(value, pydantic.BaseModel):
         return value.model_dump_json()
     if isinstance(value, list) and value and all(
-        isinstance(b, dict) and b.get("type") in ("text", "image", "document") for b in value
+        isinstance(b, dict) and b.get("type") in _RESULT_BLOCKS for b in value
     ):
         try:
-            return [_validate.json_copy("result", _encodable(b)) for b in value]
+            blocks = [_validate.json_copy("result", _encodable(b)) for b in value]
+            for index, block in enumerate(blocks):
+                _validate.content_block(f"result[{index}]", block, kinds=_RESULT_BLOCKS)
+            return blocks
         except ConfigError:
-            pass  # not JSON (a NaN, an object, too deep): sent as text below
+            # Not JSON (a NaN, an object, too deep), or not blocks the API takes
+            # (records that have a "type" key, a text block without its text):
+            # sent as text below, which the next request can carry.
+            pass
     return _encodable_text(json.dumps(value, default=_jsonable, ensure_ascii=False))
+
+
+_RESULT_BLOCKS = ("text", "image", "document")
+"""The content blocks a handler may return as its result's content."""
 
 
 def _jsonable(value: object) -> object:

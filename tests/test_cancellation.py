@@ -8,6 +8,8 @@ import anyio
 import anyio.lowlevel
 import pydantic
 import pytest
+import trio
+import trio.testing
 
 import loopengine as le
 from loopengine.events import AttemptSettled, AttemptStarted, Event, RunEnded, ToolCallEvent
@@ -89,6 +91,87 @@ async def test_cancel_while_tools_run() -> None:
     (invocation,) = ledger.invocations.values()
     assert invocation["outcome"] == "cancelled"
     assert [a["outcome"] for a in ledger.attempts.values()] == ["ok"]
+
+
+async def test_r08_a_batch_cut_by_the_callers_cancellation_uses_its_tool_budget() -> None:
+    """Cancelled while the second turn's batch runs (one call answered, one
+    still running): the ledger records the run's three calls, as it would
+    had the deadline cut the batch; the cut batch's calls may have run."""
+    entered = anyio.Event()
+
+    @le.tool
+    async def slow(key: str) -> str:
+        """Take forever."""
+        entered.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    @le.tool
+    async def fast(key: str) -> str:
+        """Answer at once."""
+        return key
+
+    ledger = MemoryLedger()
+    provider = ScriptedProvider([Reply.tool_calls(("fast", {"key": "a"})),
+                                 Reply.tool_calls(("fast", {"key": "b"}), ("slow", {"key": "c"}))])
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: engine.run(operation(), "go", tools=[slow, fast]))
+            await entered.wait()
+            scope.cancel()
+    assert scope.cancelled_caught
+    (invocation,) = ledger.invocations.values()
+    assert (invocation["outcome"], invocation["turns"], invocation["tool_calls"]) == (
+        "cancelled", 2, 3)
+
+
+@pytest.mark.parametrize("cut", ["the caller", "the deadline"])
+def test_a_handler_that_makes_an_error_of_the_runs_cancellation_is_cut_in_doubt(
+        cut: str) -> None:
+    """A handler that catches the run's cancellation (its caller's, or its
+    deadline's) and raises an error of its own: its call was cut all the
+    same, so the run store records it ``in_doubt``, never ``failed``, and a
+    deadline's transcript says it did not finish, not the handler's error.
+    On trio's MockClock: nothing sleeps for real."""
+    rows: dict[str, str] = {}
+    ended: list[le.RunResult] = []
+
+    async def main() -> None:
+        entered = anyio.Event()
+
+        @le.tool
+        async def transfer(amount: int) -> str:
+            """Transfer an amount."""
+            entered.set()
+            try:
+                await anyio.sleep_forever()
+            except BaseException:
+                raise RuntimeError("transfer aborted") from None
+            raise AssertionError("unreachable")
+
+        ledger = MemoryLedger()
+        store = le.RunStore(ledger)
+        provider = ScriptedProvider([Reply.tool_calls(("transfer", {"amount": 5}))])
+        engine = le.Engine(provider, ledger=ledger, prices=PRICES, run_store=store)
+        if cut == "the deadline":
+            ended.append(await engine.run(operation(total_time=2.0), "go", tools=[transfer]))
+        else:
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(lambda: engine.run(operation(), "go", tools=[transfer]))
+                    await entered.wait()
+                    scope.cancel()
+        (invocation_id,) = ledger.invocations
+        rows.update(await store.tool_calls(invocation_id))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert list(rows.values()) == ["in_doubt"]
+    if ended:
+        (result,) = ended
+        assert result.outcome is le.Outcome.TIME_LIMIT
+        (answer,) = result.messages[-1]["content"]
+        assert "did not finish before the run's time ran out" in answer["content"]
 
 
 def test_run_deadline_bounds_tool_handlers() -> None:

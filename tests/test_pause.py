@@ -120,6 +120,58 @@ async def test_resume_runs_approved_denies_and_supplies_each_using_tool_budget(
     assert [r["tool_use_id"] for r in provider.requests[-1].messages[-1]["content"]] == [a, b, c]
 
 
+async def test_a_call_of_a_tool_added_at_resume_is_not_run_unasked(
+        make_engine: EngineFactory) -> None:
+    """The paused batch holds a call of ``wipe``, a tool the run did not have (the
+    model made the name up): nobody was asked about it. A resume given a
+    ``wipe`` that needs approval answers it as the unknown tool's call it was,
+    never running the new handler unapproved; the approved call runs."""
+    wiped: list[str] = []
+
+    @le.tool(approval=True)
+    def wipe(what: str) -> str:
+        """Wipe something."""
+        wiped.append(what)
+        return "wiped"
+
+    engine, provider, _, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a"), ("wipe", {"what": "db"})), Reply.text("done"))
+    (pending,) = paused.pending
+    assert paused.state is not None and pending.tool == "send"
+    result = await engine.resume(paused.state, decisions={pending.id: le.Approve()},
+                                 tools=[sender.tool, wipe])
+    assert result.outcome is le.Outcome.COMPLETED and result.tool_calls == 2
+    assert sender.sent == ["a"] and wiped == []
+    sent, unknown = provider.requests[-1].messages[-1]["content"]
+    assert sent["content"] == "sent to a"
+    assert unknown["is_error"] and "no tool named 'wipe'" in unknown["content"]
+
+
+async def test_a_call_whose_tool_asks_for_approval_at_resume_is_asked_about(
+        make_engine: EngineFactory) -> None:
+    """``lookup`` needed no approval when the run paused on ``send``; the resume
+    gives a ``lookup`` that asks for it (its approval callable says so now).
+    The call is never run unasked: the resume pauses again, listing ``send``
+    and ``lookup``, with nothing run; a resume deciding both runs both."""
+    counter = Counter()
+    asking = le.tool(counter.tool.handler, name="lookup", description="Look a key up.",
+                     approval=lambda call: call.input["key"] == "k")
+    sender = Sender()
+    engine, _, _ = make_engine(Reply.tool_calls(send("a"), lookup("k")), Reply.text("done"))
+    paused = await engine.run(operation(), "go", tools=[sender.tool, counter.tool])
+    (call,) = paused.pending
+    assert paused.state is not None
+    again = await engine.resume(paused.state, decisions={call.id: le.Approve()},
+                                tools=[sender.tool, asking])
+    assert again.outcome is le.Outcome.PAUSED and again.state is not None
+    assert [c.tool for c in again.pending] == ["send", "lookup"]
+    assert sender.sent == [] and counter.calls == []
+    done = await engine.resume(again.state, tools=[sender.tool, asking],
+                               decisions={c.id: le.Approve() for c in again.pending})
+    assert done.outcome is le.Outcome.COMPLETED and done.tool_calls == 2
+    assert sender.sent == ["a"] and counter.calls == ["k"]
+
+
 @pytest.mark.parametrize("decisions", [{}, {"toolu_nope": le.Approve()}, "extra"])
 async def test_a_missing_or_unknown_decision_is_a_config_error_before_anything_is_sent(
         make_engine: EngineFactory, decisions: Any) -> None:
@@ -354,6 +406,29 @@ async def test_a_published_operation_caps_the_limits_of_a_resumed_run(
                                  tools=[sender.tool, counter.tool])
     assert result.outcome is le.Outcome.TURN_LIMIT and result.turns == 3
     assert len(provider.requests) == 3
+
+
+@pytest.mark.parametrize(("narrowed", "outcome"), [
+    ({"max_tool_calls": 2}, le.Outcome.TOOL_LIMIT),
+    ({"max_tool_batch": 2}, le.Outcome.TOOL_BATCH_LIMIT),
+    ({"credit_hold": 100}, le.Outcome.CREDIT_LIMIT)])
+async def test_r02_a_paused_batch_is_checked_again_under_the_resumed_limits(
+        make_engine: EngineFactory, narrowed: dict[str, int], outcome: le.Outcome) -> None:
+    """Three approved calls, resumed with a published operation whose limits
+    allow only two (or hold fewer credits than the paused turn spent, R03):
+    the batch is refused as any batch is, none of its calls runs (it ran all
+    three, past the published ceiling), and each gets a "Not run" result."""
+    engine, provider, _, paused, sender = await paused_run(
+        make_engine, Reply.tool_calls(send("a"), send("b"), send("c")), Reply.text("done"))
+    assert paused.state is not None
+    result = await engine.resume(paused.state, tools=[sender.tool],
+                                 decisions={call.id: le.Approve() for call in paused.pending},
+                                 operation=operation(**narrowed))
+    assert result.outcome is outcome and result.tool_calls == 0
+    assert sender.sent == [] and len(provider.requests) == 1
+    closed = result.messages[-1]["content"]
+    assert [r["tool_use_id"] for r in closed] == [call.id for call in paused.pending]
+    assert all(r["is_error"] and r["content"].startswith("Not run") for r in closed)
 
 
 async def test_a_state_keeps_the_usage_iterations_of_its_progress(

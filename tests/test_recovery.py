@@ -364,6 +364,85 @@ async def test_an_idempotent_call_cut_by_a_crash_runs_again_and_finished_calls_d
     assert (progress.turns, progress.tool_calls) == (3, 2)
 
 
+async def test_a_tools_cap_counts_the_calls_a_crashed_batch_ran_before_it_died(
+        ledger: Any, clock: FakeClock) -> None:
+    """``max_calls=1``: the batch's first ``pay`` ran and its second was refused
+    by the cap before the process died in ``settle``; the recovery answers
+    only ``settle`` again, and the cap still counts the ``pay`` that ran, so
+    the next turn's ``pay`` is refused: the handler ran once in the run."""
+    paid: list[str] = []
+    dying = [True]
+    store = le.RunStore(ledger)
+
+    @le.tool(max_calls=1)
+    async def pay(key: str) -> str:
+        """Pay."""
+        paid.append(key)
+        return f"paid {key}"
+
+    @le.tool(idempotent=True)
+    async def settle(ctx: le.ToolContext) -> str:
+        """Settle."""
+        if dying:
+            dying.clear()
+            # Until both calls of pay have their ends recorded, then the death.
+            while sorted(status for call_id, status in (
+                    await store.tool_calls(ctx.invocation_id)).items()
+                    if call_id != ctx.call_id) != ["failed", "succeeded"]:
+                await anyio.lowlevel.checkpoint()
+            raise Crash
+        return "settled"
+
+    provider = ScriptedProvider([
+        Reply.tool_calls(("pay", {"key": "a"}), ("pay", {"key": "b"}), ("settle", {})),
+        Reply.tool_calls(("pay", {"key": "c"})), Reply.text("done")], clock=clock)
+    engine = le.Engine(provider, ledger=ledger, clock=clock, prices=PRICES,
+                       rng=random.Random(3), run_store=store)
+    with pytest.raises(BaseException) as caught:
+        await engine.run(operation(total_time=600.0), "pay", tools=[pay, settle])
+    assert caught.group_contains(Crash) if isinstance(caught.value, BaseExceptionGroup) \
+        else isinstance(caught.value, Crash)
+    run_id = await the_run_id(store, ledger)
+    done = await engine.resume(run_id, tools=[pay, settle], force=True)
+    assert done.outcome is le.Outcome.COMPLETED, done.detail
+    assert paid == ["a"]
+    (refused,) = provider.requests[-1].messages[-1]["content"]
+    assert refused["is_error"] and "at most 1 times" in refused["content"]
+
+
+async def test_a_tools_cap_counts_an_in_doubt_call_whatever_its_decision(
+        ledger: Any, clock: FakeClock) -> None:
+    """``max_calls=1``: the process died in ``pay``'s handler; the recovery asks
+    about the call in doubt, and ``Supply`` says it ran. It did: the cap
+    counts it, so the model's next ``pay`` is refused, never a second run."""
+    paid: list[str] = []
+
+    @le.tool(max_calls=1)
+    def pay(key: str) -> str:
+        """Pay."""
+        paid.append(key)
+        if len(paid) == 1:
+            raise Crash
+        return f"paid {key}"
+
+    engine, provider, store = engine_on(
+        ledger, clock, Reply.tool_calls(("pay", {"key": "a"})),
+        Reply.tool_calls(("pay", {"key": "b"})), Reply.text("done"))
+    with pytest.raises(BaseException) as caught:
+        await engine.run(operation(total_time=600.0), "pay", tools=[pay])
+    assert caught.group_contains(Crash) if isinstance(caught.value, BaseExceptionGroup) \
+        else isinstance(caught.value, Crash)
+    run_id = await the_run_id(store, ledger)
+    paused = await engine.resume(run_id, tools=[pay], force=True)
+    (call,) = paused.pending
+    assert call.reason == "in_doubt"
+    done = await engine.resume(run_id, tools=[pay], decisions={call.id: le.Supply("paid a")})
+    assert done.outcome is le.Outcome.COMPLETED, done.detail
+    assert paid == ["a"]
+    (refused,) = provider.requests[-1].messages[-1]["content"]
+    assert refused["is_error"] and "at most 1 times" in refused["content"]
+
+
 async def test_a_calls_end_writes_the_batchs_results_not_the_transcript(
         clock: FakeClock) -> None:
     """A batch of charge and lookup, killed in lookup's handler once charge had

@@ -787,6 +787,53 @@ async def test_r15_invalid_input_never_reaches_the_handler(make_engine: EngineFa
     assert counter.calls == []
 
 
+async def test_r15_a_boolean_is_not_an_enum_or_const_number(make_engine: EngineFactory) -> None:
+    """A raw schema's ``enum`` and ``const`` compare as JSON does: ``true`` is not
+    the number 1, nor ``0`` the boolean false (Python's ``True == 1`` let them
+    through to the handler); ``1.0`` is the number 1."""
+    seen: list[dict[str, Any]] = []
+    tool = le.Tool("level", "Set a level.", {
+        "type": "object", "properties": {"level": {"enum": [0, 1, 2]},
+                                         "dry": {"const": False},
+                                         "tags": {"const": [1, {"a": 0}]}}},
+        handler=lambda args: seen.append(args) or "set")
+    engine, provider, _ = make_engine(
+        Reply.tool_calls(("level", {"level": True}), ("level", {"dry": 0}),
+                         ("level", {"tags": [True, {"a": False}]}),
+                         ("level", {"level": 1.0, "dry": False, "tags": [1, {"a": 0}]})),
+        Reply.text("done"))
+    result = await engine.run(operation(), "go", tools=[tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    *refused, ran = provider.requests[1].messages[-1]["content"]
+    assert [r.get("is_error") for r in refused] == [True, True, True]
+    assert "level" in refused[0]["content"] and "dry" in refused[1]["content"]
+    assert ran["content"] == "set"
+    assert seen == [{"level": 1.0, "dry": False, "tags": [1, {"a": 0}]}]
+
+
+async def test_r15_a_property_a_pattern_names_is_not_an_additional_one(
+        make_engine: EngineFactory) -> None:
+    """``patternProperties`` with ``additionalProperties: false``: a property
+    whose name a pattern matches is allowed and checked against that pattern's
+    schema (it was refused as an additional property, so the tool could not
+    be called with its own schema's input); any other name is refused."""
+    seen: list[dict[str, Any]] = []
+    tool = le.Tool("tag", "Tag a record.", {
+        "type": "object", "properties": {"id": {"type": "string"}},
+        "patternProperties": {"^x-": {"type": "string"}}, "additionalProperties": False},
+        handler=lambda args: seen.append(args) or "tagged")
+    engine, provider, _ = make_engine(
+        Reply.tool_calls(("tag", {"id": "r1", "x-team": "ops"}), ("tag", {"x-team": 7}),
+                         ("tag", {"team": "ops"})),
+        Reply.text("done"))
+    result = await engine.run(operation(), "go", tools=[tool])
+    assert result.outcome is le.Outcome.COMPLETED
+    ran, wrong_type, unnamed = provider.requests[1].messages[-1]["content"]
+    assert ran["content"] == "tagged" and seen == [{"id": "r1", "x-team": "ops"}]
+    assert wrong_type["is_error"] and "x-team: expected string" in wrong_type["content"]
+    assert unnamed["is_error"] and "team: is not an allowed property" in unnamed["content"]
+
+
 # -- S01 / S02 -----------------------------------------------------------------------
 
 

@@ -170,6 +170,33 @@ def test_render_tool_output() -> None:
     assert render_tool_output([{"type": "text", "text": "t"}]) == [{"type": "text", "text": "t"}]
 
 
+async def test_records_that_only_look_like_content_blocks_are_sent_as_json(
+        make_engine: EngineFactory) -> None:
+    """A handler returning records with a ``type`` of ``text`` or ``image`` that
+    are not content blocks (no ``text``, no ``source``) gives them as JSON text:
+    as blocks the API would refuse the next request, and ``result.messages``
+    would not be a history a run takes. Well-formed blocks stay blocks."""
+
+    @le.tool
+    def records(kind: str) -> Any:
+        """List the records of a kind."""
+        if kind == "blocks":
+            return [{"type": "text", "text": "a cat"},
+                    {"type": "image", "source": {"type": "url", "url": "https://x/cat.png"}}]
+        return [{"type": "text", "value": 3}, {"type": "image", "name": "cat.png"}]
+
+    engine, provider, _ = make_engine(
+        Reply.tool_calls(("records", {"kind": "data"}), ("records", {"kind": "blocks"})),
+        Reply.text("two records"), Reply.text("again"))
+    result = await engine.run(operation(), "go", tools=[records])
+    data, blocks = provider.requests[1].messages[-1]["content"]
+    assert json.loads(data["content"]) == [{"type": "text", "value": 3},
+                                           {"type": "image", "name": "cat.png"}]
+    assert [b["type"] for b in blocks["content"]] == ["text", "image"]
+    again = await engine.run(operation(), [*result.messages, {"role": "user", "content": "more"}])
+    assert again.outcome is le.Outcome.COMPLETED
+
+
 def test_data_holding_models_is_rendered_as_json() -> None:
     """Models, dataclasses, enum members and sets inside a returned value reach the
     model as JSON, not as their Python reprs ("n=1", "<Kind.A: 'a'>", "{1, 2}")."""
