@@ -5,22 +5,26 @@ export whose cost grows with the ledger, not with its square."""
 
 from __future__ import annotations
 
+import json
 import random
 import sqlite3
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner, Result
 
 import loopengine as le
 from loopengine import audit
 from loopengine.cli import main
-from loopengine.persistence import SQLiteLedger
+from loopengine.persistence import PostgresLedger, SQLiteLedger
 from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
+from .postgres_support import PostgresServer
 
 # Names whose order differs between byte order (SQLite, a "C" collation) and a
 # language's collation (en-US sorts "acme" before "Zenith", and ignores "_").
@@ -43,6 +47,39 @@ async def record(ledger: Any) -> list[le.RunResult]:
         results.append(await engine.run(operation(credit_hold=1000), "go",
                                         attribution=le.Attribution(tenant=tenant)))
     return results
+
+
+@pytest.fixture
+async def both(tmp_path: Path, postgres_server: PostgresServer
+               ) -> AsyncIterator[tuple[str, str, list[le.RunResult]]]:
+    """The same runs in a SQLite file and in a PostgreSQL database whose collation
+    is en-US (ICU), as a server's default often is: (``--db`` of each, the
+    PostgreSQL runs)."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as lite:
+        await record(lite)
+    dbname = f"en_{random.Random().getrandbits(48):012x}"
+    with postgres_server.connect(autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {dbname} TEMPLATE template0 LOCALE_PROVIDER icu "
+                     "ICU_LOCALE 'en-US' LOCALE 'C'")
+    async with PostgresLedger(postgres_server.dsn(dbname)) as pg:
+        pg_runs = await record(pg)
+    yield (str(path), f"postgresql:///{dbname}?host={postgres_server.directory}&port=5432"
+                      f"&user={postgres_server.user}", pg_runs)
+
+
+async def test_names_are_ordered_alike_on_sqlite_and_on_postgresql(
+        both: tuple[str, str, list[le.RunResult]]) -> None:
+    """`accounts` and `spend` (whose groups here cost the same) list their names in
+    one order on both stores, the stored text's order, not the server's language's."""
+    lite, pg, _ = both
+    for command in (["spend", "--by", "tenant", "--json"], ["accounts", "--json"]):
+        on_sqlite, on_pg = cli(*command, "--db", lite), cli(*command, "--db", pg)
+        assert on_sqlite.exit_code == on_pg.exit_code == 0, on_pg.output
+        names = [row.get("account", row.get("tenant")) for row in json.loads(on_pg.output)]
+        assert names == sorted(TENANTS), command
+        assert names == [row.get("account", row.get("tenant"))
+                         for row in json.loads(on_sqlite.output)], command
 
 
 async def test_a_run_s_charge_is_read_from_its_own_rows(tmp_path: Path) -> None:

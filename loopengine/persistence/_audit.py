@@ -359,9 +359,7 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
         f"SUM({m}.web_search_requests), SUM({m}.web_fetch_requests), SUM({m}.reasoning_tokens), "
         f"SUM({m}.iterations), SUM({m}.fee_nanousd), SUM((SELECT COUNT(*) {unknown})), "
         f"SUM((SELECT COUNT(*) {floor})) "
-        f"{source[1]}{clause} GROUP BY i.{by} "
-        # NULL (no tenant) first on both stores, as SQLite sorts it.
-        f"ORDER BY SUM({m}.cost_nanousd) DESC, i.{by} IS NOT NULL, i.{by}"
+        f"{source[1]}{clause} GROUP BY i.{by}"
     )
     rows = []
     for row in conn.execute(sql, params):
@@ -377,7 +375,16 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
                                   "not an integer; this file was not written by loopengine "
                                   "as it is")
         rows.append(SpendRow(key, *(v or 0 for v in sums)))
-    return rows
+    # The costliest first, then by name (NULL, no tenant, first).
+    return sorted(rows, key=lambda r: (-r.cost_nanousd, *_text_order(r.key)))
+
+
+def _text_order(text: str | None) -> tuple[bool, str]:
+    """How the audit orders names (tenants, accounts...), NULL first: by their
+    characters' code points, which is SQLite's order of UTF-8 text, and not
+    PostgreSQL's, which follows the database's collation (en-US puts ``acme``
+    before ``Zenith``); so both stores list the same names in the same order."""
+    return text is not None, text or ""
 
 
 # -- show ----------------------------------------------------------------------------------
@@ -695,14 +702,14 @@ def accounts(conn: AuditConnection) -> list[AccountRow]:
         return []
     out = []
     for row in conn.execute("SELECT account, granted, spent, reserved, updated_at "
-                            "FROM accounts ORDER BY account"):
+                            "FROM accounts"):
         values = tuple(row)
         if not all(isinstance(v, int) for v in values[1:4]):
             raise LedgerError(f"account {describe_value(values[0])} holds values that are "
                               "not integers; this file was not written by loopengine as it is")
         out.append(AccountRow(str(values[0]), values[1], values[2], values[3],
                               _account_store.available(*values[1:4]), str(values[4])))
-    return out
+    return sorted(out, key=lambda r: _text_order(r.account))
 
 
 def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
@@ -727,12 +734,12 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
                   for account, invocation_id, held, journal
                   in _account_store.open_differences(conn)]
     journaled = _account_store.every_entries(conn)
-    for account, invocation_id, rate, quantum in conn.execute(
+    for account, invocation_id, rate, quantum in sorted(conn.execute(
             # One row of rates per invocation that reserved (a resumed run
             # reserved once per segment).
             "SELECT account, invocation_id, MAX(credits_per_usd), MAX(credit_quantum) "
             "FROM account_entries WHERE kind = 'reserve' AND invocation_id IS NOT NULL "
-            "GROUP BY account, invocation_id ORDER BY account, invocation_id"):
+            "GROUP BY account, invocation_id"), key=lambda r: (r[0], r[1])):
         run = journaled[invocation_id]
         if not run.released:
             continue  # a resumed run in progress: its earlier segments' settlement is partial
