@@ -103,3 +103,22 @@ async def test_a_run_s_charge_is_read_from_its_own_rows(tmp_path: Path) -> None:
             assert not [step for step in plan if step.startswith(("SCAN a", "SCAN i"))], plan
     finally:
         conn.close()
+
+
+async def test_show_finds_a_run_by_the_same_start_of_its_id_on_both_stores(
+        both: tuple[str, str, list[le.RunResult]]) -> None:
+    """A start of an id is matched as written on both stores: SQLite's LIKE ignored
+    case, so an id's start in capitals found the run there and not on PostgreSQL."""
+    lite, pg, _ = both
+    for db in (lite, pg):
+        listed = json.loads(cli("runs", "--db", db, "--json", "--tenant", "acme").output)
+        run_id = listed[0]["id"]
+        found = cli("show", run_id[:8], "--db", db, "--json")
+        assert found.exit_code == 0, found.output
+        assert json.loads(found.output)["invocation"]["id"] == run_id
+        # A start with a letter in it (a uuid's hex digits a-f).
+        start = run_id[:max(8, next(n for n, c in enumerate(run_id) if c.isalpha()) + 1)]
+        capitals = cli("show", start.upper(), "--db", db)
+        assert capitals.exit_code == 2 and "no invocation" in capitals.output, db
+        wildcard = cli("show", run_id[:4] + "_", "--db", db)
+        assert wildcard.exit_code == 2 and "no invocation" in wildcard.output, db

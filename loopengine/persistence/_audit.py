@@ -405,9 +405,11 @@ def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
     _validate.text("invocation_id", invocation_id)
     rows = conn.execute("SELECT * FROM invocations WHERE id = ?", (invocation_id,)).fetchall()
     if not rows:
-        escaped = invocation_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        rows = conn.execute("SELECT * FROM invocations WHERE id LIKE ? ESCAPE '\\' LIMIT 2",
-                            (escaped + "%",)).fetchall()
+        # Not LIKE: SQLite's ignores case (where PostgreSQL's does not), so a
+        # prefix would find a run on one store and not on the other.
+        rows = conn.execute("SELECT * FROM invocations WHERE "
+                            "substr(id, 1, length(CAST(? AS TEXT))) = ? LIMIT 2",
+                            (invocation_id, invocation_id)).fetchall()
     if not rows:
         raise LookupError(f"no invocation {invocation_id}")
     if len(rows) > 1:
