@@ -122,3 +122,28 @@ async def test_show_finds_a_run_by_the_same_start_of_its_id_on_both_stores(
         assert capitals.exit_code == 2 and "no invocation" in capitals.output, db
         wildcard = cli("show", run_id[:4] + "_", "--db", db)
         assert wildcard.exit_code == 2 and "no invocation" in wildcard.output, db
+
+
+async def test_an_export_from_postgresql_reads_its_rows_as_it_writes_them(
+        both: tuple[str, str, list[le.RunResult]]) -> None:
+    """The rows of an export come through a server-side cursor: the client holds a
+    batch of them at a time, not the whole ledger (an export of 150,000 attempts
+    took 200 MB where the same from SQLite takes 36 MB); the rows are the same."""
+    lite, pg, _ = both
+    conn = audit.open_ledger(pg)
+    try:
+        rows = audit.export_rows(conn)
+        first = next(rows)
+        (open_cursors,) = conn.execute("SELECT COUNT(*) FROM pg_cursors").fetchone()
+        assert open_cursors == 1
+        exported = [first, *rows]
+    finally:
+        conn.close()
+    conn = audit.open_ledger(lite)
+    try:
+        on_sqlite = list(audit.export_rows(conn))
+    finally:
+        conn.close()
+    ignored = ("invocation_id", "started_at")
+    assert [{k: v for k, v in row.items() if k not in ignored} for row in exported] == \
+        [{k: v for k, v in row.items() if k not in ignored} for row in on_sqlite]

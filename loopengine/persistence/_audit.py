@@ -47,6 +47,7 @@ from loopengine.persistence._audit_open import (
     AuditConnection,
     describe_value,
     has_table,
+    stream,
 )
 from loopengine.persistence._audit_open import open_ledger as open_ledger
 from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_time
@@ -786,7 +787,7 @@ def _exported(conn: AuditConnection, clause: str, params: list[str]) -> Iterator
            "i.operation_version, i.provider, i.model FROM attempts AS a "
            f"LEFT JOIN invocations AS i ON i.id = a.invocation_id{clause} "
            "ORDER BY a.started_at, a.invocation_id, a.ordinal")
-    for row in conn.execute(sql, params):
+    for row in stream(conn, sql, params):
         record = dict(row)
         _check("attempts", record, ATTEMPT_COLUMNS, _where_attempt)
         _check("invocations", record, _EXPORT_JOINED, _where_attempt, nullable=True)

@@ -179,6 +179,28 @@ class PostgresReader:
             raise LedgerError(f"{self.name}: cannot read the ledger: "
                               f"{server_words(error)}") from None
 
+    def stream(self, query: str, parameters: Sequence[Any] = ()) -> Iterator[_Row]:
+        """Run a query of many rows (an export) in the snapshot, yielding its rows as
+        they come: read through a server-side cursor, a thousand at a time, so a
+        ledger of millions of attempts is never held in memory at once.
+
+        Raises:
+            LedgerError: the server refused or failed the query.
+        """
+        import psycopg
+
+        from loopengine.persistence._postgres import server_words
+
+        try:
+            cursor = self._pg.cursor(name="loopengine_audit_stream", row_factory=_row_factory)
+            cursor.itersize = 1000
+            with cursor:
+                cursor.execute(percent_s(query), tuple(parameters))
+                yield from cursor
+        except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
+            raise LedgerError(f"{self.name}: cannot read the ledger: "
+                              f"{server_words(error)}") from None
+
     def has_table(self, name: str) -> bool:
         """Whether ``name`` is a table on the snapshot's search path."""
         row = self.execute("SELECT to_regclass(?) IS NOT NULL", (name,)).fetchone()
