@@ -147,3 +147,36 @@ async def test_an_export_from_postgresql_reads_its_rows_as_it_writes_them(
     ignored = ("invocation_id", "started_at")
     assert [{k: v for k, v in row.items() if k not in ignored} for row in exported] == \
         [{k: v for k, v in row.items() if k not in ignored} for row in on_sqlite]
+
+
+async def test_the_documented_sql_runs_and_sums_money_exactly(tmp_path: Path) -> None:
+    """Every query of docs/ledger.md runs on a ledger the engine wrote, its money
+    columns are exact (integer nano-USD, or decimal text: never a REAL, which
+    rounds), and its spend per tenant is what `audit spend` says."""
+    import re
+
+    text = (Path(__file__).parent.parent / "docs" / "ledger.md").read_text(encoding="utf-8")
+    queries = re.findall(r"^```sql\n(.*?)^```", text, re.S | re.M)
+    assert len(queries) >= 8
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as lite:
+        runs = await record(lite)
+    conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    try:
+        results = [conn.execute(q, {"id": runs[0].invocation_id}).fetchall() for q in queries]
+    finally:
+        conn.close()
+    reader = audit.open_ledger(path)
+    try:
+        expected = {row.key: row for row in audit.spend(reader)}
+    finally:
+        reader.close()
+    for rows in results:
+        for row in rows:
+            for column in row.keys():
+                if "usd" in column:
+                    assert isinstance(row[column], int | str | None), (column, row[column])
+    by_tenant = {row["tenant"]: row for row in results[0]}
+    assert {t: (r["charged_nanousd"], r["charged_usd"]) for t, r in by_tenant.items()} == {
+        t: (r.cost_nanousd, f"{r.cost_usd:.9f}") for t, r in expected.items()}
