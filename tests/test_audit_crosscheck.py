@@ -31,6 +31,12 @@ from .postgres_support import PostgresServer
 TENANTS = ("acme", "Zenith", "_under", "beta")
 
 
+@le.tool(approval=True)
+async def send(to: str) -> str:
+    """Send it to someone."""
+    return "sent"
+
+
 def cli(*args: str) -> Result:
     return CliRunner().invoke(main, ["audit", *args])
 
@@ -180,3 +186,38 @@ async def test_the_documented_sql_runs_and_sums_money_exactly(tmp_path: Path) ->
     by_tenant = {row["tenant"]: row for row in results[0]}
     assert {t: (r["charged_nanousd"], r["charged_usd"]) for t, r in by_tenant.items()} == {
         t: (r.cost_nanousd, f"{r.cost_usd:.9f}") for t, r in expected.items()}
+
+
+async def test_a_database_whose_times_are_not_iso_utc_is_written_and_audited(
+        postgres_server: PostgresServer) -> None:
+    """A database whose default date style is ``SQL, DMY`` (and time zone New York):
+    psycopg parses only ISO times, so a run store could not read its runs back
+    there, and the audit of any run failed as "a bug in loopengine". The
+    ledger's and the audit's sessions now set their times to ISO and UTC: the
+    runs are recorded, paused and resumed, and audited with their start times."""
+    dsn = postgres_server.create_database()
+    dbname = dsn.rsplit("dbname=", 1)[1]
+    with postgres_server.connect() as conn:
+        conn.execute(f"ALTER DATABASE {dbname} SET DateStyle = 'SQL, DMY'")
+        conn.execute(f"ALTER DATABASE {dbname} SET TimeZone = 'America/New_York'")
+    async with PostgresLedger(dsn) as pg:
+        await record(pg)
+        # A run the run store pauses and resumes: it reads its times back.
+        engine = le.Engine(ScriptedProvider([Reply.tool_calls(("send", {"to": "x"})),
+                                             Reply.text("sent")]),
+                           ledger=pg, prices=PRICES, run_store=le.RunStore(pg))
+        paused = await engine.run(operation(), "go", tools=[send])
+        done = await engine.resume(paused.invocation_id, tools=[send],
+                                   decisions={paused.pending[0].id: le.Approve()})
+        assert done.completed
+    db = (f"postgresql:///{dbname}?host={postgres_server.directory}&port=5432"
+          f"&user={postgres_server.user}")
+    runs = cli("runs", "--db", db, "--json", "--since", "2026-03-01T01:00:00+00:00",
+               "--until", "2026-03-02")
+    assert runs.exit_code == 0, runs.output
+    assert [r["started_at"] for r in json.loads(runs.output)] == [
+        "2026-03-01T03:00:00.000000+00:00", "2026-03-01T02:00:00.000000+00:00",
+        "2026-03-01T01:00:00.000000+00:00"]
+    for command in (["export", "--format", "jsonl"], ["reconcile"], ["accounts"]):
+        result = cli(*command, "--db", db)
+        assert result.exit_code == 0, (command, result.output)

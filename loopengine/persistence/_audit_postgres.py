@@ -113,7 +113,7 @@ class PostgresReader:
         except ImportError:
             raise LedgerError("auditing a PostgreSQL ledger needs psycopg 3: "
                               "pip install 'loopengine-core[postgres]'") from None
-        from loopengine.persistence._postgres import _describe_server, server_words
+        from loopengine.persistence._postgres import SESSION_TIMES, _describe_server, server_words
 
         try:
             name = _describe_server(psycopg.conninfo.conninfo_to_dict(dsn), schema)
@@ -126,6 +126,8 @@ class PostgresReader:
             raise LedgerError(f"{name}: cannot connect: {server_words(error)}") from None
         reader = cls(pg, name)
         try:
+            for setting in SESSION_TIMES:
+                reader.execute(setting)
             if schema is not None:
                 reader.execute(sql.SQL("SET search_path TO {}")
                                .format(sql.Identifier(schema)).as_string(pg))
