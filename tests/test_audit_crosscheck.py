@@ -221,3 +221,32 @@ async def test_a_database_whose_times_are_not_iso_utc_is_written_and_audited(
     for command in (["export", "--format", "jsonl"], ["reconcile"], ["accounts"]):
         result = cli(*command, "--db", db)
         assert result.exit_code == 0, (command, result.output)
+
+
+def test_an_older_postgresql_ledger_is_audited_by_a_read_only_role(
+        postgres_server: PostgresServer) -> None:
+    """A version-5 ledger lacks the later columns; they were supplied by temporary
+    views, which a read-only role (or a standby) may not create, so every
+    command exited 2. Its queries now supply them in themselves."""
+    import psycopg
+
+    from loopengine.persistence._postgres_schema import MIGRATIONS, migrate
+
+    dsn = postgres_server.create_database()
+    dbname = dsn.rsplit("dbname=", 1)[1]
+    with psycopg.connect(dsn) as conn:
+        migrate(conn, schema=None, name="old", migrations=MIGRATIONS[:5])
+        conn.execute("INSERT INTO invocations (id, operation, operation_version, provider, "
+                      "model, tenant, started_at, outcome, credits) VALUES ('old-1', 'op', "
+                      "'1', 'anthropic', 'm', 'acme', '2026-01-01T00:00:00+00:00', "
+                      "'completed', 7)")
+        conn.commit()
+    db = (f"postgresql:///{dbname}?host={postgres_server.directory}&port=5432"
+          f"&user={postgres_server.user}&options=-cdefault_transaction_read_only%3Don")
+    for command in (["runs"], ["spend", "--roll-up"], ["show", "old"], ["reconcile"],
+                    ["export"], ["accounts"]):
+        result = cli(*command, "--db", db)
+        assert result.exit_code == 0, (command, result.output)
+    rolled = json.loads(cli("spend", "--roll-up", "--json", "--db", db).output)
+    assert [(r["tenant"], r["credits"], r["web_search_requests"]) for r in rolled] == [
+        ("acme", 7, 0)]

@@ -20,7 +20,7 @@ from typing import Any
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._qmark import percent_s
-from loopengine.persistence._schema import check_not_newer, format_time, later_view
+from loopengine.persistence._schema import check_not_newer, format_time, later_select
 
 __all__ = ["PostgresReader", "display_name", "is_postgres_url"]
 
@@ -95,6 +95,8 @@ class PostgresReader:
         self._pg = connection
         self.name = name
         """How messages name the server (no password)."""
+        self._later: dict[str, str] = {}
+        """The query of each table that lacks later columns (`_supply_later_columns`)."""
 
     @classmethod
     def open(cls, dsn: str, *, schema: str | None = None) -> PostgresReader:
@@ -147,19 +149,37 @@ class PostgresReader:
         return reader
 
     def _supply_later_columns(self) -> None:
-        """A ledger older than the later migrations lacks their columns: it is read
-        through a temporary view of each table that supplies them (this
-        session's, searched before the ledger's schema; the ledger itself is
-        never written), so every query reads one schema, as on SQLite."""
+        """A ledger older than the later migrations lacks their columns: each query
+        reads it through a common table expression of each such table that
+        supplies them (`_reading`), so every query reads one schema, as on
+        SQLite. Nothing is created on the server, not even a temporary view: an
+        auditor's read-only role, or a standby server, refuses that."""
         from psycopg import sql
 
         row = self.execute("SELECT current_schema()").fetchone()
         where = row[0] if row else None
         for table in ("invocations", "attempts"):
             source = sql.SQL("{}.{}").format(sql.Identifier(str(where)), sql.Identifier(table))
-            view = later_view(self.name, table, self.columns(table), source.as_string(self._pg))
-            if view is not None:
-                self.execute(view)
+            select = later_select(self.name, table, self.columns(table),
+                                  source.as_string(self._pg))
+            if select is not None:
+                self._later[table] = select
+
+    def _reading(self, query: str) -> str:
+        """``query`` as it runs: with ``?`` placeholders as psycopg's, and, on an
+        older ledger, the tables that lack later columns named by common table
+        expressions that supply them (not materialized: the planner reads
+        through them to the table and its indexes)."""
+        if self._later and query.startswith(("SELECT ", "WITH ")):
+            tables = ", ".join(f"{table} AS NOT MATERIALIZED ({select})"
+                               for table, select in self._later.items())
+            if query.startswith("WITH RECURSIVE "):
+                query = f"WITH RECURSIVE {tables}, {query.removeprefix('WITH RECURSIVE ')}"
+            elif query.startswith("WITH "):
+                query = f"WITH {tables}, {query.removeprefix('WITH ')}"
+            else:
+                query = f"WITH {tables} {query}"
+        return percent_s(query)
 
     def execute(self, query: str, parameters: Sequence[Any] = ()) -> Any:
         """Run one of the audit's queries (``?`` placeholders) in the snapshot.
@@ -174,7 +194,7 @@ class PostgresReader:
 
         try:
             cursor = self._pg.cursor(row_factory=_row_factory)
-            return cursor.execute(percent_s(query), tuple(parameters))
+            return cursor.execute(self._reading(query), tuple(parameters))
         except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
             from loopengine.persistence._postgres import server_words
 
@@ -197,7 +217,7 @@ class PostgresReader:
             cursor = self._pg.cursor(name="loopengine_audit_stream", row_factory=_row_factory)
             cursor.itersize = 1000
             with cursor:
-                cursor.execute(percent_s(query), tuple(parameters))
+                cursor.execute(self._reading(query), tuple(parameters))
                 yield from cursor
         except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
             raise LedgerError(f"{self.name}: cannot read the ledger: "
