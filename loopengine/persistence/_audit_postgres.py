@@ -95,6 +95,8 @@ class PostgresReader:
         self._pg = connection
         self.name = name
         """How messages name the server (no password)."""
+        self._streams = 0
+        """Server-side cursors opened so far (`stream`), which name them."""
         self._later: dict[str, str] = {}
         """The query of each table that lacks later columns (`_supply_later_columns`)."""
 
@@ -214,7 +216,10 @@ class PostgresReader:
         from loopengine.persistence._postgres import server_words
 
         try:
-            cursor = self._pg.cursor(name="loopengine_audit_stream", row_factory=_row_factory)
+            # A name of its own: two exports may be read at once.
+            self._streams += 1
+            cursor = self._pg.cursor(name=f"loopengine_audit_{self._streams}",
+                                     row_factory=_row_factory)
             cursor.itersize = 1000
             with cursor:
                 cursor.execute(self._reading(query), tuple(parameters))
