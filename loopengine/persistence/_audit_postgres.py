@@ -198,10 +198,7 @@ class PostgresReader:
             cursor = self._pg.cursor(row_factory=_row_factory)
             return cursor.execute(self._reading(query), tuple(parameters))
         except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
-            from loopengine.persistence._postgres import server_words
-
-            raise LedgerError(f"{self.name}: cannot read the ledger: "
-                              f"{server_words(error)}") from None
+            raise self._refused(error) from None
 
     def stream(self, query: str, parameters: Sequence[Any] = ()) -> Iterator[_Row]:
         """Run a query of many rows (an export) in the snapshot, yielding its rows as
@@ -213,8 +210,6 @@ class PostgresReader:
         """
         import psycopg
 
-        from loopengine.persistence._postgres import server_words
-
         try:
             # A name of its own: two exports may be read at once.
             self._streams += 1
@@ -225,8 +220,14 @@ class PostgresReader:
                 cursor.execute(self._reading(query), tuple(parameters))
                 yield from cursor
         except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
-            raise LedgerError(f"{self.name}: cannot read the ledger: "
-                              f"{server_words(error)}") from None
+            raise self._refused(error) from None
+
+    def _refused(self, error: Exception) -> LedgerError:
+        """The error of a query the server refused or failed (or psycopg, for a NUL
+        in a parameter), naming the server without its password."""
+        from loopengine.persistence._postgres import server_words
+
+        return LedgerError(f"{self.name}: cannot read the ledger: {server_words(error)}")
 
     def has_table(self, name: str) -> bool:
         """Whether ``name`` is a table on the snapshot's search path."""
