@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -55,30 +55,36 @@ async def record(ledger: Any) -> list[le.RunResult]:
     return results
 
 
-@pytest.fixture
-async def both(tmp_path: Path, postgres_server: PostgresServer
-               ) -> AsyncIterator[tuple[str, str, list[le.RunResult]]]:
-    """The same runs in a SQLite file and in a PostgreSQL database whose collation
-    is en-US (ICU), as a server's default often is: (``--db`` of each, the
-    PostgreSQL runs)."""
+async def on_both(tmp_path: Path, server: PostgresServer,
+                  recorder: Callable[[Any], Awaitable[Any]]) -> tuple[str, str, Any, Any]:
+    """What ``recorder`` records, in a SQLite file and in a PostgreSQL database
+    whose collation is en-US (ICU), as a server's default often is: ``--db`` of
+    each, and what it returned on each."""
     path = tmp_path / "ledger.db"
     with SQLiteLedger(path) as lite:
-        await record(lite)
+        on_sqlite = await recorder(lite)
     dbname = f"en_{random.Random().getrandbits(48):012x}"
-    with postgres_server.connect(autocommit=True) as conn:
+    with server.connect(autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {dbname} TEMPLATE template0 LOCALE_PROVIDER icu "
                      "ICU_LOCALE 'en-US' LOCALE 'C'")
-    async with PostgresLedger(postgres_server.dsn(dbname)) as pg:
-        pg_runs = await record(pg)
-    yield (str(path), f"postgresql:///{dbname}?host={postgres_server.directory}&port=5432"
-                      f"&user={postgres_server.user}", pg_runs)
+    async with PostgresLedger(server.dsn(dbname)) as pg:
+        on_pg = await recorder(pg)
+    return (str(path), f"postgresql:///{dbname}?host={server.directory}&port=5432"
+                       f"&user={server.user}", on_sqlite, on_pg)
+
+
+@pytest.fixture
+async def both(tmp_path: Path, postgres_server: PostgresServer) -> tuple[str, str]:
+    """`record`'s runs on both stores (`on_both`): ``--db`` of each."""
+    lite, pg, _, _ = await on_both(tmp_path, postgres_server, record)
+    return lite, pg
 
 
 async def test_names_are_ordered_alike_on_sqlite_and_on_postgresql(
-        both: tuple[str, str, list[le.RunResult]]) -> None:
+        both: tuple[str, str]) -> None:
     """`accounts` and `spend` (whose groups here cost the same) list their names in
     one order on both stores, the stored text's order, not the server's language's."""
-    lite, pg, _ = both
+    lite, pg = both
     for command in (["spend", "--by", "tenant", "--json"], ["accounts", "--json"]):
         on_sqlite, on_pg = cli(*command, "--db", lite), cli(*command, "--db", pg)
         assert on_sqlite.exit_code == on_pg.exit_code == 0, on_pg.output
@@ -112,10 +118,10 @@ async def test_a_run_s_charge_is_read_from_its_own_rows(tmp_path: Path) -> None:
 
 
 async def test_show_finds_a_run_by_the_same_start_of_its_id_on_both_stores(
-        both: tuple[str, str, list[le.RunResult]]) -> None:
+        both: tuple[str, str]) -> None:
     """A start of an id is matched as written on both stores: SQLite's LIKE ignored
     case, so an id's start in capitals found the run there and not on PostgreSQL."""
-    lite, pg, _ = both
+    lite, pg = both
     for db in (lite, pg):
         listed = json.loads(cli("runs", "--db", db, "--json", "--tenant", "acme").output)
         run_id = listed[0]["id"]
@@ -131,11 +137,11 @@ async def test_show_finds_a_run_by_the_same_start_of_its_id_on_both_stores(
 
 
 async def test_an_export_from_postgresql_reads_its_rows_as_it_writes_them(
-        both: tuple[str, str, list[le.RunResult]]) -> None:
+        both: tuple[str, str]) -> None:
     """The rows of an export come through a server-side cursor: the client holds a
     batch of them at a time, not the whole ledger (an export of 150,000 attempts
     took 200 MB where the same from SQLite takes 36 MB); the rows are the same."""
-    lite, pg, _ = both
+    lite, pg = both
     conn = audit.open_ledger(pg)
     try:
         rows, again = audit.export_rows(conn), audit.export_rows(conn)
@@ -251,3 +257,42 @@ def test_an_older_postgresql_ledger_is_audited_by_a_read_only_role(
     rolled = json.loads(cli("spend", "--roll-up", "--json", "--db", db).output)
     assert [(r["tenant"], r["credits"], r["web_search_requests"]) for r in rolled] == [
         ("acme", 7, 0)]
+
+
+async def pause_two_calls(ledger: Any) -> le.RunResult:
+    """A run paused on two calls waiting for approval (no start time yet), their
+    ids as a provider writes them, in mixed case."""
+    ask = [{"type": "tool_use", "id": id_, "name": "send", "input": {"to": id_}}
+           for id_ in ("toolu_01abc", "toolu_01Zzz")]
+    engine = le.Engine(ScriptedProvider([Reply(content=ask, stop_reason="tool_use")]),
+                       ledger=ledger, prices=PRICES, run_store=le.RunStore(ledger))
+    paused = await engine.run(operation(), "go", tools=[send])
+    assert paused.outcome is le.Outcome.PAUSED
+    return paused
+
+
+async def test_tool_calls_are_listed_in_one_order_on_both_stores(
+        tmp_path: Path, postgres_server: PostgresServer) -> None:
+    """Tool calls of one turn without times (waiting for approval, in `show`), or
+    started at one time (a batch, in reconcile's calls in doubt), were ordered
+    by their ids in the database's collation: ``toolu_01Zzz`` first on SQLite,
+    last on an en-US PostgreSQL. Both now list them in their ids' character
+    order (and a call without a time first, where PostgreSQL put it last)."""
+    import psycopg
+
+    lite, pg, on_sqlite, on_pg = await on_both(tmp_path, postgres_server, pause_two_calls)
+    for db, run in ((lite, on_sqlite), (pg, on_pg)):
+        shown = cli("show", run.invocation_id, "--db", db, "--json")
+        assert shown.exit_code == 0, shown.output
+        assert [c["call_id"] for c in json.loads(shown.output)["tool_calls"]] == [
+            "toolu_01Zzz", "toolu_01abc"], db
+    # As a process that died while its batch ran leaves them: started together.
+    started = ("UPDATE tool_calls SET status = 'started', "
+               "started_at = '2026-03-01T00:00:00.000000+00:00'")
+    with sqlite3.connect(lite) as conn:
+        conn.execute(started)
+    with psycopg.connect(pg) as conn:
+        conn.execute(started)
+    for db in (lite, pg):
+        in_doubt = json.loads(cli("reconcile", "--db", db, "--json").output)["in_doubt"]
+        assert [c["call_id"] for c in in_doubt] == ["toolu_01Zzz", "toolu_01abc"], db

@@ -380,12 +380,13 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
     return sorted(rows, key=lambda r: (-r.cost_nanousd, *_text_order(r.key)))
 
 
-def _text_order(text: str | None) -> tuple[bool, str]:
-    """How the audit orders names (tenants, accounts...), NULL first: by their
+def _text_order(text: object) -> tuple[bool, str]:
+    """How the audit orders names (tenants, accounts, ids...), NULL first: by their
     characters' code points, which is SQLite's order of UTF-8 text, and not
     PostgreSQL's, which follows the database's collation (en-US puts ``acme``
-    before ``Zenith``); so both stores list the same names in the same order."""
-    return text is not None, text or ""
+    before ``Zenith``) and puts NULL last; so both stores list the same rows in
+    the same order. (Whatever else a hand-made file holds is ordered as its text.)"""
+    return text is not None, "" if text is None else str(text)
 
 
 # -- show ----------------------------------------------------------------------------------
@@ -435,10 +436,17 @@ def segments(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
 
 def tool_calls(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
     """The invocation's tool calls and their statuses (docs/pause-and-resume.md), in the order
-    they were recorded; empty on a ledger without a run store's tables."""
-    return _rows_of(conn, "tool_calls",
-                    ("call_id", "turn", "tool", "status", "started_at", "ended_at"),
-                    "turn, COALESCE(started_at, ended_at), call_id", invocation_id)
+    they were recorded (by turn and time, a call without one first, then by id);
+    empty on a ledger without a run store's tables."""
+    calls = _rows_of(conn, "tool_calls",
+                     ("call_id", "turn", "tool", "status", "started_at", "ended_at"),
+                     "turn", invocation_id)
+    # Within a turn sorted here, not by the query: PostgreSQL puts NULL last and
+    # orders ids by its collation, SQLite NULL first and by characters (`_text_order`).
+    turns = {turn: n for n, turn in enumerate(dict.fromkeys(c["turn"] for c in calls))}
+    return sorted(calls, key=lambda c: (turns[c["turn"]],
+                                        *_text_order(c["started_at"] or c["ended_at"]),
+                                        *_text_order(c["call_id"])))
 
 
 def _rows_of(conn: AuditConnection, table: str, columns: tuple[str, ...], order: str,
@@ -656,10 +664,14 @@ def _stored_runs(conn: AuditConnection, now: datetime) -> tuple[
     live = {str(r[0]) for r in conn.execute(
         "SELECT invocation_id FROM run_states WHERE paused_at IS NULL "
         "AND lease_expires_at >= ?", (at,))}
-    in_doubt = [dict(r) for r in conn.execute(
+    in_doubt = sorted((dict(r) for r in conn.execute(
         "SELECT invocation_id, call_id, turn, tool, status, started_at FROM tool_calls "
-        "WHERE status IN ('started', 'in_doubt') ORDER BY started_at, invocation_id, call_id")
-        if r["status"] == "in_doubt" or r["invocation_id"] not in live]
+        "WHERE status IN ('started', 'in_doubt')")
+        if r["status"] == "in_doubt" or r["invocation_id"] not in live),
+        # A batch's calls start at one time: ordered here by their ids' characters,
+        # as on SQLite, not by PostgreSQL's collation (`_text_order`).
+        key=lambda c: tuple(part for column in ("started_at", "invocation_id", "call_id")
+                            for part in _text_order(c[column])))
     expired_leases = [dict(r) for r in conn.execute(
         "SELECT invocation_id, lease_owner, lease_expires_at, updated_at FROM run_states "
         "WHERE paused_at IS NULL AND lease_expires_at < ? ORDER BY lease_expires_at",
