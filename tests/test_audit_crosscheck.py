@@ -1,7 +1,9 @@
 """`loopengine audit` as an auditor cross-checks it: the same answer, in the same
-order, from a SQLite and a PostgreSQL ledger whatever the server's collation;
-an invocation found by the same id on both; and a reconciliation or an
-export whose cost grows with the ledger, not with its square."""
+order, from a SQLite and a PostgreSQL ledger whatever the database's collation,
+date style or time zone, and whatever the auditor's role may create; an
+invocation found by the same start of its id on both; the documented SQL
+summing money as exactly as the commands; and a reconciliation or an export
+whose cost grows with the ledger, not with its square or all at once."""
 
 from __future__ import annotations
 
