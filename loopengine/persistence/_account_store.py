@@ -291,11 +291,13 @@ def tree(conn: Any, invocation_id: str) -> list[TreeRun]:
         "WHERE a.invocation_id = i.id) END FROM invocations AS i JOIN tree AS t "
         "ON t.id = i.id ORDER BY i.started_at, i.id", (invocation_id,)).fetchall()
     costs: dict[str, list[int]] = {}
+    # CROSS JOIN keeps SQLite's join order (the tree, then its rows by their keys):
+    # left to choose, it may read every attempt row of the ledger for each tree.
     for member, cost in conn.execute(
             f"{TREE}SELECT a.invocation_id, SUM(a.cost_nanousd) FROM tree AS t "
-            "JOIN invocations AS i ON i.id = t.id AND i.outcome = 'running' "
-            "JOIN attempts AS a ON a.invocation_id = i.id "
-            "WHERE a.charged = 1 AND a.cost_nanousd IS NOT NULL "
+            "CROSS JOIN invocations AS i CROSS JOIN attempts AS a "
+            "WHERE i.id = t.id AND i.outcome = 'running' AND a.invocation_id = i.id "
+            "AND a.charged = 1 AND a.cost_nanousd IS NOT NULL "
             "GROUP BY a.invocation_id, a.turn", (invocation_id,)).fetchall():
         costs.setdefault(str(member), []).append(int(cost))
     return [TreeRun(str(member), str(outcome), max(int(turns), int(reached or 0)),

@@ -47,6 +47,7 @@ from loopengine.persistence._audit_open import (
     AuditConnection,
     describe_value,
     has_table,
+    stream,
 )
 from loopengine.persistence._audit_open import open_ledger as open_ledger
 from loopengine.persistence._schema import ATTEMPT_COLUMNS, MIGRATIONS, format_time
@@ -359,9 +360,7 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
         f"SUM({m}.web_search_requests), SUM({m}.web_fetch_requests), SUM({m}.reasoning_tokens), "
         f"SUM({m}.iterations), SUM({m}.fee_nanousd), SUM((SELECT COUNT(*) {unknown})), "
         f"SUM((SELECT COUNT(*) {floor})) "
-        f"{source[1]}{clause} GROUP BY i.{by} "
-        # NULL (no tenant) first on both stores, as SQLite sorts it.
-        f"ORDER BY SUM({m}.cost_nanousd) DESC, i.{by} IS NOT NULL, i.{by}"
+        f"{source[1]}{clause} GROUP BY i.{by}"
     )
     rows = []
     for row in conn.execute(sql, params):
@@ -377,7 +376,17 @@ def spend(conn: AuditConnection, *, by: Grouping = "tenant", roll_up: bool = Fal
                                   "not an integer; this file was not written by loopengine "
                                   "as it is")
         rows.append(SpendRow(key, *(v or 0 for v in sums)))
-    return rows
+    # The costliest first, then by name (NULL, no tenant, first).
+    return sorted(rows, key=lambda r: (-r.cost_nanousd, *_text_order(r.key)))
+
+
+def _text_order(text: object) -> tuple[bool, str]:
+    """How the audit orders names (tenants, accounts, ids...), NULL first: by their
+    characters' code points, which is SQLite's order of UTF-8 text, and not
+    PostgreSQL's, which follows the database's collation (en-US puts ``acme``
+    before ``Zenith``) and puts NULL last; so both stores list the same rows in
+    the same order. (Whatever else a hand-made file holds is ordered as its text.)"""
+    return text is not None, "" if text is None else str(text)
 
 
 # -- show ----------------------------------------------------------------------------------
@@ -398,9 +407,11 @@ def show(conn: AuditConnection, invocation_id: str) -> tuple[dict[str, Any],
     _validate.text("invocation_id", invocation_id)
     rows = conn.execute("SELECT * FROM invocations WHERE id = ?", (invocation_id,)).fetchall()
     if not rows:
-        escaped = invocation_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        rows = conn.execute("SELECT * FROM invocations WHERE id LIKE ? ESCAPE '\\' LIMIT 2",
-                            (escaped + "%",)).fetchall()
+        # Not LIKE: SQLite's ignores case (where PostgreSQL's does not), so a
+        # prefix would find a run on one store and not on the other.
+        rows = conn.execute("SELECT * FROM invocations WHERE "
+                            "substr(id, 1, length(CAST(? AS TEXT))) = ? LIMIT 2",
+                            (invocation_id, invocation_id)).fetchall()
     if not rows:
         raise LookupError(f"no invocation {invocation_id}")
     if len(rows) > 1:
@@ -425,10 +436,17 @@ def segments(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
 
 def tool_calls(conn: AuditConnection, invocation_id: str) -> list[dict[str, Any]]:
     """The invocation's tool calls and their statuses (docs/pause-and-resume.md), in the order
-    they were recorded; empty on a ledger without a run store's tables."""
-    return _rows_of(conn, "tool_calls",
-                    ("call_id", "turn", "tool", "status", "started_at", "ended_at"),
-                    "turn, COALESCE(started_at, ended_at), call_id", invocation_id)
+    they were recorded (by turn and time, a call without one first, then by id);
+    empty on a ledger without a run store's tables."""
+    calls = _rows_of(conn, "tool_calls",
+                     ("call_id", "turn", "tool", "status", "started_at", "ended_at"),
+                     "turn", invocation_id)
+    # Within a turn sorted here, not by the query: PostgreSQL puts NULL last and
+    # orders ids by its collation, SQLite NULL first and by characters (`_text_order`).
+    turns = {turn: n for n, turn in enumerate(dict.fromkeys(c["turn"] for c in calls))}
+    return sorted(calls, key=lambda c: (turns[c["turn"]],
+                                        *_text_order(c["started_at"] or c["ended_at"]),
+                                        *_text_order(c["call_id"])))
 
 
 def _rows_of(conn: AuditConnection, table: str, columns: tuple[str, ...], order: str,
@@ -646,10 +664,14 @@ def _stored_runs(conn: AuditConnection, now: datetime) -> tuple[
     live = {str(r[0]) for r in conn.execute(
         "SELECT invocation_id FROM run_states WHERE paused_at IS NULL "
         "AND lease_expires_at >= ?", (at,))}
-    in_doubt = [dict(r) for r in conn.execute(
+    in_doubt = sorted((dict(r) for r in conn.execute(
         "SELECT invocation_id, call_id, turn, tool, status, started_at FROM tool_calls "
-        "WHERE status IN ('started', 'in_doubt') ORDER BY started_at, invocation_id, call_id")
-        if r["status"] == "in_doubt" or r["invocation_id"] not in live]
+        "WHERE status IN ('started', 'in_doubt')")
+        if r["status"] == "in_doubt" or r["invocation_id"] not in live),
+        # A batch's calls start at one time: ordered here by their ids' characters,
+        # as on SQLite, not by PostgreSQL's collation (`_text_order`).
+        key=lambda c: tuple(part for column in ("started_at", "invocation_id", "call_id")
+                            for part in _text_order(c[column])))
     expired_leases = [dict(r) for r in conn.execute(
         "SELECT invocation_id, lease_owner, lease_expires_at, updated_at FROM run_states "
         "WHERE paused_at IS NULL AND lease_expires_at < ? ORDER BY lease_expires_at",
@@ -695,14 +717,14 @@ def accounts(conn: AuditConnection) -> list[AccountRow]:
         return []
     out = []
     for row in conn.execute("SELECT account, granted, spent, reserved, updated_at "
-                            "FROM accounts ORDER BY account"):
+                            "FROM accounts"):
         values = tuple(row)
         if not all(isinstance(v, int) for v in values[1:4]):
             raise LedgerError(f"account {describe_value(values[0])} holds values that are "
                               "not integers; this file was not written by loopengine as it is")
         out.append(AccountRow(str(values[0]), values[1], values[2], values[3],
                               _account_store.available(*values[1:4]), str(values[4])))
-    return out
+    return sorted(out, key=lambda r: _text_order(r.account))
 
 
 def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
@@ -727,12 +749,12 @@ def reconcile_accounts(conn: AuditConnection) -> list[AccountMismatch]:
                   for account, invocation_id, held, journal
                   in _account_store.open_differences(conn)]
     journaled = _account_store.every_entries(conn)
-    for account, invocation_id, rate, quantum in conn.execute(
+    for account, invocation_id, rate, quantum in sorted(conn.execute(
             # One row of rates per invocation that reserved (a resumed run
             # reserved once per segment).
             "SELECT account, invocation_id, MAX(credits_per_usd), MAX(credit_quantum) "
             "FROM account_entries WHERE kind = 'reserve' AND invocation_id IS NOT NULL "
-            "GROUP BY account, invocation_id ORDER BY account, invocation_id"):
+            "GROUP BY account, invocation_id"), key=lambda r: (r[0], r[1])):
         run = journaled[invocation_id]
         if not run.released:
             continue  # a resumed run in progress: its earlier segments' settlement is partial
@@ -777,7 +799,7 @@ def _exported(conn: AuditConnection, clause: str, params: list[str]) -> Iterator
            "i.operation_version, i.provider, i.model FROM attempts AS a "
            f"LEFT JOIN invocations AS i ON i.id = a.invocation_id{clause} "
            "ORDER BY a.started_at, a.invocation_id, a.ordinal")
-    for row in conn.execute(sql, params):
+    for row in stream(conn, sql, params):
         record = dict(row)
         _check("attempts", record, ATTEMPT_COLUMNS, _where_attempt)
         _check("invocations", record, _EXPORT_JOINED, _where_attempt, nullable=True)

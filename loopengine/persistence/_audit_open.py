@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 import sqlite3
 import stat
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._audit_postgres import PostgresReader, is_postgres_url
 from loopengine.persistence._schema import SCHEMA_TABLE, check_not_newer, later_view
 
-__all__ = ["AuditConnection", "describe_value", "has_table", "open_ledger"]
+__all__ = ["AuditConnection", "describe_value", "has_table", "open_ledger", "stream"]
 
 AuditConnection: TypeAlias = sqlite3.Connection | PostgresReader
 """What `open_ledger` returns and every audit query reads."""
@@ -199,6 +200,15 @@ def describe_value(value: object) -> str:
         return f"an integer ({value})"
     text = repr(value)
     return f"text ({text[:40]}{'…' if len(text) > 40 else ''})"
+
+
+def stream(conn: AuditConnection, query: str, parameters: Sequence[Any] = ()) -> Iterator[Any]:
+    """The rows of a query of many rows (an export), read as they are used, never
+    all held at once: SQLite's cursor reads so; PostgreSQL's rows come through a
+    server-side cursor (`PostgresReader.stream`)."""
+    if isinstance(conn, sqlite3.Connection):
+        return iter(conn.execute(query, parameters))
+    return conn.stream(query, parameters)
 
 
 def has_table(conn: AuditConnection, name: str) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 from loopengine._errors import LedgerError
 from loopengine.persistence._qmark import percent_s
-from loopengine.persistence._schema import check_not_newer, format_time, later_view
+from loopengine.persistence._schema import check_not_newer, format_time, later_select
 
 __all__ = ["PostgresReader", "display_name", "is_postgres_url"]
 
@@ -95,6 +95,10 @@ class PostgresReader:
         self._pg = connection
         self.name = name
         """How messages name the server (no password)."""
+        self._streams = 0
+        """Server-side cursors opened so far (`stream`), which name them."""
+        self._later: dict[str, str] = {}
+        """The query of each table that lacks later columns (`_supply_later_columns`)."""
 
     @classmethod
     def open(cls, dsn: str, *, schema: str | None = None) -> PostgresReader:
@@ -113,7 +117,7 @@ class PostgresReader:
         except ImportError:
             raise LedgerError("auditing a PostgreSQL ledger needs psycopg 3: "
                               "pip install 'loopengine-core[postgres]'") from None
-        from loopengine.persistence._postgres import _describe_server, server_words
+        from loopengine.persistence._postgres import SESSION_TIMES, _describe_server, server_words
 
         try:
             name = _describe_server(psycopg.conninfo.conninfo_to_dict(dsn), schema)
@@ -126,6 +130,8 @@ class PostgresReader:
             raise LedgerError(f"{name}: cannot connect: {server_words(error)}") from None
         reader = cls(pg, name)
         try:
+            for setting in SESSION_TIMES:
+                reader.execute(setting)
             if schema is not None:
                 reader.execute(sql.SQL("SET search_path TO {}")
                                .format(sql.Identifier(schema)).as_string(pg))
@@ -145,19 +151,37 @@ class PostgresReader:
         return reader
 
     def _supply_later_columns(self) -> None:
-        """A ledger older than the later migrations lacks their columns: it is read
-        through a temporary view of each table that supplies them (this
-        session's, searched before the ledger's schema; the ledger itself is
-        never written), so every query reads one schema, as on SQLite."""
+        """A ledger older than the later migrations lacks their columns: each query
+        reads it through a common table expression of each such table that
+        supplies them (`_reading`), so every query reads one schema, as on
+        SQLite. Nothing is created on the server, not even a temporary view: an
+        auditor's read-only role, or a standby server, refuses that."""
         from psycopg import sql
 
         row = self.execute("SELECT current_schema()").fetchone()
         where = row[0] if row else None
         for table in ("invocations", "attempts"):
             source = sql.SQL("{}.{}").format(sql.Identifier(str(where)), sql.Identifier(table))
-            view = later_view(self.name, table, self.columns(table), source.as_string(self._pg))
-            if view is not None:
-                self.execute(view)
+            select = later_select(self.name, table, self.columns(table),
+                                  source.as_string(self._pg))
+            if select is not None:
+                self._later[table] = select
+
+    def _reading(self, query: str) -> str:
+        """``query`` as it runs: with ``?`` placeholders as psycopg's, and, on an
+        older ledger, the tables that lack later columns named by common table
+        expressions that supply them (not materialized: the planner reads
+        through them to the table and its indexes)."""
+        if self._later and query.startswith(("SELECT ", "WITH ")):
+            tables = ", ".join(f"{table} AS NOT MATERIALIZED ({select})"
+                               for table, select in self._later.items())
+            if query.startswith("WITH RECURSIVE "):
+                query = f"WITH RECURSIVE {tables}, {query.removeprefix('WITH RECURSIVE ')}"
+            elif query.startswith("WITH "):
+                query = f"WITH {tables}, {query.removeprefix('WITH ')}"
+            else:
+                query = f"WITH {tables} {query}"
+        return percent_s(query)
 
     def execute(self, query: str, parameters: Sequence[Any] = ()) -> Any:
         """Run one of the audit's queries (``?`` placeholders) in the snapshot.
@@ -172,12 +196,38 @@ class PostgresReader:
 
         try:
             cursor = self._pg.cursor(row_factory=_row_factory)
-            return cursor.execute(percent_s(query), tuple(parameters))
+            return cursor.execute(self._reading(query), tuple(parameters))
         except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
-            from loopengine.persistence._postgres import server_words
+            raise self._refused(error) from None
 
-            raise LedgerError(f"{self.name}: cannot read the ledger: "
-                              f"{server_words(error)}") from None
+    def stream(self, query: str, parameters: Sequence[Any] = ()) -> Iterator[_Row]:
+        """Run a query of many rows (an export) in the snapshot, yielding its rows as
+        they come: read through a server-side cursor, a thousand at a time, so a
+        ledger of millions of attempts is never held in memory at once.
+
+        Raises:
+            LedgerError: the server refused or failed the query.
+        """
+        import psycopg
+
+        try:
+            # A name of its own: two exports may be read at once.
+            self._streams += 1
+            cursor = self._pg.cursor(name=f"loopengine_audit_{self._streams}",
+                                     row_factory=_row_factory)
+            cursor.itersize = 1000
+            with cursor:
+                cursor.execute(self._reading(query), tuple(parameters))
+                yield from cursor
+        except (psycopg.Error, ValueError) as error:  # ValueError: a NUL in a parameter
+            raise self._refused(error) from None
+
+    def _refused(self, error: Exception) -> LedgerError:
+        """The error of a query the server refused or failed (or psycopg, for a NUL
+        in a parameter), naming the server without its password."""
+        from loopengine.persistence._postgres import server_words
+
+        return LedgerError(f"{self.name}: cannot read the ledger: {server_words(error)}")
 
     def has_table(self, name: str) -> bool:
         """Whether ``name`` is a table on the snapshot's search path."""

@@ -35,7 +35,7 @@ from loopengine.persistence._threaded import Call, ThreadedLedger, Writer
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["APPLICATION_NAME", "PostgresLedger", "server_words"]
+__all__ = ["APPLICATION_NAME", "SESSION_TIMES", "PostgresLedger", "server_words"]
 
 APPLICATION_NAME: Final = "loopengine-ledger"
 """The ``application_name`` of the ledger's connections (seen in ``pg_stat_activity``)."""
@@ -48,6 +48,12 @@ APPLICATION_NAME: Final = "loopengine-ledger"
 # the table) instead of 50 lookups in the primary key (2 ms). On the writer's
 # own connections only, a scan is the last resort.
 _WRITER_PLANS: Final = "SET enable_seqscan = off"
+
+SESSION_TIMES: Final = ("SET TimeZone = 'UTC'", "SET DateStyle = 'ISO, YMD'")
+"""How a connection to the ledger's server reads and writes times, whatever the
+server's, database's or role's defaults: in UTC, and as ISO text, the only
+style psycopg parses (a database set to ``DateStyle = 'SQL, DMY'`` sends
+``29/03/2026 05:30:00 UTC``, which it cannot read)."""
 
 _UNAVAILABLE: Final = ("08", "53", "57", "58")
 """SQLSTATE classes that mean the server cannot serve for now, whatever is asked
@@ -232,7 +238,8 @@ class PostgresLedger(ThreadedLedger):
             # committed. A DBA's repeatable read or serializable default would
             # fail each transaction that waited instead.
             conn.execute("SET default_transaction_isolation = 'read committed'")
-            conn.execute("SET TimeZone = 'UTC'")
+            for setting in SESSION_TIMES:
+                conn.execute(setting)
             if self.schema is not None:
                 conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(self.schema)))
             conn.commit()

@@ -38,6 +38,7 @@ __all__ = [
     "check_not_newer",
     "format_time",
     "history",
+    "later_select",
     "migrate",
     "refuse_clash",
     "schema_version",
@@ -236,6 +237,17 @@ def later_view(name: str, table: str, have: Collection[str], source: str) -> str
         LedgerError: it has no such table, or lacks a column every ledger has
             (it is no ledger).
     """
+    select = later_select(name, table, have, source)
+    return None if select is None else f"CREATE TEMP VIEW {table} AS {select}"
+
+
+def later_select(name: str, table: str, have: Collection[str], source: str) -> str | None:
+    """The query of `later_view`'s view (``SELECT *, value AS column ... FROM
+    source``); None when ``table`` lacks no later column.
+
+    Raises:
+        LedgerError: as `later_view`.
+    """
     if not have:
         raise LedgerError(f"{name} is not a loopengine ledger: it has no {table} table")
     wanted = INVOCATION_COLUMNS if table == "invocations" else ATTEMPT_COLUMNS
@@ -245,8 +257,7 @@ def later_view(name: str, table: str, have: Collection[str], source: str) -> str
         raise LedgerError(f"{name} is not a loopengine ledger: table {table} lacks "
                           f"{', '.join(missing)}")
     supplied = [f"{value} AS {c}" for c, value in later.items() if c not in have]
-    return f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(supplied)} FROM {source}" \
-        if supplied else None
+    return f"SELECT *, {', '.join(supplied)} FROM {source}" if supplied else None
 
 
 USAGE_VECTOR = (
