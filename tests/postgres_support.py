@@ -21,6 +21,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from typing import Any
 import pytest
 
 from loopengine.persistence import PostgresLedger
+from loopengine.persistence._postgres import APPLICATION_NAME
 
 REQUIRE = "LOOPENGINE_REQUIRE_POSTGRES"
 
@@ -230,3 +232,17 @@ async def round_trips(ledger: PostgresLedger,
         if message in ("Sync", "Query"):
             trips.append([])
     return trips[:-1]  # the last one is still empty
+
+
+def waits_for_a_lock(postgres_server: PostgresServer, dbname: str) -> None:
+    """Return once a ledger's session on ``dbname`` waits for a row another
+    session holds; from a thread."""
+    give_up = time.monotonic() + 30  # a bound for a hang, not a measure
+    while time.monotonic() < give_up:
+        with postgres_server.connect() as conn:
+            if conn.execute("SELECT 1 FROM pg_stat_activity WHERE application_name = %s "
+                            "AND datname = %s AND wait_event_type = 'Lock'",
+                            (APPLICATION_NAME, dbname)).fetchall():
+                return
+        time.sleep(0.01)
+    raise AssertionError("the ledger's session never waited for the lock")

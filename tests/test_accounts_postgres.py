@@ -23,7 +23,7 @@ from loopengine.providers import Reply, ScriptedProvider
 
 from .conftest import PRICES, operation
 from .ledger_support import lookup, queued
-from .postgres_support import PostgresServer, round_trips
+from .postgres_support import PostgresServer, round_trips, waits_for_a_lock
 from .test_audit_postgres import audit, url_of
 
 CHILD = Path(__file__).with_name("accounts_child.py")
@@ -222,18 +222,6 @@ async def test_a_failed_transaction_fails_alone(
         assert _ledger_sessions(postgres_server, dbname) == first
 
 
-def _waits_for_a_lock(postgres_server: PostgresServer, dbname: str) -> None:
-    """Return once the ledger's session waits for a row another session holds."""
-    give_up = time.monotonic() + 30  # a bound for a hang, not a measure
-    while time.monotonic() < give_up:
-        with postgres_server.connect() as conn:
-            if conn.execute("SELECT 1 FROM pg_stat_activity WHERE application_name = %s "
-                            "AND datname = %s AND wait_event_type = 'Lock'",
-                            (APPLICATION_NAME, dbname)).fetchall():
-                return
-        time.sleep(0.01)
-    raise AssertionError("the ledger's session never waited for the lock")
-
 
 async def test_one_transactions_accounts_are_locked_in_one_order(
     postgres_server: PostgresServer,
@@ -276,7 +264,7 @@ async def test_one_transactions_accounts_are_locked_in_one_order(
                     group.start_soon(balance, name)
                     await anyio.to_thread.run_sync(queued, ledger, count)
                 gate.set()
-                await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
+                await anyio.to_thread.run_sync(waits_for_a_lock, postgres_server, dbname)
                 await anyio.to_thread.run_sync(
                     other.execute, "SELECT 1 FROM accounts WHERE account = 'b' FOR UPDATE")
                 other.commit()
@@ -312,7 +300,7 @@ async def test_an_account_transaction_reads_committed_whatever_the_servers_defau
 
             async with anyio.create_task_group() as group:
                 group.start_soon(balance)
-                await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
+                await anyio.to_thread.run_sync(waits_for_a_lock, postgres_server, dbname)
                 other.execute("INSERT INTO account_entries (account, at, kind, credits) "
                               "VALUES ('acme', now(), 'grant', 50)")
                 other.commit()
@@ -344,7 +332,7 @@ async def test_a_grant_that_creates_an_account_returns_what_another_hosts_grant_
 
             async with anyio.create_task_group() as group:
                 group.start_soon(grant)
-                await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
+                await anyio.to_thread.run_sync(waits_for_a_lock, postgres_server, dbname)
                 other.commit()
         balance = await accounts.balance("acme")
     assert granted == [balance] == [le.AccountBalance("acme", 150, 0, 0, 150)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -16,32 +15,13 @@ import anyio
 import loopengine as le
 from loopengine._runstore import new_owner
 from loopengine.persistence import PostgresLedger
-from loopengine.persistence._postgres import APPLICATION_NAME
 from loopengine.providers import Reply, ScriptedProvider
 from loopengine.testing import FakeClock
 
 from .conftest import PRICES, operation
+from .ledger_support import queued
 from .pause_scenarios import Sender, send
-from .postgres_support import PostgresServer
-
-
-def _queued(ledger: PostgresLedger, count: int) -> None:
-    """Return once ``count`` transactions are queued for the ledger's writer."""
-    while len(ledger._calls) < count:
-        time.sleep(0.001)
-
-
-def _waits_for_a_lock(postgres_server: PostgresServer, dbname: str) -> None:
-    """Return once the ledger's session waits for a row another session holds."""
-    give_up = time.monotonic() + 30  # a bound for a hang, not a measure
-    while time.monotonic() < give_up:
-        with postgres_server.connect() as conn:
-            if conn.execute("SELECT 1 FROM pg_stat_activity WHERE application_name = %s "
-                            "AND datname = %s AND wait_event_type = 'Lock'",
-                            (APPLICATION_NAME, dbname)).fetchall():
-                return
-        time.sleep(0.01)
-    raise AssertionError("the ledger's session never waited for the lock")
+from .postgres_support import PostgresServer, waits_for_a_lock
 
 
 async def test_one_transactions_runs_are_locked_in_one_order(
@@ -104,9 +84,9 @@ async def test_one_transactions_runs_are_locked_in_one_order(
                 await anyio.to_thread.run_sync(held.wait)
                 for count, run_id in enumerate((last, first), start=1):
                     group.start_soon(claim, run_id)
-                    await anyio.to_thread.run_sync(_queued, ledger, count)
+                    await anyio.to_thread.run_sync(queued, ledger, count)
                 gate.set()
-                await anyio.to_thread.run_sync(_waits_for_a_lock, postgres_server, dbname)
+                await anyio.to_thread.run_sync(waits_for_a_lock, postgres_server, dbname)
                 await anyio.to_thread.run_sync(
                     other.execute, "SELECT 1 FROM run_states WHERE invocation_id = %s "
                     "FOR UPDATE", (last,))
