@@ -21,7 +21,6 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from loopengine._usage import Usage, usage_from_json, usage_json
 from loopengine.providers._base import (
     FEATURES,
     NEW_CALL_ID,
+    Billing,
     Container,
     Provider,
     ProviderRequest,
@@ -190,20 +190,9 @@ class RecordingProvider:
         """Where the inner provider's replies are served."""
         return self.inner.inference_geo
 
-    def request_web_searches(self, model: str) -> int:
-        """The web searches the inner provider's requests to ``model`` run whatever
-        they ask (its replies' usages count them, and so does the recording)."""
-        return self.inner.request_web_searches(model)
-
-    def long_context(self, features: Features) -> bool:
-        """Whether the inner provider's requests with ``features`` can be billed
-        long-context rates."""
-        return self.inner.long_context(features)
-
-    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
-        """The web search fee the inner provider's requests to ``model`` with
-        ``features`` are billed, where it is the tool's own."""
-        return self.inner.web_search_fee(model, features)
+    def billing(self, model: str, features: Features) -> Billing:
+        """How the inner provider bills its requests to ``model`` with ``features``."""
+        return self.inner.billing(model, features)
 
     def check_ready(self) -> None:
         """Ask the inner provider whether it can send from here (passed on)."""
@@ -354,20 +343,10 @@ class ReplayProvider:
     features = FEATURES
     """A recording answers whatever was recorded."""
 
-    def request_web_searches(self, model: str) -> int:
-        """0: each recorded reply's usage counts the web searches it ran, a search
-        model's included (`Provider.request_web_searches`)."""
-        return 0
-
-    def long_context(self, features: Features) -> bool:
-        """True: a recorded usage past a model's long-context threshold is priced
-        at its long-context rates (`Provider.long_context`)."""
-        return True
-
-    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
-        """None: a recorded reply's web searches are billed the model's fee
-        (`Provider.web_search_fee`)."""
-        return None
+    def billing(self, model: str, features: Features) -> Billing:
+        """``Billing()``: a recorded reply is billed as its usage says
+        (`Provider.billing`)."""
+        return Billing()
 
     def check_ready(self) -> None:
         """Always ready: a recording needs no connection."""

@@ -13,9 +13,14 @@ import pytest
 
 import loopengine as le
 from loopengine import events
-from loopengine._features import features_from_table, features_table
+from loopengine._features import Features, features_from_table, features_table
 from loopengine.persistence import SQLiteLedger
-from loopengine.providers import AnthropicProvider, OpenAIProvider, OpenAIResponsesProvider
+from loopengine.providers import (
+    AnthropicProvider,
+    Billing,
+    OpenAIProvider,
+    OpenAIResponsesProvider,
+)
 from loopengine.providers._openai_chat import search_model
 from loopengine.testing import Reply
 
@@ -49,7 +54,8 @@ def searching(model: str = SEARCH_MODEL, **limits: object) -> le.Operation:
 def test_a_search_model_is_known_by_its_name(model: str) -> None:
     """OpenAI's search models, dated or under OpenRouter's prefix, search on every request."""
     assert search_model(model)
-    assert OpenAIProvider(api_key="k").request_web_searches(model) == 1
+    assert OpenAIProvider(api_key="k").billing(model, Features()) == Billing(
+        searches_per_request=1)
 
 
 @pytest.mark.parametrize("model", [
@@ -57,7 +63,7 @@ def test_a_search_model_is_known_by_its_name(model: str) -> None:
     "gpt-4o-search-preview-x", "search-preview", "a/b/gpt-4o-search-preview"])
 def test_another_model_is_not_a_search_model(model: str) -> None:
     assert not search_model(model)
-    assert OpenAIProvider(api_key="k").request_web_searches(model) == 0
+    assert OpenAIProvider(api_key="k").billing(model, Features()) == Billing()
 
 
 @pytest.mark.parametrize("stream", [False, True])
