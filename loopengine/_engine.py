@@ -32,7 +32,7 @@ from loopengine._invocation import Invocation
 from loopengine._named import given_values
 from loopengine._operation import Operation
 from loopengine._pause import check_seal, pending_approvals
-from loopengine._pricing import Billing, PriceBook
+from loopengine._pricing import DEFAULT_BILLING, Billing, PriceBook
 from loopengine._result import RunResult
 from loopengine._run import (
     RunSpec,
@@ -142,7 +142,9 @@ def _check_sendable(provider: Provider, operation: Operation, features: Features
 
 def _billing(provider: Provider, operation: Operation, features: Features) -> Billing:
     """How ``provider`` bills a run of ``operation`` with ``features`` beyond its
-    usage (`Provider.billing`), asked before anything is recorded.
+    usage (`Provider.billing`), asked before anything is recorded. The common
+    case, the default, is one shared value (`DEFAULT_BILLING`): thousands of
+    runs alive at once hold no object of their own for it.
 
     Raises:
         ConfigError: the provider's answer is not a `Billing`.
@@ -151,7 +153,7 @@ def _billing(provider: Provider, operation: Operation, features: Features) -> Bi
     if not isinstance(billing, Billing):
         raise ConfigError("provider", f"the {provider.name} provider's billing() must return "
                                       f"a Billing, got {_validate.shown(billing)}")
-    return billing
+    return DEFAULT_BILLING if billing == DEFAULT_BILLING else billing
 
 
 class Engine:

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 
     from loopengine._features import Features, ServerTool
 
-__all__ = ["DOCUMENTED_FEES", "DOCUMENTED_GEO_MULTIPLIERS", "LARGEST_REPLY_REQUESTS",
+__all__ = ["DEFAULT_BILLING", "DOCUMENTED_FEES", "DOCUMENTED_GEO_MULTIPLIERS",
+           "LARGEST_REPLY_REQUESTS",
            "LARGEST_REPLY_TOKENS", "STANDARD_GEOS", "Billing",
            "STANDARD_SPEEDS", "STANDARD_TIERS", "TOKEN_ONLY_TOOLS", "ModelPrice", "PriceBook",
            "Priced", "TurnFees"]
@@ -270,8 +271,10 @@ class Billing:
             "web_search_per_k", self.web_search_per_k, optional=True))
 
 
-_AS_USAGE: Final = Billing()
-"""A request billed as its usage says: what pricing assumes when given no `Billing`."""
+DEFAULT_BILLING: Final = Billing()
+"""A request billed as its usage says: what pricing assumes when given no `Billing`,
+and the one value every run billed so shares (`loopengine.Engine` keeps no
+object of its own for it on each of thousands of runs alive at once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +387,7 @@ class PriceBook:
         return best
 
     def price(self, provider: str, model: str, usage: Usage, at: datetime, *,
-              billing: Billing = _AS_USAGE) -> Priced | None:
+              billing: Billing = DEFAULT_BILLING) -> Priced | None:
         """Price one attempt's ``usage`` as of ``at`` (see the module docstring);
         None when a price it needs (a model's, an iteration model's, a fee) is unknown.
 
@@ -429,7 +432,7 @@ class PriceBook:
         return self.price(provider, model, Usage(), at) is not None
 
     def fees(
-        self, provider: str, model: str, at: datetime, *, billing: Billing = _AS_USAGE
+        self, provider: str, model: str, at: datetime, *, billing: Billing = DEFAULT_BILLING
     ) -> tuple[Decimal | None, Decimal | None]:
         """``(web search, web fetch)`` fees in USD per 1,000 requests at ``model``'s
         price in force at ``at``; None where nobody knows the fee. ``billing``'s
@@ -450,7 +453,7 @@ class PriceBook:
         return search, fetch
 
     def turn_fees(self, provider: str, model: str, server_tools: Iterable[ServerTool],
-                  at: datetime, *, billing: Billing = _AS_USAGE) -> TurnFees:
+                  at: datetime, *, billing: Billing = DEFAULT_BILLING) -> TurnFees:
         """The worst case of one turn's fees at ``model``'s price in force at ``at``:
         every web search and web fetch tool used ``max_uses`` times, and the
         web searches every request runs whatever it asks (a search model's,
@@ -479,7 +482,7 @@ class PriceBook:
 
     def unpriced_features(self, provider: str, model: str, features: Features,
                           at: datetime, geo: str | None = None, *,
-                          billing: Billing = _AS_USAGE) -> tuple[str, ...]:
+                          billing: Billing = DEFAULT_BILLING) -> tuple[str, ...]:
         """The enabled features of an operation this book cannot price at ``at``
         (empty: all of them can be). The engine refuses a ``credit_hold`` on an
         operation with any, as on an unpriced model.
