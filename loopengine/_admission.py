@@ -28,11 +28,11 @@ def fee_margin(inv: Invocation, at: datetime) -> int:
     """The credits of the worst case of one turn's server-tool fees (every web
     search and web fetch tool used ``max_uses`` times), reserved on top of the
     hold: the turn that crosses the hold may run them all (R03). A search model's
-    web search on every request (`Invocation.searches`) is one of them."""
-    if not inv.features.server_tools and not inv.searches:
+    web search on every request (`Invocation.billing`) is one of them."""
+    if not inv.features.server_tools and not inv.billing.searches_per_request:
         return 0
     fees = inv.prices.turn_fees(inv.vendor, inv.operation.model, inv.features.server_tools,
-                                at, searches=inv.searches, search_fee=inv.search_fee)
+                                at, billing=inv.billing)
     # The engine refuses an account run with an unbounded or unpriced fee.
     assert fees.usd is not None
     return turn_credits(to_nanousd(fees.usd), inv.prices.credits_per_usd,

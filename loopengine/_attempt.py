@@ -384,8 +384,7 @@ async def settle(
     if usage is not None:
         usage = usage.served_in(inv.geo)  # the endpoint's region (Vertex's)
         priced = inv.prices.price(inv.vendor, inv.operation.model, usage,
-                                  dispatch.started_at, long_context=inv.long_context,
-                                  search_fee=inv.search_fee)
+                                  dispatch.started_at, billing=inv.billing)
         past = inv.past_limit(usage, priced, dispatch.turn, charged=response is not None)
         if past is not None:
             fault = served = _past_limit(past, served)

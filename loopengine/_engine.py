@@ -32,7 +32,7 @@ from loopengine._invocation import Invocation
 from loopengine._named import given_values
 from loopengine._operation import Operation
 from loopengine._pause import check_seal, pending_approvals
-from loopengine._pricing import PriceBook
+from loopengine._pricing import DEFAULT_BILLING, Billing, PriceBook
 from loopengine._result import RunResult
 from loopengine._run import (
     RunSpec,
@@ -138,6 +138,22 @@ def _check_sendable(provider: Provider, operation: Operation, features: Features
                 name, f"operation {operation.name!r} enables {name}, which the "
                       f"{provider.vendor} provider of route {operation.provider!r} cannot "
                       f"send (it sends: {', '.join(sorted(provider.features)) or 'none'})")
+
+
+def _billing(provider: Provider, operation: Operation, features: Features) -> Billing:
+    """How ``provider`` bills a run of ``operation`` with ``features`` beyond its
+    usage (`Provider.billing`), asked before anything is recorded. The common
+    case, the default, is one shared value (`DEFAULT_BILLING`): thousands of
+    runs alive at once hold no object of their own for it.
+
+    Raises:
+        ConfigError: the provider's answer is not a `Billing`.
+    """
+    billing = provider.billing(operation.model, features)
+    if not isinstance(billing, Billing):
+        raise ConfigError("provider", f"the {provider.name} provider's billing() must return "
+                                      f"a Billing, got {_validate.shown(billing)}")
+    return DEFAULT_BILLING if billing == DEFAULT_BILLING else billing
 
 
 class Engine:
@@ -295,12 +311,11 @@ class Engine:
                 f"{vendor}:{operation.model} has no price, so its credit_hold "
                 "cannot be enforced; add a ModelPrice to the PriceBook",
             )
+        billing = _billing(provider, operation, run_features)
         if run_limits.credit_hold is not None:
             unpriced = self.prices.unpriced_features(
                 vendor, operation.model, run_features, self.clock.wall(),
-                geo=provider.inference_geo,
-                searches=provider.request_web_searches(operation.model),
-                search_fee=provider.web_search_fee(operation.model, run_features))
+                geo=provider.inference_geo, billing=billing)
             if unpriced:
                 raise ConfigError(
                     "prices",
@@ -314,7 +329,7 @@ class Engine:
             kind=kind, operation=operation, provider=provider, limits=run_limits,
             policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,
             clock=self.clock, rng=self.rng, observers=[*self.observers, *observers],
-            text_sink=text_sink, features=run_features,
+            text_sink=text_sink, features=run_features, billing=billing,
             unpriced_warned=self._unpriced_warned, accounts=self.accounts, account=account,
         )
 
@@ -915,10 +930,7 @@ class Engine:
                             limits=limits, prices=self.prices, at=self.clock.wall(),
                             vendor=(provider := self.provider_for(operation)).vendor,
                             geo=provider.inference_geo,
-                            searches=provider.request_web_searches(operation.model),
-                            search_fee=provider.web_search_fee(operation.model,
-                                                               operation.features),
-                            long_context=provider.long_context(operation.features))
+                            billing=_billing(provider, operation, operation.features))
 
 
 def _route(operation: Operation) -> tuple[str, str, str, str]:

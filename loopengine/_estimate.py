@@ -16,7 +16,7 @@ worst case the operation's limits allow:
 * each turn uses every server tool the operation publishes up to its
   ``max_uses`` and pays its per-request fee (web search, web fetch) that
   many times, and a search model's one web search (a request to it searches
-  whatever it asks, `Provider.request_web_searches`). A tool with a fee and
+  whatever it asks, `Provider.billing`). A tool with a fee and
   no ``max_uses`` has no worst case: the estimate then has no cost
   (``cost_usd`` and ``credits`` are None, as for an unpriced model, and
   ``unbounded_tools`` names it).
@@ -44,7 +44,7 @@ import pydantic
 from loopengine import _validate
 from loopengine._errors import ConfigError
 from loopengine._operation import Operation
-from loopengine._pricing import PriceBook, nanousd_to_usd
+from loopengine._pricing import Billing, PriceBook, nanousd_to_usd
 from loopengine._run import check_unique_tools, final_tool_definition
 from loopengine._tokenizer import cl100k
 from loopengine._tools import Tool
@@ -146,9 +146,7 @@ def estimate_run(
     final_tool: str = "final_answer",
     vendor: str | None = None,
     geo: str | None = None,
-    searches: int = 0,
-    search_fee: Decimal | None = None,
-    long_context: bool = True,
+    billing: Billing,
 ) -> Estimate:
     """The worst case of a run (see the module docstring for the model).
 
@@ -169,12 +167,10 @@ def estimate_run(
             the operation's route name).
         geo: Where the route's provider serves every request, when that
             changes the price (its `Provider.inference_geo`).
-        searches: The web searches its every request runs whatever it asks
-            (a search model's: `Provider.request_web_searches`), each turn's fees.
-        search_fee: The web search fee of its requests' tool, where it is not
-            the model's (`Provider.web_search_fee`).
-        long_context: Whether its requests can be billed the model's
-            long-context rates (`Provider.long_context`).
+        billing: How the route's provider bills its requests beyond their
+            usage (its `Provider.billing`: a search model's web search in
+            each turn's fees, its own web search fee, whether long-context
+            rates apply).
 
     Raises:
         ConfigError: bad input, as `Engine.run` would raise it.
@@ -199,8 +195,7 @@ def estimate_run(
     turn_inputs = tuple(first + k * per_turn_output for k in range(turns))
 
     route = vendor or operation.provider
-    fees = prices.turn_fees(route, operation.model, operation.server_tools, at,
-                            searches=searches, search_fee=search_fee)
+    fees = prices.turn_fees(route, operation.model, operation.server_tools, at, billing=billing)
     searches, fetches, unbounded = (fees.web_search_requests, fees.web_fetch_requests,
                                     fees.unbounded)
     cost_nanousd: int | None = 0
@@ -212,7 +207,7 @@ def estimate_run(
             route, operation.model,
             Usage(input_tokens=turn_input, output_tokens=per_turn_output,
                   web_search_requests=searches, web_fetch_requests=fetches,
-                  inference_geo=geo), at, search_fee=search_fee, long_context=long_context,
+                  inference_geo=geo), at, billing=billing,
         )
         if priced is None:
             cost_nanousd = fee_nanousd = credits = price_ref = None

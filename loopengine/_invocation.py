@@ -29,7 +29,7 @@ from loopengine._clock import Clock
 from loopengine._errors import LoopEngineError
 from loopengine._features import Features
 from loopengine._operation import Operation
-from loopengine._pricing import PriceBook, Priced, nanousd_to_usd
+from loopengine._pricing import Billing, PriceBook, Priced, nanousd_to_usd
 from loopengine._raised import own_failure
 from loopengine._result import AttemptsSummary
 from loopengine._usage import Usage, sum_past_limit
@@ -100,7 +100,7 @@ class Invocation:
         "descendant_credits", "earlier_attempts", "ended", "engine", "features", "fee_excess",
         "fees_reserved", "id",
         "in_flight", "kind",
-        "last_fault", "ledger", "limits", "long_context", "search_fee", "observers", "operation",
+        "last_fault", "ledger", "limits", "billing", "observers", "operation",
         "output_tokens", "parent",
         "paused_seconds", "paused_turn", "pause_seal", "permit", "policy", "prices", "provider",
         "segment_token",
@@ -109,7 +109,6 @@ class Invocation:
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "turns_credits",
         "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor", "genai_operation", "geo",
-        "searches",
     )
     def __init__(
         self,
@@ -130,6 +129,7 @@ class Invocation:
         account: str | None = None,
         text_sink: Callable[[TextDelta], None] | None = None,
         features: Features | None = None,
+        billing: Billing,
     ) -> None:
         self.id = str(uuid.uuid4())
         self.kind = kind
@@ -154,15 +154,10 @@ class Invocation:
         self.geo = provider.inference_geo
         """Where the provider serves every request, when that changes the price
         (`Provider.inference_geo`): each reply's usage carries it."""
-        self.searches = provider.request_web_searches(operation.model)
-        """The web searches each request runs whatever it asks (a search model's,
-        `Provider.request_web_searches`): one turn's fees count them."""
-        self.long_context = provider.long_context(self.features)
-        """Whether its attempts can be billed long-context rates
-        (`Provider.long_context`): False prices them at the standard ones."""
-        self.search_fee = provider.web_search_fee(operation.model, self.features)
-        """The fee per 1,000 of its requests' web searches where their tool's is not
-        the model's (`Provider.web_search_fee`), else None."""
+        self.billing = billing
+        """How the provider bills its requests beyond their usage, asked once before
+        the run (`Provider.billing` of its model and features): its credit hold
+        check, its reservations and every attempt's price read it."""
         self.served_by = f"{self.vendor}:{operation.model}"
         self.started = clock.now()
         self.deadline = Deadline.after(self.started, limits.total_time)

@@ -47,8 +47,9 @@ if TYPE_CHECKING:
 
     from loopengine._features import Features, ServerTool
 
-__all__ = ["DOCUMENTED_FEES", "DOCUMENTED_GEO_MULTIPLIERS", "LARGEST_REPLY_REQUESTS",
-           "LARGEST_REPLY_TOKENS", "STANDARD_GEOS",
+__all__ = ["DEFAULT_BILLING", "DOCUMENTED_FEES", "DOCUMENTED_GEO_MULTIPLIERS",
+           "LARGEST_REPLY_REQUESTS",
+           "LARGEST_REPLY_TOKENS", "STANDARD_GEOS", "Billing",
            "STANDARD_SPEEDS", "STANDARD_TIERS", "TOKEN_ONLY_TOOLS", "ModelPrice", "PriceBook",
            "Priced", "TurnFees"]
 
@@ -81,7 +82,7 @@ standard token costs"; OpenAI's web search preview tool (``web_search_preview``)
 on a non-reasoning model (``gpt-4o``, ``gpt-4.1``...) is $25 per 1,000 calls
 (its search content tokens free), where genai-prices carries the $10 of the
 web search tool (and of the preview tool on a reasoning model): a provider
-declares it for the requests it bills (`loopengine.providers.Provider.web_search_fee`)."""
+declares it for the requests it bills (`Billing.web_search_per_k`)."""
 
 TOKEN_ONLY_TOOLS: Final = ("bash_", "text_editor_", "memory_", "computer_",
                             "tool_search_tool_")
@@ -222,6 +223,60 @@ class ModelPrice:
         return total / _MTOK
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Billing:
+    """How a route bills its requests to one model with one set of request
+    features beyond what their usage reports (`loopengine.providers.Provider.billing`).
+
+    The defaults describe a request billed as its usage says: every price
+    is read from the usage and the price book. A provider declares the rest:
+    the engine reads it once per run and uses it for the run's credit-hold
+    check, its account's reservations, its estimate and every attempt's price.
+
+    Raises:
+        ConfigError: a field is not of its type, or out of its range.
+    """
+
+    searches_per_request: int = 0
+    """The web searches every request runs whatever it asks, billed a fee per
+    search that the API's usage does not count: OpenAI's Chat Completions
+    search models (``gpt-4o-search-preview``...) search before every answer
+    (1). The provider counts them in each reply's usage
+    (`loopengine.Usage.web_search_requests`) itself; the engine reads them
+    before a run, so that a ``credit_hold`` run is refused before anything is
+    recorded where the web search fee has no price, and an account reserves
+    them with a turn's fees. At most `LARGEST_REPLY_REQUESTS`."""
+    long_context: bool = True
+    """Whether the requests can be billed a model's long-context rates (the
+    dearer ones past an input threshold, such as Claude Sonnet 4.5's past
+    200,000 tokens). False where they cannot use the long context window at
+    all: an Anthropic request without the 1M context beta, each of whose
+    sampling passes is within the standard window, though a server tool
+    loop's usage adds the passes up past the threshold. Their attempts are
+    then priced at the standard rates however many input tokens their usage
+    reports. True: the threshold is read from the usage."""
+    web_search_per_k: Decimal | None = None
+    """The fee in USD per 1,000 web searches the requests are billed, where the
+    vendor bills the search tool they use a fee of its own rather than the
+    model's list fee (genai-prices'): OpenAI's web search preview tool on a
+    non-reasoning model, $25 where the list has $10 (`DOCUMENTED_FEES`). A
+    book entry's ``web_search_per_k`` still decides for the models it lists.
+    None: the model's fee."""
+
+    def __post_init__(self) -> None:
+        _validate.integer("searches_per_request", self.searches_per_request, minimum=0,
+                          maximum=LARGEST_REPLY_REQUESTS)
+        _validate.boolean("long_context", self.long_context)
+        object.__setattr__(self, "web_search_per_k", _validate.decimal(
+            "web_search_per_k", self.web_search_per_k, optional=True))
+
+
+DEFAULT_BILLING: Final = Billing()
+"""A request billed as its usage says: what pricing assumes when given no `Billing`,
+and the one value every run billed so shares (`loopengine.Engine` keeps no
+object of its own for it on each of thousands of runs alive at once)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Priced:
     """One attempt's price."""
@@ -332,18 +387,16 @@ class PriceBook:
         return best
 
     def price(self, provider: str, model: str, usage: Usage, at: datetime, *,
-              long_context: bool = True, search_fee: Decimal | None = None) -> Priced | None:
+              billing: Billing = DEFAULT_BILLING) -> Priced | None:
         """Price one attempt's ``usage`` as of ``at`` (see the module docstring);
         None when a price it needs (a model's, an iteration model's, a fee) is unknown.
 
-        ``long_context`` False: the request could not use the long context
-        window (`loopengine.providers.Provider.long_context`), so no
-        long-context rate applies, however many input tokens the usage adds
-        up (a server tool loop's, summed over its sampling passes).
-        ``search_fee``: the web search fee per 1,000 the request's searches
-        are billed where its tool's fee is not the model's
-        (`loopengine.providers.Provider.web_search_fee`); a book entry's
-        ``web_search_per_k`` still decides for the models it lists.
+        ``billing``: how the provider bills the request beyond its usage
+        (`loopengine.providers.Provider.billing`): without the long context
+        window no long-context rate applies, however many input tokens the
+        usage adds up (a server tool loop's, summed over its sampling
+        passes); its web search fee stands for the model's where the book
+        does not list the model.
 
         Raises:
             ConfigError: ``usage`` is not a `Usage`, or ``at`` not a
@@ -356,7 +409,7 @@ class PriceBook:
             refs: list[str] = []
             for iteration in usage.iterations:
                 part = self._tokens(provider, iteration.model or model, iteration.tokens(), at,
-                                    usage, long_context)
+                                    usage, billing)
                 if part is None:
                     return None
                 total += part[0]
@@ -364,12 +417,12 @@ class PriceBook:
                     refs.append(part[1])
             tokens: tuple[Decimal, str] | None = (total, "; ".join(refs))
         else:
-            tokens = self._tokens(provider, model, usage, at, usage, long_context)
+            tokens = self._tokens(provider, model, usage, at, usage, billing)
         if tokens is None:
             return None
         if not (usage.web_search_requests or usage.web_fetch_requests):
             return Priced(to_nanousd(tokens[0]), tokens[1])
-        fee = self._fee(provider, model, usage, at, search_fee)
+        fee = self._fee(provider, model, usage, at, billing)
         if fee is None:
             return None
         return Priced(to_nanousd(tokens[0] + fee), tokens[1], to_nanousd(fee))
@@ -379,20 +432,20 @@ class PriceBook:
         return self.price(provider, model, Usage(), at) is not None
 
     def fees(
-        self, provider: str, model: str, at: datetime, *, search_fee: Decimal | None = None
+        self, provider: str, model: str, at: datetime, *, billing: Billing = DEFAULT_BILLING
     ) -> tuple[Decimal | None, Decimal | None]:
         """``(web search, web fetch)`` fees in USD per 1,000 requests at ``model``'s
-        price in force at ``at``; None where nobody knows the fee. ``search_fee``:
-        the web search fee of the request's tool, where the vendor bills one
-        of its own (`loopengine.providers.Provider.web_search_fee`), in place
-        of genai-prices' for the model; a book entry's decides all the same."""
+        price in force at ``at``; None where nobody knows the fee. ``billing``'s
+        web search fee, where the vendor bills the request's tool one of its
+        own (`Billing.web_search_per_k`), stands in place of genai-prices' for
+        the model; a book entry's decides all the same."""
         entry = self.entry(provider, model, at)
         if entry is not None:
             search, fetch = entry.web_search_per_k, entry.web_fetch_per_k
         elif self.fallback:
             search, fetch = _genai_fees(provider, model, at)
-            if search_fee is not None:
-                search = search_fee
+            if billing.web_search_per_k is not None:
+                search = billing.web_search_per_k
         else:
             return None, None
         if fetch is None:
@@ -400,18 +453,17 @@ class PriceBook:
         return search, fetch
 
     def turn_fees(self, provider: str, model: str, server_tools: Iterable[ServerTool],
-                  at: datetime, *, searches: int = 0,
-                  search_fee: Decimal | None = None) -> TurnFees:
+                  at: datetime, *, billing: Billing = DEFAULT_BILLING) -> TurnFees:
         """The worst case of one turn's fees at ``model``'s price in force at ``at``:
         every web search and web fetch tool used ``max_uses`` times, and the
-        ``searches`` every request runs whatever it asks (a search model's,
-        `loopengine.providers.Provider.request_web_searches`). A tool with a
-        fee and no ``max_uses`` has no worst case (listed in ``unbounded``); one
-        whose fee is zero needs no bound. ``search_fee`` as for `fees`."""
-        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at, search_fee=search_fee),
+        web searches every request runs whatever it asks (a search model's,
+        `Billing.searches_per_request`). A tool with a fee and no ``max_uses``
+        has no worst case (listed in ``unbounded``); one whose fee is zero
+        needs no bound. ``billing`` as for `fees`."""
+        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at, billing=billing),
                         strict=True))
         uses = dict.fromkeys(_FEE_UNITS, 0)
-        uses["web search"] = searches
+        uses["web search"] = billing.searches_per_request
         unbounded: list[str] = []
         for tool in server_tools:
             unit = _fee_of(tool.type)
@@ -425,13 +477,12 @@ class PriceBook:
         searches, fetches = uses["web search"], uses["web fetch"]
         usd = None if unbounded else self._fee(
             provider, model, Usage(web_search_requests=searches, web_fetch_requests=fetches), at,
-            search_fee)
+            billing)
         return TurnFees(searches, fetches, tuple(unbounded), usd)
 
     def unpriced_features(self, provider: str, model: str, features: Features,
                           at: datetime, geo: str | None = None, *,
-                          searches: int = 0,
-                          search_fee: Decimal | None = None) -> tuple[str, ...]:
+                          billing: Billing = DEFAULT_BILLING) -> tuple[str, ...]:
         """The enabled features of an operation this book cannot price at ``at``
         (empty: all of them can be). The engine refuses a ``credit_hold`` on an
         operation with any, as on an unpriced model.
@@ -446,14 +497,14 @@ class PriceBook:
         both are unpriceable. A ``service_tier`` needs its rates (`knows_tier`),
         and so does ``geo``, where the provider serves every request
         (`loopengine.providers.Provider.inference_geo`: `knows_geo`). A model
-        whose every request runs ``searches`` web searches (a search model,
-        `loopengine.providers.Provider.request_web_searches`) needs the web
-        search fee.
+        whose every request runs web searches (a search model, ``billing``'s
+        `Billing.searches_per_request`) needs the web search fee, as
+        ``billing`` bills it (`fees`).
         """
         missing: list[str] = []
-        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at, search_fee=search_fee),
+        fees = dict(zip(_FEE_UNITS, self.fees(provider, model, at, billing=billing),
                         strict=True))
-        if searches and fees["web search"] is None:
+        if billing.searches_per_request and fees["web search"] is None:
             missing.append(f"model {model!r} searches the web on every request: no web "
                            f"search fee (give its ModelPrice a web_search_per_k)")
         for tool in features.server_tools:
@@ -502,10 +553,11 @@ class PriceBook:
         return self.fallback and _genai_tier(provider, model, tier, at)
 
     def _tokens(self, provider: str, model: str, usage: Usage, at: datetime,
-                served: Usage, long_context: bool = True) -> tuple[Decimal, str] | None:
+                served: Usage, billing: Billing) -> tuple[Decimal, str] | None:
         """The USD cost of ``usage``'s tokens (iterations ignored) at ``model``, at
         the rates of the tier, geo and speed ``served`` reports (and at the
-        standard ones, not a long-context tier, unless ``long_context``)."""
+        standard ones, not a long-context tier, unless ``billing`` can be
+        billed them: `Billing.long_context`)."""
         entry = self.entry(provider, model, at)
         if entry is not None:
             since = entry.effective_from.isoformat() if entry.effective_from else "always"
@@ -518,11 +570,11 @@ class PriceBook:
             return cost, f"book:{provider}/{model}@{since}"
         if not self.fallback:
             return None
-        return _genai_tokens(provider, model, usage, at, served, long_context)
+        return _genai_tokens(provider, model, usage, at, served, billing.long_context)
 
     def _fee(self, provider: str, model: str, usage: Usage, at: datetime,
-             search_fee: Decimal | None = None) -> Decimal | None:
-        search, fetch = self.fees(provider, model, at, search_fee=search_fee)
+             billing: Billing) -> Decimal | None:
+        search, fetch = self.fees(provider, model, at, billing=billing)
         total = Decimal(0)
         for count, rate in ((usage.web_search_requests, search),
                             (usage.web_fetch_requests, fetch)):
@@ -657,7 +709,7 @@ def _genai_model(provider: str, model: str) -> tuple[Any, Any] | None:
 
 
 def _genai_tokens(provider: str, model: str, usage: Usage, at: datetime,
-                  served: Usage, long_context: bool = True) -> tuple[Decimal, str] | None:
+                  served: Usage, long_context: bool) -> tuple[Decimal, str] | None:
     found = _genai_model(provider, model)
     if found is None:
         return None
@@ -681,7 +733,7 @@ def _genai_tokens(provider: str, model: str, usage: Usage, at: datetime,
 
 
 def _genai_context_tokens(found_provider: Any, info: Any, usage: Usage, at: datetime,
-                          context: dict[str, str] | None, long_context: bool = True) -> Decimal:
+                          context: dict[str, str] | None, long_context: bool) -> Decimal:
     """genai-prices' cost of ``usage``'s tokens on ``info`` at ``at``, in ``context``;
     at each price's base rate, below every tier, unless ``long_context``."""
     model_price = info.get_prices(at, context)

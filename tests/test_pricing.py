@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 import loopengine as le
 from loopengine._pricing import _genai_usage, nanousd_to_usd, to_nanousd
-from loopengine.providers import Reply
+from loopengine.persistence import MemoryLedger
+from loopengine.providers import Billing, Reply, ScriptedProvider
 
-from .conftest import MODEL, EngineFactory, operation
+from .conftest import MODEL, PRICES, EngineFactory, operation
 
 JAN = datetime(2025, 1, 1, tzinfo=UTC)
 JUN = datetime(2025, 6, 1, tzinfo=UTC)
@@ -301,3 +302,41 @@ async def test_the_dearest_accepted_price_charges_a_large_reply_on_the_first_att
     (row,) = ledger.attempts.values()
     assert row["outcome"] == "ok" and row["cost_nanousd"] == to_nanousd(result.cost_usd)
     assert result.credits == math.ceil(result.cost_usd)
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"searches_per_request": -1}, "searches_per_request"),
+    ({"searches_per_request": True}, "searches_per_request"),
+    ({"searches_per_request": 10**6 + 1}, "searches_per_request"),
+    ({"long_context": 1}, "long_context"),
+    ({"web_search_per_k": 2.5}, "web_search_per_k"),
+    ({"web_search_per_k": -1}, "web_search_per_k"),
+])
+def test_a_billing_out_of_its_range_is_refused_naming_its_field(
+        fields: dict[str, Any], field: str) -> None:
+    """A provider's `Billing` is checked when it is made: a float fee (not exact), a
+    negative count or a count no reply reaches, a long-context flag that is not
+    a bool."""
+    with pytest.raises(le.ConfigError) as info:
+        Billing(**fields)
+    assert info.value.field == field
+    assert Billing(web_search_per_k="25").web_search_per_k == Decimal(25)  # type: ignore[arg-type]
+
+
+def test_a_provider_whose_billing_is_not_a_billing_is_refused_before_anything_is_recorded(
+) -> None:
+    """The engine asks a provider's billing once, before the run: an answer that is
+    not a `Billing` is a ConfigError then, not an AttributeError when its first
+    attempt is priced."""
+
+    class Odd(ScriptedProvider):
+        def billing(self, model: str, features: Any) -> Any:
+            return {"searches_per_request": 1}
+
+    ledger = MemoryLedger()
+    engine = le.Engine(Odd([Reply.text("hi")]), ledger=ledger, prices=PRICES)
+    with pytest.raises(le.ConfigError, match="billing\\(\\) must return a Billing") as info:
+        engine.run_sync(operation(), "hi")
+    assert info.value.field == "provider" and ledger.attempts == {}
+    with pytest.raises(le.ConfigError):
+        engine.estimate(operation(), "hi")

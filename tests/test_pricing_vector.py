@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 
@@ -319,15 +320,21 @@ SONNET_LONG_IN, SONNET_LONG_OUT = Decimal(6), Decimal("22.5")
     (("context-1m-2025-08-07",), SONNET_LONG_IN, SONNET_LONG_OUT),
 ])
 def test_a_search_loop_past_200k_is_billed_long_context_rates_only_with_the_1m_window(
-        betas: tuple[str, ...], rate_in: Decimal, rate_out: Decimal) -> None:
+        betas: tuple[str, ...], rate_in: Decimal, rate_out: Decimal, tmp_path: Path) -> None:
     """A streamed web search loop of Claude Sonnet 4.5, as the API reports it: its
     ``message_delta`` adds up every sampling pass (482,529 input tokens, 5
     searches), though no pass of a request without the 1M context beta can pass
     200,000. Driven through the real SDK and the engine, the ledger's attempt
-    is billed the standard rates without the beta, the long-context ones with it."""
+    is billed the standard rates without the beta, the long-context ones with it.
+    A replay of the run is estimated and billed as the run was."""
     import anyio
 
-    from loopengine.providers import AnthropicProvider
+    from loopengine.providers import (
+        AnthropicProvider,
+        Provider,
+        RecordingProvider,
+        ReplayProvider,
+    )
     from loopengine.testing import FakeAnthropicServer
     from loopengine.testing import Reply as WireReply
 
@@ -338,22 +345,27 @@ def test_a_search_loop_past_200k_is_billed_long_context_rates_only_with_the_1m_w
         server_tools=(le.ServerTool(type="web_search_20250305", name="web_search",
                                     max_uses=10),),
         betas=betas, max_output_tokens=64_000, limits=le.Limits(max_turns=5))
-    ledger = MemoryLedger()
+    ledger, replayed = MemoryLedger(), MemoryLedger()
     estimates: list[le.Estimate] = []
+    recording = tmp_path / "run.jsonl"
 
-    async def main() -> le.RunResult:
+    async def run(provider: Provider, ledger: MemoryLedger) -> le.RunResult:
+        engine = le.Engine(provider, ledger=ledger, prices=GENAI, clock=FakeClock(wall_start=AT))
+        estimates.append(engine.estimate(searched, "search"))
+        return await engine.run(searched, "search")
+
+    async def main() -> tuple[le.RunResult, le.RunResult]:
         with FakeAnthropicServer([WireReply.text("summary", usage=loop)]) as server:
             async with AnthropicProvider(api_key="test", base_url=server.url,
                                          stream=True) as provider:
-                engine = le.Engine(provider, ledger=ledger, prices=GENAI,
-                                   clock=FakeClock(wall_start=AT))
-                estimates.append(engine.estimate(searched, "search"))
-                return await engine.run(searched, "search")
+                recorded = await run(RecordingProvider(provider, recording), ledger)
+        return recorded, await run(ReplayProvider(recording), replayed)
 
-    result = anyio.run(main)
+    result, again = anyio.run(main)
     # The estimate prices each turn as its attempt would be: its last turns pass
     # 200,000 input tokens, at the long-context rates only with the beta.
-    (estimate,) = estimates
+    estimate, replay_estimate = estimates
+    assert replay_estimate == estimate
     assert estimate.turn_input_tokens[-1] > 200_000 > estimate.turn_input_tokens[0]
     tier = {True: (rate_in, rate_out), False: (SONNET_IN, SONNET_OUT)}
     assert estimate.cost_usd == sum(
@@ -368,3 +380,6 @@ def test_a_search_loop_past_200k_is_billed_long_context_rates_only_with_the_1m_w
         == (482_529, 1_310, 5)
     assert (attempt["cost_nanousd"], attempt["fee_nanousd"]) == (to_nanousd(bill),
                                                                 to_nanousd(fee))
+    assert (again.outcome, again.cost_usd) == (result.outcome, result.cost_usd)
+    assert [(row["cost_nanousd"], row["fee_nanousd"]) for row in replayed.attempts.values()] \
+        == [(attempt["cost_nanousd"], attempt["fee_nanousd"])]

@@ -17,10 +17,12 @@ import anyio
 import pytest
 
 import loopengine as le
+from loopengine._features import Features
 from loopengine.events import AttemptSettled
 from loopengine.persistence import MemoryLedger
 from loopengine.providers import (
     AnthropicProvider,
+    Billing,
     FaultKind,
     GeminiProvider,
     OpenAIProvider,
@@ -44,7 +46,7 @@ from loopengine.testing import (
     Reply,
 )
 
-from .conftest import PRICES, operation
+from .conftest import MODEL, PRICES, operation
 from .test_deadline import on_mock_clock
 
 GEMINI = "gemini-2.5-flash"
@@ -169,6 +171,14 @@ def _odd_usage(lines: list[str]) -> list[str]:
     return [lines[0], json.dumps(entry), lines[2]]
 
 
+def _billing(billing: object) -> Callable[[list[str]], list[str]]:
+    def damage(lines: list[str]) -> list[str]:
+        entry = json.loads(lines[1])
+        entry["billing"] = billing
+        return [lines[0], json.dumps(entry), lines[2]]
+    return damage
+
+
 @pytest.mark.parametrize(("damage", "says"), [
     (lambda lines: [*lines[:2], "", "{oops", lines[2]], "line 4 is not JSON"),
     (_cut, "line 3 is not JSON .*or one cut short"),
@@ -178,6 +188,10 @@ def _odd_usage(lines: list[str]) -> list[str]:
     (lambda lines: [lines[0], "7"], "line 2 is not a JSON object"),
     (_no_response, "line 3 is not a recorded attempt: it has no 'response'"),
     (_odd_usage, "line 2 is not a recorded attempt: .*'tokens'"),
+    (_billing([1]), "line 2 is not a recorded attempt: its billing is not an object"),
+    (_billing({"searches_per_request": -1}),
+     "line 2 is not a recorded attempt: .*searches_per_request.* at least 0"),
+    (_billing({"searches": 1}), "line 2 is not a recorded attempt: .*'searches'"),
     (lambda lines: [], "is empty"),
 ])
 async def test_a_damaged_recording_is_refused_naming_the_file_and_the_line(
@@ -386,3 +400,41 @@ async def test_a_request_refused_before_the_wire_is_refused_by_its_replay(
     assert (replayed.outcome, replayed.detail, replayed.attempts) == (
         recorded.outcome, recorded.detail, recorded.attempts)
     assert replayed.fault is not None and replayed.fault.kind is FaultKind.BAD_REQUEST
+
+
+class _Billed(ScriptedProvider):
+    """A scripted route that bills a request with a server tool one web search more
+    than its usage counts, at $25 per 1,000."""
+
+    def billing(self, model: str, features: Features) -> Billing:
+        if features.server_tools:
+            return Billing(searches_per_request=1, web_search_per_k=Decimal(25))
+        return Billing()
+
+
+async def test_a_recording_keeps_each_request_s_billing_and_its_replay_declares_it(
+        tmp_path: Path) -> None:
+    """Each request is recorded with how its provider bills it where that is not the
+    default (a request billed as its usage says is written as before), and the
+    replay declares, for a model and its features, the billing recorded with
+    them: it declared the default whatever was recorded, so a replay was priced
+    and refused a credit hold otherwise than its recorded run."""
+    path = tmp_path / "run.jsonl"
+    searching = dataclasses.replace(op(), server_tools=(
+        le.ServerTool(type="web_search_20250305", name="web_search", max_uses=1),))
+    engine = le.Engine(RecordingProvider(_Billed([Reply.text("a"), Reply.text("b")]), path),
+                       prices=PRICES)
+    for published in (op(), searching):
+        await engine.run(published, "hi")
+    plain, searched = (json.loads(line) for line in path.read_text().splitlines()[1:])
+    assert "billing" not in plain
+    assert searched["billing"] == {"searches_per_request": 1, "long_context": True,
+                                   "web_search_per_k": "25"}
+    replay = ReplayProvider(path)
+    billed = Billing(searches_per_request=1, web_search_per_k=Decimal(25))
+    assert replay.billing(MODEL, searching.features) == billed
+    assert replay.billing(MODEL, op().features) == Billing()
+    assert replay.billing("claude-opus-4-1", searching.features) == Billing()
+    with pytest.raises(le.ConfigError, match="searches the web on every request"):
+        await le.Engine(replay, prices=PRICES).run(
+            dataclasses.replace(searching, limits=le.Limits(credit_hold=1_000)), "hi")

@@ -14,6 +14,7 @@ from loopengine._lazy import lazy_exports as _lazy_exports
 from loopengine.providers._base import (
     FEATURES,
     STOP_REASONS,
+    Billing,
     Container,
     Provider,
     ProviderRequest,
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_CACHE_MARKERS",
     "STOP_REASONS",
     "AnthropicProvider",
+    "Billing",
     "CachePolicy",
     "Container",
     "FaultKind",

@@ -76,6 +76,7 @@ from loopengine._pricing import TOKEN_ONLY_TOOLS
 from loopengine._usage import Usage, UsageIteration
 from loopengine.providers._base import (
     STOP_REASONS,
+    Billing,
     Container,
     ProviderRequest,
     ProviderResponse,
@@ -203,7 +204,7 @@ _ALL_FEATURES = frozenset({"thinking", "server_tools", "betas", "context_managem
 
 LONG_CONTEXT_BETA = "context-1m-"
 """The prefix of the betas that enable the 1M context window (``context-1m-2025-08-07``),
-without which no request is billed the long-context rates (`AnthropicProvider.long_context`)."""
+without which no request is billed the long-context rates (`AnthropicProvider.billing`)."""
 
 # The Anthropic-defined tools a platform takes (by type prefix): the ones
 # billed through their tokens only (the client runs them; tool search)
@@ -482,14 +483,17 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         Bedrock (where the model id decides the price)."""
         return self._geo
 
-    def long_context(self, features: Features) -> bool:
-        """Whether the request sends a 1M context beta (``context-1m-...``): the
-        long-context rates (Claude Sonnet 4.5's past 200,000 input tokens) are
-        billed only with the 1M window enabled. Without it every sampling pass
-        is within the standard window, and a server tool loop's usage, which
-        adds its passes up (a web search loop's 400,000 input tokens), is
-        priced at the standard rates (`Provider.long_context`)."""
-        return any(beta.startswith(LONG_CONTEXT_BETA) for beta in features.betas)
+    def billing(self, model: str, features: Features) -> Billing:
+        """Long-context rates only where the request sends a 1M context beta
+        (``context-1m-...``): the long-context rates (Claude Sonnet 4.5's past
+        200,000 input tokens) are billed only with the 1M window enabled.
+        Without it every sampling pass is within the standard window, and a
+        server tool loop's usage, which adds its passes up (a web search
+        loop's 400,000 input tokens), is priced at the standard rates
+        (`Billing.long_context`); all else as the usage says
+        (`Provider.billing`)."""
+        return Billing(long_context=any(beta.startswith(LONG_CONTEXT_BETA)
+                                        for beta in features.betas))
 
     @property
     def features(self) -> frozenset[str]:

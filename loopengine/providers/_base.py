@@ -10,11 +10,12 @@ then calls `Provider.send`, then settles the attempt. A provider never sees an
 attempt whose row is not durable.
 
 A provider declares what it can do (`Provider.vendor`, `Provider.streaming`,
-`Provider.features`, `Provider.check_ready`, `Provider.check_request`); the
-engine reads the declarations, never guesses. A provider of one's own
-subclasses `Provider` and inherits the plain defaults (its vendor is its
-route, it does not stream, it sends no optional feature, it is always ready,
-it can send any request).
+`Provider.features`, `Provider.check_ready`, `Provider.check_request`) and how
+its requests are billed (`Provider.billing`); the engine reads the
+declarations, never guesses. A provider of one's own subclasses `Provider`
+and inherits the plain defaults (its vendor is its route, it does not
+stream, it sends no optional feature, it is always ready, it can send any
+request, each request is billed as its usage says).
 """
 
 from __future__ import annotations
@@ -25,20 +26,19 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from decimal import Decimal
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import anyio
 
 from loopengine._errors import ConfigError
 from loopengine._features import Features
-from loopengine._pricing import STANDARD_GEOS, STANDARD_SPEEDS, STANDARD_TIERS
+from loopengine._pricing import STANDARD_GEOS, STANDARD_SPEEDS, STANDARD_TIERS, Billing
 from loopengine._usage import Usage
 from loopengine._validate import MAX_INTEGER, binary_note, moment, shown
 from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
 
-__all__ = ["FEATURES", "STOP_REASONS", "Container", "Provider", "ProviderRequest",
+__all__ = ["FEATURES", "STOP_REASONS", "Billing", "Container", "Provider", "ProviderRequest",
            "ProviderResponse", "ServedSink", "TextCallback", "cut_sink", "genai_operation_of",
            "hand_text", "media_note", "new_call_id", "priced_geo", "priced_speed", "priced_tier",
            "reported_usage", "text_or_none", "token_count", "unwatch_cuts", "watch_cuts"]
@@ -338,38 +338,15 @@ class Provider(Protocol):
         recorded where the prices have none. Default: None (list rates)."""
         return None
 
-    def long_context(self, features: Features) -> bool:
-        """Whether a request with ``features`` can be billed a model's long-context
-        rates (the dearer ones past an input threshold, such as Claude Sonnet
-        4.5's past 200,000 tokens). False where the request cannot use the
-        long context window at all: an Anthropic request without the 1M
-        context beta, each of whose sampling passes is within the standard
-        window, though a server tool loop's usage adds the passes up past the
-        threshold. Its attempts are then priced at the standard rates however
-        many input tokens their usage reports. Default: True (the threshold
-        is read from the usage)."""
-        return True
-
-    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
-        """The fee in USD per 1,000 web searches that its requests to ``model``
-        with ``features`` are billed, where the vendor bills the search tool
-        they use a fee of its own rather than the model's list fee
-        (genai-prices'): OpenAI's web search preview tool on a non-reasoning
-        model, $25 where the list has $10 (`loopengine._pricing.DOCUMENTED_FEES`).
-        A book entry's ``web_search_per_k`` still decides for the models it
-        lists. Default: None (the model's fee)."""
-        return None
-
-    def request_web_searches(self, model: str) -> int:
-        """The web searches every request to ``model`` runs whatever it asks, billed
-        a fee per search that the reply's usage does not count: OpenAI's Chat
-        Completions search models (``gpt-4o-search-preview``...) search before
-        every answer (1). The provider counts them in each reply's usage
-        (`loopengine.Usage.web_search_requests`) itself; the engine reads this
-        before a run, so that a ``credit_hold`` run is refused before anything
-        is recorded where the web search fee has no price, and an account
-        reserves them with a turn's fees. Default: 0."""
-        return 0
+    def billing(self, model: str, features: Features) -> Billing:
+        """How its requests to ``model`` with ``features`` are billed beyond what
+        their usage reports (`Billing`: the web searches every request runs,
+        whether long-context rates can apply, a web search fee of the tool's
+        own). The engine asks once per run, before anything is recorded, and
+        prices the run's credit hold check, its reservations, its estimate
+        and every attempt with the answer. Default: ``Billing()``, a request
+        billed as its usage says."""
+        return Billing()
 
     @property
     def features(self) -> frozenset[str]:

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from loopengine import _validate
 from loopengine._errors import ConfigError
+from loopengine._features import Features
 from loopengine.providers._base import (
+    Billing,
     ProviderRequest,
     ProviderResponse,
     TextCallback,
@@ -206,14 +208,15 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
     is refused by the engine before anything is recorded. The vendor
     (`vendor`) is ``openai``, or ``azure`` for an Azure client."""
 
-    def request_web_searches(self, model: str) -> int:
-        """1 for a search model (`search_model`: ``gpt-4o-search-preview``,
-        ``gpt-4o-mini-search-preview``, ``gpt-5-search-api``, their dated names,
-        under a compatible server's ``openai/`` prefix): it searches the web
-        before every answer, billed a web search fee its ``usage`` does not
-        count, so each reply's usage counts one web search; else 0
-        (`Provider.request_web_searches`)."""
-        return 1 if search_model(model) else 0
+    def billing(self, model: str, features: Features) -> Billing:
+        """One web search every request runs for a search model (`search_model`:
+        ``gpt-4o-search-preview``, ``gpt-4o-mini-search-preview``,
+        ``gpt-5-search-api``, their dated names, under a compatible server's
+        ``openai/`` prefix): it searches the web before every answer, billed a
+        web search fee its ``usage`` does not count, so each reply's usage
+        counts one web search (`Billing.searches_per_request`); else none.
+        All else as the usage says (`Provider.billing`)."""
+        return Billing(searches_per_request=_searches(model))
 
     def check_request(self, request: ProviderRequest) -> None:
         """Before an attempt is recorded: refuse a request the Chat Completions
@@ -237,7 +240,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
             what="a chat completion", valid=lambda body: _answered(body) or isinstance(
                 body.get("error"), Mapping))
         usage = usage_from_api(body.get("usage"), body.get("service_tier"),
-                               web_searches=self.request_web_searches(params["model"]))
+                               web_searches=_searches(params["model"]))
         if not _answered(body):
             raise body_fault(body, request_id=request_id, usage=usage)
         choice = first_choice(body) or {}
@@ -267,7 +270,7 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
                 options={"timeout": timeout, "stream_mode": "events"})
         except failures() as error:
             raise classify_error(error) from error
-        reply = StreamedCompletion(web_searches=self.request_web_searches(params["model"]))
+        reply = StreamedCompletion(web_searches=_searches(params["model"]))
         response = stream.response
         request_id = response.headers.get("x-request-id")
 
@@ -309,6 +312,12 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         return ProviderResponse(content=content, stop_reason=stop, usage=reply.usage,
                                 response_id=reply.response_id, request_id=request_id,
                                 http_status=response.status_code, model=reply.model)
+
+
+def _searches(model: str) -> int:
+    """The web searches every request to ``model`` runs: 1 for a search model
+    (`search_model`), else 0 (`OpenAIProvider.billing`)."""
+    return 1 if search_model(model) else 0
 
 
 def _answered(body: Mapping[str, Any]) -> bool:

@@ -19,13 +19,13 @@ same SDK and error bodies), and an error that arrives after a 200 (an
 from __future__ import annotations
 
 from collections.abc import Mapping
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from loopengine import _validate
 from loopengine._features import Features
 from loopengine._pricing import DOCUMENTED_FEES
 from loopengine.providers._base import (
+    Billing,
     ProviderRequest,
     ProviderResponse,
     TextCallback,
@@ -124,17 +124,18 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
         """
         check_translatable(request)
 
-    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
+    def billing(self, model: str, features: Features) -> Billing:
         """OpenAI's fee for the web search preview tool on a non-reasoning model
         (`reasoning_model`: ``gpt-4o``, ``gpt-4.1``...), $25 per 1,000 calls
         (`loopengine._pricing.DOCUMENTED_FEES`), when the request has a
-        ``web_search_preview`` tool and its vendor is ``openai``; else None,
-        the model's fee (the web search tool's, and the preview tool's on a
-        reasoning model: $10) (`Provider.web_search_fee`)."""
+        ``web_search_preview`` tool and its vendor is ``openai``
+        (`Billing.web_search_per_k`); else the model's fee (the web search
+        tool's, and the preview tool's on a reasoning model: $10). All else
+        as the usage says (`Provider.billing`)."""
         if self.vendor == "openai" and not reasoning_model(model) and any(
                 tool.type.startswith(PREVIEW_SEARCH) for tool in features.server_tools):
-            return DOCUMENTED_FEES[("openai", PREVIEW_SEARCH)]
-        return None
+            return Billing(web_search_per_k=DOCUMENTED_FEES[("openai", PREVIEW_SEARCH)])
+        return Billing()
 
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         return responses_params(request, stream=stream)

@@ -119,7 +119,7 @@ WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search
 PREVIEW_SEARCH = "web_search_preview"
 """The type (and the prefix of the dated types) of the web search preview tool, whose
 searches on a non-reasoning model OpenAI bills a fee of their own
-(`OpenAIResponsesProvider.web_search_fee`)."""
+(`OpenAIResponsesProvider.billing`)."""
 
 
 def _assistant_kind(block: Mapping[str, Any]) -> str:

@@ -5,7 +5,10 @@ the request and what came back (the response, or the fault) as one JSON line.
 `ReplayProvider(path)` serves each request the recorded outcome of the same
 request and raises `ReplayMismatchError` as soon as a request differs from
 the recorded ones, so a replayed run or call makes the same decisions and
-reports the same attempts and outcome as the recorded one.
+reports the same attempts and outcome as the recorded one. Each request is
+recorded with how the provider bills it beyond its usage (`Provider.billing`,
+where it is not the default), and the replay declares the same, so a replay
+is priced, reserved and refused a credit hold as the recorded run was.
 
 A recording holds conversation content: the messages, the system prompt, the
 tool definitions and the replies. Treat it like the conversation itself.
@@ -21,7 +24,6 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from loopengine._usage import Usage, usage_from_json, usage_json
 from loopengine.providers._base import (
     FEATURES,
     NEW_CALL_ID,
+    Billing,
     Container,
     Provider,
     ProviderRequest,
@@ -107,6 +110,12 @@ def _digest(body: Mapping[str, Any]) -> str:
     """The SHA-256 of ``body`` as a replay compares it (`_comparable`)."""
     canonical = json.dumps(_comparable(body), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _billing_key(model: object, features: object) -> str:
+    """What a replay finds a recorded billing by: a request's model and its
+    features as `request_body` records them."""
+    return json.dumps([model, features], sort_keys=True, default=str)
 
 
 def _usage_json(usage: Usage | None, geo: str | None) -> dict[str, Any] | None:
@@ -190,20 +199,10 @@ class RecordingProvider:
         """Where the inner provider's replies are served."""
         return self.inner.inference_geo
 
-    def request_web_searches(self, model: str) -> int:
-        """The web searches the inner provider's requests to ``model`` run whatever
-        they ask (its replies' usages count them, and so does the recording)."""
-        return self.inner.request_web_searches(model)
-
-    def long_context(self, features: Features) -> bool:
-        """Whether the inner provider's requests with ``features`` can be billed
-        long-context rates."""
-        return self.inner.long_context(features)
-
-    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
-        """The web search fee the inner provider's requests to ``model`` with
-        ``features`` are billed, where it is the tool's own."""
-        return self.inner.web_search_fee(model, features)
+    def billing(self, model: str, features: Features) -> Billing:
+        """How the inner provider bills its requests to ``model`` with ``features``
+        (recorded with each request, where it is not the default)."""
+        return self.inner.billing(model, features)
 
     def check_ready(self) -> None:
         """Ask the inner provider whether it can send from here (passed on)."""
@@ -215,10 +214,19 @@ class RecordingProvider:
         try:
             self.inner.check_request(request)
         except ProviderFault as fault:
-            body = request_body(request)
-            self._write({"request": body, "request_sha256": _digest(body),
-                         "refused": self._fault_json(fault)})
+            self._write({**self._request_json(request), "refused": self._fault_json(fault)})
             raise
+
+    def _request_json(self, request: ProviderRequest) -> dict[str, Any]:
+        """``request`` as recorded: what identifies it (`request_body`), its digest
+        and, where it is not the default, how the inner provider bills it
+        (`Provider.billing`), which the replay declares in its place."""
+        body = request_body(request)
+        entry: dict[str, Any] = {"request": body, "request_sha256": _digest(body)}
+        billing = self.inner.billing(request.model, request.features)
+        if billing != Billing():
+            entry["billing"] = _validate.field_values(billing)
+        return entry
 
     def _fault_json(self, fault: ProviderFault) -> dict[str, Any]:
         """``fault`` as recorded (`_fault_from` reads it back)."""
@@ -239,8 +247,7 @@ class RecordingProvider:
                    on_text: TextCallback | None = None) -> ProviderResponse:
         """Send through the inner provider and record the request and its outcome,
         with the pieces of text it handed to ``on_text``, if given."""
-        body = request_body(request)
-        entry: dict[str, Any] = {"request": body, "request_sha256": _digest(body)}
+        entry = self._request_json(request)
         handed: TextCallback | None = None
         if on_text is not None:
             pieces = entry["text"] = []
@@ -302,9 +309,17 @@ class ReplayProvider:
 
     def __init__(self, path: str | Path, *, strict: bool = True) -> None:
         self.path = _recording_path(path)
-        header, entries, outcomes = _load(self.path)
+        header, entries, outcomes, billings = _load(self.path)
         self.entries: list[dict[str, Any]] = []
         """The recorded attempts, in their order."""
+        # How the recorded provider billed each model and features it was sent
+        # where that was not the default (`Provider.billing`), the first recorded.
+        self._billings: dict[str, Billing] = {}
+        for entry, billing in zip(entries, billings, strict=True):
+            if billing != Billing():
+                request = entry["request"]
+                self._billings.setdefault(
+                    _billing_key(request.get("model"), request.get("features", {})), billing)
         self._outcomes: list[ProviderResponse | ProviderFault | _Cut] = []
         # The recorded refusals before the wire (`check_request`), by request.
         self._refusals: dict[str, collections.deque[ProviderFault]] = {}
@@ -354,20 +369,12 @@ class ReplayProvider:
     features = FEATURES
     """A recording answers whatever was recorded."""
 
-    def request_web_searches(self, model: str) -> int:
-        """0: each recorded reply's usage counts the web searches it ran, a search
-        model's included (`Provider.request_web_searches`)."""
-        return 0
-
-    def long_context(self, features: Features) -> bool:
-        """True: a recorded usage past a model's long-context threshold is priced
-        at its long-context rates (`Provider.long_context`)."""
-        return True
-
-    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
-        """None: a recorded reply's web searches are billed the model's fee
-        (`Provider.web_search_fee`)."""
-        return None
+    def billing(self, model: str, features: Features) -> Billing:
+        """How the recorded provider billed its requests to ``model`` with
+        ``features``, as recorded with them, so that the replay is priced (and
+        its credit hold checked, its reservations made) as the recorded run
+        was; the default where none was recorded (`Provider.billing`)."""
+        return self._billings.get(_billing_key(model, features_table(features)), Billing())
 
     def check_ready(self) -> None:
         """Always ready: a recording needs no connection."""
@@ -445,7 +452,8 @@ class ReplayProvider:
 
 
 def _load(path: Path) -> tuple[
-        dict[str, Any], list[dict[str, Any]], list[ProviderResponse | ProviderFault | _Cut]]:
+        dict[str, Any], list[dict[str, Any]], list[ProviderResponse | ProviderFault | _Cut],
+        list[Billing]]:
     """The recording at ``path``, read (`_read`)."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -458,11 +466,12 @@ def _load(path: Path) -> tuple[
 
 
 def _read(path: Path, lines: list[str]) -> tuple[
-        dict[str, Any], list[dict[str, Any]], list[ProviderResponse | ProviderFault | _Cut]]:
-    """The header, the entries and their outcomes of a recording's ``lines``, each
-    entry checked where it is read, so a file cut short, edited or not a
-    recording is a `ConfigError` naming the file and the line, not an error
-    from deep inside a replayed run."""
+        dict[str, Any], list[dict[str, Any]], list[ProviderResponse | ProviderFault | _Cut],
+        list[Billing]]:
+    """The header, the entries, their outcomes and their billings of a recording's
+    ``lines``, each entry checked where it is read, so a file cut short, edited
+    or not a recording is a `ConfigError` naming the file and the line, not an
+    error from deep inside a replayed run."""
     numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
     if not numbered:
         raise ConfigError("path", f"{path} is empty, not a loopengine recording")
@@ -471,10 +480,12 @@ def _read(path: Path, lines: list[str]) -> tuple[
     _check_header(f"{path}, line {first}", header)
     entries: list[dict[str, Any]] = []
     outcomes: list[ProviderResponse | ProviderFault | _Cut] = []
+    billings: list[Billing] = []
     for n, line in attempts:
         entry = _json_object(f"{path}, line {n}", line)
         try:
             outcomes.append(_outcome(entry))
+            billings.append(_billing_from(entry.get("billing", {})))
         except KeyError as error:
             raise ConfigError("path", f"{path}, line {n} is not a recorded attempt: it "
                                       f"has no {error.args[0]!r}") from None
@@ -482,7 +493,7 @@ def _read(path: Path, lines: list[str]) -> tuple[
             raise ConfigError("path", f"{path}, line {n} is not a recorded attempt: "
                                       f"{error}") from None
         entries.append(entry)
-    return header, entries, outcomes
+    return header, entries, outcomes, billings
 
 
 def _json_object(where: str, line: str) -> dict[str, Any]:
@@ -531,6 +542,14 @@ def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault | _Cu
         # A recording made before a field existed holds its default.
         **{name: recorded[name] for name in _RESPONSE_FIELDS if name in recorded},
     )
+
+
+def _billing_from(recorded: object) -> Billing:
+    """The `Billing` that `RecordingProvider._request_json` wrote (none: the
+    default, as a request billed as its usage says was recorded)."""
+    if not isinstance(recorded, dict):
+        raise TypeError("its billing is not an object")
+    return Billing(**recorded)
 
 
 def _fault_from(recorded: Mapping[str, Any]) -> ProviderFault:

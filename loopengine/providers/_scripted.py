@@ -12,7 +12,6 @@ import copy
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -26,6 +25,7 @@ from loopengine._usage import Usage
 from loopengine.providers._base import (
     FEATURES,
     STOP_REASONS,
+    Billing,
     ProviderRequest,
     ProviderResponse,
     TextCallback,
@@ -210,20 +210,10 @@ class ScriptedProvider:
         ``chat``."""
         return genai_operation_of(self.name)
 
-    def request_web_searches(self, model: str) -> int:
-        """0: a reply's usage is the script's, web searches included
-        (`Provider.request_web_searches`)."""
-        return 0
-
-    def long_context(self, features: Features) -> bool:
-        """True: a scripted usage past a model's long-context threshold is priced
-        at its long-context rates (`Provider.long_context`)."""
-        return True
-
-    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
-        """None: a scripted reply's web searches are billed the model's fee
-        (`Provider.web_search_fee`)."""
-        return None
+    def billing(self, model: str, features: Features) -> Billing:
+        """``Billing()``: a reply is billed as the script's usage says, web searches
+        and long-context rates included (`Provider.billing`)."""
+        return Billing()
 
     def check_ready(self) -> None:
         """Always ready: a script needs no connection."""

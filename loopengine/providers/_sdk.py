@@ -13,7 +13,6 @@ import importlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from decimal import Decimal
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, cast
 
@@ -25,6 +24,7 @@ from loopengine._errors import ConfigError
 from loopengine._features import Features
 from loopengine._usage import Usage
 from loopengine.providers._base import (
+    Billing,
     ProviderRequest,
     ProviderResponse,
     TextCallback,
@@ -345,20 +345,10 @@ class SDKProvider(Generic[C]):
         themselves where they were served (`Provider.inference_geo`)."""
         return None
 
-    def request_web_searches(self, model: str) -> int:
-        """0: its requests run the web searches they ask for, which their replies
-        count (`Provider.request_web_searches`)."""
-        return 0
-
-    def long_context(self, features: Features) -> bool:
-        """True: its requests are billed a model's long-context rates past their
-        threshold, read from the usage (`Provider.long_context`)."""
-        return True
-
-    def web_search_fee(self, model: str, features: Features) -> Decimal | None:
-        """None: its requests' web searches are billed the model's fee
-        (`Provider.web_search_fee`)."""
-        return None
+    def billing(self, model: str, features: Features) -> Billing:
+        """``Billing()``: its requests are billed as their usage says
+        (`Provider.billing`)."""
+        return Billing()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"

@@ -6,13 +6,14 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import loopengine as le
 from loopengine.persistence import MemoryLedger
-from loopengine.providers import AnthropicProvider
+from loopengine.providers import AnthropicProvider, Provider, RecordingProvider, ReplayProvider
 from loopengine.providers._cache import cache_markers
 from loopengine.testing import FakeAnthropicServer, FakeClock, RecordedRequest, ServerItem
 
@@ -44,17 +45,25 @@ class Harness:
 
     def engine(
         self, *script: ServerItem, stream: bool = False, provider_kwargs: Any = None,
-        **kwargs: Any,
+        record: Path | None = None, **kwargs: Any,
     ) -> tuple[le.Engine, MemoryLedger]:
-        """An engine whose provider will be served ``script``."""
+        """An engine whose provider will be served ``script``; its requests recorded
+        at ``record`` (`RecordingProvider`), if given."""
         self.server.add(*script)
+        provider: Provider = self.provider(stream=stream, **(provider_kwargs or {}))
+        return self._engine(provider if record is None else RecordingProvider(provider, record),
+                            **kwargs)
+
+    def replay(self, recording: Path, **kwargs: Any) -> tuple[le.Engine, MemoryLedger]:
+        """An engine on a `ReplayProvider` of ``recording``, as `engine` builds one."""
+        return self._engine(ReplayProvider(recording), **kwargs)
+
+    def _engine(self, provider: Provider, **kwargs: Any) -> tuple[le.Engine, MemoryLedger]:
         ledger = kwargs.pop("ledger", MemoryLedger())
         kwargs.setdefault("prices", PRICES)
         kwargs.setdefault("clock", self.clock)
         kwargs.setdefault("rng", random.Random(7))
-        engine = le.Engine(self.provider(stream=stream, **(provider_kwargs or {})),
-                           ledger=ledger, **kwargs)
-        return engine, ledger
+        return le.Engine(provider, ledger=ledger, **kwargs), ledger
 
     @property
     def requests(self) -> list[RecordedRequest]:

@@ -54,10 +54,10 @@ class OpenAIHarness(Harness):
         self._providers.append(provider)  # type: ignore[arg-type]
         return provider
 
-    def engine(self, *script: Any, **kwargs: Any) -> Any:
-        """An engine whose provider will be served ``script`` (priced as `PRICES`)."""
+    def _engine(self, provider: Any, **kwargs: Any) -> Any:
+        """An engine on ``provider``, priced as `PRICES` unless told."""
         kwargs.setdefault("prices", PRICES)
-        return super().engine(*script, **kwargs)
+        return super()._engine(provider, **kwargs)
 
 
 @pytest.fixture

@@ -6,16 +6,23 @@ the real ``openai`` SDK and FakeOpenAIServer, streamed and not."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import loopengine as le
 from loopengine import events
-from loopengine._features import features_from_table, features_table
+from loopengine._features import Features, features_from_table, features_table
 from loopengine.persistence import SQLiteLedger
-from loopengine.providers import AnthropicProvider, OpenAIProvider, OpenAIResponsesProvider
+from loopengine.providers import (
+    AnthropicProvider,
+    Billing,
+    OpenAIProvider,
+    OpenAIResponsesProvider,
+)
 from loopengine.providers._openai_chat import search_model
 from loopengine.testing import Reply
 
@@ -49,7 +56,8 @@ def searching(model: str = SEARCH_MODEL, **limits: object) -> le.Operation:
 def test_a_search_model_is_known_by_its_name(model: str) -> None:
     """OpenAI's search models, dated or under OpenRouter's prefix, search on every request."""
     assert search_model(model)
-    assert OpenAIProvider(api_key="k").request_web_searches(model) == 1
+    assert OpenAIProvider(api_key="k").billing(model, Features()) == Billing(
+        searches_per_request=1)
 
 
 @pytest.mark.parametrize("model", [
@@ -57,21 +65,22 @@ def test_a_search_model_is_known_by_its_name(model: str) -> None:
     "gpt-4o-search-preview-x", "search-preview", "a/b/gpt-4o-search-preview"])
 def test_another_model_is_not_a_search_model(model: str) -> None:
     assert not search_model(model)
-    assert OpenAIProvider(api_key="k").request_web_searches(model) == 0
+    assert OpenAIProvider(api_key="k").billing(model, Features()) == Billing()
 
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("model", ["gpt-4o-search-preview-2025-03-11",
                                    "openai/gpt-4o-search-preview"])
 async def test_r07_a_search_model_request_is_charged_its_web_search(
-    wire: OpenAIHarness, stream: bool, model: str,
+    wire: OpenAIHarness, stream: bool, model: str, tmp_path: Path,
 ) -> None:
     """The reply counts no search, yet the request ran one: the ledger row counts one
     web search and charges its fee at the book's $25 per 1,000, to the nano-dollar:
     1,000 in at $2.50 + 200 out at $10 per million + $0.025 = $0.0295. The credit
-    hold is accepted, since the fee has a price."""
+    hold is accepted, since the fee has a price. Its replay is charged the same."""
+    recording = tmp_path / "run.jsonl"
     engine, ledger = wire.engine(Reply.text("It rained.", usage=USAGE), prices=book(model),
-                                 stream=stream)
+                                 stream=stream, record=recording)
     result = await engine.run(searching(model, credit_hold=1_000_000), "news?")
     assert result.outcome is le.Outcome.COMPLETED and not result.unpriced
     assert wire.requests[0].body["model"] == model and wire.server.usage_served == USAGE
@@ -82,21 +91,30 @@ async def test_r07_a_search_model_request_is_charged_its_web_search(
     assert result.cost_usd == Decimal("0.0295") and result.credits == 29_500
     (invocation,) = ledger.invocations.values()
     assert invocation["web_search_requests"] == 1
+    replay, replayed = wire.replay(recording, prices=book(model))
+    again = await replay.run(searching(model, credit_hold=1_000_000), "news?")
+    assert (again.outcome, again.usage, again.cost_usd) == (
+        result.outcome, result.usage, result.cost_usd)
+    assert [(r["web_search_requests"], r["fee_nanousd"], r["cost_nanousd"])
+            for r in replayed.attempts.values()] == [(1, 25_000_000, 29_500_000)]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_r07_a_search_model_without_a_fee_is_unpriced(
-    wire: OpenAIHarness, stream: bool,
+    wire: OpenAIHarness, stream: bool, tmp_path: Path,
 ) -> None:
     """genai-prices has the model's tokens and no search fee: a credit hold cannot be
     enforced, so it is refused before anything is sent or recorded, saying how to
     give the price; without a hold the attempt is recorded with its search and no
-    cost (unpriced), never a silent zero."""
+    cost (unpriced), never a silent zero. A replay of the run refuses the credit
+    hold as well (it took the recording's searches for none) and records the
+    same unpriced attempt."""
+    recording = tmp_path / "run.jsonl"
     engine, ledger = wire.engine(Reply.text("It rained.", usage=USAGE), prices=le.PriceBook(),
-                                 stream=stream)
-    with pytest.raises(le.ConfigError, match=(
-            r"'gpt-4o-search-preview' searches the web on every request: no web search "
-            r"fee \(give its ModelPrice a web_search_per_k\)")) as refused:
+                                 stream=stream, record=recording)
+    refusal = (r"'gpt-4o-search-preview' searches the web on every request: no web search "
+               r"fee \(give its ModelPrice a web_search_per_k\)")
+    with pytest.raises(le.ConfigError, match=refusal) as refused:
         await engine.run(searching(credit_hold=1_000_000), "news?")
     assert refused.value.field == "prices"
     assert wire.requests == [] and ledger.attempts == {} and ledger.invocations == {}
@@ -106,6 +124,15 @@ async def test_r07_a_search_model_without_a_fee_is_unpriced(
     (row,) = ledger.attempts.values()
     assert (row["web_search_requests"], row["cost_nanousd"], row["fee_nanousd"]) == (
         1, None, None)
+    replay, replayed = wire.replay(recording, prices=le.PriceBook())
+    with pytest.raises(le.ConfigError, match=refusal):
+        await replay.run(searching(credit_hold=1_000_000), "news?")
+    assert replayed.invocations == {}
+    again = await replay.run(searching(), "news?")
+    assert (again.outcome, again.unpriced, again.usage) == (
+        result.outcome, result.unpriced, result.usage)
+    assert [(r["web_search_requests"], r["cost_nanousd"], r["fee_nanousd"])
+            for r in replayed.attempts.values()] == [(1, None, None)]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -128,24 +155,35 @@ async def test_the_estimate_and_an_account_count_a_search_model_s_searches(
 ) -> None:
     """Each turn's worst case holds the search every request runs: the estimate's fee is
     one search per turn, and a run on an account reserves its hold plus one search
-    (25,000 credits at $25 per 1,000)."""
-    prices = book(SEARCH_MODEL)
-    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
-        accounts = le.CreditAccounts(ledger)
-        await accounts.grant("acme", 1_000_000)
-        seen: list[int] = []
+    (25,000 credits at $25 per 1,000). Its replay's estimate and reservation
+    count the search as well."""
+    recording = tmp_path / "run.jsonl"
 
-        async def watch(event: events.Event) -> None:
-            if isinstance(event, events.AttemptStarted):
-                seen.append((await accounts.balance("acme")).reserved)
+    async def on_account(
+        database: str, engine_on: Callable[..., Any],
+    ) -> tuple[le.Estimate, list[int], le.RunResult]:
+        with SQLiteLedger(tmp_path / database) as ledger:
+            accounts = le.CreditAccounts(ledger)
+            await accounts.grant("acme", 1_000_000)
+            seen: list[int] = []
 
-        engine, _ = wire.engine(Reply.text("It rained.", usage=USAGE), prices=prices,
-                                ledger=ledger, accounts=accounts, observers=[watch])
-        estimate = engine.estimate(searching(credit_hold=100_000, max_turns=3), "news?")
-        result = await engine.run(searching(credit_hold=100_000), "news?", attribution=ACME)
-    assert estimate.fee_usd == Decimal("0.075")  # 3 turns x $0.025
-    assert seen == [100_000 + 25_000]
-    assert result.outcome is le.Outcome.COMPLETED and result.credits == 29_500
+            async def watch(event: events.Event) -> None:
+                if isinstance(event, events.AttemptStarted):
+                    seen.append((await accounts.balance("acme")).reserved)
+
+            engine, _ = engine_on(prices=book(SEARCH_MODEL), ledger=ledger, accounts=accounts,
+                                  observers=[watch])
+            estimate = engine.estimate(searching(credit_hold=100_000, max_turns=3), "news?")
+            result = await engine.run(searching(credit_hold=100_000), "news?", attribution=ACME)
+        return estimate, seen, result
+
+    recorded = await on_account("live.db", lambda **kwargs: wire.engine(
+        Reply.text("It rained.", usage=USAGE), record=recording, **kwargs))
+    replayed = await on_account("replay.db", lambda **kwargs: wire.replay(recording, **kwargs))
+    for estimate, seen, result in (recorded, replayed):
+        assert estimate.fee_usd == Decimal("0.075")  # 3 turns x $0.025
+        assert seen == [100_000 + 25_000]
+        assert result.outcome is le.Outcome.COMPLETED and result.credits == 29_500
 
 
 OPTIONS = {"search_context_size": "low",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,19 +97,21 @@ async def test_web_searches_are_sent_counted_and_charged_their_fee(
 ])
 async def test_a_search_of_the_preview_tool_on_a_non_reasoning_model_is_charged_25_per_k(
     wire: ResponsesHarness, model: str, tool_type: str, per_k: int, rate_in: Decimal,
-    rate_out: Decimal,
+    rate_out: Decimal, tmp_path: Path,
 ) -> None:
     """OpenAI bills the web search preview tool on a non-reasoning model (gpt-4o,
     gpt-4.1) $25 per 1,000 calls; the web search tool, and the preview tool on a
     reasoning model, $10 (genai-prices' fee for the model). The ledger's attempt,
-    the run's credit hold reservation and the estimate charge the tool's fee.
+    the run's credit hold reservation and the estimate charge the tool's fee,
+    and so do the replay's.
     gpt-4.1 is $2 in / $8 out per million, gpt-5 $1.25 / $10."""
+    recording = tmp_path / "run.jsonl"
     tool = le.ServerTool(type=tool_type, name="web_search", max_uses=2)
     search = {"type": "web_search_call", "id": "ws_1", "status": "completed",
               "action": {"type": "search", "query": "weather Oslo"}}
     reply = Reply(content=[search, {"type": "text", "text": "Sunny."}],
                   usage=le.Usage(input_tokens=1_000, output_tokens=200, web_search_requests=1))
-    engine, ledger = wire.engine(reply, prices=GENAI)
+    engine, ledger = wire.engine(reply, prices=GENAI, record=recording)
     op = dataclasses.replace(openai_operation(), model=model, server_tools=(tool,),
                              limits=le.Limits(credit_hold=1_000_000))
     result = await engine.run(op, "weather?")
@@ -122,6 +125,12 @@ async def test_a_search_of_the_preview_tool_on_a_non_reasoning_model_is_charged_
     # Every turn of the estimate's worst case runs the tool's two searches.
     assert engine.estimate(op, "weather?").fee_usd == Decimal(
         op.limits.max_turns * 2 * per_k) / 1000
+    replay, replayed = wire.replay(recording, prices=GENAI)
+    again = await replay.run(op, "weather?")
+    assert (again.outcome, again.cost_usd) == (result.outcome, result.cost_usd)
+    assert [(r["web_search_requests"], r["fee_nanousd"], r["cost_nanousd"])
+            for r in replayed.attempts.values()] == [(1, fee, fee + tokens)]
+    assert replay.estimate(op, "weather?") == engine.estimate(op, "weather?")
 
 
 async def test_web_searches_are_counted_from_the_items_without_tool_usage(
