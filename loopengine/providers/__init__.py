@@ -10,6 +10,7 @@ The four SDK providers are imported on first use, with their SDKs:
 
 import typing
 
+from loopengine._features import Features
 from loopengine._lazy import lazy_exports as _lazy_exports
 from loopengine.providers._base import (
     FEATURES,
@@ -42,6 +43,7 @@ __all__ = [
     "CachePolicy",
     "Container",
     "FaultKind",
+    "Features",
     "GeminiProvider",
     "OpenAIProvider",
     "OpenAIResponsesProvider",
