@@ -38,7 +38,8 @@ its boundary, both ways:
 ``promptFeedback.blockReason`` -> ``refusal`` (``refused``). Any other
 finish reason (`ANSWERED` lists the ones read here) is not an answer: the
 provider raises its fault (``_gemini_faults.check_finish``).
-``FINISH_REASON_UNSPECIFIED`` is the enum's unset value: no finish reason.
+``FINISH_REASON_UNSPECIFIED`` is the enum's unset value: no finish reason;
+likewise ``BLOCKED_REASON_UNSPECIFIED`` blocks nothing.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ ANSWERED = frozenset({"STOP", *_CUT, *REFUSED, *MALFORMED_CALL})
 """The finish reasons `StreamedReply.content` reads as a stop reason; any other is a fault."""
 
 _UNSET = "FINISH_REASON_UNSPECIFIED"
+_UNBLOCKED = "BLOCKED_REASON_UNSPECIFIED"
 _CALLED = re.compile(r"([A-Za-z_][\w.-]*)\s*\(")
 
 
@@ -394,7 +396,9 @@ class StreamedReply:
             # Streamed usage is cumulative: each chunk's counts replace the last.
             self.usage = usage_from_api(response.usage_metadata)
         feedback = response.prompt_feedback
-        if feedback is not None and feedback.block_reason is not None:
+        if feedback is not None and feedback.block_reason is not None and _name(
+                feedback.block_reason) != _UNBLOCKED:
+            # The enum's unset value blocks nothing.
             self.block_reason = _name(feedback.block_reason)
         text = ""
         for candidate in (response.candidates or ())[:1]:

@@ -124,6 +124,22 @@ async def test_an_unset_finish_reason_is_no_finish_gemini(
                                             else ("error", "server_error"))
 
 
+@STREAMING
+async def test_an_unset_block_reason_blocks_nothing_gemini(
+    wire: GeminiHarness, stream: bool
+) -> None:
+    """BLOCKED_REASON_UNSPECIFIED is the unset value of ``promptFeedback.blockReason``:
+    a reply with it and no candidate answered nothing (retried), never a refusal."""
+    engine, _ = wire.engine(Reply.text("", stop_reason="blocked:BLOCKED_REASON_UNSPECIFIED"),
+                            Reply.text("the answer"), stream=stream)
+    result = await engine.run(gemini_operation(), "go", accept=lambda _: True)
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "the answer"
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.outcome, first.fault) == (("aborted", "aborted") if stream
+                                            else ("error", "server_error"))
+
+
 UNREADABLE = {
     "not-json": "not json",
     "not-a-response": '{"usageMetadata": {"promptTokenCount": "many"}}',
