@@ -444,10 +444,12 @@ class StreamedReply:
 
     def content(self) -> tuple[list[dict[str, Any]], str]:
         """The reply's content blocks and the engine's stop reason (the table in the
-        module docstring), once it is an answer: its prompt blocked, or its finish
-        reason one of `ANSWERED` (the provider raises the fault of any other)."""
+        module docstring), once it is an answer: its prompt blocked (a refusal,
+        whatever its candidate says), or its finish reason one of `ANSWERED` (the
+        provider raises the fault of any other)."""
         blocks, finish = self.blocks, self.finish_reason
-        if self.block_reason is not None and finish not in ANSWERED:
+        if self.block_reason is not None:
+            # Nothing was generated for a blocked prompt, whatever a candidate says.
             return blocks, "refusal"
         if finish in MALFORMED_CALL:
             said = self.finish_message or MALFORMED_PLACEHOLDER
