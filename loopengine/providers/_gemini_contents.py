@@ -112,7 +112,10 @@ ANSWERED = frozenset({"STOP", *_CUT, *REFUSED, *MALFORMED_CALL})
 
 _UNSET = "FINISH_REASON_UNSPECIFIED"
 _UNBLOCKED = "BLOCKED_REASON_UNSPECIFIED"
-_CALLED = re.compile(r"([A-Za-z_][\w.-]*)\s*\(")
+# The function a malformed call's message names: the API writes the call as code,
+# often printed (``print(default_api.lookup(key=...``), so a ``print(`` around
+# it is not the callee.
+_CALLED = re.compile(r"(?:\bprint\s*\(\s*)?([A-Za-z_][\w.-]*)\s*\(")
 
 
 
