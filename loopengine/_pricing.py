@@ -29,6 +29,7 @@ part, rounded up on its own (so it never exceeds the total).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -698,10 +699,20 @@ _UNREPORTED_PRICE_KEYS = frozenset({
 })
 
 
+# A Bedrock model ARN that names a model (``foundation-model/``) or a system-defined
+# inference profile (``inference-profile/``): priced as the id it names. An
+# application inference profile's ARN names no model and stays unpriced.
+_BEDROCK_ARN: Final = re.compile(
+    r"arn:aws[\w-]*:bedrock:[\w-]*:\d*:(?:foundation-model|inference-profile)/(?P<id>.+)")
+
+
 def _genai_model(provider: str, model: str) -> tuple[Any, Any] | None:
     from genai_prices import data_snapshot
 
     provider_id = _GENAI_PROVIDER_IDS.get(provider, provider)
+    arn = _BEDROCK_ARN.fullmatch(model) if provider_id == "aws" else None
+    if arn is not None:
+        model = arn.group("id")
     try:
         return data_snapshot.get_snapshot().find_provider_model(model, None, provider_id, None)
     except LookupError:

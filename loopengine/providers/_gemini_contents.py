@@ -38,7 +38,8 @@ its boundary, both ways:
 ``promptFeedback.blockReason`` -> ``refusal`` (``refused``). Any other
 finish reason (`ANSWERED` lists the ones read here) is not an answer: the
 provider raises its fault (``_gemini_faults.check_finish``).
-``FINISH_REASON_UNSPECIFIED`` is the enum's unset value: no finish reason.
+``FINISH_REASON_UNSPECIFIED`` is the enum's unset value: no finish reason;
+likewise ``BLOCKED_REASON_UNSPECIFIED`` blocks nothing.
 """
 
 from __future__ import annotations
@@ -110,7 +111,11 @@ ANSWERED = frozenset({"STOP", *_CUT, *REFUSED, *MALFORMED_CALL})
 """The finish reasons `StreamedReply.content` reads as a stop reason; any other is a fault."""
 
 _UNSET = "FINISH_REASON_UNSPECIFIED"
-_CALLED = re.compile(r"([A-Za-z_][\w.-]*)\s*\(")
+_UNBLOCKED = "BLOCKED_REASON_UNSPECIFIED"
+# The function a malformed call's message names: the API writes the call as code,
+# often printed (``print(default_api.lookup(key=...``), so a ``print(`` around
+# it is not the callee.
+_CALLED = re.compile(r"(?:\bprint\s*\(\s*)?([A-Za-z_][\w.-]*)\s*\(")
 
 
 
@@ -394,7 +399,9 @@ class StreamedReply:
             # Streamed usage is cumulative: each chunk's counts replace the last.
             self.usage = usage_from_api(response.usage_metadata)
         feedback = response.prompt_feedback
-        if feedback is not None and feedback.block_reason is not None:
+        if feedback is not None and feedback.block_reason is not None and _name(
+                feedback.block_reason) != _UNBLOCKED:
+            # The enum's unset value blocks nothing.
             self.block_reason = _name(feedback.block_reason)
         text = ""
         for candidate in (response.candidates or ())[:1]:
@@ -440,10 +447,12 @@ class StreamedReply:
 
     def content(self) -> tuple[list[dict[str, Any]], str]:
         """The reply's content blocks and the engine's stop reason (the table in the
-        module docstring), once it is an answer: its prompt blocked, or its finish
-        reason one of `ANSWERED` (the provider raises the fault of any other)."""
+        module docstring), once it is an answer: its prompt blocked (a refusal,
+        whatever its candidate says), or its finish reason one of `ANSWERED` (the
+        provider raises the fault of any other)."""
         blocks, finish = self.blocks, self.finish_reason
-        if self.block_reason is not None and finish not in ANSWERED:
+        if self.block_reason is not None:
+            # Nothing was generated for a blocked prompt, whatever a candidate says.
             return blocks, "refusal"
         if finish in MALFORMED_CALL:
             said = self.finish_message or MALFORMED_PLACEHOLDER

@@ -15,8 +15,10 @@ fault kind             from
 ``credit_exhausted``   an ``ErrorInfo`` whose ``reason`` is ``BILLING_DISABLED``
                        (a 403 ``PERMISSION_DENIED``), or a ``message`` saying the
                        prepayment credits are depleted ("Your prepayment credits
-                       are depleted...", a 429 ``RESOURCE_EXHAUSTED``), whatever
-                       the status; 402
+                       are depleted...", a 429 ``RESOURCE_EXHAUSTED``) or asking
+                       to enable billing ("...free tier is not available in your
+                       country. Please enable billing...", a 400
+                       ``FAILED_PRECONDITION``), whatever the status; 402
 ``rate_limited``       any other 429 ``RESOURCE_EXHAUSTED`` (a per-minute or
                        per-day quota), waiting the ``RetryInfo.retryDelay`` it
                        names (else ``retry-after``)
@@ -83,8 +85,12 @@ from loopengine.providers._gemini_contents import ANSWERED
 
 __all__ = ["BILLING_REASONS", "check_finish", "classify_error", "read_failures"]
 
-# Lowercased fragments of the message of depleted prepaid credits.
-_CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted")
+# Lowercased fragments of the message of depleted prepaid credits, and of the
+# 400 FAILED_PRECONDITION of a project that must have billing on to be served
+# ("Gemini API free tier is not available in your country. Please enable
+# billing on your project...").
+_CREDIT_MESSAGES = ("prepayment credits are depleted", "prepayment credits have been depleted",
+                    "enable billing")
 
 
 @functools.cache

@@ -74,9 +74,12 @@ def test_bad_platform_arguments_are_config_errors(monkeypatch: pytest.MonkeyPatc
     # a global one at the list rates.
     (BEDROCK, "us.anthropic.claude-sonnet-4-5-20250929-v1:0", ("3.3", "16.5", "0.33", "4.125")),
     (BEDROCK, "global.anthropic.claude-sonnet-4-5-20250929-v1:0", ("3", "15", "0.3", "3.75")),
+    # A base model's ARN is the in-region model it names: the regional rates.
+    (BEDROCK, "arn:aws:bedrock:us-east-1::foundation-model/"
+              "anthropic.claude-sonnet-4-5-20250929-v1:0", ("3.3", "16.5", "0.33", "4.125")),
     # genai-prices' google data for Claude on Vertex.
     (VERTEX, "claude-sonnet-4-5@20250929", ("3", "15", "0.3", "3.75")),
-], ids=["bedrock-regional", "bedrock-global", "vertex"])
+], ids=["bedrock-regional", "bedrock-global", "bedrock-model-arn", "vertex"])
 async def test_attempts_are_priced_at_the_platforms_rates_to_the_nano_dollar(
     wire: PlatformHarness, platform: Platform, model: str, rates: tuple[str, str, str, str],
 ) -> None:

@@ -6,6 +6,7 @@ reasons")."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -122,6 +123,44 @@ async def test_an_unset_finish_reason_is_no_finish_gemini(
     assert first is not None
     assert (first.outcome, first.fault) == (("aborted", "aborted") if stream
                                             else ("error", "server_error"))
+
+
+@STREAMING
+async def test_an_unset_block_reason_blocks_nothing_gemini(
+    wire: GeminiHarness, stream: bool
+) -> None:
+    """BLOCKED_REASON_UNSPECIFIED is the unset value of ``promptFeedback.blockReason``:
+    a reply with it and no candidate answered nothing (retried), never a refusal."""
+    engine, _ = wire.engine(Reply.text("", stop_reason="blocked:BLOCKED_REASON_UNSPECIFIED"),
+                            Reply.text("the answer"), stream=stream)
+    result = await engine.run(gemini_operation(), "go", accept=lambda _: True)
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "the answer"
+    first = result.attempt_log[0].settle
+    assert first is not None
+    assert (first.outcome, first.fault) == (("aborted", "aborted") if stream
+                                            else ("error", "server_error"))
+
+
+BLOCKED_BUT_ANSWERED = json.dumps({
+    "promptFeedback": {"blockReason": "PROHIBITED_CONTENT"},
+    "candidates": [{"content": {"parts": [{"text": "an answer"}], "role": "model"},
+                    "finishReason": "STOP", "index": 0}],
+    "usageMetadata": {"promptTokenCount": 10, "totalTokenCount": 10}})
+
+
+@STREAMING
+async def test_r11_a_blocked_prompt_is_refused_whatever_its_candidate_says_gemini(
+    wire: GeminiHarness, stream: bool
+) -> None:
+    """A reply whose ``promptFeedback.blockReason`` blocked the prompt ends refused
+    even beside a candidate that finished ``STOP``: its text is never accepted."""
+    item: Any = (StreamErrorEvent(reply=Reply.text(""), after=0, data=BLOCKED_BUT_ANSWERED)
+                 if stream else ErrorReply(status=200, body=BLOCKED_BUT_ANSWERED))
+    engine, ledger = wire.engine(item, stream=stream)
+    result = await engine.run(gemini_operation(), "go", accept=lambda _: True)
+    assert result.outcome is le.Outcome.REFUSED and result.answer is None
+    (row,) = ledger.attempts.values()
+    assert (row["outcome"], row["stop_reason"]) == ("ok", "refusal")
 
 
 UNREADABLE = {

@@ -377,6 +377,33 @@ async def test_a_vertex_client_is_served_as_google_vertex_without_sdk_retries(
     assert ok["cost_nanousd"] == nanousd(1000, INPUT) + nanousd(100, OUTPUT)
 
 
+@pytest.mark.filterwarnings("ignore:Inheritance class AiohttpClientSession:DeprecationWarning")
+async def test_a_malformed_call_on_vertex_ai_is_named_after_the_function_it_called(
+    fake_gemini_server: FakeGeminiServer,
+) -> None:
+    """Vertex AI hands over the ``finishMessage``, which writes the call as code
+    (``print(default_api.lookup(...``): the call is the function's, not ``print``'s,
+    and the model's turn on the wire is that message."""
+    client = genai.Client(vertexai=True, project="proj", location="us-central1",
+                          credentials=Credentials(token="vertex-token"),
+                          http_options={"base_url": fake_gemini_server.url})
+    counter = Counter()
+    fake_gemini_server.add(Reply.text("print(default_api.lookup(key='a'",
+                                      stop_reason="MALFORMED_FUNCTION_CALL"),
+                           Reply.tool_calls(lookup("a")), Reply.text("done"))
+    engine = le.Engine(GeminiProvider(client))
+    try:
+        result = await engine.run(le.Operation(name="v", provider="gemini-vertex",
+                                               model=MODEL), "go", tools=[counter.tool])
+    finally:
+        await client.aio.aclose()
+    assert result.outcome is le.Outcome.COMPLETED and counter.calls == ["a"]
+    call = result.messages[1]["content"][-1]
+    assert (call["type"], call["name"]) == ("tool_use", "lookup")
+    model = contents(fake_gemini_server.requests[1])[1]
+    assert model["parts"] == [{"text": "Malformed function call: print(default_api.lookup(key='a'"}]
+
+
 def test_one_provider_serves_consecutive_event_loops(
     fake_gemini_server: FakeGeminiServer,
 ) -> None:

@@ -104,18 +104,24 @@ async def test_r05_malformed_or_unauthorized_requests_are_not_retried_gemini(
 async def test_r06_depleted_credits_and_disabled_billing_are_credit_exhausted_gemini(
     wire: GeminiHarness, clock: FakeClock, stream: bool
 ) -> None:
-    """Depleted prepayment credits (a 429) and a 403 BILLING_DISABLED end
-    credit_exhausted after one request each, not retried."""
+    """Depleted prepayment credits (a 429), a 403 BILLING_DISABLED and the 400 of a
+    project whose billing must be enabled end credit_exhausted after one request
+    each, not retried."""
     server = wire.server
+    billing_required = ErrorReply(status=400, body={"error": {
+        "code": 400, "status": "FAILED_PRECONDITION",
+        "message": "Gemini API free tier is not available in your country. Please enable "
+                   "billing on your project in Google AI Studio."}})
     for item, status, code in ((server.credits_depleted(), 429, "RESOURCE_EXHAUSTED"),
-                               (server.billing_disabled(), 403, "BILLING_DISABLED")):
+                               (server.billing_disabled(), 403, "BILLING_DISABLED"),
+                               (billing_required, 400, "FAILED_PRECONDITION")):
         engine, _ = wire.engine(item, stream=stream)
         result = await engine.run(gemini_operation(), "go")
         assert result.outcome is le.Outcome.CREDIT_EXHAUSTED
         assert result.fault is not None
         assert (result.fault.http_status, result.fault.error_code) == (status, code)
         assert len(result.attempt_log) == 1
-    assert len(wire.requests) == 2 and clock.sleeps == []
+    assert len(wire.requests) == 3 and clock.sleeps == []
 
 
 @STREAMING
