@@ -81,7 +81,9 @@ class ToolContext:
                 record on this run's ledger and count credits in the same
                 units (its `PriceBook`'s ``credits_per_usd`` and
                 ``credit_quantum``).
-            max_depth: How deep delegated runs may nest; a child past it is not run.
+            max_depth: How deep delegated runs may nest; a child past it is not
+                run. A larger one than a delegation above this run set is
+                narrowed to that one.
             **run_kwargs: `Engine.run`'s keywords (``tools``, ``system``,
                 ``output``, ``accept``, ``limits``, ...), but not ``attribution``.
 

@@ -3,11 +3,11 @@ conversation, charged to the calling run's budgets.
 
 A child run is narrowed to what its parent has left: its credit hold to the
 parent's hold minus the credits the parent's tree has spent, its deadline to
-the parent's. It is its own invocation (``parent_invocation_id``) with the
-parent's attribution, and it reserves nothing on the account: each of its
-turns' credits is added to every ancestor as it is spent
-(`Invocation.add_credits`), so the ancestors' holds see it before their next
-turn (`check_delegated_credits`) and the root settles the whole tree once.
+the parent's, its ``max_depth`` to the least one above it. It is its own
+invocation (``parent_invocation_id``) with the parent's attribution, and it
+reserves nothing on the account: each of its turns' credits is added to every
+ancestor as it is spent (`Invocation.add_credits`), so the ancestors' holds
+see it before their next turn (`check_delegated_credits`) and the root settles the whole tree once.
 Under a hold, one turn at a time is in flight in the tree (its crossing
 permit, `needs_crossing_permit`), so the tree crosses each hold once at most.
 """
@@ -76,6 +76,10 @@ async def run_child(
         raise ConfigError("attribution", "a delegated run is accounted to its parent's "
                                          "attribution")
     depth = parent.depth + 1
+    # A delegation nested under another is bounded by every one above it: a
+    # wider max_depth further down is narrowed, as its other limits are.
+    if parent.max_depth is not None:
+        max_depth = min(max_depth, parent.max_depth)
     if depth > max_depth:
         raise ConfigError("max_depth", f"this delegated run would be nested {depth} deep, "
                                        f"past max_depth={max_depth}; it was not run")
@@ -100,6 +104,7 @@ async def run_child(
     # and its call's status cover it; it keeps no state of its own.
     inv.run_store = None
     inv.depth = depth
+    inv.max_depth = max_depth
     # No admission of its own: its spend is part of the root's reservation.
     inv.accounts = None
     inv.account = None
@@ -143,7 +148,8 @@ def agent_tool(
         description: What the delegate does, for the calling model.
         tools: The child's tools.
         input_model: A pydantic model of the tool's input instead of ``task``.
-        max_depth: How deep delegated runs may nest (the root's children are at 1).
+        max_depth: How deep delegated runs may nest (the root's children are at
+            1); narrowed to a smaller one a delegation above the caller set.
 
     Raises:
         ConfigError: a bad argument.
