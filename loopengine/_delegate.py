@@ -170,8 +170,8 @@ def agent_tool(
         result = await ctx.run(operation, task, engine=engine, tools=child_tools,
                                max_depth=max_depth)
         if result.outcome is not Outcome.COMPLETED:
-            kind = "limit" if result.outcome in LIMIT_OUTCOMES else "outcome"
-            raise DelegationStopped(f"{name} ended {result.outcome.value} (a {kind}) without "
+            kind = " (a limit)" if result.outcome in LIMIT_OUTCOMES else ""
+            raise DelegationStopped(f"{name} ended {result.outcome.value}{kind} without "
                                     f"an answer: {result.detail}")
         return result.answer
 

@@ -13,7 +13,7 @@ import loopengine as le
 from loopengine import audit, events
 from loopengine.persistence import MemoryLedger, SQLiteLedger
 from loopengine.providers import ScriptedProvider
-from loopengine.testing import FakeClock, Reply
+from loopengine.testing import ErrorReply, FakeClock, Reply
 
 from ..conftest import PRICES, operation
 from .conftest import Route
@@ -115,6 +115,31 @@ async def test_a_child_ending_on_a_limit_is_an_error_result_and_the_parent_goes_
     assert limit in str(route.wire.requests[2].messages[-1])  # what the model was sent
     child = next(r for r in ledger.invocations.values() if r["operation"] == "child.op")
     assert child["outcome"] == limit and child["parent_invocation_id"] == result.invocation_id
+
+
+async def test_a_child_ending_another_way_tells_the_parent_s_model_its_outcome(
+    route: Route,
+) -> None:
+    """A child whose request fails, and one cut off at its token limit: the
+    parent's model gets an is_error result naming each outcome (a limit is
+    called one; these are not), and the parent goes on."""
+    engine, ledger = route.wire.engine(
+        Reply.tool_calls(("helper", {"task": "a"})),
+        ErrorReply(status=400, message="malformed"),
+        Reply.tool_calls(("helper", {"task": "b"})),
+        Reply.text("half an ans", stop_reason="max_tokens"),
+        Reply.text("done without help"))
+    helper = le.agent_tool(engine, route.named("child.op"), name="helper",
+                           description="Helps.")
+    result = await engine.run(route.named("parent.op"), "go", tools=[helper])
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "done without help"
+    [failed] = last_results(result.messages[:3])
+    [cut] = last_results(result.messages[:5])
+    assert failed["is_error"] and cut["is_error"]
+    assert failed["content"].startswith("helper ended provider_error without an answer: ")
+    assert cut["content"].startswith("helper ended incomplete without an answer: ")
+    assert sorted(r["outcome"] for r in ledger.invocations.values()
+                  if r["operation"] == "child.op") == ["incomplete", "provider_error"]
 
 
 async def test_nesting_past_max_depth_is_an_error_result_and_sends_nothing(
