@@ -11,7 +11,7 @@ for the call, and can start a delegated run inside the run's budgets
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from loopengine._pricing import PriceBook
     from loopengine._result import RunResult
 
-__all__ = ["DEFAULT_MAX_DEPTH", "ToolContext", "check_same_credits", "check_same_ledger"]
+__all__ = ["DEFAULT_MAX_DEPTH", "ToolContext", "check_delegates", "check_same_credits",
+           "check_same_ledger"]
 
 DEFAULT_MAX_DEPTH = 3
 """How deep delegated runs may nest by default: a root's children are at depth 1."""
@@ -146,3 +147,21 @@ def context_for(inv: Invocation, call_id: str) -> ToolContext:
     """The context of call ``call_id`` of run ``inv``."""
     return ToolContext(invocation_id=inv.id, call_id=call_id, attribution=inv.attribution,
                        deadline=inv.deadline.at, _invocation=inv)
+
+
+def check_delegates(tools: Iterable[object], ledger: object, prices: PriceBook) -> None:
+    """Refuse a tool of ``tools`` that runs its delegated run (an ``agent_tool``)
+    on an engine recording on another ledger than ``ledger``, or counting
+    credits in other units than ``prices`` (`check_same_ledger`,
+    `check_same_credits`): checked for a run's tools when it starts, and for a
+    delegate's own tools when it is built, so a tree is refused whole.
+
+    Raises:
+        ConfigError: ``tools``, naming the tool and both ledgers (or both units).
+    """
+    for tool in tools:
+        engine = getattr(tool, "delegates_to", None)
+        if engine is not None:
+            what = f"tool {getattr(tool, 'name', '')!r} runs its delegated run on an engine that"
+            check_same_ledger("tools", engine.ledger, ledger, what)
+            check_same_credits("tools", engine.prices, prices, what)

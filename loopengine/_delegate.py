@@ -25,6 +25,7 @@ from loopengine._admission import delegated_fees
 from loopengine._context import (
     DEFAULT_MAX_DEPTH,
     ToolContext,
+    check_delegates,
     check_same_credits,
     check_same_ledger,
 )
@@ -152,7 +153,9 @@ def agent_tool(
             1); narrowed to a smaller one a delegation above the caller set.
 
     Raises:
-        ConfigError: a bad argument.
+        ConfigError: a bad argument, or a tool of ``tools`` delegating to an
+            engine on another ledger than ``engine``'s, or counting credits in
+            other units (``tools``).
     """
     if not isinstance(engine, Engine):
         raise ConfigError("engine", f"must be an Engine, got {_validate.shown(engine)}")
@@ -160,6 +163,9 @@ def agent_tool(
         raise ConfigError("operation", f"must be an Operation, got {_validate.shown(operation)}")
     engine.provider_for(operation)  # an unserved route is refused now, not mid-run
     child_tools = check_tools(tools)
+    # A delegate of the child's on another ledger is refused now, not when the
+    # model first delegates (then only the model would hear of it).
+    check_delegates(child_tools, engine.ledger, engine.prices)
     _validate.integer("max_depth", max_depth, minimum=0)
 
     async def delegate(argument: Any, ctx: ToolContext) -> Any:

@@ -291,6 +291,33 @@ async def test_an_agent_tool_on_another_ledger_is_refused_at_run_start(
         await engine.run(route.named("parent.op"), "go", tools=[unrecorded])
 
 
+async def test_a_nested_agent_tool_on_another_ledger_is_refused_when_built(
+    route: Route, tmp_path: Path,
+) -> None:
+    """A delegate's own delegate recording on another ledger (or counting credits in
+    other units) is refused when the outer agent_tool is built, naming both:
+    otherwise the root would run and spend, and only the model would learn of the
+    mistake, from an is_error result, once it delegated."""
+    engine, ledger = route.wire.engine()
+    with SQLiteLedger(tmp_path / "other.db") as other:
+        elsewhere = le.Engine(engine.providers, ledger=other, prices=engine.prices)
+        inner = le.agent_tool(elsewhere, route.named("grandchild.op"), name="inner",
+                              description="Nested.")
+        with pytest.raises(le.ConfigError, match="parent's ledger") as raised:
+            le.agent_tool(engine, route.named("child.op"), name="outer",
+                          description="Delegates.", tools=[inner])
+    assert raised.value.field == "tools"
+    assert "SQLiteLedger(" in str(raised.value) and "MemoryLedger(" in str(raised.value)
+    coarser = le.PriceBook(list(engine.prices.prices),
+                           credits_per_usd=engine.prices.credits_per_usd, credit_quantum=10)
+    inner = le.agent_tool(le.Engine(engine.providers, ledger=ledger, prices=coarser),
+                          route.named("grandchild.op"), name="inner", description="Nested.")
+    with pytest.raises(le.ConfigError, match="counts credits at"):
+        le.agent_tool(engine, route.named("child.op"), name="outer",
+                      description="Delegates.", tools=[inner])
+    assert ledger.invocations == {} and route.wire.requests == []
+
+
 async def test_a_delegated_run_counting_credits_in_other_units_is_refused(
     route: Route,
 ) -> None:
