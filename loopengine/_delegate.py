@@ -3,13 +3,15 @@ conversation, charged to the calling run's budgets.
 
 A child run is narrowed to what its parent has left: its credit hold to the
 parent's hold minus the credits the parent's tree has spent, its deadline to
-the parent's, its ``max_depth`` to the least one above it. It is its own
-invocation (``parent_invocation_id``) with the parent's attribution, and it
-reserves nothing on the account: each of its turns' credits is added to every
-ancestor as it is spent (`Invocation.add_credits`), so the ancestors' holds
-see it before their next turn (`check_delegated_credits`) and the root settles the whole tree once.
-Under a hold, one turn at a time is in flight in the tree (its crossing
-permit, `needs_crossing_permit`), so the tree crosses each hold once at most.
+its call's (the parent's, or the tool's timeout's when earlier), its
+``max_depth`` to the least one above it. It is its own invocation
+(``parent_invocation_id``) with the parent's attribution, and it reserves
+nothing on the account: each of its turns' credits is added to every ancestor
+as it is spent (`Invocation.add_credits`), so the ancestors' holds see it
+before their next turn (`check_delegated_credits`) and the root settles the
+whole tree once. Under a hold, one turn at a time is in flight in the tree
+(its crossing permit, `needs_crossing_permit`), so the tree crosses each hold
+once at most.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ LIMIT_OUTCOMES = frozenset({Outcome.CREDIT_LIMIT, Outcome.TIME_LIMIT, Outcome.TU
 
 _NO_TIME = sys.float_info.min
 """The total_time a delegated run is given when its parent's time is spent: the
-least a `Limits` takes (its deadline, the parent's, is what ends it)."""
+least a `Limits` takes (its deadline, its call's, is what ends it)."""
 
 _TASK_SCHEMA = {
     "type": "object",
@@ -63,10 +65,12 @@ async def run_child(
     messages: str | Sequence[Any],
     *,
     engine: Any,
+    deadline: float,
     max_depth: int,
     run_kwargs: dict[str, Any],
 ) -> RunResult:
-    """Run a child of ``parent`` (`ToolContext.run`)."""
+    """Run a child of ``parent`` (`ToolContext.run`) for the call whose deadline
+    is ``deadline`` (the parent's, or its tool's timeout's when earlier)."""
     _validate.integer("max_depth", max_depth, minimum=0)
     engine = engine if engine is not None else parent.engine
     if not isinstance(engine, Engine):
@@ -89,7 +93,7 @@ async def run_child(
     hold = parent.limits.credit_hold
     if hold is not None:
         narrowed["credit_hold"] = max(0, hold - parent.tree_credits)
-    remaining = parent.remaining()
+    remaining = Deadline(deadline).remaining(parent.clock.now())
     if remaining != float("inf"):
         # The parent's time may be spent already (an observer or a ledger write
         # that outlasted its deadline): the child then ends ``time_limit`` at
@@ -109,7 +113,7 @@ async def run_child(
     # No admission of its own: its spend is part of the root's reservation.
     inv.accounts = None
     inv.account = None
-    inv.deadline = Deadline(min(inv.deadline.at, parent.deadline.at))
+    inv.deadline = Deadline(min(inv.deadline.at, deadline))
     # Its crossing turn's server-tool fees stay inside the root's reservation.
     delegated_fees(inv, parent.root, parent.clock.wall())
     return await run_loop(inv, spec)

@@ -382,6 +382,36 @@ async def test_ctx_run_on_another_ledger_is_an_error_result_and_sends_nothing(
     assert [r["operation"] for r in ledger.invocations.values()] == ["parent.op"]
 
 
+async def test_r04_a_child_is_held_to_its_calling_tool_s_timeout() -> None:
+    """A handler with a 10 s timeout delegates to a child whose reply would take
+    100 s: the call's deadline (ctx.deadline) is 10 s away, not the run's 120,
+    and the child, held to it, ends time_limit when it comes rather than
+    outliving the call that waits for it."""
+    clock = FakeClock()
+    seen: list[le.ToolContext] = []
+    children: list[le.RunResult] = []
+
+    @le.tool(timeout=10)
+    async def research(task: str, ctx: le.ToolContext) -> str:
+        """Researches a task."""
+        seen.append(ctx)
+        children.append(await ctx.run(operation(), task))
+        return str(children[-1].answer)
+
+    ledger = MemoryLedger()
+    provider = ScriptedProvider([Reply.tool_calls(("research", {"task": "dig"})),
+                                 Reply.text("too late", delay=100),
+                                 Reply.text("done alone")], clock=clock)
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, clock=clock)
+    result = await engine.run(operation(total_time=120.0), "go", tools=[research])
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "done alone"
+    [ctx] = seen
+    assert ctx.deadline == 10.0
+    [child] = children
+    assert child.outcome is le.Outcome.TIME_LIMIT
+    assert clock.now() == 10.0
+
+
 async def test_r04_a_child_started_when_the_parent_s_time_is_spent_ends_time_limit() -> None:
     """An observer that outlasts the parent's deadline (its attempt's settle is
     announced whatever the time) leaves no time for the batch: a delegating
