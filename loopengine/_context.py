@@ -3,7 +3,7 @@
 A handler that declares a parameter annotated `ToolContext` receives one per
 call; the parameter is not part of the tool's input schema, so the model never
 sees it. Through it a handler knows its run (``invocation_id``), its call
-(``call_id``), who the run is accounted to, the run's deadline, a key stable
+(``call_id``), who the run is accounted to, the call's deadline, a key stable
 for the call, and can start a delegated run inside the run's budgets
 (`ToolContext.run`, docs/tools.md, "Sub-agents").
 """
@@ -11,7 +11,7 @@ for the call, and can start a delegated run inside the run's budgets
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from loopengine._pricing import PriceBook
     from loopengine._result import RunResult
 
-__all__ = ["DEFAULT_MAX_DEPTH", "ToolContext", "check_same_credits", "check_same_ledger"]
+__all__ = ["DEFAULT_MAX_DEPTH", "ToolContext", "check_delegates", "check_same_credits",
+           "check_same_ledger"]
 
 DEFAULT_MAX_DEPTH = 3
 """How deep delegated runs may nest by default: a root's children are at depth 1."""
@@ -44,7 +45,9 @@ class ToolContext:
     attribution: Attribution
     """Who the run is accounted to."""
     deadline: float
-    """The run's absolute deadline on the engine's clock (``inf`` without one)."""
+    """The call's absolute deadline on the engine's clock: the run's, or the one
+    the tool's ``timeout`` sets when earlier (``inf`` without either). A
+    delegated run (`run`) is held to it."""
     _invocation: Invocation = field(repr=False)
 
     @property
@@ -67,7 +70,8 @@ class ToolContext:
         The child is its own invocation, recorded with ``parent_invocation_id``
         and this run's attribution. Its credit hold is narrowed to what this
         run's hold has left (this run's credits and its other delegated runs'
-        counted), its deadline to this run's; it takes no admission of its own:
+        counted), its deadline to this call's (`deadline`: this run's, or this
+        tool's timeout's when earlier); it takes no admission of its own:
         its credits are charged to this run's account reservation, settled once
         when the root run ends. Its result is returned whatever its outcome. It
         never pauses (nothing could resume it): a batch of its that needs
@@ -81,7 +85,9 @@ class ToolContext:
                 record on this run's ledger and count credits in the same
                 units (its `PriceBook`'s ``credits_per_usd`` and
                 ``credit_quantum``).
-            max_depth: How deep delegated runs may nest; a child past it is not run.
+            max_depth: How deep delegated runs may nest; a child past it is not
+                run. A larger one than a delegation above this run set is
+                narrowed to that one.
             **run_kwargs: `Engine.run`'s keywords (``tools``, ``system``,
                 ``output``, ``accept``, ``limits``, ...), but not ``attribution``.
 
@@ -95,7 +101,8 @@ class ToolContext:
         from loopengine._delegate import run_child
 
         return await run_child(self._invocation, operation, messages, engine=engine,
-                               max_depth=max_depth, run_kwargs=run_kwargs)
+                               deadline=self.deadline, max_depth=max_depth,
+                               run_kwargs=run_kwargs)
 
 
 def check_same_ledger(field: str, child: object, parent: object, what: str) -> None:
@@ -140,7 +147,29 @@ def check_same_credits(field: str, child: PriceBook, parent: PriceBook, what: st
                                  "a PriceBook with the same credits_per_usd and credit_quantum")
 
 
-def context_for(inv: Invocation, call_id: str) -> ToolContext:
-    """The context of call ``call_id`` of run ``inv``."""
+def context_for(inv: Invocation, call_id: str, timeout: float | None) -> ToolContext:
+    """The context of call ``call_id`` of run ``inv``, starting now, whose tool
+    may take ``timeout`` seconds (None: the run's time)."""
+    deadline = inv.deadline.at
+    if timeout is not None:
+        deadline = min(deadline, inv.clock.now() + timeout)
     return ToolContext(invocation_id=inv.id, call_id=call_id, attribution=inv.attribution,
-                       deadline=inv.deadline.at, _invocation=inv)
+                       deadline=deadline, _invocation=inv)
+
+
+def check_delegates(tools: Iterable[object], ledger: object, prices: PriceBook) -> None:
+    """Refuse a tool of ``tools`` that runs its delegated run (an ``agent_tool``)
+    on an engine recording on another ledger than ``ledger``, or counting
+    credits in other units than ``prices`` (`check_same_ledger`,
+    `check_same_credits`): checked for a run's tools when it starts, and for a
+    delegate's own tools when it is built, so a tree is refused whole.
+
+    Raises:
+        ConfigError: ``tools``, naming the tool and both ledgers (or both units).
+    """
+    for tool in tools:
+        engine = getattr(tool, "delegates_to", None)
+        if engine is not None:
+            what = f"tool {getattr(tool, 'name', '')!r} runs its delegated run on an engine that"
+            check_same_ledger("tools", engine.ledger, ledger, what)
+            check_same_credits("tools", engine.prices, prices, what)

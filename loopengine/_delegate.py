@@ -3,13 +3,15 @@ conversation, charged to the calling run's budgets.
 
 A child run is narrowed to what its parent has left: its credit hold to the
 parent's hold minus the credits the parent's tree has spent, its deadline to
-the parent's. It is its own invocation (``parent_invocation_id``) with the
-parent's attribution, and it reserves nothing on the account: each of its
-turns' credits is added to every ancestor as it is spent
-(`Invocation.add_credits`), so the ancestors' holds see it before their next
-turn (`check_delegated_credits`) and the root settles the whole tree once.
-Under a hold, one turn at a time is in flight in the tree (its crossing
-permit, `needs_crossing_permit`), so the tree crosses each hold once at most.
+its call's (the parent's, or the tool's timeout's when earlier), its
+``max_depth`` to the least one above it. It is its own invocation
+(``parent_invocation_id``) with the parent's attribution, and it reserves
+nothing on the account: each of its turns' credits is added to every ancestor
+as it is spent (`Invocation.add_credits`), so the ancestors' holds see it
+before their next turn (`check_delegated_credits`) and the root settles the
+whole tree once. Under a hold, one turn at a time is in flight in the tree
+(its crossing permit, `needs_crossing_permit`), so the tree crosses each hold
+once at most.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from loopengine._admission import delegated_fees
 from loopengine._context import (
     DEFAULT_MAX_DEPTH,
     ToolContext,
+    check_delegates,
     check_same_credits,
     check_same_ledger,
 )
@@ -46,7 +49,7 @@ LIMIT_OUTCOMES = frozenset({Outcome.CREDIT_LIMIT, Outcome.TIME_LIMIT, Outcome.TU
 
 _NO_TIME = sys.float_info.min
 """The total_time a delegated run is given when its parent's time is spent: the
-least a `Limits` takes (its deadline, the parent's, is what ends it)."""
+least a `Limits` takes (its deadline, its call's, is what ends it)."""
 
 _TASK_SCHEMA = {
     "type": "object",
@@ -62,10 +65,12 @@ async def run_child(
     messages: str | Sequence[Any],
     *,
     engine: Any,
+    deadline: float,
     max_depth: int,
     run_kwargs: dict[str, Any],
 ) -> RunResult:
-    """Run a child of ``parent`` (`ToolContext.run`)."""
+    """Run a child of ``parent`` (`ToolContext.run`) for the call whose deadline
+    is ``deadline`` (the parent's, or its tool's timeout's when earlier)."""
     _validate.integer("max_depth", max_depth, minimum=0)
     engine = engine if engine is not None else parent.engine
     if not isinstance(engine, Engine):
@@ -76,6 +81,10 @@ async def run_child(
         raise ConfigError("attribution", "a delegated run is accounted to its parent's "
                                          "attribution")
     depth = parent.depth + 1
+    # A delegation nested under another is bounded by every one above it: a
+    # wider max_depth further down is narrowed, as its other limits are.
+    if parent.max_depth is not None:
+        max_depth = min(max_depth, parent.max_depth)
     if depth > max_depth:
         raise ConfigError("max_depth", f"this delegated run would be nested {depth} deep, "
                                        f"past max_depth={max_depth}; it was not run")
@@ -84,7 +93,7 @@ async def run_child(
     hold = parent.limits.credit_hold
     if hold is not None:
         narrowed["credit_hold"] = max(0, hold - parent.tree_credits)
-    remaining = parent.remaining()
+    remaining = Deadline(deadline).remaining(parent.clock.now())
     if remaining != float("inf"):
         # The parent's time may be spent already (an observer or a ledger write
         # that outlasted its deadline): the child then ends ``time_limit`` at
@@ -100,10 +109,11 @@ async def run_child(
     # and its call's status cover it; it keeps no state of its own.
     inv.run_store = None
     inv.depth = depth
+    inv.max_depth = max_depth
     # No admission of its own: its spend is part of the root's reservation.
     inv.accounts = None
     inv.account = None
-    inv.deadline = Deadline(min(inv.deadline.at, parent.deadline.at))
+    inv.deadline = Deadline(min(inv.deadline.at, deadline))
     # Its crossing turn's server-tool fees stay inside the root's reservation.
     delegated_fees(inv, parent.root, parent.clock.wall())
     return await run_loop(inv, spec)
@@ -143,10 +153,13 @@ def agent_tool(
         description: What the delegate does, for the calling model.
         tools: The child's tools.
         input_model: A pydantic model of the tool's input instead of ``task``.
-        max_depth: How deep delegated runs may nest (the root's children are at 1).
+        max_depth: How deep delegated runs may nest (the root's children are at
+            1); narrowed to a smaller one a delegation above the caller set.
 
     Raises:
-        ConfigError: a bad argument.
+        ConfigError: a bad argument, or a tool of ``tools`` delegating to an
+            engine on another ledger than ``engine``'s, or counting credits in
+            other units (``tools``).
     """
     if not isinstance(engine, Engine):
         raise ConfigError("engine", f"must be an Engine, got {_validate.shown(engine)}")
@@ -154,6 +167,9 @@ def agent_tool(
         raise ConfigError("operation", f"must be an Operation, got {_validate.shown(operation)}")
     engine.provider_for(operation)  # an unserved route is refused now, not mid-run
     child_tools = check_tools(tools)
+    # A delegate of the child's on another ledger is refused now, not when the
+    # model first delegates (then only the model would hear of it).
+    check_delegates(child_tools, engine.ledger, engine.prices)
     _validate.integer("max_depth", max_depth, minimum=0)
 
     async def delegate(argument: Any, ctx: ToolContext) -> Any:
@@ -164,8 +180,8 @@ def agent_tool(
         result = await ctx.run(operation, task, engine=engine, tools=child_tools,
                                max_depth=max_depth)
         if result.outcome is not Outcome.COMPLETED:
-            kind = "limit" if result.outcome in LIMIT_OUTCOMES else "outcome"
-            raise DelegationStopped(f"{name} ended {result.outcome.value} (a {kind}) without "
+            kind = " (a limit)" if result.outcome in LIMIT_OUTCOMES else ""
+            raise DelegationStopped(f"{name} ended {result.outcome.value}{kind} without "
                                     f"an answer: {result.detail}")
         return result.answer
 

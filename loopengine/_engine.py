@@ -19,7 +19,7 @@ from loopengine._admission import check_fees_bounded
 from loopengine._attribution import Attribution
 from loopengine._call import ANSWER_TOOL, CallResult, CallSpec, run_call
 from loopengine._clock import Clock, SystemClock
-from loopengine._context import check_same_credits, check_same_ledger
+from loopengine._context import check_delegates
 from loopengine._errors import ConfigError, RunBusyError
 from loopengine._estimate import Estimate, estimate_run
 from loopengine._features import (
@@ -736,11 +736,7 @@ class Engine:
                                             "model: give output= too, or leave final_tool out")
         check_unique_tools(spec.tools, final_tool, structured=output is not None,
                            places=expanded.places)
-        for tool in spec.tools:
-            if tool.delegates_to is not None:
-                what = f"tool {tool.name!r} runs its delegated run on an engine that"
-                check_same_ledger("tools", tool.delegates_to.ledger, self.ledger, what)
-                check_same_credits("tools", tool.delegates_to.prices, self.prices, what)
+        check_delegates(spec.tools, self.ledger, self.prices)
         inv = self._invocation("run", operation, limits, retry, attribution, features=features,
                                observers=observers, text_sink=text_sink)
         check_server_tool_names(inv.features.server_tools, {

@@ -100,7 +100,7 @@ class Invocation:
         "descendant_credits", "earlier_attempts", "ended", "engine", "features", "fee_excess",
         "fees_reserved", "id",
         "in_flight", "kind",
-        "last_fault", "ledger", "limits", "billing", "observers", "operation",
+        "last_fault", "ledger", "limits", "billing", "max_depth", "observers", "operation",
         "output_tokens", "parent",
         "paused_seconds", "paused_turn", "pause_seal", "permit", "policy", "prices", "provider",
         "segment_token",
@@ -230,6 +230,9 @@ class Invocation:
         """The run whose tool started this one (a sub-agent, docs/tools.md), or None."""
         self.depth = 0
         """How deep it is nested: 0 for a root, 1 for its children, ..."""
+        self.max_depth: int | None = None
+        """How deep its tree may nest, as the delegations above it bound it (the
+        least ``max_depth`` on its path from the root); None for a root."""
         self.engine: object = None
         """The `Engine` running it: where ``ToolContext.run`` starts a child by default."""
         self.permit: anyio.Lock | None = None

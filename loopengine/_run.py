@@ -1112,12 +1112,13 @@ class _Loop:
                 if isinstance(argument, ToolInputError):
                     text, failed = f"Invalid input for {name}: {argument}", "invalid input"
                 else:
-                    context = (None if handler.context_parameter is None
-                               else context_for(inv, call_id))
                     if inv.run_store is not None:
                         # Durable before the handler runs: a crash from here on
                         # leaves the call in doubt, never silently run twice.
                         await self._checkpoint(None, calls=[(call_id, turn, name, "started")])
+                    # Its deadline read as its timeout starts.
+                    context = (None if handler.context_parameter is None
+                               else context_for(inv, call_id, handler.timeout))
                     try:
                         if handler.timeout is None:
                             value = await handler.invoke(argument, context)

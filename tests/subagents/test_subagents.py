@@ -13,7 +13,7 @@ import loopengine as le
 from loopengine import audit, events
 from loopengine.persistence import MemoryLedger, SQLiteLedger
 from loopengine.providers import ScriptedProvider
-from loopengine.testing import FakeClock, Reply
+from loopengine.testing import ErrorReply, FakeClock, Reply
 
 from ..conftest import PRICES, operation
 from .conftest import Route
@@ -117,6 +117,31 @@ async def test_a_child_ending_on_a_limit_is_an_error_result_and_the_parent_goes_
     assert child["outcome"] == limit and child["parent_invocation_id"] == result.invocation_id
 
 
+async def test_a_child_ending_another_way_tells_the_parent_s_model_its_outcome(
+    route: Route,
+) -> None:
+    """A child whose request fails, and one cut off at its token limit: the
+    parent's model gets an is_error result naming each outcome (a limit is
+    called one; these are not), and the parent goes on."""
+    engine, ledger = route.wire.engine(
+        Reply.tool_calls(("helper", {"task": "a"})),
+        ErrorReply(status=400, message="malformed"),
+        Reply.tool_calls(("helper", {"task": "b"})),
+        Reply.text("half an ans", stop_reason="max_tokens"),
+        Reply.text("done without help"))
+    helper = le.agent_tool(engine, route.named("child.op"), name="helper",
+                           description="Helps.")
+    result = await engine.run(route.named("parent.op"), "go", tools=[helper])
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "done without help"
+    [failed] = last_results(result.messages[:3])
+    [cut] = last_results(result.messages[:5])
+    assert failed["is_error"] and cut["is_error"]
+    assert failed["content"].startswith("helper ended provider_error without an answer: ")
+    assert cut["content"].startswith("helper ended incomplete without an answer: ")
+    assert sorted(r["outcome"] for r in ledger.invocations.values()
+                  if r["operation"] == "child.op") == ["incomplete", "provider_error"]
+
+
 async def test_nesting_past_max_depth_is_an_error_result_and_sends_nothing(
     route: Route,
 ) -> None:
@@ -129,6 +154,29 @@ async def test_nesting_past_max_depth_is_an_error_result_and_sends_nothing(
         Reply.text("all done"))                          # parent
     inner = le.agent_tool(engine, route.named("grandchild.op"), name="inner",
                           description="Nested.", max_depth=1)
+    outer = le.agent_tool(engine, route.named("child.op"), name="outer",
+                          description="Delegates.", tools=[inner], max_depth=1)
+    result = await engine.run(route.named("parent.op"), "go", tools=[outer])
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "all done"
+    assert len(route.wire.requests) == 4
+    assert "max_depth=1" in str(route.wire.requests[2].messages[-1])
+    assert sorted(r["operation"] for r in ledger.invocations.values()) == ["child.op",
+                                                                          "parent.op"]
+
+
+async def test_an_inner_delegate_s_wider_max_depth_is_narrowed_to_its_ancestors(
+    route: Route,
+) -> None:
+    """The outer delegate allows one level (max_depth=1); the delegate its child is
+    given allows three: the grandchild would be nested 2 deep, past the bound the
+    outer call set, so it is not run and no request is sent for it."""
+    engine, ledger = route.wire.engine(
+        Reply.tool_calls(("outer", {"task": "a"})),      # parent
+        Reply.tool_calls(("inner", {"task": "b"})),      # child, depth 1
+        Reply.text("child gave up on nesting"),          # child
+        Reply.text("all done"))                          # parent
+    inner = le.agent_tool(engine, route.named("grandchild.op"), name="inner",
+                          description="Nested.", max_depth=3)
     outer = le.agent_tool(engine, route.named("child.op"), name="outer",
                           description="Delegates.", tools=[inner], max_depth=1)
     result = await engine.run(route.named("parent.op"), "go", tools=[outer])
@@ -243,6 +291,33 @@ async def test_an_agent_tool_on_another_ledger_is_refused_at_run_start(
         await engine.run(route.named("parent.op"), "go", tools=[unrecorded])
 
 
+async def test_a_nested_agent_tool_on_another_ledger_is_refused_when_built(
+    route: Route, tmp_path: Path,
+) -> None:
+    """A delegate's own delegate recording on another ledger (or counting credits in
+    other units) is refused when the outer agent_tool is built, naming both:
+    otherwise the root would run and spend, and only the model would learn of the
+    mistake, from an is_error result, once it delegated."""
+    engine, ledger = route.wire.engine()
+    with SQLiteLedger(tmp_path / "other.db") as other:
+        elsewhere = le.Engine(engine.providers, ledger=other, prices=engine.prices)
+        inner = le.agent_tool(elsewhere, route.named("grandchild.op"), name="inner",
+                              description="Nested.")
+        with pytest.raises(le.ConfigError, match="parent's ledger") as raised:
+            le.agent_tool(engine, route.named("child.op"), name="outer",
+                          description="Delegates.", tools=[inner])
+    assert raised.value.field == "tools"
+    assert "SQLiteLedger(" in str(raised.value) and "MemoryLedger(" in str(raised.value)
+    coarser = le.PriceBook(list(engine.prices.prices),
+                           credits_per_usd=engine.prices.credits_per_usd, credit_quantum=10)
+    inner = le.agent_tool(le.Engine(engine.providers, ledger=ledger, prices=coarser),
+                          route.named("grandchild.op"), name="inner", description="Nested.")
+    with pytest.raises(le.ConfigError, match="counts credits at"):
+        le.agent_tool(engine, route.named("child.op"), name="outer",
+                      description="Delegates.", tools=[inner])
+    assert ledger.invocations == {} and route.wire.requests == []
+
+
 async def test_a_delegated_run_counting_credits_in_other_units_is_refused(
     route: Route,
 ) -> None:
@@ -305,6 +380,36 @@ async def test_ctx_run_on_another_ledger_is_an_error_result_and_sends_nothing(
         in str(refused["content"])
     assert len(route.wire.requests) == 2 and other.invocations == {}
     assert [r["operation"] for r in ledger.invocations.values()] == ["parent.op"]
+
+
+async def test_r04_a_child_is_held_to_its_calling_tool_s_timeout() -> None:
+    """A handler with a 10 s timeout delegates to a child whose reply would take
+    100 s: the call's deadline (ctx.deadline) is 10 s away, not the run's 120,
+    and the child, held to it, ends time_limit when it comes rather than
+    outliving the call that waits for it."""
+    clock = FakeClock()
+    seen: list[le.ToolContext] = []
+    children: list[le.RunResult] = []
+
+    @le.tool(timeout=10)
+    async def research(task: str, ctx: le.ToolContext) -> str:
+        """Researches a task."""
+        seen.append(ctx)
+        children.append(await ctx.run(operation(), task))
+        return str(children[-1].answer)
+
+    ledger = MemoryLedger()
+    provider = ScriptedProvider([Reply.tool_calls(("research", {"task": "dig"})),
+                                 Reply.text("too late", delay=100),
+                                 Reply.text("done alone")], clock=clock)
+    engine = le.Engine(provider, ledger=ledger, prices=PRICES, clock=clock)
+    result = await engine.run(operation(total_time=120.0), "go", tools=[research])
+    assert result.outcome is le.Outcome.COMPLETED and result.answer == "done alone"
+    [ctx] = seen
+    assert ctx.deadline == 10.0
+    [child] = children
+    assert child.outcome is le.Outcome.TIME_LIMIT
+    assert clock.now() == 10.0
 
 
 async def test_r04_a_child_started_when_the_parent_s_time_is_spent_ends_time_limit() -> None:
