@@ -698,7 +698,8 @@ class AnthropicProvider(SDKProvider[AsyncClient]):
         usage, approx = _snapshot_usage(snapshot, late, params)
         return _answer(_with_inputs([block.to_dict() for block in snapshot.content], inputs,
                                     compacted),
-                       snapshot.stop_reason, usage, approx, response_id=snapshot.id,
+                       snapshot.stop_reason, usage, approx,
+                       response_id=text_or_none(snapshot.id),
                        request_id=request_id, http_status=stream.response.status_code,
                        model=snapshot.model,
                        container=Container.from_json(
