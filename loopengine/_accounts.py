@@ -232,28 +232,24 @@ class CreditAccounts:
 
         return await self._transaction(account, work)
 
-    async def recover(self, account: str, invocation_id: str) -> None:
+    async def recover(self, account: str, invocation_id: str, *,
+                      stopped: bool = False) -> None:
         """Settle the reservation a run's dead segment left, for what the ledger
         says it spent, and release it (internal): a recovered run that pauses
-        at once, before it reserves again, holds nothing while it waits."""
+        at once, before it reserves again, holds nothing while it waits.
 
-        def work(conn: Any, now: str) -> None:
-            store.lock(conn, account)
-            store.close_reservations(conn, account, now, expired=False, recovered=invocation_id)
-
-        await self._transaction(account, work)
-
-    async def settle_stopped(self, account: str, invocation_id: str) -> None:
-        """Settle the reservation a run's admission made after the run stopped
-        waiting for it (its caller cancelled it, or its deadline passed), for what
-        the ledger says the run spent, and release it (internal). Queued on the
-        ledger's writer after that admission, it finds the reservation made (or
-        none, when the admission reserved nothing)."""
+        ``stopped``: instead, the reservation a run's admission made after the
+        run stopped waiting for it (its caller cancelled it, or its deadline
+        passed), settled at the run's end. Queued on the ledger's writer after
+        that admission, it finds the reservation made (or none, when the
+        admission reserved nothing); on a ledger already closing, where it may
+        run on a writer of its own first, the reservation is left to its
+        expiry."""
 
         def work(conn: Any, now: str) -> None:
             store.lock(conn, account)
             store.close_reservations(conn, account, now, expired=False,
-                                     recovered=invocation_id, stopped=True)
+                                     recovered=invocation_id, stopped=stopped)
 
         await self._transaction(account, work)
 
@@ -299,7 +295,7 @@ class CreditAccounts:
         A cancelled wait (the caller's, or the run's deadline) stops waiting;
         the transaction, once queued, still ends in the writer's thread: a
         reservation made after its run stopped waiting is settled by the run's
-        end (`settle_stopped`), which the writer runs after it.
+        end (`recover` with ``stopped``), which the writer runs after it.
         """
         now = format_time(self._clock.wall())
         return await self.ledger._transact_qmark(lambda conn: work(conn, now),

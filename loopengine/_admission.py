@@ -15,7 +15,7 @@ from loopengine._accounts import Reservation
 from loopengine._errors import ConfigError
 from loopengine._features import ServerTool
 from loopengine._invocation import LEDGER_GRACE, Invocation
-from loopengine._pricing import PriceBook, to_nanousd
+from loopengine._pricing import Billing, PriceBook, to_nanousd
 from loopengine.guards._checkpoints import check_admission, unconfirmed_by_deadline
 from loopengine.guards._credits import turn_credits
 
@@ -40,17 +40,19 @@ def fee_margin(inv: Invocation, at: datetime) -> int:
 
 
 def check_fees_bounded(prices: PriceBook, vendor: str, model: str,
-                       server_tools: tuple[ServerTool, ...], at: datetime, account: str) -> None:
+                       server_tools: tuple[ServerTool, ...], at: datetime, account: str,
+                       billing: Billing) -> None:
     """Refuse a run on ``account`` (or in the tree of a run on it) whose server tools
     have a fee and no ``max_uses``: its turn's worst case, reserved on the account,
-    has no bound.
+    has no bound. ``billing`` is the run's (`Provider.billing`): a tool whose fee
+    is the provider's own has one whatever the model's list says.
 
     Raises:
         ConfigError: such a tool (``server_tools``).
     """
     if not server_tools:
         return
-    unbounded = prices.turn_fees(vendor, model, server_tools, at).unbounded
+    unbounded = prices.turn_fees(vendor, model, server_tools, at, billing=billing).unbounded
     if unbounded:
         raise ConfigError(
             "server_tools",
@@ -66,7 +68,7 @@ def delegated_fees(inv: Invocation, root: Invocation, at: datetime) -> None:
     if root.account is None:
         return
     check_fees_bounded(inv.prices, inv.vendor, inv.operation.model,
-                       inv.features.server_tools, at, root.account)
+                       inv.features.server_tools, at, root.account, inv.billing)
     inv.fee_excess = max(0, fee_margin(inv, at) - root.fees_reserved)
 
 
@@ -97,7 +99,14 @@ async def admit(inv: Invocation, at: datetime, *, spent: int = 0) -> None:
             credit_quantum=inv.prices.credit_quantum, margin=margin))
 
     inv.admitting = True  # until the answer arrives
-    if not await inv.confirm(reserve()):
+    try:
+        confirmed = await inv.confirm(reserve())
+    except Exception:
+        # Refused (a LedgerError: rolled back, nothing reserved): nothing for
+        # the run's end to settle.
+        inv.admitting = False
+        raise
+    if not confirmed:
         inv.denied = unconfirmed_by_deadline(inv.limits, "the account's reservation")
         return
     inv.admitting = False
@@ -127,7 +136,7 @@ async def settle_account(inv: Invocation, credits: int) -> None:
         settling = inv.accounts.settle(reservation, credits)
     elif inv.admitting and inv.account is not None:
         inv.admitting = False
-        settling = inv.accounts.settle_stopped(inv.account, inv.id)
+        settling = inv.accounts.recover(inv.account, inv.id, stopped=True)
     else:
         return
     settled = await inv.confirm(settling, at_least=LEDGER_GRACE)

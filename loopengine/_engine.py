@@ -324,7 +324,7 @@ class Engine:
                 )
         if account is not None:
             check_fees_bounded(self.prices, vendor, operation.model, run_features.server_tools,
-                               self.clock.wall(), account)
+                               self.clock.wall(), account, billing)
         return Invocation(
             kind=kind, operation=operation, provider=provider, limits=run_limits,
             policy=policy, attribution=attribution, ledger=self.ledger, prices=self.prices,

@@ -769,3 +769,35 @@ async def test_a_settlement_that_fails_after_the_end_is_written_announces_that_e
         assert isinstance(last, events.RunPaused)
     else:
         assert isinstance(last, events.RunEnded) and last.outcome == "completed"
+
+
+class UnreservingAccounts(le.CreditAccounts):
+    """Credit accounts whose reservation fails (rolled back: nothing reserved), and
+    that note every settlement of a run's stopped admission asked of them."""
+
+    stopped: list[str]
+
+    async def reserve(self, *args: Any, **kwargs: Any) -> Any:
+        raise le.LedgerError("the reservation could not be written")
+
+    async def recover(self, account: str, invocation_id: str, *,
+                      stopped: bool = False) -> None:
+        self.stopped.append(invocation_id)
+        await super().recover(account, invocation_id, stopped=stopped)
+
+
+async def test_an_admission_the_ledger_refused_leaves_its_run_nothing_to_settle(
+        tmp_path: Path) -> None:
+    """A reservation that failed (a LedgerError: rolled back, nothing reserved) is
+    no admission the run stopped waiting for: its end queued a settlement of it
+    anyway, one more transaction on a ledger that had just failed, whose own
+    error could replace the reservation's."""
+    with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        accounts = UnreservingAccounts(ledger)
+        accounts.stopped = []
+        await accounts.grant("acme", 5_000)
+        engine, provider = engine_on(ledger, Reply.text("done"), accounts=accounts)
+        with pytest.raises(le.LedgerError, match="the reservation could not be written"):
+            await engine.run(operation(credit_hold=1_000), "go",
+                             attribution=le.Attribution(tenant="acme"))
+    assert accounts.stopped == [] and provider.requests == []
