@@ -24,7 +24,7 @@ import functools
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
@@ -32,16 +32,23 @@ import anyio
 
 from loopengine._errors import ConfigError
 from loopengine._features import Features
-from loopengine._pricing import STANDARD_GEOS, STANDARD_SPEEDS, STANDARD_TIERS, Billing
+from loopengine._pricing import (
+    DEFAULT_BILLING,
+    STANDARD_GEOS,
+    STANDARD_SPEEDS,
+    STANDARD_TIERS,
+    Billing,
+)
 from loopengine._usage import Usage
 from loopengine._validate import MAX_INTEGER, binary_note, moment, shown
 from loopengine.providers._cache import CachePolicy
 from loopengine.providers._faults import FaultKind, ProviderFault
 
-__all__ = ["FEATURES", "STOP_REASONS", "Billing", "Container", "Provider", "ProviderRequest",
-           "ProviderResponse", "ServedSink", "TextCallback", "cut_sink", "genai_operation_of",
-           "hand_text", "media_note", "new_call_id", "priced_geo", "priced_speed", "priced_tier",
-           "reported_usage", "text_or_none", "token_count", "unwatch_cuts", "watch_cuts"]
+__all__ = ["DEFAULT_BILLING", "FEATURES", "STOP_REASONS", "Billing", "Container", "Provider",
+           "ProviderRequest", "ProviderResponse", "ServedSink", "TextCallback", "cut_sink",
+           "genai_operation_of", "hand_text", "media_note", "new_call_id", "priced_geo",
+           "priced_speed", "priced_tier", "reported_usage", "text_or_none", "token_count",
+           "unwatch_cuts", "watch_cuts"]
 
 P = ParamSpec("P")
 U = TypeVar("U")
@@ -119,8 +126,7 @@ def genai_operation_of(name: str) -> str:
     return "generate_content" if name in _GEMINI_NAMES else "chat"
 
 
-FEATURES = frozenset({"thinking", "server_tools", "betas", "context_management",
-                      "reasoning_effort", "service_tier", "web_search_options"})
+FEATURES = frozenset(item.name for item in fields(Features))
 """The optional request features an operation may publish (docs/providers.md); a provider
 names those it can send in `Provider.features`."""
 
@@ -346,7 +352,7 @@ class Provider(Protocol):
         prices the run's credit hold check, its reservations, its estimate
         and every attempt with the answer. Default: ``Billing()``, a request
         billed as its usage says."""
-        return Billing()
+        return DEFAULT_BILLING
 
     @property
     def features(self) -> frozenset[str]:

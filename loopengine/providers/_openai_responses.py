@@ -25,6 +25,7 @@ from loopengine import _validate
 from loopengine._features import Features
 from loopengine._pricing import DOCUMENTED_FEES
 from loopengine.providers._base import (
+    DEFAULT_BILLING,
     Billing,
     ProviderRequest,
     ProviderResponse,
@@ -135,7 +136,7 @@ class OpenAIResponsesProvider(SDKProvider["openai.AsyncOpenAI"]):
         if self.vendor == "openai" and not reasoning_model(model) and any(
                 tool.type.startswith(PREVIEW_SEARCH) for tool in features.server_tools):
             return Billing(web_search_per_k=DOCUMENTED_FEES[("openai", PREVIEW_SEARCH)])
-        return Billing()
+        return DEFAULT_BILLING
 
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         return responses_params(request, stream=stream)

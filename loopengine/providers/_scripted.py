@@ -23,6 +23,7 @@ from loopengine._errors import ConfigError
 from loopengine._features import Features
 from loopengine._usage import Usage
 from loopengine.providers._base import (
+    DEFAULT_BILLING,
     FEATURES,
     STOP_REASONS,
     Billing,
@@ -213,7 +214,7 @@ class ScriptedProvider:
     def billing(self, model: str, features: Features) -> Billing:
         """``Billing()``: a reply is billed as the script's usage says, web searches
         and long-context rates included (`Provider.billing`)."""
-        return Billing()
+        return DEFAULT_BILLING
 
     def check_ready(self) -> None:
         """Always ready: a script needs no connection."""

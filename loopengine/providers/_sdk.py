@@ -24,6 +24,7 @@ from loopengine._errors import ConfigError
 from loopengine._features import Features
 from loopengine._usage import Usage
 from loopengine.providers._base import (
+    DEFAULT_BILLING,
     Billing,
     ProviderRequest,
     ProviderResponse,
@@ -348,7 +349,7 @@ class SDKProvider(Generic[C]):
     def billing(self, model: str, features: Features) -> Billing:
         """``Billing()``: its requests are billed as their usage says
         (`Provider.billing`)."""
-        return Billing()
+        return DEFAULT_BILLING
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, stream={self._stream})"
