@@ -385,6 +385,9 @@ class PriceBook:
                 continue
             if best is None or _start(price) >= _start(best):
                 best = price
+        if best is None and (named := _named_model(provider, model)) != model:
+            # A Bedrock ARN the book does not list is priced as the model it names.
+            return self.entry(provider, named, at)
         return best
 
     def price(self, provider: str, model: str, usage: Usage, at: datetime, *,
@@ -568,7 +571,7 @@ class PriceBook:
             cost = entry.cost(usage)
             if multiplier != 1:
                 cost *= multiplier
-            return cost, f"book:{provider}/{model}@{since}"
+            return cost, f"book:{provider}/{entry.model}@{since}"
         if not self.fallback:
             return None
         return _genai_tokens(provider, model, usage, at, served, billing.long_context)
@@ -706,13 +709,19 @@ _BEDROCK_ARN: Final = re.compile(
     r"arn:aws[\w-]*:bedrock:[\w-]*:\d*:(?:foundation-model|inference-profile)/(?P<id>.+)")
 
 
+def _named_model(provider: str, model: str) -> str:
+    """The model id ``model`` names for ``provider``'s prices: a Bedrock ARN's
+    model (`_BEDROCK_ARN`), else ``model`` itself."""
+    arn = _BEDROCK_ARN.fullmatch(model) if _GENAI_PROVIDER_IDS.get(
+        provider, provider) == "aws" else None
+    return model if arn is None else arn.group("id")
+
+
 def _genai_model(provider: str, model: str) -> tuple[Any, Any] | None:
     from genai_prices import data_snapshot
 
     provider_id = _GENAI_PROVIDER_IDS.get(provider, provider)
-    arn = _BEDROCK_ARN.fullmatch(model) if provider_id == "aws" else None
-    if arn is not None:
-        model = arn.group("id")
+    model = _named_model(provider, model)
     try:
         return data_snapshot.get_snapshot().find_provider_model(model, None, provider_id, None)
     except LookupError:

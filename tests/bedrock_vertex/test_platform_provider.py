@@ -129,6 +129,31 @@ async def test_a_named_route_keeps_the_vendor_in_served_by(wire: PlatformHarness
 
 
 @pytest.mark.parametrize("platform", [BEDROCK], ids=["bedrock"])
+async def test_a_model_arn_is_priced_at_the_book_entry_of_the_model_it_names(
+    wire: PlatformHarness,
+) -> None:
+    """A foundation-model ARN the book does not list is priced at the book's entry
+    for the model it names, as genai-prices' price is: it was priced at
+    genai-prices' list rates, the caller's own price passed over."""
+    ledger = MemoryLedger()
+    wire.server.add(Reply.text("priced", usage=SERVED))
+    model = "anthropic.claude-sonnet-4-5-20250929-v1:0"
+    prices = le.PriceBook([le.ModelPrice(provider="aws-bedrock", model=model,
+                                         input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))])
+    engine = le.Engine(wire.provider(), ledger=ledger, prices=prices, clock=wire.clock)
+    op = le.Operation(name="arn", provider="aws-bedrock",
+                      model=f"arn:aws:bedrock:us-east-1::foundation-model/{model}",
+                      limits=le.Limits(credit_hold=10_000))
+    result = await engine.run(op, "go")
+    (attempt,) = ledger.attempts.values()
+    assert result.outcome is le.Outcome.COMPLETED
+    booked = prices.price("aws-bedrock", model, SERVED, wire.clock.wall())
+    assert booked is not None and attempt["price_ref"] == booked.price_ref
+    # The book's $1 a million for every token, not genai-prices' $3.30 input.
+    assert attempt["cost_nanousd"] == booked.cost_nanousd == 1_320_000
+
+
+@pytest.mark.parametrize("platform", [BEDROCK], ids=["bedrock"])
 async def test_bedrock_refuses_anthropics_hosted_tools_before_anything_is_recorded(
     wire: PlatformHarness,
 ) -> None:
