@@ -379,7 +379,7 @@ async def test_the_fake_openai_apis_refuse_an_array_schema_without_items() -> No
             either = {"type": "object", "properties": {"a": {"type": "string"}},
                       "anyOf": [{"required": ["a"]}]}
             with pytest.raises(openai.BadRequestError, match="not have 'oneOf'/'anyOf'/"
-                               "'allOf'/'enum'/'const'/'not' at the top level"):
+                               "'allOf'/'enum'/'not' at the top level"):
                 await client.chat.completions.create(
                     model="gpt-4o", messages=[{"role": "user", "content": "Pair?"}],
                     tools=[{"type": "function", "function": {"name": "pair",
@@ -387,17 +387,21 @@ async def test_the_fake_openai_apis_refuse_an_array_schema_without_items() -> No
         assert server.responses_served == 0
 
 
-@pytest.mark.parametrize("route", ["anthropic", "openai", "openai-responses"])
+EITHER = le.Tool("find", "Find by name or id.", {
+    "type": "object", "properties": {"name": {"type": "string"}, "id": {"type": "string"}},
+    "anyOf": [{"required": ["name"]}, {"required": ["id"]}]}, lambda _: "found")
+"""A tool whose schema has ``anyOf`` at its root, as an MCP server's "give one of
+these" rule is written."""
+
+
+@pytest.mark.parametrize("route", ["anthropic", "openai-responses"])
 async def test_a_tool_with_any_of_at_its_schema_s_root_is_refused_before_the_wire(
     route: str,
 ) -> None:
-    """The Messages API and both OpenAI APIs refuse a tool whose schema has
-    ``anyOf`` at its root (as an MCP server's "give one of these" rule is
-    written): the run is refused before its attempt is recorded or sent,
-    naming the tool, where the fakes (as the APIs) answer with a 400."""
-    either = le.Tool("find", "Find by name or id.", {
-        "type": "object", "properties": {"name": {"type": "string"}, "id": {"type": "string"}},
-        "anyOf": [{"required": ["name"]}, {"required": ["id"]}]}, lambda _: "found")
+    """The Messages API and the Responses API refuse a tool whose schema has
+    ``anyOf`` at its root: the run is refused before its attempt is recorded or
+    sent, naming the tool, where the fakes (as the APIs) answer with a 400."""
+    either = EITHER
     with served(route, Reply.text("never")) as (server, provider):
         async with provider:
             result = await le.Engine(provider).run(operation(route), "Find it.", tools=[either])
@@ -406,6 +410,25 @@ async def test_a_tool_with_any_of_at_its_schema_s_root_is_refused_before_the_wir
     assert result.outcome is le.Outcome.PROVIDER_ERROR and result.attempts.count == 0
     assert result.fault is not None and "'find'" in result.fault.message
     assert "'anyOf' at its root" in result.fault.message
+
+
+def test_chat_completions_refuses_such_a_tool_on_openai_s_own_api_only() -> None:
+    """OpenAI's Chat Completions API (and Azure's) refuses the tool above, so a
+    provider sending to it refuses it before the wire; another server that
+    speaks the wire format (vLLM, Ollama, OpenRouter) takes such schemas, so
+    a provider sending there leaves it to the server, as it did."""
+    from loopengine.providers import ProviderRequest
+
+    request = ProviderRequest(model="gpt-4o", max_tokens=16, messages=[
+        {"role": "user", "content": "Find it."}], tools=[EITHER.definition])
+    with pytest.raises(le.ProviderFault, match="'find': its input schema has 'anyOf' at "
+                                               "its root"):
+        OpenAIProvider(api_key="sk-test").check_request(request)
+    with pytest.raises(le.ProviderFault, match="'anyOf' at its root"):
+        OpenAIProvider(api_key="sk-test", azure_endpoint="https://x.openai.azure.com",
+                       api_version="2024-10-21").check_request(request)
+    for compatible in ("http://127.0.0.1:8000/v1", "https://openrouter.ai/api/v1"):
+        OpenAIProvider(api_key="sk-test", base_url=compatible).check_request(request)
 
 
 class Contact(pydantic.BaseModel):

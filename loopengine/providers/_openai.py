@@ -198,6 +198,10 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         self._clients, vendor = openai_clients("OpenAIProvider", client, client_kwargs,
                                                max_connections)
         self._name_route(vendor)
+        # Another server that speaks the wire format (vLLM, Ollama, OpenRouter)
+        # takes tool schemas OpenAI's own API refuses.
+        self._openai_rules = vendor == "azure" or str(
+            self._clients.current().base_url.host).endswith(".openai.com")
 
     features = frozenset({"reasoning_effort", "service_tier", "web_search_options"})
     """The Chat Completions API's optional request features (docs/providers.md), sent as
@@ -223,12 +227,13 @@ class OpenAIProvider(SDKProvider["openai.AsyncOpenAI"]):
         API has no equivalent for (a document, a server tool block, a block
         inside a tool result other than text, an image or a document...,
         ``web_search_options`` to a model that is not a search model), by the
-        translation's own rules, without translating it.
+        translation's own rules, without translating it; on OpenAI's own API
+        or Azure's, a tool whose schema they refuse (``anyOf``... at its root).
 
         Raises:
             ProviderFault: ``bad_request``, ``error_code`` ``untranslatable``.
         """
-        check_translatable(request)
+        check_translatable(request, openai_rules=self._openai_rules)
 
     def _params(self, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
         return chat_params(request, stream=stream)

@@ -382,9 +382,11 @@ def image_source(block: Mapping[str, Any], api: str = API) -> Mapping[str, Any]:
     raise untranslatable("an image that is neither base64 data nor a URL", api)
 
 
-def check_translatable(request: ProviderRequest) -> None:
+def check_translatable(request: ProviderRequest, *, openai_rules: bool = True) -> None:
     """Raise what `chat_params` would raise for ``request``, without translating it,
-    and refuse a tool whose schema the API refuses (`check_functions`).
+    and, with ``openai_rules`` (the server is OpenAI's own API or Azure's, not
+    another server that speaks its wire format), refuse a tool whose schema
+    the API refuses (`check_functions`).
 
     Raises:
         ProviderFault: ``bad_request`` (``untranslatable``) for a block, a role
@@ -399,10 +401,11 @@ def check_translatable(request: ProviderRequest) -> None:
     check_blocks(request, _assistant_kind, user_kind, API)
     if request.tools:
         chat_tool_choice(request.tool_choice)
-    check_functions(request.tools, API)
+    if openai_rules:
+        check_functions(request.tools, API)
 
 
-ROOT_KEYWORDS = ("oneOf", "anyOf", "allOf", "enum", "const", "not")
+ROOT_KEYWORDS = ("oneOf", "anyOf", "allOf", "enum", "not")
 """The keywords both OpenAI APIs refuse at the root of a function's parameters
 ("schema must have type 'object' and not have ... at the top level")."""
 
