@@ -5,6 +5,7 @@ one did, a changed request is caught, and a bad recording is named."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 import re
@@ -152,6 +153,55 @@ async def test_a_replay_with_other_features_or_cache_markers_is_a_mismatch(
     with pytest.raises(le.ReplayMismatchError, match=f"{where} differs"):
         await le.Engine(ReplayProvider(path), prices=PRICES).run(
             dataclasses.replace(recorded_op, **change), "hi")
+
+
+def _earlier_recording(path: Path, *, header: dict[str, Any]) -> None:
+    """A recording as written before requests were recorded with their features
+    and cache policy: a header naming no vendor, and each request without them
+    (its digest, the SHA-256 of its sorted, compact JSON, taken without them)."""
+    request = {"max_tokens": 4096, "messages": [{"content": "hi", "role": "user"}],
+               "model": MODEL, "system": None, "tool_choice": None, "tools": []}
+    digest = hashlib.sha256(json.dumps(request, sort_keys=True,
+                                       separators=(",", ":")).encode()).hexdigest()
+    response = {"container": None, "content": [{"text": "done", "type": "text"}],
+                "http_status": 200, "model": MODEL, "request_id": "req_1",
+                "response_id": "msg_1", "stop_reason": "end_turn",
+                "usage": {"input_tokens": 100, "output_tokens": 20}, "usage_approx": False}
+    lines = [header, {"request": request, "request_sha256": digest, "response": response}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+
+
+async def test_a_recording_made_before_features_were_recorded_replays(tmp_path: Path) -> None:
+    """A recording written before requests were recorded with their features and
+    cache policy (its header names no vendor) replays as it did: the replay
+    digested each request with them and refused a run with thinking, betas,
+    server tools or cache markers at its first request ("request.features
+    differs"). A recording that names its vendor still compares them, and a
+    recording begun the earlier way goes on that way when appended to."""
+    path = tmp_path / "run.jsonl"
+    header = {"format": "loopengine.recording", "provider": "anthropic", "version": 1}
+    thinking = dataclasses.replace(op(), max_output_tokens=4096,
+                                   thinking=le.Thinking(budget_tokens=1024),
+                                   cache=le.CachePolicy(system=True))
+    _earlier_recording(path, header=header)
+    replayed = await le.Engine(ReplayProvider(path), prices=PRICES).run(thinking, "hi")
+    assert (replayed.outcome, replayed.answer) == (le.Outcome.COMPLETED, "done")
+
+    # Appended to, the earlier recording's new requests are recorded without them too.
+    await le.Engine(RecordingProvider(ScriptedProvider([Reply.text("again")], name="anthropic"),
+                                      path, append=True), prices=PRICES).run(thinking, "hi")
+    replay = ReplayProvider(path)
+    answers = [(await le.Engine(replay, prices=PRICES).run(thinking, "hi")).answer
+               for _ in range(2)]
+    assert answers == ["done", "again"] and replay.exhausted
+
+    # The same request in a recording that names its vendor: its features differ.
+    _earlier_recording(path, header={**header, "vendor": "anthropic"})
+    with pytest.raises(le.ReplayMismatchError, match=r"request\.cache differs"):
+        await le.Engine(ReplayProvider(path), prices=PRICES).run(thinking, "hi")
+    with pytest.raises(le.ReplayMismatchError, match=r"request\.features differs"):
+        await le.Engine(ReplayProvider(path), prices=PRICES).run(
+            dataclasses.replace(thinking, cache=le.CachePolicy()), "hi")
 
 
 

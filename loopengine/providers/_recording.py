@@ -63,12 +63,20 @@ _RESPONSE_FIELDS = ("stop_reason", "response_id", "request_id", "http_status", "
                     "usage_approx")
 
 
-def request_body(request: ProviderRequest) -> dict[str, Any]:
+def _earlier(header: Mapping[str, Any]) -> bool:
+    """Whether a recording's header was written before a recording named the
+    request features and the cache policy: such a header names no vendor
+    (both came in together), and its requests are compared without them."""
+    return "vendor" not in header
+
+
+def request_body(request: ProviderRequest, *, earlier: bool = False) -> dict[str, Any]:
     """What identifies a request: everything sent except the time-dependent timeout
     and the container (whose expiry is the engine clock's, which a replay need
     not share). The request features and the cache policy are named only when
     set, so a recording of a request without them reads as it did before they
-    were recorded."""
+    were recorded; ``earlier``: never, as a recording begun before they were
+    recorded (`_earlier`) holds its requests."""
     body: dict[str, Any] = {
         "model": request.model,
         "max_tokens": request.max_tokens,
@@ -77,6 +85,8 @@ def request_body(request: ProviderRequest) -> dict[str, Any]:
         "tool_choice": request.tool_choice,
         "messages": list(request.messages),
     }
+    if earlier:
+        return body
     features = features_table(request.features)
     if features:
         body["features"] = features
@@ -155,12 +165,16 @@ class RecordingProvider:
         self.path = _recording_path(path)
         header = {"format": FORMAT, "version": VERSION, "provider": inner.name,
                   "vendor": inner.vendor, "genai_operation": inner.genai_operation}
+        self._earlier = False
         if append and self.path.is_file() and self.path.stat().st_size:
             recorded = _load(self.path)[0]
             if (recorded["provider"], recorded.get("vendor", recorded["provider"])) != (
                     inner.name, inner.vendor):
                 raise ConfigError("path", f"{self.path} is a recording of provider "
                                           f"{recorded['provider']!r}, not {inner.name!r}")
+            # Gone on with as it was begun, so that its replay compares every
+            # request alike.
+            self._earlier = _earlier(recorded)
             return
         try:
             self.path.write_text("", encoding="utf-8")
@@ -221,7 +235,7 @@ class RecordingProvider:
         """``request`` as recorded: what identifies it (`request_body`), its digest
         and, where it is not the default, how the inner provider bills it
         (`Provider.billing`), which the replay declares in its place."""
-        body = request_body(request)
+        body = request_body(request, earlier=self._earlier)
         entry: dict[str, Any] = {"request": body, "request_sha256": _digest(body)}
         billing = self.inner.billing(request.model, request.features)
         if billing != Billing():
@@ -333,6 +347,9 @@ class ReplayProvider:
         self._name = str(header["provider"])
         # A recording made before the header named them: what the route says.
         self._vendor = str(header.get("vendor") or self._name)
+        # A recording begun before requests were recorded with their features
+        # and cache policy: each request is compared without them.
+        self._earlier = _earlier(header)
         self._operation = str(header.get("genai_operation") or genai_operation_of(self._name))
         self.strict = strict
         self.position = 0
@@ -374,7 +391,9 @@ class ReplayProvider:
         ``features``, as recorded with them, so that the replay is priced (and
         its credit hold checked, its reservations made) as the recorded run
         was; the default where none was recorded (`Provider.billing`)."""
-        return self._billings.get(_billing_key(model, features_table(features)), Billing())
+        # A recording begun without features (`_earlier`) keeps none with a billing.
+        table = {} if self._earlier else features_table(features)
+        return self._billings.get(_billing_key(model, table), Billing())
 
     def check_ready(self) -> None:
         """Always ready: a recording needs no connection."""
@@ -386,7 +405,7 @@ class ReplayProvider:
             ProviderFault: the recorded refusal of this request.
         """
         if self._refusals:
-            refusals = self._refusals.get(_digest(request_body(request)))
+            refusals = self._refusals.get(_digest(request_body(request, earlier=self._earlier)))
             if refusals:
                 raise refusals.popleft()
 
@@ -419,7 +438,8 @@ class ReplayProvider:
         if not self.strict:
             index = self._first
             self._waiting[self.entries[index]["request_sha256"]].remove(index)
-        elif waiting := self._waiting.get(_digest(body := request_body(request))):
+        elif waiting := self._waiting.get(
+                _digest(body := request_body(request, earlier=self._earlier))):
             index = waiting.popleft()
         else:
             recorded = self.entries[self._first]["request"]
