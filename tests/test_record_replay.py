@@ -48,7 +48,7 @@ from loopengine.testing import (
 )
 
 from .conftest import MODEL, PRICES, operation
-from .test_deadline import on_mock_clock
+from .test_deadline import Silent, on_mock_clock
 
 GEMINI = "gemini-2.5-flash"
 
@@ -243,6 +243,9 @@ def _billing(billing: object) -> Callable[[list[str]], list[str]]:
      "line 2 is not a recorded attempt: .*searches_per_request.* at least 0"),
     (_billing({"searches": 1}), "line 2 is not a recorded attempt: .*'searches'"),
     (lambda lines: [], "is empty"),
+    (lambda lines: [lines[0], json.dumps({**json.loads(lines[1]), "cut": None,
+                                          "cut_by": "noon"}), lines[2]],
+     "line 2 is not a recorded attempt: its cut_by is not one of timeout, deadline, caller"),
 ])
 async def test_a_damaged_recording_is_refused_naming_the_file_and_the_line(
         tmp_path: Path, damage: Any, says: str) -> None:
@@ -366,6 +369,61 @@ def test_an_attempt_its_timeout_cut_replays_as_a_timeout(tmp_path: Path) -> None
         del row["latency_ms"]  # the recorded attempt waited its timeout; a replay does not
     assert rows[1] == rows[0]
     assert (rows[0][0]["fault"], rows[0][0]["output_tokens"]) == ("timeout", 3)
+    # Written as a timeout's cut always was: it names nothing more.
+    assert "cut_by" not in json.loads(path.read_text().splitlines()[1])
+
+
+def test_an_attempt_the_runs_deadline_cut_replays_cut_by_that_deadline(tmp_path: Path) -> None:
+    """A run whose deadline cut its attempt ended ``time_limit``; the cut was
+    recorded as any cut and replayed as the attempt's timeout, so the replayed
+    run retried, and failed with "request 2 was not recorded". It is recorded
+    as the deadline's, and its replay waits for the replayed run's deadline,
+    which cuts it where the recorded one's did. On trio's MockClock: the
+    deadline passes in no real time."""
+    path = tmp_path / "run.jsonl"
+    ledgers = MemoryLedger(), MemoryLedger()
+
+    async def runs() -> list[le.RunResult]:
+        providers: list[Callable[[], Provider]] = [
+            lambda: RecordingProvider(Silent(), path), lambda: ReplayProvider(path)]
+        return [await le.Engine(provider(), ledger=ledger, prices=PRICES).run(
+                    operation(total_time=5.0), "go")
+                for provider, ledger in zip(providers, ledgers, strict=True)]
+
+    (recorded, replayed), took = on_mock_clock(runs)
+    assert json.loads(path.read_text().splitlines()[1])["cut_by"] == "deadline"
+    assert recorded.outcome is le.Outcome.TIME_LIMIT and recorded.attempts.count == 1
+    assert (replayed.outcome, replayed.attempts) == (recorded.outcome, recorded.attempts)
+    assert took == pytest.approx(10.0)  # each run waited its own deadline
+    rows = [attempt_rows(ledger) for ledger in ledgers]
+    assert rows[1] == rows[0] and rows[0][0]["aborted_reason"] == "deadline"
+
+
+def test_an_attempt_its_caller_cut_replays_as_an_error_saying_so(tmp_path: Path) -> None:
+    """A run its caller cancelled, its attempt in flight, was replayed as though a
+    timeout had cut the attempt: the replayed run retried and failed with
+    "request 2 was not recorded". Nothing in a replay can cancel it where its
+    caller did, so the replay says the recorded attempt was cut by its caller."""
+    path = tmp_path / "run.jsonl"
+
+    async def cancelled_after(seconds: float, provider: Provider) -> None:
+        async with anyio.create_task_group() as group:
+            group.start_soon(le.Engine(provider, prices=PRICES).run, operation(), "go")
+            await anyio.sleep(seconds)
+            group.cancel_scope.cancel()
+
+    async def record() -> None:
+        await cancelled_after(2, RecordingProvider(Silent(), path))
+
+    on_mock_clock(record)
+    assert json.loads(path.read_text().splitlines()[1])["cut_by"] == "caller"
+
+    async def replay() -> None:
+        await le.Engine(ReplayProvider(path), prices=PRICES).run(operation(), "go")
+
+    with pytest.raises(le.ReplayMismatchError,
+                       match="request 1 was cut by its caller in the recording"):
+        on_mock_clock(replay)
 
 
 async def test_runs_recorded_concurrently_replay_in_any_order(

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -56,6 +57,9 @@ __all__ = ["RecordingProvider", "ReplayProvider"]
 
 FORMAT = "loopengine.recording"
 VERSION = 1
+
+_CUT_BY = ("timeout", "deadline", "caller")
+"""What may cut a recorded attempt (`ServedSink.cut_by`)."""
 
 _FAULT_FIELDS = ("http_status", "error_code", "retry_after", "should_retry", "request_id",
                  "response_id", "usage_approx", "aborted_reason")
@@ -284,10 +288,14 @@ class RecordingProvider:
             self._write(entry)
             raise
         except anyio.get_cancelled_exc_class():
-            # Cut by the attempt's timeout (or the run's deadline, the caller's
-            # cancellation): sent, and unanswered. Unrecorded, its replay would
-            # serve its retry's reply to it.
+            # Cut by the attempt's timeout, a deadline or the caller's
+            # cancellation: sent, and unanswered. Unrecorded, its replay would
+            # serve its retry's reply to it. A timeout's cut is written as it
+            # always was; any other names what cut it (`_Cut.by`).
             entry["cut"] = None if kept.served is None else self._fault_json(kept.served)
+            by = kept.cut_by()
+            if by != "timeout":
+                entry["cut_by"] = by
             self._write(entry)
             raise
         finally:
@@ -461,11 +469,24 @@ class ReplayProvider:
             await hand_text(on_text, outcome.content)
         if isinstance(outcome, _Cut):
             # The recorded attempt was cut with no answer: what its stream had
-            # served goes to the attempt, which times out as the recorded one did.
+            # served goes to the attempt, which is cut as the recorded one was.
             sink = cut_sink()
             if sink is not None and outcome.served is not None:
                 sink.keep_served(outcome.served)
-            raise timed_out(request.timeout)
+            if outcome.by == "timeout":
+                raise timed_out(request.timeout)
+            if outcome.by == "deadline":
+                if anyio.current_effective_deadline() < math.inf:
+                    # The replayed run's deadline (or its caller's) cuts it
+                    # where the recorded one's did: the replay waits for it.
+                    await anyio.sleep_forever()
+                raise ReplayMismatchError(
+                    f"{self.path}: request {self._received} was cut by a deadline (the "
+                    "run's or its caller's) in the recording, and no deadline can cut it here")
+            raise ReplayMismatchError(
+                f"{self.path}: request {self._received} was cut by its caller in the "
+                "recording (the run was cancelled), which a replay cannot reproduce: the "
+                "recorded run ended there")
         if isinstance(outcome, ProviderFault):
             raise outcome
         return outcome
@@ -550,7 +571,10 @@ def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault | _Cu
     if "fault" in entry or "refused" in entry:
         return _fault_from(entry.get("fault") or entry["refused"])
     if "cut" in entry:
-        return _Cut(None if entry["cut"] is None else _fault_from(entry["cut"]))
+        by = entry.get("cut_by", "timeout")
+        if by not in _CUT_BY:
+            raise ValueError(f"its cut_by is not one of {', '.join(_CUT_BY)}")
+        return _Cut(None if entry["cut"] is None else _fault_from(entry["cut"]), by)
     recorded = entry["response"]
     usage = recorded.get("usage")
     return ProviderResponse(
@@ -587,6 +611,10 @@ class _Cut:
 
     served: ProviderFault | None
     """What its stream had served by then, if anything."""
+    by: str = "timeout"
+    """What cut it (`ServedSink.cut_by`): ``timeout``, its own timeout (also a
+    cut recorded before cuts named what cut them); ``deadline``, its timeout
+    capped at a deadline; ``caller``, the run's cancellation."""
 
 
 class _KeptCut:
@@ -602,6 +630,11 @@ class _KeptCut:
         self.served = cut
         if self.sink is not None:
             self.sink.keep_served(cut)
+
+    def cut_by(self) -> str:
+        """What the cut is, as the attempt says (`ServedSink.cut_by`); ``caller``
+        with no attempt to ask (a send outside the engine)."""
+        return "caller" if self.sink is None else self.sink.cut_by()
 
 
 def _first_difference(recorded: Any, sent: Any, where: str = "request") -> str:
