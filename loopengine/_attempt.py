@@ -197,6 +197,7 @@ async def attempt(
     response: ProviderResponse | None = None
     fault: ProviderFault | None = None
     flight.started = inv.clock.now()
+    flight.clock, flight.ends, flight.capped = inv.clock, now + timeout, capped
     # The attempt's time runs from its start: what its row's write took is spent,
     # not what its observers took (a slow observer slows the run, and only the
     # run's deadline counts it: it never turns a reply in time into a timeout).

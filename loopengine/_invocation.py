@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import random
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -72,10 +73,24 @@ class InFlight:
     served: ProviderFault | None = None
     """What its stream had served when a cancellation cut it (the provider's
     report to `loopengine.providers._base.watch_cuts`): its settle keeps it."""
+    clock: Clock | None = None
+    """The engine's clock, once the request is sent."""
+    ends: float = math.inf
+    """When its timeout elapses, on ``clock``."""
+    capped: bool = False
+    """Whether that timeout was capped at a deadline (the run's or its caller's)."""
 
     def keep_served(self, cut: ProviderFault) -> None:
         """Keep what the stream had served when a cancellation cut it."""
         self.served = cut
+
+    def cut_by(self) -> str:
+        """What a cancellation cutting the attempt now is (`ServedSink.cut_by`)."""
+        # A microsecond's leeway: a capped timeout is the deadline less the
+        # attempt's start, which added back may differ from it in the last bit.
+        if self.clock is None or self.clock.now() < self.ends - 1e-6:
+            return "caller"
+        return "deadline" if self.capped else "timeout"
 
 
 _NOBODY = Attribution()

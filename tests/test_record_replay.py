@@ -5,6 +5,7 @@ one did, a changed request is caught, and a bad recording is named."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 import re
@@ -47,7 +48,7 @@ from loopengine.testing import (
 )
 
 from .conftest import MODEL, PRICES, operation
-from .test_deadline import on_mock_clock
+from .test_deadline import Silent, on_mock_clock
 
 GEMINI = "gemini-2.5-flash"
 
@@ -154,6 +155,55 @@ async def test_a_replay_with_other_features_or_cache_markers_is_a_mismatch(
             dataclasses.replace(recorded_op, **change), "hi")
 
 
+def _earlier_recording(path: Path, *, header: dict[str, Any]) -> None:
+    """A recording as written before requests were recorded with their features
+    and cache policy: a header naming no vendor, and each request without them
+    (its digest, the SHA-256 of its sorted, compact JSON, taken without them)."""
+    request = {"max_tokens": 4096, "messages": [{"content": "hi", "role": "user"}],
+               "model": MODEL, "system": None, "tool_choice": None, "tools": []}
+    digest = hashlib.sha256(json.dumps(request, sort_keys=True,
+                                       separators=(",", ":")).encode()).hexdigest()
+    response = {"container": None, "content": [{"text": "done", "type": "text"}],
+                "http_status": 200, "model": MODEL, "request_id": "req_1",
+                "response_id": "msg_1", "stop_reason": "end_turn",
+                "usage": {"input_tokens": 100, "output_tokens": 20}, "usage_approx": False}
+    lines = [header, {"request": request, "request_sha256": digest, "response": response}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+
+
+async def test_a_recording_made_before_features_were_recorded_replays(tmp_path: Path) -> None:
+    """A recording written before requests were recorded with their features and
+    cache policy (its header names no vendor) replays as it did: the replay
+    digested each request with them and refused a run with thinking, betas,
+    server tools or cache markers at its first request ("request.features
+    differs"). A recording that names its vendor still compares them, and a
+    recording begun the earlier way goes on that way when appended to."""
+    path = tmp_path / "run.jsonl"
+    header = {"format": "loopengine.recording", "provider": "anthropic", "version": 1}
+    thinking = dataclasses.replace(op(), max_output_tokens=4096,
+                                   thinking=le.Thinking(budget_tokens=1024),
+                                   cache=le.CachePolicy(system=True))
+    _earlier_recording(path, header=header)
+    replayed = await le.Engine(ReplayProvider(path), prices=PRICES).run(thinking, "hi")
+    assert (replayed.outcome, replayed.answer) == (le.Outcome.COMPLETED, "done")
+
+    # Appended to, the earlier recording's new requests are recorded without them too.
+    await le.Engine(RecordingProvider(ScriptedProvider([Reply.text("again")], name="anthropic"),
+                                      path, append=True), prices=PRICES).run(thinking, "hi")
+    replay = ReplayProvider(path)
+    answers = [(await le.Engine(replay, prices=PRICES).run(thinking, "hi")).answer
+               for _ in range(2)]
+    assert answers == ["done", "again"] and replay.exhausted
+
+    # The same request in a recording that names its vendor: its features differ.
+    _earlier_recording(path, header={**header, "vendor": "anthropic"})
+    with pytest.raises(le.ReplayMismatchError, match=r"request\.cache differs"):
+        await le.Engine(ReplayProvider(path), prices=PRICES).run(thinking, "hi")
+    with pytest.raises(le.ReplayMismatchError, match=r"request\.features differs"):
+        await le.Engine(ReplayProvider(path), prices=PRICES).run(
+            dataclasses.replace(thinking, cache=le.CachePolicy()), "hi")
+
+
 
 def _cut(lines: list[str]) -> list[str]:
     return [*lines[:-1], lines[-1][:-30]]
@@ -193,6 +243,9 @@ def _billing(billing: object) -> Callable[[list[str]], list[str]]:
      "line 2 is not a recorded attempt: .*searches_per_request.* at least 0"),
     (_billing({"searches": 1}), "line 2 is not a recorded attempt: .*'searches'"),
     (lambda lines: [], "is empty"),
+    (lambda lines: [lines[0], json.dumps({**json.loads(lines[1]), "cut": None,
+                                          "cut_by": "noon"}), lines[2]],
+     "line 2 is not a recorded attempt: its cut_by is not one of timeout, deadline, caller"),
 ])
 async def test_a_damaged_recording_is_refused_naming_the_file_and_the_line(
         tmp_path: Path, damage: Any, says: str) -> None:
@@ -316,6 +369,61 @@ def test_an_attempt_its_timeout_cut_replays_as_a_timeout(tmp_path: Path) -> None
         del row["latency_ms"]  # the recorded attempt waited its timeout; a replay does not
     assert rows[1] == rows[0]
     assert (rows[0][0]["fault"], rows[0][0]["output_tokens"]) == ("timeout", 3)
+    # Written as a timeout's cut always was: it names nothing more.
+    assert "cut_by" not in json.loads(path.read_text().splitlines()[1])
+
+
+def test_an_attempt_the_runs_deadline_cut_replays_cut_by_that_deadline(tmp_path: Path) -> None:
+    """A run whose deadline cut its attempt ended ``time_limit``; the cut was
+    recorded as any cut and replayed as the attempt's timeout, so the replayed
+    run retried, and failed with "request 2 was not recorded". It is recorded
+    as the deadline's, and its replay waits for the replayed run's deadline,
+    which cuts it where the recorded one's did. On trio's MockClock: the
+    deadline passes in no real time."""
+    path = tmp_path / "run.jsonl"
+    ledgers = MemoryLedger(), MemoryLedger()
+
+    async def runs() -> list[le.RunResult]:
+        providers: list[Callable[[], Provider]] = [
+            lambda: RecordingProvider(Silent(), path), lambda: ReplayProvider(path)]
+        return [await le.Engine(provider(), ledger=ledger, prices=PRICES).run(
+                    operation(total_time=5.0), "go")
+                for provider, ledger in zip(providers, ledgers, strict=True)]
+
+    (recorded, replayed), took = on_mock_clock(runs)
+    assert json.loads(path.read_text().splitlines()[1])["cut_by"] == "deadline"
+    assert recorded.outcome is le.Outcome.TIME_LIMIT and recorded.attempts.count == 1
+    assert (replayed.outcome, replayed.attempts) == (recorded.outcome, recorded.attempts)
+    assert took == pytest.approx(10.0)  # each run waited its own deadline
+    rows = [attempt_rows(ledger) for ledger in ledgers]
+    assert rows[1] == rows[0] and rows[0][0]["aborted_reason"] == "deadline"
+
+
+def test_an_attempt_its_caller_cut_replays_as_an_error_saying_so(tmp_path: Path) -> None:
+    """A run its caller cancelled, its attempt in flight, was replayed as though a
+    timeout had cut the attempt: the replayed run retried and failed with
+    "request 2 was not recorded". Nothing in a replay can cancel it where its
+    caller did, so the replay says the recorded attempt was cut by its caller."""
+    path = tmp_path / "run.jsonl"
+
+    async def cancelled_after(seconds: float, provider: Provider) -> None:
+        async with anyio.create_task_group() as group:
+            group.start_soon(le.Engine(provider, prices=PRICES).run, operation(), "go")
+            await anyio.sleep(seconds)
+            group.cancel_scope.cancel()
+
+    async def record() -> None:
+        await cancelled_after(2, RecordingProvider(Silent(), path))
+
+    on_mock_clock(record)
+    assert json.loads(path.read_text().splitlines()[1])["cut_by"] == "caller"
+
+    async def replay() -> None:
+        await le.Engine(ReplayProvider(path), prices=PRICES).run(operation(), "go")
+
+    with pytest.raises(le.ReplayMismatchError,
+                       match="request 1 was cut by its caller in the recording"):
+        on_mock_clock(replay)
 
 
 async def test_runs_recorded_concurrently_replay_in_any_order(

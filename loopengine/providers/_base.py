@@ -64,6 +64,13 @@ class ServedSink(Protocol):
     def keep_served(self, cut: ProviderFault) -> None:
         """Keep what a reply had served when a cancellation cut it."""
 
+    def cut_by(self) -> str:
+        """What a cancellation cutting the attempt now is: ``timeout``, its own
+        timeout, elapsed by the engine's clock; ``deadline``, that timeout
+        capped at the run's deadline (or a deadline of its caller's), elapsed;
+        ``caller``, anything else (the caller cancelled the run)."""
+        ...
+
 
 _watching: dict[int, ServedSink] = {}
 """The attempt in flight of each task sending a request, by anyio task id: a

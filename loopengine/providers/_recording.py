@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,18 +58,29 @@ __all__ = ["RecordingProvider", "ReplayProvider"]
 FORMAT = "loopengine.recording"
 VERSION = 1
 
+_CUT_BY = ("timeout", "deadline", "caller")
+"""What may cut a recorded attempt (`ServedSink.cut_by`)."""
+
 _FAULT_FIELDS = ("http_status", "error_code", "retry_after", "should_retry", "request_id",
                  "response_id", "usage_approx", "aborted_reason")
 _RESPONSE_FIELDS = ("stop_reason", "response_id", "request_id", "http_status", "model",
                     "usage_approx")
 
 
-def request_body(request: ProviderRequest) -> dict[str, Any]:
+def _earlier(header: Mapping[str, Any]) -> bool:
+    """Whether a recording's header was written before a recording named the
+    request features and the cache policy: such a header names no vendor
+    (both came in together), and its requests are compared without them."""
+    return "vendor" not in header
+
+
+def request_body(request: ProviderRequest, *, earlier: bool = False) -> dict[str, Any]:
     """What identifies a request: everything sent except the time-dependent timeout
     and the container (whose expiry is the engine clock's, which a replay need
     not share). The request features and the cache policy are named only when
     set, so a recording of a request without them reads as it did before they
-    were recorded."""
+    were recorded; ``earlier``: never, as a recording begun before they were
+    recorded (`_earlier`) holds its requests."""
     body: dict[str, Any] = {
         "model": request.model,
         "max_tokens": request.max_tokens,
@@ -77,6 +89,8 @@ def request_body(request: ProviderRequest) -> dict[str, Any]:
         "tool_choice": request.tool_choice,
         "messages": list(request.messages),
     }
+    if earlier:
+        return body
     features = features_table(request.features)
     if features:
         body["features"] = features
@@ -155,12 +169,16 @@ class RecordingProvider:
         self.path = _recording_path(path)
         header = {"format": FORMAT, "version": VERSION, "provider": inner.name,
                   "vendor": inner.vendor, "genai_operation": inner.genai_operation}
+        self._earlier = False
         if append and self.path.is_file() and self.path.stat().st_size:
             recorded = _load(self.path)[0]
             if (recorded["provider"], recorded.get("vendor", recorded["provider"])) != (
                     inner.name, inner.vendor):
                 raise ConfigError("path", f"{self.path} is a recording of provider "
                                           f"{recorded['provider']!r}, not {inner.name!r}")
+            # Gone on with as it was begun, so that its replay compares every
+            # request alike.
+            self._earlier = _earlier(recorded)
             return
         try:
             self.path.write_text("", encoding="utf-8")
@@ -221,7 +239,7 @@ class RecordingProvider:
         """``request`` as recorded: what identifies it (`request_body`), its digest
         and, where it is not the default, how the inner provider bills it
         (`Provider.billing`), which the replay declares in its place."""
-        body = request_body(request)
+        body = request_body(request, earlier=self._earlier)
         entry: dict[str, Any] = {"request": body, "request_sha256": _digest(body)}
         billing = self.inner.billing(request.model, request.features)
         if billing != Billing():
@@ -270,10 +288,14 @@ class RecordingProvider:
             self._write(entry)
             raise
         except anyio.get_cancelled_exc_class():
-            # Cut by the attempt's timeout (or the run's deadline, the caller's
-            # cancellation): sent, and unanswered. Unrecorded, its replay would
-            # serve its retry's reply to it.
+            # Cut by the attempt's timeout, a deadline or the caller's
+            # cancellation: sent, and unanswered. Unrecorded, its replay would
+            # serve its retry's reply to it. A timeout's cut is written as it
+            # always was; any other names what cut it (`_Cut.by`).
             entry["cut"] = None if kept.served is None else self._fault_json(kept.served)
+            by = kept.cut_by()
+            if by != "timeout":
+                entry["cut_by"] = by
             self._write(entry)
             raise
         finally:
@@ -333,6 +355,9 @@ class ReplayProvider:
         self._name = str(header["provider"])
         # A recording made before the header named them: what the route says.
         self._vendor = str(header.get("vendor") or self._name)
+        # A recording begun before requests were recorded with their features
+        # and cache policy: each request is compared without them.
+        self._earlier = _earlier(header)
         self._operation = str(header.get("genai_operation") or genai_operation_of(self._name))
         self.strict = strict
         self.position = 0
@@ -374,7 +399,9 @@ class ReplayProvider:
         ``features``, as recorded with them, so that the replay is priced (and
         its credit hold checked, its reservations made) as the recorded run
         was; the default where none was recorded (`Provider.billing`)."""
-        return self._billings.get(_billing_key(model, features_table(features)), Billing())
+        # A recording begun without features (`_earlier`) keeps none with a billing.
+        table = {} if self._earlier else features_table(features)
+        return self._billings.get(_billing_key(model, table), Billing())
 
     def check_ready(self) -> None:
         """Always ready: a recording needs no connection."""
@@ -386,7 +413,7 @@ class ReplayProvider:
             ProviderFault: the recorded refusal of this request.
         """
         if self._refusals:
-            refusals = self._refusals.get(_digest(request_body(request)))
+            refusals = self._refusals.get(_digest(request_body(request, earlier=self._earlier)))
             if refusals:
                 raise refusals.popleft()
 
@@ -419,7 +446,8 @@ class ReplayProvider:
         if not self.strict:
             index = self._first
             self._waiting[self.entries[index]["request_sha256"]].remove(index)
-        elif waiting := self._waiting.get(_digest(body := request_body(request))):
+        elif waiting := self._waiting.get(
+                _digest(body := request_body(request, earlier=self._earlier))):
             index = waiting.popleft()
         else:
             recorded = self.entries[self._first]["request"]
@@ -441,11 +469,24 @@ class ReplayProvider:
             await hand_text(on_text, outcome.content)
         if isinstance(outcome, _Cut):
             # The recorded attempt was cut with no answer: what its stream had
-            # served goes to the attempt, which times out as the recorded one did.
+            # served goes to the attempt, which is cut as the recorded one was.
             sink = cut_sink()
             if sink is not None and outcome.served is not None:
                 sink.keep_served(outcome.served)
-            raise timed_out(request.timeout)
+            if outcome.by == "timeout":
+                raise timed_out(request.timeout)
+            if outcome.by == "deadline":
+                if anyio.current_effective_deadline() < math.inf:
+                    # The replayed run's deadline (or its caller's) cuts it
+                    # where the recorded one's did: the replay waits for it.
+                    await anyio.sleep_forever()
+                raise ReplayMismatchError(
+                    f"{self.path}: request {self._received} was cut by a deadline (the "
+                    "run's or its caller's) in the recording, and no deadline can cut it here")
+            raise ReplayMismatchError(
+                f"{self.path}: request {self._received} was cut by its caller in the "
+                "recording (the run was cancelled), which a replay cannot reproduce: the "
+                "recorded run ended there")
         if isinstance(outcome, ProviderFault):
             raise outcome
         return outcome
@@ -530,7 +571,10 @@ def _outcome(entry: Mapping[str, Any]) -> ProviderResponse | ProviderFault | _Cu
     if "fault" in entry or "refused" in entry:
         return _fault_from(entry.get("fault") or entry["refused"])
     if "cut" in entry:
-        return _Cut(None if entry["cut"] is None else _fault_from(entry["cut"]))
+        by = entry.get("cut_by", "timeout")
+        if by not in _CUT_BY:
+            raise ValueError(f"its cut_by is not one of {', '.join(_CUT_BY)}")
+        return _Cut(None if entry["cut"] is None else _fault_from(entry["cut"]), by)
     recorded = entry["response"]
     usage = recorded.get("usage")
     return ProviderResponse(
@@ -567,6 +611,10 @@ class _Cut:
 
     served: ProviderFault | None
     """What its stream had served by then, if anything."""
+    by: str = "timeout"
+    """What cut it (`ServedSink.cut_by`): ``timeout``, its own timeout (also a
+    cut recorded before cuts named what cut them); ``deadline``, its timeout
+    capped at a deadline; ``caller``, the run's cancellation."""
 
 
 class _KeptCut:
@@ -582,6 +630,11 @@ class _KeptCut:
         self.served = cut
         if self.sink is not None:
             self.sink.keep_served(cut)
+
+    def cut_by(self) -> str:
+        """What the cut is, as the attempt says (`ServedSink.cut_by`); ``caller``
+        with no attempt to ask (a send outside the engine)."""
+        return "caller" if self.sink is None else self.sink.cut_by()
 
 
 def _first_difference(recorded: Any, sent: Any, where: str = "request") -> str:
