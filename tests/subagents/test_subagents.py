@@ -142,41 +142,22 @@ async def test_a_child_ending_another_way_tells_the_parent_s_model_its_outcome(
                   if r["operation"] == "child.op") == ["incomplete", "provider_error"]
 
 
+@pytest.mark.parametrize("inner_depth", [1, 3], ids=["same", "wider-inner"])
 async def test_nesting_past_max_depth_is_an_error_result_and_sends_nothing(
-    route: Route,
+    route: Route, inner_depth: int,
 ) -> None:
-    """max_depth=1: the child may run, its own delegate (depth 2) is refused with an
-    is_error result, and no request is sent for it."""
+    """max_depth=1 on the outer delegate: the child may run, its own delegate
+    (depth 2) is refused with an is_error result, and no request is sent for
+    it; also when that inner delegate allows three levels (``wider-inner``):
+    a delegate's bound is narrowed to its ancestors', so the grandchild, 2
+    deep, is past the bound the outer call set."""
     engine, ledger = route.wire.engine(
         Reply.tool_calls(("outer", {"task": "a"})),      # parent
         Reply.tool_calls(("inner", {"task": "b"})),      # child, depth 1
         Reply.text("child gave up on nesting"),          # child
         Reply.text("all done"))                          # parent
     inner = le.agent_tool(engine, route.named("grandchild.op"), name="inner",
-                          description="Nested.", max_depth=1)
-    outer = le.agent_tool(engine, route.named("child.op"), name="outer",
-                          description="Delegates.", tools=[inner], max_depth=1)
-    result = await engine.run(route.named("parent.op"), "go", tools=[outer])
-    assert result.outcome is le.Outcome.COMPLETED and result.answer == "all done"
-    assert len(route.wire.requests) == 4
-    assert "max_depth=1" in str(route.wire.requests[2].messages[-1])
-    assert sorted(r["operation"] for r in ledger.invocations.values()) == ["child.op",
-                                                                          "parent.op"]
-
-
-async def test_an_inner_delegate_s_wider_max_depth_is_narrowed_to_its_ancestors(
-    route: Route,
-) -> None:
-    """The outer delegate allows one level (max_depth=1); the delegate its child is
-    given allows three: the grandchild would be nested 2 deep, past the bound the
-    outer call set, so it is not run and no request is sent for it."""
-    engine, ledger = route.wire.engine(
-        Reply.tool_calls(("outer", {"task": "a"})),      # parent
-        Reply.tool_calls(("inner", {"task": "b"})),      # child, depth 1
-        Reply.text("child gave up on nesting"),          # child
-        Reply.text("all done"))                          # parent
-    inner = le.agent_tool(engine, route.named("grandchild.op"), name="inner",
-                          description="Nested.", max_depth=3)
+                          description="Nested.", max_depth=inner_depth)
     outer = le.agent_tool(engine, route.named("child.op"), name="outer",
                           description="Delegates.", tools=[inner], max_depth=1)
     result = await engine.run(route.named("parent.op"), "go", tools=[outer])
