@@ -33,8 +33,11 @@ What a call's result becomes (docs/tools.md):
   hanging, so the next call opens a new one too, while calls still running on
   the old session finish there;
 * an HTTP 404 without a JSON-RPC answer (the server did not take the call),
-  or a call whose HTTP request could not connect (`_UNSENT`) ->
-  `MCPServerError` saying the call did not run (recorded ``failed``).
+  or a call whose HTTP request could not connect when no request of that
+  call got an HTTP response (`_Sent`) -> `MCPServerError` saying the call did
+  not run (recorded ``failed``); a later round of a call (the server asked for
+  input, or said it is under way) that cannot connect leaves its result not
+  known (``in_doubt``), as the server may have acted on an earlier round.
 
 A server that announces changes to its tool list (``tools.listChanged``) is
 listed again when it says they changed (one listing at a time, listings a
@@ -130,11 +133,29 @@ def _invented(error: MCPError) -> bool | None:
     return None
 
 
-_UNSENT: ContextVar[list[str] | None] = ContextVar("loopengine_mcp_unsent", default=None)
-"""Set by a call (`MCPServer._call`) to a list to which the HTTP client
-(`_Connecting`) adds why a ``tools/call`` request of that call could not be
-sent (its connection could not be made): the request never reached the
-server. The SDK sends each request from a copy of its caller's context."""
+class _Sent:
+    """What the HTTP client (`_Connecting`) saw of the ``tools/call`` requests of
+    one call (`MCPServer._call`): the SDK sends one per round of the call (a
+    server asking for input, or saying it is under way, is asked again; a call
+    refused for a stale tool listing is resent once)."""
+
+    def __init__(self) -> None:
+        self.unsent: list[str] = []
+        """Why requests could not be sent (their connection could not be made)."""
+        self.answered = False
+        """Whether a request got an HTTP response: it reached the server."""
+
+    def not_sent(self) -> bool:
+        """Whether the call never reached the server: a request could not be
+        sent and none got a response (a later round that cannot connect
+        follows one the server may have acted on)."""
+        return bool(self.unsent) and not self.answered
+
+
+_SENT: ContextVar[_Sent | None] = ContextVar("loopengine_mcp_sent", default=None)
+"""Set by a call (`MCPServer._call`) to the `_Sent` to which the HTTP client
+(`_Connecting`) adds what became of its ``tools/call`` requests. The SDK sends
+each request from a copy of its caller's context."""
 
 _RELISTEN_WAIT = 30.0
 """The longest wait, in seconds, before opening again a stream announcing a
@@ -789,15 +810,15 @@ class MCPServer(ToolSource):
         assert session.client is not None
         session.users += 1
         kept = False
-        unsent: list[str] = []
-        token = _UNSENT.set(unsent)
+        sent = _Sent()
+        token = _SENT.set(sent)
         try:
             result = await session.client.call_tool(name, arguments)
             kept = True
         except MCPError as error:
-            if error.code == mcp_types.CONNECTION_CLOSED and unsent:
+            if error.code == mcp_types.CONNECTION_CLOSED and sent.not_sent():
                 # The transport ended because this call's request could not connect.
-                raise _not_sent(unsent) from error
+                raise _not_sent(sent.unsent) from error
             if error.code == mcp_types.CONNECTION_CLOSED:
                 raise MCPServerError("the MCP server closed the connection during the call; "
                                      "the result is not known", result_unknown=True) from error
@@ -836,12 +857,12 @@ class MCPServer(ToolSource):
             raise MCPToolError(f"{name}: its result was refused: it is not a valid MCP "
                                f"tool result{where}") from error
         except Exception as error:
-            if unsent:
-                raise _not_sent(unsent) from error
+            if sent.not_sent():
+                raise _not_sent(sent.unsent) from error
             raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
                                  "the result is not known", result_unknown=True) from error
         finally:
-            _UNSENT.reset(token)
+            _SENT.reset(token)
             session.users -= 1
             if not kept:
                 # Lost, or cancelled before an answer (a hung server looks the
@@ -867,27 +888,31 @@ async def _http_transport(url: str, headers: dict[str, str]) -> AsyncIterator[An
 
 class _Connecting(httpx2.AsyncBaseTransport):
     """The HTTP client's own transport (as the client would build it), noting
-    for the call that sent it (`_UNSENT`) a ``tools/call`` request whose
-    connection could not be made: it never reached the server."""
+    for the call that sent it (`_SENT`) a ``tools/call`` request whose
+    connection could not be made (it never reached the server) and one that
+    got a response (it did)."""
 
     def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
         self._inner = inner
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        sent = _SENT.get()
         try:
-            return await self._inner.handle_async_request(request)
+            response = await self._inner.handle_async_request(request)
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as error:
-            unsent = _UNSENT.get()
-            if unsent is not None and _calls_a_tool(request):
-                unsent.append(str(error) or type(error).__name__)
+            if sent is not None and _calls_a_tool(request):
+                sent.unsent.append(str(error) or type(error).__name__)
             raise
+        if sent is not None and _calls_a_tool(request):
+            sent.answered = True
+        return response
 
     async def aclose(self) -> None:
         await self._inner.aclose()
 
 
 def _not_sent(unsent: list[str]) -> MCPServerError:
-    """The error of a call whose request could not be sent (`_UNSENT`): it failed."""
+    """The error of a call that never reached the server (`_Sent.not_sent`): it failed."""
     return MCPServerError(f"the MCP server could not be reached ({unsent[0]}); "
                           "the call was not sent")
 
