@@ -41,9 +41,11 @@ What a call's result becomes (docs/tools.md):
 
 A server that announces changes to its tool list (``tools.listChanged``) is
 listed again when it says they changed (one listing at a time, listings a
-change prompts at least a second apart); a run given the `MCPServer` itself
-(a `loopengine._tools.ToolSource`) in its ``tools`` reads them before each
-turn and each batch, so it offers and answers with the tools as they are.
+change prompts at least a second apart; after a listing fails, none for a
+wait, and readings do not wait for one until a listing succeeds); a run given
+the `MCPServer` itself (a `loopengine._tools.ToolSource`) in its ``tools``
+reads them before each turn and each batch, so it offers and answers with the
+tools as they are.
 
 One `MCPServer` serves any number of concurrent runs over one session.
 """
@@ -165,6 +167,14 @@ _RELIST_INTERVAL = 1.0
 """The least time, in seconds, from the start of one listing of a server's
 tools prompted by a change to the start of the next (`MCPServer._list_again`):
 a server announcing changes without pause is listed at most once a second."""
+
+_RETRY_LISTING = 2.0
+"""Seconds after a failed listing of a server's tools before the changes it was
+to read are listed again (`MCPServer._retry_at`), the first time: the wait
+doubles with each listing that fails in a row, up to `_RETRY_LISTING_MAX`."""
+
+_RETRY_LISTING_MAX = 60.0
+"""The longest wait, in seconds, after a failed listing before the next."""
 
 _IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 """The image media types a tool result block may carry."""
@@ -391,6 +401,11 @@ class MCPServer(ToolSource):
         fewer than `_heard`, a change waits to be listed."""
         self._listed_at = -math.inf
         """When (on the clock) the last listing prompted by a change began."""
+        self._retry_at: float | None = None
+        """When (on the clock) the tools may be listed again after the last
+        listing failed (None: it did not fail)."""
+        self._retry_wait = 0.0
+        """The wait after the last failed listing (`_RETRY_LISTING`, doubling)."""
         self._opened = 0
         """Sessions opened so far: a new one after the first lists the tools again."""
 
@@ -475,16 +490,24 @@ class MCPServer(ToolSource):
 
     async def current_tools(self) -> tuple[Tool, ...]:
         """The server's tools now: when the server said its tools changed and they
-        are being listed again (or a listing of them failed: they are listed
-        again now), waits for that (at most ``connect_timeout``; past it, or
-        when the listing fails, the tools as last listed)."""
+        are being listed again, waits for that (at most ``connect_timeout``;
+        past it, or when the listing fails, the tools as last listed).
+
+        After a listing failed, until one succeeds: the tools as last listed,
+        at once; the changes still unread are listed again by the first
+        reading once a wait has passed since the failure (`_RETRY_LISTING`,
+        doubling with each failure in a row up to `_RETRY_LISTING_MAX`, on the
+        server's clock), which does not wait for that listing either."""
         # Only the changes heard of so far: a server announcing changes without
         # end must not hold a run for longer than two listings (and the wait
         # between them).
         wanted = self._heard
         session = self._session
-        if self._read < wanted and session is not None and self._tools is not None:
-            self._relist(session)  # a change whose listing failed is still unread
+        if self._retry_at is not None:
+            if self._read < wanted and session is not None and self._tools is not None \
+                    and self._clock.now() >= self._retry_at:
+                self._relist(session)  # a change whose listing failed is still unread
+            return self.tools
         with self._clock.cancel_scope(self.connect_timeout):
             while self._read < wanted and self._listing is not None:
                 await self._listing.wait()
@@ -561,6 +584,7 @@ class MCPServer(ToolSource):
         assert self._group is not None
         session = _Session()
         self._session = session
+        self._retry_at, self._retry_wait = None, 0.0  # a new session lists at once
         self._sessions.add(session)
         self._group.start_soon(self._hold, session)
         return session
@@ -693,11 +717,15 @@ class MCPServer(ToolSource):
         """List the tools again while a change waits to be read, each listing at
         least `_RELIST_INTERVAL` after the last began (the changes heard of
         meanwhile are all read by the next); a listing that fails keeps the
-        tools as they were and leaves the changes unread, for the next reading
-        of the tools (`current_tools`), change or session to list again."""
+        tools as they were and leaves the changes unread, for the next change
+        (listed once `_retry_at` has passed), session or reading of the tools
+        (`current_tools`, once `_retry_at` has passed) to list again."""
         try:
             while self._read < self._heard and session is self._session:
-                wait = self._listed_at + _RELIST_INTERVAL - self._clock.now()
+                # After a failed listing, none before its wait has passed.
+                wait = max(self._listed_at + _RELIST_INTERVAL,
+                           -math.inf if self._retry_at is None else self._retry_at) \
+                    - self._clock.now()
                 if wait > 0:
                     await self._clock.sleep(wait)
                     continue  # the session may have been replaced meanwhile
@@ -708,10 +736,16 @@ class MCPServer(ToolSource):
                     with self._listing_bounded():
                         listed = await _list_tools(session.client)
                 except Exception as error:
+                    self._retry_wait = min(max(2 * self._retry_wait, _RETRY_LISTING),
+                                           _RETRY_LISTING_MAX)
+                    self._retry_at = self._clock.now() + self._retry_wait
                     logger.warning("MCP server %s: its tools changed, but listing them "
                                    "again failed (%s); they stay as they were until a "
-                                   "listing succeeds", self.label, _describe(error))
+                                   "listing succeeds (tried again in %gs at the "
+                                   "earliest)", self.label, _describe(error),
+                                   self._retry_wait)
                     return  # unread still: waiters go on with the tools as they were
+                self._retry_at, self._retry_wait = None, 0.0
                 if self._group is not None:
                     before = [t.definition for t in self._tools or ()]
                     self._tools = self._build_tools(listed, strict=False)
