@@ -33,14 +33,19 @@ What a call's result becomes (docs/tools.md):
   hanging, so the next call opens a new one too, while calls still running on
   the old session finish there;
 * an HTTP 404 without a JSON-RPC answer (the server did not take the call),
-  or a call whose HTTP request could not connect (`_UNSENT`) ->
-  `MCPServerError` saying the call did not run (recorded ``failed``).
+  or a call whose HTTP request could not connect when no request of that
+  call got an HTTP response (`_Sent`) -> `MCPServerError` saying the call did
+  not run (recorded ``failed``); a later round of a call (the server asked for
+  input, or said it is under way) that cannot connect leaves its result not
+  known (``in_doubt``), as the server may have acted on an earlier round.
 
 A server that announces changes to its tool list (``tools.listChanged``) is
 listed again when it says they changed (one listing at a time, listings a
-change prompts at least a second apart); a run given the `MCPServer` itself
-(a `loopengine._tools.ToolSource`) in its ``tools`` reads them before each
-turn and each batch, so it offers and answers with the tools as they are.
+change prompts at least a second apart; after a listing fails, none for a
+wait, and readings do not wait for one until a listing succeeds); a run given
+the `MCPServer` itself (a `loopengine._tools.ToolSource`) in its ``tools``
+reads them before each turn and each batch, so it offers and answers with the
+tools as they are.
 
 One `MCPServer` serves any number of concurrent runs over one session.
 """
@@ -130,11 +135,29 @@ def _invented(error: MCPError) -> bool | None:
     return None
 
 
-_UNSENT: ContextVar[list[str] | None] = ContextVar("loopengine_mcp_unsent", default=None)
-"""Set by a call (`MCPServer._call`) to a list to which the HTTP client
-(`_Connecting`) adds why a ``tools/call`` request of that call could not be
-sent (its connection could not be made): the request never reached the
-server. The SDK sends each request from a copy of its caller's context."""
+class _Sent:
+    """What the HTTP client (`_Connecting`) saw of the ``tools/call`` requests of
+    one call (`MCPServer._call`): the SDK sends one per round of the call (a
+    server asking for input, or saying it is under way, is asked again; a call
+    refused for a stale tool listing is resent once)."""
+
+    def __init__(self) -> None:
+        self.unsent: list[str] = []
+        """Why requests could not be sent (their connection could not be made)."""
+        self.answered = False
+        """Whether a request got an HTTP response: it reached the server."""
+
+    def not_sent(self) -> bool:
+        """Whether the call never reached the server: a request could not be
+        sent and none got a response (a later round that cannot connect
+        follows one the server may have acted on)."""
+        return bool(self.unsent) and not self.answered
+
+
+_SENT: ContextVar[_Sent | None] = ContextVar("loopengine_mcp_sent", default=None)
+"""Set by a call (`MCPServer._call`) to the `_Sent` to which the HTTP client
+(`_Connecting`) adds what became of its ``tools/call`` requests. The SDK sends
+each request from a copy of its caller's context."""
 
 _RELISTEN_WAIT = 30.0
 """The longest wait, in seconds, before opening again a stream announcing a
@@ -144,6 +167,14 @@ _RELIST_INTERVAL = 1.0
 """The least time, in seconds, from the start of one listing of a server's
 tools prompted by a change to the start of the next (`MCPServer._list_again`):
 a server announcing changes without pause is listed at most once a second."""
+
+_RETRY_LISTING = 2.0
+"""Seconds after a failed listing of a server's tools before the changes it was
+to read are listed again (`MCPServer._retry_at`), the first time: the wait
+doubles with each listing that fails in a row, up to `_RETRY_LISTING_MAX`."""
+
+_RETRY_LISTING_MAX = 60.0
+"""The longest wait, in seconds, after a failed listing before the next."""
 
 _IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 """The image media types a tool result block may carry."""
@@ -370,6 +401,11 @@ class MCPServer(ToolSource):
         fewer than `_heard`, a change waits to be listed."""
         self._listed_at = -math.inf
         """When (on the clock) the last listing prompted by a change began."""
+        self._retry_at: float | None = None
+        """When (on the clock) the tools may be listed again after the last
+        listing failed (None: it did not fail)."""
+        self._retry_wait = 0.0
+        """The wait after the last failed listing (`_RETRY_LISTING`, doubling)."""
         self._opened = 0
         """Sessions opened so far: a new one after the first lists the tools again."""
 
@@ -454,16 +490,24 @@ class MCPServer(ToolSource):
 
     async def current_tools(self) -> tuple[Tool, ...]:
         """The server's tools now: when the server said its tools changed and they
-        are being listed again (or a listing of them failed: they are listed
-        again now), waits for that (at most ``connect_timeout``; past it, or
-        when the listing fails, the tools as last listed)."""
+        are being listed again, waits for that (at most ``connect_timeout``;
+        past it, or when the listing fails, the tools as last listed).
+
+        After a listing failed, until one succeeds: the tools as last listed,
+        at once; the changes still unread are listed again by the first
+        reading once a wait has passed since the failure (`_RETRY_LISTING`,
+        doubling with each failure in a row up to `_RETRY_LISTING_MAX`, on the
+        server's clock), which does not wait for that listing either."""
         # Only the changes heard of so far: a server announcing changes without
         # end must not hold a run for longer than two listings (and the wait
         # between them).
         wanted = self._heard
         session = self._session
-        if self._read < wanted and session is not None and self._tools is not None:
-            self._relist(session)  # a change whose listing failed is still unread
+        if self._retry_at is not None:
+            if self._read < wanted and session is not None and self._tools is not None \
+                    and self._clock.now() >= self._retry_at:
+                self._relist(session)  # a change whose listing failed is still unread
+            return self.tools
         with self._clock.cancel_scope(self.connect_timeout):
             while self._read < wanted and self._listing is not None:
                 await self._listing.wait()
@@ -540,6 +584,7 @@ class MCPServer(ToolSource):
         assert self._group is not None
         session = _Session()
         self._session = session
+        self._retry_at, self._retry_wait = None, 0.0  # a new session lists at once
         self._sessions.add(session)
         self._group.start_soon(self._hold, session)
         return session
@@ -672,11 +717,15 @@ class MCPServer(ToolSource):
         """List the tools again while a change waits to be read, each listing at
         least `_RELIST_INTERVAL` after the last began (the changes heard of
         meanwhile are all read by the next); a listing that fails keeps the
-        tools as they were and leaves the changes unread, for the next reading
-        of the tools (`current_tools`), change or session to list again."""
+        tools as they were and leaves the changes unread, for the next change
+        (listed once `_retry_at` has passed), session or reading of the tools
+        (`current_tools`, once `_retry_at` has passed) to list again."""
         try:
             while self._read < self._heard and session is self._session:
-                wait = self._listed_at + _RELIST_INTERVAL - self._clock.now()
+                # After a failed listing, none before its wait has passed.
+                wait = max(self._listed_at + _RELIST_INTERVAL,
+                           -math.inf if self._retry_at is None else self._retry_at) \
+                    - self._clock.now()
                 if wait > 0:
                     await self._clock.sleep(wait)
                     continue  # the session may have been replaced meanwhile
@@ -687,10 +736,16 @@ class MCPServer(ToolSource):
                     with self._listing_bounded():
                         listed = await _list_tools(session.client)
                 except Exception as error:
+                    self._retry_wait = min(max(2 * self._retry_wait, _RETRY_LISTING),
+                                           _RETRY_LISTING_MAX)
+                    self._retry_at = self._clock.now() + self._retry_wait
                     logger.warning("MCP server %s: its tools changed, but listing them "
                                    "again failed (%s); they stay as they were until a "
-                                   "listing succeeds", self.label, _describe(error))
+                                   "listing succeeds (tried again in %gs at the "
+                                   "earliest)", self.label, _describe(error),
+                                   self._retry_wait)
                     return  # unread still: waiters go on with the tools as they were
+                self._retry_at, self._retry_wait = None, 0.0
                 if self._group is not None:
                     before = [t.definition for t in self._tools or ()]
                     self._tools = self._build_tools(listed, strict=False)
@@ -789,15 +844,15 @@ class MCPServer(ToolSource):
         assert session.client is not None
         session.users += 1
         kept = False
-        unsent: list[str] = []
-        token = _UNSENT.set(unsent)
+        sent = _Sent()
+        token = _SENT.set(sent)
         try:
             result = await session.client.call_tool(name, arguments)
             kept = True
         except MCPError as error:
-            if error.code == mcp_types.CONNECTION_CLOSED and unsent:
+            if error.code == mcp_types.CONNECTION_CLOSED and sent.not_sent():
                 # The transport ended because this call's request could not connect.
-                raise _not_sent(unsent) from error
+                raise _not_sent(sent.unsent) from error
             if error.code == mcp_types.CONNECTION_CLOSED:
                 raise MCPServerError("the MCP server closed the connection during the call; "
                                      "the result is not known", result_unknown=True) from error
@@ -836,12 +891,12 @@ class MCPServer(ToolSource):
             raise MCPToolError(f"{name}: its result was refused: it is not a valid MCP "
                                f"tool result{where}") from error
         except Exception as error:
-            if unsent:
-                raise _not_sent(unsent) from error
+            if sent.not_sent():
+                raise _not_sent(sent.unsent) from error
             raise MCPServerError(f"the MCP server failed during the call ({_describe(error)}); "
                                  "the result is not known", result_unknown=True) from error
         finally:
-            _UNSENT.reset(token)
+            _SENT.reset(token)
             session.users -= 1
             if not kept:
                 # Lost, or cancelled before an answer (a hung server looks the
@@ -867,27 +922,31 @@ async def _http_transport(url: str, headers: dict[str, str]) -> AsyncIterator[An
 
 class _Connecting(httpx2.AsyncBaseTransport):
     """The HTTP client's own transport (as the client would build it), noting
-    for the call that sent it (`_UNSENT`) a ``tools/call`` request whose
-    connection could not be made: it never reached the server."""
+    for the call that sent it (`_SENT`) a ``tools/call`` request whose
+    connection could not be made (it never reached the server) and one that
+    got a response (it did)."""
 
     def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
         self._inner = inner
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        sent = _SENT.get()
         try:
-            return await self._inner.handle_async_request(request)
+            response = await self._inner.handle_async_request(request)
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as error:
-            unsent = _UNSENT.get()
-            if unsent is not None and _calls_a_tool(request):
-                unsent.append(str(error) or type(error).__name__)
+            if sent is not None and _calls_a_tool(request):
+                sent.unsent.append(str(error) or type(error).__name__)
             raise
+        if sent is not None and _calls_a_tool(request):
+            sent.answered = True
+        return response
 
     async def aclose(self) -> None:
         await self._inner.aclose()
 
 
 def _not_sent(unsent: list[str]) -> MCPServerError:
-    """The error of a call whose request could not be sent (`_UNSENT`): it failed."""
+    """The error of a call that never reached the server (`_Sent.not_sent`): it failed."""
     return MCPServerError(f"the MCP server could not be reached ({unsent[0]}); "
                           "the call was not sent")
 

@@ -330,7 +330,28 @@ def _gateway(app: Any) -> Any:
     return gateway
 
 
+http_server: uvicorn.Server | None = None
+"""The HTTP server serving this process (``http`` mode), for ``vanish``."""
+
+
+@server.tool()
+async def vanish(ctx: Context) -> str | mcp_types.InputRequiredResult:
+    """Ask for the call again later ("input required", with only a state), having
+    first stopped taking connections (over HTTP: no new ones are accepted, idle
+    ones are closed, this one closes after its answer), so that the next round
+    cannot connect; a round that reaches it anyway answers "asked again"."""
+    if ctx.request_state is not None:
+        return "asked again"
+    if http_server is not None:
+        for listening in http_server.servers:
+            listening.close()
+        for connection in list(http_server.server_state.connections):
+            connection.shutdown()
+    return mcp_types.InputRequiredResult(request_state="asked")
+
+
 def serve_http(port: int) -> None:
+    global http_server
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # A restarted server takes the port back at once (tests/mcp's reconnection).
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -338,7 +359,8 @@ def serve_http(port: int) -> None:
     listener.listen(512)
     print(listener.getsockname()[1], flush=True)
     config = uvicorn.Config(_gateway(server.streamable_http_app()), log_level="warning")
-    anyio.run(lambda: uvicorn.Server(config).serve(sockets=[listener]))
+    http_server = served = uvicorn.Server(config)
+    anyio.run(lambda: served.serve(sockets=[listener]))
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import loopengine as le
-from loopengine.mcp import MCPServer
+from loopengine.mcp import _RETRY_LISTING, MCPServer
 from loopengine.testing import FakeClock, Reply
 
 from ..adapter.conftest import Harness, tool_results
@@ -224,27 +225,33 @@ async def test_a_server_started_again_is_listed_again(
     assert content_text(answer) == "reborn heard hi"
 
 
-async def test_a_change_whose_listing_failed_is_listed_again_by_the_next_reading(
+async def test_a_change_whose_listing_failed_is_listed_again_by_a_reading_after_a_wait(
     mode: str, request: pytest.FixtureRequest, anthropic: Harness,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The server adds ``extra`` and announces it, but the listing that change
     prompts fails: the tools stay as they were (said in the log), and the change
-    stays unread, so the next reading of the tools (a run's, before its next
-    turn) lists them again, with no further notice, and offers ``extra``."""
+    stays unread. Readings of the tools before `_RETRY_LISTING` seconds of the
+    server's clock have passed list nothing; the first after lists them again,
+    with no further notice, without waiting for it; once it is done, a run
+    offers ``extra``."""
     caplog.set_level(logging.WARNING, logger="loopengine")
     http_server = request.getfixturevalue("http_server") if mode == "http" else None
-    async with server_in(mode, http_server, allow=None) as server:
+    clock = FakeClock()
+    async with server_in(mode, http_server, allow=None, clock=clock) as server:
         assert await by_name(server)["change"].invoke({"add": "extra", "fail": 1}) == "changed"
-        # The first reading may end with the listing that failed; the second
-        # finds the change unread all the same.
+        # Waits for the listing the change prompted, if it is still under way.
         await server.current_tools()
-        after = {t.name for t in await server.current_tools()}
+        assert "extra" not in {t.name for t in await server.current_tools()}
+        assert server._listing is None  # no listing began
+        clock.advance(_RETRY_LISTING)
+        assert "extra" not in {t.name for t in await server.current_tools()}  # no wait
+        while server._listing is not None:  # the client's own state: the server cannot see it
+            await anyio.lowlevel.checkpoint()
         engine, _ = anthropic.engine(Reply.tool_calls(("extra", {"text": "hi"})),
                                      Reply.text("done"))
         result = await engine.run(operation(), "go", tools=[server])
-    assert "extra" in after
-    assert "listing them again failed" in caplog.text
+    assert caplog.text.count("listing them again failed") == 1
     assert result.outcome is le.Outcome.COMPLETED
     assert "extra" in offered(anthropic.requests[0])
     (answer,) = tool_results(anthropic.requests[1])

@@ -25,7 +25,7 @@ from mcp.shared.memory import create_client_server_memory_streams
 from mcp.shared.subscriptions import ToolsListChanged
 
 import loopengine as le
-from loopengine.mcp import MCPServer
+from loopengine.mcp import _RETRY_LISTING, MCPServer
 from loopengine.testing import FakeClock, Reply
 
 from ..adapter.conftest import Harness, tool_results
@@ -91,6 +91,8 @@ class Server(SDKServer):
         answer (a change meanwhile is not in its answer)."""
         self.held = anyio.Event()
         """Set when a listing begins to wait on `hold`."""
+        self.failing = 0
+        """How many of the next listings fail."""
         for name in ("echo", "add", "other"):
             self.add(name)
 
@@ -107,6 +109,9 @@ class Server(SDKServer):
         self.most_at_once = max(self.most_at_once, self.answering)
         try:
             await anyio.lowlevel.checkpoint()  # a second listing could begin meanwhile
+            if self.failing:
+                self.failing -= 1
+                raise RuntimeError("the tools cannot be listed now")
             tools = await super().list_tools()
             if self.hold is not None:
                 self.held.set()
@@ -457,3 +462,68 @@ async def test_r15_allow_and_settings_follow_the_tool_list_by_name(anthropic: Ha
         async with mcp:
             pass
     assert raised.value.field == "allow"
+
+
+async def test_after_a_failed_listing_readings_serve_the_last_tools_and_retry_after_a_wait(
+    anthropic: Harness,
+) -> None:
+    """The server adds ``extra`` and says so; the listing that prompts fails. A run's
+    next two turns (and the batch between them) read the tools without listing
+    them again and offer the tools as they were. Until `_RETRY_LISTING` seconds of
+    the server's clock have passed since the failure, a reading lists nothing;
+    then the first reading lists again without waiting for that listing (which
+    the server holds unanswered), and once it is answered the tools have
+    ``extra``. A second failure in a row doubles the wait."""
+    async with held() as (server, sdk, clock, watch):
+        base = sdk.lists
+        sdk.failing = 1
+        sdk.add("extra")
+        await sdk.changed()
+        await listed(sdk, base)
+        # Waits for the listing the change prompted (it fails): the tools as they were.
+        assert "extra" not in {t.name for t in await server.current_tools()}
+        clock.advance(1.0)  # past the least time between listings, not past the wait
+        engine, _ = anthropic.engine(Reply.tool_calls(("echo", {"text": "a"})),
+                                     Reply.text("done"))
+        result = await engine.run(operation(), "go", tools=[server])
+        assert result.outcome is le.Outcome.COMPLETED
+        assert "extra" not in offered(anthropic.requests[0])
+        assert "extra" not in offered(anthropic.requests[1])
+        assert sdk.lists == base + 1  # no listing during the run
+
+        clock.advance(_RETRY_LISTING - 1.5)
+        assert "extra" not in {t.name for t in await server.current_tools()}
+        assert sdk.lists == base + 1  # the wait has not passed
+        clock.advance(0.5)
+        release = sdk.hold = anyio.Event()
+        assert "extra" not in {t.name for t in await server.current_tools()}  # no wait
+        await sdk.held.wait()  # the reading's listing reached the server
+        sdk.hold = None
+        release.set()
+        while server._listing is not None:  # the client's own state: the server cannot see it
+            await anyio.lowlevel.checkpoint()
+        assert "extra" in {t.name for t in await server.current_tools()}
+        assert sdk.lists == base + 2
+
+        # Two failures in a row: the second waits twice as long.
+        sdk.failing = 2
+        sdk.add("more")
+        clock.advance(1.0)
+        await sdk.changed()
+        await listed(sdk, base + 2)
+        await server.current_tools()  # waits for the listing the change prompted
+        clock.advance(_RETRY_LISTING)
+        await server.current_tools()  # lists again: fails
+        await listed(sdk, base + 3)
+        while server._listing is not None:
+            await anyio.lowlevel.checkpoint()
+        clock.advance(2 * _RETRY_LISTING - 0.5)
+        assert "more" not in {t.name for t in await server.current_tools()}
+        assert sdk.lists == base + 4
+        clock.advance(0.5)
+        await server.current_tools()
+        await listed(sdk, base + 4)
+        while server._listing is not None:
+            await anyio.lowlevel.checkpoint()
+        assert "more" in {t.name for t in await server.current_tools()}
+        assert sdk.lists == base + 5

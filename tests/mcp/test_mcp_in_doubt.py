@@ -222,3 +222,29 @@ async def test_a_call_the_server_was_still_working_on_when_the_sdk_stopped_askin
     assert list(statuses.values()) == ["in_doubt"]
     assert audited_in_doubt(path) == [("working", "in_doubt")]
     assert before == after and "opening a new session" not in caplog.text
+
+
+async def test_a_call_whose_later_round_could_not_connect_after_one_reached_the_server_is_in_doubt(
+        http_server: HttpServer, anthropic: Harness, tmp_path: Path) -> None:
+    """Over HTTP (2026 protocol), ``vanish`` answers its first round "input
+    required" (ask again later), after making its server take no more
+    connections: the SDK's next round of the call cannot connect. The first
+    round reached the server, which may have acted on it, so the call is not
+    one that was never sent: the model is told the result is not known, and
+    the call is ``in_doubt`` (listed by the audit), not ``failed``."""
+    path = tmp_path / "ledger.db"
+    with SQLiteLedger(path) as ledger:
+        store = le.RunStore(ledger)
+        async with MCPServer.http(http_server.url, allow={"vanish"}) as server:
+            engine, _ = anthropic.engine(
+                Reply.tool_calls(("vanish", {})), Reply.text("done"),
+                ledger=ledger, run_store=store)
+            result = await engine.run(operation(total_time=60), "go", tools=server.tools)
+        statuses = await store.tool_calls(result.invocation_id)
+    assert result.outcome is le.Outcome.COMPLETED
+    (lost,) = tool_results(anthropic.requests[1])
+    assert lost["is_error"] is True
+    assert "the call was not sent" not in content_text(lost)
+    assert content_text(lost).endswith("the result is not known")
+    assert list(statuses.values()) == ["in_doubt"]
+    assert audited_in_doubt(path) == [("vanish", "in_doubt")]
