@@ -736,6 +736,10 @@ class MCPServer(ToolSource):
                     with self._listing_bounded():
                         listed = await _list_tools(session.client)
                 except Exception as error:
+                    if session is not self._session:
+                        # The session died under its listing: the new one lists
+                        # at once (below), with no wait for this failure.
+                        continue
                     self._retry_wait = min(max(2 * self._retry_wait, _RETRY_LISTING),
                                            _RETRY_LISTING_MAX)
                     self._retry_at = self._clock.now() + self._retry_wait
@@ -937,7 +941,10 @@ class _Connecting(httpx2.AsyncBaseTransport):
             if sent is not None and _calls_a_tool(request):
                 sent.unsent.append(str(error) or type(error).__name__)
             raise
-        if sent is not None and _calls_a_tool(request):
+        if sent is not None and _calls_a_tool(request) and 200 <= response.status_code < 300:
+            # Taken: a refusal (a 400 for a header mismatch, which the SDK sends
+            # again) ran nothing; an error after the server acted comes in a
+            # 2xx body (JSON-RPC) or as an error status the call reads as in doubt.
             sent.answered = True
         return response
 
