@@ -197,11 +197,13 @@ async def attempt(
     response: ProviderResponse | None = None
     fault: ProviderFault | None = None
     flight.started = inv.clock.now()
-    flight.clock, flight.ends, flight.capped = inv.clock, now + timeout, capped
+    flight.clock = inv.clock
     # The attempt's time runs from its start: what its row's write took is spent,
     # not what its observers took (a slow observer slows the run, and only the
     # run's deadline counts it: it never turns a reply in time into a timeout).
     left = max(0.0, timeout - (flight.started - now - observed))
+    flight.ends = flight.started + left
+    flight.deadline = min(inv.deadline.at, inv.clock.effective_deadline())
     flight.sent = True
     # A stream the cancellations below cut reports what it had served, which the
     # settle keeps (the server may bill it).
@@ -242,7 +244,8 @@ async def attempt(
     if flight.callback_error is not None:
         await _callback_failed(inv, flight, response=response, fault=fault)
     # A timeout cut short by the run's deadline is the deadline's doing.
-    cut = fault is not None and fault.kind is FaultKind.TIMEOUT and capped
+    cut = fault is not None and fault.kind is FaultKind.TIMEOUT and (capped or flight.deadline_cut)
+    inv.deadline_cut = inv.deadline_cut or flight.deadline_cut
     # Nothing acts on a reply before its settle is durable (docs/ledger.md): a
     # deadline that passes while it is written ends the run instead.
     fault = await settle(inv, flight, response, fault, external=False, cut_by_deadline=cut)

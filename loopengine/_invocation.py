@@ -76,9 +76,13 @@ class InFlight:
     clock: Clock | None = None
     """The engine's clock, once the request is sent."""
     ends: float = math.inf
-    """When its timeout elapses, on ``clock``."""
-    capped: bool = False
-    """Whether that timeout was capped at a deadline (the run's or its caller's)."""
+    """When its own timeout elapses, on ``clock``."""
+    deadline: float = math.inf
+    """When the earliest deadline around it (the run's, or its caller's) passes,
+    on ``clock``."""
+    deadline_cut: bool = False
+    """Whether a replay of a recorded attempt the deadline cut said so
+    (`cut_at_deadline`): its timeout is the deadline's doing, as a capped one is."""
 
     def keep_served(self, cut: ProviderFault) -> None:
         """Keep what the stream had served when a cancellation cut it."""
@@ -86,11 +90,15 @@ class InFlight:
 
     def cut_by(self) -> str:
         """What a cancellation cutting the attempt now is (`ServedSink.cut_by`)."""
-        # A microsecond's leeway: a capped timeout is the deadline less the
-        # attempt's start, which added back may differ from it in the last bit.
-        if self.clock is None or self.clock.now() < self.ends - 1e-6:
-            return "caller"
-        return "deadline" if self.capped else "timeout"
+        # A microsecond's leeway: the times are sums of floats on the same clock.
+        now = math.inf if self.clock is None else self.clock.now() + 1e-6
+        if now >= self.deadline:
+            return "deadline"
+        return "timeout" if now >= self.ends else "caller"
+
+    def cut_at_deadline(self) -> None:
+        """Take the timeout about to be raised as the deadline's (`ServedSink`)."""
+        self.deadline_cut = True
 
 
 _NOBODY = Attribution()
@@ -120,7 +128,7 @@ class Invocation:
         "paused_seconds", "paused_turn", "pause_seal", "permit", "policy", "prices", "provider",
         "segment_token",
         "provider_cost_nanousd",
-        "lease_owner", "records", "reservation", "admitting", "rng", "run_store",
+        "lease_owner", "records", "reservation", "admitting", "deadline_cut", "rng", "run_store",
         "served_by", "started", "text_sink", "turn_attempts", "turn_charge", "turns_credits",
         "unpriced",
         "unpriced_warned", "usage", "usage_complete", "vendor", "genai_operation", "geo",
@@ -222,6 +230,10 @@ class Invocation:
         self.account = account
         self.reservation: Reservation | None = None
         self.admitting = False
+        self.deadline_cut = False
+        """A replayed attempt was cut by the run's deadline, as recorded
+        (`InFlight.cut_at_deadline`): no time remains for another request,
+        whatever the replay's clock says."""
         """Its admission asked its account for a reservation and the run stopped
         waiting for the answer (a cancellation, its deadline): its end settles
         whatever reservation of it landed (`settle_account`)."""
@@ -344,7 +356,7 @@ class Invocation:
         # state is built for the check rather than kept for the whole run.
         return check_before_attempt(
             ConversationState(turns=0, tool_calls=0, credits=0, deadline=self.deadline),
-            self.limits, self.clock.now())
+            self.limits, self.deadline.at if self.deadline_cut else self.clock.now())
 
     def attempts_in_turn(self, turn: int) -> int:
         """Attempts dispatched for ``turn`` so far."""

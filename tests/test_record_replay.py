@@ -373,13 +373,21 @@ def test_an_attempt_its_timeout_cut_replays_as_a_timeout(tmp_path: Path) -> None
     assert "cut_by" not in json.loads(path.read_text().splitlines()[1])
 
 
-def test_an_attempt_the_runs_deadline_cut_replays_cut_by_that_deadline(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("limits", "attempts"), [
+    ({"total_time": 5.0}, 1),
+    ({"total_time": 100.0, "attempt_timeout": 60.0}, 2),
+    ({"total_time": 60.0, "attempt_timeout": 60.0}, 1),
+], ids=["capped", "after-a-timeout", "both-at-once"])
+def test_an_attempt_the_runs_deadline_cut_replays_cut_by_that_deadline(
+        tmp_path: Path, limits: dict[str, float], attempts: int) -> None:
     """A run whose deadline cut its attempt ended ``time_limit``; the cut was
     recorded as any cut and replayed as the attempt's timeout, so the replayed
-    run retried, and failed with "request 2 was not recorded". It is recorded
-    as the deadline's, and its replay waits for the replayed run's deadline,
-    which cuts it where the recorded one's did. On trio's MockClock: the
-    deadline passes in no real time."""
+    run retried, and failed with "request N was not recorded". It is recorded
+    as the deadline's (also when the attempt's own timeout would have passed
+    at the same instant), and replayed as a cut by the deadline at once: a
+    replay is quicker than its recording (an earlier attempt its timeout cut
+    replays with no wait), so the replayed clock is not at the deadline yet.
+    On trio's MockClock: the deadline passes in no real time."""
     path = tmp_path / "run.jsonl"
     ledgers = MemoryLedger(), MemoryLedger()
 
@@ -387,16 +395,23 @@ def test_an_attempt_the_runs_deadline_cut_replays_cut_by_that_deadline(tmp_path:
         providers: list[Callable[[], Provider]] = [
             lambda: RecordingProvider(Silent(), path), lambda: ReplayProvider(path)]
         return [await le.Engine(provider(), ledger=ledger, prices=PRICES).run(
-                    operation(total_time=5.0), "go")
+                    operation(**limits), "go")
                 for provider, ledger in zip(providers, ledgers, strict=True)]
 
     (recorded, replayed), took = on_mock_clock(runs)
-    assert json.loads(path.read_text().splitlines()[1])["cut_by"] == "deadline"
-    assert recorded.outcome is le.Outcome.TIME_LIMIT and recorded.attempts.count == 1
+    cuts = [json.loads(line).get("cut_by") for line in path.read_text().splitlines()[1:]]
+    assert cuts == [None] * (attempts - 1) + ["deadline"]
+    assert recorded.outcome is le.Outcome.TIME_LIMIT and recorded.attempts.count == attempts
     assert (replayed.outcome, replayed.attempts) == (recorded.outcome, recorded.attempts)
-    assert took == pytest.approx(10.0)  # each run waited its own deadline
+    # The recorded run's wait, and no more than a retry's back-off of the replay's.
+    assert limits["total_time"] <= took < limits["total_time"] + 1
     rows = [attempt_rows(ledger) for ledger in ledgers]
-    assert rows[1] == rows[0] and rows[0][0]["aborted_reason"] == "deadline"
+    for row in (*rows[0], *rows[1]):
+        # Times: the recorded attempts waited, a replay does not (its clock is
+        # earlier, so its timeouts are not capped alike), and back-offs jitter.
+        for key in ("latency_ms", "timeout_ms", "wait_ms"):
+            del row[key]
+    assert rows[1] == rows[0] and rows[0][-1]["aborted_reason"] == "deadline"
 
 
 def test_an_attempt_its_caller_cut_replays_as_an_error_saying_so(tmp_path: Path) -> None:

@@ -71,6 +71,12 @@ class ServedSink(Protocol):
         ``caller``, anything else (the caller cancelled the run)."""
         ...
 
+    def cut_at_deadline(self) -> None:
+        """Take the timeout the provider is about to raise as a cut by the run's
+        deadline (a replay of an attempt the deadline cut, whose replayed clock
+        has not reached it): the run ends on its time limit, as recorded."""
+        ...
+
 
 _watching: dict[int, ServedSink] = {}
 """The attempt in flight of each task sending a request, by anyio task id: a

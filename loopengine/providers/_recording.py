@@ -22,7 +22,6 @@ import collections
 import dataclasses
 import hashlib
 import json
-import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -476,10 +475,12 @@ class ReplayProvider:
             if outcome.by == "timeout":
                 raise timed_out(request.timeout)
             if outcome.by == "deadline":
-                if anyio.current_effective_deadline() < math.inf:
-                    # The replayed run's deadline (or its caller's) cuts it
-                    # where the recorded one's did: the replay waits for it.
-                    await anyio.sleep_forever()
+                if sink is not None:
+                    # A replay is quicker than its recording: the attempt is
+                    # told the deadline cut it, as the recorded one was, and
+                    # the run ends on its time limit whatever the clock says.
+                    sink.cut_at_deadline()
+                    raise timed_out(request.timeout)
                 raise ReplayMismatchError(
                     f"{self.path}: request {self._received} was cut by a deadline (the "
                     "run's or its caller's) in the recording, and no deadline can cut it here")
@@ -635,6 +636,11 @@ class _KeptCut:
         """What the cut is, as the attempt says (`ServedSink.cut_by`); ``caller``
         with no attempt to ask (a send outside the engine)."""
         return "caller" if self.sink is None else self.sink.cut_by()
+
+    def cut_at_deadline(self) -> None:
+        """Pass on to the attempt that the deadline cut it (`ServedSink`)."""
+        if self.sink is not None:
+            self.sink.cut_at_deadline()
 
 
 def _first_difference(recorded: Any, sent: Any, where: str = "request") -> str:
