@@ -127,7 +127,7 @@ async def test_r08_a_batch_cut_by_the_callers_cancellation_uses_its_tool_budget(
 
 
 @pytest.mark.parametrize("cut", ["the caller", "the deadline"])
-def test_a_handler_that_makes_an_error_of_the_runs_cancellation_is_cut_in_doubt(
+def test_r04_a_handler_that_makes_an_error_of_the_runs_cancellation_is_cut_in_doubt(
         cut: str) -> None:
     """A handler that catches the run's cancellation (its caller's, or its
     deadline's) and raises an error of its own: its call was cut all the

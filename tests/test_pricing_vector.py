@@ -319,7 +319,7 @@ SONNET_LONG_IN, SONNET_LONG_OUT = Decimal(6), Decimal("22.5")
     ((), SONNET_IN, SONNET_OUT),
     (("context-1m-2025-08-07",), SONNET_LONG_IN, SONNET_LONG_OUT),
 ])
-def test_a_search_loop_past_200k_is_billed_long_context_rates_only_with_the_1m_window(
+def test_r07_a_search_loop_past_200k_is_billed_long_context_rates_only_with_the_1m_window(
         betas: tuple[str, ...], rate_in: Decimal, rate_out: Decimal, tmp_path: Path) -> None:
     """A streamed web search loop of Claude Sonnet 4.5, as the API reports it: its
     ``message_delta`` adds up every sampling pass (482,529 input tokens, 5

@@ -378,7 +378,7 @@ def test_an_attempt_its_timeout_cut_replays_as_a_timeout(tmp_path: Path) -> None
     ({"total_time": 100.0, "attempt_timeout": 60.0}, 2),
     ({"total_time": 60.0, "attempt_timeout": 60.0}, 1),
 ], ids=["capped", "after-a-timeout", "both-at-once"])
-def test_an_attempt_the_runs_deadline_cut_replays_cut_by_that_deadline(
+def test_r04_an_attempt_the_runs_deadline_cut_replays_cut_by_that_deadline(
         tmp_path: Path, limits: dict[str, float], attempts: int) -> None:
     """A run whose deadline cut its attempt ended ``time_limit``; the cut was
     recorded as any cut and replayed as the attempt's timeout, so the replayed

@@ -35,6 +35,7 @@ from loopengine._errors import ConfigError, LoopEngineError, ReplayMismatchError
 from loopengine._features import Features, features_table
 from loopengine._usage import Usage, usage_from_json, usage_json
 from loopengine.providers._base import (
+    DEFAULT_BILLING,
     FEATURES,
     NEW_CALL_ID,
     Billing,
@@ -241,7 +242,7 @@ class RecordingProvider:
         body = request_body(request, earlier=self._earlier)
         entry: dict[str, Any] = {"request": body, "request_sha256": _digest(body)}
         billing = self.inner.billing(request.model, request.features)
-        if billing != Billing():
+        if billing != DEFAULT_BILLING:
             entry["billing"] = _validate.field_values(billing)
         return entry
 
@@ -337,7 +338,7 @@ class ReplayProvider:
         # where that was not the default (`Provider.billing`), the first recorded.
         self._billings: dict[str, Billing] = {}
         for entry, billing in zip(entries, billings, strict=True):
-            if billing != Billing():
+            if billing != DEFAULT_BILLING:
                 request = entry["request"]
                 self._billings.setdefault(
                     _billing_key(request.get("model"), request.get("features", {})), billing)
@@ -400,7 +401,7 @@ class ReplayProvider:
         was; the default where none was recorded (`Provider.billing`)."""
         # A recording begun without features (`_earlier`) keeps none with a billing.
         table = {} if self._earlier else features_table(features)
-        return self._billings.get(_billing_key(model, table), Billing())
+        return self._billings.get(_billing_key(model, table), DEFAULT_BILLING)
 
     def check_ready(self) -> None:
         """Always ready: a recording needs no connection."""

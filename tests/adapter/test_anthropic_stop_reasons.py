@@ -46,7 +46,8 @@ async def test_r05_an_unread_stop_reason_is_a_server_error_retried(
 
 
 @STREAMING
-async def test_a_call_whose_reply_paused_continues_its_turn(wire: Harness, stream: bool) -> None:
+async def test_r11_a_call_whose_reply_paused_continues_its_turn(
+        wire: Harness, stream: bool) -> None:
     """A call's reply that paused its turn (``pause_turn``: a server tool loop
     stopped) is no answer and no wrong one: it goes back as the last message and
     the next request continues the turn (phase ``continuation``), as a run's

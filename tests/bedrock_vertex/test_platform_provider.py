@@ -129,7 +129,7 @@ async def test_a_named_route_keeps_the_vendor_in_served_by(wire: PlatformHarness
 
 
 @pytest.mark.parametrize("platform", [BEDROCK], ids=["bedrock"])
-async def test_a_model_arn_is_priced_at_the_book_entry_of_the_model_it_names(
+async def test_r07_a_model_arn_is_priced_at_the_book_entry_of_the_model_it_names(
     wire: PlatformHarness,
 ) -> None:
     """A foundation-model ARN the book does not list is priced at the book's entry

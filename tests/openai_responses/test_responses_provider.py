@@ -95,7 +95,7 @@ async def test_web_searches_are_sent_counted_and_charged_their_fee(
     ("gpt-4.1", "web_search", 10, 2, 8),
     ("gpt-5", "web_search_preview", 10, Decimal("1.25"), 10),
 ])
-async def test_a_search_of_the_preview_tool_on_a_non_reasoning_model_is_charged_25_per_k(
+async def test_r07_a_search_of_the_preview_tool_on_a_non_reasoning_model_is_charged_25_per_k(
     wire: ResponsesHarness, model: str, tool_type: str, per_k: int, rate_in: Decimal,
     rate_out: Decimal, tmp_path: Path,
 ) -> None:
